@@ -1,0 +1,319 @@
+"""The two attention sublayers: KDA (gated delta rule, 34 layers) and DSA (NoPE MLA + kpool indexer, 11 + MTP).
+
+Both run on one TP shard (local heads) and take an explicit cache plus a :class:`StepCtx` that says where the
+new tokens go:
+
+* ``mode="extend"`` (prefill, chunked continuation): T tokens of which ``valid[b]`` are real per sequence,
+  starting at ``start[b]``. KDA uses the chunked (WY) form and keeps only the final state (slot 0).
+* ``mode="verify"`` (the speculative step): all T = q tokens are real; KDA runs the per-token recurrence and
+  stores the state after every token in its slot, so that a rejection costs nothing (spec/decode.md §1.2).
+
+Either mode starts KDA from slot ``n_acc[b] − 1`` and the conv history at offset ``n_acc[b] − 1`` of the
+widened conv window; the MLA latent cache, the indexer pool cache and the tail ring are written by position,
+so tokens that a later step rejects are simply overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from glm5_jax.config import Glm5Config
+from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, Linear, RMSNorm, mm, param, rms_norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCtx:
+  """Where this call's tokens sit. Arrays are [B] int32; mode/backend are static."""
+
+  start: jax.Array  # position of the first new token (= committed length)
+  valid: jax.Array  # number of real tokens among the T of this call
+  n_acc: jax.Array  # positions of the previous verify committed (1 after a prefill)
+  mode: str = "extend"
+  backend: str = "auto"
+
+
+jax.tree_util.register_dataclass(StepCtx, data_fields=["start", "valid", "n_acc"], meta_fields=["mode", "backend"])
+
+
+def _positions(ctx: StepCtx, T):
+  pos = ctx.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+  ok = jnp.arange(T)[None] < ctx.valid[:, None]
+  return pos, ok
+
+
+def _scatter_rows(cache, rows, pos, ok):
+  """cache [B, S, ...] <- rows [B, T, ...] at pos [B, T] where ok; others dropped (out of range)."""
+  S = cache.shape[1]
+  idx = jnp.where(ok, pos, S)  # S is out of bounds: mode="drop" ignores the write
+  b = jnp.broadcast_to(jnp.arange(cache.shape[0])[:, None], idx.shape)
+  return cache.at[b, idx].set(rows.astype(cache.dtype), mode="drop")
+
+
+# ==================================================================================================== KDA
+def l2norm(x):
+  return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def kda_chunked(q, k, v, g, beta, S0, chunk=32):
+  """Chunked (WY) form of the gated delta rule; equals the per-token recurrence.
+
+  q, k [B, T, H, K] (already l2-normalised, q scaled), v [B, T, H, V], g [B, T, H, K] log-decay (≤ 0),
+  beta [B, T, H], S0 [B, H, K, V] -> (o [B, T, H, V], S_T [B, H, K, V]), all f32.
+  Within a chunk with cumulative log-decay G_t: δ = (I + M)^-1 (β ⊙ (v − (k ⊙ e^{G_t}) S0)) with
+  M_ij = β_i Σ_c k_ic k_jc e^{G_ic − G_jc} (j < i); o_t = (q_t ⊙ e^{G_t}) S0 + Σ_{j≤t} (q_t ⊙ e^{G_t − G_j})·k_j δ_j.
+  Pairwise exponents are formed only for j ≤ t, so nothing overflows however long the chunk decays.
+  """
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C = min(chunk, T)
+  n = -(-T // C)
+  pad = n * C - T
+  if pad:  # padded tokens: no decay (g = 0) and no write (β = 0) leave the state unchanged
+    zp = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+    q, k, v, g, beta = zp(q), zp(k), zp(v), zp(g), zp(beta)
+  to_chunks = lambda a: jnp.moveaxis(a.reshape(B, n, C, *a.shape[2:]), 1, 0)  # [n, B, C, ...]
+  qs, ks, vs, gs, bs = map(to_chunks, (q, k, v, g, beta))
+  lower = jnp.tril(jnp.ones((C, C), bool), -1)
+  causal = jnp.tril(jnp.ones((C, C), bool))
+
+  def step(S, xs):
+    qc, kc, vc, gc, bc = xs  # [B, C, H, *]
+    G = jnp.cumsum(gc, axis=1)  # [B, C, H, K]
+    D = G[:, :, None] - G[:, None, :]  # [B, i, j, H, K]: G_i − G_j
+    E = jnp.exp(jnp.where(causal[None, :, :, None, None], D, -jnp.inf))
+    kk = jnp.einsum("bihc,bjhc,bijhc->bhij", kc, kc, E, precision=HIGHEST)
+    M = jnp.where(lower, kk * jnp.moveaxis(bc, 1, 2)[..., None], 0.0)  # [B, H, i, j]
+    eG = jnp.exp(G)
+    rhs = jnp.moveaxis(bc, 1, 2)[..., None] * (
+        jnp.moveaxis(vc, 1, 2) - jnp.einsum("bchk,bhkv->bhcv", kc * eG, S, precision=HIGHEST))
+    A = M + jnp.eye(C, dtype=M.dtype)
+    delta = jax.scipy.linalg.solve_triangular(A, rhs, lower=True, unit_diagonal=True)  # [B, H, C, V]
+    qk = jnp.einsum("bihc,bjhc,bijhc->bhij", qc, kc, E, precision=HIGHEST)
+    o = (jnp.einsum("bchk,bhkv->bhcv", qc * eG, S, precision=HIGHEST)
+         + jnp.einsum("bhij,bhjv->bhiv", qk, delta, precision=HIGHEST))
+    last = G[:, -1]  # [B, H, K]
+    decay_to_end = jnp.exp(last[:, None] - G)  # [B, C, H, K]
+    S = (jnp.exp(last)[..., None] * S
+         + jnp.einsum("bchk,bhcv->bhkv", kc * decay_to_end, delta, precision=HIGHEST))
+    return S, jnp.moveaxis(o, 1, 2)  # o -> [B, C, H, V]
+
+  S, os_ = lax.scan(step, S0, (qs, ks, vs, gs, bs))
+  o = jnp.moveaxis(os_, 0, 1).reshape(B, n * C, H, V)[:, :T]
+  return o, S
+
+
+class KDA(nnx.Module):
+  """Kimi Delta Attention (spec §3.5), heads split over TP; f_a/g_a replicated."""
+
+  def __init__(self, cfg: Glm5Config, dtype):
+    D, H, Kd, r, Kc = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.kda_gate_rank, \
+        cfg.linear_conv_kernel_dim
+    HD = H * Kd
+    self.q_proj = Linear(D, HD, dtype, (KDA_HD, EMBED))
+    self.k_proj = Linear(D, HD, dtype, (KDA_HD, EMBED))
+    self.v_proj = Linear(D, HD, dtype, (KDA_HD, EMBED))
+    self.q_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
+    self.k_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
+    self.v_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
+    self.f_a_proj = Linear(D, r, dtype, (None, EMBED))
+    self.f_b_proj = Linear(r, HD, dtype, (KDA_HD, None))
+    self.A_log = param((H,), jnp.float32, (KDA_H,))
+    self.dt_bias = param((HD,), jnp.float32, (KDA_HD,))
+    self.b_proj = Linear(D, H, dtype, (KDA_H, EMBED))
+    self.g_a_proj = Linear(D, r, dtype, (None, EMBED))
+    self.g_b_proj = Linear(r, HD, dtype, (KDA_HD, None))
+    self.o_norm = RMSNorm(Kd, dtype, cfg.rms_norm_eps)
+    self.o_proj = Linear(HD, D, dtype, (EMBED, KDA_HD))
+    self.head_dim, self.kernel, self.lower_bound, self.eps = Kd, Kc, cfg.linear_lower_bound, cfg.rms_norm_eps
+
+  def __call__(self, x, cache, ctx: StepCtx, dtype):
+    """x [B, T, D] -> (y [B, T, D], new cache). cache: conv [B, Wc, 3C] (C local channels), ssm [B, Q, H, K, V]."""
+    B, T, _ = x.shape
+    Kd, Kc = self.head_dim, self.kernel
+    z = jnp.concatenate([self.q_proj(x, dtype), self.k_proj(x, dtype), self.v_proj(x, dtype)], -1)
+    C3 = z.shape[-1]
+    H = C3 // (3 * Kd)
+    w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], 0)[:, 0, :]  # [3C, Kc]
+    conv4 = cache["conv"]  # [B, Wc, 3, C]: q|k|v kept apart so that TP splits each of them
+    conv = conv4.reshape(*conv4.shape[:2], -1)
+    hist = jax.vmap(lambda c, o: lax.dynamic_slice_in_dim(c, o, Kc - 1, 0))(conv, ctx.n_acc - 1)
+    full = jnp.concatenate([hist.astype(jnp.float32), z.astype(jnp.float32)], axis=1)  # [B, Kc-1+T, 3C]
+    acc = sum(full[:, j:j + T] * w[:, j].astype(jnp.float32) for j in range(Kc))
+    zc = jax.nn.silu(acc).astype(dtype).astype(jnp.float32)
+    if ctx.mode == "verify":  # slide by one; the next step reads its history at offset n_acc − 1
+      new_conv = jnp.concatenate([hist, z.astype(conv.dtype)], axis=1)[:, 1:]
+    else:  # keep the last Kc−1 real inputs at offset 0 (n_acc becomes 1)
+      last = jax.vmap(lambda f, e: lax.dynamic_slice_in_dim(f, e, Kc - 1, 0))(full, ctx.valid)
+      new_conv = conv.at[:, :Kc - 1].set(last.astype(conv.dtype))
+    q, k, v = (a.reshape(B, T, H, Kd) for a in jnp.split(zc, 3, axis=-1))
+    f = self.f_b_proj(self.f_a_proj(x, dtype), dtype).astype(jnp.float32).reshape(B, T, H, Kd)
+    b = self.b_proj(x, dtype).astype(jnp.float32)
+    gate = self.g_b_proj(self.g_a_proj(x, dtype), dtype).astype(jnp.float32).reshape(B, T, H, Kd)
+    A_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, Kd)
+    ssm = cache["ssm"]
+    if ctx.mode == "verify":
+      from pallas_kernels import kda_decode as kda_ops  # noqa: PLC0415 (kernels import lazily: GPU-only deps)
+      kern = kda_ops.kda_decode if ctx.backend == "latency_specialized" else kda_ops.kda_decode_reference
+      o, new_ssm = kern(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound)
+    else:
+      gl = self.lower_bound * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (f + dt_bias))
+      ok = (jnp.arange(T)[None] < ctx.valid[:, None])[..., None]
+      gl = jnp.where(ok[..., None], gl, 0.0)
+      beta = jnp.where(ok, jax.nn.sigmoid(b), 0.0)
+      qn = l2norm(q) * (Kd ** -0.5)
+      S0 = jax.vmap(lambda s, i: s[i])(ssm, ctx.n_acc - 1)
+      o, S = kda_chunked(qn, l2norm(k), v, gl, beta, S0)
+      new_ssm = ssm.at[:, 0].set(S)
+    o = rms_norm(o, self.o_norm.weight[...].astype(jnp.float32), self.eps, jnp.float32) * jax.nn.sigmoid(gate)
+    y = lax.psum(self.o_proj(o.astype(dtype).reshape(B, T, H * Kd), dtype), TP)
+    return y, {"conv": new_conv.reshape(conv4.shape), "ssm": new_ssm}
+
+
+# ==================================================================================================== DSA
+class Indexer(nnx.Module):
+  """The kpool-4 pooled indexer (spec §3.6.3); replicated on every TP rank."""
+
+  def __init__(self, cfg: Glm5Config, dtype):
+    D, HI, Di = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
+    self.wq_b = Linear(cfg.q_lora_rank, HI * Di, dtype, (None, None))
+    self.wk = Linear(D, Di, dtype, (None, EMBED))
+    self.weights_proj = Linear(D, HI, dtype, (None, EMBED))
+    self.k_norm_weight = param((Di,), dtype, (None,))
+    self.k_norm_bias = param((Di,), dtype, (None,))
+    self.index_kpool_compress_gate = param((Di, D), dtype, (None, EMBED))
+    self.index_kpool_compress_ape = param((cfg.index_kpool, Di), dtype, (None, None))
+    self.n_heads, self.head_dim, self.kpool, self.top_pools = HI, Di, cfg.index_kpool, cfg.index_pools_topk
+
+  def keys(self, x, dtype):
+    """Per-token indexer key (LayerNorm'd, eps 1e-6) and pool gate score: [B, T, Di] each (f32)."""
+    kr = self.wk(x, dtype).astype(jnp.float32)
+    mu = jnp.mean(kr, -1, keepdims=True)
+    var = jnp.mean(jnp.square(kr - mu), -1, keepdims=True)
+    k = (kr - mu) * lax.rsqrt(var + 1e-6) * self.k_norm_weight[...].astype(jnp.float32) + \
+        self.k_norm_bias[...].astype(jnp.float32)
+    k = k.astype(dtype).astype(jnp.float32)
+    gam = mm(x, self.index_kpool_compress_gate[...], dtype).astype(jnp.float32)
+    return k, gam
+
+  def pool(self, k4, g4):
+    """k4, g4 [..., kpool, Di] -> pooled key Σ_r softmax_r(γ + ape) k (per channel)."""
+    pi = jax.nn.softmax(g4 + self.index_kpool_compress_ape[...].astype(jnp.float32), axis=-2)
+    return jnp.sum(pi * k4, axis=-2)
+
+  def update(self, k, gam, cache, ctx: StepCtx, dtype):
+    """Write completed pools into the pool cache and this call's keys into the tail ring."""
+    B, T, Di = k.shape
+    kp = self.kpool
+    ring_k, ring_g, pools = cache["ring_k"], cache["ring_g"], cache["pool"]
+    Rg = ring_k.shape[1]
+    base = (ctx.start // kp) * kp
+    G = kp * (-(-(kp - 1 + T) // kp))
+    i = jnp.arange(G, dtype=jnp.int32)[None]
+    pos = base[:, None] + i  # [B, G]
+    from_ring = pos < ctx.start[:, None]
+    t = pos - ctx.start[:, None]
+    from_new = (t >= 0) & (t < ctx.valid[:, None])
+    tc = jnp.clip(t, 0, T - 1)
+    bq = jnp.arange(B)[:, None]
+    take = lambda a, ix: a[bq, ix]
+    kc = jnp.where(from_ring[..., None], take(ring_k, pos % Rg).astype(jnp.float32),
+                   jnp.where(from_new[..., None], take(k, tc), 0.0))
+    gc = jnp.where(from_ring[..., None], take(ring_g, pos % Rg).astype(jnp.float32),
+                   jnp.where(from_new[..., None], take(gam, tc), 0.0))
+    pk = self.pool(kc.reshape(B, G // kp, kp, Di), gc.reshape(B, G // kp, kp, Di)).astype(dtype)
+    end = ctx.start + ctx.valid
+    pj = base[:, None] // kp + jnp.arange(G // kp, dtype=jnp.int32)[None]
+    complete = (pj + 1) * kp <= end[:, None]
+    pools = _scatter_rows(pools, pk, pj, complete)
+    # ring: only the last Rg real positions are distinct mod Rg (and they cover the open pool)
+    npos, ok = _positions(ctx, T)
+    ok = ok & (npos >= (end - Rg)[:, None])
+    bidx = jnp.broadcast_to(jnp.arange(B)[:, None], npos.shape)
+    slot = jnp.where(ok, npos % Rg, Rg)
+    ring_k = ring_k.at[bidx, slot].set(k.astype(ring_k.dtype), mode="drop")
+    ring_g = ring_g.at[bidx, slot].set(gam.astype(ring_g.dtype), mode="drop")
+    return {"pool": pools, "ring_k": ring_k, "ring_g": ring_g}
+
+  def scores(self, x, q_r, pools, dtype):
+    """[B, T, P] = Σ_h (w_h · HI^-½) · ReLU(q_h·K_j · Di^-½) over every pool slot (masked by the caller)."""
+    B, T, _ = x.shape
+    qI = self.wq_b(q_r, dtype).astype(jnp.float32).reshape(B, T, self.n_heads, self.head_dim)
+    w = self.weights_proj(x, dtype).astype(jnp.float32) * (self.n_heads ** -0.5)
+    dots = jnp.einsum("bthd,bpd->bthp", qI, pools.astype(jnp.float32), precision=HIGHEST) * (self.head_dim ** -0.5)
+    return jnp.einsum("bth,bthp->btp", w, jnp.maximum(dots, 0.0), precision=HIGHEST)
+
+  def select(self, scores, pos, shared=None, extra_tail=0):
+    """Top pools expanded to tokens + the always-selected tail -> (idx [B, T, W] (−1 pad), pools [B, T, kp]).
+
+    ``shared`` = (pools [B, kp] (−1 = none), tail_start [B]) reuses a first draft step's choice: the tail then
+    runs from ``tail_start`` to the query (``extra_tail`` more slots than the usual kpool − 1)."""
+    kp = self.kpool
+    if shared is None:
+      n_complete = (pos + 1) // kp  # [B, T]
+      P = scores.shape[-1]
+      masked = jnp.where(jnp.arange(P)[None, None] < n_complete[..., None], scores, -jnp.inf)
+      vals, js = lax.top_k(masked, min(self.top_pools, P))
+      js = jnp.where(jnp.isfinite(vals), js, -1).astype(jnp.int32)
+      tail_start = n_complete * kp
+    else:
+      js = jnp.broadcast_to(shared[0][:, None], (*pos.shape, shared[0].shape[-1]))
+      tail_start = jnp.broadcast_to(shared[1][:, None], pos.shape)
+    tok = js[..., None] * kp + jnp.arange(kp, dtype=jnp.int32)
+    tok = jnp.where(js[..., None] >= 0, tok, -1).reshape(*js.shape[:-1], -1)
+    r = jnp.arange(kp - 1 + extra_tail, dtype=jnp.int32)
+    tail = tail_start[..., None] + r
+    tail = jnp.where(tail <= pos[..., None], tail, -1)
+    return jnp.concatenate([tok, tail], axis=-1), js
+
+
+class DSA(nnx.Module):
+  """NoPE MLA over indexer-selected positions (absorbed form), heads split over TP; q_a/kv_a replicated."""
+
+  def __init__(self, cfg: Glm5Config, dtype, fp8_block):
+    D, H, R, dn, dv = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+    self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype, (None, EMBED), fp8_block=fp8_block)
+    self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, dtype, cfg.rms_norm_eps)
+    self.q_b_proj = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, dtype, (MLA_HD, None), fp8_block=fp8_block)
+    self.kv_a_proj_with_mqa = Linear(D, R, dtype, (None, EMBED), fp8_block=fp8_block)
+    self.kv_a_layernorm = RMSNorm(R, dtype, cfg.rms_norm_eps)
+    self.kv_b_proj = Linear(R, H * (dn + dv), dtype, (MLA_HD, None))
+    self.o_proj = Linear(H * dv, D, dtype, (EMBED, MLA_HD), fp8_block=fp8_block)
+    self.indexer = Indexer(cfg, dtype)
+    self.dn, self.dv, self.scale = dn, dv, cfg.softmax_scale
+
+  def __call__(self, x, cache, ctx: StepCtx, dtype, *, shared=None, extra_tail=0):
+    """x [B, T, D] -> (y [B, T, D], new cache, aux {"idx": [B, T, W], "pools": [B, T, kp]})."""
+    B, T, _ = x.shape
+    dn, dv = self.dn, self.dv
+    q_r = self.q_a_layernorm(self.q_a_proj(x, dtype), dtype)
+    q = self.q_b_proj(q_r, dtype)
+    H = q.shape[-1] // dn
+    q = q.reshape(B, T, H, dn)
+    c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x, dtype), dtype)  # [B, T, R], the cached latent
+    wkv = self.kv_b_proj.w(dtype).reshape(H, dn + dv, -1)
+    w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
+    pos, ok = _positions(ctx, T)
+    latent = _scatter_rows(cache["latent"], c, pos, ok)
+    k, gam = self.indexer.keys(x, dtype)
+    icache = self.indexer.update(k, gam, cache, ctx, dtype)
+    if shared is None:
+      sc = self.indexer.scores(x, q_r, icache["pool"], dtype)
+      idx, js = self.indexer.select(sc, pos)
+    else:
+      idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
+    q_hat = jnp.einsum("bthn,hnr->bthr", q, w_uk, precision=HIGHEST)  # absorbed query [B, T, H, R]
+    cs = latent[jnp.arange(B)[:, None, None], jnp.maximum(idx, 0)].astype(dtype)  # [B, T, W, R]
+    s = jnp.einsum("bthr,btwr->bthw", q_hat.astype(jnp.float32), cs.astype(jnp.float32), precision=HIGHEST)
+    s = jnp.where((idx >= 0)[:, :, None, :], s * self.scale, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o_lat = jnp.einsum("bthw,btwr->bthr", p, cs.astype(jnp.float32), precision=HIGHEST)
+    o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dtype), w_uv, precision=HIGHEST)
+    y = lax.psum(self.o_proj(o.reshape(B, T, H * dv), dtype), TP)
+    new = dict(cache, latent=latent, **icache)
+    return y, new, {"idx": idx, "pools": js}

@@ -1,0 +1,229 @@
+"""The sublayers of GLM-5.3-Flash as Flax NNX modules (the pure-JAX "stock" path).
+
+Every module holds only parameters; caches travel as explicit pytrees (glm5_jax/state.py) so that the decode
+step is a pure function of (params, state, tokens). All code here runs on ONE tensor-parallel shard inside
+``jax.shard_map``: local sizes are read off the parameter shapes, and the row-parallel projections finish with
+an explicit ``psum`` over the mesh axis ``TP``.
+
+Parameters carry logical axis names (``axes=`` metadata); glm5_jax/sharding.py maps them to the mesh once.
+Weights keep the checkpoint layout [out, in]; FP8 weights stay e4m3 with their 128×128 block scales and are
+dequantised where they are used.
+
+Shape alphabet: B batch, T new tokens, D hidden, N mHC streams, H heads, K key dim, V value dim, R kv_lora,
+E experts, I intermediate, C conv channels, P pools.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from glm5_jax.config import Glm5Config
+
+TP = "tp"  # the mesh axis of tensor parallelism
+HIGHEST = lax.Precision.HIGHEST
+
+# Logical axis names (sharding.py maps them to the mesh).
+VOCAB, EMBED, KDA_HD, KDA_H, MLA_HD, FFN = "vocab", "embed", "kda_heads_dim", "kda_heads", "mla_heads_dim", "ffn"
+
+
+def param(shape, dtype, axes):
+  """A parameter of the given shape; created abstractly under nnx.eval_shape, zeros otherwise."""
+  assert len(axes) == len(shape), (shape, axes)
+  return nnx.Param(jnp.zeros(shape, dtype), axes=tuple(axes))
+
+
+def mm(x, w, dtype):
+  """x [..., in] @ w[out, in]^T in the compute dtype (HIGHEST precision: fp32 means fp32)."""
+  return jnp.einsum("...i,oi->...o", x.astype(dtype), w.astype(dtype), precision=HIGHEST)
+
+
+def dequant(w, scale, block, dtype):
+  """W ≈ f32(W8) · scale_inv[r//b0, c//b1] over the last two dims (partial edge blocks allowed)."""
+  if scale is None:
+    return w.astype(dtype)
+  b0, b1 = block
+  r, c = w.shape[-2:]
+  s = jnp.repeat(jnp.repeat(scale, b0, axis=-2), b1, axis=-1)[..., :r, :c]
+  return (w.astype(jnp.float32) * s).astype(dtype)
+
+
+def rms_norm(x, w, eps, dtype):
+  """HF's RMSNorm: normalise in fp32, cast to the compute dtype, scale by w."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  y = y.astype(dtype)
+  return y if w is None else w.astype(dtype) * y
+
+
+def swiglu_clamped(g, u, limit):
+  """silu(min(g, L)) · clip(u, −L, L): the gate is clamped above only (spec §2)."""
+  return jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
+
+
+class Linear(nnx.Module):
+  """y = x W^T with W [out, in] (BF16/F32, or FP8 E4M3 + fp32 block scales ``scale`` = weight_scale_inv)."""
+
+  def __init__(self, n_in, n_out, dtype, axes, *, fp8_block=None):
+    self.fp8_block = fp8_block
+    if fp8_block is not None:
+      self.weight = param((n_out, n_in), jnp.float8_e4m3fn, axes)
+      self.scale = param((-(-n_out // fp8_block[0]), -(-n_in // fp8_block[1])), jnp.float32, axes)
+    else:
+      self.weight = param((n_out, n_in), dtype, axes)
+      self.scale = None
+
+  def w(self, dtype):
+    return dequant(self.weight[...], None if self.scale is None else self.scale[...], self.fp8_block, dtype)
+
+  def __call__(self, x, dtype):
+    return mm(x, self.w(dtype), dtype)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim, dtype, eps):
+    self.weight = param((dim,), dtype, (None,))
+    self.eps = eps
+
+  def __call__(self, x, dtype):
+    return rms_norm(x, self.weight[...], self.eps, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- mHC
+class HyperConnection(nnx.Module):
+  """One mHC site: 24 mixing logits from the 4 flattened streams, Sinkhorn-normalised 4×4 ``comb``."""
+
+  def __init__(self, cfg: Glm5Config, dtype):
+    self.fn = param((cfg.hc_mix, cfg.hc_dim), dtype, (None, None))
+    self.base = param((cfg.hc_mix,), jnp.float32, (None,))
+    self.scale = param((3,), jnp.float32, (None,))
+    self.n, self.iters, self.eps, self.norm_eps, self.post_mult = (
+        cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_post_mult)
+
+  def pre(self, X):
+    """X [B, T, N, D] -> (u [B, T, D] in X's dtype, post [B, T, N] f32, comb [B, T, N, N] f32)."""
+    n, eps = self.n, self.eps
+    flat = X.reshape(*X.shape[:-2], -1).astype(jnp.float32)
+    flat = flat * lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + self.norm_eps)
+    m = jnp.einsum("...k,mk->...m", flat, self.fn[...].astype(jnp.float32), precision=HIGHEST)
+    s, b = self.scale[...], self.base[...]
+    pre = jax.nn.sigmoid(m[..., :n] * s[0] + b[:n]) + eps
+    post = self.post_mult * jax.nn.sigmoid(m[..., n:2 * n] * s[1] + b[n:2 * n])
+    c = (m[..., 2 * n:] * s[2] + b[2 * n:]).reshape(*m.shape[:-1], n, n)
+    c = jax.nn.softmax(c, axis=-1) + eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    for _ in range(self.iters - 1):  # unrolled: 19 tiny steps fuse into one XLA fusion
+      c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+      c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    u = jnp.einsum("...n,...nd->...d", pre, X.astype(jnp.float32), precision=HIGHEST)
+    return u.astype(X.dtype), post, c
+
+  @staticmethod
+  def post(X, y, post, comb):
+    """X'_m = post_m · y + Σ_n comb[n, m] · X_n, rounded once to X's dtype."""
+    out = post[..., :, None] * y[..., None, :].astype(jnp.float32) + jnp.einsum(
+        "...nm,...nd->...md", comb, X.astype(jnp.float32), precision=HIGHEST)
+    return out.astype(X.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- MLPs
+class MLP(nnx.Module):
+  """Dense clamped-SwiGLU MLP (layers 0-2) and the shared expert; column/row parallel on I."""
+
+  def __init__(self, cfg: Glm5Config, inter, dtype, fp8_block):
+    D = cfg.hidden_size
+    self.gate_proj = Linear(D, inter, dtype, (FFN, EMBED), fp8_block=fp8_block)
+    self.up_proj = Linear(D, inter, dtype, (FFN, EMBED), fp8_block=fp8_block)
+    self.down_proj = Linear(inter, D, dtype, (EMBED, FFN), fp8_block=fp8_block)
+    self.limit = cfg.swiglu_limit
+
+  def partial(self, x, dtype):
+    """This shard's contribution (the caller psums it)."""
+    h = swiglu_clamped(self.gate_proj(x, dtype), self.up_proj(x, dtype), self.limit)
+    return self.down_proj(h, dtype)
+
+  def __call__(self, x, dtype):
+    return lax.psum(self.partial(x, dtype), TP)
+
+
+class Router(nnx.Module):
+  def __init__(self, cfg: Glm5Config, dtype):
+    self.weight = param((cfg.n_routed_experts, cfg.hidden_size), dtype, (None, EMBED))
+    self.e_score_correction_bias = param((cfg.n_routed_experts,), jnp.float32, (None,))
+    self.top_k, self.scaling, self.norm = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.norm_topk_prob
+
+  def __call__(self, x):
+    """x [..., D] -> (ids [..., k] int32, weights [..., k] f32). fp32 logits; the bias only selects."""
+    logits = jnp.einsum("...d,ed->...e", x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
+                        precision=HIGHEST)
+    s = jax.nn.sigmoid(logits)
+    _, ids = lax.top_k(s + self.e_score_correction_bias[...], self.top_k)
+    w = jnp.take_along_axis(s, ids, axis=-1)
+    if self.norm:
+      w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), w * self.scaling
+
+
+class Experts(nnx.Module):
+  """The routed experts, stacked: gate/up [E, I, D], down [E, D, I] (FP8 + [E, I/128, D/128] scales)."""
+
+  def __init__(self, cfg: Glm5Config, dtype, fp8_block):
+    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    self.fp8_block = fp8_block
+
+    def w(shape, axes):
+      if fp8_block is None:
+        return param(shape, dtype, axes), None
+      sshape = (shape[0], -(-shape[1] // fp8_block[0]), -(-shape[2] // fp8_block[1]))
+      return param(shape, jnp.float8_e4m3fn, axes), param(sshape, jnp.float32, axes)
+
+    self.gate_proj, self.gate_scale = w((E, I, D), (None, FFN, EMBED))
+    self.up_proj, self.up_scale = w((E, I, D), (None, FFN, EMBED))
+    self.down_proj, self.down_scale = w((E, D, I), (None, EMBED, FFN))
+    self.limit = cfg.swiglu_limit
+
+  def _w(self, name, ids, dtype):
+    w = getattr(self, name)[...]
+    s = getattr(self, name.replace("_proj", "_scale"))
+    w = w if ids is None else w[ids]
+    s = None if s is None else (s[...] if ids is None else s[...][ids])
+    return dequant(w, s, self.fp8_block, dtype)
+
+  def partial(self, x, ids, weights, dtype):
+    """x [M, D], ids/weights [M, k] -> this shard's Σ_j w_j · expert_{ids_j}(x) [M, D] (f32)."""
+    M, k = ids.shape
+    E = self.gate_proj.shape[0]
+    if M * k < E:  # decode: read only the selected experts' weights
+      g = jnp.einsum("md,mkid->mki", x.astype(dtype), self._w("gate_proj", ids, dtype), precision=HIGHEST)
+      u = jnp.einsum("md,mkid->mki", x.astype(dtype), self._w("up_proj", ids, dtype), precision=HIGHEST)
+      h = swiglu_clamped(g, u, self.limit)
+      y = jnp.einsum("mki,mkdi->mkd", h, self._w("down_proj", ids, dtype), precision=HIGHEST)
+      return jnp.einsum("mkd,mk->md", y.astype(jnp.float32), weights)
+    # many tokens (prefill): every expert over every token, combined with a dense [M, E] weight matrix
+    comb = jnp.zeros((M, E), jnp.float32).at[jnp.arange(M)[:, None], ids].add(weights)
+    g = jnp.einsum("md,eid->mei", x.astype(dtype), self._w("gate_proj", None, dtype), precision=HIGHEST)
+    u = jnp.einsum("md,eid->mei", x.astype(dtype), self._w("up_proj", None, dtype), precision=HIGHEST)
+    h = swiglu_clamped(g, u, self.limit)
+    y = jnp.einsum("mei,edi->med", h, self._w("down_proj", None, dtype), precision=HIGHEST)
+    return jnp.einsum("med,me->md", y.astype(jnp.float32), comb)
+
+
+class MoE(nnx.Module):
+  def __init__(self, cfg: Glm5Config, dtype, fp8_block):
+    self.gate = Router(cfg, dtype)
+    self.experts = Experts(cfg, dtype, fp8_block)
+    self.shared_experts = (MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block)
+                           if cfg.n_shared_experts else None)
+
+  def __call__(self, x, dtype, *, return_ids=False):
+    """x [B, T, D] -> [B, T, D]; one psum for routed + shared."""
+    lead = x.shape[:-1]
+    xf = x.reshape(-1, x.shape[-1])
+    ids, w = self.gate(xf)
+    y = self.experts.partial(xf, ids, w, dtype)
+    if self.shared_experts is not None:
+      y = y + self.shared_experts.partial(xf, dtype).astype(jnp.float32)
+    y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
+    return (y, ids.reshape(*lead, -1)) if return_ids else y

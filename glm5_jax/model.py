@@ -1,0 +1,144 @@
+"""The GLM-5.3-Flash text model and its MTP draft layer as Flax NNX modules, and their per-shard forward.
+
+``Glm5Model`` mirrors the checkpoint: ``embed_tokens``, ``layers[i]`` (mHC sites, norms, KDA or DSA, dense MLP
+or MoE), ``norm``, ``lm_head`` and the MTP layer ``mtp`` (checkpoint index num_hidden_layers = 45). The
+functions below run on one tensor-parallel shard inside ``jax.shard_map`` (sharding.py); the embedding and the
+lm_head are vocabulary-parallel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from glm5_jax.attention import DSA, KDA, StepCtx
+from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
+from glm5_jax.layers import (EMBED, HIGHEST, MLP, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm, param)
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: Glm5Config, i: int, dtype, fp8_block):
+    self.is_kda = cfg.layer_types[i] == KDA_TYPE
+    self.is_moe = cfg.mlp_layer_types[i] == "sparse"
+    self.attn_hc = HyperConnection(cfg, dtype)
+    self.ffn_hc = HyperConnection(cfg, dtype)
+    self.input_layernorm = RMSNorm(cfg.hidden_size, dtype, cfg.rms_norm_eps)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, dtype, cfg.rms_norm_eps)
+    self.self_attn = KDA(cfg, dtype) if self.is_kda else DSA(cfg, dtype, fp8_block)
+    self.mlp = MoE(cfg, dtype, fp8_block) if self.is_moe else MLP(cfg, cfg.intermediate_size, dtype, fp8_block)
+
+  def __call__(self, X, cache, ctx: StepCtx, dtype):
+    """X [B, T, N, D] residual streams -> (X', cache', aux)."""
+    aux = {}
+    u, post, comb = self.attn_hc.pre(X)
+    x = self.input_layernorm(u, dtype)
+    if self.is_kda:
+      y, cache = self.self_attn(x, cache, ctx, dtype)
+    else:
+      y, cache, a = self.self_attn(x, cache, ctx, dtype)
+      aux["idx"] = a["idx"]
+    X = HyperConnection.post(X, y, post, comb)
+    u, post, comb = self.ffn_hc.pre(X)
+    x = self.post_attention_layernorm(u, dtype)
+    if self.is_moe:
+      y, aux["experts"] = self.mlp(x, dtype, return_ids=True)
+    else:
+      y = self.mlp(x, dtype)
+    return HyperConnection.post(X, y, post, comb), cache, aux
+
+
+class MTPLayer(nnx.Module):
+  """The MTP draft layer (checkpoint layer 45): eh_proj over [enorm(e), hnorm(h)], a plain pre-norm DSA + MoE
+  block (no mHC), shared_head.norm; the trunk's embedding and lm_head are shared."""
+
+  def __init__(self, cfg: Glm5Config, dtype, fp8_block):
+    D = cfg.hidden_size
+    self.eh_proj = Linear(2 * D, D, dtype, (None, None))
+    self.enorm = RMSNorm(D, dtype, cfg.rms_norm_eps)
+    self.hnorm = RMSNorm(D, dtype, cfg.rms_norm_eps)
+    self.shared_head_norm = RMSNorm(D, dtype, cfg.rms_norm_eps)
+    self.input_layernorm = RMSNorm(D, dtype, cfg.rms_norm_eps)
+    self.post_attention_layernorm = RMSNorm(D, dtype, cfg.rms_norm_eps)
+    self.self_attn = DSA(cfg, dtype, fp8_block)
+    self.mlp = MoE(cfg, dtype, fp8_block)
+
+  def __call__(self, h, e, cache, ctx: StepCtx, dtype, *, shared=None, extra_tail=0):
+    """h [B, T, D] target hidden (post final norm), e [B, T, D] embedding of the next token (0 at position 0)
+    -> (ĥ [B, T, D] post shared_head.norm: draft logits input and the next step's recycled hidden, cache, aux)."""
+    z = jnp.concatenate([self.enorm(e, dtype), self.hnorm(h, dtype)], axis=-1)
+    u = self.eh_proj(z, dtype)
+    y, cache, aux = self.self_attn(self.input_layernorm(u, dtype), cache, ctx, dtype, shared=shared,
+                                   extra_tail=extra_tail)
+    u = u + y
+    u = u + self.mlp(self.post_attention_layernorm(u, dtype), dtype)
+    return self.shared_head_norm(u, dtype), cache, aux
+
+
+class Glm5Model(nnx.Module):
+  """Parameters of the whole text model (+ MTP layer). ``dtype`` is the compute dtype (float32 or bfloat16);
+  FP8 checkpoints keep their FP8 matrices (``fp8_block`` set) and dequantise them where they are used."""
+
+  def __init__(self, cfg: Glm5Config, dtype=jnp.float32, *, fp8: bool = False, mtp: bool | None = None):
+    self.cfg = cfg
+    self.dtype = jnp.dtype(dtype)
+    fp8_block = cfg.fp8_block if fp8 else None
+    V, D = cfg.vocab_size, cfg.hidden_size
+    self.embed_tokens = param((V, D), dtype, (VOCAB, EMBED))
+    self.layers = nnx.List([DecoderLayer(cfg, i, dtype, fp8_block) for i in range(cfg.num_hidden_layers)])
+    self.norm = RMSNorm(D, dtype, cfg.rms_norm_eps)
+    self.lm_head = param((V, D), dtype, (VOCAB, EMBED))
+    use_mtp = cfg.has_mtp if mtp is None else mtp
+    self.mtp = MTPLayer(cfg, dtype, fp8_block) if use_mtp else None
+
+  # ------------------------------------------------------------------ vocabulary-parallel ends
+  def embed(self, ids):
+    """ids [...] int32 -> [..., D]: each shard looks up its vocabulary slice, one psum joins them."""
+    tbl = self.embed_tokens[...]
+    Vl = tbl.shape[0]
+    local = ids - lax.axis_index(TP) * Vl
+    ok = (local >= 0) & (local < Vl)
+    e = jnp.where(ok[..., None], tbl[jnp.clip(local, 0, Vl - 1)], 0).astype(self.dtype)
+    return lax.psum(e, TP)
+
+  def local_logits(self, h):
+    """h [..., D] -> this shard's logits [..., V/tp] in f32."""
+    return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.lm_head[...].astype(self.dtype),
+                      precision=HIGHEST).astype(jnp.float32)
+
+  def logits(self, h):
+    """Full logits [..., V] (all-gathered over the vocabulary shards)."""
+    return lax.all_gather(self.local_logits(h), TP, axis=h.ndim - 1, tiled=True)
+
+  def argmax(self, h):
+    """Greedy token ids [...] without gathering the logits: local max + a gather of (max, index) pairs.
+    Ties resolve to the lowest vocabulary index, like jnp.argmax over the full logits."""
+    lg = self.local_logits(h)
+    Vl = lg.shape[-1]
+    m = jnp.max(lg, axis=-1)
+    a = jnp.argmax(lg, axis=-1).astype(jnp.int32) + lax.axis_index(TP) * Vl
+    ms, as_ = lax.all_gather(m, TP, axis=0), lax.all_gather(a, TP, axis=0)  # [tp, ...]
+    best = jnp.argmax(ms, axis=0)
+    return jnp.take_along_axis(as_, best[None], axis=0)[0]
+
+  # ------------------------------------------------------------------ trunk
+  def trunk(self, tokens, caches, ctx: StepCtx):
+    """tokens [B, T] -> (h [B, T, D] after the final norm, new caches (list per layer), aux per layer)."""
+    cfg = self.cfg
+    e = self.embed(tokens)
+    X = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], cfg.hc_mult, e.shape[-1]))
+    new, aux = [], []
+    for layer, cache in zip(self.layers, caches):
+      X, cache, a = layer(X, cache, ctx, self.dtype)
+      new.append(cache)
+      aux.append(a)
+    h = self.norm(jnp.mean(X.astype(jnp.float32), axis=2).astype(self.dtype), self.dtype)
+    return h, new, aux
+
+  def draft(self, h, next_ids, positions, cache, ctx: StepCtx, *, shared=None, extra_tail=0):
+    """One MTP pass. h [B, T, D] hidden to recycle, next_ids [B, T] the token after each position,
+    positions [B, T] (embedding zeroed at position 0) -> (ĥ [B, T, D], cache, aux)."""
+    e = self.embed(next_ids)
+    e = jnp.where((positions == 0)[..., None], jnp.zeros_like(e), e)
+    return self.mtp(h, e, cache, ctx, self.dtype, shared=shared, extra_tail=extra_tail)

@@ -1,0 +1,100 @@
+"""Tensor parallelism: the mesh, the ONE logical-axis -> mesh-axis table, and partition specs.
+
+Every parameter declares logical axis names where it is created (layers.py / attention.py / model.py, the
+``axes=`` metadata); every cache declares them in state.py. This module is the only place that says which of
+those names are split over the mesh axis ``tp`` (spec/model.md §6):
+
+* ``vocab``          — embedding and lm_head rows (vocabulary-parallel; greedy argmax without a gather)
+* ``kda_heads``, ``kda_heads_dim`` — KDA q/k/v/f_b/g_b/conv/dt_bias/A_log/b rows, o_proj columns, KDA state heads
+* ``mla_heads_dim``  — MLA q_b/kv_b rows and o_proj columns
+* ``ffn``            — dense MLP, shared and routed experts' intermediate dimension
+Everything else (q_a/kv_a, the indexer, routers, norms, mHC, the MLA/indexer caches) is replicated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from glm5_jax.layers import EMBED, FFN, KDA_H, KDA_HD, MLA_HD, TP, VOCAB
+
+RULES = {VOCAB: TP, KDA_H: TP, KDA_HD: TP, MLA_HD: TP, FFN: TP, EMBED: None, None: None}
+
+
+def logical_to_spec(axes) -> P:
+  return P(*[RULES[a] for a in axes])
+
+
+def make_mesh(tp: int | None = None, devices=None) -> Mesh:
+  """A 1-D mesh ("tp",) over ``tp`` devices (default: 1). Device order 0..n-1 (Mosaic GPU's remote refs need it)."""
+  devices = list(jax.devices() if devices is None else devices)
+  tp = 1 if tp is None else tp
+  if tp not in (1, 2, 4, 8):
+    raise ValueError(f"tensor_parallel_size={tp} is not supported: expected 1, 2, 4 or 8")
+  if tp > len(devices):
+    raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices but only {len(devices)} are visible")
+  kinds = {d.device_kind for d in devices[:tp]}
+  if len(kinds) > 1:
+    raise ValueError(f"the mesh mixes device kinds {sorted(kinds)}: expected {tp} devices of one kind")
+  return Mesh(np.array(devices[:tp]), (TP,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def tp_size(mesh: Mesh) -> int:
+  return mesh.shape[TP]
+
+
+def _is_var(x):
+  return isinstance(x, nnx.Variable)
+
+
+def param_specs(state):
+  """The PartitionSpec tree of an nnx.State of parameters (from their ``axes`` metadata)."""
+  return jax.tree.map(lambda v: logical_to_spec(v.get_metadata()["axes"]), state, is_leaf=_is_var)
+
+
+def check_divisible(state, mesh: Mesh, block=None):
+  """Every sharded dimension must split evenly; FP8 weights must not cut a 128-block at a shard boundary."""
+  n = tp_size(mesh)
+  flat = nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state()
+  for path, v in flat:
+    axes = v.get_metadata()["axes"]
+    shape = v.get_value().shape if hasattr(v, "get_value") else v.value.shape
+    name = ".".join(map(str, path))
+    for d, a in enumerate(axes):
+      if RULES[a] is None or n == 1:
+        continue
+      if shape[d] % n:
+        raise ValueError(f"{name}: dimension {d} of size {shape[d]} ({a}) does not divide over TP={n}")
+    if path[-1] in ("scale", "gate_scale", "up_scale", "down_scale") and block is not None and n > 1:
+      wname = {"scale": "weight", "gate_scale": "gate_proj", "up_scale": "up_proj", "down_scale": "down_proj"}[path[-1]]
+      parent = dict(flat)
+      w = parent.get((*path[:-1], wname))
+      wshape = (w.get_value() if hasattr(w, "get_value") else w.value).shape
+      for d, a in enumerate(axes):
+        if RULES[a] is None:
+          continue
+        local = wshape[d] // n
+        b = block[0] if d == len(axes) - 2 else block[1]
+        if local % b:
+          raise ValueError(
+              f"{name[:-len(path[-1])]}{wname}: TP={n} gives {local} rows/cols per shard on dimension {d}, which "
+              f"cuts a {b}-wide FP8 scale block: expected a multiple of {b} per shard")
+
+
+def shardings(specs, mesh: Mesh):
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def param_bytes_per_device(abstract_state, mesh_size: int) -> int:
+  """Bytes of one device's parameter shards (from an abstract state, nothing allocated)."""
+  total = 0
+  for v in jax.tree.leaves(abstract_state, is_leaf=_is_var):
+    val = v.get_value() if hasattr(v, "get_value") else v.value
+    axes = v.get_metadata()["axes"]
+    split = math.prod(mesh_size for a in axes if RULES[a] is not None)
+    total += math.prod(val.shape) * np.dtype(val.dtype).itemsize // split
+  return total

@@ -1,0 +1,86 @@
+"""Caches of the decode: shapes, dtypes and logical axes, declared once.
+
+Per KDA layer (sharded by head):
+  conv  [B, Wc, 3, C]    the raw q|k|v projections of the last Wc = (conv_kernel − 1) + (q − 1) tokens
+                          (widened by k so a rejection can slide back; the history starts at n_acc − 1)
+  ssm   [B, Q, H, K, V]  fp32 recurrent state, one slot per verify position (Q = q)
+Per DSA layer and for the MTP layer (replicated on every rank):
+  latent [B, S, R]        MLA latent per position (auto: compute dtype); latency_specialized: latent8 (e4m3)
+                          + latent_scale [B, S, R/128]
+  pool   [B, S/kpool, Di] pooled indexer keys by pool index
+  ring_k, ring_g [B, Rg, Di]  raw indexer keys / gate scores of the open pool by position mod Rg
+                          (Rg = kpool·⌈(kpool − 1 + q)/kpool⌉ keeps every position a step can touch distinct)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
+from glm5_jax.layers import KDA_H, KDA_HD
+from glm5_jax.sharding import logical_to_spec
+
+
+def ring_size(cfg: Glm5Config, q: int) -> int:
+  kp = cfg.index_kpool
+  return kp * (-(-(kp - 1 + q) // kp))
+
+
+def _dsa_cache(cfg: Glm5Config, B, S, q, dtype):
+  kp = cfg.index_kpool
+  Rg = ring_size(cfg, q)
+  return {
+      "latent": (jax.ShapeDtypeStruct((B, S, cfg.kv_lora_rank), dtype), (None, None, None)),
+      "pool": (jax.ShapeDtypeStruct((B, S // kp, cfg.index_head_dim), dtype), (None, None, None)),
+      "ring_k": (jax.ShapeDtypeStruct((B, Rg, cfg.index_head_dim), dtype), (None, None, None)),
+      "ring_g": (jax.ShapeDtypeStruct((B, Rg, cfg.index_head_dim), dtype), (None, None, None)),
+  }
+
+
+def cache_layout(cfg: Glm5Config, batch: int, max_context: int, q: int, dtype, *, mtp: bool):
+  """-> {"layers": [per-layer {name: (ShapeDtypeStruct, logical axes)}], "mtp": {...} | None}."""
+  if max_context % cfg.index_kpool:
+    raise ValueError(f"max_context={max_context} must be a multiple of index_kpool={cfg.index_kpool}")
+  Kc, H, Kd = cfg.linear_conv_kernel_dim, cfg.linear_num_heads, cfg.linear_head_dim
+  layers = []
+  for t in cfg.layer_types:
+    if t == KDA_TYPE:
+      layers.append({
+          "conv": (jax.ShapeDtypeStruct((batch, Kc - 1 + q - 1, 3, H * Kd), dtype), (None, None, None, KDA_HD)),
+          "ssm": (jax.ShapeDtypeStruct((batch, q, H, Kd, Kd), jnp.float32), (None, None, KDA_H, None, None)),
+      })
+    else:
+      layers.append(_dsa_cache(cfg, batch, max_context, q, dtype))
+  return {"layers": layers, "mtp": _dsa_cache(cfg, batch, max_context, q, dtype) if mtp else None}
+
+
+def _is_entry(x):
+  return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], jax.ShapeDtypeStruct)
+
+
+def cache_specs(layout):
+  return jax.tree.map(lambda e: logical_to_spec(e[1]), layout, is_leaf=_is_entry)
+
+
+def cache_shapes(layout):
+  return jax.tree.map(lambda e: e[0], layout, is_leaf=_is_entry)
+
+
+def cache_bytes_per_device(layout, tp: int) -> int:
+  total = 0
+  for sds, axes in jax.tree.leaves(layout, is_leaf=_is_entry):
+    n = 1
+    for s in sds.shape:
+      n *= s
+    split = tp if any(logical_to_spec(axes)) else 1
+    total += n * jnp.dtype(sds.dtype).itemsize // split
+  return total
+
+
+def init_caches(layout, mesh):
+  """Zero caches placed with their shardings (jitted so each device allocates only its shard)."""
+  shapes, specs = cache_shapes(layout), cache_specs(layout)
+  out_sh = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+  return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=out_sh)()
