@@ -1,0 +1,411 @@
+"""The speculative decode step ``decode(state, tokens)`` as ONE jitted XLA program, plus prefill and generate.
+
+One step (spec/decode.md §1), for B sequences each feeding q = 1 + k tokens [last committed, k drafts]:
+  1. the target forward over the q tokens (KDA from slot n_acc − 1, all q slots written; latent / indexer caches
+     written by position, so rejected positions are overwritten later),
+  2. verification: greedy (a draft is accepted iff it equals the target argmax; the first mismatch is replaced
+     by the argmax; a bonus token when all pass) or sampled (one-hot drafts: accept x with probability p(x);
+     on rejection sample p with x removed and renormalised; the bonus from p at the last position),
+  3. the MTP layer proposes k new drafts: one pass over the q positions (inputs shifted left by one, the new
+     token at the last accepted index) + k − 1 single-token passes that reuse the first pass's top-k pools.
+The state is donated; the layer loop and the draft chain are unrolled; nothing syncs with the host.
+
+Shapes: B batch (a capture size), q = 1 + k tokens per sequence, V vocabulary, D hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from glm5_jax import state as st
+from glm5_jax.api import Model, _check_tokens
+from glm5_jax.attention import StepCtx
+from glm5_jax.runtime import DecodeConfig
+
+REP = P()
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOutput:
+  """What one step emitted.
+
+  tokens [B, q] int32: the committed new tokens (accepted drafts then the corrected/bonus token), −1 padded.
+  counts [B] int32: how many of ``tokens`` are real (1..q; 0 for padding rows of the capture size).
+  next_tokens [B, q] int32: the next step's input (the last emitted token + k new drafts)."""
+
+  tokens: jax.Array
+  counts: jax.Array
+  next_tokens: jax.Array
+
+
+jax.tree_util.register_dataclass(DecodeOutput, data_fields=["tokens", "counts", "next_tokens"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """The decode state: a registered pytree of device arrays (+ static metadata).
+
+  caches: {"layers": [per-layer caches], "mtp": MTP caches} (shapes in state.py)
+  lengths [B] int32: committed tokens per sequence (the position of next_tokens[:, 0])
+  n_acc [B] int32: verify positions committed at the last step (KDA reads slot n_acc − 1)
+  keys [B, 2] uint32: per-sequence sampling keys
+  active [B] bool: real sequences (False for the rows that pad the batch to its capture size)
+  next_tokens [B, q] int32: the input the next step expects (returned by the last step)
+  decoder: the Decoder that owns the compiled step (static)
+  len_bound: host-side upper bound of max(lengths), to refuse a step past max_context without a device sync"""
+
+  caches: Any
+  lengths: jax.Array
+  n_acc: jax.Array
+  keys: jax.Array
+  active: jax.Array
+  next_tokens: jax.Array
+  decoder: Any = None
+  len_bound: int = 0
+
+  @property
+  def batch(self) -> int:
+    return self.lengths.shape[0]
+
+
+jax.tree_util.register_dataclass(DecodeState, data_fields=["caches", "lengths", "n_acc", "keys", "active",
+                                                            "next_tokens"], meta_fields=["decoder", "len_bound"])
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+def _probs(logits, temperature, top_p):
+  """logits [..., V] f32 -> probabilities with temperature and (optional) nucleus truncation."""
+  p = jax.nn.softmax(logits / temperature, axis=-1)
+  if top_p < 1.0:
+    srt = jnp.sort(p, axis=-1)[..., ::-1]
+    cum = jnp.cumsum(srt, axis=-1)
+    # smallest set whose mass reaches top_p: keep tokens with prob >= the cut-off value
+    cut = jnp.take_along_axis(srt, jnp.sum(cum < top_p, axis=-1, keepdims=True), axis=-1)
+    p = jnp.where(p >= cut, p, 0.0)
+    p = p / jnp.sum(p, axis=-1, keepdims=True)
+  return p
+
+
+def _sample(key, p):
+  """Categorical draw from probabilities p [B, V] with one key per row [B] (Gumbel-argmax)."""
+  g = jax.vmap(lambda k, n: jax.random.gumbel(k, (n,)), in_axes=(0, None))(key, p.shape[-1])
+  return jnp.argmax(jnp.where(p > 0, jnp.log(p) + g, -jnp.inf), axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------------- pieces
+def _draft_chain(m, hn, d1, pos1, pools, tail_start, mtp_cache, k):
+  """k − 1 single-token MTP passes. hn [B, D] recycled hidden, d1 [B] first draft, pos1 [B] the position of the
+  first chained pass. Reuses the first pass's pools [B, kp] (index_share_for_mtp_iteration)."""
+  drafts = [d1]
+  h, d = hn, d1
+  for s in range(1, k):
+    pos = pos1 + (s - 1)
+    ctx = StepCtx(pos, jnp.ones_like(pos), jnp.ones_like(pos), mode="extend")
+    h3, mtp_cache, _ = m.draft(h[:, None], d[:, None], pos[:, None], mtp_cache, ctx,
+                               shared=(pools, tail_start), extra_tail=k - 1)
+    h = h3[:, 0]
+    d = m.argmax(h)
+    drafts.append(d)
+  return jnp.stack(drafts, axis=1), mtp_cache
+
+
+def _first_drafts(m, h, next_ids, start, idx_last, mtp_cache, q, k, valid):
+  """The MTP pass over this call's positions, then the draft chain from index idx_last [B]."""
+  T = next_ids.shape[1]
+  positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+  ctx = StepCtx(start, valid, jnp.ones_like(start), mode="extend")
+  hh, mtp_cache, aux = m.draft(h, next_ids, positions, mtp_cache, ctx)
+  take = lambda a: jnp.take_along_axis(a, idx_last.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]
+  hn = take(hh)
+  d1 = m.argmax(hn)
+  if k == 0:
+    return jnp.zeros((h.shape[0], 0), jnp.int32), mtp_cache
+  pools = take(aux["pools"])
+  kp = m.cfg.index_kpool
+  p0 = start + idx_last
+  tail_start = ((p0 + 1) // kp) * kp
+  return _draft_chain(m, hn, d1, p0 + 1, pools, tail_start, mtp_cache, k)
+
+
+# ---------------------------------------------------------------------------------------------------- decoder
+class Decoder:
+  """Owns a model, a DecodeConfig and the step compiled once per capture size.
+
+  backend: "auto" (the pure-JAX stock path) or "latency_specialized" (the Pallas kernels).
+  temperature 0 = greedy; otherwise sampled acceptance with optional top_p."""
+
+  def __init__(self, model: Model, config: DecodeConfig, *, backend: str = "auto", temperature: float = 0.0,
+               top_p: float = 1.0):
+    if backend not in ("auto", "latency_specialized"):
+      raise ValueError(f"backend={backend!r}: expected 'auto' or 'latency_specialized'")
+    if config.q > 1 and not model.mtp:
+      raise ValueError(f"q={config.q} needs the MTP draft layer, but the checkpoint has none "
+                       f"(layer {model.cfg.num_hidden_layers}): use q=1")
+    if temperature < 0 or not 0 < top_p <= 1:
+      raise ValueError(f"temperature={temperature}, top_p={top_p}: expected temperature >= 0 and 0 < top_p <= 1")
+    if config.max_context % model.cfg.index_kpool:
+      raise ValueError(f"max_context={config.max_context} must be a multiple of index_kpool={model.cfg.index_kpool}")
+    self.model, self.config, self.backend = model, config, backend
+    self.temperature, self.top_p = float(temperature), float(top_p)
+    self._steps: dict[int, Any] = {}
+
+  # ------------------------------------------------------------------ shapes
+  def layout(self, batch):
+    cfg = self.config
+    return st.cache_layout(self.model.cfg, batch, cfg.max_context, cfg.q, self.model.dtype, mtp=self.model.mtp)
+
+  # ------------------------------------------------------------------ the step
+  def _step_fn(self, batch):
+    model, cfg = self.model, self.config
+    q, k = cfg.q, cfg.q - 1
+    greedy = self.temperature == 0.0
+    temperature, top_p, backend = self.temperature, self.top_p, self.backend
+    cspecs = st.cache_specs(self.layout(batch))
+
+    def fn(m, caches, lengths, n_acc, keys, active, tokens):
+      B = tokens.shape[0]
+      ctx = StepCtx(lengths, jnp.full_like(lengths, q), n_acc, mode="verify", backend=backend)
+      h, layers, _ = m.trunk(tokens, caches["layers"], ctx)
+      drafts = tokens[:, 1:]  # [B, k]
+      i = jnp.arange(q, dtype=jnp.int32)[None]
+      keys_new, ks = _split_keys(keys)
+      if greedy:
+        target = m.argmax(h)  # [B, q]
+        ok = drafts == target[:, :k]
+      else:
+        p = _probs(m.logits(h), temperature, top_p)  # [B, q, V]
+        pd = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+        u = jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 1), (k,)))(ks)
+        ok = u < pd
+      n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)  # accepted drafts [B]
+      if greedy:
+        new_tok = jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]
+      else:
+        pn = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
+        rejected = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), n[:, None], axis=1)[:, 0]
+        pn = jnp.where((n < k)[:, None] & (jnp.arange(pn.shape[-1])[None] == rejected[:, None]), 0.0, pn)
+        pn = pn / jnp.sum(pn, axis=-1, keepdims=True)
+        new_tok = _sample(jax.vmap(lambda kk: jax.random.fold_in(kk, 2))(ks), pn)
+      emitted = jnp.where(i < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), -1)
+      emitted = jnp.where(i == n[:, None], new_tok[:, None], emitted)
+      # MTP: inputs shifted left by one, the new token at the last accepted index n
+      shifted = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+      next_ids = jnp.where(i == n[:, None], new_tok[:, None], shifted)
+      if m.mtp is not None:
+        new_drafts, mtp = _first_drafts(m, h, next_ids, lengths, n, caches["mtp"], q, k, jnp.full_like(n, q))
+      else:
+        new_drafts, mtp = jnp.zeros((B, 0), jnp.int32), caches["mtp"]
+      counts = jnp.where(active, n + 1, 0)
+      new_lengths = lengths + counts
+      new_n_acc = jnp.where(active, n + 1, n_acc)
+      nxt = jnp.concatenate([new_tok[:, None], new_drafts], axis=1)
+      out = DecodeOutput(jnp.where(active[:, None], emitted, -1), counts, nxt)
+      return {"layers": layers, "mtp": mtp}, new_lengths, new_n_acc, keys_new, out
+
+    out_specs = (cspecs, REP, REP, REP, DecodeOutput(REP, REP, REP))
+    sm = model.shard_map(fn, (cspecs, REP, REP, REP, REP, REP), out_specs)
+    return jax.jit(sm, donate_argnums=(1, 2, 3, 4))
+
+  def step_fn(self, batch):
+    if batch not in self._steps:
+      self._steps[batch] = self._step_fn(batch)
+    return self._steps[batch]
+
+  def warmup(self, capture_sizes=None):
+    """Compile the step for every capture size ahead of time (AOT; nothing compiles during decoding)."""
+    for b in capture_sizes or self.config.capture_sizes:
+      layout = self.layout(b)
+      shapes = st.cache_shapes(layout)
+      sd = lambda s, d: jax.ShapeDtypeStruct(s, d)
+      fn = self.step_fn(b)
+      fn.trace(self.model.params, shapes, sd((b,), jnp.int32), sd((b,), jnp.int32), sd((b, 2), jnp.uint32),
+               sd((b,), jnp.bool_), sd((b, self.config.q), jnp.int32)).lower().compile()
+
+  def step(self, state: DecodeState, tokens=None):
+    """One speculative step. ``tokens`` [B, q] int32 (default: the state's next_tokens). Validated before any
+    buffer is donated, so a rejected call leaves ``state`` usable."""
+    cfg = self.config
+    if state.decoder is not self:
+      raise ValueError("this state belongs to another Decoder")
+    if tokens is None or tokens is state.next_tokens:
+      tokens = state.next_tokens
+    else:
+      t = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
+      if t.ndim != 2 or t.shape != (state.batch, cfg.q):
+        raise ValueError(f"tokens must be [B, q] = [{state.batch}, {cfg.q}] (batch, 1 + k drafts): got "
+                         f"shape {tuple(t.shape)}")
+      tokens = _check_tokens(self.model, np.asarray(t))
+    if state.len_bound + cfg.q > cfg.max_context:
+      worst = int(np.max(np.where(np.asarray(state.active), np.asarray(state.lengths), 0)))
+      if worst + cfg.q > cfg.max_context:
+        raise ValueError(f"a sequence at length {worst} cannot verify q={cfg.q} more tokens within "
+                         f"max_context={cfg.max_context}; nothing was written")
+      state = dataclasses.replace(state, len_bound=worst)
+    tokens = jax.device_put(tokens, NamedSharding(self.model.mesh, REP))
+    fn = self.step_fn(state.batch)
+    caches, lengths, n_acc, keys, out = fn(self.model.params, state.caches, state.lengths, state.n_acc, state.keys,
+                                           state.active, tokens)
+    new = DecodeState(caches, lengths, n_acc, keys, state.active, out.next_tokens, self, state.len_bound + cfg.q)
+    return new, out
+
+  # ------------------------------------------------------------------ prefill
+  def prefill(self, prompts, *, seeds=None, chunk: int = 256) -> DecodeState:
+    """Build the state from a list of prompts (token-id sequences of different lengths): the target forward
+    over every prompt (in chunks), the first token, the MTP pass over the prompt and the first k drafts.
+    The batch is padded to the next capture size with inactive rows. Returns the state; its next_tokens are the
+    first step's input."""
+    model, cfg = self.model, self.config
+    prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+    if not prompts:
+      raise ValueError("prefill needs at least one prompt")
+    for j, p in enumerate(prompts):
+      if p.size == 0:
+        raise ValueError(f"prompt {j} is empty: expected at least one token")
+      if p.size + cfg.q > cfg.max_context:
+        raise ValueError(f"prompt {j} has {p.size} tokens: expected at most max_context - q = "
+                         f"{cfg.max_context - cfg.q}")
+      _check_tokens(model, p[None])
+    B = cfg.capture_size_for(len(prompts))
+    lens = np.array([p.size for p in prompts] + [1] * (B - len(prompts)), np.int32)
+    active = np.arange(B) < len(prompts)
+    Tmax = int(lens.max())
+    T = min(chunk, max(16, 1 << (Tmax - 1).bit_length()))
+    n_chunks = -(-Tmax // T)
+    toks = np.zeros((B, n_chunks * T), np.int32)
+    for j, p in enumerate(prompts):
+      toks[j, :p.size] = p
+    seeds = np.arange(len(prompts)) if seeds is None else np.asarray(seeds)
+    keys = np.zeros((B, 2), np.uint32)
+    keys[:len(prompts)] = np.stack([np.asarray(jax.random.key_data(jax.random.key(int(s)))) for s in seeds])
+    rep = NamedSharding(model.mesh, REP)
+    put = lambda x: jax.device_put(x, rep)
+    caches = st.init_caches(self.layout(B), model.mesh)
+    lengths = put(np.zeros(B, np.int32))
+    hs = []
+    fn = _prefill_target_fn(self, B, T)
+    for c in range(n_chunks):
+      valid = np.clip(lens - c * T, 0, T).astype(np.int32)
+      caches, h = fn(model.params, caches, put(toks[:, c * T:(c + 1) * T]), lengths, put(valid))
+      lengths = lengths + put(valid)
+      hs.append(h)
+    h_all = jnp.concatenate(hs, axis=1)
+    first, keys = _first_token_fn(self, B)(model.params, h_all, put(lens), put(keys))
+    if not model.mtp:
+      nxt = first[:, None]
+      st_ = DecodeState(caches, lengths, put(np.ones(B, np.int32)), keys, put(active), nxt, self, int(lens.max()))
+      return st_
+    next_ids = np.zeros_like(toks)
+    next_ids[:, :-1] = toks[:, 1:]
+    next_ids = put(next_ids)
+    next_ids = next_ids.at[jnp.arange(B), put(lens - 1)].set(first)
+    mfn = _prefill_mtp_fn(self, B, T)
+    mstart = put(np.zeros(B, np.int32))
+    drafts = None
+    for c in range(n_chunks):
+      valid = np.clip(lens - c * T, 0, T).astype(np.int32)
+      last_here = (lens - 1 >= c * T) & (lens - 1 < (c + 1) * T)
+      caches, d = mfn(model.params, caches, h_all[:, c * T:(c + 1) * T], next_ids[:, c * T:(c + 1) * T], mstart,
+                      put(valid), put(np.clip(lens - 1 - c * T, 0, T - 1).astype(np.int32)))
+      drafts = d if drafts is None else jnp.where(put(last_here)[:, None], d, drafts)
+      mstart = mstart + put(valid)
+    nxt = jnp.concatenate([first[:, None], drafts], axis=1)
+    return DecodeState(caches, lengths, put(np.ones(B, np.int32)), keys, put(active), nxt, self, int(lens.max()))
+
+  # ------------------------------------------------------------------ generate
+  def generate(self, prompts, max_new_tokens: int, *, seeds=None, eos_id=None, progress=False):
+    """Prefill + speculative steps until every prompt has ``max_new_tokens`` new tokens (or hit eos_id).
+    Returns (list of generated token lists, stats {steps, accepted_per_step, ...})."""
+    state = self.prefill(prompts, seeds=seeds)
+    n = len(prompts)
+    first = np.asarray(state.next_tokens[:n, 0])  # chosen by the prefill, emitted before the first step
+    out = [[int(t)] for t in first]
+    done = np.array([max_new_tokens <= 1 or (eos_id is not None and t == eos_id) for t in first])
+    out = [o[:max_new_tokens] for o in out]
+    steps, emitted = 0, len(prompts)
+    bar = None
+    if progress:
+      from tqdm.auto import tqdm  # noqa: PLC0415
+      bar = tqdm(total=max_new_tokens * n, desc="generating", unit="tok")
+    while not done.all():
+      state, o = self.step(state)
+      toks, counts = np.asarray(o.tokens), np.asarray(o.counts)
+      steps += 1
+      for j in range(n):
+        if done[j]:
+          continue
+        new = toks[j, :counts[j]].tolist()
+        for t in new:
+          if len(out[j]) < max_new_tokens:
+            out[j].append(t)
+            emitted += 1
+            if bar is not None:
+              bar.update(1)
+          if (eos_id is not None and t == eos_id) or len(out[j]) >= max_new_tokens:
+            done[j] = True
+            break
+    if bar is not None:
+      bar.close()
+    return out, {"steps": steps, "tokens": emitted, "tokens_per_step": emitted / max(steps * n, 1)}
+
+
+def _split_keys(keys):
+  """keys [B, 2] uint32 -> (next keys, this step's keys), both raw uint32 key data."""
+  k = jax.vmap(lambda d: jax.random.split(jax.random.wrap_key_data(d), 2))(keys)
+  return jax.random.key_data(k[:, 0]), k[:, 1]
+
+
+@functools.cache
+def _prefill_target_fn(dec: Decoder, B: int, T: int):
+  cspecs = st.cache_specs(dec.layout(B))
+
+  def fn(m, caches, tokens, start, valid):
+    ctx = StepCtx(start, valid, jnp.ones_like(start), mode="extend")
+    h, layers, _ = m.trunk(tokens, caches["layers"], ctx)
+    return {"layers": layers, "mtp": caches["mtp"]}, h
+
+  return jax.jit(dec.model.shard_map(fn, (cspecs, REP, REP, REP), (cspecs, REP)), donate_argnums=(1,))
+
+
+@functools.cache
+def _first_token_fn(dec: Decoder, B: int):
+  greedy, temperature, top_p = dec.temperature == 0.0, dec.temperature, dec.top_p
+
+  def fn(m, h_all, lens, keys):
+    hl = jnp.take_along_axis(h_all, (lens - 1)[:, None, None], axis=1)[:, 0]
+    keys_new, ks = _split_keys(keys)
+    if greedy:
+      return m.argmax(hl), keys_new
+    p = _probs(m.logits(hl), temperature, top_p)
+    return _sample(ks, p), keys_new
+
+  return jax.jit(dec.model.shard_map(fn, (REP, REP, REP), (REP, REP)))
+
+
+@functools.cache
+def _prefill_mtp_fn(dec: Decoder, B: int, T: int):
+  cspecs = st.cache_specs(dec.layout(B))
+  q, k = dec.config.q, dec.config.q - 1
+
+  def fn(m, caches, h, next_ids, start, valid, idx_last):
+    drafts, mtp = _first_drafts(m, h, next_ids, start, idx_last, caches["mtp"], q, k, valid)
+    return {"layers": caches["layers"], "mtp": mtp}, drafts
+
+  return jax.jit(dec.model.shard_map(fn, (cspecs, REP, REP, REP, REP, REP), (cspecs, REP)), donate_argnums=(1,))
+
+
+def decode(state: DecodeState, tokens=None):
+  """``glm5_jax.decode(state, tokens) -> (state, DecodeOutput)``: one speculative step (see the module doc).
+
+  tokens [B, q] int32: the last committed token followed by k drafts (default: state.next_tokens, i.e. what the
+  previous step proposed). The input state is donated: use the returned one."""
+  if not isinstance(state, DecodeState) or state.decoder is None:
+    raise TypeError(f"decode() needs a DecodeState made by Decoder.prefill: got {type(state).__name__}")
+  return state.decoder.step(state, tokens)
