@@ -126,8 +126,22 @@ def _check_tokens(model: Model, tokens):
   return jnp.asarray(tokens, jnp.int32)
 
 
-@functools.cache
+_FNS: dict = {}
+
+
+def compiled(model: Model, key, build):
+  """One jitted function per (architecture, mesh, key): models of the same graph share compilations."""
+  full = (model.graphdef, model.mesh, key)
+  if full not in _FNS:
+    _FNS[full] = build()
+  return _FNS[full]
+
+
 def _extend_fn(model: Model, layout_key, T: int, want: str):
+  return compiled(model, ("extend", layout_key, T, want), lambda: _build_extend(model, layout_key, want))
+
+
+def _build_extend(model: Model, layout_key, want: str):
   batch, max_context, q = layout_key
   layout = _layout(model, batch, max_context, q)
   cspecs = st.cache_specs(layout)

@@ -16,7 +16,6 @@ Shapes: B batch (a capture size), q = 1 + k tokens per sequence, V vocabulary, D
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -26,7 +25,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax import state as st
-from glm5_jax.api import Model, _check_tokens
+from glm5_jax.api import Model, _check_tokens, compiled
 from glm5_jax.attention import StepCtx
 from glm5_jax.runtime import DecodeConfig
 
@@ -155,7 +154,7 @@ class Decoder:
       raise ValueError(f"max_context={config.max_context} must be a multiple of index_kpool={model.cfg.index_kpool}")
     self.model, self.config, self.backend = model, config, backend
     self.temperature, self.top_p = float(temperature), float(top_p)
-    self._steps: dict[int, Any] = {}
+    self._aot: dict[int, Any] = {}  # capture size -> compiled step (warmup)
 
   # ------------------------------------------------------------------ shapes
   def layout(self, batch):
@@ -214,20 +213,29 @@ class Decoder:
     sm = model.shard_map(fn, (cspecs, REP, REP, REP, REP, REP), out_specs)
     return jax.jit(sm, donate_argnums=(1, 2, 3, 4))
 
+  @property
+  def key(self):
+    return (self.config, self.backend, self.temperature, self.top_p)
+
   def step_fn(self, batch):
-    if batch not in self._steps:
-      self._steps[batch] = self._step_fn(batch)
-    return self._steps[batch]
+    return compiled(self.model, ("step", self.key, batch), lambda: self._step_fn(batch))
 
   def warmup(self, capture_sizes=None):
-    """Compile the step for every capture size ahead of time (AOT; nothing compiles during decoding)."""
+    """Compile the step for every capture size ahead of time (AOT): later steps run the stored executables
+    and nothing compiles while decoding."""
+    rep = NamedSharding(self.model.mesh, REP)
     for b in capture_sizes or self.config.capture_sizes:
+      if b in self._aot:
+        continue
       layout = self.layout(b)
-      shapes = st.cache_shapes(layout)
-      sd = lambda s, d: jax.ShapeDtypeStruct(s, d)
-      fn = self.step_fn(b)
-      fn.trace(self.model.params, shapes, sd((b,), jnp.int32), sd((b,), jnp.int32), sd((b, 2), jnp.uint32),
-               sd((b,), jnp.bool_), sd((b, self.config.q), jnp.int32)).lower().compile()
+      shard = jax.tree.map(lambda s: NamedSharding(self.model.mesh, s), st.cache_specs(layout),
+                           is_leaf=lambda x: isinstance(x, P))
+      shapes = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            st.cache_shapes(layout), shard)
+      sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
+      self._aot[b] = self.step_fn(b).trace(
+          self.model.params, shapes, sd((b,), jnp.int32), sd((b,), jnp.int32), sd((b, 2), jnp.uint32),
+          sd((b,), jnp.bool_), sd((b, self.config.q), jnp.int32)).lower().compile()
 
   def step(self, state: DecodeState, tokens=None):
     """One speculative step. ``tokens`` [B, q] int32 (default: the state's next_tokens). Validated before any
@@ -250,7 +258,7 @@ class Decoder:
                          f"max_context={cfg.max_context}; nothing was written")
       state = dataclasses.replace(state, len_bound=worst)
     tokens = jax.device_put(tokens, NamedSharding(self.model.mesh, REP))
-    fn = self.step_fn(state.batch)
+    fn = self._aot.get(state.batch) or self.step_fn(state.batch)
     caches, lengths, n_acc, keys, out = fn(self.model.params, state.caches, state.lengths, state.n_acc, state.keys,
                                            state.active, tokens)
     new = DecodeState(caches, lengths, n_acc, keys, state.active, out.next_tokens, self, state.len_bound + cfg.q)
@@ -362,8 +370,11 @@ def _split_keys(keys):
   return jax.random.key_data(k[:, 0]), k[:, 1]
 
 
-@functools.cache
 def _prefill_target_fn(dec: Decoder, B: int, T: int):
+  return compiled(dec.model, ("_prefill_target_fn", dec.key, B, T), lambda: _prefill_target_fn_build(dec, B, T))
+
+
+def _prefill_target_fn_build(dec: Decoder, B: int, T: int):
   cspecs = st.cache_specs(dec.layout(B))
 
   def fn(m, caches, tokens, start, valid):
@@ -374,8 +385,11 @@ def _prefill_target_fn(dec: Decoder, B: int, T: int):
   return jax.jit(dec.model.shard_map(fn, (cspecs, REP, REP, REP), (cspecs, REP)), donate_argnums=(1,))
 
 
-@functools.cache
 def _first_token_fn(dec: Decoder, B: int):
+  return compiled(dec.model, ("_first_token_fn", dec.key, B), lambda: _first_token_fn_build(dec, B))
+
+
+def _first_token_fn_build(dec: Decoder, B: int):
   greedy, temperature, top_p = dec.temperature == 0.0, dec.temperature, dec.top_p
 
   def fn(m, h_all, lens, keys):
@@ -389,8 +403,11 @@ def _first_token_fn(dec: Decoder, B: int):
   return jax.jit(dec.model.shard_map(fn, (REP, REP, REP), (REP, REP)))
 
 
-@functools.cache
 def _prefill_mtp_fn(dec: Decoder, B: int, T: int):
+  return compiled(dec.model, ("_prefill_mtp_fn", dec.key, B, T), lambda: _prefill_mtp_fn_build(dec, B, T))
+
+
+def _prefill_mtp_fn_build(dec: Decoder, B: int, T: int):
   cspecs = st.cache_specs(dec.layout(B))
   q, k = dec.config.q, dec.config.q - 1
 

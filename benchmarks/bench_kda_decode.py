@@ -1,0 +1,142 @@
+"""Times the KDA decode kernel (pallas_kernels/kda_decode.py) against its jitted jnp reference on one GPU.
+
+Each timed program is one jit with N calls Python-unrolled and chained through the (donated) state, so the
+figure is the in-graph cost per call (a single host-timed call measures ~100 us of dispatch instead).
+State traffic per call = B*H*D*D*4 bytes read (the start slot) + T times that written (one slot per token).
+
+  PYTHONPATH=. python3 benchmarks/bench_kda_decode.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import kda_decode as kd
+
+HBM_TBPS = 4.3  # measured H200 copy bandwidth (shared/notes/gpu_probe.md)
+D = 128
+
+
+def make_inputs(B, T, H, Q, norm, seed=0):
+  rng = np.random.default_rng(seed)
+  n = lambda *s: rng.standard_normal(s).astype(np.float32)
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), (H, D)))
+  args = (bf(n(B, T, H, D)), bf(n(B, T, H, D)), bf(n(B, T, H, D)), bf(n(B, T, H, D)), bf(n(B, T, H)),
+          jnp.asarray(0.5 * n(H)), jnp.asarray(dt + np.log(-np.expm1(-dt)), jnp.float32),
+          jnp.asarray(n(B, Q, H, D, D)), jnp.asarray(rng.integers(1, Q + 1, (B,)), jnp.int32))
+  kw = dict(gate=bf(n(B, T, H, D)), norm_weight=jnp.asarray(1 + 0.1 * n(D))) if norm else {}
+  return args, kw
+
+
+def empty_kernel(q, k, v, f, b, A_log, dt_bias, state, num_accepted, **_):
+  """The kernel's launch shape with an empty body: same operands, grid (V/32, H, B) and aliased state."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  B, T, H, _ = q.shape
+
+  @pl.run_state
+  def run(refs):
+    state_ref, o_ref = refs
+    o_ref[...] = pl.kernel(lambda *refs: None, out_type=jax.ShapeDtypeStruct((B, T, H, D), jnp.float32),
+                           mesh=plgpu.Mesh(grid=(D // 32, H, B), grid_names=("v", "h", "b")))(
+                               q, k, v, f, b, A_log, dt_bias, num_accepted)
+  new_state, o = run((state, jnp.zeros((B, T, H, D), jnp.float32)))
+  return o, new_state
+
+
+def time_per_call(fn, args, kw, n_calls, reps):
+  """fn(*args, **kw) -> (o, state); returns (median per-call time in microseconds, compile + warm-up seconds)."""
+  def chain(state, *rest):
+    outs = []
+    for _ in range(n_calls):
+      o, state = fn(*rest[:7], state, rest[7], **dict(zip(kw, rest[8:])))
+      outs.append(o)  # every o stays live, so XLA cannot drop any of the reference's work
+    return state, outs
+  step = jax.jit(chain, donate_argnums=(0,))
+  state, rest = args[7], (*args[:7], args[8], *kw.values())
+  t0 = time.perf_counter()
+  state, _ = step(state, *rest)  # compile + warm up
+  jax.block_until_ready(state)
+  t_compile = time.perf_counter() - t0
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    state, outs = step(state, *rest)
+    jax.block_until_ready((state, outs))
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts) / n_calls * 1e6, t_compile
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="fewer variants")
+  ap.add_argument("--budget_s", type=float, default=150.0, help="stop starting new rows after this long")
+  ap.add_argument("--n_calls", type=int, default=10, help="chained calls per timed program")
+  a = ap.parse_args()
+  print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+  if jax.default_backend() != "gpu":
+    # No GPU: one smoke row in interpret mode, to keep the script itself tested. Timings are meaningless.
+    from pallas_kernels._common import maybe_interpret
+    args, kw = make_inputs(1, 2, 2, 4, True)
+    with maybe_interpret():
+      us, _ = time_per_call(kd.kda_decode, args, kw, n_calls=2, reps=1)
+    print(f"CPU smoke run (interpret mode) ok: {us:.0f} us per call; run on a GPU for real numbers")
+    return 0
+  H, Q = 16, 4
+  cfg = kd.KdaDecodeConfig
+  variants = [
+      ("kernel+norm (4 WG/CTA fused, TMA)", True, functools.partial(kd.kda_decode, config=None)),
+      ("kernel+norm (4 WG/CTA fused, no TMA)", True, functools.partial(kd.kda_decode, config=cfg(prefetch=False))),
+      ("kernel (1 WG/CTA, TMA)", False, functools.partial(kd.kda_decode, config=None)),
+      ("reference+norm (XLA)", True, kd.kda_decode_reference),
+  ]
+  extras = [
+      ("kernel+norm (1 WG/CTA, XLA norm)", True, functools.partial(kd.kda_decode, config=cfg(wgs_per_cta=1))),
+      ("kernel+norm (BV=64, 2 WG/CTA fused)", True, functools.partial(kd.kda_decode, config=cfg(block_v=64))),
+      ("kernel (1 WG/CTA, BV=64)", False, functools.partial(kd.kda_decode, config=cfg(block_v=64))),
+  ]
+  if a.quick:
+    variants = [variants[0], variants[-1]]
+  t_start = time.time()
+  print(f"H={H} D={D} Q={Q}, bf16 q/k/v/f/b/gate, f32 state; us per call, in-graph (N unrolled chained calls)")
+  print(f"{'variant':38s} {'B':>3s} {'T':>2s} {'us':>9s} {'GB/s':>8s} {'%4.3TB/s':>9s}", flush=True)
+
+  def row(name, norm, fn, B, T):
+    if time.time() - t_start > a.budget_s:
+      print(f"{name:38s} {B:3d} {T:2d}   (skipped: time budget)", flush=True)
+      return
+    args, kw = make_inputs(B, T, H, Q, norm)
+    try:
+      us, t_compile = time_per_call(fn, args, kw, n_calls=a.n_calls, reps=10)
+    except Exception as e:  # keep the table going; report the failure in its row
+      print(f"{name:38s} {B:3d} {T:2d}   FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      return
+    gbs = B * H * D * D * 4 * (1 + T) / us / 1e3
+    print(f"{name:38s} {B:3d} {T:2d} {us:9.2f} {gbs:8.0f} {100 * gbs / (HBM_TBPS * 1e3):8.1f}%  "
+          f"(compile {t_compile:.1f} s)", flush=True)
+
+  # Launch + framework floor: same operands, grid and in-place aliasing, empty body.
+  row("empty kernel (same operands/grid)", False, empty_kernel, 1, 1)
+  for B in (1, 8, 32):
+    for T in (1, 4):
+      for name, norm, fn in variants:
+        row(name, norm, fn, B, T)
+  if not a.quick:
+    for B, T in ((1, 1), (32, 4), (8, 4)):
+      for name, norm, fn in extras:
+        row(name, norm, fn, B, T)
+  print(f"total {time.time() - t_start:.0f} s", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

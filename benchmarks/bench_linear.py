@@ -1,0 +1,341 @@
+"""Benchmark the weight-streaming decode kernels of pallas_kernels/linear.py against XLA on one GPU.
+
+For each real per-TP4-rank shape and M token rows: device time per call (CUPTI kernel durations, so no host
+dispatch is counted; weights rotate over enough copies that they are cold in the 60 MB L2), TB/s of weight bytes,
+% of the 4.3 TB/s H200 roofline, and XLA (dequant + dot, jitted) for comparison.
+
+  "kern us"  the Mosaic kernel(s) alone;  "call us"  everything one call launches (activation quantisation,
+  kernel, split-K/transposition epilogue);  "xla us"  every kernel of the jitted XLA version.
+
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32] [--only fp8,bf16,moe]
+              [--sweep] [--budget-s 200] [--out results.txt]
+Falls back to host wall-clock over many back-to-back async calls if CUPTI is unavailable (then dispatch-bound
+for small shapes; marked "wall").
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import linear as L
+
+HBM_BPS = 4.3e12
+L2_BYTES = 60 << 20
+F8 = jnp.float8_e4m3fn
+
+FP8_SHAPES = [
+    ("q_a", 1536, 4096), ("kv_a|sh_gate_up", 512, 4096), ("q_b", 4096, 1536), ("mla_o", 4096, 4096),
+    ("dense_gate_up", 3072, 4096), ("dense_down", 4096, 3072), ("sh_down", 4096, 512),
+]
+BF16_SHAPES = [("kda_qkv", 2048, 4096), ("kda_o", 4096, 2048), ("lm_head", 38720, 4096)]
+MOE = dict(E=288, I=512, D=4096, k=8, limit=10.0)
+
+_T0 = time.time()
+_LINES: list[str] = []
+
+
+def log(s=""):
+  print(s, flush=True)
+  _LINES.append(s)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------------------
+def _cupti():
+  try:
+    from jax._src.lib import mosaic_gpu as mgpu_lib
+    ext = mgpu_lib._mosaic_gpu_ext
+    return ext if hasattr(ext, "_cupti_init") else None
+  except Exception:  # noqa: BLE001
+    return None
+
+
+_EXT = _cupti()
+_USE_CUPTI = _EXT is not None
+
+
+def time_calls(fn, arg_sets, reps: int = 3):
+  """Device time per call of ``fn`` over ``arg_sets`` (one call each, back to back), median of ``reps``.
+
+  Returns (total_us, {kernel_name: us}) per call. With CUPTI: the sum of kernel durations; else wall-clock.
+  """
+  global _USE_CUPTI
+  jax.block_until_ready(fn(*arg_sets[0]))  # compile + warm-up
+  jax.block_until_ready([fn(*a) for a in arg_sets[:2]])
+  totals, per_name = [], []
+  for _ in range(reps):
+    if _USE_CUPTI:
+      try:
+        _EXT._cupti_init()
+        outs = [fn(*a) for a in arg_sets]
+        jax.block_until_ready(outs)
+        timings = _EXT._cupti_get_timings(True)
+        names: dict[str, float] = {}
+        for name, ms in timings:
+          names[name] = names.get(name, 0.0) + ms * 1e3 / len(arg_sets)
+        totals.append(sum(names.values()))
+        per_name.append(names)
+        continue
+      except Exception as e:  # noqa: BLE001
+        log(f"# CUPTI failed ({type(e).__name__}: {e}); falling back to wall-clock")
+        _USE_CUPTI = False
+    t = time.perf_counter()
+    outs = [fn(*a) for a in arg_sets]
+    jax.block_until_ready(outs)
+    totals.append((time.perf_counter() - t) * 1e6 / len(arg_sets))
+    per_name.append({})
+  i = int(np.argsort(totals)[len(totals) // 2])
+  return totals[i], per_name[i]
+
+
+def mosaic_us(names: dict[str, float]) -> float | None:
+  """Time of the Mosaic kernels among the per-name timings (XLA fusions are named after HLO ops)."""
+  ks = {n: t for n, t in names.items() if "glm5_" in n}
+  return sum(ks.values()) if ks else None
+
+
+def n_copies(nbytes: int) -> int:
+  """Enough weight copies that one pass over them is >= 4x L2 (each call sees cold weights)."""
+  return int(min(64, max(4, math.ceil(4 * L2_BYTES / nbytes))))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=(1,))
+def quantized_weight(key, shape):
+  """Random normal weight [..., R, C] quantised per 128x128 block (s = amax / 448) -> (e4m3, scale_inv)."""
+  *lead, r, c = shape
+  wf = jax.random.normal(key, shape, jnp.float32) * 0.02
+  blk = wf.reshape(*lead, r // 128, 128, c // 128, 128)
+  s = jnp.maximum(jnp.max(jnp.abs(blk), axis=(-3, -1)) / 448.0, 1e-12)
+  q = (blk / s[..., :, None, :, None]).reshape(shape)
+  return jnp.clip(q, -448, 448).astype(F8), s
+
+
+def copies(a, n):
+  return [a] + [jnp.array(a, copy=True) for _ in range(n - 1)]
+
+
+def relerr(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# XLA baselines
+# ------------------------------------------------------------------------------------------------------------
+def xla_fp8(x, w, s):
+  return jnp.dot(x.astype(jnp.bfloat16), L.dequantize_fp8(w, s).astype(jnp.bfloat16).T,
+                 preferred_element_type=jnp.float32)
+
+
+def xla_bf16(x, w):
+  return jnp.dot(x.astype(jnp.bfloat16), w.T, preferred_element_type=jnp.float32)
+
+
+def xla_moe(x, ids, tw, wg, sg, wu, su, wd, sd, *, limit):
+  """Gather the selected experts per (token, slot), dequantise, einsum: what plain XLA would do."""
+  xb = x.astype(jnp.bfloat16)
+  deq = lambda w, s: L.dequantize_fp8(w[ids], s[ids]).astype(jnp.bfloat16)  # [M, k, R, C]
+  g = jnp.einsum("md,mkid->mki", xb, deq(wg, sg), preferred_element_type=jnp.float32)
+  u = jnp.einsum("md,mkid->mki", xb, deq(wu, su), preferred_element_type=jnp.float32)
+  h = jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
+  y = jnp.einsum("mki,mkdi->mkd", h.astype(jnp.bfloat16), deq(wd, sd), preferred_element_type=jnp.float32)
+  return jnp.einsum("mkd,mk->md", y, tw)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# benchmarks
+# ------------------------------------------------------------------------------------------------------------
+HEADER = (f"{'kernel':<6} {'shape':<22} {'M':>3} {'MB':>7} {'kern us':>8} {'TB/s':>5} {'%4.3':>5} "
+          f"{'call us':>8} {'TB/s':>5} {'xla us':>8} {'xla TB/s':>8} {'x':>5} {'relerr':>8}  plan")
+
+
+def row(kind, shape, m, nbytes, kern, call, xla, err, plan):
+  k = kern if kern is not None else call
+  f = lambda us: nbytes / (us * 1e-6) / 1e12 if us else float("nan")
+  log(f"{kind:<6} {shape:<22} {m:>3} {nbytes / 1e6:7.1f} {k:8.1f} {f(k):5.2f} {100 * f(k) / 4.3:5.0f} "
+      f"{call:8.1f} {f(call):5.2f} {xla if xla else float('nan'):8.1f} {f(xla):8.2f} "
+      f"{(xla / call) if xla else float('nan'):5.1f} {err:8.1e}  {plan}")
+
+
+def bench_fp8(name, n, k, m, plan=None, with_xla=True, check=True):
+  key = jax.random.key(n * 7 + k + m)
+  w, s = quantized_weight(key, (n, k))
+  x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+  nb = n * k
+  r = n_copies(nb)
+  ws, ss = copies(w, r), copies(s, r)
+  f = jax.jit(functools.partial(L.fp8_linear, plan=plan))
+  args = [(x, ws[i], ss[i]) for i in range(r)]
+  err = relerr(f(x, w, s), jax.jit(L.fp8_linear_reference)(x, w, s)) if check else float("nan")
+  call, names = time_calls(f, args)
+  xla = time_calls(jax.jit(xla_fp8), args)[0] if with_xla else None
+  p = plan or L.plan_linear(n, k, L._padded_rows(m), "fp8")
+  row("fp8", f"{name} {n}x{k}", m, nb, mosaic_us(names), call, xla, err, p)
+  return names
+
+
+def bench_bf16(name, n, k, m, plan=None, with_xla=True, check=True):
+  w = (jax.random.normal(jax.random.key(n + k), (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+  nb = 2 * n * k
+  r = n_copies(nb)
+  ws = copies(w, r)
+  f = jax.jit(functools.partial(L.bf16_linear, plan=plan))
+  args = [(x, ws[i]) for i in range(r)]
+  err = relerr(f(x, w), jax.jit(L.bf16_linear_reference)(x, w)) if check else float("nan")
+  call, names = time_calls(f, args)
+  xla = time_calls(jax.jit(xla_bf16), args)[0] if with_xla else None
+  p = plan or L.plan_linear(n, k, L._padded_rows(m), "bf16")
+  row("bf16", f"{name} {n}x{k}", m, nb, mosaic_us(names), call, xla, err, p)
+  return names
+
+
+_MOE_W = None
+
+
+def moe_weights():
+  global _MOE_W
+  if _MOE_W is None:
+    e, i, d = MOE["E"], MOE["I"], MOE["D"]
+    ks = jax.random.split(jax.random.key(123), 3)
+    wg, sg = quantized_weight(ks[0], (e, i, d))
+    wu, su = quantized_weight(ks[1], (e, i, d))
+    wd, sd = quantized_weight(ks[2], (e, d, i))
+    _MOE_W = (wg, sg, wu, su, wd, sd)
+  return _MOE_W
+
+
+def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12):
+  e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
+  w = moe_weights()
+  x = jax.random.normal(jax.random.key(m), (m, d), jnp.float32).astype(jnp.bfloat16)
+  args, distinct = [], []
+  for j in range(n_sets):
+    kk = jax.random.key(1000 * m + j)
+    ids = jnp.argsort(jax.random.uniform(kk, (m, e)), axis=1)[:, :k].astype(jnp.int32)
+    tw = jax.random.uniform(jax.random.fold_in(kk, 1), (m, k), jnp.float32, 0.05, 0.5)
+    args.append((x, ids, tw, *w))
+    distinct.append(len(np.unique(np.asarray(ids))))
+  nb = int(np.mean(distinct) * 3 * i * d)
+  f = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=MOE["limit"], plan=plan))
+  err = float("nan")
+  if check:
+    ref = jax.jit(functools.partial(L.fp8_moe_reference, swiglu_limit=MOE["limit"]))(*args[0])
+    err = relerr(f(*args[0]), ref)
+  call, names = time_calls(f, args)
+  xla = time_calls(jax.jit(functools.partial(xla_moe, limit=MOE["limit"])), args)[0] if with_xla else None
+  p = plan or L.plan_moe(min(e, m * k), i, d, L._padded_rows(m))
+  row("moe", f"E{e} I{i} D{d} ~{np.mean(distinct):.0f}exp", m, nb, mosaic_us(names), call, xla, err, p)
+  return names
+
+
+def guarded(deadline, fn, *a, **kw):
+  if time.time() > deadline:
+    return None
+  try:
+    return fn(*a, **kw)
+  except Exception as e:  # noqa: BLE001
+    log(f"# FAILED {fn.__name__}{a}: {type(e).__name__}: {str(e)[:300]}")
+    return None
+
+
+def _sweep_fp8(deadline, name, n, k, m):
+  mp = L._padded_rows(m)
+  seen = {L.plan_linear(n, k, mp, "fp8")}
+  for tc, st in [(132, None), (528, None), (264, 2), (1056, None), (132, 2)]:
+    p = L.plan_linear(n, k, mp, "fp8", target_ctas=tc, stages=st)
+    if p not in seen:
+      seen.add(p)
+      guarded(deadline, bench_fp8, name, n, k, m, plan=p, with_xla=False, check=False)
+
+
+def _sweep_bf16(deadline, name, n, k, m):
+  mp = L._padded_rows(m)
+  seen = {L.plan_linear(n, k, mp, "bf16")}
+  for bk, tc, st in [(256, 264, None), (64, 264, None), (128, 132, None), (128, 528, None), (128, 264, 3)]:
+    p = L.plan_linear(n, k, mp, "bf16", bk=bk, target_ctas=tc, stages=st)
+    if p not in seen:
+      seen.add(p)
+      guarded(deadline, bench_bf16, name, n, k, m, plan=p, with_xla=False, check=False)
+
+
+def _sweep_moe(deadline, m):
+  e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
+  mp = L._padded_rows(m)
+  seen = {L.plan_moe(min(e, m * k), i, d, mp)}
+  for kw in [dict(gu_bm=128), dict(dn_groups=4), dict(dn_groups=16), dict(gu_stages=4), dict(dn_bm=64)]:
+    p = L.plan_moe(min(e, m * k), i, d, mp, **kw)
+    if p not in seen:
+      seen.add(p)
+      guarded(deadline, bench_moe, m, plan=p, with_xla=False, check=False, n_sets=8)
+
+
+def sweep(deadline):
+  """Plan variants for tuning the defaults (no XLA, no correctness check), most informative first."""
+  log("\n# sweep (plan variants)")
+  log(HEADER)
+  _sweep_fp8(deadline, "mla_o", 4096, 4096, 1)
+  _sweep_bf16(deadline, "lm_head", 38720, 4096, 1)
+  _sweep_moe(deadline, 1)
+  _sweep_fp8(deadline, "q_a", 1536, 4096, 1)
+  _sweep_bf16(deadline, "kda_qkv", 2048, 4096, 1)
+  _sweep_moe(deadline, 32)
+  _sweep_fp8(deadline, "mla_o", 4096, 4096, 32)
+  _sweep_bf16(deadline, "lm_head", 38720, 4096, 32)
+  _sweep_fp8(deadline, "kv_a", 512, 4096, 1)
+  _sweep_fp8(deadline, "dense_down", 4096, 3072, 8)
+  _sweep_moe(deadline, 8)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--rows", default="1,8,32")
+  ap.add_argument("--only", default="fp8,bf16,moe")
+  ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--budget-s", type=float, default=1e9)
+  ap.add_argument("--out", default=None)
+  a = ap.parse_args(argv)
+  deadline = _T0 + a.budget_s
+  rows = [int(r) for r in a.rows.split(",")]
+  only = set(a.only.split(","))
+  log(f"# jax {jax.__version__} {jax.devices()[0].device_kind}; timing: {'CUPTI' if _USE_CUPTI else 'wall'}")
+  log(HEADER)
+  first = True
+  if "fp8" in only:
+    for m in rows:
+      for name, n, k in FP8_SHAPES:
+        names = guarded(deadline, bench_fp8, name, n, k, m)
+        if first and names:
+          log(f"# kernel names of one fp8_linear call: {names}")
+          first = False
+  if "bf16" in only:
+    for m in rows:
+      for name, n, k in BF16_SHAPES:
+        guarded(deadline, bench_bf16, name, n, k, m)
+  if "moe" in only:
+    for m in rows:
+      names = guarded(deadline, bench_moe, m)
+      if names:
+        log(f"# kernel us per fp8_moe call: { {n: round(t, 1) for n, t in names.items()} }")
+  if a.sweep:
+    sweep(deadline)
+  log(f"# done in {time.time() - _T0:.0f} s")
+  if a.out:
+    with open(a.out, "w") as fh:
+      fh.write("\n".join(_LINES) + "\n")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

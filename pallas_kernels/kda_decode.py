@@ -1,0 +1,358 @@
+"""KDA (Kimi Delta Attention) multi-token decode recurrence: Pallas Mosaic GPU kernel + pure-jnp reference.
+
+Spec: model.md §3.5 (steps 3-7), decode.md §1.2 (one recurrent-state slot per verify position).
+
+Per sequence b, head h and token t (all fp32), with the state S in the HF layout [K, V]:
+
+  g     = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias[h]))     per key channel, in (lower_bound, 0)
+  alpha = exp(g);  beta = sigmoid(b)
+  q     = l2norm(q) * D**-0.5;  k = l2norm(k);   l2norm(x) = x / sqrt(sum(x^2) + 1e-6)
+  S     = diag(alpha) S;  r = S^T k;  delta = beta * (v - r);  S = S + k delta^T;  o = S^T q
+
+The recurrence starts from slot num_accepted[b] - 1 and writes the state after token t into slot t.
+
+Kernel design (`kda_decode`):
+  * One warpgroup owns a [K=128, BV] column slice of one (b, h) state (BV = 32 by default, like fla's BV): the
+    slice lives in registers for the whole T-token loop, is read once from GMEM and written once per slot. The
+    V dimension is split over D // BV warpgroups, which sit either in one CTA (needed for the fused norm: the
+    per-head RMS spans all of V) or in separate CTAs (more SMs busy at small B).
+  * Register layout of the slice: K over 16 lanes x 8 registers, V over 4 warps x 2 lanes x 4-vectors. So the
+    two reductions over K per token (S^T k and S^T q) stay inside a warp (8 in-thread adds + 4 shuffle rounds),
+    and GMEM loads/stores are 16-byte vectors. Everything is elementwise + reductions: no dot_general.
+  * The state update is in place: the kernel runs under `pl.run_state` and writes the state ref it closes
+    over, so under `jax.jit(..., donate_argnums=...)` the custom call aliases the state operand
+    (`output_operand_aliases`) and XLA copies nothing.
+  * The per-head q/k/f/v(/gate) rows of all T tokens are TMA-copied into SMEM at the start (one barrier), so
+    no GMEM load sits behind a state store inside the token loop.
+  * Lane lowering semantics (explicit layouts); no automatic barriers: warpgroups share only the prefetched
+    rows and the per-head o buffer of the fused norm, both ordered by mbarriers.
+
+Measured on one H200 (benchmarks/bench_kda_decode.py, H=16, bf16 inputs, in-graph per call): B=32 T=4 fused
+norm ~100 us (1.7 TB/s of state traffic, 2.1x the XLA reference); at B <= 8 every variant sits near a ~18 us
+per-call floor that an empty kernel with the same operands also shows (launch / framework cost, not the kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+L2NORM_EPS = 1e-6
+_DEBUG = False  # True: print the kernel jaxpr and Mosaic GPU module when lowering
+
+__all__ = ["KdaDecodeConfig", "kda_decode", "kda_decode_reference", "kda_decode_naive"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------------------
+def _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight):
+  B, T, H, D = q.shape
+  for name, x in (("k", k), ("v", v), ("f", f)):
+    if x.shape != (B, T, H, D):
+      raise ValueError(f"{name} must be [B, T, H, D] = {(B, T, H, D)}, got {x.shape}")
+  if b.shape != (B, T, H):
+    raise ValueError(f"b must be [B, T, H] = {(B, T, H)}, got {b.shape}")
+  if A_log.shape != (H,) or dt_bias.shape != (H, D):
+    raise ValueError(f"A_log must be [H], dt_bias [H, D]; got {A_log.shape}, {dt_bias.shape}")
+  if state.ndim != 5 or state.shape[0] != B or state.shape[2:] != (H, D, D) or state.shape[1] < T:
+    raise ValueError(f"state must be [B, Q >= T, H, D, D] with B={B} T={T} H={H} D={D}, got {state.shape}")
+  if state.dtype != jnp.float32:
+    raise ValueError(f"state must be float32, got {state.dtype}")
+  if num_accepted.shape != (B,):
+    raise ValueError(f"num_accepted must be [B], got {num_accepted.shape}")
+  if (gate is None) != (norm_weight is None):
+    raise ValueError("gate and norm_weight must be given together (fused gated RMSNorm)")
+  if gate is not None and (gate.shape != (B, T, H, D) or norm_weight.shape != (D,)):
+    raise ValueError(f"gate must be [B, T, H, D], norm_weight [D]; got {gate.shape}, {norm_weight.shape}")
+  return B, T, H, D, state.shape[1]
+
+
+def _gated_rms_norm(o, gate, norm_weight, eps):
+  """o, gate: [..., D]; norm_weight: [D]. fp32 result: w * o / sqrt(mean(o^2) + eps) * sigmoid(gate)."""
+  o = o.astype(jnp.float32)
+  inv = lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
+  return norm_weight.astype(jnp.float32) * (o * inv) * jax.nn.sigmoid(gate.astype(jnp.float32))
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure-jnp reference (vectorised over B and H, loops over the T <= 8 tokens)
+# --------------------------------------------------------------------------------------------------
+def kda_decode_reference(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
+                         gate=None, norm_weight=None, norm_eps=1e-5):
+  """KDA decode recurrence over T tokens, pure jnp (fp32 math).
+
+  q, k, v: [B, T, H, D] (bf16 or f32), after the short conv + SiLU, before l2-norm.
+  f: [B, T, H, D] forget-gate logits (f_b(f_a(x)), before dt_bias).  b: [B, T, H] beta logits.
+  A_log: [H] f32.  dt_bias: [H, D] f32.
+  state: [B, Q, H, D, D] f32, one slot per verify position (Q >= T), layout [K, V].
+  num_accepted: [B] int32 in [1, Q]; the recurrence starts from slot num_accepted - 1.
+  gate, norm_weight: optional fused gated RMSNorm, gate [B, T, H, D] logits, norm_weight [D].
+  Returns (o [B, T, H, D] f32, new_state [B, Q, H, D, D] f32): slot t < T holds the state after token t,
+  slots >= T are unchanged.
+  """
+  B, T, H, D, Q = _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
+  f32 = jnp.float32
+  hi = lax.Precision.HIGHEST  # the reference must not drop to TF32 on GPU
+  q, k, v, f, b = (x.astype(f32) for x in (q, k, v, f, b))
+  # Gates and normalisations for all tokens at once: [B, T, H, D] / [B, T, H].
+  g = lower_bound * jax.nn.sigmoid(jnp.exp(A_log.astype(f32))[:, None] * (f + dt_bias.astype(f32)))
+  alpha = jnp.exp(g)
+  beta = jax.nn.sigmoid(b)
+  q = q * lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + L2NORM_EPS) * (D ** -0.5)
+  k = k * lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + L2NORM_EPS)
+
+  s = state[jnp.arange(B), num_accepted.astype(jnp.int32) - 1]  # [B, H, K, V]
+  outs, states = [], []
+  for t in range(T):
+    s = s * alpha[:, t, :, :, None]
+    r = jnp.einsum("bhkv,bhk->bhv", s, k[:, t], precision=hi)
+    delta = beta[:, t, :, None] * (v[:, t] - r)
+    s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+    outs.append(jnp.einsum("bhkv,bhk->bhv", s, q[:, t], precision=hi))
+    states.append(s)
+  o = jnp.stack(outs, axis=1)  # [B, T, H, V]
+  new_state = lax.dynamic_update_slice_in_dim(state, jnp.stack(states, axis=1), 0, axis=1)
+  if gate is not None:
+    o = _gated_rms_norm(o, gate, norm_weight, norm_eps)
+  return o, new_state
+
+
+def kda_decode_naive(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
+                     gate=None, norm_weight=None, norm_eps=1e-5):
+  """Literal per-sequence, per-token, per-head recurrence in numpy float64 (the oracle for the reference).
+
+  Same arguments and results as `kda_decode_reference` (results as float64 numpy arrays).
+  """
+  q, k, v, f, b, A_log, dt_bias, state = (np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+                                          for x in (q, k, v, f, b, A_log, dt_bias, state))
+  num_accepted = np.asarray(num_accepted)
+  if gate is not None:
+    gate, norm_weight = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (gate, norm_weight))
+  B, T, H, D = q.shape
+  o = np.zeros((B, T, H, D))
+  new_state = state.copy()
+  for bi in range(B):
+    for h in range(H):
+      S = state[bi, num_accepted[bi] - 1, h].copy()  # [K, V]
+      for t in range(T):
+        g = lower_bound / (1.0 + np.exp(-np.exp(A_log[h]) * (f[bi, t, h] + dt_bias[h])))
+        beta = 1.0 / (1.0 + np.exp(-b[bi, t, h]))
+        qt = q[bi, t, h] / np.sqrt(np.sum(q[bi, t, h] ** 2) + L2NORM_EPS) * D ** -0.5
+        kt = k[bi, t, h] / np.sqrt(np.sum(k[bi, t, h] ** 2) + L2NORM_EPS)
+        S = np.exp(g)[:, None] * S
+        delta = beta * (v[bi, t, h] - S.T @ kt)
+        S = S + np.outer(kt, delta)
+        ot = S.T @ qt
+        if gate is not None:
+          ot = norm_weight * ot / np.sqrt(np.mean(ot ** 2) + norm_eps) / (1.0 + np.exp(-gate[bi, t, h]))
+        o[bi, t, h] = ot
+        new_state[bi, t, h] = S
+  return o, new_state
+
+
+# --------------------------------------------------------------------------------------------------
+# Pallas Mosaic GPU kernel
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KdaDecodeConfig:
+  """Tuning knobs of the kernel.
+
+  block_v: V columns of one (b, h) state owned by one warpgroup (32 or 64; D // block_v warpgroups per head).
+  wgs_per_cta: warpgroups per CTA (a divisor of D // block_v). None: all of a head's warpgroups in one CTA
+    when the fused norm is requested (its RMS spans all of V), else one warpgroup per CTA (more SMs busy).
+    With fewer than D // block_v warpgroups per CTA the gated norm runs as a small XLA epilogue instead.
+  prefetch: TMA the per-head q/k/f/v(/gate) rows of all T tokens into SMEM at the start (True), or load each
+    token's vectors straight from GMEM inside the token loop (False).
+  """
+  block_v: int = 32
+  wgs_per_cta: int | None = None
+  prefetch: bool = True
+
+  def __post_init__(self):
+    if self.block_v not in (32, 64):
+      raise ValueError(f"block_v must be 32 or 64, got {self.block_v}")
+
+
+def _tiled(layout: mgpu_fa.TiledLayout) -> plgpu.Layout:
+  layout = layout.canonicalize()
+  return plgpu.Layout.TILED(layout.tiling, warp_dims=layout.warp_dims, lane_dims=layout.lane_dims,
+                            vector_dim=layout.vector_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts(D: int, BV: int):
+  """Register layouts: state slice [D, BV], K-vectors [D], V-vectors [BV], per-head rows [T, D] (norm)."""
+  if D != 128:
+    raise NotImplementedError(f"the kernel layout assumes D == 128 (16 lanes x 8 registers over K), got {D}")
+  # [128, BV] -> warps own BV/4 columns; inside a warp 16 lanes x 8 registers cover K and 2 lanes x 4-vectors
+  # cover 8 columns (x BV/32 registers): K-reductions never leave the warp, GMEM accesses are 16-byte vectors.
+  s = mgpu_fa.TiledLayout(mgpu_fa.Tiling(((D, BV), (D, BV // 4), (16, 8), (4,))), warp_dims=(-6,),
+                          lane_dims=(-3, -2), vector_dim=-1, _check_canonical=False).canonicalize()
+  # [T, 128] rows for the norm epilogue: a warp holds whole rows (32 lanes x 4-vectors), warps replicate.
+  rows = mgpu_fa.TiledLayout(mgpu_fa.Tiling(((1, D), (1, 4))), warp_dims=(mgpu_fa.Replicated(4),),
+                             lane_dims=(-3,), vector_dim=-1, _check_canonical=False).canonicalize()
+  return dict(S=_tiled(s), K=_tiled(s.reduce([1])), V=_tiled(s.reduce([0])), ROWS=_tiled(rows),
+              ROW=_tiled(rows.reduce([0])))
+
+
+def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
+               gate=None, norm_weight=None, norm_eps=1e-5, config: KdaDecodeConfig | None = None):
+  """KDA decode recurrence over T tokens as one Pallas Mosaic GPU kernel; same contract as the reference.
+
+  q, k, v: [B, T, H, D] (bf16 or f32), after the short conv + SiLU, before l2-norm.
+  f: [B, T, H, D] forget-gate logits (f_b(f_a(x)), before dt_bias), any float dtype.  b: [B, T, H] beta logits.
+  A_log: [H] f32.  dt_bias: [H, D] f32.
+  state: [B, Q, H, D, D] f32, one slot per verify position (Q >= T), layout [K, V]. Updated in place when
+    the caller donates it (jax.jit(..., donate_argnums=...)); otherwise XLA copies it once.
+  num_accepted: [B] int32 in [1, Q]; the recurrence starts from slot num_accepted - 1 (not range-checked).
+  gate, norm_weight: optional fused gated RMSNorm, gate [B, T, H, D] logits, norm_weight [D].
+  lower_bound, norm_eps: Python floats (static).  config: tuning knobs (KdaDecodeConfig).
+  Returns (o [B, T, H, D] f32, new_state [B, Q, H, D, D] f32): slot t < T holds the state after token t,
+  slots >= T are untouched.
+  """
+  B, T, H, D, Q = _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
+  config = config or KdaDecodeConfig()
+  BV = config.block_v
+  NV = D // BV  # warpgroups per (b, h)
+  fuse_norm = gate is not None
+  wgs = config.wgs_per_cta or (NV if fuse_norm else 1)
+  if NV % wgs:
+    raise ValueError(f"wgs_per_cta={wgs} must divide D // block_v = {NV}")
+  norm_in_kernel = fuse_norm and wgs == NV
+  lay = _layouts(D, BV)
+  L_S, L_K, L_V = lay["S"], lay["K"], lay["V"]
+  f32 = jnp.float32
+  lower_bound = float(lower_bound)
+  norm_eps = float(norm_eps)
+  q_scale = float(D) ** -0.5
+
+  def load(ref, layout):
+    # optimized=False: the "optimized" transfer path only exists for SMEM; GMEM gets plain vector loads.
+    return plgpu.load(ref, layout=layout, optimized=False).astype(f32)
+
+  def over_k(x):  # K-vector [D] -> [D, BV], constant along V
+    return plgpu.layout_cast(lax.broadcast_in_dim(x, (D, BV), (0,)), L_S)
+
+  def over_v(x):  # V-vector [BV] -> [D, BV], constant along K
+    return plgpu.layout_cast(lax.broadcast_in_dim(x, (D, BV), (1,)), L_S)
+
+  def kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, na_ref, *norm_refs_and_o):
+    *norm_refs, o_ref = norm_refs_and_o
+    # SMEM must be allocated collectively by the CTA's warpgroups (and pl.kernel takes no scratch_types).
+    scratch = []
+    if config.prefetch:  # per-head rows [T, D] of q, k, f, v (and gate): one TMA each, shared by the CTA
+      scratch += [plgpu.SMEM((T, D), x.dtype) for x in (q, k, f, v)]
+      scratch += [plgpu.SMEM((T, D), gate.dtype)] if norm_in_kernel else []
+      scratch += [plgpu.Barrier(num_arrivals=len(scratch))]
+    if norm_in_kernel:  # o of the whole head for the RMS, and the barrier that publishes it
+      scratch += [plgpu.SMEM((T, D), f32), plgpu.Barrier(num_arrivals=wgs)]
+    refs = (state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, na_ref, *norm_refs)
+    if scratch:
+      pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg" if wgs > 1 else ())
+    else:
+      body(*refs)
+
+  def body(state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, na_ref, *rest):
+    rest = list(rest)
+    gate_ref, nw_ref = (rest.pop(0), rest.pop(0)) if norm_in_kernel else (None, None)
+    wg = lax.axis_index("wg") if wgs > 1 else 0
+    vi = lax.axis_index("v") * wgs + wg
+    h = lax.axis_index("h")
+    bi = lax.axis_index("b")
+    v0 = pl.multiple_of(vi * BV, BV)
+    cols = pl.ds(v0, BV)
+    rows = lambda ref: ref.at[bi, :, h, :]  # [T, D] view of a [B, T, H, D] input
+    srcs = [rows(r) for r in (q_ref, k_ref, f_ref, v_ref)] + ([rows(gate_ref)] if norm_in_kernel else [])
+
+    if config.prefetch:
+      # All per-token inputs are requested before the first state store: plain loads issued after a GMEM
+      # store cannot be hoisted above it (possible aliasing), which would serialise one load round trip per token.
+      *smem, bar_in = rest[:len(srcs) + 1]
+      rest = rest[len(srcs) + 1:]
+
+      def issue():
+        for src, dst in zip(srcs, smem):
+          plgpu.copy_gmem_to_smem(src, dst, bar_in)
+
+      if wgs > 1:
+        pl.when(wg == 0)(issue)
+      else:
+        issue()
+      srcs = smem
+    q_src, k_src, f_src, v_src = srcs[:4]
+
+    S = plgpu.load(state_ref.at[bi, na_ref[bi] - 1, h, :, cols], layout=L_S, optimized=False)
+    a = jnp.exp(alog_ref[h])
+    dtb = load(dtb_ref.at[h], L_K)
+    betas = [jax.nn.sigmoid(b_ref[bi, t, h].astype(f32)) for t in range(T)]
+    if config.prefetch:
+      plgpu.barrier_wait(bar_in)
+    if norm_in_kernel:
+      o_smem, bar_o = rest
+
+    for t in range(T):  # T <= 8: unrolled, so every slot index is static
+      qt = load(q_src.at[t], L_K)
+      kt = load(k_src.at[t], L_K)
+      ft = load(f_src.at[t], L_K)
+      vt = load(v_src.at[t, cols], L_V)
+      alpha = jnp.exp(lower_bound * jax.nn.sigmoid(a * (ft + dtb)))
+      # Every warp holds all of K for its columns, so these full reductions need no SMEM.
+      kt = kt * lax.rsqrt(jnp.sum(kt * kt) + L2NORM_EPS)
+      qt = qt * (lax.rsqrt(jnp.sum(qt * qt) + L2NORM_EPS) * q_scale)
+      kb = over_k(kt)
+      S = S * over_k(alpha)
+      r = jnp.sum(S * kb, axis=0)
+      S = S + kb * over_v(betas[t] * (vt - r))
+      o = jnp.sum(S * over_k(qt), axis=0)
+      state_ref[bi, t, h, :, cols] = S
+      if norm_in_kernel:
+        o_smem[t, cols] = o
+      else:
+        o_ref[bi, t, h, cols] = o
+
+    if norm_in_kernel:
+      # The RMS spans all of V: every warpgroup publishes its o columns to SMEM (mbarrier arrive = release),
+      # warpgroup 0 waits (acquire) and finishes the whole head.
+      plgpu.barrier_arrive(bar_o)
+
+      @pl.when(wg == 0)
+      def _():
+        plgpu.barrier_wait(bar_o)
+        o_all = plgpu.load(o_smem, layout=lay["ROWS"], optimized=False)  # [T, D]
+        g_all = load(srcs[4], lay["ROWS"])
+        w = load(nw_ref, lay["ROW"])
+        inv = lax.rsqrt(jnp.sum(o_all * o_all, axis=1) * (1.0 / D) + norm_eps)  # [T]
+        inv = plgpu.layout_cast(lax.broadcast_in_dim(inv, (T, D), (0,)), lay["ROWS"])
+        w = plgpu.layout_cast(lax.broadcast_in_dim(w, (T, D), (1,)), lay["ROWS"])
+        o_ref[bi, :, h, :] = w * (o_all * inv) * jax.nn.sigmoid(g_all)
+
+  if wgs > 1:
+    mesh = plgpu.Mesh(grid=(NV // wgs, H, B), grid_names=("v", "h", "b"), num_threads=wgs, thread_name="wg")
+  else:
+    mesh = plgpu.Mesh(grid=(NV, H, B), grid_names=("v", "h", "b"))
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True)
+  inputs = (q, k, v, f, b, A_log.astype(f32), dt_bias.astype(f32), num_accepted.astype(jnp.int32))
+  if norm_in_kernel:
+    inputs += (gate, norm_weight)
+
+  @pl.run_state
+  def run(refs):
+    state_ref, o_ref = refs
+    # o is a plain kernel output (copied into o_ref, whose zero init XLA then drops as dead): an uninitialised
+    # lax.empty buffer instead would add an AllocateBuffer custom call next to every kernel.
+    o_ref[...] = pl.kernel(functools.partial(kernel, state_ref), out_type=jax.ShapeDtypeStruct((B, T, H, D), f32),
+                           mesh=mesh, compiler_params=params, name="kda_decode", debug=_DEBUG)(*inputs)
+
+  new_state, o = run((state, jnp.zeros((B, T, H, D), f32)))
+  if fuse_norm and not norm_in_kernel:
+    o = _gated_rms_norm(o, gate, norm_weight, norm_eps)
+  return o, new_state

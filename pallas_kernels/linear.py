@@ -1,0 +1,611 @@
+"""Weight-streaming linear kernels for decode (1..64 token rows) on Hopper, in Pallas Mosaic GPU.
+
+Three kernels, each beside a pure-jnp reference with the same signature (fp32 math, Precision.HIGHEST):
+
+* :func:`fp8_linear` / :func:`fp8_linear_reference`: ``y[M, N] = x[M, K] @ dequant(w[N, K]).T`` with FP8 e4m3
+  weights and 128x128 block scales ``scale_inv[ceil(N/128), ceil(K/128)]`` (spec model.md §7).
+* :func:`bf16_linear` / :func:`bf16_linear_reference`: skinny BF16 GEMV/GEMM (KDA projections, lm_head).
+* :func:`fp8_moe` / :func:`fp8_moe_reference`: the routed experts of a few decode tokens (gate+up with the
+  clamped SwiGLU, then down weighted by the routing weights), reading only the selected experts' weights.
+
+Shape letters: M token rows (batch x draft tokens), N output features, K input features, E experts,
+I expert intermediate size, D hidden size, k experts per token.
+
+Design (why it looks like this):
+
+* Decode is weight-bandwidth bound (<= 6 FLOP/B), so every kernel streams the weight exactly once with TMA into
+  a multi-stage SMEM ring, as many bytes in flight per SM as fit, and splits K over CTAs when N alone would leave
+  SMs idle (split-K partial sums are added by XLA in the epilogue).
+* The weight is the wgmma M operand (rows = output features, 64/128-row tiles) and the tokens are the wgmma N
+  operand (padded to ``mp`` = a multiple of 8), so tiny M costs no tensor-core waste. The kernel writes
+  ``y.T`` per split ``[S, N, mp]`` and a small XLA epilogue sums, transposes and casts.
+* FP8 path: activations are quantised (outside the kernel, fused by XLA) to TWO e4m3 terms with one scalar scale
+  ``s``: ``x/s ~= hi + lo/16`` where ``lo = e4m3((x/s - hi) * 16)``. hi and lo are extra token columns of the
+  same B tile, so the native fp8 x fp8 wgmma runs straight from SMEM (no register dequantisation, no f16
+  overflow risk) and the weight is still read once. hi+lo keeps ~8-9 significant bits, i.e. about bf16
+  precision (measured relerr ~5e-4 vs the fp32 dequantised reference; e4m3 alone would be ~2e-2).
+  The 128x128 weight block scale is applied AFTER the MMA: each 128-wide K block is accumulated in a fresh f32
+  accumulator and added to the running sum times ``scale_inv[row_block, k_block]`` (exact, and it also bounds
+  the precision loss of the tensor core's fp8 accumulation to one 128-K block, as DeepSeek-V3 does).
+* All three kernels run in GPU interpret mode on CPU (A and B of every wgmma are in SMEM), and cross-lower.
+
+Composition: :func:`quantize_activations` + :func:`fp8_linear_q` let a caller quantise an input once and feed
+several FP8 linears that share it (q_a and kv_a; dense gate and up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
+E4M3_MAX = 448.0
+LO_SCALE = 16.0  # lo term is stored x16: the hi residual is <= 2^-4 |v|, so lo*16 never exceeds 448
+NUM_SMS = 132  # H200
+SMEM_BYTES = 227 * 1024  # static per-CTA budget checked by Mosaic at lowering
+F8 = jnp.float8_e4m3fn
+
+
+# ------------------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------------------
+def _tr(dtype, minor: int):
+  """Tiling + swizzle transforms of an SMEM wgmma operand tile whose minor dim has ``minor`` elements."""
+  itemsize = jnp.dtype(dtype).itemsize
+  sw = plgpu.find_swizzle(minor * itemsize * 8)
+  return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
+
+
+def _round_up(a: int, b: int) -> int:
+  return -(-a // b) * b
+
+
+def _padded_rows(m: int) -> int:
+  """Token rows padded to the wgmma N granularity (8)."""
+  return max(8, _round_up(m, 8))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static tiling of one weight-streaming launch.
+
+  bm: weight rows per CTA (wgmma M); bk: K per pipeline step; split: K splits (CTAs per row tile);
+  stages: SMEM ring depth (loads in flight per CTA).
+  """
+
+  bm: int
+  bk: int
+  split: int
+  stages: int
+
+  def grid(self, n: int) -> int:
+    return (n // self.bm) * self.split
+
+
+def _pick_split(tiles: int, kb: int, target_ctas: int) -> int:
+  """Largest divisor of ``kb`` that keeps tiles * split <= target_ctas (so that all SMs stream)."""
+  best = 1
+  for d in range(1, kb + 1):
+    if kb % d == 0 and tiles * d <= target_ctas:
+      best = d
+  return best
+
+
+def _pick_stages(steps: int, stage_bytes: int, ctas: int, max_stages: int | None) -> int:
+  """As many stages as fit: one CTA per SM may use ~all SMEM, two per SM (more CTAs than SMs) half."""
+  budget = (SMEM_BYTES - 8 * 1024) if ctas <= NUM_SMS else (SMEM_BYTES // 2 - 4 * 1024)
+  st = max(1, min(steps, budget // stage_bytes))
+  if max_stages is not None:
+    st = max(1, min(st, max_stages))
+  return st
+
+
+def plan_linear(n: int, k: int, mp: int, kind: str, *, bm: int | None = None, bk: int | None = None,
+                split: int | None = None, stages: int | None = None, target_ctas: int = 2 * NUM_SMS) -> Plan:
+  """Default tiling for an [N, K] weight and ``mp`` padded token rows; ``kind`` is "fp8" or "bf16".
+
+  Any field can be overridden (the benchmark sweeps them). Constraints: N % bm == 0, K % bk == 0, bm in {64,128}.
+  """
+  if kind == "fp8":
+    # hi+lo accumulators [bm, mp] x2 plus the running sum: keep them <= ~100 registers per thread.
+    bm = bm or (128 if (mp <= 32 and n % 128 == 0) else 64)
+    bk = BLOCK
+    x_cols = 2 * mp
+    w_bytes, x_bytes = 1, 1
+  elif kind == "bf16":
+    bm = bm or (128 if n % 128 == 0 else 64)
+    bk = bk or 128
+    x_cols = mp
+    w_bytes, x_bytes = 2, 2
+  else:
+    raise ValueError(kind)
+  if n % bm or k % bk:
+    raise ValueError(f"[N={n}, K={k}] must be multiples of the tile ({bm}, {bk})")
+  tiles, kb = n // bm, k // bk
+  split = split or _pick_split(tiles, kb, target_ctas)
+  if kb % split:
+    raise ValueError(f"split={split} must divide K/bk={kb}")
+  steps = kb // split
+  stage_bytes = bm * bk * w_bytes + x_cols * bk * x_bytes
+  st = _pick_stages(steps, stage_bytes, tiles * split, stages)
+  return Plan(bm=bm, bk=bk, split=split, stages=st)
+
+
+def _mma_hi_lo(w_s, x_s, mp: int, acc_hi, acc_lo):
+  """One 128-K block: acc_hi = W @ hi.T, acc_lo = W @ lo.T (fresh zeroed accumulators) -> W @ (hi + lo/16).T."""
+  plgpu.wgmma(acc_hi, w_s, x_s.at[pl.ds(0, mp)].T)
+  plgpu.wgmma(acc_lo, w_s, x_s.at[pl.ds(mp, mp)].T)
+  return acc_hi[...] + acc_lo[...] * (1.0 / LO_SCALE)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# activation quantisation (XLA side; fuses with the producer of x)
+# ------------------------------------------------------------------------------------------------------------
+def quantize_activations(x: jax.Array, rows: int | None = None):
+  """Split x (any float dtype) into two e4m3 terms with one scalar scale.
+
+  Args:
+    x: [..., R, K] activations (R token rows).
+    rows: pad R to this many rows (>= R, multiple of 8); default ``_padded_rows(R)``.
+  Returns:
+    xq: [..., 2*rows, K] float8_e4m3fn; rows [0, rows) hold hi, rows [rows, 2*rows) hold lo (zero padded), with
+      ``x ~= s * (hi + lo / 16)``.
+    s: f32 scalar scale (amax / 448; 1 for an all-zero x).
+  """
+  r = x.shape[-2]
+  rows = rows or _padded_rows(r)
+  xf = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(xf))
+  s = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
+  v = jnp.clip(xf / s, -E4M3_MAX, E4M3_MAX)
+  hi = v.astype(F8)
+  lo = jnp.clip((v - hi.astype(jnp.float32)) * LO_SCALE, -E4M3_MAX, E4M3_MAX).astype(F8)
+  pad = [(0, 0)] * (x.ndim - 2) + [(0, rows - r), (0, 0)]
+  return jnp.concatenate([jnp.pad(hi, pad), jnp.pad(lo, pad)], axis=-2), s
+
+
+# ------------------------------------------------------------------------------------------------------------
+# FP8 block-scaled linear
+# ------------------------------------------------------------------------------------------------------------
+def _fp8_linear_kernel(xq_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *, mp: int, plan: Plan, tiles: int,
+                       steps: int):
+  """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks); writes o[split, rows, :mp]."""
+  bm, stages = plan.bm, plan.stages
+  t = lax.axis_index("t")
+  tile, sk = t % tiles, t // tiles
+  row0 = tile * bm
+  kb0 = sk * steps
+  nb = row0 // BLOCK  # bm <= 128 divides 128: one scale row per tile
+
+  def issue(i):  # static i: TMA the weight tile and the (hi|lo) activation tile of step i into its slot
+    slot = i % stages
+    k0 = (kb0 + i) * BLOCK
+    plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(row0, bm), pl.ds(k0, BLOCK)], w_s.at[slot], bar.at[slot])
+    plgpu.copy_gmem_to_smem(xq_ref.at[:, pl.ds(k0, BLOCK)], x_s.at[slot], bar.at[slot])
+
+  for i in range(stages):  # fill the ring: `stages` steps in flight from the start
+    issue(i)
+  # Scale loads are issued `stages` steps ahead so their GMEM latency hides behind the data waits.
+  scales = [s_ref[nb, kb0 + i] for i in range(min(stages, steps))]
+  acc = None
+  for i in range(steps):  # fully unrolled: static slots, steps <= K/128
+    slot = i % stages
+    if i + stages < steps:
+      scales.append(s_ref[nb, kb0 + i + stages])
+    plgpu.barrier_wait(bar.at[slot])
+    blk = pl.run_scoped(functools.partial(_mma_hi_lo, w_s.at[slot], x_s.at[slot], mp),
+                        plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
+    # Reading the accumulators waited for the wgmma, so the slot is free again: refill it.
+    if i + stages < steps:
+      issue(i + stages)
+    acc = blk * scales[i] if acc is None else acc + blk * scales[i]
+  o_ref[sk, pl.ds(row0, bm), :] = acc
+
+
+def fp8_linear_q(xq: jax.Array, x_scale: jax.Array, m: int, w: jax.Array, scale_inv: jax.Array, *,
+                 out_dtype=jnp.float32, plan: Plan | None = None) -> jax.Array:
+  """FP8 linear on pre-quantised activations (from :func:`quantize_activations`).
+
+  Args:
+    xq: [2*mp, K] e4m3 (hi rows then lo rows); x_scale: f32 scalar; m: real token rows M <= mp.
+    w: [N, K] float8_e4m3fn; scale_inv: [ceil(N/128), ceil(K/128)] f32.
+  Returns: y [M, N] out_dtype.
+  """
+  two_mp, k = xq.shape
+  mp = two_mp // 2
+  n, k2 = w.shape
+  if k != k2 or w.dtype != F8:
+    raise ValueError(f"bad shapes/dtypes: xq {xq.shape} w {w.shape} {w.dtype}")
+  if k % BLOCK or n % 64:
+    raise NotImplementedError(f"fp8_linear needs K % 128 == 0 and N % 64 == 0, got N={n} K={k}")
+  if mp > 64:
+    raise NotImplementedError("fp8_linear_q takes <= 64 rows; fp8_linear chunks larger M")
+  plan = plan or plan_linear(n, k, mp, "fp8")
+  tiles = n // plan.bm
+  steps = k // BLOCK // plan.split
+  kernel = functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps)
+  out = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
+      grid=(tiles * plan.split,),
+      grid_names=("t",),
+      kernel_name="glm5_fp8_linear",
+      scratch_types=[
+          plgpu.SMEM((plan.stages, plan.bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((plan.stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
+      ],
+  )(xq, w, scale_inv.astype(jnp.float32))
+  # Epilogue (one XLA fusion): add the K splits, back to [M, N], apply the activation scale.
+  return (out.sum(0).T[:m] * x_scale).astype(out_dtype)
+
+
+def fp8_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jnp.float32,
+               plan: Plan | None = None) -> jax.Array:
+  """y = x @ dequant(w).T with FP8 128x128 block-scaled weights.
+
+  Args:
+    x: [M, K] bf16 or f32 (M = B*q token rows; any M, chunked by 64).
+    w: [N, K] float8_e4m3fn.
+    scale_inv: [ceil(N/128), ceil(K/128)] f32; dequant W[r, c] = f32(w[r, c]) * scale_inv[r//128, c//128].
+  Returns:
+    y: [M, N] out_dtype.
+  Needs K % 128 == 0 and N % 64 == 0 (true for every GLM-5.3 FP8 module).
+  """
+  m = x.shape[0]
+  if m > 64:  # re-reads the weight per 64-row chunk; decode never gets here
+    return jnp.concatenate([fp8_linear(x[i:i + 64], w, scale_inv, out_dtype=out_dtype, plan=plan)
+                            for i in range(0, m, 64)], axis=0)
+  xq, s = quantize_activations(x)
+  return fp8_linear_q(xq, s, m, w, scale_inv, out_dtype=out_dtype, plan=plan)
+
+
+def dequantize_fp8(w: jax.Array, scale_inv: jax.Array) -> jax.Array:
+  """[R, C] e4m3 weight + [ceil(R/128), ceil(C/128)] scales -> f32 [R, C] (also works with leading dims)."""
+  r, c = w.shape[-2:]
+  s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), BLOCK, axis=-2), BLOCK, axis=-1)[..., :r, :c]
+  return w.astype(jnp.float32) * s
+
+
+def fp8_linear_reference(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jnp.float32) -> jax.Array:
+  """Reference of :func:`fp8_linear`: fp32 dequant then an fp32 HIGHEST-precision dot. Shapes as there."""
+  wd = dequantize_fp8(w, scale_inv)
+  y = jnp.dot(x.astype(jnp.float32), wd.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return y.astype(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# BF16 linear
+# ------------------------------------------------------------------------------------------------------------
+def _bf16_linear_kernel(x_ref, w_ref, o_ref, w_s, x_s, bar, *, plan: Plan, tiles: int, steps: int):
+  """One CTA = (row tile, K split); a single accumulator over the CTA's K range; writes o[split, rows, :mp]."""
+  bm, bk, stages = plan.bm, plan.bk, plan.stages
+  t = lax.axis_index("t")
+  tile, sk = t % tiles, t // tiles
+  row0 = tile * bm
+  k_base = sk * steps * bk
+
+  def issue(i):
+    slot = i % stages
+    k0 = k_base + i * bk
+    plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], w_s.at[slot], bar.at[slot])
+    plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, bk)], x_s.at[slot], bar.at[slot])
+
+  for i in range(stages):
+    issue(i)
+
+  # With >= 2 stages one wgmma stays in flight while the next tile is awaited, and the slot of the previous
+  # step (whose wgmma has now finished) is refilled; with 1 stage the slot is refilled right after its wgmma.
+  lag = 1 if stages >= 2 else 0
+
+  def scope(acc):
+    for i in range(steps):
+      slot = i % stages
+      plgpu.barrier_wait(bar.at[slot])
+      plgpu.wgmma(acc, w_s.at[slot], x_s.at[slot].T)
+      plgpu.wgmma_wait(lag)
+      if i >= lag and i - lag + stages < steps:
+        issue(i - lag + stages)
+    return acc[...]
+
+  o_ref[sk, pl.ds(row0, bm), :] = pl.run_scoped(scope, plgpu.ACC((bm, x_s.shape[1]), jnp.float32))
+
+
+def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan | None = None) -> jax.Array:
+  """y = x @ w.T for a BF16 weight (skinny GEMM: KDA projections, lm_head).
+
+  Args:
+    x: [M, K] (cast to bf16; M chunked by 64); w: [N, K] bf16.
+  Returns: y [M, N] out_dtype (fp32 accumulation).
+  Needs K % 128 == 0 and N % 64 == 0.
+  """
+  m, k = x.shape
+  n, k2 = w.shape
+  if k != k2:
+    raise ValueError(f"x {x.shape} vs w {w.shape}")
+  if m > 64:
+    return jnp.concatenate([bf16_linear(x[i:i + 64], w, out_dtype=out_dtype, plan=plan)
+                            for i in range(0, m, 64)], axis=0)
+  if n % 64 or k % 128:
+    raise NotImplementedError(f"bf16_linear needs K % 128 == 0 and N % 64 == 0, got N={n} K={k}")
+  mp = _padded_rows(m)
+  plan = plan or plan_linear(n, k, mp, "bf16")
+  tiles = n // plan.bm
+  steps = k // plan.bk // plan.split
+  xp = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
+  kernel = functools.partial(_bf16_linear_kernel, plan=plan, tiles=tiles, steps=steps)
+  out = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
+      grid=(tiles * plan.split,),
+      grid_names=("t",),
+      kernel_name="glm5_bf16_linear",
+      scratch_types=[
+          plgpu.SMEM((plan.stages, plan.bm, plan.bk), jnp.bfloat16, transforms=_tr(jnp.bfloat16, plan.bk)),
+          plgpu.SMEM((plan.stages, mp, plan.bk), jnp.bfloat16, transforms=_tr(jnp.bfloat16, plan.bk)),
+          plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
+      ],
+  )(xp, w.astype(jnp.bfloat16))
+  return out.sum(0).T[:m].astype(out_dtype)
+
+
+def bf16_linear_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32) -> jax.Array:
+  """Reference of :func:`bf16_linear`: fp32 HIGHEST dot of the bf16 values. x [M, K], w [N, K] -> [M, N]."""
+  y = jnp.dot(x.astype(jnp.bfloat16).astype(jnp.float32), w.astype(jnp.float32).T,
+              precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return y.astype(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# FP8 routed experts
+# ------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MoePlan:
+  """Tiling of :func:`fp8_moe`. gu_bm/gu_stages: gate+up kernel rows per CTA / ring depth;
+  dn_bm/dn_groups/dn_stages: down kernel rows per CTA / expert groups (CTAs per row tile) / ring depth."""
+
+  gu_bm: int
+  gu_stages: int
+  dn_bm: int
+  dn_groups: int
+  dn_stages: int
+
+
+def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_stages=None, dn_bm=None,
+             dn_groups=None, dn_stages=None, target_ctas: int = 2 * NUM_SMS) -> MoePlan:
+  """Default tiling for ``n_slots`` expert slots, I=inter, D=hidden, ``mp`` padded token rows."""
+  # gate+up: 64-row tiles so that even 8 experts x I=512 give 64 streaming CTAs.
+  gu_bm = gu_bm or 64
+  if inter % gu_bm:
+    raise ValueError(f"I={inter} must be a multiple of {gu_bm}")
+  gu_ctas = n_slots * (inter // gu_bm)
+  gu_stage_bytes = 2 * gu_bm * BLOCK + 2 * mp * BLOCK
+  gu_st = _pick_stages(hidden // BLOCK, gu_stage_bytes, gu_ctas, gu_stages)
+  # down: every CTA owns dn_bm hidden rows and loops over a 1/dn_groups share of the selected experts.
+  dn_bm = dn_bm or (128 if (mp <= 32 and hidden % 128 == 0) else 64)
+  if hidden % dn_bm:
+    raise ValueError(f"D={hidden} must be a multiple of {dn_bm}")
+  tiles = hidden // dn_bm
+  dn_groups = dn_groups or max(1, min(n_slots, target_ctas // tiles))
+  dn_stage_bytes = dn_bm * BLOCK + 2 * mp * BLOCK
+  steps_max = -(-n_slots // dn_groups) * (inter // BLOCK)
+  dn_st = _pick_stages(max(steps_max, 1), dn_stage_bytes, tiles * dn_groups, dn_stages)
+  return MoePlan(gu_bm=gu_bm, gu_stages=gu_st, dn_bm=dn_bm, dn_groups=dn_groups, dn_stages=dn_st)
+
+
+def _moe_gate_up_kernel(xq_ref, sx_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, h_ref,
+                        wg_s, wu_s, x_s, bar, *, mp: int, bm: int, stages: int, tiles: int, limit: float):
+  """One CTA = (expert slot, bm rows of I): h[slot, rows, :mp] = SwiGLU(gate, up) over the full D (no split,
+  so that the clamped SwiGLU is applied in registers). Slots >= n_valid exit at once (h left unwritten)."""
+  t = lax.axis_index("t")
+  slot_id, tile = t // tiles, t % tiles
+  steps = xq_ref.shape[1] // BLOCK
+
+  @pl.when(slot_id < nvalid_ref[0])
+  def _():
+    e = eids_ref[slot_id]
+    row0 = tile * bm
+    nb = row0 // BLOCK
+
+    def issue(i):
+      slot = i % stages
+      k0 = i * BLOCK
+      plgpu.copy_gmem_to_smem(wg_ref.at[e, pl.ds(row0, bm), pl.ds(k0, BLOCK)], wg_s.at[slot], bar.at[slot])
+      plgpu.copy_gmem_to_smem(wu_ref.at[e, pl.ds(row0, bm), pl.ds(k0, BLOCK)], wu_s.at[slot], bar.at[slot])
+      plgpu.copy_gmem_to_smem(xq_ref.at[:, pl.ds(k0, BLOCK)], x_s.at[slot], bar.at[slot])
+
+    for i in range(min(stages, steps)):
+      issue(i)
+
+    def step(i, carry):  # a rolled loop: 32 unrolled steps x 4 wgmma scopes would be slow to lower
+      acc_g, acc_u = carry
+      slot = i % stages
+      sg, su = sg_ref[e, nb, i], su_ref[e, nb, i]  # issued before the wait: latency hides behind it
+      plgpu.barrier_wait(bar.at[slot])
+      acc2 = (plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
+      g = pl.run_scoped(functools.partial(_mma_hi_lo, wg_s.at[slot], x_s.at[slot], mp), *acc2)
+      u = pl.run_scoped(functools.partial(_mma_hi_lo, wu_s.at[slot], x_s.at[slot], mp), *acc2)
+      pl.when(i + stages < steps)(lambda: issue(i + stages))
+      return acc_g + g * sg, acc_u + u * su
+
+    zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
+    acc_g, acc_u = lax.fori_loop(0, steps, step, (zero, zero))
+    sx = sx_ref[0]
+    gate = jnp.minimum(acc_g * sx, limit)
+    up = jnp.clip(acc_u * sx, -limit, limit)
+    h_ref[slot_id, pl.ds(row0, bm), :] = gate * jax.nn.sigmoid(gate) * up
+
+
+def _moe_down_kernel(hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, o_ref, w_s, x_s, eid_s, bar, ebar, *,
+                     mp: int, bm: int, stages: int, tiles: int, groups: int):
+  """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
+  over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count."""
+  t = lax.axis_index("t")
+  g, tile = t // tiles, t % tiles
+  row0 = tile * bm
+  nb = row0 // BLOCK
+  ib_n = hq_ref.shape[2] // BLOCK
+  # Expert ids of all slots into SMEM once (cheap scalar reads in the loop, no GMEM latency per step).
+  plgpu.copy_gmem_to_smem(eids_ref, eid_s, ebar.at[0])
+  nvalid = nvalid_ref[0]
+  my_slots = jnp.maximum(nvalid - g + groups - 1, 0) // groups
+  total = my_slots * ib_n
+  plgpu.barrier_wait(ebar.at[0])
+
+  def where(j):
+    s = g + groups * (j // ib_n)
+    return s, j % ib_n, eid_s[s // 8, s % 8]
+
+  def issue(j):
+    slot = j % stages
+    s, ib, e = where(j)
+    plgpu.copy_gmem_to_smem(wd_ref.at[e, pl.ds(row0, bm), pl.ds(ib * BLOCK, BLOCK)], w_s.at[slot], bar.at[slot])
+    plgpu.copy_gmem_to_smem(hq_ref.at[s, :, pl.ds(ib * BLOCK, BLOCK)], x_s.at[slot], bar.at[slot])
+
+  for p in range(stages):
+    pl.when(p < total)(functools.partial(issue, p))
+
+  def step(j, acc):
+    slot = j % stages
+    _, ib, e = where(j)
+    scale = sd_ref[e, nb, ib]
+    plgpu.barrier_wait(bar.at[slot])
+    blk = pl.run_scoped(functools.partial(_mma_hi_lo, w_s.at[slot], x_s.at[slot], mp),
+                        plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
+    pl.when(j + stages < total)(lambda: issue(j + stages))
+    return acc + blk * scale
+
+  acc0 = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
+  acc = lax.fori_loop(0, total, step, acc0)
+  o_ref[g, pl.ds(row0, bm), :] = acc
+
+
+def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, mp: int):
+  """Distinct selected experts and the [slot, token] routing-weight matrix (small XLA ops).
+
+  Returns eids [n_pad] int32 (valid first, then 0), n_valid [1] int32, valid [n_pad] bool, r [n_pad, mp] f32.
+  """
+  m, k = topk_ids.shape
+  ids = topk_ids.astype(jnp.int32)
+  if m == 1:  # a top-k row has distinct experts: no dedup needed
+    uniq = ids[0]
+  else:
+    uniq = jnp.unique(ids.reshape(-1), size=n_slots, fill_value=num_experts)
+  uniq = jnp.pad(uniq, (0, n_pad - uniq.shape[0]), constant_values=num_experts)
+  valid = uniq < num_experts
+  eids = jnp.where(valid, uniq, 0).astype(jnp.int32)
+  n_valid = jnp.sum(valid.astype(jnp.int32)).reshape(1)
+  hit = (ids[None, :, :] == uniq[:, None, None]) & valid[:, None, None]  # [n_pad, M, k]
+  r = jnp.sum(jnp.where(hit, topk_weights.astype(jnp.float32)[None], 0.0), axis=-1)  # [n_pad, M]
+  r = jnp.pad(r, ((0, 0), (0, mp - m)))
+  return eids, n_valid, valid, r
+
+
+def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
+            plan: MoePlan | None = None):
+  """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
+
+  Args:
+    x: [M, D] bf16/f32 (M <= 64 token rows).
+    topk_ids: [M, k] int32 expert ids; topk_weights: [M, k] f32 routing weights.
+    w_gate, w_up: [E, I, D] float8_e4m3fn; s_gate, s_up: [E, ceil(I/128), ceil(D/128)] f32.
+    w_down: [E, D, I] float8_e4m3fn; s_down: [E, ceil(D/128), ceil(I/128)] f32.
+    swiglu_limit: L of the clamped SwiGLU.
+  Returns:
+    y: [M, D] f32 = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
+    e = topk_ids[m, j].
+
+  Only the distinct selected experts' weights are read, once each. A shared expert is passed by the caller as
+  one more expert: stack its weights at index E (done once at load time) and append a column to topk_ids
+  (= E) and topk_weights (= 1.0).
+  Two kernels: gate+up with the fused SwiGLU writes h [slots, I, M] f32; XLA applies the routing weights and
+  quantises h (hi+lo e4m3, one scale) as [slots, 2M, I]; the down kernel sums over experts per hidden row tile.
+  Needs I % 128 == 0 and D % 128 == 0.
+  """
+  m, d = x.shape
+  e_num, inter, d2 = w_gate.shape
+  if d != d2 or w_down.shape != (e_num, d, inter) or w_up.shape != w_gate.shape:
+    raise ValueError("inconsistent MoE weight shapes")
+  if inter % BLOCK or d % BLOCK:
+    raise NotImplementedError("fp8_moe needs I % 128 == 0 and D % 128 == 0")
+  if m > 64:
+    raise NotImplementedError("fp8_moe takes <= 64 token rows")
+  k = topk_ids.shape[1]
+  mp = _padded_rows(m)
+  n_slots = min(e_num, m * k)
+  n_pad = _round_up(n_slots, 8)
+  plan = plan or plan_moe(n_slots, inter, d, mp)
+  eids, n_valid, valid, r = _route(topk_ids, topk_weights, e_num, n_slots, n_pad, mp)
+  xq, sx = quantize_activations(x, mp)
+
+  gu_tiles = inter // plan.gu_bm
+  h = plgpu.kernel(
+      functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
+                        limit=float(swiglu_limit)),
+      out_type=jax.ShapeDtypeStruct((n_pad, inter, mp), jnp.float32),
+      grid=(n_slots * gu_tiles,),
+      grid_names=("t",),
+      kernel_name="glm5_moe_gate_up",
+      scratch_types=[
+          plgpu.SMEM((plan.gu_stages, plan.gu_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((plan.gu_stages, plan.gu_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((plan.gu_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.Barrier(num_arrivals=3, num_barriers=plan.gu_stages),
+      ],
+  )(xq, sx.reshape(1), eids, n_valid, w_gate, s_gate.astype(jnp.float32), w_up, s_up.astype(jnp.float32))
+
+  # Routing weights and re-quantisation of h (rows of unused slots were never written: mask them).
+  hw = jnp.where(valid[:, None, None], h, 0.0) * r[:, None, :]  # [n_pad, I, mp]
+  hq, sh = quantize_activations(jnp.swapaxes(hw, 1, 2), mp)  # [n_pad, 2mp, I]
+
+  dn_tiles = d // plan.dn_bm
+  out = plgpu.kernel(
+      functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
+                        groups=plan.dn_groups),
+      out_type=jax.ShapeDtypeStruct((plan.dn_groups, d, mp), jnp.float32),
+      grid=(dn_tiles * plan.dn_groups,),
+      grid_names=("t",),
+      kernel_name="glm5_moe_down",
+      scratch_types=[
+          plgpu.SMEM((plan.dn_stages, plan.dn_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((plan.dn_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((n_pad // 8, 8), jnp.int32),  # TMA boxes are <= 256 per dim: store ids as rows of 8
+          plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages),
+          plgpu.Barrier(num_arrivals=1, num_barriers=1),
+      ],
+  )(hq, eids.reshape(n_pad // 8, 8), n_valid, w_down, s_down.astype(jnp.float32))
+  return out.sum(0).T[:m] * sh
+
+
+def fp8_moe_reference(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,
+                      swiglu_limit: float):
+  """Reference of :func:`fp8_moe` (same signature): fp32, one (token, expert) pair at a time (lax.map, so only
+  one expert is dequantised at a time). Returns [M, D] f32."""
+  m, k = topk_ids.shape
+  xf = x.astype(jnp.float32)
+  hp = lax.Precision.HIGHEST
+
+  def one(args):
+    mi, e, wt = args
+    xm = xf[mi]
+    g = jnp.dot(dequantize_fp8(w_gate[e], s_gate[e]), xm, precision=hp)
+    u = jnp.dot(dequantize_fp8(w_up[e], s_up[e]), xm, precision=hp)
+    h = jax.nn.silu(jnp.minimum(g, swiglu_limit)) * jnp.clip(u, -swiglu_limit, swiglu_limit)
+    return wt * jnp.dot(dequantize_fp8(w_down[e], s_down[e]), h, precision=hp)
+
+  rows = jnp.repeat(jnp.arange(m), k)
+  ys = lax.map(one, (rows, topk_ids.reshape(-1).astype(jnp.int32), topk_weights.reshape(-1).astype(jnp.float32)))
+  return ys.reshape(m, k, -1).sum(1)
+
+
+__all__ = [
+    "Plan", "MoePlan", "plan_linear", "plan_moe", "quantize_activations", "dequantize_fp8",
+    "fp8_linear", "fp8_linear_q", "fp8_linear_reference", "bf16_linear", "bf16_linear_reference",
+    "fp8_moe", "fp8_moe_reference",
+]

@@ -1,0 +1,62 @@
+"""Shared test helpers: checkpoints made on the fly, cached-path drivers that reuse one compilation."""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import numpy as np
+
+import glm5_jax
+from checkpoints import make_tiny
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ORACLE = os.path.join(os.path.dirname(REPO), "shared", "oracle")
+
+
+def tiny_checkpoint(preset: str = "oracle-tiny", seed: int = 0, dtype: str = "float32", **overrides) -> str:
+  """A random checkpoint in the release layout (with the MTP layer), written once per test session."""
+  fix = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in overrides.items()))
+  return _tiny_checkpoint(preset, seed, dtype, fix)
+
+
+@functools.cache
+def _tiny_checkpoint(preset, seed, dtype, overrides) -> str:
+  cfg = make_tiny.preset_config(preset, **dict(overrides))
+  d = tempfile.mkdtemp(prefix=f"glm5_{preset}_{dtype}_s{seed}_")
+  make_tiny.write_checkpoint(cfg, d, seed=seed, dtype=dtype)
+  return d
+
+
+@functools.cache
+def load(path: str, dtype: str = "float32", tp: int = 1):
+  return glm5_jax.load_model(path, dtype=dtype, tp=tp)
+
+
+def extend_chunks(model, tokens, chunks, *, max_context=64, bucket=16):
+  """Feed tokens [S] through the cached path in the given chunk sizes, each padded to ``bucket`` tokens (one
+  compilation serves every chunk size) -> logits [S, V]."""
+  cache = glm5_jax.init_cache(model, 1, max_context)
+  rows, s = [], 0
+  for n in chunks:
+    for a in range(0, n, bucket):
+      m = min(bucket, n - a)
+      buf = np.zeros((1, bucket), np.int32)
+      buf[0, :m] = tokens[s + a:s + a + m]
+      out, cache = glm5_jax.extend(model, cache, buf, valid=np.array([m], np.int32))
+      rows.append(np.asarray(out["logits"][0, :m]))
+    s += n
+  return np.concatenate(rows), cache
+
+
+def greedy_reference(model, prompt, n, *, max_context=128, bucket=16):
+  """The reference model's greedy continuation through the cached path (prefill, then one token at a time)."""
+  lg, cache = extend_chunks(model, prompt, [len(prompt)], max_context=max_context, bucket=bucket)
+  out = [int(np.argmax(lg[-1]))]
+  for _ in range(n - 1):
+    buf = np.zeros((1, bucket), np.int32)
+    buf[0, 0] = out[-1]
+    o, cache = glm5_jax.extend(model, cache, buf, valid=np.array([1], np.int32))
+    out.append(int(np.argmax(np.asarray(o["logits"][0, 0]))))
+  return out

@@ -1,0 +1,188 @@
+"""KDA decode recurrence: naive loop == jnp reference == Pallas Mosaic GPU kernel (interpret on CPU, native on GPU),
+plus CUDA cross-lowering of every configuration the model uses and the in-place (aliased) state update."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tol
+from pallas_kernels import kda_decode as kd
+from pallas_kernels._common import cross_lower, maybe_interpret
+
+STATE_ARG = 7  # position of `state` in the kda_decode signature
+
+
+@pytest.fixture
+def rng():
+  """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
+  seed = int(np.random.SeedSequence().entropy % (2**63))
+  print(f"kda_decode test seed: {seed}")
+  return np.random.default_rng(seed)
+
+
+def make_inputs(rng, B, T, H, D=128, Q=None, dtype=jnp.float32, norm=False, state_scale=1.0):
+  """Inputs with the real model's ranges: A_log ~ N(0, 0.5), dt_bias = softplus^-1(dt) with log dt ~ U(log 1e-3,
+  log 0.1) (Mamba-style init), forget/beta/gate logits ~ N(0, 1). Returns (args tuple, norm kwargs)."""
+  Q = Q or max(T, 4)
+  n = lambda *s: rng.standard_normal(s).astype(np.float32)
+  q, k, v = (jnp.asarray(n(B, T, H, D), dtype) for _ in range(3))
+  f, b = jnp.asarray(n(B, T, H, D)), jnp.asarray(n(B, T, H))
+  A_log = jnp.asarray(0.5 * n(H))
+  dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), (H, D)))
+  dt_bias = jnp.asarray(dt + np.log(-np.expm1(-dt)), jnp.float32)
+  state = jnp.asarray(state_scale * n(B, Q, H, D, D))
+  num_accepted = jnp.asarray(rng.integers(1, Q + 1, (B,)), jnp.int32)
+  kw = dict(gate=jnp.asarray(n(B, T, H, D), dtype), norm_weight=jnp.asarray(1.0 + 0.1 * n(D))) if norm else {}
+  return (q, k, v, f, b, A_log, dt_bias, state, num_accepted), kw
+
+
+def assert_matches_reference(args, kw, o, new_state, T, name="kda_decode"):
+  ref_o, ref_state = jax.jit(functools.partial(kd.kda_decode_reference, **kw))(*args)
+  np.testing.assert_allclose(np.asarray(o), np.asarray(ref_o), **tol("kernel_f32"), err_msg=f"{name}: o")
+  np.testing.assert_allclose(np.asarray(new_state[:, :T]), np.asarray(ref_state[:, :T]), **tol("kernel_f32"),
+                             err_msg=f"{name}: state slots < T")
+  # Slots >= T (including a start slot num_accepted-1 >= T) must be bit-for-bit untouched.
+  np.testing.assert_array_equal(np.asarray(new_state[:, T:]), np.asarray(args[STATE_ARG][:, T:]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (1) reference == naive per-token loop (float64 numpy)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("B,T,H,D,norm,dtype", [
+    (2, 4, 3, 128, False, jnp.float32),
+    (3, 8, 2, 128, True, jnp.float32),
+    (2, 1, 4, 64, True, jnp.bfloat16),
+    (1, 3, 2, 32, False, jnp.bfloat16),
+])
+def test_reference_matches_naive(rng, B, T, H, D, norm, dtype):
+  args, kw = make_inputs(rng, B, T, H, D=D, Q=T + 2, dtype=dtype, norm=norm)
+  o, new_state = jax.jit(functools.partial(kd.kda_decode_reference, **kw))(*args)
+  n_o, n_state = kd.kda_decode_naive(*args, **kw)
+  np.testing.assert_allclose(np.asarray(o), n_o, **tol("kernel_f32"))
+  np.testing.assert_allclose(np.asarray(new_state), n_state, **tol("kernel_f32"))
+  np.testing.assert_array_equal(np.asarray(new_state[:, T:]), np.asarray(args[STATE_ARG][:, T:]))
+
+
+def test_reference_start_slot_and_extremes(rng):
+  """Start slot = num_accepted - 1 for every possible value; large and tiny q/k magnitudes (l2norm eps)."""
+  B, T, H, D, Q = 4, 2, 2, 32, 4
+  args, _ = make_inputs(rng, B, T, H, D=D, Q=Q)
+  args = list(args)
+  args[0] = args[0] * 100.0  # q
+  args[1] = args[1].at[0].multiply(1e-4)  # k of sequence 0 near zero: eps matters
+  args[8] = jnp.arange(1, Q + 1, dtype=jnp.int32)
+  o, new_state = jax.jit(kd.kda_decode_reference)(*args)
+  n_o, n_state = kd.kda_decode_naive(*args)
+  np.testing.assert_allclose(np.asarray(o), n_o, **tol("kernel_f32"))
+  np.testing.assert_allclose(np.asarray(new_state), n_state, **tol("kernel_f32"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (2) kernel in GPU interpret mode == reference (D = 128, the real head size)
+# ----------------------------------------------------------------------------------------------------------------
+INTERPRET_CASES = [
+    # B, T, H, norm, dtype, config
+    (1, 1, 16, True, jnp.float32, None),  # plain decode, TP4 heads, fused norm (4 warpgroups per CTA)
+    (3, 4, 2, False, jnp.float32, None),  # one warpgroup per CTA
+    (3, 8, 1, True, jnp.bfloat16, None),
+    (1, 4, 2, False, jnp.bfloat16, kd.KdaDecodeConfig(wgs_per_cta=4, prefetch=False)),
+    (3, 1, 1, True, jnp.float32, kd.KdaDecodeConfig(wgs_per_cta=1)),  # norm as XLA epilogue
+    (1, 4, 16, False, jnp.float32, kd.KdaDecodeConfig(block_v=64)),
+    (3, 2, 1, True, jnp.float32, kd.KdaDecodeConfig(block_v=64, prefetch=False)),
+]
+
+
+@pytest.mark.parametrize("B,T,H,norm,dtype,config", INTERPRET_CASES)
+def test_kernel_matches_reference_interpret(rng, B, T, H, norm, dtype, config):
+  args, kw = make_inputs(rng, B, T, H, dtype=dtype, norm=norm)
+  fn = jax.jit(functools.partial(kd.kda_decode, config=config, **kw))
+  with maybe_interpret():
+    o, new_state = fn(*args)
+  assert o.shape == (B, T, H, 128) and o.dtype == jnp.float32
+  assert new_state.shape == args[STATE_ARG].shape and new_state.dtype == jnp.float32
+  assert_matches_reference(args, kw, o, new_state, T, name=f"B={B} T={T} H={H} norm={norm} {config}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (3) CUDA cross-lowering of every configuration the model uses, donated state => aliased in place
+# ----------------------------------------------------------------------------------------------------------------
+def _abstract_inputs(B, T, H, D=128, Q=None, dtype=jnp.bfloat16, norm=True):
+  Q = Q or max(T, 4)
+  s = jax.ShapeDtypeStruct
+  args = (s((B, T, H, D), dtype), s((B, T, H, D), dtype), s((B, T, H, D), dtype), s((B, T, H, D), dtype),
+          s((B, T, H), dtype), s((H,), jnp.float32), s((H, D), jnp.float32), s((B, Q, H, D, D), jnp.float32),
+          s((B,), jnp.int32))
+  kw = dict(gate=s((B, T, H, D), dtype), norm_weight=s((D,), jnp.float32)) if norm else {}
+  return args, kw
+
+
+def _lower_donated(args, kw, config=None):
+  names = tuple(kw)
+  def fn(*a):
+    return kd.kda_decode(*a[:9], config=config, **dict(zip(names, a[9:])))
+  jitted = jax.jit(fn, donate_argnums=(STATE_ARG,))
+  return jitted.trace(*args, *kw.values()).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("H", [16, 64])
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+@pytest.mark.parametrize("B", [1, 8, 32])
+def test_cross_lower_model_configs(B, T, H):
+  """B in {1, 8, 32} x T in {1, 2, 4, 8} x H in {16 (TP4), 64 (TP1)}: the fused-norm kernel as the model calls it."""
+  args, kw = _abstract_inputs(B, T, H)
+  text = _lower_donated(args, kw)
+  assert "mosaic_gpu" in text
+  # In place: the donated state is an aliased operand of the kernel's custom call (no copy of the cache).
+  assert "output_operand_aliases" in text
+  assert "tf.aliasing_output" in text
+
+
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("config", [None, kd.KdaDecodeConfig(wgs_per_cta=4), kd.KdaDecodeConfig(block_v=64),
+                                    kd.KdaDecodeConfig(block_v=64, wgs_per_cta=2), kd.KdaDecodeConfig(prefetch=False)])
+def test_cross_lower_variants(T, config):
+  """The unfused / differently tiled variants also lower (f32 inputs, no norm)."""
+  args, _ = _abstract_inputs(8, T, 16, dtype=jnp.float32, norm=False)
+  assert "mosaic_gpu" in cross_lower(functools.partial(kd.kda_decode, config=config), *args).as_text()
+
+
+def test_rejects_bad_shapes(rng):
+  args, kw = make_inputs(rng, 1, 2, 1, D=128)
+  with pytest.raises(ValueError):
+    kd.kda_decode(*args[:7], args[STATE_ARG][:, :1], args[8])  # Q < T
+  with pytest.raises(ValueError):
+    kd.kda_decode(*args, gate=args[0])  # gate without norm_weight
+  with pytest.raises(NotImplementedError):
+    a64, _ = make_inputs(rng, 1, 1, 1, D=64)
+    kd.kda_decode(*a64)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (4) native GPU run vs the reference
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,norm,dtype,config", [
+    (1, 1, 16, True, jnp.bfloat16, None),
+    (8, 4, 16, True, jnp.bfloat16, None),
+    (32, 8, 16, False, jnp.float32, None),
+    (3, 4, 64, True, jnp.float32, kd.KdaDecodeConfig(wgs_per_cta=1)),
+    (8, 2, 16, False, jnp.float32, kd.KdaDecodeConfig(block_v=64)),
+    (8, 4, 16, True, jnp.float32, kd.KdaDecodeConfig(block_v=64)),
+    (8, 8, 16, True, jnp.bfloat16, kd.KdaDecodeConfig(prefetch=False)),
+    (32, 1, 16, False, jnp.float32, kd.KdaDecodeConfig(prefetch=False)),
+])
+def test_kernel_matches_reference_gpu(rng, B, T, H, norm, dtype, config):
+  args, kw = make_inputs(rng, B, T, H, dtype=dtype, norm=norm)
+  state = args[STATE_ARG]
+  keep = np.asarray(state)  # host copy: the device buffer is donated below
+  ptr = state.unsafe_buffer_pointer()
+  fn = jax.jit(functools.partial(kd.kda_decode, config=config, **kw), donate_argnums=(STATE_ARG,))
+  o, new_state = fn(*args)
+  # Updated in place: the result lives in the donated buffer.
+  assert state.is_deleted()
+  assert new_state.unsafe_buffer_pointer() == ptr
+  host_args = args[:STATE_ARG] + (jnp.asarray(keep),) + args[STATE_ARG + 1:]
+  assert_matches_reference(host_args, kw, o, new_state, T, name=f"GPU B={B} T={T} H={H} norm={norm} {config}")

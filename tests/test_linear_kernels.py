@@ -1,0 +1,275 @@
+"""Tests of pallas_kernels/linear.py: FP8 block-scaled linear, BF16 linear, FP8 routed experts.
+
+CPU (< 90 s): the references against plain numpy dequant math; the kernels in Mosaic GPU interpret mode against
+the references (small shapes, including ragged N, ring reuse, split-K, duplicate experts, a shared expert passed
+as an extra expert); CUDA cross-lowering of every real per-rank shape for M in {1, 4, 8, 32, 64}.
+GPU (`-m gpu`): the real shapes natively against the references.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tol
+
+from pallas_kernels import linear as L
+from pallas_kernels._common import cross_lower, maybe_interpret
+
+F8 = jnp.float8_e4m3fn
+SDS = jax.ShapeDtypeStruct
+
+# Real per-TP4-rank shapes (N out, K in).
+FP8_SHAPES = {
+    "q_a": (1536, 4096),
+    "kv_a": (512, 4096),  # also the shared expert gate/up (512, 4096)
+    "q_b": (4096, 1536),
+    "mla_o": (4096, 4096),
+    "dense_gate_up": (3072, 4096),
+    "dense_down": (4096, 3072),
+    "shared_down": (4096, 512),
+}
+BF16_SHAPES = {"kda_qkv": (2048, 4096), "kda_o": (4096, 2048), "lm_head": (38720, 4096)}
+MOE_REAL = dict(E=288, I=512, D=4096, k=8)
+ROWS = [1, 4, 8, 32, 64]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def quantize_fp8_blocks(key, shape, std=0.05):
+  """Random normal weights [..., R, C] quantised per 128x128 block with s = amax/448 -> (e4m3 w, f32 scale_inv)."""
+  *lead, r, c = shape
+  rb, cb = -(-r // 128), -(-c // 128)
+  wf = jax.random.normal(key, shape, jnp.float32) * std
+  wp = jnp.pad(wf, [(0, 0)] * len(lead) + [(0, rb * 128 - r), (0, cb * 128 - c)])
+  blk = wp.reshape(*lead, rb, 128, cb, 128)
+  s = jnp.max(jnp.abs(blk), axis=(-3, -1)) / 448.0
+  s = jnp.where(s > 0, s, 1.0)
+  q = (blk / s[..., :, None, :, None]).reshape(*lead, rb * 128, cb * 128)[..., :r, :c]
+  return jnp.clip(q, -448, 448).astype(F8), s
+
+
+def np_dequant(w, s):
+  w = np.asarray(w.astype(jnp.float32), np.float64)
+  s = np.asarray(s, np.float64)
+  r, c = w.shape[-2:]
+  return w * np.repeat(np.repeat(s, 128, -2), 128, -1)[..., :r, :c]
+
+
+def moe_inputs(key, m, e, i, d, k, dtype=jnp.bfloat16):
+  ks = jax.random.split(key, 6)
+  wg, sg = quantize_fp8_blocks(ks[0], (e, i, d))
+  wu, su = quantize_fp8_blocks(ks[1], (e, i, d))
+  wd, sd = quantize_fp8_blocks(ks[2], (e, d, i))
+  x = jax.random.normal(ks[3], (m, d), jnp.float32).astype(dtype)
+  ids = jnp.stack([jax.random.permutation(kk, e)[:k] for kk in jax.random.split(ks[4], m)]).astype(jnp.int32)
+  tw = jax.random.uniform(ks[5], (m, k), jnp.float32, 0.1, 1.0)
+  return x, ids, tw, wg, sg, wu, su, wd, sd
+
+
+def np_moe(x, ids, tw, wg, sg, wu, su, wd, sd, limit):
+  x = np.asarray(x.astype(jnp.float32), np.float64)
+  ids, tw = np.asarray(ids), np.asarray(tw, np.float64)
+  y = np.zeros((x.shape[0], wd.shape[1]))
+  for m in range(x.shape[0]):
+    for j in range(ids.shape[1]):
+      e = ids[m, j]
+      g = np_dequant(wg[e], sg[e]) @ x[m]
+      u = np_dequant(wu[e], su[e]) @ x[m]
+      gc = np.minimum(g, limit)
+      h = gc / (1 + np.exp(-gc)) * np.clip(u, -limit, limit)
+      y[m] += tw[m, j] * (np_dequant(wd[e], sd[e]) @ h)
+  return y
+
+
+def assert_close(y, ref, name):
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32), **tol(name))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# references vs numpy
+# ------------------------------------------------------------------------------------------------------------
+def test_fp8_reference_matches_numpy():
+  ks = jax.random.split(jax.random.key(0), 2)
+  w, s = quantize_fp8_blocks(ks[0], (200, 300))  # ragged blocks on both axes
+  x = jax.random.normal(ks[1], (3, 300), jnp.float32)
+  y = L.fp8_linear_reference(x, w, s)
+  ref = np.asarray(x, np.float64) @ np_dequant(w, s).T
+  np.testing.assert_allclose(y, ref, **tol("kernel_f32"))
+
+
+def test_bf16_reference_matches_numpy():
+  ks = jax.random.split(jax.random.key(1), 2)
+  w = jax.random.normal(ks[0], (96, 256), jnp.float32).astype(jnp.bfloat16)
+  x = jax.random.normal(ks[1], (5, 256), jnp.float32).astype(jnp.bfloat16)
+  ref = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+  np.testing.assert_allclose(L.bf16_linear_reference(x, w), ref, **tol("kernel_f32"))
+
+
+def test_moe_reference_matches_numpy():
+  args = moe_inputs(jax.random.key(2), 3, 5, 128, 256, 2, jnp.float32)
+  y = L.fp8_moe_reference(*args, swiglu_limit=0.8)
+  np.testing.assert_allclose(y, np_moe(*args, 0.8), **tol("kernel_f32"))
+
+
+def test_quantize_activations_two_terms():
+  x = jax.random.normal(jax.random.key(3), (5, 256), jnp.float32) * jnp.logspace(-3, 2, 256)
+  xq, s = L.quantize_activations(x)
+  assert xq.shape == (16, 256) and xq.dtype == F8
+  q = np.asarray(xq.astype(jnp.float32), np.float64)
+  back = float(s) * (q[:8] + q[8:] / L.LO_SCALE)
+  np.testing.assert_array_equal(back[5:], 0.0)
+  err = np.abs(back[:5] - np.asarray(x, np.float64))
+  # hi+lo keeps ~8 significant bits; tiny values are bounded by the lo term's absolute step
+  assert np.all(err <= 2.0**-8 * np.abs(np.asarray(x)) + float(s) * 2.0**-13)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# kernels in Mosaic GPU interpret mode (CPU) vs the references
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,n,k,plan_kw,dtype", [
+    (1, 256, 512, {}, jnp.bfloat16),  # default plan: split-K
+    (5, 192, 512, dict(split=1, stages=2), jnp.float32),  # ragged N (64-row tiles), ring reuse, f32 x
+    (16, 128, 384, dict(split=3, stages=1), jnp.bfloat16),
+    (40, 128, 256, {}, jnp.bfloat16),  # > 32 rows: 64-row tiles
+])
+def test_fp8_linear_interpret(m, n, k, plan_kw, dtype):
+  ks = jax.random.split(jax.random.key(10 + m), 2)
+  w, s = quantize_fp8_blocks(ks[0], (n, k))
+  x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(dtype)
+  plan = L.plan_linear(n, k, L._padded_rows(m), "fp8", **plan_kw)
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.fp8_linear, plan=plan))(x, w, s)
+  assert y.shape == (m, n) and y.dtype == jnp.float32
+  assert_close(y, L.fp8_linear_reference(x, w, s), "kernel_fp8")
+
+
+def test_fp8_linear_interpret_bf16_out_and_shared_quantisation():
+  ks = jax.random.split(jax.random.key(20), 3)
+  w1, s1 = quantize_fp8_blocks(ks[0], (128, 256))
+  w2, s2 = quantize_fp8_blocks(ks[1], (64, 256))
+  x = jax.random.normal(ks[2], (3, 256), jnp.float32).astype(jnp.bfloat16)
+
+  def two(x, w1, s1, w2, s2):  # q_a / kv_a style: one quantisation of x feeds two linears
+    xq, sx = L.quantize_activations(x)
+    return (L.fp8_linear_q(xq, sx, 3, w1, s1, out_dtype=jnp.bfloat16), L.fp8_linear_q(xq, sx, 3, w2, s2))
+
+  with maybe_interpret():
+    y1, y2 = jax.jit(two)(x, w1, s1, w2, s2)
+  assert y1.dtype == jnp.bfloat16
+  assert_close(y1, L.fp8_linear_reference(x, w1, s1), "kernel_bf16")
+  assert_close(y2, L.fp8_linear_reference(x, w2, s2), "kernel_fp8")
+
+
+@pytest.mark.parametrize("m,n,k,plan_kw", [
+    (1, 256, 512, {}),
+    (7, 192, 512, dict(split=1, stages=2)),  # ragged N, ring reuse with a wgmma kept in flight
+    (12, 128, 384, dict(split=1, stages=1)),  # single-stage ring
+])
+def test_bf16_linear_interpret(m, n, k, plan_kw):
+  ks = jax.random.split(jax.random.key(30 + m), 2)
+  w = (jax.random.normal(ks[0], (n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
+  plan = L.plan_linear(n, k, L._padded_rows(m), "bf16", **plan_kw)
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.bf16_linear, plan=plan))(x, w)
+  assert_close(y, L.bf16_linear_reference(x, w), "kernel_bf16")
+  np.testing.assert_allclose(y, L.bf16_linear_reference(x, w), rtol=1e-5, atol=1e-5)  # exact products
+
+
+@pytest.mark.parametrize("m,e,k,plan_kw", [
+    (1, 6, 2, {}),
+    (3, 5, 2, dict(dn_groups=2, dn_stages=2, gu_stages=2)),  # duplicate experts across tokens, ring reuse
+])
+def test_fp8_moe_interpret(m, e, k, plan_kw):
+  i, d = 256, 384
+  args = moe_inputs(jax.random.key(40 + m), m, e, i, d, k)
+  limit = 1.0  # small, so that both clamps are active on N(0, 1)-ish pre-activations
+  plan = L.plan_moe(min(e, m * k), i, d, L._padded_rows(m), **plan_kw) if plan_kw else None
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=limit, plan=plan))(*args)
+  ref = L.fp8_moe_reference(*args, swiglu_limit=limit)
+  assert_close(y, ref, "kernel_fp8")
+
+
+def test_fp8_moe_interpret_shared_expert_as_extra_expert():
+  m, e, k, i, d = 2, 4, 2, 128, 256
+  x, ids, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(50), m, e + 1, i, d, k)
+  ids = ids % e  # routed experts 0..e-1; expert e is the shared one
+  ids_sh = jnp.concatenate([ids, jnp.full((m, 1), e, jnp.int32)], axis=1)
+  tw_sh = jnp.concatenate([tw, jnp.ones((m, 1), jnp.float32)], axis=1)
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=10.0))(x, ids_sh, tw_sh, wg, sg, wu, su, wd, sd)
+  routed = L.fp8_moe_reference(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0)
+  shared = L.fp8_moe_reference(x, jnp.full((m, 1), e, jnp.int32), jnp.ones((m, 1)), wg, sg, wu, su, wd, sd,
+                               swiglu_limit=10.0)
+  assert_close(y, routed + shared, "kernel_fp8")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CUDA cross-lowering of every real per-rank shape (Mosaic layout inference, SMEM budget, TMA limits)
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("name", list(FP8_SHAPES))
+def test_fp8_linear_cross_lowers(name, m):
+  n, k = FP8_SHAPES[name]
+  cross_lower(L.fp8_linear, SDS((m, k), jnp.bfloat16), SDS((n, k), F8), SDS((-(-n // 128), -(-k // 128)), jnp.float32))
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("name", list(BF16_SHAPES))
+def test_bf16_linear_cross_lowers(name, m):
+  n, k = BF16_SHAPES[name]
+  cross_lower(L.bf16_linear, SDS((m, k), jnp.bfloat16), SDS((n, k), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("m", ROWS)
+def test_fp8_moe_cross_lowers(m):
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  cross_lower(functools.partial(L.fp8_moe, swiglu_limit=10.0),
+              SDS((m, d), jnp.bfloat16), SDS((m, k), jnp.int32), SDS((m, k), jnp.float32),
+              SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+              SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+              SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# native GPU
+# ------------------------------------------------------------------------------------------------------------
+GPU_FP8_CASES = [(name, 8) for name in FP8_SHAPES] + [("mla_o", m) for m in (1, 32, 64, 72)] + [("q_b", 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,m", GPU_FP8_CASES)
+def test_fp8_linear_gpu(name, m):
+  n, k = FP8_SHAPES[name]
+  ks = jax.random.split(jax.random.key(60 + m), 2)
+  w, s = quantize_fp8_blocks(ks[0], (n, k), 0.02)
+  x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
+  y = jax.jit(L.fp8_linear)(x, w, s)
+  assert_close(y, jax.jit(L.fp8_linear_reference)(x, w, s), "kernel_fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,m", [(name, 1) for name in BF16_SHAPES] + [("kda_qkv", 32), ("kda_o", 64)])
+def test_bf16_linear_gpu(name, m):
+  n, k = BF16_SHAPES[name]
+  ks = jax.random.split(jax.random.key(70 + m), 2)
+  w = (jax.random.normal(ks[0], (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
+  y = jax.jit(L.bf16_linear)(x, w)
+  assert_close(y, jax.jit(L.bf16_linear_reference)(x, w), "kernel_bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_fp8_moe_gpu(m):
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  args = moe_inputs(jax.random.key(80 + m), m, e, i, d, k)
+  f = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=10.0))
+  y = f(*args)
+  ref = jax.jit(functools.partial(L.fp8_moe_reference, swiglu_limit=10.0))(*args)
+  assert_close(y, ref, "kernel_fp8")
