@@ -142,7 +142,7 @@ class Decoder:
   temperature 0 = greedy; otherwise sampled acceptance with optional top_p."""
 
   def __init__(self, model: Model, config: DecodeConfig, *, backend: str = "auto", temperature: float = 0.0,
-               top_p: float = 1.0):
+               top_p: float = 1.0, prefill_chunk: int = 256):
     if backend not in ("auto", "latency_specialized"):
       raise ValueError(f"backend={backend!r}: expected 'auto' or 'latency_specialized'")
     if config.q > 1 and not model.mtp:
@@ -155,6 +155,7 @@ class Decoder:
     self.model, self.config, self.backend = model, config, backend
     self.temperature, self.top_p = float(temperature), float(top_p)
     self._aot: dict[int, Any] = {}  # capture size -> compiled step (warmup)
+    self.prefill_chunk = int(prefill_chunk)  # prompts run in chunks of at most this many tokens (one compile each)
 
   # ------------------------------------------------------------------ shapes
   def layout(self, batch):
@@ -265,7 +266,7 @@ class Decoder:
     return new, out
 
   # ------------------------------------------------------------------ prefill
-  def prefill(self, prompts, *, seeds=None, chunk: int = 256) -> DecodeState:
+  def prefill(self, prompts, *, seeds=None) -> DecodeState:
     """Build the state from a list of prompts (token-id sequences of different lengths): the target forward
     over every prompt (in chunks), the first token, the MTP pass over the prompt and the first k drafts.
     The batch is padded to the next capture size with inactive rows. Returns the state; its next_tokens are the
@@ -285,7 +286,7 @@ class Decoder:
     lens = np.array([p.size for p in prompts] + [1] * (B - len(prompts)), np.int32)
     active = np.arange(B) < len(prompts)
     Tmax = int(lens.max())
-    T = min(chunk, max(16, 1 << (Tmax - 1).bit_length()))
+    T = min(self.prefill_chunk, max(16, 1 << (Tmax - 1).bit_length()))  # power-of-two buckets: few compiles
     n_chunks = -(-Tmax // T)
     toks = np.zeros((B, n_chunks * T), np.int32)
     for j, p in enumerate(prompts):

@@ -118,9 +118,10 @@ class Glm5Model(nnx.Module):
     Vl = lg.shape[-1]
     m = jnp.max(lg, axis=-1)
     a = jnp.argmax(lg, axis=-1).astype(jnp.int32) + lax.axis_index(TP) * Vl
-    ms, as_ = lax.all_gather(m, TP, axis=0), lax.all_gather(a, TP, axis=0)  # [tp, ...]
-    best = jnp.argmax(ms, axis=0)
-    return jnp.take_along_axis(as_, best[None], axis=0)[0]
+    # one gather of (max, index) pairs; indices < 2^24 are exact in f32
+    both = lax.all_gather(jnp.stack([m, a.astype(jnp.float32)]), TP, axis=0)  # [tp, 2, ...]
+    best = jnp.argmax(both[:, 0], axis=0)
+    return jnp.take_along_axis(both[:, 1], best[None], axis=0)[0].astype(jnp.int32)
 
   # ------------------------------------------------------------------ trunk
   def trunk(self, tokens, caches, ctx: StepCtx):

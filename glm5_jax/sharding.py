@@ -22,6 +22,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glm5_jax.layers import EMBED, FFN, KDA_H, KDA_HD, MLA_HD, TP, VOCAB
 
+# jax 0.11.2's Shardy partitioner segfaults in its canonicalizer (sdy ManualComputationUnusedInputsPattern)
+# on our shard_map programs with TP >= 2 when some inputs are unused (e.g. the MTP params in a prefill); the
+# GSPMD partitioner compiles the same programs. Measured on CPU with 2 and 4 devices.
+jax.config.update("jax_use_shardy_partitioner", False)
+
 RULES = {VOCAB: TP, KDA_H: TP, KDA_HD: TP, MLA_HD: TP, FFN: TP, EMBED: None, None: None}
 
 
@@ -73,6 +78,8 @@ def check_divisible(state, mesh: Mesh, block=None):
       wname = {"scale": "weight", "gate_scale": "gate_proj", "up_scale": "up_proj", "down_scale": "down_proj"}[path[-1]]
       parent = dict(flat)
       w = parent.get((*path[:-1], wname))
+      if w is None:  # not a block scale (e.g. the mHC scale)
+        continue
       wshape = (w.get_value() if hasattr(w, "get_value") else w.value).shape
       for d, a in enumerate(axes):
         if RULES[a] is None:

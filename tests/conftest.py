@@ -5,13 +5,15 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 import jax  # noqa: E402
 
-if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
-  try:
-    jax.config.update("jax_num_cpu_devices", 4)
-  except RuntimeError:  # backends already initialised by an earlier import
-    pass
+# 4 fake CPU devices for the TP tests (only the CPU backend reads this; set before any backend starts).
+jax.config.update("jax_num_cpu_devices", 4)
 
 import pytest  # noqa: E402
+
+# Persistent XLA compilation cache: repeated runs on one machine skip recompiling identical programs.
+jax.config.update("jax_compilation_cache_dir", os.path.expanduser(os.environ.get(
+    "GLM5_JAX_XLA_CACHE", "~/.cache/glm5_jax/xla")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 

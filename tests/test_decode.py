@@ -26,7 +26,8 @@ def model():
 
 
 def _decoder(model, k, sizes=(4,), **kw):
-  return Decoder(model, DecodeConfig(max_context=MAXCTX, q=k + 1, capture_sizes=sizes, policy=()), **kw)
+  return Decoder(model, DecodeConfig(max_context=MAXCTX, q=k + 1, capture_sizes=sizes, policy=()),
+                 prefill_chunk=16, **kw)
 
 
 def _run(dec, prompts, refs, modes, rng):
@@ -212,7 +213,7 @@ def test_mtp_module_equals_unabsorbed_computation(model):
 
 
 def test_no_compilation_after_warmup(model):
-  dec = _decoder(model, 3, sizes=(2, 4))
+  dec = _decoder(model, 3)
   dec.warmup()
   state = dec.prefill([np.arange(5) + 7, np.arange(9) + 3])  # the prefill compiles its own programs
   compiles = []
@@ -239,8 +240,8 @@ def test_decode_rejects_bad_tokens_and_keeps_state(model):
 
 
 def test_max_context_is_enforced(model):
-  dec = Decoder(model, DecodeConfig(max_context=16, q=2, capture_sizes=(4,), policy=()))
-  state = dec.prefill([np.arange(12) + 1])
-  with pytest.raises(ValueError, match="max_context=16"):
+  dec = _decoder(model, 1)
+  state = dec.prefill([np.arange(MAXCTX - 8) + 1])
+  with pytest.raises(ValueError, match=f"max_context={MAXCTX}"):
     for _ in range(10):
       state, _ = decode(state)

@@ -1,0 +1,205 @@
+"""kpool indexer on the decode path with vLLM numerics (spec model.md §2, §3.6.3 steps 5-6; decode.md §1.3).
+
+Shapes: B sequences, T query tokens per sequence, HI = 32 indexer heads, 128 = index head dim, P pool slots in
+the pooled-key cache (P = ctx / 4).
+
+* ``hadamard128``: orthonormal Walsh-Hadamard transform of the last dim (Sylvester ordering).
+* ``quant_ue8m0_fp8``: per-128-vector FP8 e4m3 with a power-of-two (UE8M0) scale, after bf16 rounding.
+* ``indexer_scores`` (Mosaic GPU) / ``indexer_scores_reference`` (jnp, f32):
+    scores[b, t, j] = k_scale[b, j] · Σ_h w[b,t,h] · q_scale[b,t,h] · ReLU(q8[b,t,h] · k8[b,j])  for j < n_valid[b,t]
+                      -inf                                                                  for j >= n_valid[b,t]
+  Top-k stays in XLA.
+
+Kernel design: the pooled keys are shared by all T tokens and all 32 heads of a sequence, so one CTA streams a
+contiguous chunk of pooled keys of one sequence (blocks of 64 keys, double-buffered TMA) and scores them against
+all T x 32 queries: an fp8 x fp8 wgmma per token (keys = M = 64, that token's 32 heads = N, K = 128, f32
+accumulator), then ReLU, the per-head weight and the sum over heads in f32 on the CUDA cores (a row reduction of
+the [64, 32] tile), the key scale and the causal mask. Blocks past every token's n_valid are not loaded (the
+cache is allocated for the longest context; the actual context is usually shorter) and are written as -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+HEAD_DIM = 128
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+BLOCK = 64  # pooled keys per wgmma (M)
+NUM_SMS = 132  # H200
+_L = plgpu.Layout
+
+
+# ------------------------------------------------------------------------------------------------ FWHT / quant
+def hadamard128(x):
+  """Orthonormal FWHT over the last dim (128): H128 · x / sqrt(128), H128 in Sylvester ordering (butterflies of
+  width 1, 2, 4, ..., 64 as in vLLM ``_hadamard128``). x [..., 128] -> [..., 128] in x's float dtype (f32 math)."""
+  n = x.shape[-1]
+  assert n == HEAD_DIM, x.shape
+  y = x.astype(jnp.float32)
+  lead = y.shape[:-1]
+  h = 1
+  while h < n:
+    # pairs (i, i + h) inside each 2h-block: (a, b) -> (a + b, a - b)
+    y4 = y.reshape(*lead, n // (2 * h), 2, h)
+    a, b = y4[..., 0, :], y4[..., 1, :]
+    y = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, n)
+    h *= 2
+  return (y * (1.0 / math.sqrt(n))).astype(x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32)
+
+
+def _pow2_ceil(x):
+  """2^ceil(log2 x) for x > 0, exactly (frexp: x = m · 2^e, m in [0.5, 1); x is a power of two iff m == 0.5)."""
+  m, e = jnp.frexp(x)
+  return jnp.ldexp(jnp.ones_like(x), jnp.where(m == 0.5, e - 1, e))
+
+
+def quant_ue8m0_fp8(y):
+  """Per 128-vector FP8 with a UE8M0 (power-of-two) scale, vLLM ``fwht128_quant_fp8`` numerics.
+
+  y [..., 128] -> (y8 [..., 128] float8_e4m3fn, s [...] f32): y <- bf16(y) (round to nearest even),
+  s = 2^ceil(log2(max(max|y|, 1e-4) / 448)), y8 = e4m3(clip(y / s, -448, 448)); y ≈ y8 · s.
+  The exponent is taken with frexp (exact), not a float log2 that can round across a power of two."""
+  yb = jnp.asarray(y).astype(jnp.bfloat16).astype(jnp.float32)
+  amax = jnp.max(jnp.abs(yb), axis=-1)
+  s = _pow2_ceil(jnp.maximum(amax, AMAX_FLOOR) / FP8_MAX)
+  y8 = jnp.clip(yb / s[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+  return y8, s
+
+
+# ------------------------------------------------------------------------------------------------ reference
+def indexer_scores_reference(q8, q_scale, w, k8, k_scale, n_valid, **unused):
+  """Pure-jnp f32 indexer scores.
+
+  q8 [B, T, HI, 128] e4m3 (FWHT'd, quantised index queries), q_scale [B, T, HI] f32, w [B, T, HI] f32 (head
+  weights, already x HI^-0.5 x 128^-0.5), k8 [B, P, 128] e4m3 (FWHT'd pooled keys), k_scale [B, P] f32,
+  n_valid [B, T] int32 (complete pools visible to each query) -> scores [B, T, P] f32, -inf for j >= n_valid."""
+  del unused
+  dots = jnp.einsum("bthd,bpd->bthp", q8.astype(jnp.float32), k8.astype(jnp.float32),
+                    precision=lax.Precision.HIGHEST)
+  wq = (w.astype(jnp.float32) * q_scale.astype(jnp.float32))[..., None]
+  s = jnp.sum(wq * jnp.maximum(dots, 0.0), axis=2) * k_scale.astype(jnp.float32)[:, None, :]
+  P = k8.shape[1]
+  return jnp.where(jnp.arange(P)[None, None, :] < n_valid[..., None], s, -jnp.inf)
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+def _pick_blocks_per_cta(n_blocks: int, B: int) -> int:
+  """64-key blocks per CTA: about 2 CTAs per SM over the (chunk, sequence) grid."""
+  chunks = max(1, min(n_blocks, -(-2 * NUM_SMS // max(B, 1))))
+  return -(-n_blocks // chunks)
+
+
+def _indexer_kernel(nbc: int, T: int, hi: int):
+  """Kernel body: ``nbc`` blocks of 64 pooled keys per CTA, T tokens x hi heads.
+
+  GMEM refs: q_g [B, T * hi, 128] e4m3, wq_g [B, T, hi] f32 (w * q_scale), nv_g [B, T] int32,
+  k8_g [B, Pp, 128] e4m3, ks_g [B, Pp] f32; out o_g [B, T, Pp] f32."""
+  tile8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+
+  def body(q_g, wq_g, nv_g, k8_g, ks_g, o_g, q_s, k_s, ks_s, o_s, bar, kbar):
+    ch = lax.axis_index("c")
+    b = lax.axis_index("b")
+    j_base = ch * (nbc * BLOCK)
+    nv = [nv_g[b, t] for t in range(T)]
+    nv_max = nv[0]
+    for t in range(1, T):
+      nv_max = jnp.maximum(nv_max, nv[t])
+    # Blocks of this CTA that some token can see; the rest are only written as -inf.
+    n_live = jnp.clip(pl.cdiv(nv_max - j_base, BLOCK), 0, nbc)
+
+    def issue(k, slot):
+      j0 = j_base + k * BLOCK
+      plgpu.copy_gmem_to_smem(k8_g.at[b, pl.ds(j0, BLOCK)], k_s.at[slot], kbar.at[slot])
+      plgpu.copy_gmem_to_smem(ks_g.at[b, pl.ds(j0, BLOCK)], ks_s.at[slot], kbar.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_g.at[b], q_s, bar.at[0])
+
+    @pl.when(n_live > 0)
+    def _():
+      issue(0, 0)
+
+    plgpu.barrier_wait(bar.at[0])
+    wq = [plgpu.load(wq_g.at[b, t], layout=_L.WGMMA.reduce(0), optimized=False) for t in range(T)]
+    rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK,), 0, layout=_L.WGMMA.reduce(1))
+
+    def block(k, carry):
+      slot = lax.rem(k, 2)
+      j0 = j_base + k * BLOCK
+
+      @pl.when(k + 1 < n_live)
+      def _():
+        issue(k + 1, 1 - slot)
+
+      @pl.when(k < n_live)
+      def _():
+        plgpu.barrier_wait(kbar.at[slot])
+        kscale = plgpu.load(ks_s.at[slot], layout=_L.WGMMA.reduce(1), optimized=False)
+        for t in range(T):
+          def mma(acc):
+            plgpu.wgmma(acc, k_s.at[slot], q_s.at[pl.ds(t * hi, hi)].T)  # fp8 operands must be K-major
+            return acc[...]
+          st = pl.run_scoped(mma, plgpu.ACC((BLOCK, hi), jnp.float32))  # [keys, heads]
+          st = jnp.maximum(st, 0.0) * lax.broadcast_in_dim(wq[t], (BLOCK, hi), (1,))
+          sc = plgpu.layout_cast(st.sum(axis=1), _L.WGMMA.reduce(1)) * kscale
+          o_s[t, :] = jnp.where(rows + j0 < nv[t], sc, -jnp.inf)
+
+      @pl.when(k >= n_live)
+      def _():
+        for t in range(T):
+          o_s[t, :] = plgpu.layout_cast(jnp.full((BLOCK,), -jnp.inf, jnp.float32), _L.WGMMA.reduce(1))
+
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, pl.ds(j0, BLOCK)])
+      # o_s is rewritten next block: its TMA store must have read it first.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      return carry
+
+    lax.fori_loop(0, nbc, block, None)
+    plgpu.wait_smem_to_gmem(0)
+
+  del tile8
+  return body
+
+
+def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None):
+  """Mosaic GPU indexer scores; same contract as ``indexer_scores_reference``.
+
+  q8 [B, T, HI, 128] e4m3 (HI a multiple of 8), q_scale / w [B, T, HI] f32, k8 [B, P, 128] e4m3, k_scale [B, P]
+  f32, n_valid [B, T] int32 -> scores [B, T, P] f32. P is padded here to a multiple of 64 * blocks_per_cta."""
+  B, T, HI, Dh = q8.shape
+  P = k8.shape[1]
+  assert Dh == HEAD_DIM and HI % 8 == 0
+  n_blocks = -(-P // BLOCK)
+  nbc = blocks_per_cta or _pick_blocks_per_cta(n_blocks, B)
+  nch = -(-n_blocks // nbc)
+  Pp = nch * nbc * BLOCK
+  if Pp != P:
+    # Padding slots are beyond every n_valid (n_valid <= P), so they are never loaded, only written as -inf.
+    k8 = jnp.pad(k8, ((0, 0), (0, Pp - P), (0, 0)))
+    k_scale = jnp.pad(k_scale, ((0, 0), (0, Pp - P)))
+  wq = (w.astype(jnp.float32) * q_scale.astype(jnp.float32))
+  tile8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+  kern = plgpu.kernel(
+      _indexer_kernel(nbc, T, HI),
+      out_type=jax.ShapeDtypeStruct((B, T, Pp), jnp.float32),
+      scratch_types=[
+          plgpu.SMEM((T * HI, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # q_s
+          plgpu.SMEM((2, BLOCK, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # k_s (double buffer)
+          plgpu.SMEM((2, BLOCK), jnp.float32),  # ks_s
+          plgpu.SMEM((T, BLOCK), jnp.float32),  # o_s
+          plgpu.Barrier(num_barriers=1),
+          plgpu.Barrier(num_arrivals=2, num_barriers=2),
+      ],
+      grid=(nch, B),
+      grid_names=("c", "b"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+  out = kern(q8.reshape(B, T * HI, HEAD_DIM), wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32))
+  return out[:, :, :P]

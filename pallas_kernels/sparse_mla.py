@@ -1,0 +1,246 @@
+"""Sparse MLA decode over an FP8 latent cache (DSA layers, spec model.md §3.6.2, decode.md §1.3 / §3).
+
+Shapes: B sequences, T query tokens per sequence (1 plain decode, q = k+1 at spec verify), H heads on this rank
+(16 at TP4, 64 at TP1), D = 512 latent, S cache positions, W selected positions per query token (index width,
+2051 real, padded with -1).
+
+The latent cache is stored as 512 e4m3 values + 4 fp32 scales per token (one scale per 128 values), the
+FlashMLA ``fp8_ds_mla`` layout without its (all-zero for NoPE) rope part. ``quantize_latent`` /
+``dequantize_latent`` are the cache write / read paths.
+
+The attention is the absorbed form: with q̂_h = W_UK_hᵀ q_h ∈ [512],
+  o_h = Σ_{s ∈ I_t} softmax_s(q̂_h · c_s · softmax_scale) c_s,
+c_s the dequantised latent. ``sparse_mla_decode`` is a Pallas Mosaic GPU kernel; ``sparse_mla_decode_reference``
+the pure-jnp f32 definition with the same signature.
+
+Kernel design (one CTA = one (query token, head group of 16, slice of the index list)):
+* the selected rows are gathered by index: scalar index reads from SMEM and one TMA copy per row (512 B latent
+  + 16 B scales) into a double-buffered SMEM block of 64 positions, the next block in flight while the current
+  one is computed;
+* the block is dequantised in registers (e4m3 -> f32 (x) per-row-per-128 scale -> f16; e4m3 -> bf16 does not
+  lower on the H200's ptxas) into a swizzled f16 tile;
+* "transposed" orientation: keys are the wgmma M dimension (64) and the 16 heads of the token the N dimension,
+  S^T [64, 16] = C [64, 512] @ Q^T, O^T [512, 16] += C^T [512, 64] @ P^T [64, 16]. Query tokens of one sequence
+  select different positions, so their heads cannot share one M = 64 row tile of keys; putting heads on N
+  (a multiple of 8) instead of padding 16 heads to 64 rows cuts the MMA work 4x and keeps the fp32
+  accumulator at 64 registers per thread;
+* online softmax (base 2) over blocks of 64 positions, fp32 accumulation, -1 indices masked;
+* the index list is split over CTAs (W-split, "flash decoding"); each CTA writes its normalised partial output
+  and log-sum-exp, and a small XLA fusion combines them. The split size is chosen so that the grid has about
+  two CTAs per SM (latency bound at B=1: 11 layers x ~1 MiB of gathered latent).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+D_LATENT = 512
+GROUP = 128  # values per fp32 scale
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_FLOOR = 1e-4  # amax floor: an all-zero group gets scale 1e-4 / 448 instead of 0 (no 0/0)
+BLOCK = 64  # positions per online-softmax block (= wgmma M)
+HEADS_PER_CTA = 16  # wgmma N; O^T [512, 16] f32 = 64 registers per thread
+NUM_SMS = 132  # H200
+_NEG = -1e30  # finite "minus infinity": a fully masked block must not produce inf - inf = NaN
+_LOG2E = math.log2(math.e)
+_L = plgpu.Layout
+
+
+# ------------------------------------------------------------------------------------------------ cache format
+def quantize_latent(c):
+  """c [..., 512] f32/bf16 -> (c8 [..., 512] float8_e4m3fn, scale [..., 4] f32).
+
+  One scale per 128 consecutive values: scale = max(amax, 1e-4) / 448, c8 = e4m3(clip(c / scale, -448, 448)),
+  so the largest value of each group maps to ±448 (the e4m3 maximum) and c ≈ c8 · scale (relative error
+  ≤ 2^-4 per value, the e4m3 mantissa)."""
+  c = jnp.asarray(c).astype(jnp.float32)
+  g = c.reshape(*c.shape[:-1], c.shape[-1] // GROUP, GROUP)
+  amax = jnp.max(jnp.abs(g), axis=-1)
+  scale = jnp.maximum(amax, SCALE_FLOOR) / FP8_MAX
+  c8 = jnp.clip(g / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+  return c8.reshape(c.shape), scale
+
+
+def dequantize_latent(c8, scale):
+  """(c8 [..., 512] e4m3, scale [..., 4] f32) -> c [..., 512] f32 (the inverse of ``quantize_latent``)."""
+  g = c8.astype(jnp.float32).reshape(*c8.shape[:-1], scale.shape[-1], -1)
+  return (g * scale[..., None].astype(jnp.float32)).reshape(c8.shape)
+
+
+# ------------------------------------------------------------------------------------------------ reference
+def sparse_mla_decode_reference(q, cache8, cache_scale, indices, *, softmax_scale):
+  """Pure-jnp f32 sparse MLA decode over the dequantised FP8 latent cache.
+
+  q [B, T, H, 512] (absorbed queries), cache8 [B, S, 512] e4m3, cache_scale [B, S, 4] f32,
+  indices [B, T, W] int32 (-1 = padding; every (b, t) has at least one valid index)
+  -> o [B, T, H, 512] f32 = Σ_s softmax_s(q·c_s · softmax_scale) c_s over the valid selected s."""
+  B = q.shape[0]
+  bi = jnp.arange(B)[:, None, None]
+  ix = jnp.maximum(indices, 0)
+  c = dequantize_latent(cache8[bi, ix], cache_scale[bi, ix])  # [B, T, W, 512]
+  s = jnp.einsum("bthd,btwd->bthw", q.astype(jnp.float32), c, precision=lax.Precision.HIGHEST)
+  s = jnp.where((indices >= 0)[:, :, None, :], s * softmax_scale, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  return jnp.einsum("bthw,btwd->bthd", p, c, precision=lax.Precision.HIGHEST)
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+def _swizzled(minor_f16: int):
+  """Tiling + swizzle for an f16 wgmma operand. All operands use the 32-byte swizzle: wgmma takes one swizzle
+  for A and B, and P^T [64 keys, 16 heads] f16 has a 32-byte minor dimension."""
+  del minor_f16
+  return (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+
+
+def _pick_blocks_per_split(n_blocks: int, n_rows: int) -> int:
+  """Blocks of 64 positions per CTA: about 2 CTAs per SM over the (token, head group, split) grid."""
+  splits = max(1, min(n_blocks, -(-2 * NUM_SMS // max(n_rows, 1))))
+  return -(-n_blocks // splits)
+
+
+def _mla_kernel(nbs: int, hn: int):
+  """Kernel body for ``nbs`` blocks of 64 positions per CTA and ``hn`` heads per CTA.
+
+  GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (rescale * softmax_scale * log2 e),
+  c8_g [B, S, 512] e4m3, sc_g [B, S, 4] f32, idx_g [BT, Wp / 64, 64] int32; out o_g [BT, NS, 512, H] f32 (partial O^T,
+  normalised), lse_g [BT, NS, H] f32 (base-2 log-sum-exp of the split)."""
+
+  def body(q_g, qm_g, c8_g, sc_g, idx_g, o_g, lse_g, q_s, idx_s, c8_s, sc_s, c16_s, p_s, bar, gbar):
+    hg = lax.axis_index("h")
+    sp = lax.axis_index("s")
+    bt = lax.axis_index("bt")
+    T = q_g.shape[0] // c8_g.shape[0]
+    b = bt // T
+    plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(hg * hn, hn)], q_s, bar.at[0])
+    plgpu.copy_gmem_to_smem(idx_g.at[bt, pl.ds(sp * nbs, nbs)], idx_s, bar.at[1])
+    plgpu.barrier_wait(bar.at[1])
+
+    def issue(k, slot):
+      # One TMA per selected row (latent + scales) on one barrier of 2*64 arrivals; -1 loads row 0 (masked later).
+      def row(j, c):
+        r = jnp.maximum(idx_s[k, j], 0)
+        plgpu.copy_gmem_to_smem(c8_g.at[b, pl.ds(r, 1)], c8_s.at[slot, pl.ds(j, 1)], gbar.at[slot])
+        plgpu.copy_gmem_to_smem(sc_g.at[b, pl.ds(r, 1)], sc_s.at[slot, pl.ds(j, 1), pl.ds(0, 4)], gbar.at[slot])
+        return c
+      lax.fori_loop(0, BLOCK, row, None)
+
+    issue(0, 0)
+    qmul = qm_g[bt]
+    plgpu.barrier_wait(bar.at[0])
+
+    def block(k, carry):
+      o, m, l = carry
+      slot = lax.rem(k, 2)
+
+      @pl.when(k + 1 < nbs)
+      def _():
+        issue(k + 1, 1 - slot)
+
+      plgpu.barrier_wait(gbar.at[slot])
+      # Dequantise: the scales of group g as a per-row vector come from a masked row sum of the [64, 8] scale
+      # tile (columns 4..7 are never written; `where` drops them), which needs no value transpose.
+      # The gathered buffers are written row by row by TMA, so they stay untiled: hence optimized=False loads.
+      sct = plgpu.load(sc_s.at[slot], layout=_L.WGMMA, optimized=False)
+      col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, 8), 1, layout=_L.WGMMA)
+      for g in range(D_LATENT // GROUP):
+        s_g = plgpu.layout_cast(jnp.where(col == g, sct, 0.0).sum(axis=1), _L.WGMMA.reduce(1))
+        x = plgpu.load(c8_s.at[slot, :, pl.ds(g * GROUP, GROUP)], layout=_L.WGMMA, optimized=False)
+        y = x.astype(jnp.float32) * lax.broadcast_in_dim(s_g, (BLOCK, GROUP), (0,))
+        c16_s[:, pl.ds(g * GROUP, GROUP)] = plgpu.layout_cast(y.astype(jnp.float16), _L.WGMMA)
+      plgpu.commit_smem()
+
+      def qk(acc):
+        plgpu.wgmma(acc, c16_s, q_s.T)
+        return acc[...]
+
+      st = pl.run_scoped(qk, plgpu.ACC((BLOCK, hn), jnp.float32))  # S^T [keys, heads]
+      iv = plgpu.load(idx_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False)
+      valid = lax.broadcast_in_dim(iv >= 0, (BLOCK, hn), (0,))
+      st = jnp.where(valid, st * qmul, _NEG)  # base-2 logits
+      m_new = plgpu.layout_cast(jnp.maximum(m, st.max(axis=0)), _L.WGMMA.reduce(0))
+      alpha = jnp.exp2(m - m_new)
+      p = plgpu.layout_cast(jnp.exp2(st - lax.broadcast_in_dim(m_new, (BLOCK, hn), (1,))), _L.WGMMA)
+      l = plgpu.layout_cast(l * alpha + p.sum(axis=0), _L.WGMMA.reduce(0))
+      o = plgpu.layout_cast(o * lax.broadcast_in_dim(alpha, o.shape, (1,)), _L.WGMMA)
+      p_s[...] = plgpu.layout_cast(p.astype(jnp.float16), _L.WGMMA)
+      plgpu.commit_smem()
+
+      def pv(acc):
+        plgpu.wgmma(acc, c16_s.T, p_s)
+        return acc[...]
+
+      # run_scoped + add (not run_state(ACC.init(o))): GPU interpret mode cannot run wgmma under run_state.
+      o = o + pl.run_scoped(pv, plgpu.ACC((D_LATENT, hn), jnp.float32))
+      return o, m_new, l
+
+    o0 = plgpu.layout_cast(jnp.zeros((D_LATENT, hn), jnp.float32), _L.WGMMA)
+    m0 = plgpu.layout_cast(jnp.full((hn,), _NEG, jnp.float32), _L.WGMMA.reduce(0))
+    l0 = plgpu.layout_cast(jnp.zeros((hn,), jnp.float32), _L.WGMMA.reduce(0))
+    o, m, l = lax.fori_loop(0, nbs, block, (o0, m0, l0))
+    # l >= 1 always (the running max contributes exp2(0)), so no division by zero even for an all-padding split.
+    o_g[bt, sp, :, pl.ds(hg * hn, hn)] = plgpu.layout_cast(o / lax.broadcast_in_dim(l, o.shape, (1,)), _L.WGMMA)
+    lse_g[bt, sp, pl.ds(hg * hn, hn)] = plgpu.layout_cast(m + jnp.log2(l), _L.WGMMA.reduce(0))
+
+  return body
+
+
+def _prepare_q(q, softmax_scale):
+  """q [B, T, H, 512] -> (f16 q / r, r * softmax_scale * log2 e) with r = 2^ceil(log2 amax) per (b, t): the
+  power-of-two rescale keeps |q / r| <= 1 in f16 without rounding the scale itself."""
+  q = q.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(q), axis=(-2, -1))
+  r = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30))))
+  q16 = (q / r[..., None, None]).astype(jnp.float16)
+  return q16, r * (softmax_scale * _LOG2E)
+
+
+def sparse_mla_decode(q, cache8, cache_scale, indices, *, softmax_scale, blocks_per_split: int | None = None):
+  """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
+
+  q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache8 [B, S, 512] e4m3, cache_scale [B, S, 4] f32,
+  indices [B, T, W] int32 (-1 padding, any W: padded here to a multiple of 64 * blocks_per_split)
+  -> o [B, T, H, 512] f32. The dequantised latent must fit f16 (|c| < 65504; RMSNorm'd latents do).
+  ``blocks_per_split``: 64-position blocks per CTA (default: about 2 CTAs per SM)."""
+  B, T, H, Dl = q.shape
+  assert Dl == D_LATENT and cache8.shape[-1] == D_LATENT and cache_scale.shape[-1] == D_LATENT // GROUP
+  assert H % HEADS_PER_CTA == 0, H
+  hn = HEADS_PER_CTA
+  W = indices.shape[-1]
+  n_blocks = -(-W // BLOCK)
+  nbs = blocks_per_split or _pick_blocks_per_split(n_blocks, B * T * (H // hn))
+  ns = -(-n_blocks // nbs)
+  wp = ns * nbs * BLOCK
+  idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, wp - W)), constant_values=-1).reshape(B * T, wp // BLOCK, BLOCK)
+  q16, qm = _prepare_q(q, softmax_scale)
+  f16 = jnp.float16
+  kern = plgpu.kernel(
+      _mla_kernel(nbs, hn),
+      out_type=(jax.ShapeDtypeStruct((B * T, ns, D_LATENT, H), jnp.float32),
+                jax.ShapeDtypeStruct((B * T, ns, H), jnp.float32)),
+      scratch_types=[
+          plgpu.SMEM((hn, D_LATENT), f16, transforms=_swizzled(D_LATENT)),  # q_s
+          plgpu.SMEM((nbs, BLOCK), jnp.int32),  # idx_s (TMA boxes are <= 256 per dimension)
+          plgpu.SMEM((2, BLOCK, D_LATENT), jnp.float8_e4m3fn),  # c8_s (double buffer)
+          plgpu.SMEM((2, BLOCK, 8), jnp.float32),  # sc_s (4 scales per row, padded to 8 columns)
+          plgpu.SMEM((BLOCK, D_LATENT), f16, transforms=_swizzled(D_LATENT)),  # c16_s
+          plgpu.SMEM((BLOCK, hn), f16, transforms=_swizzled(hn)),  # p_s
+          plgpu.Barrier(num_barriers=2),
+          plgpu.Barrier(num_arrivals=2 * BLOCK, num_barriers=2),
+      ],
+      grid=(H // hn, ns, B * T),
+      grid_names=("h", "s", "bt"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+  o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache8, cache_scale.astype(jnp.float32),
+                     idx)
+  # Combine the splits: weights 2^(lse_s - max lse) (an all-padding split has lse ~ -1e30 -> weight 0).
+  w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))  # [BT, NS, H]
+  o = jnp.einsum("bsdh,bsh->bhd", o_part, w, precision=lax.Precision.HIGHEST) / jnp.sum(w, axis=1)[..., None]
+  return o.reshape(B, T, H, D_LATENT)

@@ -1,0 +1,116 @@
+"""Tensor parallelism on 4 fake CPU devices: TP4 == TP2 == TP1, the collectives of a step, sharded loading,
+orbax restore across meshes."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import glm5_jax
+from conftest import tol
+from glm5_jax import state as st
+from glm5_jax.checkpoint import CheckpointError
+from glm5_jax.decode import Decoder, decode
+from glm5_jax.runtime import DecodeConfig
+from helpers import load, tiny_checkpoint
+
+MICRO = dict(num_hidden_layers=4, mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_topk=8)
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (jax_num_cpu_devices=4)")
+
+
+def _ckpt():
+  return tiny_checkpoint("oracle-tiny", 11, "float32", **MICRO)
+
+
+def test_params_are_sharded_by_the_rules():
+  m = load(_ckpt(), "float32", 4)
+  mod = m.module()
+  kda = mod.layers[0].self_attn
+  assert kda.q_proj.weight[...].sharding.spec == P("tp", None)
+  assert kda.o_proj.weight[...].sharding.spec == P(None, "tp")
+  assert kda.f_a_proj.weight[...].sharding.spec == P(None, None)  # replicated
+  dsa = mod.layers[3].self_attn
+  assert dsa.q_b_proj.weight[...].sharding.spec == P("tp", None)
+  assert dsa.indexer.wq_b.weight[...].sharding.spec == P(None, None)
+  assert mod.layers[3].mlp.experts.gate_proj[...].sharding.spec == P(None, "tp", None)
+  assert mod.embed_tokens[...].sharding.spec == P("tp", None)
+  # each device holds a quarter of a column-parallel weight
+  shard = kda.q_proj.weight[...].addressable_shards[0].data
+  assert shard.shape[0] == kda.q_proj.weight[...].shape[0] // 4
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_forward_tp_equals_tp1(tp):
+  p = np.random.default_rng(0).integers(0, 500, (2, 19))
+  ref = np.asarray(glm5_jax.forward(load(_ckpt(), "float32", 1), p))
+  got = np.asarray(glm5_jax.forward(load(_ckpt(), "float32", tp), p))
+  np.testing.assert_allclose(got, ref, **tol("fp32_paths"))
+
+
+def _greedy_run(m, k=3, steps=6):
+  dec = Decoder(m, DecodeConfig(max_context=64, q=k + 1, capture_sizes=(4,), policy=()), prefill_chunk=16)
+  rng = np.random.default_rng(1)
+  state = dec.prefill([rng.integers(0, 500, 9), rng.integers(0, 500, 14)])
+  out = [np.asarray(state.next_tokens)]
+  for _ in range(steps):
+    state, o = decode(state)
+    out.append(np.asarray(o.tokens))
+    out.append(np.asarray(o.next_tokens))
+  return out
+
+
+def test_speculative_greedy_tp4_equals_tp1():
+  a = _greedy_run(load(_ckpt(), "float32", 1))
+  b = _greedy_run(load(_ckpt(), "float32", 4))
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_collectives_per_step():
+  """Two all-reduces per layer + one for the embedding; the MTP pass and each chained draft step add three
+  (embedding, attention, MoE). Greedy verification and drafts gather only (max, index) pairs."""
+  m = load(_ckpt(), "float32", 4)
+  k, b = 3, 4
+  dec = Decoder(m, DecodeConfig(max_context=64, q=k + 1, capture_sizes=(b,), policy=()))
+  layout = dec.layout(b)
+  rep = NamedSharding(m.mesh, P())
+  sh = jax.tree.map(lambda s: NamedSharding(m.mesh, s), st.cache_specs(layout), is_leaf=lambda x: isinstance(x, P))
+  shapes = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), st.cache_shapes(layout), sh)
+  sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
+  txt = dec.step_fn(b).trace(m.params, shapes, sd((b,), jnp.int32), sd((b,), jnp.int32), sd((b, 2), jnp.uint32),
+                             sd((b,), jnp.bool_), sd((b, k + 1), jnp.int32)).lower().as_text()
+  L = m.cfg.num_hidden_layers
+  assert len(re.findall(r"all_reduce", txt)) == 1 + 2 * L + 3 * k
+  n_gather = len(re.findall(r"all_gather", txt))
+  assert n_gather <= 2 * (1 + k)  # one (max, index) gather per argmax: target + k drafts
+
+
+def test_orbax_restore_across_meshes(tmp_path):
+  m4 = load(_ckpt(), "float32", 4)
+  glm5_jax.save_model(m4, tmp_path / "ck")
+  m1 = glm5_jax.load_model(tmp_path / "ck", tp=1)
+  m2 = glm5_jax.load_model(tmp_path / "ck", tp=2)
+  a = jax.tree.leaves(m4.params)
+  for other in (m1, m2):
+    for x, y in zip(a, jax.tree.leaves(other.params)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert m2.module().layers[0].self_attn.q_proj.weight[...].sharding.spec == P("tp", None)
+  p = np.random.default_rng(2).integers(0, 500, (1, 9))
+  np.testing.assert_array_equal(np.asarray(glm5_jax.forward(m1, p)), np.asarray(glm5_jax.forward(load(_ckpt()), p)))
+
+
+def test_fp8_shard_boundary_that_cuts_a_block_is_refused():
+  path = tiny_checkpoint("oracle-tiny", 11, "fp8", **MICRO)
+  with pytest.raises(ValueError, match=r"cuts a 128-wide FP8 scale block"):
+    glm5_jax.load_model(path, tp=2)
+
+
+def test_bad_tp_sizes():
+  with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+    glm5_jax.load_model(_ckpt(), tp=3)
