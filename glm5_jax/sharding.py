@@ -64,32 +64,30 @@ def param_specs(state):
 def check_divisible(state, mesh: Mesh, block=None):
   """Every sharded dimension must split evenly; FP8 weights must not cut a 128-block at a shard boundary."""
   n = tp_size(mesh)
-  flat = nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state()
+  if n == 1:
+    return
+  flat = list(nnx.to_flat_state(state))
+  by_path = dict(flat)
+  weight_of = {"scale": "weight", "gate_scale": "gate_proj", "up_scale": "up_proj", "down_scale": "down_proj"}
   for path, v in flat:
     axes = v.get_metadata()["axes"]
-    shape = v.get_value().shape if hasattr(v, "get_value") else v.value.shape
     name = ".".join(map(str, path))
-    for d, a in enumerate(axes):
-      if RULES[a] is None or n == 1:
-        continue
-      if shape[d] % n:
-        raise ValueError(f"{name}: dimension {d} of size {shape[d]} ({a}) does not divide over TP={n}")
-    if path[-1] in ("scale", "gate_scale", "up_scale", "down_scale") and block is not None and n > 1:
-      wname = {"scale": "weight", "gate_scale": "gate_proj", "up_scale": "up_proj", "down_scale": "down_proj"}[path[-1]]
-      parent = dict(flat)
-      w = parent.get((*path[:-1], wname))
-      if w is None:  # not a block scale (e.g. the mHC scale)
-        continue
-      wshape = (w.get_value() if hasattr(w, "get_value") else w.value).shape
+    w = by_path.get((*path[:-1], weight_of[path[-1]])) if path[-1] in weight_of else None
+    if w is not None and block is not None:  # an FP8 block scale: check the weight's shard against the blocks
+      wshape = w.get_value().shape
       for d, a in enumerate(axes):
         if RULES[a] is None:
           continue
-        local = wshape[d] // n
-        b = block[0] if d == len(axes) - 2 else block[1]
+        local, b = wshape[d] / n, block[0] if d == len(axes) - 2 else block[1]
         if local % b:
-          raise ValueError(
-              f"{name[:-len(path[-1])]}{wname}: TP={n} gives {local} rows/cols per shard on dimension {d}, which "
-              f"cuts a {b}-wide FP8 scale block: expected a multiple of {b} per shard")
+          wname = ".".join(map(str, (*path[:-1], weight_of[path[-1]])))
+          raise ValueError(f"{wname}: TP={n} gives {wshape[d]}/{n} = {local:g} rows/cols per shard on dimension {d}, "
+                           f"which cuts a {b}-wide FP8 scale block: expected a multiple of {b} per shard")
+      continue
+    shape = v.get_value().shape
+    for d, a in enumerate(axes):
+      if RULES[a] is not None and shape[d] % n:
+        raise ValueError(f"{name}: dimension {d} of size {shape[d]} ({a}) does not divide over TP={n}")
 
 
 def shardings(specs, mesh: Mesh):
