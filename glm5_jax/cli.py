@@ -1,0 +1,214 @@
+"""The ``glm5-jax`` command line.
+
+  glm5-jax demo                      speculative decoding of a prompt with the built-in tiny checkpoint
+  glm5-jax generate CKPT --prompt …  prompt -> tokens (text via the checkpoint's tokenizer.json when present)
+  glm5-jax bench CKPT                decode-step timing table of a checkpoint
+  glm5-jax convert CKPT OUT          Hugging Face checkpoint -> orbax (restorable onto any TP size)
+  glm5-jax check-deployment …        the unsupported() reasons of a deployment
+  glm5-jax memory                    per-device parameter and cache bytes of the real geometry at TP4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _decoder(args, model):
+  from glm5_jax.decode import Decoder  # noqa: PLC0415
+  from glm5_jax.runtime import DecodeConfig  # noqa: PLC0415
+
+  cfg = DecodeConfig(max_context=args.max_context, q=1 + args.k, capture_sizes=tuple(args.capture_sizes), policy=())
+  return Decoder(model, cfg, backend=args.backend, temperature=args.temperature, top_p=args.top_p)
+
+
+def _add_decode_args(p):
+  p.add_argument("--k", type=int, default=3, help="draft tokens per step (q = 1 + k)")
+  p.add_argument("--max-context", type=int, default=1024)
+  p.add_argument("--capture-sizes", type=int, nargs="+", default=[1])
+  p.add_argument("--backend", default="auto", choices=["auto", "latency_specialized"])
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--tp", type=int, default=1)
+  p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
+
+
+def _tokenizer(path):
+  f = os.path.join(path, "tokenizer.json")
+  if not os.path.exists(f):
+    return None
+  from tokenizers import Tokenizer  # noqa: PLC0415
+  return Tokenizer.from_file(f)
+
+
+def _run_generation(args, path, prompt_ids, tok=None):
+  import glm5_jax  # noqa: PLC0415
+
+  t0 = time.perf_counter()
+  model = glm5_jax.load_model(path, dtype=args.dtype, tp=args.tp)
+  dec = _decoder(args, model)
+  t1 = time.perf_counter()
+  dec.warmup([dec.config.capture_size_for(1)])
+  state = dec.prefill([prompt_ids])
+  t2 = time.perf_counter()
+  out = [int(state.next_tokens[0, 0])]
+  steps, step_times, accepted = 0, [], 0
+  from glm5_jax.decode import decode  # noqa: PLC0415
+  while len(out) < args.max_new_tokens:
+    s = time.perf_counter()
+    state, o = decode(state)
+    n = int(o.counts[0])  # the host read syncs: the time is the whole step
+    step_times.append(time.perf_counter() - s)
+    out += np.asarray(o.tokens[0, :n]).tolist()
+    accepted += n - 1
+    steps += 1
+  out = out[:args.max_new_tokens]
+  k = dec.config.q - 1
+  print(f"prompt ({len(prompt_ids)} tokens): {list(map(int, prompt_ids))}")
+  print(f"generated ({len(out)} tokens): {out}")
+  if tok is not None:
+    print("text:", tok.decode(out))
+  rate = accepted / max(steps * k, 1) if k else float("nan")
+  med = 1e3 * float(np.median(step_times)) if step_times else float("nan")
+  print(f"steps: {steps}  tokens/step: {len(out) / max(steps, 1):.2f}  draft acceptance: {rate:.1%} (k={k})")
+  print(f"step time: median {med:.2f} ms on {model.mesh.devices.flat[0].platform} (TP{model.tp}, backend "
+        f"{dec.backend})  load {t1 - t0:.1f} s  warm-up + prefill {t2 - t1:.1f} s")
+  return out
+
+
+def cmd_demo(args):
+  from checkpoints.make_tiny import builtin_checkpoint  # noqa: PLC0415
+
+  path = builtin_checkpoint(args.preset)
+  print(f"built-in checkpoint: {args.preset} (random weights, MTP layer included) at {path}")
+  rng = np.random.default_rng(args.seed)
+  import json as _json  # noqa: PLC0415
+  vocab = _json.load(open(os.path.join(path, "config.json")))["text_config"]["vocab_size"]
+  prompt = rng.integers(0, vocab, args.prompt_len)
+  _run_generation(args, path, prompt)
+
+
+def cmd_generate(args):
+  tok = _tokenizer(args.checkpoint)
+  if args.prompt_ids:
+    ids = [int(x) for x in args.prompt_ids.split(",")]
+  elif tok is not None:
+    ids = tok.encode(args.prompt).ids
+  else:
+    raise SystemExit(f"{args.checkpoint} has no tokenizer.json: pass --prompt-ids 1,2,3")
+  _run_generation(args, args.checkpoint, np.asarray(ids), tok)
+
+
+def cmd_convert(args):
+  import glm5_jax  # noqa: PLC0415
+
+  model = glm5_jax.load_model(args.checkpoint, dtype=args.dtype, progress=True)
+  glm5_jax.save_model(model, args.out)
+  print(f"saved {args.out} (orbax; restore with glm5_jax.load_model({args.out!r}, tp=N))")
+
+
+def cmd_check(args):
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.runtime import DeploymentConfig, specialized_decode_config, unsupported  # noqa: PLC0415
+
+  model = C.Glm5Config.from_json(args.checkpoint) if args.checkpoint else C.PRESETS[args.preset]()
+  dep = DeploymentConfig(
+      model=model, tensor_parallel_size=args.tp, kv_cache_dtype=args.kv_cache_dtype,
+      num_speculative_tokens=args.k, speculative_method="mtp" if args.k else None,
+      max_model_len=args.max_context, capture_sizes=tuple(args.capture_sizes), platform=args.platform,
+      additional_config={"decode_backend": args.backend, "policy": json.loads(args.policy)})
+  reasons = unsupported(dep)
+  print(f"platform: {dep.current_platform()}  backend: {args.backend}")
+  if reasons:
+    print(f"{len(reasons)} reason(s) the specialized decode cannot run:")
+    for r in reasons:
+      print("  -", r)
+  else:
+    print("supported:", specialized_decode_config(dep))
+  return 1 if reasons and args.backend == "latency_specialized" else 0
+
+
+def cmd_memory(args):
+  import jax.numpy as jnp  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from glm5_jax import config as C, sharding as shd, state as st  # noqa: PLC0415
+  from glm5_jax.model import Glm5Model  # noqa: PLC0415
+
+  cfg = C.real()
+  abstract = nnx.eval_shape(lambda: Glm5Model(cfg, jnp.bfloat16, fp8=True))
+  _, astate = nnx.split(abstract)
+  pb = shd.param_bytes_per_device(astate, args.tp)
+  layout = st.cache_layout(cfg, args.batch, args.max_context, 1 + args.k, jnp.bfloat16, mtp=True)
+  cb = st.cache_bytes_per_device(layout, args.tp)
+  gb = 1e9
+  print(f"GLM-5.3-Flash at TP{args.tp}, batch {args.batch}, max_context {args.max_context}, q {1 + args.k}:")
+  print(f"  parameters per device: {pb / gb:8.2f} GB")
+  print(f"  caches per device:     {cb / gb:8.2f} GB")
+  print(f"  total per device:      {(pb + cb) / gb:8.2f} GB of 141 GB (H200): {'fits' if pb + cb < 141e9 else 'does NOT fit'}")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="glm5-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = p.add_subparsers(dest="cmd", required=True)
+  d = sub.add_parser("demo", help="speculative decoding with the built-in tiny checkpoint")
+  d.add_argument("--preset", default="kernel-tiny", choices=["kernel-tiny", "oracle-tiny"])
+  d.add_argument("--prompt-len", type=int, default=24)
+  d.add_argument("--max-new-tokens", type=int, default=32)
+  d.add_argument("--seed", type=int, default=0)
+  _add_decode_args(d)
+  d.set_defaults(fn=cmd_demo, max_context=256)
+  g = sub.add_parser("generate", help="prompt -> tokens")
+  g.add_argument("checkpoint")
+  g.add_argument("--prompt", default="")
+  g.add_argument("--prompt-ids", default="")
+  g.add_argument("--max-new-tokens", type=int, default=32)
+  _add_decode_args(g)
+  g.set_defaults(fn=cmd_generate)
+  c = sub.add_parser("convert", help="Hugging Face -> orbax")
+  c.add_argument("checkpoint")
+  c.add_argument("out")
+  c.add_argument("--dtype", default=None)
+  c.set_defaults(fn=cmd_convert)
+  k = sub.add_parser("check-deployment", help="print the unsupported() reasons of a deployment")
+  k.add_argument("--checkpoint", default=None, help="a checkpoint directory (config.json); default: --preset")
+  k.add_argument("--preset", default="real", choices=["real", "kernel-tiny", "oracle-tiny"])
+  k.add_argument("--tp", type=int, default=4)
+  k.add_argument("--k", type=int, default=3)
+  k.add_argument("--max-context", type=int, default=65536)
+  k.add_argument("--capture-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+  k.add_argument("--kv-cache-dtype", default="fp8")
+  k.add_argument("--backend", default="latency_specialized")
+  k.add_argument("--platform", default=None, help="override the detected platform (sm_90, sm_100, cpu, ...)")
+  k.add_argument("--policy", default="{}", help="policy knobs as JSON, e.g. '{\"interpret\": true}'")
+  k.set_defaults(fn=cmd_check)
+  m = sub.add_parser("memory", help="per-device bytes of the real geometry (no allocation)")
+  m.add_argument("--tp", type=int, default=4)
+  m.add_argument("--batch", type=int, default=1)
+  m.add_argument("--max-context", type=int, default=65536)
+  m.add_argument("--k", type=int, default=3)
+  m.set_defaults(fn=cmd_memory)
+  b = sub.add_parser("bench", help="decode-step timing table (see benchmarks/bench_decode.py)")
+  b.add_argument("rest", nargs=argparse.REMAINDER)
+  b.set_defaults(fn=lambda a: _bench(a.rest))
+  args = p.parse_args(argv)
+  return args.fn(args) or 0
+
+
+def _bench(rest):
+  import runpy  # noqa: PLC0415
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = os.path.join(here, "benchmarks", "bench_decode.py")
+  if not os.path.exists(script):
+    raise SystemExit("benchmarks/bench_decode.py is part of the source checkout, not of an installed wheel")
+  sys.argv = [script] + list(rest)
+  runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
