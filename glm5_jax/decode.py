@@ -214,6 +214,34 @@ class Decoder:
     sm = model.shard_map(fn, (cspecs, REP, REP, REP, REP, REP), out_specs)
     return jax.jit(sm, donate_argnums=(1, 2, 3, 4))
 
+  @classmethod
+  def from_deployment(cls, model: Model, deployment, **kw) -> "Decoder":
+    """The decoder a deployment asks for: ``additional_config["decode_backend"]`` "auto" (stock path) or
+    "latency_specialized" (kernels), gated by runtime.unsupported() — an unsupported deployment raises a
+    ValueError listing every reason; nothing silently falls back."""
+    from glm5_jax.runtime import specialized_decode_config  # noqa: PLC0415
+    if deployment.model != model.cfg:
+      raise ValueError("deployment.model is not the loaded model's config")
+    if deployment.tensor_parallel_size != model.tp:
+      raise ValueError(f"deployment.tensor_parallel_size={deployment.tensor_parallel_size} but the model is "
+                       f"loaded on a mesh of {model.tp} devices")
+    spec = specialized_decode_config(deployment)
+    if spec is not None:
+      return cls(model, spec, backend="latency_specialized", **kw)
+    k = deployment.num_speculative_tokens if deployment.speculative else 0
+    cfg = DecodeConfig(max_context=deployment.max_model_len or model.cfg.max_position_embeddings, q=1 + (k or 0),
+                       capture_sizes=tuple(deployment.capture_sizes),
+                       policy=tuple(sorted(deployment.additional().get("policy", {}).items())))
+    return cls(model, cfg, backend="auto", **kw)
+
+  def kernel_mode(self):
+    """Pallas kernels run natively on a GPU; elsewhere (tests on CPU) in Mosaic GPU interpret mode."""
+    import contextlib  # noqa: PLC0415
+    if self.backend != "latency_specialized":
+      return contextlib.nullcontext()
+    from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
+    return maybe_interpret()
+
   @property
   def key(self):
     return (self.config, self.backend, self.temperature, self.top_p)
@@ -234,9 +262,10 @@ class Decoder:
       shapes = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             st.cache_shapes(layout), shard)
       sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
-      self._aot[b] = self.step_fn(b).trace(
-          self.model.params, shapes, sd((b,), jnp.int32), sd((b,), jnp.int32), sd((b, 2), jnp.uint32),
-          sd((b,), jnp.bool_), sd((b, self.config.q), jnp.int32)).lower().compile()
+      with self.kernel_mode():
+        self._aot[b] = self.step_fn(b).trace(
+            self.model.params, shapes, sd((b,), jnp.int32), sd((b,), jnp.int32), sd((b, 2), jnp.uint32),
+            sd((b,), jnp.bool_), sd((b, self.config.q), jnp.int32)).lower().compile()
 
   def step(self, state: DecodeState, tokens=None):
     """One speculative step. ``tokens`` [B, q] int32 (default: the state's next_tokens). Validated before any
@@ -260,8 +289,9 @@ class Decoder:
       state = dataclasses.replace(state, len_bound=worst)
     tokens = jax.device_put(tokens, NamedSharding(self.model.mesh, REP))
     fn = self._aot.get(state.batch) or self.step_fn(state.batch)
-    caches, lengths, n_acc, keys, out = fn(self.model.params, state.caches, state.lengths, state.n_acc, state.keys,
-                                           state.active, tokens)
+    with self.kernel_mode():
+      caches, lengths, n_acc, keys, out = fn(self.model.params, state.caches, state.lengths, state.n_acc,
+                                             state.keys, state.active, tokens)
     new = DecodeState(caches, lengths, n_acc, keys, state.active, out.next_tokens, self, state.len_bound + cfg.q)
     return new, out
 

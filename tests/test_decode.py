@@ -245,3 +245,25 @@ def test_max_context_is_enforced(model):
   with pytest.raises(ValueError, match=f"max_context={MAXCTX}"):
     for _ in range(10):
       state, _ = decode(state)
+
+
+def test_latency_specialized_equals_auto_greedy():
+  """The latency_specialized backend (Pallas kernels; Mosaic GPU interpret mode on CPU) emits exactly the
+  reference model's greedy continuation on the kernel-tiny geometry (real per-head sizes, FP8 weights)."""
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
+  prompt = np.random.default_rng(0).integers(0, 2000, 11)
+  ref = greedy_reference(m, prompt, 8, max_context=64)
+  dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=()), backend="latency_specialized",
+                prefill_chunk=16)
+  out, _ = dec.generate([prompt], 8)
+  assert out[0] == ref
+
+
+def test_decoder_from_deployment_gates_the_backend(model):
+  from glm5_jax.runtime import DeploymentConfig  # noqa: PLC0415
+  dep = DeploymentConfig(model=model.cfg, tensor_parallel_size=1, num_speculative_tokens=1, max_model_len=MAXCTX,
+                         capture_sizes=(4,), additional_config={"decode_backend": "latency_specialized"})
+  with pytest.raises(ValueError, match="this model geometry: linear_head_dim=32 \\(expects 128\\)"):
+    Decoder.from_deployment(model, dep)
+  auto = Decoder.from_deployment(model, dep.replace(additional_config={"decode_backend": "auto"}))
+  assert auto.backend == "auto" and auto.config.q == 2 and auto.config.capture_sizes == (4,)
