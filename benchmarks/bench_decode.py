@@ -1,0 +1,114 @@
+"""Decode-step benchmark: ms per speculative step at a given geometry, against the HBM roofline.
+
+  python benchmarks/bench_decode.py --geometry tp4-rank --batch 1 8 --q 1 4 --backend auto latency_specialized
+
+Geometries: ``tp4-rank`` — the exact share of one TP4 rank of GLM-5.3-Flash (45 layers + MTP, heads / expert
+and MLP widths / vocabulary divided by 4, replicated parts whole; ≈82 GB) run on ONE GPU, so without its
+all-reduces (time those separately: benchmarks/bench_allreduce.py); ``kernel-tiny`` / ``oracle-tiny`` for CPU
+smoke runs. Weights and caches are random (FP8 where the release is FP8), never zeros; the context is filled to
+--context tokens. Each configuration is compiled ahead of time (reported), then timed over chained steps with the
+state donated (median of --repeats runs of --steps steps). The roofline is ../shared/notes/performance.md §6:
+bytes one TP4 rank must read per step at 4.3 TB/s (1.42 ms at B = 1, q = 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from glm5_jax import config as C  # noqa: E402
+from glm5_jax.decode import Decoder, decode  # noqa: E402
+from glm5_jax.runtime import DecodeConfig  # noqa: E402
+from glm5_jax.synthetic import random_model, random_state, tp_rank_config  # noqa: E402
+
+HBM = 4.3e12
+
+
+def roofline_bytes(b, q, ctx):
+  """Bytes one TP4 rank must read per verify step (performance.md §6; BF16 KV, experts TP-sharded)."""
+  experts = 288 * (1 - (1 - 8 / 288) ** (b * q)) * 25_171_968 * 42 / 4
+  return 3862e6 + experts + b * (2 * 34 * 16 * 65536) + b * q * 11 * 2048 * 1024 + b * 11 * (ctx / 4) * 256
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--geometry", default="tp4-rank", choices=["tp4-rank", "kernel-tiny", "oracle-tiny"])
+  p.add_argument("--batch", type=int, nargs="+", default=[1])
+  p.add_argument("--q", type=int, nargs="+", default=[1, 4])
+  p.add_argument("--backend", nargs="+", default=["auto", "latency_specialized"])
+  p.add_argument("--context", type=int, default=32768)
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--accept", type=float, default=2.75, help="tokens per verify step assumed for tokens/s (q > 1)")
+  p.add_argument("--out", default=None, help="append JSON lines of results here")
+  p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new configurations after this long")
+  a = p.parse_args(argv)
+  t_start = time.time()
+  if a.geometry == "tp4-rank":
+    cfg = tp_rank_config(C.real(), 4)
+  else:
+    cfg = C.PRESETS[a.geometry]()
+  max_ctx = a.context + 16
+  max_ctx += (-max_ctx) % cfg.index_kpool
+  t = time.time()
+  model = random_model(cfg, dtype=jnp.bfloat16, fp8=cfg.fp8_block is not None)
+  jax.block_until_ready(jax.tree.leaves(model.params))
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+  print(f"# {a.geometry}: {nbytes / 1e9:.2f} GB of random parameters in {time.time() - t:.1f} s on "
+        f"{jax.devices()[0].device_kind}; context {a.context}", flush=True)
+  rows = []
+  hdr = f"{'backend':>20} {'B':>3} {'q':>2} {'compile s':>9} {'ms/step':>9} {'tok/s/seq':>9} {'roofline ms':>11} {'% roof':>7}"
+  print(hdr, flush=True)
+  for backend in a.backend:
+    for q in a.q:
+      for b in a.batch:
+        if time.time() - t_start > a.budget_s:
+          print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
+          continue
+        dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=()), backend=backend)
+        t = time.time()
+        try:
+          dec.warmup()
+        except Exception as e:  # report and go on: one backend failing must not hide the others' numbers
+          print(f"{backend:>20} {b:>3} {q:>2} compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+          continue
+        comp = time.time() - t
+        state = random_state(dec, b, a.context)
+        state, out = decode(state)  # first call: one-off work outside the timing
+        jax.block_until_ready(out.tokens)
+        times = []
+        for _ in range(a.repeats):
+          state = random_state(dec, b, a.context) if state.len_bound + q * (a.steps + 1) > max_ctx else state
+          t = time.perf_counter()
+          for _ in range(a.steps):
+            state, out = decode(state)
+          jax.block_until_ready(out.tokens)
+          times.append((time.perf_counter() - t) / a.steps)
+        ms = 1e3 * float(np.median(times))
+        roof = 1e3 * roofline_bytes(b, q, a.context) / HBM
+        tps = (a.accept if q > 1 else 1.0) / (ms / 1e3)
+        row = dict(geometry=a.geometry, backend=backend, batch=b, q=q, context=a.context, compile_s=comp,
+                   ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
+                   roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
+                   date=time.strftime("%Y-%m-%d"))
+        rows.append(row)
+        print(f"{backend:>20} {b:>3} {q:>2} {comp:>9.1f} {ms:>9.2f} {tps:>9.1f} {roof:>11.3f} {row['pct_roofline']:>6.1f}%",
+              flush=True)
+        if a.out:
+          with open(a.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        del state, out, dec
+  return rows
+
+
+if __name__ == "__main__":
+  main()
