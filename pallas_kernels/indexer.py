@@ -6,8 +6,8 @@ the pooled-key cache (P = ctx / 4).
 * ``hadamard128``: orthonormal Walsh-Hadamard transform of the last dim (Sylvester ordering).
 * ``quant_ue8m0_fp8``: per-128-vector FP8 e4m3 with a power-of-two (UE8M0) scale, after bf16 rounding.
 * ``indexer_scores`` (Mosaic GPU) / ``indexer_scores_reference`` (jnp, f32):
-    scores[b, t, j] = k_scale[b, j] · Σ_h w[b,t,h] · q_scale[b,t,h] · ReLU(q8[b,t,h] · k8[b,j])  for j < n_valid[b,t]
-                      -inf                                                                  for j >= n_valid[b,t]
+    scores[b, t, j] = k_scale[b, j] · Σ_h w[b,t,h] · q_scale[b,t,h] · ReLU(q8[b,t,h] · k8[b,j]), j < n_valid[b,t]
+                      -inf,                                                                j >= n_valid[b,t]
   Top-k stays in XLA.
 
 Kernel design: the pooled keys are shared by all T tokens and all 32 heads of a sequence, so one CTA streams a
@@ -101,7 +101,6 @@ def _indexer_kernel(nbc: int, T: int, hi: int):
 
   GMEM refs: q_g [B, T * hi, 128] e4m3, wq_g [B, T, hi] f32 (w * q_scale), nv_g [B, T] int32,
   k8_g [B, Pp, 128] e4m3, ks_g [B, Pp] f32; out o_g [B, T, Pp] f32."""
-  tile8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
 
   def body(q_g, wq_g, nv_g, k8_g, ks_g, o_g, q_s, k_s, ks_s, o_s, bar, kbar):
     ch = lax.axis_index("c")
@@ -164,7 +163,6 @@ def _indexer_kernel(nbc: int, T: int, hi: int):
     lax.fori_loop(0, nbc, block, None)
     plgpu.wait_smem_to_gmem(0)
 
-  del tile8
   return body
 
 
@@ -184,7 +182,8 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
     # Padding slots are beyond every n_valid (n_valid <= P), so they are never loaded, only written as -inf.
     k8 = jnp.pad(k8, ((0, 0), (0, Pp - P), (0, 0)))
     k_scale = jnp.pad(k_scale, ((0, 0), (0, Pp - P)))
-  wq = (w.astype(jnp.float32) * q_scale.astype(jnp.float32))
+  wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
+  # fp8 wgmma operands: 128-byte rows (128 e4m3), 128-byte swizzle, both K-major
   tile8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
   kern = plgpu.kernel(
       _indexer_kernel(nbc, T, HI),
@@ -199,6 +198,7 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
       ],
       grid=(nch, B),
       grid_names=("c", "b"),
+      kernel_name="glm5_indexer_scores",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
   out = kern(q8.reshape(B, T * HI, HEAD_DIM), wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32))

@@ -92,11 +92,9 @@ def sparse_mla_decode_reference(q, cache8, cache_scale, indices, *, softmax_scal
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-def _swizzled(minor_f16: int):
-  """Tiling + swizzle for an f16 wgmma operand. All operands use the 32-byte swizzle: wgmma takes one swizzle
-  for A and B, and P^T [64 keys, 16 heads] f16 has a 32-byte minor dimension."""
-  del minor_f16
-  return (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+# Tiling + swizzle of every f16 wgmma operand: wgmma takes one swizzle for A and B, and P^T [64 keys, 16 heads]
+# f16 has a 32-byte minor dimension, so all of q_s, c16_s and p_s use the 32-byte swizzle.
+_F16_SW32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 
 
 def _pick_blocks_per_split(n_blocks: int, n_rows: int) -> int:
@@ -109,8 +107,8 @@ def _mla_kernel(nbs: int, hn: int):
   """Kernel body for ``nbs`` blocks of 64 positions per CTA and ``hn`` heads per CTA.
 
   GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (rescale * softmax_scale * log2 e),
-  c8_g [B, S, 512] e4m3, sc_g [B, S, 4] f32, idx_g [BT, Wp / 64, 64] int32; out o_g [BT, NS, 512, H] f32 (partial O^T,
-  normalised), lse_g [BT, NS, H] f32 (base-2 log-sum-exp of the split)."""
+  c8_g [B, S, 512] e4m3, sc_g [B, S, 4] f32, idx_g [BT, Wp / 64, 64] int32;
+  out o_g [BT, NS, 512, H] f32 (partial O^T, normalised), lse_g [BT, NS, H] f32 (base-2 log-sum-exp of the split)."""
 
   def body(q_g, qm_g, c8_g, sc_g, idx_g, o_g, lse_g, q_s, idx_s, c8_s, sc_s, c16_s, p_s, bar, gbar):
     hg = lax.axis_index("h")
@@ -144,6 +142,8 @@ def _mla_kernel(nbs: int, hn: int):
         issue(k + 1, 1 - slot)
 
       plgpu.barrier_wait(gbar.at[slot])
+      # Warpgroup barrier: every warp is done with the previous block's PV wgmma before c16_s is overwritten.
+      plgpu.commit_smem()
       # Dequantise: the scales of group g as a per-row vector come from a masked row sum of the [64, 8] scale
       # tile (columns 4..7 are never written; `where` drops them), which needs no value transpose.
       # The gathered buffers are written row by row by TMA, so they stay untiled: hence optimized=False loads.
@@ -217,7 +217,8 @@ def sparse_mla_decode(q, cache8, cache_scale, indices, *, softmax_scale, blocks_
   nbs = blocks_per_split or _pick_blocks_per_split(n_blocks, B * T * (H // hn))
   ns = -(-n_blocks // nbs)
   wp = ns * nbs * BLOCK
-  idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, wp - W)), constant_values=-1).reshape(B * T, wp // BLOCK, BLOCK)
+  idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, wp - W)), constant_values=-1)
+  idx = idx.reshape(B * T, wp // BLOCK, BLOCK)
   q16, qm = _prepare_q(q, softmax_scale)
   f16 = jnp.float16
   kern = plgpu.kernel(
@@ -225,17 +226,18 @@ def sparse_mla_decode(q, cache8, cache_scale, indices, *, softmax_scale, blocks_
       out_type=(jax.ShapeDtypeStruct((B * T, ns, D_LATENT, H), jnp.float32),
                 jax.ShapeDtypeStruct((B * T, ns, H), jnp.float32)),
       scratch_types=[
-          plgpu.SMEM((hn, D_LATENT), f16, transforms=_swizzled(D_LATENT)),  # q_s
+          plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
           plgpu.SMEM((nbs, BLOCK), jnp.int32),  # idx_s (TMA boxes are <= 256 per dimension)
           plgpu.SMEM((2, BLOCK, D_LATENT), jnp.float8_e4m3fn),  # c8_s (double buffer)
           plgpu.SMEM((2, BLOCK, 8), jnp.float32),  # sc_s (4 scales per row, padded to 8 columns)
-          plgpu.SMEM((BLOCK, D_LATENT), f16, transforms=_swizzled(D_LATENT)),  # c16_s
-          plgpu.SMEM((BLOCK, hn), f16, transforms=_swizzled(hn)),  # p_s
+          plgpu.SMEM((BLOCK, D_LATENT), f16, transforms=_F16_SW32),  # c16_s
+          plgpu.SMEM((BLOCK, hn), f16, transforms=_F16_SW32),  # p_s
           plgpu.Barrier(num_barriers=2),
           plgpu.Barrier(num_arrivals=2 * BLOCK, num_barriers=2),
       ],
       grid=(H // hn, ns, B * T),
       grid_names=("h", "s", "bt"),
+      kernel_name="glm5_sparse_mla",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
   o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache8, cache_scale.astype(jnp.float32),

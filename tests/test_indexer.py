@@ -1,0 +1,183 @@
+"""Tests of pallas_kernels/indexer.py: FWHT (H128), UE8M0 FP8 quantisation, indexer scores.
+
+CPU (< 90 s): FWHT against scipy's Sylvester Hadamard matrix, orthonormality and H·H = I; quant_ue8m0_fp8
+(power-of-two scales, bf16 rounding first, amax in (224, 448], round-trip bound, the 1e-4 floor) against a numpy
+implementation; the scores reference against a naive numpy loop; the Mosaic GPU kernel in GPU interpret mode
+against the reference (causal n_valid incl. 0 and P, ragged P, several blocks per CTA, T up to 8); CUDA
+cross-lowering of every real configuration (B in {1, 8, 32}, T in {1, 4, 8}, P in {1024, 8192, 16384}).
+GPU (`-m gpu`): real sizes natively against the reference.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import scipy.linalg
+from conftest import tol
+
+from pallas_kernels import indexer as I
+from pallas_kernels._common import cross_lower, maybe_interpret
+
+SDS = jax.ShapeDtypeStruct
+F8 = jnp.float8_e4m3fn
+HI = 32
+
+
+# ------------------------------------------------------------------------------------------------------------
+# FWHT
+# ------------------------------------------------------------------------------------------------------------
+def test_hadamard_matches_sylvester():
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((5, 3, 128)).astype(np.float32)
+  H = scipy.linalg.hadamard(128).astype(np.float64) / np.sqrt(128)  # Sylvester ordering
+  got = np.asarray(I.hadamard128(jnp.asarray(x)))
+  np.testing.assert_allclose(got, x.astype(np.float64) @ H.T, atol=1e-5, rtol=1e-5)
+
+
+def test_hadamard_orthonormal():
+  eye = np.asarray(I.hadamard128(jnp.eye(128, dtype=jnp.float32)), np.float64)  # rows: H e_i = columns of H
+  np.testing.assert_allclose(eye @ eye.T, np.eye(128), atol=1e-6)
+  np.testing.assert_allclose(eye, eye.T, atol=1e-7)  # Sylvester H is symmetric, so H·H = I
+  x = jax.random.normal(jax.random.key(4), (7, 128))
+  np.testing.assert_allclose(np.asarray(I.hadamard128(I.hadamard128(x))), np.asarray(x), atol=1e-5)
+  # dot products are preserved (what makes FWHT(q)·FWHT(k) = q·k)
+  y = jax.random.normal(jax.random.key(5), (7, 128))
+  np.testing.assert_allclose(np.sum(np.asarray(I.hadamard128(x) * I.hadamard128(y)), -1),
+                             np.sum(np.asarray(x * y), -1), atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# UE8M0 FP8 quantisation
+# ------------------------------------------------------------------------------------------------------------
+def np_quant_ue8m0(y):
+  yb = np.asarray(y, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+  amax = np.maximum(np.abs(yb).max(-1), 1e-4)
+  s = 2.0 ** np.ceil(np.log2(amax / 448.0))
+  y8 = np.clip(yb / s[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+  return y8, s, yb
+
+
+def test_quant_ue8m0():
+  rng = np.random.default_rng(8)
+  y = rng.standard_normal((6, 9, 128)) * rng.uniform(1e-3, 50.0, (6, 9, 1))
+  y[0, 0] = 0.0  # floor: s = 2^ceil(log2(1e-4 / 448))
+  y[0, 1] *= 1e-7
+  y[1, 0, :] = 0.25
+  y[1, 0, 5] = 448.0 * 2.0 ** -3  # amax / 448 exactly a power of two: no extra doubling
+  y = y.astype(np.float32)
+  y8, s = I.quant_ue8m0_fp8(jnp.asarray(y))
+  assert y8.dtype == F8 and y8.shape == y.shape and s.shape == y.shape[:-1] and s.dtype == jnp.float32
+  s = np.asarray(s, np.float64)
+  e = np.log2(s)
+  np.testing.assert_array_equal(e, np.round(e))  # a power of two
+  r8, rs, yb = np_quant_ue8m0(y)
+  np.testing.assert_array_equal(s, rs)
+  np.testing.assert_array_equal(np.asarray(y8.astype(jnp.float32)), r8.astype(np.float32))
+  assert s[0, 0] == 2.0 ** np.ceil(np.log2(1e-4 / 448)) and s[1, 0] == 2.0 ** -3
+  amax = np.abs(yb).max(-1)
+  big = amax >= 1e-4
+  ratio = amax[big] / s[big]
+  assert np.all(ratio <= 448.0) and np.all(ratio > 224.0)
+  back = np.asarray(y8.astype(jnp.float32), np.float64) * s[..., None]
+  # error vs the bf16-rounded input: half an e4m3 ulp (2^-4 relative) or 2^-10 * s in the subnormal range
+  assert np.all(np.abs(back - yb) <= 2.0 ** -4 * np.abs(yb) + 2.0 ** -10 * s[..., None] + 1e-30)
+  # bf16 rounding happens first: y and bf16(y) quantise identically
+  y8b, sb = I.quant_ue8m0_fp8(jnp.asarray(y).astype(jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(y8b.astype(jnp.float32)), np.asarray(y8.astype(jnp.float32)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# scores
+# ------------------------------------------------------------------------------------------------------------
+def make_inputs(seed, B, T, P, hi=HI, full_nv=False):
+  """FWHT'd + UE8M0-quantised random queries and pooled keys, head weights with the HI^-1/2 128^-1/2 factor,
+  causal n_valid per token (including 0 and P)."""
+  ks = jax.random.split(jax.random.key(seed), 5)
+  q8, qs = I.quant_ue8m0_fp8(I.hadamard128(jax.random.normal(ks[0], (B, T, hi, 128))))
+  kraw = jax.random.normal(ks[1], (B, P, 128)) * jax.random.uniform(ks[2], (B, P, 1), minval=0.2, maxval=3.0)
+  k8, kscale = I.quant_ue8m0_fp8(I.hadamard128(kraw))
+  w = jax.random.normal(ks[3], (B, T, hi)) * (hi ** -0.5 * 128 ** -0.5)
+  if full_nv:
+    nv = jnp.full((B, T), P, jnp.int32)
+  else:
+    nv = jax.random.randint(ks[4], (B, T), 0, P + 1, jnp.int32)
+    nv = nv.at[0, 0].set(0).at[-1, -1].set(P)
+  return q8, qs, w, k8, kscale, nv
+
+
+def np_scores(q8, qs, w, k8, kscale, nv):
+  q = np.asarray(q8.astype(jnp.float32), np.float64)
+  k = np.asarray(k8.astype(jnp.float32), np.float64)
+  wq = np.asarray(w, np.float64) * np.asarray(qs, np.float64)
+  ks, nv = np.asarray(kscale, np.float64), np.asarray(nv)
+  B, T, H, _ = q.shape
+  P = k.shape[1]
+  out = np.full((B, T, P), -np.inf)
+  for b, t in itertools.product(range(B), range(T)):
+    n = nv[b, t]
+    dots = q[b, t] @ k[b, :n].T  # [H, n]
+    out[b, t, :n] = ks[b, :n] * (wq[b, t] @ np.maximum(dots, 0.0))
+  return out
+
+
+def assert_scores_close(got, ref, tolname):
+  fin = np.isfinite(ref)
+  np.testing.assert_array_equal(np.isfinite(got), fin)
+  assert np.all(got[~fin] == -np.inf)
+  np.testing.assert_allclose(got[fin], ref[fin], **tol(tolname))
+
+
+@pytest.mark.parametrize("B,T,P", [(1, 1, 40), (2, 3, 70)])
+def test_reference_vs_numpy(B, T, P):
+  args = make_inputs(B * 10 + T + P, B, T, P)
+  got = np.asarray(I.indexer_scores_reference(*args))
+  assert_scores_close(got, np_scores(*args), "kernel_f32")
+
+
+INTERP_CASES = [
+    # B, T, P, blocks_per_cta
+    (1, 1, 200, None),  # P padded 200 -> 256, 4 CTAs
+    (2, 4, 300, 2),  # 5 blocks -> 3 chunks of 2; padding slots never loaded
+    (1, 8, 128, 1),  # T = 8: 256 query rows
+]
+
+
+@pytest.mark.parametrize("B,T,P,nbc", INTERP_CASES)
+def test_kernel_interpret(B, T, P, nbc):
+  args = make_inputs(5 + B + T + P, B, T, P)
+  ref = np.asarray(I.indexer_scores_reference(*args))
+  with maybe_interpret(True):
+    got = np.asarray(jax.jit(lambda *a: I.indexer_scores(*a, blocks_per_cta=nbc))(*args))
+  assert got.shape == (B, T, P) and got.dtype == np.float32
+  # The interpreter's fp8 x fp8 MMA is exact in f32, so the f32 table applies here (GPU: kernel_fp8).
+  assert_scores_close(got, ref, "kernel_f32")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CUDA cross-lowering of the real configurations
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("B,T,P", list(itertools.product([1, 8, 32], [1, 4, 8], [1024, 8192, 65536 // 4])))
+def test_cross_lower_real(B, T, P):
+  args = (SDS((B, T, HI, 128), F8), SDS((B, T, HI), jnp.float32), SDS((B, T, HI), jnp.float32),
+          SDS((B, P, 128), F8), SDS((B, P), jnp.float32), SDS((B, T), jnp.int32))
+  txt = cross_lower(I.indexer_scores, *args).as_text()
+  assert "mosaic_gpu" in txt
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,P,full", [(1, 1, 8192, True), (8, 4, 8192, False), (2, 8, 16384, False),
+                                        (1, 4, 1000, False)])
+def test_kernel_gpu(B, T, P, full):
+  args = make_inputs(B + T + P, B, T, P, full_nv=full)
+  ref = np.asarray(jax.jit(I.indexer_scores_reference)(*args))
+  got = np.asarray(jax.jit(I.indexer_scores)(*args))
+  # Hopper's fp8 wgmma accumulates with reduced precision (~1e-4 relative, jax_mosaic_gpu.md §1.4)
+  assert_scores_close(got, ref, "kernel_fp8")
+  fin = np.isfinite(ref)
+  assert np.abs(got[fin] - ref[fin]).max() <= 1e-3 * np.abs(ref[fin]).max()

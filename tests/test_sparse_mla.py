@@ -1,0 +1,158 @@
+"""Tests of pallas_kernels/sparse_mla.py: FP8 latent cache format and the sparse MLA decode kernel.
+
+CPU (< 90 s): quantize/dequantize round trip and scale rule; the reference against a naive numpy dense softmax
+over the gathered dequantised rows; the Mosaic GPU kernel in GPU interpret mode against the reference (small
+shapes, -1 padding interleaved and trailing, all-padding splits, several splits per row, H = 16 and 32);
+CUDA cross-lowering of every real configuration (B in {1, 8, 32}, T in {1, 4, 8}, H in {16, 64},
+W = 2051 padded to 2176, S = 65536).
+GPU (`-m gpu`): real sizes natively against the reference.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tol
+
+from pallas_kernels import sparse_mla as M
+from pallas_kernels._common import cross_lower, maybe_interpret
+
+SDS = jax.ShapeDtypeStruct
+F8 = jnp.float8_e4m3fn
+SCALE = 1.0 / 16
+
+
+def make_inputs(seed, B, T, H, S, W, pad_frac=0.2, q_dtype=jnp.float32, trailing_pad=0):
+  """Random absorbed queries, a quantised random latent cache (per-token magnitudes vary) and index lists with
+  interleaved -1 padding (+ ``trailing_pad`` -1 at the end); index 0 of every row is valid."""
+  ks = jax.random.split(jax.random.key(seed), 6)
+  q = (jax.random.normal(ks[0], (B, T, H, M.D_LATENT)) * 0.6).astype(q_dtype)
+  mag = jax.random.uniform(ks[1], (B, S, 1), minval=0.1, maxval=2.0)
+  c = jax.random.normal(ks[2], (B, S, M.D_LATENT)) * mag
+  c8, sc = M.quantize_latent(c)
+  idx = jax.random.randint(ks[3], (B, T, W), 0, S, jnp.int32)
+  idx = jnp.where(jax.random.uniform(ks[4], (B, T, W)) < pad_frac, -1, idx)
+  idx = idx.at[:, :, 0].set(jax.random.randint(ks[5], (B, T), 0, S, jnp.int32))
+  if trailing_pad:
+    idx = idx.at[:, :, W - trailing_pad:].set(-1)
+  return q, c8, sc, idx
+
+
+def np_sparse_mla(q, c8, sc, idx, scale):
+  """Naive numpy: per (b, t), dequantise the valid selected rows and run a dense float64 softmax."""
+  q = np.asarray(q.astype(jnp.float32), np.float64)
+  c = np.asarray(c8.astype(jnp.float32), np.float64).reshape(*c8.shape[:-1], 4, 128)
+  c = (c * np.asarray(sc, np.float64)[..., None]).reshape(c8.shape)
+  idx = np.asarray(idx)
+  B, T, H, D = q.shape
+  out = np.zeros((B, T, H, D))
+  for b, t in itertools.product(range(B), range(T)):
+    rows = c[b, idx[b, t][idx[b, t] >= 0]]  # [n, D]
+    s = q[b, t] @ rows.T * scale  # [H, n]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    out[b, t] = (p / p.sum(-1, keepdims=True)) @ rows
+  return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# cache format
+# ------------------------------------------------------------------------------------------------------------
+def test_quantize_latent_roundtrip():
+  rng = np.random.default_rng(11)
+  c = rng.standard_normal((3, 7, 512)) * rng.uniform(0.01, 30.0, (3, 7, 1))
+  c[0, 0, :128] = 0.0  # an all-zero group takes the 1e-4 floor, not a 0 scale
+  c[1, 2, 256:384] *= 1e-6  # a group below the floor
+  c8, s = M.quantize_latent(jnp.asarray(c, jnp.float32))
+  assert c8.dtype == F8 and c8.shape == c.shape and s.shape == (3, 7, 4) and s.dtype == jnp.float32
+  g = np.abs(c.astype(np.float32)).reshape(3, 7, 4, 128)
+  np.testing.assert_allclose(np.asarray(s), np.maximum(g.max(-1), 1e-4) / 448.0, rtol=1e-6)
+  back = np.asarray(M.dequantize_latent(c8, s), np.float64)
+  sb = np.repeat(np.asarray(s, np.float64), 128, -1)
+  # e4m3: half an ulp is 2^-4 relative for normals, 2^-10 x scale absolute in the subnormal range.
+  assert np.all(np.abs(back - c) <= 2.0 ** -4 * np.abs(c) + 2.0 ** -10 * sb + 1e-12)
+  # the group maximum maps to +-448 exactly
+  c8f = np.abs(np.asarray(c8.astype(jnp.float32))).reshape(3, 7, 4, 128).max(-1)
+  big = g.max(-1) >= 1e-4
+  np.testing.assert_array_equal(c8f[big], 448.0)
+  # bf16 input goes through the same path
+  c8b, sb16 = M.quantize_latent(jnp.asarray(c, jnp.bfloat16))
+  assert c8b.dtype == F8 and sb16.dtype == jnp.float32
+
+
+# ------------------------------------------------------------------------------------------------------------
+# reference
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("B,T,H,S,W", [(1, 1, 16, 64, 20), (2, 4, 16, 128, 50), (1, 3, 64, 96, 33)])
+def test_reference_vs_numpy(B, T, H, S, W):
+  q, c8, sc, idx = make_inputs(B * 100 + T * 10 + W, B, T, H, S, W, pad_frac=0.3)
+  got = np.asarray(M.sparse_mla_decode_reference(q, c8, sc, idx, softmax_scale=SCALE))
+  np.testing.assert_allclose(got, np_sparse_mla(q, c8, sc, idx, SCALE), **tol("kernel_f32"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# kernel, GPU interpret mode
+# ------------------------------------------------------------------------------------------------------------
+INTERP_CASES = [
+    # B, T, H, S, W, blocks_per_split, trailing_pad, q dtype
+    (1, 1, 16, 256, 64, None, 0, jnp.float32),
+    (2, 4, 16, 256, 200, 2, 0, jnp.float32),  # 4 blocks -> 2 splits of 2 blocks; W padded 200 -> 256
+    (1, 2, 32, 256, 130, 1, 100, jnp.bfloat16),  # 2 head groups; trailing padding: the 3rd split is all -1
+]
+
+
+@pytest.mark.parametrize("B,T,H,S,W,nbs,trail,qdt", INTERP_CASES)
+def test_kernel_interpret(B, T, H, S, W, nbs, trail, qdt):
+  q, c8, sc, idx = make_inputs(7 + B + T + W, B, T, H, S, W, q_dtype=qdt, trailing_pad=trail)
+  ref = np.asarray(M.sparse_mla_decode_reference(q, c8, sc, idx, softmax_scale=SCALE))
+  with maybe_interpret(True):
+    got = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, blocks_per_split=nbs))(
+        q, c8, sc, idx))
+  assert got.shape == (B, T, H, M.D_LATENT) and got.dtype == np.float32
+  # f16 operands (q rescaled by a power of two, c dequantised to f16), f32 accumulation
+  np.testing.assert_allclose(got, ref, **tol("kernel_bf16"))
+  assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
+
+
+def test_split_choice():
+  # B = 1: one 64-position block per CTA (33 CTAs for W = 2051); B*T = 256: few splits
+  assert M._pick_blocks_per_split(33, 1) == 1
+  assert M._pick_blocks_per_split(34, 32) in (4, 5)
+  assert M._pick_blocks_per_split(34, 256) == 17
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CUDA cross-lowering of the real configurations
+# ------------------------------------------------------------------------------------------------------------
+REAL = list(itertools.product([1, 8, 32], [1, 4, 8], [16, 64]))
+
+
+@pytest.mark.parametrize("B,T,H", REAL)
+def test_cross_lower_real(B, T, H):
+  S, W = 65536, 2176  # 2051 real + padding to a multiple of 128 (vLLM's buffer width)
+  args = (SDS((B, T, H, 512), jnp.bfloat16), SDS((B, S, 512), F8), SDS((B, S, 4), jnp.float32),
+          SDS((B, T, W), jnp.int32))
+  txt = cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE), *args).as_text()
+  assert "mosaic_gpu" in txt
+
+
+def test_cross_lower_unpadded_width():
+  args = (SDS((1, 4, 16, 512), jnp.float32), SDS((1, 65536, 512), F8), SDS((1, 65536, 4), jnp.float32),
+          SDS((1, 4, 2051), jnp.int32))
+  cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE), *args)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,S,W,nbs", [(1, 1, 16, 65536, 2051, None), (8, 4, 16, 65536, 2051, None),
+                                           (2, 8, 64, 8192, 2176, None), (1, 4, 16, 65536, 2051, 4)])
+def test_kernel_gpu(B, T, H, S, W, nbs):
+  q, c8, sc, idx = make_inputs(B + T + H, B, T, H, S, W, q_dtype=jnp.bfloat16, trailing_pad=W % 64)
+  ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, c8, sc, idx))
+  got = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, blocks_per_split=nbs))(
+      q, c8, sc, idx))
+  np.testing.assert_allclose(got, ref, **tol("kernel_bf16"))
+  assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
