@@ -24,7 +24,8 @@ from flax import nnx
 from jax import lax
 
 from glm5_jax.config import Glm5Config
-from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, Linear, RMSNorm, mm, param, rms_norm)
+from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, Linear, RMSNorm, kernel_enabled, mm, param,
+                             rms_norm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +211,7 @@ class Indexer(nnx.Module):
     """Write completed pools into the pool cache and this call's keys into the tail ring."""
     B, T, Di = k.shape
     kp = self.kpool
-    ring_k, ring_g, pools = cache["ring_k"], cache["ring_g"], cache["pool"]
+    ring_k, ring_g, pools = cache["ring_k"], cache["ring_g"], cache.get("pool")
     Rg = ring_k.shape[1]
     base = (ctx.start // kp) * kp
     G = kp * (-(-(kp - 1 + T) // kp))
@@ -230,7 +231,14 @@ class Indexer(nnx.Module):
     end = ctx.start + ctx.valid
     pj = base[:, None] // kp + jnp.arange(G // kp, dtype=jnp.int32)[None]
     complete = (pj + 1) * kp <= end[:, None]
-    pools = _scatter_rows(pools, pk, pj, complete)
+    out = {}
+    if "pool8" in cache:  # vLLM numerics: Hadamard-rotated pooled keys in FP8 with a power-of-two scale
+      from pallas_kernels import indexer as ki  # noqa: PLC0415
+      k8, ks = ki.quant_ue8m0_fp8(ki.hadamard128(pk.astype(jnp.float32)))
+      out["pool8"] = _scatter_rows(cache["pool8"], k8, pj, complete)
+      out["pool_scale"] = _scatter_rows(cache["pool_scale"], ks, pj, complete)
+    else:
+      out["pool"] = _scatter_rows(pools, pk, pj, complete)
     # ring: only the last Rg real positions are distinct mod Rg (and they cover the open pool)
     npos, ok = _positions(ctx, T)
     ok = ok & (npos >= (end - Rg)[:, None])
@@ -238,13 +246,21 @@ class Indexer(nnx.Module):
     slot = jnp.where(ok, npos % Rg, Rg)
     ring_k = ring_k.at[bidx, slot].set(k.astype(ring_k.dtype), mode="drop")
     ring_g = ring_g.at[bidx, slot].set(gam.astype(ring_g.dtype), mode="drop")
-    return {"pool": pools, "ring_k": ring_k, "ring_g": ring_g}
+    return dict(out, ring_k=ring_k, ring_g=ring_g)
 
-  def scores(self, x, q_r, pools, dtype):
-    """[B, T, P] = Σ_h (w_h · HI^-½) · ReLU(q_h·K_j · Di^-½) over every pool slot (masked by the caller)."""
+  def scores(self, x, q_r, icache, pos, dtype):
+    """[B, T, P] = Σ_h (w_h · HI^-½) · ReLU(q_h·K_j · Di^-½) over every pool slot (masked by the caller).
+    With an FP8 pool cache: q and the keys are Hadamard-rotated and FP8 (UE8M0 scales), as vLLM scores them."""
     B, T, _ = x.shape
     qI = self.wq_b(q_r, dtype).astype(jnp.float32).reshape(B, T, self.n_heads, self.head_dim)
     w = self.weights_proj(x, dtype).astype(jnp.float32) * (self.n_heads ** -0.5)
+    if "pool8" in icache:
+      from pallas_kernels import indexer as ki  # noqa: PLC0415
+      q8, qs = ki.quant_ue8m0_fp8(ki.hadamard128(qI))
+      n_valid = (pos + 1) // self.kpool
+      fn = ki.indexer_scores if kernel_enabled("indexer", B * T) else ki.indexer_scores_reference
+      return fn(q8, qs, w * (self.head_dim ** -0.5), icache["pool8"], icache["pool_scale"], n_valid)
+    pools = icache["pool"]
     dots = jnp.einsum("bthd,bpd->bthp", qI, pools.astype(jnp.float32), precision=HIGHEST) * (self.head_dim ** -0.5)
     return jnp.einsum("bth,bthp->btp", w, jnp.maximum(dots, 0.0), precision=HIGHEST)
 
@@ -299,21 +315,37 @@ class DSA(nnx.Module):
     wkv = self.kv_b_proj.w(dtype).reshape(H, dn + dv, -1)
     w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
     pos, ok = _positions(ctx, T)
-    latent = _scatter_rows(cache["latent"], c, pos, ok)
+    fp8 = "latent8" in cache
+    if fp8:  # FP8 E4M3 latent cache with one fp32 scale per 128 values (written as the token arrives)
+      from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
+      c8, csc = ks.quantize_latent(c)
+      lat = {"latent8": _scatter_rows(cache["latent8"], c8, pos, ok),
+             "latent_scale": _scatter_rows(cache["latent_scale"], csc, pos, ok)}
+    else:
+      lat = {"latent": _scatter_rows(cache["latent"], c, pos, ok)}
     k, gam = self.indexer.keys(x, dtype)
     icache = self.indexer.update(k, gam, cache, ctx, dtype)
     if shared is None:
-      sc = self.indexer.scores(x, q_r, icache["pool"], dtype)
+      sc = self.indexer.scores(x, q_r, icache, pos, dtype)
       idx, js = self.indexer.select(sc, pos)
     else:
       idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
     q_hat = jnp.einsum("bthn,hnr->bthr", q, w_uk, precision=HIGHEST)  # absorbed query [B, T, H, R]
-    cs = latent[jnp.arange(B)[:, None, None], jnp.maximum(idx, 0)].astype(dtype)  # [B, T, W, R]
-    s = jnp.einsum("bthr,btwr->bthw", q_hat.astype(jnp.float32), cs.astype(jnp.float32), precision=HIGHEST)
-    s = jnp.where((idx >= 0)[:, :, None, :], s * self.scale, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o_lat = jnp.einsum("bthw,btwr->bthr", p, cs.astype(jnp.float32), precision=HIGHEST)
+    if fp8:
+      if kernel_enabled("sparse_mla", B * T):
+        hp = -H % 16  # the kernel packs 16 heads per CTA: pad with zero queries (sliced off below)
+        qk = jnp.pad(q_hat, ((0, 0), (0, 0), (0, hp), (0, 0))) if hp else q_hat
+        o_lat = ks.sparse_mla_decode(qk, lat["latent8"], lat["latent_scale"], idx, softmax_scale=self.scale)[:, :, :H]
+      else:
+        o_lat = ks.sparse_mla_decode_reference(q_hat, lat["latent8"], lat["latent_scale"], idx,
+                                               softmax_scale=self.scale)
+    else:
+      cs = lat["latent"][jnp.arange(B)[:, None, None], jnp.maximum(idx, 0)].astype(dtype)  # [B, T, W, R]
+      s = jnp.einsum("bthr,btwr->bthw", q_hat.astype(jnp.float32), cs.astype(jnp.float32), precision=HIGHEST)
+      s = jnp.where((idx >= 0)[:, :, None, :], s * self.scale, -jnp.inf)
+      p = jax.nn.softmax(s, axis=-1)
+      o_lat = jnp.einsum("bthw,btwr->bthr", p, cs.astype(jnp.float32), precision=HIGHEST)
     o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dtype), w_uv, precision=HIGHEST)
     y = lax.psum(self.o_proj(o.reshape(B, T, H * dv), dtype), TP)
-    new = dict(cache, latent=latent, **icache)
+    new = dict(cache, **lat, **icache)
     return y, new, {"idx": idx, "pools": js}

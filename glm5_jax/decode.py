@@ -158,9 +158,17 @@ class Decoder:
     self.prefill_chunk = int(prefill_chunk)  # prompts run in chunks of at most this many tokens (one compile each)
 
   # ------------------------------------------------------------------ shapes
+  @property
+  def kv_fp8(self) -> bool:
+    """FP8 latent + indexer caches: the latency_specialized default (the deployment requires an FP8 KV cache);
+    policy {"kv_cache_dtype": "fp8"} also gives the stock path the same cache numerics (its references)."""
+    default = "fp8" if self.backend == "latency_specialized" else "auto"
+    return str(self.config.policy_dict().get("kv_cache_dtype", default)).startswith("fp8")
+
   def layout(self, batch):
     cfg = self.config
-    return st.cache_layout(self.model.cfg, batch, cfg.max_context, cfg.q, self.model.dtype, mtp=self.model.mtp)
+    return st.cache_layout(self.model.cfg, batch, cfg.max_context, cfg.q, self.model.dtype, mtp=self.model.mtp,
+                           kv_fp8=self.kv_fp8)
 
   # ------------------------------------------------------------------ the step
   def _step_fn(self, batch):
@@ -239,8 +247,12 @@ class Decoder:
     import contextlib  # noqa: PLC0415
     if self.backend != "latency_specialized":
       return contextlib.nullcontext()
+    from glm5_jax.layers import use_kernels  # noqa: PLC0415
     from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
-    return maybe_interpret()
+    stack = contextlib.ExitStack()
+    stack.enter_context(maybe_interpret())
+    stack.enter_context(use_kernels(self.config.policy_dict()))
+    return stack
 
   @property
   def key(self):

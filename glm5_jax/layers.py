@@ -15,6 +15,9 @@ E experts, I intermediate, C conv channels, P pools.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,6 +30,30 @@ HIGHEST = lax.Precision.HIGHEST
 
 # Logical axis names (sharding.py maps them to the mesh).
 VOCAB, EMBED, KDA_HD, KDA_H, MLA_HD, FFN = "vocab", "embed", "kda_heads_dim", "kda_heads", "mla_heads_dim", "ffn"
+
+
+# The latency_specialized backend: which Pallas kernels replace XLA ops, fixed while a step is traced (the
+# compiled step of each backend is cached under its own key, so the switch never leaks between programs).
+_KERNELS: contextvars.ContextVar = contextvars.ContextVar("glm5_jax_kernels", default=None)
+MAX_KERNEL_ROWS = 64  # the weight-streaming kernels take at most 64 token rows (decode); prefill stays in XLA
+
+
+@contextlib.contextmanager
+def use_kernels(policy: dict | None):
+  """Trace the enclosed code with the Pallas kernels. policy: {"fp8_linear": bool (default True),
+  "fp8_moe": bool (True), "bf16_linear": bool (False: measured no faster than XLA at M ≤ 8, BENCHMARKS.md),
+  "sparse_mla": bool (True), "indexer": bool (True)}."""
+  tok = _KERNELS.set(None if policy is None else {"fp8_linear": True, "fp8_moe": True, "bf16_linear": False,
+                                                  "sparse_mla": True, "indexer": True, **policy})
+  try:
+    yield
+  finally:
+    _KERNELS.reset(tok)
+
+
+def kernel_enabled(name: str, rows: int) -> bool:
+  pol = _KERNELS.get()
+  return pol is not None and bool(pol.get(name)) and rows <= MAX_KERNEL_ROWS
 
 
 def param(shape, dtype, axes):
@@ -79,6 +106,15 @@ class Linear(nnx.Module):
     return dequant(self.weight[...], None if self.scale is None else self.scale[...], self.fp8_block, dtype)
 
   def __call__(self, x, dtype):
+    rows = x.size // x.shape[-1]
+    n_out, n_in = self.weight.shape
+    if n_in % 128 == 0 and n_out % 64 == 0:
+      from pallas_kernels import linear as kl  # noqa: PLC0415 (kernels only where the backend asks for them)
+      x2 = x.reshape(rows, n_in)
+      if self.scale is not None and kernel_enabled("fp8_linear", rows):
+        return kl.fp8_linear(x2, self.weight[...], self.scale[...], out_dtype=dtype).reshape(*x.shape[:-1], n_out)
+      if self.scale is None and kernel_enabled("bf16_linear", rows) and self.weight.dtype == jnp.bfloat16:
+        return kl.bf16_linear(x2, self.weight[...], out_dtype=dtype).reshape(*x.shape[:-1], n_out)
     return mm(x, self.w(dtype), dtype)
 
 
@@ -226,7 +262,20 @@ class MoE(nnx.Module):
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
     ids, w = self.gate(xf)
-    y = self.experts.partial(xf, ids, w, dtype)
+    ex = self.experts
+    if ex.fp8_block is not None and kernel_enabled("fp8_moe", xf.shape[0]) and ex.gate_proj.shape[1] % 128 == 0:
+      from pallas_kernels import linear as kl  # noqa: PLC0415
+      y = kl.fp8_moe(xf, ids, w, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],
+                     ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit)
+      if self.shared_experts is not None:  # the shared expert as a one-expert MoE with weight 1
+        se = self.shared_experts
+        one = jnp.zeros((xf.shape[0], 1), jnp.int32)
+        y = y + kl.fp8_moe(xf, one, jnp.ones((xf.shape[0], 1), jnp.float32), se.gate_proj.weight[...][None],
+                           se.gate_proj.scale[...][None], se.up_proj.weight[...][None], se.up_proj.scale[...][None],
+                           se.down_proj.weight[...][None], se.down_proj.scale[...][None], swiglu_limit=ex.limit)
+      y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
+      return (y, ids.reshape(*lead, -1)) if return_ids else y
+    y = ex.partial(xf, ids, w, dtype)
     if self.shared_experts is not None:
       y = y + self.shared_experts.partial(xf, dtype).astype(jnp.float32)
     y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)

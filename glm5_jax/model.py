@@ -15,7 +15,8 @@ from jax import lax
 
 from glm5_jax.attention import DSA, KDA, StepCtx
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
-from glm5_jax.layers import (EMBED, HIGHEST, MLP, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm, param)
+from glm5_jax.layers import (EMBED, HIGHEST, MLP, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm, kernel_enabled,
+                             param)
 
 
 class DecoderLayer(nnx.Module):
@@ -104,6 +105,10 @@ class Glm5Model(nnx.Module):
 
   def local_logits(self, h):
     """h [..., D] -> this shard's logits [..., V/tp] in f32."""
+    rows, (Vl, D) = h.size // h.shape[-1], self.lm_head.shape
+    if kernel_enabled("bf16_linear", rows) and self.lm_head.dtype == jnp.bfloat16 and D % 128 == 0 and Vl % 64 == 0:
+      from pallas_kernels import linear as kl  # noqa: PLC0415
+      return kl.bf16_linear(h.reshape(rows, D), self.lm_head[...]).reshape(*h.shape[:-1], Vl)
     return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.lm_head[...].astype(self.dtype),
                       precision=HIGHEST).astype(jnp.float32)
 

@@ -5,9 +5,10 @@ Per KDA layer (sharded by head):
                           (widened by k so a rejection can slide back; the history starts at n_acc − 1)
   ssm   [B, Q, H, K, V]  fp32 recurrent state, one slot per verify position (Q = q)
 Per DSA layer and for the MTP layer (replicated on every rank):
-  latent [B, S, R]        MLA latent per position (auto: compute dtype); latency_specialized: latent8 (e4m3)
-                          + latent_scale [B, S, R/128]
-  pool   [B, S/kpool, Di] pooled indexer keys by pool index
+  latent [B, S, R]        MLA latent per position in the compute dtype; with an FP8 KV cache (the
+                          latency_specialized default) latent8 [B, S, R] e4m3 + latent_scale [B, S, R/128] f32
+  pool   [B, S/kpool, Di] pooled indexer keys by pool index; FP8: pool8 (Hadamard-rotated e4m3) + pool_scale
+                          [B, S/kpool] (power-of-two scales, vLLM's numerics)
   ring_k, ring_g [B, Rg, Di]  raw indexer keys / gate scores of the open pool by position mod Rg
                           (Rg = kpool·⌈(kpool − 1 + q)/kpool⌉ keeps every position a step can touch distinct)
 """
@@ -28,18 +29,24 @@ def ring_size(cfg: Glm5Config, q: int) -> int:
   return kp * (-(-(kp - 1 + q) // kp))
 
 
-def _dsa_cache(cfg: Glm5Config, B, S, q, dtype):
-  kp = cfg.index_kpool
+def _dsa_cache(cfg: Glm5Config, B, S, q, dtype, kv_fp8):
+  kp, R, Di = cfg.index_kpool, cfg.kv_lora_rank, cfg.index_head_dim
   Rg = ring_size(cfg, q)
-  return {
-      "latent": (jax.ShapeDtypeStruct((B, S, cfg.kv_lora_rank), dtype), (None, None, None)),
-      "pool": (jax.ShapeDtypeStruct((B, S // kp, cfg.index_head_dim), dtype), (None, None, None)),
-      "ring_k": (jax.ShapeDtypeStruct((B, Rg, cfg.index_head_dim), dtype), (None, None, None)),
-      "ring_g": (jax.ShapeDtypeStruct((B, Rg, cfg.index_head_dim), dtype), (None, None, None)),
-  }
+  rep3 = (None, None, None)
+  ring = {"ring_k": (jax.ShapeDtypeStruct((B, Rg, Di), dtype), rep3),
+          "ring_g": (jax.ShapeDtypeStruct((B, Rg, Di), dtype), rep3)}
+  if not kv_fp8:
+    return {"latent": (jax.ShapeDtypeStruct((B, S, R), dtype), rep3),
+            "pool": (jax.ShapeDtypeStruct((B, S // kp, Di), dtype), rep3), **ring}
+  if R % 128 or Di != 128:
+    raise ValueError(f"an FP8 KV cache needs kv_lora_rank % 128 == 0 and index_head_dim == 128: got {R}, {Di}")
+  return {"latent8": (jax.ShapeDtypeStruct((B, S, R), jnp.float8_e4m3fn), rep3),
+          "latent_scale": (jax.ShapeDtypeStruct((B, S, R // 128), jnp.float32), rep3),
+          "pool8": (jax.ShapeDtypeStruct((B, S // kp, Di), jnp.float8_e4m3fn), rep3),
+          "pool_scale": (jax.ShapeDtypeStruct((B, S // kp), jnp.float32), (None, None)), **ring}
 
 
-def cache_layout(cfg: Glm5Config, batch: int, max_context: int, q: int, dtype, *, mtp: bool):
+def cache_layout(cfg: Glm5Config, batch: int, max_context: int, q: int, dtype, *, mtp: bool, kv_fp8: bool = False):
   """-> {"layers": [per-layer {name: (ShapeDtypeStruct, logical axes)}], "mtp": {...} | None}."""
   if max_context % cfg.index_kpool:
     raise ValueError(f"max_context={max_context} must be a multiple of index_kpool={cfg.index_kpool}")
@@ -52,8 +59,8 @@ def cache_layout(cfg: Glm5Config, batch: int, max_context: int, q: int, dtype, *
           "ssm": (jax.ShapeDtypeStruct((batch, q, H, Kd, Kd), jnp.float32), (None, None, KDA_H, None, None)),
       })
     else:
-      layers.append(_dsa_cache(cfg, batch, max_context, q, dtype))
-  return {"layers": layers, "mtp": _dsa_cache(cfg, batch, max_context, q, dtype) if mtp else None}
+      layers.append(_dsa_cache(cfg, batch, max_context, q, dtype, kv_fp8))
+  return {"layers": layers, "mtp": _dsa_cache(cfg, batch, max_context, q, dtype, kv_fp8) if mtp else None}
 
 
 def _is_entry(x):

@@ -247,16 +247,45 @@ def test_max_context_is_enforced(model):
       state, _ = decode(state)
 
 
-def test_latency_specialized_equals_auto_greedy():
-  """The latency_specialized backend (Pallas kernels; Mosaic GPU interpret mode on CPU) emits exactly the
-  reference model's greedy continuation on the kernel-tiny geometry (real per-head sizes, FP8 weights)."""
+KT = dict(num_hidden_layers=4)  # kernel-tiny: KDA, KDA, KDA, DSA with the real per-head sizes, FP8 weights
+
+
+def test_latency_specialized_kda_kernel_equals_reference_greedy():
+  """The KDA kernel in the verify step (Mosaic GPU interpret mode on CPU) emits exactly the reference model's
+  greedy continuation (stock caches, every other op in XLA)."""
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
   prompt = np.random.default_rng(0).integers(0, 2000, 11)
   ref = greedy_reference(m, prompt, 8, max_context=64)
-  dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=()), backend="latency_specialized",
-                prefill_chunk=16)
+  policy = (("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("kv_cache_dtype", "auto"),
+            ("sparse_mla", False))
+  dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=policy),
+                backend="latency_specialized", prefill_chunk=16)
   out, _ = dec.generate([prompt], 8)
   assert out[0] == ref
+
+
+def test_latency_specialized_all_kernels_equals_stock_fp8_cache():
+  """Every kernel of latency_specialized (KDA, FP8 GEMV, grouped FP8 MoE, sparse MLA over the FP8 latent cache,
+  FP8 indexer scoring; interpret mode on CPU) against the stock path with the same FP8 cache numerics (the
+  kernels' references): identical emitted and drafted tokens over two steps with injected drafts."""
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
+  rng = np.random.default_rng(1)
+  prompt = rng.integers(0, 2000, 13)
+  outs = []
+  for backend, pol in (("auto", (("kv_cache_dtype", "fp8"),)), ("latency_specialized", ())):
+    dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=pol), backend=backend,
+                  prefill_chunk=16)
+    state = dec.prefill([prompt])
+    assert "latent8" in state.caches["layers"][3]
+    toks = np.array(state.next_tokens)
+    got = [toks.copy()]
+    for _ in range(2):
+      state, o = decode(state, toks)
+      got += [np.asarray(o.tokens), np.asarray(o.next_tokens)]
+      toks = np.array(o.next_tokens)
+    outs.append(got)
+  for a, b in zip(*outs):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_decoder_from_deployment_gates_the_backend(model):
