@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from glm5_jax import config as C  # noqa: E402
-from glm5_jax.decode import Decoder, decode  # noqa: E402
+from glm5_jax.speculative import Decoder, decode  # noqa: E402
 from glm5_jax.runtime import DecodeConfig  # noqa: E402
 from glm5_jax.synthetic import random_model, random_state, tp_rank_config  # noqa: E402
 

@@ -20,7 +20,7 @@ import numpy as np
 
 
 def _decoder(args, model):
-  from glm5_jax.decode import Decoder  # noqa: PLC0415
+  from glm5_jax.speculative import Decoder  # noqa: PLC0415
   from glm5_jax.runtime import DecodeConfig  # noqa: PLC0415
 
   cfg = DecodeConfig(max_context=args.max_context, q=1 + args.k, capture_sizes=tuple(args.capture_sizes), policy=())
@@ -58,7 +58,7 @@ def _run_generation(args, path, prompt_ids, tok=None):
   t2 = time.perf_counter()
   out = [int(state.next_tokens[0, 0])]
   steps, step_times, accepted = 0, [], 0
-  from glm5_jax.decode import decode  # noqa: PLC0415
+  from glm5_jax.speculative import decode  # noqa: PLC0415
   while len(out) < args.max_new_tokens:
     s = time.perf_counter()
     state, o = decode(state)

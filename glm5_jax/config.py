@@ -127,7 +127,8 @@ class Glm5Config:
     if self.num_key_value_heads != self.num_attention_heads:
       bad("num_key_value_heads", self.num_key_value_heads, f"num_attention_heads={self.num_attention_heads} (MLA)")
     if self.n_group != 1 or self.topk_group != 1:
-      bad("n_group/topk_group", (self.n_group, self.topk_group), "(1, 1): group routing is not used by this model")
+      f = "n_group" if self.n_group != 1 else "topk_group"
+      bad(f, getattr(self, f), "1 (n_group = topk_group = (1, 1)): group routing is not used by this model")
     if self.num_experts_per_tok > self.n_routed_experts:
       bad("num_experts_per_tok", self.num_experts_per_tok, f"<= n_routed_experts={self.n_routed_experts}")
     if self.n_shared_experts not in (0, 1):

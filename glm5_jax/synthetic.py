@@ -81,7 +81,7 @@ def random_model(cfg: Glm5Config, *, dtype=jnp.bfloat16, fp8: bool = True, mesh=
 def random_state(decoder, batch: int, context: int, *, seed: int = 0):
   """A DecodeState of ``batch`` active sequences at length ``context`` with random caches (latents, pooled keys,
   tails, KDA states and conv windows) and random next tokens — what a long-running decode looks like."""
-  from glm5_jax.decode import DecodeState  # noqa: PLC0415
+  from glm5_jax.speculative import DecodeState  # noqa: PLC0415
 
   model, cfg = decoder.model, decoder.config
   if context + cfg.q > cfg.max_context:

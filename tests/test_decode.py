@@ -11,7 +11,7 @@ from scipy import stats as sstats
 
 import glm5_jax
 from conftest import TOL, tol
-from glm5_jax.decode import Decoder, DecodeState, decode
+from glm5_jax.speculative import Decoder, DecodeState, decode
 from glm5_jax.runtime import DecodeConfig
 from helpers import extend_chunks, greedy_reference, load, tiny_checkpoint
 

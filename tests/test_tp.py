@@ -15,7 +15,7 @@ import glm5_jax
 from conftest import tol
 from glm5_jax import state as st
 from glm5_jax.checkpoint import CheckpointError
-from glm5_jax.decode import Decoder, decode
+from glm5_jax.speculative import Decoder, decode
 from glm5_jax.runtime import DecodeConfig
 from helpers import load, tiny_checkpoint
 

@@ -1,0 +1,118 @@
+"""Units of the reference model: the chunked KDA form, and the checkpoint loader's layouts and errors."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glm5_jax
+from checkpoints import make_tiny
+from conftest import tol
+from glm5_jax.attention import kda_chunked, l2norm
+from glm5_jax.checkpoint import CheckpointError
+from helpers import load, tiny_checkpoint
+from pallas_kernels.kda_decode import kda_decode_reference
+
+
+@pytest.mark.parametrize("T,chunk", [(70, 16), (9, 32), (33, 32)])
+def test_chunked_kda_equals_the_recurrence(T, chunk):
+  rng = np.random.default_rng()
+  B, H, D = 2, 3, 32
+  r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, k, v, f, b = r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H)
+  A_log, dt = r(H) * 0.5, jnp.asarray(np.log(np.expm1(np.exp(rng.uniform(np.log(1e-3), np.log(0.1), (H, D))))),
+                                       jnp.float32)
+  S0 = r(B, 1, H, D, D) * 0.1
+  o_ref, s_ref = kda_decode_reference(q, k, v, f, b, A_log, dt, jnp.broadcast_to(S0, (B, T, H, D, D)),
+                                      jnp.ones(B, jnp.int32))
+  g = -5.0 * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (f + dt))
+  o, S = kda_chunked(l2norm(q) * D ** -0.5, l2norm(k), v, g, jax.nn.sigmoid(b), S0[:, 0], chunk=chunk)
+  np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), **tol("fp32_paths"))
+  np.testing.assert_allclose(np.asarray(S), np.asarray(s_ref[:, T - 1]), **tol("fp32_paths"))
+
+
+def test_sharded_checkpoint_loads_like_one_file(tmp_path):
+  cfg = make_tiny.preset_config("oracle-tiny")
+  make_tiny.write_checkpoint(cfg, tmp_path / "one", seed=5, dtype="fp8")
+  make_tiny.write_checkpoint(cfg, tmp_path / "three", seed=5, dtype="fp8", shards=3)
+  assert os.path.exists(tmp_path / "three" / "model.safetensors.index.json")
+  a, b = glm5_jax.load_model(tmp_path / "one"), glm5_jax.load_model(tmp_path / "three")
+  assert a.fp8 and a.mtp
+  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)))
+  kept = a.module().layers[0].mlp.gate_proj  # FP8 stays FP8 + scales in memory
+  assert kept.weight.dtype == jnp.float8_e4m3fn and kept.scale.dtype == jnp.float32
+
+
+def _copy(src, dst):
+  shutil.copytree(src, dst)
+  return dst
+
+
+def _rewrite(path, drop=(), add=None, reshape=None):
+  """Rewrite model.safetensors without some tensors / with extra ones / with one reshaped."""
+  from glm5_jax.checkpoint import SafetensorsIndex  # noqa: PLC0415
+  idx = SafetensorsIndex(str(path))
+  t = {n: np.array(idx.array(n)) for n in idx.entries if n not in drop}
+  if reshape:
+    n, shape = reshape
+    t[n] = np.zeros(shape, t[n].dtype) + 1
+  t.update(add or {})
+  make_tiny.write_safetensors(os.path.join(path, "model.safetensors"), t, {"format": "pt"})
+
+
+def test_loader_errors_name_the_tensor(tmp_path):
+  base = tiny_checkpoint("oracle-tiny", 0, "fp8")
+  w = "model.language_model.layers.0.self_attn.q_proj.weight"
+  p = _copy(base, tmp_path / "missing")
+  _rewrite(p, drop=[w])
+  with pytest.raises(CheckpointError, match=rf"missing tensor '{w}': expected shape \[128, 256\]"):
+    glm5_jax.load_model(p)
+  p = _copy(base, tmp_path / "shape")
+  _rewrite(p, reshape=(w, (64, 256)))
+  with pytest.raises(CheckpointError, match=rf"tensor '{w}' has shape \[64, 256\]: expected \[128, 256\]"):
+    glm5_jax.load_model(p)
+  p = _copy(base, tmp_path / "extra")
+  _rewrite(p, add={"model.language_model.layers.0.self_attn.bogus.weight": np.ones((2, 2), np.float32)})
+  with pytest.raises(CheckpointError, match=r"unexpected tensors .*bogus"):
+    glm5_jax.load_model(p)
+  s = "model.language_model.layers.0.mlp.gate_proj.weight_scale_inv"
+  p = _copy(base, tmp_path / "noscale")
+  _rewrite(p, drop=[s])
+  with pytest.raises(CheckpointError, match=rf"missing tensor '{s}'"):
+    glm5_jax.load_model(p)
+  p = _copy(base, tmp_path / "trunc")
+  f = os.path.join(p, "model.safetensors")
+  with open(f, "r+b") as fh:
+    fh.truncate(os.path.getsize(f) - 100)
+  with pytest.raises(CheckpointError, match="is truncated"):
+    glm5_jax.load_model(p)
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    glm5_jax.load_model(tmp_path / "nowhere")
+  p = _copy(base, tmp_path / "mt")
+  cfgj = json.load(open(os.path.join(p, "config.json")))
+  cfgj["model_type"] = "qwen3"
+  json.dump(cfgj, open(os.path.join(p, "config.json"), "w"))
+  with pytest.raises(ValueError, match="model_type='qwen3' is not supported"):
+    glm5_jax.load_model(p)
+  p = _copy(base, tmp_path / "dtype")
+  _rewrite(p, add={w: np.ones((128, 256), np.int32)})
+  with pytest.raises(CheckpointError, match=rf"tensor '{w}' has dtype I32: expected a float tensor"):
+    glm5_jax.load_model(p)
+
+
+def test_forward_rejects_bad_tokens():
+  m = load(tiny_checkpoint("oracle-tiny", 0, "float32"))
+  with pytest.raises(ValueError, match=r"token id 512 is outside \[0, 512\)"):
+    glm5_jax.forward(m, np.array([[1, 512]]))
+  with pytest.raises(ValueError, match=r"token id -3 is outside"):
+    glm5_jax.forward(m, np.array([[-3, 1]]))
+  with pytest.raises(ValueError, match=r"tokens must be int32 \[B, T\]: got shape \(3,\)"):
+    glm5_jax.forward(m, np.array([1, 2, 3]))
+  with pytest.raises(TypeError, match="integer token ids: got dtype float32"):
+    glm5_jax.forward(m, np.array([[1.0, 2.0]], np.float32))
