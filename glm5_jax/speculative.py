@@ -37,15 +37,19 @@ class DecodeOutput:
   """What one step emitted.
 
   tokens [B, q] int32: the committed new tokens (accepted drafts then the corrected/bonus token), −1 padded.
-  counts [B] int32: how many of ``tokens`` are real (1..q; 0 for padding rows of the capture size).
-  next_tokens [B, q] int32: the next step's input (the last emitted token + k new drafts)."""
+  counts [B] int32: how many of ``tokens`` are real (1..q; 0 for padding rows and for non-finite rows).
+  next_tokens [B, q] int32: the next step's input (the last emitted token + k new drafts).
+  finite [B] bool: False where the target's hidden states (hence logits) held NaN/Inf: nothing was sampled from
+  them, the sequence did not advance (its length and KDA slot are unchanged), and generate() raises."""
 
   tokens: jax.Array
   counts: jax.Array
   next_tokens: jax.Array
+  finite: jax.Array
 
 
-jax.tree_util.register_dataclass(DecodeOutput, data_fields=["tokens", "counts", "next_tokens"], meta_fields=[])
+jax.tree_util.register_dataclass(DecodeOutput, data_fields=["tokens", "counts", "next_tokens", "finite"],
+                                 meta_fields=[])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,14 +215,17 @@ class Decoder:
         new_drafts, mtp = _first_drafts(m, h, next_ids, lengths, n, caches["mtp"], q, k, jnp.full_like(n, q))
       else:
         new_drafts, mtp = jnp.zeros((B, 0), jnp.int32), caches["mtp"]
-      counts = jnp.where(active, n + 1, 0)
+      finite = jnp.all(jnp.isfinite(h.astype(jnp.float32)), axis=(1, 2))  # NaN/Inf logits are never sampled
+      live = active & finite
+      counts = jnp.where(live, n + 1, 0)
       new_lengths = lengths + counts
-      new_n_acc = jnp.where(active, n + 1, n_acc)
+      new_n_acc = jnp.where(live, n + 1, n_acc)
       nxt = jnp.concatenate([new_tok[:, None], new_drafts], axis=1)
-      out = DecodeOutput(jnp.where(active[:, None], emitted, -1), counts, nxt)
+      nxt = jnp.where(live[:, None], nxt, tokens)
+      out = DecodeOutput(jnp.where(live[:, None], emitted, -1), counts, nxt, finite | ~active)
       return {"layers": layers, "mtp": mtp}, new_lengths, new_n_acc, keys_new, out
 
-    out_specs = (cspecs, REP, REP, REP, DecodeOutput(REP, REP, REP))
+    out_specs = (cspecs, REP, REP, REP, DecodeOutput(REP, REP, REP, REP))
     sm = model.shard_map(fn, (cspecs, REP, REP, REP, REP, REP), out_specs)
     return jax.jit(sm, donate_argnums=(1, 2, 3, 4))
 
@@ -348,7 +355,12 @@ class Decoder:
       lengths = lengths + put(valid)
       hs.append(h)
     h_all = jnp.concatenate(hs, axis=1)
-    first, keys = _first_token_fn(self, B)(model.params, h_all, put(lens), put(keys))
+    first, keys, finite = _first_token_fn(self, B)(model.params, h_all, put(lens), put(keys))
+    finite = np.asarray(finite)[:len(prompts)]
+    if not finite.all():
+      j = int(np.flatnonzero(~finite)[0])
+      raise FloatingPointError(f"prompt {j} produced NaN/Inf logits at its last position: nothing was sampled "
+                               "(check the weights and the dtype)")
     if not model.mtp:
       nxt = first[:, None]
       st_ = DecodeState(caches, lengths, put(np.ones(B, np.int32)), keys, put(active), nxt, self, int(lens.max()))
@@ -387,7 +399,11 @@ class Decoder:
       bar = tqdm(total=max_new_tokens * n, desc="generating", unit="tok")
     while not done.all():
       state, o = self.step(state)
-      toks, counts = np.asarray(o.tokens), np.asarray(o.counts)
+      toks, counts, finite = np.asarray(o.tokens), np.asarray(o.counts), np.asarray(o.finite)
+      if not finite[:n].all():
+        j = int(np.flatnonzero(~finite[:n])[0])
+        raise FloatingPointError(f"sequence {j} produced NaN/Inf logits at position {int(state.lengths[j])}: "
+                                 "nothing was sampled from them (check the weights and the dtype)")
       steps += 1
       for j in range(n):
         if done[j]:
@@ -438,12 +454,13 @@ def _first_token_fn_build(dec: Decoder, B: int):
   def fn(m, h_all, lens, keys):
     hl = jnp.take_along_axis(h_all, (lens - 1)[:, None, None], axis=1)[:, 0]
     keys_new, ks = _split_keys(keys)
+    finite = jnp.all(jnp.isfinite(hl.astype(jnp.float32)), axis=-1)
     if greedy:
-      return m.argmax(hl), keys_new
+      return m.argmax(hl), keys_new, finite
     p = _probs(m.logits(hl), temperature, top_p)
-    return _sample(ks, p), keys_new
+    return _sample(ks, p), keys_new, finite
 
-  return jax.jit(dec.model.shard_map(fn, (REP, REP, REP), (REP, REP)))
+  return jax.jit(dec.model.shard_map(fn, (REP, REP, REP), (REP, REP, REP)))
 
 
 def _prefill_mtp_fn(dec: Decoder, B: int, T: int):

@@ -296,3 +296,33 @@ def test_decoder_from_deployment_gates_the_backend(model):
     Decoder.from_deployment(model, dep)
   auto = Decoder.from_deployment(model, dep.replace(additional_config={"decode_backend": "auto"}))
   assert auto.backend == "auto" and auto.config.q == 2 and auto.config.capture_sizes == (4,)
+
+
+def test_nan_logits_are_reported_not_sampled(model):
+  """Poisoned weights (the final norm set to NaN) give NaN logits: the step emits nothing, does not advance the
+  sequence, flags it, and generate() raises naming the sequence."""
+  import dataclasses  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  params = jax.tree.map(lambda x: x, model.params)
+  flat = dict(nnx.to_flat_state(params))
+  v = flat[("norm", "weight")]
+  v.set_value(jnp.full_like(v.get_value(), jnp.nan))
+  bad = dataclasses.replace(model, params=params)
+  dec = _decoder(bad, 1)
+  with pytest.raises(FloatingPointError, match="prompt 0 produced NaN/Inf logits"):
+    dec.prefill([np.arange(6) + 1, np.arange(7) + 2])
+  from glm5_jax.synthetic import random_state  # noqa: PLC0415
+  state = random_state(dec, 4, 20)
+  L = np.asarray(state.lengths).copy()
+  state, out = decode(state)
+  assert not np.asarray(out.finite).any()
+  assert (np.asarray(out.counts) == 0).all() and (np.asarray(out.tokens) == -1).all()
+  np.testing.assert_array_equal(np.asarray(state.lengths), L)
+
+
+def test_batch_larger_than_the_capture_sizes_is_refused(model):
+  dec = _decoder(model, 1)
+  with pytest.raises(ValueError, match="5"):
+    dec.prefill([np.arange(4) + 1] * 5)
+  with pytest.raises(ValueError, match="prompt 1 is empty"):
+    dec.prefill([np.arange(4) + 1, []])
