@@ -16,6 +16,7 @@ for small shapes; marked "wall").
 from __future__ import annotations
 
 import argparse
+import os
 import functools
 import math
 import sys
@@ -25,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._timing import LINES as _LINES, MODE, log, time_calls  # noqa: E402
 from pallas_kernels import linear as L
 
 HBM_BPS = 4.3e12
@@ -39,64 +42,6 @@ BF16_SHAPES = [("kda_qkv", 2048, 4096), ("kda_o", 4096, 2048), ("lm_head", 38720
 MOE = dict(E=288, I=512, D=4096, k=8, limit=10.0)
 
 _T0 = time.time()
-_LINES: list[str] = []
-
-
-def log(s=""):
-  print(s, flush=True)
-  _LINES.append(s)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# timing
-# ------------------------------------------------------------------------------------------------------------
-def _cupti():
-  try:
-    from jax._src.lib import mosaic_gpu as mgpu_lib
-    ext = mgpu_lib._mosaic_gpu_ext
-    return ext if hasattr(ext, "_cupti_init") else None
-  except Exception:  # noqa: BLE001
-    return None
-
-
-_EXT = _cupti()
-_USE_CUPTI = _EXT is not None
-
-
-def time_calls(fn, arg_sets, reps: int = 3):
-  """Device time per call of ``fn`` over ``arg_sets`` (one call each, back to back), median of ``reps``.
-
-  Returns (total_us, {kernel_name: us}) per call. With CUPTI: the sum of kernel durations; else wall-clock.
-  """
-  global _USE_CUPTI
-  jax.block_until_ready(fn(*arg_sets[0]))  # compile + warm-up
-  jax.block_until_ready([fn(*a) for a in arg_sets[:2]])
-  totals, per_name = [], []
-  for _ in range(reps):
-    if _USE_CUPTI:
-      try:
-        _EXT._cupti_init()
-        outs = [fn(*a) for a in arg_sets]
-        jax.block_until_ready(outs)
-        timings = _EXT._cupti_get_timings(True)
-        names: dict[str, float] = {}
-        for name, ms in timings:
-          names[name] = names.get(name, 0.0) + ms * 1e3 / len(arg_sets)
-        totals.append(sum(names.values()))
-        per_name.append(names)
-        continue
-      except Exception as e:  # noqa: BLE001
-        log(f"# CUPTI failed ({type(e).__name__}: {e}); falling back to wall-clock")
-        _USE_CUPTI = False
-    t = time.perf_counter()
-    outs = [fn(*a) for a in arg_sets]
-    jax.block_until_ready(outs)
-    totals.append((time.perf_counter() - t) * 1e6 / len(arg_sets))
-    per_name.append({})
-  i = int(np.argsort(totals)[len(totals) // 2])
-  return totals[i], per_name[i]
-
-
 def mosaic_us(names: dict[str, float]) -> float | None:
   """Time of the Mosaic kernels among the per-name timings (XLA fusions are named after HLO ops)."""
   ks = {n: t for n, t in names.items() if "glm5_" in n}
@@ -310,7 +255,7 @@ def main(argv=None):
   deadline = _T0 + a.budget_s
   rows = [int(r) for r in a.rows.split(",")]
   only = set(a.only.split(","))
-  log(f"# jax {jax.__version__} {jax.devices()[0].device_kind}; timing: {'CUPTI' if _USE_CUPTI else 'wall'}")
+  log(f"# jax {jax.__version__} {jax.devices()[0].device_kind}; timing: {MODE[0]}")
   log(HEADER)
   first = True
   if "fp8" in only:

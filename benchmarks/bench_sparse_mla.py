@@ -19,6 +19,8 @@ Without CUPTI it falls back to host wall-clock over back-to-back async calls (ma
 from __future__ import annotations
 
 import argparse
+import sys
+import os
 import functools
 import math
 import time
@@ -27,63 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._timing import LINES as _LINES, MODE, log, time_calls  # noqa: E402
 from pallas_kernels import indexer as I
 from pallas_kernels import sparse_mla as M
 
 L2_BYTES = 60 << 20
 MIN_CACHE_POSITIONS = 1 << 20  # summed over the batch: >> L2
 SCALE = 1.0 / 16
-_LINES: list[str] = []
-
-
-def log(s=""):
-  print(s, flush=True)
-  _LINES.append(s)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# timing (CUPTI through the Mosaic GPU extension, as benchmarks/bench_linear.py)
-# ------------------------------------------------------------------------------------------------------------
-def _cupti():
-  try:
-    from jax._src.lib import mosaic_gpu as mgpu_lib
-    ext = mgpu_lib._mosaic_gpu_ext
-    return ext if hasattr(ext, "_cupti_init") else None
-  except Exception:  # noqa: BLE001
-    return None
-
-
-_EXT = _cupti()
-_MODE = ["cupti" if _EXT is not None else "wall"]
-
-
-def time_calls(fn, arg_sets, reps: int = 3):
-  """(us per call, {kernel name: us per call}) over ``arg_sets`` back to back, median of ``reps``."""
-  jax.block_until_ready(fn(*arg_sets[0]))
-  jax.block_until_ready([fn(*a) for a in arg_sets[:2]])
-  totals, names_l = [], []
-  for _ in range(reps):
-    if _MODE[0] == "cupti":
-      try:
-        _EXT._cupti_init()
-        jax.block_until_ready([fn(*a) for a in arg_sets])
-        names: dict[str, float] = {}
-        for name, ms in _EXT._cupti_get_timings(True):
-          names[name] = names.get(name, 0.0) + ms * 1e3 / len(arg_sets)
-        totals.append(sum(names.values()))
-        names_l.append(names)
-        continue
-      except Exception as e:  # noqa: BLE001
-        log(f"# CUPTI failed ({type(e).__name__}: {e}); wall-clock from now on")
-        _MODE[0] = "wall"
-    t = time.perf_counter()
-    jax.block_until_ready([fn(*a) for a in arg_sets])
-    totals.append((time.perf_counter() - t) * 1e6 / len(arg_sets))
-    names_l.append({})
-  i = int(np.argsort(totals)[len(totals) // 2])
-  return totals[i], names_l[i]
-
-
 def kern_us(names, tag):
   ks = [t for n, t in names.items() if tag in n]
   return sum(ks) if ks else float("nan")
@@ -181,7 +134,7 @@ def main():
   ap.add_argument("--quick", action="store_true", help="fewer configurations")
   a = ap.parse_args()
   only = set(a.only.split(","))
-  log(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, timing: {_MODE[0]}")
+  log(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, timing: {MODE[0]}")
   t0 = time.time()
   try:
     if "mla" in only:

@@ -16,7 +16,6 @@ so tokens that a later step rejects are simply overwritten.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp

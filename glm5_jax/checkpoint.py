@@ -14,7 +14,6 @@ import json
 import math
 import os
 import struct
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -8,7 +8,6 @@ lm_head are vocabulary-parallel.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax

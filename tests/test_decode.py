@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats as sstats
 
-import glm5_jax
-from conftest import TOL, tol
-from glm5_jax.speculative import Decoder, DecodeState, decode
+from conftest import tol
+from glm5_jax.speculative import Decoder, decode
 from glm5_jax.runtime import DecodeConfig
 from helpers import extend_chunks, greedy_reference, load, tiny_checkpoint
 

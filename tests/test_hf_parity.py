@@ -32,7 +32,6 @@ def _oracle_cases():
 
 
 def _repo_cases():
-  from helpers import tiny_checkpoint  # noqa: PLC0415
   cases = []
   for f in sorted(glob.glob(os.path.join(REPO, "tests", "goldens", "*.npz"))):
     cases.append(pytest.param(f, id=f"repo-{os.path.basename(f)[:-4]}"))

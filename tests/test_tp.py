@@ -14,7 +14,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import glm5_jax
 from conftest import tol
 from glm5_jax import state as st
-from glm5_jax.checkpoint import CheckpointError
 from glm5_jax.speculative import Decoder, decode
 from glm5_jax.runtime import DecodeConfig
 from helpers import load, tiny_checkpoint
