@@ -77,21 +77,33 @@ plt.show()
 print({p: dict(zip(ks, v)) for p, v in meas.items()})
 
 # %% [markdown]
-# ## Step time against batch and q (this machine)
-# `benchmarks/bench_decode.py` times the whole step (verify + accept + MTP drafts) on random weights; the H200
-# numbers at the real geometry are in BENCHMARKS.md.
+# ## Step time against batch and q, from the benchmark data
+# `benchmarks/bench_decode.py --out benchmarks/results/decode_<machine>.jsonl` appends one JSON line per
+# configuration (the whole step: verify + accept + MTP drafts, random weights). The H200 lines are the real
+# geometry's TP4-rank share; the CPU lines the tiny geometries. BENCHMARKS.md has the tables.
 
 # %%
-import sys, os
-sys.path.insert(0, os.path.abspath(os.path.join(os.getcwd(), "..")))
-from benchmarks.bench_decode import main as bench
-rows = bench(["--geometry", "oracle-tiny", "--batch", "1", "4", "--q", "1", "2", "--backend", "auto",
-              "--context", "64", "--steps", "3", "--repeats", "2"])
-fig, ax = plt.subplots(figsize=(6, 3))
-for q in (1, 2):
-  r = [x for x in rows if x["q"] == q]
-  ax.plot([x["batch"] for x in r], [x["ms_per_step"] for x in r], "o-", label=f"q = {q}")
-ax.set_xlabel("batch (capture size)")
-ax.set_ylabel(f"ms / step ({jax.devices()[0].platform})")
-ax.legend()
+import glob
+import json
+import os
+
+rows = []
+for f in sorted(glob.glob(os.path.join("..", "benchmarks", "results", "decode_*.jsonl"))):
+  rows += [json.loads(line) for line in open(f) if line.strip()]
+print(f"{len(rows)} benchmark rows")
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+for geo, ax in zip(["oracle-tiny", "kernel-tiny"], axes):
+  for q in sorted({r["q"] for r in rows if r["geometry"] == geo}):
+    r = sorted((x for x in rows if x["geometry"] == geo and x["q"] == q and x["backend"] == "auto"),
+               key=lambda x: x["batch"])
+    ax.plot([x["batch"] for x in r], [x["ms_per_step"] for x in r], "o-", label=f"q = {q}")
+  ax.set_title(f"{geo} ({rows[0]['device'] if rows else ''})")
+  ax.set_xlabel("batch (capture size)")
+  ax.set_ylabel("ms / step")
+  ax.legend()
+plt.tight_layout()
 plt.show()
+for r in rows:
+  if r["geometry"] == "tp4-rank":
+    print(f"H200, one TP4 rank, {r['backend']}, B={r['batch']} q={r['q']}: {r['ms_per_step']:.2f} ms/step "
+          f"({r['pct_roofline']:.1f} % of the {r['roofline_ms']:.3f} ms roofline)")

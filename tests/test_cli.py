@@ -1,0 +1,43 @@
+"""The glm5-jax command line on a tiny checkpoint."""
+
+import numpy as np
+import pytest
+
+import glm5_jax
+from glm5_jax.cli import main
+from helpers import tiny_checkpoint
+
+
+def test_generate_with_prompt_ids(capsys):
+  path = tiny_checkpoint("oracle-tiny", 0, "float32")
+  main(["generate", path, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--k", "1", "--max-context", "64",
+        "--capture-sizes", "1"])
+  out = capsys.readouterr().out
+  assert "generated (6 tokens)" in out and "draft acceptance" in out and "step time" in out
+
+
+def test_generate_without_tokenizer_needs_ids():
+  with pytest.raises(SystemExit, match="has no tokenizer.json: pass --prompt-ids"):
+    main(["generate", tiny_checkpoint("oracle-tiny", 0, "float32"), "--prompt", "hello"])
+
+
+def test_convert_then_load(tmp_path, capsys):
+  path = tiny_checkpoint("oracle-tiny", 0, "float32")
+  main(["convert", path, str(tmp_path / "orbax")])
+  a, b = glm5_jax.load_model(path), glm5_jax.load_model(tmp_path / "orbax")
+  p = np.arange(9)[None] + 3
+  np.testing.assert_array_equal(np.asarray(glm5_jax.forward(a, p)), np.asarray(glm5_jax.forward(b, p)))
+
+
+def test_check_deployment_lists_reasons(capsys):
+  rc = main(["check-deployment", "--preset", "real", "--tp", "2", "--kv-cache-dtype", "bf16", "--platform", "sm_90"])
+  out = capsys.readouterr().out
+  assert rc == 1 and "2 reason(s)" in out and "TP other than 4" in out and "KV cache dtypes other than FP8" in out
+  rc = main(["check-deployment", "--preset", "real", "--tp", "4", "--platform", "sm_90"])
+  assert rc == 0 and "supported: DecodeConfig" in capsys.readouterr().out
+
+
+def test_memory(capsys):
+  main(["memory", "--tp", "4", "--batch", "1", "--max-context", "65536"])
+  out = capsys.readouterr().out
+  assert "parameters per device:    82.25 GB" in out and "fits" in out
