@@ -51,7 +51,12 @@ def main(argv=None):
   p.add_argument("--accept", type=float, default=2.75, help="tokens per verify step assumed for tokens/s (q > 1)")
   p.add_argument("--out", default=None, help="append JSON lines of results here")
   p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new configurations after this long")
+  p.add_argument("--fast-compile", action="store_true",
+                 help="XLA GPU autotuning off (--xla_gpu_autotune_level=0): the q > 1 step of the real geometry took "
+                      "> 350 s to compile with it on; kernels of the latency_specialized path are not autotuned anyway")
   a = p.parse_args(argv)
+  if a.fast_compile:  # read when the GPU backend starts, i.e. at the first device use below
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
   t_start = time.time()
   if a.geometry == "tp4-rank":
     cfg = tp_rank_config(C.real(), 4)
