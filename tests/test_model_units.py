@@ -66,44 +66,44 @@ def _rewrite(path, drop=(), add=None, reshape=None):
   make_tiny.write_safetensors(os.path.join(path, "model.safetensors"), t, {"format": "pt"})
 
 
-def test_loader_errors_name_the_tensor(tmp_path):
-  base = tiny_checkpoint("oracle-tiny", 0, "fp8")
-  w = "model.language_model.layers.0.self_attn.q_proj.weight"
-  p = _copy(base, tmp_path / "missing")
-  _rewrite(p, drop=[w])
-  with pytest.raises(CheckpointError, match=rf"missing tensor '{w}': expected shape \[128, 256\]"):
-    glm5_jax.load_model(p)
-  p = _copy(base, tmp_path / "shape")
-  _rewrite(p, reshape=(w, (64, 256)))
-  with pytest.raises(CheckpointError, match=rf"tensor '{w}' has shape \[64, 256\]: expected \[128, 256\]"):
-    glm5_jax.load_model(p)
-  p = _copy(base, tmp_path / "extra")
-  _rewrite(p, add={"model.language_model.layers.0.self_attn.bogus.weight": np.ones((2, 2), np.float32)})
-  with pytest.raises(CheckpointError, match=r"unexpected tensors .*bogus"):
-    glm5_jax.load_model(p)
-  s = "model.language_model.layers.0.mlp.gate_proj.weight_scale_inv"
-  p = _copy(base, tmp_path / "noscale")
-  _rewrite(p, drop=[s])
-  with pytest.raises(CheckpointError, match=rf"missing tensor '{s}'"):
-    glm5_jax.load_model(p)
-  p = _copy(base, tmp_path / "trunc")
+W = "model.language_model.layers.0.self_attn.q_proj.weight"
+S = "model.language_model.layers.0.mlp.gate_proj.weight_scale_inv"
+
+
+def _truncate(p):
   f = os.path.join(p, "model.safetensors")
   with open(f, "r+b") as fh:
     fh.truncate(os.path.getsize(f) - 100)
-  with pytest.raises(CheckpointError, match="is truncated"):
-    glm5_jax.load_model(p)
-  with pytest.raises(FileNotFoundError, match="does not exist"):
-    glm5_jax.load_model(tmp_path / "nowhere")
-  p = _copy(base, tmp_path / "mt")
+
+
+def _model_type(p):
   cfgj = json.load(open(os.path.join(p, "config.json")))
   cfgj["model_type"] = "qwen3"
   json.dump(cfgj, open(os.path.join(p, "config.json"), "w"))
-  with pytest.raises(ValueError, match="model_type='qwen3' is not supported"):
+
+
+@pytest.mark.parametrize("mutate,exc,msg", [
+    (lambda p: _rewrite(p, drop=[W]), CheckpointError, rf"missing tensor '{W}': expected shape \[128, 256\]"),
+    (lambda p: _rewrite(p, reshape=(W, (64, 256))), CheckpointError,
+     rf"tensor '{W}' has shape \[64, 256\]: expected \[128, 256\]"),
+    (lambda p: _rewrite(p, add={"model.language_model.layers.0.self_attn.bogus.weight": np.ones((2, 2), np.float32)}),
+     CheckpointError, r"unexpected tensors .*bogus"),
+    (lambda p: _rewrite(p, drop=[S]), CheckpointError, rf"missing tensor '{S}'"),
+    (_truncate, CheckpointError, "is truncated"),
+    (_model_type, ValueError, "model_type='qwen3' is not supported"),
+    (lambda p: _rewrite(p, add={W: np.ones((128, 256), np.int32)}), CheckpointError,
+     rf"tensor '{W}' has dtype I32: expected a float tensor"),
+], ids=["missing", "shape", "extra", "fp8-without-scale", "truncated", "model-type", "dtype"])
+def test_loader_errors_name_the_tensor(tmp_path, mutate, exc, msg):
+  p = _copy(tiny_checkpoint("oracle-tiny", 0, "fp8"), tmp_path / "ck")
+  mutate(p)
+  with pytest.raises(exc, match=msg):
     glm5_jax.load_model(p)
-  p = _copy(base, tmp_path / "dtype")
-  _rewrite(p, add={w: np.ones((128, 256), np.int32)})
-  with pytest.raises(CheckpointError, match=rf"tensor '{w}' has dtype I32: expected a float tensor"):
-    glm5_jax.load_model(p)
+
+
+def test_missing_checkpoint_directory(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    glm5_jax.load_model(tmp_path / "nowhere")
 
 
 def test_forward_rejects_bad_tokens():
