@@ -248,15 +248,16 @@ class Decoder:
                        policy=tuple(sorted(deployment.additional().get("policy", {}).items())))
     return cls(model, cfg, backend="auto", **kw)
 
-  def kernel_mode(self):
-    """Pallas kernels run natively on a GPU; elsewhere (tests on CPU) in Mosaic GPU interpret mode."""
+  def kernel_mode(self, interpret: bool | None = None):
+    """Pallas kernels run natively on a GPU; elsewhere (tests on CPU) in Mosaic GPU interpret mode.
+    interpret=False forces native lowering (cross-lowering for CUDA on a CPU)."""
     import contextlib  # noqa: PLC0415
     if self.backend != "latency_specialized":
       return contextlib.nullcontext()
     from glm5_jax.layers import use_kernels  # noqa: PLC0415
     from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
     stack = contextlib.ExitStack()
-    stack.enter_context(maybe_interpret())
+    stack.enter_context(maybe_interpret(interpret))
     stack.enter_context(use_kernels(self.config.policy_dict()))
     return stack
 
@@ -267,23 +268,26 @@ class Decoder:
   def step_fn(self, batch):
     return compiled(self.model, ("step", self.key, batch), lambda: self._step_fn(batch))
 
+  def trace_step(self, batch, params=None, *, interpret: bool | None = None):
+    """Trace the step for capture size ``batch`` on abstract state (``params``: the model's, or abstract ones
+    with shardings) -> jax Traced, to .lower() / .compile(). For .lower(lowering_platforms=("cuda",)) on a CPU
+    pass interpret=False and lower inside ``kernel_mode(interpret=False)``."""
+    rep = NamedSharding(self.model.mesh, REP)
+    sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
+    b = batch
+    with self.kernel_mode(interpret):
+      return self.step_fn(b).trace(
+          self.model.params if params is None else params, st.abstract_caches(self.layout(b), self.model.mesh),
+          sd((b,), jnp.int32), sd((b,), jnp.int32), sd((b, 2), jnp.uint32), sd((b,), jnp.bool_),
+          sd((b, self.config.q), jnp.int32))
+
   def warmup(self, capture_sizes=None):
     """Compile the step for every capture size ahead of time (AOT): later steps run the stored executables
     and nothing compiles while decoding."""
-    rep = NamedSharding(self.model.mesh, REP)
     for b in capture_sizes or self.config.capture_sizes:
-      if b in self._aot:
-        continue
-      layout = self.layout(b)
-      shard = jax.tree.map(lambda s: NamedSharding(self.model.mesh, s), st.cache_specs(layout),
-                           is_leaf=lambda x: isinstance(x, P))
-      shapes = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            st.cache_shapes(layout), shard)
-      sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
-      with self.kernel_mode():
-        self._aot[b] = self.step_fn(b).trace(
-            self.model.params, shapes, sd((b,), jnp.int32), sd((b,), jnp.int32), sd((b, 2), jnp.uint32),
-            sd((b,), jnp.bool_), sd((b, self.config.q), jnp.int32)).lower().compile()
+      if b not in self._aot:
+        with self.kernel_mode():  # Mosaic lowering happens in lower(): keep interpret mode / kernels active
+          self._aot[b] = self.trace_step(b).lower().compile()
 
   def step(self, state: DecodeState, tokens=None):
     """One speculative step. ``tokens`` [B, q] int32 (default: the state's next_tokens). Validated before any

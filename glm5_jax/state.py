@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
 from glm5_jax.layers import KDA_H, KDA_HD
-from glm5_jax.sharding import logical_to_spec
+from glm5_jax.sharding import logical_to_spec, shardings
 
 
 def ring_size(cfg: Glm5Config, q: int) -> int:
@@ -86,8 +85,14 @@ def cache_bytes_per_device(layout, tp: int) -> int:
   return total
 
 
+def abstract_caches(layout, mesh):
+  """ShapeDtypeStructs of the caches carrying their shardings (for AOT compilation and lowering)."""
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), cache_shapes(layout),
+                      shardings(cache_specs(layout), mesh))
+
+
 def init_caches(layout, mesh):
   """Zero caches placed with their shardings (jitted so each device allocates only its shard)."""
-  shapes, specs = cache_shapes(layout), cache_specs(layout)
-  out_sh = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-  return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=out_sh)()
+  shapes = cache_shapes(layout)
+  return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                 out_shardings=shardings(cache_specs(layout), mesh))()

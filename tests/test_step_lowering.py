@@ -2,19 +2,15 @@
 on the CPU (Mosaic GPU lowering, layout inference, SMEM budgets), at kernel-tiny and at the real geometry of one
 TP4 rank (45 layers + MTP, abstract weights: nothing is allocated)."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from glm5_jax import config as C
 from glm5_jax import sharding as shd
-from glm5_jax import state as st
 from glm5_jax.api import Model
-from glm5_jax.layers import use_kernels
 from glm5_jax.model import Glm5Model
 from glm5_jax.runtime import DecodeConfig
 from glm5_jax.speculative import Decoder
@@ -29,24 +25,18 @@ def lower_step(cfg, q, backend, max_context=32784, b=1):
       astate, shd.param_specs(astate), is_leaf=lambda x: isinstance(x, nnx.Variable))
   dec = Decoder(Model(cfg, gd, astate, mesh, jnp.dtype(jnp.bfloat16), True, True),
                 DecodeConfig(max_context=max_context, q=q, capture_sizes=(b,), policy=()), backend=backend)
-  layout = dec.layout(b)
-  rep = NamedSharding(mesh, P())
-  sh = jax.tree.map(lambda s: NamedSharding(mesh, s), st.cache_specs(layout), is_leaf=lambda x: isinstance(x, P))
-  caches = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), st.cache_shapes(layout), sh)
-  sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
-  kern = use_kernels(dec.config.policy_dict()) if backend == "latency_specialized" else contextlib.nullcontext()
-  with kern:
-    low = dec.step_fn(b).trace(params, caches, sd((b,), jnp.int32), sd((b,), jnp.int32), sd((b, 2), jnp.uint32),
-                               sd((b,), jnp.bool_), sd((b, q), jnp.int32)).lower(lowering_platforms=("cuda",))
-  return low.as_text()
+  with dec.kernel_mode(interpret=False):  # kernels on, no interpret mode: this is the CUDA lowering
+    return dec.trace_step(b, params, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("q", [1, 4])
 def test_kernel_tiny_step_lowers_for_cuda(q):
   txt = lower_step(C.kernel_tiny(), q, "latency_specialized", max_context=4096)
-  for name in ("glm5_fp8_linear",):
-    assert name in txt
-  assert "mosaic_gpu" in txt
+  assert txt.count("mosaic_gpu") > 0
+  for name in ("glm5_fp8_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla", "glm5_indexer_scores"):
+    assert name in txt, name
+  auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
+  assert "mosaic_gpu" not in auto  # and the stock path has no kernel at all
 
 
 def test_real_geometry_step_lowers_for_cuda():

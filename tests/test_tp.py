@@ -6,14 +6,12 @@ from __future__ import annotations
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import glm5_jax
 from conftest import tol
-from glm5_jax import state as st
 from glm5_jax.speculative import Decoder, decode
 from glm5_jax.runtime import DecodeConfig
 from helpers import load, tiny_checkpoint
@@ -77,13 +75,7 @@ def test_collectives_per_step():
   m = load(_ckpt(), "float32", 4)
   k, b = 3, 4
   dec = Decoder(m, DecodeConfig(max_context=64, q=k + 1, capture_sizes=(b,), policy=()))
-  layout = dec.layout(b)
-  rep = NamedSharding(m.mesh, P())
-  sh = jax.tree.map(lambda s: NamedSharding(m.mesh, s), st.cache_specs(layout), is_leaf=lambda x: isinstance(x, P))
-  shapes = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), st.cache_shapes(layout), sh)
-  sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
-  txt = dec.step_fn(b).trace(m.params, shapes, sd((b,), jnp.int32), sd((b,), jnp.int32), sd((b, 2), jnp.uint32),
-                             sd((b,), jnp.bool_), sd((b, k + 1), jnp.int32)).lower().as_text()
+  txt = dec.trace_step(b).lower().as_text()
   L = m.cfg.num_hidden_layers
   assert len(re.findall(r"all_reduce", txt)) == 1 + 2 * L + 3 * k
   n_gather = len(re.findall(r"all_gather", txt))
