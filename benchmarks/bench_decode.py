@@ -26,6 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from glm5_jax import config as C  # noqa: E402
+from glm5_jax import profiling  # noqa: E402
+from glm5_jax.sharding import make_mesh  # noqa: E402
 from glm5_jax.speculative import Decoder, decode  # noqa: E402
 from glm5_jax.runtime import DecodeConfig  # noqa: E402
 from glm5_jax.synthetic import random_model, random_state, tp_rank_config  # noqa: E402
@@ -41,7 +43,10 @@ def roofline_bytes(b, q, ctx):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--geometry", default="tp4-rank", choices=["tp4-rank", "kernel-tiny", "oracle-tiny"])
+  p.add_argument("--geometry", default="tp4-rank", choices=["tp4-rank", "real", "kernel-tiny", "oracle-tiny"],
+                 help="real: the released geometry sharded over --tp GPUs (use --layers to fit it)")
+  p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (a mesh over the first --tp devices)")
+  p.add_argument("--layers", type=int, default=None, help="keep the first N layers (real / tp4-rank geometries)")
   p.add_argument("--batch", type=int, nargs="+", default=[1])
   p.add_argument("--q", type=int, nargs="+", default=[1, 4])
   p.add_argument("--backend", nargs="+", default=["auto", "latency_specialized"])
@@ -51,6 +56,8 @@ def main(argv=None):
   p.add_argument("--accept", type=float, default=2.75, help="tokens per verify step assumed for tokens/s (q > 1)")
   p.add_argument("--out", default=None, help="append JSON lines of results here")
   p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new configurations after this long")
+  p.add_argument("--profile", action="store_true",
+                 help="per-component GPU time from CUPTI kernel records (named scopes -> glm5_jax.profiling)")
   p.add_argument("--fast-compile", action="store_true",
                  help="XLA GPU autotuning off (--xla_gpu_autotune_level=0): the q > 1 step of the real geometry took "
                       "> 350 s to compile with it on; kernels of the latency_specialized path are not autotuned anyway")
@@ -58,17 +65,20 @@ def main(argv=None):
   if a.fast_compile:  # read when the GPU backend starts, i.e. at the first device use below
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
   t_start = time.time()
+  base = C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real()
   if a.geometry == "tp4-rank":
-    cfg = tp_rank_config(C.real(), 4)
+    cfg = tp_rank_config(base, 4)
+  elif a.geometry == "real":
+    cfg = base
   else:
     cfg = C.PRESETS[a.geometry]()
   max_ctx = a.context + 16
   max_ctx += (-max_ctx) % cfg.index_kpool
   t = time.time()
-  model = random_model(cfg, dtype=jnp.bfloat16, fp8=cfg.fp8_block is not None)
+  model = random_model(cfg, dtype=jnp.bfloat16, fp8=cfg.fp8_block is not None, mesh=make_mesh(a.tp))
   jax.block_until_ready(jax.tree.leaves(model.params))
   nbytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
-  print(f"# {a.geometry}: {nbytes / 1e9:.2f} GB of random parameters in {time.time() - t:.1f} s on "
+  print(f"# {a.geometry} ({cfg.num_hidden_layers} layers, TP{a.tp}): {nbytes / 1e9:.2f} GB of random parameters in {time.time() - t:.1f} s on "
         f"{jax.devices()[0].device_kind}; context {a.context}", flush=True)
   rows = []
   hdr = f"{'backend':>20} {'B':>3} {'q':>2} {'compile s':>9} {'ms/step':>9} {'tok/s/seq':>9} {'roofline ms':>11} {'% roof':>7}"
@@ -87,6 +97,10 @@ def main(argv=None):
           print(f"{backend:>20} {b:>3} {q:>2} compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
           continue
         comp = time.time() - t
+        hlo = dec._aot[b].as_text()
+        cen = profiling.census(hlo)
+        print(f"# {backend} B={b} q={q}: {cen['kernels']} kernel-level instructions {cen['by_kind']}, "
+              f"{cen['while_loops']} loops; by component {cen['by_component']}", flush=True)
         state = random_state(dec, b, a.context)
         state, out = decode(state)  # first call: one-off work outside the timing
         jax.block_until_ready(out.tokens)
@@ -99,12 +113,16 @@ def main(argv=None):
           jax.block_until_ready(out.tokens)
           times.append((time.perf_counter() - t) / a.steps)
         ms = 1e3 * float(np.median(times))
+        prof = _profile(dec, state, hlo, a.steps, a.context) if a.profile else None
+        state = prof.pop("state") if prof else state
         # the roofline formula is one TP4 rank of the real model: meaningless for the tiny geometries
-        roof = 1e3 * roofline_bytes(b, q, a.context) / HBM if a.geometry == "tp4-rank" else float("nan")
+        full = a.geometry == "tp4-rank" and not a.layers
+        roof = 1e3 * roofline_bytes(b, q, a.context) / HBM if full else float("nan")
         tps = (a.accept if q > 1 else 1.0) / (ms / 1e3)
-        row = dict(geometry=a.geometry, backend=backend, batch=b, q=q, context=a.context, compile_s=comp,
+        row = dict(geometry=a.geometry, layers=cfg.num_hidden_layers, tp=a.tp, backend=backend, batch=b, q=q, context=a.context, compile_s=comp,
                    ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
                    roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
+                   census=cen, profile=prof,
                    date=time.strftime("%Y-%m-%d"))
         rows.append(row)
         print(f"{backend:>20} {b:>3} {q:>2} {comp:>9.1f} {ms:>9.2f} {tps:>9.1f} {roof:>11.3f} {row['pct_roofline']:>6.1f}%",
@@ -114,6 +132,32 @@ def main(argv=None):
             f.write(json.dumps(row) + "\n")
         del state, out, dec
   return rows
+
+
+def _profile(dec, state, hlo, steps, context):
+  """GPU µs per step by component from CUPTI's kernel records over ``steps`` chained steps."""
+  from benchmarks._timing import _EXT  # noqa: PLC0415
+  if _EXT is None:
+    print("# --profile: CUPTI is not available here (needs the Mosaic GPU extension on a GPU)", flush=True)
+    return None
+  kmap = profiling.kernel_map(hlo)
+  if state.len_bound + dec.config.q * (steps + 1) > dec.config.max_context:
+    state = random_state(dec, state.batch, context)
+  _EXT._cupti_init()
+  for _ in range(steps):
+    state, out = decode(state)
+  jax.block_until_ready(out.tokens)
+  recs = _EXT._cupti_get_timings(True)
+  per, launches, unmatched = profiling.split(recs, kmap, steps)
+  total = sum(per.values())
+  print(f"#   GPU busy {total / 1e3:.3f} ms/step in {launches:.0f} kernel launches/step; by component (µs/step):",
+        flush=True)
+  print("#   " + "  ".join(f"{c} {per[c]:.0f}" for c in profiling.COMPONENTS if per.get(c)), flush=True)
+  top = sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
+  if top:
+    print("#   unmatched kernels: " + ", ".join(f"{k[:60]} {v:.0f}" for k, v in top), flush=True)
+  return dict(state=state, us_per_step=per, launches_per_step=launches, gpu_busy_ms=total / 1e3,
+              unmatched_top=dict(top))
 
 
 if __name__ == "__main__":

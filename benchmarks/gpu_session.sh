@@ -1,17 +1,51 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, kernel benchmarks and the decode benchmark, logs under $OUT (or ./gpu_out).
-# Usage on the device machine (repo root):  bash benchmarks/gpu_session.sh [budget_seconds]
-# Sections print as they finish; the decode benchmark stops starting new configurations at the budget.
+# Usage on the device machine (repo root):  bash benchmarks/gpu_session.sh MODE [budget_seconds]
+#   single  (nvidia-h200):    GPU tests, sparse-MLA/indexer benchmark, then the decode benchmark — one after another
+#   pair    (nvidia-h200-x2): the same work split over the two GPUs (tests + kernel benchmarks on GPU 0, the
+#                             real-geometry decode benchmark on GPU 1, concurrently)
+#   tp2     (nvidia-h200-x2): all-reduce benchmark, then the TP2 decode benchmark (12 real layers) with profile
+# Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
 set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
-BUDGET="${1:-480}"
+MODE="${1:-single}"; BUDGET="${2:-480}"
 t0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -m gpu -x tests 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
-[ "$(left)" -gt 300 ] && timeout $(( $(left) - 240 )) python3 benchmarks/bench_sparse_mla.py --quick --out "$OUT/bench_sparse_mla.txt" 2>&1 | tail -30
-[ "$(left)" -gt 240 ] && python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --q 1 4 \
-  --backend latency_specialized auto --context 32768 --steps 10 --repeats 3 --fast-compile \
-  --budget-s $(( $(left) - 200 )) --out "$OUT/decode.jsonl" 2>&1 | grep -v -i warn | tee "$OUT/bench_decode.log"
+nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+
+tests_and_kernels() {
+  python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests 2>&1 | tail -30 > "$OUT/gpu_tests.log"
+  echo "== GPU tests: $(tail -1 "$OUT/gpu_tests.log")"
+  [ "$(left)" -gt 200 ] && timeout $(( $(left) - 150 )) python3 benchmarks/bench_sparse_mla.py --quick \
+    --out "$OUT/bench_sparse_mla.txt" > "$OUT/bench_sparse_mla.log" 2>&1
+  echo "== sparse MLA / indexer benchmark done"
+}
+
+decode_bench() {  # $1: seconds to stop starting configurations
+  python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --q 1 4 --backend latency_specialized auto \
+    --context 32768 --steps 10 --repeats 3 --fast-compile --profile --budget-s "$1" --out "$OUT/decode.jsonl" 2>&1 \
+    | grep -v -i warn > "$OUT/bench_decode.log"
+  echo "== decode benchmark done"
+}
+
+case "$MODE" in
+  single)
+    tests_and_kernels
+    [ "$(left)" -gt 240 ] && decode_bench $(( $(left) - 200 ))
+    ;;
+  pair)
+    CUDA_VISIBLE_DEVICES=0 tests_and_kernels &
+    CUDA_VISIBLE_DEVICES=1 decode_bench $(( BUDGET - 200 )) &
+    wait
+    ;;
+  tp2)
+    timeout 200 python3 benchmarks/bench_allreduce.py --tp 2 --out "$OUT/allreduce.jsonl" 2>&1 | tee "$OUT/allreduce.log"
+    [ "$(left)" -gt 240 ] && python3 benchmarks/bench_decode.py --geometry real --tp 2 --layers 12 --batch 1 \
+      --q 1 --backend latency_specialized auto --context 32768 --steps 10 --repeats 3 --fast-compile --profile \
+      --budget-s $(( $(left) - 200 )) --out "$OUT/decode_tp2.jsonl" 2>&1 | grep -v -i warn | tee "$OUT/bench_decode_tp2.log"
+    ;;
+  *) echo "unknown mode $MODE (single | pair | tp2)"; exit 2 ;;
+esac
+for f in "$OUT"/*.log; do echo "=== $f"; tail -40 "$f"; done
 echo "total $(( $(date +%s) - t0 )) s"

@@ -322,13 +322,14 @@ class DSA(nnx.Module):
              "latent_scale": _scatter_rows(cache["latent_scale"], csc, pos, ok)}
     else:
       lat = {"latent": _scatter_rows(cache["latent"], c, pos, ok)}
-    k, gam = self.indexer.keys(x, dtype)
-    icache = self.indexer.update(k, gam, cache, ctx, dtype)
-    if shared is None:
-      sc = self.indexer.scores(x, q_r, icache, pos, dtype)
-      idx, js = self.indexer.select(sc, pos)
-    else:
-      idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
+    with jax.named_scope("indexer"):
+      k, gam = self.indexer.keys(x, dtype)
+      icache = self.indexer.update(k, gam, cache, ctx, dtype)
+      if shared is None:
+        sc = self.indexer.scores(x, q_r, icache, pos, dtype)
+        idx, js = self.indexer.select(sc, pos)
+      else:
+        idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
     q_hat = jnp.einsum("bthn,hnr->bthr", q, w_uk, precision=HIGHEST)  # absorbed query [B, T, H, R]
     if fp8:
       if kernel_enabled("sparse_mla", B * T):

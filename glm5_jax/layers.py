@@ -261,7 +261,8 @@ class MoE(nnx.Module):
     """x [B, T, D] -> [B, T, D]; one psum for routed + shared."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
-    ids, w = self.gate(xf)
+    with jax.named_scope("router"):
+      ids, w = self.gate(xf)
     ex = self.experts
     if ex.fp8_block is not None and kernel_enabled("fp8_moe", xf.shape[0]) and ex.gate_proj.shape[1] % 128 == 0:
       from pallas_kernels import linear as kl  # noqa: PLC0415

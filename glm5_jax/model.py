@@ -8,6 +8,7 @@ lm_head are vocabulary-parallel.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
@@ -31,22 +32,28 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, X, cache, ctx: StepCtx, dtype):
     """X [B, T, N, D] residual streams -> (X', cache', aux)."""
+    # named scopes label the compiled program's kernels by component (benchmarks/bench_decode.py --profile)
     aux = {}
-    u, post, comb = self.attn_hc.pre(X)
-    x = self.input_layernorm(u, dtype)
-    if self.is_kda:
-      y, cache = self.self_attn(x, cache, ctx, dtype)
-    else:
-      y, cache, a = self.self_attn(x, cache, ctx, dtype)
-      aux["idx"] = a["idx"]
-    X = HyperConnection.post(X, y, post, comb)
-    u, post, comb = self.ffn_hc.pre(X)
-    x = self.post_attention_layernorm(u, dtype)
-    if self.is_moe:
-      y, aux["experts"] = self.mlp(x, dtype, return_ids=True)
-    else:
-      y = self.mlp(x, dtype)
-    return HyperConnection.post(X, y, post, comb), cache, aux
+    with jax.named_scope("mhc"):
+      u, post, comb = self.attn_hc.pre(X)
+      x = self.input_layernorm(u, dtype)
+    with jax.named_scope("kda" if self.is_kda else "dsa"):
+      if self.is_kda:
+        y, cache = self.self_attn(x, cache, ctx, dtype)
+      else:
+        y, cache, a = self.self_attn(x, cache, ctx, dtype)
+        aux["idx"] = a["idx"]
+    with jax.named_scope("mhc"):
+      X = HyperConnection.post(X, y, post, comb)
+      u, post, comb = self.ffn_hc.pre(X)
+      x = self.post_attention_layernorm(u, dtype)
+    with jax.named_scope("moe" if self.is_moe else "mlp"):
+      if self.is_moe:
+        y, aux["experts"] = self.mlp(x, dtype, return_ids=True)
+      else:
+        y = self.mlp(x, dtype)
+    with jax.named_scope("mhc"):
+      return HyperConnection.post(X, y, post, comb), cache, aux
 
 
 class MTPLayer(nnx.Module):
@@ -93,6 +100,7 @@ class Glm5Model(nnx.Module):
     self.mtp = MTPLayer(cfg, dtype, fp8_block) if use_mtp else None
 
   # ------------------------------------------------------------------ vocabulary-parallel ends
+  @jax.named_scope("embed")
   def embed(self, ids):
     """ids [...] int32 -> [..., D]: each shard looks up its vocabulary slice, one psum joins them."""
     tbl = self.embed_tokens[...]
@@ -102,6 +110,7 @@ class Glm5Model(nnx.Module):
     e = jnp.where(ok[..., None], tbl[jnp.clip(local, 0, Vl - 1)], 0).astype(self.dtype)
     return lax.psum(e, TP)
 
+  @jax.named_scope("lm_head")
   def local_logits(self, h):
     """h [..., D] -> this shard's logits [..., V/tp] in f32."""
     rows, (Vl, D) = h.size // h.shape[-1], self.lm_head.shape
@@ -141,6 +150,7 @@ class Glm5Model(nnx.Module):
     h = self.norm(jnp.mean(X.astype(jnp.float32), axis=2).astype(self.dtype), self.dtype)
     return h, new, aux
 
+  @jax.named_scope("draft")
   def draft(self, h, next_ids, positions, cache, ctx: StepCtx, *, shared=None, extra_tail=0):
     """One MTP pass. h [B, T, D] hidden to recycle, next_ids [B, T] the token after each position,
     positions [B, T] (embedding zeroed at position 0) -> (ĥ [B, T, D], cache, aux)."""

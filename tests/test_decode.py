@@ -249,6 +249,7 @@ def test_max_context_is_enforced(model):
 KT = dict(num_hidden_layers=4)  # kernel-tiny: KDA, KDA, KDA, DSA with the real per-head sizes, FP8 weights
 
 
+@pytest.mark.e2e_kernels
 def test_latency_specialized_kda_kernel_equals_reference_greedy():
   """The KDA kernel in the verify step (Mosaic GPU interpret mode on CPU) emits exactly the reference model's
   greedy continuation (stock caches, every other op in XLA)."""
@@ -263,6 +264,7 @@ def test_latency_specialized_kda_kernel_equals_reference_greedy():
   assert out[0] == ref
 
 
+@pytest.mark.e2e_kernels
 def test_latency_specialized_all_kernels_equals_stock_fp8_cache():
   """Every kernel of latency_specialized (KDA, FP8 GEMV, grouped FP8 MoE, sparse MLA over the FP8 latent cache,
   FP8 indexer scoring; interpret mode on CPU) against the stock path with the same FP8 cache numerics (the

@@ -1,0 +1,129 @@
+"""What a compiled decode step is made of: its kernel census and the GPU time per model component.
+
+The model labels its parts with ``jax.named_scope`` (embed, mhc, kda, dsa, indexer, router, moe, mlp, lm_head,
+draft); XLA keeps the scope path in each instruction's ``op_name`` metadata. ``census`` counts the kernel-level
+instructions of the optimised HLO (fusions, custom calls — Pallas kernels, cuBLAS, TopK —, sorts, collectives,
+loops): the static kernel count of issue #14. ``split`` attributes measured kernel durations (from CUPTI, named
+after the HLO instruction that launched them) to components: the per-component table of the benchmarks.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+COMPONENTS = ("embed", "mhc", "kda", "dsa", "indexer", "router", "moe", "mlp", "lm_head", "draft", "all-reduce",
+              "other")
+# innermost-first: the indexer runs inside a DSA layer, the router inside an MoE block; a draft pass is one unit
+_ORDER = ("indexer", "router", "kda", "dsa", "moe", "mlp", "mhc", "lm_head", "embed")
+
+# instructions that launch no kernel of their own (aliases, tuples, parameters, loop plumbing)
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+         "replica-id", "opt-barrier", "add-dependency", "all-reduce-done", "all-gather-done",
+         "collective-permute-done", "async-done", "copy-done", "send-done", "recv-done", "call", "while",
+         "conditional", "domain"}
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+_COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"(?:^|[\s\]}\)])([a-z][a-z0-9\-]*)\(")
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+_CALLED = re.compile(r"(?:calls|to_apply|called_computations)=\{?%?([\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
+
+
+def component(op_name: str) -> str:
+  """The model component an instruction belongs to, from its op_name scope path."""
+  parts = op_name.split("/")
+  if "draft" in parts:
+    return "draft"
+  for c in _ORDER:
+    if c in parts:
+      return c
+  return "other"
+
+
+def _instructions(hlo_text: str):
+  """Yields (computation, is_entry, name, opcode, op_name) for every instruction of an HLO module's text."""
+  comp, entry = None, False
+  for line in hlo_text.splitlines():
+    h = _COMP_HEAD.match(line)
+    if h:
+      comp, entry = h.group(2), bool(h.group(1))
+      continue
+    m = _INSTR.match(line)
+    if not m or comp is None:
+      continue
+    name, rest = m.groups()
+    op = _OPCODE.search(rest)
+    opn = _OPNAME.search(rest)
+    yield comp, entry, name, op.group(1) if op else "?", opn.group(1) if opn else "", rest
+
+
+def kernel_instructions(hlo_text: str) -> list[tuple[str, str, str]]:
+  """(name, opcode, op_name) of the instructions that run as kernels: those of computations that are not fused
+  bodies, reducers or sort comparators (i.e. the entry computation and loop bodies / branches)."""
+  rows, inner = [], set()
+  for _, _, _, op, _, rest in _instructions(hlo_text):
+    if op in ("fusion", "reduce", "sort", "scatter", "reduce-window", "select-and-scatter", "map", "custom-call",
+              "all-reduce", "all-reduce-start", "reduce-scatter") or "to_apply=" in rest or "calls=" in rest:
+      for m in _CALLED.finditer(rest):
+        if op not in ("while", "conditional", "call") or m.group(0).startswith("to_apply"):
+          inner.update(x.strip().lstrip("%") for x in m.group(1).split(","))
+  for comp, _, name, op, opn, _ in _instructions(hlo_text):
+    if comp in inner or op in _FREE:
+      continue
+    rows.append((name, op, opn))
+  return rows
+
+
+def census(hlo_text: str) -> dict:
+  """Static kernel count of a compiled program by kind and by component (loop bodies counted once)."""
+  rows = kernel_instructions(hlo_text)
+  kinds, comps = collections.Counter(), collections.Counter()
+  for _, op, opn in rows:
+    kind = ("collective" if op.removesuffix("-start") in _COLLECTIVES else
+            op if op in ("fusion", "custom-call", "sort") else "other")
+    kinds[kind] += 1
+    comps[component(opn)] += 1
+  loops = sum(1 for _, _, _, op, _, _ in _instructions(hlo_text) if op == "while")
+  return {"kernels": len(rows), "by_kind": dict(kinds), "by_component": dict(comps), "while_loops": loops}
+
+
+def _sanitize(name: str) -> str:
+  return re.sub(r"[.\-]", "_", name)
+
+
+def kernel_map(hlo_text: str) -> dict[str, str]:
+  """GPU kernel name -> component: XLA names a fusion's kernel after the instruction (``.``/``-`` -> ``_``)."""
+  return {_sanitize(n): component(opn) for n, _, opn in kernel_instructions(hlo_text)}
+
+
+def classify_kernel(kernel: str, kmap: dict[str, str]) -> str | None:
+  """Component of one launched kernel, or None when the name matches no instruction."""
+  if "nccl" in kernel.lower():
+    return "all-reduce"
+  k = kernel
+  for _ in range(3):  # an instruction may launch several kernels: name, name_1, ...
+    if k in kmap:
+      return kmap[k]
+    k2 = re.sub(r"_\d+$", "", k)
+    if k2 == k:
+      break
+    k = k2
+  return None
+
+
+def split(records, kmap: dict[str, str], steps: int):
+  """records: iterable of (kernel name, ms) over ``steps`` steps -> ({component: µs per step},
+  launches per step, {unmatched kernel name: µs per step})."""
+  per = collections.Counter()
+  unmatched = collections.Counter()
+  n = 0
+  for name, ms in records:
+    n += 1
+    c = classify_kernel(name, kmap)
+    if c is None:
+      unmatched[name] += ms * 1e3 / steps
+      c = "other"
+    per[c] += ms * 1e3 / steps
+  return dict(per), n / steps, dict(unmatched)
