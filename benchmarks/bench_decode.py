@@ -83,8 +83,8 @@ def main(argv=None):
   rows = []
   hdr = f"{'backend':>20} {'B':>3} {'q':>2} {'compile s':>9} {'ms/step':>9} {'tok/s/seq':>9} {'roofline ms':>11} {'% roof':>7}"
   print(hdr, flush=True)
-  for backend in a.backend:
-    for q in a.q:
+  for q in a.q:  # q outermost: the backends' numbers for one q come together when the budget cuts the run short
+    for backend in a.backend:
       for b in a.batch:
         if time.time() - t_start > a.budget_s:
           print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
@@ -102,8 +102,12 @@ def main(argv=None):
         print(f"# {backend} B={b} q={q}: {cen['kernels']} kernel-level instructions {cen['by_kind']}, "
               f"{cen['while_loops']} loops; by component {cen['by_component']}", flush=True)
         state = random_state(dec, b, a.context)
-        state, out = decode(state)  # first call: one-off work outside the timing
-        jax.block_until_ready(out.tokens)
+        try:
+          state, out = decode(state)  # first call: one-off work outside the timing
+          jax.block_until_ready(out.tokens)
+        except Exception as e:  # a device fault poisons the CUDA context: nothing after it can run
+          print(f"{backend:>20} {b:>3} {q:>2} FAILED at run time: {type(e).__name__}: {str(e)[:400]}", flush=True)
+          return rows
         times = []
         for _ in range(a.repeats):
           state = random_state(dec, b, a.context) if state.len_bound + q * (a.steps + 1) > max_ctx else state

@@ -12,18 +12,23 @@ OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 t0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
-nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv
 
 tests_and_kernels() {
-  python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests 2>&1 | tail -30 > "$OUT/gpu_tests.log"
-  echo "== GPU tests: $(tail -1 "$OUT/gpu_tests.log")"
+  # one process per file: a device fault in one kernel's tests must not hide the others' results
+  for f in test_kda_decode test_linear_kernels test_indexer test_sparse_mla test_decode; do
+    timeout 300 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider "tests/$f.py" > /tmp/t_$f.log 2>&1
+    echo "== $f (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_$f.log | tail -1)" | tee -a "$OUT/gpu_tests.log"
+    grep -E "PASSED|FAILED|ERROR|Fatal|Segmentation|MISALIGNED" /tmp/t_$f.log | grep -v "^E " | head -40 >> "$OUT/gpu_tests.log"
+    { echo "######## $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" /tmp/t_$f.log | tail -300; } >> "$OUT/tests_full.log"
+  done
   [ "$(left)" -gt 200 ] && timeout $(( $(left) - 150 )) python3 benchmarks/bench_sparse_mla.py --quick \
-    --out "$OUT/bench_sparse_mla.txt" > "$OUT/bench_sparse_mla.log" 2>&1
+    > "$OUT/bench_sparse_mla.log" 2>&1
   echo "== sparse MLA / indexer benchmark done"
 }
 
 decode_bench() {  # $1: seconds to stop starting configurations
-  python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --q 1 4 --backend latency_specialized auto \
+  python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --q 1 4 --backend auto latency_specialized \
     --context 32768 --steps 10 --repeats 3 --fast-compile --profile --budget-s "$1" --out "$OUT/decode.jsonl" 2>&1 \
     | grep -v -i warn > "$OUT/bench_decode.log"
   echo "== decode benchmark done"
@@ -47,5 +52,5 @@ case "$MODE" in
     ;;
   *) echo "unknown mode $MODE (single | pair | tp2)"; exit 2 ;;
 esac
-for f in "$OUT"/*.log; do echo "=== $f"; tail -40 "$f"; done
+for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
 echo "total $(( $(date +%s) - t0 )) s"

@@ -46,6 +46,7 @@ GROUP = 128  # values per fp32 scale
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FLOOR = 1e-4  # amax floor: an all-zero group gets scale 1e-4 / 448 instead of 0 (no 0/0)
 BLOCK = 64  # positions per online-softmax block (= wgmma M)
+SC_COLS = 32  # f32 per row of the scale buffer in shared memory: 128 bytes, the TMA destination alignment
 HEADS_PER_CTA = 16  # wgmma N; O^T [512, 16] f32 = 64 registers per thread
 NUM_SMS = 132  # H200
 _NEG = -1e30  # finite "minus infinity": a fully masked block must not produce inf - inf = NaN
@@ -144,11 +145,11 @@ def _mla_kernel(nbs: int, hn: int):
       plgpu.barrier_wait(gbar.at[slot])
       # Warpgroup barrier: every warp is done with the previous block's PV wgmma before c16_s is overwritten.
       plgpu.commit_smem()
-      # Dequantise: the scales of group g as a per-row vector come from a masked row sum of the [64, 8] scale
-      # tile (columns 4..7 are never written; `where` drops them), which needs no value transpose.
+      # Dequantise: the scales of group g as a per-row vector come from a masked row sum of the [64, 32] scale
+      # tile (columns 4..31 are never written; `where` drops them), which needs no value transpose.
       # The gathered buffers are written row by row by TMA, so they stay untiled: hence optimized=False loads.
       sct = plgpu.load(sc_s.at[slot], layout=_L.WGMMA, optimized=False)
-      col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, 8), 1, layout=_L.WGMMA)
+      col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, SC_COLS), 1, layout=_L.WGMMA)
       for g in range(D_LATENT // GROUP):
         s_g = plgpu.layout_cast(jnp.where(col == g, sct, 0.0).sum(axis=1), _L.WGMMA.reduce(1))
         x = plgpu.load(c8_s.at[slot, :, pl.ds(g * GROUP, GROUP)], layout=_L.WGMMA, optimized=False)
@@ -229,7 +230,9 @@ def sparse_mla_decode(q, cache8, cache_scale, indices, *, softmax_scale, blocks_
           plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
           plgpu.SMEM((nbs, BLOCK), jnp.int32),  # idx_s (TMA boxes are <= 256 per dimension)
           plgpu.SMEM((2, BLOCK, D_LATENT), jnp.float8_e4m3fn),  # c8_s (double buffer)
-          plgpu.SMEM((2, BLOCK, 8), jnp.float32),  # sc_s (4 scales per row, padded to 8 columns)
+          # sc_s: 4 scales per row, rows padded to 128 bytes — a TMA destination in shared memory must be
+          # 128-byte aligned, and each selected row is its own TMA (32-byte rows faulted on the H200)
+          plgpu.SMEM((2, BLOCK, SC_COLS), jnp.float32),
           plgpu.SMEM((BLOCK, D_LATENT), f16, transforms=_F16_SW32),  # c16_s
           plgpu.SMEM((BLOCK, hn), f16, transforms=_F16_SW32),  # p_s
           plgpu.Barrier(num_barriers=2),
