@@ -22,6 +22,15 @@ tests_and_kernels() {
     grep -E "PASSED|FAILED|ERROR|Fatal|Segmentation|MISALIGNED" /tmp/t_$f.log | grep -v "^E " | head -40 >> "$OUT/gpu_tests.log"
     { echo "######## $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" /tmp/t_$f.log | tail -300; } >> "$OUT/tests_full.log"
   done
+  if grep -l -E "MISALIGNED|ILLEGAL" /tmp/t_*.log > /dev/null 2>&1; then  # name the faulting kernel
+    for f in $(grep -l -E "MISALIGNED|ILLEGAL" /tmp/t_*.log); do
+      t=$(basename "$f" .log); t=${t#t_}
+      echo "######## compute-sanitizer $t" >> "$OUT/tests_full.log"
+      timeout 150 compute-sanitizer --tool memcheck --print-limit 3 python3 -m pytest -q -x -m "gpu or e2e_kernels" \
+        -p no:cacheprovider "tests/$t.py" 2>&1 | grep -E "=========|Invalid|Misaligned|at 0x|by thread|kernel|passed|failed" \
+        | head -40 >> "$OUT/tests_full.log"
+    done
+  fi
   [ "$(left)" -gt 200 ] && timeout $(( $(left) - 150 )) python3 benchmarks/bench_sparse_mla.py --quick \
     > "$OUT/bench_sparse_mla.log" 2>&1
   echo "== sparse MLA / indexer benchmark done"
