@@ -56,6 +56,8 @@ def main(argv=None):
   p.add_argument("--accept", type=float, default=2.75, help="tokens per verify step assumed for tokens/s (q > 1)")
   p.add_argument("--out", default=None, help="append JSON lines of results here")
   p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new configurations after this long")
+  p.add_argument("--policy", nargs="*", default=[], metavar="KEY=VALUE",
+                 help="decode policy knobs, e.g. sparse_mla=false (runtime.DecodeConfig.policy)")
   p.add_argument("--profile", action="store_true",
                  help="per-component GPU time from CUPTI kernel records (named scopes -> glm5_jax.profiling)")
   p.add_argument("--fast-compile", action="store_true",
@@ -65,6 +67,7 @@ def main(argv=None):
   if a.fast_compile:  # read when the GPU backend starts, i.e. at the first device use below
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
   t_start = time.time()
+  policy = tuple(sorted((k, _value(v)) for k, v in (kv.split("=", 1) for kv in a.policy)))
   base = C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real()
   if a.geometry == "tp4-rank":
     cfg = tp_rank_config(base, 4)
@@ -89,7 +92,8 @@ def main(argv=None):
         if time.time() - t_start > a.budget_s:
           print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
           continue
-        dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=()), backend=backend)
+        dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=policy),
+                      backend=backend)
         t = time.time()
         try:
           dec.warmup()
@@ -123,7 +127,7 @@ def main(argv=None):
         full = a.geometry == "tp4-rank" and not a.layers
         roof = 1e3 * roofline_bytes(b, q, a.context) / HBM if full else float("nan")
         tps = (a.accept if q > 1 else 1.0) / (ms / 1e3)
-        row = dict(geometry=a.geometry, layers=cfg.num_hidden_layers, tp=a.tp, backend=backend, batch=b, q=q, context=a.context, compile_s=comp,
+        row = dict(geometry=a.geometry, layers=cfg.num_hidden_layers, tp=a.tp, backend=backend, policy=dict(policy), batch=b, q=q, context=a.context, compile_s=comp,
                    ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
                    roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
                    census=cen, profile=prof,
@@ -136,6 +140,16 @@ def main(argv=None):
             f.write(json.dumps(row) + "\n")
         del state, out, dec
   return rows
+
+
+def _value(v: str):
+  low = v.lower()
+  if low in ("true", "false"):
+    return low == "true"
+  try:
+    return int(v)
+  except ValueError:
+    return v
 
 
 def _profile(dec, state, hlo, steps, context):

@@ -5,6 +5,8 @@
 #   pair    (nvidia-h200-x2): the same work split over the two GPUs (tests + kernel benchmarks on GPU 0, the
 #                             real-geometry decode benchmark on GPU 1, concurrently)
 #   tp2     (nvidia-h200-x2): all-reduce benchmark, then the TP2 decode benchmark (12 real layers) with profile
+#   bisect  (nvidia-h200):    sparse-MLA + end-to-end GPU tests, then the latency_specialized step of 8 layers of
+#                             one TP4 rank with one kernel family at a time (finds a kernel that faults or hangs)
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -59,7 +61,21 @@ case "$MODE" in
       --q 1 --backend latency_specialized auto --context 32768 --steps 10 --repeats 3 --fast-compile --profile \
       --budget-s $(( $(left) - 200 )) --out "$OUT/decode_tp2.jsonl" 2>&1 | grep -v -i warn | tee "$OUT/bench_decode_tp2.log"
     ;;
-  *) echo "unknown mode $MODE (single | pair | tp2)"; exit 2 ;;
+  bisect)  # which kernel family breaks the real-geometry step: each alone on 8 layers of one TP4 rank, q = 1
+    timeout 150 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_sparse_mla.py \
+      tests/test_decode.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed" | tee "$OUT/gpu_tests.log"
+    ALL="kda fp8_linear fp8_moe indexer sparse_mla"
+    for k in none $ALL; do
+      pol=$(for o in $ALL; do [ "$o" = "$k" ] && echo "$o=true" || echo "$o=false"; done)
+      [ "$(left)" -gt 100 ] || break
+      echo "== kernels: $k" | tee -a "$OUT/bench_bisect.log"
+      timeout $(( $(left) > 150 ? 150 : $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+        --layers 8 --batch 1 --q 1 --backend latency_specialized --policy $pol --context 32768 --steps 5 \
+        --repeats 1 --fast-compile 2>&1 | grep -E "latency_specialized|FAILED|Error" | tee -a "$OUT/bench_bisect.log"
+      echo "   rc ${PIPESTATUS[0]}" | tee -a "$OUT/bench_bisect.log"
+    done
+    ;;
+  *) echo "unknown mode $MODE (single | pair | tp2 | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
 echo "total $(( $(date +%s) - t0 )) s"

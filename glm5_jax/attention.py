@@ -159,7 +159,7 @@ class KDA(nnx.Module):
     ssm = cache["ssm"]
     if ctx.mode == "verify":
       from pallas_kernels import kda_decode as kda_ops  # noqa: PLC0415 (kernels import lazily: GPU-only deps)
-      kern = kda_ops.kda_decode if ctx.backend == "latency_specialized" else kda_ops.kda_decode_reference
+      kern = kda_ops.kda_decode if kernel_enabled("kda") else kda_ops.kda_decode_reference
       o, new_ssm = kern(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound)
     else:
       gl = self.lower_bound * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (f + dt_bias))

@@ -40,20 +40,23 @@ MAX_KERNEL_ROWS = 64  # the weight-streaming kernels take at most 64 token rows 
 
 @contextlib.contextmanager
 def use_kernels(policy: dict | None):
-  """Trace the enclosed code with the Pallas kernels. policy: {"fp8_linear": bool (default True),
-  "fp8_moe": bool (True), "bf16_linear": bool (False: measured no faster than XLA at M ≤ 8, BENCHMARKS.md),
-  "sparse_mla": bool (True), "indexer": bool (True)}."""
-  tok = _KERNELS.set(None if policy is None else {"fp8_linear": True, "fp8_moe": True, "bf16_linear": False,
-                                                  "sparse_mla": True, "indexer": True, **policy})
+  """Trace the enclosed code with the Pallas kernels. policy: {"kda": bool (default True), "fp8_linear": bool
+  (True), "fp8_moe": bool (True), "bf16_linear": bool (False: measured no faster than XLA at M ≤ 8,
+  BENCHMARKS.md), "sparse_mla": bool (True), "indexer": bool (True)}."""
+  tok = _KERNELS.set(None if policy is None else {"kda": True, "fp8_linear": True, "fp8_moe": True,
+                                                  "bf16_linear": False, "sparse_mla": True, "indexer": True,
+                                                  **policy})
   try:
     yield
   finally:
     _KERNELS.reset(tok)
 
 
-def kernel_enabled(name: str, rows: int) -> bool:
+def kernel_enabled(name: str, rows: int | None = None) -> bool:
+  """Whether the kernel ``name`` is on in this trace; ``rows`` (token rows) is checked against the
+  weight-streaming kernels' MAX_KERNEL_ROWS when given."""
   pol = _KERNELS.get()
-  return pol is not None and bool(pol.get(name)) and rows <= MAX_KERNEL_ROWS
+  return pol is not None and bool(pol.get(name)) and (rows is None or rows <= MAX_KERNEL_ROWS)
 
 
 def param(shape, dtype, axes):

@@ -138,6 +138,10 @@ def _first_drafts(m, h, next_ids, start, idx_last, mtp_cache, q, k, valid):
 
 
 # ---------------------------------------------------------------------------------------------------- decoder
+# DecodeConfig.policy keys the decoder reads: the kernel switches (glm5_jax.layers.use_kernels) and the cache dtype
+POLICY_KEYS = frozenset({"kda", "fp8_linear", "fp8_moe", "bf16_linear", "sparse_mla", "indexer", "kv_cache_dtype"})
+
+
 class Decoder:
   """Owns a model, a DecodeConfig and the step compiled once per capture size.
 
@@ -153,6 +157,9 @@ class Decoder:
                        f"(layer {model.cfg.num_hidden_layers}): use q=1")
     if temperature < 0 or not 0 < top_p <= 1:
       raise ValueError(f"temperature={temperature}, top_p={top_p}: expected temperature >= 0 and 0 < top_p <= 1")
+    unknown = sorted(set(config.policy_dict()) - POLICY_KEYS)
+    if unknown:
+      raise ValueError(f"unknown policy key(s) {unknown}: expected some of {sorted(POLICY_KEYS)}")
     if config.max_context % model.cfg.index_kpool:
       raise ValueError(f"max_context={config.max_context} must be a multiple of index_kpool={model.cfg.index_kpool}")
     self.model, self.config, self.backend = model, config, backend

@@ -6,7 +6,8 @@ Per KDA layer (sharded by head):
   ssm   [B, Q, H, K, V]  fp32 recurrent state, one slot per verify position (Q = q)
 Per DSA layer and for the MTP layer (replicated on every rank):
   latent [B, S, R]        MLA latent per position in the compute dtype; with an FP8 KV cache (the
-                          latency_specialized default) latent8 [B, S, R] e4m3 + latent_scale [B, S, R/128] f32
+                          latency_specialized default) latent8 [B, S, R/4] int32 (R e4m3 bytes per position,
+                          packed 4 per word: pallas_kernels.sparse_mla) + latent_scale [B, S, R/128] f32
   pool   [B, S/kpool, Di] pooled indexer keys by pool index; FP8: pool8 (Hadamard-rotated e4m3) + pool_scale
                           [B, S/kpool] (power-of-two scales, vLLM's numerics)
   ring_k, ring_g [B, Rg, Di]  raw indexer keys / gate scores of the open pool by position mod Rg
@@ -39,7 +40,7 @@ def _dsa_cache(cfg: Glm5Config, B, S, q, dtype, kv_fp8):
             "pool": (jax.ShapeDtypeStruct((B, S // kp, Di), dtype), rep3), **ring}
   if R % 128 or Di != 128:
     raise ValueError(f"an FP8 KV cache needs kv_lora_rank % 128 == 0 and index_head_dim == 128: got {R}, {Di}")
-  return {"latent8": (jax.ShapeDtypeStruct((B, S, R), jnp.float8_e4m3fn), rep3),
+  return {"latent8": (jax.ShapeDtypeStruct((B, S, R // 4), jnp.int32), rep3),
           "latent_scale": (jax.ShapeDtypeStruct((B, S, R // 128), jnp.float32), rep3),
           "pool8": (jax.ShapeDtypeStruct((B, S // kp, Di), jnp.float8_e4m3fn), rep3),
           "pool_scale": (jax.ShapeDtypeStruct((B, S // kp), jnp.float32), (None, None)), **ring}

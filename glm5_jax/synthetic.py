@@ -94,8 +94,13 @@ def random_state(decoder, batch: int, context: int, *, seed: int = 0):
   out = []
   for i, (s, sp) in enumerate(zip(leaves, spec_leaves)):
     scale = 0.05 if len(s.shape) == 5 else 1.0  # KDA states stay in a realistic range
-    f = jax.jit(lambda k, s=s, scale=scale: (jax.random.normal(k, s.shape, jnp.float32) * scale).astype(s.dtype),
-                out_shardings=NamedSharding(model.mesh, sp))
+    if jnp.dtype(s.dtype) == jnp.int32:  # packed e4m3 latents: random bytes, NaN codes (x111 1111) excluded
+      f = jax.jit(lambda k, s=s: jax.lax.bitcast_convert_type(
+          jax.random.bits(k, s.shape, jnp.uint32) & jnp.uint32(0xFEFEFEFE), jnp.int32),
+                  out_shardings=NamedSharding(model.mesh, sp))
+    else:
+      f = jax.jit(lambda k, s=s, scale=scale: (jax.random.normal(k, s.shape, jnp.float32) * scale).astype(s.dtype),
+                  out_shardings=NamedSharding(model.mesh, sp))
     out.append(f(jax.random.fold_in(key, i)))
   caches = jax.tree.unflatten(treedef, out)
   rep = NamedSharding(model.mesh, jax.sharding.PartitionSpec())

@@ -5,8 +5,11 @@ Shapes: B sequences, T query tokens per sequence (1 plain decode, q = k+1 at spe
 2051 real, padded with -1).
 
 The latent cache is stored as 512 e4m3 values + 4 fp32 scales per token (one scale per 128 values), the
-FlashMLA ``fp8_ds_mla`` layout without its (all-zero for NoPE) rope part. ``quantize_latent`` /
-``dequantize_latent`` are the cache write / read paths.
+FlashMLA ``fp8_ds_mla`` layout without its (all-zero for NoPE) rope part. The e4m3 bytes are kept as 128 int32
+words per token (value 4i + k in byte k of word i, little-endian — the same bytes as an e4m3 [.., 512] array):
+the kernel then reads them with 32-bit loads (8-bit register loads from an untiled SMEM buffer gave wrong values
+natively on the H200 — see ``_dequant_block``). ``quantize_latent`` / ``dequantize_latent`` are the cache write
+/ read paths; ``pack_e4m3`` / ``unpack_e4m3`` convert between the two views of the bytes.
 
 The attention is the absorbed form: with q̂_h = W_UK_hᵀ q_h ∈ [512],
   o_h = Σ_{s ∈ I_t} softmax_s(q̂_h · c_s · softmax_scale) c_s,
@@ -17,8 +20,11 @@ Kernel design (one CTA = one (query token, head group of 16, slice of the index 
 * the selected rows are gathered by index: scalar index reads from SMEM and one TMA copy per row (512 B latent
   + 16 B scales) into a double-buffered SMEM block of 64 positions, the next block in flight while the current
   one is computed;
-* the block is dequantised in registers (e4m3 -> f32 (x) per-row-per-128 scale -> f16; e4m3 -> bf16 does not
-  lower on the H200's ptxas) into a swizzled f16 tile;
+* the block is dequantised in registers with integer ops (each e4m3 byte b -> the f16 with bits
+  (b & 0x80) << 8 | (b & 0x7F) << 7, which is exactly 2^-8 times the e4m3 value, subnormals included; (x) the
+  per-row-per-128 scale x 256 in f32 -> f16) into a swizzled f16 tile whose columns are the latent dimensions in
+  byte-major order within each group of 128 (column 128g + 32k + i holds dimension 128g + 4i + k); the query
+  columns are permuted the same way and the output rows back, outside the kernel;
 * "transposed" orientation: keys are the wgmma M dimension (64) and the 16 heads of the token the N dimension,
   S^T [64, 16] = C [64, 512] @ Q^T, O^T [512, 16] += C^T [512, 64] @ P^T [64, 16]. Query tokens of one sequence
   select different positions, so their heads cannot share one M = 64 row tile of keys; putting heads on N
@@ -32,11 +38,11 @@ Kernel design (one CTA = one (query token, head group of 16, slice of the index 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -55,8 +61,18 @@ _L = plgpu.Layout
 
 
 # ------------------------------------------------------------------------------------------------ cache format
+def pack_e4m3(c8):
+  """[..., 4n] float8_e4m3fn -> [..., n] int32 (the same bytes: value 4i + k in byte k of word i)."""
+  return lax.bitcast_convert_type(c8.reshape(*c8.shape[:-1], c8.shape[-1] // 4, 4), jnp.int32)
+
+
+def unpack_e4m3(w):
+  """[..., n] int32 -> [..., 4n] float8_e4m3fn (the inverse of ``pack_e4m3``)."""
+  return lax.bitcast_convert_type(w, jnp.float8_e4m3fn).reshape(*w.shape[:-1], w.shape[-1] * 4)
+
+
 def quantize_latent(c):
-  """c [..., 512] f32/bf16 -> (c8 [..., 512] float8_e4m3fn, scale [..., 4] f32).
+  """c [..., 512] f32/bf16 -> (packed [..., 128] int32 (512 e4m3 bytes), scale [..., 4] f32).
 
   One scale per 128 consecutive values: scale = max(amax, 1e-4) / 448, c8 = e4m3(clip(c / scale, -448, 448)),
   so the largest value of each group maps to ±448 (the e4m3 maximum) and c ≈ c8 · scale (relative error
@@ -66,26 +82,27 @@ def quantize_latent(c):
   amax = jnp.max(jnp.abs(g), axis=-1)
   scale = jnp.maximum(amax, SCALE_FLOOR) / FP8_MAX
   c8 = jnp.clip(g / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-  return c8.reshape(c.shape), scale
+  return pack_e4m3(c8.reshape(c.shape)), scale
 
 
-def dequantize_latent(c8, scale):
-  """(c8 [..., 512] e4m3, scale [..., 4] f32) -> c [..., 512] f32 (the inverse of ``quantize_latent``)."""
+def dequantize_latent(packed, scale):
+  """(packed [..., 128] int32, scale [..., 4] f32) -> c [..., 512] f32 (the inverse of ``quantize_latent``)."""
+  c8 = unpack_e4m3(packed)
   g = c8.astype(jnp.float32).reshape(*c8.shape[:-1], scale.shape[-1], -1)
   return (g * scale[..., None].astype(jnp.float32)).reshape(c8.shape)
 
 
 # ------------------------------------------------------------------------------------------------ reference
-def sparse_mla_decode_reference(q, cache8, cache_scale, indices, *, softmax_scale):
+def sparse_mla_decode_reference(q, cache, cache_scale, indices, *, softmax_scale):
   """Pure-jnp f32 sparse MLA decode over the dequantised FP8 latent cache.
 
-  q [B, T, H, 512] (absorbed queries), cache8 [B, S, 512] e4m3, cache_scale [B, S, 4] f32,
+  q [B, T, H, 512] (absorbed queries), cache [B, S, 128] int32 (packed e4m3), cache_scale [B, S, 4] f32,
   indices [B, T, W] int32 (-1 = padding; every (b, t) has at least one valid index)
   -> o [B, T, H, 512] f32 = Σ_s softmax_s(q·c_s · softmax_scale) c_s over the valid selected s."""
   B = q.shape[0]
   bi = jnp.arange(B)[:, None, None]
   ix = jnp.maximum(indices, 0)
-  c = dequantize_latent(cache8[bi, ix], cache_scale[bi, ix])  # [B, T, W, 512]
+  c = dequantize_latent(cache[bi, ix], cache_scale[bi, ix])  # [B, T, W, 512]
   s = jnp.einsum("bthd,btwd->bthw", q.astype(jnp.float32), c, precision=lax.Precision.HIGHEST)
   s = jnp.where((indices >= 0)[:, :, None, :], s * softmax_scale, -jnp.inf)
   p = jax.nn.softmax(s, axis=-1)
@@ -104,18 +121,50 @@ def _pick_blocks_per_split(n_blocks: int, n_rows: int) -> int:
   return -(-n_blocks // splits)
 
 
+def _dequant_block(c32_s, sc_s, c16_s):
+  """One block of 64 gathered rows: packed e4m3 [64, 128] int32 + scales [64, SC_COLS] f32 -> c16_s [64, 512] f16
+  in the kernel's column order (column 128g + 32k + i = latent dimension 128g + 4i + k).
+
+  The gathered buffers are written row by row, so they stay untiled (hence optimized=False loads), and they are
+  read as 32-bit words: loading e4m3 itself into registers in the WGMMA layout from the untiled buffer gave
+  wrong values on the H200 (while 32-bit loads of the same kind are right). Each byte b becomes the f16 with bits
+  (b & 0x80) << 8 | (b & 0x7F) << 7 = 2^-8 · e4m3(b) exactly (e4m3 subnormals land on f16 subnormals), so the
+  scale is applied as scale · 256 in f32. The scales of group g as a per-row vector come from a masked row sum
+  of the scale tile (columns 4.. are never written; `where` drops them), which needs no value transpose."""
+  sct = plgpu.load(sc_s, layout=_L.WGMMA, optimized=False)
+  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, SC_COLS), 1, layout=_L.WGMMA)
+  words = GROUP // 4
+  for g in range(D_LATENT // GROUP):
+    s_g = plgpu.layout_cast(jnp.where(col == g, sct, 0.0).sum(axis=1), _L.WGMMA.reduce(1)) * 256.0
+    s_b = lax.broadcast_in_dim(s_g, (BLOCK, words), (0,))
+    x = plgpu.load(c32_s.at[:, pl.ds(g * words, words)], layout=_L.WGMMA, optimized=False)
+    for k in range(4):
+      byte = lax.shift_right_logical(x, jnp.int32(8 * k)) & 0xFF
+      bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
+      h = lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
+      y = h.astype(jnp.float32) * s_b
+      c16_s[:, pl.ds(g * GROUP + k * words, words)] = plgpu.layout_cast(y.astype(jnp.float16), _L.WGMMA)
+
+
+def _column_order():
+  """perm [512]: kernel column p holds latent dimension perm[p] (see ``_dequant_block``); and its inverse."""
+  words = GROUP // 4
+  perm = np.array([g * GROUP + 4 * i + k for g in range(D_LATENT // GROUP) for k in range(4) for i in range(words)])
+  return perm, np.argsort(perm)
+
+
 def _mla_kernel(nbs: int, hn: int):
   """Kernel body for ``nbs`` blocks of 64 positions per CTA and ``hn`` heads per CTA.
 
   GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (rescale * softmax_scale * log2 e),
-  c8_g [B, S, 512] e4m3, sc_g [B, S, 4] f32, idx_g [BT, Wp / 64, 64] int32;
+  c32_g [B, S, 128] int32 (packed e4m3), sc_g [B, S, 4] f32, idx_g [BT, Wp / 64, 64] int32;
   out o_g [BT, NS, 512, H] f32 (partial O^T, normalised), lse_g [BT, NS, H] f32 (base-2 log-sum-exp of the split)."""
 
-  def body(q_g, qm_g, c8_g, sc_g, idx_g, o_g, lse_g, q_s, idx_s, c8_s, sc_s, c16_s, p_s, bar, gbar):
+  def body(q_g, qm_g, c32_g, sc_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, sc_s, c16_s, p_s, bar, gbar):
     hg = lax.axis_index("h")
     sp = lax.axis_index("s")
     bt = lax.axis_index("bt")
-    T = q_g.shape[0] // c8_g.shape[0]
+    T = q_g.shape[0] // c32_g.shape[0]
     b = bt // T
     plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(hg * hn, hn)], q_s, bar.at[0])
     plgpu.copy_gmem_to_smem(idx_g.at[bt, pl.ds(sp * nbs, nbs)], idx_s, bar.at[1])
@@ -125,7 +174,7 @@ def _mla_kernel(nbs: int, hn: int):
       # One TMA per selected row (latent + scales) on one barrier of 2*64 arrivals; -1 loads row 0 (masked later).
       def row(j, c):
         r = jnp.maximum(idx_s[k, j], 0)
-        plgpu.copy_gmem_to_smem(c8_g.at[b, pl.ds(r, 1)], c8_s.at[slot, pl.ds(j, 1)], gbar.at[slot])
+        plgpu.copy_gmem_to_smem(c32_g.at[b, pl.ds(r, 1)], c32_s.at[slot, pl.ds(j, 1)], gbar.at[slot])
         plgpu.copy_gmem_to_smem(sc_g.at[b, pl.ds(r, 1)], sc_s.at[slot, pl.ds(j, 1), pl.ds(0, 4)], gbar.at[slot])
         return c
       lax.fori_loop(0, BLOCK, row, None)
@@ -145,16 +194,7 @@ def _mla_kernel(nbs: int, hn: int):
       plgpu.barrier_wait(gbar.at[slot])
       # Warpgroup barrier: every warp is done with the previous block's PV wgmma before c16_s is overwritten.
       plgpu.commit_smem()
-      # Dequantise: the scales of group g as a per-row vector come from a masked row sum of the [64, 32] scale
-      # tile (columns 4..31 are never written; `where` drops them), which needs no value transpose.
-      # The gathered buffers are written row by row by TMA, so they stay untiled: hence optimized=False loads.
-      sct = plgpu.load(sc_s.at[slot], layout=_L.WGMMA, optimized=False)
-      col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, SC_COLS), 1, layout=_L.WGMMA)
-      for g in range(D_LATENT // GROUP):
-        s_g = plgpu.layout_cast(jnp.where(col == g, sct, 0.0).sum(axis=1), _L.WGMMA.reduce(1))
-        x = plgpu.load(c8_s.at[slot, :, pl.ds(g * GROUP, GROUP)], layout=_L.WGMMA, optimized=False)
-        y = x.astype(jnp.float32) * lax.broadcast_in_dim(s_g, (BLOCK, GROUP), (0,))
-        c16_s[:, pl.ds(g * GROUP, GROUP)] = plgpu.layout_cast(y.astype(jnp.float16), _L.WGMMA)
+      _dequant_block(c32_s.at[slot], sc_s.at[slot], c16_s)
       plgpu.commit_smem()
 
       def qk(acc):
@@ -202,15 +242,16 @@ def _prepare_q(q, softmax_scale):
   return q16, r * (softmax_scale * _LOG2E)
 
 
-def sparse_mla_decode(q, cache8, cache_scale, indices, *, softmax_scale, blocks_per_split: int | None = None):
+def sparse_mla_decode(q, cache, cache_scale, indices, *, softmax_scale, blocks_per_split: int | None = None):
   """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
 
-  q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache8 [B, S, 512] e4m3, cache_scale [B, S, 4] f32,
+  q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache [B, S, 128] int32 (packed e4m3), cache_scale [B, S, 4] f32,
   indices [B, T, W] int32 (-1 padding, any W: padded here to a multiple of 64 * blocks_per_split)
   -> o [B, T, H, 512] f32. The dequantised latent must fit f16 (|c| < 65504; RMSNorm'd latents do).
   ``blocks_per_split``: 64-position blocks per CTA (default: about 2 CTAs per SM)."""
   B, T, H, Dl = q.shape
-  assert Dl == D_LATENT and cache8.shape[-1] == D_LATENT and cache_scale.shape[-1] == D_LATENT // GROUP
+  assert Dl == D_LATENT and cache.shape[-1] == D_LATENT // 4 and cache.dtype == jnp.int32, cache.shape
+  assert cache_scale.shape[-1] == D_LATENT // GROUP
   assert H % HEADS_PER_CTA == 0, H
   hn = HEADS_PER_CTA
   W = indices.shape[-1]
@@ -221,6 +262,8 @@ def sparse_mla_decode(q, cache8, cache_scale, indices, *, softmax_scale, blocks_
   idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, wp - W)), constant_values=-1)
   idx = idx.reshape(B * T, wp // BLOCK, BLOCK)
   q16, qm = _prepare_q(q, softmax_scale)
+  perm, inv = _column_order()
+  q16 = q16[..., perm]  # the kernel's latent column order
   f16 = jnp.float16
   kern = plgpu.kernel(
       _mla_kernel(nbs, hn),
@@ -229,9 +272,8 @@ def sparse_mla_decode(q, cache8, cache_scale, indices, *, softmax_scale, blocks_
       scratch_types=[
           plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
           plgpu.SMEM((nbs, BLOCK), jnp.int32),  # idx_s (TMA boxes are <= 256 per dimension)
-          plgpu.SMEM((2, BLOCK, D_LATENT), jnp.float8_e4m3fn),  # c8_s (double buffer)
-          # sc_s: 4 scales per row, rows padded to 128 bytes — a TMA destination in shared memory must be
-          # 128-byte aligned, and each selected row is its own TMA (32-byte rows faulted on the H200)
+          plgpu.SMEM((2, BLOCK, D_LATENT // 4), jnp.int32),  # c32_s: packed e4m3 rows (double buffer)
+          # sc_s: 4 scales per row, rows padded to 128 bytes so that every per-row copy lands 128-byte aligned
           plgpu.SMEM((2, BLOCK, SC_COLS), jnp.float32),
           plgpu.SMEM((BLOCK, D_LATENT), f16, transforms=_F16_SW32),  # c16_s
           plgpu.SMEM((BLOCK, hn), f16, transforms=_F16_SW32),  # p_s
@@ -243,9 +285,9 @@ def sparse_mla_decode(q, cache8, cache_scale, indices, *, softmax_scale, blocks_
       kernel_name="glm5_sparse_mla",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
-  o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache8, cache_scale.astype(jnp.float32),
+  o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache, cache_scale.astype(jnp.float32),
                      idx)
   # Combine the splits: weights 2^(lse_s - max lse) (an all-padding split has lse ~ -1e30 -> weight 0).
   w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))  # [BT, NS, H]
   o = jnp.einsum("bsdh,bsh->bhd", o_part, w, precision=lax.Precision.HIGHEST) / jnp.sum(w, axis=1)[..., None]
-  return o.reshape(B, T, H, D_LATENT)
+  return o[..., inv].reshape(B, T, H, D_LATENT)  # back to the latent order

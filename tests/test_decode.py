@@ -226,6 +226,12 @@ def test_no_compilation_after_warmup(model):
   assert compiles == []
 
 
+def test_unknown_policy_key_is_refused(model):
+  with pytest.raises(ValueError, match=r"unknown policy key\(s\) \['sparse_mal'\]: expected some of \['bf16_linear'"):
+    Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=(("sparse_mal", False),)),
+            backend="latency_specialized")
+
+
 def test_decode_rejects_bad_tokens_and_keeps_state(model):
   dec = _decoder(model, 1)
   state = dec.prefill([np.arange(6) + 1])

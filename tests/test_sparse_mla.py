@@ -40,10 +40,11 @@ def make_inputs(seed, B, T, H, S, W, pad_frac=0.2, q_dtype=jnp.float32, trailing
   return q, c8, sc, idx
 
 
-def np_sparse_mla(q, c8, sc, idx, scale):
+def np_sparse_mla(q, packed, sc, idx, scale):
   """Naive numpy: per (b, t), dequantise the valid selected rows and run a dense float64 softmax."""
   q = np.asarray(q.astype(jnp.float32), np.float64)
-  c = np.asarray(c8.astype(jnp.float32), np.float64).reshape(*c8.shape[:-1], 4, 128)
+  c8 = np.asarray(packed).view(np.uint8).view(F8)  # the packed words' bytes, little-endian = value order
+  c = np.asarray(c8.astype(np.float32), np.float64).reshape(*c8.shape[:-1], 4, 128)
   c = (c * np.asarray(sc, np.float64)[..., None]).reshape(c8.shape)
   idx = np.asarray(idx)
   B, T, H, D = q.shape
@@ -64,11 +65,18 @@ def test_quantize_latent_roundtrip():
   c = rng.standard_normal((3, 7, 512)) * rng.uniform(0.01, 30.0, (3, 7, 1))
   c[0, 0, :128] = 0.0  # an all-zero group takes the 1e-4 floor, not a 0 scale
   c[1, 2, 256:384] *= 1e-6  # a group below the floor
-  c8, s = M.quantize_latent(jnp.asarray(c, jnp.float32))
-  assert c8.dtype == F8 and c8.shape == c.shape and s.shape == (3, 7, 4) and s.dtype == jnp.float32
+  packed, s = M.quantize_latent(jnp.asarray(c, jnp.float32))
+  assert packed.dtype == jnp.int32 and packed.shape == (3, 7, 128) and s.shape == (3, 7, 4) and s.dtype == jnp.float32
+  c8 = M.unpack_e4m3(packed)
+  assert c8.dtype == F8 and c8.shape == c.shape
+  # the packed words hold the e4m3 bytes little-endian: value 4i + k in byte k of word i
+  raw = np.asarray(jax.lax.bitcast_convert_type(c8, jnp.uint8)).astype(np.int64)
+  words = np.asarray(packed).astype(np.int64) & 0xFFFFFFFF
+  np.testing.assert_array_equal(words, (raw.reshape(3, 7, 128, 4) << np.array([0, 8, 16, 24])).sum(-1))
+  np.testing.assert_array_equal(np.asarray(M.pack_e4m3(c8)), np.asarray(packed))
   g = np.abs(c.astype(np.float32)).reshape(3, 7, 4, 128)
   np.testing.assert_allclose(np.asarray(s), np.maximum(g.max(-1), 1e-4) / 448.0, rtol=1e-6)
-  back = np.asarray(M.dequantize_latent(c8, s), np.float64)
+  back = np.asarray(M.dequantize_latent(packed, s), np.float64)
   sb = np.repeat(np.asarray(s, np.float64), 128, -1)
   # e4m3: half an ulp is 2^-4 relative for normals, 2^-10 x scale absolute in the subnormal range.
   assert np.all(np.abs(back - c) <= 2.0 ** -4 * np.abs(c) + 2.0 ** -10 * sb + 1e-12)
@@ -77,8 +85,8 @@ def test_quantize_latent_roundtrip():
   big = g.max(-1) >= 1e-4
   np.testing.assert_array_equal(c8f[big], 448.0)
   # bf16 input goes through the same path
-  c8b, sb16 = M.quantize_latent(jnp.asarray(c, jnp.bfloat16))
-  assert c8b.dtype == F8 and sb16.dtype == jnp.float32
+  pb, sb16 = M.quantize_latent(jnp.asarray(c, jnp.bfloat16))
+  assert pb.dtype == jnp.int32 and sb16.dtype == jnp.float32
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -131,14 +139,14 @@ REAL = list(itertools.product([1, 8, 32], [1, 4, 8], [16, 64]))
 @pytest.mark.parametrize("B,T,H", REAL)
 def test_cross_lower_real(B, T, H):
   S, W = 65536, 2176  # 2051 real + padding to a multiple of 128 (vLLM's buffer width)
-  args = (SDS((B, T, H, 512), jnp.bfloat16), SDS((B, S, 512), F8), SDS((B, S, 4), jnp.float32),
+  args = (SDS((B, T, H, 512), jnp.bfloat16), SDS((B, S, 128), jnp.int32), SDS((B, S, 4), jnp.float32),
           SDS((B, T, W), jnp.int32))
   txt = cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE), *args).as_text()
   assert "mosaic_gpu" in txt
 
 
 def test_cross_lower_unpadded_width():
-  args = (SDS((1, 4, 16, 512), jnp.float32), SDS((1, 65536, 512), F8), SDS((1, 65536, 4), jnp.float32),
+  args = (SDS((1, 4, 16, 512), jnp.float32), SDS((1, 65536, 128), jnp.int32), SDS((1, 65536, 4), jnp.float32),
           SDS((1, 4, 2051), jnp.int32))
   cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE), *args)
 
