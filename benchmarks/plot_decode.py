@@ -1,0 +1,52 @@
+"""Plot the per-component GPU time of profiled decode steps (bench_decode.py --profile --out FILE.jsonl).
+
+  python benchmarks/plot_decode.py benchmarks/results/decode_h200.jsonl -o benchmarks/results/decode_components.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from glm5_jax.profiling import COMPONENTS  # noqa: E402
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("results", nargs="+")
+  p.add_argument("-o", "--out", default="benchmarks/results/decode_components.png")
+  a = p.parse_args(argv)
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  rows = [json.loads(line) for f in a.results for line in open(f) if line.strip()]
+  rows = [r for r in rows if r.get("profile")]
+  if not rows:
+    raise SystemExit("no profiled rows (run bench_decode.py with --profile --out)")
+  fig, ax = plt.subplots(figsize=(9, 1.2 + 0.6 * len(rows)))
+  labels = []
+  for i, r in enumerate(rows):
+    left = 0.0
+    for j, c in enumerate(COMPONENTS):
+      us = r["profile"]["us_per_step"].get(c, 0.0)
+      if us:
+        ax.barh(i, us / 1e3, left=left, color=plt.cm.tab20(j), label=c if i == 0 else None)
+        left += us / 1e3
+    ax.plot([r["ms_per_step"]] * 2, [i - 0.4, i + 0.4], "k-", lw=2)
+    labels.append(f"{r['backend']} B={r['batch']} q={r['q']}\n{r.get('device', '')} {r.get('date', '')}")
+  ax.axvline(rows[0].get("roofline_ms", 0), color="r", ls="--", label="HBM roofline")
+  ax.set_yticks(range(len(rows)), labels, fontsize=8)
+  ax.set_xlabel("ms per decode step (bars: GPU time by component; black tick: wall-clock step)")
+  ax.legend(fontsize=7, ncol=4, loc="lower right")
+  fig.tight_layout()
+  fig.savefig(a.out, dpi=120)
+  print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,86 @@
+"""glm5_jax.profiling: the kernel census of a compiled step and the attribution of kernel records to components."""
+
+from __future__ import annotations
+
+import pytest
+
+from glm5_jax import profiling as P
+from glm5_jax.runtime import DecodeConfig
+from glm5_jax.speculative import Decoder
+from helpers import load, tiny_checkpoint
+
+HLO = """HloModule m
+
+%fused_computation (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %neg = f32[4]{0} negate(%p), metadata={op_name="jit(step)/shard_map/mhc/neg"}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[4]{0} get-tuple-element(%t), index=1
+  %loop_neg_fusion.2 = f32[4]{0} fusion(%v), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(step)/shard_map/draft/dsa/indexer/neg"}
+  ROOT %r = (s32[], f32[4]{0}) tuple(%i, %loop_neg_fusion.2)
+}
+
+ENTRY %main (a: f32[4], b: f32[8,288]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[8,288]{1,0} parameter(1)
+  %loop_neg_fusion = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(step)/shard_map/mhc/neg"}
+  %all-reduce.3 = f32[4]{0} all-reduce(%loop_neg_fusion), to_apply=%add, metadata={op_name="jit(step)/shard_map/moe/psum"}
+  %custom-call.7 = f32[4]{0} custom-call(%all-reduce.3), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/shard_map/kda/kda_decode"}
+  %sort.5 = f32[8,288]{1,0} sort(%b), dimensions={1}, to_apply=%add, metadata={op_name="jit(step)/shard_map/moe/router/top_k"}
+  %c = s32[] constant(0)
+  %t0 = (s32[], f32[4]{0}) tuple(%c, %custom-call.7)
+  %w = (s32[], f32[4]{0}) while(%t0), condition=%add, body=%body
+  ROOT %out = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_component_of_scope_paths():
+  assert P.component("jit(step)/shard_map/dsa/indexer/dot_general") == "indexer"  # innermost wins
+  assert P.component("jit(step)/shard_map/moe/router/top_k") == "router"
+  assert P.component("jit(step)/shard_map/draft/moe/add") == "draft"  # a draft pass is one unit
+  assert P.component("jit(step)/shard_map/mhc/while/body/div") == "mhc"
+  assert P.component("jit(step)/shard_map/argmax") == "other"
+  assert P.component("mhcx/kdax") == "other"  # whole scope names only
+
+
+def test_census_counts_kernel_level_instructions_once():
+  c = P.census(HLO)
+  # entry: fusion, all-reduce, custom-call, sort (the while itself launches nothing); loop body: one fusion.
+  # Fused bodies and reducers are not kernels; parameters / tuples / constants are free.
+  assert c["kernels"] == 5
+  assert c["by_kind"] == {"fusion": 2, "collective": 1, "custom-call": 1, "sort": 1}
+  assert c["by_component"] == {"mhc": 1, "moe": 1, "kda": 1, "router": 1, "draft": 1}
+  assert c["while_loops"] == 1
+
+
+def test_split_attributes_kernel_records():
+  kmap = P.kernel_map(HLO)
+  assert kmap["loop_neg_fusion_2"] == "draft" and kmap["custom_call_7"] == "kda"
+  recs = [("loop_neg_fusion", 0.002), ("loop_neg_fusion_2", 0.004), ("sort_5_1", 0.010),  # a suffixed launch
+          ("ncclDevKernel_AllReduce_Sum_bf16", 0.020), ("mystery_kernel", 0.001)] * 2
+  per, launches, unmatched = P.split(recs, kmap, steps=2)
+  assert launches == 5
+  assert per == pytest.approx({"mhc": 2.0, "draft": 4.0, "router": 10.0, "all-reduce": 20.0, "other": 1.0})
+  assert unmatched == pytest.approx({"mystery_kernel": 1.0})
+
+
+def test_census_of_a_compiled_step_sees_every_component():
+  """The real step, compiled on CPU: every named component shows up and the TP all-reduces are counted."""
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
+  dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=()), backend="auto")
+  dec.warmup()
+  c = P.census(dec._aot[1].as_text())
+  for comp in ("embed", "mhc", "kda", "dsa", "indexer", "router", "moe", "mlp", "lm_head", "draft"):
+    assert c["by_component"].get(comp, 0) > 0, (comp, c)
+  assert c["by_kind"]["fusion"] > 100
