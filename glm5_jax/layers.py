@@ -243,14 +243,14 @@ class Experts(nnx.Module):
       u = jnp.einsum("md,mkid->mki", x.astype(dtype), self._w("up_proj", ids, dtype), precision=HIGHEST)
       h = swiglu_clamped(g, u, self.limit)
       y = jnp.einsum("mki,mkdi->mkd", h, self._w("down_proj", ids, dtype), precision=HIGHEST)
-      return jnp.einsum("mkd,mk->md", y.astype(jnp.float32), weights)
+      return jnp.einsum("mkd,mk->md", y.astype(jnp.float32), weights, precision=HIGHEST)
     # many tokens (prefill): every expert over every token, combined with a dense [M, E] weight matrix
     comb = jnp.zeros((M, E), jnp.float32).at[jnp.arange(M)[:, None], ids].add(weights)
     g = jnp.einsum("md,eid->mei", x.astype(dtype), self._w("gate_proj", None, dtype), precision=HIGHEST)
     u = jnp.einsum("md,eid->mei", x.astype(dtype), self._w("up_proj", None, dtype), precision=HIGHEST)
     h = swiglu_clamped(g, u, self.limit)
     y = jnp.einsum("mei,edi->med", h, self._w("down_proj", None, dtype), precision=HIGHEST)
-    return jnp.einsum("med,me->md", y.astype(jnp.float32), comb)
+    return jnp.einsum("med,me->md", y.astype(jnp.float32), comb, precision=HIGHEST)
 
 
 class MoE(nnx.Module):

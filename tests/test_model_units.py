@@ -6,6 +6,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -116,3 +117,30 @@ def test_forward_rejects_bad_tokens():
     glm5_jax.forward(m, np.array([1, 2, 3]))
   with pytest.raises(TypeError, match="integer token ids: got dtype float32"):
     glm5_jax.forward(m, np.array([[1.0, 2.0]], np.float32))
+
+
+def _dots(jaxpr):
+  """Every dot_general of a jaxpr, nested jaxprs (shard_map, pjit, loops, conds) included."""
+  from jax._src import core  # noqa: PLC0415
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield eqn
+    for sub in core.jaxprs_in_params(eqn.params):
+      yield from _dots(sub)
+
+
+@pytest.mark.parametrize("backend", ["auto", "latency_specialized"])
+def test_fp32_step_has_no_reduced_precision_dots(backend):
+  """fp32 means fp32 on every backend: a dot without precision=HIGHEST runs in TF32 on a GPU (the stock step's
+  draft tokens then differed between the H200 and the CPU). Every f32 dot of the whole decode step is HIGHEST."""
+  from glm5_jax.runtime import DecodeConfig  # noqa: PLC0415
+  from glm5_jax.speculative import Decoder  # noqa: PLC0415
+  from helpers import load, tiny_checkpoint  # noqa: PLC0415
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
+  dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=()), backend=backend)
+  dots = list(_dots(dec.trace_step(1).jaxpr.jaxpr))
+  assert len(dots) > 50
+  low = [str(e.params.get("precision")) for e in dots
+         if any(v.aval.dtype == jnp.float32 for v in e.invars)
+         and e.params.get("precision") != (lax.Precision.HIGHEST, lax.Precision.HIGHEST)]
+  assert not low, low

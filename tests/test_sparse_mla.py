@@ -123,6 +123,57 @@ def test_kernel_interpret(B, T, H, S, W, nbs, trail, qdt):
   assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
 
 
+def _gather_dequant(packed, sc, rows):
+  """The kernel's gather + dequantisation of one 64-row block alone: per-row copies of the packed latent and the
+  scales, then ``_dequant_block`` -> [64, 512] f16 in the kernel's column order."""
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
+
+  def body(c_g, sc_g, idx_g, o_g, idx_s, c_s, sc_s, c16_s, bar, gbar):
+    plgpu.copy_gmem_to_smem(idx_g, idx_s, bar.at[0])
+    plgpu.barrier_wait(bar.at[0])
+
+    def row(j, carry):
+      r = idx_s[0, j]
+      plgpu.copy_gmem_to_smem(c_g.at[pl.ds(r, 1)], c_s.at[pl.ds(j, 1)], gbar.at[0])
+      plgpu.copy_gmem_to_smem(sc_g.at[pl.ds(r, 1)], sc_s.at[pl.ds(j, 1), pl.ds(0, 4)], gbar.at[0])
+      return carry
+    jax.lax.fori_loop(0, M.BLOCK, row, None)
+    plgpu.barrier_wait(gbar.at[0])
+    M._dequant_block(c_s, sc_s, c16_s)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(c16_s, o_g)
+    plgpu.wait_smem_to_gmem(0)
+
+  kern = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((M.BLOCK, M.D_LATENT), jnp.float16), scratch_types=[
+      plgpu.SMEM((1, M.BLOCK), jnp.int32), plgpu.SMEM((M.BLOCK, M.D_LATENT // 4), jnp.int32),
+      plgpu.SMEM((M.BLOCK, M.SC_COLS), jnp.float32),
+      plgpu.SMEM((M.BLOCK, M.D_LATENT), jnp.float16, transforms=M._F16_SW32),
+      plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_arrivals=2 * M.BLOCK, num_barriers=1)])
+  return kern(packed, sc, rows.reshape(1, M.BLOCK))
+
+
+def _check_gather_dequant():
+  rng = np.random.default_rng(5)
+  c = rng.standard_normal((300, M.D_LATENT)).astype(np.float32) * rng.uniform(0.01, 3.0, (300, 1))
+  c[7, :128] = rng.standard_normal(128) * 1e-7  # below the scale floor: e4m3 subnormal codes
+  c[7, 5] = 0.0
+  packed, sc = M.quantize_latent(jnp.asarray(c))
+  rows = jnp.asarray(np.r_[7, rng.integers(0, 300, M.BLOCK - 1)].astype(np.int32))
+  got = np.asarray(jax.jit(_gather_dequant)(packed, sc, rows), np.float32)
+  perm, _ = M._column_order()
+  want = np.asarray(M.dequantize_latent(packed[rows], sc[rows]))[:, perm]
+  codes = np.asarray(jax.lax.bitcast_convert_type(M.unpack_e4m3(packed[7]), jnp.uint8))
+  assert ((codes & 0x78) == 0).sum() > 3  # subnormal codes (exponent 0) are exercised
+  np.testing.assert_allclose(got, want.astype(np.float16).astype(np.float32), rtol=1e-3, atol=0)
+
+
+def test_gather_dequant_block_interpret():
+  """The building block where native and interpret mode parted (8-bit register loads): exact up to f16."""
+  with maybe_interpret(True):
+    _check_gather_dequant()
+
+
 def test_split_choice():
   # B = 1: one 64-position block per CTA (33 CTAs for W = 2051); B*T = 256: few splits
   assert M._pick_blocks_per_split(33, 1) == 1
@@ -154,6 +205,11 @@ def test_cross_lower_unpadded_width():
 # ------------------------------------------------------------------------------------------------------------
 # GPU
 # ------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gather_dequant_block_gpu():
+  _check_gather_dequant()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,H,S,W,nbs", [(1, 1, 16, 65536, 2051, None), (8, 4, 16, 65536, 2051, None),
                                            (2, 8, 64, 8192, 2176, None), (1, 4, 16, 65536, 2051, 4)])
