@@ -4,7 +4,8 @@
 #   single  (nvidia-h200):    GPU tests, sparse-MLA/indexer benchmark, then the decode benchmark — one after another
 #   pair    (nvidia-h200-x2): the same work split over the two GPUs (tests + kernel benchmarks on GPU 0, the
 #                             real-geometry decode benchmark on GPU 1, concurrently)
-#   tp2     (nvidia-h200-x2): all-reduce benchmark, then the TP2 decode benchmark (12 real layers) with profile
+#   tp2     (nvidia-h200-x2): TP2 == TP1 GPU tests, all-reduce benchmark, then the TP2 decode benchmark (12 real
+#                             layers) with profile
 #   bisect  (nvidia-h200):    sparse-MLA + end-to-end GPU tests, then the latency_specialized step of 8 layers of
 #                             one TP4 rank with one kernel family at a time (finds a kernel that faults or hangs)
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -56,6 +57,8 @@ case "$MODE" in
     wait
     ;;
   tp2)
+    timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_tp_gpu.py 2>&1 \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | head -40 | tee "$OUT/gpu_tests.log"
     timeout 200 python3 benchmarks/bench_allreduce.py --tp 2 --out "$OUT/allreduce.jsonl" 2>&1 | tee "$OUT/allreduce.log"
     [ "$(left)" -gt 240 ] && python3 benchmarks/bench_decode.py --geometry real --tp 2 --layers 12 --batch 1 \
       --q 1 --backend latency_specialized auto --context 32768 --steps 10 --repeats 3 --fast-compile --profile \

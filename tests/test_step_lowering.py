@@ -17,8 +17,8 @@ from glm5_jax.speculative import Decoder
 from glm5_jax.synthetic import tp_rank_config
 
 
-def lower_step(cfg, q, backend, max_context=32784, b=1):
-  mesh = shd.make_mesh(1)
+def lower_step(cfg, q, backend, max_context=32784, b=1, tp=1):
+  mesh = shd.make_mesh(tp)
   gd, astate = nnx.split(nnx.eval_shape(lambda: Glm5Model(cfg, jnp.bfloat16, fp8=True)))
   params = jax.tree.map(
       lambda v, s: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=NamedSharding(mesh, s)),
@@ -37,6 +37,18 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
     assert name in txt, name
   auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
   assert "mosaic_gpu" not in auto  # and the stock path has no kernel at all
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (jax_num_cpu_devices=4)")
+def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
+  """The kernels inside shard_map with TP4-local shapes (1 KDA / MLA head per rank, experts 128 wide). GPU
+  interpret mode cannot run this: its check that no barrier outlives a kernel is global over devices, so two
+  kernels in one multi-device program trip it (jax 0.11.2) — hence cross-lowering here and a 2-GPU test."""
+  txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4)
+  for name in ("kda_decode", "glm5_fp8_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
+               "glm5_indexer_scores"):
+    assert name in txt, name
+  assert txt.count("all_reduce") == 1 + 2 * 4 + 3 * 2
 
 
 def test_real_geometry_step_lowers_for_cuda():
