@@ -276,7 +276,9 @@ def test_fp8_moe_cross_lowers(m):
 # ------------------------------------------------------------------------------------------------------------
 # native GPU
 # ------------------------------------------------------------------------------------------------------------
-GPU_FP8_CASES = [(name, 8) for name in FP8_SHAPES] + [("mla_o", m) for m in (1, 32, 64, 72)] + [("q_b", 1)]
+# every per-rank shape at M = 8 and at M = 1 (one token: the B = 1, q = 1 step), a few more M for one shape
+GPU_FP8_CASES = ([(name, 8) for name in FP8_SHAPES] + [(name, 1) for name in FP8_SHAPES]
+                 + [("mla_o", m) for m in (32, 64, 72)])
 
 
 @pytest.mark.gpu
@@ -302,10 +304,11 @@ def test_bf16_linear_gpu(name, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 32])
-def test_fp8_moe_gpu(m):
-  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
-  args = moe_inputs(jax.random.key(80 + m), m, e, i, d, k)
+@pytest.mark.parametrize("m,e,k", [(1, 288, 8), (8, 288, 8), (32, 288, 8),
+                                   (1, 1, 1), (8, 1, 1)])  # e = k = 1: the shared expert as the model calls it
+def test_fp8_moe_gpu(m, e, k):
+  i, d = MOE_REAL["I"], MOE_REAL["D"]
+  args = moe_inputs(jax.random.key(80 + m + e), m, e, i, d, k)
   f = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=10.0))
   y = f(*args)
   ref = jax.jit(functools.partial(L.fp8_moe_reference, swiglu_limit=10.0))(*args)
