@@ -60,12 +60,12 @@ def main(argv=None):
                  help="decode policy knobs, e.g. sparse_mla=false (runtime.DecodeConfig.policy)")
   p.add_argument("--profile", action="store_true",
                  help="per-component GPU time from CUPTI kernel records (named scopes -> glm5_jax.profiling)")
-  p.add_argument("--fast-compile", action="store_true",
-                 help="XLA GPU autotuning off (--xla_gpu_autotune_level=0): the q > 1 step of the real geometry took "
-                      "> 350 s to compile with it on; kernels of the latency_specialized path are not autotuned anyway")
+  p.add_argument("--autotune", nargs="+", default=["default"], choices=["default", "off"],
+                 help="XLA GPU autotuning per compiled step (off = xla_gpu_autotune_level 0); both values compare "
+                      "them in one process. The q > 1 step of the real geometry took > 350 s to compile with it on")
+  p.add_argument("--fast-compile", action="store_true", help="same as --autotune off")
   a = p.parse_args(argv)
-  if a.fast_compile:  # read when the GPU backend starts, i.e. at the first device use below
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+  tunings = ["off"] if a.fast_compile else a.autotune
   t_start = time.time()
   policy = tuple(sorted((k, _value(v)) for k, v in (kv.split("=", 1) for kv in a.policy)))
   base = C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real()
@@ -84,61 +84,64 @@ def main(argv=None):
   print(f"# {a.geometry} ({cfg.num_hidden_layers} layers, TP{a.tp}): {nbytes / 1e9:.2f} GB of random parameters in {time.time() - t:.1f} s on "
         f"{jax.devices()[0].device_kind}; context {a.context}", flush=True)
   rows = []
-  hdr = f"{'backend':>20} {'B':>3} {'q':>2} {'compile s':>9} {'ms/step':>9} {'tok/s/seq':>9} {'roofline ms':>11} {'% roof':>7}"
+  hdr = f"{"backend":>34} {'B':>3} {'q':>2} {'compile s':>9} {'ms/step':>9} {'tok/s/seq':>9} {'roofline ms':>11} {'% roof':>7}"
   print(hdr, flush=True)
-  for q in a.q:  # q outermost: the backends' numbers for one q come together when the budget cuts the run short
-    for backend in a.backend:
-      for b in a.batch:
-        if time.time() - t_start > a.budget_s:
-          print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
-          continue
-        dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=policy),
-                      backend=backend)
-        t = time.time()
-        try:
-          dec.warmup()
-        except Exception as e:  # report and go on: one backend failing must not hide the others' numbers
-          print(f"{backend:>20} {b:>3} {q:>2} compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-          continue
-        comp = time.time() - t
-        hlo = dec._aot[b].as_text()
-        cen = profiling.census(hlo)
-        print(f"# {backend} B={b} q={q}: {cen['kernels']} kernel-level instructions {cen['by_kind']}, "
-              f"{cen['while_loops']} loops; by component {cen['by_component']}", flush=True)
-        state = random_state(dec, b, a.context)
-        try:
-          state, out = decode(state)  # first call: one-off work outside the timing
-          jax.block_until_ready(out.tokens)
-        except Exception as e:  # a device fault poisons the CUDA context: nothing after it can run
-          print(f"{backend:>20} {b:>3} {q:>2} FAILED at run time: {type(e).__name__}: {str(e)[:400]}", flush=True)
-          return rows
-        times = []
-        for _ in range(a.repeats):
-          state = random_state(dec, b, a.context) if state.len_bound + q * (a.steps + 1) > max_ctx else state
-          t = time.perf_counter()
-          for _ in range(a.steps):
-            state, out = decode(state)
-          jax.block_until_ready(out.tokens)
-          times.append((time.perf_counter() - t) / a.steps)
-        ms = 1e3 * float(np.median(times))
-        prof = _profile(dec, state, hlo, a.steps, a.context) if a.profile else None
-        state = prof.pop("state") if prof else state
-        # the roofline formula is one TP4 rank of the real model: meaningless for the tiny geometries
-        full = a.geometry == "tp4-rank" and not a.layers
-        roof = 1e3 * roofline_bytes(b, q, a.context) / HBM if full else float("nan")
-        tps = (a.accept if q > 1 else 1.0) / (ms / 1e3)
-        row = dict(geometry=a.geometry, layers=cfg.num_hidden_layers, tp=a.tp, backend=backend, policy=dict(policy), batch=b, q=q, context=a.context, compile_s=comp,
-                   ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
-                   roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
-                   census=cen, profile=prof,
-                   date=time.strftime("%Y-%m-%d"))
-        rows.append(row)
-        print(f"{backend:>20} {b:>3} {q:>2} {comp:>9.1f} {ms:>9.2f} {tps:>9.1f} {roof:>11.3f} {row['pct_roofline']:>6.1f}%",
-              flush=True)
-        if a.out:
-          with open(a.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        del state, out, dec
+  configs = [(q, backend, tune, b) for q in a.q for backend in a.backend for tune in tunings for b in a.batch]
+  # q outermost: the backends' numbers for one q come together when the budget cuts the run short
+  for q, backend, tune, b in configs:
+    opts = {"xla_gpu_autotune_level": 0} if tune == "off" else {}
+    if time.time() - t_start > a.budget_s:
+      print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
+      continue
+    dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=policy),
+                  backend=backend, compiler_options=opts)
+    t = time.time()
+    try:
+      dec.warmup()
+    except Exception as e:  # report and go on: one backend failing must not hide the others' numbers
+      print(f"{backend:>20} {b:>3} {q:>2} compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    comp = time.time() - t
+    hlo = dec._aot[b].as_text()
+    cen = profiling.census(hlo)
+    print(f"# {backend} B={b} q={q}: {cen['kernels']} kernel-level instructions {cen['by_kind']}, "
+          f"{cen['while_loops']} loops; by component {cen['by_component']}", flush=True)
+    state = random_state(dec, b, a.context)
+    try:
+      state, out = decode(state)  # first call: one-off work outside the timing
+      jax.block_until_ready(out.tokens)
+    except Exception as e:  # a device fault poisons the CUDA context: nothing after it can run
+      print(f"{backend:>20} {b:>3} {q:>2} FAILED at run time: {type(e).__name__}: {str(e)[:400]}", flush=True)
+      return rows
+    times = []
+    for _ in range(a.repeats):
+      state = random_state(dec, b, a.context) if state.len_bound + q * (a.steps + 1) > max_ctx else state
+      t = time.perf_counter()
+      for _ in range(a.steps):
+        state, out = decode(state)
+      jax.block_until_ready(out.tokens)
+      times.append((time.perf_counter() - t) / a.steps)
+    ms = 1e3 * float(np.median(times))
+    prof = _profile(dec, state, hlo, a.steps, a.context) if a.profile else None
+    state = prof.pop("state") if prof else state
+    # the roofline formula is one TP4 rank of the real model: meaningless for the tiny geometries
+    full = a.geometry == "tp4-rank" and not a.layers
+    roof = 1e3 * roofline_bytes(b, q, a.context) / HBM if full else float("nan")
+    tps = (a.accept if q > 1 else 1.0) / (ms / 1e3)
+    row = dict(geometry=a.geometry, layers=cfg.num_hidden_layers, tp=a.tp, backend=backend, policy=dict(policy),
+               compiler_options=opts, batch=b, q=q, context=a.context, compile_s=comp,
+               ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
+               roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
+               census=cen, profile=prof,
+               date=time.strftime("%Y-%m-%d"))
+    rows.append(row)
+    label = backend + (" (no autotune)" if opts else "")
+    print(f"{label:>34} {b:>3} {q:>2} {comp:>9.1f} {ms:>9.2f} {tps:>9.1f} {roof:>11.3f} {row['pct_roofline']:>6.1f}%",
+          flush=True)
+    if a.out:
+      with open(a.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    del state, out, dec
   return rows
 
 

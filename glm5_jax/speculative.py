@@ -149,7 +149,7 @@ class Decoder:
   temperature 0 = greedy; otherwise sampled acceptance with optional top_p."""
 
   def __init__(self, model: Model, config: DecodeConfig, *, backend: str = "auto", temperature: float = 0.0,
-               top_p: float = 1.0, prefill_chunk: int = 256):
+               top_p: float = 1.0, prefill_chunk: int = 256, compiler_options: dict | None = None):
     if backend not in ("auto", "latency_specialized"):
       raise ValueError(f"backend={backend!r}: expected 'auto' or 'latency_specialized'")
     if config.q > 1 and not model.mtp:
@@ -164,6 +164,9 @@ class Decoder:
       raise ValueError(f"max_context={config.max_context} must be a multiple of index_kpool={model.cfg.index_kpool}")
     self.model, self.config, self.backend = model, config, backend
     self.temperature, self.top_p = float(temperature), float(top_p)
+    # XLA options for the step's AOT compilation, e.g. {"xla_gpu_autotune_level": 0} (benchmarks/bench_decode.py
+    # --fast-compile); with options set, the first step of a capture size compiles ahead of time too
+    self.compiler_options = dict(compiler_options or {})
     self._aot: dict[int, Any] = {}  # capture size -> compiled step (warmup)
     self.prefill_chunk = int(prefill_chunk)  # prompts run in chunks of at most this many tokens (one compile each)
 
@@ -294,7 +297,7 @@ class Decoder:
     for b in capture_sizes or self.config.capture_sizes:
       if b not in self._aot:
         with self.kernel_mode():  # Mosaic lowering happens in lower(): keep interpret mode / kernels active
-          self._aot[b] = self.trace_step(b).lower().compile()
+          self._aot[b] = self.trace_step(b).lower().compile(self.compiler_options or None)
 
   def step(self, state: DecodeState, tokens=None):
     """One speculative step. ``tokens`` [B, q] int32 (default: the state's next_tokens). Validated before any
@@ -317,6 +320,8 @@ class Decoder:
                          f"max_context={cfg.max_context}; nothing was written")
       state = dataclasses.replace(state, len_bound=worst)
     tokens = jax.device_put(tokens, NamedSharding(self.model.mesh, REP))
+    if self.compiler_options and state.batch not in self._aot:
+      self.warmup((state.batch,))
     fn = self._aot.get(state.batch) or self.step_fn(state.batch)
     with self.kernel_mode():
       caches, lengths, n_acc, keys, out = fn(self.model.params, state.caches, state.lengths, state.n_acc,
