@@ -94,8 +94,12 @@ def _sanitize(name: str) -> str:
 
 
 def kernel_map(hlo_text: str) -> dict[str, str]:
-  """GPU kernel name -> component: XLA names a fusion's kernel after the instruction (``.``/``-`` -> ``_``)."""
-  return {_sanitize(n): component(opn) for n, _, opn in kernel_instructions(hlo_text)}
+  """GPU kernel name -> component: XLA names a fusion's kernel after the instruction (``.``/``-`` -> ``_``).
+  Instructions inside fused computations are the fallback: some emitters (sorts on the GPU) name their kernels
+  after the inner instruction."""
+  kmap = {_sanitize(name): component(opn) for _, _, name, _, opn, _ in _instructions(hlo_text) if opn}
+  kmap.update({_sanitize(n): component(opn) for n, _, opn in kernel_instructions(hlo_text)})
+  return kmap
 
 
 def classify_kernel(kernel: str, kmap: dict[str, str]) -> str | None:

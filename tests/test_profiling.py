@@ -67,6 +67,7 @@ def test_census_counts_kernel_level_instructions_once():
 def test_split_attributes_kernel_records():
   kmap = P.kernel_map(HLO)
   assert kmap["loop_neg_fusion_2"] == "draft" and kmap["custom_call_7"] == "kda"
+  assert kmap["neg"] == "mhc"  # an instruction inside a fused computation names its kernel on some emitters
   recs = [("loop_neg_fusion", 0.002), ("loop_neg_fusion_2", 0.004), ("sort_5_1", 0.010),  # a suffixed launch
           ("ncclDevKernel_AllReduce_Sum_bf16", 0.020), ("mystery_kernel", 0.001)] * 2
   per, launches, unmatched = P.split(recs, kmap, steps=2)
