@@ -15,7 +15,7 @@ NB = os.path.join(REPO, "notebooks")
 
 
 @pytest.mark.parametrize("name", ["01_speculative_step", "02_kernel_numerics", "03_acceptance_and_step_time",
-                                  "04_real_checkpoint"])
+                                  "04_real_checkpoint", "05_where_the_time_goes"])
 def test_notebook_executes(name, monkeypatch):
   monkeypatch.setenv("PYTHONPATH", REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   monkeypatch.setenv("MPLBACKEND", "Agg")
@@ -30,7 +30,7 @@ def test_notebook_executes(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["01_speculative_step", "02_kernel_numerics", "03_acceptance_and_step_time",
-                                  "04_real_checkpoint"])
+                                  "04_real_checkpoint", "05_where_the_time_goes"])
 def test_ipynb_in_sync(name):
   src = jupytext.read(os.path.join(NB, name + ".py"))
   ipynb = jupytext.read(os.path.join(NB, name + ".ipynb"))

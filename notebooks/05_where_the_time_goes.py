@@ -1,0 +1,76 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Where a decode step's time goes
+#
+# The model labels its parts with `jax.named_scope` (embed, mhc, kda, dsa, indexer, router, moe, mlp, lm_head,
+# draft). XLA keeps those scopes in the compiled program, so `glm5_jax.profiling` can (1) count the kernels a
+# compiled step launches, per component, and (2) attribute measured GPU kernel times to components
+# (`benchmarks/bench_decode.py --profile` records them with CUPTI on a GPU).
+#
+# Here: the census of the tiny model's step for both backends on this machine, and the measured split of the
+# real geometry's stock step on an H200 (`benchmarks/results/decode_h200.jsonl`).
+
+# %%
+import json
+import os
+
+import matplotlib.pyplot as plt
+
+import glm5_jax
+from checkpoints.make_tiny import builtin_checkpoint
+from glm5_jax import profiling
+from glm5_jax.runtime import DecodeConfig
+from glm5_jax.speculative import Decoder
+
+model = glm5_jax.load_model(builtin_checkpoint("kernel-tiny"), dtype="float32")
+census = {}
+for backend in ("auto", "latency_specialized"):
+  dec = Decoder(model, DecodeConfig(max_context=256, q=2, capture_sizes=(1,), policy=()), backend=backend)
+  census[backend] = profiling.census(dec.trace_step(1).lower().compile().as_text())
+  print(backend, census[backend]["kernels"], "kernel-level instructions:", census[backend]["by_kind"])
+
+# %% [markdown]
+# On a CPU the Pallas kernels run in the GPU interpreter (each one becomes many host callbacks), so the
+# latency_specialized census here is not the GPU's. The stock step's census by component:
+
+# %%
+comps = [c for c in profiling.COMPONENTS if census["auto"]["by_component"].get(c)]
+plt.figure(figsize=(8, 3))
+plt.bar(comps, [census["auto"]["by_component"][c] for c in comps])
+plt.ylabel("kernel-level instructions")
+plt.title("kernel-tiny stock step (q = 2), compiled on this machine")
+plt.xticks(rotation=30)
+plt.tight_layout()
+
+# %% [markdown]
+# ## The real geometry on an H200
+#
+# One TP4 rank's share of GLM-5.3-Flash (45 layers + MTP, 82 GB of random weights, 32K context), stock path,
+# B = 1, q = 1. Bars: GPU time per component; the step itself takes longer (gaps between ~2,500 small kernels).
+
+# %%
+path = os.path.join("..", "benchmarks", "results", "decode_h200.jsonl")
+rows = [json.loads(line) for line in open(path) if line.strip()]
+rows = [r for r in rows if r.get("profile")]
+for r in rows:
+  us = r["profile"]["us_per_step"]
+  print(f"{r['backend']} B={r['batch']} q={r['q']}: {r['ms_per_step']:.2f} ms/step, GPU busy "
+        f"{r['profile']['gpu_busy_ms']:.2f} ms in {r['profile']['launches_per_step']:.0f} launches")
+  order = sorted(us, key=lambda c: -us[c])
+  plt.figure(figsize=(8, 3))
+  plt.barh(order[::-1], [us[c] / 1e3 for c in order[::-1]])
+  plt.axvline(r["roofline_ms"], color="r", ls="--", label=f"whole-step HBM roofline {r['roofline_ms']:.2f} ms")
+  plt.xlabel("GPU ms per step")
+  plt.legend()
+  plt.tight_layout()
