@@ -56,8 +56,8 @@ def main(argv=None):
   p.add_argument("--accept", type=float, default=2.75, help="tokens per verify step assumed for tokens/s (q > 1)")
   p.add_argument("--out", default=None, help="append JSON lines of results here")
   p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new configurations after this long")
-  p.add_argument("--policy", nargs="*", default=[], metavar="KEY=VALUE",
-                 help="decode policy knobs, e.g. sparse_mla=false (runtime.DecodeConfig.policy)")
+  p.add_argument("--policy", default="{}", help="decode policy knobs as JSON (as in glm5-jax check-deployment), "
+                 "e.g. '{\"sparse_mla\": false}'")
   p.add_argument("--profile", action="store_true",
                  help="per-component GPU time from CUPTI kernel records (named scopes -> glm5_jax.profiling)")
   p.add_argument("--autotune", nargs="+", default=["default"], choices=["default", "off"],
@@ -67,7 +67,7 @@ def main(argv=None):
   a = p.parse_args(argv)
   tunings = ["off"] if a.fast_compile else a.autotune
   t_start = time.time()
-  policy = tuple(sorted((k, _value(v)) for k, v in (kv.split("=", 1) for kv in a.policy)))
+  policy = tuple(sorted(json.loads(a.policy).items()))
   base = C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real()
   if a.geometry == "tp4-rank":
     cfg = tp_rank_config(base, 4)
@@ -81,15 +81,17 @@ def main(argv=None):
   model = random_model(cfg, dtype=jnp.bfloat16, fp8=cfg.fp8_block is not None, mesh=make_mesh(a.tp))
   jax.block_until_ready(jax.tree.leaves(model.params))
   nbytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
-  print(f"# {a.geometry} ({cfg.num_hidden_layers} layers, TP{a.tp}): {nbytes / 1e9:.2f} GB of random parameters in {time.time() - t:.1f} s on "
+  print(f"# {a.geometry} ({cfg.num_hidden_layers} layers, TP{a.tp}): {nbytes / 1e9:.2f} GB of random parameters in "
+        f"{time.time() - t:.1f} s on "
         f"{jax.devices()[0].device_kind}; context {a.context}", flush=True)
   rows = []
-  hdr = f"{"backend":>34} {'B':>3} {'q':>2} {'compile s':>9} {'ms/step':>9} {'tok/s/seq':>9} {'roofline ms':>11} {'% roof':>7}"
+  hdr = f"{'backend':>34} {'B':>3} {'q':>2} {'compile s':>9} {'ms/step':>9} {'tok/s/seq':>9} {'roofline ms':>11} {'% roof':>7}"
   print(hdr, flush=True)
   configs = [(q, backend, tune, b) for q in a.q for backend in a.backend for tune in tunings for b in a.batch]
   # q outermost: the backends' numbers for one q come together when the budget cuts the run short
   for q, backend, tune, b in configs:
     opts = {"xla_gpu_autotune_level": 0} if tune == "off" else {}
+    label = backend + (" (no autotune)" if opts else "")
     if time.time() - t_start > a.budget_s:
       print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
       continue
@@ -99,7 +101,7 @@ def main(argv=None):
     try:
       dec.warmup()
     except Exception as e:  # report and go on: one backend failing must not hide the others' numbers
-      print(f"{backend:>20} {b:>3} {q:>2} compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      print(f"{label:>34} {b:>3} {q:>2} compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
     comp = time.time() - t
     hlo = dec._aot[b].as_text()
@@ -111,7 +113,7 @@ def main(argv=None):
       state, out = decode(state)  # first call: one-off work outside the timing
       jax.block_until_ready(out.tokens)
     except Exception as e:  # a device fault poisons the CUDA context: nothing after it can run
-      print(f"{backend:>20} {b:>3} {q:>2} FAILED at run time: {type(e).__name__}: {str(e)[:400]}", flush=True)
+      print(f"{label:>34} {b:>3} {q:>2} FAILED at run time: {type(e).__name__}: {str(e)[:400]}", flush=True)
       return rows
     times = []
     for _ in range(a.repeats):
@@ -135,7 +137,6 @@ def main(argv=None):
                census=cen, profile=prof,
                date=time.strftime("%Y-%m-%d"))
     rows.append(row)
-    label = backend + (" (no autotune)" if opts else "")
     print(f"{label:>34} {b:>3} {q:>2} {comp:>9.1f} {ms:>9.2f} {tps:>9.1f} {roof:>11.3f} {row['pct_roofline']:>6.1f}%",
           flush=True)
     if a.out:
@@ -143,16 +144,6 @@ def main(argv=None):
         f.write(json.dumps(row) + "\n")
     del state, out, dec
   return rows
-
-
-def _value(v: str):
-  low = v.lower()
-  if low in ("true", "false"):
-    return low == "true"
-  try:
-    return int(v)
-  except ValueError:
-    return v
 
 
 def _profile(dec, state, hlo, steps, context):

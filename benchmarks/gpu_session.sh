@@ -70,11 +70,11 @@ case "$MODE" in
       | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee "$OUT/gpu_tests.log"
     ALL="kda fp8_linear fp8_moe indexer sparse_mla"
     for k in none $ALL; do
-      pol=$(for o in $ALL; do [ "$o" = "$k" ] && echo "$o=true" || echo "$o=false"; done)
+      pol="{$(for o in $ALL; do [ "$o" = "$k" ] && echo "\"$o\": true" || echo "\"$o\": false"; done | paste -sd,)}"
       [ "$(left)" -gt 100 ] || break
       echo "== kernels: $k" | tee -a "$OUT/bench_bisect.log"
       timeout $(( $(left) > 150 ? 150 : $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
-        --layers 8 --batch 1 --q 1 --backend latency_specialized --policy $pol --context 32768 --steps 5 \
+        --layers 8 --batch 1 --q 1 --backend latency_specialized --policy "$pol" --context 32768 --steps 5 \
         --repeats 1 --fast-compile 2>&1 | grep -E "latency_specialized|FAILED|Error" | tee -a "$OUT/bench_bisect.log"
       echo "   rc ${PIPESTATUS[0]}" | tee -a "$OUT/bench_bisect.log"
     done

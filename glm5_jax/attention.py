@@ -29,16 +29,16 @@ from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, Linear, 
 
 @dataclasses.dataclass(frozen=True)
 class StepCtx:
-  """Where this call's tokens sit. Arrays are [B] int32; mode/backend are static."""
+  """Where this call's tokens sit. Arrays are [B] int32; mode is static (which kernels run is decided by the
+  trace's kernel policy: glm5_jax.layers.use_kernels)."""
 
   start: jax.Array  # position of the first new token (= committed length)
   valid: jax.Array  # number of real tokens among the T of this call
   n_acc: jax.Array  # positions of the previous verify committed (1 after a prefill)
   mode: str = "extend"
-  backend: str = "auto"
 
 
-jax.tree_util.register_dataclass(StepCtx, data_fields=["start", "valid", "n_acc"], meta_fields=["mode", "backend"])
+jax.tree_util.register_dataclass(StepCtx, data_fields=["start", "valid", "n_acc"], meta_fields=["mode"])
 
 
 def _positions(ctx: StepCtx, T):

@@ -38,14 +38,17 @@ _KERNELS: contextvars.ContextVar = contextvars.ContextVar("glm5_jax_kernels", de
 MAX_KERNEL_ROWS = 64  # the weight-streaming kernels take at most 64 token rows (decode); prefill stays in XLA
 
 
+# The kernel switches of a latency_specialized trace and their defaults (bf16_linear off: measured no faster than
+# XLA at M ≤ 8, BENCHMARKS.md).
+KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "bf16_linear": False, "sparse_mla": True,
+                   "indexer": True}
+
+
 @contextlib.contextmanager
 def use_kernels(policy: dict | None):
-  """Trace the enclosed code with the Pallas kernels. policy: {"kda": bool (default True), "fp8_linear": bool
-  (True), "fp8_moe": bool (True), "bf16_linear": bool (False: measured no faster than XLA at M ≤ 8,
-  BENCHMARKS.md), "sparse_mla": bool (True), "indexer": bool (True)}."""
-  tok = _KERNELS.set(None if policy is None else {"kda": True, "fp8_linear": True, "fp8_moe": True,
-                                                  "bf16_linear": False, "sparse_mla": True, "indexer": True,
-                                                  **policy})
+  """Trace the enclosed code with the Pallas kernels switched by ``policy`` over KERNEL_DEFAULTS (other keys of
+  the policy are ignored here); None: no kernels (the stock path)."""
+  tok = _KERNELS.set(None if policy is None else {**KERNEL_DEFAULTS, **policy})
   try:
     yield
   finally:

@@ -24,7 +24,7 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
          "conditional", "domain"}
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
-_COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_COMP_HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OPCODE = re.compile(r"(?:^|[\s\]}\)])([a-z][a-z0-9\-]*)\(")
 _OPNAME = re.compile(r'op_name="([^"]*)"')
@@ -43,12 +43,12 @@ def component(op_name: str) -> str:
 
 
 def _instructions(hlo_text: str):
-  """Yields (computation, is_entry, name, opcode, op_name) for every instruction of an HLO module's text."""
-  comp, entry = None, False
+  """Yields (computation, name, opcode, op_name, rest of the line) for every instruction of an HLO module."""
+  comp = None
   for line in hlo_text.splitlines():
     h = _COMP_HEAD.match(line)
     if h:
-      comp, entry = h.group(2), bool(h.group(1))
+      comp = h.group(1)
       continue
     m = _INSTR.match(line)
     if not m or comp is None:
@@ -56,20 +56,20 @@ def _instructions(hlo_text: str):
     name, rest = m.groups()
     op = _OPCODE.search(rest)
     opn = _OPNAME.search(rest)
-    yield comp, entry, name, op.group(1) if op else "?", opn.group(1) if opn else "", rest
+    yield comp, name, op.group(1) if op else "?", opn.group(1) if opn else "", rest
 
 
 def kernel_instructions(hlo_text: str) -> list[tuple[str, str, str]]:
   """(name, opcode, op_name) of the instructions that run as kernels: those of computations that are not fused
-  bodies, reducers or sort comparators (i.e. the entry computation and loop bodies / branches)."""
+  bodies, reducers or sort comparators (i.e. the entry computation, loop bodies / branches, called computations).
+  Loops name their computations with condition= / body= and branches with branch_computations=, which _CALLED
+  does not match; a `call` runs its computation's instructions as kernels."""
   rows, inner = [], set()
-  for _, _, _, op, _, rest in _instructions(hlo_text):
-    if op in ("fusion", "reduce", "sort", "scatter", "reduce-window", "select-and-scatter", "map", "custom-call",
-              "all-reduce", "all-reduce-start", "reduce-scatter") or "to_apply=" in rest or "calls=" in rest:
+  for _, _, op, _, rest in _instructions(hlo_text):
+    if op != "call":
       for m in _CALLED.finditer(rest):
-        if op not in ("while", "conditional", "call") or m.group(0).startswith("to_apply"):
-          inner.update(x.strip().lstrip("%") for x in m.group(1).split(","))
-  for comp, _, name, op, opn, _ in _instructions(hlo_text):
+        inner.update(x.strip().lstrip("%") for x in m.group(1).split(","))
+  for comp, name, op, opn, _ in _instructions(hlo_text):
     if comp in inner or op in _FREE:
       continue
     rows.append((name, op, opn))
@@ -85,7 +85,7 @@ def census(hlo_text: str) -> dict:
             op if op in ("fusion", "custom-call", "sort") else "other")
     kinds[kind] += 1
     comps[component(opn)] += 1
-  loops = sum(1 for _, _, _, op, _, _ in _instructions(hlo_text) if op == "while")
+  loops = sum(1 for _, _, op, _, _ in _instructions(hlo_text) if op == "while")
   return {"kernels": len(rows), "by_kind": dict(kinds), "by_component": dict(comps), "while_loops": loops}
 
 
@@ -97,7 +97,7 @@ def kernel_map(hlo_text: str) -> dict[str, str]:
   """GPU kernel name -> component: XLA names a fusion's kernel after the instruction (``.``/``-`` -> ``_``).
   Instructions inside fused computations are the fallback: some emitters (sorts on the GPU) name their kernels
   after the inner instruction."""
-  kmap = {_sanitize(name): component(opn) for _, _, name, _, opn, _ in _instructions(hlo_text) if opn}
+  kmap = {_sanitize(name): component(opn) for _, name, _, opn, _ in _instructions(hlo_text) if opn}
   kmap.update({_sanitize(n): component(opn) for n, _, opn in kernel_instructions(hlo_text)})
   return kmap
 

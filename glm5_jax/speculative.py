@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from glm5_jax import state as st
 from glm5_jax.api import Model, _check_tokens, compiled
 from glm5_jax.attention import StepCtx
+from glm5_jax.layers import KERNEL_DEFAULTS
 from glm5_jax.runtime import DecodeConfig
 
 REP = P()
@@ -138,8 +139,9 @@ def _first_drafts(m, h, next_ids, start, idx_last, mtp_cache, q, k, valid):
 
 
 # ---------------------------------------------------------------------------------------------------- decoder
-# DecodeConfig.policy keys the decoder reads: the kernel switches (glm5_jax.layers.use_kernels) and the cache dtype
-POLICY_KEYS = frozenset({"kda", "fp8_linear", "fp8_moe", "bf16_linear", "sparse_mla", "indexer", "kv_cache_dtype"})
+# DecodeConfig.policy keys: the kernel switches (glm5_jax.layers.KERNEL_DEFAULTS), the cache dtype, and
+# "interpret" (runtime.unsupported accepts a CPU platform with it; kernels then run in Mosaic GPU interpret mode)
+POLICY_KEYS = frozenset(KERNEL_DEFAULTS) | {"kv_cache_dtype", "interpret"}
 
 
 class Decoder:
@@ -188,12 +190,12 @@ class Decoder:
     model, cfg = self.model, self.config
     q, k = cfg.q, cfg.q - 1
     greedy = self.temperature == 0.0
-    temperature, top_p, backend = self.temperature, self.top_p, self.backend
+    temperature, top_p = self.temperature, self.top_p
     cspecs = st.cache_specs(self.layout(batch))
 
     def fn(m, caches, lengths, n_acc, keys, active, tokens):
       B = tokens.shape[0]
-      ctx = StepCtx(lengths, jnp.full_like(lengths, q), n_acc, mode="verify", backend=backend)
+      ctx = StepCtx(lengths, jnp.full_like(lengths, q), n_acc, mode="verify")
       h, layers, _ = m.trunk(tokens, caches["layers"], ctx)
       drafts = tokens[:, 1:]  # [B, k]
       i = jnp.arange(q, dtype=jnp.int32)[None]

@@ -52,7 +52,7 @@ GROUP = 128  # values per fp32 scale
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FLOOR = 1e-4  # amax floor: an all-zero group gets scale 1e-4 / 448 instead of 0 (no 0/0)
 BLOCK = 64  # positions per online-softmax block (= wgmma M)
-SC_COLS = 32  # f32 per row of the scale buffer in shared memory: 128 bytes, the TMA destination alignment
+SC_COLS = 32  # f32 per row of the scale buffer in shared memory: 128-byte rows (4 scales used)
 HEADS_PER_CTA = 16  # wgmma N; O^T [512, 16] f32 = 64 registers per thread
 NUM_SMS = 132  # H200
 _NEG = -1e30  # finite "minus infinity": a fully masked block must not produce inf - inf = NaN

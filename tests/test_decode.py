@@ -230,6 +230,9 @@ def test_unknown_policy_key_is_refused(model):
   with pytest.raises(ValueError, match=r"unknown policy key\(s\) \['sparse_mal'\]: expected some of \['bf16_linear'"):
     Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=(("sparse_mal", False),)),
             backend="latency_specialized")
+  # every key the deployment checks and the kernel switches read is accepted
+  ok = (("interpret", True), ("kda", False), ("kv_cache_dtype", "fp8"), ("sparse_mla", False))
+  Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=ok), backend="latency_specialized")
 
 
 def test_decode_rejects_bad_tokens_and_keeps_state(model):

@@ -30,6 +30,11 @@ HLO = """HloModule m
   ROOT %r = (s32[], f32[4]{0}) tuple(%i, %loop_neg_fusion.2)
 }
 
+%callee (c: f32[4]) -> f32[4] {
+  %c = f32[4]{0} parameter(0)
+  ROOT %called_fusion = f32[4]{0} fusion(%c), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(step)/shard_map/lm_head/neg"}
+}
+
 ENTRY %main (a: f32[4], b: f32[8,288]) -> f32[4] {
   %a = f32[4]{0} parameter(0)
   %b = f32[8,288]{1,0} parameter(1)
@@ -37,6 +42,7 @@ ENTRY %main (a: f32[4], b: f32[8,288]) -> f32[4] {
   %all-reduce.3 = f32[4]{0} all-reduce(%loop_neg_fusion), to_apply=%add, metadata={op_name="jit(step)/shard_map/moe/psum"}
   %custom-call.7 = f32[4]{0} custom-call(%all-reduce.3), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/shard_map/kda/kda_decode"}
   %sort.5 = f32[8,288]{1,0} sort(%b), dimensions={1}, to_apply=%add, metadata={op_name="jit(step)/shard_map/moe/router/top_k"}
+  %cl = f32[4]{0} call(%a), to_apply=%callee
   %c = s32[] constant(0)
   %t0 = (s32[], f32[4]{0}) tuple(%c, %custom-call.7)
   %w = (s32[], f32[4]{0}) while(%t0), condition=%add, body=%body
@@ -56,11 +62,12 @@ def test_component_of_scope_paths():
 
 def test_census_counts_kernel_level_instructions_once():
   c = P.census(HLO)
-  # entry: fusion, all-reduce, custom-call, sort (the while itself launches nothing); loop body: one fusion.
-  # Fused bodies and reducers are not kernels; parameters / tuples / constants are free.
-  assert c["kernels"] == 5
-  assert c["by_kind"] == {"fusion": 2, "collective": 1, "custom-call": 1, "sort": 1}
-  assert c["by_component"] == {"mhc": 1, "moe": 1, "kda": 1, "router": 1, "draft": 1}
+  # entry: fusion, all-reduce, custom-call, sort (the while and the call launch nothing themselves); loop body and
+  # called computation: one fusion each. Fused bodies and reducers are not kernels; parameters / tuples /
+  # constants are free.
+  assert c["kernels"] == 6
+  assert c["by_kind"] == {"fusion": 3, "collective": 1, "custom-call": 1, "sort": 1}
+  assert c["by_component"] == {"mhc": 1, "moe": 1, "kda": 1, "router": 1, "draft": 1, "lm_head": 1}
   assert c["while_loops"] == 1
 
 
