@@ -14,6 +14,7 @@ bytes one TP4 rank must read per step at 4.3 TB/s (1.42 ms at B = 1, q = 1).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -165,11 +166,18 @@ def _profile(dec, state, hlo, steps, context):
   print(f"#   GPU busy {total / 1e3:.3f} ms/step in {launches:.0f} kernel launches/step; by component (µs/step):",
         flush=True)
   print("#   " + "  ".join(f"{c} {per[c]:.0f}" for c in profiling.COMPONENTS if per.get(c)), flush=True)
+  by_name = collections.defaultdict(lambda: [0.0, 0])
+  for name, ms in recs:
+    by_name[name][0] += ms * 1e3 / steps
+    by_name[name][1] += 1
+  heavy = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]
+  print("#   heaviest kernels (µs/step, launches/step): " + ", ".join(
+      f"{k[:48]} {v[0]:.0f} ({v[1] / steps:.0f})" for k, v in heavy), flush=True)
   top = sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
   if top:
     print("#   unmatched kernels: " + ", ".join(f"{k[:60]} {v:.0f}" for k, v in top), flush=True)
   return dict(state=state, us_per_step=per, launches_per_step=launches, gpu_busy_ms=total / 1e3,
-              unmatched_top=dict(top))
+              unmatched_top=dict(top), heaviest={k: v[0] for k, v in heavy})
 
 
 if __name__ == "__main__":

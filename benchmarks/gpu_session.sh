@@ -6,6 +6,8 @@
 #                             real-geometry decode benchmark on GPU 1, concurrently)
 #   tp2     (nvidia-h200-x2): TP2 == TP1 GPU tests, all-reduce benchmark, then the TP2 decode benchmark (12 real
 #                             layers) with profile
+#   layers8 (nvidia-h200-x2): 8 layers of one TP4 rank, auto vs latency_specialized with profile; sparse-MLA and
+#                             end-to-end kernel GPU tests on the other GPU
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -66,21 +68,58 @@ case "$MODE" in
       --budget-s $(( $(left) - 200 )) --out "$OUT/decode_tp2.jsonl" 2>&1 | grep -v -i warn | tee "$OUT/bench_decode_tp2.log"
     ;;
   bisect)  # which kernel family breaks the real-geometry step: each alone on 8 layers of one TP4 rank, q = 1
-    timeout 120 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_sparse_mla.py 2>&1 \
-      | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee "$OUT/gpu_tests.log"
+    # on nvidia-h200-x2 the families split over the two GPUs (GPU 0 also runs the kernels' GPU tests first)
+    ngpu=$(nvidia-smi -L | wc -l)
+    bisect_one() {  # $1 = GPU, $2.. = kernel families, each alone
+      local g=$1; shift
+      for k in "$@"; do
+        pol="{$(for o in $ALL; do [ "$o" = "$k" ] && echo "\"$o\": true" || echo "\"$o\": false"; done | paste -sd,)}"
+        [ "$(left)" -gt 100 ] || break
+        CUDA_VISIBLE_DEVICES=$g timeout $(( $(left) > 170 ? 150 : $(left) - 20 )) python3 benchmarks/bench_decode.py \
+          --geometry tp4-rank --layers 8 --batch 1 --q 1 --backend latency_specialized --policy "$pol" \
+          --context 32768 --steps 5 --repeats 1 --fast-compile > /tmp/bisect_$k.log 2>&1
+        rc=$?
+        echo "== kernels: $k (rc $rc, GPU $g) $(grep -E "latency_specialized|FAILED|Error|fault" /tmp/bisect_$k.log | head -5)" \
+          | tee -a "$OUT/bench_bisect_$g.log"
+      done
+    }
     ALL="kda fp8_linear fp8_moe indexer sparse_mla"
-    for k in none $ALL; do
-      pol="{$(for o in $ALL; do [ "$o" = "$k" ] && echo "\"$o\": true" || echo "\"$o\": false"; done | paste -sd,)}"
-      [ "$(left)" -gt 100 ] || break
-      echo "== kernels: $k" | tee -a "$OUT/bench_bisect.log"
-      timeout $(( $(left) > 150 ? 150 : $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
-        --layers 8 --batch 1 --q 1 --backend latency_specialized --policy "$pol" --context 32768 --steps 5 \
-        --repeats 1 --fast-compile 2>&1 | grep -E "latency_specialized|FAILED|Error" | tee -a "$OUT/bench_bisect.log"
-      echo "   rc ${PIPESTATUS[0]}" | tee -a "$OUT/bench_bisect.log"
-    done
+    gpu_tests() {  # $1 = GPU
+      for f in test_sparse_mla test_linear_kernels test_indexer; do
+        CUDA_VISIBLE_DEVICES=$1 timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/$f.py 2>&1 \
+          | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -40 >> "$OUT/gpu_tests.log"
+      done
+    }
+    if [ "$ngpu" -ge 2 ]; then
+      ( gpu_tests 0; bisect_one 0 kda fp8_linear ) &
+      bisect_one 1 none sparse_mla indexer fp8_moe &
+      wait
+    else
+      gpu_tests 0; bisect_one 0 none sparse_mla kda fp8_linear fp8_moe indexer
+    fi
     # the end-to-end kernel tests (~4.5 min natively, mostly compilation) if the time is there
     [ "$(left)" -gt 300 ] && timeout $(( $(left) - 20 )) python3 -m pytest -v -m e2e_kernels -p no:cacheprovider \
       tests/test_decode.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee -a "$OUT/gpu_tests.log"
+    ;;
+  layers8)  # (nvidia-h200-x2) GPU 0: auto vs latency_specialized on 8 layers of one TP4 rank with the profile, one
+    # kernel family alone, command buffers off; GPU 1: the sparse MLA GPU tests, then the end-to-end kernel tests
+    b8() { CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/bench_decode.py --geometry tp4-rank --layers 8 \
+      --batch 1 --q 1 --context 32768 --steps 10 --repeats 3 --fast-compile --profile "$@" 2>&1 \
+      | grep -v -i warn | grep -v "^#.*GB of random" >> "$OUT/bench_layers8.log"; }
+    (
+      b8 --backend auto latency_specialized
+      echo "## fp8_linear alone" >> "$OUT/bench_layers8.log"
+      b8 --backend latency_specialized --policy '{"kda": false, "fp8_moe": false, "sparse_mla": false, "indexer": false}'
+      echo "## command buffers off" >> "$OUT/bench_layers8.log"
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" b8 --backend auto latency_specialized
+    ) &
+    (
+      CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_sparse_mla.py 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 >> "$OUT/gpu_tests.log"
+      CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 20 )) python3 -m pytest -v -m e2e_kernels -p no:cacheprovider \
+        tests/test_decode.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 >> "$OUT/gpu_tests.log"
+    ) &
+    wait
     ;;
   *) echo "unknown mode $MODE (single | pair | tp2 | bisect)"; exit 2 ;;
 esac

@@ -23,7 +23,7 @@ Kernel design (one CTA = one (query token, head group of 16, slice of the index 
 * the block is dequantised in registers with integer ops (each e4m3 byte b -> the f16 with bits
   (b & 0x80) << 8 | (b & 0x7F) << 7, which is exactly 2^-8 times the e4m3 value, subnormals included; (x) the
   per-row-per-128 scale x 256 in f32 -> f16) into a swizzled f16 tile whose columns are the latent dimensions in
-  byte-major order within each group of 128 (column 128g + 32k + i holds dimension 128g + 4i + k); the query
+  byte-major order (column 128k + w holds dimension 4w + k, byte k of word w); the query
   columns are permuted the same way and the output rows back, outside the kernel;
 * "transposed" orientation: keys are the wgmma M dimension (64) and the 16 heads of the token the N dimension,
   S^T [64, 16] = C [64, 512] @ Q^T, O^T [512, 16] += C^T [512, 64] @ P^T [64, 16]. Query tokens of one sequence
@@ -123,33 +123,37 @@ def _pick_blocks_per_split(n_blocks: int, n_rows: int) -> int:
 
 def _dequant_block(c32_s, sc_s, c16_s):
   """One block of 64 gathered rows: packed e4m3 [64, 128] int32 + scales [64, SC_COLS] f32 -> c16_s [64, 512] f16
-  in the kernel's column order (column 128g + 32k + i = latent dimension 128g + 4i + k).
+  in the kernel's column order (column 128k + w = latent dimension 4w + k: byte k of word w).
 
-  The gathered buffers are written row by row, so they stay untiled (hence optimized=False loads), and they are
-  read as 32-bit words: loading e4m3 itself into registers in the WGMMA layout from the untiled buffer gave
-  wrong values on the H200 (while 32-bit loads of the same kind are right). Each byte b becomes the f16 with bits
-  (b & 0x80) << 8 | (b & 0x7F) << 7 = 2^-8 · e4m3(b) exactly (e4m3 subnormals land on f16 subnormals), so the
-  scale is applied as scale · 256 in f32. The scales of group g as a per-row vector come from a masked row sum
-  of the scale tile (columns 4.. are never written; `where` drops them), which needs no value transpose."""
+  The gathered buffers are written row by row, so they stay untiled (hence optimized=False loads). Measured on
+  the H200 (jax 0.11.2): such loads are right for whole rows but wrong when the ref is sliced at a column offset
+  (16-byte chunks come back exchanged), so the packed words are loaded as one [64, 128] tile and never sliced.
+  Each byte b becomes the f16 with bits (b & 0x80) << 8 | (b & 0x7F) << 7 = 2^-8 · e4m3(b) exactly (e4m3
+  subnormals land on f16 subnormals), so the scale is applied as scale · 256 in f32. Word w belongs to scale
+  group w // 32; the per-row scales come from a masked row sum of the scale tile (columns 4.. are never
+  written; `where` drops them), which needs no value transpose."""
+  words = D_LATENT // 4
   sct = plgpu.load(sc_s, layout=_L.WGMMA, optimized=False)
   col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, SC_COLS), 1, layout=_L.WGMMA)
-  words = GROUP // 4
+  group = lax.shift_right_logical(plgpu.broadcasted_iota(jnp.int32, (BLOCK, words), 1, layout=_L.WGMMA), 5)
+  scale = None
   for g in range(D_LATENT // GROUP):
     s_g = plgpu.layout_cast(jnp.where(col == g, sct, 0.0).sum(axis=1), _L.WGMMA.reduce(1)) * 256.0
     s_b = lax.broadcast_in_dim(s_g, (BLOCK, words), (0,))
-    x = plgpu.load(c32_s.at[:, pl.ds(g * words, words)], layout=_L.WGMMA, optimized=False)
-    for k in range(4):
-      byte = lax.shift_right_logical(x, jnp.int32(8 * k)) & 0xFF
-      bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
-      h = lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
-      y = h.astype(jnp.float32) * s_b
-      c16_s[:, pl.ds(g * GROUP + k * words, words)] = plgpu.layout_cast(y.astype(jnp.float16), _L.WGMMA)
+    scale = s_b if scale is None else jnp.where(group == g, s_b, scale)
+  x = plgpu.load(c32_s, layout=_L.WGMMA, optimized=False)
+  for k in range(4):
+    byte = lax.shift_right_logical(x, jnp.int32(8 * k)) & 0xFF
+    bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
+    h = lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
+    y = h.astype(jnp.float32) * scale
+    c16_s[:, pl.ds(k * words, words)] = plgpu.layout_cast(y.astype(jnp.float16), _L.WGMMA)
 
 
 def _column_order():
   """perm [512]: kernel column p holds latent dimension perm[p] (see ``_dequant_block``); and its inverse."""
-  words = GROUP // 4
-  perm = np.array([g * GROUP + 4 * i + k for g in range(D_LATENT // GROUP) for k in range(4) for i in range(words)])
+  words = D_LATENT // 4
+  perm = np.array([4 * w + k for k in range(4) for w in range(words)])
   return perm, np.argsort(perm)
 
 
