@@ -76,7 +76,7 @@ def main(argv=None):
     cfg = base
   else:
     cfg = C.PRESETS[a.geometry]()
-  max_ctx = a.context + 16
+  max_ctx = a.context + max(a.q) * (a.steps + 2)  # room for the warm-up call and one timed run of --steps
   max_ctx += (-max_ctx) % cfg.index_kpool
   t = time.time()
   model = random_model(cfg, dtype=jnp.bfloat16, fp8=cfg.fp8_block is not None, mesh=make_mesh(a.tp))

@@ -127,7 +127,7 @@ case "$MODE" in
       echo "## $name: XLA_FLAGS=$*" > "$OUT/cb_$name.log"
       XLA_FLAGS="$*" CUDA_VISIBLE_DEVICES=$g timeout 200 python3 benchmarks/bench_decode.py --geometry tp4-rank --layers 8 \
         --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --profile --backend latency_specialized \
-        2>&1 | grep -E "^ *latency|GPU busy" >> "$OUT/cb_$name.log"; }
+        2>&1 | grep -E "^ *latency|GPU busy|Error|FAILED" >> "$OUT/cb_$name.log"; }
     ( cb 0 default ""; cb 0 no_custom_call "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION" ) &
     ( cb 1 trace_cache "--xla_cmd_buffer_trace_cache_size=1024"; cb 1 min_graph1 "--xla_gpu_graph_min_graph_size=1" ) &
     wait
