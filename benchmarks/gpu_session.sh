@@ -133,6 +133,14 @@ case "$MODE" in
     wait
     cat "$OUT"/cb_*.log
     ;;
+  full)  # (nvidia-h200-x2) the whole TP4-rank step, B = 1, q = 1: auto on GPU 0 and latency_specialized on GPU 1
+    fb() { CUDA_VISIBLE_DEVICES=$1 timeout $(( BUDGET - 30 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+      --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --profile --backend $2 \
+      --out "$OUT/decode_full.jsonl" > "$OUT/bench_full_$2.log" 2>&1; }
+    fb 0 auto & fb 1 latency_specialized &
+    wait
+    for b in auto latency_specialized; do grep -v -i -E "warn|^\s*$" "$OUT/bench_full_$b.log" | tail -12; done
+    ;;
   *) echo "unknown mode $MODE (single | pair | tp2 | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
