@@ -8,6 +8,8 @@
 #                             layers) with profile
 #   layers8 (nvidia-h200-x2): 8 layers of one TP4 rank, auto vs latency_specialized with profile; sparse-MLA and
 #                             end-to-end kernel GPU tests on the other GPU
+#   cmdbuf  (nvidia-h200-x2): the latency_specialized step of 8 layers under XLA command-buffer variants
+#   full    (nvidia-h200-x2): the whole one-rank step, auto (GPU 0) and latency_specialized (GPU 1) side by side
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -44,7 +46,7 @@ tests_and_kernels() {
 
 decode_bench() {  # $1: seconds to stop starting configurations
   python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --q 1 4 --backend auto latency_specialized \
-    --context 32768 --steps 10 --repeats 3 --fast-compile --profile --budget-s "$1" --out "$OUT/decode.jsonl" 2>&1 \
+    --context 32768 --steps 20 --repeats 3 --fast-compile --profile --budget-s "$1" --out "$OUT/decode.jsonl" 2>&1 \
     | grep -v -i warn > "$OUT/bench_decode.log"
   echo "== decode benchmark done"
 }
@@ -64,7 +66,7 @@ case "$MODE" in
       | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | head -40 | tee "$OUT/gpu_tests.log"
     timeout 200 python3 benchmarks/bench_allreduce.py --tp 2 --out "$OUT/allreduce.jsonl" 2>&1 | tee "$OUT/allreduce.log"
     [ "$(left)" -gt 240 ] && python3 benchmarks/bench_decode.py --geometry real --tp 2 --layers 12 --batch 1 \
-      --q 1 --backend latency_specialized auto --context 32768 --steps 10 --repeats 3 --fast-compile --profile \
+      --q 1 --backend latency_specialized auto --context 32768 --steps 20 --repeats 3 --fast-compile --profile \
       --budget-s $(( $(left) - 200 )) --out "$OUT/decode_tp2.jsonl" 2>&1 | grep -v -i warn | tee "$OUT/bench_decode_tp2.log"
     ;;
   bisect)  # which kernel family breaks the real-geometry step: each alone on 8 layers of one TP4 rank, q = 1
@@ -104,7 +106,7 @@ case "$MODE" in
   layers8)  # (nvidia-h200-x2) GPU 0: auto vs latency_specialized on 8 layers of one TP4 rank with the profile, one
     # kernel family alone, command buffers off; GPU 1: the sparse MLA GPU tests, then the end-to-end kernel tests
     b8() { CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/bench_decode.py --geometry tp4-rank --layers 8 \
-      --batch 1 --q 1 --context 32768 --steps 10 --repeats 3 --fast-compile --profile "$@" 2>&1 \
+      --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --profile "$@" 2>&1 \
       | grep -v -i warn | grep -v "^#.*GB of random" >> "$OUT/bench_layers8.log"; }
     (
       b8 --backend auto latency_specialized
@@ -133,9 +135,10 @@ case "$MODE" in
     wait
     cat "$OUT"/cb_*.log
     ;;
-  full)  # (nvidia-h200-x2) the whole TP4-rank step, B = 1, q = 1: auto on GPU 0 and latency_specialized on GPU 1
+  full)  # (nvidia-h200-x2) the whole TP4-rank step, B = 1, q = 1 then 4: auto on GPU 0, latency_specialized on GPU 1
     fb() { CUDA_VISIBLE_DEVICES=$1 timeout $(( BUDGET - 30 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
-      --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --profile --backend $2 \
+      --batch 1 --q 1 4 --context 32768 --steps 20 --repeats 3 --fast-compile --profile --backend $2 \
+      --budget-s $(( BUDGET - 250 )) \
       --out "$OUT/decode_full.jsonl" > "$OUT/bench_full_$2.log" 2>&1; }
     fb 0 auto & fb 1 latency_specialized &
     wait

@@ -5,7 +5,36 @@ from __future__ import annotations
 import contextlib
 
 import jax
+from jax.experimental.mosaic.gpu import core as _mgpu_core
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_DUMP_NAME = "mosaic_gpu.dump_basename"
+
+
+def _dedupe_kernel_modules():
+  """Make identical kernels lower to identical Mosaic GPU modules.
+
+  jax 0.11.2 stamps every lowered module with a per-process counter (attribute ``mosaic_gpu.dump_basename``,
+  used only to name dump files) before hashing it. The runtime compiles one binary per hash (MLIR passes, an
+  LLVM-JIT'd host launcher and ptxas, seconds each), so the same kernel called from 45 layers was compiled 45
+  times: the real-geometry step has 244 kernel calls and its first run took minutes. Dropping the stamp before
+  serialisation leaves one module -- and one compilation -- per distinct kernel; the runtime sets the name
+  again itself if it dumps. Checked by tests/test_step_lowering.py."""
+  orig = _mgpu_core._run_serde_pass
+  if getattr(orig, "_drops_dump_name", False):
+    return
+
+  def run_serde_pass(module, *args, **kwargs):
+    attrs = module.operation.attributes
+    if _DUMP_NAME in attrs:
+      del attrs[_DUMP_NAME]
+    return orig(module, *args, **kwargs)
+
+  run_serde_pass._drops_dump_name = True
+  _mgpu_core._run_serde_pass = run_serde_pass
+
+
+_dedupe_kernel_modules()
 
 
 def on_gpu() -> bool:

@@ -2,6 +2,8 @@
 on the CPU (Mosaic GPU lowering, layout inference, SMEM budgets), at kernel-tiny and at the real geometry of one
 TP4 rank (45 layers + MTP, abstract weights: nothing is allocated)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -29,10 +31,32 @@ def lower_step(cfg, q, backend, max_context=32784, b=1, tp=1):
     return dec.trace_step(b, params, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def kernel_calls(txt):
+  """[(kernel name, operand/result types, kernel hash)] of every Mosaic GPU call in a lowered step."""
+  out = []
+  for line in txt.splitlines():
+    if "@mosaic_gpu_v2" not in line:
+      continue
+    h = re.search(r'kernel_hash = "((?:[^"\\]|\\.)*)"', line).group(1)
+    name = re.search(r"(glm5_\w+?|kda_decode)(?:_mosaic|\\|\b)", line).group(1)
+    out.append((name, line.rsplit(" : ", 1)[1], h))
+  return out
+
+
+def check_one_module_per_kernel(txt):
+  """Calls of the same kernel with the same types carry the same module hash (one runtime compilation each)."""
+  calls = kernel_calls(txt)
+  sigs = {(n, t) for n, t, _ in calls}
+  hashes = {h for _, _, h in calls}
+  assert len(hashes) == len(sigs), (len(hashes), len(sigs))
+  return len(calls), len(hashes)
+
+
 @pytest.mark.parametrize("q", [1, 4])
 def test_kernel_tiny_step_lowers_for_cuda(q):
   txt = lower_step(C.kernel_tiny(), q, "latency_specialized", max_context=4096)
-  assert txt.count("mosaic_gpu") > 0
+  n_calls, n_kernels = check_one_module_per_kernel(txt)
+  assert n_kernels < n_calls
   for name in ("glm5_fp8_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla", "glm5_indexer_scores"):
     assert name in txt, name
   auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
@@ -54,4 +78,6 @@ def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
 def test_real_geometry_step_lowers_for_cuda():
   """One TP4 rank of GLM-5.3-Flash, q = 4 (3 drafts), 32K context: ~1 minute on the CPU."""
   txt = lower_step(tp_rank_config(C.real(), 4), 4, "latency_specialized")
+  n_calls, n_kernels = check_one_module_per_kernel(txt)
+  assert n_calls > 200 and n_kernels <= 32, (n_calls, n_kernels)  # 45 layers share their kernels
   assert txt.count("all_reduce") == 1 + 2 * 45 + 3 * 3  # psums are no-ops on one device but still lowered
