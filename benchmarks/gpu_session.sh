@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv
 
 tests_and_kernels() {
   # one process per file: a device fault in one kernel's tests must not hide the others' results
-  for f in test_kda_decode test_linear_kernels test_indexer test_sparse_mla test_decode; do
+  for f in test_kda_decode test_linear_kernels test_indexer test_sparse_mla test_mhc test_decode; do
     timeout 300 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider "tests/$f.py" > /tmp/t_$f.log 2>&1
     echo "== $f (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_$f.log | tail -1)" | tee -a "$OUT/gpu_tests.log"
     grep -E "PASSED|FAILED|ERROR|Fatal|Segmentation|MISALIGNED" /tmp/t_$f.log | grep -v "^E " | head -40 >> "$OUT/gpu_tests.log"
@@ -39,6 +39,7 @@ tests_and_kernels() {
         | head -40 >> "$OUT/tests_full.log"
     done
   fi
+  [ "$(left)" -gt 200 ] && timeout 90 python3 benchmarks/bench_mhc.py > "$OUT/bench_mhc.log" 2>&1
   [ "$(left)" -gt 200 ] && timeout $(( $(left) - 150 )) python3 benchmarks/bench_sparse_mla.py --quick \
     > "$OUT/bench_sparse_mla.log" 2>&1
   echo "== sparse MLA / indexer benchmark done"

@@ -41,7 +41,9 @@ MAX_KERNEL_ROWS = 64  # the weight-streaming kernels take at most 64 token rows 
 # The kernel switches of a latency_specialized trace and their defaults (bf16_linear off: measured no faster than
 # XLA at M ≤ 8, BENCHMARKS.md).
 KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "bf16_linear": False, "sparse_mla": True,
-                   "indexer": True}
+                   "indexer": True,
+                   # the fused mHC boundary (pallas_kernels/mhc.py): off until it has run natively on the H200
+                   "mhc": False}
 
 
 @contextlib.contextmanager
@@ -134,6 +136,24 @@ class RMSNorm(nnx.Module):
 
 
 # ---------------------------------------------------------------------------------------------------- mHC
+def hc_mix(m, scale, base, n, iters, eps, post_mult):
+  """Spec §3.2 steps 3-6: normalised mixing logits m [..., 24] (pre, post, comb) -> (pre [..., n],
+  post [..., n], comb [..., n, n]) with comb Sinkhorn-normalised (the softmax is the first row normalisation)."""
+  pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + eps
+  post = post_mult * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+  c = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
+  c = jax.nn.softmax(c, axis=-1) + eps
+  c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+  def sinkhorn(_, c):
+    c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+    return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+  # Unrolled on accelerators (the 19 tiny steps fuse into one kernel; a loop costs ~10 µs per iteration
+  # there); rolled on CPU, where unrolling 90 sites doubles XLA's compile time for the same result.
+  return pre, post, lax.fori_loop(0, iters - 1, sinkhorn, c, unroll=jax.default_backend() != "cpu")
+
+
 class HyperConnection(nnx.Module):
   """One mHC site: 24 mixing logits from the 4 flattened streams, Sinkhorn-normalised 4×4 ``comb``."""
 
@@ -144,25 +164,15 @@ class HyperConnection(nnx.Module):
     self.n, self.iters, self.eps, self.norm_eps, self.post_mult = (
         cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_post_mult)
 
+  def mix(self, m):
+    return hc_mix(m, self.scale[...], self.base[...], self.n, self.iters, self.eps, self.post_mult)
+
   def pre(self, X):
     """X [B, T, N, D] -> (u [B, T, D] in X's dtype, post [B, T, N] f32, comb [B, T, N, N] f32)."""
-    n, eps = self.n, self.eps
     flat = X.reshape(*X.shape[:-2], -1).astype(jnp.float32)
     flat = flat * lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + self.norm_eps)
     m = jnp.einsum("...k,mk->...m", flat, self.fn[...].astype(jnp.float32), precision=HIGHEST)
-    s, b = self.scale[...], self.base[...]
-    pre = jax.nn.sigmoid(m[..., :n] * s[0] + b[:n]) + eps
-    post = self.post_mult * jax.nn.sigmoid(m[..., n:2 * n] * s[1] + b[n:2 * n])
-    c = (m[..., 2 * n:] * s[2] + b[2 * n:]).reshape(*m.shape[:-1], n, n)
-    c = jax.nn.softmax(c, axis=-1) + eps
-    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-    def sinkhorn(_, c):
-      c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-      return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    # Unrolled on accelerators (the 19 tiny steps fuse into one kernel; a loop costs ~10 µs per iteration
-    # there); rolled on CPU, where unrolling 90 sites doubles XLA's compile time for the same result.
-    c = lax.fori_loop(0, self.iters - 1, sinkhorn, c, unroll=jax.default_backend() != "cpu")
+    pre, post, c = self.mix(m)
     u = jnp.einsum("...n,...nd->...d", pre, X.astype(jnp.float32), precision=HIGHEST)
     return u.astype(X.dtype), post, c
 
@@ -172,6 +182,39 @@ class HyperConnection(nnx.Module):
     out = post[..., :, None] * y[..., None, :].astype(jnp.float32) + jnp.einsum(
         "...nm,...nd->...md", comb, X.astype(jnp.float32), precision=HIGHEST)
     return out.astype(X.dtype)
+
+  # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)
+  def fused(self, X2, pending, norm: "RMSNorm"):
+    """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
+    RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix [M, 32]) of the
+    previous sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u),
+    mix [M, 32] = this site's post and comb, packed for the next boundary). Rows beyond 64 go in chunks."""
+    from pallas_kernels import mhc as km  # noqa: PLC0415
+    M = X2.shape[0]
+    if M > km.ROWS:
+      parts = [self.fused(X2[i:i + km.ROWS], None if pending is None else
+                          (pending[0][i:i + km.ROWS], pending[1][i:i + km.ROWS]), norm)
+               for i in range(0, M, km.ROWS)]
+      return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts))
+    y, mix = pending if pending is not None else (None, None)
+    Xn, pm, pg = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None)
+    n, D = self.n, X2.shape[1] // self.n
+    S = jnp.sum(pm[:, :M], axis=0)  # [M, 24]: fn · x over all K
+    gp = jnp.sum(pg[:, :M], axis=0)  # [M, 16]: Gram entries (i <= j) of the four streams
+    idx = {p: k for k, p in enumerate(km._PAIRS)}
+    gram = jnp.stack([jnp.stack([gp[:, idx[min(i, j), max(i, j)]] for j in range(n)], -1) for i in range(n)], -2)
+    ss = sum(gram[:, i, i] for i in range(n))  # ‖x‖² = trace of the Gram matrix
+    pre, post, comb = self.mix(S * lax.rsqrt(ss / (n * D) + self.norm_eps)[:, None])
+    var = jnp.einsum("mi,mij,mj->m", pre, gram, pre, precision=HIGHEST) / D  # mean(u²) of the f32 u
+    z = jnp.zeros((M, 3), jnp.float32)
+    pre_r = jnp.concatenate([pre, lax.rsqrt(var + norm.eps)[:, None], z], axis=-1)
+    mix = jnp.concatenate([post, comb.reshape(M, n * n), jnp.zeros((M, 32 - n - n * n), jnp.float32)], axis=-1)
+    return Xn, km.mhc_finish(Xn, pre_r, norm.weight[...]), mix
+
+  @staticmethod
+  def unpack(mix, n=4):
+    """mix [..., 32] -> (post [..., n], comb [..., n, n])."""
+    return mix[..., :n], mix[..., n:n + n * n].reshape(*mix.shape[:-1], n, n)
 
 
 # ---------------------------------------------------------------------------------------------------- MLPs

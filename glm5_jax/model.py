@@ -56,6 +56,37 @@ class DecoderLayer(nnx.Module):
       return HyperConnection.post(X, y, post, comb), cache, aux
 
 
+  def call_fused(self, X2, pending, cache, ctx: StepCtx, dtype, bt):
+    """__call__ with the fused mHC boundaries (pallas_kernels/mhc.py). X2 [B·T, N·D] bf16 residual before the
+    previous sublayer's post, pending = (y, mix) of that sublayer (None before layer 0), bt = (B, T)
+    -> (X2, cache, aux, pending): this layer's MLP output and mix stay pending for the next boundary."""
+    aux = {}
+    B, T = bt
+    with jax.named_scope("mhc"):
+      X2, x, mix = self.attn_hc.fused(X2, pending, self.input_layernorm)
+    with jax.named_scope("kda" if self.is_kda else "dsa"):
+      if self.is_kda:
+        y, cache = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype)
+      else:
+        y, cache, a = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype)
+        aux["idx"] = a["idx"]
+    with jax.named_scope("mhc"):
+      X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm)
+    with jax.named_scope("moe" if self.is_moe else "mlp"):
+      if self.is_moe:
+        y, aux["experts"] = self.mlp(x.reshape(B, T, -1), dtype, return_ids=True)
+      else:
+        y = self.mlp(x.reshape(B, T, -1), dtype)
+    return X2, cache, aux, (y.reshape(B * T, -1), mix)
+
+
+def fused_mhc(cfg: Glm5Config, dtype) -> bool:
+  """Whether this trace runs the mHC boundaries as the fused kernels: policy knob ``mhc``, a bf16 residual,
+  4 streams, hidden size a multiple of 128 (the kernels' column chunks)."""
+  return (kernel_enabled("mhc") and jnp.dtype(dtype) == jnp.bfloat16 and cfg.hc_mult == 4
+          and cfg.hidden_size % 128 == 0)
+
+
 class MTPLayer(nnx.Module):
   """The MTP draft layer (checkpoint layer 45): eh_proj over [enorm(e), hnorm(h)], a plain pre-norm DSA + MoE
   block (no mHC), shared_head.norm; the trunk's embedding and lm_head are shared."""
@@ -143,10 +174,21 @@ class Glm5Model(nnx.Module):
     e = self.embed(tokens)
     X = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], cfg.hc_mult, e.shape[-1]))
     new, aux = [], []
-    for layer, cache in zip(self.layers, caches):
-      X, cache, a = layer(X, cache, ctx, self.dtype)
-      new.append(cache)
-      aux.append(a)
+    if fused_mhc(cfg, self.dtype):
+      B, T = tokens.shape
+      X2, pending = X.reshape(B * T, -1), None
+      for layer, cache in zip(self.layers, caches):
+        X2, cache, a, pending = layer.call_fused(X2, pending, cache, ctx, self.dtype, (B, T))
+        new.append(cache)
+        aux.append(a)
+      with jax.named_scope("mhc"):  # the last sublayer's post has no next site to fuse with
+        post, comb = HyperConnection.unpack(pending[1].reshape(B, T, -1))
+        X = HyperConnection.post(X2.reshape(X.shape), pending[0].reshape(B, T, -1), post, comb)
+    else:
+      for layer, cache in zip(self.layers, caches):
+        X, cache, a = layer(X, cache, ctx, self.dtype)
+        new.append(cache)
+        aux.append(a)
     h = self.norm(jnp.mean(X.astype(jnp.float32), axis=2).astype(self.dtype), self.dtype)
     return h, new, aux
 

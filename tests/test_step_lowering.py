@@ -19,14 +19,14 @@ from glm5_jax.speculative import Decoder
 from glm5_jax.synthetic import tp_rank_config
 
 
-def lower_step(cfg, q, backend, max_context=32784, b=1, tp=1):
+def lower_step(cfg, q, backend, max_context=32784, b=1, tp=1, policy=()):
   mesh = shd.make_mesh(tp)
   gd, astate = nnx.split(nnx.eval_shape(lambda: Glm5Model(cfg, jnp.bfloat16, fp8=True)))
   params = jax.tree.map(
       lambda v, s: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=NamedSharding(mesh, s)),
       astate, shd.param_specs(astate), is_leaf=lambda x: isinstance(x, nnx.Variable))
   dec = Decoder(Model(cfg, gd, astate, mesh, jnp.dtype(jnp.bfloat16), True, True),
-                DecodeConfig(max_context=max_context, q=q, capture_sizes=(b,), policy=()), backend=backend)
+                DecodeConfig(max_context=max_context, q=q, capture_sizes=(b,), policy=policy), backend=backend)
   with dec.kernel_mode(interpret=False):  # kernels on, no interpret mode: this is the CUDA lowering
     return dec.trace_step(b, params, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -61,6 +61,17 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
     assert name in txt, name
   auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
   assert "mosaic_gpu" not in auto  # and the stock path has no kernel at all
+
+
+def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda():
+  """Policy mhc on: the 8 boundaries of kernel-tiny run as the fused kernels (the first site without a post)."""
+  txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096, policy=(("mhc", True),))
+  for name in ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"):
+    assert name in txt, name
+  calls = [n for n, _, _ in kernel_calls(txt)]
+  layers = C.kernel_tiny().num_hidden_layers
+  assert calls.count("glm5_mhc_finish") == 2 * layers and calls.count("glm5_mhc_pre") == 1
+  check_one_module_per_kernel(txt)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (jax_num_cpu_devices=4)")

@@ -1,0 +1,102 @@
+"""Benchmark one mHC layer boundary (the previous sublayer's post + this site's pre + the sublayer RMSNorm) at the
+real width (4 streams × 4096), fused kernels (pallas_kernels/mhc.py) vs the stock XLA formulation, on one GPU.
+
+Columns: "dev us" device time of one boundary (CUPTI kernel durations), "kernels" launches per boundary,
+"chain us" wall time per boundary inside one jitted chain of 16 boundaries (XLA command buffers on, steady
+state: the gaps between kernels count, as in the decode step), and the floor: bytes one boundary must move
+(X in and out, y, fn, the normed output) at 4.3 TB/s.
+
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_mhc.py [--rows 1,4,8,32,64] [--out results.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._timing import MODE, log, time_calls, write_log  # noqa: E402
+from glm5_jax import config as C  # noqa: E402
+from glm5_jax.layers import HyperConnection, RMSNorm  # noqa: E402
+
+HBM_BPS = 4.3e12
+D, N, CHAIN = 4096, 4, 16
+
+
+def _site(seed):
+  cfg = C.real()
+  rng = np.random.default_rng(seed)
+  hc = nnx.eval_shape(lambda: HyperConnection(cfg, jnp.bfloat16))
+  hc.fn.set_value(jnp.asarray(rng.standard_normal((24, N * D)) * 0.02, jnp.bfloat16))
+  hc.base.set_value(jnp.asarray(rng.standard_normal(24), jnp.float32))
+  hc.scale.set_value(jnp.asarray(rng.uniform(0.5, 2, 3), jnp.float32))
+  norm = nnx.eval_shape(lambda: RMSNorm(D, jnp.bfloat16, cfg.rms_norm_eps))
+  norm.weight.set_value(jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.bfloat16))
+  return hc, norm
+
+
+def stock(hc, norm, X2, y, mix):
+  M = X2.shape[0]
+  post, comb = HyperConnection.unpack(mix)
+  Xn = HyperConnection.post(X2.reshape(M, N, D), y, post, comb)
+  u, post, comb = hc.pre(Xn)
+  mix = jnp.concatenate([post, comb.reshape(M, 16), jnp.zeros((M, 12), jnp.float32)], -1)
+  return Xn.reshape(M, N * D), norm(u, jnp.bfloat16), mix
+
+
+def fused(hc, norm, X2, y, mix):
+  return hc.fused(X2, (y, mix), norm)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--rows", default="1,4,8,32,64")
+  p.add_argument("--out", default=None)
+  a = p.parse_args(argv)
+  hc, norm = _site(0)
+  rng = np.random.default_rng(1)
+  log(f"# mHC boundary, D = {N}×{D}, {jax.devices()[0].device_kind}, timing: {MODE[0]}, "
+      f"{time.strftime('%Y-%m-%d')}")
+  log(f"{'M':>3} {'path':>6} {'dev us':>8} {'kernels':>8} {'chain us':>9} {'floor us':>9}")
+  for M in [int(r) for r in a.rows.split(",")]:
+    sets = []
+    for _ in range(8):
+      X2 = jnp.asarray(rng.standard_normal((M, N * D)), jnp.bfloat16)
+      y = jnp.asarray(rng.standard_normal((M, D)), jnp.bfloat16)
+      c = rng.uniform(0, 1, (M, 4, 4))
+      mix = np.zeros((M, 32), np.float32)
+      mix[:, :4] = rng.uniform(0, 2, (M, 4))
+      mix[:, 4:20] = (c / c.sum(1, keepdims=True)).reshape(M, 16)
+      sets.append((X2, y, jnp.asarray(mix)))
+    floor = (2 * M * N * D * 2 + M * D * 2 * 2 + 24 * N * D * 2) / HBM_BPS * 1e6
+    for name, f in (("stock", stock), ("fused", fused)):
+      one = jax.jit(lambda X2, y, mix, f=f: f(hc, norm, X2, y, mix))
+      dev, names = time_calls(one, sets)
+
+      @jax.jit
+      def chain(X2, y, mix, f=f):
+        for _ in range(CHAIN):  # unrolled, as the decode step's layer loop
+          X2, x, mix = f(hc, norm, X2, y, mix)
+          y = x  # the next "sublayer output"
+        return X2, mix
+
+      jax.block_until_ready(chain(*sets[0]))
+      t = time.perf_counter()
+      for i in range(20):
+        out = chain(*sets[i % len(sets)])
+      jax.block_until_ready(out)
+      wall = (time.perf_counter() - t) / 20 / CHAIN * 1e6
+      log(f"{M:>3} {name:>6} {dev:>8.1f} {len(names):>8} {wall:>9.1f} {floor:>9.2f}")
+  if a.out:
+    write_log(a.out)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,244 @@
+"""Fused mHC layer boundary (spec model.md §3.2 mHC pre, §3.3 mHC post): two Mosaic GPU kernels per site.
+
+Shapes: M token rows (B · T) per launch, at most 64; N = 4 residual streams; D hidden (4096); K = N · D (16384)
+the flattened streams; G = D / 64 column chunks (one CTA each). The residual is kept as X [M, N·D] bf16
+(stream-major, the spec's flatten order). ``mix`` [M, 32] f32 packs a site's post [4] and comb [4, 4]
+(row-major, comb[i, j] at 4 + 4i + j) for the *next* boundary; ``pre_r`` [M, 8] f32 packs pre [4] and the
+RMSNorm reciprocal r at column 4.
+
+A boundary between sublayers (the post of one site fused with the pre of the next, as vLLM's
+``MHCFusedPostPreOp``) is three launches instead of ~11 XLA kernels:
+
+1. ``mhc_post_pre`` (kernel, G CTAs): for its 64 columns of every stream, X'_j = post_j · y + Σ_i comb[i, j] · X_i
+   in f32, rounded to bf16 (skipped at the first site, which has no previous sublayer: X' = X); the partial
+   mixing logits pm[g] = X'_chunk · fn_chunkᵀ (bf16 × bf16 wgmma, f32 accumulation: the products are exact, as
+   in the f32 reference) and the partial Gram matrix of the four streams pg[g][i, j] = Σ_d X'_i[d] X'_j[d]
+   (f32, on the CUDA cores).
+2. ``mhc_mix`` (XLA, one or two fusions): sums the G partials; ‖x‖² is the Gram trace, so
+   m = (fn · x) · rsqrt(mean(x²) + eps); pre, post and the Sinkhorn-normalised comb (``glm5_jax.layers.hc_mix``);
+   and the variance of the sublayer input u = Σ_i pre_i X'_i from the Gram matrix, mean(u²) = preᵀ Gram pre / D
+   — the variance of the f32 u, as vLLM's fused kernel computes it (HF takes it from the bf16-rounded u).
+3. ``mhc_finish`` (kernel, D / 128 CTAs): x_in = w · bf16(bf16(u) · r), the weighted RMSNorm of the sublayer
+   input, with the stock path's rounding points.
+
+References with the same signatures: ``mhc_post_pre_reference`` and ``mhc_finish_reference`` (pure jnp, f32).
+
+Kernel notes: the token rows are the wgmma M dimension (64, rows past M are never stored), so per-token values
+(post, comb, pre, r) are per-row vectors broadcast along the columns. Inputs arrive by TMA boxes of M rows into
+untiled SMEM and are read back as whole tiles (column-offset slices of untiled SMEM loads were measured wrong
+on the H200, see sparse_mla._dequant_block); X' is written twice — into a swizzled tile for the wgmma and an
+untiled one for the TMA store of its M rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+N = 4  # residual streams
+MIX = 24  # mixing logits: pre 4, post 4, comb 16
+ROWS = 64  # token rows per launch (wgmma M)
+DC = 64  # columns per CTA of each stream in mhc_post_pre
+DC_FIN = 128  # columns per CTA in mhc_finish
+GRAM = N * (N + 1) // 2  # distinct Gram entries (i <= j), in the order of _PAIRS
+_PAIRS = [(i, j) for i in range(N) for j in range(i, N)]
+_L = plgpu.Layout
+_BF16_SW128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _check(x, D, what):
+  M = x.shape[0]
+  if not 1 <= M <= ROWS:
+    raise ValueError(f"{what}: {M} token rows, expected 1..{ROWS} per launch (the caller splits larger batches)")
+  if D % DC_FIN:
+    raise ValueError(f"{what}: hidden size {D} must be a multiple of {DC_FIN}")
+
+
+# ------------------------------------------------------------------------------------------------ references
+def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
+  """X [M, N·D] bf16 residual, y [M, D] bf16 sublayer output, mix [M, 32] f32 (post, comb of the previous site),
+  fn [24, N·D] bf16 -> (X' [M, N·D] bf16, pm [G, 64, 24] f32, pg [G, 64, 16] f32). ``first``: no previous
+  sublayer (y and mix are ignored, X' = X). Rows M.. of pm / pg are padding (unspecified)."""
+  M, K = X.shape
+  D = K // N
+  G = D // DC
+  Xs = X.astype(jnp.float32).reshape(M, N, D)
+  if first:
+    Xn = Xs.astype(jnp.bfloat16)
+  else:
+    post, comb = mix[:, :N], mix[:, N:N + N * N].reshape(M, N, N)
+    s = comb[:, 0, :, None] * Xs[:, :1]  # Σ_i comb[i, j] X_i summed in order i = 0..3, then + post_j · y
+    for i in range(1, N):
+      s = s + comb[:, i, :, None] * Xs[:, i:i + 1]
+    Xn = (post[..., None] * y.astype(jnp.float32)[:, None, :] + s).astype(jnp.bfloat16)
+  xf = Xn.astype(jnp.float32).reshape(M, N, G, DC)
+  fnc = fn.astype(jnp.float32).reshape(MIX, N, G, DC)
+  pm = jnp.einsum("mngc,kngc->gmk", xf, fnc, precision=lax.Precision.HIGHEST)
+  gram = jnp.stack([jnp.einsum("mgc,mgc->gm", xf[:, i], xf[:, j], precision=lax.Precision.HIGHEST)
+                    for i, j in _PAIRS], axis=-1)
+  pad = ((0, 0), (0, ROWS - M), (0, 0))
+  pg = jnp.pad(gram, ((0, 0), (0, 0), (0, 16 - GRAM)))
+  return Xn.reshape(M, K), jnp.pad(pm, pad), jnp.pad(pg, pad)
+
+
+def mhc_finish_reference(Xn, pre_r, w):
+  """Xn [M, N·D] bf16, pre_r [M, 8] f32 (pre [4], r), w [D] -> x_in [M, D] bf16 = w · bf16(bf16(u) · r),
+  u = Σ_i pre_i · X'_i in f32 (the stock path's RMSNorm rounding, with r given)."""
+  M, K = Xn.shape
+  D = K // N
+  u = jnp.einsum("mn,mnd->md", pre_r[:, :N], Xn.astype(jnp.float32).reshape(M, N, D),
+                 precision=lax.Precision.HIGHEST)
+  xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * pre_r[:, N:N + 1]).astype(jnp.bfloat16)
+  return w.astype(jnp.bfloat16) * xn
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+def _row_vectors(tile, count):
+  """[64, C] f32 tile (WGMMA layout) -> its first ``count`` columns as per-row vectors [64] (a masked row sum:
+  no value transpose needed)."""
+  col = plgpu.broadcasted_iota(jnp.int32, tile.shape, 1, layout=_L.WGMMA)
+  return [plgpu.layout_cast(jnp.where(col == k, tile, 0.0).sum(axis=1), _L.WGMMA.reduce(1)) for k in range(count)]
+
+
+def _bcast(v, cols):
+  return lax.broadcast_in_dim(v, (ROWS, cols), (0,))
+
+
+def _post_pre_kernel(M: int, D: int, first: bool):
+  def body(*refs):
+    if first:  # no previous sublayer: X' = X, nothing to mix or store
+      x_g, fn_g, pm_g, pg_g, x_s, fn_s, xw_s, bar = refs
+    else:
+      x_g, y_g, mix_g, fn_g, xo_g, pm_g, pg_g, x_s, y_s, mix_s, fn_s, xw_s, xu_s, bar = refs
+    g = lax.axis_index("g")
+    d0 = g * DC
+    for i in range(N):
+      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + d0, DC)], x_s.at[i, pl.ds(0, M)], bar)
+      plgpu.copy_gmem_to_smem(fn_g.at[:, pl.ds(i * D + d0, DC)], fn_s.at[i], bar)
+    if not first:
+      plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, M), pl.ds(d0, DC)], y_s.at[pl.ds(0, M)], bar)
+      plgpu.copy_gmem_to_smem(mix_g.at[pl.ds(0, M)], mix_s.at[pl.ds(0, M)], bar)
+    plgpu.barrier_wait(bar)
+
+    xs = [plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32) for i in range(N)]
+    if first:
+      xn = xs  # bf16 values already
+    else:
+      mixv = _row_vectors(plgpu.load(mix_s, layout=_L.WGMMA, optimized=False), N + N * N)
+      post, comb = mixv[:N], mixv[N:]
+      yv = plgpu.load(y_s, layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+      xn = []
+      for j in range(N):
+        s = _bcast(comb[j], DC) * xs[0]  # Σ_i comb[i, j] X_i, i in order, then + post_j · y
+        for i in range(1, N):
+          s = s + _bcast(comb[N * i + j], DC) * xs[i]
+        xn.append((_bcast(post[j], DC) * yv + s).astype(jnp.bfloat16).astype(jnp.float32))
+    for j in range(N):
+      xb = plgpu.layout_cast(xn[j].astype(jnp.bfloat16), _L.WGMMA)
+      xw_s[j] = xb
+      if not first:
+        xu_s[j] = xb
+    plgpu.commit_smem()
+    if not first:
+      for j in range(N):
+        plgpu.copy_smem_to_gmem(xu_s.at[j, pl.ds(0, M)], xo_g.at[pl.ds(0, M), pl.ds(j * D + d0, DC)])
+
+    def logits(acc):
+      for j in range(N):
+        plgpu.wgmma(acc, xw_s.at[j], fn_s.at[j].T)
+      return acc[...]
+
+    pm = pl.run_scoped(logits, plgpu.ACC((ROWS, MIX), jnp.float32))
+    pm_g[g] = plgpu.layout_cast(pm, _L.WGMMA)
+    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, 16), 1, layout=_L.WGMMA)
+    gram = jnp.zeros((ROWS, 16), jnp.float32)
+    for k, (i, j) in enumerate(_PAIRS):
+      gk = plgpu.layout_cast((xn[i] * xn[j]).sum(axis=1), _L.WGMMA.reduce(1))
+      gram = jnp.where(col == k, _bcast(gk, 16), gram)
+    pg_g[g] = plgpu.layout_cast(gram, _L.WGMMA)
+    if not first:
+      plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+def mhc_post_pre(X, y, mix, fn, *, first: bool = False):
+  """Mosaic GPU version of ``mhc_post_pre_reference`` (same signature and outputs; with ``first`` X' is X itself)."""
+  M, K = X.shape
+  D = K // N
+  _check(X, D, "mhc_post_pre")
+  if fn.shape != (MIX, K) or X.dtype != jnp.bfloat16:
+    raise ValueError(f"mhc_post_pre: fn {fn.shape} / X {X.dtype}, expected fn [{MIX}, {K}] and a bf16 residual")
+  G = D // DC
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  stats = (jax.ShapeDtypeStruct((G, ROWS, MIX), f32), jax.ShapeDtypeStruct((G, ROWS, 16), f32))
+  x_s = plgpu.SMEM((N, ROWS, DC), bf16)  # the M rows of each stream's chunk (untiled: TMA boxes of M rows)
+  fn_s = plgpu.SMEM((N, MIX, DC), bf16, transforms=_BF16_SW128)  # wgmma B (as fn_sᵀ)
+  xw_s = plgpu.SMEM((N, ROWS, DC), bf16, transforms=_BF16_SW128)  # X' as the wgmma A operand
+  common = dict(grid=(G,), grid_names=("g",))
+  if first:
+    kern = plgpu.kernel(_post_pre_kernel(M, D, True), out_type=stats, kernel_name="glm5_mhc_pre", **common,
+                        scratch_types=[x_s, fn_s, xw_s, plgpu.Barrier(num_arrivals=2 * N)])
+    pm, pg = kern(X, fn.astype(bf16))
+    return X, pm, pg
+  kern = plgpu.kernel(
+      _post_pre_kernel(M, D, False), out_type=(jax.ShapeDtypeStruct((M, K), bf16), *stats),
+      kernel_name="glm5_mhc_post_pre", **common,
+      scratch_types=[
+          x_s,
+          plgpu.SMEM((ROWS, DC), bf16),  # y_s
+          plgpu.SMEM((ROWS, 32), f32),  # mix_s
+          fn_s, xw_s,
+          plgpu.SMEM((N, ROWS, DC), bf16),  # xu_s: X' untiled, for the TMA store of M rows
+          plgpu.Barrier(num_arrivals=2 * N + 2),
+      ])
+  return kern(X, y.astype(bf16), mix.astype(f32), fn.astype(bf16))
+
+
+def _finish_kernel(M: int, D: int):
+  def body(x_g, pr_g, w_g, o_g, x_s, pr_s, w_s, o_s, bar):
+    g = lax.axis_index("g")
+    d0 = g * DC_FIN
+    for i in range(N):
+      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + d0, DC_FIN)], x_s.at[i, pl.ds(0, M)], bar)
+    plgpu.copy_gmem_to_smem(pr_g.at[pl.ds(0, M)], pr_s.at[pl.ds(0, M)], bar)
+    plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, DC_FIN)], w_s, bar)
+    plgpu.barrier_wait(bar)
+    prv = _row_vectors(plgpu.load(pr_s, layout=_L.WGMMA, optimized=False), N + 1)
+    u = _bcast(prv[0], DC_FIN) * plgpu.load(x_s.at[0], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+    for i in range(1, N):
+      u = u + _bcast(prv[i], DC_FIN) * plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+    xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * _bcast(prv[N], DC_FIN)).astype(jnp.bfloat16)
+    wv = plgpu.load(w_s, layout=_L.WGMMA.reduce(0), optimized=False)
+    o_s[...] = plgpu.layout_cast(lax.broadcast_in_dim(wv, (ROWS, DC_FIN), (1,)) * xn, _L.WGMMA)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, M)], o_g.at[pl.ds(0, M), pl.ds(d0, DC_FIN)])
+    plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+def mhc_finish(Xn, pre_r, w):
+  """Mosaic GPU version of ``mhc_finish_reference``."""
+  M, K = Xn.shape
+  D = K // N
+  _check(Xn, D, "mhc_finish")
+  bf16 = jnp.bfloat16
+  kern = plgpu.kernel(
+      _finish_kernel(M, D),
+      out_type=jax.ShapeDtypeStruct((M, D), bf16),
+      scratch_types=[
+          plgpu.SMEM((N, ROWS, DC_FIN), bf16),  # x_s
+          plgpu.SMEM((ROWS, 8), jnp.float32),  # pr_s
+          plgpu.SMEM((DC_FIN,), bf16),  # w_s
+          plgpu.SMEM((ROWS, DC_FIN), bf16),  # o_s
+          plgpu.Barrier(num_arrivals=N + 2),
+      ],
+      grid=(D // DC_FIN,),
+      grid_names=("g",),
+      kernel_name="glm5_mhc_finish",
+  )
+  return kern(Xn, pre_r.astype(jnp.float32), w.astype(bf16))

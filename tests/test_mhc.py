@@ -1,0 +1,135 @@
+"""The fused mHC boundary (pallas_kernels/mhc.py): kernels == references (GPU interpret mode on CPU, natively on
+a GPU), CUDA cross-lowering at the real geometry, the fused boundary == the stock post + pre + RMSNorm, and the
+whole trunk with the fused boundaries == the stock trunk."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tol
+from glm5_jax import config as C
+from glm5_jax.layers import HyperConnection, RMSNorm, use_kernels
+from helpers import load, tiny_checkpoint
+from pallas_kernels import mhc as K
+from pallas_kernels._common import cross_lower, maybe_interpret, on_gpu
+
+BF16_ULP = dict(rtol=2.0 ** -7, atol=1e-5)  # one bf16 rounding apart (FMA contraction, order of the 4 terms;
+# the atol covers cancellation to ~1e-6 from O(1) terms)
+
+
+def _inputs(M, D, seed):
+  rng = np.random.default_rng(seed)
+  X = jnp.asarray(rng.standard_normal((M, 4 * D)) * rng.uniform(0.2, 3.0, (M, 1)), jnp.bfloat16)
+  y = jnp.asarray(rng.standard_normal((M, D)), jnp.bfloat16)
+  mix = np.zeros((M, 32), np.float32)
+  mix[:, :4] = rng.uniform(0, 2, (M, 4))  # post in (0, 2)
+  c = rng.uniform(0, 1, (M, 4, 4))
+  mix[:, 4:20] = (c / c.sum(1, keepdims=True)).reshape(M, 16)  # doubly-stochastic-ish comb
+  fn = jnp.asarray(rng.standard_normal((24, 4 * D)) * 0.02, jnp.bfloat16)
+  pre_r = np.zeros((M, 8), np.float32)
+  pre_r[:, :4] = rng.uniform(0, 1, (M, 4))
+  pre_r[:, 4] = rng.uniform(0.1, 2, M)
+  w = jnp.asarray(rng.standard_normal(D), jnp.bfloat16)
+  return X, y, jnp.asarray(mix), fn, jnp.asarray(pre_r), w
+
+
+def _check_kernels(M, D, first, seed=0, interpret=None):
+  X, y, mix, fn, pre_r, w = _inputs(M, D, seed)
+  ref = K.mhc_post_pre_reference(X, y, mix, fn, first=first)
+  with maybe_interpret(interpret):
+    got = jax.jit(lambda *a: K.mhc_post_pre(*a, first=first))(X, y, mix, fn)
+    fin = jax.jit(K.mhc_finish)(ref[0], pre_r, w)
+  f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+  np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
+  # the partial logits / Gram entries: f32 sums of exact bf16 products (X' may differ by one rounding)
+  scale = np.abs(f32(ref[1])[:, :M]).max() + np.abs(f32(ref[2])[:, :M]).max()
+  for g, r in zip(got[1:], ref[1:]):
+    np.testing.assert_allclose(f32(g)[:, :M], f32(r)[:, :M], atol=2e-3 * scale, rtol=0)
+  np.testing.assert_allclose(f32(fin), f32(K.mhc_finish_reference(ref[0], pre_r, w)), **BF16_ULP)
+
+
+@pytest.mark.parametrize("M,D,first", [(1, 256, False), (5, 256, False), (5, 256, True), (64, 128, False)])
+def test_kernels_interpret(M, D, first):
+  _check_kernels(M, D, first, seed=M, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,D,first", [(1, 4096, False), (1, 4096, True), (8, 4096, False), (37, 4096, False),
+                                       (64, 4096, False)])
+def test_kernels_gpu(M, D, first):
+  _check_kernels(M, D, first, seed=M)
+
+
+@pytest.mark.parametrize("M", [1, 4, 8, 32, 64])
+def test_cross_lower_real(M):
+  X, y, mix, fn, pre_r, w = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _inputs(M, 4096, 0))
+  for first in (False, True):
+    assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_post_pre(*a, first=first), X, y, mix, fn).as_text()
+  cross_lower(K.mhc_finish, X, pre_r, w)
+
+
+def test_rows_checked():
+  X, y, mix, fn, _, _ = _inputs(65, 128, 0)
+  with pytest.raises(ValueError, match="65 token rows, expected 1..64"):
+    K.mhc_post_pre(X, y, mix, fn)
+
+
+def _site(D, seed):
+  cfg = C.kernel_tiny().replace(hidden_size=D)
+  hc = nnx.eval_shape(lambda: HyperConnection(cfg, jnp.bfloat16))
+  rng = np.random.default_rng(seed)
+  hc.fn.set_value(jnp.asarray(rng.standard_normal((24, 4 * D)) * 0.05, jnp.bfloat16))
+  hc.base.set_value(jnp.asarray(rng.standard_normal(24), jnp.float32))
+  hc.scale.set_value(jnp.asarray(rng.uniform(0.5, 2, 3), jnp.float32))
+  norm = nnx.eval_shape(lambda: RMSNorm(D, jnp.bfloat16, cfg.rms_norm_eps))
+  norm.weight.set_value(jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.bfloat16))
+  return hc, norm
+
+
+@pytest.mark.parametrize("M,first", [(3, False), (3, True), (70, False)])
+def test_fused_boundary_equals_stock(M, first):
+  """post (previous sublayer) + pre + RMSNorm, fused kernels vs the stock XLA formulation; 70 rows = 2 launches."""
+  D = 256
+  hc, norm = _site(D, M)
+  X, y, mix, _, _, _ = _inputs(M, D, M + 1)
+  post, comb = HyperConnection.unpack(mix)
+  Xs = X.reshape(M, 4, D)
+  Xref = Xs if first else HyperConnection.post(Xs, y, post, comb)
+  u, post_ref, comb_ref = hc.pre(Xref)
+  xin_ref = norm(u, jnp.bfloat16)
+  with maybe_interpret(True):
+    Xn, xin, mix_new = jax.jit(lambda X, y, mix: hc.fused(X, None if first else (y, mix), norm))(X, y, mix)
+  f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+  np.testing.assert_allclose(f32(Xn).reshape(M, 4, D), f32(Xref), **BF16_ULP)
+  p, c = HyperConnection.unpack(mix_new)
+  np.testing.assert_allclose(f32(p), f32(post_ref), **tol("fp32_paths"))
+  np.testing.assert_allclose(f32(c), f32(comb_ref), **tol("fp32_paths"))
+  # x_in: the variance of the f32 u (vLLM) instead of the bf16 u (HF, the stock path): within bf16 rounding
+  np.testing.assert_allclose(f32(xin), f32(xin_ref), **tol("kernel_bf16"))
+  assert np.mean(f32(xin) != f32(xin_ref)) < 0.05
+
+
+@pytest.mark.e2e_kernels
+def test_trunk_with_fused_boundaries_as_accurate_as_stock():
+  """kernel-tiny in bf16 (4 layers: 8 fused boundaries + the final post; dense MLPs, 5 tokens, so no MoE
+  routing or indexer selection can flip on a rounding difference), fused mHC kernels vs the stock bf16 trunk,
+  both against the f32 model: the fused path is as close to f32 as the stock bf16 path."""
+  from glm5_jax import api  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 4, "fp8", mlp_layer_types=["dense"] * 4)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 2000, (2, 5)), jnp.int32)
+  fused = {k: False for k in ("kda", "fp8_linear", "fp8_moe", "sparse_mla", "indexer")} | {"mhc": True}
+  hidden = {}
+  for name, dtype, policy in (("f32", "float32", None), ("stock", "bfloat16", None), ("fused", "bfloat16", fused)):
+    m = load(path, dtype)
+    cache = api.init_cache(m, 2, 64)
+    fn = api._build_extend(m, (2, 64, 1), "all")  # a fresh trace per policy
+    with use_kernels(policy), maybe_interpret(None if on_gpu() else True):
+      out, _ = fn(m.params, cache.caches, tokens, cache.lengths, jnp.full((2,), 5, jnp.int32), cache.n_acc)
+    hidden[name] = np.asarray(out["hidden"], np.float32)
+  err = {k: np.linalg.norm(hidden[k] - hidden["f32"]) / np.linalg.norm(hidden["f32"]) for k in ("stock", "fused")}
+  assert err["fused"] <= 1.25 * err["stock"], err
+  assert np.linalg.norm(hidden["fused"] - hidden["stock"]) / np.linalg.norm(hidden["stock"]) < 0.03
