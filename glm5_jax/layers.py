@@ -315,14 +315,11 @@ class MoE(nnx.Module):
     ex = self.experts
     if ex.fp8_block is not None and kernel_enabled("fp8_moe", xf.shape[0]) and ex.gate_proj.shape[1] % 128 == 0:
       from pallas_kernels import linear as kl  # noqa: PLC0415
+      se = self.shared_experts  # (config: 0 or 1 shared expert, of the routed width) slot 0 of the same kernels
+      sew = None if se is None else (se.gate_proj.weight[...], se.gate_proj.scale[...], se.up_proj.weight[...],
+                                     se.up_proj.scale[...], se.down_proj.weight[...], se.down_proj.scale[...])
       y = kl.fp8_moe(xf, ids, w, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],
-                     ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit)
-      if self.shared_experts is not None:  # the shared expert as a one-expert MoE with weight 1
-        se = self.shared_experts
-        one = jnp.zeros((xf.shape[0], 1), jnp.int32)
-        y = y + kl.fp8_moe(xf, one, jnp.ones((xf.shape[0], 1), jnp.float32), se.gate_proj.weight[...][None],
-                           se.gate_proj.scale[...][None], se.up_proj.weight[...][None], se.up_proj.scale[...][None],
-                           se.down_proj.weight[...][None], se.down_proj.scale[...][None], swiglu_limit=ex.limit)
+                     ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, shared=sew)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
       return (y, ids.reshape(*lead, -1)) if return_ids else y
     y = ex.partial(xf, ids, w, dtype)

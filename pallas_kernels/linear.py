@@ -437,12 +437,16 @@ def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_s
                  gu_split=gu_split)
 
 
-def _moe_gate_up_kernel(xq_ref, sx_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, o_ref,
-                        wg_s, wu_s, x_s, bar, *, mp: int, bm: int, stages: int, tiles: int, split: int,
-                        limit: float):
+def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
-  (their rows are left unwritten and masked by the caller)."""
+  (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
+  from its own weight refs (wgs/sgs/wus/sus: one expert, no expert axis)."""
+  if shared:
+    (xq_ref, sx_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, wgs_ref, sgs_ref, wus_ref, sus_ref,
+     o_ref, wg_s, wu_s, x_s, bar) = refs
+  else:
+    xq_ref, sx_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, o_ref, wg_s, wu_s, x_s, bar = refs
   t = lax.axis_index("t")
   per_slot = tiles * split
   slot_id, rem = t // per_slot, t % per_slot
@@ -456,11 +460,25 @@ def _moe_gate_up_kernel(xq_ref, sx_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu
     nb = row0 // BLOCK
     kb0 = sk * steps
 
+    is_sh = slot_id == 0
+
     def issue(i):
       slot = i % stages
       k0 = (kb0 + i) * BLOCK
-      plgpu.copy_gmem_to_smem(wg_ref.at[e, pl.ds(row0, bm), pl.ds(k0, BLOCK)], wg_s.at[slot], bar.at[slot])
-      plgpu.copy_gmem_to_smem(wu_ref.at[e, pl.ds(row0, bm), pl.ds(k0, BLOCK)], wu_s.at[slot], bar.at[slot])
+
+      def routed():
+        plgpu.copy_gmem_to_smem(wg_ref.at[e, pl.ds(row0, bm), pl.ds(k0, BLOCK)], wg_s.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(wu_ref.at[e, pl.ds(row0, bm), pl.ds(k0, BLOCK)], wu_s.at[slot], bar.at[slot])
+
+      def from_shared():  # the same two arrivals, from the shared expert's refs
+        plgpu.copy_gmem_to_smem(wgs_ref.at[pl.ds(row0, bm), pl.ds(k0, BLOCK)], wg_s.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(wus_ref.at[pl.ds(row0, bm), pl.ds(k0, BLOCK)], wu_s.at[slot], bar.at[slot])
+
+      if shared:
+        pl.when(is_sh)(from_shared)
+        pl.when(jnp.logical_not(is_sh))(routed)
+      else:
+        routed()
       plgpu.copy_gmem_to_smem(xq_ref.at[:, pl.ds(k0, BLOCK)], x_s.at[slot], bar.at[slot])
 
     for i in range(min(stages, steps)):
@@ -470,6 +488,9 @@ def _moe_gate_up_kernel(xq_ref, sx_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu
       acc_g, acc_u = carry
       slot = i % stages
       sg, su = sg_ref[e, nb, kb0 + i], su_ref[e, nb, kb0 + i]  # issued before the wait: latency hides
+      if shared:
+        sg = jnp.where(is_sh, sgs_ref[nb, kb0 + i], sg)
+        su = jnp.where(is_sh, sus_ref[nb, kb0 + i], su)
       plgpu.barrier_wait(bar.at[slot])
       acc2 = (plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
       g = pl.run_scoped(functools.partial(_mma_hi_lo, wg_s.at[slot], x_s.at[slot], mp), *acc2)
@@ -489,10 +510,14 @@ def _moe_gate_up_kernel(xq_ref, sx_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu
       o_ref[sk, slot_id, 1, pl.ds(row0, bm), :] = acc_u * sx
 
 
-def _moe_down_kernel(hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, o_ref, w_s, x_s, eid_s, bar, ebar, *,
-                     mp: int, bm: int, stages: int, tiles: int, groups: int):
+def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool):
   """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
-  over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count."""
+  over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count.
+  ``shared``: slot 0 is the shared expert (its own refs wds/sds)."""
+  if shared:
+    hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, wds_ref, sds_ref, o_ref, w_s, x_s, eid_s, bar, ebar = refs
+  else:
+    hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, o_ref, w_s, x_s, eid_s, bar, ebar = refs
   t = lax.axis_index("t")
   g, tile = t // tiles, t % tiles
   row0 = tile * bm
@@ -512,7 +537,16 @@ def _moe_down_kernel(hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, o_ref, w_s, x
   def issue(j):
     slot = j % stages
     s, ib, e = where(j)
-    plgpu.copy_gmem_to_smem(wd_ref.at[e, pl.ds(row0, bm), pl.ds(ib * BLOCK, BLOCK)], w_s.at[slot], bar.at[slot])
+
+    def routed():
+      plgpu.copy_gmem_to_smem(wd_ref.at[e, pl.ds(row0, bm), pl.ds(ib * BLOCK, BLOCK)], w_s.at[slot], bar.at[slot])
+
+    if shared:
+      pl.when(s == 0)(lambda: plgpu.copy_gmem_to_smem(
+          wds_ref.at[pl.ds(row0, bm), pl.ds(ib * BLOCK, BLOCK)], w_s.at[slot], bar.at[slot]))
+      pl.when(s != 0)(routed)
+    else:
+      routed()
     plgpu.copy_gmem_to_smem(hq_ref.at[s, :, pl.ds(ib * BLOCK, BLOCK)], x_s.at[slot], bar.at[slot])
 
   for p in range(stages):
@@ -520,8 +554,10 @@ def _moe_down_kernel(hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, o_ref, w_s, x
 
   def step(j, acc):
     slot = j % stages
-    _, ib, e = where(j)
+    s, ib, e = where(j)
     scale = sd_ref[e, nb, ib]
+    if shared:
+      scale = jnp.where(s == 0, sds_ref[nb, ib], scale)
     plgpu.barrier_wait(bar.at[slot])
     blk = pl.run_scoped(functools.partial(_mma_hi_lo, w_s.at[slot], x_s.at[slot], mp),
                         plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
@@ -555,7 +591,7 @@ def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, m
 
 
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
-            plan: MoePlan | None = None):
+            plan: MoePlan | None = None, shared=None):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -568,9 +604,9 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     y: [M, D] f32 = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
 
-  Only the distinct selected experts' weights are read, once each. A shared expert is passed by the caller as
-  one more expert: stack its weights at index E (done once at load time) and append a column to topk_ids
-  (= E) and topk_weights (= 1.0).
+  Only the distinct selected experts' weights are read, once each. ``shared`` = (w_gate [I, D], s_gate, w_up,
+  s_up, w_down [D, I], s_down) of one shared expert (weight 1 for every token): it runs as slot 0 of the same two
+  kernels, streamed from its own arrays (no stacking, one launch pair per MoE layer).
   Two kernels: gate+up with the fused clamped SwiGLU writes h [slots, I, M] f32 (when slots x I/64 < 132 CTAs,
   e.g. M=1, it splits D instead and the SwiGLU runs in the XLA glue that follows anyway); XLA applies the routing
   weights and quantises h (hi+lo e4m3, one scale) as [slots, 2M, I]; the down kernel sums over the experts per
@@ -588,16 +624,31 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   k = topk_ids.shape[1]
   mp = _padded_rows(m)
   n_slots = min(e_num, m * k)
+  eids, n_valid, valid, r = _route(topk_ids, topk_weights, e_num, n_slots, _round_up(n_slots, 8), mp)
+  has_sh = shared is not None
+  if has_sh:  # slot 0 = the shared expert with weight 1 for the m real rows; routed slots follow
+    if shared[0].shape != (inter, d) or shared[4].shape != (d, inter):
+      raise ValueError(f"shared expert shapes {shared[0].shape} / {shared[4].shape}, expected {(inter, d)} / "
+                       f"{(d, inter)}")
+    n_slots += 1
+    pad = _round_up(n_slots, 8) - n_slots
+    eids = jnp.pad(jnp.concatenate([jnp.zeros((1,), jnp.int32), eids[:n_slots - 1]]), (0, pad))
+    valid = jnp.pad(jnp.concatenate([jnp.ones((1,), bool), valid[:n_slots - 1]]), (0, pad))
+    r = jnp.pad(jnp.concatenate([(jnp.arange(mp) < m).astype(jnp.float32)[None], r[:n_slots - 1]]),
+                ((0, pad), (0, 0)))
+    n_valid = n_valid + 1
   n_pad = _round_up(n_slots, 8)
   plan = plan or plan_moe(n_slots, inter, d, mp)
-  eids, n_valid, valid, r = _route(topk_ids, topk_weights, e_num, n_slots, n_pad, mp)
   xq, sx = quantize_activations(x, mp)
+  f32 = jnp.float32
+  sh_gu = (shared[0], shared[1].astype(f32), shared[2], shared[3].astype(f32)) if has_sh else ()
+  sh_dn = (shared[4], shared[5].astype(f32)) if has_sh else ()
 
   gu_tiles = inter // plan.gu_bm
   gu_out = ((n_pad, inter, mp) if plan.gu_split == 1 else (plan.gu_split, n_pad, 2, inter, mp))
   h = plgpu.kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
-                        split=plan.gu_split, limit=float(swiglu_limit)),
+                        split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh),
       out_type=jax.ShapeDtypeStruct(gu_out, jnp.float32),
       grid=(n_slots * gu_tiles * plan.gu_split,),
       grid_names=("t",),
@@ -608,7 +659,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
           plgpu.SMEM((plan.gu_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)),
           plgpu.Barrier(num_arrivals=3, num_barriers=plan.gu_stages),
       ],
-  )(xq, sx.reshape(1), eids, n_valid, w_gate, s_gate.astype(jnp.float32), w_up, s_up.astype(jnp.float32))
+  )(xq, sx.reshape(1), eids, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu)
 
   if plan.gu_split > 1:  # add the D splits and apply the clamped SwiGLU here (fused into the glue below)
     gu = h.sum(0)
@@ -621,7 +672,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   dn_tiles = d // plan.dn_bm
   out = plgpu.kernel(
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
-                        groups=plan.dn_groups),
+                        groups=plan.dn_groups, shared=has_sh),
       out_type=jax.ShapeDtypeStruct((plan.dn_groups, d, mp), jnp.float32),
       grid=(dn_tiles * plan.dn_groups,),
       grid_names=("t",),
@@ -633,14 +684,21 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
           plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages),
           plgpu.Barrier(num_arrivals=1, num_barriers=1),
       ],
-  )(hq, eids.reshape(n_pad // 8, 8), n_valid, w_down, s_down.astype(jnp.float32))
+  )(hq, eids.reshape(n_pad // 8, 8), n_valid, w_down, s_down.astype(f32), *sh_dn)
   return out.sum(0).T[:m] * sh
 
 
 def fp8_moe_reference(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,
-                      swiglu_limit: float):
+                      swiglu_limit: float, shared=None):
   """Reference of :func:`fp8_moe` (same signature): fp32, one (token, expert) pair at a time (lax.map, so only
   one expert is dequantised at a time). Returns [M, D] f32."""
+  if shared is not None:
+    m = topk_ids.shape[0]
+    routed = fp8_moe_reference(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down,
+                               swiglu_limit=swiglu_limit)
+    one = [a[None] for a in shared]
+    return routed + fp8_moe_reference(x, jnp.zeros((m, 1), jnp.int32), jnp.ones((m, 1), jnp.float32), *one,
+                                      swiglu_limit=swiglu_limit)
   m, k = topk_ids.shape
   xf = x.astype(jnp.float32)
   hp = lax.Precision.HIGHEST

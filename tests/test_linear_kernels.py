@@ -246,6 +246,29 @@ def test_fp8_moe_interpret_shared_expert_as_extra_expert():
   assert_close(y, routed + shared, "kernel_fp8")
 
 
+def _shared_expert(key, i, d):
+  """One expert's FP8 weights + block scales (gate, up [I, D]; down [D, I]) from moe_inputs' generator."""
+  _, _, _, wg, sg, wu, su, wd, sd = moe_inputs(key, 1, 1, i, d, 1)
+  return wg[0], sg[0], wu[0], su[0], wd[0], sd[0]
+
+
+@pytest.mark.parametrize("m,e,k,plan_kw", [
+    (1, 6, 2, {}),  # D split in gate/up
+    (3, 5, 2, dict(dn_groups=2, dn_stages=2, gu_stages=2, gu_split=1)),  # the shared slot in group 0 of 2
+])
+def test_fp8_moe_interpret_shared_slot(m, e, k, plan_kw):
+  """The shared expert as slot 0 of the same kernels, streamed from its own arrays (the model's MoE call)."""
+  i, d = 256, 384
+  args = moe_inputs(jax.random.key(60 + m), m, e, i, d, k)
+  sh = _shared_expert(jax.random.key(70 + m), i, d)
+  plan = L.plan_moe(min(e, m * k) + 1, i, d, L._padded_rows(m), **plan_kw) if plan_kw else None
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, plan=plan))(*args, shared=sh)
+  ref = L.fp8_moe_reference(*args, swiglu_limit=1.0, shared=sh)
+  assert_close(y, ref, "kernel_fp8")
+  assert not np.allclose(np.asarray(ref), np.asarray(L.fp8_moe_reference(*args, swiglu_limit=1.0)))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # CUDA cross-lowering of every real per-rank shape (Mosaic layout inference, SMEM budget, TMA limits)
 # ------------------------------------------------------------------------------------------------------------
@@ -271,6 +294,13 @@ def test_fp8_moe_cross_lowers(m):
               SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
               SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
               SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32))
+  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
+        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
+  cross_lower(lambda *a: L.fp8_moe(*a[:9], swiglu_limit=10.0, shared=a[9:]),
+              SDS((m, d), jnp.bfloat16), SDS((m, k), jnp.int32), SDS((m, k), jnp.float32),
+              SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+              SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+              SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -312,4 +342,15 @@ def test_fp8_moe_gpu(m, e, k):
   f = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=10.0))
   y = f(*args)
   ref = jax.jit(functools.partial(L.fp8_moe_reference, swiglu_limit=10.0))(*args)
+  assert_close(y, ref, "kernel_fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_fp8_moe_shared_slot_gpu(m):
+  i, d, e, k = MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["E"], MOE_REAL["k"]
+  args = moe_inputs(jax.random.key(90 + m), m, e, i, d, k)
+  sh = _shared_expert(jax.random.key(95 + m), i, d)
+  y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=10.0))(*args, shared=sh)
+  ref = jax.jit(functools.partial(L.fp8_moe_reference, swiglu_limit=10.0))(*args, shared=sh)
   assert_close(y, ref, "kernel_fp8")
