@@ -10,6 +10,8 @@
 #                             end-to-end kernel GPU tests on the other GPU
 #   cmdbuf  (nvidia-h200-x2): the latency_specialized step of 8 layers under XLA command-buffer variants
 #   full    (nvidia-h200-x2): the whole one-rank step, auto (GPU 0) and latency_specialized (GPU 1) side by side
+#   verify  (nvidia-h200-x2): kernels not yet run natively + their benchmark + end-to-end tests (GPU 0); the
+#                             whole one-rank latency_specialized step with and without the fused mHC (GPU 1)
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -144,6 +146,29 @@ case "$MODE" in
     fb 0 auto & fb 1 latency_specialized &
     wait
     for b in auto latency_specialized; do grep -v -i -E "warn|^\s*$" "$OUT/bench_full_$b.log" | tail -12; done
+    ;;
+  verify)  # (nvidia-h200-x2) GPU 0: the kernels not yet run natively (fused mHC, the MoE shared-expert slot), their
+    # benchmark, the end-to-end kernel tests; GPU 1: the whole one-rank step, latency_specialized, then with mhc on
+    (
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_mhc.py \
+        tests/test_linear_kernels.py -k "mhc or moe" 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " \
+        | head -40 >> "$OUT/gpu_tests.log"
+      CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/bench_mhc.py > "$OUT/bench_mhc.log" 2>&1
+      CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 20 )) python3 -m pytest -v -m e2e_kernels -p no:cacheprovider \
+        tests/test_decode.py tests/test_mhc.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " \
+        | head -30 >> "$OUT/gpu_tests.log"
+    ) &
+    (
+      for pol in '{}' '{"mhc": true}'; do
+        [ "$(left)" -gt 200 ] || break
+        echo "## policy $pol" >> "$OUT/bench_full.log"
+        CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 20 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+          --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --profile \
+          --backend latency_specialized --policy "$pol" --out "$OUT/decode_full.jsonl" 2>&1 \
+          | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_full.log"
+      done
+    ) &
+    wait
     ;;
   *) echo "unknown mode $MODE (single | pair | tp2 | bisect)"; exit 2 ;;
 esac

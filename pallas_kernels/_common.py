@@ -37,6 +37,15 @@ def _dedupe_kernel_modules():
 _dedupe_kernel_modules()
 
 
+def kernel_entry(*static: str):
+  """Decorator for a kernel's public entry point: jax.jit with the given static keyword arguments. A kernel that
+  45 layers call with the same shapes is then traced and lowered once per program (an inner jit is lowered once
+  into a called function that XLA inlines again); lowering the real-geometry step spent 53 of its 70 s in
+  Mosaic GPU lowering one call site at a time. The interpret-mode switch is part of jax's jit key, so native and
+  interpret-mode traces never mix."""
+  return lambda fn: jax.jit(fn, static_argnames=static)
+
+
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 

@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import kernel_entry
+
 HEAD_DIM = 128
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
@@ -166,6 +168,7 @@ def _indexer_kernel(nbc: int, T: int, hi: int):
   return body
 
 
+@kernel_entry("blocks_per_cta")
 def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None):
   """Mosaic GPU indexer scores; same contract as ``indexer_scores_reference``.
 

@@ -45,6 +45,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import kernel_entry
+
 L2NORM_EPS = 1e-6
 _DEBUG = False  # True: print the kernel jaxpr and Mosaic GPU module when lowering
 
@@ -204,6 +206,7 @@ def _layouts(D: int, BV: int):
               ROW=_tiled(rows.reduce([0])))
 
 
+@kernel_entry("lower_bound", "norm_eps", "config")
 def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
                gate=None, norm_weight=None, norm_eps=1e-5, config: KdaDecodeConfig | None = None):
   """KDA decode recurrence over T tokens as one Pallas Mosaic GPU kernel; same contract as the reference.

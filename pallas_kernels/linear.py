@@ -52,6 +52,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import kernel_entry
+
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
 LO_SCALE = 16.0  # lo term is stored x16: the hi residual is <= 2^-4 |v|, so lo*16 never exceeds 448
@@ -271,6 +273,7 @@ def fp8_linear_q(xq: jax.Array, x_scale: jax.Array, m: int, w: jax.Array, scale_
   return (out.sum(0).T[:m] * x_scale).astype(out_dtype)
 
 
+@kernel_entry("out_dtype", "plan")
 def fp8_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jnp.float32,
                plan: Plan | None = None) -> jax.Array:
   """y = x @ dequant(w).T with FP8 128x128 block-scaled weights.
@@ -342,6 +345,7 @@ def _bf16_linear_kernel(x_ref, w_ref, o_ref, w_s, x_s, bar, *, plan: Plan, tiles
   o_ref[sk, pl.ds(row0, bm), :] = pl.run_scoped(scope, plgpu.ACC((bm, x_s.shape[1]), jnp.float32))
 
 
+@kernel_entry("out_dtype", "plan")
 def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan | None = None) -> jax.Array:
   """y = x @ w.T for a BF16 weight (skinny GEMM: KDA projections, lm_head).
 
@@ -590,6 +594,7 @@ def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, m
   return eids, n_valid, valid, r
 
 
+@kernel_entry("swiglu_limit", "plan")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.

@@ -38,6 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import kernel_entry
+
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
 ROWS = 64  # token rows per launch (wgmma M)
@@ -165,6 +167,7 @@ def _post_pre_kernel(M: int, D: int, first: bool):
   return body
 
 
+@kernel_entry("first")
 def mhc_post_pre(X, y, mix, fn, *, first: bool = False):
   """Mosaic GPU version of ``mhc_post_pre_reference`` (same signature and outputs; with ``first`` X' is X itself)."""
   M, K = X.shape
@@ -221,6 +224,7 @@ def _finish_kernel(M: int, D: int):
   return body
 
 
+@kernel_entry()
 def mhc_finish(Xn, pre_r, w):
   """Mosaic GPU version of ``mhc_finish_reference``."""
   M, K = Xn.shape

@@ -47,6 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import kernel_entry
+
 D_LATENT = 512
 GROUP = 128  # values per fp32 scale
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -246,6 +248,7 @@ def _prepare_q(q, softmax_scale):
   return q16, r * (softmax_scale * _LOG2E)
 
 
+@kernel_entry("softmax_scale", "blocks_per_split")
 def sparse_mla_decode(q, cache, cache_scale, indices, *, softmax_scale, blocks_per_split: int | None = None):
   """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
 

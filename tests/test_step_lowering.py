@@ -44,7 +44,8 @@ def kernel_calls(txt):
 
 
 def check_one_module_per_kernel(txt):
-  """Calls of the same kernel with the same types carry the same module hash (one runtime compilation each)."""
+  """Calls of the same kernel with the same types carry the same module hash (one runtime compilation each).
+  Identical calls are lowered once (a called function), so the text holds one custom call per distinct kernel."""
   calls = kernel_calls(txt)
   sigs = {(n, t) for n, t, _ in calls}
   hashes = {h for _, _, h in calls}
@@ -56,7 +57,9 @@ def check_one_module_per_kernel(txt):
 def test_kernel_tiny_step_lowers_for_cuda(q):
   txt = lower_step(C.kernel_tiny(), q, "latency_specialized", max_context=4096)
   n_calls, n_kernels = check_one_module_per_kernel(txt)
-  assert n_kernels < n_calls
+  # identical calls share one lowering (pallas_kernels._common.kernel_entry); where they do not (another
+  # lowering context), they still share one module, hence one runtime compilation
+  assert n_kernels <= 16 and n_calls <= 24, (n_calls, n_kernels)
   for name in ("glm5_fp8_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla", "glm5_indexer_scores"):
     assert name in txt, name
   auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
@@ -68,9 +71,6 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda():
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096, policy=(("mhc", True),))
   for name in ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"):
     assert name in txt, name
-  calls = [n for n, _, _ in kernel_calls(txt)]
-  layers = C.kernel_tiny().num_hidden_layers
-  assert calls.count("glm5_mhc_finish") == 2 * layers and calls.count("glm5_mhc_pre") == 1
   check_one_module_per_kernel(txt)
 
 
@@ -79,9 +79,9 @@ def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
   """The kernels inside shard_map with TP4-local shapes (1 KDA / MLA head per rank, experts 128 wide). GPU
   interpret mode cannot run this: its check that no barrier outlives a kernel is global over devices, so two
   kernels in one multi-device program trip it (jax 0.11.2) — hence cross-lowering here and a 2-GPU test."""
-  txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4)
+  txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4, policy=(("mhc", True),))
   for name in ("kda_decode", "glm5_fp8_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
-               "glm5_indexer_scores"):
+               "glm5_indexer_scores", "glm5_mhc_post_pre", "glm5_mhc_finish"):
     assert name in txt, name
   assert txt.count("all_reduce") == 1 + 2 * 4 + 3 * 2
 
@@ -90,5 +90,5 @@ def test_real_geometry_step_lowers_for_cuda():
   """One TP4 rank of GLM-5.3-Flash, q = 4 (3 drafts), 32K context: ~1 minute on the CPU."""
   txt = lower_step(tp_rank_config(C.real(), 4), 4, "latency_specialized")
   n_calls, n_kernels = check_one_module_per_kernel(txt)
-  assert n_calls > 200 and n_kernels <= 32, (n_calls, n_kernels)  # 45 layers share their kernels
+  assert n_kernels <= 32, (n_calls, n_kernels)  # 45 layers share their kernels: lowered and compiled once each
   assert txt.count("all_reduce") == 1 + 2 * 45 + 3 * 3  # psums are no-ops on one device but still lowered
