@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 
 from glm5_jax import config as C  # noqa: E402
 from glm5_jax import profiling  # noqa: E402
+from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: E402
 from glm5_jax.sharding import make_mesh  # noqa: E402
 from glm5_jax.speculative import Decoder, decode  # noqa: E402
 from glm5_jax.runtime import DecodeConfig  # noqa: E402
@@ -96,7 +97,9 @@ def main(argv=None):
     if time.time() - t_start > a.budget_s:
       print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
       continue
-    dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=policy),
+    # the kernel switches concern latency_specialized only (auto refuses a request for a kernel)
+    pol = policy if backend != "auto" else tuple((k, v) for k, v in policy if k not in KERNEL_DEFAULTS)
+    dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=pol),
                   backend=backend, compiler_options=opts)
     t = time.time()
     try:
@@ -107,6 +110,11 @@ def main(argv=None):
     comp = time.time() - t
     hlo = dec._aot[b].as_text()
     cen = profiling.census(hlo)
+    sites = dec.kernel_sites(b)
+    if sites:
+      print("# kernel sites: " + ", ".join(f"{k} {v['sites']}" + (f" (not at {sum(v['not_used'].values())}: "
+                                           f"{'; '.join(v['not_used'])})" if v["not_used"] else "")
+                                           for k, v in sorted(sites.items())), flush=True)
     print(f"# {backend} B={b} q={q}: {cen['kernels']} kernel-level instructions {cen['by_kind']}, "
           f"{cen['while_loops']} loops; by component {cen['by_component']}", flush=True)
     state = random_state(dec, b, a.context)
@@ -138,7 +146,7 @@ def main(argv=None):
                compiler_options=opts, batch=b, q=q, context=a.context, compile_s=comp,
                ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
                roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
-               census=cen, profile=prof, first_call_s=first,
+               census=cen, profile=prof, first_call_s=first, kernel_sites=sites,
                date=time.strftime("%Y-%m-%d"))
     rows.append(row)
     print(f"{label:>34} {b:>3} {q:>2} {comp:>9.1f} {ms:>9.2f} {tps:>9.1f} {roof:>11.3f} {row['pct_roofline']:>6.1f}%",

@@ -159,7 +159,8 @@ class KDA(nnx.Module):
     ssm = cache["ssm"]
     if ctx.mode == "verify":
       from pallas_kernels import kda_decode as kda_ops  # noqa: PLC0415 (kernels import lazily: GPU-only deps)
-      kern = kda_ops.kda_decode if kernel_enabled("kda") else kda_ops.kda_decode_reference
+      kern = (kda_ops.kda_decode if kernel_enabled("kda", fits=Kd == 128, why=f"KDA head dim {Kd} (the kernel "
+                                                   "takes 128)") else kda_ops.kda_decode_reference)
       o, new_ssm = kern(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound)
     else:
       gl = self.lower_bound * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (f + dt_bias))
@@ -259,6 +260,8 @@ class Indexer(nnx.Module):
       n_valid = (pos + 1) // self.kpool
       fn = ki.indexer_scores if kernel_enabled("indexer", B * T) else ki.indexer_scores_reference
       return fn(q8, qs, w * (self.head_dim ** -0.5), icache["pool8"], icache["pool_scale"], n_valid)
+    kernel_enabled("indexer", fits=False, why="a bf16/f32 pooled-key cache (the kernel reads the FP8 one: policy "
+                   "kv_cache_dtype 'fp8')")
     pools = icache["pool"]
     dots = jnp.einsum("bthd,bpd->bthp", qI, pools.astype(jnp.float32), precision=HIGHEST) * (self.head_dim ** -0.5)
     return jnp.einsum("bth,bthp->btp", w, jnp.maximum(dots, 0.0), precision=HIGHEST)
@@ -340,6 +343,8 @@ class DSA(nnx.Module):
         o_lat = ks.sparse_mla_decode_reference(q_hat, lat["latent8"], lat["latent_scale"], idx,
                                                softmax_scale=self.scale)
     else:
+      kernel_enabled("sparse_mla", fits=False, why="a bf16/f32 latent cache (the kernel reads the FP8 one: policy "
+                     "kv_cache_dtype 'fp8')")
       cs = lat["latent"][jnp.arange(B)[:, None, None], jnp.maximum(idx, 0)].astype(dtype)  # [B, T, W, R]
       s = jnp.einsum("bthr,btwr->bthw", q_hat.astype(jnp.float32), cs.astype(jnp.float32), precision=HIGHEST)
       s = jnp.where((idx >= 0)[:, :, None, :], s * self.scale, -jnp.inf)

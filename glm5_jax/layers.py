@@ -57,11 +57,39 @@ def use_kernels(policy: dict | None):
     _KERNELS.reset(tok)
 
 
-def kernel_enabled(name: str, rows: int | None = None) -> bool:
-  """Whether the kernel ``name`` is on in this trace; ``rows`` (token rows) is checked against the
-  weight-streaming kernels' MAX_KERNEL_ROWS when given."""
+_REPORT: contextvars.ContextVar = contextvars.ContextVar("glm5_jax_kernel_report", default=None)
+
+
+def kernel_enabled(name: str, rows: int | None = None, *, fits: bool = True, why: str = "") -> bool:
+  """Whether the kernel ``name`` runs at this call site of the trace: on in the policy, ``rows`` (token rows,
+  when given) within the weight-streaming kernels' MAX_KERNEL_ROWS, and ``fits`` (the site's shape/dtype
+  condition; ``why`` says what it needs). The decision and its reason go to the active ``kernel_report``."""
   pol = _KERNELS.get()
-  return pol is not None and bool(pol.get(name)) and (rows is None or rows <= MAX_KERNEL_ROWS)
+  if pol is None:
+    return False
+  if not pol.get(name):
+    reason = "off in the policy"
+  elif rows is not None and rows > MAX_KERNEL_ROWS:
+    reason = f"{rows} token rows > {MAX_KERNEL_ROWS}"
+  elif not fits:
+    reason = why or "the call site's shapes do not fit the kernel"
+  else:
+    reason = None
+  rep = _REPORT.get()
+  if rep is not None:
+    rep.append((name, reason))
+  return reason is None
+
+
+@contextlib.contextmanager
+def kernel_report():
+  """Collect [(kernel, None if it runs at the site else why not)] for every kernel site traced inside."""
+  rep: list = []
+  tok = _REPORT.set(rep)
+  try:
+    yield rep
+  finally:
+    _REPORT.reset(tok)
 
 
 def param(shape, dtype, axes):
@@ -121,7 +149,8 @@ class Linear(nnx.Module):
       x2 = x.reshape(rows, n_in)
       if self.scale is not None and kernel_enabled("fp8_linear", rows):
         return kl.fp8_linear(x2, self.weight[...], self.scale[...], out_dtype=dtype).reshape(*x.shape[:-1], n_out)
-      if self.scale is None and kernel_enabled("bf16_linear", rows) and self.weight.dtype == jnp.bfloat16:
+      if self.scale is None and kernel_enabled("bf16_linear", rows, fits=self.weight.dtype == jnp.bfloat16,
+                                               why=f"{self.weight.dtype} weights (the kernel streams bf16)"):
         return kl.bf16_linear(x2, self.weight[...], out_dtype=dtype).reshape(*x.shape[:-1], n_out)
     return mm(x, self.w(dtype), dtype)
 
@@ -313,7 +342,8 @@ class MoE(nnx.Module):
     with jax.named_scope("router"):
       ids, w = self.gate(xf)
     ex = self.experts
-    if ex.fp8_block is not None and kernel_enabled("fp8_moe", xf.shape[0]) and ex.gate_proj.shape[1] % 128 == 0:
+    if kernel_enabled("fp8_moe", xf.shape[0], fits=ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0,
+                      why="FP8 expert weights with I % 128 == 0"):
       from pallas_kernels import linear as kl  # noqa: PLC0415
       se = self.shared_experts  # (config: 0 or 1 shared expert, of the routed width) slot 0 of the same kernels
       sew = None if se is None else (se.gate_proj.weight[...], se.gate_proj.scale[...], se.up_proj.weight[...],

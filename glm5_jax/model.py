@@ -83,8 +83,10 @@ class DecoderLayer(nnx.Module):
 def fused_mhc(cfg: Glm5Config, dtype) -> bool:
   """Whether this trace runs the mHC boundaries as the fused kernels: policy knob ``mhc``, a bf16 residual,
   4 streams, hidden size a multiple of 128 (the kernels' column chunks)."""
-  return (kernel_enabled("mhc") and jnp.dtype(dtype) == jnp.bfloat16 and cfg.hc_mult == 4
-          and cfg.hidden_size % 128 == 0)
+  return kernel_enabled("mhc", fits=jnp.dtype(dtype) == jnp.bfloat16 and cfg.hc_mult == 4
+                        and cfg.hidden_size % 128 == 0,
+                        why=f"a bf16 residual (model dtype {jnp.dtype(dtype).name}), 4 streams "
+                            f"(hc_mult {cfg.hc_mult}), hidden % 128 == 0 ({cfg.hidden_size})")
 
 
 class MTPLayer(nnx.Module):
@@ -145,7 +147,8 @@ class Glm5Model(nnx.Module):
   def local_logits(self, h):
     """h [..., D] -> this shard's logits [..., V/tp] in f32."""
     rows, (Vl, D) = h.size // h.shape[-1], self.lm_head.shape
-    if kernel_enabled("bf16_linear", rows) and self.lm_head.dtype == jnp.bfloat16 and D % 128 == 0 and Vl % 64 == 0:
+    if kernel_enabled("bf16_linear", rows, fits=self.lm_head.dtype == jnp.bfloat16 and D % 128 == 0 and Vl % 64 == 0,
+                      why=f"bf16 lm_head with D % 128 == 0 and V/tp % 64 == 0 ({self.lm_head.dtype}, {D}, {Vl})"):
       from pallas_kernels import linear as kl  # noqa: PLC0415
       return kl.bf16_linear(h.reshape(rows, D), self.lm_head[...]).reshape(*h.shape[:-1], Vl)
     return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.lm_head[...].astype(self.dtype),

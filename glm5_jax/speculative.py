@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from glm5_jax import state as st
 from glm5_jax.api import Model, _check_tokens, compiled
 from glm5_jax.attention import StepCtx
-from glm5_jax.layers import KERNEL_DEFAULTS
+from glm5_jax.layers import KERNEL_DEFAULTS, kernel_report
 from glm5_jax.runtime import DecodeConfig
 
 REP = P()
@@ -139,6 +139,16 @@ def _first_drafts(m, h, next_ids, start, idx_last, mtp_cache, q, k, valid):
 
 
 # ---------------------------------------------------------------------------------------------------- decoder
+# (graph, mesh, decoder key, capture size) -> the traced step's kernel sites (Decoder.kernel_sites); keyed like the
+# compiled steps, which decoders of the same model and configuration share
+_KERNEL_SITES: dict = {}
+
+
+def _requested_kernels(config) -> set[str]:
+  """Kernel switches the policy turns on explicitly (defaults are not requests)."""
+  return {k for k, v in config.policy_dict().items() if k in KERNEL_DEFAULTS and v is True}
+
+
 # DecodeConfig.policy keys: the kernel switches (glm5_jax.layers.KERNEL_DEFAULTS), the cache dtype, and
 # "interpret" (runtime.unsupported accepts a CPU platform with it; kernels then run in Mosaic GPU interpret mode)
 POLICY_KEYS = frozenset(KERNEL_DEFAULTS) | {"kv_cache_dtype", "interpret"}
@@ -162,6 +172,9 @@ class Decoder:
     unknown = sorted(set(config.policy_dict()) - POLICY_KEYS)
     if unknown:
       raise ValueError(f"unknown policy key(s) {unknown}: expected some of {sorted(POLICY_KEYS)}")
+    if backend == "auto" and _requested_kernels(config):
+      raise ValueError(f"the policy turns on kernel(s) {sorted(_requested_kernels(config))} but backend 'auto' runs "
+                       "none (the stock path): use backend='latency_specialized'")
     if config.max_context % model.cfg.index_kpool:
       raise ValueError(f"max_context={config.max_context} must be a multiple of index_kpool={model.cfg.index_kpool}")
     self.model, self.config, self.backend = model, config, backend
@@ -193,7 +206,13 @@ class Decoder:
     temperature, top_p = self.temperature, self.top_p
     cspecs = st.cache_specs(self.layout(batch))
 
-    def fn(m, caches, lengths, n_acc, keys, active, tokens):
+    def fn(*args):
+      with kernel_report() as rep:
+        out = body(*args)
+      _KERNEL_SITES[self._sites_key(batch)] = self._check_kernels(rep)  # at trace time: raises before any run
+      return out
+
+    def body(m, caches, lengths, n_acc, keys, active, tokens):
       B = tokens.shape[0]
       ctx = StepCtx(lengths, jnp.full_like(lengths, q), n_acc, mode="verify")
       h, layers, _ = m.trunk(tokens, caches["layers"], ctx)
@@ -239,6 +258,33 @@ class Decoder:
     out_specs = (cspecs, REP, REP, REP, DecodeOutput(REP, REP, REP, REP))
     sm = model.shard_map(fn, (cspecs, REP, REP, REP, REP, REP), out_specs)
     return jax.jit(sm, donate_argnums=(1, 2, 3, 4))
+
+  def _check_kernels(self, rep):
+    """Summarise a traced step's kernel sites; a kernel the policy turns on explicitly that runs at no site is
+    an error naming why (a requested path never silently falls back)."""
+    sites: dict = {}
+    for name, reason in rep:
+      d = sites.setdefault(name, {"sites": 0, "not_used": {}})
+      if reason is None:
+        d["sites"] += 1
+      else:
+        d["not_used"][reason] = d["not_used"].get(reason, 0) + 1
+    missing = sorted(k for k in _requested_kernels(self.config) if not sites.get(k, {}).get("sites"))
+    if missing:
+      why = "; ".join(f"{k}: " + (", ".join(sites[k]["not_used"]) if k in sites else "no call site in this step")
+                      for k in missing)
+      raise ValueError(f"the policy turns on kernel(s) {missing} that cannot run in this step — {why}")
+    return sites
+
+  def kernel_sites(self, batch: int | None = None) -> dict:
+    """Which kernels the traced step of capture size ``batch`` (default: the first traced) runs, at how many
+    call sites, and why they do not run elsewhere: {kernel: {"sites": n, "not_used": {reason: n}}}. Empty for
+    backend "auto" (no kernels) or before the step is traced (warmup() traces every capture size)."""
+    sizes = self.config.capture_sizes if batch is None else (batch,)
+    return next((_KERNEL_SITES[k] for k in map(self._sites_key, sizes) if k in _KERNEL_SITES), {})
+
+  def _sites_key(self, batch):
+    return (self.model.graphdef, self.model.mesh, self.key, batch)  # as compiled(): decoders that share a step
 
   @classmethod
   def from_deployment(cls, model: Model, deployment, **kw) -> "Decoder":

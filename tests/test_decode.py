@@ -235,6 +235,30 @@ def test_unknown_policy_key_is_refused(model):
   Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=ok), backend="latency_specialized")
 
 
+def test_kernel_request_that_cannot_run_is_refused_with_reason(model):
+  """An explicitly requested kernel that no call site can run is an error at trace time, naming why."""
+  pol = (("kv_cache_dtype", "auto"), ("mhc", True))  # (this geometry has no FP8 cache layout)
+  dec = Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=pol),
+                backend="latency_specialized")
+  with pytest.raises(ValueError, match=r"kernel\(s\) \['mhc'\] that cannot run in this step — mhc: a bf16 "
+                                       r"residual \(model dtype float32\)"):
+    dec.trace_step(1)
+  with pytest.raises(ValueError, match=r"\['kda'\] but backend 'auto' runs none"):
+    Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=(("kda", True),)))
+
+
+def test_kernel_sites_say_what_runs_where(model):
+  dec = Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,),
+                                    policy=(("kv_cache_dtype", "auto"),)), backend="latency_specialized")
+  dec.trace_step(1)
+  sites = dec.kernel_sites(1)
+  n_kda = sum(t == "linear_attention" for t in model.cfg.layer_types)
+  assert sites["kda"] == {"sites": 0, "not_used": {"KDA head dim 32 (the kernel takes 128)": n_kda}}
+  assert sites["mhc"] == {"sites": 0, "not_used": {"off in the policy": 1}}
+  assert sites["sparse_mla"]["sites"] == 0 and "bf16/f32 latent cache" in next(iter(sites["sparse_mla"]["not_used"]))
+  assert Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=())).kernel_sites() == {}
+
+
 def test_decode_rejects_bad_tokens_and_keeps_state(model):
   dec = _decoder(model, 1)
   state = dec.prefill([np.arange(6) + 1])
@@ -294,6 +318,9 @@ def test_latency_specialized_all_kernels_equals_stock_fp8_cache():
       got += [np.asarray(o.tokens), np.asarray(o.next_tokens)]
       toks = np.array(o.next_tokens)
     outs.append(got)
+    if backend == "latency_specialized":  # every kernel family really ran in this step
+      sites = dec.kernel_sites(1)
+      assert all(sites[k]["sites"] > 0 for k in ("kda", "fp8_linear", "fp8_moe", "sparse_mla", "indexer")), sites
   for a, b in zip(*outs):
     np.testing.assert_array_equal(a, b)
 
