@@ -59,21 +59,43 @@ def _instructions(hlo_text: str):
     yield comp, name, op.group(1) if op else "?", opn.group(1) if opn else "", rest
 
 
-def kernel_instructions(hlo_text: str) -> list[tuple[str, str, str]]:
-  """(name, opcode, op_name) of the instructions that run as kernels: those of computations that are not fused
-  bodies, reducers or sort comparators (i.e. the entry computation, loop bodies / branches, called computations).
-  Loops name their computations with condition= / body= and branches with branch_computations=, which _CALLED
-  does not match; a `call` runs its computation's instructions as kernels."""
+def _kernel_rows(hlo_text: str):
+  """(name, opcode, op_name, rest of the line) of the instructions that run as kernels: those of computations
+  that are not fused bodies, reducers or sort comparators (i.e. the entry computation, loop bodies / branches,
+  called computations). Loops name their computations with condition= / body= and branches with
+  branch_computations=, which _CALLED does not match; a `call` runs its computation's instructions as kernels."""
   rows, inner = [], set()
   for _, _, op, _, rest in _instructions(hlo_text):
     if op != "call":
       for m in _CALLED.finditer(rest):
         inner.update(x.strip().lstrip("%") for x in m.group(1).split(","))
-  for comp, name, op, opn, _ in _instructions(hlo_text):
+  for comp, name, op, opn, rest in _instructions(hlo_text):
     if comp in inner or op in _FREE:
       continue
-    rows.append((name, op, opn))
+    rows.append((name, op, opn, rest))
   return rows
+
+
+def kernel_instructions(hlo_text: str) -> list[tuple[str, str, str]]:
+  """(name, opcode, op_name) of the instructions that run as kernels (see _kernel_rows)."""
+  return [r[:3] for r in _kernel_rows(hlo_text)]
+
+
+MOSAIC_SUFFIX = "_mosaic_gpu_kernel"  # CUPTI's name for a Mosaic GPU kernel: kernel_name + this
+_MOSAIC_NAME = re.compile(r"(glm5_[a-z0-9_]+?|kda_decode)(?=_mosaic|\\|\"|$)")
+
+
+def mosaic_shares(hlo_text: str) -> dict[str, dict[str, float]]:
+  """Mosaic GPU kernel (as CUPTI names it) -> {component: share of its call sites}. One kernel binary serves
+  every site with the same shapes, so its records cannot be told apart by name; they are split over the
+  components in proportion to the call sites (exact when each site does the same work)."""
+  calls: dict = collections.defaultdict(collections.Counter)
+  for _, op, opn, rest in _kernel_rows(hlo_text):
+    if op == "custom-call" and "mosaic_gpu" in rest:
+      m = _MOSAIC_NAME.search(re.sub(r"metadata=\{[^}]*\}", "", rest))  # the name in the module, not op_name
+      if m:
+        calls[m.group(1) + MOSAIC_SUFFIX][component(opn)] += 1
+  return {k: {c: n / sum(v.values()) for c, n in v.items()} for k, v in calls.items()}
 
 
 def census(hlo_text: str) -> dict:
@@ -93,19 +115,23 @@ def _sanitize(name: str) -> str:
   return re.sub(r"[.\-]", "_", name)
 
 
-def kernel_map(hlo_text: str) -> dict[str, str]:
+def kernel_map(hlo_text: str) -> dict:
   """GPU kernel name -> component: XLA names a fusion's kernel after the instruction (``.``/``-`` -> ``_``).
   Instructions inside fused computations are the fallback: some emitters (sorts on the GPU) name their kernels
-  after the inner instruction."""
-  kmap = {_sanitize(name): component(opn) for _, name, _, opn, _ in _instructions(hlo_text) if opn}
+  after the inner instruction. Mosaic GPU kernels map to {component: share} (``mosaic_shares``)."""
+  kmap: dict = {_sanitize(name): component(opn) for _, name, _, opn, _ in _instructions(hlo_text) if opn}
   kmap.update({_sanitize(n): component(opn) for n, _, opn in kernel_instructions(hlo_text)})
+  kmap.update(mosaic_shares(hlo_text))
   return kmap
 
 
-def classify_kernel(kernel: str, kmap: dict[str, str]) -> str | None:
-  """Component of one launched kernel, or None when the name matches no instruction."""
+def classify_kernel(kernel: str, kmap: dict):
+  """Component of one launched kernel ({component: share} for a Mosaic kernel serving several), or None when
+  the name matches no instruction."""
   if "nccl" in kernel.lower():
     return "all-reduce"
+  if kernel in kmap and isinstance(kmap[kernel], dict):
+    return kmap[kernel]
   k = kernel
   for _ in range(3):  # an instruction may launch several kernels: name, name_1, ...
     if k in kmap:
@@ -129,5 +155,6 @@ def split(records, kmap: dict[str, str], steps: int):
     if c is None:
       unmatched[name] += ms * 1e3 / steps
       c = "other"
-    per[c] += ms * 1e3 / steps
+    for comp, share in (c.items() if isinstance(c, dict) else ((c, 1.0),)):
+      per[comp] += share * ms * 1e3 / steps
   return dict(per), n / steps, dict(unmatched)

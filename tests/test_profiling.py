@@ -42,6 +42,9 @@ ENTRY %main (a: f32[4], b: f32[8,288]) -> f32[4] {
   %all-reduce.3 = f32[4]{0} all-reduce(%loop_neg_fusion), to_apply=%add, metadata={op_name="jit(step)/shard_map/moe/psum"}
   %custom-call.7 = f32[4]{0} custom-call(%all-reduce.3), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/shard_map/kda/kda_decode"}
   %sort.5 = f32[8,288]{1,0} sort(%b), dimensions={1}, to_apply=%add, metadata={op_name="jit(step)/shard_map/moe/router/top_k"}
+  %custom-call.8 = f32[4]{0} custom-call(%a), custom_call_target="mosaic_gpu_v2", backend_config={kernel_hash="\\01", module="ML\\EFR\\00glm5_fp8_linear\\00"}, metadata={op_name="jit(step)/shard_map/dsa/jit(fp8_linear)/mosaic"}
+  %custom-call.9 = f32[4]{0} custom-call(%a), custom_call_target="mosaic_gpu_v2", backend_config={kernel_hash="\\01", module="ML\\EFR\\00glm5_fp8_linear\\00"}, metadata={op_name="jit(step)/shard_map/mlp/jit(fp8_linear)/mosaic"}
+  %custom-call.10 = f32[4]{0} custom-call(%a), custom_call_target="mosaic_gpu_v2", backend_config={kernel_hash="\\02", module="ML\\EFR\\00glm5_fp8_linear\\00"}, metadata={op_name="jit(step)/shard_map/dsa/jit(fp8_linear)/mosaic"}
   %cl = f32[4]{0} call(%a), to_apply=%callee
   %c = s32[] constant(0)
   %t0 = (s32[], f32[4]{0}) tuple(%c, %custom-call.7)
@@ -49,6 +52,13 @@ ENTRY %main (a: f32[4], b: f32[8,288]) -> f32[4] {
   ROOT %out = f32[4]{0} get-tuple-element(%w), index=1
 }
 """
+
+
+def test_mosaic_kernels_are_split_over_their_call_sites():
+  shares = P.mosaic_shares(HLO)
+  assert shares == {"glm5_fp8_linear_mosaic_gpu_kernel": {"dsa": 2 / 3, "mlp": 1 / 3}}
+  per, launches, unmatched = P.split([("glm5_fp8_linear_mosaic_gpu_kernel", 0.006)], P.kernel_map(HLO), steps=2)
+  assert per == pytest.approx({"dsa": 2.0, "mlp": 1.0}) and unmatched == {} and launches == 0.5
 
 
 def test_component_of_scope_paths():
@@ -62,12 +72,13 @@ def test_component_of_scope_paths():
 
 def test_census_counts_kernel_level_instructions_once():
   c = P.census(HLO)
-  # entry: fusion, all-reduce, custom-call, sort (the while and the call launch nothing themselves); loop body and
+  # entry: fusion, all-reduce, 4 custom-calls, sort (the while and the call launch nothing themselves); loop body and
   # called computation: one fusion each. Fused bodies and reducers are not kernels; parameters / tuples /
   # constants are free.
-  assert c["kernels"] == 6
-  assert c["by_kind"] == {"fusion": 3, "collective": 1, "custom-call": 1, "sort": 1}
-  assert c["by_component"] == {"mhc": 1, "moe": 1, "kda": 1, "router": 1, "draft": 1, "lm_head": 1}
+  assert c["kernels"] == 9
+  assert c["by_kind"] == {"fusion": 3, "collective": 1, "custom-call": 4, "sort": 1}
+  assert c["by_component"] == {"mhc": 1, "moe": 1, "kda": 1, "router": 1, "draft": 1, "lm_head": 1, "dsa": 2,
+                               "mlp": 1}
   assert c["while_loops"] == 1
 
 
