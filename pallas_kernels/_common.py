@@ -1,4 +1,5 @@
-"""Helpers shared by the kernels: interpret mode on CPU and CUDA cross-lowering."""
+"""Helpers shared by the kernels: interpret mode on CPU, CUDA cross-lowering, one lowering (kernel_entry) and one
+Mosaic module (_dedupe_kernel_modules) per distinct kernel."""
 
 from __future__ import annotations
 
