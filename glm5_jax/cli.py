@@ -129,8 +129,30 @@ def cmd_check(args):
     for r in reasons:
       print("  -", r)
   else:
-    print("supported:", specialized_decode_config(dep))
+    spec = specialized_decode_config(dep)
+    print("supported:", spec)
+    if args.kernels and spec is not None:
+      _print_kernel_sites(model, spec, args.tp)
   return 1 if reasons and args.backend == "latency_specialized" else 0
+
+
+def _print_kernel_sites(cfg, spec, tp):
+  """Trace the step of one TP rank (abstract weights: nothing allocated, no GPU needed) and print which kernels
+  run at how many call sites, and why not elsewhere."""
+  import dataclasses  # noqa: PLC0415
+
+  from glm5_jax.speculative import Decoder  # noqa: PLC0415
+  from glm5_jax.synthetic import abstract_model, tp_rank_config  # noqa: PLC0415
+
+  model, params = abstract_model(tp_rank_config(cfg, tp), fp8=cfg.fp8_block is not None)
+  spec = dataclasses.replace(spec, capture_sizes=spec.capture_sizes[:1])
+  dec = Decoder(model, spec, backend="latency_specialized")
+  with dec.kernel_mode(interpret=False):
+    dec.trace_step(spec.capture_sizes[0], params, interpret=False)
+  print(f"kernel call sites of one TP{tp} rank's step (B={spec.capture_sizes[0]}, q={spec.q}):")
+  for name, v in sorted(dec.kernel_sites().items()):
+    why = "; ".join(f"{r} ({n})" for r, n in v["not_used"].items())
+    print(f"  {name:<12} {v['sites']:>4} site(s)" + (f"   not used: {why}" if why else ""))
 
 
 def cmd_memory(args):
@@ -186,6 +208,8 @@ def main(argv=None):
   k.add_argument("--backend", default="latency_specialized")
   k.add_argument("--platform", default=None, help="override the detected platform (sm_90, sm_100, cpu, ...)")
   k.add_argument("--policy", default="{}", help="policy knobs as JSON, e.g. '{\"interpret\": true}'")
+  k.add_argument("--kernels", action="store_true",
+                 help="also trace one rank's step (abstract weights) and list the kernels that would run where")
   k.set_defaults(fn=cmd_check)
   m = sub.add_parser("memory", help="per-device bytes of the real geometry (no allocation)")
   m.add_argument("--tp", type=int, default=4)

@@ -78,6 +78,17 @@ def random_model(cfg: Glm5Config, *, dtype=jnp.bfloat16, fp8: bool = True, mesh=
   return Model(cfg, graphdef, astate, mesh, jnp.dtype(dtype), fp8, mtp)
 
 
+def abstract_model(cfg: Glm5Config, *, dtype=jnp.bfloat16, fp8: bool = True, mesh=None, mtp: bool = True):
+  """(Model with abstract parameters, their ShapeDtypeStructs with shardings): enough to trace or lower a step
+  at any geometry without allocating a byte (the deployment check's kernel sites, the lowering tests)."""
+  mesh = shd.make_mesh(1) if mesh is None else mesh
+  graphdef, astate = nnx.split(nnx.eval_shape(lambda: Glm5Model(cfg, dtype, fp8=fp8, mtp=mtp)))
+  params = jax.tree.map(
+      lambda v, s: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=NamedSharding(mesh, s)),
+      astate, shd.param_specs(astate), is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return Model(cfg, graphdef, astate, mesh, jnp.dtype(dtype), fp8, mtp), params
+
+
 def random_state(decoder, batch: int, context: int, *, seed: int = 0):
   """A DecodeState of ``batch`` active sequences at length ``context`` with random caches (latents, pooled keys,
   tails, KDA states and conv windows) and random next tokens — what a long-running decode looks like."""

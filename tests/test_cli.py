@@ -1,5 +1,7 @@
 """The glm5-jax command line on a tiny checkpoint."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -35,6 +37,17 @@ def test_check_deployment_lists_reasons(capsys):
   assert rc == 1 and "2 reason(s)" in out and "TP other than 4" in out and "KV cache dtypes other than FP8" in out
   rc = main(["check-deployment", "--preset", "real", "--tp", "4", "--platform", "sm_90"])
   assert rc == 0 and "supported: DecodeConfig" in capsys.readouterr().out
+
+
+def test_check_deployment_lists_kernel_sites(capsys):
+  """--kernels traces one rank's step on abstract weights: every KDA layer runs the KDA kernel; a knob that is off
+  says so."""
+  rc = main(["check-deployment", "--preset", "real", "--tp", "4", "--platform", "sm_90", "--kernels",
+             "--policy", '{"sparse_mla": false}'])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert re.search(r"kda\s+34 site\(s\)", out), out
+  assert re.search(r"sparse_mla\s+0 site\(s\)\s+not used: off in the policy \(14\)", out), out
 
 
 def test_memory(capsys):

@@ -5,28 +5,18 @@ TP4 rank (45 layers + MTP, abstract weights: nothing is allocated)."""
 import re
 
 import jax
-import jax.numpy as jnp
 import pytest
-from flax import nnx
-from jax.sharding import NamedSharding
 
 from glm5_jax import config as C
 from glm5_jax import sharding as shd
-from glm5_jax.api import Model
-from glm5_jax.model import Glm5Model
 from glm5_jax.runtime import DecodeConfig
 from glm5_jax.speculative import Decoder
-from glm5_jax.synthetic import tp_rank_config
+from glm5_jax.synthetic import abstract_model, tp_rank_config
 
 
 def lower_step(cfg, q, backend, max_context=32784, b=1, tp=1, policy=()):
-  mesh = shd.make_mesh(tp)
-  gd, astate = nnx.split(nnx.eval_shape(lambda: Glm5Model(cfg, jnp.bfloat16, fp8=True)))
-  params = jax.tree.map(
-      lambda v, s: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=NamedSharding(mesh, s)),
-      astate, shd.param_specs(astate), is_leaf=lambda x: isinstance(x, nnx.Variable))
-  dec = Decoder(Model(cfg, gd, astate, mesh, jnp.dtype(jnp.bfloat16), True, True),
-                DecodeConfig(max_context=max_context, q=q, capture_sizes=(b,), policy=policy), backend=backend)
+  model, params = abstract_model(cfg, mesh=shd.make_mesh(tp))
+  dec = Decoder(model, DecodeConfig(max_context=max_context, q=q, capture_sizes=(b,), policy=policy), backend=backend)
   with dec.kernel_mode(interpret=False):  # kernels on, no interpret mode: this is the CUDA lowering
     return dec.trace_step(b, params, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
 
