@@ -74,3 +74,37 @@ for r in rows:
   plt.xlabel("GPU ms per step")
   plt.legend()
   plt.tight_layout()
+
+# %% [markdown]
+# ## Which kernels run where
+#
+# `Decoder.kernel_sites()` records, while the step is traced, every call site where a kernel of the
+# latency_specialized backend could run: whether it does, and why not. Tracing needs no weights and no GPU:
+# abstract parameters of one TP4 rank of the real model are enough (`glm5-jax check-deployment --kernels` prints
+# the same). The fused mHC boundary (policy knob `mhc`) is one decision for the whole trunk: its one site stands
+# for all 90 boundaries.
+
+# %%
+from glm5_jax import config as C
+from glm5_jax.synthetic import abstract_model, tp_rank_config
+
+rank, params = abstract_model(tp_rank_config(C.real(), 4))
+sites = {}
+for label, policy in (("default", ()), ("mhc on", (("mhc", True),))):
+  dec = Decoder(rank, DecodeConfig(max_context=32768, q=4, capture_sizes=(1,), policy=policy),
+                backend="latency_specialized")
+  with dec.kernel_mode(interpret=False):
+    dec.trace_step(1, params, interpret=False)
+  sites[label] = dec.kernel_sites(1)
+names = sorted(sites["default"])
+plt.figure(figsize=(8, 3))
+for j, label in enumerate(sites):
+  plt.bar([i + 0.4 * j for i in range(len(names))], [sites[label][n]["sites"] for n in names], width=0.4,
+          label=label)
+plt.xticks([i + 0.2 for i in range(len(names))], names, rotation=30)
+plt.ylabel("call sites running the kernel")
+plt.title("one TP4 rank, q = 4 (verify + 3 drafts)")
+plt.legend()
+plt.tight_layout()
+for n in names:
+  print(f"{n:<12}", {k: v[n]["sites"] for k, v in sites.items()}, sites["default"][n]["not_used"] or "")
