@@ -144,14 +144,17 @@ class Linear(nnx.Module):
   def __call__(self, x, dtype):
     rows = x.size // x.shape[-1]
     n_out, n_in = self.weight.shape
-    if n_in % 128 == 0 and n_out % 64 == 0:
+    tiles = n_in % 128 == 0 and n_out % 64 == 0
+    why = f"weight {n_out}x{n_in} (the kernels need in % 128 == 0 and out % 64 == 0)"
+    if self.scale is not None and kernel_enabled("fp8_linear", rows, fits=tiles, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415 (kernels only where the backend asks for them)
-      x2 = x.reshape(rows, n_in)
-      if self.scale is not None and kernel_enabled("fp8_linear", rows):
-        return kl.fp8_linear(x2, self.weight[...], self.scale[...], out_dtype=dtype).reshape(*x.shape[:-1], n_out)
-      if self.scale is None and kernel_enabled("bf16_linear", rows, fits=self.weight.dtype == jnp.bfloat16,
-                                               why=f"{self.weight.dtype} weights (the kernel streams bf16)"):
-        return kl.bf16_linear(x2, self.weight[...], out_dtype=dtype).reshape(*x.shape[:-1], n_out)
+      return kl.fp8_linear(x.reshape(rows, n_in), self.weight[...], self.scale[...],
+                           out_dtype=dtype).reshape(*x.shape[:-1], n_out)
+    if self.scale is None and kernel_enabled("bf16_linear", rows, fits=tiles and self.weight.dtype == jnp.bfloat16,
+                                             why=why if not tiles else f"{self.weight.dtype} weights (the kernel "
+                                                                        "streams bf16)"):
+      from pallas_kernels import linear as kl  # noqa: PLC0415
+      return kl.bf16_linear(x.reshape(rows, n_in), self.weight[...], out_dtype=dtype).reshape(*x.shape[:-1], n_out)
     return mm(x, self.w(dtype), dtype)
 
 
@@ -234,7 +237,8 @@ class HyperConnection(nnx.Module):
     gram = jnp.stack([jnp.stack([gp[:, idx[min(i, j), max(i, j)]] for j in range(n)], -1) for i in range(n)], -2)
     ss = sum(gram[:, i, i] for i in range(n))  # ‖x‖² = trace of the Gram matrix
     pre, post, comb = self.mix(S * lax.rsqrt(ss / (n * D) + self.norm_eps)[:, None])
-    var = jnp.einsum("mi,mij,mj->m", pre, gram, pre, precision=HIGHEST) / D  # mean(u²) of the f32 u
+    # mean(u²) of the f32 u; preᵀ Gram pre can round below 0 where the weighted streams nearly cancel
+    var = jnp.maximum(jnp.einsum("mi,mij,mj->m", pre, gram, pre, precision=HIGHEST) / D, 0.0)
     z = jnp.zeros((M, 3), jnp.float32)
     pre_r = jnp.concatenate([pre, lax.rsqrt(var + norm.eps)[:, None], z], axis=-1)
     mix = jnp.concatenate([post, comb.reshape(M, n * n), jnp.zeros((M, 32 - n - n * n), jnp.float32)], axis=-1)

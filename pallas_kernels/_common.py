@@ -4,6 +4,7 @@ Mosaic module (_dedupe_kernel_modules) per distinct kernel."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 from jax.experimental.mosaic.gpu import core as _mgpu_core
@@ -21,9 +22,11 @@ def _dedupe_kernel_modules():
   times: the real-geometry step has 244 kernel calls and its first run took minutes. Dropping the stamp before
   serialisation leaves one module -- and one compilation -- per distinct kernel; the runtime sets the name
   again itself if it dumps. Checked by tests/test_step_lowering.py."""
-  orig = _mgpu_core._run_serde_pass
-  if getattr(orig, "_drops_dump_name", False):
-    return
+  orig = getattr(_mgpu_core, "_run_serde_pass", None)
+  if orig is None or getattr(orig, "_drops_dump_name", False):
+    return  # (another jax: nothing to patch; identical kernels may then compile once per call site)
+  if os.environ.get("MOSAIC_GPU_DUMP_TO"):
+    return  # dumping: keep jax's own file names
 
   def run_serde_pass(module, *args, **kwargs):
     attrs = module.operation.attributes

@@ -247,6 +247,17 @@ def test_kernel_request_that_cannot_run_is_refused_with_reason(model):
     Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=(("kda", True),)))
 
 
+def test_kernel_request_beyond_the_row_limit_is_not_an_error(model):
+  """A batch past the decode kernels' 64 rows runs those sites in XLA by design; a shape that never fits is an
+  error."""
+  pol = (("fp8_moe", True), ("kv_cache_dtype", "auto"))
+  dec = Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=pol),
+                backend="latency_specialized")
+  assert dec._check_kernels([("fp8_moe", "160 token rows > 64")])["fp8_moe"]["sites"] == 0
+  with pytest.raises(ValueError, match="fp8_moe: 160 token rows > 64, FP8 expert weights with I % 128 == 0"):
+    dec._check_kernels([("fp8_moe", "160 token rows > 64"), ("fp8_moe", "FP8 expert weights with I % 128 == 0")])
+
+
 def test_kernel_sites_say_what_runs_where(model):
   dec = Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,),
                                     policy=(("kv_cache_dtype", "auto"),)), backend="latency_specialized")
