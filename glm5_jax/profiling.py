@@ -85,16 +85,43 @@ MOSAIC_SUFFIX = "_mosaic_gpu_kernel"  # CUPTI's name for a Mosaic GPU kernel: ke
 _MOSAIC_NAME = re.compile(r"(glm5_[a-z0-9_]+?|kda_decode)(?=_mosaic|\\|\"|$)")
 
 
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+
+
+def _operand_bytes(rest: str) -> int:
+  """Bytes of the operands of one instruction whose HLO text prints operand shapes (``custom-call(bf16[1,4096]
+  %x, ...)``); 0 when it does not."""
+  start = rest.find("custom-call(")
+  if start < 0:
+    return 0
+  depth, i = 0, start + len("custom-call")
+  for j in range(i, len(rest)):  # the operand list: up to the matching parenthesis
+    depth += {"(": 1, ")": -1}.get(rest[j], 0)
+    if depth == 0:
+      break
+  total = 0
+  for dt, dims in _ARRAY.findall(rest[i:j]):
+    if dt in _ITEMSIZE:
+      n = 1
+      for d in filter(None, dims.split(",")):
+        n *= int(d)
+      total += n * _ITEMSIZE[dt]
+  return total
+
+
 def mosaic_shares(hlo_text: str) -> dict[str, dict[str, float]]:
-  """Mosaic GPU kernel (as CUPTI names it) -> {component: share of its call sites}. One kernel binary serves
-  every site with the same shapes, so its records cannot be told apart by name; they are split over the
-  components in proportion to the call sites (exact when each site does the same work)."""
+  """Mosaic GPU kernel (as CUPTI names it) -> {component: share}. One kernel binary serves every site with the
+  same name, so its records cannot be told apart; they are split over the components in proportion to the bytes
+  of the sites' operands (these kernels stream their operands), or to the number of sites when the HLO text does
+  not print operand shapes."""
   calls: dict = collections.defaultdict(collections.Counter)
   for _, op, opn, rest in _kernel_rows(hlo_text):
     if op == "custom-call" and "mosaic_gpu" in rest:
       m = _MOSAIC_NAME.search(re.sub(r"metadata=\{[^}]*\}", "", rest))  # the name in the module, not op_name
       if m:
-        calls[m.group(1) + MOSAIC_SUFFIX][component(opn)] += 1
+        calls[m.group(1) + MOSAIC_SUFFIX][component(opn)] += _operand_bytes(rest) or 1
   return {k: {c: n / sum(v.values()) for c, n in v.items()} for k, v in calls.items()}
 
 

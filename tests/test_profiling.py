@@ -56,7 +56,14 @@ ENTRY %main (a: f32[4], b: f32[8,288]) -> f32[4] {
 
 def test_mosaic_kernels_are_split_over_their_call_sites():
   shares = P.mosaic_shares(HLO)
-  assert shares == {"glm5_fp8_linear_mosaic_gpu_kernel": {"dsa": 2 / 3, "mlp": 1 / 3}}
+  assert shares == {"glm5_fp8_linear_mosaic_gpu_kernel": {"dsa": 2 / 3, "mlp": 1 / 3}}  # no operand shapes: by sites
+  # with operand shapes printed: by the bytes each site streams (1 KiB + 16 B in dsa, 8 KiB + 16 B in mlp)
+  hlo = HLO.replace("%custom-call.8 = f32[4]{0} custom-call(%a)", "%custom-call.8 = f32[4]{0} custom-call(f32[4]{0} %a, "
+                    "f8e4m3fn[8,128]{1,0} %w)")
+  hlo = hlo.replace("%custom-call.9 = f32[4]{0} custom-call(%a)", "%custom-call.9 = f32[4]{0} custom-call(f32[4]{0} %a, "
+                    "bf16[64,64]{1,0} %w)")
+  assert P.mosaic_shares(hlo)["glm5_fp8_linear_mosaic_gpu_kernel"] == pytest.approx(
+      {"dsa": (1040 + 1) / (1040 + 1 + 8208), "mlp": 8208 / (1040 + 1 + 8208)})
   per, launches, unmatched = P.split([("glm5_fp8_linear_mosaic_gpu_kernel", 0.006)], P.kernel_map(HLO), steps=2)
   assert per == pytest.approx({"dsa": 2.0, "mlp": 1.0}) and unmatched == {} and launches == 0.5
 
