@@ -10,7 +10,7 @@
 #                             end-to-end kernel GPU tests on the other GPU
 #   cmdbuf  (nvidia-h200-x2): the latency_specialized step of 8 layers under XLA command-buffer variants
 #   full    (nvidia-h200-x2): the whole one-rank step, auto (GPU 0) and latency_specialized (GPU 1) side by side
-#   verify  (nvidia-h200-x2): kernels not yet run natively + their benchmark + end-to-end tests (GPU 0); the
+#   verify  (nvidia-h200-x2): kernels not yet run natively, bench_mhc, bench_sparse_mla, end-to-end tests (GPU 0); the
 #                             whole one-rank latency_specialized step with and without the fused mHC (GPU 1)
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
@@ -154,6 +154,8 @@ case "$MODE" in
         tests/test_linear_kernels.py -k "mhc or moe" 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " \
         | head -40 >> "$OUT/gpu_tests.log"
       CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/bench_mhc.py > "$OUT/bench_mhc.log" 2>&1
+      CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_sparse_mla.py --quick \
+        > "$OUT/bench_sparse_mla.log" 2>&1  # issue #7 item 5
       CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 20 )) python3 -m pytest -v -m e2e_kernels -p no:cacheprovider \
         tests/test_decode.py tests/test_mhc.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " \
         | head -30 >> "$OUT/gpu_tests.log"
