@@ -229,10 +229,10 @@ class HyperConnection(nnx.Module):
                for i in range(0, M, km.ROWS)]
       return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts))
     y, mix = pending if pending is not None else (None, None)
-    Xn, pm, pg = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None)
+    Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None)
     n, D = self.n, X2.shape[1] // self.n
-    S = jnp.sum(pm[:, :M], axis=0)  # [M, 24]: fn · x over all K
-    gp = jnp.sum(pg[:, :M], axis=0)  # [M, 16]: Gram entries (i <= j) of the four streams
+    tot = jnp.sum(part[:, :M], axis=0)  # [M, 40]: one reduction over the column chunks
+    S, gp = tot[:, :km.MIX], tot[:, km.MIX:]  # fn · x over all K; Gram entries (i <= j) of the four streams
     idx = {p: k for k, p in enumerate(km._PAIRS)}
     gram = jnp.stack([jnp.stack([gp[:, idx[min(i, j), max(i, j)]] for j in range(n)], -1) for i in range(n)], -2)
     ss = sum(gram[:, i, i] for i in range(n))  # ‖x‖² = trace of the Gram matrix

@@ -11,8 +11,9 @@ A boundary between sublayers (the post of one site fused with the pre of the nex
 
 1. ``mhc_post_pre`` (kernel, G CTAs): for its 64 columns of every stream, X'_j = post_j · y + Σ_i comb[i, j] · X_i
    in f32, rounded to bf16 (skipped at the first site, which has no previous sublayer: X' = X); the partial
-   mixing logits pm[g] = X'_chunk · fn_chunkᵀ (bf16 × bf16 wgmma, f32 accumulation: the products are exact, as
-   in the f32 reference) and the partial Gram matrix of the four streams pg[g][i, j] = Σ_d X'_i[d] X'_j[d]
+   mixing logits part[g, :, :24] = X'_chunk · fn_chunkᵀ (bf16 × bf16 wgmma, f32 accumulation: the products are
+   exact, as in the f32 reference) and the partial Gram matrix of the four streams part[g, :, 24 + k] =
+   Σ_d X'_i[d] X'_j[d] for the k-th pair i <= j — one array, so that one XLA reduction sums the G partials
    (f32, on the CUDA cores).
 2. ``mhc_mix`` (XLA, one or two fusions): sums the G partials; ‖x‖² is the Gram trace, so
    m = (fn · x) · rsqrt(mean(x²) + eps); pre, post and the Sinkhorn-normalised comb (``glm5_jax.layers.hc_mix``);
@@ -46,6 +47,7 @@ ROWS = 64  # token rows per launch (wgmma M)
 DC = 64  # columns per CTA of each stream in mhc_post_pre
 DC_FIN = 128  # columns per CTA in mhc_finish
 GRAM = N * (N + 1) // 2  # distinct Gram entries (i <= j), in the order of _PAIRS
+PART = 40  # columns of the partial-sums array: MIX logits, GRAM entries, padding to a multiple of 8
 _PAIRS = [(i, j) for i in range(N) for j in range(i, N)]
 _L = plgpu.Layout
 _BF16_SW128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -62,8 +64,9 @@ def _check(x, D, what):
 # ------------------------------------------------------------------------------------------------ references
 def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
   """X [M, N·D] bf16 residual, y [M, D] bf16 sublayer output, mix [M, 32] f32 (post, comb of the previous site),
-  fn [24, N·D] bf16 -> (X' [M, N·D] bf16, pm [G, 64, 24] f32, pg [G, 64, 16] f32). ``first``: no previous
-  sublayer (y and mix are ignored, X' = X). Rows M.. of pm / pg are padding (unspecified)."""
+  fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40] f32: per column chunk the 24 partial mixing logits
+  then the 10 partial Gram entries, 6 columns of padding). ``first``: no previous sublayer (y and mix are
+  ignored, X' = X). Rows M.. of part are padding (unspecified)."""
   M, K = X.shape
   D = K // N
   G = D // DC
@@ -82,8 +85,8 @@ def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
   gram = jnp.stack([jnp.einsum("mgc,mgc->gm", xf[:, i], xf[:, j], precision=lax.Precision.HIGHEST)
                     for i, j in _PAIRS], axis=-1)
   pad = ((0, 0), (0, ROWS - M), (0, 0))
-  pg = jnp.pad(gram, ((0, 0), (0, 0), (0, 16 - GRAM)))
-  return Xn.reshape(M, K), jnp.pad(pm, pad), jnp.pad(pg, pad)
+  part = jnp.concatenate([pm, jnp.pad(gram, ((0, 0), (0, 0), (0, PART - MIX - GRAM)))], axis=-1)
+  return Xn.reshape(M, K), jnp.pad(part, pad)
 
 
 def mhc_finish_reference(Xn, pre_r, w):
@@ -112,9 +115,9 @@ def _bcast(v, cols):
 def _post_pre_kernel(M: int, D: int, first: bool):
   def body(*refs):
     if first:  # no previous sublayer: X' = X, nothing to mix or store
-      x_g, fn_g, pm_g, pg_g, x_s, fn_s, xw_s, bar = refs
+      x_g, fn_g, part_g, x_s, fn_s, xw_s, bar = refs
     else:
-      x_g, y_g, mix_g, fn_g, xo_g, pm_g, pg_g, x_s, y_s, mix_s, fn_s, xw_s, xu_s, bar = refs
+      x_g, y_g, mix_g, fn_g, xo_g, part_g, x_s, y_s, mix_s, fn_s, xw_s, xu_s, bar = refs
     g = lax.axis_index("g")
     d0 = g * DC
     for i in range(N):
@@ -154,13 +157,13 @@ def _post_pre_kernel(M: int, D: int, first: bool):
       return acc[...]
 
     pm = pl.run_scoped(logits, plgpu.ACC((ROWS, MIX), jnp.float32))
-    pm_g[g] = plgpu.layout_cast(pm, _L.WGMMA)
-    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, 16), 1, layout=_L.WGMMA)
-    gram = jnp.zeros((ROWS, 16), jnp.float32)
+    part_g[g, :, pl.ds(0, MIX)] = plgpu.layout_cast(pm, _L.WGMMA)
+    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PART - MIX), 1, layout=_L.WGMMA)
+    gram = jnp.zeros((ROWS, PART - MIX), jnp.float32)
     for k, (i, j) in enumerate(_PAIRS):
       gk = plgpu.layout_cast((xn[i] * xn[j]).sum(axis=1), _L.WGMMA.reduce(1))
-      gram = jnp.where(col == k, _bcast(gk, 16), gram)
-    pg_g[g] = plgpu.layout_cast(gram, _L.WGMMA)
+      gram = jnp.where(col == k, _bcast(gk, PART - MIX), gram)
+    part_g[g, :, pl.ds(MIX, PART - MIX)] = plgpu.layout_cast(gram, _L.WGMMA)
     if not first:
       plgpu.wait_smem_to_gmem(0)
 
@@ -177,18 +180,17 @@ def mhc_post_pre(X, y, mix, fn, *, first: bool = False):
     raise ValueError(f"mhc_post_pre: fn {fn.shape} / X {X.dtype}, expected fn [{MIX}, {K}] and a bf16 residual")
   G = D // DC
   bf16, f32 = jnp.bfloat16, jnp.float32
-  stats = (jax.ShapeDtypeStruct((G, ROWS, MIX), f32), jax.ShapeDtypeStruct((G, ROWS, 16), f32))
+  part = jax.ShapeDtypeStruct((G, ROWS, PART), f32)
   x_s = plgpu.SMEM((N, ROWS, DC), bf16)  # the M rows of each stream's chunk (untiled: TMA boxes of M rows)
   fn_s = plgpu.SMEM((N, MIX, DC), bf16, transforms=_BF16_SW128)  # wgmma B (as fn_sᵀ)
   xw_s = plgpu.SMEM((N, ROWS, DC), bf16, transforms=_BF16_SW128)  # X' as the wgmma A operand
   common = dict(grid=(G,), grid_names=("g",))
   if first:
-    kern = plgpu.kernel(_post_pre_kernel(M, D, True), out_type=stats, kernel_name="glm5_mhc_pre", **common,
+    kern = plgpu.kernel(_post_pre_kernel(M, D, True), out_type=part, kernel_name="glm5_mhc_pre", **common,
                         scratch_types=[x_s, fn_s, xw_s, plgpu.Barrier(num_arrivals=2 * N)])
-    pm, pg = kern(X, fn.astype(bf16))
-    return X, pm, pg
+    return X, kern(X, fn.astype(bf16))
   kern = plgpu.kernel(
-      _post_pre_kernel(M, D, False), out_type=(jax.ShapeDtypeStruct((M, K), bf16), *stats),
+      _post_pre_kernel(M, D, False), out_type=(jax.ShapeDtypeStruct((M, K), bf16), part),
       kernel_name="glm5_mhc_post_pre", **common,
       scratch_types=[
           x_s,
