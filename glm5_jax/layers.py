@@ -238,7 +238,8 @@ class HyperConnection(nnx.Module):
     ss = sum(gram[:, i, i] for i in range(n))  # ‖x‖² = trace of the Gram matrix
     pre, post, comb = self.mix(S * lax.rsqrt(ss / (n * D) + self.norm_eps)[:, None])
     # mean(u²) of the f32 u; preᵀ Gram pre can round below 0 where the weighted streams nearly cancel
-    var = jnp.maximum(jnp.einsum("mi,mij,mj->m", pre, gram, pre, precision=HIGHEST) / D, 0.0)
+    # (an elementwise sum, not an einsum: XLA keeps it in the glue's one fusion instead of a tiny dot kernel)
+    var = jnp.maximum(jnp.sum(pre[:, :, None] * gram * pre[:, None, :], axis=(1, 2)) / D, 0.0)
     z = jnp.zeros((M, 3), jnp.float32)
     pre_r = jnp.concatenate([pre, lax.rsqrt(var + norm.eps)[:, None], z], axis=-1)
     mix = jnp.concatenate([post, comb.reshape(M, n * n), jnp.zeros((M, 32 - n - n * n), jnp.float32)], axis=-1)
