@@ -260,6 +260,7 @@ class Indexer(nnx.Module):
       n_valid = (pos + 1) // self.kpool
       fn = ki.indexer_scores if kernel_enabled("indexer", B * T) else ki.indexer_scores_reference
       return fn(q8, qs, w * (self.head_dim ** -0.5), icache["pool8"], icache["pool_scale"], n_valid)
+    # (records why the kernel does not run here)
     kernel_enabled("indexer", fits=False, why="a bf16/f32 pooled-key cache (the kernel reads the FP8 one: policy "
                    "kv_cache_dtype 'fp8')")
     pools = icache["pool"]
@@ -343,6 +344,7 @@ class DSA(nnx.Module):
         o_lat = ks.sparse_mla_decode_reference(q_hat, lat["latent8"], lat["latent_scale"], idx,
                                                softmax_scale=self.scale)
     else:
+      # (records why the kernel does not run here)
       kernel_enabled("sparse_mla", fits=False, why="a bf16/f32 latent cache (the kernel reads the FP8 one: policy "
                      "kv_cache_dtype 'fp8')")
       cs = lat["latent"][jnp.arange(B)[:, None, None], jnp.maximum(idx, 0)].astype(dtype)  # [B, T, W, R]

@@ -269,8 +269,10 @@ class Decoder:
         d["sites"] += 1
       else:
         d["not_used"][reason] = d["not_used"].get(reason, 0) + 1
+
     def impossible(k):  # batches past the decode kernels' row limit run in XLA by design: not a failure alone
-      return not sites.get(k) or (not sites[k]["sites"] and any("token rows >" not in r for r in sites[k]["not_used"]))
+      d = sites.get(k)
+      return not d or (not d["sites"] and any("token rows >" not in r for r in d["not_used"]))
 
     missing = sorted(k for k in _requested_kernels(self.config) if impossible(k))
     if missing:
@@ -281,8 +283,8 @@ class Decoder:
 
   def kernel_sites(self, batch: int | None = None) -> dict:
     """Which kernels the traced step of capture size ``batch`` (default: the first traced capture size) runs, at
-    how many call sites, and why they do not run elsewhere: {kernel: {"sites": n, "not_used": {reason: n}}}. Empty for
-    backend "auto" (no kernels) or before the step is traced (warmup() traces every capture size)."""
+    how many call sites, and why they do not run elsewhere: {kernel: {"sites": n, "not_used": {reason: n}}}.
+    Empty for backend "auto" (no kernels) or before the step is traced (warmup() traces every capture size)."""
     sizes = self.config.capture_sizes if batch is None else (batch,)
     return next((_KERNEL_SITES[k] for k in map(self._sites_key, sizes) if k in _KERNEL_SITES), {})
 
