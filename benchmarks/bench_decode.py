@@ -60,6 +60,10 @@ def main(argv=None):
   p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new configurations after this long")
   p.add_argument("--policy", default="{}", help="decode policy knobs as JSON (as in glm5-jax check-deployment), "
                  "e.g. '{\"sparse_mla\": false}'")
+  p.add_argument("--trace", action="store_true",
+                 help="a jax.profiler trace of --steps steps (XLA command buffers kept on), summarised: device "
+                      "span / busy / idle per step, the idle-gap histogram and the host's top events (where wall "
+                      "time goes when it exceeds GPU time). Run it apart from --profile (both use CUPTI)")
   p.add_argument("--profile", action="store_true",
                  help="per-component GPU time from CUPTI kernel records (named scopes -> glm5_jax.profiling)")
   p.add_argument("--autotune", nargs="+", default=["default"], choices=["default", "off"],
@@ -68,6 +72,8 @@ def main(argv=None):
   p.add_argument("--fast-compile", action="store_true", help="same as --autotune off")
   a = p.parse_args(argv)
   tunings = ["off"] if a.fast_compile else a.autotune
+  if a.trace:  # XLA turns command buffers off while a profiler runs: the trace must show the timed program
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_enable_command_buffers_during_profiling=true").strip()
   t_start = time.time()
   policy = tuple(sorted(json.loads(a.policy).items()))
   base = C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real()
@@ -79,7 +85,7 @@ def main(argv=None):
     cfg = C.PRESETS[a.geometry]()
   # room for the warm-up call, every timed run and the profiled run on one state: a fresh state (new buffers)
   # makes the next step re-record XLA's command buffers (~50 µs per Mosaic kernel call), which must not be timed
-  max_ctx = a.context + max(a.q) * (a.steps * (a.repeats + 1) + 2)
+  max_ctx = a.context + max(a.q) * (a.steps * (a.repeats + 2) + 2)  # + the trace and the profile runs
   max_ctx += (-max_ctx) % cfg.index_kpool
   t = time.time()
   model = random_model(cfg, dtype=jnp.bfloat16, fp8=cfg.fp8_block is not None, mesh=make_mesh(a.tp))
@@ -129,7 +135,7 @@ def main(argv=None):
     except Exception as e:  # a device fault poisons the CUDA context: nothing after it can run
       print(f"{label:>34} {b:>3} {q:>2} FAILED at run time: {type(e).__name__}: {str(e)[:400]}", flush=True)
       return rows
-    times = []
+    times, host = [], []
     for _ in range(a.repeats):
       if state.len_bound + q * (a.steps + 1) > max_ctx:  # (not with the sizing above) fresh state, untimed step
         state, out = decode(random_state(dec, b, a.context))
@@ -137,9 +143,16 @@ def main(argv=None):
       t = time.perf_counter()
       for _ in range(a.steps):
         state, out = decode(state)
+      host.append((time.perf_counter() - t) / a.steps)  # the calls returned: the host's share of the step
       jax.block_until_ready(out.tokens)
       times.append((time.perf_counter() - t) / a.steps)
     ms = 1e3 * float(np.median(times))
+    host_ms = 1e3 * float(np.median(host))
+    print(f"# host: the {a.steps} calls return after {host_ms:.2f} ms/step of {ms:.2f} ms/step "
+          f"({'host-bound' if host_ms > 0.9 * ms else 'the GPU is behind'})", flush=True)
+    trace = None
+    if a.trace:
+      trace, state = _trace(decode, dec, state, a.steps, a.context)
     prof = _profile(dec, state, hlo, a.steps, a.context) if a.profile else None
     state = prof.pop("state") if prof else state
     # the roofline formula is one TP4 rank of the real model: meaningless for the tiny geometries
@@ -150,7 +163,7 @@ def main(argv=None):
                compiler_options=opts, batch=b, q=q, context=a.context, compile_s=comp,
                ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
                roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
-               census=cen, profile=prof, first_call_s=first, kernel_sites=sites,
+               census=cen, profile=prof, trace=trace, host_ms_per_step=host_ms, first_call_s=first, kernel_sites=sites,
                date=time.strftime("%Y-%m-%d"))
     rows.append(row)
     print(f"{label:>34} {b:>3} {q:>2} {comp:>9.1f} {ms:>9.2f} {tps:>9.1f} {roof:>11.3f} {row['pct_roofline']:>6.1f}%",
@@ -160,6 +173,34 @@ def main(argv=None):
         f.write(json.dumps(row) + "\n")
     del state, out, dec
   return rows
+
+
+def _trace(decode_fn, dec, state, steps, context):
+  """jax.profiler trace of ``steps`` chained steps -> (profiling.trace_summary, state)."""
+  import glob  # noqa: PLC0415
+  import tempfile  # noqa: PLC0415
+  if state.len_bound + dec.config.q * (steps + 1) > dec.config.max_context:
+    state, out = decode_fn(random_state(dec, state.batch, context))
+    jax.block_until_ready(out.tokens)
+  d = tempfile.mkdtemp(prefix="glm5_trace_")
+  opts = jax.profiler.ProfileOptions()
+  opts.python_tracer_level = 0  # a traced Python call costs µs: it would inflate the host time being measured
+  jax.profiler.start_trace(d, profiler_options=opts)
+  for _ in range(steps):
+    state, out = decode_fn(state)
+  jax.block_until_ready(out.tokens)
+  jax.profiler.stop_trace()
+  f = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1]
+  s = profiling.trace_summary(f, steps)
+  if "span_ms" in s:
+    print(f"#   trace: device span {s['span_ms']:.3f} ms/step, busy {s['busy_ms']:.3f}, idle {s['idle_ms']:.3f} in "
+          f"{s['gaps_per_step']:.0f} gaps/step {s['gap_hist_per_step']}; largest gaps (µs) "
+          f"{[round(g) for g in s['largest_gaps_us']]}", flush=True)
+  else:
+    print(f"#   trace: no device events in {f}", flush=True)
+  print("#   trace, host self time (ms/step, calls/step): " + "; ".join(
+      f"{k} {v[0]:.3f} ({v[1]:.0f})" for k, v in s["host_top"].items()), flush=True)
+  return s, state
 
 
 def _profile(dec, state, hlo, steps, context):

@@ -12,6 +12,8 @@
 #   full    (nvidia-h200-x2): the whole one-rank step, auto (GPU 0) and latency_specialized (GPU 1) side by side
 #   verify  (nvidia-h200-x2): kernels not yet run natively, bench_mhc, bench_sparse_mla, end-to-end tests (GPU 0); the
 #                             whole one-rank latency_specialized step with and without the fused mHC (GPU 1)
+#   trace   (nvidia-h200-x2): the whole one-rank step traced (wall vs GPU time: gaps, host events), ls on GPU 0 and
+#                             auto on GPU 1, then both at q = 4 with the per-component profile
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -170,6 +172,22 @@ case "$MODE" in
           | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_full.log"
       done
     ) &
+    wait
+    ;;
+  trace)  # (nvidia-h200-x2) where the whole one-rank step's wall time goes beyond its GPU time: latency_specialized
+    # (GPU 0) and auto (GPU 1), B = 1, q = 1, traced (device span / busy / gaps, the host's top events); then q = 4
+    # profiled (per-component GPU time; the KDA kernel's in-step time at q = 4) while the budget lasts
+    tb() { local g=$1 b=$2; shift 2
+      CUDA_VISIBLE_DEVICES=$g timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+        --batch 1 --context 32768 --steps 20 --repeats 3 --fast-compile --backend $b --budget-s $(( $(left) - 150 )) \
+        --out "$OUT/decode_trace.jsonl" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_trace_$b.log"; }
+    if [ "${TRACE_CMDBUF_OFF:-0}" = 1 ]; then  # then the same without XLA command buffers: are they used at all?
+      ( tb 0 latency_specialized --q 1 --trace; XLA_FLAGS="--xla_gpu_enable_command_buffer=" tb 0 latency_specialized --q 1 ) &
+      ( tb 1 auto --q 1 --trace; XLA_FLAGS="--xla_gpu_enable_command_buffer=" tb 1 auto --q 1 ) &
+    else
+      ( tb 0 latency_specialized --q 1 --trace; tb 0 latency_specialized --q 4 --profile ) &
+      ( tb 1 auto --q 1 --trace; tb 1 auto --q 4 --profile ) &
+    fi
     wait
     ;;
   *) echo "unknown mode $MODE (single | pair | tp2 | bisect)"; exit 2 ;;

@@ -83,10 +83,10 @@ class DecoderLayer(nnx.Module):
 def fused_mhc(cfg: Glm5Config, dtype) -> bool:
   """Whether this trace runs the mHC boundaries as the fused kernels: policy knob ``mhc``, a bf16 residual,
   4 streams, hidden size a multiple of 128 (the kernels' column chunks)."""
-  return kernel_enabled("mhc", fits=jnp.dtype(dtype) == jnp.bfloat16 and cfg.hc_mult == 4
-                        and cfg.hidden_size % 128 == 0,
-                        why=f"a bf16 residual (model dtype {jnp.dtype(dtype).name}), 4 streams "
-                            f"(hc_mult {cfg.hc_mult}), hidden % 128 == 0 ({cfg.hidden_size})")
+  unmet = [w for ok, w in ((jnp.dtype(dtype) == jnp.bfloat16, f"a bf16 residual (model dtype {jnp.dtype(dtype).name})"),
+                            (cfg.hc_mult == 4, f"4 streams (hc_mult {cfg.hc_mult})"),
+                            (cfg.hidden_size % 128 == 0, f"hidden % 128 == 0 (hidden {cfg.hidden_size})")) if not ok]
+  return kernel_enabled("mhc", fits=not unmet, why="needs " + ", ".join(unmet))
 
 
 class MTPLayer(nnx.Module):

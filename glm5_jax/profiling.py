@@ -185,3 +185,74 @@ def split(records, kmap: dict[str, str], steps: int):
     for comp, share in (c.items() if isinstance(c, dict) else ((c, 1.0),)):
       per[comp] += share * ms * 1e3 / steps
   return dict(per), n / steps, dict(unmatched)
+
+
+def _union_busy(intervals):
+  """Total length covered by [start, end) intervals (ns) and the idle gaps between them, in time order."""
+  busy, gaps, end = 0, [], None
+  for s, e in sorted(intervals):
+    if end is None:
+      busy, end = e - s, e
+    elif s > end:
+      gaps.append(s - end)
+      busy, end = busy + e - s, e
+    elif e > end:
+      busy, end = busy + e - end, e
+  return busy, gaps
+
+
+_NUMBERED = re.compile(r"(?:[._]\d+)+$")
+
+
+def _self_times(events):
+  """(name, self ns) for the events of one host thread line: an event's duration less that of the events nested
+  inside it (by time containment), so wrappers (PjRt Execute, ExecuteThunks) do not hide the work below them."""
+  out, stack = [], []  # stack of [name, end, child ns]
+  for name, s, e in sorted(events, key=lambda t: (t[1], -t[2])):
+    while stack and stack[-1][1] <= s:
+      n, end, child, start = stack.pop()
+      out.append((n, end - start - child))
+    if stack:
+      stack[-1][2] += e - s
+    stack.append([name, e, 0, s])
+  out.extend((n, end - start - child) for n, end, child, start in stack)
+  return out
+
+
+def trace_summary(xspace_path: str, steps: int, *, top: int = 16) -> dict:
+  """Where the wall time of ``steps`` traced decode steps goes, from a jax.profiler trace (an .xplane.pb file).
+
+  Device side (every '/device:GPU:*' plane's stream lines): the span from the first kernel's start to the last
+  one's end, the busy time (union of kernel/memcpy intervals) and the idle gaps between them; one long gap per
+  step means the GPU waits for the host to issue the next step. Host side: self time (less nested events) and
+  count per event name (XLA thunks, command-buffer updates, CUDA driver calls, PjRt argument handling) per step —
+  what the host did while the GPU waited. Returns ms per step for span / busy / idle, the gap histogram and the
+  top host events {name: (self ms per step, calls per step)}."""
+  from jax._src.lib import _profile_data  # noqa: PLC0415 (jaxlib's reader of XSpace protos; no TensorFlow)
+
+  pd = _profile_data.ProfileData.from_file(xspace_path)
+  dev, host = [], collections.defaultdict(lambda: [0.0, 0])
+  for plane in pd.planes:
+    if plane.name.startswith("/device:GPU"):
+      for line in plane.lines:
+        if "stream" in line.name.lower():
+          dev.extend((e.start_ns, e.end_ns) for e in line.events if e.duration_ns > 0)
+    elif plane.name.startswith("/host:CPU"):
+      for line in plane.lines:
+        for name, ns in _self_times([(e.name[:80], e.start_ns, e.end_ns) for e in line.events]):
+          h = host[_NUMBERED.sub("", name)]  # one row per kind: fusion.12, fusion_8172 -> fusion
+          h[0] += ns
+          h[1] += 1
+  out = {"steps": steps, "device_events": len(dev)}
+  if dev:
+    busy, gaps = _union_busy(dev)
+    span = max(e for _, e in dev) - min(s for s, _ in dev)
+    edges = (2_000, 5_000, 10_000, 50_000, 1_000_000)  # ns
+    hist = collections.Counter(next((f"<{b // 1000}us" for b in edges if g < b), ">=1ms") for g in gaps)
+    out.update(span_ms=span / 1e6 / steps, busy_ms=busy / 1e6 / steps, idle_ms=(span - busy) / 1e6 / steps,
+               gaps_per_step=len(gaps) / steps,
+               gap_hist_per_step={k: hist[k] / steps for k in [f"<{b // 1000}us" for b in edges] + [">=1ms"]},
+               largest_gaps_us=[g / 1e3 for g in sorted(gaps)[-5:][::-1]])
+  out["host_top"] = {k: (v[0] / 1e6 / steps, v[1] / steps)
+                     for k, v in sorted(host.items(), key=lambda kv: -kv[1][0])[:top]}
+  return out

@@ -16,6 +16,7 @@ Shapes: B batch (a capture size), q = 1 + k tokens per sequence, V vocabulary, D
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -52,35 +53,93 @@ jax.tree_util.register_dataclass(DecodeOutput, data_fields=["tokens", "counts", 
                                  meta_fields=[])
 
 
+# The step's small per-sequence state and its outputs live in ONE int32 buffer ``io`` [B, 7 + 2q] that the step
+# donates and rewrites in place. Why: XLA runs the step as a CUDA graph (command buffer) and must update the graph
+# whenever a buffer it touches moved; fresh output arrays every step (tokens, counts, ...) and an input that was
+# the last step's output moved every step. Measured on the H200 (one TP4 rank, B = 1): the per-step update took
+# 5-9 ms of host time and blocked the next graph launch until the previous step had finished, making the step
+# host-bound (BENCHMARKS.md, 2026-11-30). Columns:
+IO_LENGTHS, IO_N_ACC, IO_KEYS, IO_ACTIVE, IO_NEXT = 0, 1, 2, 4, 5  # keys: 2 columns of uint32 bits
+
+
+def io_width(q: int) -> int:
+  """Columns of the io buffer: lengths, n_acc, keys (2), active, next_tokens (q), then the last step's output:
+  emitted tokens (q), counts, finite."""
+  return IO_NEXT + 2 * q + 2
+
+
+def _io_views(io, q):
+  """io [B, W] -> (lengths, n_acc, keys uint32 [B, 2], active bool, next_tokens [B, q])."""
+  return (io[:, IO_LENGTHS], io[:, IO_N_ACC], jax.lax.bitcast_convert_type(io[:, IO_KEYS:IO_KEYS + 2], jnp.uint32),
+          io[:, IO_ACTIVE] != 0, io[:, IO_NEXT:IO_NEXT + q])
+
+
+def _io_pack(lengths, n_acc, keys, active, next_tokens, emitted=None, counts=None, finite=None):
+  B, q = next_tokens.shape
+  emitted = jnp.full((B, q), -1, jnp.int32) if emitted is None else emitted
+  counts = jnp.zeros((B,), jnp.int32) if counts is None else counts
+  finite = jnp.ones((B,), bool) if finite is None else finite
+  col = lambda a: a.astype(jnp.int32)[:, None]  # noqa: E731
+  return jnp.concatenate([col(lengths), col(n_acc), jax.lax.bitcast_convert_type(keys.astype(jnp.uint32), jnp.int32),
+                          col(active), next_tokens.astype(jnp.int32), emitted.astype(jnp.int32), col(counts),
+                          col(finite)], axis=1)
+
+
+@jax.jit
+def _io_output(io):
+  """io [B, W] -> the DecodeOutput its last step wrote (fresh arrays: io itself is donated by the next step)."""
+  q = (io.shape[1] - IO_NEXT - 2) // 2
+  e = IO_NEXT + q
+  return DecodeOutput(io[:, e:e + q], io[:, e + q], io[:, IO_NEXT:IO_NEXT + q], io[:, e + q + 1] != 0)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _io_set_tokens(io, tokens):
+  """Write a caller's [B, q] tokens into the next_tokens columns in place (the buffer keeps its address)."""
+  return jax.lax.dynamic_update_slice_in_dim(io, tokens.astype(jnp.int32), IO_NEXT, axis=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
   """The decode state: a registered pytree of device arrays (+ static metadata).
 
   caches: {"layers": [per-layer caches], "mtp": MTP caches} (shapes in state.py)
-  lengths [B] int32: committed tokens per sequence (the position of next_tokens[:, 0])
-  n_acc [B] int32: verify positions committed at the last step (KDA reads slot n_acc − 1)
-  keys [B, 2] uint32: per-sequence sampling keys
-  active [B] bool: real sequences (False for the rows that pad the batch to its capture size)
-  next_tokens [B, q] int32: the input the next step expects (returned by the last step)
+  io [B, 7 + 2q] int32: the per-sequence scalars and the step's input, packed (see IO_* above) and read through:
+    lengths [B] int32: committed tokens per sequence (the position of next_tokens[:, 0])
+    n_acc [B] int32: verify positions committed at the last step (KDA reads slot n_acc − 1)
+    keys [B, 2] uint32: per-sequence sampling keys
+    active [B] bool: real sequences (False for the rows that pad the batch to its capture size)
+    next_tokens [B, q] int32: the input the next step expects (returned by the last step)
   decoder: the Decoder that owns the compiled step (static)
   len_bound: host-side upper bound of max(lengths), to refuse a step past max_context without a device sync"""
 
   caches: Any
-  lengths: jax.Array
-  n_acc: jax.Array
-  keys: jax.Array
-  active: jax.Array
-  next_tokens: jax.Array
+  io: jax.Array
   decoder: Any = None
   len_bound: int = 0
 
+  @classmethod
+  def make(cls, caches, lengths, n_acc, keys, active, next_tokens, decoder, len_bound: int) -> "DecodeState":
+    """Pack the per-sequence arrays into io, replicated over the decoder's mesh."""
+    io = _io_pack(*(jnp.asarray(a) for a in (lengths, n_acc, keys, active, next_tokens)))
+    return cls(caches, jax.device_put(io, NamedSharding(decoder.model.mesh, REP)), decoder, int(len_bound))
+
   @property
   def batch(self) -> int:
-    return self.lengths.shape[0]
+    return self.io.shape[0]
+
+  @property
+  def q(self) -> int:
+    return (self.io.shape[1] - IO_NEXT - 2) // 2
+
+  lengths = property(lambda self: self.io[:, IO_LENGTHS])
+  n_acc = property(lambda self: self.io[:, IO_N_ACC])
+  keys = property(lambda self: jax.lax.bitcast_convert_type(self.io[:, IO_KEYS:IO_KEYS + 2], jnp.uint32))
+  active = property(lambda self: self.io[:, IO_ACTIVE] != 0)
+  next_tokens = property(lambda self: self.io[:, IO_NEXT:IO_NEXT + self.q])
 
 
-jax.tree_util.register_dataclass(DecodeState, data_fields=["caches", "lengths", "n_acc", "keys", "active",
-                                                            "next_tokens"], meta_fields=["decoder", "len_bound"])
+jax.tree_util.register_dataclass(DecodeState, data_fields=["caches", "io"], meta_fields=["decoder", "len_bound"])
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
@@ -183,6 +242,7 @@ class Decoder:
     # --fast-compile); with options set, the first step of a capture size compiles ahead of time too
     self.compiler_options = dict(compiler_options or {})
     self._aot: dict[int, Any] = {}  # capture size -> compiled step (warmup)
+    self._ran: set[int] = set()  # capture sizes whose step has traced and run
     self.prefill_chunk = int(prefill_chunk)  # prompts run in chunks of at most this many tokens (one compile each)
 
   # ------------------------------------------------------------------ shapes
@@ -212,7 +272,8 @@ class Decoder:
       _KERNEL_SITES[self._sites_key(batch)] = self._check_kernels(rep)  # at trace time: raises before any run
       return out
 
-    def body(m, caches, lengths, n_acc, keys, active, tokens):
+    def body(m, caches, io):
+      lengths, n_acc, keys, active, tokens = _io_views(io, q)
       B = tokens.shape[0]
       ctx = StepCtx(lengths, jnp.full_like(lengths, q), n_acc, mode="verify")
       h, layers, _ = m.trunk(tokens, caches["layers"], ctx)
@@ -252,12 +313,12 @@ class Decoder:
       new_n_acc = jnp.where(live, n + 1, n_acc)
       nxt = jnp.concatenate([new_tok[:, None], new_drafts], axis=1)
       nxt = jnp.where(live[:, None], nxt, tokens)
-      out = DecodeOutput(jnp.where(live[:, None], emitted, -1), counts, nxt, finite | ~active)
-      return {"layers": layers, "mtp": mtp}, new_lengths, new_n_acc, keys_new, out
+      io_new = _io_pack(new_lengths, new_n_acc, keys_new, active, nxt, jnp.where(live[:, None], emitted, -1), counts,
+                        finite | ~active)
+      return {"layers": layers, "mtp": mtp}, io_new
 
-    out_specs = (cspecs, REP, REP, REP, DecodeOutput(REP, REP, REP, REP))
-    sm = model.shard_map(fn, (cspecs, REP, REP, REP, REP, REP), out_specs)
-    return jax.jit(sm, donate_argnums=(1, 2, 3, 4))
+    sm = model.shard_map(fn, (cspecs, REP), (cspecs, REP))
+    return jax.jit(sm, donate_argnums=(1, 2))  # outputs alias the donated caches and io: no buffer moves
 
   def _check_kernels(self, rep):
     """Summarise a traced step's kernel sites; a kernel the policy turns on explicitly that runs at no site is
@@ -341,8 +402,7 @@ class Decoder:
     with self.kernel_mode(interpret):
       return self.step_fn(b).trace(
           self.model.params if params is None else params, st.abstract_caches(self.layout(b), self.model.mesh),
-          sd((b,), jnp.int32), sd((b,), jnp.int32), sd((b, 2), jnp.uint32), sd((b,), jnp.bool_),
-          sd((b, self.config.q), jnp.int32))
+          sd((b, io_width(self.config.q)), jnp.int32))
 
   def warmup(self, capture_sizes=None):
     """Compile the step for every capture size ahead of time (AOT): later steps run the stored executables
@@ -358,9 +418,7 @@ class Decoder:
     cfg = self.config
     if state.decoder is not self:
       raise ValueError("this state belongs to another Decoder")
-    if tokens is None or tokens is state.next_tokens:
-      tokens = state.next_tokens
-    else:
+    if tokens is not None:
       t = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
       if t.ndim != 2 or t.shape != (state.batch, cfg.q):
         raise ValueError(f"tokens must be [B, q] = [{state.batch}, {cfg.q}] (batch, 1 + k drafts): got "
@@ -372,15 +430,17 @@ class Decoder:
         raise ValueError(f"a sequence at length {worst} cannot verify q={cfg.q} more tokens within "
                          f"max_context={cfg.max_context}; nothing was written")
       state = dataclasses.replace(state, len_bound=worst)
-    tokens = jax.device_put(tokens, NamedSharding(self.model.mesh, REP))
     if self.compiler_options and state.batch not in self._aot:
       self.warmup((state.batch,))
     fn = self._aot.get(state.batch) or self.step_fn(state.batch)
+    io = state.io
+    if tokens is not None:  # written in place; before the step first traced (which may refuse it), into a copy
+      io = _io_set_tokens(io if state.batch in self._ran else jnp.copy(io),
+                          jax.device_put(tokens, NamedSharding(self.model.mesh, REP)))
     with self.kernel_mode():
-      caches, lengths, n_acc, keys, out = fn(self.model.params, state.caches, state.lengths, state.n_acc,
-                                             state.keys, state.active, tokens)
-    new = DecodeState(caches, lengths, n_acc, keys, state.active, out.next_tokens, self, state.len_bound + cfg.q)
-    return new, out
+      caches, io = fn(self.model.params, state.caches, io)
+    self._ran.add(state.batch)
+    return DecodeState(caches, io, self, state.len_bound + cfg.q), _io_output(io)
 
   # ------------------------------------------------------------------ prefill
   def prefill(self, prompts, *, seeds=None) -> DecodeState:
@@ -430,9 +490,8 @@ class Decoder:
       raise FloatingPointError(f"prompt {j} produced NaN/Inf logits at its last position: nothing was sampled "
                                "(check the weights and the dtype)")
     if not model.mtp:
-      nxt = first[:, None]
-      st_ = DecodeState(caches, lengths, put(np.ones(B, np.int32)), keys, put(active), nxt, self, int(lens.max()))
-      return st_
+      return DecodeState.make(caches, lengths, np.ones(B, np.int32), keys, active, first[:, None], self,
+                              int(lens.max()))
     next_ids = np.zeros_like(toks)
     next_ids[:, :-1] = toks[:, 1:]
     next_ids = put(next_ids)
@@ -448,7 +507,7 @@ class Decoder:
       drafts = d if drafts is None else jnp.where(put(last_here)[:, None], d, drafts)
       mstart = mstart + put(valid)
     nxt = jnp.concatenate([first[:, None], drafts], axis=1)
-    return DecodeState(caches, lengths, put(np.ones(B, np.int32)), keys, put(active), nxt, self, int(lens.max()))
+    return DecodeState.make(caches, lengths, np.ones(B, np.int32), keys, active, nxt, self, int(lens.max()))
 
   # ------------------------------------------------------------------ generate
   def generate(self, prompts, max_new_tokens: int, *, seeds=None, eos_id=None, progress=False):

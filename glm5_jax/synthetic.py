@@ -118,6 +118,6 @@ def random_state(decoder, batch: int, context: int, *, seed: int = 0):
   put = lambda x: jax.device_put(x, rep)
   rng = np.random.default_rng(seed)
   keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(int(s)))) for s in rng.integers(0, 2**31, batch)])
-  return DecodeState(caches, put(np.full(batch, context, np.int32)), put(np.ones(batch, np.int32)), put(keys),
-                     put(np.ones(batch, bool)), put(rng.integers(0, model.cfg.vocab_size, (batch, cfg.q)).astype(np.int32)),
-                     decoder, context)
+  return DecodeState.make(caches, np.full(batch, context, np.int32), np.ones(batch, np.int32), keys,
+                          np.ones(batch, bool), rng.integers(0, model.cfg.vocab_size, (batch, cfg.q)).astype(np.int32),
+                          decoder, context)

@@ -3,6 +3,8 @@ rejection, sampled acceptance preserves the target distribution, the MTP module,
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -240,7 +242,7 @@ def test_kernel_request_that_cannot_run_is_refused_with_reason(model):
   pol = (("kv_cache_dtype", "auto"), ("mhc", True))  # (this geometry has no FP8 cache layout)
   dec = Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=pol),
                 backend="latency_specialized")
-  with pytest.raises(ValueError, match=r"kernel\(s\) \['mhc'\] that cannot run in this step — mhc: a bf16 "
+  with pytest.raises(ValueError, match=r"kernel\(s\) \['mhc'\] that cannot run in this step — mhc: needs a bf16 "
                                        r"residual \(model dtype float32\)"):
     dec.trace_step(1)
   with pytest.raises(ValueError, match=r"\['kda'\] but backend 'auto' runs none"):
@@ -265,7 +267,7 @@ def test_kernel_sites_say_what_runs_where(model):
   sites = dec.kernel_sites(1)
   n_kda = sum(t == "linear_attention" for t in model.cfg.layer_types)
   assert sites["kda"] == {"sites": 0, "not_used": {"KDA head dim 32 (the kernel takes 128)": n_kda}}
-  assert sites["mhc"] == {"sites": 0, "not_used": {"off in the policy": 1}}
+  assert sites["mhc"] == {"sites": 0, "not_used": {"needs a bf16 residual (model dtype float32)": 1}}
   assert sites["sparse_mla"]["sites"] == 0 and "bf16/f32 latent cache" in next(iter(sites["sparse_mla"]["not_used"]))
   assert Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=())).kernel_sites() == {}
 
@@ -374,3 +376,23 @@ def test_batch_larger_than_the_capture_sizes_is_refused(model):
     dec.prefill([np.arange(4) + 1] * 5)
   with pytest.raises(ValueError, match="prompt 1 is empty"):
     dec.prefill([np.arange(4) + 1, []])
+
+
+def test_step_buffers_keep_their_addresses(model):
+  """Every output of the compiled step aliases a donated input (caches + the packed io), so a chained step never
+  moves a buffer: XLA would otherwise update its CUDA graph every step (host-bound steps on the H200). Also
+  through a caller's tokens (written into io in place once the step has run)."""
+  dec = _decoder(model, 1, sizes=(2,))
+  state = dec.prefill([np.arange(5) + 1, np.arange(7) + 3])
+  ptrs = lambda s: [a.addressable_shards[0].data.unsafe_buffer_pointer() for a in jax.tree.leaves(s)]  # noqa: E731
+  state, _ = decode(state)  # the first call traces and compiles
+  before = ptrs(state)
+  for i in range(3):
+    toks = None if i != 1 else np.array(state.next_tokens)
+    state, out = decode(state, toks)
+    assert ptrs(state) == before, f"step {i}: a state buffer moved"
+  hlo = dec.step_fn(2).trace(model.params, state.caches, state.io).lower().compile().as_text()
+  n_out = len(jax.tree.leaves(state))
+  aliased = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1).count("alias)")
+  assert aliased == n_out, f"{aliased} of the step's {n_out} outputs alias a donated input"
+  assert np.asarray(out.counts).min() >= 1 and np.asarray(out.tokens).shape == (2, 2)

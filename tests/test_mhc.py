@@ -49,7 +49,10 @@ def _check_kernels(M, D, first, seed=0, interpret=None):
   for sl in (slice(0, K.MIX), slice(K.MIX, K.MIX + K.GRAM)):  # partial logits, partial Gram entries
     r = f32(ref[1])[:, :M, sl]
     np.testing.assert_allclose(f32(got[1])[:, :M, sl], r, atol=2e-3 * np.abs(r).max(), rtol=0)
-  np.testing.assert_allclose(f32(fin), f32(K.mhc_finish_reference(ref[0], pre_r, w)), **BF16_ULP)
+  # x_in = w · bf16(bf16(u) · r): u one rounding apart (FMA contraction) stays one ulp apart through the two
+  # further bf16 roundings only up to a second ulp (seen natively: 1 of 262,144 values at M = 64)
+  np.testing.assert_allclose(f32(fin), f32(K.mhc_finish_reference(ref[0], pre_r, w)),
+                             **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
 
 
 @pytest.mark.parametrize("M,D,first", [(1, 256, False), (5, 256, False), (5, 256, True), (64, 128, False)])

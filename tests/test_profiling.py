@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from glm5_jax import profiling as P
@@ -110,3 +111,21 @@ def test_census_of_a_compiled_step_sees_every_component():
   for comp in ("embed", "mhc", "kda", "dsa", "indexer", "router", "moe", "mlp", "lm_head", "draft"):
     assert c["by_component"].get(comp, 0) > 0, (comp, c)
   assert c["by_kind"]["fusion"] > 100
+
+
+def test_trace_interval_helpers():
+  """Device busy time is the union of kernel intervals (overlaps counted once) and the gaps between them; host
+  self time subtracts nested events."""
+  rng = np.random.default_rng()
+  starts = np.sort(rng.integers(0, 10_000, 40))
+  iv = [(int(s), int(s + rng.integers(1, 400))) for s in starts]
+  cover = np.zeros(11_000, bool)
+  for s, e in iv:
+    cover[s:e] = True
+  busy, gaps = P._union_busy(iv)
+  assert busy == cover.sum()
+  span = max(e for _, e in iv) - min(s for s, _ in iv)
+  assert busy + sum(gaps) == span and all(g > 0 for g in gaps)
+  # outer [0, 100) holds a [10, 30) which holds b [12, 20); c [40, 50) also inside outer; d after
+  ev = [("outer", 0, 100), ("a", 10, 30), ("b", 12, 20), ("c", 40, 50), ("d", 120, 125)]
+  assert dict(P._self_times(ev)) == {"outer": 100 - 20 - 10, "a": 20 - 8, "b": 8, "c": 10, "d": 5}
