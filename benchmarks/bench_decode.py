@@ -70,6 +70,9 @@ def main(argv=None):
                  help="XLA GPU autotuning per compiled step (off = xla_gpu_autotune_level 0); both values compare "
                       "them in one process. The q > 1 step of the real geometry took > 350 s to compile with it on")
   p.add_argument("--fast-compile", action="store_true", help="same as --autotune off")
+  p.add_argument("--executables", type=int, nargs="+", default=[1], choices=[1, 2],
+                 help="2: alternate two loaded copies of the compiled step (each its own CUDA graph); both values "
+                      "compare them in one process")
   a = p.parse_args(argv)
   tunings = ["off"] if a.fast_compile else a.autotune
   if a.trace:  # XLA turns command buffers off while a profiler runs: the trace must show the timed program
@@ -85,7 +88,8 @@ def main(argv=None):
     cfg = C.PRESETS[a.geometry]()
   # room for the warm-up call, every timed run and the profiled run on one state: a fresh state (new buffers)
   # makes the next step re-record XLA's command buffers (~50 µs per Mosaic kernel call), which must not be timed
-  max_ctx = a.context + max(a.q) * (a.steps * (a.repeats + 2) + 2)  # + the trace and the profile runs
+  # + the trace and the profile runs, and up to 4 untimed first calls
+  max_ctx = a.context + max(a.q) * (a.steps * (a.repeats + 2) + 4)
   max_ctx += (-max_ctx) % cfg.index_kpool
   t = time.time()
   model = random_model(cfg, dtype=jnp.bfloat16, fp8=cfg.fp8_block is not None, mesh=make_mesh(a.tp))
@@ -97,18 +101,19 @@ def main(argv=None):
   rows = []
   hdr = f"{'backend':>34} {'B':>3} {'q':>2} {'compile s':>9} {'ms/step':>9} {'tok/s/seq':>9} {'roofline ms':>11} {'% roof':>7}"
   print(hdr, flush=True)
-  configs = [(q, backend, tune, b) for q in a.q for backend in a.backend for tune in tunings for b in a.batch]
+  configs = [(q, backend, tune, b, ne) for q in a.q for backend in a.backend for tune in tunings for b in a.batch
+             for ne in a.executables]
   # q outermost: the backends' numbers for one q come together when the budget cuts the run short
-  for q, backend, tune, b in configs:
+  for q, backend, tune, b, ne in configs:
     opts = {"xla_gpu_autotune_level": 0} if tune == "off" else {}
-    label = backend + (" (no autotune)" if opts else "")
+    label = backend + (" (no autotune)" if opts else "") + (" ×2 exec" if ne > 1 else "")
     if time.time() - t_start > a.budget_s:
       print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
       continue
     # the kernel switches concern latency_specialized only (auto refuses a request for a kernel)
     pol = policy if backend != "auto" else tuple((k, v) for k, v in policy if k not in KERNEL_DEFAULTS)
     dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=pol),
-                  backend=backend, compiler_options=opts)
+                  backend=backend, compiler_options=opts, executables=ne)
     t = time.time()
     try:
       dec.warmup()
@@ -131,6 +136,9 @@ def main(argv=None):
       state, out = decode(state)  # first call: one-off work (Mosaic GPU compiles its kernels here) outside the timing
       jax.block_until_ready(out.tokens)
       first = time.time() - t
+      for _ in range(2 * ne - 1):  # each executable's first run goes op by op, its second records the CUDA graph
+        state, out = decode(state)
+      jax.block_until_ready(out.tokens)
       print(f"# first call {first:.1f} s", flush=True)
     except Exception as e:  # a device fault poisons the CUDA context: nothing after it can run
       print(f"{label:>34} {b:>3} {q:>2} FAILED at run time: {type(e).__name__}: {str(e)[:400]}", flush=True)
@@ -160,6 +168,7 @@ def main(argv=None):
     roof = 1e3 * roofline_bytes(b, q, a.context) / HBM if full else float("nan")
     tps = (a.accept if q > 1 else 1.0) / (ms / 1e3)
     row = dict(geometry=a.geometry, layers=cfg.num_hidden_layers, tp=a.tp, backend=backend, policy=dict(policy),
+               executables=ne,
                compiler_options=opts, batch=b, q=q, context=a.context, compile_s=comp,
                ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
                roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,

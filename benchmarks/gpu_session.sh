@@ -14,6 +14,8 @@
 #                             whole one-rank latency_specialized step with and without the fused mHC (GPU 1)
 #   trace   (nvidia-h200-x2): the whole one-rank step traced (wall vs GPU time: gaps, host events), ls on GPU 0 and
 #                             auto on GPU 1, then both at q = 4 with the per-component profile
+#   launch  (nvidia-h200-x2): the CUDA-graph launch experiment (bench_graph_launch.py) on GPU 0; the one-rank step
+#                             with one vs two alternating executables on GPU 1
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -188,6 +190,25 @@ case "$MODE" in
       ( tb 0 latency_specialized --q 1 --trace; tb 0 latency_specialized --q 4 --profile ) &
       ( tb 1 auto --q 1 --trace; tb 1 auto --q 4 --profile ) &
     fi
+    wait
+    ;;
+  launch)  # (nvidia-h200-x2) is the one-rank step's host time the CUDA-graph launch? GPU 0: the synthetic launch
+    # experiment with and without command buffers; GPU 1: the whole one-rank step, one vs two alternating executables
+    (
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_graph_launch.py > "$OUT/bench_launch.log" 2>&1
+      echo "## command buffers off" >> "$OUT/bench_launch.log"
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" CUDA_VISIBLE_DEVICES=0 timeout 150 \
+        python3 benchmarks/bench_graph_launch.py >> "$OUT/bench_launch.log" 2>&1
+    ) &
+    (
+      for b in latency_specialized auto; do
+        [ "$(left)" -gt 200 ] || break
+        CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+          --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --backend $b --executables 1 2 \
+          --budget-s $(( $(left) - 150 )) --out "$OUT/decode_launch.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" \
+          >> "$OUT/bench_decode_launch.log"
+      done
+    ) &
     wait
     ;;
   *) echo "unknown mode $MODE (single | pair | tp2 | bisect)"; exit 2 ;;

@@ -220,12 +220,15 @@ class Decoder:
   temperature 0 = greedy; otherwise sampled acceptance with optional top_p."""
 
   def __init__(self, model: Model, config: DecodeConfig, *, backend: str = "auto", temperature: float = 0.0,
-               top_p: float = 1.0, prefill_chunk: int = 256, compiler_options: dict | None = None):
+               top_p: float = 1.0, prefill_chunk: int = 256, compiler_options: dict | None = None,
+               executables: int = 1):
     if backend not in ("auto", "latency_specialized"):
       raise ValueError(f"backend={backend!r}: expected 'auto' or 'latency_specialized'")
     if config.q > 1 and not model.mtp:
       raise ValueError(f"q={config.q} needs the MTP draft layer, but the checkpoint has none "
                        f"(layer {model.cfg.num_hidden_layers}): use q=1")
+    if executables not in (1, 2):
+      raise ValueError(f"executables={executables}: expected 1 or 2")
     if temperature < 0 or not 0 < top_p <= 1:
       raise ValueError(f"temperature={temperature}, top_p={top_p}: expected temperature >= 0 and 0 < top_p <= 1")
     unknown = sorted(set(config.policy_dict()) - POLICY_KEYS)
@@ -242,6 +245,12 @@ class Decoder:
     # --fast-compile); with options set, the first step of a capture size compiles ahead of time too
     self.compiler_options = dict(compiler_options or {})
     self._aot: dict[int, Any] = {}  # capture size -> compiled step (warmup)
+    # executables=2: warmup() also loads a second copy of each compiled step and step() alternates between them.
+    # Each copy has its own CUDA graph, so a step's graph launch never waits on the same graph's previous launch
+    # (the one-rank step's cuGraphLaunch took about a step's GPU time of host time: BENCHMARKS.md, 2026-11-30)
+    self.executables = executables
+    self._copies: dict[int, list] = {}
+    self._calls = 0
     self._ran: set[int] = set()  # capture sizes whose step has traced and run
     self.prefill_chunk = int(prefill_chunk)  # prompts run in chunks of at most this many tokens (one compile each)
 
@@ -411,6 +420,18 @@ class Decoder:
       if b not in self._aot:
         with self.kernel_mode():  # Mosaic lowering happens in lower(): keep interpret mode / kernels active
           self._aot[b] = self.trace_step(b).lower().compile(self.compiler_options or None)
+      if self.executables > 1 and b not in self._copies:
+        self._copies[b] = [self._aot[b], self._second_copy(b)]
+
+  def _second_copy(self, b):
+    """Another loaded executable of the compiled step: on a GPU a deserialised copy (no recompilation); on the CPU
+    (whose serialised executables in jax 0.11.2 lose their kernels: "Function ..._kernel not found") compiled again."""
+    devices = list(self.model.mesh.devices.flat)
+    if devices[0].platform == "cpu":
+      with self.kernel_mode():
+        return self.trace_step(b).lower().compile(self.compiler_options or None)
+    from jax.experimental import serialize_executable as se  # noqa: PLC0415
+    return se.deserialize_and_load(*se.serialize(self._aot[b]), execution_devices=devices)
 
   def step(self, state: DecodeState, tokens=None):
     """One speculative step. ``tokens`` [B, q] int32 (default: the state's next_tokens). Validated before any
@@ -430,9 +451,14 @@ class Decoder:
         raise ValueError(f"a sequence at length {worst} cannot verify q={cfg.q} more tokens within "
                          f"max_context={cfg.max_context}; nothing was written")
       state = dataclasses.replace(state, len_bound=worst)
-    if self.compiler_options and state.batch not in self._aot:
+    if (self.compiler_options or self.executables > 1) and state.batch not in self._aot:
       self.warmup((state.batch,))
-    fn = self._aot.get(state.batch) or self.step_fn(state.batch)
+    if state.batch in self._copies:
+      copies = self._copies[state.batch]
+      fn = copies[self._calls % len(copies)]
+      self._calls += 1
+    else:
+      fn = self._aot.get(state.batch) or self.step_fn(state.batch)
     io = state.io
     if tokens is not None:  # written in place; before the step first traced (which may refuse it), into a copy
       io = _io_set_tokens(io if state.batch in self._ran else jnp.copy(io),

@@ -396,3 +396,23 @@ def test_step_buffers_keep_their_addresses(model):
   aliased = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1).count("alias)")
   assert aliased == n_out, f"{aliased} of the step's {n_out} outputs alias a donated input"
   assert np.asarray(out.counts).min() >= 1 and np.asarray(out.tokens).shape == (2, 2)
+
+
+def test_two_alternating_executables_equal_one(model):
+  """Decoder(executables=2) alternates two loaded copies of the compiled step (one CUDA graph each on a GPU):
+  the same tokens and state as one executable, and the copies really alternate."""
+  runs = {}
+  for ne in (1, 2):
+    dec = _decoder(model, 1, sizes=(2,), executables=ne)
+    state = dec.prefill([np.arange(5) + 1, np.arange(9) + 2])
+    toks = []
+    for _ in range(4):
+      state, out = decode(state)
+      toks.append(np.asarray(out.tokens))
+    runs[ne] = (np.stack(toks), np.asarray(state.io), dec)
+  np.testing.assert_array_equal(runs[2][0], runs[1][0])
+  np.testing.assert_array_equal(runs[2][1], runs[1][1])
+  copies = runs[2][2]._copies[2]
+  assert len(copies) == 2 and copies[0] is not copies[1] and runs[2][2]._calls == 4
+  with pytest.raises(ValueError, match="executables=3: expected 1 or 2"):
+    _decoder(model, 1, executables=3)
