@@ -144,3 +144,19 @@ def test_fp32_step_has_no_reduced_precision_dots(backend):
          if any(v.aval.dtype == jnp.float32 for v in e.invars)
          and e.params.get("precision") != (lax.Precision.HIGHEST, lax.Precision.HIGHEST)]
   assert not low, low
+
+
+@pytest.mark.parametrize("N,k,ties", [(288, 8, False), (288, 8, True), (37, 5, True), (16, 16, True)])
+def test_topk_by_rank_equals_lax_top_k(N, k, ties):
+  """The sort-free router top-k selects exactly lax.top_k's indices in its order, ties included (lower index
+  first): random sigmoid scores + bias, or values drawn from a few levels so that ties are everywhere."""
+  from glm5_jax.layers import topk_by_rank  # noqa: PLC0415
+  rng = np.random.default_rng()
+  shape = (3, 5, N)
+  if ties:
+    v = rng.integers(0, 4, shape).astype(np.float32) / 4
+    v[0, 0] = -np.inf  # a row of equal values
+  else:
+    v = (1 / (1 + np.exp(-rng.standard_normal(shape))) + rng.standard_normal(N) * 1e-2).astype(np.float32)
+  got = jax.jit(topk_by_rank, static_argnums=1)(jnp.asarray(v), k)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(lax.top_k(jnp.asarray(v), k)[1]))
