@@ -19,17 +19,18 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("results", nargs="+")
   p.add_argument("-o", "--out", default="benchmarks/results/decode_components.png")
+  p.add_argument("--since", default=None, help="only rows dated on or after this day (YYYY-MM-DD)")
   a = p.parse_args(argv)
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
   rows = [json.loads(line) for f in a.results for line in open(f) if line.strip()]
-  rows = [r for r in rows if r.get("profile")]
+  rows = [r for r in rows if r.get("profile") and (a.since is None or r.get("date", "") >= a.since)]
   if not rows:
     raise SystemExit("no profiled rows (run bench_decode.py with --profile --out)")
-  fig, ax = plt.subplots(figsize=(9, 1.2 + 0.6 * len(rows)))
-  labels = []
+  fig, ax = plt.subplots(figsize=(10, 1.8 + 0.6 * len(rows)))
+  labels, seen = [], set()
   for i, r in enumerate(rows):
     left = 0.0
     for j, c in enumerate(COMPONENTS):
@@ -37,12 +38,19 @@ def main(argv=None):
       if us:
         ax.barh(i, us / 1e3, left=left, color=plt.cm.tab20(j), label=c if i == 0 else None)
         left += us / 1e3
-    ax.plot([r["ms_per_step"]] * 2, [i - 0.4, i + 0.4], "k-", lw=2)
-    labels.append(f"{r['backend']} B={r['batch']} q={r['q']}\n{r.get('device', '')} {r.get('date', '')}")
-  ax.axvline(rows[0].get("roofline_ms", 0), color="r", ls="--", label="HBM roofline")
+    ax.plot([r["ms_per_step"]] * 2, [i - 0.4, i + 0.4], "k-", lw=2, label="wall" if i == 0 else None)
+    if r.get("host_ms_per_step"):  # when the chained calls had returned: close to wall = host-bound
+      ax.plot([r["host_ms_per_step"]] * 2, [i - 0.4, i + 0.4], color="0.5", ls=":", lw=2,
+              label=None if "host" in seen else "host (calls returned)")
+      seen.add("host")
+    pol = ", ".join(f"{k}={v}" for k, v in sorted((r.get("policy") or {}).items()))
+    labels.append(f"{r['backend']} B={r['batch']} q={r['q']}{' (' + pol + ')' if pol else ''}\n"
+                  f"{r.get('device', '')} {r.get('date', '')} {r.get('note', '')}")
+    if r.get("roofline_ms") == r.get("roofline_ms"):  # (NaN for geometries without one)
+      ax.plot([r["roofline_ms"]] * 2, [i - 0.45, i + 0.45], "r--", lw=1.5, label="HBM roofline" if i == 0 else None)
   ax.set_yticks(range(len(rows)), labels, fontsize=8)
   ax.set_xlabel("ms per decode step (bars: GPU time by component; black tick: wall-clock step)")
-  ax.legend(fontsize=7, ncol=4, loc="lower right")
+  ax.legend(fontsize=7, ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))
   fig.tight_layout()
   fig.savefig(a.out, dpi=120)
   print(f"wrote {a.out}")
