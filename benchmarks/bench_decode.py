@@ -64,6 +64,8 @@ def main(argv=None):
                  help="a jax.profiler trace of --steps steps (XLA command buffers kept on), summarised: device "
                       "span / busy / idle per step, the idle-gap histogram and the host's top events (where wall "
                       "time goes when it exceeds GPU time). Run it apart from --profile (both use CUPTI)")
+  p.add_argument("--hlo-dir", default=None,
+                 help="write each configuration's optimised HLO (gzip text) here: the kernel census by hand offline")
   p.add_argument("--profile", action="store_true",
                  help="per-component GPU time from CUPTI kernel records (named scopes -> glm5_jax.profiling)")
   p.add_argument("--autotune", nargs="+", default=["default"], choices=["default", "off"],
@@ -122,6 +124,11 @@ def main(argv=None):
       continue
     comp = time.time() - t
     hlo = dec._aot[b].as_text()
+    if a.hlo_dir:
+      import gzip  # noqa: PLC0415
+      os.makedirs(a.hlo_dir, exist_ok=True)
+      with gzip.open(os.path.join(a.hlo_dir, f"step_{a.geometry}_{backend}_b{b}_q{q}.hlo.gz"), "wt") as fh:
+        fh.write(hlo)
     cen = profiling.census(hlo)
     sites = dec.kernel_sites(b)
     if sites:

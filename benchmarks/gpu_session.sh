@@ -205,7 +205,7 @@ case "$MODE" in
         [ "$(left)" -gt 200 ] || break
         CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
           --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --backend $b --executables 1 2 \
-          --budget-s $(( $(left) - 150 )) --out "$OUT/decode_launch.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" \
+          --hlo-dir "$OUT" --budget-s $(( $(left) - 150 )) --out "$OUT/decode_launch.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" \
           >> "$OUT/bench_decode_launch.log"
       done
     ) &
