@@ -14,8 +14,8 @@
 #                             whole one-rank latency_specialized step with and without the fused mHC (GPU 1)
 #   trace   (nvidia-h200-x2): the whole one-rank step traced (wall vs GPU time: gaps, host events), ls on GPU 0 and
 #                             auto on GPU 1, then both at q = 4 with the per-component profile
-#   launch  (nvidia-h200-x2): the CUDA-graph launch experiment (bench_graph_launch.py) on GPU 0; the one-rank step
-#                             with one vs two alternating executables on GPU 1
+#   launch  (nvidia-h200-x2): mHC GPU tests + the CUDA-graph launch experiment (bench_graph_launch.py) on GPU 0;
+#                             the one-rank step with one vs two alternating executables, then mhc_mix, on GPU 1
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -192,22 +192,23 @@ case "$MODE" in
     fi
     wait
     ;;
-  launch)  # (nvidia-h200-x2) is the one-rank step's host time the CUDA-graph launch? GPU 0: the synthetic launch
-    # experiment with and without command buffers; GPU 1: the whole one-rank step, one vs two alternating executables
+  launch)  # (nvidia-h200-x2) is the one-rank step's host time the CUDA-graph launch? GPU 0: the mixing-in-kernel mHC
+    # GPU tests, the synthetic launch experiment with and without command buffers; GPU 1: the whole one-rank step,
+    # one vs two alternating executables (optimised HLO kept), then with {"mhc_mix": true}, profiled
     (
-      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_graph_launch.py > "$OUT/bench_launch.log" 2>&1
+      CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider \
+        tests/test_mhc.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -40 >> "$OUT/gpu_tests.log"
+      CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_graph_launch.py > "$OUT/bench_launch.log" 2>&1
       echo "## command buffers off" >> "$OUT/bench_launch.log"
-      XLA_FLAGS="--xla_gpu_enable_command_buffer=" CUDA_VISIBLE_DEVICES=0 timeout 150 \
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" CUDA_VISIBLE_DEVICES=0 timeout 120 \
         python3 benchmarks/bench_graph_launch.py >> "$OUT/bench_launch.log" 2>&1
     ) &
     (
-      for b in latency_specialized auto; do
-        [ "$(left)" -gt 200 ] || break
-        CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
-          --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --backend $b --executables 1 2 \
-          --hlo-dir "$OUT" --budget-s $(( $(left) - 150 )) --out "$OUT/decode_launch.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" \
-          >> "$OUT/bench_decode_launch.log"
-      done
+      lb() { CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+        --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 150 )) \
+        --out "$OUT/decode_launch.jsonl" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_launch.log"; }
+      lb --backend latency_specialized auto --executables 1 2 --hlo-dir "$OUT"
+      [ "$(left)" -gt 200 ] && lb --backend latency_specialized --policy '{"mhc_mix": true}' --profile
     ) &
     wait
     ;;

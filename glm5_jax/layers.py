@@ -47,7 +47,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "bf16_linea
                    "mhc": True,
                    # the MoE router's top-8 of 288 by counting ranks in one fusion instead of a sort
                    # (topk_by_rank; exact, the same ties as lax.top_k). Not yet measured on the GPU
-                   "router_topk": True}
+                   "router_topk": True,
+                   # the mHC mixing glue (sums -> Sinkhorn -> pre / post / comb, the variance) inside the finish
+                   # kernel (pallas_kernels/mhc.py mhc_mix_finish): ~7 -> 3 launches per boundary; off until it
+                   # has run natively on the H200
+                   "mhc_mix": False}
 
 
 @contextlib.contextmanager
@@ -234,19 +238,13 @@ class HyperConnection(nnx.Module):
       return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts))
     y, mix = pending if pending is not None else (None, None)
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None)
-    n, D = self.n, X2.shape[1] // self.n
     tot = jnp.sum(part[:, :M], axis=0)  # [M, 40]: one reduction over the column chunks
-    S, gp = tot[:, :km.MIX], tot[:, km.MIX:]  # fn · x over all K; Gram entries (i <= j) of the four streams
-    idx = {p: k for k, p in enumerate(km._PAIRS)}
-    gram = jnp.stack([jnp.stack([gp[:, idx[min(i, j), max(i, j)]] for j in range(n)], -1) for i in range(n)], -2)
-    ss = sum(gram[:, i, i] for i in range(n))  # ‖x‖² = trace of the Gram matrix
-    pre, post, comb = self.mix(S * lax.rsqrt(ss / (n * D) + self.norm_eps)[:, None])
-    # mean(u²) of the f32 u; preᵀ Gram pre can round below 0 where the weighted streams nearly cancel
-    # (an elementwise sum, not an einsum: XLA keeps it in the glue's one fusion instead of a tiny dot kernel)
-    var = jnp.maximum(jnp.sum(pre[:, :, None] * gram * pre[:, None, :], axis=(1, 2)) / D, 0.0)
-    z = jnp.zeros((M, 3), jnp.float32)
-    pre_r = jnp.concatenate([pre, lax.rsqrt(var + norm.eps)[:, None], z], axis=-1)
-    mix = jnp.concatenate([post, comb.reshape(M, n * n), jnp.zeros((M, 32 - n - n * n), jnp.float32)], axis=-1)
+    consts = dict(iters=self.iters, eps=self.eps, hc_norm_eps=self.norm_eps, norm_eps=norm.eps,
+                  post_mult=self.post_mult)
+    if kernel_enabled("mhc_mix"):  # the mixing glue inside the finish kernel
+      x_in, mix = km.mhc_mix_finish(Xn, tot, self.base[...], self.scale[...], norm.weight[...], **consts)
+      return Xn, x_in, mix
+    pre_r, mix = km.mhc_mix_reference(tot, self.base[...], self.scale[...], X2.shape[1] // self.n, **consts)
     return Xn, km.mhc_finish(Xn, pre_r, norm.weight[...]), mix
 
   @staticmethod

@@ -100,6 +100,34 @@ def mhc_finish_reference(Xn, pre_r, w):
   return w.astype(jnp.bfloat16) * xn
 
 
+def mhc_mix_reference(tot, base, scale, D: int, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
+                      post_mult: float):
+  """Step 2 of a boundary (the XLA glue): tot [M, 40] f32 = the partials of ``mhc_post_pre`` summed over the
+  column chunks, base [24] / scale [3] the site's mHC parameters -> (pre_r [M, 8] f32: pre, 1/RMS of u at column
+  N; mix [M, 32] f32: post, comb). ‖x‖² = Gram trace; mean(u²) = preᵀ Gram pre / D (clamped at 0: it can round
+  below where the weighted streams nearly cancel), the variance of the f32 u as vLLM's fused kernel takes it."""
+  from glm5_jax.layers import hc_mix  # noqa: PLC0415 (the stock path's mixing math: one definition)
+  M = tot.shape[0]
+  S, gp = tot[:, :MIX], tot[:, MIX:]
+  idx = {p: k for k, p in enumerate(_PAIRS)}
+  gram = jnp.stack([jnp.stack([gp[:, idx[min(i, j), max(i, j)]] for j in range(N)], -1) for i in range(N)], -2)
+  ss = sum(gram[:, i, i] for i in range(N))
+  pre, post, comb = hc_mix(S * lax.rsqrt(ss / (N * D) + hc_norm_eps)[:, None], scale, base, N, iters, eps, post_mult)
+  # (an elementwise sum, not an einsum: XLA keeps it in the glue's one fusion instead of a tiny dot kernel)
+  var = jnp.maximum(jnp.sum(pre[:, :, None] * gram * pre[:, None, :], axis=(1, 2)) / D, 0.0)
+  z = jnp.zeros((M, 8 - N - 1), jnp.float32)
+  pre_r = jnp.concatenate([pre, lax.rsqrt(var + norm_eps)[:, None], z], axis=-1)
+  mix = jnp.concatenate([post, comb.reshape(M, N * N), jnp.zeros((M, 32 - N - N * N), jnp.float32)], axis=-1)
+  return pre_r, mix
+
+
+def mhc_mix_finish_reference(Xn, tot, base, scale, w, **consts):
+  """Steps 2 + 3 of a boundary: Xn [M, N·D] bf16, tot [M, 40] f32, base [24], scale [3], w [D] -> (x_in [M, D]
+  bf16, mix [M, 32] f32). ``consts``: iters, eps, hc_norm_eps, norm_eps, post_mult (HyperConnection's)."""
+  pre_r, mix = mhc_mix_reference(tot, base, scale, Xn.shape[1] // N, **consts)
+  return mhc_finish_reference(Xn, pre_r, w), mix
+
+
 # ------------------------------------------------------------------------------------------------ kernels
 def _row_vectors(tile, count):
   """[64, C] f32 tile (WGMMA layout) -> its first ``count`` columns as per-row vectors [64] (a masked row sum:
@@ -248,3 +276,105 @@ def mhc_finish(Xn, pre_r, w):
       kernel_name="glm5_mhc_finish",
   )
   return kern(Xn, pre_r.astype(jnp.float32), w.astype(bf16))
+
+
+def _mix_finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
+                       post_mult: float):
+  """Each CTA recomputes the site's mixing (a few hundred flops per row, on per-row vectors) from the summed
+  partials, then Σ pre_i X'_i + RMSNorm of its DC_FIN columns; CTA 0 also stores mix for the next boundary."""
+  idx = {p: k for k, p in enumerate(_PAIRS)}
+
+  def body(x_g, t_g, b_g, s_g, w_g, o_g, mix_g, x_s, t_s, w_s, o_s, m_s, bar):
+    g = lax.axis_index("g")
+    d0 = g * DC_FIN
+    for i in range(N):
+      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + d0, DC_FIN)], x_s.at[i, pl.ds(0, M)], bar)
+    plgpu.copy_gmem_to_smem(t_g.at[pl.ds(0, M)], t_s.at[pl.ds(0, M)], bar)
+    plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, DC_FIN)], w_s, bar)
+    base = [b_g[k] for k in range(MIX)]  # scalars (GMEM loads while the copies fly)
+    sc = [s_g[k] for k in range(3)]
+    plgpu.barrier_wait(bar)
+    tv = _row_vectors(plgpu.load(t_s, layout=_L.WGMMA, optimized=False), MIX + GRAM)
+    S, gp = tv[:MIX], tv[MIX:]
+    gram = [[gp[idx[min(i, j), max(i, j)]] for j in range(N)] for i in range(N)]
+    ss = gram[0][0] + gram[1][1] + gram[2][2] + gram[3][3]
+    r = lax.rsqrt(ss / float(N * D) + hc_norm_eps)
+    m = [S[k] * r for k in range(MIX)]
+    pre = [jax.nn.sigmoid(m[i] * sc[0] + base[i]) + eps for i in range(N)]
+    post = [post_mult * jax.nn.sigmoid(m[N + i] * sc[1] + base[N + i]) for i in range(N)]
+    c = [[m[2 * N + N * i + j] * sc[2] + base[2 * N + N * i + j] for j in range(N)] for i in range(N)]
+    for i in range(N):  # softmax over j (jax.nn.softmax: exp(x - max) / Σ), + eps
+      mx = jnp.maximum(jnp.maximum(c[i][0], c[i][1]), jnp.maximum(c[i][2], c[i][3]))
+      e = [jnp.exp(c[i][j] - mx) for j in range(N)]
+      tot_e = e[0] + e[1] + e[2] + e[3]
+      c[i] = [e[j] / tot_e + eps for j in range(N)]
+
+    def col_norm(c):
+      cs = [c[0][j] + c[1][j] + c[2][j] + c[3][j] + eps for j in range(N)]
+      return [[c[i][j] / cs[j] for j in range(N)] for i in range(N)]
+
+    def row_norm(c):
+      return [[c[i][j] / (c[i][0] + c[i][1] + c[i][2] + c[i][3] + eps) for j in range(N)] for i in range(N)]
+
+    c = col_norm(c)
+    for _ in range(iters - 1):
+      c = col_norm(row_norm(c))
+    var = None
+    for i in range(N):
+      for j in range(N):
+        t = pre[i] * gram[i][j] * pre[j]
+        var = t if var is None else var + t
+    rinv = lax.rsqrt(jnp.maximum(var / float(D), 0.0) + norm_eps)
+
+    u = _bcast(pre[0], DC_FIN) * plgpu.load(x_s.at[0], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+    for i in range(1, N):
+      u = u + _bcast(pre[i], DC_FIN) * plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+    xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * _bcast(rinv, DC_FIN)).astype(jnp.bfloat16)
+    wv = plgpu.load(w_s, layout=_L.WGMMA.reduce(0), optimized=False)
+    o_s[...] = plgpu.layout_cast(lax.broadcast_in_dim(wv, (ROWS, DC_FIN), (1,)) * xn, _L.WGMMA)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, M)], o_g.at[pl.ds(0, M), pl.ds(d0, DC_FIN)])
+
+    @pl.when(g == 0)
+    def _():
+      col = plgpu.broadcasted_iota(jnp.int32, (ROWS, 32), 1, layout=_L.WGMMA)
+      tile = jnp.zeros((ROWS, 32), jnp.float32)
+      for k, v in enumerate(post + [c[i][j] for i in range(N) for j in range(N)]):
+        tile = jnp.where(col == k, _bcast(v, 32), tile)
+      m_s[...] = plgpu.layout_cast(tile, _L.WGMMA)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(m_s.at[pl.ds(0, M)], mix_g.at[pl.ds(0, M)])
+
+    plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+@kernel_entry("iters", "eps", "hc_norm_eps", "norm_eps", "post_mult")
+def mhc_mix_finish(Xn, tot, base, scale, w, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
+                   post_mult: float):
+  """Mosaic GPU version of ``mhc_mix_finish_reference``: the mixing glue (Sinkhorn, the variance) moved into the
+  finish kernel, so a boundary is mhc_post_pre + one XLA reduction + this kernel."""
+  M, K = Xn.shape
+  D = K // N
+  _check(Xn, D, "mhc_mix_finish")
+  if tot.shape != (M, PART) or base.shape != (MIX,) or scale.shape != (3,):
+    raise ValueError(f"mhc_mix_finish: tot {tot.shape}, base {base.shape}, scale {scale.shape}; expected "
+                     f"[{M}, {PART}], [{MIX}], [3]")
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  kern = plgpu.kernel(
+      _mix_finish_kernel(M, D, int(iters), float(eps), float(hc_norm_eps), float(norm_eps), float(post_mult)),
+      out_type=(jax.ShapeDtypeStruct((M, D), bf16), jax.ShapeDtypeStruct((M, 32), f32)),
+      scratch_types=[
+          plgpu.SMEM((N, ROWS, DC_FIN), bf16),  # x_s
+          plgpu.SMEM((ROWS, PART), f32),  # t_s
+          plgpu.SMEM((DC_FIN,), bf16),  # w_s
+          plgpu.SMEM((ROWS, DC_FIN), bf16),  # o_s
+          plgpu.SMEM((ROWS, 32), f32),  # m_s
+          plgpu.Barrier(num_arrivals=N + 2),
+      ],
+      grid=(D // DC_FIN,),
+      grid_names=("g",),
+      kernel_name="glm5_mhc_mix_finish",
+  )
+  return kern(Xn, tot.astype(f32), base.astype(f32), scale.astype(f32), w.astype(bf16))

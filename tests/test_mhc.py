@@ -67,12 +67,49 @@ def test_kernels_gpu(M, D, first):
   _check_kernels(M, D, first, seed=M)
 
 
+def _check_mix_finish(M, D, seed, interpret=None):
+  """mhc_mix_finish (the mixing glue + finish in one kernel) vs its reference, on the summed partials of a real
+  post+pre (realistic logits and Gram entries) and random mHC parameters."""
+  X, y, mix, fn, _, w = _inputs(M, D, seed)
+  Xn, part = K.mhc_post_pre_reference(X, y, mix, fn)
+  tot = jnp.sum(part[:, :M], axis=0)
+  rng = np.random.default_rng(seed + 7)
+  base = jnp.asarray(rng.standard_normal(24), jnp.float32)
+  scale = jnp.asarray(rng.uniform(0.5, 2, 3), jnp.float32)
+  consts = dict(iters=20, eps=1e-6, hc_norm_eps=1e-6, norm_eps=1e-5, post_mult=2.0)
+  ref_x, ref_mix = K.mhc_mix_finish_reference(Xn, tot, base, scale, w, **consts)
+  with maybe_interpret(interpret):
+    got_x, got_mix = jax.jit(lambda *a: K.mhc_mix_finish(*a, **consts))(Xn, tot, base, scale, w)
+  f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+  # post and comb: f32 math in another order (and the GPU's exp/rsqrt) than XLA's
+  np.testing.assert_allclose(f32(got_mix), f32(ref_mix), atol=2e-5, rtol=2e-5)
+  # x_in: as mhc_finish, up to two bf16 ulps (pre / r one f32 rounding apart can move bf16(u) by one)
+  np.testing.assert_allclose(f32(got_x), f32(ref_x), **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
+  assert np.mean(f32(got_x) != f32(ref_x)) < 0.02
+
+
+@pytest.mark.parametrize("M,D", [(1, 256), (5, 256), (64, 128)])
+def test_mix_finish_interpret(M, D):
+  _check_mix_finish(M, D, seed=M, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 37, 64])
+def test_mix_finish_gpu(M):
+  _check_mix_finish(M, 4096, seed=M)
+
+
 @pytest.mark.parametrize("M", [1, 4, 8, 32, 64])
 def test_cross_lower_real(M):
   X, y, mix, fn, pre_r, w = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _inputs(M, 4096, 0))
   for first in (False, True):
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_post_pre(*a, first=first), X, y, mix, fn).as_text()
   cross_lower(K.mhc_finish, X, pre_r, w)
+  tot = jax.ShapeDtypeStruct((M, K.PART), jnp.float32)
+  base, scale = jax.ShapeDtypeStruct((24,), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.float32)
+  assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_mix_finish(*a, iters=20, eps=1e-6, hc_norm_eps=1e-6,
+                                                                   norm_eps=1e-5, post_mult=2.0),
+                                     X, tot, base, scale, w).as_text()
 
 
 def test_rows_checked():
@@ -93,9 +130,11 @@ def _site(D, seed):
   return hc, norm
 
 
-@pytest.mark.parametrize("M,first", [(3, False), (3, True), (70, False)])
-def test_fused_boundary_equals_stock(M, first):
-  """post (previous sublayer) + pre + RMSNorm, fused kernels vs the stock XLA formulation; 70 rows = 2 launches."""
+@pytest.mark.parametrize("M,first,mix_kernel", [(3, False, False), (3, True, False), (70, False, False),
+                                                (3, False, True), (3, True, True), (70, False, True)])
+def test_fused_boundary_equals_stock(M, first, mix_kernel):
+  """post (previous sublayer) + pre + RMSNorm, fused kernels vs the stock XLA formulation; 70 rows = 2 launches.
+  mix_kernel: the mixing glue inside the finish kernel (policy knob mhc_mix) instead of XLA."""
   D = 256
   hc, norm = _site(D, M)
   X, y, mix, _, _, _ = _inputs(M, D, M + 1)
@@ -104,7 +143,7 @@ def test_fused_boundary_equals_stock(M, first):
   Xref = Xs if first else HyperConnection.post(Xs, y, post, comb)
   u, post_ref, comb_ref = hc.pre(Xref)
   xin_ref = norm(u, jnp.bfloat16)
-  with maybe_interpret(True):
+  with maybe_interpret(True), use_kernels({"mhc_mix": mix_kernel}):
     Xn, xin, mix_new = jax.jit(lambda X, y, mix: hc.fused(X, None if first else (y, mix), norm))(X, y, mix)
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(Xn).reshape(M, 4, D), f32(Xref), **BF16_ULP)
@@ -120,19 +159,23 @@ def test_fused_boundary_equals_stock(M, first):
 def test_trunk_with_fused_boundaries_as_accurate_as_stock():
   """kernel-tiny in bf16 (4 layers: 8 fused boundaries + the final post; dense MLPs, 5 tokens, so no MoE
   routing or indexer selection can flip on a rounding difference), fused mHC kernels vs the stock bf16 trunk,
-  both against the f32 model: the fused path is as close to f32 as the stock bf16 path."""
+  both against the f32 model: the fused path (mixing glue in XLA, or in the finish kernel: mhc_mix) is as close
+  to f32 as the stock bf16 path."""
   from glm5_jax import api  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 4, "fp8", mlp_layer_types=["dense"] * 4)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 2000, (2, 5)), jnp.int32)
   fused = {k: False for k in ("kda", "fp8_linear", "fp8_moe", "sparse_mla", "indexer")} | {"mhc": True}
   hidden = {}
-  for name, dtype, policy in (("f32", "float32", None), ("stock", "bfloat16", None), ("fused", "bfloat16", fused)):
+  for name, dtype, policy in (("f32", "float32", None), ("stock", "bfloat16", None), ("fused", "bfloat16", fused),
+                              ("fused_mix", "bfloat16", fused | {"mhc_mix": True})):
     m = load(path, dtype)
     cache = api.init_cache(m, 2, 64)
     fn = api._build_extend(m, (2, 64, 1), "all")  # a fresh trace per policy
     with use_kernels(policy), maybe_interpret(None if on_gpu() else True):
       out, _ = fn(m.params, cache.caches, tokens, cache.lengths, jnp.full((2,), 5, jnp.int32), cache.n_acc)
     hidden[name] = np.asarray(out["hidden"], np.float32)
-  err = {k: np.linalg.norm(hidden[k] - hidden["f32"]) / np.linalg.norm(hidden["f32"]) for k in ("stock", "fused")}
-  assert err["fused"] <= 1.25 * err["stock"], err
-  assert np.linalg.norm(hidden["fused"] - hidden["stock"]) / np.linalg.norm(hidden["stock"]) < 0.03
+  err = {k: np.linalg.norm(hidden[k] - hidden["f32"]) / np.linalg.norm(hidden["f32"])
+         for k in ("stock", "fused", "fused_mix")}
+  for k in ("fused", "fused_mix"):
+    assert err[k] <= 1.25 * err["stock"], err
+    assert np.linalg.norm(hidden[k] - hidden["stock"]) / np.linalg.norm(hidden["stock"]) < 0.03
