@@ -114,8 +114,6 @@ def random_state(decoder, batch: int, context: int, *, seed: int = 0):
                   out_shardings=NamedSharding(model.mesh, sp))
     out.append(f(jax.random.fold_in(key, i)))
   caches = jax.tree.unflatten(treedef, out)
-  rep = NamedSharding(model.mesh, jax.sharding.PartitionSpec())
-  put = lambda x: jax.device_put(x, rep)
   rng = np.random.default_rng(seed)
   keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(int(s)))) for s in rng.integers(0, 2**31, batch)])
   return DecodeState.make(caches, np.full(batch, context, np.int32), np.ones(batch, np.int32), keys,
