@@ -15,7 +15,8 @@
 #   trace   (nvidia-h200-x2): the whole one-rank step traced (wall vs GPU time: gaps, host events), ls on GPU 0 and
 #                             auto on GPU 1, then both at q = 4 with the per-component profile
 #   launch  (nvidia-h200-x2): mHC GPU tests + the CUDA-graph launch experiment (bench_graph_launch.py) on GPU 0;
-#                             the one-rank step with one vs two alternating executables, then mhc_mix, on GPU 1
+#                             the one-rank step with one vs two alternating executables, then mhc_mix, then auto
+#                             with one vs two executables, on GPU 1
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -92,7 +93,7 @@ case "$MODE" in
           | tee -a "$OUT/bench_bisect_$g.log"
       done
     }
-    ALL="kda fp8_linear fp8_moe indexer sparse_mla"
+    ALL="kda fp8_linear fp8_moe indexer sparse_mla mhc mhc_mix router_topk"  # every policy switch: "none" = stock
     gpu_tests() {  # $1 = GPU
       for f in test_sparse_mla test_linear_kernels test_indexer; do
         CUDA_VISIBLE_DEVICES=$1 timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/$f.py 2>&1 \
@@ -207,12 +208,13 @@ case "$MODE" in
       lb() { CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
         --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 150 )) \
         --out "$OUT/decode_launch.jsonl" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_launch.log"; }
-      lb --backend latency_specialized auto --executables 1 2 --hlo-dir "$OUT"
+      lb --backend latency_specialized --executables 1 2 --hlo-dir "$OUT"
       [ "$(left)" -gt 200 ] && lb --backend latency_specialized --policy '{"mhc_mix": true}' --profile
+      [ "$(left)" -gt 200 ] && lb --backend auto --executables 1 2 --hlo-dir "$OUT"
     ) &
     wait
     ;;
-  *) echo "unknown mode $MODE (single | pair | tp2 | bisect)"; exit 2 ;;
+  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
 echo "total $(( $(date +%s) - t0 )) s"

@@ -16,6 +16,7 @@ E experts, I intermediate, C conv channels, P pools.
 from __future__ import annotations
 
 import contextlib
+import math
 import contextvars
 
 import jax
@@ -277,12 +278,15 @@ def topk_by_rank(v, k: int):
   """lax.top_k(v, k)'s indices [..., k] int32 without a sort: each entry's rank = how many entries beat it (larger,
   or equal at a lower index — lax.top_k's order for ties), then the index of rank r for r < k. One compare-and-
   count over [..., N, N] and one select over [..., k, N]: a reduction fusion or two instead of an XLA sort (every
-  GPU top_k is a sort, ~10 µs at decode sizes). For small N (the router's 288); NaN ranks as −inf."""
+  GPU top_k is a sort, ~10 µs at decode sizes). For small N (the router's 288). Compared as lax.top_k does, in
+  its total order of f32 bit patterns (NaN above +inf, -NaN below -inf, +0 above -0): the same selection for any
+  input, NaN scores included (the NaN then reaches the output and the step flags the row)."""
   N = v.shape[-1]
-  v = jnp.where(jnp.isnan(v), -jnp.inf, v)
+  bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+  key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # monotone in the total order
   idx = jnp.arange(N, dtype=jnp.int32)
-  ve, vj = v[..., :, None], v[..., None, :]  # [..., N (entry), N (rival)]
-  beats = (vj > ve) | ((vj == ve) & (idx[None, :] < idx[:, None]))
+  ke, kj = key[..., :, None], key[..., None, :]  # [..., N (entry), N (rival)]
+  beats = (kj > ke) | ((kj == ke) & (idx[None, :] < idx[:, None]))
   rank = jnp.sum(beats, axis=-1, dtype=jnp.int32)  # [..., N], a permutation of 0..N-1
   return jnp.sum(jnp.where(rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None], idx, 0), axis=-1,
                  dtype=jnp.int32)
@@ -300,7 +304,8 @@ class Router(nnx.Module):
                         precision=HIGHEST)
     s = jax.nn.sigmoid(logits)
     biased = s + self.e_score_correction_bias[...]
-    if kernel_enabled("router_topk"):
+    rows = math.prod(biased.shape[:-1])  # the [rows, E, E] comparison is for decode batches, not prefill
+    if kernel_enabled("router_topk", rows):
       ids = topk_by_rank(biased, self.top_k)
     else:
       _, ids = lax.top_k(biased, self.top_k)

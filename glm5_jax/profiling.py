@@ -205,17 +205,18 @@ _NUMBERED = re.compile(r"(?:[._]\d+)+$")
 
 
 def _self_times(events):
-  """(name, self ns) for the events of one host thread line: an event's duration less that of the events nested
-  inside it (by time containment), so wrappers (PjRt Execute, ExecuteThunks) do not hide the work below them."""
-  out, stack = [], []  # stack of [name, end, child ns]
+  """(name, self ns) for the events of one host thread line: an event's duration less the time covered by the
+  events nested inside it (by time containment), so wrappers (PjRt Execute, ExecuteThunks) do not hide the work
+  below them. An event that overruns its parent counts towards the parent only up to the parent's end."""
+  out, stack = [], []  # stack of [name, end, child ns, start]
   for name, s, e in sorted(events, key=lambda t: (t[1], -t[2])):
     while stack and stack[-1][1] <= s:
       n, end, child, start = stack.pop()
-      out.append((n, end - start - child))
+      out.append((n, max(end - start - child, 0)))
     if stack:
-      stack[-1][2] += e - s
+      stack[-1][2] += min(e, stack[-1][1]) - s
     stack.append([name, e, 0, s])
-  out.extend((n, end - start - child) for n, end, child, start in stack)
+  out.extend((n, max(end - start - child, 0)) for n, end, child, start in stack)
   return out
 
 

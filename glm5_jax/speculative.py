@@ -250,7 +250,7 @@ class Decoder:
     # (the one-rank step's cuGraphLaunch took about a step's GPU time of host time: BENCHMARKS.md, 2026-11-30)
     self.executables = executables
     self._copies: dict[int, list] = {}
-    self._calls = 0
+    self._calls: dict[int, int] = {}  # steps run per capture size (which copy runs next)
     self._ran: set[int] = set()  # capture sizes whose step has traced and run
     self.prefill_chunk = int(prefill_chunk)  # prompts run in chunks of at most this many tokens (one compile each)
 
@@ -455,8 +455,9 @@ class Decoder:
       self.warmup((state.batch,))
     if state.batch in self._copies:
       copies = self._copies[state.batch]
-      fn = copies[self._calls % len(copies)]
-      self._calls += 1
+      n = self._calls.get(state.batch, 0)
+      fn = copies[n % len(copies)]
+      self._calls[state.batch] = n + 1
     else:
       fn = self._aot.get(state.batch) or self.step_fn(state.batch)
     io = state.io

@@ -413,6 +413,6 @@ def test_two_alternating_executables_equal_one(model):
   np.testing.assert_array_equal(runs[2][0], runs[1][0])
   np.testing.assert_array_equal(runs[2][1], runs[1][1])
   copies = runs[2][2]._copies[2]
-  assert len(copies) == 2 and copies[0] is not copies[1] and runs[2][2]._calls == 4
+  assert len(copies) == 2 and copies[0] is not copies[1] and runs[2][2]._calls == {2: 4}
   with pytest.raises(ValueError, match="executables=3: expected 1 or 2"):
     _decoder(model, 1, executables=3)

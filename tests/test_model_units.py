@@ -146,14 +146,21 @@ def test_fp32_step_has_no_reduced_precision_dots(backend):
   assert not low, low
 
 
-@pytest.mark.parametrize("N,k,ties", [(288, 8, False), (288, 8, True), (37, 5, True), (16, 16, True)])
+@pytest.mark.parametrize("N,k,ties", [(288, 8, False), (288, 8, True), (37, 5, True), (16, 16, True),
+                                     (288, 8, "special")])
 def test_topk_by_rank_equals_lax_top_k(N, k, ties):
   """The sort-free router top-k selects exactly lax.top_k's indices in its order, ties included (lower index
-  first): random sigmoid scores + bias, or values drawn from a few levels so that ties are everywhere."""
+  first): random sigmoid scores + bias, values drawn from a few levels so that ties are everywhere, or with
+  NaN, -NaN, ±0 and ±inf sprinkled in (lax.top_k's total order)."""
   from glm5_jax.layers import topk_by_rank  # noqa: PLC0415
   rng = np.random.default_rng()
   shape = (3, 5, N)
-  if ties:
+  if ties == "special":
+    v = rng.standard_normal(shape).astype(np.float32)
+    specials = np.array([np.nan, -np.nan, 0.0, -0.0, np.inf, -np.inf], np.float32)
+    hit = rng.random(shape) < 0.1
+    v[hit] = specials[rng.integers(0, len(specials), hit.sum())]
+  elif ties:
     v = rng.integers(0, 4, shape).astype(np.float32) / 4
     v[0, 0] = -np.inf  # a row of equal values
   else:
