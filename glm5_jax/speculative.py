@@ -551,12 +551,18 @@ class Decoder:
     if progress:
       from tqdm.auto import tqdm  # noqa: PLC0415
       bar = tqdm(total=max_new_tokens * n, desc="generating", unit="tok")
-    while not done.all():
-      state, o = self.step(state)
+    q, max_ctx = self.config.q, self.config.max_context
+    pend = None if done.all() else self.step(state)  # (state after the step, its output)
+    while pend is not None:
+      state, o = pend
+      # Issue the next step before reading this one's tokens: the host prepares it while the GPU still runs this
+      # one (reading first would serialise host and GPU time). Only where it cannot hit max_context (no sync);
+      # the step after the last useful one is then computed and dropped.
+      pend = self.step(state) if state.len_bound + q <= max_ctx else None
       toks, counts, finite = np.asarray(o.tokens), np.asarray(o.counts), np.asarray(o.finite)
       if not finite[:n].all():
         j = int(np.flatnonzero(~finite[:n])[0])
-        raise FloatingPointError(f"sequence {j} produced NaN/Inf logits at position {int(state.lengths[j])}: "
+        raise FloatingPointError(f"sequence {j} produced NaN/Inf logits after {len(out[j])} generated tokens: "
                                  "nothing was sampled from them (check the weights and the dtype)")
       steps += 1
       for j in range(n):
@@ -572,6 +578,10 @@ class Decoder:
           if (eos_id is not None and t == eos_id) or len(out[j]) >= max_new_tokens:
             done[j] = True
             break
+      if done.all():
+        break
+      if pend is None:  # near max_context: the next step after reading (it refuses what does not fit)
+        pend = self.step(state)
     if bar is not None:
       bar.close()
     return out, {"steps": steps, "tokens": emitted, "tokens_per_step": emitted / max(steps * n, 1)}

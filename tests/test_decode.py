@@ -416,3 +416,22 @@ def test_two_alternating_executables_equal_one(model):
   assert len(copies) == 2 and copies[0] is not copies[1] and runs[2][2]._calls == {2: 4}
   with pytest.raises(ValueError, match="executables=3: expected 1 or 2"):
     _decoder(model, 1, executables=3)
+
+
+def test_generate_pipelined_equals_greedy_reference(model):
+  """generate() issues step N+1 before reading step N's tokens: the same continuations as the reference, with
+  eos_id cutting one sequence short, and up to the end of max_context (where it stops issuing ahead)."""
+  rng = np.random.default_rng()
+  prompts = [rng.integers(1, 200, 9), rng.integers(1, 200, 14)]
+  n_new = MAXCTX - 14 - 2  # the longer prompt runs into max_context: the last steps are not issued ahead
+  refs = [greedy_reference(model, p, n_new, max_context=MAXCTX) for p in prompts]
+  dec = _decoder(model, 1, sizes=(2,))
+  out, stats = dec.generate(prompts, n_new)
+  assert out == refs and stats["tokens"] == 2 * n_new
+  eos = refs[0][5]
+  out, _ = dec.generate(prompts, 20, eos_id=eos)
+  for got, ref in zip(out, refs):
+    cut = ref[:20]
+    if eos in cut:
+      cut = cut[:cut.index(eos) + 1]
+    assert got == cut
