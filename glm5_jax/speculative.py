@@ -461,6 +461,8 @@ class Decoder:
     else:
       fn = self._aot.get(state.batch) or self.step_fn(state.batch)
     io = state.io
+    if tokens is not None:
+      self._check_state_shapes(state)  # io is written in place below: refuse a malformed state before that
     if tokens is not None:  # written in place; before the step first traced (which may refuse it), into a copy
       io = _io_set_tokens(io if state.batch in self._ran else jnp.copy(io),
                           jax.device_put(tokens, NamedSharding(self.model.mesh, REP)))
@@ -468,6 +470,16 @@ class Decoder:
       caches, io = fn(self.model.params, state.caches, io)
     self._ran.add(state.batch)
     return DecodeState(caches, io, self, state.len_bound + cfg.q), _io_output(io)
+
+  def _check_state_shapes(self, state):
+    """The state's caches and io have the shapes and dtypes of this decoder's layout (what the compiled step
+    would check only after the io was donated)."""
+    want = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), st.cache_shapes(self.layout(state.batch)))
+    got = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), state.caches)
+    io_want = ((state.batch, io_width(self.config.q)), jnp.dtype(jnp.int32))
+    if got != want or (tuple(state.io.shape), jnp.dtype(state.io.dtype)) != io_want:
+      raise ValueError(f"the state's caches / io do not have this decoder's shapes (capture size {state.batch}, "
+                       f"q={self.config.q}): was it built for another configuration or modified?")
 
   # ------------------------------------------------------------------ prefill
   def prefill(self, prompts, *, seeds=None) -> DecodeState:

@@ -1,6 +1,7 @@
 """Careless use of the public entry points: each failure is a clear exception naming the bad value and what was
 expected, raised before anything is donated."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -80,3 +81,20 @@ def test_load_model_without_config(tmp_path):
   (tmp_path / "model.safetensors").write_bytes(b"")
   with pytest.raises(FileNotFoundError, match="no config.json"):
     glm5_jax.load_model(tmp_path)
+
+
+def test_malformed_state_refused_before_tokens_are_written(model):
+  """Caller tokens are written into the state's io in place: a state whose caches do not match the decoder is
+  refused first, and the original state stays usable."""
+  import dataclasses  # noqa: PLC0415
+  dec = Decoder(model, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=()))
+  state = dec.prefill([np.arange(5) + 1])
+  state, _ = decode(state)  # the step has run: later caller tokens go into io in place
+  toks = np.array(state.next_tokens)
+  caches = jax.tree.map(lambda a: a, state.caches)
+  caches["layers"][0] = {k: v[..., :1] for k, v in caches["layers"][0].items()}
+  bad = dataclasses.replace(state, caches=caches)
+  with pytest.raises(ValueError, match="do not have this decoder's shapes"):
+    decode(bad, toks)
+  state, out = decode(state, toks)  # the original still works
+  assert int(np.asarray(out.counts)[0]) >= 1
