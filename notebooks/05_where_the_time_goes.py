@@ -56,24 +56,33 @@ plt.tight_layout()
 # %% [markdown]
 # ## The real geometry on an H200
 #
-# One TP4 rank's share of GLM-5.3-Flash (45 layers + MTP, 82 GB of random weights, 32K context), stock path,
-# B = 1, q = 1. Bars: GPU time per component; the step itself takes longer (gaps between ~2,500 small kernels).
+# One TP4 rank's share of GLM-5.3-Flash (45 layers + MTP, 82 GB of random weights, 32K context), B = 1, both
+# backends (`benchmarks/results/decode_h200.jsonl`, profiled runs). Bars: GPU time per component; black: the
+# wall-clock step; dotted: when the chained calls had returned on the host (close to the wall time = the step is
+# host-bound: at q = 1 the launch of the ~2,400-node CUDA graph, BENCHMARKS.md); red: the HBM roofline.
 
 # %%
 path = os.path.join("..", "benchmarks", "results", "decode_h200.jsonl")
 rows = [json.loads(line) for line in open(path) if line.strip()]
 rows = [r for r in rows if r.get("profile")]
-for r in rows:
-  us = r["profile"]["us_per_step"]
-  print(f"{r['backend']} B={r['batch']} q={r['q']}: {r['ms_per_step']:.2f} ms/step, GPU busy "
-        f"{r['profile']['gpu_busy_ms']:.2f} ms in {r['profile']['launches_per_step']:.0f} launches")
-  order = sorted(us, key=lambda c: -us[c])
-  plt.figure(figsize=(8, 3))
-  plt.barh(order[::-1], [us[c] / 1e3 for c in order[::-1]])
-  plt.axvline(r["roofline_ms"], color="r", ls="--", label=f"whole-step HBM roofline {r['roofline_ms']:.2f} ms")
-  plt.xlabel("GPU ms per step")
-  plt.legend()
-  plt.tight_layout()
+fig, ax = plt.subplots(figsize=(9, 1 + 0.55 * len(rows)))
+for i, r in enumerate(rows):
+  us, left = r["profile"]["us_per_step"], 0.0
+  for j, c in enumerate(profiling.COMPONENTS):
+    if us.get(c):
+      ax.barh(i, us[c] / 1e3, left=left, color=plt.cm.tab20(j), label=c if i == 0 else None)
+      left += us[c] / 1e3
+  ax.plot([r["ms_per_step"]] * 2, [i - 0.4, i + 0.4], "k-", lw=2)
+  if r.get("host_ms_per_step"):
+    ax.plot([r["host_ms_per_step"]] * 2, [i - 0.4, i + 0.4], color="0.5", ls=":", lw=2)
+  ax.plot([r["roofline_ms"]] * 2, [i - 0.45, i + 0.45], "r--", lw=1.5)
+  print(f"{r['backend']} B={r['batch']} q={r['q']} {r.get('policy') or ''}: {r['ms_per_step']:.2f} ms/step, GPU "
+        f"busy {r['profile']['gpu_busy_ms']:.2f} ms in {r['profile']['launches_per_step']:.0f} launches "
+        f"({r.get('note', '')})")
+ax.set_yticks(range(len(rows)), [f"{r['backend']} q={r['q']}" for r in rows], fontsize=8)
+ax.set_xlabel("ms per decode step")
+ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+fig.tight_layout()
 
 # %% [markdown]
 # ## Which kernels run where
@@ -81,8 +90,9 @@ for r in rows:
 # `Decoder.kernel_sites()` records, while the step is traced, every call site where a kernel of the
 # latency_specialized backend could run: whether it does, and why not. Tracing needs no weights and no GPU:
 # abstract parameters of one TP4 rank of the real model are enough (`glm5-jax check-deployment --kernels` prints
-# the same). The fused mHC boundary (policy knob `mhc`) is one decision for the whole trunk: its one site stands
-# for all 90 boundaries.
+# the same). The fused mHC boundary (policy knob `mhc`, on by default) is one decision for the whole trunk: its
+# one site stands for all 90 boundaries; `mhc_mix` (the mixing glue inside the finish kernel) is decided at each
+# boundary.
 
 # %%
 from glm5_jax import config as C
@@ -90,7 +100,7 @@ from glm5_jax.synthetic import abstract_model, tp_rank_config
 
 rank, params = abstract_model(tp_rank_config(C.real(), 4))
 sites = {}
-for label, policy in (("default", ()), ("mhc on", (("mhc", True),))):
+for label, policy in (("default", ()), ("mhc_mix on", (("mhc_mix", True),))):
   dec = Decoder(rank, DecodeConfig(max_context=32768, q=4, capture_sizes=(1,), policy=policy),
                 backend="latency_specialized")
   with dec.kernel_mode(interpret=False):
