@@ -199,9 +199,9 @@ case "$MODE" in
     (
       CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider \
         tests/test_mhc.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -40 >> "$OUT/gpu_tests.log"
-      CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_graph_launch.py > "$OUT/bench_launch.log" 2>&1
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_graph_launch.py > "$OUT/bench_launch.log" 2>&1
       echo "## command buffers off" >> "$OUT/bench_launch.log"
-      XLA_FLAGS="--xla_gpu_enable_command_buffer=" CUDA_VISIBLE_DEVICES=0 timeout 120 \
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" CUDA_VISIBLE_DEVICES=0 timeout 150 \
         python3 benchmarks/bench_graph_launch.py >> "$OUT/bench_launch.log" 2>&1
     ) &
     (
