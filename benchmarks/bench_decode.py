@@ -152,9 +152,7 @@ def main(argv=None):
       return rows
     times, host = [], []
     for _ in range(a.repeats):
-      if state.len_bound + q * (a.steps + 1) > max_ctx:  # (not with the sizing above) fresh state, untimed step
-        state, out = decode(random_state(dec, b, a.context))
-        jax.block_until_ready(out.tokens)
+      state = _room(dec, state, a.steps, a.context)
       t = time.perf_counter()
       for _ in range(a.steps):
         state, out = decode(state)
@@ -167,7 +165,7 @@ def main(argv=None):
           f"({'host-bound' if host_ms > 0.9 * ms else 'the GPU is behind'})", flush=True)
     trace = None
     if a.trace:
-      trace, state = _trace(decode, dec, state, a.steps, a.context)
+      trace, state = _trace(dec, state, a.steps, a.context)
     prof = _profile(dec, state, hlo, a.steps, a.context) if a.profile else None
     state = prof.pop("state") if prof else state
     # the roofline formula is one TP4 rank of the real model: meaningless for the tiny geometries
@@ -191,19 +189,26 @@ def main(argv=None):
   return rows
 
 
-def _trace(decode_fn, dec, state, steps, context):
+def _room(dec, state, steps, context):
+  """``state``, or where its cache cannot take ``steps`` more steps (not with main()'s sizing) a fresh one after
+  one untimed step: a step on new buffers re-records XLA's command buffers and must not be measured."""
+  if state.len_bound + dec.config.q * (steps + 1) > dec.config.max_context:
+    state, out = decode(random_state(dec, state.batch, context))
+    jax.block_until_ready(out.tokens)
+  return state
+
+
+def _trace(dec, state, steps, context):
   """jax.profiler trace of ``steps`` chained steps -> (profiling.trace_summary, state)."""
   import glob  # noqa: PLC0415
   import tempfile  # noqa: PLC0415
-  if state.len_bound + dec.config.q * (steps + 1) > dec.config.max_context:
-    state, out = decode_fn(random_state(dec, state.batch, context))
-    jax.block_until_ready(out.tokens)
+  state = _room(dec, state, steps, context)
   d = tempfile.mkdtemp(prefix="glm5_trace_")
   opts = jax.profiler.ProfileOptions()
   opts.python_tracer_level = 0  # a traced Python call costs µs: it would inflate the host time being measured
   jax.profiler.start_trace(d, profiler_options=opts)
   for _ in range(steps):
-    state, out = decode_fn(state)
+    state, out = decode(state)
   jax.block_until_ready(out.tokens)
   jax.profiler.stop_trace()
   f = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1]
@@ -226,9 +231,7 @@ def _profile(dec, state, hlo, steps, context):
     print("# --profile: CUPTI is not available here (needs the Mosaic GPU extension on a GPU)", flush=True)
     return None
   kmap = profiling.kernel_map(hlo)
-  if state.len_bound + dec.config.q * (steps + 1) > dec.config.max_context:
-    state, out = decode(random_state(dec, state.batch, context))  # the re-recording step stays out of the records
-    jax.block_until_ready(out.tokens)
+  state = _room(dec, state, steps, context)
   _EXT._cupti_init()
   for _ in range(steps):
     state, out = decode(state)

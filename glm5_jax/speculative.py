@@ -461,9 +461,9 @@ class Decoder:
     else:
       fn = self._aot.get(state.batch) or self.step_fn(state.batch)
     io = state.io
-    if tokens is not None:
-      self._check_state_shapes(state)  # io is written in place below: refuse a malformed state before that
-    if tokens is not None:  # written in place; before the step first traced (which may refuse it), into a copy
+    if tokens is not None:  # written into io in place: refuse a malformed state first; and before the step has
+      # first traced (which may still refuse the call), write into a copy
+      self._check_state_shapes(state)
       io = _io_set_tokens(io if state.batch in self._ran else jnp.copy(io),
                           jax.device_put(tokens, NamedSharding(self.model.mesh, REP)))
     with self.kernel_mode():

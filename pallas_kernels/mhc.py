@@ -231,24 +231,35 @@ def mhc_post_pre(X, y, mix, fn, *, first: bool = False):
   return kern(X, y.astype(bf16), mix.astype(f32), fn.astype(bf16))
 
 
+def _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0):
+  """x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this CTA's DC_FIN columns (pre: N per-row vectors, rinv a
+  per-row vector), stored to o_g's M rows (the caller waits for the store)."""
+  u = _bcast(pre[0], DC_FIN) * plgpu.load(x_s.at[0], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+  for i in range(1, N):
+    u = u + _bcast(pre[i], DC_FIN) * plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+  xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * _bcast(rinv, DC_FIN)).astype(jnp.bfloat16)
+  wv = plgpu.load(w_s, layout=_L.WGMMA.reduce(0), optimized=False)
+  o_s[...] = plgpu.layout_cast(lax.broadcast_in_dim(wv, (ROWS, DC_FIN), (1,)) * xn, _L.WGMMA)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, M)], o_g.at[pl.ds(0, M), pl.ds(d0, DC_FIN)])
+
+
+def _load_streams(x_g, x_s, bar, M, D):
+  """TMA the M rows of this CTA's DC_FIN columns of every stream into x_s -> the column offset d0."""
+  d0 = lax.axis_index("g") * DC_FIN
+  for i in range(N):
+    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + d0, DC_FIN)], x_s.at[i, pl.ds(0, M)], bar)
+  return d0
+
+
 def _finish_kernel(M: int, D: int):
   def body(x_g, pr_g, w_g, o_g, x_s, pr_s, w_s, o_s, bar):
-    g = lax.axis_index("g")
-    d0 = g * DC_FIN
-    for i in range(N):
-      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + d0, DC_FIN)], x_s.at[i, pl.ds(0, M)], bar)
+    d0 = _load_streams(x_g, x_s, bar, M, D)
     plgpu.copy_gmem_to_smem(pr_g.at[pl.ds(0, M)], pr_s.at[pl.ds(0, M)], bar)
     plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, DC_FIN)], w_s, bar)
     plgpu.barrier_wait(bar)
     prv = _row_vectors(plgpu.load(pr_s, layout=_L.WGMMA, optimized=False), N + 1)
-    u = _bcast(prv[0], DC_FIN) * plgpu.load(x_s.at[0], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
-    for i in range(1, N):
-      u = u + _bcast(prv[i], DC_FIN) * plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
-    xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * _bcast(prv[N], DC_FIN)).astype(jnp.bfloat16)
-    wv = plgpu.load(w_s, layout=_L.WGMMA.reduce(0), optimized=False)
-    o_s[...] = plgpu.layout_cast(lax.broadcast_in_dim(wv, (ROWS, DC_FIN), (1,)) * xn, _L.WGMMA)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, M)], o_g.at[pl.ds(0, M), pl.ds(d0, DC_FIN)])
+    _normed_input(x_s, w_s, o_s, o_g, prv[:N], prv[N], M, d0)
     plgpu.wait_smem_to_gmem(0)
 
   return body
@@ -285,10 +296,7 @@ def _mix_finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: floa
   idx = {p: k for k, p in enumerate(_PAIRS)}
 
   def body(x_g, t_g, b_g, s_g, w_g, o_g, mix_g, x_s, t_s, w_s, o_s, m_s, bar):
-    g = lax.axis_index("g")
-    d0 = g * DC_FIN
-    for i in range(N):
-      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + d0, DC_FIN)], x_s.at[i, pl.ds(0, M)], bar)
+    d0 = _load_streams(x_g, x_s, bar, M, D)
     plgpu.copy_gmem_to_smem(t_g.at[pl.ds(0, M)], t_s.at[pl.ds(0, M)], bar)
     plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, DC_FIN)], w_s, bar)
     base = [b_g[k] for k in range(MIX)]  # scalars (GMEM loads while the copies fly)
@@ -326,16 +334,9 @@ def _mix_finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: floa
         var = t if var is None else var + t
     rinv = lax.rsqrt(jnp.maximum(var / float(D), 0.0) + norm_eps)
 
-    u = _bcast(pre[0], DC_FIN) * plgpu.load(x_s.at[0], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
-    for i in range(1, N):
-      u = u + _bcast(pre[i], DC_FIN) * plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
-    xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * _bcast(rinv, DC_FIN)).astype(jnp.bfloat16)
-    wv = plgpu.load(w_s, layout=_L.WGMMA.reduce(0), optimized=False)
-    o_s[...] = plgpu.layout_cast(lax.broadcast_in_dim(wv, (ROWS, DC_FIN), (1,)) * xn, _L.WGMMA)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, M)], o_g.at[pl.ds(0, M), pl.ds(d0, DC_FIN)])
+    _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0)
 
-    @pl.when(g == 0)
+    @pl.when(d0 == 0)
     def _():
       col = plgpu.broadcasted_iota(jnp.int32, (ROWS, 32), 1, layout=_L.WGMMA)
       tile = jnp.zeros((ROWS, 32), jnp.float32)
