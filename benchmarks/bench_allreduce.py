@@ -27,6 +27,11 @@ VARIANTS = {
     "nccl-LL-2ch": {"NCCL_PROTO": "LL", "NCCL_MAX_NCHANNELS": "2"},
     "xla-one-shot": {"XLA_FLAGS+": "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"},
     "no-command-buffer": {"XLA_FLAGS+": "--xla_gpu_enable_command_buffer="},
+    # collectives are not in XLA's default command-buffer types: each psum ends the step's CUDA graph
+    "cb-collectives": {"XLA_FLAGS+": "--xla_gpu_enable_command_buffer=+COLLECTIVES"},
+    "cb-collectives-LL": {"NCCL_PROTO": "LL", "XLA_FLAGS+": "--xla_gpu_enable_command_buffer=+COLLECTIVES"},
+    "cb-coll-one-shot": {"XLA_FLAGS+": "--xla_gpu_enable_command_buffer=+COLLECTIVES "
+                                      "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"},
 }
 
 

@@ -48,6 +48,8 @@ def main(argv=None):
   p.add_argument("--geometry", default="tp4-rank", choices=["tp4-rank", "real", "kernel-tiny", "oracle-tiny"],
                  help="real: the released geometry sharded over --tp GPUs (use --layers to fit it)")
   p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (a mesh over the first --tp devices)")
+  p.add_argument("--collectives", default="graph", choices=["graph", "xla"],
+                 help="with --tp > 1: how the all-reduces run (glm5_jax.sharding.COLLECTIVE_MODES)")
   p.add_argument("--layers", type=int, default=None, help="keep the first N layers (real / tp4-rank geometries)")
   p.add_argument("--batch", type=int, nargs="+", default=[1])
   p.add_argument("--q", type=int, nargs="+", default=[1, 4])
@@ -72,6 +74,9 @@ def main(argv=None):
                  help="XLA GPU autotuning per compiled step (off = xla_gpu_autotune_level 0); both values compare "
                       "them in one process. The q > 1 step of the real geometry took > 350 s to compile with it on")
   p.add_argument("--fast-compile", action="store_true", help="same as --autotune off")
+  p.add_argument("--pack-params", type=int, nargs="+", default=[0],
+                 help="Decoder(pack_params=N): parameters under N bytes reach the step packed (fewer arguments for "
+                      "the host to parse per call); 0 = off; several values compare them in one process")
   p.add_argument("--executables", type=int, nargs="+", default=[1], choices=[1, 2],
                  help="2: alternate two loaded copies of the compiled step (each its own CUDA graph); both values "
                       "compare them in one process")
@@ -79,6 +84,9 @@ def main(argv=None):
   tunings = ["off"] if a.fast_compile else a.autotune
   if a.trace:  # XLA turns command buffers off while a profiler runs: the trace must show the timed program
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_enable_command_buffers_during_profiling=true").strip()
+  if a.tp > 1:
+    from glm5_jax.sharding import configure_collectives  # noqa: PLC0415
+    configure_collectives(a.collectives)
   t_start = time.time()
   policy = tuple(sorted(json.loads(a.policy).items()))
   base = C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real()
@@ -103,19 +111,19 @@ def main(argv=None):
   rows = []
   hdr = f"{'backend':>34} {'B':>3} {'q':>2} {'compile s':>9} {'ms/step':>9} {'tok/s/seq':>9} {'roofline ms':>11} {'% roof':>7}"
   print(hdr, flush=True)
-  configs = [(q, backend, tune, b, ne) for q in a.q for backend in a.backend for tune in tunings for b in a.batch
-             for ne in a.executables]
+  configs = [(q, backend, tune, b, ne, pk) for q in a.q for backend in a.backend for tune in tunings for b in a.batch
+             for ne in a.executables for pk in a.pack_params]
   # q outermost: the backends' numbers for one q come together when the budget cuts the run short
-  for q, backend, tune, b, ne in configs:
+  for q, backend, tune, b, ne, pk in configs:
     opts = {"xla_gpu_autotune_level": 0} if tune == "off" else {}
-    label = backend + (" (no autotune)" if opts else "") + (" ×2 exec" if ne > 1 else "")
+    label = backend + (" (no autotune)" if opts else "") + (" ×2 exec" if ne > 1 else "") + (" packed" if pk else "")
     if time.time() - t_start > a.budget_s:
       print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
       continue
     # the kernel switches concern latency_specialized only (auto refuses a request for a kernel)
     pol = policy if backend != "auto" else tuple((k, v) for k, v in policy if k not in KERNEL_DEFAULTS)
     dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=pol),
-                  backend=backend, compiler_options=opts, executables=ne)
+                  backend=backend, compiler_options=opts, executables=ne, pack_params=pk)
     t = time.time()
     try:
       dec.warmup()
@@ -127,7 +135,8 @@ def main(argv=None):
     if a.hlo_dir:
       import gzip  # noqa: PLC0415
       os.makedirs(a.hlo_dir, exist_ok=True)
-      with gzip.open(os.path.join(a.hlo_dir, f"step_{a.geometry}_{backend}_b{b}_q{q}.hlo.gz"), "wt") as fh:
+      name = f"step_{a.geometry}_{backend}_b{b}_q{q}" + (f"_pack{pk}" if pk else "")
+      with gzip.open(os.path.join(a.hlo_dir, name + ".hlo.gz"), "wt") as fh:
         fh.write(hlo)
     cen = profiling.census(hlo)
     sites = dec.kernel_sites(b)
@@ -173,8 +182,9 @@ def main(argv=None):
     roof = 1e3 * roofline_bytes(b, q, a.context) / HBM if full else float("nan")
     tps = (a.accept if q > 1 else 1.0) / (ms / 1e3)
     row = dict(geometry=a.geometry, layers=cfg.num_hidden_layers, tp=a.tp, backend=backend, policy=dict(policy),
-               executables=ne,
-               compiler_options=opts, batch=b, q=q, context=a.context, compile_s=comp,
+               executables=ne, pack_params=pk,
+               compiler_options=opts, xla_flags=os.environ.get("XLA_FLAGS", ""),
+               nccl_proto=os.environ.get("NCCL_PROTO", ""), batch=b, q=q, context=a.context, compile_s=comp,
                ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
                roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
                census=cen, profile=prof, trace=trace, host_ms_per_step=host_ms, first_call_s=first, kernel_sites=sites,

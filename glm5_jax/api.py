@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax import checkpoint as ckpt
+from glm5_jax import param_packing as pp
 from glm5_jax import sharding as shd
 from glm5_jax import state as st
 from glm5_jax.attention import StepCtx
@@ -52,15 +53,33 @@ class Model:
     """The NNX module (for inspection; the jitted paths merge it inside shard_map)."""
     return nnx.merge(self.graphdef, self.params)
 
-  def shard_map(self, fn, in_specs, out_specs):
-    """jax.shard_map of fn(module, *args) over the mesh, params passed first with their specs."""
+  def shard_map(self, fn, in_specs, out_specs, *, pack: pp.PackLayout | None = None):
+    """jax.shard_map of fn(module, *args) over the mesh, params passed first with their specs. With ``pack`` the
+    params come as two arguments instead, (big leaves, packed small leaves): see ``packed_params``."""
     gd = self.graphdef
+    if pack is None:
+      def body(params, *args):
+        return fn(nnx.merge(gd, params), *args)
 
-    def body(params, *args):
-      return fn(nnx.merge(gd, params), *args)
+      specs = (self.param_specs,)
+    else:
+      def body(big, packed, *args):
+        return fn(nnx.merge(gd, pp.unpack(big, packed, pack)), *args)
 
-    return jax.shard_map(body, mesh=self.mesh, in_specs=(self.param_specs, *in_specs), out_specs=out_specs,
-                         check_vma=False)
+      specs = pp.in_specs(pack)
+    return jax.shard_map(body, mesh=self.mesh, in_specs=(*specs, *in_specs), out_specs=out_specs, check_vma=False)
+
+  def pack_layout(self, max_bytes: int) -> pp.PackLayout:
+    """Which parameters a packed step takes in one buffer per dtype: those with local shards < max_bytes."""
+    return pp.layout(self.params, self.param_specs, self.tp, max_bytes)
+
+  def packed_params(self, max_bytes: int):
+    """(big leaves, {dtype: [tp, N]}) — the parameter arguments of a step built with pack=pack_layout(max_bytes);
+    built once per threshold (the small leaves are copied: MBs)."""
+    cache = self.__dict__.setdefault("_packed", {})
+    if max_bytes not in cache:
+      cache[max_bytes] = pp.pack(self.params, self.pack_layout(max_bytes), self.mesh)
+    return cache[max_bytes]
 
 
 def load_model(path, *, dtype=None, mesh=None, tp: int | None = None, progress: bool | None = None) -> Model:

@@ -35,6 +35,8 @@ def _add_decode_args(p):
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--tp", type=int, default=1)
+  p.add_argument("--collectives", default=None, choices=["graph", "xla"],
+                 help="how TP all-reduces run (glm5_jax.sharding.COLLECTIVE_MODES; default graph); only with --tp > 1")
   p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
 
 
@@ -221,7 +223,21 @@ def main(argv=None):
   b.add_argument("rest", nargs=argparse.REMAINDER)
   b.set_defaults(fn=lambda a: _bench(a.rest))
   args = p.parse_args(argv)
+  if getattr(args, "tp", 1) > 1 and hasattr(args, "collectives"):
+    _collectives(args.collectives)
   return args.fn(args) or 0
+
+
+def _collectives(mode):
+  """Set the all-reduce mode before anything starts the GPU backend. Asked for explicitly and too late: an error;
+  the default and too late (main() called from a session that already used JAX): said, not silently skipped."""
+  from jax._src import xla_bridge  # noqa: PLC0415
+  from glm5_jax.sharding import configure_collectives  # noqa: PLC0415
+  if mode is None and xla_bridge.backends_are_initialized():
+    print("note: JAX's backends are already running, so the all-reduces use XLA's defaults (collectives mode "
+          "'graph' must be set before the first JAX computation)", file=sys.stderr)
+    return
+  configure_collectives(mode or "graph")
 
 
 def _bench(rest):

@@ -82,6 +82,10 @@ def kernel_instructions(hlo_text: str) -> list[tuple[str, str, str]]:
 
 
 MOSAIC_SUFFIX = "_mosaic_gpu_kernel"  # CUPTI's name for a Mosaic GPU kernel: kernel_name + this
+_PALLAS_SCOPE = re.compile(r"jit\((\w+)\)/\1/")
+# XLA emits a TP all-reduce as a fusion kernel named after the psum (psum_44_0_fusion_1) when it implements it
+# itself (H200 pairs), or NCCL's kernels (ncclDevKernel_*): neither name is an instruction of the optimised HLO
+_COLLECTIVE_KERNEL = re.compile(r"^(nccl|psum_|all_reduce|all_gather|reduce_scatter)", re.IGNORECASE)
 _MOSAIC_NAME = re.compile(r"(glm5_[a-z0-9_]+?|kda_decode)(?=_mosaic|\\|\"|$)")
 
 
@@ -117,9 +121,13 @@ def mosaic_shares(hlo_text: str) -> dict[str, dict[str, float]]:
   of the sites' operands (these kernels stream their operands), or to the number of sites when the HLO text does
   not print operand shapes."""
   calls: dict = collections.defaultdict(collections.Counter)
-  for _, op, opn, rest in _kernel_rows(hlo_text):
+  # every instruction, not only kernel rows: XLA wraps a custom call whose operands are slices (the KDA kernel's
+  # state slots) in a dynamic-slice fusion, and the Mosaic kernel runs from inside it
+  for _, _, op, opn, rest in _instructions(hlo_text):
     if op == "custom-call" and "mosaic_gpu" in rest:
       m = _MOSAIC_NAME.search(re.sub(r"metadata=\{[^}]*\}", "", rest))  # the name in the module, not op_name
+      # pl.kernel(name=...) kernels (KDA) do not carry their name in the module text: op_name has jit(name)/name/
+      m = m or _PALLAS_SCOPE.search(opn or "")
       if m:
         calls[m.group(1) + MOSAIC_SUFFIX][component(opn)] += _operand_bytes(rest) or 1
   return {k: {c: n / sum(v.values()) for c, n in v.items()} for k, v in calls.items()}
@@ -155,7 +163,7 @@ def kernel_map(hlo_text: str) -> dict:
 def classify_kernel(kernel: str, kmap: dict):
   """Component of one launched kernel ({component: share} for a Mosaic kernel serving several), or None when
   the name matches no instruction."""
-  if "nccl" in kernel.lower():
+  if _COLLECTIVE_KERNEL.match(kernel) or "nccl" in kernel.lower():
     return "all-reduce"
   if kernel in kmap and isinstance(kmap[kernel], dict):
     return kmap[kernel]

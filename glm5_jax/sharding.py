@@ -14,10 +14,12 @@ Everything else (q_a/kv_a, the indexer, routers, norms, mHC, the MLA/indexer cac
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import numpy as np
 from flax import nnx
+from jax._src import xla_bridge  # backends_are_initialized: no public equivalent in 0.11.2
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glm5_jax.layers import EMBED, FFN, KDA_H, KDA_HD, MLA_HD, TP, VOCAB
@@ -26,6 +28,38 @@ from glm5_jax.layers import EMBED, FFN, KDA_H, KDA_HD, MLA_HD, TP, VOCAB
 # on our shard_map programs with TP >= 2 when some inputs are unused (e.g. the MTP params in a prefill); the
 # GSPMD partitioner compiles the same programs. Measured on CPU with 2 and 4 devices.
 jax.config.update("jax_use_shardy_partitioner", False)
+
+# How the step's TP all-reduces run (process-level: NCCL and XLA read these when the GPU backend starts).
+# Measured on two H200s (BENCHMARKS.md, all-reduce table): psum at 8-256 KiB takes 18-20 µs with the defaults
+# (each all-reduce ends the step's CUDA graph) and 11.7-13.5 µs with the collectives recorded into the graph and
+# NCCL's low-latency protocol. NVLink multicast stays off in every mode: on these hosts it can take the GPUs down.
+COLLECTIVE_MODES = {
+    "graph": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+COLLECTIVES", "NCCL_PROTO": "LL"},
+    "xla": {},  # XLA's and NCCL's defaults
+}
+
+
+def configure_collectives(mode: str = "graph", environ=None) -> dict[str, str]:
+  """Set the environment for ``mode`` (see COLLECTIVE_MODES) before JAX starts its GPU backend; returns what was
+  set. XLA_FLAGS is appended to, other variables already set by the user are kept. Refuses once a backend exists:
+  the setting would silently not apply."""
+  if mode not in COLLECTIVE_MODES:
+    raise ValueError(f"collectives mode {mode!r} is not one of {sorted(COLLECTIVE_MODES)}")
+  env = os.environ if environ is None else environ
+  if environ is None and xla_bridge.backends_are_initialized():
+    raise RuntimeError(f"configure_collectives({mode!r}) must run before JAX initialises its backends (before the "
+                       "first jax.devices() or computation): NCCL and XLA read these settings only at start-up")
+  done = {"NCCL_NVLS_ENABLE": env.setdefault("NCCL_NVLS_ENABLE", "0")}
+  for k, v in COLLECTIVE_MODES[mode].items():
+    if k == "XLA_FLAGS":
+      flags = env.get(k, "").split()
+      if v not in flags:
+        env[k] = " ".join(flags + [v])
+    else:
+      env.setdefault(k, v)
+    done[k] = env[k]
+  return done
+
 
 RULES = {VOCAB: TP, KDA_H: TP, KDA_HD: TP, MLA_HD: TP, FFN: TP, EMBED: None, None: None}
 

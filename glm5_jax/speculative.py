@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from glm5_jax import param_packing as pp
 from glm5_jax import state as st
 from glm5_jax.api import Model, _check_tokens, compiled
 from glm5_jax.attention import StepCtx
@@ -221,7 +222,7 @@ class Decoder:
 
   def __init__(self, model: Model, config: DecodeConfig, *, backend: str = "auto", temperature: float = 0.0,
                top_p: float = 1.0, prefill_chunk: int = 256, compiler_options: dict | None = None,
-               executables: int = 1):
+               executables: int = 1, pack_params: int = 0):
     if backend not in ("auto", "latency_specialized"):
       raise ValueError(f"backend={backend!r}: expected 'auto' or 'latency_specialized'")
     if config.q > 1 and not model.mtp:
@@ -229,6 +230,8 @@ class Decoder:
                        f"(layer {model.cfg.num_hidden_layers}): use q=1")
     if executables not in (1, 2):
       raise ValueError(f"executables={executables}: expected 1 or 2")
+    if not isinstance(pack_params, (int, np.integer)) or isinstance(pack_params, bool) or pack_params < 0:
+      raise ValueError(f"pack_params={pack_params!r}: expected a byte threshold >= 0 (0 = off)")
     if temperature < 0 or not 0 < top_p <= 1:
       raise ValueError(f"temperature={temperature}, top_p={top_p}: expected temperature >= 0 and 0 < top_p <= 1")
     unknown = sorted(set(config.policy_dict()) - POLICY_KEYS)
@@ -245,10 +248,14 @@ class Decoder:
     # --fast-compile); with options set, the first step of a capture size compiles ahead of time too
     self.compiler_options = dict(compiler_options or {})
     self._aot: dict[int, Any] = {}  # capture size -> compiled step (warmup)
-    # executables=2: warmup() also loads a second copy of each compiled step and step() alternates between them.
-    # Each copy has its own CUDA graph, so a step's graph launch never waits on the same graph's previous launch
-    # (the one-rank step's cuGraphLaunch took about a step's GPU time of host time: BENCHMARKS.md, 2026-11-30)
+    # executables=2: warmup() also loads a second copy of each compiled step and step() alternates between them
+    # (each its own CUDA graph). Measured on the H200 (BENCHMARKS.md, session 19): no faster — a graph launch does
+    # not wait on its previous launch; kept for the experiment.
     self.executables = executables
+    # pack_params > 0: parameters whose local shard is under this many bytes reach the step packed in one buffer
+    # per dtype (glm5_jax.param_packing): the one-rank step's 1,715 parameter arguments become ~950 at 64 KiB.
+    # The host parses every argument on every call (~1.3 µs each) and at B = 1 the step is host-bound.
+    self.pack_params = int(pack_params)
     self._copies: dict[int, list] = {}
     self._calls: dict[int, int] = {}  # steps run per capture size (which copy runs next)
     self._ran: set[int] = set()  # capture sizes whose step has traced and run
@@ -326,8 +333,10 @@ class Decoder:
                         finite | ~active)
       return {"layers": layers, "mtp": mtp}, io_new
 
-    sm = model.shard_map(fn, (cspecs, REP), (cspecs, REP))
-    return jax.jit(sm, donate_argnums=(1, 2))  # outputs alias the donated caches and io: no buffer moves
+    pack = self._pack()
+    sm = model.shard_map(fn, (cspecs, REP), (cspecs, REP), pack=pack)
+    n = 1 if pack is None else 2  # parameter arguments before the caches
+    return jax.jit(sm, donate_argnums=(n, n + 1))  # outputs alias the donated caches and io: no buffer moves
 
   def _check_kernels(self, rep):
     """Summarise a traced step's kernel sites; a kernel the policy turns on explicitly that runs at no site is
@@ -396,7 +405,20 @@ class Decoder:
 
   @property
   def key(self):
-    return (self.config, self.backend, self.temperature, self.top_p)
+    return (self.config, self.backend, self.temperature, self.top_p, self.pack_params)
+
+  def _pack(self):
+    return self.model.pack_layout(self.pack_params) if self.pack_params else None
+
+  def _param_args(self, params=None) -> tuple:
+    """The step's parameter arguments: (params,) or, packed, (big leaves, packed buffers); ``params`` abstract
+    (ShapeDtypeStructs with shardings) gives abstract ones."""
+    if not self.pack_params:
+      return (self.model.params if params is None else params,)
+    if params is None:
+      return self.model.packed_params(self.pack_params)
+    return pp.abstract(params, pp.layout(params, self.model.param_specs, self.model.tp, self.pack_params),
+                       self.model.mesh)
 
   def step_fn(self, batch):
     return compiled(self.model, ("step", self.key, batch), lambda: self._step_fn(batch))
@@ -410,7 +432,7 @@ class Decoder:
     b = batch
     with self.kernel_mode(interpret):
       return self.step_fn(b).trace(
-          self.model.params if params is None else params, st.abstract_caches(self.layout(b), self.model.mesh),
+          *self._param_args(params), st.abstract_caches(self.layout(b), self.model.mesh),
           sd((b, io_width(self.config.q)), jnp.int32))
 
   def warmup(self, capture_sizes=None):
@@ -467,7 +489,7 @@ class Decoder:
       io = _io_set_tokens(io if state.batch in self._ran else jnp.copy(io),
                           jax.device_put(tokens, NamedSharding(self.model.mesh, REP)))
     with self.kernel_mode():
-      caches, io = fn(self.model.params, state.caches, io)
+      caches, io = fn(*self._param_args(), state.caches, io)
     self._ran.add(state.batch)
     return DecodeState(caches, io, self, state.len_bound + cfg.q), _io_output(io)
 

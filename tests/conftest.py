@@ -5,6 +5,12 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 import jax  # noqa: E402
 
+from glm5_jax.sharding import configure_collectives  # noqa: E402
+
+# The TP GPU tests check the all-reduce mode the CLI and benchmarks use (collectives in the CUDA graph, NCCL LL);
+# set before any backend starts. The CPU backend ignores it.
+configure_collectives(os.environ.get("GLM5_JAX_COLLECTIVES", "graph"))
+
 # 4 fake CPU devices for the TP tests (only the CPU backend reads this; set before any backend starts).
 jax.config.update("jax_num_cpu_devices", 4)
 

@@ -418,6 +418,26 @@ def test_two_alternating_executables_equal_one(model):
     _decoder(model, 1, executables=3)
 
 
+def test_packed_parameters_equal_unpacked(model):
+  """Decoder(pack_params=N): parameters under N bytes reach the step packed (fewer arguments: the host parses
+  each one per call) — the same tokens and state as unpacked; a bad threshold is refused."""
+  runs = {}
+  for pb in (0, 1 << 16):
+    dec = _decoder(model, 1, sizes=(2,), pack_params=pb)
+    state = dec.prefill([np.arange(5) + 1, np.arange(9) + 2])
+    toks = []
+    for _ in range(4):
+      state, out = decode(state)
+      toks.append(np.asarray(out.tokens))
+    runs[pb] = (np.stack(toks), np.asarray(state.io), len(jax.tree.leaves(dec._param_args())))
+  np.testing.assert_array_equal(runs[1 << 16][0], runs[0][0])
+  np.testing.assert_array_equal(runs[1 << 16][1], runs[0][1])
+  assert runs[1 << 16][2] < runs[0][2] // 2, (runs[1 << 16][2], runs[0][2])  # oracle-tiny: most leaves are small
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ValueError, match="pack_params="):
+      _decoder(model, 1, pack_params=bad)
+
+
 def test_generate_pipelined_equals_greedy_reference(model):
   """generate() issues step N+1 before reading step N's tokens: the same continuations as the reference, with
   eos_id cutting one sequence short, and up to the end of max_context (where it stops issuing ahead)."""

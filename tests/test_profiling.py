@@ -67,6 +67,27 @@ def test_mosaic_kernels_are_split_over_their_call_sites():
       {"dsa": (1040 + 1) / (1040 + 1 + 8208), "mlp": 8208 / (1040 + 1 + 8208)})
   per, launches, unmatched = P.split([("glm5_fp8_linear_mosaic_gpu_kernel", 0.006)], P.kernel_map(HLO), steps=2)
   assert per == pytest.approx({"dsa": 2.0, "mlp": 1.0}) and unmatched == {} and launches == 0.5
+  # a pl.kernel(name=...) kernel has no name in its module text: it is found through its jit(name)/name/ scope
+  hlo = HLO.replace('op_name="jit(step)/shard_map/kda/kda_decode"',
+                    'op_name="jit(step)/shard_map/kda/jit(kda_decode)/kda_decode/mpmd_map"')
+  assert P.mosaic_shares(hlo)["kda_decode_mosaic_gpu_kernel"] == {"kda": 1.0}
+  # ... also when XLA wraps it in a dynamic-slice fusion (its state-slot operands are slices): the kernel row is
+  # the fusion, the Mosaic kernel runs from inside it
+  dsf = """HloModule d
+
+%dsf (s: f32[8,4]) -> f32[4] {
+  %s = f32[8,4]{1,0} parameter(0)
+  %sl = f32[1,4]{1,0} slice(%s), slice={[2:3], [0:4]}
+  ROOT %mpmd_map.1 = f32[4]{0} custom-call(%sl), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(body)/shard_map/kda/jit(kda_decode)/kda_decode/mpmd_map"}
+}
+
+ENTRY %main (a: f32[8,4]) -> f32[4] {
+  %a = f32[8,4]{1,0} parameter(0)
+  ROOT %f = f32[4]{0} fusion(%a), kind=kCustom, calls=%dsf, metadata={op_name="jit(body)/shard_map/kda/jit(kda_decode)/kda_decode/mpmd_map"}
+}
+"""
+  assert P.mosaic_shares(dsf) == {"kda_decode_mosaic_gpu_kernel": {"kda": 1.0}}
+  assert P.census(dsf)["kernels"] == 1
 
 
 def test_component_of_scope_paths():
@@ -95,9 +116,10 @@ def test_split_attributes_kernel_records():
   assert kmap["loop_neg_fusion_2"] == "draft" and kmap["custom_call_7"] == "kda"
   assert kmap["neg"] == "mhc"  # an instruction inside a fused computation names its kernel on some emitters
   recs = [("loop_neg_fusion", 0.002), ("loop_neg_fusion_2", 0.004), ("sort_5_1", 0.010),  # a suffixed launch
-          ("ncclDevKernel_AllReduce_Sum_bf16", 0.020), ("mystery_kernel", 0.001)] * 2
+          ("ncclDevKernel_AllReduce_Sum_bf16", 0.010), ("psum_44_0_fusion_1", 0.010),  # XLA's own all-reduce
+          ("mystery_kernel", 0.001)] * 2
   per, launches, unmatched = P.split(recs, kmap, steps=2)
-  assert launches == 5
+  assert launches == 6
   assert per == pytest.approx({"mhc": 2.0, "draft": 4.0, "router": 10.0, "all-reduce": 20.0, "other": 1.0})
   assert unmatched == pytest.approx({"mystery_kernel": 1.0})
 

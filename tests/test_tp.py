@@ -3,6 +3,7 @@ orbax restore across meshes."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -50,8 +51,8 @@ def test_forward_tp_equals_tp1(tp):
   np.testing.assert_allclose(got, ref, **tol("fp32_paths"))
 
 
-def _greedy_run(m, k=3, steps=6):
-  dec = Decoder(m, DecodeConfig(max_context=64, q=k + 1, capture_sizes=(4,), policy=()), prefill_chunk=16)
+def _greedy_run(m, k=3, steps=6, **kw):
+  dec = Decoder(m, DecodeConfig(max_context=64, q=k + 1, capture_sizes=(4,), policy=()), prefill_chunk=16, **kw)
   rng = np.random.default_rng(1)
   state = dec.prefill([rng.integers(0, 500, 9), rng.integers(0, 500, 14)])
   out = [np.asarray(state.next_tokens)]
@@ -65,6 +66,26 @@ def _greedy_run(m, k=3, steps=6):
 def test_speculative_greedy_tp4_equals_tp1():
   a = _greedy_run(load(_ckpt(), "float32", 1))
   b = _greedy_run(load(_ckpt(), "float32", 4))
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_packed_parameters_tp4_equal_tp1_unpacked():
+  """Decoder(pack_params=...) at TP4: each device's row of the packed buffers holds its own shards (sharded KDA
+  vectors, replicated norms) — the same tokens as TP1 without packing; and every leaf unpacks to its shard."""
+  from glm5_jax import param_packing as pp  # noqa: PLC0415
+
+  m4 = load(_ckpt(), "float32", 4)
+  lay = m4.pack_layout(1 << 16)
+  assert len(lay.small) > 0 and len(lay.big) > 0 and lay.num_args < len(jax.tree.leaves(m4.params))
+  assert all(off * np.dtype(dt).itemsize % pp.ALIGN == 0 for _, dt, off, _ in lay.small)
+  big, packed = m4.packed_params(1 << 16)
+  back = jax.jit(jax.shard_map(lambda b, p: pp.unpack(b, p, lay), mesh=m4.mesh, in_specs=pp.in_specs(lay),
+                               out_specs=m4.param_specs, check_vma=False))(big, packed)
+  for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(m4.params)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  a = _greedy_run(load(_ckpt(), "float32", 1))
+  b = _greedy_run(m4, pack_params=1 << 16)
   for x, y in zip(a, b):
     np.testing.assert_array_equal(x, y)
 
@@ -105,3 +126,31 @@ def test_fp8_shard_boundary_that_cuts_a_block_is_refused():
 def test_bad_tp_sizes():
   with pytest.raises(ValueError, match="tensor_parallel_size=3"):
     glm5_jax.load_model(_ckpt(), tp=3)
+
+
+def test_configure_collectives_sets_the_environment_once_and_refuses_late_or_unknown():
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  from glm5_jax.sharding import COLLECTIVE_MODES, configure_collectives  # noqa: PLC0415
+
+  env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x", "NCCL_PROTO": "Simple"}
+  got = configure_collectives("graph", environ=env)
+  assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", COLLECTIVE_MODES["graph"]["XLA_FLAGS"]]
+  assert env["NCCL_PROTO"] == "Simple" and env["NCCL_NVLS_ENABLE"] == "0"  # the user's own setting is kept
+  assert got == {k: env[k] for k in ("NCCL_NVLS_ENABLE", "XLA_FLAGS", "NCCL_PROTO")}
+  configure_collectives("graph", environ=env)  # idempotent: the flag is not appended twice
+  assert env["XLA_FLAGS"].count("COLLECTIVES") == 1
+  assert configure_collectives("xla", environ={}) == {"NCCL_NVLS_ENABLE": "0"}
+  with pytest.raises(ValueError, match="'nvls'.*graph"):
+    configure_collectives("nvls", environ={})
+  with pytest.raises(RuntimeError, match="before JAX initialises"):  # this process's backends are running
+    configure_collectives("graph")
+  # a fresh process: the flags are set before the backend starts, XLA accepts them, a computation runs
+  code = ("from glm5_jax.sharding import configure_collectives; import os; configure_collectives('graph'); "
+          "import jax.numpy as jnp; assert float(jnp.arange(4.0).sum()) == 6.0; "
+          "print(os.environ['NCCL_PROTO'], os.environ['XLA_FLAGS'])")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                     env={k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NCCL_PROTO")})
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.split() == ["LL", COLLECTIVE_MODES["graph"]["XLA_FLAGS"]]
