@@ -23,6 +23,7 @@ while the real step's launch blocks; this isolates whether the Mosaic custom cal
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -110,6 +111,7 @@ def main(argv=None):
                  help="small read-only arguments (the real step has 1,855; XLA compiles 1,855 here slowly: minutes)")
   p.add_argument("--width", type=int, default=4096, help="state columns (kernel size: 64 x width f32)")
   p.add_argument("--calls", type=int, default=30)
+  p.add_argument("--out", default=None, help="append one JSON line per row here (benchmarks/results/graph_launch_*)")
   p.add_argument("--mosaic-every", type=int, nargs="+", default=[0],
                  help="every N-th step a Mosaic GPU kernel (0: none; the real step: ~1 in 7)")
   a = p.parse_args(argv)
@@ -155,6 +157,11 @@ def main(argv=None):
       print(f"{K:>5} {A:>5} {me:>6} {nk:>7} {name:>24} {comp:>9.1f} {w:>8.3f} {h:>8.3f} {g:>8.3f} "
             f"{1e3 * (w - g) / nk:>18.2f}",
             flush=True)
+      if a.out:
+        with open(a.out, "a") as fh:
+          fh.write(json.dumps(dict(xla_flags=os.environ.get("XLA_FLAGS", ""), steps=K, args=A, mosaic_every=me,
+                                   kernels=nk, variant=name, compile_s=comp, wall_ms=w, host_ms=h, gpu_ms=g,
+                                   device=dev.device_kind, date=time.strftime("%Y-%m-%d"))) + "\n")
 
 
 if __name__ == "__main__":

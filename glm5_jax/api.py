@@ -106,7 +106,7 @@ def save_model(model: Model, directory) -> None:
 # ---------------------------------------------------------------------------------------------------- cache
 @dataclasses.dataclass(frozen=True)
 class Cache:
-  """Caches of a batch of sequences. lengths [B]: committed tokens; n_acc [B]: KDA slot / conv offset + 1."""
+  """Caches of a batch of sequences. lengths [B]: committed tokens; n_acc [B]: the KDA state slot + 1."""
 
   caches: Any
   lengths: jax.Array

@@ -8,9 +8,9 @@ new tokens go:
 * ``mode="verify"`` (the speculative step): all T = q tokens are real; KDA runs the per-token recurrence and
   stores the state after every token in its slot, so that a rejection costs nothing (spec/decode.md §1.2).
 
-Either mode starts KDA from slot ``n_acc[b] − 1`` and the conv history at offset ``n_acc[b] − 1`` of the
-widened conv window; the MLA latent cache, the indexer pool cache and the tail ring are written by position,
-so tokens that a later step rejects are simply overwritten.
+Either mode starts KDA from slot ``n_acc[b] − 1``; the short-conv inputs (a ring), the MLA latent cache, the
+indexer pool cache and the tail ring are written by position, so tokens that a later step rejects are simply
+overwritten.
 """
 
 from __future__ import annotations
@@ -45,6 +45,32 @@ def _positions(ctx: StepCtx, T):
   pos = ctx.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
   ok = jnp.arange(T)[None] < ctx.valid[:, None]
   return pos, ok
+
+
+def _conv_history(conv, start, Kc: int):
+  """The KDA short-conv history from its ring: conv [B, W, C3] holds the raw input of position p in row p mod W
+  -> [B, Kc−1, C3], the inputs of positions start−Kc+1 .. start−1 (zero before the sequence).
+
+  Why a ring: a rejected draft's input sits at a position ≥ the next step's start, so it is never read and the
+  next step overwrites it — rollback costs nothing. Every row of the updated ring is its old row or one new input
+  (an elementwise select on the row index: _conv_ring_write), so XLA can update the donated cache in place; the
+  former sliding window (rows shifted by one per step) made it copy every KDA layer's conv cache first (34 copy
+  kernels a step on the H200). W = Kc − 1 + q keeps the Kc − 1 rows read and the q rows written distinct."""
+  W = conv.shape[1]
+  p = start[:, None] - (Kc - 1) + jnp.arange(Kc - 1, dtype=start.dtype)[None]  # [B, Kc-1]
+  hist = jnp.take_along_axis(conv, (p % W)[..., None], axis=1)
+  return jnp.where((p >= 0)[..., None], hist, jnp.zeros((), conv.dtype))
+
+
+def _conv_ring_write(conv, z, start, valid):
+  """conv [B, W, C3] ring <- z [B, T, C3], the inputs of positions start .. start+T−1 of which the first
+  ``valid`` are real (each row takes the latest real position it holds, if any; others keep their value)."""
+  W, T = conv.shape[1], z.shape[1]
+  start = start[:, None]
+  last = start + valid[:, None] - 1  # the last real position of this call
+  pr = last - (last - jnp.arange(W, dtype=start.dtype)[None]) % W  # the latest position <= last in row r
+  zi = jnp.clip(pr - start, 0, T - 1)
+  return jnp.where((pr >= start)[..., None], jnp.take_along_axis(z, zi[..., None], axis=1), conv)
 
 
 def _scatter_rows(cache, rows, pos, ok):
@@ -142,15 +168,12 @@ class KDA(nnx.Module):
     w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], 0)[:, 0, :]  # [3C, Kc]
     conv4 = cache["conv"]  # [B, Wc, 3, C]: q|k|v kept apart so that TP splits each of them
     conv = conv4.reshape(*conv4.shape[:2], -1)
-    hist = jax.vmap(lambda c, o: lax.dynamic_slice_in_dim(c, o, Kc - 1, 0))(conv, ctx.n_acc - 1)
+    # the barrier orders the history read before the ring's in-place update (else XLA copies the cache first)
+    hist, conv = lax.optimization_barrier((_conv_history(conv, ctx.start, Kc), conv))
     full = jnp.concatenate([hist.astype(jnp.float32), z.astype(jnp.float32)], axis=1)  # [B, Kc-1+T, 3C]
+    new_conv = _conv_ring_write(conv, z.astype(conv.dtype), ctx.start, ctx.valid)
     acc = sum(full[:, j:j + T] * w[:, j].astype(jnp.float32) for j in range(Kc))
     zc = jax.nn.silu(acc).astype(dtype).astype(jnp.float32)
-    if ctx.mode == "verify":  # slide by one; the next step reads its history at offset n_acc − 1
-      new_conv = jnp.concatenate([hist, z.astype(conv.dtype)], axis=1)[:, 1:]
-    else:  # keep the last Kc−1 real inputs at offset 0 (n_acc becomes 1)
-      last = jax.vmap(lambda f, e: lax.dynamic_slice_in_dim(f, e, Kc - 1, 0))(full, ctx.valid)
-      new_conv = conv.at[:, :Kc - 1].set(last.astype(conv.dtype))
     q, k, v = (a.reshape(B, T, H, Kd) for a in jnp.split(zc, 3, axis=-1))
     f = self.f_b_proj(self.f_a_proj(x, dtype), dtype).astype(jnp.float32).reshape(B, T, H, Kd)
     b = self.b_proj(x, dtype).astype(jnp.float32)

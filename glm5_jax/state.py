@@ -1,8 +1,9 @@
 """Caches of the decode: shapes, dtypes and logical axes, declared once.
 
 Per KDA layer (sharded by head):
-  conv  [B, Wc, 3, C]    the raw q|k|v projections of the last Wc = (conv_kernel − 1) + (q − 1) tokens
-                          (widened by k so a rejection can slide back; the history starts at n_acc − 1)
+  conv  [B, Wc, 3, C]    the raw q|k|v projections (short-conv inputs) by position mod Wc = (conv_kernel − 1)
+                          + q: a ring holding the conv history and a step's q new inputs (rollback-free: see
+                          attention._conv_ring)
   ssm   [B, Q, H, K, V]  fp32 recurrent state, one slot per verify position (Q = q)
 Per DSA layer and for the MTP layer (replicated on every rank):
   latent [B, S, R]        MLA latent per position in the compute dtype; with an FP8 KV cache (the
@@ -55,7 +56,7 @@ def cache_layout(cfg: Glm5Config, batch: int, max_context: int, q: int, dtype, *
   for t in cfg.layer_types:
     if t == KDA_TYPE:
       layers.append({
-          "conv": (jax.ShapeDtypeStruct((batch, Kc - 1 + q - 1, 3, H * Kd), dtype), (None, None, None, KDA_HD)),
+          "conv": (jax.ShapeDtypeStruct((batch, Kc - 1 + q, 3, H * Kd), dtype), (None, None, None, KDA_HD)),
           "ssm": (jax.ShapeDtypeStruct((batch, q, H, Kd, Kd), jnp.float32), (None, None, KDA_H, None, None)),
       })
     else:

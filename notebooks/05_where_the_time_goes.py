@@ -85,6 +85,43 @@ ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.2))
 fig.tight_layout()
 
 # %% [markdown]
+# ## Why the step is host-bound at q = 1
+#
+# `benchmarks/bench_graph_launch.py` on the H200 (`benchmarks/results/graph_launch_h200.jsonl`): a synthetic
+# program of ~2,400 small kernels, chained over calls with a donated state, launches as one CUDA graph in under
+# half a millisecond of host time — wall time equals GPU time. Making every 7th kernel a Pallas Mosaic GPU call
+# (171 calls) costs ~2 ms more host time per call for the same GPU work: each Mosaic call inside XLA's graph
+# costs ~12.7 µs of host time. The real step has 374 of them (and 1,855 arguments), hence host-bound.
+
+# %%
+path = os.path.join("..", "benchmarks", "results", "graph_launch_h200.jsonl")
+runs = [json.loads(line) for line in open(path) if line.strip()]
+runs = [r for r in runs if r["variant"] == "one executable"]
+
+
+def n_mosaic(r):  # Mosaic calls in the program: every mosaic_every-th of its steps
+  return len(range(r["mosaic_every"] - 1, r["steps"], r["mosaic_every"])) if r["mosaic_every"] else 0
+
+
+fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(runs)))
+y = list(range(len(runs)))
+ax.barh([i - 0.2 for i in y], [r["host_ms"] for r in runs], height=0.4, label="host ms per call")
+ax.barh([i + 0.2 for i in y], [r["gpu_ms"] for r in runs], height=0.4, label="GPU ms per call")
+flags = {"": "default", "--xla_gpu_enable_command_buffer=": "no CUDA graph",
+         "--xla_gpu_enable_command_buffer=-CUSTOM_CALL": "custom calls outside the graph"}
+ax.set_yticks(y, [f"{n_mosaic(r)} Mosaic calls, {flags.get(r['xla_flags'], r['xla_flags'])}" for r in runs],
+              fontsize=8)
+ax.set_xlabel("ms per call (2,230-2,401 kernels each)")
+ax.legend(fontsize=8)
+fig.tight_layout()
+for r in runs:  # against the program without Mosaic calls measured in the same process
+  base = [b["host_ms"] for b in runs if not n_mosaic(b) and not b["xla_flags"] and b.get("call") == r.get("call")]
+  if n_mosaic(r) and not r["xla_flags"] and base:
+    extra = r["host_ms"] - base[0]
+    print(f"{n_mosaic(r)} Mosaic calls: +{extra:.2f} ms of host time per call = "
+          f"{1e3 * extra / n_mosaic(r):.1f} µs per Mosaic call")
+
+# %% [markdown]
 # ## Which kernels run where
 #
 # `Decoder.kernel_sites()` records, while the step is traced, every call site where a kernel of the
