@@ -15,7 +15,7 @@ to the loaded executable directly (no pytree / per-argument checks in Python).
 If alternating executables brings wall time down to GPU time, the decode step should do the same.
 
 `--mosaic-every N` makes every N-th step a small Pallas Mosaic GPU kernel (TMA in, scale, TMA out) instead of the
-XLA reduction: the real step has 340 Mosaic custom calls, which XLA records into its CUDA graph by stream capture.
+XLA reduction: the real step has 374 Mosaic GPU calls, which XLA records into its CUDA graph by stream capture.
 The session-19 run found one executable of 2,401 XLA kernels launching with wall = GPU time (0.5 ms of host time),
 while the real step's launch blocks; this isolates whether the Mosaic custom calls make the difference.
 """
@@ -115,6 +115,9 @@ def main(argv=None):
   p.add_argument("--mosaic-every", type=int, nargs="+", default=[0],
                  help="every N-th step a Mosaic GPU kernel (0: none; the real step: ~1 in 7)")
   a = p.parse_args(argv)
+  if a.width % 128:
+    raise SystemExit(f"--width {a.width}: expected a multiple of 128 (the Mosaic probe kernel's column tile)")
+  run_id = f"{os.uname().nodename}-{os.getpid()}-{int(time.time())}"  # rows of one process compare (--out)
   dev = jax.devices()[0]
   print(f"# {dev.device_kind}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   print(f"{'K':>5} {'A':>5} {'mosaic':>6} {'kernels':>7} {'variant':>24} {'compile s':>9} {'wall ms':>8} {'host ms':>8} "
@@ -159,9 +162,9 @@ def main(argv=None):
             flush=True)
       if a.out:
         with open(a.out, "a") as fh:
-          fh.write(json.dumps(dict(xla_flags=os.environ.get("XLA_FLAGS", ""), steps=K, args=A, mosaic_every=me,
-                                   kernels=nk, variant=name, compile_s=comp, wall_ms=w, host_ms=h, gpu_ms=g,
-                                   device=dev.device_kind, date=time.strftime("%Y-%m-%d"))) + "\n")
+          fh.write(json.dumps(dict(call=run_id, xla_flags=os.environ.get("XLA_FLAGS", ""), steps=K, args=A,
+                                   mosaic_every=me, kernels=nk, variant=name, compile_s=comp, wall_ms=w, host_ms=h,
+                                   gpu_ms=g, device=dev.device_kind, date=time.strftime("%Y-%m-%d"))) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@
 #                             the chain, then the end-to-end kernel tests (router_topk natively)
 #   host    (nvidia-h200):    the host-bound one-rank step alone on one GPU (nothing else running): latency_specialized
 #                             q = 1 with parameters unpacked vs packed under 64 KiB (pack_params; optimised HLO kept
-#                             to check XLA slices without copies), then with the fused mHC off (179 fewer Mosaic
+#                             to check XLA slices without copies), then with the fused mHC off (180 fewer Mosaic
 #                             calls, ~12.7 µs of host time each), then auto
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
@@ -82,7 +82,7 @@ case "$MODE" in
     timeout 260 python3 benchmarks/bench_allreduce.py --tp 2 --timeout 60 --variants default nccl-LL nccl-LL128 \
       xla-one-shot cb-collectives cb-collectives-LL cb-coll-one-shot --out "$OUT/allreduce.jsonl" 2>&1 \
       | tee "$OUT/allreduce.log"
-    timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_tp_gpu.py 2>&1 \
+    timeout 330 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_tp_gpu.py 2>&1 \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | head -40 | tee "$OUT/gpu_tests.log"
     for cm in xla graph; do  # glm5_jax.sharding.COLLECTIVE_MODES
       [ "$(left)" -gt 150 ] || break
@@ -93,11 +93,148 @@ case "$MODE" in
         >> "$OUT/bench_decode_tp2.log"
     done
     ;;
+  bisect)  # which kernel family breaks the real-geometry step: each alone on 8 layers of one TP4 rank, q = 1
+    # on nvidia-h200-x2 the families split over the two GPUs (GPU 0 also runs the kernels' GPU tests first)
+    ngpu=$(nvidia-smi -L | wc -l)
+    bisect_one() {  # $1 = GPU, $2.. = kernel families, each alone
+      local g=$1; shift
+      for k in "$@"; do
+        pol="{$(for o in $ALL; do [ "$o" = "$k" ] && echo "\"$o\": true" || echo "\"$o\": false"; done | paste -sd,)}"
+        [ "$(left)" -gt 100 ] || break
+        CUDA_VISIBLE_DEVICES=$g timeout $(( $(left) > 170 ? 150 : $(left) - 20 )) python3 benchmarks/bench_decode.py \
+          --geometry tp4-rank --layers 8 --batch 1 --q 1 --backend latency_specialized --policy "$pol" \
+          --context 32768 --steps 5 --repeats 1 --fast-compile > /tmp/bisect_$k.log 2>&1
+        rc=$?
+        echo "== kernels: $k (rc $rc, GPU $g) $(grep -E "latency_specialized|FAILED|Error|fault" /tmp/bisect_$k.log | head -5)" \
+          | tee -a "$OUT/bench_bisect_$g.log"
+      done
+    }
+    ALL="kda fp8_linear fp8_moe indexer sparse_mla mhc mhc_mix router_topk"  # every policy switch: "none" = stock
+    gpu_tests() {  # $1 = GPU
+      for f in test_sparse_mla test_linear_kernels test_indexer; do
+        CUDA_VISIBLE_DEVICES=$1 timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/$f.py 2>&1 \
+          | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -40 >> "$OUT/gpu_tests.log"
+      done
+    }
+    if [ "$ngpu" -ge 2 ]; then
+      ( gpu_tests 0; bisect_one 0 kda fp8_linear ) &
+      bisect_one 1 none sparse_mla indexer fp8_moe &
+      wait
+    else
+      gpu_tests 0; bisect_one 0 none sparse_mla kda fp8_linear fp8_moe indexer
+    fi
+    # the end-to-end kernel tests (~4.5 min natively, mostly compilation) if the time is there
+    [ "$(left)" -gt 300 ] && timeout $(( $(left) - 20 )) python3 -m pytest -v -m e2e_kernels -p no:cacheprovider \
+      tests/test_decode.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee -a "$OUT/gpu_tests.log"
+    ;;
+  layers8)  # (nvidia-h200-x2) GPU 0: auto vs latency_specialized on 8 layers of one TP4 rank with the profile, one
+    # kernel family alone, command buffers off; GPU 1: the sparse MLA GPU tests, then the end-to-end kernel tests
+    b8() { CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/bench_decode.py --geometry tp4-rank --layers 8 \
+      --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --profile "$@" 2>&1 \
+      | grep -v -i warn | grep -v "^#.*GB of random" >> "$OUT/bench_layers8.log"; }
+    (
+      b8 --backend auto latency_specialized
+      echo "## fp8_linear alone" >> "$OUT/bench_layers8.log"
+      b8 --backend latency_specialized --policy '{"kda": false, "fp8_moe": false, "sparse_mla": false, "indexer": false}'
+      echo "## command buffers off" >> "$OUT/bench_layers8.log"
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" b8 --backend auto latency_specialized
+    ) &
+    (
+      CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_sparse_mla.py 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 >> "$OUT/gpu_tests.log"
+      CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 20 )) python3 -m pytest -v -m e2e_kernels -p no:cacheprovider \
+        tests/test_decode.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 >> "$OUT/gpu_tests.log"
+    ) &
+    wait
+    ;;
+  cmdbuf)  # (nvidia-h200-x2) why Mosaic calls cost ~50 µs of wall time each inside the step: latency_specialized on 8
+    # layers of one TP4 rank under XLA command-buffer variants, two per GPU
+    cb() { local g=$1 name=$2; shift 2
+      echo "## $name: XLA_FLAGS=$*" > "$OUT/cb_$name.log"
+      XLA_FLAGS="$*" CUDA_VISIBLE_DEVICES=$g timeout 200 python3 benchmarks/bench_decode.py --geometry tp4-rank --layers 8 \
+        --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --profile --backend latency_specialized \
+        2>&1 | grep -E "^ *latency|GPU busy|Error|FAILED" >> "$OUT/cb_$name.log"; }
+    ( cb 0 default ""; cb 0 no_custom_call "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION" ) &
+    ( cb 1 trace_cache "--xla_cmd_buffer_trace_cache_size=1024"; cb 1 min_graph1 "--xla_gpu_graph_min_graph_size=1" ) &
+    wait
+    cat "$OUT"/cb_*.log
+    ;;
+  full)  # (nvidia-h200-x2) the whole TP4-rank step, B = 1, q = 1 then 4: auto on GPU 0, latency_specialized on GPU 1
+    fb() { CUDA_VISIBLE_DEVICES=$1 timeout $(( BUDGET - 30 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+      --batch 1 --q 1 4 --context 32768 --steps 20 --repeats 3 --fast-compile --profile --backend $2 \
+      --budget-s $(( BUDGET - 250 )) \
+      --out "$OUT/decode_full.jsonl" > "$OUT/bench_full_$2.log" 2>&1; }
+    fb 0 auto & fb 1 latency_specialized &
+    wait
+    for b in auto latency_specialized; do grep -v -i -E "warn|^\s*$" "$OUT/bench_full_$b.log" | tail -12; done
+    ;;
+  verify)  # (nvidia-h200-x2) GPU 0: the kernels not yet run natively (fused mHC, the MoE shared-expert slot), their
+    # benchmark, the end-to-end kernel tests; GPU 1: the whole one-rank step, latency_specialized, then with mhc on
+    (
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_mhc.py \
+        tests/test_linear_kernels.py -k "mhc or moe" 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " \
+        | head -40 >> "$OUT/gpu_tests.log"
+      CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/bench_mhc.py > "$OUT/bench_mhc.log" 2>&1
+      CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_sparse_mla.py --quick \
+        > "$OUT/bench_sparse_mla.log" 2>&1  # issue #7 item 5
+      CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 20 )) python3 -m pytest -v -m e2e_kernels -p no:cacheprovider \
+        tests/test_decode.py tests/test_mhc.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " \
+        | head -30 >> "$OUT/gpu_tests.log"
+    ) &
+    (
+      for pol in '{}' '{"mhc": true}'; do
+        [ "$(left)" -gt 200 ] || break
+        echo "## policy $pol" >> "$OUT/bench_full.log"
+        CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 20 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+          --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --profile \
+          --backend latency_specialized --policy "$pol" --out "$OUT/decode_full.jsonl" 2>&1 \
+          | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_full.log"
+      done
+    ) &
+    wait
+    ;;
+  trace)  # (nvidia-h200-x2) where the whole one-rank step's wall time goes beyond its GPU time: latency_specialized
+    # (GPU 0) and auto (GPU 1), B = 1, q = 1, traced (device span / busy / gaps, the host's top events); then q = 4
+    # profiled (per-component GPU time; the KDA kernel's in-step time at q = 4) while the budget lasts
+    tb() { local g=$1 b=$2; shift 2
+      CUDA_VISIBLE_DEVICES=$g timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+        --batch 1 --context 32768 --steps 20 --repeats 3 --fast-compile --backend $b --budget-s $(( $(left) - 150 )) \
+        --out "$OUT/decode_trace.jsonl" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_trace_$b.log"; }
+    if [ "${TRACE_CMDBUF_OFF:-0}" = 1 ]; then  # then the same without XLA command buffers: are they used at all?
+      ( tb 0 latency_specialized --q 1 --trace; XLA_FLAGS="--xla_gpu_enable_command_buffer=" tb 0 latency_specialized --q 1 ) &
+      ( tb 1 auto --q 1 --trace; XLA_FLAGS="--xla_gpu_enable_command_buffer=" tb 1 auto --q 1 ) &
+    else
+      ( tb 0 latency_specialized --q 1 --trace; tb 0 latency_specialized --q 4 --profile ) &
+      ( tb 1 auto --q 1 --trace; tb 1 auto --q 4 --profile ) &
+    fi
+    wait
+    ;;
+  launch)  # (nvidia-h200-x2) is the one-rank step's host time the CUDA-graph launch? GPU 0: the mixing-in-kernel mHC
+    # GPU tests, the synthetic launch experiment with and without command buffers; GPU 1: the whole one-rank step,
+    # one vs two alternating executables (optimised HLO kept), then with {"mhc_mix": true}, profiled
+    (
+      CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider \
+        tests/test_mhc.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -40 >> "$OUT/gpu_tests.log"
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_graph_launch.py > "$OUT/bench_launch.log" 2>&1
+      echo "## command buffers off" >> "$OUT/bench_launch.log"
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" CUDA_VISIBLE_DEVICES=0 timeout 150 \
+        python3 benchmarks/bench_graph_launch.py >> "$OUT/bench_launch.log" 2>&1
+    ) &
+    (
+      lb() { CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+        --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 150 )) \
+        --out "$OUT/decode_launch.jsonl" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_launch.log"; }
+      lb --backend latency_specialized --executables 1 2 --hlo-dir "$OUT"
+      [ "$(left)" -gt 200 ] && lb --backend latency_specialized --policy '{"mhc_mix": true}' --profile
+      [ "$(left)" -gt 200 ] && lb --backend auto --executables 1 2 --hlo-dir "$OUT"
+    ) &
+    wait
+    ;;
   host)  # (nvidia-h200) see the header
     hb() { timeout $(( $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --q 1 \
       --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 130 )) \
       --out "$OUT/decode_host.jsonl" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_host.log"; }
-    hb --backend latency_specialized --pack-params 0 65536 --hlo-dir "$OUT"
+    hb --backend latency_specialized --pack-params 0 65536 --hlo-dir "$OUT" --trace  # trace: ParseArguments
     [ "$(left)" -gt 200 ] && hb --backend latency_specialized --policy '{"mhc": false}'
     [ "$(left)" -gt 200 ] && hb --backend auto --pack-params 65536
     ;;
@@ -113,7 +250,7 @@ case "$MODE" in
     ) &
     (
       CUDA_VISIBLE_DEVICES=1 timeout 150 python3 benchmarks/bench_graph_launch.py --mosaic-every 0 7 \
-        > "$OUT/bench_launch.log" 2>&1
+        --out "$OUT/graph_launch.jsonl" > "$OUT/bench_launch.log" 2>&1
       echo "## custom calls out of the command buffers" >> "$OUT/bench_launch.log"
       XLA_FLAGS="--xla_gpu_enable_command_buffer=-CUSTOM_CALL" CUDA_VISIBLE_DEVICES=1 timeout 100 \
         python3 benchmarks/bench_graph_launch.py --mosaic-every 7 >> "$OUT/bench_launch.log" 2>&1

@@ -48,8 +48,9 @@ def _positions(ctx: StepCtx, T):
 
 
 def _conv_history(conv, start, Kc: int):
-  """The KDA short-conv history from its ring: conv [B, W, C3] holds the raw input of position p in row p mod W
-  -> [B, Kc−1, C3], the inputs of positions start−Kc+1 .. start−1 (zero before the sequence).
+  """The KDA short-conv history from its ring: conv [B, W, ...] holds the raw input of position p in row p mod W
+  -> [B, Kc−1, C3] (the trailing dims flattened), the inputs of positions start−Kc+1 .. start−1 (zero before the
+  sequence).
 
   Why a ring: a rejected draft's input sits at a position ≥ the next step's start, so it is never read and the
   next step overwrites it — rollback costs nothing. Every row of the updated ring is its old row or one new input
@@ -57,20 +58,23 @@ def _conv_history(conv, start, Kc: int):
   former sliding window (rows shifted by one per step) made it copy every KDA layer's conv cache first (34 copy
   kernels a step on the H200). W = Kc − 1 + q keeps the Kc − 1 rows read and the q rows written distinct."""
   W = conv.shape[1]
+  conv = conv.reshape(*conv.shape[:2], -1)
   p = start[:, None] - (Kc - 1) + jnp.arange(Kc - 1, dtype=start.dtype)[None]  # [B, Kc-1]
   hist = jnp.take_along_axis(conv, (p % W)[..., None], axis=1)
   return jnp.where((p >= 0)[..., None], hist, jnp.zeros((), conv.dtype))
 
 
 def _conv_ring_write(conv, z, start, valid):
-  """conv [B, W, C3] ring <- z [B, T, C3], the inputs of positions start .. start+T−1 of which the first
+  """conv [B, W, ...] ring <- z [B, T, ...], the inputs of positions start .. start+T−1 of which the first
   ``valid`` are real (each row takes the latest real position it holds, if any; others keep their value)."""
   W, T = conv.shape[1], z.shape[1]
   start = start[:, None]
   last = start + valid[:, None] - 1  # the last real position of this call
   pr = last - (last - jnp.arange(W, dtype=start.dtype)[None]) % W  # the latest position <= last in row r
   zi = jnp.clip(pr - start, 0, T - 1)
-  return jnp.where((pr >= start)[..., None], jnp.take_along_axis(z, zi[..., None], axis=1), conv)
+  tail = (1,) * (conv.ndim - 2)
+  rows = jnp.take_along_axis(z, zi.reshape(*zi.shape, *tail), axis=1)
+  return jnp.where((pr >= start).reshape(*pr.shape, *tail), rows, conv)
 
 
 def _scatter_rows(cache, rows, pos, ok):
@@ -167,11 +171,11 @@ class KDA(nnx.Module):
     H = C3 // (3 * Kd)
     w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], 0)[:, 0, :]  # [3C, Kc]
     conv4 = cache["conv"]  # [B, Wc, 3, C]: q|k|v kept apart so that TP splits each of them
-    conv = conv4.reshape(*conv4.shape[:2], -1)
-    # the barrier orders the history read before the ring's in-place update (else XLA copies the cache first)
-    hist, conv = lax.optimization_barrier((_conv_history(conv, ctx.start, Kc), conv))
+    # the barrier orders the history read before the ring's in-place update (else XLA copies the cache first); the
+    # update stays in the cache's own 4-D shape (through a reshape XLA wrote a temporary and copied it back)
+    hist, conv4 = lax.optimization_barrier((_conv_history(conv4, ctx.start, Kc), conv4))
     full = jnp.concatenate([hist.astype(jnp.float32), z.astype(jnp.float32)], axis=1)  # [B, Kc-1+T, 3C]
-    new_conv = _conv_ring_write(conv, z.astype(conv.dtype), ctx.start, ctx.valid)
+    new_conv = _conv_ring_write(conv4, z.astype(conv4.dtype).reshape(B, T, *conv4.shape[2:]), ctx.start, ctx.valid)
     acc = sum(full[:, j:j + T] * w[:, j].astype(jnp.float32) for j in range(Kc))
     zc = jax.nn.silu(acc).astype(dtype).astype(jnp.float32)
     q, k, v = (a.reshape(B, T, H, Kd) for a in jnp.split(zc, 3, axis=-1))
@@ -196,7 +200,7 @@ class KDA(nnx.Module):
       new_ssm = ssm.at[:, 0].set(S)
     o = rms_norm(o, self.o_norm.weight[...].astype(jnp.float32), self.eps, jnp.float32) * jax.nn.sigmoid(gate)
     y = lax.psum(self.o_proj(o.astype(dtype).reshape(B, T, H * Kd), dtype), TP)
-    return y, {"conv": new_conv.reshape(conv4.shape), "ssm": new_ssm}
+    return y, {"conv": new_conv, "ssm": new_ssm}
 
 
 # ==================================================================================================== DSA

@@ -24,7 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.layers import TP
 
-ALIGN = 256  # bytes: every packed leaf starts at a multiple (TMA wants 16, 128 keeps whole cache lines)
+ALIGN = 256  # bytes: every packed leaf starts at a multiple (TMA wants 16; 256 keeps leaves on whole 128-B lines)
+MAX_BYTES = 1 << 24  # packing copies what it packs: meant for small parameters, never the weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,9 @@ def pack(params, lay: PackLayout, mesh) -> tuple[list, dict]:
         if off > at:
           parts.append(jax.device_put(jnp.zeros((off - at,), name), d))
         x = shards[i, d].reshape(-1)
+        if x.shape[0] != math.prod(shp):  # the array is not sharded as its spec says: offsets would shift
+          raise ValueError(f"parameter {i}: the shard on {d} has {x.shape[0]} elements, its spec "
+                           f"{lay.specs[i]} says {math.prod(shp)}")
         parts.append(x)
         at = off + x.shape[0]
       if N > at:

@@ -163,10 +163,10 @@ def kernel_map(hlo_text: str) -> dict:
 def classify_kernel(kernel: str, kmap: dict):
   """Component of one launched kernel ({component: share} for a Mosaic kernel serving several), or None when
   the name matches no instruction."""
-  if _COLLECTIVE_KERNEL.match(kernel) or "nccl" in kernel.lower():
-    return "all-reduce"
   if kernel in kmap and isinstance(kmap[kernel], dict):
     return kmap[kernel]
+  if kernel not in kmap and (_COLLECTIVE_KERNEL.match(kernel) or "nccl" in kernel.lower()):
+    return "all-reduce"  # (an instruction of the program that happens to be named psum_* keeps its component)
   k = kernel
   for _ in range(3):  # an instruction may launch several kernels: name, name_1, ...
     if k in kmap:

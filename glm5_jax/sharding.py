@@ -19,7 +19,6 @@ import os
 import jax
 import numpy as np
 from flax import nnx
-from jax._src import xla_bridge  # backends_are_initialized: no public equivalent in 0.11.2
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glm5_jax.layers import EMBED, FFN, KDA_H, KDA_HD, MLA_HD, TP, VOCAB
@@ -30,21 +29,25 @@ from glm5_jax.layers import EMBED, FFN, KDA_H, KDA_HD, MLA_HD, TP, VOCAB
 jax.config.update("jax_use_shardy_partitioner", False)
 
 # How the step's TP all-reduces run (process-level: NCCL and XLA read these when the GPU backend starts).
-# Measured on two H200s (BENCHMARKS.md, all-reduce table): psum at 8-256 KiB takes 18-20 µs with the defaults
-# (each all-reduce ends the step's CUDA graph) and 11.7-13.5 µs with the collectives recorded into the graph and
-# NCCL's low-latency protocol. NVLink multicast stays off in every mode: on these hosts it can take the GPUs down.
+# Measured on two H200s (BENCHMARKS.md, all-reduce table): psum at 8-256 KiB takes 18.5-20 µs with the defaults
+# (each all-reduce ends the step's CUDA graph) and 11.8-15.2 µs with the collectives recorded into the graph.
+# NCCL_PROTO=LL on top measured 11.7-13.5 µs, within the run-to-run noise, and was not measured at prefill
+# message sizes (MBs, where LL is bandwidth-limited): not set. NVLink multicast stays off in every mode: on
+# these hosts it can take the GPUs down.
 COLLECTIVE_MODES = {
-    "graph": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+COLLECTIVES", "NCCL_PROTO": "LL"},
+    "graph": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+COLLECTIVES"},
     "xla": {},  # XLA's and NCCL's defaults
 }
 
 
 def configure_collectives(mode: str = "graph", environ=None) -> dict[str, str]:
   """Set the environment for ``mode`` (see COLLECTIVE_MODES) before JAX starts its GPU backend; returns what was
-  set. XLA_FLAGS is appended to, other variables already set by the user are kept. Refuses once a backend exists:
-  the setting would silently not apply."""
+  set. XLA_FLAGS is appended to (a flag the user already set keeps the user's value), other variables already set
+  are kept. Refuses once a backend exists: the setting would silently not apply."""
   if mode not in COLLECTIVE_MODES:
     raise ValueError(f"collectives mode {mode!r} is not one of {sorted(COLLECTIVE_MODES)}")
+  from jax._src import xla_bridge  # noqa: PLC0415 (backends_are_initialized: no public equivalent in 0.11.2)
+
   env = os.environ if environ is None else environ
   if environ is None and xla_bridge.backends_are_initialized():
     raise RuntimeError(f"configure_collectives({mode!r}) must run before JAX initialises its backends (before the "
@@ -53,7 +56,8 @@ def configure_collectives(mode: str = "graph", environ=None) -> dict[str, str]:
   for k, v in COLLECTIVE_MODES[mode].items():
     if k == "XLA_FLAGS":
       flags = env.get(k, "").split()
-      if v not in flags:
+      name = v.split("=")[0]
+      if not any(f.split("=")[0] == name for f in flags):  # a value the user set for this flag is kept
         env[k] = " ".join(flags + [v])
     else:
       env.setdefault(k, v)

@@ -230,8 +230,10 @@ class Decoder:
                        f"(layer {model.cfg.num_hidden_layers}): use q=1")
     if executables not in (1, 2):
       raise ValueError(f"executables={executables}: expected 1 or 2")
-    if not isinstance(pack_params, (int, np.integer)) or isinstance(pack_params, bool) or pack_params < 0:
-      raise ValueError(f"pack_params={pack_params!r}: expected a byte threshold >= 0 (0 = off)")
+    if (not isinstance(pack_params, (int, np.integer)) or isinstance(pack_params, bool)
+        or not 0 <= pack_params <= pp.MAX_BYTES):
+      raise ValueError(f"pack_params={pack_params!r}: expected a byte threshold in [0, {pp.MAX_BYTES}] (0 = off; "
+                       "packing copies the packed parameters, so it is for small ones)")
     if temperature < 0 or not 0 < top_p <= 1:
       raise ValueError(f"temperature={temperature}, top_p={top_p}: expected temperature >= 0 and 0 < top_p <= 1")
     unknown = sorted(set(config.policy_dict()) - POLICY_KEYS)
@@ -405,7 +407,7 @@ class Decoder:
 
   @property
   def key(self):
-    return (self.config, self.backend, self.temperature, self.top_p, self.pack_params)
+    return (self.config, self.backend, self.temperature, self.top_p)
 
   def _pack(self):
     return self.model.pack_layout(self.pack_params) if self.pack_params else None
@@ -417,11 +419,15 @@ class Decoder:
       return (self.model.params if params is None else params,)
     if params is None:
       return self.model.packed_params(self.pack_params)
-    return pp.abstract(params, pp.layout(params, self.model.param_specs, self.model.tp, self.pack_params),
-                       self.model.mesh)
+    lay = pp.layout(params, self.model.param_specs, self.model.tp, self.pack_params)
+    own = self._pack()
+    if (lay.big, lay.small, lay.sizes) != (own.big, own.small, own.sizes):  # (trees may differ in metadata only)
+      raise ValueError("the abstract parameters do not pack like the model's (shapes, dtypes or specs differ)")
+    return pp.abstract(params, lay, self.model.mesh)
 
   def step_fn(self, batch):
-    return compiled(self.model, ("step", self.key, batch), lambda: self._step_fn(batch))
+    # the pack layout (None: unpacked) is part of the key: the step slices the packed buffers at its offsets
+    return compiled(self.model, ("step", self.key, batch, self._pack()), lambda: self._step_fn(batch))
 
   def trace_step(self, batch, params=None, *, interpret: bool | None = None):
     """Trace the step for capture size ``batch`` on abstract state (``params``: the model's, or abstract ones

@@ -3,7 +3,7 @@
 Per KDA layer (sharded by head):
   conv  [B, Wc, 3, C]    the raw q|k|v projections (short-conv inputs) by position mod Wc = (conv_kernel − 1)
                           + q: a ring holding the conv history and a step's q new inputs (rollback-free: see
-                          attention._conv_ring)
+                          attention._conv_history / _conv_ring_write)
   ssm   [B, Q, H, K, V]  fp32 recurrent state, one slot per verify position (Q = q)
 Per DSA layer and for the MTP layer (replicated on every rank):
   latent [B, S, R]        MLA latent per position in the compute dtype; with an FP8 KV cache (the

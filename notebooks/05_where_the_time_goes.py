@@ -90,8 +90,8 @@ fig.tight_layout()
 # `benchmarks/bench_graph_launch.py` on the H200 (`benchmarks/results/graph_launch_h200.jsonl`): a synthetic
 # program of ~2,400 small kernels, chained over calls with a donated state, launches as one CUDA graph in under
 # half a millisecond of host time — wall time equals GPU time. Making every 7th kernel a Pallas Mosaic GPU call
-# (171 calls) costs ~2 ms more host time per call for the same GPU work: each Mosaic call inside XLA's graph
-# costs ~12.7 µs of host time. The real step has 374 of them (and 1,855 arguments), hence host-bound.
+# (171 calls) costs ~2 ms more host time per call for about the same GPU work: each Mosaic call inside XLA's
+# graph costs ~12.7 µs of host time (one run: an estimate). The real step has 374 of them (and 1,855 arguments), hence host-bound.
 
 # %%
 path = os.path.join("..", "benchmarks", "results", "graph_launch_h200.jsonl")

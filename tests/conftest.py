@@ -7,7 +7,7 @@ import jax  # noqa: E402
 
 from glm5_jax.sharding import configure_collectives  # noqa: E402
 
-# The TP GPU tests check the all-reduce mode the CLI and benchmarks use (collectives in the CUDA graph, NCCL LL);
+# The TP GPU tests check the all-reduce mode the CLI and benchmarks use (collectives in the CUDA graph);
 # set before any backend starts. The CPU backend ignores it.
 configure_collectives(os.environ.get("GLM5_JAX_COLLECTIVES", "graph"))
 

@@ -399,18 +399,23 @@ def test_step_buffers_keep_their_addresses(model):
   assert np.asarray(out.counts).min() >= 1 and np.asarray(out.tokens).shape == (2, 2)
 
 
+def _four_steps(dec):
+  """(tokens of 4 chained steps [4, B, q], the final io) of a fixed 2-prompt batch."""
+  state = dec.prefill([np.arange(5) + 1, np.arange(9) + 2])
+  toks = []
+  for _ in range(4):
+    state, out = decode(state)
+    toks.append(np.asarray(out.tokens))
+  return np.stack(toks), np.asarray(state.io)
+
+
 def test_two_alternating_executables_equal_one(model):
   """Decoder(executables=2) alternates two loaded copies of the compiled step (one CUDA graph each on a GPU):
   the same tokens and state as one executable, and the copies really alternate."""
   runs = {}
   for ne in (1, 2):
     dec = _decoder(model, 1, sizes=(2,), executables=ne)
-    state = dec.prefill([np.arange(5) + 1, np.arange(9) + 2])
-    toks = []
-    for _ in range(4):
-      state, out = decode(state)
-      toks.append(np.asarray(out.tokens))
-    runs[ne] = (np.stack(toks), np.asarray(state.io), dec)
+    runs[ne] = (*_four_steps(dec), dec)
   np.testing.assert_array_equal(runs[2][0], runs[1][0])
   np.testing.assert_array_equal(runs[2][1], runs[1][1])
   copies = runs[2][2]._copies[2]
@@ -425,16 +430,11 @@ def test_packed_parameters_equal_unpacked(model):
   runs = {}
   for pb in (0, 1 << 16):
     dec = _decoder(model, 1, sizes=(2,), pack_params=pb)
-    state = dec.prefill([np.arange(5) + 1, np.arange(9) + 2])
-    toks = []
-    for _ in range(4):
-      state, out = decode(state)
-      toks.append(np.asarray(out.tokens))
-    runs[pb] = (np.stack(toks), np.asarray(state.io), len(jax.tree.leaves(dec._param_args())))
+    runs[pb] = (*_four_steps(dec), len(jax.tree.leaves(dec._param_args())))
   np.testing.assert_array_equal(runs[1 << 16][0], runs[0][0])
   np.testing.assert_array_equal(runs[1 << 16][1], runs[0][1])
   assert runs[1 << 16][2] < runs[0][2] // 2, (runs[1 << 16][2], runs[0][2])  # oracle-tiny: most leaves are small
-  for bad in (-1, 1.5, True):
+  for bad in (-1, 1.5, True, 1 << 30):
     with pytest.raises(ValueError, match="pack_params="):
       _decoder(model, 1, pack_params=bad)
 
@@ -456,3 +456,21 @@ def test_generate_pipelined_equals_greedy_reference(model):
     if eos in cut:
       cut = cut[:cut.index(eos) + 1]
     assert got == cut
+
+
+def test_conv_ring_is_updated_in_place():
+  """The KDA short-conv cache (a ring by position) is written in place by the compiled verify step: no copy of
+  any layer's conv cache (the former sliding window cost one copy kernel per KDA layer and step on the H200)."""
+  import re  # noqa: PLC0415
+
+  from glm5_jax import config as C, sharding as shd  # noqa: PLC0415
+  from glm5_jax.synthetic import abstract_model  # noqa: PLC0415
+
+  cfg = C.kernel_tiny()
+  m, params = abstract_model(cfg, mesh=shd.make_mesh(1))
+  q = 3
+  dec = Decoder(m, DecodeConfig(max_context=256, q=q, capture_sizes=(1,), policy=()), backend="auto")
+  txt = dec.trace_step(1, params).lower().compile().as_text()
+  W = cfg.linear_conv_kernel_dim - 1 + q
+  assert re.search(rf"bf16\[1,{W},3,\d+\]", txt)  # the conv caches are there
+  assert not re.findall(rf"= bf16\[1,{W},3,\d+\]\S* copy\(", txt)

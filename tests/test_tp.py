@@ -134,13 +134,17 @@ def test_configure_collectives_sets_the_environment_once_and_refuses_late_or_unk
 
   from glm5_jax.sharding import COLLECTIVE_MODES, configure_collectives  # noqa: PLC0415
 
-  env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x", "NCCL_PROTO": "Simple"}
+  flag = COLLECTIVE_MODES["graph"]["XLA_FLAGS"]
+  env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x", "NCCL_NVLS_ENABLE": "1"}
   got = configure_collectives("graph", environ=env)
-  assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", COLLECTIVE_MODES["graph"]["XLA_FLAGS"]]
-  assert env["NCCL_PROTO"] == "Simple" and env["NCCL_NVLS_ENABLE"] == "0"  # the user's own setting is kept
-  assert got == {k: env[k] for k in ("NCCL_NVLS_ENABLE", "XLA_FLAGS", "NCCL_PROTO")}
+  assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", flag]
+  assert env["NCCL_NVLS_ENABLE"] == "1"  # the user's own setting is kept
+  assert got == {k: env[k] for k in ("NCCL_NVLS_ENABLE", "XLA_FLAGS")}
   configure_collectives("graph", environ=env)  # idempotent: the flag is not appended twice
   assert env["XLA_FLAGS"].count("COLLECTIVES") == 1
+  off = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}  # the user turned command buffers off: kept
+  configure_collectives("graph", environ=off)
+  assert off["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=" and off["NCCL_NVLS_ENABLE"] == "0"
   assert configure_collectives("xla", environ={}) == {"NCCL_NVLS_ENABLE": "0"}
   with pytest.raises(ValueError, match="'nvls'.*graph"):
     configure_collectives("nvls", environ={})
@@ -149,8 +153,8 @@ def test_configure_collectives_sets_the_environment_once_and_refuses_late_or_unk
   # a fresh process: the flags are set before the backend starts, XLA accepts them, a computation runs
   code = ("from glm5_jax.sharding import configure_collectives; import os; configure_collectives('graph'); "
           "import jax.numpy as jnp; assert float(jnp.arange(4.0).sum()) == 6.0; "
-          "print(os.environ['NCCL_PROTO'], os.environ['XLA_FLAGS'])")
+          "print(os.environ['NCCL_NVLS_ENABLE'], os.environ['XLA_FLAGS'])")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                     env={k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NCCL_PROTO")})
+                     env={k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NCCL_NVLS_ENABLE")})
   assert r.returncode == 0, r.stderr[-2000:]
-  assert r.stdout.split() == ["LL", COLLECTIVE_MODES["graph"]["XLA_FLAGS"]]
+  assert r.stdout.split() == ["0", flag]
