@@ -52,7 +52,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "bf16_linea
                    # the mHC mixing glue (sums -> Sinkhorn -> pre / post / comb, the variance) inside the finish
                    # kernel (pallas_kernels/mhc.py mhc_mix_finish): ~7 -> 3 launches per boundary; off until it
                    # has run natively on the H200
-                   "mhc_mix": False}
+                   "mhc_mix": False,
+                   # with mhc on: the boundary's last step (x_in = RMSNorm(Σ pre_i X'_i)) as the Mosaic finish
+                   # kernel (on) or as XLA fusions (off: 90 fewer Mosaic calls per step — each costs ~12.7 µs of
+                   # host time inside the CUDA graph, BENCHMARKS.md session 19 — for ~2 µs more GPU time each)
+                   "mhc_finish": True}
 
 
 @contextlib.contextmanager
@@ -246,7 +250,8 @@ class HyperConnection(nnx.Module):
       x_in, mix = km.mhc_mix_finish(Xn, tot, self.base[...], self.scale[...], norm.weight[...], **consts)
       return Xn, x_in, mix
     pre_r, mix = km.mhc_mix_reference(tot, self.base[...], self.scale[...], X2.shape[1] // self.n, **consts)
-    return Xn, km.mhc_finish(Xn, pre_r, norm.weight[...]), mix
+    finish = km.mhc_finish if kernel_enabled("mhc_finish") else km.mhc_finish_reference
+    return Xn, finish(Xn, pre_r, norm.weight[...]), mix
 
   @staticmethod
   def unpack(mix, n=4):

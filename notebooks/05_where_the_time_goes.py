@@ -143,10 +143,10 @@ for label, policy in (("default", ()), ("mhc_mix on", (("mhc_mix", True),))):
   with dec.kernel_mode(interpret=False):
     dec.trace_step(1, params, interpret=False)
   sites[label] = dec.kernel_sites(1)
-names = sorted(sites["default"])
+names = sorted(set().union(*sites.values()))  # (with mhc_mix on, no boundary asks for mhc_finish)
 plt.figure(figsize=(8, 3))
 for j, label in enumerate(sites):
-  plt.bar([i + 0.4 * j for i in range(len(names))], [sites[label][n]["sites"] for n in names], width=0.4,
+  plt.bar([i + 0.4 * j for i in range(len(names))], [sites[label].get(n, {"sites": 0})["sites"] for n in names], width=0.4,
           label=label)
 plt.xticks([i + 0.2 for i in range(len(names))], names, rotation=30)
 plt.ylabel("call sites running the kernel")
@@ -154,4 +154,4 @@ plt.title("one TP4 rank, q = 4 (verify + 3 drafts)")
 plt.legend()
 plt.tight_layout()
 for n in names:
-  print(f"{n:<12}", {k: v[n]["sites"] for k, v in sites.items()}, sites["default"][n]["not_used"] or "")
+  print(f"{n:<12}", {k: v.get(n, {"sites": 0})["sites"] for k, v in sites.items()}, sites["default"].get(n, {}).get("not_used") or "")

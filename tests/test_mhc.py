@@ -12,7 +12,7 @@ from flax import nnx
 
 from conftest import tol
 from glm5_jax import config as C
-from glm5_jax.layers import HyperConnection, RMSNorm, use_kernels
+from glm5_jax.layers import HyperConnection, RMSNorm, kernel_report, use_kernels
 from helpers import load, tiny_checkpoint
 from pallas_kernels import mhc as K
 from pallas_kernels._common import cross_lower, maybe_interpret, on_gpu
@@ -131,10 +131,12 @@ def _site(D, seed):
 
 
 @pytest.mark.parametrize("M,first,mix_kernel", [(3, False, False), (3, True, False), (70, False, False),
-                                                (3, False, True), (3, True, True), (70, False, True)])
+                                                (3, False, True), (3, True, True), (70, False, True),
+                                                (3, False, None), (3, True, None)])
 def test_fused_boundary_equals_stock(M, first, mix_kernel):
   """post (previous sublayer) + pre + RMSNorm, fused kernels vs the stock XLA formulation; 70 rows = 2 launches.
-  mix_kernel: the mixing glue inside the finish kernel (policy knob mhc_mix) instead of XLA."""
+  mix_kernel: the mixing glue inside the finish kernel (policy knob mhc_mix) instead of XLA; None: the finish
+  itself in XLA (policy knob mhc_finish off: one Mosaic call per boundary instead of two)."""
   D = 256
   hc, norm = _site(D, M)
   X, y, mix, _, _, _ = _inputs(M, D, M + 1)
@@ -143,8 +145,11 @@ def test_fused_boundary_equals_stock(M, first, mix_kernel):
   Xref = Xs if first else HyperConnection.post(Xs, y, post, comb)
   u, post_ref, comb_ref = hc.pre(Xref)
   xin_ref = norm(u, jnp.bfloat16)
-  with maybe_interpret(True), use_kernels({"mhc_mix": mix_kernel}):
+  knobs = {"mhc_mix": mix_kernel} if mix_kernel is not None else {"mhc_finish": False}
+  with maybe_interpret(True), use_kernels(knobs), kernel_report() as rep:
     Xn, xin, mix_new = jax.jit(lambda X, y, mix: hc.fused(X, None if first else (y, mix), norm))(X, y, mix)
+  if mix_kernel is None:
+    assert ("mhc_finish", "off in the policy") in rep
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(Xn).reshape(M, 4, D), f32(Xref), **BF16_ULP)
   p, c = HyperConnection.unpack(mix_new)
