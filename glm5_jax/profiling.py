@@ -210,6 +210,13 @@ def _union_busy(intervals):
 
 
 _NUMBERED = re.compile(r"(?:[._]\d+)+$")
+_GRAPH_ID = re.compile(r"\s*\(CudaGraph:\d+\)")  # cuGraphLaunch (CudaGraph:784): one row for every graph
+
+
+def event_kind(name: str) -> str:
+  """A host event's row in trace_summary: numbered instances and CUDA graph ids folded (fusion.12, fusion_8172
+  -> fusion; cuGraphLaunch (CudaGraph:784) -> cuGraphLaunch)."""
+  return _NUMBERED.sub("", _GRAPH_ID.sub("", name))
 
 
 def _self_times(events):
@@ -249,7 +256,7 @@ def trace_summary(xspace_path: str, steps: int, *, top: int = 16) -> dict:
     elif plane.name.startswith("/host:CPU"):
       for line in plane.lines:
         for name, ns in _self_times([(e.name[:80], e.start_ns, e.end_ns) for e in line.events]):
-          h = host[_NUMBERED.sub("", name)]  # one row per kind: fusion.12, fusion_8172 -> fusion
+          h = host[event_kind(name)]
           h[0] += ns
           h[1] += 1
   out = {"steps": steps, "device_events": len(dev)}

@@ -152,5 +152,8 @@ def test_trace_interval_helpers():
   ev = [("outer", 0, 100), ("a", 10, 30), ("b", 12, 20), ("c", 40, 50), ("d", 120, 125)]
   assert dict(P._self_times(ev)) == {"outer": 100 - 20 - 10, "a": 20 - 8, "b": 8, "c": 10, "d": 5}
   # an event overrunning its parent counts towards it only up to the parent's end; nothing goes negative
+  assert [P.event_kind(n) for n in ("fusion.12", "fusion_8172", "cuGraphLaunch (CudaGraph:784)",
+                                    "PjitFunction(jit(body))")] == ["fusion", "fusion", "cuGraphLaunch",
+                                                                    "PjitFunction(jit(body))"]
   st = dict(P._self_times([("p", 0, 10), ("x", 5, 20), ("y", 15, 18)]))
   assert st["p"] == 5 and all(v >= 0 for v in st.values())
