@@ -23,8 +23,12 @@ def _decoder(args, model):
   from glm5_jax.speculative import Decoder  # noqa: PLC0415
   from glm5_jax.runtime import DecodeConfig  # noqa: PLC0415
 
-  cfg = DecodeConfig(max_context=args.max_context, q=1 + args.k, capture_sizes=tuple(args.capture_sizes), policy=())
-  return Decoder(model, cfg, backend=args.backend, temperature=args.temperature, top_p=args.top_p)
+  import json  # noqa: PLC0415
+
+  cfg = DecodeConfig(max_context=args.max_context, q=1 + args.k, capture_sizes=tuple(args.capture_sizes),
+                     policy=tuple(sorted(json.loads(args.policy).items())))
+  return Decoder(model, cfg, backend=args.backend, temperature=args.temperature, top_p=args.top_p,
+                 pack_params=args.pack_params)
 
 
 def _add_decode_args(p):
@@ -35,6 +39,9 @@ def _add_decode_args(p):
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--tp", type=int, default=1)
+  p.add_argument("--policy", default="{}", help="decode policy knobs as JSON, e.g. '{\"mhc_finish\": false}'")
+  p.add_argument("--pack-params", type=int, default=0,
+                 help="pass parameters under this many bytes packed into one buffer per dtype (0 = off)")
   p.add_argument("--collectives", default=None, choices=["graph", "xla"],
                  help="how TP all-reduces run (glm5_jax.sharding.COLLECTIVE_MODES; default graph); only with --tp > 1")
   p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
