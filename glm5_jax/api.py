@@ -70,8 +70,12 @@ class Model:
     return jax.shard_map(body, mesh=self.mesh, in_specs=(*specs, *in_specs), out_specs=out_specs, check_vma=False)
 
   def pack_layout(self, max_bytes: int) -> pp.PackLayout:
-    """Which parameters a packed step takes in one buffer per dtype: those with local shards < max_bytes."""
-    return pp.layout(self.params, self.param_specs, self.tp, max_bytes)
+    """Which parameters a packed step takes in one buffer per dtype: those with local shards < max_bytes. One
+    object per threshold (it keys the step's compile cache by identity; built once, not per step)."""
+    cache = self.__dict__.setdefault("_pack_layouts", {})
+    if max_bytes not in cache:
+      cache[max_bytes] = pp.layout(self.params, self.param_specs, self.tp, max_bytes)
+    return cache[max_bytes]
 
   def packed_params(self, max_bytes: int):
     """(big leaves, {dtype: [tp, N]}) — the parameter arguments of a step built with pack=pack_layout(max_bytes);

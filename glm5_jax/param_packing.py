@@ -28,9 +28,11 @@ ALIGN = 256  # bytes: every packed leaf starts at a multiple (TMA wants 16; 256 
 MAX_BYTES = 1 << 24  # packing copies what it packs: meant for small parameters, never the weights
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PackLayout:
-  """Static description of which parameter leaves are packed where (hashable: part of the step's cache key).
+  """Static description of which parameter leaves are packed where. Compared and hashed by identity: it is part
+  of the step's compile-cache key, looked up on every step, and the model keeps one per threshold
+  (Model.pack_layout) — hashing 1,715 specs per step would be host time on the hot path.
 
   treedef: the params tree; specs: every leaf's PartitionSpec (flattened); big: indices of the leaves passed as
   themselves; small: (leaf index, dtype name, offset in elements, local shape) per packed leaf; sizes: elements
