@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 
 from glm5_jax import config as C  # noqa: E402
 from glm5_jax import profiling  # noqa: E402
+from glm5_jax import param_packing as pp  # noqa: E402
 from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: E402
 from glm5_jax.sharding import make_mesh  # noqa: E402
 from glm5_jax.speculative import Decoder, decode  # noqa: E402
@@ -74,7 +75,7 @@ def main(argv=None):
                  help="XLA GPU autotuning per compiled step (off = xla_gpu_autotune_level 0); both values compare "
                       "them in one process. The q > 1 step of the real geometry took > 350 s to compile with it on")
   p.add_argument("--fast-compile", action="store_true", help="same as --autotune off")
-  p.add_argument("--pack-params", type=int, nargs="+", default=[0],
+  p.add_argument("--pack-params", type=int, nargs="+", default=[pp.DEFAULT_BYTES],
                  help="Decoder(pack_params=N): parameters under N bytes reach the step packed (fewer arguments for "
                       "the host to parse per call); 0 = off; several values compare them in one process")
   p.add_argument("--executables", type=int, nargs="+", default=[1], choices=[1, 2],
@@ -132,10 +133,12 @@ def main(argv=None):
       continue
     comp = time.time() - t
     hlo = dec._aot[b].as_text()
+    name = None
     if a.hlo_dir:
       import gzip  # noqa: PLC0415
       os.makedirs(a.hlo_dir, exist_ok=True)
-      name = f"step_{a.geometry}_{backend}_b{b}_q{q}" + (f"_pack{pk}" if pk else "")
+      name = f"step_{a.geometry}_{backend}_b{b}_q{q}" + (f"_pack{pk}" if pk else "") + (
+          "_" + "_".join(f"{k}-{v}" for k, v in policy) if policy else "")
       with gzip.open(os.path.join(a.hlo_dir, name + ".hlo.gz"), "wt") as fh:
         fh.write(hlo)
     cen = profiling.census(hlo)
@@ -175,7 +178,8 @@ def main(argv=None):
     trace = None
     if a.trace:
       trace, state = _trace(dec, state, a.steps, a.context)
-    prof = _profile(dec, state, hlo, a.steps, a.context) if a.profile else None
+    prof = _profile(dec, state, hlo, a.steps, a.context,
+                    kernels_path=os.path.join(a.hlo_dir, name + ".kernels.json") if name else None) if a.profile else None
     state = prof.pop("state") if prof else state
     # the roofline formula is one TP4 rank of the real model: meaningless for the tiny geometries
     full = a.geometry == "tp4-rank" and not a.layers
@@ -234,8 +238,10 @@ def _trace(dec, state, steps, context):
   return s, state
 
 
-def _profile(dec, state, hlo, steps, context):
-  """GPU µs per step by component from CUPTI's kernel records over ``steps`` chained steps."""
+def _profile(dec, state, hlo, steps, context, kernels_path=None):
+  """GPU µs per step by component from CUPTI's kernel records over ``steps`` chained steps; with
+  ``kernels_path``, every kernel's [µs/step, launches/step, component] is written there (for reading the
+  profile against the saved HLO offline)."""
   from benchmarks._timing import _EXT  # noqa: PLC0415
   if _EXT is None:
     print("# --profile: CUPTI is not available here (needs the Mosaic GPU extension on a GPU)", flush=True)
@@ -256,7 +262,11 @@ def _profile(dec, state, hlo, steps, context):
   for name, ms in recs:
     by_name[name][0] += ms * 1e3 / steps
     by_name[name][1] += 1
-  heavy = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]
+  heavy = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+  if kernels_path:
+    with open(kernels_path, "w") as f:
+      json.dump({k: [v[0], v[1] / steps, profiling.classify_kernel(k, kmap)] for k, v in heavy}, f, indent=0)
+  heavy = heavy[:12]
   print("#   heaviest kernels (µs/step, launches/step): " + ", ".join(
       f"{k[:48]} {v[0]:.0f} ({v[1] / steps:.0f})" for k, v in heavy), flush=True)
   top = sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]

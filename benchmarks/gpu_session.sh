@@ -25,6 +25,9 @@
 #                             q = 1 with parameters unpacked vs packed under 64 KiB (pack_params; optimised HLO kept
 #                             to check XLA slices without copies), then with the mHC finish in XLA (90 fewer
 #                             Mosaic calls, ~12.7 µs of host time each), the fused mHC off (180 fewer), then auto
+#   profile (nvidia-h200):    mHC GPU tests (with WITH_TESTS=1), bench_mhc (kernels per boundary), then the one-rank latency_specialized
+#                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
+#                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -239,6 +242,15 @@ case "$MODE" in
     [ "$(left)" -gt 200 ] && hb --backend latency_specialized --policy '{"mhc": false}'
     [ "$(left)" -gt 200 ] && hb --backend auto --pack-params 65536
     ;;
+  profile)  # (nvidia-h200) see the header
+    [ -n "${WITH_TESTS:-}" ] && timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 >> "$OUT/gpu_tests.log"
+    timeout 80 python3 benchmarks/bench_mhc.py --rows 1,4 > "$OUT/bench_mhc.log" 2>&1
+    timeout $(( $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --q 1 4 \
+      --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 130 )) \
+      --backend latency_specialized --profile --hlo-dir "$OUT" --out "$OUT/decode_profile.jsonl" 2>&1 \
+      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_profile.log"
+    ;;
   mosaic)  # (nvidia-h200-x2) see the header
     (
       lb() { CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
@@ -260,7 +272,7 @@ case "$MODE" in
     ) &
     wait
     ;;
-  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | bisect)"; exit 2 ;;
+  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
 echo "total $(( $(date +%s) - t0 )) s"

@@ -27,8 +27,8 @@ def _decoder(args, model):
 
   cfg = DecodeConfig(max_context=args.max_context, q=1 + args.k, capture_sizes=tuple(args.capture_sizes),
                      policy=tuple(sorted(json.loads(args.policy).items())))
-  return Decoder(model, cfg, backend=args.backend, temperature=args.temperature, top_p=args.top_p,
-                 pack_params=args.pack_params)
+  pack = {} if args.pack_params is None else dict(pack_params=args.pack_params)
+  return Decoder(model, cfg, backend=args.backend, temperature=args.temperature, top_p=args.top_p, **pack)
 
 
 def _add_decode_args(p):
@@ -40,8 +40,9 @@ def _add_decode_args(p):
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--tp", type=int, default=1)
   p.add_argument("--policy", default="{}", help="decode policy knobs as JSON, e.g. '{\"mhc_finish\": false}'")
-  p.add_argument("--pack-params", type=int, default=0,
-                 help="pass parameters under this many bytes packed into one buffer per dtype (0 = off)")
+  p.add_argument("--pack-params", type=int, default=None,
+                 help="pass parameters under this many bytes packed into one buffer per dtype (0 = off; default: "
+                      "the Decoder's, glm5_jax.param_packing.DEFAULT_BYTES)")
   p.add_argument("--collectives", default=None, choices=["graph", "xla"],
                  help="how TP all-reduces run (glm5_jax.sharding.COLLECTIVE_MODES; default graph); only with --tp > 1")
   p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])

@@ -26,6 +26,10 @@ from glm5_jax.layers import TP
 
 ALIGN = 256  # bytes: every packed leaf starts at a multiple (TMA wants 16; 256 keeps leaves on whole 128-B lines)
 MAX_BYTES = 1 << 24  # packing copies what it packs: meant for small parameters, never the weights
+# Decoder's default threshold. Measured on the H200 (BENCHMARKS.md, session 20): the one-rank step at B = 1, q = 1
+# went from 10.77 to 6.99 ms per step (host-bound: the host parses every argument on every call), for 0.19 ms
+# more GPU time (35 small slices XLA materialises for Mosaic kernels that take a packed leaf).
+DEFAULT_BYTES = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -222,7 +222,7 @@ class Decoder:
 
   def __init__(self, model: Model, config: DecodeConfig, *, backend: str = "auto", temperature: float = 0.0,
                top_p: float = 1.0, prefill_chunk: int = 256, compiler_options: dict | None = None,
-               executables: int = 1, pack_params: int = 0):
+               executables: int = 1, pack_params: int = pp.DEFAULT_BYTES):
     if backend not in ("auto", "latency_specialized"):
       raise ValueError(f"backend={backend!r}: expected 'auto' or 'latency_specialized'")
     if config.q > 1 and not model.mtp:
@@ -256,7 +256,8 @@ class Decoder:
     self.executables = executables
     # pack_params > 0: parameters whose local shard is under this many bytes reach the step packed in one buffer
     # per dtype (glm5_jax.param_packing): the one-rank step's 1,715 parameter arguments become ~950 at 64 KiB.
-    # The host parses every argument on every call (~1.3 µs each) and at B = 1 the step is host-bound.
+    # The host parses every argument on every call (~1.3 µs each) and at B = 1 the step is host-bound; on by
+    # default (param_packing.DEFAULT_BYTES), 0 turns it off.
     self.pack_params = int(pack_params)
     self._copies: dict[int, list] = {}
     self._calls: dict[int, int] = {}  # steps run per capture size (which copy runs next)

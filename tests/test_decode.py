@@ -392,7 +392,7 @@ def test_step_buffers_keep_their_addresses(model):
     toks = None if i != 1 else np.array(state.next_tokens)
     state, out = decode(state, toks)
     assert ptrs(state) == before, f"step {i}: a state buffer moved"
-  hlo = dec.step_fn(2).trace(model.params, state.caches, state.io).lower().compile().as_text()
+  hlo = dec.step_fn(2).trace(*dec._param_args(), state.caches, state.io).lower().compile().as_text()
   n_out = len(jax.tree.leaves(state))
   aliased = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1).count("alias)")
   assert aliased == n_out, f"{aliased} of the step's {n_out} outputs alias a donated input"
