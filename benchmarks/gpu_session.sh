@@ -28,6 +28,9 @@
 #   profile (nvidia-h200):    mHC GPU tests (with WITH_TESTS=1), bench_mhc (kernels per boundary), then the one-rank latency_specialized
 #                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
 #                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
+#   topk    (nvidia-h200):    the one-rank latency_specialized step at q = 1 with the indexer's top-k by radix
+#                             selection (policy indexer_topk) vs XLA's sort, profiled; then both at q = 4 if time
+#                             remains
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -251,6 +254,16 @@ case "$MODE" in
       --backend latency_specialized --profile --hlo-dir "$OUT" --out "$OUT/decode_profile.jsonl" 2>&1 \
       | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_profile.log"
     ;;
+  topk)  # (nvidia-h200) see the header
+    tb() { timeout $(( $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 \
+      --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 130 )) \
+      --backend latency_specialized --profile --out "$OUT/decode_topk.jsonl" "$@" 2>&1 \
+      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_topk.log"; }
+    tb --q 1 --policy '{"indexer_topk": true}' --hlo-dir "$OUT"
+    [ "$(left)" -gt 200 ] && tb --q 1
+    [ "$(left)" -gt 300 ] && tb --q 4 --policy '{"indexer_topk": true}'
+    [ "$(left)" -gt 300 ] && tb --q 4
+    ;;
   mosaic)  # (nvidia-h200-x2) see the header
     (
       lb() { CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
@@ -272,7 +285,7 @@ case "$MODE" in
     ) &
     wait
     ;;
-  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | bisect)"; exit 2 ;;
+  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
 echo "total $(( $(date +%s) - t0 )) s"

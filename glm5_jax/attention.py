@@ -24,7 +24,7 @@ from jax import lax
 
 from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, Linear, RMSNorm, kernel_enabled, mm, param,
-                             rms_norm)
+                             rms_norm, topk_set_by_threshold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +304,12 @@ class Indexer(nnx.Module):
       n_complete = (pos + 1) // kp  # [B, T]
       P = scores.shape[-1]
       masked = jnp.where(jnp.arange(P)[None, None] < n_complete[..., None], scores, -jnp.inf)
-      vals, js = lax.top_k(masked, min(self.top_pools, P))
+      kk = min(self.top_pools, P)
+      if kernel_enabled("indexer_topk", masked.shape[0] * masked.shape[1]):  # (decode rows; prefill sorts)
+        js = topk_set_by_threshold(masked, kk)  # lax.top_k's set, in ascending pool order
+        vals = jnp.take_along_axis(masked, js, axis=-1)
+      else:
+        vals, js = lax.top_k(masked, kk)
       js = jnp.where(jnp.isfinite(vals), js, -1).astype(jnp.int32)
       tail_start = n_complete * kp
     else:

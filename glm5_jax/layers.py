@@ -49,6 +49,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "bf16_linea
                    # the MoE router's top-8 of 288 by counting ranks in one fusion instead of a sort
                    # (topk_by_rank; exact, the same ties as lax.top_k). Not yet measured on the GPU
                    "router_topk": True,
+                   # the indexer's top-512 pools as a set without a sort (topk_set_by_threshold: radix selection
+                   # + one prefix sum + a scatter; exact, lax.top_k's set and ties). XLA's sort of the 8,196
+                   # pools takes ~58 µs per DSA layer on the H200 (BENCHMARKS.md session 20): off until the
+                   # replacement is measured there
+                   "indexer_topk": False,
                    # the mHC mixing glue (sums -> Sinkhorn -> pre / post / comb, the variance) inside the finish
                    # kernel (pallas_kernels/mhc.py mhc_mix_finish): ~7 -> 3 launches per boundary; off until it
                    # has run natively on the H200
@@ -295,6 +300,49 @@ def topk_by_rank(v, k: int):
   rank = jnp.sum(beats, axis=-1, dtype=jnp.int32)  # [..., N], a permutation of 0..N-1
   return jnp.sum(jnp.where(rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None], idx, 0), axis=-1,
                  dtype=jnp.int32)
+
+
+def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8):
+  """The SET lax.top_k(v, k) selects, without a sort, as indices [..., k] int32 in ascending index order (an
+  unselected slot can only arise for k > N: -1). For large N (the indexer's top-512 of up to max_context / 4
+  pools), where ``topk_by_rank``'s N × N count is too much work and XLA's GPU sort is ~58 µs per call
+  (BENCHMARKS.md, session 20).
+
+  1. The k-th largest key T, exactly, by radix selection on the 32-bit monotone key (``topk_by_rank``'s total
+     order): 32 / digit_bits passes, each counting #{key >= t} for the 2^digit_bits candidate thresholds of the
+     next digit at once ([..., 256, N] compare-and-count: one reduction) and keeping the largest t with a
+     count >= k.
+  2. Selected: key > T, and of the entries equal to T the first k - #{key > T} by index (lax.top_k's tie
+     order); each one's slot = #{selected before it} from ONE prefix sum (the two prefix counts packed in one
+     int32), then one scatter."""
+  N = v.shape[-1]
+  lead = v.shape[:-1]
+  bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+  key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # monotone in the total order (signed)
+  u = lax.bitcast_convert_type(key, jnp.uint32) ^ jnp.uint32(0x80000000)  # the same order, unsigned
+  kk = min(k, N)
+  t = jnp.zeros(lead, jnp.uint32)  # invariant: #{u >= t} >= kk
+  digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)
+  for shift in range(32 - digit_bits, -1, -digit_bits):
+    cand = t[..., None] | (digits << jnp.uint32(shift))  # [..., 2^b] thresholds, increasing
+    cnt = jnp.sum(u[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)  # non-increasing in the digit
+    d = jnp.sum(cnt >= kk, axis=-1, dtype=jnp.int32) - 1  # the largest digit keeping >= kk entries (>= 0)
+    t = t | (d.astype(jnp.uint32) << jnp.uint32(shift))
+  gt, eq = u > t[..., None], u == t[..., None]
+  need_eq = kk - jnp.sum(gt, axis=-1, dtype=jnp.int32)  # >= 1: T is an entry's key
+  g32, e32 = gt.astype(jnp.int32), eq.astype(jnp.int32)
+  if N < 1 << 15:  # both exclusive prefix counts from one prefix sum, packed in an int32
+    inc = g32 + (e32 << 16)
+    both = jnp.cumsum(inc, axis=-1) - inc
+    n_gt, n_eq = both & 0xFFFF, both >> 16
+  else:  # (they would not fit: two)
+    n_gt, n_eq = jnp.cumsum(g32, axis=-1) - g32, jnp.cumsum(e32, axis=-1) - e32
+  sel = gt | (eq & (n_eq < need_eq[..., None]))
+  slot = jnp.where(sel, n_gt + jnp.minimum(n_eq, need_eq[..., None]), k)  # k = dropped
+  rows = math.prod(lead)
+  out = jnp.full((rows, k), -1, jnp.int32).at[jnp.arange(rows)[:, None], slot.reshape(rows, N)].set(
+      jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (rows, N)), mode="drop")
+  return out.reshape(*lead, k)
 
 
 class Router(nnx.Module):

@@ -167,3 +167,33 @@ def test_topk_by_rank_equals_lax_top_k(N, k, ties):
     v = (1 / (1 + np.exp(-rng.standard_normal(shape))) + rng.standard_normal(N) * 1e-2).astype(np.float32)
   got = jax.jit(topk_by_rank, static_argnums=1)(jnp.asarray(v), k)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(lax.top_k(jnp.asarray(v), k)[1]))
+
+
+@pytest.mark.parametrize("N,k,kind", [(8196, 512, "scores"), (8196, 512, "ties"), (700, 512, "masked"),
+                                      (2000, 512, "special"), (600, 600, "ties"), (33000, 512, "ties"),
+                                      (50, 64, "scores")])
+def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind):
+  """The indexer's sort-free top-k selects exactly lax.top_k's SET (ties: the lower indices), returned in
+  ascending index order: indexer-like scores, a few levels (ties everywhere, one row all equal), -inf beyond a
+  random number of complete pools (fewer than k in some rows), NaN / ±0 / ±inf sprinkled in; N >= 2^15 takes
+  the two-prefix-sum branch; k > N pads with -1."""
+  from glm5_jax.layers import topk_set_by_threshold  # noqa: PLC0415
+  rng = np.random.default_rng()
+  shape = (2, 3, N)
+  v = (rng.standard_normal(shape) * rng.uniform(0.1, 10)).astype(np.float32)
+  if kind == "ties":
+    v = (rng.integers(0, 5, shape) / 4).astype(np.float32)
+    v[0, 0] = 0.5
+  elif kind == "masked":
+    n_ok = rng.integers(0, N, shape[:-1])
+    n_ok[0, 0] = 3
+    v = np.where(np.arange(N) < n_ok[..., None], v, -np.inf).astype(np.float32)
+  elif kind == "special":
+    specials = np.array([np.nan, -np.nan, 0.0, -0.0, np.inf, -np.inf], np.float32)
+    hit = rng.random(shape) < 0.1
+    v[hit] = specials[rng.integers(0, len(specials), hit.sum())]
+  got = np.asarray(jax.jit(topk_set_by_threshold, static_argnums=1)(jnp.asarray(v), k))
+  kk = min(k, N)
+  want = np.sort(np.asarray(lax.top_k(jnp.asarray(v), kk)[1]), axis=-1)
+  np.testing.assert_array_equal(got[..., :kk], want)
+  assert (got[..., kk:] == -1).all()
