@@ -24,7 +24,7 @@ from jax import lax
 
 from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, Linear, RMSNorm, kernel_enabled, mm, param,
-                             rms_norm, topk_set_by_threshold)
+                             StackedLinear, rms_norm, topk_set_by_threshold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +145,7 @@ class KDA(nnx.Module):
     D, H, Kd, r, Kc = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.kda_gate_rank, \
         cfg.linear_conv_kernel_dim
     HD = H * Kd
-    self.q_proj = Linear(D, HD, dtype, (KDA_HD, EMBED))
-    self.k_proj = Linear(D, HD, dtype, (KDA_HD, EMBED))
-    self.v_proj = Linear(D, HD, dtype, (KDA_HD, EMBED))
+    self.qkv_proj = StackedLinear(D, HD, ("q", "k", "v"), dtype, (KDA_HD, EMBED))  # q_proj, k_proj, v_proj
     self.q_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
     self.k_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
     self.v_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
@@ -166,7 +164,7 @@ class KDA(nnx.Module):
     """x [B, T, D] -> (y [B, T, D], new cache). cache: conv [B, Wc, 3C] (C local channels), ssm [B, Q, H, K, V]."""
     B, T, _ = x.shape
     Kd, Kc = self.head_dim, self.kernel
-    z = jnp.concatenate([self.q_proj(x, dtype), self.k_proj(x, dtype), self.v_proj(x, dtype)], -1)
+    z = self.qkv_proj(x, dtype)  # [B, T, 3C]: this device's q | k | v channels
     C3 = z.shape[-1]
     H = C3 // (3 * Kd)
     w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], 0)[:, 0, :]  # [3C, Kc]

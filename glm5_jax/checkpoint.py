@@ -107,7 +107,8 @@ class SafetensorsIndex:
 
 # ---------------------------------------------------------------------------------------------------- names
 def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
-  """Parameter path in Glm5Model -> (checkpoint name pattern, expert marker). Experts use '{e}' in the name."""
+  """Parameter path in Glm5Model -> (checkpoint name pattern, marker). Experts ('expert') use '{e}' in the name,
+  stacked linears ('stack': StackedLinear, one matrix per entry of STACKS) '{s}'."""
   p = [str(x) for x in path]
   if p == ["embed_tokens"]:
     return "model.language_model.embed_tokens.weight", None
@@ -129,6 +130,8 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
     return prefix + ".".join(rest[:-1] + ["k_norm", rest[-1][7:]]), None
   if rest[-1] in ("q_conv1d", "k_conv1d", "v_conv1d"):
     return prefix + ".".join(rest) + ".weight", None
+  if rest[-2:] == ["qkv_proj", "weight"]:  # KDA q/k/v stacked in one weight (layers.StackedLinear)
+    return prefix + ".".join(rest[:-2]) + ".{s}_proj.weight", "stack"
   if len(rest) >= 2 and rest[-2] == "experts":  # stacked routed experts
     leaf = rest[-1]
     mat = leaf.replace("_scale", "_proj")
@@ -137,6 +140,9 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
   if rest[-1] == "scale" and rest[-2] not in ("attn_hc", "ffn_hc"):
     return prefix + ".".join(rest[:-1]) + ".weight_scale_inv", None
   return prefix + ".".join(rest), None
+
+
+STACKS = {"stack": ("q", "k", "v")}  # the names a stacked weight's entries stand for, in order
 
 
 def _convert(x: np.ndarray, dtype) -> np.ndarray:
@@ -192,11 +198,13 @@ def load_params(path: str, *, dtype=None, mesh=None, progress: bool | None = Non
     name, kind = hf_names(p, cfg)
     spec = shd.logical_to_spec(var.get_metadata()["axes"])
     sharding = NamedSharding(mesh, spec)
-    if kind == "expert":
-      n_e = aval.shape[0]
-      names = [name.format(e=e) for e in range(n_e)]
+    if kind in ("expert", "stack"):  # one checkpoint matrix per entry of the leading axis
+      names = ([name.format(e=e) for e in range(aval.shape[0])] if kind == "expert"
+               else [name.format(s=s) for s in STACKS[kind]])
       srcs = [_source(index, nm, aval.shape[1:], aval.dtype, cfg) for nm in names]
       used.update(names)
+      if kind == "stack":  # (FP8 matrices the model keeps unquantised were dequantised with their scales)
+        used.update(nm + "_scale_inv" for nm in names if nm + "_scale_inv" in index)
 
       def cb(idx, srcs=srcs, dt=aval.dtype):
         es = range(*idx[0].indices(len(srcs)))

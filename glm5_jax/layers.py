@@ -176,6 +176,30 @@ class Linear(nnx.Module):
     return mm(x, self.w(dtype), dtype)
 
 
+class StackedLinear(nnx.Module):
+  """S linears of the same shape on the same input, stored as one weight [S, out, in] (BF16/F32): one GEMV reads
+  them in one pass -> y [..., S · out_local] (the S outputs side by side, each this device's shard). For the KDA
+  q/k/v projections: on the H200 XLA ran them as three 5.9 µs GEMVs (2.9 TB/s of 16.8 MB each, one TP4 rank)
+  per layer, BENCHMARKS.md session 20. The checkpoint keeps the S matrices under their own names
+  (``checkpoint.hf_names``: the ``stack`` marker)."""
+
+  def __init__(self, n_in, n_out, names: tuple[str, ...], dtype, axes):
+    self.names = tuple(names)
+    self.weight = param((len(names), n_out, n_in), dtype, (None, *axes))
+
+  def __call__(self, x, dtype):
+    S, n_out, n_in = self.weight.shape
+    w = self.weight[...].reshape(S * n_out, n_in)  # (the local shard is contiguous: a free reshape)
+    rows = x.size // n_in
+    tiles = n_in % 128 == 0 and (S * n_out) % 64 == 0
+    if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16,
+                      why=f"stacked weight {S}x{n_out}x{n_in} {w.dtype} (the kernel streams bf16 with in % 128 == 0 "
+                          "and out % 64 == 0)"):
+      from pallas_kernels import linear as kl  # noqa: PLC0415
+      return kl.bf16_linear(x.reshape(rows, n_in), w, out_dtype=dtype).reshape(*x.shape[:-1], S * n_out)
+    return mm(x, w, dtype)
+
+
 class RMSNorm(nnx.Module):
   def __init__(self, dim, dtype, eps):
     self.weight = param((dim,), dtype, (None,))

@@ -48,6 +48,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -580,10 +581,16 @@ def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, m
   """
   m, k = topk_ids.shape
   ids = topk_ids.astype(jnp.int32)
-  if m == 1:  # a top-k row has distinct experts: no dedup needed
-    uniq = ids[0]
-  else:
-    uniq = jnp.unique(ids.reshape(-1), size=n_slots, fill_value=num_experts)
+  if m == 1:  # a top-k row has k distinct experts: slot j is the row's j-th expert, a static table — only the
+    # ids and weights move (at B = 1, q = 1 this glue was 4 small XLA kernels per MoE layer; now the pads and
+    # masks fuse into their consumers). n_valid stays k: an out-of-range id (never from the router) becomes
+    # expert 0 with its weights masked to zero, as below.
+    valid = jnp.pad(ids[0] < num_experts, (0, n_pad - k))
+    eids = jnp.pad(jnp.where(valid[:k], ids[0], 0), (0, n_pad - k))
+    r = jnp.pad(jnp.where(valid[:k], topk_weights[0].astype(jnp.float32), 0.0)[:, None],
+                ((0, n_pad - k), (0, mp - 1)))
+    return eids, np.full((1,), k, np.int32), valid, r
+  uniq = jnp.unique(ids.reshape(-1), size=n_slots, fill_value=num_experts)
   uniq = jnp.pad(uniq, (0, n_pad - uniq.shape[0]), constant_values=num_experts)
   valid = uniq < num_experts
   eids = jnp.where(valid, uniq, 0).astype(jnp.int32)

@@ -246,6 +246,18 @@ def test_fp8_moe_interpret_shared_expert_as_extra_expert():
   assert_close(y, routed + shared, "kernel_fp8")
 
 
+def test_fp8_moe_single_row_static_slots_mask_an_out_of_range_id():
+  """At M = 1 the slot table is static (slot j = the row's j-th expert): an expert id out of range (never from
+  the router) contributes nothing, as in the general routing — not another expert's output."""
+  m, e, k, i, d = 1, 6, 3, 256, 384
+  x, ids, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(90), m, e, i, d, k)
+  bad = ids.at[0, 1].set(e)
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0))(x, bad, tw, wg, sg, wu, su, wd, sd)
+  ref = L.fp8_moe_reference(x, ids.at[0, 1].set(0), tw.at[0, 1].set(0.0), wg, sg, wu, su, wd, sd, swiglu_limit=1.0)
+  assert_close(y, ref, "kernel_fp8")
+
+
 def _shared_expert(key, i, d):
   """One expert's FP8 weights + block scales (gate, up [I, D]; down [D, I]) from moe_inputs' generator."""
   _, _, _, wg, sg, wu, su, wd, sd = moe_inputs(key, 1, 1, i, d, 1)

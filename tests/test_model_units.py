@@ -197,3 +197,25 @@ def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind):
   want = np.sort(np.asarray(lax.top_k(jnp.asarray(v), kk)[1]), axis=-1)
   np.testing.assert_array_equal(got[..., :kk], want)
   assert (got[..., kk:] == -1).all()
+
+
+def test_stacked_linear_equals_its_separate_linears_and_the_kernel():
+  """StackedLinear (the KDA q/k/v in one weight [3, out, in]) == the three matrices applied one by one, side by
+  side; with the bf16 GEMV kernel on (GPU interpret mode on CPU) the same up to the kernel's summation order."""
+  from flax import nnx  # noqa: PLC0415
+
+  from glm5_jax.layers import StackedLinear, kernel_report, use_kernels  # noqa: PLC0415
+  from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
+  rng = np.random.default_rng()
+  lin = nnx.eval_shape(lambda: StackedLinear(256, 64, ("q", "k", "v"), jnp.bfloat16, (None, None)))
+  w = jnp.asarray(rng.standard_normal((3, 64, 256)) * 0.05, jnp.bfloat16)
+  lin.weight.set_value(w)
+  x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.bfloat16)
+  f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+  want = np.concatenate([f32(x) @ f32(w[s]).T for s in range(3)], axis=-1)
+  got = jax.jit(lambda x: lin(x, jnp.float32))(x)
+  np.testing.assert_allclose(f32(got), want, **tol("fp32_paths"))
+  with maybe_interpret(True), use_kernels({"bf16_linear": True}), kernel_report() as rep:
+    kern = jax.jit(lambda x: lin(x, jnp.float32))(x)
+  assert rep == [("bf16_linear", None)]
+  np.testing.assert_allclose(f32(kern), want, rtol=1e-5, atol=1e-5)

@@ -30,7 +30,7 @@ def test_params_are_sharded_by_the_rules():
   m = load(_ckpt(), "float32", 4)
   mod = m.module()
   kda = mod.layers[0].self_attn
-  assert kda.q_proj.weight[...].sharding.spec == P("tp", None)
+  assert kda.qkv_proj.weight[...].sharding.spec == P(None, "tp", None)  # q, k, v stacked, each split on heads
   assert kda.o_proj.weight[...].sharding.spec == P(None, "tp")
   assert kda.f_a_proj.weight[...].sharding.spec == P(None, None)  # replicated
   dsa = mod.layers[3].self_attn
@@ -39,8 +39,8 @@ def test_params_are_sharded_by_the_rules():
   assert mod.layers[3].mlp.experts.gate_proj[...].sharding.spec == P(None, "tp", None)
   assert mod.embed_tokens[...].sharding.spec == P("tp", None)
   # each device holds a quarter of a column-parallel weight
-  shard = kda.q_proj.weight[...].addressable_shards[0].data
-  assert shard.shape[0] == kda.q_proj.weight[...].shape[0] // 4
+  shard = kda.qkv_proj.weight[...].addressable_shards[0].data
+  assert shard.shape[:2] == (3, kda.qkv_proj.weight[...].shape[1] // 4)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -112,7 +112,7 @@ def test_orbax_restore_across_meshes(tmp_path):
   for other in (m1, m2):
     for x, y in zip(a, jax.tree.leaves(other.params)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  assert m2.module().layers[0].self_attn.q_proj.weight[...].sharding.spec == P("tp", None)
+  assert m2.module().layers[0].self_attn.qkv_proj.weight[...].sharding.spec == P(None, "tp", None)
   p = np.random.default_rng(2).integers(0, 500, (1, 9))
   np.testing.assert_array_equal(np.asarray(glm5_jax.forward(m1, p)), np.asarray(glm5_jax.forward(load(_ckpt()), p)))
 
