@@ -23,8 +23,8 @@ from flax import nnx
 from jax import lax
 
 from glm5_jax.config import Glm5Config
-from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, Linear, RMSNorm, kernel_enabled, mm, param,
-                             StackedLinear, rms_norm, topk_set_by_threshold)
+from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear, RMSNorm, kernel_enabled,
+                             param, StackedLinear, rms_norm, topk_set_by_threshold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,12 +149,11 @@ class KDA(nnx.Module):
     self.q_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
     self.k_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
     self.v_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
-    self.f_a_proj = Linear(D, r, dtype, (None, EMBED))
+    self.fg_a_proj = ConcatLinear(D, (r, r), dtype, (None, EMBED))  # f_a_proj and g_a_proj
     self.f_b_proj = Linear(r, HD, dtype, (KDA_HD, None))
     self.A_log = param((H,), jnp.float32, (KDA_H,))
     self.dt_bias = param((HD,), jnp.float32, (KDA_HD,))
     self.b_proj = Linear(D, H, dtype, (KDA_H, EMBED))
-    self.g_a_proj = Linear(D, r, dtype, (None, EMBED))
     self.g_b_proj = Linear(r, HD, dtype, (KDA_HD, None))
     self.o_norm = RMSNorm(Kd, dtype, cfg.rms_norm_eps)
     self.o_proj = Linear(HD, D, dtype, (EMBED, KDA_HD))
@@ -177,9 +176,10 @@ class KDA(nnx.Module):
     acc = sum(full[:, j:j + T] * w[:, j].astype(jnp.float32) for j in range(Kc))
     zc = jax.nn.silu(acc).astype(dtype).astype(jnp.float32)
     q, k, v = (a.reshape(B, T, H, Kd) for a in jnp.split(zc, 3, axis=-1))
-    f = self.f_b_proj(self.f_a_proj(x, dtype), dtype).astype(jnp.float32).reshape(B, T, H, Kd)
+    fa, ga = self.fg_a_proj(x, dtype)
+    f = self.f_b_proj(fa, dtype).astype(jnp.float32).reshape(B, T, H, Kd)
     b = self.b_proj(x, dtype).astype(jnp.float32)
-    gate = self.g_b_proj(self.g_a_proj(x, dtype), dtype).astype(jnp.float32).reshape(B, T, H, Kd)
+    gate = self.g_b_proj(ga, dtype).astype(jnp.float32).reshape(B, T, H, Kd)
     A_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, Kd)
     ssm = cache["ssm"]
     if ctx.mode == "verify":
@@ -208,24 +208,29 @@ class Indexer(nnx.Module):
   def __init__(self, cfg: Glm5Config, dtype):
     D, HI, Di = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
     self.wq_b = Linear(cfg.q_lora_rank, HI * Di, dtype, (None, None))
-    self.wk = Linear(D, Di, dtype, (None, EMBED))
-    self.weights_proj = Linear(D, HI, dtype, (None, EMBED))
+    # wk, index_kpool_compress_gate and weights_proj: the three matrices that read the layer input, in one GEMV
+    self.x_proj = ConcatLinear(D, (Di, Di, HI), dtype, (None, EMBED))
     self.k_norm_weight = param((Di,), dtype, (None,))
     self.k_norm_bias = param((Di,), dtype, (None,))
-    self.index_kpool_compress_gate = param((Di, D), dtype, (None, EMBED))
     self.index_kpool_compress_ape = param((cfg.index_kpool, Di), dtype, (None, None))
     self.n_heads, self.head_dim, self.kpool, self.top_pools = HI, Di, cfg.index_kpool, cfg.index_pools_topk
 
-  def keys(self, x, dtype):
-    """Per-token indexer key (LayerNorm'd, eps 1e-6) and pool gate score: [B, T, Di] each (f32)."""
-    kr = self.wk(x, dtype).astype(jnp.float32)
+  def project(self, x, dtype):
+    """x [B, T, D] -> (key pre-norm kr [B, T, Di], pool gate score γ [B, T, Di], head weights [B, T, HI]), in
+    dtype: the inputs of ``keys`` and ``scores``."""
+    return self.x_proj(x, dtype)
+
+  def keys(self, kr, gam):
+    """Per-token indexer key (LayerNorm'd, eps 1e-6) and pool gate score from ``project``: [B, T, Di] each
+    (f32)."""
+    dtype = kr.dtype
+    kr = kr.astype(jnp.float32)
     mu = jnp.mean(kr, -1, keepdims=True)
     var = jnp.mean(jnp.square(kr - mu), -1, keepdims=True)
     k = (kr - mu) * lax.rsqrt(var + 1e-6) * self.k_norm_weight[...].astype(jnp.float32) + \
         self.k_norm_bias[...].astype(jnp.float32)
     k = k.astype(dtype).astype(jnp.float32)
-    gam = mm(x, self.index_kpool_compress_gate[...], dtype).astype(jnp.float32)
-    return k, gam
+    return k, gam.astype(jnp.float32)
 
   def pool(self, k4, g4):
     """k4, g4 [..., kpool, Di] -> pooled key Σ_r softmax_r(γ + ape) k (per channel)."""
@@ -273,12 +278,13 @@ class Indexer(nnx.Module):
     ring_g = ring_g.at[bidx, slot].set(gam.astype(ring_g.dtype), mode="drop")
     return dict(out, ring_k=ring_k, ring_g=ring_g)
 
-  def scores(self, x, q_r, icache, pos, dtype):
-    """[B, T, P] = Σ_h (w_h · HI^-½) · ReLU(q_h·K_j · Di^-½) over every pool slot (masked by the caller).
-    With an FP8 pool cache: q and the keys are Hadamard-rotated and FP8 (UE8M0 scales), as vLLM scores them."""
-    B, T, _ = x.shape
+  def scores(self, hw, q_r, icache, pos, dtype):
+    """hw [B, T, HI] (the head weights from ``project``) -> [B, T, P] = Σ_h (w_h · HI^-½) · ReLU(q_h·K_j · Di^-½)
+    over every pool slot (masked by the caller). With an FP8 pool cache: q and the keys are Hadamard-rotated and
+    FP8 (UE8M0 scales), as vLLM scores them."""
+    B, T, _ = hw.shape
     qI = self.wq_b(q_r, dtype).astype(jnp.float32).reshape(B, T, self.n_heads, self.head_dim)
-    w = self.weights_proj(x, dtype).astype(jnp.float32) * (self.n_heads ** -0.5)
+    w = hw.astype(jnp.float32) * (self.n_heads ** -0.5)
     if "pool8" in icache:
       from pallas_kernels import indexer as ki  # noqa: PLC0415
       q8, qs = ki.quant_ue8m0_fp8(ki.hadamard128(qI))
@@ -357,10 +363,11 @@ class DSA(nnx.Module):
     else:
       lat = {"latent": _scatter_rows(cache["latent"], c, pos, ok)}
     with jax.named_scope("indexer"):
-      k, gam = self.indexer.keys(x, dtype)
+      kr, gam, hw = self.indexer.project(x, dtype)
+      k, gam = self.indexer.keys(kr, gam)
       icache = self.indexer.update(k, gam, cache, ctx, dtype)
       if shared is None:
-        sc = self.indexer.scores(x, q_r, icache, pos, dtype)
+        sc = self.indexer.scores(hw, q_r, icache, pos, dtype)
         idx, js = self.indexer.select(sc, pos)
       else:
         idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)

@@ -108,7 +108,8 @@ class SafetensorsIndex:
 # ---------------------------------------------------------------------------------------------------- names
 def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
   """Parameter path in Glm5Model -> (checkpoint name pattern, marker). Experts ('expert') use '{e}' in the name,
-  stacked linears ('stack': StackedLinear, one matrix per entry of STACKS) '{s}'."""
+  stacked linears ('stack': StackedLinear, one matrix per entry of STACKS) and concatenated ones
+  ('concat:NAME': ConcatLinear, the rows of the matrices CONCATS[NAME] one after another) '{s}'."""
   p = [str(x) for x in path]
   if p == ["embed_tokens"]:
     return "model.language_model.embed_tokens.weight", None
@@ -132,6 +133,8 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
     return prefix + ".".join(rest) + ".weight", None
   if rest[-2:] == ["qkv_proj", "weight"]:  # KDA q/k/v stacked in one weight (layers.StackedLinear)
     return prefix + ".".join(rest[:-2]) + ".{s}_proj.weight", "stack"
+  if len(rest) >= 2 and rest[-2] in CONCATS and rest[-1] == "weight":  # layers.ConcatLinear
+    return prefix + ".".join(rest[:-2]) + ".{s}", "concat:" + rest[-2]
   if len(rest) >= 2 and rest[-2] == "experts":  # stacked routed experts
     leaf = rest[-1]
     mat = leaf.replace("_scale", "_proj")
@@ -143,6 +146,9 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
 
 
 STACKS = {"stack": ("q", "k", "v")}  # the names a stacked weight's entries stand for, in order
+# ConcatLinear weights: the checkpoint matrices whose rows they hold, in order
+CONCATS = {"fg_a_proj": ("f_a_proj.weight", "g_a_proj.weight"),
+           "x_proj": ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight")}
 
 
 def _convert(x: np.ndarray, dtype) -> np.ndarray:
@@ -209,6 +215,23 @@ def load_params(path: str, *, dtype=None, mesh=None, progress: bool | None = Non
       def cb(idx, srcs=srcs, dt=aval.dtype):
         es = range(*idx[0].indices(len(srcs)))
         return np.stack([_convert(srcs[e](idx[1:]), dt) for e in es])
+    elif kind and kind.startswith("concat:"):
+      names = [name.format(s=s) for s in CONCATS[kind[7:]]]
+      whole_w = f"stored as one weight {list(aval.shape)} of the model"
+      for nm in names:
+        if nm not in index:
+          raise CheckpointError(f"missing tensor {nm!r}: expected [rows, {aval.shape[1]}], one of {names} {whole_w}")
+      rows = [index.entries[nm].shape[0] for nm in names]
+      if sum(rows) != aval.shape[0]:
+        raise CheckpointError(f"tensors {names} have {rows} rows, {sum(rows)} in all: expected {aval.shape[0]} "
+                              f"({whole_w})")
+      srcs = [_source(index, nm, (r, *aval.shape[1:]), aval.dtype, cfg) for nm, r in zip(names, rows)]
+      used.update(names)
+      used.update(nm + "_scale_inv" for nm in names if nm + "_scale_inv" in index)
+
+      def cb(idx, srcs=srcs, dt=aval.dtype):
+        whole = (slice(None),) + tuple(idx[1:])
+        return np.concatenate([_convert(s(whole), dt) for s in srcs])[idx[0]]
     else:
       src = _source(index, name, aval.shape, aval.dtype, cfg)
       used.add(name)

@@ -176,6 +176,25 @@ class Linear(nnx.Module):
     return mm(x, self.w(dtype), dtype)
 
 
+class ConcatLinear(Linear):
+  """Replicated linears on the same input stored as one weight [Σ outs, in] (BF16/F32): one GEMV instead of one
+  per matrix -> a tuple of outputs. Each matrix on its own was a separate XLA kernel of ~2 µs at decode (BENCHMARKS.md
+  session 20). Only for replicated outputs (a TP split of the concatenated rows would not give each device its
+  own rows of every matrix: sharded ones use StackedLinear). The checkpoint keeps the matrices under their own
+  names (``checkpoint.CONCATS``)."""
+
+  def __init__(self, n_in, outs: tuple[int, ...], dtype, axes):
+    if axes[0] is not None:
+      raise ValueError(f"ConcatLinear rows must be replicated, got axes {axes}")
+    super().__init__(n_in, sum(outs), dtype, axes)
+    self.outs = tuple(outs)
+
+  def __call__(self, x, dtype):
+    y = super().__call__(x, dtype)
+    cuts = [sum(self.outs[:i]) for i in range(1, len(self.outs))]
+    return tuple(jnp.split(y, cuts, axis=-1))
+
+
 class StackedLinear(nnx.Module):
   """S linears of the same shape on the same input, stored as one weight [S, out, in] (BF16/F32): one GEMV reads
   them in one pass -> y [..., S · out_local] (the S outputs side by side, each this device's shard). For the KDA

@@ -68,6 +68,7 @@ def _rewrite(path, drop=(), add=None, reshape=None):
 
 
 W = "model.language_model.layers.0.self_attn.q_proj.weight"
+WK = "model.language_model.layers.3.self_attn.indexer.wk.weight"  # one of three matrices held as one weight
 S = "model.language_model.layers.0.mlp.gate_proj.weight_scale_inv"
 
 
@@ -94,7 +95,10 @@ def _model_type(p):
     (_model_type, ValueError, "model_type='qwen3' is not supported"),
     (lambda p: _rewrite(p, add={W: np.ones((128, 256), np.int32)}), CheckpointError,
      rf"tensor '{W}' has dtype I32: expected a float tensor"),
-], ids=["missing", "shape", "extra", "fp8-without-scale", "truncated", "model-type", "dtype"])
+    (lambda p: _rewrite(p, drop=[WK]), CheckpointError, rf"missing tensor '{WK}': expected \[rows, 256\], one of"),
+    (lambda p: _rewrite(p, reshape=(WK, (8, 256))), CheckpointError, r"tensors \[.*wk.weight.*\] have \[8, "),
+], ids=["missing", "shape", "extra", "fp8-without-scale", "truncated", "model-type", "dtype", "concat-missing",
+        "concat-rows"])
 def test_loader_errors_name_the_tensor(tmp_path, mutate, exc, msg):
   p = _copy(tiny_checkpoint("oracle-tiny", 0, "fp8"), tmp_path / "ck")
   mutate(p)

@@ -32,7 +32,7 @@ def test_params_are_sharded_by_the_rules():
   kda = mod.layers[0].self_attn
   assert kda.qkv_proj.weight[...].sharding.spec == P(None, "tp", None)  # q, k, v stacked, each split on heads
   assert kda.o_proj.weight[...].sharding.spec == P(None, "tp")
-  assert kda.f_a_proj.weight[...].sharding.spec == P(None, None)  # replicated
+  assert kda.fg_a_proj.weight[...].sharding.spec == P(None, None)  # replicated (f_a and g_a rows)
   dsa = mod.layers[3].self_attn
   assert dsa.q_b_proj.weight[...].sharding.spec == P("tp", None)
   assert dsa.indexer.wq_b.weight[...].sharding.spec == P(None, None)
