@@ -145,7 +145,7 @@ class KDA(nnx.Module):
     D, H, Kd, r, Kc = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.kda_gate_rank, \
         cfg.linear_conv_kernel_dim
     HD = H * Kd
-    self.qkv_proj = StackedLinear(D, HD, ("q", "k", "v"), dtype, (KDA_HD, EMBED))  # q_proj, k_proj, v_proj
+    self.qkv_proj = StackedLinear(D, HD, 3, dtype, (KDA_HD, EMBED))  # q_proj, k_proj, v_proj
     self.q_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
     self.k_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
     self.v_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))

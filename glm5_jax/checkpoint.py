@@ -108,8 +108,9 @@ class SafetensorsIndex:
 # ---------------------------------------------------------------------------------------------------- names
 def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
   """Parameter path in Glm5Model -> (checkpoint name pattern, marker). Experts ('expert') use '{e}' in the name,
-  stacked linears ('stack': StackedLinear, one matrix per entry of STACKS) and concatenated ones
-  ('concat:NAME': ConcatLinear, the rows of the matrices CONCATS[NAME] one after another) '{s}'."""
+  stacked linears ('stack:NAME': StackedLinear, one matrix of STACKS[NAME] per entry of the leading axis) and
+  concatenated ones ('concat:NAME': ConcatLinear, the rows of the matrices CONCATS[NAME] one after another)
+  '{s}'."""
   p = [str(x) for x in path]
   if p == ["embed_tokens"]:
     return "model.language_model.embed_tokens.weight", None
@@ -131,8 +132,8 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
     return prefix + ".".join(rest[:-1] + ["k_norm", rest[-1][7:]]), None
   if rest[-1] in ("q_conv1d", "k_conv1d", "v_conv1d"):
     return prefix + ".".join(rest) + ".weight", None
-  if rest[-2:] == ["qkv_proj", "weight"]:  # KDA q/k/v stacked in one weight (layers.StackedLinear)
-    return prefix + ".".join(rest[:-2]) + ".{s}_proj.weight", "stack"
+  if len(rest) >= 2 and rest[-2] in STACKS and rest[-1] == "weight":  # layers.StackedLinear
+    return prefix + ".".join(rest[:-2]) + ".{s}", "stack:" + rest[-2]
   if len(rest) >= 2 and rest[-2] in CONCATS and rest[-1] == "weight":  # layers.ConcatLinear
     return prefix + ".".join(rest[:-2]) + ".{s}", "concat:" + rest[-2]
   if len(rest) >= 2 and rest[-2] == "experts":  # stacked routed experts
@@ -145,8 +146,8 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
   return prefix + ".".join(rest), None
 
 
-STACKS = {"stack": ("q", "k", "v")}  # the names a stacked weight's entries stand for, in order
-# ConcatLinear weights: the checkpoint matrices whose rows they hold, in order
+# StackedLinear / ConcatLinear weights: the checkpoint matrices they hold (as entries / as rows), in order
+STACKS = {"qkv_proj": ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
 CONCATS = {"fg_a_proj": ("f_a_proj.weight", "g_a_proj.weight"),
            "x_proj": ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight")}
 
@@ -204,12 +205,13 @@ def load_params(path: str, *, dtype=None, mesh=None, progress: bool | None = Non
     name, kind = hf_names(p, cfg)
     spec = shd.logical_to_spec(var.get_metadata()["axes"])
     sharding = NamedSharding(mesh, spec)
-    if kind in ("expert", "stack"):  # one checkpoint matrix per entry of the leading axis
-      names = ([name.format(e=e) for e in range(aval.shape[0])] if kind == "expert"
-               else [name.format(s=s) for s in STACKS[kind]])
+    stack = kind is not None and kind.startswith("stack:")
+    if kind == "expert" or stack:  # one checkpoint matrix per entry of the leading axis
+      names = ([name.format(s=s) for s in STACKS[kind[6:]]] if stack
+               else [name.format(e=e) for e in range(aval.shape[0])])
       srcs = [_source(index, nm, aval.shape[1:], aval.dtype, cfg) for nm in names]
       used.update(names)
-      if kind == "stack":  # (FP8 matrices the model keeps unquantised were dequantised with their scales)
+      if stack:  # (FP8 matrices the model keeps unquantised were dequantised with their scales)
         used.update(nm + "_scale_inv" for nm in names if nm + "_scale_inv" in index)
 
       def cb(idx, srcs=srcs, dt=aval.dtype):

@@ -168,12 +168,23 @@ class Linear(nnx.Module):
       from pallas_kernels import linear as kl  # noqa: PLC0415 (kernels only where the backend asks for them)
       return kl.fp8_linear(x.reshape(rows, n_in), self.weight[...], self.scale[...],
                            out_dtype=dtype).reshape(*x.shape[:-1], n_out)
-    if self.scale is None and kernel_enabled("bf16_linear", rows, fits=tiles and self.weight.dtype == jnp.bfloat16,
-                                             why=why if not tiles else f"{self.weight.dtype} weights (the kernel "
-                                                                        "streams bf16)"):
-      from pallas_kernels import linear as kl  # noqa: PLC0415
-      return kl.bf16_linear(x.reshape(rows, n_in), self.weight[...], out_dtype=dtype).reshape(*x.shape[:-1], n_out)
+    if self.scale is None:
+      return _dense(x, self.weight[...], dtype)
     return mm(x, self.w(dtype), dtype)
+
+
+def _dense(x, w, dtype):
+  """x [..., in] @ w[out, in]^T for an unquantised weight: the bf16 GEMV kernel where the policy runs it and the
+  shapes fit, else XLA (``mm``)."""
+  n_out, n_in = w.shape
+  rows = x.size // n_in
+  tiles = n_in % 128 == 0 and n_out % 64 == 0
+  why = (f"weight {n_out}x{n_in} (the kernels need in % 128 == 0 and out % 64 == 0)" if not tiles
+         else f"{w.dtype} weights (the kernel streams bf16)")
+  if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16, why=why):
+    from pallas_kernels import linear as kl  # noqa: PLC0415
+    return kl.bf16_linear(x.reshape(rows, n_in), w, out_dtype=dtype).reshape(*x.shape[:-1], n_out)
+  return mm(x, w, dtype)
 
 
 class ConcatLinear(Linear):
@@ -200,23 +211,14 @@ class StackedLinear(nnx.Module):
   them in one pass -> y [..., S · out_local] (the S outputs side by side, each this device's shard). For the KDA
   q/k/v projections: on the H200 XLA ran them as three 5.9 µs GEMVs (2.9 TB/s of 16.8 MB each, one TP4 rank)
   per layer, BENCHMARKS.md session 20. The checkpoint keeps the S matrices under their own names
-  (``checkpoint.hf_names``: the ``stack`` marker)."""
+  (``checkpoint.STACKS``)."""
 
-  def __init__(self, n_in, n_out, names: tuple[str, ...], dtype, axes):
-    self.names = tuple(names)
-    self.weight = param((len(names), n_out, n_in), dtype, (None, *axes))
+  def __init__(self, n_in, n_out, stack: int, dtype, axes):
+    self.weight = param((stack, n_out, n_in), dtype, (None, *axes))
 
   def __call__(self, x, dtype):
     S, n_out, n_in = self.weight.shape
-    w = self.weight[...].reshape(S * n_out, n_in)  # (the local shard is contiguous: a free reshape)
-    rows = x.size // n_in
-    tiles = n_in % 128 == 0 and (S * n_out) % 64 == 0
-    if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16,
-                      why=f"stacked weight {S}x{n_out}x{n_in} {w.dtype} (the kernel streams bf16 with in % 128 == 0 "
-                          "and out % 64 == 0)"):
-      from pallas_kernels import linear as kl  # noqa: PLC0415
-      return kl.bf16_linear(x.reshape(rows, n_in), w, out_dtype=dtype).reshape(*x.shape[:-1], S * n_out)
-    return mm(x, w, dtype)
+    return _dense(x, self.weight[...].reshape(S * n_out, n_in), dtype)  # (the local shard is contiguous)
 
 
 class RMSNorm(nnx.Module):
@@ -327,6 +329,13 @@ class MLP(nnx.Module):
     return lax.psum(self.partial(x, dtype), TP)
 
 
+def _order_key(v):
+  """v [..., N] -> int32 keys monotone in lax.top_k's total order of f32 bit patterns (NaN above +inf, -NaN
+  below -inf, +0 above -0)."""
+  bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+  return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
 def topk_by_rank(v, k: int):
   """lax.top_k(v, k)'s indices [..., k] int32 without a sort: each entry's rank = how many entries beat it (larger,
   or equal at a lower index — lax.top_k's order for ties), then the index of rank r for r < k. One compare-and-
@@ -335,8 +344,7 @@ def topk_by_rank(v, k: int):
   its total order of f32 bit patterns (NaN above +inf, -NaN below -inf, +0 above -0): the same selection for any
   input, NaN scores included (the NaN then reaches the output and the step flags the row)."""
   N = v.shape[-1]
-  bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
-  key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # monotone in the total order
+  key = _order_key(v)
   idx = jnp.arange(N, dtype=jnp.int32)
   ke, kj = key[..., :, None], key[..., None, :]  # [..., N (entry), N (rival)]
   beats = (kj > ke) | ((kj == ke) & (idx[None, :] < idx[:, None]))
@@ -353,16 +361,14 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8):
 
   1. The k-th largest key T, exactly, by radix selection on the 32-bit monotone key (``topk_by_rank``'s total
      order): 32 / digit_bits passes, each counting #{key >= t} for the 2^digit_bits candidate thresholds of the
-     next digit at once ([..., 256, N] compare-and-count: one reduction) and keeping the largest t with a
+     next digit at once ([..., 2^digit_bits, N] compare-and-count: one reduction) and keeping the largest t with a
      count >= k.
   2. Selected: key > T, and of the entries equal to T the first k - #{key > T} by index (lax.top_k's tie
      order); each one's slot = #{selected before it} from ONE prefix sum (the two prefix counts packed in one
      int32), then one scatter."""
   N = v.shape[-1]
   lead = v.shape[:-1]
-  bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
-  key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # monotone in the total order (signed)
-  u = lax.bitcast_convert_type(key, jnp.uint32) ^ jnp.uint32(0x80000000)  # the same order, unsigned
+  u = lax.bitcast_convert_type(_order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)  # the same order, unsigned
   kk = min(k, N)
   t = jnp.zeros(lead, jnp.uint32)  # invariant: #{u >= t} >= kk
   digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)

@@ -255,7 +255,7 @@ class Decoder:
     # not wait on its previous launch; kept for the experiment.
     self.executables = executables
     # pack_params > 0: parameters whose local shard is under this many bytes reach the step packed in one buffer
-    # per dtype (glm5_jax.param_packing): the one-rank step's 1,715 parameter arguments become ~950 at 64 KiB.
+    # per dtype (glm5_jax.param_packing): at 64 KiB the one-rank step's lowered arguments fell from 1,830 to 1,073.
     # The host parses every argument on every call (~1.3 µs each) and at B = 1 the step is host-bound; on by
     # default (param_packing.DEFAULT_BYTES), 0 turns it off.
     self.pack_params = int(pack_params)
@@ -449,6 +449,11 @@ class Decoder:
       if b not in self._aot:
         with self.kernel_mode():  # Mosaic lowering happens in lower(): keep interpret mode / kernels active
           self._aot[b] = self.trace_step(b).lower().compile(self.compiler_options or None)
+        # the small programs around each step (its output views; a caller's tokens written into io) compile
+        # here too, on an io laid out as the step returns it
+        io = jax.device_put(jnp.zeros((b, io_width(self.config.q)), jnp.int32), self._aot[b].output_shardings[-1])
+        _io_output(_io_set_tokens(io, jax.device_put(jnp.zeros((b, self.config.q), jnp.int32),
+                                                     NamedSharding(self.model.mesh, REP))))
       if self.executables > 1 and b not in self._copies:
         self._copies[b] = [self._aot[b], self._second_copy(b)]
 

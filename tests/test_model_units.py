@@ -211,7 +211,7 @@ def test_stacked_linear_equals_its_separate_linears_and_the_kernel():
   from glm5_jax.layers import StackedLinear, kernel_report, use_kernels  # noqa: PLC0415
   from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
   rng = np.random.default_rng()
-  lin = nnx.eval_shape(lambda: StackedLinear(256, 64, ("q", "k", "v"), jnp.bfloat16, (None, None)))
+  lin = nnx.eval_shape(lambda: StackedLinear(256, 64, 3, jnp.bfloat16, (None, None)))
   w = jnp.asarray(rng.standard_normal((3, 64, 256)) * 0.05, jnp.bfloat16)
   lin.weight.set_value(w)
   x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.bfloat16)
