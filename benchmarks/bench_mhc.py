@@ -35,8 +35,7 @@ def _site(seed):
   rng = np.random.default_rng(seed)
   hc = nnx.eval_shape(lambda: HyperConnection(cfg, jnp.bfloat16))
   hc.fn.set_value(jnp.asarray(rng.standard_normal((24, N * D)) * 0.02, jnp.bfloat16))
-  hc.base.set_value(jnp.asarray(rng.standard_normal(24), jnp.float32))
-  hc.scale.set_value(jnp.asarray(rng.uniform(0.5, 2, 3), jnp.float32))
+  hc.base_scale.set_value(jnp.asarray(np.concatenate([rng.standard_normal(24), rng.uniform(0.5, 2, 3)]), jnp.float32))
   norm = nnx.eval_shape(lambda: RMSNorm(D, jnp.bfloat16, cfg.rms_norm_eps))
   norm.weight.set_value(jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.bfloat16))
   return hc, norm
@@ -44,11 +43,10 @@ def _site(seed):
 
 def stock(hc, norm, X2, y, mix):
   M = X2.shape[0]
-  post, comb = HyperConnection.unpack(mix)
+  post, comb = HyperConnection.unpack(mix, (M,))
   Xn = HyperConnection.post(X2.reshape(M, N, D), y, post, comb)
   u, post, comb = hc.pre(Xn)
-  mix = jnp.concatenate([post, comb.reshape(M, 16), jnp.zeros((M, 12), jnp.float32)], -1)
-  return Xn.reshape(M, N * D), norm(u, jnp.bfloat16), mix
+  return Xn.reshape(M, N * D), norm(u, jnp.bfloat16), (jnp.pad(post, ((0, 0), (0, 4))), comb.reshape(M, 16))
 
 
 def fused(hc, norm, X2, y, mix):
@@ -71,10 +69,10 @@ def main(argv=None):
       X2 = jnp.asarray(rng.standard_normal((M, N * D)), jnp.bfloat16)
       y = jnp.asarray(rng.standard_normal((M, D)), jnp.bfloat16)
       c = rng.uniform(0, 1, (M, 4, 4))
-      mix = np.zeros((M, 32), np.float32)
-      mix[:, :4] = rng.uniform(0, 2, (M, 4))
-      mix[:, 4:20] = (c / c.sum(1, keepdims=True)).reshape(M, 16)
-      sets.append((X2, y, jnp.asarray(mix)))
+      post = np.zeros((M, 8), np.float32)
+      post[:, :4] = rng.uniform(0, 2, (M, 4))
+      comb = (c / c.sum(1, keepdims=True)).reshape(M, 16).astype(np.float32)
+      sets.append((X2, y, (jnp.asarray(post), jnp.asarray(comb))))
     floor = (2 * M * N * D * 2 + M * D * 2 * 2 + 24 * N * D * 2) / HBM_BPS * 1e6
     for name, f in (("stock", stock), ("fused", fused)):
       one = jax.jit(lambda X2, y, mix, f=f: f(hc, norm, X2, y, mix))

@@ -15,7 +15,7 @@
 #   trace   (nvidia-h200-x2): the whole one-rank step traced (wall vs GPU time: gaps, host events), ls on GPU 0 and
 #                             auto on GPU 1, then both at q = 4 with the per-component profile
 #   launch  (nvidia-h200-x2): mHC GPU tests + the CUDA-graph launch experiment (bench_graph_launch.py) on GPU 0;
-#                             the one-rank step with one vs two alternating executables, then mhc_mix, then auto
+#                             the one-rank step with one vs two alternating executables, then mhc_finish off, then auto
 #                             with one vs two executables, on GPU 1
 #   mosaic  (nvidia-h200-x2): is the host-bound launch the Mosaic custom calls inside the CUDA graph? GPU 0: the
 #                             one-rank step with the default command buffers, then with custom calls kept out of
@@ -31,6 +31,11 @@
 #   topk    (nvidia-h200):    the one-rank latency_specialized step at q = 1 with the indexer's top-k by radix
 #                             selection (policy indexer_topk) vs XLA's sort, profiled; then both at q = 4 if time
 #                             remains
+#   glue    (nvidia-h200):    the mHC GPU tests, then the one-rank latency_specialized step at q = 1 (defaults,
+#                             profiled, optimised HLO kept), the same with the indexer's top-k by radix selection, then
+#                             that at q = 4 if time remains
+#   q4      (nvidia-h200):    the mHC GPU tests, the one-rank latency_specialized step at q = 1 (defaults, profiled,
+#                             HLO kept), then q = 4 with the indexer's top-k by radix selection and without
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -115,7 +120,7 @@ case "$MODE" in
           | tee -a "$OUT/bench_bisect_$g.log"
       done
     }
-    ALL="kda fp8_linear fp8_moe indexer sparse_mla mhc mhc_mix router_topk"  # every policy switch: "none" = stock
+    ALL="kda fp8_linear fp8_moe indexer sparse_mla mhc router_topk indexer_topk"  # every policy switch: "none" = stock
     gpu_tests() {  # $1 = GPU
       for f in test_sparse_mla test_linear_kernels test_indexer; do
         CUDA_VISIBLE_DEVICES=$1 timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/$f.py 2>&1 \
@@ -217,7 +222,7 @@ case "$MODE" in
     ;;
   launch)  # (nvidia-h200-x2) is the one-rank step's host time the CUDA-graph launch? GPU 0: the mixing-in-kernel mHC
     # GPU tests, the synthetic launch experiment with and without command buffers; GPU 1: the whole one-rank step,
-    # one vs two alternating executables (optimised HLO kept), then with {"mhc_mix": true}, profiled
+    # one vs two alternating executables (optimised HLO kept), then with {"mhc_finish": false}, profiled
     (
       CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider \
         tests/test_mhc.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -40 >> "$OUT/gpu_tests.log"
@@ -231,7 +236,7 @@ case "$MODE" in
         --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 150 )) \
         --out "$OUT/decode_launch.jsonl" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_launch.log"; }
       lb --backend latency_specialized --executables 1 2 --hlo-dir "$OUT"
-      [ "$(left)" -gt 200 ] && lb --backend latency_specialized --policy '{"mhc_mix": true}' --profile
+      [ "$(left)" -gt 200 ] && lb --backend latency_specialized --policy '{"mhc_finish": false}' --profile
       [ "$(left)" -gt 200 ] && lb --backend auto --executables 1 2 --hlo-dir "$OUT"
     ) &
     wait
@@ -264,6 +269,28 @@ case "$MODE" in
     [ "$(left)" -gt 300 ] && tb --q 4 --policy '{"indexer_topk": true}'
     [ "$(left)" -gt 300 ] && tb --q 4
     ;;
+  glue)  # (nvidia-h200) see the header
+    timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_mhc.py 2>&1 \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee "$OUT/gpu_tests.log"
+    gb() { timeout $(( $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 \
+      --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 130 )) \
+      --backend latency_specialized --profile --out "$OUT/decode_glue.jsonl" "$@" 2>&1 \
+      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_glue.log"; }
+    gb --q 1 --hlo-dir "$OUT"
+    [ "$(left)" -gt 200 ] && gb --q 1 --policy '{"indexer_topk": true}'
+    [ "$(left)" -gt 260 ] && gb --q 4 --policy '{"indexer_topk": true}'
+    ;;
+  q4)  # (nvidia-h200) see the header
+    timeout 120 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_mhc.py 2>&1 \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee "$OUT/gpu_tests.log"
+    qb() { timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 \
+      --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
+      --backend latency_specialized --profile --out "$OUT/decode_q4.jsonl" "$@" 2>&1 \
+      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_q4.log"; }
+    qb --q 1 --hlo-dir "$OUT"
+    [ "$(left)" -gt 230 ] && qb --q 4 --policy '{"indexer_topk": true}'
+    [ "$(left)" -gt 200 ] && qb --q 4
+    ;;
   mosaic)  # (nvidia-h200-x2) see the header
     (
       lb() { CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
@@ -285,7 +312,7 @@ case "$MODE" in
     ) &
     wait
     ;;
-  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | bisect)"; exit 2 ;;
+  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | glue | q4 | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
 echo "total $(( $(date +%s) - t0 )) s"

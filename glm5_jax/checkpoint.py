@@ -125,6 +125,8 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
   else:
     raise AssertionError(path)
   if rest[0] in ("attn_hc", "ffn_hc"):
+    if rest[1] in CONCATS:  # base_scale: hc_*_base then hc_*_scale
+      return prefix + f"hc_{rest[0][:-3]}_" + "{s}", "concat:" + rest[1]
     return prefix + f"hc_{rest[0][:-3]}_{rest[1]}", None
   if rest == ["shared_head_norm", "weight"]:
     return prefix + "shared_head.norm.weight", None
@@ -149,7 +151,8 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
 # StackedLinear / ConcatLinear weights: the checkpoint matrices they hold (as entries / as rows), in order
 STACKS = {"qkv_proj": ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
 CONCATS = {"fg_a_proj": ("f_a_proj.weight", "g_a_proj.weight"),
-           "x_proj": ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight")}
+           "x_proj": ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight"),
+           "base_scale": ("base", "scale")}  # layers.HyperConnection (vectors, concatenated the same way)
 
 
 def _convert(x: np.ndarray, dtype) -> np.ndarray:
@@ -222,7 +225,8 @@ def load_params(path: str, *, dtype=None, mesh=None, progress: bool | None = Non
       whole_w = f"stored as one weight {list(aval.shape)} of the model"
       for nm in names:
         if nm not in index:
-          raise CheckpointError(f"missing tensor {nm!r}: expected [rows, {aval.shape[1]}], one of {names} {whole_w}")
+          raise CheckpointError(f"missing tensor {nm!r}: expected [{', '.join(['rows', *map(str, aval.shape[1:])])}], "
+                                f"one of {names} {whole_w}")
       rows = [index.entries[nm].shape[0] for nm in names]
       if sum(rows) != aval.shape[0]:
         raise CheckpointError(f"tensors {names} have {rows} rows, {sum(rows)} in all: expected {aval.shape[0]} "

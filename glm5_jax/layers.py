@@ -54,13 +54,10 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "bf16_linea
                    # pools takes ~58 µs per DSA layer on the H200 (BENCHMARKS.md session 20): off until the
                    # replacement is measured there
                    "indexer_topk": False,
-                   # the mHC mixing glue (sums -> Sinkhorn -> pre / post / comb, the variance) inside the finish
-                   # kernel (pallas_kernels/mhc.py mhc_mix_finish): ~7 -> 3 launches per boundary; off until it
-                   # has run natively on the H200
-                   "mhc_mix": False,
-                   # with mhc on: the boundary's last step (x_in = RMSNorm(Σ pre_i X'_i)) as the Mosaic finish
-                   # kernel (on) or as XLA fusions (off: 90 fewer Mosaic calls per step — each costs ~12.7 µs of
-                   # host time inside the CUDA graph, BENCHMARKS.md session 19 — for ~2 µs more GPU time each)
+                   # with mhc on: the boundary's last step (pre, post, 1/RMS from the summed partials, then
+                   # x_in = RMSNorm(Σ pre_i X'_i)) as the Mosaic finish kernel (on) or as XLA fusions (off: 90
+                   # fewer Mosaic calls per step — each costs ~12.7 µs of host time inside the CUDA graph,
+                   # BENCHMARKS.md session 19 — for more GPU time)
                    "mhc_finish": True}
 
 
@@ -236,7 +233,13 @@ def hc_mix(m, scale, base, n, iters, eps, post_mult):
   post [..., n], comb [..., n, n]) with comb Sinkhorn-normalised (the softmax is the first row normalisation)."""
   pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + eps
   post = post_mult * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
-  c = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
+  return pre, post, sinkhorn_comb(m[..., 2 * n:], scale[2], base[2 * n:], n, iters, eps)
+
+
+def sinkhorn_comb(mc, scale, base, n, iters, eps):
+  """Spec §3.2 step 6: comb logits mc [..., n·n] (normalised, before the site's scale / base) -> comb
+  [..., n, n]: a row softmax, then iters alternating column / row normalisations (the first column one here)."""
+  c = (mc * scale + base).reshape(*mc.shape[:-1], n, n)
   c = jax.nn.softmax(c, axis=-1) + eps
   c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
@@ -246,7 +249,7 @@ def hc_mix(m, scale, base, n, iters, eps, post_mult):
 
   # Unrolled on accelerators (the 19 tiny steps fuse into one kernel; a loop costs ~10 µs per iteration
   # there); rolled on CPU, where unrolling 90 sites doubles XLA's compile time for the same result.
-  return pre, post, lax.fori_loop(0, iters - 1, sinkhorn, c, unroll=jax.default_backend() != "cpu")
+  return lax.fori_loop(0, iters - 1, sinkhorn, c, unroll=jax.default_backend() != "cpu")
 
 
 class HyperConnection(nnx.Module):
@@ -254,13 +257,23 @@ class HyperConnection(nnx.Module):
 
   def __init__(self, cfg: Glm5Config, dtype):
     self.fn = param((cfg.hc_mix, cfg.hc_dim), dtype, (None, None))
-    self.base = param((cfg.hc_mix,), jnp.float32, (None,))
-    self.scale = param((3,), jnp.float32, (None,))
+    # the checkpoint's base [24] and scale [3] (hc_*_base, hc_*_scale) in one vector: the fused boundary's finish
+    # kernel reads both, and XLA copies every small parameter slice but one per kernel call out of the packed
+    # parameter buffer (~1 µs each: 180 per step on the H200 with two, BENCHMARKS.md session 21)
+    self.base_scale = param((cfg.hc_mix + 3,), jnp.float32, (None,))
     self.n, self.iters, self.eps, self.norm_eps, self.post_mult = (
         cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_post_mult)
 
+  @property
+  def base(self):
+    return self.base_scale[...][:-3]
+
+  @property
+  def scale(self):
+    return self.base_scale[...][-3:]
+
   def mix(self, m):
-    return hc_mix(m, self.scale[...], self.base[...], self.n, self.iters, self.eps, self.post_mult)
+    return hc_mix(m, self.scale, self.base, self.n, self.iters, self.eps, self.post_mult)
 
   def pre(self, X):
     """X [B, T, N, D] -> (u [B, T, D] in X's dtype, post [B, T, N] f32, comb [B, T, N, N] f32)."""
@@ -281,32 +294,31 @@ class HyperConnection(nnx.Module):
   # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)
   def fused(self, X2, pending, norm: "RMSNorm"):
     """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
-    RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix [M, 32]) of the
-    previous sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u),
-    mix [M, 32] = this site's post and comb, packed for the next boundary). Rows beyond 64 go in chunks."""
+    RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix) of the previous
+    sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post
+    [M, 8], comb [M, N·N]) f32: this site's post and comb for the next boundary). Rows beyond 64 go in chunks."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M = X2.shape[0]
     if M > km.ROWS:
-      parts = [self.fused(X2[i:i + km.ROWS], None if pending is None else
-                          (pending[0][i:i + km.ROWS], pending[1][i:i + km.ROWS]), norm)
+      parts = [self.fused(X2[i:i + km.ROWS], jax.tree.map(lambda a, i=i: a[i:i + km.ROWS], pending), norm)
                for i in range(0, M, km.ROWS)]
-      return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts))
+      return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *parts)
     y, mix = pending if pending is not None else (None, None)
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None)
-    tot = jnp.sum(part[:, :M], axis=0)  # [M, 40]: one reduction over the column chunks
-    consts = dict(iters=self.iters, eps=self.eps, hc_norm_eps=self.norm_eps, norm_eps=norm.eps,
-                  post_mult=self.post_mult)
-    if kernel_enabled("mhc_mix"):  # the mixing glue inside the finish kernel
-      x_in, mix = km.mhc_mix_finish(Xn, tot, self.base[...], self.scale[...], norm.weight[...], **consts)
-      return Xn, x_in, mix
-    pre_r, mix = km.mhc_mix_reference(tot, self.base[...], self.scale[...], X2.shape[1] // self.n, **consts)
+    # one reduction over the column chunks (all 64 rows: the finish kernel takes the sums transposed, one row per
+    # quantity; rows M.. are padding it never stores)
+    tot = jnp.sum(part, axis=0)  # [64, 40]
+    coef, D = self.base_scale[...], X2.shape[1] // self.n
+    comb = km.mhc_comb(tot[:M], coef, D, iters=self.iters, eps=self.eps, hc_norm_eps=self.norm_eps)
     finish = km.mhc_finish if kernel_enabled("mhc_finish") else km.mhc_finish_reference
-    return Xn, finish(Xn, pre_r, norm.weight[...]), mix
+    x_in, post = finish(Xn, tot.T, coef, norm.weight[...], eps=self.eps, hc_norm_eps=self.norm_eps,
+                        norm_eps=norm.eps, post_mult=self.post_mult)
+    return Xn, x_in, (post, comb)
 
   @staticmethod
-  def unpack(mix, n=4):
-    """mix [..., 32] -> (post [..., n], comb [..., n, n])."""
-    return mix[..., :n], mix[..., n:n + n * n].reshape(*mix.shape[:-1], n, n)
+  def unpack(mix, lead, n=4):
+    """mix = (post [M, 8], comb [M, n·n]) of ``fused`` -> (post [*lead, n], comb [*lead, n, n])."""
+    return mix[0][:, :n].reshape(*lead, n), mix[1].reshape(*lead, n, n)
 
 
 # ---------------------------------------------------------------------------------------------------- MLPs

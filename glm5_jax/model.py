@@ -185,7 +185,7 @@ class Glm5Model(nnx.Module):
         new.append(cache)
         aux.append(a)
       with jax.named_scope("mhc"):  # the last sublayer's post has no next site to fuse with
-        post, comb = HyperConnection.unpack(pending[1].reshape(B, T, -1))
+        post, comb = HyperConnection.unpack(pending[1], (B, T))
         X = HyperConnection.post(X2.reshape(X.shape), pending[0].reshape(B, T, -1), post, comb)
     else:
       for layer, cache in zip(self.layers, caches):

@@ -1,9 +1,10 @@
 """Small parameters packed into one flat buffer per dtype: fewer arguments for the jitted decode step.
 
-Why: the one-rank step of the real geometry has 1,855 arguments (1,715 parameters); on the H200 the host spends
+Why: the one-rank step of the real geometry had 1,855 arguments (1,715 parameters; 1,499 since the stacked and
+concatenated projections of sessions 20-21); on the H200 the host spends
 ~1.3 µs per argument per call parsing and checking them (jax.profiler trace, BENCHMARKS.md session 18/19), and at
-B = 1 the step is host-bound. 769 of the parameters are under 64 KiB (norm weights, biases, FP8 block scales,
-mHC / KDA vectors: 4.7 MB together). Packing them turns 769 arguments into 2; the step slices them back out.
+B = 1 the step is host-bound. 679 of the parameters are under 64 KiB (norm weights, biases, FP8 block scales,
+mHC / KDA vectors: 4.7 MB together). Packing them turns 679 arguments into 2; the step slices them back out.
 
 Layout: for every dtype, a global array [tp, N] sharded P("tp") whose row r holds device r's local shards of the
 packed leaves, flattened, each starting at a multiple of ALIGN bytes (Mosaic GPU kernels need 16-byte aligned
@@ -36,7 +37,7 @@ DEFAULT_BYTES = 1 << 16
 class PackLayout:
   """Static description of which parameter leaves are packed where. Compared and hashed by identity: it is part
   of the step's compile-cache key, looked up on every step, and the model keeps one per threshold
-  (Model.pack_layout) — hashing 1,715 specs per step would be host time on the hot path.
+  (Model.pack_layout) — hashing 1,499 specs per step would be host time on the hot path.
 
   treedef: the params tree; specs: every leaf's PartitionSpec (flattened); big: indices of the leaves passed as
   themselves; small: (leaf index, dtype name, offset in elements, local shape) per packed leaf; sizes: elements

@@ -68,7 +68,7 @@ def random_model(cfg: Glm5Config, *, dtype=jnp.bfloat16, fp8: bool = True, mesh=
       kind = "scale"
     elif "norm" in name or path[-1] in ("k_norm_weight",):
       kind = "norm"
-    elif path[-1] in ("A_log", "dt_bias", "base", "e_score_correction_bias", "k_norm_bias",
+    elif path[-1] in ("A_log", "dt_bias", "base_scale", "e_score_correction_bias", "k_norm_bias",
                       "index_kpool_compress_ape") or (path[-1] == "scale" and len(aval.shape) == 1):
       kind = "neg"
     else:

@@ -128,7 +128,7 @@ for r in runs:  # against the program without Mosaic calls measured in the same 
 # latency_specialized backend could run: whether it does, and why not. Tracing needs no weights and no GPU:
 # abstract parameters of one TP4 rank of the real model are enough (`glm5-jax check-deployment --kernels` prints
 # the same). The fused mHC boundary (policy knob `mhc`, on by default) is one decision for the whole trunk: its
-# one site stands for all 90 boundaries; `mhc_mix` (the mixing glue inside the finish kernel) is decided at each
+# one site stands for all 90 boundaries; `mhc_finish` (the boundary's last step as a kernel) is decided at each
 # boundary.
 
 # %%
@@ -137,13 +137,13 @@ from glm5_jax.synthetic import abstract_model, tp_rank_config
 
 rank, params = abstract_model(tp_rank_config(C.real(), 4))
 sites = {}
-for label, policy in (("default", ()), ("mhc_mix on", (("mhc_mix", True),))):
+for label, policy in (("default", ()), ("mhc_finish off", (("mhc_finish", False),))):
   dec = Decoder(rank, DecodeConfig(max_context=32768, q=4, capture_sizes=(1,), policy=policy),
                 backend="latency_specialized")
   with dec.kernel_mode(interpret=False):
     dec.trace_step(1, params, interpret=False)
   sites[label] = dec.kernel_sites(1)
-names = sorted(set().union(*sites.values()))  # (with mhc_mix on, no boundary asks for mhc_finish)
+names = sorted(set().union(*sites.values()))
 plt.figure(figsize=(8, 3))
 for j, label in enumerate(sites):
   plt.bar([i + 0.4 * j for i in range(len(names))], [sites[label].get(n, {"sites": 0})["sites"] for n in names], width=0.4,

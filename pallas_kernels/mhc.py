@@ -2,27 +2,30 @@
 
 Shapes: M token rows (B · T) per launch, at most 64; N = 4 residual streams; D hidden (4096); K = N · D (16384)
 the flattened streams; G = D / 64 column chunks (one CTA each). The residual is kept as X [M, N·D] bf16
-(stream-major, the spec's flatten order). ``mix`` [M, 32] f32 packs a site's post [4] and comb [4, 4]
-(row-major, comb[i, j] at 4 + 4i + j) for the *next* boundary; ``pre_r`` [M, 8] f32 packs pre [4] and the
-RMSNorm reciprocal r at column 4.
+(stream-major, the spec's flatten order). A site hands the *next* boundary ``mix`` = (post [M, 8] f32: its post in
+columns 0..3, comb [M, N·N] f32: its Sinkhorn-normalised comb, row-major, comb[i, j] at N·i + j).
 
 A boundary between sublayers (the post of one site fused with the pre of the next, as vLLM's
-``MHCFusedPostPreOp``) is three launches instead of ~11 XLA kernels:
+``MHCFusedPostPreOp``) is two Mosaic launches and two XLA kernels instead of ~11 XLA kernels:
 
 1. ``mhc_post_pre`` (kernel, G CTAs): for its 64 columns of every stream, X'_j = post_j · y + Σ_i comb[i, j] · X_i
    in f32, rounded to bf16 (skipped at the first site, which has no previous sublayer: X' = X); the partial
    mixing logits part[g, :, :24] = X'_chunk · fn_chunkᵀ (bf16 × bf16 wgmma, f32 accumulation: the products are
    exact, as in the f32 reference) and the partial Gram matrix of the four streams part[g, :, 24 + k] =
    Σ_d X'_i[d] X'_j[d] for the k-th pair i <= j — one array, so that one XLA reduction sums the G partials
-   (f32, on the CUDA cores).
-2. ``mhc_mix`` (XLA, one or two fusions): sums the G partials; ‖x‖² is the Gram trace, so
-   m = (fn · x) · rsqrt(mean(x²) + eps); pre, post and the Sinkhorn-normalised comb (``glm5_jax.layers.hc_mix``);
-   and the variance of the sublayer input u = Σ_i pre_i X'_i from the Gram matrix, mean(u²) = preᵀ Gram pre / D
-   — the variance of the f32 u, as vLLM's fused kernel computes it (HF takes it from the bf16-rounded u).
-3. ``mhc_finish`` (kernel, D / 128 CTAs): x_in = w · bf16(bf16(u) · r), the weighted RMSNorm of the sublayer
-   input, with the stock path's rounding points.
+   (f32, on the CUDA cores) into tot [64, 40] (rows M.. padding).
+2. ``mhc_comb`` (XLA, one fusion): ‖x‖² is the Gram trace, so m = (fn · x) · rsqrt(mean(x²) + eps); the comb
+   logits' softmax and 20 Sinkhorn iterations (``glm5_jax.layers.sinkhorn_comb``) — serial divisions that cost
+   63 µs per call inside a kernel's warpgroup (BENCHMARKS.md session 19) and ~3.6 µs as XLA's fusion.
+3. ``mhc_finish`` (kernel, D / 128 CTAs): from tot (transposed: one row per quantity), per row, pre and post (two sigmoids of the scaled logits) and
+   the variance of the sublayer input u = Σ_i pre_i X'_i from the Gram matrix, mean(u²) = preᵀ Gram pre / D —
+   the variance of the f32 u, as vLLM's fused kernel computes it (HF takes it from the bf16-rounded u); then
+   x_in = w · bf16(bf16(u) · rinv), the weighted RMSNorm of the sublayer input with the stock path's rounding
+   points; CTA 0 also stores post. (Computing pre / post here rather than in XLA removed three XLA kernels per
+   boundary: the logits' scaling, which fed two consumers, and the two packing concatenations.)
 
-References with the same signatures: ``mhc_post_pre_reference`` and ``mhc_finish_reference`` (pure jnp, f32).
+References with the same signatures: ``mhc_post_pre_reference`` and ``mhc_finish_reference`` (pure jnp, f32; the
+latter on ``mhc_mix_reference``: the site's mixing from tot with the stock path's ``hc_mix``).
 
 Kernel notes: the token rows are the wgmma M dimension (64, rows past M are never stored), so per-token values
 (post, comb, pre, r) are per-row vectors broadcast along the columns. Inputs arrive by TMA boxes of M rows into
@@ -63,8 +66,8 @@ def _check(x, D, what):
 
 # ------------------------------------------------------------------------------------------------ references
 def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
-  """X [M, N·D] bf16 residual, y [M, D] bf16 sublayer output, mix [M, 32] f32 (post, comb of the previous site),
-  fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40] f32: per column chunk the 24 partial mixing logits
+  """X [M, N·D] bf16 residual, y [M, D] bf16 sublayer output, mix = (post [M, 8], comb [M, N·N]) f32 of the
+  previous site (``mhc_finish``'s post, ``mhc_comb``'s comb), fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40] f32: per column chunk the 24 partial mixing logits
   then the 10 partial Gram entries, 6 columns of padding). ``first``: no previous sublayer (y and mix are
   ignored, X' = X). Rows M.. of part are padding (unspecified)."""
   M, K = X.shape
@@ -74,7 +77,7 @@ def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
   if first:
     Xn = Xs.astype(jnp.bfloat16)
   else:
-    post, comb = mix[:, :N], mix[:, N:N + N * N].reshape(M, N, N)
+    post, comb = mix[0][:, :N], mix[1].reshape(M, N, N)
     s = comb[:, 0, :, None] * Xs[:, :1]  # Σ_i comb[i, j] X_i summed in order i = 0..3, then + post_j · y
     for i in range(1, N):
       s = s + comb[:, i, :, None] * Xs[:, i:i + 1]
@@ -89,51 +92,64 @@ def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
   return Xn.reshape(M, K), jnp.pad(part, pad)
 
 
-def mhc_finish_reference(Xn, pre_r, w):
-  """Xn [M, N·D] bf16, pre_r [M, 8] f32 (pre [4], r), w [D] -> x_in [M, D] bf16 = w · bf16(bf16(u) · r),
-  u = Σ_i pre_i · X'_i in f32 (the stock path's RMSNorm rounding, with r given)."""
-  M, K = Xn.shape
-  D = K // N
-  u = jnp.einsum("mn,mnd->md", pre_r[:, :N], Xn.astype(jnp.float32).reshape(M, N, D),
-                 precision=lax.Precision.HIGHEST)
-  xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * pre_r[:, N:N + 1]).astype(jnp.bfloat16)
-  return w.astype(jnp.bfloat16) * xn
-
-
-def mhc_mix_reference(tot, base, scale, D: int, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
+def mhc_mix_reference(tot, coef, D: int, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
                       post_mult: float):
-  """Step 2 of a boundary (the XLA glue): tot [M, 40] f32 = the partials of ``mhc_post_pre`` summed over the
-  column chunks, base [24] / scale [3] the site's mHC parameters -> (pre_r [M, 8] f32: pre, 1/RMS of u at column
-  N; mix [M, 32] f32: post, comb). ‖x‖² = Gram trace; mean(u²) = preᵀ Gram pre / D (clamped at 0: it can round
-  below where the weighted streams nearly cancel), the variance of the f32 u as vLLM's fused kernel takes it."""
+  """The site's mixing from the summed partials (the math every path of a boundary follows): tot [M, 40] f32 =
+  the partials of ``mhc_post_pre`` summed over the column chunks, coef [27] f32 the site's mHC base [24] then
+  scale [3] (``HyperConnection.base_scale``) -> (pre [M, N], rinv [M] = 1/RMS of the sublayer input u, post [M, N], comb [M, N, N] Sinkhorn-normalised).
+  ‖x‖² = Gram trace; mean(u²) = preᵀ Gram pre / D (clamped at 0: it can round below where the weighted streams
+  nearly cancel), the variance of the f32 u as vLLM's fused kernel takes it."""
   from glm5_jax.layers import hc_mix  # noqa: PLC0415 (the stock path's mixing math: one definition)
-  M = tot.shape[0]
-  S, gp = tot[:, :MIX], tot[:, MIX:]
-  idx = {p: k for k, p in enumerate(_PAIRS)}
-  gram = jnp.stack([jnp.stack([gp[:, idx[min(i, j), max(i, j)]] for j in range(N)], -1) for i in range(N)], -2)
+  base, scale = coef[:MIX], coef[MIX:]
+  S, gram = tot[:, :MIX], _gram(tot)
   ss = sum(gram[:, i, i] for i in range(N))
   pre, post, comb = hc_mix(S * lax.rsqrt(ss / (N * D) + hc_norm_eps)[:, None], scale, base, N, iters, eps, post_mult)
   # (an elementwise sum, not an einsum: XLA keeps it in the glue's one fusion instead of a tiny dot kernel)
   var = jnp.maximum(jnp.sum(pre[:, :, None] * gram * pre[:, None, :], axis=(1, 2)) / D, 0.0)
-  z = jnp.zeros((M, 8 - N - 1), jnp.float32)
-  pre_r = jnp.concatenate([pre, lax.rsqrt(var + norm_eps)[:, None], z], axis=-1)
-  mix = jnp.concatenate([post, comb.reshape(M, N * N), jnp.zeros((M, 32 - N - N * N), jnp.float32)], axis=-1)
-  return pre_r, mix
+  return pre, lax.rsqrt(var + norm_eps), post, comb
 
 
-def mhc_mix_finish_reference(Xn, tot, base, scale, w, **consts):
-  """Steps 2 + 3 of a boundary: Xn [M, N·D] bf16, tot [M, 40] f32, base [24], scale [3], w [D] -> (x_in [M, D]
-  bf16, mix [M, 32] f32). ``consts``: iters, eps, hc_norm_eps, norm_eps, post_mult (HyperConnection's)."""
-  pre_r, mix = mhc_mix_reference(tot, base, scale, Xn.shape[1] // N, **consts)
-  return mhc_finish_reference(Xn, pre_r, w), mix
+def _gram(tot):
+  """tot [M, 40] -> the symmetric Gram matrix of the four streams [M, N, N]."""
+  idx = {p: k for k, p in enumerate(_PAIRS)}
+  gp = tot[:, MIX:]
+  return jnp.stack([jnp.stack([gp[:, idx[min(i, j), max(i, j)]] for j in range(N)], -1) for i in range(N)], -2)
+
+
+def mhc_comb(tot, coef, D: int, *, iters: int, eps: float, hc_norm_eps: float):
+  """The one part of a boundary left to XLA: comb [M, N·N] f32 (row-major comb[i, j] at N·i + j), the Sinkhorn of
+  the site's comb logits, from the summed partials tot [M, 40]. Only comb's logits are scaled here, so XLA fuses
+  the scaling into the Sinkhorn's kernel (pre, rinv and post are computed in ``mhc_finish``)."""
+  from glm5_jax.layers import sinkhorn_comb  # noqa: PLC0415
+  gram = _gram(tot)
+  ss = sum(gram[:, i, i] for i in range(N))
+  mc = tot[:, 2 * N:MIX] * lax.rsqrt(ss / (N * D) + hc_norm_eps)[:, None]
+  return sinkhorn_comb(mc, coef[MIX + 2], coef[2 * N:MIX], N, iters, eps).reshape(-1, N * N)
+
+
+def mhc_finish_reference(Xn, tot_t, coef, w, *, eps: float, hc_norm_eps: float, norm_eps: float,
+                         post_mult: float):
+  """Xn [M, N·D] bf16 (X' of ``mhc_post_pre``), tot_t [40, 64] f32 (its partials summed over the column chunks,
+  transposed: column m is token row m; columns M.. are padding), coef [27] (base, scale), w [D] -> (x_in [M, D]
+  bf16 = w · bf16(bf16(u) · rinv), post [M, 8] f32: this site's post in columns 0..3, zeros after).
+  u = Σ_i pre_i · X'_i in f32 (the stock path's RMSNorm rounding, with rinv from the Gram matrix)."""
+  M, K = Xn.shape
+  D = K // N
+  tot = tot_t[:, :M].T
+  pre, rinv, post, _ = mhc_mix_reference(tot, coef, D, iters=1, eps=eps, hc_norm_eps=hc_norm_eps,
+                                         norm_eps=norm_eps, post_mult=post_mult)
+  u = jnp.einsum("mn,mnd->md", pre, Xn.astype(jnp.float32).reshape(M, N, D), precision=lax.Precision.HIGHEST)
+  xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * rinv[:, None]).astype(jnp.bfloat16)
+  return w.astype(jnp.bfloat16) * xn, jnp.pad(post, ((0, 0), (0, 8 - N)))
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-def _row_vectors(tile, count):
-  """[64, C] f32 tile (WGMMA layout) -> its first ``count`` columns as per-row vectors [64] (a masked row sum:
-  no value transpose needed)."""
+def _row_vectors(tile, cols):
+  """[64, C] f32 tile (WGMMA layout) -> the columns ``cols`` (an int: the first ``cols``) as per-row vectors [64]
+  (a masked row sum: no value transpose needed)."""
   col = plgpu.broadcasted_iota(jnp.int32, tile.shape, 1, layout=_L.WGMMA)
-  return [plgpu.layout_cast(jnp.where(col == k, tile, 0.0).sum(axis=1), _L.WGMMA.reduce(1)) for k in range(count)]
+  cols = range(cols) if isinstance(cols, int) else cols
+  return [plgpu.layout_cast(jnp.where(col == k, tile, 0.0).sum(axis=1), _L.WGMMA.reduce(1)) for k in cols]
 
 
 def _bcast(v, cols):
@@ -145,7 +161,7 @@ def _post_pre_kernel(M: int, D: int, first: bool):
     if first:  # no previous sublayer: X' = X, nothing to mix or store
       x_g, fn_g, part_g, x_s, fn_s, xw_s, bar = refs
     else:
-      x_g, y_g, mix_g, fn_g, xo_g, part_g, x_s, y_s, mix_s, fn_s, xw_s, xu_s, bar = refs
+      x_g, y_g, post_g, comb_g, fn_g, xo_g, part_g, x_s, y_s, post_s, comb_s, fn_s, xw_s, xu_s, bar = refs
     g = lax.axis_index("g")
     d0 = g * DC
     for i in range(N):
@@ -153,15 +169,16 @@ def _post_pre_kernel(M: int, D: int, first: bool):
       plgpu.copy_gmem_to_smem(fn_g.at[:, pl.ds(i * D + d0, DC)], fn_s.at[i], bar)
     if not first:
       plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, M), pl.ds(d0, DC)], y_s.at[pl.ds(0, M)], bar)
-      plgpu.copy_gmem_to_smem(mix_g.at[pl.ds(0, M)], mix_s.at[pl.ds(0, M)], bar)
+      plgpu.copy_gmem_to_smem(post_g.at[pl.ds(0, M)], post_s.at[pl.ds(0, M)], bar)
+      plgpu.copy_gmem_to_smem(comb_g.at[pl.ds(0, M)], comb_s.at[pl.ds(0, M)], bar)
     plgpu.barrier_wait(bar)
 
     xs = [plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32) for i in range(N)]
     if first:
       xn = xs  # bf16 values already
     else:
-      mixv = _row_vectors(plgpu.load(mix_s, layout=_L.WGMMA, optimized=False), N + N * N)
-      post, comb = mixv[:N], mixv[N:]
+      post = _row_vectors(plgpu.load(post_s, layout=_L.WGMMA, optimized=False), N)
+      comb = _row_vectors(plgpu.load(comb_s, layout=_L.WGMMA, optimized=False), N * N)
       yv = plgpu.load(y_s, layout=_L.WGMMA, optimized=False).astype(jnp.float32)
       xn = []
       for j in range(N):
@@ -223,12 +240,17 @@ def mhc_post_pre(X, y, mix, fn, *, first: bool = False):
       scratch_types=[
           x_s,
           plgpu.SMEM((ROWS, DC), bf16),  # y_s
-          plgpu.SMEM((ROWS, 32), f32),  # mix_s
+          plgpu.SMEM((ROWS, 8), f32),  # post_s
+          plgpu.SMEM((ROWS, N * N), f32),  # comb_s
           fn_s, xw_s,
           plgpu.SMEM((N, ROWS, DC), bf16),  # xu_s: X' untiled, for the TMA store of M rows
-          plgpu.Barrier(num_arrivals=2 * N + 2),
+          plgpu.Barrier(num_arrivals=2 * N + 3),
       ])
-  return kern(X, y.astype(bf16), mix.astype(f32), fn.astype(bf16))
+  post, comb = mix
+  if post.shape != (M, 8) or comb.shape != (M, N * N):
+    raise ValueError(f"mhc_post_pre: mix = (post {post.shape}, comb {comb.shape}), expected "
+                     f"({(M, 8)}, {(M, N * N)})")
+  return kern(X, y.astype(bf16), post.astype(f32), comb.astype(f32), fn.astype(bf16))
 
 
 def _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0):
@@ -252,81 +274,30 @@ def _load_streams(x_g, x_s, bar, M, D):
   return d0
 
 
-def _finish_kernel(M: int, D: int):
-  def body(x_g, pr_g, w_g, o_g, x_s, pr_s, w_s, o_s, bar):
-    d0 = _load_streams(x_g, x_s, bar, M, D)
-    plgpu.copy_gmem_to_smem(pr_g.at[pl.ds(0, M)], pr_s.at[pl.ds(0, M)], bar)
-    plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, DC_FIN)], w_s, bar)
-    plgpu.barrier_wait(bar)
-    prv = _row_vectors(plgpu.load(pr_s, layout=_L.WGMMA, optimized=False), N + 1)
-    _normed_input(x_s, w_s, o_s, o_g, prv[:N], prv[N], M, d0)
-    plgpu.wait_smem_to_gmem(0)
-
-  return body
-
-
-@kernel_entry()
-def mhc_finish(Xn, pre_r, w):
-  """Mosaic GPU version of ``mhc_finish_reference``."""
-  M, K = Xn.shape
-  D = K // N
-  _check(Xn, D, "mhc_finish")
-  bf16 = jnp.bfloat16
-  kern = plgpu.kernel(
-      _finish_kernel(M, D),
-      out_type=jax.ShapeDtypeStruct((M, D), bf16),
-      scratch_types=[
-          plgpu.SMEM((N, ROWS, DC_FIN), bf16),  # x_s
-          plgpu.SMEM((ROWS, 8), jnp.float32),  # pr_s
-          plgpu.SMEM((DC_FIN,), bf16),  # w_s
-          plgpu.SMEM((ROWS, DC_FIN), bf16),  # o_s
-          plgpu.Barrier(num_arrivals=N + 2),
-      ],
-      grid=(D // DC_FIN,),
-      grid_names=("g",),
-      kernel_name="glm5_mhc_finish",
-  )
-  return kern(Xn, pre_r.astype(jnp.float32), w.astype(bf16))
-
-
-def _mix_finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
-                       post_mult: float):
-  """Each CTA recomputes the site's mixing (a few hundred flops per row, on per-row vectors) from the summed
-  partials, then Σ pre_i X'_i + RMSNorm of its DC_FIN columns; CTA 0 also stores mix for the next boundary."""
+def _finish_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float):
+  """Each CTA computes the site's pre, post and 1/RMS of u per row from the summed partials (a few dozen flops
+  per row, on per-row vectors: as ``mhc_mix_reference`` without the Sinkhorn), then Σ pre_i X'_i + RMSNorm of its
+  DC_FIN columns; CTA 0 also stores post for the next boundary. The sums arrive transposed ([40, 64]: one SMEM
+  row per quantity), so each per-row vector is one row load — extracting 18 columns of a [64, 40] tile by
+  masked row sums cost ~2 µs per call on the H200 (BENCHMARKS.md session 21)."""
   idx = {p: k for k, p in enumerate(_PAIRS)}
 
-  def body(x_g, t_g, b_g, s_g, w_g, o_g, mix_g, x_s, t_s, w_s, o_s, m_s, bar):
+  def body(x_g, t_g, c_g, w_g, o_g, post_g, x_s, t_s, w_s, o_s, p_s, bar):
     d0 = _load_streams(x_g, x_s, bar, M, D)
-    plgpu.copy_gmem_to_smem(t_g.at[pl.ds(0, M)], t_s.at[pl.ds(0, M)], bar)
+    plgpu.copy_gmem_to_smem(t_g, t_s, bar)
     plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, DC_FIN)], w_s, bar)
-    base = [b_g[k] for k in range(MIX)]  # scalars (GMEM loads while the copies fly)
-    sc = [s_g[k] for k in range(3)]
+    base = [c_g[k] for k in range(2 * N)]  # scalars (GMEM loads while the copies fly)
+    sc = [c_g[MIX + k] for k in range(2)]
     plgpu.barrier_wait(bar)
-    tv = _row_vectors(plgpu.load(t_s, layout=_L.WGMMA, optimized=False), MIX + GRAM)
-    S, gp = tv[:MIX], tv[MIX:]
+    tv = [plgpu.load(t_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False)
+          for k in list(range(2 * N)) + list(range(MIX, MIX + GRAM))]
+    S, gp = tv[:2 * N], tv[2 * N:]
     gram = [[gp[idx[min(i, j), max(i, j)]] for j in range(N)] for i in range(N)]
     ss = gram[0][0] + gram[1][1] + gram[2][2] + gram[3][3]
     r = lax.rsqrt(ss / float(N * D) + hc_norm_eps)
-    m = [S[k] * r for k in range(MIX)]
+    m = [S[k] * r for k in range(2 * N)]
     pre = [jax.nn.sigmoid(m[i] * sc[0] + base[i]) + eps for i in range(N)]
     post = [post_mult * jax.nn.sigmoid(m[N + i] * sc[1] + base[N + i]) for i in range(N)]
-    c = [[m[2 * N + N * i + j] * sc[2] + base[2 * N + N * i + j] for j in range(N)] for i in range(N)]
-    for i in range(N):  # softmax over j (jax.nn.softmax: exp(x - max) / Σ), + eps
-      mx = jnp.maximum(jnp.maximum(c[i][0], c[i][1]), jnp.maximum(c[i][2], c[i][3]))
-      e = [jnp.exp(c[i][j] - mx) for j in range(N)]
-      tot_e = e[0] + e[1] + e[2] + e[3]
-      c[i] = [e[j] / tot_e + eps for j in range(N)]
-
-    def col_norm(c):
-      cs = [c[0][j] + c[1][j] + c[2][j] + c[3][j] + eps for j in range(N)]
-      return [[c[i][j] / cs[j] for j in range(N)] for i in range(N)]
-
-    def row_norm(c):
-      return [[c[i][j] / (c[i][0] + c[i][1] + c[i][2] + c[i][3] + eps) for j in range(N)] for i in range(N)]
-
-    c = col_norm(c)
-    for _ in range(iters - 1):
-      c = col_norm(row_norm(c))
     var = None
     for i in range(N):
       for j in range(N):
@@ -338,44 +309,42 @@ def _mix_finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: floa
 
     @pl.when(d0 == 0)
     def _():
-      col = plgpu.broadcasted_iota(jnp.int32, (ROWS, 32), 1, layout=_L.WGMMA)
-      tile = jnp.zeros((ROWS, 32), jnp.float32)
-      for k, v in enumerate(post + [c[i][j] for i in range(N) for j in range(N)]):
-        tile = jnp.where(col == k, _bcast(v, 32), tile)
-      m_s[...] = plgpu.layout_cast(tile, _L.WGMMA)
+      col = plgpu.broadcasted_iota(jnp.int32, (ROWS, 8), 1, layout=_L.WGMMA)
+      tile = jnp.zeros((ROWS, 8), jnp.float32)
+      for k, v in enumerate(post):
+        tile = jnp.where(col == k, _bcast(v, 8), tile)
+      p_s[...] = plgpu.layout_cast(tile, _L.WGMMA)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(m_s.at[pl.ds(0, M)], mix_g.at[pl.ds(0, M)])
+      plgpu.copy_smem_to_gmem(p_s.at[pl.ds(0, M)], post_g.at[pl.ds(0, M)])
 
     plgpu.wait_smem_to_gmem(0)
 
   return body
 
 
-@kernel_entry("iters", "eps", "hc_norm_eps", "norm_eps", "post_mult")
-def mhc_mix_finish(Xn, tot, base, scale, w, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
-                   post_mult: float):
-  """Mosaic GPU version of ``mhc_mix_finish_reference``: the mixing glue (Sinkhorn, the variance) moved into the
-  finish kernel, so a boundary is mhc_post_pre + one XLA reduction + this kernel."""
+@kernel_entry("eps", "hc_norm_eps", "norm_eps", "post_mult")
+def mhc_finish(Xn, tot_t, coef, w, *, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float):
+  """Mosaic GPU version of ``mhc_finish_reference`` (same signature and outputs)."""
   M, K = Xn.shape
   D = K // N
-  _check(Xn, D, "mhc_mix_finish")
-  if tot.shape != (M, PART) or base.shape != (MIX,) or scale.shape != (3,):
-    raise ValueError(f"mhc_mix_finish: tot {tot.shape}, base {base.shape}, scale {scale.shape}; expected "
-                     f"[{M}, {PART}], [{MIX}], [3]")
+  _check(Xn, D, "mhc_finish")
+  if tot_t.shape != (PART, ROWS) or coef.shape != (MIX + 3,):
+    raise ValueError(f"mhc_finish: tot_t {tot_t.shape}, coef {coef.shape}; expected [{PART}, {ROWS}], [{MIX + 3}] "
+                     "(base, scale)")
   bf16, f32 = jnp.bfloat16, jnp.float32
   kern = plgpu.kernel(
-      _mix_finish_kernel(M, D, int(iters), float(eps), float(hc_norm_eps), float(norm_eps), float(post_mult)),
-      out_type=(jax.ShapeDtypeStruct((M, D), bf16), jax.ShapeDtypeStruct((M, 32), f32)),
+      _finish_kernel(M, D, float(eps), float(hc_norm_eps), float(norm_eps), float(post_mult)),
+      out_type=(jax.ShapeDtypeStruct((M, D), bf16), jax.ShapeDtypeStruct((M, 8), f32)),
       scratch_types=[
           plgpu.SMEM((N, ROWS, DC_FIN), bf16),  # x_s
-          plgpu.SMEM((ROWS, PART), f32),  # t_s
+          plgpu.SMEM((PART, ROWS), f32),  # t_s
           plgpu.SMEM((DC_FIN,), bf16),  # w_s
           plgpu.SMEM((ROWS, DC_FIN), bf16),  # o_s
-          plgpu.SMEM((ROWS, 32), f32),  # m_s
+          plgpu.SMEM((ROWS, 8), f32),  # p_s
           plgpu.Barrier(num_arrivals=N + 2),
       ],
       grid=(D // DC_FIN,),
       grid_names=("g",),
-      kernel_name="glm5_mhc_mix_finish",
+      kernel_name="glm5_mhc_finish",
   )
-  return kern(Xn, tot.astype(f32), base.astype(f32), scale.astype(f32), w.astype(bf16))
+  return kern(Xn, tot_t.astype(f32), coef.astype(f32), w.astype(bf16))

@@ -21,38 +21,48 @@ BF16_ULP = dict(rtol=2.0 ** -7, atol=1e-5)  # one bf16 rounding apart (FMA contr
 # the atol covers cancellation to ~1e-6 from O(1) terms)
 
 
+CONSTS = dict(eps=1e-6, hc_norm_eps=1e-6, norm_eps=1e-5, post_mult=2.0)
+
+
 def _inputs(M, D, seed):
+  """X, y, mix = (post [M, 8], comb [M, 16]) of a previous site, fn, and the site's base / scale / norm weight."""
   rng = np.random.default_rng(seed)
   X = jnp.asarray(rng.standard_normal((M, 4 * D)) * rng.uniform(0.2, 3.0, (M, 1)), jnp.bfloat16)
   y = jnp.asarray(rng.standard_normal((M, D)), jnp.bfloat16)
-  mix = np.zeros((M, 32), np.float32)
-  mix[:, :4] = rng.uniform(0, 2, (M, 4))  # post in (0, 2)
+  post = np.zeros((M, 8), np.float32)
+  post[:, :4] = rng.uniform(0, 2, (M, 4))  # post in (0, 2)
   c = rng.uniform(0, 1, (M, 4, 4))
-  mix[:, 4:20] = (c / c.sum(1, keepdims=True)).reshape(M, 16)  # doubly-stochastic-ish comb
+  comb = (c / c.sum(1, keepdims=True)).reshape(M, 16).astype(np.float32)  # doubly-stochastic-ish comb
   fn = jnp.asarray(rng.standard_normal((24, 4 * D)) * 0.02, jnp.bfloat16)
-  pre_r = np.zeros((M, 8), np.float32)
-  pre_r[:, :4] = rng.uniform(0, 1, (M, 4))
-  pre_r[:, 4] = rng.uniform(0.1, 2, M)
+  coef = jnp.asarray(np.concatenate([rng.standard_normal(24), rng.uniform(0.5, 2, 3)]), jnp.float32)  # base, scale
   w = jnp.asarray(rng.standard_normal(D), jnp.bfloat16)
-  return X, y, jnp.asarray(mix), fn, jnp.asarray(pre_r), w
+  return X, y, (jnp.asarray(post), jnp.asarray(comb)), fn, coef, w
 
 
 def _check_kernels(M, D, first, seed=0, interpret=None):
-  X, y, mix, fn, pre_r, w = _inputs(M, D, seed)
+  """mhc_post_pre and mhc_finish vs their references; the finish on the summed partials of a real post+pre
+  (realistic logits and Gram entries) and random mHC parameters."""
+  X, y, mix, fn, coef, w = _inputs(M, D, seed)
   ref = K.mhc_post_pre_reference(X, y, mix, fn, first=first)
+  tot = jnp.sum(ref[1][:, :M], axis=0)
+  tot_t = jnp.pad(tot.T, ((0, 0), (0, K.ROWS - M)), constant_values=np.nan)  # padding columns: never read
   with maybe_interpret(interpret):
     got = jax.jit(lambda *a: K.mhc_post_pre(*a, first=first))(X, y, mix, fn)
-    fin = jax.jit(K.mhc_finish)(ref[0], pre_r, w)
+    fin, post = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS))(ref[0], tot_t, coef, w)
+  ref_fin, ref_post = K.mhc_finish_reference(ref[0], tot_t, coef, w, **CONSTS)
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
   # the partial logits / Gram entries: f32 sums of exact bf16 products (X' may differ by one rounding)
   for sl in (slice(0, K.MIX), slice(K.MIX, K.MIX + K.GRAM)):  # partial logits, partial Gram entries
     r = f32(ref[1])[:, :M, sl]
     np.testing.assert_allclose(f32(got[1])[:, :M, sl], r, atol=2e-3 * np.abs(r).max(), rtol=0)
-  # x_in = w · bf16(bf16(u) · r): u one rounding apart (FMA contraction) stays one ulp apart through the two
-  # further bf16 roundings only up to a second ulp (seen natively: 1 of 262,144 values at M = 64)
-  np.testing.assert_allclose(f32(fin), f32(K.mhc_finish_reference(ref[0], pre_r, w)),
-                             **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
+  # post: f32 math in another order (and the GPU's exp / rsqrt) than XLA's; zeros after column 4
+  np.testing.assert_allclose(f32(post), f32(ref_post), atol=2e-5, rtol=2e-5)
+  assert not np.any(f32(post)[:, 4:])
+  # x_in = w · bf16(bf16(u) · rinv): pre / rinv one f32 rounding apart, and u one rounding apart (FMA
+  # contraction), move bf16(u) by one ulp and x_in by up to a second (seen natively: 1 of 262,144 at M = 64)
+  np.testing.assert_allclose(f32(fin), f32(ref_fin), **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
+  assert np.mean(f32(fin) != f32(ref_fin)) < 0.02
 
 
 @pytest.mark.parametrize("M,D,first", [(1, 256, False), (5, 256, False), (5, 256, True), (64, 128, False)])
@@ -67,55 +77,35 @@ def test_kernels_gpu(M, D, first):
   _check_kernels(M, D, first, seed=M)
 
 
-def _check_mix_finish(M, D, seed, interpret=None):
-  """mhc_mix_finish (the mixing glue + finish in one kernel) vs its reference, on the summed partials of a real
-  post+pre (realistic logits and Gram entries) and random mHC parameters."""
-  X, y, mix, fn, _, w = _inputs(M, D, seed)
-  Xn, part = K.mhc_post_pre_reference(X, y, mix, fn)
-  tot = jnp.sum(part[:, :M], axis=0)
-  rng = np.random.default_rng(seed + 7)
-  base = jnp.asarray(rng.standard_normal(24), jnp.float32)
-  scale = jnp.asarray(rng.uniform(0.5, 2, 3), jnp.float32)
-  consts = dict(iters=20, eps=1e-6, hc_norm_eps=1e-6, norm_eps=1e-5, post_mult=2.0)
-  ref_x, ref_mix = K.mhc_mix_finish_reference(Xn, tot, base, scale, w, **consts)
-  with maybe_interpret(interpret):
-    got_x, got_mix = jax.jit(lambda *a: K.mhc_mix_finish(*a, **consts))(Xn, tot, base, scale, w)
-  f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
-  # post and comb: f32 math in another order (and the GPU's exp/rsqrt) than XLA's
-  np.testing.assert_allclose(f32(got_mix), f32(ref_mix), atol=2e-5, rtol=2e-5)
-  # x_in: as mhc_finish, up to two bf16 ulps (pre / r one f32 rounding apart can move bf16(u) by one)
-  np.testing.assert_allclose(f32(got_x), f32(ref_x), **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
-  assert np.mean(f32(got_x) != f32(ref_x)) < 0.02
-
-
-@pytest.mark.parametrize("M,D", [(1, 256), (5, 256), (64, 128)])
-def test_mix_finish_interpret(M, D):
-  _check_mix_finish(M, D, seed=M, interpret=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 8, 37, 64])
-def test_mix_finish_gpu(M):
-  _check_mix_finish(M, 4096, seed=M)
+def test_comb_is_the_stock_sinkhorn():
+  """mhc_comb (the boundary's XLA glue) == the comb of the stock mixing (hc_mix via mhc_mix_reference)."""
+  X, y, mix, fn, coef, _ = _inputs(3, 256, 5)
+  tot = jnp.sum(K.mhc_post_pre_reference(X, y, mix, fn)[1][:, :3], axis=0)
+  comb = K.mhc_comb(tot, coef, 256, iters=20, eps=1e-6, hc_norm_eps=1e-6)
+  ref = K.mhc_mix_reference(tot, coef, 256, iters=20, **CONSTS)[3]
+  np.testing.assert_array_equal(np.asarray(comb), np.asarray(ref).reshape(3, 16))
 
 
 @pytest.mark.parametrize("M", [1, 4, 8, 32, 64])
 def test_cross_lower_real(M):
-  X, y, mix, fn, pre_r, w = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _inputs(M, 4096, 0))
+  X, y, mix, fn, coef, w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(M, 4096, 0))
   for first in (False, True):
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_post_pre(*a, first=first), X, y, mix, fn).as_text()
-  cross_lower(K.mhc_finish, X, pre_r, w)
-  tot = jax.ShapeDtypeStruct((M, K.PART), jnp.float32)
-  base, scale = jax.ShapeDtypeStruct((24,), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.float32)
-  assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_mix_finish(*a, iters=20, eps=1e-6, hc_norm_eps=1e-6,
-                                                                   norm_eps=1e-5, post_mult=2.0),
-                                     X, tot, base, scale, w).as_text()
+  tot_t = jax.ShapeDtypeStruct((K.PART, K.ROWS), jnp.float32)
+  assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_finish(*a, **CONSTS), X, tot_t, coef, w).as_text()
 
 
-def test_rows_checked():
-  X, y, mix, fn, _, _ = _inputs(65, 128, 0)
+def test_bad_shapes_named():
+  X, y, mix, fn, coef, w = _inputs(65, 128, 0)
   with pytest.raises(ValueError, match="65 token rows, expected 1..64"):
     K.mhc_post_pre(X, y, mix, fn)
+  X, y, mix, fn, coef, w = _inputs(3, 128, 0)
+  with pytest.raises(ValueError, match=r"mix = \(post \(3, 4\)"):
+    K.mhc_post_pre(X, y, (mix[0][:, :4], mix[1]), fn)
+  with pytest.raises(ValueError, match=r"tot_t \(3, 40\)"):
+    K.mhc_finish(X, jnp.zeros((3, K.PART)), coef, w, **CONSTS)
+  with pytest.raises(ValueError, match=r"coef \(24,\)"):
+    K.mhc_finish(X, jnp.zeros((K.PART, K.ROWS)), coef[:24], w, **CONSTS)
 
 
 def _site(D, seed):
@@ -123,36 +113,32 @@ def _site(D, seed):
   hc = nnx.eval_shape(lambda: HyperConnection(cfg, jnp.bfloat16))
   rng = np.random.default_rng(seed)
   hc.fn.set_value(jnp.asarray(rng.standard_normal((24, 4 * D)) * 0.05, jnp.bfloat16))
-  hc.base.set_value(jnp.asarray(rng.standard_normal(24), jnp.float32))
-  hc.scale.set_value(jnp.asarray(rng.uniform(0.5, 2, 3), jnp.float32))
+  hc.base_scale.set_value(jnp.asarray(np.concatenate([rng.standard_normal(24), rng.uniform(0.5, 2, 3)]), jnp.float32))
   norm = nnx.eval_shape(lambda: RMSNorm(D, jnp.bfloat16, cfg.rms_norm_eps))
   norm.weight.set_value(jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.bfloat16))
   return hc, norm
 
 
-@pytest.mark.parametrize("M,first,mix_kernel", [(3, False, False), (3, True, False), (70, False, False),
-                                                (3, False, True), (3, True, True), (70, False, True),
-                                                (3, False, None), (3, True, None)])
-def test_fused_boundary_equals_stock(M, first, mix_kernel):
+@pytest.mark.parametrize("M,first,finish_kernel", [(3, False, True), (3, True, True), (70, False, True),
+                                                   (3, False, False), (3, True, False)])
+def test_fused_boundary_equals_stock(M, first, finish_kernel):
   """post (previous sublayer) + pre + RMSNorm, fused kernels vs the stock XLA formulation; 70 rows = 2 launches.
-  mix_kernel: the mixing glue inside the finish kernel (policy knob mhc_mix) instead of XLA; None: the finish
-  itself in XLA (policy knob mhc_finish off: one Mosaic call per boundary instead of two)."""
+  finish_kernel False: the boundary's last step in XLA (policy knob mhc_finish off: one Mosaic call per boundary
+  instead of two)."""
   D = 256
   hc, norm = _site(D, M)
   X, y, mix, _, _, _ = _inputs(M, D, M + 1)
-  post, comb = HyperConnection.unpack(mix)
+  post, comb = HyperConnection.unpack(mix, (M,))
   Xs = X.reshape(M, 4, D)
   Xref = Xs if first else HyperConnection.post(Xs, y, post, comb)
   u, post_ref, comb_ref = hc.pre(Xref)
   xin_ref = norm(u, jnp.bfloat16)
-  knobs = {"mhc_mix": mix_kernel} if mix_kernel is not None else {"mhc_finish": False}
-  with maybe_interpret(True), use_kernels(knobs), kernel_report() as rep:
+  with maybe_interpret(True), use_kernels({"mhc_finish": finish_kernel}), kernel_report() as rep:
     Xn, xin, mix_new = jax.jit(lambda X, y, mix: hc.fused(X, None if first else (y, mix), norm))(X, y, mix)
-  if mix_kernel is None:
-    assert ("mhc_finish", "off in the policy") in rep
+  assert (("mhc_finish", "off in the policy") in rep) != finish_kernel
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(Xn).reshape(M, 4, D), f32(Xref), **BF16_ULP)
-  p, c = HyperConnection.unpack(mix_new)
+  p, c = HyperConnection.unpack(mix_new, (M,))
   np.testing.assert_allclose(f32(p), f32(post_ref), **tol("fp32_paths"))
   np.testing.assert_allclose(f32(c), f32(comb_ref), **tol("fp32_paths"))
   # x_in: the variance of the f32 u (vLLM) instead of the bf16 u (HF, the stock path): within bf16 rounding
@@ -164,7 +150,7 @@ def test_fused_boundary_equals_stock(M, first, mix_kernel):
 def test_trunk_with_fused_boundaries_as_accurate_as_stock():
   """kernel-tiny in bf16 (4 layers: 8 fused boundaries + the final post; dense MLPs, 5 tokens, so no MoE
   routing or indexer selection can flip on a rounding difference), fused mHC kernels vs the stock bf16 trunk,
-  both against the f32 model: the fused path (mixing glue in XLA, or in the finish kernel: mhc_mix) is as close
+  both against the f32 model: the fused path (the finish as a kernel, or in XLA: mhc_finish off) is as close
   to f32 as the stock bf16 path."""
   from glm5_jax import api  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 4, "fp8", mlp_layer_types=["dense"] * 4)
@@ -172,7 +158,7 @@ def test_trunk_with_fused_boundaries_as_accurate_as_stock():
   fused = {k: False for k in ("kda", "fp8_linear", "fp8_moe", "sparse_mla", "indexer")} | {"mhc": True}
   hidden = {}
   for name, dtype, policy in (("f32", "float32", None), ("stock", "bfloat16", None), ("fused", "bfloat16", fused),
-                              ("fused_mix", "bfloat16", fused | {"mhc_mix": True})):
+                              ("fused_xla_finish", "bfloat16", fused | {"mhc_finish": False})):
     m = load(path, dtype)
     cache = api.init_cache(m, 2, 64)
     fn = api._build_extend(m, (2, 64, 1), "all")  # a fresh trace per policy
@@ -180,7 +166,7 @@ def test_trunk_with_fused_boundaries_as_accurate_as_stock():
       out, _ = fn(m.params, cache.caches, tokens, cache.lengths, jnp.full((2,), 5, jnp.int32), cache.n_acc)
     hidden[name] = np.asarray(out["hidden"], np.float32)
   err = {k: np.linalg.norm(hidden[k] - hidden["f32"]) / np.linalg.norm(hidden["f32"])
-         for k in ("stock", "fused", "fused_mix")}
-  for k in ("fused", "fused_mix"):
+         for k in ("stock", "fused", "fused_xla_finish")}
+  for k in ("fused", "fused_xla_finish"):
     assert err[k] <= 1.25 * err["stock"], err
     assert np.linalg.norm(hidden[k] - hidden["stock"]) / np.linalg.norm(hidden["stock"]) < 0.03
