@@ -34,7 +34,8 @@
 #   glue    (nvidia-h200):    the mHC GPU tests, then the one-rank latency_specialized step at q = 1 (defaults,
 #                             profiled, optimised HLO kept), the same with the indexer's top-k by radix selection, then
 #                             that at q = 4 if time remains
-#   q4      (nvidia-h200):    the mHC GPU tests, the one-rank latency_specialized step at q = 1 (defaults, profiled,
+#   q4      (nvidia-h200):    the mHC GPU tests (+ the trunk through the fused boundaries natively), the one-rank
+#                             latency_specialized step at q = 1 (defaults, profiled,
 #                             HLO kept), then q = 4 with the indexer's top-k by radix selection and without
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
@@ -281,7 +282,7 @@ case "$MODE" in
     [ "$(left)" -gt 260 ] && gb --q 4 --policy '{"indexer_topk": true}'
     ;;
   q4)  # (nvidia-h200) see the header
-    timeout 120 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_mhc.py 2>&1 \
+    timeout 150 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_mhc.py 2>&1 \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee "$OUT/gpu_tests.log"
     qb() { timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 \
       --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
