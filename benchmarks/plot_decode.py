@@ -44,15 +44,17 @@ def main(argv=None):
               label=None if "host" in seen else "host (calls returned)")
       seen.add("host")
     pol = ", ".join(f"{k}={v}" for k, v in sorted((r.get("policy") or {}).items()))
+    note = r.get("note", "")
+    note = note if len(note) <= 60 else note[:57] + "..."  # the whole note is in the jsonl; keep the axis readable
     labels.append(f"{r['backend']} B={r['batch']} q={r['q']}{' (' + pol + ')' if pol else ''}\n"
-                  f"{r.get('device', '')} {r.get('date', '')} {r.get('note', '')}")
+                  f"{r.get('device', '')} {r.get('date', '')} {note}")
     if r.get("roofline_ms") == r.get("roofline_ms"):  # (NaN for geometries without one)
       ax.plot([r["roofline_ms"]] * 2, [i - 0.45, i + 0.45], "r--", lw=1.5, label="HBM roofline" if i == 0 else None)
   ax.set_yticks(range(len(rows)), labels, fontsize=8)
   ax.set_xlabel("ms per decode step (bars: GPU time by component; black tick: wall-clock step)")
-  ax.legend(fontsize=7, ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+  ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.12))
   fig.tight_layout()
-  fig.savefig(a.out, dpi=120)
+  fig.savefig(a.out, dpi=120, bbox_inches="tight")
   print(f"wrote {a.out}")
 
 

@@ -3,8 +3,9 @@
 Why: the one-rank step of the real geometry had 1,855 arguments (1,715 parameters; 1,499 since the stacked and
 concatenated projections of sessions 20-21); on the H200 the host spends
 ~1.3 µs per argument per call parsing and checking them (jax.profiler trace, BENCHMARKS.md session 18/19), and at
-B = 1 the step is host-bound. 679 of the parameters are under 64 KiB (norm weights, biases, FP8 block scales,
-mHC / KDA vectors: 4.7 MB together). Packing them turns 679 arguments into 2; the step slices them back out.
+B = 1 the step was host-bound. 679 of the parameters are under 64 KiB (norm weights, biases, FP8 block scales,
+mHC / KDA vectors: 4.7 MB together). Packing 555 of them (all but KEEP_WHOLE) turns 555 arguments into 2; the
+step slices them back out.
 
 Layout: for every dtype, a global array [tp, N] sharded P("tp") whose row r holds device r's local shards of the
 packed leaves, flattened, each starting at a multiple of ALIGN bytes (Mosaic GPU kernels need 16-byte aligned
@@ -31,6 +32,12 @@ MAX_BYTES = 1 << 24  # packing copies what it packs: meant for small parameters,
 # went from 10.77 to 6.99 ms per step (host-bound: the host parses every argument on every call), for 0.19 ms
 # more GPU time (35 small slices XLA materialises for Mosaic kernels that take a packed leaf).
 DEFAULT_BYTES = 1 << 16
+# Small leaves that stay arguments of their own: Mosaic kernels read them whole, and XLA hands a kernel a tiny slice
+# of a packed buffer through a copy (a memcpy node per call: the mHC finish kernel's base/scale vector, 90 per
+# step, and the KDA kernel's A_log, 34 — ~1 µs of GPU time each on the H200, BENCHMARKS.md sessions 20-21), while
+# larger slices (norm weights, dt_bias) are passed in place. 124 more arguments cost ~0.16 ms of host time per
+# step at ~1.3 µs each, where the q = 1 step is GPU-bound by ~1.5 ms.
+KEEP_WHOLE = frozenset({"base_scale", "A_log"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -60,10 +67,20 @@ def _local_shape(shape, spec, tp: int) -> tuple[int, ...]:
   return tuple(d // tp if s == TP else d for d, s in zip(shape, spec))
 
 
+def leaf_names(params) -> list[str]:
+  """The parameter name (last dict key of the path) of every leaf of ``params`` — a dict tree or an nnx.State,
+  whose leaves sit under a Variable's ``.value`` — in flattening order."""
+  def name(path):
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return str(keys[-1]) if keys else ""
+  return [name(p) for p, _ in jax.tree.flatten_with_path(params)[0]]
+
+
 def layout(params, specs, tp: int, max_bytes: int) -> PackLayout:
   """Which leaves of ``params`` (arrays or ShapeDtypeStructs) to pack: those whose *local* shard is under
-  ``max_bytes``. ``specs``: the params' PartitionSpec tree (Model.param_specs)."""
+  ``max_bytes``, except the KEEP_WHOLE ones. ``specs``: the params' PartitionSpec tree (Model.param_specs)."""
   leaves, treedef = jax.tree.flatten(params)
+  names = leaf_names(params)
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
   if len(spec_leaves) != len(leaves):
     raise ValueError(f"{len(spec_leaves)} partition specs for {len(leaves)} parameters")
@@ -72,7 +89,7 @@ def layout(params, specs, tp: int, max_bytes: int) -> PackLayout:
     dt = np.dtype(x.dtype)
     shp = _local_shape(x.shape, spec, tp)
     n = math.prod(shp)
-    if n * dt.itemsize >= max_bytes:
+    if n * dt.itemsize >= max_bytes or names[i] in KEEP_WHOLE:
       big.append(i)
       continue
     step = max(1, ALIGN // dt.itemsize)

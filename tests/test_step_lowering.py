@@ -91,12 +91,13 @@ def _main_args(txt):
 
 
 def test_real_geometry_step_with_packed_params_lowers_for_cuda():
-  """pack_params (glm5_jax.param_packing): the one-rank step at q = 1 takes the 679 parameters under 64 KiB in two
-  buffers (f32, bf16) — far fewer arguments — and every kernel still lowers with sliced operands."""
+  """pack_params (glm5_jax.param_packing): the one-rank step at q = 1 takes 555 of the 679 parameters under 64 KiB
+  in two buffers (f32, bf16; the 124 KEEP_WHOLE vectors stay arguments) — far fewer arguments — and every kernel
+  still lowers with sliced operands."""
   cfg = tp_rank_config(C.real(), 4)
   plain = _main_args(lower_step(cfg, 1, "latency_specialized", pack_params=0))
   txt = lower_step(cfg, 1, "latency_specialized", pack_params=1 << 16)
   packed = _main_args(txt)
-  # (jit drops unused arguments — some small MTP-side leaves at q = 1 — so the saving is a little under 677)
-  assert plain - packed > 650 and packed < 1000, (plain, packed)
+  # (jit drops unused arguments — some small MTP-side leaves at q = 1 — so the saving is a little under 553)
+  assert plain - packed > 530 and packed < 1100, (plain, packed)
   check_one_module_per_kernel(txt)
