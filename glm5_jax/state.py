@@ -9,8 +9,9 @@ Per DSA layer and for the MTP layer (replicated on every rank):
   latent [B, S, R]        MLA latent per position in the compute dtype; with an FP8 KV cache (the
                           latency_specialized default) latent8 [B, S, R/4] int32 (R e4m3 bytes per position,
                           packed 4 per word: pallas_kernels.sparse_mla) + latent_scale [B, S, R/128] f32
-  pool   [B, S/kpool, Di] pooled indexer keys by pool index; FP8: pool8 (Hadamard-rotated e4m3) + pool_scale
-                          [B, S/kpool] (power-of-two scales, vLLM's numerics)
+  pool   [B, P, Di]       pooled indexer keys by pool index, P = S/kpool rounded up to a multiple of POOL_ALIGN
+                          (slots past S/kpool are never complete: masked like any pool not yet full); FP8: pool8
+                          (Hadamard-rotated e4m3) + pool_scale [B, P] (power-of-two scales, vLLM's numerics)
   ring_k, ring_g [B, Rg, Di]  raw indexer keys / gate scores of the open pool by position mod Rg
                           (Rg = kpool·⌈(kpool − 1 + q)/kpool⌉ keeps every position a step can touch distinct)
 """
@@ -25,26 +26,37 @@ from glm5_jax.layers import KDA_H, KDA_HD
 from glm5_jax.sharding import logical_to_spec, shardings
 
 
+# The indexer scores kernel reads the pooled keys in blocks of 64 (pallas_kernels.indexer.BLOCK); a pool count
+# that is a multiple of it spares the kernel a padded copy of the whole pooled-key cache per layer and step (~1 MB
+# and 2.3 + 1.4 µs at 32K context on the H200, BENCHMARKS.md session 21).
+POOL_ALIGN = 64
+
+
+def pool_slots(cfg: Glm5Config, S: int) -> int:
+  """Pool slots of a cache of S positions: S / kpool rounded up to a multiple of POOL_ALIGN."""
+  return -(-(S // cfg.index_kpool) // POOL_ALIGN) * POOL_ALIGN
+
+
 def ring_size(cfg: Glm5Config, q: int) -> int:
   kp = cfg.index_kpool
   return kp * (-(-(kp - 1 + q) // kp))
 
 
 def _dsa_cache(cfg: Glm5Config, B, S, q, dtype, kv_fp8):
-  kp, R, Di = cfg.index_kpool, cfg.kv_lora_rank, cfg.index_head_dim
+  R, Di, P = cfg.kv_lora_rank, cfg.index_head_dim, pool_slots(cfg, S)
   Rg = ring_size(cfg, q)
   rep3 = (None, None, None)
   ring = {"ring_k": (jax.ShapeDtypeStruct((B, Rg, Di), dtype), rep3),
           "ring_g": (jax.ShapeDtypeStruct((B, Rg, Di), dtype), rep3)}
   if not kv_fp8:
     return {"latent": (jax.ShapeDtypeStruct((B, S, R), dtype), rep3),
-            "pool": (jax.ShapeDtypeStruct((B, S // kp, Di), dtype), rep3), **ring}
+            "pool": (jax.ShapeDtypeStruct((B, P, Di), dtype), rep3), **ring}
   if R % 128 or Di != 128:
     raise ValueError(f"an FP8 KV cache needs kv_lora_rank % 128 == 0 and index_head_dim == 128: got {R}, {Di}")
   return {"latent8": (jax.ShapeDtypeStruct((B, S, R // 4), jnp.int32), rep3),
           "latent_scale": (jax.ShapeDtypeStruct((B, S, R // 128), jnp.float32), rep3),
-          "pool8": (jax.ShapeDtypeStruct((B, S // kp, Di), jnp.float8_e4m3fn), rep3),
-          "pool_scale": (jax.ShapeDtypeStruct((B, S // kp), jnp.float32), (None, None)), **ring}
+          "pool8": (jax.ShapeDtypeStruct((B, P, Di), jnp.float8_e4m3fn), rep3),
+          "pool_scale": (jax.ShapeDtypeStruct((B, P), jnp.float32), (None, None)), **ring}
 
 
 def cache_layout(cfg: Glm5Config, batch: int, max_context: int, q: int, dtype, *, mtp: bool, kv_fp8: bool = False):

@@ -173,7 +173,9 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   """Mosaic GPU indexer scores; same contract as ``indexer_scores_reference``.
 
   q8 [B, T, HI, 128] e4m3 (HI a multiple of 8), q_scale / w [B, T, HI] f32, k8 [B, P, 128] e4m3, k_scale [B, P]
-  f32, n_valid [B, T] int32 -> scores [B, T, P] f32. P is padded here to a multiple of 64 * blocks_per_cta."""
+  f32, n_valid [B, T] int32 -> scores [B, T, P] f32. The grid covers P rounded up to 64 · blocks_per_cta; blocks
+  at or past n_valid (<= P) are never read, so the keys are padded only when P is not a multiple of 64 (the decode
+  caches never are: glm5_jax.state.POOL_ALIGN) — a pad copies the whole key cache."""
   B, T, HI, Dh = q8.shape
   P = k8.shape[1]
   assert Dh == HEAD_DIM and HI % 8 == 0
@@ -181,10 +183,10 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   nbc = blocks_per_cta or _pick_blocks_per_cta(n_blocks, B)
   nch = -(-n_blocks // nbc)
   Pp = nch * nbc * BLOCK
-  if Pp != P:
-    # Padding slots are beyond every n_valid (n_valid <= P), so they are never loaded, only written as -inf.
-    k8 = jnp.pad(k8, ((0, 0), (0, Pp - P), (0, 0)))
-    k_scale = jnp.pad(k_scale, ((0, 0), (0, Pp - P)))
+  if P % BLOCK:
+    # (the last block some token can see must be whole in memory; slots past n_valid are written as -inf)
+    k8 = jnp.pad(k8, ((0, 0), (0, n_blocks * BLOCK - P), (0, 0)))
+    k_scale = jnp.pad(k_scale, ((0, 0), (0, n_blocks * BLOCK - P)))
   wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
   # fp8 wgmma operands: 128-byte rows (128 e4m3), 128-byte swizzle, both K-major
   tile8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))

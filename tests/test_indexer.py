@@ -142,6 +142,8 @@ INTERP_CASES = [
     (1, 1, 200, None),  # P padded 200 -> 256, 4 CTAs
     (2, 4, 300, 2),  # 5 blocks -> 3 chunks of 2; padding slots never loaded
     (1, 8, 128, 1),  # T = 8: 256 query rows
+    (1, 2, 192, 2),  # P % 64 == 0: no pad; the grid's 4th block lies past the keys (never read: the interpreter
+    # raises on a read out of bounds)
 ]
 
 
@@ -154,6 +156,19 @@ def test_kernel_interpret(B, T, P, nbc):
   assert got.shape == (B, T, P) and got.dtype == np.float32
   # The interpreter's fp8 x fp8 MMA is exact in f32, so the f32 table applies here (GPU: kernel_fp8).
   assert_scores_close(got, ref, "kernel_f32")
+
+
+def test_decode_caches_need_no_pad():
+  """The pooled-key caches of a decode have a multiple of 64 slots (state.POOL_ALIGN), so the scores kernel reads
+  them in place (a pad would copy the whole cache per layer and step); the extra slots are never complete."""
+  from glm5_jax import config as C, state as st  # noqa: PLC0415
+  for S in (32872, 64, 4096):
+    lay = st.cache_layout(C.real(), 1, S, 4, jnp.bfloat16, mtp=True, kv_fp8=True)
+    P = lay["layers"][3]["pool8"][0].shape[1]
+    assert P % 64 == 0 and S // 4 <= P < S // 4 + 64 and lay["layers"][3]["pool_scale"][0].shape[1] == P
+  args = make_inputs(3, 1, 1, 256)
+  txt = jax.jit(I.indexer_scores).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert " pad" not in txt and "stablehlo.pad" not in txt
 
 
 # ------------------------------------------------------------------------------------------------------------
