@@ -35,8 +35,8 @@
 #                             profiled, optimised HLO kept), the same with the indexer's top-k by radix selection, then
 #                             that at q = 4 if time remains
 #   q4      (nvidia-h200):    the mHC GPU tests (+ the trunk through the fused boundaries natively), the one-rank
-#                             latency_specialized step at q = 1 (defaults, profiled,
-#                             HLO kept), then q = 4 with the indexer's top-k by radix selection and without
+#                             latency_specialized step at q = 1 (defaults, profiled, HLO kept), then at q = 4
+#                             without and with the indexer's top-k by radix selection
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -289,8 +289,8 @@ case "$MODE" in
       --backend latency_specialized --profile --out "$OUT/decode_q4.jsonl" "$@" 2>&1 \
       | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_q4.log"; }
     qb --q 1 --hlo-dir "$OUT"
+    [ "$(left)" -gt 230 ] && qb --q 4
     [ "$(left)" -gt 230 ] && qb --q 4 --policy '{"indexer_topk": true}'
-    [ "$(left)" -gt 200 ] && qb --q 4
     ;;
   mosaic)  # (nvidia-h200-x2) see the header
     (

@@ -23,8 +23,8 @@ from flax import nnx
 from jax import lax
 
 from glm5_jax.config import Glm5Config
-from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear, RMSNorm, kernel_enabled,
-                             param, StackedLinear, rms_norm, topk_set_by_threshold)
+from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear, RMSNorm, concat_fits,
+                             kernel_enabled, param, StackedLinear, rms_norm, topk_set_by_threshold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,10 +332,15 @@ class DSA(nnx.Module):
 
   def __init__(self, cfg: Glm5Config, dtype, fp8_block):
     D, H, R, dn, dv = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
-    self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype, (None, EMBED), fp8_block=fp8_block)
+    # q_a and kv_a read the same input: one weight (one GEMV / FP8 kernel call) where the FP8 scale blocks allow
+    # (the release: 1536 + 512 rows); the checkpoint's two matrices otherwise
+    if concat_fits((cfg.q_lora_rank, R), fp8_block):
+      self.qkv_a_proj = ConcatLinear(D, (cfg.q_lora_rank, R), dtype, (None, EMBED), fp8_block=fp8_block)
+    else:
+      self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype, (None, EMBED), fp8_block=fp8_block)
+      self.kv_a_proj_with_mqa = Linear(D, R, dtype, (None, EMBED), fp8_block=fp8_block)
     self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, dtype, cfg.rms_norm_eps)
     self.q_b_proj = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, dtype, (MLA_HD, None), fp8_block=fp8_block)
-    self.kv_a_proj_with_mqa = Linear(D, R, dtype, (None, EMBED), fp8_block=fp8_block)
     self.kv_a_layernorm = RMSNorm(R, dtype, cfg.rms_norm_eps)
     self.kv_b_proj = Linear(R, H * (dn + dv), dtype, (MLA_HD, None))
     self.o_proj = Linear(H * dv, D, dtype, (EMBED, MLA_HD), fp8_block=fp8_block)
@@ -346,11 +351,15 @@ class DSA(nnx.Module):
     """x [B, T, D] -> (y [B, T, D], new cache, aux {"idx": [B, T, W], "pools": [B, T, kp]})."""
     B, T, _ = x.shape
     dn, dv = self.dn, self.dv
-    q_r = self.q_a_layernorm(self.q_a_proj(x, dtype), dtype)
+    if hasattr(self, "qkv_a_proj"):
+      qa, ca = self.qkv_a_proj(x, dtype)
+    else:
+      qa, ca = self.q_a_proj(x, dtype), self.kv_a_proj_with_mqa(x, dtype)
+    q_r = self.q_a_layernorm(qa, dtype)
     q = self.q_b_proj(q_r, dtype)
     H = q.shape[-1] // dn
     q = q.reshape(B, T, H, dn)
-    c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x, dtype), dtype)  # [B, T, R], the cached latent
+    c = self.kv_a_layernorm(ca, dtype)  # [B, T, R], the cached latent
     wkv = self.kv_b_proj.w(dtype).reshape(H, dn + dv, -1)
     w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
     pos, ok = _positions(ctx, T)

@@ -136,8 +136,9 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
     return prefix + ".".join(rest) + ".weight", None
   if len(rest) >= 2 and rest[-2] in STACKS and rest[-1] == "weight":  # layers.StackedLinear
     return prefix + ".".join(rest[:-2]) + ".{s}", "stack:" + rest[-2]
-  if len(rest) >= 2 and rest[-2] in CONCATS and rest[-1] == "weight":  # layers.ConcatLinear
-    return prefix + ".".join(rest[:-2]) + ".{s}", "concat:" + rest[-2]
+  if len(rest) >= 2 and rest[-2] in CONCATS and rest[-1] in ("weight", "scale"):  # layers.ConcatLinear
+    suffix = "_scale_inv" if rest[-1] == "scale" else ""  # FP8: the block scales' rows concatenate likewise
+    return prefix + ".".join(rest[:-2]) + ".{s}" + suffix, "concat:" + rest[-2]
   if len(rest) >= 2 and rest[-2] == "experts":  # stacked routed experts
     leaf = rest[-1]
     mat = leaf.replace("_scale", "_proj")
@@ -152,6 +153,7 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
 STACKS = {"qkv_proj": ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
 CONCATS = {"fg_a_proj": ("f_a_proj.weight", "g_a_proj.weight"),
            "x_proj": ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight"),
+           "qkv_a_proj": ("q_a_proj.weight", "kv_a_proj_with_mqa.weight"),
            "base_scale": ("base", "scale")}  # layers.HyperConnection (vectors, concatenated the same way)
 
 

@@ -170,6 +170,12 @@ class Linear(nnx.Module):
     return mm(x, self.w(dtype), dtype)
 
 
+def concat_fits(outs, fp8_block) -> bool:
+  """Whether matrices with ``outs`` rows can be one ConcatLinear: always unquantised; FP8 only when every part
+  is whole scale blocks."""
+  return fp8_block is None or all(o % fp8_block[0] == 0 for o in outs)
+
+
 def _dense(x, w, dtype):
   """x [..., in] @ w[out, in]^T for an unquantised weight: the bf16 GEMV kernel where the policy runs it and the
   shapes fit, else XLA (``mm``)."""
@@ -185,16 +191,20 @@ def _dense(x, w, dtype):
 
 
 class ConcatLinear(Linear):
-  """Replicated linears on the same input stored as one weight [Σ outs, in] (BF16/F32): one GEMV instead of one
-  per matrix -> a tuple of outputs. Each matrix on its own was a separate XLA kernel of ~2 µs at decode (BENCHMARKS.md
-  session 20). Only for replicated outputs (a TP split of the concatenated rows would not give each device its
-  own rows of every matrix: sharded ones use StackedLinear). The checkpoint keeps the matrices under their own
-  names (``checkpoint.CONCATS``)."""
+  """Replicated linears on the same input stored as one weight [Σ outs, in] (BF16/F32, or FP8 with the block
+  scales' rows concatenated the same way): one GEMV — one FP8 kernel call — instead of one per matrix -> a tuple
+  of outputs. Each matrix on its own was a separate XLA kernel of ~2 µs at decode (BENCHMARKS.md session 20), or
+  a Mosaic call plus its epilogue. Only for replicated outputs (a TP split of the concatenated rows would not give
+  each device its own rows of every matrix: sharded ones use StackedLinear). The checkpoint keeps the matrices
+  under their own names (``checkpoint.CONCATS``)."""
 
-  def __init__(self, n_in, outs: tuple[int, ...], dtype, axes):
+  def __init__(self, n_in, outs: tuple[int, ...], dtype, axes, *, fp8_block=None):
     if axes[0] is not None:
       raise ValueError(f"ConcatLinear rows must be replicated, got axes {axes}")
-    super().__init__(n_in, sum(outs), dtype, axes)
+    if not concat_fits(outs, fp8_block):
+      raise ValueError(f"ConcatLinear of FP8 matrices with {outs} rows: each must be a multiple of the scale block "
+                       f"{fp8_block[0]} (its scale rows are concatenated)")
+    super().__init__(n_in, sum(outs), dtype, axes, fp8_block=fp8_block)
     self.outs = tuple(outs)
 
   def __call__(self, x, dtype):

@@ -180,10 +180,11 @@ def test_mtp_module_equals_unabsorbed_computation(model):
   u = z @ P(mtp.eh_proj.weight).T
   x = rms(u, P(mtp.input_layernorm.weight))
   a = mtp.self_attn
-  qr = rms(x @ P(a.q_a_proj.weight).T, P(a.q_a_layernorm.weight))
+  wqa, wkva = np.split(P(a.qkv_a_proj.weight), [cfg.q_lora_rank])  # (q_a and kv_a stored as one weight)
+  qr = rms(x @ wqa.T, P(a.q_a_layernorm.weight))
   H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
   q = (qr @ P(a.q_b_proj.weight).T).reshape(1, T, H, dn)
-  c = rms(x @ P(a.kv_a_proj_with_mqa.weight).T, P(a.kv_a_layernorm.weight))
+  c = rms(x @ wkva.T, P(a.kv_a_layernorm.weight))
   kv = (c @ P(a.kv_b_proj.weight).T).reshape(1, T, H, dn + dv)
   kk, vv = kv[..., :dn], kv[..., dn:]
   s = np.einsum("bthd,bshd->bhts", q, kk) * cfg.softmax_scale
@@ -223,6 +224,7 @@ def test_no_compilation_after_warmup(model):
   compiles = []
   cb = lambda name, *a, **k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
   jax.monitoring.register_event_duration_secs_listener(cb)
+  out = None
   try:
     for i in range(50 // 4):  # also with a caller's tokens (written into the io buffer by a small program)
       state, out = decode(state, np.asarray(out.next_tokens) if i % 2 else None)

@@ -106,6 +106,27 @@ def test_loader_errors_name_the_tensor(tmp_path, mutate, exc, msg):
     glm5_jax.load_model(p)
 
 
+def test_fp8_concat_holds_the_checkpoint_rows():
+  """q_a and kv_a as one FP8 weight (ConcatLinear) where the scale blocks allow: weight and block-scale rows are the
+  checkpoint's own matrices one after another (kernel-tiny: 256 + 512 rows); where they do not (oracle-tiny: 96 +
+  64 rows with 128-row blocks) the two linears stay apart."""
+  from glm5_jax.checkpoint import SafetensorsIndex  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 0, "fp8")
+  m = load(path, "bfloat16")
+  idx = SafetensorsIndex(path)
+  layer = next(i for i, t in enumerate(m.cfg.layer_types) if t != "linear_attention")
+  attn = m.params["layers"][layer]["self_attn"]
+  pre = f"model.language_model.layers.{layer}.self_attn."
+  for leaf, suffix in (("weight", ".weight"), ("scale", ".weight_scale_inv")):
+    got = np.asarray(attn["qkv_a_proj"][leaf][...]).view(np.uint8 if leaf == "weight" else np.float32)
+    want = np.concatenate([np.asarray(idx.array(pre + n + suffix)).view(got.dtype)
+                           for n in ("q_a_proj", "kv_a_proj_with_mqa")])
+    np.testing.assert_array_equal(got, want)
+  small = load(tiny_checkpoint("oracle-tiny", 0, "fp8"), "bfloat16")
+  a = small.params["layers"][3]["self_attn"]
+  assert "q_a_proj" in a and "kv_a_proj_with_mqa" in a and "qkv_a_proj" not in a
+
+
 def test_missing_checkpoint_directory(tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
     glm5_jax.load_model(tmp_path / "nowhere")
