@@ -16,6 +16,7 @@ E experts, I intermediate, C conv channels, P pools.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import contextvars
 
@@ -46,8 +47,9 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "bf16_linea
                    # the fused mHC boundary (pallas_kernels/mhc.py): native on the H200 since 2026-11-30 (one
                    # TP4 rank, B = 1, q = 1: 20.4 -> 16.6 ms per step, 2,805 -> 2,492 launches)
                    "mhc": True,
-                   # the MoE router's top-8 of 288 by counting ranks in one fusion instead of a sort
-                   # (topk_by_rank; exact, the same ties as lax.top_k). Not yet measured on the GPU
+                   # the MoE router's top-8 of 288 by counting ranks instead of a sort (topk_by_rank; exact, the
+                   # same ties as lax.top_k): on the H200 the router is ~7.6 µs per MoE layer with it, logits
+                   # included (BENCHMARKS.md sessions 20-21)
                    "router_topk": True,
                    # the indexer's top-512 pools as a set without a sort (topk_set_by_threshold: radix selection
                    # + one prefix sum + a scatter; exact, lax.top_k's set and ties). XLA's sort of the 8,196
@@ -268,8 +270,8 @@ class HyperConnection(nnx.Module):
   def __init__(self, cfg: Glm5Config, dtype):
     self.fn = param((cfg.hc_mix, cfg.hc_dim), dtype, (None, None))
     # the checkpoint's base [24] and scale [3] (hc_*_base, hc_*_scale) in one vector: the fused boundary's finish
-    # kernel reads both, and XLA copies every small parameter slice but one per kernel call out of the packed
-    # parameter buffer (~1 µs each: 180 per step on the H200 with two, BENCHMARKS.md session 21)
+    # kernel reads both as one operand (as two packed slices XLA copied both per call: 180 copies of ~1 µs per
+    # step on the H200, BENCHMARKS.md session 21); it stays a step argument of its own (param_packing.KEEP_WHOLE)
     self.base_scale = param((cfg.hc_mix + 3,), jnp.float32, (None,))
     self.n, self.iters, self.eps, self.norm_eps, self.post_mult = (
         cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, cfg.hc_post_mult)
@@ -358,21 +360,28 @@ def _order_key(v):
   return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
-def topk_by_rank(v, k: int):
+def topk_by_rank(v, k: int, values=None):
   """lax.top_k(v, k)'s indices [..., k] int32 without a sort: each entry's rank = how many entries beat it (larger,
   or equal at a lower index — lax.top_k's order for ties), then the index of rank r for r < k. One compare-and-
   count over [..., N, N] and one select over [..., k, N]: a reduction fusion or two instead of an XLA sort (every
   GPU top_k is a sort, ~10 µs at decode sizes). For small N (the router's 288). Compared as lax.top_k does, in
   its total order of f32 bit patterns (NaN above +inf, -NaN below -inf, +0 above -0): the same selection for any
-  input, NaN scores included (the NaN then reaches the output and the step flags the row)."""
+  input, NaN scores included (the NaN then reaches the output and the step flags the row).
+
+  ``values`` [..., N] (optional): also returns take_along_axis(values, ids), exactly — from the same select (one
+  nonzero term per sum), so XLA makes it one reduction with the indices instead of a gather after them."""
   N = v.shape[-1]
   key = _order_key(v)
   idx = jnp.arange(N, dtype=jnp.int32)
   ke, kj = key[..., :, None], key[..., None, :]  # [..., N (entry), N (rival)]
   beats = (kj > ke) | ((kj == ke) & (idx[None, :] < idx[:, None]))
   rank = jnp.sum(beats, axis=-1, dtype=jnp.int32)  # [..., N], a permutation of 0..N-1
-  return jnp.sum(jnp.where(rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None], idx, 0), axis=-1,
-                 dtype=jnp.int32)
+  at = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [..., k, N]: one True per row
+  ids = jnp.sum(jnp.where(at, idx, 0), axis=-1, dtype=jnp.int32)
+  if values is None:
+    return ids
+  # (where, not a product: a NaN or inf elsewhere in the row must not leak into the picked value)
+  return ids, jnp.sum(jnp.where(at, values[..., None, :], jnp.zeros((), values.dtype)), axis=-1)
 
 
 def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8):
@@ -430,12 +439,16 @@ class Router(nnx.Module):
     biased = s + self.e_score_correction_bias[...]
     rows = math.prod(biased.shape[:-1])  # the [rows, E, E] comparison is for decode batches, not prefill
     if kernel_enabled("router_topk", rows):
-      ids = topk_by_rank(biased, self.top_k)
+      ids, w = topk_by_rank(biased, self.top_k, s)
+      # the k terms summed as explicit adds in rank order (elementwise: XLA fuses them into the consumer instead
+      # of a reduction kernel; a reduction may associate them differently: an ulp in the renormalised weights)
+      tot = functools.reduce(jnp.add, [w[..., j:j + 1] for j in range(self.top_k)])
     else:
       _, ids = lax.top_k(biased, self.top_k)
-    w = jnp.take_along_axis(s, ids, axis=-1)
+      w = jnp.take_along_axis(s, ids, axis=-1)
+      tot = jnp.sum(w, axis=-1, keepdims=True)
     if self.norm:
-      w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+      w = w / (tot + 1e-20)
     return ids.astype(jnp.int32), w * self.scaling
 
 

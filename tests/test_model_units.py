@@ -191,7 +191,34 @@ def test_topk_by_rank_equals_lax_top_k(N, k, ties):
   else:
     v = (1 / (1 + np.exp(-rng.standard_normal(shape))) + rng.standard_normal(N) * 1e-2).astype(np.float32)
   got = jax.jit(topk_by_rank, static_argnums=1)(jnp.asarray(v), k)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(lax.top_k(jnp.asarray(v), k)[1]))
+  want = lax.top_k(jnp.asarray(v), k)[1]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # the picked values of another array come out of the same select exactly (NaN / inf elsewhere do not leak)
+  vals = rng.standard_normal(shape).astype(np.float32)
+  vals[rng.random(shape) < 0.05] = np.nan
+  ids, picked = jax.jit(topk_by_rank, static_argnums=1)(jnp.asarray(v), k, jnp.asarray(vals))
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(picked), np.take_along_axis(vals, np.asarray(want), axis=-1))
+
+
+def test_router_topk_equals_sorting_router():
+  """The router with the sort-free top-k (policy router_topk): the same experts as lax.top_k's, weights within an
+  ulp (the renormalising sum is added in another association)."""
+  from flax import nnx  # noqa: PLC0415
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.layers import Router, use_kernels  # noqa: PLC0415
+  cfg = C.oracle_tiny().replace(n_routed_experts=288, num_experts_per_tok=8)
+  r = nnx.eval_shape(lambda: Router(cfg, jnp.float32))
+  rng = np.random.default_rng()
+  r.weight.set_value(jnp.asarray(rng.standard_normal((288, cfg.hidden_size)) * 0.05, jnp.float32))
+  r.e_score_correction_bias.set_value(jnp.asarray(rng.standard_normal(288) * 0.01, jnp.float32))
+  x = jnp.asarray(rng.standard_normal((3, 4, cfg.hidden_size)), jnp.float32)
+  with use_kernels(None):
+    ids0, w0 = jax.jit(r.__call__)(x)
+  with use_kernels({"router_topk": True}):
+    ids1, w1 = jax.jit(r.__call__)(x)
+  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
+  np.testing.assert_allclose(np.asarray(w1), np.asarray(w0), rtol=2.0 ** -22, atol=0)
 
 
 @pytest.mark.parametrize("N,k,kind", [(8196, 512, "scores"), (8196, 512, "ties"), (700, 512, "masked"),
