@@ -36,7 +36,7 @@
 #                             that at q = 4 if time remains
 #   q4      (nvidia-h200):    the mHC GPU tests (+ the trunk through the fused boundaries natively), the one-rank
 #                             latency_specialized step at q = 1 (defaults, profiled, HLO kept), then at q = 4
-#                             without and with the indexer's top-k by radix selection
+#                             without and with the indexer's top-k by radix selection, then q = 1 with it, traced
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -291,6 +291,11 @@ case "$MODE" in
     qb --q 1 --hlo-dir "$OUT"
     [ "$(left)" -gt 230 ] && qb --q 4
     [ "$(left)" -gt 230 ] && qb --q 4 --policy '{"indexer_topk": true}'
+    # where the host time goes with indexer_topk on (session 21: 4.4 -> 6.7 ms per step at q = 1)
+    [ "$(left)" -gt 200 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+      --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
+      --backend latency_specialized --policy '{"indexer_topk": true}' --trace --out "$OUT/decode_q4.jsonl" 2>&1 \
+      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_q4.log"
     ;;
   mosaic)  # (nvidia-h200-x2) see the header
     (

@@ -6,7 +6,8 @@ the flattened streams; G = D / 64 column chunks (one CTA each). The residual is 
 columns 0..3, comb [M, N·N] f32: its Sinkhorn-normalised comb, row-major, comb[i, j] at N·i + j).
 
 A boundary between sublayers (the post of one site fused with the pre of the next, as vLLM's
-``MHCFusedPostPreOp``) is two Mosaic launches and two XLA kernels instead of ~11 XLA kernels:
+``MHCFusedPostPreOp``) is two Mosaic launches and two XLA kernels instead of ~11 XLA kernels (measured on the H200
+at M = 1: 6.2 + 1.8 + 3.4 + 3.6 µs, BENCHMARKS.md session 21):
 
 1. ``mhc_post_pre`` (kernel, G CTAs): for its 64 columns of every stream, X'_j = post_j · y + Σ_i comb[i, j] · X_i
    in f32, rounded to bf16 (skipped at the first site, which has no previous sublayer: X' = X); the partial
@@ -16,10 +17,11 @@ A boundary between sublayers (the post of one site fused with the pre of the nex
    (f32, on the CUDA cores) into tot [64, 40] (rows M.. padding).
 2. ``mhc_comb`` (XLA, one fusion): ‖x‖² is the Gram trace, so m = (fn · x) · rsqrt(mean(x²) + eps); the comb
    logits' softmax and 20 Sinkhorn iterations (``glm5_jax.layers.sinkhorn_comb``) — serial divisions that cost
-   63 µs per call inside a kernel's warpgroup (BENCHMARKS.md session 19) and ~3.6 µs as XLA's fusion.
-3. ``mhc_finish`` (kernel, D / 128 CTAs): from tot (transposed: one row per quantity), per row, pre and post (two sigmoids of the scaled logits) and
-   the variance of the sublayer input u = Σ_i pre_i X'_i from the Gram matrix, mean(u²) = preᵀ Gram pre / D —
-   the variance of the f32 u, as vLLM's fused kernel computes it (HF takes it from the bf16-rounded u); then
+   63 µs per call inside a kernel's warpgroup (BENCHMARKS.md session 19) and ~3.4 µs as XLA's fusion.
+3. ``mhc_finish`` (kernel, D / 128 CTAs): from tot (transposed: one row per quantity), per row, pre and post (two
+   sigmoids of the scaled logits) and the variance of the sublayer input u = Σ_i pre_i X'_i from the Gram matrix,
+   mean(u²) = preᵀ Gram pre / D — the variance of the f32 u, as vLLM's fused kernel computes it (HF takes it from
+   the bf16-rounded u); then
    x_in = w · bf16(bf16(u) · rinv), the weighted RMSNorm of the sublayer input with the stock path's rounding
    points; CTA 0 also stores post. (Computing pre / post here rather than in XLA removed three XLA kernels per
    boundary: the logits' scaling, which fed two consumers, and the two packing concatenations.)
