@@ -175,6 +175,12 @@ def e4m3_value(q: jax.Array) -> jax.Array:
   return jnp.where(b >= 128, -val, val)
 
 
+def activation_scale(amax):
+  """The activations' scale from their max |x|: amax / 448, or 1 for all zeros (f32). One definition for XLA and
+  the kernels that recompute it from amax."""
+  return jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
+
+
 def quantize_activations(x: jax.Array, rows: int | None = None):
   """Split x (any float dtype) into two e4m3 terms with one scalar scale.
 
@@ -189,8 +195,7 @@ def quantize_activations(x: jax.Array, rows: int | None = None):
   r = x.shape[-2]
   rows = rows or _padded_rows(r)
   xf = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(xf))
-  s = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
+  s = activation_scale(jnp.max(jnp.abs(xf)))
   v = jnp.clip(xf / s, -E4M3_MAX, E4M3_MAX)
   hi = v.astype(F8)
   lo = jnp.clip((v - e4m3_value(hi)) * LO_SCALE, -E4M3_MAX, E4M3_MAX).astype(F8)
@@ -448,10 +453,10 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
   from its own weight refs (wgs/sgs/wus/sus: one expert, no expert axis)."""
   if shared:
-    (xq_ref, sx_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, wgs_ref, sgs_ref, wus_ref, sus_ref,
+    (xq_ref, amax_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, wgs_ref, sgs_ref, wus_ref, sus_ref,
      o_ref, wg_s, wu_s, x_s, bar) = refs
   else:
-    xq_ref, sx_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, o_ref, wg_s, wu_s, x_s, bar = refs
+    xq_ref, amax_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, o_ref, wg_s, wu_s, x_s, bar = refs
   t = lax.axis_index("t")
   per_slot = tiles * split
   slot_id, rem = t // per_slot, t % per_slot
@@ -505,7 +510,9 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
 
     zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
     acc_g, acc_u = lax.fori_loop(0, steps, step, (zero, zero))
-    sx = sx_ref[0]
+    # the activations' scale, recomputed from their max: passing the scale itself made XLA compute it in a kernel
+    # of its own (~1 µs per MoE layer), as its quantisation fusion and this call both read it
+    sx = activation_scale(amax_ref[0])
     if split == 1:
       gate = jnp.minimum(acc_g * sx, limit)
       up = jnp.clip(acc_u * sx, -limit, limit)
@@ -651,7 +658,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     n_valid = n_valid + 1
   n_pad = _round_up(n_slots, 8)
   plan = plan or plan_moe(n_slots, inter, d, mp)
-  xq, sx = quantize_activations(x, mp)
+  xq, _ = quantize_activations(x, mp)
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)))  # (the same reduction as inside quantize_activations: one kernel)
   f32 = jnp.float32
   sh_gu = (shared[0], shared[1].astype(f32), shared[2], shared[3].astype(f32)) if has_sh else ()
   sh_dn = (shared[4], shared[5].astype(f32)) if has_sh else ()
@@ -671,7 +679,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
           plgpu.SMEM((plan.gu_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)),
           plgpu.Barrier(num_arrivals=3, num_barriers=plan.gu_stages),
       ],
-  )(xq, sx.reshape(1), eids, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu)
+  )(xq, amax.reshape(1), eids, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu)
 
   if plan.gu_split > 1:  # add the D splits and apply the clamped SwiGLU here (fused into the glue below)
     gu = h.sum(0)
@@ -729,7 +737,8 @@ def fp8_moe_reference(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_d
 
 
 __all__ = [
-    "Plan", "MoePlan", "plan_linear", "plan_moe", "quantize_activations", "e4m3_value", "dequantize_fp8",
+    "Plan", "MoePlan", "plan_linear", "plan_moe", "activation_scale", "quantize_activations", "e4m3_value",
+    "dequantize_fp8",
     "fp8_linear", "fp8_linear_q", "fp8_linear_reference", "bf16_linear", "bf16_linear_reference",
     "fp8_moe", "fp8_moe_reference",
 ]
