@@ -31,9 +31,6 @@
 #   topk    (nvidia-h200):    the one-rank latency_specialized step at q = 1 with the indexer's top-k by radix
 #                             selection (policy indexer_topk) vs XLA's sort, profiled; then both at q = 4 if time
 #                             remains
-#   glue    (nvidia-h200):    the mHC GPU tests, then the one-rank latency_specialized step at q = 1 (defaults,
-#                             profiled, optimised HLO kept), the same with the indexer's top-k by radix selection, then
-#                             that at q = 4 if time remains
 #   q4      (nvidia-h200):    the mHC GPU tests (+ the trunk through the fused boundaries natively), the one-rank
 #                             latency_specialized step at q = 1 (defaults, profiled, HLO kept), then at q = 4
 #                             without and with the indexer's top-k by radix selection, then q = 1 with it, traced
@@ -70,6 +67,13 @@ tests_and_kernels() {
   [ "$(left)" -gt 200 ] && timeout $(( $(left) - 150 )) python3 benchmarks/bench_sparse_mla.py --quick \
     > "$OUT/bench_sparse_mla.log" 2>&1
   echo "== sparse MLA / indexer benchmark done"
+}
+
+rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
+  local name=$1; shift
+  timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --context 32768 \
+    --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) --backend latency_specialized \
+    --out "$OUT/decode_$name.jsonl" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_$name.log"
 }
 
 decode_bench() {  # $1: seconds to stop starting configurations
@@ -261,41 +265,20 @@ case "$MODE" in
       | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_profile.log"
     ;;
   topk)  # (nvidia-h200) see the header
-    tb() { timeout $(( $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 \
-      --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 130 )) \
-      --backend latency_specialized --profile --out "$OUT/decode_topk.jsonl" "$@" 2>&1 \
-      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_topk.log"; }
-    tb --q 1 --policy '{"indexer_topk": true}' --hlo-dir "$OUT"
-    [ "$(left)" -gt 200 ] && tb --q 1
-    [ "$(left)" -gt 300 ] && tb --q 4 --policy '{"indexer_topk": true}'
-    [ "$(left)" -gt 300 ] && tb --q 4
-    ;;
-  glue)  # (nvidia-h200) see the header
-    timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_mhc.py 2>&1 \
-      | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee "$OUT/gpu_tests.log"
-    gb() { timeout $(( $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 \
-      --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 130 )) \
-      --backend latency_specialized --profile --out "$OUT/decode_glue.jsonl" "$@" 2>&1 \
-      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_glue.log"; }
-    gb --q 1 --hlo-dir "$OUT"
-    [ "$(left)" -gt 200 ] && gb --q 1 --policy '{"indexer_topk": true}'
-    [ "$(left)" -gt 260 ] && gb --q 4 --policy '{"indexer_topk": true}'
+    rank1 topk --q 1 --profile --policy '{"indexer_topk": true}' --hlo-dir "$OUT"
+    [ "$(left)" -gt 200 ] && rank1 topk --q 1 --profile
+    [ "$(left)" -gt 300 ] && rank1 topk --q 4 --profile --policy '{"indexer_topk": true}'
+    [ "$(left)" -gt 300 ] && rank1 topk --q 4 --profile
     ;;
   q4)  # (nvidia-h200) see the header
     timeout 150 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_mhc.py 2>&1 \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee "$OUT/gpu_tests.log"
-    qb() { timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 \
-      --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
-      --backend latency_specialized --profile --out "$OUT/decode_q4.jsonl" "$@" 2>&1 \
-      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_q4.log"; }
-    qb --q 1 --hlo-dir "$OUT"
-    [ "$(left)" -gt 230 ] && qb --q 4
-    [ "$(left)" -gt 230 ] && qb --q 4 --policy '{"indexer_topk": true}'
-    # where the host time goes with indexer_topk on (session 21: 4.4 -> 6.7 ms per step at q = 1)
-    [ "$(left)" -gt 200 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
-      --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
-      --backend latency_specialized --policy '{"indexer_topk": true}' --trace --out "$OUT/decode_q4.jsonl" 2>&1 \
-      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_q4.log"
+    rank1 q4 --q 1 --profile --hlo-dir "$OUT"
+    [ "$(left)" -gt 230 ] && rank1 q4 --q 4 --profile
+    [ "$(left)" -gt 230 ] && rank1 q4 --q 4 --profile --policy '{"indexer_topk": true}'
+    # where the host time goes with indexer_topk on (session 21: 4.4 -> 6.7 ms per step at q = 1); no --profile
+    # (the trace and the profile both use CUPTI)
+    [ "$(left)" -gt 200 ] && rank1 q4 --q 1 --trace --policy '{"indexer_topk": true}'
     ;;
   mosaic)  # (nvidia-h200-x2) see the header
     (
@@ -318,7 +301,7 @@ case "$MODE" in
     ) &
     wait
     ;;
-  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | glue | q4 | bisect)"; exit 2 ;;
+  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | q4 | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
 echo "total $(( $(date +%s) - t0 )) s"

@@ -243,9 +243,15 @@ class RMSNorm(nnx.Module):
 def hc_mix(m, scale, base, n, iters, eps, post_mult):
   """Spec §3.2 steps 3-6: normalised mixing logits m [..., 24] (pre, post, comb) -> (pre [..., n],
   post [..., n], comb [..., n, n]) with comb Sinkhorn-normalised (the softmax is the first row normalisation)."""
+  return (*hc_pre_post(m, scale, base, n, eps, post_mult),
+          sinkhorn_comb(m[..., 2 * n:], scale[2], base[2 * n:], n, iters, eps))
+
+
+def hc_pre_post(m, scale, base, n, eps, post_mult):
+  """Spec §3.2 steps 3-4: (pre [..., n], post [..., n]) from the mixing logits m [..., ≥ 2n]."""
   pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + eps
   post = post_mult * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
-  return pre, post, sinkhorn_comb(m[..., 2 * n:], scale[2], base[2 * n:], n, iters, eps)
+  return pre, post
 
 
 def sinkhorn_comb(mc, scale, base, n, iters, eps):

@@ -27,7 +27,7 @@ at M = 1: 6.2 + 1.8 + 3.4 + 3.6 µs, BENCHMARKS.md session 21):
    boundary: the logits' scaling, which fed two consumers, and the two packing concatenations.)
 
 References with the same signatures: ``mhc_post_pre_reference`` and ``mhc_finish_reference`` (pure jnp, f32; the
-latter on ``mhc_mix_reference``: the site's mixing from tot with the stock path's ``hc_mix``).
+latter on ``mhc_mix_reference``: pre / post from tot with the stock path's ``hc_pre_post``).
 
 Kernel notes: the token rows are the wgmma M dimension (64, rows past M are never stored), so per-token values
 (post, comb, pre, r) are per-row vectors broadcast along the columns. Inputs arrive by TMA boxes of M rows into
@@ -94,21 +94,19 @@ def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
   return Xn.reshape(M, K), jnp.pad(part, pad)
 
 
-def mhc_mix_reference(tot, coef, D: int, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
-                      post_mult: float):
-  """The site's mixing from the summed partials (the math every path of a boundary follows): tot [M, 40] f32 =
-  the partials of ``mhc_post_pre`` summed over the column chunks, coef [27] f32 the site's mHC base [24] then
-  scale [3] (``HyperConnection.base_scale``) -> (pre [M, N], rinv [M] = 1/RMS of the sublayer input u, post [M, N], comb [M, N, N] Sinkhorn-normalised).
-  ‖x‖² = Gram trace; mean(u²) = preᵀ Gram pre / D (clamped at 0: it can round below where the weighted streams
-  nearly cancel), the variance of the f32 u as vLLM's fused kernel takes it."""
-  from glm5_jax.layers import hc_mix  # noqa: PLC0415 (the stock path's mixing math: one definition)
-  base, scale = coef[:MIX], coef[MIX:]
-  S, gram = tot[:, :MIX], _gram(tot)
-  ss = sum(gram[:, i, i] for i in range(N))
-  pre, post, comb = hc_mix(S * lax.rsqrt(ss / (N * D) + hc_norm_eps)[:, None], scale, base, N, iters, eps, post_mult)
+def mhc_mix_reference(tot, coef, D: int, *, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float):
+  """The site's pre / post / 1-over-RMS from the summed partials (the stock path's math, ``hc_pre_post``): tot
+  [M, 40] f32 = the partials of ``mhc_post_pre`` summed over the column chunks, coef [27] f32 the site's mHC base
+  [24] then scale [3] (``HyperConnection.base_scale``) -> (pre [M, N], rinv [M] = 1/RMS of the sublayer input u,
+  post [M, N]). mean(u²) = preᵀ Gram pre / D (clamped at 0: it can round below where the weighted streams nearly
+  cancel), the variance of the f32 u as vLLM's fused kernel takes it. (comb: ``mhc_comb``.)"""
+  from glm5_jax.layers import hc_pre_post  # noqa: PLC0415 (the stock path's mixing math: one definition)
+  gram = _gram(tot)
+  pre, post = hc_pre_post(tot[:, :2 * N] * _logit_norm(gram, D, hc_norm_eps), coef[MIX:], coef[:MIX], N, eps,
+                          post_mult)
   # (an elementwise sum, not an einsum: XLA keeps it in the glue's one fusion instead of a tiny dot kernel)
   var = jnp.maximum(jnp.sum(pre[:, :, None] * gram * pre[:, None, :], axis=(1, 2)) / D, 0.0)
-  return pre, lax.rsqrt(var + norm_eps), post, comb
+  return pre, lax.rsqrt(var + norm_eps), post
 
 
 def _gram(tot):
@@ -118,14 +116,17 @@ def _gram(tot):
   return jnp.stack([jnp.stack([gp[:, idx[min(i, j), max(i, j)]] for j in range(N)], -1) for i in range(N)], -2)
 
 
+def _logit_norm(gram, D, hc_norm_eps):
+  """rsqrt(mean(x²) + eps) [M, 1] of the flattened streams: ‖x‖² is the Gram trace."""
+  return lax.rsqrt(sum(gram[:, i, i] for i in range(N)) / (N * D) + hc_norm_eps)[:, None]
+
+
 def mhc_comb(tot, coef, D: int, *, iters: int, eps: float, hc_norm_eps: float):
   """The one part of a boundary left to XLA: comb [M, N·N] f32 (row-major comb[i, j] at N·i + j), the Sinkhorn of
   the site's comb logits, from the summed partials tot [M, 40]. Only comb's logits are scaled here, so XLA fuses
   the scaling into the Sinkhorn's kernel (pre, rinv and post are computed in ``mhc_finish``)."""
   from glm5_jax.layers import sinkhorn_comb  # noqa: PLC0415
-  gram = _gram(tot)
-  ss = sum(gram[:, i, i] for i in range(N))
-  mc = tot[:, 2 * N:MIX] * lax.rsqrt(ss / (N * D) + hc_norm_eps)[:, None]
+  mc = tot[:, 2 * N:MIX] * _logit_norm(_gram(tot), D, hc_norm_eps)
   return sinkhorn_comb(mc, coef[MIX + 2], coef[2 * N:MIX], N, iters, eps).reshape(-1, N * N)
 
 
@@ -138,8 +139,8 @@ def mhc_finish_reference(Xn, tot_t, coef, w, *, eps: float, hc_norm_eps: float, 
   M, K = Xn.shape
   D = K // N
   tot = tot_t[:, :M].T
-  pre, rinv, post, _ = mhc_mix_reference(tot, coef, D, iters=1, eps=eps, hc_norm_eps=hc_norm_eps,
-                                         norm_eps=norm_eps, post_mult=post_mult)
+  pre, rinv, post = mhc_mix_reference(tot, coef, D, eps=eps, hc_norm_eps=hc_norm_eps, norm_eps=norm_eps,
+                                      post_mult=post_mult)
   u = jnp.einsum("mn,mnd->md", pre, Xn.astype(jnp.float32).reshape(M, N, D), precision=lax.Precision.HIGHEST)
   xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * rinv[:, None]).astype(jnp.bfloat16)
   return w.astype(jnp.bfloat16) * xn, jnp.pad(post, ((0, 0), (0, 8 - N)))
@@ -278,7 +279,7 @@ def _load_streams(x_g, x_s, bar, M, D):
 
 def _finish_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float):
   """Each CTA computes the site's pre, post and 1/RMS of u per row from the summed partials (a few dozen flops
-  per row, on per-row vectors: as ``mhc_mix_reference`` without the Sinkhorn), then Σ pre_i X'_i + RMSNorm of its
+  per row, on per-row vectors: as ``mhc_mix_reference``), then Σ pre_i X'_i + RMSNorm of its
   DC_FIN columns; CTA 0 also stores post for the next boundary. The sums arrive transposed ([40, 64]: one SMEM
   row per quantity), so each per-row vector is one row load — extracting 18 columns of a [64, 40] tile by
   masked row sums cost ~2 µs per call on the H200 (BENCHMARKS.md session 21)."""

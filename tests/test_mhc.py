@@ -78,11 +78,14 @@ def test_kernels_gpu(M, D, first):
 
 
 def test_comb_is_the_stock_sinkhorn():
-  """mhc_comb (the boundary's XLA glue) == the comb of the stock mixing (hc_mix via mhc_mix_reference)."""
+  """mhc_comb (the boundary's XLA glue) == the comb of the stock mixing (hc_mix on all 24 normalised logits)."""
+  from glm5_jax.layers import hc_mix  # noqa: PLC0415
   X, y, mix, fn, coef, _ = _inputs(3, 256, 5)
   tot = jnp.sum(K.mhc_post_pre_reference(X, y, mix, fn)[1][:, :3], axis=0)
   comb = K.mhc_comb(tot, coef, 256, iters=20, eps=1e-6, hc_norm_eps=1e-6)
-  ref = K.mhc_mix_reference(tot, coef, 256, iters=20, **CONSTS)[3]
+  ss = np.trace(np.asarray(K._gram(tot)), axis1=1, axis2=2)
+  m = tot[:, :K.MIX] * jax.lax.rsqrt(jnp.asarray(ss) / (4 * 256) + 1e-6)[:, None]
+  ref = hc_mix(m, coef[K.MIX:], coef[:K.MIX], 4, 20, 1e-6, 2.0)[2]
   np.testing.assert_array_equal(np.asarray(comb), np.asarray(ref).reshape(3, 16))
 
 
