@@ -44,6 +44,22 @@ def roofline_bytes(b, q, ctx):
   return 3862e6 + experts + b * (2 * 34 * 16 * 65536) + b * q * 11 * 2048 * 1024 + b * 11 * (ctx / 4) * 256
 
 
+def _xla_option(text):
+  """'name=value' -> (name, bool | int | float | str)."""
+  name, sep, value = text.partition("=")
+  if not sep or not name:
+    raise SystemExit(f"--xla-option {text!r}: expected NAME=VALUE")
+  low = value.lower()
+  if low in ("true", "false"):
+    return name, low == "true"
+  for kind in (int, float):
+    try:
+      return name, kind(value)
+    except ValueError:
+      pass
+  return name, value
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--geometry", default="tp4-rank", choices=["tp4-rank", "real", "kernel-tiny", "oracle-tiny"],
@@ -81,8 +97,12 @@ def main(argv=None):
   p.add_argument("--executables", type=int, nargs="+", default=[1], choices=[1, 2],
                  help="2: alternate two loaded copies of the compiled step (each its own CUDA graph); both values "
                       "compare them in one process")
+  p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                 help="an XLA debug option for the step's compile (repeatable), e.g. "
+                      "xla_gpu_experimental_enable_triton_heroless_priority_fusion=false (names: XLA DebugOptions)")
   a = p.parse_args(argv)
   tunings = ["off"] if a.fast_compile else a.autotune
+  extra_opts = dict(_xla_option(o) for o in a.xla_option)
   if a.trace:  # XLA turns command buffers off while a profiler runs: the trace must show the timed program
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_enable_command_buffers_during_profiling=true").strip()
   if a.tp > 1:
@@ -116,8 +136,8 @@ def main(argv=None):
              for ne in a.executables for pk in a.pack_params]
   # q outermost: the backends' numbers for one q come together when the budget cuts the run short
   for q, backend, tune, b, ne, pk in configs:
-    opts = {"xla_gpu_autotune_level": 0} if tune == "off" else {}
-    label = backend + (" (no autotune)" if opts else "") + (" ×2 exec" if ne > 1 else "") + (" packed" if pk else "")
+    opts = ({"xla_gpu_autotune_level": 0} if tune == "off" else {}) | extra_opts
+    label = backend + (" (no autotune)" if tune == "off" else "") + (" +xla opts" if extra_opts else "") + (" ×2 exec" if ne > 1 else "") + (" packed" if pk else "")
     if time.time() - t_start > a.budget_s:
       print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
       continue

@@ -7,6 +7,8 @@ state: the gaps between kernels count, as in the decode step), and the floor: by
 (X in and out, y, fn, the normed output) at 4.3 TB/s.
 
 Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_mhc.py [--rows 1,4,8,32,64] [--out results.txt]
+       --compile: instead, seconds to compile a chain of 16 boundaries (and of each part alone, 16 times) per M —
+       the whole q = 4 step once took over 8 minutes to compile (session 22)
 """
 
 from __future__ import annotations
@@ -53,12 +55,63 @@ def fused(hc, norm, X2, y, mix):
   return hc.fused(X2, (y, mix), norm)
 
 
+def compile_times(hc, norm, rows):
+  """Seconds to compile CHAIN unrolled boundaries (stock, fused) and CHAIN copies of each fused kernel at M rows
+  (session 22, before the Sinkhorn moved into mhc_finish: 16 boundaries at M = 4 took 64.9 s, their 16 XLA
+  Sinkhorn fusions alone 36.0 s; the stock chain 17.6 s)."""
+  from pallas_kernels import mhc as km  # noqa: PLC0415
+  log(f"# compile seconds for {CHAIN} boundaries / {CHAIN} copies of a part, {jax.devices()[0].device_kind}")
+  log(f"{'M':>3} {'stock':>7} {'fused':>7} {'post_pre':>9} {'finish':>7}")
+  eps = dict(eps=hc.eps, hc_norm_eps=hc.norm_eps)
+  for M in rows:
+    X2 = jax.ShapeDtypeStruct((M, N * D), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((M, D), jnp.bfloat16)
+    mix = (jax.ShapeDtypeStruct((M, 8), jnp.float32), jax.ShapeDtypeStruct((M, 16), jnp.float32))
+    tot = jax.ShapeDtypeStruct((64, 40), jnp.float32)
+
+    def chain(X2, y, mix, f):
+      for _ in range(CHAIN):
+        X2, y, mix = f(hc, norm, X2, y, mix)
+      return X2, mix
+
+    def post_pre(X2, y, mix):
+      for _ in range(CHAIN):
+        X2, part = km.mhc_post_pre(X2, y, mix, hc.fn[...])
+        y = part[0, :M, :1].astype(jnp.bfloat16) + y
+      return X2, y
+
+    def finish(X2, tot):
+      w = norm.weight[...]
+      for _ in range(CHAIN):
+        x, post, comb = km.mhc_finish(X2, tot.T, hc.base_scale[...], w, iters=hc.iters, **eps, norm_eps=norm.eps,
+                                      post_mult=hc.post_mult)
+        w = w + x[0]
+        tot = tot.at[:M, :8].add(post).at[:M, 8:24].add(comb)
+      return x, tot
+
+    out = []
+    for f, args in ((lambda *a: chain(*a, stock), (X2, y, mix)), (lambda *a: chain(*a, fused), (X2, y, mix)),
+                    (post_pre, (X2, y, mix)), (finish, (X2, tot))):
+      t = time.perf_counter()
+      jax.jit(f).trace(*args).lower().compile()
+      out.append(time.perf_counter() - t)
+    log(f"{M:>3} " + " ".join(f"{v:>{w}.1f}" for v, w in zip(out, (7, 7, 9, 7))))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--rows", default="1,4,8,32,64")
   p.add_argument("--out", default=None)
+  p.add_argument("--compile", action="store_true", help="compile times instead of run times (see the docstring)")
   a = p.parse_args(argv)
   hc, norm = _site(0)
+  if a.compile:
+    from pallas_kernels._common import maybe_interpret  # noqa: PLC0415 (interpret mode off a GPU: script check)
+    with maybe_interpret():
+      compile_times(hc, norm, [int(r) for r in a.rows.split(",")])
+    if a.out:
+      write_log(a.out)
+    return
   rng = np.random.default_rng(1)
   log(f"# mHC boundary, D = {N}×{D}, {jax.devices()[0].device_kind}, timing: {MODE[0]}, "
       f"{time.strftime('%Y-%m-%d')}")

@@ -34,6 +34,8 @@
 #   q4      (nvidia-h200):    the mHC GPU tests (+ the trunk through the fused boundaries natively), the one-rank
 #                             latency_specialized step at q = 1 (defaults, profiled, HLO kept), then at q = 4
 #                             without and with the indexer's top-k by radix selection, then q = 1 with it, traced
+#   hang    (nvidia-h200):    4 real layers at q = 4, every kernel family alone and all together as concurrent
+#                             processes: which one stalls (LAYERS=N for more layers)
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
 #                             one kernel family at a time (finds a kernel that faults or hangs), then the
 #                             end-to-end kernel tests if time remains
@@ -107,6 +109,24 @@ case "$MODE" in
         --layers 12 --batch 1 --q 1 --backend latency_specialized auto --context 32768 --steps 20 --repeats 3 \
         --fast-compile --profile --budget-s $(( $(left) - 100 )) --out "$OUT/decode_tp2.jsonl" 2>&1 | grep -v -i warn \
         >> "$OUT/bench_decode_tp2.log"
+    done
+    ;;
+  hang)  # (nvidia-h200) which kernel family stalls the q = 4 step (session 22: the 45-layer q = 4 first call never
+    # returned): 4 real layers (3 KDA + 1 DSA, the MTP layer) at q = 4, every family alone and all together, as
+    # concurrent processes on the one GPU (memory grown on demand); each reports its first call or times out
+    ALL="kda fp8_linear fp8_moe indexer sparse_mla mhc router_topk indexer_topk"
+    RUN="all kda fp8_linear fp8_moe indexer sparse_mla mhc router_topk"  # (indexer_topk is off by default)
+    for k in $RUN; do
+      if [ "$k" = all ]; then pol="{}"; else
+        pol="{$(for o in $ALL; do [ "$o" = "$k" ] && echo "\"$o\": true" || echo "\"$o\": false"; done | paste -sd,)}"; fi
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $(( BUDGET - 40 )) python3 benchmarks/bench_decode.py \
+        --geometry tp4-rank --layers "${LAYERS:-4}" --batch 1 --q 4 --backend latency_specialized --policy "$pol" \
+        --context 32768 --steps 3 --repeats 1 --fast-compile > "$OUT/hang_$k.log" 2>&1 &
+    done
+    wait
+    for k in $RUN; do
+      echo "== $k: $(grep -E "first call|FAILED|Error|packed +1 +4" "$OUT/hang_$k.log" | tr '\n' ' ' | cut -c1-300)" \
+        | tee -a "$OUT/bench_hang.log"
     done
     ;;
   bisect)  # which kernel family breaks the real-geometry step: each alone on 8 layers of one TP4 rank, q = 1
@@ -270,10 +290,10 @@ case "$MODE" in
     [ "$(left)" -gt 300 ] && rank1 topk --q 4 --profile --policy '{"indexer_topk": true}'
     [ "$(left)" -gt 300 ] && rank1 topk --q 4 --profile
     ;;
-  q4)  # (nvidia-h200) see the header
-    timeout 150 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_mhc.py 2>&1 \
+  q4)  # (nvidia-h200) see the header; Q1=0 skips the tests and the q = 1 run
+    [ "${Q1:-1}" = 1 ] && timeout 150 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_mhc.py 2>&1 \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee "$OUT/gpu_tests.log"
-    rank1 q4 --q 1 --profile --hlo-dir "$OUT"
+    [ "${Q1:-1}" = 1 ] && rank1 q4 --q 1 --profile --hlo-dir "$OUT"
     [ "$(left)" -gt 230 ] && rank1 q4 --q 4 --profile
     [ "$(left)" -gt 230 ] && rank1 q4 --q 4 --profile --policy '{"indexer_topk": true}'
     # where the host time goes with indexer_topk on (session 21: 4.4 -> 6.7 ms per step at q = 1); no --profile
@@ -301,7 +321,7 @@ case "$MODE" in
     ) &
     wait
     ;;
-  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | q4 | bisect)"; exit 2 ;;
+  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | q4 | hang | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
 echo "total $(( $(date +%s) - t0 )) s"

@@ -326,11 +326,9 @@ class HyperConnection(nnx.Module):
     # one reduction over the column chunks (all 64 rows: the finish kernel takes the sums transposed, one row per
     # quantity; rows M.. are padding it never stores)
     tot = jnp.sum(part, axis=0)  # [64, 40]
-    coef, D = self.base_scale[...], X2.shape[1] // self.n
-    comb = km.mhc_comb(tot[:M], coef, D, iters=self.iters, eps=self.eps, hc_norm_eps=self.norm_eps)
     finish = km.mhc_finish if kernel_enabled("mhc_finish") else km.mhc_finish_reference
-    x_in, post = finish(Xn, tot.T, coef, norm.weight[...], eps=self.eps, hc_norm_eps=self.norm_eps,
-                        norm_eps=norm.eps, post_mult=self.post_mult)
+    x_in, post, comb = finish(Xn, tot.T, self.base_scale[...], norm.weight[...], iters=self.iters, eps=self.eps,
+                              hc_norm_eps=self.norm_eps, norm_eps=norm.eps, post_mult=self.post_mult)
     return Xn, x_in, (post, comb)
 
   @staticmethod

@@ -6,8 +6,8 @@ the flattened streams; G = D / 64 column chunks (one CTA each). The residual is 
 columns 0..3, comb [M, N·N] f32: its Sinkhorn-normalised comb, row-major, comb[i, j] at N·i + j).
 
 A boundary between sublayers (the post of one site fused with the pre of the next, as vLLM's
-``MHCFusedPostPreOp``) is two Mosaic launches and two XLA kernels instead of ~11 XLA kernels (measured on the H200
-at M = 1: 6.2 + 1.8 + 3.4 + 3.6 µs, BENCHMARKS.md session 21):
+``MHCFusedPostPreOp``) is two Mosaic launches and one XLA reduction instead of ~11 XLA kernels (measured on the
+H200 at M = 1 with the Sinkhorn still an XLA fusion: 6.2 + 1.8 + 3.4 + 3.6 µs, BENCHMARKS.md session 21):
 
 1. ``mhc_post_pre`` (kernel, G CTAs): for its 64 columns of every stream, X'_j = post_j · y + Σ_i comb[i, j] · X_i
    in f32, rounded to bf16 (skipped at the first site, which has no previous sublayer: X' = X); the partial
@@ -15,16 +15,14 @@ at M = 1: 6.2 + 1.8 + 3.4 + 3.6 µs, BENCHMARKS.md session 21):
    exact, as in the f32 reference) and the partial Gram matrix of the four streams part[g, :, 24 + k] =
    Σ_d X'_i[d] X'_j[d] for the k-th pair i <= j — one array, so that one XLA reduction sums the G partials
    (f32, on the CUDA cores) into tot [64, 40] (rows M.. padding).
-2. ``mhc_comb`` (XLA, one fusion): ‖x‖² is the Gram trace, so m = (fn · x) · rsqrt(mean(x²) + eps); the comb
-   logits' softmax and 20 Sinkhorn iterations (``glm5_jax.layers.sinkhorn_comb``) — serial divisions that cost
-   63 µs per call inside a kernel's warpgroup (BENCHMARKS.md session 19) and ~3.4 µs as XLA's fusion.
-3. ``mhc_finish`` (kernel, D / 128 CTAs): from tot (transposed: one row per quantity), per row, pre and post (two
-   sigmoids of the scaled logits) and the variance of the sublayer input u = Σ_i pre_i X'_i from the Gram matrix,
+2. ``mhc_finish`` (kernel, D / 128 + 1 CTAs): from tot (transposed: one row per quantity), ‖x‖² is the Gram
+   trace, so the logits are m = (fn · x) · rsqrt(mean(x²) + eps). The first D / 128 CTAs compute per row pre (a
+   sigmoid of the scaled logits) and the variance of the sublayer input u = Σ_i pre_i X'_i from the Gram matrix,
    mean(u²) = preᵀ Gram pre / D — the variance of the f32 u, as vLLM's fused kernel computes it (HF takes it from
-   the bf16-rounded u); then
-   x_in = w · bf16(bf16(u) · rinv), the weighted RMSNorm of the sublayer input with the stock path's rounding
-   points; CTA 0 also stores post. (Computing pre / post here rather than in XLA removed three XLA kernels per
-   boundary: the logits' scaling, which fed two consumers, and the two packing concatenations.)
+   the bf16-rounded u); then x_in = w · bf16(bf16(u) · rinv), the weighted RMSNorm of the sublayer input with
+   the stock path's rounding points, for their 128 columns. The last CTA, in parallel, computes post and the
+   comb logits' softmax + 20 Sinkhorn iterations (a rolled loop on per-row vectors) and stores both for the next
+   boundary.
 
 References with the same signatures: ``mhc_post_pre_reference`` and ``mhc_finish_reference`` (pure jnp, f32; the
 latter on ``mhc_mix_reference``: pre / post from tot with the stock path's ``hc_pre_post``).
@@ -69,7 +67,7 @@ def _check(x, D, what):
 # ------------------------------------------------------------------------------------------------ references
 def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
   """X [M, N·D] bf16 residual, y [M, D] bf16 sublayer output, mix = (post [M, 8], comb [M, N·N]) f32 of the
-  previous site (``mhc_finish``'s post, ``mhc_comb``'s comb), fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40] f32: per column chunk the 24 partial mixing logits
+  previous site (``mhc_finish``'s), fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40] f32: per column chunk the 24 partial mixing logits
   then the 10 partial Gram entries, 6 columns of padding). ``first``: no previous sublayer (y and mix are
   ignored, X' = X). Rows M.. of part are padding (unspecified)."""
   M, K = X.shape
@@ -99,7 +97,7 @@ def mhc_mix_reference(tot, coef, D: int, *, eps: float, hc_norm_eps: float, norm
   [M, 40] f32 = the partials of ``mhc_post_pre`` summed over the column chunks, coef [27] f32 the site's mHC base
   [24] then scale [3] (``HyperConnection.base_scale``) -> (pre [M, N], rinv [M] = 1/RMS of the sublayer input u,
   post [M, N]). mean(u²) = preᵀ Gram pre / D (clamped at 0: it can round below where the weighted streams nearly
-  cancel), the variance of the f32 u as vLLM's fused kernel takes it. (comb: ``mhc_comb``.)"""
+  cancel), the variance of the f32 u as vLLM's fused kernel takes it. (comb: ``_comb_reference``.)"""
   from glm5_jax.layers import hc_pre_post  # noqa: PLC0415 (the stock path's mixing math: one definition)
   gram = _gram(tot)
   pre, post = hc_pre_post(tot[:, :2 * N] * _logit_norm(gram, D, hc_norm_eps), coef[MIX:], coef[:MIX], N, eps,
@@ -121,21 +119,21 @@ def _logit_norm(gram, D, hc_norm_eps):
   return lax.rsqrt(sum(gram[:, i, i] for i in range(N)) / (N * D) + hc_norm_eps)[:, None]
 
 
-def mhc_comb(tot, coef, D: int, *, iters: int, eps: float, hc_norm_eps: float):
-  """The one part of a boundary left to XLA: comb [M, N·N] f32 (row-major comb[i, j] at N·i + j), the Sinkhorn of
-  the site's comb logits, from the summed partials tot [M, 40]. Only comb's logits are scaled here, so XLA fuses
-  the scaling into the Sinkhorn's kernel (pre, rinv and post are computed in ``mhc_finish``)."""
+def _comb_reference(tot, coef, D: int, *, iters: int, eps: float, hc_norm_eps: float):
+  """comb [M, N·N] f32 (row-major comb[i, j] at N·i + j): the Sinkhorn of the site's comb logits from the summed
+  partials tot [M, 40], with the stock path's ``sinkhorn_comb``."""
   from glm5_jax.layers import sinkhorn_comb  # noqa: PLC0415
   mc = tot[:, 2 * N:MIX] * _logit_norm(_gram(tot), D, hc_norm_eps)
   return sinkhorn_comb(mc, coef[MIX + 2], coef[2 * N:MIX], N, iters, eps).reshape(-1, N * N)
 
 
-def mhc_finish_reference(Xn, tot_t, coef, w, *, eps: float, hc_norm_eps: float, norm_eps: float,
+def mhc_finish_reference(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
                          post_mult: float):
   """Xn [M, N·D] bf16 (X' of ``mhc_post_pre``), tot_t [40, 64] f32 (its partials summed over the column chunks,
   transposed: column m is token row m; columns M.. are padding), coef [27] (base, scale), w [D] -> (x_in [M, D]
-  bf16 = w · bf16(bf16(u) · rinv), post [M, 8] f32: this site's post in columns 0..3, zeros after).
-  u = Σ_i pre_i · X'_i in f32 (the stock path's RMSNorm rounding, with rinv from the Gram matrix)."""
+  bf16 = w · bf16(bf16(u) · rinv), post [M, 8] f32: this site's post in columns 0..3, zeros after, comb [M, N·N]
+  f32: its Sinkhorn-normalised comb, row-major). u = Σ_i pre_i · X'_i in f32 (the stock path's RMSNorm rounding,
+  with rinv from the Gram matrix); comb from the stock path's ``sinkhorn_comb`` (``iters`` iterations)."""
   M, K = Xn.shape
   D = K // N
   tot = tot_t[:, :M].T
@@ -143,7 +141,8 @@ def mhc_finish_reference(Xn, tot_t, coef, w, *, eps: float, hc_norm_eps: float, 
                                       post_mult=post_mult)
   u = jnp.einsum("mn,mnd->md", pre, Xn.astype(jnp.float32).reshape(M, N, D), precision=lax.Precision.HIGHEST)
   xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * rinv[:, None]).astype(jnp.bfloat16)
-  return w.astype(jnp.bfloat16) * xn, jnp.pad(post, ((0, 0), (0, 8 - N)))
+  comb = _comb_reference(tot, coef, D, iters=iters, eps=eps, hc_norm_eps=hc_norm_eps)
+  return w.astype(jnp.bfloat16) * xn, jnp.pad(post, ((0, 0), (0, 8 - N))), comb
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -277,56 +276,104 @@ def _load_streams(x_g, x_s, bar, M, D):
   return d0
 
 
-def _finish_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float):
-  """Each CTA computes the site's pre, post and 1/RMS of u per row from the summed partials (a few dozen flops
-  per row, on per-row vectors: as ``mhc_mix_reference``), then Σ pre_i X'_i + RMSNorm of its
-  DC_FIN columns; CTA 0 also stores post for the next boundary. The sums arrive transposed ([40, 64]: one SMEM
-  row per quantity), so each per-row vector is one row load — extracting 18 columns of a [64, 40] tile by
-  masked row sums cost ~2 µs per call on the H200 (BENCHMARKS.md session 21)."""
-  idx = {p: k for k, p in enumerate(_PAIRS)}
+def _sinkhorn_rows(mc, iters: int, eps: float):
+  """The stock ``sinkhorn_comb`` on per-row vectors: mc = the 16 scaled comb logits (row-major c[i][j] at N·i + j),
+  each a [64] vector -> the 16 comb entries. A row softmax + eps, a column normalisation, then iters - 1 rolled
+  (row, column) normalisation pairs: unrolled, the 20 iterations were ~2,000 straight-line vector ops, and the
+  kernel that ran them took 63 µs a call (session 19) — instruction fetch, not arithmetic."""
+  c = [mc[N * i:N * i + N] for i in range(N)]
 
-  def body(x_g, t_g, c_g, w_g, o_g, post_g, x_s, t_s, w_s, o_s, p_s, bar):
-    d0 = _load_streams(x_g, x_s, bar, M, D)
-    plgpu.copy_gmem_to_smem(t_g, t_s, bar)
-    plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, DC_FIN)], w_s, bar)
-    base = [c_g[k] for k in range(2 * N)]  # scalars (GMEM loads while the copies fly)
-    sc = [c_g[MIX + k] for k in range(2)]
-    plgpu.barrier_wait(bar)
-    tv = [plgpu.load(t_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False)
-          for k in list(range(2 * N)) + list(range(MIX, MIX + GRAM))]
-    S, gp = tv[:2 * N], tv[2 * N:]
+  def col_norm(c):
+    s = [c[0][j] + c[1][j] + c[2][j] + c[3][j] + eps for j in range(N)]
+    return [[c[i][j] / s[j] for j in range(N)] for i in range(N)]
+
+  def row_norm(c):
+    return [[c[i][j] / (c[i][0] + c[i][1] + c[i][2] + c[i][3] + eps) for j in range(N)] for i in range(N)]
+
+  sm = []
+  for i in range(N):  # softmax over j, max-subtracted as jax.nn.softmax
+    mx = jnp.maximum(jnp.maximum(c[i][0], c[i][1]), jnp.maximum(c[i][2], c[i][3]))
+    ex = [jnp.exp(c[i][j] - mx) for j in range(N)]
+    tot = ex[0] + ex[1] + ex[2] + ex[3]
+    sm.append([ex[j] / tot + eps for j in range(N)])
+  c = col_norm(sm)
+
+  def body(_, flat):
+    c = col_norm(row_norm([list(flat[N * i:N * i + N]) for i in range(N)]))
+    return tuple(v for row in c for v in row)
+
+  return list(lax.fori_loop(0, iters - 1, body, tuple(v for row in c for v in row)))
+
+
+def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float):
+  """CTAs 0..G-1 (G = D / DC_FIN) each compute the site's pre and 1/RMS of u per row from the summed partials (a
+  few dozen flops per row, on per-row vectors: as ``mhc_mix_reference``), then Σ pre_i X'_i + RMSNorm of their
+  DC_FIN columns. CTA G computes post and the Sinkhorn of comb for the next boundary and stores both: in parallel
+  with the normalisation instead of an XLA fusion of its own after it (~3.4 µs per boundary at M = 1, and one
+  Triton compilation per call site: the 45-layer step at q = 4 took over 8 minutes to compile, session 22).
+  The sums arrive transposed ([40, 64]: one SMEM row per quantity), so each per-row vector is one row load —
+  extracting 18 columns of a [64, 40] tile by masked row sums cost ~2 µs per call on the H200 (session 21)."""
+  idx = {p: k for k, p in enumerate(_PAIRS)}
+  G = D // DC_FIN
+
+  def body(x_g, t_g, c_g, w_g, o_g, post_g, comb_g, x_s, t_s, w_s, o_s, p_s, cb_s, bar_t, bar_x):
+    g = lax.axis_index("g")
+    d0 = g * DC_FIN
+    plgpu.copy_gmem_to_smem(t_g, t_s, bar_t)
+
+    @pl.when(g < G)
+    def _():
+      for i in range(N):
+        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + d0, DC_FIN)], x_s.at[i, pl.ds(0, M)], bar_x)
+      plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, DC_FIN)], w_s, bar_x)
+
+    base = [c_g[k] for k in range(MIX)]  # scalars (GMEM loads while the copies fly)
+    sc = [c_g[MIX + k] for k in range(3)]
+    plgpu.barrier_wait(bar_t)
+    def rows(ks):
+      return [plgpu.load(t_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False) for k in ks]
+
+    gp = rows(range(MIX, MIX + GRAM))
     gram = [[gp[idx[min(i, j), max(i, j)]] for j in range(N)] for i in range(N)]
     ss = gram[0][0] + gram[1][1] + gram[2][2] + gram[3][3]
     r = lax.rsqrt(ss / float(N * D) + hc_norm_eps)
-    m = [S[k] * r for k in range(2 * N)]
-    pre = [jax.nn.sigmoid(m[i] * sc[0] + base[i]) + eps for i in range(N)]
-    post = [post_mult * jax.nn.sigmoid(m[N + i] * sc[1] + base[N + i]) for i in range(N)]
-    var = None
-    for i in range(N):
-      for j in range(N):
-        t = pre[i] * gram[i][j] * pre[j]
-        var = t if var is None else var + t
-    rinv = lax.rsqrt(jnp.maximum(var / float(D), 0.0) + norm_eps)
 
-    _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0)
-
-    @pl.when(d0 == 0)
+    @pl.when(g < G)
     def _():
-      col = plgpu.broadcasted_iota(jnp.int32, (ROWS, 8), 1, layout=_L.WGMMA)
-      tile = jnp.zeros((ROWS, 8), jnp.float32)
-      for k, v in enumerate(post):
-        tile = jnp.where(col == k, _bcast(v, 8), tile)
-      p_s[...] = plgpu.layout_cast(tile, _L.WGMMA)
+      S = rows(range(N))
+      pre = [jax.nn.sigmoid(S[i] * r * sc[0] + base[i]) + eps for i in range(N)]
+      var = None
+      for i in range(N):
+        for j in range(N):
+          t = pre[i] * gram[i][j] * pre[j]
+          var = t if var is None else var + t
+      rinv = lax.rsqrt(jnp.maximum(var / float(D), 0.0) + norm_eps)
+      plgpu.barrier_wait(bar_x)
+      _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0)
+
+    @pl.when(g == G)
+    def _():
+      S = [None] * N + rows(range(N, MIX))
+      post = [post_mult * jax.nn.sigmoid(S[N + i] * r * sc[1] + base[N + i]) for i in range(N)]
+      comb = _sinkhorn_rows([S[k] * r * sc[2] + base[k] for k in range(2 * N, MIX)], iters, eps)
+      for vals, ref, cols in ((post, p_s, 8), (comb, cb_s, N * N)):
+        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, cols), 1, layout=_L.WGMMA)
+        tile = jnp.zeros((ROWS, cols), jnp.float32)
+        for k, v in enumerate(vals):
+          tile = jnp.where(col == k, _bcast(v, cols), tile)
+        ref[...] = plgpu.layout_cast(tile, _L.WGMMA)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(p_s.at[pl.ds(0, M)], post_g.at[pl.ds(0, M)])
+      plgpu.copy_smem_to_gmem(cb_s.at[pl.ds(0, M)], comb_g.at[pl.ds(0, M)])
 
     plgpu.wait_smem_to_gmem(0)
 
   return body
 
 
-@kernel_entry("eps", "hc_norm_eps", "norm_eps", "post_mult")
-def mhc_finish(Xn, tot_t, coef, w, *, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float):
+@kernel_entry("iters", "eps", "hc_norm_eps", "norm_eps", "post_mult")
+def mhc_finish(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
+               post_mult: float):
   """Mosaic GPU version of ``mhc_finish_reference`` (same signature and outputs)."""
   M, K = Xn.shape
   D = K // N
@@ -334,19 +381,24 @@ def mhc_finish(Xn, tot_t, coef, w, *, eps: float, hc_norm_eps: float, norm_eps: 
   if tot_t.shape != (PART, ROWS) or coef.shape != (MIX + 3,):
     raise ValueError(f"mhc_finish: tot_t {tot_t.shape}, coef {coef.shape}; expected [{PART}, {ROWS}], [{MIX + 3}] "
                      "(base, scale)")
+  if iters < 1:
+    raise ValueError(f"mhc_finish: iters = {iters}, expected >= 1 Sinkhorn iterations")
   bf16, f32 = jnp.bfloat16, jnp.float32
   kern = plgpu.kernel(
-      _finish_kernel(M, D, float(eps), float(hc_norm_eps), float(norm_eps), float(post_mult)),
-      out_type=(jax.ShapeDtypeStruct((M, D), bf16), jax.ShapeDtypeStruct((M, 8), f32)),
+      _finish_kernel(M, D, int(iters), float(eps), float(hc_norm_eps), float(norm_eps), float(post_mult)),
+      out_type=(jax.ShapeDtypeStruct((M, D), bf16), jax.ShapeDtypeStruct((M, 8), f32),
+                jax.ShapeDtypeStruct((M, N * N), f32)),
       scratch_types=[
           plgpu.SMEM((N, ROWS, DC_FIN), bf16),  # x_s
           plgpu.SMEM((PART, ROWS), f32),  # t_s
           plgpu.SMEM((DC_FIN,), bf16),  # w_s
           plgpu.SMEM((ROWS, DC_FIN), bf16),  # o_s
           plgpu.SMEM((ROWS, 8), f32),  # p_s
-          plgpu.Barrier(num_arrivals=N + 2),
+          plgpu.SMEM((ROWS, N * N), f32),  # cb_s
+          plgpu.Barrier(num_arrivals=1),  # bar_t: the sums (every CTA)
+          plgpu.Barrier(num_arrivals=N + 1),  # bar_x: the streams and w (the normalising CTAs)
       ],
-      grid=(D // DC_FIN,),
+      grid=(D // DC_FIN + 1,),
       grid_names=("g",),
       kernel_name="glm5_mhc_finish",
   )

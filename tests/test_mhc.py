@@ -21,7 +21,7 @@ BF16_ULP = dict(rtol=2.0 ** -7, atol=1e-5)  # one bf16 rounding apart (FMA contr
 # the atol covers cancellation to ~1e-6 from O(1) terms)
 
 
-CONSTS = dict(eps=1e-6, hc_norm_eps=1e-6, norm_eps=1e-5, post_mult=2.0)
+CONSTS = dict(iters=20, eps=1e-6, hc_norm_eps=1e-6, norm_eps=1e-5, post_mult=2.0)
 
 
 def _inputs(M, D, seed):
@@ -48,8 +48,8 @@ def _check_kernels(M, D, first, seed=0, interpret=None):
   tot_t = jnp.pad(tot.T, ((0, 0), (0, K.ROWS - M)), constant_values=np.nan)  # padding columns: never read
   with maybe_interpret(interpret):
     got = jax.jit(lambda *a: K.mhc_post_pre(*a, first=first))(X, y, mix, fn)
-    fin, post = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS))(ref[0], tot_t, coef, w)
-  ref_fin, ref_post = K.mhc_finish_reference(ref[0], tot_t, coef, w, **CONSTS)
+    fin, post, comb = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS))(ref[0], tot_t, coef, w)
+  ref_fin, ref_post, ref_comb = K.mhc_finish_reference(ref[0], tot_t, coef, w, **CONSTS)
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
   # the partial logits / Gram entries: f32 sums of exact bf16 products (X' may differ by one rounding)
@@ -59,6 +59,8 @@ def _check_kernels(M, D, first, seed=0, interpret=None):
   # post: f32 math in another order (and the GPU's exp / rsqrt) than XLA's; zeros after column 4
   np.testing.assert_allclose(f32(post), f32(ref_post), atol=2e-5, rtol=2e-5)
   assert not np.any(f32(post)[:, 4:])
+  # comb: the same softmax + 20 Sinkhorn iterations with the sums of 4 in another order (and the GPU's exp)
+  np.testing.assert_allclose(f32(comb), f32(ref_comb), atol=2e-5, rtol=2e-5)
   # x_in = w · bf16(bf16(u) · rinv): pre / rinv one f32 rounding apart, and u one rounding apart (FMA
   # contraction), move bf16(u) by one ulp and x_in by up to a second (seen natively: 1 of 262,144 at M = 64)
   np.testing.assert_allclose(f32(fin), f32(ref_fin), **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
@@ -78,11 +80,13 @@ def test_kernels_gpu(M, D, first):
 
 
 def test_comb_is_the_stock_sinkhorn():
-  """mhc_comb (the boundary's XLA glue) == the comb of the stock mixing (hc_mix on all 24 normalised logits)."""
+  """The finish reference's comb (from the summed partials) == the comb of the stock mixing (hc_mix on all 24
+  normalised logits), bit for bit."""
   from glm5_jax.layers import hc_mix  # noqa: PLC0415
-  X, y, mix, fn, coef, _ = _inputs(3, 256, 5)
-  tot = jnp.sum(K.mhc_post_pre_reference(X, y, mix, fn)[1][:, :3], axis=0)
-  comb = K.mhc_comb(tot, coef, 256, iters=20, eps=1e-6, hc_norm_eps=1e-6)
+  X, y, mix, fn, coef, w = _inputs(3, 256, 5)
+  Xn, part = K.mhc_post_pre_reference(X, y, mix, fn)
+  tot = jnp.sum(part[:, :3], axis=0)
+  comb = K.mhc_finish_reference(Xn, jnp.pad(tot.T, ((0, 0), (0, K.ROWS - 3))), coef, w, **CONSTS)[2]
   ss = np.trace(np.asarray(K._gram(tot)), axis1=1, axis2=2)
   m = tot[:, :K.MIX] * jax.lax.rsqrt(jnp.asarray(ss) / (4 * 256) + 1e-6)[:, None]
   ref = hc_mix(m, coef[K.MIX:], coef[:K.MIX], 4, 20, 1e-6, 2.0)[2]
@@ -109,6 +113,8 @@ def test_bad_shapes_named():
     K.mhc_finish(X, jnp.zeros((3, K.PART)), coef, w, **CONSTS)
   with pytest.raises(ValueError, match=r"coef \(24,\)"):
     K.mhc_finish(X, jnp.zeros((K.PART, K.ROWS)), coef[:24], w, **CONSTS)
+  with pytest.raises(ValueError, match="iters = 0, expected >= 1"):
+    K.mhc_finish(X, jnp.zeros((K.PART, K.ROWS)), coef, w, **{**CONSTS, "iters": 0})
 
 
 def _site(D, seed):
