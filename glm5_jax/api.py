@@ -218,3 +218,27 @@ def forward(model: Model, tokens, *, return_aux: bool = False):
   if return_aux:
     return out["logits"], {"hidden": out["hidden"], "layers": out["aux"]}
   return out["logits"]
+
+
+def enable_compile_cache(directory, *, min_compile_s: float = 1.0) -> str:
+  """Keep compiled programs on disk in ``directory`` (JAX's persistent compilation cache): a later process that
+  builds the same program — the same model geometry, DecodeConfig, backend, policy and jax version — loads it
+  instead of compiling again (the real-geometry decode step of one TP4 rank compiles for 100–200 s on an H200).
+  Programs that compiled in under ``min_compile_s`` are not written. Returns the directory's absolute path.
+
+  The cache is trusted code: anyone who can write to ``directory`` can run code in processes that read it, so
+  keep it private. Also set by the CLI's ``--compile-cache DIR`` and the ``GLM5_JAX_COMPILE_CACHE``
+  environment variable."""
+  import os  # noqa: PLC0415
+  from jax.experimental.compilation_cache import compilation_cache as cc  # noqa: PLC0415
+
+  if min_compile_s < 0:
+    raise ValueError(f"min_compile_s = {min_compile_s}, expected >= 0 seconds")
+  path = os.path.abspath(os.fspath(directory))
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"compile cache {path!r} exists and is not a directory")
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
+  cc.reset_cache()  # JAX decides once per process whether the cache is on: decide again with the new directory
+  cc.set_cache_dir(path)
+  return path

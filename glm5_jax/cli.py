@@ -46,6 +46,9 @@ def _add_decode_args(p):
   p.add_argument("--collectives", default=None, choices=["graph", "xla"],
                  help="how TP all-reduces run (glm5_jax.sharding.COLLECTIVE_MODES; default graph); only with --tp > 1")
   p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
+  p.add_argument("--compile-cache", default=os.environ.get("GLM5_JAX_COMPILE_CACHE"), metavar="DIR",
+                 help="keep compiled programs in DIR and reuse them in later runs (glm5_jax.enable_compile_cache; "
+                      "default: $GLM5_JAX_COMPILE_CACHE, else off)")
 
 
 def _tokenizer(path):
@@ -59,6 +62,8 @@ def _tokenizer(path):
 def _run_generation(args, path, prompt_ids, tok=None):
   import glm5_jax  # noqa: PLC0415
 
+  if args.compile_cache:
+    print(f"compile cache: {glm5_jax.enable_compile_cache(args.compile_cache)}")
   t0 = time.perf_counter()
   model = glm5_jax.load_model(path, dtype=args.dtype, tp=args.tp)
   dec = _decoder(args, model)

@@ -69,3 +69,35 @@ def test_memory(capsys):
   main(["memory", "--tp", "4", "--batch", "1", "--max-context", "65536"])
   out = capsys.readouterr().out
   assert "parameters per device:    82.25 GB" in out and "fits" in out
+
+
+def test_compile_cache_reused_across_processes(tmp_path):
+  """--compile-cache: the first process writes its compiled programs, a second one loads them (writes nothing new)
+  and generates the same tokens."""
+  import os  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  path = tiny_checkpoint("oracle-tiny", 0, "float32")
+  cache = tmp_path / "cc"
+  cmd = [sys.executable, "-m", "glm5_jax.cli", "generate", path, "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "5",
+         "--k", "1", "--max-context", "64", "--capture-sizes", "1", "--compile-cache", str(cache)]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+  runs = []
+  for _ in range(2):
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs.append((re.search(r"generated \(5 tokens\): (\[.*\])", out.stdout).group(1), sorted(os.listdir(cache))))
+  assert runs[0][1], "the first run wrote no compiled program"
+  assert runs[1][1] == runs[0][1], "the second run compiled again instead of loading"
+  assert runs[1][0] == runs[0][0]
+
+
+def test_compile_cache_refuses_a_file(tmp_path):
+  f = tmp_path / "file"
+  f.write_text("x")
+  with pytest.raises(ValueError, match="exists and is not a directory"):
+    glm5_jax.enable_compile_cache(f)
+  with pytest.raises(ValueError, match="min_compile_s = -1"):
+    glm5_jax.enable_compile_cache(tmp_path / "d", min_compile_s=-1)
