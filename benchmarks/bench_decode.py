@@ -100,7 +100,13 @@ def main(argv=None):
   p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                  help="an XLA debug option for the step's compile (repeatable), e.g. "
                       "xla_gpu_experimental_enable_triton_heroless_priority_fusion=false (names: XLA DebugOptions)")
+  p.add_argument("--compile-cache", default=None, metavar="DIR",
+                 help="reuse compiled steps across runs (glm5_jax.enable_compile_cache): a repeated configuration "
+                      "on the same machine skips its compile")
   a = p.parse_args(argv)
+  if a.compile_cache:
+    from glm5_jax.api import enable_compile_cache  # noqa: PLC0415
+    enable_compile_cache(a.compile_cache)
   tunings = ["off"] if a.fast_compile else a.autotune
   extra_opts = dict(_xla_option(o) for o in a.xla_option)
   if a.trace:  # XLA turns command buffers off while a profiler runs: the trace must show the timed program
