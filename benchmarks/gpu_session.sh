@@ -291,9 +291,18 @@ case "$MODE" in
     [ "$(left)" -gt 300 ] && rank1 topk --q 4 --profile --policy '{"indexer_topk": true}'
     [ "$(left)" -gt 300 ] && rank1 topk --q 4 --profile
     ;;
-  q4)  # (nvidia-h200) see the header; Q1=0 skips the tests and the q = 1 run
+  q4)  # (nvidia-h200) see the header; Q1=0 skips the mHC tests/benchmarks and the q = 1 run; E2E=1 adds the
+    # end-to-end kernel tests of the decode step
     [ "${Q1:-1}" = 1 ] && timeout 150 python3 -m pytest -v -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_mhc.py 2>&1 \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee "$OUT/gpu_tests.log"
+    # the boundary's kernel times and compile seconds per boundary (session 22: the XLA Sinkhorn, ~4 s per site at
+    # M >= 4, made the q = 4 step's compile exceed 8 minutes)
+    [ "${Q1:-1}" = 1 ] && timeout 100 python3 benchmarks/bench_mhc.py --rows 1,4 > "$OUT/bench_mhc.log" 2>&1
+    [ "${Q1:-1}" = 1 ] && timeout 100 python3 benchmarks/bench_mhc.py --compile --rows 1,4 >> "$OUT/bench_mhc.log" 2>&1
+    # the indexer's top-512: XLA's sort (11 x 43 µs per step) vs radix selection vs one sort of simple keys (CUB?)
+    [ "${Q1:-1}" = 1 ] && timeout 90 python3 benchmarks/bench_topk.py > "$OUT/bench_topk.log" 2>&1
+    [ "${E2E:-0}" = 1 ] && timeout 200 python3 -m pytest -v -m e2e_kernels -p no:cacheprovider tests/test_decode.py 2>&1 \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee -a "$OUT/gpu_tests.log"
     [ "${Q1:-1}" = 1 ] && rank1 q4 --q 1 --profile --hlo-dir "$OUT"
     [ "$(left)" -gt 230 ] && rank1 q4 --q 4 --profile
     [ "$(left)" -gt 230 ] && rank1 q4 --q 4 --profile --policy '{"indexer_topk": true}'

@@ -139,7 +139,7 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32):
 
 
 class KDA(nnx.Module):
-  """Kimi Delta Attention (spec §3.5), heads split over TP; f_a/g_a replicated."""
+  """Kimi Delta Attention (spec §3.5), heads split over TP; f_a/g_a (and b, sliced per device) replicated."""
 
   def __init__(self, cfg: Glm5Config, dtype):
     D, H, Kd, r, Kc = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.kda_gate_rank, \
@@ -149,12 +149,12 @@ class KDA(nnx.Module):
     self.q_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
     self.k_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
     self.v_conv1d = param((HD, 1, Kc), jnp.float32, (KDA_HD, None, None))
-    self.fg_a_proj = ConcatLinear(D, (r, r), dtype, (None, EMBED))  # f_a_proj and g_a_proj
-    self.f_b_proj = Linear(r, HD, dtype, (KDA_HD, None))
+    # f_a_proj, g_a_proj and b_proj (all heads: each device slices its own; b's 64 rows are 0.5 MB) in one GEMV
+    self.fgb_a_proj = ConcatLinear(D, (r, r, H), dtype, (None, EMBED))
+    # f_b_proj and g_b_proj block-diagonally on [f_a | g_a]: one GEMV for both (checkpoint.BLOCKDIAGS)
+    self.fg_b_proj = StackedLinear(2 * r, HD, 2, dtype, (KDA_HD, None))
     self.A_log = param((H,), jnp.float32, (KDA_H,))
     self.dt_bias = param((HD,), jnp.float32, (KDA_HD,))
-    self.b_proj = Linear(D, H, dtype, (KDA_H, EMBED))
-    self.g_b_proj = Linear(r, HD, dtype, (KDA_HD, None))
     self.o_norm = RMSNorm(Kd, dtype, cfg.rms_norm_eps)
     self.o_proj = Linear(HD, D, dtype, (EMBED, KDA_HD))
     self.head_dim, self.kernel, self.lower_bound, self.eps = Kd, Kc, cfg.linear_lower_bound, cfg.rms_norm_eps
@@ -176,10 +176,10 @@ class KDA(nnx.Module):
     acc = sum(full[:, j:j + T] * w[:, j].astype(jnp.float32) for j in range(Kc))
     zc = jax.nn.silu(acc).astype(dtype).astype(jnp.float32)
     q, k, v = (a.reshape(B, T, H, Kd) for a in jnp.split(zc, 3, axis=-1))
-    fa, ga = self.fg_a_proj(x, dtype)
-    f = self.f_b_proj(fa, dtype).astype(jnp.float32).reshape(B, T, H, Kd)
-    b = self.b_proj(x, dtype).astype(jnp.float32)
-    gate = self.g_b_proj(ga, dtype).astype(jnp.float32).reshape(B, T, H, Kd)
+    fa, ga, b_all = self.fgb_a_proj(x, dtype)
+    fg = self.fg_b_proj(jnp.concatenate([fa, ga], axis=-1), dtype).astype(jnp.float32)  # [B, T, 2C]: f | gate
+    f, gate = (a.reshape(B, T, H, Kd) for a in jnp.split(fg, 2, axis=-1))
+    b = lax.dynamic_slice_in_dim(b_all, lax.axis_index(TP) * H, H, axis=-1).astype(jnp.float32)  # this device's heads
     A_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, Kd)
     ssm = cache["ssm"]
     if ctx.mode == "verify":

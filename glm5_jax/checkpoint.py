@@ -108,9 +108,10 @@ class SafetensorsIndex:
 # ---------------------------------------------------------------------------------------------------- names
 def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
   """Parameter path in Glm5Model -> (checkpoint name pattern, marker). Experts ('expert') use '{e}' in the name,
-  stacked linears ('stack:NAME': StackedLinear, one matrix of STACKS[NAME] per entry of the leading axis) and
-  concatenated ones ('concat:NAME': ConcatLinear, the rows of the matrices CONCATS[NAME] one after another)
-  '{s}'."""
+  stacked linears ('stack:NAME': StackedLinear, one matrix of STACKS[NAME] per entry of the leading axis; or
+  'blockdiag:NAME': entry s holds matrix s of BLOCKDIAGS[NAME] in its s-th block of input columns, zeros
+  elsewhere) and concatenated ones ('concat:NAME': ConcatLinear, the rows of the matrices CONCATS[NAME] one after
+  another) '{s}'."""
   p = [str(x) for x in path]
   if p == ["embed_tokens"]:
     return "model.language_model.embed_tokens.weight", None
@@ -136,6 +137,8 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
     return prefix + ".".join(rest) + ".weight", None
   if len(rest) >= 2 and rest[-2] in STACKS and rest[-1] == "weight":  # layers.StackedLinear
     return prefix + ".".join(rest[:-2]) + ".{s}", "stack:" + rest[-2]
+  if len(rest) >= 2 and rest[-2] in BLOCKDIAGS and rest[-1] == "weight":  # layers.StackedLinear, block-diagonal
+    return prefix + ".".join(rest[:-2]) + ".{s}", "blockdiag:" + rest[-2]
   if len(rest) >= 2 and rest[-2] in CONCATS and rest[-1] in ("weight", "scale"):  # layers.ConcatLinear
     suffix = "_scale_inv" if rest[-1] == "scale" else ""  # FP8: the block scales' rows concatenate likewise
     return prefix + ".".join(rest[:-2]) + ".{s}" + suffix, "concat:" + rest[-2]
@@ -151,7 +154,9 @@ def hf_names(path, cfg: Glm5Config) -> tuple[str, str | None]:
 
 # StackedLinear / ConcatLinear weights: the checkpoint matrices they hold (as entries / as rows), in order
 STACKS = {"qkv_proj": ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
-CONCATS = {"fg_a_proj": ("f_a_proj.weight", "g_a_proj.weight"),
+# StackedLinear whose entry s holds matrix s in input columns s·in.. (zeros elsewhere): S matrices on S inputs
+BLOCKDIAGS = {"fg_b_proj": ("f_b_proj.weight", "g_b_proj.weight")}
+CONCATS = {"fgb_a_proj": ("f_a_proj.weight", "g_a_proj.weight", "b_proj.weight"),
            "x_proj": ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight"),
            "qkv_a_proj": ("q_a_proj.weight", "kv_a_proj_with_mqa.weight"),
            "base_scale": ("base", "scale")}  # layers.HyperConnection (vectors, concatenated the same way)
@@ -222,6 +227,22 @@ def load_params(path: str, *, dtype=None, mesh=None, progress: bool | None = Non
       def cb(idx, srcs=srcs, dt=aval.dtype):
         es = range(*idx[0].indices(len(srcs)))
         return np.stack([_convert(srcs[e](idx[1:]), dt) for e in es])
+    elif kind and kind.startswith("blockdiag:"):
+      names = [name.format(s=s) for s in BLOCKDIAGS[kind[10:]]]
+      S, n_in = aval.shape[0], aval.shape[2] // aval.shape[0]
+      srcs = [_source(index, nm, (aval.shape[1], n_in), aval.dtype, cfg) for nm in names]
+      used.update(names)
+      used.update(nm + "_scale_inv" for nm in names if nm + "_scale_inv" in index)
+
+      def cb(idx, srcs=srcs, dt=aval.dtype, S=S, n_in=n_in):
+        rows = (idx[1], slice(None))
+        out = []
+        for e in range(*idx[0].indices(S)):
+          m = _convert(srcs[e](rows), dt)
+          full = np.zeros((m.shape[0], S * n_in), dt)
+          full[:, e * n_in:(e + 1) * n_in] = m
+          out.append(full[:, idx[2]])
+        return np.stack(out)
     elif kind and kind.startswith("concat:"):
       names = [name.format(s=s) for s in CONCATS[kind[7:]]]
       whole_w = f"stored as one weight {list(aval.shape)} of the model"

@@ -220,7 +220,9 @@ class StackedLinear(nnx.Module):
   them in one pass -> y [..., S · out_local] (the S outputs side by side, each this device's shard). For the KDA
   q/k/v projections: on the H200 XLA ran them as three 5.9 µs GEMVs (2.9 TB/s of 16.8 MB each, one TP4 rank)
   per layer, BENCHMARKS.md session 20. The checkpoint keeps the S matrices under their own names
-  (``checkpoint.STACKS``)."""
+  (``checkpoint.STACKS``). Block-diagonal use (``checkpoint.BLOCKDIAGS``): S matrices [out, r] on S different
+  inputs, entry s = matrix s in input columns s·r.. and zeros elsewhere, applied to the S inputs side by side —
+  the KDA f_b and g_b in one GEMV (the zeros add 64 KB per TP4 rank and layer)."""
 
   def __init__(self, n_in, n_out, stack: int, dtype, axes):
     self.weight = param((stack, n_out, n_in), dtype, (None, *axes))

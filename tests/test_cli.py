@@ -68,7 +68,8 @@ def test_check_deployment_lists_kernel_sites(capsys):
 def test_memory(capsys):
   main(["memory", "--tp", "4", "--batch", "1", "--max-context", "65536"])
   out = capsys.readouterr().out
-  assert "parameters per device:    82.25 GB" in out and "fits" in out
+  gb = float(re.search(r"parameters per device:\s+([\d.]+) GB", out).group(1))
+  assert 80 < gb < 84 and "fits" in out, out  # the FP8 release's share of one TP4 rank (test_full_geometry)
 
 
 def test_compile_cache_reused_across_processes(tmp_path):

@@ -14,12 +14,16 @@ TEXT_AND_MTP = 321_323_031_390 - 563_627_008
 
 
 def _count(state, skip_scales):
+  """The release's parameter count of the model's leaves: a block-diagonal weight (checkpoint.BLOCKDIAGS, S
+  matrices in [S, out, S·in]) holds S·(S − 1) blocks of zeros that are not parameters of the release."""
+  from glm5_jax.checkpoint import BLOCKDIAGS  # noqa: PLC0415
   n = 0
   for path, v in nnx.to_flat_state(state):
     if skip_scales and path[-1] in ("scale", "gate_scale", "up_scale", "down_scale") and path[-2] not in (
         "attn_hc", "ffn_hc"):
       continue
-    n += math.prod(v.get_value().shape)
+    shape = v.get_value().shape
+    n += math.prod(shape) // (shape[0] if len(path) > 1 and path[-2] in BLOCKDIAGS else 1)
   return n
 
 

@@ -127,6 +127,25 @@ def test_fp8_concat_holds_the_checkpoint_rows():
   assert "q_a_proj" in a and "kv_a_proj_with_mqa" in a and "qkv_a_proj" not in a
 
 
+def test_kda_small_projections_hold_the_checkpoint_matrices():
+  """f_a, g_a and b as the rows of one weight (fgb_a_proj); f_b and g_b block-diagonally (fg_b_proj [2, C, 2r]:
+  entry 0 = [f_b | 0], entry 1 = [0 | g_b]), exactly the checkpoint's matrices."""
+  from glm5_jax.checkpoint import SafetensorsIndex  # noqa: PLC0415
+  path = tiny_checkpoint("oracle-tiny", 0, "float32")
+  m = load(path, "float32")
+  idx = SafetensorsIndex(path)
+  attn = m.params["layers"][0]["self_attn"]
+  pre = "model.language_model.layers.0.self_attn."
+  w = lambda n: np.asarray(idx.array(pre + n + ".weight"), np.float32)  # noqa: E731
+  np.testing.assert_array_equal(np.asarray(attn["fgb_a_proj"]["weight"][...]),
+                                np.concatenate([w("f_a_proj"), w("g_a_proj"), w("b_proj")]))
+  fb, gb = w("f_b_proj"), w("g_b_proj")
+  r = fb.shape[1]
+  want = np.zeros((2, fb.shape[0], 2 * r), np.float32)
+  want[0, :, :r], want[1, :, r:] = fb, gb
+  np.testing.assert_array_equal(np.asarray(attn["fg_b_proj"]["weight"][...]), want)
+
+
 def test_missing_checkpoint_directory(tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
     glm5_jax.load_model(tmp_path / "nowhere")

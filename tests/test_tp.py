@@ -32,7 +32,8 @@ def test_params_are_sharded_by_the_rules():
   kda = mod.layers[0].self_attn
   assert kda.qkv_proj.weight[...].sharding.spec == P(None, "tp", None)  # q, k, v stacked, each split on heads
   assert kda.o_proj.weight[...].sharding.spec == P(None, "tp")
-  assert kda.fg_a_proj.weight[...].sharding.spec == P(None, None)  # replicated (f_a and g_a rows)
+  assert kda.fgb_a_proj.weight[...].sharding.spec == P(None, None)  # replicated (f_a, g_a and b rows)
+  assert kda.fg_b_proj.weight[...].sharding.spec == P(None, "tp", None)  # f_b, g_b block-diagonal, split on heads
   dsa = mod.layers[3].self_attn
   assert dsa.q_b_proj.weight[...].sharding.spec == P("tp", None)
   assert dsa.indexer.wq_b.weight[...].sharding.spec == P(None, None)

@@ -1,0 +1,86 @@
+"""Benchmark the indexer's top-512 pool selection at decode sizes on one GPU: XLA's top_k (a sort: two kernels,
+34.5 + 8.3 µs at 8,256 pools in the session 22 profile, 11 per step) against sort-free and cheaper-sort forms.
+
+Rows: R = B · q score rows; N pools (8,256 at 32K context + room, 32,832 at 128K); k = 512. Strategies:
+  top_k       lax.top_k (XLA: TopK -> a sort with a NaN-aware comparator and an index tie-break)
+  radix       glm5_jax.layers.topk_set_by_threshold (radix selection + one prefix sum + a scatter; the decode
+              step's policy knob indexer_topk)
+  sort_keys   lax.sort of one uint32 key in lax.top_k's total order (descending) with the indices as the
+              payload, stable: the same indices in the same order as top_k, with the simplest comparator (a
+              candidate for XLA's CUB radix sort, xla_gpu_enable_cub_radix_sort)
+Each: µs of device time per call (CUPTI), kernels per call, and whether the selection equals top_k's (as a set;
+sort_keys also in order).
+
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_topk.py [--rows 1,4] [--pools 8256,32832] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._timing import MODE, log, time_calls, write_log  # noqa: E402
+from glm5_jax.layers import _order_key, topk_set_by_threshold  # noqa: E402
+
+K = 512
+
+
+def sort_keys(v, k):
+  """lax.top_k(v, k)'s indices from one stable ascending sort of uint32 keys (descending in top_k's total order of
+  f32 bit patterns; equal keys keep index order, top_k's tie order)."""
+  u = lax.bitcast_convert_type(_order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)  # ascending in v's order
+  iota = lax.broadcasted_iota(jnp.int32, v.shape, v.ndim - 1)
+  _, idx = lax.sort((~u, iota), dimension=v.ndim - 1, num_keys=1, is_stable=True)
+  return idx[..., :k]
+
+
+STRATEGIES = {
+    "top_k": lambda v: lax.top_k(v, K)[1],
+    "radix": lambda v: topk_set_by_threshold(v, K),
+    "sort_keys": lambda v: sort_keys(v, K),
+}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--rows", default="1,4")
+  p.add_argument("--pools", default="8256,32832")
+  p.add_argument("--out", default=None)
+  a = p.parse_args(argv)
+  rng = np.random.default_rng(0)
+  log(f"# indexer top-{K} selection, {jax.devices()[0].device_kind}, timing: {MODE[0]}, {time.strftime('%Y-%m-%d')}")
+  log(f"{'R':>3} {'N':>6} {'strategy':>22} {'dev us':>8} {'kernels':>8}  same as top_k")
+  for R in [int(x) for x in a.rows.split(",")]:
+    for N in [int(x) for x in a.pools.split(",")]:
+      # Σ_h w_h·ReLU(q_h·K): non-negative, with exact ties (zeros) and a masked tail of incomplete pools
+      sets = []
+      for _ in range(4):
+        s = np.maximum(rng.standard_normal((R, N)), 0).astype(np.float32) * rng.uniform(0.5, 2, (R, 1))
+        s[:, N - 3:] = -np.inf
+        # rounded to bf16: ties inside the top-k (their order is top_k's index order)
+        sets.append((jnp.asarray(s, jnp.bfloat16).astype(jnp.float32),))
+      ref = np.asarray(jax.jit(STRATEGIES["top_k"])(*sets[0]))
+      variants = [(name, name, {}) for name in STRATEGIES]
+      variants += [("sort_keys", f"sort_keys cub={cub}", {"xla_gpu_enable_cub_radix_sort": cub}) for cub in (False, True)]
+      for name, label, opts in variants:
+        fn = jax.jit(STRATEGIES[name]).trace(*sets[0]).lower().compile(opts or None)
+        got = np.asarray(fn(*sets[0]))
+        same = all(set(got[r][got[r] >= 0]) == set(ref[r]) for r in range(R))
+        if name == "sort_keys":
+          same = same and np.array_equal(got, ref)
+        dev, names = time_calls(fn, sets)
+        log(f"{R:>3} {N:>6} {label:>22} {dev:>8.1f} {len(names):>8}  {'yes' if same else 'NO'}")
+  if a.out:
+    write_log(a.out)
+
+
+if __name__ == "__main__":
+  main()
