@@ -447,7 +447,18 @@ def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_s
                  gu_split=gu_split)
 
 
-def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool):
+def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
+  """The expert id of slot s. table_k = 0: ids_ref = eids [n_pad] (one per slot). table_k = k (a single token
+  row): ids_ref = the row's k router ids — slot s is its (s − shared)-th expert (a static table, no XLA kernel to
+  build it), and an id out of range (never from the router; its routing weight is masked) reads expert 0."""
+  if not table_k:
+    return ids_ref[s]
+  e = ids_ref[jnp.clip(s - int(shared), 0, table_k - 1)]
+  return jnp.where((e >= 0) & (e < num_experts), e, 0)
+
+
+def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
+                        table_k: int):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -465,7 +476,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
 
   @pl.when(slot_id < nvalid_ref[0])
   def _():
-    e = eids_ref[slot_id]
+    e = _slot_expert(eids_ref, slot_id, table_k=table_k, shared=shared, num_experts=wg_ref.shape[0])
     row0 = tile * bm
     nb = row0 // BLOCK
     kb0 = sk * steps
@@ -522,11 +533,18 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       o_ref[sk, slot_id, 1, pl.ds(row0, bm), :] = acc_u * sx
 
 
-def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool):
+def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int):
   """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
   over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count.
-  ``shared``: slot 0 is the shared expert (its own refs wds/sds)."""
-  if shared:
+  ``shared``: slot 0 is the shared expert (its own refs wds/sds). ``table_k``: as ``_slot_expert`` (the k ids
+  are read once into registers; without it the slots' ids go to SMEM by one TMA)."""
+  if table_k:
+    eid_s = ebar = None
+    if shared:
+      hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, wds_ref, sds_ref, o_ref, w_s, x_s, bar = refs
+    else:
+      hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, o_ref, w_s, x_s, bar = refs
+  elif shared:
     hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, wds_ref, sds_ref, o_ref, w_s, x_s, eid_s, bar, ebar = refs
   else:
     hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, o_ref, w_s, x_s, eid_s, bar, ebar = refs
@@ -535,16 +553,29 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   row0 = tile * bm
   nb = row0 // BLOCK
   ib_n = hq_ref.shape[2] // BLOCK
-  # Expert ids of all slots into SMEM once (cheap scalar reads in the loop, no GMEM latency per step).
-  plgpu.copy_gmem_to_smem(eids_ref, eid_s, ebar.at[0])
+  if table_k:  # the row's k ids as scalars (a select per step instead of an SMEM read)
+    ids = [_slot_expert(eids_ref, j + int(shared), table_k=table_k, shared=shared, num_experts=wd_ref.shape[0])
+           for j in range(table_k)]
+  else:  # expert ids of all slots into SMEM once (cheap scalar reads in the loop, no GMEM latency per step)
+    plgpu.copy_gmem_to_smem(eids_ref, eid_s, ebar.at[0])
   nvalid = nvalid_ref[0]
   my_slots = jnp.maximum(nvalid - g + groups - 1, 0) // groups
   total = my_slots * ib_n
-  plgpu.barrier_wait(ebar.at[0])
+  if not table_k:
+    plgpu.barrier_wait(ebar.at[0])
+
+  def slot_expert(s):
+    if not table_k:
+      return eid_s[s // 8, s % 8]
+    j = s - int(shared)  # the shared slot (j = -1) reads no routed id; its weights come from wds/sds
+    e = ids[0]
+    for u in range(1, table_k):
+      e = jnp.where(j == u, ids[u], e)
+    return e
 
   def where(j):
     s = g + groups * (j // ib_n)
-    return s, j % ib_n, eid_s[s // 8, s % 8]
+    return s, j % ib_n, slot_expert(s)
 
   def issue(j):
     slot = j % stages
@@ -584,7 +615,8 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
 def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, mp: int):
   """Distinct selected experts and the [slot, token] routing-weight matrix (small XLA ops).
 
-  Returns eids [n_pad] int32 (valid first, then 0), n_valid [1] int32, valid [n_pad] bool, r [n_pad, mp] f32.
+  Returns eids [n_pad] int32 (valid first, then 0; None for a single row, whose kernels read the router's ids
+  themselves: ``_slot_expert``), n_valid [1] int32, valid [n_pad] bool, r [n_pad, mp] f32.
   """
   m, k = topk_ids.shape
   ids = topk_ids.astype(jnp.int32)
@@ -592,11 +624,10 @@ def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, m
     # ids and weights move (at B = 1, q = 1 this glue was 4 small XLA kernels per MoE layer; now the pads and
     # masks fuse into their consumers). n_valid stays k: an out-of-range id (never from the router) becomes
     # expert 0 with its weights masked to zero, as below.
-    valid = jnp.pad(ids[0] < num_experts, (0, n_pad - k))
-    eids = jnp.pad(jnp.where(valid[:k], ids[0], 0), (0, n_pad - k))
+    valid = jnp.pad((ids[0] >= 0) & (ids[0] < num_experts), (0, n_pad - k))
     r = jnp.pad(jnp.where(valid[:k], topk_weights[0].astype(jnp.float32), 0.0)[:, None],
                 ((0, n_pad - k), (0, mp - 1)))
-    return eids, np.full((1,), k, np.int32), valid, r
+    return None, np.full((1,), k, np.int32), valid, r
   uniq = jnp.unique(ids.reshape(-1), size=n_slots, fill_value=num_experts)
   uniq = jnp.pad(uniq, (0, n_pad - uniq.shape[0]), constant_values=num_experts)
   valid = uniq < num_experts
@@ -645,18 +676,24 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   n_slots = min(e_num, m * k)
   eids, n_valid, valid, r = _route(topk_ids, topk_weights, e_num, n_slots, _round_up(n_slots, 8), mp)
   has_sh = shared is not None
+  # a single row: the kernels read the router's k ids themselves (slot s = id s − shared): the padded slot table
+  # was an XLA kernel of its own (~0.9 µs per MoE layer at B = 1, q = 1, session 22's profile)
+  table_k = k if m == 1 else 0
   if has_sh:  # slot 0 = the shared expert with weight 1 for the m real rows; routed slots follow
     if shared[0].shape != (inter, d) or shared[4].shape != (d, inter):
       raise ValueError(f"shared expert shapes {shared[0].shape} / {shared[4].shape}, expected {(inter, d)} / "
                        f"{(d, inter)}")
     n_slots += 1
     pad = _round_up(n_slots, 8) - n_slots
-    eids = jnp.pad(jnp.concatenate([jnp.zeros((1,), jnp.int32), eids[:n_slots - 1]]), (0, pad))
+    if not table_k:
+      eids = jnp.pad(jnp.concatenate([jnp.zeros((1,), jnp.int32), eids[:n_slots - 1]]), (0, pad))
     valid = jnp.pad(jnp.concatenate([jnp.ones((1,), bool), valid[:n_slots - 1]]), (0, pad))
     r = jnp.pad(jnp.concatenate([(jnp.arange(mp) < m).astype(jnp.float32)[None], r[:n_slots - 1]]),
                 ((0, pad), (0, 0)))
     n_valid = n_valid + 1
   n_pad = _round_up(n_slots, 8)
+  if table_k:
+    eids = topk_ids.astype(jnp.int32).reshape(k)
   plan = plan or plan_moe(n_slots, inter, d, mp)
   xq, _ = quantize_activations(x, mp)
   amax = jnp.max(jnp.abs(x.astype(jnp.float32)))  # (the same reduction as inside quantize_activations: one kernel)
@@ -668,7 +705,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   gu_out = ((n_pad, inter, mp) if plan.gu_split == 1 else (plan.gu_split, n_pad, 2, inter, mp))
   h = plgpu.kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
-                        split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh),
+                        split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k),
       out_type=jax.ShapeDtypeStruct(gu_out, jnp.float32),
       grid=(n_slots * gu_tiles * plan.gu_split,),
       grid_names=("t",),
@@ -690,21 +727,24 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   hq, sh = quantize_activations(jnp.swapaxes(hw, 1, 2), mp)  # [n_pad, 2mp, I]
 
   dn_tiles = d // plan.dn_bm
+  ring = [plgpu.SMEM((plan.dn_stages, plan.dn_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((plan.dn_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK))]
+  if table_k:
+    ids_scratch, dn_eids = [plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages)], eids
+  else:
+    ids_scratch = [plgpu.SMEM((n_pad // 8, 8), jnp.int32),  # TMA boxes are <= 256 per dim: ids as rows of 8
+                   plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages),
+                   plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+    dn_eids = eids.reshape(n_pad // 8, 8)
   out = plgpu.kernel(
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
-                        groups=plan.dn_groups, shared=has_sh),
+                        groups=plan.dn_groups, shared=has_sh, table_k=table_k),
       out_type=jax.ShapeDtypeStruct((plan.dn_groups, d, mp), jnp.float32),
       grid=(dn_tiles * plan.dn_groups,),
       grid_names=("t",),
       kernel_name="glm5_moe_down",
-      scratch_types=[
-          plgpu.SMEM((plan.dn_stages, plan.dn_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
-          plgpu.SMEM((plan.dn_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)),
-          plgpu.SMEM((n_pad // 8, 8), jnp.int32),  # TMA boxes are <= 256 per dim: store ids as rows of 8
-          plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages),
-          plgpu.Barrier(num_arrivals=1, num_barriers=1),
-      ],
-  )(hq, eids.reshape(n_pad // 8, 8), n_valid, w_down, s_down.astype(f32), *sh_dn)
+      scratch_types=ring + ids_scratch,
+  )(hq, dn_eids, n_valid, w_down, s_down.astype(f32), *sh_dn)
   return out.sum(0).T[:m] * sh
 
 
