@@ -222,7 +222,7 @@ class StackedLinear(nnx.Module):
   per layer, BENCHMARKS.md session 20. The checkpoint keeps the S matrices under their own names
   (``checkpoint.STACKS``). Block-diagonal use (``checkpoint.BLOCKDIAGS``): S matrices [out, r] on S different
   inputs, entry s = matrix s in input columns s·r.. and zeros elsewhere, applied to the S inputs side by side —
-  the KDA f_b and g_b in one GEMV (the zeros add 64 KB per TP4 rank and layer)."""
+  the KDA f_b and g_b in one GEMV (the zeros add 1 MB of bf16 per TP4 rank and layer at rank 128)."""
 
   def __init__(self, n_in, n_out, stack: int, dtype, axes):
     self.weight = param((stack, n_out, n_in), dtype, (None, *axes))

@@ -447,14 +447,19 @@ def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_s
                  gu_split=gu_split)
 
 
+def _table_id(e, num_experts: int):
+  """A router id read as a slot's expert: an id out of range (never from the router; its routing weight is masked
+  to zero) reads expert 0."""
+  return jnp.where((e >= 0) & (e < num_experts), e, 0)
+
+
 def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
   """The expert id of slot s. table_k = 0: ids_ref = eids [n_pad] (one per slot). table_k = k (a single token
   row): ids_ref = the row's k router ids — slot s is its (s − shared)-th expert (a static table, no XLA kernel to
-  build it), and an id out of range (never from the router; its routing weight is masked) reads expert 0."""
+  build it)."""
   if not table_k:
     return ids_ref[s]
-  e = ids_ref[jnp.clip(s - int(shared), 0, table_k - 1)]
-  return jnp.where((e >= 0) & (e < num_experts), e, 0)
+  return _table_id(ids_ref[jnp.clip(s - int(shared), 0, table_k - 1)], num_experts)
 
 
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
@@ -554,8 +559,7 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   nb = row0 // BLOCK
   ib_n = hq_ref.shape[2] // BLOCK
   if table_k:  # the row's k ids as scalars (a select per step instead of an SMEM read)
-    ids = [_slot_expert(eids_ref, j + int(shared), table_k=table_k, shared=shared, num_experts=wd_ref.shape[0])
-           for j in range(table_k)]
+    ids = [_table_id(eids_ref[j], wd_ref.shape[0]) for j in range(table_k)]
   else:  # expert ids of all slots into SMEM once (cheap scalar reads in the loop, no GMEM latency per step)
     plgpu.copy_gmem_to_smem(eids_ref, eid_s, ebar.at[0])
   nvalid = nvalid_ref[0]
@@ -615,8 +619,8 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
 def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, mp: int):
   """Distinct selected experts and the [slot, token] routing-weight matrix (small XLA ops).
 
-  Returns eids [n_pad] int32 (valid first, then 0; None for a single row, whose kernels read the router's ids
-  themselves: ``_slot_expert``), n_valid [1] int32, valid [n_pad] bool, r [n_pad, mp] f32.
+  Returns eids [n_pad] int32 (valid first, then 0; for a single row its k router ids as they are, which the
+  kernels read as a static slot table: ``_slot_expert``), n_valid [1] int32, valid [n_pad] bool, r [n_pad, mp] f32.
   """
   m, k = topk_ids.shape
   ids = topk_ids.astype(jnp.int32)
@@ -627,7 +631,7 @@ def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, m
     valid = jnp.pad((ids[0] >= 0) & (ids[0] < num_experts), (0, n_pad - k))
     r = jnp.pad(jnp.where(valid[:k], topk_weights[0].astype(jnp.float32), 0.0)[:, None],
                 ((0, n_pad - k), (0, mp - 1)))
-    return None, np.full((1,), k, np.int32), valid, r
+    return ids[0], np.full((1,), k, np.int32), valid, r
   uniq = jnp.unique(ids.reshape(-1), size=n_slots, fill_value=num_experts)
   uniq = jnp.pad(uniq, (0, n_pad - uniq.shape[0]), constant_values=num_experts)
   valid = uniq < num_experts
@@ -692,8 +696,6 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
                 ((0, pad), (0, 0)))
     n_valid = n_valid + 1
   n_pad = _round_up(n_slots, 8)
-  if table_k:
-    eids = topk_ids.astype(jnp.int32).reshape(k)
   plan = plan or plan_moe(n_slots, inter, d, mp)
   xq, _ = quantize_activations(x, mp)
   amax = jnp.max(jnp.abs(x.astype(jnp.float32)))  # (the same reduction as inside quantize_activations: one kernel)

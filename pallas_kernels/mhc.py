@@ -146,12 +146,11 @@ def mhc_finish_reference(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-def _row_vectors(tile, cols):
-  """[64, C] f32 tile (WGMMA layout) -> the columns ``cols`` (an int: the first ``cols``) as per-row vectors [64]
-  (a masked row sum: no value transpose needed)."""
+def _row_vectors(tile, count):
+  """[64, C] f32 tile (WGMMA layout) -> its first ``count`` columns as per-row vectors [64] (a masked row sum:
+  no value transpose needed)."""
   col = plgpu.broadcasted_iota(jnp.int32, tile.shape, 1, layout=_L.WGMMA)
-  cols = range(cols) if isinstance(cols, int) else cols
-  return [plgpu.layout_cast(jnp.where(col == k, tile, 0.0).sum(axis=1), _L.WGMMA.reduce(1)) for k in cols]
+  return [plgpu.layout_cast(jnp.where(col == k, tile, 0.0).sum(axis=1), _L.WGMMA.reduce(1)) for k in range(count)]
 
 
 def _bcast(v, cols):
@@ -330,6 +329,7 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
     base = [c_g[k] for k in range(MIX)]  # scalars (GMEM loads while the copies fly)
     sc = [c_g[MIX + k] for k in range(3)]
     plgpu.barrier_wait(bar_t)
+
     def rows(ks):
       return [plgpu.load(t_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False) for k in ks]
 
