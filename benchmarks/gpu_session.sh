@@ -34,6 +34,9 @@
 #   q4      (nvidia-h200):    the mHC GPU tests (+ the trunk through the fused boundaries natively), the one-rank
 #                             latency_specialized step at q = 1 (defaults, profiled, HLO kept), then at q = 4
 #                             without and with the indexer's top-k by radix selection, then q = 1 with it, traced
+#   defaults (nvidia-h200):   the session-23 defaults (bf16_linear from 2 token rows, indexer_topk up to 16,384 pools)
+#                             at q = 4 and q = 1, profiled; bf16_linear forced at one row; the radix/sort crossover
+#                             between 8K and 32K pools; then the end-to-end kernel tests if time remains
 #   hang    (nvidia-h200):    4 real layers at q = 4, every kernel family alone and all together as concurrent
 #                             processes: which one stalls (LAYERS=N for more layers)
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
@@ -310,6 +313,14 @@ case "$MODE" in
     # (the trace and the profile both use CUPTI)
     [ "$(left)" -gt 200 ] && rank1 q4 --q 1 --trace --policy '{"indexer_topk": true}'
     ;;
+  defaults)  # (nvidia-h200) see the header
+    timeout 60 python3 benchmarks/bench_topk.py --pools 12352,16448,24640 > "$OUT/bench_topk.log" 2>&1
+    rank1 defaults --q 4 --profile
+    [ "$(left)" -gt 200 ] && rank1 defaults --q 1 --profile
+    [ "$(left)" -gt 200 ] && rank1 defaults --q 1 --profile --policy '{"bf16_linear": true}'
+    [ "$(left)" -gt 150 ] && timeout $(( $(left) - 15 )) python3 -m pytest -v -m e2e_kernels -p no:cacheprovider \
+      tests/test_decode.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee -a "$OUT/gpu_tests.log"
+    ;;
   mosaic)  # (nvidia-h200-x2) see the header
     (
       lb() { CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 15 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
@@ -331,7 +342,7 @@ case "$MODE" in
     ) &
     wait
     ;;
-  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | q4 | hang | bisect)"; exit 2 ;;
+  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | q4 | defaults | hang | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
 echo "total $(( $(date +%s) - t0 )) s"

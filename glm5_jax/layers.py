@@ -40,9 +40,14 @@ _KERNELS: contextvars.ContextVar = contextvars.ContextVar("glm5_jax_kernels", de
 MAX_KERNEL_ROWS = 64  # the weight-streaming kernels take at most 64 token rows (decode); prefill stays in XLA
 
 
-# The kernel switches of a latency_specialized trace and their defaults (bf16_linear off: measured no faster than
-# XLA at M ≤ 8, BENCHMARKS.md).
-KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "bf16_linear": False, "sparse_mla": True,
+# The kernel switches of a latency_specialized trace and their defaults. A switch left at its default may still
+# decline a call site where XLA measured faster (kernel_enabled's ``prefer``: the bf16 GEMV at one token row, the
+# radix top-k past RADIX_TOPK_MAX_POOLS pools); a switch the policy sets explicitly runs wherever it fits.
+KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla": True,
+                   # the skinny bf16 GEMV (KDA projections, lm_head): at one token row XLA's GEMV is as fast once
+                   # the glue is counted (BENCHMARKS.md, weight streaming), but at q = 4 XLA's gemm fusions of the
+                   # KDA projections took 35 + 16 + 8.5 + 8 µs per layer (1.4 TB/s; session 23): from 2 rows
+                   "bf16_linear": True,
                    "indexer": True,
                    # the fused mHC boundary (pallas_kernels/mhc.py): native on the H200 since 2026-11-30 (one
                    # TP4 rank, B = 1, q = 1: 20.4 -> 16.6 ms per step, 2,805 -> 2,492 launches)
@@ -52,10 +57,10 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "bf16_linea
                    # included (BENCHMARKS.md sessions 20-21)
                    "router_topk": True,
                    # the indexer's top-512 pools as a set without a sort (topk_set_by_threshold: radix selection
-                   # + one prefix sum + a scatter; exact, lax.top_k's set and ties). XLA's sort of the 8,196
-                   # pools takes ~58 µs per DSA layer on the H200 (BENCHMARKS.md session 20): off until the
-                   # replacement is measured there
-                   "indexer_topk": False,
+                   # + one prefix sum + a scatter; exact, lax.top_k's set and ties). On the H200 (session 23,
+                   # bench_topk): 35 µs vs XLA's sort 56-60 µs at 8,256 pools (32K context), but 80-239 µs vs
+                   # 36-96 µs at 32,832 (128K): by default only up to RADIX_TOPK_MAX_POOLS pools
+                   "indexer_topk": True,
                    # with mhc on: the boundary's last step (pre, post, 1/RMS from the summed partials, then
                    # x_in = RMSNorm(Σ pre_i X'_i)) as the Mosaic finish kernel (on) or as XLA fusions (off: 90
                    # fewer Mosaic calls per step — each costs ~12.7 µs of host time inside the CUDA graph,
@@ -63,11 +68,15 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "bf16_linea
                    "mhc_finish": True}
 
 
+RADIX_TOPK_MAX_POOLS = 16384  # measured faster at 8,256 pools, slower at 32,832 (bench_topk, session 23)
+
+
 @contextlib.contextmanager
 def use_kernels(policy: dict | None):
   """Trace the enclosed code with the Pallas kernels switched by ``policy`` over KERNEL_DEFAULTS (other keys of
   the policy are ignored here); None: no kernels (the stock path)."""
-  tok = _KERNELS.set(None if policy is None else {**KERNEL_DEFAULTS, **policy})
+  # (merged switches, the names the policy sets explicitly: those ignore kernel_enabled's ``prefer``)
+  tok = _KERNELS.set(None if policy is None else ({**KERNEL_DEFAULTS, **policy}, frozenset(policy)))
   try:
     yield
   finally:
@@ -77,19 +86,24 @@ def use_kernels(policy: dict | None):
 _REPORT: contextvars.ContextVar = contextvars.ContextVar("glm5_jax_kernel_report", default=None)
 
 
-def kernel_enabled(name: str, rows: int | None = None, *, fits: bool = True, why: str = "") -> bool:
+def kernel_enabled(name: str, rows: int | None = None, *, fits: bool = True, why: str = "", prefer: bool = True,
+                   prefer_why: str = "") -> bool:
   """Whether the kernel ``name`` runs at this call site of the trace: on in the policy, ``rows`` (token rows,
-  when given) within the weight-streaming kernels' MAX_KERNEL_ROWS, and ``fits`` (the site's shape/dtype
-  condition; ``why`` says what it needs). The decision and its reason go to the active ``kernel_report``."""
-  pol = _KERNELS.get()
-  if pol is None:
+  when given) within the weight-streaming kernels' MAX_KERNEL_ROWS, ``fits`` (the site's shape/dtype condition;
+  ``why`` says what it needs), and ``prefer`` (XLA measured faster at this site: ``prefer_why``) unless the policy
+  sets the switch explicitly. The decision and its reason go to the active ``kernel_report``."""
+  got = _KERNELS.get()
+  if got is None:
     return False
+  pol, explicit = got
   if not pol.get(name):
     reason = "off in the policy"
   elif rows is not None and rows > MAX_KERNEL_ROWS:
     reason = f"{rows} token rows > {MAX_KERNEL_ROWS}"
   elif not fits:
     reason = why or "the call site's shapes do not fit the kernel"
+  elif not prefer and name not in explicit:
+    reason = prefer_why or "XLA is faster at this site (the policy can force the kernel)"
   else:
     reason = None
   rep = _REPORT.get()
@@ -178,6 +192,9 @@ def concat_fits(outs, fp8_block) -> bool:
   return fp8_block is None or all(o % fp8_block[0] == 0 for o in outs)
 
 
+ONE_ROW_GEMV = "1 token row: XLA's GEMV is as fast (policy bf16_linear: true forces the kernel)"
+
+
 def _dense(x, w, dtype):
   """x [..., in] @ w[out, in]^T for an unquantised weight: the bf16 GEMV kernel where the policy runs it and the
   shapes fit, else XLA (``mm``)."""
@@ -186,7 +203,8 @@ def _dense(x, w, dtype):
   tiles = n_in % 128 == 0 and n_out % 64 == 0
   why = (f"weight {n_out}x{n_in} (the kernels need in % 128 == 0 and out % 64 == 0)" if not tiles
          else f"{w.dtype} weights (the kernel streams bf16)")
-  if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16, why=why):
+  if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16, why=why, prefer=rows > 1,
+                    prefer_why=ONE_ROW_GEMV):
     from pallas_kernels import linear as kl  # noqa: PLC0415
     return kl.bf16_linear(x.reshape(rows, n_in), w, out_dtype=dtype).reshape(*x.shape[:-1], n_out)
   return mm(x, w, dtype)

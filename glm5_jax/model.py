@@ -15,8 +15,8 @@ from jax import lax
 
 from glm5_jax.attention import DSA, KDA, StepCtx
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
-from glm5_jax.layers import (EMBED, HIGHEST, MLP, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm, kernel_enabled,
-                             param)
+from glm5_jax.layers import (EMBED, HIGHEST, MLP, ONE_ROW_GEMV, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm,
+                             kernel_enabled, param)
 
 
 class DecoderLayer(nnx.Module):
@@ -148,7 +148,8 @@ class Glm5Model(nnx.Module):
     """h [..., D] -> this shard's logits [..., V/tp] in f32."""
     rows, (Vl, D) = h.size // h.shape[-1], self.lm_head.shape
     if kernel_enabled("bf16_linear", rows, fits=self.lm_head.dtype == jnp.bfloat16 and D % 128 == 0 and Vl % 64 == 0,
-                      why=f"bf16 lm_head with D % 128 == 0 and V/tp % 64 == 0 ({self.lm_head.dtype}, {D}, {Vl})"):
+                      why=f"bf16 lm_head with D % 128 == 0 and V/tp % 64 == 0 ({self.lm_head.dtype}, {D}, {Vl})",
+                      prefer=rows > 1, prefer_why=ONE_ROW_GEMV):
       from pallas_kernels import linear as kl  # noqa: PLC0415
       return kl.bf16_linear(h.reshape(rows, D), self.lm_head[...]).reshape(*h.shape[:-1], Vl)
     return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.lm_head[...].astype(self.dtype),

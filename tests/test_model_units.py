@@ -290,3 +290,23 @@ def test_stacked_linear_equals_its_separate_linears_and_the_kernel():
     kern = jax.jit(lambda x: lin(x, jnp.float32))(x)
   assert rep == [("bf16_linear", None)]
   np.testing.assert_allclose(f32(kern), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_default_switch_declines_where_xla_is_faster_and_an_explicit_one_forces():
+  """bf16_linear on by default runs the GEMV kernel from 2 token rows and leaves one row to XLA (saying why); set
+  explicitly it runs at one row too; off, nowhere. The kernel's result equals XLA's either way."""
+  from flax import nnx  # noqa: PLC0415
+
+  from glm5_jax.layers import ONE_ROW_GEMV, Linear, kernel_report, use_kernels  # noqa: PLC0415
+  from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
+  rng = np.random.default_rng()
+  lin = nnx.eval_shape(lambda: Linear(256, 128, jnp.bfloat16, (None, None)))
+  lin.weight.set_value(jnp.asarray(rng.standard_normal((128, 256)) * 0.05, jnp.bfloat16))
+  f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+  for rows, pol, want in ((1, {}, ONE_ROW_GEMV), (3, {}, None), (1, {"bf16_linear": True}, None),
+                          (3, {"bf16_linear": False}, "off in the policy")):
+    x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
+    with maybe_interpret(True), use_kernels(pol), kernel_report() as rep:
+      y = jax.jit(lambda x: lin(x, jnp.float32))(x)
+    assert rep == [("bf16_linear", want)], (rows, pol, rep)
+    np.testing.assert_allclose(f32(y), f32(x) @ f32(lin.weight[...]).T, rtol=1e-5, atol=1e-5)
