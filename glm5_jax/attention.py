@@ -23,9 +23,9 @@ from flax import nnx
 from jax import lax
 
 from glm5_jax.config import Glm5Config
-from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, RADIX_TOPK_MAX_POOLS, TP, ConcatLinear, Linear,
-                             RMSNorm, concat_fits, kernel_enabled, param, StackedLinear, rms_norm,
-                             topk_set_by_threshold)
+from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
+                             RMSNorm, concat_fits, kernel_enabled, param, StackedLinear, radix_topk_pays,
+                             rms_norm, topk_set_by_threshold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,10 +310,10 @@ class Indexer(nnx.Module):
       P = scores.shape[-1]
       masked = jnp.where(jnp.arange(P)[None, None] < n_complete[..., None], scores, -jnp.inf)
       kk = min(self.top_pools, P)
-      if kernel_enabled("indexer_topk", masked.shape[0] * masked.shape[1],  # (decode rows; prefill sorts)
-                        prefer=P <= RADIX_TOPK_MAX_POOLS,
-                        prefer_why=f"{P} pools > {RADIX_TOPK_MAX_POOLS}: XLA's sort is faster there (policy "
-                        "indexer_topk: true forces the radix selection)"):
+      R = masked.shape[0] * masked.shape[1]  # score rows (decode: B·T; prefill's > 64 sort)
+      if kernel_enabled("indexer_topk", R, prefer=radix_topk_pays(R, P),
+                        prefer_why=f"{R} rows x {P} pools: XLA's sort measured faster (layers.radix_topk_pays; "
+                        "policy indexer_topk: true forces the radix selection)"):
         js = topk_set_by_threshold(masked, kk)  # lax.top_k's set, in ascending pool order
         vals = jnp.take_along_axis(masked, js, axis=-1)
       else:

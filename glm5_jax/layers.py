@@ -57,9 +57,8 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # included (BENCHMARKS.md sessions 20-21)
                    "router_topk": True,
                    # the indexer's top-512 pools as a set without a sort (topk_set_by_threshold: radix selection
-                   # + one prefix sum + a scatter; exact, lax.top_k's set and ties). On the H200 (session 23,
-                   # bench_topk): 35 µs vs XLA's sort 56-60 µs at 8,256 pools (32K context), but 80-239 µs vs
-                   # 36-96 µs at 32,832 (128K): by default only up to RADIX_TOPK_MAX_POOLS pools
+                   # + one prefix sum + a scatter; exact, lax.top_k's set and ties); by default only where it
+                   # measured faster than XLA's sort (radix_topk_pays)
                    "indexer_topk": True,
                    # with mhc on: the boundary's last step (pre, post, 1/RMS from the summed partials, then
                    # x_in = RMSNorm(Σ pre_i X'_i)) as the Mosaic finish kernel (on) or as XLA fusions (off: 90
@@ -68,7 +67,16 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    "mhc_finish": True}
 
 
-RADIX_TOPK_MAX_POOLS = 16384  # measured faster at 8,256 pools, slower at 32,832 (bench_topk, session 23)
+# Where the radix top-512 beats XLA's sort on the H200 (bench_topk, session 23; µs radix vs sort): 1 row —
+# 35 vs 56 at 8,256 pools, 47 vs 67 at 16,448, 66 vs 36 at 24,640; 4 rows — 36 vs 60 at 8,256, 50 vs 62 at
+# 12,352, 110 vs 77 at 16,448 (the selection's passes grow with rows × pools; XLA switches algorithm past ~16K).
+RADIX_TOPK_MAX_POOLS = 16448
+RADIX_TOPK_MAX_SCORES = 49408  # rows × pools
+
+
+def radix_topk_pays(rows: int, pools: int) -> bool:
+  """Whether the radix top-k measured faster than XLA's sort for ``rows`` score rows of ``pools`` pools."""
+  return pools <= RADIX_TOPK_MAX_POOLS and rows * pools <= RADIX_TOPK_MAX_SCORES
 
 
 @contextlib.contextmanager
