@@ -38,7 +38,8 @@ FP8_SHAPES = [
     ("q_a", 1536, 4096), ("kv_a|sh_gate_up", 512, 4096), ("q_b", 4096, 1536), ("mla_o", 4096, 4096),
     ("dense_gate_up", 3072, 4096), ("dense_down", 4096, 3072), ("sh_down", 4096, 512),
 ]
-BF16_SHAPES = [("kda_qkv", 2048, 4096), ("kda_o", 4096, 2048), ("lm_head", 38720, 4096)]
+BF16_SHAPES = [("kda_qkv", 6144, 4096), ("kda_o", 4096, 2048), ("kda_fgb_a", 272, 4096), ("indexer_x", 288, 4096),
+               ("lm_head", 38720, 4096)]
 MOE = dict(E=288, I=512, D=4096, k=8, limit=10.0)
 
 _T0 = time.time()
@@ -235,7 +236,7 @@ def sweep(deadline):
   _sweep_bf16(deadline, "lm_head", 38720, 4096, 1)
   _sweep_moe(deadline, 1)
   _sweep_fp8(deadline, "q_a", 1536, 4096, 1)
-  _sweep_bf16(deadline, "kda_qkv", 2048, 4096, 1)
+  _sweep_bf16(deadline, "kda_qkv", 6144, 4096, 1)
   _sweep_moe(deadline, 32)
   _sweep_fp8(deadline, "mla_o", 4096, 4096, 32)
   _sweep_bf16(deadline, "lm_head", 38720, 4096, 32)

@@ -208,8 +208,8 @@ def _dense(x, w, dtype):
   shapes fit, else XLA (``mm``)."""
   n_out, n_in = w.shape
   rows = x.size // n_in
-  tiles = n_in % 128 == 0 and n_out % 64 == 0
-  why = (f"weight {n_out}x{n_in} (the kernels need in % 128 == 0 and out % 64 == 0)" if not tiles
+  tiles = n_in % 128 == 0 and n_out % 8 == 0 and n_out >= 64
+  why = (f"weight {n_out}x{n_in} (the kernel needs in % 128 == 0, out % 8 == 0 and out >= 64)" if not tiles
          else f"{w.dtype} weights (the kernel streams bf16)")
   if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16, why=why, prefer=rows > 1,
                     prefer_why=ONE_ROW_GEMV):

@@ -130,16 +130,17 @@ def plan_linear(n: int, k: int, mp: int, kind: str, *, bm: int | None = None, bk
     x_cols = 2 * mp
     w_bytes, x_bytes = 1, 1
   elif kind == "bf16":
-    bm = bm or (128 if n % 128 == 0 else 64)
+    bm = bm or (128 if n % 128 == 0 else 64)  # (N % 64 != 0: the last row tile overlaps the one before it)
     # bk=256 was measured no faster for the lm_head at M<=8 and 15% slower at M=32 (fewer stages fit).
     bk = bk or 128
     x_cols = mp
     w_bytes, x_bytes = 2, 2
   else:
     raise ValueError(kind)
-  if n % bm or k % bk:
-    raise ValueError(f"[N={n}, K={k}] must be multiples of the tile ({bm}, {bk})")
-  tiles, kb = n // bm, k // bk
+  if (n % bm if kind == "fp8" else n < bm) or k % bk:
+    raise ValueError(f"[N={n}, K={k}] must be multiples of the tile ({bm}, {bk})" if kind == "fp8" else
+                     f"[N={n}, K={k}]: N must be >= {bm} and K a multiple of {bk}")
+  tiles, kb = -(-n // bm), k // bk
   split = split or _pick_split(tiles, kb, target_ctas)
   if kb % split:
     raise ValueError(f"split={split} must divide K/bk={kb}")
@@ -318,11 +319,15 @@ def fp8_linear_reference(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, ou
 # BF16 linear
 # ------------------------------------------------------------------------------------------------------------
 def _bf16_linear_kernel(x_ref, w_ref, o_ref, w_s, x_s, bar, *, plan: Plan, tiles: int, steps: int):
-  """One CTA = (row tile, K split); a single accumulator over the CTA's K range; writes o[split, rows, :mp]."""
+  """One CTA = (row tile, K split); a single accumulator over the CTA's K range; writes o[split, rows, :mp].
+  When bm does not divide N the last tile starts at N - bm (overlapping its neighbour, which writes the same
+  values there): no out-of-bounds TMA box, the output keeps N rows; the offset stays a multiple of 8 rows, as
+  the tiled SMEM copy needs, because N is."""
   bm, bk, stages = plan.bm, plan.bk, plan.stages
+  n = w_ref.shape[0]
   t = lax.axis_index("t")
   tile, sk = t % tiles, t // tiles
-  row0 = tile * bm
+  row0 = tile * bm if n % bm == 0 else jnp.minimum(tile * bm, n - bm)
   k_base = sk * steps * bk
 
   def issue(i):
@@ -358,7 +363,7 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   Args:
     x: [M, K] (cast to bf16; M chunked by 64); w: [N, K] bf16.
   Returns: y [M, N] out_dtype (fp32 accumulation).
-  Needs K % 128 == 0 and N % 64 == 0.
+  Needs K % 128 == 0, N % 8 == 0 and N >= 64 (e.g. the KDA layer's f_a | g_a | b, 272 rows).
   """
   m, k = x.shape
   n, k2 = w.shape
@@ -367,11 +372,11 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   if m > 64:
     return jnp.concatenate([bf16_linear(x[i:i + 64], w, out_dtype=out_dtype, plan=plan)
                             for i in range(0, m, 64)], axis=0)
-  if n % 64 or k % 128:
-    raise NotImplementedError(f"bf16_linear needs K % 128 == 0 and N % 64 == 0, got N={n} K={k}")
+  if n % 8 or n < 64 or k % 128:
+    raise NotImplementedError(f"bf16_linear needs K % 128 == 0, N % 8 == 0 and N >= 64, got N={n} K={k}")
   mp = _padded_rows(m)
   plan = plan or plan_linear(n, k, mp, "bf16")
-  tiles = n // plan.bm
+  tiles = -(-n // plan.bm)
   steps = k // plan.bk // plan.split
   xp = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
   kernel = functools.partial(_bf16_linear_kernel, plan=plan, tiles=tiles, steps=steps)

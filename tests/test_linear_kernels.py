@@ -30,7 +30,10 @@ FP8_SHAPES = {
     "dense_down": (4096, 3072),
     "shared_down": (4096, 512),
 }
-BF16_SHAPES = {"kda_qkv": (2048, 4096), "kda_o": (4096, 2048), "lm_head": (38720, 4096)}
+# every bf16 weight the one-rank step streams through the kernel (tests/test_step_lowering.py lists the calls)
+BF16_SHAPES = {"kda_qkv": (6144, 4096), "kda_o": (4096, 2048), "kda_fgb_a": (272, 4096), "kda_fg_b": (4096, 256),
+               "indexer_wq_b": (4096, 1536), "indexer_x": (288, 4096), "mtp_eh": (4096, 8192),
+               "lm_head": (38720, 4096)}
 MOE_REAL = dict(E=288, I=512, D=4096, k=8)
 ROWS = [1, 4, 8, 32, 64]
 
@@ -205,6 +208,8 @@ def test_fp8_linear_interpret_bf16_out_and_shared_quantisation():
     (1, 256, 512, {}),
     (7, 192, 512, dict(split=1, stages=2)),  # ragged N, ring reuse with a wgmma kept in flight
     (12, 128, 384, dict(split=1, stages=1)),  # single-stage ring
+    (4, 136, 256, {}),  # N % 64 != 0: the last row tile overlaps its neighbour (starts at N - 64)
+    (3, 72, 512, dict(split=2)),
 ])
 def test_bf16_linear_interpret(m, n, k, plan_kw):
   ks = jax.random.split(jax.random.key(30 + m), 2)
@@ -336,7 +341,8 @@ def test_fp8_linear_gpu(name, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,m", [(name, 1) for name in BF16_SHAPES] + [("kda_qkv", 32), ("kda_o", 64)])
+@pytest.mark.parametrize("name,m", [(name, 1) for name in BF16_SHAPES] + [("kda_fgb_a", 4), ("indexer_x", 4),
+                                                                          ("kda_qkv", 32), ("kda_o", 64)])
 def test_bf16_linear_gpu(name, m):
   n, k = BF16_SHAPES[name]
   ks = jax.random.split(jax.random.key(70 + m), 2)

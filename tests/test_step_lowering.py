@@ -50,7 +50,8 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   n_calls, n_kernels = check_one_module_per_kernel(txt)
   # identical calls share one lowering (pallas_kernels._common.kernel_entry); where they do not (another
   # lowering context), they still share one module, hence one runtime compilation
-  assert n_kernels <= 16 and n_calls <= 24, (n_calls, n_kernels)
+  # (q = 4: + the bf16 GEMV at its ~6 weight shapes, on by default from 2 token rows)
+  assert n_kernels <= (16 if q == 1 else 24) and n_calls <= 28, (n_calls, n_kernels)
   for name in ("glm5_fp8_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla", "glm5_indexer_scores"):
     assert name in txt, name
   auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
