@@ -240,10 +240,13 @@ def test_router_topk_equals_sorting_router():
   np.testing.assert_allclose(np.asarray(w1), np.asarray(w0), rtol=2.0 ** -22, atol=0)
 
 
-@pytest.mark.parametrize("N,k,kind", [(8196, 512, "scores"), (8196, 512, "ties"), (700, 512, "masked"),
-                                      (2000, 512, "special"), (600, 600, "ties"), (33000, 512, "ties"),
-                                      (50, 64, "scores")])
-def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind):
+@pytest.mark.parametrize("N,k,kind,opts", [
+    (8196, 512, "scores", {}), (8196, 512, "ties", {}), (700, 512, "masked", {}), (2000, 512, "special", {}),
+    (600, 600, "ties", {}), (33000, 512, "ties", {}), (50, 64, "scores", {}),
+    # the blocked prefix sum and 4-bit digits (bench_topk's variants)
+    (8196, 512, "ties", dict(scan_block=128)), (700, 512, "masked", dict(scan_block=128, digit_bits=4)),
+    (33000, 512, "ties", dict(scan_block=512)), (50, 64, "special", dict(scan_block=128, digit_bits=4))])
+def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind, opts):
   """The indexer's sort-free top-k selects exactly lax.top_k's SET (ties: the lower indices), returned in
   ascending index order: indexer-like scores, a few levels (ties everywhere, one row all equal), -inf beyond a
   random number of complete pools (fewer than k in some rows), NaN / ±0 / ±inf sprinkled in; N >= 2^15 takes
@@ -263,11 +266,19 @@ def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind):
     specials = np.array([np.nan, -np.nan, 0.0, -0.0, np.inf, -np.inf], np.float32)
     hit = rng.random(shape) < 0.1
     v[hit] = specials[rng.integers(0, len(specials), hit.sum())]
-  got = np.asarray(jax.jit(topk_set_by_threshold, static_argnums=1)(jnp.asarray(v), k))
+  got = np.asarray(jax.jit(lambda v: topk_set_by_threshold(v, k, **opts))(jnp.asarray(v)))
   kk = min(k, N)
   want = np.sort(np.asarray(lax.top_k(jnp.asarray(v), kk)[1]), axis=-1)
   np.testing.assert_array_equal(got[..., :kk], want)
   assert (got[..., kk:] == -1).all()
+
+
+@pytest.mark.parametrize("N,block", [(1000, None), (1000, 128), (8256, 128), (77, 512), (300, 7)])
+def test_exclusive_prefix_sum(N, block):
+  from glm5_jax.layers import exclusive_prefix_sum  # noqa: PLC0415
+  x = np.random.default_rng().integers(0, 1 << 10, (3, N)).astype(np.int32)
+  got = np.asarray(jax.jit(lambda x: exclusive_prefix_sum(x, block))(jnp.asarray(x)))
+  np.testing.assert_array_equal(got, np.cumsum(x, axis=-1) - x)
 
 
 def test_stacked_linear_equals_its_separate_linears_and_the_kernel():
@@ -310,3 +321,31 @@ def test_a_default_switch_declines_where_xla_is_faster_and_an_explicit_one_force
       y = jax.jit(lambda x: lin(x, jnp.float32))(x)
     assert rep == [("bf16_linear", want)], (rows, pol, rep)
     np.testing.assert_allclose(f32(y), f32(x) @ f32(lin.weight[...]).T, rtol=1e-5, atol=1e-5)
+
+
+def test_router_logits_through_the_bf16_kernel():
+  """With bf16 x and router weight at >= 2 token rows the logits come from the bf16 GEMV kernel (GPU interpret
+  mode on CPU): the same exact products as f32(x)·f32(W), another summation order — the same experts, weights
+  within float rounding; with f32 inputs the kernel declines (it would round x)."""
+  from flax import nnx  # noqa: PLC0415
+
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.layers import Router, kernel_report, use_kernels  # noqa: PLC0415
+  from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
+  cfg = C.oracle_tiny().replace(n_routed_experts=288, num_experts_per_tok=8, hidden_size=256)
+  r = nnx.eval_shape(lambda: Router(cfg, jnp.bfloat16))
+  rng = np.random.default_rng()
+  r.weight.set_value(jnp.asarray(rng.standard_normal((288, 256)) * 0.05, jnp.bfloat16))
+  r.e_score_correction_bias.set_value(jnp.asarray(rng.standard_normal(288) * 0.01, jnp.float32))
+  x = jnp.asarray(rng.standard_normal((1, 4, 256)), jnp.bfloat16)
+  with use_kernels(None):
+    lg0, (ids0, w0) = jax.jit(r.logits)(x), jax.jit(r.__call__)(x)
+  with maybe_interpret(True), use_kernels({}), kernel_report() as rep:
+    lg1, (ids1, w1) = jax.jit(r.logits)(x), jax.jit(r.__call__)(x)
+  assert ("bf16_linear", None) in rep, rep
+  np.testing.assert_allclose(np.asarray(lg1), np.asarray(lg0), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
+  np.testing.assert_allclose(np.asarray(w1), np.asarray(w0), rtol=1e-5, atol=0)
+  with maybe_interpret(True), use_kernels({}), kernel_report() as rep:
+    jax.jit(r.logits)(x.astype(jnp.float32))
+  assert rep and rep[0][0] == "bf16_linear" and "bf16 router input" in rep[0][1], rep
