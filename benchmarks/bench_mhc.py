@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._timing import MODE, log, time_calls, write_log  # noqa: E402
 from glm5_jax import config as C  # noqa: E402
 from glm5_jax.layers import HyperConnection, RMSNorm  # noqa: E402
+from pallas_kernels import mhc as km  # noqa: E402
 
 HBM_BPS = 4.3e12
 D, N, CHAIN = 4096, 4, 16
@@ -48,7 +49,7 @@ def stock(hc, norm, X2, y, mix):
   post, comb = HyperConnection.unpack(mix, (M,))
   Xn = HyperConnection.post(X2.reshape(M, N, D), y, post, comb)
   u, post, comb = hc.pre(Xn)
-  return Xn.reshape(M, N * D), norm(u, jnp.bfloat16), (jnp.pad(post, ((0, 0), (0, 4))), comb.reshape(M, 16))
+  return Xn.reshape(M, N * D), norm(u, jnp.bfloat16), km.mix_from_rows(post, comb.reshape(M, 16))
 
 
 def fused(hc, norm, X2, y, mix):
@@ -59,14 +60,13 @@ def compile_times(hc, norm, rows):
   """Seconds to compile CHAIN unrolled boundaries (stock, fused) and CHAIN copies of each fused kernel at M rows
   (session 22, before the Sinkhorn moved into mhc_finish: 16 boundaries at M = 4 took 64.9 s, their 16 XLA
   Sinkhorn fusions alone 36.0 s; the stock chain 17.6 s)."""
-  from pallas_kernels import mhc as km  # noqa: PLC0415
   log(f"# compile seconds for {CHAIN} boundaries / {CHAIN} copies of a part, {jax.devices()[0].device_kind}")
   log(f"{'M':>3} {'stock':>7} {'fused':>7} {'post_pre':>9} {'finish':>7}")
   eps = dict(eps=hc.eps, hc_norm_eps=hc.norm_eps)
   for M in rows:
     X2 = jax.ShapeDtypeStruct((M, N * D), jnp.bfloat16)
     y = jax.ShapeDtypeStruct((M, D), jnp.bfloat16)
-    mix = (jax.ShapeDtypeStruct((M, 8), jnp.float32), jax.ShapeDtypeStruct((M, 16), jnp.float32))
+    mix = (jax.ShapeDtypeStruct((N, km.ROWS), jnp.float32), jax.ShapeDtypeStruct((16, km.ROWS), jnp.float32))
     tot = jax.ShapeDtypeStruct((64, 40), jnp.float32)
 
     def chain(X2, y, mix, f):
@@ -86,7 +86,7 @@ def compile_times(hc, norm, rows):
         x, post, comb = km.mhc_finish(X2, tot.T, hc.base_scale[...], w, iters=hc.iters, **eps, norm_eps=norm.eps,
                                       post_mult=hc.post_mult)
         w = w + x[0]
-        tot = tot.at[:M, :8].add(post).at[:M, 8:24].add(comb)
+        tot = tot.at[:, 4:8].add(post.T).at[:, 8:24].add(comb.T)
       return x, tot
 
     out = []
@@ -122,10 +122,9 @@ def main(argv=None):
       X2 = jnp.asarray(rng.standard_normal((M, N * D)), jnp.bfloat16)
       y = jnp.asarray(rng.standard_normal((M, D)), jnp.bfloat16)
       c = rng.uniform(0, 1, (M, 4, 4))
-      post = np.zeros((M, 8), np.float32)
-      post[:, :4] = rng.uniform(0, 2, (M, 4))
+      post = rng.uniform(0, 2, (M, 4)).astype(np.float32)
       comb = (c / c.sum(1, keepdims=True)).reshape(M, 16).astype(np.float32)
-      sets.append((X2, y, (jnp.asarray(post), jnp.asarray(comb))))
+      sets.append((X2, y, km.mix_from_rows(jnp.asarray(post), jnp.asarray(comb))))
     floor = (2 * M * N * D * 2 + M * D * 2 * 2 + 24 * N * D * 2) / HBM_BPS * 1e6
     for name, f in (("stock", stock), ("fused", fused)):
       one = jax.jit(lambda X2, y, mix, f=f: f(hc, norm, X2, y, mix))

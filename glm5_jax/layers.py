@@ -341,28 +341,34 @@ class HyperConnection(nnx.Module):
   def fused(self, X2, pending, norm: "RMSNorm"):
     """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
     RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix) of the previous
-    sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post
-    [M, 8], comb [M, N·N]) f32: this site's post and comb for the next boundary). Rows beyond 64 go in chunks."""
+    sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post_t
+    [N, C], comb_t [N·N, C]) f32: this site's post and comb for the next boundary, transposed — a column per token
+    row, C = M rounded up to 64, pallas_kernels.mhc.mix_rows reads them back). Rows beyond 64 go in chunks of 64
+    (a chunk's mix is its 64 columns)."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
-    M = X2.shape[0]
-    if M > km.ROWS:
-      parts = [self.fused(X2[i:i + km.ROWS], jax.tree.map(lambda a, i=i: a[i:i + km.ROWS], pending), norm)
-               for i in range(0, M, km.ROWS)]
-      return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *parts)
+    M, R = X2.shape[0], km.ROWS
+    if M > R:
+      parts = [self.fused(X2[i:i + R], None if pending is None else
+                          (pending[0][i:i + R], tuple(a[:, i:i + R] for a in pending[1])), norm)
+               for i in range(0, M, R)]
+      return (jnp.concatenate([p[0] for p in parts], axis=0), jnp.concatenate([p[1] for p in parts], axis=0),
+              tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)))
     y, mix = pending if pending is not None else (None, None)
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None)
     # one reduction over the column chunks (all 64 rows: the finish kernel takes the sums transposed, one row per
     # quantity; rows M.. are padding it never stores)
     tot = jnp.sum(part, axis=0)  # [64, 40]
     finish = km.mhc_finish if kernel_enabled("mhc_finish") else km.mhc_finish_reference
-    x_in, post, comb = finish(Xn, tot.T, self.base_scale[...], norm.weight[...], iters=self.iters, eps=self.eps,
-                              hc_norm_eps=self.norm_eps, norm_eps=norm.eps, post_mult=self.post_mult)
-    return Xn, x_in, (post, comb)
+    x_in, post_t, comb_t = finish(Xn, tot.T, self.base_scale[...], norm.weight[...], iters=self.iters,
+                                  eps=self.eps, hc_norm_eps=self.norm_eps, norm_eps=norm.eps,
+                                  post_mult=self.post_mult)
+    return Xn, x_in, (post_t, comb_t)
 
   @staticmethod
   def unpack(mix, lead, n=4):
-    """mix = (post [M, 8], comb [M, n·n]) of ``fused`` -> (post [*lead, n], comb [*lead, n, n])."""
-    return mix[0][:, :n].reshape(*lead, n), mix[1].reshape(*lead, n, n)
+    """The transposed mix of ``fused`` -> (post [*lead, n], comb [*lead, n, n]) of its first prod(lead) rows."""
+    M = math.prod(lead)
+    return mix[0][:n, :M].T.reshape(*lead, n), mix[1][:n * n, :M].T.reshape(*lead, n, n)
 
 
 # ---------------------------------------------------------------------------------------------------- MLPs

@@ -2,8 +2,11 @@
 
 Shapes: M token rows (B · T) per launch, at most 64; N = 4 residual streams; D hidden (4096); K = N · D (16384)
 the flattened streams; G = D / 64 column chunks (one CTA each). The residual is kept as X [M, N·D] bf16
-(stream-major, the spec's flatten order). A site hands the *next* boundary ``mix`` = (post [M, 8] f32: its post in
-columns 0..3, comb [M, N·N] f32: its Sinkhorn-normalised comb, row-major, comb[i, j] at N·i + j).
+(stream-major, the spec's flatten order). A site hands the *next* boundary ``mix`` = (post_t [N, C] f32: its post,
+comb_t [N·N, C] f32: its Sinkhorn-normalised comb, comb[i, j] in row N·i + j), transposed: column m
+is token row m, C = M rounded up to 64 (columns M.. are padding). Transposed, each per-token quantity is one SMEM
+row — one load or store of a per-row vector in the kernels instead of a masked extraction from / a select chain
+into a [64, 16] tile (``mix_from_rows`` / ``mix_rows`` convert).
 
 A boundary between sublayers (the post of one site fused with the pre of the next, as vLLM's
 ``MHCFusedPostPreOp``) is two Mosaic launches and one XLA reduction instead of ~11 XLA kernels (measured on the
@@ -64,10 +67,23 @@ def _check(x, D, what):
     raise ValueError(f"{what}: hidden size {D} must be a multiple of {DC_FIN}")
 
 
+def mix_from_rows(post, comb):
+  """(post [M, N], comb [M, N·N]) per token row -> the kernels' transposed ``mix`` (post_t [N, C], comb_t
+  [N·N, C]), C = M rounded up to a multiple of 64, zero padded."""
+  M = post.shape[0]
+  C = -(-M // ROWS) * ROWS
+  return tuple(jnp.pad(a.astype(jnp.float32).T, ((0, 0), (0, C - M))) for a in (post, comb))
+
+
+def mix_rows(mix, M: int):
+  """The transposed ``mix`` -> (post [M, N], comb [M, N·N]) of the first M token rows."""
+  return mix[0][:, :M].T, mix[1][:, :M].T
+
+
 # ------------------------------------------------------------------------------------------------ references
 def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
-  """X [M, N·D] bf16 residual, y [M, D] bf16 sublayer output, mix = (post [M, 8], comb [M, N·N]) f32 of the
-  previous site (``mhc_finish``'s), fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40] f32: per column chunk the 24 partial mixing logits
+  """X [M, N·D] bf16 residual, y [M, D] bf16 sublayer output, mix = (post_t [N, 64], comb_t [N·N, 64]) f32 of
+  the previous site (``mhc_finish``'s, transposed), fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40] f32: per column chunk the 24 partial mixing logits
   then the 10 partial Gram entries, 6 columns of padding). ``first``: no previous sublayer (y and mix are
   ignored, X' = X). Rows M.. of part are padding (unspecified)."""
   M, K = X.shape
@@ -77,7 +93,8 @@ def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
   if first:
     Xn = Xs.astype(jnp.bfloat16)
   else:
-    post, comb = mix[0][:, :N], mix[1].reshape(M, N, N)
+    post, comb = mix_rows(mix, M)
+    comb = comb.reshape(M, N, N)
     s = comb[:, 0, :, None] * Xs[:, :1]  # Σ_i comb[i, j] X_i summed in order i = 0..3, then + post_j · y
     for i in range(1, N):
       s = s + comb[:, i, :, None] * Xs[:, i:i + 1]
@@ -131,8 +148,8 @@ def mhc_finish_reference(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_
                          post_mult: float):
   """Xn [M, N·D] bf16 (X' of ``mhc_post_pre``), tot_t [40, 64] f32 (its partials summed over the column chunks,
   transposed: column m is token row m; columns M.. are padding), coef [27] (base, scale), w [D] -> (x_in [M, D]
-  bf16 = w · bf16(bf16(u) · rinv), post [M, 8] f32: this site's post in columns 0..3, zeros after, comb [M, N·N]
-  f32: its Sinkhorn-normalised comb, row-major). u = Σ_i pre_i · X'_i in f32 (the stock path's RMSNorm rounding,
+  bf16 = w · bf16(bf16(u) · rinv), mix = (post_t [N, 64] f32: this site's post, comb_t [N·N, 64]
+  f32: its Sinkhorn-normalised comb; columns M.. zero)). u = Σ_i pre_i · X'_i in f32 (the stock path's RMSNorm rounding,
   with rinv from the Gram matrix); comb from the stock path's ``sinkhorn_comb`` (``iters`` iterations)."""
   M, K = Xn.shape
   D = K // N
@@ -142,15 +159,13 @@ def mhc_finish_reference(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_
   u = jnp.einsum("mn,mnd->md", pre, Xn.astype(jnp.float32).reshape(M, N, D), precision=lax.Precision.HIGHEST)
   xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * rinv[:, None]).astype(jnp.bfloat16)
   comb = _comb_reference(tot, coef, D, iters=iters, eps=eps, hc_norm_eps=hc_norm_eps)
-  return w.astype(jnp.bfloat16) * xn, jnp.pad(post, ((0, 0), (0, 8 - N))), comb
+  return w.astype(jnp.bfloat16) * xn, *mix_from_rows(post, comb)
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-def _row_vectors(tile, count):
-  """[64, C] f32 tile (WGMMA layout) -> its first ``count`` columns as per-row vectors [64] (a masked row sum:
-  no value transpose needed)."""
-  col = plgpu.broadcasted_iota(jnp.int32, tile.shape, 1, layout=_L.WGMMA)
-  return [plgpu.layout_cast(jnp.where(col == k, tile, 0.0).sum(axis=1), _L.WGMMA.reduce(1)) for k in range(count)]
+def _row_vector(ref, k):
+  """Row k of a [rows, 64] f32 SMEM ref (one quantity per row, a column per token row) as a per-row vector [64]."""
+  return plgpu.load(ref.at[k], layout=_L.WGMMA.reduce(1), optimized=False)
 
 
 def _bcast(v, cols):
@@ -170,16 +185,16 @@ def _post_pre_kernel(M: int, D: int, first: bool):
       plgpu.copy_gmem_to_smem(fn_g.at[:, pl.ds(i * D + d0, DC)], fn_s.at[i], bar)
     if not first:
       plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, M), pl.ds(d0, DC)], y_s.at[pl.ds(0, M)], bar)
-      plgpu.copy_gmem_to_smem(post_g.at[pl.ds(0, M)], post_s.at[pl.ds(0, M)], bar)
-      plgpu.copy_gmem_to_smem(comb_g.at[pl.ds(0, M)], comb_s.at[pl.ds(0, M)], bar)
+      plgpu.copy_gmem_to_smem(post_g, post_s, bar)
+      plgpu.copy_gmem_to_smem(comb_g, comb_s, bar)
     plgpu.barrier_wait(bar)
 
     xs = [plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32) for i in range(N)]
     if first:
       xn = xs  # bf16 values already
     else:
-      post = _row_vectors(plgpu.load(post_s, layout=_L.WGMMA, optimized=False), N)
-      comb = _row_vectors(plgpu.load(comb_s, layout=_L.WGMMA, optimized=False), N * N)
+      post = [_row_vector(post_s, k) for k in range(N)]  # (transposed mix: one SMEM row per quantity)
+      comb = [_row_vector(comb_s, k) for k in range(N * N)]
       yv = plgpu.load(y_s, layout=_L.WGMMA, optimized=False).astype(jnp.float32)
       xn = []
       for j in range(N):
@@ -241,16 +256,16 @@ def mhc_post_pre(X, y, mix, fn, *, first: bool = False):
       scratch_types=[
           x_s,
           plgpu.SMEM((ROWS, DC), bf16),  # y_s
-          plgpu.SMEM((ROWS, 8), f32),  # post_s
-          plgpu.SMEM((ROWS, N * N), f32),  # comb_s
+          plgpu.SMEM((N, ROWS), f32),  # post_s (transposed mix: a row per quantity)
+          plgpu.SMEM((N * N, ROWS), f32),  # comb_s
           fn_s, xw_s,
           plgpu.SMEM((N, ROWS, DC), bf16),  # xu_s: X' untiled, for the TMA store of M rows
           plgpu.Barrier(num_arrivals=2 * N + 3),
       ])
   post, comb = mix
-  if post.shape != (M, 8) or comb.shape != (M, N * N):
-    raise ValueError(f"mhc_post_pre: mix = (post {post.shape}, comb {comb.shape}), expected "
-                     f"({(M, 8)}, {(M, N * N)})")
+  if post.shape != (N, ROWS) or comb.shape != (N * N, ROWS):
+    raise ValueError(f"mhc_post_pre: mix = (post {post.shape}, comb {comb.shape}), expected the transposed "
+                     f"({(N, ROWS)}, {(N * N, ROWS)}) of mhc_finish (mix_from_rows)")
   return kern(X, y.astype(bf16), post.astype(f32), comb.astype(f32), fn.astype(bf16))
 
 
@@ -359,15 +374,15 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
       S = [None] * N + rows(range(N, MIX))
       post = [post_mult * jax.nn.sigmoid(S[N + i] * r * sc[1] + base[N + i]) for i in range(N)]
       comb = _sinkhorn_rows([S[k] * r * sc[2] + base[k] for k in range(2 * N, MIX)], iters, eps)
-      for vals, ref, cols in ((post, p_s, 8), (comb, cb_s, N * N)):
-        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, cols), 1, layout=_L.WGMMA)
-        tile = jnp.zeros((ROWS, cols), jnp.float32)
-        for k, v in enumerate(vals):
-          tile = jnp.where(col == k, _bcast(v, cols), tile)
-        ref[...] = plgpu.layout_cast(tile, _L.WGMMA)
+      # transposed mix: each per-row vector is one SMEM row (a [64, 16] tile built by selects cost more); the
+      # padding columns M.. hold whatever the padding sums give (a padding row never mixes into a real one)
+      for k, v in enumerate(post):
+        p_s[k] = v
+      for k, v in enumerate(comb):
+        cb_s[k] = v
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(p_s.at[pl.ds(0, M)], post_g.at[pl.ds(0, M)])
-      plgpu.copy_smem_to_gmem(cb_s.at[pl.ds(0, M)], comb_g.at[pl.ds(0, M)])
+      plgpu.copy_smem_to_gmem(p_s, post_g)
+      plgpu.copy_smem_to_gmem(cb_s, comb_g)
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -389,15 +404,15 @@ def mhc_finish(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float
   bf16, f32 = jnp.bfloat16, jnp.float32
   kern = plgpu.kernel(
       _finish_kernel(M, D, int(iters), float(eps), float(hc_norm_eps), float(norm_eps), float(post_mult)),
-      out_type=(jax.ShapeDtypeStruct((M, D), bf16), jax.ShapeDtypeStruct((M, 8), f32),
-                jax.ShapeDtypeStruct((M, N * N), f32)),
+      out_type=(jax.ShapeDtypeStruct((M, D), bf16), jax.ShapeDtypeStruct((N, ROWS), f32),
+                jax.ShapeDtypeStruct((N * N, ROWS), f32)),
       scratch_types=[
           plgpu.SMEM((N, ROWS, DC_FIN), bf16),  # x_s
           plgpu.SMEM((PART, ROWS), f32),  # t_s
           plgpu.SMEM((DC_FIN,), bf16),  # w_s
           plgpu.SMEM((ROWS, DC_FIN), bf16),  # o_s
-          plgpu.SMEM((ROWS, 8), f32),  # p_s
-          plgpu.SMEM((ROWS, N * N), f32),  # cb_s
+          plgpu.SMEM((N, ROWS), f32),  # p_s (transposed: a row per quantity)
+          plgpu.SMEM((N * N, ROWS), f32),  # cb_s
           plgpu.Barrier(num_arrivals=1),  # bar_t: the sums (every CTA)
           plgpu.Barrier(num_arrivals=N + 1),  # bar_x: the streams and w (the normalising CTAs)
       ],

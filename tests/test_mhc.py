@@ -25,18 +25,18 @@ CONSTS = dict(iters=20, eps=1e-6, hc_norm_eps=1e-6, norm_eps=1e-5, post_mult=2.0
 
 
 def _inputs(M, D, seed):
-  """X, y, mix = (post [M, 8], comb [M, 16]) of a previous site, fn, and the site's base / scale / norm weight."""
+  """X, y, mix = (post_t [4, C], comb_t [16, C]) of a previous site (transposed, as mhc_finish returns them), fn,
+  and the site's base / scale / norm weight."""
   rng = np.random.default_rng(seed)
   X = jnp.asarray(rng.standard_normal((M, 4 * D)) * rng.uniform(0.2, 3.0, (M, 1)), jnp.bfloat16)
   y = jnp.asarray(rng.standard_normal((M, D)), jnp.bfloat16)
-  post = np.zeros((M, 8), np.float32)
-  post[:, :4] = rng.uniform(0, 2, (M, 4))  # post in (0, 2)
+  post = rng.uniform(0, 2, (M, 4)).astype(np.float32)  # post in (0, 2)
   c = rng.uniform(0, 1, (M, 4, 4))
   comb = (c / c.sum(1, keepdims=True)).reshape(M, 16).astype(np.float32)  # doubly-stochastic-ish comb
   fn = jnp.asarray(rng.standard_normal((24, 4 * D)) * 0.02, jnp.bfloat16)
   coef = jnp.asarray(np.concatenate([rng.standard_normal(24), rng.uniform(0.5, 2, 3)]), jnp.float32)  # base, scale
   w = jnp.asarray(rng.standard_normal(D), jnp.bfloat16)
-  return X, y, (jnp.asarray(post), jnp.asarray(comb)), fn, coef, w
+  return X, y, K.mix_from_rows(jnp.asarray(post), jnp.asarray(comb)), fn, coef, w
 
 
 def _check_kernels(M, D, first, seed=0, interpret=None):
@@ -56,11 +56,12 @@ def _check_kernels(M, D, first, seed=0, interpret=None):
   for sl in (slice(0, K.MIX), slice(K.MIX, K.MIX + K.GRAM)):  # partial logits, partial Gram entries
     r = f32(ref[1])[:, :M, sl]
     np.testing.assert_allclose(f32(got[1])[:, :M, sl], r, atol=2e-3 * np.abs(r).max(), rtol=0)
-  # post: f32 math in another order (and the GPU's exp / rsqrt) than XLA's; zeros after column 4
-  np.testing.assert_allclose(f32(post), f32(ref_post), atol=2e-5, rtol=2e-5)
-  assert not np.any(f32(post)[:, 4:])
+  # post (transposed: a column per token row; columns M.. padding): f32 math in another order (and the GPU's
+  # exp / rsqrt) than XLA's
+  assert post.shape == ref_post.shape == (4, K.ROWS) and comb.shape == ref_comb.shape == (16, K.ROWS)
+  np.testing.assert_allclose(f32(post)[:, :M], f32(ref_post)[:, :M], atol=2e-5, rtol=2e-5)
   # comb: the same softmax + 20 Sinkhorn iterations with the sums of 4 in another order (and the GPU's exp)
-  np.testing.assert_allclose(f32(comb), f32(ref_comb), atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(f32(comb)[:, :M], f32(ref_comb)[:, :M], atol=2e-5, rtol=2e-5)
   # x_in = w · bf16(bf16(u) · rinv): pre / rinv one f32 rounding apart, and u one rounding apart (FMA
   # contraction), move bf16(u) by one ulp and x_in by up to a second (seen natively: 1 of 262,144 at M = 64)
   np.testing.assert_allclose(f32(fin), f32(ref_fin), **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
@@ -90,7 +91,7 @@ def test_comb_is_the_stock_sinkhorn():
   ss = np.trace(np.asarray(K._gram(tot)), axis1=1, axis2=2)
   m = tot[:, :K.MIX] * jax.lax.rsqrt(jnp.asarray(ss) / (4 * 256) + 1e-6)[:, None]
   ref = hc_mix(m, coef[K.MIX:], coef[:K.MIX], 4, 20, 1e-6, 2.0)[2]
-  np.testing.assert_array_equal(np.asarray(comb), np.asarray(ref).reshape(3, 16))
+  np.testing.assert_array_equal(np.asarray(comb)[:, :3].T, np.asarray(ref).reshape(3, 16))
 
 
 @pytest.mark.parametrize("M", [1, 4, 8, 32, 64])
@@ -107,8 +108,8 @@ def test_bad_shapes_named():
   with pytest.raises(ValueError, match="65 token rows, expected 1..64"):
     K.mhc_post_pre(X, y, mix, fn)
   X, y, mix, fn, coef, w = _inputs(3, 128, 0)
-  with pytest.raises(ValueError, match=r"mix = \(post \(3, 4\)"):
-    K.mhc_post_pre(X, y, (mix[0][:, :4], mix[1]), fn)
+  with pytest.raises(ValueError, match=r"mix = \(post \(4, 32\)"):
+    K.mhc_post_pre(X, y, (mix[0][:, :32], mix[1]), fn)
   with pytest.raises(ValueError, match=r"tot_t \(3, 40\)"):
     K.mhc_finish(X, jnp.zeros((3, K.PART)), coef, w, **CONSTS)
   with pytest.raises(ValueError, match=r"coef \(24,\)"):
