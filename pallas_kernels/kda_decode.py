@@ -311,11 +311,16 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
       # Every warp holds all of K for its columns, so these full reductions need no SMEM.
       kt = kt * lax.rsqrt(jnp.sum(kt * kt) + L2NORM_EPS)
       qt = qt * (lax.rsqrt(jnp.sum(qt * qt) + L2NORM_EPS) * q_scale)
-      kb = over_k(kt)
-      S = S * over_k(alpha)
-      r = jnp.sum(S * kb, axis=0)
-      S = S + kb * over_v(betas[t] * (vt - r))
-      o = jnp.sum(S * over_k(qt), axis=0)
+      # Both reductions read the state as it came in: with S' = diag(alpha) S, r = S'^T k = S^T (alpha k) and
+      # o = (S' + k delta^T)^T q = S^T (alpha q) + (k . q) delta. The two run side by side and the state's chain
+      # per token is one reduction + one FMA instead of scale -> reduce -> update -> reduce: with one warpgroup
+      # per SM nothing hides the latency of a dependent step (q = 4 took ~1 µs per token, BENCHMARKS.md).
+      # Equal to the reference up to fp32 rounding (another association of the same products).
+      r = jnp.sum(S * over_k(alpha * kt), axis=0)
+      oq = jnp.sum(S * over_k(alpha * qt), axis=0)
+      delta = betas[t] * (vt - r)
+      S = S * over_k(alpha) + over_k(kt) * over_v(delta)
+      o = oq + jnp.sum(kt * qt) * delta
       state_ref[bi, t, h, :, cols] = S
       if norm_in_kernel:
         o_smem[t, cols] = o
