@@ -437,16 +437,20 @@ def exclusive_prefix_sum(x, block: int | None = None):
   return inc.reshape(*x.shape[:-1], -1)[..., :N] - x
 
 
-def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | None = None):
+def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | None = None,
+                          histogram: bool = False):
   """The SET lax.top_k(v, k) selects, without a sort, as indices [..., k] int32 in ascending index order (an
   unselected slot can only arise for k > N: -1). For large N (the indexer's top-512 of up to max_context / 4
   pools), where ``topk_by_rank``'s N × N count is too much work and XLA's GPU sort is ~58 µs per call
   (BENCHMARKS.md, session 20).
 
   1. The k-th largest key T, exactly, by radix selection on the 32-bit monotone key (``topk_by_rank``'s total
-     order): 32 / digit_bits passes, each counting #{key >= t} for the 2^digit_bits candidate thresholds of the
-     next digit at once ([..., 2^digit_bits, N] compare-and-count: one reduction) and keeping the largest t with a
-     count >= k.
+     order), ``digit_bits`` per pass. Default: each pass counts #{key >= t} for the 2^digit_bits candidate
+     thresholds of the next digit at once ([..., 2^digit_bits, N] compare-and-count: one reduction) and keeps the
+     largest t with a count >= k. ``histogram``: each pass instead scatter-adds the digits of the entries that
+     still match the prefix into 2^digit_bits bins (integer adds: exact in any order) and takes the largest digit
+     whose suffix count covers what is still needed — O(N) work per pass instead of O(2^digit_bits · N), so wider
+     digits and fewer passes (11 + 11 + 10 bits).
   2. Selected: key > T, and of the entries equal to T the first k - #{key > T} by index (lax.top_k's tie
      order); each one's slot = #{selected before it} from ONE prefix sum (the two prefix counts packed in one
      int32; ``scan_block``: exclusive_prefix_sum's blocking), then one scatter."""
@@ -454,13 +458,7 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
   lead = v.shape[:-1]
   u = lax.bitcast_convert_type(_order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)  # the same order, unsigned
   kk = min(k, N)
-  t = jnp.zeros(lead, jnp.uint32)  # invariant: #{u >= t} >= kk
-  digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)
-  for shift in range(32 - digit_bits, -1, -digit_bits):
-    cand = t[..., None] | (digits << jnp.uint32(shift))  # [..., 2^b] thresholds, increasing
-    cnt = jnp.sum(u[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)  # non-increasing in the digit
-    d = jnp.sum(cnt >= kk, axis=-1, dtype=jnp.int32) - 1  # the largest digit keeping >= kk entries (>= 0)
-    t = t | (d.astype(jnp.uint32) << jnp.uint32(shift))
+  t = (_kth_key_by_histogram if histogram else _kth_key_by_counts)(u, kk, digit_bits)
   gt, eq = u > t[..., None], u == t[..., None]
   need_eq = kk - jnp.sum(gt, axis=-1, dtype=jnp.int32)  # >= 1: T is an entry's key
   g32, e32 = gt.astype(jnp.int32), eq.astype(jnp.int32)
@@ -475,6 +473,43 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
   out = jnp.full((rows, k), -1, jnp.int32).at[jnp.arange(rows)[:, None], slot.reshape(rows, N)].set(
       jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (rows, N)), mode="drop")
   return out.reshape(*lead, k)
+
+
+def _kth_key_by_counts(u, kk: int, digit_bits: int):
+  """u [..., N] uint32 keys -> [...] the kk-th largest, a digit per pass by compare-and-count."""
+  t = jnp.zeros(u.shape[:-1], jnp.uint32)  # invariant: #{u >= t} >= kk
+  digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)
+  for shift in range(32 - digit_bits, -1, -digit_bits):
+    cand = t[..., None] | (digits << jnp.uint32(shift))  # [..., 2^b] thresholds, increasing
+    cnt = jnp.sum(u[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)  # non-increasing in the digit
+    d = jnp.sum(cnt >= kk, axis=-1, dtype=jnp.int32) - 1  # the largest digit keeping >= kk entries (>= 0)
+    t = t | (d.astype(jnp.uint32) << jnp.uint32(shift))
+  return t
+
+
+def _kth_key_by_histogram(u, kk: int, digit_bits: int):
+  """u [..., N] uint32 keys -> [...] the kk-th largest, a digit per pass from a histogram of the entries that
+  match the digits found so far (passes of digit_bits bits from the top; the last takes what remains)."""
+  lead, N = u.shape[:-1], u.shape[-1]
+  rows = math.prod(lead)
+  u2 = u.reshape(rows, N)
+  prefix = jnp.zeros((rows,), jnp.uint32)
+  need = jnp.full((rows,), kk, jnp.int32)  # of the entries matching the prefix, how many are still to take
+  mask, shift = 0, 32
+  while shift > 0:
+    bits = min(digit_bits, shift)
+    shift -= bits
+    nb = 1 << bits
+    digit = ((u2 >> jnp.uint32(shift)) & jnp.uint32(nb - 1)).astype(jnp.int32)
+    match = (u2 & jnp.uint32(mask)) == prefix[:, None]
+    hist = jnp.zeros((rows, nb), jnp.int32).at[jnp.arange(rows)[:, None], digit].add(match.astype(jnp.int32))
+    above = jnp.flip(jnp.cumsum(jnp.flip(hist, -1), axis=-1), -1)  # above[d] = #{matching, digit >= d}
+    d = jnp.sum(above >= need[:, None], axis=-1, dtype=jnp.int32) - 1  # non-increasing: the largest such d
+    over = jnp.where(d + 1 < nb, jnp.take_along_axis(above, jnp.minimum(d + 1, nb - 1)[:, None], -1)[:, 0], 0)
+    need = need - over  # the entries with a larger digit are all taken
+    prefix = prefix | (d.astype(jnp.uint32) << jnp.uint32(shift))
+    mask |= (nb - 1) << shift
+  return prefix.reshape(lead)
 
 
 class Router(nnx.Module):
