@@ -26,7 +26,7 @@
 #                             to check XLA slices without copies), then with the mHC finish in XLA (90 fewer
 #                             Mosaic calls, ~12.7 µs of host time each), the fused mHC off (180 fewer), then auto
 #   profile (nvidia-h200):    mHC and weight-streaming GPU tests (with WITH_TESTS=1), bench_mhc (kernels per boundary),
-#                             bench_topk (the radix variants), then the one-rank latency_specialized
+#                             bench_topk (the radix variants), bench_cluster_exchange, then the one-rank latency_specialized
 #                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
 #                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
 #   topk    (nvidia-h200):    the one-rank latency_specialized step at q = 1 with the indexer's top-k by radix
@@ -286,6 +286,8 @@ case "$MODE" in
         | grep -E "passed|failed|FAILED|^E  " | head -20 | sed "s/^/$f: /" >> "$OUT/gpu_tests.log"; done
     timeout 80 python3 benchmarks/bench_mhc.py --rows 1,4 > "$OUT/bench_mhc.log" 2>&1
     timeout 80 python3 benchmarks/bench_topk.py --pools 8256,16448 > "$OUT/bench_topk.log" 2>&1
+    # can one kernel's CTAs exchange the mHC partials (a one-launch boundary)? (interpret mode cannot tell)
+    timeout 60 python3 benchmarks/bench_cluster_exchange.py > "$OUT/bench_cluster_exchange.log" 2>&1
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --q 1 4 \
       --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 130 )) \
       --backend latency_specialized --profile --hlo-dir "$OUT" --out "$OUT/decode_profile.jsonl" 2>&1 \
