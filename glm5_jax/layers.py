@@ -42,10 +42,11 @@ MAX_KERNEL_ROWS = 64  # the weight-streaming kernels take at most 64 token rows 
 
 # The kernel switches of a latency_specialized trace and their defaults. A switch left at its default may still
 # decline a call site where XLA measured faster (kernel_enabled's ``prefer``: the bf16 GEMV at one token row, the
-# radix top-k past RADIX_TOPK_MAX_POOLS pools); a switch the policy sets explicitly runs wherever it fits.
+# radix top-k where radix_topk_pays says no); a switch the policy sets explicitly runs wherever it fits.
 KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla": True,
-                   # the skinny bf16 GEMV (KDA projections, lm_head): at one token row XLA's GEMV is as fast once
-                   # the glue is counted (BENCHMARKS.md, weight streaming), but at q = 4 XLA's gemm fusions of the
+                   # the skinny bf16 GEMV (KDA and indexer projections, router logits, MTP eh_proj, lm_head): at
+                   # one token row XLA's GEMV is as fast once the glue is counted (BENCHMARKS.md, weight
+                   # streaming; forced there the step went 5.93 -> 6.32 ms), but at q = 4 XLA's gemm fusions of the
                    # KDA projections took 35 + 16 + 8.5 + 8 µs per layer (1.4 TB/s; session 23): from 2 rows
                    "bf16_linear": True,
                    "indexer": True,
@@ -477,6 +478,8 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
 
 def _kth_key_by_counts(u, kk: int, digit_bits: int):
   """u [..., N] uint32 keys -> [...] the kk-th largest, a digit per pass by compare-and-count."""
+  if 32 % digit_bits:
+    raise ValueError(f"digit_bits={digit_bits}: the compare-and-count passes need a divisor of 32")
   t = jnp.zeros(u.shape[:-1], jnp.uint32)  # invariant: #{u >= t} >= kk
   digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)
   for shift in range(32 - digit_bits, -1, -digit_bits):
