@@ -25,7 +25,7 @@
 #                             q = 1 with parameters unpacked vs packed under 64 KiB (pack_params; optimised HLO kept
 #                             to check XLA slices without copies), then with the mHC finish in XLA (90 fewer
 #                             Mosaic calls, ~12.7 µs of host time each), the fused mHC off (180 fewer), then auto
-#   profile (nvidia-h200):    mHC and weight-streaming GPU tests (with WITH_TESTS=1), bench_mhc (kernels per boundary),
+#   profile (nvidia-h200):    mHC, weight-streaming and KDA GPU tests (with WITH_TESTS=1), bench_mhc (kernels per boundary),
 #                             bench_topk (the radix variants), bench_cluster_exchange, then the one-rank latency_specialized
 #                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
 #                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
@@ -281,7 +281,7 @@ case "$MODE" in
     [ "$(left)" -gt 200 ] && hb --backend auto --pack-params 65536
     ;;
   profile)  # (nvidia-h200) see the header
-    [ -n "${WITH_TESTS:-}" ] && for f in test_mhc test_linear_kernels; do
+    [ -n "${WITH_TESTS:-}" ] && for f in test_mhc test_linear_kernels test_kda_decode; do
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/$f.py 2>&1 \
         | grep -E "passed|failed|FAILED|^E  " | head -20 | sed "s/^/$f: /" >> "$OUT/gpu_tests.log"; done
     timeout 80 python3 benchmarks/bench_mhc.py --rows 1,4 > "$OUT/bench_mhc.log" 2>&1
