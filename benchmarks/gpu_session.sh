@@ -35,9 +35,9 @@
 #   q4      (nvidia-h200):    the mHC GPU tests (+ the trunk through the fused boundaries natively), the one-rank
 #                             latency_specialized step at q = 1 (defaults, profiled, HLO kept), then at q = 4
 #                             without and with the indexer's top-k by radix selection, then q = 1 with it, traced
-#   defaults (nvidia-h200):   the session-23 defaults (bf16_linear from 2 token rows, indexer_topk up to 16,384 pools)
-#                             at q = 4 and q = 1, profiled; bf16_linear forced at one row; the radix/sort crossover
-#                             between 8K and 32K pools; then the end-to-end kernel tests if time remains
+#   defaults (nvidia-h200):   the session-23 defaults (bf16_linear from 2 token rows, indexer_topk where it pays)
+#                             at q = 4 and q = 1, profiled, then with the KDA gated norm in the kernel (kda_norm);
+#                             bench_topk between 8K and 32K pools; the end-to-end kernel tests if time remains
 #   hang    (nvidia-h200):    4 real layers at q = 4, every kernel family alone and all together as concurrent
 #                             processes: which one stalls (LAYERS=N for more layers)
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
@@ -322,7 +322,9 @@ case "$MODE" in
     timeout 60 python3 benchmarks/bench_topk.py --pools 12352,16448,24640 > "$OUT/bench_topk.log" 2>&1
     rank1 defaults --q 4 --profile
     [ "$(left)" -gt 200 ] && rank1 defaults --q 1 --profile
-    [ "$(left)" -gt 200 ] && rank1 defaults --q 1 --profile --policy '{"bf16_linear": true}'
+    # (session 23 ran {"bf16_linear": true} here: 6.32 vs 5.93 ms at q = 1) the gated norm inside the KDA kernel
+    [ "$(left)" -gt 200 ] && rank1 defaults --q 1 --profile --policy '{"kda_norm": true}'
+    [ "$(left)" -gt 230 ] && rank1 defaults --q 4 --profile --policy '{"kda_norm": true}'
     [ "$(left)" -gt 150 ] && timeout $(( $(left) - 15 )) python3 -m pytest -v -m e2e_kernels -p no:cacheprovider \
       tests/test_decode.py 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | head -30 | tee -a "$OUT/gpu_tests.log"
     ;;

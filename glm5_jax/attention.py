@@ -183,11 +183,20 @@ class KDA(nnx.Module):
     b = lax.dynamic_slice_in_dim(b_all, lax.axis_index(TP) * H, H, axis=-1).astype(jnp.float32)  # this device's heads
     A_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, Kd)
     ssm = cache["ssm"]
+    normed = False  # o already through the gated RMSNorm (inside the KDA kernel)
     if ctx.mode == "verify":
       from pallas_kernels import kda_decode as kda_ops  # noqa: PLC0415 (kernels import lazily: GPU-only deps)
-      kern = (kda_ops.kda_decode if kernel_enabled("kda", fits=Kd == 128, why=f"KDA head dim {Kd} (the kernel "
-                                                   "takes 128)") else kda_ops.kda_decode_reference)
-      o, new_ssm = kern(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound)
+      if kernel_enabled("kda", fits=Kd == 128, why=f"KDA head dim {Kd} (the kernel takes 128)"):
+        # kda_norm: the gated RMSNorm in the kernel (a head's 4 warpgroups in one CTA: 4x fewer CTAs) instead of
+        # the XLA fusion after it (1.45 µs per KDA layer at q = 1, session 23) — an A/B knob, off until measured
+        norm = (dict(gate=gate, norm_weight=self.o_norm.weight[...], norm_eps=self.eps)
+                if kernel_enabled("kda_norm") else {})
+        o, new_ssm = kda_ops.kda_decode(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound,
+                                        **norm)
+        normed = bool(norm)
+      else:
+        o, new_ssm = kda_ops.kda_decode_reference(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc,
+                                                  lower_bound=self.lower_bound)
     else:
       gl = self.lower_bound * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (f + dt_bias))
       ok = (jnp.arange(T)[None] < ctx.valid[:, None])[..., None]
@@ -197,7 +206,8 @@ class KDA(nnx.Module):
       S0 = jax.vmap(lambda s, i: s[i])(ssm, ctx.n_acc - 1)
       o, S = kda_chunked(qn, l2norm(k), v, gl, beta, S0)
       new_ssm = ssm.at[:, 0].set(S)
-    o = rms_norm(o, self.o_norm.weight[...].astype(jnp.float32), self.eps, jnp.float32) * jax.nn.sigmoid(gate)
+    if not normed:
+      o = rms_norm(o, self.o_norm.weight[...].astype(jnp.float32), self.eps, jnp.float32) * jax.nn.sigmoid(gate)
     y = lax.psum(self.o_proj(o.astype(dtype).reshape(B, T, H * Kd), dtype), TP)
     return y, {"conv": new_conv, "ssm": new_ssm}
 

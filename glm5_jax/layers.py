@@ -65,7 +65,10 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # x_in = RMSNorm(Σ pre_i X'_i)) as the Mosaic finish kernel (on) or as XLA fusions (off: 90
                    # fewer Mosaic calls per step — each costs ~12.7 µs of host time inside the CUDA graph,
                    # BENCHMARKS.md session 19 — for more GPU time)
-                   "mhc_finish": True}
+                   "mhc_finish": True,
+                   # with kda on: the KDA output's gated RMSNorm inside the kernel (all 4 warpgroups of a head in
+                   # one CTA, so 4x fewer CTAs stream the state) instead of an XLA fusion after it; an A/B knob
+                   "kda_norm": False}
 
 
 # Where the radix top-512 beats XLA's sort on the H200 (bench_topk, session 23; µs radix vs sort): 1 row —

@@ -321,18 +321,20 @@ KT = dict(num_hidden_layers=4)  # kernel-tiny: KDA, KDA, KDA, DSA with the real 
 
 
 @pytest.mark.e2e_kernels
-def test_latency_specialized_kda_kernel_equals_reference_greedy():
+@pytest.mark.parametrize("kda_norm", [False, True])
+def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm):
   """The KDA kernel in the verify step (Mosaic GPU interpret mode on CPU) emits exactly the reference model's
-  greedy continuation (stock caches, every other op in XLA)."""
+  greedy continuation (stock caches, every other op in XLA); kda_norm: with the gated RMSNorm inside it."""
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
   prompt = np.random.default_rng(0).integers(0, 2000, 11)
   ref = greedy_reference(m, prompt, 8, max_context=64)
   policy = (("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("kv_cache_dtype", "auto"),
-            ("sparse_mla", False))
+            ("sparse_mla", False), ("kda_norm", kda_norm))
   dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=policy),
                 backend="latency_specialized", prefill_chunk=16)
   out, _ = dec.generate([prompt], 8)
   assert out[0] == ref
+  assert (dec.kernel_sites(1)["kda_norm"]["sites"] > 0) == kda_norm
 
 
 @pytest.mark.e2e_kernels
