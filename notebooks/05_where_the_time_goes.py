@@ -57,14 +57,15 @@ plt.tight_layout()
 # ## The real geometry on an H200
 #
 # One TP4 rank's share of GLM-5.3-Flash (45 layers + MTP, 82 GB of random weights, 32K context), B = 1, both
-# backends (`benchmarks/results/decode_h200.jsonl`, profiled runs). Bars: GPU time per component; black: the
-# wall-clock step; dotted: when the chained calls had returned on the host (close to the wall time = the step is
-# host-bound: at q = 1 the launch of the ~2,400-node CUDA graph, BENCHMARKS.md); red: the HBM roofline.
+# backends (`benchmarks/results/decode_h200.jsonl`, the last 10 profiled runs). Bars: GPU time per component;
+# black: the wall-clock step; dotted: when the chained calls had returned on the host (close to the wall time =
+# the step is host-bound, as it was at q = 1 until small parameters were packed in session 20; since then the GPU
+# is behind: 5.93 ms wall vs 3.74 ms host in session 23); red: the HBM roofline.
 
 # %%
 path = os.path.join("..", "benchmarks", "results", "decode_h200.jsonl")
 rows = [json.loads(line) for line in open(path) if line.strip()]
-rows = [r for r in rows if r.get("profile")]
+rows = [r for r in rows if r.get("profile")][-10:]
 fig, ax = plt.subplots(figsize=(9, 1 + 0.55 * len(rows)))
 for i, r in enumerate(rows):
   us, left = r["profile"]["us_per_step"], 0.0
@@ -79,13 +80,14 @@ for i, r in enumerate(rows):
   print(f"{r['backend']} B={r['batch']} q={r['q']} {r.get('policy') or ''}: {r['ms_per_step']:.2f} ms/step, GPU "
         f"busy {r['profile']['gpu_busy_ms']:.2f} ms in {r['profile']['launches_per_step']:.0f} launches "
         f"({r.get('note', '')})")
-ax.set_yticks(range(len(rows)), [f"{r['backend']} q={r['q']}" for r in rows], fontsize=8)
+ax.set_yticks(range(len(rows)), [f"{r['backend']} q={r['q']} {r.get('date', '')} {r.get('policy') or ''}"
+                                 for r in rows], fontsize=7)
 ax.set_xlabel("ms per decode step")
 ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.2))
 fig.tight_layout()
 
 # %% [markdown]
-# ## Why the step is host-bound at q = 1
+# ## Why the step was host-bound at q = 1 (before packed parameters)
 #
 # `benchmarks/bench_graph_launch.py` on the H200 (`benchmarks/results/graph_launch_h200.jsonl`): a synthetic
 # program of ~2,400 small kernels, chained over calls with a donated state, launches as one CUDA graph in under
