@@ -144,8 +144,32 @@ def main(argv=None):
       jax.block_until_ready(out)
       wall = (time.perf_counter() - t) / 20 / CHAIN * 1e6
       log(f"{M:>3} {name:>6} {dev:>8.1f} {len(names):>8} {wall:>9.1f} {floor:>9.2f}")
+    finish_parts(hc, norm, sets, M)
   if a.out:
     write_log(a.out)
+
+
+def finish_parts(hc, norm, sets, M):
+  """The boundary's two kernels alone (device µs per call), and mhc_finish with the GPU's approximate math: its
+  time and how far its outputs move (post / comb: max relative difference; x_in: the share of bf16 values that
+  differ) from the exact-math kernel's."""
+  pp = jax.jit(lambda X2, y, mix: km.mhc_post_pre(X2, y, mix, hc.fn[...]))
+  dev, _ = time_calls(pp, sets)
+  log(f"#   M = {M}: mhc_post_pre {dev:.2f} µs")
+  fins = [(Xn, jnp.sum(part, axis=0).T) for Xn, part in (pp(*s) for s in sets)]
+  outs = {}
+  for approx in (False, True):
+    fin = jax.jit(lambda Xn, t, approx=approx: km.mhc_finish(
+        Xn, t, hc.base_scale[...], norm.weight[...], iters=hc.iters, eps=hc.eps, hc_norm_eps=hc.norm_eps,
+        norm_eps=norm.eps, post_mult=hc.post_mult, approx_math=approx))
+    dev, _ = time_calls(fin, fins)
+    outs[approx] = [np.asarray(o, np.float32) for o in fin(*fins[0])]
+    log(f"#   M = {M}: mhc_finish approx_math={approx} {dev:.2f} µs")
+  (x0, p0, c0), (x1, p1, c1) = outs[False], outs[True]
+  rel = max(float(np.max(np.abs(a[:, :M] - b[:, :M]) / np.maximum(np.abs(a[:, :M]), 1e-30))) for a, b in
+            ((p0, p1), (c0, c1)))
+  log(f"#   M = {M}: approx_math vs exact: post/comb max rel diff {rel:.2e}, x_in values differing "
+      f"{np.mean(x0 != x1):.4f}")
 
 
 if __name__ == "__main__":

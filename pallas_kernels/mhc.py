@@ -83,8 +83,8 @@ def mix_rows(mix, M: int):
 # ------------------------------------------------------------------------------------------------ references
 def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
   """X [M, N·D] bf16 residual, y [M, D] bf16 sublayer output, mix = (post_t [N, 64], comb_t [N·N, 64]) f32 of
-  the previous site (``mhc_finish``'s, transposed), fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40] f32: per column chunk the 24 partial mixing logits
-  then the 10 partial Gram entries, 6 columns of padding). ``first``: no previous sublayer (y and mix are
+  the previous site (``mhc_finish``'s, transposed), fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40]
+  f32: per column chunk the 24 partial mixing logits then the 10 partial Gram entries, 6 columns of padding). ``first``: no previous sublayer (y and mix are
   ignored, X' = X). Rows M.. of part are padding (unspecified)."""
   M, K = X.shape
   D = K // N
@@ -145,12 +145,13 @@ def _comb_reference(tot, coef, D: int, *, iters: int, eps: float, hc_norm_eps: f
 
 
 def mhc_finish_reference(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
-                         post_mult: float):
+                         post_mult: float, approx_math: bool = False):
   """Xn [M, N·D] bf16 (X' of ``mhc_post_pre``), tot_t [40, 64] f32 (its partials summed over the column chunks,
   transposed: column m is token row m; columns M.. are padding), coef [27] (base, scale), w [D] -> (x_in [M, D]
-  bf16 = w · bf16(bf16(u) · rinv), mix = (post_t [N, 64] f32: this site's post, comb_t [N·N, 64]
-  f32: its Sinkhorn-normalised comb; columns M.. zero)). u = Σ_i pre_i · X'_i in f32 (the stock path's RMSNorm rounding,
-  with rinv from the Gram matrix); comb from the stock path's ``sinkhorn_comb`` (``iters`` iterations)."""
+  bf16 = w · bf16(bf16(u) · rinv), mix = (post_t [N, 64] f32: this site's post, comb_t [N·N, 64] f32: its
+  Sinkhorn-normalised comb; columns M.. zero)). u = Σ_i pre_i · X'_i in f32 (the stock path's RMSNorm rounding,
+  with rinv from the Gram matrix); comb from the stock path's ``sinkhorn_comb`` (``iters`` iterations).
+  ``approx_math`` is the kernel's option (exact math here)."""
   M, K = Xn.shape
   D = K // N
   tot = tot_t[:, :M].T
@@ -389,10 +390,11 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
   return body
 
 
-@kernel_entry("iters", "eps", "hc_norm_eps", "norm_eps", "post_mult")
+@kernel_entry("iters", "eps", "hc_norm_eps", "norm_eps", "post_mult", "approx_math")
 def mhc_finish(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
-               post_mult: float):
-  """Mosaic GPU version of ``mhc_finish_reference`` (same signature and outputs)."""
+               post_mult: float, approx_math: bool = False):
+  """Mosaic GPU version of ``mhc_finish_reference`` (same signature and outputs). ``approx_math``: the GPU's
+  approximate exp / reciprocal / rsqrt (ulp-level differences; bench_mhc measures what it saves)."""
   M, K = Xn.shape
   D = K // N
   _check(Xn, D, "mhc_finish")
@@ -419,5 +421,6 @@ def mhc_finish(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float
       grid=(D // DC_FIN + 1,),
       grid_names=("g",),
       kernel_name="glm5_mhc_finish",
+      compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)),
   )
   return kern(Xn, tot_t.astype(f32), coef.astype(f32), w.astype(bf16))

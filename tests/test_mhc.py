@@ -39,16 +39,17 @@ def _inputs(M, D, seed):
   return X, y, K.mix_from_rows(jnp.asarray(post), jnp.asarray(comb)), fn, coef, w
 
 
-def _check_kernels(M, D, first, seed=0, interpret=None):
+def _check_kernels(M, D, first, seed=0, interpret=None, approx=False):
   """mhc_post_pre and mhc_finish vs their references; the finish on the summed partials of a real post+pre
-  (realistic logits and Gram entries) and random mHC parameters."""
+  (realistic logits and Gram entries) and random mHC parameters. ``approx``: the finish kernel with the GPU's
+  approximate math, held to the same tolerances."""
   X, y, mix, fn, coef, w = _inputs(M, D, seed)
   ref = K.mhc_post_pre_reference(X, y, mix, fn, first=first)
   tot = jnp.sum(ref[1][:, :M], axis=0)
   tot_t = jnp.pad(tot.T, ((0, 0), (0, K.ROWS - M)), constant_values=np.nan)  # padding columns: never read
   with maybe_interpret(interpret):
     got = jax.jit(lambda *a: K.mhc_post_pre(*a, first=first))(X, y, mix, fn)
-    fin, post, comb = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS))(ref[0], tot_t, coef, w)
+    fin, post, comb = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx))(ref[0], tot_t, coef, w)
   ref_fin, ref_post, ref_comb = K.mhc_finish_reference(ref[0], tot_t, coef, w, **CONSTS)
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
@@ -74,10 +75,11 @@ def test_kernels_interpret(M, D, first):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,D,first", [(1, 4096, False), (1, 4096, True), (8, 4096, False), (37, 4096, False),
-                                       (64, 4096, False)])
-def test_kernels_gpu(M, D, first):
-  _check_kernels(M, D, first, seed=M)
+@pytest.mark.parametrize("M,D,first,approx", [(1, 4096, False, False), (1, 4096, True, False), (8, 4096, False, False),
+                                              (37, 4096, False, False), (64, 4096, False, False),
+                                              (1, 4096, False, True), (64, 4096, False, True)])
+def test_kernels_gpu(M, D, first, approx):
+  _check_kernels(M, D, first, seed=M, approx=approx)
 
 
 def test_comb_is_the_stock_sinkhorn():
@@ -100,7 +102,9 @@ def test_cross_lower_real(M):
   for first in (False, True):
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_post_pre(*a, first=first), X, y, mix, fn).as_text()
   tot_t = jax.ShapeDtypeStruct((K.PART, K.ROWS), jnp.float32)
-  assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_finish(*a, **CONSTS), X, tot_t, coef, w).as_text()
+  for approx in (False, True):
+    assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx), X, tot_t, coef,
+                                       w).as_text()
 
 
 def test_bad_shapes_named():
