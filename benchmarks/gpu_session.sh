@@ -285,7 +285,7 @@ case "$MODE" in
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/$f.py 2>&1 \
         | grep -E "passed|failed|FAILED|^E  " | head -20 | sed "s/^/$f: /" >> "$OUT/gpu_tests.log"; done
     timeout 80 python3 benchmarks/bench_mhc.py --rows 1,4 > "$OUT/bench_mhc.log" 2>&1
-    timeout 80 python3 benchmarks/bench_topk.py --pools 8256,16448 > "$OUT/bench_topk.log" 2>&1
+    timeout 120 python3 benchmarks/bench_topk.py --pools 8256,16448 > "$OUT/bench_topk.log" 2>&1
     # can one kernel's CTAs exchange the mHC partials (a one-launch boundary)? (interpret mode cannot tell)
     timeout 60 python3 benchmarks/bench_cluster_exchange.py > "$OUT/bench_cluster_exchange.log" 2>&1
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --q 1 4 \
