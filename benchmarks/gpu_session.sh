@@ -38,6 +38,9 @@
 #   defaults (nvidia-h200):   the session-23 defaults (bf16_linear from 2 token rows, indexer_topk where it pays)
 #                             at q = 4 and q = 1, profiled, then with the KDA gated norm in the kernel (kda_norm);
 #                             bench_topk between 8K and 32K pools; the end-to-end kernel tests if time remains
+#   batch   (nvidia-h200):    the one-rank step at B = 8 (q = 1, then q = 4) and B = 32 (q = 1), profiled: issue #9's
+#                             batch sizes (the kernels' M grows to 8-128 rows; the radix top-k and the bf16 GEMV
+#                             decide per site)
 #   hang    (nvidia-h200):    4 real layers at q = 4, every kernel family alone and all together as concurrent
 #                             processes: which one stalls (LAYERS=N for more layers)
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
@@ -318,6 +321,11 @@ case "$MODE" in
     # (the trace and the profile both use CUPTI)
     [ "$(left)" -gt 200 ] && rank1 q4 --q 1 --trace --policy '{"indexer_topk": true}'
     ;;
+  batch)  # (nvidia-h200) see the header; rank1 runs B = 1 unless --batch is given again (argparse: the last wins)
+    rank1 batch --q 1 --batch 8 --profile
+    [ "$(left)" -gt 230 ] && rank1 batch --q 4 --batch 8 --profile
+    [ "$(left)" -gt 200 ] && rank1 batch --q 1 --batch 32 --profile
+    ;;
   defaults)  # (nvidia-h200) see the header
     timeout 60 python3 benchmarks/bench_topk.py --pools 12352,16448,24640 > "$OUT/bench_topk.log" 2>&1
     rank1 defaults --q 4 --profile
@@ -349,7 +357,7 @@ case "$MODE" in
     ) &
     wait
     ;;
-  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | q4 | defaults | hang | bisect)"; exit 2 ;;
+  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | q4 | defaults | batch | hang | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
 echo "total $(( $(date +%s) - t0 )) s"
