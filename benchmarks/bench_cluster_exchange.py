@@ -13,7 +13,7 @@ read uninitialised partials there) and cross-lowering only shows that it compile
   two-launch  today's pattern: one kernel stores the partials, an XLA reduction sums them
 
 For each: µs of device time per call (CUPTI), kernels per call, and whether every CTA's total equals the sum of
-the partials (bitwise: the same sum order).
+the partials (to float rounding: XLA may sum in another order).
 
 Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_cluster_exchange.py [--clusters 2,4,8,16] [--out FILE]
 """

@@ -369,10 +369,11 @@ class HyperConnection(nnx.Module):
     return Xn, x_in, (post_t, comb_t)
 
   @staticmethod
-  def unpack(mix, lead, n=4):
-    """The transposed mix of ``fused`` -> (post [*lead, n], comb [*lead, n, n]) of its first prod(lead) rows."""
-    M = math.prod(lead)
-    return mix[0][:n, :M].T.reshape(*lead, n), mix[1][:n * n, :M].T.reshape(*lead, n, n)
+  def unpack(mix, lead):
+    """The transposed mix of ``fused`` -> (post [*lead, N], comb [*lead, N, N]) of its first prod(lead) rows."""
+    from pallas_kernels import mhc as km  # noqa: PLC0415
+    post, comb = km.mix_rows(mix, math.prod(lead))
+    return post.reshape(*lead, km.N), comb.reshape(*lead, km.N, km.N)
 
 
 # ---------------------------------------------------------------------------------------------------- MLPs
@@ -546,7 +547,7 @@ class Router(nnx.Module):
   def logits(self, x):
     """x [..., D] -> f32 [..., E]: f32(x) · f32(W)ᵀ. With bf16 x and W the bf16 GEMV kernel computes the same
     products exactly (f32 accumulation, another summation order); at q = 4 XLA's gemm fusion of this took 10.9 µs
-    per MoE layer (0.47 ms per step, session 23), the kernel reads the 2.4 MB at ~3 TB/s."""
+    per MoE layer (0.47 ms per step, session 23); the kernel streams bf16 weights at ~3 TB/s (BENCHMARKS.md)."""
     w = self.weight[...]
     (E, D), rows = w.shape, x.size // x.shape[-1]
     ok = x.dtype == w.dtype == jnp.bfloat16 and D % 128 == 0 and E % 8 == 0 and E >= 64

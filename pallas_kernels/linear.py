@@ -95,9 +95,6 @@ class Plan:
   split: int
   stages: int
 
-  def grid(self, n: int) -> int:
-    return (n // self.bm) * self.split
-
 
 def _pick_split(tiles: int, kb: int, target_ctas: int) -> int:
   """Largest divisor of ``kb`` that keeps tiles * split <= target_ctas (so that all SMs stream)."""
@@ -137,9 +134,9 @@ def plan_linear(n: int, k: int, mp: int, kind: str, *, bm: int | None = None, bk
     w_bytes, x_bytes = 2, 2
   else:
     raise ValueError(kind)
-  if (n % bm if kind == "fp8" else n < bm) or k % bk:
-    raise ValueError(f"[N={n}, K={k}] must be multiples of the tile ({bm}, {bk})" if kind == "fp8" else
-                     f"[N={n}, K={k}]: N must be >= {bm} and K a multiple of {bk}")
+  if k % bk or (n % bm if kind == "fp8" else n < bm):  # (bf16: a partial last row tile overlaps its neighbour)
+    raise ValueError(f"[N={n}, K={k}]: K must be a multiple of {bk} and N " +
+                     (f"a multiple of {bm}" if kind == "fp8" else f">= {bm}"))
   tiles, kb = -(-n // bm), k // bk
   split = split or _pick_split(tiles, kb, target_ctas)
   if kb % split:

@@ -84,8 +84,8 @@ def mix_rows(mix, M: int):
 def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
   """X [M, N·D] bf16 residual, y [M, D] bf16 sublayer output, mix = (post_t [N, 64], comb_t [N·N, 64]) f32 of
   the previous site (``mhc_finish``'s, transposed), fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40]
-  f32: per column chunk the 24 partial mixing logits then the 10 partial Gram entries, 6 columns of padding). ``first``: no previous sublayer (y and mix are
-  ignored, X' = X). Rows M.. of part are padding (unspecified)."""
+  f32: per column chunk the 24 partial mixing logits then the 10 partial Gram entries, 6 columns of padding).
+  ``first``: no previous sublayer (y and mix are ignored, X' = X). Rows M.. of part are padding (unspecified)."""
   M, K = X.shape
   D = K // N
   G = D // DC
