@@ -35,9 +35,9 @@
 #   q4      (nvidia-h200):    the mHC GPU tests (+ the trunk through the fused boundaries natively), the one-rank
 #                             latency_specialized step at q = 1 (defaults, profiled, HLO kept), then at q = 4
 #                             without and with the indexer's top-k by radix selection, then q = 1 with it, traced
-#   defaults (nvidia-h200):   the session-23 defaults (bf16_linear from 2 token rows, indexer_topk where it pays)
-#                             at q = 4 and q = 1, profiled, then with the KDA gated norm in the kernel (kda_norm);
-#                             bench_topk between 8K and 32K pools; the end-to-end kernel tests if time remains
+#   defaults (nvidia-h200):   bench_linear at M = 1, 4, 8, 32, 64 (issue #8's table), then the current defaults at
+#                             q = 4 and q = 1, profiled, then with the KDA gated norm in the kernel (kda_norm); the
+#                             end-to-end kernel tests if time remains
 #   batch   (nvidia-h200):    the one-rank step at B = 8 (q = 1, then q = 4) and B = 32 (q = 1), profiled: issue #9's
 #                             batch sizes (the kernels' M grows to 8-128 rows; the radix top-k and the bf16 GEMV
 #                             decide per site)
@@ -327,7 +327,8 @@ case "$MODE" in
     [ "$(left)" -gt 200 ] && rank1 batch --q 1 --batch 32 --profile
     ;;
   defaults)  # (nvidia-h200) see the header
-    timeout 60 python3 benchmarks/bench_topk.py --pools 12352,16448,24640 > "$OUT/bench_topk.log" 2>&1
+    timeout 200 python3 benchmarks/bench_linear.py --rows 1,4,8,32,64 --budget-s 170 --out "$OUT/bench_linear.txt" \
+      > "$OUT/bench_linear.log" 2>&1
     rank1 defaults --q 4 --profile
     [ "$(left)" -gt 200 ] && rank1 defaults --q 1 --profile
     # (session 23 ran {"bf16_linear": true} here: 6.32 vs 5.93 ms at q = 1) the gated norm inside the KDA kernel

@@ -24,7 +24,7 @@ from jax import lax
 
 from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
-                             RMSNorm, concat_fits, kernel_enabled, param, StackedLinear, radix_topk_pays,
+                             RMSNorm, concat_fits, kernel_enabled, param, StackedLinear, radix_topk_plan,
                              rms_norm, topk_set_by_threshold)
 
 
@@ -321,10 +321,12 @@ class Indexer(nnx.Module):
       masked = jnp.where(jnp.arange(P)[None, None] < n_complete[..., None], scores, -jnp.inf)
       kk = min(self.top_pools, P)
       R = masked.shape[0] * masked.shape[1]  # score rows (decode: B·T; prefill's > 64 sort)
-      if kernel_enabled("indexer_topk", R, prefer=radix_topk_pays(R, P),
-                        prefer_why=f"{R} rows x {P} pools: XLA's sort measured faster (layers.radix_topk_pays; "
+      plan = radix_topk_plan(R, P)
+      if kernel_enabled("indexer_topk", R, prefer=plan is not None,
+                        prefer_why=f"{R} rows x {P} pools: XLA's sort measured faster (layers.radix_topk_plan; "
                         "policy indexer_topk: true forces the radix selection)"):
-        js = topk_set_by_threshold(masked, kk)  # lax.top_k's set, in ascending pool order
+        # lax.top_k's set, in ascending pool order
+        js = topk_set_by_threshold(masked, kk, **(plan or {"digit_bits": 4, "scan_block": 128}))
         vals = jnp.take_along_axis(masked, js, axis=-1)
       else:
         vals, js = lax.top_k(masked, kk)

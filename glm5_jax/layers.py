@@ -42,7 +42,7 @@ MAX_KERNEL_ROWS = 64  # the weight-streaming kernels take at most 64 token rows 
 
 # The kernel switches of a latency_specialized trace and their defaults. A switch left at its default may still
 # decline a call site where XLA measured faster (kernel_enabled's ``prefer``: the bf16 GEMV at one token row, the
-# radix top-k where radix_topk_pays says no); a switch the policy sets explicitly runs wherever it fits.
+# radix top-k where radix_topk_plan says no); a switch the policy sets explicitly runs wherever it fits.
 KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla": True,
                    # the skinny bf16 GEMV (KDA and indexer projections, router logits, MTP eh_proj, lm_head): at
                    # one token row XLA's GEMV is as fast once the glue is counted (BENCHMARKS.md, weight
@@ -59,7 +59,7 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    "router_topk": True,
                    # the indexer's top-512 pools as a set without a sort (topk_set_by_threshold: radix selection
                    # + one prefix sum + a scatter; exact, lax.top_k's set and ties); by default only where it
-                   # measured faster than XLA's sort (radix_topk_pays)
+                   # measured faster than XLA's sort (radix_topk_plan)
                    "indexer_topk": True,
                    # with mhc on: the boundary's last step (pre, post, 1/RMS from the summed partials, then
                    # x_in = RMSNorm(Σ pre_i X'_i)) as the Mosaic finish kernel (on) or as XLA fusions (off: 90
@@ -71,16 +71,23 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    "kda_norm": False}
 
 
-# Where the radix top-512 beats XLA's sort on the H200 (bench_topk, session 23; µs radix vs sort): 1 row —
-# 35 vs 56 at 8,256 pools, 47 vs 67 at 16,448, 66 vs 36 at 24,640; 4 rows — 36 vs 60 at 8,256, 50 vs 62 at
-# 12,352, 110 vs 77 at 16,448 (the selection's passes grow with rows × pools; XLA switches algorithm past ~16K).
+# Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
+#   1 row:  8,256 pools — sort 55.6, radix 33.5, radix with a 128-blocked prefix sum 25.4;
+#          16,448 — sort 67.7, radix 47.6, blocked 49.8 (512-blocked 45.7);  24,640 — sort 36 vs radix 66 (s. 23)
+#   4 rows: 8,256 — sort 60.3, radix 36.0, blocked 30.6;  16,448 — sort 76.3, radix 110, blocked 112, 4-bit
+#          digits + blocked 56.9 (the 8-bit compare-and-count pass is [.., 256, N]: it grows with rows × pools)
+# XLA's sort switches algorithm past ~16K pools per row and then wins; the histogram variants never won.
 RADIX_TOPK_MAX_POOLS = 16448
-RADIX_TOPK_MAX_SCORES = 49408  # rows × pools
+RADIX_TOPK_MAX_SCORES = 4 * 16448  # rows × pools
+RADIX_TOPK_8BIT_MAX_SCORES = 4 * 8256  # past this the 4-bit digits' 8 passes of [.., 16, N] beat 4 of [.., 256, N]
 
 
-def radix_topk_pays(rows: int, pools: int) -> bool:
-  """Whether the radix top-k measured faster than XLA's sort for ``rows`` score rows of ``pools`` pools."""
-  return pools <= RADIX_TOPK_MAX_POOLS and rows * pools <= RADIX_TOPK_MAX_SCORES
+def radix_topk_plan(rows: int, pools: int) -> dict | None:
+  """topk_set_by_threshold's options for ``rows`` score rows of ``pools`` pools, or None where XLA's sort measured
+  faster."""
+  if pools > RADIX_TOPK_MAX_POOLS or rows * pools > RADIX_TOPK_MAX_SCORES:
+    return None
+  return {"digit_bits": 8 if rows * pools <= RADIX_TOPK_8BIT_MAX_SCORES else 4, "scan_block": 128}
 
 
 @contextlib.contextmanager
