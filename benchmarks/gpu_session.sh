@@ -38,6 +38,8 @@
 #   defaults (nvidia-h200):   bench_linear at M = 1, 4, 8, 32, 64 (issue #8's table), then the current defaults at
 #                             q = 4 and q = 1, profiled, then with the KDA gated norm in the kernel (kda_norm); the
 #                             end-to-end kernel tests if time remains
+#   rows    (nvidia-h200):    bench_linear's rows the defaults call ran out of time for (grouped MoE at M = 1..64, bf16
+#                             at 32 and 64), the one-rank step at B = 8, q = 1 (profiled), then B = 1 with kda_norm
 #   batch   (nvidia-h200):    the one-rank step at B = 8 (q = 1, then q = 4) and B = 32 (q = 1), profiled: issue #9's
 #                             batch sizes (the kernels' M grows to 8-128 rows; the radix top-k and the bf16 GEMV
 #                             decide per site)
@@ -325,6 +327,14 @@ case "$MODE" in
     rank1 batch --q 1 --batch 8 --profile
     [ "$(left)" -gt 230 ] && rank1 batch --q 4 --batch 8 --profile
     [ "$(left)" -gt 200 ] && rank1 batch --q 1 --batch 32 --profile
+    ;;
+  rows)  # (nvidia-h200) see the header
+    timeout 140 python3 benchmarks/bench_linear.py --only moe --rows 1,4,8,32,64 --budget-s 110 \
+      --out "$OUT/bench_linear_moe.txt" > "$OUT/bench_linear_moe.log" 2>&1
+    timeout 70 python3 benchmarks/bench_linear.py --only bf16 --rows 32,64 --budget-s 50 \
+      --out "$OUT/bench_linear_bf16.txt" > "$OUT/bench_linear_bf16.log" 2>&1
+    rank1 batch8 --batch 8 --q 1 --profile
+    [ "$(left)" -gt 150 ] && rank1 kda_norm --q 1 --profile --policy '{"kda_norm": true}'
     ;;
   defaults)  # (nvidia-h200) see the header
     timeout 200 python3 benchmarks/bench_linear.py --rows 1,4,8,32,64 --budget-s 170 --out "$OUT/bench_linear.txt" \
