@@ -76,7 +76,7 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
 #          16,448 — sort 67.7, radix 47.6, blocked 49.8 (512-blocked 45.7);  24,640 — sort 36 vs radix 66 (s. 23)
 #   4 rows: 8,256 — sort 60.3, radix 36.0, blocked 30.6;  16,448 — sort 76.3, radix 110, blocked 112, 4-bit
 #          digits + blocked 56.9 (the 8-bit compare-and-count pass is [.., 256, N]: it grows with rows × pools)
-# XLA's sort switches algorithm past ~16K pools per row and then wins; the histogram variants never won.
+# XLA's sort switches algorithm past ~16K pools per row and then wins; digits from histograms never won.
 RADIX_TOPK_MAX_POOLS = 16448
 RADIX_TOPK_MAX_SCORES = 4 * 16448  # rows × pools
 RADIX_TOPK_8BIT_MAX_SCORES = 4 * 8256  # past this the 4-bit digits' 8 passes of [.., 16, N] beat 4 of [.., 256, N]
@@ -453,27 +453,29 @@ def exclusive_prefix_sum(x, block: int | None = None):
 
 
 def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | None = None,
-                          histogram: bool = False):
+                          compact: str = "scatter"):
   """The SET lax.top_k(v, k) selects, without a sort, as indices [..., k] int32 in ascending index order (an
   unselected slot can only arise for k > N: -1). For large N (the indexer's top-512 of up to max_context / 4
   pools), where ``topk_by_rank``'s N × N count is too much work and XLA's GPU sort is ~58 µs per call
   (BENCHMARKS.md, session 20).
 
   1. The k-th largest key T, exactly, by radix selection on the 32-bit monotone key (``topk_by_rank``'s total
-     order), ``digit_bits`` per pass. Default: each pass counts #{key >= t} for the 2^digit_bits candidate
-     thresholds of the next digit at once ([..., 2^digit_bits, N] compare-and-count: one reduction) and keeps the
-     largest t with a count >= k. ``histogram``: each pass instead scatter-adds the digits of the entries that
-     still match the prefix into 2^digit_bits bins (integer adds: exact in any order) and takes the largest digit
-     whose suffix count covers what is still needed — O(N) work per pass instead of O(2^digit_bits · N), so wider
-     digits and fewer passes (11 + 11 + 10 bits).
+     order), ``digit_bits`` per pass: each pass counts #{key >= t} for the 2^digit_bits candidate thresholds of
+     the next digit at once ([..., 2^digit_bits, N] compare-and-count: one reduction) and keeps the largest t
+     with a count >= k. (Digits from a histogram of the still-matching entries — a scatter-add, O(N) per pass —
+     measured slower on the H200 at every size, bench_topk session 24, and were removed.)
   2. Selected: key > T, and of the entries equal to T the first k - #{key > T} by index (lax.top_k's tie
-     order); each one's slot = #{selected before it} from ONE prefix sum (the two prefix counts packed in one
-     int32; ``scan_block``: exclusive_prefix_sum's blocking), then one scatter."""
+     order); the count of selected entries up to each index from ONE prefix sum (the two prefix counts packed in
+     one int32; ``scan_block``: exclusive_prefix_sum's blocking). ``compact``: "scatter" writes each selected
+     index to its slot (one scatter); "count" finds the s-th selected index as #{i : selected in [0, i] <= s}
+     ([..., k, N] compare-and-count: one reduction, no scatter)."""
   N = v.shape[-1]
   lead = v.shape[:-1]
   u = lax.bitcast_convert_type(_order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)  # the same order, unsigned
   kk = min(k, N)
-  t = (_kth_key_by_histogram if histogram else _kth_key_by_counts)(u, kk, digit_bits)
+  if compact not in ("scatter", "count"):
+    raise ValueError(f"compact={compact!r}: expected 'scatter' or 'count'")
+  t = _kth_key_by_counts(u, kk, digit_bits)
   gt, eq = u > t[..., None], u == t[..., None]
   need_eq = kk - jnp.sum(gt, axis=-1, dtype=jnp.int32)  # >= 1: T is an entry's key
   g32, e32 = gt.astype(jnp.int32), eq.astype(jnp.int32)
@@ -483,7 +485,12 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
   else:  # (they would not fit: two)
     n_gt, n_eq = exclusive_prefix_sum(g32, scan_block), exclusive_prefix_sum(e32, scan_block)
   sel = gt | (eq & (n_eq < need_eq[..., None]))
-  slot = jnp.where(sel, n_gt + jnp.minimum(n_eq, need_eq[..., None]), k)  # k = dropped
+  before = n_gt + jnp.minimum(n_eq, need_eq[..., None])  # selected entries before index i
+  if compact == "count":  # c(i) = selected in [0, i], non-decreasing: the s-th selected index is #{i : c(i) <= s}
+    c = before + sel.astype(jnp.int32)
+    pos = jnp.sum(c[..., None, :] <= jnp.arange(k, dtype=jnp.int32)[:, None], axis=-1, dtype=jnp.int32)
+    return jnp.where(pos < N, pos, -1)  # (N: fewer than s + 1 selected, only for k > N)
+  slot = jnp.where(sel, before, k)  # k = dropped
   rows = math.prod(lead)
   out = jnp.full((rows, k), -1, jnp.int32).at[jnp.arange(rows)[:, None], slot.reshape(rows, N)].set(
       jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (rows, N)), mode="drop")
@@ -502,31 +509,6 @@ def _kth_key_by_counts(u, kk: int, digit_bits: int):
     d = jnp.sum(cnt >= kk, axis=-1, dtype=jnp.int32) - 1  # the largest digit keeping >= kk entries (>= 0)
     t = t | (d.astype(jnp.uint32) << jnp.uint32(shift))
   return t
-
-
-def _kth_key_by_histogram(u, kk: int, digit_bits: int):
-  """u [..., N] uint32 keys -> [...] the kk-th largest, a digit per pass from a histogram of the entries that
-  match the digits found so far (passes of digit_bits bits from the top; the last takes what remains)."""
-  lead, N = u.shape[:-1], u.shape[-1]
-  rows = math.prod(lead)
-  u2 = u.reshape(rows, N)
-  prefix = jnp.zeros((rows,), jnp.uint32)
-  need = jnp.full((rows,), kk, jnp.int32)  # of the entries matching the prefix, how many are still to take
-  mask, shift = 0, 32
-  while shift > 0:
-    bits = min(digit_bits, shift)
-    shift -= bits
-    nb = 1 << bits
-    digit = ((u2 >> jnp.uint32(shift)) & jnp.uint32(nb - 1)).astype(jnp.int32)
-    match = (u2 & jnp.uint32(mask)) == prefix[:, None]
-    hist = jnp.zeros((rows, nb), jnp.int32).at[jnp.arange(rows)[:, None], digit].add(match.astype(jnp.int32))
-    above = jnp.flip(jnp.cumsum(jnp.flip(hist, -1), axis=-1), -1)  # above[d] = #{matching, digit >= d}
-    d = jnp.sum(above >= need[:, None], axis=-1, dtype=jnp.int32) - 1  # non-increasing: the largest such d
-    over = jnp.where(d + 1 < nb, jnp.take_along_axis(above, jnp.minimum(d + 1, nb - 1)[:, None], -1)[:, 0], 0)
-    need = need - over  # the entries with a larger digit are all taken
-    prefix = prefix | (d.astype(jnp.uint32) << jnp.uint32(shift))
-    mask |= (nb - 1) << shift
-  return prefix.reshape(lead)
 
 
 class Router(nnx.Module):

@@ -274,7 +274,7 @@ def fp8_linear_q(xq: jax.Array, x_scale: jax.Array, m: int, w: jax.Array, scale_
       ],
   )(xq, w, scale_inv.astype(jnp.float32))
   # Epilogue (one XLA fusion): add the K splits, back to [M, N], apply the activation scale.
-  return (out.sum(0).T[:m] * x_scale).astype(out_dtype)
+  return (out[..., :m].sum(0).T * x_scale).astype(out_dtype)
 
 
 @kernel_entry("out_dtype", "plan")
@@ -389,7 +389,7 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
           plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
       ],
   )(xp, w.astype(jnp.bfloat16))
-  return out.sum(0).T[:m].astype(out_dtype)
+  return out[..., :m].sum(0).T.astype(out_dtype)
 
 
 def bf16_linear_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32) -> jax.Array:
@@ -722,12 +722,17 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       ],
   )(xq, amax.reshape(1), eids, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu)
 
+  # The glue works on the m real token columns only (the kernels' mp - m padding columns are zero inputs' outputs;
+  # quantize_activations pads them back as zeros): at M = 1 that is 1/8 of the [.., mp] data the XLA fusions
+  # between the two kernels would otherwise split-sum, SwiGLU, weight and reduce.
   if plan.gu_split > 1:  # add the D splits and apply the clamped SwiGLU here (fused into the glue below)
-    gu = h.sum(0)
+    gu = h[..., :m].sum(0)  # [n_pad, 2, I, m]
     gate = jnp.minimum(gu[:, 0], swiglu_limit)
     h = jax.nn.silu(gate) * jnp.clip(gu[:, 1], -swiglu_limit, swiglu_limit)
+  else:
+    h = h[..., :m]
   # Routing weights and re-quantisation of h (rows of unused slots were never written: mask them).
-  hw = jnp.where(valid[:, None, None], h, 0.0) * r[:, None, :]  # [n_pad, I, mp]
+  hw = jnp.where(valid[:, None, None], h, 0.0) * r[:, None, :m]  # [n_pad, I, m]
   hq, sh = quantize_activations(jnp.swapaxes(hw, 1, 2), mp)  # [n_pad, 2mp, I]
 
   dn_tiles = d // plan.dn_bm
@@ -749,7 +754,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       kernel_name="glm5_moe_down",
       scratch_types=ring + ids_scratch,
   )(hq, dn_eids, n_valid, w_down, s_down.astype(f32), *sh_dn)
-  return out.sum(0).T[:m] * sh
+  return out[..., :m].sum(0).T * sh
 
 
 def fp8_moe_reference(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,
