@@ -4,8 +4,8 @@
 Rows: R = B · q score rows; N pools (8,256 at 32K context + room, 32,832 at 128K); k = 512. Strategies:
   top_k       lax.top_k (XLA: TopK -> a sort with a NaN-aware comparator and an index tie-break)
   radix       glm5_jax.layers.topk_set_by_threshold (radix selection + one prefix sum + a scatter; the decode
-              step's policy knob indexer_topk), also with the prefix sum blocked, with 4-bit digits, and with the
-              selected indices compacted by counting instead of a scatter ("count")
+              step's policy knob indexer_topk), also with the prefix sum blocked and with 4-bit digits
+              (session 24 also measured digits from histograms and a scatter-free compaction: slower, removed)
   sort_keys   lax.sort of one uint32 key in lax.top_k's total order (descending) with the indices as the
               payload, stable: the same indices in the same order as top_k, with the simplest comparator (a
               candidate for XLA's CUB radix sort, xla_gpu_enable_cub_radix_sort)
@@ -51,11 +51,6 @@ STRATEGIES = {
     "radix scan512": lambda v: topk_set_by_threshold(v, K, scan_block=512),
     # 8 passes over 16 thresholds instead of 4 over 256
     "radix bits4 scan128": lambda v: topk_set_by_threshold(v, K, digit_bits=4, scan_block=128),
-    # the selected indices compacted by a [k, N] compare-and-count instead of a scatter (4.7 µs per call in the
-    # session 24 profile)
-    "radix scan128 count": lambda v: topk_set_by_threshold(v, K, scan_block=128, compact="count"),
-    "radix bits4 scan128 count": lambda v: topk_set_by_threshold(v, K, digit_bits=4, scan_block=128,
-                                                                 compact="count"),
     "sort_keys": lambda v: sort_keys(v, K),
 }
 

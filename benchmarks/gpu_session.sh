@@ -39,8 +39,8 @@
 #                             q = 4 and q = 1, profiled, then with the KDA gated norm in the kernel (kda_norm); the
 #                             end-to-end kernel tests if time remains
 #   glue    (nvidia-h200):    a short call: the grouped MoE's glue on the real token columns only (bench_linear, M = 1,
-#                             4, 8), the one-rank step at q = 1 profiled, then the top-512 compacted by counting vs
-#                             by a scatter (bench_topk)
+#                             4, 8), the one-rank step at q = 1 profiled, then bench_topk's chosen forms (session 24
+#                             also compared a scatter-free compaction there: slower, removed)
 #   rows    (nvidia-h200):    bench_linear's rows the defaults call ran out of time for (grouped MoE at M = 1..64, bf16
 #                             at 32 and 64), the one-rank step at B = 8, q = 1 (profiled), then B = 1 with kda_norm
 #   batch   (nvidia-h200):    the one-rank step at B = 8 (q = 1, then q = 4) and B = 32 (q = 1), profiled: issue #9's
@@ -336,8 +336,7 @@ case "$MODE" in
       --out "$OUT/bench_linear_moe.txt" > "$OUT/bench_linear_moe.log" 2>&1
     rank1 glue --q 1 --profile
     [ "$(left)" -gt 25 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_topk.py --rows 1,4 \
-      --pools 8256,16448 --only "top_k,radix scan128,radix scan128 count,radix bits4 scan128,radix bits4 scan128 count" \
-      > "$OUT/bench_topk.log" 2>&1
+      --pools 8256,16448 --only "top_k,radix scan128,radix bits4 scan128" > "$OUT/bench_topk.log" 2>&1
     ;;
   rows)  # (nvidia-h200) see the header
     timeout 140 python3 benchmarks/bench_linear.py --only moe --rows 1,4,8,32,64 --budget-s 110 \

@@ -452,8 +452,7 @@ def exclusive_prefix_sum(x, block: int | None = None):
   return inc.reshape(*x.shape[:-1], -1)[..., :N] - x
 
 
-def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | None = None,
-                          compact: str = "scatter"):
+def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | None = None):
   """The SET lax.top_k(v, k) selects, without a sort, as indices [..., k] int32 in ascending index order (an
   unselected slot can only arise for k > N: -1). For large N (the indexer's top-512 of up to max_context / 4
   pools), where ``topk_by_rank``'s N × N count is too much work and XLA's GPU sort is ~58 µs per call
@@ -466,15 +465,13 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
      measured slower on the H200 at every size, bench_topk session 24, and were removed.)
   2. Selected: key > T, and of the entries equal to T the first k - #{key > T} by index (lax.top_k's tie
      order); the count of selected entries up to each index from ONE prefix sum (the two prefix counts packed in
-     one int32; ``scan_block``: exclusive_prefix_sum's blocking). ``compact``: "scatter" writes each selected
-     index to its slot (one scatter); "count" finds the s-th selected index as #{i : selected in [0, i] <= s}
-     ([..., k, N] compare-and-count: one reduction, no scatter)."""
+     one int32; ``scan_block``: exclusive_prefix_sum's blocking), then one scatter of each selected index to its
+     slot. (Finding the s-th selected index by a [..., k, N] compare-and-count instead of the scatter measured
+     3-40 µs slower per call, bench_topk session 24.)"""
   N = v.shape[-1]
   lead = v.shape[:-1]
   u = lax.bitcast_convert_type(_order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)  # the same order, unsigned
   kk = min(k, N)
-  if compact not in ("scatter", "count"):
-    raise ValueError(f"compact={compact!r}: expected 'scatter' or 'count'")
   t = _kth_key_by_counts(u, kk, digit_bits)
   gt, eq = u > t[..., None], u == t[..., None]
   need_eq = kk - jnp.sum(gt, axis=-1, dtype=jnp.int32)  # >= 1: T is an entry's key
@@ -485,12 +482,7 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
   else:  # (they would not fit: two)
     n_gt, n_eq = exclusive_prefix_sum(g32, scan_block), exclusive_prefix_sum(e32, scan_block)
   sel = gt | (eq & (n_eq < need_eq[..., None]))
-  before = n_gt + jnp.minimum(n_eq, need_eq[..., None])  # selected entries before index i
-  if compact == "count":  # c(i) = selected in [0, i], non-decreasing: the s-th selected index is #{i : c(i) <= s}
-    c = before + sel.astype(jnp.int32)
-    pos = jnp.sum(c[..., None, :] <= jnp.arange(k, dtype=jnp.int32)[:, None], axis=-1, dtype=jnp.int32)
-    return jnp.where(pos < N, pos, -1)  # (N: fewer than s + 1 selected, only for k > N)
-  slot = jnp.where(sel, before, k)  # k = dropped
+  slot = jnp.where(sel, n_gt + jnp.minimum(n_eq, need_eq[..., None]), k)  # k = dropped
   rows = math.prod(lead)
   out = jnp.full((rows, k), -1, jnp.int32).at[jnp.arange(rows)[:, None], slot.reshape(rows, N)].set(
       jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (rows, N)), mode="drop")

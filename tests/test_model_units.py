@@ -246,11 +246,7 @@ def test_router_topk_equals_sorting_router():
     # the blocked prefix sum and 4-bit digits (bench_topk's variants)
     (8196, 512, "ties", dict(scan_block=128)), (700, 512, "masked", dict(scan_block=128, digit_bits=4)),
     (33000, 512, "ties", dict(scan_block=512)), (50, 64, "special", dict(scan_block=128, digit_bits=4)),
-    # the compaction by counting instead of a scatter
-    (8196, 512, "ties", dict(scan_block=128, compact="count")), (700, 512, "masked", dict(compact="count")),
-    (2000, 512, "special", dict(digit_bits=4, scan_block=128, compact="count")),
-    (33000, 512, "scores", dict(compact="count")), (600, 600, "ties", dict(compact="count")),
-    (50, 64, "scores", dict(compact="count"))])
+    (2000, 512, "special", dict(digit_bits=4, scan_block=128)), (600, 600, "ties", dict(scan_block=128))])
 def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind, opts):
   """The indexer's sort-free top-k selects exactly lax.top_k's SET (ties: the lower indices), returned in
   ascending index order: indexer-like scores, a few levels (ties everywhere, one row all equal), -inf beyond a
