@@ -7,7 +7,7 @@ dispatch is counted; weights rotate over enough copies that they are cold in the
   "kern us"  the Mosaic kernel(s) alone;  "call us"  everything one call launches (activation quantisation,
   kernel, split-K/transposition epilogue);  "xla us"  every kernel of the jitted XLA version.
 
-Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32] [--only fp8,bf16,moe]
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32] [--only fp8,fp8dq,bf16,moe,moedq]
               [--sweep] [--budget-s 200] [--out results.txt]
 Falls back to host wall-clock over many back-to-back async calls if CUPTI is unavailable (then dispatch-bound
 for small shapes; marked "wall").
@@ -115,20 +115,24 @@ def row(kind, shape, m, nbytes, kern, call, xla, err, plan):
       f"{(xla / call) if xla else float('nan'):5.1f} {err:8.1e}  {plan}")
 
 
-def bench_fp8(name, n, k, m, plan=None, with_xla=True, check=True):
+def bench_fp8(name, n, k, m, plan=None, with_xla=True, check=True, kind="fp8", **opts):
+  """kind "fp8": fp8_linear (hi/lo e4m3 activations); "fp8dq": fp8_dq_linear (bf16 activations, the weight
+  dequantised in registers; opts: a_from)."""
   key = jax.random.key(n * 7 + k + m)
   w, s = quantized_weight(key, (n, k))
   x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
   nb = n * k
   r = n_copies(nb)
   ws, ss = copies(w, r), copies(s, r)
-  f = jax.jit(functools.partial(L.fp8_linear, plan=plan))
+  fn = L.fp8_linear if kind == "fp8" else L.fp8_dq_linear
+  f = jax.jit(functools.partial(fn, plan=plan, **opts))
   args = [(x, ws[i], ss[i]) for i in range(r)]
   err = relerr(f(x, w, s), jax.jit(L.fp8_linear_reference)(x, w, s)) if check else float("nan")
   call, names = time_calls(f, args)
   xla = time_calls(jax.jit(xla_fp8), args)[0] if with_xla else None
-  p = plan or L.plan_linear(n, k, L._padded_rows(m), "fp8")
-  row("fp8", f"{name} {n}x{k}", m, nb, mosaic_us(names), call, xla, err, p)
+  p = plan or L.plan_linear(n, k, L._padded_rows(m), kind)
+  label = kind + ("" if opts.get("a_from", "regs") == "regs" else "s")
+  row(label, f"{name} {n}x{k}", m, nb, mosaic_us(names), call, xla, err, p)
   return names
 
 
@@ -163,7 +167,7 @@ def moe_weights():
   return _MOE_W
 
 
-def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12):
+def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False):
   e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
   w = moe_weights()
   x = jax.random.normal(jax.random.key(m), (m, d), jnp.float32).astype(jnp.bfloat16)
@@ -175,7 +179,7 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12):
     args.append((x, ids, tw, *w))
     distinct.append(len(np.unique(np.asarray(ids))))
   nb = int(np.mean(distinct) * 3 * i * d)
-  f = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=MOE["limit"], plan=plan))
+  f = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=MOE["limit"], plan=plan, dq=dq))
   err = float("nan")
   if check:
     ref = jax.jit(functools.partial(L.fp8_moe_reference, swiglu_limit=MOE["limit"]))(*args[0])
@@ -183,7 +187,8 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12):
   call, names = time_calls(f, args)
   xla = time_calls(jax.jit(functools.partial(xla_moe, limit=MOE["limit"])), args)[0] if with_xla else None
   p = plan or L.plan_moe(min(e, m * k), i, d, L._padded_rows(m))
-  row("moe", f"E{e} I{i} D{d} ~{np.mean(distinct):.0f}exp", m, nb, mosaic_us(names), call, xla, err, p)
+  row("moedq" if dq else "moe", f"E{e} I{i} D{d} ~{np.mean(distinct):.0f}exp", m, nb, mosaic_us(names), call, xla,
+      err, p)
   return names
 
 
@@ -248,7 +253,7 @@ def sweep(deadline):
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--rows", default="1,8,32")
-  ap.add_argument("--only", default="fp8,bf16,moe")
+  ap.add_argument("--only", default="fp8,fp8dq,bf16,moe,moedq")
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--budget-s", type=float, default=1e9)
   ap.add_argument("--out", default=None)
@@ -266,15 +271,24 @@ def main(argv=None):
         if first and names:
           log(f"# kernel names of one fp8_linear call: {names}")
           first = False
+  if "fp8dq" in only:  # the weight dequantised in registers, bf16 activations (policy knob fp8_dq)
+    for m in rows:
+      for name, n, k in FP8_SHAPES:
+        names = guarded(deadline, bench_fp8, name, n, k, m, kind="fp8dq")
+        if m == rows[0] and name == FP8_SHAPES[0][0] and names:
+          log(f"# kernel names of one fp8_dq_linear call: {names}")
+    for name, n, k in FP8_SHAPES[:1]:  # the converted tile through SMEM instead (the interpret-mode form)
+      guarded(deadline, bench_fp8, name, n, k, rows[0], kind="fp8dq", a_from="smem")
   if "bf16" in only:
     for m in rows:
       for name, n, k in BF16_SHAPES:
         guarded(deadline, bench_bf16, name, n, k, m)
-  if "moe" in only:
-    for m in rows:
-      names = guarded(deadline, bench_moe, m)
-      if names:
-        log(f"# kernel us per fp8_moe call: { {n: round(t, 1) for n, t in names.items()} }")
+  for kind in ("moe", "moedq"):  # moedq: bf16 x and h, the weight tiles dequantised in registers (fp8_dq)
+    if kind in only:
+      for m in rows:
+        names = guarded(deadline, bench_moe, m, dq=kind == "moedq")
+        if names:
+          log(f"# kernel us per {kind} call: { {n: round(t, 1) for n, t in names.items()} }")
   if a.sweep:
     sweep(deadline)
   log(f"# done in {time.time() - _T0:.0f} s")

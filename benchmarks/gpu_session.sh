@@ -38,6 +38,9 @@
 #   defaults (nvidia-h200):   bench_linear at M = 1, 4, 8, 32, 64 (issue #8's table), then the current defaults at
 #                             q = 4 and q = 1, profiled, then with the KDA gated norm in the kernel (kda_norm); the
 #                             end-to-end kernel tests if time remains
+#   dq      (nvidia-h200):    the FP8 kernels with the weight dequantised in registers and bf16 activations (policy
+#                             fp8_dq): their GPU tests, bench_linear fp8 vs fp8dq and moe vs moedq at M = 1, 4, 8, the
+#                             one-rank step at q = 1 and 4 with {"fp8_dq": true} (profiled), the e2e test natively
 #   glue    (nvidia-h200):    a short call: the grouped MoE's glue on the real token columns only (bench_linear, M = 1,
 #                             4, 8), the one-rank step at q = 1 profiled, then bench_topk's chosen forms (session 24
 #                             also compared a scatter-free compaction there: slower, removed)
@@ -330,6 +333,16 @@ case "$MODE" in
     rank1 batch --q 1 --batch 8 --profile
     [ "$(left)" -gt 230 ] && rank1 batch --q 4 --batch 8 --profile
     [ "$(left)" -gt 200 ] && rank1 batch --q 1 --batch 32 --profile
+    ;;
+  dq)  # (nvidia-h200) see the header
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernels.py -k "dq or moe" 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -30 > "$OUT/gpu_tests.log"
+    timeout 150 python3 benchmarks/bench_linear.py --only fp8,fp8dq,moe,moedq --rows 1,4,8 --budget-s 130 \
+      --out "$OUT/bench_linear_dq.txt" > "$OUT/bench_linear_dq.log" 2>&1
+    rank1 dq --q 1 --profile --policy '{"fp8_dq": true}'
+    [ "$(left)" -gt 200 ] && rank1 dq --q 4 --profile --policy '{"fp8_dq": true}'
+    [ "$(left)" -gt 120 ] && timeout $(( $(left) - 10 )) python3 -m pytest -v -m e2e_kernels -p no:cacheprovider \
+      tests/test_decode.py -k fp8_dq 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | tee -a "$OUT/gpu_tests.log"
     ;;
   glue)  # (nvidia-h200) see the header
     timeout 60 python3 benchmarks/bench_linear.py --only moe --rows 1,4,8 --budget-s 40 \

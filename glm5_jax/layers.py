@@ -67,8 +67,14 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # BENCHMARKS.md session 19 — for more GPU time)
                    "mhc_finish": True,
                    # with kda on: the KDA output's gated RMSNorm inside the kernel (all 4 warpgroups of a head in
-                   # one CTA, so 4x fewer CTAs stream the state) instead of an XLA fusion after it; an A/B knob
-                   "kda_norm": False}
+                   # one CTA, so 4x fewer CTAs stream the state) instead of an XLA fusion after it; measured
+                   # slower (kernel 3.2 -> 5.5 µs per layer, the step 5.65 -> 5.68 ms; BENCHMARKS.md session 24)
+                   "kda_norm": False,
+                   # with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16
+                   # activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before
+                   # each call (~2.3 µs per FP8 linear, ~5 µs per MoE layer at q = 1), exact products; an A/B
+                   # knob until measured on the GPU
+                   "fp8_dq": False}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
@@ -198,8 +204,9 @@ class Linear(nnx.Module):
     why = f"weight {n_out}x{n_in} (the kernels need in % 128 == 0 and out % 64 == 0)"
     if self.scale is not None and kernel_enabled("fp8_linear", rows, fits=tiles, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415 (kernels only where the backend asks for them)
-      return kl.fp8_linear(x.reshape(rows, n_in), self.weight[...], self.scale[...],
-                           out_dtype=dtype).reshape(*x.shape[:-1], n_out)
+      fn = kl.fp8_dq_linear if kernel_enabled("fp8_dq", rows) else kl.fp8_linear
+      return fn(x.reshape(rows, n_in), self.weight[...], self.scale[...],
+                out_dtype=dtype).reshape(*x.shape[:-1], n_out)
     if self.scale is None:
       return _dense(x, self.weight[...], dtype)
     return mm(x, self.w(dtype), dtype)
@@ -608,7 +615,8 @@ class MoE(nnx.Module):
       sew = None if se is None else (se.gate_proj.weight[...], se.gate_proj.scale[...], se.up_proj.weight[...],
                                      se.up_proj.scale[...], se.down_proj.weight[...], se.down_proj.scale[...])
       y = kl.fp8_moe(xf, ids, w, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],
-                     ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, shared=sew)
+                     ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, shared=sew,
+                     dq=kernel_enabled("fp8_dq", xf.shape[0]))
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
       return (y, ids.reshape(*lead, -1)) if return_ids else y
     y = ex.partial(xf, ids, w, dtype)

@@ -54,6 +54,14 @@ def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
+def interpreting() -> bool:
+  """Whether Mosaic GPU kernels traced here run in GPU interpret mode (``plgpu.force_gpu_interpret_mode``, as
+  ``maybe_interpret`` sets it; part of jax's jit key): for kernels with a form interpret mode cannot run (a
+  register-A wgmma) and one it can. Reads jax's private config (0.11.2)."""
+  from jax._src import config as jax_config  # noqa: PLC0415
+  return isinstance(jax_config.pallas_tpu_interpret_mode_context_manager.value, plgpu.InterpretGPUParams)
+
+
 def interpret_params() -> plgpu.InterpretGPUParams:
   """GPU interpret mode parameters used on CPU (uninitialised memory reads as NaN, OOB reads raise)."""
   return plgpu.InterpretGPUParams()

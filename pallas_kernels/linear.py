@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry
+from pallas_kernels._common import interpreting, kernel_entry
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
@@ -116,7 +116,8 @@ def _pick_stages(steps: int, stage_bytes: int, ctas: int, max_stages: int | None
 
 def plan_linear(n: int, k: int, mp: int, kind: str, *, bm: int | None = None, bk: int | None = None,
                 split: int | None = None, stages: int | None = None, target_ctas: int = 2 * NUM_SMS) -> Plan:
-  """Default tiling for an [N, K] weight and ``mp`` padded token rows; ``kind`` is "fp8" or "bf16".
+  """Default tiling for an [N, K] weight and ``mp`` padded token rows; ``kind`` is "fp8" (hi/lo e4m3
+  activations), "fp8dq" (the weight dequantised in registers, bf16 activations) or "bf16".
 
   Any field can be overridden (the benchmark sweeps them). Constraints: N % bm == 0, K % bk == 0, bm in {64,128}.
   """
@@ -126,6 +127,11 @@ def plan_linear(n: int, k: int, mp: int, kind: str, *, bm: int | None = None, bk
     bk = BLOCK
     x_cols = 2 * mp
     w_bytes, x_bytes = 1, 1
+  elif kind == "fp8dq":  # FP8 weight tile dequantised in registers, bf16 activations: one accumulator per step
+    bm = bm or (128 if (mp <= 32 and n % 128 == 0) else 64)
+    bk = BLOCK
+    x_cols = mp
+    w_bytes, x_bytes = 1, 2
   elif kind == "bf16":
     bm = bm or (128 if n % 128 == 0 else 64)  # (N % 64 != 0: the last row tile overlaps the one before it)
     # bk=256 was measured no faster for the lm_head at M<=8 and 15% slower at M=32 (fewer stages fit).
@@ -134,9 +140,10 @@ def plan_linear(n: int, k: int, mp: int, kind: str, *, bm: int | None = None, bk
     w_bytes, x_bytes = 2, 2
   else:
     raise ValueError(kind)
-  if k % bk or (n % bm if kind == "fp8" else n < bm):  # (bf16: a partial last row tile overlaps its neighbour)
+  fp8 = kind != "bf16"
+  if k % bk or (n % bm if fp8 else n < bm):  # (bf16: a partial last row tile overlaps its neighbour)
     raise ValueError(f"[N={n}, K={k}]: K must be a multiple of {bk} and N " +
-                     (f"a multiple of {bm}" if kind == "fp8" else f">= {bm}"))
+                     (f"a multiple of {bm}" if fp8 else f">= {bm}"))
   tiles, kb = -(-n // bm), k // bk
   split = split or _pick_split(tiles, kb, target_ctas)
   if kb % split:
@@ -152,6 +159,34 @@ def _mma_hi_lo(w_s, x_s, mp: int, acc_hi, acc_lo):
   plgpu.wgmma(acc_hi, w_s, x_s.at[pl.ds(0, mp)].T)
   plgpu.wgmma(acc_lo, w_s, x_s.at[pl.ds(mp, mp)].T)
   return acc_hi[...] + acc_lo[...] * (1.0 / LO_SCALE)
+
+
+def _dequant_tile(w_s, a_s):
+  """An e4m3 weight tile [bm, 128] in SMEM -> the wgmma A operand in bf16: in registers (a_s None), or stored
+  into the bf16 SMEM tile a_s (the form GPU interpret mode runs). Through f32: the H200's ptxas has no direct
+  e4m3 -> bf16 conversion; e4m3 values are exact in bf16 (3 mantissa bits, |v| <= 448)."""
+  a = plgpu.load(w_s, layout=plgpu.Layout.WGMMA).astype(jnp.float32).astype(jnp.bfloat16)
+  if a_s is None:
+    return a
+  a_s[...] = a
+  plgpu.commit_smem()
+  return a_s
+
+
+def _mma_tile(w_s, x_s, mp: int, dq: bool, a_s=None):
+  """One 128-K block with a fresh accumulator -> W @ x.T [bm, mp] f32: x as hi/lo e4m3 rows [2mp, 128] (two fp8
+  wgmmas, :func:`_mma_hi_lo`), or (dq) the weight dequantised to bf16 times bf16 x rows [mp, 128]."""
+  bm = w_s.shape[0]
+  if not dq:
+    return pl.run_scoped(functools.partial(_mma_hi_lo, w_s, x_s, mp),
+                         plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
+  a = _dequant_tile(w_s, a_s)
+
+  def mma(acc):
+    plgpu.wgmma(acc, a, x_s.T)
+    return acc[...]
+
+  return pl.run_scoped(mma, plgpu.ACC((bm, mp), jnp.float32))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -296,6 +331,87 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jn
                             for i in range(0, m, 64)], axis=0)
   xq, s = quantize_activations(x)
   return fp8_linear_q(xq, s, m, w, scale_inv, out_dtype=out_dtype, plan=plan)
+
+
+def _fp8_dq_kernel(x_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *a_s, mp: int, plan: Plan, tiles: int, steps: int):
+  """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks), as ``_fp8_linear_kernel``, but each
+  e4m3 weight tile is converted to bf16 in registers (through f32: the H200's ptxas has no direct e4m3 -> bf16)
+  and multiplied with the bf16 activation tile by one wgmma with A in registers. ``a_s`` (optional): a bf16 SMEM
+  tile the converted weight goes through instead — GPU interpret mode cannot run a register-A wgmma."""
+  bm, stages = plan.bm, plan.stages
+  t = lax.axis_index("t")
+  tile, sk = t % tiles, t // tiles
+  row0 = tile * bm
+  kb0 = sk * steps
+  nb = row0 // BLOCK
+
+  def issue(i):
+    slot = i % stages
+    k0 = (kb0 + i) * BLOCK
+    plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(row0, bm), pl.ds(k0, BLOCK)], w_s.at[slot], bar.at[slot])
+    plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, BLOCK)], x_s.at[slot], bar.at[slot])
+
+  for i in range(stages):
+    issue(i)
+  scales = [s_ref[nb, kb0 + i] for i in range(min(stages, steps))]
+  acc = None
+  for i in range(steps):
+    slot = i % stages
+    if i + stages < steps:
+      scales.append(s_ref[nb, kb0 + i + stages])
+    plgpu.barrier_wait(bar.at[slot])
+    # bf16 x times the exact bf16 image of the e4m3 weight: the products are exact, summed in f32
+    blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, True, a_s[0] if a_s else None)
+    if i + stages < steps:  # the wgmma has finished (its result was read): the slot is free
+      issue(i + stages)
+    # the 128x128 block scale after the MMA (exact), as in _fp8_linear_kernel
+    acc = blk * scales[i] if acc is None else acc + blk * scales[i]
+  o_ref[sk, pl.ds(row0, bm), :] = acc
+
+
+@kernel_entry("out_dtype", "plan", "a_from")
+def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jnp.float32,
+                  plan: Plan | None = None, a_from: str | None = None) -> jax.Array:
+  """y = x @ dequant(w).T like :func:`fp8_linear` (same signature and reference), with the activations kept in
+  bf16: no activation quantisation (fp8_linear's amax reduction + hi/lo quantisation: two XLA kernels of ~1.1 µs
+  before every call, BENCHMARKS.md session 24) and bf16 · e4m3 products that are exact (hi/lo: ~9 significant
+  bits of x). The price is the conversion of every weight element in registers.
+
+  ``a_from``: "regs" (a register-A wgmma) or "smem" (the converted tile through SMEM: the only form GPU interpret
+  mode runs, hence the default there; "regs" otherwise). Needs K % 128 == 0 and N % 64 == 0."""
+  m = x.shape[0]
+  if m > 64:
+    return jnp.concatenate([fp8_dq_linear(x[i:i + 64], w, scale_inv, out_dtype=out_dtype, plan=plan,
+                                          a_from=a_from) for i in range(0, m, 64)], axis=0)
+  n, k = w.shape
+  if x.shape[1] != k or w.dtype != F8:
+    raise ValueError(f"bad shapes/dtypes: x {x.shape} w {w.shape} {w.dtype}")
+  if k % BLOCK or n % 64:
+    raise NotImplementedError(f"fp8_dq_linear needs K % 128 == 0 and N % 64 == 0, got N={n} K={k}")
+  a_from = a_from or ("smem" if interpreting() else "regs")
+  if a_from not in ("regs", "smem"):
+    raise ValueError(f"a_from={a_from!r}: expected 'regs' or 'smem'")
+  mp = _padded_rows(m)
+  plan = plan or plan_linear(n, k, mp, "fp8dq")
+  tiles = n // plan.bm
+  steps = k // BLOCK // plan.split
+  xp = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
+  a_scratch = ([plgpu.SMEM((plan.bm, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))]
+               if a_from == "smem" else [])
+  out = plgpu.kernel(
+      functools.partial(_fp8_dq_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps),
+      out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
+      grid=(tiles * plan.split,),
+      grid_names=("t",),
+      kernel_name="glm5_fp8_dq_linear",
+      scratch_types=[
+          plgpu.SMEM((plan.stages, plan.bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((plan.stages, mp, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK)),
+          plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
+          *a_scratch,
+      ],
+  )(xp, w, scale_inv.astype(jnp.float32))
+  return out[..., :m].sum(0).T.astype(out_dtype)
 
 
 def dequantize_fp8(w: jax.Array, scale_inv: jax.Array) -> jax.Array:
@@ -465,16 +581,21 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 
 
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
-                        table_k: int):
+                        table_k: int, dq: bool = False, a_smem: bool = False):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
-  from its own weight refs (wgs/sgs/wus/sus: one expert, no expert axis)."""
+  from its own weight refs (wgs/sgs/wus/sus: one expert, no expert axis). ``dq``: x is bf16 [mp, D] (no amax
+  operand) and each weight tile is dequantised to bf16 (``_mma_tile``; ``a_smem``: through a last SMEM scratch)."""
+  refs = list(refs)
+  a_s = refs.pop() if a_smem else None
+  xq_ref = refs.pop(0)
+  amax_ref = None if dq else refs.pop(0)
   if shared:
-    (xq_ref, amax_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, wgs_ref, sgs_ref, wus_ref, sus_ref,
+    (eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, wgs_ref, sgs_ref, wus_ref, sus_ref,
      o_ref, wg_s, wu_s, x_s, bar) = refs
   else:
-    xq_ref, amax_ref, eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, o_ref, wg_s, wu_s, x_s, bar = refs
+    eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, o_ref, wg_s, wu_s, x_s, bar = refs
   t = lax.axis_index("t")
   per_slot = tiles * split
   slot_id, rem = t // per_slot, t % per_slot
@@ -520,9 +641,8 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
         sg = jnp.where(is_sh, sgs_ref[nb, kb0 + i], sg)
         su = jnp.where(is_sh, sus_ref[nb, kb0 + i], su)
       plgpu.barrier_wait(bar.at[slot])
-      acc2 = (plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
-      g = pl.run_scoped(functools.partial(_mma_hi_lo, wg_s.at[slot], x_s.at[slot], mp), *acc2)
-      u = pl.run_scoped(functools.partial(_mma_hi_lo, wu_s.at[slot], x_s.at[slot], mp), *acc2)
+      g = _mma_tile(wg_s.at[slot], x_s.at[slot], mp, dq, a_s)
+      u = _mma_tile(wu_s.at[slot], x_s.at[slot], mp, dq, a_s)
       pl.when(i + stages < steps)(lambda: issue(i + stages))
       return acc_g + g * sg, acc_u + u * su
 
@@ -530,7 +650,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
     acc_g, acc_u = lax.fori_loop(0, steps, step, (zero, zero))
     # the activations' scale, recomputed from their max: passing the scale itself made XLA compute it in a kernel
     # of its own (~1 µs per MoE layer), as its quantisation fusion and this call both read it
-    sx = activation_scale(amax_ref[0])
+    sx = 1.0 if dq else activation_scale(amax_ref[0])
     if split == 1:
       gate = jnp.minimum(acc_g * sx, limit)
       up = jnp.clip(acc_u * sx, -limit, limit)
@@ -540,11 +660,15 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       o_ref[sk, slot_id, 1, pl.ds(row0, bm), :] = acc_u * sx
 
 
-def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int):
+def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int,
+                     dq: bool = False, a_smem: bool = False):
   """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
   over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count.
   ``shared``: slot 0 is the shared expert (its own refs wds/sds). ``table_k``: as ``_slot_expert`` (the k ids
-  are read once into registers; without it the slots' ids go to SMEM by one TMA)."""
+  are read once into registers; without it the slots' ids go to SMEM by one TMA). ``dq``: hq is bf16 h
+  [slots, mp, I] and each weight tile is dequantised to bf16 (``a_smem``: through a last SMEM scratch)."""
+  refs = list(refs)
+  a_s = refs.pop() if a_smem else None
   if table_k:
     eid_s = ebar = None
     if shared:
@@ -608,8 +732,7 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
     if shared:
       scale = jnp.where(s == 0, sds_ref[nb, ib], scale)
     plgpu.barrier_wait(bar.at[slot])
-    blk = pl.run_scoped(functools.partial(_mma_hi_lo, w_s.at[slot], x_s.at[slot], mp),
-                        plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
+    blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s)
     pl.when(j + stages < total)(lambda: issue(j + stages))
     return acc + blk * scale
 
@@ -645,9 +768,9 @@ def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, m
   return eids, n_valid, valid, r
 
 
-@kernel_entry("swiglu_limit", "plan")
+@kernel_entry("swiglu_limit", "plan", "dq", "a_from")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
-            plan: MoePlan | None = None, shared=None):
+            plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -667,6 +790,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   e.g. M=1, it splits D instead and the SwiGLU runs in the XLA glue that follows anyway); XLA applies the routing
   weights and quantises h (hi+lo e4m3, one scale) as [slots, 2M, I]; the down kernel sums over the experts per
   hidden row tile (a dynamic trip count: only the n_valid distinct experts are streamed).
+  ``dq``: x and h stay bf16 and each weight tile is dequantised to bf16 in the kernels (as :func:`fp8_dq_linear`,
+  ``a_from`` likewise): no amax reductions or hi/lo quantisations between the kernels, exact products.
   Needs I % 128 == 0 and D % 128 == 0.
   """
   m, d = x.shape
@@ -699,17 +824,30 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     n_valid = n_valid + 1
   n_pad = _round_up(n_slots, 8)
   plan = plan or plan_moe(n_slots, inter, d, mp)
-  xq, _ = quantize_activations(x, mp)
-  amax = jnp.max(jnp.abs(x.astype(jnp.float32)))  # (the same reduction as inside quantize_activations: one kernel)
+  a_from = a_from or ("smem" if interpreting() else "regs")
+  if a_from not in ("regs", "smem"):
+    raise ValueError(f"a_from={a_from!r}: expected 'regs' or 'smem'")
+  a_smem = dq and a_from == "smem"
+  if dq:  # bf16 rows, zero padded: the kernels' B tiles as they are
+    x_in = (jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0))),)
+    x_tile = plgpu.SMEM((plan.gu_stages, mp, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))
+  else:
+    xq, _ = quantize_activations(x, mp)
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))  # (the same reduction as inside quantize_activations: one kernel)
+    x_in = (xq, amax.reshape(1))
+    x_tile = plgpu.SMEM((plan.gu_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK))
   f32 = jnp.float32
   sh_gu = (shared[0], shared[1].astype(f32), shared[2], shared[3].astype(f32)) if has_sh else ()
   sh_dn = (shared[4], shared[5].astype(f32)) if has_sh else ()
 
   gu_tiles = inter // plan.gu_bm
   gu_out = ((n_pad, inter, mp) if plan.gu_split == 1 else (plan.gu_split, n_pad, 2, inter, mp))
+  a_tile = lambda bm: ([plgpu.SMEM((bm, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))]
+                       if a_smem else [])
   h = plgpu.kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
-                        split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k),
+                        split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
+                        a_smem=a_smem),
       out_type=jax.ShapeDtypeStruct(gu_out, jnp.float32),
       grid=(n_slots * gu_tiles * plan.gu_split,),
       grid_names=("t",),
@@ -717,10 +855,11 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       scratch_types=[
           plgpu.SMEM((plan.gu_stages, plan.gu_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
           plgpu.SMEM((plan.gu_stages, plan.gu_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
-          plgpu.SMEM((plan.gu_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          x_tile,
           plgpu.Barrier(num_arrivals=3, num_barriers=plan.gu_stages),
+          *a_tile(plan.gu_bm),
       ],
-  )(xq, amax.reshape(1), eids, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu)
+  )(*x_in, eids, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu)
 
   # The glue works on the m real token columns only (the kernels' mp - m padding columns are zero inputs' outputs;
   # quantize_activations pads them back as zeros): at M = 1 that is 1/8 of the [.., mp] data the XLA fusions
@@ -733,11 +872,14 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     h = h[..., :m]
   # Routing weights and re-quantisation of h (rows of unused slots were never written: mask them).
   hw = jnp.where(valid[:, None, None], h, 0.0) * r[:, None, :m]  # [n_pad, I, m]
-  hq, sh = quantize_activations(jnp.swapaxes(hw, 1, 2), mp)  # [n_pad, 2mp, I]
-
   dn_tiles = d // plan.dn_bm
-  ring = [plgpu.SMEM((plan.dn_stages, plan.dn_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
-          plgpu.SMEM((plan.dn_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK))]
+  ring = [plgpu.SMEM((plan.dn_stages, plan.dn_bm, BLOCK), F8, transforms=_tr(F8, BLOCK))]
+  if dq:  # h in bf16 [n_pad, mp, I]
+    hq, sh = jnp.pad(jnp.swapaxes(hw, 1, 2).astype(jnp.bfloat16), ((0, 0), (0, mp - m), (0, 0))), 1.0
+    ring.append(plgpu.SMEM((plan.dn_stages, mp, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK)))
+  else:
+    hq, sh = quantize_activations(jnp.swapaxes(hw, 1, 2), mp)  # [n_pad, 2mp, I]
+    ring.append(plgpu.SMEM((plan.dn_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)))
   if table_k:
     ids_scratch, dn_eids = [plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages)], eids
   else:
@@ -747,12 +889,12 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     dn_eids = eids.reshape(n_pad // 8, 8)
   out = plgpu.kernel(
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
-                        groups=plan.dn_groups, shared=has_sh, table_k=table_k),
+                        groups=plan.dn_groups, shared=has_sh, table_k=table_k, dq=dq, a_smem=a_smem),
       out_type=jax.ShapeDtypeStruct((plan.dn_groups, d, mp), jnp.float32),
       grid=(dn_tiles * plan.dn_groups,),
       grid_names=("t",),
       kernel_name="glm5_moe_down",
-      scratch_types=ring + ids_scratch,
+      scratch_types=ring + ids_scratch + a_tile(plan.dn_bm),
   )(hq, dn_eids, n_valid, w_down, s_down.astype(f32), *sh_dn)
   return out[..., :m].sum(0).T * sh
 

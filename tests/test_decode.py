@@ -338,6 +338,24 @@ def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm):
 
 
 @pytest.mark.e2e_kernels
+def test_latency_specialized_fp8_dq_linears_equal_reference_greedy():
+  """Policy knob fp8_dq: every FP8 linear (MLA projections, dense MLP) and the grouped MoE (routed + shared experts)
+  through the kernels that dequantise the weight in registers and keep the activations in bf16 (interpret mode
+  on CPU: through SMEM) emit the reference model's greedy continuation; the sites are reported."""
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
+  prompt = np.random.default_rng(2).integers(0, 2000, 9)
+  ref = greedy_reference(m, prompt, 3, max_context=64)
+  policy = (("kda", False), ("indexer", False), ("kv_cache_dtype", "auto"), ("sparse_mla", False),
+            ("fp8_dq", True))
+  dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=policy),
+                backend="latency_specialized", prefill_chunk=16)
+  out, _ = dec.generate([prompt], 3)  # (~25 s per step in interpret mode)
+  assert out[0] == ref
+  sites = dec.kernel_sites(1)
+  assert sites["fp8_dq"]["sites"] == sites["fp8_linear"]["sites"] + sites["fp8_moe"]["sites"] > 0, sites
+
+
+@pytest.mark.e2e_kernels
 def test_latency_specialized_all_kernels_equals_stock_fp8_cache():
   """Every kernel of latency_specialized (KDA, FP8 GEMV, grouped FP8 MoE, sparse MLA over the FP8 latent cache,
   FP8 indexer scoring; interpret mode on CPU) against the stock path with the same FP8 cache numerics (the

@@ -204,6 +204,47 @@ def test_fp8_linear_interpret_bf16_out_and_shared_quantisation():
   assert_close(y2, L.fp8_linear_reference(x, w2, s2), "kernel_fp8")
 
 
+@pytest.mark.parametrize("m,n,k,plan_kw,dtype", [
+    (1, 256, 512, {}, jnp.bfloat16),  # default plan: split-K
+    (5, 192, 512, dict(split=1, stages=2), jnp.float32),  # 64-row tiles, ring reuse, f32 x (rounded to bf16)
+    (16, 128, 384, dict(split=3, stages=1), jnp.bfloat16),
+    (40, 128, 256, {}, jnp.bfloat16),  # > 32 rows: 64-row tiles
+    (70, 128, 256, {}, jnp.bfloat16),  # > 64 rows: two chunks
+])
+def test_fp8_dq_linear_interpret(m, n, k, plan_kw, dtype):
+  """The weight dequantised to bf16 in the kernel (through SMEM in interpret mode: the register-A wgmma is
+  cross-lowered below and run natively by the GPU test): bf16 x times e4m3 w is exact in bf16, so the result is
+  the fp32 reference on bf16-rounded x up to f32 summation order."""
+  ks = jax.random.split(jax.random.key(110 + m), 2)
+  w, s = quantize_fp8_blocks(ks[0], (n, k))
+  x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(dtype)
+  plan = L.plan_linear(n, k, L._padded_rows(min(m, 64)), "fp8dq", **plan_kw)
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.fp8_dq_linear, plan=plan, out_dtype=jnp.float32))(x, w, s)
+  assert y.shape == (m, n) and y.dtype == jnp.float32
+  assert_close(y, L.fp8_linear_reference(x.astype(jnp.bfloat16), w, s), "kernel_f32")
+
+
+def test_dq_kernels_pick_the_register_form_outside_interpret_mode():
+  """a_from's default follows the trace's interpret mode (the step's CUDA lowering gets the register-A form)."""
+  from pallas_kernels._common import interpreting  # noqa: PLC0415
+  assert not interpreting()
+  with maybe_interpret(True):
+    assert interpreting()
+  assert not interpreting()
+
+
+def test_fp8_dq_linear_rejects_bad_input():
+  w, s = quantize_fp8_blocks(jax.random.key(0), (128, 256))
+  x = jnp.ones((2, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="a_from='tmem'"):
+    L.fp8_dq_linear(x, w, s, a_from="tmem")
+  with pytest.raises(ValueError, match="bad shapes"):
+    L.fp8_dq_linear(jnp.ones((2, 384), jnp.bfloat16), w, s)
+  with pytest.raises(NotImplementedError, match="N % 64"):
+    L.fp8_dq_linear(x, w[:96], s)
+
+
 @pytest.mark.parametrize("m,n,k,plan_kw", [
     (1, 256, 512, {}),
     (7, 192, 512, dict(split=1, stages=2)),  # ragged N, ring reuse with a wgmma kept in flight
@@ -222,19 +263,22 @@ def test_bf16_linear_interpret(m, n, k, plan_kw):
   np.testing.assert_allclose(y, L.bf16_linear_reference(x, w), rtol=1e-5, atol=1e-5)  # exact products
 
 
+@pytest.mark.parametrize("dq", [False, True])
 @pytest.mark.parametrize("m,e,k,plan_kw", [
     (1, 6, 2, {}),  # few CTAs: gate/up splits D, SwiGLU in the XLA glue
     (3, 5, 2, dict(dn_groups=2, dn_stages=2, gu_stages=2, gu_split=1)),  # duplicates, ring reuse, fused SwiGLU
 ])
-def test_fp8_moe_interpret(m, e, k, plan_kw):
+def test_fp8_moe_interpret(m, e, k, plan_kw, dq):
+  """dq: bf16 x and h, the weight tiles dequantised in the kernels (through SMEM in interpret mode); h is rounded
+  to bf16 before the down projection, hence the bf16 tolerance."""
   i, d = 256, 384
   args = moe_inputs(jax.random.key(40 + m), m, e, i, d, k)
   limit = 1.0  # small, so that both clamps are active on N(0, 1)-ish pre-activations
   plan = L.plan_moe(min(e, m * k), i, d, L._padded_rows(m), **plan_kw) if plan_kw else None
   with maybe_interpret():
-    y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=limit, plan=plan))(*args)
+    y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=limit, plan=plan, dq=dq))(*args)
   ref = L.fp8_moe_reference(*args, swiglu_limit=limit)
-  assert_close(y, ref, "kernel_fp8")
+  assert_close(y, ref, "kernel_bf16" if dq else "kernel_fp8")
 
 
 def test_fp8_moe_interpret_shared_expert_as_extra_expert():
@@ -270,20 +314,22 @@ def _shared_expert(key, i, d):
   return wg[0], sg[0], wu[0], su[0], wd[0], sd[0]
 
 
-@pytest.mark.parametrize("m,e,k,plan_kw", [
-    (1, 6, 2, {}),  # D split in gate/up
-    (3, 5, 2, dict(dn_groups=2, dn_stages=2, gu_stages=2, gu_split=1)),  # the shared slot in group 0 of 2
+@pytest.mark.parametrize("m,e,k,plan_kw,dq", [
+    (1, 6, 2, {}, False),  # D split in gate/up
+    (3, 5, 2, dict(dn_groups=2, dn_stages=2, gu_stages=2, gu_split=1), False),  # the shared slot in group 0 of 2
+    (1, 6, 2, {}, True),  # the same with bf16 x / h (policy knob fp8_dq)
+    (3, 5, 2, dict(dn_groups=2, dn_stages=2, gu_stages=2, gu_split=1), True),
 ])
-def test_fp8_moe_interpret_shared_slot(m, e, k, plan_kw):
+def test_fp8_moe_interpret_shared_slot(m, e, k, plan_kw, dq):
   """The shared expert as slot 0 of the same kernels, streamed from its own arrays (the model's MoE call)."""
   i, d = 256, 384
   args = moe_inputs(jax.random.key(60 + m), m, e, i, d, k)
   sh = _shared_expert(jax.random.key(70 + m), i, d)
   plan = L.plan_moe(min(e, m * k) + 1, i, d, L._padded_rows(m), **plan_kw) if plan_kw else None
   with maybe_interpret():
-    y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, plan=plan))(*args, shared=sh)
+    y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, plan=plan, dq=dq))(*args, shared=sh)
   ref = L.fp8_moe_reference(*args, swiglu_limit=1.0, shared=sh)
-  assert_close(y, ref, "kernel_fp8")
+  assert_close(y, ref, "kernel_bf16" if dq else "kernel_fp8")
   assert not np.allclose(np.asarray(ref), np.asarray(L.fp8_moe_reference(*args, swiglu_limit=1.0)))
 
 
@@ -298,10 +344,36 @@ def test_fp8_linear_cross_lowers(name, m):
 
 
 @pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("name", list(FP8_SHAPES))
+def test_fp8_dq_linear_cross_lowers(name, m):
+  """Both forms: the register-A wgmma (what the GPU runs) and the SMEM round trip (what interpret mode runs)."""
+  n, k = FP8_SHAPES[name]
+  args = SDS((m, k), jnp.bfloat16), SDS((n, k), F8), SDS((-(-n // 128), -(-k // 128)), jnp.float32)
+  for a_from in ("regs", "smem") if m in (1, 64) else ("regs",):
+    assert "mosaic_gpu" in cross_lower(functools.partial(L.fp8_dq_linear, a_from=a_from), *args).as_text()
+
+
+@pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("name", list(BF16_SHAPES))
 def test_bf16_linear_cross_lowers(name, m):
   n, k = BF16_SHAPES[name]
   cross_lower(L.bf16_linear, SDS((m, k), jnp.bfloat16), SDS((n, k), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("m", ROWS)
+def test_fp8_moe_dq_cross_lowers(m):
+  """The bf16-activation form with the shared slot: register-A wgmmas at every M (what the GPU runs), the SMEM
+  round trip at M = 1 (what interpret mode runs)."""
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
+        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
+  for a_from in ("regs", "smem") if m == 1 else ("regs",):
+    low = cross_lower(lambda *a: L.fp8_moe(*a[:9], swiglu_limit=10.0, shared=a[9:], dq=True, a_from=a_from),
+                      SDS((m, d), jnp.bfloat16), SDS((m, k), jnp.int32), SDS((m, k), jnp.float32),
+                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                      SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh)
+    assert "mosaic_gpu" in low.as_text()
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -341,6 +413,18 @@ def test_fp8_linear_gpu(name, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("a_from", ["regs", "smem"])
+@pytest.mark.parametrize("name,m", GPU_FP8_CASES)
+def test_fp8_dq_linear_gpu(name, m, a_from):
+  n, k = FP8_SHAPES[name]
+  ks = jax.random.split(jax.random.key(160 + m), 2)
+  w, s = quantize_fp8_blocks(ks[0], (n, k), 0.02)
+  x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
+  y = jax.jit(functools.partial(L.fp8_dq_linear, a_from=a_from))(x, w, s)
+  assert_close(y, jax.jit(L.fp8_linear_reference)(x, w, s), "kernel_f32")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,m", [(name, 1) for name in BF16_SHAPES] + [("kda_fgb_a", 4), ("indexer_x", 4),
                                                                           ("kda_qkv", 32), ("kda_o", 64)])
 def test_bf16_linear_gpu(name, m):
@@ -365,11 +449,13 @@ def test_fp8_moe_gpu(m, e, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 32])
-def test_fp8_moe_shared_slot_gpu(m):
+@pytest.mark.parametrize("m,dq,a_from", [(1, False, None), (8, False, None), (32, False, None),
+                                         (1, True, "regs"), (8, True, "regs"), (32, True, "regs"),
+                                         (1, True, "smem")])
+def test_fp8_moe_shared_slot_gpu(m, dq, a_from):
   i, d, e, k = MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["E"], MOE_REAL["k"]
   args = moe_inputs(jax.random.key(90 + m), m, e, i, d, k)
   sh = _shared_expert(jax.random.key(95 + m), i, d)
-  y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=10.0))(*args, shared=sh)
+  y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=10.0, dq=dq, a_from=a_from))(*args, shared=sh)
   ref = jax.jit(functools.partial(L.fp8_moe_reference, swiglu_limit=10.0))(*args, shared=sh)
-  assert_close(y, ref, "kernel_fp8")
+  assert_close(y, ref, "kernel_bf16" if dq else "kernel_fp8")
