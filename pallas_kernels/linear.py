@@ -741,6 +741,19 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   o_ref[g, pl.ds(row0, bm), :] = acc
 
 
+def _distinct_ids(ids, num_experts: int, size: int):
+  """jnp.unique(ids, size=size, fill_value=num_experts) for ids in [0, num_experts) (others are dropped), without
+  a sort: the present experts [E] (one compare-and-reduce over ids), their inclusive running count, and slot s =
+  #{e : count(e) <= s} — the (s+1)-th present expert in ascending order, or E past the last. At M = 4 the sort
+  and its compaction were ~5 small XLA kernels per MoE layer (bench_linear, session 24)."""
+  e = jnp.arange(num_experts, dtype=jnp.int32)
+  present = jnp.any(ids[None, :] == e[:, None], axis=1).astype(jnp.int32)  # [E]
+  below = (e[None, :] <= e[:, None]).astype(jnp.int32)  # [E (e), E (e')]: e' <= e
+  count = jnp.sum(below * present[None, :], axis=1)  # [E] inclusive running count (exact integer sums)
+  s = jnp.arange(size, dtype=jnp.int32)
+  return jnp.sum((count[None, :] <= s[:, None]).astype(jnp.int32), axis=1)  # [size]
+
+
 def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, mp: int):
   """Distinct selected experts and the [slot, token] routing-weight matrix (small XLA ops).
 
@@ -757,8 +770,7 @@ def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, m
     r = jnp.pad(jnp.where(valid[:k], topk_weights[0].astype(jnp.float32), 0.0)[:, None],
                 ((0, n_pad - k), (0, mp - 1)))
     return ids[0], np.full((1,), k, np.int32), valid, r
-  uniq = jnp.unique(ids.reshape(-1), size=n_slots, fill_value=num_experts)
-  uniq = jnp.pad(uniq, (0, n_pad - uniq.shape[0]), constant_values=num_experts)
+  uniq = _distinct_ids(ids.reshape(-1), num_experts, n_pad)
   valid = uniq < num_experts
   eids = jnp.where(valid, uniq, 0).astype(jnp.int32)
   n_valid = jnp.sum(valid.astype(jnp.int32)).reshape(1)

@@ -121,6 +121,18 @@ def test_moe_reference_matches_numpy():
   np.testing.assert_allclose(y, np_moe(*args, 0.8), **tol("kernel_f32"))
 
 
+def test_distinct_expert_ids_equal_jnp_unique():
+  """The MoE routing's sort-free distinct ids: jnp.unique(ids, size, fill_value=E) for fresh random ids (sizes
+  below, at and above the number of distinct ids; all ids one expert; every expert)."""
+  rng = np.random.default_rng()
+  cases = [(288, 32, 40), (288, 64, 64), (288, 256, 200), (5, 12, 3), (7, 9, 16), (288, 512, 512)]
+  for e, n, size in cases:
+    ids = rng.integers(0, e, n).astype(np.int32)
+    for v in (ids, np.full(n, e - 1, np.int32), np.arange(n, dtype=np.int32) % e):
+      got = jax.jit(L._distinct_ids, static_argnums=(1, 2))(jnp.asarray(v), e, size)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.unique(jnp.asarray(v), size=size, fill_value=e)))
+
+
 def test_e4m3_value_is_exact_for_every_finite_code():
   codes = np.arange(256, dtype=np.uint8).view(F8)
   want = codes.astype(np.float32)
