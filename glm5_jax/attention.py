@@ -180,7 +180,9 @@ class KDA(nnx.Module):
     fa, ga, b_all = self.fgb_a_proj(x, dtype)
     fg = self.fg_b_proj(jnp.concatenate([fa, ga], axis=-1), dtype).astype(jnp.float32)  # [B, T, 2C]: f | gate
     f, gate = (a.reshape(B, T, H, Kd) for a in jnp.split(fg, 2, axis=-1))
-    b = lax.dynamic_slice_in_dim(b_all, lax.axis_index(TP) * H, H, axis=-1).astype(jnp.float32)  # this device's heads
+    # this device's heads, in the projection's dtype: the kernel and its reference take the sigmoid in f32
+    # themselves (an f32 copy here was an XLA kernel of its own per KDA layer; the slice alone is a view)
+    b = lax.dynamic_slice_in_dim(b_all, lax.axis_index(TP) * H, H, axis=-1)
     A_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, Kd)
     ssm = cache["ssm"]
     normed = False  # o already through the gated RMSNorm (inside the KDA kernel)
@@ -201,7 +203,7 @@ class KDA(nnx.Module):
       gl = self.lower_bound * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (f + dt_bias))
       ok = (jnp.arange(T)[None] < ctx.valid[:, None])[..., None]
       gl = jnp.where(ok[..., None], gl, 0.0)
-      beta = jnp.where(ok, jax.nn.sigmoid(b), 0.0)
+      beta = jnp.where(ok, jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
       qn = l2norm(q) * (Kd ** -0.5)
       S0 = jax.vmap(lambda s, i: s[i])(ssm, ctx.n_acc - 1)
       o, S = kda_chunked(qn, l2norm(k), v, gl, beta, S0)
