@@ -239,9 +239,11 @@ def quantize_activations(x: jax.Array, rows: int | None = None):
 # ------------------------------------------------------------------------------------------------------------
 # FP8 block-scaled linear
 # ------------------------------------------------------------------------------------------------------------
-def _fp8_linear_kernel(xq_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *, mp: int, plan: Plan, tiles: int,
-                       steps: int):
-  """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks); writes o[split, rows, :mp]."""
+def _fp8_linear_kernel(x_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *a_s, mp: int, plan: Plan, tiles: int,
+                       steps: int, dq: bool = False):
+  """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks); writes o[split, rows, :mp].
+  x: hi|lo e4m3 rows [2mp, K] (two fp8 wgmmas per block), or (dq) bf16 rows [mp, K] times each weight tile
+  dequantised to bf16 (``_mma_tile``; ``a_s``: the SMEM tile it goes through in interpret mode)."""
   bm, stages = plan.bm, plan.stages
   t = lax.axis_index("t")
   tile, sk = t % tiles, t // tiles
@@ -249,11 +251,11 @@ def _fp8_linear_kernel(xq_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *, mp: int, p
   kb0 = sk * steps
   nb = row0 // BLOCK  # bm <= 128 divides 128: one scale row per tile
 
-  def issue(i):  # static i: TMA the weight tile and the (hi|lo) activation tile of step i into its slot
+  def issue(i):  # static i: TMA the weight tile and the activation tile of step i into its slot
     slot = i % stages
     k0 = (kb0 + i) * BLOCK
     plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(row0, bm), pl.ds(k0, BLOCK)], w_s.at[slot], bar.at[slot])
-    plgpu.copy_gmem_to_smem(xq_ref.at[:, pl.ds(k0, BLOCK)], x_s.at[slot], bar.at[slot])
+    plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, BLOCK)], x_s.at[slot], bar.at[slot])
 
   for i in range(stages):  # fill the ring: `stages` steps in flight from the start
     issue(i)
@@ -265,13 +267,36 @@ def _fp8_linear_kernel(xq_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *, mp: int, p
     if i + stages < steps:
       scales.append(s_ref[nb, kb0 + i + stages])
     plgpu.barrier_wait(bar.at[slot])
-    blk = pl.run_scoped(functools.partial(_mma_hi_lo, w_s.at[slot], x_s.at[slot], mp),
-                        plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
+    blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s[0] if a_s else None)
     # Reading the accumulators waited for the wgmma, so the slot is free again: refill it.
     if i + stages < steps:
       issue(i + stages)
+    # the 128x128 block scale after the MMA: exact, and it bounds the tensor core's fp8 accumulation to a block
     acc = blk * scales[i] if acc is None else acc + blk * scales[i]
   o_ref[sk, pl.ds(row0, bm), :] = acc
+
+
+def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: bool, name: str):
+  """The FP8 linear kernel over x_rows ([2mp, K] e4m3 hi|lo, or [mp, K] bf16 when dq) -> [split, N, mp] f32."""
+  n = w.shape[0]
+  tiles = n // plan.bm
+  steps = w.shape[1] // BLOCK // plan.split
+  x_dtype, x_rows_n = (jnp.bfloat16, mp) if dq else (F8, 2 * mp)
+  a_scratch = ([plgpu.SMEM((plan.bm, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))]
+               if a_smem else [])
+  return plgpu.kernel(
+      functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps, dq=dq),
+      out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
+      grid=(tiles * plan.split,),
+      grid_names=("t",),
+      kernel_name=name,
+      scratch_types=[
+          plgpu.SMEM((plan.stages, plan.bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((plan.stages, x_rows_n, BLOCK), x_dtype, transforms=_tr(x_dtype, BLOCK)),
+          plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
+          *a_scratch,
+      ],
+  )(x_rows, w, scale_inv.astype(jnp.float32))
 
 
 def fp8_linear_q(xq: jax.Array, x_scale: jax.Array, m: int, w: jax.Array, scale_inv: jax.Array, *,
@@ -293,21 +318,7 @@ def fp8_linear_q(xq: jax.Array, x_scale: jax.Array, m: int, w: jax.Array, scale_
   if mp > 64:
     raise NotImplementedError("fp8_linear_q takes <= 64 rows; fp8_linear chunks larger M")
   plan = plan or plan_linear(n, k, mp, "fp8")
-  tiles = n // plan.bm
-  steps = k // BLOCK // plan.split
-  kernel = functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps)
-  out = plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
-      grid=(tiles * plan.split,),
-      grid_names=("t",),
-      kernel_name="glm5_fp8_linear",
-      scratch_types=[
-          plgpu.SMEM((plan.stages, plan.bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
-          plgpu.SMEM((plan.stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)),
-          plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
-      ],
-  )(xq, w, scale_inv.astype(jnp.float32))
+  out = _fp8_launch(xq, w, scale_inv, mp=mp, plan=plan, dq=False, a_smem=False, name="glm5_fp8_linear")
   # Epilogue (one XLA fusion): add the K splits, back to [M, N], apply the activation scale.
   return (out[..., :m].sum(0).T * x_scale).astype(out_dtype)
 
@@ -331,42 +342,6 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jn
                             for i in range(0, m, 64)], axis=0)
   xq, s = quantize_activations(x)
   return fp8_linear_q(xq, s, m, w, scale_inv, out_dtype=out_dtype, plan=plan)
-
-
-def _fp8_dq_kernel(x_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *a_s, mp: int, plan: Plan, tiles: int, steps: int):
-  """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks), as ``_fp8_linear_kernel``, but each
-  e4m3 weight tile is converted to bf16 in registers (through f32: the H200's ptxas has no direct e4m3 -> bf16)
-  and multiplied with the bf16 activation tile by one wgmma with A in registers. ``a_s`` (optional): a bf16 SMEM
-  tile the converted weight goes through instead — GPU interpret mode cannot run a register-A wgmma."""
-  bm, stages = plan.bm, plan.stages
-  t = lax.axis_index("t")
-  tile, sk = t % tiles, t // tiles
-  row0 = tile * bm
-  kb0 = sk * steps
-  nb = row0 // BLOCK
-
-  def issue(i):
-    slot = i % stages
-    k0 = (kb0 + i) * BLOCK
-    plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(row0, bm), pl.ds(k0, BLOCK)], w_s.at[slot], bar.at[slot])
-    plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, BLOCK)], x_s.at[slot], bar.at[slot])
-
-  for i in range(stages):
-    issue(i)
-  scales = [s_ref[nb, kb0 + i] for i in range(min(stages, steps))]
-  acc = None
-  for i in range(steps):
-    slot = i % stages
-    if i + stages < steps:
-      scales.append(s_ref[nb, kb0 + i + stages])
-    plgpu.barrier_wait(bar.at[slot])
-    # bf16 x times the exact bf16 image of the e4m3 weight: the products are exact, summed in f32
-    blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, True, a_s[0] if a_s else None)
-    if i + stages < steps:  # the wgmma has finished (its result was read): the slot is free
-      issue(i + stages)
-    # the 128x128 block scale after the MMA (exact), as in _fp8_linear_kernel
-    acc = blk * scales[i] if acc is None else acc + blk * scales[i]
-  o_ref[sk, pl.ds(row0, bm), :] = acc
 
 
 @kernel_entry("out_dtype", "plan", "a_from")
@@ -393,24 +368,8 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
     raise ValueError(f"a_from={a_from!r}: expected 'regs' or 'smem'")
   mp = _padded_rows(m)
   plan = plan or plan_linear(n, k, mp, "fp8dq")
-  tiles = n // plan.bm
-  steps = k // BLOCK // plan.split
   xp = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
-  a_scratch = ([plgpu.SMEM((plan.bm, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))]
-               if a_from == "smem" else [])
-  out = plgpu.kernel(
-      functools.partial(_fp8_dq_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps),
-      out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
-      grid=(tiles * plan.split,),
-      grid_names=("t",),
-      kernel_name="glm5_fp8_dq_linear",
-      scratch_types=[
-          plgpu.SMEM((plan.stages, plan.bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
-          plgpu.SMEM((plan.stages, mp, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK)),
-          plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
-          *a_scratch,
-      ],
-  )(xp, w, scale_inv.astype(jnp.float32))
+  out = _fp8_launch(xp, w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_from == "smem", name="glm5_fp8_dq_linear")
   return out[..., :m].sum(0).T.astype(out_dtype)
 
 

@@ -125,7 +125,7 @@ def test_distinct_expert_ids_equal_jnp_unique():
   """The MoE routing's sort-free distinct ids: jnp.unique(ids, size, fill_value=E) for fresh random ids (sizes
   below, at and above the number of distinct ids; all ids one expert; every expert)."""
   rng = np.random.default_rng()
-  cases = [(288, 32, 40), (288, 64, 64), (288, 256, 200), (5, 12, 3), (7, 9, 16), (288, 512, 512)]
+  cases = [(288, 32, 40), (288, 256, 200), (5, 12, 3), (7, 9, 16)]
   for e, n, size in cases:
     ids = rng.integers(0, e, n).astype(np.int32)
     for v in (ids, np.full(n, e - 1, np.int32), np.arange(n, dtype=np.int32) % e):
