@@ -338,7 +338,7 @@ case "$MODE" in
     [ "$(left)" -gt 230 ] && rank1 batch --q 4 --backend auto --profile
     ;;
   dq)  # (nvidia-h200) see the header
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernels.py -k "dq or moe" 2>&1 \
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernels.py -k "dq or shared_slot" 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -30 > "$OUT/gpu_tests.log"
     timeout 150 python3 benchmarks/bench_linear.py --only fp8,fp8dq,moe,moedq --rows 1,4,8 --budget-s 130 \
       --out "$OUT/bench_linear_dq.txt" > "$OUT/bench_linear_dq.log" 2>&1

@@ -425,8 +425,8 @@ def test_fp8_linear_gpu(name, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("a_from", ["regs", "smem"])
-@pytest.mark.parametrize("name,m", GPU_FP8_CASES)
+@pytest.mark.parametrize("name,m,a_from", [(name, m, "regs") for name, m in GPU_FP8_CASES]
+                         + [(name, 8, "smem") for name in FP8_SHAPES])  # (the interpret-mode form, natively)
 def test_fp8_dq_linear_gpu(name, m, a_from):
   n, k = FP8_SHAPES[name]
   ks = jax.random.split(jax.random.key(160 + m), 2)
