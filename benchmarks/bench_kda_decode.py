@@ -103,6 +103,7 @@ def main():
       ("kernel+norm (1 WG/CTA, XLA norm)", True, functools.partial(kd.kda_decode, config=cfg(wgs_per_cta=1))),
       ("kernel+norm (BV=64, 2 WG/CTA fused)", True, functools.partial(kd.kda_decode, config=cfg(block_v=64))),
       ("kernel (1 WG/CTA, BV=64)", False, functools.partial(kd.kda_decode, config=cfg(block_v=64))),
+      ("kernel (1 WG/CTA, gates first)", False, functools.partial(kd.kda_decode, config=cfg(gates_first=True))),
   ]
   if a.quick:
     variants = [variants[0], variants[-1]]

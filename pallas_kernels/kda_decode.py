@@ -174,10 +174,14 @@ class KdaDecodeConfig:
     With fewer than D // block_v warpgroups per CTA the gated norm runs as a small XLA epilogue instead.
   prefetch: TMA the per-head q/k/f/v(/gate) rows of all T tokens into SMEM at the start (True), or load each
     token's vectors straight from GMEM inside the token loop (False).
+  gates_first: compute every token's gates and normalised q / k (which do not depend on the state) before the
+    state recurrence instead of inside each token's step — the same operations, so the same results; an
+    experiment on where q = 4's ~1 µs per extra token goes (BENCHMARKS.md session 23-24).
   """
   block_v: int = 32
   wgs_per_cta: int | None = None
   prefetch: bool = True
+  gates_first: bool = False
 
   def __post_init__(self):
     if self.block_v not in (32, 64):
@@ -302,7 +306,7 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
     if norm_in_kernel:
       o_smem, bar_o = rest
 
-    for t in range(T):  # T <= 8: unrolled, so every slot index is static
+    def gates(t):  # token t's inputs that do not depend on the state
       qt = load(q_src.at[t], L_K)
       kt = load(k_src.at[t], L_K)
       ft = load(f_src.at[t], L_K)
@@ -311,6 +315,11 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
       # Every warp holds all of K for its columns, so these full reductions need no SMEM.
       kt = kt * lax.rsqrt(jnp.sum(kt * kt) + L2NORM_EPS)
       qt = qt * (lax.rsqrt(jnp.sum(qt * qt) + L2NORM_EPS) * q_scale)
+      return qt, kt, vt, alpha
+
+    early = [gates(t) for t in range(T)] if config.gates_first else None
+    for t in range(T):  # T <= 8: unrolled, so every slot index is static
+      qt, kt, vt, alpha = early[t] if early else gates(t)
       # Both reductions read the state as it came in: with S' = diag(alpha) S, r = S'^T k = S^T (alpha k) and
       # o = (S' + k delta^T)^T q = S^T (alpha q) + (k . q) delta. The two run side by side and the state's chain
       # per token is one reduction + one FMA instead of scale -> reduce -> update -> reduce: with one warpgroup

@@ -92,6 +92,7 @@ INTERPRET_CASES = [
     (3, 1, 1, True, jnp.float32, kd.KdaDecodeConfig(wgs_per_cta=1)),  # norm as XLA epilogue
     (1, 4, 16, False, jnp.float32, kd.KdaDecodeConfig(block_v=64)),
     (3, 2, 1, True, jnp.float32, kd.KdaDecodeConfig(block_v=64, prefetch=False)),
+    (2, 4, 2, False, jnp.bfloat16, kd.KdaDecodeConfig(gates_first=True)),
 ]
 
 
@@ -104,6 +105,17 @@ def test_kernel_matches_reference_interpret(rng, B, T, H, norm, dtype, config):
   assert o.shape == (B, T, H, 128) and o.dtype == jnp.float32
   assert new_state.shape == args[STATE_ARG].shape and new_state.dtype == jnp.float32
   assert_matches_reference(args, kw, o, new_state, T, name=f"B={B} T={T} H={H} norm={norm} {config}")
+
+
+def test_gates_first_is_the_same_computation_interpret(rng):
+  """KdaDecodeConfig(gates_first=True) only reorders state-independent work: bit-identical outputs and slots."""
+  args, kw = make_inputs(rng, 2, 4, 2, dtype=jnp.bfloat16, norm=False)
+  outs = []
+  for config in (None, kd.KdaDecodeConfig(gates_first=True)):
+    with maybe_interpret():
+      outs.append(jax.jit(functools.partial(kd.kda_decode, config=config, **kw))(*args))
+  for a, b in zip(*outs):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -142,7 +154,8 @@ def test_cross_lower_model_configs(B, T, H):
 
 @pytest.mark.parametrize("T", [1, 8])
 @pytest.mark.parametrize("config", [None, kd.KdaDecodeConfig(wgs_per_cta=4), kd.KdaDecodeConfig(block_v=64),
-                                    kd.KdaDecodeConfig(block_v=64, wgs_per_cta=2), kd.KdaDecodeConfig(prefetch=False)])
+                                    kd.KdaDecodeConfig(block_v=64, wgs_per_cta=2), kd.KdaDecodeConfig(prefetch=False),
+                                    kd.KdaDecodeConfig(gates_first=True)])
 def test_cross_lower_variants(T, config):
   """The unfused / differently tiled variants also lower (f32 inputs, no norm)."""
   args, _ = _abstract_inputs(8, T, 16, dtype=jnp.float32, norm=False)
@@ -173,6 +186,7 @@ def test_rejects_bad_shapes(rng):
     (8, 4, 16, True, jnp.float32, kd.KdaDecodeConfig(block_v=64)),
     (8, 8, 16, True, jnp.bfloat16, kd.KdaDecodeConfig(prefetch=False)),
     (32, 1, 16, False, jnp.float32, kd.KdaDecodeConfig(prefetch=False)),
+    (1, 4, 16, False, jnp.bfloat16, kd.KdaDecodeConfig(gates_first=True)),
 ])
 def test_kernel_matches_reference_gpu(rng, B, T, H, norm, dtype, config):
   args, kw = make_inputs(rng, B, T, H, dtype=dtype, norm=norm)
