@@ -347,7 +347,7 @@ case "$MODE" in
     [ "$(left)" -gt 120 ] && timeout $(( $(left) - 10 )) python3 -m pytest -v -m e2e_kernels -p no:cacheprovider \
       tests/test_decode.py -k fp8_dq 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | tee -a "$OUT/gpu_tests.log"
     # the KDA kernel's q = 4 cost per token: its variants (gates_first, BV = 64) if time remains (issue #6)
-    [ "$(left)" -gt 70 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_kda_decode.py --budget_s 50 \
+    [ "$(left)" -gt 70 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_kda_decode.py --q4 --budget_s 50 \
       > "$OUT/bench_kda.log" 2>&1
     ;;
   glue)  # (nvidia-h200) see the header
