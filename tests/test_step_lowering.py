@@ -67,12 +67,16 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (jax_num_cpu_devices=4)")
-def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
+@pytest.mark.parametrize("fp8_dq", [False, True])
+def test_kernel_tiny_step_lowers_for_cuda_at_tp4(fp8_dq):
   """The kernels inside shard_map with TP4-local shapes (1 KDA / MLA head per rank, experts 128 wide). GPU
   interpret mode cannot run this: its check that no barrier outlives a kernel is global over devices, so two
-  kernels in one multi-device program trip it (jax 0.11.2) — hence cross-lowering here and a 2-GPU test."""
-  txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4, policy=(("mhc", True),))
-  for name in ("kda_decode", "glm5_fp8_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
+  kernels in one multi-device program trip it (jax 0.11.2) — hence cross-lowering here and a 2-GPU test.
+  fp8_dq: the FP8 linears and the MoE with the weight dequantised in registers."""
+  txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4,
+                   policy=(("mhc", True), ("fp8_dq", fp8_dq)))
+  linear = "glm5_fp8_dq_linear" if fp8_dq else "glm5_fp8_linear"
+  for name in ("kda_decode", linear, "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
                "glm5_indexer_scores", "glm5_mhc_post_pre", "glm5_mhc_finish"):
     assert name in txt, name
   assert txt.count("all_reduce") == 1 + 2 * 4 + 3 * 2
