@@ -168,6 +168,15 @@ def _check_gather_dequant():
   np.testing.assert_allclose(got, want.astype(np.float16).astype(np.float32), rtol=1e-3, atol=0)
 
 
+def test_kernel_column_order_transposes_equal_the_permutation():
+  """The kernel's latent column order as reshape/transpose (what the wrapper runs) == indexing by perm / inv."""
+  x = jnp.asarray(np.random.default_rng().standard_normal((2, 3, M.D_LATENT)), jnp.float32)
+  perm, inv = M._column_order()
+  np.testing.assert_array_equal(np.asarray(M._to_kernel_order(x)), np.asarray(x)[..., perm])
+  np.testing.assert_array_equal(np.asarray(M._from_kernel_order(x)), np.asarray(x)[..., inv])
+  np.testing.assert_array_equal(np.asarray(M._from_kernel_order(M._to_kernel_order(x))), np.asarray(x))
+
+
 def test_gather_dequant_block_interpret():
   """The building block where native and interpret mode parted (8-bit register loads): exact up to f16."""
   with maybe_interpret(True):
