@@ -157,3 +157,28 @@ def test_trace_interval_helpers():
                                                                     "PjitFunction(jit(body))"]
   st = dict(P._self_times([("p", 0, 10), ("x", 5, 20), ("y", 15, 18)]))
   assert st["p"] == 5 and all(v >= 0 for v in st.values())
+
+
+def test_kernel_table_reads_a_profile_with_its_hlo(tmp_path, capsys):
+  """benchmarks/kernel_table.py: a component's kernels with time per launch, launches and the HLO's result type
+  and op (profile names spell the HLO's '.' as '_'); filters by component and launch count."""
+  import json  # noqa: PLC0415
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import kernel_table as KT  # noqa: PLC0415
+  kernels = {"loop_neg_fusion_2": [30.0, 10.0, "draft"], "glm5_moe_down_mosaic_gpu_kernel": [86.0, 10.0, {"moe": 1.0}],
+             "input_reduce_fusion_7": [5.0, 1.0, "moe"]}
+  path = tmp_path / "k.json"
+  path.write_text(json.dumps(kernels))
+  hlo = tmp_path / "s.hlo"
+  hlo.write_text(HLO + '\n  %input_reduce_fusion.7 = f32[8]{0} fusion(%v), kind=kInput, calls=%add, '
+                 'metadata={op_name="jit(body)/shard_map/moe/reduce_max"}\n')
+  got = KT.rows(KT.load_kernels(str(path)), KT.hlo_index(hlo.read_text()), ["moe", "draft"])
+  assert [(c, round(p, 2), n, name) for c, p, n, name, _, _ in got] == [
+      ("draft", 3.0, 10.0, "loop_neg_fusion_2"), ("moe", 8.6, 10.0, "glm5_moe_down_mosaic_gpu_kernel"),
+      ("moe", 5.0, 1.0, "input_reduce_fusion_7")]
+  assert got[0][4] == "f32[4]{0}" and got[0][5].endswith("draft/dsa/indexer/neg") and got[2][5] == "moe/reduce_max"
+  assert KT.main([str(path), "--hlo", str(hlo), "--component", "moe", "--min-launches", "5"]) == 0
+  out = capsys.readouterr().out
+  assert "== moe: 86 µs per step in 10 launches" in out and "input_reduce_fusion_7" not in out
