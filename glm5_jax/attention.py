@@ -190,7 +190,7 @@ class KDA(nnx.Module):
       from pallas_kernels import kda_decode as kda_ops  # noqa: PLC0415 (kernels import lazily: GPU-only deps)
       if kernel_enabled("kda", fits=Kd == 128, why=f"KDA head dim {Kd} (the kernel takes 128)"):
         # kda_norm: the gated RMSNorm in the kernel (a head's 4 warpgroups in one CTA: 4x fewer CTAs) instead of
-        # the XLA fusion after it (1.45 µs per KDA layer at q = 1, session 23) — an A/B knob, off until measured
+        # the XLA fusion after it — measured slower (layers.KERNEL_DEFAULTS), kept as an A/B knob
         norm = (dict(gate=gate, norm_weight=self.o_norm.weight[...], norm_eps=self.eps)
                 if kernel_enabled("kda_norm") else {})
         o, new_ssm = kda_ops.kda_decode(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound,
@@ -323,12 +323,11 @@ class Indexer(nnx.Module):
       masked = jnp.where(jnp.arange(P)[None, None] < n_complete[..., None], scores, -jnp.inf)
       kk = min(self.top_pools, P)
       R = masked.shape[0] * masked.shape[1]  # score rows (decode: B·T; prefill's > 64 sort)
-      plan = radix_topk_plan(R, P)
-      if kernel_enabled("indexer_topk", R, prefer=plan is not None,
+      form, pays = radix_topk_plan(R, P)
+      if kernel_enabled("indexer_topk", R, prefer=pays,
                         prefer_why=f"{R} rows x {P} pools: XLA's sort measured faster (layers.radix_topk_plan; "
                         "policy indexer_topk: true forces the radix selection)"):
-        # lax.top_k's set, in ascending pool order
-        js = topk_set_by_threshold(masked, kk, **(plan or {"digit_bits": 4, "scan_block": 128}))
+        js = topk_set_by_threshold(masked, kk, **form)  # lax.top_k's set, in ascending pool order
         vals = jnp.take_along_axis(masked, js, axis=-1)
       else:
         vals, js = lax.top_k(masked, kk)

@@ -88,12 +88,11 @@ RADIX_TOPK_MAX_SCORES = 4 * 16448  # rows × pools
 RADIX_TOPK_8BIT_MAX_SCORES = 4 * 8256  # past this the 4-bit digits' 8 passes of [.., 16, N] beat 4 of [.., 256, N]
 
 
-def radix_topk_plan(rows: int, pools: int) -> dict | None:
-  """topk_set_by_threshold's options for ``rows`` score rows of ``pools`` pools, or None where XLA's sort measured
-  faster."""
-  if pools > RADIX_TOPK_MAX_POOLS or rows * pools > RADIX_TOPK_MAX_SCORES:
-    return None
-  return {"digit_bits": 8 if rows * pools <= RADIX_TOPK_8BIT_MAX_SCORES else 4, "scan_block": 128}
+def radix_topk_plan(rows: int, pools: int) -> tuple[dict, bool]:
+  """(topk_set_by_threshold's options for ``rows`` score rows of ``pools`` pools, whether it measured faster than
+  XLA's sort there)."""
+  form = {"digit_bits": 8 if rows * pools <= RADIX_TOPK_8BIT_MAX_SCORES else 4, "scan_block": 128}
+  return form, pools <= RADIX_TOPK_MAX_POOLS and rows * pools <= RADIX_TOPK_MAX_SCORES
 
 
 @contextlib.contextmanager
@@ -479,7 +478,15 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
   lead = v.shape[:-1]
   u = lax.bitcast_convert_type(_order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)  # the same order, unsigned
   kk = min(k, N)
-  t = _kth_key_by_counts(u, kk, digit_bits)
+  if 32 % digit_bits:
+    raise ValueError(f"digit_bits={digit_bits}: the compare-and-count passes need a divisor of 32")
+  t = jnp.zeros(lead, jnp.uint32)  # invariant: #{u >= t} >= kk
+  digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)
+  for shift in range(32 - digit_bits, -1, -digit_bits):
+    cand = t[..., None] | (digits << jnp.uint32(shift))  # [..., 2^b] thresholds, increasing
+    cnt = jnp.sum(u[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)  # non-increasing in the digit
+    d = jnp.sum(cnt >= kk, axis=-1, dtype=jnp.int32) - 1  # the largest digit keeping >= kk entries (>= 0)
+    t = t | (d.astype(jnp.uint32) << jnp.uint32(shift))
   gt, eq = u > t[..., None], u == t[..., None]
   need_eq = kk - jnp.sum(gt, axis=-1, dtype=jnp.int32)  # >= 1: T is an entry's key
   g32, e32 = gt.astype(jnp.int32), eq.astype(jnp.int32)
@@ -494,20 +501,6 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
   out = jnp.full((rows, k), -1, jnp.int32).at[jnp.arange(rows)[:, None], slot.reshape(rows, N)].set(
       jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (rows, N)), mode="drop")
   return out.reshape(*lead, k)
-
-
-def _kth_key_by_counts(u, kk: int, digit_bits: int):
-  """u [..., N] uint32 keys -> [...] the kk-th largest, a digit per pass by compare-and-count."""
-  if 32 % digit_bits:
-    raise ValueError(f"digit_bits={digit_bits}: the compare-and-count passes need a divisor of 32")
-  t = jnp.zeros(u.shape[:-1], jnp.uint32)  # invariant: #{u >= t} >= kk
-  digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)
-  for shift in range(32 - digit_bits, -1, -digit_bits):
-    cand = t[..., None] | (digits << jnp.uint32(shift))  # [..., 2^b] thresholds, increasing
-    cnt = jnp.sum(u[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)  # non-increasing in the digit
-    d = jnp.sum(cnt >= kk, axis=-1, dtype=jnp.int32) - 1  # the largest digit keeping >= kk entries (>= 0)
-    t = t | (d.astype(jnp.uint32) << jnp.uint32(shift))
-  return t
 
 
 class Router(nnx.Module):

@@ -173,6 +173,15 @@ def _dequant_tile(w_s, a_s):
   return a_s
 
 
+def _a_smem(a_from: str | None) -> bool:
+  """Whether the dequantised weight tile goes through SMEM: ``a_from`` "smem", or by default in GPU interpret
+  mode (which cannot run a register-A wgmma); "regs" keeps it in registers."""
+  a_from = a_from or ("smem" if interpreting() else "regs")
+  if a_from not in ("regs", "smem"):
+    raise ValueError(f"a_from={a_from!r}: expected 'regs' or 'smem'")
+  return a_from == "smem"
+
+
 def _mma_tile(w_s, x_s, mp: int, dq: bool, a_s=None):
   """One 128-K block with a fresh accumulator -> W @ x.T [bm, mp] f32: x as hi/lo e4m3 rows [2mp, 128] (two fp8
   wgmmas, :func:`_mma_hi_lo`), or (dq) the weight dequantised to bf16 times bf16 x rows [mp, 128]."""
@@ -363,13 +372,11 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
     raise ValueError(f"bad shapes/dtypes: x {x.shape} w {w.shape} {w.dtype}")
   if k % BLOCK or n % 64:
     raise NotImplementedError(f"fp8_dq_linear needs K % 128 == 0 and N % 64 == 0, got N={n} K={k}")
-  a_from = a_from or ("smem" if interpreting() else "regs")
-  if a_from not in ("regs", "smem"):
-    raise ValueError(f"a_from={a_from!r}: expected 'regs' or 'smem'")
+  a_smem = _a_smem(a_from)
   mp = _padded_rows(m)
   plan = plan or plan_linear(n, k, mp, "fp8dq")
   xp = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
-  out = _fp8_launch(xp, w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_from == "smem", name="glm5_fp8_dq_linear")
+  out = _fp8_launch(xp, w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem, name="glm5_fp8_dq_linear")
   return out[..., :m].sum(0).T.astype(out_dtype)
 
 
@@ -795,10 +802,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     n_valid = n_valid + 1
   n_pad = _round_up(n_slots, 8)
   plan = plan or plan_moe(n_slots, inter, d, mp)
-  a_from = a_from or ("smem" if interpreting() else "regs")
-  if a_from not in ("regs", "smem"):
-    raise ValueError(f"a_from={a_from!r}: expected 'regs' or 'smem'")
-  a_smem = dq and a_from == "smem"
+  a_smem = _a_smem(a_from) and dq
   if dq:  # bf16 rows, zero padded: the kernels' B tiles as they are
     x_in = (jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0))),)
     x_tile = plgpu.SMEM((plan.gu_stages, mp, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))

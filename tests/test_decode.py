@@ -320,20 +320,27 @@ def test_max_context_is_enforced(model):
 KT = dict(num_hidden_layers=4)  # kernel-tiny: KDA, KDA, KDA, DSA with the real per-head sizes, FP8 weights
 
 
+def _kernel_tiny_greedy_equals_reference(seed: int, prompt_len: int, n_new: int, policy):
+  """kernel-tiny (FP8, f32) under latency_specialized with ``policy`` (stock caches) generates exactly the reference
+  model's greedy continuation of a random prompt -> the Decoder (for its kernel sites)."""
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
+  prompt = np.random.default_rng(seed).integers(0, 2000, prompt_len)
+  ref = greedy_reference(m, prompt, n_new, max_context=64)
+  dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=(*policy, ("kv_cache_dtype", "auto"))),
+                backend="latency_specialized", prefill_chunk=16)
+  out, _ = dec.generate([prompt], n_new)
+  assert out[0] == ref
+  return dec
+
+
 @pytest.mark.e2e_kernels
 @pytest.mark.parametrize("kda_norm", [False, True])
 def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm):
   """The KDA kernel in the verify step (Mosaic GPU interpret mode on CPU) emits exactly the reference model's
   greedy continuation (stock caches, every other op in XLA); kda_norm: with the gated RMSNorm inside it."""
-  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
-  prompt = np.random.default_rng(0).integers(0, 2000, 11)
-  ref = greedy_reference(m, prompt, 8, max_context=64)
-  policy = (("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("kv_cache_dtype", "auto"),
-            ("sparse_mla", False), ("kda_norm", kda_norm))
-  dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=policy),
-                backend="latency_specialized", prefill_chunk=16)
-  out, _ = dec.generate([prompt], 8)
-  assert out[0] == ref
+  dec = _kernel_tiny_greedy_equals_reference(0, 11, 8, (("fp8_linear", False), ("fp8_moe", False),
+                                                       ("indexer", False), ("sparse_mla", False),
+                                                       ("kda_norm", kda_norm)))
   assert (dec.kernel_sites(1)["kda_norm"]["sites"] > 0) == kda_norm
 
 
@@ -344,15 +351,8 @@ def test_latency_specialized_fp8_dq_linears_equal_reference_greedy():
   model's greedy continuation; the sites are reported. (The grouped MoE's dq form: kernel tests against its
   reference in tests/test_linear_kernels.py — in this test it would triple the CPU time — and the real-geometry
   step's CUDA lowering, tests/test_step_lowering.py.)"""
-  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
-  prompt = np.random.default_rng(2).integers(0, 2000, 9)
-  ref = greedy_reference(m, prompt, 4, max_context=64)
-  policy = (("kda", False), ("fp8_moe", False), ("indexer", False), ("kv_cache_dtype", "auto"),
-            ("sparse_mla", False), ("fp8_dq", True))
-  dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=policy),
-                backend="latency_specialized", prefill_chunk=16)
-  out, _ = dec.generate([prompt], 4)
-  assert out[0] == ref
+  dec = _kernel_tiny_greedy_equals_reference(2, 9, 4, (("kda", False), ("fp8_moe", False), ("indexer", False),
+                                                       ("sparse_mla", False), ("fp8_dq", True)))
   sites = dec.kernel_sites(1)
   assert sites["fp8_dq"]["sites"] == sites["fp8_linear"]["sites"] > 0, sites
 
