@@ -72,9 +72,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    "kda_norm": False,
                    # with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16
                    # activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before
-                   # each call (~2.3 µs per FP8 linear, ~5 µs per MoE layer at q = 1), exact products; an A/B
-                   # knob until measured on the GPU
-                   "fp8_dq": False}
+                   # each call, exact products. The kernel alone is ~0.5 µs slower (the convert), the call
+                   # faster at every real shape and M = 1..8 (q_a 7.0 -> 6.5 µs, kv_a 7.2 -> 4.6, MoE at M = 1
+                   # 25.4 -> 23.2); the step 5.41 -> 5.37 ms GPU busy at q = 1 (157 fewer launches), 9.08 -> 8.71
+                   # ms at q = 4 (BENCHMARKS.md session 25)
+                   "fp8_dq": True}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
