@@ -41,6 +41,8 @@
 #   dq      (nvidia-h200):    the FP8 kernels with the weight dequantised in registers and bf16 activations (policy
 #                             fp8_dq): their GPU tests, bench_linear fp8 vs fp8dq and moe vs moedq at M = 1, 4, 8, the
 #                             one-rank step at q = 1 and 4 with {"fp8_dq": true} (profiled), the e2e test natively
+#   rest    (nvidia-h200):    the end-to-end greedy test with fp8_dq natively, bench_kda_decode --q4 (issue #6's
+#                             variants), then the stock XLA step at q = 4 (what the batch call ran out of time for)
 #   glue    (nvidia-h200):    a short call: the grouped MoE's glue on the real token columns only (bench_linear, M = 1,
 #                             4, 8), the one-rank step at q = 1 profiled, then bench_topk's chosen forms (session 24
 #                             also compared a scatter-free compaction there: slower, removed)
@@ -336,6 +338,12 @@ case "$MODE" in
     [ "$(left)" -gt 230 ] && rank1 batch --q 8 --profile
     # the stock XLA step at q = 4 (issue #9's latency_specialized vs auto comparison beyond q = 1)
     [ "$(left)" -gt 230 ] && rank1 batch --q 4 --backend auto --profile
+    ;;
+  rest)  # (nvidia-h200) see the header
+    timeout 200 python3 -m pytest -v -m e2e_kernels -p no:cacheprovider tests/test_decode.py -k fp8_dq 2>&1 \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | tee -a "$OUT/gpu_tests.log"
+    timeout 100 python3 benchmarks/bench_kda_decode.py --q4 --budget_s 70 > "$OUT/bench_kda.log" 2>&1
+    [ "$(left)" -gt 150 ] && rank1 auto --q 4 --backend auto --profile
     ;;
   dq)  # (nvidia-h200) see the header
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernels.py -k "dq or shared_slot" 2>&1 \
