@@ -41,6 +41,9 @@
 #   dq      (nvidia-h200):    the FP8 kernels with the weight dequantised in registers and bf16 activations (policy
 #                             fp8_dq): their GPU tests, bench_linear fp8 vs fp8dq and moe vs moedq at M = 1, 4, 8, the
 #                             one-rank step at q = 1 and 4 with {"fp8_dq": true} (profiled), the e2e test natively
+#   hostflags (nvidia-h200):  the synthetic launch program with Mosaic calls under XLA's command-buffer update modes
+#                             (default, SKIP_TEMP, SKIP_PROFILED) + a VLOG of what XLA re-records per execution, then
+#                             the one-rank q = 1 step under SKIP_PROFILED (the per-Mosaic-call host cost, issue #9)
 #   rest    (nvidia-h200):    the end-to-end greedy test with fp8_dq natively, bench_kda_decode --q4 (issue #6's
 #                             variants), then the stock XLA step at q = 4 (what the batch call ran out of time for)
 #   glue    (nvidia-h200):    a short call: the grouped MoE's glue on the real token columns only (bench_linear, M = 1,
@@ -338,6 +341,22 @@ case "$MODE" in
     [ "$(left)" -gt 230 ] && rank1 batch --q 8 --profile
     # the stock XLA step at q = 4 (issue #9's latency_specialized vs auto comparison beyond q = 1)
     [ "$(left)" -gt 230 ] && rank1 batch --q 4 --backend auto --profile
+    ;;
+  hostflags)  # (nvidia-h200) see the header
+    for fl in "" "--xla_gpu_command_buffer_update_mode=SKIP_TEMP" "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"; do
+      echo "## XLA_FLAGS=$fl" >> "$OUT/bench_launch.log"
+      XLA_FLAGS="$fl" timeout 70 python3 benchmarks/bench_graph_launch.py --mosaic-every 7 --out "$OUT/graph_launch.jsonl" \
+        >> "$OUT/bench_launch.log" 2>&1
+    done
+    # which commands XLA re-records per execution (the helper's reading of XLA: a Mosaic call is re-traced by
+    # stream capture only when an allocation it touches moved)
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,command_buffer_cmd=1 \
+      timeout 70 python3 benchmarks/bench_graph_launch.py --mosaic-every 7 --calls 10 > /tmp/vlog.txt 2>&1
+    { echo "lines $(wc -l < /tmp/vlog.txt)"; grep -c -i "update command buffer" /tmp/vlog.txt;
+      grep -i -E "updated_allocs|Updated [0-9]+ commands|Update command buffer" /tmp/vlog.txt | head -20;
+      grep -i -E "command" /tmp/vlog.txt | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -25; } \
+      > "$OUT/vlog_summary.txt"
+    [ "$(left)" -gt 150 ] && XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED" rank1 skipprof --q 1
     ;;
   rest)  # (nvidia-h200) see the header
     timeout 200 python3 -m pytest -v -m e2e_kernels -p no:cacheprovider tests/test_decode.py -k fp8_dq 2>&1 \
