@@ -358,6 +358,14 @@ case "$MODE" in
       > "$OUT/vlog_summary.txt"
     [ "$(left)" -gt 150 ] && XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED" rank1 skipprof --q 1
     ;;
+  stepvlog)  # (nvidia-h200) does XLA re-record the real step's command buffer every execution? 4 real layers, q = 1
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 timeout $(( BUDGET - 5 )) \
+      python3 benchmarks/bench_decode.py --geometry tp4-rank --layers 4 --batch 1 --q 1 --context 32768 --steps 10 \
+      --repeats 1 --fast-compile --backend latency_specialized > /tmp/vlog.txt 2>&1
+    { grep -E "ms/step|packed" /tmp/vlog.txt | grep -v -i warn | tail -3; echo "lines $(wc -l < /tmp/vlog.txt)";
+      grep -i -E "command" /tmp/vlog.txt | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -25; } \
+      > "$OUT/vlog_step.txt"
+    ;;
   rest)  # (nvidia-h200) see the header
     timeout 200 python3 -m pytest -v -m e2e_kernels -p no:cacheprovider tests/test_decode.py -k fp8_dq 2>&1 \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | tee -a "$OUT/gpu_tests.log"
