@@ -1,8 +1,11 @@
 """Times the KDA decode kernel (pallas_kernels/kda_decode.py) against its jitted jnp reference on one GPU.
 
-Each timed program is one jit with N calls Python-unrolled and chained through the (donated) state, so the
-figure is the in-graph cost per call (a single host-timed call measures ~100 us of dispatch instead).
-State traffic per call = B*H*D*D*4 bytes read (the start slot) + T times that written (one slot per token).
+Each timed program is one jit with N calls Python-unrolled and chained through the (donated) state; the figure
+is the GPU time per call from CUPTI (the kernels' durations: the KDA kernel alone for the kernel rows, every
+kernel for the XLA reference). Wall-clock time of such a program is dispatch-bound — session 25 measured an
+empty kernel at 17.5 µs per call that way — so wall time is only the fallback where CUPTI is unavailable.
+State traffic per call = B*H*D*D*4 bytes read (the start slot) + T times that written (one slot per token); at
+B = 1 the 4 MB of slots can stay in L2 between chained calls (the decode step's profile is the in-situ number).
 
   PYTHONPATH=. python3 benchmarks/bench_kda_decode.py [--quick]
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import os
 import sys
 import time
 
@@ -19,7 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import kda_decode as kd
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._timing import _EXT, MODE  # noqa: E402
+from pallas_kernels import kda_decode as kd  # noqa: E402
 
 HBM_TBPS = 4.3  # measured H200 copy bandwidth (shared/notes/gpu_probe.md)
 D = 128
@@ -53,8 +60,14 @@ def empty_kernel(q, k, v, f, b, A_log, dt_bias, state, num_accepted, **_):
   return o, new_state
 
 
-def time_per_call(fn, args, kw, n_calls, reps):
-  """fn(*args, **kw) -> (o, state); returns (median per-call time in microseconds, compile + warm-up seconds)."""
+def _kernel_us(names: dict, only: str | None) -> float:
+  """µs per call from CUPTI's {kernel name: µs}: the kernels whose name contains ``only`` (None: all)."""
+  return sum(us for name, us in names.items() if only is None or only in name)
+
+
+def time_per_call(fn, args, kw, n_calls, reps, only=None):
+  """fn(*args, **kw) -> (o, state); returns (median per-call GPU µs — CUPTI, the kernels named ``only`` — or wall
+  µs where CUPTI is unavailable, compile + warm-up seconds)."""
   def chain(state, *rest):
     outs = []
     for _ in range(n_calls):
@@ -69,11 +82,24 @@ def time_per_call(fn, args, kw, n_calls, reps):
   t_compile = time.perf_counter() - t0
   ts = []
   for _ in range(reps):
+    if MODE[0] == "cupti":
+      try:
+        _EXT._cupti_init()
+        state, outs = step(state, *rest)
+        jax.block_until_ready((state, outs))
+        names: dict[str, float] = {}
+        for name, ms in _EXT._cupti_get_timings(True):
+          names[name] = names.get(name, 0.0) + ms * 1e3
+        ts.append(_kernel_us(names, only))
+        continue
+      except Exception as e:  # noqa: BLE001
+        print(f"# CUPTI failed ({type(e).__name__}: {e}); wall-clock from now on", flush=True)
+        MODE[0] = "wall"
     t0 = time.perf_counter()
     state, outs = step(state, *rest)
     jax.block_until_ready((state, outs))
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts) / n_calls * 1e6, t_compile
+    ts.append((time.perf_counter() - t0) * 1e6)
+  return statistics.median(ts) / n_calls, t_compile
 
 
 def main():
@@ -110,7 +136,8 @@ def main():
   if a.quick:
     variants = [variants[0], variants[-1]]
   t_start = time.time()
-  print(f"H={H} D={D} Q={Q}, bf16 q/k/v/f/b/gate, f32 state; us per call, in-graph (N unrolled chained calls)")
+  print(f"H={H} D={D} Q={Q}, bf16 q/k/v/f/b/gate, f32 state; us per call ({MODE[0]}: GPU time of the kernels in a "
+        "jit of N chained calls)")
   print(f"{'variant':38s} {'B':>3s} {'T':>2s} {'us':>9s} {'GB/s':>8s} {'%4.3TB/s':>9s}", flush=True)
 
   def row(name, norm, fn, B, T):
@@ -119,7 +146,9 @@ def main():
       return
     args, kw = make_inputs(B, T, H, Q, norm)
     try:
-      us, t_compile = time_per_call(fn, args, kw, n_calls=a.n_calls, reps=10)
+      # the Mosaic kernel alone for kernel rows (no state copies or glue); every kernel of the XLA reference
+      only = None if fn is kd.kda_decode_reference else "mosaic_gpu"
+      us, t_compile = time_per_call(fn, args, kw, n_calls=a.n_calls, reps=10, only=only)
     except Exception as e:  # keep the table going; report the failure in its row
       print(f"{name:38s} {B:3d} {T:2d}   FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       return
