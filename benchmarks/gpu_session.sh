@@ -44,6 +44,9 @@
 #   hostflags (nvidia-h200):  the synthetic launch program with Mosaic calls under XLA's command-buffer update modes
 #                             (default, SKIP_TEMP, SKIP_PROFILED) + a VLOG of what XLA re-records per execution, then
 #                             the one-rank q = 1 step under SKIP_PROFILED (the per-Mosaic-call host cost, issue #9)
+#   concurrent (nvidia-h200): XLA's CONCURRENT command-buffer schedule (graph nodes ordered by buffer dependencies
+#                             only: independent small kernels may overlap): the GPU equivalence test, then the one-rank
+#                             step at q = 1 and 4 under it (profiled), then q = 1 with the default schedule
 #   rest    (nvidia-h200):    the end-to-end greedy test with fp8_dq natively, bench_kda_decode --q4 (issue #6's
 #                             variants), then the stock XLA step at q = 4 (what the batch call ran out of time for)
 #   glue    (nvidia-h200):    a short call: the grouped MoE's glue on the real token columns only (bench_linear, M = 1,
@@ -357,6 +360,17 @@ case "$MODE" in
       grep -i -E "command" /tmp/vlog.txt | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -25; } \
       > "$OUT/vlog_summary.txt"
     [ "$(left)" -gt 150 ] && XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED" rank1 skipprof --q 1
+    ;;
+  concurrent)  # (nvidia-h200) see the header
+    timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_decode.py -k concurrent 2>&1 \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | tee -a "$OUT/gpu_tests.log"
+    for q in 1 4; do
+      [ "$(left)" -gt 150 ] && rank1 concurrent --q $q --profile \
+        --xla-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT
+    done
+    # the same executables' default schedule in this call, for the comparison (wall ms: GPU busy sums kernel
+    # durations, which overlap under CONCURRENT)
+    [ "$(left)" -gt 150 ] && rank1 concurrent --q 1
     ;;
   stepvlog)  # (nvidia-h200) does XLA re-record the real step's command buffer every execution? 4 real layers, q = 1
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 timeout $(( BUDGET - 5 )) \

@@ -385,6 +385,30 @@ def test_latency_specialized_all_kernels_equals_stock_fp8_cache():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.gpu
+@pytest.mark.e2e_kernels
+def test_concurrent_command_buffer_step_equals_serial():
+  """XLA's CONCURRENT command-buffer scheduling (the CUDA graph's nodes ordered by buffer dependencies only, so
+  independent kernels may overlap) must not change a token: three latency_specialized verify steps of kernel-tiny
+  with every kernel family, the default (LHS) schedule vs CONCURRENT. (On the CPU the option is accepted and
+  ignored: GPU only.)"""
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
+  prompt = np.random.default_rng().integers(0, 2000, 13)
+  outs = []
+  for opts in ({}, {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}):
+    dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,)), backend="latency_specialized",
+                  prefill_chunk=16, compiler_options=opts or {"xla_gpu_command_buffer_scheduling_mode": "LHS"})
+    state = dec.prefill([prompt])
+    toks, got = np.array(state.next_tokens), []
+    for _ in range(3):
+      state, o = decode(state, toks)
+      got += [np.asarray(o.tokens), np.asarray(o.next_tokens)]
+      toks = np.array(o.next_tokens)
+    outs.append(got)
+  for a, b in zip(*outs):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_decoder_from_deployment_gates_the_backend(model):
   from glm5_jax.runtime import DeploymentConfig  # noqa: PLC0415
   dep = DeploymentConfig(model=model.cfg, tensor_parallel_size=1, num_speculative_tokens=1, max_model_len=MAXCTX,
