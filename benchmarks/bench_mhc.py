@@ -165,6 +165,15 @@ def finish_parts(hc, norm, sets, M):
     dev, _ = time_calls(fin, fins)
     outs[approx] = [np.asarray(o, np.float32) for o in fin(*fins[0])]
     log(f"#   M = {M}: mhc_finish approx_math={approx} {dev:.2f} µs")
+  # the split form (policy knob mhc_sinkhorn_split): the finish without its Sinkhorn CTA, and the mix alone
+  consts = dict(iters=hc.iters, eps=hc.eps, hc_norm_eps=hc.norm_eps, post_mult=hc.post_mult, approx_math=True)
+  fin_x = jax.jit(lambda Xn, t: km.mhc_finish(Xn, t, hc.base_scale[...], norm.weight[...], norm_eps=norm.eps,
+                                              sinkhorn=False, **consts))
+  dev, _ = time_calls(fin_x, fins)
+  log(f"#   M = {M}: mhc_finish(sinkhorn=False) {dev:.2f} µs (the sublayer's wait with mhc_sinkhorn_split)")
+  sk = jax.jit(lambda Xn, t: km.mhc_sinkhorn(t, hc.base_scale[...], D=Xn.shape[1] // km.N, **consts))
+  dev, _ = time_calls(sk, fins)
+  log(f"#   M = {M}: mhc_sinkhorn {dev:.2f} µs (off the critical path where independent kernels overlap)")
   (x0, p0, c0), (x1, p1, c1) = outs[False], outs[True]
   rel = max(float(np.max(np.abs(a[:, :M] - b[:, :M]) / np.maximum(np.abs(a[:, :M]), 1e-30))) for a, b in
             ((p0, p1), (c0, c1)))

@@ -46,7 +46,8 @@
 #                             the one-rank q = 1 step under SKIP_PROFILED (the per-Mosaic-call host cost, issue #9)
 #   concurrent (nvidia-h200): XLA's CONCURRENT command-buffer schedule (graph nodes ordered by buffer dependencies
 #                             only: independent small kernels may overlap): the GPU equivalence test, then the one-rank
-#                             step at q = 1 and 4 under it (profiled), then q = 1 with the default schedule
+#                             step at q = 1 and 4 under it (profiled), q = 1 with {"mhc_sinkhorn_split": true}, then
+#                             q = 1 with the default schedule
 #   rest    (nvidia-h200):    the end-to-end greedy test with fp8_dq natively, bench_kda_decode --q4 (issue #6's
 #                             variants), then the stock XLA step at q = 4 (what the batch call ran out of time for)
 #   glue    (nvidia-h200):    a short call: the grouped MoE's glue on the real token columns only (bench_linear, M = 1,
@@ -368,8 +369,11 @@ case "$MODE" in
       [ "$(left)" -gt 150 ] && rank1 concurrent --q $q --profile \
         --xla-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT
     done
-    # the same executables' default schedule in this call, for the comparison (wall ms: GPU busy sums kernel
-    # durations, which overlap under CONCURRENT)
+    # the Sinkhorn as its own kernel, off the sublayer's path (policy knob mhc_sinkhorn_split)
+    [ "$(left)" -gt 150 ] && rank1 concurrent --q 1 --profile --policy '{"mhc_sinkhorn_split": true}' \
+      --xla-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT
+    # the default schedule in this call, for the comparison (wall ms: GPU busy sums kernel durations, which
+    # overlap under CONCURRENT)
     [ "$(left)" -gt 150 ] && rank1 concurrent --q 1
     ;;
   stepvlog)  # (nvidia-h200) does XLA re-record the real step's command buffer every execution? 4 real layers, q = 1

@@ -76,7 +76,13 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # faster at every real shape and M = 1..8 (q_a 7.0 -> 6.5 µs, kv_a 7.2 -> 4.6, MoE at M = 1
                    # 25.4 -> 23.2); the step 5.41 -> 5.37 ms GPU busy at q = 1 (157 fewer launches), 9.08 -> 8.71
                    # ms at q = 4 (BENCHMARKS.md session 25)
-                   "fp8_dq": True}
+                   "fp8_dq": True,
+                   # with mhc_finish on: the mix (post + the Sinkhorn's 20 serial iterations, read only by the next
+                   # boundary) as a one-CTA kernel of its own (mhc_sinkhorn) instead of the finish kernel's extra
+                   # CTA, whose tail the sublayer waits for (finish 3.6 µs without it, 5.6 with; sessions 23-25).
+                   # Pays only where independent kernels overlap (XLA's CONCURRENT command-buffer schedule); one
+                   # more launch per boundary otherwise. An A/B knob until measured
+                   "mhc_sinkhorn_split": False}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
@@ -381,9 +387,12 @@ class HyperConnection(nnx.Module):
     # approximate reciprocal / exp / rsqrt in the kernel (like the sparse MLA and indexer kernels): 5.15 -> 4.84 µs
     # per call alone on the H200, post/comb within 9.2e-7 relative of the exact kernel, x_in bit-identical
     # (bench_mhc, session 24); the GPU tests hold it to the exact kernel's tolerances
-    x_in, post_t, comb_t = finish(Xn, tot.T, self.base_scale[...], norm.weight[...], iters=self.iters,
-                                  eps=self.eps, hc_norm_eps=self.norm_eps, norm_eps=norm.eps,
-                                  post_mult=self.post_mult, approx_math=True)
+    consts = dict(iters=self.iters, eps=self.eps, hc_norm_eps=self.norm_eps, post_mult=self.post_mult,
+                  approx_math=True)
+    if finish is km.mhc_finish and kernel_enabled("mhc_sinkhorn_split"):
+      x_in = finish(Xn, tot.T, self.base_scale[...], norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
+      return Xn, x_in, km.mhc_sinkhorn(tot.T, self.base_scale[...], D=Xn.shape[1] // km.N, **consts)
+    x_in, post_t, comb_t = finish(Xn, tot.T, self.base_scale[...], norm.weight[...], norm_eps=norm.eps, **consts)
     return Xn, x_in, (post_t, comb_t)
 
   @staticmethod

@@ -323,27 +323,41 @@ def _sinkhorn_rows(mc, iters: int, eps: float):
   return list(lax.fori_loop(0, iters - 1, body, tuple(v for row in c for v in row)))
 
 
-def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float):
-  """CTAs 0..G-1 (G = D / DC_FIN) each compute the site's pre and 1/RMS of u per row from the summed partials (a
-  few dozen flops per row, on per-row vectors: as ``mhc_mix_reference``), then Σ pre_i X'_i + RMSNorm of their
-  DC_FIN columns. CTA G computes post and the Sinkhorn of comb for the next boundary and stores both: in parallel
-  with the normalisation instead of an XLA fusion of its own after it (~3.4 µs per boundary at M = 1, and one
-  Triton compilation per call site: the 45-layer step at q = 4 took over 8 minutes to compile, session 22).
+def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float,
+                   normalise: bool = True, sinkhorn: bool = True):
+  """CTAs 0..G-1 (G = D / DC_FIN; ``normalise``) each compute the site's pre and 1/RMS of u per row from the summed
+  partials (a few dozen flops per row, on per-row vectors: as ``mhc_mix_reference``), then Σ pre_i X'_i + RMSNorm
+  of their DC_FIN columns. The next CTA (``sinkhorn``) computes post and the Sinkhorn of comb for the next boundary
+  and stores both: in parallel with the normalisation instead of an XLA fusion of its own after it (~3.4 µs per
+  boundary at M = 1, and one Triton compilation per call site: the 45-layer step at q = 4 took over 8 minutes to
+  compile, session 22). Either part alone is a kernel too (``mhc_finish(sinkhorn=False)`` + ``mhc_sinkhorn``:
+  the Sinkhorn off the sublayer's critical path where the CUDA graph lets independent kernels overlap).
   The sums arrive transposed ([40, 64]: one SMEM row per quantity), so each per-row vector is one row load —
   extracting 18 columns of a [64, 40] tile by masked row sums cost ~2 µs per call on the H200 (session 21)."""
   idx = {p: k for k, p in enumerate(_PAIRS)}
-  G = D // DC_FIN
+  G = D // DC_FIN if normalise else 0
 
-  def body(x_g, t_g, c_g, w_g, o_g, post_g, comb_g, x_s, t_s, w_s, o_s, p_s, cb_s, bar_t, bar_x):
+  def body(*refs):
+    # inputs, outputs, scratch — each part's own (normalise: x, w, x_in; sinkhorn: post, comb)
+    it = iter(refs)
+    take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
+    x_g, t_g, c_g, w_g = take(4) if normalise else [None, *take(2), None]
+    o_g = next(it) if normalise else None
+    post_g, comb_g = take(2) if sinkhorn else (None, None)
+    x_s, t_s, w_s, o_s = take(4) if normalise else [None, next(it), None, None]
+    p_s, cb_s = take(2) if sinkhorn else (None, None)
+    bar_t = next(it)
+    bar_x = next(it) if normalise else None
     g = lax.axis_index("g")
     d0 = g * DC_FIN
     plgpu.copy_gmem_to_smem(t_g, t_s, bar_t)
 
-    @pl.when(g < G)
-    def _():
-      for i in range(N):
-        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + d0, DC_FIN)], x_s.at[i, pl.ds(0, M)], bar_x)
-      plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, DC_FIN)], w_s, bar_x)
+    if normalise:
+      @pl.when(g < G)
+      def _():
+        for i in range(N):
+          plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + d0, DC_FIN)], x_s.at[i, pl.ds(0, M)], bar_x)
+        plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, DC_FIN)], w_s, bar_x)
 
     base = [c_g[k] for k in range(MIX)]  # scalars (GMEM loads while the copies fly)
     sc = [c_g[MIX + k] for k in range(3)]
@@ -357,70 +371,107 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
     ss = gram[0][0] + gram[1][1] + gram[2][2] + gram[3][3]
     r = lax.rsqrt(ss / float(N * D) + hc_norm_eps)
 
-    @pl.when(g < G)
-    def _():
-      S = rows(range(N))
-      pre = [jax.nn.sigmoid(S[i] * r * sc[0] + base[i]) + eps for i in range(N)]
-      var = None
-      for i in range(N):
-        for j in range(N):
-          t = pre[i] * gram[i][j] * pre[j]
-          var = t if var is None else var + t
-      rinv = lax.rsqrt(jnp.maximum(var / float(D), 0.0) + norm_eps)
-      plgpu.barrier_wait(bar_x)
-      _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0)
+    if normalise:
+      @pl.when(g < G)
+      def _():
+        S = rows(range(N))
+        pre = [jax.nn.sigmoid(S[i] * r * sc[0] + base[i]) + eps for i in range(N)]
+        var = None
+        for i in range(N):
+          for j in range(N):
+            t = pre[i] * gram[i][j] * pre[j]
+            var = t if var is None else var + t
+        rinv = lax.rsqrt(jnp.maximum(var / float(D), 0.0) + norm_eps)
+        plgpu.barrier_wait(bar_x)
+        _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0)
 
-    @pl.when(g == G)
-    def _():
-      S = [None] * N + rows(range(N, MIX))
-      post = [post_mult * jax.nn.sigmoid(S[N + i] * r * sc[1] + base[N + i]) for i in range(N)]
-      comb = _sinkhorn_rows([S[k] * r * sc[2] + base[k] for k in range(2 * N, MIX)], iters, eps)
-      # transposed mix: each per-row vector is one SMEM row (a [64, 16] tile built by selects cost more); the
-      # padding columns M.. hold whatever the padding sums give (a padding row never mixes into a real one)
-      for k, v in enumerate(post):
-        p_s[k] = v
-      for k, v in enumerate(comb):
-        cb_s[k] = v
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(p_s, post_g)
-      plgpu.copy_smem_to_gmem(cb_s, comb_g)
+    if sinkhorn:
+      @pl.when(g == G)
+      def _():
+        S = [None] * N + rows(range(N, MIX))
+        post = [post_mult * jax.nn.sigmoid(S[N + i] * r * sc[1] + base[N + i]) for i in range(N)]
+        comb = _sinkhorn_rows([S[k] * r * sc[2] + base[k] for k in range(2 * N, MIX)], iters, eps)
+        # transposed mix: each per-row vector is one SMEM row (a [64, 16] tile built by selects cost more); the
+        # padding columns M.. hold whatever the padding sums give (a padding row never mixes into a real one)
+        for k, v in enumerate(post):
+          p_s[k] = v
+        for k, v in enumerate(comb):
+          cb_s[k] = v
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(p_s, post_g)
+        plgpu.copy_smem_to_gmem(cb_s, comb_g)
 
     plgpu.wait_smem_to_gmem(0)
 
   return body
 
 
-@kernel_entry("iters", "eps", "hc_norm_eps", "norm_eps", "post_mult", "approx_math")
+def _check_sums(tot_t, coef, iters, what):
+  if tot_t.shape != (PART, ROWS) or coef.shape != (MIX + 3,):
+    raise ValueError(f"{what}: tot_t {tot_t.shape}, coef {coef.shape}; expected [{PART}, {ROWS}], [{MIX + 3}] "
+                     "(base, scale)")
+  if iters < 1:
+    raise ValueError(f"{what}: iters = {iters}, expected >= 1 Sinkhorn iterations")
+
+
+_MIX_OUT = (jax.ShapeDtypeStruct((N, ROWS), jnp.float32), jax.ShapeDtypeStruct((N * N, ROWS), jnp.float32))
+_MIX_SCRATCH = [plgpu.SMEM((N, ROWS), jnp.float32),  # p_s (transposed: a row per quantity)
+                plgpu.SMEM((N * N, ROWS), jnp.float32)]  # cb_s
+
+
+@kernel_entry("iters", "eps", "hc_norm_eps", "norm_eps", "post_mult", "approx_math", "sinkhorn")
 def mhc_finish(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
-               post_mult: float, approx_math: bool = False):
+               post_mult: float, approx_math: bool = False, sinkhorn: bool = True):
   """Mosaic GPU version of ``mhc_finish_reference`` (same signature and outputs). ``approx_math``: the GPU's
-  approximate exp / reciprocal / rsqrt (ulp-level differences; bench_mhc measures what it saves)."""
+  approximate exp / reciprocal / rsqrt (ulp-level differences; bench_mhc measures what it saves). ``sinkhorn``
+  False: x_in alone (one CTA fewer; ``mhc_sinkhorn`` computes the mix as a kernel of its own)."""
   M, K = Xn.shape
   D = K // N
   _check(Xn, D, "mhc_finish")
-  if tot_t.shape != (PART, ROWS) or coef.shape != (MIX + 3,):
-    raise ValueError(f"mhc_finish: tot_t {tot_t.shape}, coef {coef.shape}; expected [{PART}, {ROWS}], [{MIX + 3}] "
-                     "(base, scale)")
-  if iters < 1:
-    raise ValueError(f"mhc_finish: iters = {iters}, expected >= 1 Sinkhorn iterations")
+  _check_sums(tot_t, coef, iters, "mhc_finish")
   bf16, f32 = jnp.bfloat16, jnp.float32
+  x_in = jax.ShapeDtypeStruct((M, D), bf16)
   kern = plgpu.kernel(
-      _finish_kernel(M, D, int(iters), float(eps), float(hc_norm_eps), float(norm_eps), float(post_mult)),
-      out_type=(jax.ShapeDtypeStruct((M, D), bf16), jax.ShapeDtypeStruct((N, ROWS), f32),
-                jax.ShapeDtypeStruct((N * N, ROWS), f32)),
+      _finish_kernel(M, D, int(iters), float(eps), float(hc_norm_eps), float(norm_eps), float(post_mult),
+                     sinkhorn=bool(sinkhorn)),
+      out_type=(x_in, *_MIX_OUT) if sinkhorn else x_in,
       scratch_types=[
           plgpu.SMEM((N, ROWS, DC_FIN), bf16),  # x_s
           plgpu.SMEM((PART, ROWS), f32),  # t_s
           plgpu.SMEM((DC_FIN,), bf16),  # w_s
           plgpu.SMEM((ROWS, DC_FIN), bf16),  # o_s
-          plgpu.SMEM((N, ROWS), f32),  # p_s (transposed: a row per quantity)
-          plgpu.SMEM((N * N, ROWS), f32),  # cb_s
+          *(_MIX_SCRATCH if sinkhorn else []),
           plgpu.Barrier(num_arrivals=1),  # bar_t: the sums (every CTA)
           plgpu.Barrier(num_arrivals=N + 1),  # bar_x: the streams and w (the normalising CTAs)
       ],
-      grid=(D // DC_FIN + 1,),
+      grid=(D // DC_FIN + int(bool(sinkhorn)),),
       grid_names=("g",),
       kernel_name="glm5_mhc_finish",
       compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)),
   )
   return kern(Xn, tot_t.astype(f32), coef.astype(f32), w.astype(bf16))
+
+
+@kernel_entry("D", "iters", "eps", "hc_norm_eps", "post_mult", "approx_math")
+def mhc_sinkhorn(tot_t, coef, *, D: int, iters: int, eps: float, hc_norm_eps: float, post_mult: float,
+                 approx_math: bool = False):
+  """The mix half of ``mhc_finish`` as a one-CTA kernel: tot_t [40, 64] (summed partials, transposed), coef [27]
+  -> mix = (post_t [N, 64], comb_t [N·N, 64]) f32, as ``mhc_finish_reference`` returns them. With
+  ``mhc_finish(sinkhorn=False)`` the boundary's sublayer no longer waits for the Sinkhorn's 20 serial iterations
+  — only the next boundary reads the mix — wherever the CUDA graph runs independent kernels concurrently (XLA's
+  CONCURRENT command-buffer schedule); in a serial schedule it is one more launch."""
+  _check_sums(tot_t, coef, iters, "mhc_sinkhorn")
+  if D % DC_FIN:
+    raise ValueError(f"mhc_sinkhorn: hidden size {D} must be a multiple of {DC_FIN}")
+  f32 = jnp.float32
+  kern = plgpu.kernel(
+      _finish_kernel(ROWS, int(D), int(iters), float(eps), float(hc_norm_eps), 0.0, float(post_mult),
+                     normalise=False),
+      out_type=_MIX_OUT,
+      scratch_types=[plgpu.SMEM((PART, ROWS), f32), *_MIX_SCRATCH, plgpu.Barrier(num_arrivals=1)],
+      grid=(1,),
+      grid_names=("g",),
+      kernel_name="glm5_mhc_sinkhorn",
+      compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)),
+  )
+  return kern(tot_t.astype(f32), coef.astype(f32))

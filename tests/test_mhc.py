@@ -39,17 +39,23 @@ def _inputs(M, D, seed):
   return X, y, K.mix_from_rows(jnp.asarray(post), jnp.asarray(comb)), fn, coef, w
 
 
-def _check_kernels(M, D, first, seed=0, interpret=None, approx=False):
+def _check_kernels(M, D, first, seed=0, interpret=None, approx=False, split=False):
   """mhc_post_pre and mhc_finish vs their references; the finish on the summed partials of a real post+pre
   (realistic logits and Gram entries) and random mHC parameters. ``approx``: the finish kernel with the GPU's
-  approximate math, held to the same tolerances."""
+  approximate math, held to the same tolerances. ``split``: the finish without its Sinkhorn CTA + mhc_sinkhorn
+  (policy knob mhc_sinkhorn_split), held to the same."""
   X, y, mix, fn, coef, w = _inputs(M, D, seed)
   ref = K.mhc_post_pre_reference(X, y, mix, fn, first=first)
   tot = jnp.sum(ref[1][:, :M], axis=0)
   tot_t = jnp.pad(tot.T, ((0, 0), (0, K.ROWS - M)), constant_values=np.nan)  # padding columns: never read
   with maybe_interpret(interpret):
     got = jax.jit(lambda *a: K.mhc_post_pre(*a, first=first))(X, y, mix, fn)
-    fin, post, comb = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx))(ref[0], tot_t, coef, w)
+    if split:
+      fin = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx, sinkhorn=False))(ref[0], tot_t, coef, w)
+      mix_consts = {k: v for k, v in CONSTS.items() if k != "norm_eps"}
+      post, comb = jax.jit(lambda *a: K.mhc_sinkhorn(*a, D=D, **mix_consts, approx_math=approx))(tot_t, coef)
+    else:
+      fin, post, comb = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx))(ref[0], tot_t, coef, w)
   ref_fin, ref_post, ref_comb = K.mhc_finish_reference(ref[0], tot_t, coef, w, **CONSTS)
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
@@ -69,17 +75,19 @@ def _check_kernels(M, D, first, seed=0, interpret=None, approx=False):
   assert np.mean(f32(fin) != f32(ref_fin)) < 0.02
 
 
-@pytest.mark.parametrize("M,D,first", [(1, 256, False), (5, 256, False), (5, 256, True), (64, 128, False)])
-def test_kernels_interpret(M, D, first):
-  _check_kernels(M, D, first, seed=M, interpret=True)
+@pytest.mark.parametrize("M,D,first,split", [(1, 256, False, False), (5, 256, False, False), (5, 256, True, False),
+                                             (64, 128, False, False), (3, 256, False, True)])
+def test_kernels_interpret(M, D, first, split):
+  _check_kernels(M, D, first, seed=M, interpret=True, split=split)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,D,first,approx", [(1, 4096, False, False), (1, 4096, True, False), (8, 4096, False, False),
-                                              (37, 4096, False, False), (64, 4096, False, False),
-                                              (1, 4096, False, True), (64, 4096, False, True)])
-def test_kernels_gpu(M, D, first, approx):
-  _check_kernels(M, D, first, seed=M, approx=approx)
+@pytest.mark.parametrize("M,D,first,approx,split", [
+    (1, 4096, False, False, False), (1, 4096, True, False, False), (8, 4096, False, False, False),
+    (37, 4096, False, False, False), (64, 4096, False, False, False), (1, 4096, False, True, False),
+    (64, 4096, False, True, False), (1, 4096, False, True, True), (37, 4096, False, False, True)])
+def test_kernels_gpu(M, D, first, approx, split):
+  _check_kernels(M, D, first, seed=M, approx=approx, split=split)
 
 
 def test_comb_is_the_stock_sinkhorn():
@@ -105,6 +113,12 @@ def test_cross_lower_real(M):
   for approx in (False, True):
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx), X, tot_t, coef,
                                        w).as_text()
+  if M in (1, 64):  # the split form (policy knob mhc_sinkhorn_split): x_in alone, then the mix
+    assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=True, sinkhorn=False), X,
+                                       tot_t, coef, w).as_text()
+    mix_consts = {k: v for k, v in CONSTS.items() if k != "norm_eps"}
+    assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_sinkhorn(*a, D=4096, **mix_consts, approx_math=True), tot_t,
+                                       coef).as_text()
 
 
 def test_bad_shapes_named():
@@ -134,11 +148,11 @@ def _site(D, seed):
 
 
 @pytest.mark.parametrize("M,first,finish_kernel", [(3, False, True), (3, True, True), (70, False, True),
-                                                   (3, False, False), (3, True, False)])
+                                                   (3, False, False), (3, True, False), (3, False, "split")])
 def test_fused_boundary_equals_stock(M, first, finish_kernel):
   """post (previous sublayer) + pre + RMSNorm, fused kernels vs the stock XLA formulation; 70 rows = 2 launches.
   finish_kernel False: the boundary's last step in XLA (policy knob mhc_finish off: one Mosaic call per boundary
-  instead of two)."""
+  instead of two); "split": the finish kernel without the mix + mhc_sinkhorn (policy knob mhc_sinkhorn_split)."""
   D = 256
   hc, norm = _site(D, M)
   X, y, mix, _, _, _ = _inputs(M, D, M + 1)
@@ -147,9 +161,11 @@ def test_fused_boundary_equals_stock(M, first, finish_kernel):
   Xref = Xs if first else HyperConnection.post(Xs, y, post, comb)
   u, post_ref, comb_ref = hc.pre(Xref)
   xin_ref = norm(u, jnp.bfloat16)
-  with maybe_interpret(True), use_kernels({"mhc_finish": finish_kernel}), kernel_report() as rep:
+  policy = {"mhc_finish": bool(finish_kernel), "mhc_sinkhorn_split": finish_kernel == "split"}
+  with maybe_interpret(True), use_kernels(policy), kernel_report() as rep:
     Xn, xin, mix_new = jax.jit(lambda X, y, mix: hc.fused(X, None if first else (y, mix), norm))(X, y, mix)
-  assert (("mhc_finish", "off in the policy") in rep) != finish_kernel
+  assert (("mhc_finish", "off in the policy") in rep) != bool(finish_kernel)
+  assert (("mhc_sinkhorn_split", None) in rep) == (finish_kernel == "split")
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(Xn).reshape(M, 4, D), f32(Xref), **BF16_ULP)
   p, c = HyperConnection.unpack(mix_new, (M,))
