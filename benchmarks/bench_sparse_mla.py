@@ -71,16 +71,16 @@ MLA_HEADER = (f"{'B':>2} {'T':>2} {'H':>3} {'W':>5} {'nbs':>4} {'MB':>6} {'kern 
 
 def bench_mla(B, T, H=16, W=2051, nbs=None, with_xla=True, n_calls=16):
   S = max(min(65536, MIN_CACHE_POSITIONS), MIN_CACHE_POSITIONS // B)
-  c8, sc = _cache(jax.random.key(B * 31 + T), B, S)
+  cache = _cache(jax.random.key(B * 31 + T), B, S)
   sets = [(*_mla_call_inputs(jax.random.key(1000 + i), B, T, H, S, W),) for i in range(n_calls)]
-  args = [(q, c8, sc, idx) for q, idx in sets]
+  args = [(q, cache, idx) for q, idx in sets]
   f = jax.jit(functools.partial(M.sparse_mla_decode, softmax_scale=SCALE, blocks_per_split=nbs))
   ref = jax.jit(functools.partial(M.sparse_mla_decode_reference, softmax_scale=SCALE))
   err = relerr(f(*args[0]), ref(*args[0]))
   call, names = time_calls(f, args)
   kern = kern_us(names, "glm5_sparse_mla")
   xla = time_calls(ref, args)[0] if with_xla else float("nan")
-  nbytes = B * T * W * (M.D_LATENT + 16)
+  nbytes = B * T * W * M.ROW_WORDS * 4  # the gathered cache rows
   gbs = lambda us: nbytes / (us * 1e-6) / 1e9
   nb = nbs or M._pick_blocks_per_split(-(-W // M.BLOCK), B * T * (H // M.HEADS_PER_CTA))
   log(f"{B:>2} {T:>2} {H:>3} {W:>5} {nb:>4} {nbytes / 1e6:6.2f} {kern:8.1f} {call:8.1f} {gbs(call):6.0f} "

@@ -381,11 +381,9 @@ class DSA(nnx.Module):
     w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
     pos, ok = _positions(ctx, T)
     fp8 = "latent8" in cache
-    if fp8:  # FP8 E4M3 latent cache with one fp32 scale per 128 values (written as the token arrives)
+    if fp8:  # FP8 E4M3 latent cache rows with one fp32 scale per 128 values (written as the token arrives)
       from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
-      c8, csc = ks.quantize_latent(c)
-      lat = {"latent8": _scatter_rows(cache["latent8"], c8, pos, ok),
-             "latent_scale": _scatter_rows(cache["latent_scale"], csc, pos, ok)}
+      lat = {"latent8": _scatter_rows(cache["latent8"], ks.quantize_latent(c), pos, ok)}
     else:
       lat = {"latent": _scatter_rows(cache["latent"], c, pos, ok)}
     with jax.named_scope("indexer"):
@@ -402,10 +400,9 @@ class DSA(nnx.Module):
       if kernel_enabled("sparse_mla", B * T):
         hp = -H % 16  # the kernel packs 16 heads per CTA: pad with zero queries (sliced off below)
         qk = jnp.pad(q_hat, ((0, 0), (0, 0), (0, hp), (0, 0))) if hp else q_hat
-        o_lat = ks.sparse_mla_decode(qk, lat["latent8"], lat["latent_scale"], idx, softmax_scale=self.scale)[:, :, :H]
+        o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale)[:, :, :H]
       else:
-        o_lat = ks.sparse_mla_decode_reference(q_hat, lat["latent8"], lat["latent_scale"], idx,
-                                               softmax_scale=self.scale)
+        o_lat = ks.sparse_mla_decode_reference(q_hat, lat["latent8"], idx, softmax_scale=self.scale)
     else:
       # (records why the kernel does not run here)
       kernel_enabled("sparse_mla", fits=False, why="a bf16/f32 latent cache (the kernel reads the FP8 one: policy "

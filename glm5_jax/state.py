@@ -7,8 +7,9 @@ Per KDA layer (sharded by head):
   ssm   [B, Q, H, K, V]  fp32 recurrent state, one slot per verify position (Q = q)
 Per DSA layer and for the MTP layer (replicated on every rank):
   latent [B, S, R]        MLA latent per position in the compute dtype; with an FP8 KV cache (the
-                          latency_specialized default) latent8 [B, S, R/4] int32 (R e4m3 bytes per position,
-                          packed 4 per word: pallas_kernels.sparse_mla) + latent_scale [B, S, R/128] f32
+                          latency_specialized default) latent8 [B, S, 160] int32: one row per position of R = 512
+                          e4m3 bytes packed 4 per word, the R/128 f32 scales' bits, zero padding to 640 bytes
+                          (pallas_kernels.sparse_mla.quantize_latent: one TMA gather per selected position)
   pool   [B, P, Di]       pooled indexer keys by pool index, P = S/kpool rounded up to a multiple of POOL_ALIGN
                           (slots past S/kpool are never complete: masked like any pool not yet full); FP8: pool8
                           (Hadamard-rotated e4m3) + pool_scale [B, P] (power-of-two scales, vLLM's numerics)
@@ -51,10 +52,11 @@ def _dsa_cache(cfg: Glm5Config, B, S, q, dtype, kv_fp8):
   if not kv_fp8:
     return {"latent": (jax.ShapeDtypeStruct((B, S, R), dtype), rep3),
             "pool": (jax.ShapeDtypeStruct((B, P, Di), dtype), rep3), **ring}
-  if R % 128 or Di != 128:
-    raise ValueError(f"an FP8 KV cache needs kv_lora_rank % 128 == 0 and index_head_dim == 128: got {R}, {Di}")
-  return {"latent8": (jax.ShapeDtypeStruct((B, S, R // 4), jnp.int32), rep3),
-          "latent_scale": (jax.ShapeDtypeStruct((B, S, R // 128), jnp.float32), rep3),
+  if R != 512 or Di != 128:
+    raise ValueError(f"an FP8 KV cache needs kv_lora_rank == 512 (the sparse MLA kernel's cache rows) and "
+                     f"index_head_dim == 128: got {R}, {Di}")
+  from pallas_kernels.sparse_mla import ROW_WORDS  # noqa: PLC0415 (the kernel's row format, declared there)
+  return {"latent8": (jax.ShapeDtypeStruct((B, S, ROW_WORDS), jnp.int32), rep3),
           "pool8": (jax.ShapeDtypeStruct((B, P, Di), jnp.float8_e4m3fn), rep3),
           "pool_scale": (jax.ShapeDtypeStruct((B, P), jnp.float32), (None, None)), **ring}
 

@@ -112,9 +112,9 @@ def random_state(decoder, batch: int, context: int, *, seed: int = 0):
   out = []
   for i, (s, sp) in enumerate(zip(leaves, spec_leaves)):
     scale = 0.05 if len(s.shape) == 5 else 1.0  # KDA states stay in a realistic range
-    if jnp.dtype(s.dtype) == jnp.int32:  # packed e4m3 latents: random bytes, NaN codes (x111 1111) excluded
-      f = jax.jit(lambda k, s=s: jax.lax.bitcast_convert_type(
-          jax.random.bits(k, s.shape, jnp.uint32) & jnp.uint32(0xFEFEFEFE), jnp.int32),
+    if jnp.dtype(s.dtype) == jnp.int32:  # FP8 latent cache rows (e4m3 bytes + scales): random latents quantised
+      from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
+      f = jax.jit(lambda k, s=s: ks.quantize_latent(jax.random.normal(k, (*s.shape[:-1], ks.D_LATENT))),
                   out_shardings=NamedSharding(model.mesh, sp))
     else:
       f = jax.jit(lambda k, s=s, scale=scale: (jax.random.normal(k, s.shape, jnp.float32) * scale).astype(s.dtype),

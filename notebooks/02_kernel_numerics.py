@@ -62,12 +62,12 @@ errors["FP8 GEMV (dq)"] = rel(y_dq, kl.fp8_linear_reference(x, w8, jnp.asarray(s
 
 # %% FP8 sparse MLA over a quantised latent cache
 S, W, Hm = 256, 96, 16
-c8, csc = ks.quantize_latent(r(1, S, 512))
+cache = ks.quantize_latent(r(1, S, 512))  # one row per position: e4m3 bytes + scales
 idx = jnp.asarray(np.sort(rng.choice(S, (1, 2, W), replace=True), -1), jnp.int32).at[:, :, -5:].set(-1)
 qm = r(1, 2, Hm, 512) * 0.05
 with maybe_interpret():
-  om = jax.jit(lambda *a: ks.sparse_mla_decode(*a, softmax_scale=1 / 16))(qm, c8, csc, idx)
-errors["sparse MLA"] = rel(om, ks.sparse_mla_decode_reference(qm, c8, csc, idx, softmax_scale=1 / 16))
+  om = jax.jit(lambda *a: ks.sparse_mla_decode(*a, softmax_scale=1 / 16))(qm, cache, idx)
+errors["sparse MLA"] = rel(om, ks.sparse_mla_decode_reference(qm, cache, idx, softmax_scale=1 / 16))
 
 # %% FP8 indexer scores
 P, HI = 128, 8

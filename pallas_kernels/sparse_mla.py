@@ -4,12 +4,16 @@ Shapes: B sequences, T query tokens per sequence (1 plain decode, q = k+1 at spe
 (16 at TP4, 64 at TP1), D = 512 latent, S cache positions, W selected positions per query token (index width,
 2051 real, padded with -1).
 
-The latent cache is stored as 512 e4m3 values + 4 fp32 scales per token (one scale per 128 values), the
-FlashMLA ``fp8_ds_mla`` layout without its (all-zero for NoPE) rope part. The e4m3 bytes are kept as 128 int32
-words per token (value 4i + k in byte k of word i, little-endian — the same bytes as an e4m3 [.., 512] array):
-the kernel then reads them with 32-bit loads (8-bit register loads from an untiled SMEM buffer gave wrong values
-natively on the H200 — see ``_dequant_block``). ``quantize_latent`` / ``dequantize_latent`` are the cache write
-/ read paths; ``pack_e4m3`` / ``unpack_e4m3`` convert between the two views of the bytes.
+The latent cache holds one row of ROW_WORDS = 160 int32 words per token: 512 e4m3 values as 128 words (value
+4i + k in byte k of word i, little-endian — the same bytes as an e4m3 [.., 512] array), then the 4 fp32 scales
+(one per 128 values) as their bit patterns, then 28 zero words (rows of 640 bytes: each row's TMA must land
+128-byte aligned in shared memory). That is the FlashMLA ``fp8_ds_mla`` layout (latent bytes then scales in one row) without its
+(all-zero for NoPE) rope part. One row per token is one TMA gather per selected position: the kernel's blocks
+were bound by issuing the gathers one after another (latent and scales as separate arrays took two per
+position). The kernel reads the bytes with 32-bit loads (8-bit register loads from an untiled SMEM buffer gave
+wrong values natively on the H200 — see ``_dequant_block``). ``quantize_latent`` / ``dequantize_latent`` are
+the cache write / read paths; ``pack_e4m3`` / ``unpack_e4m3`` convert between the two views of the bytes and
+``split_row`` takes a row apart.
 
 The attention is the absorbed form: with q̂_h = W_UK_hᵀ q_h ∈ [512],
   o_h = Σ_{s ∈ I_t} softmax_s(q̂_h · c_s · softmax_scale) c_s,
@@ -17,9 +21,9 @@ c_s the dequantised latent. ``sparse_mla_decode`` is a Pallas Mosaic GPU kernel;
 the pure-jnp f32 definition with the same signature.
 
 Kernel design (one CTA = one (query token, head group of 16, slice of the index list)):
-* the selected rows are gathered by index: scalar index reads from SMEM and one TMA copy per row (512 B latent
-  + 16 B scales) into a double-buffered SMEM block of 64 positions, the next block in flight while the current
-  one is computed;
+* the selected rows are gathered by index: scalar index reads from SMEM and one TMA copy per row (544 B: latent
+  and scales) into a double-buffered SMEM block of 64 positions, the next block in flight while the current one
+  is computed;
 * the block is dequantised in registers with integer ops (each e4m3 byte b -> the f16 with bits
   (b & 0x80) << 8 | (b & 0x7F) << 7, which is exactly 2^-8 times the e4m3 value, subnormals included; (x) the
   per-row-per-128 scale x 256 in f32 -> f16) into a swizzled f16 tile whose columns are the latent dimensions in
@@ -54,9 +58,17 @@ GROUP = 128  # values per fp32 scale
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FLOOR = 1e-4  # amax floor: an all-zero group gets scale 1e-4 / 448 instead of 0 (no 0/0)
 BLOCK = 64  # positions per online-softmax block (= wgmma M)
-SC_COLS = 32  # f32 per row of the scale buffer in shared memory: 128-byte rows (4 scales used)
+WORDS = D_LATENT // 4  # packed e4m3 words per row
+SCALES = D_LATENT // GROUP  # fp32 scales per row, after the packed words
+# 128 packed words, 4 scales, 28 zero words: 640-byte rows, so that every per-row TMA lands 128-byte aligned in
+# shared memory
+ROW_WORDS = 160
 HEADS_PER_CTA = 16  # wgmma N; O^T [512, 16] f32 = 64 registers per thread
 NUM_SMS = 132  # H200
+# Rows whose gathers one loop iteration issues: a block's 64 single-row TMAs (two per row before the scales moved
+# into the row), issued one after another by one thread, bound the kernel (~9 µs per CTA for one block whether 33
+# or 132 CTAs run, sessions 24-25); unrolled, the index loads of the next rows overlap the current row's issue
+ISSUE_UNROLL = 8
 _NEG = -1e30  # finite "minus infinity": a fully masked block must not produce inf - inf = NaN
 _LOG2E = math.log2(math.e)
 _L = plgpu.Layout
@@ -74,7 +86,8 @@ def unpack_e4m3(w):
 
 
 def quantize_latent(c):
-  """c [..., 512] f32/bf16 -> (packed [..., 128] int32 (512 e4m3 bytes), scale [..., 4] f32).
+  """c [..., 512] f32/bf16 -> cache rows [..., ROW_WORDS] int32 (512 e4m3 bytes as 128 words, 4 f32 scales,
+  zero words).
 
   One scale per 128 consecutive values: scale = max(amax, 1e-4) / 448, c8 = e4m3(clip(c / scale, -448, 448)),
   so the largest value of each group maps to ±448 (the e4m3 maximum) and c ≈ c8 · scale (relative error
@@ -84,27 +97,34 @@ def quantize_latent(c):
   amax = jnp.max(jnp.abs(g), axis=-1)
   scale = jnp.maximum(amax, SCALE_FLOOR) / FP8_MAX
   c8 = jnp.clip(g / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-  return pack_e4m3(c8.reshape(c.shape)), scale
+  pad = jnp.zeros((*c.shape[:-1], ROW_WORDS - WORDS - SCALES), jnp.int32)
+  return jnp.concatenate([pack_e4m3(c8.reshape(c.shape)), lax.bitcast_convert_type(scale, jnp.int32), pad], -1)
 
 
-def dequantize_latent(packed, scale):
-  """(packed [..., 128] int32, scale [..., 4] f32) -> c [..., 512] f32 (the inverse of ``quantize_latent``)."""
+def split_row(row):
+  """cache rows [..., ROW_WORDS] int32 -> (packed e4m3 [..., 128] int32, scales [..., 4] f32)."""
+  return row[..., :WORDS], lax.bitcast_convert_type(row[..., WORDS:WORDS + SCALES], jnp.float32)
+
+
+def dequantize_latent(row):
+  """cache rows [..., ROW_WORDS] int32 -> c [..., 512] f32 (the inverse of ``quantize_latent``)."""
+  packed, scale = split_row(row)
   c8 = unpack_e4m3(packed)
   g = c8.astype(jnp.float32).reshape(*c8.shape[:-1], scale.shape[-1], -1)
-  return (g * scale[..., None].astype(jnp.float32)).reshape(c8.shape)
+  return (g * scale[..., None]).reshape(c8.shape)
 
 
 # ------------------------------------------------------------------------------------------------ reference
-def sparse_mla_decode_reference(q, cache, cache_scale, indices, *, softmax_scale):
+def sparse_mla_decode_reference(q, cache, indices, *, softmax_scale):
   """Pure-jnp f32 sparse MLA decode over the dequantised FP8 latent cache.
 
-  q [B, T, H, 512] (absorbed queries), cache [B, S, 128] int32 (packed e4m3), cache_scale [B, S, 4] f32,
-  indices [B, T, W] int32 (-1 = padding; every (b, t) has at least one valid index)
+  q [B, T, H, 512] (absorbed queries), cache [B, S, ROW_WORDS] int32 (``quantize_latent``'s rows), indices
+  [B, T, W] int32 (-1 = padding; every (b, t) has at least one valid index)
   -> o [B, T, H, 512] f32 = Σ_s softmax_s(q·c_s · softmax_scale) c_s over the valid selected s."""
   B = q.shape[0]
   bi = jnp.arange(B)[:, None, None]
   ix = jnp.maximum(indices, 0)
-  c = dequantize_latent(cache[bi, ix], cache_scale[bi, ix])  # [B, T, W, 512]
+  c = dequantize_latent(cache[bi, ix])  # [B, T, W, 512]
   s = jnp.einsum("bthd,btwd->bthw", q.astype(jnp.float32), c, precision=lax.Precision.HIGHEST)
   s = jnp.where((indices >= 0)[:, :, None, :], s * softmax_scale, -jnp.inf)
   p = jax.nn.softmax(s, axis=-1)
@@ -123,33 +143,32 @@ def _pick_blocks_per_split(n_blocks: int, n_rows: int) -> int:
   return -(-n_blocks // splits)
 
 
-def _dequant_block(c32_s, sc_s, c16_s):
-  """One block of 64 gathered rows: packed e4m3 [64, 128] int32 + scales [64, SC_COLS] f32 -> c16_s [64, 512] f16
-  in the kernel's column order (column 128k + w = latent dimension 4w + k: byte k of word w).
+def _dequant_block(c32_s, c16_s):
+  """One block of 64 gathered cache rows [64, ROW_WORDS] int32 -> c16_s [64, 512] f16 in the kernel's column
+  order (column 128k + w = latent dimension 4w + k: byte k of word w).
 
-  The gathered buffers are written row by row, so they stay untiled (hence optimized=False loads). Measured on
-  the H200 (jax 0.11.2): such loads are right for whole rows but wrong when the ref is sliced at a column offset
-  (16-byte chunks come back exchanged), so the packed words are loaded as one [64, 128] tile and never sliced.
-  Each byte b becomes the f16 with bits (b & 0x80) << 8 | (b & 0x7F) << 7 = 2^-8 · e4m3(b) exactly (e4m3
-  subnormals land on f16 subnormals), so the scale is applied as scale · 256 in f32. Word w belongs to scale
-  group w // 32; the per-row scales come from a masked row sum of the scale tile (columns 4.. are never
-  written; `where` drops them), which needs no value transpose."""
-  words = D_LATENT // 4
-  sct = plgpu.load(sc_s, layout=_L.WGMMA, optimized=False)
-  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, SC_COLS), 1, layout=_L.WGMMA)
-  group = lax.shift_right_logical(plgpu.broadcasted_iota(jnp.int32, (BLOCK, words), 1, layout=_L.WGMMA), 5)
+  The gathered buffer is written row by row, so it stays untiled (hence optimized=False loads). Measured on the
+  H200 (jax 0.11.2): such loads are right for whole rows but wrong when the ref is sliced at a column offset
+  (16-byte chunks come back exchanged), so each row is loaded whole as one [64, ROW_WORDS] tile and split in
+  registers (tile-aligned slices). Each byte b becomes the f16 with bits (b & 0x80) << 8 | (b & 0x7F) << 7 =
+  2^-8 · e4m3(b) exactly (e4m3 subnormals land on f16 subnormals), so the scale is applied as scale · 256 in
+  f32. Word w belongs to scale group w // 32; each row's scale g is its word 128 + g, taken by a masked row sum
+  of the bits (one nonzero term: exact) and read back as f32 — no value transpose."""
+  full = plgpu.load(c32_s, layout=_L.WGMMA, optimized=False)
+  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROW_WORDS), 1, layout=_L.WGMMA)
+  group = lax.shift_right_logical(plgpu.broadcasted_iota(jnp.int32, (BLOCK, WORDS), 1, layout=_L.WGMMA), 5)
   scale = None
-  for g in range(D_LATENT // GROUP):
-    s_g = plgpu.layout_cast(jnp.where(col == g, sct, 0.0).sum(axis=1), _L.WGMMA.reduce(1)) * 256.0
-    s_b = lax.broadcast_in_dim(s_g, (BLOCK, words), (0,))
+  for g in range(SCALES):
+    bits = plgpu.layout_cast(jnp.where(col == WORDS + g, full, 0).sum(axis=1), _L.WGMMA.reduce(1))
+    s_b = lax.broadcast_in_dim(lax.bitcast_convert_type(bits, jnp.float32) * 256.0, (BLOCK, WORDS), (0,))
     scale = s_b if scale is None else jnp.where(group == g, s_b, scale)
-  x = plgpu.load(c32_s, layout=_L.WGMMA, optimized=False)
+  x = full[:, :WORDS]
   for k in range(4):
     byte = lax.shift_right_logical(x, jnp.int32(8 * k)) & 0xFF
     bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
     h = lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
     y = h.astype(jnp.float32) * scale
-    c16_s[:, pl.ds(k * words, words)] = plgpu.layout_cast(y.astype(jnp.float16), _L.WGMMA)
+    c16_s[:, pl.ds(k * WORDS, WORDS)] = plgpu.layout_cast(y.astype(jnp.float16), _L.WGMMA)
 
 
 def _column_order():
@@ -177,10 +196,10 @@ def _mla_kernel(nbs: int, hn: int):
   """Kernel body for ``nbs`` blocks of 64 positions per CTA and ``hn`` heads per CTA.
 
   GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (rescale * softmax_scale * log2 e),
-  c32_g [B, S, 128] int32 (packed e4m3), sc_g [B, S, 4] f32, idx_g [BT, Wp / 64, 64] int32;
+  c32_g [B, S, ROW_WORDS] int32 (cache rows: packed e4m3 + scales), idx_g [BT, Wp / 64, 64] int32;
   out o_g [BT, NS, 512, H] f32 (partial O^T, normalised), lse_g [BT, NS, H] f32 (base-2 log-sum-exp of the split)."""
 
-  def body(q_g, qm_g, c32_g, sc_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, sc_s, c16_s, p_s, bar, gbar):
+  def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar):
     hg = lax.axis_index("h")
     sp = lax.axis_index("s")
     bt = lax.axis_index("bt")
@@ -191,13 +210,12 @@ def _mla_kernel(nbs: int, hn: int):
     plgpu.barrier_wait(bar.at[1])
 
     def issue(k, slot):
-      # One TMA per selected row (latent + scales) on one barrier of 2*64 arrivals; -1 loads row 0 (masked later).
+      # One TMA per selected row (latent and scales) on one barrier of 64 arrivals; -1 loads row 0 (masked later).
       def row(j, c):
         r = jnp.maximum(idx_s[k, j], 0)
         plgpu.copy_gmem_to_smem(c32_g.at[b, pl.ds(r, 1)], c32_s.at[slot, pl.ds(j, 1)], gbar.at[slot])
-        plgpu.copy_gmem_to_smem(sc_g.at[b, pl.ds(r, 1)], sc_s.at[slot, pl.ds(j, 1), pl.ds(0, 4)], gbar.at[slot])
         return c
-      lax.fori_loop(0, BLOCK, row, None)
+      lax.fori_loop(0, BLOCK, row, None, unroll=ISSUE_UNROLL)
 
     issue(0, 0)
     qmul = qm_g[bt]
@@ -214,7 +232,7 @@ def _mla_kernel(nbs: int, hn: int):
       plgpu.barrier_wait(gbar.at[slot])
       # Warpgroup barrier: every warp is done with the previous block's PV wgmma before c16_s is overwritten.
       plgpu.commit_smem()
-      _dequant_block(c32_s.at[slot], sc_s.at[slot], c16_s)
+      _dequant_block(c32_s.at[slot], c16_s)
       plgpu.commit_smem()
 
       def qk(acc):
@@ -263,16 +281,17 @@ def _prepare_q(q, softmax_scale):
 
 
 @kernel_entry("softmax_scale", "blocks_per_split")
-def sparse_mla_decode(q, cache, cache_scale, indices, *, softmax_scale, blocks_per_split: int | None = None):
+def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int | None = None):
   """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
 
-  q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache [B, S, 128] int32 (packed e4m3), cache_scale [B, S, 4] f32,
+  q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache [B, S, ROW_WORDS] int32 (``quantize_latent``'s rows),
   indices [B, T, W] int32 (-1 padding, any W: padded here to a multiple of 64 * blocks_per_split)
   -> o [B, T, H, 512] f32. The dequantised latent must fit f16 (|c| < 65504; RMSNorm'd latents do).
   ``blocks_per_split``: 64-position blocks per CTA (default: about 2 CTAs per SM)."""
   B, T, H, Dl = q.shape
-  assert Dl == D_LATENT and cache.shape[-1] == D_LATENT // 4 and cache.dtype == jnp.int32, cache.shape
-  assert cache_scale.shape[-1] == D_LATENT // GROUP
+  if Dl != D_LATENT or cache.shape[-1] != ROW_WORDS or cache.dtype != jnp.int32:
+    raise ValueError(f"sparse_mla_decode: q [.., {Dl}], cache {cache.shape} {cache.dtype}; expected q [.., "
+                     f"{D_LATENT}] and int32 cache rows [B, S, {ROW_WORDS}] (quantize_latent)")
   assert H % HEADS_PER_CTA == 0, H
   hn = HEADS_PER_CTA
   W = indices.shape[-1]
@@ -292,21 +311,18 @@ def sparse_mla_decode(q, cache, cache_scale, indices, *, softmax_scale, blocks_p
       scratch_types=[
           plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
           plgpu.SMEM((nbs, BLOCK), jnp.int32),  # idx_s (TMA boxes are <= 256 per dimension)
-          plgpu.SMEM((2, BLOCK, D_LATENT // 4), jnp.int32),  # c32_s: packed e4m3 rows (double buffer)
-          # sc_s: 4 scales per row, rows padded to 128 bytes so that every per-row copy lands 128-byte aligned
-          plgpu.SMEM((2, BLOCK, SC_COLS), jnp.float32),
+          plgpu.SMEM((2, BLOCK, ROW_WORDS), jnp.int32),  # c32_s: gathered cache rows (double buffer)
           plgpu.SMEM((BLOCK, D_LATENT), f16, transforms=_F16_SW32),  # c16_s
           plgpu.SMEM((BLOCK, hn), f16, transforms=_F16_SW32),  # p_s
           plgpu.Barrier(num_barriers=2),
-          plgpu.Barrier(num_arrivals=2 * BLOCK, num_barriers=2),
+          plgpu.Barrier(num_arrivals=BLOCK, num_barriers=2),
       ],
       grid=(H // hn, ns, B * T),
       grid_names=("h", "s", "bt"),
       kernel_name="glm5_sparse_mla",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
-  o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache, cache_scale.astype(jnp.float32),
-                     idx)
+  o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache, idx)
   # Combine the splits: weights 2^(lse_s - max lse) (an all-padding split has lse ~ -1e30 -> weight 0).
   w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))  # [BT, NS, H]
   o = jnp.einsum("bsdh,bsh->bhd", o_part, w, precision=lax.Precision.HIGHEST) / jnp.sum(w, axis=1)[..., None]

@@ -31,19 +31,21 @@ def make_inputs(seed, B, T, H, S, W, pad_frac=0.2, q_dtype=jnp.float32, trailing
   q = (jax.random.normal(ks[0], (B, T, H, M.D_LATENT)) * 0.6).astype(q_dtype)
   mag = jax.random.uniform(ks[1], (B, S, 1), minval=0.1, maxval=2.0)
   c = jax.random.normal(ks[2], (B, S, M.D_LATENT)) * mag
-  c8, sc = M.quantize_latent(c)
+  rows = M.quantize_latent(c)
   idx = jax.random.randint(ks[3], (B, T, W), 0, S, jnp.int32)
   idx = jnp.where(jax.random.uniform(ks[4], (B, T, W)) < pad_frac, -1, idx)
   idx = idx.at[:, :, 0].set(jax.random.randint(ks[5], (B, T), 0, S, jnp.int32))
   if trailing_pad:
     idx = idx.at[:, :, W - trailing_pad:].set(-1)
-  return q, c8, sc, idx
+  return q, rows, idx
 
 
-def np_sparse_mla(q, packed, sc, idx, scale):
+def np_sparse_mla(q, cache, idx, scale):
   """Naive numpy: per (b, t), dequantise the valid selected rows and run a dense float64 softmax."""
   q = np.asarray(q.astype(jnp.float32), np.float64)
-  c8 = np.asarray(packed).view(np.uint8).view(F8)  # the packed words' bytes, little-endian = value order
+  words = np.asarray(cache)
+  packed, sc = words[..., :128], words[..., 128:132].view(np.float32)  # the row: 128 packed words, 4 scales
+  c8 = np.ascontiguousarray(packed).view(np.uint8).view(F8)  # the packed words' bytes, little-endian = value order
   c = np.asarray(c8.astype(np.float32), np.float64).reshape(*c8.shape[:-1], 4, 128)
   c = (c * np.asarray(sc, np.float64)[..., None]).reshape(c8.shape)
   idx = np.asarray(idx)
@@ -65,8 +67,11 @@ def test_quantize_latent_roundtrip():
   c = rng.standard_normal((3, 7, 512)) * rng.uniform(0.01, 30.0, (3, 7, 1))
   c[0, 0, :128] = 0.0  # an all-zero group takes the 1e-4 floor, not a 0 scale
   c[1, 2, 256:384] *= 1e-6  # a group below the floor
-  packed, s = M.quantize_latent(jnp.asarray(c, jnp.float32))
-  assert packed.dtype == jnp.int32 and packed.shape == (3, 7, 128) and s.shape == (3, 7, 4) and s.dtype == jnp.float32
+  row = M.quantize_latent(jnp.asarray(c, jnp.float32))
+  assert row.dtype == jnp.int32 and row.shape == (3, 7, M.ROW_WORDS)
+  packed, s = M.split_row(row)
+  assert packed.shape == (3, 7, 128) and s.shape == (3, 7, 4) and s.dtype == jnp.float32
+  assert np.all(np.asarray(row)[..., 132:] == 0)  # the padding words
   c8 = M.unpack_e4m3(packed)
   assert c8.dtype == F8 and c8.shape == c.shape
   # the packed words hold the e4m3 bytes little-endian: value 4i + k in byte k of word i
@@ -76,7 +81,7 @@ def test_quantize_latent_roundtrip():
   np.testing.assert_array_equal(np.asarray(M.pack_e4m3(c8)), np.asarray(packed))
   g = np.abs(c.astype(np.float32)).reshape(3, 7, 4, 128)
   np.testing.assert_allclose(np.asarray(s), np.maximum(g.max(-1), 1e-4) / 448.0, rtol=1e-6)
-  back = np.asarray(M.dequantize_latent(packed, s), np.float64)
+  back = np.asarray(M.dequantize_latent(row), np.float64)
   sb = np.repeat(np.asarray(s, np.float64), 128, -1)
   # e4m3: half an ulp is 2^-4 relative for normals, 2^-10 x scale absolute in the subnormal range.
   assert np.all(np.abs(back - c) <= 2.0 ** -4 * np.abs(c) + 2.0 ** -10 * sb + 1e-12)
@@ -85,8 +90,8 @@ def test_quantize_latent_roundtrip():
   big = g.max(-1) >= 1e-4
   np.testing.assert_array_equal(c8f[big], 448.0)
   # bf16 input goes through the same path
-  pb, sb16 = M.quantize_latent(jnp.asarray(c, jnp.bfloat16))
-  assert pb.dtype == jnp.int32 and sb16.dtype == jnp.float32
+  rb = M.quantize_latent(jnp.asarray(c, jnp.bfloat16))
+  assert rb.dtype == jnp.int32 and rb.shape == row.shape
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -94,9 +99,9 @@ def test_quantize_latent_roundtrip():
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("B,T,H,S,W", [(1, 1, 16, 64, 20), (2, 4, 16, 128, 50), (1, 3, 64, 96, 33)])
 def test_reference_vs_numpy(B, T, H, S, W):
-  q, c8, sc, idx = make_inputs(B * 100 + T * 10 + W, B, T, H, S, W, pad_frac=0.3)
-  got = np.asarray(M.sparse_mla_decode_reference(q, c8, sc, idx, softmax_scale=SCALE))
-  np.testing.assert_allclose(got, np_sparse_mla(q, c8, sc, idx, SCALE), **tol("kernel_f32"))
+  q, cache, idx = make_inputs(B * 100 + T * 10 + W, B, T, H, S, W, pad_frac=0.3)
+  got = np.asarray(M.sparse_mla_decode_reference(q, cache, idx, softmax_scale=SCALE))
+  np.testing.assert_allclose(got, np_sparse_mla(q, cache, idx, SCALE), **tol("kernel_f32"))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -112,45 +117,43 @@ INTERP_CASES = [
 
 @pytest.mark.parametrize("B,T,H,S,W,nbs,trail,qdt", INTERP_CASES)
 def test_kernel_interpret(B, T, H, S, W, nbs, trail, qdt):
-  q, c8, sc, idx = make_inputs(7 + B + T + W, B, T, H, S, W, q_dtype=qdt, trailing_pad=trail)
-  ref = np.asarray(M.sparse_mla_decode_reference(q, c8, sc, idx, softmax_scale=SCALE))
+  q, cache, idx = make_inputs(7 + B + T + W, B, T, H, S, W, q_dtype=qdt, trailing_pad=trail)
+  ref = np.asarray(M.sparse_mla_decode_reference(q, cache, idx, softmax_scale=SCALE))
   with maybe_interpret(True):
     got = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, blocks_per_split=nbs))(
-        q, c8, sc, idx))
+        q, cache, idx))
   assert got.shape == (B, T, H, M.D_LATENT) and got.dtype == np.float32
   # f16 operands (q rescaled by a power of two, c dequantised to f16), f32 accumulation
   np.testing.assert_allclose(got, ref, **tol("kernel_bf16"))
   assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
 
 
-def _gather_dequant(packed, sc, rows):
-  """The kernel's gather + dequantisation of one 64-row block alone: per-row copies of the packed latent and the
-  scales, then ``_dequant_block`` -> [64, 512] f16 in the kernel's column order."""
+def _gather_dequant(cache, rows):
+  """The kernel's gather + dequantisation of one 64-row block alone: one copy per cache row (latent and scales),
+  then ``_dequant_block`` -> [64, 512] f16 in the kernel's column order."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
   from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
 
-  def body(c_g, sc_g, idx_g, o_g, idx_s, c_s, sc_s, c16_s, bar, gbar):
+  def body(c_g, idx_g, o_g, idx_s, c_s, c16_s, bar, gbar):
     plgpu.copy_gmem_to_smem(idx_g, idx_s, bar.at[0])
     plgpu.barrier_wait(bar.at[0])
 
     def row(j, carry):
       r = idx_s[0, j]
       plgpu.copy_gmem_to_smem(c_g.at[pl.ds(r, 1)], c_s.at[pl.ds(j, 1)], gbar.at[0])
-      plgpu.copy_gmem_to_smem(sc_g.at[pl.ds(r, 1)], sc_s.at[pl.ds(j, 1), pl.ds(0, 4)], gbar.at[0])
       return carry
     jax.lax.fori_loop(0, M.BLOCK, row, None)
     plgpu.barrier_wait(gbar.at[0])
-    M._dequant_block(c_s, sc_s, c16_s)
+    M._dequant_block(c_s, c16_s)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(c16_s, o_g)
     plgpu.wait_smem_to_gmem(0)
 
   kern = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((M.BLOCK, M.D_LATENT), jnp.float16), scratch_types=[
-      plgpu.SMEM((1, M.BLOCK), jnp.int32), plgpu.SMEM((M.BLOCK, M.D_LATENT // 4), jnp.int32),
-      plgpu.SMEM((M.BLOCK, M.SC_COLS), jnp.float32),
+      plgpu.SMEM((1, M.BLOCK), jnp.int32), plgpu.SMEM((M.BLOCK, M.ROW_WORDS), jnp.int32),
       plgpu.SMEM((M.BLOCK, M.D_LATENT), jnp.float16, transforms=M._F16_SW32),
-      plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_arrivals=2 * M.BLOCK, num_barriers=1)])
-  return kern(packed, sc, rows.reshape(1, M.BLOCK))
+      plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_arrivals=M.BLOCK, num_barriers=1)])
+  return kern(cache, rows.reshape(1, M.BLOCK))
 
 
 def _check_gather_dequant():
@@ -158,12 +161,12 @@ def _check_gather_dequant():
   c = rng.standard_normal((300, M.D_LATENT)).astype(np.float32) * rng.uniform(0.01, 3.0, (300, 1))
   c[7, :128] = rng.standard_normal(128) * 1e-7  # below the scale floor: e4m3 subnormal codes
   c[7, 5] = 0.0
-  packed, sc = M.quantize_latent(jnp.asarray(c))
+  cache = M.quantize_latent(jnp.asarray(c))
   rows = jnp.asarray(np.r_[7, rng.integers(0, 300, M.BLOCK - 1)].astype(np.int32))
-  got = np.asarray(jax.jit(_gather_dequant)(packed, sc, rows), np.float32)
+  got = np.asarray(jax.jit(_gather_dequant)(cache, rows), np.float32)
   perm, _ = M._column_order()
-  want = np.asarray(M.dequantize_latent(packed[rows], sc[rows]))[:, perm]
-  codes = np.asarray(jax.lax.bitcast_convert_type(M.unpack_e4m3(packed[7]), jnp.uint8))
+  want = np.asarray(M.dequantize_latent(cache[rows]))[:, perm]
+  codes = np.asarray(jax.lax.bitcast_convert_type(M.unpack_e4m3(M.split_row(cache[7])[0]), jnp.uint8))
   assert ((codes & 0x78) == 0).sum() > 3  # subnormal codes (exponent 0) are exercised
   np.testing.assert_allclose(got, want.astype(np.float16).astype(np.float32), rtol=1e-3, atol=0)
 
@@ -199,15 +202,13 @@ REAL = list(itertools.product([1, 8, 32], [1, 4, 8], [16, 64]))
 @pytest.mark.parametrize("B,T,H", REAL)
 def test_cross_lower_real(B, T, H):
   S, W = 65536, 2176  # 2051 real + padding to a multiple of 128 (vLLM's buffer width)
-  args = (SDS((B, T, H, 512), jnp.bfloat16), SDS((B, S, 128), jnp.int32), SDS((B, S, 4), jnp.float32),
-          SDS((B, T, W), jnp.int32))
+  args = (SDS((B, T, H, 512), jnp.bfloat16), SDS((B, S, M.ROW_WORDS), jnp.int32), SDS((B, T, W), jnp.int32))
   txt = cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE), *args).as_text()
   assert "mosaic_gpu" in txt
 
 
 def test_cross_lower_unpadded_width():
-  args = (SDS((1, 4, 16, 512), jnp.float32), SDS((1, 65536, 128), jnp.int32), SDS((1, 65536, 4), jnp.float32),
-          SDS((1, 4, 2051), jnp.int32))
+  args = (SDS((1, 4, 16, 512), jnp.float32), SDS((1, 65536, M.ROW_WORDS), jnp.int32), SDS((1, 4, 2051), jnp.int32))
   cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE), *args)
 
 
@@ -223,9 +224,9 @@ def test_gather_dequant_block_gpu():
 @pytest.mark.parametrize("B,T,H,S,W,nbs", [(1, 1, 16, 65536, 2051, None), (8, 4, 16, 65536, 2051, None),
                                            (2, 8, 64, 8192, 2176, None), (1, 4, 16, 65536, 2051, 4)])
 def test_kernel_gpu(B, T, H, S, W, nbs):
-  q, c8, sc, idx = make_inputs(B + T + H, B, T, H, S, W, q_dtype=jnp.bfloat16, trailing_pad=W % 64)
-  ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, c8, sc, idx))
+  q, cache, idx = make_inputs(B + T + H, B, T, H, S, W, q_dtype=jnp.bfloat16, trailing_pad=W % 64)
+  ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, cache, idx))
   got = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, blocks_per_split=nbs))(
-      q, c8, sc, idx))
+      q, cache, idx))
   np.testing.assert_allclose(got, ref, **tol("kernel_bf16"))
   assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)

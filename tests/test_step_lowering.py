@@ -52,7 +52,8 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   # lowering context), they still share one module, hence one runtime compilation
   # (q = 4: + the bf16 GEMV at its ~6 weight shapes, on by default from 2 token rows)
   assert n_kernels <= (16 if q == 1 else 24) and n_calls <= 28, (n_calls, n_kernels)
-  for name in ("glm5_fp8_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla", "glm5_indexer_scores"):
+  # (the FP8 linears with the weight dequantised in registers: policy fp8_dq, on by default)
+  for name in ("glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla", "glm5_indexer_scores"):
     assert name in txt, name
   auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
   assert "mosaic_gpu" not in auto  # and the stock path has no kernel at all
