@@ -65,10 +65,12 @@ SCALES = D_LATENT // GROUP  # fp32 scales per row, after the packed words
 ROW_WORDS = 160
 HEADS_PER_CTA = 16  # wgmma N; O^T [512, 16] f32 = 64 registers per thread
 NUM_SMS = 132  # H200
-# Rows whose gathers one loop iteration issues: a block's 64 single-row TMAs (two per row before the scales moved
-# into the row), issued one after another by one thread, bound the kernel (~9 µs per CTA for one block whether 33
-# or 132 CTAs run, sessions 24-25); unrolled, the index loads of the next rows overlap the current row's issue
-ISSUE_UNROLL = 8
+# The gathers: a block's 64 single-row TMAs (two per row before the scales moved into the row), issued one after
+# another by one thread, bound the kernel (~9 µs per CTA for one block whether 33 or 132 CTAs run, sessions
+# 24-25). The indexer selects pools of RUN consecutive positions, so most groups of RUN rows are one TMA; the
+# group loop is unrolled so that the next groups' index loads overlap the current group's issue.
+RUN = 4  # positions per indexer pool (index_kpool)
+ISSUE_UNROLL = 4
 _NEG = -1e30  # finite "minus infinity": a fully masked block must not produce inf - inf = NaN
 _LOG2E = math.log2(math.e)
 _L = plgpu.Layout
@@ -210,12 +212,32 @@ def _mla_kernel(nbs: int, hn: int):
     plgpu.barrier_wait(bar.at[1])
 
     def issue(k, slot):
-      # One TMA per selected row (latent and scales) on one barrier of 64 arrivals; -1 loads row 0 (masked later).
-      def row(j, c):
-        r = jnp.maximum(idx_s[k, j], 0)
-        plgpu.copy_gmem_to_smem(c32_g.at[b, pl.ds(r, 1)], c32_s.at[slot, pl.ds(j, 1)], gbar.at[slot])
+      # The block's 64 rows on one barrier of 64 arrivals, by groups of RUN: a group of consecutive positions
+      # (an indexer pool's tokens) is one TMA of RUN rows plus RUN - 1 plain arrivals; an all-padding group loads
+      # rows 0.. (masked later) the same way; any other group (the tail, interleaved padding) one TMA per row
+      # (-1 loads row 0, masked later).
+      def group(gi, c):
+        j = gi * RUN
+        r = [idx_s[k, j + t] for t in range(RUN)]
+        run, none = r[0] >= 0, r[0] < 0
+        for t in range(1, RUN):
+          run, none = run & (r[t] == r[0] + t), none & (r[t] < 0)
+        whole = run | none
+
+        @pl.when(whole)
+        def _():
+          start = jnp.where(none, 0, r[0])
+          plgpu.copy_gmem_to_smem(c32_g.at[b, pl.ds(start, RUN)], c32_s.at[slot, pl.ds(j, RUN)], gbar.at[slot])
+          for _ in range(RUN - 1):
+            plgpu.barrier_arrive(gbar.at[slot])
+
+        @pl.when(jnp.logical_not(whole))
+        def _():
+          for t in range(RUN):
+            plgpu.copy_gmem_to_smem(c32_g.at[b, pl.ds(jnp.maximum(r[t], 0), 1)], c32_s.at[slot, pl.ds(j + t, 1)],
+                                    gbar.at[slot])
         return c
-      lax.fori_loop(0, BLOCK, row, None, unroll=ISSUE_UNROLL)
+      lax.fori_loop(0, BLOCK // RUN, group, None, unroll=ISSUE_UNROLL)
 
     issue(0, 0)
     qmul = qm_g[bt]

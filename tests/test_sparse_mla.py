@@ -24,9 +24,11 @@ F8 = jnp.float8_e4m3fn
 SCALE = 1.0 / 16
 
 
-def make_inputs(seed, B, T, H, S, W, pad_frac=0.2, q_dtype=jnp.float32, trailing_pad=0):
+def make_inputs(seed, B, T, H, S, W, pad_frac=0.2, q_dtype=jnp.float32, trailing_pad=0, pooled=False):
   """Random absorbed queries, a quantised random latent cache (per-token magnitudes vary) and index lists with
-  interleaved -1 padding (+ ``trailing_pad`` -1 at the end); index 0 of every row is valid."""
+  interleaved -1 padding (+ ``trailing_pad`` -1 at the end); index 0 of every row is valid. ``pooled``: the
+  indexer's layout instead — selected pools of 4 consecutive positions (unselected: 4 × -1), then a tail of
+  consecutive positions partly -1, as attention.Indexer.select builds it (the kernel's one-TMA-per-pool path)."""
   ks = jax.random.split(jax.random.key(seed), 6)
   q = (jax.random.normal(ks[0], (B, T, H, M.D_LATENT)) * 0.6).astype(q_dtype)
   mag = jax.random.uniform(ks[1], (B, S, 1), minval=0.1, maxval=2.0)
@@ -35,6 +37,14 @@ def make_inputs(seed, B, T, H, S, W, pad_frac=0.2, q_dtype=jnp.float32, trailing
   idx = jax.random.randint(ks[3], (B, T, W), 0, S, jnp.int32)
   idx = jnp.where(jax.random.uniform(ks[4], (B, T, W)) < pad_frac, -1, idx)
   idx = idx.at[:, :, 0].set(jax.random.randint(ks[5], (B, T), 0, S, jnp.int32))
+  if pooled:
+    n_pool, tail = (W - 3) // 4, W - 4 * ((W - 3) // 4)
+    pools = jax.random.randint(ks[3], (B, T, n_pool), 0, S // 4 - 1, jnp.int32)
+    pools = jnp.where(jax.random.uniform(ks[4], (B, T, n_pool)) < pad_frac, -1, pools).at[:, :, 0].set(0)
+    tok = jnp.where(pools[..., None] >= 0, pools[..., None] * 4 + jnp.arange(4, dtype=jnp.int32), -1)
+    tail_pos = S - tail - 1 + jnp.arange(tail, dtype=jnp.int32)
+    tail_pos = jnp.where(jnp.arange(tail) < tail - 1, tail_pos, -1)  # the last tail slot is padding
+    idx = jnp.concatenate([tok.reshape(B, T, -1), jnp.broadcast_to(tail_pos, (B, T, tail))], axis=-1)
   if trailing_pad:
     idx = idx.at[:, :, W - trailing_pad:].set(-1)
   return q, rows, idx
@@ -108,16 +118,20 @@ def test_reference_vs_numpy(B, T, H, S, W):
 # kernel, GPU interpret mode
 # ------------------------------------------------------------------------------------------------------------
 INTERP_CASES = [
-    # B, T, H, S, W, blocks_per_split, trailing_pad, q dtype
-    (1, 1, 16, 256, 64, None, 0, jnp.float32),
-    (2, 4, 16, 256, 200, 2, 0, jnp.float32),  # 4 blocks -> 2 splits of 2 blocks; W padded 200 -> 256
-    (1, 2, 32, 256, 130, 1, 100, jnp.bfloat16),  # 2 head groups; trailing padding: the 3rd split is all -1
+    # B, T, H, S, W, blocks_per_split, trailing_pad, q dtype, pooled indices
+    (1, 1, 16, 256, 64, None, 0, jnp.float32, False),
+    (2, 4, 16, 256, 200, 2, 0, jnp.float32, False),  # 4 blocks -> 2 splits of 2 blocks; W padded 200 -> 256
+    (1, 2, 32, 256, 130, 1, 100, jnp.bfloat16, False),  # 2 head groups; trailing padding: the 3rd split is all -1
+    (2, 2, 16, 512, 135, None, 0, jnp.float32, True),  # the indexer's pools of 4 + a partly padded tail
 ]
 
 
-@pytest.mark.parametrize("B,T,H,S,W,nbs,trail,qdt", INTERP_CASES)
-def test_kernel_interpret(B, T, H, S, W, nbs, trail, qdt):
-  q, cache, idx = make_inputs(7 + B + T + W, B, T, H, S, W, q_dtype=qdt, trailing_pad=trail)
+@pytest.mark.parametrize("B,T,H,S,W,nbs,trail,qdt,pooled", INTERP_CASES)
+def test_kernel_interpret(B, T, H, S, W, nbs, trail, qdt, pooled):
+  q, cache, idx = make_inputs(7 + B + T + W, B, T, H, S, W, q_dtype=qdt, trailing_pad=trail, pooled=pooled)
+  if pooled:  # both gather paths run: whole pools (and all-padding groups) and single rows (the tail)
+    g = np.asarray(idx)[..., :4 * (W // 4)].reshape(B, T, -1, 4)
+    assert (g[..., 0] >= 0).any() and (g[..., 0] < 0).any() and (np.asarray(idx)[..., -1] < 0).all()
   ref = np.asarray(M.sparse_mla_decode_reference(q, cache, idx, softmax_scale=SCALE))
   with maybe_interpret(True):
     got = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, blocks_per_split=nbs))(
@@ -221,10 +235,15 @@ def test_gather_dequant_block_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,W,nbs", [(1, 1, 16, 65536, 2051, None), (8, 4, 16, 65536, 2051, None),
-                                           (2, 8, 64, 8192, 2176, None), (1, 4, 16, 65536, 2051, 4)])
-def test_kernel_gpu(B, T, H, S, W, nbs):
-  q, cache, idx = make_inputs(B + T + H, B, T, H, S, W, q_dtype=jnp.bfloat16, trailing_pad=W % 64)
+@pytest.mark.parametrize("B,T,H,S,W,nbs,pooled", [(1, 1, 16, 65536, 2051, None, False),
+                                                  (8, 4, 16, 65536, 2051, None, False),
+                                                  (2, 8, 64, 8192, 2176, None, False),
+                                                  (1, 4, 16, 65536, 2051, 4, False),
+                                                  (1, 1, 16, 32768, 2051, None, True),
+                                                  (8, 4, 16, 32768, 2051, None, True)])
+def test_kernel_gpu(B, T, H, S, W, nbs, pooled):
+  q, cache, idx = make_inputs(B + T + H, B, T, H, S, W, q_dtype=jnp.bfloat16, trailing_pad=0 if pooled else W % 64,
+                              pooled=pooled)
   ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, cache, idx))
   got = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, blocks_per_split=nbs))(
       q, cache, idx))
