@@ -1,10 +1,13 @@
 """Benchmark the DSA decode kernels on one GPU: sparse MLA over the FP8 latent cache and the indexer scores.
 
 Sparse MLA: B in {1, 8}, T in {1, 4}, H = 16 (TP4), W = 2051 selected positions per query token, 512-d latent
-(528 B per position: 512 e4m3 + 4 fp32 scales). The cache is made large (>= 2^20 positions in total) and every
-call gets its own random index lists and queries, so the gathered rows are mostly cold in the 60 MB L2 (as in
-decode, where 11 layers each read their own cache once per step). Index lists of different query tokens are
-independent here; in real decode they overlap heavily, so T > 1 is pessimistic.
+(one 640-byte cache row per position: 512 e4m3 bytes + 4 fp32 scales + padding). The cache is made large
+(>= 2^20 positions in total) and every call gets its own random index lists and queries, so the gathered rows are
+mostly cold in the 60 MB L2 (as in decode, where 11 layers each read their own cache once per step). The index
+lists have the indexer's layout: 512 random pools of 4 consecutive positions, then a 3-position tail (the kernel
+gathers a pool with one TMA); ``--random-idx`` draws every position independently instead (one TMA per row).
+Index lists of different query tokens are independent here; in real decode they overlap heavily, so T > 1 is
+pessimistic.
 
 Indexer: B in {1, 8}, T in {1, 4}, HI = 32, P pooled keys (132 B each) in {1024, 8192, 16384}, all visible;
 every call reads its own copy of the pooled-key cache (cold L2).
@@ -57,22 +60,27 @@ def _cache(key, B, S):
   return M.quantize_latent(c)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _mla_call_inputs(key, B, T, H, S, W):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _mla_call_inputs(key, B, T, H, S, W, pooled=True):
   k1, k2 = jax.random.split(key)
   q = (jax.random.normal(k1, (B, T, H, M.D_LATENT)) * 0.3).astype(jnp.bfloat16)
-  idx = jax.random.randint(k2, (B, T, W), 0, S, jnp.int32)
-  return q, idx
+  if not pooled:
+    return q, jax.random.randint(k2, (B, T, W), 0, S, jnp.int32)
+  n_pool = (W - 3) // 4  # the indexer's top pools expanded to their 4 positions, then the tail
+  pools = jax.random.randint(k2, (B, T, n_pool), 0, S // 4 - 1, jnp.int32)
+  tok = (pools[..., None] * 4 + jnp.arange(4, dtype=jnp.int32)).reshape(B, T, -1)
+  tail = jnp.broadcast_to(S - 4 + jnp.arange(W - 4 * n_pool, dtype=jnp.int32), (B, T, W - 4 * n_pool))
+  return q, jnp.concatenate([tok, tail], axis=-1)
 
 
 MLA_HEADER = (f"{'B':>2} {'T':>2} {'H':>3} {'W':>5} {'nbs':>4} {'MB':>6} {'kern us':>8} {'call us':>8} {'GB/s':>6} "
               f"{'xla us':>8} {'xla GB/s':>8} {'x':>5} {'relerr':>8}")
 
 
-def bench_mla(B, T, H=16, W=2051, nbs=None, with_xla=True, n_calls=16):
+def bench_mla(B, T, H=16, W=2051, nbs=None, with_xla=True, n_calls=16, pooled=True):
   S = max(min(65536, MIN_CACHE_POSITIONS), MIN_CACHE_POSITIONS // B)
   cache = _cache(jax.random.key(B * 31 + T), B, S)
-  sets = [(*_mla_call_inputs(jax.random.key(1000 + i), B, T, H, S, W),) for i in range(n_calls)]
+  sets = [(*_mla_call_inputs(jax.random.key(1000 + i), B, T, H, S, W, pooled),) for i in range(n_calls)]
   args = [(q, cache, idx) for q, idx in sets]
   f = jax.jit(functools.partial(M.sparse_mla_decode, softmax_scale=SCALE, blocks_per_split=nbs))
   ref = jax.jit(functools.partial(M.sparse_mla_decode_reference, softmax_scale=SCALE))
@@ -132,23 +140,28 @@ def main():
   ap.add_argument("--only", default="mla,indexer,sweep")
   ap.add_argument("--out", default=None)
   ap.add_argument("--quick", action="store_true", help="fewer configurations")
+  ap.add_argument("--random-idx", action="store_true",
+                  help="sparse MLA index lists of independent random positions (one gather per row) instead of "
+                       "the indexer's pools of 4 consecutive positions")
   a = ap.parse_args()
+  pooled = not a.random_idx
   only = set(a.only.split(","))
   log(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, timing: {MODE[0]}")
   t0 = time.time()
   try:
     if "mla" in only:
-      log("\n## sparse MLA decode (H=16 per rank, W=2051, FP8 latent cache)")
+      log(f"\n## sparse MLA decode (H=16 per rank, W=2051, FP8 latent cache; index lists: "
+          f"{'pools of 4' if pooled else 'random positions'})")
       log(MLA_HEADER)
-      for B, T in ([(1, 1), (1, 4), (8, 4)] if a.quick else [(1, 1), (1, 4), (8, 1), (8, 4)]):
-        bench_mla(B, T)
+      for B, T in ([(1, 1), (1, 4), (8, 4), (32, 1)] if a.quick else [(1, 1), (1, 4), (8, 1), (8, 4), (32, 1)]):
+        bench_mla(B, T, pooled=pooled)
     if "sweep" in only:
       log("\n## sparse MLA: blocks of 64 positions per CTA (W split)")
       log(MLA_HEADER)
       sweep = [(1, 1, (2, 4))] if a.quick else [(1, 1, (1, 2, 4, 9)), (1, 4, (1, 2, 4)), (8, 4, (2, 4, 9))]
       for B, T, nbss in sweep:
         for nbs in nbss:
-          bench_mla(B, T, nbs=nbs, with_xla=False)
+          bench_mla(B, T, nbs=nbs, with_xla=False, pooled=pooled)
     if "indexer" in only:
       log("\n## indexer scores (HI=32, all pools visible)")
       log(IDX_HEADER)
