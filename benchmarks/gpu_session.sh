@@ -44,6 +44,9 @@
 #   hostflags (nvidia-h200):  the synthetic launch program with Mosaic calls under XLA's command-buffer update modes
 #                             (default, SKIP_TEMP, SKIP_PROFILED) + a VLOG of what XLA re-records per execution, then
 #                             the one-rank q = 1 step under SKIP_PROFILED (the per-Mosaic-call host cost, issue #9)
+#   s25     (nvidia-h200):    session 25's CPU work natively: the sparse MLA GPU tests (one-row cache format, pools
+#                             gathered by one TMA) and the mHC ones (Sinkhorn split), bench_sparse_mla (pooled index
+#                             lists, B up to 32), bench_mhc, then the one-rank step at q = 1 and 4, profiled
 #   concurrent (nvidia-h200): XLA's CONCURRENT command-buffer schedule (graph nodes ordered by buffer dependencies
 #                             only: independent small kernels may overlap): the GPU equivalence test, then the one-rank
 #                             step at q = 1 and 4 under it (profiled), q = 1 with {"mhc_sinkhorn_split": true}, then
@@ -361,6 +364,17 @@ case "$MODE" in
       grep -i -E "command" /tmp/vlog.txt | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -25; } \
       > "$OUT/vlog_summary.txt"
     [ "$(left)" -gt 150 ] && XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED" rank1 skipprof --q 1
+    ;;
+  s25)  # (nvidia-h200) see the header
+    for f in test_sparse_mla test_mhc; do
+      timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider "tests/$f.py" 2>&1 \
+        | grep -E "passed|failed|FAILED|^E  " | head -20 | sed "s/^/$f: /" | tee -a "$OUT/gpu_tests.log"
+    done
+    timeout 100 python3 benchmarks/bench_sparse_mla.py --quick --only mla --out "$OUT/bench_sparse_mla.txt" \
+      > "$OUT/bench_sparse_mla.log" 2>&1
+    timeout 80 python3 benchmarks/bench_mhc.py --rows 1,4 > "$OUT/bench_mhc.log" 2>&1
+    rank1 s25 --q 1 --profile
+    [ "$(left)" -gt 200 ] && rank1 s25 --q 4 --profile
     ;;
   concurrent)  # (nvidia-h200) see the header
     timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_decode.py -k concurrent 2>&1 \
