@@ -58,9 +58,8 @@
 #                             also compared a scatter-free compaction there: slower, removed)
 #   rows    (nvidia-h200):    bench_linear's rows the defaults call ran out of time for (grouped MoE at M = 1..64, bf16
 #                             at 32 and 64), the one-rank step at B = 8, q = 1 (profiled), then B = 1 with kda_norm
-#   batch   (nvidia-h200):    the one-rank step at B = 8, q = 4 and B = 32, q = 1, then B = 1 at q = 8, then auto at
-#                             q = 4, profiled: issue #9's batch sizes and draft lengths (the kernels' M grows to
-#                             8-128 rows; the radix top-k and the bf16 GEMV decide per site)
+#   batch   (nvidia-h200):    the one-rank step at B = 8 (q = 1, 4) and B = 32 (q = 1), profiled: issue #9's batch
+#                             sizes (the kernels' M grows to 8-32 rows), then bench_kda_decode's B x q matrix
 #   hang    (nvidia-h200):    4 real layers at q = 4, every kernel family alone and all together as concurrent
 #                             processes: which one stalls (LAYERS=N for more layers)
 #   bisect  (nvidia-h200):    sparse-MLA GPU tests, the latency_specialized step of 8 layers of one TP4 rank with
@@ -342,12 +341,13 @@ case "$MODE" in
     [ "$(left)" -gt 200 ] && rank1 q4 --q 1 --trace --policy '{"indexer_topk": true}'
     ;;
   batch)  # (nvidia-h200) see the header; rank1 runs B = 1 unless --batch is given again (argparse: the last wins)
-    # (session 24 ran B = 8, q = 1: 8.97 ms)
-    rank1 batch --q 4 --batch 8 --profile
+    # (sessions 24-25 ran B = 8 and 32 with a random router that routed too few experts: re-measured here)
+    rank1 batch --q 1 --batch 8 --profile
+    [ "$(left)" -gt 200 ] && rank1 batch --q 4 --batch 8 --profile
     [ "$(left)" -gt 200 ] && rank1 batch --q 1 --batch 32 --profile
-    [ "$(left)" -gt 230 ] && rank1 batch --q 8 --profile
-    # the stock XLA step at q = 4 (issue #9's latency_specialized vs auto comparison beyond q = 1)
-    [ "$(left)" -gt 230 ] && rank1 batch --q 4 --backend auto --profile
+    # issue #6's KDA matrix (B 1/8/32 x q 1/4/8, CUPTI device time, floor column) if time remains
+    [ "$(left)" -gt 80 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_kda_decode.py --quick \
+      --budget_s $(( $(left) - 30 )) > "$OUT/bench_kda.log" 2>&1
     ;;
   hostflags)  # (nvidia-h200) see the header
     for fl in "" "--xla_gpu_command_buffer_update_mode=SKIP_TEMP" "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"; do
