@@ -254,8 +254,8 @@ class Indexer(nnx.Module):
     """Write completed pools into the pool cache and this call's keys into the tail ring."""
     B, T, Di = k.shape
     kp = self.kpool
-    ring_k, ring_g, pools = cache["ring_k"], cache["ring_g"], cache.get("pool")
-    Rg = ring_k.shape[1]
+    ring, pools = cache["ring"], cache.get("pool")  # ring [B, Rg, 2, Di]: key, gate score
+    Rg = ring.shape[1]
     base = (ctx.start // kp) * kp
     G = kp * (-(-(kp - 1 + T) // kp))
     i = jnp.arange(G, dtype=jnp.int32)[None]
@@ -266,10 +266,9 @@ class Indexer(nnx.Module):
     tc = jnp.clip(t, 0, T - 1)
     bq = jnp.arange(B)[:, None]
     take = lambda a, ix: a[bq, ix]
-    kc = jnp.where(from_ring[..., None], take(ring_k, pos % Rg).astype(jnp.float32),
-                   jnp.where(from_new[..., None], take(k, tc), 0.0))
-    gc = jnp.where(from_ring[..., None], take(ring_g, pos % Rg).astype(jnp.float32),
-                   jnp.where(from_new[..., None], take(gam, tc), 0.0))
+    old = take(ring, pos % Rg).astype(jnp.float32)  # [B, G, 2, Di]: one gather for keys and gate scores
+    kc = jnp.where(from_ring[..., None], old[:, :, 0], jnp.where(from_new[..., None], take(k, tc), 0.0))
+    gc = jnp.where(from_ring[..., None], old[:, :, 1], jnp.where(from_new[..., None], take(gam, tc), 0.0))
     pk = self.pool(kc.reshape(B, G // kp, kp, Di), gc.reshape(B, G // kp, kp, Di)).astype(dtype)
     end = ctx.start + ctx.valid
     pj = base[:, None] // kp + jnp.arange(G // kp, dtype=jnp.int32)[None]
@@ -287,9 +286,8 @@ class Indexer(nnx.Module):
     ok = ok & (npos >= (end - Rg)[:, None])
     bidx = jnp.broadcast_to(jnp.arange(B)[:, None], npos.shape)
     slot = jnp.where(ok, npos % Rg, Rg)
-    ring_k = ring_k.at[bidx, slot].set(k.astype(ring_k.dtype), mode="drop")
-    ring_g = ring_g.at[bidx, slot].set(gam.astype(ring_g.dtype), mode="drop")
-    return dict(out, ring_k=ring_k, ring_g=ring_g)
+    ring = ring.at[bidx, slot].set(jnp.stack([k, gam], axis=2).astype(ring.dtype), mode="drop")  # one scatter
+    return dict(out, ring=ring)
 
   def scores(self, hw, q_r, icache, pos, dtype):
     """hw [B, T, HI] (the head weights from ``project``) -> [B, T, P] = Σ_h (w_h · HI^-½) · ReLU(q_h·K_j · Di^-½)

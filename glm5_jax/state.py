@@ -13,8 +13,9 @@ Per DSA layer and for the MTP layer (replicated on every rank):
   pool   [B, P, Di]       pooled indexer keys by pool index, P = S/kpool rounded up to a multiple of POOL_ALIGN
                           (slots past S/kpool are never complete: masked like any pool not yet full); FP8: pool8
                           (Hadamard-rotated e4m3) + pool_scale [B, P] (power-of-two scales, vLLM's numerics)
-  ring_k, ring_g [B, Rg, Di]  raw indexer keys / gate scores of the open pool by position mod Rg
-                          (Rg = kpool·⌈(kpool − 1 + q)/kpool⌉ keeps every position a step can touch distinct)
+  ring   [B, Rg, 2, Di]   raw indexer keys (entry 0) and gate scores (entry 1) of the open pool by position
+                          mod Rg (Rg = kpool·⌈(kpool − 1 + q)/kpool⌉ keeps every position a step can touch
+                          distinct); one array: one gather and one scatter per step instead of two each
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ def _dsa_cache(cfg: Glm5Config, B, S, q, dtype, kv_fp8):
   R, Di, P = cfg.kv_lora_rank, cfg.index_head_dim, pool_slots(cfg, S)
   Rg = ring_size(cfg, q)
   rep3 = (None, None, None)
-  ring = {"ring_k": (jax.ShapeDtypeStruct((B, Rg, Di), dtype), rep3),
-          "ring_g": (jax.ShapeDtypeStruct((B, Rg, Di), dtype), rep3)}
+  ring = {"ring": (jax.ShapeDtypeStruct((B, Rg, 2, Di), dtype), (None, None, None, None))}
   if not kv_fp8:
     return {"latent": (jax.ShapeDtypeStruct((B, S, R), dtype), rep3),
             "pool": (jax.ShapeDtypeStruct((B, P, Di), dtype), rep3), **ring}

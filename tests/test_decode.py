@@ -109,11 +109,11 @@ def test_state_after_rejection_equals_state_of_accepted_tokens(model):
       np.testing.assert_allclose(np.asarray(a["latent"][0, :L]), np.asarray(b["latent"][0, :L]), **tol("fp32_paths"))
       np.testing.assert_allclose(np.asarray(a["pool"][0, :L // 4]), np.asarray(b["pool"][0, :L // 4]),
                                  **tol("fp32_paths"))
-      rg = a["ring_k"].shape[1]
+      rg = a["ring"].shape[1]
       open_pos = np.arange(4 * (L // 4), L) % rg
-      rb = b["ring_k"].shape[1]
-      np.testing.assert_allclose(np.asarray(a["ring_k"][0, open_pos]),
-                                 np.asarray(b["ring_k"][0, np.arange(4 * (L // 4), L) % rb]), **tol("fp32_paths"))
+      rb = b["ring"].shape[1]
+      np.testing.assert_allclose(np.asarray(a["ring"][0, open_pos]),
+                                 np.asarray(b["ring"][0, np.arange(4 * (L // 4), L) % rb]), **tol("fp32_paths"))
 
 
 def test_sampled_acceptance_preserves_target_distribution(model):
