@@ -373,7 +373,7 @@ case "$MODE" in
     timeout 100 python3 benchmarks/bench_sparse_mla.py --quick --only mla --out "$OUT/bench_sparse_mla.txt" \
       > "$OUT/bench_sparse_mla.log" 2>&1
     timeout 80 python3 benchmarks/bench_mhc.py --rows 1,4 > "$OUT/bench_mhc.log" 2>&1
-    rank1 s25 --q 1 --profile
+    rank1 s25 --q 1 --profile --hlo-dir "$OUT/hlo"  # every kernel + the HLO: benchmarks/kernel_table.py offline
     [ "$(left)" -gt 200 ] && rank1 s25 --q 4 --profile
     ;;
   concurrent)  # (nvidia-h200) see the header
