@@ -59,8 +59,8 @@ plt.tight_layout()
 # One TP4 rank's share of GLM-5.3-Flash (45 layers + MTP, 82 GB of random weights, 32K context), B = 1, both
 # backends (`benchmarks/results/decode_h200.jsonl`, the last 10 profiled runs). Bars: GPU time per component;
 # black: the wall-clock step; dotted: when the chained calls had returned on the host (close to the wall time =
-# the step is host-bound, as it was at q = 1 until small parameters were packed in session 20; since then the GPU
-# is behind: 5.93 ms wall vs 3.74 ms host in session 23); red: the HBM roofline.
+# the step is host-bound, as it was at q = 1 until small parameters were packed in session 20; since then wall
+# time is GPU time + ~0.1 ms — e.g. 5.49 ms wall for 5.37 ms of GPU in session 25); red: the HBM roofline.
 
 # %%
 path = os.path.join("..", "benchmarks", "results", "decode_h200.jsonl")
@@ -87,13 +87,16 @@ ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.2))
 fig.tight_layout()
 
 # %% [markdown]
-# ## Why the step was host-bound at q = 1 (before packed parameters)
+# ## Launching the step's CUDA graph: host time
 #
 # `benchmarks/bench_graph_launch.py` on the H200 (`benchmarks/results/graph_launch_h200.jsonl`): a synthetic
 # program of ~2,400 small kernels, chained over calls with a donated state, launches as one CUDA graph in under
-# half a millisecond of host time — wall time equals GPU time. Making every 7th kernel a Pallas Mosaic GPU call
-# (171 calls) costs ~2 ms more host time per call for about the same GPU work: each Mosaic call inside XLA's
-# graph costs ~12.7 µs of host time (one run: an estimate). The real step has 374 of them (and 1,855 arguments), hence host-bound.
+# half a millisecond of host time — wall time equals GPU time. In session 19 making every 7th kernel a Pallas
+# Mosaic GPU call (171 calls) cost ~2 ms more host time per call (read then as ~12.7 µs per Mosaic call); session
+# 25 measured the same program at 0.71 ms of host time for 4.10 ms of GPU, also under XLA's command-buffer update
+# modes SKIP_TEMP / SKIP_PROFILED, and a VLOG showed no re-recording after the first call: Mosaic calls in the
+# graph do not limit the step. (The real step was host-bound in session 19 through its 1,855 arguments, since
+# packed.)
 
 # %%
 path = os.path.join("..", "benchmarks", "results", "graph_launch_h200.jsonl")
