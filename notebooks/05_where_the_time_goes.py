@@ -113,7 +113,9 @@ y = list(range(len(runs)))
 ax.barh([i - 0.2 for i in y], [r["host_ms"] for r in runs], height=0.4, label="host ms per call")
 ax.barh([i + 0.2 for i in y], [r["gpu_ms"] for r in runs], height=0.4, label="GPU ms per call")
 flags = {"": "default", "--xla_gpu_enable_command_buffer=": "no CUDA graph",
-         "--xla_gpu_enable_command_buffer=-CUSTOM_CALL": "custom calls outside the graph"}
+         "--xla_gpu_enable_command_buffer=-CUSTOM_CALL": "custom calls outside the graph",
+         "--xla_gpu_command_buffer_update_mode=SKIP_TEMP": "update mode SKIP_TEMP",
+         "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED": "update mode SKIP_PROFILED"}
 ax.set_yticks(y, [f"{n_mosaic(r)} Mosaic calls, {flags.get(r['xla_flags'], r['xla_flags'])}" for r in runs],
               fontsize=8)
 ax.set_xlabel("ms per call (2,230-2,401 kernels each)")
