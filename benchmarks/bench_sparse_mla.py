@@ -88,7 +88,7 @@ def bench_mla(B, T, H=16, W=2051, nbs=None, with_xla=True, n_calls=16, pooled=Tr
   call, names = time_calls(f, args)
   kern = kern_us(names, "glm5_sparse_mla")
   xla = time_calls(ref, args)[0] if with_xla else float("nan")
-  nbytes = B * T * W * M.ROW_WORDS * 4  # the gathered cache rows
+  nbytes = B * T * W * M.ROW_WORDS * 4  # the gathered cache rows (640 B each, 528 of them data; before session 25: 528)
   gbs = lambda us: nbytes / (us * 1e-6) / 1e9
   nb = nbs or M._pick_blocks_per_split(-(-W // M.BLOCK), B * T * (H // M.HEADS_PER_CTA))
   log(f"{B:>2} {T:>2} {H:>3} {W:>5} {nb:>4} {nbytes / 1e6:6.2f} {kern:8.1f} {call:8.1f} {gbs(call):6.0f} "

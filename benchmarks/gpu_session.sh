@@ -377,7 +377,7 @@ case "$MODE" in
     [ "$(left)" -gt 200 ] && rank1 s25 --q 4 --profile
     ;;
   concurrent)  # (nvidia-h200) see the header
-    timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_decode.py -k concurrent 2>&1 \
+    timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_decode.py -k concurrent 2>&1 \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " | tee -a "$OUT/gpu_tests.log"
     for q in 1 4; do
       [ "$(left)" -gt 150 ] && rank1 concurrent --q $q --profile \
@@ -464,7 +464,7 @@ case "$MODE" in
     ) &
     wait
     ;;
-  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | q4 | defaults | batch | hang | bisect)"; exit 2 ;;
+  *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | q4 | defaults | rows | glue | dq | batch | rest | hostflags | stepvlog | s25 | concurrent | hang | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
 echo "total $(( $(date +%s) - t0 )) s"

@@ -114,6 +114,9 @@ def random_state(decoder, batch: int, context: int, *, seed: int = 0):
     scale = 0.05 if len(s.shape) == 5 else 1.0  # KDA states stay in a realistic range
     if jnp.dtype(s.dtype) == jnp.int32:  # FP8 latent cache rows (e4m3 bytes + scales): random latents quantised
       from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
+      if s.shape[-1] != ks.ROW_WORDS:
+        raise ValueError(f"random_state: an int32 cache leaf {s.shape}; only FP8 latent rows [.., {ks.ROW_WORDS}] "
+                         "are known")
       f = jax.jit(lambda k, s=s: ks.quantize_latent(jax.random.normal(k, (*s.shape[:-1], ks.D_LATENT))),
                   out_shardings=NamedSharding(model.mesh, sp))
     else:

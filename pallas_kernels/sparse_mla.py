@@ -21,9 +21,9 @@ c_s the dequantised latent. ``sparse_mla_decode`` is a Pallas Mosaic GPU kernel;
 the pure-jnp f32 definition with the same signature.
 
 Kernel design (one CTA = one (query token, head group of 16, slice of the index list)):
-* the selected rows are gathered by index: scalar index reads from SMEM and one TMA copy per row (544 B: latent
-  and scales) into a double-buffered SMEM block of 64 positions, the next block in flight while the current one
-  is computed;
+* the selected rows are gathered by index (scalar index reads from SMEM) into a double-buffered SMEM block of
+  64 positions, the next block in flight while the current one is computed: one TMA per group of 4 consecutive
+  positions (an indexer pool: 4 × 640-byte rows) and one per row elsewhere (the tail, padding);
 * the block is dequantised in registers with integer ops (each e4m3 byte b -> the f16 with bits
   (b & 0x80) << 8 | (b & 0x7F) << 7, which is exactly 2^-8 times the e4m3 value, subnormals included; (x) the
   per-row-per-128 scale x 256 in f32 -> f16) into a swizzled f16 tile whose columns are the latent dimensions in
@@ -157,11 +157,12 @@ def _dequant_block(c32_s, c16_s):
   f32. Word w belongs to scale group w // 32; each row's scale g is its word 128 + g, taken by a masked row sum
   of the bits (one nonzero term: exact) and read back as f32 — no value transpose."""
   full = plgpu.load(c32_s, layout=_L.WGMMA, optimized=False)
-  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROW_WORDS), 1, layout=_L.WGMMA)
+  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, 8), 1, layout=_L.WGMMA)
   group = lax.shift_right_logical(plgpu.broadcasted_iota(jnp.int32, (BLOCK, WORDS), 1, layout=_L.WGMMA), 5)
+  sc = full[:, WORDS:WORDS + 8]  # the scale words and 4 zero words: a tile-aligned slice
   scale = None
   for g in range(SCALES):
-    bits = plgpu.layout_cast(jnp.where(col == WORDS + g, full, 0).sum(axis=1), _L.WGMMA.reduce(1))
+    bits = plgpu.layout_cast(jnp.where(col == g, sc, 0).sum(axis=1), _L.WGMMA.reduce(1))
     s_b = lax.broadcast_in_dim(lax.bitcast_convert_type(bits, jnp.float32) * 256.0, (BLOCK, WORDS), (0,))
     scale = s_b if scale is None else jnp.where(group == g, s_b, scale)
   x = full[:, :WORDS]
@@ -314,6 +315,8 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   if Dl != D_LATENT or cache.shape[-1] != ROW_WORDS or cache.dtype != jnp.int32:
     raise ValueError(f"sparse_mla_decode: q [.., {Dl}], cache {cache.shape} {cache.dtype}; expected q [.., "
                      f"{D_LATENT}] and int32 cache rows [B, S, {ROW_WORDS}] (quantize_latent)")
+  if cache.shape[1] < RUN:  # an all-padding group of RUN indices loads rows 0 .. RUN - 1
+    raise ValueError(f"sparse_mla_decode: a cache of {cache.shape[1]} positions; expected at least {RUN}")
   assert H % HEADS_PER_CTA == 0, H
   hn = HEADS_PER_CTA
   W = indices.shape[-1]

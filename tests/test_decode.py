@@ -387,17 +387,20 @@ def test_latency_specialized_all_kernels_equals_stock_fp8_cache():
 
 @pytest.mark.gpu
 @pytest.mark.e2e_kernels
-def test_concurrent_command_buffer_step_equals_serial():
+@pytest.mark.parametrize("policy", [(), (("mhc_sinkhorn_split", True),)])
+def test_concurrent_command_buffer_step_equals_serial(policy):
   """XLA's CONCURRENT command-buffer scheduling (the CUDA graph's nodes ordered by buffer dependencies only, so
   independent kernels may overlap) must not change a token: three latency_specialized verify steps of kernel-tiny
-  with every kernel family, the default (LHS) schedule vs CONCURRENT. (On the CPU the option is accepted and
-  ignored: GPU only.)"""
+  with every kernel family, the default (LHS) schedule vs CONCURRENT; also with the Sinkhorn as its own kernel
+  (mhc_sinkhorn_split, the form meant to overlap). (On the CPU the option is accepted and ignored: GPU only.)"""
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
-  prompt = np.random.default_rng().integers(0, 2000, 13)
+  seed = int(np.random.default_rng().integers(1 << 30))
+  prompt = np.random.default_rng(seed).integers(0, 2000, 13)
   outs = []
-  for opts in ({}, {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}):
-    dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,)), backend="latency_specialized",
-                  prefill_chunk=16, compiler_options=opts or {"xla_gpu_command_buffer_scheduling_mode": "LHS"})
+  for mode in ("LHS", "CONCURRENT"):
+    dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=policy),
+                  backend="latency_specialized", prefill_chunk=16,
+                  compiler_options={"xla_gpu_command_buffer_scheduling_mode": mode})
     state = dec.prefill([prompt])
     toks, got = np.array(state.next_tokens), []
     for _ in range(3):
@@ -406,7 +409,7 @@ def test_concurrent_command_buffer_step_equals_serial():
       toks = np.array(o.next_tokens)
     outs.append(got)
   for a, b in zip(*outs):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, b, err_msg=f"prompt seed {seed}")
 
 
 def test_decoder_from_deployment_gates_the_backend(model):
