@@ -23,7 +23,7 @@ from flax import nnx
 from jax import lax
 
 from glm5_jax.config import Glm5Config
-from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
+from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MAX_KERNEL_ROWS, MLA_HD, TP, ConcatLinear, Linear,
                              RMSNorm, concat_fits, kernel_enabled, param, StackedLinear, radix_topk_plan,
                              rms_norm, topk_set_by_threshold)
 
@@ -342,6 +342,23 @@ class Indexer(nnx.Module):
     return jnp.concatenate([tok, tail], axis=-1), js
 
 
+def _per_head(eq, x, w):
+  """The MLA absorption x [B, T, H, a] · w (per head) -> [B, T, H, b], for the two contractions of DSA ("bthn,hnr->
+  bthr": W_UK, "bthr,hvr->bthv": W_UV). At decode sizes (B·T token rows <= MAX_KERNEL_ROWS) as an f32 product and
+  a sum — one reduction fusion streaming the per-head weights — instead of a dot with the heads as a batch
+  dimension, which XLA on the H200 may emit as a Triton gemm fusion of ~14 µs for one token row (session 25's
+  profiles: 12 launches a step). Prefill keeps the dot (real matrix products). Same result dtype either way."""
+  # the contracted axis of w (the other is the output's)
+  axis = {"bthn,hnr->bthr": -2, "bthr,hvr->bthv": -1}.get(eq)
+  if axis is None:
+    raise ValueError(f"_per_head: unknown contraction {eq!r}")
+  if x.shape[0] * x.shape[1] > MAX_KERNEL_ROWS:
+    return jnp.einsum(eq, x, w, precision=HIGHEST)
+  f32 = jnp.float32
+  xe = x.astype(f32)[..., :, None] if axis == -2 else x.astype(f32)[..., None, :]
+  return jnp.sum(xe * w.astype(f32), axis=axis).astype(jnp.result_type(x, w))
+
+
 class DSA(nnx.Module):
   """NoPE MLA over indexer-selected positions (absorbed form), heads split over TP; q_a/kv_a replicated."""
 
@@ -393,7 +410,7 @@ class DSA(nnx.Module):
         idx, js = self.indexer.select(sc, pos)
       else:
         idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
-    q_hat = jnp.einsum("bthn,hnr->bthr", q, w_uk, precision=HIGHEST)  # absorbed query [B, T, H, R]
+    q_hat = _per_head("bthn,hnr->bthr", q, w_uk)  # absorbed query [B, T, H, R]
     if fp8:
       if kernel_enabled("sparse_mla", B * T):
         hp = -H % 16  # the kernel packs 16 heads per CTA: pad with zero queries (sliced off below)
@@ -410,7 +427,7 @@ class DSA(nnx.Module):
       s = jnp.where((idx >= 0)[:, :, None, :], s * self.scale, -jnp.inf)
       p = jax.nn.softmax(s, axis=-1)
       o_lat = jnp.einsum("bthw,btwr->bthr", p, cs.astype(jnp.float32), precision=HIGHEST)
-    o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dtype), w_uv, precision=HIGHEST)
+    o = _per_head("bthr,hvr->bthv", o_lat.astype(dtype), w_uv)
     y = lax.psum(self.o_proj(o.reshape(B, T, H * dv), dtype), TP)
     new = dict(cache, **lat, **icache)
     return y, new, {"idx": idx, "pools": js}

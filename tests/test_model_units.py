@@ -13,7 +13,7 @@ import pytest
 import glm5_jax
 from checkpoints import make_tiny
 from conftest import tol
-from glm5_jax.attention import kda_chunked, l2norm
+from glm5_jax.attention import _per_head, kda_chunked, l2norm
 from glm5_jax.checkpoint import CheckpointError
 from helpers import load, tiny_checkpoint
 from pallas_kernels.kda_decode import kda_decode_reference
@@ -350,3 +350,24 @@ def test_router_logits_through_the_bf16_kernel():
   with maybe_interpret(True), use_kernels({}), kernel_report() as rep:
     jax.jit(r.logits)(x.astype(jnp.float32))
   assert rep and rep[0][0] == "bf16_linear" and "bf16 router input" in rep[0][1], rep
+
+
+@pytest.mark.parametrize("rows", [1, 4, 80])  # decode token rows (product + sum) and prefill's (the dot)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mla_absorption_forms_equal_the_einsum(rows, dtype):
+  """DSA's per-head absorptions (W_UK into the query, W_UV out of the latent) as an f32 product + sum at decode
+  sizes equal the HIGHEST-precision einsum of the prefill form, in the einsum's result dtype."""
+  rng = np.random.default_rng()
+  H, n, r = 4, 32, 64
+  x = jnp.asarray(rng.standard_normal((1, rows, H, n)), dtype)
+  w_uk = jnp.asarray(rng.standard_normal((H, n, r)) / 8, dtype)
+  w_uv = jnp.asarray(rng.standard_normal((H, n, r)) / 8, dtype)
+  lat = jnp.asarray(rng.standard_normal((1, rows, H, r)), dtype)
+  t = tol("fp32_paths") if dtype == jnp.float32 else tol("kernel_bf16")
+  for eq, a, w in (("bthn,hnr->bthr", x, w_uk), ("bthr,hvr->bthv", lat, w_uv)):
+    got = _per_head(eq, a, w)
+    want = jnp.einsum(eq, a, w, precision=lax.Precision.HIGHEST)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **t)
+  with pytest.raises(ValueError, match="unknown contraction"):
+    _per_head("bthn,hrn->bthr", x, w_uk)
