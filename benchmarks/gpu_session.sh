@@ -374,7 +374,7 @@ case "$MODE" in
       > "$OUT/bench_sparse_mla.log" 2>&1
     timeout 80 python3 benchmarks/bench_mhc.py --rows 1,4 > "$OUT/bench_mhc.log" 2>&1
     rank1 s25 --q 1 --profile --hlo-dir "$OUT/hlo"  # every kernel + the HLO: benchmarks/kernel_table.py offline
-    [ "$(left)" -gt 200 ] && rank1 s25 --q 4 --profile
+    [ "$(left)" -gt 200 ] && rank1 s25 --q 4 --profile --hlo-dir "$OUT/hlo"
     ;;
   concurrent)  # (nvidia-h200) see the header
     timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_decode.py -k concurrent 2>&1 \
