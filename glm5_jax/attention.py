@@ -23,7 +23,7 @@ from flax import nnx
 from jax import lax
 
 from glm5_jax.config import Glm5Config
-from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MAX_KERNEL_ROWS, MLA_HD, TP, ConcatLinear, Linear,
+from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
                              RMSNorm, concat_fits, kernel_enabled, param, StackedLinear, radix_topk_plan,
                              rms_norm, topk_set_by_threshold)
 
@@ -342,17 +342,21 @@ class Indexer(nnx.Module):
     return jnp.concatenate([tok, tail], axis=-1), js
 
 
+ABSORB_ROWS = 8  # token rows up to which _per_head sums products instead of a dot (one verify of q <= 8 at B = 1)
+
+
 def _per_head(eq, x, w):
   """The MLA absorption x [B, T, H, a] · w (per head) -> [B, T, H, b], for the two contractions of DSA ("bthn,hnr->
-  bthr": W_UK, "bthr,hvr->bthv": W_UV). At decode sizes (B·T token rows <= MAX_KERNEL_ROWS) as an f32 product and
-  a sum — one reduction fusion streaming the per-head weights — instead of a dot with the heads as a batch
-  dimension, which XLA on the H200 may emit as a Triton gemm fusion of ~14 µs for one token row (session 25's
-  profiles: 12 launches a step). Prefill keeps the dot (real matrix products). Same result dtype either way."""
+  bthr": W_UK, "bthr,hvr->bthv": W_UV). For a few token rows (B·T <= ABSORB_ROWS) as an f32 product and a sum —
+  one reduction fusion streaming the per-head weights — instead of a dot with the heads as a batch dimension,
+  which XLA on the H200 may emit as a Triton gemm fusion of ~14 µs whatever the rows (session 25's profiles: 12
+  launches a step at B·T = 1, 4 and 32). The reduction re-reads the 4 MB weight per row (from L2), so more rows
+  keep the dot. Same result dtype either way."""
   # the contracted axis of w (the other is the output's)
   axis = {"bthn,hnr->bthr": -2, "bthr,hvr->bthv": -1}.get(eq)
   if axis is None:
     raise ValueError(f"_per_head: unknown contraction {eq!r}")
-  if x.shape[0] * x.shape[1] > MAX_KERNEL_ROWS:
+  if x.shape[0] * x.shape[1] > ABSORB_ROWS:
     return jnp.einsum(eq, x, w, precision=HIGHEST)
   f32 = jnp.float32
   xe = x.astype(f32)[..., :, None] if axis == -2 else x.astype(f32)[..., None, :]

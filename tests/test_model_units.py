@@ -352,7 +352,7 @@ def test_router_logits_through_the_bf16_kernel():
   assert rep and rep[0][0] == "bf16_linear" and "bf16 router input" in rep[0][1], rep
 
 
-@pytest.mark.parametrize("rows", [1, 4, 80])  # decode token rows (product + sum) and prefill's (the dot)
+@pytest.mark.parametrize("rows", [1, 4, 80])  # a verify's token rows (product + sum) and more (the dot)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_mla_absorption_forms_equal_the_einsum(rows, dtype):
   """DSA's per-head absorptions (W_UK into the query, W_UV out of the latent) as an f32 product + sum at decode
