@@ -391,10 +391,11 @@ class HyperConnection(nnx.Module):
     # (bench_mhc, session 24); the GPU tests hold it to the exact kernel's tolerances
     consts = dict(iters=self.iters, eps=self.eps, hc_norm_eps=self.norm_eps, post_mult=self.post_mult,
                   approx_math=True)
+    tot_t, coef = tot.T, self.base_scale[...]
     if finish is km.mhc_finish and kernel_enabled("mhc_sinkhorn_split"):
-      x_in = finish(Xn, tot.T, self.base_scale[...], norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
-      return Xn, x_in, km.mhc_sinkhorn(tot.T, self.base_scale[...], D=Xn.shape[1] // km.N, **consts)
-    x_in, post_t, comb_t = finish(Xn, tot.T, self.base_scale[...], norm.weight[...], norm_eps=norm.eps, **consts)
+      x_in = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
+      return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=Xn.shape[1] // km.N, **consts)
+    x_in, post_t, comb_t = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, **consts)
     return Xn, x_in, (post_t, comb_t)
 
   @staticmethod

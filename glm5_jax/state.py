@@ -52,10 +52,10 @@ def _dsa_cache(cfg: Glm5Config, B, S, q, dtype, kv_fp8):
   if not kv_fp8:
     return {"latent": (jax.ShapeDtypeStruct((B, S, R), dtype), rep3),
             "pool": (jax.ShapeDtypeStruct((B, P, Di), dtype), rep3), **ring}
-  if R != 512 or Di != 128:
-    raise ValueError(f"an FP8 KV cache needs kv_lora_rank == 512 (the sparse MLA kernel's cache rows) and "
+  from pallas_kernels.sparse_mla import D_LATENT, ROW_WORDS  # noqa: PLC0415 (the row format, declared there)
+  if R != D_LATENT or Di != 128:
+    raise ValueError(f"an FP8 KV cache needs kv_lora_rank == {D_LATENT} (the sparse MLA kernel's cache rows) and "
                      f"index_head_dim == 128: got {R}, {Di}")
-  from pallas_kernels.sparse_mla import ROW_WORDS  # noqa: PLC0415 (the kernel's row format, declared there)
   return {"latent8": (jax.ShapeDtypeStruct((B, S, ROW_WORDS), jnp.int32), rep3),
           "pool8": (jax.ShapeDtypeStruct((B, P, Di), jnp.float8_e4m3fn), rep3),
           "pool_scale": (jax.ShapeDtypeStruct((B, P), jnp.float32), (None, None)), **ring}

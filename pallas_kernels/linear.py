@@ -711,7 +711,8 @@ def _distinct_ids(ids, num_experts: int, size: int):
   """jnp.unique(ids, size=size, fill_value=num_experts) for ids in [0, num_experts) (others are dropped), without
   a sort: the present experts [E] (one compare-and-reduce over ids), their inclusive running count, and slot s =
   #{e : count(e) <= s} — the (s+1)-th present expert in ascending order, or E past the last. At M = 4 the sort
-  and its compaction were ~5 small XLA kernels per MoE layer (bench_linear, session 24)."""
+  and its compaction were ~5 small XLA kernels per MoE layer (bench_linear, session 24). The running count is an
+  [E, E] masked sum, not a cumsum: on the GPU a cumsum is a reduce-window kernel of its own, the sum fuses."""
   e = jnp.arange(num_experts, dtype=jnp.int32)
   present = jnp.any(ids[None, :] == e[:, None], axis=1).astype(jnp.int32)  # [E]
   below = (e[None, :] <= e[:, None]).astype(jnp.int32)  # [E (e), E (e')]: e' <= e

@@ -185,14 +185,12 @@ def _to_kernel_order(x):
   """x[..., perm] (``_column_order``) as a transpose: latent dim 4w + k -> kernel column 128k + w. XLA fuses a
   transpose into its neighbours; the gather by perm was an XLA kernel of its own per call (~1.5 µs on the H200,
   session 24 profile)."""
-  words = D_LATENT // 4
-  return jnp.swapaxes(x.reshape(*x.shape[:-1], words, 4), -1, -2).reshape(x.shape)
+  return jnp.swapaxes(x.reshape(*x.shape[:-1], WORDS, 4), -1, -2).reshape(x.shape)
 
 
 def _from_kernel_order(x):
   """The inverse of ``_to_kernel_order`` (x[..., inv])."""
-  words = D_LATENT // 4
-  return jnp.swapaxes(x.reshape(*x.shape[:-1], 4, words), -1, -2).reshape(x.shape)
+  return jnp.swapaxes(x.reshape(*x.shape[:-1], 4, WORDS), -1, -2).reshape(x.shape)
 
 
 def _mla_kernel(nbs: int, hn: int):
@@ -350,8 +348,8 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache, idx)
   # Combine the splits: weights 2^(lse_s - max lse) (an all-padding split has lse ~ -1e30 -> weight 0), as a
   # product and a sum over the splits — an elementwise op and a reduction XLA fuses into one kernel. (As an einsum
-  # it is a dot with the heads as a batch dimension: since the latent order became a transpose (session 24) XLA
-  # emitted it as a Triton gemm fusion, ~14 µs per DSA layer in session 25's profiles.)
+  # it is a dot with the heads as a batch dimension, a suspect for the ~14 µs Triton gemm fusion per DSA layer
+  # in session 25's profiles, which appeared when the latent order became a transpose in session 24.)
   w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))  # [BT, NS, H]
   w = w / jnp.sum(w, axis=1, keepdims=True)
   o = jnp.sum(o_part * w[:, :, None, :], axis=1)  # [BT, 512, H] (O^T per token)
