@@ -213,7 +213,7 @@ def main(argv=None):
     tps = (a.accept if q > 1 else 1.0) / (ms / 1e3)
     row = dict(geometry=a.geometry, layers=cfg.num_hidden_layers, tp=a.tp, backend=backend, policy=dict(policy),
                executables=ne, pack_params=pk,
-               compiler_options=opts, xla_flags=os.environ.get("XLA_FLAGS", ""),
+               compiler_options=dec.compiler_options, xla_flags=os.environ.get("XLA_FLAGS", ""),
                nccl_proto=os.environ.get("NCCL_PROTO", ""), batch=b, q=q, context=a.context, compile_s=comp,
                ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
                roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,

@@ -167,7 +167,8 @@ def moe_weights():
   return _MOE_W
 
 
-def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False):
+def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shared=True):
+  """The routed experts of M token rows, + the shared expert as slot 0 (as the step runs it: 9 slots at M = 1)."""
   e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
   w = moe_weights()
   x = jax.random.normal(jax.random.key(m), (m, d), jnp.float32).astype(jnp.bfloat16)
@@ -176,19 +177,33 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False):
     kk = jax.random.key(1000 * m + j)
     ids = jnp.argsort(jax.random.uniform(kk, (m, e)), axis=1)[:, :k].astype(jnp.int32)
     tw = jax.random.uniform(jax.random.fold_in(kk, 1), (m, k), jnp.float32, 0.05, 0.5)
-    args.append((x, ids, tw, *w))
-    distinct.append(len(np.unique(np.asarray(ids))))
+    sh = ()
+    if shared:  # a shared expert per set too (each MoE layer of the step has its own: cold in L2)
+      ks = jax.random.split(jax.random.fold_in(kk, 2), 3)
+      sh = (tuple(quantized_weight(ks[0], (i, d))) + tuple(quantized_weight(ks[1], (i, d)))
+            + tuple(quantized_weight(ks[2], (d, i))),)
+    args.append((x, ids, tw, *w, *sh))
+    distinct.append(len(np.unique(np.asarray(ids))) + int(shared))
   nb = int(np.mean(distinct) * 3 * i * d)
-  f = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=MOE["limit"], plan=plan, dq=dq))
+
+  def kern(x, ids, tw, *ws, **kw):
+    return L.fp8_moe(x, ids, tw, *ws[:6], shared=ws[6] if shared else None, **kw)
+
+  def ref(x, ids, tw, *ws, **kw):
+    return L.fp8_moe_reference(x, ids, tw, *ws[:6], shared=ws[6] if shared else None, **kw)
+
+  f = jax.jit(functools.partial(kern, swiglu_limit=MOE["limit"], plan=plan, dq=dq))
   err = float("nan")
   if check:
-    ref = jax.jit(functools.partial(L.fp8_moe_reference, swiglu_limit=MOE["limit"]))(*args[0])
-    err = relerr(f(*args[0]), ref)
+    err = relerr(f(*args[0]), jax.jit(functools.partial(ref, swiglu_limit=MOE["limit"]))(*args[0]))
   call, names = time_calls(f, args)
-  xla = time_calls(jax.jit(functools.partial(xla_moe, limit=MOE["limit"])), args)[0] if with_xla else None
-  p = plan or L.plan_moe(min(e, m * k), i, d, L._padded_rows(m))
+  xla = time_calls(jax.jit(functools.partial(xla_moe, limit=MOE["limit"])), [a[:9] for a in args])[0] \
+      if with_xla else None
+  slots = min(e, m * k) + int(shared)
+  p = plan or L.plan_moe(slots, i, d, L._padded_rows(m))
   row("moedq" if dq else "moe", f"E{e} I{i} D{d} ~{np.mean(distinct):.0f}exp", m, nb, mosaic_us(names), call, xla,
       err, p)
+  log(f"#   per kernel (us): { {n: round(t, 1) for n, t in names.items() if 'glm5_' in n} }")
   return names
 
 
@@ -222,15 +237,23 @@ def _sweep_bf16(deadline, name, n, k, m):
       guarded(deadline, bench_bf16, name, n, k, m, plan=p, with_xla=False, check=False)
 
 
-def _sweep_moe(deadline, m):
+def _sweep_moe(deadline, m, dq=True):
+  """Plan variants of the step's MoE (shared slot included): the previous defaults, deeper / shallower splits and
+  groupings of the down kernel."""
   e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
   mp = L._padded_rows(m)
-  seen = {L.plan_moe(min(e, m * k), i, d, mp)}
-  for kw in [dict(gu_bm=128), dict(dn_groups=4), dict(dn_groups=16), dict(gu_stages=4), dict(dn_bm=64)]:
-    p = L.plan_moe(min(e, m * k), i, d, mp, **kw)
+  slots = min(e, m * k) + 1
+  seen = {L.plan_moe(slots, i, d, mp)}
+  variants = ([dict(gu_split=2, gu_stages=4, dn_groups=8, dn_stages=6),  # session 25's defaults at M = 1
+               dict(gu_split=8), dict(gu_split=4, gu_stages=4), dict(dn_bm=64, dn_groups=slots),
+               dict(dn_groups=3), dict(dn_groups=slots, dn_stages=4)] if m == 1 else
+              [dict(dn_groups=11), dict(dn_groups=11, dn_stages=4), dict(dn_groups=16), dict(gu_bm=128),
+               dict(gu_stages=4), dict(dn_bm=64)])
+  for kw in variants:
+    p = L.plan_moe(slots, i, d, mp, **kw)
     if p not in seen:
       seen.add(p)
-      guarded(deadline, bench_moe, m, plan=p, with_xla=False, check=False, n_sets=8)
+      guarded(deadline, bench_moe, m, plan=p, with_xla=False, check=False, n_sets=8, dq=dq)
 
 
 def sweep(deadline):
@@ -240,6 +263,7 @@ def sweep(deadline):
   _sweep_fp8(deadline, "mla_o", 4096, 4096, 1)
   _sweep_bf16(deadline, "lm_head", 38720, 4096, 1)
   _sweep_moe(deadline, 1)
+  _sweep_moe(deadline, 4)
   _sweep_fp8(deadline, "q_a", 1536, 4096, 1)
   _sweep_bf16(deadline, "kda_qkv", 6144, 4096, 1)
   _sweep_moe(deadline, 32)
@@ -255,6 +279,7 @@ def main(argv=None):
   ap.add_argument("--rows", default="1,8,32")
   ap.add_argument("--only", default="fp8,fp8dq,bf16,moe,moedq")
   ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--sweep-moe", default="", help="only the MoE plan sweep (dq, shared slot) at these rows, e.g. 1,4")
   ap.add_argument("--budget-s", type=float, default=1e9)
   ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
@@ -291,6 +316,11 @@ def main(argv=None):
           log(f"# kernel us per {kind} call: { {n: round(t, 1) for n, t in names.items()} }")
   if a.sweep:
     sweep(deadline)
+  if a.sweep_moe:
+    log("\n# MoE plan sweep (dq, shared slot)")
+    log(HEADER)
+    for m in [int(r) for r in a.sweep_moe.split(",")]:
+      _sweep_moe(deadline, m)
   log(f"# done in {time.time() - _T0:.0f} s")
   if a.out:
     with open(a.out, "w") as fh:

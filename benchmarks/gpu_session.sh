@@ -47,6 +47,10 @@
 #   s25     (nvidia-h200):    session 25's CPU work natively: the sparse MLA GPU tests (one-row cache format, pools
 #                             gathered by one TMA) and the mHC ones (Sinkhorn split), bench_sparse_mla (pooled index
 #                             lists, B up to 32), bench_mhc, then the one-rank step at q = 1 and 4, profiled
+#   s26     (nvidia-h200):    the MoE with the shared slot under the rebalanced plans (bench_linear, M = 1 and 4, + a
+#                             plan sweep with the previous defaults), then the one-rank step with the session's
+#                             defaults (CONCURRENT command-buffer schedule, MoE plans) at q = 1, q = 1 with the
+#                             Sinkhorn split off the sublayer's path, q = 4, and B = 8 q = 1 if time remains
 #   concurrent (nvidia-h200): XLA's CONCURRENT command-buffer schedule (graph nodes ordered by buffer dependencies
 #                             only: independent small kernels may overlap): the GPU equivalence test, then the one-rank
 #                             step at q = 1 and 4 under it (profiled), q = 1 with {"mhc_sinkhorn_split": true}, then
@@ -364,6 +368,14 @@ case "$MODE" in
       grep -i -E "command" /tmp/vlog.txt | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -25; } \
       > "$OUT/vlog_summary.txt"
     [ "$(left)" -gt 150 ] && XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED" rank1 skipprof --q 1
+    ;;
+  s26)  # (nvidia-h200) see the header
+    timeout 150 python3 benchmarks/bench_linear.py --rows 1,4 --only moedq --sweep-moe 1,4 --budget-s 120 \
+      --out "$OUT/bench_linear_moe.txt" > "$OUT/bench_linear_moe.log" 2>&1
+    rank1 s26 --q 1 --profile
+    [ "$(left)" -gt 200 ] && rank1 s26 --q 1 --profile --policy '{"mhc_sinkhorn_split": true}'
+    [ "$(left)" -gt 200 ] && rank1 s26 --q 4 --profile
+    [ "$(left)" -gt 190 ] && rank1 s26 --q 1 --batch 8 --profile
     ;;
   s25)  # (nvidia-h200) see the header
     for f in test_sparse_mla test_mhc; do

@@ -214,6 +214,21 @@ def _requested_kernels(config) -> set[str]:
 POLICY_KEYS = frozenset(KERNEL_DEFAULTS) | {"kv_cache_dtype", "interpret"}
 
 
+# XLA options the latency_specialized step compiles with on a GPU (a caller's compiler_options override them).
+# CONCURRENT command-buffer scheduling: the CUDA graph's nodes are ordered by their buffer dependencies only, not
+# by the HLO schedule, so independent small kernels (the indexer beside the query path, the router beside the
+# shared expert, ...) overlap. Measured on the H200, one TP4 rank, B = 1 (BENCHMARKS.md, session 26): q = 1
+# 5.36 -> 5.14 ms, q = 4 9.29 -> 8.63 ms; the same tokens as the default schedule (GPU test
+# test_concurrent_command_buffer_step_equals_serial).
+GPU_COMPILE_DEFAULTS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+
+
+def compile_options(backend: str, platform: str, given: dict | None) -> dict:
+  """The step's XLA compile options: ``given`` over GPU_COMPILE_DEFAULTS (latency_specialized on a GPU only)."""
+  defaults = GPU_COMPILE_DEFAULTS if (backend == "latency_specialized" and platform == "gpu") else {}
+  return {**defaults, **(given or {})}
+
+
 class Decoder:
   """Owns a model, a DecodeConfig and the step compiled once per capture size.
 
@@ -248,7 +263,7 @@ class Decoder:
     self.temperature, self.top_p = float(temperature), float(top_p)
     # XLA options for the step's AOT compilation, e.g. {"xla_gpu_autotune_level": 0} (benchmarks/bench_decode.py
     # --fast-compile); with options set, the first step of a capture size compiles ahead of time too
-    self.compiler_options = dict(compiler_options or {})
+    self.compiler_options = compile_options(backend, model.mesh.devices.flat[0].platform, compiler_options)
     self._aot: dict[int, Any] = {}  # capture size -> compiled step (warmup)
     # executables=2: warmup() also loads a second copy of each compiled step and step() alternates between them
     # (each its own CUDA graph). Measured on the H200 (BENCHMARKS.md, session 19): no faster — a graph launch does

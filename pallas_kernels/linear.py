@@ -60,6 +60,7 @@ E4M3_MAX = 448.0
 LO_SCALE = 16.0  # lo term is stored x16: the hi residual is <= 2^-4 |v|, so lo*16 never exceeds 448
 NUM_SMS = 132  # H200
 SMEM_BYTES = 227 * 1024  # static per-CTA budget checked by Mosaic at lowering
+RESIDENT_PER_SM = 3  # MoE CTAs resident per SM when their count exceeds the SMs (rings sized to fit: plan_moe)
 F8 = jnp.float8_e4m3fn
 
 
@@ -105,9 +106,11 @@ def _pick_split(tiles: int, kb: int, target_ctas: int) -> int:
   return best
 
 
-def _pick_stages(steps: int, stage_bytes: int, ctas: int, max_stages: int | None) -> int:
-  """As many stages as fit: one CTA per SM may use ~all SMEM, two per SM (more CTAs than SMs) half."""
-  budget = (SMEM_BYTES - 8 * 1024) if ctas <= NUM_SMS else (SMEM_BYTES // 2 - 4 * 1024)
+def _pick_stages(steps: int, stage_bytes: int, ctas: int, max_stages: int | None, resident: int = 2) -> int:
+  """As many stages as fit: one CTA per SM may use ~all SMEM; with more CTAs than SMs, up to ``resident`` per SM
+  (the MoE kernels: 3, see plan_moe) share it."""
+  per_sm = min(resident, -(-ctas // NUM_SMS))
+  budget = (SMEM_BYTES - 8 * 1024) if per_sm <= 1 else (SMEM_BYTES // per_sm - 4 * 1024)
   st = max(1, min(steps, budget // stage_bytes))
   if max_stages is not None:
     st = max(1, min(st, max_stages))
@@ -500,16 +503,25 @@ class MoePlan:
 
 def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_stages=None, gu_split=None,
              dn_bm=None, dn_groups=None, dn_stages=None, target_ctas: int = 2 * NUM_SMS) -> MoePlan:
-  """Default tiling for ``n_slots`` expert slots, I=inter, D=hidden, ``mp`` padded token rows."""
-  # gate+up: 64-row tiles; when the slots x tiles still leave SMs idle (M=1: 8 experts x 8 tiles = 64 CTAs,
-  # measured 2.0 TB/s) split D so that every SM streams.
+  """Default tiling for ``n_slots`` expert slots (the shared expert's included), I=inter, D=hidden, ``mp`` padded
+  token rows.
+
+  Both kernels stream, per CTA, a fixed number of weight bytes; the launch lasts as long as its most loaded SM.
+  So the CTA counts aim at whole waves of co-resident CTAs (up to 3 per SM with the 4-stage rings below), not
+  merely at >= 132: the step's M = 1 MoE has 9 slots (8 routed + the shared expert), and the previous rule (the
+  largest split keeping <= 264 CTAs) gave the gate/up kernel 144 CTAs — 12 SMs streamed two CTAs' bytes while
+  120 idled for the second half (15.9 µs in the step vs 11.3 µs for 8 slots in 256 CTAs, session 26) — and the
+  down kernel 8 expert groups for 9 slots, so that group 0 streamed twice the others' bytes."""
+  # gate+up: 64-row tiles; when the slots x tiles leave SMs idle (M=1: 9 slots x 8 tiles = 72 CTAs) split D:
+  # the largest split that keeps every CTA resident at once (<= 3 per SM at 4 stages), so that no SM
+  # streams a CTA more than the others after the rest have finished.
   gu_bm = gu_bm or 64
   if inter % gu_bm:
     raise ValueError(f"I={inter} must be a multiple of {gu_bm}")
   gu_ctas = n_slots * (inter // gu_bm)
   db = hidden // BLOCK
   if gu_split is None:
-    gu_split = 1 if gu_ctas >= NUM_SMS else _pick_split(gu_ctas, db, target_ctas)
+    gu_split = 1 if gu_ctas >= NUM_SMS else _pick_split(gu_ctas, db, RESIDENT_PER_SM * NUM_SMS)
   if db % gu_split:
     raise ValueError(f"gu_split={gu_split} must divide D/128={db}")
   gu_stage_bytes = 2 * gu_bm * BLOCK + 2 * mp * BLOCK
@@ -517,16 +529,23 @@ def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_s
   # with a split <= 4 (M=1: 4 stages were faster than 12 before the split existed; 11 us measured with it).
   if gu_stages is None and gu_split > 1:
     gu_stages = 4
-  gu_st = _pick_stages(db // gu_split, gu_stage_bytes, gu_ctas * gu_split, gu_stages)
+  gu_st = _pick_stages(db // gu_split, gu_stage_bytes, gu_ctas * gu_split, gu_stages,
+                       RESIDENT_PER_SM if gu_split > 1 else 2)
   # down: every CTA owns dn_bm hidden rows and loops over a 1/dn_groups share of the selected experts.
   dn_bm = dn_bm or (128 if (mp <= 32 and hidden % 128 == 0) else 64)
   if hidden % dn_bm:
     raise ValueError(f"D={hidden} must be a multiple of {dn_bm}")
   tiles = hidden // dn_bm
-  dn_groups = dn_groups or max(1, min(n_slots, target_ctas // tiles))
+  resident = 2
+  if dn_groups is None:
+    dn_groups = max(1, min(n_slots, target_ctas // tiles))
+    if -(-n_slots // dn_groups) == 2 and n_slots * tiles <= RESIDENT_PER_SM * NUM_SMS:
+      # (M = 1: 9 slots) one slot per group instead of two in group 0; larger M keeps the deeper 2-per-SM
+      # rings until a sweep says otherwise (bench_linear --sweep)
+      dn_groups, resident = n_slots, RESIDENT_PER_SM
   dn_stage_bytes = dn_bm * BLOCK + 2 * mp * BLOCK
   steps_max = -(-n_slots // dn_groups) * (inter // BLOCK)
-  dn_st = _pick_stages(max(steps_max, 1), dn_stage_bytes, tiles * dn_groups, dn_stages)
+  dn_st = _pick_stages(max(steps_max, 1), dn_stage_bytes, tiles * dn_groups, dn_stages, resident)
   return MoePlan(gu_bm=gu_bm, gu_stages=gu_st, dn_bm=dn_bm, dn_groups=dn_groups, dn_stages=dn_st,
                  gu_split=gu_split)
 

@@ -387,12 +387,13 @@ def test_latency_specialized_all_kernels_equals_stock_fp8_cache():
 
 @pytest.mark.gpu
 @pytest.mark.e2e_kernels
-@pytest.mark.parametrize("policy", [(), (("mhc_sinkhorn_split", True),)])
-def test_concurrent_command_buffer_step_equals_serial(policy):
+def test_concurrent_command_buffer_step_equals_serial():
   """XLA's CONCURRENT command-buffer scheduling (the CUDA graph's nodes ordered by buffer dependencies only, so
-  independent kernels may overlap) must not change a token: three latency_specialized verify steps of kernel-tiny
-  with every kernel family, the default (LHS) schedule vs CONCURRENT; also with the Sinkhorn as its own kernel
-  (mhc_sinkhorn_split, the form meant to overlap). (On the CPU the option is accepted and ignored: GPU only.)"""
+  independent kernels may overlap; the Decoder's GPU default for latency_specialized, GPU_COMPILE_DEFAULTS) must
+  not change a token: three latency_specialized verify steps of kernel-tiny with every kernel family, the HLO
+  (LHS) schedule vs CONCURRENT. (mhc_sinkhorn_split has no call site at kernel-tiny's width; its kernels have
+  their own GPU tests.) (On the CPU the option is accepted and ignored: GPU only.)"""
+  policy = ()
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
   seed = int(np.random.default_rng().integers(1 << 30))
   prompt = np.random.default_rng(seed).integers(0, 2000, 13)
@@ -410,6 +411,19 @@ def test_concurrent_command_buffer_step_equals_serial(policy):
     outs.append(got)
   for a, b in zip(*outs):
     np.testing.assert_array_equal(a, b, err_msg=f"prompt seed {seed}")
+
+
+def test_compile_options_default_to_concurrent_schedule_on_gpu_only():
+  """latency_specialized on a GPU compiles with CONCURRENT command-buffer scheduling unless the caller says
+  otherwise; auto (the stock baseline) and the CPU get exactly what the caller passed."""
+  from glm5_jax.speculative import GPU_COMPILE_DEFAULTS, compile_options  # noqa: PLC0415
+  key = "xla_gpu_command_buffer_scheduling_mode"
+  assert compile_options("latency_specialized", "gpu", None) == GPU_COMPILE_DEFAULTS
+  mine = {key: "LHS", "xla_gpu_autotune_level": 0}
+  assert compile_options("latency_specialized", "gpu", mine) == mine
+  assert compile_options("latency_specialized", "gpu", {"xla_gpu_autotune_level": 0}) == \
+      {key: "CONCURRENT", "xla_gpu_autotune_level": 0}
+  assert compile_options("auto", "gpu", None) == {} and compile_options("latency_specialized", "cpu", None) == {}
 
 
 def test_decoder_from_deployment_gates_the_backend(model):

@@ -121,6 +121,23 @@ def test_moe_reference_matches_numpy():
   np.testing.assert_allclose(y, np_moe(*args, 0.8), **tol("kernel_f32"))
 
 
+def test_moe_plan_balances_the_single_row_step():
+  """The step's M = 1 MoE (8 routed experts + the shared one = 9 slots, I = 512, D = 4096 per rank): every down
+  group streams one slot (not two in group 0 of 8), all gate/up CTAs are resident at once (<= 3 per SM) and their
+  rings fit 3 per SM; larger M keeps the 2-per-SM plans (deeper rings) it had."""
+  i, d = MOE_REAL["I"], MOE_REAL["D"]
+  p = L.plan_moe(9, i, d, 8)
+  assert p.dn_groups == 9 and -(-9 // p.dn_groups) == 1
+  gu_ctas = 9 * (i // p.gu_bm) * p.gu_split
+  assert L.NUM_SMS < gu_ctas <= L.RESIDENT_PER_SM * L.NUM_SMS, p
+  ring = lambda bm, st, rows: st * (bm * L.BLOCK * rows + 2 * 8 * L.BLOCK)  # noqa: E731
+  assert L.RESIDENT_PER_SM * ring(p.gu_bm, p.gu_stages, 2) <= 228 * 1024
+  assert L.RESIDENT_PER_SM * ring(p.dn_bm, p.dn_stages, 1) <= 228 * 1024
+  for slots in (33, 65):  # M = 4, 8 (+ shared): the previous 8 groups and rings
+    q = L.plan_moe(slots, i, d, 8)
+    assert q.dn_groups == 8 and q.gu_split == 1 and q.gu_stages >= 6, q
+
+
 def test_distinct_expert_ids_equal_jnp_unique():
   """The MoE routing's sort-free distinct ids: jnp.unique(ids, size, fill_value=E) for fresh random ids (sizes
   below, at and above the number of distinct ids; all ids one expert; every expert)."""
