@@ -377,6 +377,10 @@ case "$MODE" in
     [ "$(left)" -gt 200 ] && rank1 s26 --q 4 --profile
     [ "$(left)" -gt 190 ] && rank1 s26 --q 1 --batch 8 --profile
     ;;
+  s26b)  # (nvidia-h200) the new defaults (+ mhc_sinkhorn_split) at q = 4, then B = 8 q = 1 if time remains
+    rank1 s26b --q 4 --profile
+    [ "$(left)" -gt 150 ] && rank1 s26b --q 1 --batch 8 --profile
+    ;;
   s25)  # (nvidia-h200) see the header
     for f in test_sparse_mla test_mhc; do
       timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider "tests/$f.py" 2>&1 \

@@ -79,10 +79,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    "fp8_dq": True,
                    # with mhc_finish on: the mix (post + the Sinkhorn's 20 serial iterations, read only by the next
                    # boundary) as a one-CTA kernel of its own (mhc_sinkhorn) instead of the finish kernel's extra
-                   # CTA, whose tail the sublayer waits for (finish 3.6 µs without it, 5.6 with; sessions 23-25).
-                   # Pays only where independent kernels overlap (XLA's CONCURRENT command-buffer schedule); one
-                   # more launch per boundary otherwise. An A/B knob until measured
-                   "mhc_sinkhorn_split": False}
+                   # CTA, whose tail the sublayer waits for (finish 2.5 µs alone without it, 5.2 with). Under the
+                   # CONCURRENT command-buffer schedule (the Decoder's GPU default) the Sinkhorn overlaps the
+                   # sublayer: one TP4 rank, B = 1, q = 1 5.16 -> 4.56 ms per step on the H200 (BENCHMARKS.md
+                   # session 26). Under the serial schedule it would be one more launch per boundary
+                   "mhc_sinkhorn_split": True}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
