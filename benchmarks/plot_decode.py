@@ -44,6 +44,12 @@ def main(argv=None):
               label=None if "host" in seen else "host (calls returned)")
       seen.add("host")
     pol = ", ".join(f"{k}={v}" for k, v in sorted((r.get("policy") or {}).items()))
+    # what the policy field does not say: the command-buffer schedule, kernel defaults of the day
+    sched = (r.get("compiler_options") or {}).get("xla_gpu_command_buffer_scheduling_mode")
+    split = ((r.get("kernel_sites") or {}).get("mhc_sinkhorn_split") or {}).get("sites", 0)
+    extra = ", ".join(x for x in (sched or "", "Sinkhorn split" if split and "mhc_sinkhorn_split" not in pol
+                                   else "") if x)
+    pol = ", ".join(x for x in (pol, extra) if x)
     note = r.get("note", "")
     note = note if len(note) <= 60 else note[:57] + "..."  # the whole note is in the jsonl; keep the axis readable
     labels.append(f"{r['backend']} B={r['batch']} q={r['q']}{' (' + pol + ')' if pol else ''}\n"
