@@ -31,7 +31,7 @@ from glm5_jax import profiling  # noqa: E402
 from glm5_jax import param_packing as pp  # noqa: E402
 from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: E402
 from glm5_jax.sharding import make_mesh  # noqa: E402
-from glm5_jax.speculative import Decoder, decode  # noqa: E402
+from glm5_jax.speculative import Decoder, decode, parse_xla_option  # noqa: E402
 from glm5_jax.runtime import DecodeConfig  # noqa: E402
 from glm5_jax.synthetic import random_model, random_state, tp_rank_config  # noqa: E402
 
@@ -46,18 +46,10 @@ def roofline_bytes(b, q, ctx):
 
 def _xla_option(text):
   """'name=value' -> (name, bool | int | float | str)."""
-  name, sep, value = text.partition("=")
-  if not sep or not name:
-    raise SystemExit(f"--xla-option {text!r}: expected NAME=VALUE")
-  low = value.lower()
-  if low in ("true", "false"):
-    return name, low == "true"
-  for kind in (int, float):
-    try:
-      return name, kind(value)
-    except ValueError:
-      pass
-  return name, value
+  try:
+    return parse_xla_option(text)
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
 
 
 def main(argv=None):

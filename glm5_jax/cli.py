@@ -20,15 +20,15 @@ import numpy as np
 
 
 def _decoder(args, model):
-  from glm5_jax.speculative import Decoder  # noqa: PLC0415
+  from glm5_jax.speculative import Decoder, parse_xla_option  # noqa: PLC0415
   from glm5_jax.runtime import DecodeConfig  # noqa: PLC0415
-
-  import json  # noqa: PLC0415
 
   cfg = DecodeConfig(max_context=args.max_context, q=1 + args.k, capture_sizes=tuple(args.capture_sizes),
                      policy=tuple(sorted(json.loads(args.policy).items())))
   pack = {} if args.pack_params is None else dict(pack_params=args.pack_params)
-  return Decoder(model, cfg, backend=args.backend, temperature=args.temperature, top_p=args.top_p, **pack)
+  opts = dict(parse_xla_option(o) for o in args.xla_option)
+  return Decoder(model, cfg, backend=args.backend, temperature=args.temperature, top_p=args.top_p,
+                 compiler_options=opts or None, **pack)
 
 
 def _add_decode_args(p):
@@ -46,6 +46,10 @@ def _add_decode_args(p):
   p.add_argument("--collectives", default=None, choices=["graph", "xla"],
                  help="how TP all-reduces run (glm5_jax.sharding.COLLECTIVE_MODES; default graph); only with --tp > 1")
   p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
+  p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                 help="an XLA option for the step's compile (repeatable), over the Decoder's GPU defaults "
+                      "(glm5_jax.speculative.GPU_COMPILE_DEFAULTS), e.g. "
+                      "xla_gpu_command_buffer_scheduling_mode=LHS")
   p.add_argument("--compile-cache", default=os.environ.get("GLM5_JAX_COMPILE_CACHE"), metavar="DIR",
                  help="keep compiled programs in DIR and reuse them in later runs (glm5_jax.enable_compile_cache; "
                       "default: $GLM5_JAX_COMPILE_CACHE, else off)")

@@ -223,6 +223,23 @@ POLICY_KEYS = frozenset(KERNEL_DEFAULTS) | {"kv_cache_dtype", "interpret"}
 GPU_COMPILE_DEFAULTS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
+def parse_xla_option(text: str) -> tuple[str, bool | int | float | str]:
+  """'NAME=VALUE' (an XLA DebugOptions field, e.g. xla_gpu_command_buffer_scheduling_mode=LHS) -> (name, value
+  as bool / int / float / str): the CLI's and bench_decode's --xla-option."""
+  name, sep, value = text.partition("=")
+  if not sep or not name:
+    raise ValueError(f"--xla-option {text!r}: expected NAME=VALUE")
+  low = value.lower()
+  if low in ("true", "false"):
+    return name, low == "true"
+  for kind in (int, float):
+    try:
+      return name, kind(value)
+    except ValueError:
+      pass
+  return name, value
+
+
 def compile_options(backend: str, platform: str, given: dict | None) -> dict:
   """The step's XLA compile options: ``given`` over GPU_COMPILE_DEFAULTS (latency_specialized on a GPU only)."""
   defaults = GPU_COMPILE_DEFAULTS if (backend == "latency_specialized" and platform == "gpu") else {}

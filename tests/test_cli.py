@@ -31,6 +31,23 @@ def test_generate_knobs_give_the_same_tokens(capsys):
   assert gen(capsys.readouterr().out) == plain
   with pytest.raises(ValueError, match="unknown policy key"):
     main(base + ["--policy", '{"no_such_knob": true}'])
+  # --xla-option reaches the step's compile (a GPU option: accepted, and without effect, on the CPU)
+  main(base + ["--xla-option", "xla_gpu_command_buffer_scheduling_mode=LHS"])
+  assert gen(capsys.readouterr().out) == plain
+  with pytest.raises(ValueError, match="expected NAME=VALUE"):
+    main(base + ["--xla-option", "no_equals_sign"])
+  with pytest.raises(Exception, match="No such compile option: 'xla_no_such_option'"):  # it reached XLA
+    main(base + ["--xla-option", "xla_no_such_option=1"])
+
+
+def test_parse_xla_option_types():
+  from glm5_jax.speculative import parse_xla_option  # noqa: PLC0415
+  assert parse_xla_option("a=TRUE") == ("a", True) and parse_xla_option("b=0") == ("b", 0)
+  assert parse_xla_option("c=0.5") == ("c", 0.5)
+  assert parse_xla_option("xla_gpu_command_buffer_scheduling_mode=LHS") == (
+      "xla_gpu_command_buffer_scheduling_mode", "LHS")
+  with pytest.raises(ValueError, match="'=x'"):
+    parse_xla_option("=x")
 
 
 def test_generate_without_tokenizer_needs_ids():
