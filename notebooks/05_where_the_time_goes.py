@@ -59,8 +59,11 @@ plt.tight_layout()
 # One TP4 rank's share of GLM-5.3-Flash (45 layers + MTP, 82 GB of random weights, 32K context), B = 1, both
 # backends (`benchmarks/results/decode_h200.jsonl`, the last 10 profiled runs). Bars: GPU time per component;
 # black: the wall-clock step; dotted: when the chained calls had returned on the host (close to the wall time =
-# the step is host-bound, as it was at q = 1 until small parameters were packed in session 20; since then wall
-# time is GPU time + ~0.1 ms — e.g. 5.49 ms wall for 5.37 ms of GPU in session 25); red: the HBM roofline.
+# the step is host-bound, as it was at q = 1 until small parameters were packed in session 20; in session 25 wall
+# time was GPU time + ~0.1 ms — 5.49 ms wall for 5.37 ms of GPU); red: the HBM roofline. Since session 26 the
+# step compiles with XLA's CONCURRENT command-buffer schedule on a GPU: kernels overlap, so the bars (the sum of
+# kernel durations) can exceed the wall time, and the host's time per step came close to the wall again (3.9 ms
+# of 4.56 at q = 1).
 
 # %%
 path = os.path.join("..", "benchmarks", "results", "decode_h200.jsonl")
@@ -80,8 +83,9 @@ for i, r in enumerate(rows):
   print(f"{r['backend']} B={r['batch']} q={r['q']} {r.get('policy') or ''}: {r['ms_per_step']:.2f} ms/step, GPU "
         f"busy {r['profile']['gpu_busy_ms']:.2f} ms in {r['profile']['launches_per_step']:.0f} launches "
         f"({r.get('note', '')})")
-ax.set_yticks(range(len(rows)), [f"{r['backend']} q={r['q']} {r.get('date', '')} {r.get('policy') or ''}"
-                                 for r in rows], fontsize=7)
+sched = lambda r: (r.get("compiler_options") or {}).get("xla_gpu_command_buffer_scheduling_mode", "")  # noqa: E731
+ax.set_yticks(range(len(rows)), [f"{r['backend']} B={r['batch']} q={r['q']} {r.get('date', '')} {sched(r)} "
+                                 f"{r.get('policy') or ''}" for r in rows], fontsize=7)
 ax.set_xlabel("ms per decode step")
 ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.2))
 fig.tight_layout()
