@@ -381,11 +381,15 @@ class HyperConnection(nnx.Module):
               tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)))
     y, mix = pending if pending is not None else (None, None)
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None)
-    # one reduction over the column chunks of the M real rows only, zero-padded to the kernels' 64 (the finish
-    # takes the sums transposed, one row per quantity; rows M.. are padding it never stores). The pad on the
-    # input side fuses into the reduction: it reads G·M·40 floats instead of the kernel's whole [G, 64, 40]
-    # (655 KB per boundary; the all-rows reduction was 1.8 µs per boundary at M = 1, session 24)
-    tot = jnp.sum(jnp.pad(part[:, :M], ((0, 0), (0, R - M), (0, 0))), axis=0)  # [64, 40]
+    # one reduction over the column chunks of the M real rows only (the finish takes the sums transposed, one
+    # row per quantity): it reads G·M·40 floats instead of the kernel's whole [G, 64, 40] (655 KB per boundary;
+    # the all-rows reduction was 1.8 µs per boundary at M = 1, session 24). The sums go to the kernels as
+    # [40, Mp], Mp = M rounded up to 4 (16-byte rows): their TMA reads 64 columns and fills the rest with zeros.
+    # At M = 4 (q = 4) there is no pad at all — padded to 64 rows the reduction was a pad fusion + a reduction
+    # fusion per boundary (session 26's q = 4 profile: 90 + 90 launches); at M = 1 the pad to 4 rows is on the
+    # input side, fused into the reduction as before.
+    Mp = -(-M // 4) * 4
+    tot = jnp.sum(jnp.pad(part[:, :M], ((0, 0), (0, Mp - M), (0, 0))) if Mp > M else part[:, :M], axis=0)
     finish = km.mhc_finish if kernel_enabled("mhc_finish") else km.mhc_finish_reference
     # approximate reciprocal / exp / rsqrt in the kernel (like the sparse MLA and indexer kernels): 5.15 -> 4.84 µs
     # per call alone on the H200, post/comb within 9.2e-7 relative of the exact kernel, x_in bit-identical

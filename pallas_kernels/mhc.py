@@ -146,8 +146,8 @@ def _comb_reference(tot, coef, D: int, *, iters: int, eps: float, hc_norm_eps: f
 
 def mhc_finish_reference(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
                          post_mult: float, approx_math: bool = False):
-  """Xn [M, N·D] bf16 (X' of ``mhc_post_pre``), tot_t [40, 64] f32 (its partials summed over the column chunks,
-  transposed: column m is token row m; columns M.. are padding), coef [27] (base, scale), w [D] -> (x_in [M, D]
+  """Xn [M, N·D] bf16 (X' of ``mhc_post_pre``), tot_t [40, C] f32 (its partials summed over the column chunks,
+  transposed: column m is token row m; columns M.. are padding; C = 64, or M rounded up to 4), coef [27] (base, scale), w [D] -> (x_in [M, D]
   bf16 = w · bf16(bf16(u) · rinv), mix = (post_t [N, 64] f32: this site's post, comb_t [N·N, 64] f32: its
   Sinkhorn-normalised comb; columns M.. zero)). u = Σ_i pre_i · X'_i in f32 (the stock path's RMSNorm rounding,
   with rinv from the Gram matrix); comb from the stock path's ``sinkhorn_comb`` (``iters`` iterations).
@@ -350,7 +350,7 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
     bar_x = next(it) if normalise else None
     g = lax.axis_index("g")
     d0 = g * DC_FIN
-    plgpu.copy_gmem_to_smem(t_g, t_s, bar_t)
+    plgpu.copy_gmem_to_smem(t_g.at[:, pl.ds(0, ROWS)], t_s, bar_t)  # columns past t_g's: zeros (_check_sums)
 
     if normalise:
       @pl.when(g < G)
@@ -407,9 +407,12 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
 
 
 def _check_sums(tot_t, coef, iters, what):
-  if tot_t.shape != (PART, ROWS) or coef.shape != (MIX + 3,):
-    raise ValueError(f"{what}: tot_t {tot_t.shape}, coef {coef.shape}; expected [{PART}, {ROWS}], [{MIX + 3}] "
-                     "(base, scale)")
+  # tot_t [40, C]: C = ROWS, or the real token columns rounded up to 4 (16-byte rows, as the TMA needs): the
+  # kernels' TMA reads ROWS columns and fills those past C with zeros (no XLA pad of the sums to ROWS)
+  ok = tot_t.ndim == 2 and tot_t.shape[0] == PART and 0 < tot_t.shape[1] <= ROWS and tot_t.shape[1] % 4 == 0
+  if not ok or coef.shape != (MIX + 3,):
+    raise ValueError(f"{what}: tot_t {tot_t.shape}, coef {coef.shape}; expected [{PART}, C] (C <= {ROWS}, a "
+                     f"multiple of 4), [{MIX + 3}] (base, scale)")
   if iters < 1:
     raise ValueError(f"{what}: iters = {iters}, expected >= 1 Sinkhorn iterations")
 
@@ -455,7 +458,7 @@ def mhc_finish(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float
 @kernel_entry("D", "iters", "eps", "hc_norm_eps", "post_mult", "approx_math")
 def mhc_sinkhorn(tot_t, coef, *, D: int, iters: int, eps: float, hc_norm_eps: float, post_mult: float,
                  approx_math: bool = False):
-  """The mix half of ``mhc_finish`` as a one-CTA kernel: tot_t [40, 64] (summed partials, transposed), coef [27]
+  """The mix half of ``mhc_finish`` as a one-CTA kernel: tot_t [40, C] (summed partials, transposed), coef [27]
   -> mix = (post_t [N, 64], comb_t [N·N, 64]) f32, as ``mhc_finish_reference`` returns them. With
   ``mhc_finish(sinkhorn=False)`` the boundary's sublayer no longer waits for the Sinkhorn's 20 serial iterations
   — only the next boundary reads the mix — wherever the CUDA graph runs independent kernels concurrently (XLA's

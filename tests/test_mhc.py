@@ -39,15 +39,19 @@ def _inputs(M, D, seed):
   return X, y, K.mix_from_rows(jnp.asarray(post), jnp.asarray(comb)), fn, coef, w
 
 
-def _check_kernels(M, D, first, seed=0, interpret=None, approx=False, split=False):
+def _check_kernels(M, D, first, seed=0, interpret=None, approx=False, split=False, narrow=True):
   """mhc_post_pre and mhc_finish vs their references; the finish on the summed partials of a real post+pre
   (realistic logits and Gram entries) and random mHC parameters. ``approx``: the finish kernel with the GPU's
   approximate math, held to the same tolerances. ``split``: the finish without its Sinkhorn CTA + mhc_sinkhorn
-  (policy knob mhc_sinkhorn_split), held to the same."""
+  (policy knob mhc_sinkhorn_split), held to the same. ``narrow``: the sums as the model passes them, [40, M
+  rounded up to 4] (the kernels' TMA fills the other columns with zeros); else [40, 64] with NaN padding."""
   X, y, mix, fn, coef, w = _inputs(M, D, seed)
   ref = K.mhc_post_pre_reference(X, y, mix, fn, first=first)
   tot = jnp.sum(ref[1][:, :M], axis=0)
-  tot_t = jnp.pad(tot.T, ((0, 0), (0, K.ROWS - M)), constant_values=np.nan)  # padding columns: never read
+  if narrow:
+    tot_t = jnp.pad(tot.T, ((0, 0), (0, -M % 4)))
+  else:
+    tot_t = jnp.pad(tot.T, ((0, 0), (0, K.ROWS - M)), constant_values=np.nan)  # padding columns: never read
   with maybe_interpret(interpret):
     got = jax.jit(lambda *a: K.mhc_post_pre(*a, first=first))(X, y, mix, fn)
     if split:
@@ -75,10 +79,11 @@ def _check_kernels(M, D, first, seed=0, interpret=None, approx=False, split=Fals
   assert np.mean(f32(fin) != f32(ref_fin)) < 0.02
 
 
-@pytest.mark.parametrize("M,D,first,split", [(1, 256, False, False), (5, 256, False, False), (5, 256, True, False),
-                                             (64, 128, False, False), (3, 256, False, True)])
-def test_kernels_interpret(M, D, first, split):
-  _check_kernels(M, D, first, seed=M, interpret=True, split=split)
+@pytest.mark.parametrize("M,D,first,split,narrow", [
+    (1, 256, False, False, True), (5, 256, False, False, False), (5, 256, True, False, True),
+    (64, 128, False, False, True), (3, 256, False, True, True), (4, 256, False, True, False)])
+def test_kernels_interpret(M, D, first, split, narrow):
+  _check_kernels(M, D, first, seed=M, interpret=True, split=split, narrow=narrow)
 
 
 @pytest.mark.gpu
@@ -88,6 +93,8 @@ def test_kernels_interpret(M, D, first, split):
     (64, 4096, False, True, False), (1, 4096, False, True, True), (37, 4096, False, False, True)])
 def test_kernels_gpu(M, D, first, approx, split):
   _check_kernels(M, D, first, seed=M, approx=approx, split=split)
+  if M in (1, 8):  # the sums 64 columns wide (NaN padding) as well as narrow (the TMA's zero fill)
+    _check_kernels(M, D, first, seed=M, approx=approx, split=split, narrow=False)
 
 
 def test_comb_is_the_stock_sinkhorn():
@@ -109,7 +116,7 @@ def test_cross_lower_real(M):
   X, y, mix, fn, coef, w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(M, 4096, 0))
   for first in (False, True):
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_post_pre(*a, first=first), X, y, mix, fn).as_text()
-  tot_t = jax.ShapeDtypeStruct((K.PART, K.ROWS), jnp.float32)
+  tot_t = jax.ShapeDtypeStruct((K.PART, -(-M // 4) * 4), jnp.float32)  # as the model passes the sums
   for approx in (False, True):
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx), X, tot_t, coef,
                                        w).as_text()
@@ -130,6 +137,8 @@ def test_bad_shapes_named():
     K.mhc_post_pre(X, y, (mix[0][:, :32], mix[1]), fn)
   with pytest.raises(ValueError, match=r"tot_t \(3, 40\)"):
     K.mhc_finish(X, jnp.zeros((3, K.PART)), coef, w, **CONSTS)
+  with pytest.raises(ValueError, match=r"tot_t \(40, 3\).*a multiple of 4"):  # rows of 12 bytes: no TMA
+    K.mhc_finish(X, jnp.zeros((K.PART, 3)), coef, w, **CONSTS)
   with pytest.raises(ValueError, match=r"coef \(24,\)"):
     K.mhc_finish(X, jnp.zeros((K.PART, K.ROWS)), coef[:24], w, **CONSTS)
   with pytest.raises(ValueError, match="iters = 0, expected >= 1"):
