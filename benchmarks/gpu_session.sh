@@ -47,6 +47,12 @@
 #   s25     (nvidia-h200):    session 25's CPU work natively: the sparse MLA GPU tests (one-row cache format, pools
 #                             gathered by one TMA) and the mHC ones (Sinkhorn split), bench_sparse_mla (pooled index
 #                             lists, B up to 32), bench_mhc, then the one-rank step at q = 1 and 4, profiled
+#   s27     (nvidia-h200):    session 26's CPU work natively: the weight-streaming GPU tests (x read unpadded, the TMA's
+#                             zero fill) and the mHC ones (sums [40, M rounded up to 4]), then the one-rank step at
+#                             q = 1 (kernel table + HLO kept) and q = 4, then the end-to-end greedy test if time remains
+#   s27host (nvidia-h200):    where the host time of the CONCURRENT step goes: the one-rank step at q = 1 traced
+#                             under CONCURRENT (the default), under LHS, and under LHS without the Sinkhorn split
+#   batch27 (nvidia-h200):    B = 8 q = 4 and B = 32 q = 1 with the trained-like router, then bench_kda_decode's matrix
 #   s26     (nvidia-h200):    the MoE with the shared slot under the rebalanced plans (bench_linear, M = 1 and 4, + a
 #                             plan sweep with the previous defaults), then the one-rank step with the session's
 #                             defaults (CONCURRENT command-buffer schedule, MoE plans) at q = 1, q = 1 with the
@@ -368,6 +374,29 @@ case "$MODE" in
       grep -i -E "command" /tmp/vlog.txt | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -25; } \
       > "$OUT/vlog_summary.txt"
     [ "$(left)" -gt 150 ] && XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED" rank1 skipprof --q 1
+    ;;
+  s27)  # (nvidia-h200) see the header
+    for f in test_linear_kernels test_mhc; do
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider "tests/$f.py" 2>&1 \
+        | grep -E "passed|failed|FAILED|^E  " | head -20 | sed "s/^/$f: /" | tee -a "$OUT/gpu_tests.log"
+    done
+    rank1 s27 --q 1 --profile --hlo-dir "$OUT/hlo"
+    [ "$(left)" -gt 200 ] && rank1 s27 --q 4 --profile
+    # the end-to-end greedy test (kernel-tiny, every kernel natively, CONCURRENT by default now) if time remains
+    [ "$(left)" -gt 120 ] && timeout $(( $(left) - 10 )) python3 -m pytest -q -m e2e_kernels -p no:cacheprovider \
+      tests/test_decode.py 2>&1 | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    ;;
+  s27host)  # (nvidia-h200) see the header
+    rank1 s27host --q 1 --trace
+    [ "$(left)" -gt 150 ] && rank1 s27host --q 1 --trace --xla-option xla_gpu_command_buffer_scheduling_mode=LHS
+    [ "$(left)" -gt 150 ] && rank1 s27host --q 1 --trace --xla-option xla_gpu_command_buffer_scheduling_mode=LHS \
+      --policy '{"mhc_sinkhorn_split": false}'
+    ;;
+  batch27)  # (nvidia-h200) see the header
+    rank1 batch27 --q 4 --batch 8 --profile
+    [ "$(left)" -gt 200 ] && rank1 batch27 --q 1 --batch 32 --profile
+    [ "$(left)" -gt 80 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_kda_decode.py --quick \
+      --budget_s $(( $(left) - 30 )) > "$OUT/bench_kda.log" 2>&1
     ;;
   s26)  # (nvidia-h200) see the header
     timeout 150 python3 benchmarks/bench_linear.py --rows 1,4 --only moedq --sweep-moe 1,4 --budget-s 120 \
