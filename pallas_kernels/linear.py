@@ -382,7 +382,8 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   plan = plan or plan_linear(n, k, mp, "fp8dq")
   # x as it is: the kernel's TMA reads mp rows and fills the rows past m with zeros (no XLA pad kernel in front
   # of every call: 135 of them per step at q = 1, ~300 at q = 4, ~1.2 µs each on the H200, session 26)
-  out = _fp8_launch(x.astype(jnp.bfloat16), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem, name="glm5_fp8_dq_linear")
+  out = _fp8_launch(x.astype(jnp.bfloat16), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
+                    name="glm5_fp8_dq_linear")
   return out[..., :m].sum(0).T.astype(out_dtype)
 
 

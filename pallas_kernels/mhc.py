@@ -147,10 +147,11 @@ def _comb_reference(tot, coef, D: int, *, iters: int, eps: float, hc_norm_eps: f
 def mhc_finish_reference(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
                          post_mult: float, approx_math: bool = False):
   """Xn [M, N·D] bf16 (X' of ``mhc_post_pre``), tot_t [40, C] f32 (its partials summed over the column chunks,
-  transposed: column m is token row m; columns M.. are padding; C = 64, or M rounded up to 4), coef [27] (base, scale), w [D] -> (x_in [M, D]
-  bf16 = w · bf16(bf16(u) · rinv), mix = (post_t [N, 64] f32: this site's post, comb_t [N·N, 64] f32: its
-  Sinkhorn-normalised comb; columns M.. zero)). u = Σ_i pre_i · X'_i in f32 (the stock path's RMSNorm rounding,
-  with rinv from the Gram matrix); comb from the stock path's ``sinkhorn_comb`` (``iters`` iterations).
+  transposed: column m is token row m; columns M.. are padding; C = 64, or M rounded up to 4), coef [27]
+  (base, scale), w [D] -> (x_in [M, D] bf16 = w · bf16(bf16(u) · rinv), mix = (post_t [N, 64] f32: this site's
+  post, comb_t [N·N, 64] f32: its Sinkhorn-normalised comb; columns M.. zero)). u = Σ_i pre_i · X'_i in f32 (the
+  stock path's RMSNorm rounding, with rinv from the Gram matrix); comb from the stock path's ``sinkhorn_comb``
+  (``iters`` iterations).
   ``approx_math`` is the kernel's option (exact math here)."""
   M, K = Xn.shape
   D = K // N
