@@ -219,7 +219,9 @@ POLICY_KEYS = frozenset(KERNEL_DEFAULTS) | {"kv_cache_dtype", "interpret"}
 # by the HLO schedule, so independent small kernels (the indexer beside the query path, the router beside the
 # shared expert, ...) overlap. Measured on the H200, one TP4 rank, B = 1 (BENCHMARKS.md, session 26): q = 1
 # 5.36 -> 5.14 ms, q = 4 9.29 -> 8.63 ms; the same tokens as the default schedule (GPU test
-# test_concurrent_command_buffer_step_equals_serial).
+# test_concurrent_command_buffer_step_equals_serial). Compile options take precedence over XLA_FLAGS: to compile
+# the step with another schedule pass it as a compile option (Decoder(compiler_options={...}), the CLI's and
+# bench_decode's --xla-option xla_gpu_command_buffer_scheduling_mode=LHS), not through XLA_FLAGS.
 GPU_COMPILE_DEFAULTS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 

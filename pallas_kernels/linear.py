@@ -84,6 +84,14 @@ def _padded_rows(m: int) -> int:
   return max(8, _round_up(m, 8))
 
 
+def _tma_rows(x: jax.Array, mp: int) -> jax.Array:
+  """x [m, K] for a kernel whose TMA reads mp = _padded_rows(m) rows of it: as it is where the TMA's zero fill
+  covers the missing rows (m <= 8, or m == mp), zero-padded to mp rows otherwise — Mosaic tiles the GMEM array
+  by the SMEM tile's 8 rows, and an m > 8 that is not a multiple of 8 cannot be tiled (it fails to lower)."""
+  m = x.shape[0]
+  return x if (m <= 8 or m == mp) else jnp.pad(x, ((0, mp - m), (0, 0)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Static tiling of one weight-streaming launch.
@@ -268,7 +276,7 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *a_s, mp: int,
     slot = i % stages
     k0 = (kb0 + i) * BLOCK
     plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(row0, bm), pl.ds(k0, BLOCK)], w_s.at[slot], bar.at[slot])
-    # (rows past x's real ones are out of bounds: the TMA fills them with zeros — no padded copy of x)
+    # (rows past x's real ones are out of bounds: the TMA fills them with zeros — no padded copy, _tma_rows)
     plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, x_s.shape[1]), pl.ds(k0, BLOCK)], x_s.at[slot], bar.at[slot])
 
   for i in range(stages):  # fill the ring: `stages` steps in flight from the start
@@ -380,9 +388,10 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   a_smem = _a_smem(a_from)
   mp = _padded_rows(m)
   plan = plan or plan_linear(n, k, mp, "fp8dq")
-  # x as it is: the kernel's TMA reads mp rows and fills the rows past m with zeros (no XLA pad kernel in front
-  # of every call: 135 of them per step at q = 1, ~300 at q = 4, ~1.2 µs each on the H200, session 26)
-  out = _fp8_launch(x.astype(jnp.bfloat16), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
+  # x as it is where it can be (_tma_rows): the kernel's TMA reads mp rows and fills the rows past m with zeros
+  # (no XLA pad kernel in front of every call: 135 of them per step at q = 1, ~300 at q = 4, ~1.2 µs each on the
+  # H200, session 26)
+  out = _fp8_launch(_tma_rows(x.astype(jnp.bfloat16), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
                     name="glm5_fp8_dq_linear")
   return out[..., :m].sum(0).T.astype(out_dtype)
 
@@ -464,7 +473,7 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   plan = plan or plan_linear(n, k, mp, "bf16")
   tiles = -(-n // plan.bm)
   steps = k // plan.bk // plan.split
-  xp = x.astype(jnp.bfloat16)  # m rows: the kernel's TMA zero-fills the rest of its mp-row tiles
+  xp = _tma_rows(x.astype(jnp.bfloat16), mp)  # (the kernel's TMA zero-fills the rows up to mp)
   kernel = functools.partial(_bf16_linear_kernel, plan=plan, tiles=tiles, steps=steps)
   out = plgpu.kernel(
       kernel,
@@ -511,13 +520,13 @@ def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_s
   token rows.
 
   Both kernels stream, per CTA, a fixed number of weight bytes; the launch lasts as long as its most loaded SM.
-  So the CTA counts aim at whole waves of co-resident CTAs (up to 3 per SM with the 4-stage rings below), not
-  merely at >= 132: the step's M = 1 MoE has 9 slots (8 routed + the shared expert), and the previous rule (the
-  largest split keeping <= 264 CTAs) gave the gate/up kernel 144 CTAs — 12 SMs streamed two CTAs' bytes while
-  120 idled for the second half (15.9 µs in the step vs 11.3 µs for 8 slots in 256 CTAs, session 26) — and the
-  down kernel 8 expert groups for 9 slots, so that group 0 streamed twice the others' bytes."""
+  So the CTA counts aim at whole waves of co-resident CTAs (up to 3 per SM, rings sized to fit: 3 stages at
+  mp = 8), not merely at >= 132: the step's M = 1 MoE has 9 slots (8 routed + the shared expert), and the
+  previous rule (the largest split keeping <= 264 CTAs) gave the gate/up kernel 144 CTAs — 12 SMs streamed two
+  CTAs' bytes while 120 idled for the second half (15.9 µs in the step vs 11.3 µs for 8 slots in 256 CTAs,
+  session 26) — and the down kernel 8 expert groups for 9 slots, so that group 0 streamed twice the others' bytes."""
   # gate+up: 64-row tiles; when the slots x tiles leave SMs idle (M=1: 9 slots x 8 tiles = 72 CTAs) split D:
-  # the largest split that keeps every CTA resident at once (<= 3 per SM at 4 stages), so that no SM
+  # the largest split that keeps every CTA resident at once (<= 3 per SM, rings sized to fit), so that no SM
   # streams a CTA more than the others after the rest have finished.
   gu_bm = gu_bm or 64
   if inter % gu_bm:
@@ -829,7 +838,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   plan = plan or plan_moe(n_slots, inter, d, mp)
   a_smem = _a_smem(a_from) and dq
   if dq:  # bf16 rows as they are
-    x_in = (x.astype(jnp.bfloat16),)  # m rows: the TMA zero-fills the tiles' rows past them
+    x_in = (_tma_rows(x.astype(jnp.bfloat16), mp),)  # (the TMA zero-fills the rows up to mp)
     x_tile = plgpu.SMEM((plan.gu_stages, mp, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))
   else:
     xq, _ = quantize_activations(x, mp)

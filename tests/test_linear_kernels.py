@@ -389,6 +389,25 @@ def test_bf16_linear_cross_lowers(name, m):
   cross_lower(L.bf16_linear, SDS((m, k), jnp.bfloat16), SDS((n, k), jnp.bfloat16))
 
 
+@pytest.mark.parametrize("m", [3, 12, 77])
+def test_unpadded_rows_cross_lower(m):
+  """x goes to the kernels unpadded where the TMA's zero fill can cover the rows up to mp (m <= 8 or a multiple of
+  8) and padded otherwise: Mosaic tiles the GMEM x by 8 rows, so e.g. 12 rows (B = 4, q = 3) cannot be described
+  unpadded; 77 = 64 + 13 (the second chunk)."""
+  assert L._tma_rows(jnp.zeros((m, 128)), L._padded_rows(m)).shape[0] == (m if m <= 8 else L._padded_rows(m))
+  n, k = FP8_SHAPES["q_a"]
+  cross_lower(L.fp8_dq_linear, SDS((m, k), jnp.bfloat16), SDS((n, k), F8), SDS((n // 128, k // 128), jnp.float32))
+  n, k = BF16_SHAPES["kda_o"]
+  cross_lower(L.bf16_linear, SDS((m, k), jnp.bfloat16), SDS((n, k), jnp.bfloat16))
+  if m <= 64:
+    e, i, d, kk = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+    cross_lower(functools.partial(L.fp8_moe, swiglu_limit=10.0, dq=True),
+                SDS((m, d), jnp.bfloat16), SDS((m, kk), jnp.int32), SDS((m, kk), jnp.float32),
+                SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32))
+
+
 @pytest.mark.parametrize("m", ROWS)
 def test_fp8_moe_dq_cross_lowers(m):
   """The bf16-activation form with the shared slot: register-A wgmmas at every M (what the GPU runs), the SMEM
