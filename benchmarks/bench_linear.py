@@ -16,6 +16,7 @@ for small shapes; marked "wall").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import functools
 import math
@@ -249,8 +250,10 @@ def _sweep_moe(deadline, m, dq=True):
                dict(dn_groups=3), dict(dn_groups=slots, dn_stages=4)] if m == 1 else
               [dict(dn_groups=11), dict(dn_groups=11, dn_stages=4), dict(dn_groups=16), dict(gu_bm=128),
                dict(gu_stages=4), dict(dn_bm=64)])
-  for kw in variants:
-    p = L.plan_moe(slots, i, d, mp, **kw)
+  plans = [L.plan_moe(slots, i, d, mp, **kw) for kw in variants]
+  if m == 1:  # 4-stage rings at 3 CTAs per SM (3 x ~74 KB fits the SM's 228 KB; plan_moe's budget stops at 3)
+    plans.append(dataclasses.replace(L.plan_moe(slots, i, d, mp), gu_stages=4, dn_stages=4))
+  for p in plans:
     if p not in seen:
       seen.add(p)
       guarded(deadline, bench_moe, m, plan=p, with_xla=False, check=False, n_sets=8, dq=dq)

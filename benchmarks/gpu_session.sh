@@ -51,7 +51,8 @@
 #                             zero fill) and the mHC ones (sums [40, M rounded up to 4]), then the one-rank step at
 #                             q = 1 (kernel table + HLO kept) and q = 4, then the end-to-end greedy test if time remains
 #   s27host (nvidia-h200):    where the host time of the CONCURRENT step goes: the one-rank step at q = 1 traced
-#                             under CONCURRENT (the default), under LHS, and under LHS without the Sinkhorn split
+#                             under CONCURRENT (the default), with parameters under 4 MiB packed (396 arguments
+#                             instead of 866), under LHS, and under LHS without the Sinkhorn split
 #   batch27 (nvidia-h200):    B = 8 q = 4 and B = 32 q = 1 with the trained-like router, then bench_kda_decode's matrix
 #   s26     (nvidia-h200):    the MoE with the shared slot under the rebalanced plans (bench_linear, M = 1 and 4, + a
 #                             plan sweep with the previous defaults), then the one-rank step with the session's
@@ -381,6 +382,11 @@ case "$MODE" in
         | grep -E "passed|failed|FAILED|^E  " | head -20 | sed "s/^/$f: /" | tee -a "$OUT/gpu_tests.log"
     done
     rank1 s27 --q 1 --profile --hlo-dir "$OUT/hlo"
+    # the kernel table with each fusion's JAX op, read here (the step's HLO is too large to come back: > 16 MiB)
+    for k in "$OUT"/hlo/*q1*.kernels.json; do
+      timeout 60 python3 benchmarks/kernel_table.py "$k" --hlo "${k%.kernels.json}.hlo.gz" > "$OUT/kernel_table_q1.txt" 2>&1
+    done
+    rm -f "$OUT"/hlo/*.hlo.gz
     [ "$(left)" -gt 200 ] && rank1 s27 --q 4 --profile
     # the end-to-end greedy test (kernel-tiny, every kernel natively, CONCURRENT by default now) if time remains
     [ "$(left)" -gt 120 ] && timeout $(( $(left) - 10 )) python3 -m pytest -q -m e2e_kernels -p no:cacheprovider \
@@ -388,7 +394,12 @@ case "$MODE" in
     ;;
   s27host)  # (nvidia-h200) see the header
     rank1 s27host --q 1 --trace
+    # parameters under 4 MiB packed too: 866 -> 396 parameter arguments (+642 MB of copies), if the host time is
+    # per argument; watch the GPU time for slices XLA copies instead of passing in place
+    [ "$(left)" -gt 150 ] && rank1 s27host --q 1 --trace --pack-params 4194304
     [ "$(left)" -gt 150 ] && rank1 s27host --q 1 --trace --xla-option xla_gpu_command_buffer_scheduling_mode=LHS
+    [ "$(left)" -gt 70 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_linear.py --rows 1 --only moedq \
+      --sweep-moe 1 --budget-s $(( $(left) - 20 )) > "$OUT/bench_linear_moe.log" 2>&1
     [ "$(left)" -gt 150 ] && rank1 s27host --q 1 --trace --xla-option xla_gpu_command_buffer_scheduling_mode=LHS \
       --policy '{"mhc_sinkhorn_split": false}'
     ;;
