@@ -199,6 +199,13 @@ def main(argv=None):
     prof = _profile(dec, state, hlo, a.steps, a.context,
                     kernels_path=os.path.join(a.hlo_dir, name + ".kernels.json") if name else None) if a.profile else None
     state = prof.pop("state") if prof else state
+    # per-component floor (bytes each component must move ÷ 4.3 TB/s) next to its measured GPU time (issue #9)
+    floors = profiling.floor_bytes(cfg, model.params, batch=b, q=q, context=a.context, tp=a.tp)
+    if prof:
+      prof["floor_us"] = {c: f / profiling.HBM_BYTES_PER_S * 1e6 for c, f in floors.items()}
+      print("#   component  floor µs  GPU µs  ×floor:  " + "   ".join(
+          f"{c} {f:.0f} / {m:.0f} ({x:.1f}×)" for c, f, m, x in profiling.gap_table(floors, prof["us_per_step"])
+          if f), flush=True)
     # the roofline formula is one TP4 rank of the real model: meaningless for the tiny geometries
     full = a.geometry == "tp4-rank" and not a.layers
     roof = 1e3 * roofline_bytes(b, q, a.context) / HBM if full else float("nan")

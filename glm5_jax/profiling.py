@@ -272,3 +272,96 @@ def trace_summary(xspace_path: str, steps: int, *, top: int = 16) -> dict:
   out["host_top"] = {k: (v[0] / 1e6 / steps, v[1] / steps)
                      for k, v in sorted(host.items(), key=lambda kv: -kv[1][0])[:top]}
   return out
+
+
+# ------------------------------------------------------------------------------------------------ floors
+HBM_BYTES_PER_S = 4.3e12  # the H200's measured copy bandwidth (../shared/notes/roofline.py)
+LATENT_ROW_BYTES = 640  # one FP8 latent cache row per position (pallas_kernels.sparse_mla.ROW_WORDS x 4)
+
+
+def expected_distinct(n_tokens: int, n_experts: int, top_k: int) -> float:
+  """Experts that n_tokens tokens select under uniform routing: E (1 - (1 - k/E)^n)."""
+  return n_experts * (1.0 - (1.0 - top_k / n_experts) ** n_tokens)
+
+
+def _leaf_component(keys: tuple[str, ...], cfg) -> str:
+  """The component whose kernels read a parameter leaf (its path in the params tree) in a decode step."""
+  from glm5_jax.config import KDA  # noqa: PLC0415
+  head = keys[0]
+  if head == "mtp":
+    return "draft"
+  if head in ("lm_head", "embed_tokens"):
+    return "lm_head" if head == "lm_head" else "embed"
+  if head != "layers":
+    return "mhc" if "hc" in head else "other"
+  i, part = int(keys[1]), keys[2]
+  if part == "self_attn":
+    if "indexer" in keys:
+      return "indexer"
+    return "kda" if cfg.layer_types[i] == KDA else "dsa"
+  if part == "mlp":
+    if "experts" in keys:
+      return "experts"  # scaled by the share of experts the step's tokens select
+    if "gate" in keys and "shared_experts" not in keys and cfg.mlp_layer_types[i] != "dense":
+      return "router"
+    return "moe" if cfg.mlp_layer_types[i] != "dense" else "mlp"
+  return "mhc"  # the mHC fn / base / scale and the norms the boundary kernels read
+
+
+def floor_bytes(cfg, params, *, batch: int, q: int, context: int, tp: int = 1) -> dict[str, float]:
+  """Bytes one decode step must move, per profiling component (COMPONENTS), for ``params`` (the arrays one device
+  holds — e.g. synthetic.abstract_model of tp_rank_config(real, 4): one TP4 rank) at ``batch`` sequences,
+  ``q`` verified tokens each and ``context`` cached positions: every weight read once; of the routed experts
+  the share that B·q tokens select under uniform routing (the MTP draft: B tokens per draft step); the KDA
+  state read once and written per slot; the DSA's selected FP8 latent rows and the indexer's pooled-key scan
+  per query; the draft (q > 1): the MTP layer, its experts and the lm_head once per draft token. Divided by
+  HBM_BYTES_PER_S: the per-component floor that a measured component time is compared with (bench_decode).
+  Sharded parameters count their shard on one device (``tp``: the KDA heads per device too)."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from glm5_jax.config import DSA, KDA  # noqa: PLC0415
+  E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+  share = expected_distinct(batch * q, E, k) / E
+  drafts = q - 1
+  draft_share = expected_distinct(batch, E, k) / E
+  out = collections.Counter()
+  for path, x in jax.tree.flatten_with_path(params)[0]:
+    keys = tuple(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+    sharding = getattr(x, "sharding", None)
+    shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape  # one device's share
+    nbytes = float(np.prod(shape)) * np.dtype(x.dtype).itemsize
+    comp = _leaf_component(keys, cfg)
+    if comp == "experts":
+      out["moe"] += nbytes * share
+    elif comp == "embed":
+      out["embed"] += nbytes / shape[0] * batch * q  # the rows of the step's tokens
+    elif comp == "draft":
+      out["draft"] += nbytes * drafts * (draft_share if "experts" in keys else 1.0)
+    else:
+      out[comp] += nbytes
+  if drafts:
+    out["draft"] += out["lm_head"] * drafts  # each draft token's logits
+  n_kda = sum(t == KDA for t in cfg.layer_types)
+  n_dsa = sum(t == DSA for t in cfg.layer_types)
+  h, d = cfg.linear_num_heads // tp, cfg.linear_head_dim
+  out["kda"] += batch * n_kda * h * d * d * 4 * (1 + q)
+  w = min(cfg.index_topk + cfg.index_kpool - 1, context)
+  pools = context // cfg.index_kpool
+  pool_bytes = pools * (cfg.index_head_dim + 4)  # FP8 pooled keys + one f32 scale each
+  out["dsa"] += batch * q * n_dsa * w * LATENT_ROW_BYTES
+  out["indexer"] += batch * n_dsa * pool_bytes
+  out["draft"] += drafts * batch * (w * LATENT_ROW_BYTES + pool_bytes)
+  return dict(out)
+
+
+def gap_table(floors: dict[str, float], measured_us: dict[str, float]) -> list[tuple[str, float, float, float]]:
+  """[(component, floor µs, measured µs, measured / floor)] for the components with a floor or a time; the
+  floor at HBM_BYTES_PER_S."""
+  rows = []
+  for c in COMPONENTS:
+    f = floors.get(c, 0.0) / HBM_BYTES_PER_S * 1e6
+    m = measured_us.get(c, 0.0)
+    if f or m:
+      rows.append((c, f, m, m / f if f >= 1.0 else float("inf")))  # (a ratio needs a floor of 1 µs)
+  return rows

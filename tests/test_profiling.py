@@ -182,3 +182,36 @@ def test_kernel_table_reads_a_profile_with_its_hlo(tmp_path, capsys):
   assert KT.main([str(path), "--hlo", str(hlo), "--component", "moe", "--min-launches", "5"]) == 0
   out = capsys.readouterr().out
   assert "== moe: 86 µs per step in 10 launches" in out and "input_reduce_fusion_7" not in out
+
+
+def test_component_floors_add_up_to_the_roofline():
+  """profiling.floor_bytes of one TP4 rank (abstract weights): every parameter lands in a component, the verify
+  components add up to bench_decode's roofline formula (performance.md §6: BF16 latent there, FP8 rows here), the
+  experts grow with the tokens, and the draft appears with q > 1; the real geometry sharded over 4 devices gives
+  one device the same bytes as the one-rank geometry."""
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+  from glm5_jax import config as C, sharding as shd  # noqa: PLC0415
+  from glm5_jax.synthetic import abstract_model, tp_rank_config  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  from bench_decode import roofline_bytes  # noqa: PLC0415
+  cfg = tp_rank_config(C.real(), 4)
+  _, params = abstract_model(cfg, mesh=shd.make_mesh(1))
+  floors = {}
+  for b, q in ((1, 1), (1, 4), (8, 1)):
+    f = P.floor_bytes(cfg, params, batch=b, q=q, context=32768)
+    floors[b, q] = f
+    assert f.get("other", 0.0) < 1e6 and set(f) <= set(P.COMPONENTS), f
+    verify = sum(v for c, v in f.items() if c != "draft")
+    assert abs(verify / roofline_bytes(b, q, 32768) - 1) < 0.03, (b, q, verify)
+  assert floors[1, 1]["draft"] == 0 < floors[1, 4]["draft"]
+  assert floors[1, 1]["moe"] < floors[1, 4]["moe"] < floors[8, 1]["moe"]
+  assert floors[1, 1]["kda"] < floors[8, 1]["kda"]  # the recurrent state per sequence
+  rows = P.gap_table(floors[1, 1], {"moe": 1000.0, "kda": 500.0})
+  assert [r[0] for r in rows if r[2]] == ["kda", "moe"] and all(r[1] > 0 for r in rows)
+  if len(jax.devices()) >= 4:
+    _, sharded = abstract_model(C.real(), mesh=shd.make_mesh(4))
+    g = P.floor_bytes(C.real(), sharded, batch=1, q=1, context=32768, tp=4)
+    for c in ("kda", "moe", "dsa", "lm_head", "mhc", "router"):
+      assert abs(g[c] / floors[1, 1][c] - 1) < 0.05, (c, g[c], floors[1, 1][c])
