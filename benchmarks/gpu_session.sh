@@ -382,12 +382,15 @@ case "$MODE" in
         | grep -E "passed|failed|FAILED|^E  " | head -20 | sed "s/^/$f: /" | tee -a "$OUT/gpu_tests.log"
     done
     rank1 s27 --q 1 --profile --hlo-dir "$OUT/hlo"
-    # the kernel table with each fusion's JAX op, read here (the step's HLO is too large to come back: > 16 MiB)
-    for k in "$OUT"/hlo/*q1*.kernels.json; do
-      timeout 60 python3 benchmarks/kernel_table.py "$k" --hlo "${k%.kernels.json}.hlo.gz" > "$OUT/kernel_table_q1.txt" 2>&1
+    [ "$(left)" -gt 200 ] && rank1 s27 --q 4 --profile --hlo-dir "$OUT/hlo"
+    # the kernel tables with each fusion's JAX op, read here (the step's HLO is too large to come back: > 16 MiB)
+    for q in 1 4; do
+      for k in "$OUT"/hlo/*_q${q}_*.kernels.json; do
+        [ -f "$k" ] && timeout 60 python3 benchmarks/kernel_table.py "$k" --hlo "${k%.kernels.json}.hlo.gz" \
+          > "$OUT/kernel_table_q$q.txt" 2>&1
+      done
     done
     rm -f "$OUT"/hlo/*.hlo.gz
-    [ "$(left)" -gt 200 ] && rank1 s27 --q 4 --profile
     # the end-to-end greedy test (kernel-tiny, every kernel natively, CONCURRENT by default now) if time remains
     [ "$(left)" -gt 120 ] && timeout $(( $(left) - 10 )) python3 -m pytest -q -m e2e_kernels -p no:cacheprovider \
       tests/test_decode.py 2>&1 | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
