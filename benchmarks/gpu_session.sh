@@ -51,8 +51,9 @@
 #                             zero fill) and the mHC ones (sums [40, M rounded up to 4]), then the one-rank step at
 #                             q = 1 (kernel table + HLO kept) and q = 4, then the end-to-end greedy test if time remains
 #   s27host (nvidia-h200):    where the host time of the CONCURRENT step goes: the one-rank step at q = 1 traced
-#                             under CONCURRENT (the default), with parameters under 4 MiB packed (396 arguments
-#                             instead of 866), under LHS, and under LHS without the Sinkhorn split
+#                             under CONCURRENT (the default), under CONCURRENT_REGIONS, under LHS, with parameters
+#                             under 4 MiB packed (396 arguments instead of 866); a VLOG of command-buffer updates
+#                             under CONCURRENT; the MoE plan sweep at M = 1 (4-stage rings at 3 CTAs per SM)
 #   batch27 (nvidia-h200):    B = 8 q = 4 and B = 32 q = 1 with the trained-like router, then bench_kda_decode's matrix
 #   s26     (nvidia-h200):    the MoE with the shared slot under the rebalanced plans (bench_linear, M = 1 and 4, + a
 #                             plan sweep with the previous defaults), then the one-rank step with the session's
@@ -397,14 +398,22 @@ case "$MODE" in
     ;;
   s27host)  # (nvidia-h200) see the header
     rank1 s27host --q 1 --trace
-    # parameters under 4 MiB packed too: 866 -> 396 parameter arguments (+642 MB of copies), if the host time is
-    # per argument; watch the GPU time for slices XLA copies instead of passing in place
-    [ "$(left)" -gt 150 ] && rank1 s27host --q 1 --trace --pack-params 4194304
+    # CONCURRENT_REGIONS: overlap only among small kernels (a graph closer to a chain: the driver's fast launch path
+    # for straight-line graphs?); then LHS; then parameters under 4 MiB packed too (866 -> 396 parameter
+    # arguments, +642 MB of copies; watch the GPU time for slices XLA copies instead of passing in place)
+    [ "$(left)" -gt 150 ] && rank1 s27host --q 1 --xla-option xla_gpu_command_buffer_scheduling_mode=CONCURRENT_REGIONS
     [ "$(left)" -gt 150 ] && rank1 s27host --q 1 --trace --xla-option xla_gpu_command_buffer_scheduling_mode=LHS
+    [ "$(left)" -gt 150 ] && rank1 s27host --q 1 --trace --pack-params 4194304
+    # does the CONCURRENT step's command buffer get updated on every execution? (4 real layers; session 25's
+    # VLOG showed none under LHS)
+    [ "$(left)" -gt 100 ] && TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 \
+      timeout 90 python3 benchmarks/bench_decode.py --geometry tp4-rank --layers 4 --batch 1 --q 1 --context 32768 \
+      --steps 10 --repeats 1 --fast-compile --backend latency_specialized > /tmp/vlog.txt 2>&1 && \
+      { grep -E "ms/step|packed" /tmp/vlog.txt | grep -v -i warn | tail -3; echo "lines $(wc -l < /tmp/vlog.txt)";
+        grep -i -E "command" /tmp/vlog.txt | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -25; } \
+        > "$OUT/vlog_concurrent.txt"
     [ "$(left)" -gt 70 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_linear.py --rows 1 --only moedq \
       --sweep-moe 1 --budget-s $(( $(left) - 20 )) > "$OUT/bench_linear_moe.log" 2>&1
-    [ "$(left)" -gt 150 ] && rank1 s27host --q 1 --trace --xla-option xla_gpu_command_buffer_scheduling_mode=LHS \
-      --policy '{"mhc_sinkhorn_split": false}'
     ;;
   batch27)  # (nvidia-h200) see the header
     rank1 batch27 --q 4 --batch 8 --profile
