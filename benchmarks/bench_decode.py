@@ -191,8 +191,20 @@ def main(argv=None):
       times.append((time.perf_counter() - t) / a.steps)
     ms = 1e3 * float(np.median(times))
     host_ms = 1e3 * float(np.median(host))
+    # one call onto an idle GPU: the host's own cost of a call (argument handling, command-buffer checks, the
+    # graph launch), apart from any wait behind the previous step that the chained calls above may include
+    state = _room(dec, state, 5, a.context)
+    idle = []
+    for _ in range(5):
+      jax.block_until_ready(state.io)
+      t = time.perf_counter()
+      state, out = decode(state)
+      idle.append(time.perf_counter() - t)
+    jax.block_until_ready(out.tokens)
+    idle_ms = 1e3 * float(np.median(idle))
     print(f"# host: the {a.steps} calls return after {host_ms:.2f} ms/step of {ms:.2f} ms/step "
-          f"({'host-bound' if host_ms > 0.9 * ms else 'the GPU is behind'})", flush=True)
+          f"({'host-bound' if host_ms > 0.9 * ms else 'the GPU is behind'}); one call onto an idle GPU returns "
+          f"after {idle_ms:.2f} ms", flush=True)
     trace = None
     if a.trace:
       trace, state = _trace(dec, state, a.steps, a.context)
@@ -216,7 +228,8 @@ def main(argv=None):
                nccl_proto=os.environ.get("NCCL_PROTO", ""), batch=b, q=q, context=a.context, compile_s=comp,
                ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
                roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
-               census=cen, profile=prof, trace=trace, host_ms_per_step=host_ms, first_call_s=first, kernel_sites=sites,
+               census=cen, profile=prof, trace=trace, host_ms_per_step=host_ms, host_idle_call_ms=idle_ms,
+               first_call_s=first, kernel_sites=sites,
                date=time.strftime("%Y-%m-%d"))
     rows.append(row)
     print(f"{label:>34} {b:>3} {q:>2} {comp:>9.1f} {ms:>9.2f} {tps:>9.1f} {roof:>11.3f} {row['pct_roofline']:>6.1f}%",
