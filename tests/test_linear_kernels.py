@@ -446,7 +446,8 @@ def test_fp8_moe_cross_lowers(m):
 # ------------------------------------------------------------------------------------------------------------
 # every per-rank shape at M = 8 and at M = 1 (one token: the B = 1, q = 1 step), a few more M for one shape
 GPU_FP8_CASES = ([(name, 8) for name in FP8_SHAPES] + [(name, 1) for name in FP8_SHAPES]
-                 + [("mla_o", m) for m in (32, 64, 72)])
+                 + [("mla_o", m) for m in (32, 64, 72)]
+                 + [("q_a", 3), ("mla_o", 12)])  # x unpadded (the TMA's zero fill) / padded (_tma_rows)
 
 
 @pytest.mark.gpu
@@ -474,7 +475,8 @@ def test_fp8_dq_linear_gpu(name, m, a_from):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,m", [(name, 1) for name in BF16_SHAPES] + [("kda_fgb_a", 4), ("indexer_x", 4),
-                                                                          ("kda_qkv", 32), ("kda_o", 64)])
+                                                                          ("kda_qkv", 32), ("kda_o", 64),
+                                                                          ("kda_qkv", 3), ("kda_o", 12)])
 def test_bf16_linear_gpu(name, m):
   n, k = BF16_SHAPES[name]
   ks = jax.random.split(jax.random.key(70 + m), 2)
@@ -499,7 +501,7 @@ def test_fp8_moe_gpu(m, e, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,dq,a_from", [(1, False, None), (8, False, None), (32, False, None),
                                          (1, True, "regs"), (8, True, "regs"), (32, True, "regs"),
-                                         (1, True, "smem")])
+                                         (1, True, "smem"), (4, True, "regs"), (12, True, "regs")])
 def test_fp8_moe_shared_slot_gpu(m, dq, a_from):
   i, d, e, k = MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["E"], MOE_REAL["k"]
   args = moe_inputs(jax.random.key(90 + m), m, e, i, d, k)
