@@ -35,7 +35,7 @@ from glm5_jax.speculative import Decoder, decode, parse_xla_option  # noqa: E402
 from glm5_jax.runtime import DecodeConfig  # noqa: E402
 from glm5_jax.synthetic import random_model, random_state, tp_rank_config  # noqa: E402
 
-HBM = 4.3e12
+HBM = profiling.HBM_BYTES_PER_S
 
 
 def roofline_bytes(b, q, ctx):

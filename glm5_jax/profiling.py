@@ -276,7 +276,6 @@ def trace_summary(xspace_path: str, steps: int, *, top: int = 16) -> dict:
 
 # ------------------------------------------------------------------------------------------------ floors
 HBM_BYTES_PER_S = 4.3e12  # the H200's measured copy bandwidth (../shared/notes/roofline.py)
-LATENT_ROW_BYTES = 640  # one FP8 latent cache row per position (pallas_kernels.sparse_mla.ROW_WORDS x 4)
 
 
 def expected_distinct(n_tokens: int, n_experts: int, top_k: int) -> float:
@@ -321,6 +320,8 @@ def floor_bytes(cfg, params, *, batch: int, q: int, context: int, tp: int = 1) -
   import numpy as np  # noqa: PLC0415
 
   from glm5_jax.config import DSA, KDA  # noqa: PLC0415
+  from pallas_kernels.sparse_mla import ROW_WORDS  # noqa: PLC0415 (the FP8 latent cache row, declared there)
+  row_bytes = ROW_WORDS * 4  # one FP8 latent cache row per selected position
   E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
   share = expected_distinct(batch * q, E, k) / E
   drafts = q - 1
@@ -349,9 +350,9 @@ def floor_bytes(cfg, params, *, batch: int, q: int, context: int, tp: int = 1) -
   w = min(cfg.index_topk + cfg.index_kpool - 1, context)
   pools = context // cfg.index_kpool
   pool_bytes = pools * (cfg.index_head_dim + 4)  # FP8 pooled keys + one f32 scale each
-  out["dsa"] += batch * q * n_dsa * w * LATENT_ROW_BYTES
+  out["dsa"] += batch * q * n_dsa * w * row_bytes
   out["indexer"] += batch * n_dsa * pool_bytes
-  out["draft"] += drafts * batch * (w * LATENT_ROW_BYTES + pool_bytes)
+  out["draft"] += drafts * batch * (w * row_bytes + pool_bytes)
   return dict(out)
 
 
