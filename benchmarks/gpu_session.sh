@@ -54,6 +54,8 @@
 #                             under CONCURRENT (the default), under CONCURRENT_REGIONS, under LHS, with parameters
 #                             under 4 MiB packed (396 arguments instead of 866); a VLOG of command-buffer updates
 #                             under CONCURRENT; the MoE plan sweep at M = 1 (4-stage rings at 3 CTAs per SM)
+#   thr (nvidia-h200):        the top-k threshold kernel's GPU tests and bench_topk with it
+#   s27b (nvidia-h200):       the q = 4 step with its kernel table, then batch27's runs
 #   batch27 (nvidia-h200):    B = 8 q = 4 and B = 32 q = 1 with the trained-like router, then bench_kda_decode's matrix
 #   s26     (nvidia-h200):    the MoE with the shared slot under the rebalanced plans (bench_linear, M = 1 and 4, + a
 #                             plan sweep with the previous defaults), then the one-rank step with the session's
@@ -414,6 +416,25 @@ case "$MODE" in
         > "$OUT/vlog_concurrent.txt"
     [ "$(left)" -gt 70 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_linear.py --rows 1 --only moedq \
       --sweep-moe 1 --budget-s $(( $(left) - 20 )) > "$OUT/bench_linear_moe.log" 2>&1
+    ;;
+  thr)  # (nvidia-h200) the top-k threshold kernel: its GPU tests, then bench_topk with it against the XLA forms
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k threshold 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    [ "$(left)" -gt 40 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_topk.py --rows 1,4,32 \
+      --pools 8256,16448 --only "top_k,radix scan128,kernel scan128" --out "$OUT/bench_topk.log" 2>&1 \
+      | grep -v -i warn | tail -20
+    ;;
+  s27b)  # (nvidia-h200) the q = 4 step with its kernel table (the pads gone?), then batch27's runs
+    rank1 s27b --q 4 --profile --hlo-dir "$OUT/hlo"
+    for k in "$OUT"/hlo/*_q4_*.kernels.json; do
+      [ -f "$k" ] && timeout 60 python3 benchmarks/kernel_table.py "$k" --hlo "${k%.kernels.json}.hlo.gz" \
+        > "$OUT/kernel_table_q4.txt" 2>&1
+    done
+    rm -f "$OUT"/hlo/*.hlo.gz
+    [ "$(left)" -gt 200 ] && rank1 s27b --q 4 --batch 8 --profile
+    [ "$(left)" -gt 200 ] && rank1 s27b --q 1 --batch 32 --profile
+    [ "$(left)" -gt 80 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_kda_decode.py --quick \
+      --budget_s $(( $(left) - 30 )) > "$OUT/bench_kda.log" 2>&1
     ;;
   batch27)  # (nvidia-h200) see the header
     rank1 batch27 --q 4 --batch 8 --profile

@@ -24,8 +24,8 @@ from jax import lax
 
 from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
-                             RMSNorm, concat_fits, kernel_enabled, param, StackedLinear, radix_topk_plan,
-                             rms_norm, topk_set_by_threshold)
+                             RMSNorm, concat_fits, kernel_enabled, kernel_switch, param, StackedLinear,
+                             radix_topk_plan, rms_norm, topk_set_by_threshold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,10 +322,15 @@ class Indexer(nnx.Module):
       kk = min(self.top_pools, P)
       R = masked.shape[0] * masked.shape[1]  # score rows (decode: B·T; prefill's > 64 sort)
       form, pays = radix_topk_plan(R, P)
-      if kernel_enabled("indexer_topk", R, prefer=pays,
-                        prefer_why=f"{R} rows x {P} pools: XLA's sort measured faster (layers.radix_topk_plan; "
-                        "policy indexer_topk: true forces the radix selection)"):
-        js = topk_set_by_threshold(masked, kk, **form)  # lax.top_k's set, in ascending pool order
+      from pallas_kernels import indexer as ki  # noqa: PLC0415
+      thr_fits = -(-P // ki.THRESHOLD_LANES) * ki.THRESHOLD_LANES <= ki.THRESHOLD_MAX_KEYS
+      if kernel_enabled("indexer_topk", R, prefer=pays or (thr_fits and kernel_switch("topk_threshold")),
+                        prefer_why=f"{R} rows x {P} pools: XLA's sort measured faster than the XLA radix passes "
+                        "(layers.radix_topk_plan; the topk_threshold kernel is off or does not fit; policy "
+                        "indexer_topk: true forces the radix selection)"):
+        thr = kernel_enabled("topk_threshold", fits=thr_fits,
+                             why=f"{P} pools per score row (the kernel holds up to {ki.THRESHOLD_MAX_KEYS})")
+        js = topk_set_by_threshold(masked, kk, **form, threshold_kernel=thr)  # lax.top_k's set, ascending
         vals = jnp.take_along_axis(masked, js, axis=-1)
       else:
         vals, js = lax.top_k(masked, kk)

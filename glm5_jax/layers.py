@@ -83,7 +83,12 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # CONCURRENT command-buffer schedule (the Decoder's GPU default) the Sinkhorn overlaps the
                    # sublayer: one TP4 rank, B = 1, q = 1 5.16 -> 4.56 ms per step on the H200 (BENCHMARKS.md
                    # session 26). Under the serial schedule it would be one more launch per boundary
-                   "mhc_sinkhorn_split": True}
+                   "mhc_sinkhorn_split": True,
+                   # with indexer_topk on: the selection's threshold (the k-th largest key and how many keys
+                   # exceed it) as one Mosaic kernel (pallas_kernels.indexer.topk_threshold, a CTA per score row)
+                   # instead of the XLA radix passes (~13 small kernels per call); with it the radix selection
+                   # replaces XLA's sort at every size the kernel holds (rows of up to 17,408 pools)
+                   "topk_threshold": True}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
@@ -117,6 +122,13 @@ def use_kernels(policy: dict | None):
 
 
 _REPORT: contextvars.ContextVar = contextvars.ContextVar("glm5_jax_kernel_report", default=None)
+
+
+def kernel_switch(name: str) -> bool:
+  """Whether the switch ``name`` is on in the active policy, without a report entry (for planning a call site
+  whose own kernel_enabled decision depends on another kernel being available)."""
+  got = _KERNELS.get()
+  return got is not None and bool(got[0].get(name))
 
 
 def kernel_enabled(name: str, rows: int | None = None, *, fits: bool = True, why: str = "", prefer: bool = True,
@@ -477,7 +489,8 @@ def exclusive_prefix_sum(x, block: int | None = None):
   return inc.reshape(*x.shape[:-1], -1)[..., :N] - x
 
 
-def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | None = None):
+def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | None = None,
+                          threshold_kernel: bool = False):
   """The SET lax.top_k(v, k) selects, without a sort, as indices [..., k] int32 in ascending index order (an
   unselected slot can only arise for k > N: -1). For large N (the indexer's top-512 of up to max_context / 4
   pools), where ``topk_by_rank``'s N × N count is too much work and XLA's GPU sort is ~58 µs per call
@@ -487,7 +500,9 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
      order), ``digit_bits`` per pass: each pass counts #{key >= t} for the 2^digit_bits candidate thresholds of
      the next digit at once ([..., 2^digit_bits, N] compare-and-count: one reduction) and keeps the largest t
      with a count >= k. (Digits from a histogram of the still-matching entries — a scatter-add, O(N) per pass —
-     measured slower on the H200 at every size, bench_topk session 24, and were removed.)
+     measured slower on the H200 at every size, bench_topk session 24, and were removed.) With
+     ``threshold_kernel``: T and #{key > T} from one Mosaic kernel instead (``pallas_kernels.indexer.
+     topk_threshold``: a CTA per row, 32 bit-by-bit passes over the row in registers) — ~13 XLA kernels fewer.
   2. Selected: key > T, and of the entries equal to T the first k - #{key > T} by index (lax.top_k's tie
      order); the count of selected entries up to each index from ONE prefix sum (the two prefix counts packed in
      one int32; ``scan_block``: exclusive_prefix_sum's blocking), then one scatter of each selected index to its
@@ -499,15 +514,23 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
   kk = min(k, N)
   if 32 % digit_bits:
     raise ValueError(f"digit_bits={digit_bits}: the compare-and-count passes need a divisor of 32")
-  t = jnp.zeros(lead, jnp.uint32)  # invariant: #{u >= t} >= kk
-  digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)
-  for shift in range(32 - digit_bits, -1, -digit_bits):
-    cand = t[..., None] | (digits << jnp.uint32(shift))  # [..., 2^b] thresholds, increasing
-    cnt = jnp.sum(u[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)  # non-increasing in the digit
-    d = jnp.sum(cnt >= kk, axis=-1, dtype=jnp.int32) - 1  # the largest digit keeping >= kk entries (>= 0)
-    t = t | (d.astype(jnp.uint32) << jnp.uint32(shift))
+  if threshold_kernel:
+    from pallas_kernels import indexer as ki  # noqa: PLC0415 (kernels import lazily)
+    rows_ = math.prod(lead)
+    lanes = ki.THRESHOLD_LANES  # (pads: key 0, the smallest — never above a real key)
+    up = jnp.pad(u.reshape(rows_, N), ((0, 0), (0, (-N) % lanes)))
+    t, n_gt = (a.reshape(lead) for a in ki.topk_threshold(up, kk))
+  else:
+    t = jnp.zeros(lead, jnp.uint32)  # invariant: #{u >= t} >= kk
+    digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)
+    for shift in range(32 - digit_bits, -1, -digit_bits):
+      cand = t[..., None] | (digits << jnp.uint32(shift))  # [..., 2^b] thresholds, increasing
+      cnt = jnp.sum(u[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)  # non-increasing in the digit
+      d = jnp.sum(cnt >= kk, axis=-1, dtype=jnp.int32) - 1  # the largest digit keeping >= kk entries (>= 0)
+      t = t | (d.astype(jnp.uint32) << jnp.uint32(shift))
+    n_gt = jnp.sum(u > t[..., None], axis=-1, dtype=jnp.int32)
   gt, eq = u > t[..., None], u == t[..., None]
-  need_eq = kk - jnp.sum(gt, axis=-1, dtype=jnp.int32)  # >= 1: T is an entry's key
+  need_eq = kk - n_gt  # >= 1: T is an entry's key
   g32, e32 = gt.astype(jnp.int32), eq.astype(jnp.int32)
   if N < 1 << 15:  # both exclusive prefix counts from one prefix sum, packed in an int32
     both = exclusive_prefix_sum(g32 + (e32 << 16), scan_block)

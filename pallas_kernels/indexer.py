@@ -8,7 +8,11 @@ the pooled-key cache (P = ctx / 4).
 * ``indexer_scores`` (Mosaic GPU) / ``indexer_scores_reference`` (jnp, f32):
     scores[b, t, j] = k_scale[b, j] · Σ_h w[b,t,h] · q_scale[b,t,h] · ReLU(q8[b,t,h] · k8[b,j]), j < n_valid[b,t]
                       -inf,                                                                j >= n_valid[b,t]
-  Top-k stays in XLA.
+* ``topk_threshold`` (Mosaic GPU) / ``topk_threshold_reference`` (jnp): the k-th largest of each row of uint32
+  keys (the monotone keys of ``glm5_jax.layers.topk_set_by_threshold``) and how many keys exceed it — the
+  selection's threshold, where the XLA radix selection spent ~13 small kernels per call (4 passes of a
+  [.., 256, N] compare-and-count, a count and an OR each). The prefix sum and the scatter of the selected indices
+  stay in XLA (a per-thread scatter is not expressible in Mosaic GPU's warpgroup arrays).
 
 Kernel design: the pooled keys are shared by all T tokens and all 32 heads of a sequence, so one CTA streams a
 contiguous chunk of pooled keys of one sequence (blocks of 64 keys, double-buffered TMA) and scores them against
@@ -208,3 +212,67 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   )
   out = kern(q8.reshape(B, T * HI, HEAD_DIM), wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32))
   return out[:, :, :P]
+
+
+# ------------------------------------------------------------------------------------------------ top-k threshold
+THRESHOLD_LANES = 128  # keys per row of the kernel's [N / 128, 128] view: one per thread of the warpgroup
+THRESHOLD_MAX_KEYS = 136 * THRESHOLD_LANES  # 136 keys per thread in registers (17,408: 64K context's 16,448 pools)
+
+
+def topk_threshold_reference(keys, k: int):
+  """keys [R, N] uint32, 1 <= k <= N (static) -> (t [R] uint32: the k-th largest key of each row, counted with
+  multiplicity; n_gt [R] int32: how many keys of the row are > t). By a sort."""
+  _check_threshold(keys, k)
+  t = jnp.sort(keys, axis=-1)[:, keys.shape[1] - k]
+  return t, jnp.sum(keys > t[:, None], axis=-1, dtype=jnp.int32)
+
+
+def _check_threshold(keys, k):
+  R, N = keys.shape if keys.ndim == 2 else (None, None)
+  if keys.ndim != 2 or keys.dtype != jnp.uint32:
+    raise ValueError(f"topk_threshold: keys {keys.shape} {keys.dtype}, expected [R, N] uint32")
+  if not 1 <= k <= N:
+    raise ValueError(f"topk_threshold: k = {k}, expected 1 <= k <= N = {N}")
+
+
+def _threshold_kernel(k: int):
+  def body(u_g, t_g, n_g, u_s, bar):
+    r = lax.axis_index("r")
+    plgpu.copy_gmem_to_smem(u_g.at[r], u_s, bar)
+    plgpu.barrier_wait(bar)
+    u = u_s[...]  # [N / 128, 128]: N / 128 keys per thread, in registers for all 32 passes
+    # The k-th largest key, bit by bit from the top: t keeps the largest prefix with #{u >= t} >= k. Each pass
+    # is one compare per key and one int32 sum over the warpgroup (a redux.sync per warp + 4 words of SMEM).
+    t = jnp.uint32(0)
+    for bit in range(31, -1, -1):
+      cand = t | jnp.uint32(1 << bit)
+      t = jnp.where(jnp.sum((u >= cand).astype(jnp.int32)) >= k, cand, t)
+    n_gt = jnp.sum((u > t).astype(jnp.int32))
+    t_g[r] = jnp.broadcast_to(t, (THRESHOLD_LANES,))
+    n_g[r] = jnp.broadcast_to(n_gt, (THRESHOLD_LANES,))
+
+  return body
+
+
+@kernel_entry("k")
+def topk_threshold(keys, k: int):
+  """Mosaic GPU version of ``topk_threshold_reference``: one CTA (one warpgroup) per row, the row's keys TMA'd
+  into SMEM and held in registers; 33 passes of a compare and a warpgroup sum. N must be a multiple of 128 (pad
+  with 0, the smallest key: a pad never outranks a real key, and the k-th largest of the real keys is unchanged
+  when k <= the real count) and at most THRESHOLD_MAX_KEYS (the registers)."""
+  _check_threshold(keys, k)
+  R, N = keys.shape
+  if N % THRESHOLD_LANES or N > THRESHOLD_MAX_KEYS:
+    raise ValueError(f"topk_threshold: N = {N} keys per row; the kernel takes a multiple of {THRESHOLD_LANES} up "
+                     f"to {THRESHOLD_MAX_KEYS} (pad with 0)")
+  nr = N // THRESHOLD_LANES
+  row = lambda dt: jax.ShapeDtypeStruct((R, THRESHOLD_LANES), dt)
+  t, n_gt = plgpu.kernel(
+      _threshold_kernel(int(k)),
+      out_type=(row(jnp.uint32), row(jnp.int32)),
+      grid=(R,),
+      grid_names=("r",),
+      kernel_name="glm5_topk_threshold",
+      scratch_types=[plgpu.SMEM((nr, THRESHOLD_LANES), jnp.uint32), plgpu.Barrier(num_arrivals=1)],
+  )(keys.reshape(R, nr, THRESHOLD_LANES))
+  return t[:, 0], n_gt[:, 0]

@@ -4,7 +4,9 @@ CPU (< 90 s): FWHT against scipy's Sylvester Hadamard matrix, orthonormality and
 (power-of-two scales, bf16 rounding first, amax in (224, 448], round-trip bound, the 1e-4 floor) against a numpy
 implementation; the scores reference against a naive numpy loop; the Mosaic GPU kernel in GPU interpret mode
 against the reference (causal n_valid incl. 0 and P, ragged P, several blocks per CTA, T up to 8); CUDA
-cross-lowering of every real configuration (B in {1, 8, 32}, T in {1, 4, 8}, P in {1024, 8192, 16384}).
+cross-lowering of every real configuration (B in {1, 8, 32}, T in {1, 4, 8}, P in {1024, 8192, 16384}); the
+top-k threshold kernel in interpret mode against its sort reference (ties, pads, k = 1 and k = N) and
+cross-lowered for the decode's score rows.
 GPU (`-m gpu`): real sizes natively against the reference.
 """
 
@@ -196,3 +198,55 @@ def test_kernel_gpu(B, T, P, full):
   assert_scores_close(got, ref, "kernel_fp8")
   fin = np.isfinite(ref)
   assert np.abs(got[fin] - ref[fin]).max() <= 1e-3 * np.abs(ref[fin]).max()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# top-k threshold
+# ------------------------------------------------------------------------------------------------------------
+def threshold_keys(rng, R, N, n_real=None):
+  """Random uint32 keys with heavy ties in row 0 (a few levels) and, past n_real, the kernel's 0 pads."""
+  u = rng.integers(0, 2 ** 32, (R, N), dtype=np.uint64).astype(np.uint32)
+  u[0] = rng.choice(u[0, :4], N)
+  if n_real is not None:
+    u[:, n_real:] = 0
+  return jnp.asarray(u)
+
+
+@pytest.mark.parametrize("R,N,k", [(1, 128, 1), (3, 8320, 512), (2, 256, 256), (5, 1024, 700)])
+def test_threshold_kernel_interpret(R, N, k):
+  rng = np.random.default_rng()
+  keys = threshold_keys(rng, R, N, n_real=N - 64 if N > k + 64 else None)
+  want = I.topk_threshold_reference(keys, k)
+  with maybe_interpret(True):
+    got = jax.jit(lambda u: I.topk_threshold(u, k))(keys)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  # the definition, independently of the reference: #{>= t} >= k > #{> t}
+  u, t = np.asarray(keys), np.asarray(got[0])[:, None]
+  assert ((u >= t).sum(-1) >= k).all() and ((u > t).sum(-1) < k).all()
+
+
+def test_threshold_rejects_bad_input():
+  keys = jnp.zeros((2, 200), jnp.uint32)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    I.topk_threshold(keys, 5)
+  with pytest.raises(ValueError, match="k = 0"):
+    I.topk_threshold(jnp.zeros((2, 256), jnp.uint32), 0)
+  with pytest.raises(ValueError, match="uint32"):
+    I.topk_threshold(jnp.zeros((2, 256), jnp.int32), 5)
+
+
+@pytest.mark.parametrize("R,N", [(1, 8320), (4, 8320), (32, 8320), (64, 8320), (4, 16512), (1, I.THRESHOLD_MAX_KEYS)])
+def test_threshold_cross_lower(R, N):
+  txt = cross_lower(lambda u: I.topk_threshold(u, 512), SDS((R, N), jnp.uint32)).as_text()
+  assert "mosaic_gpu" in txt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,N,k", [(1, 8320, 512), (4, 8320, 512), (32, 16512, 512), (3, 256, 256)])
+def test_threshold_kernel_gpu(R, N, k):
+  keys = threshold_keys(np.random.default_rng(), R, N, n_real=N - 64)
+  want = jax.jit(lambda u: I.topk_threshold_reference(u, k))(keys)
+  got = jax.jit(lambda u: I.topk_threshold(u, k))(keys)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -12,6 +12,7 @@ import pytest
 
 import glm5_jax
 from checkpoints import make_tiny
+from pallas_kernels._common import maybe_interpret
 from conftest import tol
 from glm5_jax.attention import _per_head, kda_chunked, l2norm
 from glm5_jax.checkpoint import CheckpointError
@@ -246,7 +247,11 @@ def test_router_topk_equals_sorting_router():
     # the blocked prefix sum and 4-bit digits (bench_topk's variants)
     (8196, 512, "ties", dict(scan_block=128)), (700, 512, "masked", dict(scan_block=128, digit_bits=4)),
     (33000, 512, "ties", dict(scan_block=512)), (50, 64, "special", dict(scan_block=128, digit_bits=4)),
-    (2000, 512, "special", dict(digit_bits=4, scan_block=128)), (600, 600, "ties", dict(scan_block=128))])
+    (2000, 512, "special", dict(digit_bits=4, scan_block=128)), (600, 600, "ties", dict(scan_block=128)),
+    # the threshold from the Mosaic kernel (GPU interpret mode here)
+    (8196, 512, "ties", dict(scan_block=128, threshold_kernel=True)),
+    (700, 512, "masked", dict(scan_block=128, threshold_kernel=True)),
+    (300, 64, "special", dict(threshold_kernel=True))])
 def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind, opts):
   """The indexer's sort-free top-k selects exactly lax.top_k's SET (ties: the lower indices), returned in
   ascending index order: indexer-like scores, a few levels (ties everywhere, one row all equal), -inf beyond a
@@ -267,7 +272,8 @@ def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind, opts):
     specials = np.array([np.nan, -np.nan, 0.0, -0.0, np.inf, -np.inf], np.float32)
     hit = rng.random(shape) < 0.1
     v[hit] = specials[rng.integers(0, len(specials), hit.sum())]
-  got = np.asarray(jax.jit(lambda v: topk_set_by_threshold(v, k, **opts))(jnp.asarray(v)))
+  with maybe_interpret(True):
+    got = np.asarray(jax.jit(lambda v: topk_set_by_threshold(v, k, **opts))(jnp.asarray(v)))
   kk = min(k, N)
   want = np.sort(np.asarray(lax.top_k(jnp.asarray(v), kk)[1]), axis=-1)
   np.testing.assert_array_equal(got[..., :kk], want)
