@@ -177,12 +177,15 @@ class KDA(nnx.Module):
     acc = sum(full[:, j:j + T] * w[:, j].astype(jnp.float32) for j in range(Kc))
     zc = jax.nn.silu(acc).astype(dtype).astype(jnp.float32)
     q, k, v = (a.reshape(B, T, H, Kd) for a in jnp.split(zc, 3, axis=-1))
-    fa, ga, b_all = self.fgb_a_proj(x, dtype)
-    fg = self.fg_b_proj(jnp.concatenate([fa, ga], axis=-1), dtype).astype(jnp.float32)  # [B, T, 2C]: f | gate
+    # f_a | g_a | b (b of all heads) side by side; f_b and g_b read the f_a | g_a columns in place, and the KDA
+    # kernel reads f and this rank's b columns in place: each XLA slice before a custom call was a kernel of its
+    # own (at q = 4 three per KDA layer: [M, 256], f [M, 2048], b [M, 16]; session 27's profile)
+    fgb = self.fgb_a_proj.joint(x, dtype)  # [B, T, 2r + all heads]
+    fg = self.fg_b_proj(fgb, dtype, prefix=True).astype(jnp.float32)  # [B, T, 2C]: f | gate
     f, gate = (a.reshape(B, T, H, Kd) for a in jnp.split(fg, 2, axis=-1))
-    # this device's heads, in the projection's dtype: the kernel and its reference take the sigmoid in f32
-    # themselves (an f32 copy here was an XLA kernel of its own per KDA layer; the slice alone is a view)
-    b = lax.dynamic_slice_in_dim(b_all, lax.axis_index(TP) * H, H, axis=-1)
+    b_off = self.fgb_a_proj.outs[0] + self.fgb_a_proj.outs[1] + lax.axis_index(TP) * H  # this rank's first b
+    # (in the projection's dtype: the kernel and its reference take the sigmoid in f32 themselves)
+    b = lax.dynamic_slice_in_dim(fgb, b_off, H, axis=-1)
     A_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, Kd)
     ssm = cache["ssm"]
     normed = False  # o already through the gated RMSNorm (inside the KDA kernel)
@@ -193,8 +196,8 @@ class KDA(nnx.Module):
         # the XLA fusion after it — measured slower (layers.KERNEL_DEFAULTS), kept as an A/B knob
         norm = (dict(gate=gate, norm_weight=self.o_norm.weight[...], norm_eps=self.eps)
                 if kernel_enabled("kda_norm") else {})
-        o, new_ssm = kda_ops.kda_decode(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound,
-                                        **norm)
+        o, new_ssm = kda_ops.kda_decode(q, k, v, fg.reshape(B, T, 2 * H, Kd), fgb, A_log, dt_bias, ssm, ctx.n_acc,
+                                        lower_bound=self.lower_bound, b_offset=b_off, **norm)
         normed = bool(norm)
       else:
         o, new_ssm = kda_ops.kda_decode_reference(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc,

@@ -88,7 +88,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # exceed it) as one Mosaic kernel (pallas_kernels.indexer.topk_threshold, a CTA per score row)
                    # instead of the XLA radix passes (~13 small kernels per call); with it the radix selection
                    # replaces XLA's sort at every size the kernel holds (rows of up to 17,408 pools)
-                   "topk_threshold": True}
+                   "topk_threshold": True,
+                   # the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected
+                   # weights normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three
+                   # XLA kernels on the critical path (the keys, topk_by_rank's rank count and select)
+                   "router_kernel": True}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
@@ -241,19 +245,23 @@ def concat_fits(outs, fp8_block) -> bool:
 ONE_ROW_GEMV = "1 token row: XLA's GEMV is as fast (policy bf16_linear: true forces the kernel)"
 
 
-def _dense(x, w, dtype):
+def _dense(x, w, dtype, *, prefix: bool = False):
   """x [..., in] @ w[out, in]^T for an unquantised weight: the bf16 GEMV kernel where the policy runs it and the
-  shapes fit, else XLA (``mm``)."""
+  shapes fit, else XLA (``mm``). prefix: x [..., >= in], its first ``in`` columns are the input (a wider
+  producer's output read in place: a slice before the kernel's custom call is an XLA kernel of its own)."""
   n_out, n_in = w.shape
-  rows = x.size // n_in
+  if x.shape[-1] != n_in and not (prefix and x.shape[-1] > n_in):
+    raise ValueError(f"x [..., {x.shape[-1]}] for a weight {w.shape} (prefix={prefix})")
+  rows = x.size // x.shape[-1]
   tiles = n_in % 128 == 0 and n_out % 8 == 0 and n_out >= 64
   why = (f"weight {n_out}x{n_in} (the kernel needs in % 128 == 0, out % 8 == 0 and out >= 64)" if not tiles
          else f"{w.dtype} weights (the kernel streams bf16)")
   if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16, why=why, prefer=rows > 1,
                     prefer_why=ONE_ROW_GEMV):
     from pallas_kernels import linear as kl  # noqa: PLC0415
-    return kl.bf16_linear(x.reshape(rows, n_in), w, out_dtype=dtype).reshape(*x.shape[:-1], n_out)
-  return mm(x, w, dtype)
+    return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix).reshape(
+        *x.shape[:-1], n_out)
+  return mm(x[..., :n_in], w, dtype)
 
 
 class ConcatLinear(Linear):
@@ -274,9 +282,13 @@ class ConcatLinear(Linear):
     self.outs = tuple(outs)
 
   def __call__(self, x, dtype):
-    y = super().__call__(x, dtype)
+    y = self.joint(x, dtype)
     cuts = [sum(self.outs[:i]) for i in range(1, len(self.outs))]
     return tuple(jnp.split(y, cuts, axis=-1))
+
+  def joint(self, x, dtype):
+    """The outputs side by side, unsplit: [..., Σ outs] (for consumers that read their columns in place)."""
+    return super().__call__(x, dtype)
 
 
 class StackedLinear(nnx.Module):
@@ -291,9 +303,10 @@ class StackedLinear(nnx.Module):
   def __init__(self, n_in, n_out, stack: int, dtype, axes):
     self.weight = param((stack, n_out, n_in), dtype, (None, *axes))
 
-  def __call__(self, x, dtype):
+  def __call__(self, x, dtype, *, prefix: bool = False):
+    """prefix: x's first n_in columns are the input (``_dense``)."""
     S, n_out, n_in = self.weight.shape
-    return _dense(x, self.weight[...].reshape(S * n_out, n_in), dtype)  # (the local shard is contiguous)
+    return _dense(x, self.weight[...].reshape(S * n_out, n_in), dtype, prefix=prefix)  # (the shard is contiguous)
 
 
 class RMSNorm(nnx.Module):
@@ -554,9 +567,17 @@ class Router(nnx.Module):
   def __call__(self, x):
     """x [..., D] -> (ids [..., k] int32, weights [..., k] f32). fp32 logits; the bias only selects."""
     logits = self.logits(x)
+    E, k = logits.shape[-1], self.top_k
+    rows = math.prod(logits.shape[:-1])  # the [rows, E, E] comparison is for decode batches, not prefill
+    if kernel_enabled("router_kernel", rows, fits=E % 4 == 0 and k % 4 == 0 and k <= min(E, 128),
+                      why=f"k = {k} of E = {E} experts (the kernel takes k and E multiples of 4, k <= 128)"):
+      from pallas_kernels import router as kr  # noqa: PLC0415
+      ids, w = kr.router_topk(logits.reshape(rows, E).astype(jnp.float32),
+                              self.e_score_correction_bias[...].astype(jnp.float32), k=k,
+                              scaling=float(self.scaling), norm=bool(self.norm))
+      return ids.reshape(*logits.shape[:-1], k), w.reshape(*logits.shape[:-1], k)
     s = jax.nn.sigmoid(logits)
     biased = s + self.e_score_correction_bias[...]
-    rows = math.prod(biased.shape[:-1])  # the [rows, E, E] comparison is for decode batches, not prefill
     if kernel_enabled("router_topk", rows):
       ids, w = topk_by_rank(biased, self.top_k, s)
       # the k terms summed as explicit adds in rank order (elementwise: XLA fuses them into the consumer instead

@@ -58,11 +58,13 @@ __all__ = ["KdaDecodeConfig", "kda_decode", "kda_decode_reference", "kda_decode_
 # --------------------------------------------------------------------------------------------------
 def _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight):
   B, T, H, D = q.shape
-  for name, x in (("k", k), ("v", v), ("f", f)):
+  for name, x in (("k", k), ("v", v)):
     if x.shape != (B, T, H, D):
       raise ValueError(f"{name} must be [B, T, H, D] = {(B, T, H, D)}, got {x.shape}")
-  if b.shape != (B, T, H):
-    raise ValueError(f"b must be [B, T, H] = {(B, T, H)}, got {b.shape}")
+  if f.ndim != 4 or f.shape[:2] != (B, T) or f.shape[2] < H or f.shape[3] != D:
+    raise ValueError(f"f must be [B, T, >= H, D] with B={B} T={T} H={H} D={D} (heads past H ignored), got {f.shape}")
+  if b.ndim != 3 or b.shape[:2] != (B, T) or b.shape[2] < H:
+    raise ValueError(f"b must be [B, T, >= H] with B={B} T={T} H={H} (b_offset picks the H columns), got {b.shape}")
   if A_log.shape != (H,) or dt_bias.shape != (H, D):
     raise ValueError(f"A_log must be [H], dt_bias [H, D]; got {A_log.shape}, {dt_bias.shape}")
   if state.ndim != 5 or state.shape[0] != B or state.shape[2:] != (H, D, D) or state.shape[1] < T:
@@ -88,12 +90,20 @@ def _gated_rms_norm(o, gate, norm_weight, eps):
 # --------------------------------------------------------------------------------------------------
 # Pure-jnp reference (vectorised over B and H, loops over the T <= 8 tokens)
 # --------------------------------------------------------------------------------------------------
+def _own_heads(f, b, H, b_offset):
+  """f [B, T, >= H, D] -> its first H heads; b [B, T, >= H] -> the H columns from b_offset (traced)."""
+  return f[:, :, :H], lax.dynamic_slice_in_dim(b, jnp.asarray(b_offset, jnp.int32), H, axis=2)
+
+
 def kda_decode_reference(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
-                         gate=None, norm_weight=None, norm_eps=1e-5):
+                         gate=None, norm_weight=None, norm_eps=1e-5, b_offset=0):
   """KDA decode recurrence over T tokens, pure jnp (fp32 math).
 
   q, k, v: [B, T, H, D] (bf16 or f32), after the short conv + SiLU, before l2-norm.
-  f: [B, T, H, D] forget-gate logits (f_b(f_a(x)), before dt_bias).  b: [B, T, H] beta logits.
+  f: [B, T, >= H, D] forget-gate logits (f_b(f_a(x)), before dt_bias): heads 0 .. H-1 (more may follow — the
+    gate's, in the same projection output — and are ignored: the kernel reads the array in place, no slice).
+  b: [B, T, >= H] beta logits: head h at column b_offset + h (b_offset: an int or a traced int32 scalar — this
+    TP rank's heads inside the replicated projection output, read in place).
   A_log: [H] f32.  dt_bias: [H, D] f32.
   state: [B, Q, H, D, D] f32, one slot per verify position (Q >= T), layout [K, V].
   num_accepted: [B] int32 in [1, Q]; the recurrence starts from slot num_accepted - 1.
@@ -102,6 +112,7 @@ def kda_decode_reference(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, 
   slots >= T are unchanged.
   """
   B, T, H, D, Q = _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
+  f, b = _own_heads(f, b, H, b_offset)
   f32 = jnp.float32
   hi = lax.Precision.HIGHEST  # the reference must not drop to TF32 on GPU
   q, k, v, f, b = (x.astype(f32) for x in (q, k, v, f, b))
@@ -129,11 +140,12 @@ def kda_decode_reference(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, 
 
 
 def kda_decode_naive(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
-                     gate=None, norm_weight=None, norm_eps=1e-5):
+                     gate=None, norm_weight=None, norm_eps=1e-5, b_offset=0):
   """Literal per-sequence, per-token, per-head recurrence in numpy float64 (the oracle for the reference).
 
   Same arguments and results as `kda_decode_reference` (results as float64 numpy arrays).
   """
+  f, b = _own_heads(jnp.asarray(f), jnp.asarray(b), q.shape[2], b_offset)
   q, k, v, f, b, A_log, dt_bias, state = (np.asarray(jnp.asarray(x, jnp.float32), np.float64)
                                           for x in (q, k, v, f, b, A_log, dt_bias, state))
   num_accepted = np.asarray(num_accepted)
@@ -212,11 +224,13 @@ def _layouts(D: int, BV: int):
 
 @kernel_entry("lower_bound", "norm_eps", "config")
 def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
-               gate=None, norm_weight=None, norm_eps=1e-5, config: KdaDecodeConfig | None = None):
+               gate=None, norm_weight=None, norm_eps=1e-5, config: KdaDecodeConfig | None = None, b_offset=0):
   """KDA decode recurrence over T tokens as one Pallas Mosaic GPU kernel; same contract as the reference.
 
   q, k, v: [B, T, H, D] (bf16 or f32), after the short conv + SiLU, before l2-norm.
-  f: [B, T, H, D] forget-gate logits (f_b(f_a(x)), before dt_bias), any float dtype.  b: [B, T, H] beta logits.
+  f: [B, T, >= H, D] forget-gate logits (f_b(f_a(x)), before dt_bias), any float dtype; heads past H ignored.
+  b: [B, T, >= H] beta logits, head h at column b_offset + h (an int or traced int32 scalar). Both are read in
+    place from the projections' outputs (an XLA slice before a custom call is a kernel of its own).
   A_log: [H] f32.  dt_bias: [H, D] f32.
   state: [B, Q, H, D, D] f32, one slot per verify position (Q >= T), layout [K, V]. Updated in place when
     the caller donates it (jax.jit(..., donate_argnums=...)); otherwise XLA copies it once.
@@ -252,7 +266,7 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
   def over_v(x):  # V-vector [BV] -> [D, BV], constant along K
     return plgpu.layout_cast(lax.broadcast_in_dim(x, (D, BV), (1,)), L_S)
 
-  def kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, na_ref, *norm_refs_and_o):
+  def kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *norm_refs_and_o):
     *norm_refs, o_ref = norm_refs_and_o
     # SMEM must be allocated collectively by the CTA's warpgroups (and pl.kernel takes no scratch_types).
     scratch = []
@@ -262,13 +276,13 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
       scratch += [plgpu.Barrier(num_arrivals=len(scratch))]
     if norm_in_kernel:  # o of the whole head for the RMS, and the barrier that publishes it
       scratch += [plgpu.SMEM((T, D), f32), plgpu.Barrier(num_arrivals=wgs)]
-    refs = (state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, na_ref, *norm_refs)
+    refs = (state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *norm_refs)
     if scratch:
       pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg" if wgs > 1 else ())
     else:
       body(*refs)
 
-  def body(state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, alog_ref, dtb_ref, na_ref, *rest):
+  def body(state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *rest):
     rest = list(rest)
     gate_ref, nw_ref = (rest.pop(0), rest.pop(0)) if norm_in_kernel else (None, None)
     wg = lax.axis_index("wg") if wgs > 1 else 0
@@ -300,7 +314,8 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
     S = plgpu.load(state_ref.at[bi, na_ref[bi] - 1, h, :, cols], layout=L_S, optimized=False)
     a = jnp.exp(alog_ref[h])
     dtb = load(dtb_ref.at[h], L_K)
-    betas = [jax.nn.sigmoid(b_ref[bi, t, h].astype(f32)) for t in range(T)]
+    hb = boff_ref[0] + h  # this head's column of b
+    betas = [jax.nn.sigmoid(b_ref[bi, t, hb].astype(f32)) for t in range(T)]
     if config.prefetch:
       plgpu.barrier_wait(bar_in)
     if norm_in_kernel:
@@ -357,7 +372,8 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
   else:
     mesh = plgpu.Mesh(grid=(NV, H, B), grid_names=("v", "h", "b"))
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True)
-  inputs = (q, k, v, f, b, A_log.astype(f32), dt_bias.astype(f32), num_accepted.astype(jnp.int32))
+  b_off = jnp.asarray(b_offset, jnp.int32).reshape(1)
+  inputs = (q, k, v, f, b, b_off, A_log.astype(f32), dt_bias.astype(f32), num_accepted.astype(jnp.int32))
   if norm_in_kernel:
     inputs += (gate, norm_weight)
 

@@ -451,21 +451,26 @@ def _bf16_linear_kernel(x_ref, w_ref, o_ref, w_s, x_s, bar, *, plan: Plan, tiles
   o_ref[sk, pl.ds(row0, bm), :] = pl.run_scoped(scope, plgpu.ACC((bm, x_s.shape[1]), jnp.float32))
 
 
-@kernel_entry("out_dtype", "plan")
-def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan | None = None) -> jax.Array:
+@kernel_entry("out_dtype", "plan", "x_prefix")
+def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan | None = None,
+                x_prefix: bool = False) -> jax.Array:
   """y = x @ w.T for a BF16 weight (skinny GEMM: KDA projections, lm_head).
 
   Args:
-    x: [M, K] (cast to bf16; M chunked by 64); w: [N, K] bf16.
+    x: [M, K] (cast to bf16; M chunked by 64); w: [N, K] bf16. x_prefix: x may be [M, > K], its first K columns
+      the input — read in place by the TMA when the width is a multiple of 64 (e.g. the KDA f_a | g_a inside the
+      fgb_a output of a TP4 rank: 256 of 320 columns), else sliced first.
   Returns: y [M, N] out_dtype (fp32 accumulation).
   Needs K % 128 == 0, N % 8 == 0 and N >= 64 (e.g. the KDA layer's f_a | g_a | b, 272 rows).
   """
-  m, k = x.shape
-  n, k2 = w.shape
-  if k != k2:
-    raise ValueError(f"x {x.shape} vs w {w.shape}")
+  m, kx = x.shape
+  n, k = w.shape
+  if kx != k and not (x_prefix and kx > k):
+    raise ValueError(f"x {x.shape} vs w {w.shape} (x_prefix={x_prefix})")
+  if kx != k and kx % 64:  # the TMA tiles the GMEM x by 64 columns: a ragged width is sliced first (XLA)
+    x = x[:, :k]
   if m > 64:
-    return jnp.concatenate([bf16_linear(x[i:i + 64], w, out_dtype=out_dtype, plan=plan)
+    return jnp.concatenate([bf16_linear(x[i:i + 64], w, out_dtype=out_dtype, plan=plan, x_prefix=x_prefix)
                             for i in range(0, m, 64)], axis=0)
   if n % 8 or n < 64 or k % 128:
     raise NotImplementedError(f"bf16_linear needs K % 128 == 0, N % 8 == 0 and N >= 64, got N={n} K={k}")
@@ -490,8 +495,10 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   return out[..., :m].sum(0).T.astype(out_dtype)
 
 
-def bf16_linear_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32) -> jax.Array:
-  """Reference of :func:`bf16_linear`: fp32 HIGHEST dot of the bf16 values. x [M, K], w [N, K] -> [M, N]."""
+def bf16_linear_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, x_prefix: bool = False) -> jax.Array:
+  """Reference of :func:`bf16_linear`: fp32 HIGHEST dot of the bf16 values. x [M, K] (x_prefix: [M, >= K], the
+  first K columns), w [N, K] -> [M, N]."""
+  x = x[:, :w.shape[1]] if x_prefix else x
   y = jnp.dot(x.astype(jnp.bfloat16).astype(jnp.float32), w.astype(jnp.float32).T,
               precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
   return y.astype(out_dtype)

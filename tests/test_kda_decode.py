@@ -118,6 +118,34 @@ def test_gates_first_is_the_same_computation_interpret(rng):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def widen_f_b(rng, args, extra_heads, b_cols, b_offset):
+  """The model's in-place operands: f with the gate's heads after its own (one projection output), b as H columns
+  at b_offset of a wider replicated output. Returns the widened args (f, b replaced)."""
+  q, k, v, f, b, *rest = args
+  B, T, H, D = f.shape
+  fw = jnp.concatenate([f, jnp.asarray(rng.standard_normal((B, T, extra_heads, D)), f.dtype)], axis=2)
+  bw = jnp.asarray(rng.standard_normal((B, T, b_cols)), b.dtype).at[:, :, b_offset:b_offset + H].set(b)
+  return (q, k, v, fw, bw, *rest)
+
+
+@pytest.mark.parametrize("b_offset_traced", [False, True])
+def test_wide_f_and_offset_b_read_in_place_interpret(rng, b_offset_traced):
+  """f [B, T, 2H, D] (heads past H ignored) and b [B, T, 272] with b_offset (a traced scalar, as the TP rank's
+  axis_index makes it) give the results of the sliced operands — kernel and reference."""
+  B, T, H, off = 2, 4, 2, 259
+  args, kw = make_inputs(rng, B, T, H)
+  wide = widen_f_b(rng, args, H, 272, off)
+  want = jax.jit(kd.kda_decode_reference)(*args)
+  ref_fn = jax.jit(lambda *a: kd.kda_decode_reference(*a[:-1], b_offset=a[-1] if b_offset_traced else off))
+  got_ref = ref_fn(*wide, jnp.int32(off))
+  fn = jax.jit(lambda *a: kd.kda_decode(*a[:-1], b_offset=a[-1] if b_offset_traced else off))
+  with maybe_interpret():
+    got = fn(*wide, jnp.int32(off))
+  for g, r, w in zip(got, got_ref, want):
+    np.testing.assert_array_equal(np.asarray(r), np.asarray(w))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), **tol("kernel_f32"))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # (3) CUDA cross-lowering of every configuration the model uses, donated state => aliased in place
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,6 +190,15 @@ def test_cross_lower_variants(T, config):
   assert "mosaic_gpu" in cross_lower(functools.partial(kd.kda_decode, config=config), *args).as_text()
 
 
+def test_cross_lower_wide_f_and_offset_b():
+  """The model's call: f with 2H heads, b the whole fgb_a output (272 columns) at a traced offset."""
+  args, _ = _abstract_inputs(1, 4, 16, norm=False)
+  s = jax.ShapeDtypeStruct
+  wide = (*args[:3], s((1, 4, 32, 128), jnp.float32), s((1, 4, 272), jnp.bfloat16), *args[5:])
+  fn = lambda *a: kd.kda_decode(*a[:-1], b_offset=a[-1])
+  assert "mosaic_gpu" in cross_lower(fn, *wide, s((), jnp.int32)).as_text()
+
+
 def test_rejects_bad_shapes(rng):
   args, kw = make_inputs(rng, 1, 2, 1, D=128)
   with pytest.raises(ValueError):
@@ -176,6 +213,16 @@ def test_rejects_bad_shapes(rng):
 # ----------------------------------------------------------------------------------------------------------------
 # (4) native GPU run vs the reference
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_wide_f_and_offset_b_gpu(rng):
+  args, _ = make_inputs(rng, 1, 4, 16, dtype=jnp.bfloat16)
+  wide = widen_f_b(rng, args, 16, 272, 256 + 16)
+  want = jax.jit(kd.kda_decode_reference)(*args)
+  got = jax.jit(lambda *a: kd.kda_decode(*a[:-1], b_offset=a[-1]))(*wide, jnp.int32(256 + 16))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), **tol("kernel_f32"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,H,norm,dtype,config", [
     (1, 1, 16, True, jnp.bfloat16, None),

@@ -292,6 +292,26 @@ def test_bf16_linear_interpret(m, n, k, plan_kw):
   np.testing.assert_allclose(y, L.bf16_linear_reference(x, w), rtol=1e-5, atol=1e-5)  # exact products
 
 
+@pytest.mark.parametrize("m,width", [(1, 320), (4, 320), (4, 272)])
+def test_bf16_linear_reads_a_column_prefix_interpret(m, width):
+  """x_prefix: the first K columns of a wider x (the KDA f_b / g_b reading f_a | g_a inside the fgb_a output: 256
+  of 320 columns at a TP4 rank, read in place; of 272 — not a multiple of the TMA's 64 — sliced first) give the
+  result of the sliced x; without the flag a wider x is an error."""
+  ks = jax.random.split(jax.random.key(40 + m), 2)
+  w = (jax.random.normal(ks[0], (128, 256), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  x = jax.random.normal(ks[1], (m, width), jnp.float32).astype(jnp.bfloat16)
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.bf16_linear, x_prefix=True))(x, w)
+  want = L.bf16_linear_reference(x[:, :256], w)
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(L.bf16_linear_reference(x, w, x_prefix=True), want)
+  with pytest.raises(ValueError, match="x_prefix=False"):
+    L.bf16_linear(x, w)
+  txt = cross_lower(functools.partial(L.bf16_linear, x_prefix=True), SDS((m, width), jnp.bfloat16),
+                    SDS((4096, 256), jnp.bfloat16)).as_text()
+  assert "mosaic_gpu" in txt and (f"{m}x256xbf16>" in txt) == (width % 64 != 0)  # the slice of x, if any
+
+
 @pytest.mark.parametrize("dq", [False, True])
 @pytest.mark.parametrize("m,e,k,plan_kw", [
     (1, 6, 2, {}),  # few CTAs: gate/up splits D, SwiGLU in the XLA glue
@@ -484,6 +504,15 @@ def test_bf16_linear_gpu(name, m):
   x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
   y = jax.jit(L.bf16_linear)(x, w)
   assert_close(y, jax.jit(L.bf16_linear_reference)(x, w), "kernel_bf16")
+
+
+@pytest.mark.gpu
+def test_bf16_linear_column_prefix_gpu():
+  ks = jax.random.split(jax.random.key(77), 2)
+  w = (jax.random.normal(ks[0], (4096, 256), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  x = jax.random.normal(ks[1], (4, 320), jnp.float32).astype(jnp.bfloat16)
+  y = jax.jit(functools.partial(L.bf16_linear, x_prefix=True))(x, w)
+  assert_close(y, jax.jit(L.bf16_linear_reference)(x[:, :256], w), "kernel_bf16")
 
 
 @pytest.mark.gpu
