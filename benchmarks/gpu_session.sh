@@ -54,6 +54,8 @@
 #                             under CONCURRENT (the default), under CONCURRENT_REGIONS, under LHS, with parameters
 #                             under 4 MiB packed (396 arguments instead of 866); a VLOG of command-buffer updates
 #                             under CONCURRENT; the MoE plan sweep at M = 1 (4-stage rings at 3 CTAs per SM)
+#   s28 (nvidia-h200):        session 27's kernels (top-k threshold, router, KDA in-place operands) natively, the
+#                             step at q = 1 / 4 with kernel tables, bench_topk, the e2e greedy test
 #   thr (nvidia-h200):        the top-k threshold kernel's GPU tests and bench_topk with it
 #   s27b (nvidia-h200):       the q = 4 step with its kernel table, then batch27's runs
 #   batch27 (nvidia-h200):    B = 8 q = 4 and B = 32 q = 1 with the trained-like router, then bench_kda_decode's matrix
@@ -416,6 +418,25 @@ case "$MODE" in
         > "$OUT/vlog_concurrent.txt"
     [ "$(left)" -gt 70 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_linear.py --rows 1 --only moedq \
       --sweep-moe 1 --budget-s $(( $(left) - 20 )) > "$OUT/bench_linear_moe.log" 2>&1
+    ;;
+  s28)  # (nvidia-h200) session 27's CPU work natively: the new kernels' GPU tests, the step at q = 1 / 4 (kernel
+    # tables read here), bench_topk with the threshold kernel, then the e2e greedy test
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py tests/test_router_kernel.py \
+      tests/test_kda_decode.py tests/test_linear_kernels.py -k "threshold or router or wide or prefix" 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    rank1 s28 --q 1 --profile --hlo-dir "$OUT/hlo"
+    [ "$(left)" -gt 200 ] && rank1 s28 --q 4 --profile --hlo-dir "$OUT/hlo"
+    for q in 1 4; do
+      for k in "$OUT"/hlo/*_q${q}_*.kernels.json; do
+        [ -f "$k" ] && timeout 60 python3 benchmarks/kernel_table.py "$k" --hlo "${k%.kernels.json}.hlo.gz" \
+          > "$OUT/kernel_table_q$q.txt" 2>&1
+      done
+    done
+    rm -f "$OUT"/hlo/*.hlo.gz
+    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_topk.py --rows 1,4,32 \
+      --pools 8256,16448 --only "top_k,radix scan128,kernel scan128" --out "$OUT/bench_topk.log" > /dev/null 2>&1
+    [ "$(left)" -gt 120 ] && timeout $(( $(left) - 10 )) python3 -m pytest -q -m e2e_kernels -p no:cacheprovider \
+      tests/test_decode.py 2>&1 | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     ;;
   thr)  # (nvidia-h200) the top-k threshold kernel: its GPU tests, then bench_topk with it against the XLA forms
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k threshold 2>&1 \

@@ -92,7 +92,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected
                    # weights normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three
                    # XLA kernels on the critical path (the keys, topk_by_rank's rank count and select)
-                   "router_kernel": True}
+                   "router_kernel": True,
+                   # with fp8_moe on, at 2+ token rows: the MoE's slot tables (the distinct experts, the
+                   # [slot, token] weights, the shared expert's slot) as one Mosaic launch (linear.moe_route)
+                   # instead of ~7 small XLA kernels per MoE layer on the critical path (q = 4, session 27)
+                   "moe_route": True}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
@@ -670,9 +674,12 @@ class MoE(nnx.Module):
       se = self.shared_experts  # (config: 0 or 1 shared expert, of the routed width) slot 0 of the same kernels
       sew = None if se is None else (se.gate_proj.weight[...], se.gate_proj.scale[...], se.up_proj.weight[...],
                                      se.up_proj.scale[...], se.down_proj.weight[...], se.down_proj.scale[...])
+      rows, k = ids.shape
+      route = rows > 1 and kernel_enabled("moe_route", fits=rows * k <= kl.ROUTE_MAX_PAIRS,
+                                          why=f"{rows} token rows x {k} experts > {kl.ROUTE_MAX_PAIRS} pairs")
       y = kl.fp8_moe(xf, ids, w, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],
                      ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, shared=sew,
-                     dq=kernel_enabled("fp8_dq", xf.shape[0]))
+                     dq=kernel_enabled("fp8_dq", xf.shape[0]), route_kernel=route)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
       return (y, ids.reshape(*lead, -1)) if return_ids else y
     y = ex.partial(xf, ids, w, dtype)

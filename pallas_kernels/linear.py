@@ -787,9 +787,107 @@ def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, m
   return eids, n_valid, valid, r
 
 
-@kernel_entry("swiglu_limit", "plan", "dq", "a_from")
+ROUTE_MAX_PAIRS = 64  # token rows x k up to which moe_route runs (its first-occurrence scan is quadratic)
+_LANES = 128
+
+
+def moe_route_reference(topk_ids, topk_weights, *, num_experts: int, n_pad: int, mp: int, shared: bool):
+  """The slot table of ``fp8_moe`` for M > 1 rows in first-occurrence order: slot 0 = the shared expert when
+  ``shared`` (weight 1 for the M rows), then each distinct expert in the order its first (row, j) pair appears
+  (row-major). topk_ids [M, k] int32 (ids outside [0, num_experts) are dropped), topk_weights [M, k] f32 ->
+  (eids [n_pad] int32 (0 past the valid slots), n_valid [4] int32 (all four = the valid slot count), r [n_pad,
+  mp] f32: r[s, m] = the summed weight of row m's pairs routed to slot s, 0 elsewhere)."""
+  M, k = topk_ids.shape
+  ids = topk_ids.reshape(-1).astype(jnp.int32)
+  P = M * k
+  ok = (ids >= 0) & (ids < num_experts)
+  i = jnp.arange(P)
+  same = (ids[:, None] == ids[None, :]) & ok[:, None] & ok[None, :]
+  first = jnp.min(jnp.where(same, i[None, :], P), axis=1)  # the first pair with my expert (P: dropped)
+  new = ok & (first == i)
+  sh = int(shared)
+  slot_of_first = jnp.cumsum(new.astype(jnp.int32)) - 1 + sh
+  slot = jnp.where(ok, slot_of_first[jnp.minimum(first, P - 1)], -1)  # [P]
+  n_valid = jnp.sum(new.astype(jnp.int32)) + sh
+  s = jnp.arange(n_pad)
+  hit = slot[None, :] == s[:, None]  # [n_pad, P]
+  eids = jnp.sum(jnp.where(hit & new[None, :], ids[None, :], 0), axis=1).astype(jnp.int32)
+  row = (i // k)[None, :] == jnp.arange(mp)[:, None]  # [mp, P]
+  r = jnp.sum(jnp.where(hit[:, None, :] & row[None], topk_weights.reshape(-1).astype(jnp.float32), 0.0), axis=-1)
+  if shared:
+    r = r.at[0].set((jnp.arange(mp) < M).astype(jnp.float32))
+  return eids, jnp.broadcast_to(n_valid.astype(jnp.int32), (4,)), r
+
+
+def _route_kernel(M: int, k: int, E: int, n_pad: int, mp: int, shared: bool):
+  vec = plgpu.Layout.WG_STRIDED((_LANES,), vec_size=1)
+  tile = plgpu.Layout.WG_STRIDED((_LANES, mp), vec_size=1)
+
+  def body(ids_g, w_g, eids_g, nv_g, r_g, ids_s, w_s, e_s, n_s, r_s, bar):
+    plgpu.copy_gmem_to_smem(ids_g, ids_s, bar)
+    plgpu.copy_gmem_to_smem(w_g, w_s, bar)
+    plgpu.barrier_wait(bar)
+    slots = plgpu.broadcasted_iota(jnp.int32, (_LANES,), 0, layout=vec)
+    row = plgpu.broadcasted_iota(jnp.int32, (_LANES, mp), 0, layout=tile)
+    col = plgpu.broadcasted_iota(jnp.int32, (_LANES, mp), 1, layout=tile)
+    eids = jnp.zeros((_LANES,), jnp.int32)
+    r = jnp.zeros((_LANES, mp), jnp.float32)
+    count = jnp.int32(int(shared))
+    if shared:
+      r = jnp.where(row == 0, jnp.where(col < M, 1.0, r), r)
+    # Each pair's slot from the earlier pairs' (id, slot): uniform scalar compares (M·k (M·k − 1) / 2 of them),
+    # no cross-thread reduction; the tables are built with per-pair selects on [128] / [128, mp] registers.
+    seen = []
+    for m in range(M):
+      for j in range(k):
+        e, w = ids_s[m, j], w_s[m, j]
+        ok = (e >= 0) & (e < E)
+        slot = jnp.int32(-1)
+        for e2, s2 in seen:
+          slot = jnp.where(e == e2, s2, slot)
+        new = ok & (slot < 0)
+        slot = jnp.where(ok, jnp.where(new, count, slot), jnp.int32(-1))
+        count = count + new.astype(jnp.int32)
+        seen.append((e, slot))
+        eids = jnp.where(slots == slot, e, eids)
+        r = jnp.where(row == slot, jnp.where(col == m, r + w, r), r)
+    e_s[...] = eids
+    n_s[...] = jnp.broadcast_to(count, (_LANES,))
+    r_s[...] = r
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(e_s.at[pl.ds(0, n_pad)], eids_g)
+    plgpu.copy_smem_to_gmem(n_s.at[pl.ds(0, 4)], nv_g)
+    plgpu.copy_smem_to_gmem(r_s.at[pl.ds(0, n_pad)], r_g)
+    plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+@kernel_entry("num_experts", "n_pad", "mp", "shared")
+def moe_route(topk_ids, topk_weights, *, num_experts: int, n_pad: int, mp: int, shared: bool):
+  """Mosaic GPU version of ``moe_route_reference`` (the same tables): one CTA, one launch — in XLA (``_route``
+  with the shared slot prepended) the tables were ~7 small kernels per MoE layer at M = 4, on the critical path
+  (session 27's profile: 1.0-1.3 µs each)."""
+  M, k = topk_ids.shape
+  if topk_weights.shape != (M, k) or M * k > ROUTE_MAX_PAIRS or M > mp or n_pad > _LANES or n_pad % 8:
+    raise ValueError(f"moe_route: ids {topk_ids.shape}, weights {topk_weights.shape}, n_pad {n_pad}, mp {mp}; "
+                     f"expected [M, k] both with M·k <= {ROUTE_MAX_PAIRS}, M <= mp, n_pad a multiple of 8 <= "
+                     f"{_LANES}")
+  i32, f32 = jnp.int32, jnp.float32
+  return plgpu.kernel(
+      _route_kernel(M, k, num_experts, n_pad, mp, shared),
+      out_type=(jax.ShapeDtypeStruct((n_pad,), i32), jax.ShapeDtypeStruct((4,), i32),
+                jax.ShapeDtypeStruct((n_pad, mp), f32)),
+      kernel_name="glm5_moe_route",
+      scratch_types=[plgpu.SMEM((M, k), i32), plgpu.SMEM((M, k), f32), plgpu.SMEM((_LANES,), i32),
+                     plgpu.SMEM((_LANES,), i32), plgpu.SMEM((_LANES, mp), f32), plgpu.Barrier(num_arrivals=2)],
+  )(topk_ids.astype(i32), topk_weights.astype(f32))
+
+
+@kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
-            plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None):
+            plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
+            route_kernel: bool = False):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -798,6 +896,9 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     w_gate, w_up: [E, I, D] float8_e4m3fn; s_gate, s_up: [E, ceil(I/128), ceil(D/128)] f32.
     w_down: [E, D, I] float8_e4m3fn; s_down: [E, ceil(D/128), ceil(I/128)] f32.
     swiglu_limit: L of the clamped SwiGLU.
+    route_kernel: for 1 < M and M·k <= ROUTE_MAX_PAIRS, the slot tables from ``moe_route`` (one Mosaic launch;
+      slots in first-occurrence order) instead of XLA's ``_route`` (ascending expert order): the same sum up to
+      the order in which the down kernel adds the experts.
   Returns:
     y: [M, D] f32 = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -824,15 +925,23 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   k = topk_ids.shape[1]
   mp = _padded_rows(m)
   n_slots = min(e_num, m * k)
-  eids, n_valid, valid, r = _route(topk_ids, topk_weights, e_num, n_slots, _round_up(n_slots, 8), mp)
   has_sh = shared is not None
+  if has_sh and (shared[0].shape != (inter, d) or shared[4].shape != (d, inter)):
+    raise ValueError(f"shared expert shapes {shared[0].shape} / {shared[4].shape}, expected {(inter, d)} / "
+                     f"{(d, inter)}")
   # a single row: the kernels read the router's k ids themselves (slot s = id s − shared): the padded slot table
   # was an XLA kernel of its own (~0.9 µs per MoE layer at B = 1, q = 1, session 22's profile)
   table_k = k if m == 1 else 0
-  if has_sh:  # slot 0 = the shared expert with weight 1 for the m real rows; routed slots follow
-    if shared[0].shape != (inter, d) or shared[4].shape != (d, inter):
-      raise ValueError(f"shared expert shapes {shared[0].shape} / {shared[4].shape}, expected {(inter, d)} / "
-                       f"{(d, inter)}")
+  in_kernel = route_kernel and m > 1 and m * k <= ROUTE_MAX_PAIRS  # the tables (shared slot included): one launch
+  if in_kernel:
+    n_slots += int(has_sh)
+    eids, n_valid, r = moe_route(topk_ids, topk_weights, num_experts=e_num, n_pad=_round_up(n_slots, 8), mp=mp,
+                                 shared=has_sh)
+    valid = jnp.arange(_round_up(n_slots, 8)) < n_valid[0]
+  else:
+    eids, n_valid, valid, r = _route(topk_ids, topk_weights, e_num, n_slots, _round_up(n_slots, 8), mp)
+  if has_sh and not in_kernel:
+    # slot 0 = the shared expert with weight 1 for the m real rows; routed slots follow
     n_slots += 1
     pad = _round_up(n_slots, 8) - n_slots
     if not table_k:
@@ -947,5 +1056,5 @@ __all__ = [
     "Plan", "MoePlan", "plan_linear", "plan_moe", "activation_scale", "quantize_activations", "e4m3_value",
     "dequantize_fp8",
     "fp8_linear", "fp8_linear_q", "fp8_linear_reference", "bf16_linear", "bf16_linear_reference",
-    "fp8_moe", "fp8_moe_reference",
+    "fp8_moe", "fp8_moe_reference", "moe_route", "moe_route_reference",
 ]

@@ -382,9 +382,79 @@ def test_fp8_moe_interpret_shared_slot(m, e, k, plan_kw, dq):
   assert not np.allclose(np.asarray(ref), np.asarray(L.fp8_moe_reference(*args, swiglu_limit=1.0)))
 
 
+def route_ids(rng, m, e, k, bad=False):
+  """Router-like ids (k distinct per row, overlapping across rows: e small) and weights; bad: one id out of range
+  (dropped by the tables)."""
+  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(m)]).astype(np.int32)
+  if bad:
+    ids[-1, 0] = e + 3
+  return jnp.asarray(ids), jnp.asarray(rng.uniform(0.1, 1.0, (m, k)).astype(np.float32))
+
+
+def dense_routing(eids, n_valid, r, m, e, shared):
+  """[M, E] routing weights from moe_route's tables (slot 0 skipped when it is the shared expert)."""
+  eids, r = np.asarray(eids), np.asarray(r)
+  out = np.zeros((m, e + 1))
+  for s in range(int(shared), int(n_valid[0])):
+    out[:, eids[s]] += r[s, :m]
+  return out[:, :e]
+
+
+@pytest.mark.parametrize("m,e,k,shared,bad", [(2, 12, 4, False, False), (4, 20, 8, True, False),
+                                              (5, 60, 8, True, True), (3, 9, 8, False, True)])
+def test_moe_route_interpret(m, e, k, shared, bad):
+  """moe_route == its reference, and both describe exactly the (row, expert, weight) pairs: every selected
+  expert once, weights summed per row (duplicates across rows share a slot), the shared slot 0 with weight 1."""
+  rng = np.random.default_rng()
+  ids, tw = route_ids(rng, m, e, k, bad)
+  n_slots = min(e, m * k) + shared
+  kw = dict(num_experts=e, n_pad=-(-n_slots // 8) * 8, mp=L._padded_rows(m), shared=shared)
+  want = L.moe_route_reference(ids, tw, **kw)
+  with maybe_interpret():
+    got = jax.jit(functools.partial(L.moe_route, **kw))(ids, tw)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  dense = np.zeros((m, e))
+  for r_, row in enumerate(np.asarray(ids)):
+    for j, x in enumerate(row):
+      if 0 <= x < e:
+        dense[r_, x] += float(tw[r_, j])
+  np.testing.assert_allclose(dense_routing(*got, m, e, shared), dense, rtol=1e-6)
+  n_valid = int(got[1][0])
+  assert n_valid == len(set(np.asarray(ids).ravel()) & set(range(e))) + shared
+  assert (np.asarray(got[2])[n_valid:] == 0).all() and (np.asarray(got[0])[n_valid:] == 0).all()
+  if shared:
+    np.testing.assert_array_equal(np.asarray(got[2])[0], (np.arange(kw["mp"]) < m).astype(np.float32))
+
+
+def test_moe_route_rejects_too_many_pairs():
+  with pytest.raises(ValueError, match="M·k <= 64"):
+    L.moe_route(jnp.zeros((9, 8), jnp.int32), jnp.zeros((9, 8)), num_experts=288, n_pad=80, mp=16, shared=False)
+
+
+@pytest.mark.parametrize("m,shared", [(3, True), (4, False)])
+def test_fp8_moe_route_kernel_interpret(m, shared):
+  """fp8_moe with the tables from moe_route (first-occurrence slots) == the reference (and the XLA tables)."""
+  i, d, e, k = 256, 384, 6, 2
+  args = moe_inputs(jax.random.key(50 + m), m, e, i, d, k)
+  sh = _shared_expert(jax.random.key(55 + m), i, d) if shared else None
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, route_kernel=True))(*args, shared=sh)
+    y0 = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True))(*args, shared=sh)
+  assert_close(y, L.fp8_moe_reference(*args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
+  np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-5)  # the same sums in another slot order
+
+
 # ------------------------------------------------------------------------------------------------------------
 # CUDA cross-lowering of every real per-rank shape (Mosaic layout inference, SMEM budget, TMA limits)
 # ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_moe_route_cross_lowers(m):
+  n_pad = -(-(m * 8 + 1) // 8) * 8
+  f = functools.partial(L.moe_route, num_experts=288, n_pad=n_pad, mp=L._padded_rows(m), shared=True)
+  assert "mosaic_gpu" in cross_lower(f, SDS((m, 8), jnp.int32), SDS((m, 8), jnp.float32)).as_text()
+
+
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("name", list(FP8_SHAPES))
 def test_fp8_linear_cross_lowers(name, m):
@@ -504,6 +574,28 @@ def test_bf16_linear_gpu(name, m):
   x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
   y = jax.jit(L.bf16_linear)(x, w)
   assert_close(y, jax.jit(L.bf16_linear_reference)(x, w), "kernel_bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_moe_route_gpu(m):
+  ids, tw = route_ids(np.random.default_rng(), m, 40, 8)
+  kw = dict(num_experts=288, n_pad=-(-(m * 8 + 1) // 8) * 8, mp=L._padded_rows(m), shared=True)
+  got = jax.jit(functools.partial(L.moe_route, **kw))(ids, tw)
+  want = jax.jit(functools.partial(L.moe_route_reference, **kw))(ids, tw)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [4, 8])
+def test_fp8_moe_route_kernel_gpu(m):
+  i, d, e, k = MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["E"], MOE_REAL["k"]
+  args = moe_inputs(jax.random.key(97 + m), m, e, i, d, k)
+  sh = _shared_expert(jax.random.key(98 + m), i, d)
+  y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=10.0, dq=True, route_kernel=True))(*args, shared=sh)
+  ref = jax.jit(functools.partial(L.fp8_moe_reference, swiglu_limit=10.0))(*args, shared=sh)
+  assert_close(y, ref, "kernel_bf16")
 
 
 @pytest.mark.gpu
