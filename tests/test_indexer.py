@@ -236,7 +236,7 @@ def test_threshold_rejects_bad_input():
     I.topk_threshold(jnp.zeros((2, 256), jnp.int32), 5)
 
 
-@pytest.mark.parametrize("R,N", [(1, 8320), (4, 8320), (32, 8320), (64, 8320), (4, 16512), (1, I.THRESHOLD_MAX_KEYS)])
+@pytest.mark.parametrize("R,N", [(1, 8320), (32, 8320), (1, I.THRESHOLD_MAX_KEYS)])
 def test_threshold_cross_lower(R, N):
   txt = cross_lower(lambda u: I.topk_threshold(u, 512), SDS((R, N), jnp.uint32)).as_text()
   assert "mosaic_gpu" in txt

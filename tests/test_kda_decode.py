@@ -128,7 +128,7 @@ def widen_f_b(rng, args, extra_heads, b_cols, b_offset):
   return (q, k, v, fw, bw, *rest)
 
 
-@pytest.mark.parametrize("b_offset_traced", [False, True])
+@pytest.mark.parametrize("b_offset_traced", [True])
 def test_wide_f_and_offset_b_read_in_place_interpret(rng, b_offset_traced):
   """f [B, T, 2H, D] (heads past H ignored) and b [B, T, 272] with b_offset (a traced scalar, as the TP rank's
   axis_index makes it) give the results of the sliced operands — kernel and reference."""

@@ -432,7 +432,7 @@ def test_moe_route_rejects_too_many_pairs():
     L.moe_route(jnp.zeros((9, 8), jnp.int32), jnp.zeros((9, 8)), num_experts=288, n_pad=80, mp=16, shared=False)
 
 
-@pytest.mark.parametrize("m,shared", [(3, True), (4, False)])
+@pytest.mark.parametrize("m,shared", [(3, True)])
 def test_fp8_moe_route_kernel_interpret(m, shared):
   """fp8_moe with the tables from moe_route (first-occurrence slots) == the reference (and the XLA tables)."""
   i, d, e, k = 256, 384, 6, 2
@@ -448,7 +448,7 @@ def test_fp8_moe_route_kernel_interpret(m, shared):
 # ------------------------------------------------------------------------------------------------------------
 # CUDA cross-lowering of every real per-rank shape (Mosaic layout inference, SMEM budget, TMA limits)
 # ------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("m", [2, 4, 8])
+@pytest.mark.parametrize("m", [4, 8])
 def test_moe_route_cross_lowers(m):
   n_pad = -(-(m * 8 + 1) // 8) * 8
   f = functools.partial(L.moe_route, num_experts=288, n_pad=n_pad, mp=L._padded_rows(m), shared=True)
