@@ -132,6 +132,9 @@ def main():
       ("kernel+norm (BV=64, 2 WG/CTA fused)", True, functools.partial(kd.kda_decode, config=cfg(block_v=64))),
       ("kernel (1 WG/CTA, BV=64)", False, functools.partial(kd.kda_decode, config=cfg(block_v=64))),
       ("kernel (1 WG/CTA, gates first)", False, functools.partial(kd.kda_decode, config=cfg(gates_first=True))),
+      ("kernel (1 WG/CTA, approx math)", False, functools.partial(kd.kda_decode, config=cfg(approx_math=True))),
+      ("kernel (1 WG/CTA, approx, gates 1st)", False,
+       functools.partial(kd.kda_decode, config=cfg(approx_math=True, gates_first=True))),
   ]
   if a.quick:  # the model's default (kda_norm off: 1 WG per CTA, the norm in XLA) and the XLA reference
     variants = [variants[2], variants[3]]

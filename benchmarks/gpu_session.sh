@@ -437,6 +437,9 @@ case "$MODE" in
       --pools 8256,16448 --only "top_k,radix scan128,kernel scan128" --out "$OUT/bench_topk.log" > /dev/null 2>&1
     [ "$(left)" -gt 120 ] && timeout $(( $(left) - 10 )) python3 -m pytest -q -m e2e_kernels -p no:cacheprovider \
       tests/test_decode.py 2>&1 | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    # issue #6: the KDA kernel's variants at B = 1, T = 1 / 4 (approx_math new)
+    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_kda_decode.py --q4 \
+      --budget_s $(( $(left) - 30 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
   thr)  # (nvidia-h200) the top-k threshold kernel: its GPU tests, then bench_topk with it against the XLA forms
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k threshold 2>&1 \

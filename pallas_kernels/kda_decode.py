@@ -189,11 +189,16 @@ class KdaDecodeConfig:
   gates_first: compute every token's gates and normalised q / k (which do not depend on the state) before the
     state recurrence instead of inside each token's step — the same operations, so the same results; an
     experiment on where q = 4's ~1 µs per extra token goes (BENCHMARKS.md session 23-24).
+  approx_math: the GPU's approximate exp / reciprocal / rsqrt (Mosaic's approx_math) for the gates (two exps and
+    a sigmoid's division per key channel and token) and the l2 norms instead of the IEEE sequences — an
+    experiment on issue #6's per-token chain at B = 1 (~1.1 µs per extra token); results within the kernel_f32
+    tolerance of the reference.
   """
   block_v: int = 32
   wgs_per_cta: int | None = None
   prefetch: bool = True
   gates_first: bool = False
+  approx_math: bool = False
 
   def __post_init__(self):
     if self.block_v not in (32, 64):
@@ -371,7 +376,8 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
     mesh = plgpu.Mesh(grid=(NV // wgs, H, B), grid_names=("v", "h", "b"), num_threads=wgs, thread_name="wg")
   else:
     mesh = plgpu.Mesh(grid=(NV, H, B), grid_names=("v", "h", "b"))
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True)
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,
+                                approx_math=config.approx_math)
   b_off = jnp.asarray(b_offset, jnp.int32).reshape(1)
   inputs = (q, k, v, f, b, b_off, A_log.astype(f32), dt_bias.astype(f32), num_accepted.astype(jnp.int32))
   if norm_in_kernel:
