@@ -346,11 +346,28 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
   o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache, idx)
-  # Combine the splits: weights 2^(lse_s - max lse) (an all-padding split has lse ~ -1e30 -> weight 0), as a
-  # product and a sum over the splits — an elementwise op and a reduction XLA fuses into one kernel. (As an einsum
-  # it is a dot with the heads as a batch dimension, a suspect for the ~14 µs Triton gemm fusion per DSA layer
-  # in session 25's profiles, which appeared when the latent order became a transpose in session 24.)
-  w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))  # [BT, NS, H]
-  w = w / jnp.sum(w, axis=1, keepdims=True)
-  o = jnp.sum(o_part * w[:, :, None, :], axis=1)  # [BT, 512, H] (O^T per token)
+  o = combine_splits(o_part, lse)  # [BT, 512, H] (O^T per token)
   return _from_kernel_order(jnp.swapaxes(o, 1, 2)).reshape(B, T, H, D_LATENT)  # back to [.., H, latent order]
+
+
+def combine_splits(o_part, lse):
+  """The splits' partial outputs o_part [BT, NS, 512, H] f32 (each normalised over its own positions) and their
+  log2-sum-exp2 lse [BT, NS, H] (~ -1e30 for an all-padding split) -> o [BT, 512, H] = Σ_s 2^lse_s o_s / Σ_s
+  2^lse_s, as ONE variadic reduction over the splits carrying (running max, weight sum, weighted output): the
+  online-softmax merge. In XLA the max, the exp2 weights and the weighted sum were three kernels per DSA layer on
+  the critical path (session 27's profile). (As an einsum it would be a dot with the heads as a batch dimension,
+  which XLA on the H200 made a ~14 µs Triton gemm fusion, session 25.)"""
+  f32 = jnp.float32
+  m0 = jnp.broadcast_to(lse.astype(f32)[:, :, None, :], o_part.shape)
+
+  def merge(a, b):
+    (ma, la, oa), (mb, lb, ob) = a, b
+    m = jnp.maximum(ma, mb)
+    # (an operand still at the initial -inf has weight 0: -inf - -inf would be NaN)
+    ea = jnp.where(ma == -jnp.inf, 0.0, jnp.exp2(ma - m))
+    eb = jnp.where(mb == -jnp.inf, 0.0, jnp.exp2(mb - m))
+    return m, la * ea + lb * eb, oa * ea + ob * eb
+
+  init = (jnp.array(-jnp.inf, f32), jnp.array(0.0, f32), jnp.array(0.0, f32))
+  _, l, o = lax.reduce((m0, jnp.ones_like(o_part, f32), o_part.astype(f32)), init, merge, (1,))
+  return o / l

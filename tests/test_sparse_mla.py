@@ -200,6 +200,21 @@ def test_gather_dequant_block_interpret():
     _check_gather_dequant()
 
 
+@pytest.mark.parametrize("NS", [1, 2, 33])
+def test_combine_splits_is_the_weighted_merge(NS):
+  """combine_splits (one variadic reduction, the online-softmax merge) == Σ_s 2^lse_s o_s / Σ_s 2^lse_s in float64,
+  an all-padding split (lse ~ -1e30) weighing nothing."""
+  rng = np.random.default_rng()
+  o = rng.standard_normal((3, NS, 512, 16)).astype(np.float32)
+  lse = (rng.standard_normal((3, NS, 16)) * 8).astype(np.float32)
+  if NS > 1:
+    lse[:, -1] = -1e30
+  got = np.asarray(jax.jit(M.combine_splits)(jnp.asarray(o), jnp.asarray(lse)))
+  w = np.exp2(lse.astype(np.float64) - lse.max(axis=1, keepdims=True))
+  want = (o * w[:, :, None, :]).sum(1) / w.sum(1)[:, None, :]
+  np.testing.assert_allclose(got, want, **tol("kernel_f32"))
+
+
 def test_split_choice():
   # B = 1: one 64-position block per CTA (33 CTAs for W = 2051); B*T = 256: few splits
   assert M._pick_blocks_per_split(33, 1) == 1
