@@ -322,6 +322,11 @@ def test_max_context_is_enforced(model):
 KT = dict(num_hidden_layers=4)  # kernel-tiny: KDA, KDA, KDA, DSA with the real per-head sizes, FP8 weights
 
 
+# the router, top-k threshold and MoE slot-table kernels off: for the e2e tests of one kernel family with every
+# other op in XLA (the all-kernels test runs them; each costs CPU time in interpret mode)
+XLA_SELECTION = (("router_kernel", False), ("topk_threshold", False), ("moe_route", False))
+
+
 def _kernel_tiny_greedy_equals_reference(seed: int, prompt_len: int, n_new: int, policy):
   """kernel-tiny (FP8, f32) under latency_specialized with ``policy`` (stock caches) generates exactly the reference
   model's greedy continuation of a random prompt -> the Decoder (for its kernel sites)."""
@@ -342,7 +347,7 @@ def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm):
   greedy continuation (stock caches, every other op in XLA); kda_norm: with the gated RMSNorm inside it."""
   dec = _kernel_tiny_greedy_equals_reference(0, 11, 8, (("fp8_linear", False), ("fp8_moe", False),
                                                        ("indexer", False), ("sparse_mla", False),
-                                                       ("kda_norm", kda_norm)))
+                                                       ("kda_norm", kda_norm), *XLA_SELECTION))
   assert (dec.kernel_sites(1)["kda_norm"]["sites"] > 0) == kda_norm
 
 
@@ -354,7 +359,7 @@ def test_latency_specialized_fp8_dq_linears_equal_reference_greedy():
   reference in tests/test_linear_kernels.py — in this test it would triple the CPU time — and the real-geometry
   step's CUDA lowering, tests/test_step_lowering.py.)"""
   dec = _kernel_tiny_greedy_equals_reference(2, 9, 4, (("kda", False), ("fp8_moe", False), ("indexer", False),
-                                                       ("sparse_mla", False), ("fp8_dq", True)))
+                                                       ("sparse_mla", False), ("fp8_dq", True), *XLA_SELECTION))
   sites = dec.kernel_sites(1)
   assert sites["fp8_dq"]["sites"] == sites["fp8_linear"]["sites"] > 0, sites
 
