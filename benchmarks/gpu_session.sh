@@ -113,6 +113,17 @@ tests_and_kernels() {
   echo "== sparse MLA / indexer benchmark done"
 }
 
+kernel_tables() {  # $@: the q values. Each profiled step's kernel table with every fusion's JAX op, read here (the
+  # step's HLO is too large to come back: > 16 MiB), then the HLO dropped
+  for q in "$@"; do
+    for k in "$OUT"/hlo/*_q${q}_*.kernels.json; do
+      [ -f "$k" ] && timeout 60 python3 benchmarks/kernel_table.py "$k" --hlo "${k%.kernels.json}.hlo.gz" \
+        > "$OUT/kernel_table_q$q.txt" 2>&1
+    done
+  done
+  rm -f "$OUT"/hlo/*.hlo.gz
+}
+
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
   local name=$1; shift
   timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --context 32768 \
@@ -388,14 +399,7 @@ case "$MODE" in
     done
     rank1 s27 --q 1 --profile --hlo-dir "$OUT/hlo"
     [ "$(left)" -gt 200 ] && rank1 s27 --q 4 --profile --hlo-dir "$OUT/hlo"
-    # the kernel tables with each fusion's JAX op, read here (the step's HLO is too large to come back: > 16 MiB)
-    for q in 1 4; do
-      for k in "$OUT"/hlo/*_q${q}_*.kernels.json; do
-        [ -f "$k" ] && timeout 60 python3 benchmarks/kernel_table.py "$k" --hlo "${k%.kernels.json}.hlo.gz" \
-          > "$OUT/kernel_table_q$q.txt" 2>&1
-      done
-    done
-    rm -f "$OUT"/hlo/*.hlo.gz
+    kernel_tables 1 4
     # the end-to-end greedy test (kernel-tiny, every kernel natively, CONCURRENT by default now) if time remains
     [ "$(left)" -gt 120 ] && timeout $(( $(left) - 10 )) python3 -m pytest -q -m e2e_kernels -p no:cacheprovider \
       tests/test_decode.py 2>&1 | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
@@ -422,17 +426,11 @@ case "$MODE" in
   s28)  # (nvidia-h200) session 27's CPU work natively: the new kernels' GPU tests, the step at q = 1 / 4 (kernel
     # tables read here), bench_topk with the threshold kernel, then the e2e greedy test
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py tests/test_router_kernel.py \
-      tests/test_kda_decode.py tests/test_linear_kernels.py -k "threshold or router or wide or prefix" 2>&1 \
+      tests/test_kda_decode.py tests/test_linear_kernels.py -k "threshold or route or wide or prefix" 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     rank1 s28 --q 1 --profile --hlo-dir "$OUT/hlo"
     [ "$(left)" -gt 200 ] && rank1 s28 --q 4 --profile --hlo-dir "$OUT/hlo"
-    for q in 1 4; do
-      for k in "$OUT"/hlo/*_q${q}_*.kernels.json; do
-        [ -f "$k" ] && timeout 60 python3 benchmarks/kernel_table.py "$k" --hlo "${k%.kernels.json}.hlo.gz" \
-          > "$OUT/kernel_table_q$q.txt" 2>&1
-      done
-    done
-    rm -f "$OUT"/hlo/*.hlo.gz
+    kernel_tables 1 4
     [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_topk.py --rows 1,4,32 \
       --pools 8256,16448 --only "top_k,radix scan128,kernel scan128" --out "$OUT/bench_topk.log" > /dev/null 2>&1
     [ "$(left)" -gt 120 ] && timeout $(( $(left) - 10 )) python3 -m pytest -q -m e2e_kernels -p no:cacheprovider \
@@ -450,11 +448,7 @@ case "$MODE" in
     ;;
   s27b)  # (nvidia-h200) the q = 4 step with its kernel table (the pads gone?), then batch27's runs
     rank1 s27b --q 4 --profile --hlo-dir "$OUT/hlo"
-    for k in "$OUT"/hlo/*_q4_*.kernels.json; do
-      [ -f "$k" ] && timeout 60 python3 benchmarks/kernel_table.py "$k" --hlo "${k%.kernels.json}.hlo.gz" \
-        > "$OUT/kernel_table_q4.txt" 2>&1
-    done
-    rm -f "$OUT"/hlo/*.hlo.gz
+    kernel_tables 4
     [ "$(left)" -gt 200 ] && rank1 s27b --q 4 --batch 8 --profile
     [ "$(left)" -gt 200 ] && rank1 s27b --q 1 --batch 32 --profile
     [ "$(left)" -gt 80 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_kda_decode.py --quick \

@@ -896,9 +896,10 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     w_gate, w_up: [E, I, D] float8_e4m3fn; s_gate, s_up: [E, ceil(I/128), ceil(D/128)] f32.
     w_down: [E, D, I] float8_e4m3fn; s_down: [E, ceil(D/128), ceil(I/128)] f32.
     swiglu_limit: L of the clamped SwiGLU.
-    route_kernel: for 1 < M and M·k <= ROUTE_MAX_PAIRS, the slot tables from ``moe_route`` (one Mosaic launch;
-      slots in first-occurrence order) instead of XLA's ``_route`` (ascending expert order): the same sum up to
-      the order in which the down kernel adds the experts.
+    route_kernel: for M > 1 (and M·k <= ROUTE_MAX_PAIRS, else a ValueError), the slot tables from ``moe_route``
+      (one Mosaic launch; slots in first-occurrence order) instead of XLA's ``_route`` (ascending expert order):
+      the same sum up to the order in which the down kernel adds the experts. (M = 1 reads the router's ids as a
+      static slot table either way.)
   Returns:
     y: [M, D] f32 = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -932,7 +933,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   # a single row: the kernels read the router's k ids themselves (slot s = id s − shared): the padded slot table
   # was an XLA kernel of its own (~0.9 µs per MoE layer at B = 1, q = 1, session 22's profile)
   table_k = k if m == 1 else 0
-  in_kernel = route_kernel and m > 1 and m * k <= ROUTE_MAX_PAIRS  # the tables (shared slot included): one launch
+  in_kernel = route_kernel and m > 1  # the tables (shared slot included): one launch (moe_route checks its limits)
   if in_kernel:
     n_slots += int(has_sh)
     eids, n_valid, r = moe_route(topk_ids, topk_weights, num_experts=e_num, n_pad=_round_up(n_slots, 8), mp=mp,

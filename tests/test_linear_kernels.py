@@ -432,17 +432,20 @@ def test_moe_route_rejects_too_many_pairs():
     L.moe_route(jnp.zeros((9, 8), jnp.int32), jnp.zeros((9, 8)), num_experts=288, n_pad=80, mp=16, shared=False)
 
 
-@pytest.mark.parametrize("m,shared", [(3, True)])
-def test_fp8_moe_route_kernel_interpret(m, shared):
-  """fp8_moe with the tables from moe_route (first-occurrence slots) == the reference (and the XLA tables)."""
-  i, d, e, k = 256, 384, 6, 2
+def test_fp8_moe_route_kernel_interpret():
+  """fp8_moe with the tables from moe_route (first-occurrence slots, the shared slot 0) == the reference (and the
+  XLA tables); more than ROUTE_MAX_PAIRS pairs is an error, not a silent fallback."""
+  m, i, d, e, k = 3, 256, 384, 6, 2
   args = moe_inputs(jax.random.key(50 + m), m, e, i, d, k)
-  sh = _shared_expert(jax.random.key(55 + m), i, d) if shared else None
+  sh = _shared_expert(jax.random.key(55 + m), i, d)
   with maybe_interpret():
     y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, route_kernel=True))(*args, shared=sh)
     y0 = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True))(*args, shared=sh)
   assert_close(y, L.fp8_moe_reference(*args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
   np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-5)  # the same sums in another slot order
+  big = moe_inputs(jax.random.key(51), 9, 16, i, d, 8)
+  with pytest.raises(ValueError, match="M·k <= 64"):
+    L.fp8_moe(*big, swiglu_limit=1.0, dq=True, route_kernel=True)
 
 
 # ------------------------------------------------------------------------------------------------------------

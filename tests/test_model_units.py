@@ -223,7 +223,8 @@ def test_topk_by_rank_equals_lax_top_k(N, k, ties):
 
 def test_router_topk_equals_sorting_router():
   """The router with the sort-free top-k (policy router_topk): the same experts as lax.top_k's, weights within an
-  ulp (the renormalising sum is added in another association)."""
+  ulp (the renormalising sum is added in another association); and through the Mosaic router kernel (policy
+  router_kernel, GPU interpret mode): the same experts and weights."""
   from flax import nnx  # noqa: PLC0415
   from glm5_jax import config as C  # noqa: PLC0415
   from glm5_jax.layers import Router, use_kernels  # noqa: PLC0415
@@ -239,6 +240,11 @@ def test_router_topk_equals_sorting_router():
     ids1, w1 = jax.jit(r.__call__)(x)
   np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
   np.testing.assert_allclose(np.asarray(w1), np.asarray(w0), rtol=2.0 ** -22, atol=0)
+  with maybe_interpret(True), use_kernels({"router_kernel": True}):
+    ids2, w2 = jax.jit(r.__call__)(x)
+  assert ids2.shape == (3, 4, 8) and w2.shape == (3, 4, 8)
+  np.testing.assert_array_equal(np.asarray(ids2), np.asarray(ids0))
+  np.testing.assert_allclose(np.asarray(w2), np.asarray(w0), **tol("kernel_f32"))
 
 
 @pytest.mark.parametrize("N,k,kind,opts", [

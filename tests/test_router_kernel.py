@@ -1,8 +1,8 @@
 """Tests of pallas_kernels/router.py: the MoE router's selection (sigmoid, bias, top-k, normalised weights).
 
 CPU: the Mosaic GPU kernel in GPU interpret mode against the lax.top_k reference on fresh random logits (the
-real 288 experts and a small E, ties, NaN / ±inf, rows of several tokens), the bad-input errors, the model's
-Router through the kernel against the XLA path, and CUDA cross-lowering of the decode's row counts.
+real 288 experts and a small E, ties, NaN / ±inf, rows of several tokens), the bad-input errors, and CUDA
+cross-lowering of the decode's row counts (the model's Router through the kernel: tests/test_model_units.py).
 GPU (`-m gpu`): the same comparisons natively.
 """
 
@@ -55,29 +55,6 @@ def test_rejects_bad_input():
     R.router_topk(logits.astype(jnp.bfloat16), bias, k=8, scaling=1.0, norm=True)
   with pytest.raises(ValueError, match="bias"):
     R.router_topk(logits, bias[:100], k=8, scaling=1.0, norm=True)
-
-
-def test_model_router_through_the_kernel():
-  """glm5_jax.layers.Router with the kernel (policy router_kernel) selects the experts of the XLA path (rank
-  count) and of the stock path (sort), with the same weights."""
-  from flax import nnx  # noqa: PLC0415
-  from glm5_jax import config as C  # noqa: PLC0415
-  from glm5_jax.layers import Router, use_kernels  # noqa: PLC0415
-  cfg = C.oracle_tiny().replace(n_routed_experts=288, num_experts_per_tok=8)
-  r = nnx.eval_shape(lambda: Router(cfg, jnp.float32))
-  rng = np.random.default_rng()
-  r.weight.set_value(jnp.asarray(rng.standard_normal((288, cfg.hidden_size)) * 0.05, jnp.float32))
-  r.e_score_correction_bias.set_value(jnp.asarray(rng.standard_normal(288) * 0.01, jnp.float32))
-  x = jnp.asarray(rng.standard_normal((3, 4, cfg.hidden_size)), jnp.float32)
-  with use_kernels(None):
-    want = jax.jit(r.__call__)(x)
-  with maybe_interpret(True), use_kernels({"router_kernel": True}):
-    got = jax.jit(r.__call__)(x)
-  with use_kernels({"router_kernel": False}):
-    xla = jax.jit(r.__call__)(x)
-  assert got[0].shape == (3, 4, 8) and got[1].shape == (3, 4, 8)
-  check(got, want)
-  check(xla, want)
 
 
 @pytest.mark.parametrize("M", [1, 4, 8, 32, 64])

@@ -107,11 +107,11 @@ def test_real_geometry_step_lowers_for_cuda():
   assert txt.count("all_reduce") == 1 + 2 * 45 + 3 * 3  # psums are no-ops on one device but still lowered
 
 
-@pytest.mark.parametrize("q", [1])  # (q = 4 with fp8_dq — the default — is test_real_geometry_step_lowers_for_cuda)
-def test_real_geometry_step_with_fp8_dq_lowers_for_cuda(q):
-  """Policy knob fp8_dq at the real geometry: every FP8 linear and both MoE kernels with the weight dequantised in
-  registers (register-A wgmmas: what the GPU runs) lower inside the one-rank step."""
-  txt = lower_step(tp_rank_config(C.real(), 4), q, "latency_specialized", policy=(("fp8_dq", True),))
+def test_real_geometry_step_with_fp8_dq_lowers_for_cuda_at_one_token():
+  """Policy knob fp8_dq at the real geometry, q = 1: every FP8 linear and both MoE kernels with the weight
+  dequantised in registers (register-A wgmmas: what the GPU runs) lower inside the one-rank step. (q = 4 with
+  fp8_dq, the default, is test_real_geometry_step_lowers_for_cuda.)"""
+  txt = lower_step(tp_rank_config(C.real(), 4), 1, "latency_specialized", policy=(("fp8_dq", True),))
   check_one_module_per_kernel(txt)
   names = {n for n, _, _ in kernel_calls(txt)}
   assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down"} <= names and "glm5_fp8_linear" not in names
