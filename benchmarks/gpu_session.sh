@@ -423,6 +423,29 @@ case "$MODE" in
     [ "$(left)" -gt 70 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_linear.py --rows 1 --only moedq \
       --sweep-moe 1 --budget-s $(( $(left) - 20 )) > "$OUT/bench_linear_moe.log" 2>&1
     ;;
+  s28c)  # (nvidia-h200) the threshold kernel from 2 score rows only (XLA's radix passes at one): q = 1 / 4 with
+    # kernel tables (the memcpy candidates: copies and fusions that launched no kernel), then B = 8 q = 4 and
+    # B = 32 q = 1 (32 score rows: the threshold kernel instead of XLA's sort)
+    rank1 s28c --q 1 --profile --hlo-dir "$OUT/hlo"
+    [ "$(left)" -gt 200 ] && rank1 s28c --q 4 --profile --hlo-dir "$OUT/hlo"
+    kernel_tables 1 4
+    [ "$(left)" -gt 150 ] && rank1 s28c --q 4 --batch 8 --profile
+    [ "$(left)" -gt 150 ] && rank1 s28c --q 1 --batch 32 --profile
+    ;;
+  s28ab)  # (nvidia-h200) q = 1 regressed 4.50 -> 5.14 ms with session 27's kernels (host-bound): the fixed
+    # wide-f GPU test, then on one machine the step now (copies listed), session 27's tree (.carry/s27tree =
+    # `git archive 7283471`, carried) and now with the router / threshold kernels off
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kda_decode.py -k "wide_f" 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    rank1 new --q 1 --profile --hlo-dir "$OUT/hlo"
+    kernel_tables 1
+    [ -d .carry/s27tree ] && [ "$(left)" -gt 150 ] && (cd .carry/s27tree && timeout $(( $(left) - 5 )) python3 \
+      benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --context 32768 --steps 20 --repeats 3 --fast-compile \
+      --backend latency_specialized --q 1 --profile --out "$OUT/decode_s27tree.jsonl" 2>&1 \
+      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s27tree.log")
+    [ "$(left)" -gt 150 ] && rank1 off --q 1 --profile --policy '{"topk_threshold": false, "router_kernel": false}'
+    [ "$(left)" -gt 200 ] && rank1 batch28 --q 4 --batch 8 --profile
+    ;;
   s28)  # (nvidia-h200) session 27's CPU work natively: the new kernels' GPU tests, the step at q = 1 / 4 (kernel
     # tables read here), bench_topk with the threshold kernel, then the e2e greedy test
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py tests/test_router_kernel.py \

@@ -40,6 +40,30 @@ def hlo_index(text: str) -> dict[str, tuple[str, str]]:
   return out
 
 
+def hlo_memcpy_candidates(text: str, launched=None) -> list[tuple[str, str, str]]:
+  """[(name, result type, op_name)] of what may run as a memcpy node (the profile's `memcpy32_post` kernels, which
+  have no HLO name of their own): copies outside fusions, and — given the profile's kernel names — slice fusions
+  that launched no kernel under their own name (XLA emits a fusion that only moves a contiguous block as a
+  device-to-device copy: session 28's 43 per step were the router bias sliced out of the packed parameters for
+  the router kernel). Candidates, not proof: XLA also launches identical fusions as one kernel under one name."""
+  out, fused = [], False
+  for line in text.splitlines():
+    if line and not line[0].isspace():  # a computation's header (or its closing brace)
+      fused = line.lstrip("%").startswith(("fused", "ENTRY %fused"))
+      continue
+    m = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+(?: \S+)*?) (copy|copy-start|fusion)\((.*)$", line)
+    if not m or fused:
+      continue
+    name, ty, kind, rest = m.groups()
+    op = re.search(r'op_name="([^"]*)"', rest)
+    op = op.group(1) if op else ""
+    if kind == "fusion" and (launched is None or name.replace(".", "_").replace("-", "_") in launched
+                             or not ("slice" in name or op.rsplit("/", 1)[-1] == "slice")):
+      continue
+    out.append((name, ty, op))
+  return out
+
+
 def rows(kernels: dict, index: dict, components=None, min_launches: float = 0.0):
   """[(component, µs per launch, launches, name, result type, op)] sorted by component, then time per step."""
   out = []
@@ -60,11 +84,12 @@ def main(argv=None):
   p.add_argument("--min-launches", type=float, default=0.0)
   a = p.parse_args(argv)
   kernels = load_kernels(a.kernels)
-  index = {}
+  index, copies = {}, []
   if a.hlo:
     opener = gzip.open if a.hlo.endswith(".gz") else open
     with opener(a.hlo, "rt") as f:
-      index = hlo_index(f.read())
+      text = f.read()
+    index, copies = hlo_index(text), hlo_memcpy_candidates(text, set(kernels))
   table = rows(kernels, index, a.component, a.min_launches)
   totals: dict[str, list[float]] = {}
   for comp, per, n, *_ in table:
@@ -77,6 +102,14 @@ def main(argv=None):
       print(f"== {comp}: {totals[comp][0]:.0f} µs per step in {totals[comp][1]:.0f} launches (the kernels listed)")
       last = comp
     print(f"  {per:6.2f} µs x {n:4.0f}  {name:44s} {ty[:40]:40s} {op[-80:]}")
+  if copies:
+    print(f"== copies, and slice fusions that launched no kernel of their name (memcpy nodes?): {len(copies)}")
+    by_op: dict[tuple[str, str], int] = {}
+    for _, ty, op in copies:
+      key = (ty[:40], op.replace("jit(body)/shard_map/", "")[-100:])
+      by_op[key] = by_op.get(key, 0) + 1
+    for (ty, op), n in sorted(by_op.items(), key=lambda kv: -kv[1]):
+      print(f"  x {n:4d}  {ty:40s} {op}")
   return 0
 
 

@@ -327,12 +327,16 @@ class Indexer(nnx.Module):
       form, pays = radix_topk_plan(R, P)
       from pallas_kernels import indexer as ki  # noqa: PLC0415
       thr_fits = -(-P // ki.THRESHOLD_LANES) * ki.THRESHOLD_LANES <= ki.THRESHOLD_MAX_KEYS
-      if kernel_enabled("indexer_topk", R, prefer=pays or (thr_fits and kernel_switch("topk_threshold")),
+      thr_pays = thr_fits and R >= ki.THRESHOLD_MIN_ROWS and kernel_switch("topk_threshold")
+      if kernel_enabled("indexer_topk", R, prefer=pays or thr_pays,
                         prefer_why=f"{R} rows x {P} pools: XLA's sort measured faster than the XLA radix passes "
                         "(layers.radix_topk_plan; the topk_threshold kernel is off or does not fit; policy "
                         "indexer_topk: true forces the radix selection)"):
         thr = kernel_enabled("topk_threshold", fits=thr_fits,
-                             why=f"{P} pools per score row (the kernel holds up to {ki.THRESHOLD_MAX_KEYS})")
+                             why=f"{P} pools per score row (the kernel holds up to {ki.THRESHOLD_MAX_KEYS})",
+                             prefer=R >= ki.THRESHOLD_MIN_ROWS,
+                             prefer_why=f"{R} score row: one CTA's 32 serial passes (30 µs per call in the step) "
+                             "are slower than XLA's radix passes (~18 µs; BENCHMARKS.md session 28)")
         js = topk_set_by_threshold(masked, kk, **form, threshold_kernel=thr)  # lax.top_k's set, ascending
         vals = jnp.take_along_axis(masked, js, axis=-1)
       else:

@@ -36,8 +36,9 @@ DEFAULT_BYTES = 1 << 16
 # of a packed buffer through a copy (a memcpy node per call: the mHC finish kernel's base/scale vector, 90 per
 # step, and the KDA kernel's A_log, 34 — ~1 µs of GPU time each on the H200, BENCHMARKS.md sessions 20-21), while
 # larger slices (norm weights, dt_bias) are passed in place. 124 more arguments cost ~0.16 ms of host time per
-# step at ~1.3 µs each, where the q = 1 step is GPU-bound by ~1.5 ms.
-KEEP_WHOLE = frozenset({"base_scale", "A_log"})
+# step at ~1.3 µs each, where the q = 1 step is GPU-bound by ~1.5 ms. The router's score-correction bias (1,152
+# bytes) joined them with the router kernel: 43 memcpy nodes per step otherwise (session 28's kernel table).
+KEEP_WHOLE = frozenset({"base_scale", "A_log", "e_score_correction_bias"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

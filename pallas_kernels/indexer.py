@@ -217,6 +217,10 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
 # ------------------------------------------------------------------------------------------------ top-k threshold
 THRESHOLD_LANES = 128  # keys per row of the kernel's [N / 128, 128] view: one per thread of the warpgroup
 THRESHOLD_MAX_KEYS = 136 * THRESHOLD_LANES  # 136 keys per thread in registers (17,408: 64K context's 16,448 pools)
+# Score rows from which the model uses the kernel: a single row is one CTA's 32 serial warpgroup reductions, 30 µs
+# per call inside the one-rank step vs ~18 µs for XLA's radix passes; from 4 rows it wins (q = 4: indexer GPU time
+# 1,170 -> 991 µs per step; 32 rows: 36-59 µs vs XLA's sort 64-141; BENCHMARKS.md session 28)
+THRESHOLD_MIN_ROWS = 2
 
 
 def topk_threshold_reference(keys, k: int):

@@ -56,6 +56,15 @@ __all__ = ["KdaDecodeConfig", "kda_decode", "kda_decode_reference", "kda_decode_
 # --------------------------------------------------------------------------------------------------
 # Shared pieces
 # --------------------------------------------------------------------------------------------------
+def _check_b_offset(b, H, b_offset):
+  # A static offset is checked here (the references run unjitted); a traced one — the TP rank's axis_index, and
+  # always inside the jitted kernel entry — is the caller's to keep in range: the kernel would read past the row,
+  # the reference's dynamic_slice would clamp.
+  if isinstance(b_offset, (int, np.integer)) and not 0 <= b_offset <= b.shape[2] - H:
+    raise ValueError(f"b_offset={b_offset} must be in [0, {b.shape[2] - H}] for b with {b.shape[2]} columns "
+                     f"and H={H}")
+
+
 def _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight):
   B, T, H, D = q.shape
   for name, x in (("k", k), ("v", v)):
@@ -92,6 +101,7 @@ def _gated_rms_norm(o, gate, norm_weight, eps):
 # --------------------------------------------------------------------------------------------------
 def _own_heads(f, b, H, b_offset):
   """f [B, T, >= H, D] -> its first H heads; b [B, T, >= H] -> the H columns from b_offset (traced)."""
+  _check_b_offset(b, H, b_offset)
   return f[:, :, :H], lax.dynamic_slice_in_dim(b, jnp.asarray(b_offset, jnp.int32), H, axis=2)
 
 

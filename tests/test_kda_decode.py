@@ -143,6 +143,15 @@ def test_wide_f_and_offset_b_read_in_place_interpret(rng):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), **tol("kernel_f32"))
 
 
+def test_static_b_offset_out_of_range_is_an_error(rng):
+  args, _ = make_inputs(rng, 1, 1, 2)
+  wide = widen_f_b(rng, args, 2, 8, 6)
+  kd.kda_decode_reference(*wide, b_offset=6)
+  for fn in (kd.kda_decode_reference, kd.kda_decode_naive):
+    with pytest.raises(ValueError, match="b_offset=7"):
+      fn(*wide, b_offset=7)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # (3) CUDA cross-lowering of every configuration the model uses, donated state => aliased in place
 # ----------------------------------------------------------------------------------------------------------------
@@ -212,8 +221,9 @@ def test_rejects_bad_shapes(rng):
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_wide_f_and_offset_b_gpu(rng):
+  # b as a real TP4 rank sees it: f_a | g_a (256 columns) then the 4 ranks' 16 beta heads; rank 1's at 272.
   args, _ = make_inputs(rng, 1, 4, 16, dtype=jnp.bfloat16)
-  wide = widen_f_b(rng, args, 16, 272, 256 + 16)
+  wide = widen_f_b(rng, args, 16, 256 + 4 * 16, 256 + 16)
   want = jax.jit(kd.kda_decode_reference)(*args)
   got = jax.jit(lambda *a: kd.kda_decode(*a[:-1], b_offset=a[-1]))(*wide, jnp.int32(256 + 16))
   for g, w in zip(got, want):

@@ -173,7 +173,17 @@ def test_kernel_table_reads_a_profile_with_its_hlo(tmp_path, capsys):
   path.write_text(json.dumps(kernels))
   hlo = tmp_path / "s.hlo"
   hlo.write_text(HLO + '\n  %input_reduce_fusion.7 = f32[8]{0} fusion(%v), kind=kInput, calls=%add, '
-                 'metadata={op_name="jit(body)/shard_map/moe/reduce_max"}\n')
+                 'metadata={op_name="jit(body)/shard_map/moe/reduce_max"}\n'
+                 '  %copy.3 = s32[1]{0} copy(s32[1]{0} %c), metadata={op_name="jit(body)/shard_map/kda/reshape"}\n'
+                 '  %fusion.4 = f32[1,288]{1,0} fusion(%v), kind=kLoop, calls=%add, '
+                 'metadata={op_name="jit(body)/shard_map/slice"}\n'
+                 '\n%fused_computation.2 (p: f32[4]) -> f32[4] {\n  %copy.9 = f32[4]{0} copy(f32[4]{0} %p)\n}\n')
+  # Copies outside fusions and fusions the profile never saw (the profile's nameless memcpy nodes) are listed by
+  # op; copies inside fusions are not.
+  assert KT.hlo_memcpy_candidates(hlo.read_text(), set(kernels)) == [
+      ("copy.3", "s32[1]{0}", "jit(body)/shard_map/kda/reshape"),
+      ("fusion.4", "f32[1,288]{1,0}", "jit(body)/shard_map/slice")]
+  assert [n for n, *_ in KT.hlo_memcpy_candidates(hlo.read_text(), {"fusion_4"})] == ["copy.3"]
   got = KT.rows(KT.load_kernels(str(path)), KT.hlo_index(hlo.read_text()), ["moe", "draft"])
   assert [(c, round(p, 2), n, name) for c, p, n, name, _, _ in got] == [
       ("draft", 3.0, 10.0, "loop_neg_fusion_2"), ("moe", 8.6, 10.0, "glm5_moe_down_mosaic_gpu_kernel"),
@@ -182,6 +192,7 @@ def test_kernel_table_reads_a_profile_with_its_hlo(tmp_path, capsys):
   assert KT.main([str(path), "--hlo", str(hlo), "--component", "moe", "--min-launches", "5"]) == 0
   out = capsys.readouterr().out
   assert "== moe: 86 µs per step in 10 launches" in out and "input_reduce_fusion_7" not in out
+  assert "launched no kernel of their name (memcpy nodes?): 2" in out and "kda/reshape" in out
 
 
 def test_component_floors_add_up_to_the_roofline():
