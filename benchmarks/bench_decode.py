@@ -89,6 +89,12 @@ def main(argv=None):
   p.add_argument("--executables", type=int, nargs="+", default=[1], choices=[1, 2],
                  help="2: alternate two loaded copies of the compiled step (each its own CUDA graph); both values "
                       "compare them in one process")
+  p.add_argument("--steps-per-call", type=int, nargs="+", default=[1],
+                 help="Decoder(steps_per_call=N): N speculative steps per call (one host launch per N steps); "
+                      "ms/step is per speculative step. On the GPU the rolled loop stays in the CUDA graph only with "
+                      "--xla-option xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL (else see --unroll-steps)")
+  p.add_argument("--unroll-steps", action="store_true", help="with --steps-per-call: N copies of the step instead "
+                 "of a loop (N times the compile)")
   p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                  help="an XLA debug option for the step's compile (repeatable), e.g. "
                       "xla_gpu_experimental_enable_triton_heroless_priority_fusion=false (names: XLA DebugOptions)")
@@ -118,7 +124,7 @@ def main(argv=None):
   # room for the warm-up call, every timed run and the profiled run on one state: a fresh state (new buffers)
   # makes the next step re-record XLA's command buffers (~50 µs per Mosaic kernel call), which must not be timed
   # + the trace and the profile runs, and up to 4 untimed first calls
-  max_ctx = a.context + max(a.q) * (a.steps * (a.repeats + 2) + 4)
+  max_ctx = a.context + max(a.q) * max(a.steps_per_call) * (a.steps * (a.repeats + 2) + 4)
   max_ctx += (-max_ctx) % cfg.index_kpool
   t = time.time()
   model = random_model(cfg, dtype=jnp.bfloat16, fp8=cfg.fp8_block is not None, mesh=make_mesh(a.tp))
@@ -130,19 +136,20 @@ def main(argv=None):
   rows = []
   hdr = f"{'backend':>34} {'B':>3} {'q':>2} {'compile s':>9} {'ms/step':>9} {'tok/s/seq':>9} {'roofline ms':>11} {'% roof':>7}"
   print(hdr, flush=True)
-  configs = [(q, backend, tune, b, ne, pk) for q in a.q for backend in a.backend for tune in tunings for b in a.batch
-             for ne in a.executables for pk in a.pack_params]
+  configs = [(q, backend, tune, b, ne, pk, spc) for q in a.q for backend in a.backend for tune in tunings
+             for b in a.batch for ne in a.executables for pk in a.pack_params for spc in a.steps_per_call]
   # q outermost: the backends' numbers for one q come together when the budget cuts the run short
-  for q, backend, tune, b, ne, pk in configs:
+  for q, backend, tune, b, ne, pk, spc in configs:
     opts = ({"xla_gpu_autotune_level": 0} if tune == "off" else {}) | extra_opts
-    label = backend + (" (no autotune)" if tune == "off" else "") + (" +xla opts" if extra_opts else "") + (" ×2 exec" if ne > 1 else "") + (" packed" if pk else "")
+    label = backend + (" (no autotune)" if tune == "off" else "") + (" +xla opts" if extra_opts else "") + (" ×2 exec" if ne > 1 else "") + (" packed" if pk else "") + (f" {spc} steps/call" + (" unrolled" if a.unroll_steps else "") if spc > 1 else "")
     if time.time() - t_start > a.budget_s:
       print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
       continue
     # the kernel switches concern latency_specialized only (auto refuses a request for a kernel)
     pol = policy if backend != "auto" else tuple((k, v) for k, v in policy if k not in KERNEL_DEFAULTS)
     dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=pol),
-                  backend=backend, compiler_options=opts, executables=ne, pack_params=pk)
+                  backend=backend, compiler_options=opts, executables=ne, pack_params=pk, steps_per_call=spc,
+                  unroll_steps=a.unroll_steps)
     t = time.time()
     try:
       dec.warmup()
@@ -155,7 +162,7 @@ def main(argv=None):
     if a.hlo_dir:
       import gzip  # noqa: PLC0415
       os.makedirs(a.hlo_dir, exist_ok=True)
-      name = f"step_{a.geometry}_{backend}_b{b}_q{q}" + (f"_pack{pk}" if pk else "") + (
+      name = f"step_{a.geometry}_{backend}_b{b}_q{q}" + (f"_pack{pk}" if pk else "") + (f"_spc{spc}" if spc > 1 else "") + (
           "_" + "_".join(f"{k}-{v}" for k, v in policy) if policy else "")
       with gzip.open(os.path.join(a.hlo_dir, name + ".hlo.gz"), "wt") as fh:
         fh.write(hlo)
@@ -181,14 +188,15 @@ def main(argv=None):
       print(f"{label:>34} {b:>3} {q:>2} FAILED at run time: {type(e).__name__}: {str(e)[:400]}", flush=True)
       return rows
     times, host = [], []
+    calls = _calls(dec, a.steps)  # (with steps_per_call > 1 each call is several steps: times are per step)
     for _ in range(a.repeats):
       state = _room(dec, state, a.steps, a.context)
       t = time.perf_counter()
-      for _ in range(a.steps):
+      for _ in range(calls):
         state, out = decode(state)
-      host.append((time.perf_counter() - t) / a.steps)  # the calls returned: the host's share of the step
+      host.append((time.perf_counter() - t) / (calls * spc))  # the calls returned: the host's share of the step
       jax.block_until_ready(out.tokens)
-      times.append((time.perf_counter() - t) / a.steps)
+      times.append((time.perf_counter() - t) / (calls * spc))
     ms = 1e3 * float(np.median(times))
     host_ms = 1e3 * float(np.median(host))
     # one call onto an idle GPU: the host's own cost of a call (argument handling, command-buffer checks, the
@@ -199,10 +207,10 @@ def main(argv=None):
       jax.block_until_ready(state.io)
       t = time.perf_counter()
       state, out = decode(state)
-      idle.append(time.perf_counter() - t)
+      idle.append((time.perf_counter() - t) / spc)
     jax.block_until_ready(out.tokens)
     idle_ms = 1e3 * float(np.median(idle))
-    print(f"# host: the {a.steps} calls return after {host_ms:.2f} ms/step of {ms:.2f} ms/step "
+    print(f"# host: the {calls} calls return after {host_ms:.2f} ms/step of {ms:.2f} ms/step "
           f"({'host-bound' if host_ms > 0.9 * ms else 'the GPU is behind'}); one call onto an idle GPU returns "
           f"after {idle_ms:.2f} ms", flush=True)
     trace = None
@@ -223,7 +231,7 @@ def main(argv=None):
     roof = 1e3 * roofline_bytes(b, q, a.context) / HBM if full else float("nan")
     tps = (a.accept if q > 1 else 1.0) / (ms / 1e3)
     row = dict(geometry=a.geometry, layers=cfg.num_hidden_layers, tp=a.tp, backend=backend, policy=dict(policy),
-               executables=ne, pack_params=pk,
+               executables=ne, pack_params=pk, steps_per_call=spc, unroll_steps=a.unroll_steps and spc > 1,
                compiler_options=dec.compiler_options, xla_flags=os.environ.get("XLA_FLAGS", ""),
                nccl_proto=os.environ.get("NCCL_PROTO", ""), batch=b, q=q, context=a.context, compile_s=comp,
                ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
@@ -241,10 +249,15 @@ def main(argv=None):
   return rows
 
 
+def _calls(dec, steps):
+  """Calls that run about ``steps`` speculative steps (each call runs dec.steps_per_call of them)."""
+  return max(1, steps // dec.steps_per_call)
+
+
 def _room(dec, state, steps, context):
   """``state``, or where its cache cannot take ``steps`` more steps (not with main()'s sizing) a fresh one after
   one untimed step: a step on new buffers re-records XLA's command buffers and must not be measured."""
-  if state.len_bound + dec.config.q * (steps + 1) > dec.config.max_context:
+  if state.len_bound + dec.config.q * dec.steps_per_call * (_calls(dec, steps) + 1) > dec.config.max_context:
     state, out = decode(random_state(dec, state.batch, context))
     jax.block_until_ready(out.tokens)
   return state
@@ -259,12 +272,12 @@ def _trace(dec, state, steps, context):
   opts = jax.profiler.ProfileOptions()
   opts.python_tracer_level = 0  # a traced Python call costs µs: it would inflate the host time being measured
   jax.profiler.start_trace(d, profiler_options=opts)
-  for _ in range(steps):
+  for _ in range(_calls(dec, steps)):
     state, out = decode(state)
   jax.block_until_ready(out.tokens)
   jax.profiler.stop_trace()
   f = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1]
-  s = profiling.trace_summary(f, steps)
+  s = profiling.trace_summary(f, _calls(dec, steps) * dec.steps_per_call)
   if "span_ms" in s:
     print(f"#   trace: device span {s['span_ms']:.3f} ms/step, busy {s['busy_ms']:.3f}, idle {s['idle_ms']:.3f} in "
           f"{s['gaps_per_step']:.0f} gaps/step {s['gap_hist_per_step']}; largest gaps (µs) "
@@ -287,10 +300,11 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None):
   kmap = profiling.kernel_map(hlo)
   state = _room(dec, state, steps, context)
   _EXT._cupti_init()
-  for _ in range(steps):
+  for _ in range(_calls(dec, steps)):
     state, out = decode(state)
   jax.block_until_ready(out.tokens)
   recs = _EXT._cupti_get_timings(True)
+  steps = _calls(dec, steps) * dec.steps_per_call  # (per speculative step below)
   per, launches, unmatched = profiling.split(recs, kmap, steps)
   total = sum(per.values())
   print(f"#   GPU busy {total / 1e3:.3f} ms/step in {launches:.0f} kernel launches/step; by component (µs/step):",

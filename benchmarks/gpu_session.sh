@@ -56,6 +56,13 @@
 #                             under CONCURRENT; the MoE plan sweep at M = 1 (4-stage rings at 3 CTAs per SM)
 #   s28 (nvidia-h200):        session 27's kernels (top-k threshold, router, KDA in-place operands) natively, the
 #                             step at q = 1 / 4 with kernel tables, bench_topk, the e2e greedy test
+#   s28ab (nvidia-h200):      the fixed wide-f KDA GPU test; on one machine the q = 1 step now (memcpy candidates
+#                             listed), session 27's tree (.carry/s27tree = `git archive 7283471`, run carries it) and
+#                             now with the router / threshold kernels off
+#   s28c (nvidia-h200):       the threshold kernel from 2 score rows only: q = 1 / 4 with kernel tables, B = 8 q = 4,
+#                             B = 32 q = 1
+#   s29 (nvidia-h200):        steps_per_call: q = 1 and 4 as is, then 4 steps per call in a device-side loop (WHILE /
+#                             CONDITIONAL command-buffer commands), then 2 steps per call unrolled
 #   thr (nvidia-h200):        the top-k threshold kernel's GPU tests and bench_topk with it
 #   s27b (nvidia-h200):       the q = 4 step with its kernel table, then batch27's runs
 #   batch27 (nvidia-h200):    B = 8 q = 4 and B = 32 q = 1 with the trained-like router, then bench_kda_decode's matrix
@@ -422,6 +429,17 @@ case "$MODE" in
         > "$OUT/vlog_concurrent.txt"
     [ "$(left)" -gt 70 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_linear.py --rows 1 --only moedq \
       --sweep-moe 1 --budget-s $(( $(left) - 20 )) > "$OUT/bench_linear_moe.log" 2>&1
+    ;;
+  s29)  # (nvidia-h200) the host's launch cost paid once per several steps (Decoder(steps_per_call)): q = 1 as is
+    # (session 28's fixes: the router bias whole, the threshold kernel from 2 rows), then 4 steps per call in a
+    # device-side loop (WHILE / CONDITIONAL commands in the CUDA graph), q = 4 both ways, then 2 steps unrolled
+    W="--xla-option xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+    rank1 s29 --q 1 --profile --hlo-dir "$OUT/hlo"
+    kernel_tables 1
+    [ "$(left)" -gt 150 ] && rank1 s29 --q 1 --steps-per-call 4 $W --profile
+    [ "$(left)" -gt 150 ] && rank1 s29 --q 4 --profile
+    [ "$(left)" -gt 150 ] && rank1 s29 --q 4 --steps-per-call 4 $W --profile
+    [ "$(left)" -gt 180 ] && rank1 s29u --q 1 --steps-per-call 2 --unroll-steps
     ;;
   s28c)  # (nvidia-h200) the threshold kernel from 2 score rows only (XLA's radix passes at one): q = 1 / 4 with
     # kernel tables (the memcpy candidates: copies and fusions that launched no kernel), then B = 8 q = 4 and

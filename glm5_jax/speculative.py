@@ -10,6 +10,11 @@ One step (spec/decode.md §1), for B sequences each feeding q = 1 + k tokens [la
      token at the last accepted index) + k − 1 single-token passes that reuse the first pass's top-k pools.
 The state is donated; the layer loop and the draft chain are unrolled; nothing syncs with the host.
 
+``Decoder(steps_per_call=n)`` runs n such steps in ONE call (a device-side loop, or unrolled): each step's input
+is the previous one's output, so the host launches once per n steps. Why: one TP4 rank's step at B = 1 is
+host-bound on the H200 — the host spends ~2-3 µs per CUDA-graph node launching the ~1,600-node graph (5.2 of
+5.4 ms per step at q = 1, BENCHMARKS.md session 28). The committed tokens of the n steps come back together.
+
 Shapes: B batch (a capture size), q = 1 + k tokens per sequence, V vocabulary, D hidden.
 """
 
@@ -32,17 +37,20 @@ from glm5_jax.layers import KERNEL_DEFAULTS, kernel_report
 from glm5_jax.runtime import DecodeConfig
 
 REP = P()
+MAX_STEPS_PER_CALL = 64  # speculative steps one call may run (its output holds steps · q tokens per sequence)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOutput:
   """What one step emitted.
 
-  tokens [B, q] int32: the committed new tokens (accepted drafts then the corrected/bonus token), −1 padded.
-  counts [B] int32: how many of ``tokens`` are real (1..q; 0 for padding rows and for non-finite rows).
+  tokens [B, n·q] int32: the committed new tokens (accepted drafts then the corrected/bonus token), in order,
+    −1 padded (n = the decoder's steps_per_call, 1 by default).
+  counts [B] int32: how many of ``tokens`` are real (1..n·q; 0 for padding rows and for non-finite rows).
   next_tokens [B, q] int32: the next step's input (the last emitted token + k new drafts).
-  finite [B] bool: False where the target's hidden states (hence logits) held NaN/Inf: nothing was sampled from
-  them, the sequence did not advance (its length and KDA slot are unchanged), and generate() raises."""
+  finite [B] bool: False where the target's hidden states (hence logits) held NaN/Inf (at any of the call's
+  steps): nothing was sampled from them, the sequence did not advance from there (its length and KDA slot are
+  unchanged), and generate() raises."""
 
   tokens: jax.Array
   counts: jax.Array
@@ -63,10 +71,10 @@ jax.tree_util.register_dataclass(DecodeOutput, data_fields=["tokens", "counts", 
 IO_LENGTHS, IO_N_ACC, IO_KEYS, IO_ACTIVE, IO_NEXT = 0, 1, 2, 4, 5  # keys: 2 columns of uint32 bits
 
 
-def io_width(q: int) -> int:
-  """Columns of the io buffer: lengths, n_acc, keys (2), active, next_tokens (q), then the last step's output:
-  emitted tokens (q), counts, finite."""
-  return IO_NEXT + 2 * q + 2
+def io_width(q: int, steps: int = 1) -> int:
+  """Columns of the io buffer: lengths, n_acc, keys (2), active, next_tokens (q), then the last call's output:
+  emitted tokens (steps · q), counts, finite."""
+  return IO_NEXT + q + steps * q + 2
 
 
 def _io_views(io, q):
@@ -75,9 +83,9 @@ def _io_views(io, q):
           io[:, IO_ACTIVE] != 0, io[:, IO_NEXT:IO_NEXT + q])
 
 
-def _io_pack(lengths, n_acc, keys, active, next_tokens, emitted=None, counts=None, finite=None):
+def _io_pack(lengths, n_acc, keys, active, next_tokens, emitted=None, counts=None, finite=None, steps: int = 1):
   B, q = next_tokens.shape
-  emitted = jnp.full((B, q), -1, jnp.int32) if emitted is None else emitted
+  emitted = jnp.full((B, steps * q), -1, jnp.int32) if emitted is None else emitted
   counts = jnp.zeros((B,), jnp.int32) if counts is None else counts
   finite = jnp.ones((B,), bool) if finite is None else finite
   col = lambda a: a.astype(jnp.int32)[:, None]  # noqa: E731
@@ -86,12 +94,11 @@ def _io_pack(lengths, n_acc, keys, active, next_tokens, emitted=None, counts=Non
                           col(finite)], axis=1)
 
 
-@jax.jit
-def _io_output(io):
-  """io [B, W] -> the DecodeOutput its last step wrote (fresh arrays: io itself is donated by the next step)."""
-  q = (io.shape[1] - IO_NEXT - 2) // 2
-  e = IO_NEXT + q
-  return DecodeOutput(io[:, e:e + q], io[:, e + q], io[:, IO_NEXT:IO_NEXT + q], io[:, e + q + 1] != 0)
+@functools.partial(jax.jit, static_argnums=1)
+def _io_output(io, q: int):
+  """io [B, W] -> the DecodeOutput its last call wrote (fresh arrays: io itself is donated by the next call)."""
+  e, w = IO_NEXT + q, io.shape[1] - IO_NEXT - q - 2  # w = steps · q emitted columns
+  return DecodeOutput(io[:, e:e + w], io[:, e + w], io[:, IO_NEXT:IO_NEXT + q], io[:, e + w + 1] != 0)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -105,7 +112,8 @@ class DecodeState:
   """The decode state: a registered pytree of device arrays (+ static metadata).
 
   caches: {"layers": [per-layer caches], "mtp": MTP caches} (shapes in state.py)
-  io [B, 7 + 2q] int32: the per-sequence scalars and the step's input, packed (see IO_* above) and read through:
+  io [B, io_width(q, steps)] int32: the per-sequence scalars and the step's input, packed (see IO_* above) and
+    read through:
     lengths [B] int32: committed tokens per sequence (the position of next_tokens[:, 0])
     n_acc [B] int32: verify positions committed at the last step (KDA reads slot n_acc − 1)
     keys [B, 2] uint32: per-sequence sampling keys
@@ -122,7 +130,8 @@ class DecodeState:
   @classmethod
   def make(cls, caches, lengths, n_acc, keys, active, next_tokens, decoder, len_bound: int) -> "DecodeState":
     """Pack the per-sequence arrays into io, replicated over the decoder's mesh."""
-    io = _io_pack(*(jnp.asarray(a) for a in (lengths, n_acc, keys, active, next_tokens)))
+    io = _io_pack(*(jnp.asarray(a) for a in (lengths, n_acc, keys, active, next_tokens)),
+                  steps=decoder.steps_per_call)
     return cls(caches, jax.device_put(io, NamedSharding(decoder.model.mesh, REP)), decoder, int(len_bound))
 
   @property
@@ -131,7 +140,7 @@ class DecodeState:
 
   @property
   def q(self) -> int:
-    return (self.io.shape[1] - IO_NEXT - 2) // 2
+    return self.decoder.config.q
 
   lengths = property(lambda self: self.io[:, IO_LENGTHS])
   n_acc = property(lambda self: self.io[:, IO_N_ACC])
@@ -256,7 +265,8 @@ class Decoder:
 
   def __init__(self, model: Model, config: DecodeConfig, *, backend: str = "auto", temperature: float = 0.0,
                top_p: float = 1.0, prefill_chunk: int = 256, compiler_options: dict | None = None,
-               executables: int = 1, pack_params: int = pp.DEFAULT_BYTES):
+               executables: int = 1, pack_params: int = pp.DEFAULT_BYTES, steps_per_call: int = 1,
+               unroll_steps: bool = False):
     if backend not in ("auto", "latency_specialized"):
       raise ValueError(f"backend={backend!r}: expected 'auto' or 'latency_specialized'")
     if config.q > 1 and not model.mtp:
@@ -268,6 +278,9 @@ class Decoder:
         or not 0 <= pack_params <= pp.MAX_BYTES):
       raise ValueError(f"pack_params={pack_params!r}: expected a byte threshold in [0, {pp.MAX_BYTES}] (0 = off; "
                        "packing copies the packed parameters, so it is for small ones)")
+    if (not isinstance(steps_per_call, (int, np.integer)) or isinstance(steps_per_call, bool)
+        or not 1 <= steps_per_call <= MAX_STEPS_PER_CALL):
+      raise ValueError(f"steps_per_call={steps_per_call!r}: expected an integer in [1, {MAX_STEPS_PER_CALL}]")
     if temperature < 0 or not 0 < top_p <= 1:
       raise ValueError(f"temperature={temperature}, top_p={top_p}: expected temperature >= 0 and 0 < top_p <= 1")
     unknown = sorted(set(config.policy_dict()) - POLICY_KEYS)
@@ -293,6 +306,12 @@ class Decoder:
     # The host parses every argument on every call (~1.3 µs each) and at B = 1 the step is host-bound; on by
     # default (param_packing.DEFAULT_BYTES), 0 turns it off.
     self.pack_params = int(pack_params)
+    # steps_per_call = n > 1: one call runs n speculative steps on the device, each fed the previous one's output
+    # (the module doc: the host's launch cost is paid once per n steps). A rolled loop (lax.fori_loop: the step
+    # traced and compiled once; on the GPU a device-side loop only where XLA's command buffer holds while loops,
+    # compiler option xla_gpu_enable_command_buffer with WHILE) or, with unroll_steps, n copies of the step in
+    # one program (n times the compile, and the graph's nodes).
+    self.steps_per_call, self.unroll_steps = int(steps_per_call), bool(unroll_steps)
     self._copies: dict[int, list] = {}
     self._calls: dict[int, int] = {}  # steps run per capture size (which copy runs next)
     self._ran: set[int] = set()  # capture sizes whose step has traced and run
@@ -325,8 +344,8 @@ class Decoder:
       _KERNEL_SITES[self._sites_key(batch)] = self._check_kernels(rep)  # at trace time: raises before any run
       return out
 
-    def body(m, caches, io):
-      lengths, n_acc, keys, active, tokens = _io_views(io, q)
+    def one(m, caches, lengths, n_acc, keys, active, tokens):
+      """One speculative step -> (caches, (lengths, n_acc, keys, next_tokens), emitted [B, q], counts, finite)."""
       B = tokens.shape[0]
       ctx = StepCtx(lengths, jnp.full_like(lengths, q), n_acc, mode="verify")
       h, layers, _ = m.trunk(tokens, caches["layers"], ctx)
@@ -366,9 +385,34 @@ class Decoder:
       new_n_acc = jnp.where(live, n + 1, n_acc)
       nxt = jnp.concatenate([new_tok[:, None], new_drafts], axis=1)
       nxt = jnp.where(live[:, None], nxt, tokens)
-      io_new = _io_pack(new_lengths, new_n_acc, keys_new, active, nxt, jnp.where(live[:, None], emitted, -1), counts,
-                        finite | ~active)
-      return {"layers": layers, "mtp": mtp}, io_new
+      return ({"layers": layers, "mtp": mtp}, (new_lengths, new_n_acc, keys_new, nxt),
+              jnp.where(live[:, None], emitted, -1), counts, finite | ~active)
+
+    steps, unroll = self.steps_per_call, self.unroll_steps
+
+    def body(m, caches, io):
+      lengths, n_acc, keys, active, tokens = _io_views(io, q)
+      if steps == 1:
+        caches, carry, emitted, counts, finite = one(m, caches, lengths, n_acc, keys, active, tokens)
+        return caches, _io_pack(*carry[:3], active, carry[3], emitted, counts, finite)
+      B = tokens.shape[0]
+
+      def it(_, c):
+        caches, carry, out, total, fin = c
+        caches, carry, emitted, counts, finite = one(m, caches, *carry[:3], active, carry[3])
+        # this step's tokens after the ones already committed (its -1 tail is overwritten by the next step's)
+        out = jax.vmap(lambda o, e, t: jax.lax.dynamic_update_slice(o, e, (t,)))(out, emitted, total)
+        return caches, carry, out, total + counts, fin & finite
+
+      c = (caches, (lengths, n_acc, keys, tokens), jnp.full((B, steps * q), -1, jnp.int32),
+           jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool))
+      if unroll:
+        for i in range(steps):
+          c = it(i, c)
+      else:
+        c = jax.lax.fori_loop(0, steps, it, c)
+      caches, carry, out, total, fin = c
+      return caches, _io_pack(*carry[:3], active, carry[3], out, total, fin, steps=steps)
 
     pack = self._pack()
     sm = model.shard_map(fn, (cspecs, REP), (cspecs, REP), pack=pack)
@@ -442,7 +486,7 @@ class Decoder:
 
   @property
   def key(self):
-    return (self.config, self.backend, self.temperature, self.top_p)
+    return (self.config, self.backend, self.temperature, self.top_p, self.steps_per_call, self.unroll_steps)
 
   def _pack(self):
     return self.model.pack_layout(self.pack_params) if self.pack_params else None
@@ -474,7 +518,7 @@ class Decoder:
     with self.kernel_mode(interpret):
       return self.step_fn(b).trace(
           *self._param_args(params), st.abstract_caches(self.layout(b), self.model.mesh),
-          sd((b, io_width(self.config.q)), jnp.int32))
+          sd((b, io_width(self.config.q, self.steps_per_call)), jnp.int32))
 
   def warmup(self, capture_sizes=None):
     """Compile the step for every capture size ahead of time (AOT): later steps run the stored executables
@@ -485,9 +529,10 @@ class Decoder:
           self._aot[b] = self.trace_step(b).lower().compile(self.compiler_options or None)
         # the small programs around each step (its output views; a caller's tokens written into io) compile
         # here too, on an io laid out as the step returns it
-        io = jax.device_put(jnp.zeros((b, io_width(self.config.q)), jnp.int32), self._aot[b].output_shardings[-1])
+        io = jax.device_put(jnp.zeros((b, io_width(self.config.q, self.steps_per_call)), jnp.int32),
+                            self._aot[b].output_shardings[-1])
         _io_output(_io_set_tokens(io, jax.device_put(jnp.zeros((b, self.config.q), jnp.int32),
-                                                     NamedSharding(self.model.mesh, REP))))
+                                                     NamedSharding(self.model.mesh, REP))), self.config.q)
       if self.executables > 1 and b not in self._copies:
         self._copies[b] = [self._aot[b], self._second_copy(b)]
 
@@ -502,9 +547,10 @@ class Decoder:
     return se.deserialize_and_load(*se.serialize(self._aot[b]), execution_devices=devices)
 
   def step(self, state: DecodeState, tokens=None):
-    """One speculative step. ``tokens`` [B, q] int32 (default: the state's next_tokens). Validated before any
-    buffer is donated, so a rejected call leaves ``state`` usable."""
+    """One speculative step (steps_per_call of them). ``tokens`` [B, q] int32 (default: the state's next_tokens).
+    Validated before any buffer is donated, so a rejected call leaves ``state`` usable."""
     cfg = self.config
+    span = cfg.q * self.steps_per_call  # positions one call may write per sequence
     if state.decoder is not self:
       raise ValueError("this state belongs to another Decoder")
     if tokens is not None:
@@ -513,11 +559,12 @@ class Decoder:
         raise ValueError(f"tokens must be [B, q] = [{state.batch}, {cfg.q}] (batch, 1 + k drafts): got "
                          f"shape {tuple(t.shape)}")
       tokens = _check_tokens(self.model, np.asarray(t))
-    if state.len_bound + cfg.q > cfg.max_context:
+    if state.len_bound + span > cfg.max_context:
       worst = int(np.max(np.where(np.asarray(state.active), np.asarray(state.lengths), 0)))
-      if worst + cfg.q > cfg.max_context:
-        raise ValueError(f"a sequence at length {worst} cannot verify q={cfg.q} more tokens within "
-                         f"max_context={cfg.max_context}; nothing was written")
+      if worst + span > cfg.max_context:
+        raise ValueError(f"a sequence at length {worst} cannot verify q={cfg.q} more tokens"
+                         + (f" in each of {self.steps_per_call} steps" if self.steps_per_call > 1 else "")
+                         + f" within max_context={cfg.max_context}; nothing was written")
       state = dataclasses.replace(state, len_bound=worst)
     if (self.compiler_options or self.executables > 1) and state.batch not in self._aot:
       self.warmup((state.batch,))
@@ -537,14 +584,14 @@ class Decoder:
     with self.kernel_mode():
       caches, io = fn(*self._param_args(), state.caches, io)
     self._ran.add(state.batch)
-    return DecodeState(caches, io, self, state.len_bound + cfg.q), _io_output(io)
+    return DecodeState(caches, io, self, state.len_bound + span), _io_output(io, cfg.q)
 
   def _check_state_shapes(self, state):
     """The state's caches and io have the shapes and dtypes of this decoder's layout (what the compiled step
     would check only after the io was donated)."""
     want = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), st.cache_shapes(self.layout(state.batch)))
     got = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), state.caches)
-    io_want = ((state.batch, io_width(self.config.q)), jnp.dtype(jnp.int32))
+    io_want = ((state.batch, io_width(self.config.q, self.steps_per_call)), jnp.dtype(jnp.int32))
     if got != want or (tuple(state.io.shape), jnp.dtype(state.io.dtype)) != io_want:
       raise ValueError(f"the state's caches / io do not have this decoder's shapes (capture size {state.batch}, "
                        f"q={self.config.q}): was it built for another configuration or modified?")
@@ -631,7 +678,7 @@ class Decoder:
     if progress:
       from tqdm.auto import tqdm  # noqa: PLC0415
       bar = tqdm(total=max_new_tokens * n, desc="generating", unit="tok")
-    q, max_ctx = self.config.q, self.config.max_context
+    q, max_ctx = self.config.q * self.steps_per_call, self.config.max_context
     pend = None if done.all() else self.step(state)  # (state after the step, its output)
     while pend is not None:
       state, o = pend
@@ -644,7 +691,7 @@ class Decoder:
         j = int(np.flatnonzero(~finite[:n])[0])
         raise FloatingPointError(f"sequence {j} produced NaN/Inf logits after {len(out[j])} generated tokens: "
                                  "nothing was sampled from them (check the weights and the dtype)")
-      steps += 1
+      steps += self.steps_per_call  # (speculative steps, not calls)
       for j in range(n):
         if done[j]:
           continue

@@ -538,6 +538,44 @@ def test_packed_parameters_equal_unpacked(model):
       _decoder(model, 1, pack_params=bad)
 
 
+def test_steps_per_call_equal_chained_single_steps(model):
+  """Decoder(steps_per_call=n): one call runs n speculative steps (a device-side loop, or unrolled), each fed the
+  previous one's output — the same committed tokens, in order, and the same state as n single steps; the buffers
+  keep their addresses; a call refuses what would pass max_context; bad values are refused."""
+  prompts = [np.arange(5) + 1, np.arange(9) + 2]
+  ref = _decoder(model, 1, sizes=(2,))
+  state = ref.prefill(prompts)
+  want = [[], []]
+  for _ in range(6):
+    state, out = decode(state)
+    for j in range(2):
+      want[j] += np.asarray(out.tokens[j, :int(out.counts[j])]).tolist()
+  for n, unroll in ((3, False), (2, True)):
+    dec = _decoder(model, 1, sizes=(2,), steps_per_call=n, unroll_steps=unroll)
+    st = dec.prefill(prompts)
+    got = [[], []]
+    for c in range(6 // n):
+      st, out = decode(st)
+      if c == 0:
+        ptrs = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(st)]
+      assert [a.unsafe_buffer_pointer() for a in jax.tree.leaves(st)] == ptrs, (n, unroll, c)
+      assert out.tokens.shape == (2, 2 * n) and np.asarray(out.finite).all()
+      for j in range(2):
+        toks = np.asarray(out.tokens[j])
+        got[j] += toks[:int(out.counts[j])].tolist()
+        assert (toks[int(out.counts[j]):] == -1).all()
+    assert got == want, (n, unroll)
+    np.testing.assert_array_equal(np.asarray(st.io)[:, :7], np.asarray(state.io)[:, :7])  # lengths .. next tokens
+    for a, b in zip(jax.tree.leaves(st.caches), jax.tree.leaves(state.caches)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol("fp32_paths"))
+  near = dec.prefill([np.arange(MAXCTX - 3) % 97 + 1])  # one step would fit, two do not
+  with pytest.raises(ValueError, match="cannot verify q=2 more tokens in each of 2 steps within max_context=96"):
+    decode(near)
+  for bad in (0, 65, 1.5, True):
+    with pytest.raises(ValueError, match="steps_per_call="):
+      _decoder(model, 1, steps_per_call=bad)
+
+
 def test_generate_pipelined_equals_greedy_reference(model):
   """generate() issues step N+1 before reading step N's tokens: the same continuations as the reference, with
   eos_id cutting one sequence short, and up to the end of max_context (where it stops issuing ahead)."""
