@@ -28,7 +28,7 @@ def _decoder(args, model):
   pack = {} if args.pack_params is None else dict(pack_params=args.pack_params)
   opts = dict(parse_xla_option(o) for o in args.xla_option)
   return Decoder(model, cfg, backend=args.backend, temperature=args.temperature, top_p=args.top_p,
-                 compiler_options=opts or None, **pack)
+                 compiler_options=opts or None, steps_per_call=args.steps_per_call, **pack)
 
 
 def _add_decode_args(p):
@@ -39,6 +39,8 @@ def _add_decode_args(p):
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--tp", type=int, default=1)
+  p.add_argument("--steps-per-call", type=int, default=1,
+                 help="speculative steps per decode call (one host launch per N steps; Decoder(steps_per_call))")
   p.add_argument("--policy", default="{}", help="decode policy knobs as JSON, e.g. '{\"mhc_finish\": false}'")
   p.add_argument("--pack-params", type=int, default=None,
                  help="pass parameters under this many bytes packed into one buffer per dtype (0 = off; default: "
@@ -82,10 +84,10 @@ def _run_generation(args, path, prompt_ids, tok=None):
     s = time.perf_counter()
     state, o = decode(state)
     n = int(o.counts[0])  # the host read syncs: the time is the whole step
-    step_times.append(time.perf_counter() - s)
+    step_times.append((time.perf_counter() - s) / dec.steps_per_call)
     out += np.asarray(o.tokens[0, :n]).tolist()
-    accepted += n - 1
-    steps += 1
+    accepted += n - dec.steps_per_call  # (each step commits its accepted drafts + 1)
+    steps += dec.steps_per_call
   out = out[:args.max_new_tokens]
   k = dec.config.q - 1
   print(f"prompt ({len(prompt_ids)} tokens): {list(map(int, prompt_ids))}")

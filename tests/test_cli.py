@@ -12,10 +12,14 @@ from helpers import tiny_checkpoint
 
 def test_generate_with_prompt_ids(capsys):
   path = tiny_checkpoint("oracle-tiny", 0, "float32")
-  main(["generate", path, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--k", "1", "--max-context", "64",
-        "--capture-sizes", "1"])
+  args = ["generate", path, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--k", "1", "--max-context", "64",
+          "--capture-sizes", "1"]
+  main(args)
   out = capsys.readouterr().out
   assert "generated (6 tokens)" in out and "draft acceptance" in out and "step time" in out
+  main(args + ["--steps-per-call", "3"])  # three speculative steps per call: the same tokens
+  gen = lambda text: next(line for line in text.splitlines() if line.startswith("generated"))  # noqa: E731
+  assert gen(capsys.readouterr().out) == gen(out)
 
 
 def test_generate_knobs_give_the_same_tokens(capsys):
