@@ -57,6 +57,8 @@ STRATEGIES = {
     # the threshold (k-th key, #{key > it}) from the Mosaic kernel pallas_kernels.indexer.topk_threshold instead
     # of the radix passes (the decode step's policy knob topk_threshold; rows of up to 17,408 pools)
     "kernel scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=True),
+    # the kernel with 2 bits of the threshold per pass (16 passes of 3 candidates; pallas_kernels.indexer)
+    "kernel2 scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=2),
 }
 
 

@@ -61,6 +61,8 @@
 #                             now with the router / threshold kernels off
 #   s28c (nvidia-h200):       the threshold kernel from 2 score rows only: q = 1 / 4 with kernel tables, B = 8 q = 4,
 #                             B = 32 q = 1
+#   s29b (nvidia-h200):       the top-k threshold kernel with 2 bits per pass: GPU tests, bench_topk, the step at
+#                             q = 4, q = 1 (forced) and B = 8 q = 4 with it
 #   s29 (nvidia-h200):        steps_per_call: q = 1 and 4 as is, then 4 steps per call in a device-side loop (WHILE /
 #                             CONDITIONAL command-buffer commands), then 2 steps per call unrolled
 #   thr (nvidia-h200):        the top-k threshold kernel's GPU tests and bench_topk with it
@@ -440,6 +442,16 @@ case "$MODE" in
     [ "$(left)" -gt 150 ] && rank1 s29 --q 4 --profile
     [ "$(left)" -gt 150 ] && rank1 s29 --q 4 --steps-per-call 4 $W --profile
     [ "$(left)" -gt 180 ] && rank1 s29u --q 1 --steps-per-call 2 --unroll-steps
+    ;;
+  s29b)  # (nvidia-h200) the threshold kernel with 2 bits per pass: its GPU tests, bench_topk against 1 bit and XLA,
+    # the q = 4 step with it (policy topk_threshold_2bit) and B = 8 q = 4 (32 score rows)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k threshold 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    [ "$(left)" -gt 100 ] && timeout 120 python3 benchmarks/bench_topk.py --rows 1,4,32 --pools 8256,16448 \
+      --only "radix scan128,kernel scan128,kernel2 scan128" --out "$OUT/bench_topk.log" > /dev/null 2>&1
+    [ "$(left)" -gt 150 ] && rank1 s29b --q 4 --profile --policy '{"topk_threshold_2bit": true}'
+    [ "$(left)" -gt 150 ] && rank1 s29b --q 1 --profile --policy '{"topk_threshold": true, "topk_threshold_2bit": true}'
+    [ "$(left)" -gt 180 ] && rank1 s29b --q 4 --batch 8 --profile --policy '{"topk_threshold_2bit": true}'
     ;;
   s28c)  # (nvidia-h200) the threshold kernel from 2 score rows only (XLA's radix passes at one): q = 1 / 4 with
     # kernel tables (the memcpy candidates: copies and fusions that launched no kernel), then B = 8 q = 4 and

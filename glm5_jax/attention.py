@@ -337,7 +337,9 @@ class Indexer(nnx.Module):
                              prefer=R >= ki.THRESHOLD_MIN_ROWS,
                              prefer_why=f"{R} score row: one CTA's 32 serial passes (30 µs per call in the step) "
                              "are slower than XLA's radix passes (~18 µs; BENCHMARKS.md session 28)")
-        js = topk_set_by_threshold(masked, kk, **form, threshold_kernel=thr)  # lax.top_k's set, ascending
+        two = kernel_enabled("topk_threshold_2bit", fits=thr, why="the topk_threshold kernel does not run here")
+        # lax.top_k's set, ascending
+        js = topk_set_by_threshold(masked, kk, **form, threshold_kernel=(2 if two else 1) if thr else 0)
         vals = jnp.take_along_axis(masked, js, axis=-1)
       else:
         vals, js = lax.top_k(masked, kk)

@@ -89,6 +89,9 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # instead of the XLA radix passes (~13 small kernels per call); with it the radix selection
                    # replaces XLA's sort at every size the kernel holds (rows of up to 17,408 pools)
                    "topk_threshold": True,
+                   # with topk_threshold: 2 bits of the threshold per pass (16 dependent rounds of 3 candidates'
+                   # counts instead of 32 of one; pallas_kernels.indexer._threshold_kernel) — to measure (session 28)
+                   "topk_threshold_2bit": False,
                    # the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected
                    # weights normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three
                    # XLA kernels on the critical path (the keys, topk_by_rank's rank count and select)
@@ -507,7 +510,7 @@ def exclusive_prefix_sum(x, block: int | None = None):
 
 
 def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | None = None,
-                          threshold_kernel: bool = False):
+                          threshold_kernel: int = 0):
   """The SET lax.top_k(v, k) selects, without a sort, as indices [..., k] int32 in ascending index order (an
   unselected slot can only arise for k > N: -1). For large N (the indexer's top-512 of up to max_context / 4
   pools), where ``topk_by_rank``'s N × N count is too much work and XLA's GPU sort is ~58 µs per call
@@ -518,8 +521,9 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
      the next digit at once ([..., 2^digit_bits, N] compare-and-count: one reduction) and keeps the largest t
      with a count >= k. (Digits from a histogram of the still-matching entries — a scatter-add, O(N) per pass —
      measured slower on the H200 at every size, bench_topk session 24, and were removed.) With
-     ``threshold_kernel``: T and #{key > T} from one Mosaic kernel instead (``pallas_kernels.indexer.
-     topk_threshold``: a CTA per row, 32 bit-by-bit passes over the row in registers) — ~13 XLA kernels fewer.
+     ``threshold_kernel`` (1 or 2; True = 1): T and #{key > T} from one Mosaic kernel instead
+     (``pallas_kernels.indexer.topk_threshold``: a CTA per row, 32 / threshold_kernel passes over the row in
+     registers) — ~13 XLA kernels fewer.
   2. Selected: key > T, and of the entries equal to T the first k - #{key > T} by index (lax.top_k's tie
      order); the count of selected entries up to each index from ONE prefix sum (the two prefix counts packed in
      one int32; ``scan_block``: exclusive_prefix_sum's blocking), then one scatter of each selected index to its
@@ -536,7 +540,7 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
     rows_ = math.prod(lead)
     lanes = ki.THRESHOLD_LANES  # (pads: key 0, the smallest — never above a real key)
     up = jnp.pad(u.reshape(rows_, N), ((0, 0), (0, (-N) % lanes)))
-    t, n_gt = (a.reshape(lead) for a in ki.topk_threshold(up, kk))
+    t, n_gt = (a.reshape(lead) for a in ki.topk_threshold(up, kk, digit_bits=int(threshold_kernel)))
   else:
     t = jnp.zeros(lead, jnp.uint32)  # invariant: #{u >= t} >= kk
     digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)

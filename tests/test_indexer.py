@@ -212,13 +212,15 @@ def threshold_keys(rng, R, N, n_real=None):
   return jnp.asarray(u)
 
 
-@pytest.mark.parametrize("R,N,k", [(1, 128, 1), (3, 8320, 512), (2, 256, 256), (5, 1024, 700)])
-def test_threshold_kernel_interpret(R, N, k):
+@pytest.mark.parametrize("R,N,k,bits", [(1, 128, 1, 1), (3, 8320, 512, 1), (2, 256, 256, 1), (5, 1024, 700, 1),
+                                         (1, 128, 1, 2), (3, 8320, 512, 2), (2, 256, 256, 2), (5, 1024, 700, 2)])
+def test_threshold_kernel_interpret(R, N, k, bits):
+  """One and two bits of the threshold per pass (2: three candidates, two of their counts packed in one sum)."""
   rng = np.random.default_rng()
   keys = threshold_keys(rng, R, N, n_real=N - 64 if N > k + 64 else None)
   want = I.topk_threshold_reference(keys, k)
   with maybe_interpret(True):
-    got = jax.jit(lambda u: I.topk_threshold(u, k))(keys)
+    got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits))(keys)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
   # the definition, independently of the reference: #{>= t} >= k > #{> t}
@@ -234,19 +236,23 @@ def test_threshold_rejects_bad_input():
     I.topk_threshold(jnp.zeros((2, 256), jnp.uint32), 0)
   with pytest.raises(ValueError, match="uint32"):
     I.topk_threshold(jnp.zeros((2, 256), jnp.int32), 5)
+  with pytest.raises(ValueError, match="digit_bits = 3"):
+    I.topk_threshold(jnp.zeros((2, 256), jnp.uint32), 5, digit_bits=3)
 
 
-@pytest.mark.parametrize("R,N", [(1, 8320), (32, 8320), (1, I.THRESHOLD_MAX_KEYS)])
-def test_threshold_cross_lower(R, N):
-  txt = cross_lower(lambda u: I.topk_threshold(u, 512), SDS((R, N), jnp.uint32)).as_text()
+@pytest.mark.parametrize("R,N,bits", [(1, 8320, 1), (32, 8320, 1), (1, I.THRESHOLD_MAX_KEYS, 1), (4, 8320, 2),
+                                      (1, I.THRESHOLD_MAX_KEYS, 2)])
+def test_threshold_cross_lower(R, N, bits):
+  txt = cross_lower(lambda u: I.topk_threshold(u, 512, digit_bits=bits), SDS((R, N), jnp.uint32)).as_text()
   assert "mosaic_gpu" in txt
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bits", [1, 2])
 @pytest.mark.parametrize("R,N,k", [(1, 8320, 512), (4, 8320, 512), (32, 16512, 512), (3, 256, 256)])
-def test_threshold_kernel_gpu(R, N, k):
+def test_threshold_kernel_gpu(R, N, k, bits):
   keys = threshold_keys(np.random.default_rng(), R, N, n_real=N - 64)
   want = jax.jit(lambda u: I.topk_threshold_reference(u, k))(keys)
-  got = jax.jit(lambda u: I.topk_threshold(u, k))(keys)
+  got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits))(keys)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

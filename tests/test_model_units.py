@@ -257,7 +257,8 @@ def test_router_topk_equals_sorting_router():
     # the threshold from the Mosaic kernel (GPU interpret mode here)
     (8196, 512, "ties", dict(scan_block=128, threshold_kernel=True)),
     (700, 512, "masked", dict(scan_block=128, threshold_kernel=True)),
-    (300, 64, "special", dict(threshold_kernel=True))])
+    (300, 64, "special", dict(threshold_kernel=True)), (8196, 512, "ties", dict(scan_block=128, threshold_kernel=2)),
+    (300, 64, "special", dict(threshold_kernel=2))])
 def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind, opts):
   """The indexer's sort-free top-k selects exactly lax.top_k's SET (ties: the lower indices), returned in
   ascending index order: indexer-like scores, a few levels (ties everywhere, one row all equal), -inf beyond a
