@@ -91,8 +91,8 @@ def main(argv=None):
                       "compare them in one process")
   p.add_argument("--steps-per-call", type=int, nargs="+", default=[1],
                  help="Decoder(steps_per_call=N): N speculative steps per call (one host launch per N steps); "
-                      "ms/step is per speculative step. On the GPU the rolled loop stays in the CUDA graph only with "
-                      "--xla-option xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL (else see --unroll-steps)")
+                      "ms/step is per speculative step (on a GPU the rolled loop runs inside the CUDA graph: "
+                      "speculative.GPU_LOOP_OPTIONS)")
   p.add_argument("--unroll-steps", action="store_true", help="with --steps-per-call: N copies of the step instead "
                  "of a loop (N times the compile)")
   p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",

@@ -435,12 +435,15 @@ case "$MODE" in
   s29)  # (nvidia-h200) the host's launch cost paid once per several steps (Decoder(steps_per_call)): q = 1 as is
     # (session 28's fixes: the router bias whole, the threshold kernel from 2 rows), then 4 steps per call in a
     # device-side loop (WHILE / CONDITIONAL commands in the CUDA graph), q = 4 both ways, then 2 steps unrolled
-    W="--xla-option xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+    # (the loop's WHILE / CONDITIONAL commands: speculative.GPU_LOOP_OPTIONS, added by the Decoder) + its GPU test
     rank1 s29 --q 1 --profile --hlo-dir "$OUT/hlo"
     kernel_tables 1
-    [ "$(left)" -gt 150 ] && rank1 s29 --q 1 --steps-per-call 4 $W --profile
+    [ "$(left)" -gt 150 ] && rank1 s29 --q 1 --steps-per-call 4 --profile
     [ "$(left)" -gt 150 ] && rank1 s29 --q 4 --profile
-    [ "$(left)" -gt 150 ] && rank1 s29 --q 4 --steps-per-call 4 $W --profile
+    [ "$(left)" -gt 150 ] && rank1 s29 --q 4 --steps-per-call 4 --profile
+    [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_decode.py -k steps_per_call 2>&1 | grep -E "passed|failed|FAILED|^E  " | head -20 \
+      | tee -a "$OUT/gpu_tests.log"
     [ "$(left)" -gt 180 ] && rank1 s29u --q 1 --steps-per-call 2 --unroll-steps
     ;;
   s29b)  # (nvidia-h200) the threshold kernel with 2 bits per pass: its GPU tests, bench_topk against 1 bit and XLA,

@@ -232,6 +232,11 @@ POLICY_KEYS = frozenset(KERNEL_DEFAULTS) | {"kv_cache_dtype", "interpret"}
 # the step with another schedule pass it as a compile option (Decoder(compiler_options={...}), the CLI's and
 # bench_decode's --xla-option xla_gpu_command_buffer_scheduling_mode=LHS), not through XLA_FLAGS.
 GPU_COMPILE_DEFAULTS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+# With steps_per_call > 1 (a rolled loop over the step) on a GPU: XLA's default command-buffer commands (FUSION,
+# CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN) plus WHILE / CONDITIONAL, so that the loop runs inside the CUDA graph (a
+# conditional node) instead of being driven from the host one body graph per iteration. (The option replaces the
+# whole list: "+WHILE" is not accepted as a compile option, only as an XLA_FLAGS entry.)
+GPU_LOOP_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
 
 
 def parse_xla_option(text: str) -> tuple[str, bool | int | float | str]:
@@ -251,9 +256,12 @@ def parse_xla_option(text: str) -> tuple[str, bool | int | float | str]:
   return name, value
 
 
-def compile_options(backend: str, platform: str, given: dict | None) -> dict:
-  """The step's XLA compile options: ``given`` over GPU_COMPILE_DEFAULTS (latency_specialized on a GPU only)."""
+def compile_options(backend: str, platform: str, given: dict | None, *, loop: bool = False) -> dict:
+  """The step's XLA compile options: ``given`` over GPU_COMPILE_DEFAULTS (latency_specialized on a GPU only) and,
+  for a step with a device-side loop (``loop``: steps_per_call > 1, rolled) on a GPU, GPU_LOOP_OPTIONS."""
   defaults = GPU_COMPILE_DEFAULTS if (backend == "latency_specialized" and platform == "gpu") else {}
+  if loop and platform == "gpu":
+    defaults = {**defaults, **GPU_LOOP_OPTIONS}
   return {**defaults, **(given or {})}
 
 
@@ -295,7 +303,8 @@ class Decoder:
     self.temperature, self.top_p = float(temperature), float(top_p)
     # XLA options for the step's AOT compilation, e.g. {"xla_gpu_autotune_level": 0} (benchmarks/bench_decode.py
     # --fast-compile); with options set, the first step of a capture size compiles ahead of time too
-    self.compiler_options = compile_options(backend, model.mesh.devices.flat[0].platform, compiler_options)
+    self.compiler_options = compile_options(backend, model.mesh.devices.flat[0].platform, compiler_options,
+                                            loop=steps_per_call > 1 and not unroll_steps)
     self._aot: dict[int, Any] = {}  # capture size -> compiled step (warmup)
     # executables=2: warmup() also loads a second copy of each compiled step and step() alternates between them
     # (each its own CUDA graph). Measured on the H200 (BENCHMARKS.md, session 19): no faster — a graph launch does
@@ -308,9 +317,8 @@ class Decoder:
     self.pack_params = int(pack_params)
     # steps_per_call = n > 1: one call runs n speculative steps on the device, each fed the previous one's output
     # (the module doc: the host's launch cost is paid once per n steps). A rolled loop (lax.fori_loop: the step
-    # traced and compiled once; on the GPU a device-side loop only where XLA's command buffer holds while loops,
-    # compiler option xla_gpu_enable_command_buffer with WHILE) or, with unroll_steps, n copies of the step in
-    # one program (n times the compile, and the graph's nodes).
+    # traced and compiled once; on the GPU inside the CUDA graph: GPU_LOOP_OPTIONS join the compile options) or,
+    # with unroll_steps, n copies of the step in one program (n times the compile, and the graph's nodes).
     self.steps_per_call, self.unroll_steps = int(steps_per_call), bool(unroll_steps)
     self._copies: dict[int, list] = {}
     self._calls: dict[int, int] = {}  # steps run per capture size (which copy runs next)

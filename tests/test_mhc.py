@@ -111,7 +111,7 @@ def test_comb_is_the_stock_sinkhorn():
   np.testing.assert_array_equal(np.asarray(comb)[:, :3].T, np.asarray(ref).reshape(3, 16))
 
 
-@pytest.mark.parametrize("M", [1, 4, 8, 32, 64])
+@pytest.mark.parametrize("M", [1, 4, 64])  # (one row, the q = 4 rows, the most rows; 8 and 32 share their code)
 def test_cross_lower_real(M):
   X, y, mix, fn, coef, w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(M, 4096, 0))
   for first in (False, True):
