@@ -324,6 +324,8 @@ class Decoder:
     self._calls: dict[int, int] = {}  # steps run per capture size (which copy runs next)
     self._ran: set[int] = set()  # capture sizes whose step has traced and run
     self.prefill_chunk = int(prefill_chunk)  # prompts run in chunks of at most this many tokens (one compile each)
+    self._given_options = compiler_options
+    self._single: Decoder | None = None  # generate()'s one-step decoder near max_context (steps_per_call > 1)
 
   # ------------------------------------------------------------------ shapes
   @property
@@ -672,6 +674,17 @@ class Decoder:
     return DecodeState.make(caches, lengths, np.ones(B, np.int32), keys, active, nxt, self, int(lens.max()))
 
   # ------------------------------------------------------------------ generate
+  def _single_step(self, state: DecodeState) -> tuple["Decoder", DecodeState]:
+    """(a decoder of one step per call with this one's settings, ``state`` handed over to it: the same caches,
+    io repacked to its width). For generate() where steps_per_call steps no longer fit max_context but one does."""
+    if self._single is None:
+      self._single = Decoder(self.model, self.config, backend=self.backend, temperature=self.temperature,
+                             top_p=self.top_p, prefill_chunk=self.prefill_chunk,
+                             compiler_options=self._given_options, pack_params=self.pack_params)
+    d = self._single
+    return d, DecodeState.make(state.caches, state.lengths, state.n_acc, state.keys, state.active,
+                               state.next_tokens, d, state.len_bound)
+
   def generate(self, prompts, max_new_tokens: int, *, seeds=None, eos_id=None, progress=False):
     """Prefill + speculative steps until every prompt has ``max_new_tokens`` new tokens (or hit eos_id).
     Returns (list of generated token lists, stats {steps, accepted_per_step, ...})."""
@@ -686,20 +699,21 @@ class Decoder:
     if progress:
       from tqdm.auto import tqdm  # noqa: PLC0415
       bar = tqdm(total=max_new_tokens * n, desc="generating", unit="tok")
-    q, max_ctx = self.config.q * self.steps_per_call, self.config.max_context
-    pend = None if done.all() else self.step(state)  # (state after the step, its output)
+    dec, max_ctx = self, self.config.max_context
+    pend = None if done.all() else dec.step(state)  # (state after the step, its output)
     while pend is not None:
       state, o = pend
+      span = dec.config.q * dec.steps_per_call  # positions one call may write per sequence
       # Issue the next step before reading this one's tokens: the host prepares it while the GPU still runs this
       # one (reading first would serialise host and GPU time). Only where it cannot hit max_context (no sync);
       # the step after the last useful one is then computed and dropped.
-      pend = self.step(state) if state.len_bound + q <= max_ctx else None
+      pend = dec.step(state) if state.len_bound + span <= max_ctx else None
       toks, counts, finite = np.asarray(o.tokens), np.asarray(o.counts), np.asarray(o.finite)
       if not finite[:n].all():
         j = int(np.flatnonzero(~finite[:n])[0])
         raise FloatingPointError(f"sequence {j} produced NaN/Inf logits after {len(out[j])} generated tokens: "
                                  "nothing was sampled from them (check the weights and the dtype)")
-      steps += self.steps_per_call  # (speculative steps, not calls)
+      steps += dec.steps_per_call  # (speculative steps, not calls)
       for j in range(n):
         if done[j]:
           continue
@@ -716,7 +730,10 @@ class Decoder:
       if done.all():
         break
       if pend is None:  # near max_context: the next step after reading (it refuses what does not fit)
-        pend = self.step(state)
+        worst = int(np.max(np.where(np.asarray(state.active), np.asarray(state.lengths), 0)))
+        if dec.steps_per_call > 1 and worst + span > max_ctx >= worst + dec.config.q:
+          dec, state = self._single_step(state)  # the last steps one per call: n of them no longer fit
+        pend = dec.step(state)
     if bar is not None:
       bar.close()
     return out, {"steps": steps, "tokens": emitted, "tokens_per_step": emitted / max(steps * n, 1)}

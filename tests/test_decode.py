@@ -575,7 +575,8 @@ def test_packed_parameters_equal_unpacked(model):
 def test_steps_per_call_equal_chained_single_steps(model):
   """Decoder(steps_per_call=n): one call runs n speculative steps (a device-side loop, or unrolled), each fed the
   previous one's output — the same committed tokens, in order, and the same state as n single steps; the buffers
-  keep their addresses; a call refuses what would pass max_context; bad values are refused."""
+  keep their addresses; generate() up to max_context gives the same continuations; a call refuses what would
+  pass max_context; bad values are refused."""
   prompts = [np.arange(5) + 1, np.arange(9) + 2]
   ref = _decoder(model, 1, sizes=(2,))
   state = ref.prefill(prompts)
@@ -602,6 +603,11 @@ def test_steps_per_call_equal_chained_single_steps(model):
     np.testing.assert_array_equal(np.asarray(st.io)[:, :7], np.asarray(state.io)[:, :7])  # lengths .. next tokens
     for a, b in zip(jax.tree.leaves(st.caches), jax.tree.leaves(state.caches)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol("fp32_paths"))
+  # generate() runs the last steps one per call where n no longer fit max_context: the same continuations
+  gp = [np.arange(9) % 50 + 1, np.arange(14) % 60 + 3]
+  n_new = MAXCTX - 14 - 2
+  assert dec.generate(gp, n_new)[0] == ref.generate(gp, n_new)[0]
+  assert dec._single is not None and dec._single.steps_per_call == 1  # (the hand-over happened)
   near = dec.prefill([np.arange(MAXCTX - 3) % 97 + 1])  # one step would fit, two do not
   with pytest.raises(ValueError, match="cannot verify q=2 more tokens in each of 2 steps within max_context=96"):
     decode(near)
