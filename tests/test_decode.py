@@ -353,13 +353,15 @@ def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm):
   assert (dec.kernel_sites(1)["kda_norm"]["sites"] > 0) == kda_norm
 
 
+@pytest.mark.gpu
 @pytest.mark.e2e_kernels
 def test_latency_specialized_fp8_dq_linears_equal_reference_greedy():
   """Policy knob fp8_dq: every FP8 linear (MLA projections, dense MLP) through the kernel that dequantises the
-  weight in registers and keeps the activations in bf16 (interpret mode on CPU: through SMEM) emits the reference
-  model's greedy continuation; the sites are reported. (The grouped MoE's dq form: kernel tests against its
-  reference in tests/test_linear_kernels.py — in this test it would triple the CPU time — and the real-geometry
-  step's CUDA lowering, tests/test_step_lowering.py.)"""
+  weight in registers and keeps the activations in bf16 emits the reference model's greedy continuation; the
+  sites are reported. (The grouped MoE's dq form: kernel tests against its reference in
+  tests/test_linear_kernels.py and the real-geometry step's CUDA lowering, tests/test_step_lowering.py.) On the
+  GPU only: on the CPU (interpret mode) fp8_dq — on by default — runs end to end in
+  test_latency_specialized_all_kernels_equals_stock_fp8_cache, and this one cost 41 s of the suite's 10 minutes."""
   dec = _kernel_tiny_greedy_equals_reference(2, 9, 4, (("kda", False), ("fp8_moe", False), ("indexer", False),
                                                        ("sparse_mla", False), ("fp8_dq", True), *XLA_SELECTION))
   sites = dec.kernel_sites(1)
