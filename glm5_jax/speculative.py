@@ -795,10 +795,12 @@ def _prefill_mtp_fn_build(dec: Decoder, B: int, T: int):
 
 
 def decode(state: DecodeState, tokens=None):
-  """``glm5_jax.decode(state, tokens) -> (state, DecodeOutput)``: one speculative step (see the module doc).
+  """``glm5_jax.decode(state, tokens) -> (state, DecodeOutput)``: one speculative step — or the decoder's
+  steps_per_call of them, chained on the device (see the module doc).
 
   tokens [B, q] int32: the last committed token followed by k drafts (default: state.next_tokens, i.e. what the
-  previous step proposed). The input state is donated: use the returned one."""
+  previous step proposed); with several steps per call, the first step's input. The input state is donated: use
+  the returned one."""
   if not isinstance(state, DecodeState) or state.decoder is None:
     raise TypeError(f"decode() needs a DecodeState made by Decoder.prefill: got {type(state).__name__}")
   return state.decoder.step(state, tokens)
