@@ -36,6 +36,7 @@ from glm5_jax.runtime import DecodeConfig  # noqa: E402
 from glm5_jax.synthetic import random_model, random_state, tp_rank_config  # noqa: E402
 
 HBM = profiling.HBM_BYTES_PER_S
+FATAL = object()  # prepare(): a run-time failure (a device fault poisons the CUDA context: nothing after it can run)
 
 
 def roofline_bytes(b, q, ctx):
@@ -69,8 +70,11 @@ def main(argv=None):
   p.add_argument("--accept", type=float, default=2.75, help="tokens per verify step assumed for tokens/s (q > 1)")
   p.add_argument("--out", default=None, help="append JSON lines of results here")
   p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new configurations after this long")
-  p.add_argument("--policy", default="{}", help="decode policy knobs as JSON (as in glm5-jax check-deployment), "
-                 "e.g. '{\"sparse_mla\": false}'")
+  p.add_argument("--policy", nargs="+", default=["{}"], help="decode policy knobs as JSON (as in glm5-jax "
+                 "check-deployment), e.g. '{\"sparse_mla\": false}'; several compare them in one process")
+  p.add_argument("--interleave", action="store_true",
+                 help="build every configuration first, then take their timed repeats in turn (A/B comparisons "
+                      "that a drifting host speed does not bias); each keeps its own state on the device")
   p.add_argument("--trace", action="store_true",
                  help="a jax.profiler trace of --steps steps (XLA command buffers kept on), summarised: device "
                       "span / busy / idle per step, the idle-gap histogram and the host's top events (where wall "
@@ -113,7 +117,7 @@ def main(argv=None):
     from glm5_jax.sharding import configure_collectives  # noqa: PLC0415
     configure_collectives(a.collectives)
   t_start = time.time()
-  policy = tuple(sorted(json.loads(a.policy).items()))
+  policies = [tuple(sorted(json.loads(p).items())) for p in a.policy]
   base = C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real()
   if a.geometry == "tp4-rank":
     cfg = tp_rank_config(base, 4)
@@ -136,15 +140,18 @@ def main(argv=None):
   rows = []
   hdr = f"{'backend':>34} {'B':>3} {'q':>2} {'compile s':>9} {'ms/step':>9} {'tok/s/seq':>9} {'roofline ms':>11} {'% roof':>7}"
   print(hdr, flush=True)
-  configs = [(q, backend, tune, b, ne, pk, spc) for q in a.q for backend in a.backend for tune in tunings
-             for b in a.batch for ne in a.executables for pk in a.pack_params for spc in a.steps_per_call]
-  # q outermost: the backends' numbers for one q come together when the budget cuts the run short
-  for q, backend, tune, b, ne, pk, spc in configs:
+  configs = [(q, backend, tune, b, ne, pk, spc, pol) for q in a.q for backend in a.backend for tune in tunings
+             for b in a.batch for ne in a.executables for pk in a.pack_params for spc in a.steps_per_call
+             for pol in policies]
+
+  def prepare(q, backend, tune, b, ne, pk, spc, policy):
+    """Build, compile and warm one configuration -> its context dict (None: skipped or failed to compile;
+    FATAL: a run-time failure, after which nothing can run)."""
     opts = ({"xla_gpu_autotune_level": 0} if tune == "off" else {}) | extra_opts
-    label = backend + (" (no autotune)" if tune == "off" else "") + (" +xla opts" if extra_opts else "") + (" ×2 exec" if ne > 1 else "") + (" packed" if pk else "") + (f" {spc} steps/call" + (" unrolled" if a.unroll_steps else "") if spc > 1 else "")
+    label = backend + (" (no autotune)" if tune == "off" else "") + (" +xla opts" if extra_opts else "") + (" ×2 exec" if ne > 1 else "") + (" packed" if pk else "") + (f" {spc} steps/call" + (" unrolled" if a.unroll_steps else "") if spc > 1 else "") + (" " + json.dumps(dict(policy)) if len(policies) > 1 else "")
     if time.time() - t_start > a.budget_s:
-      print(f"# budget reached: skipping {backend} B={b} q={q}", flush=True)
-      continue
+      print(f"# budget reached: skipping {label} B={b} q={q}", flush=True)
+      return None
     # the kernel switches concern latency_specialized only (auto refuses a request for a kernel)
     pol = policy if backend != "auto" else tuple((k, v) for k, v in policy if k not in KERNEL_DEFAULTS)
     dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=pol),
@@ -155,7 +162,7 @@ def main(argv=None):
       dec.warmup()
     except Exception as e:  # report and go on: one backend failing must not hide the others' numbers
       print(f"{label:>34} {b:>3} {q:>2} compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-      continue
+      return None
     comp = time.time() - t
     hlo = dec._aot[b].as_text()
     name = None
@@ -172,7 +179,7 @@ def main(argv=None):
       print("# kernel sites: " + ", ".join(f"{k} {v['sites']}" + (f" (not at {sum(v['not_used'].values())}: "
                                            f"{'; '.join(v['not_used'])})" if v["not_used"] else "")
                                            for k, v in sorted(sites.items())), flush=True)
-    print(f"# {backend} B={b} q={q}: {cen['kernels']} kernel-level instructions {cen['by_kind']}, "
+    print(f"# {label} B={b} q={q}: {cen['kernels']} kernel-level instructions {cen['by_kind']}, "
           f"{cen['while_loops']} loops; by component {cen['by_component']}", flush=True)
     state = random_state(dec, b, a.context)
     t = time.time()
@@ -186,19 +193,30 @@ def main(argv=None):
       print(f"# first call {first:.1f} s", flush=True)
     except Exception as e:  # a device fault poisons the CUDA context: nothing after it can run
       print(f"{label:>34} {b:>3} {q:>2} FAILED at run time: {type(e).__name__}: {str(e)[:400]}", flush=True)
-      return rows
-    times, host = [], []
-    calls = _calls(dec, a.steps)  # (with steps_per_call > 1 each call is several steps: times are per step)
-    for _ in range(a.repeats):
-      state = _room(dec, state, a.steps, a.context)
-      t = time.perf_counter()
-      for _ in range(calls):
-        state, out = decode(state)
-      host.append((time.perf_counter() - t) / (calls * spc))  # the calls returned: the host's share of the step
-      jax.block_until_ready(out.tokens)
-      times.append((time.perf_counter() - t) / (calls * spc))
-    ms = 1e3 * float(np.median(times))
-    host_ms = 1e3 * float(np.median(host))
+      return FATAL
+    return dict(q=q, backend=backend, b=b, ne=ne, pk=pk, spc=spc, policy=policy, label=label, dec=dec,
+                state=state, out=out, comp=comp, hlo=hlo, name=name, cen=cen, sites=sites, first=first,
+                times=[], host=[])
+
+  def time_once(c):
+    """One timed repeat of ~--steps chained speculative steps (with steps_per_call > 1 each call is several
+    steps: the times are per step)."""
+    dec, spc = c["dec"], c["spc"]
+    calls = _calls(dec, a.steps)
+    state = _room(dec, c["state"], a.steps, a.context)
+    t = time.perf_counter()
+    for _ in range(calls):
+      state, out = decode(state)
+    c["host"].append((time.perf_counter() - t) / (calls * spc))  # the calls returned: the host's share of the step
+    jax.block_until_ready(out.tokens)
+    c["times"].append((time.perf_counter() - t) / (calls * spc))
+    c["state"], c["out"], c["calls"] = state, out, calls
+
+  def finish(c):
+    """The idle call, trace / profile, the floors and the result row of a timed configuration."""
+    dec, spc, b, q, backend, state = c["dec"], c["spc"], c["b"], c["q"], c["backend"], c["state"]
+    ms = 1e3 * float(np.median(c["times"]))
+    host_ms = 1e3 * float(np.median(c["host"]))
     # one call onto an idle GPU: the host's own cost of a call (argument handling, command-buffer checks, the
     # graph launch), apart from any wait behind the previous step that the chained calls above may include
     state = _room(dec, state, 5, a.context)
@@ -210,42 +228,72 @@ def main(argv=None):
       idle.append((time.perf_counter() - t) / spc)
     jax.block_until_ready(out.tokens)
     idle_ms = 1e3 * float(np.median(idle))
-    print(f"# host: the {calls} calls return after {host_ms:.2f} ms/step of {ms:.2f} ms/step "
-          f"({'host-bound' if host_ms > 0.9 * ms else 'the GPU is behind'}); one call onto an idle GPU returns "
-          f"after {idle_ms:.2f} ms", flush=True)
+    print(f"# {c['label']} B={b} q={q} host: the {c['calls']} calls return after {host_ms:.2f} ms/step of "
+          f"{ms:.2f} ms/step ({'host-bound' if host_ms > 0.9 * ms else 'the GPU is behind'}); one call onto an "
+          f"idle GPU returns after {idle_ms:.2f} ms", flush=True)
     trace = None
     if a.trace:
       trace, state = _trace(dec, state, a.steps, a.context)
-    prof = _profile(dec, state, hlo, a.steps, a.context,
+    name = c["name"]
+    prof = _profile(dec, state, c["hlo"], a.steps, a.context,
                     kernels_path=os.path.join(a.hlo_dir, name + ".kernels.json") if name else None) if a.profile else None
     state = prof.pop("state") if prof else state
     # per-component floor (bytes each component must move ÷ 4.3 TB/s) next to its measured GPU time (issue #9)
     floors = profiling.floor_bytes(cfg, model.params, batch=b, q=q, context=a.context, tp=a.tp)
     if prof:
-      prof["floor_us"] = {c: f / profiling.HBM_BYTES_PER_S * 1e6 for c, f in floors.items()}
+      prof["floor_us"] = {k: f / profiling.HBM_BYTES_PER_S * 1e6 for k, f in floors.items()}
       print("#   component  floor µs  GPU µs  ×floor:  " + "   ".join(
-          f"{c} {f:.0f} / {m:.0f} ({x:.1f}×)" for c, f, m, x in profiling.gap_table(floors, prof["us_per_step"])
+          f"{k} {f:.0f} / {m:.0f} ({x:.1f}×)" for k, f, m, x in profiling.gap_table(floors, prof["us_per_step"])
           if f), flush=True)
     # the roofline formula is one TP4 rank of the real model: meaningless for the tiny geometries
     full = a.geometry == "tp4-rank" and not a.layers
     roof = 1e3 * roofline_bytes(b, q, a.context) / HBM if full else float("nan")
     tps = (a.accept if q > 1 else 1.0) / (ms / 1e3)
-    row = dict(geometry=a.geometry, layers=cfg.num_hidden_layers, tp=a.tp, backend=backend, policy=dict(policy),
-               executables=ne, pack_params=pk, steps_per_call=spc, unroll_steps=a.unroll_steps and spc > 1,
+    row = dict(geometry=a.geometry, layers=cfg.num_hidden_layers, tp=a.tp, backend=backend,
+               policy=dict(c["policy"]), executables=c["ne"], pack_params=c["pk"], steps_per_call=spc,
+               unroll_steps=a.unroll_steps and spc > 1, interleaved=a.interleave,
                compiler_options=dec.compiler_options, xla_flags=os.environ.get("XLA_FLAGS", ""),
-               nccl_proto=os.environ.get("NCCL_PROTO", ""), batch=b, q=q, context=a.context, compile_s=comp,
+               nccl_proto=os.environ.get("NCCL_PROTO", ""), batch=b, q=q, context=a.context, compile_s=c["comp"],
                ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
                roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
-               census=cen, profile=prof, trace=trace, host_ms_per_step=host_ms, host_idle_call_ms=idle_ms,
-               first_call_s=first, kernel_sites=sites,
+               census=c["cen"], profile=prof, trace=trace, host_ms_per_step=host_ms, host_idle_call_ms=idle_ms,
+               first_call_s=c["first"], kernel_sites=c["sites"],
                date=time.strftime("%Y-%m-%d"))
     rows.append(row)
-    print(f"{label:>34} {b:>3} {q:>2} {comp:>9.1f} {ms:>9.2f} {tps:>9.1f} {roof:>11.3f} {row['pct_roofline']:>6.1f}%",
-          flush=True)
+    print(f"{c['label']:>34} {b:>3} {q:>2} {c['comp']:>9.1f} {ms:>9.2f} {tps:>9.1f} {roof:>11.3f} "
+          f"{row['pct_roofline']:>6.1f}%", flush=True)
     if a.out:
       with open(a.out, "a") as f:
         f.write(json.dumps(row) + "\n")
-    del state, out, dec
+
+  if a.interleave:
+    # every configuration built and warm first, then their timed repeats taken in turn: a drift of the host's
+    # speed (measured session 28: the same program 4.5 -> 7.6 ms per step between machines, one idle call 5.2 to
+    # 9.4 ms between runs) then lands on all of them alike
+    ctxs = []
+    for conf in configs:
+      c = prepare(*conf)
+      if c is FATAL:
+        return rows
+      if c is not None:
+        ctxs.append(c)
+    for _ in range(a.repeats):
+      for c in ctxs:
+        time_once(c)
+    for c in ctxs:
+      finish(c)
+    return rows
+  # q outermost: the backends' numbers for one q come together when the budget cuts the run short
+  for conf in configs:
+    c = prepare(*conf)
+    if c is FATAL:
+      return rows
+    if c is None:
+      continue
+    for _ in range(a.repeats):
+      time_once(c)
+    finish(c)
+    del c
   return rows
 
 

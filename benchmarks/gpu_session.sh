@@ -436,10 +436,11 @@ case "$MODE" in
     # (session 28's fixes: the router bias whole, the threshold kernel from 2 rows), then 4 steps per call in a
     # device-side loop (WHILE / CONDITIONAL commands in the CUDA graph), q = 4 both ways, then 2 steps unrolled
     # (the loop's WHILE / CONDITIONAL commands: speculative.GPU_LOOP_OPTIONS, added by the Decoder) + its GPU test
+    # (--interleave: both configurations built first, their timed repeats taken in turn on one host)
     rank1 s29 --q 1 --profile --hlo-dir "$OUT/hlo"
     kernel_tables 1
-    [ "$(left)" -gt 150 ] && rank1 s29 --q 1 --steps-per-call 4 --profile
-    [ "$(left)" -gt 150 ] && rank1 s29 --q 4 --profile
+    [ "$(left)" -gt 200 ] && rank1 s29i --q 1 --steps-per-call 1 4 --interleave
+    [ "$(left)" -gt 200 ] && rank1 s29i --q 4 --steps-per-call 1 4 --interleave
     [ "$(left)" -gt 150 ] && rank1 s29 --q 4 --steps-per-call 4 --profile
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_decode.py -k steps_per_call 2>&1 | grep -E "passed|failed|FAILED|^E  " | head -20 \
@@ -452,8 +453,9 @@ case "$MODE" in
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     [ "$(left)" -gt 100 ] && timeout 120 python3 benchmarks/bench_topk.py --rows 1,4,32 --pools 8256,16448 \
       --only "radix scan128,kernel scan128,kernel2 scan128" --out "$OUT/bench_topk.log" > /dev/null 2>&1
-    [ "$(left)" -gt 150 ] && rank1 s29b --q 4 --profile --policy '{"topk_threshold_2bit": true}'
-    [ "$(left)" -gt 150 ] && rank1 s29b --q 1 --profile --policy '{"topk_threshold": true, "topk_threshold_2bit": true}'
+    [ "$(left)" -gt 200 ] && rank1 s29b --q 4 --interleave --policy '{}' '{"topk_threshold_2bit": true}'
+    [ "$(left)" -gt 200 ] && rank1 s29b --q 1 --interleave --policy '{}' '{"topk_threshold": true}' \
+      '{"topk_threshold": true, "topk_threshold_2bit": true}'
     [ "$(left)" -gt 180 ] && rank1 s29b --q 4 --batch 8 --profile --policy '{"topk_threshold_2bit": true}'
     ;;
   s28c)  # (nvidia-h200) the threshold kernel from 2 score rows only (XLA's radix passes at one): q = 1 / 4 with

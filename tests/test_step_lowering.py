@@ -108,16 +108,6 @@ def test_real_geometry_step_lowers_for_cuda():
   assert txt.count("all_reduce") == 1 + 2 * 45 + 3 * 3  # psums are no-ops on one device but still lowered
 
 
-def test_real_geometry_step_with_fp8_dq_lowers_for_cuda_at_one_token():
-  """Policy knob fp8_dq at the real geometry, q = 1: every FP8 linear and both MoE kernels with the weight
-  dequantised in registers (register-A wgmmas: what the GPU runs) lower inside the one-rank step. (q = 4 with
-  fp8_dq, the default, is test_real_geometry_step_lowers_for_cuda.)"""
-  txt = lower_step(tp_rank_config(C.real(), 4), 1, "latency_specialized", policy=(("fp8_dq", True),))
-  check_one_module_per_kernel(txt)
-  names = {n for n, _, _ in kernel_calls(txt)}
-  assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down"} <= names and "glm5_fp8_linear" not in names
-
-
 def _main_args(txt):
   sig = next(line for line in txt.splitlines() if "func.func public @main(" in line)
   return len(re.findall(r"%arg\d+:", sig))
@@ -126,7 +116,8 @@ def _main_args(txt):
 def test_real_geometry_step_with_packed_params_lowers_for_cuda():
   """pack_params (glm5_jax.param_packing): the one-rank step at q = 1 takes 500 of the 667 parameters under 64 KiB
   in two buffers (f32, bf16; the 167 KEEP_WHOLE vectors stay arguments) — far fewer arguments — and every kernel
-  still lowers with sliced operands."""
+  still lowers with sliced operands; at one token row too, every FP8 linear and both MoE kernels dequantise the
+  weight in registers (fp8_dq, the default: register-A wgmmas, what the GPU runs)."""
   cfg = tp_rank_config(C.real(), 4)
   plain = _main_args(lower_step(cfg, 1, "latency_specialized", pack_params=0))
   txt = lower_step(cfg, 1, "latency_specialized", pack_params=1 << 16)
@@ -134,3 +125,5 @@ def test_real_geometry_step_with_packed_params_lowers_for_cuda():
   # (jit drops unused arguments — some small MTP-side leaves at q = 1 — so the saving is a little under 498)
   assert plain - packed > 480 and packed < 1150, (plain, packed)
   check_one_module_per_kernel(txt)
+  names = {n for n, _, _ in kernel_calls(txt)}
+  assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down"} <= names and "glm5_fp8_linear" not in names
