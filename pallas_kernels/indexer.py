@@ -275,9 +275,9 @@ def _threshold_kernel(k: int, digit_bits: int):
 def topk_threshold(keys, k: int, *, digit_bits: int = 1):
   """Mosaic GPU version of ``topk_threshold_reference``: one CTA (one warpgroup) per row, the row's keys TMA'd
   into SMEM and held in registers; 32 / digit_bits passes (``_threshold_kernel``) and one count of the keys above
-  the threshold. N must be a multiple of 128 (pad
-  with 0, the smallest key: a pad never outranks a real key, and the k-th largest of the real keys is unchanged
-  when k <= the real count) and at most THRESHOLD_MAX_KEYS (the registers)."""
+  the threshold. N must be a multiple of 128 (pad with 0, the smallest key: a pad never outranks a real key, and
+  the k-th largest of the real keys is unchanged when k <= the real count) and at most THRESHOLD_MAX_KEYS (the
+  registers)."""
   _check_threshold(keys, k)
   R, N = keys.shape
   if digit_bits not in (1, 2):
