@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import jax
@@ -233,10 +234,13 @@ POLICY_KEYS = frozenset(KERNEL_DEFAULTS) | {"kv_cache_dtype", "interpret"}
 # bench_decode's --xla-option xla_gpu_command_buffer_scheduling_mode=LHS), not through XLA_FLAGS.
 GPU_COMPILE_DEFAULTS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 # With steps_per_call > 1 (a rolled loop over the step) on a GPU: XLA's default command-buffer commands (FUSION,
-# CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN) plus WHILE / CONDITIONAL, so that the loop runs inside the CUDA graph (a
-# conditional node) instead of being driven from the host one body graph per iteration. (The option replaces the
-# whole list: "+WHILE" is not accepted as a compile option, only as an XLA_FLAGS entry.)
-GPU_LOOP_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+# CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION) plus WHILE / CONDITIONAL, so that the loop runs
+# inside the CUDA graph (a conditional node) instead of being driven from the host one body graph per iteration.
+# The option replaces the whole list ("+WHILE" is not accepted as a compile option, only in XLA_FLAGS, and a
+# compile option overrides XLA_FLAGS): COLLECTIVES joins it where XLA_FLAGS put the all-reduces into the graph
+# (sharding.configure_collectives("graph")).
+GPU_LOOP_OPTIONS = {"xla_gpu_enable_command_buffer":
+                    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
 
 
 def parse_xla_option(text: str) -> tuple[str, bool | int | float | str]:
@@ -261,7 +265,10 @@ def compile_options(backend: str, platform: str, given: dict | None, *, loop: bo
   for a step with a device-side loop (``loop``: steps_per_call > 1, rolled) on a GPU, GPU_LOOP_OPTIONS."""
   defaults = GPU_COMPILE_DEFAULTS if (backend == "latency_specialized" and platform == "gpu") else {}
   if loop and platform == "gpu":
-    defaults = {**defaults, **GPU_LOOP_OPTIONS}
+    loop_opts = dict(GPU_LOOP_OPTIONS)
+    if "COLLECTIVES" in os.environ.get("XLA_FLAGS", ""):
+      loop_opts["xla_gpu_enable_command_buffer"] += ",COLLECTIVES"
+    defaults = {**defaults, **loop_opts}
   return {**defaults, **(given or {})}
 
 

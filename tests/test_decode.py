@@ -464,11 +464,18 @@ def test_compile_options_default_to_concurrent_schedule_on_gpu_only():
       {key: "CONCURRENT", "xla_gpu_autotune_level": 0}
   assert compile_options("auto", "gpu", None) == {} and compile_options("latency_specialized", "cpu", None) == {}
   # a step with a device-side loop (steps_per_call > 1) keeps the loop in the CUDA graph, on a GPU only
+  import os  # noqa: PLC0415
+  from unittest import mock  # noqa: PLC0415
   from glm5_jax.speculative import GPU_LOOP_OPTIONS  # noqa: PLC0415
   assert "WHILE" in GPU_LOOP_OPTIONS["xla_gpu_enable_command_buffer"].split(",")
-  assert compile_options("auto", "gpu", None, loop=True) == GPU_LOOP_OPTIONS
-  assert compile_options("latency_specialized", "gpu", None, loop=True) == GPU_COMPILE_DEFAULTS | GPU_LOOP_OPTIONS
-  assert compile_options("latency_specialized", "cpu", None, loop=True) == {}
+  with mock.patch.dict(os.environ, {"XLA_FLAGS": ""}):
+    assert compile_options("auto", "gpu", None, loop=True) == GPU_LOOP_OPTIONS
+    assert compile_options("latency_specialized", "gpu", None, loop=True) == GPU_COMPILE_DEFAULTS | GPU_LOOP_OPTIONS
+    assert compile_options("latency_specialized", "cpu", None, loop=True) == {}
+  # (the all-reduces stay in the graph where configure_collectives("graph") put them there through XLA_FLAGS)
+  with mock.patch.dict(os.environ, {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+COLLECTIVES"}):
+    got = compile_options("auto", "gpu", None, loop=True)["xla_gpu_enable_command_buffer"].split(",")
+  assert "COLLECTIVES" in got and "WHILE" in got
 
 
 def test_decoder_from_deployment_gates_the_backend(model):
