@@ -63,8 +63,8 @@
 #                             B = 32 q = 1
 #   s29b (nvidia-h200):       the top-k threshold kernel with 2 bits per pass: GPU tests, bench_topk, the step at
 #                             q = 4, q = 1 (forced) and B = 8 q = 4 with it
-#   s29 (nvidia-h200):        steps_per_call: q = 1 and 4 as is, then 4 steps per call in a device-side loop (WHILE /
-#                             CONDITIONAL command-buffer commands), then 2 steps per call unrolled
+#   s29 (nvidia-h200):        steps_per_call: 1 vs 4 steps per call (a device-side loop) interleaved at q = 1, the
+#                             steps_per_call GPU test, the same at q = 4, then q = 1 profiled with its kernel table
 #   thr (nvidia-h200):        the top-k threshold kernel's GPU tests and bench_topk with it
 #   s27b (nvidia-h200):       the q = 4 step with its kernel table, then batch27's runs
 #   batch27 (nvidia-h200):    B = 8 q = 4 and B = 32 q = 1 with the trained-like router, then bench_kda_decode's matrix
@@ -432,20 +432,15 @@ case "$MODE" in
     [ "$(left)" -gt 70 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_linear.py --rows 1 --only moedq \
       --sweep-moe 1 --budget-s $(( $(left) - 20 )) > "$OUT/bench_linear_moe.log" 2>&1
     ;;
-  s29)  # (nvidia-h200) the host's launch cost paid once per several steps (Decoder(steps_per_call)): q = 1 as is
-    # (session 28's fixes: the router bias whole, the threshold kernel from 2 rows), then 4 steps per call in a
-    # device-side loop (WHILE / CONDITIONAL commands in the CUDA graph), q = 4 both ways, then 2 steps unrolled
-    # (the loop's WHILE / CONDITIONAL commands: speculative.GPU_LOOP_OPTIONS, added by the Decoder) + its GPU test
-    # (--interleave: both configurations built first, their timed repeats taken in turn on one host)
-    rank1 s29 --q 1 --profile --hlo-dir "$OUT/hlo"
-    kernel_tables 1
-    [ "$(left)" -gt 200 ] && rank1 s29i --q 1 --steps-per-call 1 4 --interleave
-    [ "$(left)" -gt 200 ] && rank1 s29i --q 4 --steps-per-call 1 4 --interleave
-    [ "$(left)" -gt 150 ] && rank1 s29 --q 4 --steps-per-call 4 --profile
-    [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_decode.py -k steps_per_call 2>&1 | grep -E "passed|failed|FAILED|^E  " | head -20 \
-      | tee -a "$OUT/gpu_tests.log"
-    [ "$(left)" -gt 180 ] && rank1 s29u --q 1 --steps-per-call 2 --unroll-steps
+  s29)  # (nvidia-h200) the host's launch cost paid once per several steps (Decoder(steps_per_call)): 1 vs 4 steps
+    # per call at q = 1, interleaved on one host (the loop's WHILE / CONDITIONAL commands: speculative.
+    # GPU_LOOP_OPTIONS, added by the Decoder), the steps_per_call GPU test (loop and unrolled vs single steps),
+    # the same A/B at q = 4, then q = 1 profiled with its kernel table (session 28's router-bias memcpys gone?)
+    rank1 s29i --q 1 --steps-per-call 1 4 --interleave
+    [ "$(left)" -gt 150 ] && timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode.py \
+      -k steps_per_call 2>&1 | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    [ "$(left)" -gt 220 ] && rank1 s29i --q 4 --steps-per-call 1 4 --interleave
+    [ "$(left)" -gt 130 ] && rank1 s29 --q 1 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
     ;;
   s29b)  # (nvidia-h200) the threshold kernel with 2 bits per pass: its GPU tests, bench_topk against 1 bit and XLA,
     # the q = 4 step with it (policy topk_threshold_2bit) and B = 8 q = 4 (32 score rows)
