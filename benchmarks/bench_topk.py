@@ -31,7 +31,8 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._timing import MODE, log, time_calls, write_log  # noqa: E402
-from glm5_jax.layers import _order_key, topk_set_by_threshold  # noqa: E402
+from glm5_jax.layers import topk_set_by_threshold  # noqa: E402
+from pallas_kernels._common import order_key  # noqa: E402
 
 K = 512
 
@@ -39,7 +40,7 @@ K = 512
 def sort_keys(v, k):
   """lax.top_k(v, k)'s indices from one stable ascending sort of uint32 keys (descending in top_k's total order of
   f32 bit patterns; equal keys keep index order, top_k's tie order)."""
-  u = lax.bitcast_convert_type(_order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)  # ascending in v's order
+  u = lax.bitcast_convert_type(order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)  # ascending in v's order
   iota = lax.broadcasted_iota(jnp.int32, v.shape, v.ndim - 1)
   _, idx = lax.sort((~u, iota), dimension=v.ndim - 1, num_keys=1, is_stable=True)
   return idx[..., :k]

@@ -463,13 +463,6 @@ class MLP(nnx.Module):
     return lax.psum(self.partial(x, dtype), TP)
 
 
-def _order_key(v):
-  """v [..., N] -> int32 keys monotone in lax.top_k's total order of f32 bit patterns (NaN above +inf, -NaN
-  below -inf, +0 above -0)."""
-  bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
-  return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-
-
 def topk_by_rank(v, k: int, values=None):
   """lax.top_k(v, k)'s indices [..., k] int32 without a sort: each entry's rank = how many entries beat it (larger,
   or equal at a lower index — lax.top_k's order for ties), then the index of rank r for r < k. One compare-and-
@@ -480,8 +473,9 @@ def topk_by_rank(v, k: int, values=None):
 
   ``values`` [..., N] (optional): also returns take_along_axis(values, ids), exactly — from the same select (one
   nonzero term per sum), so XLA makes it one reduction with the indices instead of a gather after them."""
+  from pallas_kernels._common import order_key  # noqa: PLC0415 (shared with the router kernel)
   N = v.shape[-1]
-  key = _order_key(v)
+  key = order_key(v)
   idx = jnp.arange(N, dtype=jnp.int32)
   ke, kj = key[..., :, None], key[..., None, :]  # [..., N (entry), N (rival)]
   beats = (kj > ke) | ((kj == ke) & (idx[None, :] < idx[:, None]))
@@ -531,7 +525,8 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
      3-40 µs slower per call, bench_topk session 24.)"""
   N = v.shape[-1]
   lead = v.shape[:-1]
-  u = lax.bitcast_convert_type(_order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)  # the same order, unsigned
+  from pallas_kernels._common import order_key  # noqa: PLC0415 (shared with the router kernel)
+  u = lax.bitcast_convert_type(order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)  # the same order, unsigned
   kk = min(k, N)
   if 32 % digit_bits:
     raise ValueError(f"digit_bits={digit_bits}: the compare-and-count passes need a divisor of 32")

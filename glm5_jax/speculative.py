@@ -20,6 +20,7 @@ Shapes: B batch (a capture size), q = 1 + k tokens per sequence, V vocabulary, D
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -424,8 +425,9 @@ class Decoder:
       c = (caches, (lengths, n_acc, keys, tokens), jnp.full((B, steps * q), -1, jnp.int32),
            jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool))
       if unroll:
-        for i in range(steps):
-          c = it(i, c)
+        for i in range(steps):  # (kernel sites are reported per step: the copies after the first go unrecorded)
+          with contextlib.nullcontext() if i == 0 else kernel_report():
+            c = it(i, c)
       else:
         c = jax.lax.fori_loop(0, steps, it, c)
       caches, carry, out, total, fin = c

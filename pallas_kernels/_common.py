@@ -50,6 +50,14 @@ def kernel_entry(*static: str):
   return lambda fn: jax.jit(fn, static_argnames=static)
 
 
+def order_key(v):
+  """f32 [...] -> int32 keys monotone in lax.top_k's total order of f32 bit patterns (NaN above +inf, -NaN below
+  -inf, +0 above -0): the model's sort-free top-k (glm5_jax.layers.topk_by_rank / topk_set_by_threshold) and the
+  router kernel compare these, so that their selection is lax.top_k's for any input."""
+  bits = jax.lax.bitcast_convert_type(v.astype(jax.numpy.float32), jax.numpy.int32)
+  return jax.numpy.where(bits < 0, bits ^ jax.numpy.int32(0x7FFFFFFF), bits)
+
+
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 

@@ -25,21 +25,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry
+from pallas_kernels._common import kernel_entry, order_key
 
 LANES = 128  # threads of the warpgroup: E is padded to a multiple
 BOX = 256  # TMA box limit per dimension
 NORM_EPS = 1e-20
 _INT_MIN = -2 ** 31
 _NONE = 2 ** 30  # an index above any expert: "no candidate" in the lowest-index reduction
-
-
-def order_key(v):
-  """f32 [...] -> int32 keys monotone in lax.top_k's total order of f32 bit patterns (NaN above +inf, -NaN below
-  -inf, +0 above -0); the same as glm5_jax.layers._order_key (restated here: the kernel package does not import
-  the model)."""
-  bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
-  return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
 def _check(logits, bias, k):

@@ -446,9 +446,10 @@ def test_steps_per_call_on_the_gpu_equals_single_steps():
     for _ in range(2 if name != "single" else 6):
       state, o = decode(state)
       got += np.asarray(o.tokens[0, :int(o.counts[0])]).tolist()
-    runs[name] = (got, np.asarray(state.io)[:, :5 + 3])
+    runs[name] = (got, np.asarray(state.io)[:, :5 + 3], dec.kernel_sites(1))
   for name in ("loop", "unrolled"):
     assert runs[name][0] == runs["single"][0], (name, seed)
+    assert runs[name][2] == runs["single"][2], name  # the sites of one step, however many a call runs
     np.testing.assert_array_equal(runs[name][1], runs["single"][1], err_msg=f"{name}, prompt seed {seed}")
 
 
