@@ -173,6 +173,8 @@ def main(argv=None):
           "_" + "_".join(f"{k}-{v}" for k, v in policy) if policy else "")
       with gzip.open(os.path.join(a.hlo_dir, name + ".hlo.gz"), "wt") as fh:
         fh.write(hlo)
+      with open(os.path.join(a.hlo_dir, name + ".kernels.tsv"), "w") as fh:  # (small: comes back from a device)
+        fh.write(profiling.kernel_listing(hlo))
     cen = profiling.census(hlo)
     sites = dec.kernel_sites(b)
     if sites:
@@ -254,7 +256,7 @@ def main(argv=None):
                unroll_steps=a.unroll_steps and spc > 1, interleaved=a.interleave,
                compiler_options=dec.compiler_options, xla_flags=os.environ.get("XLA_FLAGS", ""),
                nccl_proto=os.environ.get("NCCL_PROTO", ""), batch=b, q=q, context=a.context, compile_s=c["comp"],
-               ms_per_step=ms, tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
+               ms_per_step=ms, ms_repeats=[1e3 * t for t in c["times"]], tokens_per_s_per_seq=tps, accept_assumed=a.accept if q > 1 else 1.0,
                roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
                census=c["cen"], profile=prof, trace=trace, host_ms_per_step=host_ms, host_idle_call_ms=idle_ms,
                first_call_s=c["first"], kernel_sites=c["sites"],

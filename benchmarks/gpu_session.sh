@@ -63,6 +63,14 @@
 #                             B = 32 q = 1
 #   s29b (nvidia-h200):       the top-k threshold kernel with 2 bits per pass: GPU tests, bench_topk, the step at
 #                             q = 4, q = 1 (forced) and B = 8 q = 4 with it
+#   s29c (nvidia-h200):       1 and 4 steps per call at q = 1 profiled with kernel tables and listings, then the
+#                             steps_per_call GPU test
+#   s30 (nvidia-h200):        the 2-bit threshold kernel's GPU tests; at 4 steps per call (GPU-bound), q = 1: the
+#                             policy knobs A/B interleaved (threshold 1 / 2 bits at one row, kda_norm, split Sinkhorn)
+#   s30b (nvidia-h200):       q = 4 at 1 vs 4 steps per call with / without the 2-bit threshold; q = 1 at 4 steps
+#                             per call profiled with its kernel table
+#   s29d (nvidia-h200):       packed vs unpacked parameters at 4 / 8 steps per call; loop-invariant code motion
+#                             off; q = 4 at 1 vs 4 steps per call
 #   s29 (nvidia-h200):        steps_per_call: 1 vs 4 steps per call (a device-side loop) interleaved at q = 1, the
 #                             steps_per_call GPU test, the same at q = 4, then q = 1 profiled with its kernel table
 #   thr (nvidia-h200):        the top-k threshold kernel's GPU tests and bench_topk with it
@@ -127,10 +135,10 @@ kernel_tables() {  # $@: the q values. Each profiled step's kernel table with ev
   for q in "$@"; do
     for k in "$OUT"/hlo/*_q${q}_*.kernels.json; do
       [ -f "$k" ] && timeout 60 python3 benchmarks/kernel_table.py "$k" --hlo "${k%.kernels.json}.hlo.gz" \
-        > "$OUT/kernel_table_q$q.txt" 2>&1
+        > "$OUT/kernel_table_$(basename "${k%.kernels.json}").txt" 2>&1
     done
   done
-  rm -f "$OUT"/hlo/*.hlo.gz
+  rm -f "$OUT"/hlo/*.hlo.gz "$OUT"/hlo/*.kernels.json  # (the tables and the kernels.tsv listings come back)
 }
 
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
@@ -441,6 +449,35 @@ case "$MODE" in
       -k steps_per_call 2>&1 | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     [ "$(left)" -gt 220 ] && rank1 s29i --q 4 --steps-per-call 1 4 --interleave
     [ "$(left)" -gt 130 ] && rank1 s29 --q 1 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
+    ;;
+  s29c)  # (nvidia-h200) where a loop of steps spends its GPU time: 1 and 4 steps per call at q = 1 profiled, each with
+    # its kernel table and kernel listing (bench_decode --hlo-dir: *.kernels.tsv, to diff the loop body against one
+    # step here), then the steps_per_call GPU test (interrupted with a traceback if it runs past its time)
+    rank1 s29c --q 1 --steps-per-call 1 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
+    [ "$(left)" -gt 60 ] && timeout -s INT $(( $(left) - 20 )) python3 -m pytest -v -m gpu -p no:cacheprovider \
+      tests/test_decode.py -k steps_per_call 2>&1 | grep -v -E "^\s*$|warn" | tail -60 > "$OUT/gpu_tests.log"
+    ;;
+  s30)  # (nvidia-h200) the kernel knobs again where the GPU, not the host, sets the pace: 4 steps per call (session
+    # 29: 7.57 -> 5.31 ms per step at q = 1, the host returning after ~2 ms/step). Knobs decided while the step
+    # was host-bound (the threshold kernel at one score row, kda_norm, the split Sinkhorn) may flip: fewer launches
+    # count now. First the 2-bit threshold kernel's GPU tests
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k threshold 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    rank1 s30 --q 1 --steps-per-call 4 --interleave --policy '{}' '{"topk_threshold": true}' \
+      '{"topk_threshold": true, "topk_threshold_2bit": true}' '{"kda_norm": true}' '{"mhc_sinkhorn_split": false}'
+    ;;
+  s30b)  # (nvidia-h200) q = 4 (k = 3 drafts, the product's mode) at 1 vs 4 steps per call, with and without the
+    # 2-bit threshold kernel, interleaved; then the best at q = 1 profiled with its kernel table and listing
+    rank1 s30b --q 4 --steps-per-call 1 4 --interleave --policy '{}' '{"topk_threshold_2bit": true}'
+    [ "$(left)" -gt 150 ] && rank1 s30c --q 1 --steps-per-call 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
+    ;;
+  s29d)  # (nvidia-h200) the loop's 500 hoisted parameter slices (session 29: XLA moves the packed parameters'
+    # slices out of the loop, ~500 kernels per call): packed vs unpacked parameters at 4 and 8 steps per call,
+    # interleaved; the same loop with XLA's loop-invariant code motion off; then q = 4 at 1 vs 4 steps per call
+    rank1 s29d --q 1 --pack-params 65536 0 --steps-per-call 4 8 --interleave
+    [ "$(left)" -gt 150 ] && rank1 s29e --q 1 --steps-per-call 4 \
+      --xla-option xla_disable_hlo_passes=while-loop-invariant-code-motion
+    [ "$(left)" -gt 150 ] && rank1 s29f --q 4 --steps-per-call 1 4 --interleave
     ;;
   s29b)  # (nvidia-h200) the threshold kernel with 2 bits per pass: its GPU tests, bench_topk against 1 bit and XLA,
     # the q = 4 step with it (policy topk_threshold_2bit) and B = 8 q = 4 (32 score rows)

@@ -28,7 +28,20 @@ def _decoder(args, model):
   pack = {} if args.pack_params is None else dict(pack_params=args.pack_params)
   opts = dict(parse_xla_option(o) for o in args.xla_option)
   return Decoder(model, cfg, backend=args.backend, temperature=args.temperature, top_p=args.top_p,
-                 compiler_options=opts or None, steps_per_call=args.steps_per_call, **pack)
+                 compiler_options=opts or None, steps_per_call=_steps_per_call(args, model), **pack)
+
+
+# latency_specialized on a GPU: 4 speculative steps per call by default — the host launches once per 4 steps
+# instead of setting the pace (one TP4 rank, B = 1, q = 1: 7.57 -> 5.31 ms per step; 8 per call measured slower;
+# BENCHMARKS.md session 29). Elsewhere one (on the CPU the host is not the bottleneck).
+GPU_STEPS_PER_CALL = 4
+
+
+def _steps_per_call(args, model) -> int:
+  if args.steps_per_call is not None:
+    return args.steps_per_call
+  gpu = model.mesh.devices.flat[0].platform == "gpu"
+  return GPU_STEPS_PER_CALL if (gpu and args.backend == "latency_specialized") else 1
 
 
 def _add_decode_args(p):
@@ -39,8 +52,9 @@ def _add_decode_args(p):
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--tp", type=int, default=1)
-  p.add_argument("--steps-per-call", type=int, default=1,
-                 help="speculative steps per decode call (one host launch per N steps; Decoder(steps_per_call))")
+  p.add_argument("--steps-per-call", type=int, default=None,
+                 help="speculative steps per decode call (one host launch per N steps; Decoder(steps_per_call)); "
+                      f"default {GPU_STEPS_PER_CALL} for latency_specialized on a GPU, else 1")
   p.add_argument("--policy", default="{}", help="decode policy knobs as JSON, e.g. '{\"mhc_finish\": false}'")
   p.add_argument("--pack-params", type=int, default=None,
                  help="pass parameters under this many bytes packed into one buffer per dtype (0 = off; default: "
@@ -81,6 +95,7 @@ def _run_generation(args, path, prompt_ids, tok=None):
   steps, step_times, accepted = 0, [], 0
   from glm5_jax.speculative import decode  # noqa: PLC0415
   while len(out) < args.max_new_tokens:
+    dec, state = dec.for_next_call(state)  # (near max_context: the last steps one per call)
     s = time.perf_counter()
     state, o = decode(state)
     n = int(o.counts[0])  # the host read syncs: the time is the whole step

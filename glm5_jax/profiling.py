@@ -72,8 +72,18 @@ def _kernel_rows(hlo_text: str):
   for comp, name, op, opn, rest in _instructions(hlo_text):
     if comp in inner or op in _FREE:
       continue
-    rows.append((name, op, opn, rest))
+    rows.append((name, op, opn, rest, comp))
   return rows
+
+
+def kernel_listing(hlo_text: str) -> str:
+  """The kernel-level instructions as TSV (computation, name, opcode, component, result shape, op_name): small
+  enough to bring back from a device where the module text (Mosaic kernels' serialized bodies included) is not,
+  and to diff two programs' kernels (e.g. one step against a loop of steps: which buffers the loop copies)."""
+  def shape(rest, op):
+    return rest[:max(0, rest.find(f" {op}("))][:120]
+  return "".join(f"{comp}\t{name}\t{op}\t{component(opn)}\t{shape(rest, op)}\t{opn}\n"
+                 for name, op, opn, rest, comp in _kernel_rows(hlo_text))
 
 
 def kernel_instructions(hlo_text: str) -> list[tuple[str, str, str]]:

@@ -683,9 +683,10 @@ class Decoder:
     return DecodeState.make(caches, lengths, np.ones(B, np.int32), keys, active, nxt, self, int(lens.max()))
 
   # ------------------------------------------------------------------ generate
-  def _single_step(self, state: DecodeState) -> tuple["Decoder", DecodeState]:
+  def single_step(self, state: DecodeState) -> tuple["Decoder", DecodeState]:
     """(a decoder of one step per call with this one's settings, ``state`` handed over to it: the same caches,
-    io repacked to its width). For generate() where steps_per_call steps no longer fit max_context but one does."""
+    io repacked to its width; its calls then return one step's tokens). For the last steps where steps_per_call
+    steps no longer fit max_context but one does (generate(), the CLI)."""
     if self._single is None:
       self._single = Decoder(self.model, self.config, backend=self.backend, temperature=self.temperature,
                              top_p=self.top_p, prefill_chunk=self.prefill_chunk,
@@ -693,6 +694,18 @@ class Decoder:
     d = self._single
     return d, DecodeState.make(state.caches, state.lengths, state.n_acc, state.keys, state.active,
                                state.next_tokens, d, state.len_bound)
+
+  def for_next_call(self, state: DecodeState) -> tuple["Decoder", DecodeState]:
+    """(decoder, state) for the next call: this decoder and ``state``, or — where steps_per_call steps no longer
+    fit max_context for the longest active sequence but one step does — ``single_step(state)``, so that a loop of
+    calls runs to the end of the context (generate(), the CLI). Reads the lengths (a sync) only near the end."""
+    span = self.config.q * self.steps_per_call
+    if self.steps_per_call == 1 or state.len_bound + span <= self.config.max_context:
+      return self, state
+    worst = int(np.max(np.where(np.asarray(state.active), np.asarray(state.lengths), 0)))
+    if worst + span > self.config.max_context >= worst + self.config.q:
+      return self.single_step(state)
+    return self, state
 
   def generate(self, prompts, max_new_tokens: int, *, seeds=None, eos_id=None, progress=False):
     """Prefill + speculative steps until every prompt has ``max_new_tokens`` new tokens (or hit eos_id).
@@ -739,9 +752,7 @@ class Decoder:
       if done.all():
         break
       if pend is None:  # near max_context: the next step after reading (it refuses what does not fit)
-        worst = int(np.max(np.where(np.asarray(state.active), np.asarray(state.lengths), 0)))
-        if dec.steps_per_call > 1 and worst + span > max_ctx >= worst + dec.config.q:
-          dec, state = self._single_step(state)  # the last steps one per call: n of them no longer fit
+        dec, state = dec.for_next_call(state)
         pend = dec.step(state)
     if bar is not None:
       bar.close()

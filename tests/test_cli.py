@@ -12,12 +12,14 @@ from helpers import tiny_checkpoint
 
 def test_generate_with_prompt_ids(capsys):
   path = tiny_checkpoint("oracle-tiny", 0, "float32")
-  args = ["generate", path, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--k", "1", "--max-context", "64",
-          "--capture-sizes", "1"]
+  args = ["generate", path, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "10", "--k", "1", "--max-context",
+          "64", "--capture-sizes", "1"]
   main(args)
   out = capsys.readouterr().out
-  assert "generated (6 tokens)" in out and "draft acceptance" in out and "step time" in out
-  main(args + ["--steps-per-call", "3"])  # three speculative steps per call: the same tokens
+  assert "generated (10 tokens)" in out and "draft acceptance" in out and "step time" in out
+  # three speculative steps per call: the same tokens, to the end of a context where the last steps no longer fit
+  # three at a time (5 + 10 tokens in 16: Decoder.for_next_call hands them to a one-step decoder)
+  main(args + ["--steps-per-call", "3", "--max-context", "16"])
   gen = lambda text: next(line for line in text.splitlines() if line.startswith("generated"))  # noqa: E731
   assert gen(capsys.readouterr().out) == gen(out)
 
