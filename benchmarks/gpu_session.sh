@@ -66,9 +66,12 @@
 #   s29c (nvidia-h200):       1 and 4 steps per call at q = 1 profiled with kernel tables and listings, then the
 #                             steps_per_call GPU test
 #   s30 (nvidia-h200):        the 2-bit threshold kernel's GPU tests; at 4 steps per call (GPU-bound), q = 1: the
-#                             policy knobs A/B interleaved (threshold 1 / 2 bits at one row, kda_norm, split Sinkhorn)
+#                             policy knobs A/B interleaved (threshold 1 / 2 bits at one row, kda_norm, split
+#                             Sinkhorn, kda_approx_math)
 #   s30b (nvidia-h200):       q = 4 at 1 vs 4 steps per call with / without the 2-bit threshold; q = 1 at 4 steps
 #                             per call profiled with its kernel table
+#   s30c (nvidia-h200):       bench_kda_decode --q4 (approx-math / gates-first variants); 4 vs 8 steps per call
+#                             traced
 #   s29d (nvidia-h200):       packed vs unpacked parameters at 4 / 8 steps per call; loop-invariant code motion
 #                             off; q = 4 at 1 vs 4 steps per call
 #   s29 (nvidia-h200):        steps_per_call: 1 vs 4 steps per call (a device-side loop) interleaved at q = 1, the
@@ -464,12 +467,19 @@ case "$MODE" in
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k threshold 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     rank1 s30 --q 1 --steps-per-call 4 --interleave --policy '{}' '{"topk_threshold": true}' \
-      '{"topk_threshold": true, "topk_threshold_2bit": true}' '{"kda_norm": true}' '{"mhc_sinkhorn_split": false}'
+      '{"topk_threshold": true, "topk_threshold_2bit": true}' '{"kda_norm": true}' '{"mhc_sinkhorn_split": false}' \
+      '{"kda_approx_math": true}'
     ;;
   s30b)  # (nvidia-h200) q = 4 (k = 3 drafts, the product's mode) at 1 vs 4 steps per call, with and without the
     # 2-bit threshold kernel, interleaved; then the best at q = 1 profiled with its kernel table and listing
     rank1 s30b --q 4 --steps-per-call 1 4 --interleave --policy '{}' '{"topk_threshold_2bit": true}'
     [ "$(left)" -gt 150 ] && rank1 s30c --q 1 --steps-per-call 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
+    ;;
+  s30c)  # (nvidia-h200) issue #6's last goal (<= 5 us per KDA layer at B = 1, q = 4: 5.75 in session 27): the
+    # kernel's approximate-math and gates-first variants; then where 8 steps per call lost to 4 (session 29: 6.25
+    # vs 5.31 ms per step, both GPU-bound): both traced (device busy / idle gaps per step)
+    timeout 200 python3 benchmarks/bench_kda_decode.py --q4 --budget_s 150 > "$OUT/bench_kda_q4.log" 2>&1
+    [ "$(left)" -gt 200 ] && rank1 s30t --q 1 --steps-per-call 4 8 --trace
     ;;
   s29d)  # (nvidia-h200) the loop's 500 hoisted parameter slices (session 29: XLA moves the packed parameters'
     # slices out of the loop, ~500 kernels per call): packed vs unpacked parameters at 4 and 8 steps per call,

@@ -70,6 +70,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # one CTA, so 4x fewer CTAs stream the state) instead of an XLA fusion after it; measured
                    # slower (kernel 3.2 -> 5.5 µs per layer, the step 5.65 -> 5.68 ms; BENCHMARKS.md session 24)
                    "kda_norm": False,
+                   # with kda on: the KDA kernel's gates and l2 norms with the GPU's approximate exp / reciprocal /
+                   # rsqrt (KdaDecodeConfig(approx_math=True); within the kernel tolerance of the reference, its
+                   # GPU tests) — issue #6's per-token chain at B = 1 q = 4 (5.75 µs vs the 5 µs goal); off until
+                   # measured (bench_kda_decode.py --q4, gpu_session.sh s30c)
+                   "kda_approx_math": False,
                    # with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16
                    # activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before
                    # each call, exact products. The kernel alone is ~0.5 µs slower (the convert), the call

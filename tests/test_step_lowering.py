@@ -73,8 +73,11 @@ def test_kernel_tiny_step_lowers_at_twelve_token_rows():
 
 
 def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda():
-  """Policy mhc on: the 8 boundaries of kernel-tiny run as the fused kernels (the first site without a post)."""
-  txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096, policy=(("mhc", True),))
+  """Policy mhc on: the 8 boundaries of kernel-tiny run as the fused kernels (the first site without a post). With
+  the KDA kernel's approximate math (kda_approx_math: a knob turned on explicitly that reached no call site would
+  be refused)."""
+  txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
+                   policy=(("kda_approx_math", True), ("mhc", True)))
   for name in ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"):
     assert name in txt, name
   check_one_module_per_kernel(txt)
