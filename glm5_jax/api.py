@@ -53,18 +53,25 @@ class Model:
     """The NNX module (for inspection; the jitted paths merge it inside shard_map)."""
     return nnx.merge(self.graphdef, self.params)
 
-  def shard_map(self, fn, in_specs, out_specs, *, pack: pp.PackLayout | None = None):
+  def shard_map(self, fn, in_specs, out_specs, *, pack: pp.PackLayout | None = None, lazy: bool = False):
     """jax.shard_map of fn(module, *args) over the mesh, params passed first with their specs. With ``pack`` the
-    params come as two arguments instead, (big leaves, packed small leaves): see ``packed_params``."""
+    params come as two arguments instead, (big leaves, packed small leaves): see ``packed_params``. ``lazy``: fn
+    gets a function that builds the module (unpacking the packed parameters where it is called) instead of the
+    module — a loop over steps calls it inside its body, so that the packed slices fuse into their consumers
+    there instead of being copied out once per call as loop operands (session 29: 503 copies per call)."""
     gd = self.graphdef
+
+    def call(make, args):
+      return fn(make, *args) if lazy else fn(make(), *args)
+
     if pack is None:
       def body(params, *args):
-        return fn(nnx.merge(gd, params), *args)
+        return call(lambda: nnx.merge(gd, params), args)
 
       specs = (self.param_specs,)
     else:
       def body(big, packed, *args):
-        return fn(nnx.merge(gd, pp.unpack(big, packed, pack)), *args)
+        return call(lambda: nnx.merge(gd, pp.unpack(big, packed, pack)), args)
 
       specs = pp.in_specs(pack)
     return jax.shard_map(body, mesh=self.mesh, in_specs=(*specs, *in_specs), out_specs=out_specs, check_vma=False)

@@ -407,17 +407,22 @@ class Decoder:
               jnp.where(live[:, None], emitted, -1), counts, finite | ~active)
 
     steps, unroll = self.steps_per_call, self.unroll_steps
+    rolled = steps > 1 and not unroll
 
-    def body(m, caches, io):
+    def body(make_m, caches, io):
       lengths, n_acc, keys, active, tokens = _io_views(io, q)
       if steps == 1:
-        caches, carry, emitted, counts, finite = one(m, caches, lengths, n_acc, keys, active, tokens)
+        caches, carry, emitted, counts, finite = one(make_m(), caches, lengths, n_acc, keys, active, tokens)
         return caches, _io_pack(*carry[:3], active, carry[3], emitted, counts, finite)
       B = tokens.shape[0]
+      m = None if rolled else make_m()  # (unrolled: one module for the n copies, as one step builds it)
 
       def it(_, c):
         caches, carry, out, total, fin = c
-        caches, carry, emitted, counts, finite = one(m, caches, *carry[:3], active, carry[3])
+        # rolled: the module (the packed parameters' slices) built inside the loop body, where XLA fuses the
+        # slices into their consumers; built before the loop they were loop operands, copied once per call
+        mi = make_m() if m is None else m
+        caches, carry, emitted, counts, finite = one(mi, caches, *carry[:3], active, carry[3])
         # this step's tokens after the ones already committed (its -1 tail is overwritten by the next step's)
         out = jax.vmap(lambda o, e, t: jax.lax.dynamic_update_slice(o, e, (t,)))(out, emitted, total)
         return caches, carry, out, total + counts, fin & finite
@@ -434,7 +439,7 @@ class Decoder:
       return caches, _io_pack(*carry[:3], active, carry[3], out, total, fin, steps=steps)
 
     pack = self._pack()
-    sm = model.shard_map(fn, (cspecs, REP), (cspecs, REP), pack=pack)
+    sm = model.shard_map(fn, (cspecs, REP), (cspecs, REP), pack=pack, lazy=True)
     n = 1 if pack is None else 2  # parameter arguments before the caches
     return jax.jit(sm, donate_argnums=(n, n + 1))  # outputs alias the donated caches and io: no buffer moves
 
