@@ -67,8 +67,8 @@ plt.tight_layout()
 
 # %%
 path = os.path.join("..", "benchmarks", "results", "decode_h200.jsonl")
-rows = [json.loads(line) for line in open(path) if line.strip()]
-rows = [r for r in rows if r.get("profile")][-10:]
+rows_all = [json.loads(line) for line in open(path) if line.strip()]
+rows = [r for r in rows_all if r.get("profile")][-10:]
 fig, ax = plt.subplots(figsize=(9, 1 + 0.55 * len(rows)))
 for i, r in enumerate(rows):
   us, left = r["profile"]["us_per_step"], 0.0
@@ -131,6 +131,31 @@ for r in runs:  # against the program without Mosaic calls measured in the same 
     extra = r["host_ms"] - base[0]
     print(f"{n_mosaic(r)} Mosaic calls: +{extra:.2f} ms of host time per call = "
           f"{1e3 * extra / n_mosaic(r):.1f} µs per Mosaic call")
+
+# %% [markdown]
+# ## Several speculative steps per call
+#
+# At B = 1 the host's launch of the step's CUDA graph (~2 µs per graph node) took longer than the GPU's work.
+# `Decoder(steps_per_call=n)` runs n speculative steps in one call — a device-side loop that XLA keeps inside the
+# CUDA graph (its WHILE command) — so the host launches once per n steps. Session 29 on one H200 (one TP4 rank,
+# q = 1, configurations interleaved in one process, `bench_decode.py --steps-per-call 1 4 8 --interleave`):
+# wall time per speculative step (bars) and when the chained calls had returned on the host (dots). Once the host
+# returns well before the GPU is done, the GPU sets the pace.
+
+# %%
+sp = [r for r in rows_all if r.get("interleaved") and r["batch"] == 1 and r["q"] == 1 and r.get("steps_per_call")]
+fig, ax = plt.subplots(figsize=(8, 0.6 + 0.4 * len(sp)))
+for i, r in enumerate(sp):
+  ax.barh(i, r["ms_per_step"], color="tab:blue" if r["steps_per_call"] > 1 else "0.6")
+  ax.plot(r["host_ms_per_step"], i, "ko")
+  print(f"{r['steps_per_call']} step(s)/call, pack_params={r.get('pack_params')}: {r['ms_per_step']:.2f} ms/step, "
+        f"the calls returned after {r['host_ms_per_step']:.2f} ms/step ({r.get('date', '')})")
+if sp:
+  ax.axvline(sp[0]["roofline_ms"], color="r", ls="--", lw=1.5)  # (the HBM roofline)
+ax.set_yticks(range(len(sp)), [f"{r['steps_per_call']} step(s)/call, {'packed' if r.get('pack_params') else 'unpacked'}"
+                               f" params ({r.get('date', '')})" for r in sp], fontsize=8)
+ax.set_xlabel("ms per speculative step (dots: the host's share)")
+fig.tight_layout()
 
 # %% [markdown]
 # ## Which kernels run where
