@@ -235,7 +235,7 @@ def main(argv=None):
           f"idle GPU returns after {idle_ms:.2f} ms", flush=True)
     trace = None
     if a.trace:
-      trace, state = _trace(dec, state, a.steps, a.context)
+      trace, state = _trace(dec, state, a.steps, a.context, c["hlo"])
     name = c["name"]
     prof = _profile(dec, state, c["hlo"], a.steps, a.context,
                     kernels_path=os.path.join(a.hlo_dir, name + ".kernels.json") if name else None) if a.profile else None
@@ -313,7 +313,7 @@ def _room(dec, state, steps, context):
   return state
 
 
-def _trace(dec, state, steps, context):
+def _trace(dec, state, steps, context, hlo=None):
   """jax.profiler trace of ``steps`` chained steps -> (profiling.trace_summary, state)."""
   import glob  # noqa: PLC0415
   import tempfile  # noqa: PLC0415
@@ -327,11 +327,17 @@ def _trace(dec, state, steps, context):
   jax.block_until_ready(out.tokens)
   jax.profiler.stop_trace()
   f = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1]
-  s = profiling.trace_summary(f, _calls(dec, steps) * dec.steps_per_call)
+  s = profiling.trace_summary(f, _calls(dec, steps) * dec.steps_per_call,
+                              kmap=profiling.kernel_map(hlo) if hlo else None)
   if "span_ms" in s:
     print(f"#   trace: device span {s['span_ms']:.3f} ms/step, busy {s['busy_ms']:.3f}, idle {s['idle_ms']:.3f} in "
           f"{s['gaps_per_step']:.0f} gaps/step {s['gap_hist_per_step']}; largest gaps (µs) "
           f"{[round(g) for g in s['largest_gaps_us']]}", flush=True)
+    if "wall_us_per_step" in s:  # concurrent kernels share the time they overlap: what each costs the wall
+      print("#   trace, busy time by component (µs/step, overlaps shared): " + "  ".join(
+          f"{k} {v:.0f}" for k, v in s["wall_us_per_step"].items()), flush=True)
+      print("#   trace, kernels with the largest shares (µs/step): " + ", ".join(
+          f"{k} {v:.0f}" for k, v in list(s["wall_top_us"].items())[:12]), flush=True)
   else:
     print(f"#   trace: no device events in {f}", flush=True)
   print("#   trace, host self time (ms/step, calls/step): " + "; ".join(

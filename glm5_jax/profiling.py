@@ -219,6 +219,32 @@ def _union_busy(intervals):
   return busy, gaps
 
 
+def wall_shares(events) -> tuple[dict, dict]:
+  """events: (name, start, end) device intervals (ns) -> ({name: ns}, idle ns): each stretch of time split
+  equally among the kernels running during it, so the shares sum to the union of the intervals (the busy time).
+  Under XLA's CONCURRENT command-buffer schedule kernels overlap and their summed durations exceed the wall time
+  (a one-CTA kernel beside a streaming GEMV runs 2-4x its time alone); the share says what a kernel costs the
+  wall clock: a kernel that always overlaps others shares its time with them."""
+  marks = []
+  for i, (_, s, e) in enumerate(events):
+    if e > s:
+      marks.append((s, 1, i))
+      marks.append((e, -1, i))
+  marks.sort(key=lambda m: (m[0], m[1]))  # (ends before starts at the same instant)
+  share, active, idle, t0 = collections.Counter(), set(), 0, None
+  for t, kind, i in marks:
+    if t0 is not None and t > t0:
+      if active:
+        w = (t - t0) / len(active)
+        for j in active:
+          share[events[j][0]] += w
+      else:
+        idle += t - t0
+    t0 = t
+    (active.add if kind > 0 else active.discard)(i)
+  return dict(share), idle
+
+
 _NUMBERED = re.compile(r"(?:[._]\d+)+$")
 _GRAPH_ID = re.compile(r"\s*\(CudaGraph:\d+\)")  # cuGraphLaunch (CudaGraph:784): one row for every graph
 
@@ -245,7 +271,7 @@ def _self_times(events):
   return out
 
 
-def trace_summary(xspace_path: str, steps: int, *, top: int = 16) -> dict:
+def trace_summary(xspace_path: str, steps: int, *, top: int = 16, kmap: dict | None = None) -> dict:
   """Where the wall time of ``steps`` traced decode steps goes, from a jax.profiler trace (an .xplane.pb file).
 
   Device side (every '/device:GPU:*' plane's stream lines): the span from the first kernel's start to the last
@@ -253,7 +279,9 @@ def trace_summary(xspace_path: str, steps: int, *, top: int = 16) -> dict:
   step means the GPU waits for the host to issue the next step. Host side: self time (less nested events) and
   count per event name (XLA thunks, command-buffer updates, CUDA driver calls, PjRt argument handling) per step —
   what the host did while the GPU waited. Returns ms per step for span / busy / idle, the gap histogram and the
-  top host events {name: (self ms per step, calls per step)}."""
+  top host events {name: (self ms per step, calls per step)}. With ``kmap`` (kernel_map of the step's HLO) also
+  the busy time split by component and the kernels with the largest shares (``wall_shares``: concurrent kernels
+  share the time they overlap), µs per step."""
   from jax._src.lib import _profile_data  # noqa: PLC0415 (jaxlib's reader of XSpace protos; no TensorFlow)
 
   pd = _profile_data.ProfileData.from_file(xspace_path)
@@ -262,7 +290,7 @@ def trace_summary(xspace_path: str, steps: int, *, top: int = 16) -> dict:
     if plane.name.startswith("/device:GPU"):
       for line in plane.lines:
         if "stream" in line.name.lower():
-          dev.extend((e.start_ns, e.end_ns) for e in line.events if e.duration_ns > 0)
+          dev.extend((e.name, e.start_ns, e.end_ns) for e in line.events if e.duration_ns > 0)
     elif plane.name.startswith("/host:CPU"):
       for line in plane.lines:
         for name, ns in _self_times([(e.name[:80], e.start_ns, e.end_ns) for e in line.events]):
@@ -271,14 +299,23 @@ def trace_summary(xspace_path: str, steps: int, *, top: int = 16) -> dict:
           h[1] += 1
   out = {"steps": steps, "device_events": len(dev)}
   if dev:
-    busy, gaps = _union_busy(dev)
-    span = max(e for _, e in dev) - min(s for s, _ in dev)
+    busy, gaps = _union_busy([(s, e) for _, s, e in dev])
+    span = max(e for _, _, e in dev) - min(s for _, s, _ in dev)
     edges = (2_000, 5_000, 10_000, 50_000, 1_000_000)  # ns
     hist = collections.Counter(next((f"<{b // 1000}us" for b in edges if g < b), ">=1ms") for g in gaps)
     out.update(span_ms=span / 1e6 / steps, busy_ms=busy / 1e6 / steps, idle_ms=(span - busy) / 1e6 / steps,
                gaps_per_step=len(gaps) / steps,
                gap_hist_per_step={k: hist[k] / steps for k in [f"<{b // 1000}us" for b in edges] + [">=1ms"]},
                largest_gaps_us=[g / 1e3 for g in sorted(gaps)[-5:][::-1]])
+    if kmap is not None:
+      share, _ = wall_shares(dev)
+      comp = collections.Counter()
+      for name, ns in share.items():
+        c = classify_kernel(name, kmap) or "other"
+        for k, f in (c.items() if isinstance(c, dict) else ((c, 1.0),)):
+          comp[k] += f * ns / 1e3 / steps
+      out["wall_us_per_step"] = dict(comp.most_common())
+      out["wall_top_us"] = {n: ns / 1e3 / steps for n, ns in sorted(share.items(), key=lambda kv: -kv[1])[:top]}
   out["host_top"] = {k: (v[0] / 1e6 / steps, v[1] / steps)
                      for k, v in sorted(host.items(), key=lambda kv: -kv[1][0])[:top]}
   return out

@@ -159,6 +159,27 @@ def test_trace_interval_helpers():
   assert st["p"] == 5 and all(v >= 0 for v in st.values())
 
 
+def test_wall_shares_split_overlaps_equally():
+  """wall_shares: each instant's time split equally among the kernels running then — the shares sum to the busy
+  union, the rest of the span is idle; checked against a unit-grid count on fresh random intervals."""
+  rng = np.random.default_rng()
+  names = ["a", "b", "c", "d"]
+  ev = [(names[int(rng.integers(4))], int(s), int(s + rng.integers(1, 300))) for s in rng.integers(0, 5_000, 60)]
+  share, idle = P.wall_shares(ev)
+  want = dict.fromkeys(names, 0.0)
+  cover = np.zeros(6_000, int)
+  for _, s, e in ev:
+    cover[s:e] += 1
+  for n, s, e in ev:
+    want[n] += float(np.sum(1.0 / cover[s:e]))
+  for n in names:
+    assert abs(share.get(n, 0.0) - want[n]) < 1e-6 * max(1.0, want[n]), (n, share.get(n), want[n])
+  busy, _ = P._union_busy([(s, e) for _, s, e in ev])
+  assert abs(sum(share.values()) - busy) < 1e-6 * busy
+  span = max(e for *_, e in ev) - min(s for _, s, _ in ev)
+  assert idle == span - busy
+
+
 def test_kernel_table_reads_a_profile_with_its_hlo(tmp_path, capsys):
   """benchmarks/kernel_table.py: a component's kernels with time per launch, launches and the HLO's result type
   and op (profile names spell the HLO's '.' as '_'); filters by component and launch count."""
