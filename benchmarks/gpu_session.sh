@@ -473,7 +473,7 @@ case "$MODE" in
   s30b)  # (nvidia-h200) q = 4 (k = 3 drafts, the product's mode) at 1 vs 4 steps per call, with and without the
     # 2-bit threshold kernel, interleaved; then the best at q = 1 profiled with its kernel table and listing
     rank1 s30b --q 4 --steps-per-call 1 4 --interleave --policy '{}' '{"topk_threshold_2bit": true}'
-    [ "$(left)" -gt 150 ] && rank1 s30c --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" && kernel_tables 1
+    [ "$(left)" -gt 150 ] && rank1 s30p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" && kernel_tables 1
     ;;
   s30c)  # (nvidia-h200) issue #6's last goal (<= 5 us per KDA layer at B = 1, q = 4: 5.75 in session 27): the
     # kernel's approximate-math and gates-first variants; then where 8 steps per call lost to 4 (session 29: 6.25
