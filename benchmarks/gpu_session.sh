@@ -70,6 +70,7 @@
 #                             Sinkhorn, kda_approx_math)
 #   s30b (nvidia-h200):       q = 4 at 1 vs 4 steps per call with / without the 2-bit threshold; q = 1 at 4 steps
 #                             per call profiled with its kernel table
+#   s30d (nvidia-h200):       q = 4 at 4 steps per call profiled + traced with its kernel table and listing
 #   s30c (nvidia-h200):       bench_kda_decode --q4 (approx-math / gates-first variants); 4 vs 8 steps per call
 #                             traced
 #   s29d (nvidia-h200):       packed vs unpacked parameters at 4 / 8 steps per call; loop-invariant code motion
@@ -474,6 +475,10 @@ case "$MODE" in
     # 2-bit threshold kernel, interleaved; then the best at q = 1 profiled with its kernel table and listing
     rank1 s30b --q 4 --steps-per-call 1 4 --interleave --policy '{}' '{"topk_threshold_2bit": true}'
     [ "$(left)" -gt 150 ] && rank1 s30p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" && kernel_tables 1
+    ;;
+  s30d)  # (nvidia-h200) q = 4 at 4 steps per call profiled and traced, with its kernel table and listing (the
+    # product's mode: which glue kernels the KDA / DSA / MoE layers launch at 4 token rows)
+    rank1 s30d --q 4 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" && kernel_tables 4
     ;;
   s30c)  # (nvidia-h200) issue #6's last goal (<= 5 us per KDA layer at B = 1, q = 4: 5.75 in session 27): the
     # kernel's approximate-math and gates-first variants; then where 8 steps per call lost to 4 (session 29: 6.25
