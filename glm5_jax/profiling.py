@@ -219,7 +219,7 @@ def _union_busy(intervals):
   return busy, gaps
 
 
-def wall_shares(events) -> tuple[dict, dict]:
+def wall_shares(events) -> tuple[dict, float]:
   """events: (name, start, end) device intervals (ns) -> ({name: ns}, idle ns): each stretch of time split
   equally among the kernels running during it, so the shares sum to the union of the intervals (the busy time).
   Under XLA's CONCURRENT command-buffer schedule kernels overlap and their summed durations exceed the wall time
