@@ -232,7 +232,8 @@ def main(argv=None):
     idle_ms = 1e3 * float(np.median(idle))
     print(f"# {c['label']} B={b} q={q} host: the {c['calls']} calls return after {host_ms:.2f} ms/step of "
           f"{ms:.2f} ms/step ({'host-bound' if host_ms > 0.9 * ms else 'the GPU is behind'}); one call onto an "
-          f"idle GPU returns after {idle_ms:.2f} ms", flush=True)
+          f"idle GPU returns after {idle_ms:.2f} ms; repeats (ms/step) "
+          f"{', '.join(f'{1e3 * t:.2f}' for t in c['times'])}", flush=True)
     trace = None
     if a.trace:
       trace, state = _trace(dec, state, a.steps, a.context, c["hlo"])
