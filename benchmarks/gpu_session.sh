@@ -70,6 +70,7 @@
 #                             Sinkhorn, kda_approx_math)
 #   s30b (nvidia-h200):       q = 4 at 1 vs 4 steps per call with / without the 2-bit threshold; q = 1 at 4 steps
 #                             per call profiled with its kernel table
+#   s30e (nvidia-h200):       auto vs latency_specialized at 1 and 4 steps per call, q = 1, interleaved (#9's 2x)
 #   s30d (nvidia-h200):       q = 4 at 4 steps per call profiled + traced with its kernel table and listing
 #   s30c (nvidia-h200):       bench_kda_decode --q4 (approx-math / gates-first variants); 4 vs 8 steps per call
 #                             traced
@@ -475,6 +476,13 @@ case "$MODE" in
     # 2-bit threshold kernel, interleaved; then the best at q = 1 profiled with its kernel table and listing
     rank1 s30b --q 4 --steps-per-call 1 4 --interleave --policy '{}' '{"topk_threshold_2bit": true}'
     [ "$(left)" -gt 150 ] && rank1 s30p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" && kernel_tables 1
+    ;;
+  s30e)  # (nvidia-h200) issue #9's goal (latency_specialized >= 2x auto at B = 1, q = 1) on one host: auto and
+    # latency_specialized at 1 and 4 steps per call, interleaved (the stock path gains from the loop too)
+    timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --q 1 --context 32768 \
+      --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) --backend auto latency_specialized \
+      --steps-per-call 1 4 --interleave --compile-cache .jax_cache --out "$OUT/decode_s30e.jsonl" 2>&1 \
+      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s30e.log"
     ;;
   s30d)  # (nvidia-h200) q = 4 at 4 steps per call profiled and traced, with its kernel table and listing (the
     # product's mode: which glue kernels the KDA / DSA / MoE layers launch at 4 token rows)
