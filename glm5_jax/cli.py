@@ -31,9 +31,10 @@ def _decoder(args, model):
                  compiler_options=opts or None, steps_per_call=_steps_per_call(args, model), **pack)
 
 
-# latency_specialized on a GPU: 4 speculative steps per call by default — the host launches once per 4 steps
+# latency_specialized on one GPU: 4 speculative steps per call by default — the host launches once per 4 steps
 # instead of setting the pace (one TP4 rank, B = 1, q = 1: 7.57 -> 5.31 ms per step; 8 per call measured slower;
-# BENCHMARKS.md session 29). Elsewhere one (on the CPU the host is not the bottleneck).
+# BENCHMARKS.md session 29). Elsewhere one: on the CPU the host is not the bottleneck, and the loop with the
+# all-reduces inside the CUDA graph (TP > 1) is verified on CPU only so far (--steps-per-call asks for it).
 GPU_STEPS_PER_CALL = 4
 
 
@@ -41,7 +42,7 @@ def _steps_per_call(args, model) -> int:
   if args.steps_per_call is not None:
     return args.steps_per_call
   gpu = model.mesh.devices.flat[0].platform == "gpu"
-  return GPU_STEPS_PER_CALL if (gpu and args.backend == "latency_specialized") else 1
+  return GPU_STEPS_PER_CALL if (gpu and model.tp == 1 and args.backend == "latency_specialized") else 1
 
 
 def _add_decode_args(p):
@@ -54,7 +55,7 @@ def _add_decode_args(p):
   p.add_argument("--tp", type=int, default=1)
   p.add_argument("--steps-per-call", type=int, default=None,
                  help="speculative steps per decode call (one host launch per N steps; Decoder(steps_per_call)); "
-                      f"default {GPU_STEPS_PER_CALL} for latency_specialized on a GPU, else 1")
+                      f"default {GPU_STEPS_PER_CALL} for latency_specialized on one GPU, else 1")
   p.add_argument("--policy", default="{}", help="decode policy knobs as JSON, e.g. '{\"mhc_finish\": false}'")
   p.add_argument("--pack-params", type=int, default=None,
                  help="pass parameters under this many bytes packed into one buffer per dtype (0 = off; default: "
