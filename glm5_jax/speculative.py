@@ -544,9 +544,13 @@ class Decoder:
           *self._param_args(params), st.abstract_caches(self.layout(b), self.model.mesh),
           sd((b, io_width(self.config.q, self.steps_per_call)), jnp.int32))
 
-  def warmup(self, capture_sizes=None):
+  def warmup(self, capture_sizes=None, *, single_step: bool = False):
     """Compile the step for every capture size ahead of time (AOT): later steps run the stored executables
-    and nothing compiles while decoding."""
+    and nothing compiles while decoding. ``single_step`` (steps_per_call > 1): also the one-step decoder that
+    ``for_next_call`` hands the last steps to near max_context — else it compiles when a sequence gets there
+    (the step's full compile time, ~40-60 s at the real geometry, in the middle of decoding)."""
+    if single_step and self.steps_per_call > 1:
+      self._single_decoder().warmup(capture_sizes)
     for b in capture_sizes or self.config.capture_sizes:
       if b not in self._aot:
         with self.kernel_mode():  # Mosaic lowering happens in lower(): keep interpret mode / kernels active
@@ -688,15 +692,18 @@ class Decoder:
     return DecodeState.make(caches, lengths, np.ones(B, np.int32), keys, active, nxt, self, int(lens.max()))
 
   # ------------------------------------------------------------------ generate
-  def single_step(self, state: DecodeState) -> tuple["Decoder", DecodeState]:
-    """(a decoder of one step per call with this one's settings, ``state`` handed over to it: the same caches,
-    io repacked to its width; its calls then return one step's tokens). For the last steps where steps_per_call
-    steps no longer fit max_context but one does (generate(), the CLI)."""
+  def _single_decoder(self) -> "Decoder":
     if self._single is None:
       self._single = Decoder(self.model, self.config, backend=self.backend, temperature=self.temperature,
                              top_p=self.top_p, prefill_chunk=self.prefill_chunk,
                              compiler_options=self._given_options, pack_params=self.pack_params)
-    d = self._single
+    return self._single
+
+  def single_step(self, state: DecodeState) -> tuple["Decoder", DecodeState]:
+    """(a decoder of one step per call with this one's settings, ``state`` handed over to it: the same caches,
+    io repacked to its width; its calls then return one step's tokens). For the last steps where steps_per_call
+    steps no longer fit max_context but one does (generate(), the CLI)."""
+    d = self._single_decoder()
     return d, DecodeState.make(state.caches, state.lengths, state.n_acc, state.keys, state.active,
                                state.next_tokens, d, state.len_bound)
 

@@ -629,6 +629,8 @@ def test_steps_per_call_equal_chained_single_steps(model):
   # generate() runs the last steps one per call where n no longer fit max_context: the same continuations
   gp = [np.arange(9) % 50 + 1, np.arange(14) % 60 + 3]
   n_new = MAXCTX - 14 - 2
+  dec.warmup(single_step=True)  # (the one-step decoder compiled ahead, not when the sequences get there)
+  assert dec._single is not None and 2 in dec._single._aot
   assert dec.generate(gp, n_new)[0] == ref.generate(gp, n_new)[0]
   assert dec._single is not None and dec._single.steps_per_call == 1  # (the hand-over happened)
   near = dec.prefill([np.arange(MAXCTX - 3) % 97 + 1])  # one step would fit, two do not
