@@ -33,16 +33,21 @@ def test_forward_tp_equals_tp1_gpu(tp):
   np.testing.assert_allclose(got, ref, **tol("fp32_paths"))
 
 
-def _greedy(m, backend, steps=4):
+def _greedy(m, backend, steps=4, **kw):
   dec = Decoder(m, DecodeConfig(max_context=128, q=3, capture_sizes=(2,), policy=()), backend=backend,
-                prefill_chunk=16)
+                prefill_chunk=16, **kw)
   rng = np.random.default_rng(3)
   state = dec.prefill([rng.integers(0, 2000, 11), rng.integers(0, 2000, 17)])
   out = [np.asarray(state.next_tokens)]
-  for _ in range(steps):
+  for _ in range(steps // dec.steps_per_call):
     state, o = decode(state)
-    out += [np.asarray(o.tokens), np.asarray(o.next_tokens)]
+    out += [np.asarray(o.tokens), np.asarray(o.counts), np.asarray(o.next_tokens)]
   return out
+
+
+def _committed(out):
+  """Each sequence's committed tokens over the calls, in order (a call of n steps returns them compacted)."""
+  return [[t for toks, n in zip(out[1::3], out[2::3]) for t in toks[j, :n[j]].tolist()] for j in range(2)]
 
 
 @pytest.mark.parametrize("backend", ["auto", "latency_specialized"])
@@ -52,3 +57,14 @@ def test_speculative_greedy_tp_equals_tp1_gpu(tp, backend):
   b = _greedy(load(_ckpt(), "float32", tp), backend)
   for x, y in zip(a, b):
     np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_steps_per_call_tp_equals_tp1_gpu(tp):
+  """Two speculative steps per call at TP (the loop inside the CUDA graph with the all-reduces in its body; on a
+  GPU the Decoder compiles it with the WHILE / CONDITIONAL command-buffer commands) commit the tokens of single
+  steps at TP1, and end on the same next input."""
+  a = _greedy(load(_ckpt(), "float32", 1), "latency_specialized")
+  b = _greedy(load(_ckpt(), "float32", tp), "latency_specialized", steps_per_call=2)
+  assert _committed(b) == _committed(a)
+  np.testing.assert_array_equal(a[-1], b[-1])
