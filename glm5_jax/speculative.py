@@ -13,7 +13,10 @@ The state is donated; the layer loop and the draft chain are unrolled; nothing s
 ``Decoder(steps_per_call=n)`` runs n such steps in ONE call (a device-side loop, or unrolled): each step's input
 is the previous one's output, so the host launches once per n steps. Why: one TP4 rank's step at B = 1 is
 host-bound on the H200 — the host spends ~2-3 µs per CUDA-graph node launching the ~1,600-node graph (5.2 of
-5.4 ms per step at q = 1, BENCHMARKS.md session 28). The committed tokens of the n steps come back together.
+5.4 ms per step at q = 1, BENCHMARKS.md session 28). Measured: 7.57 -> 5.31 ms per step with n = 4 (session 29; the
+loop stays inside the CUDA graph, and the GPU then sets the pace). The committed tokens of the n steps come back
+together; tokens passed to ``decode(state, tokens)`` feed the first of the n steps (the later ones take the MTP
+layer's drafts).
 
 Shapes: B batch (a capture size), q = 1 + k tokens per sequence, V vocabulary, D hidden.
 """
