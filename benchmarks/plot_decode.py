@@ -49,7 +49,8 @@ def main(argv=None):
     split = ((r.get("kernel_sites") or {}).get("mhc_sinkhorn_split") or {}).get("sites", 0)
     extra = ", ".join(x for x in (sched or "", "Sinkhorn split" if split and "mhc_sinkhorn_split" not in pol
                                    else "") if x)
-    pol = ", ".join(x for x in (pol, extra) if x)
+    spc = r.get("steps_per_call", 1)
+    pol = ", ".join(x for x in (pol, extra, f"{spc} steps/call" if spc > 1 else "") if x)
     note = r.get("note", "")
     note = note if len(note) <= 60 else note[:57] + "..."  # the whole note is in the jsonl; keep the axis readable
     labels.append(f"{r['backend']} B={r['batch']} q={r['q']}{' (' + pol + ')' if pol else ''}\n"
@@ -58,7 +59,8 @@ def main(argv=None):
       ax.plot([r["roofline_ms"]] * 2, [i - 0.45, i + 0.45], "r--", lw=1.5, label="HBM roofline" if i == 0 else None)
   ax.set_yticks(range(len(rows)), labels, fontsize=8)
   ax.set_xlabel("ms per decode step (bars: GPU time by component; black tick: wall-clock step)")
-  ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+  # (below the axis label: the fewer the rows, the larger the label is in axes units)
+  ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.1 - 0.6 / (len(rows) + 2)))
   fig.tight_layout()
   fig.savefig(a.out, dpi=120, bbox_inches="tight")
   print(f"wrote {a.out}")
