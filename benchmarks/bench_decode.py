@@ -182,7 +182,9 @@ def main(argv=None):
                                            f"{'; '.join(v['not_used'])})" if v["not_used"] else "")
                                            for k, v in sorted(sites.items())), flush=True)
     print(f"# {label} B={b} q={q}: {cen['kernels']} kernel-level instructions {cen['by_kind']}, "
-          f"{cen['while_loops']} loops; by component {cen['by_component']}", flush=True)
+          f"{cen['while_loops']} loops" + (f" ({cen['outside_loops']} of them outside: once per call)"
+                                            if "outside_loops" in cen else "")
+          + f"; by component {cen['by_component']}", flush=True)
     state = random_state(dec, b, a.context)
     t = time.time()
     try:

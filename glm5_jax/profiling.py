@@ -143,9 +143,15 @@ def mosaic_shares(hlo_text: str) -> dict[str, dict[str, float]]:
   return {k: {c: n / sum(v.values()) for c, n in v.items()} for k, v in calls.items()}
 
 
+_ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.MULTILINE)
+
+
 def census(hlo_text: str) -> dict:
-  """Static kernel count of a compiled program by kind and by component (loop bodies counted once)."""
-  rows = kernel_instructions(hlo_text)
+  """Static kernel count of a compiled program by kind and by component (loop bodies counted once). With a loop
+  (``while_loops`` > 0, e.g. Decoder(steps_per_call=n)) ``outside_loops`` counts the entry computation's kernels:
+  those run once per call, the loop body's once per iteration."""
+  full = _kernel_rows(hlo_text)
+  rows = [r[:3] for r in full]
   kinds, comps = collections.Counter(), collections.Counter()
   for _, op, opn in rows:
     kind = ("collective" if op.removesuffix("-start") in _COLLECTIVES else
@@ -153,7 +159,11 @@ def census(hlo_text: str) -> dict:
     kinds[kind] += 1
     comps[component(opn)] += 1
   loops = sum(1 for _, _, op, _, _ in _instructions(hlo_text) if op == "while")
-  return {"kernels": len(rows), "by_kind": dict(kinds), "by_component": dict(comps), "while_loops": loops}
+  out = {"kernels": len(rows), "by_kind": dict(kinds), "by_component": dict(comps), "while_loops": loops}
+  entry = _ENTRY.search(hlo_text)
+  if loops and entry:
+    out["outside_loops"] = sum(1 for r in full if r[4] == entry.group(1))
+  return out
 
 
 def _sanitize(name: str) -> str:

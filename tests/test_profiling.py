@@ -109,6 +109,7 @@ def test_census_counts_kernel_level_instructions_once():
   assert c["by_component"] == {"mhc": 1, "moe": 1, "kda": 1, "router": 1, "draft": 1, "lm_head": 1, "dsa": 2,
                                "mlp": 1}
   assert c["while_loops"] == 1
+  assert c["outside_loops"] == 7  # the entry's kernels (once per call); the loop body's and the call's run per use
 
 
 def test_split_attributes_kernel_records():
