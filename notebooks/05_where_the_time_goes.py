@@ -18,8 +18,9 @@
 # compiled step launches, per component, and (2) attribute measured GPU kernel times to components
 # (`benchmarks/bench_decode.py --profile` records them with CUPTI on a GPU).
 #
-# Here: the census of the tiny model's step for both backends on this machine, and the measured split of the
-# real geometry's stock step on an H200 (`benchmarks/results/decode_h200.jsonl`).
+# Here: the census of the tiny model's stock step on this machine, the census of the real geometry's
+# latency_specialized step as compiled on an H200, and the measured split of both backends' steps there
+# (`benchmarks/results/decode_h200.jsonl`).
 
 # %%
 import json
@@ -35,14 +36,21 @@ from glm5_jax.speculative import Decoder
 
 model = glm5_jax.load_model(builtin_checkpoint("kernel-tiny"), dtype="float32")
 census = {}
-for backend in ("auto", "latency_specialized"):
-  dec = Decoder(model, DecodeConfig(max_context=256, q=2, capture_sizes=(1,), policy=()), backend=backend)
-  census[backend] = profiling.census(dec.trace_step(1).lower().compile().as_text())
-  print(backend, census[backend]["kernels"], "kernel-level instructions:", census[backend]["by_kind"])
+dec = Decoder(model, DecodeConfig(max_context=256, q=2, capture_sizes=(1,), policy=()), backend="auto")
+census["auto"] = profiling.census(dec.trace_step(1).lower().compile().as_text())
+print("auto:", census["auto"]["kernels"], "kernel-level instructions:", census["auto"]["by_kind"])
+
+# On a CPU the Pallas kernels would run in the GPU interpreter (each one many host callbacks): a
+# latency_specialized census compiled here is not the GPU's. The one the H200 compiled (one TP4 rank, B = 1):
+h200 = [json.loads(line) for line in open(os.path.join("..", "benchmarks", "results", "decode_h200.jsonl"))]
+for q in (1, 4):
+  last = [r for r in h200 if r["backend"] == "latency_specialized" and r["batch"] == 1 and r["q"] == q
+          and r.get("census") and r.get("steps_per_call", 1) == 1][-1]  # (one step per call: one step's census)
+  print(f"latency_specialized on the H200, q = {q} ({last['date']}):", last["census"]["kernels"],
+        "kernel-level instructions", last["census"]["by_component"])
 
 # %% [markdown]
-# On a CPU the Pallas kernels run in the GPU interpreter (each one becomes many host callbacks), so the
-# latency_specialized census here is not the GPU's. The stock step's census by component:
+# The tiny stock step's census by component:
 
 # %%
 comps = [c for c in profiling.COMPONENTS if census["auto"]["by_component"].get(c)]
