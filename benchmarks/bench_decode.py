@@ -263,7 +263,8 @@ def main(argv=None):
                roofline_ms=roof, pct_roofline=100 * roof / ms, device=jax.devices()[0].device_kind,
                census=c["cen"], profile=prof, trace=trace, host_ms_per_step=host_ms, host_idle_call_ms=idle_ms,
                first_call_s=c["first"], kernel_sites=c["sites"],
-               date=time.strftime("%Y-%m-%d"))
+               date=time.strftime("%Y-%m-%d"),
+               run=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t_start)))  # (the rows of one invocation)
     rows.append(row)
     print(f"{c['label']:>34} {b:>3} {q:>2} {c['comp']:>9.1f} {ms:>9.2f} {tps:>9.1f} {roof:>11.3f} "
           f"{row['pct_roofline']:>6.1f}%", flush=True)

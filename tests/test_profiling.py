@@ -248,3 +248,26 @@ def test_component_floors_add_up_to_the_roofline():
     g = P.floor_bytes(C.real(), sharded, batch=1, q=1, context=32768, tp=4)
     for c in ("kda", "moe", "dsa", "lm_head", "mhc", "router"):
       assert abs(g[c] / floors[1, 1][c] - 1) < 0.05, (c, g[c], floors[1, 1][c])
+
+def test_ab_table_compares_interleaved_rows_with_their_spread(capsys):
+  """benchmarks/ab_table.py: per invocation, each configuration against the baseline (the empty policy, one step
+  per call), the difference and whether the repeat ranges overlap; rows without stored repeats say "?"."""
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import ab_table  # noqa: PLC0415
+  rng = np.random.default_rng()
+  base_ms = float(rng.uniform(4, 8))
+  common = dict(geometry="tp4-rank", layers=45, tp=1, batch=1, q=1, context=32768, date="2026-12-02",
+                run="2026-12-02T00:00:00", interleaved=True, backend="latency_specialized", pack_params=65536)
+  rows = [dict(common, policy={}, steps_per_call=1, ms_per_step=base_ms, ms_repeats=[base_ms - 0.1, base_ms + 0.1]),
+          dict(common, policy={}, steps_per_call=4, ms_per_step=base_ms - 1, ms_repeats=[base_ms - 1.1, base_ms - 0.9]),
+          dict(common, policy={"kda_norm": True}, steps_per_call=1, ms_per_step=base_ms + 0.05,
+               ms_repeats=[base_ms - 0.05, base_ms + 0.15]),
+          dict(common, policy={"x": 1}, steps_per_call=1, ms_per_step=base_ms + 2),  # (no repeats stored)
+          dict(common, run="other", policy={}, steps_per_call=1, ms_per_step=1.0)]  # (alone in its invocation)
+  lines = ab_table.table(rows, {})
+  body = [ln for ln in lines if ln.startswith("| latency")]
+  assert len(body) == 4 and "baseline" in body[0] and f"{base_ms:.2f}" in body[0]
+  assert body[1].endswith("| -1.00 ms ({:+.1f} %) | yes |".format(-100 / base_ms))
+  assert body[2].endswith("| no |") and body[3].endswith("| ? |") and "| — |" in body[3]
