@@ -65,9 +65,9 @@
 #                             q = 4, q = 1 (forced) and B = 8 q = 4 with it
 #   s29c (nvidia-h200):       1 and 4 steps per call at q = 1 profiled with kernel tables and listings, then the
 #                             steps_per_call GPU test
-#   s30 (nvidia-h200):        the 2-bit threshold kernel's GPU tests; at 4 steps per call (GPU-bound), q = 1: the
-#                             policy knobs A/B interleaved (threshold 1 / 2 bits at one row, kda_norm, split
-#                             Sinkhorn, kda_approx_math)
+#   s30 (nvidia-h200):        the 2-bit threshold kernel's and the one-launch mHC boundary's GPU tests; at 4 steps
+#                             per call (GPU-bound), q = 1: the policy knobs A/B interleaved (mhc_boundary,
+#                             threshold 1 / 2 bits at one row, kda_norm, kda_approx_math, split Sinkhorn)
 #   s30b (nvidia-h200):       q = 4 at 1 vs 4 steps per call with / without the 2-bit threshold; q = 1 at 4 steps
 #                             per call profiled with its kernel table
 #   s30e (nvidia-h200):       auto vs latency_specialized at 1 and 4 steps per call, q = 1, interleaved (#9's 2x)
@@ -468,9 +468,17 @@ case "$MODE" in
     # count now. First the 2-bit threshold kernel's GPU tests
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k threshold 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
-    rank1 s30 --q 1 --steps-per-call 4 --interleave --policy '{}' '{"topk_threshold": true}' \
-      '{"topk_threshold": true, "topk_threshold_2bit": true}' '{"kda_norm": true}' '{"mhc_sinkhorn_split": false}' \
-      '{"kda_approx_math": true}'
+    # the one-launch boundary (a cluster of 8 CTAs meeting at a cluster barrier): its GPU tests first, with a
+    # traceback if they hang; the step A/B includes it only if they passed
+    timeout -s INT 150 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_mhc.py \
+      -k "boundary or trunk" > /tmp/t_boundary.log 2>&1
+    grep -E "passed|failed|FAILED|^E  |Interrupt" /tmp/t_boundary.log | head -20 | tee -a "$OUT/gpu_tests.log"
+    BOUNDARY=""
+    grep -q " passed" /tmp/t_boundary.log && ! grep -q -E "failed|Interrupt" /tmp/t_boundary.log \
+      && BOUNDARY='{"mhc_boundary":true}'  # (no space: one word unquoted)
+    rank1 s30 --q 1 --steps-per-call 4 --interleave --policy '{}' $BOUNDARY \
+      '{"topk_threshold": true}' '{"topk_threshold": true, "topk_threshold_2bit": true}' '{"kda_norm": true}' \
+      '{"kda_approx_math": true}' '{"mhc_sinkhorn_split": false}'
     ;;
   s30b)  # (nvidia-h200) q = 4 (k = 3 drafts, the product's mode) at 1 vs 4 steps per call, with and without the
     # 2-bit threshold kernel, interleaved; then the best at q = 1 profiled with its kernel table and listing

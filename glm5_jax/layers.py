@@ -104,7 +104,12 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # with fp8_moe on, at 2+ token rows: the MoE's slot tables (the distinct experts, the
                    # [slot, token] weights, the shared expert's slot) as one Mosaic launch (linear.moe_route)
                    # instead of ~7 small XLA kernels per MoE layer on the critical path (q = 4, session 27)
-                   "moe_route": True}
+                   "moe_route": True,
+                   # with mhc, mhc_finish and mhc_sinkhorn_split on: each mHC boundary as ONE launch (a cluster of 8
+                   # CTAs: pallas_kernels.mhc.mhc_boundary) instead of mhc_post_pre + an XLA reduction +
+                   # mhc_finish on the sublayer's critical path (~14 µs and 3 launches per boundary at q = 1,
+                   # session 29); the Sinkhorn stays a kernel of its own. Off until measured natively
+                   "mhc_boundary": False}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
@@ -361,6 +366,17 @@ def sinkhorn_comb(mc, scale, base, n, iters, eps):
   return lax.fori_loop(0, iters - 1, sinkhorn, c, unroll=jax.default_backend() != "cpu")
 
 
+def _chunk_sums(part, M: int):
+  """The mHC kernels' partials [G, 64, 40] -> their sum over the column chunks [Mp, 40] for the M real rows only,
+  Mp = M rounded up to 4 (16-byte rows: the kernels' TMA reads 64 columns of the transposed sums and fills the
+  rest with zeros). It reads G·M·40 floats instead of the whole [G, 64, 40] (655 KB per boundary; the all-rows
+  reduction was 1.8 µs per boundary at M = 1, session 24); at M = 4 (q = 4) there is no pad at all — padded to
+  64 rows the reduction was a pad fusion + a reduction fusion per boundary (session 26's q = 4 profile: 90 + 90
+  launches); at M = 1 the pad to 4 rows is on the input side, fused into the reduction."""
+  Mp = -(-M // 4) * 4
+  return jnp.sum(jnp.pad(part[:, :M], ((0, 0), (0, Mp - M), (0, 0))) if Mp > M else part[:, :M], axis=0)
+
+
 class HyperConnection(nnx.Module):
   """One mHC site: 24 mixing logits from the 4 flattened streams, Sinkhorn-normalised 4×4 ``comb``."""
 
@@ -417,23 +433,27 @@ class HyperConnection(nnx.Module):
       return (jnp.concatenate([p[0] for p in parts], axis=0), jnp.concatenate([p[1] for p in parts], axis=0),
               tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)))
     y, mix = pending if pending is not None else (None, None)
-    Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None)
-    # one reduction over the column chunks of the M real rows only (the finish takes the sums transposed, one
-    # row per quantity): it reads G·M·40 floats instead of the kernel's whole [G, 64, 40] (655 KB per boundary;
-    # the all-rows reduction was 1.8 µs per boundary at M = 1, session 24). The sums go to the kernels as
-    # [40, Mp], Mp = M rounded up to 4 (16-byte rows): their TMA reads 64 columns and fills the rest with zeros.
-    # At M = 4 (q = 4) there is no pad at all — padded to 64 rows the reduction was a pad fusion + a reduction
-    # fusion per boundary (session 26's q = 4 profile: 90 + 90 launches); at M = 1 the pad to 4 rows is on the
-    # input side, fused into the reduction as before.
-    Mp = -(-M // 4) * 4
-    tot = jnp.sum(jnp.pad(part[:, :M], ((0, 0), (0, Mp - M), (0, 0))) if Mp > M else part[:, :M], axis=0)
-    finish = km.mhc_finish if kernel_enabled("mhc_finish") else km.mhc_finish_reference
-    # approximate reciprocal / exp / rsqrt in the kernel (like the sparse MLA and indexer kernels): 5.15 -> 4.84 µs
-    # per call alone on the H200, post/comb within 9.2e-7 relative of the exact kernel, x_in bit-identical
-    # (bench_mhc, session 24); the GPU tests hold it to the exact kernel's tolerances
+    # approximate reciprocal / exp / rsqrt in the kernels (like the sparse MLA and indexer kernels): 5.15 -> 4.84
+    # µs per finish call alone on the H200, post/comb within 9.2e-7 relative of the exact kernel, x_in
+    # bit-identical (bench_mhc, session 24); the GPU tests hold it to the exact kernel's tolerances
     consts = dict(iters=self.iters, eps=self.eps, hc_norm_eps=self.norm_eps, post_mult=self.post_mult,
                   approx_math=True)
-    tot_t, coef = tot.T, self.base_scale[...]
+    coef, D = self.base_scale[...], X2.shape[1] // km.N
+    split = kernel_switch("mhc_finish") and kernel_switch("mhc_sinkhorn_split")
+    width = km.cluster_size(D) * km.DC_FIN
+    if kernel_enabled("mhc_boundary", fits=split and D % width == 0,
+                      why=f"needs mhc_finish and mhc_sinkhorn_split on, and a hidden size a multiple of {width}"):
+      # the boundary in ONE launch (a cluster of CTAs: post, pre logits, Gram, the sublayer input's RMSNorm); the
+      # Sinkhorn of comb for the next boundary from its partials, off the sublayer's critical path. (The finish
+      # and the split Sinkhorn run here too: their sites are recorded.)
+      kernel_enabled("mhc_finish"), kernel_enabled("mhc_sinkhorn_split")
+      Xn, x_in, part = km.mhc_boundary(X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None,
+                                       norm_eps=norm.eps, **{k: v for k, v in consts.items() if k != "iters"})
+      return Xn, x_in, km.mhc_sinkhorn(_chunk_sums(part, M).T, coef, D=D, **consts)
+    Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None)
+    tot = _chunk_sums(part, M)
+    finish = km.mhc_finish if kernel_enabled("mhc_finish") else km.mhc_finish_reference
+    tot_t = tot.T
     if finish is km.mhc_finish and kernel_enabled("mhc_sinkhorn_split"):
       x_in = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
       return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=Xn.shape[1] // km.N, **consts)

@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry
+from pallas_kernels._common import interpreting, kernel_entry
 
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
@@ -479,3 +479,249 @@ def mhc_sinkhorn(tot_t, coef, *, D: int, iters: int, eps: float, hc_norm_eps: fl
       compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)),
   )
   return kern(tot_t.astype(f32), coef.astype(f32))
+
+
+# ------------------------------------------------------------------------------------------------ one launch
+# The boundary as ONE launch (issue #14: "at each site, one kernel"): a thread-block cluster of CL CTAs, each
+# owning D / CL columns of every stream. Phase 1 is mhc_post_pre over the CTA's columns in 64-column chunks (TMA
+# double-buffered; the mixing logits accumulate in one wgmma accumulator, the Gram entries in per-row vectors);
+# each CTA then publishes the rows every CTA needs — its partial pre logits (4) and Gram entries (10), one per-row
+# vector each — in GMEM, and the cluster barrier makes them visible. Phase 2 is mhc_finish's normalisation over
+# the CTA's columns from the cluster's summed rows. The partials ([CL, 64, 40], as mhc_post_pre's per chunk) also
+# go out for the Sinkhorn of comb (mhc_sinkhorn after one small XLA reduction, off the sublayer's critical path).
+# The cluster replaces a grid-wide reduction: GMEM + a cluster barrier is what runs in GPU interpret mode (a
+# DSMEM cluster_ref and a grid-wide semaphore cross-lower but do not interpret in jax 0.11.2).
+CLUSTER = 8  # CTAs per boundary: the portable thread-block cluster maximum
+XROWS = 16  # rows of the cluster's exchange array per CTA: the 4 pre logits, the 10 Gram entries, padding
+
+
+def cluster_size(D: int) -> int:
+  """CTAs of the one-launch boundary for hidden size D: CLUSTER, fewer where D / CLUSTER < 128 columns."""
+  return max(1, min(CLUSTER, D // DC_FIN))
+
+
+def mhc_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
+                           norm_eps: float, post_mult: float, approx_math: bool = False, cluster: int | None = None):
+  """X [M, N·D] bf16, y [M, D] bf16, mix = (post_t [N, 64], comb_t [N·N, 64]) of the previous site, fn [24, N·D]
+  bf16, coef [27] f32 (base, scale), w [D] -> (X' [M, N·D] bf16 (X itself when ``first``), x_in [M, D] bf16 =
+  w · bf16(bf16(u) · rinv), part [CL, 64, 40] f32: mhc_post_pre's partials summed per CTA's D / CL columns, CL =
+  ``cluster`` or cluster_size(D)). ``mhc_post_pre_reference`` then ``mhc_finish_reference``'s x_in on the summed
+  partials. ``approx_math`` is the kernel's option (exact math here)."""
+  M, K = X.shape
+  D = K // N
+  CL = cluster or cluster_size(D)
+  Xn, part64 = mhc_post_pre_reference(X, y, mix, fn, first=first)
+  part = part64.reshape(CL, -1, ROWS, PART).sum(axis=1)
+  tot_t = jnp.sum(part[:, :M], axis=0).T
+  x_in = mhc_finish_reference(Xn, tot_t, coef, w, iters=1, eps=eps, hc_norm_eps=hc_norm_eps, norm_eps=norm_eps,
+                              post_mult=post_mult)[0]
+  return Xn, x_in, part
+
+
+def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float):
+  DCL = D // CL  # columns of each stream per CTA
+  NCH, NFIN = DCL // DC, DCL // DC_FIN  # phase-1 and phase-2 chunks
+  idx = {p: k for k, p in enumerate(_PAIRS)}
+  f32, bf16 = jnp.float32, jnp.bfloat16
+
+  def body(*refs):
+    it = iter(refs)
+    take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
+    if first:
+      x_g, fn_g, c_g, w_g = take(4)
+      y_g = post_g = comb_g = xo_g = None
+      xin_g, part_g, rp_g = take(3)
+    else:
+      x_g, y_g, post_g, comb_g, fn_g, c_g, w_g = take(7)
+      xo_g, xin_g, part_g, rp_g = take(4)
+    bar1, bar2, barm, cbar = take(4)
+    c = lax.axis_index("c")
+    d0 = c * DCL
+
+    def phase1(x_s, fn_s, y_s, xw_s, xu_s, post_s, comb_s, r_s):
+      def issue(j):  # TMA chunk j (its 64 columns of each stream, of fn, of y) into slot j % 2
+        slot, dj = j % 2, d0 + j * DC
+        for i in range(N):
+          plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + dj, DC)], x_s.at[slot, i, pl.ds(0, M)],
+                                  bar1.at[slot])
+          plgpu.copy_gmem_to_smem(fn_g.at[:, pl.ds(i * D + dj, DC)], fn_s.at[slot, i], bar1.at[slot])
+        if not first:
+          plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, M), pl.ds(dj, DC)], y_s.at[slot, pl.ds(0, M)], bar1.at[slot])
+
+      for j in range(min(2, NCH)):
+        issue(j)
+      if not first:
+        plgpu.copy_gmem_to_smem(post_g, post_s, barm)
+        plgpu.copy_gmem_to_smem(comb_g, comb_s, barm)
+        plgpu.barrier_wait(barm)
+        post = [_row_vector(post_s, k) for k in range(N)]
+        comb = [_row_vector(comb_s, k) for k in range(N * N)]
+      def chunks(acc):  # -> (the mixing logits [64, 24], the 10 Gram per-row vectors): returned, not leaked
+        gram = [None] * GRAM
+        for j in range(NCH):
+          slot = j % 2
+          plgpu.barrier_wait(bar1.at[slot])
+          xs = [plgpu.load(x_s.at[slot, i], layout=_L.WGMMA, optimized=False).astype(f32) for i in range(N)]
+          if first:
+            xn = xs
+          else:
+            yv = plgpu.load(y_s.at[slot], layout=_L.WGMMA, optimized=False).astype(f32)
+            xn = []
+            for jj in range(N):  # as mhc_post_pre: Σ_i comb[i, jj] X_i in order, then + post_jj · y, rounded once
+              s = _bcast(comb[jj], DC) * xs[0]
+              for i in range(1, N):
+                s = s + _bcast(comb[N * i + jj], DC) * xs[i]
+              xn.append((_bcast(post[jj], DC) * yv + s).astype(bf16).astype(f32))
+          if not first and j > 0:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's X' store has read xu_s
+          for jj in range(N):
+            xb = plgpu.layout_cast(xn[jj].astype(bf16), _L.WGMMA)
+            xw_s[jj] = xb
+            if not first:
+              xu_s[jj] = xb
+          plgpu.commit_smem()
+          if not first:
+            for jj in range(N):
+              plgpu.copy_smem_to_gmem(xu_s.at[jj, pl.ds(0, M)],
+                                      xo_g.at[pl.ds(0, M), pl.ds(jj * D + d0 + j * DC, DC)])
+          for jj in range(N):
+            plgpu.wgmma(acc, xw_s.at[jj], fn_s.at[slot, jj].T)
+          for k, (a, b) in enumerate(_PAIRS):
+            gk = plgpu.layout_cast((xn[a] * xn[b]).sum(axis=1), _L.WGMMA.reduce(1))
+            gram[k] = gk if gram[k] is None else gram[k] + gk
+          plgpu.wgmma_wait(0)  # fn_s[slot] and xw_s are free again
+          if j + 2 < NCH:
+            issue(j + 2)
+        return acc[...], tuple(gram)
+
+      pm, gram = pl.run_scoped(chunks, plgpu.ACC((ROWS, MIX), f32))
+      # the CTA's partials in mhc_post_pre's format (for the Sinkhorn of comb, outside)
+      part_g[c, :, pl.ds(0, MIX)] = plgpu.layout_cast(pm, _L.WGMMA)
+      col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PART - MIX), 1, layout=_L.WGMMA)
+      gt = jnp.zeros((ROWS, PART - MIX), f32)
+      for k in range(GRAM):
+        gt = jnp.where(col == k, _bcast(gram[k], PART - MIX), gt)
+      part_g[c, :, pl.ds(MIX, PART - MIX)] = plgpu.layout_cast(gt, _L.WGMMA)
+      # the rows the cluster needs: the pre logits (columns 0..3 of pm, by masked row sums) and the Gram entries
+      cm = plgpu.broadcasted_iota(jnp.int32, (ROWS, MIX), 1, layout=_L.WGMMA)
+      for i in range(N):
+        r_s[i] = plgpu.layout_cast(jnp.sum(jnp.where(cm == i, pm, 0.0), axis=1), _L.WGMMA.reduce(1))
+      for k in range(GRAM):
+        r_s[N + k] = gram[k]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(r_s, rp_g.at[c])
+      plgpu.wait_smem_to_gmem(0)  # X' and the rows are in GMEM before this CTA arrives at the cluster barrier
+
+    pl.run_scoped(phase1,
+                  plgpu.SMEM((2, N, ROWS, DC), bf16),  # x_s: M rows of each stream's chunk (untiled TMA boxes)
+                  plgpu.SMEM((2, N, MIX, DC), bf16, transforms=_BF16_SW128),  # fn_s: wgmma B (as fn_sᵀ)
+                  plgpu.SMEM((2, ROWS, DC), bf16),  # y_s
+                  plgpu.SMEM((N, ROWS, DC), bf16, transforms=_BF16_SW128),  # xw_s: X' as the wgmma A operand
+                  plgpu.SMEM((N, ROWS, DC), bf16),  # xu_s: X' untiled, for the TMA store of M rows
+                  plgpu.SMEM((N, ROWS), f32),  # post_s (transposed mix: a row per quantity)
+                  plgpu.SMEM((N * N, ROWS), f32),  # comb_s
+                  plgpu.SMEM((XROWS, ROWS), f32))  # r_s: this CTA's exchange rows
+    plgpu.barrier_arrive(cbar)
+    plgpu.barrier_wait(cbar)
+
+    def phase2(x2_s, w_s, o_s):
+      src = x_g if first else xo_g  # X' (this CTA's own columns, stored above)
+
+      def issue(q):
+        slot, dq = q % 2, d0 + q * DC_FIN
+        for i in range(N):
+          plgpu.copy_gmem_to_smem(src.at[pl.ds(0, M), pl.ds(i * D + dq, DC_FIN)], x2_s.at[slot, i, pl.ds(0, M)],
+                                  bar2.at[slot])
+        plgpu.copy_gmem_to_smem(w_g.at[pl.ds(dq, DC_FIN)], w_s.at[slot], bar2.at[slot])
+
+      for q in range(min(2, NFIN)):
+        issue(q)
+
+      def row(k):  # the cluster's sum of exchange row k, in CTA order (plain loads, after the barrier)
+        v = plgpu.load(rp_g.at[0, k], layout=_L.WGMMA.reduce(1), optimized=False)
+        for cc in range(1, CL):
+          v = v + plgpu.load(rp_g.at[cc, k], layout=_L.WGMMA.reduce(1), optimized=False)
+        return v
+
+      S = [row(i) for i in range(N)]
+      gp = [row(N + k) for k in range(GRAM)]
+      gram = [[gp[idx[min(i, j), max(i, j)]] for j in range(N)] for i in range(N)]
+      base = [c_g[k] for k in range(N)]
+      sc0 = c_g[MIX]
+      ss = gram[0][0] + gram[1][1] + gram[2][2] + gram[3][3]
+      r = lax.rsqrt(ss / float(N * D) + hc_norm_eps)
+      pre = [jax.nn.sigmoid(S[i] * r * sc0 + base[i]) + eps for i in range(N)]  # as mhc_finish
+      var = None
+      for i in range(N):
+        for j in range(N):
+          t = pre[i] * gram[i][j] * pre[j]
+          var = t if var is None else var + t
+      rinv = lax.rsqrt(jnp.maximum(var / float(D), 0.0) + norm_eps)
+      for q in range(NFIN):
+        slot = q % 2
+        plgpu.barrier_wait(bar2.at[slot])
+        if q > 0:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's x_in store has read o_s
+        _normed_input(x2_s.at[slot], w_s.at[slot], o_s, xin_g, pre, rinv, M, d0 + q * DC_FIN)
+        if q + 2 < NFIN:
+          issue(q + 2)  # (x2_s / w_s of this slot were read into registers)
+      plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(phase2,
+                  plgpu.SMEM((2, N, ROWS, DC_FIN), bf16),  # x2_s
+                  plgpu.SMEM((2, DC_FIN), bf16),  # w_s
+                  plgpu.SMEM((ROWS, DC_FIN), bf16))  # o_s
+
+  return body
+
+
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "post_mult", "approx_math", "cluster")
+def mhc_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float, norm_eps: float,
+                 post_mult: float, approx_math: bool = False, cluster: int | None = None):
+  """Mosaic GPU version of ``mhc_boundary_reference`` (same signature and outputs): the boundary's post, pre
+  logits and Gram, and the sublayer input's RMSNorm in one launch (a cluster of ``cluster`` CTAs, default
+  cluster_size(D)). ``post_mult`` is part of the site's constants (used by the Sinkhorn outside, not here).
+  GPU interpret mode (jax 0.11.2) runs a cluster's CTAs as threads whose callbacks can starve each other at the
+  cluster barrier: a cluster of 8 stalled alone, one of 4 inside a whole model — so interpreted, the default is
+  2 CTAs (the same code; the partials then come in 2 groups)."""
+  del post_mult
+  M, K = X.shape
+  D = K // N
+  _check(X, D, "mhc_boundary")
+  CL = cluster or (min(2, cluster_size(D)) if interpreting() else cluster_size(D))
+  if not 1 <= CL <= CLUSTER or D % (CL * DC_FIN):
+    raise ValueError(f"mhc_boundary: a cluster of {CL} CTAs for hidden size {D}; expected 1..{CLUSTER} CTAs of a "
+                     f"multiple of {DC_FIN} columns each")
+  if fn.shape != (MIX, K) or X.dtype != jnp.bfloat16 or coef.shape != (MIX + 3,) or w.shape != (D,):
+    raise ValueError(f"mhc_boundary: fn {fn.shape}, X {X.dtype}, coef {coef.shape}, w {w.shape}; expected fn "
+                     f"[{MIX}, {K}], a bf16 residual, coef [{MIX + 3}] and w [{D}]")
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  outs = (jax.ShapeDtypeStruct((M, D), bf16),  # x_in
+          jax.ShapeDtypeStruct((CL, ROWS, PART), f32),  # part
+          jax.ShapeDtypeStruct((CL, XROWS, ROWS), f32))  # the cluster's exchange rows (scratch)
+  if not first:
+    outs = (jax.ShapeDtypeStruct((M, K), bf16), *outs)  # X'
+  kern = plgpu.kernel(
+      _boundary_kernel(M, D, CL, bool(first), float(eps), float(hc_norm_eps), float(norm_eps)),
+      out_type=outs,
+      scratch_types=[plgpu.Barrier(num_arrivals=2 * N + (0 if first else 1), num_barriers=2),  # bar1: chunks
+                     plgpu.Barrier(num_arrivals=N + 1, num_barriers=2),  # bar2: phase-2 chunks
+                     plgpu.Barrier(num_arrivals=2),  # barm: the previous mix
+                     plgpu.ClusterBarrier(collective_axes=("c",))],
+      grid=(1,),
+      grid_names=("g",),
+      cluster=(CL,),
+      cluster_names=("c",),
+      kernel_name="glm5_mhc_boundary",
+      compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)),
+  )
+  if first:
+    x_in, part, _ = kern(X, fn.astype(bf16), coef.astype(f32), w.astype(bf16))
+    return X, x_in, part
+  post, comb = mix
+  if post.shape != (N, ROWS) or comb.shape != (N * N, ROWS):
+    raise ValueError(f"mhc_boundary: mix = (post {post.shape}, comb {comb.shape}), expected the transposed "
+                     f"({(N, ROWS)}, {(N * N, ROWS)}) of mhc_finish (mix_from_rows)")
+  Xn, x_in, part, _ = kern(X, y.astype(bf16), post.astype(f32), comb.astype(f32), fn.astype(bf16), coef.astype(f32),
+                           w.astype(bf16))
+  return Xn, x_in, part

@@ -72,14 +72,18 @@ def test_kernel_tiny_step_lowers_at_twelve_token_rows():
     assert name in txt, name
 
 
-def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda():
-  """Policy mhc on: the 8 boundaries of kernel-tiny run as the fused kernels (the first site without a post). With
-  the KDA kernel's approximate math (kda_approx_math: a knob turned on explicitly that reached no call site would
-  be refused)."""
+@pytest.mark.parametrize("boundary", [False, True])
+def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(boundary):
+  """Policy mhc on: the 8 boundaries of kernel-tiny run as the fused kernels (the first site without a post), or
+  (mhc_boundary) each as one launch of a CTA cluster + the Sinkhorn kernel. With the KDA kernel's approximate
+  math (kda_approx_math: a knob turned on explicitly that reached no call site would be refused)."""
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
-                   policy=(("kda_approx_math", True), ("mhc", True)))
-  for name in ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"):
+                   policy=(("kda_approx_math", True), ("mhc", True), ("mhc_boundary", boundary)))
+  names = ("glm5_mhc_boundary", "glm5_mhc_sinkhorn") if boundary else ("glm5_mhc_pre", "glm5_mhc_post_pre",
+                                                                       "glm5_mhc_finish")
+  for name in names:
     assert name in txt, name
+  assert ("glm5_mhc_post_pre" in txt) != boundary
   check_one_module_per_kernel(txt)
 
 
