@@ -1,6 +1,8 @@
 """Benchmark one mHC layer boundary (the previous sublayer's post + this site's pre + the sublayer RMSNorm) at the
 real width (4 streams × 4096), fused kernels (pallas_kernels/mhc.py) vs the stock XLA formulation, on one GPU.
 
+Paths: "stock" (XLA), "fused" (the model's default kernels: mhc_post_pre, a reduction, mhc_finish, mhc_sinkhorn),
+"1launch" (policy mhc_boundary: the boundary as one cluster launch, a reduction, mhc_sinkhorn).
 Columns: "dev us" device time of one boundary (CUPTI kernel durations), "kernels" launches per boundary,
 "chain us" wall time per boundary inside one jitted chain of 16 boundaries (XLA command buffers on, steady
 state: the gaps between kernels count, as in the decode step), and the floor: bytes one boundary must move
@@ -26,7 +28,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._timing import MODE, log, time_calls, write_log  # noqa: E402
 from glm5_jax import config as C  # noqa: E402
-from glm5_jax.layers import HyperConnection, RMSNorm  # noqa: E402
+from glm5_jax.layers import HyperConnection, RMSNorm, use_kernels  # noqa: E402
 from pallas_kernels import mhc as km  # noqa: E402
 
 HBM_BPS = 4.3e12
@@ -53,7 +55,16 @@ def stock(hc, norm, X2, y, mix):
 
 
 def fused(hc, norm, X2, y, mix):
-  return hc.fused(X2, (y, mix), norm)
+  """The model's kernel path under the default policy (mhc_post_pre, the XLA reduction, mhc_finish without the
+  Sinkhorn + mhc_sinkhorn)."""
+  with use_kernels({}):
+    return hc.fused(X2, (y, mix), norm)
+
+
+def one_launch(hc, norm, X2, y, mix):
+  """The boundary as one launch (policy mhc_boundary: mhc_boundary, the XLA reduction, mhc_sinkhorn)."""
+  with use_kernels({"mhc_boundary": True}):
+    return hc.fused(X2, (y, mix), norm)
 
 
 def compile_times(hc, norm, rows):
@@ -126,7 +137,7 @@ def main(argv=None):
       comb = (c / c.sum(1, keepdims=True)).reshape(M, 16).astype(np.float32)
       sets.append((X2, y, km.mix_from_rows(jnp.asarray(post), jnp.asarray(comb))))
     floor = (2 * M * N * D * 2 + M * D * 2 * 2 + 24 * N * D * 2) / HBM_BPS * 1e6
-    for name, f in (("stock", stock), ("fused", fused)):
+    for name, f in (("stock", stock), ("fused", fused), ("1launch", one_launch)):
       one = jax.jit(lambda X2, y, mix, f=f: f(hc, norm, X2, y, mix))
       dev, names = time_calls(one, sets)
 

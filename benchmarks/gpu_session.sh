@@ -72,8 +72,8 @@
 #                             per call profiled with its kernel table
 #   s30e (nvidia-h200):       auto vs latency_specialized at 1 and 4 steps per call, q = 1, interleaved (#9's 2x)
 #   s30d (nvidia-h200):       q = 4 at 4 steps per call profiled + traced with its kernel table and listing
-#   s30c (nvidia-h200):       bench_kda_decode --q4 (approx-math / gates-first variants); 4 vs 8 steps per call
-#                             traced
+#   s30c (nvidia-h200):       bench_kda_decode --q4 (approx-math / gates-first variants); bench_mhc (the
+#                             one-launch boundary alone); 4 vs 8 steps per call traced
 #   s29d (nvidia-h200):       packed vs unpacked parameters at 4 / 8 steps per call; loop-invariant code motion
 #                             off; q = 4 at 1 vs 4 steps per call
 #   s29 (nvidia-h200):        steps_per_call: 1 vs 4 steps per call (a device-side loop) interleaved at q = 1, the
@@ -500,6 +500,8 @@ case "$MODE" in
     # kernel's approximate-math and gates-first variants; then where 8 steps per call lost to 4 (session 29: 6.25
     # vs 5.31 ms per step, both GPU-bound): both traced (device busy / idle gaps per step)
     timeout 200 python3 benchmarks/bench_kda_decode.py --q4 --budget_s 150 > "$OUT/bench_kda_q4.log" 2>&1
+    # one mHC boundary alone: stock vs the default kernels vs the one-launch cluster kernel (mhc_boundary)
+    timeout -s INT 150 python3 benchmarks/bench_mhc.py --rows 1,4 > "$OUT/bench_mhc.log" 2>&1
     [ "$(left)" -gt 200 ] && rank1 s30t --q 1 --steps-per-call 4 8 --trace
     ;;
   s29d)  # (nvidia-h200) the loop's 500 hoisted parameter slices (session 29: XLA moves the packed parameters'
