@@ -367,14 +367,14 @@ def sinkhorn_comb(mc, scale, base, n, iters, eps):
 
 
 def _chunk_sums(part, M: int):
-  """The mHC kernels' partials [G, 64, 40] -> their sum over the column chunks [Mp, 40] for the M real rows only,
-  Mp = M rounded up to 4 (16-byte rows: the kernels' TMA reads 64 columns of the transposed sums and fills the
-  rest with zeros). It reads G·M·40 floats instead of the whole [G, 64, 40] (655 KB per boundary; the all-rows
+  """The mHC kernels' partials [G, 64, 40] -> their sum over the column chunks for the M real rows only,
+  transposed as the finish / Sinkhorn kernels take it: [40, Mp], Mp = M rounded up to 4 (16-byte rows: the
+  kernels' TMA reads 64 columns and fills the rest with zeros). It reads G·M·40 floats instead of the whole [G, 64, 40] (655 KB per boundary; the all-rows
   reduction was 1.8 µs per boundary at M = 1, session 24); at M = 4 (q = 4) there is no pad at all — padded to
   64 rows the reduction was a pad fusion + a reduction fusion per boundary (session 26's q = 4 profile: 90 + 90
   launches); at M = 1 the pad to 4 rows is on the input side, fused into the reduction."""
   Mp = -(-M // 4) * 4
-  return jnp.sum(jnp.pad(part[:, :M], ((0, 0), (0, Mp - M), (0, 0))) if Mp > M else part[:, :M], axis=0)
+  return jnp.sum(jnp.pad(part[:, :M], ((0, 0), (0, Mp - M), (0, 0))) if Mp > M else part[:, :M], axis=0).T
 
 
 class HyperConnection(nnx.Module):
@@ -449,14 +449,13 @@ class HyperConnection(nnx.Module):
       kernel_enabled("mhc_finish"), kernel_enabled("mhc_sinkhorn_split")
       Xn, x_in, part = km.mhc_boundary(X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None,
                                        norm_eps=norm.eps, **{k: v for k, v in consts.items() if k != "iters"})
-      return Xn, x_in, km.mhc_sinkhorn(_chunk_sums(part, M).T, coef, D=D, **consts)
+      return Xn, x_in, km.mhc_sinkhorn(_chunk_sums(part, M), coef, D=D, **consts)
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None)
-    tot = _chunk_sums(part, M)
+    tot_t = _chunk_sums(part, M)
     finish = km.mhc_finish if kernel_enabled("mhc_finish") else km.mhc_finish_reference
-    tot_t = tot.T
     if finish is km.mhc_finish and kernel_enabled("mhc_sinkhorn_split"):
       x_in = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
-      return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=Xn.shape[1] // km.N, **consts)
+      return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, **consts)
     x_in, post_t, comb_t = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, **consts)
     return Xn, x_in, (post_t, comb_t)
 

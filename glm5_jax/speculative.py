@@ -153,6 +153,11 @@ class DecodeState:
   active = property(lambda self: self.io[:, IO_ACTIVE] != 0)
   next_tokens = property(lambda self: self.io[:, IO_NEXT:IO_NEXT + self.q])
 
+  def longest(self) -> int:
+    """The longest active sequence's length, read from the device (a sync: only where len_bound, the cheap host
+    bound, says the context may be running out)."""
+    return int(np.max(np.where(np.asarray(self.active), np.asarray(self.lengths), 0)))
+
 
 jax.tree_util.register_dataclass(DecodeState, data_fields=["caches", "io"], meta_fields=["decoder", "len_bound"])
 
@@ -591,7 +596,7 @@ class Decoder:
                          f"shape {tuple(t.shape)}")
       tokens = _check_tokens(self.model, np.asarray(t))
     if state.len_bound + span > cfg.max_context:
-      worst = int(np.max(np.where(np.asarray(state.active), np.asarray(state.lengths), 0)))
+      worst = state.longest()
       if worst + span > cfg.max_context:
         raise ValueError(f"a sequence at length {worst} cannot verify q={cfg.q} more tokens"
                          + (f" in each of {self.steps_per_call} steps" if self.steps_per_call > 1 else "")
@@ -717,7 +722,7 @@ class Decoder:
     span = self.config.q * self.steps_per_call
     if self.steps_per_call == 1 or state.len_bound + span <= self.config.max_context:
       return self, state
-    worst = int(np.max(np.where(np.asarray(state.active), np.asarray(state.lengths), 0)))
+    worst = state.longest()
     if worst + span > self.config.max_context >= worst + self.config.q:
       return self.single_step(state)
     return self, state

@@ -174,6 +174,63 @@ def _bcast(v, cols):
   return lax.broadcast_in_dim(v, (ROWS, cols), (0,))
 
 
+def _post_mix(xs, yv, post, comb, cols):
+  """X'_j = post_j · y + Σ_i comb[i, j] · X_i (i in order) in f32, rounded once to bf16 (kept as f32 values):
+  xs the N stream tiles [64, cols] f32, yv the sublayer output tile, post / comb per-row vectors."""
+  xn = []
+  for j in range(N):
+    s = _bcast(comb[j], cols) * xs[0]
+    for i in range(1, N):
+      s = s + _bcast(comb[N * i + j], cols) * xs[i]
+    xn.append((_bcast(post[j], cols) * yv + s).astype(jnp.bfloat16).astype(jnp.float32))
+  return xn
+
+
+def _stage_streams(xn, xw_s, xu_s):
+  """X' into xw_s (swizzled: the wgmma A operand) and, unless None, xu_s (untiled: the TMA store of M rows)."""
+  for j in range(N):
+    xb = plgpu.layout_cast(xn[j].astype(jnp.bfloat16), _L.WGMMA)
+    xw_s[j] = xb
+    if xu_s is not None:
+      xu_s[j] = xb
+  plgpu.commit_smem()
+
+
+def _gram_vectors(xn):
+  """The partial Gram entries Σ_d X'_i X'_j (i <= j, in _PAIRS order) of the tiles xn, as per-row vectors."""
+  return [plgpu.layout_cast((xn[i] * xn[j]).sum(axis=1), _L.WGMMA.reduce(1)) for i, j in _PAIRS]
+
+
+def _gram_tile(gks):
+  """The Gram per-row vectors as the [64, 16] tile of the partials' columns MIX.. (a select per entry)."""
+  col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PART - MIX), 1, layout=_L.WGMMA)
+  gram = jnp.zeros((ROWS, PART - MIX), jnp.float32)
+  for k, gk in enumerate(gks):
+    gram = jnp.where(col == k, _bcast(gk, PART - MIX), gram)
+  return plgpu.layout_cast(gram, _L.WGMMA)
+
+
+def _gram_scale(gp, D, hc_norm_eps):
+  """The summed Gram per-row vectors (_PAIRS order) -> (the symmetric [N][N] Gram, the logits' scale
+  r = rsqrt(mean(x²) + eps), ‖x‖² being the Gram trace)."""
+  idx = {p: k for k, p in enumerate(_PAIRS)}
+  gram = [[gp[idx[min(i, j), max(i, j)]] for j in range(N)] for i in range(N)]
+  ss = gram[0][0] + gram[1][1] + gram[2][2] + gram[3][3]
+  return gram, lax.rsqrt(ss / float(N * D) + hc_norm_eps)
+
+
+def _pre_rinv(S, gram, r, base, sc0, D, eps, norm_eps):
+  """pre_i = σ(S_i · r · scale + base_i) + eps and 1/RMS of u = Σ_i pre_i X'_i from the Gram matrix (mean(u²) =
+  preᵀ Gram pre / D, clamped at 0), per row."""
+  pre = [jax.nn.sigmoid(S[i] * r * sc0 + base[i]) + eps for i in range(N)]
+  var = None
+  for i in range(N):
+    for j in range(N):
+      t = pre[i] * gram[i][j] * pre[j]
+      var = t if var is None else var + t
+  return pre, lax.rsqrt(jnp.maximum(var / float(D), 0.0) + norm_eps)
+
+
 def _post_pre_kernel(M: int, D: int, first: bool):
   def body(*refs):
     if first:  # no previous sublayer: X' = X, nothing to mix or store
@@ -198,18 +255,8 @@ def _post_pre_kernel(M: int, D: int, first: bool):
       post = [_row_vector(post_s, k) for k in range(N)]  # (transposed mix: one SMEM row per quantity)
       comb = [_row_vector(comb_s, k) for k in range(N * N)]
       yv = plgpu.load(y_s, layout=_L.WGMMA, optimized=False).astype(jnp.float32)
-      xn = []
-      for j in range(N):
-        s = _bcast(comb[j], DC) * xs[0]  # Σ_i comb[i, j] X_i, i in order, then + post_j · y
-        for i in range(1, N):
-          s = s + _bcast(comb[N * i + j], DC) * xs[i]
-        xn.append((_bcast(post[j], DC) * yv + s).astype(jnp.bfloat16).astype(jnp.float32))
-    for j in range(N):
-      xb = plgpu.layout_cast(xn[j].astype(jnp.bfloat16), _L.WGMMA)
-      xw_s[j] = xb
-      if not first:
-        xu_s[j] = xb
-    plgpu.commit_smem()
+      xn = _post_mix(xs, yv, post, comb, DC)
+    _stage_streams(xn, xw_s, None if first else xu_s)
     if not first:
       for j in range(N):
         plgpu.copy_smem_to_gmem(xu_s.at[j, pl.ds(0, M)], xo_g.at[pl.ds(0, M), pl.ds(j * D + d0, DC)])
@@ -221,12 +268,7 @@ def _post_pre_kernel(M: int, D: int, first: bool):
 
     pm = pl.run_scoped(logits, plgpu.ACC((ROWS, MIX), jnp.float32))
     part_g[g, :, pl.ds(0, MIX)] = plgpu.layout_cast(pm, _L.WGMMA)
-    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PART - MIX), 1, layout=_L.WGMMA)
-    gram = jnp.zeros((ROWS, PART - MIX), jnp.float32)
-    for k, (i, j) in enumerate(_PAIRS):
-      gk = plgpu.layout_cast((xn[i] * xn[j]).sum(axis=1), _L.WGMMA.reduce(1))
-      gram = jnp.where(col == k, _bcast(gk, PART - MIX), gram)
-    part_g[g, :, pl.ds(MIX, PART - MIX)] = plgpu.layout_cast(gram, _L.WGMMA)
+    part_g[g, :, pl.ds(MIX, PART - MIX)] = _gram_tile(_gram_vectors(xn))
     if not first:
       plgpu.wait_smem_to_gmem(0)
 
@@ -335,7 +377,6 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
   the Sinkhorn off the sublayer's critical path where the CUDA graph lets independent kernels overlap).
   The sums arrive transposed ([40, 64]: one SMEM row per quantity), so each per-row vector is one row load —
   extracting 18 columns of a [64, 40] tile by masked row sums cost ~2 µs per call on the H200 (session 21)."""
-  idx = {p: k for k, p in enumerate(_PAIRS)}
   G = D // DC_FIN if normalise else 0
 
   def body(*refs):
@@ -367,22 +408,12 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
     def rows(ks):
       return [plgpu.load(t_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False) for k in ks]
 
-    gp = rows(range(MIX, MIX + GRAM))
-    gram = [[gp[idx[min(i, j), max(i, j)]] for j in range(N)] for i in range(N)]
-    ss = gram[0][0] + gram[1][1] + gram[2][2] + gram[3][3]
-    r = lax.rsqrt(ss / float(N * D) + hc_norm_eps)
+    gram, r = _gram_scale(rows(range(MIX, MIX + GRAM)), D, hc_norm_eps)
 
     if normalise:
       @pl.when(g < G)
       def _():
-        S = rows(range(N))
-        pre = [jax.nn.sigmoid(S[i] * r * sc[0] + base[i]) + eps for i in range(N)]
-        var = None
-        for i in range(N):
-          for j in range(N):
-            t = pre[i] * gram[i][j] * pre[j]
-            var = t if var is None else var + t
-        rinv = lax.rsqrt(jnp.maximum(var / float(D), 0.0) + norm_eps)
+        pre, rinv = _pre_rinv(rows(range(N)), gram, r, base, sc[0], D, eps, norm_eps)
         plgpu.barrier_wait(bar_x)
         _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0)
 
@@ -521,7 +552,6 @@ def mhc_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, eps: 
 def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float):
   DCL = D // CL  # columns of each stream per CTA
   NCH, NFIN = DCL // DC, DCL // DC_FIN  # phase-1 and phase-2 chunks
-  idx = {p: k for k, p in enumerate(_PAIRS)}
   f32, bf16 = jnp.float32, jnp.bfloat16
 
   def body(*refs):
@@ -566,29 +596,17 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
             xn = xs
           else:
             yv = plgpu.load(y_s.at[slot], layout=_L.WGMMA, optimized=False).astype(f32)
-            xn = []
-            for jj in range(N):  # as mhc_post_pre: Σ_i comb[i, jj] X_i in order, then + post_jj · y, rounded once
-              s = _bcast(comb[jj], DC) * xs[0]
-              for i in range(1, N):
-                s = s + _bcast(comb[N * i + jj], DC) * xs[i]
-              xn.append((_bcast(post[jj], DC) * yv + s).astype(bf16).astype(f32))
+            xn = _post_mix(xs, yv, post, comb, DC)
           if not first and j > 0:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's X' store has read xu_s
-          for jj in range(N):
-            xb = plgpu.layout_cast(xn[jj].astype(bf16), _L.WGMMA)
-            xw_s[jj] = xb
-            if not first:
-              xu_s[jj] = xb
-          plgpu.commit_smem()
+          _stage_streams(xn, xw_s, None if first else xu_s)
           if not first:
             for jj in range(N):
               plgpu.copy_smem_to_gmem(xu_s.at[jj, pl.ds(0, M)],
                                       xo_g.at[pl.ds(0, M), pl.ds(jj * D + d0 + j * DC, DC)])
           for jj in range(N):
             plgpu.wgmma(acc, xw_s.at[jj], fn_s.at[slot, jj].T)
-          for k, (a, b) in enumerate(_PAIRS):
-            gk = plgpu.layout_cast((xn[a] * xn[b]).sum(axis=1), _L.WGMMA.reduce(1))
-            gram[k] = gk if gram[k] is None else gram[k] + gk
+          gram = [gk if g0 is None else g0 + gk for g0, gk in zip(gram, _gram_vectors(xn))]
           plgpu.wgmma_wait(0)  # fn_s[slot] and xw_s are free again
           if j + 2 < NCH:
             issue(j + 2)
@@ -597,11 +615,7 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
       pm, gram = pl.run_scoped(chunks, plgpu.ACC((ROWS, MIX), f32))
       # the CTA's partials in mhc_post_pre's format (for the Sinkhorn of comb, outside)
       part_g[c, :, pl.ds(0, MIX)] = plgpu.layout_cast(pm, _L.WGMMA)
-      col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PART - MIX), 1, layout=_L.WGMMA)
-      gt = jnp.zeros((ROWS, PART - MIX), f32)
-      for k in range(GRAM):
-        gt = jnp.where(col == k, _bcast(gram[k], PART - MIX), gt)
-      part_g[c, :, pl.ds(MIX, PART - MIX)] = plgpu.layout_cast(gt, _L.WGMMA)
+      part_g[c, :, pl.ds(MIX, PART - MIX)] = _gram_tile(gram)
       # the rows the cluster needs: the pre logits (columns 0..3 of pm, by masked row sums) and the Gram entries
       cm = plgpu.broadcasted_iota(jnp.int32, (ROWS, MIX), 1, layout=_L.WGMMA)
       for i in range(N):
@@ -643,20 +657,9 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
           v = v + plgpu.load(rp_g.at[cc, k], layout=_L.WGMMA.reduce(1), optimized=False)
         return v
 
-      S = [row(i) for i in range(N)]
-      gp = [row(N + k) for k in range(GRAM)]
-      gram = [[gp[idx[min(i, j), max(i, j)]] for j in range(N)] for i in range(N)]
-      base = [c_g[k] for k in range(N)]
-      sc0 = c_g[MIX]
-      ss = gram[0][0] + gram[1][1] + gram[2][2] + gram[3][3]
-      r = lax.rsqrt(ss / float(N * D) + hc_norm_eps)
-      pre = [jax.nn.sigmoid(S[i] * r * sc0 + base[i]) + eps for i in range(N)]  # as mhc_finish
-      var = None
-      for i in range(N):
-        for j in range(N):
-          t = pre[i] * gram[i][j] * pre[j]
-          var = t if var is None else var + t
-      rinv = lax.rsqrt(jnp.maximum(var / float(D), 0.0) + norm_eps)
+      gram, r = _gram_scale([row(N + k) for k in range(GRAM)], D, hc_norm_eps)
+      pre, rinv = _pre_rinv([row(i) for i in range(N)], gram, r, [c_g[k] for k in range(N)], c_g[MIX], D, eps,
+                            norm_eps)  # as mhc_finish
       for q in range(NFIN):
         slot = q % 2
         plgpu.barrier_wait(bar2.at[slot])
