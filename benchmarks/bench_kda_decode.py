@@ -135,6 +135,9 @@ def main():
       ("kernel (1 WG/CTA, approx math)", False, functools.partial(kd.kda_decode, config=cfg(approx_math=True))),
       ("kernel (1 WG/CTA, approx, gates 1st)", False,
        functools.partial(kd.kda_decode, config=cfg(approx_math=True, gates_first=True))),
+      ("kernel (1 WG/CTA, token loop)", False, functools.partial(kd.kda_decode, config=cfg(token_loop=True))),
+      ("kernel (1 WG/CTA, token loop, approx)", False,
+       functools.partial(kd.kda_decode, config=cfg(token_loop=True, approx_math=True))),
   ]
   if a.quick:  # the model's default (kda_norm off: 1 WG per CTA, the norm in XLA) and the XLA reference
     variants = [variants[2], variants[3]]
@@ -170,7 +173,9 @@ def main():
   row("empty kernel (same operands/grid)", False, empty_kernel, 1, 1)
   if a.q4:
     for T in (1, 4):
-      for name, norm, fn in [variants[2]] + [e for e in extras if not e[1]]:
+      # (the token loop first: session 31's code-size question, measured first within the budget)
+      unfused = [e for e in extras if not e[1]]
+      for name, norm, fn in [variants[2]] + sorted(unfused, key=lambda e: "token loop" not in e[0]):
         row(name, norm, fn, 1, T)
     print(f"total {time.time() - t_start:.0f} s", flush=True)
     return 0

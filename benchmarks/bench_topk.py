@@ -10,7 +10,8 @@ Rows: R = B · q score rows; N pools (8,256 at 32K context + room, 32,832 at 128
               payload, stable: the same indices in the same order as top_k, with the simplest comparator (a
               candidate for XLA's CUB radix sort, xla_gpu_enable_cub_radix_sort)
   kernel      the radix form with its threshold from the Mosaic kernel topk_threshold (one launch for the ~13
-              radix passes)
+              radix passes); "unrolled": its passes as straight-line code, as before session 31 (the loop form
+              is ~7x less code, which one CTA runs once)
 Each: µs of device time per call (CUPTI), kernels per call, and whether the selection equals top_k's (as a set;
 sort_keys also in order).
 
@@ -37,6 +38,18 @@ from pallas_kernels._common import order_key  # noqa: E402
 K = 512
 
 
+def kernel_unrolled(v, bits):
+  """The kernel form with topk_threshold's passes unrolled (traced with the option patched in)."""
+  import functools  # noqa: PLC0415
+  from pallas_kernels import indexer as ki  # noqa: PLC0415
+  orig = ki.topk_threshold
+  ki.topk_threshold = functools.partial(orig, unroll=True)
+  try:
+    return topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=bits)
+  finally:
+    ki.topk_threshold = orig
+
+
 def sort_keys(v, k):
   """lax.top_k(v, k)'s indices from one stable ascending sort of uint32 keys (descending in top_k's total order of
   f32 bit patterns; equal keys keep index order, top_k's tie order)."""
@@ -60,6 +73,8 @@ STRATEGIES = {
     "kernel scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=True),
     # the kernel with 2 bits of the threshold per pass (16 passes of 3 candidates; pallas_kernels.indexer)
     "kernel2 scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=2),
+    "kernel unrolled scan128": lambda v: kernel_unrolled(v, 1),
+    "kernel2 unrolled scan128": lambda v: kernel_unrolled(v, 2),
 }
 
 

@@ -65,6 +65,13 @@
 #                             q = 4, q = 1 (forced) and B = 8 q = 4 with it
 #   s29c (nvidia-h200):       1 and 4 steps per call at q = 1 profiled with kernel tables and listings, then the
 #                             steps_per_call GPU test
+#   s32 (nvidia-h200):        the loop forms (session 31: unrolled straight-line kernels suspected slow): threshold /
+#                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
+#   s32b (nvidia-h200):       q = 1 at 4 steps per call: defaults, threshold at one row, kda_token_loop, mhc_boundary;
+#                             q = 4 +- kda_token_loop
+#   s31b (nvidia-h200):       bench_mhc (the one-launch boundary alone); q = 4 at 4 steps per call, kda_norm vs defaults
+#   s31 (nvidia-h200):        the one-launch boundary's GPU tests one by one (timed, tracebacks if stuck); q = 1 at 4
+#                             steps per call: kda_norm vs defaults vs + mhc_boundary
 #   s30 (nvidia-h200):        the 2-bit threshold kernel's and the one-launch mHC boundary's GPU tests; at 4 steps
 #                             per call (GPU-bound), q = 1: the policy knobs A/B interleaved (mhc_boundary,
 #                             threshold 1 / 2 bits at one row, kda_norm, kda_approx_math, split Sinkhorn)
@@ -461,6 +468,50 @@ case "$MODE" in
     rank1 s29c --q 1 --steps-per-call 1 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
     [ "$(left)" -gt 60 ] && timeout -s INT $(( $(left) - 20 )) python3 -m pytest -v -m gpu -p no:cacheprovider \
       tests/test_decode.py -k steps_per_call 2>&1 | grep -v -E "^\s*$|warn" | tail -60 > "$OUT/gpu_tests.log"
+    ;;
+  s32)  # (nvidia-h200) session 31's code-size question: the one-launch boundary ran ~135 us per boundary in the step
+    # as 3.1 MB of straight-line MLIR; its chunk loops and the threshold kernel's passes are loops now (unrolled
+    # kept as options). The threshold and boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode
+    # --q4 (the token loop first), then q = 1 at 4 steps per call: defaults vs the rolled boundary
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k threshold 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    timeout -s INT 200 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_mhc.py \
+      -k "boundary" --durations=3 > /tmp/t_boundary.log 2>&1
+    grep -E "passed|failed|FAILED|^E  |Interrupt|s call" /tmp/t_boundary.log | head -20 | tee -a "$OUT/gpu_tests.log"
+    timeout 120 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8256 --only "radix scan128,kernel scan128,kernel \
+unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_topk.log" > /dev/null 2>&1
+    timeout 150 python3 benchmarks/bench_kda_decode.py --q4 --budget_s 110 > "$OUT/bench_kda_q4.log" 2>&1
+    BOUNDARY=""
+    grep -q " passed" /tmp/t_boundary.log && ! grep -q -E "failed|Interrupt" /tmp/t_boundary.log \
+      && BOUNDARY='{"mhc_boundary":true}'
+    [ "$(left)" -gt 200 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --policy '{}' $BOUNDARY
+    ;;
+  s32b)  # (nvidia-h200) the loop forms inside the step, q = 1 at 4 steps per call, interleaved: defaults, the
+    # rolled threshold kernel at one score row, the KDA token loop, the rolled boundary; then q = 4 with the loop
+    rank1 s32b --q 1 --steps-per-call 4 --interleave --policy '{}' '{"topk_threshold": true}' \
+      '{"kda_token_loop": true}' '{"mhc_boundary": true}'
+    [ "$(left)" -gt 200 ] && rank1 s32c --q 4 --steps-per-call 4 --interleave --policy '{}' '{"kda_token_loop": true}'
+    ;;
+  s31)  # (nvidia-h200) the one-launch boundary's GPU tests one at a time (session 30: M = 1, 4, 8 passed, M = 64 ran
+    # into the 150 s timeout: a hang or a slow compile?), each timed, a traceback of every thread after 100 s;
+    # then q = 1 at 4 steps per call: kda_norm (session 30: -0.26 ms) vs the defaults vs + the boundary if it passed
+    for t in "test_boundary_gpu[64-False]" "test_trunk_with_fused_boundaries_as_accurate_as_stock"; do
+      s=$(date +%s)
+      timeout -s INT 140 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider -o faulthandler_timeout=100 \
+        "tests/test_mhc.py::$t" > /tmp/t_b.log 2>&1
+      echo "== $t: $(( $(date +%s) - s )) s: $(grep -E 'passed|failed|Interrupt' /tmp/t_b.log | tail -1)" \
+        | tee -a "$OUT/gpu_tests.log"
+      grep -v -E "^\s*$" /tmp/t_b.log | tail -120 >> "$OUT/t_boundary.log"
+    done
+    BOUNDARY=""
+    grep -q "trunk.*passed" "$OUT/gpu_tests.log" && BOUNDARY='{"kda_norm":true,"mhc_boundary":true}'
+    rank1 s31 --q 1 --steps-per-call 4 --interleave --policy '{"kda_norm": true}' '{}' $BOUNDARY
+    ;;
+  s31b)  # (nvidia-h200) session 31: the one-launch boundary passed its GPU tests but made the q = 1 step 5.78 ->
+    # 18.04 ms (~135 us per boundary): the kernel alone (bench_mhc: slow kernel or slow cluster scheduling?), then
+    # q = 4 at 4 steps per call (the product's mode), kda_norm vs defaults interleaved
+    timeout -s INT 150 python3 benchmarks/bench_mhc.py --rows 1,4 > "$OUT/bench_mhc.log" 2>&1
+    rank1 s31b --q 4 --steps-per-call 4 --interleave --policy '{"kda_norm": true}' '{}'
     ;;
   s30)  # (nvidia-h200) the kernel knobs again where the GPU, not the host, sets the pace: 4 steps per call (session
     # 29: 7.57 -> 5.31 ms per step at q = 1, the host returning after ~2 ms/step). Knobs decided while the step

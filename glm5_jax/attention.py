@@ -196,10 +196,10 @@ class KDA(nnx.Module):
         # the XLA fusion after it — measured slower (layers.KERNEL_DEFAULTS), kept as an A/B knob
         norm = (dict(gate=gate, norm_weight=self.o_norm.weight[...], norm_eps=self.eps)
                 if kernel_enabled("kda_norm") else {})
-        approx = kernel_enabled("kda_approx_math")
+        approx, loop = kernel_enabled("kda_approx_math"), kernel_enabled("kda_token_loop")
+        config = kda_ops.KdaDecodeConfig(approx_math=approx, token_loop=loop) if approx or loop else None
         o, new_ssm = kda_ops.kda_decode(q, k, v, fg.reshape(B, T, 2 * H, Kd), fgb, A_log, dt_bias, ssm, ctx.n_acc,
-                                        lower_bound=self.lower_bound, b_offset=b_off, **norm,
-                                        config=kda_ops.KdaDecodeConfig(approx_math=True) if approx else None)
+                                        lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config)
         normed = bool(norm)
       else:
         o, new_ssm = kda_ops.kda_decode_reference(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc,

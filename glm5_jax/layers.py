@@ -75,6 +75,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # GPU tests) — issue #6's per-token chain at B = 1 q = 4 (5.75 µs vs the 5 µs goal); off until
                    # measured (bench_kda_decode.py --q4, gpu_session.sh s30c)
                    "kda_approx_math": False,
+                   # with kda on: the KDA kernel's tokens as a loop carrying the state instead of unrolled
+                   # (KdaDecodeConfig(token_loop=True): one copy of the per-token code, 95 vs 238 KB of MLIR at
+                   # q = 4) — unrolled straight-line code runs once per CTA, every instruction a cold fetch (the
+                   # suspect of session 31's slow unrolled kernels); off until measured
+                   "kda_token_loop": False,
                    # with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16
                    # activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before
                    # each call, exact products. The kernel alone is ~0.5 µs slower (the convert), the call
@@ -108,7 +113,9 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # with mhc, mhc_finish and mhc_sinkhorn_split on: each mHC boundary as ONE launch (a cluster of 8
                    # CTAs: pallas_kernels.mhc.mhc_boundary) instead of mhc_post_pre + an XLA reduction +
                    # mhc_finish on the sublayer's critical path (~14 µs and 3 launches per boundary at q = 1,
-                   # session 29); the Sinkhorn stays a kernel of its own. Off until measured natively
+                   # session 29); the Sinkhorn stays a kernel of its own. Natively correct but, Python-unrolled
+                   # (3.1 MB of MLIR), 5.78 -> 18.04 ms per step at q = 1 (session 31); its chunks are loops now
+                   # (0.71 MB) — off until that form is measured (gpu_session.sh s32)
                    "mhc_boundary": False}
 
 

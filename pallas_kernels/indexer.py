@@ -219,15 +219,16 @@ THRESHOLD_LANES = 128  # keys per row of the kernel's [N / 128, 128] view: one p
 THRESHOLD_MAX_KEYS = 136 * THRESHOLD_LANES  # 136 keys per thread in registers (17,408: 64K context's 16,448 pools)
 # Score rows from which the model uses the kernel: a single row is one CTA's 32 serial warpgroup reductions, 30 µs
 # per call inside the one-rank step vs ~18 µs for XLA's radix passes; from 4 rows it wins (q = 4: indexer GPU time
-# 1,170 -> 991 µs per step; 32 rows: 36-59 µs vs XLA's sort 64-141; BENCHMARKS.md session 28)
+# 1,170 -> 991 µs per step; 32 rows: 36-59 µs vs XLA's sort 64-141; BENCHMARKS.md session 28). Measured with the
+# passes unrolled; as a loop (session 31, 7x less code) to re-measure at one row (gpu_session.sh s32 / s32b)
 THRESHOLD_MIN_ROWS = 2
 
 
-def topk_threshold_reference(keys, k: int, *, digit_bits: int = 1):
+def topk_threshold_reference(keys, k: int, *, digit_bits: int = 1, unroll: bool = False):
   """keys [R, N] uint32, 1 <= k <= N (static) -> (t [R] uint32: the k-th largest key of each row, counted with
-  multiplicity; n_gt [R] int32: how many keys of the row are > t). By a sort (digit_bits: the kernel's passes,
-  no effect here)."""
-  del digit_bits
+  multiplicity; n_gt [R] int32: how many keys of the row are > t). By a sort (digit_bits, unroll: the kernel's
+  passes, no effect here)."""
+  del digit_bits, unroll
   _check_threshold(keys, k)
   t = jnp.sort(keys, axis=-1)[:, keys.shape[1] - k]
   return t, jnp.sum(keys > t[:, None], axis=-1, dtype=jnp.int32)
@@ -241,7 +242,7 @@ def _check_threshold(keys, k):
     raise ValueError(f"topk_threshold: k = {k}, expected 1 <= k <= N = {N}")
 
 
-def _threshold_kernel(k: int, digit_bits: int):
+def _threshold_kernel(k: int, digit_bits: int, unroll: bool):
   def body(u_g, t_g, n_g, u_s, bar):
     r = lax.axis_index("r")
     plgpu.copy_gmem_to_smem(u_g.at[r], u_s, bar)
@@ -252,18 +253,28 @@ def _threshold_kernel(k: int, digit_bits: int):
     # SMEM). digit_bits = 1: 32 passes of one candidate, each sum waiting on the previous pass. digit_bits = 2:
     # 16 passes of the 3 candidates of a 2-bit digit — their counts n1 >= n2 >= n3 (each <= 17,408 < 2^16) from
     # two independent sums, n1 + 65536 n2 packed in one int32 — half the dependent rounds for 1.5x the compares.
-    t = jnp.uint32(0)
-    for s in range(32 - digit_bits, -1, -digit_bits):
+    # The passes are a loop, not Python-unrolled: unrolled they are ~7x the kernel's code (469 vs 69 KB of MLIR),
+    # straight-line code that one CTA runs once — every instruction a cold fetch (the suspect of session 31's
+    # ~135 µs cluster kernel, mhc_boundary; `unroll` keeps the old form to measure it). The keys stay in
+    # registers across iterations.
+    def one_pass(p, t):
+      s = jnp.uint32(32 - digit_bits) - p.astype(jnp.uint32) * jnp.uint32(digit_bits)  # the digit's low bit
       if digit_bits == 1:
-        cand = t | jnp.uint32(1 << s)
-        t = jnp.where(jnp.sum((u >= cand).astype(jnp.int32)) >= k, cand, t)
-        continue
-      c1, c2, c3 = (t | jnp.uint32(d << s) for d in (1, 2, 3))
+        cand = t | lax.shift_left(jnp.uint32(1), s)
+        return jnp.where(jnp.sum((u >= cand).astype(jnp.int32)) >= k, cand, t)
+      c1, c2, c3 = (t | lax.shift_left(jnp.uint32(d), s) for d in (1, 2, 3))
       # (nested selects: u >= c2 implies u >= c1; int32 values, as i1 register arrays do not combine)
       both = jnp.sum(jnp.where(u >= c2, jnp.int32(65537), jnp.where(u >= c1, jnp.int32(1), jnp.int32(0))))
       n3 = jnp.sum(jnp.where(u >= c3, jnp.int32(1), jnp.int32(0)))
       n1, n2 = both & jnp.int32(0xFFFF), lax.shift_right_logical(both, jnp.int32(16))
-      t = jnp.where(n3 >= k, c3, jnp.where(n2 >= k, c2, jnp.where(n1 >= k, c1, t)))
+      return jnp.where(n3 >= k, c3, jnp.where(n2 >= k, c2, jnp.where(n1 >= k, c1, t)))
+
+    if unroll:  # (as before session 31: bench_topk's code-size comparison)
+      t = jnp.uint32(0)
+      for p in range(32 // digit_bits):
+        t = one_pass(jnp.int32(p), t)
+    else:
+      t = lax.fori_loop(0, 32 // digit_bits, one_pass, jnp.uint32(0))
     n_gt = jnp.sum((u > t).astype(jnp.int32))
     t_g[r] = jnp.broadcast_to(t, (THRESHOLD_LANES,))
     n_g[r] = jnp.broadcast_to(n_gt, (THRESHOLD_LANES,))
@@ -271,8 +282,8 @@ def _threshold_kernel(k: int, digit_bits: int):
   return body
 
 
-@kernel_entry("k", "digit_bits")
-def topk_threshold(keys, k: int, *, digit_bits: int = 1):
+@kernel_entry("k", "digit_bits", "unroll")
+def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False):
   """Mosaic GPU version of ``topk_threshold_reference``: one CTA (one warpgroup) per row, the row's keys TMA'd
   into SMEM and held in registers; 32 / digit_bits passes (``_threshold_kernel``) and one count of the keys above
   the threshold. N must be a multiple of 128 (pad with 0, the smallest key: a pad never outranks a real key, and
@@ -288,7 +299,7 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1):
   nr = N // THRESHOLD_LANES
   row = lambda dt: jax.ShapeDtypeStruct((R, THRESHOLD_LANES), dt)
   t, n_gt = plgpu.kernel(
-      _threshold_kernel(int(k), int(digit_bits)),
+      _threshold_kernel(int(k), int(digit_bits), bool(unroll)),
       out_type=(row(jnp.uint32), row(jnp.int32)),
       grid=(R,),
       grid_names=("r",),

@@ -203,16 +203,22 @@ class KdaDecodeConfig:
     a sigmoid's division per key channel and token) and the l2 norms instead of the IEEE sequences — an
     experiment on issue #6's per-token chain at B = 1 (~1.1 µs per extra token); results within the kernel_f32
     tolerance of the reference.
+  token_loop: the T tokens as a loop carrying the state (lax.fori_loop) instead of unrolled. Unrolled, each CTA
+    runs T copies of the per-token code once — straight-line code, every instruction a cold fetch (the suspect of
+    session 31's slow unrolled kernels); a loop fetches one copy. An experiment on issue #6's per-token cost.
   """
   block_v: int = 32
   wgs_per_cta: int | None = None
   prefetch: bool = True
   gates_first: bool = False
   approx_math: bool = False
+  token_loop: bool = False
 
   def __post_init__(self):
     if self.block_v not in (32, 64):
       raise ValueError(f"block_v must be 32 or 64, got {self.block_v}")
+    if self.token_loop and self.gates_first:
+      raise ValueError("token_loop computes each token's gates inside its iteration; gates_first needs them unrolled")
 
 
 def _tiled(layout: mgpu_fa.TiledLayout) -> plgpu.Layout:
@@ -330,7 +336,7 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
     a = jnp.exp(alog_ref[h])
     dtb = load(dtb_ref.at[h], L_K)
     hb = boff_ref[0] + h  # this head's column of b
-    betas = [jax.nn.sigmoid(b_ref[bi, t, hb].astype(f32)) for t in range(T)]
+    betas = None if config.token_loop else [jax.nn.sigmoid(b_ref[bi, t, hb].astype(f32)) for t in range(T)]
     if config.prefetch:
       plgpu.barrier_wait(bar_in)
     if norm_in_kernel:
@@ -347,9 +353,7 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
       qt = qt * (lax.rsqrt(jnp.sum(qt * qt) + L2NORM_EPS) * q_scale)
       return qt, kt, vt, alpha
 
-    early = [gates(t) for t in range(T)] if config.gates_first else None
-    for t in range(T):  # T <= 8: unrolled, so every slot index is static
-      qt, kt, vt, alpha = early[t] if early else gates(t)
+    def advance(t, S, beta, qt, kt, vt, alpha):  # token t: the state after it, stored to slot t; its output
       # Both reductions read the state as it came in: with S' = diag(alpha) S, r = S'^T k = S^T (alpha k) and
       # o = (S' + k delta^T)^T q = S^T (alpha q) + (k . q) delta. The two run side by side and the state's chain
       # per token is one reduction + one FMA instead of scale -> reduce -> update -> reduce: with one warpgroup
@@ -357,7 +361,7 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
       # Equal to the reference up to fp32 rounding (another association of the same products).
       r = jnp.sum(S * over_k(alpha * kt), axis=0)
       oq = jnp.sum(S * over_k(alpha * qt), axis=0)
-      delta = betas[t] * (vt - r)
+      delta = beta * (vt - r)
       S = S * over_k(alpha) + over_k(kt) * over_v(delta)
       o = oq + jnp.sum(kt * qt) * delta
       state_ref[bi, t, h, :, cols] = S
@@ -365,6 +369,15 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
         o_smem[t, cols] = o
       else:
         o_ref[bi, t, h, cols] = o
+      return S
+
+    if config.token_loop:
+      S = lax.fori_loop(0, T, lambda t, S: advance(t, S, jax.nn.sigmoid(b_ref[bi, t, hb].astype(f32)), *gates(t)),
+                        S)
+    else:
+      early = [gates(t) for t in range(T)] if config.gates_first else None
+      for t in range(T):  # unrolled: every slot index static, token t + 1's loads free to run ahead
+        S = advance(t, S, betas[t], *(early[t] if early else gates(t)))
 
     if norm_in_kernel:
       # The RMS spans all of V: every warpgroup publishes its o columns to SMEM (mbarrier arrive = release),

@@ -587,8 +587,10 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
         post = [_row_vector(post_s, k) for k in range(N)]
         comb = [_row_vector(comb_s, k) for k in range(N * N)]
       def chunks(acc):  # -> (the mixing logits [64, 24], the 10 Gram per-row vectors): returned, not leaked
-        gram = [None] * GRAM
-        for j in range(NCH):
+        # A loop, not Python-unrolled: unrolled (with the CTA sums below), the kernel was 3.1 MB of MLIR (0.71 MB
+        # now; mhc_post_pre's 0.34), ~35 s to compile, and ran ~135 µs per boundary inside the step (session 31)
+        # — straight-line code that each CTA runs once, every instruction a cold fetch: the suspect.
+        def step(j, gram):
           slot = j % 2
           plgpu.barrier_wait(bar1.at[slot])
           xs = [plgpu.load(x_s.at[slot, i], layout=_L.WGMMA, optimized=False).astype(f32) for i in range(N)]
@@ -597,7 +599,6 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
           else:
             yv = plgpu.load(y_s.at[slot], layout=_L.WGMMA, optimized=False).astype(f32)
             xn = _post_mix(xs, yv, post, comb, DC)
-          if not first and j > 0:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's X' store has read xu_s
           _stage_streams(xn, xw_s, None if first else xu_s)
           if not first:
@@ -606,11 +607,17 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
                                       xo_g.at[pl.ds(0, M), pl.ds(jj * D + d0 + j * DC, DC)])
           for jj in range(N):
             plgpu.wgmma(acc, xw_s.at[jj], fn_s.at[slot, jj].T)
-          gram = [gk if g0 is None else g0 + gk for g0, gk in zip(gram, _gram_vectors(xn))]
+          gram = tuple(g0 + gk for g0, gk in zip(gram, _gram_vectors(xn)))
           plgpu.wgmma_wait(0)  # fn_s[slot] and xw_s are free again
-          if j + 2 < NCH:
+
+          @pl.when(j + 2 < NCH)
+          def _():
             issue(j + 2)
-        return acc[...], tuple(gram)
+          return gram
+
+        zero = plgpu.layout_cast(jnp.zeros((ROWS,), f32), _L.WGMMA.reduce(1))
+        gram = lax.fori_loop(0, NCH, step, (zero,) * GRAM)
+        return acc[...], gram
 
       pm, gram = pl.run_scoped(chunks, plgpu.ACC((ROWS, MIX), f32))
       # the CTA's partials in mhc_post_pre's format (for the Sinkhorn of comb, outside)
@@ -651,22 +658,24 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
       for q in range(min(2, NFIN)):
         issue(q)
 
-      def row(k):  # the cluster's sum of exchange row k, in CTA order (plain loads, after the barrier)
-        v = plgpu.load(rp_g.at[0, k], layout=_L.WGMMA.reduce(1), optimized=False)
-        for cc in range(1, CL):
-          v = v + plgpu.load(rp_g.at[cc, k], layout=_L.WGMMA.reduce(1), optimized=False)
-        return v
+      def rows(cc):  # CTA cc's exchange rows (plain loads, after the barrier)
+        return tuple(plgpu.load(rp_g.at[cc, k], layout=_L.WGMMA.reduce(1), optimized=False)
+                     for k in range(N + GRAM))
 
-      gram, r = _gram_scale([row(N + k) for k in range(GRAM)], D, hc_norm_eps)
-      pre, rinv = _pre_rinv([row(i) for i in range(N)], gram, r, [c_g[k] for k in range(N)], c_g[MIX], D, eps,
+      # the cluster's sums, in CTA order (a loop: unrolled, each CTA's 14 loads added ~60 KB of kernel)
+      tot = lax.fori_loop(1, CL, lambda cc, v: tuple(a + b for a, b in zip(v, rows(cc))), rows(0))
+      gram, r = _gram_scale(list(tot[N:]), D, hc_norm_eps)
+      pre, rinv = _pre_rinv(list(tot[:N]), gram, r, [c_g[k] for k in range(N)], c_g[MIX], D, eps,
                             norm_eps)  # as mhc_finish
-      for q in range(NFIN):
+      @pl.loop(0, NFIN)  # (a loop for the code size, as phase 1's chunks)
+      def _(q):
         slot = q % 2
         plgpu.barrier_wait(bar2.at[slot])
-        if q > 0:
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's x_in store has read o_s
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's x_in store has read o_s
         _normed_input(x2_s.at[slot], w_s.at[slot], o_s, xin_g, pre, rinv, M, d0 + q * DC_FIN)
-        if q + 2 < NFIN:
+
+        @pl.when(q + 2 < NFIN)
+        def _():
           issue(q + 2)  # (x2_s / w_s of this slot were read into registers)
       plgpu.wait_smem_to_gmem(0)
 

@@ -342,11 +342,13 @@ def _kernel_tiny_greedy_equals_reference(seed: int, prompt_len: int, n_new: int,
 
 @pytest.mark.gpu
 @pytest.mark.e2e_kernels
-@pytest.mark.parametrize("kda_norm,approx", [(False, False), (True, False), (False, True)])
-def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm, approx):
+@pytest.mark.parametrize("kda_norm,approx,loop", [(False, False, False), (True, False, False), (False, True, False),
+                                                  (False, False, True)])
+def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm, approx, loop):
   """The KDA kernel in the verify step emits exactly the reference model's greedy continuation (stock caches,
   every other op in XLA); kda_norm: with the gated RMSNorm inside it; approx: with approximate gate / norm math
-  (policy kda_approx_math: ulp-level differences, far below what flips a greedy token here). On the GPU only: on
+  (policy kda_approx_math: ulp-level differences, far below what flips a greedy token here); loop: the tokens as
+  a loop (policy kda_token_loop). On the GPU only: on
   the CPU (interpret
   mode) the KDA kernel runs end to end in test_latency_specialized_all_kernels_equals_stock_fp8_cache, and this
   one cost ~55 s of the suite's 10 minutes; the kernel itself is checked against its reference in
@@ -354,9 +356,10 @@ def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm, approx
   dec = _kernel_tiny_greedy_equals_reference(0, 11, 8, (("fp8_linear", False), ("fp8_moe", False),
                                                        ("indexer", False), ("sparse_mla", False),
                                                        ("kda_norm", kda_norm), ("kda_approx_math", approx),
-                                                       *XLA_SELECTION))
+                                                       ("kda_token_loop", loop), *XLA_SELECTION))
   sites = dec.kernel_sites(1)
   assert (sites["kda_norm"]["sites"] > 0) == kda_norm and (sites["kda_approx_math"]["sites"] > 0) == approx
+  assert (sites["kda_token_loop"]["sites"] > 0) == loop
 
 
 @pytest.mark.gpu

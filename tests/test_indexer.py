@@ -212,15 +212,18 @@ def threshold_keys(rng, R, N, n_real=None):
   return jnp.asarray(u)
 
 
-@pytest.mark.parametrize("R,N,k,bits", [(1, 128, 1, 1), (3, 8320, 512, 1), (2, 256, 256, 1), (5, 1024, 700, 1),
-                                         (1, 128, 1, 2), (3, 8320, 512, 2), (2, 256, 256, 2), (5, 1024, 700, 2)])
-def test_threshold_kernel_interpret(R, N, k, bits):
-  """One and two bits of the threshold per pass (2: three candidates, two of their counts packed in one sum)."""
+@pytest.mark.parametrize("R,N,k,bits,unroll", [
+    (1, 128, 1, 1, False), (3, 8320, 512, 1, False), (2, 256, 256, 1, False), (5, 1024, 700, 1, False),
+    (1, 128, 1, 2, False), (3, 8320, 512, 2, False), (2, 256, 256, 2, False), (5, 1024, 700, 2, False),
+    (5, 1024, 700, 1, True), (5, 1024, 700, 2, True)])
+def test_threshold_kernel_interpret(R, N, k, bits, unroll):
+  """One and two bits of the threshold per pass (2: three candidates, two of their counts packed in one sum); the
+  passes as a loop and unrolled."""
   rng = np.random.default_rng()
   keys = threshold_keys(rng, R, N, n_real=N - 64 if N > k + 64 else None)
   want = I.topk_threshold_reference(keys, k)
   with maybe_interpret(True):
-    got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits))(keys)
+    got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits, unroll=unroll))(keys)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
   # the definition, independently of the reference: #{>= t} >= k > #{> t}
@@ -245,14 +248,19 @@ def test_threshold_rejects_bad_input():
 def test_threshold_cross_lower(R, N, bits):
   txt = cross_lower(lambda u: I.topk_threshold(u, 512, digit_bits=bits), SDS((R, N), jnp.uint32)).as_text()
   assert "mosaic_gpu" in txt
+  if R == 1 and N == 8320:  # the passes stay a loop: the unrolled form is ~7x the code (run once per CTA)
+    unrolled = cross_lower(lambda u: I.topk_threshold(u, 512, digit_bits=bits, unroll=True),
+                           SDS((R, N), jnp.uint32)).as_text()
+    assert len(txt) < len(unrolled) / 3, (len(txt), len(unrolled))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [1, 2])
-@pytest.mark.parametrize("R,N,k", [(1, 8320, 512), (4, 8320, 512), (32, 16512, 512), (3, 256, 256)])
-def test_threshold_kernel_gpu(R, N, k, bits):
+@pytest.mark.parametrize("R,N,k,unroll", [(1, 8320, 512, False), (4, 8320, 512, False), (32, 16512, 512, False),
+                                          (3, 256, 256, False), (1, 8320, 512, True)])
+def test_threshold_kernel_gpu(R, N, k, bits, unroll):
   keys = threshold_keys(np.random.default_rng(), R, N, n_real=N - 64)
   want = jax.jit(lambda u: I.topk_threshold_reference(u, k))(keys)
-  got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits))(keys)
+  got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits, unroll=unroll))(keys)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

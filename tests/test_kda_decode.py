@@ -93,6 +93,8 @@ INTERPRET_CASES = [
     (1, 4, 16, False, jnp.float32, kd.KdaDecodeConfig(block_v=64)),
     (3, 2, 1, True, jnp.float32, kd.KdaDecodeConfig(block_v=64, prefetch=False)),
     (2, 4, 2, False, jnp.bfloat16, kd.KdaDecodeConfig(gates_first=True)),
+    (1, 4, 2, True, jnp.float32, kd.KdaDecodeConfig(token_loop=True)),  # the tokens as a loop, fused norm
+    (2, 3, 1, False, jnp.bfloat16, kd.KdaDecodeConfig(token_loop=True, block_v=64)),
 ]
 
 
@@ -189,7 +191,8 @@ def test_cross_lower_model_configs(B, T, H):
 @pytest.mark.parametrize("T", [1, 8])
 @pytest.mark.parametrize("config", [None, kd.KdaDecodeConfig(wgs_per_cta=4), kd.KdaDecodeConfig(block_v=64),
                                     kd.KdaDecodeConfig(block_v=64, wgs_per_cta=2), kd.KdaDecodeConfig(prefetch=False),
-                                    kd.KdaDecodeConfig(gates_first=True), kd.KdaDecodeConfig(approx_math=True)])
+                                    kd.KdaDecodeConfig(gates_first=True), kd.KdaDecodeConfig(approx_math=True),
+                                    kd.KdaDecodeConfig(token_loop=True)])
 def test_cross_lower_variants(T, config):
   """The unfused / differently tiled variants also lower (f32 inputs, no norm)."""
   args, _ = _abstract_inputs(8, T, 16, dtype=jnp.float32, norm=False)
@@ -243,6 +246,8 @@ def test_wide_f_and_offset_b_gpu(rng):
     (1, 4, 16, False, jnp.bfloat16, kd.KdaDecodeConfig(gates_first=True)),
     (1, 4, 16, False, jnp.bfloat16, kd.KdaDecodeConfig(approx_math=True)),
     (8, 8, 16, False, jnp.float32, kd.KdaDecodeConfig(approx_math=True, gates_first=True)),
+    (1, 4, 16, False, jnp.bfloat16, kd.KdaDecodeConfig(token_loop=True)),
+    (8, 8, 16, True, jnp.float32, kd.KdaDecodeConfig(token_loop=True)),
 ])
 def test_kernel_matches_reference_gpu(rng, B, T, H, norm, dtype, config):
   args, kw = make_inputs(rng, B, T, H, dtype=dtype, norm=norm)

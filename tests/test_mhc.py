@@ -159,10 +159,14 @@ def test_cross_lower_real(M):
     mix_consts = {k: v for k, v in CONSTS.items() if k != "norm_eps"}
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_sinkhorn(*a, D=4096, **mix_consts, approx_math=True), tot_t,
                                        coef).as_text()
-  if M == 4:  # the one-launch boundary: a cluster of 8 CTAs (~20 s to lower: one size)
+  if M == 4:  # the one-launch boundary: a cluster of 8 CTAs (one size)
     consts = {k: v for k, v in CONSTS.items() if k != "iters"}
-    assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_boundary(*a, approx_math=True, **consts), X, y, mix, fn, coef,
-                                       w).as_text()
+    txt = cross_lower(lambda *a: K.mhc_boundary(*a, approx_math=True, **consts), X, y, mix, fn, coef, w).as_text()
+    assert "mosaic_gpu" in txt
+    # its chunks and the cluster's sums stay loops: unrolled, it was 9x mhc_post_pre's code, run once per CTA
+    # (~135 µs per boundary in the step, session 31)
+    pp = cross_lower(lambda *a: K.mhc_post_pre(*a), X, y, mix, fn).as_text()
+    assert len(txt) < 3 * len(pp), (len(txt), len(pp))
 
 
 def test_bad_shapes_named():
