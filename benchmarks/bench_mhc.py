@@ -8,7 +8,8 @@ Columns: "dev us" device time of one boundary (CUPTI kernel durations), "kernels
 state: the gaps between kernels count, as in the decode step), and the floor: bytes one boundary must move
 (X in and out, y, fn, the normed output) at 4.3 TB/s.
 
-Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_mhc.py [--rows 1,4,8,32,64] [--out results.txt]
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_mhc.py [--rows 1,4,8,32,64] [--paths stock,fused,1launch]
+              [--out results.txt]
        --compile: instead, seconds to compile a chain of 16 boundaries (and of each part alone, 16 times) per M —
        the whole q = 4 step once took over 8 minutes to compile (session 22)
 """
@@ -114,7 +115,13 @@ def main(argv=None):
   p.add_argument("--rows", default="1,4,8,32,64")
   p.add_argument("--out", default=None)
   p.add_argument("--compile", action="store_true", help="compile times instead of run times (see the docstring)")
+  p.add_argument("--paths", default="stock,fused,1launch", help="comma-separated paths, in this order (and the "
+                 "fused path's kernels alone after them when 'fused' is among them)")
   a = p.parse_args(argv)
+  paths = {"stock": stock, "fused": fused, "1launch": one_launch}
+  names = a.paths.split(",")
+  if unknown := set(names) - set(paths):
+    raise SystemExit(f"--paths: unknown {sorted(unknown)}; known: {sorted(paths)}")
   hc, norm = _site(0)
   if a.compile:
     from pallas_kernels._common import maybe_interpret  # noqa: PLC0415 (interpret mode off a GPU: script check)
@@ -137,9 +144,9 @@ def main(argv=None):
       comb = (c / c.sum(1, keepdims=True)).reshape(M, 16).astype(np.float32)
       sets.append((X2, y, km.mix_from_rows(jnp.asarray(post), jnp.asarray(comb))))
     floor = (2 * M * N * D * 2 + M * D * 2 * 2 + 24 * N * D * 2) / HBM_BPS * 1e6
-    for name, f in (("stock", stock), ("fused", fused), ("1launch", one_launch)):
+    for name, f in ((n, paths[n]) for n in names):
       one = jax.jit(lambda X2, y, mix, f=f: f(hc, norm, X2, y, mix))
-      dev, names = time_calls(one, sets)
+      dev, kernels = time_calls(one, sets)
 
       @jax.jit
       def chain(X2, y, mix, f=f):
@@ -154,8 +161,9 @@ def main(argv=None):
         out = chain(*sets[i % len(sets)])
       jax.block_until_ready(out)
       wall = (time.perf_counter() - t) / 20 / CHAIN * 1e6
-      log(f"{M:>3} {name:>6} {dev:>8.1f} {len(names):>8} {wall:>9.1f} {floor:>9.2f}")
-    finish_parts(hc, norm, sets, M)
+      log(f"{M:>3} {name:>6} {dev:>8.1f} {len(kernels):>8} {wall:>9.1f} {floor:>9.2f}")
+    if "fused" in names:
+      finish_parts(hc, norm, sets, M)
   if a.out:
     write_log(a.out)
 

@@ -471,8 +471,9 @@ case "$MODE" in
     ;;
   s32)  # (nvidia-h200) session 31's code-size question: the one-launch boundary ran ~135 us per boundary in the step
     # as 3.1 MB of straight-line MLIR; its chunk loops and the threshold kernel's passes are loops now (unrolled
-    # kept as options). The threshold and boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode
-    # --q4 (the token loop first), then q = 1 at 4 steps per call: defaults vs the rolled boundary
+    # kept as options). The threshold and boundary GPU tests, bench_topk rolled vs unrolled, bench_mhc (the rolled
+    # boundary alone), q = 1 at 4 steps per call: defaults vs the rolled boundary, then bench_kda_decode --q4 (the
+    # token loop first) in what is left
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k threshold 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     timeout -s INT 200 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_mhc.py \
@@ -480,11 +481,13 @@ case "$MODE" in
     grep -E "passed|failed|FAILED|^E  |Interrupt|s call" /tmp/t_boundary.log | head -20 | tee -a "$OUT/gpu_tests.log"
     timeout 120 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8256 --only "radix scan128,kernel scan128,kernel \
 unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_topk.log" > /dev/null 2>&1
-    timeout 150 python3 benchmarks/bench_kda_decode.py --q4 --budget_s 110 > "$OUT/bench_kda_q4.log" 2>&1
+    timeout -s INT 120 python3 benchmarks/bench_mhc.py --rows 1 --paths 1launch,fused > "$OUT/bench_mhc.log" 2>&1
     BOUNDARY=""
     grep -q " passed" /tmp/t_boundary.log && ! grep -q -E "failed|Interrupt" /tmp/t_boundary.log \
       && BOUNDARY='{"mhc_boundary":true}'
-    [ "$(left)" -gt 200 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --policy '{}' $BOUNDARY
+    [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --policy '{}' $BOUNDARY
+    [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
+      --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
   s32b)  # (nvidia-h200) the loop forms inside the step, q = 1 at 4 steps per call, interleaved: defaults, the
     # rolled threshold kernel at one score row, the KDA token loop, the rolled boundary; then q = 4 with the loop
