@@ -1,4 +1,15 @@
 """Pallas Mosaic GPU kernels for the GLM-5.3-Flash decode, each beside a pure-jnp reference with the same
-signature. On CPU every kernel runs in Mosaic GPU interpret mode (tests) and cross-lowers for CUDA."""
+signature. On CPU every kernel runs in Mosaic GPU interpret mode (tests) and cross-lowers for CUDA.
+
+What the H200 taught (BENCHMARKS.md has the measurements):
+- Decode kernels are latency-bound, and most CTAs run their code once: keep per-CTA work that repeats (chunks,
+  passes, tokens) a loop (``lax.fori_loop`` / ``pl.loop``), not Python-unrolled straight-line code. The one-launch
+  mHC boundary unrolled was 3.1 MB of MLIR and ~135 µs per call in the step (session 31); tests hold the looped
+  kernels' code size (``mhc``, ``indexer.topk_threshold``).
+- e4m3 -> bf16 converts go through f32 (no direct conversion in the H200's ptxas).
+- Register loads from an untiled SMEM ref sliced at a column offset came back with 16-byte chunks exchanged
+  natively (right in interpret mode): load whole blocks (``sparse_mla._dequant_block``).
+- A tiny parameter slice handed to a kernel costs a memcpy node per call: keep such parameters whole
+  (``glm5_jax.param_packing.KEEP_WHOLE``)."""
 
 from pallas_kernels import _common  # noqa: F401  (one Mosaic module per distinct kernel: see _common)
