@@ -117,6 +117,8 @@ def main(argv=None):
   p.add_argument("--compile", action="store_true", help="compile times instead of run times (see the docstring)")
   p.add_argument("--paths", default="stock,fused,1launch", help="comma-separated paths, in this order (and the "
                  "fused path's kernels alone after them when 'fused' is among them)")
+  p.add_argument("--clusters", default="", help="with '1launch': also the mhc_boundary kernel alone at these "
+                 "cluster sizes (e.g. 8,4,2: each CTA then does 8 / 16 / 32 chunks of the same work)")
   a = p.parse_args(argv)
   paths = {"stock": stock, "fused": fused, "1launch": one_launch}
   names = a.paths.split(",")
@@ -164,8 +166,21 @@ def main(argv=None):
       log(f"{M:>3} {name:>6} {dev:>8.1f} {len(kernels):>8} {wall:>9.1f} {floor:>9.2f}")
     if "fused" in names:
       finish_parts(hc, norm, sets, M)
+    for cl in [int(c) for c in a.clusters.split(",") if c]:
+      boundary_alone(hc, norm, sets, M, cl)
   if a.out:
     write_log(a.out)
+
+
+def boundary_alone(hc, norm, sets, M, cluster):
+  """The one-launch boundary kernel alone (device µs per call) with ``cluster`` CTAs: where its time goes as the
+  per-CTA work grows (fewer CTAs) — the SMs' own time, or waiting for a cluster's SMs to be free together."""
+  coef = hc.base_scale[...]
+  f = jax.jit(lambda X2, y, mix: km.mhc_boundary(
+      X2, y, mix, hc.fn[...], coef, norm.weight[...], eps=hc.eps, hc_norm_eps=hc.norm_eps, norm_eps=norm.eps,
+      post_mult=hc.post_mult, approx_math=True, cluster=cluster))
+  dev, _ = time_calls(f, sets)
+  log(f"#   M = {M}: mhc_boundary alone, a cluster of {cluster} CTAs ({D // cluster} columns each): {dev:.2f} µs")
 
 
 def finish_parts(hc, norm, sets, M):

@@ -481,7 +481,8 @@ case "$MODE" in
     grep -E "passed|failed|FAILED|^E  |Interrupt|s call" /tmp/t_boundary.log | head -20 | tee -a "$OUT/gpu_tests.log"
     timeout 120 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8256 --only "radix scan128,kernel scan128,kernel \
 unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_topk.log" > /dev/null 2>&1
-    timeout -s INT 120 python3 benchmarks/bench_mhc.py --rows 1 --paths 1launch,fused > "$OUT/bench_mhc.log" 2>&1
+    timeout -s INT 120 python3 benchmarks/bench_mhc.py --rows 1 --paths 1launch,fused --clusters 8,4 \
+      > "$OUT/bench_mhc.log" 2>&1
     BOUNDARY=""
     grep -q " passed" /tmp/t_boundary.log && ! grep -q -E "failed|Interrupt" /tmp/t_boundary.log \
       && BOUNDARY='{"mhc_boundary":true}'
