@@ -473,7 +473,8 @@ case "$MODE" in
     # as 3.1 MB of straight-line MLIR; its chunk loops and the threshold kernel's passes are loops now (unrolled
     # kept as options). The threshold and boundary GPU tests, bench_topk rolled vs unrolled, bench_mhc (the rolled
     # boundary alone), q = 1 at 4 steps per call: defaults vs the rolled boundary, then bench_kda_decode --q4 (the
-    # token loop first) in what is left
+    # token loop first) in what is left. First the hypothesis itself on a synthetic kernel (bench_code_size)
+    timeout 90 python3 benchmarks/bench_code_size.py --out "$OUT/bench_code_size.log" > /dev/null 2>&1
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k threshold 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     timeout -s INT 200 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_mhc.py \

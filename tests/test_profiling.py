@@ -271,3 +271,23 @@ def test_ab_table_compares_interleaved_rows_with_their_spread(capsys):
   assert len(body) == 4 and "baseline" in body[0] and f"{base_ms:.2f}" in body[0]
   assert body[1].endswith("| -1.00 ms ({:+.1f} %) | yes |".format(-100 / base_ms))
   assert body[2].endswith("| no |") and body[3].endswith("| ? |") and "| — |" in body[3]
+
+
+
+def test_code_size_probe_computes_its_reference():
+  """benchmarks/bench_code_size.py's probe kernel (GPU interpret mode): both forms compute the FMA chain, and the
+  unrolled one is the larger module (what the benchmark times against its code size)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from benchmarks import bench_code_size as B  # noqa: PLC0415
+  from pallas_kernels._common import cross_lower, maybe_interpret  # noqa: PLC0415
+  x = np.random.default_rng().uniform(-1, 1, (2, *B.SHAPE)).astype(np.float32)
+  sizes = []
+  for unroll in (False, True):
+    with maybe_interpret(True):
+      got = np.asarray(jax.jit(lambda v, u=unroll: B.fma_chain(v, 12, u))(jnp.asarray(x)))
+    np.testing.assert_allclose(got, B.reference(x, 12), rtol=1e-5, atol=1e-5)
+    sizes.append(len(cross_lower(lambda v, u=unroll: B.fma_chain(v, 64, u),
+                                 jax.ShapeDtypeStruct((2, *B.SHAPE), jnp.float32)).as_text()))
+  assert sizes[1] > 2 * sizes[0], sizes  # (64 steps: ~2.5x; 1,024: ~18x)
