@@ -79,25 +79,24 @@ def _router_kernel(E: int, EP: int, k: int, scaling: float, norm: bool):
     key = order_key(s + plgpu.load(b_s, layout=vec))
     iota = plgpu.broadcasted_iota(jnp.int32, (EP,), 0, layout=vec)
     taken = jnp.where(iota >= E, 1, 0)  # (int32 masks: i1 arrays do not combine in registers)
-    vals, ids_v = [], jnp.zeros((LANES,), jnp.int32)
     slot = plgpu.broadcasted_iota(jnp.int32, (LANES,), 0, layout=out)
-    for j in range(k):
+
+    def select(j, carry):  # the j-th expert: a loop, not k unrolled copies (code each CTA runs once)
+      taken, ids_v, w_v, tot = carry
       cand = jnp.where(taken != 0, jnp.int32(_INT_MIN), key)
       top = jnp.max(cand)
       # the lowest index with the top key among those not taken (a key can equal the taken marker: -NaN)
       idx = jnp.min(jnp.where(taken != 0, jnp.int32(_NONE), jnp.where(cand == top, iota, jnp.int32(_NONE))))
       hit = iota == idx
-      vals.append(jnp.sum(jnp.where(hit, s, 0.0)))  # one nonzero term: exact (a where: no NaN leaks in)
-      taken = jnp.where(hit, 1, taken)
-      ids_v = jnp.where(slot == j, idx, ids_v)
-    if norm:  # the k terms added in rank order, as the XLA path
-      tot = vals[0]
-      for v in vals[1:]:
-        tot = tot + v
-      vals = [v / (tot + NORM_EPS) for v in vals]
-    w_v = jnp.zeros((LANES,), jnp.float32)
-    for j, v in enumerate(vals):
-      w_v = jnp.where(slot == j, v * scaling, w_v)
+      v = jnp.sum(jnp.where(hit, s, 0.0))  # one nonzero term: exact (a where: no NaN leaks in)
+      # (the k weights summed in rank order, as the XLA path: 0 + w_0 + w_1 + ...)
+      return jnp.where(hit, 1, taken), jnp.where(slot == j, idx, ids_v), jnp.where(slot == j, v, w_v), tot + v
+
+    zeros = plgpu.layout_cast(jnp.zeros((LANES,), jnp.int32), out)
+    _, ids_v, w_v, tot = lax.fori_loop(0, k, select, (taken, zeros, zeros.astype(jnp.float32), jnp.float32(0)))
+    if norm:
+      w_v = w_v / (tot + NORM_EPS)
+    w_v = w_v * scaling
     ids_s[...] = ids_v
     w_s[...] = w_v
     plgpu.commit_smem()
