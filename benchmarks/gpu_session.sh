@@ -487,15 +487,17 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     BOUNDARY=""
     grep -q " passed" /tmp/t_boundary.log && ! grep -q -E "failed|Interrupt" /tmp/t_boundary.log \
       && BOUNDARY='{"mhc_boundary":true}'
-    [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --policy '{}' $BOUNDARY
+    [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
   s32b)  # (nvidia-h200) the loop forms inside the step, q = 1 at 4 steps per call, interleaved: defaults, the
     # rolled threshold kernel at one score row, the KDA token loop, the rolled boundary; then q = 4 with the loop
-    rank1 s32b --q 1 --steps-per-call 4 --interleave --policy '{}' '{"topk_threshold": true}' \
+    rank1 s32b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' '{"topk_threshold": true}' \
       '{"kda_token_loop": true}' '{"mhc_boundary": true}'
-    [ "$(left)" -gt 200 ] && rank1 s32c --q 4 --steps-per-call 4 --interleave --policy '{}' '{"kda_token_loop": true}'
+    # (7 repeats each: a repeat costs ~0.4 s, a configuration's compile ~40 s; session 31's 3 spread 0.2-0.8 ms)
+    [ "$(left)" -gt 200 ] && rank1 s32c --q 4 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
+      '{"kda_token_loop": true}'
     ;;
   s31)  # (nvidia-h200) the one-launch boundary's GPU tests one at a time (session 30: M = 1, 4, 8 passed, M = 64 ran
     # into the 150 s timeout: a hang or a slow compile?), each timed, a traceback of every thread after 100 s;
