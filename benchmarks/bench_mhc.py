@@ -2,6 +2,7 @@
 real width (4 streams × 4096), fused kernels (pallas_kernels/mhc.py) vs the stock XLA formulation, on one GPU.
 
 Paths: "stock" (XLA), "fused" (the model's default kernels: mhc_post_pre, a reduction, mhc_finish, mhc_sinkhorn),
+"narrow" (the same with twice the CTAs, each half as wide: policy mhc_narrow),
 "1launch" (policy mhc_boundary: the boundary as one cluster launch, a reduction, mhc_sinkhorn).
 Columns: "dev us" device time of one boundary (CUPTI kernel durations), "kernels" launches per boundary,
 "chain us" wall time per boundary inside one jitted chain of 16 boundaries (XLA command buffers on, steady
@@ -62,6 +63,13 @@ def fused(hc, norm, X2, y, mix):
     return hc.fused(X2, (y, mix), norm)
 
 
+def narrow(hc, norm, X2, y, mix):
+  """The fused path with twice the CTAs, each half as wide (policy mhc_narrow: post_pre 32 columns per CTA, the
+  finish 64)."""
+  with use_kernels({"mhc_narrow": True}):
+    return hc.fused(X2, (y, mix), norm)
+
+
 def one_launch(hc, norm, X2, y, mix):
   """The boundary as one launch (policy mhc_boundary: mhc_boundary, the XLA reduction, mhc_sinkhorn)."""
   with use_kernels({"mhc_boundary": True}):
@@ -115,12 +123,12 @@ def main(argv=None):
   p.add_argument("--rows", default="1,4,8,32,64")
   p.add_argument("--out", default=None)
   p.add_argument("--compile", action="store_true", help="compile times instead of run times (see the docstring)")
-  p.add_argument("--paths", default="stock,fused,1launch", help="comma-separated paths, in this order (and the "
+  p.add_argument("--paths", default="stock,fused,narrow,1launch", help="comma-separated paths, in this order (and the "
                  "fused path's kernels alone after them when 'fused' is among them)")
   p.add_argument("--clusters", default="", help="with '1launch': also the mhc_boundary kernel alone at these "
                  "cluster sizes (e.g. 8,4,2: each CTA then does 8 / 16 / 32 chunks of the same work)")
   a = p.parse_args(argv)
-  paths = {"stock": stock, "fused": fused, "1launch": one_launch}
+  paths = {"stock": stock, "fused": fused, "narrow": narrow, "1launch": one_launch}
   names = a.paths.split(",")
   if unknown := set(names) - set(paths):
     raise SystemExit(f"--paths: unknown {sorted(unknown)}; known: {sorted(paths)}")

@@ -67,7 +67,8 @@
 #                             steps_per_call GPU test
 #   s32 (nvidia-h200):        the loop forms (session 31: unrolled straight-line kernels suspected slow): threshold /
 #                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
-#   s32b (nvidia-h200):       q = 1 at 4 steps per call: defaults, threshold at one row, kda_token_loop, mhc_boundary;
+#   s32b (nvidia-h200):       q = 1 at 4 steps per call: defaults, threshold at one row, kda_token_loop, mhc_boundary,
+#                             mhc_narrow;
 #                             q = 4 +- kda_token_loop
 #   s31b (nvidia-h200):       bench_mhc (the one-launch boundary alone); q = 4 at 4 steps per call, kda_norm vs defaults
 #   s31 (nvidia-h200):        the one-launch boundary's GPU tests one by one (timed, tracebacks if stuck); q = 1 at 4
@@ -482,7 +483,7 @@ case "$MODE" in
     grep -E "passed|failed|FAILED|^E  |Interrupt|s call" /tmp/t_boundary.log | head -20 | tee -a "$OUT/gpu_tests.log"
     timeout 120 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8256 --only "radix scan128,kernel scan128,kernel \
 unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_topk.log" > /dev/null 2>&1
-    timeout -s INT 120 python3 benchmarks/bench_mhc.py --rows 1 --paths 1launch,fused --clusters 8,4 \
+    timeout -s INT 150 python3 benchmarks/bench_mhc.py --rows 1,4 --paths 1launch,fused,narrow --clusters 8,4 \
       > "$OUT/bench_mhc.log" 2>&1
     BOUNDARY=""
     grep -q " passed" /tmp/t_boundary.log && ! grep -q -E "failed|Interrupt" /tmp/t_boundary.log \
@@ -494,7 +495,7 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
   s32b)  # (nvidia-h200) the loop forms inside the step, q = 1 at 4 steps per call, interleaved: defaults, the
     # rolled threshold kernel at one score row, the KDA token loop, the rolled boundary; then q = 4 with the loop
     rank1 s32b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' '{"topk_threshold": true}' \
-      '{"kda_token_loop": true}' '{"mhc_boundary": true}'
+      '{"kda_token_loop": true}' '{"mhc_boundary": true}' '{"mhc_narrow": true}'
     # (7 repeats each: a repeat costs ~0.4 s, a configuration's compile ~40 s; session 31's 3 spread 0.2-0.8 ms)
     [ "$(left)" -gt 200 ] && rank1 s32c --q 4 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
       '{"kda_token_loop": true}'

@@ -116,7 +116,12 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # session 29); the Sinkhorn stays a kernel of its own. Natively correct but, Python-unrolled
                    # (3.1 MB of MLIR), 5.78 -> 18.04 ms per step at q = 1 (session 31); its chunks are loops now
                    # (0.71 MB) — off until that form is measured (gpu_session.sh s32)
-                   "mhc_boundary": False}
+                   "mhc_boundary": False,
+                   # with mhc on: mhc_post_pre over 32 columns per CTA (128 CTAs) and mhc_finish over 64 (64 CTAs)
+                   # instead of 64 / 128: at M = 1 both run 64-row tiles for one real row, their time mostly
+                   # instruction issue (post_pre ~9K instructions per thread, 4.8 µs alone; session 31's MLIR
+                   # count) — twice the CTAs halve it per thread. Off until measured (gpu_session.sh s32b)
+                   "mhc_narrow": False}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
@@ -457,12 +462,16 @@ class HyperConnection(nnx.Module):
       Xn, x_in, part = km.mhc_boundary(X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None,
                                        norm_eps=norm.eps, **{k: v for k, v in consts.items() if k != "iters"})
       return Xn, x_in, km.mhc_sinkhorn(_chunk_sums(part, M), coef, D=D, **consts)
-    Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None)
+    narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
+    Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)
     tot_t = _chunk_sums(part, M)
-    finish = km.mhc_finish if kernel_enabled("mhc_finish") else km.mhc_finish_reference
-    if finish is km.mhc_finish and kernel_enabled("mhc_sinkhorn_split"):
-      x_in = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
-      return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, **consts)
+    if kernel_enabled("mhc_finish"):
+      finish = functools.partial(km.mhc_finish, cols=64 if narrow else km.DC_FIN)
+      if kernel_enabled("mhc_sinkhorn_split"):
+        x_in = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
+        return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, **consts)
+    else:
+      finish = km.mhc_finish_reference
     x_in, post_t, comb_t = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, **consts)
     return Xn, x_in, (post_t, comb_t)
 

@@ -50,13 +50,20 @@ from pallas_kernels._common import interpreting, kernel_entry
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
 ROWS = 64  # token rows per launch (wgmma M)
-DC = 64  # columns per CTA of each stream in mhc_post_pre
-DC_FIN = 128  # columns per CTA in mhc_finish
+DC = 64  # columns per CTA of each stream in mhc_post_pre (``cols``: 32 or 64)
+DC_FIN = 128  # columns per CTA in mhc_finish (``cols``: 64 or 128)
+# (narrower CTAs — twice as many — halve each thread's instructions: at M = 1 the kernels run 64-row tiles for one
+# real row and their time is mostly instruction issue; policy knob mhc_narrow, to measure)
 GRAM = N * (N + 1) // 2  # distinct Gram entries (i <= j), in the order of _PAIRS
 PART = 40  # columns of the partial-sums array: MIX logits, GRAM entries, padding to a multiple of 8
 _PAIRS = [(i, j) for i in range(N) for j in range(i, N)]
 _L = plgpu.Layout
 _BF16_SW128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _bf16_swizzled(cols: int):
+  """The wgmma operand transforms of a bf16 tile ``cols`` wide (rows of 2·cols bytes, swizzled as wide)."""
+  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols))
 
 
 def _check(x, D, what):
@@ -81,14 +88,15 @@ def mix_rows(mix, M: int):
 
 
 # ------------------------------------------------------------------------------------------------ references
-def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
+def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False, cols: int = DC):
   """X [M, N·D] bf16 residual, y [M, D] bf16 sublayer output, mix = (post_t [N, 64], comb_t [N·N, 64]) f32 of
   the previous site (``mhc_finish``'s, transposed), fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40]
-  f32: per column chunk the 24 partial mixing logits then the 10 partial Gram entries, 6 columns of padding).
-  ``first``: no previous sublayer (y and mix are ignored, X' = X). Rows M.. of part are padding (unspecified)."""
+  f32: per column chunk (``cols`` columns of each stream, G = D / cols) the 24 partial mixing logits then the 10
+  partial Gram entries, 6 columns of padding). ``first``: no previous sublayer (y and mix are ignored, X' = X).
+  Rows M.. of part are padding (unspecified)."""
   M, K = X.shape
   D = K // N
-  G = D // DC
+  G = D // cols
   Xs = X.astype(jnp.float32).reshape(M, N, D)
   if first:
     Xn = Xs.astype(jnp.bfloat16)
@@ -99,8 +107,8 @@ def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False):
     for i in range(1, N):
       s = s + comb[:, i, :, None] * Xs[:, i:i + 1]
     Xn = (post[..., None] * y.astype(jnp.float32)[:, None, :] + s).astype(jnp.bfloat16)
-  xf = Xn.astype(jnp.float32).reshape(M, N, G, DC)
-  fnc = fn.astype(jnp.float32).reshape(MIX, N, G, DC)
+  xf = Xn.astype(jnp.float32).reshape(M, N, G, cols)
+  fnc = fn.astype(jnp.float32).reshape(MIX, N, G, cols)
   pm = jnp.einsum("mngc,kngc->gmk", xf, fnc, precision=lax.Precision.HIGHEST)
   gram = jnp.stack([jnp.einsum("mgc,mgc->gm", xf[:, i], xf[:, j], precision=lax.Precision.HIGHEST)
                     for i, j in _PAIRS], axis=-1)
@@ -231,7 +239,7 @@ def _pre_rinv(S, gram, r, base, sc0, D, eps, norm_eps):
   return pre, lax.rsqrt(jnp.maximum(var / float(D), 0.0) + norm_eps)
 
 
-def _post_pre_kernel(M: int, D: int, first: bool):
+def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch's columns per CTA)
   def body(*refs):
     if first:  # no previous sublayer: X' = X, nothing to mix or store
       x_g, fn_g, part_g, x_s, fn_s, xw_s, bar = refs
@@ -275,27 +283,31 @@ def _post_pre_kernel(M: int, D: int, first: bool):
   return body
 
 
-@kernel_entry("first")
-def mhc_post_pre(X, y, mix, fn, *, first: bool = False):
-  """Mosaic GPU version of ``mhc_post_pre_reference`` (same signature and outputs; with ``first`` X' is X itself)."""
+@kernel_entry("first", "cols")
+def mhc_post_pre(X, y, mix, fn, *, first: bool = False, cols: int = DC):
+  """Mosaic GPU version of ``mhc_post_pre_reference`` (same signature and outputs; with ``first`` X' is X itself):
+  a CTA per ``cols`` columns of every stream (32 or 64)."""
   M, K = X.shape
   D = K // N
   _check(X, D, "mhc_post_pre")
+  if cols not in (32, 64):
+    raise ValueError(f"mhc_post_pre: cols = {cols}, expected 32 or 64 columns per CTA")
+  DC = cols
   if fn.shape != (MIX, K) or X.dtype != jnp.bfloat16:
     raise ValueError(f"mhc_post_pre: fn {fn.shape} / X {X.dtype}, expected fn [{MIX}, {K}] and a bf16 residual")
   G = D // DC
   bf16, f32 = jnp.bfloat16, jnp.float32
   part = jax.ShapeDtypeStruct((G, ROWS, PART), f32)
   x_s = plgpu.SMEM((N, ROWS, DC), bf16)  # the M rows of each stream's chunk (untiled: TMA boxes of M rows)
-  fn_s = plgpu.SMEM((N, MIX, DC), bf16, transforms=_BF16_SW128)  # wgmma B (as fn_sᵀ)
-  xw_s = plgpu.SMEM((N, ROWS, DC), bf16, transforms=_BF16_SW128)  # X' as the wgmma A operand
+  fn_s = plgpu.SMEM((N, MIX, DC), bf16, transforms=_bf16_swizzled(DC))  # wgmma B (as fn_sᵀ)
+  xw_s = plgpu.SMEM((N, ROWS, DC), bf16, transforms=_bf16_swizzled(DC))  # X' as the wgmma A operand
   common = dict(grid=(G,), grid_names=("g",))
   if first:
-    kern = plgpu.kernel(_post_pre_kernel(M, D, True), out_type=part, kernel_name="glm5_mhc_pre", **common,
+    kern = plgpu.kernel(_post_pre_kernel(M, D, True, DC), out_type=part, kernel_name="glm5_mhc_pre", **common,
                         scratch_types=[x_s, fn_s, xw_s, plgpu.Barrier(num_arrivals=2 * N)])
     return X, kern(X, fn.astype(bf16))
   kern = plgpu.kernel(
-      _post_pre_kernel(M, D, False), out_type=(jax.ShapeDtypeStruct((M, K), bf16), part),
+      _post_pre_kernel(M, D, False, DC), out_type=(jax.ShapeDtypeStruct((M, K), bf16), part),
       kernel_name="glm5_mhc_post_pre", **common,
       scratch_types=[
           x_s,
@@ -314,24 +326,17 @@ def mhc_post_pre(X, y, mix, fn, *, first: bool = False):
 
 
 def _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0):
-  """x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this CTA's DC_FIN columns (pre: N per-row vectors, rinv a
-  per-row vector), stored to o_g's M rows (the caller waits for the store)."""
-  u = _bcast(pre[0], DC_FIN) * plgpu.load(x_s.at[0], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+  """x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this CTA's columns (x_s [N, 64, C]; pre: N per-row vectors,
+  rinv a per-row vector), stored to o_g's M rows at column d0 (the caller waits for the store)."""
+  C = o_s.shape[-1]
+  u = _bcast(pre[0], C) * plgpu.load(x_s.at[0], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
   for i in range(1, N):
-    u = u + _bcast(pre[i], DC_FIN) * plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
-  xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * _bcast(rinv, DC_FIN)).astype(jnp.bfloat16)
+    u = u + _bcast(pre[i], C) * plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+  xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * _bcast(rinv, C)).astype(jnp.bfloat16)
   wv = plgpu.load(w_s, layout=_L.WGMMA.reduce(0), optimized=False)
-  o_s[...] = plgpu.layout_cast(lax.broadcast_in_dim(wv, (ROWS, DC_FIN), (1,)) * xn, _L.WGMMA)
+  o_s[...] = plgpu.layout_cast(lax.broadcast_in_dim(wv, (ROWS, C), (1,)) * xn, _L.WGMMA)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, M)], o_g.at[pl.ds(0, M), pl.ds(d0, DC_FIN)])
-
-
-def _load_streams(x_g, x_s, bar, M, D):
-  """TMA the M rows of this CTA's DC_FIN columns of every stream into x_s -> the column offset d0."""
-  d0 = lax.axis_index("g") * DC_FIN
-  for i in range(N):
-    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + d0, DC_FIN)], x_s.at[i, pl.ds(0, M)], bar)
-  return d0
+  plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, M)], o_g.at[pl.ds(0, M), pl.ds(d0, C)])
 
 
 def _sinkhorn_rows(mc, iters: int, eps: float):
@@ -367,7 +372,7 @@ def _sinkhorn_rows(mc, iters: int, eps: float):
 
 
 def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float,
-                   normalise: bool = True, sinkhorn: bool = True):
+                   normalise: bool = True, sinkhorn: bool = True, DC_FIN: int = DC_FIN):
   """CTAs 0..G-1 (G = D / DC_FIN; ``normalise``) each compute the site's pre and 1/RMS of u per row from the summed
   partials (a few dozen flops per row, on per-row vectors: as ``mhc_mix_reference``), then Σ pre_i X'_i + RMSNorm
   of their DC_FIN columns. The next CTA (``sinkhorn``) computes post and the Sinkhorn of comb for the next boundary
@@ -454,21 +459,25 @@ _MIX_SCRATCH = [plgpu.SMEM((N, ROWS), jnp.float32),  # p_s (transposed: a row pe
                 plgpu.SMEM((N * N, ROWS), jnp.float32)]  # cb_s
 
 
-@kernel_entry("iters", "eps", "hc_norm_eps", "norm_eps", "post_mult", "approx_math", "sinkhorn")
+@kernel_entry("iters", "eps", "hc_norm_eps", "norm_eps", "post_mult", "approx_math", "sinkhorn", "cols")
 def mhc_finish(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float, norm_eps: float,
-               post_mult: float, approx_math: bool = False, sinkhorn: bool = True):
+               post_mult: float, approx_math: bool = False, sinkhorn: bool = True, cols: int = DC_FIN):
   """Mosaic GPU version of ``mhc_finish_reference`` (same signature and outputs). ``approx_math``: the GPU's
   approximate exp / reciprocal / rsqrt (ulp-level differences; bench_mhc measures what it saves). ``sinkhorn``
-  False: x_in alone (one CTA fewer; ``mhc_sinkhorn`` computes the mix as a kernel of its own)."""
+  False: x_in alone (one CTA fewer; ``mhc_sinkhorn`` computes the mix as a kernel of its own). ``cols``: columns
+  normalised per CTA (64 or 128)."""
   M, K = Xn.shape
   D = K // N
   _check(Xn, D, "mhc_finish")
+  if cols not in (64, 128):
+    raise ValueError(f"mhc_finish: cols = {cols}, expected 64 or 128 columns per CTA")
+  DC_FIN = cols
   _check_sums(tot_t, coef, iters, "mhc_finish")
   bf16, f32 = jnp.bfloat16, jnp.float32
   x_in = jax.ShapeDtypeStruct((M, D), bf16)
   kern = plgpu.kernel(
       _finish_kernel(M, D, int(iters), float(eps), float(hc_norm_eps), float(norm_eps), float(post_mult),
-                     sinkhorn=bool(sinkhorn)),
+                     sinkhorn=bool(sinkhorn), DC_FIN=DC_FIN),
       out_type=(x_in, *_MIX_OUT) if sinkhorn else x_in,
       scratch_types=[
           plgpu.SMEM((N, ROWS, DC_FIN), bf16),  # x_s

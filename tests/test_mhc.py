@@ -39,27 +39,30 @@ def _inputs(M, D, seed):
   return X, y, K.mix_from_rows(jnp.asarray(post), jnp.asarray(comb)), fn, coef, w
 
 
-def _check_kernels(M, D, first, seed=0, interpret=None, approx=False, split=False, narrow=True):
+def _check_kernels(M, D, first, seed=0, interpret=None, approx=False, split=False, narrow=True, cols=(64, 128)):
   """mhc_post_pre and mhc_finish vs their references; the finish on the summed partials of a real post+pre
   (realistic logits and Gram entries) and random mHC parameters. ``approx``: the finish kernel with the GPU's
   approximate math, held to the same tolerances. ``split``: the finish without its Sinkhorn CTA + mhc_sinkhorn
   (policy knob mhc_sinkhorn_split), held to the same. ``narrow``: the sums as the model passes them, [40, M
-  rounded up to 4] (the kernels' TMA fills the other columns with zeros); else [40, 64] with NaN padding."""
+  rounded up to 4] (the kernels' TMA fills the other columns with zeros); else [40, 64] with NaN padding.
+  ``cols``: columns per CTA of mhc_post_pre and mhc_finish ((32, 64): policy knob mhc_narrow)."""
   X, y, mix, fn, coef, w = _inputs(M, D, seed)
-  ref = K.mhc_post_pre_reference(X, y, mix, fn, first=first)
+  ref = K.mhc_post_pre_reference(X, y, mix, fn, first=first, cols=cols[0])
   tot = jnp.sum(ref[1][:, :M], axis=0)
   if narrow:
     tot_t = jnp.pad(tot.T, ((0, 0), (0, -M % 4)))
   else:
     tot_t = jnp.pad(tot.T, ((0, 0), (0, K.ROWS - M)), constant_values=np.nan)  # padding columns: never read
   with maybe_interpret(interpret):
-    got = jax.jit(lambda *a: K.mhc_post_pre(*a, first=first))(X, y, mix, fn)
+    got = jax.jit(lambda *a: K.mhc_post_pre(*a, first=first, cols=cols[0]))(X, y, mix, fn)
     if split:
-      fin = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx, sinkhorn=False))(ref[0], tot_t, coef, w)
+      fin = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx, sinkhorn=False, cols=cols[1]))(
+          ref[0], tot_t, coef, w)
       mix_consts = {k: v for k, v in CONSTS.items() if k != "norm_eps"}
       post, comb = jax.jit(lambda *a: K.mhc_sinkhorn(*a, D=D, **mix_consts, approx_math=approx))(tot_t, coef)
     else:
-      fin, post, comb = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx))(ref[0], tot_t, coef, w)
+      fin, post, comb = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx, cols=cols[1]))(
+          ref[0], tot_t, coef, w)
   ref_fin, ref_post, ref_comb = K.mhc_finish_reference(ref[0], tot_t, coef, w, **CONSTS)
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
@@ -79,11 +82,13 @@ def _check_kernels(M, D, first, seed=0, interpret=None, approx=False, split=Fals
   assert np.mean(f32(fin) != f32(ref_fin)) < 0.02
 
 
-@pytest.mark.parametrize("M,D,first,split,narrow", [
-    (1, 256, False, False, True), (5, 256, False, False, False), (5, 256, True, False, True),
-    (64, 128, False, False, True), (3, 256, False, True, True), (4, 256, False, True, False)])
-def test_kernels_interpret(M, D, first, split, narrow):
-  _check_kernels(M, D, first, seed=M, interpret=True, split=split, narrow=narrow)
+@pytest.mark.parametrize("M,D,first,split,narrow,cols", [
+    (1, 256, False, False, True, (64, 128)), (5, 256, False, False, False, (64, 128)),
+    (5, 256, True, False, True, (64, 128)), (64, 128, False, False, True, (64, 128)),
+    (3, 256, False, True, True, (64, 128)), (4, 256, False, True, False, (64, 128)),
+    (1, 256, False, True, True, (32, 64)), (6, 256, True, False, True, (32, 64))])  # (mhc_narrow)
+def test_kernels_interpret(M, D, first, split, narrow, cols):
+  _check_kernels(M, D, first, seed=M, interpret=True, split=split, narrow=narrow, cols=cols)
 
 
 def _check_boundary(M, D, first, seed=0, interpret=None, cluster=None):
@@ -120,14 +125,18 @@ def test_boundary_gpu(M, first):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,D,first,approx,split", [
-    (1, 4096, False, False, False), (1, 4096, True, False, False), (8, 4096, False, False, False),
-    (37, 4096, False, False, False), (64, 4096, False, False, False), (1, 4096, False, True, False),
-    (64, 4096, False, True, False), (1, 4096, False, True, True), (37, 4096, False, False, True)])
-def test_kernels_gpu(M, D, first, approx, split):
-  _check_kernels(M, D, first, seed=M, approx=approx, split=split)
+@pytest.mark.parametrize("M,D,first,approx,split,cols", [
+    (1, 4096, False, False, False, (64, 128)), (1, 4096, True, False, False, (64, 128)),
+    (8, 4096, False, False, False, (64, 128)), (37, 4096, False, False, False, (64, 128)),
+    (64, 4096, False, False, False, (64, 128)), (1, 4096, False, True, False, (64, 128)),
+    (64, 4096, False, True, False, (64, 128)), (1, 4096, False, True, True, (64, 128)),
+    (37, 4096, False, False, True, (64, 128)),
+    (1, 4096, False, True, True, (32, 64)), (1, 4096, True, True, True, (32, 64)),  # (mhc_narrow)
+    (8, 4096, False, True, True, (32, 64)), (64, 4096, False, True, True, (32, 64))])
+def test_kernels_gpu(M, D, first, approx, split, cols):
+  _check_kernels(M, D, first, seed=M, approx=approx, split=split, cols=cols)
   if M in (1, 8):  # the sums 64 columns wide (NaN padding) as well as narrow (the TMA's zero fill)
-    _check_kernels(M, D, first, seed=M, approx=approx, split=split, narrow=False)
+    _check_kernels(M, D, first, seed=M, approx=approx, split=split, narrow=False, cols=cols)
 
 
 def test_comb_is_the_stock_sinkhorn():
@@ -148,14 +157,17 @@ def test_comb_is_the_stock_sinkhorn():
 def test_cross_lower_real(M):
   X, y, mix, fn, coef, w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(M, 4096, 0))
   for first in (False, True):
-    assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_post_pre(*a, first=first), X, y, mix, fn).as_text()
+    for cols in (64, 32):  # (32: policy knob mhc_narrow)
+      assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_post_pre(*a, first=first, cols=cols), X, y, mix,
+                                         fn).as_text()
   tot_t = jax.ShapeDtypeStruct((K.PART, -(-M // 4) * 4), jnp.float32)  # as the model passes the sums
   for approx in (False, True):
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx), X, tot_t, coef,
                                        w).as_text()
   if M in (1, 64):  # the split form (policy knob mhc_sinkhorn_split): x_in alone, then the mix
-    assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=True, sinkhorn=False), X,
-                                       tot_t, coef, w).as_text()
+    for cols in (128, 64):  # (64: policy knob mhc_narrow)
+      assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=True, sinkhorn=False,
+                                                                 cols=cols), X, tot_t, coef, w).as_text()
     mix_consts = {k: v for k, v in CONSTS.items() if k != "norm_eps"}
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_sinkhorn(*a, D=4096, **mix_consts, approx_math=True), tot_t,
                                        coef).as_text()
@@ -199,12 +211,14 @@ def _site(D, seed):
 
 @pytest.mark.parametrize("M,first,finish_kernel", [(3, False, True), (3, True, True), (70, False, True),
                                                    (3, False, False), (3, True, False), (3, False, "split"),
-                                                   (3, False, "boundary"), (70, True, "boundary")])
+                                                   (3, False, "boundary"), (70, True, "boundary"),
+                                                   (3, False, "narrow")])
 def test_fused_boundary_equals_stock(M, first, finish_kernel):
   """post (previous sublayer) + pre + RMSNorm, fused kernels vs the stock XLA formulation; 70 rows = 2 launches.
   finish_kernel False: the boundary's last step in XLA (policy knob mhc_finish off: one Mosaic call per boundary
   instead of two); "split": the finish kernel without the mix + mhc_sinkhorn (policy knob mhc_sinkhorn_split);
-  "boundary": the one-launch boundary (policy knob mhc_boundary) + mhc_sinkhorn."""
+  "boundary": the one-launch boundary (policy knob mhc_boundary) + mhc_sinkhorn; "narrow": "split" with half as
+  many columns per CTA (policy knob mhc_narrow)."""
   D = 256
   hc, norm = _site(D, M)
   X, y, mix, _, _, _ = _inputs(M, D, M + 1)
@@ -213,13 +227,15 @@ def test_fused_boundary_equals_stock(M, first, finish_kernel):
   Xref = Xs if first else HyperConnection.post(Xs, y, post, comb)
   u, post_ref, comb_ref = hc.pre(Xref)
   xin_ref = norm(u, jnp.bfloat16)
-  policy = {"mhc_finish": bool(finish_kernel), "mhc_sinkhorn_split": finish_kernel in ("split", "boundary"),
-            "mhc_boundary": finish_kernel == "boundary"}
+  policy = {"mhc_finish": bool(finish_kernel), "mhc_boundary": finish_kernel == "boundary",
+            "mhc_sinkhorn_split": finish_kernel in ("split", "boundary", "narrow"),
+            "mhc_narrow": finish_kernel == "narrow"}
   with maybe_interpret(True), use_kernels(policy), kernel_report() as rep:
     Xn, xin, mix_new = jax.jit(lambda X, y, mix: hc.fused(X, None if first else (y, mix), norm))(X, y, mix)
   assert (("mhc_finish", "off in the policy") in rep) != bool(finish_kernel)
-  assert (("mhc_sinkhorn_split", None) in rep) == (finish_kernel in ("split", "boundary"))
+  assert (("mhc_sinkhorn_split", None) in rep) == (finish_kernel in ("split", "boundary", "narrow"))
   assert (("mhc_boundary", None) in rep) == (finish_kernel == "boundary")
+  assert (("mhc_narrow", None) in rep) == (finish_kernel == "narrow")
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(Xn).reshape(M, 4, D), f32(Xref), **BF16_ULP)
   p, c = HyperConnection.unpack(mix_new, (M,))
