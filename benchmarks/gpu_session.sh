@@ -494,6 +494,9 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     ;;
   s32b)  # (nvidia-h200) the loop forms inside the step, q = 1 at 4 steps per call, interleaved: defaults, the
     # rolled threshold kernel at one score row, the KDA token loop, the rolled boundary; then q = 4 with the loop
+    # first the mHC kernels' GPU tests (mhc_narrow's 32 / 64-column CTAs natively: new swizzle and TMA boxes)
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py -k "kernels_gpu" 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     rank1 s32b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' '{"topk_threshold": true}' \
       '{"kda_token_loop": true}' '{"mhc_boundary": true}' '{"mhc_narrow": true}'
     # (7 repeats each: a repeat costs ~0.4 s, a configuration's compile ~40 s; session 31's 3 spread 0.2-0.8 ms)

@@ -58,9 +58,6 @@ GRAM = N * (N + 1) // 2  # distinct Gram entries (i <= j), in the order of _PAIR
 PART = 40  # columns of the partial-sums array: MIX logits, GRAM entries, padding to a multiple of 8
 _PAIRS = [(i, j) for i in range(N) for j in range(i, N)]
 _L = plgpu.Layout
-_BF16_SW128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-
 def _bf16_swizzled(cols: int):
   """The wgmma operand transforms of a bf16 tile ``cols`` wide (rows of 2·cols bytes, swizzled as wide)."""
   return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols))
@@ -597,8 +594,9 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
         comb = [_row_vector(comb_s, k) for k in range(N * N)]
       def chunks(acc):  # -> (the mixing logits [64, 24], the 10 Gram per-row vectors): returned, not leaked
         # A loop, not Python-unrolled: unrolled (with the CTA sums below), the kernel was 3.1 MB of MLIR (0.71 MB
-        # now; mhc_post_pre's 0.34), ~35 s to compile, and ran ~135 µs per boundary inside the step (session 31)
-        # — straight-line code that each CTA runs once, every instruction a cold fetch: the suspect.
+        # now; mhc_post_pre's 0.34), ~35 s to compile, and ran ~135 µs per boundary inside the step (session 31).
+        # Suspects: straight-line code each CTA runs once (every instruction a cold fetch), and the 8 chunks of
+        # 64-row tiles each CTA works through in series (~9K instructions per thread each, as mhc_post_pre's one)
         def step(j, gram):
           slot = j % 2
           plgpu.barrier_wait(bar1.at[slot])
@@ -644,9 +642,9 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
 
     pl.run_scoped(phase1,
                   plgpu.SMEM((2, N, ROWS, DC), bf16),  # x_s: M rows of each stream's chunk (untiled TMA boxes)
-                  plgpu.SMEM((2, N, MIX, DC), bf16, transforms=_BF16_SW128),  # fn_s: wgmma B (as fn_sᵀ)
+                  plgpu.SMEM((2, N, MIX, DC), bf16, transforms=_bf16_swizzled(DC)),  # fn_s: wgmma B (as fn_sᵀ)
                   plgpu.SMEM((2, ROWS, DC), bf16),  # y_s
-                  plgpu.SMEM((N, ROWS, DC), bf16, transforms=_BF16_SW128),  # xw_s: X' as the wgmma A operand
+                  plgpu.SMEM((N, ROWS, DC), bf16, transforms=_bf16_swizzled(DC)),  # xw_s: X' as the wgmma A operand
                   plgpu.SMEM((N, ROWS, DC), bf16),  # xu_s: X' untiled, for the TMA store of M rows
                   plgpu.SMEM((N, ROWS), f32),  # post_s (transposed mix: a row per quantity)
                   plgpu.SMEM((N * N, ROWS), f32),  # comb_s
@@ -676,6 +674,7 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
       gram, r = _gram_scale(list(tot[N:]), D, hc_norm_eps)
       pre, rinv = _pre_rinv(list(tot[:N]), gram, r, [c_g[k] for k in range(N)], c_g[MIX], D, eps,
                             norm_eps)  # as mhc_finish
+
       @pl.loop(0, NFIN)  # (a loop for the code size, as phase 1's chunks)
       def _(q):
         slot = q % 2
