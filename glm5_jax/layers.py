@@ -118,9 +118,9 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # (0.71 MB) — off until that form is measured (gpu_session.sh s32)
                    "mhc_boundary": False,
                    # with mhc on: mhc_post_pre over 32 columns per CTA (128 CTAs) and mhc_finish over 64 (64 CTAs)
-                   # instead of 64 / 128: at M = 1 both run 64-row tiles for one real row, their time mostly
-                   # instruction issue (post_pre ~9K instructions per thread, 4.8 µs alone; session 31's MLIR
-                   # count) — twice the CTAs halve it per thread. Off until measured (gpu_session.sh s32b)
+                   # instead of 64 / 128: at M = 1 both run 64-row tiles for one real row; twice the CTAs halve
+                   # each thread's floating-point work (post_pre 4.8 µs alone, session 24). Off until measured
+                   # (gpu_session.sh s32b)
                    "mhc_narrow": False}
 
 

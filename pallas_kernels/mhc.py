@@ -52,8 +52,8 @@ MIX = 24  # mixing logits: pre 4, post 4, comb 16
 ROWS = 64  # token rows per launch (wgmma M)
 DC = 64  # columns per CTA of each stream in mhc_post_pre (``cols``: 32 or 64)
 DC_FIN = 128  # columns per CTA in mhc_finish (``cols``: 64 or 128)
-# (narrower CTAs — twice as many — halve each thread's instructions: at M = 1 the kernels run 64-row tiles for one
-# real row and their time is mostly instruction issue; policy knob mhc_narrow, to measure)
+# (narrower CTAs — twice as many — halve each thread's floating-point work: at M = 1 the kernels run 64-row tiles
+# for one real row; policy knob mhc_narrow, to measure)
 GRAM = N * (N + 1) // 2  # distinct Gram entries (i <= j), in the order of _PAIRS
 PART = 40  # columns of the partial-sums array: MIX logits, GRAM entries, padding to a multiple of 8
 _PAIRS = [(i, j) for i in range(N) for j in range(i, N)]
@@ -596,7 +596,7 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
         # A loop, not Python-unrolled: unrolled (with the CTA sums below), the kernel was 3.1 MB of MLIR (0.71 MB
         # now; mhc_post_pre's 0.34), ~35 s to compile, and ran ~135 µs per boundary inside the step (session 31).
         # Suspects: straight-line code each CTA runs once (every instruction a cold fetch), and the 8 chunks of
-        # 64-row tiles each CTA works through in series (~9K instructions per thread each, as mhc_post_pre's one)
+        # 64-row tiles each CTA works through in series (mhc_post_pre spreads them over 64 CTAs)
         def step(j, gram):
           slot = j % 2
           plgpu.barrier_wait(bar1.at[slot])
