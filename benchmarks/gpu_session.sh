@@ -497,8 +497,15 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # first the mHC kernels' GPU tests (mhc_narrow's 32 / 64-column CTAs natively: new swizzle and TMA boxes)
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py -k "kernels_gpu" 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    # the one-launch boundary joins the A/B only if its one-row GPU test passes here (a hang inside the interleaved
+    # run would lose every configuration's numbers)
+    timeout -s INT 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py -k "boundary_gpu and 1-False" \
+      > /tmp/t_b1.log 2>&1
+    grep -E "passed|failed|Interrupt" /tmp/t_b1.log | tail -1 | tee -a "$OUT/gpu_tests.log"
+    BOUNDARY=""
+    grep -q " passed" /tmp/t_b1.log && ! grep -q -E "failed|Interrupt" /tmp/t_b1.log && BOUNDARY='{"mhc_boundary":true}'
     rank1 s32b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' '{"topk_threshold": true}' \
-      '{"kda_token_loop": true}' '{"mhc_boundary": true}' '{"mhc_narrow": true}'
+      '{"kda_token_loop": true}' '{"mhc_narrow": true}' $BOUNDARY
     # (7 repeats each: a repeat costs ~0.4 s, a configuration's compile ~40 s; session 31's 3 spread 0.2-0.8 ms)
     [ "$(left)" -gt 200 ] && rank1 s32c --q 4 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
       '{"kda_token_loop": true}'
