@@ -381,10 +381,11 @@ def sinkhorn_comb(mc, scale, base, n, iters, eps):
 def _chunk_sums(part, M: int):
   """The mHC kernels' partials [G, 64, 40] -> their sum over the column chunks for the M real rows only,
   transposed as the finish / Sinkhorn kernels take it: [40, Mp], Mp = M rounded up to 4 (16-byte rows: the
-  kernels' TMA reads 64 columns and fills the rest with zeros). It reads G·M·40 floats instead of the whole [G, 64, 40] (655 KB per boundary; the all-rows
-  reduction was 1.8 µs per boundary at M = 1, session 24); at M = 4 (q = 4) there is no pad at all — padded to
-  64 rows the reduction was a pad fusion + a reduction fusion per boundary (session 26's q = 4 profile: 90 + 90
-  launches); at M = 1 the pad to 4 rows is on the input side, fused into the reduction."""
+  kernels' TMA reads 64 columns and fills the rest with zeros). It reads G·M·40 floats instead of the whole
+  [G, 64, 40] (655 KB per boundary; the all-rows reduction was 1.8 µs per boundary at M = 1, session 24); at
+  M = 4 (q = 4) there is no pad at all — padded to 64 rows the reduction was a pad fusion + a reduction fusion per
+  boundary (session 26's q = 4 profile: 90 + 90 launches); at M = 1 the pad to 4 rows is on the input side, fused
+  into the reduction."""
   Mp = -(-M // 4) * 4
   return jnp.sum(jnp.pad(part[:, :M], ((0, 0), (0, Mp - M), (0, 0))) if Mp > M else part[:, :M], axis=0).T
 

@@ -249,6 +249,7 @@ def test_component_floors_add_up_to_the_roofline():
     for c in ("kda", "moe", "dsa", "lm_head", "mhc", "router"):
       assert abs(g[c] / floors[1, 1][c] - 1) < 0.05, (c, g[c], floors[1, 1][c])
 
+
 def test_ab_table_compares_interleaved_rows_with_their_spread(capsys):
   """benchmarks/ab_table.py: per invocation, each configuration against the baseline (the empty policy, one step
   per call), the difference and whether the repeat ranges overlap; rows without stored repeats say "?"."""
@@ -271,7 +272,6 @@ def test_ab_table_compares_interleaved_rows_with_their_spread(capsys):
   assert len(body) == 4 and "baseline" in body[0] and f"{base_ms:.2f}" in body[0]
   assert body[1].endswith("| -1.00 ms ({:+.1f} %) | yes |".format(-100 / base_ms))
   assert body[2].endswith("| no |") and body[3].endswith("| ? |") and "| — |" in body[3]
-
 
 
 def test_code_size_probe_computes_its_reference():

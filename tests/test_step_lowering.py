@@ -135,9 +135,11 @@ def test_real_geometry_step_with_packed_params_lowers_for_cuda():
   cfg = tp_rank_config(C.real(), 4)
   # (the arguments as traced — before jit drops unused ones, some small MTP-side leaves at q = 1 — so that the
   # unpacked step need not be lowered too: ~20 s of the CPU suite)
-  plain, packed = (len(trace_step(cfg, 1, "latency_specialized", pack_params=p).jaxpr.in_avals) for p in (0, 1 << 16))
+  traced = trace_step(cfg, 1, "latency_specialized", pack_params=1 << 16)
+  plain = len(trace_step(cfg, 1, "latency_specialized", pack_params=0).jaxpr.in_avals)
+  packed = len(traced.jaxpr.in_avals)
   assert plain - packed > 490, (plain, packed)
-  txt = lower_step(cfg, 1, "latency_specialized", pack_params=1 << 16)
+  txt = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert _main_args(txt) < 1150, _main_args(txt)
   check_one_module_per_kernel(txt)
   names = {n for n, _, _ in kernel_calls(txt)}
