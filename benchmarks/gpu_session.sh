@@ -67,6 +67,8 @@
 #                             steps_per_call GPU test
 #   s32 (nvidia-h200):        the loop forms (session 31: unrolled straight-line kernels suspected slow): threshold /
 #                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
+#   s32d (nvidia-h200):       mhc_narrow's GPU tests; q = 1 (threshold at one row) +- mhc_narrow; q = 4 +- the KDA token
+#                             loop with approx math
 #   s32b (nvidia-h200):       q = 1 at 4 steps per call: defaults, threshold (1 / 2 bits) at one row, kda token loop +
 #                             approx math, mhc_narrow; q = 4 +- the KDA token loop (+ approx math)
 #   s31b (nvidia-h200):       bench_mhc (the one-launch boundary alone); q = 4 at 4 steps per call, kda_norm vs defaults
@@ -490,6 +492,19 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s32d)  # (nvidia-h200) what s32b ran out of time for: mhc_narrow's GPU tests (the 32 / 64-column CTAs natively;
+    # s32b's run of all 13 kernel tests passed its 120 s timeout), q = 1 at 4 steps per call with the threshold
+    # kernel at one row (s32b: 5.68 -> 5.46 ms) +- mhc_narrow, then q = 4 +- the KDA token loop with approx math
+    timeout -s INT 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py \
+      -k "kernels_gpu and (cols9 or cols10 or cols11 or cols12)" > /tmp/t_n.log 2>&1
+    grep -E "passed|failed|FAILED|^E  |Interrupt" /tmp/t_n.log | head -20 | tee -a "$OUT/gpu_tests.log"
+    NARROW=""
+    grep -q " passed" /tmp/t_n.log && ! grep -q -E "failed|Interrupt" /tmp/t_n.log \
+      && NARROW='{"topk_threshold":true,"mhc_narrow":true}'
+    rank1 s32d --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{"topk_threshold": true}' $NARROW
+    [ "$(left)" -gt 150 ] && rank1 s32e --q 4 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
+      '{"kda_token_loop": true, "kda_approx_math": true}'
     ;;
   s32b)  # (nvidia-h200) the loop forms inside the step, q = 1 at 4 steps per call, interleaved: defaults, the
     # rolled threshold kernel (1 / 2 bits) at one score row, the KDA token loop with approx math (s32: 4.74-4.81
