@@ -67,6 +67,7 @@
 #                             steps_per_call GPU test
 #   s32 (nvidia-h200):        the loop forms (session 31: unrolled straight-line kernels suspected slow): threshold /
 #                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
+#   s32f (nvidia-h200):       session 32's new defaults natively: the all-kernels and KDA greedy tests, q = 1
 #   s32d (nvidia-h200):       mhc_narrow's GPU tests; q = 1 (threshold at one row) +- mhc_narrow; q = 4 +- the KDA token
 #                             loop with approx math
 #   s32b (nvidia-h200):       q = 1 at 4 steps per call: defaults, threshold (1 / 2 bits) at one row, kda token loop +
@@ -492,6 +493,14 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s32f)  # (nvidia-h200) session 32's new defaults (threshold kernel at one row, mhc_narrow, KDA token loop + approx
+    # math) natively: every kernel family end to end vs the stock path, the KDA greedy test in the default form, then
+    # q = 1 at 4 steps per call with the defaults
+    timeout -s INT 150 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
+      -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True" 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 | tee -a "$OUT/gpu_tests.log"
+    rank1 s32f --q 1 --steps-per-call 4 --repeats 7 --policy '{}'
     ;;
   s32d)  # (nvidia-h200) what s32b ran out of time for: mhc_narrow's GPU tests (the 32 / 64-column CTAs natively;
     # s32b's run of all 13 kernel tests passed its 120 s timeout), q = 1 at 4 steps per call with the threshold

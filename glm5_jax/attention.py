@@ -337,8 +337,8 @@ class Indexer(nnx.Module):
         thr = kernel_enabled("topk_threshold", fits=thr_fits,
                              why=f"{P} pools per score row (the kernel holds up to {ki.THRESHOLD_MAX_KEYS})",
                              prefer=R >= ki.THRESHOLD_MIN_ROWS,
-                             prefer_why=f"{R} score row: one CTA's 32 serial passes (30 µs per call in the step) "
-                             "are slower than XLA's radix passes (~18 µs; BENCHMARKS.md session 28)")
+                             prefer_why=f"{R} score rows, below pallas_kernels.indexer.THRESHOLD_MIN_ROWS = "
+                             f"{ki.THRESHOLD_MIN_ROWS}: XLA's radix passes measured faster there")
         two = kernel_enabled("topk_threshold_2bit", fits=thr, why="the topk_threshold kernel does not run here")
         # lax.top_k's set, ascending
         js = topk_set_by_threshold(masked, kk, **form, threshold_kernel=(2 if two else 1) if thr else 0)

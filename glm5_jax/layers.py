@@ -72,14 +72,16 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    "kda_norm": False,
                    # with kda on: the KDA kernel's gates and l2 norms with the GPU's approximate exp / reciprocal /
                    # rsqrt (KdaDecodeConfig(approx_math=True); within the kernel tolerance of the reference, its
-                   # GPU tests) — issue #6's per-token chain at B = 1 q = 4 (5.75 µs vs the 5 µs goal); off until
-                   # measured (bench_kda_decode.py --q4, gpu_session.sh s30c)
-                   "kda_approx_math": False,
+                   # GPU tests). With kda_token_loop, issue #6's B = 1 q = 4 kernel 5.86 -> 4.74-4.81 µs (5.17 with
+                   # the loop alone); the one-rank step at q = 4, 4 steps per call 8.68 -> 8.57 ms (BENCHMARKS.md
+                   # session 32)
+                   "kda_approx_math": True,
                    # with kda on: the KDA kernel's tokens as a loop carrying the state instead of unrolled
                    # (KdaDecodeConfig(token_loop=True): one copy of the per-token code, 95 vs 238 KB of MLIR at
                    # q = 4) — unrolled straight-line code runs once per CTA, every instruction a cold fetch (the
-                   # suspect of session 31's slow unrolled kernels); off until measured
-                   "kda_token_loop": False,
+                   # suspect of session 31's slow unrolled kernels): the B = 1 q = 4 kernel 5.86 -> 5.17 µs alone,
+                   # 4.74-4.81 with kda_approx_math (bench_kda_decode --q4, session 32)
+                   "kda_token_loop": True,
                    # with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16
                    # activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before
                    # each call, exact products. The kernel alone is ~0.5 µs slower (the convert), the call
@@ -100,7 +102,8 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # replaces XLA's sort at every size the kernel holds (rows of up to 17,408 pools)
                    "topk_threshold": True,
                    # with topk_threshold: 2 bits of the threshold per pass (16 dependent rounds of 3 candidates'
-                   # counts instead of 32 of one; pallas_kernels.indexer._threshold_kernel) — to measure (session 28)
+                   # counts instead of 32 of one; pallas_kernels.indexer._threshold_kernel): alone 21.6 -> 19.8 µs
+                   # at one row, but in the step at q = 1 5.46 vs 5.53 ms (noise; session 32) — off
                    "topk_threshold_2bit": False,
                    # the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected
                    # weights normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three
@@ -119,9 +122,10 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    "mhc_boundary": False,
                    # with mhc on: mhc_post_pre over 32 columns per CTA (128 CTAs) and mhc_finish over 64 (64 CTAs)
                    # instead of 64 / 128: at M = 1 both run 64-row tiles for one real row; twice the CTAs halve
-                   # each thread's floating-point work (post_pre 4.8 µs alone, session 24). Off until measured
-                   # (gpu_session.sh s32b)
-                   "mhc_narrow": False}
+                   # each thread's floating-point work. The boundary chain alone 24.1 -> 20.8 µs at M = 1; the
+                   # one-rank step at q = 1, 4 steps per call 5.27 -> 4.83 ms (7 interleaved repeats; BENCHMARKS.md
+                   # session 32)
+                   "mhc_narrow": True}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):

@@ -217,11 +217,12 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
 # ------------------------------------------------------------------------------------------------ top-k threshold
 THRESHOLD_LANES = 128  # keys per row of the kernel's [N / 128, 128] view: one per thread of the warpgroup
 THRESHOLD_MAX_KEYS = 136 * THRESHOLD_LANES  # 136 keys per thread in registers (17,408: 64K context's 16,448 pools)
-# Score rows from which the model uses the kernel: a single row is one CTA's 32 serial warpgroup reductions, 30 µs
-# per call inside the one-rank step vs ~18 µs for XLA's radix passes; from 4 rows it wins (q = 4: indexer GPU time
-# 1,170 -> 991 µs per step; 32 rows: 36-59 µs vs XLA's sort 64-141; BENCHMARKS.md session 28). Measured with the
-# passes unrolled; as a loop (session 31, 7x less code) to re-measure at one row (gpu_session.sh s32 / s32b)
-THRESHOLD_MIN_ROWS = 2
+# Score rows from which the model uses the kernel. With its 32 passes unrolled a single row (one CTA's 32 serial
+# warpgroup reductions) was 30 µs per call inside the one-rank step vs ~18 µs for XLA's radix passes (session 28);
+# as a loop (7x less code) it is 21.6 µs alone vs 26.3 for the radix passes (bench_topk, 8,256 pools) and the
+# one-rank step at q = 1, 4 steps per call 5.68 -> 5.46 ms (132 fewer launches; BENCHMARKS.md session 32). From 4
+# rows it won either way (q = 4: indexer GPU time 1,170 -> 991 µs per step; 32 rows: 36-59 µs vs XLA's sort 64-141)
+THRESHOLD_MIN_ROWS = 1
 
 
 def topk_threshold_reference(keys, k: int, *, digit_bits: int = 1, unroll: bool = False):

@@ -343,7 +343,7 @@ def _kernel_tiny_greedy_equals_reference(seed: int, prompt_len: int, n_new: int,
 @pytest.mark.gpu
 @pytest.mark.e2e_kernels
 @pytest.mark.parametrize("kda_norm,approx,loop", [(False, False, False), (True, False, False), (False, True, False),
-                                                  (False, False, True)])
+                                                  (False, False, True), (False, True, True)])
 def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm, approx, loop):
   """The KDA kernel in the verify step emits exactly the reference model's greedy continuation (stock caches,
   every other op in XLA); kda_norm: with the gated RMSNorm inside it; approx: with approximate gate / norm math

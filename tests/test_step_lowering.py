@@ -12,6 +12,7 @@ from glm5_jax import sharding as shd
 from glm5_jax.runtime import DecodeConfig
 from glm5_jax.speculative import Decoder
 from glm5_jax.synthetic import abstract_model, tp_rank_config
+from pallas_kernels import indexer as ki
 
 
 def trace_step(cfg, q, backend, max_context=32784, b=1, tp=1, policy=(), **kw):
@@ -62,9 +63,10 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   assert n_kernels <= (18 if q == 1 else 32) and n_calls <= 34, (n_calls, n_kernels)
   # (the FP8 linears with the weight dequantised in registers: policy fp8_dq, on by default)
   for name in ("glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla", "glm5_indexer_scores",
-               "glm5_router_topk") + (("glm5_moe_route", "glm5_topk_threshold") if q > 1 else ()):
+               "glm5_router_topk") + (("glm5_moe_route",) if q > 1 else ()):
     assert name in txt, name
-  assert ("glm5_topk_threshold" in txt) == (q > 1)  # one score row: XLA's radix passes (THRESHOLD_MIN_ROWS)
+  # the top-k threshold kernel from pallas_kernels.indexer.THRESHOLD_MIN_ROWS score rows (1 since session 32)
+  assert ("glm5_topk_threshold" in txt) == (q >= ki.THRESHOLD_MIN_ROWS)
   auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
   assert "mosaic_gpu" not in auto  # and the stock path has no kernel at all
 
