@@ -67,7 +67,9 @@
 #                             steps_per_call GPU test
 #   s32 (nvidia-h200):        the loop forms (session 31: unrolled straight-line kernels suspected slow): threshold /
 #                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
-#   s32f (nvidia-h200):       session 32's new defaults natively: the all-kernels and KDA greedy tests, q = 1
+#   s32f (nvidia-h200):       the KDA token loop's GPU tests, the all-kernels and KDA greedy tests with session 32's
+#                             defaults (threshold at one row, mhc_narrow)
+#   s32g (nvidia-h200):       q = 1 and q = 4 at 4 steps per call: defaults vs + the KDA token loop with approx math
 #   s32d (nvidia-h200):       mhc_narrow's GPU tests; q = 1 (threshold at one row) +- mhc_narrow; q = 4 +- the KDA token
 #                             loop with approx math
 #   s32b (nvidia-h200):       q = 1 at 4 steps per call: defaults, threshold (1 / 2 bits) at one row, kda token loop +
@@ -494,13 +496,26 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
-  s32f)  # (nvidia-h200) session 32's new defaults (threshold kernel at one row, mhc_narrow, KDA token loop + approx
-    # math) natively: every kernel family end to end vs the stock path, the KDA greedy test in the default form, then
-    # q = 1 at 4 steps per call with the defaults
-    timeout -s INT 150 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
-      -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True" 2>&1 \
-      | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 | tee -a "$OUT/gpu_tests.log"
-    rank1 s32f --q 1 --steps-per-call 4 --repeats 7 --policy '{}'
+  s32f)  # (nvidia-h200) session 32's candidates natively before they become defaults: the KDA kernel's GPU tests
+    # (the token loop, alone and with approx math, has never run natively; bench_kda_decode times, it does not
+    # compare), every kernel family end to end vs the stock path with the session-32 defaults (threshold kernel at
+    # one row, mhc_narrow), the KDA greedy test with the token loop + approx math (session 32's first try: 150 s was
+    # too short for these two compiles), then q = 1 and q = 4 at 4 steps per call with the defaults vs + the KDA pair
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kda_decode.py 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    timeout -s INT 360 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
+      -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True" --durations=3 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
+    ;;
+  s32g)  # (nvidia-h200) the step A/Bs of session 32's KDA pair, if s32f passed
+    rank1 s32g --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
+      '{"kda_token_loop": true, "kda_approx_math": true}'
+    [ "$(left)" -gt 200 ] && rank1 s32h --q 4 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
+      '{"kda_token_loop": true, "kda_approx_math": true}'
+    # the code-size hypothesis on a synthetic kernel (session 32's s32 run lost it to the 90 s timeout: the log is
+    # now written row by row)
+    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_code_size.py \
+      --out "$OUT/bench_code_size.log" > /dev/null 2>&1
     ;;
   s32d)  # (nvidia-h200) what s32b ran out of time for: mhc_narrow's GPU tests (the 32 / 64-column CTAs natively;
     # s32b's run of all 13 kernel tests passed its 120 s timeout), q = 1 at 4 steps per call with the threshold

@@ -74,14 +74,16 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # rsqrt (KdaDecodeConfig(approx_math=True); within the kernel tolerance of the reference, its
                    # GPU tests). With kda_token_loop, issue #6's B = 1 q = 4 kernel 5.86 -> 4.74-4.81 µs (5.17 with
                    # the loop alone); the one-rank step at q = 4, 4 steps per call 8.68 -> 8.57 ms (BENCHMARKS.md
-                   # session 32)
-                   "kda_approx_math": True,
+                   # session 32). Off until the token loop has passed its GPU tests (never run natively yet;
+                   # gpu_session.sh s32f)
+                   "kda_approx_math": False,
                    # with kda on: the KDA kernel's tokens as a loop carrying the state instead of unrolled
                    # (KdaDecodeConfig(token_loop=True): one copy of the per-token code, 95 vs 238 KB of MLIR at
                    # q = 4) — unrolled straight-line code runs once per CTA, every instruction a cold fetch (the
                    # suspect of session 31's slow unrolled kernels): the B = 1 q = 4 kernel 5.86 -> 5.17 µs alone,
-                   # 4.74-4.81 with kda_approx_math (bench_kda_decode --q4, session 32)
-                   "kda_token_loop": True,
+                   # 4.74-4.81 with kda_approx_math (bench_kda_decode --q4, session 32); off until its GPU tests
+                   # pass (the benchmark times, it does not compare)
+                   "kda_token_loop": False,
                    # with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16
                    # activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before
                    # each call, exact products. The kernel alone is ~0.5 µs slower (the convert), the call
@@ -117,8 +119,9 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # CTAs: pallas_kernels.mhc.mhc_boundary) instead of mhc_post_pre + an XLA reduction +
                    # mhc_finish on the sublayer's critical path (~14 µs and 3 launches per boundary at q = 1,
                    # session 29); the Sinkhorn stays a kernel of its own. Natively correct but, Python-unrolled
-                   # (3.1 MB of MLIR), 5.78 -> 18.04 ms per step at q = 1 (session 31); its chunks are loops now
-                   # (0.71 MB) — off until that form is measured (gpu_session.sh s32)
+                   # (3.1 MB of MLIR), 5.78 -> 18.04 ms per step at q = 1 (session 31); with its chunks as loops
+                   # (0.71 MB) 33.8 µs alone vs 15.3 for the fused path (56.8 on a cluster of 4: the 8 CTAs'
+                   # serial chunks bound it; session 32) — off
                    "mhc_boundary": False,
                    # with mhc on: mhc_post_pre over 32 columns per CTA (128 CTAs) and mhc_finish over 64 (64 CTAs)
                    # instead of 64 / 128: at M = 1 both run 64-row tiles for one real row; twice the CTAs halve

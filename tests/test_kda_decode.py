@@ -248,6 +248,7 @@ def test_wide_f_and_offset_b_gpu(rng):
     (8, 8, 16, False, jnp.float32, kd.KdaDecodeConfig(approx_math=True, gates_first=True)),
     (1, 4, 16, False, jnp.bfloat16, kd.KdaDecodeConfig(token_loop=True)),
     (8, 8, 16, True, jnp.float32, kd.KdaDecodeConfig(token_loop=True)),
+    (1, 4, 16, False, jnp.bfloat16, kd.KdaDecodeConfig(token_loop=True, approx_math=True)),
 ])
 def test_kernel_matches_reference_gpu(rng, B, T, H, norm, dtype, config):
   args, kw = make_inputs(rng, B, T, H, dtype=dtype, norm=norm)
