@@ -44,6 +44,24 @@ def make_inputs(B, T, H, Q, norm, seed=0):
   return args, kw
 
 
+def make_conv_inputs(B, T, H, Q, norm, seed=0, Kc=4):
+  """kda_decode_conv's inputs (the conv-variant rows): q, k, v replaced by the raw qkv rows [B, T, 3, H, D], the conv
+  history [B, Kc - 1, 3, H, D] (bf16) and the taps [Kc, 3, H, D] f32; the rest as make_inputs."""
+  rng = np.random.default_rng(seed + 1)
+  n = lambda *s: rng.standard_normal(s).astype(np.float32)
+  args, kw = make_inputs(B, T, H, Q, norm, seed)
+  conv = (jnp.asarray(n(B, T, 3, H, D), jnp.bfloat16), jnp.asarray(n(B, Kc - 1, 3, H, D), jnp.bfloat16),
+          jnp.asarray(0.5 * n(Kc, 3, H, D)))
+  return conv + args[3:], kw
+
+
+def xla_conv_then_kernel(config):
+  """The model without kda_conv: XLA's short conv + SiLU (the fusion on the critical path), then the kernel."""
+  def fn(qkv, hist, w, *rest, **kw):
+    return kd.kda_decode(*kd.short_conv_reference(qkv, hist, w), *rest, config=config, **kw)
+  return fn
+
+
 def empty_kernel(q, k, v, f, b, A_log, dt_bias, state, num_accepted, **_):
   """The kernel's launch shape with an empty body: same operands, grid (V/32, H, B) and aliased state."""
   from jax.experimental import pallas as pl
@@ -138,6 +156,12 @@ def main():
       ("kernel (1 WG/CTA, token loop)", False, functools.partial(kd.kda_decode, config=cfg(token_loop=True))),
       ("kernel (1 WG/CTA, token loop, approx)", False,
        functools.partial(kd.kda_decode, config=cfg(token_loop=True, approx_math=True))),
+      # policy kda_conv: the short conv inside the kernel vs XLA's conv fusion + the kernel (every kernel counted)
+      ("conv in kernel (loop, approx)", False,
+       functools.partial(kd.kda_decode_conv, config=cfg(token_loop=True, approx_math=True))),
+      ("XLA conv + kernel (loop, approx)", False, xla_conv_then_kernel(cfg(token_loop=True, approx_math=True))),
+      ("conv in kernel", False, functools.partial(kd.kda_decode_conv, config=None)),
+      ("XLA conv + kernel", False, xla_conv_then_kernel(None)),
   ]
   if a.quick:  # the model's default (kda_norm off: 1 WG per CTA, the norm in XLA) and the XLA reference
     variants = [variants[2], variants[3]]
@@ -151,7 +175,7 @@ def main():
     if time.time() - t_start > a.budget_s:
       print(f"{name:38s} {B:3d} {T:2d}   (skipped: time budget)", flush=True)
       return
-    args, kw = make_inputs(B, T, H, Q, norm)
+    args, kw = (make_conv_inputs if "conv" in name else make_inputs)(B, T, H, Q, norm)
     try:
       # the Mosaic kernel alone for kernel rows (no state copies or glue); every kernel where the row's label
       # includes XLA work (the reference, the kernel + XLA norm)
@@ -175,7 +199,9 @@ def main():
     for T in (1, 4):
       # (the token loop first: session 31's code-size question, measured first within the budget)
       unfused = [e for e in extras if not e[1]]
-      for name, norm, fn in [variants[2]] + sorted(unfused, key=lambda e: "token loop" not in e[0]):
+      # (the conv rows first: session 32's new variants; then the token loop)
+      order = lambda e: (0 if "conv" in e[0] else 1 if "token loop" in e[0] else 2)  # noqa: E731
+      for name, norm, fn in [variants[2]] + sorted(unfused, key=order):
         row(name, norm, fn, 1, T)
     print(f"total {time.time() - t_start:.0f} s", flush=True)
     return 0

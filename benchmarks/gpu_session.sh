@@ -70,6 +70,7 @@
 #   s32f (nvidia-h200):       the KDA token loop's GPU tests, the all-kernels and KDA greedy tests with session 32's
 #                             defaults (threshold at one row, mhc_narrow)
 #   s32g (nvidia-h200):       q = 1 and q = 4 at 4 steps per call: defaults vs + the KDA token loop with approx math
+#                             (+ kda_conv); q = 4 +- mhc_narrow; bench_kda_decode --q4 (the conv rows)
 #   s32d (nvidia-h200):       mhc_narrow's GPU tests; q = 1 (threshold at one row) +- mhc_narrow; q = 4 +- the KDA token
 #                             loop with approx math
 #   s32b (nvidia-h200):       q = 1 at 4 steps per call: defaults, threshold (1 / 2 bits) at one row, kda token loop +
@@ -501,17 +502,22 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # compare), every kernel family end to end vs the stock path with the session-32 defaults (threshold kernel at
     # one row, mhc_narrow), the KDA greedy test with the token loop + approx math (session 32's first try: 150 s was
     # too short for these two compiles), then q = 1 and q = 4 at 4 steps per call with the defaults vs + the KDA pair
+    # (the short conv inside the KDA kernel, kda_conv, too: its kernel GPU tests and a greedy case)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kda_decode.py 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
-    timeout -s INT 360 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
-      -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True" --durations=3 2>&1 \
-      | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
+    timeout -s INT 400 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
+      -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True or kda_conv_in_the_kernel" \
+      --durations=4 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
     ;;
-  s32g)  # (nvidia-h200) the step A/Bs of session 32's KDA pair, if s32f passed
+  s32g)  # (nvidia-h200) the step A/Bs of session 32's KDA candidates (if s32f passed), then q = 4 +- mhc_narrow
+    # (on by default since session 32 at every M; measured at q = 1 only) and bench_kda_decode --q4 (conv rows first)
     rank1 s32g --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
-      '{"kda_token_loop": true, "kda_approx_math": true}'
+      '{"kda_token_loop": true, "kda_approx_math": true}' \
+      '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}'
     [ "$(left)" -gt 200 ] && rank1 s32h --q 4 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
-      '{"kda_token_loop": true, "kda_approx_math": true}'
+      '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' '{"mhc_narrow": false}'
+    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
+      --budget_s $(( $(left) - 40 )) > "$OUT/bench_kda_q4.log" 2>&1
     # the code-size hypothesis on a synthetic kernel (session 32's s32 run lost it to the 90 s timeout: the log is
     # now written row by row)
     [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_code_size.py \

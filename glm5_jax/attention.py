@@ -198,8 +198,17 @@ class KDA(nnx.Module):
                 if kernel_enabled("kda_norm") else {})
         approx, loop = kernel_enabled("kda_approx_math"), kernel_enabled("kda_token_loop")
         config = kda_ops.KdaDecodeConfig(approx_math=approx, token_loop=loop) if approx or loop else None
-        o, new_ssm = kda_ops.kda_decode(q, k, v, fg.reshape(B, T, 2 * H, Kd), fgb, A_log, dt_bias, ssm, ctx.n_acc,
-                                        lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config)
+        fg4 = fg.reshape(B, T, 2 * H, Kd)
+        if kernel_enabled("kda_conv", fits=hist.dtype == z.dtype,
+                          why=f"conv cache {hist.dtype} vs activations {z.dtype} (the kernel's window is one dtype)"):
+          # the short conv + SiLU in the kernel: z and the history rows as they are (free reshapes), the taps as
+          # [Kc, 3, H, Kd] (a transpose of parameters: loop-invariant, hoisted out of a multi-step call)
+          o, new_ssm = kda_ops.kda_decode_conv(
+              z.reshape(B, T, 3, H, Kd), hist.reshape(B, Kc - 1, 3, H, Kd), w.T.reshape(Kc, 3, H, Kd), fg4, fgb,
+              A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config)
+        else:
+          o, new_ssm = kda_ops.kda_decode(q, k, v, fg4, fgb, A_log, dt_bias, ssm, ctx.n_acc,
+                                          lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config)
         normed = bool(norm)
       else:
         o, new_ssm = kda_ops.kda_decode_reference(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc,

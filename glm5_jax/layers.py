@@ -84,6 +84,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # 4.74-4.81 with kda_approx_math (bench_kda_decode --q4, session 32); off until its GPU tests
                    # pass (the benchmark times, it does not compare)
                    "kda_token_loop": False,
+                   # with kda on: the short conv + SiLU of q / k / v inside the KDA kernel (kda_decode_conv: each
+                   # CTA convolves its head's rows from one SMEM window of Kc - 1 history rows + the T new ones)
+                   # instead of the XLA fusion between the qkv projection and the kernel — on the critical path,
+                   # ~2 µs + one dependent launch per KDA layer (session 29's profile); off until measured
+                   "kda_conv": False,
                    # with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16
                    # activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before
                    # each call, exact products. The kernel alone is ~0.5 µs slower (the convert), the call

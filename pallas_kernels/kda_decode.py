@@ -10,6 +10,8 @@ Per sequence b, head h and token t (all fp32), with the state S in the HF layout
   S     = diag(alpha) S;  r = S^T k;  delta = beta * (v - r);  S = S + k delta^T;  o = S^T q
 
 The recurrence starts from slot num_accepted[b] - 1 and writes the state after token t into slot t.
+``kda_decode_conv`` takes q, k, v one step earlier — the qkv projection's rows and the short conv's history and
+taps — and computes q, k, v = silu(Σ_j w_j x[t - Kc + 1 + j]) (rounded to the rows' dtype) in the kernel.
 
 Kernel design (`kda_decode`):
   * One warpgroup owns a [K=128, BV] column slice of one (b, h) state (BV = 32 by default, like fla's BV): the
@@ -50,7 +52,8 @@ from pallas_kernels._common import kernel_entry
 L2NORM_EPS = 1e-6
 _DEBUG = False  # True: print the kernel jaxpr and Mosaic GPU module when lowering
 
-__all__ = ["KdaDecodeConfig", "kda_decode", "kda_decode_reference", "kda_decode_naive"]
+__all__ = ["KdaDecodeConfig", "kda_decode", "kda_decode_reference", "kda_decode_naive", "kda_decode_conv",
+           "kda_decode_conv_reference", "short_conv_reference"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -183,6 +186,45 @@ def kda_decode_naive(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lowe
   return o, new_state
 
 
+def _check_conv(qkv, conv_hist, conv_weight):
+  if qkv.ndim != 5 or qkv.shape[2] != 3:
+    raise ValueError(f"qkv must be [B, T, 3, H, D] (the q | k | v projection output, before the short conv), got "
+                     f"{qkv.shape}")
+  B, T, _, H, D = qkv.shape
+  if conv_hist.ndim != 5 or conv_hist.shape[0] != B or conv_hist.shape[2:] != (3, H, D):
+    raise ValueError(f"conv_hist must be [B, Kc - 1, 3, H, D] with B={B} H={H} D={D}, got {conv_hist.shape}")
+  Kc = conv_hist.shape[1] + 1
+  if conv_weight.shape != (Kc, 3, H, D):
+    raise ValueError(f"conv_weight must be [Kc, 3, H, D] = {(Kc, 3, H, D)} (Kc - 1 = {Kc - 1} history rows), got "
+                     f"{conv_weight.shape}")
+  if conv_hist.dtype != qkv.dtype:
+    raise ValueError(f"conv_hist ({conv_hist.dtype}) and qkv ({qkv.dtype}) must share a dtype (one SMEM window)")
+  return Kc
+
+
+def short_conv_reference(qkv, conv_hist, conv_weight):
+  """The KDA short conv + SiLU of ``kda_decode_conv``, as the model computes it: qkv [B, T, 3, H, D] (this call's
+  projection outputs), conv_hist [B, Kc - 1, 3, H, D] (the inputs of the Kc - 1 positions before, zeros before
+  the sequence), conv_weight [Kc, 3, H, D] (tap j multiplies position t - (Kc - 1) + j) -> (q, k, v) [B, T, H, D]
+  f32, each rounded to qkv's dtype first (the model's activations)."""
+  Kc = _check_conv(qkv, conv_hist, conv_weight)
+  T = qkv.shape[1]
+  f32 = jnp.float32
+  full = jnp.concatenate([conv_hist.astype(f32), qkv.astype(f32)], axis=1)  # [B, Kc - 1 + T, 3, H, D]
+  acc = sum(full[:, j:j + T] * conv_weight[j].astype(f32) for j in range(Kc))
+  zc = jax.nn.silu(acc).astype(qkv.dtype).astype(f32)
+  return zc[:, :, 0], zc[:, :, 1], zc[:, :, 2]
+
+
+def kda_decode_conv_reference(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, num_accepted, *,
+                              lower_bound=-5.0, gate=None, norm_weight=None, norm_eps=1e-5, b_offset=0):
+  """``kda_decode_reference`` after the short conv + SiLU (``short_conv_reference``): qkv [B, T, 3, H, D] the raw
+  projection outputs, conv_hist [B, Kc - 1, 3, H, D], conv_weight [Kc, 3, H, D]; the rest as there."""
+  q, k, v = short_conv_reference(qkv, conv_hist, conv_weight)
+  return kda_decode_reference(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound=lower_bound,
+                              gate=gate, norm_weight=norm_weight, norm_eps=norm_eps, b_offset=b_offset)
+
+
 # --------------------------------------------------------------------------------------------------
 # Pallas Mosaic GPU kernel
 # --------------------------------------------------------------------------------------------------
@@ -261,8 +303,43 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
   Returns (o [B, T, H, D] f32, new_state [B, Q, H, D, D] f32): slot t < T holds the state after token t,
   slots >= T are untouched.
   """
-  B, T, H, D, Q = _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
+  _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
+  return _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, norm_weight, norm_eps,
+              config or KdaDecodeConfig(), b_offset, conv=False)
+
+
+@kernel_entry("lower_bound", "norm_eps", "config")
+def kda_decode_conv(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
+                    gate=None, norm_weight=None, norm_eps=1e-5, config: KdaDecodeConfig | None = None, b_offset=0):
+  """``kda_decode`` with the short conv + SiLU in the kernel (``kda_decode_conv_reference``'s contract): qkv
+  [B, T, 3, H, D] the q | k | v projection output before the conv (a free reshape of the model's [B, T, 3C]),
+  conv_hist [B, Kc - 1, 3, H, D] the inputs of the Kc - 1 positions before this call (the conv ring's rows, zeros
+  before the sequence; qkv's dtype), conv_weight [Kc, 3, H, D] f32 (tap j multiplies position t - (Kc - 1) + j).
+  Each CTA convolves its head's q / k rows and its v columns per token from one SMEM window (the Kc - 1 history
+  rows, then this call's T rows) and rounds them to qkv's dtype as the model does: the XLA fusion between the qkv
+  projection and the kernel (~2 µs + a dependent launch per KDA layer on the H200, session 29's profile) goes.
+  Needs config.prefetch (the window is TMA'd)."""
+  Kc = _check_conv(qkv, conv_hist, conv_weight)
+  B, T, _, H, D = qkv.shape
+  rows = jax.ShapeDtypeStruct((B, T, H, D), qkv.dtype)
+  _check_shapes(rows, rows, rows, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
   config = config or KdaDecodeConfig()
+  if not config.prefetch:
+    raise ValueError("kda_decode_conv: config.prefetch=False; the conv window is TMA'd into SMEM (prefetch=True)")
+  return _kda(qkv, conv_hist, conv_weight.astype(jnp.float32), f, b, A_log, dt_bias, state, num_accepted,
+              lower_bound, gate, norm_weight, norm_eps, config, b_offset, conv=Kc)
+
+
+def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, norm_weight, norm_eps,
+         config: KdaDecodeConfig, b_offset, conv: int | bool):
+  """The kernel call behind both entries. conv = Kc (kda_decode_conv): q, k, v are (qkv [B, T, 3, H, D],
+  conv_hist [B, Kc - 1, 3, H, D], conv_weight [Kc, 3, H, D] f32); False: q, k, v [B, T, H, D] as they are."""
+  if conv:
+    B, T, _, H, D = q.shape
+  else:
+    B, T, H, D = q.shape
+  Q = state.shape[1]
+  Kc1 = conv - 1 if conv else 0  # history rows in front of each conv window
   BV = config.block_v
   NV = D // BV  # warpgroups per (b, h)
   fuse_norm = gate is not None
@@ -292,9 +369,13 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
     # SMEM must be allocated collectively by the CTA's warpgroups (and pl.kernel takes no scratch_types).
     scratch = []
     if config.prefetch:  # per-head rows [T, D] of q, k, f, v (and gate): one TMA each, shared by the CTA
-      scratch += [plgpu.SMEM((T, D), x.dtype) for x in (q, k, f, v)]
+      if conv:  # q, k, v: their conv windows [Kc - 1 + T, D] (history rows, then this call's), two TMAs each
+        scratch += [plgpu.SMEM((Kc1 + T, D), q.dtype), plgpu.SMEM((Kc1 + T, D), q.dtype), plgpu.SMEM((T, D), f.dtype),
+                    plgpu.SMEM((Kc1 + T, D), q.dtype)]
+      else:
+        scratch += [plgpu.SMEM((T, D), x.dtype) for x in (q, k, f, v)]
       scratch += [plgpu.SMEM((T, D), gate.dtype)] if norm_in_kernel else []
-      scratch += [plgpu.Barrier(num_arrivals=len(scratch))]
+      scratch += [plgpu.Barrier(num_arrivals=len(scratch) + (3 if conv else 0))]
     if norm_in_kernel:  # o of the whole head for the RMS, and the barrier that publishes it
       scratch += [plgpu.SMEM((T, D), f32), plgpu.Barrier(num_arrivals=wgs)]
     refs = (state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *norm_refs)
@@ -313,7 +394,11 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
     v0 = pl.multiple_of(vi * BV, BV)
     cols = pl.ds(v0, BV)
     rows = lambda ref: ref.at[bi, :, h, :]  # [T, D] view of a [B, T, H, D] input
-    srcs = [rows(r) for r in (q_ref, k_ref, f_ref, v_ref)] + ([rows(gate_ref)] if norm_in_kernel else [])
+    if conv:  # q_ref = qkv, k_ref = the conv history, v_ref = the conv weights: windows (history, new rows)
+      win = lambda i: ((k_ref.at[bi, :, i, h, :], pl.ds(0, Kc1)), (q_ref.at[bi, :, i, h, :], pl.ds(Kc1, T)))
+      srcs = [win(0), win(1), rows(f_ref), win(2)] + ([rows(gate_ref)] if norm_in_kernel else [])
+    else:
+      srcs = [rows(r) for r in (q_ref, k_ref, f_ref, v_ref)] + ([rows(gate_ref)] if norm_in_kernel else [])
 
     if config.prefetch:
       # All per-token inputs are requested before the first state store: plain loads issued after a GMEM
@@ -323,7 +408,8 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
 
       def issue():
         for src, dst in zip(srcs, smem):
-          plgpu.copy_gmem_to_smem(src, dst, bar_in)
+          for part, at in (src if isinstance(src, tuple) else ((src, None),)):
+            plgpu.copy_gmem_to_smem(part, dst if at is None else dst.at[at], bar_in)
 
       if wgs > 1:
         pl.when(wg == 0)(issue)
@@ -342,11 +428,23 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
     if norm_in_kernel:
       o_smem, bar_o = rest
 
+    if conv:  # the taps, loaded once: tap j of q, k (K-vectors) and of this warpgroup's v columns (V-vectors)
+      taps = [[load(v_ref.at[j, i, h], L_K) for i in (0, 1)] + [load(v_ref.at[j, 2, h, cols], L_V)]
+              for j in range(conv)]
+
+    def conv_row(src, i, t, at=()):  # silu(Σ_j w_j · x[t - Kc + 1 + j]) rounded to qkv's dtype, as the model
+      acc = None
+      for j in range(conv):
+        term = load(src.at[(t + j, *at)], L_V if at else L_K) * taps[j][i]
+        acc = term if acc is None else acc + term
+      return jax.nn.silu(acc).astype(q.dtype).astype(f32)
+
     def gates(t):  # token t's inputs that do not depend on the state
-      qt = load(q_src.at[t], L_K)
-      kt = load(k_src.at[t], L_K)
+      if conv:
+        qt, kt, vt = conv_row(q_src, 0, t), conv_row(k_src, 1, t), conv_row(v_src, 2, t, (cols,))
+      else:
+        qt, kt, vt = load(q_src.at[t], L_K), load(k_src.at[t], L_K), load(v_src.at[t, cols], L_V)
       ft = load(f_src.at[t], L_K)
-      vt = load(v_src.at[t, cols], L_V)
       alpha = jnp.exp(lower_bound * jax.nn.sigmoid(a * (ft + dtb)))
       # Every warp holds all of K for its columns, so these full reductions need no SMEM.
       kt = kt * lax.rsqrt(jnp.sum(kt * kt) + L2NORM_EPS)

@@ -342,22 +342,55 @@ def _kernel_tiny_greedy_equals_reference(seed: int, prompt_len: int, n_new: int,
 
 @pytest.mark.gpu
 @pytest.mark.e2e_kernels
-@pytest.mark.parametrize("kda_norm,approx,loop", [(False, False, False), (True, False, False), (False, True, False),
-                                                  (False, False, True), (False, True, True)])
-def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm, approx, loop):
+@pytest.mark.parametrize("kda_norm,approx,loop,conv", [(False, False, False, False), (True, False, False, False),
+                                                       (False, True, False, False), (False, False, True, False),
+                                                       (False, True, True, False), (False, True, True, True)])
+def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm, approx, loop, conv):
   """The KDA kernel in the verify step emits exactly the reference model's greedy continuation (stock caches,
   every other op in XLA); kda_norm: with the gated RMSNorm inside it; approx: with approximate gate / norm math
   (policy kda_approx_math: ulp-level differences, far below what flips a greedy token here); loop: the tokens as
-  a loop (policy kda_token_loop). On the GPU only: on the CPU (interpret mode) the KDA kernel runs end to end in
+  a loop (policy kda_token_loop); conv: the short conv inside it (policy kda_conv). On the GPU only: on the CPU (interpret mode) the KDA kernel runs end to end in
   test_latency_specialized_all_kernels_equals_stock_fp8_cache, and this one cost ~55 s of the suite's 10
   minutes; the kernel itself is checked against its reference in test_kda_decode."""
   dec = _kernel_tiny_greedy_equals_reference(0, 11, 8, (("fp8_linear", False), ("fp8_moe", False),
                                                        ("indexer", False), ("sparse_mla", False),
                                                        ("kda_norm", kda_norm), ("kda_approx_math", approx),
-                                                       ("kda_token_loop", loop), *XLA_SELECTION))
+                                                       ("kda_token_loop", loop), ("kda_conv", conv),
+                                                       *XLA_SELECTION))
   sites = dec.kernel_sites(1)
   assert (sites["kda_norm"]["sites"] > 0) == kda_norm and (sites["kda_approx_math"]["sites"] > 0) == approx
-  assert (sites["kda_token_loop"]["sites"] > 0) == loop
+  assert (sites["kda_token_loop"]["sites"] > 0) == loop and (sites["kda_conv"]["sites"] > 0) == conv
+
+
+@pytest.mark.e2e_kernels
+def test_kda_conv_in_the_kernel_equals_xla_conv():
+  """Policy knob kda_conv (the short conv + SiLU inside the KDA kernel, reading the conv ring's history rows and the
+  taps transposed) against the kernel after XLA's conv: a verify step of kernel-tiny (f32, every other op in XLA;
+  the ring's history written by the prefill) — the same tokens, the recurrent states and conv rings within the
+  kernel tolerance (the first KDA layer's products are the same; later layers see a residual stream one f32
+  rounding apart). (One step: the history rows are the same array either way, read from the ring by XLA.)"""
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
+  rng = np.random.default_rng()
+  prompt, junk = rng.integers(0, 2000, 13), int(rng.integers(0, 2000))
+  runs = []
+  for conv in (False, True):
+    pol = (("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("sparse_mla", False), ("mhc", False),
+           ("kda_conv", conv), ("kv_cache_dtype", "auto"), *XLA_SELECTION)
+    dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=pol),
+                  backend="latency_specialized", prefill_chunk=16)
+    state = dec.prefill([prompt])
+    drafts = np.array(state.next_tokens)
+    drafts[:, -1] = junk  # the last draft most likely rejected
+    state, out = decode(state, drafts)
+    assert (dec.kernel_sites(1)["kda_conv"]["sites"] > 0) == conv
+    runs.append(([np.asarray(out.tokens), np.asarray(out.next_tokens)],
+                 [c for c in state.caches["layers"] if "ssm" in c]))
+  (t0, c0), (t1, c1) = runs
+  for a, b in zip(t0, t1):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(c0, c1):
+    for name in ("conv", "ssm"):
+      np.testing.assert_allclose(np.asarray(a[name]), np.asarray(b[name]), **tol("kernel_f32"), err_msg=name)
 
 
 @pytest.mark.gpu

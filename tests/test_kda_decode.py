@@ -155,6 +155,75 @@ def test_static_b_offset_out_of_range_is_an_error(rng):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# (2b) the short conv + SiLU inside the kernel (kda_decode_conv): conv reference == the literal window sum, kernel
+# == reference (interpret mode)
+# ----------------------------------------------------------------------------------------------------------------
+def make_conv_inputs(rng, B, T, H, Kc=4, dtype=jnp.float32, norm=False):
+  """kda_decode_conv's inputs: the raw q | k | v projection rows, the conv history (zeros before the sequence for
+  sequence 0, as at its start), conv weights ~ N(0, 0.5) (the checkpoint's short-conv taps are O(0.1-1))."""
+  args, kw = make_inputs(rng, B, T, H, dtype=dtype, norm=norm)
+  n = lambda *s: rng.standard_normal(s).astype(np.float32)
+  hist = n(B, Kc - 1, 3, H, 128)
+  hist[0, :1] = 0.0
+  conv = (jnp.asarray(n(B, T, 3, H, 128), dtype), jnp.asarray(hist, dtype), jnp.asarray(0.5 * n(Kc, 3, H, 128)))
+  return conv + args[3:], kw
+
+
+def test_short_conv_reference_is_the_window_sum(rng):
+  """short_conv_reference == the per-position sum over the Kc taps (float64), rounded to the inputs' dtype."""
+  (qkv, hist, w, *_), _ = make_conv_inputs(rng, 2, 3, 2, dtype=jnp.float32)
+  got = np.stack([np.asarray(x) for x in kd.short_conv_reference(qkv, hist, w)], axis=2)  # [B, T, 3, H, D]
+  full = np.concatenate([np.asarray(hist, np.float64), np.asarray(qkv, np.float64)], axis=1)
+  Kc, T = w.shape[0], qkv.shape[1]
+  acc = sum(full[:, t0:t0 + T] * np.asarray(w, np.float64)[t0] for t0 in range(Kc))
+  np.testing.assert_allclose(got, acc / (1.0 + np.exp(-acc)), **tol("fp32_paths"))
+
+
+def _assert_mostly_f32_close(o, ref_o):
+  """bf16 rows: all but a few outputs (a conv output rounded the other way moves a head's token) within the f32
+  kernel tolerance — the loose bf16 tolerance alone would hide a small systematic error."""
+  rtol, atol = tol("kernel_f32")["rtol"], tol("kernel_f32")["atol"]
+  o, ref_o = np.asarray(o), np.asarray(ref_o)
+  assert np.mean(np.abs(o - ref_o) > atol + rtol * np.abs(ref_o)) < 0.05
+
+
+CONV_CASES = [  # B, T, H, norm, dtype, config
+    (1, 1, 4, False, jnp.float32, None),  # decode's q = 1
+    (2, 4, 1, True, jnp.bfloat16, None),  # fused norm, bf16 rows (rounded after the SiLU, as the model)
+    (2, 4, 1, False, jnp.float32, kd.KdaDecodeConfig(token_loop=True, block_v=64)),  # the window at a traced row
+]
+
+
+@pytest.mark.parametrize("B,T,H,norm,dtype,config", CONV_CASES)
+def test_conv_kernel_matches_reference_interpret(rng, B, T, H, norm, dtype, config):
+  args, kw = make_conv_inputs(rng, B, T, H, dtype=dtype, norm=norm)
+  with maybe_interpret():
+    o, new_state = jax.jit(functools.partial(kd.kda_decode_conv, config=config, **kw))(*args)
+  ref_o, ref_state = jax.jit(functools.partial(kd.kda_decode_conv_reference, **kw))(*args)
+  # f32 rows: the same products and sums (up to FMA contraction); bf16: a conv output rounded the other way by
+  # FMA contraction moves q / k / v by one bf16 ulp (never seen in interpret mode, possible natively)
+  t = tol("kernel_f32" if dtype == jnp.float32 else "kernel_bf16")
+  np.testing.assert_allclose(np.asarray(o), np.asarray(ref_o), **t)
+  np.testing.assert_allclose(np.asarray(new_state[:, :T]), np.asarray(ref_state[:, :T]), **t)
+  np.testing.assert_array_equal(np.asarray(new_state[:, T:]), np.asarray(args[STATE_ARG][:, T:]))
+  if dtype == jnp.bfloat16:
+    _assert_mostly_f32_close(o, ref_o)
+
+
+def test_conv_rejects_bad_inputs(rng):
+  args, _ = make_conv_inputs(rng, 1, 2, 1)
+  qkv, hist, w, *rest = args
+  with pytest.raises(ValueError, match="conv_weight"):
+    kd.kda_decode_conv(qkv, hist, w[:3], *rest)  # 3 taps for 3 history rows
+  with pytest.raises(ValueError, match="share a dtype"):
+    kd.kda_decode_conv(qkv, hist.astype(jnp.bfloat16), w, *rest)
+  with pytest.raises(ValueError, match="prefetch"):
+    kd.kda_decode_conv(*args, config=kd.KdaDecodeConfig(prefetch=False))
+  with pytest.raises(ValueError, match=r"\[B, T, 3, H, D\]"):
+    kd.kda_decode_conv(qkv[:, :, :2], hist, w, *rest)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # (3) CUDA cross-lowering of every configuration the model uses, donated state => aliased in place
 # ----------------------------------------------------------------------------------------------------------------
 def _abstract_inputs(B, T, H, D=128, Q=None, dtype=jnp.bfloat16, norm=True):
@@ -197,6 +266,20 @@ def test_cross_lower_variants(T, config):
   """The unfused / differently tiled variants also lower (f32 inputs, no norm)."""
   args, _ = _abstract_inputs(8, T, 16, dtype=jnp.float32, norm=False)
   assert "mosaic_gpu" in cross_lower(functools.partial(kd.kda_decode, config=config), *args).as_text()
+
+
+@pytest.mark.parametrize("T,config", [(1, None), (4, kd.KdaDecodeConfig(token_loop=True, approx_math=True))])
+def test_cross_lower_conv(T, config):
+  """kda_decode_conv as the model would call it at TP4 (bf16 rows, the gate and b read in place), donated state
+  aliased in place."""
+  s = jax.ShapeDtypeStruct
+  B, H, bf16 = 1, 16, jnp.bfloat16
+  args = (s((B, T, 3, H, 128), bf16), s((B, 3, 3, H, 128), bf16), s((4, 3, H, 128), jnp.float32),
+          s((B, T, 2 * H, 128), jnp.float32), s((B, T, 272), bf16), s((H,), jnp.float32), s((H, 128), jnp.float32),
+          s((B, max(T, 4), H, 128, 128), jnp.float32), s((B,), jnp.int32), s((), jnp.int32))
+  fn = jax.jit(lambda *a: kd.kda_decode_conv(*a[:-1], b_offset=a[-1], config=config), donate_argnums=(STATE_ARG,))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "tf.aliasing_output" in text
 
 
 def test_cross_lower_wide_f_and_offset_b():
@@ -262,3 +345,19 @@ def test_kernel_matches_reference_gpu(rng, B, T, H, norm, dtype, config):
   assert new_state.unsafe_buffer_pointer() == ptr
   host_args = args[:STATE_ARG] + (jnp.asarray(keep),) + args[STATE_ARG + 1:]
   assert_matches_reference(host_args, kw, o, new_state, T, name=f"GPU B={B} T={T} H={H} norm={norm} {config}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,norm,dtype,config", [
+    (1, 1, 16, False, jnp.bfloat16, None), (1, 4, 16, False, jnp.bfloat16, None), (8, 4, 16, True, jnp.float32, None),
+    (1, 4, 16, False, jnp.bfloat16, kd.KdaDecodeConfig(token_loop=True, approx_math=True)),
+    (32, 8, 16, False, jnp.float32, kd.KdaDecodeConfig(token_loop=True))])
+def test_conv_kernel_matches_reference_gpu(rng, B, T, H, norm, dtype, config):
+  args, kw = make_conv_inputs(rng, B, T, H, dtype=dtype, norm=norm)
+  o, new_state = jax.jit(functools.partial(kd.kda_decode_conv, config=config, **kw))(*args)
+  ref_o, ref_state = jax.jit(functools.partial(kd.kda_decode_conv_reference, **kw))(*args)
+  t = tol("kernel_f32" if dtype == jnp.float32 else "kernel_bf16")
+  np.testing.assert_allclose(np.asarray(o), np.asarray(ref_o), **t)
+  np.testing.assert_allclose(np.asarray(new_state[:, :T]), np.asarray(ref_state[:, :T]), **t)
+  if dtype == jnp.bfloat16:
+    _assert_mostly_f32_close(o, ref_o)

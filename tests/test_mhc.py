@@ -155,13 +155,16 @@ def test_comb_is_the_stock_sinkhorn():
 
 @pytest.mark.parametrize("M", [1, 4, 64])  # (one row, the q = 4 rows, the most rows; 8 and 32 share their code)
 def test_cross_lower_real(M):
+  """The mHC kernels at the real width. (At M = 4 the default forms lower inside the real-geometry step at q = 4,
+  tests/test_step_lowering.py: here only the one-launch boundary.)"""
   X, y, mix, fn, coef, w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(M, 4096, 0))
-  for first in (False, True):
+  for first in (False, True) if M != 4 else ():
     for cols in (64, 32) if M == 1 and not first else (64,):  # (32: policy knob mhc_narrow, at decode's M = 1)
       assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_post_pre(*a, first=first, cols=cols), X, y, mix,
                                          fn).as_text()
   tot_t = jax.ShapeDtypeStruct((K.PART, -(-M // 4) * 4), jnp.float32)  # as the model passes the sums
-  for approx in (False, True):
+  # the finish with the Sinkhorn's CTA (mhc_sinkhorn_split off): exact and approximate math at one row
+  for approx in {1: (False, True), 4: (), 64: (True,)}[M]:
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx), X, tot_t, coef,
                                        w).as_text()
   if M in (1, 64):  # the split form (policy knob mhc_sinkhorn_split): x_in alone, then the mix
