@@ -338,7 +338,6 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     B, T, _, H, D = q.shape
   else:
     B, T, H, D = q.shape
-  Q = state.shape[1]
   Kc1 = conv - 1 if conv else 0  # history rows in front of each conv window
   BV = config.block_v
   NV = D // BV  # warpgroups per (b, h)
