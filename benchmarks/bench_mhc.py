@@ -1,8 +1,9 @@
 """Benchmark one mHC layer boundary (the previous sublayer's post + this site's pre + the sublayer RMSNorm) at the
 real width (4 streams × 4096), fused kernels (pallas_kernels/mhc.py) vs the stock XLA formulation, on one GPU.
 
-Paths: "stock" (XLA), "fused" (the model's default kernels: mhc_post_pre, a reduction, mhc_finish, mhc_sinkhorn),
-"narrow" (the same with twice the CTAs, each half as wide: policy mhc_narrow),
+Paths: "stock" (XLA), "fused" (the kernels: mhc_post_pre, a reduction, mhc_finish, mhc_sinkhorn, 64 / 128 columns
+per CTA), "narrow" (the same with twice the CTAs, each half as wide: policy mhc_narrow, the default since session
+32), "sums" (narrow, the finish and Sinkhorn summing the raw partials: policy mhc_fused_sums — no reduction),
 "1launch" (policy mhc_boundary: the boundary as one cluster launch, a reduction, mhc_sinkhorn).
 Columns: "dev us" device time of one boundary (CUPTI kernel durations), "kernels" launches per boundary,
 "chain us" wall time per boundary inside one jitted chain of 16 boundaries (XLA command buffers on, steady
@@ -57,9 +58,9 @@ def stock(hc, norm, X2, y, mix):
 
 
 def fused(hc, norm, X2, y, mix):
-  """The model's kernel path under the default policy (mhc_post_pre, the XLA reduction, mhc_finish without the
-  Sinkhorn + mhc_sinkhorn)."""
-  with use_kernels({}):
+  """The kernel path (mhc_post_pre, the XLA reduction, mhc_finish without the Sinkhorn + mhc_sinkhorn) with 64 /
+  128 columns per CTA (the default until session 32)."""
+  with use_kernels({"mhc_narrow": False}):
     return hc.fused(X2, (y, mix), norm)
 
 
@@ -67,6 +68,13 @@ def narrow(hc, norm, X2, y, mix):
   """The fused path with twice the CTAs, each half as wide (policy mhc_narrow: post_pre 32 columns per CTA, the
   finish 64)."""
   with use_kernels({"mhc_narrow": True}):
+    return hc.fused(X2, (y, mix), norm)
+
+
+def sums(hc, norm, X2, y, mix):
+  """narrow, with mhc_finish and mhc_sinkhorn summing mhc_post_pre's raw partials (policy mhc_fused_sums: up to 4
+  token rows; more rows fall back to the XLA reduction)."""
+  with use_kernels({"mhc_narrow": True, "mhc_fused_sums": True}):
     return hc.fused(X2, (y, mix), norm)
 
 
@@ -123,12 +131,12 @@ def main(argv=None):
   p.add_argument("--rows", default="1,4,8,32,64")
   p.add_argument("--out", default=None)
   p.add_argument("--compile", action="store_true", help="compile times instead of run times (see the docstring)")
-  p.add_argument("--paths", default="stock,fused,narrow,1launch", help="comma-separated paths, in this order (and the "
+  p.add_argument("--paths", default="stock,fused,narrow,sums,1launch", help="comma-separated paths, in this order (and the "
                  "fused path's kernels alone after them when 'fused' is among them)")
   p.add_argument("--clusters", default="", help="with '1launch': also the mhc_boundary kernel alone at these "
                  "cluster sizes (e.g. 8,4,2: each CTA then does 8 / 16 / 32 chunks of the same work)")
   a = p.parse_args(argv)
-  paths = {"stock": stock, "fused": fused, "narrow": narrow, "1launch": one_launch}
+  paths = {"stock": stock, "fused": fused, "narrow": narrow, "sums": sums, "1launch": one_launch}
   names = a.paths.split(",")
   if unknown := set(names) - set(paths):
     raise SystemExit(f"--paths: unknown {sorted(unknown)}; known: {sorted(paths)}")

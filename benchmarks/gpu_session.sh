@@ -67,10 +67,11 @@
 #                             steps_per_call GPU test
 #   s32 (nvidia-h200):        the loop forms (session 31: unrolled straight-line kernels suspected slow): threshold /
 #                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
-#   s32f (nvidia-h200):       the KDA token loop's GPU tests, the all-kernels and KDA greedy tests with session 32's
-#                             defaults (threshold at one row, mhc_narrow)
+#   s32f (nvidia-h200):       the KDA token loop's / kda_conv's GPU tests, the all-kernels and KDA greedy tests with
+#                             session 32's defaults (threshold at one row, mhc_narrow); mhc_fused_sums' GPU tests and
+#                             bench_mhc (fused / narrow / sums)
 #   s32g (nvidia-h200):       q = 1 and q = 4 at 4 steps per call: defaults vs + the KDA token loop with approx math
-#                             (+ kda_conv); q = 4 +- mhc_narrow; bench_kda_decode --q4 (the conv rows)
+#                             (+ kda_conv), mhc_fused_sums; q = 4 +- mhc_narrow; bench_kda_decode --q4 (conv rows)
 #   s32d (nvidia-h200):       mhc_narrow's GPU tests; q = 1 (threshold at one row) +- mhc_narrow; q = 4 +- the KDA token
 #                             loop with approx math
 #   s32b (nvidia-h200):       q = 1 at 4 steps per call: defaults, threshold (1 / 2 bits) at one row, kda token loop +
@@ -508,14 +509,20 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     timeout -s INT 400 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
       -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True or kda_conv_in_the_kernel" \
       --durations=4 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
+    # the mHC finish / Sinkhorn summing the raw partials (mhc_fused_sums), then the boundary alone with it
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py -k "sum_raw_partials" 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    [ "$(left)" -gt 60 ] && timeout -s INT $(( $(left) - 10 )) python3 benchmarks/bench_mhc.py --rows 1,4 \
+      --paths fused,narrow,sums > "$OUT/bench_mhc.log" 2>&1
     ;;
   s32g)  # (nvidia-h200) the step A/Bs of session 32's KDA candidates (if s32f passed), then q = 4 +- mhc_narrow
     # (on by default since session 32 at every M; measured at q = 1 only) and bench_kda_decode --q4 (conv rows first)
     rank1 s32g --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
       '{"kda_token_loop": true, "kda_approx_math": true}' \
-      '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}'
+      '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' '{"mhc_fused_sums": true}'
     [ "$(left)" -gt 200 ] && rank1 s32h --q 4 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
-      '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' '{"mhc_narrow": false}'
+      '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true, "mhc_fused_sums": true}' \
+      '{"mhc_narrow": false}'
     [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 40 )) > "$OUT/bench_kda_q4.log" 2>&1
     # the code-size hypothesis on a synthetic kernel (session 32's s32 run lost it to the 90 s timeout: the log is

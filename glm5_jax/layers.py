@@ -133,7 +133,12 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # each thread's floating-point work. The boundary chain alone 24.1 -> 20.8 µs at M = 1; the
                    # one-rank step at q = 1, 4 steps per call 5.27 -> 4.83 ms (7 interleaved repeats; BENCHMARKS.md
                    # session 32)
-                   "mhc_narrow": True}
+                   "mhc_narrow": True,
+                   # with mhc_finish on, at up to 4 token rows: mhc_finish and mhc_sinkhorn take mhc_post_pre's raw
+                   # partials [G, 64, 40] and sum them in SMEM (pallas_kernels.mhc PARTS_MAX_ROWS) instead of an XLA
+                   # reduction between the kernels — one launch fewer on the sublayer's critical path per boundary
+                   # (~2 µs + a dependent launch, session 29's profile); off until measured
+                   "mhc_fused_sums": False}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
@@ -477,12 +482,17 @@ class HyperConnection(nnx.Module):
       return Xn, x_in, km.mhc_sinkhorn(_chunk_sums(part, M), coef, D=D, **consts)
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)
-    tot_t = _chunk_sums(part, M)
+    # mhc_fused_sums: the finish / Sinkhorn kernels sum the raw partials themselves (no XLA reduction between the
+    # kernels on the sublayer's critical path)
+    raw = kernel_switch("mhc_finish") and kernel_enabled(
+        "mhc_fused_sums", fits=M <= km.PARTS_MAX_ROWS,
+        why=f"{M} token rows (the kernels sum the partials of up to {km.PARTS_MAX_ROWS} rows in SMEM)")
+    tot_t = part if raw else _chunk_sums(part, M)
     if kernel_enabled("mhc_finish"):
       finish = functools.partial(km.mhc_finish, cols=64 if narrow else km.DC_FIN)
       if kernel_enabled("mhc_sinkhorn_split"):
         x_in = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
-        return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, **consts)
+        return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, rows=M if raw else None, **consts)
     else:
       finish = km.mhc_finish_reference
     x_in, post_t, comb_t = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, **consts)

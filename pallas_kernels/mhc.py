@@ -156,11 +156,11 @@ def mhc_finish_reference(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_
   (base, scale), w [D] -> (x_in [M, D] bf16 = w · bf16(bf16(u) · rinv), mix = (post_t [N, 64] f32: this site's
   post, comb_t [N·N, 64] f32: its Sinkhorn-normalised comb; columns M.. zero)). u = Σ_i pre_i · X'_i in f32 (the
   stock path's RMSNorm rounding, with rinv from the Gram matrix); comb from the stock path's ``sinkhorn_comb``
-  (``iters`` iterations).
+  (``iters`` iterations). tot_t may also be mhc_post_pre's raw partials [G, 64, 40] (``partial_sums_t``).
   ``approx_math`` is the kernel's option (exact math here)."""
   M, K = Xn.shape
   D = K // N
-  tot = tot_t[:, :M].T
+  tot = (partial_sums_t(tot_t, M) if tot_t.ndim == 3 else tot_t[:, :M]).T
   pre, rinv, post = mhc_mix_reference(tot, coef, D, eps=eps, hc_norm_eps=hc_norm_eps, norm_eps=norm_eps,
                                       post_mult=post_mult)
   u = jnp.einsum("mn,mnd->md", pre, Xn.astype(jnp.float32).reshape(M, N, D), precision=lax.Precision.HIGHEST)
@@ -369,7 +369,7 @@ def _sinkhorn_rows(mc, iters: int, eps: float):
 
 
 def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float,
-                   normalise: bool = True, sinkhorn: bool = True, DC_FIN: int = DC_FIN):
+                   normalise: bool = True, sinkhorn: bool = True, DC_FIN: int = DC_FIN, parts: tuple | None = None):
   """CTAs 0..G-1 (G = D / DC_FIN; ``normalise``) each compute the site's pre and 1/RMS of u per row from the summed
   partials (a few dozen flops per row, on per-row vectors: as ``mhc_mix_reference``), then Σ pre_i X'_i + RMSNorm
   of their DC_FIN columns. The next CTA (``sinkhorn``) computes post and the Sinkhorn of comb for the next boundary
@@ -378,7 +378,12 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
   compile, session 22). Either part alone is a kernel too (``mhc_finish(sinkhorn=False)`` + ``mhc_sinkhorn``:
   the Sinkhorn off the sublayer's critical path where the CUDA graph lets independent kernels overlap).
   The sums arrive transposed ([40, 64]: one SMEM row per quantity), so each per-row vector is one row load —
-  extracting 18 columns of a [64, 40] tile by masked row sums cost ~2 µs per call on the H200 (session 21)."""
+  extracting 18 columns of a [64, 40] tile by masked row sums cost ~2 µs per call on the H200 (session 21).
+  ``parts`` = (Ms, Gp): the kernel takes mhc_post_pre's raw partials [G, 64, 40] instead and sums them itself —
+  for each of the Ms token rows one TMA of its [Gp, 40] column chunks (Gp = G rounded up to 64; the rows past G
+  zero-filled), chunk tiles added, a sum over the tile's rows, the [40] sums stored to SMEM and copied, a scalar at
+  a time, into the transposed [40, 64] layout above: the XLA reduction between mhc_post_pre and this kernel (a
+  launch on the sublayer's critical path per boundary) goes."""
   G = D // DC_FIN if normalise else 0
 
   def body(*refs):
@@ -390,11 +395,16 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
     post_g, comb_g = take(2) if sinkhorn else (None, None)
     x_s, t_s, w_s, o_s = take(4) if normalise else [None, next(it), None, None]
     p_s, cb_s = take(2) if sinkhorn else (None, None)
+    pt_s, ts_s = take(2) if parts else (None, None)
     bar_t = next(it)
     bar_x = next(it) if normalise else None
     g = lax.axis_index("g")
     d0 = g * DC_FIN
-    plgpu.copy_gmem_to_smem(t_g.at[:, pl.ds(0, ROWS)], t_s, bar_t)  # columns past t_g's: zeros (_check_sums)
+    if parts:  # each token row's column-chunk partials [Gp, 40] (rows past G: zeros)
+      for m in range(parts[0]):
+        plgpu.copy_gmem_to_smem(t_g.at[pl.ds(0, parts[1]), m], pt_s.at[m], bar_t)
+    else:
+      plgpu.copy_gmem_to_smem(t_g.at[:, pl.ds(0, ROWS)], t_s, bar_t)  # columns past t_g's: zeros (_check_sums)
 
     if normalise:
       @pl.when(g < G)
@@ -406,6 +416,18 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
     base = [c_g[k] for k in range(MIX)]  # scalars (GMEM loads while the copies fly)
     sc = [c_g[MIX + k] for k in range(3)]
     plgpu.barrier_wait(bar_t)
+    if parts:
+      Ms, Gp = parts
+      t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
+      for m in range(Ms):
+        acc = None
+        for c in range(Gp // ROWS):
+          x = plgpu.load(pt_s.at[m, pl.ds(c * ROWS, ROWS)], layout=_L.WGMMA, optimized=False)
+          acc = x if acc is None else acc + x
+        ts_s[m] = acc.sum(axis=0)
+      for m in range(Ms):  # [Ms, 40] -> t_s [40, 64] (column m): 40 scalars per token row
+        for k in range(PART):
+          t_s[k, m] = ts_s[m, k]
 
     def rows(ks):
       return [plgpu.load(t_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False) for k in ks]
@@ -451,6 +473,33 @@ def _check_sums(tot_t, coef, iters, what):
     raise ValueError(f"{what}: iters = {iters}, expected >= 1 Sinkhorn iterations")
 
 
+PARTS_MAX_ROWS = 4  # token rows up to which the finish / Sinkhorn kernels sum the raw partials themselves (SMEM)
+
+
+def _check_parts(part, M, coef, iters, what):
+  """The raw-partials form of tot_t: part [G, 64, 40] f32 (mhc_post_pre's) for M <= PARTS_MAX_ROWS token rows
+  -> (M, Gp): the static shape of the kernel's partials buffer (G rounded up to 64)."""
+  if part.ndim != 3 or part.shape[1:] != (ROWS, PART) or not 1 <= part.shape[0] <= 4 * ROWS:
+    raise ValueError(f"{what}: partials {part.shape}; expected mhc_post_pre's [G, {ROWS}, {PART}] (G <= {4 * ROWS})")
+  if not 1 <= M <= PARTS_MAX_ROWS:
+    raise ValueError(f"{what}: {M} token rows with raw partials; the kernel sums them for 1..{PARTS_MAX_ROWS} rows "
+                     "(more: sum them first, [40, C])")
+  if coef.shape != (MIX + 3,) or iters < 1:
+    raise ValueError(f"{what}: coef {coef.shape}, iters {iters}; expected [{MIX + 3}] (base, scale), >= 1")
+  return M, -(-part.shape[0] // ROWS) * ROWS
+
+
+def _parts_scratch(parts):
+  return [plgpu.SMEM((parts[0], parts[1], PART), jnp.float32),  # pt_s: each token row's column-chunk partials
+          plgpu.SMEM((parts[0], PART), jnp.float32)] if parts else []  # ts_s: their sums
+
+
+def partial_sums_t(part, M: int):
+  """mhc_post_pre's partials [G, 64, 40] -> their sum over the column chunks for the M real rows, transposed
+  [40, M] (the references' view of the raw-partials form; the model's XLA form is layers._chunk_sums)."""
+  return jnp.sum(part[:, :M].astype(jnp.float32), axis=0).T
+
+
 _MIX_OUT = (jax.ShapeDtypeStruct((N, ROWS), jnp.float32), jax.ShapeDtypeStruct((N * N, ROWS), jnp.float32))
 _MIX_SCRATCH = [plgpu.SMEM((N, ROWS), jnp.float32),  # p_s (transposed: a row per quantity)
                 plgpu.SMEM((N * N, ROWS), jnp.float32)]  # cb_s
@@ -462,19 +511,22 @@ def mhc_finish(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float
   """Mosaic GPU version of ``mhc_finish_reference`` (same signature and outputs). ``approx_math``: the GPU's
   approximate exp / reciprocal / rsqrt (ulp-level differences; bench_mhc measures what it saves). ``sinkhorn``
   False: x_in alone (one CTA fewer; ``mhc_sinkhorn`` computes the mix as a kernel of its own). ``cols``: columns
-  normalised per CTA (64 or 128)."""
+  normalised per CTA (64 or 128). ``tot_t`` may be mhc_post_pre's raw partials [G, 64, 40] instead of their
+  sums (M <= PARTS_MAX_ROWS token rows): the kernel sums them."""
   M, K = Xn.shape
   D = K // N
   _check(Xn, D, "mhc_finish")
   if cols not in (64, 128):
     raise ValueError(f"mhc_finish: cols = {cols}, expected 64 or 128 columns per CTA")
   DC_FIN = cols
-  _check_sums(tot_t, coef, iters, "mhc_finish")
+  parts = _check_parts(tot_t, M, coef, iters, "mhc_finish") if tot_t.ndim == 3 else None
+  if not parts:
+    _check_sums(tot_t, coef, iters, "mhc_finish")
   bf16, f32 = jnp.bfloat16, jnp.float32
   x_in = jax.ShapeDtypeStruct((M, D), bf16)
   kern = plgpu.kernel(
       _finish_kernel(M, D, int(iters), float(eps), float(hc_norm_eps), float(norm_eps), float(post_mult),
-                     sinkhorn=bool(sinkhorn), DC_FIN=DC_FIN),
+                     sinkhorn=bool(sinkhorn), DC_FIN=DC_FIN, parts=parts),
       out_type=(x_in, *_MIX_OUT) if sinkhorn else x_in,
       scratch_types=[
           plgpu.SMEM((N, ROWS, DC_FIN), bf16),  # x_s
@@ -482,7 +534,8 @@ def mhc_finish(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float
           plgpu.SMEM((DC_FIN,), bf16),  # w_s
           plgpu.SMEM((ROWS, DC_FIN), bf16),  # o_s
           *(_MIX_SCRATCH if sinkhorn else []),
-          plgpu.Barrier(num_arrivals=1),  # bar_t: the sums (every CTA)
+          *_parts_scratch(parts),
+          plgpu.Barrier(num_arrivals=parts[0] if parts else 1),  # bar_t: the sums (every CTA; a TMA per row)
           plgpu.Barrier(num_arrivals=N + 1),  # bar_x: the streams and w (the normalising CTAs)
       ],
       grid=(D // DC_FIN + int(bool(sinkhorn)),),
@@ -493,23 +546,32 @@ def mhc_finish(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float
   return kern(Xn, tot_t.astype(f32), coef.astype(f32), w.astype(bf16))
 
 
-@kernel_entry("D", "iters", "eps", "hc_norm_eps", "post_mult", "approx_math")
+@kernel_entry("D", "iters", "eps", "hc_norm_eps", "post_mult", "approx_math", "rows")
 def mhc_sinkhorn(tot_t, coef, *, D: int, iters: int, eps: float, hc_norm_eps: float, post_mult: float,
-                 approx_math: bool = False):
+                 approx_math: bool = False, rows: int | None = None):
   """The mix half of ``mhc_finish`` as a one-CTA kernel: tot_t [40, C] (summed partials, transposed), coef [27]
   -> mix = (post_t [N, 64], comb_t [N·N, 64]) f32, as ``mhc_finish_reference`` returns them. With
   ``mhc_finish(sinkhorn=False)`` the boundary's sublayer no longer waits for the Sinkhorn's 20 serial iterations
   — only the next boundary reads the mix — wherever the CUDA graph runs independent kernels concurrently (XLA's
-  CONCURRENT command-buffer schedule); in a serial schedule it is one more launch."""
-  _check_sums(tot_t, coef, iters, "mhc_sinkhorn")
+  CONCURRENT command-buffer schedule); in a serial schedule it is one more launch. ``tot_t`` may be
+  mhc_post_pre's raw partials [G, 64, 40] for ``rows`` <= PARTS_MAX_ROWS token rows (then required): the kernel
+  sums them."""
+  if tot_t.ndim == 3:
+    if rows is None:
+      raise ValueError("mhc_sinkhorn: raw partials need rows= (the token rows to sum)")
+    parts = _check_parts(tot_t, int(rows), coef, iters, "mhc_sinkhorn")
+  else:
+    parts = None
+    _check_sums(tot_t, coef, iters, "mhc_sinkhorn")
   if D % DC_FIN:
     raise ValueError(f"mhc_sinkhorn: hidden size {D} must be a multiple of {DC_FIN}")
   f32 = jnp.float32
   kern = plgpu.kernel(
       _finish_kernel(ROWS, int(D), int(iters), float(eps), float(hc_norm_eps), 0.0, float(post_mult),
-                     normalise=False),
+                     normalise=False, parts=parts),
       out_type=_MIX_OUT,
-      scratch_types=[plgpu.SMEM((PART, ROWS), f32), *_MIX_SCRATCH, plgpu.Barrier(num_arrivals=1)],
+      scratch_types=[plgpu.SMEM((PART, ROWS), f32), *_MIX_SCRATCH, *_parts_scratch(parts),
+                     plgpu.Barrier(num_arrivals=parts[0] if parts else 1)],
       grid=(1,),
       grid_names=("g",),
       kernel_name="glm5_mhc_sinkhorn",

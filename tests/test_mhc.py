@@ -39,13 +39,16 @@ def _inputs(M, D, seed):
   return X, y, K.mix_from_rows(jnp.asarray(post), jnp.asarray(comb)), fn, coef, w
 
 
-def _check_kernels(M, D, first, seed=0, interpret=None, approx=False, split=False, narrow=True, cols=(64, 128)):
+def _check_kernels(M, D, first, seed=0, interpret=None, approx=False, split=False, narrow=True, cols=(64, 128),
+                   parts=False):
   """mhc_post_pre and mhc_finish vs their references; the finish on the summed partials of a real post+pre
   (realistic logits and Gram entries) and random mHC parameters. ``approx``: the finish kernel with the GPU's
   approximate math, held to the same tolerances. ``split``: the finish without its Sinkhorn CTA + mhc_sinkhorn
   (policy knob mhc_sinkhorn_split), held to the same. ``narrow``: the sums as the model passes them, [40, M
   rounded up to 4] (the kernels' TMA fills the other columns with zeros); else [40, 64] with NaN padding.
-  ``cols``: columns per CTA of mhc_post_pre and mhc_finish ((32, 64): policy knob mhc_narrow)."""
+  ``cols``: columns per CTA of mhc_post_pre and mhc_finish ((32, 64): policy knob mhc_narrow). ``parts``: the
+  finish / Sinkhorn kernels take mhc_post_pre's raw partials (its kernel output) and sum them themselves (policy
+  knob mhc_fused_sums); the reference sums the same partials."""
   X, y, mix, fn, coef, w = _inputs(M, D, seed)
   ref = K.mhc_post_pre_reference(X, y, mix, fn, first=first, cols=cols[0])
   tot = jnp.sum(ref[1][:, :M], axis=0)
@@ -55,11 +58,14 @@ def _check_kernels(M, D, first, seed=0, interpret=None, approx=False, split=Fals
     tot_t = jnp.pad(tot.T, ((0, 0), (0, K.ROWS - M)), constant_values=np.nan)  # padding columns: never read
   with maybe_interpret(interpret):
     got = jax.jit(lambda *a: K.mhc_post_pre(*a, first=first, cols=cols[0]))(X, y, mix, fn)
+    if parts:  # the kernel's own partials (padding rows as it leaves them: never read)
+      tot_t = got[1]
     if split:
       fin = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx, sinkhorn=False, cols=cols[1]))(
           ref[0], tot_t, coef, w)
       mix_consts = {k: v for k, v in CONSTS.items() if k != "norm_eps"}
-      post, comb = jax.jit(lambda *a: K.mhc_sinkhorn(*a, D=D, **mix_consts, approx_math=approx))(tot_t, coef)
+      post, comb = jax.jit(lambda *a: K.mhc_sinkhorn(*a, D=D, **mix_consts, approx_math=approx,
+                                                     rows=M if parts else None))(tot_t, coef)
     else:
       fin, post, comb = jax.jit(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=approx, cols=cols[1]))(
           ref[0], tot_t, coef, w)
@@ -82,13 +88,14 @@ def _check_kernels(M, D, first, seed=0, interpret=None, approx=False, split=Fals
   assert np.mean(f32(fin) != f32(ref_fin)) < 0.02
 
 
-@pytest.mark.parametrize("M,D,first,split,narrow,cols", [
-    (1, 256, False, False, True, (64, 128)), (5, 256, False, False, False, (64, 128)),
-    (5, 256, True, False, True, (64, 128)), (64, 128, False, False, True, (64, 128)),
-    (3, 256, False, True, True, (64, 128)), (4, 256, False, True, False, (64, 128)),
-    (1, 256, False, True, True, (32, 64)), (6, 256, True, False, True, (32, 64))])  # (mhc_narrow)
-def test_kernels_interpret(M, D, first, split, narrow, cols):
-  _check_kernels(M, D, first, seed=M, interpret=True, split=split, narrow=narrow, cols=cols)
+@pytest.mark.parametrize("M,D,first,split,narrow,cols,parts", [
+    (1, 256, False, False, True, (64, 128), False), (5, 256, False, False, False, (64, 128), False),
+    (5, 256, True, False, True, (64, 128), False), (64, 128, False, False, True, (64, 128), False),
+    (3, 256, False, True, True, (64, 128), True), (4, 256, False, True, False, (64, 128), False),
+    (1, 256, False, True, True, (32, 64), True), (6, 256, True, False, True, (32, 64), False),  # (mhc_narrow)
+    (4, 512, True, False, True, (64, 128), True)])  # (parts: mhc_fused_sums)
+def test_kernels_interpret(M, D, first, split, narrow, cols, parts):
+  _check_kernels(M, D, first, seed=M, interpret=True, split=split, narrow=narrow, cols=cols, parts=parts)
 
 
 def _check_boundary(M, D, first, seed=0, interpret=None, cluster=None):
@@ -139,6 +146,16 @@ def test_kernels_gpu(M, D, first, approx, split, cols):
     _check_kernels(M, D, first, seed=M, approx=approx, split=split, narrow=False, cols=cols)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,first,split,cols", [(1, False, True, (32, 64)), (1, True, True, (32, 64)),
+                                                (4, False, True, (32, 64)), (3, False, False, (64, 128)),
+                                                (4, False, True, (64, 128))])
+def test_kernels_sum_raw_partials_gpu(M, first, split, cols):
+  """mhc_fused_sums natively: the finish and Sinkhorn kernels sum mhc_post_pre's partials (G = 64 or 128 column
+  chunks: one or two 64-row tiles) themselves."""
+  _check_kernels(M, 4096, first, seed=M, approx=True, split=split, cols=cols, parts=True)
+
+
 def test_comb_is_the_stock_sinkhorn():
   """The finish reference's comb (from the summed partials) == the comb of the stock mixing (hc_mix on all 24
   normalised logits), bit for bit."""
@@ -174,6 +191,13 @@ def test_cross_lower_real(M):
     mix_consts = {k: v for k, v in CONSTS.items() if k != "norm_eps"}
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_sinkhorn(*a, D=4096, **mix_consts, approx_math=True), tot_t,
                                        coef).as_text()
+  if M <= K.PARTS_MAX_ROWS:  # the raw partials summed in the kernels (policy knob mhc_fused_sums; narrow: G = 128)
+    part = jax.ShapeDtypeStruct((4096 // 32, K.ROWS, K.PART), jnp.float32)
+    mix_consts = {k: v for k, v in CONSTS.items() if k != "norm_eps"}
+    assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_finish(*a, **CONSTS, approx_math=True, sinkhorn=False,
+                                                               cols=64), X, part, coef, w).as_text()
+    assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_sinkhorn(*a, D=4096, **mix_consts, approx_math=True,
+                                                                 rows=M), part, coef).as_text()
   if M == 4:  # the one-launch boundary: a cluster of 8 CTAs (one size)
     consts = {k: v for k, v in CONSTS.items() if k != "iters"}
     txt = cross_lower(lambda *a: K.mhc_boundary(*a, approx_math=True, **consts), X, y, mix, fn, coef, w).as_text()
@@ -199,6 +223,16 @@ def test_bad_shapes_named():
     K.mhc_finish(X, jnp.zeros((K.PART, K.ROWS)), coef[:24], w, **CONSTS)
   with pytest.raises(ValueError, match="iters = 0, expected >= 1"):
     K.mhc_finish(X, jnp.zeros((K.PART, K.ROWS)), coef, w, **{**CONSTS, "iters": 0})
+  # the raw-partials form (mhc_fused_sums): up to PARTS_MAX_ROWS token rows, [G, 64, 40], rows= for the Sinkhorn
+  part = jnp.zeros((4, K.ROWS, K.PART))
+  X5, *_ = _inputs(5, 128, 0)
+  with pytest.raises(ValueError, match="5 token rows with raw partials"):
+    K.mhc_finish(X5, part, coef, w, **CONSTS)
+  with pytest.raises(ValueError, match=r"partials \(4, 64, 24\)"):
+    K.mhc_finish(X, part[..., :24], coef, w, **CONSTS)
+  mix_consts = {k: v for k, v in CONSTS.items() if k != "norm_eps"}
+  with pytest.raises(ValueError, match="need rows="):
+    K.mhc_sinkhorn(part, coef, D=128, **mix_consts)
 
 
 def _site(D, seed):
@@ -215,13 +249,14 @@ def _site(D, seed):
 @pytest.mark.parametrize("M,first,finish_kernel", [(3, False, True), (3, True, True), (70, False, True),
                                                    (3, False, False), (3, True, False), (3, False, "split"),
                                                    (3, False, "boundary"), (70, True, "boundary"),
-                                                   (3, False, "narrow")])
+                                                   (3, False, "narrow"), (3, False, "sums")])
 def test_fused_boundary_equals_stock(M, first, finish_kernel):
   """post (previous sublayer) + pre + RMSNorm, fused kernels vs the stock XLA formulation; 70 rows = 2 launches.
   finish_kernel False: the boundary's last step in XLA (policy knob mhc_finish off: one Mosaic call per boundary
   instead of two); "split": the finish kernel without the mix + mhc_sinkhorn (policy knob mhc_sinkhorn_split);
   "boundary": the one-launch boundary (policy knob mhc_boundary) + mhc_sinkhorn; "narrow": "split" with half as
-  many columns per CTA (policy knob mhc_narrow)."""
+  many columns per CTA (policy knob mhc_narrow); "sums": "narrow" with the kernels summing the raw partials
+  (policy knob mhc_fused_sums)."""
   D = 256
   hc, norm = _site(D, M)
   X, y, mix, _, _, _ = _inputs(M, D, M + 1)
@@ -231,14 +266,15 @@ def test_fused_boundary_equals_stock(M, first, finish_kernel):
   u, post_ref, comb_ref = hc.pre(Xref)
   xin_ref = norm(u, jnp.bfloat16)
   policy = {"mhc_finish": bool(finish_kernel), "mhc_boundary": finish_kernel == "boundary",
-            "mhc_sinkhorn_split": finish_kernel in ("split", "boundary", "narrow"),
-            "mhc_narrow": finish_kernel == "narrow"}
+            "mhc_sinkhorn_split": finish_kernel in ("split", "boundary", "narrow", "sums"),
+            "mhc_narrow": finish_kernel in ("narrow", "sums"), "mhc_fused_sums": finish_kernel == "sums"}
   with maybe_interpret(True), use_kernels(policy), kernel_report() as rep:
     Xn, xin, mix_new = jax.jit(lambda X, y, mix: hc.fused(X, None if first else (y, mix), norm))(X, y, mix)
   assert (("mhc_finish", "off in the policy") in rep) != bool(finish_kernel)
-  assert (("mhc_sinkhorn_split", None) in rep) == (finish_kernel in ("split", "boundary", "narrow"))
+  assert (("mhc_sinkhorn_split", None) in rep) == (finish_kernel in ("split", "boundary", "narrow", "sums"))
   assert (("mhc_boundary", None) in rep) == (finish_kernel == "boundary")
-  assert (("mhc_narrow", None) in rep) == (finish_kernel == "narrow")
+  assert (("mhc_narrow", None) in rep) == (finish_kernel in ("narrow", "sums"))
+  assert (("mhc_fused_sums", None) in rep) == (finish_kernel == "sums")
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(Xn).reshape(M, 4, D), f32(Xref), **BF16_ULP)
   p, c = HyperConnection.unpack(mix_new, (M,))
