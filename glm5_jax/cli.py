@@ -70,6 +70,9 @@ def _add_decode_args(p):
   p.add_argument("--compile-cache", default=os.environ.get("GLM5_JAX_COMPILE_CACHE"), metavar="DIR",
                  help="keep compiled programs in DIR and reuse them in later runs (glm5_jax.enable_compile_cache; "
                       "default: $GLM5_JAX_COMPILE_CACHE, else off)")
+  p.add_argument("--compile-cache-min-s", type=float, default=1.0, metavar="S",
+                 help="with --compile-cache: write only programs that took at least S seconds to compile "
+                      "(default 1.0; 0 writes every program)")
 
 
 def _tokenizer(path):
@@ -84,7 +87,8 @@ def _run_generation(args, path, prompt_ids, tok=None):
   import glm5_jax  # noqa: PLC0415
 
   if args.compile_cache:
-    print(f"compile cache: {glm5_jax.enable_compile_cache(args.compile_cache)}")
+    cache = glm5_jax.enable_compile_cache(args.compile_cache, min_compile_s=args.compile_cache_min_s)
+    print(f"compile cache: {cache}")
   t0 = time.perf_counter()
   model = glm5_jax.load_model(path, dtype=args.dtype, tp=args.tp)
   dec = _decoder(args, model)

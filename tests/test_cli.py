@@ -97,7 +97,8 @@ def test_memory(capsys):
 
 def test_compile_cache_reused_across_processes(tmp_path):
   """--compile-cache: the first process writes its compiled programs, a second one loads them (writes nothing new)
-  and generates the same tokens."""
+  and generates the same tokens. (--compile-cache-min-s 0: every program is written — with the default 1 s, a
+  program compiling in about a second was written by one run and not the other, depending on the machine's load.)"""
   import os  # noqa: PLC0415
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
@@ -105,7 +106,8 @@ def test_compile_cache_reused_across_processes(tmp_path):
   path = tiny_checkpoint("oracle-tiny", 0, "float32")
   cache = tmp_path / "cc"
   cmd = [sys.executable, "-m", "glm5_jax.cli", "generate", path, "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "5",
-         "--k", "1", "--max-context", "64", "--capture-sizes", "1", "--compile-cache", str(cache)]
+         "--k", "1", "--max-context", "64", "--capture-sizes", "1", "--compile-cache", str(cache),
+         "--compile-cache-min-s", "0"]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
   runs = []
