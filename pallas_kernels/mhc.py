@@ -425,8 +425,12 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
           x = plgpu.load(pt_s.at[m, pl.ds(c * ROWS, ROWS)], layout=_L.WGMMA, optimized=False)
           acc = x if acc is None else acc + x
         ts_s[m] = acc.sum(axis=0)
-      for m in range(Ms):  # [Ms, 40] -> t_s [40, 64] (column m): 40 scalars per token row
-        for k in range(PART):
+      # [Ms, 40] -> t_s [40, 64] (column m), a scalar at a time: only the quantities this kernel reads (the
+      # normalisation: the pre logits and the Gram entries, 14; the Sinkhorn: the post / comb logits and the Gram)
+      need = sorted(({*range(N)} if normalise else set()) | ({*range(N, MIX)} if sinkhorn else set())
+                    | {*range(MIX, MIX + GRAM)})
+      for m in range(Ms):
+        for k in need:
           t_s[k, m] = ts_s[m, k]
 
     def rows(ks):
@@ -479,8 +483,9 @@ PARTS_MAX_ROWS = 4  # token rows up to which the finish / Sinkhorn kernels sum t
 def _check_parts(part, M, coef, iters, what):
   """The raw-partials form of tot_t: part [G, 64, 40] f32 (mhc_post_pre's) for M <= PARTS_MAX_ROWS token rows
   -> (M, Gp): the static shape of the kernel's partials buffer (G rounded up to 64)."""
-  if part.ndim != 3 or part.shape[1:] != (ROWS, PART) or not 1 <= part.shape[0] <= 4 * ROWS:
-    raise ValueError(f"{what}: partials {part.shape}; expected mhc_post_pre's [G, {ROWS}, {PART}] (G <= {4 * ROWS})")
+  if part.ndim != 3 or part.shape[1:] != (ROWS, PART) or not 1 <= part.shape[0] <= 2 * ROWS:
+    # (G <= 128, two 64-row tiles: the real width's narrow post_pre; more would not fit SMEM beside the streams)
+    raise ValueError(f"{what}: partials {part.shape}; expected mhc_post_pre's [G, {ROWS}, {PART}] (G <= {2 * ROWS})")
   if not 1 <= M <= PARTS_MAX_ROWS:
     raise ValueError(f"{what}: {M} token rows with raw partials; the kernel sums them for 1..{PARTS_MAX_ROWS} rows "
                      "(more: sum them first, [40, C])")
