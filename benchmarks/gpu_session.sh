@@ -512,6 +512,9 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # the mHC finish / Sinkhorn summing the raw partials (mhc_fused_sums), then the boundary alone with it
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py -k "sum_raw_partials" 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    # the index queries rotated in the scores kernel (indexer_q_in_kernel)
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k "rotating" 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     [ "$(left)" -gt 60 ] && timeout -s INT $(( $(left) - 10 )) python3 benchmarks/bench_mhc.py --rows 1,4 \
       --paths fused,narrow,sums > "$OUT/bench_mhc.log" 2>&1
     ;;
@@ -519,10 +522,11 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # (on by default since session 32 at every M; measured at q = 1 only) and bench_kda_decode --q4 (conv rows first)
     rank1 s32g --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
       '{"kda_token_loop": true, "kda_approx_math": true}' \
-      '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' '{"mhc_fused_sums": true}'
+      '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' '{"mhc_fused_sums": true}' \
+      '{"indexer_q_in_kernel": true}'
     [ "$(left)" -gt 200 ] && rank1 s32h --q 4 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
-      '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true, "mhc_fused_sums": true}' \
-      '{"mhc_narrow": false}'
+      '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true, "mhc_fused_sums": true,
+        "indexer_q_in_kernel": true}' '{"mhc_narrow": false}'
     [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 40 )) > "$OUT/bench_kda_q4.log" 2>&1
     # the code-size hypothesis on a synthetic kernel (session 32's s32 run lost it to the 90 s timeout: the log is

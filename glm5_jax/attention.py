@@ -308,14 +308,21 @@ class Indexer(nnx.Module):
     over every pool slot (masked by the caller). With an FP8 pool cache: q and the keys are Hadamard-rotated and
     FP8 (UE8M0 scales), as vLLM scores them."""
     B, T, _ = hw.shape
-    qI = self.wq_b(q_r, dtype).astype(jnp.float32).reshape(B, T, self.n_heads, self.head_dim)
+    q_raw = self.wq_b(q_r, dtype).reshape(B, T, self.n_heads, self.head_dim)
+    qI = q_raw.astype(jnp.float32)
     w = hw.astype(jnp.float32) * (self.n_heads ** -0.5)
     if "pool8" in icache:
       from pallas_kernels import indexer as ki  # noqa: PLC0415
-      q8, qs = ki.quant_ue8m0_fp8(ki.hadamard128(qI))
       n_valid = (pos + 1) // self.kpool
-      fn = ki.indexer_scores if kernel_enabled("indexer", B * T) else ki.indexer_scores_reference
-      return fn(q8, qs, w * (self.head_dim ** -0.5), icache["pool8"], icache["pool_scale"], n_valid)
+      args = (w * (self.head_dim ** -0.5), icache["pool8"], icache["pool_scale"], n_valid)
+      if kernel_enabled("indexer", B * T):
+        # indexer_q_in_kernel: the queries' FWHT + FP8 quantisation inside the scores kernel (its wgmma reads the
+        # bf16 projection output as is) instead of ~3 XLA kernels in front of it
+        if kernel_enabled("indexer_q_in_kernel", fits=q_raw.dtype == jnp.bfloat16,
+                          why=f"{q_raw.dtype} index queries (the kernel rotates bf16 ones)"):
+          return ki.indexer_scores_q(q_raw, *args)
+        return ki.indexer_scores(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args)
+      return ki.indexer_scores_reference(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args)
     # (records why the kernel does not run here)
     kernel_enabled("indexer", fits=False, why="a bf16/f32 pooled-key cache (the kernel reads the FP8 one: policy "
                    "kv_cache_dtype 'fp8')")

@@ -138,7 +138,13 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # partials [G, 64, 40] and sum them in SMEM (pallas_kernels.mhc PARTS_MAX_ROWS) instead of an XLA
                    # reduction between the kernels — one launch fewer on the sublayer's critical path per boundary
                    # (~2 µs + a dependent launch, session 29's profile); off until measured
-                   "mhc_fused_sums": False}
+                   "mhc_fused_sums": False,
+                   # with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8
+                   # quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix
+                   # per 64 query rows, the scales from the amax's bits) instead of the XLA butterflies, amax and
+                   # conversion in front of it — ~8 µs and 3 launches per DSA layer on the critical path (session
+                   # 29's profile); off until measured
+                   "indexer_q_in_kernel": False}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):

@@ -28,6 +28,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -102,13 +103,44 @@ def _pick_blocks_per_cta(n_blocks: int, B: int) -> int:
   return -(-n_blocks // chunks)
 
 
-def _indexer_kernel(nbc: int, T: int, hi: int):
+def _quantize_rows(qb_s, h_s, q_s, qs_s, rq: int):
+  """The scores kernel's own query preparation (``indexer_scores_q``): the rq rows of qb_s [rq, 128] bf16 (the
+  raw index queries) -> q_s [rq, 128] e4m3 = quant_ue8m0_fp8(hadamard128(q)) and qs_s [rq] f32 their scales, per
+  64-row chunk: the FWHT as one wgmma with the ±1 Sylvester matrix h_s (exact products; the f32 sums of up to 128
+  bf16 terms), then the bf16 rounding, the row amax, the power-of-two scale from the amax's bits (exactly
+  quant_ue8m0_fp8's 2^ceil(log2(max(amax, 1e-4) / 448)): 448 = 1.75 · 2^8, so the exponent is the amax's minus 8,
+  plus one when its mantissa exceeds 1.75) and the e4m3 conversion of the clipped quotient (a power-of-two
+  divisor: exact)."""
+  for c in range(rq // BLOCK):
+    def mma(acc):
+      plgpu.wgmma(acc, qb_s.at[pl.ds(c * BLOCK, BLOCK)], h_s.T)  # (H is symmetric)
+      return acc[...]
+    y = pl.run_scoped(mma, plgpu.ACC((BLOCK, HEAD_DIM), jnp.float32)) * (1.0 / math.sqrt(HEAD_DIM))
+    yb = y.astype(jnp.bfloat16).astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(yb), axis=1), AMAX_FLOOR)  # [64] per row
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    e = lax.shift_right_logical(bits, 23) - 8 + jnp.where((bits & 0x7FFFFF) > 0x600000, 1, 0)  # scale's exponent
+    scale = lax.bitcast_convert_type(lax.shift_left(e, 23), jnp.float32)
+    inv = lax.bitcast_convert_type(lax.shift_left(254 - e, 23), jnp.float32)  # 1 / scale, exactly
+    y8 = jnp.clip(yb * lax.broadcast_in_dim(inv, (BLOCK, HEAD_DIM), (0,)), -FP8_MAX, FP8_MAX)
+    q_s[pl.ds(c * BLOCK, BLOCK), :] = plgpu.layout_cast(y8.astype(jnp.float8_e4m3fn), _L.WGMMA)
+    qs_s[pl.ds(c * BLOCK, BLOCK)] = scale
+  plgpu.commit_smem()  # q_s is read by the scores' wgmmas (the async proxy)
+
+
+def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False):
   """Kernel body: ``nbc`` blocks of 64 pooled keys per CTA, T tokens x hi heads.
 
   GMEM refs: q_g [B, T * hi, 128] e4m3, wq_g [B, T, hi] f32 (w * q_scale), nv_g [B, T] int32,
-  k8_g [B, Pp, 128] e4m3, ks_g [B, Pp] f32; out o_g [B, T, Pp] f32."""
+  k8_g [B, Pp, 128] e4m3, ks_g [B, Pp] f32; out o_g [B, T, Pp] f32. ``rotate`` (``indexer_scores_q``): q_g is the
+  raw queries [B, T * hi, 128] bf16, followed by h_g [128, 128] bf16 (the Sylvester matrix), and wq_g is w alone:
+  each CTA rotates and quantises the queries itself (``_quantize_rows``)."""
 
-  def body(q_g, wq_g, nv_g, k8_g, ks_g, o_g, q_s, k_s, ks_s, o_s, bar, kbar):
+  def body(*refs):
+    if rotate:
+      (q_g, h_g, wq_g, nv_g, k8_g, ks_g, o_g, q_s, k_s, ks_s, o_s, bar, kbar, qb_s, h_s, qs_s) = refs
+    else:
+      q_g, wq_g, nv_g, k8_g, ks_g, o_g, q_s, k_s, ks_s, o_s, bar, kbar = refs
     ch = lax.axis_index("c")
     b = lax.axis_index("b")
     j_base = ch * (nbc * BLOCK)
@@ -124,7 +156,11 @@ def _indexer_kernel(nbc: int, T: int, hi: int):
       plgpu.copy_gmem_to_smem(k8_g.at[b, pl.ds(j0, BLOCK)], k_s.at[slot], kbar.at[slot])
       plgpu.copy_gmem_to_smem(ks_g.at[b, pl.ds(j0, BLOCK)], ks_s.at[slot], kbar.at[slot])
 
-    plgpu.copy_gmem_to_smem(q_g.at[b], q_s, bar.at[0])
+    if rotate:  # (rows past T * hi: the TMA's zero fill)
+      plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(0, qb_s.shape[0])], qb_s, bar.at[0])
+      plgpu.copy_gmem_to_smem(h_g, h_s, bar.at[0])
+    else:
+      plgpu.copy_gmem_to_smem(q_g.at[b], q_s, bar.at[0])
 
     @pl.when(n_live > 0)
     def _():
@@ -132,6 +168,10 @@ def _indexer_kernel(nbc: int, T: int, hi: int):
 
     plgpu.barrier_wait(bar.at[0])
     wq = [plgpu.load(wq_g.at[b, t], layout=_L.WGMMA.reduce(0), optimized=False) for t in range(T)]
+    if rotate:
+      _quantize_rows(qb_s, h_s, q_s, qs_s, qb_s.shape[0])
+      wq = [w * plgpu.load(qs_s.at[pl.ds(t * hi, hi)], layout=_L.WGMMA.reduce(0), optimized=False)
+            for t, w in enumerate(wq)]
     rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK,), 0, layout=_L.WGMMA.reduce(1))
 
     def block(k, carry):
@@ -180,9 +220,42 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   f32, n_valid [B, T] int32 -> scores [B, T, P] f32. The grid covers P rounded up to 64 · blocks_per_cta; blocks
   at or past n_valid (<= P) are never read, so the keys are padded only when P is not a multiple of 64 (the decode
   caches never are: glm5_jax.state.POOL_ALIGN) — a pad copies the whole key cache."""
-  B, T, HI, Dh = q8.shape
+  wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
+  return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False)
+
+
+def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
+  """The indexer scores from the raw index queries q [B, T, HI, 128] (bf16: the wq_b projection's output): the
+  FWHT and UE8M0 FP8 quantisation (``quant_ue8m0_fp8(hadamard128(q))``), then ``indexer_scores_reference``."""
+  q8, qs = quant_ue8m0_fp8(hadamard128(q.astype(jnp.float32)))
+  return indexer_scores_reference(q8, qs, w, k8, k_scale, n_valid, **unused)
+
+
+@kernel_entry("blocks_per_cta")
+def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None):
+  """Mosaic GPU version of ``indexer_scores_q_reference``: ``indexer_scores`` with the queries' FWHT and FP8
+  quantisation inside the kernel (each CTA rotates the T · HI rows with one wgmma per 64 rows against the ±1
+  Sylvester matrix and quantises them in registers: ``_quantize_rows``) instead of ~3 XLA kernels in front of it
+  on the critical path (the rotation's butterflies, the amax, the conversion; ~8 µs per DSA layer on the H200,
+  session 29's profile). q must be bf16 (the projection's output dtype: the wgmma reads it as is)."""
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"indexer_scores_q: q {q.dtype}; expected bfloat16 (the wq_b projection's output: the "
+                     "kernel's wgmma reads it as is — rotate other dtypes with indexer_scores)")
+  return _scores_call(q, w.astype(jnp.float32), k8, k_scale, n_valid, blocks_per_cta, rotate=True)
+
+
+def _sylvester128():
+  h = np.ones((1, 1), np.float32)
+  while h.shape[0] < HEAD_DIM:
+    h = np.block([[h, h], [h, -h]])
+  return h
+
+
+def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool):
+  B, T, HI, Dh = q.shape
   P = k8.shape[1]
-  assert Dh == HEAD_DIM and HI % 8 == 0
+  if Dh != HEAD_DIM or HI % 8:
+    raise ValueError(f"indexer scores: q {q.shape}; expected [B, T, HI, {HEAD_DIM}] with HI a multiple of 8")
   n_blocks = -(-P // BLOCK)
   nbc = blocks_per_cta or _pick_blocks_per_cta(n_blocks, B)
   nch = -(-n_blocks // nbc)
@@ -191,26 +264,32 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
     # (the last block some token can see must be whole in memory; slots past n_valid are written as -inf)
     k8 = jnp.pad(k8, ((0, 0), (0, n_blocks * BLOCK - P), (0, 0)))
     k_scale = jnp.pad(k_scale, ((0, 0), (0, n_blocks * BLOCK - P)))
-  wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
   # fp8 wgmma operands: 128-byte rows (128 e4m3), 128-byte swizzle, both K-major
   tile8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+  tile16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16: 64-column tiles of 128 bytes
+  rq = -(-T * HI // BLOCK) * BLOCK if rotate else T * HI  # query rows in SMEM (the rotation: whole 64-row tiles)
+  extra = [plgpu.SMEM((rq, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # qb_s: the raw queries
+           plgpu.SMEM((HEAD_DIM, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # h_s: the Sylvester matrix
+           plgpu.SMEM((rq,), jnp.float32)] if rotate else []  # qs_s: the queries' scales
   kern = plgpu.kernel(
-      _indexer_kernel(nbc, T, HI),
+      _indexer_kernel(nbc, T, HI, rotate),
       out_type=jax.ShapeDtypeStruct((B, T, Pp), jnp.float32),
       scratch_types=[
-          plgpu.SMEM((T * HI, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # q_s
+          plgpu.SMEM((rq, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # q_s
           plgpu.SMEM((2, BLOCK, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # k_s (double buffer)
           plgpu.SMEM((2, BLOCK), jnp.float32),  # ks_s
           plgpu.SMEM((T, BLOCK), jnp.float32),  # o_s
-          plgpu.Barrier(num_barriers=1),
+          plgpu.Barrier(num_arrivals=2 if rotate else 1, num_barriers=1),
           plgpu.Barrier(num_arrivals=2, num_barriers=2),
+          *extra,
       ],
       grid=(nch, B),
       grid_names=("c", "b"),
       kernel_name="glm5_indexer_scores",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
-  out = kern(q8.reshape(B, T * HI, HEAD_DIM), wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32))
+  head = (q.reshape(B, T * HI, HEAD_DIM),) + ((jnp.asarray(_sylvester128(), jnp.bfloat16),) if rotate else ())
+  out = kern(*head, wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32))
   return out[:, :, :P]
 
 

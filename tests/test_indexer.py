@@ -160,6 +160,34 @@ def test_kernel_interpret(B, T, P, nbc):
   assert_scores_close(got, ref, "kernel_f32")
 
 
+def make_q_inputs(seed, B, T, P, hi=HI):
+  """Raw bf16 index queries (per-head magnitudes over 3 decades: the UE8M0 scales differ per row) and the rest of
+  make_inputs' scores inputs."""
+  ks = jax.random.split(jax.random.key(seed), 2)
+  q = jax.random.normal(ks[0], (B, T, hi, 128)) * jax.random.uniform(ks[1], (B, T, hi, 1), minval=0.03, maxval=30.0)
+  _, _, w, k8, kscale, nv = make_inputs(seed, B, T, P, hi)
+  return q.astype(jnp.bfloat16), w, k8, kscale, nv
+
+
+@pytest.mark.parametrize("B,T,P,nbc", [(1, 1, 200, None), (2, 3, 300, 2)])  # (T·HI = 32 / 96: padded 64-row tiles)
+def test_kernel_rotating_queries_interpret(B, T, P, nbc):
+  """indexer_scores_q: the FWHT + UE8M0 FP8 quantisation of the queries inside the kernel == the XLA forms then the
+  reference scores (the interpreter's wgmma sums in f32: the f32 table)."""
+  args = make_q_inputs(7 + B + T + P, B, T, P)
+  ref = np.asarray(I.indexer_scores_q_reference(*args))
+  with maybe_interpret(True):
+    got = np.asarray(jax.jit(lambda *a: I.indexer_scores_q(*a, blocks_per_cta=nbc))(*args))
+  assert got.shape == (B, T, P)
+  assert_scores_close(got, ref, "kernel_f32")
+
+
+def test_rotating_queries_rejects_f32():
+  args = (SDS((1, 1, HI, 128), jnp.float32), SDS((1, 1, HI), jnp.float32), SDS((1, 64, 128), F8),
+          SDS((1, 64), jnp.float32), SDS((1, 1), jnp.int32))
+  with pytest.raises(ValueError, match="expected bfloat16"):
+    jax.eval_shape(I.indexer_scores_q, *args)
+
+
 def test_decode_caches_need_no_pad():
   """The pooled-key caches of a decode have a multiple of 64 slots (state.POOL_ALIGN), so the scores kernel reads
   them in place (a pad would copy the whole cache per layer and step); the extra slots are never complete."""
@@ -182,6 +210,9 @@ def test_cross_lower_real(B, T, P):
           SDS((B, P, 128), F8), SDS((B, P), jnp.float32), SDS((B, T), jnp.int32))
   txt = cross_lower(I.indexer_scores, *args).as_text()
   assert "mosaic_gpu" in txt
+  if B == 1 and P == 8192:  # the queries rotated in the kernel (policy knob indexer_q_in_kernel), decode's rows
+    txt = cross_lower(I.indexer_scores_q, SDS((B, T, HI, 128), jnp.bfloat16), *args[2:]).as_text()
+    assert "mosaic_gpu" in txt
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -195,6 +226,19 @@ def test_kernel_gpu(B, T, P, full):
   ref = np.asarray(jax.jit(I.indexer_scores_reference)(*args))
   got = np.asarray(jax.jit(I.indexer_scores)(*args))
   # Hopper's fp8 wgmma accumulates with reduced precision (~1e-4 relative, jax_mosaic_gpu.md §1.4)
+  assert_scores_close(got, ref, "kernel_fp8")
+  fin = np.isfinite(ref)
+  assert np.abs(got[fin] - ref[fin]).max() <= 1e-3 * np.abs(ref[fin]).max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,P", [(1, 1, 8192), (1, 4, 8192), (8, 4, 8192), (2, 8, 16384)])
+def test_kernel_rotating_queries_gpu(B, T, P):
+  """indexer_scores_q natively: the tensor core's FWHT sums (bf16 inputs, f32 accumulation) against the XLA
+  butterflies — a query element may round to the neighbouring e4m3 value — then the fp8 scores."""
+  args = make_q_inputs(B + T + P, B, T, P)
+  ref = np.asarray(jax.jit(I.indexer_scores_q_reference)(*args))
+  got = np.asarray(jax.jit(I.indexer_scores_q)(*args))
   assert_scores_close(got, ref, "kernel_fp8")
   fin = np.isfinite(ref)
   assert np.abs(got[fin] - ref[fin]).max() <= 1e-3 * np.abs(ref[fin]).max()
@@ -264,3 +308,37 @@ def test_threshold_kernel_gpu(R, N, k, bits, unroll):
   got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits, unroll=unroll))(keys)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the model's call (glm5_jax.attention.Indexer.scores)
+# ------------------------------------------------------------------------------------------------------------
+def test_indexer_scores_with_queries_rotated_in_the_kernel():
+  """Policy knob indexer_q_in_kernel at the model's call site (kernel-tiny's indexer, bf16 projections, an FP8
+  pool cache; interpret mode): the same scores as the scores kernel after XLA's rotation and quantisation, and the
+  site is reported (an f32 model's queries are not bf16: the knob does not fit and says why)."""
+  from flax import nnx  # noqa: PLC0415
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.attention import Indexer  # noqa: PLC0415
+  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
+  cfg = C.kernel_tiny()
+  rng = np.random.default_rng()
+  B, T, P = 1, 2, 64
+  hi, Di = cfg.index_n_heads, cfg.index_head_dim
+  for dtype in (jnp.bfloat16, jnp.float32):
+    ix = nnx.eval_shape(lambda: Indexer(cfg, dtype))  # noqa: B023
+    ix.wq_b.weight.set_value(jnp.asarray(rng.standard_normal(ix.wq_b.weight.shape) * 0.05, dtype))
+    q_r = jnp.asarray(rng.standard_normal((B, T, cfg.q_lora_rank)), dtype)
+    hw = jnp.asarray(rng.standard_normal((B, T, hi)), dtype)
+    k8, ks = I.quant_ue8m0_fp8(I.hadamard128(jnp.asarray(rng.standard_normal((B, P, Di)), jnp.float32)))
+    icache = {"pool8": k8, "pool_scale": ks}
+    pos = jnp.asarray([[4 * P - 9, 4 * P - 8]], jnp.int32)
+    outs = []
+    for on in (False, True):
+      with maybe_interpret(True), use_kernels({"indexer": True, "indexer_q_in_kernel": on}), kernel_report() as rep:
+        outs.append(np.asarray(jax.jit(lambda hw, q_r: ix.scores(hw, q_r, icache, pos, dtype))(hw, q_r)))  # noqa: B023
+      if on:
+        ok = dtype == jnp.bfloat16
+        assert (("indexer_q_in_kernel", None) in rep) == ok, rep
+    if dtype == jnp.bfloat16:
+      assert_scores_close(outs[1], outs[0], "kernel_f32")

@@ -85,11 +85,12 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(boundary):
   (mhc_boundary) each as one launch of a CTA cluster + the Sinkhorn kernel. With the KDA kernel's approximate
   math (kda_approx_math: a knob turned on explicitly that reached no call site would be refused), its tokens as
   a loop (kda_token_loop) and the short conv inside it (kda_conv); without the one-launch boundary, the kernels half
-  as wide per CTA (mhc_narrow) and the finish / Sinkhorn summing the raw partials (mhc_fused_sums)."""
+  as wide per CTA (mhc_narrow) and the finish / Sinkhorn summing the raw partials (mhc_fused_sums); the index
+  queries rotated and quantised in the scores kernel (indexer_q_in_kernel)."""
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("kda_conv", True), ("mhc", True),
                            ("mhc_boundary", boundary), ("mhc_narrow", not boundary),
-                           ("mhc_fused_sums", not boundary)))
+                           ("mhc_fused_sums", not boundary), ("indexer_q_in_kernel", True)))
   names = ("glm5_mhc_boundary", "glm5_mhc_sinkhorn") if boundary else ("glm5_mhc_pre", "glm5_mhc_post_pre",
                                                                        "glm5_mhc_finish")
   for name in names:
