@@ -349,8 +349,9 @@ def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm, approx
   """The KDA kernel in the verify step emits exactly the reference model's greedy continuation (stock caches,
   every other op in XLA); kda_norm: with the gated RMSNorm inside it; approx: with approximate gate / norm math
   (policy kda_approx_math: ulp-level differences, far below what flips a greedy token here); loop: the tokens as
-  a loop (policy kda_token_loop); conv: the short conv inside it (policy kda_conv). On the GPU only: on the CPU (interpret mode) the KDA kernel runs end to end in
-  test_latency_specialized_all_kernels_equals_stock_fp8_cache, and this one cost ~55 s of the suite's 10
+  a loop (policy kda_token_loop); conv: the short conv inside it (policy kda_conv). On the GPU only: on the CPU
+  (interpret mode) the KDA kernel runs end to end in test_latency_specialized_all_kernels_equals_stock_fp8_cache
+  (and with kda_conv in test_kda_conv_in_the_kernel_equals_xla_conv), and this one cost ~55 s of the suite's 10
   minutes; the kernel itself is checked against its reference in test_kda_decode."""
   dec = _kernel_tiny_greedy_equals_reference(0, 11, 8, (("fp8_linear", False), ("fp8_moe", False),
                                                        ("indexer", False), ("sparse_mla", False),
