@@ -502,19 +502,21 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # (the token loop, alone and with approx math, has never run natively; bench_kda_decode times, it does not
     # compare), every kernel family end to end vs the stock path with the session-32 defaults (threshold kernel at
     # one row, mhc_narrow), the KDA greedy test with the token loop + approx math (session 32's first try: 150 s was
-    # too short for these two compiles), then q = 1 and q = 4 at 4 steps per call with the defaults vs + the KDA pair
-    # (the short conv inside the KDA kernel, kda_conv, too: its kernel GPU tests and a greedy case)
+    # too short for these two compiles)
+    # (the short conv inside the KDA kernel, kda_conv, too: its kernel GPU tests and a greedy case); the kernel
+    # tests first (cheap), the end-to-end tests in what is left, bench_mhc last
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kda_decode.py 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
-    timeout -s INT 400 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
-      -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True or kda_conv_in_the_kernel" \
-      --durations=4 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
-    # the mHC finish / Sinkhorn summing the raw partials (mhc_fused_sums), then the boundary alone with it
+    # the mHC finish / Sinkhorn summing the raw partials (mhc_fused_sums)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py -k "sum_raw_partials" 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     # the index queries rotated in the scores kernel (indexer_q_in_kernel)
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k "rotating" 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    timeout -s INT $(( $(left) > 420 ? 400 : $(left) - 20 )) python3 -m pytest -q -m "gpu or e2e_kernels" \
+      -p no:cacheprovider tests/test_decode.py \
+      -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True or kda_conv_in_the_kernel" \
+      --durations=4 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
     [ "$(left)" -gt 60 ] && timeout -s INT $(( $(left) - 10 )) python3 benchmarks/bench_mhc.py --rows 1,4 \
       --paths fused,narrow,sums > "$OUT/bench_mhc.log" 2>&1
     ;;

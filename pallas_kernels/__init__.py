@@ -4,8 +4,9 @@ signature. On CPU every kernel runs in Mosaic GPU interpret mode (tests) and cro
 What the H200 taught (BENCHMARKS.md has the measurements):
 - Decode kernels are latency-bound, and most CTAs run their code once: keep per-CTA work that repeats (chunks,
   passes, tokens) a loop (``lax.fori_loop`` / ``pl.loop``), not Python-unrolled straight-line code. The one-launch
-  mHC boundary unrolled was 3.1 MB of MLIR and ~135 µs per call in the step (session 31); tests hold the looped
-  kernels' code size (``mhc``, ``indexer.topk_threshold``).
+  mHC boundary unrolled was 3.1 MB of MLIR and ~135 µs per call in the step (session 31), looped 33.8 µs alone;
+  the top-k threshold kernel's passes looped 23.7 -> 21.6 µs (2-bit: 28.8 -> 19.8; session 32); tests hold the
+  looped kernels' code size (``mhc``, ``indexer.topk_threshold``).
 - e4m3 -> bf16 converts go through f32 (no direct conversion in the H200's ptxas).
 - Register loads from an untiled SMEM ref sliced at a column offset came back with 16-byte chunks exchanged
   natively (right in interpret mode): load whole blocks (``sparse_mla._dequant_block``).
