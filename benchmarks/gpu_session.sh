@@ -67,6 +67,8 @@
 #                             steps_per_call GPU test
 #   s32 (nvidia-h200):        the loop forms (session 31: unrolled straight-line kernels suspected slow): threshold /
 #                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
+#   s32p (nvidia-h200):       q = 1 at 4 steps per call (session-32 defaults) profiled with its kernel table; auto vs
+#                             latency_specialized at 4 steps per call (issue #9)
 #   s32f (nvidia-h200):       the KDA token loop's / kda_conv's GPU tests, the all-kernels and KDA greedy tests with
 #                             session 32's defaults (threshold at one row, mhc_narrow); mhc_fused_sums' GPU tests and
 #                             bench_mhc (fused / narrow / sums)
@@ -535,6 +537,15 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # now written row by row)
     [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_code_size.py \
       --out "$OUT/bench_code_size.log" > /dev/null 2>&1
+    ;;
+  s32p)  # (nvidia-h200) q = 1 at 4 steps per call with the session-32 defaults (mhc_narrow, the threshold kernel
+    # at one row), profiled and traced with its kernel table and listing: session 29's table had mhc_finish at 8.4 us
+    # in the step vs 2.5 alone — which kernels run beside it; then auto vs latency_specialized (issue #9's 2x)
+    rank1 s32p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" && kernel_tables 1
+    [ "$(left)" -gt 200 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+      --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
+      --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
+      --out "$OUT/decode_s32q.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s32q.log"
     ;;
   s32d)  # (nvidia-h200) what s32b ran out of time for: mhc_narrow's GPU tests (the 32 / 64-column CTAs natively;
     # s32b's run of all 13 kernel tests passed its 120 s timeout), q = 1 at 4 steps per call with the threshold
