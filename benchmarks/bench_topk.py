@@ -73,6 +73,9 @@ STRATEGIES = {
     "kernel scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=True),
     # the kernel with 2 bits of the threshold per pass (16 passes of 3 candidates; pallas_kernels.indexer)
     "kernel2 scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=2),
+    # the within-block prefix sums as one f32 matmul instead of XLA's reduce-window (session 32)
+    "kernel scan mm128": lambda v: topk_set_by_threshold(v, K, scan_block="mm128", threshold_kernel=True),
+    "radix scan mm128": lambda v: topk_set_by_threshold(v, K, scan_block="mm128"),
     "kernel unrolled scan128": lambda v: kernel_unrolled(v, 1),
     "kernel2 unrolled scan128": lambda v: kernel_unrolled(v, 2),
 }

@@ -68,7 +68,7 @@
 #   s32 (nvidia-h200):        the loop forms (session 31: unrolled straight-line kernels suspected slow): threshold /
 #                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
 #   s32p (nvidia-h200):       q = 1 at 4 steps per call (session-32 defaults) profiled with its kernel table; auto vs
-#                             latency_specialized at 4 steps per call (issue #9)
+#                             latency_specialized at 4 steps per call (issue #9); bench_topk's matmul prefix sums
 #   s32f (nvidia-h200):       the KDA token loop's / kda_conv's GPU tests, the all-kernels and KDA greedy tests with
 #                             session 32's defaults (threshold at one row, mhc_narrow); mhc_fused_sums' GPU tests and
 #                             bench_mhc (fused / narrow / sums)
@@ -527,10 +527,10 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     rank1 s32g --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
       '{"kda_token_loop": true, "kda_approx_math": true}' \
       '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' '{"mhc_fused_sums": true}' \
-      '{"indexer_q_in_kernel": true}'
+      '{"indexer_q_in_kernel": true}' '{"topk_scan_mm": true}'
     [ "$(left)" -gt 200 ] && rank1 s32h --q 4 --steps-per-call 4 --interleave --repeats 7 --policy '{}' \
       '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true, "mhc_fused_sums": true,
-        "indexer_q_in_kernel": true}' '{"mhc_narrow": false}'
+        "indexer_q_in_kernel": true, "topk_scan_mm": true}' '{"mhc_narrow": false}'
     [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 40 )) > "$OUT/bench_kda_q4.log" 2>&1
     # the code-size hypothesis on a synthetic kernel (session 32's s32 run lost it to the 90 s timeout: the log is
@@ -546,6 +546,10 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
       --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
       --out "$OUT/decode_s32q.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s32q.log"
+    # the compaction's prefix sums as a matmul (topk_scan_mm) vs XLA's reduce-window, alone
+    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_topk.py --rows 1,4 --pools 8256 \
+      --only "radix scan128,radix scan mm128,kernel scan128,kernel scan mm128" --out "$OUT/bench_topk.log" \
+      > /dev/null 2>&1
     ;;
   s32d)  # (nvidia-h200) what s32b ran out of time for: mhc_narrow's GPU tests (the 32 / 64-column CTAs natively;
     # s32b's run of all 13 kernel tests passed its 120 s timeout), q = 1 at 4 steps per call with the threshold

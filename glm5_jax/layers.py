@@ -144,7 +144,12 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # per 64 query rows, the scales from the amax's bits) instead of the XLA butterflies, amax and
                    # conversion in front of it — ~8 µs and 3 launches per DSA layer on the critical path (session
                    # 29's profile); off until measured
-                   "indexer_q_in_kernel": False}
+                   "indexer_q_in_kernel": False,
+                   # with indexer_topk on: the top-k compaction's prefix sums within 128-blocks as one f32 matmul
+                   # with a triangle of ones (exclusive_prefix_sum "mm128") instead of XLA's reduce-window fusion
+                   # (11.3 µs per DSA layer at q = 1, session 29's profile); not a kernel — an XLA form; off until
+                   # measured (bench_topk "mm128" rows)
+                   "topk_scan_mm": False}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
@@ -557,22 +562,36 @@ def topk_by_rank(v, k: int, values=None):
   return ids, jnp.sum(jnp.where(at, values[..., None, :], jnp.zeros((), values.dtype)), axis=-1)
 
 
-def exclusive_prefix_sum(x, block: int | None = None):
+def exclusive_prefix_sum(x, block: int | str | None = None):
   """Σ_{j < i} x[..., j] along the last axis (int). block None: one jnp.cumsum (XLA GPU: one reduce-window
   fusion, 11 µs for 8,256 entries in the indexer's top-k, session 23); block b: a cumsum within blocks of b and
-  one over the N / b block totals — the same sums, less work."""
+  one over the N / b block totals — the same sums, less work (still a reduce-window fusion: 11.3 µs per DSA layer
+  in session 29's q = 1 profile). block "mm<b>" (e.g. "mm128"): the sums within blocks as one f32 matmul with the
+  [b, b] triangle of ones (Precision.HIGHEST: no TF32), exact while every block's sum stays below 2^24 (the
+  caller's bound: the top-k's packed counts are at most 65,537 per entry, so b <= 255 —
+  topk_set_by_threshold checks it) — a GEMM instead of the reduce-window, to measure (bench_topk "mm128" rows)."""
   if block is None:
     return jnp.cumsum(x, axis=-1) - x
+  mm = isinstance(block, str)
+  if mm:
+    if not block.startswith("mm") or not block[2:].isdigit():
+      raise ValueError(f"exclusive_prefix_sum: block = {block!r}, expected an int, None or 'mm<int>'")
+    block = int(block[2:])
   N = x.shape[-1]
   pad = (-N) % block
   xb = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], -1, block)
-  within = jnp.cumsum(xb, axis=-1)
+  if mm:
+    tri = jnp.triu(jnp.ones((block, block), jnp.float32))  # tri[j, i] = 1 for j <= i: inclusive sums
+    within = jnp.einsum("...j,ji->...i", xb.astype(jnp.float32), tri,
+                        precision=lax.Precision.HIGHEST).astype(x.dtype)
+  else:
+    within = jnp.cumsum(xb, axis=-1)
   tot = within[..., -1]
   inc = within + (jnp.cumsum(tot, axis=-1) - tot)[..., None]
   return inc.reshape(*x.shape[:-1], -1)[..., :N] - x
 
 
-def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | None = None,
+def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | str | None = None,
                           threshold_kernel: int = 0):
   """The SET lax.top_k(v, k) selects, without a sort, as indices [..., k] int32 in ascending index order (an
   unselected slot can only arise for k > N: -1). For large N (the indexer's top-512 of up to max_context / 4
@@ -618,6 +637,9 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | N
   need_eq = kk - n_gt  # >= 1: T is an entry's key
   g32, e32 = gt.astype(jnp.int32), eq.astype(jnp.int32)
   if N < 1 << 15:  # both exclusive prefix counts from one prefix sum, packed in an int32
+    if isinstance(scan_block, str) and scan_block[2:].isdigit() and int(scan_block[2:]) * 65537 >= 1 << 24:
+      raise ValueError(f"scan_block = {scan_block!r}: a block's packed counts would pass 2^24 in the f32 matmul "
+                       "(at most mm255)")
     both = exclusive_prefix_sum(g32 + (e32 << 16), scan_block)
     n_gt, n_eq = both & 0xFFFF, both >> 16
   else:  # (they would not fit: two)

@@ -258,7 +258,7 @@ def test_router_topk_equals_sorting_router():
     (8196, 512, "ties", dict(scan_block=128, threshold_kernel=True)),
     (700, 512, "masked", dict(scan_block=128, threshold_kernel=True)),
     (300, 64, "special", dict(threshold_kernel=True)), (8196, 512, "ties", dict(scan_block=128, threshold_kernel=2)),
-    (300, 64, "special", dict(threshold_kernel=2))])
+    (300, 64, "special", dict(threshold_kernel=2)), (8196, 512, "ties", dict(scan_block="mm128"))])
 def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind, opts):
   """The indexer's sort-free top-k selects exactly lax.top_k's SET (ties: the lower indices), returned in
   ascending index order: indexer-like scores, a few levels (ties everywhere, one row all equal), -inf beyond a
@@ -287,10 +287,16 @@ def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind, opts):
   assert (got[..., kk:] == -1).all()
 
 
-@pytest.mark.parametrize("N,block", [(1000, None), (1000, 128), (8256, 128), (77, 512), (300, 7)])
+@pytest.mark.parametrize("N,block", [(1000, None), (1000, 128), (8256, 128), (77, 512), (300, 7), (8256, "mm128"),
+                                     (300, "mm7")])
 def test_exclusive_prefix_sum(N, block):
+  """Every form == numpy's cumsum; "mm<b>" (the within-block sums as a matmul) on the top-k's packed counts
+  (0, 1 or 65,536 + 0 / 1 per entry: the largest values it is used with)."""
   from glm5_jax.layers import exclusive_prefix_sum  # noqa: PLC0415
-  x = np.random.default_rng().integers(0, 1 << 10, (3, N)).astype(np.int32)
+  rng = np.random.default_rng()
+  x = rng.integers(0, 1 << 10, (3, N)).astype(np.int32)
+  if isinstance(block, str):
+    x = (rng.integers(0, 2, (3, N)) + (rng.integers(0, 2, (3, N)) << 16)).astype(np.int32)
   got = np.asarray(jax.jit(lambda x: exclusive_prefix_sum(x, block))(jnp.asarray(x)))
   np.testing.assert_array_equal(got, np.cumsum(x, axis=-1) - x)
 
