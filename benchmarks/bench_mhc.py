@@ -4,7 +4,9 @@ real width (4 streams × 4096), fused kernels (pallas_kernels/mhc.py) vs the sto
 Paths: "stock" (XLA), "fused" (the kernels: mhc_post_pre, a reduction, mhc_finish, mhc_sinkhorn, 64 / 128 columns
 per CTA), "narrow" (the same with twice the CTAs, each half as wide: policy mhc_narrow, the default since session
 32), "sums" (narrow, the finish and Sinkhorn summing the raw partials: policy mhc_fused_sums — no reduction),
-"1launch" (policy mhc_boundary: the boundary as one cluster launch, a reduction, mhc_sinkhorn).
+"1launch" (policy mhc_boundary: the boundary as one cluster launch, a reduction, mhc_sinkhorn), "grid" (policy
+mhc_grid_barrier, up to 4 rows: the boundary as one launch of 128 CTAs with a grid barrier, then mhc_sinkhorn on
+its raw partials; with it, its kernel alone as one launch and as its two halves).
 Columns: "dev us" device time of one boundary (CUPTI kernel durations), "kernels" launches per boundary,
 "chain us" wall time per boundary inside one jitted chain of 16 boundaries (XLA command buffers on, steady
 state: the gaps between kernels count, as in the decode step), and the floor: bytes one boundary must move
@@ -84,6 +86,12 @@ def one_launch(hc, norm, X2, y, mix):
     return hc.fused(X2, (y, mix), norm)
 
 
+def grid(hc, norm, X2, y, mix):
+  """The boundary as one launch with a grid barrier (policy mhc_grid_barrier: mhc_post_finish, mhc_sinkhorn)."""
+  with use_kernels({"mhc_grid_barrier": True}):
+    return hc.fused(X2, (y, mix), norm)
+
+
 def compile_times(hc, norm, rows):
   """Seconds to compile CHAIN unrolled boundaries (stock, fused) and CHAIN copies of each fused kernel at M rows
   (session 22, before the Sinkhorn moved into mhc_finish: 16 boundaries at M = 4 took 64.9 s, their 16 XLA
@@ -131,12 +139,12 @@ def main(argv=None):
   p.add_argument("--rows", default="1,4,8,32,64")
   p.add_argument("--out", default=None)
   p.add_argument("--compile", action="store_true", help="compile times instead of run times (see the docstring)")
-  p.add_argument("--paths", default="stock,fused,narrow,sums,1launch", help="comma-separated paths, in this order (and the "
-                 "fused path's kernels alone after them when 'fused' is among them)")
+  p.add_argument("--paths", default="stock,fused,narrow,sums,grid,1launch", help="comma-separated paths, in this "
+                 "order (and the fused path's kernels alone after them when 'fused' is among them)")
   p.add_argument("--clusters", default="", help="with '1launch': also the mhc_boundary kernel alone at these "
                  "cluster sizes (e.g. 8,4,2: each CTA then does 8 / 16 / 32 chunks of the same work)")
   a = p.parse_args(argv)
-  paths = {"stock": stock, "fused": fused, "narrow": narrow, "sums": sums, "1launch": one_launch}
+  paths = {"stock": stock, "fused": fused, "narrow": narrow, "sums": sums, "grid": grid, "1launch": one_launch}
   names = a.paths.split(",")
   if unknown := set(names) - set(paths):
     raise SystemExit(f"--paths: unknown {sorted(unknown)}; known: {sorted(paths)}")
@@ -182,6 +190,8 @@ def main(argv=None):
       log(f"{M:>3} {name:>6} {dev:>8.1f} {len(kernels):>8} {wall:>9.1f} {floor:>9.2f}")
     if "fused" in names:
       finish_parts(hc, norm, sets, M)
+    if "grid" in names and M <= km.PARTS_MAX_ROWS:
+      grid_alone(hc, norm, sets, M)
     for cl in [int(c) for c in a.clusters.split(",") if c]:
       boundary_alone(hc, norm, sets, M, cl)
   if a.out:
@@ -197,6 +207,17 @@ def boundary_alone(hc, norm, sets, M, cluster):
       post_mult=hc.post_mult, approx_math=True, cluster=cluster))
   dev, _ = time_calls(f, sets)
   log(f"#   M = {M}: mhc_boundary alone, a cluster of {cluster} CTAs ({D // cluster} columns each): {dev:.2f} µs")
+
+
+def grid_alone(hc, norm, sets, M):
+  """mhc_post_finish alone (device µs per call): one launch with the grid barrier vs its two halves as two
+  launches — what the barrier costs, against the launch it saves."""
+  for launches in (1, 2):
+    f = jax.jit(lambda X2, y, mix, launches=launches: km.mhc_post_finish(
+        X2, y, mix, hc.fn[...], hc.base_scale[...], norm.weight[...], eps=hc.eps, hc_norm_eps=hc.norm_eps,
+        norm_eps=norm.eps, approx_math=True, launches=launches))
+    dev, kernels = time_calls(f, sets)
+    log(f"#   M = {M}: mhc_post_finish, {launches} launch(es): {dev:.2f} µs ({len(kernels)} kernels)")
 
 
 def finish_parts(hc, norm, sets, M):

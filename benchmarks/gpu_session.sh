@@ -67,6 +67,10 @@
 #                             steps_per_call GPU test
 #   s32 (nvidia-h200):        the loop forms (session 31: unrolled straight-line kernels suspected slow): threshold /
 #                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
+#   s33a (nvidia-h200):       the GPU tests of every kernel built since session 31 (KDA token loop / conv,
+#                             mhc_fused_sums, the grid-barrier boundary, rotating index queries), bench_mhc (narrow /
+#                             sums / grid), the end-to-end tests
+#   s33b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs each candidate (CANDIDATES), then q = 4 with ALL_ON
 #   s32p (nvidia-h200):       q = 1 at 4 steps per call (session-32 defaults) profiled with its kernel table; auto vs
 #                             latency_specialized at 4 steps per call (issue #9); bench_topk's matmul prefix sums
 #   s32f (nvidia-h200):       the KDA token loop's / kda_conv's GPU tests, the all-kernels and KDA greedy tests with
@@ -499,6 +503,35 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s33a)  # (nvidia-h200) every kernel built since session 31 natively, cheapest first, each with its own timeout: the
+    # KDA kernel's (token loop, approx math, the short conv inside), the mHC finish / Sinkhorn summing the raw
+    # partials (mhc_fused_sums), the one-launch boundary with a grid barrier (mhc_grid_barrier: -k 9 so that a
+    # barrier that never opens cannot hold the call), the index queries rotated in the scores kernel; bench_mhc
+    # (narrow / sums / grid, and the grid kernel alone as 1 vs 2 launches); the end-to-end tests in what is left
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kda_decode.py 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    timeout -k 9 -s INT 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py \
+      -k "sum_raw_partials or post_finish" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 \
+      | tee -a "$OUT/gpu_tests.log"
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k "rotating" 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    [ "$(left)" -gt 150 ] && timeout -k 9 -s INT 120 python3 benchmarks/bench_mhc.py --rows 1,4 \
+      --paths narrow,sums,grid > "$OUT/bench_mhc.log" 2>&1
+    [ "$(left)" -gt 200 ] && timeout -s INT $(( $(left) - 20 )) python3 -m pytest -q -m "gpu or e2e_kernels" \
+      -p no:cacheprovider tests/test_decode.py \
+      -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True or kda_conv_in_the_kernel" \
+      --durations=4 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
+    ;;
+  s33b)  # (nvidia-h200) the step A/B at q = 1, 4 steps per call, 7 interleaved repeats: defaults, each candidate
+    # alone (those whose GPU tests s33a passed: set CANDIDATES to their policies), then all of them together
+    # (CANDIDATES: shell words, e.g. CANDIDATES="'{\"mhc_fused_sums\": true}' '{\"topk_scan_mm\": true}'")
+    if [ -n "${CANDIDATES:-}" ]; then eval "set -- $CANDIDATES"; else set -- '{"mhc_fused_sums": true}' \
+      '{"mhc_grid_barrier": true}' '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' \
+      '{"indexer_q_in_kernel": true}' '{"topk_scan_mm": true}'; fi
+    rank1 s33b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' "$@"
+    [ "$(left)" -gt 200 ] && [ -n "${ALL_ON:-}" ] && rank1 s33c --q 4 --steps-per-call 4 --interleave --repeats 7 \
+      --policy '{}' "$ALL_ON"
     ;;
   s32f)  # (nvidia-h200) session 32's candidates natively before they become defaults: the KDA kernel's GPU tests
     # (the token loop, alone and with approx math, has never run natively; bench_kda_decode times, it does not

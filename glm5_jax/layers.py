@@ -139,6 +139,12 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # reduction between the kernels — one launch fewer on the sublayer's critical path per boundary
                    # (~2 µs + a dependent launch, session 29's profile); off until measured
                    "mhc_fused_sums": False,
+                   # with mhc_finish and mhc_sinkhorn_split on, at up to 4 token rows: each mHC boundary as ONE
+                   # launch of mhc_narrow's 128 CTAs with a grid barrier between mhc_post_pre's half and
+                   # mhc_finish's (pallas_kernels.mhc.mhc_post_finish: a GMEM semaphore; the partials summed from
+                   # L2, X' kept in SMEM) — one launch on the sublayer's critical path instead of two or three;
+                   # the Sinkhorn stays a kernel of its own on the raw partials. Off until measured natively
+                   "mhc_grid_barrier": False,
                    # with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8
                    # quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix
                    # per 64 query rows, the scales from the amax's bits) instead of the XLA butterflies, amax and
@@ -491,6 +497,16 @@ class HyperConnection(nnx.Module):
       Xn, x_in, part = km.mhc_boundary(X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None,
                                        norm_eps=norm.eps, **{k: v for k, v in consts.items() if k != "iters"})
       return Xn, x_in, km.mhc_sinkhorn(_chunk_sums(part, M), coef, D=D, **consts)
+    grid_fits = split and M <= km.PARTS_MAX_ROWS and D // km.GRID_COLS <= km.GRID_MAX_CTAS
+    if kernel_enabled("mhc_grid_barrier", fits=grid_fits,
+                      why=f"needs mhc_finish and mhc_sinkhorn_split on, up to {km.PARTS_MAX_ROWS} token rows (here "
+                      f"{M}) and a hidden size up to {km.GRID_MAX_CTAS * km.GRID_COLS} (here {D})"):
+      # the boundary in ONE launch (a grid barrier between the post + pre logits and the RMSNorm'd sublayer
+      # input); the Sinkhorn of comb for the next boundary from its raw partials, off the critical path
+      kernel_enabled("mhc_finish"), kernel_enabled("mhc_sinkhorn_split")
+      Xn, x_in, part = km.mhc_post_finish(X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None,
+                                          norm_eps=norm.eps, eps=self.eps, hc_norm_eps=self.norm_eps, approx_math=True)
+      return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)
     # mhc_fused_sums: the finish / Sinkhorn kernels sum the raw partials themselves (no XLA reduction between the

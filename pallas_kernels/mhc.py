@@ -27,6 +27,11 @@ H200 at M = 1 with the Sinkhorn still an XLA fusion: 6.2 + 1.8 + 3.4 + 3.6 µs, 
    comb logits' softmax + 20 Sinkhorn iterations (a rolled loop on per-row vectors) and stores both for the next
    boundary.
 
+Two forms of the same boundary in ONE launch (policy knobs, off by default): ``mhc_boundary`` (a cluster of 8 CTAs,
+natively correct but bound by its CTAs' serial chunks) and ``mhc_post_finish`` (mhc_post_pre's 128 narrow CTAs,
+then a grid barrier — a GMEM semaphore — then mhc_finish's normalisation of each CTA's own columns from the
+partials in L2); the Sinkhorn then runs as ``mhc_sinkhorn`` off the sublayer's critical path.
+
 References with the same signatures: ``mhc_post_pre_reference`` and ``mhc_finish_reference`` (pure jnp, f32; the
 latter on ``mhc_mix_reference``: pre / post from tot with the stock path's ``hc_pre_post``).
 
@@ -583,6 +588,190 @@ def mhc_sinkhorn(tot_t, coef, *, D: int, iters: int, eps: float, hc_norm_eps: fl
       compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)),
   )
   return kern(tot_t.astype(f32), coef.astype(f32))
+
+
+# ---------------------------------------------------------------------------------- one launch, grid barrier
+# The boundary as ONE launch over mhc_post_pre's narrow grid (issue #14): each of G = D / 32 CTAs runs
+# mhc_post_pre's body over its 32 columns of every stream (X' stays in its SMEM), stores its partials, and meets
+# the others at a grid-wide barrier (a GMEM semaphore: every CTA adds 1 with release semantics, then polls until
+# it reads G, with acquire); then it sums the G partials of its token rows (plain loads from GMEM/L2: 20 KB per
+# row at the real width) and writes the RMSNorm'd sublayer input for its 32 columns from the X' in its own SMEM —
+# mhc_finish's arithmetic. One launch on the sublayer's critical path per boundary instead of mhc_post_pre ->
+# (reduction) -> mhc_finish; the mix for the next boundary (mhc_sinkhorn on the raw partials) stays off it.
+# Unlike the cluster kernel above, no CTA runs more chunks than mhc_post_pre's. The barrier needs every CTA
+# resident at once: G <= GRID_MAX_CTAS (the H200 has 132 SMs; ~80 KB of SMEM per CTA leaves 2 per SM), and no
+# other kernel in the step spins, so a CTA that waits for an SM gets one. GPU interpret mode (jax 0.11.2) runs
+# neither GMEM semaphores nor concurrently resident CTAs, so there the two halves run as two launches of the
+# same code (``launches=2``); the GPU tests hold the one-launch form to the two-launch one, bit for bit.
+GRID_COLS = 32  # columns of each stream per CTA (mhc_narrow's mhc_post_pre)
+GRID_MAX_CTAS = 128  # CTAs the grid barrier may wait for (every one resident at once)
+_FIN_NEED = sorted({*range(N)} | {*range(MIX, MIX + GRAM)})  # the sums the normalisation reads: pre logits, Gram
+
+
+def _grid_rows(D: int) -> tuple[int, int]:
+  """(G CTAs, Gp rows of the partials: G rounded up to 64 — the second half sums 64-row tiles, zero rows past G)."""
+  G = D // GRID_COLS
+  return G, -(-G // ROWS) * ROWS
+
+
+def mhc_post_finish_reference(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
+                              norm_eps: float, approx_math: bool = False, launches: int | None = None):
+  """X [M, N·D] bf16, y [M, D] bf16, mix = (post_t [N, 64], comb_t [N·N, 64]) of the previous site, fn [24, N·D]
+  bf16, coef [27] f32 (base, scale), w [D] -> (X' [M, N·D] bf16 (X itself when ``first``), x_in [M, D] bf16 =
+  w · bf16(bf16(u) · rinv), part [Gp, 64, 40] f32: ``mhc_post_pre_reference``'s partials over 32 columns per CTA
+  (G = D / 32 chunks) then Gp - G zero rows, Gp = G rounded up to 64). x_in is ``mhc_finish_reference``'s on
+  those partials. ``approx_math`` / ``launches`` are the kernel's options (exact math here)."""
+  del approx_math, launches
+  M = X.shape[0]
+  G, Gp = _grid_rows(X.shape[1] // N)
+  Xn, part = mhc_post_pre_reference(X, y, mix, fn, first=first, cols=GRID_COLS)
+  part = jnp.pad(part, ((0, Gp - G), (0, 0), (0, 0)))
+  x_in = mhc_finish_reference(Xn, partial_sums_t(part, M), coef, w, iters=1, eps=eps, hc_norm_eps=hc_norm_eps,
+                              norm_eps=norm_eps, post_mult=1.0)[0]
+  return Xn, x_in, part
+
+
+def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
+                             norm_eps):
+  """The second half: the M token rows' partials part_g [Gp, 64, 40] (GMEM) summed over the column chunks — two
+  64-row tiles per row at the real width, a sum over the tile's rows, the 14 sums the normalisation reads placed
+  in t_s's transposed [40, 64] layout a scalar at a time (as mhc_finish's raw-partials form) — then pre and 1/RMS
+  per row and x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this CTA's columns from X' in x_s [N, 64, 32]."""
+  Gp = part_g.shape[0]
+  base = [c_g[k] for k in range(N)]
+  sc0 = c_g[MIX]
+  t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
+  for m in range(M):
+    acc = None
+    for c in range(Gp // ROWS):
+      x = plgpu.load(part_g.at[pl.ds(c * ROWS, ROWS), m], layout=_L.WGMMA, optimized=False)
+      acc = x if acc is None else acc + x
+    ts_s[m] = acc.sum(axis=0)
+  for m in range(M):
+    for k in _FIN_NEED:
+      t_s[k, m] = ts_s[m, k]
+  gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
+  pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, base, sc0, D, eps, norm_eps)
+  plgpu.barrier_wait(bar_w)
+  _normed_input(x_s, w_s, o_s, xin_g, pre, rinv, M, d0)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float):
+  """The one-launch body: mhc_post_pre's (``_post_pre_kernel``, 32 columns) with its refs, zero rows G.. of the
+  partials, the grid barrier, then ``_normalise_from_partials`` on the X' this CTA staged (untiled: xu_s, or x_s
+  — X itself — at the first site)."""
+  G, Gp = _grid_rows(D)
+  pp = _post_pre_kernel(M, D, first, GRID_COLS)
+  n_in = 2 if first else 5
+
+  def body(*refs):
+    pp_in, (c_g, w_g) = refs[:n_in], refs[n_in:n_in + 2]
+    it = iter(refs[n_in + 2:])
+    take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
+    pp_out = take(1 if first else 2)  # ([xo_g,] part_g)
+    xin_g = next(it)
+    pp_scratch = take(4 if first else 8)
+    w_s, o_s, t_s, ts_s, bar_w = take(5)
+    part_g = pp_out[-1]
+    g = lax.axis_index("g")
+    d0 = g * GRID_COLS
+    plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, GRID_COLS)], w_s, bar_w)  # in flight through the first half
+    pp(*pp_in, *pp_out, *pp_scratch)
+    for k in range(-(-(Gp - G) // G)):  # the zero rows, spread over the CTAs
+      row = G + g + k * G
+
+      @pl.when(row < Gp)
+      def _():
+        part_g[row] = plgpu.layout_cast(jnp.zeros((ROWS, PART), jnp.float32), _L.WGMMA)
+
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)  # zeroed for each launch
+    plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+    plgpu.semaphore_wait(sem, G, decrement=False, memory_scope="gpu")
+    x_s = pp_scratch[0] if first else pp_scratch[6]  # X' (untiled [N, 64, 32]): X itself at the first site
+    _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
+                             norm_eps)
+
+  return body
+
+
+def _finish_half_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps: float):
+  """The second half as a launch of its own (``launches=2``): X' and the partials from GMEM."""
+
+  def body(xn_g, part_g, c_g, w_g, xin_g, x_s, w_s, o_s, t_s, ts_s, bar_w):
+    d0 = lax.axis_index("g") * GRID_COLS
+    for i in range(N):
+      plgpu.copy_gmem_to_smem(xn_g.at[pl.ds(0, M), pl.ds(i * D + d0, GRID_COLS)], x_s.at[i, pl.ds(0, M)], bar_w)
+    plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, GRID_COLS)], w_s, bar_w)
+    _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
+                             norm_eps)
+
+  return body
+
+
+def _finish_half_scratch(M: int, arrivals: int):
+  return [plgpu.SMEM((GRID_COLS,), jnp.bfloat16),  # w_s
+          plgpu.SMEM((ROWS, GRID_COLS), jnp.bfloat16),  # o_s
+          plgpu.SMEM((PART, ROWS), jnp.float32),  # t_s: the sums, transposed
+          plgpu.SMEM((M, PART), jnp.float32),  # ts_s: each row's sums
+          plgpu.Barrier(num_arrivals=arrivals)]  # bar_w: w (and, launched alone, X')
+
+
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches")
+def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
+                    norm_eps: float, approx_math: bool = False, launches: int | None = None):
+  """Mosaic GPU version of ``mhc_post_finish_reference`` (same signature and outputs): the boundary's post, pre
+  logits and Gram, and the sublayer input's RMSNorm in ONE launch of D / 32 CTAs with a grid barrier between the
+  halves, for up to PARTS_MAX_ROWS token rows (decode's few; more: mhc_post_pre + mhc_finish). ``launches``: 1
+  (the default on a GPU) or 2 — mhc_post_pre(cols=32) then the second half as a kernel of its own, the same
+  arithmetic with no barrier: the default in GPU interpret mode, which cannot run the barrier, and the GPU
+  tests' reference for the one-launch form."""
+  M, K = X.shape
+  D = K // N
+  _check(X, D, "mhc_post_finish")
+  G, Gp = _grid_rows(D)
+  if M > PARTS_MAX_ROWS or G > GRID_MAX_CTAS:
+    raise ValueError(f"mhc_post_finish: {M} token rows, hidden size {D}; expected up to {PARTS_MAX_ROWS} rows and "
+                     f"up to {GRID_MAX_CTAS * GRID_COLS} columns (one CTA per {GRID_COLS}, all resident at once)")
+  if fn.shape != (MIX, K) or X.dtype != jnp.bfloat16 or coef.shape != (MIX + 3,) or w.shape != (D,):
+    raise ValueError(f"mhc_post_finish: fn {fn.shape}, X {X.dtype}, coef {coef.shape}, w {w.shape}; expected fn "
+                     f"[{MIX}, {K}], a bf16 residual, coef [{MIX + 3}] and w [{D}]")
+  if not first and (mix[0].shape != (N, ROWS) or mix[1].shape != (N * N, ROWS)):
+    raise ValueError(f"mhc_post_finish: mix = (post {mix[0].shape}, comb {mix[1].shape}), expected the transposed "
+                     f"({(N, ROWS)}, {(N * N, ROWS)}) of mhc_finish (mix_from_rows)")
+  launches = launches or (2 if interpreting() else 1)
+  if launches not in (1, 2):
+    raise ValueError(f"mhc_post_finish: launches = {launches}, expected 1 (grid barrier) or 2")
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  consts = (float(eps), float(hc_norm_eps), float(norm_eps))
+  params = dict(grid=(G,), grid_names=("g",), compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)))
+  x_in = jax.ShapeDtypeStruct((M, D), bf16)
+  pp_in = (X, fn.astype(bf16)) if first else (X, y.astype(bf16), *(a.astype(f32) for a in mix), fn.astype(bf16))
+  if launches == 2:
+    Xn, part = mhc_post_pre(X, y, mix, fn, first=first, cols=GRID_COLS)
+    part = jnp.pad(part, ((0, Gp - G), (0, 0), (0, 0)))
+    fin = plgpu.kernel(_finish_half_kernel(M, D, *consts), out_type=x_in, kernel_name="glm5_mhc_finish_half",
+                       scratch_types=[plgpu.SMEM((N, ROWS, GRID_COLS), bf16),  # x_s: X' (its M rows)
+                                      *_finish_half_scratch(M, N + 1)], **params)
+    return Xn, fin(Xn, part, coef.astype(f32), w.astype(bf16)), part
+  x_s = plgpu.SMEM((N, ROWS, GRID_COLS), bf16)
+  fn_s = plgpu.SMEM((N, MIX, GRID_COLS), bf16, transforms=_bf16_swizzled(GRID_COLS))
+  xw_s = plgpu.SMEM((N, ROWS, GRID_COLS), bf16, transforms=_bf16_swizzled(GRID_COLS))
+  if first:  # mhc_post_pre's scratch, in its order
+    pp_scratch = [x_s, fn_s, xw_s, plgpu.Barrier(num_arrivals=2 * N)]
+  else:
+    pp_scratch = [x_s, plgpu.SMEM((ROWS, GRID_COLS), bf16), plgpu.SMEM((N, ROWS), f32), plgpu.SMEM((N * N, ROWS), f32),
+                  fn_s, xw_s, plgpu.SMEM((N, ROWS, GRID_COLS), bf16), plgpu.Barrier(num_arrivals=2 * N + 3)]
+  part = jax.ShapeDtypeStruct((Gp, ROWS, PART), f32)
+  outs = (part, x_in) if first else (jax.ShapeDtypeStruct((M, K), bf16), part, x_in)
+  kern = plgpu.kernel(_post_finish_kernel(M, D, bool(first), *consts), out_type=outs,
+                      scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1)], kernel_name="glm5_mhc_post_finish",
+                      **params)
+  got = kern(*pp_in, coef.astype(f32), w.astype(bf16))
+  if first:
+    part, x_in = got
+    return X, x_in, part
+  return got[0], got[2], got[1]
 
 
 # ------------------------------------------------------------------------------------------------ one launch

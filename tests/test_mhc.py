@@ -156,6 +156,50 @@ def test_kernels_sum_raw_partials_gpu(M, first, split, cols):
   _check_kernels(M, 4096, first, seed=M, approx=True, split=split, cols=cols, parts=True)
 
 
+GRID_CONSTS = dict(eps=1e-6, hc_norm_eps=1e-6, norm_eps=1e-5)
+
+
+def _check_post_finish(M, D, first, seed=0, interpret=None, launches=None):
+  """mhc_post_finish (the boundary in one launch with a grid barrier; interpreted, its two halves) vs its
+  reference: X' as mhc_post_pre's, x_in as mhc_finish's (one bf16 rounding apart, rarely two), the partials as
+  mhc_post_pre's over 32 columns, the rows past G zero. Returns the kernel's outputs."""
+  X, y, mix, fn, coef, w = _inputs(M, D, seed)
+  ref = K.mhc_post_finish_reference(X, y, mix, fn, coef, w, first=first, **GRID_CONSTS)
+  with maybe_interpret(interpret):
+    got = jax.jit(lambda *a: K.mhc_post_finish(*a, first=first, approx_math=True, launches=launches,
+                                               **GRID_CONSTS))(X, y, mix, fn, coef, w)
+  f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+  np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
+  np.testing.assert_allclose(f32(got[1]), f32(ref[1]), **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
+  assert np.mean(f32(got[1]) != f32(ref[1])) < 0.02
+  G = D // K.GRID_COLS
+  assert got[2].shape == ref[2].shape == (-(-G // K.ROWS) * K.ROWS, K.ROWS, K.PART)
+  for sl in (slice(0, K.MIX), slice(K.MIX, K.MIX + K.GRAM)):  # partial logits, partial Gram entries
+    r = f32(ref[2])[:G, :M, sl]
+    np.testing.assert_allclose(f32(got[2])[:G, :M, sl], r, atol=2e-3 * np.abs(r).max(), rtol=0)
+  assert not np.any(f32(got[2])[G:])  # the zero rows the second half sums over
+  return got
+
+
+@pytest.mark.parametrize("M,D,first", [(1, 256, False), (3, 512, True), (4, 1024, False)])
+def test_post_finish_interpret(M, D, first):
+  """(G = 8, 16 and 32 column chunks: the second half sums 64 rows, the rest zeros written by the first)"""
+  _check_post_finish(M, D, first, seed=M, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,first", [(1, False), (1, True), (4, False), (2, False)])
+def test_post_finish_gpu(M, first):
+  """The one-launch form natively (128 CTAs meeting at the grid barrier) against the reference, and bit for bit
+  against its two halves as two launches (the same arithmetic without the barrier: a partial read before another
+  CTA wrote it would differ); twice, so the second launch's semaphore starts from zero again."""
+  one = [_check_post_finish(M, 4096, first, seed=M + s, launches=1) for s in (0, 1)]
+  two = _check_post_finish(M, 4096, first, seed=M, launches=2)
+  for a, b in zip(one[0], two):
+    np.testing.assert_array_equal(np.asarray(a, np.float32)[:M] if a.ndim == 2 else np.asarray(a)[:, :M],
+                                  np.asarray(b, np.float32)[:M] if b.ndim == 2 else np.asarray(b)[:, :M])
+
+
 def test_comb_is_the_stock_sinkhorn():
   """The finish reference's comb (from the summed partials) == the comb of the stock mixing (hc_mix on all 24
   normalised logits), bit for bit."""
@@ -198,6 +242,11 @@ def test_cross_lower_real(M):
                                                                cols=64), X, part, coef, w).as_text()
     assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_sinkhorn(*a, D=4096, **mix_consts, approx_math=True,
                                                                  rows=M), part, coef).as_text()
+  if M <= K.PARTS_MAX_ROWS:  # the boundary in one launch with a grid barrier (policy knob mhc_grid_barrier)
+    for first in (False, True) if M == 1 else (False,):
+      assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_post_finish(*a, first=first, approx_math=True, launches=1,
+                                                                      **GRID_CONSTS), X, y, mix, fn, coef,
+                                         w).as_text()
   if M == 4:  # the one-launch boundary: a cluster of 8 CTAs (one size)
     consts = {k: v for k, v in CONSTS.items() if k != "iters"}
     txt = cross_lower(lambda *a: K.mhc_boundary(*a, approx_math=True, **consts), X, y, mix, fn, coef, w).as_text()
@@ -233,6 +282,14 @@ def test_bad_shapes_named():
   mix_consts = {k: v for k, v in CONSTS.items() if k != "norm_eps"}
   with pytest.raises(ValueError, match="need rows="):
     K.mhc_sinkhorn(part, coef, D=128, **mix_consts)
+  # the one-launch boundary with a grid barrier: up to PARTS_MAX_ROWS rows, one resident CTA per 32 columns
+  with pytest.raises(ValueError, match="5 token rows, hidden size 128"):
+    K.mhc_post_finish(X5, *_inputs(5, 128, 0)[1:], **GRID_CONSTS)
+  X8k, y8k, mix8k, fn8k, coef8k, w8k = _inputs(1, 8192, 0)
+  with pytest.raises(ValueError, match="hidden size 8192; expected up to 4 rows and up to 4096 columns"):
+    K.mhc_post_finish(X8k, y8k, mix8k, fn8k, coef8k, w8k, **GRID_CONSTS)
+  with pytest.raises(ValueError, match="launches = 3"):
+    K.mhc_post_finish(X, y, mix, fn, coef, w, launches=3, **GRID_CONSTS)
 
 
 def _site(D, seed):
@@ -249,14 +306,16 @@ def _site(D, seed):
 @pytest.mark.parametrize("M,first,finish_kernel", [(3, False, True), (3, True, True), (70, False, True),
                                                    (3, False, False), (3, True, False), (3, False, "split"),
                                                    (3, False, "boundary"), (70, True, "boundary"),
-                                                   (3, False, "narrow"), (3, False, "sums")])
+                                                   (3, False, "narrow"), (3, False, "sums"), (3, False, "grid"),
+                                                   (1, True, "grid")])
 def test_fused_boundary_equals_stock(M, first, finish_kernel):
   """post (previous sublayer) + pre + RMSNorm, fused kernels vs the stock XLA formulation; 70 rows = 2 launches.
   finish_kernel False: the boundary's last step in XLA (policy knob mhc_finish off: one Mosaic call per boundary
   instead of two); "split": the finish kernel without the mix + mhc_sinkhorn (policy knob mhc_sinkhorn_split);
   "boundary": the one-launch boundary (policy knob mhc_boundary) + mhc_sinkhorn; "narrow": "split" with half as
   many columns per CTA (policy knob mhc_narrow); "sums": "narrow" with the kernels summing the raw partials
-  (policy knob mhc_fused_sums)."""
+  (policy knob mhc_fused_sums); "grid": the boundary as one launch with a grid barrier (policy knob
+  mhc_grid_barrier; interpreted as its two halves) + mhc_sinkhorn on its raw partials."""
   D = 256
   hc, norm = _site(D, M)
   X, y, mix, _, _, _ = _inputs(M, D, M + 1)
@@ -266,12 +325,14 @@ def test_fused_boundary_equals_stock(M, first, finish_kernel):
   u, post_ref, comb_ref = hc.pre(Xref)
   xin_ref = norm(u, jnp.bfloat16)
   policy = {"mhc_finish": bool(finish_kernel), "mhc_boundary": finish_kernel == "boundary",
-            "mhc_sinkhorn_split": finish_kernel in ("split", "boundary", "narrow", "sums"),
-            "mhc_narrow": finish_kernel in ("narrow", "sums"), "mhc_fused_sums": finish_kernel == "sums"}
+            "mhc_sinkhorn_split": finish_kernel in ("split", "boundary", "narrow", "sums", "grid"),
+            "mhc_narrow": finish_kernel in ("narrow", "sums"), "mhc_fused_sums": finish_kernel == "sums",
+            "mhc_grid_barrier": finish_kernel == "grid"}
   with maybe_interpret(True), use_kernels(policy), kernel_report() as rep:
     Xn, xin, mix_new = jax.jit(lambda X, y, mix: hc.fused(X, None if first else (y, mix), norm))(X, y, mix)
   assert (("mhc_finish", "off in the policy") in rep) != bool(finish_kernel)
-  assert (("mhc_sinkhorn_split", None) in rep) == (finish_kernel in ("split", "boundary", "narrow", "sums"))
+  assert (("mhc_sinkhorn_split", None) in rep) == (finish_kernel in ("split", "boundary", "narrow", "sums", "grid"))
+  assert (("mhc_grid_barrier", None) in rep) == (finish_kernel == "grid")
   assert (("mhc_boundary", None) in rep) == (finish_kernel == "boundary")
   assert (("mhc_narrow", None) in rep) == (finish_kernel in ("narrow", "sums"))
   assert (("mhc_fused_sums", None) in rep) == (finish_kernel == "sums")

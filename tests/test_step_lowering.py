@@ -79,23 +79,26 @@ def test_kernel_tiny_step_lowers_at_twelve_token_rows():
     assert name in txt, name
 
 
-@pytest.mark.parametrize("boundary", [False, True])
-def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(boundary):
+@pytest.mark.parametrize("form", ["kernels", "boundary", "grid"])
+def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   """Policy mhc on: the 8 boundaries of kernel-tiny run as the fused kernels (the first site without a post), or
-  (mhc_boundary) each as one launch of a CTA cluster + the Sinkhorn kernel. With the KDA kernel's approximate
-  math (kda_approx_math: a knob turned on explicitly that reached no call site would be refused), its tokens as
-  a loop (kda_token_loop) and the short conv inside it (kda_conv); without the one-launch boundary, the kernels half
-  as wide per CTA (mhc_narrow) and the finish / Sinkhorn summing the raw partials (mhc_fused_sums); the index
-  queries rotated and quantised in the scores kernel (indexer_q_in_kernel)."""
+  (mhc_boundary) each as one launch of a CTA cluster + the Sinkhorn kernel, or (mhc_grid_barrier) each as one
+  launch with a grid barrier + the Sinkhorn kernel. With the KDA kernel's approximate math (kda_approx_math: a
+  knob turned on explicitly that reached no call site would be refused), its tokens as a loop (kda_token_loop)
+  and the short conv inside it (kda_conv); with the fused kernels, half as wide per CTA (mhc_narrow) and the
+  finish / Sinkhorn summing the raw partials (mhc_fused_sums); the index queries rotated and quantised in the
+  scores kernel (indexer_q_in_kernel)."""
+  kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("kda_conv", True), ("mhc", True),
-                           ("mhc_boundary", boundary), ("mhc_narrow", not boundary),
-                           ("mhc_fused_sums", not boundary), ("indexer_q_in_kernel", True)))
-  names = ("glm5_mhc_boundary", "glm5_mhc_sinkhorn") if boundary else ("glm5_mhc_pre", "glm5_mhc_post_pre",
-                                                                       "glm5_mhc_finish")
+                           ("mhc_boundary", form == "boundary"), ("mhc_grid_barrier", form == "grid"),
+                           ("mhc_narrow", kernels), ("mhc_fused_sums", kernels), ("indexer_q_in_kernel", True)))
+  names = {"kernels": ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"),
+           "boundary": ("glm5_mhc_boundary", "glm5_mhc_sinkhorn"),
+           "grid": ("glm5_mhc_post_finish", "glm5_mhc_sinkhorn")}[form]
   for name in names:
     assert name in txt, name
-  assert ("glm5_mhc_post_pre" in txt) != boundary
+  assert ("glm5_mhc_post_pre" in txt) == kernels
   check_one_module_per_kernel(txt)
 
 
