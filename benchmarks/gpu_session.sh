@@ -69,7 +69,7 @@
 #                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
 #   s33a (nvidia-h200):       the GPU tests of every kernel built since session 31 (KDA token loop / conv,
 #                             mhc_fused_sums, the grid-barrier boundary, rotating index queries), bench_mhc (narrow /
-#                             sums / grid), the end-to-end tests
+#                             sums / grid), bench_pdl (PDL inside the CUDA graph?), the end-to-end tests
 #   s33b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs each candidate (CANDIDATES), then q = 4 with ALL_ON
 #   s32p (nvidia-h200):       q = 1 at 4 steps per call (session-32 defaults) profiled with its kernel table; auto vs
 #                             latency_specialized at 4 steps per call (issue #9); bench_topk's matmul prefix sums
@@ -164,6 +164,16 @@ kernel_tables() {  # $@: the q values. Each profiled step's kernel table with ev
     done
   done
   rm -f "$OUT"/hlo/*.hlo.gz "$OUT"/hlo/*.kernels.json  # (the tables and the kernels.tsv listings come back)
+}
+
+pdl_probe() {  # bench_pdl: a chain of dependent Mosaic launches in the CUDA graph, with / without PDL, under the
+  # XLA flags that may matter (each a process: XLA reads its flags once)
+  for fl in "" "--xla_gpu_enable_pdl=true" "--xla_gpu_enable_pdl=false" "--xla_gpu_enable_command_buffer="; do
+    [ "$(left)" -gt 60 ] && XLA_FLAGS="$fl" timeout -k 9 50 python3 benchmarks/bench_pdl.py \
+      --out "$OUT/pdl.jsonl" >> "$OUT/bench_pdl.log" 2>&1
+  done
+  [ "$(left)" -gt 60 ] && XLA_FLAGS="--xla_gpu_enable_pdl=true" timeout -k 9 50 python3 benchmarks/bench_pdl.py \
+    --uses-pdl-attr --variants plain,pdl --out "$OUT/pdl.jsonl" >> "$OUT/bench_pdl.log" 2>&1
 }
 
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
@@ -518,6 +528,7 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     [ "$(left)" -gt 150 ] && timeout -k 9 -s INT 120 python3 benchmarks/bench_mhc.py --rows 1,4 \
       --paths narrow,sums,grid > "$OUT/bench_mhc.log" 2>&1
+    pdl_probe
     [ "$(left)" -gt 200 ] && timeout -s INT $(( $(left) - 20 )) python3 -m pytest -q -m "gpu or e2e_kernels" \
       -p no:cacheprovider tests/test_decode.py \
       -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True or kda_conv_in_the_kernel" \
