@@ -517,12 +517,13 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
   s33a)  # (nvidia-h200) every kernel built since session 31 natively, cheapest first, each with its own timeout: the
     # KDA kernel's (token loop, approx math, the short conv inside), the mHC finish / Sinkhorn summing the raw
     # partials (mhc_fused_sums), the one-launch boundary with a grid barrier (mhc_grid_barrier: -k 9 so that a
-    # barrier that never opens cannot hold the call), the index queries rotated in the scores kernel; bench_mhc
+    # barrier that never opens cannot hold the call), a chain of boundaries with PDL (pdl), the index queries
+    # rotated in the scores kernel; bench_mhc
     # (narrow / sums / grid, and the grid kernel alone as 1 vs 2 launches); the end-to-end tests in what is left
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kda_decode.py 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     timeout -k 9 -s INT 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py \
-      -k "sum_raw_partials or post_finish" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 \
+      -k "sum_raw_partials or post_finish or pdl_chain" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 \
       | tee -a "$OUT/gpu_tests.log"
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k "rotating" 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
@@ -539,7 +540,7 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # (CANDIDATES: shell words, e.g. CANDIDATES="'{\"mhc_fused_sums\": true}' '{\"topk_scan_mm\": true}'")
     if [ -n "${CANDIDATES:-}" ]; then eval "set -- $CANDIDATES"; else set -- '{"mhc_fused_sums": true}' \
       '{"mhc_grid_barrier": true}' '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' \
-      '{"indexer_q_in_kernel": true}' '{"topk_scan_mm": true}'; fi
+      '{"indexer_q_in_kernel": true}' '{"topk_scan_mm": true}' '{"pdl": true}'; fi
     rank1 s33b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' "$@"
     [ "$(left)" -gt 200 ] && [ -n "${ALL_ON:-}" ] && rank1 s33c --q 4 --steps-per-call 4 --interleave --repeats 7 \
       --policy '{}' "$ALL_ON"

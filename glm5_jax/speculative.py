@@ -38,7 +38,7 @@ from glm5_jax import param_packing as pp
 from glm5_jax import state as st
 from glm5_jax.api import Model, _check_tokens, compiled
 from glm5_jax.attention import StepCtx
-from glm5_jax.layers import KERNEL_DEFAULTS, kernel_report
+from glm5_jax.layers import KERNEL_DEFAULTS, kernel_enabled, kernel_report
 from glm5_jax.runtime import DecodeConfig
 
 REP = P()
@@ -366,6 +366,9 @@ class Decoder:
 
     def fn(*args):
       with kernel_report() as rep:
+        # the PDL launch mode of every Mosaic kernel (kernel_mode sets it; recorded here as one site)
+        from pallas_kernels._common import interpreting  # noqa: PLC0415
+        kernel_enabled("pdl", fits=not interpreting(), why="GPU interpret mode (no launches to overlap)")
         out = body(*args)
       _KERNEL_SITES[self._sites_key(batch)] = self._check_kernels(rep)  # at trace time: raises before any run
       return out
@@ -510,10 +513,12 @@ class Decoder:
     if self.backend != "latency_specialized":
       return contextlib.nullcontext()
     from glm5_jax.layers import use_kernels  # noqa: PLC0415
-    from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
+    from pallas_kernels._common import maybe_interpret, pdl_mode  # noqa: PLC0415
     stack = contextlib.ExitStack()
     stack.enter_context(maybe_interpret(interpret))
-    stack.enter_context(use_kernels(self.config.policy_dict()))
+    policy = self.config.policy_dict()
+    stack.enter_context(use_kernels(policy))
+    stack.enter_context(pdl_mode(policy.get("pdl", KERNEL_DEFAULTS["pdl"])))  # (the step records it: _step_fn)
     return stack
 
   @property

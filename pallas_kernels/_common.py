@@ -7,6 +7,7 @@ import contextlib
 import os
 
 import jax
+from jax._src import config as jax_config
 from jax.experimental.mosaic.gpu import core as _mgpu_core
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -41,6 +42,43 @@ def _dedupe_kernel_modules():
 _dedupe_kernel_modules()
 
 
+# Programmatic Dependent Launch (PDL). With pdl_mode on, every kernel body starts with
+# griddepcontrol.launch_dependents (the next kernel in the stream may be launched while this one runs) and
+# griddepcontrol.wait (this one proceeds once its predecessor has finished and its writes are visible), so a
+# dependent kernel's launch and scheduling overlap its predecessor's tail instead of following it; Mosaic launches
+# such a kernel with programmatic stream serialisation. The wait comes before anything else the kernel does, so
+# its semantics are the plain launch's whatever runs before it. A jax config state (in the jit key: the kernels'
+# kernel_entry jits retrace when it changes); the decode step sets it from the policy knob "pdl". Whether the
+# edges survive XLA's CUDA graph is benchmarks/bench_pdl.py's question. No effect in GPU interpret mode (no
+# launches to overlap: the primitives have no interpreter).
+_PDL = jax_config.bool_state(
+    "glm5_mosaic_pdl", False, "glm5_jax's Mosaic GPU kernels start with griddepcontrol (PDL)",
+    include_in_jit_key=True, include_in_trace_context=True)
+
+
+def pdl_mode(on: bool):
+  """Context: trace the kernels with the PDL prologue (``on``) or without."""
+  return _PDL(bool(on))
+
+
+def with_pdl(body):
+  """A kernel body with the PDL prologue when pdl_mode is on (and not in interpret mode); else ``body`` itself."""
+  if not _PDL.value or interpreting():
+    return body
+
+  def pdl_body(*refs, **kwargs):
+    plgpu.griddepcontrol_launch_dependents()
+    plgpu.griddepcontrol_wait()
+    return body(*refs, **kwargs)
+
+  return pdl_body
+
+
+def mgpu_kernel(body, **kwargs):
+  """``plgpu.kernel`` with the body under ``with_pdl`` (every kernel of the package is built through here)."""
+  return plgpu.kernel(with_pdl(body), **kwargs)
+
+
 def kernel_entry(*static: str):
   """Decorator for a kernel's public entry point: jax.jit with the given static keyword arguments. A kernel that
   45 layers call with the same shapes is then traced and lowered once per program (an inner jit is lowered once
@@ -66,7 +104,6 @@ def interpreting() -> bool:
   """Whether Mosaic GPU kernels traced here run in GPU interpret mode (``plgpu.force_gpu_interpret_mode``, as
   ``maybe_interpret`` sets it; part of jax's jit key): for kernels with a form interpret mode cannot run (a
   register-A wgmma) and one it can. Reads jax's private config (0.11.2)."""
-  from jax._src import config as jax_config  # noqa: PLC0415
   return isinstance(jax_config.pallas_tpu_interpret_mode_context_manager.value, plgpu.InterpretGPUParams)
 
 

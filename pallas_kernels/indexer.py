@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry
+from pallas_kernels._common import kernel_entry, mgpu_kernel
 
 HEAD_DIM = 128
 FP8_MAX = 448.0
@@ -271,7 +271,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool):
   extra = [plgpu.SMEM((rq, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # qb_s: the raw queries
            plgpu.SMEM((HEAD_DIM, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # h_s: the Sylvester matrix
            plgpu.SMEM((rq,), jnp.float32)] if rotate else []  # qs_s: the queries' scales
-  kern = plgpu.kernel(
+  kern = mgpu_kernel(
       _indexer_kernel(nbc, T, HI, rotate),
       out_type=jax.ShapeDtypeStruct((B, T, Pp), jnp.float32),
       scratch_types=[
@@ -378,7 +378,7 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False):
                      f"to {THRESHOLD_MAX_KEYS} (pad with 0)")
   nr = N // THRESHOLD_LANES
   row = lambda dt: jax.ShapeDtypeStruct((R, THRESHOLD_LANES), dt)
-  t, n_gt = plgpu.kernel(
+  t, n_gt = mgpu_kernel(
       _threshold_kernel(int(k), int(digit_bits), bool(unroll)),
       out_type=(row(jnp.uint32), row(jnp.int32)),
       grid=(R,),

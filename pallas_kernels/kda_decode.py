@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry
+from pallas_kernels._common import kernel_entry, with_pdl
 
 L2NORM_EPS = 1e-6
 _DEBUG = False  # True: print the kernel jaxpr and Mosaic GPU module when lowering
@@ -508,8 +508,9 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     state_ref, o_ref = refs
     # o is a plain kernel output (copied into o_ref, whose zero init XLA then drops as dead): an uninitialised
     # lax.empty buffer instead would add an AllocateBuffer custom call next to every kernel.
-    o_ref[...] = pl.kernel(functools.partial(kernel, state_ref), out_type=jax.ShapeDtypeStruct((B, T, H, D), f32),
-                           mesh=mesh, compiler_params=params, name="kda_decode", debug=_DEBUG)(*inputs)
+    o_ref[...] = pl.kernel(with_pdl(functools.partial(kernel, state_ref)),
+                           out_type=jax.ShapeDtypeStruct((B, T, H, D), f32), mesh=mesh, compiler_params=params,
+                           name="kda_decode", debug=_DEBUG)(*inputs)
 
   new_state, o = run((state, jnp.zeros((B, T, H, D), f32)))
   if fuse_norm and not norm_in_kernel:

@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import interpreting, kernel_entry
+from pallas_kernels._common import interpreting, kernel_entry, mgpu_kernel
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
@@ -306,7 +306,7 @@ def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: 
   x_dtype, x_rows_n = (jnp.bfloat16, mp) if dq else (F8, 2 * mp)
   a_scratch = ([plgpu.SMEM((plan.bm, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))]
                if a_smem else [])
-  return plgpu.kernel(
+  return mgpu_kernel(
       functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps, dq=dq),
       out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
       grid=(tiles * plan.split,),
@@ -480,7 +480,7 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   steps = k // plan.bk // plan.split
   xp = _tma_rows(x.astype(jnp.bfloat16), mp)  # (the kernel's TMA zero-fills the rows up to mp)
   kernel = functools.partial(_bf16_linear_kernel, plan=plan, tiles=tiles, steps=steps)
-  out = plgpu.kernel(
+  out = mgpu_kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
       grid=(tiles * plan.split,),
@@ -874,7 +874,7 @@ def moe_route(topk_ids, topk_weights, *, num_experts: int, n_pad: int, mp: int, 
                      f"expected [M, k] both with M·k <= {ROUTE_MAX_PAIRS}, M <= mp, n_pad a multiple of 8 <= "
                      f"{_LANES}")
   i32, f32 = jnp.int32, jnp.float32
-  return plgpu.kernel(
+  return mgpu_kernel(
       _route_kernel(M, k, num_experts, n_pad, mp, shared),
       out_type=(jax.ShapeDtypeStruct((n_pad,), i32), jax.ShapeDtypeStruct((4,), i32),
                 jax.ShapeDtypeStruct((n_pad, mp), f32)),
@@ -970,7 +970,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   gu_out = ((n_pad, inter, mp) if plan.gu_split == 1 else (plan.gu_split, n_pad, 2, inter, mp))
   a_tile = lambda bm: ([plgpu.SMEM((bm, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))]
                        if a_smem else [])
-  h = plgpu.kernel(
+  h = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
                         a_smem=a_smem),
@@ -1013,7 +1013,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
                    plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages),
                    plgpu.Barrier(num_arrivals=1, num_barriers=1)]
     dn_eids = eids.reshape(n_pad // 8, 8)
-  out = plgpu.kernel(
+  out = mgpu_kernel(
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
                         groups=plan.dn_groups, shared=has_sh, table_k=table_k, dq=dq, a_smem=a_smem),
       out_type=jax.ShapeDtypeStruct((plan.dn_groups, d, mp), jnp.float32),

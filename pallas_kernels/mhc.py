@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import interpreting, kernel_entry
+from pallas_kernels._common import interpreting, kernel_entry, mgpu_kernel
 
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
@@ -305,10 +305,10 @@ def mhc_post_pre(X, y, mix, fn, *, first: bool = False, cols: int = DC):
   xw_s = plgpu.SMEM((N, ROWS, DC), bf16, transforms=_bf16_swizzled(DC))  # X' as the wgmma A operand
   common = dict(grid=(G,), grid_names=("g",))
   if first:
-    kern = plgpu.kernel(_post_pre_kernel(M, D, True, DC), out_type=part, kernel_name="glm5_mhc_pre", **common,
-                        scratch_types=[x_s, fn_s, xw_s, plgpu.Barrier(num_arrivals=2 * N)])
+    kern = mgpu_kernel(_post_pre_kernel(M, D, True, DC), out_type=part, kernel_name="glm5_mhc_pre", **common,
+                       scratch_types=[x_s, fn_s, xw_s, plgpu.Barrier(num_arrivals=2 * N)])
     return X, kern(X, fn.astype(bf16))
-  kern = plgpu.kernel(
+  kern = mgpu_kernel(
       _post_pre_kernel(M, D, False, DC), out_type=(jax.ShapeDtypeStruct((M, K), bf16), part),
       kernel_name="glm5_mhc_post_pre", **common,
       scratch_types=[
@@ -534,7 +534,7 @@ def mhc_finish(Xn, tot_t, coef, w, *, iters: int, eps: float, hc_norm_eps: float
     _check_sums(tot_t, coef, iters, "mhc_finish")
   bf16, f32 = jnp.bfloat16, jnp.float32
   x_in = jax.ShapeDtypeStruct((M, D), bf16)
-  kern = plgpu.kernel(
+  kern = mgpu_kernel(
       _finish_kernel(M, D, int(iters), float(eps), float(hc_norm_eps), float(norm_eps), float(post_mult),
                      sinkhorn=bool(sinkhorn), DC_FIN=DC_FIN, parts=parts),
       out_type=(x_in, *_MIX_OUT) if sinkhorn else x_in,
@@ -576,7 +576,7 @@ def mhc_sinkhorn(tot_t, coef, *, D: int, iters: int, eps: float, hc_norm_eps: fl
   if D % DC_FIN:
     raise ValueError(f"mhc_sinkhorn: hidden size {D} must be a multiple of {DC_FIN}")
   f32 = jnp.float32
-  kern = plgpu.kernel(
+  kern = mgpu_kernel(
       _finish_kernel(ROWS, int(D), int(iters), float(eps), float(hc_norm_eps), 0.0, float(post_mult),
                      normalise=False, parts=parts),
       out_type=_MIX_OUT,
@@ -750,9 +750,9 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   if launches == 2:
     Xn, part = mhc_post_pre(X, y, mix, fn, first=first, cols=GRID_COLS)
     part = jnp.pad(part, ((0, Gp - G), (0, 0), (0, 0)))
-    fin = plgpu.kernel(_finish_half_kernel(M, D, *consts), out_type=x_in, kernel_name="glm5_mhc_finish_half",
-                       scratch_types=[plgpu.SMEM((N, ROWS, GRID_COLS), bf16),  # x_s: X' (its M rows)
-                                      *_finish_half_scratch(M, N + 1)], **params)
+    fin = mgpu_kernel(_finish_half_kernel(M, D, *consts), out_type=x_in, kernel_name="glm5_mhc_finish_half",
+                      scratch_types=[plgpu.SMEM((N, ROWS, GRID_COLS), bf16),  # x_s: X' (its M rows)
+                                     *_finish_half_scratch(M, N + 1)], **params)
     return Xn, fin(Xn, part, coef.astype(f32), w.astype(bf16)), part
   x_s = plgpu.SMEM((N, ROWS, GRID_COLS), bf16)
   fn_s = plgpu.SMEM((N, MIX, GRID_COLS), bf16, transforms=_bf16_swizzled(GRID_COLS))
@@ -764,9 +764,9 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
                   fn_s, xw_s, plgpu.SMEM((N, ROWS, GRID_COLS), bf16), plgpu.Barrier(num_arrivals=2 * N + 3)]
   part = jax.ShapeDtypeStruct((Gp, ROWS, PART), f32)
   outs = (part, x_in) if first else (jax.ShapeDtypeStruct((M, K), bf16), part, x_in)
-  kern = plgpu.kernel(_post_finish_kernel(M, D, bool(first), *consts), out_type=outs,
-                      scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1)], kernel_name="glm5_mhc_post_finish",
-                      **params)
+  kern = mgpu_kernel(_post_finish_kernel(M, D, bool(first), *consts), out_type=outs,
+                     scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1)], kernel_name="glm5_mhc_post_finish",
+                     **params)
   got = kern(*pp_in, coef.astype(f32), w.astype(bf16))
   if first:
     part, x_in = got
@@ -977,7 +977,7 @@ def mhc_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_
           jax.ShapeDtypeStruct((CL, XROWS, ROWS), f32))  # the cluster's exchange rows (scratch)
   if not first:
     outs = (jax.ShapeDtypeStruct((M, K), bf16), *outs)  # X'
-  kern = plgpu.kernel(
+  kern = mgpu_kernel(
       _boundary_kernel(M, D, CL, bool(first), float(eps), float(hc_norm_eps), float(norm_eps)),
       out_type=outs,
       scratch_types=[plgpu.Barrier(num_arrivals=2 * N + (0 if first else 1), num_barriers=2),  # bar1: chunks

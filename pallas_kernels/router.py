@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry, order_key
+from pallas_kernels._common import kernel_entry, mgpu_kernel, order_key
 
 LANES = 128  # threads of the warpgroup: E is padded to a multiple
 BOX = 256  # TMA box limit per dimension
@@ -114,7 +114,7 @@ def router_topk(logits, bias, *, k: int, scaling: float, norm: bool):
   M, E = _check(logits, bias, k)
   EP = -(-E // LANES) * LANES
   f32 = jnp.float32
-  return plgpu.kernel(
+  return mgpu_kernel(
       _router_kernel(E, EP, int(k), float(scaling), bool(norm)),
       out_type=(jax.ShapeDtypeStruct((M, k), jnp.int32), jax.ShapeDtypeStruct((M, k), f32)),
       grid=(M,),

@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry
+from pallas_kernels._common import kernel_entry, mgpu_kernel
 
 D_LATENT = 512
 GROUP = 128  # values per fp32 scale
@@ -327,7 +327,7 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   q16, qm = _prepare_q(q, softmax_scale)
   q16 = _to_kernel_order(q16)  # the kernel's latent column order
   f16 = jnp.float16
-  kern = plgpu.kernel(
+  kern = mgpu_kernel(
       _mla_kernel(nbs, hn),
       out_type=(jax.ShapeDtypeStruct((B * T, ns, D_LATENT, H), jnp.float32),
                 jax.ShapeDtypeStruct((B * T, ns, H), jnp.float32)),

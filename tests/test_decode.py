@@ -250,6 +250,12 @@ def test_kernel_request_that_cannot_run_is_refused_with_reason(model):
   with pytest.raises(ValueError, match=r"kernel\(s\) \['mhc'\] that cannot run in this step — mhc: needs a bf16 "
                                        r"residual \(model dtype float32\)"):
     dec.trace_step(1)
+  # PDL (a launch mode of every kernel) has no launches to overlap in GPU interpret mode: refused there, with why
+  dec = Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,),
+                                    policy=(("kv_cache_dtype", "auto"), ("pdl", True))),
+                backend="latency_specialized")
+  with pytest.raises(ValueError, match=r"\['pdl'\] that cannot run in this step — pdl: GPU interpret mode"):
+    dec.trace_step(1)
   with pytest.raises(ValueError, match=r"\['kda'\] but backend 'auto' runs none"):
     Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=(("kda", True),)))
 

@@ -346,6 +346,30 @@ def test_fused_boundary_equals_stock(M, first, finish_kernel):
   assert np.mean(f32(xin) != f32(xin_ref)) < 0.05
 
 
+@pytest.mark.gpu
+def test_pdl_chain_gpu():
+  """Programmatic Dependent Launch natively (pallas_kernels._common.pdl_mode, policy knob pdl): a chain of 12
+  fused boundaries (post_pre -> finish -> next post_pre ..., each kernel reading its predecessor's output) with
+  every kernel starting with griddepcontrol gives bit for bit the chain without — a kernel that ran ahead of its
+  predecessor's writes would not."""
+  from pallas_kernels._common import pdl_mode  # noqa: PLC0415
+  D, M = 4096, 1
+  hc, norm = _site(D, 7)
+  X, y, mix, _, _, _ = _inputs(M, D, 8)
+
+  def chain(X, y, mix):
+    for _ in range(12):
+      X, y, mix = hc.fused(X, (y, mix), norm)
+    return X, y, mix
+
+  outs = []
+  for pdl in (False, True):
+    with pdl_mode(pdl), use_kernels({}):
+      outs.append(jax.jit(chain)(X, y, mix))
+  for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.e2e_kernels
 def test_trunk_with_fused_boundaries_as_accurate_as_stock():
   """kernel-tiny in bf16 (2 layers: 4 fused boundaries + the final post; dense MLPs, 5 tokens, so no MoE

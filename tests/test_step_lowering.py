@@ -102,6 +102,17 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   check_one_module_per_kernel(txt)
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_kernel_tiny_step_with_pdl_lowers_for_cuda(pdl):
+  """Policy pdl: every Mosaic kernel of the step starts with griddepcontrol (Programmatic Dependent Launch), which
+  Mosaic marks on the module (``mosaic_gpu.uses_pdl``: its launcher then launches the kernel with programmatic
+  stream serialisation); without it, none does. The knob changes the kernels' modules (jit key), not their count."""
+  txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096, policy=(("pdl", pdl),))
+  calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
+  assert calls and sum("mosaic_gpu.uses_pdl" in line for line in calls) == (len(calls) if pdl else 0)
+  check_one_module_per_kernel(txt)
+
+
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (jax_num_cpu_devices=4)")
 @pytest.mark.parametrize("fp8_dq", [False, True])
 def test_kernel_tiny_step_lowers_for_cuda_at_tp4(fp8_dq):
