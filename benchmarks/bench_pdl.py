@@ -3,9 +3,9 @@ Launch (PDL) hides it.
 
 The one-rank step is ~1,500 launches, most of them small and each waiting for the one before it: every launch
 pays its start-up (the grid's launch, the prologue's TMA loads) after its predecessor has drained. With PDL a
-kernel calls ``griddepcontrol.launch_dependents`` early, so that the next kernel in the stream is launched while
-it still runs; that kernel issues the loads that do not depend on its predecessor (its weights) and then blocks
-in ``griddepcontrol.wait`` until the predecessor has finished and its writes are visible. jax 0.11.2 exposes both
+kernel calls ``griddepcontrol.launch_dependents``, so that the next kernel in the stream is launched while it
+still runs; that kernel issues the loads that do not depend on its predecessor (its weights) and then blocks in
+``griddepcontrol.wait`` until the predecessor has finished and its writes are visible. jax 0.11.2 exposes both
 (``plgpu.griddepcontrol_launch_dependents`` / ``plgpu.griddepcontrol_wait``; a kernel that uses them is launched
 with programmatic stream serialisation by Mosaic's runtime), and XLA has ``--xla_gpu_enable_pdl``. Whether a
 Mosaic kernel recorded into XLA's command buffer (by stream capture, as a custom call) keeps the programmatic edge
@@ -13,9 +13,12 @@ to its predecessor is what this measures.
 
 A chain of K kernels: x_{k+1} = x_k · 0.999 + 10⁻³ · w_k[:8], x [8, W] f32 the chain, w_k [64, W] f32 each
 kernel's own "weights" (read by TMA: independent of the chain), one CTA per 128 columns. Variants:
-  plain   — load w and x, wait, compute, store;
-  pdl     — launch the dependents, load w, griddepcontrol.wait, load x, compute, store;
-  xla     — the same arithmetic as XLA fusions (optimisation barriers keep one per step).
+  plain      — load w and x, wait, compute, store;
+  pdl        — load w, griddepcontrol.wait, launch the dependents, load x, compute, store (w prefetched);
+  pdl_early  — launch the dependents, load w, wait, load x, ... (the trigger first: waiting grids may cascade);
+  pdl_step   — wait, launch the dependents, then plain's body: the decode step's form (policy pdl,
+               pallas_kernels._common.with_pdl);
+  xla        — the same arithmetic as XLA fusions (optimisation barriers keep one per step).
 Printed per variant: µs per kernel of wall time over chained calls (one jitted call = the K kernels, XLA's CUDA
 graph), GPU busy µs per kernel (CUPTI), and the chain's result against "plain" (it must be bit-identical: a
 kernel that read its input before the predecessor wrote it would differ).
@@ -23,7 +26,7 @@ kernel that read its input before the predecessor wrote it would differ).
   python benchmarks/bench_pdl.py [--kernels 256] [--width 512] [--calls 50] [--uses-pdl-attr] [--out rows.jsonl]
   XLA_FLAGS=--xla_gpu_enable_pdl=true python benchmarks/bench_pdl.py        # (and =false; and without command
   XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/bench_pdl.py # buffers: kernels launched one by one)
-``--uses-pdl-attr`` also marks the pdl variant's custom calls ``uses_pdl`` in their backend config (the attribute
+``--uses-pdl-attr`` also marks the pdl variants' custom calls ``uses_pdl`` in their backend config (the attribute
 XLA's custom-call thunk reads to launch a kernel with PDL where it supports it) — an experiment: XLA may refuse
 the unknown attribute, which is then reported.
 """
@@ -51,17 +54,22 @@ from benchmarks._timing import _EXT  # noqa: E402
 ROWS, WROWS, COLS = 8, 64, 128  # chain rows, weight rows, columns per CTA
 
 
-def chain_kernel(x, w, *, pdl: bool):
-  """x [8, W] f32, w [64, W] f32 -> x · 0.999 + 10⁻³ · w[:8] (one CTA per 128 columns)."""
+def chain_kernel(x, w, *, mode: str):
+  """x [8, W] f32, w [64, W] f32 -> x · 0.999 + 10⁻³ · w[:8] (one CTA per 128 columns); ``mode`` a variant."""
   W = x.shape[1]
 
   def body(x_g, w_g, o_g, x_s, w_s, o_s, bar_w, bar_x):
     j = lax.axis_index("g") * COLS
-    if pdl:
+    if mode == "pdl_step":
+      plgpu.griddepcontrol_wait()
+      plgpu.griddepcontrol_launch_dependents()
+    if mode == "pdl_early":
       plgpu.griddepcontrol_launch_dependents()  # the next kernel may launch now (it waits for this one to finish)
     plgpu.copy_gmem_to_smem(w_g.at[:, pl.ds(j, COLS)], w_s, bar_w)  # independent of the chain: before the wait
-    if pdl:
+    if mode in ("pdl", "pdl_early"):
       plgpu.griddepcontrol_wait()  # the predecessor has finished and its writes are visible
+    if mode == "pdl":
+      plgpu.griddepcontrol_launch_dependents()
     plgpu.copy_gmem_to_smem(x_g.at[:, pl.ds(j, COLS)], x_s, bar_x)
     plgpu.barrier_wait(bar_w)
     plgpu.barrier_wait(bar_x)
@@ -74,7 +82,7 @@ def chain_kernel(x, w, *, pdl: bool):
                       scratch_types=[plgpu.SMEM((ROWS, COLS), jnp.float32), plgpu.SMEM((WROWS, COLS), jnp.float32),
                                      plgpu.SMEM((ROWS, COLS), jnp.float32), plgpu.Barrier(num_arrivals=1),
                                      plgpu.Barrier(num_arrivals=1)],
-                      grid=(W // COLS,), grid_names=("g",), kernel_name="pdl_probe" if pdl else "plain_probe")(x, w)
+                      grid=(W // COLS,), grid_names=("g",), kernel_name=f"{mode}_probe")(x, w)
 
 
 def build(variant: str):
@@ -83,7 +91,7 @@ def build(variant: str):
       if variant == "xla":
         x = lax.optimization_barrier(x * 0.999 + w[:ROWS] * 1e-3)
       else:
-        x = chain_kernel(x, w, pdl=variant == "pdl")
+        x = chain_kernel(x, w, mode=variant)
     return x
 
   return jax.jit(chain, donate_argnums=0)
@@ -137,7 +145,7 @@ def main(argv=None):
   p.add_argument("--width", type=int, default=512, help="columns (CTAs = width / 128)")
   p.add_argument("--calls", type=int, default=50)
   p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--variants", default="plain,pdl,xla")
+  p.add_argument("--variants", default="plain,pdl,pdl_early,pdl_step,xla")
   p.add_argument("--uses-pdl-attr", action="store_true")
   p.add_argument("--out", default=None, help="append one JSON line per variant")
   a = p.parse_args(argv)
@@ -155,7 +163,7 @@ def main(argv=None):
   for variant in a.variants.split(","):
     try:
       t = time.time()
-      with uses_pdl_attr(a.uses_pdl_attr and variant == "pdl"):
+      with uses_pdl_attr(a.uses_pdl_attr and variant.startswith("pdl")):
         f = build(variant).lower(jnp.asarray(x0), ws).compile()
       comp = time.time() - t
       once = np.asarray(f(jnp.asarray(x0), ws))  # one call from x0: the chain's result

@@ -68,9 +68,10 @@
 #   s32 (nvidia-h200):        the loop forms (session 31: unrolled straight-line kernels suspected slow): threshold /
 #                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
 #   s33a (nvidia-h200):       the GPU tests of every kernel built since session 31 (KDA token loop / conv,
-#                             mhc_fused_sums, the grid-barrier boundary, rotating index queries), bench_mhc (narrow /
-#                             sums / grid), bench_pdl (PDL inside the CUDA graph?), the end-to-end tests
+#                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries), bench_pdl (PDL
+#                             inside the CUDA graph?), bench_mhc (narrow / sums / grid)
 #   s33b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs each candidate (CANDIDATES), then q = 4 with ALL_ON
+#   s33c (nvidia-h200):       the end-to-end GPU tests gating the KDA defaults; q = 1 profiled (POLICY) with its table
 #   s32p (nvidia-h200):       q = 1 at 4 steps per call (session-32 defaults) profiled with its kernel table; auto vs
 #                             latency_specialized at 4 steps per call (issue #9); bench_topk's matmul prefix sums
 #   s32f (nvidia-h200):       the KDA token loop's / kda_conv's GPU tests, the all-kernels and KDA greedy tests with
@@ -169,11 +170,11 @@ kernel_tables() {  # $@: the q values. Each profiled step's kernel table with ev
 pdl_probe() {  # bench_pdl: a chain of dependent Mosaic launches in the CUDA graph, with / without PDL, under the
   # XLA flags that may matter (each a process: XLA reads its flags once)
   for fl in "" "--xla_gpu_enable_pdl=true" "--xla_gpu_enable_pdl=false" "--xla_gpu_enable_command_buffer="; do
-    [ "$(left)" -gt 60 ] && XLA_FLAGS="$fl" timeout -k 9 50 python3 benchmarks/bench_pdl.py \
+    [ "$(left)" -gt 100 ] && XLA_FLAGS="$fl" timeout -k 9 80 python3 benchmarks/bench_pdl.py \
       --out "$OUT/pdl.jsonl" >> "$OUT/bench_pdl.log" 2>&1
   done
-  [ "$(left)" -gt 60 ] && XLA_FLAGS="--xla_gpu_enable_pdl=true" timeout -k 9 50 python3 benchmarks/bench_pdl.py \
-    --uses-pdl-attr --variants plain,pdl --out "$OUT/pdl.jsonl" >> "$OUT/bench_pdl.log" 2>&1
+  [ "$(left)" -gt 100 ] && XLA_FLAGS="--xla_gpu_enable_pdl=true" timeout -k 9 80 python3 benchmarks/bench_pdl.py \
+    --uses-pdl-attr --variants plain,pdl,pdl_step --out "$OUT/pdl.jsonl" >> "$OUT/bench_pdl.log" 2>&1
 }
 
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
@@ -518,25 +519,21 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # KDA kernel's (token loop, approx math, the short conv inside), the mHC finish / Sinkhorn summing the raw
     # partials (mhc_fused_sums), the one-launch boundary with a grid barrier (mhc_grid_barrier: -k 9 so that a
     # barrier that never opens cannot hold the call), a chain of boundaries with PDL (pdl), the index queries
-    # rotated in the scores kernel; bench_mhc
-    # (narrow / sums / grid, and the grid kernel alone as 1 vs 2 launches); the end-to-end tests in what is left
+    # rotated in the scores kernel; then bench_pdl (PDL inside the CUDA graph?) and bench_mhc (narrow / sums /
+    # grid, and the grid kernel alone as 1 vs 2 launches)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kda_decode.py 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
     timeout -k 9 -s INT 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py \
-      -k "sum_raw_partials or post_finish or pdl_chain" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 \
-      | tee -a "$OUT/gpu_tests.log"
+      -k "sum_raw_partials or post_finish or pdl_chain" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" \
+      | head -20 | tee -a "$OUT/gpu_tests.log"
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k "rotating" 2>&1 \
       | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
-    [ "$(left)" -gt 150 ] && timeout -k 9 -s INT 120 python3 benchmarks/bench_mhc.py --rows 1,4 \
-      --paths narrow,sums,grid > "$OUT/bench_mhc.log" 2>&1
     pdl_probe
-    [ "$(left)" -gt 200 ] && timeout -s INT $(( $(left) - 20 )) python3 -m pytest -q -m "gpu or e2e_kernels" \
-      -p no:cacheprovider tests/test_decode.py \
-      -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True or kda_conv_in_the_kernel" \
-      --durations=4 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
+    [ "$(left)" -gt 60 ] && timeout -k 9 -s INT $(( $(left) - 10 )) python3 benchmarks/bench_mhc.py --rows 1,4 \
+      --paths narrow,sums,grid > "$OUT/bench_mhc.log" 2>&1
     ;;
   s33b)  # (nvidia-h200) the step A/B at q = 1, 4 steps per call, 7 interleaved repeats: defaults, each candidate
-    # alone (those whose GPU tests s33a passed: set CANDIDATES to their policies), then all of them together
+    # alone (those whose GPU tests s33a passed: set CANDIDATES to their policies), then q = 4 with ALL_ON
     # (CANDIDATES: shell words, e.g. CANDIDATES="'{\"mhc_fused_sums\": true}' '{\"topk_scan_mm\": true}'")
     if [ -n "${CANDIDATES:-}" ]; then eval "set -- $CANDIDATES"; else set -- '{"mhc_fused_sums": true}' \
       '{"mhc_grid_barrier": true}' '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' \
@@ -544,6 +541,14 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     rank1 s33b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' "$@"
     [ "$(left)" -gt 200 ] && [ -n "${ALL_ON:-}" ] && rank1 s33c --q 4 --steps-per-call 4 --interleave --repeats 7 \
       --policy '{}' "$ALL_ON"
+    ;;
+  s33c)  # (nvidia-h200) the end-to-end GPU tests that gate the KDA defaults (token loop + approx math, the conv
+    # inside: the all-kernels and KDA greedy tests), then q = 1 with the new defaults profiled (kernel table)
+    timeout -s INT 330 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
+      -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True or kda_conv_in_the_kernel" \
+      --durations=4 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
+    [ "$(left)" -gt 200 ] && rank1 s33p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" \
+      ${POLICY:+--policy "$POLICY"} && kernel_tables 1
     ;;
   s32f)  # (nvidia-h200) session 32's candidates natively before they become defaults: the KDA kernel's GPU tests
     # (the token loop, alone and with approx math, has never run natively; bench_kda_decode times, it does not

@@ -156,7 +156,7 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # (11.3 µs per DSA layer at q = 1, session 29's profile); not a kernel — an XLA form; off until
                    # measured (bench_topk "mm128" rows)
                    "topk_scan_mm": False,
-                   # every Mosaic kernel of the step starts with griddepcontrol.launch_dependents + .wait
+                   # every Mosaic kernel of the step starts with griddepcontrol.wait + .launch_dependents
                    # (Programmatic Dependent Launch: a dependent kernel is launched and scheduled while its
                    # predecessor drains; pallas_kernels._common.pdl_mode). Not a kernel: a launch mode of all of
                    # them. Whether XLA's CUDA graph keeps the programmatic edges is benchmarks/bench_pdl.py's

@@ -42,12 +42,13 @@ def _dedupe_kernel_modules():
 _dedupe_kernel_modules()
 
 
-# Programmatic Dependent Launch (PDL). With pdl_mode on, every kernel body starts with
-# griddepcontrol.launch_dependents (the next kernel in the stream may be launched while this one runs) and
-# griddepcontrol.wait (this one proceeds once its predecessor has finished and its writes are visible), so a
-# dependent kernel's launch and scheduling overlap its predecessor's tail instead of following it; Mosaic launches
-# such a kernel with programmatic stream serialisation. The wait comes before anything else the kernel does, so
-# its semantics are the plain launch's whatever runs before it. A jax config state (in the jit key: the kernels'
+# Programmatic Dependent Launch (PDL). With pdl_mode on, every kernel body starts with griddepcontrol.wait (it
+# proceeds once its predecessor has finished and its writes are visible) and then griddepcontrol.launch_dependents
+# (the next kernel in the stream may be launched while this one runs), so a dependent kernel's launch and
+# scheduling overlap its predecessor's run instead of following it; Mosaic launches such a kernel with
+# programmatic stream serialisation. The wait comes before anything else the kernel does, so its semantics are the
+# plain launch's; the trigger after it keeps early-launched kernels one deep (triggered before the wait, a chain of
+# waiting grids could fill the SMs' slots ahead of a kernel that needs several waves). A jax config state (in the jit key: the kernels'
 # kernel_entry jits retrace when it changes); the decode step sets it from the policy knob "pdl". Whether the
 # edges survive XLA's CUDA graph is benchmarks/bench_pdl.py's question. No effect in GPU interpret mode (no
 # launches to overlap: the primitives have no interpreter).
@@ -67,8 +68,8 @@ def with_pdl(body):
     return body
 
   def pdl_body(*refs, **kwargs):
-    plgpu.griddepcontrol_launch_dependents()
     plgpu.griddepcontrol_wait()
+    plgpu.griddepcontrol_launch_dependents()
     return body(*refs, **kwargs)
 
   return pdl_body
