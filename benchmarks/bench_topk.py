@@ -76,6 +76,11 @@ STRATEGIES = {
     # the within-block prefix sums as one f32 matmul instead of XLA's reduce-window (session 32)
     "kernel scan mm128": lambda v: topk_set_by_threshold(v, K, scan_block="mm128", threshold_kernel=True),
     "radix scan mm128": lambda v: topk_set_by_threshold(v, K, scan_block="mm128"),
+    # the kernel's CTA as 4 warpgroups, each a quarter of the row (policy knob topk_threshold_4wg)
+    "kernel wg4 scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=True,
+                                                          threshold_warpgroups=4),
+    "kernel2 wg4 scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=2,
+                                                           threshold_warpgroups=4),
     "kernel unrolled scan128": lambda v: kernel_unrolled(v, 1),
     "kernel2 unrolled scan128": lambda v: kernel_unrolled(v, 2),
 }

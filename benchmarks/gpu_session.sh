@@ -526,8 +526,13 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     timeout -k 9 -s INT 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py \
       -k "sum_raw_partials or post_finish or pdl_chain" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" \
       | head -20 | tee -a "$OUT/gpu_tests.log"
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py -k "rotating" 2>&1 \
-      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
+    timeout -k 9 -s INT 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
+      -k "rotating or threshold_kernel_gpu and (False-4 or False-2)" 2>&1 \
+      | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 | tee -a "$OUT/gpu_tests.log"
+    # the threshold kernel on 4 warpgroups vs 1 (and 2 bits per pass), alone
+    [ "$(left)" -gt 100 ] && timeout -k 9 60 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8256 \
+      --only "kernel scan128,kernel wg4 scan128,kernel2 scan128,kernel2 wg4 scan128" --out "$OUT/bench_topk.log" \
+      > /dev/null 2>&1
     pdl_probe
     [ "$(left)" -gt 60 ] && timeout -k 9 -s INT $(( $(left) - 10 )) python3 benchmarks/bench_mhc.py --rows 1,4 \
       --paths narrow,sums,grid > "$OUT/bench_mhc.log" 2>&1
@@ -537,7 +542,7 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # (CANDIDATES: shell words, e.g. CANDIDATES="'{\"mhc_fused_sums\": true}' '{\"topk_scan_mm\": true}'")
     if [ -n "${CANDIDATES:-}" ]; then eval "set -- $CANDIDATES"; else set -- '{"mhc_fused_sums": true}' \
       '{"mhc_grid_barrier": true}' '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' \
-      '{"indexer_q_in_kernel": true}' '{"topk_scan_mm": true}' '{"pdl": true}'; fi
+      '{"indexer_q_in_kernel": true}' '{"topk_scan_mm": true}' '{"pdl": true}' '{"topk_threshold_4wg": true}'; fi
     rank1 s33b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' "$@"
     [ "$(left)" -gt 200 ] && [ -n "${ALL_ON:-}" ] && rank1 s33c --q 4 --steps-per-call 4 --interleave --repeats 7 \
       --policy '{}' "$ALL_ON"

@@ -356,10 +356,14 @@ class Indexer(nnx.Module):
                              prefer_why=f"{R} score rows, below pallas_kernels.indexer.THRESHOLD_MIN_ROWS = "
                              f"{ki.THRESHOLD_MIN_ROWS}: XLA's radix passes measured faster there")
         two = kernel_enabled("topk_threshold_2bit", fits=thr, why="the topk_threshold kernel does not run here")
+        # (THRESHOLD_MAX_KEYS is a multiple of 4 x 128: the rows that fit one warpgroup fit four)
+        wgs = 4 if kernel_enabled("topk_threshold_4wg", fits=thr, why="the topk_threshold kernel does not run "
+                                  "here") else 1
         if kernel_enabled("topk_scan_mm", fits=P < 1 << 15, why=f"{P} pools (the packed prefix counts: < 32,768)"):
           form = {**form, "scan_block": f"mm{form['scan_block']}"}  # the prefix sums' blocks as one matmul
         # lax.top_k's set, ascending
-        js = topk_set_by_threshold(masked, kk, **form, threshold_kernel=(2 if two else 1) if thr else 0)
+        js = topk_set_by_threshold(masked, kk, **form, threshold_kernel=(2 if two else 1) if thr else 0,
+                                   threshold_warpgroups=wgs)
         vals = jnp.take_along_axis(masked, js, axis=-1)
       else:
         vals, js = lax.top_k(masked, kk)

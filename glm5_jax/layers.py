@@ -156,6 +156,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # (11.3 µs per DSA layer at q = 1, session 29's profile); not a kernel — an XLA form; off until
                    # measured (bench_topk "mm128" rows)
                    "topk_scan_mm": False,
+                   # with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of
+                   # the row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold
+                   # warpgroups=4) — its 32 dependent passes were ~0.6 µs each on one warpgroup (21.6 µs alone at
+                   # 8,256 pools, session 32); off until measured (bench_topk "kernel wg4" rows)
+                   "topk_threshold_4wg": False,
                    # every Mosaic kernel of the step starts with griddepcontrol.wait + .launch_dependents
                    # (Programmatic Dependent Launch: a dependent kernel is launched and scheduled while its
                    # predecessor drains; pallas_kernels._common.pdl_mode). Not a kernel: a launch mode of all of
@@ -614,7 +619,7 @@ def exclusive_prefix_sum(x, block: int | str | None = None):
 
 
 def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | str | None = None,
-                          threshold_kernel: int = 0):
+                          threshold_kernel: int = 0, threshold_warpgroups: int = 1):
   """The SET lax.top_k(v, k) selects, without a sort, as indices [..., k] int32 in ascending index order (an
   unselected slot can only arise for k > N: -1). For large N (the indexer's top-512 of up to max_context / 4
   pools), where ``topk_by_rank``'s N × N count is too much work and XLA's GPU sort is ~58 µs per call
@@ -627,7 +632,8 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | s
      measured slower on the H200 at every size, bench_topk session 24, and were removed.) With
      ``threshold_kernel`` (1 or 2; True = 1): T and #{key > T} from one Mosaic kernel instead
      (``pallas_kernels.indexer.topk_threshold``: a CTA per row, 32 / threshold_kernel passes over the row in
-     registers) — ~13 XLA kernels fewer.
+     registers; ``threshold_warpgroups``: its warpgroups per CTA, each holding a share of the row) — ~13 XLA
+     kernels fewer.
   2. Selected: key > T, and of the entries equal to T the first k - #{key > T} by index (lax.top_k's tie
      order); the count of selected entries up to each index from ONE prefix sum (the two prefix counts packed in
      one int32; ``scan_block``: exclusive_prefix_sum's blocking), then one scatter of each selected index to its
@@ -643,9 +649,10 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | s
   if threshold_kernel:
     from pallas_kernels import indexer as ki  # noqa: PLC0415 (kernels import lazily)
     rows_ = math.prod(lead)
-    lanes = ki.THRESHOLD_LANES  # (pads: key 0, the smallest — never above a real key)
+    lanes = ki.THRESHOLD_LANES * threshold_warpgroups  # (pads: key 0, the smallest — never above a real key)
     up = jnp.pad(u.reshape(rows_, N), ((0, 0), (0, (-N) % lanes)))
-    t, n_gt = (a.reshape(lead) for a in ki.topk_threshold(up, kk, digit_bits=int(threshold_kernel)))
+    t, n_gt = (a.reshape(lead) for a in ki.topk_threshold(up, kk, digit_bits=int(threshold_kernel),
+                                                           warpgroups=threshold_warpgroups))
   else:
     t = jnp.zeros(lead, jnp.uint32)  # invariant: #{u >= t} >= kk
     digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)

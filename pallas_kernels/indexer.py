@@ -296,6 +296,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool):
 # ------------------------------------------------------------------------------------------------ top-k threshold
 THRESHOLD_LANES = 128  # keys per row of the kernel's [N / 128, 128] view: one per thread of the warpgroup
 THRESHOLD_MAX_KEYS = 136 * THRESHOLD_LANES  # 136 keys per thread in registers (17,408: 64K context's 16,448 pools)
+assert THRESHOLD_MAX_KEYS % (4 * THRESHOLD_LANES) == 0  # (a row that fits one warpgroup fits four: the model's 4wg)
 # Score rows from which the model uses the kernel. With its 32 passes unrolled a single row (one CTA's 32 serial
 # warpgroup reductions) was 30 µs per call inside the one-rank step vs ~18 µs for XLA's radix passes (session 28);
 # as a loop (7x less code) it is 21.6 µs alone vs 26.3 for the radix passes (bench_topk, 8,256 pools) and the
@@ -322,12 +323,39 @@ def _check_threshold(keys, k):
     raise ValueError(f"topk_threshold: k = {k}, expected 1 <= k <= N = {N}")
 
 
-def _threshold_kernel(k: int, digit_bits: int, unroll: bool):
-  def body(u_g, t_g, n_g, u_s, bar):
+def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1):
+  def body(u_g, t_g, n_g, u_s, *rest):
     r = lax.axis_index("r")
-    plgpu.copy_gmem_to_smem(u_g.at[r], u_s, bar)
-    plgpu.barrier_wait(bar)
-    u = u_s[...]  # [N / 128, 128]: N / 128 keys per thread, in registers for all passes
+    if wgs == 1:
+      (bar,) = rest
+      plgpu.copy_gmem_to_smem(u_g.at[r], u_s, bar)
+      plgpu.barrier_wait(bar)
+      u = u_s[...]  # [N / 128, 128]: N / 128 keys per thread, in registers for all passes
+    else:  # this warpgroup's share of the rows; the counts summed over the warpgroups through SMEM (c_s)
+      c_s, bar, xbar = rest
+      w = lax.axis_index("wg")
+      nw = u_s.shape[0] // wgs
+
+      @pl.when(w == 0)
+      def _():
+        plgpu.copy_gmem_to_smem(u_g.at[r], u_s, bar)
+
+      plgpu.barrier_wait(bar)
+      u = u_s[pl.ds(w * nw, nw)]
+
+    def total(p, *parts):
+      """The sums over the row: this warpgroup's ``parts`` (int32 scalars), or with several warpgroups their sums
+      over all — each publishes its parts in slot p % 2 of c_s (two slots: a warpgroup that is one round ahead
+      writes the other), arrives, and reads every warpgroup's once all have arrived."""
+      if wgs == 1:
+        return parts
+      slot = lax.rem(p, 2)
+      for j, v in enumerate(parts):
+        c_s[slot, j, w] = v
+      plgpu.barrier_arrive(xbar)
+      plgpu.barrier_wait(xbar)
+      return tuple(sum(c_s[slot, j, i] for i in range(wgs)) for j in range(len(parts)))
+
     # The k-th largest key, digit by digit from the top: t keeps the largest prefix with #{u >= t} >= k. A pass
     # is a compare per key and candidate and int32 sums over the warpgroup (a redux.sync per warp + 4 words of
     # SMEM). digit_bits = 1: 32 passes of one candidate, each sum waiting on the previous pass. digit_bits = 2:
@@ -336,54 +364,77 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool):
     # The passes are a loop, not Python-unrolled: unrolled they are ~7x the kernel's code (469 vs 69 KB of MLIR),
     # straight-line code that one CTA runs once — every instruction a cold fetch (the suspect of session 31's
     # ~135 µs cluster kernel, mhc_boundary; `unroll` keeps the old form to measure it). The keys stay in
-    # registers across iterations.
+    # registers across iterations. With ``wgs`` warpgroups each pass compares 1 / wgs of the keys per thread and
+    # adds an exchange of the partial counts (an mbarrier round) to its chain.
     def one_pass(p, t):
       s = jnp.uint32(32 - digit_bits) - p.astype(jnp.uint32) * jnp.uint32(digit_bits)  # the digit's low bit
       if digit_bits == 1:
         cand = t | lax.shift_left(jnp.uint32(1), s)
-        return jnp.where(jnp.sum((u >= cand).astype(jnp.int32)) >= k, cand, t)
+        (n,) = total(p, jnp.sum((u >= cand).astype(jnp.int32)))
+        return jnp.where(n >= k, cand, t)
       c1, c2, c3 = (t | lax.shift_left(jnp.uint32(d), s) for d in (1, 2, 3))
       # (nested selects: u >= c2 implies u >= c1; int32 values, as i1 register arrays do not combine)
-      both = jnp.sum(jnp.where(u >= c2, jnp.int32(65537), jnp.where(u >= c1, jnp.int32(1), jnp.int32(0))))
-      n3 = jnp.sum(jnp.where(u >= c3, jnp.int32(1), jnp.int32(0)))
+      both, n3 = total(p, jnp.sum(jnp.where(u >= c2, jnp.int32(65537), jnp.where(u >= c1, jnp.int32(1),
+                                                                                   jnp.int32(0)))),
+                       jnp.sum(jnp.where(u >= c3, jnp.int32(1), jnp.int32(0))))
       n1, n2 = both & jnp.int32(0xFFFF), lax.shift_right_logical(both, jnp.int32(16))
       return jnp.where(n3 >= k, c3, jnp.where(n2 >= k, c2, jnp.where(n1 >= k, c1, t)))
 
+    passes = 32 // digit_bits
     if unroll:  # (as before session 31: bench_topk's code-size comparison)
       t = jnp.uint32(0)
-      for p in range(32 // digit_bits):
+      for p in range(passes):
         t = one_pass(jnp.int32(p), t)
     else:
-      t = lax.fori_loop(0, 32 // digit_bits, one_pass, jnp.uint32(0))
-    n_gt = jnp.sum((u > t).astype(jnp.int32))
-    t_g[r] = jnp.broadcast_to(t, (THRESHOLD_LANES,))
-    n_g[r] = jnp.broadcast_to(n_gt, (THRESHOLD_LANES,))
+      t = lax.fori_loop(0, passes, one_pass, jnp.uint32(0))
+    (n_gt,) = total(jnp.int32(passes), jnp.sum((u > t).astype(jnp.int32)))
+
+    def store():
+      t_g[r] = jnp.broadcast_to(t, (THRESHOLD_LANES,))
+      n_g[r] = jnp.broadcast_to(n_gt, (THRESHOLD_LANES,))
+
+    if wgs == 1:
+      store()
+    else:
+      pl.when(w == 0)(store)
 
   return body
 
 
-@kernel_entry("k", "digit_bits", "unroll")
-def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False):
-  """Mosaic GPU version of ``topk_threshold_reference``: one CTA (one warpgroup) per row, the row's keys TMA'd
-  into SMEM and held in registers; 32 / digit_bits passes (``_threshold_kernel``) and one count of the keys above
-  the threshold. N must be a multiple of 128 (pad with 0, the smallest key: a pad never outranks a real key, and
-  the k-th largest of the real keys is unchanged when k <= the real count) and at most THRESHOLD_MAX_KEYS (the
-  registers)."""
+@kernel_entry("k", "digit_bits", "unroll", "warpgroups")
+def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, warpgroups: int = 1):
+  """Mosaic GPU version of ``topk_threshold_reference``: one CTA per row, the row's keys TMA'd into SMEM and held
+  in registers; 32 / digit_bits passes (``_threshold_kernel``) and one count of the keys above the threshold.
+  ``warpgroups`` (1, 2 or 4): the CTA's warpgroups, each holding 1 / warpgroups of the row's keys (a pass's
+  compares spread over more threads; its counts summed over the warpgroups through SMEM). N must be a multiple of
+  128 · warpgroups (pad with 0, the smallest key: a pad never outranks a real key, and the k-th largest of the
+  real keys is unchanged when k <= the real count) and at most THRESHOLD_MAX_KEYS (the registers)."""
   _check_threshold(keys, k)
   R, N = keys.shape
   if digit_bits not in (1, 2):
     raise ValueError(f"topk_threshold: digit_bits = {digit_bits}, expected 1 or 2 (bits of the threshold per pass)")
-  if N % THRESHOLD_LANES or N > THRESHOLD_MAX_KEYS:
-    raise ValueError(f"topk_threshold: N = {N} keys per row; the kernel takes a multiple of {THRESHOLD_LANES} up "
-                     f"to {THRESHOLD_MAX_KEYS} (pad with 0)")
+  if warpgroups not in (1, 2, 4):
+    raise ValueError(f"topk_threshold: warpgroups = {warpgroups}, expected 1, 2 or 4")
+  lanes = THRESHOLD_LANES * warpgroups
+  if N % lanes or N > THRESHOLD_MAX_KEYS:
+    raise ValueError(f"topk_threshold: N = {N} keys per row; the kernel takes a multiple of {lanes} up to "
+                     f"{THRESHOLD_MAX_KEYS} (pad with 0)")
   nr = N // THRESHOLD_LANES
   row = lambda dt: jax.ShapeDtypeStruct((R, THRESHOLD_LANES), dt)
+  u_s = plgpu.SMEM((nr, THRESHOLD_LANES), jnp.uint32)
+  if warpgroups == 1:
+    scratch, threads = [u_s, plgpu.Barrier(num_arrivals=1)], {}
+  else:  # (c_s: 2 slots x 2 counts x warpgroups; an exchange barrier of one arrival per warpgroup)
+    scratch = [u_s, plgpu.SMEM((2, 2, warpgroups), jnp.int32), plgpu.Barrier(num_arrivals=1),
+               plgpu.Barrier(num_arrivals=warpgroups)]
+    threads = dict(num_threads=warpgroups, thread_name="wg")
   t, n_gt = mgpu_kernel(
-      _threshold_kernel(int(k), int(digit_bits), bool(unroll)),
+      _threshold_kernel(int(k), int(digit_bits), bool(unroll), int(warpgroups)),
       out_type=(row(jnp.uint32), row(jnp.int32)),
       grid=(R,),
       grid_names=("r",),
       kernel_name="glm5_topk_threshold",
-      scratch_types=[plgpu.SMEM((nr, THRESHOLD_LANES), jnp.uint32), plgpu.Barrier(num_arrivals=1)],
+      scratch_types=scratch,
+      **threads,
   )(keys.reshape(R, nr, THRESHOLD_LANES))
   return t[:, 0], n_gt[:, 0]

@@ -256,18 +256,20 @@ def threshold_keys(rng, R, N, n_real=None):
   return jnp.asarray(u)
 
 
-@pytest.mark.parametrize("R,N,k,bits,unroll", [
-    (1, 128, 1, 1, False), (3, 8320, 512, 1, False), (2, 256, 256, 1, False), (5, 1024, 700, 1, False),
-    (1, 128, 1, 2, False), (3, 8320, 512, 2, False), (2, 256, 256, 2, False), (5, 1024, 700, 2, False),
-    (5, 1024, 700, 1, True), (5, 1024, 700, 2, True)])
-def test_threshold_kernel_interpret(R, N, k, bits, unroll):
+@pytest.mark.parametrize("R,N,k,bits,unroll,wgs", [
+    (1, 128, 1, 1, False, 1), (3, 8320, 512, 1, False, 1), (2, 256, 256, 1, False, 1), (5, 1024, 700, 1, False, 1),
+    (1, 128, 1, 2, False, 1), (3, 8320, 512, 2, False, 1), (2, 256, 256, 2, False, 1), (5, 1024, 700, 2, False, 1),
+    (5, 1024, 700, 1, True, 1), (5, 1024, 700, 2, True, 1),
+    (1, 512, 1, 1, False, 4), (3, 8704, 512, 1, False, 4), (2, 1024, 1024, 2, False, 4), (5, 1024, 700, 1, False, 2),
+    (3, 8704, 512, 2, False, 4)])
+def test_threshold_kernel_interpret(R, N, k, bits, unroll, wgs):
   """One and two bits of the threshold per pass (2: three candidates, two of their counts packed in one sum); the
-  passes as a loop and unrolled."""
+  passes as a loop and unrolled; the row over 1, 2 or 4 warpgroups (their counts summed through SMEM each pass)."""
   rng = np.random.default_rng()
   keys = threshold_keys(rng, R, N, n_real=N - 64 if N > k + 64 else None)
   want = I.topk_threshold_reference(keys, k)
   with maybe_interpret(True):
-    got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits, unroll=unroll))(keys)
+    got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits, unroll=unroll, warpgroups=wgs))(keys)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
   # the definition, independently of the reference: #{>= t} >= k > #{> t}
@@ -285,12 +287,18 @@ def test_threshold_rejects_bad_input():
     I.topk_threshold(jnp.zeros((2, 256), jnp.int32), 5)
   with pytest.raises(ValueError, match="digit_bits = 3"):
     I.topk_threshold(jnp.zeros((2, 256), jnp.uint32), 5, digit_bits=3)
+  with pytest.raises(ValueError, match="warpgroups = 3, expected 1, 2 or 4"):
+    I.topk_threshold(jnp.zeros((2, 1536), jnp.uint32), 5, warpgroups=3)
+  with pytest.raises(ValueError, match="N = 640 keys per row; the kernel takes a multiple of 512"):
+    I.topk_threshold(jnp.zeros((2, 640), jnp.uint32), 5, warpgroups=4)
 
 
-@pytest.mark.parametrize("R,N,bits", [(1, 8320, 1), (32, 8320, 1), (1, I.THRESHOLD_MAX_KEYS, 1), (4, 8320, 2),
-                                      (1, I.THRESHOLD_MAX_KEYS, 2)])
-def test_threshold_cross_lower(R, N, bits):
-  txt = cross_lower(lambda u: I.topk_threshold(u, 512, digit_bits=bits), SDS((R, N), jnp.uint32)).as_text()
+@pytest.mark.parametrize("R,N,bits,wgs", [(1, 8320, 1, 1), (32, 8320, 1, 1), (1, I.THRESHOLD_MAX_KEYS, 1, 1),
+                                          (4, 8320, 2, 1), (1, I.THRESHOLD_MAX_KEYS, 2, 1), (1, 8704, 1, 4),
+                                          (4, I.THRESHOLD_MAX_KEYS, 2, 4)])
+def test_threshold_cross_lower(R, N, bits, wgs):
+  txt = cross_lower(lambda u: I.topk_threshold(u, 512, digit_bits=bits, warpgroups=wgs),
+                    SDS((R, N), jnp.uint32)).as_text()
   assert "mosaic_gpu" in txt
   if R == 1 and N == 8320:  # the passes stay a loop: the unrolled form is ~7x the code (run once per CTA)
     unrolled = cross_lower(lambda u: I.topk_threshold(u, 512, digit_bits=bits, unroll=True),
@@ -300,12 +308,16 @@ def test_threshold_cross_lower(R, N, bits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [1, 2])
-@pytest.mark.parametrize("R,N,k,unroll", [(1, 8320, 512, False), (4, 8320, 512, False), (32, 16512, 512, False),
-                                          (3, 256, 256, False), (1, 8320, 512, True)])
-def test_threshold_kernel_gpu(R, N, k, bits, unroll):
+@pytest.mark.parametrize("R,N,k,unroll,wgs", [(1, 8320, 512, False, 1), (4, 8320, 512, False, 1),
+                                              (32, 16512, 512, False, 1), (3, 256, 256, False, 1),
+                                              (1, 8320, 512, True, 1), (1, 8704, 512, False, 4),
+                                              (4, 8704, 512, False, 4), (32, 16896, 512, False, 4),
+                                              (3, 1024, 1024, False, 2)])
+def test_threshold_kernel_gpu(R, N, k, bits, unroll, wgs):
+  """(wgs > 1: the warpgroups' counts meet through SMEM and an mbarrier reused every pass — natively only here)"""
   keys = threshold_keys(np.random.default_rng(), R, N, n_real=N - 64)
   want = jax.jit(lambda u: I.topk_threshold_reference(u, k))(keys)
-  got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits, unroll=unroll))(keys)
+  got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits, unroll=unroll, warpgroups=wgs))(keys)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 

@@ -87,12 +87,13 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   knob turned on explicitly that reached no call site would be refused), its tokens as a loop (kda_token_loop)
   and the short conv inside it (kda_conv); with the fused kernels, half as wide per CTA (mhc_narrow) and the
   finish / Sinkhorn summing the raw partials (mhc_fused_sums); the index queries rotated and quantised in the
-  scores kernel (indexer_q_in_kernel)."""
+  scores kernel (indexer_q_in_kernel); the top-k threshold kernel on 4 warpgroups (topk_threshold_4wg)."""
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("kda_conv", True), ("mhc", True),
                            ("mhc_boundary", form == "boundary"), ("mhc_grid_barrier", form == "grid"),
-                           ("mhc_narrow", kernels), ("mhc_fused_sums", kernels), ("indexer_q_in_kernel", True)))
+                           ("mhc_narrow", kernels), ("mhc_fused_sums", kernels), ("indexer_q_in_kernel", True),
+                           ("topk_threshold_4wg", True)))
   names = {"kernels": ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"),
            "boundary": ("glm5_mhc_boundary", "glm5_mhc_sinkhorn"),
            "grid": ("glm5_mhc_post_finish", "glm5_mhc_sinkhorn")}[form]
