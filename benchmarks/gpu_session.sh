@@ -167,14 +167,15 @@ kernel_tables() {  # $@: the q values. Each profiled step's kernel table with ev
   rm -f "$OUT"/hlo/*.hlo.gz "$OUT"/hlo/*.kernels.json  # (the tables and the kernels.tsv listings come back)
 }
 
-pdl_probe() {  # bench_pdl: a chain of dependent Mosaic launches in the CUDA graph, with / without PDL, under the
-  # XLA flags that may matter (each a process: XLA reads its flags once)
-  for fl in "" "--xla_gpu_enable_pdl=true" "--xla_gpu_enable_pdl=false" "--xla_gpu_enable_command_buffer="; do
-    [ "$(left)" -gt 100 ] && XLA_FLAGS="$fl" timeout -k 9 80 python3 benchmarks/bench_pdl.py \
-      --out "$OUT/pdl.jsonl" >> "$OUT/bench_pdl.log" 2>&1
-  done
+pdl_probe() {  # bench_pdl: a chain of dependent Mosaic launches in the CUDA graph, with / without PDL: XLA's default
+  # flags; PDL on in XLA with the custom calls marked uses_pdl; no command buffers (stream launches: does PDL work
+  # at all here). Each a process (XLA reads its flags once)
+  [ "$(left)" -gt 100 ] && timeout -k 9 80 python3 benchmarks/bench_pdl.py --out "$OUT/pdl.jsonl" \
+    >> "$OUT/bench_pdl.log" 2>&1
   [ "$(left)" -gt 100 ] && XLA_FLAGS="--xla_gpu_enable_pdl=true" timeout -k 9 80 python3 benchmarks/bench_pdl.py \
     --uses-pdl-attr --variants plain,pdl,pdl_step --out "$OUT/pdl.jsonl" >> "$OUT/bench_pdl.log" 2>&1
+  [ "$(left)" -gt 100 ] && XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout -k 9 80 python3 \
+    benchmarks/bench_pdl.py --variants plain,pdl,pdl_step,xla --out "$OUT/pdl.jsonl" >> "$OUT/bench_pdl.log" 2>&1
 }
 
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
