@@ -530,6 +530,8 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     timeout -k 9 -s INT 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
       -k "rotating or threshold_kernel_gpu and (False-4 or False-2)" 2>&1 \
       | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 | tee -a "$OUT/gpu_tests.log"
+    timeout -k 9 -s INT 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_router_kernel.py \
+      -k "router_route" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -10 | tee -a "$OUT/gpu_tests.log"
     # the threshold kernel on 4 warpgroups vs 1 (and 2 bits per pass), alone
     [ "$(left)" -gt 100 ] && timeout -k 9 60 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8256 \
       --only "kernel scan128,kernel wg4 scan128,kernel2 scan128,kernel2 wg4 scan128" --out "$OUT/bench_topk.log" \
@@ -539,7 +541,9 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --paths narrow,sums,grid > "$OUT/bench_mhc.log" 2>&1
     ;;
   s33b)  # (nvidia-h200) the step A/B at q = 1, 4 steps per call, 7 interleaved repeats: defaults, each candidate
-    # alone (those whose GPU tests s33a passed: set CANDIDATES to their policies), then q = 4 with ALL_ON
+    # alone (those whose GPU tests s33a passed: set CANDIDATES to their policies), then q = 4 with ALL_ON (the
+    # winners and the q >= 2 candidates, e.g. router_route: at q = 1 it has no site and an explicit knob without
+    # one is refused)
     # (CANDIDATES: shell words, e.g. CANDIDATES="'{\"mhc_fused_sums\": true}' '{\"topk_scan_mm\": true}'")
     if [ -n "${CANDIDATES:-}" ]; then eval "set -- $CANDIDATES"; else set -- '{"mhc_fused_sums": true}' \
       '{"mhc_grid_barrier": true}' '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' \

@@ -120,6 +120,11 @@ KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla
                    # [slot, token] weights, the shared expert's slot) as one Mosaic launch (linear.moe_route)
                    # instead of ~7 small XLA kernels per MoE layer on the critical path (q = 4, session 27)
                    "moe_route": True,
+                   # with fp8_moe, moe_route and router_kernel on, at 2-4 token rows: the router kernel builds
+                   # moe_route's slot tables itself (pallas_kernels.router.router_route: a warpgroup per row, then
+                   # the tables once all rows are in) — one launch instead of two on the MoE layer's critical path
+                   # (q = 4: ~4 µs each, session 28's profile); off until measured
+                   "router_route": False,
                    # with mhc, mhc_finish and mhc_sinkhorn_split on: each mHC boundary as ONE launch (a cluster of 8
                    # CTAs: pallas_kernels.mhc.mhc_boundary) instead of mhc_post_pre + an XLA reduction +
                    # mhc_finish on the sublayer's critical path (~14 µs and 3 launches per boundary at q = 1,
@@ -687,13 +692,29 @@ class Router(nnx.Module):
     self.e_score_correction_bias = param((cfg.n_routed_experts,), jnp.float32, (None,))
     self.top_k, self.scaling, self.norm = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.norm_topk_prob
 
+  def kernel_fits(self, E: int) -> tuple[bool, str]:
+    """(whether the router kernels take E experts of top-k, why not)."""
+    k = self.top_k
+    return (E % 4 == 0 and k % 4 == 0 and k <= min(E, 128),
+            f"k = {k} of E = {E} experts (the kernel takes k and E multiples of 4, k <= 128)")
+
+  def with_tables(self, x, *, n_pad: int, mp: int, shared: bool):
+    """x [M, D] (2 <= M <= router.ROUTE_MAX_ROWS) -> (ids [M, k], weights [M, k], fp8_moe's slot tables (eids,
+    n_valid, r)) from ONE kernel: the router kernel's selection and moe_route's tables (router.router_route)."""
+    from pallas_kernels import router as kr  # noqa: PLC0415
+    logits = self.logits(x).astype(jnp.float32)
+    ids, w, *tables = kr.router_route(logits, self.e_score_correction_bias[...].astype(jnp.float32), k=self.top_k,
+                                      scaling=float(self.scaling), norm=bool(self.norm),
+                                      num_experts=logits.shape[-1], n_pad=n_pad, mp=mp, shared=shared)
+    return ids, w, tuple(tables)
+
   def __call__(self, x):
     """x [..., D] -> (ids [..., k] int32, weights [..., k] f32). fp32 logits; the bias only selects."""
     logits = self.logits(x)
     E, k = logits.shape[-1], self.top_k
     rows = math.prod(logits.shape[:-1])  # the [rows, E, E] comparison is for decode batches, not prefill
-    if kernel_enabled("router_kernel", rows, fits=E % 4 == 0 and k % 4 == 0 and k <= min(E, 128),
-                      why=f"k = {k} of E = {E} experts (the kernel takes k and E multiples of 4, k <= 128)"):
+    fits, why = self.kernel_fits(E)
+    if kernel_enabled("router_kernel", rows, fits=fits, why=why):
       from pallas_kernels import router as kr  # noqa: PLC0415
       ids, w = kr.router_topk(logits.reshape(rows, E).astype(jnp.float32),
                               self.e_score_correction_bias[...].astype(jnp.float32), k=k,
@@ -784,21 +805,34 @@ class MoE(nnx.Module):
     """x [B, T, D] -> [B, T, D]; one psum for routed + shared."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
-    with jax.named_scope("router"):
-      ids, w = self.gate(xf)
     ex = self.experts
-    if kernel_enabled("fp8_moe", xf.shape[0], fits=ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0,
-                      why="FP8 expert weights with I % 128 == 0"):
-      from pallas_kernels import linear as kl  # noqa: PLC0415
+    rows, k, E = xf.shape[0], self.gate.top_k, ex.gate_proj.shape[0]
+    moe_kernel = kernel_enabled("fp8_moe", rows, fits=ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0,
+                                why="FP8 expert weights with I % 128 == 0")
+    tables = None
+    with jax.named_scope("router"):
+      if moe_kernel:
+        from pallas_kernels import linear as kl  # noqa: PLC0415
+        from pallas_kernels import router as kr  # noqa: PLC0415
+        route = rows > 1 and kernel_enabled("moe_route", fits=rows * k <= kl.ROUTE_MAX_PAIRS,
+                                            why=f"{rows} token rows x {k} experts > {kl.ROUTE_MAX_PAIRS} pairs")
+        fits, why = self.gate.kernel_fits(E)
+        # router_route: the router kernel builds moe_route's slot tables too (one launch instead of two)
+        if route and kernel_switch("router_kernel") and kernel_enabled(
+            "router_route", fits=fits and rows <= kr.ROUTE_MAX_ROWS,
+            why=f"{rows} token rows (the kernel takes 2..{kr.ROUTE_MAX_ROWS}), or {why}"):
+          kernel_enabled("router_kernel", rows)  # (its site: the fused kernel runs its selection)
+          n_pad, mp = kl.route_shape(rows, k, E, self.shared_experts is not None)
+          ids, w, tables = self.gate.with_tables(xf, n_pad=n_pad, mp=mp, shared=self.shared_experts is not None)
+      if tables is None:
+        ids, w = self.gate(xf)
+    if moe_kernel:
       se = self.shared_experts  # (config: 0 or 1 shared expert, of the routed width) slot 0 of the same kernels
       sew = None if se is None else (se.gate_proj.weight[...], se.gate_proj.scale[...], se.up_proj.weight[...],
                                      se.up_proj.scale[...], se.down_proj.weight[...], se.down_proj.scale[...])
-      rows, k = ids.shape
-      route = rows > 1 and kernel_enabled("moe_route", fits=rows * k <= kl.ROUTE_MAX_PAIRS,
-                                          why=f"{rows} token rows x {k} experts > {kl.ROUTE_MAX_PAIRS} pairs")
       y = kl.fp8_moe(xf, ids, w, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],
                      ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, shared=sew,
-                     dq=kernel_enabled("fp8_dq", xf.shape[0]), route_kernel=route)
+                     dq=kernel_enabled("fp8_dq", xf.shape[0]), route_kernel=route, tables=tables)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
       return (y, ids.reshape(*lead, -1)) if return_ids else y
     y = ex.partial(xf, ids, w, dtype)

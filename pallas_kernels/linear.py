@@ -819,45 +819,75 @@ def moe_route_reference(topk_ids, topk_weights, *, num_experts: int, n_pad: int,
   return eids, jnp.broadcast_to(n_valid.astype(jnp.int32), (4,)), r
 
 
-def _route_kernel(M: int, k: int, E: int, n_pad: int, mp: int, shared: bool):
+def route_tables(ids_at, w_at, M: int, k: int, E: int, mp: int, shared: bool):
+  """moe_route's tables in registers from the (row, j) pairs' ids and weights read by ``ids_at(m, j)`` /
+  ``w_at(m, j)`` (uniform scalars, e.g. SMEM loads) -> (eids [128] int32, the valid slot count (int32 scalar),
+  r [128, mp] f32). Each pair's slot from the earlier pairs' (id, slot): uniform scalar compares (M·k (M·k − 1)
+  / 2 of them), no cross-thread reduction; the tables are built with per-pair selects on [128] / [128, mp]
+  registers. (Shared by moe_route and the router kernel that builds the tables itself, router.router_route.)"""
   vec = plgpu.Layout.WG_STRIDED((_LANES,), vec_size=1)
   tile = plgpu.Layout.WG_STRIDED((_LANES, mp), vec_size=1)
+  slots = plgpu.broadcasted_iota(jnp.int32, (_LANES,), 0, layout=vec)
+  row = plgpu.broadcasted_iota(jnp.int32, (_LANES, mp), 0, layout=tile)
+  col = plgpu.broadcasted_iota(jnp.int32, (_LANES, mp), 1, layout=tile)
+  eids = jnp.zeros((_LANES,), jnp.int32)
+  r = jnp.zeros((_LANES, mp), jnp.float32)
+  count = jnp.int32(int(shared))
+  if shared:
+    r = jnp.where(row == 0, jnp.where(col < M, 1.0, r), r)
+  seen = []
+  for m in range(M):
+    for j in range(k):
+      e, w = ids_at(m, j), w_at(m, j)
+      ok = (e >= 0) & (e < E)
+      slot = jnp.int32(-1)
+      for e2, s2 in seen:
+        slot = jnp.where(e == e2, s2, slot)
+      new = ok & (slot < 0)
+      slot = jnp.where(ok, jnp.where(new, count, slot), jnp.int32(-1))
+      count = count + new.astype(jnp.int32)
+      seen.append((e, slot))
+      eids = jnp.where(slots == slot, e, eids)
+      r = jnp.where(row == slot, jnp.where(col == m, r + w, r), r)
+  return eids, count, r
 
+
+def store_route_tables(eids, count, r, e_s, n_s, r_s, eids_g, nv_g, r_g):
+  """route_tables' registers -> the outputs eids [n_pad], n_valid [4], r [n_pad, mp] (through SMEM and TMA; the
+  caller waits for the stores)."""
+  n_pad = eids_g.shape[0]
+  e_s[...] = eids
+  n_s[...] = jnp.broadcast_to(count, (_LANES,))
+  r_s[...] = r
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(e_s.at[pl.ds(0, n_pad)], eids_g)
+  plgpu.copy_smem_to_gmem(n_s.at[pl.ds(0, 4)], nv_g)
+  plgpu.copy_smem_to_gmem(r_s.at[pl.ds(0, n_pad)], r_g)
+
+
+def route_out_types(n_pad: int, mp: int):
+  """(eids, n_valid, r) of moe_route / router_route."""
+  return (jax.ShapeDtypeStruct((n_pad,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32),
+          jax.ShapeDtypeStruct((n_pad, mp), jnp.float32))
+
+
+def route_scratch(mp: int):
+  """The SMEM staging of route_tables' outputs (e_s, n_s, r_s)."""
+  return [plgpu.SMEM((_LANES,), jnp.int32), plgpu.SMEM((_LANES,), jnp.int32), plgpu.SMEM((_LANES, mp), jnp.float32)]
+
+
+def route_shape(m: int, k: int, num_experts: int, shared: bool) -> tuple[int, int]:
+  """(n_pad, mp) of fp8_moe's slot tables for m token rows of k experts each (the shared expert a slot too)."""
+  return _round_up(min(num_experts, m * k) + int(shared), 8), _padded_rows(m)
+
+
+def _route_kernel(M: int, k: int, E: int, n_pad: int, mp: int, shared: bool):
   def body(ids_g, w_g, eids_g, nv_g, r_g, ids_s, w_s, e_s, n_s, r_s, bar):
     plgpu.copy_gmem_to_smem(ids_g, ids_s, bar)
     plgpu.copy_gmem_to_smem(w_g, w_s, bar)
     plgpu.barrier_wait(bar)
-    slots = plgpu.broadcasted_iota(jnp.int32, (_LANES,), 0, layout=vec)
-    row = plgpu.broadcasted_iota(jnp.int32, (_LANES, mp), 0, layout=tile)
-    col = plgpu.broadcasted_iota(jnp.int32, (_LANES, mp), 1, layout=tile)
-    eids = jnp.zeros((_LANES,), jnp.int32)
-    r = jnp.zeros((_LANES, mp), jnp.float32)
-    count = jnp.int32(int(shared))
-    if shared:
-      r = jnp.where(row == 0, jnp.where(col < M, 1.0, r), r)
-    # Each pair's slot from the earlier pairs' (id, slot): uniform scalar compares (M·k (M·k − 1) / 2 of them),
-    # no cross-thread reduction; the tables are built with per-pair selects on [128] / [128, mp] registers.
-    seen = []
-    for m in range(M):
-      for j in range(k):
-        e, w = ids_s[m, j], w_s[m, j]
-        ok = (e >= 0) & (e < E)
-        slot = jnp.int32(-1)
-        for e2, s2 in seen:
-          slot = jnp.where(e == e2, s2, slot)
-        new = ok & (slot < 0)
-        slot = jnp.where(ok, jnp.where(new, count, slot), jnp.int32(-1))
-        count = count + new.astype(jnp.int32)
-        seen.append((e, slot))
-        eids = jnp.where(slots == slot, e, eids)
-        r = jnp.where(row == slot, jnp.where(col == m, r + w, r), r)
-    e_s[...] = eids
-    n_s[...] = jnp.broadcast_to(count, (_LANES,))
-    r_s[...] = r
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(e_s.at[pl.ds(0, n_pad)], eids_g)
-    plgpu.copy_smem_to_gmem(n_s.at[pl.ds(0, 4)], nv_g)
-    plgpu.copy_smem_to_gmem(r_s.at[pl.ds(0, n_pad)], r_g)
+    eids, count, r = route_tables(lambda m, j: ids_s[m, j], lambda m, j: w_s[m, j], M, k, E, mp, shared)
+    store_route_tables(eids, count, r, e_s, n_s, r_s, eids_g, nv_g, r_g)
     plgpu.wait_smem_to_gmem(0)
 
   return body
@@ -876,18 +906,17 @@ def moe_route(topk_ids, topk_weights, *, num_experts: int, n_pad: int, mp: int, 
   i32, f32 = jnp.int32, jnp.float32
   return mgpu_kernel(
       _route_kernel(M, k, num_experts, n_pad, mp, shared),
-      out_type=(jax.ShapeDtypeStruct((n_pad,), i32), jax.ShapeDtypeStruct((4,), i32),
-                jax.ShapeDtypeStruct((n_pad, mp), f32)),
+      out_type=route_out_types(n_pad, mp),
       kernel_name="glm5_moe_route",
-      scratch_types=[plgpu.SMEM((M, k), i32), plgpu.SMEM((M, k), f32), plgpu.SMEM((_LANES,), i32),
-                     plgpu.SMEM((_LANES,), i32), plgpu.SMEM((_LANES, mp), f32), plgpu.Barrier(num_arrivals=2)],
+      scratch_types=[plgpu.SMEM((M, k), i32), plgpu.SMEM((M, k), f32), *route_scratch(mp),
+                     plgpu.Barrier(num_arrivals=2)],
   )(topk_ids.astype(i32), topk_weights.astype(f32))
 
 
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
-            route_kernel: bool = False):
+            route_kernel: bool = False, tables=None):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -900,6 +929,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       (one Mosaic launch; slots in first-occurrence order) instead of XLA's ``_route`` (ascending expert order):
       the same sum up to the order in which the down kernel adds the experts. (M = 1 reads the router's ids as a
       static slot table either way.)
+    tables: with route_kernel, moe_route's (eids, n_valid, r) for these ids and weights, computed already (the
+      router kernel that builds them itself: router.router_route) — no moe_route launch here.
   Returns:
     y: [M, D] f32 = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -934,10 +965,19 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   # was an XLA kernel of its own (~0.9 µs per MoE layer at B = 1, q = 1, session 22's profile)
   table_k = k if m == 1 else 0
   in_kernel = route_kernel and m > 1  # the tables (shared slot included): one launch (moe_route checks its limits)
+  if tables is not None and not in_kernel:
+    raise ValueError(f"fp8_moe: slot tables given for {m} token row(s) with route_kernel={route_kernel}; they "
+                     "replace moe_route's (route_kernel=True, more than one row)")
   if in_kernel:
     n_slots += int(has_sh)
-    eids, n_valid, r = moe_route(topk_ids, topk_weights, num_experts=e_num, n_pad=_round_up(n_slots, 8), mp=mp,
-                                 shared=has_sh)
+    if tables is not None:
+      eids, n_valid, r = tables
+      want = ((_round_up(n_slots, 8),), (4,), (_round_up(n_slots, 8), mp))
+      if tuple(a.shape for a in tables) != want:
+        raise ValueError(f"fp8_moe: slot tables {[a.shape for a in tables]}, expected {list(want)} (route_shape)")
+    else:
+      eids, n_valid, r = moe_route(topk_ids, topk_weights, num_experts=e_num, n_pad=_round_up(n_slots, 8), mp=mp,
+                                   shared=has_sh)
     valid = jnp.arange(_round_up(n_slots, 8)) < n_valid[0]
   else:
     eids, n_valid, valid, r = _route(topk_ids, topk_weights, e_num, n_slots, _round_up(n_slots, 8), mp)

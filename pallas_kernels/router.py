@@ -60,48 +60,67 @@ def router_topk_reference(logits, bias, *, k: int, scaling: float, norm: bool):
   return ids.astype(jnp.int32), w * scaling
 
 
-def _router_kernel(E: int, EP: int, k: int, scaling: float, norm: bool):
+def _stage_row(l_g, b_g, l_s, b_s, bar, m, E: int):
+  """Row m of the logits and the bias into l_s / b_s [EP] (TMA boxes of <= 256; the pads written first — logit
+  -inf, bias 0 — and made visible to the TMA before it writes the real entries beside them); waits for them."""
+  EP = l_s.shape[0]
+  vec = plgpu.Layout.WG_STRIDED((EP,), vec_size=1)
+  l_s[...] = plgpu.layout_cast(jnp.full((EP,), -jnp.inf, jnp.float32), vec)
+  b_s[...] = plgpu.layout_cast(jnp.zeros((EP,), jnp.float32), vec)
+  plgpu.commit_smem()
+  for c0 in range(0, E, BOX):
+    n = min(BOX, E - c0)
+    plgpu.copy_gmem_to_smem(l_g.at[m, pl.ds(c0, n)], l_s.at[pl.ds(c0, n)], bar)
+    plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, n)], b_s.at[pl.ds(c0, n)], bar)
+  plgpu.barrier_wait(bar)
+
+
+def _select_row(l_s, b_s, E: int, k: int, scaling: float, norm: bool):
+  """One row's selection from its staged logits / bias -> (ids [128] int32, w [128] f32) registers, the first k
+  entries meaningful: k rounds of the largest key not yet taken, the lowest index holding it and its s; then the
+  normalisation on the k weights in rank order and the scaling."""
+  EP = l_s.shape[0]
   vec = plgpu.Layout.WG_STRIDED((EP,), vec_size=1)
   out = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
+  s = jax.nn.sigmoid(plgpu.load(l_s, layout=vec))
+  key = order_key(s + plgpu.load(b_s, layout=vec))
+  iota = plgpu.broadcasted_iota(jnp.int32, (EP,), 0, layout=vec)
+  taken = jnp.where(iota >= E, 1, 0)  # (int32 masks: i1 arrays do not combine in registers)
+  slot = plgpu.broadcasted_iota(jnp.int32, (LANES,), 0, layout=out)
 
+  def select(j, carry):  # the j-th expert: a loop, not k unrolled copies (code each CTA runs once)
+    taken, ids_v, w_v, tot = carry
+    cand = jnp.where(taken != 0, jnp.int32(_INT_MIN), key)
+    top = jnp.max(cand)
+    # the lowest index with the top key among those not taken (a key can equal the taken marker: -NaN)
+    idx = jnp.min(jnp.where(taken != 0, jnp.int32(_NONE), jnp.where(cand == top, iota, jnp.int32(_NONE))))
+    hit = iota == idx
+    v = jnp.sum(jnp.where(hit, s, 0.0))  # one nonzero term: exact (a where: no NaN leaks in)
+    # (the k weights summed in rank order, as the XLA path: 0 + w_0 + w_1 + ...)
+    return jnp.where(hit, 1, taken), jnp.where(slot == j, idx, ids_v), jnp.where(slot == j, v, w_v), tot + v
+
+  zeros = plgpu.layout_cast(jnp.zeros((LANES,), jnp.int32), out)
+  _, ids_v, w_v, tot = lax.fori_loop(0, k, select, (taken, zeros, zeros.astype(jnp.float32), jnp.float32(0)))
+  if norm:
+    w_v = w_v / (tot + NORM_EPS)
+  return ids_v, w_v * scaling
+
+
+def _store_row(ids_v, w_v, ids_s, w_s, ids_g, w_g, m, k: int):
+  """The row's k ids and weights through SMEM to row m of the outputs (the caller waits for the stores)."""
+  ids_s[...] = ids_v
+  w_s[...] = w_v
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(ids_s.at[pl.ds(0, k)], ids_g.at[m])
+  plgpu.copy_smem_to_gmem(w_s.at[pl.ds(0, k)], w_g.at[m])
+
+
+def _router_kernel(E: int, k: int, scaling: float, norm: bool):
   def body(l_g, b_g, ids_g, w_g, l_s, b_s, ids_s, w_s, bar):
     m = lax.axis_index("m")
-    # pads first (logit -inf, bias 0), made visible to the TMA before it writes the real entries beside them
-    l_s[...] = plgpu.layout_cast(jnp.full((EP,), -jnp.inf, jnp.float32), vec)
-    b_s[...] = plgpu.layout_cast(jnp.zeros((EP,), jnp.float32), vec)
-    plgpu.commit_smem()
-    for c0 in range(0, E, BOX):
-      n = min(BOX, E - c0)
-      plgpu.copy_gmem_to_smem(l_g.at[m, pl.ds(c0, n)], l_s.at[pl.ds(c0, n)], bar)
-      plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, n)], b_s.at[pl.ds(c0, n)], bar)
-    plgpu.barrier_wait(bar)
-    s = jax.nn.sigmoid(plgpu.load(l_s, layout=vec))
-    key = order_key(s + plgpu.load(b_s, layout=vec))
-    iota = plgpu.broadcasted_iota(jnp.int32, (EP,), 0, layout=vec)
-    taken = jnp.where(iota >= E, 1, 0)  # (int32 masks: i1 arrays do not combine in registers)
-    slot = plgpu.broadcasted_iota(jnp.int32, (LANES,), 0, layout=out)
-
-    def select(j, carry):  # the j-th expert: a loop, not k unrolled copies (code each CTA runs once)
-      taken, ids_v, w_v, tot = carry
-      cand = jnp.where(taken != 0, jnp.int32(_INT_MIN), key)
-      top = jnp.max(cand)
-      # the lowest index with the top key among those not taken (a key can equal the taken marker: -NaN)
-      idx = jnp.min(jnp.where(taken != 0, jnp.int32(_NONE), jnp.where(cand == top, iota, jnp.int32(_NONE))))
-      hit = iota == idx
-      v = jnp.sum(jnp.where(hit, s, 0.0))  # one nonzero term: exact (a where: no NaN leaks in)
-      # (the k weights summed in rank order, as the XLA path: 0 + w_0 + w_1 + ...)
-      return jnp.where(hit, 1, taken), jnp.where(slot == j, idx, ids_v), jnp.where(slot == j, v, w_v), tot + v
-
-    zeros = plgpu.layout_cast(jnp.zeros((LANES,), jnp.int32), out)
-    _, ids_v, w_v, tot = lax.fori_loop(0, k, select, (taken, zeros, zeros.astype(jnp.float32), jnp.float32(0)))
-    if norm:
-      w_v = w_v / (tot + NORM_EPS)
-    w_v = w_v * scaling
-    ids_s[...] = ids_v
-    w_s[...] = w_v
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(ids_s.at[pl.ds(0, k)], ids_g.at[m])
-    plgpu.copy_smem_to_gmem(w_s.at[pl.ds(0, k)], w_g.at[m])
+    _stage_row(l_g, b_g, l_s, b_s, bar, m, E)
+    ids_v, w_v = _select_row(l_s, b_s, E, k, scaling, norm)
+    _store_row(ids_v, w_v, ids_s, w_s, ids_g, w_g, m, k)
     plgpu.wait_smem_to_gmem(0)
 
   return body
@@ -115,11 +134,75 @@ def router_topk(logits, bias, *, k: int, scaling: float, norm: bool):
   EP = -(-E // LANES) * LANES
   f32 = jnp.float32
   return mgpu_kernel(
-      _router_kernel(E, EP, int(k), float(scaling), bool(norm)),
+      _router_kernel(E, int(k), float(scaling), bool(norm)),
       out_type=(jax.ShapeDtypeStruct((M, k), jnp.int32), jax.ShapeDtypeStruct((M, k), f32)),
       grid=(M,),
       grid_names=("m",),
       kernel_name="glm5_router_topk",
       scratch_types=[plgpu.SMEM((EP,), f32), plgpu.SMEM((EP,), f32), plgpu.SMEM((LANES,), jnp.int32),
                      plgpu.SMEM((LANES,), f32), plgpu.Barrier(num_arrivals=2 * (-(-E // BOX)))],
+  )(logits, bias)
+
+
+# ----------------------------------------------------------------------------------------- router + slot tables
+ROUTE_MAX_ROWS = 4  # token rows up to which router_route runs (a warpgroup per row in one CTA)
+
+
+def router_route_reference(logits, bias, *, k: int, scaling: float, norm: bool, num_experts: int, n_pad: int,
+                           mp: int, shared: bool):
+  """``router_topk_reference`` then ``linear.moe_route_reference`` on its ids and weights -> (ids [M, k] int32, w
+  [M, k] f32, eids [n_pad] int32, n_valid [4] int32, r [n_pad, mp] f32)."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  ids, w = router_topk_reference(logits, bias, k=k, scaling=scaling, norm=norm)
+  return ids, w, *kl.moe_route_reference(ids, w, num_experts=num_experts, n_pad=n_pad, mp=mp, shared=shared)
+
+
+def _router_route_kernel(M: int, E: int, k: int, scaling: float, norm: bool, mp: int, shared: bool):
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+
+  def body(l_g, b_g, ids_g, w_g, eids_g, nv_g, r_g, l_s, b_s, ids_s, w_s, e_s, n_s, r_s, bar, xbar):
+    m = lax.axis_index("wg")  # warpgroup m selects row m
+    _stage_row(l_g, b_g, l_s.at[m], b_s.at[m], bar.at[m], m, E)
+    ids_v, w_v = _select_row(l_s.at[m], b_s.at[m], E, k, scaling, norm)
+    _store_row(ids_v, w_v, ids_s.at[m], w_s.at[m], ids_g, w_g, m, k)
+    plgpu.barrier_arrive(xbar)  # (each thread's arrive releases its own stores of the row to SMEM)
+
+    @pl.when(m == 0)
+    def _():  # once every row is in: the slot tables from the rows' ids and weights in SMEM
+      plgpu.barrier_wait(xbar)
+      eids, count, r = kl.route_tables(lambda i, j: ids_s[i, j], lambda i, j: w_s[i, j], M, k, E, mp, shared)
+      kl.store_route_tables(eids, count, r, e_s, n_s, r_s, eids_g, nv_g, r_g)
+
+    plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+@kernel_entry("k", "scaling", "norm", "num_experts", "n_pad", "mp", "shared")
+def router_route(logits, bias, *, k: int, scaling: float, norm: bool, num_experts: int, n_pad: int, mp: int,
+                 shared: bool):
+  """Mosaic GPU version of ``router_route_reference``: ``router_topk``'s selection for M <= ROUTE_MAX_ROWS token
+  rows (a warpgroup per row, one CTA) and, once all rows are in (an mbarrier), ``linear.moe_route``'s slot tables
+  from them — one launch instead of two on the MoE layer's critical path at q >= 2."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  M, E = _check(logits, bias, k)
+  if not 2 <= M <= ROUTE_MAX_ROWS or num_experts != E or M > mp or n_pad > LANES or n_pad % 8:
+    raise ValueError(f"router_route: logits {logits.shape}, num_experts {num_experts}, n_pad {n_pad}, mp {mp}; "
+                     f"expected 2..{ROUTE_MAX_ROWS} token rows of num_experts logits, M <= mp, n_pad a multiple "
+                     f"of 8 <= {LANES} (one row: router_topk, whose ids are the slot table)")
+  EP = -(-E // LANES) * LANES
+  f32, i32 = jnp.float32, jnp.int32
+  return mgpu_kernel(
+      _router_route_kernel(M, E, int(k), float(scaling), bool(norm), int(mp), bool(shared)),
+      out_type=(jax.ShapeDtypeStruct((M, k), i32), jax.ShapeDtypeStruct((M, k), f32),
+                *kl.route_out_types(n_pad, mp)),
+      grid=(1,),
+      grid_names=("c",),
+      num_threads=M,
+      thread_name="wg",
+      kernel_name="glm5_router_route",
+      scratch_types=[plgpu.SMEM((M, EP), f32), plgpu.SMEM((M, EP), f32), plgpu.SMEM((M, LANES), i32),
+                     plgpu.SMEM((M, LANES), f32), *kl.route_scratch(mp),
+                     plgpu.Barrier(num_arrivals=2 * (-(-E // BOX)), num_barriers=M),
+                     plgpu.Barrier(num_arrivals=M)],
   )(logits, bias)

@@ -70,3 +70,81 @@ def test_kernel_gpu(M, kind):
   want = jax.jit(lambda l, b: R.router_topk_reference(l, b, k=8, scaling=2.5, norm=True))(logits, bias)
   got = jax.jit(lambda l, b: R.router_topk(l, b, k=8, scaling=2.5, norm=True))(logits, bias)
   check(got, want)
+
+
+# ------------------------------------------------------------------------------------------------ router_route
+def check_route(got, want):
+  """The selection as ``check``; the slot tables (ids, slots, n_valid) exactly, the routing weights as w."""
+  check(got[:2], want[:2])
+  np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))  # eids
+  np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(want[3]))  # n_valid
+  np.testing.assert_allclose(np.asarray(got[4]), np.asarray(want[4]), **tol("kernel_f32"))  # r
+
+
+def route_kw(M, E, k, shared):
+  from pallas_kernels import linear as L  # noqa: PLC0415
+  n_pad, mp = L.route_shape(M, k, E, shared)
+  return dict(k=k, scaling=2.5, norm=True, num_experts=E, n_pad=n_pad, mp=mp, shared=shared)
+
+
+@pytest.mark.parametrize("M,E,k,kind,shared", [(2, 288, 8, "scores", True), (4, 288, 8, "ties", True),
+                                               (3, 64, 4, "special", False), (4, 288, 8, "same", False)])
+def test_router_route_interpret(M, E, k, kind, shared):
+  """The router kernel building moe_route's slot tables itself (a warpgroup per row, the tables once all rows
+  are in) == router_topk_reference then moe_route_reference; "same": identical rows (every expert shared)."""
+  x, b = make_logits(np.random.default_rng(), M, E, "scores" if kind == "same" else kind)
+  if kind == "same":
+    x = jnp.broadcast_to(x[:1], x.shape)
+  kw = route_kw(M, E, k, shared)
+  with maybe_interpret(True):
+    got = jax.jit(lambda a, c: R.router_route(a, c, **kw))(x, b)
+  check_route(got, R.router_route_reference(x, b, **kw))
+
+
+def test_router_route_tables_feed_fp8_moe():
+  """fp8_moe with router_route's tables == fp8_moe with moe_route's (the same tables: bit for bit)."""
+  from pallas_kernels import linear as L  # noqa: PLC0415
+  from test_linear_kernels import _shared_expert, moe_inputs  # noqa: PLC0415
+  m, i, d, e, k = 3, 256, 384, 16, 4
+  x, _, _, *w = moe_inputs(jax.random.key(60), m, e, i, d, k)
+  logits, bias = make_logits(np.random.default_rng(), m, e, "scores")
+  sh = _shared_expert(jax.random.key(61), i, d)
+  kw = route_kw(m, e, k, True)
+  with maybe_interpret(True):
+    ids, tw, *tables = jax.jit(lambda a, c: R.router_route(a, c, **kw))(logits, bias)
+    moe = jax.jit(lambda *a, tables=None: L.fp8_moe(*a, swiglu_limit=1.0, dq=True, route_kernel=True, shared=sh,
+                                                    tables=tables))
+    y = moe(x, ids, tw, *w, tables=tuple(tables))
+    y0 = moe(x, ids, tw, *w)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+  with pytest.raises(ValueError, match="slot tables given for 1 token row"):
+    L.fp8_moe(x[:1], ids[:1], tw[:1], *w, swiglu_limit=1.0, dq=True, route_kernel=True, shared=sh,
+              tables=tuple(tables))
+
+
+def test_router_route_rejects_bad_input():
+  x, b = make_logits(np.random.default_rng(0), 5, 288, "scores")
+  with pytest.raises(ValueError, match=r"expected 2..4 token rows"):
+    R.router_route(x, b, **route_kw(5, 288, 8, True))
+  with pytest.raises(ValueError, match=r"expected 2..4 token rows"):
+    R.router_route(x[:1], b, **route_kw(1, 288, 8, True))
+  with pytest.raises(ValueError, match="num_experts 256"):
+    R.router_route(x[:2], b, **{**route_kw(2, 288, 8, True), "num_experts": 256})
+
+
+@pytest.mark.parametrize("M", [2, 4])
+def test_router_route_cross_lower(M):
+  kw = route_kw(M, 288, 8, True)
+  assert "mosaic_gpu" in cross_lower(lambda a, c: R.router_route(a, c, **kw), SDS((M, 288), jnp.float32),
+                                     SDS((288,), jnp.float32)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,kind,shared", [(2, "scores", True), (4, "ties", True), (4, "special", False),
+                                           (3, "scores", True)])
+def test_router_route_gpu(M, kind, shared):
+  """(natively: the warpgroups' rows meet at an mbarrier before warpgroup 0 builds the tables)"""
+  x, b = make_logits(np.random.default_rng(), M, 288, kind)
+  kw = route_kw(M, 288, 8, shared)
+  got = jax.jit(lambda a, c: R.router_route(a, c, **kw))(x, b)
+  check_route(got, jax.jit(lambda a, c: R.router_route_reference(a, c, **kw))(x, b))

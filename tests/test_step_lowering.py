@@ -87,19 +87,21 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   knob turned on explicitly that reached no call site would be refused), its tokens as a loop (kda_token_loop)
   and the short conv inside it (kda_conv); with the fused kernels, half as wide per CTA (mhc_narrow) and the
   finish / Sinkhorn summing the raw partials (mhc_fused_sums); the index queries rotated and quantised in the
-  scores kernel (indexer_q_in_kernel); the top-k threshold kernel on 4 warpgroups (topk_threshold_4wg)."""
+  scores kernel (indexer_q_in_kernel); the top-k threshold kernel on 4 warpgroups (topk_threshold_4wg); the
+  router kernel building the MoE slot tables (router_route: q = 2 is two token rows)."""
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("kda_conv", True), ("mhc", True),
                            ("mhc_boundary", form == "boundary"), ("mhc_grid_barrier", form == "grid"),
                            ("mhc_narrow", kernels), ("mhc_fused_sums", kernels), ("indexer_q_in_kernel", True),
-                           ("topk_threshold_4wg", True)))
+                           ("topk_threshold_4wg", True), ("router_route", True)))
   names = {"kernels": ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"),
            "boundary": ("glm5_mhc_boundary", "glm5_mhc_sinkhorn"),
            "grid": ("glm5_mhc_post_finish", "glm5_mhc_sinkhorn")}[form]
   for name in names:
     assert name in txt, name
   assert ("glm5_mhc_post_pre" in txt) == kernels
+  assert "glm5_router_route" in txt and "glm5_moe_route" not in txt
   check_one_module_per_kernel(txt)
 
 
