@@ -71,7 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries), bench_pdl (PDL
 #                             inside the CUDA graph?), bench_mhc (narrow / sums / grid)
 #   s33b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs each candidate (CANDIDATES), then q = 4 with ALL_ON
-#   s33c (nvidia-h200):       the end-to-end GPU tests gating the KDA defaults; q = 1 profiled (POLICY) with its table
+#   s33c (nvidia-h200):       the end-to-end GPU tests gating the KDA defaults; q = 1 profiled (POLICY) with its table;
+#                             auto vs latency_specialized at 4 steps per call
 #   s32p (nvidia-h200):       q = 1 at 4 steps per call (session-32 defaults) profiled with its kernel table; auto vs
 #                             latency_specialized at 4 steps per call (issue #9); bench_topk's matmul prefix sums
 #   s32f (nvidia-h200):       the KDA token loop's / kda_conv's GPU tests, the all-kernels and KDA greedy tests with
@@ -559,6 +560,12 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --durations=4 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
     [ "$(left)" -gt 200 ] && rank1 s33p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" \
       ${POLICY:+--policy "$POLICY"} && kernel_tables 1
+    # auto vs latency_specialized at 4 steps per call (issue #9's 2x; auto was last measured at one per call)
+    [ "$(left)" -gt 200 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+      --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
+      --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
+      ${POLICY:+--policy "$POLICY"} --out "$OUT/decode_s33q.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" \
+      >> "$OUT/bench_decode_s33q.log"
     ;;
   s32f)  # (nvidia-h200) session 32's candidates natively before they become defaults: the KDA kernel's GPU tests
     # (the token loop, alone and with approx math, has never run natively; bench_kda_decode times, it does not
