@@ -149,6 +149,20 @@ def _main_args(txt):
   return len(re.findall(r"%arg\d+:", sig))
 
 
+def test_real_geometry_step_with_candidate_knobs_lowers_for_cuda():
+  """The knobs the next device A/B turns on (off by default until measured) at the real width, q = 4 (4 token
+  rows: every one of them has sites): the boundary in one grid-barrier launch, the router building the MoE tables,
+  the 4-warpgroup threshold kernel, the KDA token loop with approx math and the conv inside, the index queries
+  rotated in the scores kernel, the prefix sums as a matmul — SMEM budgets and layouts at the real sizes."""
+  pol = (("mhc_grid_barrier", True), ("router_route", True), ("topk_threshold_4wg", True), ("kda_token_loop", True),
+         ("kda_approx_math", True), ("kda_conv", True), ("indexer_q_in_kernel", True), ("topk_scan_mm", True))
+  txt = lower_step(tp_rank_config(C.real(), 4), 4, "latency_specialized", policy=pol)
+  check_one_module_per_kernel(txt)
+  names = {n for n, _, _ in kernel_calls(txt)}
+  assert {"glm5_mhc_post_finish", "glm5_router_route", "glm5_topk_threshold"} <= names, names
+  assert not names & {"glm5_mhc_post_pre", "glm5_mhc_finish", "glm5_moe_route"}, names
+
+
 def test_real_geometry_step_with_packed_params_lowers_for_cuda():
   """pack_params (glm5_jax.param_packing): the one-rank step at q = 1 takes 500 of the 667 parameters under 64 KiB
   in two buffers (f32, bf16; the 167 KEEP_WHOLE vectors stay arguments) — far fewer arguments — and every kernel
