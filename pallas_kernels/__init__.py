@@ -11,6 +11,11 @@ What the H200 taught (BENCHMARKS.md has the measurements):
 - Register loads from an untiled SMEM ref sliced at a column offset came back with 16-byte chunks exchanged
   natively (right in interpret mode): load whole blocks (``sparse_mla._dequant_block``).
 - A tiny parameter slice handed to a kernel costs a memcpy node per call: keep such parameters whole
-  (``glm5_jax.param_packing.KEEP_WHOLE``)."""
+  (``glm5_jax.param_packing.KEEP_WHOLE``).
+- GPU interpret mode (jax 0.11.2) runs neither GMEM semaphores nor griddepcontrol (PDL), and a cluster of more than
+  2 CTAs can stall it: a kernel with a grid-wide barrier keeps a two-launch form of the same code, which interpret
+  mode runs and the native test holds the one-launch form to bit for bit (``mhc.mhc_post_finish``); warpgroups of
+  one CTA meeting at an mbarrier interpret fine (``indexer.topk_threshold(warpgroups=4)``,
+  ``router.router_route``)."""
 
 from pallas_kernels import _common  # noqa: F401  (one Mosaic module per distinct kernel: see _common)
