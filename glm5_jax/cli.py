@@ -216,6 +216,27 @@ def cmd_memory(args):
   print(f"  total per device:      {(pb + cb) / gb:8.2f} GB of 141 GB (H200): {'fits' if pb + cb < 141e9 else 'does NOT fit'}")
 
 
+def cmd_knobs(args):
+  """Every decode policy knob: its default and what it switches (with what was measured)."""
+  import json  # noqa: PLC0415
+  import textwrap  # noqa: PLC0415
+
+  from glm5_jax.layers import KNOBS  # noqa: PLC0415
+  other = {"kv_cache_dtype": ("fp8", "the KV cache's dtype: 'fp8' (FP8 latent / pooled-key caches: what the sparse "
+                                     "MLA and indexer kernels read; the default of latency_specialized, 'auto' that "
+                                     "of the stock backend) or 'auto' (the model's dtype)"),
+           "interpret": (False, "run the Mosaic GPU kernels in GPU interpret mode (CPU: tests, notebooks)")}
+  rows = {**KNOBS, **other}
+  if args.json:
+    print(json.dumps({k: {"default": d, "doc": doc} for k, (d, doc) in rows.items()}, indent=1))
+    return
+  print("decode policy knobs (--policy '{\"name\": value}'; latency_specialized only, except kv_cache_dtype and "
+        "interpret):")
+  for k, (d, doc) in rows.items():
+    print(f"\n  {k} = {json.dumps(d)}")
+    print(textwrap.fill(doc, width=100, initial_indent="      ", subsequent_indent="      "))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(prog="glm5-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="cmd", required=True)
@@ -258,6 +279,9 @@ def main(argv=None):
   m.add_argument("--max-context", type=int, default=65536)
   m.add_argument("--k", type=int, default=3)
   m.set_defaults(fn=cmd_memory)
+  n = sub.add_parser("knobs", help="the decode policy knobs: defaults and what each switches")
+  n.add_argument("--json", action="store_true")
+  n.set_defaults(fn=cmd_knobs)
   b = sub.add_parser("bench", help="decode-step timing table (see benchmarks/bench_decode.py)")
   b.add_argument("rest", nargs=argparse.REMAINDER)
   b.set_defaults(fn=lambda a: _bench(a.rest))

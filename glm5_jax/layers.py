@@ -40,138 +40,150 @@ _KERNELS: contextvars.ContextVar = contextvars.ContextVar("glm5_jax_kernels", de
 MAX_KERNEL_ROWS = 64  # the weight-streaming kernels take at most 64 token rows (decode); prefill stays in XLA
 
 
-# The kernel switches of a latency_specialized trace and their defaults. A switch left at its default may still
-# decline a call site where XLA measured faster (kernel_enabled's ``prefer``: the bf16 GEMV at one token row, the
-# radix top-k where radix_topk_plan says no); a switch the policy sets explicitly runs wherever it fits.
-KERNEL_DEFAULTS = {"kda": True, "fp8_linear": True, "fp8_moe": True, "sparse_mla": True,
-                   # the skinny bf16 GEMV (KDA and indexer projections, router logits, MTP eh_proj, lm_head): at
-                   # one token row XLA's GEMV is as fast once the glue is counted (BENCHMARKS.md, weight
-                   # streaming; forced there the step went 5.93 -> 6.32 ms), but at q = 4 XLA's gemm fusions of the
-                   # KDA projections took 35 + 16 + 8.5 + 8 µs per layer (1.4 TB/s; session 23): from 2 rows
-                   "bf16_linear": True,
-                   "indexer": True,
-                   # the fused mHC boundary (pallas_kernels/mhc.py): native on the H200 since 2026-11-30 (one
-                   # TP4 rank, B = 1, q = 1: 20.4 -> 16.6 ms per step, 2,805 -> 2,492 launches)
-                   "mhc": True,
-                   # the MoE router's top-8 of 288 by counting ranks instead of a sort (topk_by_rank; exact, the
-                   # same ties as lax.top_k): on the H200 the router is ~7.6 µs per MoE layer with it, logits
-                   # included (BENCHMARKS.md sessions 20-21)
-                   "router_topk": True,
-                   # the indexer's top-512 pools as a set without a sort (topk_set_by_threshold: radix selection
-                   # + one prefix sum + a scatter; exact, lax.top_k's set and ties); by default only where it
-                   # measured faster than XLA's sort (radix_topk_plan)
-                   "indexer_topk": True,
-                   # with mhc on: the boundary's last step (pre, post, 1/RMS from the summed partials, then
-                   # x_in = RMSNorm(Σ pre_i X'_i)) as the Mosaic finish kernel (on) or as XLA fusions (off: 90
-                   # fewer Mosaic calls per step — each costs ~12.7 µs of host time inside the CUDA graph,
-                   # BENCHMARKS.md session 19 — for more GPU time)
-                   "mhc_finish": True,
-                   # with kda on: the KDA output's gated RMSNorm inside the kernel (all 4 warpgroups of a head in
-                   # one CTA, so 4x fewer CTAs stream the state) instead of an XLA fusion after it; measured
-                   # slower (kernel 3.2 -> 5.5 µs per layer, the step 5.65 -> 5.68 ms; BENCHMARKS.md session 24)
-                   "kda_norm": False,
-                   # with kda on: the KDA kernel's gates and l2 norms with the GPU's approximate exp / reciprocal /
-                   # rsqrt (KdaDecodeConfig(approx_math=True); within the kernel tolerance of the reference, its
-                   # GPU tests). With kda_token_loop, issue #6's B = 1 q = 4 kernel 5.86 -> 4.74-4.81 µs (5.17 with
-                   # the loop alone); the one-rank step at q = 4, 4 steps per call 8.68 -> 8.57 ms (BENCHMARKS.md
-                   # session 32). Off until the token loop has passed its GPU tests (never run natively yet;
-                   # gpu_session.sh s32f)
-                   "kda_approx_math": False,
-                   # with kda on: the KDA kernel's tokens as a loop carrying the state instead of unrolled
-                   # (KdaDecodeConfig(token_loop=True): one copy of the per-token code, 95 vs 238 KB of MLIR at
-                   # q = 4) — unrolled straight-line code runs once per CTA, every instruction a cold fetch (the
-                   # suspect of session 31's slow unrolled kernels): the B = 1 q = 4 kernel 5.86 -> 5.17 µs alone,
-                   # 4.74-4.81 with kda_approx_math (bench_kda_decode --q4, session 32); off until its GPU tests
-                   # pass (the benchmark times, it does not compare)
-                   "kda_token_loop": False,
-                   # with kda on: the short conv + SiLU of q / k / v inside the KDA kernel (kda_decode_conv: each
-                   # CTA convolves its head's rows from one SMEM window of Kc - 1 history rows + the T new ones)
-                   # instead of the XLA fusion between the qkv projection and the kernel — on the critical path,
-                   # ~2 µs + one dependent launch per KDA layer (session 29's profile); off until measured
-                   "kda_conv": False,
-                   # with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16
-                   # activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before
-                   # each call, exact products. The kernel alone is ~0.5 µs slower (the convert), the call
-                   # faster at every real shape and M = 1..8 (q_a 7.0 -> 6.5 µs, kv_a 7.2 -> 4.6, MoE at M = 1
-                   # 25.4 -> 23.2); the step 5.41 -> 5.37 ms GPU busy at q = 1 (157 fewer launches), 9.08 -> 8.71
-                   # ms at q = 4 (BENCHMARKS.md session 25)
-                   "fp8_dq": True,
-                   # with mhc_finish on: the mix (post + the Sinkhorn's 20 serial iterations, read only by the next
-                   # boundary) as a one-CTA kernel of its own (mhc_sinkhorn) instead of the finish kernel's extra
-                   # CTA, whose tail the sublayer waits for (finish 2.5 µs alone without it, 5.2 with). Under the
-                   # CONCURRENT command-buffer schedule (the Decoder's GPU default) the Sinkhorn overlaps the
-                   # sublayer: one TP4 rank, B = 1, q = 1 5.16 -> 4.56 ms per step on the H200 (BENCHMARKS.md
-                   # session 26). Under the serial schedule it would be one more launch per boundary
-                   "mhc_sinkhorn_split": True,
-                   # with indexer_topk on: the selection's threshold (the k-th largest key and how many keys
-                   # exceed it) as one Mosaic kernel (pallas_kernels.indexer.topk_threshold, a CTA per score row)
-                   # instead of the XLA radix passes (~13 small kernels per call); with it the radix selection
-                   # replaces XLA's sort at every size the kernel holds (rows of up to 17,408 pools)
-                   "topk_threshold": True,
-                   # with topk_threshold: 2 bits of the threshold per pass (16 dependent rounds of 3 candidates'
-                   # counts instead of 32 of one; pallas_kernels.indexer._threshold_kernel): alone 21.6 -> 19.8 µs
-                   # at one row, but in the step at q = 1 5.46 vs 5.53 ms (noise; session 32) — off
-                   "topk_threshold_2bit": False,
-                   # the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected
-                   # weights normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three
-                   # XLA kernels on the critical path (the keys, topk_by_rank's rank count and select)
-                   "router_kernel": True,
-                   # with fp8_moe on, at 2+ token rows: the MoE's slot tables (the distinct experts, the
-                   # [slot, token] weights, the shared expert's slot) as one Mosaic launch (linear.moe_route)
-                   # instead of ~7 small XLA kernels per MoE layer on the critical path (q = 4, session 27)
-                   "moe_route": True,
-                   # with fp8_moe, moe_route and router_kernel on, at 2-4 token rows: the router kernel builds
-                   # moe_route's slot tables itself (pallas_kernels.router.router_route: a warpgroup per row, then
-                   # the tables once all rows are in) — one launch instead of two on the MoE layer's critical path
-                   # (q = 4: ~4 µs each, session 28's profile); off until measured
-                   "router_route": False,
-                   # with mhc, mhc_finish and mhc_sinkhorn_split on: each mHC boundary as ONE launch (a cluster of 8
-                   # CTAs: pallas_kernels.mhc.mhc_boundary) instead of mhc_post_pre + an XLA reduction +
-                   # mhc_finish on the sublayer's critical path (~14 µs and 3 launches per boundary at q = 1,
-                   # session 29); the Sinkhorn stays a kernel of its own. Natively correct but, Python-unrolled
-                   # (3.1 MB of MLIR), 5.78 -> 18.04 ms per step at q = 1 (session 31); with its chunks as loops
-                   # (0.71 MB) 33.8 µs alone vs 15.3 for the fused path (56.8 on a cluster of 4: the 8 CTAs'
-                   # serial chunks bound it; session 32) — off
-                   "mhc_boundary": False,
-                   # with mhc on: mhc_post_pre over 32 columns per CTA (128 CTAs) and mhc_finish over 64 (64 CTAs)
-                   # instead of 64 / 128: at M = 1 both run 64-row tiles for one real row; twice the CTAs halve
-                   # each thread's floating-point work. The boundary chain alone 24.1 -> 20.8 µs at M = 1; the
-                   # one-rank step at q = 1, 4 steps per call 5.27 -> 4.83 ms (7 interleaved repeats; BENCHMARKS.md
-                   # session 32)
-                   "mhc_narrow": True,
-                   # with mhc_finish on, at up to 4 token rows: mhc_finish and mhc_sinkhorn take mhc_post_pre's raw
-                   # partials [G, 64, 40] and sum them in SMEM (pallas_kernels.mhc PARTS_MAX_ROWS) instead of an XLA
-                   # reduction between the kernels — one launch fewer on the sublayer's critical path per boundary
-                   # (~2 µs + a dependent launch, session 29's profile); off until measured
-                   "mhc_fused_sums": False,
-                   # with mhc_finish and mhc_sinkhorn_split on, at up to 4 token rows: each mHC boundary as ONE
-                   # launch of mhc_narrow's 128 CTAs with a grid barrier between mhc_post_pre's half and
-                   # mhc_finish's (pallas_kernels.mhc.mhc_post_finish: a GMEM semaphore; the partials summed from
-                   # L2, X' kept in SMEM) — one launch on the sublayer's critical path instead of two or three;
-                   # the Sinkhorn stays a kernel of its own on the raw partials. Off until measured natively
-                   "mhc_grid_barrier": False,
-                   # with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8
-                   # quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix
-                   # per 64 query rows, the scales from the amax's bits) instead of the XLA butterflies, amax and
-                   # conversion in front of it — ~8 µs and 3 launches per DSA layer on the critical path (session
-                   # 29's profile); off until measured
-                   "indexer_q_in_kernel": False,
-                   # with indexer_topk on: the top-k compaction's prefix sums within 128-blocks as one f32 matmul
-                   # with a triangle of ones (exclusive_prefix_sum "mm128") instead of XLA's reduce-window fusion
-                   # (11.3 µs per DSA layer at q = 1, session 29's profile); not a kernel — an XLA form; off until
-                   # measured (bench_topk "mm128" rows)
-                   "topk_scan_mm": False,
-                   # with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of
-                   # the row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold
-                   # warpgroups=4) — its 32 dependent passes were ~0.6 µs each on one warpgroup (21.6 µs alone at
-                   # 8,256 pools, session 32); off until measured (bench_topk "kernel wg4" rows)
-                   "topk_threshold_4wg": False,
-                   # every Mosaic kernel of the step starts with griddepcontrol.wait + .launch_dependents
-                   # (Programmatic Dependent Launch: a dependent kernel is launched and scheduled while its
-                   # predecessor drains; pallas_kernels._common.pdl_mode). Not a kernel: a launch mode of all of
-                   # them. Whether XLA's CUDA graph keeps the programmatic edges is benchmarks/bench_pdl.py's
-                   # question; off until measured
-                   "pdl": False}
+# The kernel switches of a latency_specialized trace: {name: (default, what it switches and what was measured)}
+# (``glm5-jax knobs`` prints them). A switch left at its default may still decline a call site where XLA measured
+# faster (kernel_enabled's ``prefer``: the bf16 GEMV at one token row, the radix top-k where radix_topk_plan says
+# no); a switch the policy sets explicitly runs wherever it fits.
+KNOBS = {
+    "kda": (True,
+        "the KDA decode recurrence as a Mosaic kernel (pallas_kernels.kda_decode): the fp32 state of every "
+        "verified token written to its slot, in place"),
+    "fp8_linear": (True,
+        "the FP8 128x128 block-scaled linears as Mosaic weight-streaming kernels (pallas_kernels.linear)"),
+    "fp8_moe": (True,
+        "the routed + shared experts as two Mosaic kernels (gate/up with the clamped SwiGLU, down) streaming "
+        "only the selected experts' FP8 weights (linear.fp8_moe)"),
+    "sparse_mla": (True,
+        "the DSA layers' attention over the indexer-selected positions of the FP8 latent cache as a Mosaic "
+        "kernel (pallas_kernels.sparse_mla; needs kv_cache_dtype 'fp8')"),
+    "bf16_linear": (True,
+        "the skinny bf16 GEMV (KDA and indexer projections, router logits, MTP eh_proj, lm_head): at one "
+        "token row XLA's GEMV is as fast once the glue is counted (BENCHMARKS.md, weight streaming; forced "
+        "there the step went 5.93 -> 6.32 ms), but at q = 4 XLA's gemm fusions of the KDA projections took 35 "
+        "+ 16 + 8.5 + 8 µs per layer (1.4 TB/s; session 23): from 2 rows"),
+    "indexer": (True,
+        "the indexer's scores over the FP8 pooled-key cache as a Mosaic kernel "
+        "(pallas_kernels.indexer.indexer_scores; needs kv_cache_dtype 'fp8')"),
+    "mhc": (True,
+        "the fused mHC boundary (pallas_kernels/mhc.py): native on the H200 since 2026-11-30 (one TP4 rank, B "
+        "= 1, q = 1: 20.4 -> 16.6 ms per step, 2,805 -> 2,492 launches)"),
+    "router_topk": (True,
+        "the MoE router's top-8 of 288 by counting ranks instead of a sort (topk_by_rank; exact, the same "
+        "ties as lax.top_k): on the H200 the router is ~7.6 µs per MoE layer with it, logits included "
+        "(BENCHMARKS.md sessions 20-21)"),
+    "indexer_topk": (True,
+        "the indexer's top-512 pools as a set without a sort (topk_set_by_threshold: radix selection + one "
+        "prefix sum + a scatter; exact, lax.top_k's set and ties); by default only where it measured faster "
+        "than XLA's sort (radix_topk_plan)"),
+    "mhc_finish": (True,
+        "with mhc on: the boundary's last step (pre, post, 1/RMS from the summed partials, then x_in = "
+        "RMSNorm(Σ pre_i X'_i)) as the Mosaic finish kernel (on) or as XLA fusions (off: 90 fewer Mosaic "
+        "calls per step — each costs ~12.7 µs of host time inside the CUDA graph, BENCHMARKS.md session 19 — "
+        "for more GPU time)"),
+    "kda_norm": (False,
+        "with kda on: the KDA output's gated RMSNorm inside the kernel (all 4 warpgroups of a head in one "
+        "CTA, so 4x fewer CTAs stream the state) instead of an XLA fusion after it; measured slower (kernel "
+        "3.2 -> 5.5 µs per layer, the step 5.65 -> 5.68 ms; BENCHMARKS.md session 24)"),
+    "kda_approx_math": (False,
+        "with kda on: the KDA kernel's gates and l2 norms with the GPU's approximate exp / reciprocal / rsqrt "
+        "(KdaDecodeConfig(approx_math=True); within the kernel tolerance of the reference, its GPU tests). "
+        "With kda_token_loop, issue #6's B = 1 q = 4 kernel 5.86 -> 4.74-4.81 µs (5.17 with the loop alone); "
+        "the one-rank step at q = 4, 4 steps per call 8.68 -> 8.57 ms (BENCHMARKS.md session 32). Off until "
+        "the token loop has passed its GPU tests (never run natively yet; gpu_session.sh s32f)"),
+    "kda_token_loop": (False,
+        "with kda on: the KDA kernel's tokens as a loop carrying the state instead of unrolled "
+        "(KdaDecodeConfig(token_loop=True): one copy of the per-token code, 95 vs 238 KB of MLIR at q = 4) — "
+        "unrolled straight-line code runs once per CTA, every instruction a cold fetch (the suspect of "
+        "session 31's slow unrolled kernels): the B = 1 q = 4 kernel 5.86 -> 5.17 µs alone, 4.74-4.81 with "
+        "kda_approx_math (bench_kda_decode --q4, session 32); off until its GPU tests pass (the benchmark "
+        "times, it does not compare)"),
+    "kda_conv": (False,
+        "with kda on: the short conv + SiLU of q / k / v inside the KDA kernel (kda_decode_conv: each CTA "
+        "convolves its head's rows from one SMEM window of Kc - 1 history rows + the T new ones) instead of "
+        "the XLA fusion between the qkv projection and the kernel — on the critical path, ~2 µs + one "
+        "dependent launch per KDA layer (session 29's profile); off until measured"),
+    "fp8_dq": (True,
+        "with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16 "
+        "activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before each "
+        "call, exact products. The kernel alone is ~0.5 µs slower (the convert), the call faster at every "
+        "real shape and M = 1..8 (q_a 7.0 -> 6.5 µs, kv_a 7.2 -> 4.6, MoE at M = 1 25.4 -> 23.2); the step "
+        "5.41 -> 5.37 ms GPU busy at q = 1 (157 fewer launches), 9.08 -> 8.71 ms at q = 4 (BENCHMARKS.md "
+        "session 25)"),
+    "mhc_sinkhorn_split": (True,
+        "with mhc_finish on: the mix (post + the Sinkhorn's 20 serial iterations, read only by the next "
+        "boundary) as a one-CTA kernel of its own (mhc_sinkhorn) instead of the finish kernel's extra CTA, "
+        "whose tail the sublayer waits for (finish 2.5 µs alone without it, 5.2 with). Under the CONCURRENT "
+        "command-buffer schedule (the Decoder's GPU default) the Sinkhorn overlaps the sublayer: one TP4 "
+        "rank, B = 1, q = 1 5.16 -> 4.56 ms per step on the H200 (BENCHMARKS.md session 26). Under the serial "
+        "schedule it would be one more launch per boundary"),
+    "topk_threshold": (True,
+        "with indexer_topk on: the selection's threshold (the k-th largest key and how many keys exceed it) "
+        "as one Mosaic kernel (pallas_kernels.indexer.topk_threshold, a CTA per score row) instead of the XLA "
+        "radix passes (~13 small kernels per call); with it the radix selection replaces XLA's sort at every "
+        "size the kernel holds (rows of up to 17,408 pools)"),
+    "topk_threshold_2bit": (False,
+        "with topk_threshold: 2 bits of the threshold per pass (16 dependent rounds of 3 candidates' counts "
+        "instead of 32 of one; pallas_kernels.indexer._threshold_kernel): alone 21.6 -> 19.8 µs at one row, "
+        "but in the step at q = 1 5.46 vs 5.53 ms (noise; session 32) — off"),
+    "router_kernel": (True,
+        "the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected weights "
+        "normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three XLA kernels on "
+        "the critical path (the keys, topk_by_rank's rank count and select)"),
+    "moe_route": (True,
+        "with fp8_moe on, at 2+ token rows: the MoE's slot tables (the distinct experts, the [slot, token] "
+        "weights, the shared expert's slot) as one Mosaic launch (linear.moe_route) instead of ~7 small XLA "
+        "kernels per MoE layer on the critical path (q = 4, session 27)"),
+    "router_route": (False,
+        "with fp8_moe, moe_route and router_kernel on, at 2-4 token rows: the router kernel builds "
+        "moe_route's slot tables itself (pallas_kernels.router.router_route: a warpgroup per row, then the "
+        "tables once all rows are in) — one launch instead of two on the MoE layer's critical path (q = 4: ~4 "
+        "µs each, session 28's profile); off until measured"),
+    "mhc_boundary": (False,
+        "with mhc, mhc_finish and mhc_sinkhorn_split on: each mHC boundary as ONE launch (a cluster of 8 "
+        "CTAs: pallas_kernels.mhc.mhc_boundary) instead of mhc_post_pre + an XLA reduction + mhc_finish on "
+        "the sublayer's critical path (~14 µs and 3 launches per boundary at q = 1, session 29); the Sinkhorn "
+        "stays a kernel of its own. Natively correct but, Python-unrolled (3.1 MB of MLIR), 5.78 -> 18.04 ms "
+        "per step at q = 1 (session 31); with its chunks as loops (0.71 MB) 33.8 µs alone vs 15.3 for the "
+        "fused path (56.8 on a cluster of 4: the 8 CTAs' serial chunks bound it; session 32) — off"),
+    "mhc_narrow": (True,
+        "with mhc on: mhc_post_pre over 32 columns per CTA (128 CTAs) and mhc_finish over 64 (64 CTAs) "
+        "instead of 64 / 128: at M = 1 both run 64-row tiles for one real row; twice the CTAs halve each "
+        "thread's floating-point work. The boundary chain alone 24.1 -> 20.8 µs at M = 1; the one-rank step "
+        "at q = 1, 4 steps per call 5.27 -> 4.83 ms (7 interleaved repeats; BENCHMARKS.md session 32)"),
+    "mhc_fused_sums": (False,
+        "with mhc_finish on, at up to 4 token rows: mhc_finish and mhc_sinkhorn take mhc_post_pre's raw "
+        "partials [G, 64, 40] and sum them in SMEM (pallas_kernels.mhc PARTS_MAX_ROWS) instead of an XLA "
+        "reduction between the kernels — one launch fewer on the sublayer's critical path per boundary (~2 µs "
+        "+ a dependent launch, session 29's profile); off until measured"),
+    "mhc_grid_barrier": (False,
+        "with mhc_finish and mhc_sinkhorn_split on, at up to 4 token rows: each mHC boundary as ONE launch of "
+        "mhc_narrow's 128 CTAs with a grid barrier between mhc_post_pre's half and mhc_finish's "
+        "(pallas_kernels.mhc.mhc_post_finish: a GMEM semaphore; the partials summed from L2, X' kept in SMEM) "
+        "— one launch on the sublayer's critical path instead of two or three; the Sinkhorn stays a kernel of "
+        "its own on the raw partials. Off until measured natively"),
+    "indexer_q_in_kernel": (False,
+        "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
+        "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
+        "64 query rows, the scales from the amax's bits) instead of the XLA butterflies, amax and conversion "
+        "in front of it — ~8 µs and 3 launches per DSA layer on the critical path (session 29's profile); off "
+        "until measured"),
+    "topk_scan_mm": (False,
+        "with indexer_topk on: the top-k compaction's prefix sums within 128-blocks as one f32 matmul with a "
+        "triangle of ones (exclusive_prefix_sum 'mm128') instead of XLA's reduce-window fusion (11.3 µs per "
+        "DSA layer at q = 1, session 29's profile); not a kernel — an XLA form; off until measured "
+        "(bench_topk 'mm128' rows)"),
+    "topk_threshold_4wg": (False,
+        "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
+        "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "
+        "its 32 dependent passes were ~0.6 µs each on one warpgroup (21.6 µs alone at 8,256 pools, session "
+        "32); off until measured (bench_topk 'kernel wg4' rows)"),
+    "pdl": (False,
+        "every Mosaic kernel of the step starts with griddepcontrol.wait + .launch_dependents (Programmatic "
+        "Dependent Launch: a dependent kernel is launched and scheduled while its predecessor drains; "
+        "pallas_kernels._common.pdl_mode). Not a kernel: a launch mode of all of them. Whether XLA's CUDA "
+        "graph keeps the programmatic edges is benchmarks/bench_pdl.py's question; off until measured"),
+}
+KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):

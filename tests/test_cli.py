@@ -127,3 +127,19 @@ def test_compile_cache_refuses_a_file(tmp_path):
     glm5_jax.enable_compile_cache(f)
   with pytest.raises(ValueError, match="min_compile_s = -1"):
     glm5_jax.enable_compile_cache(tmp_path / "d", min_compile_s=-1)
+
+
+def test_knobs_lists_every_policy_key(capsys):
+  """`glm5-jax knobs` lists every key a decode policy accepts with its default — the kernel switches as
+  layers.KNOBS declares them, kv_cache_dtype and interpret — and a description of each."""
+  import json  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
+  from glm5_jax.speculative import POLICY_KEYS  # noqa: PLC0415
+  assert main(["knobs", "--json"]) == 0
+  got = json.loads(capsys.readouterr().out)
+  assert set(got) == set(POLICY_KEYS)
+  assert all(got[k]["default"] == v for k, v in KERNEL_DEFAULTS.items())
+  assert all(len(v["doc"]) > 40 for v in got.values())
+  assert main(["knobs"]) == 0
+  text = capsys.readouterr().out
+  assert "mhc_grid_barrier = false" in text and "mhc_narrow = true" in text
