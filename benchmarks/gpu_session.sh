@@ -68,8 +68,9 @@
 #   s32 (nvidia-h200):        the loop forms (session 31: unrolled straight-line kernels suspected slow): threshold /
 #                             boundary GPU tests, bench_topk rolled vs unrolled, bench_kda_decode --q4, q = 1 +- boundary
 #   s33a (nvidia-h200):       the GPU tests of every kernel built since session 31 (KDA token loop / conv,
-#                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries), bench_pdl (PDL
-#                             inside the CUDA graph?), bench_mhc (narrow / sums / grid)
+#                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
+#                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
+#                             bench_mhc (narrow / sums / grid), bench_sparse_mla --only combine
 #   s33b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs each candidate (CANDIDATES), then q = 4 with ALL_ON
 #   s33c (nvidia-h200):       the end-to-end GPU tests gating the KDA defaults; q = 1 profiled (POLICY) with its table;
 #                             auto vs latency_specialized at 4 steps per call
@@ -533,22 +534,28 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 | tee -a "$OUT/gpu_tests.log"
     timeout -k 9 -s INT 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_router_kernel.py \
       -k "router_route" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -10 | tee -a "$OUT/gpu_tests.log"
+    timeout -k 9 -s INT 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_mla.py \
+      -k "combine_forms" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -10 | tee -a "$OUT/gpu_tests.log"
     # the threshold kernel on 4 warpgroups vs 1 (and 2 bits per pass), alone
     [ "$(left)" -gt 100 ] && timeout -k 9 60 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8256 \
       --only "kernel scan128,kernel wg4 scan128,kernel2 scan128,kernel2 wg4 scan128" --out "$OUT/bench_topk.log" \
       > /dev/null 2>&1
     pdl_probe
-    [ "$(left)" -gt 60 ] && timeout -k 9 -s INT $(( $(left) - 10 )) python3 benchmarks/bench_mhc.py --rows 1,4 \
+    [ "$(left)" -gt 100 ] && timeout -k 9 -s INT 90 python3 benchmarks/bench_mhc.py --rows 1,4 \
       --paths narrow,sums,grid > "$OUT/bench_mhc.log" 2>&1
+    [ "$(left)" -gt 60 ] && timeout -k 9 -s INT $(( $(left) - 10 )) python3 benchmarks/bench_sparse_mla.py \
+      --only combine --out "$OUT/bench_sparse_mla_combine.log" > /dev/null 2>&1
     ;;
   s33b)  # (nvidia-h200) the step A/B at q = 1, 4 steps per call, 7 interleaved repeats: defaults, each candidate
     # alone (those whose GPU tests s33a passed: set CANDIDATES to their policies), then q = 4 with ALL_ON (the
     # winners and the q >= 2 candidates, e.g. router_route: at q = 1 it has no site and an explicit knob without
     # one is refused)
     # (CANDIDATES: shell words, e.g. CANDIDATES="'{\"mhc_fused_sums\": true}' '{\"topk_scan_mm\": true}'")
-    if [ -n "${CANDIDATES:-}" ]; then eval "set -- $CANDIDATES"; else set -- '{"mhc_fused_sums": true}' \
-      '{"mhc_grid_barrier": true}' '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' \
-      '{"indexer_q_in_kernel": true}' '{"topk_scan_mm": true}' '{"pdl": true}' '{"topk_threshold_4wg": true}'; fi
+    # (the default list: the largest expected effects first — the A/B stops starting configurations at the budget)
+    if [ -n "${CANDIDATES:-}" ]; then eval "set -- $CANDIDATES"; else set -- '{"mhc_grid_barrier": true}' \
+      '{"pdl": true}' '{"mla_combine_fused": true}' '{"topk_threshold_4wg": true}' '{"mhc_fused_sums": true}' \
+      '{"kda_token_loop": true, "kda_approx_math": true, "kda_conv": true}' '{"indexer_q_in_kernel": true}' \
+      '{"topk_scan_mm": true}'; fi
     rank1 s33b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' "$@"
     [ "$(left)" -gt 200 ] && [ -n "${ALL_ON:-}" ] && rank1 s33c --q 4 --steps-per-call 4 --interleave --repeats 7 \
       --policy '{}' "$ALL_ON"

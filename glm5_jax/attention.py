@@ -457,7 +457,17 @@ class DSA(nnx.Module):
       if kernel_enabled("sparse_mla", B * T):
         hp = -H % 16  # the kernel packs 16 heads per CTA: pad with zero queries (sliced off below)
         qk = jnp.pad(q_hat, ((0, 0), (0, 0), (0, hp), (0, 0))) if hp else q_hat
-        o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale)[:, :, :H]
+        # the splits' merge: in the attention kernel (mla_combine_fused), a Mosaic launch of its own
+        # (mla_combine_kernel), else XLA fusions
+        ns = ks.num_splits(B, T, H + hp, idx.shape[-1])
+        combine = "xla"
+        if kernel_enabled("mla_combine_kernel"):
+          combine = "kernel"
+        if kernel_enabled("mla_combine_fused", fits=ns >= ks.COMBINE_TILES and B * T <= ks.FUSED_MAX_TOKENS,
+                          why=f"{ns} splits for {B * T} tokens (the fused merge needs >= {ks.COMBINE_TILES} splits "
+                          f"and <= {ks.FUSED_MAX_TOKENS} tokens)"):
+          combine = "fused"
+        o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine)[:, :, :H]
       else:
         o_lat = ks.sparse_mla_decode_reference(q_hat, lat["latent8"], idx, softmax_scale=self.scale)
     else:

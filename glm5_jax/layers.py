@@ -177,6 +177,16 @@ KNOBS = {
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "
         "its 32 dependent passes were ~0.6 µs each on one warpgroup (21.6 µs alone at 8,256 pools, session "
         "32); off until measured (bench_topk 'kernel wg4' rows)"),
+    "mla_combine_kernel": (False,
+        "with sparse_mla on: the splits' partial outputs merged by one Mosaic launch after the attention kernel "
+        "(pallas_kernels.sparse_mla combine='kernel': a CTA per 64-row tile and token, the splits' loads all "
+        "in flight) instead of XLA's broadcast + variadic-reduce fusions (1.5 + 4.2 µs per DSA layer at q = 1, "
+        "session 29's profile); off until measured"),
+    "mla_combine_fused": (False,
+        "with sparse_mla on, at >= 8 splits and <= 16 tokens: the merge inside the attention kernel itself "
+        "(combine='fused': each CTA signals its token's GMEM semaphore; the last splits' CTAs, dispatched last, "
+        "wait for the others and combine a 64-row tile each) — the attention one launch in all; elsewhere "
+        "mla_combine_kernel's form if on, else XLA's; off until measured"),
     "pdl": (False,
         "every Mosaic kernel of the step starts with griddepcontrol.wait + .launch_dependents (Programmatic "
         "Dependent Launch: a dependent kernel is launched and scheduled while its predecessor drains; "
