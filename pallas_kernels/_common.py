@@ -48,10 +48,10 @@ _dedupe_kernel_modules()
 # scheduling overlap its predecessor's run instead of following it; Mosaic launches such a kernel with
 # programmatic stream serialisation. The wait comes before anything else the kernel does, so its semantics are the
 # plain launch's; the trigger after it keeps early-launched kernels one deep (triggered before the wait, a chain of
-# waiting grids could fill the SMs' slots ahead of a kernel that needs several waves). A jax config state (in the jit key: the kernels'
-# kernel_entry jits retrace when it changes); the decode step sets it from the policy knob "pdl". Whether the
-# edges survive XLA's CUDA graph is benchmarks/bench_pdl.py's question. No effect in GPU interpret mode (no
-# launches to overlap: the primitives have no interpreter).
+# waiting grids could fill the SMs' slots ahead of a kernel that needs several waves). A jax config state (in the
+# jit key: the kernels' kernel_entry jits retrace when it changes); the decode step sets it from the policy knob
+# "pdl". Whether the edges survive XLA's CUDA graph is benchmarks/bench_pdl.py's question. No effect in GPU
+# interpret mode (no launches to overlap: the primitives have no interpreter).
 _PDL = jax_config.bool_state(
     "glm5_mosaic_pdl", False, "glm5_jax's Mosaic GPU kernels start with griddepcontrol (PDL)",
     include_in_jit_key=True, include_in_trace_context=True)
