@@ -221,8 +221,9 @@ def _mla_kernel(nbs: int, hn: int, fused_combine: bool = False, ng: int = 1):
   out o_g [BT, NS, 512, H] f32 (partial O^T, normalised), lse_g [BT, NS, H] f32 (base-2 log-sum-exp of the split);
   ``fused_combine``: also out_g [BT, 512, H] f32 — every CTA signals its token's semaphore once its split is
   stored, and the CTAs of the last head group's (of ``ng``) last COMBINE_TILES splits (the last the GPU
-  dispatches: they wait only for CTAs already running) each wait for all of their token's and combine one 64-row
-  tile (``_combine_tile``)."""
+  dispatches: besides each other — all resident at once, FUSED_MAX_TOKENS — they wait only for CTAs dispatched
+  before them, which never wait) each wait for all of their token's and combine one 64-row tile
+  (``_combine_tile``)."""
 
   def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, *rest):
     if fused_combine:
