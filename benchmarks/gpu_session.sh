@@ -70,10 +70,10 @@
 #   s33a (nvidia-h200):       the GPU tests of every kernel built since session 31 (KDA token loop / conv,
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
-#                             bench_mhc (narrow / sums / grid), bench_sparse_mla --only combine
+#                             bench_mhc (narrow / sums / grid)
 #   s33b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs each candidate (CANDIDATES), then q = 4 with ALL_ON
 #   s33c (nvidia-h200):       the end-to-end GPU tests gating the KDA defaults; q = 1 profiled (POLICY) with its table;
-#                             auto vs latency_specialized at 4 steps per call
+#                             bench_sparse_mla --only combine; auto vs latency_specialized at 4 steps per call
 #   s32p (nvidia-h200):       q = 1 at 4 steps per call (session-32 defaults) profiled with its kernel table; auto vs
 #                             latency_specialized at 4 steps per call (issue #9); bench_topk's matmul prefix sums
 #   s32f (nvidia-h200):       the KDA token loop's / kda_conv's GPU tests, the all-kernels and KDA greedy tests with
@@ -543,10 +543,9 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     pdl_probe
     [ "$(left)" -gt 100 ] && timeout -k 9 -s INT 90 python3 benchmarks/bench_mhc.py --rows 1,4 \
       --paths narrow,sums,grid > "$OUT/bench_mhc.log" 2>&1
-    [ "$(left)" -gt 60 ] && timeout -k 9 -s INT $(( $(left) - 10 )) python3 benchmarks/bench_sparse_mla.py \
-      --only combine --out "$OUT/bench_sparse_mla_combine.log" > /dev/null 2>&1
     ;;
-  s33b)  # (nvidia-h200) the step A/B at q = 1, 4 steps per call, 7 interleaved repeats: defaults, each candidate
+  s33b)  # (nvidia-h200) the step A/B at q = 1, 4 steps per call, 7 interleaved repeats (~5 configurations fit one
+    # call: split a longer list over two calls): defaults, each candidate
     # alone (those whose GPU tests s33a passed: set CANDIDATES to their policies), then q = 4 with ALL_ON (the
     # winners and the q >= 2 candidates, e.g. router_route: at q = 1 it has no site and an explicit knob without
     # one is refused)
@@ -567,6 +566,8 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --durations=4 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
     [ "$(left)" -gt 200 ] && rank1 s33p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" \
       ${POLICY:+--policy "$POLICY"} && kernel_tables 1
+    [ "$(left)" -gt 100 ] && timeout -k 9 -s INT 90 python3 benchmarks/bench_sparse_mla.py --only combine \
+      --out "$OUT/bench_sparse_mla_combine.log" > /dev/null 2>&1
     # auto vs latency_specialized at 4 steps per call (issue #9's 2x; auto was last measured at one per call)
     [ "$(left)" -gt 200 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
       --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
