@@ -518,29 +518,29 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
-  s33a)  # (nvidia-h200) every kernel built since session 31 natively, cheapest first, each with its own timeout: the
-    # KDA kernel's (token loop, approx math, the short conv inside), the mHC finish / Sinkhorn summing the raw
-    # partials (mhc_fused_sums), the one-launch boundary with a grid barrier (mhc_grid_barrier: -k 9 so that a
-    # barrier that never opens cannot hold the call), a chain of boundaries with PDL (pdl), the index queries
-    # rotated in the scores kernel; then bench_pdl (PDL inside the CUDA graph?) and bench_mhc (narrow / sums /
-    # grid, and the grid kernel alone as 1 vs 2 launches)
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kda_decode.py 2>&1 \
-      | grep -E "passed|failed|FAILED|^E  " | head -20 | tee -a "$OUT/gpu_tests.log"
-    timeout -k 9 -s INT 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py \
-      -k "sum_raw_partials or post_finish or pdl_chain" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" \
-      | head -20 | tee -a "$OUT/gpu_tests.log"
-    timeout -k 9 -s INT 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
-      -k "rotating or threshold_kernel_gpu and (False-4 or False-2)" 2>&1 \
-      | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 | tee -a "$OUT/gpu_tests.log"
-    timeout -k 9 -s INT 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_router_kernel.py \
-      -k "router_route" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -10 | tee -a "$OUT/gpu_tests.log"
-    timeout -k 9 -s INT 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_mla.py \
-      -k "combine_forms" 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -10 | tee -a "$OUT/gpu_tests.log"
-    # the threshold kernel on 4 warpgroups vs 1 (and 2 bits per pass), alone
+  s33a)  # (nvidia-h200) every kernel built since session 31 natively, the A/B's first candidates first, each with its
+    # own timeout (-k 9: a grid barrier that never opened cannot hold the call): the one-launch mHC boundary
+    # (mhc_grid_barrier) and a PDL chain (pdl), the sparse MLA's merge forms (mla_combine_*), the 4-warpgroup
+    # threshold kernel and the rotating index queries, router_route; then bench_pdl (PDL inside the CUDA graph?);
+    # then the KDA kernel's tests (token loop, approx math, the conv inside: issue #6's default), the finish /
+    # Sinkhorn summing raw partials (mhc_fused_sums); bench_topk and bench_mhc with what is left
+    gt() {  # $1: seconds at most, $2: test file, $3: -k expression
+      [ "$(left)" -gt 60 ] || return 0
+      local t=$(( $1 < $(left) - 30 ? $1 : $(left) - 30 ))
+      timeout -k 9 -s INT "$t" python3 -m pytest -q -m gpu -p no:cacheprovider "$2" ${3:+-k "$3"} 2>&1 \
+        | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 | sed "s|^|$(basename "$2") $3: |" \
+        | tee -a "$OUT/gpu_tests.log"
+    }
+    gt 150 tests/test_mhc.py "post_finish or pdl_chain"
+    gt 120 tests/test_sparse_mla.py "combine_forms"
+    gt 150 tests/test_indexer.py "rotating or threshold_kernel_gpu and (False-4 or False-2)"
+    gt 100 tests/test_router_kernel.py "router_route"
+    pdl_probe
+    gt 200 tests/test_kda_decode.py ""
+    gt 120 tests/test_mhc.py "sum_raw_partials"
     [ "$(left)" -gt 100 ] && timeout -k 9 60 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8256 \
       --only "kernel scan128,kernel wg4 scan128,kernel2 scan128,kernel2 wg4 scan128" --out "$OUT/bench_topk.log" \
       > /dev/null 2>&1
-    pdl_probe
     [ "$(left)" -gt 100 ] && timeout -k 9 -s INT 90 python3 benchmarks/bench_mhc.py --rows 1,4 \
       --paths narrow,sums,grid > "$OUT/bench_mhc.log" 2>&1
     ;;
