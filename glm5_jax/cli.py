@@ -6,6 +6,7 @@
   glm5-jax convert CKPT OUT          Hugging Face checkpoint -> orbax (restorable onto any TP size)
   glm5-jax check-deployment …        the unsupported() reasons of a deployment
   glm5-jax memory                    per-device parameter and cache bytes of the real geometry at TP4
+  glm5-jax knobs [--json]            the decode policy knobs: defaults and what each switches
 """
 
 from __future__ import annotations
