@@ -373,6 +373,24 @@ def _sinkhorn_rows(mc, iters: int, eps: float):
   return list(lax.fori_loop(0, iters - 1, body, tuple(v for row in c for v in row)))
 
 
+def _sum_partials_t(rows_of, Gp: int, M: int, need, t_s, ts_s):
+  """The raw partials summed over the column chunks for M token rows — ``rows_of(m, c)``: the [64, 40] ref of
+  chunks 64c.. of token row m (SMEM or GMEM; Gp a multiple of 64, chunks past G zero), the tiles added, a sum over
+  the tile's rows into ts_s [M, 40] — and the quantities ``need`` placed in t_s's transposed [40, 64] layout
+  (column m), a scalar at a time (columns M.. zero): the form the finish / Sinkhorn arithmetic reads, one row per
+  quantity."""
+  t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
+  for m in range(M):
+    acc = None
+    for c in range(Gp // ROWS):
+      x = plgpu.load(rows_of(m, c), layout=_L.WGMMA, optimized=False)
+      acc = x if acc is None else acc + x
+    ts_s[m] = acc.sum(axis=0)
+  for m in range(M):
+    for k in need:
+      t_s[k, m] = ts_s[m, k]
+
+
 def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float,
                    normalise: bool = True, sinkhorn: bool = True, DC_FIN: int = DC_FIN, parts: tuple | None = None):
   """CTAs 0..G-1 (G = D / DC_FIN; ``normalise``) each compute the site's pre and 1/RMS of u per row from the summed
@@ -422,21 +440,12 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
     sc = [c_g[MIX + k] for k in range(3)]
     plgpu.barrier_wait(bar_t)
     if parts:
-      Ms, Gp = parts
-      t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
-      for m in range(Ms):
-        acc = None
-        for c in range(Gp // ROWS):
-          x = plgpu.load(pt_s.at[m, pl.ds(c * ROWS, ROWS)], layout=_L.WGMMA, optimized=False)
-          acc = x if acc is None else acc + x
-        ts_s[m] = acc.sum(axis=0)
-      # [Ms, 40] -> t_s [40, 64] (column m), a scalar at a time: only the quantities this kernel reads (the
-      # normalisation: the pre logits and the Gram entries, 14; the Sinkhorn: the post / comb logits and the Gram)
+      # only the quantities this kernel reads (the normalisation: the pre logits and the Gram entries, 14; the
+      # Sinkhorn: the post / comb logits and the Gram)
       need = sorted(({*range(N)} if normalise else set()) | ({*range(N, MIX)} if sinkhorn else set())
                     | {*range(MIX, MIX + GRAM)})
-      for m in range(Ms):
-        for k in need:
-          t_s[k, m] = ts_s[m, k]
+      Ms, Gp = parts
+      _sum_partials_t(lambda m, c: pt_s.at[m, pl.ds(c * ROWS, ROWS)], Gp, Ms, need, t_s, ts_s)
 
     def rows(ks):
       return [plgpu.load(t_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False) for k in ks]
@@ -637,19 +646,9 @@ def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w
   64-row tiles per row at the real width, a sum over the tile's rows, the 14 sums the normalisation reads placed
   in t_s's transposed [40, 64] layout a scalar at a time (as mhc_finish's raw-partials form) — then pre and 1/RMS
   per row and x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this CTA's columns from X' in x_s [N, 64, 32]."""
-  Gp = part_g.shape[0]
   base = [c_g[k] for k in range(N)]
   sc0 = c_g[MIX]
-  t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
-  for m in range(M):
-    acc = None
-    for c in range(Gp // ROWS):
-      x = plgpu.load(part_g.at[pl.ds(c * ROWS, ROWS), m], layout=_L.WGMMA, optimized=False)
-      acc = x if acc is None else acc + x
-    ts_s[m] = acc.sum(axis=0)
-  for m in range(M):
-    for k in _FIN_NEED:
-      t_s[k, m] = ts_s[m, k]
+  _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m], part_g.shape[0], M, _FIN_NEED, t_s, ts_s)
   gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
   pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, base, sc0, D, eps, norm_eps)
   plgpu.barrier_wait(bar_w)
