@@ -71,6 +71,12 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s34a (nvidia-h200):       session 34's leftovers natively (kda_conv's and the rotating index queries' GPU tests
+#                             with references that round as the model, the 2/4-warpgroup threshold kernel,
+#                             mhc_fused_sums' tests), then q = 1 profiled with its
+#                             kernel table (the new defaults: where the 1,417 launches and 5.0 ms go), then q = 4
+#   s34b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs kda_conv / topk_scan_mm / mla_combine_kernel
+#                             (CANDIDATES overrides), then auto vs latency_specialized at 4 steps per call (#9's 2x)
 #   s33b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs each candidate (CANDIDATES), then q = 4 with ALL_ON
 #   s33c (nvidia-h200):       the end-to-end GPU tests gating the KDA defaults; q = 1 profiled (POLICY) with its table;
 #                             bench_sparse_mla --only combine; auto vs latency_specialized at 4 steps per call
@@ -517,6 +523,32 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s34a)  # (nvidia-h200) what session 34 left unmeasured natively, then where the new defaults' step goes
+    gt() {  # $1: seconds at most, $2: test file, $3: -k expression (results with -rA: every test's outcome)
+      [ "$(left)" -gt 60 ] || return 0
+      local t=$(( $1 < $(left) - 30 ? $1 : $(left) - 30 ))
+      timeout -k 9 -s INT "$t" python3 -m pytest -q -rA -m gpu -p no:cacheprovider "$2" ${3:+-k "$3"} 2>&1 \
+        | grep -E "^(PASSED|FAILED|XFAIL|XPASS|ERROR)|passed|failed|Interrupt" | head -40 \
+        | sed "s|^|$(basename "$2"): |" | tee -a "$OUT/gpu_tests.log"
+    }
+    gt 60 tests/test_router_kernel.py "concurrent_warpgroup"
+    gt 90 tests/test_kda_decode.py "conv_kernel_matches_reference_gpu"
+    gt 120 tests/test_indexer.py "threshold_kernel_gpu or rotating_queries_gpu"
+    gt 120 tests/test_mhc.py "sum_raw_partials"
+    [ "$(left)" -gt 200 ] && rank1 s34p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" \
+      ${POLICY:+--policy "$POLICY"} && kernel_tables 1
+    [ "$(left)" -gt 150 ] && rank1 s34q4 --q 4 --steps-per-call 4 --repeats 5 ${POLICY:+--policy "$POLICY"}
+    ;;
+  s34b)  # (nvidia-h200) the remaining candidates at q = 1 (4 steps per call, 7 interleaved repeats), then auto vs
+    # latency_specialized at 4 steps per call (issue #9's 2x: auto was last measured at one step per call)
+    if [ -n "${CANDIDATES:-}" ]; then eval "set -- $CANDIDATES"; else set -- '{"kda_conv": true}' \
+      '{"topk_scan_mm": true}' '{"mla_combine_kernel": true}'; fi
+    rank1 s34b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' "$@"
+    [ "$(left)" -gt 200 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+      --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
+      --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
+      --out "$OUT/decode_s34auto.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s34auto.log"
     ;;
   s33a)  # (nvidia-h200) every kernel built since session 31 natively, the A/B's first candidates first, each with its
     # own timeout (-k 9: a grid barrier that never opened cannot hold the call): the one-launch mHC boundary

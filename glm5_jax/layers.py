@@ -84,24 +84,29 @@ KNOBS = {
         "with kda on: the KDA output's gated RMSNorm inside the kernel (all 4 warpgroups of a head in one "
         "CTA, so 4x fewer CTAs stream the state) instead of an XLA fusion after it; measured slower (kernel "
         "3.2 -> 5.5 µs per layer, the step 5.65 -> 5.68 ms; BENCHMARKS.md session 24)"),
-    "kda_approx_math": (False,
+    "kda_approx_math": (True,
         "with kda on: the KDA kernel's gates and l2 norms with the GPU's approximate exp / reciprocal / rsqrt "
         "(KdaDecodeConfig(approx_math=True); within the kernel tolerance of the reference, its GPU tests). "
         "With kda_token_loop, issue #6's B = 1 q = 4 kernel 5.86 -> 4.74-4.81 µs (5.17 with the loop alone); "
-        "the one-rank step at q = 4, 4 steps per call 8.68 -> 8.57 ms (BENCHMARKS.md session 32). Off until "
-        "the token loop has passed its GPU tests (never run natively yet; gpu_session.sh s32f)"),
-    "kda_token_loop": (False,
+        "the one-rank step at q = 4, 4 steps per call 8.68 -> 8.57 ms (BENCHMARKS.md session 32). On since "
+        "session 34: its GPU tests (alone and with the token loop) and the kernel-tiny greedy test with both "
+        "pass natively"),
+    "kda_token_loop": (True,
         "with kda on: the KDA kernel's tokens as a loop carrying the state instead of unrolled "
         "(KdaDecodeConfig(token_loop=True): one copy of the per-token code, 95 vs 238 KB of MLIR at q = 4) — "
         "unrolled straight-line code runs once per CTA, every instruction a cold fetch (the suspect of "
         "session 31's slow unrolled kernels): the B = 1 q = 4 kernel 5.86 -> 5.17 µs alone, 4.74-4.81 with "
-        "kda_approx_math (bench_kda_decode --q4, session 32); off until its GPU tests pass (the benchmark "
-        "times, it does not compare)"),
+        "kda_approx_math (bench_kda_decode --q4, session 32). On since session 34: its GPU tests (q = 4 and 8, "
+        "f32 / bf16, with approx math), the kernel-tiny greedy test and the all-kernels == stock test pass "
+        "natively"),
     "kda_conv": (False,
         "with kda on: the short conv + SiLU of q / k / v inside the KDA kernel (kda_decode_conv: each CTA "
         "convolves its head's rows from one SMEM window of Kc - 1 history rows + the T new ones) instead of "
         "the XLA fusion between the qkv projection and the kernel — on the critical path, ~2 µs + one "
-        "dependent launch per KDA layer (session 29's profile); off until measured"),
+        "dependent launch per KDA layer (session 29's profile). Natively the f32 cases match; the bf16 ones "
+        "differ from an XLA reference that, on the GPU, skips the bf16 rounding of the conv output "
+        "(xla_allow_excess_precision; the GPU test now compiles its reference without it, not yet rerun; "
+        "session 34) — off until that test passes and the step is measured"),
     "fp8_dq": (True,
         "with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16 "
         "activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before each "
@@ -137,7 +142,9 @@ KNOBS = {
         "with fp8_moe, moe_route and router_kernel on, at 2-4 token rows: the router kernel builds "
         "moe_route's slot tables itself (pallas_kernels.router.router_route: a warpgroup per row, then the "
         "tables once all rows are in) — one launch instead of two on the MoE layer's critical path (q = 4: ~4 "
-        "µs each, session 28's profile); off until measured"),
+        "µs each, session 28's profile). WRONG natively (session 34: row 1's ids are row 0's) — the "
+        "warpgroups' reductions share Mosaic's one reduction scratch (see topk_threshold_4wg); refused on "
+        "the GPU until rebuilt without concurrent warpgroup reductions"),
     "mhc_boundary": (False,
         "with mhc, mhc_finish and mhc_sinkhorn_split on: each mHC boundary as ONE launch (a cluster of 8 "
         "CTAs: pallas_kernels.mhc.mhc_boundary) instead of mhc_post_pre + an XLA reduction + mhc_finish on "
@@ -155,18 +162,25 @@ KNOBS = {
         "partials [G, 64, 40] and sum them in SMEM (pallas_kernels.mhc PARTS_MAX_ROWS) instead of an XLA "
         "reduction between the kernels — one launch fewer on the sublayer's critical path per boundary (~2 µs "
         "+ a dependent launch, session 29's profile); off until measured"),
-    "mhc_grid_barrier": (False,
+    "mhc_grid_barrier": (True,
         "with mhc_finish and mhc_sinkhorn_split on, at up to 4 token rows: each mHC boundary as ONE launch of "
         "mhc_narrow's 128 CTAs with a grid barrier between mhc_post_pre's half and mhc_finish's "
         "(pallas_kernels.mhc.mhc_post_finish: a GMEM semaphore; the partials summed from L2, X' kept in SMEM) "
         "— one launch on the sublayer's critical path instead of two or three; the Sinkhorn stays a kernel of "
-        "its own on the raw partials. Off until measured natively"),
+        "its own on the raw partials. Natively bit-identical to its two-launch form (GPU tests, session 34); "
+        "the one-rank step at q = 1, 4 steps per call, 7 interleaved repeats: 5.32 -> 5.02 ms (−0.3 to −0.4 "
+        "ms in every round; 1,507 -> 1,417 launches; BENCHMARKS.md session 34)"),
     "indexer_q_in_kernel": (False,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
         "64 query rows, the scales from the amax's bits) instead of the XLA butterflies, amax and conversion "
-        "in front of it — ~8 µs and 3 launches per DSA layer on the critical path (session 29's profile); off "
-        "until measured"),
+        "in front of it — ~8 µs and 3 launches per DSA layer on the critical path (session 29's profile). "
+        "FAILS natively (session 34: 23-30 % of the scores off by up to 6 % of the largest, where interpret "
+        "mode matches. Suspects: the reference — XLA on the GPU drops quant_ue8m0_fp8's bf16 rounding "
+        "(xla_allow_excess_precision) where the kernel rounds, moving ~3 % of the query elements by one e4m3 "
+        "step; the GPU test now compiles it without — or a register layout interpret mode cannot see (the "
+        "wgmma FWHT's transposed ±1 operand, the e4m3 store from the WGMMA layout)); refused on the GPU "
+        "until its GPU test passes"),
     "topk_scan_mm": (False,
         "with indexer_topk on: the top-k compaction's prefix sums within 128-blocks as one f32 matmul with a "
         "triangle of ones (exclusive_prefix_sum 'mm128') instead of XLA's reduce-window fusion (11.3 µs per "
@@ -176,7 +190,9 @@ KNOBS = {
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "
         "its 32 dependent passes were ~0.6 µs each on one warpgroup (21.6 µs alone at 8,256 pools, session "
-        "32); off until measured (bench_topk 'kernel wg4' rows)"),
+        "32). Unsafe natively: Mosaic GPU's warpgroup-semantics reductions (jnp.sum / max over a warpgroup's "
+        "vector) use one SMEM scratch at the same offset for every warpgroup of the CTA, so concurrent "
+        "warpgroups race on it (router_route's rows mixed natively, session 34); refused on the GPU"),
     "mla_combine_kernel": (False,
         "with sparse_mla on: the splits' partial outputs merged by one Mosaic launch after the attention kernel "
         "(pallas_kernels.sparse_mla combine='kernel': a CTA per 64-row tile and token, the splits' loads all "
@@ -186,14 +202,30 @@ KNOBS = {
         "with sparse_mla on, at >= 8 splits and <= 16 tokens: the merge inside the attention kernel itself "
         "(combine='fused': each CTA signals its token's GMEM semaphore; the last splits' CTAs, dispatched last, "
         "wait for the others and combine a 64-row tile each) — the attention one launch in all; elsewhere "
-        "mla_combine_kernel's form if on, else XLA's; off until measured"),
+        "mla_combine_kernel's form if on, else XLA's. Natively bit-identical to the 'kernel' form (GPU tests, "
+        "session 34) but the one-rank step at q = 1 5.32 -> 5.45 ms (slower in every round: the waiting CTAs "
+        "hold SMs while the other splits finish) — off"),
     "pdl": (False,
         "every Mosaic kernel of the step starts with griddepcontrol.wait + .launch_dependents (Programmatic "
         "Dependent Launch: a dependent kernel is launched and scheduled while its predecessor drains; "
         "pallas_kernels._common.pdl_mode). Not a kernel: a launch mode of all of them. Whether XLA's CUDA "
-        "graph keeps the programmatic edges is benchmarks/bench_pdl.py's question; off until measured"),
+        "graph keeps the programmatic edges is benchmarks/bench_pdl.py's question. Natively correct (12 chained "
+        "boundaries bit-identical, session 34); the one-rank step at q = 1 5.32 -> 5.38 ms (no gain: XLA's "
+        "graph does not honour the programmatic edge) — off"),
 }
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
+
+# Kernels that pass in GPU interpret mode but compute wrong results natively (their GPU tests fail): the policy
+# refuses them outside interpret mode, with this reason, until rebuilt — interpret mode runs one warpgroup after
+# another and ignores register layouts, so it cannot see these bugs (session 34's native runs).
+NATIVE_WRONG = {
+    "router_route": "wrong natively (session 34: row 1's ids are row 0's): its warpgroups' reductions share "
+                    "Mosaic GPU's one reduction scratch",
+    "topk_threshold_4wg": "unsafe natively: its warpgroups' count reductions share Mosaic GPU's one reduction "
+                          "scratch (router_route's failure, session 34)",
+    "indexer_q_in_kernel": "wrong natively (session 34: 23-30 % of the scores off by up to 6 % of the largest; "
+                           "perhaps the reference's: XLA on the GPU skipped its bf16 rounding — to re-test)",
+}
 
 
 # Where the radix top-512 beats XLA's sort on the H200, and in which form (bench_topk, µs; session 24):
@@ -252,6 +284,8 @@ def kernel_enabled(name: str, rows: int | None = None, *, fits: bool = True, why
     reason = f"{rows} token rows > {MAX_KERNEL_ROWS}"
   elif not fits:
     reason = why or "the call site's shapes do not fit the kernel"
+  elif name in NATIVE_WRONG and not _interpreting():
+    reason = NATIVE_WRONG[name]
   elif not prefer and name not in explicit:
     reason = prefer_why or "XLA is faster at this site (the policy can force the kernel)"
   else:
@@ -260,6 +294,11 @@ def kernel_enabled(name: str, rows: int | None = None, *, fits: bool = True, why
   if rep is not None:
     rep.append((name, reason))
   return reason is None
+
+
+def _interpreting() -> bool:
+  from pallas_kernels._common import interpreting  # noqa: PLC0415
+  return interpreting()
 
 
 @contextlib.contextmanager
