@@ -76,7 +76,8 @@
 #                             mhc_fused_sums' tests), then q = 1 profiled with its
 #                             kernel table (the new defaults: where the 1,417 launches and 5.0 ms go), then q = 4
 #   s34b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs kda_conv / topk_scan_mm / mla_combine_kernel
-#                             (CANDIDATES overrides), then auto vs latency_specialized at 4 steps per call (#9's 2x)
+#                             (CANDIDATES overrides), then auto vs latency_specialized at 4 steps per call (#9's 2x),
+#                             then the defaults with xla_allow_excess_precision=false (bf16 intermediates rounded)
 #   s33b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs each candidate (CANDIDATES), then q = 4 with ALL_ON
 #   s33c (nvidia-h200):       the end-to-end GPU tests gating the KDA defaults; q = 1 profiled (POLICY) with its table;
 #                             bench_sparse_mla --only combine; auto vs latency_specialized at 4 steps per call
@@ -549,6 +550,9 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
       --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
       --out "$OUT/decode_s34auto.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s34auto.log"
+    # what rounding every bf16 intermediate as HF does costs (XLA keeps them in f32 on the GPU by default)
+    [ "$(left)" -gt 200 ] && rank1 s34x --q 1 --steps-per-call 4 --repeats 5 \
+      --xla-option xla_allow_excess_precision=false
     ;;
   s33a)  # (nvidia-h200) every kernel built since session 31 natively, the A/B's first candidates first, each with its
     # own timeout (-k 9: a grid barrier that never opened cannot hold the call): the one-launch mHC boundary

@@ -142,4 +142,4 @@ def test_knobs_lists_every_policy_key(capsys):
   assert all(len(v["doc"]) > 40 for v in got.values())
   assert main(["knobs"]) == 0
   text = capsys.readouterr().out
-  assert "mhc_grid_barrier = false" in text and "mhc_narrow = true" in text
+  assert "pdl = false" in text and "mhc_grid_barrier = true" in text
