@@ -71,11 +71,13 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
-#   s34a (nvidia-h200):       session 34's leftovers natively (kda_conv's and the rotating index queries' GPU tests
-#                             with references that round as the model, the 2/4-warpgroup threshold kernel,
-#                             mhc_fused_sums' tests), then q = 1 profiled with its
+#   s34a (nvidia-h200):       session 34's leftovers natively (the warpgroup-reduction race and the rebuilt
+#                             router_route / 2-4-warpgroup threshold kernel; kda_conv's and the rotating index
+#                             queries' GPU tests with references that round as the model; mhc_fused_sums' tests),
+#                             then q = 1 profiled with its
 #                             kernel table (the new defaults: where the 1,417 launches and 5.0 ms go), then q = 4
-#   s34b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs kda_conv / topk_scan_mm / mla_combine_kernel
+#   s34b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs topk_threshold_4wg / kda_conv / topk_scan_mm /
+#                             mla_combine_kernel
 #                             (CANDIDATES overrides), then auto vs latency_specialized at 4 steps per call (#9's 2x),
 #                             then the defaults with xla_allow_excess_precision=false (bf16 intermediates rounded)
 #   s33b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs each candidate (CANDIDATES), then q = 4 with ALL_ON
@@ -533,18 +535,21 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
         | grep -E "^(PASSED|FAILED|XFAIL|XPASS|ERROR)|passed|failed|Interrupt" | head -40 \
         | sed "s|^|$(basename "$2"): |" | tee -a "$OUT/gpu_tests.log"
     }
-    gt 60 tests/test_router_kernel.py "concurrent_warpgroup"
+    gt 90 tests/test_router_kernel.py "concurrent_warpgroup or router_route_gpu"
     gt 90 tests/test_kda_decode.py "conv_kernel_matches_reference_gpu"
     gt 120 tests/test_indexer.py "threshold_kernel_gpu or rotating_queries_gpu"
     gt 120 tests/test_mhc.py "sum_raw_partials"
     [ "$(left)" -gt 200 ] && rank1 s34p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" \
       ${POLICY:+--policy "$POLICY"} && kernel_tables 1
-    [ "$(left)" -gt 150 ] && rank1 s34q4 --q 4 --steps-per-call 4 --repeats 5 ${POLICY:+--policy "$POLICY"}
+    # q = 4: the defaults vs router_route (its sites are at 2-4 token rows; run only if its GPU test passed above)
+    if grep -q "router_route_gpu.*passed\|passed.*router_route_gpu\|PASSED.*router_route_gpu" "$OUT/gpu_tests.log" \
+      && ! grep -q "FAILED.*router_route_gpu" "$OUT/gpu_tests.log"; then set -- '{"router_route": true}'; else set --; fi
+    [ "$(left)" -gt 150 ] && rank1 s34q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --policy '{}' "$@"
     ;;
   s34b)  # (nvidia-h200) the remaining candidates at q = 1 (4 steps per call, 7 interleaved repeats), then auto vs
     # latency_specialized at 4 steps per call (issue #9's 2x: auto was last measured at one step per call)
-    if [ -n "${CANDIDATES:-}" ]; then eval "set -- $CANDIDATES"; else set -- '{"kda_conv": true}' \
-      '{"topk_scan_mm": true}' '{"mla_combine_kernel": true}'; fi
+    if [ -n "${CANDIDATES:-}" ]; then eval "set -- $CANDIDATES"; else set -- '{"topk_threshold_4wg": true}' \
+      '{"kda_conv": true}' '{"topk_scan_mm": true}' '{"mla_combine_kernel": true}'; fi
     rank1 s34b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' "$@"
     [ "$(left)" -gt 200 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
       --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \

@@ -142,9 +142,10 @@ KNOBS = {
         "with fp8_moe, moe_route and router_kernel on, at 2-4 token rows: the router kernel builds "
         "moe_route's slot tables itself (pallas_kernels.router.router_route: a warpgroup per row, then the "
         "tables once all rows are in) — one launch instead of two on the MoE layer's critical path (q = 4: ~4 "
-        "µs each, session 28's profile). WRONG natively (session 34: row 1's ids are row 0's) — the "
-        "warpgroups' reductions share Mosaic's one reduction scratch (see topk_threshold_4wg); refused on "
-        "the GPU until rebuilt without concurrent warpgroup reductions"),
+        "µs each, session 28's profile). Its first form (a warpgroup per row) was wrong natively — row 1's ids "
+        "were row 0's: the warpgroups' reductions shared Mosaic's one cross-warp SMEM scratch (session 34); "
+        "now one warpgroup selects all rows, a warp per row (no cross-warp step). Not yet run natively; off "
+        "until its GPU test passes and it is measured"),
     "mhc_boundary": (False,
         "with mhc, mhc_finish and mhc_sinkhorn_split on: each mHC boundary as ONE launch (a cluster of 8 "
         "CTAs: pallas_kernels.mhc.mhc_boundary) instead of mhc_post_pre + an XLA reduction + mhc_finish on "
@@ -190,9 +191,10 @@ KNOBS = {
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "
         "its 32 dependent passes were ~0.6 µs each on one warpgroup (21.6 µs alone at 8,256 pools, session "
-        "32). Unsafe natively: Mosaic GPU's warpgroup-semantics reductions (jnp.sum / max over a warpgroup's "
-        "vector) use one SMEM scratch at the same offset for every warpgroup of the CTA, so concurrent "
-        "warpgroups race on it (router_route's rows mixed natively, session 34); refused on the GPU"),
+        "32). Built first with Mosaic's warpgroup reductions, whose cross-warp SMEM scratch is shared by all the "
+        "warpgroups of a CTA (router_route's rows mixed natively that way, session 34); now each warp sums its "
+        "own keys (pallas_kernels._common.warp_split_layout: no cross-warp step) and the 4 x warpgroups "
+        "per-warp counts meet in SMEM. Not yet run natively; off until its GPU test passes and it is measured"),
     "mla_combine_kernel": (False,
         "with sparse_mla on: the splits' partial outputs merged by one Mosaic launch after the attention kernel "
         "(pallas_kernels.sparse_mla combine='kernel': a CTA per 64-row tile and token, the splits' loads all "
@@ -219,10 +221,6 @@ KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # refuses them outside interpret mode, with this reason, until rebuilt — interpret mode runs one warpgroup after
 # another and ignores register layouts, so it cannot see these bugs (session 34's native runs).
 NATIVE_WRONG = {
-    "router_route": "wrong natively (session 34: row 1's ids are row 0's): its warpgroups' reductions share "
-                    "Mosaic GPU's one reduction scratch",
-    "topk_threshold_4wg": "unsafe natively: its warpgroups' count reductions share Mosaic GPU's one reduction "
-                          "scratch (router_route's failure, session 34)",
     "indexer_q_in_kernel": "wrong natively (session 34: 23-30 % of the scores off by up to 6 % of the largest; "
                            "perhaps the reference's: XLA on the GPU skipped its bf16 rounding — to re-test)",
 }

@@ -97,6 +97,17 @@ def order_key(v):
   return jax.numpy.where(bits < 0, bits ^ jax.numpy.int32(0x7FFFFFFF), bits)
 
 
+def warp_split_layout():
+  """The register layout of a warpgroup's [rows, 4, 32] array with warp i holding [:, i, :] (lane j [:, i, j], the
+  rows in registers): summing over axis 2 (lanes: shuffles) then axis 0 (registers) leaves one value per warp with
+  no cross-warp step. The cross-warp step of Mosaic GPU's warpgroup-semantics reductions uses one SMEM scratch at
+  the same offset for every warpgroup of a CTA (jax 0.11.2, lowering._reduce_lowering_rule_wg), so warpgroups that
+  reduce concurrently race on it — kernels with several warpgroups reduce to per-warp values in this layout and
+  combine them through SMEM of their own (tests/test_router_kernel.py: the race and this way around it)."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
+  return plgpu.Layout.TILED(fa.Tiling(((1, 4, 32), (1,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
+
+
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry, mgpu_kernel
+from pallas_kernels._common import kernel_entry, mgpu_kernel, warp_split_layout
 
 HEAD_DIM = 128
 FP8_MAX = 448.0
@@ -331,7 +331,7 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1):
       plgpu.copy_gmem_to_smem(u_g.at[r], u_s, bar)
       plgpu.barrier_wait(bar)
       u = u_s[...]  # [N / 128, 128]: N / 128 keys per thread, in registers for all passes
-    else:  # this warpgroup's share of the rows; the counts summed over the warpgroups through SMEM (c_s)
+    else:  # this warpgroup's share of the rows, [nw, 4, 32]: warp i holds [:, i, :] (warp_split_layout)
       c_s, bar, xbar = rest
       w = lax.axis_index("wg")
       nw = u_s.shape[0] // wgs
@@ -341,20 +341,28 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1):
         plgpu.copy_gmem_to_smem(u_g.at[r], u_s, bar)
 
       plgpu.barrier_wait(bar)
-      u = u_s[pl.ds(w * nw, nw)]
+      u = plgpu.load(u_s.at[pl.ds(w * nw, nw)], layout=warp_split_layout())
+
+    def count(x):
+      """int32 x summed over the row: over the warpgroup (one warpgroup: Mosaic's reduction, its cross-warp step
+      through Mosaic's SMEM scratch), or per warp ([4]: lanes and registers only) where several warpgroups would
+      race on that scratch (warp_split_layout); ``total`` sums those."""
+      return jnp.sum(x) if wgs == 1 else jnp.sum(jnp.sum(x, axis=2), axis=0)
 
     def total(p, *parts):
-      """The sums over the row: this warpgroup's ``parts`` (int32 scalars), or with several warpgroups their sums
-      over all — each publishes its parts in slot p % 2 of c_s (two slots: a warpgroup that is one round ahead
-      writes the other), arrives, and reads every warpgroup's once all have arrived."""
+      """The sums over the row: this warpgroup's ``parts`` (int32 scalars), or with several warpgroups the sum of
+      every warp's — each warpgroup publishes its warps' parts in slot p % 2 of c_s (two slots: a warpgroup that is
+      one round ahead writes the other), syncs its warps, arrives (once per warpgroup), and reads all the warps'
+      parts once every warpgroup has arrived."""
       if wgs == 1:
         return parts
       slot = lax.rem(p, 2)
       for j, v in enumerate(parts):
-        c_s[slot, j, w] = v
+        c_s[slot, j, pl.ds(w * 4, 4)] = v
+      plgpu.commit_smem()  # (its warpgroup barrier: the 4 warps' stores before the warpgroup's one arrival)
       plgpu.barrier_arrive(xbar)
       plgpu.barrier_wait(xbar)
-      return tuple(sum(c_s[slot, j, i] for i in range(wgs)) for j in range(len(parts)))
+      return tuple(sum(c_s[slot, j, i] for i in range(4 * wgs)) for j in range(len(parts)))
 
     # The k-th largest key, digit by digit from the top: t keeps the largest prefix with #{u >= t} >= k. A pass
     # is a compare per key and candidate and int32 sums over the warpgroup (a redux.sync per warp + 4 words of
@@ -370,13 +378,13 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1):
       s = jnp.uint32(32 - digit_bits) - p.astype(jnp.uint32) * jnp.uint32(digit_bits)  # the digit's low bit
       if digit_bits == 1:
         cand = t | lax.shift_left(jnp.uint32(1), s)
-        (n,) = total(p, jnp.sum((u >= cand).astype(jnp.int32)))
+        (n,) = total(p, count((u >= cand).astype(jnp.int32)))
         return jnp.where(n >= k, cand, t)
       c1, c2, c3 = (t | lax.shift_left(jnp.uint32(d), s) for d in (1, 2, 3))
       # (nested selects: u >= c2 implies u >= c1; int32 values, as i1 register arrays do not combine)
-      both, n3 = total(p, jnp.sum(jnp.where(u >= c2, jnp.int32(65537), jnp.where(u >= c1, jnp.int32(1),
-                                                                                   jnp.int32(0)))),
-                       jnp.sum(jnp.where(u >= c3, jnp.int32(1), jnp.int32(0))))
+      both, n3 = total(p, count(jnp.where(u >= c2, jnp.int32(65537), jnp.where(u >= c1, jnp.int32(1),
+                                                                                 jnp.int32(0)))),
+                       count(jnp.where(u >= c3, jnp.int32(1), jnp.int32(0))))
       n1, n2 = both & jnp.int32(0xFFFF), lax.shift_right_logical(both, jnp.int32(16))
       return jnp.where(n3 >= k, c3, jnp.where(n2 >= k, c2, jnp.where(n1 >= k, c1, t)))
 
@@ -387,7 +395,7 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1):
         t = one_pass(jnp.int32(p), t)
     else:
       t = lax.fori_loop(0, passes, one_pass, jnp.uint32(0))
-    (n_gt,) = total(jnp.int32(passes), jnp.sum((u > t).astype(jnp.int32)))
+    (n_gt,) = total(jnp.int32(passes), count((u > t).astype(jnp.int32)))
 
     def store():
       t_g[r] = jnp.broadcast_to(t, (THRESHOLD_LANES,))
@@ -406,9 +414,10 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
   """Mosaic GPU version of ``topk_threshold_reference``: one CTA per row, the row's keys TMA'd into SMEM and held
   in registers; 32 / digit_bits passes (``_threshold_kernel``) and one count of the keys above the threshold.
   ``warpgroups`` (1, 2 or 4): the CTA's warpgroups, each holding 1 / warpgroups of the row's keys (a pass's
-  compares spread over more threads; its counts summed over the warpgroups through SMEM). N must be a multiple of
-  128 · warpgroups (pad with 0, the smallest key: a pad never outranks a real key, and the k-th largest of the
-  real keys is unchanged when k <= the real count) and at most THRESHOLD_MAX_KEYS (the registers)."""
+  compares spread over more threads; its counts per warp summed through SMEM: warp_split_layout). N must be a
+  multiple of 128 · warpgroups (pad with 0, the smallest key: a pad never outranks a real key, and the k-th
+  largest of the real keys is unchanged when k <= the real count) and at most THRESHOLD_MAX_KEYS (the
+  registers)."""
   _check_threshold(keys, k)
   R, N = keys.shape
   if digit_bits not in (1, 2):
@@ -421,11 +430,12 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
                      f"{THRESHOLD_MAX_KEYS} (pad with 0)")
   nr = N // THRESHOLD_LANES
   row = lambda dt: jax.ShapeDtypeStruct((R, THRESHOLD_LANES), dt)
-  u_s = plgpu.SMEM((nr, THRESHOLD_LANES), jnp.uint32)
+  view = (nr, THRESHOLD_LANES) if warpgroups == 1 else (nr, 4, THRESHOLD_LANES // 4)  # (several: per-warp sums)
+  u_s = plgpu.SMEM(view, jnp.uint32)
   if warpgroups == 1:
     scratch, threads = [u_s, plgpu.Barrier(num_arrivals=1)], {}
-  else:  # (c_s: 2 slots x 2 counts x warpgroups; an exchange barrier of one arrival per warpgroup)
-    scratch = [u_s, plgpu.SMEM((2, 2, warpgroups), jnp.int32), plgpu.Barrier(num_arrivals=1),
+  else:  # (c_s: 2 slots x 2 counts x the warps; an exchange barrier of one arrival per warpgroup)
+    scratch = [u_s, plgpu.SMEM((2, 2, 4 * warpgroups), jnp.int32), plgpu.Barrier(num_arrivals=1),
                plgpu.Barrier(num_arrivals=warpgroups)]
     threads = dict(num_threads=warpgroups, thread_name="wg")
   t, n_gt = mgpu_kernel(
@@ -436,5 +446,5 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
       kernel_name="glm5_topk_threshold",
       scratch_types=scratch,
       **threads,
-  )(keys.reshape(R, nr, THRESHOLD_LANES))
+  )(keys.reshape(R, *view))
   return t[:, 0], n_gt[:, 0]

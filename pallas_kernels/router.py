@@ -145,7 +145,7 @@ def router_topk(logits, bias, *, k: int, scaling: float, norm: bool):
 
 
 # ----------------------------------------------------------------------------------------- router + slot tables
-ROUTE_MAX_ROWS = 4  # token rows up to which router_route runs (a warpgroup per row in one CTA)
+ROUTE_MAX_ROWS = 4  # token rows up to which router_route runs (a warp per row of one warpgroup)
 
 
 def router_route_reference(logits, bias, *, k: int, scaling: float, norm: bool, num_experts: int, n_pad: int,
@@ -157,22 +157,74 @@ def router_route_reference(logits, bias, *, k: int, scaling: float, norm: bool, 
   return ids, w, *kl.moe_route_reference(ids, w, num_experts=num_experts, n_pad=n_pad, mp=mp, shared=shared)
 
 
+def _rows_layout():
+  """[4, EP] / [4, 128] register arrays with warp m holding row m (lanes x 2-vectors along the row, the row's
+  64-column tiles in registers): reductions along a row stay inside its warp (shuffles, no cross-warp SMEM step).
+  One warpgroup then selects up to 4 rows at once — the first form ran a warpgroup per row, and Mosaic GPU's
+  warpgroup reductions, whose cross-warp scratch is one SMEM slot shared by all the CTA's warpgroups, mixed the
+  rows natively (session 34; tests/test_router_kernel.py: the race)."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
+  return plgpu.Layout.TILED(fa.Tiling(((ROUTE_MAX_ROWS, 64), (2,))), warp_dims=(-3,), lane_dims=(-2,),
+                            vector_dim=-1)
+
+
+def _select_rows(l_s, b_s, E: int, k: int, scaling: float, norm: bool):
+  """``_select_row`` for the 4 rows of l_s / b_s [4, EP] at once, row m on warp m -> (ids [4, 128] int32, w [4, 128]
+  f32) registers, the first k entries of each row meaningful. The same selection, adds and order as
+  _select_row (row-wise maxima / minima / sums instead of the warpgroup's)."""
+  R, EP = l_s.shape
+  rows = _rows_layout()
+  s = jax.nn.sigmoid(plgpu.load(l_s, layout=rows))
+  key = order_key(s + plgpu.load(b_s, layout=rows))
+  iota = plgpu.broadcasted_iota(jnp.int32, (R, EP), 1, layout=rows)
+  taken = jnp.where(iota >= E, 1, 0)
+  slot = plgpu.broadcasted_iota(jnp.int32, (R, LANES), 1, layout=rows)
+  wide = lambda v, n: lax.broadcast_in_dim(v, (R, n), (0,))  # a row's value to each of its n columns
+
+  def select(j, carry):
+    taken, ids_v, w_v, tot = carry
+    cand = jnp.where(taken != 0, jnp.int32(_INT_MIN), key)
+    top = jnp.max(cand, axis=1)
+    idx = jnp.min(jnp.where(taken != 0, jnp.int32(_NONE), jnp.where(cand == wide(top, EP), iota, jnp.int32(_NONE))),
+                  axis=1)
+    hit = iota == wide(idx, EP)
+    v = jnp.sum(jnp.where(hit, s, 0.0), axis=1)
+    return (jnp.where(hit, 1, taken), jnp.where(slot == j, wide(idx, LANES), ids_v),
+            jnp.where(slot == j, wide(v, LANES), w_v), tot + v)
+
+  zeros = plgpu.layout_cast(jnp.zeros((R, LANES), jnp.int32), rows)
+  _, ids_v, w_v, tot = lax.fori_loop(0, k, select, (taken, zeros, zeros.astype(jnp.float32),
+                                                    jnp.zeros((R,), jnp.float32)))
+  if norm:
+    w_v = w_v / wide(tot + NORM_EPS, LANES)
+  return ids_v, w_v * scaling
+
+
 def _router_route_kernel(M: int, E: int, k: int, scaling: float, norm: bool, mp: int, shared: bool):
   from pallas_kernels import linear as kl  # noqa: PLC0415
 
-  def body(l_g, b_g, ids_g, w_g, eids_g, nv_g, r_g, l_s, b_s, ids_s, w_s, e_s, n_s, r_s, bar, xbar):
-    m = lax.axis_index("wg")  # warpgroup m selects row m
-    _stage_row(l_g, b_g, l_s.at[m], b_s.at[m], bar.at[m], m, E)
-    ids_v, w_v = _select_row(l_s.at[m], b_s.at[m], E, k, scaling, norm)
-    _store_row(ids_v, w_v, ids_s.at[m], w_s.at[m], ids_g, w_g, m, k)
-    plgpu.barrier_arrive(xbar)  # (each thread's arrive releases its own stores of the row to SMEM)
-
-    @pl.when(m == 0)
-    def _():  # once every row is in: the slot tables from the rows' ids and weights in SMEM
-      plgpu.barrier_wait(xbar)
-      eids, count, r = kl.route_tables(lambda i, j: ids_s[i, j], lambda i, j: w_s[i, j], M, k, E, mp, shared)
-      kl.store_route_tables(eids, count, r, e_s, n_s, r_s, eids_g, nv_g, r_g)
-
+  def body(l_g, b_g, ids_g, w_g, eids_g, nv_g, r_g, l_s, b_s, ids_s, w_s, e_s, n_s, r_s, bar):
+    # the M rows' logits and the bias (in every row of b_s) into [4, EP] SMEM tiles: pads first (logit -inf —
+    # never selected — bias 0; rows past M: all pads), made visible to the TMA before it writes beside them
+    R, EP = l_s.shape
+    l_s[...] = jnp.full((R, EP), -jnp.inf, jnp.float32)
+    b_s[...] = jnp.zeros((R, EP), jnp.float32)
+    plgpu.commit_smem()
+    for c0 in range(0, E, BOX):
+      n = min(BOX, E - c0)
+      for m in range(M):
+        plgpu.copy_gmem_to_smem(l_g.at[m, pl.ds(c0, n)], l_s.at[m, pl.ds(c0, n)], bar)
+        plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, n)], b_s.at[m, pl.ds(c0, n)], bar)
+    plgpu.barrier_wait(bar)
+    ids_v, w_v = _select_rows(l_s, b_s, E, k, scaling, norm)
+    ids_s[...] = ids_v
+    w_s[...] = w_v
+    plgpu.commit_smem()  # (its warpgroup barrier: every warp's row in SMEM before the tables read them)
+    for m in range(M):
+      plgpu.copy_smem_to_gmem(ids_s.at[m, pl.ds(0, k)], ids_g.at[m])
+      plgpu.copy_smem_to_gmem(w_s.at[m, pl.ds(0, k)], w_g.at[m])
+    eids, count, r = kl.route_tables(lambda i, j: ids_s[i, j], lambda i, j: w_s[i, j], M, k, E, mp, shared)
+    kl.store_route_tables(eids, count, r, e_s, n_s, r_s, eids_g, nv_g, r_g)
     plgpu.wait_smem_to_gmem(0)
 
   return body
@@ -182,8 +234,8 @@ def _router_route_kernel(M: int, E: int, k: int, scaling: float, norm: bool, mp:
 def router_route(logits, bias, *, k: int, scaling: float, norm: bool, num_experts: int, n_pad: int, mp: int,
                  shared: bool):
   """Mosaic GPU version of ``router_route_reference``: ``router_topk``'s selection for M <= ROUTE_MAX_ROWS token
-  rows (a warpgroup per row, one CTA) and, once all rows are in (an mbarrier), ``linear.moe_route``'s slot tables
-  from them — one launch instead of two on the MoE layer's critical path at q >= 2."""
+  rows (one warpgroup, a warp per row: ``_select_rows``) and then ``linear.moe_route``'s slot tables from them —
+  one launch instead of two on the MoE layer's critical path at q >= 2."""
   from pallas_kernels import linear as kl  # noqa: PLC0415
   M, E = _check(logits, bias, k)
   if not 2 <= M <= ROUTE_MAX_ROWS or num_experts != E or M > mp or n_pad > LANES or n_pad % 8:
@@ -192,17 +244,15 @@ def router_route(logits, bias, *, k: int, scaling: float, norm: bool, num_expert
                      f"of 8 <= {LANES} (one row: router_topk, whose ids are the slot table)")
   EP = -(-E // LANES) * LANES
   f32, i32 = jnp.float32, jnp.int32
+  R = ROUTE_MAX_ROWS
   return mgpu_kernel(
       _router_route_kernel(M, E, int(k), float(scaling), bool(norm), int(mp), bool(shared)),
       out_type=(jax.ShapeDtypeStruct((M, k), i32), jax.ShapeDtypeStruct((M, k), f32),
                 *kl.route_out_types(n_pad, mp)),
       grid=(1,),
       grid_names=("c",),
-      num_threads=M,
-      thread_name="wg",
       kernel_name="glm5_router_route",
-      scratch_types=[plgpu.SMEM((M, EP), f32), plgpu.SMEM((M, EP), f32), plgpu.SMEM((M, LANES), i32),
-                     plgpu.SMEM((M, LANES), f32), *kl.route_scratch(mp),
-                     plgpu.Barrier(num_arrivals=2 * (-(-E // BOX)), num_barriers=M),
-                     plgpu.Barrier(num_arrivals=M)],
+      scratch_types=[plgpu.SMEM((R, EP), f32), plgpu.SMEM((R, EP), f32), plgpu.SMEM((R, LANES), i32),
+                     plgpu.SMEM((R, LANES), f32), *kl.route_scratch(mp),
+                     plgpu.Barrier(num_arrivals=2 * M * (-(-E // BOX)))],
   )(logits, bias)

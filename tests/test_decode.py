@@ -14,7 +14,6 @@ from scipy import stats as sstats
 from conftest import tol
 from glm5_jax.speculative import Decoder, decode
 from glm5_jax.runtime import DecodeConfig
-from pallas_kernels._common import on_gpu
 from helpers import extend_chunks, greedy_reference, load, tiny_checkpoint
 
 # A small geometry (4 layers: KDA, KDA, KDA, DSA; dense, MoE, MoE, MoE) with sparse selection from position 8.
@@ -287,15 +286,14 @@ def test_kernel_sites_say_what_runs_where(model):
 def test_indexer_topk_without_sort_gives_the_same_tokens(model):
   """Policy knob indexer_topk (the indexer's top pools by radix selection instead of XLA's sort), with the
   threshold from the topk_threshold kernel (interpret mode on CPU), and with the compaction's prefix sums as a
-  matmul (topk_scan_mm) and the kernel on 4 warpgroups (topk_threshold_4wg; interpret mode only: refused
-  natively, layers.NATIVE_WRONG): the same tokens over chained verify
+  matmul (topk_scan_mm) and the kernel on 4 warpgroups (topk_threshold_4wg): the same tokens over chained verify
   steps with a context of many pools (oracle-tiny selects 4 of up to 24); the sites are reported and prefill keeps
   the sort."""
   outs = []
   # (the XLA radix passes alone: test_model_units)
   for on, thr, mm in ((False, False, False), (True, True, False), (True, True, True)):
     pol = (("indexer_topk", on), ("topk_threshold", thr), ("kv_cache_dtype", "auto"), ("mhc", False),
-           ("topk_scan_mm", mm), ("topk_threshold_4wg", wg4 := mm and not on_gpu()))
+           ("topk_scan_mm", mm), ("topk_threshold_4wg", mm))
     dec = Decoder(model, DecodeConfig(max_context=MAXCTX, q=3, capture_sizes=(2,), policy=pol),
                   backend="latency_specialized", prefill_chunk=16)
     state = dec.prefill([np.arange(40) % 97 + 1, np.arange(57) % 89 + 5])
@@ -308,7 +306,7 @@ def test_indexer_topk_without_sort_gives_the_same_tokens(model):
     assert (sites["indexer_topk"]["sites"] > 0) == on, sites
     assert (sites.get("topk_threshold", {}).get("sites", 0) > 0) == thr, sites
     assert (sites.get("topk_scan_mm", {}).get("sites", 0) > 0) == mm, sites
-    assert (sites.get("topk_threshold_4wg", {}).get("sites", 0) > 0) == wg4, sites
+    assert (sites.get("topk_threshold_4wg", {}).get("sites", 0) > 0) == mm, sites
   np.testing.assert_array_equal(outs[1], outs[0])
   np.testing.assert_array_equal(outs[2], outs[0])
 

@@ -319,12 +319,9 @@ def test_threshold_cross_lower(R, N, bits, wgs):
                                               (1, 8320, 512, True, 1), (1, 8704, 512, False, 4),
                                               (4, 8704, 512, False, 4), (32, 16896, 512, False, 4),
                                               (3, 1024, 1024, False, 2)])
-def test_threshold_kernel_gpu(request, R, N, k, bits, unroll, wgs):
-  """(wgs > 1: the warpgroups' counts meet through SMEM and an mbarrier reused every pass — natively only here;
-  their per-warpgroup count reductions share Mosaic GPU's one reduction scratch: expected to race,
-  layers.NATIVE_WRONG)"""
-  if wgs > 1:
-    request.applymarker(pytest.mark.xfail(strict=False, reason="layers.NATIVE_WRONG['topk_threshold_4wg']"))
+def test_threshold_kernel_gpu(R, N, k, bits, unroll, wgs):
+  """(wgs > 1: the warps' counts meet through SMEM and an mbarrier reused every pass — natively only here; each
+  warp sums its own keys, warp_split_layout: Mosaic's warpgroup reductions would race across warpgroups)"""
   keys = threshold_keys(np.random.default_rng(), R, N, n_real=N - 64)
   want = jax.jit(lambda u: I.topk_threshold_reference(u, k))(keys)
   got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits, unroll=unroll, warpgroups=wgs))(keys)

@@ -140,12 +140,10 @@ def test_router_route_cross_lower(M):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="layers.NATIVE_WRONG['router_route']: the warpgroups' concurrent reductions "
-                   "share Mosaic GPU's one reduction scratch (session 34: row 1's ids were row 0's)")
 @pytest.mark.parametrize("M,kind,shared", [(2, "scores", True), (4, "ties", True), (4, "special", False),
                                            (3, "scores", True)])
 def test_router_route_gpu(M, kind, shared):
-  """(natively: the warpgroups' rows meet at an mbarrier before warpgroup 0 builds the tables)"""
+  """(natively: a warp per row — the first form, a warpgroup per row, mixed the rows here: session 34)"""
   x, b = make_logits(np.random.default_rng(), M, 288, kind)
   kw = route_kw(M, 288, 8, shared)
   got = jax.jit(lambda a, c: R.router_route(a, c, **kw))(x, b)
@@ -210,8 +208,8 @@ def test_concurrent_warpgroup_reductions_interpret():
 @pytest.mark.gpu
 @pytest.mark.xfail(strict=True, reason="jax 0.11.2 Mosaic GPU: warpgroup-semantics reductions put their "
                    "cross-warp scratch at one SMEM offset for every warpgroup (lowering._reduce_lowering_rule_wg), "
-                   "so concurrent warpgroups race — why router_route / topk_threshold_4wg are in NATIVE_WRONG; an "
-                   "XPASS here means a jax that fixed it: re-test those two")
+                   "so concurrent warpgroups race — why router_route and topk_threshold_4wg reduce per warp "
+                   "(_common.warp_split_layout / router._rows_layout); an XPASS here means a jax that fixed it")
 def test_concurrent_warpgroup_reductions_gpu():
   x = _wg_inputs(np.random.default_rng())
   got = np.asarray(jax.jit(lambda a: _wg_reductions(a, 64))(x))

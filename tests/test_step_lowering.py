@@ -87,21 +87,23 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   launch with a grid barrier + the Sinkhorn kernel. With the KDA kernel's approximate math (kda_approx_math: a
   knob turned on explicitly that reached no call site would be refused), its tokens as a loop (kda_token_loop)
   and the short conv inside it (kda_conv); with the fused kernels, half as wide per CTA (mhc_narrow) and the
-  finish / Sinkhorn summing the raw partials (mhc_fused_sums); the sparse MLA's split merge as a kernel
-  (mla_combine_kernel). (The kernels the policy refuses natively — layers.NATIVE_WRONG — are cross-lowered in
+  finish / Sinkhorn summing the raw partials (mhc_fused_sums); the top-k threshold kernel on 4 warpgroups
+  (topk_threshold_4wg); the router kernel building the MoE slot tables (router_route: q = 2 is two token rows);
+  the sparse MLA's split merge as a kernel (mla_combine_kernel). (The kernels the policy refuses natively — layers.NATIVE_WRONG — are cross-lowered in
   their own tests: test_native_wrong_kernels_are_refused_outside_interpret_mode.)"""
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("kda_conv", True), ("mhc", True),
                            ("mhc_boundary", form == "boundary"), ("mhc_grid_barrier", form == "grid"),
-                           ("mhc_narrow", kernels), ("mhc_fused_sums", kernels), ("mla_combine_kernel", True)))
+                           ("mhc_narrow", kernels), ("mhc_fused_sums", kernels), ("topk_threshold_4wg", True),
+                           ("router_route", True), ("mla_combine_kernel", True)))
   names = {"kernels": ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"),
            "boundary": ("glm5_mhc_boundary", "glm5_mhc_sinkhorn"),
            "grid": ("glm5_mhc_post_finish", "glm5_mhc_sinkhorn")}[form]
   for name in names:
     assert name in txt, name
   assert ("glm5_mhc_post_pre" in txt) == kernels
-  assert "glm5_moe_route" in txt and "glm5_mla_combine" in txt
+  assert "glm5_router_route" in txt and "glm5_moe_route" not in txt and "glm5_mla_combine" in txt
   check_one_module_per_kernel(txt)
 
 
@@ -161,15 +163,17 @@ def _main_args(txt):
 def test_real_geometry_step_with_candidate_knobs_lowers_for_cuda():
   """The knobs a device A/B turns on (off by default until measured) at the real width, q = 4 (4 token rows:
   every one of them has sites), over the defaults (the boundary in one grid-barrier launch, the KDA token loop
-  with approx math): the conv inside the KDA kernel, the finish / Sinkhorn summing raw partials, the prefix sums
-  as a matmul, the sparse MLA's split merge inside its kernel (no combine kernel: the drafts' one-token calls fit
+  with approx math): the conv inside the KDA kernel, the prefix sums as a matmul, the threshold kernel on 4
+  warpgroups (per-warp sums), the router building the MoE tables (a warp per row), the sparse MLA's split merge
+  inside its kernel (no combine kernel: the drafts' one-token calls fit
   it too) — SMEM budgets and layouts at the real sizes."""
-  pol = (("kda_conv", True), ("topk_scan_mm", True), ("mla_combine_fused", True))
+  pol = (("kda_conv", True), ("topk_scan_mm", True), ("mla_combine_fused", True), ("topk_threshold_4wg", True),
+         ("router_route", True))
   txt = lower_step(tp_rank_config(C.real(), 4), 4, "latency_specialized", policy=pol)
   check_one_module_per_kernel(txt)
   names = {n for n, _, _ in kernel_calls(txt)}
-  assert {"glm5_mhc_post_finish", "glm5_moe_route", "glm5_topk_threshold"} <= names, names
-  assert not names & {"glm5_mhc_post_pre", "glm5_mhc_finish", "glm5_router_route", "glm5_mla_combine"}, names
+  assert {"glm5_mhc_post_finish", "glm5_router_route", "glm5_topk_threshold"} <= names, names
+  assert not names & {"glm5_mhc_post_pre", "glm5_mhc_finish", "glm5_moe_route", "glm5_mla_combine"}, names
 
 
 def test_real_geometry_step_with_packed_params_lowers_for_cuda():
