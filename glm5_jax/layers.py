@@ -140,8 +140,8 @@ KNOBS = {
         "kernels per MoE layer on the critical path (q = 4, session 27)"),
     "router_route": (False,
         "with fp8_moe, moe_route and router_kernel on, at 2-4 token rows: the router kernel builds "
-        "moe_route's slot tables itself (pallas_kernels.router.router_route: a warpgroup per row, then the "
-        "tables once all rows are in) — one launch instead of two on the MoE layer's critical path (q = 4: ~4 "
+        "moe_route's slot tables itself (pallas_kernels.router.router_route: one warpgroup, a warp per row, then "
+        "the tables from the rows in SMEM) — one launch instead of two on the MoE layer's critical path (q = 4: ~4 "
         "µs each, session 28's profile). Its first form (a warpgroup per row) was wrong natively — row 1's ids "
         "were row 0's: the warpgroups' reductions shared Mosaic's one cross-warp SMEM scratch (session 34); "
         "now one warpgroup selects all rows, a warp per row (no cross-warp step). Not yet run natively; off "

@@ -390,3 +390,18 @@ def test_mla_absorption_forms_equal_the_einsum(rows, dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **t)
   with pytest.raises(ValueError, match="unknown contraction"):
     _per_head("bthn,hrn->bthr", x, w_uk)
+
+
+@pytest.mark.parametrize("knob", sorted(glm5_jax.layers.NATIVE_WRONG))
+def test_native_wrong_kernels_are_refused_outside_interpret_mode(knob):
+  """A kernel that computes wrong results natively (layers.NATIVE_WRONG: its GPU tests failed) is refused at
+  every call site outside interpret mode, with the reason, even when the policy asks for it explicitly (the
+  Decoder then raises naming the knob, as for any requested kernel without a site); in interpret mode — the CPU
+  equivalences — it still runs."""
+  from glm5_jax.layers import NATIVE_WRONG, kernel_enabled, kernel_report, use_kernels  # noqa: PLC0415
+  from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
+  with use_kernels({knob: True}), kernel_report() as rep:
+    assert not kernel_enabled(knob)
+    with maybe_interpret(True):
+      assert kernel_enabled(knob)
+  assert rep == [(knob, NATIVE_WRONG[knob]), (knob, None)]

@@ -9,7 +9,6 @@ import pytest
 
 from glm5_jax import config as C
 from glm5_jax import sharding as shd
-from glm5_jax.layers import NATIVE_WRONG
 from glm5_jax.runtime import DecodeConfig
 from glm5_jax.speculative import Decoder
 from glm5_jax.synthetic import abstract_model, tp_rank_config
@@ -89,8 +88,7 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   and the short conv inside it (kda_conv); with the fused kernels, half as wide per CTA (mhc_narrow) and the
   finish / Sinkhorn summing the raw partials (mhc_fused_sums); the top-k threshold kernel on 4 warpgroups
   (topk_threshold_4wg); the router kernel building the MoE slot tables (router_route: q = 2 is two token rows);
-  the sparse MLA's split merge as a kernel (mla_combine_kernel). (The kernels the policy refuses natively — layers.NATIVE_WRONG — are cross-lowered in
-  their own tests: test_native_wrong_kernels_are_refused_outside_interpret_mode.)"""
+  the sparse MLA's split merge as a kernel (mla_combine_kernel)."""
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("kda_conv", True), ("mhc", True),
@@ -105,15 +103,6 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   assert ("glm5_mhc_post_pre" in txt) == kernels
   assert "glm5_router_route" in txt and "glm5_moe_route" not in txt and "glm5_mla_combine" in txt
   check_one_module_per_kernel(txt)
-
-
-@pytest.mark.parametrize("knob", sorted(NATIVE_WRONG))
-def test_native_wrong_kernels_are_refused_outside_interpret_mode(knob):
-  """A kernel that computes wrong results natively (layers.NATIVE_WRONG: its GPU tests failed) is refused when
-  the policy asks for it outside interpret mode — the step's trace raises, naming the knob and why — while in
-  interpret mode (the CPU tests' equivalences) it still runs. kernel-tiny at q = 2 has sites for all of them."""
-  with pytest.raises(ValueError, match=rf"\['{knob}'\].*{re.escape(NATIVE_WRONG[knob][:40])}"):
-    trace_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096, policy=((knob, True),))
 
 
 @pytest.mark.parametrize("pdl", [False, True])
