@@ -74,12 +74,12 @@
 #   s34a (nvidia-h200):       session 34's leftovers natively (the warpgroup-reduction race and the rebuilt
 #                             router_route / 2-4-warpgroup threshold kernel; kda_conv's and the rotating index
 #                             queries' GPU tests with references that round as the model; mhc_fused_sums' tests),
-#                             then q = 1 profiled with its
-#                             kernel table (the new defaults: where the 1,417 launches and 5.0 ms go), then q = 4
-#   s34b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs topk_threshold_4wg / kda_conv / topk_scan_mm /
-#                             mla_combine_kernel
-#                             (CANDIDATES overrides), then auto vs latency_specialized at 4 steps per call (#9's 2x),
-#                             then the defaults with xla_allow_excess_precision=false (bf16 intermediates rounded)
+#                             then q = 1 at 4 steps per call: defaults vs topk_threshold_4wg / kda_conv /
+#                             topk_scan_mm / mla_combine_kernel (CANDIDATES overrides)
+#   s34b (nvidia-h200):       q = 1 profiled with its kernel table (where the new defaults' launches and time go),
+#                             then q = 4: defaults vs router_route (ROUTE=0: without it)
+#   s34c (nvidia-h200):       auto vs latency_specialized at 4 steps per call (#9's 2x), then the defaults with
+#                             xla_allow_excess_precision=false (bf16 intermediates rounded as HF does)
 #   s33b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs each candidate (CANDIDATES), then q = 4 with ALL_ON
 #   s33c (nvidia-h200):       the end-to-end GPU tests gating the KDA defaults; q = 1 profiled (POLICY) with its table;
 #                             bench_sparse_mla --only combine; auto vs latency_specialized at 4 steps per call
@@ -527,7 +527,8 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
-  s34a)  # (nvidia-h200) what session 34 left unmeasured natively, then where the new defaults' step goes
+  s34a)  # (nvidia-h200) what session 34 left unmeasured natively (its rebuilt kernels' and fixed references' GPU
+    # tests), then the q = 1 A/B of the candidates (4 steps per call, 7 interleaved repeats; CANDIDATES overrides)
     gt() {  # $1: seconds at most, $2: test file, $3: -k expression (results with -rA: every test's outcome)
       [ "$(left)" -gt 60 ] || return 0
       local t=$(( $1 < $(left) - 30 ? $1 : $(left) - 30 ))
@@ -535,27 +536,27 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
         | grep -E "^(PASSED|FAILED|XFAIL|XPASS|ERROR)|passed|failed|Interrupt" | head -40 \
         | sed "s|^|$(basename "$2"): |" | tee -a "$OUT/gpu_tests.log"
     }
-    gt 90 tests/test_router_kernel.py "concurrent_warpgroup or router_route_gpu"
-    gt 90 tests/test_kda_decode.py "conv_kernel_matches_reference_gpu"
-    gt 120 tests/test_indexer.py "threshold_kernel_gpu or rotating_queries_gpu"
-    gt 120 tests/test_mhc.py "sum_raw_partials"
-    [ "$(left)" -gt 200 ] && rank1 s34p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" \
-      ${POLICY:+--policy "$POLICY"} && kernel_tables 1
-    # q = 4: the defaults vs router_route (its sites are at 2-4 token rows; run only if its GPU test passed above)
-    if grep -q "router_route_gpu.*passed\|passed.*router_route_gpu\|PASSED.*router_route_gpu" "$OUT/gpu_tests.log" \
-      && ! grep -q "FAILED.*router_route_gpu" "$OUT/gpu_tests.log"; then set -- '{"router_route": true}'; else set --; fi
-    [ "$(left)" -gt 150 ] && rank1 s34q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --policy '{}' "$@"
-    ;;
-  s34b)  # (nvidia-h200) the remaining candidates at q = 1 (4 steps per call, 7 interleaved repeats), then auto vs
-    # latency_specialized at 4 steps per call (issue #9's 2x: auto was last measured at one step per call)
+    gt 80 tests/test_router_kernel.py "concurrent_warpgroup or router_route_gpu"
+    gt 60 tests/test_kda_decode.py "conv_kernel_matches_reference_gpu"
+    gt 120 tests/test_indexer.py "threshold_kernel_gpu or rotating_queries"
+    gt 60 tests/test_mhc.py "sum_raw_partials"
     if [ -n "${CANDIDATES:-}" ]; then eval "set -- $CANDIDATES"; else set -- '{"topk_threshold_4wg": true}' \
       '{"kda_conv": true}' '{"topk_scan_mm": true}' '{"mla_combine_kernel": true}'; fi
-    rank1 s34b --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' "$@"
+    [ "$(left)" -gt 200 ] && rank1 s34a --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' "$@"
+    ;;
+  s34b)  # (nvidia-h200) where the new defaults' step goes: q = 1 profiled with its kernel table (the 1,417 launches
+    # and ~5.0 ms), then q = 4: the defaults vs router_route (sites at 2-4 token rows; ROUTE=0 leaves it out)
+    [ "$(left)" -gt 200 ] && rank1 s34p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" \
+      ${POLICY:+--policy "$POLICY"} && kernel_tables 1
+    if [ "${ROUTE:-1}" = 1 ]; then set -- '{"router_route": true}'; else set --; fi
+    [ "$(left)" -gt 150 ] && rank1 s34q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --policy '{}' "$@"
+    ;;
+  s34c)  # (nvidia-h200) auto vs latency_specialized at 4 steps per call (issue #9's 2x: auto was last measured at
+    # one step per call), then the defaults with xla_allow_excess_precision=false (bf16 intermediates rounded)
     [ "$(left)" -gt 200 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
       --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
       --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
       --out "$OUT/decode_s34auto.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s34auto.log"
-    # what rounding every bf16 intermediate as HF does costs (XLA keeps them in f32 on the GPU by default)
     [ "$(left)" -gt 200 ] && rank1 s34x --q 1 --steps-per-call 4 --repeats 5 \
       --xla-option xla_allow_excess_precision=false
     ;;

@@ -250,6 +250,24 @@ def test_kernel_rotating_queries_gpu(B, T, P):
   assert np.abs(got[fin] - ref[fin]).max() <= 1e-3 * np.abs(ref[fin]).max()
 
 
+@pytest.mark.gpu
+def test_kernel_rotating_queries_without_rotation_gpu(monkeypatch):
+  """Where test_kernel_rotating_queries_gpu's difference comes from (it fails natively, session 34): the same
+  kernel with the identity in place of the Sylvester matrix (the kernel's wgmma then multiplies by I, exactly) and
+  the reference without the FWHT — the quantisation, the e4m3 store from the WGMMA layout and the scores alone.
+  This passing while that test fails puts the fault in the wgmma FWHT (its transposed ±1 operand); this failing
+  puts it in the quantisation / store path."""
+  monkeypatch.setattr(I, "_sylvester128", lambda: np.eye(128, dtype=np.float32))
+  monkeypatch.setattr(I, "hadamard128", lambda x: (x.astype(jnp.float32) * (1.0 / np.sqrt(128.0))).astype(x.dtype))
+  args = make_q_inputs(11, 1, 2, 4096)  # (shapes no other test traces: jit's caches hold the unpatched forms)
+  ref = np.asarray(jax.jit(I.indexer_scores_q_reference).lower(*args).compile(
+      compiler_options={"xla_allow_excess_precision": False})(*args))
+  got = np.asarray(jax.jit(I.indexer_scores_q)(*args))
+  assert_scores_close(got, ref, "kernel_fp8")
+  fin = np.isfinite(ref)
+  assert np.abs(got[fin] - ref[fin]).max() <= 1e-3 * np.abs(ref[fin]).max()
+
+
 # ------------------------------------------------------------------------------------------------------------
 # top-k threshold
 # ------------------------------------------------------------------------------------------------------------

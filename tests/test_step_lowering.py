@@ -79,11 +79,10 @@ def test_kernel_tiny_step_lowers_at_twelve_token_rows():
     assert name in txt, name
 
 
-@pytest.mark.parametrize("form", ["kernels", "boundary", "grid"])
+@pytest.mark.parametrize("form", ["kernels", "grid"])  # (mhc_boundary's cluster form: its own tests, test_mhc)
 def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   """Policy mhc on: the 8 boundaries of kernel-tiny run as the fused kernels (the first site without a post), or
-  (mhc_boundary) each as one launch of a CTA cluster + the Sinkhorn kernel, or (mhc_grid_barrier) each as one
-  launch with a grid barrier + the Sinkhorn kernel. With the KDA kernel's approximate math (kda_approx_math: a
+  (mhc_grid_barrier, the default) each as one launch with a grid barrier + the Sinkhorn kernel. With the KDA kernel's approximate math (kda_approx_math: a
   knob turned on explicitly that reached no call site would be refused), its tokens as a loop (kda_token_loop)
   and the short conv inside it (kda_conv); with the fused kernels, half as wide per CTA (mhc_narrow) and the
   finish / Sinkhorn summing the raw partials (mhc_fused_sums); the top-k threshold kernel on 4 warpgroups
@@ -92,11 +91,10 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("kda_conv", True), ("mhc", True),
-                           ("mhc_boundary", form == "boundary"), ("mhc_grid_barrier", form == "grid"),
+                           ("mhc_grid_barrier", form == "grid"),
                            ("mhc_narrow", kernels), ("mhc_fused_sums", kernels), ("topk_threshold_4wg", True),
                            ("router_route", True), ("mla_combine_kernel", True)))
   names = {"kernels": ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"),
-           "boundary": ("glm5_mhc_boundary", "glm5_mhc_sinkhorn"),
            "grid": ("glm5_mhc_post_finish", "glm5_mhc_sinkhorn")}[form]
   for name in names:
     assert name in txt, name
