@@ -154,8 +154,7 @@ def test_router_route_gpu(M, kind, shared):
 def _wg_reductions(x, rounds: int):
   """A minimal kernel: W warpgroups of one CTA, warpgroup w reducing row w of x [W, N <= 256] f32 (max, min, sum,
   ``rounds`` times over, each round's input shifted by the last round's results so that no round can be hoisted)
-  -> [W, 3]: router_route's / the 4-warpgroup threshold kernel's pattern with nothing else in it."""
-  from jax.experimental import pallas as pl  # noqa: PLC0415
+  -> [W, 3]: the pattern of router_route's and the multi-warpgroup threshold kernel's first forms, alone."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
   W, N = x.shape
   vec = plgpu.Layout.WG_STRIDED((N,), vec_size=1)
