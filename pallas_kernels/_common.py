@@ -108,6 +108,14 @@ def warp_split_layout():
   return plgpu.Layout.TILED(fa.Tiling(((1, 4, 32), (1,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
 
 
+def warp_rows_layout():
+  """The register layout of a warpgroup's [4, C] array (C a multiple of 64) with warp m holding row m (lanes x
+  2-vectors along the row, its 64-column tiles in registers): reductions along a row stay inside its warp — one
+  warpgroup reduces 4 rows at once with no cross-warp step (see warp_split_layout for why that matters)."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
+  return plgpu.Layout.TILED(fa.Tiling(((4, 64), (2,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
+
+
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry, mgpu_kernel, order_key
+from pallas_kernels._common import kernel_entry, mgpu_kernel, order_key, warp_rows_layout
 
 LANES = 128  # threads of the warpgroup: E is padded to a multiple
 BOX = 256  # TMA box limit per dimension
@@ -145,7 +145,7 @@ def router_topk(logits, bias, *, k: int, scaling: float, norm: bool):
 
 
 # ----------------------------------------------------------------------------------------- router + slot tables
-ROUTE_MAX_ROWS = 4  # token rows up to which router_route runs (a warp per row of one warpgroup)
+ROUTE_MAX_ROWS = 4  # token rows up to which router_route runs: a warp per row of one warpgroup (warp_rows_layout)
 
 
 def router_route_reference(logits, bias, *, k: int, scaling: float, norm: bool, num_experts: int, n_pad: int,
@@ -157,23 +157,14 @@ def router_route_reference(logits, bias, *, k: int, scaling: float, norm: bool, 
   return ids, w, *kl.moe_route_reference(ids, w, num_experts=num_experts, n_pad=n_pad, mp=mp, shared=shared)
 
 
-def _rows_layout():
-  """[4, EP] / [4, 128] register arrays with warp m holding row m (lanes x 2-vectors along the row, the row's
-  64-column tiles in registers): reductions along a row stay inside its warp (shuffles, no cross-warp SMEM step).
-  One warpgroup then selects up to 4 rows at once — the first form ran a warpgroup per row, and Mosaic GPU's
-  warpgroup reductions, whose cross-warp scratch is one SMEM slot shared by all the CTA's warpgroups, mixed the
-  rows natively (session 34; tests/test_router_kernel.py: the race)."""
-  from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
-  return plgpu.Layout.TILED(fa.Tiling(((ROUTE_MAX_ROWS, 64), (2,))), warp_dims=(-3,), lane_dims=(-2,),
-                            vector_dim=-1)
-
-
 def _select_rows(l_s, b_s, E: int, k: int, scaling: float, norm: bool):
-  """``_select_row`` for the 4 rows of l_s / b_s [4, EP] at once, row m on warp m -> (ids [4, 128] int32, w [4, 128]
-  f32) registers, the first k entries of each row meaningful. The same selection, adds and order as
-  _select_row (row-wise maxima / minima / sums instead of the warpgroup's)."""
+  """``_select_row`` for the 4 rows of l_s / b_s [4, EP] at once, row m on warp m (warp_rows_layout) -> (ids [4,
+  128] int32, w [4, 128] f32) registers, the first k entries of each row meaningful. The same selection, adds and
+  order as _select_row (row-wise maxima / minima / sums instead of the warpgroup's). The first form ran a
+  warpgroup per row, and Mosaic GPU's warpgroup reductions — their cross-warp scratch one SMEM slot shared by the
+  CTA's warpgroups — mixed the rows natively (session 34; tests/test_router_kernel.py: the race)."""
   R, EP = l_s.shape
-  rows = _rows_layout()
+  rows = warp_rows_layout()
   s = jax.nn.sigmoid(plgpu.load(l_s, layout=rows))
   key = order_key(s + plgpu.load(b_s, layout=rows))
   iota = plgpu.broadcasted_iota(jnp.int32, (R, EP), 1, layout=rows)

@@ -43,6 +43,13 @@ def tol(name):
   return dict(atol=atol, rtol=rtol)
 
 
+def rounding_reference(fn, *args):
+  """fn(*args) compiled without XLA's excess precision: on the GPU XLA otherwise keeps bf16 intermediates in f32
+  where the model's astype(bf16) — and the kernels, and HF — round (the CPU's XLA rounds either way). For GPU
+  tests of kernels against an XLA reference with bf16 roundings inside."""
+  return jax.jit(fn).lower(*args).compile(compiler_options={"xla_allow_excess_precision": False})(*args)
+
+
 def pytest_collection_modifyitems(config, items):
   if ON_GPU:
     return

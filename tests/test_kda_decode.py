@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tol
+from conftest import rounding_reference, tol
 from pallas_kernels import kda_decode as kd
 from pallas_kernels._common import cross_lower, maybe_interpret
 
@@ -358,9 +358,7 @@ def test_conv_kernel_matches_reference_gpu(rng, B, T, H, norm, dtype, config):
   85 % of the outputs by a bf16 rounding's worth, while interpret mode (the CPU's XLA rounds) matched exactly."""
   args, kw = make_conv_inputs(rng, B, T, H, dtype=dtype, norm=norm)
   o, new_state = jax.jit(functools.partial(kd.kda_decode_conv, config=config, **kw))(*args)
-  ref_fn = jax.jit(functools.partial(kd.kda_decode_conv_reference, **kw)).lower(*args).compile(
-      compiler_options={"xla_allow_excess_precision": False})
-  ref_o, ref_state = ref_fn(*args)
+  ref_o, ref_state = rounding_reference(functools.partial(kd.kda_decode_conv_reference, **kw), *args)
   t = tol("kernel_f32" if dtype == jnp.float32 else "kernel_bf16")
   np.testing.assert_allclose(np.asarray(o), np.asarray(ref_o), **t)
   np.testing.assert_allclose(np.asarray(new_state[:, :T]), np.asarray(ref_state[:, :T]), **t)

@@ -208,7 +208,7 @@ def test_concurrent_warpgroup_reductions_interpret():
 @pytest.mark.xfail(strict=True, reason="jax 0.11.2 Mosaic GPU: warpgroup-semantics reductions put their "
                    "cross-warp scratch at one SMEM offset for every warpgroup (lowering._reduce_lowering_rule_wg), "
                    "so concurrent warpgroups race — why router_route and topk_threshold_4wg reduce per warp "
-                   "(_common.warp_split_layout / router._rows_layout); an XPASS here means a jax that fixed it")
+                   "(_common.warp_split_layout / warp_rows_layout); an XPASS here means a jax that fixed it")
 def test_concurrent_warpgroup_reductions_gpu():
   x = _wg_inputs(np.random.default_rng())
   got = np.asarray(jax.jit(lambda a: _wg_reductions(a, 64))(x))

@@ -82,9 +82,9 @@ def test_kernel_tiny_step_lowers_at_twelve_token_rows():
 @pytest.mark.parametrize("form", ["kernels", "grid"])  # (mhc_boundary's cluster form: its own tests, test_mhc)
 def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   """Policy mhc on: the 8 boundaries of kernel-tiny run as the fused kernels (the first site without a post), or
-  (mhc_grid_barrier, the default) each as one launch with a grid barrier + the Sinkhorn kernel. With the KDA kernel's approximate math (kda_approx_math: a
-  knob turned on explicitly that reached no call site would be refused), its tokens as a loop (kda_token_loop)
-  and the short conv inside it (kda_conv); with the fused kernels, half as wide per CTA (mhc_narrow) and the
+  (mhc_grid_barrier, the default) each as one launch with a grid barrier + the Sinkhorn kernel. With the KDA
+  kernel's approximate math (kda_approx_math: a knob turned on explicitly that reached no call site would be
+  refused), its tokens as a loop (kda_token_loop) and the short conv inside it (kda_conv); with the fused kernels, half as wide per CTA (mhc_narrow) and the
   finish / Sinkhorn summing the raw partials (mhc_fused_sums); the top-k threshold kernel on 4 warpgroups
   (topk_threshold_4wg); the router kernel building the MoE slot tables (router_route: q = 2 is two token rows);
   the sparse MLA's split merge as a kernel (mla_combine_kernel)."""
@@ -115,16 +115,15 @@ def test_kernel_tiny_step_with_pdl_lowers_for_cuda(pdl):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (jax_num_cpu_devices=4)")
-@pytest.mark.parametrize("fp8_dq", [True])  # (the default; off, the quantising fp8_linear: test_linear_kernels)
-def test_kernel_tiny_step_lowers_for_cuda_at_tp4(fp8_dq):
+def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
   """The kernels inside shard_map with TP4-local shapes (1 KDA / MLA head per rank, experts 128 wide). GPU
   interpret mode cannot run this: its check that no barrier outlives a kernel is global over devices, so two
   kernels in one multi-device program trip it (jax 0.11.2) — hence cross-lowering here and a 2-GPU test.
-  fp8_dq: the FP8 linears and the MoE with the weight dequantised in registers."""
+  The FP8 linears and the MoE dequantise the weight in registers (fp8_dq, the default; the quantising
+  fp8_linear's kernels cross-lower in test_linear_kernels)."""
   txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4,
-                   policy=(("mhc", True), ("fp8_dq", fp8_dq)))
-  linear = "glm5_fp8_dq_linear" if fp8_dq else "glm5_fp8_linear"
-  for name in ("kda_decode", linear, "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
+                   policy=(("mhc", True),))
+  for name in ("kda_decode", "glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
                "glm5_indexer_scores", "glm5_mhc_post_finish", "glm5_mhc_sinkhorn"):  # (mhc_grid_barrier's boundary)
     assert name in txt, name
   assert txt.count("all_reduce") == 1 + 2 * 4 + 3 * 2
