@@ -189,6 +189,15 @@ pdl_probe() {  # bench_pdl: a chain of dependent Mosaic launches in the CUDA gra
     benchmarks/bench_pdl.py --variants plain,pdl,pdl_step,xla --out "$OUT/pdl.jsonl" >> "$OUT/bench_pdl.log" 2>&1
 }
 
+gt() {  # $1: seconds at most, $2: test file, $3: -k expression. GPU tests with every test's outcome (-rA), each
+  # call bounded by the budget left (-k 9: a kernel that never returns cannot hold the call)
+  [ "$(left)" -gt 60 ] || return 0
+  local t=$(( $1 < $(left) - 30 ? $1 : $(left) - 30 ))
+  timeout -k 9 -s INT "$t" python3 -m pytest -q -rA -m gpu -p no:cacheprovider "$2" ${3:+-k "$3"} 2>&1 \
+    | grep -E "^(PASSED|FAILED|XFAIL|XPASS|ERROR)|passed|failed|Interrupt" | head -40 \
+    | sed "s|^|$(basename "$2"): |" | tee -a "$OUT/gpu_tests.log"
+}
+
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
   local name=$1; shift
   timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --context 32768 \
@@ -529,13 +538,6 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     ;;
   s34a)  # (nvidia-h200) what session 34 left unmeasured natively (its rebuilt kernels' and fixed references' GPU
     # tests), then the q = 1 A/B of the candidates (4 steps per call, 7 interleaved repeats; CANDIDATES overrides)
-    gt() {  # $1: seconds at most, $2: test file, $3: -k expression (results with -rA: every test's outcome)
-      [ "$(left)" -gt 60 ] || return 0
-      local t=$(( $1 < $(left) - 30 ? $1 : $(left) - 30 ))
-      timeout -k 9 -s INT "$t" python3 -m pytest -q -rA -m gpu -p no:cacheprovider "$2" ${3:+-k "$3"} 2>&1 \
-        | grep -E "^(PASSED|FAILED|XFAIL|XPASS|ERROR)|passed|failed|Interrupt" | head -40 \
-        | sed "s|^|$(basename "$2"): |" | tee -a "$OUT/gpu_tests.log"
-    }
     gt 80 tests/test_router_kernel.py "concurrent_warpgroup or router_route_gpu"
     gt 60 tests/test_kda_decode.py "conv_kernel_matches_reference_gpu"
     gt 120 tests/test_indexer.py "threshold_kernel_gpu or rotating_queries"
@@ -566,13 +568,6 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # threshold kernel and the rotating index queries, router_route; then bench_pdl (PDL inside the CUDA graph?);
     # then the KDA kernel's tests (token loop, approx math, the conv inside: issue #6's default), the finish /
     # Sinkhorn summing raw partials (mhc_fused_sums); bench_topk and bench_mhc with what is left
-    gt() {  # $1: seconds at most, $2: test file, $3: -k expression
-      [ "$(left)" -gt 60 ] || return 0
-      local t=$(( $1 < $(left) - 30 ? $1 : $(left) - 30 ))
-      timeout -k 9 -s INT "$t" python3 -m pytest -q -m gpu -p no:cacheprovider "$2" ${3:+-k "$3"} 2>&1 \
-        | grep -E "passed|failed|FAILED|^E  |Interrupt" | head -20 | sed "s|^|$(basename "$2") $3: |" \
-        | tee -a "$OUT/gpu_tests.log"
-    }
     gt 150 tests/test_mhc.py "post_finish or pdl_chain"
     gt 120 tests/test_sparse_mla.py "combine_forms"
     gt 150 tests/test_indexer.py "rotating or threshold_kernel_gpu and (False-4 or False-2)"
