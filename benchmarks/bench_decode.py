@@ -106,6 +106,8 @@ def main(argv=None):
                  help="reuse compiled steps across runs (glm5_jax.enable_compile_cache): a repeated configuration "
                       "on the same machine skips its compile")
   a = p.parse_args(argv)
+  if a.trace and a.profile:  # session 35: the profile after a trace died ("activity records were dropped")
+    p.error("--trace and --profile both use CUPTI in one process: the second loses records; run them apart")
   if a.compile_cache:
     from glm5_jax.api import enable_compile_cache  # noqa: PLC0415
     enable_compile_cache(a.compile_cache)
@@ -176,6 +178,12 @@ def main(argv=None):
       with open(os.path.join(a.hlo_dir, name + ".kernels.tsv"), "w") as fh:  # (small: comes back from a device)
         fh.write(profiling.kernel_listing(hlo))
     cen = profiling.census(hlo)
+    # the step's longest kernel chain: the launches that pay the graph's dependent-launch gap in series (#14)
+    crit = profiling.critical_paths(hlo)[0]
+    cen["critical"] = {k: crit[k] for k in ("computation", "kernels", "launches", "by_component")}
+    if name:
+      with open(os.path.join(a.hlo_dir, name + ".critical.tsv"), "w") as fh:
+        fh.write("".join(f"{n}\t{c}\n" for n, c in crit["path"]))
     sites = dec.kernel_sites(b)
     if sites:
       print("# kernel sites: " + ", ".join(f"{k} {v['sites']}" + (f" (not at {sum(v['not_used'].values())}: "
@@ -185,6 +193,8 @@ def main(argv=None):
           f"{cen['while_loops']} loops" + (f" ({cen['outside_loops']} of them outside: once per call)"
                                             if "outside_loops" in cen else "")
           + f"; by component {cen['by_component']}", flush=True)
+    print(f"# critical path: {crit['launches']} of the {crit['kernels']} kernels of {crit['computation']} in one "
+          f"dependence chain; by component {crit['by_component']}", flush=True)
     state = random_state(dec, b, a.context)
     t = time.time()
     try:
@@ -376,6 +386,13 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None):
     by_name[name][0] += ms * 1e3 / steps
     by_name[name][1] += 1
   heavy = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+  # the longest chain by GPU time: each kernel instruction weighs its kernel's mean µs per launch (a Mosaic kernel
+  # serving several sites: their mean) — with the chain's launches, what the step's wall time is made of
+  per_launch = {k: v[0] / (v[1] / steps) for k, v in by_name.items()}
+  ikern = profiling.instruction_kernels(hlo)
+  crit = profiling.critical_paths(hlo, weights={i: per_launch.get(k, 0.0) for i, k in ikern.items()})[0]
+  print(f"#   critical path by GPU time: {crit['critical']:.0f} µs in {crit['launches']} launches per step; "
+        f"by component (launches) {crit['by_component']}", flush=True)
   if kernels_path:
     with open(kernels_path, "w") as f:
       json.dump({k: [v[0], v[1] / steps, profiling.classify_kernel(k, kmap)] for k, v in heavy}, f, indent=0)
@@ -386,6 +403,7 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None):
   if top:
     print("#   unmatched kernels: " + ", ".join(f"{k[:60]} {v:.0f}" for k, v in top), flush=True)
   return dict(state=state, us_per_step=per, launches_per_step=launches, gpu_busy_ms=total / 1e3,
+              critical_us=crit["critical"], critical_launches=crit["launches"],
               unmatched_top=dict(top), heaviest={k: v[0] for k, v in heavy})
 
 

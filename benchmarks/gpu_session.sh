@@ -71,6 +71,13 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s36a (nvidia-h200):       the step's critical path (the longest kernel dependence chain) at q = 1 / 4 from the
+#                             compiled HLO; q = 1 profiled (the chain by GPU time, the kernel table); the all-kernels
+#                             step with the candidates on
+#   s36b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs topk_scan_mm / indexer_q_in_kernel / both
+#   s35a (nvidia-h200):       the 2-/4-warpgroup threshold GPU tests and the all-kernels step with the candidates on
+#                             (kda_conv, router_route), then q = 1 at 4 steps per call: defaults + a cumulative ladder
+#                             of topk_threshold_4wg, kda_conv, topk_scan_mm + indexer_q_in_kernel
 #   s34a (nvidia-h200):       session 34's leftovers natively (the warpgroup-reduction race and the rebuilt
 #                             router_route / 2-4-warpgroup threshold kernel; kda_conv's and the rotating index
 #                             queries' GPU tests with references that round as the model; mhc_fused_sums' tests),
@@ -536,6 +543,30 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
+  s36a)  # (nvidia-h200) where the step's wall time goes, statically and measured: q = 1 and q = 4 compiled with their
+    # HLO kept (the .critical.tsv beside each .kernels.tsv: the longest dependence chain of kernels, issue #14),
+    # q = 1 profiled apart (CUPTI: the chain weighted by each kernel's µs per launch) with its kernel table; then
+    # the all-kernels == stock step with the candidates on (kda_conv, router_route: s35a's 150 s were too few)
+    [ "$(left)" -gt 200 ] && rank1 s36c --q 1 4 --steps-per-call 4 --repeats 3 --hlo-dir "$OUT/hlo"
+    rm -f "$OUT"/hlo/*.hlo.gz
+    [ "$(left)" -gt 200 ] && rank1 s36p --q 1 --steps-per-call 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
+    gt 300 tests/test_decode.py "all_kernels_equals_stock and candidates"
+    ;;
+  s36b)  # (nvidia-h200) the ladder's last rung (s35a's budget left it out): q = 1 at 4 steps per call, defaults vs
+    # topk_scan_mm + indexer_q_in_kernel (each alone, then both), 5 interleaved repeats
+    [ "$(left)" -gt 200 ] && rank1 s36b --q 1 --steps-per-call 4 --interleave --repeats 5 --policy '{}' \
+      '{"topk_scan_mm": true}' '{"indexer_q_in_kernel": true}' '{"topk_scan_mm": true, "indexer_q_in_kernel": true}'
+    ;;
+  s35a)  # (nvidia-h200) what s34a's budget left out: the 2- and 4-warpgroup threshold kernels' GPU tests, the
+    # all-kernels == stock step with the candidates on (kda_conv, router_route); then q = 1 at 4 steps per call,
+    # 5 interleaved repeats, a cumulative ladder: defaults, + topk_threshold_4wg, + kda_conv, + topk_scan_mm and
+    # indexer_q_in_kernel (each rung's GPU tests passed)
+    gt 80 tests/test_indexer.py "threshold_kernel_gpu and (8704 or 16896 or 1024)"
+    gt 150 tests/test_decode.py "all_kernels_equals_stock and candidates"
+    set -- '{"topk_threshold_4wg": true}' '{"topk_threshold_4wg": true, "kda_conv": true}' \
+      '{"topk_threshold_4wg": true, "kda_conv": true, "topk_scan_mm": true, "indexer_q_in_kernel": true}'
+    [ "$(left)" -gt 200 ] && rank1 s35a --q 1 --steps-per-call 4 --interleave --repeats 5 --policy '{}' "$@"
+    ;;
   s34a)  # (nvidia-h200) what session 34 left unmeasured natively (its rebuilt kernels' and fixed references' GPU
     # tests), then the q = 1 A/B of the candidates (4 steps per call, 7 interleaved repeats; CANDIDATES overrides)
     gt 80 tests/test_router_kernel.py "concurrent_warpgroup or router_route_gpu"
@@ -548,7 +579,7 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     ;;
   s34b)  # (nvidia-h200) where the new defaults' step goes: q = 1 profiled with its kernel table (the 1,417 launches
     # and ~5.0 ms), then q = 4: the defaults vs router_route (sites at 2-4 token rows; ROUTE=0 leaves it out)
-    [ "$(left)" -gt 200 ] && rank1 s34p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" \
+    [ "$(left)" -gt 200 ] && rank1 s34p --q 1 --steps-per-call 4 --profile --hlo-dir "$OUT/hlo" \
       ${POLICY:+--policy "$POLICY"} && kernel_tables 1
     if [ "${ROUTE:-1}" = 1 ]; then set -- '{"router_route": true}'; else set --; fi
     [ "$(left)" -gt 150 ] && rank1 s34q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --policy '{}' "$@"
@@ -601,7 +632,7 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     timeout -s INT 330 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
       -k "all_kernels_equals_stock or kda_kernel_equals_reference_greedy and True-True or kda_conv_in_the_kernel" \
       --durations=4 2>&1 | grep -E "passed|failed|FAILED|^E  |Interrupt|s call" | head -20 | tee -a "$OUT/gpu_tests.log"
-    [ "$(left)" -gt 200 ] && rank1 s33p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" \
+    [ "$(left)" -gt 200 ] && rank1 s33p --q 1 --steps-per-call 4 --profile --hlo-dir "$OUT/hlo" \
       ${POLICY:+--policy "$POLICY"} && kernel_tables 1
     [ "$(left)" -gt 100 ] && timeout -k 9 -s INT 90 python3 benchmarks/bench_sparse_mla.py --only combine \
       --out "$OUT/bench_sparse_mla_combine.log" > /dev/null 2>&1
@@ -653,7 +684,7 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
   s32p)  # (nvidia-h200) q = 1 at 4 steps per call with the session-32 defaults (mhc_narrow, the threshold kernel
     # at one row), profiled and traced with its kernel table and listing: session 29's table had mhc_finish at 8.4 us
     # in the step vs 2.5 alone — which kernels run beside it; then auto vs latency_specialized (issue #9's 2x)
-    rank1 s32p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" && kernel_tables 1
+    rank1 s32p --q 1 --steps-per-call 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
     [ "$(left)" -gt 200 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
       --batch 1 --q 1 --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) \
       --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
@@ -732,7 +763,7 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
   s30b)  # (nvidia-h200) q = 4 (k = 3 drafts, the product's mode) at 1 vs 4 steps per call, with and without the
     # 2-bit threshold kernel, interleaved; then the best at q = 1 profiled with its kernel table and listing
     rank1 s30b --q 4 --steps-per-call 1 4 --interleave --policy '{}' '{"topk_threshold_2bit": true}'
-    [ "$(left)" -gt 150 ] && rank1 s30p --q 1 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" && kernel_tables 1
+    [ "$(left)" -gt 150 ] && rank1 s30p --q 1 --steps-per-call 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
     ;;
   s30e)  # (nvidia-h200) issue #9's goal (latency_specialized >= 2x auto at B = 1, q = 1) on one host: auto and
     # latency_specialized at 1 and 4 steps per call, interleaved (the stock path gains from the loop too)
@@ -743,7 +774,7 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     ;;
   s30d)  # (nvidia-h200) q = 4 at 4 steps per call profiled and traced, with its kernel table and listing (the
     # product's mode: which glue kernels the KDA / DSA / MoE layers launch at 4 token rows)
-    rank1 s30d --q 4 --steps-per-call 4 --profile --trace --hlo-dir "$OUT/hlo" && kernel_tables 4
+    rank1 s30d --q 4 --steps-per-call 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 4
     ;;
   s30c)  # (nvidia-h200) issue #6's last goal (<= 5 us per KDA layer at B = 1, q = 4: 5.75 in session 27): the
     # kernel's approximate-math and gates-first variants; then where 8 steps per call lost to 4 (session 29: 6.25

@@ -102,11 +102,12 @@ KNOBS = {
     "kda_conv": (False,
         "with kda on: the short conv + SiLU of q / k / v inside the KDA kernel (kda_decode_conv: each CTA "
         "convolves its head's rows from one SMEM window of Kc - 1 history rows + the T new ones) instead of "
-        "the XLA fusion between the qkv projection and the kernel — on the critical path, ~2 µs + one "
-        "dependent launch per KDA layer (session 29's profile). Natively the f32 cases match; the bf16 ones "
-        "differ from an XLA reference that, on the GPU, skips the bf16 rounding of the conv output "
-        "(xla_allow_excess_precision; the GPU test now compiles its reference without it, not yet rerun; "
-        "session 34) — off until that test passes and the step is measured"),
+        "the XLA fusion between the qkv projection and the kernel (~2 µs + one launch per KDA layer, session "
+        "29's profile). Natively equal to its reference (f32 and bf16, the reference compiled without XLA's "
+        "excess precision; session 35); in the step 33 fewer launches but no measurable gain at q = 1 (4.78 "
+        "vs 4.95 ms with topk_threshold_4wg, defaults 4.75; 5 interleaved repeats, session 35) — the conv "
+        "fusion runs beside the f_a -> f_b projections, likely off the critical path (profiling."
+        "critical_paths to check) — off"),
     "fp8_dq": (True,
         "with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16 "
         "activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before each "
@@ -138,14 +139,14 @@ KNOBS = {
         "with fp8_moe on, at 2+ token rows: the MoE's slot tables (the distinct experts, the [slot, token] "
         "weights, the shared expert's slot) as one Mosaic launch (linear.moe_route) instead of ~7 small XLA "
         "kernels per MoE layer on the critical path (q = 4, session 27)"),
-    "router_route": (False,
+    "router_route": (True,
         "with fp8_moe, moe_route and router_kernel on, at 2-4 token rows: the router kernel builds "
         "moe_route's slot tables itself (pallas_kernels.router.router_route: one warpgroup, a warp per row, then "
         "the tables from the rows in SMEM) — one launch instead of two on the MoE layer's critical path (q = 4: ~4 "
-        "µs each, session 28's profile). Its first form (a warpgroup per row) was wrong natively — row 1's ids "
-        "were row 0's: the warpgroups' reductions shared Mosaic's one cross-warp SMEM scratch (session 34); "
-        "now one warpgroup selects all rows, a warp per row (no cross-warp step). Not yet run natively; off "
-        "until its GPU test passes and it is measured"),
+        "µs each, session 28's profile). Its first form (a warpgroup per row) was wrong natively — the "
+        "warpgroups' reductions shared Mosaic's one cross-warp SMEM scratch (session 34); the warp-per-row form "
+        "passes its GPU tests natively, and the one-rank step at q = 4, 4 steps per call: 8.72 -> 8.32 ms (43 "
+        "fewer launches; BENCHMARKS.md session 35)"),
     "mhc_boundary": (False,
         "with mhc, mhc_finish and mhc_sinkhorn_split on: each mHC boundary as ONE launch (a cluster of 8 "
         "CTAs: pallas_kernels.mhc.mhc_boundary) instead of mhc_post_pre + an XLA reduction + mhc_finish on "
@@ -176,12 +177,9 @@ KNOBS = {
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
         "64 query rows, the scales from the amax's bits) instead of the XLA butterflies, amax and conversion "
         "in front of it — ~8 µs and 3 launches per DSA layer on the critical path (session 29's profile). "
-        "FAILS natively (session 34: 23-30 % of the scores off by up to 6 % of the largest, where interpret "
-        "mode matches. Suspects: the reference — XLA on the GPU drops quant_ue8m0_fp8's bf16 rounding "
-        "(xla_allow_excess_precision) where the kernel rounds, moving ~3 % of the query elements by one e4m3 "
-        "step; the GPU test now compiles it without — or a register layout interpret mode cannot see (the "
-        "wgmma FWHT's transposed ±1 operand, the e4m3 store from the WGMMA layout)); refused on the GPU "
-        "until its GPU test passes"),
+        "Natively equal to its reference compiled as the model rounds (session 35: session 34's failure was "
+        "the reference's — XLA on the GPU dropped quant_ue8m0_fp8's bf16 rounding, excess precision); not "
+        "yet measured in the step — off"),
     "topk_scan_mm": (False,
         "with indexer_topk on: the top-k compaction's prefix sums within 128-blocks as one f32 matmul with a "
         "triangle of ones (exclusive_prefix_sum 'mm128') instead of XLA's reduce-window fusion (11.3 µs per "
@@ -191,10 +189,11 @@ KNOBS = {
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "
         "its 32 dependent passes were ~0.6 µs each on one warpgroup (21.6 µs alone at 8,256 pools, session "
-        "32). Built first with Mosaic's warpgroup reductions, whose cross-warp SMEM scratch is shared by all the "
-        "warpgroups of a CTA (router_route's rows mixed natively that way, session 34); now each warp sums its "
-        "own keys (pallas_kernels._common.warp_split_layout: no cross-warp step) and the 4 x warpgroups "
-        "per-warp counts meet in SMEM. Not yet run natively; off until its GPU test passes and it is measured"),
+        "32). Each warp sums its own keys (pallas_kernels._common.warp_split_layout: Mosaic's warpgroup "
+        "reductions share one cross-warp SMEM scratch between warpgroups, a race — session 34) and the 4 x "
+        "warpgroups per-warp counts meet in SMEM. Natively equal to its reference at 1 / 4 / 32 rows and 2 "
+        "warpgroups (session 35); in the step at q = 1 a tie: 4.57 vs 4.76 ms and 4.95 vs 4.75 in two calls "
+        "(session 35) — off"),
     "mla_combine_kernel": (False,
         "with sparse_mla on: the splits' partial outputs merged by one Mosaic launch after the attention kernel "
         "(pallas_kernels.sparse_mla combine='kernel': a CTA per 64-row tile and token, the splits' loads all "
@@ -220,9 +219,10 @@ KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # Kernels that pass in GPU interpret mode but compute wrong results natively (their GPU tests fail): the policy
 # refuses them outside interpret mode, with this reason, until rebuilt — interpret mode runs one warpgroup after
 # another and ignores register layouts, so it cannot see these bugs (session 34's native runs).
-NATIVE_WRONG = {
-    "indexer_q_in_kernel": "wrong natively (session 34: 23-30 % of the scores off by up to 6 % of the largest; "
-                           "perhaps the reference's: XLA on the GPU skipped its bf16 rounding — to re-test)",
+NATIVE_WRONG: dict[str, str] = {
+    # knob -> why (its GPU test's failure). Empty since session 35: indexer_q_in_kernel's failure (session 34) was
+    # its reference's — XLA on the GPU skipped a bf16 rounding (excess precision); against a reference compiled
+    # as the model rounds (conftest.rounding_reference) its GPU tests pass natively.
 }
 
 

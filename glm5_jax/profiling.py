@@ -91,6 +91,109 @@ def kernel_instructions(hlo_text: str) -> list[tuple[str, str, str]]:
   return [r[:3] for r in _kernel_rows(hlo_text)]
 
 
+_REF = re.compile(r"%([\w.\-]+)")
+_CONTROL = re.compile(r"control-predecessors=\{([^}]*)\}")
+_INDEX = re.compile(r"\bindex=(\d+)")
+
+
+def _operand_names(rest: str) -> list[str]:
+  """Names of an instruction's operands (the %refs inside its opcode's parentheses) and control predecessors."""
+  op = _OPCODE.search(rest)
+  names = []
+  if op:
+    depth, i = 0, op.end() - 1
+    for j in range(i, len(rest)):  # up to the matching parenthesis (tuple-typed operands nest)
+      depth += {"(": 1, ")": -1}.get(rest[j], 0)
+      if depth == 0:
+        break
+    names = _REF.findall(rest[i:j])
+  c = _CONTROL.search(rest)
+  return names + (_REF.findall(c.group(1)) if c else [])
+
+
+def instruction_kernels(hlo_text: str) -> dict[str, str]:
+  """Kernel-level instruction -> the name CUPTI gives the kernel it launches: XLA names a fusion's kernel after
+  the instruction (``.``/``-`` -> ``_``); a Mosaic GPU kernel after its kernel name (+ MOSAIC_SUFFIX), also when
+  XLA wraps its custom call in a fusion (a dynamic-slice fusion around the KDA kernel's state slots)."""
+  mosaic: dict = {}  # computation -> the Mosaic kernel a custom call inside it launches
+  for comp, _, op, opn, rest in _instructions(hlo_text):
+    if op == "custom-call" and "mosaic_gpu" in rest:
+      m = _MOSAIC_NAME.search(re.sub(r"metadata=\{[^}]*\}", "", rest)) or _PALLAS_SCOPE.search(opn or "")
+      if m:
+        mosaic[comp] = m.group(1) + MOSAIC_SUFFIX
+  out = {}
+  for name, op, opn, rest, comp in _kernel_rows(hlo_text):
+    called = [c.strip().lstrip("%") for m in _CALLED.finditer(rest) for c in m.group(1).split(",")]
+    inner = next((mosaic[c] for c in called if c in mosaic), None)
+    if op == "custom-call" and "mosaic_gpu" in rest:
+      m = _MOSAIC_NAME.search(re.sub(r"metadata=\{[^}]*\}", "", rest)) or _PALLAS_SCOPE.search(opn or "")
+      inner = m.group(1) + MOSAIC_SUFFIX if m else None
+    out[name] = inner or _sanitize(name)
+  return out
+
+
+def critical_paths(hlo_text: str, weights: dict[str, float] | None = None) -> list[dict]:
+  """The longest dependence chains of kernels in each computation that runs kernels (the entry, a loop body —
+  Decoder(steps_per_call=n) runs the step as one), largest computation first. A kernel waits for the kernels
+  whose results it reads (through free instructions: tuples, bitcasts, slices XLA folds away) and for its
+  control predecessors; each weighs 1 (a launch) or ``weights[instruction name]`` (e.g. measured µs per launch).
+  Under XLA's CONCURRENT command-buffer schedule these chains are what the step's wall time follows: launches off
+  the critical path overlap others, launches on it pay the graph's dependent-launch gap (~2 µs on the H200,
+  bench_pdl, session 34) in series. (The graph adds edges for reused buffers, so this is a lower bound.)
+
+  Returns [{"computation", "kernels", "critical" (the longest chain's weight), "launches" (its kernels),
+  "by_component" {component: kernels of the chain}, "path" [(name, component), ...] in order}]."""
+  full = _kernel_rows(hlo_text)
+  kernel_comps = collections.Counter(r[4] for r in full)
+  is_kernel = {(r[4], r[0]) for r in full}
+  comp_of = {(r[4], r[0]): component(r[2]) for r in full}
+  body: dict = collections.defaultdict(dict)  # computation -> {name: operand names}
+  tuples: dict = {}  # (computation, name of a tuple instruction) -> its operands
+  gtes: dict = {}  # (computation, name of a get-tuple-element) -> index
+  for comp, name, op, _, rest in _instructions(hlo_text):
+    if comp in kernel_comps:
+      body[comp][name] = _operand_names(rest)
+      if op == "tuple":
+        tuples[(comp, name)] = body[comp][name]
+      elif op == "get-tuple-element" and (ix := _INDEX.search(rest)):
+        gtes[(comp, name)] = int(ix.group(1))
+  for (comp, name), i in gtes.items():  # an element of a tuple instruction depends on that element alone
+    src = body[comp][name][:1]
+    if src and (comp, src[0]) in tuples and i < len(tuples[(comp, src[0])]):
+      body[comp][name] = [tuples[(comp, src[0])][i]]
+  out = []
+  for comp, deps in body.items():
+    best: dict = {}  # name -> (weight of the longest chain ending here, its length in kernels, predecessor)
+    for root in deps:  # iterative post-order: instruction order in the text need not be topological
+      stack = [(root, False)]
+      while stack:
+        n, ready = stack.pop()
+        if n in best:
+          continue
+        preds = [p for p in deps.get(n, ()) if p in deps]
+        if not ready:
+          stack.append((n, True))
+          stack.extend((p, False) for p in preds if p not in best)
+          continue
+        k = (comp, n) in is_kernel
+        w = (weights.get(n, 1.0) if weights else 1.0) if k else 0.0
+        p = max(preds, key=lambda x: best[x][0], default=None)
+        bw, bl = (best[p][0], best[p][1]) if p is not None else (0.0, 0)
+        best[n] = (bw + w, bl + int(k), p)
+    if not best:
+      continue
+    end = max(best, key=lambda n: best[n][0])
+    path, n = [], end
+    while n is not None:
+      if (comp, n) in is_kernel:
+        path.append((n, comp_of[(comp, n)]))
+      n = best[n][2]
+    path.reverse()
+    out.append(dict(computation=comp, kernels=kernel_comps[comp], critical=best[end][0], launches=best[end][1],
+                    by_component=dict(collections.Counter(c for _, c in path).most_common()), path=path))
+  return sorted(out, key=lambda d: -d["kernels"])
+
+
 MOSAIC_SUFFIX = "_mosaic_gpu_kernel"  # CUPTI's name for a Mosaic GPU kernel: kernel_name + this
 _PALLAS_SCOPE = re.compile(r"jit\((\w+)\)/\1/")
 # XLA emits a TP all-reduce as a fusion kernel named after the psum (psum_44_0_fusion_1) when it implements it

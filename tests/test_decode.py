@@ -421,16 +421,24 @@ def test_latency_specialized_fp8_dq_linears_equal_reference_greedy():
   assert sites["fp8_dq"]["sites"] == sites["fp8_linear"]["sites"] > 0, sites
 
 
+# the off-by-default kernels with a site in this f32 kernel-tiny step (q = 3 and 64 positions: no top-k site; f32
+# index queries: no indexer_q_in_kernel site — its GPU tests in test_indexer), on together
+CANDIDATE_KERNELS = (("kda_conv", True), ("router_route", True))
+
+
 @pytest.mark.e2e_kernels
-def test_latency_specialized_all_kernels_equals_stock_fp8_cache():
+@pytest.mark.parametrize("extra", [(), pytest.param(CANDIDATE_KERNELS, marks=pytest.mark.gpu, id="candidates")])
+def test_latency_specialized_all_kernels_equals_stock_fp8_cache(extra):
   """Every kernel of latency_specialized (KDA, FP8 GEMV, grouped FP8 MoE, sparse MLA over the FP8 latent cache,
   FP8 indexer scoring; interpret mode on CPU) against the stock path with the same FP8 cache numerics (the
-  kernels' references): identical emitted and drafted tokens of a verify step."""
+  kernels' references): identical emitted and drafted tokens of a verify step. ``extra``: the defaults, or (on the
+  GPU: each costs ~35 s in the CPU's simulator) with the off-by-default candidate kernels on as well — the gate
+  before a candidate becomes a default."""
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
   rng = np.random.default_rng(1)
   prompt = rng.integers(0, 2000, 13)
   outs = []
-  for backend, pol in (("auto", (("kv_cache_dtype", "fp8"),)), ("latency_specialized", ())):
+  for backend, pol in (("auto", (("kv_cache_dtype", "fp8"),)), ("latency_specialized", extra)):
     dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=pol), backend=backend,
                   prefill_chunk=16)
     state = dec.prefill([prompt])
@@ -444,7 +452,8 @@ def test_latency_specialized_all_kernels_equals_stock_fp8_cache():
     outs.append(got)
     if backend == "latency_specialized":  # every kernel family really ran in this step
       sites = dec.kernel_sites(1)
-      assert all(sites[k]["sites"] > 0 for k in ("kda", "fp8_linear", "fp8_moe", "sparse_mla", "indexer")), sites
+      assert all(sites[k]["sites"] > 0 for k in ("kda", "fp8_linear", "fp8_moe", "sparse_mla", "indexer",
+                                                 *dict(extra))), sites
   for a, b in zip(*outs):
     np.testing.assert_array_equal(a, b)
 

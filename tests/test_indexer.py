@@ -232,15 +232,14 @@ def test_kernel_gpu(B, T, P, full):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason="layers.NATIVE_WRONG['indexer_q_in_kernel'] (session 34: 23-30 % of the "
-                   "scores off natively against a reference compiled with XLA's excess precision)")
 @pytest.mark.parametrize("B,T,P", [(1, 1, 8192), (1, 4, 8192), (8, 4, 8192), (2, 8, 16384)])
 def test_kernel_rotating_queries_gpu(B, T, P):
   """indexer_scores_q natively: the tensor core's FWHT sums (bf16 inputs, f32 accumulation) against the XLA
   butterflies — a query element may round to the neighbouring e4m3 value — then the fp8 scores. The reference is
   compiled without XLA's excess precision: with it, XLA on the GPU drops quant_ue8m0_fp8's bf16 rounding before
   the e4m3 conversion (f32 -> e4m3 directly), which moves ~3 % of the query elements by one e4m3 step — session
-  34's failure (interpret mode, where the CPU's XLA rounds, matched); if this passes natively, the kernel was right."""
+  34's failure (interpret mode, where the CPU's XLA rounds, matched). Against the rounding reference it passes
+  natively (session 35): the kernel was right."""
   check_rotating_queries_gpu(make_q_inputs(B + T + P, B, T, P))
 
 
@@ -256,11 +255,10 @@ def check_rotating_queries_gpu(args):
 
 @pytest.mark.gpu
 def test_kernel_rotating_queries_without_rotation_gpu(monkeypatch):
-  """Where test_kernel_rotating_queries_gpu's difference comes from (it fails natively, session 34): the same
-  kernel with the identity in place of the Sylvester matrix (the kernel's wgmma then multiplies by I, exactly) and
-  the reference without the FWHT — the quantisation, the e4m3 store from the WGMMA layout and the scores alone.
-  This passing while that test fails puts the fault in the wgmma FWHT (its transposed ±1 operand); this failing
-  puts it in the quantisation / store path."""
+  """The rotating-queries kernel with the identity in place of the Sylvester matrix (its wgmma then multiplies by
+  I, exactly) against the reference without the FWHT: the quantisation, the e4m3 store from the WGMMA layout and
+  the scores alone — beside test_kernel_rotating_queries_gpu it tells a fault in the wgmma FWHT (its transposed ±1
+  operand) from one in the quantisation / store path."""
   monkeypatch.setattr(I, "_sylvester128", lambda: np.eye(128, dtype=np.float32))
   monkeypatch.setattr(I, "hadamard128", lambda x: (x.astype(jnp.float32) * (1.0 / np.sqrt(128.0))).astype(x.dtype))
   # (shapes no other test traces: jit's caches hold the unpatched forms)

@@ -112,6 +112,62 @@ def test_census_counts_kernel_level_instructions_once():
   assert c["outside_loops"] == 7  # the entry's kernels (once per call); the loop body's and the call's run per use
 
 
+DIAMOND = """HloModule d
+
+%f (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %k1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%f, metadata={op_name="jit(s)/mhc/neg"}
+  %k2 = f32[4]{0} fusion(%k1), kind=kLoop, calls=%f, metadata={op_name="jit(s)/kda/neg"}
+  %k3 = f32[4]{0} fusion(%k1), kind=kLoop, calls=%f, metadata={op_name="jit(s)/dsa/neg"}
+  %t = (f32[4]{0}, f32[4]{0}) tuple(%k3, %k2)
+  %g = f32[4]{0} get-tuple-element(%t), index=0
+  %k4 = f32[4]{0} fusion(%g), kind=kLoop, calls=%f, metadata={op_name="jit(s)/dsa/neg"}
+  %k5 = f32[4]{0} fusion((f32[4]{0}, f32[4]{0}) %t, f32[4]{0} %k4), kind=kLoop, calls=%f, metadata={op_name="jit(s)/moe/neg"}
+  %k6 = f32[4]{0} fusion(%a), kind=kLoop, calls=%f, control-predecessors={%k5}, metadata={op_name="jit(s)/mlp/neg"}
+  ROOT %r = (f32[4]{0}, f32[4]{0}) tuple(%k5, %k6)
+}
+"""
+
+
+def test_critical_paths_follow_dependences_through_free_instructions():
+  """The longest kernel chain of a hand-built DAG: k1 -> {k2, k3 -> (tuple, get-tuple-element 0: k3 alone) -> k4}
+  -> k5 (reads the tuple and k4, operands printed with their types) -> k6 (a control predecessor only): 5 launches
+  through k3 and k4; with k2 weighing 10 (µs per launch, say), the chain through k2 (13) wins over the one through
+  k3, k4 (5) — k4 does not wait for k2, which shares a tuple with what it reads. The entry of the module above: mhc -> the all-reduce -> the KDA kernel (3), the loop
+  body's one kernel apart."""
+  (d,) = P.critical_paths(DIAMOND)
+  assert d["kernels"] == 6 and d["launches"] == 5 and d["critical"] == 5.0
+  assert [n for n, _ in d["path"]] == ["k1", "k3", "k4", "k5", "k6"]
+  assert d["by_component"] == {"dsa": 2, "mhc": 1, "moe": 1, "mlp": 1}
+  (w,) = P.critical_paths(DIAMOND, weights={"k2": 10.0})
+  assert [n for n, _ in w["path"]] == ["k1", "k2", "k5", "k6"] and w["critical"] == 13.0 and w["launches"] == 4
+  paths = {d["computation"]: d for d in P.critical_paths(HLO)}
+  assert [n for n, _ in paths["main"]["path"]] == ["loop_neg_fusion", "all-reduce.3", "custom-call.7"]
+  assert paths["body"]["launches"] == 1 and paths["callee"]["launches"] == 1
+
+
+def test_instruction_kernels_name_what_cupti_records():
+  """Kernel-level instruction -> CUPTI's kernel name: a fusion's own (sanitised) name, a Mosaic custom call's
+  kernel name, and a fusion wrapping a Mosaic call (XLA's dynamic-slice fusion around the KDA kernel) the wrapped
+  kernel's name."""
+  wrapped = HLO.replace("ENTRY %main", """%dsf (q: f32[4]) -> f32[4] {
+  %q = f32[4]{0} parameter(0)
+  ROOT %cc = f32[4]{0} custom-call(%q), custom_call_target="mosaic_gpu_v2", backend_config={kernel_hash="\\03", module="ML\\EFR\\00glm5_mhc_post_finish\\00"}
+}
+
+ENTRY %main""").replace("  %cl = ", "  %dynamic-slice-fusion.4 = f32[4]{0} fusion(%a), kind=kCustom, calls=%dsf\n  %cl = ")
+  k = P.instruction_kernels(wrapped)
+  assert k["custom-call.8"] == k["custom-call.10"] == "glm5_fp8_linear" + P.MOSAIC_SUFFIX
+  assert k["dynamic-slice-fusion.4"] == "glm5_mhc_post_finish" + P.MOSAIC_SUFFIX
+  assert k["loop_neg_fusion.2"] == "loop_neg_fusion_2" and k["all-reduce.3"] == "all_reduce_3"
+  assert "cc" not in k  # (inside a fused computation: not a kernel of its own)
+
+
 def test_split_attributes_kernel_records():
   kmap = P.kernel_map(HLO)
   assert kmap["loop_neg_fusion_2"] == "draft" and kmap["custom_call_7"] == "kda"
@@ -134,6 +190,25 @@ def test_census_of_a_compiled_step_sees_every_component():
   for comp in ("embed", "mhc", "kda", "dsa", "indexer", "router", "moe", "mlp", "lm_head", "draft"):
     assert c["by_component"].get(comp, 0) > 0, (comp, c)
   assert c["by_kind"]["fusion"] > 100
+  # its longest kernel chain: each kernel on it reads (through free instructions) the one before it
+  text = dec._aot[1].as_text()
+  paths = P.critical_paths(text)
+  top = paths[0]
+  assert sum(d["kernels"] for d in paths) == c["kernels"] and 20 < top["launches"] < top["kernels"], top
+  deps = {n: P._operand_names(rest) for comp, n, _, _, rest in P._instructions(text) if comp == top["computation"]}
+
+  def reaches(a, b):  # b among a's transitive operands
+    seen, todo = set(), [a]
+    while todo:
+      for p in deps.get(todo.pop(), ()):
+        if p == b:
+          return True
+        if p not in seen:
+          seen.add(p)
+          todo.append(p)
+    return False
+  names = [n for n, _ in top["path"]]
+  assert all(reaches(b, a) for a, b in zip(names, names[1:]))
 
 
 def test_trace_interval_helpers():

@@ -90,8 +90,8 @@ def route_kw(M, E, k, shared):
 @pytest.mark.parametrize("M,E,k,kind,shared", [(2, 288, 8, "scores", True), (4, 288, 8, "ties", True),
                                                (3, 64, 4, "special", False), (4, 288, 8, "same", False)])
 def test_router_route_interpret(M, E, k, kind, shared):
-  """The router kernel building moe_route's slot tables itself (a warpgroup per row, the tables once all rows
-  are in) == router_topk_reference then moe_route_reference; "same": identical rows (every expert shared)."""
+  """The router kernel building moe_route's slot tables itself (one warpgroup, a warp per row; the tables once all
+  rows are in) == router_topk_reference then moe_route_reference; "same": identical rows (every expert shared)."""
   x, b = make_logits(np.random.default_rng(), M, E, "scores" if kind == "same" else kind)
   if kind == "same":
     x = jnp.broadcast_to(x[:1], x.shape)
