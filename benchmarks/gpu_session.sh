@@ -71,10 +71,11 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
-#   s36a (nvidia-h200):       the step's critical path (the longest kernel dependence chain) at q = 1 / 4 from the
-#                             compiled HLO; q = 1 profiled (the chain by GPU time, the kernel table); the all-kernels
-#                             step with the candidates on
-#   s36b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs topk_scan_mm / indexer_q_in_kernel / both
+#   s36a (nvidia-h200):       the barrier counters' GPU test; the step's critical path (the longest kernel dependence
+#                             chain) at q = 1 / 4 from the compiled HLO; q = 1 profiled (the chain by GPU time, the
+#                             kernel table); the all-kernels step with the candidates on
+#   s36b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs mhc_barrier_counters / indexer_q_in_kernel /
+#                             topk_scan_mm
 #   s35a (nvidia-h200):       the 2-/4-warpgroup threshold GPU tests and the all-kernels step with the candidates on
 #                             (kda_conv, router_route), then q = 1 at 4 steps per call: defaults + a cumulative ladder
 #                             of topk_threshold_4wg, kda_conv, topk_scan_mm + indexer_q_in_kernel
@@ -543,19 +544,22 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
-  s36a)  # (nvidia-h200) where the step's wall time goes, statically and measured: q = 1 and q = 4 compiled with their
+  s36a)  # (nvidia-h200) the barrier counters natively (mhc_barrier_counters' chain test); where the step's wall
+    # time goes, statically and measured: q = 1 and q = 4 compiled with their
     # HLO kept (the .critical.tsv beside each .kernels.tsv: the longest dependence chain of kernels, issue #14),
     # q = 1 profiled apart (CUPTI: the chain weighted by each kernel's µs per launch) with its kernel table; then
     # the all-kernels == stock step with the candidates on (kda_conv, router_route: s35a's 150 s were too few)
+    gt 120 tests/test_mhc.py "counters_gpu"
     [ "$(left)" -gt 200 ] && rank1 s36c --q 1 4 --steps-per-call 4 --repeats 3 --hlo-dir "$OUT/hlo"
     rm -f "$OUT"/hlo/*.hlo.gz
     [ "$(left)" -gt 200 ] && rank1 s36p --q 1 --steps-per-call 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
     gt 300 tests/test_decode.py "all_kernels_equals_stock and candidates"
     ;;
-  s36b)  # (nvidia-h200) the ladder's last rung (s35a's budget left it out): q = 1 at 4 steps per call, defaults vs
-    # topk_scan_mm + indexer_q_in_kernel (each alone, then both), 5 interleaved repeats
-    [ "$(left)" -gt 200 ] && rank1 s36b --q 1 --steps-per-call 4 --interleave --repeats 5 --policy '{}' \
-      '{"topk_scan_mm": true}' '{"indexer_q_in_kernel": true}' '{"topk_scan_mm": true, "indexer_q_in_kernel": true}'
+  s36b)  # (nvidia-h200) q = 1 at 4 steps per call, 5 interleaved repeats: defaults vs mhc_barrier_counters (if
+    # s36a's counters_gpu test passed; COUNTERS=0 leaves it out), indexer_q_in_kernel, topk_scan_mm
+    if [ "${COUNTERS:-1}" = 1 ]; then set -- '{"mhc_barrier_counters": true}'; else set --; fi
+    [ "$(left)" -gt 200 ] && rank1 s36b --q 1 --steps-per-call 4 --interleave --repeats 5 --policy '{}' "$@" \
+      '{"indexer_q_in_kernel": true}' '{"topk_scan_mm": true}'
     ;;
   s35a)  # (nvidia-h200) what s34a's budget left out: the 2- and 4-warpgroup threshold kernels' GPU tests, the
     # all-kernels == stock step with the candidates on (kda_conv, router_route); then q = 1 at 4 steps per call,

@@ -172,6 +172,12 @@ KNOBS = {
         "its own on the raw partials. Natively bit-identical to its two-launch form (GPU tests, session 34); "
         "the one-rank step at q = 1, 4 steps per call, 7 interleaved repeats: 5.32 -> 5.02 ms (−0.3 to −0.4 "
         "ms in every round; 1,507 -> 1,417 launches; BENCHMARKS.md session 34)"),
+    "mhc_barrier_counters": (False,
+        "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
+        "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
+        "i + 1) instead of a pl.get_global semaphore, which XLA zero-fills before every call — 91 `copy s32[1]` "
+        "graph nodes per step at q = 1 (session 35's kernel listing) become one 8-byte fill. The launches stay "
+        "ordered through the Ref (each call's aliased operand). CUDA-lowered on CPU; not yet run natively — off"),
     "indexer_q_in_kernel": (False,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
@@ -308,6 +314,33 @@ def kernel_report():
     yield rep
   finally:
     _REPORT.reset(tok)
+
+
+_COUNTERS: contextvars.ContextVar = contextvars.ContextVar("glm5_barrier_counters", default=None)
+
+
+@contextlib.contextmanager
+def barrier_counters_scope():
+  """The mHC boundaries traced inside share one pair of grid-barrier counters (policy knob mhc_barrier_counters;
+  pallas_kernels.mhc.barrier_counters), created by the first boundary that uses them; boundary i gets parity i % 2
+  in trace order — the order the Ref's aliasing keeps on the device."""
+  tok = _COUNTERS.set([None, 0])
+  try:
+    yield
+  finally:
+    _COUNTERS.reset(tok)
+
+
+def _next_counters(km):
+  """(the scope's counters Ref, this boundary's parity), the parity flipped for the next; (None, 0) outside one."""
+  cell = _COUNTERS.get()
+  if cell is None:
+    return None, 0
+  if cell[0] is None:
+    cell[0] = km.barrier_counters()
+  out = (cell[0], cell[1])
+  cell[1] ^= 1
+  return out
 
 
 def param(shape, dtype, axes):
@@ -579,8 +612,14 @@ class HyperConnection(nnx.Module):
       # the boundary in ONE launch (a grid barrier between the post + pre logits and the RMSNorm'd sublayer
       # input); the Sinkhorn of comb for the next boundary from its raw partials, off the critical path
       kernel_enabled("mhc_finish"), kernel_enabled("mhc_sinkhorn_split")
+      in_scope = _COUNTERS.get() is not None
+      counters, parity = _next_counters(km) if kernel_enabled(
+          "mhc_barrier_counters", fits=in_scope and not _interpreting(),
+          why="GPU interpret mode runs the boundary as two launches (no barrier)" if in_scope else
+          "a boundary outside the trunk's counters scope (the MTP layer's)") else (None, 0)
       Xn, x_in, part = km.mhc_post_finish(X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None,
-                                          norm_eps=norm.eps, eps=self.eps, hc_norm_eps=self.norm_eps, approx_math=True)
+                                          norm_eps=norm.eps, eps=self.eps, hc_norm_eps=self.norm_eps, approx_math=True,
+                                          counters=counters, parity=parity)
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)

@@ -16,7 +16,7 @@ from jax import lax
 from glm5_jax.attention import DSA, KDA, StepCtx
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, MLP, ONE_ROW_GEMV, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm,
-                             kernel_enabled, param)
+                             barrier_counters_scope, kernel_enabled, param)
 
 
 class DecoderLayer(nnx.Module):
@@ -181,10 +181,11 @@ class Glm5Model(nnx.Module):
     if fused_mhc(cfg, self.dtype):
       B, T = tokens.shape
       X2, pending = X.reshape(B * T, -1), None
-      for layer, cache in zip(self.layers, caches):
-        X2, cache, a, pending = layer.call_fused(X2, pending, cache, ctx, self.dtype, (B, T))
-        new.append(cache)
-        aux.append(a)
+      with barrier_counters_scope():  # (policy knob mhc_barrier_counters: the grid barriers' counters per step)
+        for layer, cache in zip(self.layers, caches):
+          X2, cache, a, pending = layer.call_fused(X2, pending, cache, ctx, self.dtype, (B, T))
+          new.append(cache)
+          aux.append(a)
       with jax.named_scope("mhc"):  # the last sublayer's post has no next site to fuse with
         post, comb = HyperConnection.unpack(pending[1], (B, T))
         X = HyperConnection.post(X2.reshape(X.shape), pending[0].reshape(B, T, -1), post, comb)

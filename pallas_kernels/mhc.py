@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import interpreting, kernel_entry, mgpu_kernel
@@ -656,17 +657,47 @@ def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w
   plgpu.wait_smem_to_gmem(0)
 
 
-def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float):
+def _counter_barrier(count: int):
+  """A grid barrier on one int32 GMEM counter of the caller's (a slice [1] of ``barrier_counters``' Ref): every
+  CTA adds 1 (release, after a warpgroup barrier: the CTA's stores before it are ordered first — what
+  plgpu.semaphore_signal does) and waits until it reads ``count`` (acquire). Semaphore ops on a plain int32 ref
+  (plgpu.semaphore_* take semaphore-typed refs only: pl.get_global's, which XLA zero-fills before every call)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def arrive_and_wait(_, counter):
+    sem = mgpu_utils.SemaphoreRef(mgpu_utils.memref_ptr(counter))
+    mgpu_utils.warpgroup_barrier()
+    sem.signal(1, memory_scope="gpu")
+    sem.wait(count, decrement=False, memory_scope="gpu")
+
+  return arrive_and_wait
+
+
+def barrier_counters():
+  """The two int32 counters the grid-barrier boundaries of one traced program share (a jax Ref, zeroed once:
+  one 8-byte fill per step instead of pl.get_global's per call — 91 `copy s32[1]` graph nodes per step at q = 1,
+  session 35's kernel listing). Boundary i (parity p = i % 2) meets on counter p, which boundary i - 1 zeroed, and
+  its CTA 0 zeroes counter 1 - p for boundary i + 1: boundary i - 1 finished before boundary i started (boundary i
+  reads its output), and boundary i + 1 starts after boundary i finishes. The Ref's buffer is each launch's
+  aliased operand, so XLA keeps the boundaries in this order."""
+  return jax.new_ref(jnp.zeros((2,), jnp.int32))
+
+
+def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float,
+                        counters: bool = False):
   """The one-launch body: mhc_post_pre's (``_post_pre_kernel``, 32 columns) with its refs, zero rows G.. of the
   partials, the grid barrier, then ``_normalise_from_partials`` on the X' this CTA staged (untiled: xu_s, or x_s
-  — X itself — at the first site)."""
+  — X itself — at the first site). ``counters``: the barrier on counter p of the counters' Ref (inputs after w:
+  the Ref, then p as int32 [1]; ``barrier_counters``) instead of a pl.get_global semaphore — p an operand, not
+  a constant of the kernel, so both parities run one compiled kernel."""
   G, Gp = _grid_rows(D)
   pp = _post_pre_kernel(M, D, first, GRID_COLS)
   n_in = 2 if first else 5
 
   def body(*refs):
     pp_in, (c_g, w_g) = refs[:n_in], refs[n_in:n_in + 2]
-    it = iter(refs[n_in + 2:])
+    ctr_g, par_g = refs[n_in + 2:n_in + 4] if counters else (None, None)
+    it = iter(refs[n_in + 2 + 2 * counters:])
     take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
     pp_out = take(1 if first else 2)  # ([xo_g,] part_g)
     xin_g = next(it)
@@ -684,9 +715,18 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
       def _():
         part_g[row] = plgpu.layout_cast(jnp.zeros((ROWS, PART), jnp.float32), _L.WGMMA)
 
-    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)  # zeroed for each launch
-    plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-    plgpu.semaphore_wait(sem, G, decrement=False, memory_scope="gpu")
+    if not counters:
+      sem = pl.get_global(plgpu.SemaphoreType.REGULAR)  # zeroed for each launch (an XLA fill per call)
+      plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+      plgpu.semaphore_wait(sem, G, decrement=False, memory_scope="gpu")
+    else:
+      p = par_g[0]
+
+      @pl.when(g == 0)
+      def _():  # the previous boundary's counter, for the next one (barrier_counters)
+        ctr_g[1 - p] = jnp.int32(0)
+
+      _counter_barrier(G)(ctr_g.at[pl.ds(p, 1)])
     x_s = pp_scratch[0] if first else pp_scratch[6]  # X' (untiled [N, 64, 32]): X itself at the first site
     _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
                              norm_eps)
@@ -716,15 +756,18 @@ def _finish_half_scratch(M: int, arrivals: int):
           plgpu.Barrier(num_arrivals=arrivals)]  # bar_w: w (and, launched alone, X')
 
 
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches")
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity")
 def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
-                    norm_eps: float, approx_math: bool = False, launches: int | None = None):
+                    norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
+                    parity: int = 0):
   """Mosaic GPU version of ``mhc_post_finish_reference`` (same signature and outputs): the boundary's post, pre
   logits and Gram, and the sublayer input's RMSNorm in ONE launch of D / 32 CTAs with a grid barrier between the
   halves, for up to PARTS_MAX_ROWS token rows (decode's few; more: mhc_post_pre + mhc_finish). ``launches``: 1
   (the default on a GPU) or 2 — mhc_post_pre(cols=32) then the second half as a kernel of its own, the same
   arithmetic with no barrier: the default in GPU interpret mode, which cannot run the barrier, and the GPU
-  tests' reference for the one-launch form."""
+  tests' reference for the one-launch form. ``counters``: the Ref of ``barrier_counters`` — the barrier on its
+  counter ``parity`` (0 / 1: this boundary's index % 2) instead of a semaphore XLA zero-fills before each call
+  (one launch only; the two-launch form has no barrier)."""
   M, K = X.shape
   D = K // N
   _check(X, D, "mhc_post_finish")
@@ -763,10 +806,13 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
                   fn_s, xw_s, plgpu.SMEM((N, ROWS, GRID_COLS), bf16), plgpu.Barrier(num_arrivals=2 * N + 3)]
   part = jax.ShapeDtypeStruct((Gp, ROWS, PART), f32)
   outs = (part, x_in) if first else (jax.ShapeDtypeStruct((M, K), bf16), part, x_in)
-  kern = mgpu_kernel(_post_finish_kernel(M, D, bool(first), *consts), out_type=outs,
+  if parity not in (0, 1):
+    raise ValueError(f"mhc_post_finish: parity = {parity!r}, expected 0 or 1 (the boundary's index % 2)")
+  kern = mgpu_kernel(_post_finish_kernel(M, D, bool(first), *consts, counters=counters is not None), out_type=outs,
                      scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1)], kernel_name="glm5_mhc_post_finish",
                      **params)
-  got = kern(*pp_in, coef.astype(f32), w.astype(bf16))
+  ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
+  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr)
   if first:
     part, x_in = got
     return X, x_in, part

@@ -200,6 +200,57 @@ def test_post_finish_gpu(M, first):
                                   np.asarray(b, np.float32)[:M] if b.ndim == 2 else np.asarray(b)[:, :M])
 
 
+def _counter_chain(M, n, counters: bool):
+  """n boundaries in one program, each reading the previous one's X' (one launch each; ``counters``: their grid
+  barriers on barrier_counters' Ref, parities 0, 1, 0, ...) -> ([(X', x_in, part) per boundary], the counters
+  after the chain or None)."""
+  X, y, mix, fn, coef, w = _inputs(M, 4096, M)
+
+  def chain(X, y, mix, fn, coef, w):
+    ref = K.barrier_counters() if counters else None
+    outs = []
+    for i in range(n):
+      got = K.mhc_post_finish(X, y, mix, fn, coef, w, approx_math=True, launches=1, **GRID_CONSTS,
+                              counters=ref, parity=i % 2)
+      outs.append(got)
+      X = got[0]
+    return outs, (ref[...] if counters else None)
+  return jax.jit(chain)(X, y, mix, fn, coef, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4])
+def test_post_finish_counters_gpu(M):
+  """The grid barrier on barrier_counters' Ref (policy knob mhc_barrier_counters) natively: a chain of 5
+  boundaries bit for bit equal to the same chain on pl.get_global semaphores, and the counters left as the
+  scheme says — the last boundary's (parity 0) at G, the other zeroed by it for the next."""
+  got, ctr = _counter_chain(M, 5, True)
+  want, _ = _counter_chain(M, 5, False)
+  for g, r in zip(got, want):
+    for a, b in zip(g, r):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert np.asarray(ctr).tolist() == [4096 // K.GRID_COLS, 0]
+
+
+def test_post_finish_counters_lower_for_cuda():
+  """The counters form cross-lowers: one Ref (jax.new_ref) in the program, each boundary's launch taking its
+  buffer as an aliased operand (so XLA keeps them in order) and no pl.get_global scratch; a parity other than 0 / 1
+  is refused by name."""
+  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
+
+  def two(X, y, mix, fn, coef, w):
+    ref = K.barrier_counters()
+    a = K.mhc_post_finish(X, y, mix, fn, coef, w, launches=1, counters=ref, parity=0, **GRID_CONSTS)
+    return K.mhc_post_finish(a[0], y, mix, fn, coef, w, launches=1, counters=ref, parity=1, **GRID_CONSTS)
+  txt = cross_lower(two, *args).as_text()
+  calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
+  assert len(calls) == 2 and all(line.endswith("tensor<2xi32>)") for line in calls)  # (not a [1] scratch)
+  assert all("output_operand_alias" in line for line in calls)
+  X, y, mix, fn, coef, w = _inputs(1, 256, 0)
+  with pytest.raises(ValueError, match=r"parity = 2, expected 0 or 1"):
+    K.mhc_post_finish(X, y, mix, fn, coef, w, launches=1, parity=2, **GRID_CONSTS)
+
+
 def test_comb_is_the_stock_sinkhorn():
   """The finish reference's comb (from the summed partials) == the comb of the stock mixing (hc_mix on all 24
   normalised logits), bit for bit."""

@@ -63,8 +63,9 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   assert n_kernels <= (18 if q == 1 else 32) and n_calls <= 34, (n_calls, n_kernels)
   # (the FP8 linears with the weight dequantised in registers: policy fp8_dq, on by default)
   for name in ("glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla", "glm5_indexer_scores",
-               "glm5_router_topk") + (("glm5_moe_route",) if q > 1 else ()):
+               "glm5_router_topk") + (("glm5_router_route",) if q > 1 else ()):
     assert name in txt, name
+  assert "glm5_moe_route" not in txt  # (router_route, on since session 35: the router kernel builds the tables)
   # the top-k threshold kernel from pallas_kernels.indexer.THRESHOLD_MIN_ROWS score rows (1 since session 32)
   assert ("glm5_topk_threshold" in txt) == (q >= ki.THRESHOLD_MIN_ROWS)
   auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
@@ -87,11 +88,12 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   refused), its tokens as a loop (kda_token_loop) and the short conv inside it (kda_conv); with the fused kernels, half as wide per CTA (mhc_narrow) and the
   finish / Sinkhorn summing the raw partials (mhc_fused_sums); the top-k threshold kernel on 4 warpgroups
   (topk_threshold_4wg); the router kernel building the MoE slot tables (router_route: q = 2 is two token rows);
-  the sparse MLA's split merge as a kernel (mla_combine_kernel)."""
+  the sparse MLA's split merge as a kernel (mla_combine_kernel); with the grid barrier, its counters in one Ref
+  per step (mhc_barrier_counters): every trunk boundary's launch takes the Ref's buffer as an aliased operand."""
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("kda_conv", True), ("mhc", True),
-                           ("mhc_grid_barrier", form == "grid"),
+                           ("mhc_grid_barrier", form == "grid"), ("mhc_barrier_counters", form == "grid"),
                            ("mhc_narrow", kernels), ("mhc_fused_sums", kernels), ("topk_threshold_4wg", True),
                            ("router_route", True), ("mla_combine_kernel", True)))
   names = {"kernels": ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"),
@@ -100,6 +102,11 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
     assert name in txt, name
   assert ("glm5_mhc_post_pre" in txt) == kernels
   assert "glm5_router_route" in txt and "glm5_moe_route" not in txt and "glm5_mla_combine" in txt
+  if form == "grid":  # the trunk's boundaries (2 per layer; 3 lowerings — first, parity 0 / 1 — of two kernels)
+    # return the counters' int32[2] buffer last (aliased), not a pl.get_global int32[1] scratch
+    calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_mhc_post_finish" in line]
+    assert len(calls) == 3 and all(line.endswith("tensor<2xi32>)") for line in calls)  # (the parity: int32[1] in)
+    assert len(re.findall(r"call @mhc_post_finish", txt)) == 2 * C.kernel_tiny().num_hidden_layers
   check_one_module_per_kernel(txt)
 
 
@@ -122,7 +129,7 @@ def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
   The FP8 linears and the MoE dequantise the weight in registers (fp8_dq, the default; the quantising
   fp8_linear's kernels cross-lower in test_linear_kernels)."""
   txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4,
-                   policy=(("mhc", True),))
+                   policy=(("mhc", True), ("mhc_barrier_counters", True)))  # (a Ref per step inside shard_map)
   for name in ("kda_decode", "glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
                "glm5_indexer_scores", "glm5_mhc_post_finish", "glm5_mhc_sinkhorn"):  # (mhc_grid_barrier's boundary)
     assert name in txt, name
@@ -135,7 +142,8 @@ def test_real_geometry_step_lowers_for_cuda():
   n_calls, n_kernels = check_one_module_per_kernel(txt)
   assert n_kernels <= 32, (n_calls, n_kernels)  # 45 layers share their kernels: lowered and compiled once each
   assert "glm5_topk_threshold" in txt  # the indexer's 8,256 pools (and 4 score rows) fit the threshold kernel
-  assert "glm5_router_topk" in txt and "glm5_moe_route" in txt  # (q = 4: 4 token rows)
+  # (q = 4: 4 token rows — the router kernel builds the MoE's slot tables, router_route; the draft's one row: top-k)
+  assert "glm5_router_topk" in txt and "glm5_router_route" in txt and "glm5_moe_route" not in txt
   names = {n for n, _, _ in kernel_calls(txt)}  # fp8_dq (the default): the dequantising FP8 kernels only
   assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down"} <= names and "glm5_fp8_linear" not in names
   assert txt.count("all_reduce") == 1 + 2 * 45 + 3 * 3  # psums are no-ops on one device but still lowered
