@@ -178,6 +178,13 @@ KNOBS = {
         "i + 1) instead of a pl.get_global semaphore, which XLA zero-fills before every call — 91 `copy s32[1]` "
         "graph nodes per step at q = 1 (session 35's kernel listing) become one 8-byte fill. The launches stay "
         "ordered through the Ref (each call's aliased operand). CUDA-lowered on CPU; not yet run natively — off"),
+    "fp8_fused_sum": (False,
+        "with fp8_linear and fp8_dq on: each FP8 linear's K splits summed inside the kernel — the last split's CTA "
+        "of a row tile, dispatched last, waits on a per-tile counter (pallas_kernels.linear.splitk_counters: "
+        "one jax Ref per step, every call leaving it zero) and adds the other splits' partials from L2 — "
+        "instead of an XLA reduction kernel after every call (88 sites per step at q = 1: 2-3 per DSA layer on "
+        "its critical path, where the slice / cast that remain fuse into the XLA consumer). CUDA-lowered; not "
+        "yet run natively — off"),
     "indexer_q_in_kernel": (False,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
@@ -316,31 +323,45 @@ def kernel_report():
     _REPORT.reset(tok)
 
 
-_COUNTERS: contextvars.ContextVar = contextvars.ContextVar("glm5_barrier_counters", default=None)
+_COUNTERS: contextvars.ContextVar = contextvars.ContextVar("glm5_step_counters", default=None)
 
 
 @contextlib.contextmanager
-def barrier_counters_scope():
-  """The mHC boundaries traced inside share one pair of grid-barrier counters (policy knob mhc_barrier_counters;
-  pallas_kernels.mhc.barrier_counters), created by the first boundary that uses them; boundary i gets parity i % 2
-  in trace order — the order the Ref's aliasing keeps on the device."""
-  tok = _COUNTERS.set([None, 0])
+def counters_scope():
+  """The kernels traced inside share the step's counters (jax Refs, each created by its first user: one zero fill
+  per step): the mHC grid barriers' pair (policy knob mhc_barrier_counters; boundary i gets parity i % 2 in trace
+  order — the order the Ref's aliasing keeps on the device) and the FP8 linears' split-K counters (fp8_fused_sum)."""
+  tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None})
   try:
     yield
   finally:
     _COUNTERS.reset(tok)
 
 
-def _next_counters(km):
-  """(the scope's counters Ref, this boundary's parity), the parity flipped for the next; (None, 0) outside one."""
+def _counters_enabled(knob: str) -> bool:
+  """Whether ``knob`` (a counters-based kernel form) runs at this site: inside a counters scope, on the GPU."""
+  in_scope = _COUNTERS.get() is not None
+  return kernel_enabled(knob, fits=in_scope and not _interpreting(),
+                        why="GPU interpret mode runs no counters (GMEM semaphores)" if in_scope else
+                        "outside the trunk's counters scope (the MTP layer)")
+
+
+def _next_barrier_counters(km):
+  """(the scope's grid-barrier counters Ref, this boundary's parity), the parity flipped for the next."""
   cell = _COUNTERS.get()
-  if cell is None:
-    return None, 0
-  if cell[0] is None:
-    cell[0] = km.barrier_counters()
-  out = (cell[0], cell[1])
-  cell[1] ^= 1
+  if cell["barrier"] is None:
+    cell["barrier"] = km.barrier_counters()
+  out = (cell["barrier"], cell["parity"])
+  cell["parity"] ^= 1
   return out
+
+
+def _splitk_counters(kl):
+  """The scope's split-K counters Ref (pallas_kernels.linear.splitk_counters)."""
+  cell = _COUNTERS.get()
+  if cell["splitk"] is None:
+    cell["splitk"] = kl.splitk_counters()
+  return cell["splitk"]
 
 
 def param(shape, dtype, axes):
@@ -399,7 +420,11 @@ class Linear(nnx.Module):
     why = f"weight {n_out}x{n_in} (the kernels need in % 128 == 0 and out % 64 == 0)"
     if self.scale is not None and kernel_enabled("fp8_linear", rows, fits=tiles, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415 (kernels only where the backend asks for them)
-      fn = kl.fp8_dq_linear if kernel_enabled("fp8_dq", rows) else kl.fp8_linear
+      if kernel_enabled("fp8_dq", rows):  # fp8_fused_sum: the K splits summed in the kernel (split-K counters)
+        fused = {"counters": _splitk_counters(kl)} if _counters_enabled("fp8_fused_sum") else {}
+        fn = functools.partial(kl.fp8_dq_linear, **fused)
+      else:
+        fn = kl.fp8_linear
       return fn(x.reshape(rows, n_in), self.weight[...], self.scale[...],
                 out_dtype=dtype).reshape(*x.shape[:-1], n_out)
     if self.scale is None:
@@ -612,11 +637,7 @@ class HyperConnection(nnx.Module):
       # the boundary in ONE launch (a grid barrier between the post + pre logits and the RMSNorm'd sublayer
       # input); the Sinkhorn of comb for the next boundary from its raw partials, off the critical path
       kernel_enabled("mhc_finish"), kernel_enabled("mhc_sinkhorn_split")
-      in_scope = _COUNTERS.get() is not None
-      counters, parity = _next_counters(km) if kernel_enabled(
-          "mhc_barrier_counters", fits=in_scope and not _interpreting(),
-          why="GPU interpret mode runs the boundary as two launches (no barrier)" if in_scope else
-          "a boundary outside the trunk's counters scope (the MTP layer's)") else (None, 0)
+      counters, parity = (_next_barrier_counters(km) if _counters_enabled("mhc_barrier_counters") else (None, 0))
       Xn, x_in, part = km.mhc_post_finish(X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None,
                                           norm_eps=norm.eps, eps=self.eps, hc_norm_eps=self.norm_eps, approx_math=True,
                                           counters=counters, parity=parity)

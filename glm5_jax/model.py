@@ -16,7 +16,7 @@ from jax import lax
 from glm5_jax.attention import DSA, KDA, StepCtx
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, MLP, ONE_ROW_GEMV, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm,
-                             barrier_counters_scope, kernel_enabled, param)
+                             counters_scope, kernel_enabled, param)
 
 
 class DecoderLayer(nnx.Module):
@@ -181,7 +181,7 @@ class Glm5Model(nnx.Module):
     if fused_mhc(cfg, self.dtype):
       B, T = tokens.shape
       X2, pending = X.reshape(B * T, -1), None
-      with barrier_counters_scope():  # (policy knob mhc_barrier_counters: the grid barriers' counters per step)
+      with counters_scope():  # (policy knobs mhc_barrier_counters, fp8_fused_sum: the kernels' counters per step)
         for layer, cache in zip(self.layers, caches):
           X2, cache, a, pending = layer.call_fused(X2, pending, cache, ctx, self.dtype, (B, T))
           new.append(cache)

@@ -9,6 +9,7 @@ import os
 import jax
 from jax._src import config as jax_config
 from jax.experimental.mosaic.gpu import core as _mgpu_core
+from jax.experimental.mosaic.gpu import utils as _mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _DUMP_NAME = "mosaic_gpu.dump_basename"
@@ -40,6 +41,35 @@ def _dedupe_kernel_modules():
 
 
 _dedupe_kernel_modules()
+
+
+# Counters in a plain int32 GMEM ref (a slice [1] of a jax Ref the step passes in: ``jax.new_ref``, one zero fill
+# per step) with the semaphore operations of Mosaic GPU: plgpu.semaphore_* take semaphore-typed refs only, i.e.
+# pl.get_global scratch, which XLA zero-fills before every call (a graph node per launch). A signal is one thread's
+# release add after a warpgroup barrier (the CTA's stores before it are ordered first, as plgpu.semaphore_signal);
+# a wait polls with one thread, then an acquire fence and a warpgroup barrier. ``take`` subtracts the count it
+# waited for: the waiter leaves the counter as it found it before the signals (self-resetting).
+def counter_signal(ref):
+  """Add 1 to the counter ``ref`` (int32 [1], GMEM) once per warpgroup, with release semantics (GPU scope)."""
+  _counter_op(ref, signal=True)
+
+
+def counter_wait(ref, count: int, *, take: bool = False):
+  """Wait until the counter ``ref`` reaches ``count`` (acquire, GPU scope); ``take``: subtract it then."""
+  _counter_op(ref, count=count, take=take)
+
+
+def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False):
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def op(_, counter):
+    sem = _mgpu_utils.SemaphoreRef(_mgpu_utils.memref_ptr(counter))
+    if signal:
+      _mgpu_utils.warpgroup_barrier()
+      sem.signal(1, memory_scope="gpu")
+    else:
+      sem.wait(count, decrement=take, memory_scope="gpu")
+
+  op(ref)
 
 
 # Programmatic Dependent Launch (PDL). With pdl_mode on, every kernel body starts with griddepcontrol.wait (it

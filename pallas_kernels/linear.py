@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import interpreting, kernel_entry, mgpu_kernel
+from pallas_kernels._common import counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
@@ -260,11 +260,15 @@ def quantize_activations(x: jax.Array, rows: int | None = None):
 # ------------------------------------------------------------------------------------------------------------
 # FP8 block-scaled linear
 # ------------------------------------------------------------------------------------------------------------
-def _fp8_linear_kernel(x_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *a_s, mp: int, plan: Plan, tiles: int,
-                       steps: int, dq: bool = False):
+def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: int, steps: int, dq: bool = False,
+                       fused_sum: bool = False):
   """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks); writes o[split, rows, :mp].
   x: hi|lo e4m3 rows [2mp, K] (two fp8 wgmmas per block), or (dq) bf16 rows [mp, K] times each weight tile
-  dequantised to bf16 (``_mma_tile``; ``a_s``: the SMEM tile it goes through in interpret mode)."""
+  dequantised to bf16 (``_mma_tile``; ``a_s``: the SMEM tile it goes through in interpret mode).
+  ``fused_sum`` (refs start with the split-K counters, int32 [>= tiles] GMEM, zero): the last split's CTA of each
+  row tile — dispatched last, its tile's other splits already running — waits for their partials (a counter per
+  tile, taken back to zero) and writes the tile's sum to o[split - 1]: no XLA reduction after the kernel."""
+  ctr_g, (o_ref, w_s, x_s, bar, *a_s) = (refs[0], refs[1:]) if fused_sum else (None, refs)
   bm, stages = plan.bm, plan.stages
   t = lax.axis_index("t")
   tile, sk = t % tiles, t // tiles
@@ -295,19 +299,46 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *a_s, mp: int,
       issue(i + stages)
     # the 128x128 block scale after the MMA: exact, and it bounds the tensor core's fp8 accumulation to a block
     acc = blk * scales[i] if acc is None else acc + blk * scales[i]
-  o_ref[sk, pl.ds(row0, bm), :] = acc
+  if not fused_sum:
+    o_ref[sk, pl.ds(row0, bm), :] = acc
+    return
+  last = plan.split - 1
+
+  @pl.when(sk < last)
+  def _():
+    o_ref[sk, pl.ds(row0, bm), :] = acc
+    counter_signal(ctr_g.at[pl.ds(tile, 1)])
+
+  @pl.when(sk == last)
+  def _():
+    counter_wait(ctr_g.at[pl.ds(tile, 1)], last, take=True)  # (back to zero for the next call)
+    tot = acc
+    for s in range(last):  # the other splits' partials, from L2
+      tot = tot + plgpu.load(o_ref.at[s, pl.ds(row0, bm)], layout=plgpu.Layout.WGMMA, optimized=False)
+    o_ref[last, pl.ds(row0, bm), :] = tot
 
 
-def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: bool, name: str):
-  """The FP8 linear kernel over x_rows ([2mp, K] e4m3 hi|lo, or [m <= mp, K] bf16 when dq) -> [split, N, mp] f32."""
+SPLITK_COUNTERS = 256  # row tiles the split-K counters cover (N / 64 for N up to 16,384)
+
+
+def splitk_counters():
+  """The split-K counters of the fused-sum FP8 linears of one traced program: one jax Ref (zeroed once — one
+  fill per step), shared by the calls in order (each call's aliased operand), each leaving it zero."""
+  return jax.new_ref(jnp.zeros((SPLITK_COUNTERS,), jnp.int32))
+
+
+def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: bool, name: str, counters=None):
+  """The FP8 linear kernel over x_rows ([2mp, K] e4m3 hi|lo, or [m <= mp, K] bf16 when dq) -> [split, N, mp] f32
+  (with ``counters``, split-K counters: o[split - 1] holds the sum)."""
   n = w.shape[0]
   tiles = n // plan.bm
   steps = w.shape[1] // BLOCK // plan.split
   x_dtype, x_rows_n = (jnp.bfloat16, mp) if dq else (F8, 2 * mp)
   a_scratch = ([plgpu.SMEM((plan.bm, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))]
                if a_smem else [])
+  fused = counters is not None
   return mgpu_kernel(
-      functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps, dq=dq),
+      functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps, dq=dq, fused_sum=fused),
       out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
       grid=(tiles * plan.split,),
       grid_names=("t",),
@@ -318,7 +349,7 @@ def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: 
           plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
           *a_scratch,
       ],
-  )(x_rows, w, scale_inv.astype(jnp.float32))
+  )(x_rows, w, scale_inv.astype(jnp.float32), *((counters,) if fused else ()))
 
 
 def fp8_linear_q(xq: jax.Array, x_scale: jax.Array, m: int, w: jax.Array, scale_inv: jax.Array, *,
@@ -368,18 +399,22 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jn
 
 @kernel_entry("out_dtype", "plan", "a_from")
 def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jnp.float32,
-                  plan: Plan | None = None, a_from: str | None = None) -> jax.Array:
+                  plan: Plan | None = None, a_from: str | None = None, counters=None) -> jax.Array:
   """y = x @ dequant(w).T like :func:`fp8_linear` (same signature and reference), with the activations kept in
   bf16: no activation quantisation (fp8_linear's amax reduction + hi/lo quantisation: two XLA kernels of ~1.1 µs
   before every call, BENCHMARKS.md session 24) and bf16 · e4m3 products that are exact (hi/lo: ~9 significant
   bits of x). The price is the conversion of every weight element in registers.
 
   ``a_from``: "regs" (a register-A wgmma) or "smem" (the converted tile through SMEM: the only form GPU interpret
-  mode runs, hence the default there; "regs" otherwise). Needs K % 128 == 0 and N % 64 == 0."""
+  mode runs, hence the default there; "regs" otherwise). Needs K % 128 == 0 and N % 64 == 0.
+
+  ``counters``: the Ref of :func:`splitk_counters` — the K splits summed inside the kernel (its last split's CTAs
+  add the others' partials; no XLA reduction kernel after the call: the slice / transpose / cast that remain fuse
+  into an XLA consumer). Needs the GPU: interpret mode runs no counters, and the XLA sum is used there."""
   m = x.shape[0]
   if m > 64:
     return jnp.concatenate([fp8_dq_linear(x[i:i + 64], w, scale_inv, out_dtype=out_dtype, plan=plan,
-                                          a_from=a_from) for i in range(0, m, 64)], axis=0)
+                                          a_from=a_from, counters=counters) for i in range(0, m, 64)], axis=0)
   n, k = w.shape
   if x.shape[1] != k or w.dtype != F8:
     raise ValueError(f"bad shapes/dtypes: x {x.shape} w {w.shape} {w.dtype}")
@@ -388,11 +423,18 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   a_smem = _a_smem(a_from)
   mp = _padded_rows(m)
   plan = plan or plan_linear(n, k, mp, "fp8dq")
+  fused = counters is not None and plan.split > 1 and not interpreting()
+  if fused and (counters.shape != (SPLITK_COUNTERS,) or counters.dtype != jnp.int32
+                or n // plan.bm > SPLITK_COUNTERS):
+    raise ValueError(f"fp8_dq_linear: counters {counters.shape} {counters.dtype} for {n // plan.bm} row tiles, "
+                     f"expected splitk_counters()' int32 [{SPLITK_COUNTERS}] and at most that many tiles")
   # x as it is where it can be (_tma_rows): the kernel's TMA reads mp rows and fills the rows past m with zeros
   # (no XLA pad kernel in front of every call: 135 of them per step at q = 1, ~300 at q = 4, ~1.2 µs each on the
   # H200, session 26)
   out = _fp8_launch(_tma_rows(x.astype(jnp.bfloat16), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
-                    name="glm5_fp8_dq_linear")
+                    name="glm5_fp8_dq_linear", counters=counters if fused else None)
+  if fused:
+    return out[-1, :, :m].T.astype(out_dtype)
   return out[..., :m].sum(0).T.astype(out_dtype)
 
 
@@ -1095,6 +1137,7 @@ def fp8_moe_reference(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_d
 
 __all__ = [
     "Plan", "MoePlan", "plan_linear", "plan_moe", "activation_scale", "quantize_activations", "e4m3_value",
+    "splitk_counters", "SPLITK_COUNTERS",
     "dequantize_fp8",
     "fp8_linear", "fp8_linear_q", "fp8_linear_reference", "bf16_linear", "bf16_linear_reference",
     "fp8_moe", "fp8_moe_reference", "moe_route", "moe_route_reference",

@@ -48,10 +48,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import interpreting, kernel_entry, mgpu_kernel
+from pallas_kernels._common import counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel
 
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
@@ -657,22 +656,6 @@ def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w
   plgpu.wait_smem_to_gmem(0)
 
 
-def _counter_barrier(count: int):
-  """A grid barrier on one int32 GMEM counter of the caller's (a slice [1] of ``barrier_counters``' Ref): every
-  CTA adds 1 (release, after a warpgroup barrier: the CTA's stores before it are ordered first — what
-  plgpu.semaphore_signal does) and waits until it reads ``count`` (acquire). Semaphore ops on a plain int32 ref
-  (plgpu.semaphore_* take semaphore-typed refs only: pl.get_global's, which XLA zero-fills before every call)."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-  def arrive_and_wait(_, counter):
-    sem = mgpu_utils.SemaphoreRef(mgpu_utils.memref_ptr(counter))
-    mgpu_utils.warpgroup_barrier()
-    sem.signal(1, memory_scope="gpu")
-    sem.wait(count, decrement=False, memory_scope="gpu")
-
-  return arrive_and_wait
-
-
 def barrier_counters():
   """The two int32 counters the grid-barrier boundaries of one traced program share (a jax Ref, zeroed once:
   one 8-byte fill per step instead of pl.get_global's per call — 91 `copy s32[1]` graph nodes per step at q = 1,
@@ -726,7 +709,8 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
       def _():  # the previous boundary's counter, for the next one (barrier_counters)
         ctr_g[1 - p] = jnp.int32(0)
 
-      _counter_barrier(G)(ctr_g.at[pl.ds(p, 1)])
+      counter_signal(ctr_g.at[pl.ds(p, 1)])  # (_common: semaphore ops on a plain int32 ref)
+      counter_wait(ctr_g.at[pl.ds(p, 1)], G)
     x_s = pp_scratch[0] if first else pp_scratch[6]  # X' (untiled [N, 64, 32]): X itself at the first site
     _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
                              norm_eps)

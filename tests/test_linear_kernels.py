@@ -567,6 +567,45 @@ def test_fp8_dq_linear_gpu(name, m, a_from):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 12])
+def test_fp8_dq_linear_fused_sum_gpu(m):
+  """fp8_dq_linear with its K splits summed in the kernel (split-K counters, policy knob fp8_fused_sum) natively:
+  every FP8 shape, chained in one program on one counters Ref (each call must leave the counters zero for the
+  next: a tile's sum over a stale counter would read partials not yet written), against the XLA-summed form (the
+  same partials; another summation order) and the reference; the counters zero at the end."""
+  names = list(FP8_SHAPES)
+  ks = jax.random.split(jax.random.key(260 + m), len(names) + 1)
+  ws = [quantize_fp8_blocks(kk, FP8_SHAPES[nm], 0.02) for kk, nm in zip(ks[1:], names)]
+  xs = [jax.random.normal(jax.random.fold_in(ks[0], i), (m, FP8_SHAPES[nm][1]), jnp.float32).astype(jnp.bfloat16)
+        for i, nm in enumerate(names)]
+
+  def run(fused):
+    c = L.splitk_counters() if fused else None
+    ys = [L.fp8_dq_linear(x, w, sc, counters=c) for x, (w, sc) in zip(xs, ws)]
+    return ys, (c[...] if fused else None)
+  got, ctr = jax.jit(lambda: run(True))()
+  want, _ = jax.jit(lambda: run(False))()
+  for nm, g, w, x, (wq, sc) in zip(names, got, want, xs, ws):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * float(np.abs(w).max()),
+                               err_msg=nm)
+    assert_close(g, jax.jit(L.fp8_linear_reference)(x, wq, sc), "kernel_f32")
+  assert not np.any(np.asarray(ctr))
+
+
+def test_fp8_dq_linear_fused_sum_cross_lowers():
+  """The fused-sum form lowers for CUDA at every FP8 shape with a K split, taking and returning the counters Ref
+  (int32 [SPLITK_COUNTERS], aliased: the calls stay ordered); counters of another shape are refused by name."""
+  for name, (n, k) in FP8_SHAPES.items():
+    args = SDS((1, k), jnp.bfloat16), SDS((n, k), F8), SDS((-(-n // 128), -(-k // 128)), jnp.float32)
+    split = L.plan_linear(n, k, 8, "fp8dq").split
+    txt = cross_lower(lambda *a: L.fp8_dq_linear(*a, counters=L.splitk_counters()), *args).as_text()
+    calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
+    assert len(calls) == 1 and calls[0].endswith(f"tensor<{L.SPLITK_COUNTERS}xi32>)") == (split > 1), name
+  with pytest.raises(ValueError, match=r"counters \(8,\) int32 .* expected splitk_counters"):
+    cross_lower(lambda *a: L.fp8_dq_linear(*a, counters=jax.new_ref(jnp.zeros((8,), jnp.int32))), *args)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,m", [(name, 1) for name in BF16_SHAPES] + [("kda_fgb_a", 4), ("indexer_x", 4),
                                                                           ("kda_qkv", 32), ("kda_o", 64),
                                                                           ("kda_qkv", 3), ("kda_o", 12)])
