@@ -74,7 +74,7 @@
 #   s36a (nvidia-h200):       the barrier counters' and the fused split-K sums' GPU tests; the step's critical path (the longest kernel dependence
 #                             chain) at q = 1 / 4 from the compiled HLO; q = 1 profiled (the chain by GPU time, the
 #                             kernel table); the all-kernels step with the candidates on
-#   s36b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs mhc_barrier_counters / fp8_fused_sum /
+#   s36b (nvidia-h200):       q = 1 at 4 steps per call: defaults vs mhc_barrier_counters / linear_fused_sum /
 #                             indexer_q_in_kernel / topk_scan_mm
 #   s35a (nvidia-h200):       the 2-/4-warpgroup threshold GPU tests and the all-kernels step with the candidates on
 #                             (kda_conv, router_route), then q = 1 at 4 steps per call: defaults + a cumulative ladder
@@ -550,18 +550,18 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # q = 1 profiled apart (CUPTI: the chain weighted by each kernel's µs per launch) with its kernel table; then
     # the all-kernels == stock step with the candidates on (kda_conv, router_route: s35a's 150 s were too few)
     gt 120 tests/test_mhc.py "counters_gpu"
-    gt 120 tests/test_linear_kernels.py "fused_sum_gpu"
+    gt 150 tests/test_linear_kernels.py "fused_sum_gpu"
     [ "$(left)" -gt 200 ] && rank1 s36c --q 1 4 --steps-per-call 4 --repeats 3 --hlo-dir "$OUT/hlo"
     rm -f "$OUT"/hlo/*.hlo.gz
     [ "$(left)" -gt 200 ] && rank1 s36p --q 1 --steps-per-call 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
     gt 300 tests/test_decode.py "all_kernels_equals_stock and candidates"
     ;;
   s36b)  # (nvidia-h200) q = 1 at 4 steps per call, 5 interleaved repeats: defaults vs mhc_barrier_counters (if
-    # s36a's counters_gpu test passed; COUNTERS=0 leaves it out), fp8_fused_sum, indexer_q_in_kernel, topk_scan_mm
-    # (FUSED_SUM=0 leaves fp8_fused_sum out, if its GPU test failed)
+    # s36a's counters_gpu test passed; COUNTERS=0 leaves it out), linear_fused_sum, indexer_q_in_kernel, topk_scan_mm
+    # (FUSED_SUM=0 leaves linear_fused_sum out, if its GPU test failed)
     set --
     [ "${COUNTERS:-1}" = 1 ] && set -- "$@" '{"mhc_barrier_counters": true}'
-    [ "${FUSED_SUM:-1}" = 1 ] && set -- "$@" '{"fp8_fused_sum": true}'
+    [ "${FUSED_SUM:-1}" = 1 ] && set -- "$@" '{"linear_fused_sum": true}'
     [ "$(left)" -gt 200 ] && rank1 s36b --q 1 --steps-per-call 4 --interleave --repeats 5 --policy '{}' "$@" \
       '{"indexer_q_in_kernel": true}' '{"topk_scan_mm": true}'
     ;;

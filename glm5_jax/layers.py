@@ -178,13 +178,13 @@ KNOBS = {
         "i + 1) instead of a pl.get_global semaphore, which XLA zero-fills before every call — 91 `copy s32[1]` "
         "graph nodes per step at q = 1 (session 35's kernel listing) become one 8-byte fill. The launches stay "
         "ordered through the Ref (each call's aliased operand). CUDA-lowered on CPU; not yet run natively — off"),
-    "fp8_fused_sum": (False,
-        "with fp8_linear and fp8_dq on: each FP8 linear's K splits summed inside the kernel — the last split's CTA "
-        "of a row tile, dispatched last, waits on a per-tile counter (pallas_kernels.linear.splitk_counters: "
-        "one jax Ref per step, every call leaving it zero) and adds the other splits' partials from L2 — "
-        "instead of an XLA reduction kernel after every call (88 sites per step at q = 1: 2-3 per DSA layer on "
-        "its critical path, where the slice / cast that remain fuse into the XLA consumer). CUDA-lowered; not "
-        "yet run natively — off"),
+    "linear_fused_sum": (False,
+        "with fp8_linear + fp8_dq, or bf16_linear, on: each weight-streaming linear's K splits summed inside the "
+        "kernel — the last split's CTA of a row tile, dispatched last, waits on a per-tile counter "
+        "(pallas_kernels.linear.splitk_counters: one jax Ref per step, every call leaving it zero) and adds the "
+        "other splits' partials from L2 — instead of an XLA reduction kernel after every call (q = 1: the 88 FP8 "
+        "linears, 2-3 per DSA layer on its critical path; q = 4: also the ~205 bf16 GEMVs), the slice / cast "
+        "that remain fusing into an XLA consumer. CUDA-lowered; not yet run natively — off"),
     "indexer_q_in_kernel": (False,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
@@ -330,7 +330,7 @@ _COUNTERS: contextvars.ContextVar = contextvars.ContextVar("glm5_step_counters",
 def counters_scope():
   """The kernels traced inside share the step's counters (jax Refs, each created by its first user: one zero fill
   per step): the mHC grid barriers' pair (policy knob mhc_barrier_counters; boundary i gets parity i % 2 in trace
-  order — the order the Ref's aliasing keeps on the device) and the FP8 linears' split-K counters (fp8_fused_sum)."""
+  order — the order the Ref's aliasing keeps on the device) and the linears' split-K counters (linear_fused_sum)."""
   tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None})
   try:
     yield
@@ -420,8 +420,8 @@ class Linear(nnx.Module):
     why = f"weight {n_out}x{n_in} (the kernels need in % 128 == 0 and out % 64 == 0)"
     if self.scale is not None and kernel_enabled("fp8_linear", rows, fits=tiles, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415 (kernels only where the backend asks for them)
-      if kernel_enabled("fp8_dq", rows):  # fp8_fused_sum: the K splits summed in the kernel (split-K counters)
-        fused = {"counters": _splitk_counters(kl)} if _counters_enabled("fp8_fused_sum") else {}
+      if kernel_enabled("fp8_dq", rows):  # linear_fused_sum: the K splits summed in the kernel (split-K counters)
+        fused = {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else {}
         fn = functools.partial(kl.fp8_dq_linear, **fused)
       else:
         fn = kl.fp8_linear
@@ -455,7 +455,8 @@ def _dense(x, w, dtype, *, prefix: bool = False):
   if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16, why=why, prefer=rows > 1,
                     prefer_why=ONE_ROW_GEMV):
     from pallas_kernels import linear as kl  # noqa: PLC0415
-    return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix).reshape(
+    fused = {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else {}
+    return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix, **fused).reshape(
         *x.shape[:-1], n_out)
   return mm(x[..., :n_in], w, dtype)
 

@@ -181,7 +181,7 @@ class Glm5Model(nnx.Module):
     if fused_mhc(cfg, self.dtype):
       B, T = tokens.shape
       X2, pending = X.reshape(B * T, -1), None
-      with counters_scope():  # (policy knobs mhc_barrier_counters, fp8_fused_sum: the kernels' counters per step)
+      with counters_scope():  # (policy knobs mhc_barrier_counters, linear_fused_sum: the kernels' counters per step)
         for layer, cache in zip(self.layers, caches):
           X2, cache, a, pending = layer.call_fused(X2, pending, cache, ctx, self.dtype, (B, T))
           new.append(cache)

@@ -265,9 +265,7 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
   """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks); writes o[split, rows, :mp].
   x: hi|lo e4m3 rows [2mp, K] (two fp8 wgmmas per block), or (dq) bf16 rows [mp, K] times each weight tile
   dequantised to bf16 (``_mma_tile``; ``a_s``: the SMEM tile it goes through in interpret mode).
-  ``fused_sum`` (refs start with the split-K counters, int32 [>= tiles] GMEM, zero): the last split's CTA of each
-  row tile — dispatched last, its tile's other splits already running — waits for their partials (a counter per
-  tile, taken back to zero) and writes the tile's sum to o[split - 1]: no XLA reduction after the kernel."""
+  ``fused_sum``: refs start with the split-K counters (``_split_out``)."""
   ctr_g, (o_ref, w_s, x_s, bar, *a_s) = (refs[0], refs[1:]) if fused_sum else (None, refs)
   bm, stages = plan.bm, plan.stages
   t = lax.axis_index("t")
@@ -299,10 +297,18 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
       issue(i + stages)
     # the 128x128 block scale after the MMA: exact, and it bounds the tensor core's fp8 accumulation to a block
     acc = blk * scales[i] if acc is None else acc + blk * scales[i]
-  if not fused_sum:
+  _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split)
+
+
+def _split_out(o_ref, ctr_g, acc, *, sk, tile, row0, bm: int, split: int):
+  """A CTA's [bm, mp] accumulator of K split ``sk`` to o[sk, rows]; with split-K counters (``ctr_g``: int32
+  [>= tiles], zero), the last split's CTA of the row tile — dispatched last, the tile's other splits already
+  running — waits for their partials (the tile's counter, taken back to zero for the next call) and writes the
+  tile's sum to o[split - 1] instead: no XLA reduction after the kernel."""
+  if ctr_g is None:
     o_ref[sk, pl.ds(row0, bm), :] = acc
     return
-  last = plan.split - 1
+  last = split - 1
 
   @pl.when(sk < last)
   def _():
@@ -311,18 +317,35 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
 
   @pl.when(sk == last)
   def _():
-    counter_wait(ctr_g.at[pl.ds(tile, 1)], last, take=True)  # (back to zero for the next call)
+    counter_wait(ctr_g.at[pl.ds(tile, 1)], last, take=True)
     tot = acc
     for s in range(last):  # the other splits' partials, from L2
       tot = tot + plgpu.load(o_ref.at[s, pl.ds(row0, bm)], layout=plgpu.Layout.WGMMA, optimized=False)
     o_ref[last, pl.ds(row0, bm), :] = tot
 
 
+def _fused_counters(counters, plan: Plan, tiles: int, name: str):
+  """``counters`` where the K splits are summed in the kernel (a Ref of :func:`splitk_counters`, more than one
+  split, not interpret mode — which runs no counters: the XLA sum there), else None; a Ref of another shape, or
+  more row tiles than it covers, is refused by name."""
+  if counters is None or plan.split == 1 or interpreting():
+    return None
+  if counters.shape != (SPLITK_COUNTERS,) or counters.dtype != jnp.int32 or tiles > SPLITK_COUNTERS:
+    raise ValueError(f"{name}: counters {counters.shape} {counters.dtype} for {tiles} row tiles, expected "
+                     f"splitk_counters()' int32 [{SPLITK_COUNTERS}] and at most that many tiles")
+  return counters
+
+
+def _split_sum(out, m: int, fused: bool):
+  """[split, N, mp] kernel output -> [m, N] f32: the in-kernel sum (o[split - 1]), or XLA's over the splits."""
+  return out[-1, :, :m].T if fused else out[..., :m].sum(0).T
+
+
 SPLITK_COUNTERS = 256  # row tiles the split-K counters cover (N / 64 for N up to 16,384)
 
 
 def splitk_counters():
-  """The split-K counters of the fused-sum FP8 linears of one traced program: one jax Ref (zeroed once — one
+  """The split-K counters of the fused-sum linears (FP8 and BF16) of one traced program: one jax Ref (zeroed once — one
   fill per step), shared by the calls in order (each call's aliased operand), each leaving it zero."""
   return jax.new_ref(jnp.zeros((SPLITK_COUNTERS,), jnp.int32))
 
@@ -423,19 +446,13 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   a_smem = _a_smem(a_from)
   mp = _padded_rows(m)
   plan = plan or plan_linear(n, k, mp, "fp8dq")
-  fused = counters is not None and plan.split > 1 and not interpreting()
-  if fused and (counters.shape != (SPLITK_COUNTERS,) or counters.dtype != jnp.int32
-                or n // plan.bm > SPLITK_COUNTERS):
-    raise ValueError(f"fp8_dq_linear: counters {counters.shape} {counters.dtype} for {n // plan.bm} row tiles, "
-                     f"expected splitk_counters()' int32 [{SPLITK_COUNTERS}] and at most that many tiles")
+  counters = _fused_counters(counters, plan, n // plan.bm, "fp8_dq_linear")
   # x as it is where it can be (_tma_rows): the kernel's TMA reads mp rows and fills the rows past m with zeros
   # (no XLA pad kernel in front of every call: 135 of them per step at q = 1, ~300 at q = 4, ~1.2 µs each on the
   # H200, session 26)
   out = _fp8_launch(_tma_rows(x.astype(jnp.bfloat16), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
-                    name="glm5_fp8_dq_linear", counters=counters if fused else None)
-  if fused:
-    return out[-1, :, :m].T.astype(out_dtype)
-  return out[..., :m].sum(0).T.astype(out_dtype)
+                    name="glm5_fp8_dq_linear", counters=counters)
+  return _split_sum(out, m, counters is not None).astype(out_dtype)
 
 
 def dequantize_fp8(w: jax.Array, scale_inv: jax.Array) -> jax.Array:
@@ -455,11 +472,12 @@ def fp8_linear_reference(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, ou
 # ------------------------------------------------------------------------------------------------------------
 # BF16 linear
 # ------------------------------------------------------------------------------------------------------------
-def _bf16_linear_kernel(x_ref, w_ref, o_ref, w_s, x_s, bar, *, plan: Plan, tiles: int, steps: int):
+def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int, fused_sum: bool = False):
   """One CTA = (row tile, K split); a single accumulator over the CTA's K range; writes o[split, rows, :mp].
   When bm does not divide N the last tile starts at N - bm (overlapping its neighbour, which writes the same
   values there): no out-of-bounds TMA box, the output keeps N rows; the offset stays a multiple of 8 rows, as
-  the tiled SMEM copy needs, because N is."""
+  the tiled SMEM copy needs, because N is. ``fused_sum``: refs start with the split-K counters (``_split_out``)."""
+  ctr_g, (o_ref, w_s, x_s, bar) = (refs[0], refs[1:]) if fused_sum else (None, refs)
   bm, bk, stages = plan.bm, plan.bk, plan.stages
   n = w_ref.shape[0]
   t = lax.axis_index("t")
@@ -490,12 +508,13 @@ def _bf16_linear_kernel(x_ref, w_ref, o_ref, w_s, x_s, bar, *, plan: Plan, tiles
         issue(i - lag + stages)
     return acc[...]
 
-  o_ref[sk, pl.ds(row0, bm), :] = pl.run_scoped(scope, plgpu.ACC((bm, x_s.shape[1]), jnp.float32))
+  acc = pl.run_scoped(scope, plgpu.ACC((bm, x_s.shape[1]), jnp.float32))
+  _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split)
 
 
 @kernel_entry("out_dtype", "plan", "x_prefix")
 def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan | None = None,
-                x_prefix: bool = False) -> jax.Array:
+                x_prefix: bool = False, counters=None) -> jax.Array:
   """y = x @ w.T for a BF16 weight (skinny GEMM: KDA projections, lm_head).
 
   Args:
@@ -504,6 +523,7 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
       fgb_a output of a TP4 rank: 256 of 320 columns), else sliced first.
   Returns: y [M, N] out_dtype (fp32 accumulation).
   Needs K % 128 == 0, N % 8 == 0 and N >= 64 (e.g. the KDA layer's f_a | g_a | b, 272 rows).
+  ``counters``: the K splits summed in the kernel, as :func:`fp8_dq_linear`'s.
   """
   m, kx = x.shape
   n, k = w.shape
@@ -512,8 +532,8 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   if kx != k and kx % 64:  # the TMA tiles the GMEM x by 64 columns: a ragged width is sliced first (XLA)
     x = x[:, :k]
   if m > 64:
-    return jnp.concatenate([bf16_linear(x[i:i + 64], w, out_dtype=out_dtype, plan=plan, x_prefix=x_prefix)
-                            for i in range(0, m, 64)], axis=0)
+    return jnp.concatenate([bf16_linear(x[i:i + 64], w, out_dtype=out_dtype, plan=plan, x_prefix=x_prefix,
+                                        counters=counters) for i in range(0, m, 64)], axis=0)
   if n % 8 or n < 64 or k % 128:
     raise NotImplementedError(f"bf16_linear needs K % 128 == 0, N % 8 == 0 and N >= 64, got N={n} K={k}")
   mp = _padded_rows(m)
@@ -521,7 +541,9 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   tiles = -(-n // plan.bm)
   steps = k // plan.bk // plan.split
   xp = _tma_rows(x.astype(jnp.bfloat16), mp)  # (the kernel's TMA zero-fills the rows up to mp)
-  kernel = functools.partial(_bf16_linear_kernel, plan=plan, tiles=tiles, steps=steps)
+  counters = _fused_counters(counters, plan, tiles, "bf16_linear")
+  kernel = functools.partial(_bf16_linear_kernel, plan=plan, tiles=tiles, steps=steps,
+                             fused_sum=counters is not None)
   out = mgpu_kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
@@ -533,8 +555,8 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
           plgpu.SMEM((plan.stages, mp, plan.bk), jnp.bfloat16, transforms=_tr(jnp.bfloat16, plan.bk)),
           plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
       ],
-  )(xp, w.astype(jnp.bfloat16))
-  return out[..., :m].sum(0).T.astype(out_dtype)
+  )(xp, w.astype(jnp.bfloat16), *(() if counters is None else (counters,)))
+  return _split_sum(out, m, counters is not None).astype(out_dtype)
 
 
 def bf16_linear_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, x_prefix: bool = False) -> jax.Array:

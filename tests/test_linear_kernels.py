@@ -569,7 +569,7 @@ def test_fp8_dq_linear_gpu(name, m, a_from):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 12])
 def test_fp8_dq_linear_fused_sum_gpu(m):
-  """fp8_dq_linear with its K splits summed in the kernel (split-K counters, policy knob fp8_fused_sum) natively:
+  """fp8_dq_linear with its K splits summed in the kernel (split-K counters, policy knob linear_fused_sum) natively:
   every FP8 shape, chained in one program on one counters Ref (each call must leave the counters zero for the
   next: a tile's sum over a stale counter would read partials not yet written), against the XLA-summed form (the
   same partials; another summation order) and the reference; the counters zero at the end."""
@@ -592,17 +592,54 @@ def test_fp8_dq_linear_fused_sum_gpu(m):
   assert not np.any(np.asarray(ctr))
 
 
-def test_fp8_dq_linear_fused_sum_cross_lowers():
-  """The fused-sum form lowers for CUDA at every FP8 shape with a K split, taking and returning the counters Ref
-  (int32 [SPLITK_COUNTERS], aliased: the calls stay ordered); counters of another shape are refused by name."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_bf16_linear_fused_sum_gpu(m):
+  """bf16_linear with its K splits summed in the kernel (linear_fused_sum) natively: every BF16 shape chained on
+  one counters Ref (the partial last tile of an N that bm does not divide included), against the XLA-summed form
+  and the reference; the counters zero at the end. (Not the lm_head: more row tiles than counters — refused,
+  test_linear_fused_sum_cross_lowers — and it has no XLA consumer to fuse into.)"""
+  names = [nm for nm in BF16_SHAPES if nm != "lm_head"]
+  ks = jax.random.split(jax.random.key(280 + m), 2 * len(names))
+  ws = [(jax.random.normal(ks[2 * i], BF16_SHAPES[nm], jnp.float32) * 0.02).astype(jnp.bfloat16)
+        for i, nm in enumerate(names)]
+  xs = [jax.random.normal(ks[2 * i + 1], (m, BF16_SHAPES[nm][1]), jnp.float32).astype(jnp.bfloat16)
+        for i, nm in enumerate(names)]
+
+  def run(fused):
+    c = L.splitk_counters() if fused else None
+    return [L.bf16_linear(x, w, counters=c) for x, w in zip(xs, ws)], (c[...] if fused else None)
+  got, ctr = jax.jit(lambda: run(True))()
+  want, _ = jax.jit(lambda: run(False))()
+  for nm, g, w, x, wt in zip(names, got, want, xs, ws):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * float(np.abs(w).max()),
+                               err_msg=nm)
+    assert_close(g, jax.jit(L.bf16_linear_reference)(x, wt), "kernel_bf16")
+  assert not np.any(np.asarray(ctr))
+
+
+def test_linear_fused_sum_cross_lowers():
+  """The fused-sum forms lower for CUDA at every FP8 and BF16 shape with a K split, taking and returning the
+  counters Ref (int32 [SPLITK_COUNTERS], aliased: the calls stay ordered); counters of another shape, or more row
+  tiles than they cover, are refused by name."""
   for name, (n, k) in FP8_SHAPES.items():
     args = SDS((1, k), jnp.bfloat16), SDS((n, k), F8), SDS((-(-n // 128), -(-k // 128)), jnp.float32)
     split = L.plan_linear(n, k, 8, "fp8dq").split
     txt = cross_lower(lambda *a: L.fp8_dq_linear(*a, counters=L.splitk_counters()), *args).as_text()
     calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
     assert len(calls) == 1 and calls[0].endswith(f"tensor<{L.SPLITK_COUNTERS}xi32>)") == (split > 1), name
-  with pytest.raises(ValueError, match=r"counters \(8,\) int32 .* expected splitk_counters"):
+  with pytest.raises(ValueError, match=r"fp8_dq_linear: counters \(8,\) int32 .* expected splitk_counters"):
     cross_lower(lambda *a: L.fp8_dq_linear(*a, counters=jax.new_ref(jnp.zeros((8,), jnp.int32))), *args)
+  for name, (n, k) in BF16_SHAPES.items():  # the bf16 GEMV's form (lm_head: 38,720 rows, more tiles than counters)
+    split, tiles = L.plan_linear(n, k, 8, "bf16").split, -(-n // L.plan_linear(n, k, 8, "bf16").bm)
+    f = lambda x, w: L.bf16_linear(x, w, counters=L.splitk_counters())  # noqa: E731
+    if split > 1 and tiles > L.SPLITK_COUNTERS:
+      with pytest.raises(ValueError, match=f"bf16_linear: counters .* for {tiles} row tiles"):
+        cross_lower(f, SDS((1, k), jnp.bfloat16), SDS((n, k), jnp.bfloat16))
+      continue
+    txt = cross_lower(f, SDS((1, k), jnp.bfloat16), SDS((n, k), jnp.bfloat16)).as_text()
+    calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
+    assert len(calls) == 1 and calls[0].endswith(f"tensor<{L.SPLITK_COUNTERS}xi32>)") == (split > 1), name
 
 
 @pytest.mark.gpu

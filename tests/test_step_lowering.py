@@ -90,12 +90,12 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   (topk_threshold_4wg); the router kernel building the MoE slot tables (router_route: q = 2 is two token rows);
   the sparse MLA's split merge as a kernel (mla_combine_kernel); with the grid barrier, its counters in one Ref
   per step (mhc_barrier_counters): every trunk boundary's launch takes the Ref's buffer as an aliased operand;
-  and the FP8 linears' K splits summed in the kernel on the step's split-K counters (fp8_fused_sum)."""
+  and the FP8 / BF16 linears' K splits summed in the kernel on the step's split-K counters (linear_fused_sum)."""
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("kda_conv", True), ("mhc", True),
                            ("mhc_grid_barrier", form == "grid"), ("mhc_barrier_counters", form == "grid"),
-                           ("fp8_fused_sum", form == "grid"),
+                           ("linear_fused_sum", form == "grid"),
                            ("mhc_narrow", kernels), ("mhc_fused_sums", kernels), ("topk_threshold_4wg", True),
                            ("router_route", True), ("mla_combine_kernel", True)))
   names = {"kernels": ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"),
@@ -109,8 +109,9 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
     calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_mhc_post_finish" in line]
     assert len(calls) == 3 and all(line.endswith("tensor<2xi32>)") for line in calls)  # (the parity: int32[1] in)
     assert len(re.findall(r"call @mhc_post_finish", txt)) == 2 * C.kernel_tiny().num_hidden_layers
-    dq = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_fp8_dq_linear" in line]
-    assert dq and any(line.endswith("xi32>)") for line in dq)  # (the trunk's; the MTP layer's sum in XLA)
+    for name in ("glm5_fp8_dq_linear", "glm5_bf16_linear"):  # (the trunk's; the MTP layer's sum in XLA)
+      lines = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and name in line]
+      assert lines and any(line.endswith("xi32>)") for line in lines), name
   check_one_module_per_kernel(txt)
 
 
@@ -134,7 +135,7 @@ def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
   fp8_linear's kernels cross-lower in test_linear_kernels)."""
   # (with the counters-based knobs: their jax Refs created inside shard_map)
   txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4,
-                   policy=(("mhc", True), ("mhc_barrier_counters", True), ("fp8_fused_sum", True)))
+                   policy=(("mhc", True), ("mhc_barrier_counters", True), ("linear_fused_sum", True)))
   for name in ("kda_decode", "glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
                "glm5_indexer_scores", "glm5_mhc_post_finish", "glm5_mhc_sinkhorn"):  # (mhc_grid_barrier's boundary)
     assert name in txt, name
