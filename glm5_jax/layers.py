@@ -339,11 +339,11 @@ def counters_scope():
 
 
 def _counters_enabled(knob: str) -> bool:
-  """Whether ``knob`` (a counters-based kernel form) runs at this site: inside a counters scope, on the GPU."""
-  in_scope = _COUNTERS.get() is not None
-  return kernel_enabled(knob, fits=in_scope and not _interpreting(),
-                        why="GPU interpret mode runs no counters (GMEM semaphores)" if in_scope else
-                        "outside the trunk's counters scope (the MTP layer)")
+  """Whether ``knob`` (a counters-based kernel form) runs at this site: on the GPU, inside a counters scope —
+  outside one (the MTP layer, a module called alone) it is not a site of the knob at all."""
+  if _COUNTERS.get() is None:
+    return False
+  return kernel_enabled(knob, fits=not _interpreting(), why="GPU interpret mode runs no counters (GMEM semaphores)")
 
 
 def _next_barrier_counters(km):

@@ -345,8 +345,8 @@ SPLITK_COUNTERS = 256  # row tiles the split-K counters cover (N / 64 for N up t
 
 
 def splitk_counters():
-  """The split-K counters of the fused-sum linears (FP8 and BF16) of one traced program: one jax Ref (zeroed once — one
-  fill per step), shared by the calls in order (each call's aliased operand), each leaving it zero."""
+  """The split-K counters of the fused-sum linears (FP8 and BF16) of one traced program: one jax Ref (zeroed
+  once — one fill per step), shared by the calls in order (each call's aliased operand), each leaving it zero."""
   return jax.new_ref(jnp.zeros((SPLITK_COUNTERS,), jnp.int32))
 
 
