@@ -117,18 +117,14 @@ def instruction_kernels(hlo_text: str) -> dict[str, str]:
   XLA wraps its custom call in a fusion (a dynamic-slice fusion around the KDA kernel's state slots)."""
   mosaic: dict = {}  # computation -> the Mosaic kernel a custom call inside it launches
   for comp, _, op, opn, rest in _instructions(hlo_text):
-    if op == "custom-call" and "mosaic_gpu" in rest:
-      m = _MOSAIC_NAME.search(re.sub(r"metadata=\{[^}]*\}", "", rest)) or _PALLAS_SCOPE.search(opn or "")
-      if m:
-        mosaic[comp] = m.group(1) + MOSAIC_SUFFIX
+    if (k := _mosaic_kernel(op, opn, rest)) is not None:
+      mosaic[comp] = k + MOSAIC_SUFFIX
   out = {}
   for name, op, opn, rest, comp in _kernel_rows(hlo_text):
+    own = _mosaic_kernel(op, opn, rest)
     called = [c.strip().lstrip("%") for m in _CALLED.finditer(rest) for c in m.group(1).split(",")]
-    inner = next((mosaic[c] for c in called if c in mosaic), None)
-    if op == "custom-call" and "mosaic_gpu" in rest:
-      m = _MOSAIC_NAME.search(re.sub(r"metadata=\{[^}]*\}", "", rest)) or _PALLAS_SCOPE.search(opn or "")
-      inner = m.group(1) + MOSAIC_SUFFIX if m else None
-    out[name] = inner or _sanitize(name)
+    out[name] = (own + MOSAIC_SUFFIX if own else next((mosaic[c] for c in called if c in mosaic), None)
+                 or _sanitize(name))
   return out
 
 
@@ -228,6 +224,15 @@ def _operand_bytes(rest: str) -> int:
   return total
 
 
+def _mosaic_kernel(op: str, opn: str, rest: str) -> str | None:
+  """The kernel name of a Mosaic GPU custom call (None for any other instruction): the name in its module, not
+  op_name's; pl.kernel(name=...) kernels (KDA) do not carry it in the module text — op_name has jit(name)/name/."""
+  if op != "custom-call" or "mosaic_gpu" not in rest:
+    return None
+  m = _MOSAIC_NAME.search(re.sub(r"metadata=\{[^}]*\}", "", rest)) or _PALLAS_SCOPE.search(opn or "")
+  return m.group(1) if m else None
+
+
 def mosaic_shares(hlo_text: str) -> dict[str, dict[str, float]]:
   """Mosaic GPU kernel (as CUPTI names it) -> {component: share}. One kernel binary serves every site with the
   same name, so its records cannot be told apart; they are split over the components in proportion to the bytes
@@ -237,12 +242,8 @@ def mosaic_shares(hlo_text: str) -> dict[str, dict[str, float]]:
   # every instruction, not only kernel rows: XLA wraps a custom call whose operands are slices (the KDA kernel's
   # state slots) in a dynamic-slice fusion, and the Mosaic kernel runs from inside it
   for _, _, op, opn, rest in _instructions(hlo_text):
-    if op == "custom-call" and "mosaic_gpu" in rest:
-      m = _MOSAIC_NAME.search(re.sub(r"metadata=\{[^}]*\}", "", rest))  # the name in the module, not op_name
-      # pl.kernel(name=...) kernels (KDA) do not carry their name in the module text: op_name has jit(name)/name/
-      m = m or _PALLAS_SCOPE.search(opn or "")
-      if m:
-        calls[m.group(1) + MOSAIC_SUFFIX][component(opn)] += _operand_bytes(rest) or 1
+    if (k := _mosaic_kernel(op, opn, rest)) is not None:
+      calls[k + MOSAIC_SUFFIX][component(opn)] += _operand_bytes(rest) or 1
   return {k: {c: n / sum(v.values()) for c, n in v.items()} for k, v in calls.items()}
 
 

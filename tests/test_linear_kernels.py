@@ -566,56 +566,49 @@ def test_fp8_dq_linear_gpu(name, m, a_from):
   assert_close(y, jax.jit(L.fp8_linear_reference)(x, w, s), "kernel_f32")
 
 
+def check_fused_sum_gpu(linear, cases, reference, tol_name):
+  """``linear(*args, counters=...)`` over every case chained in one program on one split-K counters Ref (each call
+  must leave the counters zero for the next: a tile's sum over a stale counter would read partials not yet
+  written) against the same calls summed by XLA (the same partials; another summation order) and ``reference``;
+  the counters zero at the end."""
+  def run(fused):
+    c = L.splitk_counters() if fused else None
+    return [linear(*a, counters=c) for _, a in cases], (c[...] if fused else None)
+  got, ctr = jax.jit(lambda: run(True))()
+  want, _ = jax.jit(lambda: run(False))()
+  for (name, args), g, w in zip(cases, got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * float(np.abs(w).max()),
+                               err_msg=name)
+    assert_close(g, jax.jit(reference)(*args), tol_name)
+  assert not np.any(np.asarray(ctr))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 12])
 def test_fp8_dq_linear_fused_sum_gpu(m):
-  """fp8_dq_linear with its K splits summed in the kernel (split-K counters, policy knob linear_fused_sum) natively:
-  every FP8 shape, chained in one program on one counters Ref (each call must leave the counters zero for the
-  next: a tile's sum over a stale counter would read partials not yet written), against the XLA-summed form (the
-  same partials; another summation order) and the reference; the counters zero at the end."""
-  names = list(FP8_SHAPES)
-  ks = jax.random.split(jax.random.key(260 + m), len(names) + 1)
-  ws = [quantize_fp8_blocks(kk, FP8_SHAPES[nm], 0.02) for kk, nm in zip(ks[1:], names)]
-  xs = [jax.random.normal(jax.random.fold_in(ks[0], i), (m, FP8_SHAPES[nm][1]), jnp.float32).astype(jnp.bfloat16)
-        for i, nm in enumerate(names)]
-
-  def run(fused):
-    c = L.splitk_counters() if fused else None
-    ys = [L.fp8_dq_linear(x, w, sc, counters=c) for x, (w, sc) in zip(xs, ws)]
-    return ys, (c[...] if fused else None)
-  got, ctr = jax.jit(lambda: run(True))()
-  want, _ = jax.jit(lambda: run(False))()
-  for nm, g, w, x, (wq, sc) in zip(names, got, want, xs, ws):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * float(np.abs(w).max()),
-                               err_msg=nm)
-    assert_close(g, jax.jit(L.fp8_linear_reference)(x, wq, sc), "kernel_f32")
-  assert not np.any(np.asarray(ctr))
+  """fp8_dq_linear with its K splits summed in the kernel (policy knob linear_fused_sum) natively: every FP8
+  shape (check_fused_sum_gpu)."""
+  cases = []
+  for i, (name, (n, k)) in enumerate(FP8_SHAPES.items()):
+    kw, kx = jax.random.split(jax.random.key(260 + 16 * m + i))
+    w, s = quantize_fp8_blocks(kw, (n, k), 0.02)
+    cases.append((name, (jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16), w, s)))
+  check_fused_sum_gpu(L.fp8_dq_linear, cases, L.fp8_linear_reference, "kernel_f32")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4])
 def test_bf16_linear_fused_sum_gpu(m):
-  """bf16_linear with its K splits summed in the kernel (linear_fused_sum) natively: every BF16 shape chained on
-  one counters Ref (the partial last tile of an N that bm does not divide included), against the XLA-summed form
-  and the reference; the counters zero at the end. (Not the lm_head: more row tiles than counters — refused,
-  test_linear_fused_sum_cross_lowers — and it has no XLA consumer to fuse into.)"""
-  names = [nm for nm in BF16_SHAPES if nm != "lm_head"]
-  ks = jax.random.split(jax.random.key(280 + m), 2 * len(names))
-  ws = [(jax.random.normal(ks[2 * i], BF16_SHAPES[nm], jnp.float32) * 0.02).astype(jnp.bfloat16)
-        for i, nm in enumerate(names)]
-  xs = [jax.random.normal(ks[2 * i + 1], (m, BF16_SHAPES[nm][1]), jnp.float32).astype(jnp.bfloat16)
-        for i, nm in enumerate(names)]
-
-  def run(fused):
-    c = L.splitk_counters() if fused else None
-    return [L.bf16_linear(x, w, counters=c) for x, w in zip(xs, ws)], (c[...] if fused else None)
-  got, ctr = jax.jit(lambda: run(True))()
-  want, _ = jax.jit(lambda: run(False))()
-  for nm, g, w, x, wt in zip(names, got, want, xs, ws):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * float(np.abs(w).max()),
-                               err_msg=nm)
-    assert_close(g, jax.jit(L.bf16_linear_reference)(x, wt), "kernel_bf16")
-  assert not np.any(np.asarray(ctr))
+  """bf16_linear with its K splits summed in the kernel (linear_fused_sum) natively: every BF16 shape, the
+  partial last tile of an N that bm does not divide included (check_fused_sum_gpu). (Not the lm_head: more row
+  tiles than counters — refused, test_linear_fused_sum_cross_lowers — and no XLA consumer to fuse into.)"""
+  cases = []
+  for i, (name, (n, k)) in enumerate(BF16_SHAPES.items()):
+    if name != "lm_head":
+      kw, kx = jax.random.split(jax.random.key(280 + 16 * m + i))
+      cases.append((name, (jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16),
+                           (jax.random.normal(kw, (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16))))
+  check_fused_sum_gpu(L.bf16_linear, cases, L.bf16_linear_reference, "kernel_bf16")
 
 
 def test_linear_fused_sum_cross_lowers():
@@ -631,7 +624,8 @@ def test_linear_fused_sum_cross_lowers():
   with pytest.raises(ValueError, match=r"fp8_dq_linear: counters \(8,\) int32 .* expected splitk_counters"):
     cross_lower(lambda *a: L.fp8_dq_linear(*a, counters=jax.new_ref(jnp.zeros((8,), jnp.int32))), *args)
   for name, (n, k) in BF16_SHAPES.items():  # the bf16 GEMV's form (lm_head: 38,720 rows, more tiles than counters)
-    split, tiles = L.plan_linear(n, k, 8, "bf16").split, -(-n // L.plan_linear(n, k, 8, "bf16").bm)
+    plan = L.plan_linear(n, k, 8, "bf16")
+    split, tiles = plan.split, -(-n // plan.bm)
     f = lambda x, w: L.bf16_linear(x, w, counters=L.splitk_counters())  # noqa: E731
     if split > 1 and tiles > L.SPLITK_COUNTERS:
       with pytest.raises(ValueError, match=f"bf16_linear: counters .* for {tiles} row tiles"):
