@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s37a (nvidia-h200):       session 36's rows form (fused-sum kernels writing the token rows; the MoE's h / y rows)
+#                             natively, then q = 1 defaults vs linear_fused_sum (4 steps per call, interleaved)
 #   s36a (nvidia-h200):       the barrier counters' and the fused split-K sums' GPU tests; the step's critical path (the longest kernel dependence
 #                             chain) at q = 1 / 4 from the compiled HLO; q = 1 profiled (the chain by GPU time, the
 #                             kernel table); the all-kernels step with the candidates on
@@ -543,6 +545,15 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s37a)  # (nvidia-h200) session 36's rows form natively: the fused-sum kernels writing their sums as the token rows
+    # (FP8 linear at M = 1; the MoE's gate/up -> h rows and down -> y rows at M = 1), then q = 1 at 4 steps per call,
+    # interleaved: defaults vs linear_fused_sum (now the rows form: the step's critical path with it is the
+    # question; ROWS=0 leaves the A/B out if the tests failed)
+    gt 200 tests/test_linear_kernels.py "fused_rows_gpu or (fp8_dq_linear_fused_sum_gpu and not 4 and not 12)"
+    if [ "${ROWS:-1}" = 1 ] && ! grep -q -E "FAILED|ERROR" "$OUT/gpu_tests.log"; then set -- '{"linear_fused_sum": true}'
+    else set --; fi
+    [ "$(left)" -gt 150 ] && rank1 s37a --q 1 --steps-per-call 4 --interleave --repeats 3 --policy '{}' "$@"
     ;;
   s36a)  # (nvidia-h200) the barrier counters natively (mhc_barrier_counters' chain test); where the step's wall
     # time goes, statically and measured: q = 1 and q = 4 compiled with their

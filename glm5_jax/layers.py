@@ -179,12 +179,15 @@ KNOBS = {
         "graph nodes per step at q = 1 (session 35's kernel listing) become one 8-byte fill. The launches stay "
         "ordered through the Ref (each call's aliased operand). CUDA-lowered on CPU; not yet run natively — off"),
     "linear_fused_sum": (False,
-        "with fp8_linear + fp8_dq, or bf16_linear, on: each weight-streaming linear's K splits summed inside the "
-        "kernel — the last split's CTA of a row tile, dispatched last, waits on a per-tile counter "
-        "(pallas_kernels.linear.splitk_counters: one jax Ref per step, every call leaving it zero) and adds the "
-        "other splits' partials from L2 — instead of an XLA reduction kernel after every call (q = 1: the 88 FP8 "
-        "linears, 2-3 per DSA layer on its critical path; q = 4: also the ~205 bf16 GEMVs), the slice / cast "
-        "that remain fusing into an XLA consumer. CUDA-lowered; not yet run natively — off"),
+        "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's down kernel with fp8_dq): each "
+        "weight-streaming call's K splits (the MoE's expert groups) summed inside the kernel — the last split's "
+        "CTA of a row tile, dispatched last, waits on a per-tile counter (pallas_kernels.linear.splitk_counters: "
+        "one jax Ref per step, every call leaving it zero) and adds the other splits' partials from L2 — and, "
+        "for up to 8 token rows, written as the [M, N] rows in the output dtype (linear._rows_out) instead of "
+        "an XLA reduction after every call. Its first form (session 35: the sum in the kernel, the slice / "
+        "transpose / cast left to XLA) was correct natively but left the step's critical path at 812 of 815 "
+        "launches — a Mosaic consumer (the mHC boundary) cannot fuse the slice — and its time unchanged (4.71 vs "
+        "4.64-4.68 ms, session 36); the rows form is not yet run natively — off"),
     "indexer_q_in_kernel": (False,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
@@ -950,9 +953,16 @@ class MoE(nnx.Module):
       se = self.shared_experts  # (config: 0 or 1 shared expert, of the routed width) slot 0 of the same kernels
       sew = None if se is None else (se.gate_proj.weight[...], se.gate_proj.scale[...], se.up_proj.weight[...],
                                      se.up_proj.scale[...], se.down_proj.weight[...], se.down_proj.scale[...])
+      dq = kernel_enabled("fp8_dq", xf.shape[0])
+      # linear_fused_sum: the down kernel's expert groups summed in it and written as the token rows — in the
+      # model's dtype where no all-reduce follows (one device per TP group: what the psum would sum, rounded once),
+      # in f32 before a real one (the partial sums stay f32, as the XLA form's)
+      fused = {}
+      if dq and _counters_enabled("linear_fused_sum"):
+        fused = dict(counters=_splitk_counters(kl), out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
       y = kl.fp8_moe(xf, ids, w, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],
-                     ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, shared=sew,
-                     dq=kernel_enabled("fp8_dq", xf.shape[0]), route_kernel=route, tables=tables)
+                     ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, shared=sew, dq=dq,
+                     route_kernel=route, tables=tables, **fused)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
       return (y, ids.reshape(*lead, -1)) if return_ids else y
     y = ex.partial(xf, ids, w, dtype)

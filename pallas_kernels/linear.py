@@ -261,12 +261,13 @@ def quantize_activations(x: jax.Array, rows: int | None = None):
 # FP8 block-scaled linear
 # ------------------------------------------------------------------------------------------------------------
 def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: int, steps: int, dq: bool = False,
-                       fused_sum: bool = False):
+                       fused_sum: bool = False, rows: bool = False):
   """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks); writes o[split, rows, :mp].
   x: hi|lo e4m3 rows [2mp, K] (two fp8 wgmmas per block), or (dq) bf16 rows [mp, K] times each weight tile
   dequantised to bf16 (``_mma_tile``; ``a_s``: the SMEM tile it goes through in interpret mode).
-  ``fused_sum``: refs start with the split-K counters (``_split_out``)."""
-  ctr_g, (o_ref, w_s, x_s, bar, *a_s) = (refs[0], refs[1:]) if fused_sum else (None, refs)
+  ``fused_sum``: refs start with the split-K counters; ``rows``: the sum written as token rows (``_split_out``,
+  ``_out_refs``)."""
+  ctr_g, o_ref, y, (w_s, x_s, bar, *a_s) = _out_refs(refs, fused_sum, plan.split, rows)
   bm, stages = plan.bm, plan.stages
   t = lax.axis_index("t")
   tile, sk = t % tiles, t // tiles
@@ -297,16 +298,65 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
       issue(i + stages)
     # the 128x128 block scale after the MMA: exact, and it bounds the tensor core's fp8 accumulation to a block
     acc = blk * scales[i] if acc is None else acc + blk * scales[i]
-  _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split)
+  _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split, rows=y)
 
 
-def _split_out(o_ref, ctr_g, acc, *, sk, tile, row0, bm: int, split: int):
+def _out_refs(refs, fused_sum: bool, split: int, rows: bool):
+  """A weight-streaming kernel's refs after its inputs -> (split-K counters or None, partials o or None, (y, y_s)
+  or None, the remaining scratch refs). Order: [counters], [o: the partials, absent when ``rows`` with one split],
+  [y: the token rows], scratch..., [y_s: the rows' SMEM tile, last]."""
+  refs = list(refs)
+  ctr_g = refs.pop(0) if fused_sum else None
+  o_ref = refs.pop(0) if not (rows and split == 1) else None
+  y = (refs.pop(0), refs.pop()) if rows else None
+  return ctr_g, o_ref, y, refs
+
+
+def _rows_out(y, tot, *, row0):
+  """The tile's [bm, mp] sum as the m real token rows: y_g[r, row0:row0 + bm] = tot[:, r] in y_g's dtype, through
+  y_s [m, bm] (SMEM) and one TMA store. Column r is picked by a masked sum over the tile's columns (exact: one
+  nonzero term; the WGMMA layout's row reduction, as the indexer's scores kernel reduces its heads), so no
+  transposed store — which Mosaic GPU does not lower — and no XLA slice / transpose / cast kernel after the call:
+  the consumer (the mHC boundary kernel, an XLA fusion) reads y as it is."""
+  y_g, y_s = y
+  m = y_s.shape[0]
+  col = plgpu.broadcasted_iota(jnp.int32, tot.shape, 1, layout=plgpu.Layout.WGMMA)
+  for r in range(m):
+    v = plgpu.layout_cast(jnp.sum(jnp.where(col == r, tot, 0.0), axis=1), plgpu.Layout.WGMMA.reduce(1))
+    y_s[r, :] = v.astype(y_s.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(y_s, y_g.at[:, pl.ds(row0, y_s.shape[1])])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _gate_up_rows(y_g, y_s, weight, g, u, *, limit: float, slot, row0):
+  """The gate/up kernel's rows form: a (slot, row tile)'s summed gate / up accumulators [bm, mp] -> h = silu(min(g,
+  L)) · clip(u, −L, L) times the slot's routing weight of each token row, rounded to bf16 as the down kernel
+  reads it: hq[slot, r, row0:row0 + bm] for the m real rows (``_rows_out``'s masked row sums), no XLA kernel
+  between the two MoE kernels."""
+  gate = jnp.minimum(g, limit)
+  h = gate * jax.nn.sigmoid(gate) * jnp.clip(u, -limit, limit)
+  col = plgpu.broadcasted_iota(jnp.int32, h.shape, 1, layout=plgpu.Layout.WGMMA)
+  for r in range(y_s.shape[0]):
+    v = plgpu.layout_cast(jnp.sum(jnp.where(col == r, h, 0.0), axis=1), plgpu.Layout.WGMMA.reduce(1))
+    y_s[r, :] = (v * weight(r)).astype(y_s.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(y_s, y_g.at[slot, :, pl.ds(row0, y_s.shape[1])])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _split_out(o_ref, ctr_g, acc, *, sk, tile, row0, bm: int, split: int, rows=None):
   """A CTA's [bm, mp] accumulator of K split ``sk`` to o[sk, rows]; with split-K counters (``ctr_g``: int32
   [>= tiles], zero), the last split's CTA of the row tile — dispatched last, the tile's other splits already
   running — waits for their partials (the tile's counter, taken back to zero for the next call) and writes the
-  tile's sum to o[split - 1] instead: no XLA reduction after the kernel."""
+  tile's sum to o[split - 1] instead: no XLA reduction after the kernel. ``rows`` = (y_g [m, N], y_s [m, bm]):
+  the sum (one split: acc itself) written as token rows instead (``_rows_out``; o holds the other splits'
+  partials only)."""
   if ctr_g is None:
-    o_ref[sk, pl.ds(row0, bm), :] = acc
+    if rows is not None:  # (one split: the tile's sum is this CTA's)
+      _rows_out(rows, acc, row0=row0)
+    else:
+      o_ref[sk, pl.ds(row0, bm), :] = acc
     return
   last = split - 1
 
@@ -321,14 +371,17 @@ def _split_out(o_ref, ctr_g, acc, *, sk, tile, row0, bm: int, split: int):
     tot = acc
     for s in range(last):  # the other splits' partials, from L2
       tot = tot + plgpu.load(o_ref.at[s, pl.ds(row0, bm)], layout=plgpu.Layout.WGMMA, optimized=False)
-    o_ref[last, pl.ds(row0, bm), :] = tot
+    if rows is not None:
+      _rows_out(rows, tot, row0=row0)
+    else:
+      o_ref[last, pl.ds(row0, bm), :] = tot
 
 
-def _fused_counters(counters, plan: Plan, tiles: int, name: str):
+def _fused_counters(counters, split: int, tiles: int, name: str):
   """``counters`` where the K splits are summed in the kernel (a Ref of :func:`splitk_counters`, more than one
   split, not interpret mode — which runs no counters: the XLA sum there), else None; a Ref of another shape, or
   more row tiles than it covers, is refused by name."""
-  if counters is None or plan.split == 1 or interpreting():
+  if counters is None or split == 1 or interpreting():
     return None
   if counters.shape != (SPLITK_COUNTERS,) or counters.dtype != jnp.int32 or tiles > SPLITK_COUNTERS:
     raise ValueError(f"{name}: counters {counters.shape} {counters.dtype} for {tiles} row tiles, expected "
@@ -342,6 +395,7 @@ def _split_sum(out, m: int, fused: bool):
 
 
 SPLITK_COUNTERS = 256  # row tiles the split-K counters cover (N / 64 for N up to 16,384)
+ROWS_OUT_MAX = 8  # token rows up to which a fused-sum kernel writes its sum as rows (a masked row sum per row)
 
 
 def splitk_counters():
@@ -350,19 +404,47 @@ def splitk_counters():
   return jax.new_ref(jnp.zeros((SPLITK_COUNTERS,), jnp.int32))
 
 
-def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: bool, name: str, counters=None):
+def _fused_form(counters, split: int, tiles: int, m: int, name: str):
+  """A fused-sum request (``counters`` given) -> (the counters the kernel takes or None, whether it writes its sum
+  as the m token rows): rows where the tile's sum is one CTA's — one split, or the last split's with usable
+  counters (``_fused_counters``: not in interpret mode) — for up to ROWS_OUT_MAX rows."""
+  if counters is None:
+    return None, False
+  ctr = _fused_counters(counters, split, tiles, name)
+  return ctr, m <= ROWS_OUT_MAX and (split == 1 or ctr is not None)
+
+
+def _out_types(split: int, n: int, mp: int, m: int, rows_dtype):
+  """The weight-streaming kernels' outputs: the partials o [split, N, mp] f32 (one fewer — the last split's sum
+  goes to the rows — with ``rows_dtype``; none with one split) and the rows y [m, N] rows_dtype."""
+  if rows_dtype is None:
+    return jax.ShapeDtypeStruct((split, n, mp), jnp.float32)
+  y = jax.ShapeDtypeStruct((m, n), rows_dtype)
+  return y if split == 1 else (jax.ShapeDtypeStruct((split - 1, n, mp), jnp.float32), y)
+
+
+def _rows_result(out, split: int):
+  """The rows y from a rows-form kernel's outputs (``_out_types``)."""
+  return out if split == 1 else out[1]
+
+
+def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: bool, name: str, counters=None,
+                m: int = 0, rows_dtype=None):
   """The FP8 linear kernel over x_rows ([2mp, K] e4m3 hi|lo, or [m <= mp, K] bf16 when dq) -> [split, N, mp] f32
-  (with ``counters``, split-K counters: o[split - 1] holds the sum)."""
+  (with ``counters``, split-K counters: o[split - 1] holds the sum); with ``rows_dtype``, the m token rows'
+  sum y [m, N] instead (``_out_types``: one split, or counters)."""
   n = w.shape[0]
   tiles = n // plan.bm
   steps = w.shape[1] // BLOCK // plan.split
   x_dtype, x_rows_n = (jnp.bfloat16, mp) if dq else (F8, 2 * mp)
   a_scratch = ([plgpu.SMEM((plan.bm, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))]
                if a_smem else [])
+  rows = rows_dtype is not None
   fused = counters is not None
   return mgpu_kernel(
-      functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps, dq=dq, fused_sum=fused),
-      out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
+      functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps, dq=dq, fused_sum=fused,
+                        rows=rows),
+      out_type=_out_types(plan.split, n, mp, m, rows_dtype),
       grid=(tiles * plan.split,),
       grid_names=("t",),
       kernel_name=name,
@@ -371,6 +453,7 @@ def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: 
           plgpu.SMEM((plan.stages, x_rows_n, BLOCK), x_dtype, transforms=_tr(x_dtype, BLOCK)),
           plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
           *a_scratch,
+          *([plgpu.SMEM((m, plan.bm), rows_dtype)] if rows else []),
       ],
   )(x_rows, w, scale_inv.astype(jnp.float32), *((counters,) if fused else ()))
 
@@ -432,8 +515,10 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   mode runs, hence the default there; "regs" otherwise). Needs K % 128 == 0 and N % 64 == 0.
 
   ``counters``: the Ref of :func:`splitk_counters` — the K splits summed inside the kernel (its last split's CTAs
-  add the others' partials; no XLA reduction kernel after the call: the slice / transpose / cast that remain fuse
-  into an XLA consumer). Needs the GPU: interpret mode runs no counters, and the XLA sum is used there."""
+  add the others' partials) and, for up to ROWS_OUT_MAX token rows, written as y [M, N] in out_dtype itself
+  (``_rows_out``): no XLA kernel after the call — the reduction, and the slice / transpose / cast a Mosaic
+  consumer (the mHC boundary) cannot fuse. The counters need the GPU: in interpret mode (no counters) a K-split
+  plan is summed by XLA; a one-split plan writes the rows there too."""
   m = x.shape[0]
   if m > 64:
     return jnp.concatenate([fp8_dq_linear(x[i:i + 64], w, scale_inv, out_dtype=out_dtype, plan=plan,
@@ -446,12 +531,14 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   a_smem = _a_smem(a_from)
   mp = _padded_rows(m)
   plan = plan or plan_linear(n, k, mp, "fp8dq")
-  counters = _fused_counters(counters, plan, n // plan.bm, "fp8_dq_linear")
+  counters, rows = _fused_form(counters, plan.split, n // plan.bm, m, "fp8_dq_linear")
   # x as it is where it can be (_tma_rows): the kernel's TMA reads mp rows and fills the rows past m with zeros
   # (no XLA pad kernel in front of every call: 135 of them per step at q = 1, ~300 at q = 4, ~1.2 µs each on the
   # H200, session 26)
   out = _fp8_launch(_tma_rows(x.astype(jnp.bfloat16), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
-                    name="glm5_fp8_dq_linear", counters=counters)
+                    name="glm5_fp8_dq_linear", counters=counters, m=m, rows_dtype=out_dtype if rows else None)
+  if rows:
+    return _rows_result(out, plan.split)
   return _split_sum(out, m, counters is not None).astype(out_dtype)
 
 
@@ -472,12 +559,14 @@ def fp8_linear_reference(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, ou
 # ------------------------------------------------------------------------------------------------------------
 # BF16 linear
 # ------------------------------------------------------------------------------------------------------------
-def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int, fused_sum: bool = False):
+def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int, fused_sum: bool = False,
+                        rows: bool = False):
   """One CTA = (row tile, K split); a single accumulator over the CTA's K range; writes o[split, rows, :mp].
   When bm does not divide N the last tile starts at N - bm (overlapping its neighbour, which writes the same
   values there): no out-of-bounds TMA box, the output keeps N rows; the offset stays a multiple of 8 rows, as
-  the tiled SMEM copy needs, because N is. ``fused_sum``: refs start with the split-K counters (``_split_out``)."""
-  ctr_g, (o_ref, w_s, x_s, bar) = (refs[0], refs[1:]) if fused_sum else (None, refs)
+  the tiled SMEM copy needs, because N is. ``fused_sum``: refs start with the split-K counters; ``rows``: the sum
+  written as token rows (``_split_out``, ``_out_refs``)."""
+  ctr_g, o_ref, y, (w_s, x_s, bar) = _out_refs(refs, fused_sum, plan.split, rows)
   bm, bk, stages = plan.bm, plan.bk, plan.stages
   n = w_ref.shape[0]
   t = lax.axis_index("t")
@@ -509,7 +598,7 @@ def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int,
     return acc[...]
 
   acc = pl.run_scoped(scope, plgpu.ACC((bm, x_s.shape[1]), jnp.float32))
-  _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split)
+  _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split, rows=y)
 
 
 @kernel_entry("out_dtype", "plan", "x_prefix")
@@ -523,7 +612,7 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
       fgb_a output of a TP4 rank: 256 of 320 columns), else sliced first.
   Returns: y [M, N] out_dtype (fp32 accumulation).
   Needs K % 128 == 0, N % 8 == 0 and N >= 64 (e.g. the KDA layer's f_a | g_a | b, 272 rows).
-  ``counters``: the K splits summed in the kernel, as :func:`fp8_dq_linear`'s.
+  ``counters``: the K splits summed in the kernel (and the rows written by it), as :func:`fp8_dq_linear`'s.
   """
   m, kx = x.shape
   n, k = w.shape
@@ -541,12 +630,12 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   tiles = -(-n // plan.bm)
   steps = k // plan.bk // plan.split
   xp = _tma_rows(x.astype(jnp.bfloat16), mp)  # (the kernel's TMA zero-fills the rows up to mp)
-  counters = _fused_counters(counters, plan, tiles, "bf16_linear")
+  counters, rows = _fused_form(counters, plan.split, tiles, m, "bf16_linear")
   kernel = functools.partial(_bf16_linear_kernel, plan=plan, tiles=tiles, steps=steps,
-                             fused_sum=counters is not None)
+                             fused_sum=counters is not None, rows=rows)
   out = mgpu_kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((plan.split, n, mp), jnp.float32),
+      out_type=_out_types(plan.split, n, mp, m, out_dtype if rows else None),
       grid=(tiles * plan.split,),
       grid_names=("t",),
       kernel_name="glm5_bf16_linear",
@@ -554,8 +643,11 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
           plgpu.SMEM((plan.stages, plan.bm, plan.bk), jnp.bfloat16, transforms=_tr(jnp.bfloat16, plan.bk)),
           plgpu.SMEM((plan.stages, mp, plan.bk), jnp.bfloat16, transforms=_tr(jnp.bfloat16, plan.bk)),
           plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
+          *([plgpu.SMEM((m, plan.bm), out_dtype)] if rows else []),
       ],
   )(xp, w.astype(jnp.bfloat16), *(() if counters is None else (counters,)))
+  if rows:
+    return _rows_result(out, plan.split)
   return _split_sum(out, m, counters is not None).astype(out_dtype)
 
 
@@ -650,21 +742,31 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 
 
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
-                        table_k: int, dq: bool = False, a_smem: bool = False):
+                        table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
+                        rows: bool = False):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
   from its own weight refs (wgs/sgs/wus/sus: one expert, no expert axis). ``dq``: x is bf16 [mp, D] (no amax
-  operand) and each weight tile is dequantised to bf16 (``_mma_tile``; ``a_smem``: through a last SMEM scratch)."""
+  operand) and each weight tile is dequantised to bf16 (``_mma_tile``; ``a_smem``: through a last SMEM scratch).
+  ``rows`` (dq): h = SwiGLU times the slot's routing weights written as the down kernel's input rows hq [slots, m,
+  I] bf16 (``_gate_up_rows``; the weights from an input after the shared expert's refs: the router's [1, k] with
+  ``table_k``, else r [n_pad, mp]) — with ``fused_sum`` (split > 1) by the last D split's CTA of the (slot, row
+  tile) on split-K counters (an input after the weights), the other splits' partials in o [split - 1, ...]."""
   refs = list(refs)
+  y_s = refs.pop() if rows else None
   a_s = refs.pop() if a_smem else None
   xq_ref = refs.pop(0)
   amax_ref = None if dq else refs.pop(0)
-  if shared:
-    (eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, wgs_ref, sgs_ref, wus_ref, sus_ref,
-     o_ref, wg_s, wu_s, x_s, bar) = refs
-  else:
-    eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref, o_ref, wg_s, wu_s, x_s, bar = refs
+  n_w = 10 if shared else 6
+  ins, refs = refs[:n_w], refs[n_w:]
+  eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref = ins[:6]
+  wgs_ref, sgs_ref, wus_ref, sus_ref = ins[6:] if shared else (None,) * 4
+  rw_ref = refs.pop(0) if rows else None
+  ctr_g = refs.pop(0) if fused_sum else None
+  o_ref = refs.pop(0) if not (rows and split == 1) else None
+  y_g = refs.pop(0) if rows else None
+  wg_s, wu_s, x_s, bar = refs
   t = lax.axis_index("t")
   per_slot = tiles * split
   slot_id, rem = t // per_slot, t % per_slot
@@ -721,7 +823,34 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
     # the activations' scale, recomputed from their max: passing the scale itself made XLA compute it in a kernel
     # of its own (~1 µs per MoE layer), as its quantisation fusion and this call both read it
     sx = 1.0 if dq else activation_scale(amax_ref[0])
-    if split == 1:
+    if rows:
+      def weight(r):  # the slot's routing weight for token row r (the shared slot: 1)
+        if not table_k:
+          return rw_ref[slot_id, r]
+        j = jnp.clip(slot_id - int(shared), 0, table_k - 1)
+        e_raw = eids_ref[j]
+        w = jnp.where((e_raw >= 0) & (e_raw < wg_ref.shape[0]), rw_ref[0, j], 0.0)
+        return jnp.where(is_sh, 1.0, w) if shared else w
+
+      out = functools.partial(_gate_up_rows, y_g, y_s, weight, limit=limit, slot=slot_id, row0=row0)
+      if ctr_g is None:
+        out(acc_g, acc_u)
+      else:
+        last, cell = split - 1, ctr_g.at[pl.ds(slot_id * tiles + tile, 1)]
+
+        @pl.when(sk < last)
+        def _():
+          o_ref[sk, slot_id, 0, pl.ds(row0, bm), :] = acc_g
+          o_ref[sk, slot_id, 1, pl.ds(row0, bm), :] = acc_u
+          counter_signal(cell)
+
+        @pl.when(sk == last)
+        def _():
+          counter_wait(cell, last, take=True)
+          part = lambda s, j: plgpu.load(o_ref.at[s, slot_id, j, pl.ds(row0, bm)], layout=plgpu.Layout.WGMMA,
+                                         optimized=False)
+          out(acc_g + sum(part(s, 0) for s in range(last)), acc_u + sum(part(s, 1) for s in range(last)))
+    elif split == 1:
       gate = jnp.minimum(acc_g * sx, limit)
       up = jnp.clip(acc_u * sx, -limit, limit)
       o_ref[slot_id, pl.ds(row0, bm), :] = gate * jax.nn.sigmoid(gate) * up
@@ -731,24 +860,24 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
 
 
 def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int,
-                     dq: bool = False, a_smem: bool = False):
+                     dq: bool = False, a_smem: bool = False, fused_sum: bool = False, rows: bool = False):
   """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
   over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count.
   ``shared``: slot 0 is the shared expert (its own refs wds/sds). ``table_k``: as ``_slot_expert`` (the k ids
   are read once into registers; without it the slots' ids go to SMEM by one TMA). ``dq``: hq is bf16 h
-  [slots, mp, I] and each weight tile is dequantised to bf16 (``a_smem``: through a last SMEM scratch)."""
-  refs = list(refs)
-  a_s = refs.pop() if a_smem else None
+  [slots, mp, I] and each weight tile is dequantised to bf16 (``a_smem``: through a last SMEM scratch).
+  ``fused_sum`` / ``rows``: the groups' partials summed in the kernel on split-K counters (the groups as K splits;
+  the last group's CTAs are dispatched last) / written as token rows, as ``_split_out``."""
+  n_in = 7 if shared else 5
+  hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref = refs[:5]
+  wds_ref, sds_ref = refs[5:7] if shared else (None, None)
+  ctr_g, o_ref, y, rest = _out_refs(refs[n_in:], fused_sum, groups, rows)
+  a_s = rest.pop() if a_smem else None
   if table_k:
     eid_s = ebar = None
-    if shared:
-      hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, wds_ref, sds_ref, o_ref, w_s, x_s, bar = refs
-    else:
-      hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, o_ref, w_s, x_s, bar = refs
-  elif shared:
-    hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, wds_ref, sds_ref, o_ref, w_s, x_s, eid_s, bar, ebar = refs
+    w_s, x_s, bar = rest
   else:
-    hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref, o_ref, w_s, x_s, eid_s, bar, ebar = refs
+    w_s, x_s, eid_s, bar, ebar = rest
   t = lax.axis_index("t")
   g, tile = t // tiles, t % tiles
   row0 = tile * bm
@@ -790,7 +919,9 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
       pl.when(s != 0)(routed)
     else:
       routed()
-    plgpu.copy_gmem_to_smem(hq_ref.at[s, :, pl.ds(ib * BLOCK, BLOCK)], x_s.at[slot], bar.at[slot])
+    # (h of the gate/up kernel's rows form has only the m real rows: the TMA zero-fills the rest up to mp)
+    plgpu.copy_gmem_to_smem(hq_ref.at[s, pl.ds(0, x_s.shape[1]), pl.ds(ib * BLOCK, BLOCK)], x_s.at[slot],
+                            bar.at[slot])
 
   for p in range(stages):
     pl.when(p < total)(functools.partial(issue, p))
@@ -808,7 +939,7 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
 
   acc0 = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
   acc = lax.fori_loop(0, total, step, acc0)
-  o_ref[g, pl.ds(row0, bm), :] = acc
+  _split_out(o_ref, ctr_g, acc, sk=g, tile=tile, row0=row0, bm=bm, split=groups, rows=y)
 
 
 def _distinct_ids(ids, num_experts: int, size: int):
@@ -977,10 +1108,10 @@ def moe_route(topk_ids, topk_weights, *, num_experts: int, n_pad: int, mp: int, 
   )(topk_ids.astype(i32), topk_weights.astype(f32))
 
 
-@kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel")
+@kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
-            route_kernel: bool = False, tables=None):
+            route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -995,8 +1126,12 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       static slot table either way.)
     tables: with route_kernel, moe_route's (eids, n_valid, r) for these ids and weights, computed already (the
       router kernel that builds them itself: router.router_route) — no moe_route launch here.
+    counters: with dq, the Ref of :func:`splitk_counters` — the down kernel's expert groups summed in the kernel
+      and written as y [M, D] out_dtype (``_split_out``'s rows, up to ROWS_OUT_MAX rows; in interpret mode only
+      with one group) instead of an XLA reduction (+ slice / cast) after it.
+    out_dtype: y's dtype.
   Returns:
-    y: [M, D] f32 = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
+    y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
 
   Only the distinct selected experts' weights are read, once each. ``shared`` = (w_gate [I, D], s_gate, w_up,
@@ -1074,11 +1209,23 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   gu_out = ((n_pad, inter, mp) if plan.gu_split == 1 else (plan.gu_split, n_pad, 2, inter, mp))
   a_tile = lambda bm: ([plgpu.SMEM((bm, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))]
                        if a_smem else [])
+  # counters (dq): h written as the down kernel's bf16 rows by the gate/up kernel itself (its D splits summed on
+  # the counters; the routing weights applied there: the router's with a static slot table, else r)
+  gu_ctr, gu_rows = _fused_form(counters if dq else None, plan.gu_split, n_pad * gu_tiles, m, "fp8_moe")
+  gu_extra, gu_scratch = (), []
+  if gu_rows:
+    hq_t = jax.ShapeDtypeStruct((n_pad, m, inter), jnp.bfloat16)
+    gu_out = hq_t if plan.gu_split == 1 else (
+        jax.ShapeDtypeStruct((plan.gu_split - 1, n_pad, 2, inter, mp), jnp.float32), hq_t)
+    gu_extra = (topk_weights.astype(f32) if table_k else r,) + (() if gu_ctr is None else (gu_ctr,))
+    gu_scratch = [plgpu.SMEM((m, plan.gu_bm), jnp.bfloat16)]
+  else:
+    gu_out = jax.ShapeDtypeStruct(gu_out, jnp.float32)
   h = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
-                        a_smem=a_smem),
-      out_type=jax.ShapeDtypeStruct(gu_out, jnp.float32),
+                        a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows),
+      out_type=gu_out,
       grid=(n_slots * gu_tiles * plan.gu_split,),
       grid_names=("t",),
       kernel_name="glm5_moe_gate_up",
@@ -1088,28 +1235,34 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
           x_tile,
           plgpu.Barrier(num_arrivals=3, num_barriers=plan.gu_stages),
           *a_tile(plan.gu_bm),
+          *gu_scratch,
       ],
-  )(*x_in, eids, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu)
+  )(*x_in, eids, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu, *gu_extra)
 
   # The glue works on the m real token columns only (the kernels' mp - m padding columns are zero inputs' outputs;
   # quantize_activations pads them back as zeros): at M = 1 that is 1/8 of the [.., mp] data the XLA fusions
   # between the two kernels would otherwise split-sum, SwiGLU, weight and reduce.
-  if plan.gu_split > 1:  # add the D splits and apply the clamped SwiGLU here (fused into the glue below)
-    gu = h[..., :m].sum(0)  # [n_pad, 2, I, m]
-    gate = jnp.minimum(gu[:, 0], swiglu_limit)
-    h = jax.nn.silu(gate) * jnp.clip(gu[:, 1], -swiglu_limit, swiglu_limit)
-  else:
-    h = h[..., :m]
-  # Routing weights and re-quantisation of h (rows of unused slots were never written: mask them).
-  hw = jnp.where(valid[:, None, None], h, 0.0) * r[:, None, :m]  # [n_pad, I, m]
   dn_tiles = d // plan.dn_bm
   ring = [plgpu.SMEM((plan.dn_stages, plan.dn_bm, BLOCK), F8, transforms=_tr(F8, BLOCK))]
-  if dq:  # h in bf16 [n_pad, mp, I]
-    hq, sh = jnp.pad(jnp.swapaxes(hw, 1, 2).astype(jnp.bfloat16), ((0, 0), (0, mp - m), (0, 0))), 1.0
+  if dq:  # h in bf16 [n_pad, mp (or the rows form's m), I]
     ring.append(plgpu.SMEM((plan.dn_stages, mp, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK)))
   else:
-    hq, sh = quantize_activations(jnp.swapaxes(hw, 1, 2), mp)  # [n_pad, 2mp, I]
     ring.append(plgpu.SMEM((plan.dn_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)))
+  if gu_rows:  # h is the down kernel's input already (no XLA kernel between the two)
+    hq, sh = (h if plan.gu_split == 1 else h[1]), 1.0
+  else:
+    if plan.gu_split > 1:  # add the D splits and apply the clamped SwiGLU here (fused into the glue below)
+      gu = h[..., :m].sum(0)  # [n_pad, 2, I, m]
+      gate = jnp.minimum(gu[:, 0], swiglu_limit)
+      h = jax.nn.silu(gate) * jnp.clip(gu[:, 1], -swiglu_limit, swiglu_limit)
+    else:
+      h = h[..., :m]
+    # Routing weights and re-quantisation of h (rows of unused slots were never written: mask them).
+    hw = jnp.where(valid[:, None, None], h, 0.0) * r[:, None, :m]  # [n_pad, I, m]
+    if dq:
+      hq, sh = jnp.pad(jnp.swapaxes(hw, 1, 2).astype(jnp.bfloat16), ((0, 0), (0, mp - m), (0, 0))), 1.0
+    else:
+      hq, sh = quantize_activations(jnp.swapaxes(hw, 1, 2), mp)  # [n_pad, 2mp, I]
   if table_k:
     ids_scratch, dn_eids = [plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages)], eids
   else:
@@ -1117,16 +1270,22 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
                    plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages),
                    plgpu.Barrier(num_arrivals=1, num_barriers=1)]
     dn_eids = eids.reshape(n_pad // 8, 8)
+  # (the activations' scale sh: 1 with dq, which the rows form needs — it writes the sum as it is)
+  ctr, rows = _fused_form(counters if dq else None, plan.dn_groups, dn_tiles, m, "fp8_moe")
   out = mgpu_kernel(
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
-                        groups=plan.dn_groups, shared=has_sh, table_k=table_k, dq=dq, a_smem=a_smem),
-      out_type=jax.ShapeDtypeStruct((plan.dn_groups, d, mp), jnp.float32),
+                        groups=plan.dn_groups, shared=has_sh, table_k=table_k, dq=dq, a_smem=a_smem,
+                        fused_sum=ctr is not None, rows=rows),
+      out_type=_out_types(plan.dn_groups, d, mp, m, out_dtype if rows else None),
       grid=(dn_tiles * plan.dn_groups,),
       grid_names=("t",),
       kernel_name="glm5_moe_down",
-      scratch_types=ring + ids_scratch + a_tile(plan.dn_bm),
-  )(hq, dn_eids, n_valid, w_down, s_down.astype(f32), *sh_dn)
-  return out[..., :m].sum(0).T * sh
+      scratch_types=ring + ids_scratch + a_tile(plan.dn_bm) + ([plgpu.SMEM((m, plan.dn_bm), out_dtype)] if rows
+                                                               else []),
+  )(hq, dn_eids, n_valid, w_down, s_down.astype(f32), *sh_dn, *(() if ctr is None else (ctr,)))
+  if rows:
+    return _rows_result(out, plan.dn_groups)
+  return (_split_sum(out, m, ctr is not None) * sh).astype(out_dtype)
 
 
 def fp8_moe_reference(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,

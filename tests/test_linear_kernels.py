@@ -254,6 +254,58 @@ def test_fp8_dq_linear_interpret(m, n, k, plan_kw, dtype):
   assert_close(y, L.fp8_linear_reference(x.astype(jnp.bfloat16), w, s), "kernel_f32")
 
 
+@pytest.mark.parametrize("m,out_dtype", [(1, jnp.bfloat16), (5, jnp.float32), (8, jnp.bfloat16)])
+def test_linear_rows_form_interpret(m, out_dtype):
+  """The fused-sum request (counters) with a one-split plan — the form interpret mode can run (no counters) — has
+  the kernels write their sum as the token rows y [M, N] out_dtype themselves (linear._rows_out: a masked row
+  sum per row, one TMA store): bit-identical to the partials summed and cast by XLA, FP8 and BF16 alike (the BF16
+  N not a multiple of the row tile: the overlapping last tile writes the same values)."""
+  ks = jax.random.split(jax.random.key(300 + m), 3)
+  w, s = quantize_fp8_blocks(ks[0], (192, 512))
+  wb = (jax.random.normal(ks[1], (136, 384), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  x = jax.random.normal(ks[2], (m, 512), jnp.float32).astype(jnp.bfloat16)
+  p8 = L.plan_linear(192, 512, L._padded_rows(m), "fp8dq", split=1, stages=2)
+  pb = L.plan_linear(136, 384, L._padded_rows(m), "bf16", split=1)
+
+  def both(fused):
+    c = {"counters": L.splitk_counters()} if fused else {}
+    return (L.fp8_dq_linear(x, w, s, plan=p8, out_dtype=out_dtype, **c),
+            L.bf16_linear(x[:, :384], wb, plan=pb, out_dtype=out_dtype, **c))
+
+  with maybe_interpret():
+    got, want = jax.jit(lambda: both(True))(), jax.jit(lambda: both(False))()
+  for g, w_ in zip(got, want):
+    assert g.shape == w_.shape and g.dtype == out_dtype
+    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w_.astype(jnp.float32)))
+  assert_close(got[0], L.fp8_linear_reference(x, w, s), "kernel_bf16" if out_dtype == jnp.bfloat16 else "kernel_f32")
+  assert_close(got[1], L.bf16_linear_reference(x[:, :384], wb), "kernel_bf16")
+
+
+@pytest.mark.parametrize("m,e,k,shared,bad_id", [
+    (1, 6, 2, True, False),  # a static slot table: the router's weights read by the gate/up kernel
+    (1, 6, 3, False, True),  # ... an out-of-range id masked there (weight 0), as the XLA glue masks it
+    (3, 5, 2, True, False),  # duplicates: r [n_pad, mp] from the routing tables
+])
+def test_fp8_moe_rows_form_interpret(m, e, k, shared, bad_id):
+  """fp8_moe (dq) with counters and one-split / one-group plans: the gate/up kernel writes h (SwiGLU times each
+  slot's routing weight, bf16) as the down kernel's input rows and the down kernel its sum as y [M, D] — no XLA
+  kernel between or after them — bit-identical to the XLA glue's form, and the reference."""
+  i, d = 256, 384
+  args = list(moe_inputs(jax.random.key(310 + m), m, e, i, d, k))
+  if bad_id:
+    args[1] = args[1].at[0, 1].set(e)
+  sh = _shared_expert(jax.random.key(320 + m), i, d) if shared else None
+  plan = L.plan_moe(min(e, m * k) + shared, i, d, L._padded_rows(m), dn_groups=1, gu_split=1)
+  run = lambda c: jax.jit(lambda *a: L.fp8_moe(*a, swiglu_limit=1.0, plan=plan, dq=True, shared=sh, **c))(*args)
+  with maybe_interpret():
+    y, y0 = run({"counters": L.splitk_counters()}), run({})
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+  ref_args = list(args)
+  if bad_id:  # (the masked expert contributes nothing: expert 0 with weight 0)
+    ref_args[1], ref_args[2] = args[1].at[0, 1].set(0), args[2].at[0, 1].set(0.0)
+  assert_close(y, L.fp8_moe_reference(*ref_args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
+
+
 def test_dq_kernels_pick_the_register_form_outside_interpret_mode():
   """a_from's default follows the trace's interpret mode (the step's CUDA lowering gets the register-A form)."""
   from pallas_kernels._common import interpreting  # noqa: PLC0415
@@ -611,6 +663,29 @@ def test_bf16_linear_fused_sum_gpu(m):
   check_fused_sum_gpu(L.bf16_linear, cases, L.bf16_linear_reference, "kernel_bf16")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_fp8_moe_fused_rows_gpu(m):
+  """fp8_moe (dq, the shared slot, real shapes) with the split-K counters natively: at M = 1 the gate/up
+  kernel's 4 D splits summed on the counters by their last CTA, which writes h's rows, and the down kernel's 9
+  expert groups likewise into y [M, D] — against the XLA glue's form and the reference; called twice on one Ref
+  (each call must leave the counters zero)."""
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  args = moe_inputs(jax.random.key(330 + m), m, e, i, d, k)
+  sh = _shared_expert(jax.random.key(340 + m), i, d)
+
+  def run(fused):
+    c = L.splitk_counters() if fused else None
+    f = lambda: L.fp8_moe(*args, swiglu_limit=10.0, shared=sh, dq=True, counters=c)  # noqa: E731
+    return f(), f(), (c[...] if fused else None)
+  y1, y2, ctr = jax.jit(lambda: run(True))()
+  want, _, _ = jax.jit(lambda: run(False))()
+  np.testing.assert_allclose(np.asarray(y1), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
+  assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
+  assert not np.any(np.asarray(ctr))
+
+
 def test_linear_fused_sum_cross_lowers():
   """The fused-sum forms lower for CUDA at every FP8 and BF16 shape with a K split, taking and returning the
   counters Ref (int32 [SPLITK_COUNTERS], aliased: the calls stay ordered); counters of another shape, or more row
@@ -618,9 +693,11 @@ def test_linear_fused_sum_cross_lowers():
   for name, (n, k) in FP8_SHAPES.items():
     args = SDS((1, k), jnp.bfloat16), SDS((n, k), F8), SDS((-(-n // 128), -(-k // 128)), jnp.float32)
     split = L.plan_linear(n, k, 8, "fp8dq").split
-    txt = cross_lower(lambda *a: L.fp8_dq_linear(*a, counters=L.splitk_counters()), *args).as_text()
+    txt = cross_lower(lambda *a: L.fp8_dq_linear(*a, out_dtype=jnp.bfloat16, counters=L.splitk_counters()),
+                      *args).as_text()
     calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
     assert len(calls) == 1 and calls[0].endswith(f"tensor<{L.SPLITK_COUNTERS}xi32>)") == (split > 1), name
+    assert f"tensor<1x{n}xbf16>" in calls[0].split("->")[-1], name  # the rows, written by the kernel
   with pytest.raises(ValueError, match=r"fp8_dq_linear: counters \(8,\) int32 .* expected splitk_counters"):
     cross_lower(lambda *a: L.fp8_dq_linear(*a, counters=jax.new_ref(jnp.zeros((8,), jnp.int32))), *args)
   for name, (n, k) in BF16_SHAPES.items():  # the bf16 GEMV's form (lm_head: 38,720 rows, more tiles than counters)
@@ -634,6 +711,26 @@ def test_linear_fused_sum_cross_lowers():
     txt = cross_lower(f, SDS((1, k), jnp.bfloat16), SDS((n, k), jnp.bfloat16)).as_text()
     calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
     assert len(calls) == 1 and calls[0].endswith(f"tensor<{L.SPLITK_COUNTERS}xi32>)") == (split > 1), name
+    assert f"tensor<1x{n}xf32>" in calls[0].split("->")[-1], name
+  # the MoE (dq, the shared slot): at M = 1 the gate/up kernel's D splits and the down kernel's expert groups on
+  # the counters, h and y written as rows; at M = 4 the gate/up kernel has one split (no counters) and the
+  # routing weights come from the router's tables (route_kernel)
+  e, i, d, kk = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
+        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
+  for m in (1, 4):
+    txt = cross_lower(lambda *a: L.fp8_moe(*a[:9], swiglu_limit=10.0, shared=a[9:], dq=True, route_kernel=m > 1,
+                                           counters=L.splitk_counters(), out_dtype=jnp.bfloat16),
+                      SDS((m, d), jnp.bfloat16), SDS((m, kk), jnp.int32), SDS((m, kk), jnp.float32),
+                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                      SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh).as_text()
+    calls = {name: [line.split("->")[-1] for line in txt.splitlines() if "@mosaic_gpu_v2" in line and name in line]
+             for name in ("glm5_moe_gate_up", "glm5_moe_down")}
+    n_pad = L._round_up(min(e, m * kk) + 1, 8)
+    assert len(calls["glm5_moe_gate_up"]) == 1 and f"tensor<{n_pad}x{m}x{i}xbf16>" in calls["glm5_moe_gate_up"][0]
+    assert ("xi32>)" in calls["glm5_moe_gate_up"][0]) == (m == 1)
+    assert len(calls["glm5_moe_down"]) == 1 and f"tensor<{m}x{d}xbf16>, tensor<256xi32>)" in calls["glm5_moe_down"][0]
 
 
 @pytest.mark.gpu
