@@ -72,7 +72,8 @@
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
 #   s37a (nvidia-h200):       session 36's rows form (fused-sum kernels writing the token rows; the MoE's h / y rows)
-#                             natively, then q = 1 defaults vs linear_fused_sum (4 steps per call, interleaved)
+#                             natively (GPU tests by node id), then q = 1 and 4: defaults vs linear_fused_sum (4 steps
+#                             per call, 5 interleaved repeats)
 #   s36a (nvidia-h200):       the barrier counters' and the fused split-K sums' GPU tests; the step's critical path (the longest kernel dependence
 #                             chain) at q = 1 / 4 from the compiled HLO; q = 1 profiled (the chain by GPU time, the
 #                             kernel table); the all-kernels step with the candidates on
@@ -199,12 +200,13 @@ pdl_probe() {  # bench_pdl: a chain of dependent Mosaic launches in the CUDA gra
     benchmarks/bench_pdl.py --variants plain,pdl,pdl_step,xla --out "$OUT/pdl.jsonl" >> "$OUT/bench_pdl.log" 2>&1
 }
 
-gt() {  # $1: seconds at most, $2: test file, $3: -k expression. GPU tests with every test's outcome (-rA), each
-  # call bounded by the budget left (-k 9: a kernel that never returns cannot hold the call)
+gt() {  # $1: seconds at most, $2: test file or node id, $3: -k expression. GPU tests with every test's outcome (-rA),
+  # each call bounded by the budget left (-k 9: a kernel that never returns cannot hold the call); a selection of
+  # no tests is logged too (session 36's -k matched the checkout's directory name and left an empty log)
   [ "$(left)" -gt 60 ] || return 0
   local t=$(( $1 < $(left) - 30 ? $1 : $(left) - 30 ))
   timeout -k 9 -s INT "$t" python3 -m pytest -q -rA -m gpu -p no:cacheprovider "$2" ${3:+-k "$3"} 2>&1 \
-    | grep -E "^(PASSED|FAILED|XFAIL|XPASS|ERROR)|passed|failed|Interrupt" | head -40 \
+    | grep -E "^(PASSED|FAILED|XFAIL|XPASS|ERROR)|passed|failed|Interrupt|no tests ran|deselected" | head -40 \
     | sed "s|^|$(basename "$2"): |" | tee -a "$OUT/gpu_tests.log"
 }
 
@@ -547,13 +549,17 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
   s37a)  # (nvidia-h200) session 36's rows form natively: the fused-sum kernels writing their sums as the token rows
-    # (FP8 linear at M = 1; the MoE's gate/up -> h rows and down -> y rows at M = 1), then q = 1 at 4 steps per call,
-    # interleaved: defaults vs linear_fused_sum (now the rows form: the step's critical path with it is the
-    # question; ROWS=0 leaves the A/B out if the tests failed)
-    gt 200 tests/test_linear_kernels.py "fused_rows_gpu or (fp8_dq_linear_fused_sum_gpu and not 4 and not 12)"
-    if [ "${ROWS:-1}" = 1 ] && ! grep -q -E "FAILED|ERROR" "$OUT/gpu_tests.log"; then set -- '{"linear_fused_sum": true}'
+    # (FP8 linear at M = 1; the MoE's gate/up -> h rows and down -> y rows at M = 1 and 4), then q = 1 at 4 steps
+    # per call, interleaved: defaults vs linear_fused_sum (the rows form). The tests by node id: session 36's -k
+    # "... and not 4 and not 12" selected nothing on the device (pytest 8 matches -k words against the parent
+    # nodes' names too: the checkout's directory) — and the A/B only after a " passed" line with no failure
+    # (ROWS=0 leaves it out)
+    gt 240 "tests/test_linear_kernels.py::test_fp8_moe_fused_rows_gpu"
+    gt 120 "tests/test_linear_kernels.py::test_fp8_dq_linear_fused_sum_gpu[1]"
+    if [ "${ROWS:-1}" = 1 ] && grep -q " passed" "$OUT/gpu_tests.log" && ! grep -q -E "FAILED|ERROR|Interrupt" \
+        "$OUT/gpu_tests.log"; then set -- '{"linear_fused_sum": true}'
     else set --; fi
-    [ "$(left)" -gt 150 ] && rank1 s37a --q 1 --steps-per-call 4 --interleave --repeats 3 --policy '{}' "$@"
+    [ "$(left)" -gt 150 ] && rank1 s37a --q 1 4 --steps-per-call 4 --interleave --repeats 5 --policy '{}' "$@"
     ;;
   s36a)  # (nvidia-h200) the barrier counters natively (mhc_barrier_counters' chain test); where the step's wall
     # time goes, statically and measured: q = 1 and q = 4 compiled with their

@@ -177,7 +177,9 @@ KNOBS = {
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
         "i + 1) instead of a pl.get_global semaphore, which XLA zero-fills before every call — 91 `copy s32[1]` "
         "graph nodes per step at q = 1 (session 35's kernel listing) become one 8-byte fill. The launches stay "
-        "ordered through the Ref (each call's aliased operand). CUDA-lowered on CPU; not yet run natively — off"),
+        "ordered through the Ref (each call's aliased operand). Natively correct (its GPU test, session 36); in "
+        "the step at q = 1 a tie (4.64-4.66 vs 4.64-4.68 ms in the same rounds): the 91 fills were all off the "
+        "critical path (815 launches either way; BENCHMARKS.md session 36) — off"),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's down kernel with fp8_dq): each "
         "weight-streaming call's K splits (the MoE's expert groups) summed inside the kernel — the last split's "
@@ -187,20 +189,24 @@ KNOBS = {
         "an XLA reduction after every call. Its first form (session 35: the sum in the kernel, the slice / "
         "transpose / cast left to XLA) was correct natively but left the step's critical path at 812 of 815 "
         "launches — a Mosaic consumer (the mHC boundary) cannot fuse the slice — and its time unchanged (4.71 vs "
-        "4.64-4.68 ms, session 36); the rows form is not yet run natively — off"),
+        "4.64-4.68 ms, session 36). The rows form: the step's critical path 815 -> 715 launches, 1,417 -> 1,299 "
+        "in all, 4.61 vs 4.96 ms at q = 1 (3 interleaved repeats, best 4.51 vs 4.65: not yet a measured win); "
+        "its GPU tests not yet run (session 36) — off"),
     "indexer_q_in_kernel": (False,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
         "64 query rows, the scales from the amax's bits) instead of the XLA butterflies, amax and conversion "
         "in front of it — ~8 µs and 3 launches per DSA layer on the critical path (session 29's profile). "
         "Natively equal to its reference compiled as the model rounds (session 35: session 34's failure was "
-        "the reference's — XLA on the GPU dropped quant_ue8m0_fp8's bf16 rounding, excess precision); not "
-        "yet measured in the step — off"),
+        "the reference's — XLA on the GPU dropped quant_ue8m0_fp8's bf16 rounding, excess precision). In the "
+        "step at q = 1 a tie (4.64-4.67 ms vs 4.64-4.68, session 36): the queries' path is not the DSA layer's "
+        "longest (the critical path stays 815 launches) — off"),
     "topk_scan_mm": (False,
         "with indexer_topk on: the top-k compaction's prefix sums within 128-blocks as one f32 matmul with a "
         "triangle of ones (exclusive_prefix_sum 'mm128') instead of XLA's reduce-window fusion (11.3 µs per "
-        "DSA layer at q = 1, session 29's profile); not a kernel — an XLA form; off until measured "
-        "(bench_topk 'mm128' rows)"),
+        "DSA layer at q = 1, session 29's profile); not a kernel — an XLA form (bench_topk 'mm128' rows). "
+        "In the step at q = 1 a tie or slower (4.71-4.73 ms vs 4.64-4.68; 12 more "
+        "launches, 11 more on the critical path; session 36) — off"),
     "topk_threshold_4wg": (False,
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "

@@ -134,13 +134,16 @@ def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
   kernels in one multi-device program trip it (jax 0.11.2) — hence cross-lowering here and a 2-GPU test.
   The FP8 linears and the MoE dequantise the weight in registers (fp8_dq, the default; the quantising
   fp8_linear's kernels cross-lower in test_linear_kernels)."""
-  # (with the grid barrier's counters: a jax Ref created inside shard_map)
+  # (with the grid barrier's counters and the split-K counters: jax Refs created inside shard_map; the MoE's
+  # rows in f32 there — the all-reduce after it sums f32 partials, as the XLA form's)
   txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4,
-                   policy=(("mhc", True), ("mhc_barrier_counters", True)))
+                   policy=(("mhc", True), ("mhc_barrier_counters", True), ("linear_fused_sum", True)))
   for name in ("kda_decode", "glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
                "glm5_indexer_scores", "glm5_mhc_post_finish", "glm5_mhc_sinkhorn"):  # (mhc_grid_barrier's boundary)
     assert name in txt, name
   assert txt.count("all_reduce") == 1 + 2 * 4 + 3 * 2
+  downs = [line.split("->")[-1] for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_moe_down" in line]
+  assert downs and all("xbf16>" not in d for d in downs) and any(re.search(r"tensor<3x\d+xf32>", d) for d in downs)
 
 
 def test_real_geometry_step_lowers_for_cuda():
