@@ -7,7 +7,11 @@ timed repeats, as markdown — and whether the difference exceeds that spread (t
 Rows are grouped by what an A/B keeps fixed (geometry, batch, q, context, the invocation — its start time, or
 the date for older rows — and note); within a group the baseline is the row with the given policy (default: the
 empty one), one step per call and latency_specialized where present, else the first row. "clear" means the two
-repeat ranges do not overlap ("?" for rows recorded before the repeats were stored).
+repeat ranges do not overlap ("?" for rows recorded before the repeats were stored). "paired" compares round by
+round: an interleaved run times every configuration once per round, so repeat i of two rows ran minutes apart at
+most, while the host's speed drifts between rounds (session 36: every configuration 4.64 -> 4.93 ms from round 4
+on) — the median of the per-round differences and in how many rounds the configuration was faster, the first
+round (the warm-up) left out.
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ def spread(r: dict) -> tuple[float, float] | None:
   """(min, max) of the timed repeats; None for rows recorded before bench_decode stored them (session 29)."""
   reps = r.get("ms_repeats")
   return (min(reps), max(reps)) if reps else None
+
+
+def paired(r: dict, base: dict) -> str:
+  """The median per-round difference to the baseline (rounds after the first) and the rounds it was faster in."""
+  a, b = r.get("ms_repeats") or [], base.get("ms_repeats") or []
+  if len(a) != len(b) or len(a) < 2:
+    return "?"
+  d = sorted(x - y for x, y in zip(a[1:], b[1:]))
+  med = d[len(d) // 2] if len(d) % 2 else (d[len(d) // 2 - 1] + d[len(d) // 2]) / 2
+  return f"{med:+.2f} ms, faster in {sum(x < 0 for x in d)}/{len(d)}"
 
 
 def groups(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -59,18 +73,19 @@ def table(rows: list[dict], policy: dict) -> list[str]:
     bs = spread(base)
     geometry, layers, tp, batch, q, ctx, date, note = key
     lines += [f"{geometry} ({layers} layers, TP{tp}) B = {batch}, q = {q}, context {ctx} — {date} {note}".rstrip(),
-              "", "| configuration | ms/step | repeats (min–max) | vs baseline | clear? |",
-              "| --- | --- | --- | --- | --- |"]
+              "", "| configuration | ms/step | repeats (min–max) | vs baseline | clear? | paired (rounds 2+) |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for r in rs:
       sp = spread(r)
       if r is base:
-        vs, clear = "baseline", ""
+        vs, clear, pr = "baseline", "", ""
       else:
         d = r["ms_per_step"] - base["ms_per_step"]
         vs = f"{d:+.2f} ms ({100 * d / base['ms_per_step']:+.1f} %)"
         clear = "?" if sp is None or bs is None else "yes" if (sp[1] < bs[0] or sp[0] > bs[1]) else "no"
+        pr = paired(r, base)
       rng = "—" if sp is None else f"{sp[0]:.2f}–{sp[1]:.2f}"
-      lines.append(f"| {label(r)} | {r['ms_per_step']:.2f} | {rng} | {vs} | {clear} |")
+      lines.append(f"| {label(r)} | {r['ms_per_step']:.2f} | {rng} | {vs} | {clear} | {pr} |")
     lines.append("")
   return lines
 

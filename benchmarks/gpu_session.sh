@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s37b (nvidia-h200):       q = 1 profiled with linear_fused_sum (kernel table, the chain by GPU time), then the
+#                             defaults the same way: where the rows form's time goes
 #   s37a (nvidia-h200):       session 36's rows form (fused-sum kernels writing the token rows; the MoE's h / y rows)
 #                             natively (GPU tests by node id), then q = 1 and 4: defaults vs linear_fused_sum (4 steps
 #                             per call, 5 interleaved repeats)
@@ -547,6 +549,18 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s37b)  # (nvidia-h200) where linear_fused_sum's rows form spends its time: q = 1 profiled (CUPTI) with its kernel
+    # table and the chain by GPU time, the defaults the same way — do the in-kernel sums' waiting CTAs (the last
+    # split's, spinning on the counters) cost what the 100 launches off the critical path save? (s37a: 815 -> 715
+    # launches on the chain, −0.35 / +0.32 ms in two rounds)
+    [ "$(left)" -gt 200 ] && rank1 s37p --q 1 --steps-per-call 4 --profile --hlo-dir "$OUT/hlo" \
+      --policy '{"linear_fused_sum": true}' && kernel_tables 1
+    mkdir -p "$OUT/hlo_defaults" && [ "$(left)" -gt 150 ] && rank1 s37p0 --q 1 --steps-per-call 4 --profile \
+      --hlo-dir "$OUT/hlo_defaults" && for k in "$OUT"/hlo_defaults/*_q1_*.kernels.json; do
+        [ -f "$k" ] && timeout 60 python3 benchmarks/kernel_table.py "$k" --hlo "${k%.kernels.json}.hlo.gz" \
+          > "$OUT/kernel_table_defaults_$(basename "${k%.kernels.json}").txt" 2>&1; done
+    rm -f "$OUT"/hlo_defaults/*.hlo.gz "$OUT"/hlo_defaults/*.kernels.json
     ;;
   s37a)  # (nvidia-h200) session 36's rows form natively: the fused-sum kernels writing their sums as the token rows
     # (FP8 linear at M = 1; the MoE's gate/up -> h rows and down -> y rows at M = 1 and 4), then q = 1 at 4 steps

@@ -303,10 +303,12 @@ class Indexer(nnx.Module):
     ring = ring.at[bidx, slot].set(jnp.stack([k, gam], axis=2).astype(ring.dtype), mode="drop")  # one scatter
     return dict(out, ring=ring)
 
-  def scores(self, hw, q_r, icache, pos, dtype):
+  def scores(self, hw, q_r, icache, pos, dtype, *, padded: bool = False):
     """hw [B, T, HI] (the head weights from ``project``) -> [B, T, P] = Σ_h (w_h · HI^-½) · ReLU(q_h·K_j · Di^-½)
     over every pool slot (masked by the caller). With an FP8 pool cache: q and the keys are Hadamard-rotated and
-    FP8 (UE8M0 scales), as vLLM scores them."""
+    FP8 (UE8M0 scales), as vLLM scores them. ``padded``: (the scores, the scores kernel's output as it is where
+    the kernel runs — [B, T, Pp >= P], -inf past each token's complete pools, which the top-k threshold kernel
+    reads whole: policy knob topk_keys_in_kernel — else None)."""
     B, T, _ = hw.shape
     q_raw = self.wq_b(q_r, dtype).reshape(B, T, self.n_heads, self.head_dim)
     qI = q_raw.astype(jnp.float32)
@@ -320,21 +322,27 @@ class Indexer(nnx.Module):
         # bf16 projection output as is) instead of ~3 XLA kernels in front of it
         if kernel_enabled("indexer_q_in_kernel", fits=q_raw.dtype == jnp.bfloat16,
                           why=f"{q_raw.dtype} index queries (the kernel rotates bf16 ones)"):
-          return ki.indexer_scores_q(q_raw, *args)
-        return ki.indexer_scores(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args)
-      return ki.indexer_scores_reference(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args)
+          raw = ki.indexer_scores_q(q_raw, *args, padded=True)
+        else:
+          raw = ki.indexer_scores(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args, padded=True)
+        sc = raw[..., :icache["pool8"].shape[1]]
+        return (sc, raw) if padded else sc
+      sc = ki.indexer_scores_reference(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args)
+      return (sc, None) if padded else sc
     # (records why the kernel does not run here)
     kernel_enabled("indexer", fits=False, why="a bf16/f32 pooled-key cache (the kernel reads the FP8 one: policy "
                    "kv_cache_dtype 'fp8')")
     pools = icache["pool"]
     dots = jnp.einsum("bthd,bpd->bthp", qI, pools.astype(jnp.float32), precision=HIGHEST) * (self.head_dim ** -0.5)
-    return jnp.einsum("bth,bthp->btp", w, jnp.maximum(dots, 0.0), precision=HIGHEST)
+    sc = jnp.einsum("bth,bthp->btp", w, jnp.maximum(dots, 0.0), precision=HIGHEST)
+    return (sc, None) if padded else sc
 
-  def select(self, scores, pos, shared=None, extra_tail=0):
+  def select(self, scores, pos, shared=None, extra_tail=0, *, raw=None):
     """Top pools expanded to tokens + the always-selected tail -> (idx [B, T, W] (−1 pad), pools [B, T, kp]).
 
     ``shared`` = (pools [B, kp] (−1 = none), tail_start [B]) reuses a first draft step's choice: the tail then
-    runs from ``tail_start`` to the query (``extra_tail`` more slots than the usual kpool − 1)."""
+    runs from ``tail_start`` to the query (``extra_tail`` more slots than the usual kpool − 1). ``raw``: the scores
+    kernel's padded output behind ``scores`` (``scores(padded=True)``), or None."""
     kp = self.kpool
     if shared is None:
       n_complete = (pos + 1) // kp  # [B, T]
@@ -361,6 +369,14 @@ class Indexer(nnx.Module):
                                   "here") else 1
         if kernel_enabled("topk_scan_mm", fits=P < 1 << 15, why=f"{P} pools (the packed prefix counts: < 32,768)"):
           form = {**form, "scan_block": f"mm{form['scan_block']}"}  # the prefix sums' blocks as one matmul
+        # topk_keys_in_kernel: the threshold kernel reads the scores kernel's padded output ([R, Pp], -inf past
+        # the complete pools, as ``masked``) and forms the keys itself — no XLA kernel between the two kernels
+        Pp, lanes = (None if raw is None else raw.shape[-1]), ki.THRESHOLD_LANES * wgs
+        if kernel_enabled("topk_keys_in_kernel", fits=bool(thr) and Pp is not None and Pp % lanes == 0
+                          and Pp <= ki.THRESHOLD_MAX_KEYS,
+                          why=f"needs the threshold kernel on and the scores kernel's output (here {Pp} padded "
+                          f"pools; a multiple of {lanes} up to {ki.THRESHOLD_MAX_KEYS})"):
+          form = {**form, "kernel_scores": raw.reshape(-1, Pp)}
         # lax.top_k's set, ascending
         js = topk_set_by_threshold(masked, kk, **form, threshold_kernel=(2 if two else 1) if thr else 0,
                                    threshold_warpgroups=wgs)
@@ -448,8 +464,8 @@ class DSA(nnx.Module):
       k, gam = self.indexer.keys(kr, gam)
       icache = self.indexer.update(k, gam, cache, ctx, dtype)
       if shared is None:
-        sc = self.indexer.scores(hw, q_r, icache, pos, dtype)
-        idx, js = self.indexer.select(sc, pos)
+        sc, raw = self.indexer.scores(hw, q_r, icache, pos, dtype, padded=True)
+        idx, js = self.indexer.select(sc, pos, raw=raw)
       else:
         idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
     q_hat = _per_head("bthn,hnr->bthr", q, w_uk)  # absorbed query [B, T, H, R]

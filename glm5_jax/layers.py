@@ -190,7 +190,8 @@ KNOBS = {
         "transpose / cast left to XLA) was correct natively but left the step's critical path at 812 of 815 "
         "launches — a Mosaic consumer (the mHC boundary) cannot fuse the slice — and its time unchanged (4.71 vs "
         "4.64-4.68 ms, session 36). The rows form: the step's critical path 815 -> 715 launches, 1,417 -> 1,299 "
-        "in all, 4.61 vs 4.96 ms at q = 1 (3 interleaved repeats, best 4.51 vs 4.65: not yet a measured win); "
+        "in all; at q = 1 4.61 vs 4.96 ms but round by round -0.35 / +0.32 ms (3 interleaved repeats: no measured "
+        "win yet); "
         "its GPU tests not yet run (session 36) — off"),
     "indexer_q_in_kernel": (False,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
@@ -207,6 +208,13 @@ KNOBS = {
         "DSA layer at q = 1, session 29's profile); not a kernel — an XLA form (bench_topk 'mm128' rows). "
         "In the step at q = 1 a tie or slower (4.71-4.73 ms vs 4.64-4.68; 12 more "
         "launches, 11 more on the critical path; session 36) — off"),
+    "topk_keys_in_kernel": (False,
+        "with topk_threshold on and the indexer's scores kernel: the threshold kernel reads the scores kernel's "
+        "output as it is (f32, -inf past the complete pools) and forms the keys in registers "
+        "(pallas_kernels.indexer._scores_keys) instead of the XLA fusion between the two kernels (the mask, the "
+        "order key, the pad to the kernel's lanes) — one launch fewer on each DSA layer's critical path (session "
+        "36's chain: scores kernel -> that fusion -> threshold kernel). Equal in interpret mode; not yet run "
+        "natively — off"),
     "topk_threshold_4wg": (False,
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "
@@ -339,7 +347,8 @@ _COUNTERS: contextvars.ContextVar = contextvars.ContextVar("glm5_step_counters",
 def counters_scope():
   """The kernels traced inside share the step's counters (jax Refs, each created by its first user: one zero fill
   per step): the mHC grid barriers' pair (policy knob mhc_barrier_counters; boundary i gets parity i % 2 in trace
-  order — the order the Ref's aliasing keeps on the device) and the linears' split-K counters (linear_fused_sum)."""
+  order — the order the Ref's aliasing keeps on the device) and the linears' split-K counters (linear_fused_sum).
+  The trunk's layer loop opens one, and each MTP pass its own."""
   tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None})
   try:
     yield
@@ -349,7 +358,7 @@ def counters_scope():
 
 def _counters_enabled(knob: str) -> bool:
   """Whether ``knob`` (a counters-based kernel form) runs at this site: on the GPU, inside a counters scope —
-  outside one (the MTP layer, a module called alone) it is not a site of the knob at all."""
+  outside one (a module called alone) it is not a site of the knob at all."""
   if _COUNTERS.get() is None:
     return False
   return kernel_enabled(knob, fits=not _interpreting(), why="GPU interpret mode runs no counters (GMEM semaphores)")
@@ -753,7 +762,7 @@ def exclusive_prefix_sum(x, block: int | str | None = None):
 
 
 def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | str | None = None,
-                          threshold_kernel: int = 0, threshold_warpgroups: int = 1):
+                          threshold_kernel: int = 0, threshold_warpgroups: int = 1, kernel_scores=None):
   """The SET lax.top_k(v, k) selects, without a sort, as indices [..., k] int32 in ascending index order (an
   unselected slot can only arise for k > N: -1). For large N (the indexer's top-512 of up to max_context / 4
   pools), where ``topk_by_rank``'s N × N count is too much work and XLA's GPU sort is ~58 µs per call
@@ -767,7 +776,9 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | s
      ``threshold_kernel`` (1 or 2; True = 1): T and #{key > T} from one Mosaic kernel instead
      (``pallas_kernels.indexer.topk_threshold``: a CTA per row, 32 / threshold_kernel passes over the row in
      registers; ``threshold_warpgroups``: its warpgroups per CTA, each holding a share of the row) — ~13 XLA
-     kernels fewer.
+     kernels fewer. ``kernel_scores`` [prod(lead), Np >= N] f32: what the kernel reads instead of v's keys —
+     the scores kernel's padded output (v's values, then -inf; rows laid out as v's), whose keys the kernel forms
+     itself: no XLA kernel in front of it. Np a multiple of 128 · threshold_warpgroups.
   2. Selected: key > T, and of the entries equal to T the first k - #{key > T} by index (lax.top_k's tie
      order); the count of selected entries up to each index from ONE prefix sum (the two prefix counts packed in
      one int32; ``scan_block``: exclusive_prefix_sum's blocking), then one scatter of each selected index to its
@@ -784,7 +795,13 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | s
     from pallas_kernels import indexer as ki  # noqa: PLC0415 (kernels import lazily)
     rows_ = math.prod(lead)
     lanes = ki.THRESHOLD_LANES * threshold_warpgroups  # (pads: key 0, the smallest — never above a real key)
-    up = jnp.pad(u.reshape(rows_, N), ((0, 0), (0, (-N) % lanes)))
+    if kernel_scores is not None:
+      if kernel_scores.shape[0] != rows_ or kernel_scores.shape[1] < N or kernel_scores.dtype != jnp.float32:
+        raise ValueError(f"topk_set_by_threshold: kernel_scores {kernel_scores.shape} {kernel_scores.dtype}, "
+                         f"expected f32 [{rows_}, >= {N}] (the scores kernel's padded output)")
+      up = kernel_scores
+    else:
+      up = jnp.pad(u.reshape(rows_, N), ((0, 0), (0, (-N) % lanes)))
     t, n_gt = (a.reshape(lead) for a in ki.topk_threshold(up, kk, digit_bits=int(threshold_kernel),
                                                            warpgroups=threshold_warpgroups))
   else:

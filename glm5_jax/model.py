@@ -203,4 +203,5 @@ class Glm5Model(nnx.Module):
     positions [B, T] (embedding zeroed at position 0) -> (ĥ [B, T, D], cache, aux)."""
     e = self.embed(next_ids)
     e = jnp.where((positions == 0)[..., None], jnp.zeros_like(e), e)
-    return self.mtp(h, e, cache, ctx, self.dtype, shared=shared, extra_tail=extra_tail)
+    with counters_scope():  # (linear_fused_sum: the pass's kernels write their sums as rows, on its own counters)
+      return self.mtp(h, e, cache, ctx, self.dtype, shared=shared, extra_tail=extra_tail)

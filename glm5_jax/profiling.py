@@ -64,14 +64,20 @@ def _kernel_rows(hlo_text: str):
   that are not fused bodies, reducers or sort comparators (i.e. the entry computation, loop bodies / branches,
   called computations). Loops name their computations with condition= / body= and branches with
   branch_computations=, which _CALLED does not match; a `call` runs its computation's instructions as kernels."""
-  rows, inner = [], set()
-  for _, _, op, _, rest in _instructions(hlo_text):
+  rows, inner, scope = [], set(), {}
+  for comp, _, op, opn, rest in _instructions(hlo_text):
     if op != "call":
       for m in _CALLED.finditer(rest):
         inner.update(x.strip().lstrip("%") for x in m.group(1).split(","))
+    if opn and (comp not in scope or op == "custom-call"):  # a computation's scope: its custom call's, else any
+      scope[comp] = opn
   for comp, name, op, opn, rest in _instructions(hlo_text):
     if comp in inner or op in _FREE:
       continue
+    if not opn:  # a fusion with a tuple root carries no metadata (XLA's wrapper of a Mosaic call with an aliased
+      # Ref operand — the mHC grid barrier's counters, a fused split-K sum): the scope of what it calls
+      called = [c.strip().lstrip("%") for m in _CALLED.finditer(rest) for c in m.group(1).split(",")]
+      opn = next((scope[c] for c in called if c in scope), "")
     rows.append((name, op, opn, rest, comp))
   return rows
 
@@ -133,9 +139,11 @@ def critical_paths(hlo_text: str, weights: dict[str, float] | None = None) -> li
   Decoder(steps_per_call=n) runs the step as one), largest computation first. A kernel waits for the kernels
   whose results it reads (through free instructions: tuples, bitcasts, slices XLA folds away) and for its
   control predecessors; each weighs 1 (a launch) or ``weights[instruction name]`` (e.g. measured µs per launch).
-  Under XLA's CONCURRENT command-buffer schedule these chains are what the step's wall time follows: launches off
-  the critical path overlap others, launches on it pay the graph's dependent-launch gap (~2 µs on the H200,
-  bench_pdl, session 34) in series. (The graph adds edges for reused buffers, so this is a lower bound.)
+  Under XLA's CONCURRENT command-buffer schedule launches off the critical path overlap others, launches on it
+  pay the graph's dependent-launch gap (~2 µs on the H200, bench_pdl, session 34) in series: removing launches
+  off the chain did not move the step's time (session 36); whether shortening it does by as much is open (815 ->
+  715 launches: −0.35 / +0.32 ms in two rounds, session 36). (The graph adds edges for reused buffers, so this is
+  a lower bound.)
 
   Returns [{"computation", "kernels", "critical" (the longest chain's weight), "launches" (its kernels),
   "by_component" {component: kernels of the chain}, "path" [(name, component), ...] in order}]."""

@@ -212,16 +212,18 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False):
   return body
 
 
-@kernel_entry("blocks_per_cta")
-def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None):
+@kernel_entry("blocks_per_cta", "padded")
+def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False):
   """Mosaic GPU indexer scores; same contract as ``indexer_scores_reference``.
 
   q8 [B, T, HI, 128] e4m3 (HI a multiple of 8), q_scale / w [B, T, HI] f32, k8 [B, P, 128] e4m3, k_scale [B, P]
   f32, n_valid [B, T] int32 -> scores [B, T, P] f32. The grid covers P rounded up to 64 · blocks_per_cta; blocks
   at or past n_valid (<= P) are never read, so the keys are padded only when P is not a multiple of 64 (the decode
-  caches never are: glm5_jax.state.POOL_ALIGN) — a pad copies the whole key cache."""
+  caches never are: glm5_jax.state.POOL_ALIGN) — a pad copies the whole key cache. ``padded``: the kernel's
+  output as it is, [B, T, Pp >= P] (-inf past each token's n_valid: what the top-k threshold kernel reads with no
+  slice in between)."""
   wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
-  return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False)
+  return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False, padded=padded)
 
 
 def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
@@ -231,8 +233,8 @@ def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
   return indexer_scores_reference(q8, qs, w, k8, k_scale, n_valid, **unused)
 
 
-@kernel_entry("blocks_per_cta")
-def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None):
+@kernel_entry("blocks_per_cta", "padded")
+def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False):
   """Mosaic GPU version of ``indexer_scores_q_reference``: ``indexer_scores`` with the queries' FWHT and FP8
   quantisation inside the kernel (each CTA rotates the T · HI rows with one wgmma per 64 rows against the ±1
   Sylvester matrix and quantises them in registers: ``_quantize_rows``) instead of ~3 XLA kernels in front of it
@@ -241,7 +243,7 @@ def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None =
   if q.dtype != jnp.bfloat16:
     raise ValueError(f"indexer_scores_q: q {q.dtype}; expected bfloat16 (the wq_b projection's output: the "
                      "kernel's wgmma reads it as is — rotate other dtypes with indexer_scores)")
-  return _scores_call(q, w.astype(jnp.float32), k8, k_scale, n_valid, blocks_per_cta, rotate=True)
+  return _scores_call(q, w.astype(jnp.float32), k8, k_scale, n_valid, blocks_per_cta, rotate=True, padded=padded)
 
 
 def _sylvester128():
@@ -251,7 +253,7 @@ def _sylvester128():
   return h
 
 
-def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool):
+def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padded: bool = False):
   B, T, HI, Dh = q.shape
   P = k8.shape[1]
   if Dh != HEAD_DIM or HI % 8:
@@ -290,7 +292,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool):
   )
   head = (q.reshape(B, T * HI, HEAD_DIM),) + ((jnp.asarray(_sylvester128(), jnp.bfloat16),) if rotate else ())
   out = kern(*head, wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32))
-  return out[:, :, :P]
+  return out if padded else out[:, :, :P]
 
 
 # ------------------------------------------------------------------------------------------------ top-k threshold
@@ -315,22 +317,33 @@ def topk_threshold_reference(keys, k: int, *, digit_bits: int = 1, unroll: bool 
   return t, jnp.sum(keys > t[:, None], axis=-1, dtype=jnp.int32)
 
 
-def _check_threshold(keys, k):
+def _check_threshold(keys, k, scores_ok: bool = False):
   R, N = keys.shape if keys.ndim == 2 else (None, None)
-  if keys.ndim != 2 or keys.dtype != jnp.uint32:
-    raise ValueError(f"topk_threshold: keys {keys.shape} {keys.dtype}, expected [R, N] uint32")
+  ok = (jnp.uint32, jnp.float32) if scores_ok else (jnp.uint32,)
+  if keys.ndim != 2 or keys.dtype not in ok:
+    raise ValueError(f"topk_threshold: keys {keys.shape} {keys.dtype}, expected [R, N] uint32"
+                     + (" (or f32 scores)" if scores_ok else ""))
   if not 1 <= k <= N:
     raise ValueError(f"topk_threshold: k = {k}, expected 1 <= k <= N = {N}")
 
 
-def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1):
+def _scores_keys(v):
+  """f32 scores -> the uint32 keys of ``topk_set_by_threshold`` (order_key, the sign bit flipped: lax.top_k's
+  total order as unsigned compares), in registers (the threshold kernel's ``from_scores`` form)."""
+  bits = lax.bitcast_convert_type(v, jnp.int32)
+  key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+  return lax.bitcast_convert_type(key, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1, from_scores: bool = False):
   def body(u_g, t_g, n_g, u_s, *rest):
     r = lax.axis_index("r")
+    keys = _scores_keys if from_scores else (lambda x: x)
     if wgs == 1:
       (bar,) = rest
       plgpu.copy_gmem_to_smem(u_g.at[r], u_s, bar)
       plgpu.barrier_wait(bar)
-      u = u_s[...]  # [N / 128, 128]: N / 128 keys per thread, in registers for all passes
+      u = keys(u_s[...])  # [N / 128, 128]: N / 128 keys per thread, in registers for all passes
     else:  # this warpgroup's share of the rows, [nw, 4, 32]: warp i holds [:, i, :] (warp_split_layout)
       c_s, bar, xbar = rest
       w = lax.axis_index("wg")
@@ -341,7 +354,7 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1):
         plgpu.copy_gmem_to_smem(u_g.at[r], u_s, bar)
 
       plgpu.barrier_wait(bar)
-      u = plgpu.load(u_s.at[pl.ds(w * nw, nw)], layout=warp_split_layout())
+      u = keys(plgpu.load(u_s.at[pl.ds(w * nw, nw)], layout=warp_split_layout()))
 
     def count(x):
       """int32 x summed over the row: over the warpgroup (one warpgroup: Mosaic's reduction, its cross-warp step
@@ -417,8 +430,11 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
   compares spread over more threads; its counts per warp summed through SMEM: warp_split_layout). N must be a
   multiple of 128 · warpgroups (pad with 0, the smallest key: a pad never outranks a real key, and the k-th
   largest of the real keys is unchanged when k <= the real count) and at most THRESHOLD_MAX_KEYS (the
-  registers)."""
-  _check_threshold(keys, k)
+  registers). keys may also be the f32 scores themselves: the kernel then forms their keys in registers
+  (``_scores_keys``) — no XLA kernel between the scores kernel and this one (pad scores with -inf: never above a
+  real score; equal to one only where fewer than k scores are finite, slots the caller masks by their score)."""
+  from_scores = keys.dtype == jnp.float32
+  _check_threshold(keys, k, scores_ok=True)
   R, N = keys.shape
   if digit_bits not in (1, 2):
     raise ValueError(f"topk_threshold: digit_bits = {digit_bits}, expected 1 or 2 (bits of the threshold per pass)")
@@ -431,7 +447,7 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
   nr = N // THRESHOLD_LANES
   row = lambda dt: jax.ShapeDtypeStruct((R, THRESHOLD_LANES), dt)
   view = (nr, THRESHOLD_LANES) if warpgroups == 1 else (nr, 4, THRESHOLD_LANES // 4)  # (several: per-warp sums)
-  u_s = plgpu.SMEM(view, jnp.uint32)
+  u_s = plgpu.SMEM(view, keys.dtype)
   if warpgroups == 1:
     scratch, threads = [u_s, plgpu.Barrier(num_arrivals=1)], {}
   else:  # (c_s: 2 slots x 2 counts x the warps; an exchange barrier of one arrival per warpgroup)
@@ -439,7 +455,7 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
                plgpu.Barrier(num_arrivals=warpgroups)]
     threads = dict(num_threads=warpgroups, thread_name="wg")
   t, n_gt = mgpu_kernel(
-      _threshold_kernel(int(k), int(digit_bits), bool(unroll), int(warpgroups)),
+      _threshold_kernel(int(k), int(digit_bits), bool(unroll), int(warpgroups), from_scores),
       out_type=(row(jnp.uint32), row(jnp.int32)),
       grid=(R,),
       grid_names=("r",),

@@ -14,6 +14,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -298,6 +299,32 @@ def test_threshold_kernel_interpret(R, N, k, bits, unroll, wgs):
   assert ((u >= t).sum(-1) >= k).all() and ((u > t).sum(-1) < k).all()
 
 
+def threshold_scores(rng, R, N, n_real):
+  """f32 scores like the scores kernel's padded output: ties, ±0, a NaN, -inf past each row's n_real."""
+  v = rng.standard_normal((R, N)).astype(np.float32)
+  v[0] = rng.choice(np.asarray([1.5, -0.0, 0.0, -2.0], np.float32), N)
+  v[-1, 3] = np.nan
+  for r in range(R):
+    v[r, n_real[r]:] = -np.inf
+  return jnp.asarray(v)
+
+
+@pytest.mark.parametrize("R,N,k,wgs", [(3, 8320, 512, 1), (2, 1024, 700, 4), (2, 256, 256, 1)])
+def test_threshold_kernel_from_scores_interpret(R, N, k, wgs):
+  """The threshold kernel fed the f32 scores themselves (policy knob topk_keys_in_kernel) forms the keys in
+  registers: the same threshold and count as on topk_set_by_threshold's uint32 keys of those scores — ties, ±0,
+  NaN, -inf pads, and a row with fewer than k finite scores (its threshold the key of -inf) included."""
+  from pallas_kernels._common import order_key  # noqa: PLC0415
+  rng = np.random.default_rng()
+  v = threshold_scores(rng, R, N, [N - 64] * (R - 1) + [k // 2])
+  keys = lax.bitcast_convert_type(order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)
+  want = I.topk_threshold_reference(keys, k)
+  with maybe_interpret(True):
+    got = jax.jit(lambda x: I.topk_threshold(x, k, warpgroups=wgs))(v)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_threshold_rejects_bad_input():
   keys = jnp.zeros((2, 200), jnp.uint32)
   with pytest.raises(ValueError, match="multiple of 128"):
@@ -321,10 +348,26 @@ def test_threshold_cross_lower(R, N, bits, wgs):
   txt = cross_lower(lambda u: I.topk_threshold(u, 512, digit_bits=bits, warpgroups=wgs),
                     SDS((R, N), jnp.uint32)).as_text()
   assert "mosaic_gpu" in txt
+  if R <= 4:  # the scores form (topk_keys_in_kernel): f32 in, the keys formed in registers
+    assert "mosaic_gpu" in cross_lower(lambda v: I.topk_threshold(v, 512, digit_bits=bits, warpgroups=wgs),
+                                       SDS((R, N), jnp.float32)).as_text()
   if R == 1 and N == 8320:  # the passes stay a loop: the unrolled form is ~7x the code (run once per CTA)
     unrolled = cross_lower(lambda u: I.topk_threshold(u, 512, digit_bits=bits, unroll=True),
                            SDS((R, N), jnp.uint32)).as_text()
     assert len(txt) < len(unrolled) / 3, (len(txt), len(unrolled))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,N,k,wgs", [(1, 8320, 512, 1), (4, 8320, 512, 1), (4, 8704, 512, 4)])
+def test_threshold_kernel_from_scores_gpu(R, N, k, wgs):
+  """The scores form natively (topk_keys_in_kernel): the keys formed in registers from f32 scores."""
+  from pallas_kernels._common import order_key  # noqa: PLC0415
+  v = threshold_scores(np.random.default_rng(), R, N, [N - 64] * R)
+  keys = lax.bitcast_convert_type(order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)
+  want = jax.jit(lambda u: I.topk_threshold_reference(u, k))(keys)
+  got = jax.jit(lambda x: I.topk_threshold(x, k, warpgroups=wgs))(v)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @pytest.mark.gpu
@@ -376,3 +419,40 @@ def test_indexer_scores_with_queries_rotated_in_the_kernel():
         assert (("indexer_q_in_kernel", None) in rep) == ok, rep
     if dtype == jnp.bfloat16:
       assert_scores_close(outs[1], outs[0], "kernel_f32")
+
+
+def test_select_with_the_keys_formed_in_the_threshold_kernel():
+  """Policy knob topk_keys_in_kernel at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
+  rows; interpret mode): the threshold kernel reads the scores kernel's padded output and forms the keys itself —
+  the same token indices and pools as through the XLA fusion in front of it, and the site is reported; without
+  the threshold kernel the knob does not fit and says why."""
+  from flax import nnx  # noqa: PLC0415
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.attention import Indexer  # noqa: PLC0415
+  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
+  cfg = C.kernel_tiny()
+  rng = np.random.default_rng()
+  B, T, P = 1, 2, 256
+  hi, Di = cfg.index_n_heads, cfg.index_head_dim
+  ix = nnx.eval_shape(lambda: Indexer(cfg, jnp.bfloat16))
+  ix.wq_b.weight.set_value(jnp.asarray(rng.standard_normal(ix.wq_b.weight.shape) * 0.05, jnp.bfloat16))
+  q_r = jnp.asarray(rng.standard_normal((B, T, cfg.q_lora_rank)), jnp.bfloat16)
+  hw = jnp.asarray(rng.standard_normal((B, T, hi)), jnp.bfloat16)
+  k8, ks = I.quant_ue8m0_fp8(I.hadamard128(jnp.asarray(rng.standard_normal((B, P, Di)), jnp.float32)))
+  icache = {"pool8": k8, "pool_scale": ks}
+  pos = jnp.asarray([[4 * P - 300, 4 * P - 299]], jnp.int32)  # (some pools not yet complete: -inf past them)
+
+  def run(hw, q_r):
+    sc, raw = ix.scores(hw, q_r, icache, pos, jnp.bfloat16, padded=True)
+    return ix.select(sc, pos, raw=raw)
+
+  outs = []
+  for knobs in ({}, {"topk_keys_in_kernel": True}, {"topk_threshold": False, "topk_keys_in_kernel": True}):
+    pol = {"indexer": True, "indexer_topk": True, "topk_threshold": True, **knobs}
+    with maybe_interpret(True), use_kernels(pol), kernel_report() as rep:
+      outs.append([np.asarray(a) for a in jax.jit(lambda *a: run(*a))(hw, q_r)])  # (a new trace per policy)
+    if knobs:
+      assert (("topk_keys_in_kernel", None) in rep) == pol["topk_threshold"], rep
+  for got in outs[1:]:
+    for g, w in zip(got, outs[0]):
+      np.testing.assert_array_equal(g, w)

@@ -112,6 +112,31 @@ def test_census_counts_kernel_level_instructions_once():
   assert c["outside_loops"] == 7  # the entry's kernels (once per call); the loop body's and the call's run per use
 
 
+WRAPPED = """HloModule w
+
+%wrapped (p: f32[8], q: s32[2]) -> (f32[8], s32[2]) {
+  %p = f32[8]{0} parameter(0)
+  %q = s32[2]{0} parameter(1)
+  ROOT %cc = (f32[8]{0}, s32[2]{0}) custom-call(%p, %q), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(s)/mhc/jit(mhc_post_finish)/glm5_mhc_post_finish/mpmd_map"}
+}
+
+ENTRY %main (a: f32[8], c: s32[2]) -> (f32[8], s32[2]) {
+  %a = f32[8]{0} parameter(0)
+  %c = s32[2]{0} parameter(1)
+  ROOT %f = (f32[8]{0}, s32[2]{0}) fusion(%a, %c), kind=kCustom, calls=%wrapped
+}
+"""
+
+
+def test_a_wrapping_fusion_without_metadata_takes_its_custom_calls_scope():
+  """XLA wraps a Mosaic call with an aliased Ref operand in a fusion whose tuple root carries no op_name (session
+  36: the MoE kernels' rows form counted as "other"): the census, the listing and the critical path take the
+  scope of the custom call inside."""
+  assert P.census(WRAPPED)["by_component"] == {"mhc": 1}
+  assert P.kernel_listing(WRAPPED).split("\t")[3] == "mhc"
+  assert P.critical_paths(WRAPPED)[0]["by_component"] == {"mhc": 1}
+
+
 DIAMOND = """HloModule d
 
 %f (p: f32[4]) -> f32[4] {
@@ -327,7 +352,8 @@ def test_component_floors_add_up_to_the_roofline():
 
 def test_ab_table_compares_interleaved_rows_with_their_spread(capsys):
   """benchmarks/ab_table.py: per invocation, each configuration against the baseline (the empty policy, one step
-  per call), the difference and whether the repeat ranges overlap; rows without stored repeats say "?"."""
+  per call), the difference, whether the repeat ranges overlap, and the paired per-round difference (the first
+  round left out; rows without stored repeats, or with another count, say "?")."""
   import os  # noqa: PLC0415
   import sys  # noqa: PLC0415
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -336,17 +362,20 @@ def test_ab_table_compares_interleaved_rows_with_their_spread(capsys):
   base_ms = float(rng.uniform(4, 8))
   common = dict(geometry="tp4-rank", layers=45, tp=1, batch=1, q=1, context=32768, date="2026-12-02",
                 run="2026-12-02T00:00:00", interleaved=True, backend="latency_specialized", pack_params=65536)
-  rows = [dict(common, policy={}, steps_per_call=1, ms_per_step=base_ms, ms_repeats=[base_ms - 0.1, base_ms + 0.1]),
+  rows = [dict(common, policy={}, steps_per_call=1, ms_per_step=base_ms,
+               ms_repeats=[base_ms + 3, base_ms - 0.1, base_ms + 0.1, base_ms + 0.4]),
           dict(common, policy={}, steps_per_call=4, ms_per_step=base_ms - 1, ms_repeats=[base_ms - 1.1, base_ms - 0.9]),
+          # (a drift between rounds: the spreads overlap, but the configuration is 0.05 ms slower in every round)
           dict(common, policy={"kda_norm": True}, steps_per_call=1, ms_per_step=base_ms + 0.05,
-               ms_repeats=[base_ms - 0.05, base_ms + 0.15]),
+               ms_repeats=[base_ms + 2, base_ms - 0.05, base_ms + 0.15, base_ms + 0.45]),
           dict(common, policy={"x": 1}, steps_per_call=1, ms_per_step=base_ms + 2),  # (no repeats stored)
           dict(common, run="other", policy={}, steps_per_call=1, ms_per_step=1.0)]  # (alone in its invocation)
   lines = ab_table.table(rows, {})
   body = [ln for ln in lines if ln.startswith("| latency")]
   assert len(body) == 4 and "baseline" in body[0] and f"{base_ms:.2f}" in body[0]
-  assert body[1].endswith("| -1.00 ms ({:+.1f} %) | yes |".format(-100 / base_ms))
-  assert body[2].endswith("| no |") and body[3].endswith("| ? |") and "| — |" in body[3]
+  assert body[1].endswith("| -1.00 ms ({:+.1f} %) | yes | ? |".format(-100 / base_ms))  # (2 repeats vs 4: unpaired)
+  assert body[2].endswith("| no | +0.05 ms, faster in 0/3 |")
+  assert body[3].endswith("| ? | ? |") and "| — |" in body[3]
 
 
 def test_code_size_probe_computes_its_reference():

@@ -91,13 +91,15 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   the finish / Sinkhorn summing the raw partials (mhc_fused_sums), the short conv inside the KDA kernel
   (kda_conv), the top-k threshold kernel on 4 warpgroups (topk_threshold_4wg) and the sparse MLA's split merge
   as a kernel (mla_combine_kernel); with the grid barrier, its counters in one Ref per step
-  (mhc_barrier_counters: every trunk boundary's launch takes the Ref's buffer as an aliased operand) and the FP8 /
-  BF16 linears' K splits summed in the kernel on the step's split-K counters (linear_fused_sum)."""
+  (mhc_barrier_counters: every trunk boundary's launch takes the Ref's buffer as an aliased operand), the FP8 /
+  BF16 linears' K splits summed in the kernel on the step's split-K counters (linear_fused_sum) and the top-k
+  threshold kernel reading the scores kernel's output (topk_keys_in_kernel)."""
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("mhc", True), ("router_route", True),
                            ("mhc_grid_barrier", not kernels), ("mhc_barrier_counters", not kernels),
-                           ("linear_fused_sum", not kernels), ("mhc_narrow", kernels), ("mhc_fused_sums", kernels),
+                           ("linear_fused_sum", not kernels), ("topk_keys_in_kernel", not kernels),
+                           ("mhc_narrow", kernels), ("mhc_fused_sums", kernels),
                            ("kda_conv", kernels), ("topk_threshold_4wg", kernels), ("mla_combine_kernel", kernels)))
   names = {"kernels": ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"),
            "grid": ("glm5_mhc_post_finish", "glm5_mhc_sinkhorn")}[form]
@@ -110,7 +112,7 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
     calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_mhc_post_finish" in line]
     assert len(calls) == 3 and all(line.endswith("tensor<2xi32>)") for line in calls)  # (the parity: int32[1] in)
     assert len(re.findall(r"call @mhc_post_finish", txt)) == 2 * C.kernel_tiny().num_hidden_layers
-    for name in ("glm5_fp8_dq_linear", "glm5_bf16_linear"):  # (the trunk's; the MTP layer's sum in XLA)
+    for name in ("glm5_fp8_dq_linear", "glm5_bf16_linear"):  # (the trunk's and the MTP pass's)
       lines = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and name in line]
       assert lines and any(line.endswith("xi32>)") for line in lines), name
   check_one_module_per_kernel(txt)
