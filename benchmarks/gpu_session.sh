@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s37c (nvidia-h200):       the threshold kernel fed the scores natively, the candidates' all-kernels == stock test,
+#                             then q = 1: defaults vs topk_keys_in_kernel / mla_combine_kernel
 #   s37b (nvidia-h200):       q = 1 profiled with linear_fused_sum (kernel table, the chain by GPU time), then the
 #                             defaults the same way: where the rows form's time goes
 #   s37a (nvidia-h200):       session 36's rows form (fused-sum kernels writing the token rows; the MoE's h / y rows)
@@ -549,6 +551,18 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s37c)  # (nvidia-h200) session 36's other CPU work natively: the threshold kernel fed the scores
+    # (topk_keys_in_kernel), the all-kernels == stock step with the candidates on (kda_conv, router_route, the
+    # barrier counters, linear_fused_sum's rows form, topk_keys_in_kernel); then q = 1, 5 interleaved repeats:
+    # defaults vs topk_keys_in_kernel and mla_combine_kernel (each one launch fewer on every DSA layer's chain)
+    gt 120 "tests/test_indexer.py::test_threshold_kernel_from_scores_gpu"
+    gt 300 tests/test_decode.py "all_kernels_equals_stock and candidates"
+    set --
+    grep -q "PASSED.*from_scores_gpu" "$OUT/gpu_tests.log" && ! grep -q -E "(FAILED|ERROR).*from_scores_gpu" \
+      "$OUT/gpu_tests.log" && set -- '{"topk_keys_in_kernel": true}'
+    [ "$(left)" -gt 200 ] && rank1 s37c --q 1 --steps-per-call 4 --interleave --repeats 5 --policy '{}' "$@" \
+      '{"mla_combine_kernel": true}'
     ;;
   s37b)  # (nvidia-h200) where linear_fused_sum's rows form spends its time: q = 1 profiled (CUPTI) with its kernel
     # table and the chain by GPU time, the defaults the same way — do the in-kernel sums' waiting CTAs (the last
