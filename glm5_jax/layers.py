@@ -211,7 +211,7 @@ KNOBS = {
     "topk_keys_in_kernel": (False,
         "with topk_threshold on and the indexer's scores kernel: the threshold kernel reads the scores kernel's "
         "output as it is (f32, -inf past the complete pools) and forms the keys in registers "
-        "(pallas_kernels.indexer._scores_keys) instead of the XLA fusion between the two kernels (the mask, the "
+        "(pallas_kernels._common.order_key_u32) instead of the XLA fusion between the two kernels (the mask, the "
         "order key, the pad to the kernel's lanes) — one launch fewer on each DSA layer's critical path (session "
         "36's chain: scores kernel -> that fusion -> threshold kernel). Equal in interpret mode; not yet run "
         "natively — off"),
@@ -786,8 +786,8 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | s
      3-40 µs slower per call, bench_topk session 24.)"""
   N = v.shape[-1]
   lead = v.shape[:-1]
-  from pallas_kernels._common import order_key  # noqa: PLC0415 (shared with the router kernel)
-  u = lax.bitcast_convert_type(order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)  # the same order, unsigned
+  from pallas_kernels._common import order_key_u32  # noqa: PLC0415 (shared with the threshold kernel)
+  u = order_key_u32(v)  # order_key's order as unsigned compares
   kk = min(k, N)
   if 32 % digit_bits:
     raise ValueError(f"digit_bits={digit_bits}: the compare-and-count passes need a divisor of 32")

@@ -127,6 +127,12 @@ def order_key(v):
   return jax.numpy.where(bits < 0, bits ^ jax.numpy.int32(0x7FFFFFFF), bits)
 
 
+def order_key_u32(v):
+  """``order_key`` as uint32 with the sign bit flipped: the same order as unsigned compares (the top-k threshold
+  kernel's keys — formed by XLA, or in the kernel's registers from the scores)."""
+  return jax.lax.bitcast_convert_type(order_key(v), jax.numpy.uint32) ^ jax.numpy.uint32(0x80000000)
+
+
 def warp_split_layout():
   """The register layout of a warpgroup's [rows, 4, 32] array with warp i holding [:, i, :] (lane j [:, i, j], the
   rows in registers): summing over axis 2 (lanes: shuffles) then axis 0 (registers) leaves one value per warp with

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry, mgpu_kernel, warp_split_layout
+from pallas_kernels._common import kernel_entry, mgpu_kernel, order_key_u32, warp_split_layout
 
 HEAD_DIM = 128
 FP8_MAX = 448.0
@@ -327,18 +327,10 @@ def _check_threshold(keys, k, scores_ok: bool = False):
     raise ValueError(f"topk_threshold: k = {k}, expected 1 <= k <= N = {N}")
 
 
-def _scores_keys(v):
-  """f32 scores -> the uint32 keys of ``topk_set_by_threshold`` (order_key, the sign bit flipped: lax.top_k's
-  total order as unsigned compares), in registers (the threshold kernel's ``from_scores`` form)."""
-  bits = lax.bitcast_convert_type(v, jnp.int32)
-  key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-  return lax.bitcast_convert_type(key, jnp.uint32) ^ jnp.uint32(0x80000000)
-
-
 def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1, from_scores: bool = False):
   def body(u_g, t_g, n_g, u_s, *rest):
     r = lax.axis_index("r")
-    keys = _scores_keys if from_scores else (lambda x: x)
+    keys = order_key_u32 if from_scores else (lambda x: x)
     if wgs == 1:
       (bar,) = rest
       plgpu.copy_gmem_to_smem(u_g.at[r], u_s, bar)
@@ -431,8 +423,9 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
   multiple of 128 · warpgroups (pad with 0, the smallest key: a pad never outranks a real key, and the k-th
   largest of the real keys is unchanged when k <= the real count) and at most THRESHOLD_MAX_KEYS (the
   registers). keys may also be the f32 scores themselves: the kernel then forms their keys in registers
-  (``_scores_keys``) — no XLA kernel between the scores kernel and this one (pad scores with -inf: never above a
-  real score; equal to one only where fewer than k scores are finite, slots the caller masks by their score)."""
+  (``_common.order_key_u32``) — no XLA kernel between the scores kernel and this one (pad scores with -inf:
+  never above a real score; equal to one only where fewer than k scores are finite, slots the caller masks by
+  their score)."""
   from_scores = keys.dtype == jnp.float32
   _check_threshold(keys, k, scores_ok=True)
   R, N = keys.shape

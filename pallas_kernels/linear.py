@@ -312,18 +312,17 @@ def _out_refs(refs, fused_sum: bool, split: int, rows: bool):
   return ctr_g, o_ref, y, refs
 
 
-def _rows_out(y, tot, *, row0):
-  """The tile's [bm, mp] sum as the m real token rows: y_g[r, row0:row0 + bm] = tot[:, r] in y_g's dtype, through
-  y_s [m, bm] (SMEM) and one TMA store. Column r is picked by a masked sum over the tile's columns (exact: one
-  nonzero term; the WGMMA layout's row reduction, as the indexer's scores kernel reduces its heads), so no
-  transposed store — which Mosaic GPU does not lower — and no XLA slice / transpose / cast kernel after the call:
-  the consumer (the mHC boundary kernel, an XLA fusion) reads y as it is."""
+def _rows_out(y, tot, *, row0, weight=None):
+  """The tile's [bm, mp] sum as the m real token rows: y_g[r, row0:row0 + bm] = tot[:, r] (times ``weight(r)``
+  if given) in y_g's dtype, through y_s [m, bm] (SMEM) and one TMA store. Column r is picked by a masked sum over
+  the tile's columns (exact: one nonzero term; the WGMMA layout's row reduction, as the indexer's scores kernel
+  reduces its heads), so no transposed store — which Mosaic GPU does not lower — and no XLA slice / transpose /
+  cast kernel after the call: the consumer (the mHC boundary kernel, an XLA fusion) reads y as it is."""
   y_g, y_s = y
-  m = y_s.shape[0]
   col = plgpu.broadcasted_iota(jnp.int32, tot.shape, 1, layout=plgpu.Layout.WGMMA)
-  for r in range(m):
+  for r in range(y_s.shape[0]):
     v = plgpu.layout_cast(jnp.sum(jnp.where(col == r, tot, 0.0), axis=1), plgpu.Layout.WGMMA.reduce(1))
-    y_s[r, :] = v.astype(y_s.dtype)
+    y_s[r, :] = (v if weight is None else v * weight(r)).astype(y_s.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(y_s, y_g.at[:, pl.ds(row0, y_s.shape[1])])
   plgpu.wait_smem_to_gmem(0)
@@ -332,49 +331,56 @@ def _rows_out(y, tot, *, row0):
 def _gate_up_rows(y_g, y_s, weight, g, u, *, limit: float, slot, row0):
   """The gate/up kernel's rows form: a (slot, row tile)'s summed gate / up accumulators [bm, mp] -> h = silu(min(g,
   L)) · clip(u, −L, L) times the slot's routing weight of each token row, rounded to bf16 as the down kernel
-  reads it: hq[slot, r, row0:row0 + bm] for the m real rows (``_rows_out``'s masked row sums), no XLA kernel
-  between the two MoE kernels."""
+  reads it: hq[slot, r, row0:row0 + bm] for the m real rows (``_rows_out``), no XLA kernel between the two MoE
+  kernels."""
   gate = jnp.minimum(g, limit)
-  h = gate * jax.nn.sigmoid(gate) * jnp.clip(u, -limit, limit)
-  col = plgpu.broadcasted_iota(jnp.int32, h.shape, 1, layout=plgpu.Layout.WGMMA)
-  for r in range(y_s.shape[0]):
-    v = plgpu.layout_cast(jnp.sum(jnp.where(col == r, h, 0.0), axis=1), plgpu.Layout.WGMMA.reduce(1))
-    y_s[r, :] = (v * weight(r)).astype(y_s.dtype)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(y_s, y_g.at[slot, :, pl.ds(row0, y_s.shape[1])])
-  plgpu.wait_smem_to_gmem(0)
+  _rows_out((y_g.at[slot], y_s), gate * jax.nn.sigmoid(gate) * jnp.clip(u, -limit, limit), row0=row0,
+            weight=weight)
 
 
-def _split_out(o_ref, ctr_g, acc, *, sk, tile, row0, bm: int, split: int, rows=None):
-  """A CTA's [bm, mp] accumulator of K split ``sk`` to o[sk, rows]; with split-K counters (``ctr_g``: int32
-  [>= tiles], zero), the last split's CTA of the row tile — dispatched last, the tile's other splits already
-  running — waits for their partials (the tile's counter, taken back to zero for the next call) and writes the
-  tile's sum to o[split - 1] instead: no XLA reduction after the kernel. ``rows`` = (y_g [m, N], y_s [m, bm]):
-  the sum (one split: acc itself) written as token rows instead (``_rows_out``; o holds the other splits'
-  partials only)."""
-  if ctr_g is None:
-    if rows is not None:  # (one split: the tile's sum is this CTA's)
-      _rows_out(rows, acc, row0=row0)
-    else:
-      o_ref[sk, pl.ds(row0, bm), :] = acc
-    return
+def _split_reduce(cell, views, accs, finish, *, sk, split: int):
+  """The K-split sum on a split-K counter ``cell`` (int32 [1] of the counters, zero): a CTA of split sk < split - 1
+  stores its accumulators ``accs`` to ``views[j][sk]`` and signals; the last split's CTA — dispatched last, the
+  others already running — waits for them (taking the counter back to zero for the next call), adds their
+  partials from L2 and calls ``finish(*sums)``."""
   last = split - 1
 
   @pl.when(sk < last)
   def _():
-    o_ref[sk, pl.ds(row0, bm), :] = acc
-    counter_signal(ctr_g.at[pl.ds(tile, 1)])
+    for v, a in zip(views, accs):
+      v[sk] = a
+    counter_signal(cell)
 
   @pl.when(sk == last)
   def _():
-    counter_wait(ctr_g.at[pl.ds(tile, 1)], last, take=True)
-    tot = acc
-    for s in range(last):  # the other splits' partials, from L2
-      tot = tot + plgpu.load(o_ref.at[s, pl.ds(row0, bm)], layout=plgpu.Layout.WGMMA, optimized=False)
+    counter_wait(cell, last, take=True)
+    tots = []
+    for v, tot in zip(views, accs):
+      for s in range(last):  # the other splits' partials, from L2
+        tot = tot + plgpu.load(v.at[s], layout=plgpu.Layout.WGMMA, optimized=False)
+      tots.append(tot)
+    finish(*tots)
+
+
+def _split_out(o_ref, ctr_g, acc, *, sk, tile, row0, bm: int, split: int, rows=None):
+  """A CTA's [bm, mp] accumulator of K split ``sk`` to o[sk, rows]; with split-K counters (``ctr_g``: int32
+  [>= tiles], zero), the row tile's splits summed in the kernel (``_split_reduce`` on the tile's counter) and the
+  sum written to o[split - 1]: no XLA reduction after the kernel. ``rows`` = (y_g [m, N], y_s [m, bm]): the sum
+  (one split: acc itself) written as token rows instead (``_rows_out``; o holds the other splits' partials
+  only)."""
+  def finish(tot):
     if rows is not None:
       _rows_out(rows, tot, row0=row0)
     else:
-      o_ref[last, pl.ds(row0, bm), :] = tot
+      o_ref[split - 1, pl.ds(row0, bm), :] = tot
+
+  if ctr_g is None:
+    if rows is not None:  # (one split: the tile's sum is this CTA's)
+      finish(acc)
+    else:
+      o_ref[sk, pl.ds(row0, bm), :] = acc
+    return
+  _split_reduce(ctr_g.at[pl.ds(tile, 1)], [o_ref.at[:, pl.ds(row0, bm)]], [acc], finish, sk=sk, split=split)
 
 
 def _fused_counters(counters, split: int, tiles: int, name: str):
@@ -835,21 +841,10 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       out = functools.partial(_gate_up_rows, y_g, y_s, weight, limit=limit, slot=slot_id, row0=row0)
       if ctr_g is None:
         out(acc_g, acc_u)
-      else:
-        last, cell = split - 1, ctr_g.at[pl.ds(slot_id * tiles + tile, 1)]
-
-        @pl.when(sk < last)
-        def _():
-          o_ref[sk, slot_id, 0, pl.ds(row0, bm), :] = acc_g
-          o_ref[sk, slot_id, 1, pl.ds(row0, bm), :] = acc_u
-          counter_signal(cell)
-
-        @pl.when(sk == last)
-        def _():
-          counter_wait(cell, last, take=True)
-          part = lambda s, j: plgpu.load(o_ref.at[s, slot_id, j, pl.ds(row0, bm)], layout=plgpu.Layout.WGMMA,
-                                         optimized=False)
-          out(acc_g + sum(part(s, 0) for s in range(last)), acc_u + sum(part(s, 1) for s in range(last)))
+      else:  # (the gate and up partials of the (slot, row tile), summed on its counter)
+        _split_reduce(ctr_g.at[pl.ds(slot_id * tiles + tile, 1)],
+                      [o_ref.at[:, slot_id, j, pl.ds(row0, bm)] for j in (0, 1)], [acc_g, acc_u], out, sk=sk,
+                      split=split)
     elif split == 1:
       gate = jnp.minimum(acc_g * sx, limit)
       up = jnp.clip(acc_u * sx, -limit, limit)

@@ -14,7 +14,6 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -314,10 +313,10 @@ def test_threshold_kernel_from_scores_interpret(R, N, k, wgs):
   """The threshold kernel fed the f32 scores themselves (policy knob topk_keys_in_kernel) forms the keys in
   registers: the same threshold and count as on topk_set_by_threshold's uint32 keys of those scores — ties, ±0,
   NaN, -inf pads, and a row with fewer than k finite scores (its threshold the key of -inf) included."""
-  from pallas_kernels._common import order_key  # noqa: PLC0415
+  from pallas_kernels._common import order_key_u32  # noqa: PLC0415
   rng = np.random.default_rng()
   v = threshold_scores(rng, R, N, [N - 64] * (R - 1) + [k // 2])
-  keys = lax.bitcast_convert_type(order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)
+  keys = order_key_u32(v)
   want = I.topk_threshold_reference(keys, k)
   with maybe_interpret(True):
     got = jax.jit(lambda x: I.topk_threshold(x, k, warpgroups=wgs))(v)
@@ -361,9 +360,9 @@ def test_threshold_cross_lower(R, N, bits, wgs):
 @pytest.mark.parametrize("R,N,k,wgs", [(1, 8320, 512, 1), (4, 8320, 512, 1), (4, 8704, 512, 4)])
 def test_threshold_kernel_from_scores_gpu(R, N, k, wgs):
   """The scores form natively (topk_keys_in_kernel): the keys formed in registers from f32 scores."""
-  from pallas_kernels._common import order_key  # noqa: PLC0415
+  from pallas_kernels._common import order_key_u32  # noqa: PLC0415
   v = threshold_scores(np.random.default_rng(), R, N, [N - 64] * R)
-  keys = lax.bitcast_convert_type(order_key(v), jnp.uint32) ^ jnp.uint32(0x80000000)
+  keys = order_key_u32(v)
   want = jax.jit(lambda u: I.topk_threshold_reference(u, k))(keys)
   got = jax.jit(lambda x: I.topk_threshold(x, k, warpgroups=wgs))(v)
   for g, w in zip(got, want):
