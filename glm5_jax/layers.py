@@ -181,18 +181,19 @@ KNOBS = {
         "the step at q = 1 a tie (4.64-4.66 vs 4.64-4.68 ms in the same rounds): the 91 fills were all off the "
         "critical path (815 launches either way; BENCHMARKS.md session 36) — off"),
     "linear_fused_sum": (False,
-        "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's down kernel with fp8_dq): each "
-        "weight-streaming call's K splits (the MoE's expert groups) summed inside the kernel — the last split's "
-        "CTA of a row tile, dispatched last, waits on a per-tile counter (pallas_kernels.linear.splitk_counters: "
-        "one jax Ref per step, every call leaving it zero) and adds the other splits' partials from L2 — and, "
-        "for up to 8 token rows, written as the [M, N] rows in the output dtype (linear._rows_out) instead of "
-        "an XLA reduction after every call. Its first form (session 35: the sum in the kernel, the slice / "
+        "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
+        "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "
+        "last split's CTA of a row tile, dispatched last, waits on a per-tile counter "
+        "(pallas_kernels.linear.splitk_counters: one jax Ref per step, every call leaving it zero) and adds the "
+        "other splits' partials from L2 — and, "
+        "for up to 8 token rows, written as the [M, N] rows in the output dtype (linear._rows_out; the MoE "
+        "gate/up kernel's h with the SwiGLU and routing weights applied, as the down kernel's bf16 input) "
+        "instead of an XLA reduction after every call. Its first form (session 35: the sum in the kernel, the slice / "
         "transpose / cast left to XLA) was correct natively but left the step's critical path at 812 of 815 "
         "launches — a Mosaic consumer (the mHC boundary) cannot fuse the slice — and its time unchanged (4.71 vs "
         "4.64-4.68 ms, session 36). The rows form: the step's critical path 815 -> 715 launches, 1,417 -> 1,299 "
         "in all; at q = 1 4.61 vs 4.96 ms but round by round -0.35 / +0.32 ms (3 interleaved repeats: no measured "
-        "win yet); "
-        "its GPU tests not yet run (session 36) — off"),
+        "win yet); its GPU tests not yet run (session 36) — off"),
     "indexer_q_in_kernel": (False,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
@@ -791,6 +792,8 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | s
   kk = min(k, N)
   if 32 % digit_bits:
     raise ValueError(f"digit_bits={digit_bits}: the compare-and-count passes need a divisor of 32")
+  if kernel_scores is not None and not threshold_kernel:
+    raise ValueError("topk_set_by_threshold: kernel_scores without threshold_kernel (only the kernel reads them)")
   if threshold_kernel:
     from pallas_kernels import indexer as ki  # noqa: PLC0415 (kernels import lazily)
     rows_ = math.prod(lead)

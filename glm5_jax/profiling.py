@@ -59,6 +59,11 @@ def _instructions(hlo_text: str):
     yield comp, name, op.group(1) if op else "?", opn.group(1) if opn else "", rest
 
 
+def _called(rest: str) -> list[str]:
+  """The computations an instruction calls (fused bodies, reducers, comparators, a call's target)."""
+  return [c.strip().lstrip("%") for m in _CALLED.finditer(rest) for c in m.group(1).split(",")]
+
+
 def _kernel_rows(hlo_text: str):
   """(name, opcode, op_name, rest of the line) of the instructions that run as kernels: those of computations
   that are not fused bodies, reducers or sort comparators (i.e. the entry computation, loop bodies / branches,
@@ -67,8 +72,7 @@ def _kernel_rows(hlo_text: str):
   rows, inner, scope = [], set(), {}
   for comp, _, op, opn, rest in _instructions(hlo_text):
     if op != "call":
-      for m in _CALLED.finditer(rest):
-        inner.update(x.strip().lstrip("%") for x in m.group(1).split(","))
+      inner.update(_called(rest))
     if opn and (comp not in scope or op == "custom-call"):  # a computation's scope: its custom call's, else any
       scope[comp] = opn
   for comp, name, op, opn, rest in _instructions(hlo_text):
@@ -76,8 +80,7 @@ def _kernel_rows(hlo_text: str):
       continue
     if not opn:  # a fusion with a tuple root carries no metadata (XLA's wrapper of a Mosaic call with an aliased
       # Ref operand — the mHC grid barrier's counters, a fused split-K sum): the scope of what it calls
-      called = [c.strip().lstrip("%") for m in _CALLED.finditer(rest) for c in m.group(1).split(",")]
-      opn = next((scope[c] for c in called if c in scope), "")
+      opn = next((scope[c] for c in _called(rest) if c in scope), "")
     rows.append((name, op, opn, rest, comp))
   return rows
 
@@ -128,8 +131,7 @@ def instruction_kernels(hlo_text: str) -> dict[str, str]:
   out = {}
   for name, op, opn, rest, comp in _kernel_rows(hlo_text):
     own = _mosaic_kernel(op, opn, rest)
-    called = [c.strip().lstrip("%") for m in _CALLED.finditer(rest) for c in m.group(1).split(",")]
-    out[name] = (own + MOSAIC_SUFFIX if own else next((mosaic[c] for c in called if c in mosaic), None)
+    out[name] = (own + MOSAIC_SUFFIX if own else next((mosaic[c] for c in _called(rest) if c in mosaic), None)
                  or _sanitize(name))
   return out
 

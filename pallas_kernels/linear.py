@@ -328,13 +328,13 @@ def _rows_out(y, tot, *, row0, weight=None):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _gate_up_rows(y_g, y_s, weight, g, u, *, limit: float, slot, row0):
+def _gate_up_rows(y, weight, g, u, *, limit: float, slot, row0):
   """The gate/up kernel's rows form: a (slot, row tile)'s summed gate / up accumulators [bm, mp] -> h = silu(min(g,
   L)) · clip(u, −L, L) times the slot's routing weight of each token row, rounded to bf16 as the down kernel
   reads it: hq[slot, r, row0:row0 + bm] for the m real rows (``_rows_out``), no XLA kernel between the two MoE
   kernels."""
   gate = jnp.minimum(g, limit)
-  _rows_out((y_g.at[slot], y_s), gate * jax.nn.sigmoid(gate) * jnp.clip(u, -limit, limit), row0=row0,
+  _rows_out((y[0].at[slot], y[1]), gate * jax.nn.sigmoid(gate) * jnp.clip(u, -limit, limit), row0=row0,
             weight=weight)
 
 
@@ -759,20 +759,16 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   I] bf16 (``_gate_up_rows``; the weights from an input after the shared expert's refs: the router's [1, k] with
   ``table_k``, else r [n_pad, mp]) — with ``fused_sum`` (split > 1) by the last D split's CTA of the (slot, row
   tile) on split-K counters (an input after the weights), the other splits' partials in o [split - 1, ...]."""
-  refs = list(refs)
-  y_s = refs.pop() if rows else None
-  a_s = refs.pop() if a_smem else None
-  xq_ref = refs.pop(0)
-  amax_ref = None if dq else refs.pop(0)
+  n_x = 1 if dq else 2  # x (and its amax)
+  xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
-  ins, refs = refs[:n_w], refs[n_w:]
-  eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref = ins[:6]
-  wgs_ref, sgs_ref, wus_ref, sus_ref = ins[6:] if shared else (None,) * 4
-  rw_ref = refs.pop(0) if rows else None
-  ctr_g = refs.pop(0) if fused_sum else None
-  o_ref = refs.pop(0) if not (rows and split == 1) else None
-  y_g = refs.pop(0) if rows else None
-  wg_s, wu_s, x_s, bar = refs
+  eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref = refs[n_x:n_x + 6]
+  wgs_ref, sgs_ref, wus_ref, sus_ref = refs[n_x + 6:n_x + n_w] if shared else (None,) * 4
+  rest = list(refs[n_x + n_w:])
+  rw_ref = rest.pop(0) if rows else None
+  ctr_g, o_ref, y, rest = _out_refs(rest, fused_sum, split, rows)
+  a_s = rest.pop() if a_smem else None
+  wg_s, wu_s, x_s, bar = rest
   t = lax.axis_index("t")
   per_slot = tiles * split
   slot_id, rem = t // per_slot, t % per_slot
@@ -838,7 +834,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
         w = jnp.where((e_raw >= 0) & (e_raw < wg_ref.shape[0]), rw_ref[0, j], 0.0)
         return jnp.where(is_sh, 1.0, w) if shared else w
 
-      out = functools.partial(_gate_up_rows, y_g, y_s, weight, limit=limit, slot=slot_id, row0=row0)
+      out = functools.partial(_gate_up_rows, y, weight, limit=limit, slot=slot_id, row0=row0)
       if ctr_g is None:
         out(acc_g, acc_u)
       else:  # (the gate and up partials of the (slot, row tile), summed on its counter)
@@ -1121,9 +1117,11 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       static slot table either way.)
     tables: with route_kernel, moe_route's (eids, n_valid, r) for these ids and weights, computed already (the
       router kernel that builds them itself: router.router_route) — no moe_route launch here.
-    counters: with dq, the Ref of :func:`splitk_counters` — the down kernel's expert groups summed in the kernel
-      and written as y [M, D] out_dtype (``_split_out``'s rows, up to ROWS_OUT_MAX rows; in interpret mode only
-      with one group) instead of an XLA reduction (+ slice / cast) after it.
+    counters: with dq, the Ref of :func:`splitk_counters` — for up to ROWS_OUT_MAX rows the gate/up kernel's D
+      splits summed in it, which writes h (SwiGLU times the routing weights) as the down kernel's bf16 input
+      rows, and the down kernel's expert groups summed in it, which writes y [M, D] out_dtype (``_split_out``'s
+      rows): no XLA kernel between or after the two (in interpret mode, which runs no counters, only one-split /
+      one-group plans take the rows form).
     out_dtype: y's dtype.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),

@@ -115,6 +115,9 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
     for name in ("glm5_fp8_dq_linear", "glm5_bf16_linear"):  # (the trunk's and the MTP pass's)
       lines = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and name in line]
       assert lines and any(line.endswith("xi32>)") for line in lines), name
+    # the threshold kernel fed the scores kernel's f32 output (its keys formed in registers)
+    thr = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_topk_threshold" in line]
+    assert thr and all(re.search(r"\(tensor<\d+x\d+x\d+xf32>\)", line) for line in thr), thr
   check_one_module_per_kernel(txt)
 
 
