@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s38a (nvidia-h200):       kda_gate_proj's GPU tests, then q = 1: defaults vs kda_gate_proj (5 interleaved
+#                             repeats), then the MoE rows-form GPU test at M = 1
 #   s37c (nvidia-h200):       the threshold kernel fed the scores natively, the candidates' all-kernels == stock test,
 #                             then q = 1: defaults vs topk_keys_in_kernel / mla_combine_kernel
 #   s37b (nvidia-h200):       q = 1 profiled with linear_fused_sum (kernel table, the chain by GPU time), then the
@@ -551,6 +553,17 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s38a)  # (nvidia-h200) session 37's kda_gate_proj natively (the KDA kernel forming f and the gate logits from the
+    # fgb_a rows: its GPU tests), then q = 1 at 4 steps per call, 5 interleaved repeats: defaults vs kda_gate_proj
+    # (the KDA layer's chain 6 -> 4 launches: 815 -> 747 expected); then the MoE rows-form test that s37a's
+    # compile (the weights closed over: jit constants) cut
+    gt 200 "tests/test_kda_decode.py::test_f_proj_kernel_matches_reference_gpu"
+    set --
+    grep -q "PASSED.*f_proj_kernel" "$OUT/gpu_tests.log" && ! grep -q -E "(FAILED|ERROR).*f_proj_kernel" \
+      "$OUT/gpu_tests.log" && set -- '{"kda_gate_proj": true}'
+    [ "$(left)" -gt 200 ] && rank1 s38a --q 1 --steps-per-call 4 --interleave --repeats 5 --policy '{}' "$@"
+    gt 150 "tests/test_linear_kernels.py::test_fp8_moe_fused_rows_gpu[1]"
     ;;
   s37c)  # (nvidia-h200) session 36's other CPU work natively: the threshold kernel fed the scores
     # (topk_keys_in_kernel), the all-kernels == stock step with the candidates on (kda_conv, router_route, the

@@ -181,8 +181,8 @@ class KDA(nnx.Module):
     # kernel reads f and this rank's b columns in place: each XLA slice before a custom call was a kernel of its
     # own (at q = 4 three per KDA layer: [M, 256], f [M, 2048], b [M, 16]; session 27's profile)
     fgb = self.fgb_a_proj.joint(x, dtype)  # [B, T, 2r + all heads]
-    fg = self.fg_b_proj(fgb, dtype, prefix=True).astype(jnp.float32)  # [B, T, 2C]: f | gate
-    f, gate = (a.reshape(B, T, H, Kd) for a in jnp.split(fg, 2, axis=-1))
+    fg = self.fg_b_proj(fgb, dtype, prefix=True).astype(jnp.float32)  # [B, T, 2C]: f | gate (XLA drops it when
+    f, gate = (a.reshape(B, T, H, Kd) for a in jnp.split(fg, 2, axis=-1))  # the KDA kernel projects them itself)
     b_off = self.fgb_a_proj.outs[0] + self.fgb_a_proj.outs[1] + lax.axis_index(TP) * H  # this rank's first b
     # (in the projection's dtype: the kernel and its reference take the sigmoid in f32 themselves)
     b = lax.dynamic_slice_in_dim(fgb, b_off, H, axis=-1)
@@ -191,6 +191,7 @@ class KDA(nnx.Module):
     normed = False  # o already through the gated RMSNorm (inside the KDA kernel)
     if ctx.mode == "verify":
       from pallas_kernels import kda_decode as kda_ops  # noqa: PLC0415 (kernels import lazily: GPU-only deps)
+      from pallas_kernels._common import interpreting  # noqa: PLC0415
       if kernel_enabled("kda", fits=Kd == 128, why=f"KDA head dim {Kd} (the kernel takes 128)"):
         # kda_norm: the gated RMSNorm in the kernel (a head's 4 warpgroups in one CTA: 4x fewer CTAs) instead of
         # the XLA fusion after it — measured slower (layers.KERNEL_DEFAULTS), kept as an A/B knob
@@ -199,16 +200,32 @@ class KDA(nnx.Module):
         approx, loop = kernel_enabled("kda_approx_math"), kernel_enabled("kda_token_loop")
         config = kda_ops.KdaDecodeConfig(approx_math=approx, token_loop=loop) if approx or loop else None
         fg4 = fg.reshape(B, T, 2 * H, Kd)
+        w_fg = self.fg_b_proj.weight[...]
+        proj_fits = (not norm and T <= kda_ops.PROJ_ROWS and fgb.dtype == w_fg.dtype == jnp.bfloat16
+                     and (fgb.shape[-1] % 16 == 0 or interpreting()))
+        if kernel_enabled("kda_gate_proj", fits=proj_fits, why=(
+            "kda_norm on (the kernel returns the gate for the norm after it)" if norm else
+            f"{T} token rows > {kda_ops.PROJ_ROWS}" if T > kda_ops.PROJ_ROWS else
+            f"fgb_a rows {fgb.dtype}[{fgb.shape[-1]}] / fg_b weight {w_fg.dtype}: bf16, a multiple of 16 columns "
+            "(the kernel's TMA tiles)")):
+          # f and the gate logits formed in the kernel from the fgb_a rows (f_a | g_a, read in place): the fg_b
+          # GEMV and the gate fusion leave the layer's critical path; the gate comes back for the norm below
+          fg4, proj = fgb, dict(f_proj=w_fg)
+        else:
+          proj = {}
         if kernel_enabled("kda_conv", fits=hist.dtype == z.dtype,
                           why=f"conv cache {hist.dtype} vs activations {z.dtype} (the kernel's window is one dtype)"):
           # the short conv + SiLU in the kernel: z and the history rows as they are (free reshapes), the taps as
           # [Kc, 3, H, Kd] (a transpose of parameters: loop-invariant, hoisted out of a multi-step call)
-          o, new_ssm = kda_ops.kda_decode_conv(
+          o, new_ssm, *g = kda_ops.kda_decode_conv(
               z.reshape(B, T, 3, H, Kd), hist.reshape(B, Kc - 1, 3, H, Kd), w.T.reshape(Kc, 3, H, Kd), fg4, fgb,
-              A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config)
+              A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config,
+              **proj)
         else:
-          o, new_ssm = kda_ops.kda_decode(q, k, v, fg4, fgb, A_log, dt_bias, ssm, ctx.n_acc,
-                                          lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config)
+          o, new_ssm, *g = kda_ops.kda_decode(q, k, v, fg4, fgb, A_log, dt_bias, ssm, ctx.n_acc,
+                                              lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config,
+                                              **proj)
+        gate = g[0] if g else gate
         normed = bool(norm)
       else:
         o, new_ssm = kda_ops.kda_decode_reference(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc,

@@ -108,6 +108,14 @@ KNOBS = {
         "vs 4.95 ms with topk_threshold_4wg, defaults 4.75; 5 interleaved repeats, session 35) — the conv "
         "fusion runs beside the f_a -> f_b projections, likely off the critical path (profiling."
         "critical_paths to check) — off"),
+    "kda_gate_proj": (False,
+        "with kda on: the gates' second low-rank projections inside the KDA kernel (kda_decode(f_proj=...): "
+        "each CTA forms its head's f = f_b(f_a) and gate logits g_b(g_a) from the fgb_a projection's rows with "
+        "two wgmmas on the head's [128, 128] weight tiles) instead of the fg_b GEMV and the gate fusion in XLA: "
+        "the KDA layer's critical path boundary -> fgb_a -> fg_b -> gate fusion -> norm -> o_proj loses two "
+        "launches (issue #14: the KDA layer's small projections; -68 dependent launches per step). Needs bf16 "
+        "rows of a multiple of 16 columns natively (the TMA's tiles; interpret mode runs any), no kda_norm. "
+        "Built in session 37; to measure"),
     "fp8_dq": (True,
         "with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16 "
         "activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before each "

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats as sstats
 
-from conftest import tol
+from conftest import ON_GPU, tol
 from glm5_jax.speculative import Decoder, decode
 from glm5_jax.runtime import DecodeConfig
 from helpers import extend_chunks, greedy_reference, load, tiny_checkpoint
@@ -404,6 +404,39 @@ def test_kda_conv_in_the_kernel_equals_xla_conv():
   for a, b in zip(c0, c1):
     for name in ("conv", "ssm"):
       np.testing.assert_allclose(np.asarray(a[name]), np.asarray(b[name]), **tol("kernel_f32"), err_msg=name)
+
+
+@pytest.mark.e2e_kernels
+def test_kda_gate_projections_in_the_kernel_equal_xla_projections():
+  """Policy knob kda_gate_proj (f = f_b(f_a) and the gate logits g_b(g_a) formed in the KDA kernel from the fgb_a
+  rows, the gate returned for the norm after it) against the kernel fed XLA's fg_b GEMV: a verify step of
+  kernel-tiny in bf16 (the wgmma operands; every other op in XLA) — the same tokens, the recurrent states within
+  the bf16 tolerance (f and the gate are bf16 roundings of sums the wgmma adds in another order). CPU (interpret
+  mode) only: natively kernel-tiny's fgb_a rows (2·128 + 4 heads = 260 columns) do not tile for the kernel's TMA,
+  which the real geometry's do (272 / 320): there tests/test_kda_decode.py's GPU tests and the step run it."""
+  if ON_GPU:
+    pytest.skip("kernel-tiny's fgb_a rows (260 columns) do not tile natively; the kernel's GPU tests cover it")
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "bfloat16")
+  rng = np.random.default_rng()
+  prompt, junk = rng.integers(0, 2000, 5), int(rng.integers(0, 2000))
+  runs = []
+  for proj in (False, True):
+    pol = (("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("sparse_mla", False), ("mhc", False),
+           ("kda_gate_proj", proj), ("kv_cache_dtype", "auto"), *XLA_SELECTION)
+    dec = Decoder(m, DecodeConfig(max_context=32, q=2, capture_sizes=(1,), policy=pol),
+                  backend="latency_specialized", prefill_chunk=8)
+    state = dec.prefill([prompt])
+    drafts = np.array(state.next_tokens)
+    drafts[:, -1] = junk  # the last draft most likely rejected
+    state, out = decode(state, drafts)
+    assert (dec.kernel_sites(1)["kda_gate_proj"]["sites"] > 0) == proj
+    runs.append(([np.asarray(out.tokens), np.asarray(out.next_tokens)],
+                 [c["ssm"] for c in state.caches["layers"] if "ssm" in c]))
+  (t0, s0), (t1, s1) = runs
+  for a, b in zip(t0, t1):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(s0, s1):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol("kernel_bf16"), err_msg="ssm")
 
 
 @pytest.mark.gpu

@@ -623,11 +623,12 @@ def check_fused_sum_gpu(linear, cases, reference, tol_name):
   must leave the counters zero for the next: a tile's sum over a stale counter would read partials not yet
   written) against the same calls summed by XLA (the same partials; another summation order) and ``reference``;
   the counters zero at the end."""
-  def run(fused):
+  def run(fused, argss):  # the cases' arrays as arguments (closed over, jit would embed them as constants)
     c = L.splitk_counters() if fused else None
-    return [linear(*a, counters=c) for _, a in cases], (c[...] if fused else None)
-  got, ctr = jax.jit(lambda: run(True))()
-  want, _ = jax.jit(lambda: run(False))()
+    return [linear(*a, counters=c) for a in argss], (c[...] if fused else None)
+  argss = [a for _, a in cases]
+  got, ctr = jax.jit(functools.partial(run, True))(argss)
+  want, _ = jax.jit(functools.partial(run, False))(argss)
   for (name, args), g, w in zip(cases, got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * float(np.abs(w).max()),
                                err_msg=name)
@@ -674,12 +675,13 @@ def test_fp8_moe_fused_rows_gpu(m):
   args = moe_inputs(jax.random.key(330 + m), m, e, i, d, k)
   sh = _shared_expert(jax.random.key(340 + m), i, d)
 
-  def run(fused):
+  def run(fused, args, sh):  # the weights as arguments: closed over, jit embeds them as constants (~1.8 GB here:
+    # the first native run spent its 240 s compiling)
     c = L.splitk_counters() if fused else None
     f = lambda: L.fp8_moe(*args, swiglu_limit=10.0, shared=sh, dq=True, counters=c)  # noqa: E731
     return f(), f(), (c[...] if fused else None)
-  y1, y2, ctr = jax.jit(lambda: run(True))()
-  want, _, _ = jax.jit(lambda: run(False))()
+  y1, y2, ctr = jax.jit(functools.partial(run, True))(args, sh)
+  want, _, _ = jax.jit(functools.partial(run, False))(args, sh)
   np.testing.assert_allclose(np.asarray(y1), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
   assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
