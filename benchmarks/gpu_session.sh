@@ -554,6 +554,15 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
+  s38b)  # (nvidia-h200) s38a: kda_gate_proj took 68 launches off the step but none off its critical path (815: the
+    # KDA layer's qkv path — qkv kernel -> split-K sum -> conv fusion -> KDA kernel — is as long). The two together:
+    # q = 1, 4 interleaved repeats: defaults vs kda_gate_proj + kda_conv (+ linear_fused_sum: the qkv sum in the
+    # kernel too); then why the MoE rows-form test failed (its assertion, with the traceback)
+    [ "$(left)" -gt 200 ] && rank1 s38b --q 1 --steps-per-call 4 --interleave --repeats 4 --policy '{}' \
+      '{"kda_gate_proj": true, "kda_conv": true}' '{"kda_gate_proj": true, "kda_conv": true, "linear_fused_sum": true}'
+    [ "$(left)" -gt 60 ] && timeout -k 9 $(( $(left) - 20 )) python3 -m pytest -q -m gpu -p no:cacheprovider \
+      --tb=short "tests/test_linear_kernels.py::test_fp8_moe_fused_rows_gpu[1]" > "$OUT/moe_rows_test.log" 2>&1
+    ;;
   s38a)  # (nvidia-h200) session 37's kda_gate_proj natively (the KDA kernel forming f and the gate logits from the
     # fgb_a rows: its GPU tests), then q = 1 at 4 steps per call, 5 interleaved repeats: defaults vs kda_gate_proj
     # (the KDA layer's chain 6 -> 4 launches: 815 -> 747 expected); then the MoE rows-form test that s37a's
