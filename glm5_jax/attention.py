@@ -191,7 +191,6 @@ class KDA(nnx.Module):
     normed = False  # o already through the gated RMSNorm (inside the KDA kernel)
     if ctx.mode == "verify":
       from pallas_kernels import kda_decode as kda_ops  # noqa: PLC0415 (kernels import lazily: GPU-only deps)
-      from pallas_kernels._common import interpreting  # noqa: PLC0415
       if kernel_enabled("kda", fits=Kd == 128, why=f"KDA head dim {Kd} (the kernel takes 128)"):
         # kda_norm: the gated RMSNorm in the kernel (a head's 4 warpgroups in one CTA: 4x fewer CTAs) instead of
         # the XLA fusion after it — measured slower (layers.KERNEL_DEFAULTS), kept as an A/B knob
@@ -201,13 +200,8 @@ class KDA(nnx.Module):
         config = kda_ops.KdaDecodeConfig(approx_math=approx, token_loop=loop) if approx or loop else None
         fg4 = fg.reshape(B, T, 2 * H, Kd)
         w_fg = self.fg_b_proj.weight[...]
-        proj_fits = (not norm and T <= kda_ops.PROJ_ROWS and fgb.dtype == w_fg.dtype == jnp.bfloat16
-                     and (fgb.shape[-1] % 16 == 0 or interpreting()))
-        if kernel_enabled("kda_gate_proj", fits=proj_fits, why=(
-            "kda_norm on (the kernel returns the gate for the norm after it)" if norm else
-            f"{T} token rows > {kda_ops.PROJ_ROWS}" if T > kda_ops.PROJ_ROWS else
-            f"fgb_a rows {fgb.dtype}[{fgb.shape[-1]}] / fg_b weight {w_fg.dtype}: bf16, a multiple of 16 columns "
-            "(the kernel's TMA tiles)")):
+        why = kda_ops.f_proj_why(fgb, w_fg, T, fused_norm=bool(norm), config=config)
+        if kernel_enabled("kda_gate_proj", fits=why is None, why=why or ""):
           # f and the gate logits formed in the kernel from the fgb_a rows (f_a | g_a, read in place): the fg_b
           # GEMV and the gate fusion leave the layer's critical path; the gate comes back for the norm below
           fg4, proj = fgb, dict(f_proj=w_fg)

@@ -112,10 +112,11 @@ KNOBS = {
         "with kda on: the gates' second low-rank projections inside the KDA kernel (kda_decode(f_proj=...): "
         "each CTA forms its head's f = f_b(f_a) and gate logits g_b(g_a) from the fgb_a projection's rows with "
         "two wgmmas on the head's [128, 128] weight tiles) instead of the fg_b GEMV and the gate fusion in XLA: "
-        "the KDA layer's critical path boundary -> fgb_a -> fg_b -> gate fusion -> norm -> o_proj loses two "
-        "launches (issue #14: the KDA layer's small projections; -68 dependent launches per step). Needs bf16 "
-        "rows of a multiple of 16 columns natively (the TMA's tiles; interpret mode runs any), no kda_norm. "
-        "Built in session 37; to measure"),
+        "68 launches fewer per step (issue #14: the KDA layer's small projections). Correct natively; in the "
+        "step a tie at q = 1 (4.60 vs 4.89 ms, rounds -0.33 / +0.45 / +0.11 / -0.33; session 37): the critical "
+        "path keeps 815 launches — the qkv path (qkv kernel -> split-K sum -> conv fusion -> KDA kernel) is as "
+        "long; with kda_conv and the qkv sum in the kernel to measure (gpu_session s38b). Needs bf16 / f16 rows "
+        "of a multiple of 16 columns natively (the TMA's tiles), no kda_norm — off"),
     "fp8_dq": (True,
         "with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16 "
         "activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before each "

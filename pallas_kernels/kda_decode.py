@@ -390,6 +390,24 @@ def kda_decode_conv(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, nu
 PROJ_ROWS = 8  # f_proj: the low-rank rows' tile (the wgmma N; the TMA zero-fills the rows past T)
 
 
+def f_proj_why(rows, f_proj, T: int, *, fused_norm: bool = False, config: KdaDecodeConfig | None = None):
+  """Why ``kda_decode(f_proj=...)`` cannot run with these low-rank rows [B, T, C], weight and options (None: it
+  can) — the kernel's refusal and the model's policy (kda_gate_proj's ``fits``) in one place."""
+  config = config or KdaDecodeConfig()
+  wgs = config.wgs_per_cta or (128 // config.block_v if fused_norm else 1)
+  r = f_proj.shape[-1] // 2
+  return ("the fused norm (gate=): f_proj returns the gate for the norm after the kernel" if fused_norm else
+          "config.prefetch=False: the projections' tiles are TMA'd" if not config.prefetch else
+          f"{wgs} warpgroups per CTA: one (each would project the same rows into one SMEM tile)" if wgs != 1 else
+          f"T={T} token rows: at most {PROJ_ROWS} (one wgmma N tile)" if T > PROJ_ROWS else
+          f"rows {rows.dtype} / f_proj {f_proj.dtype}: bf16 or f16 both (the wgmma operands)"
+          if rows.dtype != f_proj.dtype or f_proj.dtype not in (jnp.bfloat16, jnp.float16) else
+          f"rank {r}: a multiple of 64" if r % 64 else
+          # (a lowering constraint of the TMA: interpret mode, which has none, runs the model's tiny geometries)
+          f"low-rank rows of {rows.shape[-1]} columns: a multiple of 16 (the TMA's tiles)"
+          if rows.shape[-1] % 16 and not interpreting() else None)
+
+
 def _project_rows(fa_s, ga_s, wf_s, wg_s, f_s, g_s, T: int, dtype):
   """f_proj's projections in a CTA: f_s[t] = W_f · f_a[t] and g_s[t] = W_g · g_a[t] for t < T (wgmma: the [D, r]
   weight tiles as A, the [8, r] token rows transposed as B -> [D, 8] f32), each rounded to the rows' dtype as the
@@ -431,22 +449,12 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
   proj = f_proj is not None
   if proj:
     r = f_proj.shape[2] // 2
-    why = ("the fused norm (gate=): f_proj returns the gate for the norm after the kernel" if fuse_norm else
-           "config.prefetch=False: the projections' tiles are TMA'd" if not config.prefetch else
-           f"{wgs} warpgroups per CTA: one (each would project the same rows into one SMEM tile)" if wgs != 1 else
-           f"T={T} token rows: at most {PROJ_ROWS} (one wgmma N tile)" if T > PROJ_ROWS else
-           f"dtype {f_proj.dtype}: bf16 or f16 (the wgmma operands)" if f_proj.dtype not in (jnp.bfloat16,
-                                                                                             jnp.float16) else
-           f"rank {r}: a multiple of 64 (the TMA's swizzled tiles)" if r % 64 else None)
-    # (a lowering constraint of the TMA: interpret mode, which has none, runs the model's tiny geometries)
-    why = why or (f"low-rank rows of {f.shape[-1]} columns: a multiple of 16 (the TMA's tiles)"
-                  if f.shape[-1] % 16 and not interpreting() else None)
-    if why:
+    if why := f_proj_why(f, f_proj, T, fused_norm=fuse_norm, config=config):
       raise ValueError(f"kda_decode(f_proj=...): {why}")
     # 32-byte swizzled tiles of 16 elements: the TMA tiles the whole rows array [B, T, C] by them, and C — 2r + every
     # head's b column — is a multiple of 16, not of 64 (272 on a TP4 rank's share of the real model); a wgmma's
     # operands share one swizzle
-    tr_w = tr_x = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
   lay = _layouts(D, BV)
   L_S, L_K, L_V = lay["S"], lay["K"], lay["V"]
   f32 = jnp.float32
@@ -481,9 +489,8 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     if norm_in_kernel:  # o of the whole head for the RMS, and the barrier that publishes it
       scratch += [plgpu.SMEM((T, D), f32), plgpu.Barrier(num_arrivals=wgs)]
     if proj:  # f_a / g_a rows [8, r], the head's W_f / W_g tiles [D, r], and the projected f / gate rows [T, D]
-      scratch += [plgpu.SMEM((PROJ_ROWS, r), f.dtype, transforms=tr_x), plgpu.SMEM((PROJ_ROWS, r), f.dtype,
-                                                                                   transforms=tr_x),
-                  plgpu.SMEM((D, r), f.dtype, transforms=tr_w), plgpu.SMEM((D, r), f.dtype, transforms=tr_w),
+      scratch += [plgpu.SMEM((PROJ_ROWS, r), f.dtype, transforms=tr), plgpu.SMEM((PROJ_ROWS, r), f.dtype, transforms=tr),
+                  plgpu.SMEM((D, r), f.dtype, transforms=tr), plgpu.SMEM((D, r), f.dtype, transforms=tr),
                   plgpu.SMEM((T, D), f32), plgpu.SMEM((T, D), f32)]
     refs = (state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *norm_refs)
     if scratch:

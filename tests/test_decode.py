@@ -375,6 +375,32 @@ def test_latency_specialized_kda_kernel_equals_reference_greedy(kda_norm, approx
   assert (sites["kda_token_loop"]["sites"] > 0) == loop and (sites["kda_conv"]["sites"] > 0) == conv
 
 
+def _kda_knob_verify_steps(knob: str, dtype: str, prompt_len: int, **dec_kw):
+  """One verify step of kernel-tiny (``dtype``; every op but the KDA kernel in XLA, stock caches) with the policy
+  knob off and on, from the same prefill and drafts (the last a random token: most likely rejected): the tokens
+  must be identical; returns the two runs' KDA caches (the knob's sites checked on / off)."""
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), dtype)
+  rng = np.random.default_rng()
+  prompt, junk = rng.integers(0, 2000, prompt_len), int(rng.integers(0, 2000))
+  runs = []
+  for on in (False, True):
+    pol = (("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("sparse_mla", False), ("mhc", False),
+           (knob, on), ("kv_cache_dtype", "auto"), *XLA_SELECTION)
+    dec = Decoder(m, DecodeConfig(capture_sizes=(1,), policy=pol, **dec_kw), backend="latency_specialized",
+                  prefill_chunk=16)
+    state = dec.prefill([prompt])
+    drafts = np.array(state.next_tokens)
+    drafts[:, -1] = junk
+    state, out = decode(state, drafts)
+    assert (dec.kernel_sites(1)[knob]["sites"] > 0) == on
+    runs.append(([np.asarray(out.tokens), np.asarray(out.next_tokens)],
+                 [c for c in state.caches["layers"] if "ssm" in c]))
+  (t0, c0), (t1, c1) = runs
+  for a, b in zip(t0, t1):
+    np.testing.assert_array_equal(a, b)
+  return c0, c1
+
+
 @pytest.mark.e2e_kernels
 def test_kda_conv_in_the_kernel_equals_xla_conv():
   """Policy knob kda_conv (the short conv + SiLU inside the KDA kernel, reading the conv ring's history rows and the
@@ -382,25 +408,7 @@ def test_kda_conv_in_the_kernel_equals_xla_conv():
   the ring's history written by the prefill) — the same tokens, the recurrent states and conv rings within the
   kernel tolerance (the first KDA layer's products are the same; later layers see a residual stream one f32
   rounding apart). (One step: the history rows are the same array either way, read from the ring by XLA.)"""
-  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
-  rng = np.random.default_rng()
-  prompt, junk = rng.integers(0, 2000, 13), int(rng.integers(0, 2000))
-  runs = []
-  for conv in (False, True):
-    pol = (("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("sparse_mla", False), ("mhc", False),
-           ("kda_conv", conv), ("kv_cache_dtype", "auto"), *XLA_SELECTION)
-    dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=pol),
-                  backend="latency_specialized", prefill_chunk=16)
-    state = dec.prefill([prompt])
-    drafts = np.array(state.next_tokens)
-    drafts[:, -1] = junk  # the last draft most likely rejected
-    state, out = decode(state, drafts)
-    assert (dec.kernel_sites(1)["kda_conv"]["sites"] > 0) == conv
-    runs.append(([np.asarray(out.tokens), np.asarray(out.next_tokens)],
-                 [c for c in state.caches["layers"] if "ssm" in c]))
-  (t0, c0), (t1, c1) = runs
-  for a, b in zip(t0, t1):
-    np.testing.assert_array_equal(a, b)
+  c0, c1 = _kda_knob_verify_steps("kda_conv", "float32", 13, max_context=64, q=3)
   for a, b in zip(c0, c1):
     for name in ("conv", "ssm"):
       np.testing.assert_allclose(np.asarray(a[name]), np.asarray(b[name]), **tol("kernel_f32"), err_msg=name)
@@ -416,27 +424,9 @@ def test_kda_gate_projections_in_the_kernel_equal_xla_projections():
   which the real geometry's do (272 / 320): there tests/test_kda_decode.py's GPU tests and the step run it."""
   if ON_GPU:
     pytest.skip("kernel-tiny's fgb_a rows (260 columns) do not tile natively; the kernel's GPU tests cover it")
-  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "bfloat16")
-  rng = np.random.default_rng()
-  prompt, junk = rng.integers(0, 2000, 5), int(rng.integers(0, 2000))
-  runs = []
-  for proj in (False, True):
-    pol = (("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("sparse_mla", False), ("mhc", False),
-           ("kda_gate_proj", proj), ("kv_cache_dtype", "auto"), *XLA_SELECTION)
-    dec = Decoder(m, DecodeConfig(max_context=32, q=2, capture_sizes=(1,), policy=pol),
-                  backend="latency_specialized", prefill_chunk=8)
-    state = dec.prefill([prompt])
-    drafts = np.array(state.next_tokens)
-    drafts[:, -1] = junk  # the last draft most likely rejected
-    state, out = decode(state, drafts)
-    assert (dec.kernel_sites(1)["kda_gate_proj"]["sites"] > 0) == proj
-    runs.append(([np.asarray(out.tokens), np.asarray(out.next_tokens)],
-                 [c["ssm"] for c in state.caches["layers"] if "ssm" in c]))
-  (t0, s0), (t1, s1) = runs
-  for a, b in zip(t0, t1):
-    np.testing.assert_array_equal(a, b)
-  for a, b in zip(s0, s1):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol("kernel_bf16"), err_msg="ssm")
+  c0, c1 = _kda_knob_verify_steps("kda_gate_proj", "bfloat16", 5, max_context=32, q=2)
+  for a, b in zip(c0, c1):
+    np.testing.assert_allclose(np.asarray(a["ssm"]), np.asarray(b["ssm"]), **tol("kernel_bf16"), err_msg="ssm")
 
 
 @pytest.mark.gpu
