@@ -682,7 +682,10 @@ def test_fp8_moe_fused_rows_gpu(m):
     return f(), f(), (c[...] if fused else None)
   y1, y2, ctr = jax.jit(functools.partial(run, True))(args, sh)
   want, _, _ = jax.jit(functools.partial(run, False))(args, sh)
-  np.testing.assert_allclose(np.asarray(y1), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+  # not to 1e-5 as check_fused_sum_gpu: the gate/up sums in another order round h to bf16 differently at a few
+  # elements, which the down GEMV carries into y (session 38, natively: 505 of 4,096 outputs off by up to 2.7e-5
+  # of max |y|); bit-equal from call to call
+  assert_close(y1, want, "kernel_bf16")
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
   assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
   assert not np.any(np.asarray(ctr))
