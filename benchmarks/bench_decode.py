@@ -108,6 +108,12 @@ def main(argv=None):
   a = p.parse_args(argv)
   if a.trace and a.profile:  # session 35: the profile after a trace died ("activity records were dropped")
     p.error("--trace and --profile both use CUPTI in one process: the second loses records; run them apart")
+  if a.profile and max(a.steps_per_call) > 1 and not a.unroll_steps:
+    # session 37 (s37b): 355 of the 1,417 launches per step recorded at 4 steps per call — 1,420 / 4: the records
+    # cover one pass of the rolled loop's body per call, so the per-step totals were a quarter of the step's
+    p.error(f"--profile with --steps-per-call {max(a.steps_per_call)}: CUPTI records one iteration of the rolled "
+            "steps loop per call (a quarter of the launches at 4); profile with --steps-per-call 1 or add "
+            "--unroll-steps")
   if a.compile_cache:
     from glm5_jax.api import enable_compile_cache  # noqa: PLC0415
     enable_compile_cache(a.compile_cache)
@@ -378,8 +384,9 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None):
   steps = _calls(dec, steps) * dec.steps_per_call  # (per speculative step below)
   per, launches, unmatched = profiling.split(recs, kmap, steps)
   total = sum(per.values())
-  print(f"#   GPU busy {total / 1e3:.3f} ms/step in {launches:.0f} kernel launches/step; by component (µs/step):",
-        flush=True)
+  static = profiling.census(hlo)["kernels"]  # (the program's kernel instructions: a step's, loop bodies once)
+  print(f"#   GPU busy {total / 1e3:.3f} ms/step in {launches:.0f} kernel launches/step (CUPTI records "
+        f"{launches / static:.0%} of the program's {static}); by component (µs/step):", flush=True)
   print("#   " + "  ".join(f"{c} {per[c]:.0f}" for c in profiling.COMPONENTS if per.get(c)), flush=True)
   by_name = collections.defaultdict(lambda: [0.0, 0])
   for name, ms in recs:
@@ -402,7 +409,8 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None):
   top = sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
   if top:
     print("#   unmatched kernels: " + ", ".join(f"{k[:60]} {v:.0f}" for k, v in top), flush=True)
-  return dict(state=state, us_per_step=per, launches_per_step=launches, gpu_busy_ms=total / 1e3,
+  return dict(state=state, us_per_step=per, launches_per_step=launches, program_kernels=static,
+              gpu_busy_ms=total / 1e3,
               critical_us=crit["critical"], critical_launches=crit["launches"],
               unmatched_top=dict(top), heaviest={k: v[0] for k, v in heavy})
 

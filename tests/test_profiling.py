@@ -395,3 +395,17 @@ def test_code_size_probe_computes_its_reference():
     sizes.append(len(cross_lower(lambda v, u=unroll: B.fma_chain(v, 64, u),
                                  jax.ShapeDtypeStruct((2, *B.SHAPE), jnp.float32)).as_text()))
   assert sizes[1] > 2 * sizes[0], sizes  # (64 steps: ~2.5x; 1,024: ~18x)
+
+
+def test_bench_decode_refuses_a_profile_of_the_rolled_steps_loop(capsys):
+  """bench_decode --profile at several steps per call needs the unrolled form: CUPTI records one pass of the
+  rolled loop per call (session 37: 355 of 1,417 launches per step); --trace with --profile is refused too."""
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import bench_decode  # noqa: PLC0415
+  for argv, why in ((["--profile", "--steps-per-call", "4"], "--steps-per-call 4: CUPTI records one iteration"),
+                    (["--profile", "--trace"], "both use CUPTI")):
+    with pytest.raises(SystemExit) as e:
+      bench_decode.main(argv)
+    assert e.value.code == 2 and why in capsys.readouterr().err, argv
