@@ -446,3 +446,27 @@ def test_trunk_with_fused_boundaries_as_accurate_as_stock():
   for k in ("fused", "one_launch"):
     assert err[k] <= 1.25 * err["stock"], err
     assert np.linalg.norm(hidden[k] - hidden["stock"]) / np.linalg.norm(hidden["stock"]) < 0.03
+
+
+def test_a_kernel_is_lowered_once_per_process():
+  """Two programs calling the same kernel entry with the same shapes: the second parses the kept Mosaic module
+  (pallas_kernels._common._memoize_kernel_lowerings) and holds the same custom call, bit for bit; another shape is
+  lowered anew. (Without the memo every program lowers its kernels again: seconds each.)"""
+  from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # noqa: PLC0415
+  kept = mgpu_lowering.lower_unpipelined_jaxpr_to_module.kept
+  mix_consts = {k: v for k, v in CONSTS.items() if k != "norm_eps"}
+  rows = int(np.random.default_rng().choice([12, 20, 28]))  # (a width the rest of the suite does not lower)
+  sink = lambda t, c: K.mhc_sinkhorn(t, c, D=4096, **mix_consts, approx_math=True)  # noqa: E731
+  coef = jax.ShapeDtypeStruct((K.MIX + 3,), jnp.float32)
+  tot = jax.ShapeDtypeStruct((K.PART, rows), jnp.float32)
+
+  def calls(txt):
+    return [line.split("stablehlo.custom_call", 1)[1].split(" : ", 1)[0] for line in txt.splitlines()
+            if "@mosaic_gpu_v2" in line]
+  n = len(kept)
+  first = calls(cross_lower(sink, tot, coef).as_text())
+  assert len(kept) == n + 1 and len(first) == 1
+  second = calls(cross_lower(lambda t, c: jax.tree.map(lambda a: a * 2, sink(t + 1, c)), tot, coef).as_text())
+  assert len(kept) == n + 1 and second == first  # (another program, the same kernel: its kept module)
+  other = jax.ShapeDtypeStruct((K.PART, rows + 4), jnp.float32)
+  assert calls(cross_lower(sink, other, coef).as_text()) != first and len(kept) == n + 2

@@ -68,6 +68,7 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   assert "glm5_moe_route" not in txt  # (router_route, on since session 35: the router kernel builds the tables)
   # the top-k threshold kernel from pallas_kernels.indexer.THRESHOLD_MIN_ROWS score rows (1 since session 32)
   assert ("glm5_topk_threshold" in txt) == (q >= ki.THRESHOLD_MIN_ROWS)
+  assert "mosaic_gpu.uses_pdl" not in txt  # (policy pdl, off by default: test_kernel_tiny_step_with_pdl_...)
   auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
   assert "mosaic_gpu" not in auto  # and the stock path has no kernel at all
 
@@ -121,14 +122,14 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   check_one_module_per_kernel(txt)
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-def test_kernel_tiny_step_with_pdl_lowers_for_cuda(pdl):
+def test_kernel_tiny_step_with_pdl_lowers_for_cuda():
   """Policy pdl: every Mosaic kernel of the step starts with griddepcontrol (Programmatic Dependent Launch), which
   Mosaic marks on the module (``mosaic_gpu.uses_pdl``: its launcher then launches the kernel with programmatic
-  stream serialisation); without it, none does. The knob changes the kernels' modules (jit key), not their count."""
-  txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096, policy=(("pdl", pdl),))
+  stream serialisation); without it (the default) none does — test_kernel_tiny_step_lowers_for_cuda. The knob
+  changes the kernels' modules (jit key), not their count."""
+  txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096, policy=(("pdl", True),))
   calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
-  assert calls and sum("mosaic_gpu.uses_pdl" in line for line in calls) == (len(calls) if pdl else 0)
+  assert calls and all("mosaic_gpu.uses_pdl" in line for line in calls)
   check_one_module_per_kernel(txt)
 
 
