@@ -71,10 +71,9 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
-#   s39a (nvidia-h200):       the first profiles that see every launch: q = 1 and q = 4 at one step per call (kernel
-#                             tables, the chain by GPU time, components against their floors), then q = 1 at 4 steps
-#                             per call: defaults vs the three chain knobs vs topk_keys_in_kernel (compile times with
-#                             kernel lowerings kept)
+#   s39a (nvidia-h200):       the first profile that sees every launch (q = 1 at one step per call: kernel table,
+#                             the chain by GPU time, components against their floors); q = 4: defaults vs the three
+#                             chain knobs; q = 1: defaults vs topk_keys_in_kernel
 #   s38a (nvidia-h200):       kda_gate_proj's GPU tests, then q = 1: defaults vs kda_gate_proj (5 interleaved
 #                             repeats), then the MoE rows-form GPU test at M = 1
 #   s37c (nvidia-h200):       the threshold kernel fed the scores natively, the candidates' all-kernels == stock test,
@@ -559,15 +558,18 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
   s39a)  # (nvidia-h200) session 37's profiles recorded a quarter of the step's launches (CUPTI sees one pass of the
-    # rolled steps loop per call): profile at one step per call, q = 1 then q = 4 — every kernel's µs per launch,
-    # the chain by GPU time, each component against its floor (bench_decode prints them). Then q = 1 at 4 steps per
-    # call, defaults vs the three chain knobs (s38b: 815 -> 681 chain launches, a tie), 5 interleaved repeats —
-    # the later configurations' compiles with their unchanged kernels' Mosaic modules kept (_memoize_kernel_lowerings);
-    # and topk_keys_in_kernel (its threshold kernel passed natively in session 38; never timed)
+    # rolled steps loop per call): q = 1 profiled at one step per call — every kernel's µs per launch, the chain by
+    # GPU time, each component against its floor (bench_decode prints them). Then q = 4 at 4 steps per call,
+    # defaults vs the three chain knobs (kda_gate_proj + kda_conv + linear_fused_sum: at q = 4 the KDA layer's
+    # chain is 9 launches — bf16_linear kernels with XLA split-K sums — against 5 at q = 1, where s38b measured a
+    # tie), 4 interleaved repeats; then q = 1: defaults vs topk_keys_in_kernel (its threshold kernel passed natively
+    # in session 38; never timed). The later configurations compile with their unchanged kernels' Mosaic modules
+    # kept (_memoize_kernel_lowerings): compare their compile s with the first's
     rank1 s39p1 --q 1 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
-    [ "$(left)" -gt 220 ] && rank1 s39p4 --q 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 4
-    [ "$(left)" -gt 200 ] && rank1 s39c --q 1 --steps-per-call 4 --interleave --repeats 5 --policy '{}' \
-      '{"kda_gate_proj": true, "kda_conv": true, "linear_fused_sum": true}' '{"topk_keys_in_kernel": true}'
+    [ "$(left)" -gt 220 ] && rank1 s39q4 --q 4 --steps-per-call 4 --interleave --repeats 4 --policy '{}' \
+      '{"kda_gate_proj": true, "kda_conv": true, "linear_fused_sum": true}'
+    [ "$(left)" -gt 150 ] && rank1 s39c --q 1 --steps-per-call 4 --interleave --repeats 4 --policy '{}' \
+      '{"topk_keys_in_kernel": true}'
     ;;
   s38b)  # (nvidia-h200) s38a: kda_gate_proj took 68 launches off the step but none off its critical path (815: the
     # KDA layer's qkv path — qkv kernel -> split-K sum -> conv fusion -> KDA kernel — is as long). The two together:
