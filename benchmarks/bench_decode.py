@@ -256,7 +256,7 @@ def main(argv=None):
     if a.trace:
       trace, state = _trace(dec, state, a.steps, a.context, c["hlo"])
     name = c["name"]
-    prof = _profile(dec, state, c["hlo"], a.steps, a.context,
+    prof = _profile(dec, state, c["hlo"], a.steps, a.context, wall_ms=ms,
                     kernels_path=os.path.join(a.hlo_dir, name + ".kernels.json") if name else None) if a.profile else None
     state = prof.pop("state") if prof else state
     # per-component floor (bytes each component must move ÷ 4.3 TB/s) next to its measured GPU time (issue #9)
@@ -366,7 +366,7 @@ def _trace(dec, state, steps, context, hlo=None):
   return s, state
 
 
-def _profile(dec, state, hlo, steps, context, kernels_path=None):
+def _profile(dec, state, hlo, steps, context, kernels_path=None, wall_ms=None):
   """GPU µs per step by component from CUPTI's kernel records over ``steps`` chained steps; with
   ``kernels_path``, every kernel's [µs/step, launches/step, component] is written there (for reading the
   profile against the saved HLO offline)."""
@@ -400,6 +400,11 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None):
   crit = profiling.critical_paths(hlo, weights={i: per_launch.get(k, 0.0) for i, k in ikern.items()})[0]
   print(f"#   critical path by GPU time: {crit['critical']:.0f} µs in {crit['launches']} launches per step; "
         f"by component (launches) {crit['by_component']}", flush=True)
+  gap = None
+  if wall_ms and crit["launches"]:  # what the chain's kernels leave of the step: the launches' gaps between them
+    gap = (1e3 * wall_ms - crit["critical"]) / crit["launches"]
+    print(f"#   the step's {1e3 * wall_ms:.0f} µs less the chain's kernels: {gap:.2f} µs per launch on the chain "
+          "(the gap between dependent launches, if the chain is what the step waits for)", flush=True)
   if kernels_path:
     with open(kernels_path, "w") as f:
       json.dump({k: [v[0], v[1] / steps, profiling.classify_kernel(k, kmap)] for k, v in heavy}, f, indent=0)
@@ -411,7 +416,7 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None):
     print("#   unmatched kernels: " + ", ".join(f"{k[:60]} {v:.0f}" for k, v in top), flush=True)
   return dict(state=state, us_per_step=per, launches_per_step=launches, program_kernels=static,
               gpu_busy_ms=total / 1e3,
-              critical_us=crit["critical"], critical_launches=crit["launches"],
+              critical_us=crit["critical"], critical_launches=crit["launches"], gap_us_per_chain_launch=gap,
               unmatched_top=dict(top), heaviest={k: v[0] for k, v in heavy})
 
 
