@@ -448,6 +448,8 @@ def test_trunk_with_fused_boundaries_as_accurate_as_stock():
     assert np.linalg.norm(hidden[k] - hidden["stock"]) / np.linalg.norm(hidden["stock"]) < 0.03
 
 
+@pytest.mark.skipif(bool(__import__("os").environ.get("MOSAIC_GPU_DUMP_TO")),
+                    reason="MOSAIC_GPU_DUMP_TO: every lowering writes its own dump files, so none is kept")
 def test_a_kernel_is_lowered_once_per_process():
   """Two programs calling the same kernel entry with the same shapes: the second parses the kept Mosaic module
   (pallas_kernels._common._memoize_kernel_lowerings) and holds the same custom call, bit for bit; another shape is
