@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -22,9 +24,18 @@ def tiny_checkpoint(preset: str = "oracle-tiny", seed: int = 0, dtype: str = "fl
 
 
 @functools.cache
+def _checkpoint_root() -> str:
+  # One folder per test process, removed when it exits: the checkpoints are up to ~80 MB each and a full run
+  # writes dozens of them.
+  d = tempfile.mkdtemp(prefix="glm5_test_checkpoints_")
+  atexit.register(shutil.rmtree, d, ignore_errors=True)
+  return d
+
+
+@functools.cache
 def _tiny_checkpoint(preset, seed, dtype, overrides) -> str:
   cfg = make_tiny.preset_config(preset, **dict(overrides))
-  d = tempfile.mkdtemp(prefix=f"glm5_{preset}_{dtype}_s{seed}_")
+  d = tempfile.mkdtemp(prefix=f"{preset}_{dtype}_s{seed}_", dir=_checkpoint_root())
   make_tiny.write_checkpoint(cfg, d, seed=seed, dtype=dtype)
   return d
 
