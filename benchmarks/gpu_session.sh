@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s39b (nvidia-h200):       topk_keys_in_kernel natively at the model's call site (and its kernel's GPU tests), then
+#                             defaults vs topk_keys_in_kernel at q = 1 (5 interleaved repeats) and q = 4 (3)
 #   s39a (nvidia-h200):       the first profile that sees every launch (q = 1 at one step per call: kernel table,
 #                             the chain by GPU time, components against their floors); q = 4: defaults vs the three
 #                             chain knobs; q = 1: defaults vs topk_keys_in_kernel
@@ -556,6 +558,15 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s39b)  # (nvidia-h200) s39a: topk_keys_in_kernel 4.42 vs 4.56 ms at q = 1 (one interleaved run: 4 repeats). The gate
+    # before it becomes a default: the model's call site natively (the scores kernel's padded output read by the
+    # threshold kernel: indices and pools equal to the XLA fusion's), then more repeats at q = 1 and q = 4
+    gt 150 "tests/test_indexer.py" "keys_formed or from_scores"
+    [ "$(left)" -gt 220 ] && rank1 s39b1 --q 1 --steps-per-call 4 --interleave --repeats 5 --policy '{}' \
+      '{"topk_keys_in_kernel": true}'
+    [ "$(left)" -gt 180 ] && rank1 s39b4 --q 4 --steps-per-call 4 --interleave --repeats 3 --policy '{}' \
+      '{"topk_keys_in_kernel": true}'
     ;;
   s39a)  # (nvidia-h200) session 37's profiles recorded a quarter of the step's launches (CUPTI sees one pass of the
     # rolled steps loop per call): q = 1 profiled at one step per call — every kernel's µs per launch, the chain by

@@ -420,11 +420,13 @@ def test_indexer_scores_with_queries_rotated_in_the_kernel():
       assert_scores_close(outs[1], outs[0], "kernel_f32")
 
 
-def test_select_with_the_keys_formed_in_the_threshold_kernel():
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.gpu, id="gpu")],
+                         ids=lambda v: "gpu" if v else "interpret")
+def test_select_with_the_keys_formed_in_the_threshold_kernel(native):
   """Policy knob topk_keys_in_kernel at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
-  rows; interpret mode): the threshold kernel reads the scores kernel's padded output and forms the keys itself —
-  the same token indices and pools as through the XLA fusion in front of it, and the site is reported; without
-  the threshold kernel the knob does not fit and says why."""
+  rows; interpret mode, and natively on a GPU): the threshold kernel reads the scores kernel's padded output and
+  forms the keys itself — the same token indices and pools as through the XLA fusion in front of it, and the site
+  is reported; without the threshold kernel the knob does not fit and says why."""
   from flax import nnx  # noqa: PLC0415
   from glm5_jax import config as C  # noqa: PLC0415
   from glm5_jax.attention import Indexer  # noqa: PLC0415
@@ -448,7 +450,7 @@ def test_select_with_the_keys_formed_in_the_threshold_kernel():
   outs = []
   for knobs in ({}, {"topk_keys_in_kernel": True}, {"topk_threshold": False, "topk_keys_in_kernel": True}):
     pol = {"indexer": True, "indexer_topk": True, "topk_threshold": True, **knobs}
-    with maybe_interpret(True), use_kernels(pol), kernel_report() as rep:
+    with maybe_interpret(not native), use_kernels(pol), kernel_report() as rep:
       outs.append([np.asarray(a) for a in jax.jit(lambda *a: run(*a))(hw, q_r)])  # (a new trace per policy)
     if knobs:
       assert (("topk_keys_in_kernel", None) in rep) == pol["topk_threshold"], rep
