@@ -396,7 +396,7 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None, wall_ms=None):
   # the longest chain by GPU time: each kernel instruction weighs its kernel's mean µs per launch (a Mosaic kernel
   # serving several sites: their mean) — with the chain's launches, what the step's wall time is made of
   per_launch = {k: v[0] / (v[1] / steps) for k, v in by_name.items()}
-  ikern = profiling.instruction_kernels(hlo)
+  ikern = profiling.instruction_kernels(hlo, known=set(by_name))  # (fusions sharing one kernel: its name)
   crit = profiling.critical_paths(hlo, weights={i: per_launch.get(k, 0.0) for i, k in ikern.items()})[0]
   print(f"#   critical path by GPU time: {crit['critical']:.0f} µs in {crit['launches']} launches per step; "
         f"by component (launches) {crit['by_component']}", flush=True)
@@ -408,6 +408,9 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None, wall_ms=None):
   if kernels_path:
     with open(kernels_path, "w") as f:
       json.dump({k: [v[0], v[1] / steps, profiling.classify_kernel(k, kmap)] for k, v in heavy}, f, indent=0)
+    # the chain by GPU time, launch by launch (instruction, component, kernel, µs): small, comes back from a device
+    with open(kernels_path.replace(".kernels.json", ".critical_gpu.tsv"), "w") as f:
+      f.write("".join(f"{n}\t{c}\t{ikern.get(n)}\t{per_launch.get(ikern.get(n), 0.0):.2f}\n" for n, c in crit["path"]))
   heavy = heavy[:12]
   print("#   heaviest kernels (µs/step, launches/step): " + ", ".join(
       f"{k[:48]} {v[0]:.0f} ({v[1] / steps:.0f})" for k, v in heavy), flush=True)

@@ -1080,4 +1080,9 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
   *) echo "unknown mode $MODE (single | pair | tp2 | layers8 | cmdbuf | full | verify | trace | launch | mosaic | host | profile | topk | q4 | defaults | rows | glue | dq | batch | rest | hostflags | stepvlog | s25 | concurrent | hang | bisect)"; exit 2 ;;
 esac
 for f in "$OUT"/gpu_tests.log "$OUT"/bench_*.log "$OUT"/allreduce.log; do [ -f "$f" ] && { echo "=== $f"; grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "$f" | tail -45; }; done
+# the device tool returns at most 8 files (s39a lost its 9th): past 7, everything goes back as one archive
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf /tmp/gpu_out.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_out.tgz ./gpu_out.tgz)
+  echo "== more than 8 files: returned as gpu_out.tgz"
+fi
 echo "total $(( $(date +%s) - t0 )) s"

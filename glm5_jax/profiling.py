@@ -120,20 +120,57 @@ def _operand_names(rest: str) -> list[str]:
   return names + (_REF.findall(c.group(1)) if c else [])
 
 
-def instruction_kernels(hlo_text: str) -> dict[str, str]:
+_METADATA = re.compile(r",?\s*metadata=\{[^}]*\}")
+
+
+def _fused_bodies(hlo_text: str) -> dict[str, str]:
+  """Computation -> its instructions with the names replaced by their positions and the metadata dropped: equal
+  texts are computations XLA may compile to one kernel."""
+  lines: dict = collections.defaultdict(list)
+  for comp, name, _, _, rest in _instructions(hlo_text):
+    lines[comp].append((name, rest))
+  out = {}
+  for comp, rows in lines.items():
+    pos = {n: str(i) for i, (n, _) in enumerate(rows)}
+    out[comp] = "\n".join(_REF.sub(lambda m: "%" + pos.get(m.group(1), "c"), _METADATA.sub("", r))  # noqa: B023
+                          for _, r in rows)
+  return out
+
+
+def instruction_kernels(hlo_text: str, known=None) -> dict[str, str]:
   """Kernel-level instruction -> the name CUPTI gives the kernel it launches: XLA names a fusion's kernel after
   the instruction (``.``/``-`` -> ``_``); a Mosaic GPU kernel after its kernel name (+ MOSAIC_SUFFIX), also when
-  XLA wraps its custom call in a fusion (a dynamic-slice fusion around the KDA kernel's state slots)."""
+  XLA wraps its custom call in a fusion (a dynamic-slice fusion around the KDA kernel's state slots).
+  XLA compiles fusions with the same fused computation (or an identical one: its computation deduplicator, its
+  kernel reuse cache) to ONE kernel, named after the first of them: the 34 KDA layers' qkv GEMVs all launch
+  ``input_reduce_fusion_180`` (session 39's profile, unrolled step). Such a group maps to one name — the first
+  member (text order) whose name is in ``known`` (e.g. the names CUPTI recorded), else its first member."""
   mosaic: dict = {}  # computation -> the Mosaic kernel a custom call inside it launches
   for comp, _, op, opn, rest in _instructions(hlo_text):
     if (k := _mosaic_kernel(op, opn, rest)) is not None:
       mosaic[comp] = k + MOSAIC_SUFFIX
-  out = {}
+  bodies = _fused_bodies(hlo_text)
+  out, groups = {}, collections.defaultdict(list)
   for name, op, opn, rest, comp in _kernel_rows(hlo_text):
     own = _mosaic_kernel(op, opn, rest)
-    out[name] = (own + MOSAIC_SUFFIX if own else next((mosaic[c] for c in _called(rest) if c in mosaic), None)
+    called = _called(rest)
+    out[name] = (own + MOSAIC_SUFFIX if own else next((mosaic[c] for c in called if c in mosaic), None)
                  or _sanitize(name))
+    if op == "fusion" and out[name] == _sanitize(name) and called:
+      # the group: the fusion's kind and result shape (its line up to the operands) + its body's text
+      head = _METADATA.sub("", rest[:rest.find(" fusion(")])
+      groups[(head, _kind(rest), bodies.get(called[0], called[0]))].append(name)
+  for members in groups.values():
+    names = [_sanitize(n) for n in members]
+    pick = next((k for k in names if known is not None and k in known), names[0])
+    for n in members:
+      out[n] = pick
   return out
+
+
+def _kind(rest: str) -> str:
+  m = re.search(r"kind=(k\w+)", rest)
+  return m.group(1) if m else ""
 
 
 def critical_paths(hlo_text: str, weights: dict[str, float] | None = None) -> list[dict]:

@@ -193,6 +193,58 @@ ENTRY %main""").replace("  %cl = ", "  %dynamic-slice-fusion.4 = f32[4]{0} fusio
   assert "cc" not in k  # (inside a fused computation: not a kernel of its own)
 
 
+SHARED = """HloModule s
+
+%fused_a (p0: bf16[8]) -> f32[] {
+  %p0 = bf16[8]{0} parameter(0)
+  %cv = f32[8]{0} convert(%p0)
+  %z = f32[] constant(0)
+  ROOT %r = f32[] reduce(%cv, %z), dimensions={0}, to_apply=%add.1, metadata={op_name="jit(s)/kda/dot_general"}
+}
+
+%fused_b (p1: bf16[8]) -> f32[] {
+  %p1 = bf16[8]{0} parameter(0)
+  %cv.2 = f32[8]{0} convert(%p1)
+  %z.2 = f32[] constant(0)
+  ROOT %r.2 = f32[] reduce(%cv.2, %z.2), dimensions={0}, to_apply=%add.7, metadata={op_name="jit(s)/kda/dot_general"}
+}
+
+%fused_c (p2: bf16[8]) -> f32[] {
+  %p2 = bf16[8]{0} parameter(0)
+  %cv.3 = f32[8]{0} convert(%p2)
+  %z.3 = f32[] constant(1)
+  ROOT %r.3 = f32[] reduce(%cv.3, %z.3), dimensions={0}, to_apply=%add.1
+}
+
+ENTRY %main (a: bf16[8]) -> f32[] {
+  %a = bf16[8]{0} parameter(0)
+  %input_reduce_fusion.180 = f32[] fusion(%a), kind=kInput, calls=%fused_a, metadata={op_name="jit(s)/kda/dot_general"}
+  %input_reduce_fusion.181 = f32[] fusion(%a), kind=kInput, calls=%fused_b, metadata={op_name="jit(s)/kda/dot_general"}
+  %input_reduce_fusion.182 = f32[] fusion(%a), kind=kInput, calls=%fused_a, metadata={op_name="jit(s)/kda/dot_general"}
+  %input_reduce_fusion.183 = f32[] fusion(%a), kind=kInput, calls=%fused_c, metadata={op_name="jit(s)/kda/dot_general"}
+  %loop_reduce_fusion.9 = f32[] fusion(%a), kind=kLoop, calls=%fused_a, metadata={op_name="jit(s)/kda/dot_general"}
+  ROOT %t = (f32[], f32[], f32[], f32[], f32[]) tuple(%input_reduce_fusion.180, %input_reduce_fusion.181, %input_reduce_fusion.182, %input_reduce_fusion.183, %loop_reduce_fusion.9)
+}
+"""
+
+
+def test_fusions_sharing_one_kernel_map_to_its_name():
+  """XLA compiles fusions of one fused computation — or of identical ones — to one kernel named after the first
+  (session 39: the 34 KDA layers' qkv GEMVs all launched input_reduce_fusion_180, and the chain by GPU time weighed
+  33 of them 0): such instructions map to that one name; another body (a different constant) or another fusion
+  kind is a kernel of its own; with ``known`` (the names CUPTI recorded) the group takes the recorded name."""
+  k = P.instruction_kernels(SHARED)
+  assert k["input_reduce_fusion.180"] == k["input_reduce_fusion.181"] == k["input_reduce_fusion.182"] == \
+      "input_reduce_fusion_180"
+  assert k["input_reduce_fusion.183"] == "input_reduce_fusion_183"
+  assert k["loop_reduce_fusion.9"] == "loop_reduce_fusion_9"
+  k = P.instruction_kernels(SHARED, known={"input_reduce_fusion_181"})
+  assert {k[f"input_reduce_fusion.{i}"] for i in (180, 181, 182)} == {"input_reduce_fusion_181"}
+  # the chain by GPU time weighs every member with the shared kernel's time
+  w = {i: {"input_reduce_fusion_180": 5.0}.get(n, 0.0) for i, n in P.instruction_kernels(SHARED).items()}
+  assert w["input_reduce_fusion.181"] == w["input_reduce_fusion.182"] == 5.0
+
+
 def test_split_attributes_kernel_records():
   kmap = P.kernel_map(HLO)
   assert kmap["loop_neg_fusion_2"] == "draft" and kmap["custom_call_7"] == "kda"
