@@ -400,6 +400,11 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None, wall_ms=None):
   crit = profiling.critical_paths(hlo, weights={i: per_launch.get(k, 0.0) for i, k in ikern.items()})[0]
   print(f"#   critical path by GPU time: {crit['critical']:.0f} µs in {crit['launches']} launches per step; "
         f"by component (launches) {crit['by_component']}", flush=True)
+  chain_us = collections.Counter()
+  for n, c in crit["path"]:
+    chain_us[c] += per_launch.get(ikern.get(n), 0.0)
+  print("#   the chain's kernel time by component (µs): " + "  ".join(f"{c} {u:.0f}" for c, u in chain_us.most_common()),
+        flush=True)
   gap = None
   if wall_ms and crit["launches"]:  # what the chain's kernels leave of the step: the launches' gaps between them
     gap = (1e3 * wall_ms - crit["critical"]) / crit["launches"]
@@ -420,6 +425,7 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None, wall_ms=None):
   return dict(state=state, us_per_step=per, launches_per_step=launches, program_kernels=static,
               gpu_busy_ms=total / 1e3,
               critical_us=crit["critical"], critical_launches=crit["launches"], gap_us_per_chain_launch=gap,
+              critical_us_by_component=dict(chain_us),
               unmatched_top=dict(top), heaviest={k: v[0] for k, v in heavy})
 
 
