@@ -144,6 +144,13 @@ KNOBS = {
         "the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected weights "
         "normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three XLA kernels on "
         "the critical path (the keys, topk_by_rank's rank count and select)"),
+    "router_warp_rows": (False,
+        "with router_kernel on, at up to 4 token rows (pallas_kernels.router.ROUTE_MAX_ROWS): the router kernel "
+        "as one CTA with row m on warp m (router_route's selection: every reduction inside a warp, shuffles only) "
+        "instead of a CTA per row whose warpgroup reductions each cross warps through SMEM and a barrier — 24 "
+        "of them per row (k = 8 rounds of 3): `glm5_router_topk` took 5.2 µs per call on the MoE layer's "
+        "critical path at q = 1 (session 39's profile). Same ids and weights (interpret mode); not yet run "
+        "natively — off"),
     "moe_route": (True,
         "with fp8_moe on, at 2+ token rows: the MoE's slot tables (the distinct experts, the [slot, token] "
         "weights, the shared expert's slot) as one Mosaic launch (linear.moe_route) instead of ~7 small XLA "
@@ -874,9 +881,11 @@ class Router(nnx.Module):
     fits, why = self.kernel_fits(E)
     if kernel_enabled("router_kernel", rows, fits=fits, why=why):
       from pallas_kernels import router as kr  # noqa: PLC0415
+      warp_rows = kernel_enabled("router_warp_rows", rows, fits=rows <= kr.ROUTE_MAX_ROWS,
+                                 why=f"{rows} token rows (a warp each: up to {kr.ROUTE_MAX_ROWS})")
       ids, w = kr.router_topk(logits.reshape(rows, E).astype(jnp.float32),
                               self.e_score_correction_bias[...].astype(jnp.float32), k=k,
-                              scaling=float(self.scaling), norm=bool(self.norm))
+                              scaling=float(self.scaling), norm=bool(self.norm), warp_rows=warp_rows)
       return ids.reshape(*logits.shape[:-1], k), w.reshape(*logits.shape[:-1], k)
     s = jax.nn.sigmoid(logits)
     biased = s + self.e_score_correction_bias[...]

@@ -126,13 +126,46 @@ def _router_kernel(E: int, k: int, scaling: float, norm: bool):
   return body
 
 
-@kernel_entry("k", "scaling", "norm")
-def router_topk(logits, bias, *, k: int, scaling: float, norm: bool):
+def _router_rows_kernel(M: int, E: int, k: int, scaling: float, norm: bool):
+  """``warp_rows``: the M <= ROUTE_MAX_ROWS rows in one CTA, row m on warp m (``_select_rows``)."""
+
+  def body(l_g, b_g, ids_g, w_g, l_s, b_s, ids_s, w_s, bar):
+    _stage_rows(l_g, b_g, l_s, b_s, bar, M, E)
+    ids_v, w_v = _select_rows(l_s, b_s, E, k, scaling, norm)
+    ids_s[...] = ids_v
+    w_s[...] = w_v
+    plgpu.commit_smem()
+    for m in range(M):
+      plgpu.copy_smem_to_gmem(ids_s.at[m, pl.ds(0, k)], ids_g.at[m])
+      plgpu.copy_smem_to_gmem(w_s.at[m, pl.ds(0, k)], w_g.at[m])
+    plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+@kernel_entry("k", "scaling", "norm", "warp_rows")
+def router_topk(logits, bias, *, k: int, scaling: float, norm: bool, warp_rows: bool = False):
   """Mosaic GPU version of ``router_topk_reference`` (same signature and outputs; ids equal, w to the last ulp of
-  the GPU's sigmoid): one CTA per token row."""
+  the GPU's sigmoid): one CTA per token row, its warpgroup's reductions (each a cross-warp SMEM exchange and a
+  barrier: 3 per selected expert, k rounds — ~5.2 µs per call at one row on the H200, session 39's profile).
+  ``warp_rows``: for up to ROUTE_MAX_ROWS rows, one CTA with row m on warp m (router_route's selection,
+  ``_select_rows``): every reduction inside one warp (shuffles only, no barrier). Same ids and weights."""
   M, E = _check(logits, bias, k)
   EP = -(-E // LANES) * LANES
   f32 = jnp.float32
+  if warp_rows:
+    if M > ROUTE_MAX_ROWS:
+      raise ValueError(f"router_topk: warp_rows takes up to {ROUTE_MAX_ROWS} token rows (a warp each), got {M}")
+    R = ROUTE_MAX_ROWS
+    return mgpu_kernel(
+        _router_rows_kernel(M, E, int(k), float(scaling), bool(norm)),
+        out_type=(jax.ShapeDtypeStruct((M, k), jnp.int32), jax.ShapeDtypeStruct((M, k), f32)),
+        grid=(1,),
+        grid_names=("c",),
+        kernel_name="glm5_router_topk",
+        scratch_types=[plgpu.SMEM((R, EP), f32), plgpu.SMEM((R, EP), f32), plgpu.SMEM((R, LANES), jnp.int32),
+                       plgpu.SMEM((R, LANES), f32), plgpu.Barrier(num_arrivals=2 * M * (-(-E // BOX)))],
+    )(logits, bias)
   return mgpu_kernel(
       _router_kernel(E, int(k), float(scaling), bool(norm)),
       out_type=(jax.ShapeDtypeStruct((M, k), jnp.int32), jax.ShapeDtypeStruct((M, k), f32)),
@@ -155,6 +188,21 @@ def router_route_reference(logits, bias, *, k: int, scaling: float, norm: bool, 
   from pallas_kernels import linear as kl  # noqa: PLC0415
   ids, w = router_topk_reference(logits, bias, k=k, scaling=scaling, norm=norm)
   return ids, w, *kl.moe_route_reference(ids, w, num_experts=num_experts, n_pad=n_pad, mp=mp, shared=shared)
+
+
+def _stage_rows(l_g, b_g, l_s, b_s, bar, M: int, E: int):
+  """The M rows' logits and the bias (in every row of b_s) into [4, EP] SMEM tiles: pads first (logit -inf —
+  never selected — bias 0; rows past M: all pads), made visible to the TMA before it writes beside them; waits."""
+  R, EP = l_s.shape
+  l_s[...] = jnp.full((R, EP), -jnp.inf, jnp.float32)
+  b_s[...] = jnp.zeros((R, EP), jnp.float32)
+  plgpu.commit_smem()
+  for c0 in range(0, E, BOX):
+    n = min(BOX, E - c0)
+    for m in range(M):
+      plgpu.copy_gmem_to_smem(l_g.at[m, pl.ds(c0, n)], l_s.at[m, pl.ds(c0, n)], bar)
+      plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, n)], b_s.at[m, pl.ds(c0, n)], bar)
+  plgpu.barrier_wait(bar)
 
 
 def _select_rows(l_s, b_s, E: int, k: int, scaling: float, norm: bool):
@@ -195,18 +243,7 @@ def _router_route_kernel(M: int, E: int, k: int, scaling: float, norm: bool, mp:
   from pallas_kernels import linear as kl  # noqa: PLC0415
 
   def body(l_g, b_g, ids_g, w_g, eids_g, nv_g, r_g, l_s, b_s, ids_s, w_s, e_s, n_s, r_s, bar):
-    # the M rows' logits and the bias (in every row of b_s) into [4, EP] SMEM tiles: pads first (logit -inf —
-    # never selected — bias 0; rows past M: all pads), made visible to the TMA before it writes beside them
-    R, EP = l_s.shape
-    l_s[...] = jnp.full((R, EP), -jnp.inf, jnp.float32)
-    b_s[...] = jnp.zeros((R, EP), jnp.float32)
-    plgpu.commit_smem()
-    for c0 in range(0, E, BOX):
-      n = min(BOX, E - c0)
-      for m in range(M):
-        plgpu.copy_gmem_to_smem(l_g.at[m, pl.ds(c0, n)], l_s.at[m, pl.ds(c0, n)], bar)
-        plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, n)], b_s.at[m, pl.ds(c0, n)], bar)
-    plgpu.barrier_wait(bar)
+    _stage_rows(l_g, b_g, l_s, b_s, bar, M, E)
     ids_v, w_v = _select_rows(l_s, b_s, E, k, scaling, norm)
     ids_s[...] = ids_v
     w_s[...] = w_v

@@ -245,6 +245,17 @@ def test_router_topk_equals_sorting_router():
   assert ids2.shape == (3, 4, 8) and w2.shape == (3, 4, 8)
   np.testing.assert_array_equal(np.asarray(ids2), np.asarray(ids0))
   np.testing.assert_allclose(np.asarray(w2), np.asarray(w0), **tol("kernel_f32"))
+  # router_warp_rows at the model's call site: 3 token rows, a warp each; 12 rows do not fit (and say why)
+  from glm5_jax.layers import kernel_report  # noqa: PLC0415
+  for xs in (x[:1, :3], x):
+    with maybe_interpret(True), use_kernels({"router_kernel": True, "router_warp_rows": True}), \
+        kernel_report() as rep:
+      ids3, w3 = jax.jit(r.__call__)(xs)
+    n = xs.shape[0] * xs.shape[1]
+    reason = dict(rep)["router_warp_rows"]
+    assert (reason is None) == (n <= 4) and (reason is None or "12 token rows" in reason), rep
+    np.testing.assert_array_equal(np.asarray(ids3), np.asarray(ids0)[:xs.shape[0], :xs.shape[1]])
+    np.testing.assert_allclose(np.asarray(w3), np.asarray(w0)[:xs.shape[0], :xs.shape[1]], **tol("kernel_f32"))
 
 
 @pytest.mark.parametrize("N,k,kind,opts", [
