@@ -71,9 +71,9 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
-#   s39c (nvidia-h200):       router_warp_rows' GPU tests, then q = 1 profiled at one step per call (with it if they
-#                             pass) with the chain by GPU time weighed right (fusions sharing one kernel: its time),
-#                             the chain launch by launch (*.critical_gpu.tsv)
+#   s39c (nvidia-h200):       router_warp_rows' and topk_keys_in_kernel's GPU tests, q = 1: defaults vs each (and
+#                             both), then q = 1 profiled at one step per call with the chain by GPU time weighed
+#                             right (fusions sharing one kernel: its time), launch by launch (*.critical_gpu.tsv)
 #   s39b (nvidia-h200):       topk_keys_in_kernel natively at the model's call site (and its kernel's GPU tests), then
 #                             defaults vs topk_keys_in_kernel at q = 1 (5 interleaved repeats) and q = 4 (3)
 #   s39a (nvidia-h200):       the first profile that sees every launch (q = 1 at one step per call: kernel table,
@@ -562,16 +562,20 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
     ;;
-  s39c)  # (nvidia-h200) s39a's chain by GPU time weighed every fusion after a shared kernel's first instance 0 (33
-    # of 34 KDA sublayers skipped); profiling.instruction_kernels maps them to the shared kernel now. The same
-    # profile again: the chain's kernel time, the gap per chain launch, and the chain launch by launch
-    # with router_warp_rows (the router kernel's rows on warps: no cross-warp reductions) if its GPU tests pass:
-    # its µs per launch against s39a's 5.24 — the rest of the step is s39a's defaults
+  s39c)  # (nvidia-h200) s39b: topk_keys_in_kernel could not run at 80 steps of room (8,768 padded pools, not a
+    # multiple of the threshold kernel's 128 lanes: the scores kernel now pads to them); router_warp_rows is new.
+    # Their GPU tests, then q = 1 (4 steps per call, 80 per repeat, 5 interleaved repeats): defaults vs each knob
+    # whose tests passed, and both; then, if time remains, q = 1 profiled at one step per call — the chain by GPU
+    # time weighed right (fusions sharing one kernel: its time), launch by launch in *.critical_gpu.tsv
     gt 90 "tests/test_router_kernel.py" "kernel_gpu"
+    gt 60 "tests/test_indexer.py" "keys_formed"
+    ok() { grep -q "PASSED.*$1" "$OUT/gpu_tests.log" && ! grep -q -E "(FAILED|ERROR).*$1" "$OUT/gpu_tests.log"; }
     set -- '{}'
-    grep -q "PASSED.*kernel_gpu.*True" "$OUT/gpu_tests.log" && ! grep -q -E "(FAILED|ERROR).*kernel_gpu" \
-      "$OUT/gpu_tests.log" && set -- '{"router_warp_rows": true}'
-    rank1 s39p2 --q 1 --profile --hlo-dir "$OUT/hlo" --policy "$@" && kernel_tables 1
+    ok "keys_formed" && set -- "$@" '{"topk_keys_in_kernel": true}'
+    ok "kernel_gpu.*True" && set -- "$@" '{"router_warp_rows": true}'
+    [ $# -eq 3 ] && set -- "$@" '{"topk_keys_in_kernel": true, "router_warp_rows": true}'
+    [ "$(left)" -gt 200 ] && rank1 s39c1 --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy "$@"
+    [ "$(left)" -gt 200 ] && rank1 s39p2 --q 1 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
     rm -f "$OUT"/hlo/*.kernels.tsv  # (the listing: s39a's; keep the returned files few)
     ;;
   s39b)  # (nvidia-h200) s39a: topk_keys_in_kernel 4.42 vs 4.56 ms at q = 1 (one interleaved run: 4 repeats). The gate

@@ -329,13 +329,18 @@ class Indexer(nnx.Module):
       n_valid = (pos + 1) // self.kpool
       args = (w * (self.head_dim ** -0.5), icache["pool8"], icache["pool_scale"], n_valid)
       if kernel_enabled("indexer", B * T):
+        # the padded output's width: whole rows of the threshold kernel's lanes where it reads them as they are
+        # (topk_keys_in_kernel; session 39: a 32K + 320-position cache gave 8,768 padded pools, not a multiple of
+        # 128, and the knob could not run)
+        align = ki.THRESHOLD_LANES * (4 if kernel_switch("topk_threshold_4wg") else 1) \
+            if kernel_switch("topk_keys_in_kernel") else 64
         # indexer_q_in_kernel: the queries' FWHT + FP8 quantisation inside the scores kernel (its wgmma reads the
         # bf16 projection output as is) instead of ~3 XLA kernels in front of it
         if kernel_enabled("indexer_q_in_kernel", fits=q_raw.dtype == jnp.bfloat16,
                           why=f"{q_raw.dtype} index queries (the kernel rotates bf16 ones)"):
-          raw = ki.indexer_scores_q(q_raw, *args, padded=True)
+          raw = ki.indexer_scores_q(q_raw, *args, padded=True, align=align)
         else:
-          raw = ki.indexer_scores(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args, padded=True)
+          raw = ki.indexer_scores(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args, padded=True, align=align)
         sc = raw[..., :icache["pool8"].shape[1]]
         return (sc, raw) if padded else sc
       sc = ki.indexer_scores_reference(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args)

@@ -212,8 +212,9 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False):
   return body
 
 
-@kernel_entry("blocks_per_cta", "padded")
-def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False):
+@kernel_entry("blocks_per_cta", "padded", "align")
+def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False,
+                   align: int = 64):
   """Mosaic GPU indexer scores; same contract as ``indexer_scores_reference``.
 
   q8 [B, T, HI, 128] e4m3 (HI a multiple of 8), q_scale / w [B, T, HI] f32, k8 [B, P, 128] e4m3, k_scale [B, P]
@@ -221,9 +222,10 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   at or past n_valid (<= P) are never read, so the keys are padded only when P is not a multiple of 64 (the decode
   caches never are: glm5_jax.state.POOL_ALIGN) — a pad copies the whole key cache. ``padded``: the kernel's
   output as it is, [B, T, Pp >= P] (-inf past each token's n_valid: what the top-k threshold kernel reads with no
-  slice in between)."""
+  slice in between), Pp a multiple of ``align`` (a multiple of 64: the threshold kernel takes rows of its lanes,
+  128 per warpgroup; the grid grows by CTAs that only write -inf)."""
   wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
-  return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False, padded=padded)
+  return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False, padded=padded, align=align)
 
 
 def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
@@ -233,8 +235,9 @@ def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
   return indexer_scores_reference(q8, qs, w, k8, k_scale, n_valid, **unused)
 
 
-@kernel_entry("blocks_per_cta", "padded")
-def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False):
+@kernel_entry("blocks_per_cta", "padded", "align")
+def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False,
+                     align: int = 64):
   """Mosaic GPU version of ``indexer_scores_q_reference``: ``indexer_scores`` with the queries' FWHT and FP8
   quantisation inside the kernel (each CTA rotates the T · HI rows with one wgmma per 64 rows against the ±1
   Sylvester matrix and quantises them in registers: ``_quantize_rows``) instead of ~3 XLA kernels in front of it
@@ -243,7 +246,8 @@ def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None =
   if q.dtype != jnp.bfloat16:
     raise ValueError(f"indexer_scores_q: q {q.dtype}; expected bfloat16 (the wq_b projection's output: the "
                      "kernel's wgmma reads it as is — rotate other dtypes with indexer_scores)")
-  return _scores_call(q, w.astype(jnp.float32), k8, k_scale, n_valid, blocks_per_cta, rotate=True, padded=padded)
+  return _scores_call(q, w.astype(jnp.float32), k8, k_scale, n_valid, blocks_per_cta, rotate=True, padded=padded,
+                      align=align)
 
 
 def _sylvester128():
@@ -253,14 +257,18 @@ def _sylvester128():
   return h
 
 
-def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padded: bool = False):
+def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padded: bool = False, align: int = 64):
   B, T, HI, Dh = q.shape
   P = k8.shape[1]
   if Dh != HEAD_DIM or HI % 8:
     raise ValueError(f"indexer scores: q {q.shape}; expected [B, T, HI, {HEAD_DIM}] with HI a multiple of 8")
+  if align % BLOCK:
+    raise ValueError(f"indexer scores: align={align}; expected a multiple of {BLOCK}")
   n_blocks = -(-P // BLOCK)
   nbc = blocks_per_cta or _pick_blocks_per_cta(n_blocks, B)
   nch = -(-n_blocks // nbc)
+  step = math.lcm(nbc * BLOCK, align) // (nbc * BLOCK)  # (chunks per aligned span: the grid in whole spans)
+  nch = -(-nch // step) * step
   Pp = nch * nbc * BLOCK
   if P % BLOCK:
     # (the last block some token can see must be whole in memory; slots past n_valid are written as -inf)

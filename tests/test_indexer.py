@@ -420,20 +420,21 @@ def test_indexer_scores_with_queries_rotated_in_the_kernel():
       assert_scores_close(outs[1], outs[0], "kernel_f32")
 
 
-@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.gpu, id="gpu")],
-                         ids=lambda v: "gpu" if v else "interpret")
-def test_select_with_the_keys_formed_in_the_threshold_kernel(native):
+@pytest.mark.parametrize("native,P", [(False, 256), (False, 320), pytest.param(True, 320, marks=pytest.mark.gpu)])
+def test_select_with_the_keys_formed_in_the_threshold_kernel(native, P):
   """Policy knob topk_keys_in_kernel at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
   rows; interpret mode, and natively on a GPU): the threshold kernel reads the scores kernel's padded output and
   forms the keys itself — the same token indices and pools as through the XLA fusion in front of it, and the site
-  is reported; without the threshold kernel the knob does not fit and says why."""
+  is reported; without the threshold kernel the knob does not fit and says why. P = 320 pools: the scores kernel's
+  grid alone would pad to 320, not a multiple of the threshold kernel's 128 lanes (session 39: the real step's
+  8,768 refused the knob) — the scores kernel pads to 384 for it."""
   from flax import nnx  # noqa: PLC0415
   from glm5_jax import config as C  # noqa: PLC0415
   from glm5_jax.attention import Indexer  # noqa: PLC0415
   from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
   cfg = C.kernel_tiny()
   rng = np.random.default_rng()
-  B, T, P = 1, 2, 256
+  B, T = 1, 2
   hi, Di = cfg.index_n_heads, cfg.index_head_dim
   ix = nnx.eval_shape(lambda: Indexer(cfg, jnp.bfloat16))
   ix.wq_b.weight.set_value(jnp.asarray(rng.standard_normal(ix.wq_b.weight.shape) * 0.05, jnp.bfloat16))
