@@ -149,8 +149,9 @@ KNOBS = {
         "as one CTA with row m on warp m (router_route's selection: every reduction inside a warp, shuffles only) "
         "instead of a CTA per row whose warpgroup reductions each cross warps through SMEM and a barrier — 24 "
         "of them per row (k = 8 rounds of 3): `glm5_router_topk` took 5.2 µs per call on the MoE layer's "
-        "critical path at q = 1 (session 39's profile). Same ids and weights (interpret mode); not yet run "
-        "natively — off"),
+        "critical path at q = 1 (session 39's profile). Natively the same ids and weights (its GPU tests, 1 and "
+        "4 rows, ties and special values); in the step at q = 1 a tie: 4.26 vs 4.28 ms (rounds 2-5: 4.38 / 4.23 "
+        "/ 4.25 / 4.26 vs 4.30 / 4.28 / 4.20 / 4.20; session 39) — off"),
     "moe_route": (True,
         "with fp8_moe on, at 2+ token rows: the MoE's slot tables (the distinct experts, the [slot, token] "
         "weights, the shared expert's slot) as one Mosaic launch (linear.moe_route) instead of ~7 small XLA "
@@ -230,8 +231,10 @@ KNOBS = {
         "output as it is (f32, -inf past the complete pools) and forms the keys in registers "
         "(pallas_kernels._common.order_key_u32) instead of the XLA fusion between the two kernels (the mask, the "
         "order key, the pad to the kernel's lanes) — one launch fewer on each DSA layer's critical path (session "
-        "36's chain: scores kernel -> that fusion -> threshold kernel). Equal in interpret mode; not yet run "
-        "natively — off"),
+        "36's chain: scores kernel -> that fusion -> threshold kernel); the scores kernel then pads its output to "
+        "the threshold kernel's lanes (a cache of 8,768 padded pools refused the knob, session 39). Natively "
+        "equal at the model's call site (session 39); in the step at q = 1 a tie: 4.32 vs 4.28 ms (with "
+        "router_warp_rows 4.23; rounds spread ~0.1 ms; session 39) — off"),
     "topk_threshold_4wg": (False,
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "
