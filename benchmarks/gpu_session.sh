@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s40a (nvidia-h200):       the chain by GPU time weighed right (fusions sharing one kernel: its time): q = 1 and
+#                             q = 4 profiled at one step per call, the chains launch by launch (*.critical_gpu.tsv)
 #   s39c (nvidia-h200):       router_warp_rows' and topk_keys_in_kernel's GPU tests, q = 1: defaults vs each (and
 #                             both), then q = 1 profiled at one step per call with the chain by GPU time weighed
 #                             right (fusions sharing one kernel: its time), launch by launch (*.critical_gpu.tsv)
@@ -561,6 +563,13 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s40a)  # (nvidia-h200) session 39: ten knobs' A/Bs tie; s39a's chain by GPU time weighed every fusion after a
+    # shared kernel's first instance 0. With that fixed: which kernels' durations make up the step's chain, at
+    # q = 1 and q = 4 (one step per call: CUPTI sees every launch), launch by launch in *.critical_gpu.tsv
+    rank1 s40p1 --q 1 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
+    [ "$(left)" -gt 240 ] && rank1 s40p4 --q 4 --profile --hlo-dir "$OUT/hlo" && kernel_tables 4
+    rm -f "$OUT"/hlo/*.kernels.tsv "$OUT"/hlo/*.critical.tsv  # (keep the returned files within 8)
     ;;
   s39c)  # (nvidia-h200) s39b: topk_keys_in_kernel could not run at 80 steps of room (8,768 padded pools, not a
     # multiple of the threshold kernel's 128 lanes: the scores kernel now pads to them); router_warp_rows is new.
