@@ -510,7 +510,7 @@ def test_moe_route_cross_lowers(m):
   assert "mosaic_gpu" in cross_lower(f, SDS((m, 8), jnp.int32), SDS((m, 8), jnp.float32)).as_text()
 
 
-@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("m", [1, 8, 64])  # (fp8_dq_linear, the default form, lowers at every ROWS count below)
 @pytest.mark.parametrize("name", list(FP8_SHAPES))
 def test_fp8_linear_cross_lowers(name, m):
   n, k = FP8_SHAPES[name]
