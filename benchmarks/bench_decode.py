@@ -397,12 +397,13 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None, wall_ms=None):
   # serving several sites: their mean) — with the chain's launches, what the step's wall time is made of
   per_launch = {k: v[0] / (v[1] / steps) for k, v in by_name.items()}
   ikern = profiling.instruction_kernels(hlo, known=set(by_name))  # (fusions sharing one kernel: its name)
-  crit = profiling.critical_paths(hlo, weights={i: per_launch.get(k, 0.0) for i, k in ikern.items()})[0]
+  weights = {i: per_launch.get(k, 0.0) for i, k in ikern.items()}
+  crit = profiling.critical_paths(hlo, weights=weights)[0]
   print(f"#   critical path by GPU time: {crit['critical']:.0f} µs in {crit['launches']} launches per step; "
         f"by component (launches) {crit['by_component']}", flush=True)
   chain_us = collections.Counter()
   for n, c in crit["path"]:
-    chain_us[c] += per_launch.get(ikern.get(n), 0.0)
+    chain_us[c] += weights.get(n, 0.0)
   print("#   the chain's kernel time by component (µs): " + "  ".join(f"{c} {u:.0f}" for c, u in chain_us.most_common()),
         flush=True)
   gap = None
@@ -415,7 +416,7 @@ def _profile(dec, state, hlo, steps, context, kernels_path=None, wall_ms=None):
       json.dump({k: [v[0], v[1] / steps, profiling.classify_kernel(k, kmap)] for k, v in heavy}, f, indent=0)
     # the chain by GPU time, launch by launch (instruction, component, kernel, µs): small, comes back from a device
     with open(kernels_path.replace(".kernels.json", ".critical_gpu.tsv"), "w") as f:
-      f.write("".join(f"{n}\t{c}\t{ikern.get(n)}\t{per_launch.get(ikern.get(n), 0.0):.2f}\n" for n, c in crit["path"]))
+      f.write("".join(f"{n}\t{c}\t{ikern.get(n)}\t{weights.get(n, 0.0):.2f}\n" for n, c in crit["path"]))
   heavy = heavy[:12]
   print("#   heaviest kernels (µs/step, launches/step): " + ", ".join(
       f"{k[:48]} {v[0]:.0f} ({v[1] / steps:.0f})" for k, v in heavy), flush=True)

@@ -130,14 +130,7 @@ def _router_rows_kernel(M: int, E: int, k: int, scaling: float, norm: bool):
   """``warp_rows``: the M <= ROUTE_MAX_ROWS rows in one CTA, row m on warp m (``_select_rows``)."""
 
   def body(l_g, b_g, ids_g, w_g, l_s, b_s, ids_s, w_s, bar):
-    _stage_rows(l_g, b_g, l_s, b_s, bar, M, E)
-    ids_v, w_v = _select_rows(l_s, b_s, E, k, scaling, norm)
-    ids_s[...] = ids_v
-    w_s[...] = w_v
-    plgpu.commit_smem()
-    for m in range(M):
-      plgpu.copy_smem_to_gmem(ids_s.at[m, pl.ds(0, k)], ids_g.at[m])
-      plgpu.copy_smem_to_gmem(w_s.at[m, pl.ds(0, k)], w_g.at[m])
+    _route_rows(l_g, b_g, ids_g, w_g, l_s, b_s, ids_s, w_s, bar, M, E, k, scaling, norm)
     plgpu.wait_smem_to_gmem(0)
 
   return body
@@ -156,15 +149,13 @@ def router_topk(logits, bias, *, k: int, scaling: float, norm: bool, warp_rows: 
   if warp_rows:
     if M > ROUTE_MAX_ROWS:
       raise ValueError(f"router_topk: warp_rows takes up to {ROUTE_MAX_ROWS} token rows (a warp each), got {M}")
-    R = ROUTE_MAX_ROWS
     return mgpu_kernel(
         _router_rows_kernel(M, E, int(k), float(scaling), bool(norm)),
         out_type=(jax.ShapeDtypeStruct((M, k), jnp.int32), jax.ShapeDtypeStruct((M, k), f32)),
         grid=(1,),
         grid_names=("c",),
         kernel_name="glm5_router_topk",
-        scratch_types=[plgpu.SMEM((R, EP), f32), plgpu.SMEM((R, EP), f32), plgpu.SMEM((R, LANES), jnp.int32),
-                       plgpu.SMEM((R, LANES), f32), plgpu.Barrier(num_arrivals=2 * M * (-(-E // BOX)))],
+        scratch_types=[*_rows_scratch(EP), plgpu.Barrier(num_arrivals=2 * M * (-(-E // BOX)))],
     )(logits, bias)
   return mgpu_kernel(
       _router_kernel(E, int(k), float(scaling), bool(norm)),
@@ -190,6 +181,14 @@ def router_route_reference(logits, bias, *, k: int, scaling: float, norm: bool, 
   return ids, w, *kl.moe_route_reference(ids, w, num_experts=num_experts, n_pad=n_pad, mp=mp, shared=shared)
 
 
+def _rows_scratch(EP: int):
+  """l_s, b_s [4, EP] f32 and ids_s, w_s [4, 128]: the warp-per-row forms' SMEM (router_topk warp_rows,
+  router_route)."""
+  R = ROUTE_MAX_ROWS
+  return [plgpu.SMEM((R, EP), jnp.float32), plgpu.SMEM((R, EP), jnp.float32), plgpu.SMEM((R, LANES), jnp.int32),
+          plgpu.SMEM((R, LANES), jnp.float32)]
+
+
 def _stage_rows(l_g, b_g, l_s, b_s, bar, M: int, E: int):
   """The M rows' logits and the bias (in every row of b_s) into [4, EP] SMEM tiles: pads first (logit -inf —
   never selected — bias 0; rows past M: all pads), made visible to the TMA before it writes beside them; waits."""
@@ -203,6 +202,20 @@ def _stage_rows(l_g, b_g, l_s, b_s, bar, M: int, E: int):
       plgpu.copy_gmem_to_smem(l_g.at[m, pl.ds(c0, n)], l_s.at[m, pl.ds(c0, n)], bar)
       plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, n)], b_s.at[m, pl.ds(c0, n)], bar)
   plgpu.barrier_wait(bar)
+
+
+def _route_rows(l_g, b_g, ids_g, w_g, l_s, b_s, ids_s, w_s, bar, M: int, E: int, k: int, scaling: float,
+                norm: bool):
+  """Stage the M rows, select (a warp per row), and store each row's k ids / weights to ids_g / w_g through ids_s
+  / w_s [4, 128] (left there for router_route's tables; the caller waits for the stores)."""
+  _stage_rows(l_g, b_g, l_s, b_s, bar, M, E)
+  ids_v, w_v = _select_rows(l_s, b_s, E, k, scaling, norm)
+  ids_s[...] = ids_v
+  w_s[...] = w_v
+  plgpu.commit_smem()  # (its warpgroup barrier: every warp's row in SMEM before anyone reads them)
+  for m in range(M):
+    plgpu.copy_smem_to_gmem(ids_s.at[m, pl.ds(0, k)], ids_g.at[m])
+    plgpu.copy_smem_to_gmem(w_s.at[m, pl.ds(0, k)], w_g.at[m])
 
 
 def _select_rows(l_s, b_s, E: int, k: int, scaling: float, norm: bool):
@@ -243,14 +256,7 @@ def _router_route_kernel(M: int, E: int, k: int, scaling: float, norm: bool, mp:
   from pallas_kernels import linear as kl  # noqa: PLC0415
 
   def body(l_g, b_g, ids_g, w_g, eids_g, nv_g, r_g, l_s, b_s, ids_s, w_s, e_s, n_s, r_s, bar):
-    _stage_rows(l_g, b_g, l_s, b_s, bar, M, E)
-    ids_v, w_v = _select_rows(l_s, b_s, E, k, scaling, norm)
-    ids_s[...] = ids_v
-    w_s[...] = w_v
-    plgpu.commit_smem()  # (its warpgroup barrier: every warp's row in SMEM before the tables read them)
-    for m in range(M):
-      plgpu.copy_smem_to_gmem(ids_s.at[m, pl.ds(0, k)], ids_g.at[m])
-      plgpu.copy_smem_to_gmem(w_s.at[m, pl.ds(0, k)], w_g.at[m])
+    _route_rows(l_g, b_g, ids_g, w_g, l_s, b_s, ids_s, w_s, bar, M, E, k, scaling, norm)
     eids, count, r = kl.route_tables(lambda i, j: ids_s[i, j], lambda i, j: w_s[i, j], M, k, E, mp, shared)
     kl.store_route_tables(eids, count, r, e_s, n_s, r_s, eids_g, nv_g, r_g)
     plgpu.wait_smem_to_gmem(0)
@@ -272,7 +278,6 @@ def router_route(logits, bias, *, k: int, scaling: float, norm: bool, num_expert
                      f"of 8 <= {LANES} (one row: router_topk, whose ids are the slot table)")
   EP = -(-E // LANES) * LANES
   f32, i32 = jnp.float32, jnp.int32
-  R = ROUTE_MAX_ROWS
   return mgpu_kernel(
       _router_route_kernel(M, E, int(k), float(scaling), bool(norm), int(mp), bool(shared)),
       out_type=(jax.ShapeDtypeStruct((M, k), i32), jax.ShapeDtypeStruct((M, k), f32),
@@ -280,7 +285,6 @@ def router_route(logits, bias, *, k: int, scaling: float, norm: bool, num_expert
       grid=(1,),
       grid_names=("c",),
       kernel_name="glm5_router_route",
-      scratch_types=[plgpu.SMEM((R, EP), f32), plgpu.SMEM((R, EP), f32), plgpu.SMEM((R, LANES), i32),
-                     plgpu.SMEM((R, LANES), f32), *kl.route_scratch(mp),
+      scratch_types=[*_rows_scratch(EP), *kl.route_scratch(mp),
                      plgpu.Barrier(num_arrivals=2 * M * (-(-E // BOX)))],
   )(logits, bias)
