@@ -7,7 +7,7 @@ dispatch is counted; weights rotate over enough copies that they are cold in the
   "kern us"  the Mosaic kernel(s) alone;  "call us"  everything one call launches (activation quantisation,
   kernel, split-K/transposition epilogue);  "xla us"  every kernel of the jitted XLA version.
 
-Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32] [--only fp8,fp8dq,bf16,moe,moedq]
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32] [--only fp8,fp8dq,bf16,moe,moedq,moep]
               [--sweep] [--budget-s 200] [--out results.txt]
 Falls back to host wall-clock over many back-to-back async calls if CUPTI is unavailable (then dispatch-bound
 for small shapes; marked "wall").
@@ -168,8 +168,9 @@ def moe_weights():
   return _MOE_W
 
 
-def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shared=True):
-  """The routed experts of M token rows, + the shared expert as slot 0 (as the step runs it: 9 slots at M = 1)."""
+def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shared=True, persistent=False):
+  """The routed experts of M token rows, + the shared expert as slot 0 (as the step runs it: 9 slots at M = 1).
+  ``persistent`` (M = 1): fp8_moe_persistent, one launch, instead of fp8_moe's two."""
   e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
   w = moe_weights()
   x = jax.random.normal(jax.random.key(m), (m, d), jnp.float32).astype(jnp.bfloat16)
@@ -188,6 +189,9 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shar
   nb = int(np.mean(distinct) * 3 * i * d)
 
   def kern(x, ids, tw, *ws, **kw):
+    if persistent:  # (its counters Ref made in the call: a 512-byte fill, not a glm5_ kernel)
+      return L.fp8_moe_persistent(x, ids, tw, *ws[:6], shared=ws[6] if shared else None,
+                                  swiglu_limit=kw["swiglu_limit"], counters=L.moe_counters())
     return L.fp8_moe(x, ids, tw, *ws[:6], shared=ws[6] if shared else None, **kw)
 
   def ref(x, ids, tw, *ws, **kw):
@@ -201,8 +205,8 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shar
   xla = time_calls(jax.jit(functools.partial(xla_moe, limit=MOE["limit"])), [a[:9] for a in args])[0] \
       if with_xla else None
   slots = min(e, m * k) + int(shared)
-  p = plan or L.plan_moe(slots, i, d, L._padded_rows(m))
-  row("moedq" if dq else "moe", f"E{e} I{i} D{d} ~{np.mean(distinct):.0f}exp", m, nb, mosaic_us(names), call, xla,
+  p = L.plan_moe_persistent(slots, i, d) if persistent else (plan or L.plan_moe(slots, i, d, L._padded_rows(m)))
+  row("moep" if persistent else ("moedq" if dq else "moe"), f"E{e} I{i} D{d} ~{np.mean(distinct):.0f}exp", m, nb, mosaic_us(names), call, xla,
       err, p)
   log(f"#   per kernel (us): { {n: round(t, 1) for n, t in names.items() if 'glm5_' in n} }")
   return names
@@ -311,10 +315,11 @@ def main(argv=None):
     for m in rows:
       for name, n, k in BF16_SHAPES:
         guarded(deadline, bench_bf16, name, n, k, m)
-  for kind in ("moe", "moedq"):  # moedq: bf16 x and h, the weight tiles dequantised in registers (fp8_dq)
+  # moedq: bf16 x and h, the weight tiles dequantised in registers (fp8_dq); moep: fp8_moe_persistent (M = 1)
+  for kind in ("moe", "moedq", "moep"):
     if kind in only:
-      for m in rows:
-        names = guarded(deadline, bench_moe, m, dq=kind == "moedq")
+      for m in (rows if kind != "moep" else [1]):
+        names = guarded(deadline, bench_moe, m, dq=kind != "moe", persistent=kind == "moep")
         if names:
           log(f"# kernel us per {kind} call: { {n: round(t, 1) for n, t in names.items()} }")
   if a.sweep:

@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s40b (nvidia-h200):       fp8_moe_persistent (the single-row MoE as one launch): its GPU test, bench_linear moedq
+#                             vs moep at M = 1, then q = 1 defaults vs moe_persistent (5 interleaved repeats, 80 steps)
 #   s40a (nvidia-h200):       the chain by GPU time weighed right (fusions sharing one kernel: its time): q = 1 and
 #                             q = 4 profiled at one step per call, the chains launch by launch (*.critical_gpu.tsv)
 #   s39c (nvidia-h200):       router_warp_rows' and topk_keys_in_kernel's GPU tests, q = 1: defaults vs each (and
@@ -563,6 +565,16 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s40b)  # (nvidia-h200) s40a: at q = 1 the chain's kernels are 4,056 µs of the step, MoE 1,101 of them (gate/up 13.9
+    # + glue + down 8.7 µs per layer, both grids 288 CTAs on 132 SMs). The persistent MoE natively (its GPU test:
+    # one launch == three launches == the reference, counters left zero), alone (bench_linear), then in the step
+    gt 240 "tests/test_linear_kernels.py" "persistent"
+    timeout -s INT 120 python3 benchmarks/bench_linear.py --rows 1 --only moedq,moep > "$OUT/bench_linear.log" 2>&1
+    set -- '{}'
+    grep -q "PASSED.*persistent_gpu" "$OUT/gpu_tests.log" && set -- "$@" '{"moe_persistent": true}'
+    [ $# -eq 2 ] && [ "$(left)" -gt 200 ] && rank1 s40b1 --q 1 --steps-per-call 4 --interleave --repeats 5 \
+      --steps 80 --policy "$@"
     ;;
   s40a)  # (nvidia-h200) session 39: ten knobs' A/Bs tie; s39a's chain by GPU time weighed every fusion after a
     # shared kernel's first instance 0. With that fixed: which kernels' durations make up the step's chain, at

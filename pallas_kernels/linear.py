@@ -1309,10 +1309,428 @@ def fp8_moe_reference(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_d
   return ys.reshape(m, k, -1).sum(1)
 
 
+# ------------------------------------------------------------------------------------------------------------
+# the single-row MoE as ONE persistent launch
+# ------------------------------------------------------------------------------------------------------------
+# fp8_moe at M = 1 is two launches on the MoE layer's critical path: gate/up (37.7 MB of FP8 at the real TP4 rank:
+# 9 slots x 2 x 512 x 4096) and down (18.9 MB), with an XLA glue kernel between them. Both grids leave the SMs
+# unevenly loaded — 288 CTAs of equal bytes on 132 SMs: 24 SMs stream three CTAs' bytes while the rest stream two
+# (session 39's profile: gate/up 13.9 µs = 2.7 TB/s, down 8.7 µs = 2.2 TB/s, 3.7 µs of glue between).
+# fp8_moe_persistent runs both halves in ONE launch of G <= 128 CTAs, all resident at once:
+#   * phase 1 (gate/up): the (slot, 64-row tile of I, 128-block of D) items flattened and dealt out in equal
+#     contiguous ranges (18 per CTA at the real shape: no SM streams more than 18 items' bytes); a range spans at
+#     most two (slot, tile) pairs, and each pair's partial (gate, up) accumulators go to GMEM as pieces;
+#   * barrier A; phase 1b: CTA p sums pair p's pieces (from L2), applies the clamped SwiGLU and the slot's routing
+#     weight and writes its 64 values of h [S, m, I] (bf16, the down wgmma's operand); barrier B;
+#   * phase 2 (down): CTA (64-row tile t of D, share hh of the slots' 128-blocks of I). Its down weight tiles do not
+#     depend on h: they are requested at the kernel's START into SMEM of their own (8 KiB each, 18 at the real
+#     shape) and stream during phase 1, so after barrier B only h (2 KiB per item, from L2) is waited for. The
+#     shares of a tile are summed on a split-K counter by the last share's CTA, which writes y [m, D].
+# The barriers are GMEM counters of one jax Ref (moe_counters); CTA 0 zeroes them at the end once every CTA has
+# passed both (a third counter), so each call leaves the Ref as it found it. GPU interpret mode runs neither
+# counters nor resident CTAs: there the phases run as three launches of the same code and XLA adds the shares.
+MOE_COUNTERS = 128  # barriers A, B and "past B", then one split-K counter per 64-row tile of D
+_MOE_BAR_A, _MOE_BAR_B, _MOE_BAR_C, _MOE_TILE0 = 0, 1, 2, 3
+MOE_GRID_MAX = 128  # CTAs that must be resident at once (132 SMs, one CTA each: ~200 KB of SMEM)
+_DN_BM = 64  # down tile rows (D) and gate/up tile rows (I)
+
+
+def moe_counters():
+  """The counters of fp8_moe_persistent's barriers and split-K sums in one traced program: a jax Ref (one zero
+  fill per step), passed through every call in order (each call's aliased operand), each call leaving it zero."""
+  return jax.new_ref(jnp.zeros((MOE_COUNTERS,), jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistentMoePlan:
+  """Static schedule of :func:`fp8_moe_persistent` (S slots, I, D, mp token rows padded).
+
+  G CTAs; phase 1: n1 = S·(I/64)·(D/128) gate/up items, P1 per CTA (contiguous), a (slot, tile) pair split into at
+  most kmax pieces; phase 2: T2 = D/64 row tiles x H2 shares of the n2 = S·(I/128) down items of a tile, P2 per
+  CTA; stages: the gate/up ring depth."""
+
+  S: int
+  I: int
+  D: int
+  mp: int
+  G: int
+  P1: int
+  kmax: int
+  T2: int
+  H2: int
+  P2: int
+  stages: int
+
+  @property
+  def db(self):
+    return self.D // BLOCK
+
+  @property
+  def tpr(self):  # 64-row gate/up tiles per slot
+    return self.I // _DN_BM
+
+  @property
+  def pairs(self):
+    return self.S * self.tpr
+
+  @property
+  def n1(self):
+    return self.pairs * self.db
+
+  @property
+  def ib(self):
+    return self.I // BLOCK
+
+  @property
+  def n2(self):
+    return self.S * self.ib
+
+
+def plan_moe_persistent(n_slots: int, inter: int, hidden: int, mp: int = 8, *, stages: int | None = None,
+                        max_ctas: int = MOE_GRID_MAX) -> PersistentMoePlan:
+  """The schedule for S = ``n_slots`` expert slots of I = ``inter``, D = ``hidden`` (both multiples of 128): as
+  many CTAs as the down phase's 64-row tiles x shares fill up to ``max_ctas`` (each share's down tiles must fit in
+  SMEM beside the gate/up ring), the gate/up items dealt out evenly over them."""
+  if inter % BLOCK or hidden % BLOCK:
+    raise ValueError(f"fp8_moe_persistent: I = {inter}, D = {hidden}; expected multiples of {BLOCK}")
+  T2 = hidden // _DN_BM
+  if T2 > min(max_ctas, MOE_COUNTERS - _MOE_TILE0):
+    raise ValueError(f"fp8_moe_persistent: D = {hidden} has {T2} row tiles of {_DN_BM}; at most "
+                     f"{min(max_ctas, MOE_COUNTERS - _MOE_TILE0)} (one resident CTA each)")
+  n2 = n_slots * (inter // BLOCK)
+  H2 = max(1, min(n2, max_ctas // T2))
+  P2 = -(-n2 // H2)
+  G = T2 * H2
+  n1 = n_slots * (inter // _DN_BM) * (hidden // BLOCK)
+  P1 = -(-n1 // G)
+  db = hidden // BLOCK
+  kmax = max((p * db + db - 1) // P1 - (p * db) // P1 + 1 for p in range(n_slots * (inter // _DN_BM)))
+  dn_bytes = P2 * _DN_BM * BLOCK  # the down tiles, resident
+  stage_bytes = 2 * _DN_BM * BLOCK + mp * BLOCK * 2
+  budget = SMEM_BYTES - 12 * 1024 - dn_bytes  # (h's tiles for phase 2 reuse the ring's SMEM: RefUnion)
+  if budget < max(stage_bytes, P2 * mp * BLOCK * 2):
+    raise ValueError(f"fp8_moe_persistent: {P2} down tiles per CTA ({dn_bytes} B) leave no SMEM for the gate/up "
+                     "ring and h")
+  st = max(1, min(stages or 4, budget // stage_bytes, P1))
+  return PersistentMoePlan(S=n_slots, I=inter, D=hidden, mp=mp, G=G, P1=P1, kmax=kmax, T2=T2, H2=H2, P2=P2,
+                           stages=st)
+
+
+def _moe_slot(ids_ref, tw_ref, s, *, k: int, shared: bool, num_experts: int):
+  """Slot s of a single row's static table -> (expert id, routing weight, whether it is the shared slot): slot 0
+  is the shared expert (weight 1) when ``shared``; slot s is the row's (s - shared)-th router id otherwise (an id
+  out of range — never from the router — reads expert 0 with weight 0)."""
+  j = jnp.clip(s - int(shared), 0, k - 1)
+  e_raw = ids_ref[j]
+  ok = (e_raw >= 0) & (e_raw < num_experts)
+  e, w = jnp.where(ok, e_raw, 0), jnp.where(ok, tw_ref[0, j], 0.0)
+  if not shared:
+    return e, w, jnp.bool_(False)
+  is_sh = s == 0
+  return e, jnp.where(is_sh, 1.0, w), is_sh
+
+
+def _copy_expert_tile(w_ref, ws_ref, e, is_sh, rows, cols, dst, bar, shared: bool):
+  """TMA of one weight tile of expert e (or of the shared expert's own array when is_sh) into dst."""
+  if not shared:
+    plgpu.copy_gmem_to_smem(w_ref.at[e, rows, cols], dst, bar)
+    return
+  pl.when(is_sh)(lambda: plgpu.copy_gmem_to_smem(ws_ref.at[rows, cols], dst, bar))
+  pl.when(jnp.logical_not(is_sh))(lambda: plgpu.copy_gmem_to_smem(w_ref.at[e, rows, cols], dst, bar))
+
+
+def _expert_scale(s_ref, ss_ref, e, is_sh, nb, kb, shared: bool):
+  sc = s_ref[e, nb, kb]
+  return jnp.where(is_sh, ss_ref[nb, kb], sc) if shared else sc
+
+
+def _moe_p1(c, plan: PersistentMoePlan, x_ref, slot_of, w, parts_ref, ring, a_s):
+  """Phase 1 of CTA c: its P1 gate/up items (flattened (pair, D block) order), the ring of ``plan.stages`` stages,
+  each (slot, tile) pair's partial accumulators stored as piece c - first CTA of the pair: parts [pairs, kmax, 2,
+  64, mp] f32."""
+  wg_ref, sg_ref, wu_ref, su_ref, wgs_ref, sgs_ref, wus_ref, sus_ref = w
+  wg_s, wu_s, x_s, bar = ring
+  P, db, st, sh = plan.P1, plan.db, plan.stages, wgs_ref is not None
+  i0 = c * P
+  n_items = jnp.clip(plan.n1 - i0, 0, P)
+
+  def item(j):
+    i = i0 + j
+    p = i // db
+    s = p // plan.tpr
+    e, _, is_sh = slot_of(s)
+    return p, s, (p % plan.tpr) * _DN_BM, i % db, e, is_sh
+
+  def issue(j):
+    slot = j % st
+    _, _, row0, kb, e, is_sh = item(j)
+    rows, cols = pl.ds(row0, _DN_BM), pl.ds(kb * BLOCK, BLOCK)
+    _copy_expert_tile(wg_ref, wgs_ref, e, is_sh, rows, cols, wg_s.at[slot], bar.at[slot], sh)
+    _copy_expert_tile(wu_ref, wus_ref, e, is_sh, rows, cols, wu_s.at[slot], bar.at[slot], sh)
+    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, plan.mp), cols], x_s.at[slot], bar.at[slot])  # (zero rows past m)
+
+  for j in range(min(st, P)):
+    pl.when(j < n_items)(functools.partial(issue, j))
+
+  def step(j, carry):
+    acc_g, acc_u = carry
+    slot = j % st
+    _, _, row0, kb, e, is_sh = item(j)
+    nb = row0 // BLOCK
+    sg = _expert_scale(sg_ref, sgs_ref, e, is_sh, nb, kb, sh)
+    su = _expert_scale(su_ref, sus_ref, e, is_sh, nb, kb, sh)
+    plgpu.barrier_wait(bar.at[slot])
+    g = _mma_tile(wg_s.at[slot], x_s.at[slot], plan.mp, True, a_s)
+    u = _mma_tile(wu_s.at[slot], x_s.at[slot], plan.mp, True, a_s)
+    pl.when(j + st < n_items)(lambda: issue(j + st))
+    return acc_g + g * sg, acc_u + u * su
+
+  p0 = i0 // db
+  zero = plgpu.layout_cast(jnp.zeros((_DN_BM, plan.mp), jnp.float32), plgpu.Layout.WGMMA)
+  for seg in range(P // db + 2):  # the pairs this range touches (at most two when P1 < D/128)
+    p = p0 + seg
+    lo = jnp.maximum(i0, p * db) - i0
+    hi = jnp.minimum(i0 + n_items, (p + 1) * db) - i0
+    acc_g, acc_u = lax.fori_loop(lo, jnp.maximum(hi, lo), step, (zero, zero))
+
+    @pl.when(hi > lo)
+    def _():
+      piece = c - (p * db) // P
+      parts_ref[p, piece, 0] = acc_g
+      parts_ref[p, piece, 1] = acc_u
+
+
+def _moe_p1b(c, plan: PersistentMoePlan, parts_ref, slot_of, h, limit: float):
+  """Phase 1b of CTA c: pair p = c (+ G, ...) summed over its pieces (from L2), h = SwiGLU times the slot's
+  routing weight written as its 64 values of the m token rows of h [S, m, I] bf16 (``_gate_up_rows``)."""
+  db, P = plan.db, plan.P1
+  for r in range(-(-plan.pairs // plan.G)):
+    p = c + r * plan.G
+
+    @pl.when(p < plan.pairs)
+    def _():
+      count = (p * db + db - 1) // P - (p * db) // P + 1
+      piece = lambda k, j: plgpu.load(parts_ref.at[p, k, j], layout=plgpu.Layout.WGMMA, optimized=False)  # noqa
+      tot = lax.fori_loop(1, count, lambda k, t: (t[0] + piece(k, 0), t[1] + piece(k, 1)),
+                          (piece(0, 0), piece(0, 1)))  # (only the pair's count pieces were written)
+      s = p // plan.tpr
+      _, wt, _ = slot_of(s)
+      _gate_up_rows(h, lambda r_: wt, tot[0], tot[1], limit=limit, slot=s, row0=(p % plan.tpr) * _DN_BM)
+
+
+def _moe_p2_issue_down(c, plan: PersistentMoePlan, slot_of, wd_ref, wds_ref, wd_s, dbar):
+  """Phase 2's down weight tiles of CTA c requested (they do not depend on h): item j -> wd_s[j], dbar[j]."""
+  t, hh = c // plan.H2, c % plan.H2
+  q0 = hh * plan.P2
+  n2 = jnp.clip(plan.n2 - q0, 0, plan.P2)
+  for j in range(plan.P2):
+    @pl.when(j < n2)
+    def _():
+      q = q0 + j
+      e, _, is_sh = slot_of(q // plan.ib)
+      _copy_expert_tile(wd_ref, wds_ref, e, is_sh, pl.ds(t * _DN_BM, _DN_BM), pl.ds((q % plan.ib) * BLOCK, BLOCK),
+                        wd_s.at[j], dbar.at[j], wds_ref is not None)
+
+
+def _moe_p2(c, plan: PersistentMoePlan, slot_of, h_ref, sd_ref, sds_ref, wd_s, dbar, hx_s, hbar, a_s, out):
+  """Phase 2 of CTA c (row tile t, share hh): its down items' tiles (requested by _moe_p2_issue_down) times h's
+  128-blocks (requested here, from L2) -> ``out(acc [64, mp], t, hh)``."""
+  t, hh = c // plan.H2, c % plan.H2
+  q0 = hh * plan.P2
+  n2 = jnp.clip(plan.n2 - q0, 0, plan.P2)
+  for j in range(plan.P2):
+    @pl.when(j < n2)
+    def _():
+      q = q0 + j
+      plgpu.copy_gmem_to_smem(h_ref.at[q // plan.ib, pl.ds(0, plan.mp), pl.ds((q % plan.ib) * BLOCK, BLOCK)],
+                              hx_s.at[j], hbar.at[j])  # (the TMA zero-fills rows m..mp)
+  nb = (t * _DN_BM) // BLOCK
+  sh = sds_ref is not None
+
+  def step(j, acc):
+    q = q0 + j
+    e, _, is_sh = slot_of(q // plan.ib)
+    scale = _expert_scale(sd_ref, sds_ref, e, is_sh, nb, q % plan.ib, sh)
+    plgpu.barrier_wait(dbar.at[j])
+    plgpu.barrier_wait(hbar.at[j])
+    return acc + _mma_tile(wd_s.at[j], hx_s.at[j], plan.mp, True, a_s) * scale
+
+  acc = lax.fori_loop(0, n2, step, plgpu.layout_cast(jnp.zeros((_DN_BM, plan.mp), jnp.float32),
+                                                     plgpu.Layout.WGMMA))
+  out(acc, t, hh)
+
+
+def _fence_proxy_async_global():
+  """Order this thread's generic-proxy view of GMEM with its async-proxy (TMA) accesses: h is written by plain
+  stores... and TMA stores of other CTAs, then read here by TMA after an acquire."""
+  @plgpu.inline_mgpu()
+  def fence(_):
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "", has_side_effects=True)
+
+  fence()
+
+
+def _moe_weight_refs(refs, shared: bool):
+  """(wg, sg, wu, su, wgs, sgs, wus, sus), (wd, sd, wds, sds), rest — the weight refs after x, ids, tw."""
+  it = iter(refs)
+  take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
+  wg, sg, wu, su = take(4)
+  wgs, sgs, wus, sus = take(4) if shared else (None,) * 4
+  wd, sd = take(2)
+  wds, sds = take(2) if shared else (None, None)
+  return (wg, sg, wu, su, wgs, sgs, wus, sus), (wd, sd, wds, sds), list(it)
+
+
+def _moe_persistent_kernel(*refs, plan: PersistentMoePlan, k: int, shared: bool, limit: float, phase: int,
+                           a_smem: bool):
+  """phase 0: the one-launch form (barriers on the counters); 1 / 2 / 3: one phase as a launch of its own (GPU
+  interpret mode's form: no counters). Refs: x [m, D] bf16, ids [k] int32, tw [1, k] f32, the weights
+  (_moe_weight_refs), [counters], then the outputs and scratch of the phase(s)."""
+  x_ref, ids_ref, tw_ref = refs[:3]
+  w1, (wd_ref, sd_ref, wds_ref, sds_ref), rest = _moe_weight_refs(refs[3:], shared)
+  c = lax.axis_index("c")
+  slot_of = functools.partial(_moe_slot, ids_ref, tw_ref, k=k, shared=shared, num_experts=w1[0].shape[0])
+  if phase == 0:
+    ctr, parts_ref, h_ref, *rest = rest
+    o_ref = rest.pop(0) if plan.H2 > 1 else None
+    y_ref, union, wd_s, dbar, bar, hbar, h_s, y_s, *a = rest
+    a_s = a[0] if a_smem else None
+    (wg_s, wu_s, x_s), hx_s = union
+    _moe_p2_issue_down(c, plan, slot_of, wd_ref, wds_ref, wd_s, dbar)  # streams through phase 1
+    _moe_p1(c, plan, x_ref, slot_of, w1, parts_ref, (wg_s, wu_s, x_s, bar), a_s)
+
+    def grid_barrier(i):
+      counter_signal(ctr.at[pl.ds(i, 1)])
+      counter_wait(ctr.at[pl.ds(i, 1)], plan.G)
+
+    grid_barrier(_MOE_BAR_A)
+    _moe_p1b(c, plan, parts_ref, slot_of, (h_ref, h_s), limit)
+    _fence_proxy_async_global()  # (h's TMA stores, before the release that publishes them)
+    grid_barrier(_MOE_BAR_B)
+    counter_signal(ctr.at[pl.ds(_MOE_BAR_C, 1)])  # past both barriers: CTA 0 may zero them at the end
+    _fence_proxy_async_global()  # (the acquire above, before this CTA's TMA reads of h)
+
+    def out(acc, t, hh):
+      _split_out(o_ref, ctr if plan.H2 > 1 else None, acc, sk=hh, tile=t + _MOE_TILE0, row0=t * _DN_BM,
+                 bm=_DN_BM, split=plan.H2, rows=(y_ref, y_s))
+
+    _moe_p2(c, plan, slot_of, h_ref, sd_ref, sds_ref, wd_s, dbar, hx_s, hbar, a_s, out)
+
+    @pl.when(c == 0)
+    def _():
+      counter_wait(ctr.at[pl.ds(_MOE_BAR_C, 1)], plan.G)
+      for i in (_MOE_BAR_A, _MOE_BAR_B, _MOE_BAR_C):
+        ctr[i] = jnp.int32(0)
+  elif phase == 1:
+    parts_ref, wg_s, wu_s, x_s, bar, *a = rest
+    _moe_p1(c, plan, x_ref, slot_of, w1, parts_ref, (wg_s, wu_s, x_s, bar), a[0] if a_smem else None)
+  elif phase == 2:
+    parts_ref, h_ref, h_s = rest
+    _moe_p1b(c, plan, parts_ref, slot_of, (h_ref, h_s), limit)
+  else:
+    h_ref, o_ref, wd_s, dbar, hx_s, hbar, *a = rest
+    _moe_p2_issue_down(c, plan, slot_of, wd_ref, wds_ref, wd_s, dbar)
+
+    def out(acc, t, hh):
+      o_ref[hh, pl.ds(t * _DN_BM, _DN_BM), :] = acc
+
+    _moe_p2(c, plan, slot_of, h_ref, sd_ref, sds_ref, wd_s, dbar, hx_s, hbar, a[0] if a_smem else None, out)
+
+
+@kernel_entry("swiglu_limit", "out_dtype", "launches", "stages", "max_ctas", "a_from")
+def fp8_moe_persistent(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,
+                       swiglu_limit: float, shared=None, counters=None, out_dtype=jnp.float32,
+                       launches: int | None = None, stages: int | None = None, max_ctas: int = MOE_GRID_MAX,
+                       a_from: str | None = None):
+  """:func:`fp8_moe` for ONE token row (decode at B = 1, q = 1) as one persistent launch (see the section comment):
+  the same arguments (``dq`` always: bf16 x, each FP8 weight tile dequantised to bf16 in registers) and result y
+  [1, D] out_dtype. ``counters``: the Ref of :func:`moe_counters` (required for the one-launch form). ``launches``:
+  1 (the default on a GPU) or 3 — the phases as launches of their own and XLA's sum of the down shares (GPU
+  interpret mode's form, and the GPU tests' reference for the one-launch form). ``stages`` / ``max_ctas``: the
+  plan's (plan_moe_persistent). Needs I, D multiples of 128."""
+  m, d = x.shape
+  e_num, inter, d2 = w_gate.shape
+  k = topk_ids.shape[1]
+  if m != 1 or topk_ids.shape != (1, k) or topk_weights.shape != (1, k):
+    raise ValueError(f"fp8_moe_persistent: x {x.shape}, ids {topk_ids.shape}, weights {topk_weights.shape}; "
+                     "expected one token row (fp8_moe takes more)")
+  if d != d2 or w_down.shape != (e_num, d, inter) or w_up.shape != w_gate.shape:
+    raise ValueError(f"fp8_moe_persistent: inconsistent MoE weight shapes {w_gate.shape}, {w_up.shape}, "
+                     f"{w_down.shape} for x {x.shape}")
+  has_sh = shared is not None
+  if has_sh and (shared[0].shape != (inter, d) or shared[4].shape != (d, inter)):
+    raise ValueError(f"fp8_moe_persistent: shared expert shapes {shared[0].shape} / {shared[4].shape}, expected "
+                     f"{(inter, d)} / {(d, inter)}")
+  launches = launches or (3 if interpreting() else 1)
+  if launches not in (1, 3):
+    raise ValueError(f"fp8_moe_persistent: launches = {launches}, expected 1 (grid barriers) or 3")
+  if launches == 1 and interpreting():
+    raise ValueError("fp8_moe_persistent: the one-launch form cannot run in GPU interpret mode (no counters, no "
+                     "resident CTAs): launches=3")
+  if launches == 1 and (counters is None or counters.shape != (MOE_COUNTERS,) or counters.dtype != jnp.int32):
+    got = None if counters is None else (counters.shape, counters.dtype)
+    raise ValueError(f"fp8_moe_persistent: counters {got}; the one-launch form needs moe_counters()' int32 "
+                     f"[{MOE_COUNTERS}]")
+  n_slots = k + int(has_sh)
+  mp = _padded_rows(m)
+  plan = plan_moe_persistent(n_slots, inter, d, mp, stages=stages, max_ctas=max_ctas)
+  a_smem = _a_smem(a_from)
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  xb = x.astype(bf16)
+  ids = topk_ids.reshape(k).astype(jnp.int32)
+  tw = topk_weights.astype(f32)
+  wts = [w_gate, s_gate.astype(f32), w_up, s_up.astype(f32)]
+  if has_sh:
+    wts += [shared[0], shared[1].astype(f32), shared[2], shared[3].astype(f32)]
+  wts += [w_down, s_down.astype(f32)]
+  if has_sh:
+    wts += [shared[4], shared[5].astype(f32)]
+  st = plan.stages
+  ring = [plgpu.SMEM((st, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((st, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((st, mp, BLOCK), bf16, transforms=_tr(bf16, BLOCK))]
+  wd_s = plgpu.SMEM((plan.P2, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK))
+  hx_s = plgpu.SMEM((plan.P2, mp, BLOCK), bf16, transforms=_tr(bf16, BLOCK))
+  a_tile = [plgpu.SMEM((_DN_BM, BLOCK), bf16, transforms=_tr(bf16, BLOCK))] if a_smem else []
+  parts_t = jax.ShapeDtypeStruct((plan.pairs, plan.kmax, 2, _DN_BM, mp), f32)
+  h_t = jax.ShapeDtypeStruct((n_slots, m, inter), bf16)
+  h_s = plgpu.SMEM((m, _DN_BM), bf16)
+  statics = dict(plan=plan, k=k, shared=has_sh, limit=float(swiglu_limit), a_smem=a_smem)
+  launch = functools.partial(mgpu_kernel, grid=(plan.G,), grid_names=("c",))
+  if launches == 1:
+    y_t = jax.ShapeDtypeStruct((m, d), out_dtype)
+    outs = (parts_t, h_t) + ((jax.ShapeDtypeStruct((plan.H2 - 1, d, mp), f32),) if plan.H2 > 1 else ()) + (y_t,)
+    got = launch(functools.partial(_moe_persistent_kernel, phase=0, **statics), out_type=outs,
+                 kernel_name="glm5_moe_persistent",
+                 # (the gate/up ring is dead once phase 1 ends: h's tiles for phase 2 reuse its SMEM)
+                 scratch_types=[plgpu.RefUnion(tuple(ring), hx_s), wd_s,
+                                plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2),
+                                plgpu.Barrier(num_arrivals=3, num_barriers=st),
+                                plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2),
+                                h_s, plgpu.SMEM((m, _DN_BM), out_dtype), *a_tile],
+                 )(xb, ids, tw, *wts, counters)
+    return got[-1]
+  parts = launch(functools.partial(_moe_persistent_kernel, phase=1, **statics), out_type=parts_t,
+                 kernel_name="glm5_moe_persistent_p1",
+                 scratch_types=[*ring, plgpu.Barrier(num_arrivals=3, num_barriers=st), *a_tile],
+                 )(xb, ids, tw, *wts)
+  h = launch(functools.partial(_moe_persistent_kernel, phase=2, **statics), out_type=h_t,
+             kernel_name="glm5_moe_persistent_p1b", scratch_types=[h_s])(xb, ids, tw, *wts, parts)
+  o = launch(functools.partial(_moe_persistent_kernel, phase=3, **statics),
+             out_type=jax.ShapeDtypeStruct((plan.H2, d, mp), f32), kernel_name="glm5_moe_persistent_p2",
+             scratch_types=[wd_s, plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2), hx_s,
+                            plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2), *a_tile],
+             )(xb, ids, tw, *wts, h)
+  return o[..., :m].sum(0).T.astype(out_dtype)
+
+
 __all__ = [
     "Plan", "MoePlan", "plan_linear", "plan_moe", "activation_scale", "quantize_activations", "e4m3_value",
     "splitk_counters", "SPLITK_COUNTERS",
     "dequantize_fp8",
     "fp8_linear", "fp8_linear_q", "fp8_linear_reference", "bf16_linear", "bf16_linear_reference",
     "fp8_moe", "fp8_moe_reference", "moe_route", "moe_route_reference",
+    "PersistentMoePlan", "plan_moe_persistent", "fp8_moe_persistent", "moe_counters", "MOE_COUNTERS",
 ]

@@ -306,6 +306,72 @@ def test_fp8_moe_rows_form_interpret(m, e, k, shared, bad_id):
   assert_close(y, L.fp8_moe_reference(*ref_args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
 
 
+@pytest.mark.parametrize("e,i,d,k,shared,max_ctas,bad_id", [
+    (6, 256, 384, 2, True, L.MOE_GRID_MAX, False),  # one item per CTA; the shared slot's own arrays
+    # 16 CTAs: 3 gate/up items each over pairs of 4 D blocks — ranges straddle pairs, pairs split into pieces of
+    # 1-3 items on up to 2 CTAs — and 3 down items per share, 2 shares of a row tile summed; an out-of-range id
+    (6, 256, 512, 3, False, 16, True),
+])
+def test_fp8_moe_persistent_interpret(e, i, d, k, shared, max_ctas, bad_id):
+  """fp8_moe_persistent's three-launch form (GPU interpret mode: its phases' code without the grid barriers) ==
+  the reference, and fp8_moe's (dq) result within bf16 rounding of h (another summation order)."""
+  args = list(moe_inputs(jax.random.key(350 + d), 1, e, i, d, k))
+  if bad_id:
+    args[1] = args[1].at[0, 1].set(e)
+  sh = _shared_expert(jax.random.key(360 + d), i, d) if shared else None
+  plan = L.plan_moe_persistent(k + shared, i, d, max_ctas=max_ctas)
+  if max_ctas == 16:
+    assert (plan.G, plan.P1, plan.P2, plan.H2, plan.kmax) == (16, 3, 3, 2, 2), plan
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.fp8_moe_persistent, swiglu_limit=1.0, max_ctas=max_ctas))(*args, shared=sh)
+    y0 = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True))(*args, shared=sh)
+  ref_args = list(args)
+  if bad_id:  # (the masked expert contributes nothing: expert 0 with weight 0)
+    ref_args[1], ref_args[2] = args[1].at[0, 1].set(0), args[2].at[0, 1].set(0.0)
+  assert y.shape == (1, d) and y.dtype == jnp.float32
+  assert_close(y, L.fp8_moe_reference(*ref_args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
+  assert_close(y, y0, "kernel_bf16")
+
+
+def test_moe_persistent_plan_covers_every_item_once():
+  """The real TP4 rank's schedule (9 slots, I = 512, D = 4096): 128 CTAs of 18 gate/up items (no SM streams
+  more) and 18 down tiles each; every gate/up item in exactly one CTA's range, every (slot, tile) pair's pieces
+  numbered 0.. < kmax by CTA; the down items of each row tile split over its shares; the SMEM fits."""
+  plan = L.plan_moe_persistent(9, 512, 4096)
+  assert (plan.G, plan.P1, plan.P2, plan.H2, plan.T2) == (128, 18, 18, 2, 64), plan
+  seen = np.zeros(plan.n1, int)
+  pieces = {}
+  for c in range(plan.G):
+    lo, hi = c * plan.P1, min((c + 1) * plan.P1, plan.n1)
+    seen[lo:hi] += 1
+    for i in range(lo, hi):
+      p = i // plan.db
+      pieces.setdefault(p, set()).add(c - (p * plan.db) // plan.P1)
+  assert np.all(seen == 1)
+  assert all(s == set(range(len(s))) and len(s) <= plan.kmax for s in pieces.values())
+  down = np.zeros(plan.n2, int)
+  for hh in range(plan.H2):
+    down[hh * plan.P2:(hh + 1) * plan.P2] += 1
+  assert np.all(down == 1)
+  smem = plan.P2 * 64 * 128 + max(plan.stages * (2 * 64 * 128 + 8 * 128 * 2), plan.P2 * 8 * 128 * 2)
+  assert plan.stages >= 3 and smem <= L.SMEM_BYTES - 8 * 1024, (plan, smem)
+
+
+def test_fp8_moe_persistent_rejects_bad_input():
+  """More than one token row, a one-launch call without the counters Ref (or in interpret mode), and a hidden
+  size with more row tiles than resident CTAs are refused by name."""
+  args = list(moe_inputs(jax.random.key(370), 2, 6, 256, 384, 2))
+  with pytest.raises(ValueError, match=r"fp8_moe_persistent: x \(2, 384\).*one token row"):
+    L.fp8_moe_persistent(*args, swiglu_limit=1.0, launches=3)
+  one = [a[:1] if j < 3 else a for j, a in enumerate(args)]
+  with pytest.raises(ValueError, match="one-launch form needs moe_counters"):
+    cross_lower(functools.partial(L.fp8_moe_persistent, swiglu_limit=1.0, launches=1), *one)
+  with maybe_interpret(True), pytest.raises(ValueError, match="cannot run in GPU interpret mode"):
+    L.fp8_moe_persistent(*one, swiglu_limit=1.0, launches=1, counters=L.moe_counters())
+  with pytest.raises(ValueError, match="D = 16384 has 256 row tiles"):
+    L.plan_moe_persistent(9, 512, 16384)
+
+
 def test_dq_kernels_pick_the_register_form_outside_interpret_mode():
   """a_from's default follows the trace's interpret mode (the step's CUDA lowering gets the register-A form)."""
   from pallas_kernels._common import interpreting  # noqa: PLC0415
@@ -736,6 +802,47 @@ def test_linear_fused_sum_cross_lowers():
     assert len(calls["glm5_moe_gate_up"]) == 1 and f"tensor<{n_pad}x{m}x{i}xbf16>" in calls["glm5_moe_gate_up"][0]
     assert ("xi32>)" in calls["glm5_moe_gate_up"][0]) == (m == 1)
     assert len(calls["glm5_moe_down"]) == 1 and f"tensor<{m}x{d}xbf16>, tensor<256xi32>)" in calls["glm5_moe_down"][0]
+
+
+def test_fp8_moe_persistent_cross_lowers():
+  """The one-launch form at the real TP4 rank's MoE (288 experts, I = 512, D = 4096, top-8 + the shared slot)
+  lowers for CUDA: ONE Mosaic call of 128 CTAs taking and returning the counters Ref, y [1, D] its last output."""
+  e, i, d, kk = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
+        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
+  for out_dtype in (jnp.float32, jnp.bfloat16):
+    txt = cross_lower(lambda *a: L.fp8_moe_persistent(*a[:9], swiglu_limit=10.0, shared=a[9:],
+                                                      counters=L.moe_counters(), out_dtype=out_dtype),
+                      SDS((1, d), jnp.bfloat16), SDS((1, kk), jnp.int32), SDS((1, kk), jnp.float32),
+                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                      SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh).as_text()
+    calls = [line.split("->")[-1] for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
+    dt = "f32" if out_dtype == jnp.float32 else "bf16"
+    assert len(calls) == 1 and calls[0].strip().endswith(f"tensor<1x{d}x{dt}>, tensor<{L.MOE_COUNTERS}xi32>)"), calls
+
+
+@pytest.mark.gpu
+def test_fp8_moe_persistent_gpu():
+  """fp8_moe_persistent natively at the real shapes (the shared slot): the one-launch form (grid barriers, the
+  down shares summed on the counters) == its three-launch form and the reference, bit-equal from call to call on
+  one counters Ref, which each call leaves zero; and fp8_moe's (dq) result within bf16 rounding of h."""
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  args = moe_inputs(jax.random.key(380), 1, e, i, d, k)
+  sh = _shared_expert(jax.random.key(381), i, d)
+
+  def run(args, sh):  # (the weights as arguments: closed over, jit would embed ~1.8 GB of constants)
+    c = L.moe_counters()
+    f = lambda: L.fp8_moe_persistent(*args, swiglu_limit=10.0, shared=sh, counters=c)  # noqa: E731
+    return f(), f(), c[...]
+  y1, y2, ctr = jax.jit(run)(args, sh)
+  y3 = jax.jit(lambda a, s: L.fp8_moe_persistent(*a, swiglu_limit=10.0, shared=s, launches=3))(args, sh)
+  y0 = jax.jit(lambda a, s: L.fp8_moe(*a, swiglu_limit=10.0, shared=s, dq=True))(args, sh)
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
+  assert not np.any(np.asarray(ctr)), np.nonzero(np.asarray(ctr))
+  assert_close(y1, y3, "kernel_f32")  # (the same h; the two shares added in another order)
+  assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
+  assert_close(y1, y0, "kernel_bf16")
 
 
 @pytest.mark.gpu

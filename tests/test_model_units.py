@@ -424,3 +424,34 @@ def test_native_wrong_kernels_are_refused_outside_interpret_mode(monkeypatch):
     with maybe_interpret(True):
       assert kernel_enabled(knob)
   assert rep == [(knob, NATIVE_WRONG[knob]), (knob, None)]
+
+
+def test_moe_persistent_at_the_model_site():
+  """Policy moe_persistent at the model's single-row MoE (one layer, one token: GPU interpret mode runs the kernel's
+  three-launch form): the layer's hidden state as the two-kernel fp8_moe's within bf16 rounding of h, both near the
+  stock f32 path; the kernel report names the site, and at two token rows declines it (one row only)."""
+  from glm5_jax import api  # noqa: PLC0415
+  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 5, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
+                         moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2)
+  m = load(path, "float32")
+  off = {k: False for k in ("kda", "fp8_linear", "indexer", "sparse_mla", "mhc", "router_kernel")}
+  persistent = off | {"fp8_moe": True, "moe_persistent": True}
+  hidden, reports = {}, {}
+
+  def run(B, policy, trace_only=False):
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 2000, (B, 1)), jnp.int32)
+    cache = api.init_cache(m, B, 64)
+    fn = api._build_extend(m, (B, 64, 1), "all")  # a fresh trace per policy
+    args = (m.params, cache.caches, tokens, cache.lengths, jnp.full((B,), 1, jnp.int32), cache.n_acc)
+    with use_kernels(policy), maybe_interpret(True), kernel_report() as rep:
+      out = jax.eval_shape(fn, *args) if trace_only else np.asarray(fn(*args)[0]["hidden"], np.float32)
+    return out, dict(rep)
+
+  for name, policy in (("stock", None), ("two", off | {"fp8_moe": True}), ("persistent", persistent)):
+    hidden[name], reports[name] = run(1, policy)
+  assert reports["persistent"]["moe_persistent"] is None, reports["persistent"]
+  assert "one token row" in run(2, persistent, trace_only=True)[1]["moe_persistent"]
+  np.testing.assert_allclose(hidden["persistent"], hidden["two"], **tol("kernel_bf16"))
+  rel = np.linalg.norm(hidden["persistent"] - hidden["stock"]) / np.linalg.norm(hidden["stock"])
+  assert 0 < rel < 1e-2, rel
