@@ -7,7 +7,7 @@ dispatch is counted; weights rotate over enough copies that they are cold in the
   "kern us"  the Mosaic kernel(s) alone;  "call us"  everything one call launches (activation quantisation,
   kernel, split-K/transposition epilogue);  "xla us"  every kernel of the jitted XLA version.
 
-Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32] [--only fp8,fp8dq,bf16,moe,moedq,moep]
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32] [--only fp8,fp8dq,bf16,moe,moedq,moep,moeb]
               [--sweep] [--budget-s 200] [--out results.txt]
 Falls back to host wall-clock over many back-to-back async calls if CUPTI is unavailable (then dispatch-bound
 for small shapes; marked "wall").
@@ -168,9 +168,11 @@ def moe_weights():
   return _MOE_W
 
 
-def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shared=True, persistent=False):
+def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shared=True, persistent=False,
+              balanced=None):
   """The routed experts of M token rows, + the shared expert as slot 0 (as the step runs it: 9 slots at M = 1).
-  ``persistent`` (M = 1): fp8_moe_persistent, one launch, instead of fp8_moe's two."""
+  ``persistent`` (M = 1): fp8_moe_persistent, one launch, instead of fp8_moe's two; ``balanced`` (M = 1): a dict
+  of fp8_moe_balanced's options (per_sm, stages) to run it instead."""
   e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
   w = moe_weights()
   x = jax.random.normal(jax.random.key(m), (m, d), jnp.float32).astype(jnp.bfloat16)
@@ -189,6 +191,9 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shar
   nb = int(np.mean(distinct) * 3 * i * d)
 
   def kern(x, ids, tw, *ws, **kw):
+    if balanced is not None:
+      return L.fp8_moe_balanced(x, ids, tw, *ws[:6], shared=ws[6] if shared else None,
+                                swiglu_limit=kw["swiglu_limit"], **balanced)
     if persistent:  # (its counters Ref made in the call: a 512-byte fill, not a glm5_ kernel)
       return L.fp8_moe_persistent(x, ids, tw, *ws[:6], shared=ws[6] if shared else None,
                                   swiglu_limit=kw["swiglu_limit"], counters=L.moe_counters())
@@ -205,8 +210,13 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shar
   xla = time_calls(jax.jit(functools.partial(xla_moe, limit=MOE["limit"])), [a[:9] for a in args])[0] \
       if with_xla else None
   slots = min(e, m * k) + int(shared)
-  p = L.plan_moe_persistent(slots, i, d) if persistent else (plan or L.plan_moe(slots, i, d, L._padded_rows(m)))
-  row("moep" if persistent else ("moedq" if dq else "moe"), f"E{e} I{i} D{d} ~{np.mean(distinct):.0f}exp", m, nb, mosaic_us(names), call, xla,
+  if balanced is not None:
+    p, label = L.plan_moe_balanced(slots, i, d, **balanced), "moeb"
+  elif persistent:
+    p, label = L.plan_moe_persistent(slots, i, d), "moep"
+  else:
+    p, label = plan or L.plan_moe(slots, i, d, L._padded_rows(m)), ("moedq" if dq else "moe")
+  row(label, f"E{e} I{i} D{d} ~{np.mean(distinct):.0f}exp", m, nb, mosaic_us(names), call, xla,
       err, p)
   log(f"#   per kernel (us): { {n: round(t, 1) for n, t in names.items() if 'glm5_' in n} }")
   return names
@@ -315,13 +325,17 @@ def main(argv=None):
     for m in rows:
       for name, n, k in BF16_SHAPES:
         guarded(deadline, bench_bf16, name, n, k, m)
-  # moedq: bf16 x and h, the weight tiles dequantised in registers (fp8_dq); moep: fp8_moe_persistent (M = 1)
-  for kind in ("moe", "moedq", "moep"):
+  # moedq: bf16 x and h, the weight tiles dequantised in registers (fp8_dq); moep: fp8_moe_persistent (M = 1);
+  # moeb: fp8_moe_balanced (M = 1) at 3 and 2 CTAs per SM, and 4 ring stages at 3
+  for kind in ("moe", "moedq", "moep", "moeb"):
     if kind in only:
-      for m in (rows if kind != "moep" else [1]):
-        names = guarded(deadline, bench_moe, m, dq=kind != "moe", persistent=kind == "moep")
-        if names:
-          log(f"# kernel us per {kind} call: { {n: round(t, 1) for n, t in names.items()} }")
+      variants = [{}] if kind != "moeb" else [{"balanced": dict(per_sm=3)}, {"balanced": dict(per_sm=2)},
+                                               {"balanced": dict(per_sm=3, stages=4)}]
+      for m in (rows if kind not in ("moep", "moeb") else [1]):
+        for v in variants:
+          names = guarded(deadline, bench_moe, m, dq=kind != "moe", persistent=kind == "moep", **v)
+          if names:
+            log(f"# kernel us per {kind} {v} call: { {n: round(t, 1) for n, t in names.items()} }")
   if a.sweep:
     sweep(deadline)
   if a.sweep_moe:

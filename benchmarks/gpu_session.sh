@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s40c (nvidia-h200):       fp8_moe_balanced (the single-row MoE's two kernels with the work dealt out evenly): its
+#                             GPU tests, bench_linear moedq vs moeb, then q = 1 defaults vs moe_balanced
 #   s40b (nvidia-h200):       fp8_moe_persistent (the single-row MoE as one launch): its GPU test, bench_linear moedq
 #                             vs moep at M = 1, then q = 1 defaults vs moe_persistent (5 interleaved repeats, 80 steps)
 #   s40a (nvidia-h200):       the chain by GPU time weighed right (fusions sharing one kernel: its time): q = 1 and
@@ -565,6 +567,15 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s40c)  # (nvidia-h200) s40b: the persistent MoE is correct but 33.5 µs (one warpgroup per SM). Its balanced ranges
+    # without the barriers: fp8_moe_balanced's GPU tests (3 / 2 CTAs per SM, 4 stages), alone, then in the step
+    gt 200 "tests/test_linear_kernels.py" "balanced"
+    timeout -s INT 120 python3 benchmarks/bench_linear.py --rows 1 --only moedq,moeb > "$OUT/bench_linear.log" 2>&1
+    set -- '{}'
+    grep -q "PASSED.*balanced_gpu\[3-None\]" "$OUT/gpu_tests.log" && set -- "$@" '{"moe_balanced": true}'
+    [ $# -eq 2 ] && [ "$(left)" -gt 200 ] && rank1 s40c1 --q 1 --steps-per-call 4 --interleave --repeats 5 \
+      --steps 80 --policy "$@"
     ;;
   s40b)  # (nvidia-h200) s40a: at q = 1 the chain's kernels are 4,056 µs of the step, MoE 1,101 of them (gate/up 13.9
     # + glue + down 8.7 µs per layer, both grids 288 CTAs on 132 SMs). The persistent MoE natively (its GPU test:

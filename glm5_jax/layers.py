@@ -150,7 +150,15 @@ KNOBS = {
         "ranges, a grid barrier, h formed from the pieces, a grid barrier, the down tiles — requested into SMEM at "
         "the kernel's start, streaming during gate/up) instead of gate/up (288 CTAs on 132 SMs: 13.9 µs, 2.7 "
         "TB/s) -> XLA glue (3.7 µs) -> down (8.7 µs) on the critical path (session 39's profile); GPU interpret "
-        "mode runs its three-launch form. Off until measured"),
+        "mode runs its three-launch form. Natively correct (its GPU test), but 33.5 µs alone vs fp8_moe's 22.0 + "
+        "3.3 of glue (one warpgroup per SM keeps 3 gate/up items in flight; the 18 down items' dequantise-and-"
+        "multiply run serially after the barriers) and the step at q = 1 4.69 vs 4.28 ms (session 40) — off"),
+    "moe_balanced": (False,
+        "with fp8_moe and fp8_dq on, at one token row (moe_persistent off): the MoE's two kernels with the work "
+        "dealt out evenly (pallas_kernels.linear.fp8_moe_balanced): the 2,304 gate/up items (the real TP4 rank) in "
+        "equal ranges over 384 CTAs — no SM streams more than 18 items where fp8_moe's 288 CTAs of 8 leave 24 SMs "
+        "with 24 — the pieces summed in the XLA glue under a static mask, then the down kernel over 64-row tiles of "
+        "D in 6 equal shares. Off until measured"),
     "router_warp_rows": (False,
         "with router_kernel on, at up to 4 token rows (pallas_kernels.router.ROUTE_MAX_ROWS): the router kernel "
         "as one CTA with row m on warp m (router_route's selection: every reduction inside a warp, shuffles only) "
@@ -987,20 +995,25 @@ class MoE(nnx.Module):
     self.shared_experts = (MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block)
                            if cfg.n_shared_experts else None)
 
-  def _persistent(self, rows: int, dq: bool, shared: bool) -> bool:
-    """Whether this single-row MoE runs as fp8_moe_persistent (policy knob moe_persistent): one token row, dq,
-    a plan that fits, and — natively — the counters scope of a step (its grid barriers' counters)."""
+  def _single_row_form(self, rows: int, dq: bool, shared: bool) -> str | None:
+    """The single-row MoE form this site runs, if any: "moe_persistent" (fp8_moe_persistent: one token row, dq, a
+    plan that fits and — natively — a step's counters scope for its grid barriers), else "moe_balanced"
+    (fp8_moe_balanced: one token row, dq), else None (fp8_moe)."""
     from pallas_kernels import linear as kl  # noqa: PLC0415
-    ex = self.experts
-    _, inter, d = ex.gate_proj.shape
-    try:
-      kl.plan_moe_persistent(self.gate.top_k + int(shared), inter, d)
-      why = ""
-    except ValueError as err:
-      why = str(err)
-    fits = rows == 1 and dq and not why and (_interpreting() or _COUNTERS.get() is not None)
-    return kernel_enabled("moe_persistent", rows, fits=fits,
-                          why=why or "one token row with fp8_dq, inside a step's counters scope")
+    _, inter, d = self.experts.gate_proj.shape
+    slots = self.gate.top_k + int(shared)
+    for knob, plan, scope in (("moe_persistent", kl.plan_moe_persistent, True),
+                              ("moe_balanced", kl.plan_moe_balanced, False)):
+      try:
+        plan(slots, inter, d)
+        why = ""
+      except ValueError as err:
+        why = str(err)
+      fits = rows == 1 and dq and not why and (not scope or _interpreting() or _COUNTERS.get() is not None)
+      need = "one token row with fp8_dq" + (", inside a step's counters scope" if scope else "")
+      if kernel_enabled(knob, rows, fits=fits, why=why or need):
+        return knob
+    return None
 
   def __call__(self, x, dtype, *, return_ids=False):
     """x [B, T, D] -> [B, T, D]; one psum for routed + shared."""
@@ -1038,13 +1051,18 @@ class MoE(nnx.Module):
       fused = {}
       if dq and _counters_enabled("linear_fused_sum"):
         fused = dict(counters=_splitk_counters(kl), out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
-      if self._persistent(rows, dq, sew is not None):
-        # one launch (grid barriers on the scope's counters) natively; GPU interpret mode runs its three-launch
-        # form (the same code, no counters)
-        y = kl.fp8_moe_persistent(xf, ids, w, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...],
-                                  ex.up_scale[...], ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit,
-                                  shared=sew, counters=None if _interpreting() else _moe_counters(kl),
-                                  out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
+      form = self._single_row_form(rows, dq, sew is not None)
+      if form:
+        ws = (ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...], ex.down_proj[...],
+              ex.down_scale[...])
+        out_dtype = dtype if lax.axis_size(TP) == 1 else jnp.float32
+        if form == "moe_persistent":
+          # one launch (grid barriers on the scope's counters) natively; GPU interpret mode runs its three-launch
+          # form (the same code, no counters)
+          y = kl.fp8_moe_persistent(xf, ids, w, *ws, swiglu_limit=ex.limit, shared=sew, out_dtype=out_dtype,
+                                    counters=None if _interpreting() else _moe_counters(kl))
+        else:
+          y = kl.fp8_moe_balanced(xf, ids, w, *ws, swiglu_limit=ex.limit, shared=sew, out_dtype=out_dtype)
         y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
         return (y, ids.reshape(*lead, -1)) if return_ids else y
       y = kl.fp8_moe(xf, ids, w, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],

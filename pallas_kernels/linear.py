@@ -1343,9 +1343,10 @@ def moe_counters():
 
 @dataclasses.dataclass(frozen=True)
 class PersistentMoePlan:
-  """Static schedule of :func:`fp8_moe_persistent` (S slots, I, D, mp token rows padded).
+  """Static schedule of :func:`fp8_moe_persistent` / :func:`fp8_moe_balanced` (S slots, I, D, mp token rows
+  padded).
 
-  G CTAs; phase 1: n1 = S·(I/64)·(D/128) gate/up items, P1 per CTA (contiguous), a (slot, tile) pair split into at
+  G CTAs (phase 1: g1); phase 1: n1 = S·(I/64)·(D/128) gate/up items, P1 per CTA (contiguous), a (slot, tile) pair split into at
   most kmax pieces; phase 2: T2 = D/64 row tiles x H2 shares of the n2 = S·(I/128) down items of a tile, P2 per
   CTA; stages: the gate/up ring depth."""
 
@@ -1360,6 +1361,11 @@ class PersistentMoePlan:
   H2: int
   P2: int
   stages: int
+  G1: int = 0  # phase 1's CTAs when it is a launch of its own (fp8_moe_balanced); 0: G
+
+  @property
+  def g1(self):
+    return self.G1 or self.G
 
   @property
   def db(self):
@@ -1404,7 +1410,7 @@ def plan_moe_persistent(n_slots: int, inter: int, hidden: int, mp: int = 8, *, s
   n1 = n_slots * (inter // _DN_BM) * (hidden // BLOCK)
   P1 = -(-n1 // G)
   db = hidden // BLOCK
-  kmax = max((p * db + db - 1) // P1 - (p * db) // P1 + 1 for p in range(n_slots * (inter // _DN_BM)))
+  kmax, _ = _pieces(n1, db, P1)
   dn_bytes = P2 * _DN_BM * BLOCK  # the down tiles, resident
   stage_bytes = 2 * _DN_BM * BLOCK + mp * BLOCK * 2
   budget = SMEM_BYTES - 12 * 1024 - dn_bytes  # (h's tiles for phase 2 reuse the ring's SMEM: RefUnion)
@@ -1414,6 +1420,41 @@ def plan_moe_persistent(n_slots: int, inter: int, hidden: int, mp: int = 8, *, s
   st = max(1, min(stages or 4, budget // stage_bytes, P1))
   return PersistentMoePlan(S=n_slots, I=inter, D=hidden, mp=mp, G=G, P1=P1, kmax=kmax, T2=T2, H2=H2, P2=P2,
                            stages=st)
+
+
+def _pieces(n1: int, db: int, P1: int) -> tuple[int, np.ndarray]:
+  """(kmax, count [pairs]): how many CTAs' ranges of P1 items split each pair of db items."""
+  p = np.arange(n1 // db)
+  count = (p * db + db - 1) // P1 - (p * db) // P1 + 1
+  return int(count.max()), count
+
+
+def plan_moe_balanced(n_slots: int, inter: int, hidden: int, mp: int = 8, *, per_sm: int = RESIDENT_PER_SM,
+                      stages: int | None = None, ctas: int | None = None) -> PersistentMoePlan:
+  """The schedule of :func:`fp8_moe_balanced`: ``per_sm`` co-resident CTAs per SM in each launch (SMEM sized to
+  fit), the gate/up items dealt out in equal ranges over up to per_sm x 132 CTAs (at the real shape 384 CTAs of
+  6 items: no SM streams more than 18 of the 2,304 — fp8_moe's 288 CTAs of 8 leave 24 SMs with 24), and each
+  64-row tile of D's down items split into the most equal shares that fit (36 items: 6 shares of 6, 384 CTAs).
+  ``ctas``: the CTA cap instead of per_sm x 132 (tests: ranges that straddle pairs at small shapes)."""
+  if inter % BLOCK or hidden % BLOCK:
+    raise ValueError(f"fp8_moe_balanced: I = {inter}, D = {hidden}; expected multiples of {BLOCK}")
+  cap = ctas or per_sm * NUM_SMS
+  T2 = hidden // _DN_BM
+  n2 = n_slots * (inter // BLOCK)
+  H2 = max([h for h in range(1, n2 + 1) if n2 % h == 0 and T2 * h <= cap] or [1])
+  P2 = n2 // H2
+  per_cta = SMEM_BYTES // per_sm - 4 * 1024
+  if P2 * (_DN_BM * BLOCK + mp * BLOCK * 2) > SMEM_BYTES - 8 * 1024:
+    raise ValueError(f"fp8_moe_balanced: {P2} down items per CTA do not fit in SMEM")
+  db = hidden // BLOCK
+  n1 = n_slots * (inter // _DN_BM) * db
+  P1 = -(-n1 // min(n1, cap))
+  G1 = -(-n1 // P1)
+  kmax, _ = _pieces(n1, db, P1)
+  stage_bytes = 2 * _DN_BM * BLOCK + mp * BLOCK * 2
+  st = max(1, min(stages or 4, per_cta // stage_bytes, P1))
+  return PersistentMoePlan(S=n_slots, I=inter, D=hidden, mp=mp, G=T2 * H2, P1=P1, kmax=kmax, T2=T2, H2=H2, P2=P2,
+                           stages=st, G1=G1)
 
 
 def _moe_slot(ids_ref, tw_ref, s, *, k: int, shared: bool, num_experts: int):
@@ -1639,6 +1680,64 @@ def _moe_persistent_kernel(*refs, plan: PersistentMoePlan, k: int, shared: bool,
     _moe_p2(c, plan, slot_of, h_ref, sd_ref, sds_ref, wd_s, dbar, hx_s, hbar, a[0] if a_smem else None, out)
 
 
+def _single_row_args(name, x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, shared):
+  """The single-row MoE's checked operands: (bf16 x [1, D], ids [k] int32, tw [1, k] f32, the weight refs in the
+  kernels' order (_moe_weight_refs), k, whether a shared expert is given)."""
+  m, d = x.shape
+  e_num, inter, d2 = w_gate.shape
+  k = topk_ids.shape[-1]
+  if m != 1 or topk_ids.shape != (1, k) or topk_weights.shape != (1, k):
+    raise ValueError(f"{name}: x {x.shape}, ids {topk_ids.shape}, weights {topk_weights.shape}; expected one "
+                     "token row (fp8_moe takes more)")
+  if d != d2 or w_down.shape != (e_num, d, inter) or w_up.shape != w_gate.shape:
+    raise ValueError(f"{name}: inconsistent MoE weight shapes {w_gate.shape}, {w_up.shape}, {w_down.shape} for x "
+                     f"{x.shape}")
+  has_sh = shared is not None
+  if has_sh and (shared[0].shape != (inter, d) or shared[4].shape != (d, inter)):
+    raise ValueError(f"{name}: shared expert shapes {shared[0].shape} / {shared[4].shape}, expected {(inter, d)} / "
+                     f"{(d, inter)}")
+  f32 = jnp.float32
+  wts = [w_gate, s_gate.astype(f32), w_up, s_up.astype(f32)]
+  if has_sh:
+    wts += [shared[0], shared[1].astype(f32), shared[2], shared[3].astype(f32)]
+  wts += [w_down, s_down.astype(f32)]
+  if has_sh:
+    wts += [shared[4], shared[5].astype(f32)]
+  return (x.astype(jnp.bfloat16), topk_ids.reshape(k).astype(jnp.int32), topk_weights.astype(f32), wts, k,
+          has_sh)
+
+
+def _moe_phase_scratch(plan: PersistentMoePlan, a_smem: bool):
+  """(the gate/up ring [w_gate, w_up, x tiles], the down tiles wd_s, h's tiles hx_s, the dequantised-tile scratch)."""
+  st, mp, bf16 = plan.stages, plan.mp, jnp.bfloat16
+  ring = [plgpu.SMEM((st, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((st, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((st, mp, BLOCK), bf16, transforms=_tr(bf16, BLOCK))]
+  wd_s = plgpu.SMEM((plan.P2, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK))
+  hx_s = plgpu.SMEM((plan.P2, mp, BLOCK), bf16, transforms=_tr(bf16, BLOCK))
+  a_tile = [plgpu.SMEM((_DN_BM, BLOCK), bf16, transforms=_tr(bf16, BLOCK))] if a_smem else []
+  return ring, wd_s, hx_s, a_tile
+
+
+def _moe_gate_up_launch(plan, statics, args, name):
+  """Phase 1 as a launch of its own (plan.g1 CTAs) -> the pieces [pairs, kmax, 2, 64, mp] f32."""
+  ring, _, _, a_tile = _moe_phase_scratch(plan, statics["a_smem"])
+  return mgpu_kernel(functools.partial(_moe_persistent_kernel, phase=1, **statics),
+                     out_type=jax.ShapeDtypeStruct((plan.pairs, plan.kmax, 2, _DN_BM, plan.mp), jnp.float32),
+                     grid=(plan.g1,), grid_names=("c",), kernel_name=name,
+                     scratch_types=[*ring, plgpu.Barrier(num_arrivals=3, num_barriers=plan.stages), *a_tile])(*args)
+
+
+def _moe_down_launch(plan, statics, args, h, name):
+  """Phase 2 as a launch of its own (plan.G CTAs) over h [S, m, I] bf16 -> the shares' partials [H2, D, mp] f32."""
+  _, wd_s, hx_s, a_tile = _moe_phase_scratch(plan, statics["a_smem"])
+  return mgpu_kernel(functools.partial(_moe_persistent_kernel, phase=3, **statics),
+                     out_type=jax.ShapeDtypeStruct((plan.H2, plan.D, plan.mp), jnp.float32),
+                     grid=(plan.G,), grid_names=("c",), kernel_name=name,
+                     scratch_types=[wd_s, plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2), hx_s,
+                                    plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2), *a_tile])(*args, h)
+
+
 @kernel_entry("swiglu_limit", "out_dtype", "launches", "stages", "max_ctas", "a_from")
 def fp8_moe_persistent(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,
                        swiglu_limit: float, shared=None, counters=None, out_dtype=jnp.float32,
@@ -1649,80 +1748,87 @@ def fp8_moe_persistent(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_
   [1, D] out_dtype. ``counters``: the Ref of :func:`moe_counters` (required for the one-launch form). ``launches``:
   1 (the default on a GPU) or 3 — the phases as launches of their own and XLA's sum of the down shares (GPU
   interpret mode's form, and the GPU tests' reference for the one-launch form). ``stages`` / ``max_ctas``: the
-  plan's (plan_moe_persistent). Needs I, D multiples of 128."""
-  m, d = x.shape
-  e_num, inter, d2 = w_gate.shape
-  k = topk_ids.shape[1]
-  if m != 1 or topk_ids.shape != (1, k) or topk_weights.shape != (1, k):
-    raise ValueError(f"fp8_moe_persistent: x {x.shape}, ids {topk_ids.shape}, weights {topk_weights.shape}; "
-                     "expected one token row (fp8_moe takes more)")
-  if d != d2 or w_down.shape != (e_num, d, inter) or w_up.shape != w_gate.shape:
-    raise ValueError(f"fp8_moe_persistent: inconsistent MoE weight shapes {w_gate.shape}, {w_up.shape}, "
-                     f"{w_down.shape} for x {x.shape}")
-  has_sh = shared is not None
-  if has_sh and (shared[0].shape != (inter, d) or shared[4].shape != (d, inter)):
-    raise ValueError(f"fp8_moe_persistent: shared expert shapes {shared[0].shape} / {shared[4].shape}, expected "
-                     f"{(inter, d)} / {(d, inter)}")
+  plan's (plan_moe_persistent). Needs I, D multiples of 128.
+
+  Measured on the H200 (bench_linear moep, session 40): correct, but 33.5 µs against fp8_moe's 22.0 + 3.3 of glue —
+  one warpgroup per SM keeps 3 gate/up items in flight (fp8_moe's 2-3 CTAs per SM: 6-9), and after the barriers
+  its 18 down items' dequantise-and-multiply run serially. :func:`fp8_moe_balanced` keeps the balanced ranges
+  without the barriers."""
+  name = "fp8_moe_persistent"
   launches = launches or (3 if interpreting() else 1)
   if launches not in (1, 3):
-    raise ValueError(f"fp8_moe_persistent: launches = {launches}, expected 1 (grid barriers) or 3")
+    raise ValueError(f"{name}: launches = {launches}, expected 1 (grid barriers) or 3")
+  xb, ids, tw, wts, k, has_sh = _single_row_args(name, x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up,
+                                                  w_down, s_down, shared)
   if launches == 1 and interpreting():
-    raise ValueError("fp8_moe_persistent: the one-launch form cannot run in GPU interpret mode (no counters, no "
-                     "resident CTAs): launches=3")
+    raise ValueError(f"{name}: the one-launch form cannot run in GPU interpret mode (no counters, no resident "
+                     "CTAs): launches=3")
   if launches == 1 and (counters is None or counters.shape != (MOE_COUNTERS,) or counters.dtype != jnp.int32):
     got = None if counters is None else (counters.shape, counters.dtype)
-    raise ValueError(f"fp8_moe_persistent: counters {got}; the one-launch form needs moe_counters()' int32 "
-                     f"[{MOE_COUNTERS}]")
-  n_slots = k + int(has_sh)
+    raise ValueError(f"{name}: counters {got}; the one-launch form needs moe_counters()' int32 [{MOE_COUNTERS}]")
+  m, d = x.shape
+  inter = w_gate.shape[1]
   mp = _padded_rows(m)
-  plan = plan_moe_persistent(n_slots, inter, d, mp, stages=stages, max_ctas=max_ctas)
+  plan = plan_moe_persistent(k + int(has_sh), inter, d, mp, stages=stages, max_ctas=max_ctas)
   a_smem = _a_smem(a_from)
-  f32, bf16 = jnp.float32, jnp.bfloat16
-  xb = x.astype(bf16)
-  ids = topk_ids.reshape(k).astype(jnp.int32)
-  tw = topk_weights.astype(f32)
-  wts = [w_gate, s_gate.astype(f32), w_up, s_up.astype(f32)]
-  if has_sh:
-    wts += [shared[0], shared[1].astype(f32), shared[2], shared[3].astype(f32)]
-  wts += [w_down, s_down.astype(f32)]
-  if has_sh:
-    wts += [shared[4], shared[5].astype(f32)]
-  st = plan.stages
-  ring = [plgpu.SMEM((st, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
-          plgpu.SMEM((st, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
-          plgpu.SMEM((st, mp, BLOCK), bf16, transforms=_tr(bf16, BLOCK))]
-  wd_s = plgpu.SMEM((plan.P2, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK))
-  hx_s = plgpu.SMEM((plan.P2, mp, BLOCK), bf16, transforms=_tr(bf16, BLOCK))
-  a_tile = [plgpu.SMEM((_DN_BM, BLOCK), bf16, transforms=_tr(bf16, BLOCK))] if a_smem else []
-  parts_t = jax.ShapeDtypeStruct((plan.pairs, plan.kmax, 2, _DN_BM, mp), f32)
-  h_t = jax.ShapeDtypeStruct((n_slots, m, inter), bf16)
-  h_s = plgpu.SMEM((m, _DN_BM), bf16)
   statics = dict(plan=plan, k=k, shared=has_sh, limit=float(swiglu_limit), a_smem=a_smem)
-  launch = functools.partial(mgpu_kernel, grid=(plan.G,), grid_names=("c",))
+  args = (xb, ids, tw, *wts)
+  h_t = jax.ShapeDtypeStruct((plan.S, m, inter), jnp.bfloat16)
+  h_s = plgpu.SMEM((m, _DN_BM), jnp.bfloat16)
   if launches == 1:
-    y_t = jax.ShapeDtypeStruct((m, d), out_dtype)
-    outs = (parts_t, h_t) + ((jax.ShapeDtypeStruct((plan.H2 - 1, d, mp), f32),) if plan.H2 > 1 else ()) + (y_t,)
-    got = launch(functools.partial(_moe_persistent_kernel, phase=0, **statics), out_type=outs,
-                 kernel_name="glm5_moe_persistent",
-                 # (the gate/up ring is dead once phase 1 ends: h's tiles for phase 2 reuse its SMEM)
-                 scratch_types=[plgpu.RefUnion(tuple(ring), hx_s), wd_s,
-                                plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2),
-                                plgpu.Barrier(num_arrivals=3, num_barriers=st),
-                                plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2),
-                                h_s, plgpu.SMEM((m, _DN_BM), out_dtype), *a_tile],
-                 )(xb, ids, tw, *wts, counters)
+    ring, wd_s, hx_s, a_tile = _moe_phase_scratch(plan, a_smem)
+    parts_t = jax.ShapeDtypeStruct((plan.pairs, plan.kmax, 2, _DN_BM, mp), jnp.float32)
+    f32 = jnp.float32
+    outs = (parts_t, h_t) + ((jax.ShapeDtypeStruct((plan.H2 - 1, d, mp), f32),) if plan.H2 > 1 else ()) + (
+        jax.ShapeDtypeStruct((m, d), out_dtype),)
+    got = mgpu_kernel(functools.partial(_moe_persistent_kernel, phase=0, **statics), out_type=outs,
+                      grid=(plan.G,), grid_names=("c",), kernel_name="glm5_moe_persistent",
+                      # (the gate/up ring is dead once phase 1 ends: h's tiles for phase 2 reuse its SMEM)
+                      scratch_types=[plgpu.RefUnion(tuple(ring), hx_s), wd_s,
+                                     plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2),
+                                     plgpu.Barrier(num_arrivals=3, num_barriers=plan.stages),
+                                     plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2),
+                                     h_s, plgpu.SMEM((m, _DN_BM), out_dtype), *a_tile],
+                      )(*args, counters)
     return got[-1]
-  parts = launch(functools.partial(_moe_persistent_kernel, phase=1, **statics), out_type=parts_t,
-                 kernel_name="glm5_moe_persistent_p1",
-                 scratch_types=[*ring, plgpu.Barrier(num_arrivals=3, num_barriers=st), *a_tile],
-                 )(xb, ids, tw, *wts)
-  h = launch(functools.partial(_moe_persistent_kernel, phase=2, **statics), out_type=h_t,
-             kernel_name="glm5_moe_persistent_p1b", scratch_types=[h_s])(xb, ids, tw, *wts, parts)
-  o = launch(functools.partial(_moe_persistent_kernel, phase=3, **statics),
-             out_type=jax.ShapeDtypeStruct((plan.H2, d, mp), f32), kernel_name="glm5_moe_persistent_p2",
-             scratch_types=[wd_s, plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2), hx_s,
-                            plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2), *a_tile],
-             )(xb, ids, tw, *wts, h)
+  parts = _moe_gate_up_launch(plan, statics, args, "glm5_moe_persistent_p1")
+  h = mgpu_kernel(functools.partial(_moe_persistent_kernel, phase=2, **statics), out_type=h_t, grid=(plan.G,),
+                  grid_names=("c",), kernel_name="glm5_moe_persistent_p1b", scratch_types=[h_s])(*args, parts)
+  o = _moe_down_launch(plan, statics, args, h, "glm5_moe_persistent_p2")
+  return o[..., :m].sum(0).T.astype(out_dtype)
+
+
+@kernel_entry("swiglu_limit", "out_dtype", "per_sm", "stages", "ctas", "a_from")
+def fp8_moe_balanced(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,
+                     swiglu_limit: float, shared=None, out_dtype=jnp.float32, per_sm: int = RESIDENT_PER_SM,
+                     stages: int | None = None, ctas: int | None = None, a_from: str | None = None):
+  """:func:`fp8_moe` (dq) for ONE token row with the work dealt out evenly over the SMs (plan_moe_balanced): the
+  gate/up kernel's 2,304 items (real TP4 rank) in equal contiguous ranges over 384 CTAs — pairs split into pieces
+  at any D block — then XLA's glue (the pieces summed under a static mask, the clamped SwiGLU, the routing weights,
+  bf16: one fusion, as fp8_moe's), then the down kernel over 64-row tiles of D in 6 equal shares, each CTA's 6 down
+  tiles requested at once. The same arguments and result as fp8_moe_persistent (no counters)."""
+  name = "fp8_moe_balanced"
+  xb, ids, tw, wts, k, has_sh = _single_row_args(name, x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up,
+                                                  w_down, s_down, shared)
+  m, d = x.shape
+  e_num, inter, _ = w_gate.shape
+  plan = plan_moe_balanced(k + int(has_sh), inter, d, _padded_rows(m), per_sm=per_sm, stages=stages, ctas=ctas)
+  statics = dict(plan=plan, k=k, shared=has_sh, limit=float(swiglu_limit), a_smem=_a_smem(a_from))
+  args = (xb, ids, tw, *wts)
+  parts = _moe_gate_up_launch(plan, statics, args, "glm5_moe_balanced_gate_up")
+  # the glue: each pair's pieces (a static count: the unwritten ones masked), SwiGLU, the slot's routing weight
+  _, count = _pieces(plan.n1, plan.db, plan.P1)
+  written = np.arange(plan.kmax)[None, :] < count[:, None]  # [pairs, kmax]
+  gu = jnp.sum(jnp.where(written[:, :, None, None, None], parts[..., :m], 0.0), axis=1)  # [pairs, 2, 64, m]
+  gu = jnp.moveaxis(gu, 1, 0).reshape(2, plan.S, inter, m)
+  ok = (ids >= 0) & (ids < e_num)
+  wslot = jnp.where(ok, tw[0], 0.0)
+  if has_sh:
+    wslot = jnp.concatenate([jnp.ones((1,), jnp.float32), wslot])
+  gate = jnp.minimum(gu[0], swiglu_limit)
+  h = gate * jax.nn.sigmoid(gate) * jnp.clip(gu[1], -swiglu_limit, swiglu_limit) * wslot[:, None, None]
+  h = jnp.swapaxes(h, 1, 2).astype(jnp.bfloat16)  # [S, m, I]: the down kernel's rows (the TMA zero-fills to mp)
+  o = _moe_down_launch(plan, statics, args, h, "glm5_moe_balanced_down")
   return o[..., :m].sum(0).T.astype(out_dtype)
 
 
@@ -1733,4 +1839,5 @@ __all__ = [
     "fp8_linear", "fp8_linear_q", "fp8_linear_reference", "bf16_linear", "bf16_linear_reference",
     "fp8_moe", "fp8_moe_reference", "moe_route", "moe_route_reference",
     "PersistentMoePlan", "plan_moe_persistent", "fp8_moe_persistent", "moe_counters", "MOE_COUNTERS",
+    "plan_moe_balanced", "fp8_moe_balanced",
 ]

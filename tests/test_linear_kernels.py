@@ -333,6 +333,40 @@ def test_fp8_moe_persistent_interpret(e, i, d, k, shared, max_ctas, bad_id):
   assert_close(y, y0, "kernel_bf16")
 
 
+@pytest.mark.parametrize("e,i,d,k,shared,ctas,bad_id", [
+    (6, 256, 384, 2, True, None, False),  # one item per CTA; the shared slot's own arrays
+    (6, 256, 512, 3, False, 16, True),  # ranges of 3 straddling pairs of 4 D blocks; 2 down shares; a bad id
+])
+def test_fp8_moe_balanced_interpret(e, i, d, k, shared, ctas, bad_id):
+  """fp8_moe_balanced (the gate/up items in equal ranges, XLA's glue over the masked pieces, the down shares) ==
+  the reference, and fp8_moe's (dq) result within bf16 rounding of h."""
+  args = list(moe_inputs(jax.random.key(390 + d), 1, e, i, d, k))
+  if bad_id:
+    args[1] = args[1].at[0, 1].set(e)
+  sh = _shared_expert(jax.random.key(391 + d), i, d) if shared else None
+  if ctas:
+    plan = L.plan_moe_balanced(k, i, d, ctas=ctas)
+    assert (plan.g1, plan.P1, plan.G, plan.P2, plan.kmax) == (16, 3, 16, 3, 2), plan
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.fp8_moe_balanced, swiglu_limit=1.0, ctas=ctas))(*args, shared=sh)
+    y0 = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True))(*args, shared=sh)
+  ref_args = list(args)
+  if bad_id:
+    ref_args[1], ref_args[2] = args[1].at[0, 1].set(0), args[2].at[0, 1].set(0.0)
+  assert y.shape == (1, d) and y.dtype == jnp.float32
+  assert_close(y, L.fp8_moe_reference(*ref_args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
+  assert_close(y, y0, "kernel_bf16")
+
+
+def test_moe_balanced_plan_at_the_real_shape():
+  """The real TP4 rank (9 slots): 384 CTAs of 6 gate/up items (no SM more than 18 of the 2,304: 3 resident per SM)
+  and 384 of 6 down items (64 row tiles x 6 shares), 3 ring stages in a third of the SMEM."""
+  plan = L.plan_moe_balanced(9, 512, 4096)
+  assert (plan.g1, plan.P1, plan.G, plan.H2, plan.P2, plan.stages) == (384, 6, 384, 6, 6, 3), plan
+  assert plan.g1 * plan.P1 >= plan.n1 > (plan.g1 - 1) * plan.P1
+  assert -(-plan.g1 // L.NUM_SMS) * plan.P1 == 18
+
+
 def test_moe_persistent_plan_covers_every_item_once():
   """The real TP4 rank's schedule (9 slots, I = 512, D = 4096): 128 CTAs of 18 gate/up items (no SM streams
   more) and 18 down tiles each; every gate/up item in exactly one CTA's range, every (slot, tile) pair's pieces
@@ -822,6 +856,25 @@ def test_fp8_moe_persistent_cross_lowers():
     assert len(calls) == 1 and calls[0].strip().endswith(f"tensor<1x{d}x{dt}>, tensor<{L.MOE_COUNTERS}xi32>)"), calls
 
 
+@pytest.mark.parametrize("per_sm,stages", [(3, None), (2, None), (3, 4)])
+def test_fp8_moe_balanced_cross_lowers(per_sm, stages):
+  """fp8_moe_balanced at the real TP4 rank's MoE lowers for CUDA: two Mosaic calls (gate/up over plan.g1 CTAs, down
+  over plan.G), the glue between them XLA's, at 3 or 2 CTAs per SM (and 4 ring stages at 3 per SM: the SMEM
+  fits)."""
+  e, i, d, kk = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
+        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
+  txt = cross_lower(lambda *a: L.fp8_moe_balanced(*a[:9], swiglu_limit=10.0, shared=a[9:], per_sm=per_sm,
+                                                  stages=stages),
+                    SDS((1, d), jnp.bfloat16), SDS((1, kk), jnp.int32), SDS((1, kk), jnp.float32),
+                    SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                    SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                    SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh).as_text()
+  calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
+  assert [("glm5_moe_balanced_gate_up" in c, "glm5_moe_balanced_down" in c) for c in calls] == [(True, False),
+                                                                                                (False, True)]
+
+
 @pytest.mark.gpu
 def test_fp8_moe_persistent_gpu():
   """fp8_moe_persistent natively at the real shapes (the shared slot): the one-launch form (grid barriers, the
@@ -843,6 +896,21 @@ def test_fp8_moe_persistent_gpu():
   assert_close(y1, y3, "kernel_f32")  # (the same h; the two shares added in another order)
   assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
   assert_close(y1, y0, "kernel_bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_sm,stages", [(3, None), (2, None), (3, 4)])
+def test_fp8_moe_balanced_gpu(per_sm, stages):
+  """fp8_moe_balanced natively at the real shapes (the shared slot): the reference, and fp8_moe's (dq) result within
+  bf16 rounding of h."""
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  args = moe_inputs(jax.random.key(382), 1, e, i, d, k)
+  sh = _shared_expert(jax.random.key(383), i, d)
+  y = jax.jit(lambda a, s: L.fp8_moe_balanced(*a, swiglu_limit=10.0, shared=s, per_sm=per_sm, stages=stages))(
+      args, sh)
+  y0 = jax.jit(lambda a, s: L.fp8_moe(*a, swiglu_limit=10.0, shared=s, dq=True))(args, sh)
+  assert_close(y, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
+  assert_close(y, y0, "kernel_bf16")
 
 
 @pytest.mark.gpu

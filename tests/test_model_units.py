@@ -426,10 +426,11 @@ def test_native_wrong_kernels_are_refused_outside_interpret_mode(monkeypatch):
   assert rep == [(knob, NATIVE_WRONG[knob]), (knob, None)]
 
 
-def test_moe_persistent_at_the_model_site():
-  """Policy moe_persistent at the model's single-row MoE (one layer, one token: GPU interpret mode runs the kernel's
-  three-launch form): the layer's hidden state as the two-kernel fp8_moe's within bf16 rounding of h, both near the
-  stock f32 path; the kernel report names the site, and at two token rows declines it (one row only)."""
+def test_single_row_moe_forms_at_the_model_site():
+  """Policies moe_persistent (GPU interpret mode runs the kernel's three-launch form) and moe_balanced at the
+  model's single-row MoE (one layer, one token): the layer's hidden state as the two-kernel fp8_moe's within bf16
+  rounding of h, all near the stock f32 path; the kernel report names the site, and at two token rows declines it
+  (one row only)."""
   from glm5_jax import api  # noqa: PLC0415
   from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 5, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
@@ -448,10 +449,15 @@ def test_moe_persistent_at_the_model_site():
       out = jax.eval_shape(fn, *args) if trace_only else np.asarray(fn(*args)[0]["hidden"], np.float32)
     return out, dict(rep)
 
-  for name, policy in (("stock", None), ("two", off | {"fp8_moe": True}), ("persistent", persistent)):
+  balanced = off | {"fp8_moe": True, "moe_balanced": True}
+  for name, policy in (("stock", None), ("two", off | {"fp8_moe": True}), ("persistent", persistent),
+                       ("balanced", balanced)):
     hidden[name], reports[name] = run(1, policy)
   assert reports["persistent"]["moe_persistent"] is None, reports["persistent"]
+  assert reports["balanced"]["moe_balanced"] is None, reports["balanced"]
   assert "one token row" in run(2, persistent, trace_only=True)[1]["moe_persistent"]
-  np.testing.assert_allclose(hidden["persistent"], hidden["two"], **tol("kernel_bf16"))
-  rel = np.linalg.norm(hidden["persistent"] - hidden["stock"]) / np.linalg.norm(hidden["stock"])
-  assert 0 < rel < 1e-2, rel
+  assert "one token row" in run(2, balanced, trace_only=True)[1]["moe_balanced"]
+  for name in ("persistent", "balanced"):
+    np.testing.assert_allclose(hidden[name], hidden["two"], **tol("kernel_bf16"))
+    rel = np.linalg.norm(hidden[name] - hidden["stock"]) / np.linalg.norm(hidden["stock"])
+    assert 0 < rel < 1e-2, (name, rel)
