@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s40d (nvidia-h200):       the in-kernel profiler (bench_kernel_profile: named scopes' times per warpgroup) on the
+#                             MoE's two kernels, the persistent MoE and the mHC boundary, at the real shapes
 #   s40c (nvidia-h200):       fp8_moe_balanced (the single-row MoE's two kernels with the work dealt out evenly): its
 #                             GPU tests, bench_linear moedq vs moeb, then q = 1 defaults vs moe_balanced
 #   s40b (nvidia-h200):       fp8_moe_persistent (the single-row MoE as one launch): its GPU test, bench_linear moedq
@@ -567,6 +569,12 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s40d)  # (nvidia-h200) s40b / s40c: neither the persistent MoE nor the balanced ranges beat the two kernels; a
+    # kernel of ~10-40 MB streams at ~2.9 TB/s and the mHC boundary takes 7.1 µs for ~0.8 MB. Where inside them?
+    timeout -s INT $(( $(left) - 20 )) python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
+      --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
+    tar czf "$OUT/kprof_traces.tar.gz" -C /tmp kprof 2>/dev/null
     ;;
   s40c)  # (nvidia-h200) s40b: the persistent MoE is correct but 33.5 µs (one warpgroup per SM). Its balanced ranges
     # without the barriers: fp8_moe_balanced's GPU tests (3 / 2 CTAs per SM, 4 stages), alone, then in the step

@@ -143,8 +143,40 @@ def with_pdl(body):
   return pdl_body
 
 
+# In-kernel profiling (Mosaic GPU's profiler): with kernel_profile(dir) active at trace time, every kernel is built
+# with CompilerParams(profile_space, profile_dir) — each warpgroup records the entry and exit times (the SM's
+# global timer) of the body's jax.named_scope regions into a buffer that a host callback dumps after the call as a
+# Chrome trace (<dir>/<kernel>-<ns>-trace.json; benchmarks/bench_kernel_profile.py reads them). A jax config state
+# (in the jit key, as pdl_mode), so profiled and plain traces never share a kernel entry's cache; the folder is one
+# per process (jax's string states are not in the jit key). Off by default; GPU only (not in interpret mode).
+_PROFILE = jax_config.bool_state(
+    "glm5_mosaic_profile", False, "glm5_jax's Mosaic GPU kernels record their named scopes' times (kernel_profile)",
+    include_in_jit_key=True, include_in_trace_context=True)
+_PROFILE_DIR: list[str] = []
+PROFILE_SPACE = 256  # events per warpgroup (a range is two): the kernels' scopes in loops must fit
+
+
+@contextlib.contextmanager
+def kernel_profile(directory: str):
+  """Context: trace the kernels with Mosaic GPU's profiler on, their traces written to ``directory`` (one folder
+  per process)."""
+  directory = os.path.abspath(directory)
+  if _PROFILE_DIR and _PROFILE_DIR[0] != directory:
+    raise ValueError(f"kernel_profile: {directory!r}; this process profiles into {_PROFILE_DIR[0]!r} already (the "
+                     "folder is part of the cached kernels)")
+  os.makedirs(directory, exist_ok=True)
+  _PROFILE_DIR[:] = [directory]
+  with _PROFILE(True):
+    yield directory
+
+
 def mgpu_kernel(body, **kwargs):
-  """``plgpu.kernel`` with the body under ``with_pdl`` (every kernel of the package is built through here)."""
+  """``plgpu.kernel`` with the body under ``with_pdl`` (every kernel of the package is built through here), and
+  with the profiler's parameters under ``kernel_profile``."""
+  if _PROFILE.value and not interpreting():
+    cp = kwargs.pop("compiler_params", None) or plgpu.CompilerParams()
+    kwargs["compiler_params"] = cp.replace(profile_space=PROFILE_SPACE, profile_dir=_PROFILE_DIR[0],
+                                           profile_bounds_check=True)
   return plgpu.kernel(with_pdl(body), **kwargs)
 
 

@@ -814,9 +814,11 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       if shared:
         sg = jnp.where(is_sh, sgs_ref[nb, kb0 + i], sg)
         su = jnp.where(is_sh, sus_ref[nb, kb0 + i], su)
-      plgpu.barrier_wait(bar.at[slot])
-      g = _mma_tile(wg_s.at[slot], x_s.at[slot], mp, dq, a_s)
-      u = _mma_tile(wu_s.at[slot], x_s.at[slot], mp, dq, a_s)
+      with jax.named_scope("wait"):
+        plgpu.barrier_wait(bar.at[slot])
+      with jax.named_scope("mma"):
+        g = _mma_tile(wg_s.at[slot], x_s.at[slot], mp, dq, a_s)
+        u = _mma_tile(wu_s.at[slot], x_s.at[slot], mp, dq, a_s)
       pl.when(i + stages < steps)(lambda: issue(i + stages))
       return acc_g + g * sg, acc_u + u * su
 
@@ -923,8 +925,10 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
     scale = sd_ref[e, nb, ib]
     if shared:
       scale = jnp.where(s == 0, sds_ref[nb, ib], scale)
-    plgpu.barrier_wait(bar.at[slot])
-    blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s)
+    with jax.named_scope("wait"):
+      plgpu.barrier_wait(bar.at[slot])
+    with jax.named_scope("mma"):
+      blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s)
     pl.when(j + stages < total)(lambda: issue(j + stages))
     return acc + blk * scale
 
@@ -1520,9 +1524,11 @@ def _moe_p1(c, plan: PersistentMoePlan, x_ref, slot_of, w, parts_ref, ring, a_s)
     nb = row0 // BLOCK
     sg = _expert_scale(sg_ref, sgs_ref, e, is_sh, nb, kb, sh)
     su = _expert_scale(su_ref, sus_ref, e, is_sh, nb, kb, sh)
-    plgpu.barrier_wait(bar.at[slot])
-    g = _mma_tile(wg_s.at[slot], x_s.at[slot], plan.mp, True, a_s)
-    u = _mma_tile(wu_s.at[slot], x_s.at[slot], plan.mp, True, a_s)
+    with jax.named_scope("wait"):
+      plgpu.barrier_wait(bar.at[slot])
+    with jax.named_scope("mma"):
+      g = _mma_tile(wg_s.at[slot], x_s.at[slot], plan.mp, True, a_s)
+      u = _mma_tile(wu_s.at[slot], x_s.at[slot], plan.mp, True, a_s)
     pl.when(j + st < n_items)(lambda: issue(j + st))
     return acc_g + g * sg, acc_u + u * su
 
@@ -1592,9 +1598,11 @@ def _moe_p2(c, plan: PersistentMoePlan, slot_of, h_ref, sd_ref, sds_ref, wd_s, d
     q = q0 + j
     e, _, is_sh = slot_of(q // plan.ib)
     scale = _expert_scale(sd_ref, sds_ref, e, is_sh, nb, q % plan.ib, sh)
-    plgpu.barrier_wait(dbar.at[j])
-    plgpu.barrier_wait(hbar.at[j])
-    return acc + _mma_tile(wd_s.at[j], hx_s.at[j], plan.mp, True, a_s) * scale
+    with jax.named_scope("wait"):
+      plgpu.barrier_wait(dbar.at[j])
+      plgpu.barrier_wait(hbar.at[j])
+    with jax.named_scope("mma"):
+      return acc + _mma_tile(wd_s.at[j], hx_s.at[j], plan.mp, True, a_s) * scale
 
   acc = lax.fori_loop(0, n2, step, plgpu.layout_cast(jnp.zeros((_DN_BM, plan.mp), jnp.float32),
                                                      plgpu.Layout.WGMMA))
@@ -1640,16 +1648,20 @@ def _moe_persistent_kernel(*refs, plan: PersistentMoePlan, k: int, shared: bool,
     a_s = a[0] if a_smem else None
     (wg_s, wu_s, x_s), hx_s = union
     _moe_p2_issue_down(c, plan, slot_of, wd_ref, wds_ref, wd_s, dbar)  # streams through phase 1
-    _moe_p1(c, plan, x_ref, slot_of, w1, parts_ref, (wg_s, wu_s, x_s, bar), a_s)
+    with jax.named_scope("gate_up"):
+      _moe_p1(c, plan, x_ref, slot_of, w1, parts_ref, (wg_s, wu_s, x_s, bar), a_s)
 
     def grid_barrier(i):
       counter_signal(ctr.at[pl.ds(i, 1)])
       counter_wait(ctr.at[pl.ds(i, 1)], plan.G)
 
-    grid_barrier(_MOE_BAR_A)
-    _moe_p1b(c, plan, parts_ref, slot_of, (h_ref, h_s), limit)
-    _fence_proxy_async_global()  # (h's TMA stores, before the release that publishes them)
-    grid_barrier(_MOE_BAR_B)
+    with jax.named_scope("barrier_a"):
+      grid_barrier(_MOE_BAR_A)
+    with jax.named_scope("h"):
+      _moe_p1b(c, plan, parts_ref, slot_of, (h_ref, h_s), limit)
+      _fence_proxy_async_global()  # (h's TMA stores, before the release that publishes them)
+    with jax.named_scope("barrier_b"):
+      grid_barrier(_MOE_BAR_B)
     counter_signal(ctr.at[pl.ds(_MOE_BAR_C, 1)])  # past both barriers: CTA 0 may zero them at the end
     _fence_proxy_async_global()  # (the acquire above, before this CTA's TMA reads of h)
 
@@ -1657,7 +1669,8 @@ def _moe_persistent_kernel(*refs, plan: PersistentMoePlan, k: int, shared: bool,
       _split_out(o_ref, ctr if plan.H2 > 1 else None, acc, sk=hh, tile=t + _MOE_TILE0, row0=t * _DN_BM,
                  bm=_DN_BM, split=plan.H2, rows=(y_ref, y_s))
 
-    _moe_p2(c, plan, slot_of, h_ref, sd_ref, sds_ref, wd_s, dbar, hx_s, hbar, a_s, out)
+    with jax.named_scope("down"):
+      _moe_p2(c, plan, slot_of, h_ref, sd_ref, sds_ref, wd_s, dbar, hx_s, hbar, a_s, out)
 
     @pl.when(c == 0)
     def _():

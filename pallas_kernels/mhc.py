@@ -690,7 +690,8 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
     g = lax.axis_index("g")
     d0 = g * GRID_COLS
     plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, GRID_COLS)], w_s, bar_w)  # in flight through the first half
-    pp(*pp_in, *pp_out, *pp_scratch)
+    with jax.named_scope("post_pre"):
+      pp(*pp_in, *pp_out, *pp_scratch)
     for k in range(-(-(Gp - G) // G)):  # the zero rows, spread over the CTAs
       row = G + g + k * G
 
@@ -700,8 +701,9 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
 
     if not counters:
       sem = pl.get_global(plgpu.SemaphoreType.REGULAR)  # zeroed for each launch (an XLA fill per call)
-      plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-      plgpu.semaphore_wait(sem, G, decrement=False, memory_scope="gpu")
+      with jax.named_scope("barrier"):
+        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+        plgpu.semaphore_wait(sem, G, decrement=False, memory_scope="gpu")
     else:
       p = par_g[0]
 
@@ -712,8 +714,9 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
       counter_signal(ctr_g.at[pl.ds(p, 1)])  # (_common: semaphore ops on a plain int32 ref)
       counter_wait(ctr_g.at[pl.ds(p, 1)], G)
     x_s = pp_scratch[0] if first else pp_scratch[6]  # X' (untiled [N, 64, 32]): X itself at the first site
-    _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
-                             norm_eps)
+    with jax.named_scope("normalise"):
+      _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
+                               norm_eps)
 
   return body
 

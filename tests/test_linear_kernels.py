@@ -306,53 +306,43 @@ def test_fp8_moe_rows_form_interpret(m, e, k, shared, bad_id):
   assert_close(y, L.fp8_moe_reference(*ref_args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
 
 
-@pytest.mark.parametrize("e,i,d,k,shared,max_ctas,bad_id", [
-    (6, 256, 384, 2, True, L.MOE_GRID_MAX, False),  # one item per CTA; the shared slot's own arrays
-    # 16 CTAs: 3 gate/up items each over pairs of 4 D blocks — ranges straddle pairs, pairs split into pieces of
-    # 1-3 items on up to 2 CTAs — and 3 down items per share, 2 shares of a row tile summed; an out-of-range id
-    (6, 256, 512, 3, False, 16, True),
-])
-def test_fp8_moe_persistent_interpret(e, i, d, k, shared, max_ctas, bad_id):
+def _single_row_case(seed):
+  """One token row of 6 experts (I = 256, D = 512), top-2 + the shared slot, id 1 out of range (its weight
+  masked): with 16 CTAs, 3 gate/up items each over pairs of 4 D blocks — ranges straddle pairs, a pair split into
+  pieces on up to 2 CTAs — and 3 down items per share, 2 shares of a row tile summed."""
+  e, i, d, k = 6, 256, 512, 2
+  args = list(moe_inputs(jax.random.key(seed), 1, e, i, d, k))
+  args[1] = args[1].at[0, 1].set(e)
+  ref_args = list(args)  # (the masked expert contributes nothing: expert 0 with weight 0)
+  ref_args[1], ref_args[2] = args[1].at[0, 1].set(0), args[2].at[0, 1].set(0.0)
+  return args, ref_args, _shared_expert(jax.random.key(seed + 1), i, d)
+
+
+def test_fp8_moe_persistent_interpret():
   """fp8_moe_persistent's three-launch form (GPU interpret mode: its phases' code without the grid barriers) ==
   the reference, and fp8_moe's (dq) result within bf16 rounding of h (another summation order)."""
-  args = list(moe_inputs(jax.random.key(350 + d), 1, e, i, d, k))
-  if bad_id:
-    args[1] = args[1].at[0, 1].set(e)
-  sh = _shared_expert(jax.random.key(360 + d), i, d) if shared else None
-  plan = L.plan_moe_persistent(k + shared, i, d, max_ctas=max_ctas)
-  if max_ctas == 16:
-    assert (plan.G, plan.P1, plan.P2, plan.H2, plan.kmax) == (16, 3, 3, 2, 2), plan
+  args, ref_args, sh = _single_row_case(350)
+  d = args[0].shape[1]
+  plan = L.plan_moe_persistent(3, 256, d, max_ctas=16)
+  assert (plan.G, plan.P1, plan.P2, plan.H2, plan.kmax) == (16, 3, 3, 2, 2), plan
   with maybe_interpret():
-    y = jax.jit(functools.partial(L.fp8_moe_persistent, swiglu_limit=1.0, max_ctas=max_ctas))(*args, shared=sh)
+    y = jax.jit(functools.partial(L.fp8_moe_persistent, swiglu_limit=1.0, max_ctas=16))(*args, shared=sh)
     y0 = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True))(*args, shared=sh)
-  ref_args = list(args)
-  if bad_id:  # (the masked expert contributes nothing: expert 0 with weight 0)
-    ref_args[1], ref_args[2] = args[1].at[0, 1].set(0), args[2].at[0, 1].set(0.0)
   assert y.shape == (1, d) and y.dtype == jnp.float32
   assert_close(y, L.fp8_moe_reference(*ref_args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
   assert_close(y, y0, "kernel_bf16")
 
 
-@pytest.mark.parametrize("e,i,d,k,shared,ctas,bad_id", [
-    (6, 256, 384, 2, True, None, False),  # one item per CTA; the shared slot's own arrays
-    (6, 256, 512, 3, False, 16, True),  # ranges of 3 straddling pairs of 4 D blocks; 2 down shares; a bad id
-])
-def test_fp8_moe_balanced_interpret(e, i, d, k, shared, ctas, bad_id):
+def test_fp8_moe_balanced_interpret():
   """fp8_moe_balanced (the gate/up items in equal ranges, XLA's glue over the masked pieces, the down shares) ==
   the reference, and fp8_moe's (dq) result within bf16 rounding of h."""
-  args = list(moe_inputs(jax.random.key(390 + d), 1, e, i, d, k))
-  if bad_id:
-    args[1] = args[1].at[0, 1].set(e)
-  sh = _shared_expert(jax.random.key(391 + d), i, d) if shared else None
-  if ctas:
-    plan = L.plan_moe_balanced(k, i, d, ctas=ctas)
-    assert (plan.g1, plan.P1, plan.G, plan.P2, plan.kmax) == (16, 3, 16, 3, 2), plan
+  args, ref_args, sh = _single_row_case(390)
+  d = args[0].shape[1]
+  plan = L.plan_moe_balanced(3, 256, d, ctas=16)
+  assert (plan.g1, plan.P1, plan.G, plan.P2, plan.kmax) == (16, 3, 16, 3, 2), plan
   with maybe_interpret():
-    y = jax.jit(functools.partial(L.fp8_moe_balanced, swiglu_limit=1.0, ctas=ctas))(*args, shared=sh)
+    y = jax.jit(functools.partial(L.fp8_moe_balanced, swiglu_limit=1.0, ctas=16))(*args, shared=sh)
     y0 = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True))(*args, shared=sh)
-  ref_args = list(args)
-  if bad_id:
-    ref_args[1], ref_args[2] = args[1].at[0, 1].set(0), args[2].at[0, 1].set(0.0)
   assert y.shape == (1, d) and y.dtype == jnp.float32
   assert_close(y, L.fp8_moe_reference(*ref_args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
   assert_close(y, y0, "kernel_bf16")
@@ -980,3 +970,27 @@ def test_fp8_moe_shared_slot_gpu(m, dq, a_from):
   y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=10.0, dq=dq, a_from=a_from))(*args, shared=sh)
   ref = jax.jit(functools.partial(L.fp8_moe_reference, swiglu_limit=10.0))(*args, shared=sh)
   assert_close(y, ref, "kernel_bf16" if dq else "kernel_fp8")
+
+
+def test_kernel_profile_sets_the_profilers_parameters(monkeypatch, tmp_path):
+  """Under kernel_profile(folder) every kernel is built with Mosaic GPU's profiler on (profile_space, the folder,
+  bounds-checked), its own compiler parameters kept; not outside it, not in interpret mode; one folder per process."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
+
+  from pallas_kernels import _common  # noqa: PLC0415
+  got = []
+  monkeypatch.setattr(_common.plgpu, "kernel", lambda body, **kw: got.append(kw))
+  monkeypatch.setattr(_common, "_PROFILE_DIR", [])
+  cp = plgpu.CompilerParams(approx_math=True)
+  with _common.kernel_profile(str(tmp_path / "a")):
+    _common.mgpu_kernel(lambda: None, compiler_params=cp)
+    with maybe_interpret(True):
+      _common.mgpu_kernel(lambda: None, compiler_params=cp)
+  _common.mgpu_kernel(lambda: None, compiler_params=cp)
+  prof = got[0]["compiler_params"]
+  assert prof.approx_math and prof.profile_space == _common.PROFILE_SPACE and prof.profile_bounds_check
+  assert prof.profile_dir == str(tmp_path / "a") and (tmp_path / "a").is_dir()
+  assert got[1]["compiler_params"] is cp and got[2]["compiler_params"] is cp
+  with pytest.raises(ValueError, match="profiles into .* already"):
+    with _common.kernel_profile(str(tmp_path / "b")):
+      pass

@@ -1,0 +1,171 @@
+"""Where the time goes INSIDE the decode step's fixed-latency kernels: Mosaic GPU's in-kernel profiler.
+
+The step is a chain of ~800 dependent launches whose kernel durations make it up (session 40's profile: 4,056 of a
+~4.3 ms step at q = 1), and the large ones are far from their bytes' floor: the MoE's gate/up 13.5 µs for 37.7 MB,
+down 8.4 for 18.9 MB, the mHC boundary 7.1 µs for ~0.8 MB, the persistent MoE 33.5 µs. CUPTI gives a kernel's
+duration only; with ``pallas_kernels._common.kernel_profile`` every warpgroup records the entry / exit times of
+the body's ``jax.named_scope`` regions (``gate_up`` / ``wait`` / ``mma`` / ``barrier_a`` / ...). This script runs
+each kernel at the real TP4 rank's shapes (fresh random inputs) under the profiler and prints, per kernel and
+region path: instances per warpgroup, when it begins after the kernel's first warpgroup starts (median / max over
+warpgroups) and its time per warpgroup (median / max), and the kernel's span and CTA start spread (the launch
+ramp). The profiler adds ~12 cycles per event: the spans are a little longer than CUPTI's durations.
+
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof [--cases moe,mhc]
+              [--out table.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._timing import log, write_log  # noqa: E402
+from glm5_jax import config as C  # noqa: E402
+from pallas_kernels import linear as L  # noqa: E402
+from pallas_kernels import mhc as km  # noqa: E402
+from pallas_kernels._common import kernel_profile  # noqa: E402
+
+MOE = dict(E=288, I=512, D=4096, k=8)
+
+
+def _fp8(key, shape):
+  """Block-quantised e4m3 weights with [.., ceil(r/128), ceil(c/128)] scales (random, never zeros)."""
+  w = jax.random.normal(key, shape, jnp.float32) * 0.05
+  s = jnp.abs(w).reshape(*shape[:-2], shape[-2] // 128, 128, shape[-1] // 128, 128).max(axis=(-3, -1)) / 448.0
+  q = (w / jnp.repeat(jnp.repeat(s, 128, -2), 128, -1)).astype(jnp.float8_e4m3fn)
+  return q, s
+
+
+def moe_inputs(seed):
+  e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
+  ks = jax.random.split(jax.random.key(seed), 9)
+  wg, sg = _fp8(ks[0], (e, i, d))
+  wu, su = _fp8(ks[1], (e, i, d))
+  wd, sd = _fp8(ks[2], (e, d, i))
+  x = jax.random.normal(ks[3], (1, d), jnp.float32).astype(jnp.bfloat16)
+  ids = jax.random.permutation(ks[4], e)[:k].reshape(1, k).astype(jnp.int32)
+  tw = jax.random.uniform(ks[5], (1, k), jnp.float32, 0.05, 0.5)
+  sh = (*_fp8(ks[6], (i, d)), *_fp8(ks[7], (i, d)), *_fp8(ks[8], (d, i)))
+  return (x, ids, tw, wg, sg, wu, su, wd, sd), sh
+
+
+def mhc_inputs(seed):
+  cfg, N, D = C.real(), km.N, MOE["D"]
+  rng = np.random.default_rng(seed)
+  X = jnp.asarray(rng.standard_normal((1, N * D)), jnp.bfloat16)
+  y = jnp.asarray(rng.standard_normal((1, D)), jnp.bfloat16)
+  mix = (jnp.asarray(rng.uniform(0.1, 1.0, (N, km.ROWS)), jnp.float32),
+         jnp.asarray(rng.uniform(0.0, 0.5, (N * N, km.ROWS)), jnp.float32))
+  fn = jnp.asarray(rng.standard_normal((km.MIX, N * D)) * 0.02, jnp.bfloat16)
+  coef = jnp.asarray(np.concatenate([rng.standard_normal(km.MIX), rng.uniform(0.5, 2, 3)]), jnp.float32)
+  w = jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.bfloat16)
+  consts = dict(eps=cfg.hc_eps, hc_norm_eps=cfg.rms_norm_eps, norm_eps=cfg.rms_norm_eps)
+  return (X, y, mix, fn, coef, w), consts
+
+
+def cases(names):
+  """name -> (a function of no arguments that runs the kernel(s) once, jitted)."""
+  out = {}
+  if "moe" in names or "moe_persistent" in names:
+    args, sh = moe_inputs(0)
+    if "moe" in names:
+      f = jax.jit(lambda a, s: L.fp8_moe(*a, swiglu_limit=10.0, shared=s, dq=True))
+      out["moe"] = lambda: f(args, sh)
+    if "moe_persistent" in names:
+      g = jax.jit(lambda a, s: L.fp8_moe_persistent(*a, swiglu_limit=10.0, shared=s, counters=L.moe_counters()))
+      out["moe_persistent"] = lambda: g(args, sh)
+  if "mhc" in names:
+    margs, consts = mhc_inputs(1)
+    h = jax.jit(lambda a: km.mhc_post_finish(*a, **consts, approx_math=True))
+    out["mhc"] = lambda: h(margs)
+  return out
+
+
+def regions(trace):
+  """A Chrome trace of one call -> (per warpgroup: [(path, begin µs, end µs)], the warpgroups' first timestamps)."""
+  by_tid = collections.defaultdict(list)
+  for ev in trace["traceEvents"]:
+    by_tid[(ev["pid"], ev["tid"])].append(ev)
+  spans, starts = {}, {}
+  for tid, evs in by_tid.items():
+    evs.sort(key=lambda e: e["ts"])
+    stack, out = [], []
+    for ev in evs:
+      if ev["ph"] == "B":
+        stack.append((ev["name"], ev["ts"]))
+      elif stack:
+        name, t0 = stack.pop()
+        out.append(("/".join([n for n, _ in stack] + [name]), t0, ev["ts"]))
+    spans[tid] = out
+    starts[tid] = evs[0]["ts"] if evs else None
+  return spans, starts
+
+
+def summarise(kernel, files):
+  """One table per kernel over the calls' traces (the last call's, the earlier ones compile and warm)."""
+  trace = json.load(open(sorted(files)[-1]))
+  spans, starts = regions(trace)
+  if not spans:
+    log(f"{kernel}: no events")
+    return
+  t0 = min(s for s in starts.values() if s is not None)
+  t_end = max(e for v in spans.values() for _, _, e in v)
+  first = sorted(s - t0 for s in starts.values() if s is not None)
+  log(f"\n{kernel}: {len(spans)} warpgroups, span {t_end - t0:.2f} µs (first scope entry -> last exit), warpgroup "
+      f"starts after the first: median {np.median(first):.2f} / max {max(first):.2f} µs")
+  rows = collections.defaultdict(lambda: {"n": [], "begin": [], "dur": []})
+  for v in spans.values():
+    per = collections.defaultdict(lambda: [0, None, 0.0])
+    for path, b, e in v:
+      c = per[path]
+      c[0] += 1
+      c[1] = b - t0 if c[1] is None else min(c[1], b - t0)
+      c[2] += e - b
+    for path, (n, b, dur) in per.items():
+      rows[path]["n"].append(n)
+      rows[path]["begin"].append(b)
+      rows[path]["dur"].append(dur)
+  log(f"  {'region':<28} {'per wg':>7} {'begins µs med/max':>18} {'µs per wg med/max':>18}")
+  for path, r in sorted(rows.items(), key=lambda kv: np.median(kv[1]["begin"])):
+    log(f"  {path:<28} {np.median(r['n']):7.0f} {np.median(r['begin']):8.2f} / {max(r['begin']):7.2f} "
+        f"{np.median(r['dur']):8.2f} / {max(r['dur']):7.2f}")
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--dir", required=True, help="folder for the profiler's traces")
+  ap.add_argument("--cases", default="moe,moe_persistent,mhc")
+  ap.add_argument("--calls", type=int, default=3)
+  ap.add_argument("--out", default=None)
+  a = ap.parse_args(argv)
+  names = a.cases.split(",")
+  log(f"# jax {jax.__version__} {jax.devices()[0].device_kind}: in-kernel profiles, {a.calls} calls per case (the "
+      "last one read)")
+  with kernel_profile(a.dir) as d:
+    fns = cases(names)
+    for name in names:
+      before = set(glob.glob(os.path.join(d, "*-trace.json")))
+      for _ in range(a.calls):
+        jax.block_until_ready(fns[name]())
+      new = sorted(set(glob.glob(os.path.join(d, "*-trace.json"))) - before)
+      by_kernel = collections.defaultdict(list)
+      for f in new:
+        by_kernel[os.path.basename(f).rsplit("-", 2)[0]].append(f)
+      log(f"\n## {name}: {sum(map(len, by_kernel.values()))} traces ({', '.join(sorted(by_kernel))})")
+      for kernel, files in sorted(by_kernel.items()):
+        summarise(kernel, files)
+  if a.out:
+    write_log(a.out)
+
+
+if __name__ == "__main__":
+  main()
