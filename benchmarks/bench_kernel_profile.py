@@ -10,7 +10,7 @@ region path: instances per warpgroup, when it begins after the kernel's first wa
 warpgroups) and its time per warpgroup (median / max), and the kernel's span and CTA start spread (the launch
 ramp). The profiler adds ~12 cycles per event: the spans are a little longer than CUPTI's durations.
 
-Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof [--cases moe,mhc]
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof [--cases moe,mhc,...]
               [--out table.txt]
 """
 
@@ -75,14 +75,17 @@ def mhc_inputs(seed):
 def cases(names):
   """name -> (a function of no arguments that runs the kernel(s) once, jitted)."""
   out = {}
-  if "moe" in names or "moe_persistent" in names:
+  if any(n.startswith("moe") for n in names):
     args, sh = moe_inputs(0)
     if "moe" in names:
       f = jax.jit(lambda a, s: L.fp8_moe(*a, swiglu_limit=10.0, shared=s, dq=True))
       out["moe"] = lambda: f(args, sh)
-    if "moe_persistent" in names:
-      g = jax.jit(lambda a, s: L.fp8_moe_persistent(*a, swiglu_limit=10.0, shared=s, counters=L.moe_counters()))
-      out["moe_persistent"] = lambda: g(args, sh)
+    for dt in ("bfloat16", "float16"):
+      name = "moe_persistent" + ("_f16" if dt == "float16" else "")
+      if name in names:
+        g = jax.jit(lambda a, s, dt=dt: L.fp8_moe_persistent(*a, swiglu_limit=10.0, shared=s, dq_dtype=dt,
+                                                              counters=L.moe_counters()))
+        out[name] = lambda g=g: g(args, sh)
   if "mhc" in names:
     margs, consts = mhc_inputs(1)
     h = jax.jit(lambda a: km.mhc_post_finish(*a, **consts, approx_math=True))
@@ -143,19 +146,23 @@ def summarise(kernel, files):
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--dir", required=True, help="folder for the profiler's traces")
-  ap.add_argument("--cases", default="moe,moe_persistent,mhc")
-  ap.add_argument("--calls", type=int, default=3)
+  ap.add_argument("--cases", default="moe,moe_persistent,moe_persistent_f16,mhc")
   ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
   names = a.cases.split(",")
-  log(f"# jax {jax.__version__} {jax.devices()[0].device_kind}: in-kernel profiles, {a.calls} calls per case (the "
-      "last one read)")
+  log(f"# jax {jax.__version__} {jax.devices()[0].device_kind}: in-kernel profiles of each case's second call (the "
+      "first compiles and warms the clocks)")
   with kernel_profile(a.dir) as d:
     fns = cases(names)
     for name in names:
+      # a kernel's trace file is named once, when it is lowered: the first call's dump takes the name and the
+      # later ones are refused ("profile already exists"). So: call, drop that dump, call again, read.
       before = set(glob.glob(os.path.join(d, "*-trace.json")))
-      for _ in range(a.calls):
-        jax.block_until_ready(fns[name]())
+      for _ in range(3):
+        jax.block_until_ready(fns[name]())  # (warm: clocks up, weights' pages touched)
+      for f in set(glob.glob(os.path.join(d, "*-trace.json"))) - before:
+        os.remove(f)
+      jax.block_until_ready(fns[name]())
       new = sorted(set(glob.glob(os.path.join(d, "*-trace.json"))) - before)
       by_kernel = collections.defaultdict(list)
       for f in new:

@@ -196,7 +196,8 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shar
                                 swiglu_limit=kw["swiglu_limit"], **balanced)
     if persistent:  # (its counters Ref made in the call: a 512-byte fill, not a glm5_ kernel)
       return L.fp8_moe_persistent(x, ids, tw, *ws[:6], shared=ws[6] if shared else None,
-                                  swiglu_limit=kw["swiglu_limit"], counters=L.moe_counters())
+                                  swiglu_limit=kw["swiglu_limit"], counters=L.moe_counters(),
+                                  dq_dtype=persistent if isinstance(persistent, str) else "bfloat16")
     return L.fp8_moe(x, ids, tw, *ws[:6], shared=ws[6] if shared else None, **kw)
 
   def ref(x, ids, tw, *ws, **kw):
@@ -213,7 +214,7 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shar
   if balanced is not None:
     p, label = L.plan_moe_balanced(slots, i, d, **balanced), "moeb"
   elif persistent:
-    p, label = L.plan_moe_persistent(slots, i, d), "moep"
+    p, label = L.plan_moe_persistent(slots, i, d, dq_dtype=persistent), "moep"
   else:
     p, label = plan or L.plan_moe(slots, i, d, L._padded_rows(m)), ("moedq" if dq else "moe")
   row(label, f"E{e} I{i} D{d} ~{np.mean(distinct):.0f}exp", m, nb, mosaic_us(names), call, xla,
@@ -329,11 +330,12 @@ def main(argv=None):
   # moeb: fp8_moe_balanced (M = 1) at 3 and 2 CTAs per SM, and 4 ring stages at 3
   for kind in ("moe", "moedq", "moep", "moeb"):
     if kind in only:
-      variants = [{}] if kind != "moeb" else [{"balanced": dict(per_sm=3)}, {"balanced": dict(per_sm=2)},
-                                               {"balanced": dict(per_sm=3, stages=4)}]
+      variants = {"moeb": [{"balanced": dict(per_sm=3)}, {"balanced": dict(per_sm=2)},
+                           {"balanced": dict(per_sm=3, stages=4)}],
+                  "moep": [{"persistent": "bfloat16"}, {"persistent": "float16"}]}.get(kind, [{}])
       for m in (rows if kind not in ("moep", "moeb") else [1]):
         for v in variants:
-          names = guarded(deadline, bench_moe, m, dq=kind != "moe", persistent=kind == "moep", **v)
+          names = guarded(deadline, bench_moe, m, dq=kind != "moe", **v)
           if names:
             log(f"# kernel us per {kind} {v} call: { {n: round(t, 1) for n, t in names.items()} }")
   if a.sweep:

@@ -173,11 +173,13 @@ def _mma_hi_lo(w_s, x_s, mp: int, acc_hi, acc_lo):
   return acc_hi[...] + acc_lo[...] * (1.0 / LO_SCALE)
 
 
-def _dequant_tile(w_s, a_s):
-  """An e4m3 weight tile [bm, 128] in SMEM -> the wgmma A operand in bf16: in registers (a_s None), or stored
-  into the bf16 SMEM tile a_s (the form GPU interpret mode runs). Through f32: the H200's ptxas has no direct
-  e4m3 -> bf16 conversion; e4m3 values are exact in bf16 (3 mantissa bits, |v| <= 448)."""
-  a = plgpu.load(w_s, layout=plgpu.Layout.WGMMA).astype(jnp.float32).astype(jnp.bfloat16)
+def _dequant_tile(w_s, a_s, dt=jnp.bfloat16):
+  """An e4m3 weight tile [bm, 128] in SMEM -> the wgmma A operand in bf16 (or ``dt`` f16): in registers (a_s
+  None), or stored into the SMEM tile a_s (the form GPU interpret mode runs). bf16 goes through f32: the H200's
+  ptxas has no direct e4m3 -> bf16 conversion; f16 is one cvt per two values (e4m3x2 -> f16x2). e4m3 values are
+  exact in both (3 mantissa bits, |v| <= 448)."""
+  a = plgpu.load(w_s, layout=plgpu.Layout.WGMMA)
+  a = a.astype(jnp.float16) if dt == jnp.float16 else a.astype(jnp.float32).astype(jnp.bfloat16)
   if a_s is None:
     return a
   a_s[...] = a
@@ -194,14 +196,15 @@ def _a_smem(a_from: str | None) -> bool:
   return a_from == "smem"
 
 
-def _mma_tile(w_s, x_s, mp: int, dq: bool, a_s=None):
+def _mma_tile(w_s, x_s, mp: int, dq: bool, a_s=None, dt=jnp.bfloat16):
   """One 128-K block with a fresh accumulator -> W @ x.T [bm, mp] f32: x as hi/lo e4m3 rows [2mp, 128] (two fp8
-  wgmmas, :func:`_mma_hi_lo`), or (dq) the weight dequantised to bf16 times bf16 x rows [mp, 128]."""
+  wgmmas, :func:`_mma_hi_lo`), or (dq) the weight dequantised to bf16 (``dt`` f16) times x rows [mp, 128] of that
+  dtype."""
   bm = w_s.shape[0]
   if not dq:
     return pl.run_scoped(functools.partial(_mma_hi_lo, w_s, x_s, mp),
                          plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
-  a = _dequant_tile(w_s, a_s)
+  a = _dequant_tile(w_s, a_s, dt)
 
   def mma(acc):
     plgpu.wgmma(acc, a, x_s.T)
@@ -1366,10 +1369,15 @@ class PersistentMoePlan:
   P2: int
   stages: int
   G1: int = 0  # phase 1's CTAs when it is a launch of its own (fp8_moe_balanced); 0: G
+  dq_dtype: str = "bfloat16"  # the dequantised weight tiles', x's and h's dtype ("float16": one cvt per 2 values)
 
   @property
   def g1(self):
     return self.G1 or self.G
+
+  @property
+  def dt(self):
+    return jnp.dtype(self.dq_dtype)
 
   @property
   def db(self):
@@ -1397,7 +1405,7 @@ class PersistentMoePlan:
 
 
 def plan_moe_persistent(n_slots: int, inter: int, hidden: int, mp: int = 8, *, stages: int | None = None,
-                        max_ctas: int = MOE_GRID_MAX) -> PersistentMoePlan:
+                        max_ctas: int = MOE_GRID_MAX, dq_dtype: str = "bfloat16") -> PersistentMoePlan:
   """The schedule for S = ``n_slots`` expert slots of I = ``inter``, D = ``hidden`` (both multiples of 128): as
   many CTAs as the down phase's 64-row tiles x shares fill up to ``max_ctas`` (each share's down tiles must fit in
   SMEM beside the gate/up ring), the gate/up items dealt out evenly over them."""
@@ -1422,8 +1430,10 @@ def plan_moe_persistent(n_slots: int, inter: int, hidden: int, mp: int = 8, *, s
     raise ValueError(f"fp8_moe_persistent: {P2} down tiles per CTA ({dn_bytes} B) leave no SMEM for the gate/up "
                      "ring and h")
   st = max(1, min(stages or 4, budget // stage_bytes, P1))
+  if dq_dtype not in ("bfloat16", "float16"):
+    raise ValueError(f"fp8_moe_persistent: dq_dtype = {dq_dtype!r}, expected 'bfloat16' or 'float16'")
   return PersistentMoePlan(S=n_slots, I=inter, D=hidden, mp=mp, G=G, P1=P1, kmax=kmax, T2=T2, H2=H2, P2=P2,
-                           stages=st)
+                           stages=st, dq_dtype=dq_dtype)
 
 
 def _pieces(n1: int, db: int, P1: int) -> tuple[int, np.ndarray]:
@@ -1527,8 +1537,8 @@ def _moe_p1(c, plan: PersistentMoePlan, x_ref, slot_of, w, parts_ref, ring, a_s)
     with jax.named_scope("wait"):
       plgpu.barrier_wait(bar.at[slot])
     with jax.named_scope("mma"):
-      g = _mma_tile(wg_s.at[slot], x_s.at[slot], plan.mp, True, a_s)
-      u = _mma_tile(wu_s.at[slot], x_s.at[slot], plan.mp, True, a_s)
+      g = _mma_tile(wg_s.at[slot], x_s.at[slot], plan.mp, True, a_s, plan.dt)
+      u = _mma_tile(wu_s.at[slot], x_s.at[slot], plan.mp, True, a_s, plan.dt)
     pl.when(j + st < n_items)(lambda: issue(j + st))
     return acc_g + g * sg, acc_u + u * su
 
@@ -1602,7 +1612,7 @@ def _moe_p2(c, plan: PersistentMoePlan, slot_of, h_ref, sd_ref, sds_ref, wd_s, d
       plgpu.barrier_wait(dbar.at[j])
       plgpu.barrier_wait(hbar.at[j])
     with jax.named_scope("mma"):
-      return acc + _mma_tile(wd_s.at[j], hx_s.at[j], plan.mp, True, a_s) * scale
+      return acc + _mma_tile(wd_s.at[j], hx_s.at[j], plan.mp, True, a_s, plan.dt) * scale
 
   acc = lax.fori_loop(0, n2, step, plgpu.layout_cast(jnp.zeros((_DN_BM, plan.mp), jnp.float32),
                                                      plgpu.Layout.WGMMA))
@@ -1722,7 +1732,7 @@ def _single_row_args(name, x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up
 
 def _moe_phase_scratch(plan: PersistentMoePlan, a_smem: bool):
   """(the gate/up ring [w_gate, w_up, x tiles], the down tiles wd_s, h's tiles hx_s, the dequantised-tile scratch)."""
-  st, mp, bf16 = plan.stages, plan.mp, jnp.bfloat16
+  st, mp, bf16 = plan.stages, plan.mp, plan.dt
   ring = [plgpu.SMEM((st, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
           plgpu.SMEM((st, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
           plgpu.SMEM((st, mp, BLOCK), bf16, transforms=_tr(bf16, BLOCK))]
@@ -1751,17 +1761,19 @@ def _moe_down_launch(plan, statics, args, h, name):
                                     plgpu.Barrier(num_arrivals=1, num_barriers=plan.P2), *a_tile])(*args, h)
 
 
-@kernel_entry("swiglu_limit", "out_dtype", "launches", "stages", "max_ctas", "a_from")
+@kernel_entry("swiglu_limit", "out_dtype", "launches", "stages", "max_ctas", "dq_dtype", "a_from")
 def fp8_moe_persistent(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,
                        swiglu_limit: float, shared=None, counters=None, out_dtype=jnp.float32,
                        launches: int | None = None, stages: int | None = None, max_ctas: int = MOE_GRID_MAX,
-                       a_from: str | None = None):
+                       dq_dtype: str = "bfloat16", a_from: str | None = None):
   """:func:`fp8_moe` for ONE token row (decode at B = 1, q = 1) as one persistent launch (see the section comment):
   the same arguments (``dq`` always: bf16 x, each FP8 weight tile dequantised to bf16 in registers) and result y
   [1, D] out_dtype. ``counters``: the Ref of :func:`moe_counters` (required for the one-launch form). ``launches``:
   1 (the default on a GPU) or 3 — the phases as launches of their own and XLA's sum of the down shares (GPU
   interpret mode's form, and the GPU tests' reference for the one-launch form). ``stages`` / ``max_ctas``: the
-  plan's (plan_moe_persistent). Needs I, D multiples of 128.
+  plan's (plan_moe_persistent). ``dq_dtype`` "float16": the weight tiles dequantised to f16 (one cvt per two
+  values instead of e4m3 -> f32 -> bf16), x and h in f16 (x's bf16 values are exact in f16 within its range,
+  |x| < 65,504). Needs I, D multiples of 128.
 
   Measured on the H200 (bench_linear moep, session 40): correct, but 33.5 µs against fp8_moe's 22.0 + 3.3 of glue —
   one warpgroup per SM keeps 3 gate/up items in flight (fp8_moe's 2-3 CTAs per SM: 6-9), and after the barriers
@@ -1782,12 +1794,12 @@ def fp8_moe_persistent(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_
   m, d = x.shape
   inter = w_gate.shape[1]
   mp = _padded_rows(m)
-  plan = plan_moe_persistent(k + int(has_sh), inter, d, mp, stages=stages, max_ctas=max_ctas)
+  plan = plan_moe_persistent(k + int(has_sh), inter, d, mp, stages=stages, max_ctas=max_ctas, dq_dtype=dq_dtype)
   a_smem = _a_smem(a_from)
   statics = dict(plan=plan, k=k, shared=has_sh, limit=float(swiglu_limit), a_smem=a_smem)
-  args = (xb, ids, tw, *wts)
-  h_t = jax.ShapeDtypeStruct((plan.S, m, inter), jnp.bfloat16)
-  h_s = plgpu.SMEM((m, _DN_BM), jnp.bfloat16)
+  args = (xb.astype(plan.dt), ids, tw, *wts)
+  h_t = jax.ShapeDtypeStruct((plan.S, m, inter), plan.dt)
+  h_s = plgpu.SMEM((m, _DN_BM), plan.dt)
   if launches == 1:
     ring, wd_s, hx_s, a_tile = _moe_phase_scratch(plan, a_smem)
     parts_t = jax.ShapeDtypeStruct((plan.pairs, plan.kmax, 2, _DN_BM, mp), jnp.float32)

@@ -830,12 +830,13 @@ def test_linear_fused_sum_cross_lowers():
 
 def test_fp8_moe_persistent_cross_lowers():
   """The one-launch form at the real TP4 rank's MoE (288 experts, I = 512, D = 4096, top-8 + the shared slot)
-  lowers for CUDA: ONE Mosaic call of 128 CTAs taking and returning the counters Ref, y [1, D] its last output."""
+  lowers for CUDA: ONE Mosaic call of 128 CTAs taking and returning the counters Ref, y [1, D] its last output
+  (and with f16 dequantisation: h in f16)."""
   e, i, d, kk = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
         SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
-  for out_dtype in (jnp.float32, jnp.bfloat16):
-    txt = cross_lower(lambda *a: L.fp8_moe_persistent(*a[:9], swiglu_limit=10.0, shared=a[9:],
+  for out_dtype, dq_dtype in ((jnp.float32, "bfloat16"), (jnp.bfloat16, "float16")):
+    txt = cross_lower(lambda *a: L.fp8_moe_persistent(*a[:9], swiglu_limit=10.0, shared=a[9:], dq_dtype=dq_dtype,
                                                       counters=L.moe_counters(), out_dtype=out_dtype),
                       SDS((1, d), jnp.bfloat16), SDS((1, kk), jnp.int32), SDS((1, kk), jnp.float32),
                       SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
@@ -866,20 +867,23 @@ def test_fp8_moe_balanced_cross_lowers(per_sm, stages):
 
 
 @pytest.mark.gpu
-def test_fp8_moe_persistent_gpu():
+@pytest.mark.parametrize("dq_dtype", ["bfloat16", "float16"])
+def test_fp8_moe_persistent_gpu(dq_dtype):
   """fp8_moe_persistent natively at the real shapes (the shared slot): the one-launch form (grid barriers, the
   down shares summed on the counters) == its three-launch form and the reference, bit-equal from call to call on
-  one counters Ref, which each call leaves zero; and fp8_moe's (dq) result within bf16 rounding of h."""
+  one counters Ref, which each call leaves zero; and fp8_moe's (dq) result within bf16 rounding of h. With f16
+  dequantisation (dq_dtype) too."""
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   args = moe_inputs(jax.random.key(380), 1, e, i, d, k)
   sh = _shared_expert(jax.random.key(381), i, d)
 
   def run(args, sh):  # (the weights as arguments: closed over, jit would embed ~1.8 GB of constants)
     c = L.moe_counters()
-    f = lambda: L.fp8_moe_persistent(*args, swiglu_limit=10.0, shared=sh, counters=c)  # noqa: E731
+    f = lambda: L.fp8_moe_persistent(*args, swiglu_limit=10.0, shared=sh, counters=c, dq_dtype=dq_dtype)  # noqa
     return f(), f(), c[...]
   y1, y2, ctr = jax.jit(run)(args, sh)
-  y3 = jax.jit(lambda a, s: L.fp8_moe_persistent(*a, swiglu_limit=10.0, shared=s, launches=3))(args, sh)
+  y3 = jax.jit(lambda a, s: L.fp8_moe_persistent(*a, swiglu_limit=10.0, shared=s, launches=3, dq_dtype=dq_dtype))(
+      args, sh)
   y0 = jax.jit(lambda a, s: L.fp8_moe(*a, swiglu_limit=10.0, shared=s, dq=True))(args, sh)
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
   assert not np.any(np.asarray(ctr)), np.nonzero(np.asarray(ctr))
