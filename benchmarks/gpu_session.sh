@@ -71,8 +71,9 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
-#   s40e (nvidia-h200):       the persistent MoE with f16 dequantisation: GPU tests, the in-kernel profiles of warm
-#                             calls (MoE, persistent bf16 / f16, mHC boundary), bench_linear moedq vs moep bf16 / f16
+#   s40e (nvidia-h200):       the dq kernels in f16 (dq_f16) and the persistent MoE with it: GPU tests, the in-kernel
+#                             profiles of warm calls (MoE, persistent bf16 / f16, mHC boundary), bench_linear moedq
+#                             vs moep bf16 / f16, then q = 1: defaults vs dq_f16 vs dq_f16 + moe_persistent
 #   s40d (nvidia-h200):       the in-kernel profiler (bench_kernel_profile: named scopes' times per warpgroup) on the
 #                             MoE's two kernels, the persistent MoE and the mHC boundary, at the real shapes
 #   s40c (nvidia-h200):       fp8_moe_balanced (the single-row MoE's two kernels with the work dealt out evenly): its
@@ -575,10 +576,16 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
   s40e)  # (nvidia-h200) s40d (first calls only: clocks ramping): the persistent MoE's gate/up phase is bound by its
     # dequantise-and-multiply (mma 14.3 µs of 29.4 per warpgroup), the two-kernel MoE's mma ~40 % of each CTA. The
     # f16 dequantisation (one cvt per two values) natively, profiled on warm calls, and alone
-    gt 150 "tests/test_linear_kernels.py" "persistent_gpu"
+    gt 200 "tests/test_linear_kernels.py" "persistent_gpu or f16_gpu"
     timeout -s INT 150 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --out "$OUT/kernel_profile.txt" \
       > "$OUT/bench_kernel_profile.log" 2>&1
     timeout -s INT 120 python3 benchmarks/bench_linear.py --rows 1 --only moedq,moep > "$OUT/bench_linear.log" 2>&1
+    set -- '{}'
+    grep -q "PASSED.*f16_gpu\[q_a-1\]" "$OUT/gpu_tests.log" && set -- "$@" '{"dq_f16": true}'
+    [ $# -eq 2 ] && grep -q "PASSED.*persistent_gpu\[float16\]" "$OUT/gpu_tests.log" \
+      && set -- "$@" '{"dq_f16": true, "moe_persistent": true}'
+    [ $# -ge 2 ] && [ "$(left)" -gt 240 ] && rank1 s40e1 --q 1 --steps-per-call 4 --interleave --repeats 5 \
+      --steps 80 --policy "$@"
     ;;
   s40d)  # (nvidia-h200) s40b / s40c: neither the persistent MoE nor the balanced ranges beat the two kernels; a
     # kernel of ~10-40 MB streams at ~2.9 TB/s and the mHC boundary takes 7.1 µs for ~0.8 MB. Where inside them?

@@ -153,6 +153,12 @@ KNOBS = {
         "mode runs its three-launch form. Natively correct (its GPU test), but 33.5 µs alone vs fp8_moe's 22.0 + "
         "3.3 of glue (one warpgroup per SM keeps 3 gate/up items in flight; the 18 down items' dequantise-and-"
         "multiply run serially after the barriers) and the step at q = 1 4.69 vs 4.28 ms (session 40) — off"),
+    "dq_f16": (False,
+        "with fp8_dq on: the dq kernels (fp8_dq_linear, fp8_moe, the single-row MoE forms) in f16 instead of bf16 — "
+        "each e4m3 weight element converted by one cvt per two values (e4m3x2 -> f16x2) instead of e4m3 -> f32 -> "
+        "bf16, x and h in f16 (x's bf16 values are exact in f16 while |x| < 65,504; h gains 3 bits). Session 40's "
+        "in-kernel profile (first calls): the dequantise-and-multiply is ~40 % of a gate/up CTA's time and bounds "
+        "the persistent MoE's gate/up phase. Correct in interpret mode; off until measured (gpu_session s40e)"),
     "moe_balanced": (False,
         "with fp8_moe and fp8_dq on, at one token row (moe_persistent off): the MoE's two kernels with the work "
         "dealt out evenly (pallas_kernels.linear.fp8_moe_balanced): the 2,304 gate/up items (the real TP4 rank) in "
@@ -418,6 +424,11 @@ def _splitk_counters(kl):
   return cell["splitk"]
 
 
+def _dq_dtype(rows: int) -> dict:
+  """The dq kernels' dtype option at this site: f16 under the policy knob dq_f16, else bf16 (their default)."""
+  return {"dq_dtype": "float16"} if kernel_enabled("dq_f16", rows) else {}
+
+
 def _moe_counters(kl):
   """The scope's counters Ref of the persistent MoE (pallas_kernels.linear.moe_counters)."""
   cell = _COUNTERS.get()
@@ -484,7 +495,7 @@ class Linear(nnx.Module):
       from pallas_kernels import linear as kl  # noqa: PLC0415 (kernels only where the backend asks for them)
       if kernel_enabled("fp8_dq", rows):  # linear_fused_sum: the K splits summed in the kernel (split-K counters)
         fused = {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else {}
-        fn = functools.partial(kl.fp8_dq_linear, **fused)
+        fn = functools.partial(kl.fp8_dq_linear, **fused, **_dq_dtype(rows))
       else:
         fn = kl.fp8_linear
       return fn(x.reshape(rows, n_in), self.weight[...], self.scale[...],
@@ -1051,6 +1062,7 @@ class MoE(nnx.Module):
       fused = {}
       if dq and _counters_enabled("linear_fused_sum"):
         fused = dict(counters=_splitk_counters(kl), out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
+      f16 = _dq_dtype(xf.shape[0]) if dq else {}
       form = self._single_row_form(rows, dq, sew is not None)
       if form:
         ws = (ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...], ex.down_proj[...],
@@ -1060,14 +1072,14 @@ class MoE(nnx.Module):
           # one launch (grid barriers on the scope's counters) natively; GPU interpret mode runs its three-launch
           # form (the same code, no counters)
           y = kl.fp8_moe_persistent(xf, ids, w, *ws, swiglu_limit=ex.limit, shared=sew, out_dtype=out_dtype,
-                                    counters=None if _interpreting() else _moe_counters(kl))
+                                    counters=None if _interpreting() else _moe_counters(kl), **f16)
         else:
-          y = kl.fp8_moe_balanced(xf, ids, w, *ws, swiglu_limit=ex.limit, shared=sew, out_dtype=out_dtype)
+          y = kl.fp8_moe_balanced(xf, ids, w, *ws, swiglu_limit=ex.limit, shared=sew, out_dtype=out_dtype, **f16)
         y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
         return (y, ids.reshape(*lead, -1)) if return_ids else y
       y = kl.fp8_moe(xf, ids, w, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],
                      ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, shared=sew, dq=dq,
-                     route_kernel=route, tables=tables, **fused)
+                     route_kernel=route, tables=tables, **fused, **f16)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
       return (y, ids.reshape(*lead, -1)) if return_ids else y
     y = ex.partial(xf, ids, w, dtype)

@@ -187,6 +187,18 @@ def _dequant_tile(w_s, a_s, dt=jnp.bfloat16):
   return a_s
 
 
+DQ_DTYPES = ("bfloat16", "float16")
+
+
+def _dq_dtype(dq_dtype: str, name: str):
+  """The dq kernels' activation / dequantised-weight dtype: bf16 (the default), or f16 — each e4m3 weight element
+  converted by one cvt per two values instead of e4m3 -> f32 -> bf16, x's bf16 values exact in f16 while |x| <
+  65,504 (and above 2^-14: f16 subnormals keep fewer bits), f32 accumulation either way."""
+  if dq_dtype not in DQ_DTYPES:
+    raise ValueError(f"{name}: dq_dtype = {dq_dtype!r}, expected one of {DQ_DTYPES}")
+  return jnp.dtype(dq_dtype)
+
+
 def _a_smem(a_from: str | None) -> bool:
   """Whether the dequantised weight tile goes through SMEM: ``a_from`` "smem", or by default in GPU interpret
   mode (which cannot run a register-A wgmma); "regs" keeps it in registers."""
@@ -196,15 +208,15 @@ def _a_smem(a_from: str | None) -> bool:
   return a_from == "smem"
 
 
-def _mma_tile(w_s, x_s, mp: int, dq: bool, a_s=None, dt=jnp.bfloat16):
+def _mma_tile(w_s, x_s, mp: int, dq: bool, a_s=None, dt=None):
   """One 128-K block with a fresh accumulator -> W @ x.T [bm, mp] f32: x as hi/lo e4m3 rows [2mp, 128] (two fp8
-  wgmmas, :func:`_mma_hi_lo`), or (dq) the weight dequantised to bf16 (``dt`` f16) times x rows [mp, 128] of that
-  dtype."""
+  wgmmas, :func:`_mma_hi_lo`), or (dq) the weight dequantised to x's dtype (bf16, or f16: ``dt``, by default the
+  x tile's) times x rows [mp, 128]."""
   bm = w_s.shape[0]
   if not dq:
     return pl.run_scoped(functools.partial(_mma_hi_lo, w_s, x_s, mp),
                          plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
-  a = _dequant_tile(w_s, a_s, dt)
+  a = _dequant_tile(w_s, a_s, dt or x_s.dtype)
 
   def mma(acc):
     plgpu.wgmma(acc, a, x_s.T)
@@ -445,9 +457,8 @@ def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: 
   n = w.shape[0]
   tiles = n // plan.bm
   steps = w.shape[1] // BLOCK // plan.split
-  x_dtype, x_rows_n = (jnp.bfloat16, mp) if dq else (F8, 2 * mp)
-  a_scratch = ([plgpu.SMEM((plan.bm, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))]
-               if a_smem else [])
+  x_dtype, x_rows_n = (x_rows.dtype, mp) if dq else (F8, 2 * mp)
+  a_scratch = ([plgpu.SMEM((plan.bm, BLOCK), x_dtype, transforms=_tr(x_dtype, BLOCK))] if a_smem else [])
   rows = rows_dtype is not None
   fused = counters is not None
   return mgpu_kernel(
@@ -512,9 +523,10 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jn
   return fp8_linear_q(xq, s, m, w, scale_inv, out_dtype=out_dtype, plan=plan)
 
 
-@kernel_entry("out_dtype", "plan", "a_from")
+@kernel_entry("out_dtype", "plan", "a_from", "dq_dtype")
 def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jnp.float32,
-                  plan: Plan | None = None, a_from: str | None = None, counters=None) -> jax.Array:
+                  plan: Plan | None = None, a_from: str | None = None, counters=None,
+                  dq_dtype: str = "bfloat16") -> jax.Array:
   """y = x @ dequant(w).T like :func:`fp8_linear` (same signature and reference), with the activations kept in
   bf16: no activation quantisation (fp8_linear's amax reduction + hi/lo quantisation: two XLA kernels of ~1.1 µs
   before every call, BENCHMARKS.md session 24) and bf16 · e4m3 products that are exact (hi/lo: ~9 significant
@@ -527,11 +539,15 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   add the others' partials) and, for up to ROWS_OUT_MAX token rows, written as y [M, N] in out_dtype itself
   (``_rows_out``): no XLA kernel after the call — the reduction, and the slice / transpose / cast a Mosaic
   consumer (the mHC boundary) cannot fuse. The counters need the GPU: in interpret mode (no counters) a K-split
-  plan is summed by XLA; a one-split plan writes the rows there too."""
+  plan is summed by XLA; a one-split plan writes the rows there too.
+
+  ``dq_dtype``: "bfloat16" or "float16" (``_dq_dtype``: x and the converted weight tiles in f16)."""
   m = x.shape[0]
+  dt = _dq_dtype(dq_dtype, "fp8_dq_linear")
   if m > 64:
     return jnp.concatenate([fp8_dq_linear(x[i:i + 64], w, scale_inv, out_dtype=out_dtype, plan=plan,
-                                          a_from=a_from, counters=counters) for i in range(0, m, 64)], axis=0)
+                                          a_from=a_from, counters=counters, dq_dtype=dq_dtype)
+                            for i in range(0, m, 64)], axis=0)
   n, k = w.shape
   if x.shape[1] != k or w.dtype != F8:
     raise ValueError(f"bad shapes/dtypes: x {x.shape} w {w.shape} {w.dtype}")
@@ -544,7 +560,7 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   # x as it is where it can be (_tma_rows): the kernel's TMA reads mp rows and fills the rows past m with zeros
   # (no XLA pad kernel in front of every call: 135 of them per step at q = 1, ~300 at q = 4, ~1.2 µs each on the
   # H200, session 26)
-  out = _fp8_launch(_tma_rows(x.astype(jnp.bfloat16), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
+  out = _fp8_launch(_tma_rows(x.astype(dt), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
                     name="glm5_fp8_dq_linear", counters=counters, m=m, rows_dtype=out_dtype if rows else None)
   if rows:
     return _rows_result(out, plan.split)
@@ -1106,10 +1122,11 @@ def moe_route(topk_ids, topk_weights, *, num_experts: int, n_pad: int, mp: int, 
   )(topk_ids.astype(i32), topk_weights.astype(f32))
 
 
-@kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype")
+@kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
-            route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32):
+            route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
+            dq_dtype: str = "bfloat16"):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1130,6 +1147,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       rows): no XLA kernel between or after the two (in interpret mode, which runs no counters, only one-split /
       one-group plans take the rows form).
     out_dtype: y's dtype.
+    dq_dtype: with dq, "bfloat16" or "float16" (x, h and the converted weight tiles: ``_dq_dtype``).
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1147,6 +1165,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   """
   m, d = x.shape
   e_num, inter, d2 = w_gate.shape
+  dt = _dq_dtype(dq_dtype, "fp8_moe")
   if d != d2 or w_down.shape != (e_num, d, inter) or w_up.shape != w_gate.shape:
     raise ValueError("inconsistent MoE weight shapes")
   if inter % BLOCK or d % BLOCK:
@@ -1193,9 +1212,9 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   n_pad = _round_up(n_slots, 8)
   plan = plan or plan_moe(n_slots, inter, d, mp)
   a_smem = _a_smem(a_from) and dq
-  if dq:  # bf16 rows as they are
-    x_in = (_tma_rows(x.astype(jnp.bfloat16), mp),)  # (the TMA zero-fills the rows up to mp)
-    x_tile = plgpu.SMEM((plan.gu_stages, mp, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))
+  if dq:  # bf16 (f16) rows as they are
+    x_in = (_tma_rows(x.astype(dt), mp),)  # (the TMA zero-fills the rows up to mp)
+    x_tile = plgpu.SMEM((plan.gu_stages, mp, BLOCK), dt, transforms=_tr(dt, BLOCK))
   else:
     xq, _ = quantize_activations(x, mp)
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))  # (the same reduction as inside quantize_activations: one kernel)
@@ -1207,18 +1226,17 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
 
   gu_tiles = inter // plan.gu_bm
   gu_out = ((n_pad, inter, mp) if plan.gu_split == 1 else (plan.gu_split, n_pad, 2, inter, mp))
-  a_tile = lambda bm: ([plgpu.SMEM((bm, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK))]
-                       if a_smem else [])
+  a_tile = lambda bm: ([plgpu.SMEM((bm, BLOCK), dt, transforms=_tr(dt, BLOCK))] if a_smem else [])
   # counters (dq): h written as the down kernel's bf16 rows by the gate/up kernel itself (its D splits summed on
   # the counters; the routing weights applied there: the router's with a static slot table, else r)
   gu_ctr, gu_rows = _fused_form(counters if dq else None, plan.gu_split, n_pad * gu_tiles, m, "fp8_moe")
   gu_extra, gu_scratch = (), []
   if gu_rows:
-    hq_t = jax.ShapeDtypeStruct((n_pad, m, inter), jnp.bfloat16)
+    hq_t = jax.ShapeDtypeStruct((n_pad, m, inter), dt)
     gu_out = hq_t if plan.gu_split == 1 else (
         jax.ShapeDtypeStruct((plan.gu_split - 1, n_pad, 2, inter, mp), jnp.float32), hq_t)
     gu_extra = (topk_weights.astype(f32) if table_k else r,) + (() if gu_ctr is None else (gu_ctr,))
-    gu_scratch = [plgpu.SMEM((m, plan.gu_bm), jnp.bfloat16)]
+    gu_scratch = [plgpu.SMEM((m, plan.gu_bm), dt)]
   else:
     gu_out = jax.ShapeDtypeStruct(gu_out, jnp.float32)
   h = mgpu_kernel(
@@ -1244,8 +1262,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   # between the two kernels would otherwise split-sum, SwiGLU, weight and reduce.
   dn_tiles = d // plan.dn_bm
   ring = [plgpu.SMEM((plan.dn_stages, plan.dn_bm, BLOCK), F8, transforms=_tr(F8, BLOCK))]
-  if dq:  # h in bf16 [n_pad, mp (or the rows form's m), I]
-    ring.append(plgpu.SMEM((plan.dn_stages, mp, BLOCK), jnp.bfloat16, transforms=_tr(jnp.bfloat16, BLOCK)))
+  if dq:  # h in bf16 (f16) [n_pad, mp (or the rows form's m), I]
+    ring.append(plgpu.SMEM((plan.dn_stages, mp, BLOCK), dt, transforms=_tr(dt, BLOCK)))
   else:
     ring.append(plgpu.SMEM((plan.dn_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)))
   if gu_rows:  # h is the down kernel's input already (no XLA kernel between the two)
@@ -1260,7 +1278,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     # Routing weights and re-quantisation of h (rows of unused slots were never written: mask them).
     hw = jnp.where(valid[:, None, None], h, 0.0) * r[:, None, :m]  # [n_pad, I, m]
     if dq:
-      hq, sh = jnp.pad(jnp.swapaxes(hw, 1, 2).astype(jnp.bfloat16), ((0, 0), (0, mp - m), (0, 0))), 1.0
+      hq, sh = jnp.pad(jnp.swapaxes(hw, 1, 2).astype(dt), ((0, 0), (0, mp - m), (0, 0))), 1.0
     else:
       hq, sh = quantize_activations(jnp.swapaxes(hw, 1, 2), mp)  # [n_pad, 2mp, I]
   if table_k:
@@ -1430,8 +1448,7 @@ def plan_moe_persistent(n_slots: int, inter: int, hidden: int, mp: int = 8, *, s
     raise ValueError(f"fp8_moe_persistent: {P2} down tiles per CTA ({dn_bytes} B) leave no SMEM for the gate/up "
                      "ring and h")
   st = max(1, min(stages or 4, budget // stage_bytes, P1))
-  if dq_dtype not in ("bfloat16", "float16"):
-    raise ValueError(f"fp8_moe_persistent: dq_dtype = {dq_dtype!r}, expected 'bfloat16' or 'float16'")
+  _dq_dtype(dq_dtype, "fp8_moe_persistent")
   return PersistentMoePlan(S=n_slots, I=inter, D=hidden, mp=mp, G=G, P1=P1, kmax=kmax, T2=T2, H2=H2, P2=P2,
                            stages=st, dq_dtype=dq_dtype)
 
@@ -1444,7 +1461,8 @@ def _pieces(n1: int, db: int, P1: int) -> tuple[int, np.ndarray]:
 
 
 def plan_moe_balanced(n_slots: int, inter: int, hidden: int, mp: int = 8, *, per_sm: int = RESIDENT_PER_SM,
-                      stages: int | None = None, ctas: int | None = None) -> PersistentMoePlan:
+                      stages: int | None = None, ctas: int | None = None,
+                      dq_dtype: str = "bfloat16") -> PersistentMoePlan:
   """The schedule of :func:`fp8_moe_balanced`: ``per_sm`` co-resident CTAs per SM in each launch (SMEM sized to
   fit), the gate/up items dealt out in equal ranges over up to per_sm x 132 CTAs (at the real shape 384 CTAs of
   6 items: no SM streams more than 18 of the 2,304 — fp8_moe's 288 CTAs of 8 leave 24 SMs with 24), and each
@@ -1467,8 +1485,9 @@ def plan_moe_balanced(n_slots: int, inter: int, hidden: int, mp: int = 8, *, per
   kmax, _ = _pieces(n1, db, P1)
   stage_bytes = 2 * _DN_BM * BLOCK + mp * BLOCK * 2
   st = max(1, min(stages or 4, per_cta // stage_bytes, P1))
+  _dq_dtype(dq_dtype, "fp8_moe_balanced")
   return PersistentMoePlan(S=n_slots, I=inter, D=hidden, mp=mp, G=T2 * H2, P1=P1, kmax=kmax, T2=T2, H2=H2, P2=P2,
-                           stages=st, G1=G1)
+                           stages=st, G1=G1, dq_dtype=dq_dtype)
 
 
 def _moe_slot(ids_ref, tw_ref, s, *, k: int, shared: bool, num_experts: int):
@@ -1823,23 +1842,26 @@ def fp8_moe_persistent(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_
   return o[..., :m].sum(0).T.astype(out_dtype)
 
 
-@kernel_entry("swiglu_limit", "out_dtype", "per_sm", "stages", "ctas", "a_from")
+@kernel_entry("swiglu_limit", "out_dtype", "per_sm", "stages", "ctas", "dq_dtype", "a_from")
 def fp8_moe_balanced(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,
                      swiglu_limit: float, shared=None, out_dtype=jnp.float32, per_sm: int = RESIDENT_PER_SM,
-                     stages: int | None = None, ctas: int | None = None, a_from: str | None = None):
+                     stages: int | None = None, ctas: int | None = None, dq_dtype: str = "bfloat16",
+                     a_from: str | None = None):
   """:func:`fp8_moe` (dq) for ONE token row with the work dealt out evenly over the SMs (plan_moe_balanced): the
   gate/up kernel's 2,304 items (real TP4 rank) in equal contiguous ranges over 384 CTAs — pairs split into pieces
   at any D block — then XLA's glue (the pieces summed under a static mask, the clamped SwiGLU, the routing weights,
   bf16: one fusion, as fp8_moe's), then the down kernel over 64-row tiles of D in 6 equal shares, each CTA's 6 down
-  tiles requested at once. The same arguments and result as fp8_moe_persistent (no counters)."""
+  tiles requested at once. The same arguments and result as fp8_moe_persistent (no counters; ``dq_dtype`` as
+  its)."""
   name = "fp8_moe_balanced"
   xb, ids, tw, wts, k, has_sh = _single_row_args(name, x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up,
                                                   w_down, s_down, shared)
   m, d = x.shape
   e_num, inter, _ = w_gate.shape
-  plan = plan_moe_balanced(k + int(has_sh), inter, d, _padded_rows(m), per_sm=per_sm, stages=stages, ctas=ctas)
+  plan = plan_moe_balanced(k + int(has_sh), inter, d, _padded_rows(m), per_sm=per_sm, stages=stages, ctas=ctas,
+                           dq_dtype=dq_dtype)
   statics = dict(plan=plan, k=k, shared=has_sh, limit=float(swiglu_limit), a_smem=_a_smem(a_from))
-  args = (xb, ids, tw, *wts)
+  args = (xb.astype(plan.dt), ids, tw, *wts)
   parts = _moe_gate_up_launch(plan, statics, args, "glm5_moe_balanced_gate_up")
   # the glue: each pair's pieces (a static count: the unwritten ones masked), SwiGLU, the slot's routing weight
   _, count = _pieces(plan.n1, plan.db, plan.P1)
@@ -1852,7 +1874,7 @@ def fp8_moe_balanced(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_do
     wslot = jnp.concatenate([jnp.ones((1,), jnp.float32), wslot])
   gate = jnp.minimum(gu[0], swiglu_limit)
   h = gate * jax.nn.sigmoid(gate) * jnp.clip(gu[1], -swiglu_limit, swiglu_limit) * wslot[:, None, None]
-  h = jnp.swapaxes(h, 1, 2).astype(jnp.bfloat16)  # [S, m, I]: the down kernel's rows (the TMA zero-fills to mp)
+  h = jnp.swapaxes(h, 1, 2).astype(plan.dt)  # [S, m, I]: the down kernel's rows (the TMA zero-fills to mp)
   o = _moe_down_launch(plan, statics, args, h, "glm5_moe_balanced_down")
   return o[..., :m].sum(0).T.astype(out_dtype)
 

@@ -448,7 +448,8 @@ def test_latency_specialized_fp8_dq_linears_equal_reference_greedy():
 # index queries: no indexer_q_in_kernel site — its GPU tests in test_indexer), on together; router_route (on since
 # session 35) stays listed: its first native end-to-end run is this test's
 CANDIDATE_KERNELS = (("kda_conv", True), ("router_route", True), ("mhc_barrier_counters", True),
-                     ("linear_fused_sum", True), ("topk_keys_in_kernel", True), ("moe_persistent", True))
+                     ("linear_fused_sum", True), ("topk_keys_in_kernel", True), ("moe_persistent", True),
+                     ("dq_f16", True))
 
 
 @pytest.mark.e2e_kernels

@@ -357,6 +357,27 @@ def test_moe_balanced_plan_at_the_real_shape():
   assert -(-plan.g1 // L.NUM_SMS) * plan.P1 == 18
 
 
+def test_dq_kernels_in_f16_interpret():
+  """dq_dtype="float16" (x, h and the converted weight tiles in f16): fp8_dq_linear == the reference as closely as
+  the bf16 form (x's bf16 values exact in f16, exact products); the grouped MoE (2 rows, the shared slot) near the
+  reference — h in f16 keeps 3 more bits than bf16; a dtype other than bf16 / f16 refused by name. (The
+  single-row forms in f16: their cross-lowering and GPU tests.)"""
+  kx, kw = jax.random.split(jax.random.key(400))
+  w, s = quantize_fp8_blocks(kw, (256, 512), 0.05)
+  x = jax.random.normal(kx, (3, 512), jnp.float32).astype(jnp.bfloat16)
+  margs = moe_inputs(jax.random.key(420), 2, 6, 256, 384, 2)
+  msh = _shared_expert(jax.random.key(421), 256, 384)
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.fp8_dq_linear, dq_dtype="float16"))(x, w, s)
+    ym = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, dq_dtype="float16"))(*margs, shared=msh)
+  assert_close(y, L.fp8_linear_reference(x, w, s), "kernel_f32")
+  want = L.fp8_moe_reference(*margs, swiglu_limit=1.0, shared=msh)
+  err = float(jnp.max(jnp.abs(ym - want)) / jnp.max(jnp.abs(want)))
+  assert err < 5e-4, err  # (bf16 h: ~1.5e-3 of max |y| at these sizes; f16 ~2e-4)
+  with pytest.raises(ValueError, match="fp8_dq_linear: dq_dtype = 'float32', expected one of"):
+    L.fp8_dq_linear(x, w, s, dq_dtype="float32")
+
+
 def test_moe_persistent_plan_covers_every_item_once():
   """The real TP4 rank's schedule (9 slots, I = 512, D = 4096): 128 CTAs of 18 gate/up items (no SM streams
   more) and 18 down tiles each; every gate/up item in exactly one CTA's range, every (slot, tile) pair's pieces
@@ -706,6 +727,27 @@ def test_fp8_dq_linear_gpu(name, m, a_from):
   x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
   y = jax.jit(functools.partial(L.fp8_dq_linear, a_from=a_from))(x, w, s)
   assert_close(y, jax.jit(L.fp8_linear_reference)(x, w, s), "kernel_f32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,m", [("q_a", 1), ("mla_o", 1), ("dense_down", 4), ("kv_a", 12)])
+def test_fp8_dq_linear_f16_gpu(name, m):
+  """fp8_dq_linear(dq_dtype="float16") natively (e4m3x2 -> f16x2 conversions, f16 wgmmas): x's bf16 values are
+  exact in f16, the products exact, f32 sums — the reference within the f32 kernels' tolerance; and the grouped
+  MoE in f16 (M = 1 and 4, the shared slot) within bf16's."""
+  n, k = FP8_SHAPES[name]
+  ks = jax.random.split(jax.random.key(170 + m), 2)
+  w, s = quantize_fp8_blocks(ks[0], (n, k), 0.02)
+  x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
+  y = jax.jit(functools.partial(L.fp8_dq_linear, dq_dtype="float16"))(x, w, s)
+  assert_close(y, jax.jit(L.fp8_linear_reference)(x, w, s), "kernel_f32")
+  if name == "q_a":
+    e, i, d, kk = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+    for rows in (1, 4):
+      args = moe_inputs(jax.random.key(175 + rows), rows, e, i, d, kk)
+      sh = _shared_expert(jax.random.key(177 + rows), i, d)
+      got = jax.jit(lambda a, t: L.fp8_moe(*a, swiglu_limit=10.0, shared=t, dq=True, dq_dtype="float16"))(args, sh)
+      assert_close(got, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
 
 
 def check_fused_sum_gpu(linear, cases, reference, tol_name):

@@ -143,16 +143,21 @@ def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
   fp8_linear's kernels cross-lower in test_linear_kernels)."""
   # (with the grid barrier's counters and the split-K counters: jax Refs created inside shard_map; the MoE's
   # rows in f32 there — the all-reduce after it sums f32 partials, as the XLA form's)
-  # (and the draft's single-row MoE as one persistent launch on its counters Ref: moe_persistent)
+  # (and the draft's single-row MoE as one persistent launch on its counters Ref: moe_persistent; the dq kernels
+  # in f16: dq_f16)
   txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4,
                    policy=(("mhc", True), ("mhc_barrier_counters", True), ("linear_fused_sum", True),
-                           ("moe_persistent", True)))
+                           ("moe_persistent", True), ("dq_f16", True)))
   for name in ("kda_decode", "glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
                "glm5_indexer_scores", "glm5_mhc_post_finish", "glm5_mhc_sinkhorn"):  # (mhc_grid_barrier's boundary)
     assert name in txt, name
   assert txt.count("all_reduce") == 1 + 2 * 4 + 3 * 2
   pers = [line.split("->")[-1] for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_moe_persistent" in line]
   assert pers and all(p.strip().endswith(f"tensor<1x512xf32>, tensor<{L.MOE_COUNTERS}xi32>)") for p in pers), pers
+  assert all("xf16>" in p for p in pers), pers  # (h in f16)
+  dql = [line.split("} : ")[-1].split("->")[0] for line in txt.splitlines()
+         if "@mosaic_gpu_v2" in line and "glm5_fp8_dq_linear" in line]
+  assert dql and all("xf16>" in d for d in dql), dql  # (x in f16)
   downs = [line.split("->")[-1] for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_moe_down" in line]
   assert downs and all("xbf16>" not in d for d in downs) and any(re.search(r"tensor<3x\d+xf32>", d) for d in downs)
 
