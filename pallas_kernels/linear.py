@@ -6,7 +6,9 @@ Three kernels, each beside a pure-jnp reference with the same signature (fp32 ma
   weights and 128x128 block scales ``scale_inv[ceil(N/128), ceil(K/128)]`` (spec model.md §7).
 * :func:`bf16_linear` / :func:`bf16_linear_reference`: skinny BF16 GEMV/GEMM (KDA projections, lm_head).
 * :func:`fp8_moe` / :func:`fp8_moe_reference`: the routed experts of a few decode tokens (gate+up with the
-  clamped SwiGLU, then down weighted by the routing weights), reading only the selected experts' weights.
+  clamped SwiGLU, then down weighted by the routing weights), reading only the selected experts' weights; for one
+  token row also as ONE persistent launch (:func:`fp8_moe_persistent`, grid barriers) or with the work dealt out
+  evenly over the SMs (:func:`fp8_moe_balanced`) — both measured, neither faster yet (BENCHMARKS.md session 40).
 
 Shape letters: M token rows (batch x draft tokens), N output features, K input features, E experts,
 I expert intermediate size, D hidden size, k experts per token.
@@ -1639,8 +1641,9 @@ def _moe_p2(c, plan: PersistentMoePlan, slot_of, h_ref, sd_ref, sds_ref, wd_s, d
 
 
 def _fence_proxy_async_global():
-  """Order this thread's generic-proxy view of GMEM with its async-proxy (TMA) accesses: h is written by plain
-  stores... and TMA stores of other CTAs, then read here by TMA after an acquire."""
+  """A proxy fence between this thread's generic-proxy and async-proxy (TMA) accesses to GMEM: h's rows are TMA
+  stores of one CTA and TMA loads of others, published by the grid barrier's release / acquire (generic proxy) —
+  fenced after the stores complete, before the release, and after the acquire, before the loads."""
   @plgpu.inline_mgpu()
   def fence(_):
     from jax._src.lib.mlir import ir  # noqa: PLC0415
