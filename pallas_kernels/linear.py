@@ -1388,12 +1388,11 @@ class PersistentMoePlan:
   H2: int
   P2: int
   stages: int
-  G1: int = 0  # phase 1's CTAs when it is a launch of its own (fp8_moe_balanced); 0: G
   dq_dtype: str = "bfloat16"  # the dequantised weight tiles', x's and h's dtype ("float16": one cvt per 2 values)
 
   @property
-  def g1(self):
-    return self.G1 or self.G
+  def g1(self):  # the CTAs with gate/up items (phase 1 as a launch of its own: its grid)
+    return -(-self.n1 // self.P1)
 
   @property
   def dt(self):
@@ -1483,13 +1482,12 @@ def plan_moe_balanced(n_slots: int, inter: int, hidden: int, mp: int = 8, *, per
   db = hidden // BLOCK
   n1 = n_slots * (inter // _DN_BM) * db
   P1 = -(-n1 // min(n1, cap))
-  G1 = -(-n1 // P1)
   kmax, _ = _pieces(n1, db, P1)
   stage_bytes = 2 * _DN_BM * BLOCK + mp * BLOCK * 2
   st = max(1, min(stages or 4, per_cta // stage_bytes, P1))
   _dq_dtype(dq_dtype, "fp8_moe_balanced")
   return PersistentMoePlan(S=n_slots, I=inter, D=hidden, mp=mp, G=T2 * H2, P1=P1, kmax=kmax, T2=T2, H2=H2, P2=P2,
-                           stages=st, G1=G1, dq_dtype=dq_dtype)
+                           stages=st, dq_dtype=dq_dtype)
 
 
 def _moe_slot(ids_ref, tw_ref, s, *, k: int, shared: bool, num_experts: int):
@@ -1596,32 +1594,40 @@ def _moe_p1b(c, plan: PersistentMoePlan, parts_ref, slot_of, h, limit: float):
       _gate_up_rows(h, lambda r_: wt, tot[0], tot[1], limit=limit, slot=s, row0=(p % plan.tpr) * _DN_BM)
 
 
-def _moe_p2_issue_down(c, plan: PersistentMoePlan, slot_of, wd_ref, wds_ref, wd_s, dbar):
-  """Phase 2's down weight tiles of CTA c requested (they do not depend on h): item j -> wd_s[j], dbar[j]."""
+def _moe_p2_items(c, plan: PersistentMoePlan):
+  """CTA c's phase-2 share: (its 64-row tile t of D, share hh, first item q0, item count n2); item q is slot q //
+  ib's 128-block q % ib of I."""
   t, hh = c // plan.H2, c % plan.H2
   q0 = hh * plan.P2
-  n2 = jnp.clip(plan.n2 - q0, 0, plan.P2)
+  return t, hh, q0, jnp.clip(plan.n2 - q0, 0, plan.P2)
+
+
+def _moe_p2_for_items(c, plan: PersistentMoePlan, fn):
+  """``fn(j, q)`` for each of CTA c's phase-2 items (j = 0.. its slot in SMEM, q the item), all in flight at once."""
+  _, _, q0, n2 = _moe_p2_items(c, plan)
   for j in range(plan.P2):
-    @pl.when(j < n2)
-    def _():
-      q = q0 + j
-      e, _, is_sh = slot_of(q // plan.ib)
-      _copy_expert_tile(wd_ref, wds_ref, e, is_sh, pl.ds(t * _DN_BM, _DN_BM), pl.ds((q % plan.ib) * BLOCK, BLOCK),
-                        wd_s.at[j], dbar.at[j], wds_ref is not None)
+    pl.when(j < n2)(functools.partial(fn, j, q0 + j))
+
+
+def _moe_p2_issue_down(c, plan: PersistentMoePlan, slot_of, wd_ref, wds_ref, wd_s, dbar):
+  """Phase 2's down weight tiles of CTA c requested (they do not depend on h): item j -> wd_s[j], dbar[j]."""
+  t = _moe_p2_items(c, plan)[0]
+
+  def issue(j, q):
+    e, _, is_sh = slot_of(q // plan.ib)
+    _copy_expert_tile(wd_ref, wds_ref, e, is_sh, pl.ds(t * _DN_BM, _DN_BM), pl.ds((q % plan.ib) * BLOCK, BLOCK),
+                      wd_s.at[j], dbar.at[j], wds_ref is not None)
+
+  _moe_p2_for_items(c, plan, issue)
 
 
 def _moe_p2(c, plan: PersistentMoePlan, slot_of, h_ref, sd_ref, sds_ref, wd_s, dbar, hx_s, hbar, a_s, out):
   """Phase 2 of CTA c (row tile t, share hh): its down items' tiles (requested by _moe_p2_issue_down) times h's
   128-blocks (requested here, from L2) -> ``out(acc [64, mp], t, hh)``."""
-  t, hh = c // plan.H2, c % plan.H2
-  q0 = hh * plan.P2
-  n2 = jnp.clip(plan.n2 - q0, 0, plan.P2)
-  for j in range(plan.P2):
-    @pl.when(j < n2)
-    def _():
-      q = q0 + j
-      plgpu.copy_gmem_to_smem(h_ref.at[q // plan.ib, pl.ds(0, plan.mp), pl.ds((q % plan.ib) * BLOCK, BLOCK)],
-                              hx_s.at[j], hbar.at[j])  # (the TMA zero-fills rows m..mp)
+  t, hh, q0, n2 = _moe_p2_items(c, plan)
+  _moe_p2_for_items(c, plan, lambda j, q: plgpu.copy_gmem_to_smem(
+      h_ref.at[q // plan.ib, pl.ds(0, plan.mp), pl.ds((q % plan.ib) * BLOCK, BLOCK)], hx_s.at[j], hbar.at[j]))
+  # (the TMA zero-fills h's rows m..mp)
   nb = (t * _DN_BM) // BLOCK
   sh = sds_ref is not None
 
