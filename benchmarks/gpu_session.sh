@@ -71,6 +71,9 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s41a (nvidia-h200):       L2 prefetch from a latency-bound kernel (bench_l2_prefetch: a 128-CTA stand-in that
+#                             prefetches the first P MB of the next weight, spins, passes x on; XLA / bf16 / fp8dq
+#                             consumers, P = 0..48 MB)
 #   s40e (nvidia-h200):       the dq kernels in f16 (dq_f16) and the persistent MoE with it: GPU tests, the in-kernel
 #                             profiles of warm calls (MoE, persistent bf16 / f16, mHC boundary), bench_linear moedq
 #                             vs moep bf16 / f16, then q = 1: defaults vs dq_f16 vs dq_f16 + moe_persistent
@@ -572,6 +575,12 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s41a)  # (nvidia-h200) s40a: the chain is its kernels' durations, each weight-streaming one ~2-3 µs of ramp and
+    # first bytes, the latency-bound ones (mHC 7.1 µs x 90) leaving HBM idle. Does a prefetch of the next kernel's
+    # weight into L2 from the latency-bound kernel shorten the next one?
+    timeout -s INT $(( $(left) - 20 )) python3 benchmarks/bench_l2_prefetch.py --spin 0,800 --mb 0,8,16,24,32,48 \
+      --out "$OUT/bench_l2_prefetch.txt" > "$OUT/bench_l2_prefetch.log" 2>&1
     ;;
   s40e)  # (nvidia-h200) s40d (first calls only: clocks ramping): the persistent MoE's gate/up phase is bound by its
     # dequantise-and-multiply (mma 14.3 µs of 29.4 per warpgroup), the two-kernel MoE's mma ~40 % of each CTA. The

@@ -158,7 +158,8 @@ KNOBS = {
         "each e4m3 weight element converted by one cvt per two values (e4m3x2 -> f16x2) instead of e4m3 -> f32 -> "
         "bf16, x and h in f16 (x's bf16 values are exact in f16 while |x| < 65,504; h gains 3 bits). Session 40's "
         "in-kernel profile (first calls): the dequantise-and-multiply is ~40 % of a gate/up CTA's time and bounds "
-        "the persistent MoE's gate/up phase. Correct in interpret mode; off until measured (gpu_session s40e)"),
+        "the persistent MoE's gate/up phase. Measured (session 41, s40e): the persistent MoE's multiply 14.2 -> 11.8 "
+        "µs per warpgroup, the q = 1 step 4.30 -> 4.28 ms (a tie): off"),
     "moe_balanced": (False,
         "with fp8_moe and fp8_dq on, at one token row (moe_persistent off): the MoE's two kernels with the work "
         "dealt out evenly (pallas_kernels.linear.fp8_moe_balanced): the 2,304 gate/up items (the real TP4 rank) in "
