@@ -3,7 +3,7 @@
 The decode step is a chain of ~800 dependent launches; a weight-streaming kernel in it pays ~2-3 µs of ramp and
 first bytes before streaming, and the latency-bound kernels between them (mHC boundary 7.1 µs × 90, the router's
 top-k, the indexer's threshold) leave HBM idle. Here a stand-in for such a kernel — 128 CTAs that each issue their
-share of ``pallas_kernels._common.prefetch_l2`` over the first P MB of the next kernel's weight, then spin for a
+share of ``prefetch_l2`` over the first P MB of the next kernel's weight, then spin for a
 while (the boundary's work), and pass the activation x through (the data dependence) — runs before a consumer:
 
 * ``xla``:   y = x @ W.T, W bf16 [N, K] (XLA's own GEMV: the KDA qkv projection's form, 50 MB at the real rank)
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 
@@ -33,8 +34,45 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._timing import MODE, log, time_calls, write_log  # noqa: E402
+from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: E402
 from pallas_kernels import linear as L  # noqa: E402
-from pallas_kernels._common import mgpu_kernel, prefetch_l2  # noqa: E402
+from pallas_kernels._common import interpreting, mgpu_kernel  # noqa: E402
+
+# The prefetch: cp.async.bulk.prefetch.L2 (sm_90+), a hint with no semantic effect and nothing to wait on, spread
+# over the CTAs and their threads so that no one SM's copy unit issues a whole weight's requests. Measured in
+# session 41 (BENCHMARKS.md): the stand-in's CTAs live ~1 µs longer per ~10 MB issued, and the consumer gains at
+# most ~1.3 µs of 16 even with all 48 MB prefetched — not kept in the package's kernels.
+PREFETCH_ALIGN = 16  # bytes: the bulk prefetch's size and address granularity
+
+
+def prefetch_l2(ref, nbytes: int | None = None):
+  """Hint the GPU to bring the first ``nbytes`` (default: all) of the contiguous GMEM ``ref`` (an array operand or
+  a leading-dimension slice of one) into L2, split evenly over the calling warpgroup's 128 threads (each issues one
+  bulk prefetch of nbytes / 128 bytes: a multiple of PREFETCH_ALIGN). Call it with each CTA's own share of a larger
+  range. No effect in GPU interpret mode (no L2 to fill; the primitive has no interpreter)."""
+  total = math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+  nbytes = total if nbytes is None else int(nbytes)
+  if not 0 < nbytes <= total or nbytes % (128 * PREFETCH_ALIGN):
+    raise ValueError(f"prefetch_l2: {nbytes} bytes of a {total}-byte ref; expected a positive multiple of "
+                     f"{128 * PREFETCH_ALIGN} (128 threads x {PREFETCH_ALIGN} B) up to the ref's size")
+  if interpreting():
+    return
+  per = nbytes // 128
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def op(_, r):
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))  # (i32: this warpgroup's thread)
+    off = arith.muli(arith.extui(i64, tid), mgpu_utils.c(per, i64))
+    addr = llvm.add(llvm.ptrtoint(i64, mgpu_utils.memref_ptr(r)), off,
+                    overflow_flags=llvm.IntegerOverflowFlags.none)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr, mgpu_utils.c(per, i32)],
+                    "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True)
+
+  op(ref)
+
 
 CTAS = 128  # the stand-in's grid: the mHC boundary's (one CTA per 32 columns of D = 4096)
 
@@ -103,12 +141,14 @@ def main():
       s = jax.random.uniform(jax.random.key(100 + j), (a.n // 128, a.k // 128), jnp.float32, 0.5, 2.0)
       ws.append((w.astype(wdt), s))
     for spin in (int(v) for v in a.spin.split(",")):
+      done = set()
       for mb in (float(v) for v in a.mb.split(",")):
         rows = min(a.n, int(mb * 2**20 / (a.k * item)))
         r = rows // CTAS
         r -= r % 8  # (a multiple of 8 rows: the bytes per thread a multiple of 16 for any K % 128 == 0)
-        if mb and r == 0:
-          continue
+        if (mb and r == 0) or r in done:
+          continue  # (nothing to prefetch, or a P capped at the weight's size already measured)
+        done.add(r)
 
         @jax.jit
         def pair(x, w, s, r=r, spin=spin):

@@ -110,45 +110,6 @@ def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False
   op(ref)
 
 
-# L2 prefetch. A latency-bound kernel (the mHC boundary, the router's top-k, the indexer's threshold) leaves HBM
-# idle for microseconds while the next weight-streaming kernel waits for it; issuing the next kernel's weights to
-# L2 from inside it overlaps that kernel's first bytes (and its ramp) with the latency-bound one. A hint with no
-# semantic effect: cp.async.bulk.prefetch.L2 (sm_90+), fire and forget — nothing to wait on, the CTA may exit
-# before the bytes arrive. Spread over the CTAs and their threads, so that no one SM's copy unit issues a whole
-# weight's requests (benchmarks/bench_l2_prefetch.py measures what it buys).
-PREFETCH_ALIGN = 16  # bytes: the bulk prefetch's size and address granularity
-
-
-def prefetch_l2(ref, nbytes: int | None = None):
-  """Hint the GPU to bring the first ``nbytes`` (default: all) of the contiguous GMEM ``ref`` (an array operand or
-  a leading-dimension slice of one) into L2, split evenly over the calling warpgroup's 128 threads (each issues one
-  bulk prefetch of nbytes / 128 bytes: a multiple of PREFETCH_ALIGN). Call it with each CTA's own share of a larger
-  range. No effect in GPU interpret mode (no L2 to fill; the primitive has no interpreter)."""
-  import math  # noqa: PLC0415
-  total = math.prod(ref.shape) * jax.numpy.dtype(ref.dtype).itemsize
-  nbytes = total if nbytes is None else int(nbytes)
-  if not 0 < nbytes <= total or nbytes % (128 * PREFETCH_ALIGN):
-    raise ValueError(f"prefetch_l2: {nbytes} bytes of a {total}-byte ref; expected a positive multiple of "
-                     f"{128 * PREFETCH_ALIGN} (128 threads x {PREFETCH_ALIGN} B) up to the ref's size")
-  if interpreting():
-    return
-  per = nbytes // 128
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-  def op(_, r):
-    from jax._src.lib.mlir import ir  # noqa: PLC0415
-    from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
-    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    tid = arith.remui(_mgpu_utils.thread_idx(), _mgpu_utils.c(128, i32))  # (i32: this warpgroup's thread)
-    off = arith.muli(arith.extui(i64, tid), _mgpu_utils.c(per, i64))
-    addr = llvm.add(llvm.ptrtoint(i64, _mgpu_utils.memref_ptr(r)), off,
-                    overflow_flags=llvm.IntegerOverflowFlags.none)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr, _mgpu_utils.c(per, i32)],
-                    "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True)
-
-  op(ref)
-
-
 # Programmatic Dependent Launch (PDL). With pdl_mode on, every kernel body starts with griddepcontrol.wait (it
 # proceeds once its predecessor has finished and its writes are visible) and then griddepcontrol.launch_dependents
 # (the next kernel in the stream may be launched while this one runs), so a dependent kernel's launch and
