@@ -71,6 +71,9 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s41b (nvidia-h200):       moe_router_in_kernel (the router's selection inside the MoE's gate/up kernel): its GPU
+#                             tests (unit, bf16 / f16; the end-to-end kernel-tiny decode), q = 1 defaults vs the knob
+#                             (5 interleaved repeats, 80 steps), then auto vs latency_specialized at 4 steps per call
 #   s41a (nvidia-h200):       L2 prefetch from a latency-bound kernel (bench_l2_prefetch: a 128-CTA stand-in that
 #                             prefetches the first P MB of the next weight, spins, passes x on; XLA / bf16 / fp8dq
 #                             consumers, P = 0..48 MB)
@@ -575,6 +578,21 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s41b)  # (nvidia-h200) s40a: the router's top-k is its own 5.3 µs launch on the q = 1 chain (43 MoE layers).
+    # moe_router_in_kernel runs it inside every gate/up CTA instead: natively equal (unit + end to end), then timed
+    gt 200 "tests/test_linear_kernels.py" "router_in_the_gate_up"
+    gt 200 "tests/test_decode.py" "all_kernels_equals_stock and router_in_kernel"
+    set -- '{}'
+    grep -q "PASSED.*router_in_the_gate_up_kernel_gpu\[bfloat16\]" "$OUT/gpu_tests.log" \
+      && grep -q "PASSED.*router_in_kernel" "$OUT/gpu_tests.log" && set -- "$@" '{"moe_router_in_kernel": true}'
+    [ $# -eq 2 ] && [ "$(left)" -gt 200 ] && rank1 s41b1 --q 1 --steps-per-call 4 --interleave --repeats 5 \
+      --steps 80 --policy "$@"
+    # issue #9's 2x against auto at its own best (4 steps per call: never measured; auto was 7.70 ms at one)
+    [ "$(left)" -gt 200 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+      --batch 1 --q 1 --context 32768 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) \
+      --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
+      --out "$OUT/decode_s41auto.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s41auto.log"
     ;;
   s41a)  # (nvidia-h200) s40a: the chain is its kernels' durations, each weight-streaming one ~2-3 µs of ramp and
     # first bytes, the latency-bound ones (mHC 7.1 µs x 90) leaving HBM idle. Does a prefetch of the next kernel's

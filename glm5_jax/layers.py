@@ -160,6 +160,12 @@ KNOBS = {
         "in-kernel profile (first calls): the dequantise-and-multiply is ~40 % of a gate/up CTA's time and bounds "
         "the persistent MoE's gate/up phase. Measured (session 41, s40e): the persistent MoE's multiply 14.2 -> 11.8 "
         "µs per warpgroup, the q = 1 step 4.30 -> 4.28 ms (a tie): off"),
+    "moe_router_in_kernel": (False,
+        "with fp8_moe and router_kernel on, at one token row (fp8_moe's own form): the router's selection "
+        "(pallas_kernels.router's top-k in lax.top_k's order, weights normalised and scaled) inside every CTA of "
+        "the MoE's gate/up kernel before its first weight request (pallas_kernels.linear.fp8_moe(router=...)), "
+        "instead of the router_topk launch between the logits and the MoE: 5.3 µs per MoE layer on the q = 1 "
+        "chain (session 40's profile) for a selection each CTA repeats. Equal ids, weights and output (tests)"),
     "moe_balanced": (False,
         "with fp8_moe and fp8_dq on, at one token row (moe_persistent off): the MoE's two kernels with the work "
         "dealt out evenly (pallas_kernels.linear.fp8_moe_balanced): the 2,304 gate/up items (the real TP4 rank) in "
@@ -1036,24 +1042,10 @@ class MoE(nnx.Module):
     rows, k, E = xf.shape[0], self.gate.top_k, ex.gate_proj.shape[0]
     moe_kernel = kernel_enabled("fp8_moe", rows, fits=ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0,
                                 why="FP8 expert weights with I % 128 == 0")
-    tables = None
-    with jax.named_scope("router"):
-      if moe_kernel:
-        from pallas_kernels import linear as kl  # noqa: PLC0415
-        from pallas_kernels import router as kr  # noqa: PLC0415
-        route = rows > 1 and kernel_enabled("moe_route", fits=rows * k <= kl.ROUTE_MAX_PAIRS,
-                                            why=f"{rows} token rows x {k} experts > {kl.ROUTE_MAX_PAIRS} pairs")
-        fits, why = self.gate.kernel_fits(E)
-        # router_route: the router kernel builds moe_route's slot tables too (one launch instead of two)
-        if route and kernel_switch("router_kernel") and kernel_enabled(
-            "router_route", fits=fits and rows <= kr.ROUTE_MAX_ROWS,
-            why=f"{rows} token rows (the kernel takes 2..{kr.ROUTE_MAX_ROWS}), or {why}"):
-          kernel_enabled("router_kernel", rows)  # (its site: the fused kernel runs its selection)
-          n_pad, mp = kl.route_shape(rows, k, E, self.shared_experts is not None)
-          ids, w, tables = self.gate.with_tables(xf, n_pad=n_pad, mp=mp, shared=self.shared_experts is not None)
-      if tables is None:
-        ids, w = self.gate(xf)
+    tables, in_gate_up = None, False
     if moe_kernel:
+      from pallas_kernels import linear as kl  # noqa: PLC0415
+      from pallas_kernels import router as kr  # noqa: PLC0415
       se = self.shared_experts  # (config: 0 or 1 shared expert, of the routed width) slot 0 of the same kernels
       sew = None if se is None else (se.gate_proj.weight[...], se.gate_proj.scale[...], se.up_proj.weight[...],
                                      se.up_proj.scale[...], se.down_proj.weight[...], se.down_proj.scale[...])
@@ -1066,6 +1058,30 @@ class MoE(nnx.Module):
         fused = dict(counters=_splitk_counters(kl), out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
       f16 = _dq_dtype(xf.shape[0]) if dq else {}
       form = self._single_row_form(rows, dq, sew is not None)
+      fits, why = self.gate.kernel_fits(E)
+      # moe_router_in_kernel: at one token row the router's selection inside fp8_moe's gate/up kernel (every CTA
+      # selects for itself before its first weight request): no router kernel between the logits and the MoE
+      in_gate_up = not form and kernel_enabled(
+          "moe_router_in_kernel", rows, fits=rows == 1 and fits and kernel_switch("router_kernel") and not fused,
+          why=f"one token row (here {rows}), router_kernel on and fitting ({why}), fp8_moe's own form (no "
+          "single-row form, no linear_fused_sum counters)")
+    with jax.named_scope("router"):
+      if moe_kernel and not in_gate_up:
+        route = rows > 1 and kernel_enabled("moe_route", fits=rows * k <= kl.ROUTE_MAX_PAIRS,
+                                            why=f"{rows} token rows x {k} experts > {kl.ROUTE_MAX_PAIRS} pairs")
+        # router_route: the router kernel builds moe_route's slot tables too (one launch instead of two)
+        if route and kernel_switch("router_kernel") and kernel_enabled(
+            "router_route", fits=fits and rows <= kr.ROUTE_MAX_ROWS,
+            why=f"{rows} token rows (the kernel takes 2..{kr.ROUTE_MAX_ROWS}), or {why}"):
+          kernel_enabled("router_kernel", rows)  # (its site: the fused kernel runs its selection)
+          n_pad, mp = kl.route_shape(rows, k, E, self.shared_experts is not None)
+          ids, w, tables = self.gate.with_tables(xf, n_pad=n_pad, mp=mp, shared=self.shared_experts is not None)
+      if in_gate_up:
+        kernel_enabled("router_kernel", rows)  # (its site: the gate/up kernel runs its selection)
+        logits = self.gate.logits(xf).astype(jnp.float32)
+      elif tables is None:
+        ids, w = self.gate(xf)
+    if moe_kernel:
       if form:
         ws = (ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...], ex.down_proj[...],
               ex.down_scale[...])
@@ -1079,9 +1095,14 @@ class MoE(nnx.Module):
           y = kl.fp8_moe_balanced(xf, ids, w, *ws, swiglu_limit=ex.limit, shared=sew, out_dtype=out_dtype, **f16)
         y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
         return (y, ids.reshape(*lead, -1)) if return_ids else y
-      y = kl.fp8_moe(xf, ids, w, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],
-                     ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, shared=sew, dq=dq,
-                     route_kernel=route, tables=tables, **fused, **f16)
+      moe = functools.partial(kl.fp8_moe, w_gate=ex.gate_proj[...], s_gate=ex.gate_scale[...], w_up=ex.up_proj[...],
+                              s_up=ex.up_scale[...], w_down=ex.down_proj[...], s_down=ex.down_scale[...],
+                              swiglu_limit=ex.limit, shared=sew, dq=dq, **fused, **f16)
+      if in_gate_up:
+        y, ids, _ = moe(xf, None, None, router=(logits, self.gate.e_score_correction_bias[...].astype(jnp.float32)),
+                        router_select=(k, float(self.gate.scaling), bool(self.gate.norm)))
+      else:
+        y = moe(xf, ids, w, route_kernel=route, tables=tables)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
       return (y, ids.reshape(*lead, -1)) if return_ids else y
     y = ex.partial(xf, ids, w, dtype)

@@ -770,7 +770,7 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
-                        rows: bool = False):
+                        rows: bool = False, router: tuple | None = None):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -783,11 +783,16 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
-  eids_ref, nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref = refs[n_x:n_x + 6]
+  if router is not None:  # (the router's logits and bias instead of its ids: one more input)
+    eids_ref, refs = refs[n_x:n_x + 2], refs[:n_x] + refs[n_x + 1:]
+  else:
+    eids_ref = refs[n_x]
+  nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref = refs[n_x + 1:n_x + 6]
   wgs_ref, sgs_ref, wus_ref, sus_ref = refs[n_x + 6:n_x + n_w] if shared else (None,) * 4
   rest = list(refs[n_x + n_w:])
   rw_ref = rest.pop(0) if rows else None
   ctr_g, o_ref, y, rest = _out_refs(rest, fused_sum, split, rows)
+  router_refs = [rest.pop(0) for _ in range(7)] if router is not None else None  # (outputs, then scratch first)
   a_s = rest.pop() if a_smem else None
   wg_s, wu_s, x_s, bar = rest
   t = lax.axis_index("t")
@@ -795,6 +800,8 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   slot_id, rem = t // per_slot, t % per_slot
   tile, sk = rem % tiles, rem // tiles
   steps = xq_ref.shape[1] // BLOCK // split
+  if router is not None:  # the router's selection in this CTA: the slot table from its registers (_router_in_kernel)
+    eids_ref = _router_in_kernel(eids_ref, router_refs, router, writer=(slot_id == int(shared)) & (rem == 0))
 
   @pl.when(slot_id < nvalid_ref[0])
   def _():
@@ -871,6 +878,37 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
     else:
       o_ref[sk, slot_id, 0, pl.ds(row0, bm), :] = acc_g * sx
       o_ref[sk, slot_id, 1, pl.ds(row0, bm), :] = acc_u * sx
+
+
+def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer):
+  """The router's selection (pallas_kernels.router: the row's logits and bias staged into SMEM, k rounds of
+  warpgroup reductions) inside a gate/up CTA of a single token row, before its first weight request — instead of
+  a router kernel of its own on the MoE layer's critical path. ``router_refs``: the ids and weights outputs
+  [1, k], then the scratch l_s, b_s [EP] f32, ids_s [128] int32, w_s [128] f32 and a barrier (router_scratch).
+  The ``writer`` CTA stores the ids and weights for the down kernel and the glue. Returns ids_s: the slot table
+  the CTA reads (slot s + shared = the s-th selected expert)."""
+  from pallas_kernels import router as kr  # noqa: PLC0415
+  E, k, scaling, norm = router
+  lg_ref, bg_ref = lb_refs
+  rid_g, rw_g, l_s, b_s, ids_s, w_s, rbar = router_refs
+  kr._stage_row(lg_ref, bg_ref, l_s, b_s, rbar, 0, E)
+  ids_v, w_v = kr._select_row(l_s, b_s, E, k, scaling, norm)
+
+  @pl.when(writer)
+  def _():
+    kr._store_row(ids_v, w_v, ids_s, w_s, rid_g, rw_g, 0, k)
+    plgpu.wait_smem_to_gmem(0)
+
+  ids_s[...] = ids_v
+  return ids_s
+
+
+def router_scratch(E: int):
+  """The gate/up kernel's scratch for ``_router_in_kernel`` (placed first: it is consumed from the front)."""
+  from pallas_kernels import router as kr  # noqa: PLC0415
+  EP = -(-E // kr.LANES) * kr.LANES
+  return [plgpu.SMEM((EP,), jnp.float32), plgpu.SMEM((EP,), jnp.float32), plgpu.SMEM((kr.LANES,), jnp.int32),
+          plgpu.SMEM((kr.LANES,), jnp.float32), plgpu.Barrier(num_arrivals=2 * (-(-E // kr.BOX)))]
 
 
 def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int,
@@ -996,6 +1034,24 @@ def _route(topk_ids, topk_weights, num_experts: int, n_slots: int, n_pad: int, m
   r = jnp.sum(jnp.where(hit, topk_weights.astype(jnp.float32)[None], 0.0), axis=-1)  # [n_pad, M]
   r = jnp.pad(r, ((0, 0), (0, mp - m)))
   return eids, n_valid, valid, r
+
+
+def _route_with_shared(topk_ids, topk_weights, num_experts: int, n_slots: int, mp: int, shared: bool,
+                       table_k: int):
+  """``_route`` over n_slots routed slots, then (``shared``) the shared expert as slot 0 with weight 1 for the m
+  real rows, the routed slots after it -> (eids, n_valid, valid, r, the slot count)."""
+  eids, n_valid, valid, r = _route(topk_ids, topk_weights, num_experts, n_slots, _round_up(n_slots, 8), mp)
+  if shared:
+    m = topk_ids.shape[0]
+    n_slots += 1
+    pad = _round_up(n_slots, 8) - n_slots
+    if not table_k:
+      eids = jnp.pad(jnp.concatenate([jnp.zeros((1,), jnp.int32), eids[:n_slots - 1]]), (0, pad))
+    valid = jnp.pad(jnp.concatenate([jnp.ones((1,), bool), valid[:n_slots - 1]]), (0, pad))
+    r = jnp.pad(jnp.concatenate([(jnp.arange(mp) < m).astype(jnp.float32)[None], r[:n_slots - 1]]),
+                ((0, pad), (0, 0)))
+    n_valid = n_valid + 1
+  return eids, n_valid, valid, r, n_slots
 
 
 ROUTE_MAX_PAIRS = 64  # token rows x k up to which moe_route runs (its first-occurrence scan is quadratic)
@@ -1124,11 +1180,11 @@ def moe_route(topk_ids, topk_weights, *, num_experts: int, n_pad: int, mp: int, 
   )(topk_ids.astype(i32), topk_weights.astype(f32))
 
 
-@kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype")
+@kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
-            dq_dtype: str = "bfloat16"):
+            dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1150,6 +1206,10 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       one-group plans take the rows form).
     out_dtype: y's dtype.
     dq_dtype: with dq, "bfloat16" or "float16" (x, h and the converted weight tiles: ``_dq_dtype``).
+    router, router_select: for ONE token row, (logits [1, E] f32, bias [E] f32) and (k, scaling, norm) — the
+      router after its logits (pallas_kernels.router.router_topk's selection) inside the gate/up kernel instead of
+      a launch of its own before it; topk_ids and topk_weights are then None and the call returns (y, ids [1, k],
+      weights [1, k]), router_topk's outputs. Not with the counters' rows form.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1168,6 +1228,18 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   m, d = x.shape
   e_num, inter, d2 = w_gate.shape
   dt = _dq_dtype(dq_dtype, "fp8_moe")
+  if (router is None) != (router_select is None):
+    raise ValueError("fp8_moe: router (logits, bias) and router_select (k, scaling, norm) go together")
+  if router is not None:
+    (logits, bias), (k_r, scaling, norm) = router, router_select
+    if m != 1 or logits.shape != (1, e_num) or bias.shape != (e_num,) or topk_ids is not None:
+      raise ValueError(f"fp8_moe: router given with {m} token rows, logits {logits.shape}, bias {bias.shape} and "
+                       f"topk_ids {None if topk_ids is None else topk_ids.shape}; expected one row, logits "
+                       f"[1, {e_num}], bias [{e_num}] and no ids (the kernel selects them)")
+    if counters is not None:
+      raise ValueError("fp8_moe: router with counters (the rows form reads the routing weights as an input)")
+    # placeholders with the selection's shapes: the slot table is static at one row (only n_valid = k is read)
+    topk_ids, topk_weights = jnp.zeros((1, k_r), jnp.int32), jnp.zeros((1, k_r), jnp.float32)
   if d != d2 or w_down.shape != (e_num, d, inter) or w_up.shape != w_gate.shape:
     raise ValueError("inconsistent MoE weight shapes")
   if inter % BLOCK or d % BLOCK:
@@ -1200,17 +1272,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
                                    shared=has_sh)
     valid = jnp.arange(_round_up(n_slots, 8)) < n_valid[0]
   else:
-    eids, n_valid, valid, r = _route(topk_ids, topk_weights, e_num, n_slots, _round_up(n_slots, 8), mp)
-  if has_sh and not in_kernel:
-    # slot 0 = the shared expert with weight 1 for the m real rows; routed slots follow
-    n_slots += 1
-    pad = _round_up(n_slots, 8) - n_slots
-    if not table_k:
-      eids = jnp.pad(jnp.concatenate([jnp.zeros((1,), jnp.int32), eids[:n_slots - 1]]), (0, pad))
-    valid = jnp.pad(jnp.concatenate([jnp.ones((1,), bool), valid[:n_slots - 1]]), (0, pad))
-    r = jnp.pad(jnp.concatenate([(jnp.arange(mp) < m).astype(jnp.float32)[None], r[:n_slots - 1]]),
-                ((0, pad), (0, 0)))
-    n_valid = n_valid + 1
+    eids, n_valid, valid, r, n_slots = _route_with_shared(topk_ids, topk_weights, e_num, n_slots, mp, has_sh,
+                                                          table_k)
   n_pad = _round_up(n_slots, 8)
   plan = plan or plan_moe(n_slots, inter, d, mp)
   a_smem = _a_smem(a_from) and dq
@@ -1241,15 +1304,21 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     gu_scratch = [plgpu.SMEM((m, plan.gu_bm), dt)]
   else:
     gu_out = jax.ShapeDtypeStruct(gu_out, jnp.float32)
-  h = mgpu_kernel(
+  sel_in, sel_out, sel_scratch, sel_static = (eids,), (), [], None
+  if router is not None:  # (the selection's outputs after h, its scratch first: _router_in_kernel)
+    sel_in = (logits.astype(f32), bias.astype(f32))
+    sel_out = (jax.ShapeDtypeStruct((1, k_r), jnp.int32), jax.ShapeDtypeStruct((1, k_r), f32))
+    sel_scratch, sel_static = router_scratch(e_num), (e_num, int(k_r), float(scaling), bool(norm))
+  outs = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
-                        a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows),
-      out_type=gu_out,
+                        a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows, router=sel_static),
+      out_type=(gu_out if isinstance(gu_out, tuple) else (gu_out,)) + sel_out,
       grid=(n_slots * gu_tiles * plan.gu_split,),
       grid_names=("t",),
       kernel_name="glm5_moe_gate_up",
       scratch_types=[
+          *sel_scratch,
           plgpu.SMEM((plan.gu_stages, plan.gu_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
           plgpu.SMEM((plan.gu_stages, plan.gu_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
           x_tile,
@@ -1257,7 +1326,13 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
           *a_tile(plan.gu_bm),
           *gu_scratch,
       ],
-  )(*x_in, eids, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu, *gu_extra)
+  )(*x_in, *sel_in, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu, *gu_extra)
+  outs = list(outs)
+  if router is not None:  # the kernel's selection: the down kernel's slot table, the glue's routing weights
+    rw = outs.pop()
+    topk_ids = outs.pop()
+    eids, _, valid, r, _ = _route_with_shared(topk_ids, rw, e_num, min(e_num, k_r), mp, has_sh, table_k)
+  h = outs[0] if len(outs) == 1 else tuple(outs)
 
   # The glue works on the m real token columns only (the kernels' mp - m padding columns are zero inputs' outputs;
   # quantize_activations pads them back as zeros): at M = 1 that is 1/8 of the [.., mp] data the XLA fusions
@@ -1305,7 +1380,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   )(hq, dn_eids, n_valid, w_down, s_down.astype(f32), *sh_dn, *(() if ctr is None else (ctr,)))
   if rows:
     return _rows_result(out, plan.dn_groups)
-  return (_split_sum(out, m, ctr is not None) * sh).astype(out_dtype)
+  y = (_split_sum(out, m, ctr is not None) * sh).astype(out_dtype)
+  return (y, topk_ids, rw) if router is not None else y
 
 
 def fp8_moe_reference(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,

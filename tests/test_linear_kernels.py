@@ -15,6 +15,7 @@ import pytest
 from conftest import tol
 
 from pallas_kernels import linear as L
+from pallas_kernels import router as kr
 from pallas_kernels._common import cross_lower, maybe_interpret
 
 F8 = jnp.float8_e4m3fn
@@ -535,6 +536,63 @@ def test_fp8_moe_interpret_shared_slot(m, e, k, plan_kw, dq):
   assert not np.allclose(np.asarray(ref), np.asarray(L.fp8_moe_reference(*args, swiglu_limit=1.0)))
 
 
+def _router_case(seed, e, k):
+  """One token row's router logits (a tie between two experts: the lowest index wins) and bias."""
+  rng = np.random.default_rng(seed)
+  logits = rng.standard_normal((1, e)).astype(np.float32)
+  logits[0, 7] = logits[0, 3]
+  return jnp.asarray(logits), jnp.asarray(rng.uniform(-0.05, 0.05, e).astype(np.float32))
+
+
+@pytest.mark.parametrize("dq,shared", [(True, True), (False, False)])
+def test_router_in_the_gate_up_kernel_interpret(dq, shared):
+  """fp8_moe(router=...): the router's selection inside every gate/up CTA (no router kernel before it) gives
+  router_topk's ids and weights and the MoE output of router_topk + fp8_moe, bit for bit."""
+  e, i, d, k, scaling = 32, 256, 384, 4, 2.5
+  x, _, _, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(95), 1, e, i, d, k)
+  sh = _shared_expert(jax.random.key(96), i, d) if shared else None
+  logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
+  moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=dq, shared=sh)
+  with maybe_interpret():
+    ids, w = kr.router_topk(logits, bias, k=k, scaling=scaling, norm=True)
+    y0 = jax.jit(moe)(x, ids, w, wg, sg, wu, su, wd, sd)
+    y1, ids1, w1 = jax.jit(lambda *a: moe(x, None, None, *a, router=(logits, bias), router_select=(k, scaling, True)))(
+        wg, sg, wu, su, wd, sd)
+  ref_ids, ref_w = kr.router_topk_reference(logits, bias, k=k, scaling=scaling, norm=True)
+  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ref_ids))
+  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids))
+  np.testing.assert_array_equal(np.asarray(w1), np.asarray(w))
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+
+
+def test_router_in_the_gate_up_kernel_rejects_bad_input():
+  e, i, d, k = 8, 128, 128, 4
+  x, ids, w, *ws = moe_inputs(jax.random.key(97), 2, e, i, d, k)
+  logits, bias = _router_case(0, e, k)
+  with pytest.raises(ValueError, match="router given with 2 token rows"):
+    L.fp8_moe(x, None, None, *ws, swiglu_limit=1.0, router=(logits, bias), router_select=(k, 1.0, True))
+  with pytest.raises(ValueError, match=r"logits \(1, 6\)"):
+    L.fp8_moe(x[:1], None, None, *ws, swiglu_limit=1.0, router=(logits[:, :6], bias), router_select=(k, 1.0, True))
+  with pytest.raises(ValueError, match="router with counters"):
+    L.fp8_moe(x[:1], None, None, *ws, swiglu_limit=1.0, dq=True, counters=jnp.zeros((8,), jnp.int32),
+              router=(logits, bias), router_select=(k, 1.0, True))
+
+
+def test_router_in_the_gate_up_kernel_cross_lowers():
+  """The real rank's single-row MoE (288 experts, top-8, the shared slot, bf16 activations) with the selection
+  in the gate/up kernel lowers for CUDA."""
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
+        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
+  low = cross_lower(lambda x, lg, b, *a: L.fp8_moe(x, None, None, *a[:6], swiglu_limit=10.0, shared=a[6:], dq=True,
+                                                   router=(lg, b), router_select=(k, 2.5, True)),
+                    SDS((1, d), jnp.bfloat16), SDS((1, e), jnp.float32), SDS((e,), jnp.float32),
+                    SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                    SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                    SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh)
+  assert "glm5_moe_gate_up" in low.as_text() and "glm5_router_topk" not in low.as_text()
+
+
 def route_ids(rng, m, e, k, bad=False):
   """Router-like ids (k distinct per row, overlapping across rows: e small) and weights; bad: one id out of range
   (dropped by the tables)."""
@@ -811,6 +869,29 @@ def test_fp8_moe_fused_rows_gpu(m):
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
   assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
   assert not np.any(np.asarray(ctr))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dq_dtype", ["bfloat16", "float16"])
+def test_router_in_the_gate_up_kernel_gpu(dq_dtype):
+  """The real rank's single-row MoE (288 experts, top-8, the shared slot, dq) with the router's selection inside
+  the gate/up kernel natively: router_topk's ids and weights and router_topk + fp8_moe's output, bit for bit."""
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  x, _, _, *ws = moe_inputs(jax.random.key(350), 1, e, i, d, k)
+  sh = _shared_expert(jax.random.key(351), i, d)
+  logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
+
+  def run(x, logits, bias, ws, sh):  # (weights as arguments: closed over, jit embeds them as constants)
+    moe = functools.partial(L.fp8_moe, swiglu_limit=10.0, shared=sh, dq=True, dq_dtype=dq_dtype)
+    ids, w = kr.router_topk(logits, bias, k=k, scaling=2.5, norm=True)
+    return (moe(x, ids, w, *ws), ids, w), moe(x, None, None, *ws, router=(logits, bias),
+                                              router_select=(k, 2.5, True))
+  (y0, ids0, w0), (y1, ids1, w1) = jax.jit(run)(x, logits, bias, ws, sh)
+  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
+  np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+  ref_ids, _ = kr.router_topk_reference(logits, bias, k=k, scaling=2.5, norm=True)
+  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ref_ids))
 
 
 def test_linear_fused_sum_cross_lowers():

@@ -461,3 +461,37 @@ def test_single_row_moe_forms_at_the_model_site():
     np.testing.assert_allclose(hidden[name], hidden["two"], **tol("kernel_bf16"))
     rel = np.linalg.norm(hidden[name] - hidden["stock"]) / np.linalg.norm(hidden["stock"])
     assert 0 < rel < 1e-2, (name, rel)
+
+
+def test_router_in_the_gate_up_kernel_at_the_model_site():
+  """Policy moe_router_in_kernel at the model's single-row MoE (one layer, one token): the router's selection
+  inside fp8_moe's gate/up kernel gives the hidden state and expert ids of router_kernel + fp8_moe exactly; the
+  report names the site, and at two token rows declines it (one row only)."""
+  from glm5_jax import api  # noqa: PLC0415
+  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 6, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
+                         moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4)
+  m = load(path, "float32")
+  base = {k: False for k in ("kda", "fp8_linear", "indexer", "sparse_mla", "mhc")} | {"fp8_moe": True,
+                                                                                       "router_kernel": True}
+  fused = base | {"moe_router_in_kernel": True}
+
+  def run(B, policy, trace_only=False):
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 2000, (B, 1)), jnp.int32)
+    cache = api.init_cache(m, B, 64)
+    fn = api._build_extend(m, (B, 64, 1), "all")  # a fresh trace per policy
+    args = (m.params, cache.caches, tokens, cache.lengths, jnp.full((B,), 1, jnp.int32), cache.n_acc)
+    with use_kernels(policy), maybe_interpret(True), kernel_report() as rep:
+      if trace_only:
+        jax.eval_shape(fn, *args)
+        return None, dict(rep)
+      out = fn(*args)[0]
+      got = np.asarray(out["hidden"], np.float32), np.asarray(out["aux"][0]["experts"])
+    return got, dict(rep)
+
+  (h0, e0), _ = run(1, base)
+  (h1, e1), rep = run(1, fused)
+  assert rep["moe_router_in_kernel"] is None and rep["router_kernel"] is None, rep
+  np.testing.assert_array_equal(e1, e0)
+  np.testing.assert_array_equal(h1, h0)
+  assert "one token row" in run(2, fused, trace_only=True)[1]["moe_router_in_kernel"]
