@@ -453,10 +453,7 @@ CANDIDATE_KERNELS = (("kda_conv", True), ("router_route", True), ("mhc_barrier_c
 
 
 @pytest.mark.e2e_kernels
-@pytest.mark.parametrize("extra", [(), pytest.param(CANDIDATE_KERNELS, marks=pytest.mark.gpu, id="candidates"),
-                                   # (its own: it excludes moe_persistent's and linear_fused_sum's single-row forms)
-                                   pytest.param((("moe_router_in_kernel", True),), marks=pytest.mark.gpu,
-                                                id="router_in_kernel")])
+@pytest.mark.parametrize("extra", [(), pytest.param(CANDIDATE_KERNELS, marks=pytest.mark.gpu, id="candidates")])
 def test_latency_specialized_all_kernels_equals_stock_fp8_cache(extra):
   """Every kernel of latency_specialized (KDA, FP8 GEMV, grouped FP8 MoE, sparse MLA over the FP8 latent cache,
   FP8 indexer scoring; interpret mode on CPU) against the stock path with the same FP8 cache numerics (the

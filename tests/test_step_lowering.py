@@ -63,9 +63,12 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   # router for 4 rows and 1, and the MoE's slot tables at 4 rows)
   assert n_kernels <= (18 if q == 1 else 32) and n_calls <= 34, (n_calls, n_kernels)
   # (the FP8 linears with the weight dequantised in registers: policy fp8_dq, on by default)
-  for name in ("glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla", "glm5_indexer_scores",
-               "glm5_router_topk") + (("glm5_router_route",) if q > 1 else ()):
+  for name in ("glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
+               "glm5_indexer_scores") + (("glm5_router_route",) if q > 1 else ()):
     assert name in txt, name
+  # one-row MoE calls (the trunk at q = 1, the draft): the router's selection inside the gate/up kernel
+  # (moe_router_in_kernel, on since session 41), no router_topk launch
+  assert "glm5_router_topk" not in txt
   assert "glm5_moe_route" not in txt  # (router_route, on since session 35: the router kernel builds the tables)
   # the top-k threshold kernel from pallas_kernels.indexer.THRESHOLD_MIN_ROWS score rows (1 since session 32)
   assert ("glm5_topk_threshold" in txt) == (q >= ki.THRESHOLD_MIN_ROWS)
@@ -168,8 +171,9 @@ def test_real_geometry_step_lowers_for_cuda():
   n_calls, n_kernels = check_one_module_per_kernel(txt)
   assert n_kernels <= 32, (n_calls, n_kernels)  # 45 layers share their kernels: lowered and compiled once each
   assert "glm5_topk_threshold" in txt  # the indexer's 8,256 pools (and 4 score rows) fit the threshold kernel
-  # (q = 4: 4 token rows — the router kernel builds the MoE's slot tables, router_route; the draft's one row: top-k)
-  assert "glm5_router_topk" in txt and "glm5_router_route" in txt and "glm5_moe_route" not in txt
+  # (q = 4: 4 token rows — the router kernel builds the MoE's slot tables, router_route; the draft's one row: the
+  # selection inside the gate/up kernel, moe_router_in_kernel)
+  assert "glm5_router_route" in txt and "glm5_router_topk" not in txt and "glm5_moe_route" not in txt
   names = {n for n, _, _ in kernel_calls(txt)}  # fp8_dq (the default): the dequantising FP8 kernels only
   assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down"} <= names and "glm5_fp8_linear" not in names
   assert txt.count("all_reduce") == 1 + 2 * 45 + 3 * 3  # psums are no-ops on one device but still lowered
