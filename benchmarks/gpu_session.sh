@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s41c (nvidia-h200):       q = 1 with session 41's defaults (moe_router_in_kernel on) profiled at one step per
+#                             call: the chain by GPU time launch by launch (*.critical_gpu.tsv), the kernel table
 #   s41b (nvidia-h200):       moe_router_in_kernel (the router's selection inside the MoE's gate/up kernel): its GPU
 #                             tests (unit, bf16 / f16; the end-to-end kernel-tiny decode), q = 1 defaults vs the knob
 #                             (5 interleaved repeats, 80 steps), then auto vs latency_specialized at 4 steps per call
@@ -578,6 +580,11 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s41c)  # (nvidia-h200) s41b: moe_router_in_kernel on by default (4.20 ms). The chain by GPU time with it (s40a's
+    # method) for the next session's choice
+    rank1 s41p1 --q 1 --profile --hlo-dir "$OUT/hlo" && kernel_tables 1
+    rm -f "$OUT"/hlo/*.kernels.tsv "$OUT"/hlo/*.critical.tsv  # (keep the returned files within 8)
     ;;
   s41b)  # (nvidia-h200) s40a: the router's top-k is its own 5.3 µs launch on the q = 1 chain (43 MoE layers).
     # moe_router_in_kernel runs it inside every gate/up CTA instead: natively equal (unit + end to end), then timed
