@@ -182,7 +182,9 @@ KNOBS = {
         "of them per row (k = 8 rounds of 3): `glm5_router_topk` took 5.2 µs per call on the MoE layer's "
         "critical path at q = 1 (session 39's profile). Natively the same ids and weights (its GPU tests, 1 and "
         "4 rows, ties and special values); in the step at q = 1 a tie: 4.26 vs 4.28 ms (rounds 2-5: 4.38 / 4.23 "
-        "/ 4.25 / 4.26 vs 4.30 / 4.28 / 4.20 / 4.20; session 39) — off"),
+        "/ 4.25 / 4.26 vs 4.30 / 4.28 / 4.20 / 4.20; session 39) — off. With moe_router_in_kernel the same form "
+        "for the selection inside the MoE's gate/up kernel, where it delays each CTA's first weight request "
+        "(session 41: to measure)"),
     "moe_route": (True,
         "with fp8_moe on, at 2+ token rows: the MoE's slot tables (the distinct experts, the [slot, token] "
         "weights, the shared expert's slot) as one Mosaic launch (linear.moe_route) instead of ~7 small XLA "
@@ -1101,8 +1103,10 @@ class MoE(nnx.Module):
                               s_up=ex.up_scale[...], w_down=ex.down_proj[...], s_down=ex.down_scale[...],
                               swiglu_limit=ex.limit, shared=sew, dq=dq, **fused, **f16)
       if in_gate_up:
+        # router_warp_rows: the selection's reductions inside one warp (router._select_rows) there too
+        warp = kernel_enabled("router_warp_rows", rows)
         y, ids, _ = moe(xf, None, None, router=(logits, self.gate.e_score_correction_bias[...].astype(jnp.float32)),
-                        router_select=(k, float(self.gate.scaling), bool(self.gate.norm)))
+                        router_select=(k, float(self.gate.scaling), bool(self.gate.norm), warp))
       else:
         y = moe(xf, ids, w, route_kernel=route, tables=tables)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)

@@ -882,15 +882,30 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
 
 def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer):
   """The router's selection (pallas_kernels.router: the row's logits and bias staged into SMEM, k rounds of
-  warpgroup reductions) inside a gate/up CTA of a single token row, before its first weight request — instead of
-  a router kernel of its own on the MoE layer's critical path. ``router_refs``: the ids and weights outputs
-  [1, k], then the scratch l_s, b_s [EP] f32, ids_s [128] int32, w_s [128] f32 and a barrier (router_scratch).
-  The ``writer`` CTA stores the ids and weights for the down kernel and the glue. Returns ids_s: the slot table
-  the CTA reads (slot s + shared = the s-th selected expert)."""
+  reductions) inside a gate/up CTA of a single token row, before its first weight request — instead of a router
+  kernel of its own on the MoE layer's critical path. router = (E, k, scaling, norm, warp): ``warp`` selects with
+  the warp-per-row form (router._select_rows: every reduction inside warp 0, no cross-warp exchange; warps 1-3 run
+  padding rows) instead of the warpgroup's. ``router_refs``: the ids and weights outputs [1, k], then the scratch
+  of ``router_scratch``. The ``writer`` CTA stores the ids and weights for the down kernel and the glue. Returns
+  the slot table the CTA reads (slot s + shared = the s-th selected expert)."""
   from pallas_kernels import router as kr  # noqa: PLC0415
-  E, k, scaling, norm = router
+  E, k, scaling, norm, warp = router
   lg_ref, bg_ref = lb_refs
   rid_g, rw_g, l_s, b_s, ids_s, w_s, rbar = router_refs
+  if warp:
+    kr._stage_rows(lg_ref, bg_ref, l_s, b_s, rbar, 1, E)
+    ids_v, w_v = kr._select_rows(l_s, b_s, E, k, scaling, norm)
+    ids_s[...] = ids_v
+    w_s[...] = w_v
+    plgpu.commit_smem()  # (its warpgroup barrier: warp 0's row in SMEM before every thread reads it)
+
+    @pl.when(writer)
+    def _():
+      plgpu.copy_smem_to_gmem(ids_s.at[0, pl.ds(0, k)], rid_g.at[0])
+      plgpu.copy_smem_to_gmem(w_s.at[0, pl.ds(0, k)], rw_g.at[0])
+      plgpu.wait_smem_to_gmem(0)
+
+    return ids_s.at[0]
   kr._stage_row(lg_ref, bg_ref, l_s, b_s, rbar, 0, E)
   ids_v, w_v = kr._select_row(l_s, b_s, E, k, scaling, norm)
 
@@ -903,10 +918,14 @@ def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer):
   return ids_s
 
 
-def router_scratch(E: int):
-  """The gate/up kernel's scratch for ``_router_in_kernel`` (placed first: it is consumed from the front)."""
+def router_scratch(E: int, warp: bool = False):
+  """The gate/up kernel's scratch for ``_router_in_kernel`` (placed first: it is consumed from the front): the
+  logits and bias [EP] f32 (warp: router._rows_scratch's [4, EP] tiles), ids / weights [128] ([4, 128]), the
+  staging barrier."""
   from pallas_kernels import router as kr  # noqa: PLC0415
   EP = -(-E // kr.LANES) * kr.LANES
+  if warp:
+    return [*kr._rows_scratch(EP), plgpu.Barrier(num_arrivals=2 * (-(-E // kr.BOX)))]
   return [plgpu.SMEM((EP,), jnp.float32), plgpu.SMEM((EP,), jnp.float32), plgpu.SMEM((kr.LANES,), jnp.int32),
           plgpu.SMEM((kr.LANES,), jnp.float32), plgpu.Barrier(num_arrivals=2 * (-(-E // kr.BOX)))]
 
@@ -1206,10 +1225,11 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       one-group plans take the rows form).
     out_dtype: y's dtype.
     dq_dtype: with dq, "bfloat16" or "float16" (x, h and the converted weight tiles: ``_dq_dtype``).
-    router, router_select: for ONE token row, (logits [1, E] f32, bias [E] f32) and (k, scaling, norm) — the
-      router after its logits (pallas_kernels.router.router_topk's selection) inside the gate/up kernel instead of
-      a launch of its own before it; topk_ids and topk_weights are then None and the call returns (y, ids [1, k],
-      weights [1, k]), router_topk's outputs. Not with the counters' rows form.
+    router, router_select: for ONE token row, (logits [1, E] f32, bias [E] f32) and (k, scaling, norm[, warp]) —
+      the router after its logits (pallas_kernels.router.router_topk's selection; ``warp``: its warp_rows form)
+      inside the gate/up kernel instead of a launch of its own before it; topk_ids and topk_weights are then None
+      and the call returns (y, ids [1, k], weights [1, k]), router_topk's outputs. Not with the counters' rows
+      form.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1231,7 +1251,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   if (router is None) != (router_select is None):
     raise ValueError("fp8_moe: router (logits, bias) and router_select (k, scaling, norm) go together")
   if router is not None:
-    (logits, bias), (k_r, scaling, norm) = router, router_select
+    (logits, bias), (k_r, scaling, norm, *warp) = router, router_select
+    warp = bool(warp and warp[0])
     if m != 1 or logits.shape != (1, e_num) or bias.shape != (e_num,) or topk_ids is not None:
       raise ValueError(f"fp8_moe: router given with {m} token rows, logits {logits.shape}, bias {bias.shape} and "
                        f"topk_ids {None if topk_ids is None else topk_ids.shape}; expected one row, logits "
@@ -1308,7 +1329,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   if router is not None:  # (the selection's outputs after h, its scratch first: _router_in_kernel)
     sel_in = (logits.astype(f32), bias.astype(f32))
     sel_out = (jax.ShapeDtypeStruct((1, k_r), jnp.int32), jax.ShapeDtypeStruct((1, k_r), f32))
-    sel_scratch, sel_static = router_scratch(e_num), (e_num, int(k_r), float(scaling), bool(norm))
+    sel_scratch = router_scratch(e_num, warp)
+    sel_static = (e_num, int(k_r), float(scaling), bool(norm), bool(warp))
   outs = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,

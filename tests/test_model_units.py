@@ -465,8 +465,8 @@ def test_single_row_moe_forms_at_the_model_site():
 
 def test_router_in_the_gate_up_kernel_at_the_model_site():
   """Policy moe_router_in_kernel at the model's single-row MoE (one layer, one token): the router's selection
-  inside fp8_moe's gate/up kernel gives the hidden state and expert ids of router_kernel + fp8_moe exactly; the
-  report names the site, and at two token rows declines it (one row only)."""
+  inside fp8_moe's gate/up kernel (also in router_warp_rows' form) gives the hidden state and expert ids of
+  router_kernel + fp8_moe exactly; the report names the site, and at two token rows declines it (one row only)."""
   from glm5_jax import api  # noqa: PLC0415
   from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 6, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
@@ -494,4 +494,8 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
   assert rep["moe_router_in_kernel"] is None and rep["router_kernel"] is None, rep
   np.testing.assert_array_equal(e1, e0)
   np.testing.assert_array_equal(h1, h0)
+  (h2, e2), rep = run(1, fused | {"router_warp_rows": True})  # (the selection's warp-per-row form there)
+  assert rep["router_warp_rows"] is None, rep
+  np.testing.assert_array_equal(e2, e0)
+  np.testing.assert_array_equal(h2, h0)
   assert "one token row" in run(2, fused, trace_only=True)[1]["moe_router_in_kernel"]
