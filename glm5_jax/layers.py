@@ -168,6 +168,12 @@ KNOBS = {
         "chain, session 40's profile) for a selection each CTA repeats. Equal ids, weights and output natively "
         "(unit and end-to-end GPU tests); the one-rank step at q = 1 4.28 -> 4.20 ms, faster in 4 of 4 paired "
         "rounds, 42 fewer launches (session 41)"),
+    "moe_router_ranks": (False,
+        "with moe_router_in_kernel: one gate/up CTA selects all k experts with their weights (and stores them); "
+        "every other CTA only the ranks up to its own slot's, two reductions a round (pallas_kernels.linear."
+        "_router_in_kernel) — the selection delayed each CTA's first weight request by ~4.8 µs (gate/up 13.9 -> "
+        "18.7 µs per call, session 41's profile); a routed CTA of rank r then waits r + 1 rounds of 2 instead of k "
+        "rounds of 3. Equal in interpret mode; to run natively and measure (gpu_session s42a)"),
     "moe_balanced": (False,
         "with fp8_moe and fp8_dq on, at one token row (moe_persistent off): the MoE's two kernels with the work "
         "dealt out evenly (pallas_kernels.linear.fp8_moe_balanced): the 2,304 gate/up items (the real TP4 rank) in "
@@ -1103,10 +1109,11 @@ class MoE(nnx.Module):
                               s_up=ex.up_scale[...], w_down=ex.down_proj[...], s_down=ex.down_scale[...],
                               swiglu_limit=ex.limit, shared=sew, dq=dq, **fused, **f16)
       if in_gate_up:
-        # router_warp_rows: the selection's reductions inside one warp (router._select_rows) there too
-        warp = kernel_enabled("router_warp_rows", rows)
+        # router_warp_rows: the selection's reductions inside one warp (router._select_rows) there too;
+        # moe_router_ranks: each CTA selects only up to its slot's rank
+        warp, ranks = kernel_enabled("router_warp_rows", rows), kernel_enabled("moe_router_ranks", rows)
         y, ids, _ = moe(xf, None, None, router=(logits, self.gate.e_score_correction_bias[...].astype(jnp.float32)),
-                        router_select=(k, float(self.gate.scaling), bool(self.gate.norm), warp))
+                        router_select=(k, float(self.gate.scaling), bool(self.gate.norm), warp, ranks))
       else:
         y = moe(xf, ids, w, route_kernel=route, tables=tables)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)

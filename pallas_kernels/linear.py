@@ -801,7 +801,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   tile, sk = rem % tiles, rem // tiles
   steps = xq_ref.shape[1] // BLOCK // split
   if router is not None:  # the router's selection in this CTA: the slot table from its registers (_router_in_kernel)
-    eids_ref = _router_in_kernel(eids_ref, router_refs, router, writer=(slot_id == int(shared)) & (rem == 0))
+    eids_ref = _router_in_kernel(eids_ref, router_refs, router, writer=t == 0, rank=slot_id - int(shared))
 
   @pl.when(slot_id < nvalid_ref[0])
   def _():
@@ -880,42 +880,60 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       o_ref[sk, slot_id, 1, pl.ds(row0, bm), :] = acc_u * sx
 
 
-def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer):
-  """The router's selection (pallas_kernels.router: the row's logits and bias staged into SMEM, k rounds of
+def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank):
+  """The router's selection (pallas_kernels.router: the row's logits and bias staged into SMEM, rounds of
   reductions) inside a gate/up CTA of a single token row, before its first weight request — instead of a router
-  kernel of its own on the MoE layer's critical path. router = (E, k, scaling, norm, warp): ``warp`` selects with
-  the warp-per-row form (router._select_rows: every reduction inside warp 0, no cross-warp exchange; warps 1-3 run
-  padding rows) instead of the warpgroup's. ``router_refs``: the ids and weights outputs [1, k], then the scratch
-  of ``router_scratch``. The ``writer`` CTA stores the ids and weights for the down kernel and the glue. Returns
-  the slot table the CTA reads (slot s + shared = the s-th selected expert)."""
+  kernel of its own on the MoE layer's critical path. router = (E, k, scaling, norm, warp, ranks): ``warp`` selects
+  with the warp-per-row form (router._select_rows: every reduction inside warp 0, no cross-warp exchange; warps
+  1-3 run padding rows) instead of the warpgroup's. ``router_refs``: the ids and weights outputs [1, k], then the
+  scratch of ``router_scratch``. Every CTA selects all k with their weights, and the ``writer`` stores them for
+  the down kernel and the glue; with ``ranks`` only the writer does, and every other CTA selects just the ranks
+  up to its own (``rank``: its slot's rank among the routed experts, -1 for the shared slot: none), two
+  reductions a round — a routed CTA then waits for rank + 1 rounds, not k rounds of three. Returns the slot table
+  the CTA reads (slot s + shared = the s-th selected expert; with ``ranks`` the shared slot's CTAs leave it
+  unwritten, which _slot_expert maps to an in-range id their shared weights never use)."""
   from pallas_kernels import router as kr  # noqa: PLC0415
-  E, k, scaling, norm, warp = router
+  E, k, scaling, norm, warp, ranks = router
   lg_ref, bg_ref = lb_refs
   rid_g, rw_g, l_s, b_s, ids_s, w_s, rbar = router_refs
   if warp:
-    kr._stage_rows(lg_ref, bg_ref, l_s, b_s, rbar, 1, E)
-    ids_v, w_v = kr._select_rows(l_s, b_s, E, k, scaling, norm)
+    stage = lambda: kr._stage_rows(lg_ref, bg_ref, l_s, b_s, rbar, 1, E)  # noqa: E731
+    select = functools.partial(kr._select_rows, l_s, b_s, E, k, scaling, norm)
+    row0 = lambda r: r.at[0]  # noqa: E731  (warp 0's row)
+  else:
+    stage = lambda: kr._stage_row(lg_ref, bg_ref, l_s, b_s, rbar, 0, E)  # noqa: E731
+    select = functools.partial(kr._select_row, l_s, b_s, E, k, scaling, norm)
+    row0 = lambda r: r  # noqa: E731
+
+  def store():  # the k ids and weights for the down kernel and the glue
+    plgpu.copy_smem_to_gmem(row0(ids_s).at[pl.ds(0, k)], rid_g.at[0])
+    plgpu.copy_smem_to_gmem(row0(w_s).at[pl.ds(0, k)], rw_g.at[0])
+    plgpu.wait_smem_to_gmem(0)
+
+  def select_all():
+    stage()
+    ids_v, w_v = select()
     ids_s[...] = ids_v
     w_s[...] = w_v
-    plgpu.commit_smem()  # (its warpgroup barrier: warp 0's row in SMEM before every thread reads it)
+    plgpu.commit_smem()  # (its warpgroup barrier: the rows in SMEM before the TMA and every thread read them)
 
-    @pl.when(writer)
-    def _():
-      plgpu.copy_smem_to_gmem(ids_s.at[0, pl.ds(0, k)], rid_g.at[0])
-      plgpu.copy_smem_to_gmem(w_s.at[0, pl.ds(0, k)], rw_g.at[0])
-      plgpu.wait_smem_to_gmem(0)
-
-    return ids_s.at[0]
-  kr._stage_row(lg_ref, bg_ref, l_s, b_s, rbar, 0, E)
-  ids_v, w_v = kr._select_row(l_s, b_s, E, k, scaling, norm)
+  if not ranks:
+    select_all()
+    pl.when(writer)(store)
+    return row0(ids_s)
 
   @pl.when(writer)
   def _():
-    kr._store_row(ids_v, w_v, ids_s, w_s, rid_g, rw_g, 0, k)
-    plgpu.wait_smem_to_gmem(0)
+    select_all()
+    store()
 
-  ids_s[...] = ids_v
-  return ids_s
+  @pl.when(jnp.logical_not(writer) & (rank >= 0))
+  def _():
+    stage()
+    ids_s[...] = select(rounds=rank + 1)[0]
+    plgpu.commit_smem()
+
+  return row0(ids_s)
 
 
 def router_scratch(E: int, warp: bool = False):
@@ -1225,11 +1243,11 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       one-group plans take the rows form).
     out_dtype: y's dtype.
     dq_dtype: with dq, "bfloat16" or "float16" (x, h and the converted weight tiles: ``_dq_dtype``).
-    router, router_select: for ONE token row, (logits [1, E] f32, bias [E] f32) and (k, scaling, norm[, warp]) —
-      the router after its logits (pallas_kernels.router.router_topk's selection; ``warp``: its warp_rows form)
-      inside the gate/up kernel instead of a launch of its own before it; topk_ids and topk_weights are then None
-      and the call returns (y, ids [1, k], weights [1, k]), router_topk's outputs. Not with the counters' rows
-      form.
+    router, router_select: for ONE token row, (logits [1, E] f32, bias [E] f32) and (k, scaling, norm[, warp[,
+      ranks]]) — the router after its logits (pallas_kernels.router.router_topk's selection; ``warp``: its
+      warp_rows form; ``ranks``: each CTA selects only up to its own slot's rank, ``_router_in_kernel``) inside the
+      gate/up kernel instead of a launch of its own before it; topk_ids and topk_weights are then None and the
+      call returns (y, ids [1, k], weights [1, k]), router_topk's outputs. Not with the counters' rows form.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1251,8 +1269,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   if (router is None) != (router_select is None):
     raise ValueError("fp8_moe: router (logits, bias) and router_select (k, scaling, norm) go together")
   if router is not None:
-    (logits, bias), (k_r, scaling, norm, *warp) = router, router_select
-    warp = bool(warp and warp[0])
+    (logits, bias), (k_r, scaling, norm, *opts) = router, router_select
+    warp, ranks = (bool(o) for o in (tuple(opts) + (False, False))[:2])
     if m != 1 or logits.shape != (1, e_num) or bias.shape != (e_num,) or topk_ids is not None:
       raise ValueError(f"fp8_moe: router given with {m} token rows, logits {logits.shape}, bias {bias.shape} and "
                        f"topk_ids {None if topk_ids is None else topk_ids.shape}; expected one row, logits "
@@ -1330,7 +1348,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     sel_in = (logits.astype(f32), bias.astype(f32))
     sel_out = (jax.ShapeDtypeStruct((1, k_r), jnp.int32), jax.ShapeDtypeStruct((1, k_r), f32))
     sel_scratch = router_scratch(e_num, warp)
-    sel_static = (e_num, int(k_r), float(scaling), bool(norm), bool(warp))
+    sel_static = (e_num, int(k_r), float(scaling), bool(norm), warp, ranks)
   outs = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,

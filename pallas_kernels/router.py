@@ -75,10 +75,12 @@ def _stage_row(l_g, b_g, l_s, b_s, bar, m, E: int):
   plgpu.barrier_wait(bar)
 
 
-def _select_row(l_s, b_s, E: int, k: int, scaling: float, norm: bool):
+def _select_row(l_s, b_s, E: int, k: int, scaling: float, norm: bool, rounds=None):
   """One row's selection from its staged logits / bias -> (ids [128] int32, w [128] f32) registers, the first k
   entries meaningful: k rounds of the largest key not yet taken, the lowest index holding it and its s; then the
-  normalisation on the k weights in rank order and the scaling."""
+  normalisation on the k weights in rank order and the scaling. ``rounds`` (an int32 scalar, at most k): only the
+  ids of the first ``rounds`` ranks, two reductions a round (no weights: w is None) — what a caller that needs
+  one rank's expert waits for."""
   EP = l_s.shape[0]
   vec = plgpu.Layout.WG_STRIDED((EP,), vec_size=1)
   out = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
@@ -88,18 +90,29 @@ def _select_row(l_s, b_s, E: int, k: int, scaling: float, norm: bool):
   taken = jnp.where(iota >= E, 1, 0)  # (int32 masks: i1 arrays do not combine in registers)
   slot = plgpu.broadcasted_iota(jnp.int32, (LANES,), 0, layout=out)
 
-  def select(j, carry):  # the j-th expert: a loop, not k unrolled copies (code each CTA runs once)
-    taken, ids_v, w_v, tot = carry
+  def pick(taken):
     cand = jnp.where(taken != 0, jnp.int32(_INT_MIN), key)
     top = jnp.max(cand)
     # the lowest index with the top key among those not taken (a key can equal the taken marker: -NaN)
     idx = jnp.min(jnp.where(taken != 0, jnp.int32(_NONE), jnp.where(cand == top, iota, jnp.int32(_NONE))))
-    hit = iota == idx
+    return idx, iota == idx
+
+  zeros = plgpu.layout_cast(jnp.zeros((LANES,), jnp.int32), out)
+  if rounds is not None:
+    def select_id(j, carry):
+      taken, ids_v = carry
+      idx, hit = pick(taken)
+      return jnp.where(hit, 1, taken), jnp.where(slot == j, idx, ids_v)
+
+    return lax.fori_loop(0, rounds, select_id, (taken, zeros))[1], None
+
+  def select(j, carry):  # the j-th expert: a loop, not k unrolled copies (code each CTA runs once)
+    taken, ids_v, w_v, tot = carry
+    idx, hit = pick(taken)
     v = jnp.sum(jnp.where(hit, s, 0.0))  # one nonzero term: exact (a where: no NaN leaks in)
     # (the k weights summed in rank order, as the XLA path: 0 + w_0 + w_1 + ...)
     return jnp.where(hit, 1, taken), jnp.where(slot == j, idx, ids_v), jnp.where(slot == j, v, w_v), tot + v
 
-  zeros = plgpu.layout_cast(jnp.zeros((LANES,), jnp.int32), out)
   _, ids_v, w_v, tot = lax.fori_loop(0, k, select, (taken, zeros, zeros.astype(jnp.float32), jnp.float32(0)))
   if norm:
     w_v = w_v / (tot + NORM_EPS)
@@ -218,12 +231,13 @@ def _route_rows(l_g, b_g, ids_g, w_g, l_s, b_s, ids_s, w_s, bar, M: int, E: int,
     plgpu.copy_smem_to_gmem(w_s.at[m, pl.ds(0, k)], w_g.at[m])
 
 
-def _select_rows(l_s, b_s, E: int, k: int, scaling: float, norm: bool):
+def _select_rows(l_s, b_s, E: int, k: int, scaling: float, norm: bool, rounds=None):
   """``_select_row`` for the 4 rows of l_s / b_s [4, EP] at once, row m on warp m (warp_rows_layout) -> (ids [4,
   128] int32, w [4, 128] f32) registers, the first k entries of each row meaningful. The same selection, adds and
-  order as _select_row (row-wise maxima / minima / sums instead of the warpgroup's). The first form ran a
-  warpgroup per row, and Mosaic GPU's warpgroup reductions — their cross-warp scratch one SMEM slot shared by the
-  CTA's warpgroups — mixed the rows natively (session 34; tests/test_router_kernel.py: the race)."""
+  order as _select_row (row-wise maxima / minima / sums instead of the warpgroup's); ``rounds`` likewise. The
+  first form ran a warpgroup per row, and Mosaic GPU's warpgroup reductions — their cross-warp scratch one SMEM
+  slot shared by the CTA's warpgroups — mixed the rows natively (session 34; tests/test_router_kernel.py: the
+  race)."""
   R, EP = l_s.shape
   rows = warp_rows_layout()
   s = jax.nn.sigmoid(plgpu.load(l_s, layout=rows))
@@ -233,18 +247,29 @@ def _select_rows(l_s, b_s, E: int, k: int, scaling: float, norm: bool):
   slot = plgpu.broadcasted_iota(jnp.int32, (R, LANES), 1, layout=rows)
   wide = lambda v, n: lax.broadcast_in_dim(v, (R, n), (0,))  # a row's value to each of its n columns
 
-  def select(j, carry):
-    taken, ids_v, w_v, tot = carry
+  def pick(taken):
     cand = jnp.where(taken != 0, jnp.int32(_INT_MIN), key)
     top = jnp.max(cand, axis=1)
     idx = jnp.min(jnp.where(taken != 0, jnp.int32(_NONE), jnp.where(cand == wide(top, EP), iota, jnp.int32(_NONE))),
                   axis=1)
-    hit = iota == wide(idx, EP)
+    return idx, iota == wide(idx, EP)
+
+  zeros = plgpu.layout_cast(jnp.zeros((R, LANES), jnp.int32), rows)
+  if rounds is not None:
+    def select_id(j, carry):
+      taken, ids_v = carry
+      idx, hit = pick(taken)
+      return jnp.where(hit, 1, taken), jnp.where(slot == j, wide(idx, LANES), ids_v)
+
+    return lax.fori_loop(0, rounds, select_id, (taken, zeros))[1], None
+
+  def select(j, carry):
+    taken, ids_v, w_v, tot = carry
+    idx, hit = pick(taken)
     v = jnp.sum(jnp.where(hit, s, 0.0), axis=1)
     return (jnp.where(hit, 1, taken), jnp.where(slot == j, wide(idx, LANES), ids_v),
             jnp.where(slot == j, wide(v, LANES), w_v), tot + v)
 
-  zeros = plgpu.layout_cast(jnp.zeros((R, LANES), jnp.int32), rows)
   _, ids_v, w_v, tot = lax.fori_loop(0, k, select, (taken, zeros, zeros.astype(jnp.float32),
                                                     jnp.zeros((R,), jnp.float32)))
   if norm:

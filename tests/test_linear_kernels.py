@@ -544,11 +544,12 @@ def _router_case(seed, e, k):
   return jnp.asarray(logits), jnp.asarray(rng.uniform(-0.05, 0.05, e).astype(np.float32))
 
 
-@pytest.mark.parametrize("dq,shared,warp", [(True, True, False), (False, False, False), (True, True, True)])
-def test_router_in_the_gate_up_kernel_interpret(dq, shared, warp):
+@pytest.mark.parametrize("dq,shared,warp,ranks", [(True, True, False, False), (False, False, False, True),
+                                                   (True, True, True, False), (True, True, True, True)])
+def test_router_in_the_gate_up_kernel_interpret(dq, shared, warp, ranks):
   """fp8_moe(router=...): the router's selection inside every gate/up CTA (no router kernel before it; ``warp``:
-  its warp-per-row form) gives router_topk's ids and weights and the MoE output of router_topk + fp8_moe, bit
-  for bit."""
+  its warp-per-row form; ``ranks``: each CTA only up to its slot's rank, one writer of all k) gives router_topk's
+  ids and weights and the MoE output of router_topk + fp8_moe, bit for bit."""
   e, i, d, k, scaling = 32, 256, 384, 4, 2.5
   x, _, _, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(95), 1, e, i, d, k)
   sh = _shared_expert(jax.random.key(96), i, d) if shared else None
@@ -558,7 +559,7 @@ def test_router_in_the_gate_up_kernel_interpret(dq, shared, warp):
     ids, w = kr.router_topk(logits, bias, k=k, scaling=scaling, norm=True)
     y0 = jax.jit(moe)(x, ids, w, wg, sg, wu, su, wd, sd)
     y1, ids1, w1 = jax.jit(lambda *a: moe(x, None, None, *a, router=(logits, bias),
-                                          router_select=(k, scaling, True, warp)))(wg, sg, wu, su, wd, sd)
+                                          router_select=(k, scaling, True, warp, ranks)))(wg, sg, wu, su, wd, sd)
   ref_ids, ref_w = kr.router_topk_reference(logits, bias, k=k, scaling=scaling, norm=True)
   np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ref_ids))
   np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids))
@@ -585,9 +586,9 @@ def test_router_in_the_gate_up_kernel_cross_lowers():
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
         SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
-  for warp in (False, True):  # (the warpgroup's reductions, or the warp-per-row form's)
+  for opts in ((False, False), (True, False), (False, True), (True, True)):  # (warp, ranks)
     low = cross_lower(lambda x, lg, b, *a: L.fp8_moe(x, None, None, *a[:6], swiglu_limit=10.0, shared=a[6:],
-                                                     dq=True, router=(lg, b), router_select=(k, 2.5, True, warp)),
+                                                     dq=True, router=(lg, b), router_select=(k, 2.5, True, *opts)),
                       SDS((1, d), jnp.bfloat16), SDS((1, e), jnp.float32), SDS((e,), jnp.float32),
                       SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
                       SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
@@ -874,8 +875,10 @@ def test_fp8_moe_fused_rows_gpu(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_dtype,warp", [("bfloat16", False), ("float16", False), ("bfloat16", True)])
-def test_router_in_the_gate_up_kernel_gpu(dq_dtype, warp):
+@pytest.mark.parametrize("dq_dtype,warp,ranks", [("bfloat16", False, False), ("float16", False, False),
+                                                  ("bfloat16", True, False), ("bfloat16", False, True),
+                                                  ("bfloat16", True, True)])
+def test_router_in_the_gate_up_kernel_gpu(dq_dtype, warp, ranks):
   """The real rank's single-row MoE (288 experts, top-8, the shared slot, dq) with the router's selection inside
   the gate/up kernel natively: router_topk's ids and weights and router_topk + fp8_moe's output, bit for bit."""
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
@@ -887,7 +890,7 @@ def test_router_in_the_gate_up_kernel_gpu(dq_dtype, warp):
     moe = functools.partial(L.fp8_moe, swiglu_limit=10.0, shared=sh, dq=True, dq_dtype=dq_dtype)
     ids, w = kr.router_topk(logits, bias, k=k, scaling=2.5, norm=True)
     return (moe(x, ids, w, *ws), ids, w), moe(x, None, None, *ws, router=(logits, bias),
-                                              router_select=(k, 2.5, True, warp))
+                                              router_select=(k, 2.5, True, warp, ranks))
   (y0, ids0, w0), (y1, ids1, w1) = jax.jit(run)(x, logits, bias, ws, sh)
   np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
   np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))

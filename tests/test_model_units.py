@@ -494,8 +494,9 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
   assert rep["moe_router_in_kernel"] is None and rep["router_kernel"] is None, rep
   np.testing.assert_array_equal(e1, e0)
   np.testing.assert_array_equal(h1, h0)
-  (h2, e2), rep = run(1, fused | {"router_warp_rows": True})  # (the selection's warp-per-row form there)
-  assert rep["router_warp_rows"] is None, rep
+  # (the selection's warp-per-row form there, each CTA only up to its slot's rank)
+  (h2, e2), rep = run(1, fused | {"router_warp_rows": True, "moe_router_ranks": True})
+  assert rep["router_warp_rows"] is None and rep["moe_router_ranks"] is None, rep
   np.testing.assert_array_equal(e2, e0)
   np.testing.assert_array_equal(h2, h0)
   assert "one token row" in run(2, fused, trace_only=True)[1]["moe_router_in_kernel"]
