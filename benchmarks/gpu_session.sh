@@ -597,6 +597,7 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       && set -- "$@" '{"router_warp_rows": true, "moe_router_ranks": true}'
     [ $# -ge 2 ] && [ "$(left)" -gt 240 ] && rank1 s42a1 --q 1 --steps-per-call 4 --interleave --repeats 5 \
       --steps 80 --policy "$@"
+    gt 200 "tests/test_decode.py" "all_kernels_equals_stock and extra0"  # (the defaults end to end, natively)
     ;;
   s41c)  # (nvidia-h200) s41b: moe_router_in_kernel on by default (4.20 ms). The chain by GPU time with it (s40a's
     # method) for the next session's choice
