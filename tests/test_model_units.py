@@ -1,5 +1,6 @@
 """Units of the reference model: the chunked KDA form, and the checkpoint loader's layouts and errors."""
 
+import functools
 import json
 import os
 import shutil
@@ -426,13 +427,30 @@ def test_native_wrong_kernels_are_refused_outside_interpret_mode(monkeypatch):
   assert rep == [(knob, NATIVE_WRONG[knob]), (knob, None)]
 
 
+def _extend_one_token(m, B, policy, seed, trace_only=False):
+  """One extend step of B single-token rows through model m under kernel ``policy`` (GPU interpret mode; a fresh
+  trace) -> ((final hidden [B, 1, D] f32, the first layer's expert ids), the kernel report as a dict); with
+  ``trace_only`` only traced (the report), the values None."""
+  from glm5_jax import api  # noqa: PLC0415
+  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 2000, (B, 1)), jnp.int32)
+  cache = api.init_cache(m, B, 64)
+  fn = api._build_extend(m, (B, 64, 1), "all")
+  args = (m.params, cache.caches, tokens, cache.lengths, jnp.full((B,), 1, jnp.int32), cache.n_acc)
+  with use_kernels(policy), maybe_interpret(True), kernel_report() as rep:
+    if trace_only:
+      jax.eval_shape(fn, *args)
+      return None, dict(rep)
+    out = fn(*args)[0]
+    got = np.asarray(out["hidden"], np.float32), np.asarray(out["aux"][0]["experts"])
+  return got, dict(rep)
+
+
 def test_single_row_moe_forms_at_the_model_site():
   """Policies moe_persistent (GPU interpret mode runs the kernel's three-launch form) and moe_balanced at the
   model's single-row MoE (one layer, one token): the layer's hidden state as the two-kernel fp8_moe's within bf16
   rounding of h, all near the stock f32 path; the kernel report names the site, and at two token rows declines it
   (one row only)."""
-  from glm5_jax import api  # noqa: PLC0415
-  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 5, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
                          moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2)
   m = load(path, "float32")
@@ -441,13 +459,8 @@ def test_single_row_moe_forms_at_the_model_site():
   hidden, reports = {}, {}
 
   def run(B, policy, trace_only=False):
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 2000, (B, 1)), jnp.int32)
-    cache = api.init_cache(m, B, 64)
-    fn = api._build_extend(m, (B, 64, 1), "all")  # a fresh trace per policy
-    args = (m.params, cache.caches, tokens, cache.lengths, jnp.full((B,), 1, jnp.int32), cache.n_acc)
-    with use_kernels(policy), maybe_interpret(True), kernel_report() as rep:
-      out = jax.eval_shape(fn, *args) if trace_only else np.asarray(fn(*args)[0]["hidden"], np.float32)
-    return out, dict(rep)
+    got, rep = _extend_one_token(m, B, policy, 3, trace_only)
+    return (None if got is None else got[0]), rep
 
   balanced = off | {"fp8_moe": True, "moe_balanced": True}
   for name, policy in (("stock", None), ("two", off | {"fp8_moe": True}), ("persistent", persistent),
@@ -467,8 +480,6 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
   """Policy moe_router_in_kernel at the model's single-row MoE (one layer, one token): the router's selection
   inside fp8_moe's gate/up kernel (also in router_warp_rows' form) gives the hidden state and expert ids of
   router_kernel + fp8_moe exactly; the report names the site, and at two token rows declines it (one row only)."""
-  from glm5_jax import api  # noqa: PLC0415
-  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 6, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
                          moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4)
   m = load(path, "float32")
@@ -476,18 +487,7 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
       "fp8_moe": True, "router_kernel": True}
   fused = base | {"moe_router_in_kernel": True}
 
-  def run(B, policy, trace_only=False):
-    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 2000, (B, 1)), jnp.int32)
-    cache = api.init_cache(m, B, 64)
-    fn = api._build_extend(m, (B, 64, 1), "all")  # a fresh trace per policy
-    args = (m.params, cache.caches, tokens, cache.lengths, jnp.full((B,), 1, jnp.int32), cache.n_acc)
-    with use_kernels(policy), maybe_interpret(True), kernel_report() as rep:
-      if trace_only:
-        jax.eval_shape(fn, *args)
-        return None, dict(rep)
-      out = fn(*args)[0]
-      got = np.asarray(out["hidden"], np.float32), np.asarray(out["aux"][0]["experts"])
-    return got, dict(rep)
+  run = functools.partial(_extend_one_token, m, seed=4)
 
   (h0, e0), _ = run(1, base)
   (h1, e1), rep = run(1, fused)
