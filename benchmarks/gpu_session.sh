@@ -71,6 +71,9 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s42b (nvidia-h200):       topk_select_kernel (the indexer's selection in one launch: early-exit threshold, wgmma
+#                             prefix counts, an inline scatter): GPU tests, q = 1 defaults vs it, then the defaults'
+#                             end-to-end GPU test (moe_router_ranks on since s42a)
 #   s42a (nvidia-h200):       the selection inside the MoE's gate/up kernel made cheaper (it delays each CTA's first
 #                             weight request): router_warp_rows (one warp's reductions) and moe_router_ranks (a CTA
 #                             only up to its slot's rank) — GPU tests, then q = 1 defaults vs each and both
@@ -236,12 +239,13 @@ pdl_probe() {  # bench_pdl: a chain of dependent Mosaic launches in the CUDA gra
     benchmarks/bench_pdl.py --variants plain,pdl,pdl_step,xla --out "$OUT/pdl.jsonl" >> "$OUT/bench_pdl.log" 2>&1
 }
 
-gt() {  # $1: seconds at most, $2: test file or node id, $3: -k expression. GPU tests with every test's outcome (-rA),
+gt() {  # $1: seconds at most, $2: test file or node id, $3: -k expression (GT_MARK: the -m expression, default gpu —
+  # the end-to-end kernel tests of the defaults are marked e2e_kernels only). GPU tests with every test's outcome (-rA),
   # each call bounded by the budget left (-k 9: a kernel that never returns cannot hold the call); a selection of
   # no tests is logged too (session 36's -k matched the checkout's directory name and left an empty log)
   [ "$(left)" -gt 60 ] || return 0
   local t=$(( $1 < $(left) - 30 ? $1 : $(left) - 30 ))
-  timeout -k 9 -s INT "$t" python3 -m pytest -q -rA -m gpu -p no:cacheprovider "$2" ${3:+-k "$3"} 2>&1 \
+  timeout -k 9 -s INT "$t" python3 -m pytest -q -rA -m "${GT_MARK:-gpu}" -p no:cacheprovider "$2" ${3:+-k "$3"} 2>&1 \
     | grep -E "^(PASSED|FAILED|XFAIL|XPASS|ERROR)|passed|failed|Interrupt|no tests ran|deselected" | head -40 \
     | sed "s|^|$(basename "$2"): |" | tee -a "$OUT/gpu_tests.log"
 }
@@ -583,6 +587,18 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s42b)  # (nvidia-h200) s42a: moe_router_ranks on (4.30 -> 4.19 ms). topk_select_kernel: the indexer's selection
+    # (threshold, compaction, expansion, tail, pad) in ONE launch instead of the threshold kernel + ~7 XLA kernels
+    # (23.8 µs per DSA layer on the q = 1 chain): its GPU tests (the inline scatter runs natively only), q = 1
+    # defaults vs the knob, then the defaults end to end natively (s42a's selection missed it: not marked gpu)
+    gt 200 "tests/test_indexer.py" "select_kernel"
+    set -- '{}'
+    grep -q "PASSED.*test_select_kernel_at_the_model_site\[True" "$OUT/gpu_tests.log" \
+      && ! grep -q "FAILED.*select_kernel" "$OUT/gpu_tests.log" && set -- "$@" '{"topk_select_kernel": true}'
+    [ $# -ge 2 ] && [ "$(left)" -gt 240 ] && rank1 s42b1 --q 1 --steps-per-call 4 --interleave --repeats 5 \
+      --steps 80 --policy "$@"
+    GT_MARK="gpu or e2e_kernels" gt 200 "tests/test_decode.py" "all_kernels_equals_stock and extra0"
     ;;
   s42a)  # (nvidia-h200) s41b/c: moe_router_in_kernel on (4.20 ms), but every gate/up CTA now runs the router's 8
     # rounds of 3 warpgroup reductions before its first weight request (gate/up 13.9 -> 18.7 µs). Two cheaper forms

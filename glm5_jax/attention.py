@@ -16,6 +16,7 @@ overwritten.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -333,7 +334,8 @@ class Indexer(nnx.Module):
         # (topk_keys_in_kernel; session 39: a 32K + 320-position cache gave 8,768 padded pools, not a multiple of
         # 128, and the knob could not run)
         align = ki.THRESHOLD_LANES * (4 if kernel_switch("topk_threshold_4wg") else 1) \
-            if kernel_switch("topk_keys_in_kernel") else 64
+            if kernel_switch("topk_keys_in_kernel") else ki.THRESHOLD_LANES if kernel_switch("topk_select_kernel") \
+            else 64
         # indexer_q_in_kernel: the queries' FWHT + FP8 quantisation inside the scores kernel (its wgmma reads the
         # bf16 projection output as is) instead of ~3 XLA kernels in front of it
         if kernel_enabled("indexer_q_in_kernel", fits=q_raw.dtype == jnp.bfloat16,
@@ -353,12 +355,14 @@ class Indexer(nnx.Module):
     sc = jnp.einsum("bth,bthp->btp", w, jnp.maximum(dots, 0.0), precision=HIGHEST)
     return (sc, None) if padded else sc
 
-  def select(self, scores, pos, shared=None, extra_tail=0, *, raw=None):
+  def select(self, scores, pos, shared=None, extra_tail=0, *, raw=None, width=None):
     """Top pools expanded to tokens + the always-selected tail -> (idx [B, T, W] (−1 pad), pools [B, T, kp]).
 
     ``shared`` = (pools [B, kp] (−1 = none), tail_start [B]) reuses a first draft step's choice: the tail then
     runs from ``tail_start`` to the query (``extra_tail`` more slots than the usual kpool − 1). ``raw``: the scores
-    kernel's padded output behind ``scores`` (``scores(padded=True)``), or None."""
+    kernel's padded output behind ``scores`` (``scores(padded=True)``), or None. ``width``: W -> the width the
+    attention kernel pads the list to (pallas_kernels.sparse_mla.index_width), which the select kernel
+    (topk_select_kernel) then writes directly: idx is then [B, T, width(W)], the same list -1 padded."""
     kp = self.kpool
     if shared is None:
       n_complete = (pos + 1) // kp  # [B, T]
@@ -387,6 +391,22 @@ class Indexer(nnx.Module):
           form = {**form, "scan_block": f"mm{form['scan_block']}"}  # the prefix sums' blocks as one matmul
         # topk_keys_in_kernel: the threshold kernel reads the scores kernel's padded output ([R, Pp], -inf past
         # the complete pools, as ``masked``) and forms the keys itself — no XLA kernel between the two kernels
+        n_tail = kp - 1 + extra_tail
+        # topk_select_kernel: the threshold, the compaction, the expansion to tokens, the tail and the pad to the
+        # attention kernel's width in ONE launch on the scores kernel's padded output (instead of the threshold
+        # kernel and ~6 XLA kernels around it: session 40's chain)
+        Pr = None if raw is None else raw.shape[-1]
+        if kernel_enabled("topk_select_kernel", fits=bool(thr) and Pr is not None and Pr % ki.THRESHOLD_LANES == 0
+                          and Pr <= ki.THRESHOLD_MAX_KEYS and kk < ki.SELECT_MAX_K,
+                          why=f"needs the threshold kernel on, the scores kernel's output (here {Pr} padded pools; "
+                          f"a multiple of {ki.THRESHOLD_LANES} up to {ki.THRESHOLD_MAX_KEYS}) and k = {kk} < "
+                          f"{ki.SELECT_MAX_K}"):
+          W = kp * kk + n_tail
+          wp = -(-(W if width is None else width(W)) // 64) * 64
+          ts = (n_complete * kp).reshape(R)
+          idx, js = ki.topk_select(raw.reshape(R, Pr), ts, pos.reshape(R).astype(jnp.int32), k=kk, kpool=kp,
+                                   n_tail=n_tail, width=wp)
+          return idx.reshape(*pos.shape, wp), js.reshape(*pos.shape, kk)
         Pp, lanes = (None if raw is None else raw.shape[-1]), ki.THRESHOLD_LANES * wgs
         if kernel_enabled("topk_keys_in_kernel", fits=bool(thr) and Pp is not None and Pp % lanes == 0
                           and Pp <= ki.THRESHOLD_MAX_KEYS,
@@ -481,7 +501,11 @@ class DSA(nnx.Module):
       icache = self.indexer.update(k, gam, cache, ctx, dtype)
       if shared is None:
         sc, raw = self.indexer.scores(hw, q_r, icache, pos, dtype, padded=True)
-        idx, js = self.indexer.select(sc, pos, raw=raw)
+        width = None
+        if fp8 and kernel_switch("sparse_mla"):  # (the list as wide as the attention kernel reads it)
+          from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
+          width = functools.partial(ks.index_width, B, T, -(-H // 16) * 16)
+        idx, js = self.indexer.select(sc, pos, raw=raw, width=width)
       else:
         idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
     q_hat = _per_head("bthn,hnr->bthr", q, w_uk)  # absorbed query [B, T, H, R]

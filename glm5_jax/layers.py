@@ -168,12 +168,13 @@ KNOBS = {
         "chain, session 40's profile) for a selection each CTA repeats. Equal ids, weights and output natively "
         "(unit and end-to-end GPU tests); the one-rank step at q = 1 4.28 -> 4.20 ms, faster in 4 of 4 paired "
         "rounds, 42 fewer launches (session 41)"),
-    "moe_router_ranks": (False,
+    "moe_router_ranks": (True,
         "with moe_router_in_kernel: one gate/up CTA selects all k experts with their weights (and stores them); "
         "every other CTA only the ranks up to its own slot's, two reductions a round (pallas_kernels.linear."
         "_router_in_kernel) — the selection delayed each CTA's first weight request by ~4.8 µs (gate/up 13.9 -> "
         "18.7 µs per call, session 41's profile); a routed CTA of rank r then waits r + 1 rounds of 2 instead of k "
-        "rounds of 3. Equal in interpret mode; to run natively and measure (gpu_session s42a)"),
+        "rounds of 3. Natively equal (its GPU tests, bf16); the one-rank step at q = 1 4.30 -> 4.19 ms, faster in 4 "
+        "of 4 paired rounds (session 42, s42a)"),
     "moe_balanced": (False,
         "with fp8_moe and fp8_dq on, at one token row (moe_persistent off): the MoE's two kernels with the work "
         "dealt out evenly (pallas_kernels.linear.fp8_moe_balanced): the 2,304 gate/up items (the real TP4 rank) in "
@@ -189,8 +190,9 @@ KNOBS = {
         "critical path at q = 1 (session 39's profile). Natively the same ids and weights (its GPU tests, 1 and "
         "4 rows, ties and special values); in the step at q = 1 a tie: 4.26 vs 4.28 ms (rounds 2-5: 4.38 / 4.23 "
         "/ 4.25 / 4.26 vs 4.30 / 4.28 / 4.20 / 4.20; session 39) — off. With moe_router_in_kernel the same form "
-        "for the selection inside the MoE's gate/up kernel, where it delays each CTA's first weight request "
-        "(session 41: to measure)"),
+        "for the selection inside the MoE's gate/up kernel, where it delays each CTA's first weight request: "
+        "natively equal, but slower there too — alone 4.37 vs 4.30 ms (0 of 4 paired rounds faster), with "
+        "moe_router_ranks 4.22 vs its 4.19 (session 42, s42a) — off"),
     "moe_route": (True,
         "with fp8_moe on, at 2+ token rows: the MoE's slot tables (the distinct experts, the [slot, token] "
         "weights, the shared expert's slot) as one Mosaic launch (linear.moe_route) instead of ~7 small XLA "
@@ -274,6 +276,16 @@ KNOBS = {
         "the threshold kernel's lanes (a cache of 8,768 padded pools refused the knob, session 39). Natively "
         "equal at the model's call site (session 39); in the step at q = 1 a tie: 4.32 vs 4.28 ms (with "
         "router_warp_rows 4.23; rounds spread ~0.1 ms; session 39) — off"),
+    "topk_select_kernel": (False,
+        "with topk_threshold on and the indexer's scores kernel: the indexer's whole selection in ONE launch on "
+        "the scores kernel's padded output (pallas_kernels.indexer.topk_select): the threshold by one-bit passes "
+        "that stop once a candidate has exactly k pools at or above it (~20 of 32 on random scores), the selected "
+        "pools' slots from two wgmma prefix counts per 64 x 128 keys, and the pools and their token positions "
+        "scattered into SMEM (inline Mosaic GPU, a thread per selected pool) and stored with the tail and the "
+        "-1 padding at the attention kernel's width — instead of the XLA fusion forming the keys, the threshold "
+        "kernel (13.4 µs) and ~6 XLA kernels of compaction, expansion and padding after it (9.3 + 2.6 µs): 23.8 "
+        "µs per DSA layer on the q = 1 chain (session 41's profile). Equal in interpret mode and lowers for "
+        "CUDA; to run natively and measure (gpu_session s42b)"),
     "topk_threshold_4wg": (False,
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "

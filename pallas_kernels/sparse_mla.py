@@ -356,12 +356,25 @@ COMBINES = ("xla", "kernel", "fused")
 FUSED_MAX_TOKENS = 16
 
 
+def _splits(B: int, T: int, H: int, W: int, blocks_per_split: int | None) -> tuple[int, int]:
+  """(64-position blocks per split, splits) of the index list for these shapes."""
+  n_blocks = -(-W // BLOCK)
+  nbs = blocks_per_split or _pick_blocks_per_split(n_blocks, B * T * (H // HEADS_PER_CTA))
+  return nbs, -(-n_blocks // nbs)
+
+
 def num_splits(B: int, T: int, H: int, W: int, blocks_per_split: int | None = None) -> int:
   """The splits of the index list ``sparse_mla_decode`` runs for these shapes (``combine="fused"`` needs at least
   COMBINE_TILES)."""
-  n_blocks = -(-W // BLOCK)
-  nbs = blocks_per_split or _pick_blocks_per_split(n_blocks, B * T * (H // HEADS_PER_CTA))
-  return -(-n_blocks // nbs)
+  return _splits(B, T, H, W, blocks_per_split)[1]
+
+
+def index_width(B: int, T: int, H: int, W: int, blocks_per_split: int | None = None) -> int:
+  """The index list's width inside ``sparse_mla_decode`` for these shapes: W rounded up to whole splits (-1
+  padded there). An index list already this wide is taken as it is (no pad: the top-k select kernel writes it
+  so), and the splits are unchanged by the padding (a fixed point)."""
+  nbs, ns = _splits(B, T, H, W, blocks_per_split)
+  return ns * nbs * BLOCK
 
 
 @kernel_entry("softmax_scale", "blocks_per_split", "combine")
@@ -389,9 +402,7 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
     raise ValueError(f"sparse_mla_decode: combine = {combine!r}, expected one of {COMBINES}")
   hn = HEADS_PER_CTA
   W = indices.shape[-1]
-  n_blocks = -(-W // BLOCK)
-  nbs = blocks_per_split or _pick_blocks_per_split(n_blocks, B * T * (H // hn))
-  ns = -(-n_blocks // nbs)
+  nbs, ns = _splits(B, T, H, W, blocks_per_split)
   if combine == "fused" and (ns < COMBINE_TILES or B * T > FUSED_MAX_TOKENS):
     raise ValueError(f"sparse_mla_decode: combine='fused' with {ns} splits of the index list for {B * T} tokens; "
                      f"it needs at least {COMBINE_TILES} splits (one per 64-row tile of the output) and at most "

@@ -386,6 +386,72 @@ def test_threshold_kernel_gpu(R, N, k, bits, unroll, wgs):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def select_inputs(rng, R, N, k, n_real):
+  """threshold_scores (ties in row 0, a NaN in the last row, -inf past n_real) with a +inf in row 1 (or 0), and
+  query positions of every residue mod 4 with their tails' starts (the indexer's: the last complete pool's end)."""
+  v = np.array(threshold_scores(rng, R, N, n_real))
+  v[min(1, R - 1), 7] = np.inf
+  pos = rng.integers(4 * N // 2, 4 * N, R).astype(np.int32)
+  pos[: min(R, 4)] += np.arange(min(R, 4), dtype=np.int32) - pos[: min(R, 4)] % 4
+  return jnp.asarray(v), jnp.asarray((pos + 1) // 4 * 4), jnp.asarray(pos)
+
+
+@pytest.mark.parametrize("R,N,k,n_tail,width", [(2, 256, 20, 3, 128), (4, 1024, 100, 6, 512),
+                                                (1, 8320, 512, 3, 2112), (2, 384, 384, 3, 1600)])
+def test_select_kernel_interpret(R, N, k, n_tail, width):
+  """The indexer's whole selection in one kernel (policy knob topk_select_kernel): the early-exit threshold, the
+  slots from the wgmma prefix counts (two 64-row tiles at N = 8,320), the scatter (interpret mode's scalar form),
+  the tail and the -1 padding — equal to lax.top_k's set, ascending, with non-finite pools -1; ties (row 0), NaN,
+  +inf, a row with fewer than k finite scores, k = N."""
+  rng = np.random.default_rng()
+  n_real = [N - 64] * (R - 1) + [k // 2]
+  sc, ts, pos = select_inputs(rng, R, N, k, n_real)
+  kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
+  want = I.topk_select_reference(sc, ts, pos, **kw)
+  with maybe_interpret(True):
+    got = jax.jit(lambda *a: I.topk_select(*a, **kw))(sc, ts, pos)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  js = np.asarray(got[1])  # (the set ascending; the last row's pools past its k / 2 finite scores -1)
+  assert (js[-1, k // 2:] == -1).all() and all((np.diff(r[r >= 0]) > 0).all() for r in js)
+
+
+def test_select_rejects_bad_input():
+  sc, ts = jnp.zeros((2, 256), jnp.float32), jnp.zeros((2,), jnp.int32)
+  with pytest.raises(ValueError, match="width"):
+    I.topk_select(sc, ts, ts, k=20, kpool=4, n_tail=3, width=64)  # (< 4 · 20 + 3)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    I.topk_select(sc, ts, ts, k=20, kpool=4, n_tail=3, width=100)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    I.topk_select(jnp.zeros((2, 200), jnp.float32), ts, ts, k=20, kpool=4, n_tail=3, width=128)
+  with pytest.raises(ValueError, match=r"\[2\]"):
+    I.topk_select(sc, ts[:1], ts, k=20, kpool=4, n_tail=3, width=128)
+
+
+@pytest.mark.parametrize("R,N", [(1, 8704), (4, 8704), (32, 8704), (1, I.THRESHOLD_MAX_KEYS)])
+def test_select_cross_lower(R, N):
+  """The native form (inline Mosaic GPU's scatter, which interpret mode cannot run) lowers for CUDA at the decode's
+  score rows (B · q up to 32) and the largest row the registers hold."""
+  args = (SDS((R, N), jnp.float32), SDS((R,), jnp.int32), SDS((R,), jnp.int32))
+  txt = cross_lower(lambda *a: I.topk_select(*a, k=512, kpool=4, n_tail=3, width=2112), *args).as_text()
+  assert "mosaic_gpu" in txt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,N,k,n_tail,width", [(1, 8704, 512, 3, 2112), (4, 8704, 512, 6, 2112),
+                                                (32, 16512, 512, 3, 2112), (2, 256, 20, 3, 128),
+                                                (2, 384, 384, 3, 1600), (1, I.THRESHOLD_MAX_KEYS, 512, 3, 2112)])
+def test_select_kernel_gpu(R, N, k, n_tail, width):
+  """The native kernel (the inline scatter: a thread per selected key) against the reference."""
+  rng = np.random.default_rng()
+  sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
+  kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
+  want = jax.jit(lambda *a: I.topk_select_reference(*a, **kw))(sc, ts, pos)
+  got = jax.jit(lambda *a: I.topk_select(*a, **kw))(sc, ts, pos)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the model's call (glm5_jax.attention.Indexer.scores)
 # ------------------------------------------------------------------------------------------------------------
@@ -458,3 +524,47 @@ def test_select_with_the_keys_formed_in_the_threshold_kernel(native, P):
   for got in outs[1:]:
     for g, w in zip(got, outs[0]):
       np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("native,P,extra_tail", [(False, 320, 0), (False, 256, 2),
+                                                 pytest.param(True, 320, 0, marks=pytest.mark.gpu)])
+def test_select_kernel_at_the_model_site(native, P, extra_tail):
+  """Policy knob topk_select_kernel at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
+  rows of which some pools are not complete; interpret mode, and natively on a GPU): the one-launch selection
+  gives the token index list of the threshold kernel + XLA's compaction, -1 padded to the width asked for (the
+  attention kernel's), and the same pools; the site is reported, and without the threshold kernel the knob does
+  not fit and says why."""
+  from flax import nnx  # noqa: PLC0415
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.attention import Indexer  # noqa: PLC0415
+  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
+  cfg = C.kernel_tiny()
+  rng = np.random.default_rng()
+  B, T = 1, 2
+  hi, Di = cfg.index_n_heads, cfg.index_head_dim
+  ix = nnx.eval_shape(lambda: Indexer(cfg, jnp.bfloat16))
+  ix.wq_b.weight.set_value(jnp.asarray(rng.standard_normal(ix.wq_b.weight.shape) * 0.05, jnp.bfloat16))
+  q_r = jnp.asarray(rng.standard_normal((B, T, cfg.q_lora_rank)), jnp.bfloat16)
+  hw = jnp.asarray(rng.standard_normal((B, T, hi)), jnp.bfloat16)
+  k8, ks = I.quant_ue8m0_fp8(I.hadamard128(jnp.asarray(rng.standard_normal((B, P, Di)), jnp.float32)))
+  icache = {"pool8": k8, "pool_scale": ks}
+  pos = jnp.asarray([[4 * P - 300, 4 * P - 298]], jnp.int32)
+
+  def run(hw, q_r):
+    sc, raw = ix.scores(hw, q_r, icache, pos, jnp.bfloat16, padded=True)
+    return ix.select(sc, pos, extra_tail=extra_tail, raw=raw, width=lambda W: W + 100)
+
+  outs = []
+  for knobs in ({}, {"topk_select_kernel": True}, {"topk_threshold": False, "topk_select_kernel": True}):
+    pol = {"indexer": True, "indexer_topk": True, "topk_threshold": True, **knobs}
+    with maybe_interpret(not native), use_kernels(pol), kernel_report() as rep:
+      outs.append([np.asarray(a) for a in jax.jit(lambda *a: run(*a))(hw, q_r)])  # (a new trace per policy)
+    if knobs:
+      assert (("topk_select_kernel", None) in rep) == pol["topk_threshold"], rep
+  (idx0, js0), (idx1, js1), (idx2, js2) = outs
+  W = idx0.shape[-1]
+  assert idx1.shape[-1] == -(-(W + 100) // 64) * 64 and (idx1[..., W:] == -1).all()
+  np.testing.assert_array_equal(idx1[..., :W], idx0)
+  np.testing.assert_array_equal(js1, js0)
+  np.testing.assert_array_equal(idx2, idx0)  # (the knob declined: the usual path)
+  np.testing.assert_array_equal(js2, js0)

@@ -478,7 +478,7 @@ def test_single_row_moe_forms_at_the_model_site():
 
 def test_router_in_the_gate_up_kernel_at_the_model_site():
   """Policy moe_router_in_kernel at the model's single-row MoE (one layer, one token): the router's selection
-  inside fp8_moe's gate/up kernel (also in router_warp_rows' form) gives the hidden state and expert ids of
+  inside fp8_moe's gate/up kernel (moe_router_ranks' form, and router_warp_rows' without it) gives the hidden state and expert ids of
   router_kernel + fp8_moe exactly; the report names the site, and at two token rows declines it (one row only)."""
   path = tiny_checkpoint("kernel-tiny", 6, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
                          moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4)
@@ -494,9 +494,10 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
   assert rep["moe_router_in_kernel"] is None and rep["router_kernel"] is None, rep
   np.testing.assert_array_equal(e1, e0)
   np.testing.assert_array_equal(h1, h0)
-  # (the selection's warp-per-row form there, each CTA only up to its slot's rank)
-  (h2, e2), rep = run(1, fused | {"router_warp_rows": True, "moe_router_ranks": True})
-  assert rep["router_warp_rows"] is None and rep["moe_router_ranks"] is None, rep
+  assert rep["moe_router_ranks"] is None, rep  # (a default: each CTA selects only up to its slot's rank)
+  # (the other forms of the selection there: every CTA selects all k, with the warp-per-row reductions)
+  (h2, e2), rep = run(1, fused | {"router_warp_rows": True, "moe_router_ranks": False})
+  assert rep["router_warp_rows"] is None and rep["moe_router_ranks"] == "off in the policy", rep
   np.testing.assert_array_equal(e2, e0)
   np.testing.assert_array_equal(h2, h0)
   assert "one token row" in run(2, fused, trace_only=True)[1]["moe_router_in_kernel"]
