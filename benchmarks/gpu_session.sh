@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s42c (nvidia-h200):       q = 1: defaults vs indexer_q_in_kernel (the index queries' rotation, on the chain by GPU
+#                             time); SELECT=1: also topk_select_kernel alone and with it
 #   s42b (nvidia-h200):       topk_select_kernel (the indexer's selection in one launch: early-exit threshold, wgmma
 #                             prefix counts, an inline scatter): GPU tests, q = 1 defaults vs it, then the defaults'
 #                             end-to-end GPU test (moe_router_ranks on since s42a)
@@ -587,6 +589,16 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s42c)  # (nvidia-h200) s41c's chain by GPU time runs through the index queries' XLA rotation (the wq_b GEMV ->
+    # butterflies' slice / concatenate -> amax -> e4m3 convert -> scores kernel: ~9.9 µs after the GEMV per DSA
+    # layer), which indexer_q_in_kernel moves into the scores kernel (session 36: a tie when the launch-count chain
+    # did not pass there). q = 1: defaults vs it; with SELECT=1 (s42b's topk_select_kernel natively right) also
+    # the select kernel alone and both
+    set -- '{}' '{"indexer_q_in_kernel": true}'
+    [ "${SELECT:-0}" = 1 ] && set -- "$@" '{"topk_select_kernel": true}' \
+      '{"topk_select_kernel": true, "indexer_q_in_kernel": true}'
+    rank1 s42c1 --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy "$@"
     ;;
   s42b)  # (nvidia-h200) s42a: moe_router_ranks on (4.30 -> 4.19 ms). topk_select_kernel: the indexer's selection
     # (threshold, compaction, expansion, tail, pad) in ONE launch instead of the threshold kernel + ~7 XLA kernels
