@@ -71,8 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
-#   s42c (nvidia-h200):       q = 1: defaults vs indexer_q_in_kernel (the index queries' rotation, on the chain by GPU
-#                             time); SELECT=1: also topk_select_kernel alone and with it
+#   s42c (nvidia-h200):       q = 1: defaults vs indexer_q_in_kernel (the index queries' rotation) and kda_conv (the
+#                             KDA conv), both on the chain by GPU time; SELECT=1: also topk_select_kernel, all three
 #   s42b (nvidia-h200):       topk_select_kernel (the indexer's selection in one launch: early-exit threshold, wgmma
 #                             prefix counts, an inline scatter): GPU tests, q = 1 defaults vs it, then the defaults'
 #                             end-to-end GPU test (moe_router_ranks on since s42a)
@@ -593,11 +593,13 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
   s42c)  # (nvidia-h200) s41c's chain by GPU time runs through the index queries' XLA rotation (the wq_b GEMV ->
     # butterflies' slice / concatenate -> amax -> e4m3 convert -> scores kernel: ~9.9 µs after the GEMV per DSA
     # layer), which indexer_q_in_kernel moves into the scores kernel (session 36: a tie when the launch-count chain
-    # did not pass there). q = 1: defaults vs it; with SELECT=1 (s42b's topk_select_kernel natively right) also
-    # the select kernel alone and both
-    set -- '{}' '{"indexer_q_in_kernel": true}'
+    # did not pass there); likewise the KDA layer's chain through the XLA conv + SiLU fusion (1.95 µs) between the
+    # qkv GEMV and the KDA kernel, which kda_conv moves into the kernel (session 35: a tie, same reasoning).
+    # q = 1: defaults vs each; with SELECT=1 (s42b's topk_select_kernel natively right) also the select kernel
+    # alone and all three
+    set -- '{}' '{"indexer_q_in_kernel": true}' '{"kda_conv": true}'
     [ "${SELECT:-0}" = 1 ] && set -- "$@" '{"topk_select_kernel": true}' \
-      '{"topk_select_kernel": true, "indexer_q_in_kernel": true}'
+      '{"topk_select_kernel": true, "indexer_q_in_kernel": true, "kda_conv": true}'
     rank1 s42c1 --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy "$@"
     ;;
   s42b)  # (nvidia-h200) s42a: moe_router_ranks on (4.30 -> 4.19 ms). topk_select_kernel: the indexer's selection
