@@ -12,6 +12,8 @@ Rows: R = B · q score rows; N pools (8,256 at 32K context + room, 32,832 at 128
   kernel      the radix form with its threshold from the Mosaic kernel topk_threshold (one launch for the ~13
               radix passes); "unrolled": its passes as straight-line code, as before session 31 (the loop form
               is ~7x less code, which one CTA runs once)
+  select      the whole selection as one Mosaic kernel (topk_select: threshold passes with an early exit or
+              all 32, wgmma prefix counts, an inline scatter; N a multiple of 128)
 Each: µs of device time per call (CUPTI), kernels per call, and whether the selection equals top_k's (as a set;
 sort_keys also in order).
 
@@ -59,6 +61,14 @@ def sort_keys(v, k):
   return idx[..., :k]
 
 
+def _select(v, early_exit: bool):
+  from pallas_kernels import indexer as I  # noqa: PLC0415
+  R, N = v.shape
+  pos = jnp.full((R,), 4 * N - 2, jnp.int32)
+  return I.topk_select(v, (pos + 1) // 4 * 4, pos, k=K, kpool=4, n_tail=3, width=-(-(4 * K + 3) // 64) * 64,
+                       early_exit=early_exit)[1]
+
+
 STRATEGIES = {
     "top_k": lambda v: lax.top_k(v, K)[1],
     "radix": lambda v: topk_set_by_threshold(v, K),
@@ -81,6 +91,10 @@ STRATEGIES = {
                                                           threshold_warpgroups=4),
     "kernel2 wg4 scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=2,
                                                            threshold_warpgroups=4),
+    # the whole selection in one launch (policy knob topk_select_kernel: pallas_kernels.indexer.topk_select; its
+    # pools as the set, N a multiple of 128), with the threshold's early exit and without
+    "select": lambda v: _select(v, True),
+    "select noexit": lambda v: _select(v, False),
     "kernel unrolled scan128": lambda v: kernel_unrolled(v, 1),
     "kernel2 unrolled scan128": lambda v: kernel_unrolled(v, 2),
 }

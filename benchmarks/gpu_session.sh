@@ -597,6 +597,9 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # qkv GEMV and the KDA kernel, which kda_conv moves into the kernel (session 35: a tie, same reasoning).
     # q = 1: defaults vs each; with SELECT=1 (s42b's topk_select_kernel natively right) also the select kernel
     # alone and all three
+    # (first the select kernel alone, s42b: +0.13 ms per step with it — where does its time go)
+    timeout 150 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8704 \
+      --only "kernel scan128,select,select noexit" > "$OUT/bench_topk.log" 2>&1
     set -- '{}' '{"indexer_q_in_kernel": true}' '{"kda_conv": true}'
     [ "${SELECT:-0}" = 1 ] && set -- "$@" '{"topk_select_kernel": true}' \
       '{"topk_select_kernel": true, "indexer_q_in_kernel": true, "kda_conv": true}'

@@ -571,7 +571,7 @@ def _order_key_u32_np(x) -> int:
   return ((bits ^ 0x7FFFFFFF if bits < 0 else bits) & 0xFFFFFFFF) ^ 0x80000000
 
 
-def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool):
+def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool, early_exit: bool = True):
   nt = -(-nr // SELECT_ROWS)
   f32, i32, u32 = jnp.float32, jnp.int32, jnp.uint32
   k_ninf, k_pinf = (_order_key_u32_np(x) for x in (-np.inf, np.inf))  # (finite: the keys strictly between)
@@ -604,7 +604,7 @@ def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool):
     u = order_key_u32(u_s.at[pl.ds(0, nr)][...])
 
     def cond(c):
-      return (c[0] < 32) & (c[2] == 0)
+      return (c[0] < 32) & (c[2] == 0) if early_exit else c[0] < 32
 
     def one_pass(c):
       i, t, _ = c
@@ -665,15 +665,16 @@ def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool):
   return body
 
 
-@kernel_entry("k", "kpool", "n_tail", "width")
-def topk_select(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int):
+@kernel_entry("k", "kpool", "n_tail", "width", "early_exit")
+def topk_select(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int, early_exit: bool = True):
   """Mosaic GPU version of ``topk_select_reference`` (same contract): one CTA per row — the row's keys formed from
   the scores in registers (as ``topk_threshold`` from scores), the threshold by one-bit passes that stop once a
   candidate has exactly k keys at or above it, the selected keys' slots by two wgmmas per 64 rows of 128 keys
   (``_select_kernel``), and the pools' js and token positions scattered into SMEM (inline Mosaic GPU: a thread
   per element; GPU interpret mode runs a scalar loop instead) and stored whole, the tail and the -1 padding
   included. N must be a multiple of 128 up to THRESHOLD_MAX_KEYS (pad with -inf); width a multiple of 64.
-  Replaces the threshold kernel and the XLA compaction after it (policy knob topk_select_kernel)."""
+  Replaces the threshold kernel and the XLA compaction after it (policy knob topk_select_kernel). ``early_exit``
+  False: all 32 passes (benchmarks/bench_topk.py's comparison; the same selection)."""
   from pallas_kernels._common import interpreting  # noqa: PLC0415
   _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
   R, N = scores.shape
@@ -698,7 +699,7 @@ def topk_select(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, wid
       plgpu.Barrier(num_arrivals=1),
   ] + ([plgpu.SMEM((SELECT_ROWS, 128), jnp.int32)] if interp else [])  # (interpret mode's scatter)
   idx, js = mgpu_kernel(
-      _select_kernel(int(k), int(kpool), int(n_tail), nr, interp),
+      _select_kernel(int(k), int(kpool), int(n_tail), nr, interp, bool(early_exit)),
       out_type=(jax.ShapeDtypeStruct((R, wrows, 64), jnp.int32), jax.ShapeDtypeStruct((R, jrows, 64), jnp.int32)),
       grid=(R,),
       grid_names=("r",),
