@@ -71,6 +71,7 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s42d (nvidia-h200):       the select kernel with its scatter and tiles as loops: GPU tests, bench_topk
 #   s42c (nvidia-h200):       q = 1: defaults vs indexer_q_in_kernel (the index queries' rotation) and kda_conv (the
 #                             KDA conv), both on the chain by GPU time; SELECT=1: also topk_select_kernel, all three
 #   s42b (nvidia-h200):       topk_select_kernel (the indexer's selection in one launch: early-exit threshold, wgmma
@@ -589,6 +590,13 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s42d)  # (nvidia-h200) s42c: the select kernel alone 19.8 µs vs 17.0 for the threshold kernel + XLA's compaction
+    # (R = 1): its scatter now a loop over SMEM rows and its tiles a loop (the unrolled form was 16x the threshold
+    # kernel's code, run once by one CTA: cold instruction fetches). Natively right still, and its time
+    gt 100 "tests/test_indexer.py" "select_kernel_gpu"
+    timeout 100 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8704 \
+      --only "kernel scan128,select,select noexit" > "$OUT/bench_topk.log" 2>&1
     ;;
   s42c)  # (nvidia-h200) s41c's chain by GPU time runs through the index queries' XLA rotation (the wq_b GEMV ->
     # butterflies' slice / concatenate -> amax -> e4m3 convert -> scores kernel: ~9.9 µs after the GEMV per DSA
