@@ -71,7 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
-#   s42d (nvidia-h200):       the select kernel with its scatter and tiles as loops: GPU tests, bench_topk
+#   s42d (nvidia-h200):       the select kernel with its scatter and tiles as loops (measured slower: 31.0 µs; the
+#                             package keeps the unrolled form): GPU tests, bench_topk
 #   s42c (nvidia-h200):       q = 1: defaults vs indexer_q_in_kernel (the index queries' rotation) and kda_conv (the
 #                             KDA conv), both on the chain by GPU time; SELECT=1: also topk_select_kernel, all three
 #   s42b (nvidia-h200):       topk_select_kernel (the indexer's selection in one launch: early-exit threshold, wgmma

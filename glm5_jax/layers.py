@@ -107,7 +107,8 @@ KNOBS = {
         "excess precision; session 35); in the step 33 fewer launches but no measurable gain at q = 1 (4.78 "
         "vs 4.95 ms with topk_threshold_4wg, defaults 4.75; 5 interleaved repeats, session 35) — the conv "
         "fusion runs beside the f_a -> f_b projections, likely off the critical path (profiling."
-        "critical_paths to check) — off"),
+        "critical_paths to check) — off. Again a tie where the chain by GPU time passes through the conv fusion "
+        "(4.20 vs 4.20 ms, 33 launches fewer; session 42, s42c)"),
     "kda_gate_proj": (False,
         "with kda on: the gates' second low-rank projections inside the KDA kernel (kda_decode(f_proj=...): "
         "each CTA forms its head's f = f_b(f_a) and gate logits g_b(g_a) from the fgb_a projection's rows with "
@@ -260,7 +261,9 @@ KNOBS = {
         "Natively equal to its reference compiled as the model rounds (session 35: session 34's failure was "
         "the reference's — XLA on the GPU dropped quant_ue8m0_fp8's bf16 rounding, excess precision). In the "
         "step at q = 1 a tie (4.64-4.67 ms vs 4.64-4.68, session 36): the queries' path is not the DSA layer's "
-        "longest (the critical path stays 815 launches) — off"),
+        "longest (the critical path stays 815 launches) — off. Again a tie where the chain by GPU time passes "
+        "through the queries' rotation (4.19 vs 4.20 ms, 44 launches fewer; session 42, s42c): the layer's "
+        "other branches into the scores and attention kernels are as long"),
     "topk_scan_mm": (False,
         "with indexer_topk on: the top-k compaction's prefix sums within 128-blocks as one f32 matmul with a "
         "triangle of ones (exclusive_prefix_sum 'mm128') instead of XLA's reduce-window fusion (11.3 µs per "
@@ -284,8 +287,12 @@ KNOBS = {
         "scattered into SMEM (inline Mosaic GPU, a thread per selected pool) and stored with the tail and the "
         "-1 padding at the attention kernel's width — instead of the XLA fusion forming the keys, the threshold "
         "kernel (13.4 µs) and ~6 XLA kernels of compaction, expansion and padding after it (9.3 + 2.6 µs): 23.8 "
-        "µs per DSA layer on the q = 1 chain (session 41's profile). Equal in interpret mode and lowers for "
-        "CUDA; to run natively and measure (gpu_session s42b)"),
+        "µs per DSA layer on the q = 1 chain (session 41's profile). Natively equal to its reference and at the "
+        "model's call site, but the step at q = 1 4.18 -> 4.31 ms (s42b; 77 launches and 66 critical-path "
+        "kernels fewer) and the kernel alone 19.8 µs vs 17.0 for the threshold kernel + XLA's compaction "
+        "(bench_topk, one row of 8,704 pools; the early exit saves 2.3 µs; s42c): its first form was unrolled "
+        "straight-line code, 16x the threshold kernel's, that one CTA runs once — yet as loops it was slower "
+        "still, 31.0 µs (s42d): single-CTA latency, not code size (session 42) — off"),
     "topk_threshold_4wg": (False,
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "

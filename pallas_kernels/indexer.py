@@ -507,56 +507,54 @@ def _check_select(scores, tail_start, pos, k, kpool, n_tail, width):
                      f"expected kpool >= 1, n_tail >= 0 and width >= {kpool * k + n_tail}")
 
 
-_KEY_SHIFT = 15  # a selected key's SMEM word: its slot (< SELECT_MAX_K = 2^14) | its index (< 2^15) << 15; else -1
-
-
-def _scatter_selected(enc_s, js_s, idx_s, *, kpool: int):
-  """The per-thread scatter Mosaic GPU's warpgroup arrays cannot express, as a loop: thread c reads column c of
-  enc_s [64, 128] int32 (SMEM, untiled: -1, or a selected key's slot s | its index e << 15) row by row and for
-  each selected key writes js_s[s] = e and idx_s[kpool · s + q] = kpool · e + q (SMEM [rows, 64] int32) — after a
-  warpgroup barrier (enc_s and the buffers' -1 / tail fill were stored by other threads). A loop, not an
-  unrolled pass over the registers: this kernel runs once per row on one CTA, so its code is fetched cold (the
-  unrolled form was 16x the threshold kernel's code and the step 0.13 ms slower with it, session 42)."""
+def _scatter_selected(enc, js_s, idx_s, *, row0: int, kpool: int):
+  """The per-thread scatter Mosaic GPU's warpgroup arrays cannot express: for every element of enc [64, 128]
+  int32 (WGMMA layout; key e = (row0 + row) · 128 + col) whose value s >= 0 (its slot), js_s[s] = e and
+  idx_s[kpool · s + q] = kpool · e + q — SMEM [rows, 64] int32 buffers, written by whichever thread holds the
+  element (after a warpgroup barrier: the buffers' -1 / tail fill by other threads comes first)."""
   from jax._src.lib.mlir import ir  # noqa: PLC0415
-  from jax._src.lib.mlir.dialects import arith, memref  # noqa: PLC0415
+  from jax._src.lib.mlir.dialects import arith, memref, scf  # noqa: PLC0415
   from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
-  def op(_, enc_ref, js_ref, idx_ref):
+  @plgpu.inline_mgpu(arg_types=(_L.WGMMA, plgpu.RefType(), plgpu.RefType()))
+  def op(_, enc_a, js_ref, idx_ref):
     i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-    ci, c32 = (lambda v: mu.c(v, index)), (lambda v: mu.c(v, i32))  # noqa: E731
+    ci = lambda v: mu.c(v, index)  # noqa: E731
     mu.warpgroup_barrier()
-    col = arith.index_cast(index, arith.remui(mu.thread_idx(), c32(128)))
 
-    @mu.fori(ci(enc_s.shape[0]), ())
-    def _(j, carry):
-      v = memref.load(enc_ref, [j, col])
-      with mu.when(arith.cmpi(arith.CmpIPredicate.sge, v, c32(0))):
-        s = arith.index_cast(index, arith.andi(v, c32((1 << _KEY_SHIFT) - 1)))
-        e = arith.shrui(v, c32(_KEY_SHIFT))
-        memref.store(e, js_ref, [arith.divui(s, ci(64)), arith.remui(s, ci(64))])
+    def one(val, ix):
+      row, col = ix
+      if_op = scf.IfOp(arith.cmpi(arith.CmpIPredicate.sge, val, mu.c(0, i32)))
+      with ir.InsertionPoint(if_op.then_block):
+        e = arith.addi(arith.muli(arith.addi(row, ci(row0)), ci(128)), col)
+        s = arith.index_cast(index, val)
+        memref.store(arith.index_cast(i32, e), js_ref, [arith.divui(s, ci(64)), arith.remui(s, ci(64))])
         for q in range(kpool):
           p = arith.addi(arith.muli(s, ci(kpool)), ci(q))
-          memref.store(arith.addi(arith.muli(e, c32(kpool)), c32(q)), idx_ref,
-                       [arith.divui(p, ci(64)), arith.remui(p, ci(64))])
-      return carry
+          v = arith.addi(arith.muli(e, ci(kpool)), ci(q))
+          memref.store(arith.index_cast(i32, v), idx_ref, [arith.divui(p, ci(64)), arith.remui(p, ci(64))])
+        scf.yield_([])
 
-  op(enc_s, js_s, idx_s)
+    enc_a.foreach(one)
+
+  op(enc, js_s, idx_s)
 
 
-def _scatter_selected_interpret(enc_s, js_s, idx_s, *, kpool: int, rows):
-  """``_scatter_selected`` for GPU interpret mode (which cannot run inline Mosaic GPU): one key of enc_s's first
-  ``rows`` rows (the real ones) at a time with scalar reads — the same writes, slowly."""
+def _scatter_selected_interpret(enc, enc_s, js_s, idx_s, *, row0: int, kpool: int, rows: int):
+  """``_scatter_selected`` for GPU interpret mode (which cannot run inline Mosaic GPU): enc through SMEM, then one
+  key of the tile's first ``rows`` rows (the real ones) at a time with scalar reads and stores — the same writes,
+  slowly."""
+  enc_s[...] = enc
 
   def one(i, carry):
-    v = enc_s[i // 128, i % 128]
+    s = enc_s[i // 128, i % 128]
 
-    @pl.when(v >= 0)
+    @pl.when(s >= 0)
     def _():
-      s, e = v & ((1 << _KEY_SHIFT) - 1), lax.shift_right_logical(v, _KEY_SHIFT)
+      e = row0 * 128 + i
 
-      def put(ref, p, x):  # (a row rewritten: the test harness hands the interpreter scalar values as ints)
-        ref[p // 64, :] = jnp.where(lax.broadcasted_iota(jnp.int32, (64,), 0) == p % 64, x, ref[p // 64, :])
+      def put(ref, p, v):  # (a row rewritten: the test harness hands the interpreter scalar values as ints)
+        ref[p // 64, :] = jnp.where(lax.broadcasted_iota(jnp.int32, (64,), 0) == p % 64, v, ref[p // 64, :])
 
       put(js_s, s, e)
       for q in range(kpool):
@@ -578,14 +576,17 @@ def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool, ea
   f32, i32, u32 = jnp.float32, jnp.int32, jnp.uint32
   k_ninf, k_pinf = (_order_key_u32_np(x) for x in (-np.inf, np.inf))  # (finite: the keys strictly between)
 
-  def body(s_g, up_g, lo_g, ts_g, pos_g, idx_g, js_g, u_s, f_s, upper_s, lower_s, idx_s, js_s, enc_s, bar):
+  def body(s_g, ts_g, pos_g, idx_g, js_g, u_s, f_s, upper_s, lower_s, idx_s, js_s, bar, *enc_s):
     r = lax.axis_index("r")
     plgpu.copy_gmem_to_smem(s_g.at[r], u_s.at[pl.ds(0, nr)], bar)
-    # (the constant operands of the prefix counts, strictly upper / lower triangles of ones, as inputs: formed
-    # in registers they were ~150 instructions per thread of straight-line code)
-    plgpu.copy_gmem_to_smem(up_g, upper_s, bar)
-    plgpu.copy_gmem_to_smem(lo_g, lower_s, bar)
+    # (the constant operands of the prefix counts, while the row arrives: strictly upper / lower triangles)
     wg = _L.WGMMA
+    i0 = plgpu.broadcasted_iota(i32, (128, 128), 0, layout=wg)
+    i1 = plgpu.broadcasted_iota(i32, (128, 128), 1, layout=wg)
+    upper_s[...] = jnp.where(i0 < i1, 1.0, 0.0).astype(jnp.bfloat16)
+    j0 = plgpu.broadcasted_iota(i32, (SELECT_ROWS, SELECT_ROWS), 0, layout=wg)
+    j1 = plgpu.broadcasted_iota(i32, (SELECT_ROWS, SELECT_ROWS), 1, layout=wg)
+    lower_s[...] = jnp.where(j1 < j0, 1.0, 0.0).astype(jnp.bfloat16)
     # idx: -1, and the tail after the k pools' kpool positions; js: -1 (the scatter writes the selected slots)
     ts, pos = ts_g[r], pos_g[r]
     wr = idx_s.shape[0]
@@ -594,6 +595,7 @@ def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool, ea
     t_pos = ts + p - kpool * k
     idx_s[...] = jnp.where((p >= kpool * k) & (p < kpool * k + n_tail) & (t_pos <= pos), t_pos, -1)
     js_s[...] = plgpu.layout_cast(jnp.full(js_s.shape, -1, i32), wg)
+    plgpu.commit_smem()  # (the wgmma operands: the async proxy)
     plgpu.barrier_wait(bar)
 
     # The threshold: topk_threshold's passes (one bit each), ending early once a candidate has exactly k keys at
@@ -620,14 +622,12 @@ def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool, ea
     # within = F · U (U [128, 128] strictly upper: the row's keys to the left), col = L · F (L [64, 64] strictly
     # lower: the tile's rows above), both exact integers below 2^24 (<= 127 + 16384 · 127 and 63 + 16384 · 63),
     # split into their two counts per entry before the row sum of col; `base` carries the tiles above.
+    base = i32(0)
     rows = plgpu.broadcasted_iota(i32, (SELECT_ROWS, 128), 0, layout=wg)
-    cols = plgpu.broadcasted_iota(i32, (SELECT_ROWS, 128), 1, layout=wg)
-
-    def tile(b, base):  # (a loop over the 64-row tiles, not unrolled: see _scatter_selected)
-      r0 = b * SELECT_ROWS
-      ub = order_key_u32(plgpu.load(u_s.at[pl.ds(r0, SELECT_ROWS)], layout=wg, optimized=False))
+    for b in range(nt):
+      ub = order_key_u32(plgpu.load(u_s.at[pl.ds(b * SELECT_ROWS, SELECT_ROWS)], layout=wg, optimized=False))
       # (flags as int32 0 / 1: i1 register arrays do not combine in Mosaic GPU's layout inference)
-      real = jnp.where(rows + r0 < nr, i32(1), i32(0))  # (rows past the row's end: not keys)
+      real = jnp.where(rows + b * SELECT_ROWS < nr, i32(1), i32(0))  # (rows past the row's end: not keys)
       gt, eq = jnp.where(ub > thr, real, i32(0)), jnp.where(ub == thr, real, i32(0))
       fin = jnp.where(ub > u32(k_ninf), jnp.where(ub < u32(k_pinf), real, i32(0)), i32(0))
       packed = gt + eq * _EQ_UNIT
@@ -648,17 +648,15 @@ def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool, ea
       before = lax.broadcast_in_dim(above, (SELECT_ROWS, 128), (0,)) + within
       n_gt, n_eq = before & (_EQ_UNIT - 1), lax.shift_right_logical(before, 14)
       sel = gt + jnp.where(n_eq < need, eq, i32(0))  # (gt and eq exclusive: 0 / 1)
-      key = (rows + r0) * 128 + cols
-      enc_s[...] = jnp.where(sel * fin > 0, n_gt + jnp.minimum(n_eq, need) + key * (1 << _KEY_SHIFT), i32(-1))
+      enc = jnp.where(sel * fin > 0, n_gt + jnp.minimum(n_eq, need), i32(-1))
+      if b + 1 < nt:  # (row sums first: a whole-tile sum to a scalar failed Mosaic's layout inference here)
+        base = base + packed.sum(axis=1).sum()
       if interpret:
-        _scatter_selected_interpret(enc_s, js_s, idx_s, kpool=kpool, rows=jnp.minimum(SELECT_ROWS, nr - r0))
+        _scatter_selected_interpret(enc, enc_s[0], js_s, idx_s, row0=b * SELECT_ROWS, kpool=kpool,
+                                    rows=min(SELECT_ROWS, nr - b * SELECT_ROWS))
       else:
-        _scatter_selected(enc_s, js_s, idx_s, kpool=kpool)
-      plgpu.commit_smem()  # (the scatter's stores before the TMA stores; f_s and enc_s free for the next tile)
-      # (row sums first: a whole-tile sum to a scalar failed Mosaic's layout inference here)
-      return base + packed.sum(axis=1).sum()
-
-    lax.fori_loop(0, nt, tile, i32(0))
+        _scatter_selected(plgpu.layout_cast(enc, wg), js_s, idx_s, row0=b * SELECT_ROWS, kpool=kpool)
+      plgpu.commit_smem()  # (the scatter's stores before the TMA stores; f_s free for the next tile)
 
     plgpu.copy_smem_to_gmem(idx_s.at[pl.ds(0, idx_g.shape[1])], idx_g.at[r])
     plgpu.copy_smem_to_gmem(js_s.at[pl.ds(0, js_g.shape[1])], js_g.at[r])
@@ -675,7 +673,9 @@ def topk_select(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, wid
   (``_select_kernel``), and the pools' js and token positions scattered into SMEM (inline Mosaic GPU: a thread
   per element; GPU interpret mode runs a scalar loop instead) and stored whole, the tail and the -1 padding
   included. N must be a multiple of 128 up to THRESHOLD_MAX_KEYS (pad with -inf); width a multiple of 64.
-  Replaces the threshold kernel and the XLA compaction after it (policy knob topk_select_kernel). ``early_exit``
+  Replaces the threshold kernel and the XLA compaction after it (policy knob topk_select_kernel, off: natively
+  right but 19.8 µs alone vs 17.0 for the form it replaces, and the step 0.13 ms slower; its scatter and tiles
+  as loops instead measured 31.0 µs — BENCHMARKS.md, session 42). ``early_exit``
   False: all 32 passes (benchmarks/bench_topk.py's comparison; the same selection)."""
   from pallas_kernels._common import interpreting  # noqa: PLC0415
   _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
@@ -698,11 +698,8 @@ def topk_select(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, wid
       plgpu.SMEM((SELECT_ROWS, SELECT_ROWS), jnp.bfloat16, transforms=bf16_tile),  # lower_s
       plgpu.SMEM((-(-wrows // 64) * 64, 64), jnp.int32),  # idx_s (whole 64-row tiles: the WGMMA-layout fill)
       plgpu.SMEM((-(-jrows // 64) * 64, 64), jnp.int32),  # js_s
-      plgpu.SMEM((SELECT_ROWS, 128), jnp.int32),  # enc_s: one tile's selected keys for the scatter
-      plgpu.Barrier(num_arrivals=3),
-  ]
-  upper = jnp.asarray(np.triu(np.ones((128, 128), np.float32), 1), jnp.bfloat16)
-  lower = jnp.asarray(np.tril(np.ones((SELECT_ROWS, SELECT_ROWS), np.float32), -1), jnp.bfloat16)
+      plgpu.Barrier(num_arrivals=1),
+  ] + ([plgpu.SMEM((SELECT_ROWS, 128), jnp.int32)] if interp else [])  # (interpret mode's scatter)
   idx, js = mgpu_kernel(
       _select_kernel(int(k), int(kpool), int(n_tail), nr, interp, bool(early_exit)),
       out_type=(jax.ShapeDtypeStruct((R, wrows, 64), jnp.int32), jax.ShapeDtypeStruct((R, jrows, 64), jnp.int32)),
@@ -710,5 +707,5 @@ def topk_select(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, wid
       grid_names=("r",),
       kernel_name="glm5_topk_select",
       scratch_types=scratch,
-  )(scores.reshape(R, nr, THRESHOLD_LANES), upper, lower, tail_start.astype(jnp.int32), pos.astype(jnp.int32))
+  )(scores.reshape(R, nr, THRESHOLD_LANES), tail_start.astype(jnp.int32), pos.astype(jnp.int32))
   return idx.reshape(R, width), js.reshape(R, jrows * 64)[:, :k]
