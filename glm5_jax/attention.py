@@ -389,8 +389,6 @@ class Indexer(nnx.Module):
                                   "here") else 1
         if kernel_enabled("topk_scan_mm", fits=P < 1 << 15, why=f"{P} pools (the packed prefix counts: < 32,768)"):
           form = {**form, "scan_block": f"mm{form['scan_block']}"}  # the prefix sums' blocks as one matmul
-        # topk_keys_in_kernel: the threshold kernel reads the scores kernel's padded output ([R, Pp], -inf past
-        # the complete pools, as ``masked``) and forms the keys itself — no XLA kernel between the two kernels
         n_tail = kp - 1 + extra_tail
         # topk_select_kernel: the threshold, the compaction, the expansion to tokens, the tail and the pad to the
         # attention kernel's width in ONE launch on the scores kernel's padded output (instead of the threshold
@@ -407,6 +405,8 @@ class Indexer(nnx.Module):
           idx, js = ki.topk_select(raw.reshape(R, Pr), ts, pos.reshape(R).astype(jnp.int32), k=kk, kpool=kp,
                                    n_tail=n_tail, width=wp)
           return idx.reshape(*pos.shape, wp), js.reshape(*pos.shape, kk)
+        # topk_keys_in_kernel: the threshold kernel reads the scores kernel's padded output ([R, Pp], -inf past
+        # the complete pools, as ``masked``) and forms the keys itself — no XLA kernel between the two kernels
         Pp, lanes = (None if raw is None else raw.shape[-1]), ki.THRESHOLD_LANES * wgs
         if kernel_enabled("topk_keys_in_kernel", fits=bool(thr) and Pp is not None and Pp % lanes == 0
                           and Pp <= ki.THRESHOLD_MAX_KEYS,

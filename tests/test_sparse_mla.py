@@ -251,6 +251,16 @@ def test_split_choice():
   assert M._pick_blocks_per_split(34, 256) == 17
 
 
+def test_index_width_is_a_fixed_point():
+  """An index list written at index_width's width (the select kernel's output) runs the same splits as the list
+  it pads, and is not padded again: the width is a multiple of 64 · blocks per split, at least W, and maps to
+  itself."""
+  for B, T, H, W in itertools.product([1, 2, 8, 32], [1, 3, 4, 8], [16, 64], [11, 35, 64, 2051, 2054, 4099]):
+    wp = M.index_width(B, T, H, W)
+    assert wp >= W and wp % M.BLOCK == 0, (B, T, H, W, wp)
+    assert M.index_width(B, T, H, wp) == wp and M.num_splits(B, T, H, wp) == M.num_splits(B, T, H, W), (B, T, H, W)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # CUDA cross-lowering of the real configurations
 # ------------------------------------------------------------------------------------------------------------
