@@ -349,7 +349,7 @@ def _trace(dec, state, steps, context, hlo=None):
   jax.profiler.stop_trace()
   f = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1]
   s = profiling.trace_summary(f, _calls(dec, steps) * dec.steps_per_call,
-                              kmap=profiling.kernel_map(hlo) if hlo else None)
+                              kmap=profiling.kernel_map(hlo) if hlo else None, hlo_text=hlo)
   if "span_ms" in s:
     print(f"#   trace: device span {s['span_ms']:.3f} ms/step, busy {s['busy_ms']:.3f}, idle {s['idle_ms']:.3f} in "
           f"{s['gaps_per_step']:.0f} gaps/step {s['gap_hist_per_step']}; largest gaps (µs) "
@@ -359,6 +359,13 @@ def _trace(dec, state, steps, context, hlo=None):
           f"{k} {v:.0f}" for k, v in s["wall_us_per_step"].items()), flush=True)
       print("#   trace, kernels with the largest shares (µs/step): " + ", ".join(
           f"{k} {v:.0f}" for k, v in list(s["wall_top_us"].items())[:12]), flush=True)
+    if (t := s.get("timeline")) and "error" not in t:  # the measured critical path of the last step
+      print(f"#   trace, measured critical path of the last step: {t['span_us']:.0f} µs in {t['launches']} kernels "
+            f"({t['matched']} matched, {t['unmatched']} kernel names not); kernel / wait µs by component: "
+            + "  ".join(f"{k} {v['kernel_us']:.0f}/{v['wait_us']:.0f}" for k, v in t["by_component"].items())
+            + f"; longest waits {t['longest_waits']}", flush=True)
+    elif t:
+      print(f"#   trace, measured critical path: {t['error']}", flush=True)
   else:
     print(f"#   trace: no device events in {f}", flush=True)
   print("#   trace, host self time (ms/step, calls/step): " + "; ".join(

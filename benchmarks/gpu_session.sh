@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s43a (nvidia-h200):       the measured critical path (a trace's start / end times, each kernel's latest input)
+#                             of the q = 1 step at 4 steps per call: defaults, then with indexer_q_in_kernel
 #   s42d (nvidia-h200):       the select kernel with its scatter and tiles as loops (measured slower: 31.0 µs; the
 #                             package keeps the unrolled form): GPU tests, bench_topk
 #   s42c (nvidia-h200):       q = 1: defaults vs indexer_q_in_kernel (the index queries' rotation) and kda_conv (the
@@ -591,6 +593,14 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s43a)  # (nvidia-h200) session 42: three knobs that take XLA kernels off the chain by GPU time tie (ten such ties
+    # since session 36): the chain by weights is not where the step's time runs. The measured critical path from
+    # a trace instead (profiling.timeline_critical_path: each kernel's latest-ending input, back from the last
+    # kernel of the last step): q = 1 at 4 steps per call, defaults, then with indexer_q_in_kernel (a branch of the
+    # DSA layer shortened: which branch does the path take then)
+    rank1 s43a1 --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}' '{"indexer_q_in_kernel": true}'
+    rm -f "$OUT"/hlo/*.hlo.gz "$OUT"/hlo/*.kernels.json
     ;;
   s42d)  # (nvidia-h200) s42c: the select kernel alone 19.8 µs vs 17.0 for the threshold kernel + XLA's compaction
     # (R = 1): its scatter now a loop over SMEM rows and its tiles a loop (the unrolled form was 16x the threshold

@@ -173,21 +173,12 @@ def _kind(rest: str) -> str:
   return m.group(1) if m else ""
 
 
-def critical_paths(hlo_text: str, weights: dict[str, float] | None = None) -> list[dict]:
-  """The longest dependence chains of kernels in each computation that runs kernels (the entry, a loop body —
-  Decoder(steps_per_call=n) runs the step as one), largest computation first. A kernel waits for the kernels
-  whose results it reads (through free instructions: tuples, bitcasts, slices XLA folds away) and for its
-  control predecessors; each weighs 1 (a launch) or ``weights[instruction name]`` (e.g. measured µs per launch).
-  Under XLA's CONCURRENT command-buffer schedule launches off the critical path overlap others, launches on it
-  pay the graph's dependent-launch gap (~2 µs on the H200, bench_pdl, session 34) in series: removing launches
-  off the chain did not move the step's time (session 36); whether shortening it does by as much is open (815 ->
-  715 launches: −0.35 / +0.32 ms in two rounds, session 36). (The graph adds edges for reused buffers, so this is
-  a lower bound.)
-
-  Returns [{"computation", "kernels", "critical" (the longest chain's weight), "launches" (its kernels),
-  "by_component" {component: kernels of the chain}, "path" [(name, component), ...] in order}]."""
+def _dependence(hlo_text: str):
+  """(kernel rows, {computation: {instruction: the instructions it waits for}}, {(computation, kernel
+  instruction)}, {(computation, kernel instruction): component}) — operands and control predecessors, an
+  element of a tuple instruction depending on that element alone."""
   full = _kernel_rows(hlo_text)
-  kernel_comps = collections.Counter(r[4] for r in full)
+  kernel_comps = {r[4] for r in full}
   is_kernel = {(r[4], r[0]) for r in full}
   comp_of = {(r[4], r[0]): component(r[2]) for r in full}
   body: dict = collections.defaultdict(dict)  # computation -> {name: operand names}
@@ -204,6 +195,115 @@ def critical_paths(hlo_text: str, weights: dict[str, float] | None = None) -> li
     src = body[comp][name][:1]
     if src and (comp, src[0]) in tuples and i < len(tuples[(comp, src[0])]):
       body[comp][name] = [tuples[(comp, src[0])][i]]
+  return full, body, is_kernel, comp_of
+
+
+def _topological(deps: dict) -> list[str]:
+  """The instructions of one computation in a dependence order (iterative post-order)."""
+  order, seen = [], set()
+  for root in deps:
+    stack = [(root, False)]
+    while stack:
+      n, ready = stack.pop()
+      if ready:
+        order.append(n)
+        continue
+      if n in seen:
+        continue
+      seen.add(n)
+      stack.append((n, True))
+      stack.extend((q, False) for q in reversed(deps.get(n, ())) if q in deps and q not in seen)
+  return order
+
+
+def timeline_critical_path(hlo_text: str, events, *, execution: int = -1) -> dict:
+  """The critical path of one execution of the program's largest kernel computation, from MEASURED start and end
+  times instead of per-kernel weights (``critical_paths``): each kernel waits for the kernel it depends on that
+  ended LAST; from the kernel that ends last, that chain back is the path the time actually ran along — with the
+  gap before each kernel (launch and scheduling after its input was ready). Where a layer's branches are about
+  equally long (session 42: shortening one of a DSA layer's branches did not move the step, 3 times), this names
+  the branch that finished last instead of the one with the most weight.
+
+  events: (kernel name as the trace / CUPTI names it, start ns, end ns) for one or more executions of the
+  computation (device events of a trace; other kernels' names are ignored). The kernels of one name are matched
+  to its instructions in dependence order, execution by execution (``execution``: which one; events of a name
+  whose count is not a multiple of its instructions' are left out, with their instructions).
+
+  Returns {"computation", "matched" (instructions timed), "unmatched" (kernel names left out), "span_us" (first
+  start to last end), "path" [(instruction, component, start_us from the first start, kernel_us, wait_us)],
+  "by_component" {component: {"kernels", "kernel_us", "wait_us"}}}."""
+  full, body, is_kernel, comp_of = _dependence(hlo_text)
+  counts = collections.Counter(r[4] for r in full)
+  if not counts:
+    raise ValueError("timeline_critical_path: no kernel-level instructions in the module")
+  comp = counts.most_common(1)[0][0]
+  deps = body[comp]
+  by_name: dict = collections.defaultdict(list)
+  for name, start, end in events:
+    by_name[name].append((start, end))
+  names = instruction_kernels(hlo_text, known=set(by_name))
+  order = _topological(deps)
+  group: dict = collections.defaultdict(list)
+  for n in order:
+    if (comp, n) in is_kernel:
+      group[names.get(n, _sanitize(n))].append(n)
+  timed, unmatched = {}, []
+  for kname, members in group.items():
+    ev = sorted(by_name.get(kname, ()))
+    if not ev or len(ev) % len(members):
+      unmatched.append(kname)
+      continue
+    runs = len(ev) // len(members)
+    i = execution % runs
+    for n, t in zip(members, ev[i * len(members):(i + 1) * len(members)]):
+      timed[n] = t
+  if not timed:
+    raise ValueError(f"timeline_critical_path: no event matches a kernel of {comp}")
+  # each instruction's latest-ending timed kernel among what it waits for (through untimed instructions)
+  last: dict = {}
+  for n in order:
+    cands = []
+    for q in deps.get(n, ()):
+      if q in timed:
+        cands.append(q)
+      elif last.get(q) is not None:
+        cands.append(last[q])
+    last[n] = max(cands, key=lambda q: timed[q][1], default=None)
+  t0 = min(t[0] for t in timed.values())
+  end = max(timed, key=lambda n: timed[n][1])
+  path, n = [], end
+  while n is not None:
+    pred = last.get(n)
+    start, stop = timed[n]
+    wait = start - timed[pred][1] if pred is not None else start - t0
+    path.append((n, comp_of[(comp, n)], (start - t0) / 1e3, (stop - start) / 1e3, max(wait, 0) / 1e3))
+    n = pred
+  path.reverse()
+  by: dict = collections.defaultdict(lambda: {"kernels": 0, "kernel_us": 0.0, "wait_us": 0.0})
+  for _, c, _, k_us, w_us in path:
+    by[c]["kernels"] += 1
+    by[c]["kernel_us"] += k_us
+    by[c]["wait_us"] += w_us
+  return dict(computation=comp, matched=len(timed), unmatched=sorted(unmatched),
+              span_us=(timed[end][1] - t0) / 1e3, path=path,
+              by_component=dict(sorted(by.items(), key=lambda kv: -(kv[1]["kernel_us"] + kv[1]["wait_us"]))))
+
+
+def critical_paths(hlo_text: str, weights: dict[str, float] | None = None) -> list[dict]:
+  """The longest dependence chains of kernels in each computation that runs kernels (the entry, a loop body —
+  Decoder(steps_per_call=n) runs the step as one), largest computation first. A kernel waits for the kernels
+  whose results it reads (through free instructions: tuples, bitcasts, slices XLA folds away) and for its
+  control predecessors; each weighs 1 (a launch) or ``weights[instruction name]`` (e.g. measured µs per launch).
+  Under XLA's CONCURRENT command-buffer schedule launches off the critical path overlap others, launches on it
+  pay the graph's dependent-launch gap (~2 µs on the H200, bench_pdl, session 34) in series: removing launches
+  off the chain did not move the step's time (session 36); whether shortening it does by as much is open (815 ->
+  715 launches: −0.35 / +0.32 ms in two rounds, session 36). (The graph adds edges for reused buffers, so this is
+  a lower bound.)
+
+  Returns [{"computation", "kernels", "critical" (the longest chain's weight), "launches" (its kernels),
+  "by_component" {component: kernels of the chain}, "path" [(name, component), ...] in order}]."""
+  full, body, is_kernel, comp_of = _dependence(hlo_text)
+  kernel_comps = collections.Counter(r[4] for r in full)
   out = []
   for comp, deps in body.items():
     best: dict = {}  # name -> (weight of the longest chain ending here, its length in kernels, predecessor)
@@ -432,7 +532,8 @@ def _self_times(events):
   return out
 
 
-def trace_summary(xspace_path: str, steps: int, *, top: int = 16, kmap: dict | None = None) -> dict:
+def trace_summary(xspace_path: str, steps: int, *, top: int = 16, kmap: dict | None = None,
+                  hlo_text: str | None = None) -> dict:
   """Where the wall time of ``steps`` traced decode steps goes, from a jax.profiler trace (an .xplane.pb file).
 
   Device side (every '/device:GPU:*' plane's stream lines): the span from the first kernel's start to the last
@@ -442,7 +543,9 @@ def trace_summary(xspace_path: str, steps: int, *, top: int = 16, kmap: dict | N
   what the host did while the GPU waited. Returns ms per step for span / busy / idle, the gap histogram and the
   top host events {name: (self ms per step, calls per step)}. With ``kmap`` (kernel_map of the step's HLO) also
   the busy time split by component and the kernels with the largest shares (``wall_shares``: concurrent kernels
-  share the time they overlap), µs per step."""
+  share the time they overlap), µs per step. With ``hlo_text`` (the step's optimised HLO) also "timeline": the
+  last traced step's measured critical path (``timeline_critical_path``: its span, µs of kernels and of waits by
+  component, the 12 longest waits on it), or the reason it could not be matched."""
   from jax._src.lib import _profile_data  # noqa: PLC0415 (jaxlib's reader of XSpace protos; no TensorFlow)
 
   pd = _profile_data.ProfileData.from_file(xspace_path)
@@ -477,6 +580,15 @@ def trace_summary(xspace_path: str, steps: int, *, top: int = 16, kmap: dict | N
           comp[k] += f * ns / 1e3 / steps
       out["wall_us_per_step"] = dict(comp.most_common())
       out["wall_top_us"] = {n: ns / 1e3 / steps for n, ns in sorted(share.items(), key=lambda kv: -kv[1])[:top]}
+    if hlo_text is not None:
+      try:
+        t = timeline_critical_path(hlo_text, dev)
+        waits = sorted(t["path"], key=lambda r: -r[4])[:12]
+        out["timeline"] = dict(span_us=t["span_us"], launches=len(t["path"]), matched=t["matched"],
+                               unmatched=len(t["unmatched"]), by_component=t["by_component"],
+                               longest_waits=[(n, c, round(w, 2)) for n, c, _, _, w in waits])
+      except ValueError as e:
+        out["timeline"] = {"error": str(e)}
   out["host_top"] = {k: (v[0] / 1e6 / steps, v[1] / steps)
                      for k, v in sorted(host.items(), key=lambda kv: -kv[1][0])[:top]}
   return out

@@ -176,6 +176,51 @@ def test_critical_paths_follow_dependences_through_free_instructions():
   assert paths["body"]["launches"] == 1 and paths["callee"]["launches"] == 1
 
 
+def test_timeline_critical_path_follows_the_last_arrival():
+  """The measured critical path of DIAMOND (its six fusions share one body: one kernel name, matched to the
+  instructions in dependence order): k2 runs long, so k5 waits for k2 (ended last), not for k4 — the path is
+  k1 -> k2 -> k5 -> k6 with the gaps before each kernel, whichever execution of two is picked; events of other
+  kernels are ignored, and a name whose events do not cover its instructions is left out (here: all of them)."""
+  t = {"k1": (0, 1000), "k2": (1200, 9000), "k3": (1500, 2000), "k4": (2500, 3500), "k5": (9500, 10000),
+       "k6": (10600, 11000)}
+  events = [("k1", a + off, b + off) for off in (0, 20000) for a, b in t.values()] + [("other", 5, 6)]
+  for ex in (0, -1):
+    d = P.timeline_critical_path(DIAMOND, events, execution=ex)
+    assert d["matched"] == 6 and d["unmatched"] == [] and d["span_us"] == 11.0
+    assert [(n, c) for n, c, *_ in d["path"]] == [("k1", "mhc"), ("k2", "kda"), ("k5", "moe"), ("k6", "mlp")]
+    assert [(st, k, w) for _, _, st, k, w in d["path"]] == [(0.0, 1.0, 0.0), (1.2, 7.8, 0.2), (9.5, 0.5, 0.5),
+                                                          (10.6, 0.4, 0.6)]
+    assert d["by_component"]["kda"] == {"kernels": 1, "kernel_us": 7.8, "wait_us": 0.2}
+  # the weights' view (critical_paths) takes the longest chain by count instead: through k3 and k4
+  assert [n for n, _ in P.critical_paths(DIAMOND)[0]["path"]] == ["k1", "k3", "k4", "k5", "k6"]
+  with pytest.raises(ValueError, match="no event matches"):
+    P.timeline_critical_path(DIAMOND, events[1:])
+
+
+def test_trace_summary_reports_the_measured_critical_path(monkeypatch):
+  """trace_summary with the step's HLO: the device events of a (stand-in) XSpace — two streams, two executions
+  of DIAMOND — give the last execution's measured critical path (bench_decode --trace prints it); events that
+  match no kernel of the module give the reason instead."""
+  from types import SimpleNamespace as NS  # noqa: PLC0415
+  from jax._src.lib import _profile_data  # noqa: PLC0415
+  t = {"k1": (0, 1000), "k2": (1200, 9000), "k3": (1500, 2000), "k4": (2500, 3500), "k5": (9500, 10000),
+       "k6": (10600, 11000)}
+
+  def plane(events):
+    ev = [NS(name=n, start_ns=a, end_ns=b, duration_ns=b - a) for n, a, b in events]
+    return NS(name="/device:GPU:0", lines=[NS(name="Stream #1", events=ev[::2]), NS(name="Stream #2", events=ev[1::2])])
+
+  for events, ok in (([("k1", a + off, b + off) for off in (0, 20000) for a, b in t.values()], True),
+                     ([("zz", 0, 5)], False)):
+    monkeypatch.setattr(_profile_data.ProfileData, "from_file", staticmethod(lambda _: NS(planes=[plane(events)])))  # noqa: B023
+    out = P.trace_summary("unused.xplane.pb", 2, hlo_text=DIAMOND)["timeline"]
+    if ok:
+      assert out["span_us"] == 11.0 and out["launches"] == 4 and out["matched"] == 6 and out["unmatched"] == 0
+      assert out["by_component"]["kda"]["kernel_us"] == 7.8 and out["longest_waits"][0] == ("k6", "mlp", 0.6)
+    else:
+      assert "no event matches" in out["error"]
+
+
 def test_instruction_kernels_name_what_cupti_records():
   """Kernel-level instruction -> CUPTI's kernel name: a fusion's own (sanitised) name, a Mosaic custom call's
   kernel name, and a fusion wrapping a Mosaic call (XLA's dynamic-slice fusion around the KDA kernel) the wrapped
