@@ -486,6 +486,41 @@ def test_indexer_scores_with_queries_rotated_in_the_kernel():
       assert_scores_close(outs[1], outs[0], "kernel_f32")
 
 
+def _select_at_the_model_site(native: bool, P: int, pos: list[int], knob: str, **select_kw):
+  """kernel-tiny's indexer (bf16 projections, an FP8 pool cache of P random pools) scoring two query rows at
+  ``pos`` and selecting (``Indexer.select(**select_kw)``) under three policies: the threshold kernel and XLA's
+  compaction, + ``knob``, + ``knob`` without the threshold kernel — [(idx, pools)] each, after checking that the
+  knob's site is reported where the threshold kernel runs and declined (with its reason) where it does not."""
+  from flax import nnx  # noqa: PLC0415
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.attention import Indexer  # noqa: PLC0415
+  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
+  cfg = C.kernel_tiny()
+  rng = np.random.default_rng()
+  B, T = 1, len(pos)
+  hi, Di = cfg.index_n_heads, cfg.index_head_dim
+  ix = nnx.eval_shape(lambda: Indexer(cfg, jnp.bfloat16))
+  ix.wq_b.weight.set_value(jnp.asarray(rng.standard_normal(ix.wq_b.weight.shape) * 0.05, jnp.bfloat16))
+  q_r = jnp.asarray(rng.standard_normal((B, T, cfg.q_lora_rank)), jnp.bfloat16)
+  hw = jnp.asarray(rng.standard_normal((B, T, hi)), jnp.bfloat16)
+  k8, ks = I.quant_ue8m0_fp8(I.hadamard128(jnp.asarray(rng.standard_normal((B, P, Di)), jnp.float32)))
+  icache = {"pool8": k8, "pool_scale": ks}
+  pos = jnp.asarray([pos], jnp.int32)
+
+  def run(hw, q_r):
+    sc, raw = ix.scores(hw, q_r, icache, pos, jnp.bfloat16, padded=True)
+    return ix.select(sc, pos, raw=raw, **select_kw)
+
+  outs = []
+  for knobs in ({}, {knob: True}, {"topk_threshold": False, knob: True}):
+    pol = {"indexer": True, "indexer_topk": True, "topk_threshold": True, **knobs}
+    with maybe_interpret(not native), use_kernels(pol), kernel_report() as rep:
+      outs.append([np.asarray(a) for a in jax.jit(lambda *a: run(*a))(hw, q_r)])  # (a new trace per policy)
+    if knobs:
+      assert ((knob, None) in rep) == pol["topk_threshold"], rep
+  return outs
+
+
 @pytest.mark.parametrize("native,P", [(False, 256), (False, 320), pytest.param(True, 320, marks=pytest.mark.gpu)])
 def test_select_with_the_keys_formed_in_the_threshold_kernel(native, P):
   """Policy knob topk_keys_in_kernel at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
@@ -494,33 +529,8 @@ def test_select_with_the_keys_formed_in_the_threshold_kernel(native, P):
   is reported; without the threshold kernel the knob does not fit and says why. P = 320 pools: the scores kernel's
   grid alone would pad to 320, not a multiple of the threshold kernel's 128 lanes (session 39: the real step's
   8,768 refused the knob) — the scores kernel pads to 384 for it."""
-  from flax import nnx  # noqa: PLC0415
-  from glm5_jax import config as C  # noqa: PLC0415
-  from glm5_jax.attention import Indexer  # noqa: PLC0415
-  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
-  cfg = C.kernel_tiny()
-  rng = np.random.default_rng()
-  B, T = 1, 2
-  hi, Di = cfg.index_n_heads, cfg.index_head_dim
-  ix = nnx.eval_shape(lambda: Indexer(cfg, jnp.bfloat16))
-  ix.wq_b.weight.set_value(jnp.asarray(rng.standard_normal(ix.wq_b.weight.shape) * 0.05, jnp.bfloat16))
-  q_r = jnp.asarray(rng.standard_normal((B, T, cfg.q_lora_rank)), jnp.bfloat16)
-  hw = jnp.asarray(rng.standard_normal((B, T, hi)), jnp.bfloat16)
-  k8, ks = I.quant_ue8m0_fp8(I.hadamard128(jnp.asarray(rng.standard_normal((B, P, Di)), jnp.float32)))
-  icache = {"pool8": k8, "pool_scale": ks}
-  pos = jnp.asarray([[4 * P - 300, 4 * P - 299]], jnp.int32)  # (some pools not yet complete: -inf past them)
-
-  def run(hw, q_r):
-    sc, raw = ix.scores(hw, q_r, icache, pos, jnp.bfloat16, padded=True)
-    return ix.select(sc, pos, raw=raw)
-
-  outs = []
-  for knobs in ({}, {"topk_keys_in_kernel": True}, {"topk_threshold": False, "topk_keys_in_kernel": True}):
-    pol = {"indexer": True, "indexer_topk": True, "topk_threshold": True, **knobs}
-    with maybe_interpret(not native), use_kernels(pol), kernel_report() as rep:
-      outs.append([np.asarray(a) for a in jax.jit(lambda *a: run(*a))(hw, q_r)])  # (a new trace per policy)
-    if knobs:
-      assert (("topk_keys_in_kernel", None) in rep) == pol["topk_threshold"], rep
+  # (some pools not yet complete: -inf past them)
+  outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 299], "topk_keys_in_kernel")
   for got in outs[1:]:
     for g, w in zip(got, outs[0]):
       np.testing.assert_array_equal(g, w)
@@ -534,33 +544,8 @@ def test_select_kernel_at_the_model_site(native, P, extra_tail):
   gives the token index list of the threshold kernel + XLA's compaction, -1 padded to the width asked for (the
   attention kernel's), and the same pools; the site is reported, and without the threshold kernel the knob does
   not fit and says why."""
-  from flax import nnx  # noqa: PLC0415
-  from glm5_jax import config as C  # noqa: PLC0415
-  from glm5_jax.attention import Indexer  # noqa: PLC0415
-  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
-  cfg = C.kernel_tiny()
-  rng = np.random.default_rng()
-  B, T = 1, 2
-  hi, Di = cfg.index_n_heads, cfg.index_head_dim
-  ix = nnx.eval_shape(lambda: Indexer(cfg, jnp.bfloat16))
-  ix.wq_b.weight.set_value(jnp.asarray(rng.standard_normal(ix.wq_b.weight.shape) * 0.05, jnp.bfloat16))
-  q_r = jnp.asarray(rng.standard_normal((B, T, cfg.q_lora_rank)), jnp.bfloat16)
-  hw = jnp.asarray(rng.standard_normal((B, T, hi)), jnp.bfloat16)
-  k8, ks = I.quant_ue8m0_fp8(I.hadamard128(jnp.asarray(rng.standard_normal((B, P, Di)), jnp.float32)))
-  icache = {"pool8": k8, "pool_scale": ks}
-  pos = jnp.asarray([[4 * P - 300, 4 * P - 298]], jnp.int32)
-
-  def run(hw, q_r):
-    sc, raw = ix.scores(hw, q_r, icache, pos, jnp.bfloat16, padded=True)
-    return ix.select(sc, pos, extra_tail=extra_tail, raw=raw, width=lambda W: W + 100)
-
-  outs = []
-  for knobs in ({}, {"topk_select_kernel": True}, {"topk_threshold": False, "topk_select_kernel": True}):
-    pol = {"indexer": True, "indexer_topk": True, "topk_threshold": True, **knobs}
-    with maybe_interpret(not native), use_kernels(pol), kernel_report() as rep:
-      outs.append([np.asarray(a) for a in jax.jit(lambda *a: run(*a))(hw, q_r)])  # (a new trace per policy)
-    if knobs:
-      assert (("topk_select_kernel", None) in rep) == pol["topk_threshold"], rep
+  outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 298], "topk_select_kernel",
+                                   extra_tail=extra_tail, width=lambda W: W + 100)
   (idx0, js0), (idx1, js1), (idx2, js2) = outs
   W = idx0.shape[-1]
   assert idx1.shape[-1] == -(-(W + 100) // 64) * 64 and (idx1[..., W:] == -1).all()
