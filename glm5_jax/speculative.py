@@ -153,6 +153,12 @@ class DecodeState:
   active = property(lambda self: self.io[:, IO_ACTIVE] != 0)
   next_tokens = property(lambda self: self.io[:, IO_NEXT:IO_NEXT + self.q])
 
+  def retired(self, rows) -> "DecodeState":
+    """This state with ``rows`` inactive: finished sequences stop advancing (their rows write nothing past the
+    cache, counts 0) and stop counting toward the max_context check, so that they do not refuse the others'
+    steps."""
+    return dataclasses.replace(self, io=self.io.at[np.asarray(rows, np.int32), IO_ACTIVE].set(0))
+
   def longest(self) -> int:
     """The longest active sequence's length, read from the device (a sync: only where len_bound, the cheap host
     bound, says the context may be running out)."""
@@ -777,6 +783,8 @@ class Decoder:
       if done.all():
         break
       if pend is None:  # near max_context: the next step after reading (it refuses what does not fit)
+        if done.any():  # (a finished sequence that ran ahead must not refuse the step the others still need)
+          state = state.retired(np.flatnonzero(done))
         dec, state = dec.for_next_call(state)
         pend = dec.step(state)
     if bar is not None:
