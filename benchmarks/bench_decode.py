@@ -253,9 +253,10 @@ def main(argv=None):
           f"idle GPU returns after {idle_ms:.2f} ms; repeats (ms/step) "
           f"{', '.join(f'{1e3 * t:.2f}' for t in c['times'])}", flush=True)
     trace = None
-    if a.trace:
-      trace, state = _trace(dec, state, a.steps, a.context, c["hlo"])
     name = c["name"]
+    if a.trace:
+      trace, state = _trace(dec, state, a.steps, a.context, c["hlo"],
+                            events_path=os.path.join(a.hlo_dir, name + ".events.tsv.gz") if name else None)
     prof = _profile(dec, state, c["hlo"], a.steps, a.context, wall_ms=ms,
                     kernels_path=os.path.join(a.hlo_dir, name + ".kernels.json") if name else None) if a.profile else None
     state = prof.pop("state") if prof else state
@@ -334,8 +335,9 @@ def _room(dec, state, steps, context):
   return state
 
 
-def _trace(dec, state, steps, context, hlo=None):
-  """jax.profiler trace of ``steps`` chained steps -> (profiling.trace_summary, state)."""
+def _trace(dec, state, steps, context, hlo=None, events_path=None):
+  """jax.profiler trace of ``steps`` chained steps -> (profiling.trace_summary, state); with ``events_path`` the
+  GPU's events (name, start ns, end ns, stream) go there as gzipped TSV, for reading against the saved HLO."""
   import glob  # noqa: PLC0415
   import tempfile  # noqa: PLC0415
   state = _room(dec, state, steps, context)
@@ -348,6 +350,12 @@ def _trace(dec, state, steps, context, hlo=None):
   jax.block_until_ready(out.tokens)
   jax.profiler.stop_trace()
   f = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1]
+  if events_path:
+    import gzip  # noqa: PLC0415
+    from jax._src.lib import _profile_data  # noqa: PLC0415
+    with gzip.open(events_path, "wt") as fh:
+      fh.writelines(f"{n}\t{s}\t{e}\t{ln}\n" for n, s, e, ln in
+                    profiling.device_events(_profile_data.ProfileData.from_file(f)))
   s = profiling.trace_summary(f, _calls(dec, steps) * dec.steps_per_call,
                               kmap=profiling.kernel_map(hlo) if hlo else None, hlo_text=hlo)
   if "span_ms" in s:
@@ -364,6 +372,9 @@ def _trace(dec, state, steps, context, hlo=None):
             f"({t['matched']} matched, {t['unmatched']} kernel names not); kernel / wait µs by component: "
             + "  ".join(f"{k} {v['kernel_us']:.0f}/{v['wait_us']:.0f}" for k, v in t["by_component"].items())
             + f"; longest waits {t['longest_waits']}", flush=True)
+      print("#   trace, what ran during the longest waits (waiting kernel: wait µs <- [running kernel, component, "
+            "overlap µs]): " + "; ".join(f"{n} ({c}) {w}: {occ}" for n, c, w, occ in t["wait_occupants"][:8]),
+            flush=True)
     elif t:
       print(f"#   trace, measured critical path: {t['error']}", flush=True)
   else:

@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s43b (nvidia-h200):       the q = 1 step's trace kept (device events + HLO) and what ran during the measured
+#                             critical path's longest waits
 #   s43a (nvidia-h200):       the measured critical path (a trace's start / end times, each kernel's latest input)
 #                             of the q = 1 step at 4 steps per call: defaults, then with indexer_q_in_kernel
 #   s42d (nvidia-h200):       the select kernel with its scatter and tiles as loops (measured slower: 31.0 µs; the
@@ -593,6 +595,12 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s43b)  # (nvidia-h200) s43a: the measured critical path of the q = 1 step is 4.07 ms, 3.1 of kernels and 0.96 of
+    # waits — kernels that started ~14-17 µs after their last input ended (the MoE's pad fusion, the router's
+    # logits reduction). What ran during those waits (the trace's events and the HLO kept, for reading offline)
+    rank1 s43b --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'
+    rm -f "$OUT"/hlo/*.kernels.tsv
     ;;
   s43a)  # (nvidia-h200) session 42: three knobs that take XLA kernels off the chain by GPU time tie (ten such ties
     # since session 36): the chain by weights is not where the step's time runs. The measured critical path from

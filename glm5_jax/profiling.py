@@ -216,7 +216,7 @@ def _topological(deps: dict) -> list[str]:
   return order
 
 
-def timeline_critical_path(hlo_text: str, events, *, execution: int = -1) -> dict:
+def timeline_critical_path(hlo_text: str, events, *, execution: int = -1, top_waits: int = 12) -> dict:
   """The critical path of one execution of the program's largest kernel computation, from MEASURED start and end
   times instead of per-kernel weights (``critical_paths``): each kernel waits for the kernel it depends on that
   ended LAST; from the kernel that ends last, that chain back is the path the time actually ran along — with the
@@ -231,7 +231,9 @@ def timeline_critical_path(hlo_text: str, events, *, execution: int = -1) -> dic
 
   Returns {"computation", "matched" (instructions timed), "unmatched" (kernel names left out), "span_us" (first
   start to last end), "path" [(instruction, component, start_us from the first start, kernel_us, wait_us)],
-  "by_component" {component: {"kernels", "kernel_us", "wait_us"}}}."""
+  "by_component" {component: {"kernels", "kernel_us", "wait_us"}}, "waits": the ``top_waits`` longest waits on the
+  path [(instruction, component, wait_us, [(instruction running during the wait, component, overlap µs), up to 3,
+  longest first])]}."""
   full, body, is_kernel, comp_of = _dependence(hlo_text)
   counts = collections.Counter(r[4] for r in full)
   if not counts:
@@ -279,13 +281,24 @@ def timeline_critical_path(hlo_text: str, events, *, execution: int = -1) -> dic
     path.append((n, comp_of[(comp, n)], (start - t0) / 1e3, (stop - start) / 1e3, max(wait, 0) / 1e3))
     n = pred
   path.reverse()
+  # what ran while each kernel on the path waited (its input ready, it not yet started): the kernels of the same
+  # execution overlapping the gap — a wait filled by a kernel off the path means the two competed (for SMs, or
+  # for a slot in the graph's launch order), not that the GPU idled
+  waits = []
+  for n, _, st, _, w_us in sorted(path, key=lambda r: -r[4])[:top_waits]:
+    if w_us <= 0:
+      continue
+    lo, hi = t0 + (st - w_us) * 1e3, t0 + st * 1e3
+    occ = sorted(((m, comp_of[(comp, m)], (min(e, hi) - max(s, lo)) / 1e3) for m, (s, e) in timed.items()
+                  if s < hi and e > lo and m != n), key=lambda r: -r[2])
+    waits.append((n, comp_of[(comp, n)], round(w_us, 2), [(m, c, round(o, 2)) for m, c, o in occ[:3]]))
   by: dict = collections.defaultdict(lambda: {"kernels": 0, "kernel_us": 0.0, "wait_us": 0.0})
   for _, c, _, k_us, w_us in path:
     by[c]["kernels"] += 1
     by[c]["kernel_us"] += k_us
     by[c]["wait_us"] += w_us
   return dict(computation=comp, matched=len(timed), unmatched=sorted(unmatched),
-              span_us=(timed[end][1] - t0) / 1e3, path=path,
+              span_us=(timed[end][1] - t0) / 1e3, path=path, waits=waits,
               by_component=dict(sorted(by.items(), key=lambda kv: -(kv[1]["kernel_us"] + kv[1]["wait_us"]))))
 
 
@@ -532,6 +545,14 @@ def _self_times(events):
   return out
 
 
+def device_events(pd) -> list[tuple[str, int, int, str]]:
+  """(kernel / memcpy name, start ns, end ns, stream line) of every timed event on the GPU planes' stream lines of
+  a jaxlib ProfileData (``_profile_data.ProfileData.from_file(xspace)``); bench_decode --trace saves them beside
+  the step's HLO for reading offline."""
+  return [(e.name, e.start_ns, e.end_ns, line.name) for plane in pd.planes if plane.name.startswith("/device:GPU")
+          for line in plane.lines if "stream" in line.name.lower() for e in line.events if e.duration_ns > 0]
+
+
 def trace_summary(xspace_path: str, steps: int, *, top: int = 16, kmap: dict | None = None,
                   hlo_text: str | None = None) -> dict:
   """Where the wall time of ``steps`` traced decode steps goes, from a jax.profiler trace (an .xplane.pb file).
@@ -549,13 +570,9 @@ def trace_summary(xspace_path: str, steps: int, *, top: int = 16, kmap: dict | N
   from jax._src.lib import _profile_data  # noqa: PLC0415 (jaxlib's reader of XSpace protos; no TensorFlow)
 
   pd = _profile_data.ProfileData.from_file(xspace_path)
-  dev, host = [], collections.defaultdict(lambda: [0.0, 0])
+  dev, host = [e[:3] for e in device_events(pd)], collections.defaultdict(lambda: [0.0, 0])
   for plane in pd.planes:
-    if plane.name.startswith("/device:GPU"):
-      for line in plane.lines:
-        if "stream" in line.name.lower():
-          dev.extend((e.name, e.start_ns, e.end_ns) for e in line.events if e.duration_ns > 0)
-    elif plane.name.startswith("/host:CPU"):
+    if plane.name.startswith("/host:CPU"):
       for line in plane.lines:
         for name, ns in _self_times([(e.name[:80], e.start_ns, e.end_ns) for e in line.events]):
           h = host[event_kind(name)]
@@ -583,10 +600,10 @@ def trace_summary(xspace_path: str, steps: int, *, top: int = 16, kmap: dict | N
     if hlo_text is not None:
       try:
         t = timeline_critical_path(hlo_text, dev)
-        waits = sorted(t["path"], key=lambda r: -r[4])[:12]
         out["timeline"] = dict(span_us=t["span_us"], launches=len(t["path"]), matched=t["matched"],
                                unmatched=len(t["unmatched"]), by_component=t["by_component"],
-                               longest_waits=[(n, c, round(w, 2)) for n, c, _, _, w in waits])
+                               longest_waits=[(n, c, round(w, 2)) for n, c, w, _ in t["waits"]],
+                               wait_occupants=t["waits"])
       except ValueError as e:
         out["timeline"] = {"error": str(e)}
   out["host_top"] = {k: (v[0] / 1e6 / steps, v[1] / steps)

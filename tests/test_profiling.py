@@ -191,6 +191,13 @@ def test_timeline_critical_path_follows_the_last_arrival():
     assert [(st, k, w) for _, _, st, k, w in d["path"]] == [(0.0, 1.0, 0.0), (1.2, 7.8, 0.2), (9.5, 0.5, 0.5),
                                                           (10.6, 0.4, 0.6)]
     assert d["by_component"]["kda"] == {"kernels": 1, "kernel_us": 7.8, "wait_us": 0.2}
+  # what ran during each wait: with k4 running long and late, the path goes k1 -> k3 -> k4; k4 waited 1.2 µs
+  # after k3, 1.0 of them while k2 (off the path) still ran; k3 waited 0.5, 0.3 of them beside k2
+  late = dict(t, k2=(1200, 3000), k4=(3200, 9000))
+  d = P.timeline_critical_path(DIAMOND, [("k1", a, b) for a, b in late.values()])
+  assert [n for n, *_ in d["path"]] == ["k1", "k3", "k4", "k5", "k6"]
+  assert d["waits"][0] == ("k4", "dsa", 1.2, [("k2", "kda", 1.0)])
+  assert ("k3", "dsa", 0.5, [("k2", "kda", 0.3)]) in d["waits"] and ("k5", "moe", 0.5, []) in d["waits"]
   # the weights' view (critical_paths) takes the longest chain by count instead: through k3 and k4
   assert [n for n, _ in P.critical_paths(DIAMOND)[0]["path"]] == ["k1", "k3", "k4", "k5", "k6"]
   with pytest.raises(ValueError, match="no event matches"):
