@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s43c (nvidia-h200):       q = 1: defaults vs four tied knobs at once (indexer_q_in_kernel, topk_keys_in_kernel,
+#                             mla_combine_kernel, kda_conv), and with mhc_barrier_counters (5 interleaved repeats)
 #   s43b (nvidia-h200):       the q = 1 step's trace kept (device events + HLO) and what ran during the measured
 #                             critical path's longest waits
 #   s43a (nvidia-h200):       the measured critical path (a trace's start / end times, each kernel's latest input)
@@ -595,6 +597,15 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s43c)  # (nvidia-h200) s43b's trace of one q = 1 step: a DSA layer is ~90 µs boundary to boundary, its three
+    # branches (index queries; index keys + pool cache; MLA queries + W_UK) about as long, then the selection and
+    # the attention on one chain. Four knobs that each tied alone, each shortening a different part of that layer
+    # (the queries' rotation, the threshold kernel's keys, the MLA split merge) or the KDA layer's conv, all at
+    # once — and with the grid barriers' counters in one Ref (91 semaphore fills fewer)
+    C4='"indexer_q_in_kernel": true, "topk_keys_in_kernel": true, "mla_combine_kernel": true, "kda_conv": true'
+    rank1 s43c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' "{$C4}" \
+      "{$C4, \"mhc_barrier_counters\": true}"
     ;;
   s43b)  # (nvidia-h200) s43a: the measured critical path of the q = 1 step is 4.07 ms, 3.1 of kernels and 0.96 of
     # waits — kernels that started ~14-17 µs after their last input ended (the MoE's pad fusion, the router's
