@@ -72,7 +72,7 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   assert "glm5_moe_route" not in txt  # (router_route, on since session 35: the router kernel builds the tables)
   # the top-k threshold kernel from pallas_kernels.indexer.THRESHOLD_MIN_ROWS score rows (1 since session 32)
   assert ("glm5_topk_threshold" in txt) == (q >= ki.THRESHOLD_MIN_ROWS)
-  assert "mosaic_gpu.uses_pdl" not in txt  # (policy pdl, off by default: test_kernel_tiny_step_with_pdl_...)
+  assert "mosaic_gpu.uses_pdl" not in txt  # (policy pdl, off by default: test_kernel_tiny_step_lowers_for_cuda_at_tp4)
   auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
   assert "mosaic_gpu" not in auto  # and the stock path has no kernel at all
 
@@ -129,17 +129,6 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   check_one_module_per_kernel(txt)
 
 
-def test_kernel_tiny_step_with_pdl_lowers_for_cuda():
-  """Policy pdl: every Mosaic kernel of the step starts with griddepcontrol (Programmatic Dependent Launch), which
-  Mosaic marks on the module (``mosaic_gpu.uses_pdl``: its launcher then launches the kernel with programmatic
-  stream serialisation); without it (the default) none does — test_kernel_tiny_step_lowers_for_cuda. The knob
-  changes the kernels' modules (jit key), not their count."""
-  txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096, policy=(("pdl", True),))
-  calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
-  assert calls and all("mosaic_gpu.uses_pdl" in line for line in calls)
-  check_one_module_per_kernel(txt)
-
-
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (jax_num_cpu_devices=4)")
 def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
   """The kernels inside shard_map with TP4-local shapes (1 KDA / MLA head per rank, experts 128 wide). GPU
@@ -150,10 +139,16 @@ def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
   # (with the grid barrier's counters and the split-K counters: jax Refs created inside shard_map; the MoE's
   # rows in f32 there — the all-reduce after it sums f32 partials, as the XLA form's)
   # (and the draft's single-row MoE as one persistent launch on its counters Ref: moe_persistent; the dq kernels
-  # in f16: dq_f16)
+  # in f16: dq_f16; and policy pdl: every Mosaic kernel starts with griddepcontrol — Programmatic Dependent
+  # Launch — which Mosaic marks on the module, ``mosaic_gpu.uses_pdl``, for its launcher; without it, the
+  # default, none does: test_kernel_tiny_step_lowers_for_cuda. The knob changes the kernels' modules, not their
+  # count. Folded in here: a lowering of its own cost the CPU suite ~19 s)
   txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4,
                    policy=(("mhc", True), ("mhc_barrier_counters", True), ("linear_fused_sum", True),
-                           ("moe_persistent", True), ("dq_f16", True)))
+                           ("moe_persistent", True), ("dq_f16", True), ("pdl", True)))
+  calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
+  assert calls and all("mosaic_gpu.uses_pdl" in line for line in calls)
+  check_one_module_per_kernel(txt)
   for name in ("kda_decode", "glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
                "glm5_indexer_scores", "glm5_mhc_post_finish", "glm5_mhc_sinkhorn"):  # (mhc_grid_barrier's boundary)
     assert name in txt, name
