@@ -71,6 +71,7 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s43d (nvidia-h200):       the new defaults (s43c's five knobs on): their end-to-end GPU tests, then q = 1
 #   s43c (nvidia-h200):       q = 1: defaults vs four tied knobs at once (indexer_q_in_kernel, topk_keys_in_kernel,
 #                             mla_combine_kernel, kda_conv), and with mhc_barrier_counters (5 interleaved repeats)
 #   s43b (nvidia-h200):       the q = 1 step's trace kept (device events + HLO) and what ran during the measured
@@ -597,6 +598,11 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s43d)  # (nvidia-h200) s43c's five knobs on by default now: the defaults' end-to-end GPU tests (every kernel
+    # against the stock path, then with the remaining candidates), then the q = 1 step with the new defaults
+    GT_MARK="gpu or e2e_kernels" gt 330 tests/test_decode.py "all_kernels_equals_stock"
+    [ "$(left)" -gt 150 ] && rank1 s43d --q 1 --steps-per-call 4 --repeats 3 --steps 80 --policy '{}'
     ;;
   s43c)  # (nvidia-h200) s43b's trace of one q = 1 step: a DSA layer is ~90 µs boundary to boundary, its three
     # branches (index queries; index keys + pool cache; MLA queries + W_UK) about as long, then the selection and

@@ -40,10 +40,16 @@ _KERNELS: contextvars.ContextVar = contextvars.ContextVar("glm5_jax_kernels", de
 MAX_KERNEL_ROWS = 64  # the weight-streaming kernels take at most 64 token rows (decode); prefill stays in XLA
 
 
+# (five knobs that each tied alone, turned on together after their joint A/B — each description ends with it)
+_S43 = ("; with indexer_q_in_kernel, topk_keys_in_kernel, mla_combine_kernel, kda_conv and mhc_barrier_counters "
+        "all on (session 43, s43c) the one-rank step at q = 1 4.25 -> 4.20 ms, faster in 4 of 4 paired rounds, "
+        "1,375 -> 1,185 launches — on by default")
+
 # The kernel switches of a latency_specialized trace: {name: (default, what it switches and what was measured)}
 # (``glm5-jax knobs`` prints them). A switch left at its default may still decline a call site where XLA measured
 # faster (kernel_enabled's ``prefer``: the bf16 GEMV at one token row, the radix top-k where radix_topk_plan says
 # no); a switch the policy sets explicitly runs wherever it fits.
+
 KNOBS = {
     "kda": (True,
         "the KDA decode recurrence as a Mosaic kernel (pallas_kernels.kda_decode): the fp32 state of every "
@@ -99,7 +105,7 @@ KNOBS = {
         "kda_approx_math (bench_kda_decode --q4, session 32). On since session 34: its GPU tests (q = 4 and 8, "
         "f32 / bf16, with approx math), the kernel-tiny greedy test and the all-kernels == stock test pass "
         "natively"),
-    "kda_conv": (False,
+    "kda_conv": (True,
         "with kda on: the short conv + SiLU of q / k / v inside the KDA kernel (kda_decode_conv: each CTA "
         "convolves its head's rows from one SMEM window of Kc - 1 history rows + the T new ones) instead of "
         "the XLA fusion between the qkv projection and the kernel (~2 µs + one launch per KDA layer, session "
@@ -108,7 +114,7 @@ KNOBS = {
         "vs 4.95 ms with topk_threshold_4wg, defaults 4.75; 5 interleaved repeats, session 35) — the conv "
         "fusion runs beside the f_a -> f_b projections, likely off the critical path (profiling."
         "critical_paths to check) — off. Again a tie where the chain by GPU time passes through the conv fusion "
-        "(4.20 vs 4.20 ms, 33 launches fewer; session 42, s42c)"),
+        "(4.20 vs 4.20 ms, 33 launches fewer; session 42, s42c)" + _S43),
     "kda_gate_proj": (False,
         "with kda on: the gates' second low-rank projections inside the KDA kernel (kda_decode(f_proj=...): "
         "each CTA forms its head's f = f_b(f_a) and gate logits g_b(g_a) from the fgb_a projection's rows with "
@@ -231,14 +237,14 @@ KNOBS = {
         "its own on the raw partials. Natively bit-identical to its two-launch form (GPU tests, session 34); "
         "the one-rank step at q = 1, 4 steps per call, 7 interleaved repeats: 5.32 -> 5.02 ms (−0.3 to −0.4 "
         "ms in every round; 1,507 -> 1,417 launches; BENCHMARKS.md session 34)"),
-    "mhc_barrier_counters": (False,
+    "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
         "i + 1) instead of a pl.get_global semaphore, which XLA zero-fills before every call — 91 `copy s32[1]` "
         "graph nodes per step at q = 1 (session 35's kernel listing) become one 8-byte fill. The launches stay "
         "ordered through the Ref (each call's aliased operand). Natively correct (its GPU test, session 36); in "
         "the step at q = 1 a tie (4.64-4.66 vs 4.64-4.68 ms in the same rounds): the 91 fills were all off the "
-        "critical path (815 launches either way; BENCHMARKS.md session 36) — off"),
+        "critical path (815 launches either way; BENCHMARKS.md session 36)" + _S43),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
         "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "
@@ -253,7 +259,7 @@ KNOBS = {
         "4.64-4.68 ms, session 36). The rows form: the step's critical path 815 -> 715 launches, 1,417 -> 1,299 "
         "in all; at q = 1 4.61 vs 4.96 ms but round by round -0.35 / +0.32 ms (3 interleaved repeats: no measured "
         "win yet); its GPU tests not yet run (session 36) — off"),
-    "indexer_q_in_kernel": (False,
+    "indexer_q_in_kernel": (True,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
         "64 query rows, the scales from the amax's bits) instead of the XLA butterflies, amax and conversion "
@@ -263,14 +269,14 @@ KNOBS = {
         "step at q = 1 a tie (4.64-4.67 ms vs 4.64-4.68, session 36): the queries' path is not the DSA layer's "
         "longest (the critical path stays 815 launches) — off. Again a tie where the chain by GPU time passes "
         "through the queries' rotation (4.19 vs 4.20 ms, 44 launches fewer; session 42, s42c): the layer's "
-        "other branches into the scores and attention kernels are as long"),
+        "other branches into the scores and attention kernels are as long" + _S43),
     "topk_scan_mm": (False,
         "with indexer_topk on: the top-k compaction's prefix sums within 128-blocks as one f32 matmul with a "
         "triangle of ones (exclusive_prefix_sum 'mm128') instead of XLA's reduce-window fusion (11.3 µs per "
         "DSA layer at q = 1, session 29's profile); not a kernel — an XLA form (bench_topk 'mm128' rows). "
         "In the step at q = 1 a tie or slower (4.71-4.73 ms vs 4.64-4.68; 12 more "
         "launches, 11 more on the critical path; session 36) — off"),
-    "topk_keys_in_kernel": (False,
+    "topk_keys_in_kernel": (True,
         "with topk_threshold on and the indexer's scores kernel: the threshold kernel reads the scores kernel's "
         "output as it is (f32, -inf past the complete pools) and forms the keys in registers "
         "(pallas_kernels._common.order_key_u32) instead of the XLA fusion between the two kernels (the mask, the "
@@ -278,7 +284,7 @@ KNOBS = {
         "36's chain: scores kernel -> that fusion -> threshold kernel); the scores kernel then pads its output to "
         "the threshold kernel's lanes (a cache of 8,768 padded pools refused the knob, session 39). Natively "
         "equal at the model's call site (session 39); in the step at q = 1 a tie: 4.32 vs 4.28 ms (with "
-        "router_warp_rows 4.23; rounds spread ~0.1 ms; session 39) — off"),
+        "router_warp_rows 4.23; rounds spread ~0.1 ms; session 39)" + _S43),
     "topk_select_kernel": (False,
         "with topk_threshold on and the indexer's scores kernel: the indexer's whole selection in ONE launch on "
         "the scores kernel's padded output (pallas_kernels.indexer.topk_select): the threshold by one-bit passes "
@@ -302,11 +308,12 @@ KNOBS = {
         "warpgroups per-warp counts meet in SMEM. Natively equal to its reference at 1 / 4 / 32 rows and 2 "
         "warpgroups (session 35); in the step at q = 1 a tie: 4.57 vs 4.76 ms and 4.95 vs 4.75 in two calls "
         "(session 35) — off"),
-    "mla_combine_kernel": (False,
+    "mla_combine_kernel": (True,
         "with sparse_mla on: the splits' partial outputs merged by one Mosaic launch after the attention kernel "
         "(pallas_kernels.sparse_mla combine='kernel': a CTA per 64-row tile and token, the splits' loads all "
         "in flight) instead of XLA's broadcast + variadic-reduce fusions (1.5 + 4.2 µs per DSA layer at q = 1, "
-        "session 29's profile); off until measured"),
+        "session 29's profile). Natively bit-identical to mla_combine_fused's in-kernel merge (GPU tests, "
+        "session 34)" + _S43),
     "mla_combine_fused": (False,
         "with sparse_mla on, at >= 8 splits and <= 16 tokens: the merge inside the attention kernel itself "
         "(combine='fused': each CTA signals its token's GMEM semaphore; the last splits' CTAs, dispatched last, "
