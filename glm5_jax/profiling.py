@@ -227,7 +227,10 @@ def timeline_critical_path(hlo_text: str, events, *, execution: int = -1, top_wa
   events: (kernel name as the trace / CUPTI names it, start ns, end ns) for one or more executions of the
   computation (device events of a trace; other kernels' names are ignored). The kernels of one name are matched
   to its instructions in dependence order, execution by execution (``execution``: which one; events of a name
-  whose count is not a multiple of its instructions' are left out, with their instructions).
+  whose count is not a multiple of its instructions' are left out, with their instructions). Kernels of one name
+  on parallel branches (one fused computation used in two branches of a layer) can be matched the wrong way round
+  when the GPU runs them in another order than the dependence order lists them (session 43): read the path's waits
+  with that in mind — a layer-by-layer timeline of the events themselves does not have the ambiguity.
 
   Returns {"computation", "matched" (instructions timed), "unmatched" (kernel names left out), "span_us" (first
   start to last end), "path" [(instruction, component, start_us from the first start, kernel_us, wait_us)],
@@ -545,7 +548,7 @@ def _self_times(events):
   return out
 
 
-def device_events(pd) -> list[tuple[str, int, int, str]]:
+def device_events(pd) -> list[tuple[str, float, float, str]]:
   """(kernel / memcpy name, start ns, end ns, stream line) of every timed event on the GPU planes' stream lines of
   a jaxlib ProfileData (``_profile_data.ProfileData.from_file(xspace)``); bench_decode --trace saves them beside
   the step's HLO for reading offline."""
