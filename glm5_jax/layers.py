@@ -49,7 +49,6 @@ _S43 = ("; with indexer_q_in_kernel, topk_keys_in_kernel, mla_combine_kernel, kd
 # (``glm5-jax knobs`` prints them). A switch left at its default may still decline a call site where XLA measured
 # faster (kernel_enabled's ``prefer``: the bf16 GEMV at one token row, the radix top-k where radix_topk_plan says
 # no); a switch the policy sets explicitly runs wherever it fits.
-
 KNOBS = {
     "kda": (True,
         "the KDA decode recurrence as a Mosaic kernel (pallas_kernels.kda_decode): the fp32 state of every "
