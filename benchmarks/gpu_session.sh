@@ -71,6 +71,9 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s44a (nvidia-h200):       the single-row MoE as ONE launch of two roles (fp8_moe_chained, knob moe_chained): its
+#                             GPU tests and the end-to-end test with it, bench_linear moerk vs moech, then q = 1:
+#                             defaults vs moe_chained (5 interleaved repeats, 80 steps)
 #   s43d (nvidia-h200):       the new defaults (s43c's five knobs on): their end-to-end GPU tests, then q = 1
 #   s43c (nvidia-h200):       q = 1: defaults vs four tied knobs at once (indexer_q_in_kernel, topk_keys_in_kernel,
 #                             mla_combine_kernel, kda_conv), and with mhc_barrier_counters (5 interleaved repeats)
@@ -598,6 +601,18 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s44a)  # (nvidia-h200) s43's timeline: the MoE sublayer is 40 % of the step, its chain gate/up 18.1 -> glue 2.3 ->
+    # down 8.4 -> sum 1.4 µs, each launch cold at its start and in a tail at its end. fp8_moe_chained (knob
+    # moe_chained): the two kernels and the glue as one launch of two roles, the down weights requested during the
+    # gate/up tail. Its GPU tests, the end-to-end test with it, alone (bench_linear moerk vs moech), then q = 1
+    gt 150 "tests/test_linear_kernels.py" "chained"
+    GT_MARK="gpu or e2e_kernels" gt 150 tests/test_decode.py "all_kernels_equals_stock and chained"
+    timeout -s INT 100 python3 benchmarks/bench_linear.py --rows 1 --only moerk,moech > "$OUT/bench_linear.log" 2>&1
+    set -- '{}'
+    grep -q "PASSED.*chained_gpu\[bfloat16\]" "$OUT/gpu_tests.log" && set -- "$@" '{"moe_chained": true}'
+    [ $# -eq 2 ] && [ "$(left)" -gt 200 ] && rank1 s44a --q 1 --steps-per-call 4 --interleave --repeats 5 \
+      --steps 80 --policy "$@"
     ;;
   s43d)  # (nvidia-h200) s43c's five knobs on by default now: the defaults' end-to-end GPU tests (every kernel
     # against the stock path, then with the remaining candidates), then the q = 1 step with the new defaults

@@ -181,6 +181,15 @@ KNOBS = {
         "18.7 µs per call, session 41's profile); a routed CTA of rank r then waits r + 1 rounds of 2 instead of k "
         "rounds of 3. Natively equal (its GPU tests, bf16); the one-rank step at q = 1 4.30 -> 4.19 ms, faster in 4 "
         "of 4 paired rounds (session 42, s42a)"),
+    "moe_chained": (False,
+        "with moe_router_in_kernel on (one token row, fp8_dq): the MoE's two kernels and the XLA glue between them "
+        "as ONE launch of two roles (pallas_kernels.linear.fp8_moe_chained): the gate/up CTAs sum their D splits "
+        "on counters and write h as bf16 rows, then signal their slot's down CTAs, which are dispatched after every "
+        "gate/up CTA, select the experts themselves, request all their weight tiles at once and only then wait for "
+        "h; the routing weights multiply each slot's down output. Instead of gate/up 18.1 -> glue 2.3 -> down 8.4 "
+        "µs on the MoE sublayer's chain (session 43's timeline: each launch starts cold and ends in a tail), the "
+        "down weights stream during the gate/up role's tail. GPU interpret mode runs its two-launch form (no "
+        "counters) — off until measured"),
     "moe_balanced": (False,
         "with fp8_moe and fp8_dq on, at one token row (moe_persistent off): the MoE's two kernels with the work "
         "dealt out evenly (pallas_kernels.linear.fp8_moe_balanced): the 2,304 gate/up items (the real TP4 rank) in "
@@ -432,9 +441,9 @@ def counters_scope():
   """The kernels traced inside share the step's counters (jax Refs, each created by its first user: one zero fill
   per step): the mHC grid barriers' pair (policy knob mhc_barrier_counters; boundary i gets parity i % 2 in trace
   order — the order the Ref's aliasing keeps on the device), the linears' split-K counters (linear_fused_sum) and
-  the persistent MoE's (moe_persistent).
+  the persistent MoE's (moe_persistent) and the chained MoE's (moe_chained).
   The trunk's layer loop opens one, and each MTP pass its own."""
-  tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None, "moe": None})
+  tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None, "moe": None, "chain": None})
   try:
     yield
   finally:
@@ -470,6 +479,14 @@ def _splitk_counters(kl):
 def _dq_dtype(rows: int) -> dict:
   """The dq kernels' dtype option at this site: f16 under the policy knob dq_f16, else bf16 (their default)."""
   return {"dq_dtype": "float16"} if kernel_enabled("dq_f16", rows) else {}
+
+
+def _chain_counters(kl):
+  """The scope's counters Ref of the chained MoE (pallas_kernels.linear.moe_chain_counters)."""
+  cell = _COUNTERS.get()
+  if cell["chain"] is None:
+    cell["chain"] = kl.moe_chain_counters()
+  return cell["chain"]
 
 
 def _moe_counters(kl):
@@ -1137,8 +1154,18 @@ class MoE(nnx.Module):
         # router_warp_rows: the selection's reductions inside one warp (router._select_rows) there too;
         # moe_router_ranks: each CTA selects only up to its slot's rank
         warp, ranks = kernel_enabled("router_warp_rows", rows), kernel_enabled("moe_router_ranks", rows)
-        y, ids, _ = moe(xf, None, None, router=(logits, self.gate.e_score_correction_bias[...].astype(jnp.float32)),
-                        router_select=(k, float(self.gate.scaling), bool(self.gate.norm), warp, ranks))
+        bias = self.gate.e_score_correction_bias[...].astype(jnp.float32)
+        select = (k, float(self.gate.scaling), bool(self.gate.norm), warp, ranks)
+        # moe_chained: the two kernels and the glue between them as one launch (the down weights stream during the
+        # gate/up tail); natively on the scope's counters, in interpret mode its two-launch form
+        if kernel_enabled("moe_chained", rows, fits=dq and (_interpreting() or _COUNTERS.get() is not None),
+                          why="fp8_dq on and (natively) a step's counters scope"):
+          y, ids, _ = kl.fp8_moe_chained(
+              xf, logits, bias, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],
+              ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, router_select=select, shared=sew,
+              counters=None if _interpreting() else _chain_counters(kl), **f16)
+        else:
+          y, ids, _ = moe(xf, None, None, router=(logits, bias), router_select=select)
       else:
         y = moe(xf, ids, w, route_kernel=route, tables=tables)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)

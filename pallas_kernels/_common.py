@@ -92,20 +92,39 @@ def counter_signal(ref):
   _counter_op(ref, signal=True)
 
 
-def counter_wait(ref, count: int, *, take: bool = False):
-  """Wait until the counter ``ref`` reaches ``count`` (acquire, GPU scope); ``take``: subtract it then."""
-  _counter_op(ref, count=count, take=take)
+def counter_signal_each(ref, n: int):
+  """Add 1 to each of the ``n`` counters of ``ref`` (int32 [n], GMEM) once per warpgroup, with release semantics
+  (GPU scope), after a proxy fence: the warpgroup's completed TMA stores (``plgpu.wait_smem_to_gmem``) are visible
+  to a consumer that TMA-loads what they wrote after :func:`counter_wait` (``async_reads``)."""
+  _counter_op(ref, signal=True, each=n)
 
 
-def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False):
+def counter_wait(ref, count: int, *, take: bool = False, async_reads: bool = False):
+  """Wait until the counter ``ref`` reaches ``count`` (acquire, GPU scope); ``take``: subtract it then;
+  ``async_reads``: a proxy fence after it, for TMA loads of what the signalling CTAs wrote."""
+  _counter_op(ref, count=count, take=take, async_reads=async_reads)
+
+
+def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False, each: int = 0,
+                async_reads: bool = False):
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
   def op(_, counter):
-    sem = _mgpu_utils.SemaphoreRef(_mgpu_utils.memref_ptr(counter))
+    ptr = _mgpu_utils.memref_ptr(counter)
+    sem = _mgpu_utils.SemaphoreRef(ptr)
     if signal:
+      if each:  # (the generic proxy's release must cover the async proxy's completed writes)
+        _mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
       _mgpu_utils.warpgroup_barrier()
-      sem.signal(1, memory_scope="gpu")
+      if not each:
+        sem.signal(1, memory_scope="gpu")
+      from jax._src.lib.mlir import ir  # noqa: PLC0415
+      i32 = ir.IntegerType.get_signless(32)
+      for i in range(each):
+        _mgpu_utils.SemaphoreRef(_mgpu_utils.getelementptr(ptr, [i], i32)).signal(1, memory_scope="gpu")
     else:
       sem.wait(count, decrement=take, memory_scope="gpu")
+      if async_reads:
+        _mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
   op(ref)
 

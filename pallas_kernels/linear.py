@@ -56,7 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel
+from pallas_kernels._common import (counter_signal, counter_signal_each, counter_wait, interpreting, kernel_entry,
+                                     mgpu_kernel)
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
@@ -770,7 +771,8 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
-                        rows: bool = False, router: tuple | None = None):
+                        rows: bool = False, router: tuple | None = None, rows_weight: bool = True,
+                        on_rows=None):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -779,7 +781,9 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   ``rows`` (dq): h = SwiGLU times the slot's routing weights written as the down kernel's input rows hq [slots, m,
   I] bf16 (``_gate_up_rows``; the weights from an input after the shared expert's refs: the router's [1, k] with
   ``table_k``, else r [n_pad, mp]) — with ``fused_sum`` (split > 1) by the last D split's CTA of the (slot, row
-  tile) on split-K counters (an input after the weights), the other splits' partials in o [split - 1, ...]."""
+  tile) on split-K counters (an input after the weights), the other splits' partials in o [split - 1, ...].
+  ``rows_weight`` False: the rows without the routing weights (no weights input; fp8_moe_chained applies them in
+  its down role); ``on_rows(slot)``: called by the CTA that wrote a (slot, row tile)'s rows, after them."""
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
@@ -790,7 +794,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref = refs[n_x + 1:n_x + 6]
   wgs_ref, sgs_ref, wus_ref, sus_ref = refs[n_x + 6:n_x + n_w] if shared else (None,) * 4
   rest = list(refs[n_x + n_w:])
-  rw_ref = rest.pop(0) if rows else None
+  rw_ref = rest.pop(0) if rows and rows_weight else None
   ctr_g, o_ref, y, rest = _out_refs(rest, fused_sum, split, rows)
   router_refs = [rest.pop(0) for _ in range(7)] if router is not None else None  # (outputs, then scratch first)
   a_s = rest.pop() if a_smem else None
@@ -864,7 +868,14 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
         w = jnp.where((e_raw >= 0) & (e_raw < wg_ref.shape[0]), rw_ref[0, j], 0.0)
         return jnp.where(is_sh, 1.0, w) if shared else w
 
-      out = functools.partial(_gate_up_rows, y, weight, limit=limit, slot=slot_id, row0=row0)
+      rows_out = functools.partial(_gate_up_rows, y, weight if rows_weight else None, limit=limit, slot=slot_id,
+                                   row0=row0)
+
+      def out(g, u):
+        rows_out(g, u)
+        if on_rows is not None:
+          on_rows(slot_id)
+
       if ctr_g is None:
         out(acc_g, acc_u)
       else:  # (the gate and up partials of the (slot, row tile), summed on its counter)
@@ -919,7 +930,8 @@ def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank):
 
   if not ranks:
     select_all()
-    pl.when(writer)(store)
+    if writer is not None:  # (None: no CTA of this launch stores them — fp8_moe_chained's down role)
+      pl.when(writer)(store)
     return row0(ids_s)
 
   @pl.when(writer)
@@ -1422,6 +1434,267 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     return _rows_result(out, plan.dn_groups)
   y = (_split_sum(out, m, ctr is not None) * sh).astype(out_dtype)
   return (y, topk_ids, rw) if router is not None else y
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the single-row MoE as ONE launch of two roles: the down role's weights stream during the gate/up role's tail
+# ------------------------------------------------------------------------------------------------------------
+# fp8_moe at one token row is gate/up -> XLA glue -> down -> XLA sum: every launch starts cold (its first weight
+# bytes ~1-2 µs after it starts) and ends in a tail of its last CTAs, ~3 µs per launch on the step's critical
+# path (session 40: the kernels stream at ~2.9 TB/s whatever the work distribution). The chained form is one grid:
+# CTAs [0, G1) are the gate/up kernel's (the router's selection in them, the D splits summed on counters and h
+# written as bf16 rows by each (slot, row tile)'s last split, which then signals that slot's down CTAs), CTAs
+# [G1, G1 + G2) the down role's — (slot, 128 rows of D) each, which select the experts themselves, request their
+# weight tiles at once and only then wait for their slot's h. The down CTAs are dispatched after every gate/up
+# CTA (a grid's CTAs start in index order, the assumption of every decoupled look-back), so a waiting down CTA
+# never holds an SM a gate/up CTA needs; both roles use one SMEM layout (the down tile's two 64-row halves in the
+# gate/up ring's gate / up slots, h's blocks in its x slots), 3 CTAs per SM.
+MOE_CHAIN_COUNTERS = 1024  # the gate/up role's split-K counters (slots x I/64), then one per down CTA (slots x D/128)
+
+
+def moe_chain_counters():
+  """The counters of :func:`fp8_moe_chained` in one traced program: a jax Ref (one zero fill per step), passed
+  through every call in order (each call's aliased operand), each call leaving it zero."""
+  return jax.new_ref(jnp.zeros((MOE_CHAIN_COUNTERS,), jnp.int32))
+
+
+def _moe_down_role(t2, hq_ref, ids_s, rw_s, wd_ref, sd_ref, wds_ref, sds_ref, o_ref, wg_s, wu_s, x_s, bar, a_s, *,
+                   mp: int, stages: int, dtiles: int, shared: bool, k: int, ready=None, count: int = 0):
+  """One down CTA of :func:`fp8_moe_chained` = (slot s, 128 rows of D): o[s, rows] = w_s · down_e(s)[rows] @ h[s]
+  over I (the shared slot: weight 1, its own refs wds / sds). The tile's two 64-row halves go through the gate/up
+  ring's gate / up slots (wg_s, wu_s), h's 128-column blocks (TMA'd rows past h's m real ones: zeros) through its x
+  slots. The weight tiles are requested first; ``ready`` (this CTA's counter, signalled ``count`` times once h[s]
+  is written) is waited for before h's blocks are."""
+  s, dtile = t2 // dtiles, t2 % dtiles
+  row0 = dtile * BLOCK
+  ib_n = hq_ref.shape[2] // BLOCK
+  j = jnp.clip(s - int(shared), 0, k - 1)
+  e = _table_id(ids_s[j], wd_ref.shape[0])
+  w = rw_s[j]
+  is_sh = s == 0
+  if shared:
+    w = jnp.where(is_sh, 1.0, w)
+
+  def issue_w(i):
+    slot, k0 = i % stages, i * BLOCK
+
+    def halves(src):
+      for half, dst in enumerate((wg_s, wu_s)):
+        plgpu.copy_gmem_to_smem(src(pl.ds(row0 + half * _DN_BM, _DN_BM), pl.ds(k0, BLOCK)), dst.at[slot],
+                                bar.at[slot])
+
+    if shared:
+      pl.when(is_sh)(lambda: halves(lambda r, c: wds_ref.at[r, c]))
+      pl.when(jnp.logical_not(is_sh))(lambda: halves(lambda r, c: wd_ref.at[e, r, c]))
+    else:
+      halves(lambda r, c: wd_ref.at[e, r, c])
+
+  def issue_h(i):
+    slot = i % stages
+    plgpu.copy_gmem_to_smem(hq_ref.at[s, pl.ds(0, x_s.shape[1]), pl.ds(i * BLOCK, BLOCK)], x_s.at[slot],
+                            bar.at[slot])
+
+  first = min(stages, ib_n)
+  for i in range(first):
+    issue_w(i)
+  if ready is not None:
+    with jax.named_scope("wait_h"):
+      counter_wait(ready, count, take=True, async_reads=True)
+  for i in range(first):
+    issue_h(i)
+
+  def step(i, carry):
+    acc_a, acc_b = carry
+    slot = i % stages
+    sc = sd_ref[e, dtile, i]
+    if shared:
+      sc = jnp.where(is_sh, sds_ref[dtile, i], sc)
+    with jax.named_scope("wait"):
+      plgpu.barrier_wait(bar.at[slot])
+    with jax.named_scope("mma"):
+      a = _mma_tile(wg_s.at[slot], x_s.at[slot], mp, True, a_s)
+      b = _mma_tile(wu_s.at[slot], x_s.at[slot], mp, True, a_s)
+
+    @pl.when(i + stages < ib_n)
+    def _():
+      issue_w(i + stages)
+      issue_h(i + stages)
+    return acc_a + a * sc, acc_b + b * sc
+
+  zero = plgpu.layout_cast(jnp.zeros((_DN_BM, mp), jnp.float32), plgpu.Layout.WGMMA)
+  acc_a, acc_b = lax.fori_loop(0, ib_n, step, (zero, zero))
+  o_ref[s, pl.ds(row0, _DN_BM), :] = acc_a * w
+  o_ref[s, pl.ds(row0 + _DN_BM, _DN_BM), :] = acc_b * w
+
+
+def _chain_refs(refs, *, shared: bool, split: int, a_smem: bool, native: bool):
+  """fp8_moe_chained's kernel refs -> dict: inputs (the gate/up role's, the down weights, the counters), outputs
+  (the gate/up partials, h, the down partials, the router's ids / weights), scratch (the router's, the ring, the
+  dequantised-tile tile, the rows tile)."""
+  refs = list(refs)
+  n_gu = 12 if shared else 8  # x, logits, bias, n_valid, w/s gate, w/s up (+ the shared expert's four)
+  r = dict(gu_in=refs[:n_gu])
+  n_dn = 4 if shared else 2
+  r["dn_in"] = refs[n_gu:n_gu + n_dn] + ([None, None] if not shared else [])
+  rest = refs[n_gu + n_dn:]
+  r["ctr"] = rest.pop(0) if native else None
+  r["o_gu"] = rest.pop(0) if split > 1 else None
+  r["h"], r["o_dn"], r["rid"], r["rw"] = rest[:4]
+  scratch = rest[4:]
+  r["router"], (r["wg_s"], r["wu_s"], r["x_s"], r["bar"]) = scratch[:5], scratch[5:9]
+  r["a_s"] = scratch[9] if a_smem else None
+  r["h_s"] = scratch[-1]
+  return r
+
+
+def _moe_chained_kernel(*refs, g1: int, n_split: int, dtiles: int, mp: int, stages: int, tiles: int, split: int,
+                        limit: float, shared: bool, k: int, router: tuple, a_smem: bool):
+  """The native chained MoE: CTAs [0, g1) run the gate/up kernel (rows form, D splits on the counters [0,
+  n_split), each (slot, row tile)'s writer signalling its slot's down counters), the rest the down role."""
+  r = _chain_refs(refs, shared=shared, split=split, a_smem=a_smem, native=True)
+  ctr = r["ctr"]
+  t = lax.axis_index("t")
+
+  @pl.when(t < g1)
+  def _():
+    gate_refs = (r["gu_in"] + ([ctr, r["o_gu"]] if split > 1 else []) + [r["h"], r["rid"], r["rw"], *r["router"],
+                 r["wg_s"], r["wu_s"], r["x_s"], r["bar"]] + ([r["a_s"]] if a_smem else []) + [r["h_s"]])
+    _moe_gate_up_kernel(
+        *gate_refs, mp=mp, bm=_DN_BM, stages=stages, tiles=tiles, split=split, limit=limit, shared=shared,
+        table_k=k, dq=True, a_smem=a_smem, fused_sum=split > 1, rows=True, router=router, rows_weight=False,
+        on_rows=lambda slot: counter_signal_each(ctr.at[pl.ds(n_split + slot * dtiles, dtiles)], dtiles))
+
+  @pl.when(t >= g1)
+  def _():
+    _chain_down(r, t - g1, mp=mp, stages=stages, dtiles=dtiles, shared=shared, k=k, router=router,
+                ready=ctr.at[pl.ds(n_split + t - g1, 1)], count=tiles)
+
+
+def _chain_down(r, t2, *, router: tuple, ready=None, **kw):
+  """The down role of a chained-MoE CTA: its own selection of all k experts with their weights (never stored: the
+  gate/up role's first CTA stores them), then :func:`_moe_down_role`."""
+  E, k, scaling, norm, warp, _ = router
+  ids = _router_in_kernel(r["gu_in"][1:3], [r["rid"], r["rw"], *r["router"]], (E, k, scaling, norm, warp, False),
+                          writer=None, rank=0)
+  rw_s = r["router"][3].at[0] if warp else r["router"][3]
+  _moe_down_role(t2, r["h"], ids, rw_s, *r["dn_in"], r["o_dn"], r["wg_s"], r["wu_s"], r["x_s"], r["bar"],
+                 r["a_s"], ready=ready, **kw)
+
+
+def _moe_chain_down_kernel(*refs, mp: int, stages: int, dtiles: int, shared: bool, k: int, router: tuple,
+                           a_smem: bool):
+  """The down role as a launch of its own (fp8_moe_chained's two-launch form): refs = [h, logits, bias, the down
+  weights, o_dn, the router's scratch, the ring, a_s]."""
+  n_dn = 4 if shared else 2
+  hq, lg, bg = refs[:3]
+  dn = list(refs[3:3 + n_dn]) + ([None, None] if not shared else [])
+  o_dn, *scratch = refs[3 + n_dn:]
+  r = dict(gu_in=[None, lg, bg], dn_in=dn, h=hq, o_dn=o_dn, rid=None, rw=None, router=scratch[:5],
+           wg_s=scratch[5], wu_s=scratch[6], x_s=scratch[7], bar=scratch[8], a_s=scratch[9] if a_smem else None)
+  _chain_down(r, lax.axis_index("t"), mp=mp, stages=stages, dtiles=dtiles, shared=shared, k=k, router=router)
+
+
+@kernel_entry("swiglu_limit", "router_select", "out_dtype", "launches", "dq_dtype", "a_from")
+def fp8_moe_chained(x, logits, bias, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
+                    router_select: tuple, shared=None, counters=None, out_dtype=jnp.float32,
+                    launches: int | None = None, dq_dtype: str = "bfloat16", a_from: str | None = None):
+  """:func:`fp8_moe` for ONE token row with the router's selection in the kernel (``router=(logits, bias)``, dq),
+  as ONE launch of two roles (see the section comment): -> (y [1, D] out_dtype, ids [1, k] int32, weights [1, k]
+  f32), fp8_moe(router=...)'s outputs. The routing weights multiply each slot's down output (fp8_moe rounds h
+  times the weight to bf16 instead): the same sum within h's bf16 rounding.
+
+  logits [1, E] f32, bias [E] f32, router_select = (k, scaling, norm[, warp[, ranks]]) as fp8_moe's. ``counters``:
+  the Ref of :func:`moe_chain_counters` (required by the one-launch form). ``launches``: 1 (the default on a GPU) or
+  2 — gate/up, XLA's split sum and SwiGLU, then the down role as a launch of its own (GPU interpret mode's form:
+  no counters there; and the GPU tests' reference for the one-launch form). Needs I and D multiples of 128."""
+  name = "fp8_moe_chained"
+  launches = launches or (2 if interpreting() else 1)
+  if launches not in (1, 2):
+    raise ValueError(f"{name}: launches = {launches}, expected 1 (one grid, counters) or 2")
+  if launches == 1 and interpreting():
+    raise ValueError(f"{name}: the one-launch form cannot run in GPU interpret mode (no counters): launches=2")
+  m, d = x.shape
+  e_num, inter, d2 = w_gate.shape
+  k, scaling, norm, *opts = router_select
+  warp, ranks = (bool(o) for o in (tuple(opts) + (False, False))[:2])
+  if m != 1 or logits.shape != (1, e_num) or bias.shape != (e_num,):
+    raise ValueError(f"{name}: x {x.shape}, logits {logits.shape}, bias {bias.shape}; expected one token row, "
+                     f"logits [1, {e_num}] and bias [{e_num}]")
+  if d != d2 or w_down.shape != (e_num, d, inter) or w_up.shape != w_gate.shape:
+    raise ValueError(f"{name}: inconsistent MoE weight shapes {w_gate.shape}, {w_up.shape}, {w_down.shape}")
+  if inter % BLOCK or d % BLOCK:
+    raise ValueError(f"{name}: I = {inter}, D = {d}; expected multiples of {BLOCK}")
+  has_sh = shared is not None
+  if has_sh and (shared[0].shape != (inter, d) or shared[4].shape != (d, inter)):
+    raise ValueError(f"{name}: shared expert shapes {shared[0].shape} / {shared[4].shape}, expected {(inter, d)} / "
+                     f"{(d, inter)}")
+  if launches == 1 and (counters is None or counters.shape != (MOE_CHAIN_COUNTERS,)
+                        or counters.dtype != jnp.int32):
+    got = None if counters is None else (counters.shape, counters.dtype)
+    raise ValueError(f"{name}: counters {got}; the one-launch form needs moe_chain_counters()' int32 "
+                     f"[{MOE_CHAIN_COUNTERS}]")
+  dt = _dq_dtype(dq_dtype, name)
+  mp = _padded_rows(m)
+  n_slots = k + int(has_sh)
+  plan = plan_moe(n_slots, inter, d, mp)
+  tiles, split, stages, dtiles = inter // _DN_BM, plan.gu_split, plan.gu_stages, d // BLOCK
+  n_split = n_slots * tiles
+  if launches == 1 and n_split + n_slots * dtiles > MOE_CHAIN_COUNTERS:
+    raise ValueError(f"{name}: {n_split} + {n_slots * dtiles} counters needed, moe_chain_counters() has "
+                     f"{MOE_CHAIN_COUNTERS}")
+  a_smem = _a_smem(a_from)
+  f32 = jnp.float32
+  router_static = (e_num, int(k), float(scaling), bool(norm), warp, ranks)
+  gu_w = [w_gate, s_gate.astype(f32), w_up, s_up.astype(f32)]
+  if has_sh:
+    gu_w += [shared[0], shared[1].astype(f32), shared[2], shared[3].astype(f32)]
+  dn_w = [w_down, s_down.astype(f32)] + ([shared[4], shared[5].astype(f32)] if has_sh else [])
+  gu_in = [_tma_rows(x.astype(dt), mp), logits.astype(f32), bias.astype(f32),
+           jnp.full((4,), n_slots, jnp.int32), *gu_w]
+  ring = [plgpu.SMEM((stages, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((stages, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+          plgpu.SMEM((stages, mp, BLOCK), dt, transforms=_tr(dt, BLOCK)),
+          plgpu.Barrier(num_arrivals=3, num_barriers=stages)]
+  a_tile = [plgpu.SMEM((_DN_BM, BLOCK), dt, transforms=_tr(dt, BLOCK))] if a_smem else []
+  sel_t = (jax.ShapeDtypeStruct((1, k), jnp.int32), jax.ShapeDtypeStruct((1, k), f32))
+  h_t = jax.ShapeDtypeStruct((n_slots, m, inter), dt)
+  o_dn_t = jax.ShapeDtypeStruct((n_slots, d, mp), f32)
+  g1, g2 = n_slots * tiles * split, n_slots * dtiles
+  statics = dict(mp=mp, stages=stages, shared=has_sh, k=int(k), router=router_static, a_smem=a_smem)
+  if launches == 1:
+    parts_t = ((jax.ShapeDtypeStruct((split - 1, n_slots, 2, inter, mp), f32),) if split > 1 else ())
+    outs = mgpu_kernel(
+        functools.partial(_moe_chained_kernel, g1=g1, n_split=n_split, dtiles=dtiles, tiles=tiles, split=split,
+                          limit=float(swiglu_limit), **statics),
+        out_type=(*parts_t, h_t, o_dn_t, *sel_t), grid=(g1 + g2,), grid_names=("t",),
+        kernel_name="glm5_moe_chained",
+        scratch_types=[*router_scratch(e_num, warp), *ring, *a_tile, plgpu.SMEM((m, _DN_BM), dt)],
+    )(*gu_in, *dn_w, counters)
+    o_dn, rid, rw = outs[-3:]
+  else:
+    parts, rid, rw = mgpu_kernel(
+        functools.partial(_moe_gate_up_kernel, mp=mp, bm=_DN_BM, stages=stages, tiles=tiles, split=split,
+                          limit=float(swiglu_limit), shared=has_sh, table_k=int(k), dq=True, a_smem=a_smem,
+                          router=router_static),
+        out_type=(jax.ShapeDtypeStruct((split, n_slots, 2, inter, mp) if split > 1 else (n_slots, inter, mp), f32),
+                  *sel_t),
+        grid=(g1,), grid_names=("t",), kernel_name="glm5_moe_chained_gate_up",
+        scratch_types=[*router_scratch(e_num, warp), *ring, *a_tile],
+    )(*gu_in)
+    if split > 1:  # (h as the one-launch form's writer CTAs form it: the D splits summed, the SwiGLU, bf16 rows)
+      gu = parts[..., :m].sum(0)
+      gate = jnp.minimum(gu[:, 0], swiglu_limit)
+      h = jax.nn.silu(gate) * jnp.clip(gu[:, 1], -swiglu_limit, swiglu_limit)
+    else:
+      h = parts[..., :m]
+    h = jnp.swapaxes(h, 1, 2).astype(dt)  # [slots, m, I]
+    o_dn = mgpu_kernel(
+        functools.partial(_moe_chain_down_kernel, dtiles=dtiles, **statics),
+        out_type=o_dn_t, grid=(g2,), grid_names=("t",), kernel_name="glm5_moe_chained_down",
+        scratch_types=[*router_scratch(e_num, warp), *ring, *a_tile],
+    )(h, logits.astype(f32), bias.astype(f32), *dn_w)
+  y = o_dn[..., :m].sum(0).T.astype(out_dtype)
+  return y, rid, rw
 
 
 def fp8_moe_reference(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,

@@ -451,7 +451,8 @@ CANDIDATE_KERNELS = (("router_route", True), ("linear_fused_sum", True), ("moe_p
 
 
 @pytest.mark.e2e_kernels
-@pytest.mark.parametrize("extra", [(), pytest.param(CANDIDATE_KERNELS, marks=pytest.mark.gpu, id="candidates")])
+@pytest.mark.parametrize("extra", [(), pytest.param(CANDIDATE_KERNELS, marks=pytest.mark.gpu, id="candidates"),
+                                   pytest.param((("moe_chained", True),), marks=pytest.mark.gpu, id="chained")])
 def test_latency_specialized_all_kernels_equals_stock_fp8_cache(extra):
   """Every kernel of latency_specialized (KDA, FP8 GEMV, grouped FP8 MoE, sparse MLA over the FP8 latent cache,
   FP8 indexer scoring; interpret mode on CPU) against the stock path with the same FP8 cache numerics (the

@@ -596,6 +596,65 @@ def test_router_in_the_gate_up_kernel_cross_lowers():
     assert "glm5_moe_gate_up" in low.as_text() and "glm5_router_topk" not in low.as_text()
 
 
+@pytest.mark.parametrize("i,shared,warp,ranks", [(256, True, False, True), (640, False, True, False)])
+def test_fp8_moe_chained_interpret(i, shared, warp, ranks):
+  """fp8_moe_chained's two-launch form (GPU interpret mode: the gate/up kernel, XLA's split sum and SwiGLU, the
+  down role as a launch of its own — the one-launch form's code without the counters): the ids and weights of
+  fp8_moe(router=...) bit for bit, y within bf16 rounding of h of its result (the routing weights multiply the
+  down output instead of h) and of the reference. I = 640: five 128-column blocks through a ring of 4 (refills)."""
+  e, d, k, scaling = 32, 384, 4, 2.5
+  x, _, _, *ws = moe_inputs(jax.random.key(97), 1, e, i, d, k)
+  sh = _shared_expert(jax.random.key(98), i, d) if shared else None
+  logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
+  select = (k, scaling, True, warp, ranks)
+  with maybe_interpret():
+    y0, ids0, w0 = jax.jit(lambda *a: L.fp8_moe(x, None, None, *a, swiglu_limit=1.0, dq=True, shared=sh,
+                                                router=(logits, bias), router_select=select))(*ws)
+    y1, ids1, w1 = jax.jit(lambda *a: L.fp8_moe_chained(x, logits, bias, *a, swiglu_limit=1.0, shared=sh,
+                                                        router_select=select))(*ws)
+  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
+  np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
+  assert y1.shape == (1, d) and y1.dtype == jnp.float32
+  assert_close(y1, y0, "kernel_bf16")
+  assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=1.0, shared=sh), "kernel_bf16")
+
+
+def test_fp8_moe_chained_rejects_bad_input():
+  e, i, d, k = 8, 128, 256, 2
+  x, _, _, *ws = moe_inputs(jax.random.key(99), 2, e, i, d, k)
+  logits, bias = _router_case(0, e, k)
+  with pytest.raises(ValueError, match=r"fp8_moe_chained: x \(2, 256\).*one token row"):
+    L.fp8_moe_chained(x, logits, bias, *ws, swiglu_limit=1.0, router_select=(k, 1.0, True), launches=2)
+  with pytest.raises(ValueError, match="fp8_moe_chained: counters None; the one-launch form needs"):
+    cross_lower(lambda *a: L.fp8_moe_chained(x[:1], logits, bias, *a, swiglu_limit=1.0,
+                                             router_select=(k, 1.0, True), launches=1), *ws)
+  with pytest.raises(ValueError, match="launches = 3"):
+    L.fp8_moe_chained(x[:1], logits, bias, *ws, swiglu_limit=1.0, router_select=(k, 1.0, True), launches=3)
+  with maybe_interpret(True), pytest.raises(ValueError, match="cannot run in GPU interpret mode"):
+    L.fp8_moe_chained(x[:1], logits, bias, *ws, swiglu_limit=1.0, router_select=(k, 1.0, True), launches=1,
+                      counters=L.moe_chain_counters())
+
+
+def test_fp8_moe_chained_cross_lowers():
+  """The one-launch form at the real TP4 rank's MoE (288 experts, top-8 + the shared slot, I = 512, D = 4096)
+  lowers for CUDA: ONE Mosaic call of 288 gate/up + 288 down CTAs taking and returning the counters Ref (with the
+  selection's forms: ranks, warp rows, all k)."""
+  e, i, d, kk = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
+        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
+  for opts in ((False, True), (True, False), (False, False)):
+    txt = cross_lower(lambda x, lg, b, *a: L.fp8_moe_chained(x, lg, b, *a[:6], swiglu_limit=10.0, shared=a[6:],
+                                                             router_select=(kk, 2.5, True, *opts),
+                                                             counters=L.moe_chain_counters()),
+                      SDS((1, d), jnp.bfloat16), SDS((1, e), jnp.float32), SDS((e,), jnp.float32),
+                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                      SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh).as_text()
+    calls = [line.split("->")[-1] for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
+    assert len(calls) == 1 and calls[0].strip().endswith(f"tensor<{L.MOE_CHAIN_COUNTERS}xi32>)"), calls
+    assert f"tensor<9x{d}x8xf32>" in calls[0], calls  # (the down role's partials: one slot per CTA row)
+
+
 def route_ids(rng, m, e, k, bad=False):
   """Router-like ids (k distinct per row, overlapping across rows: e small) and weights; bad: one id out of range
   (dropped by the tables)."""
@@ -872,6 +931,40 @@ def test_fp8_moe_fused_rows_gpu(m):
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
   assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
   assert not np.any(np.asarray(ctr))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dq_dtype", ["bfloat16", "float16"])
+def test_fp8_moe_chained_gpu(dq_dtype):
+  """fp8_moe_chained natively at the real rank's MoE (288 experts, top-8, the shared slot): the one-launch form
+  (the gate/up role's D splits and the down role's wait on the counters) == its two-launch form within f32
+  rounding (the D splits added in another order can round h to bf16 differently at a few elements: bf16), the
+  same ids and weights as fp8_moe(router=...) and its result within bf16 rounding of h; bit-equal from call to
+  call on one counters Ref, which each call leaves zero."""
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  x, _, _, *ws = moe_inputs(jax.random.key(360), 1, e, i, d, k)
+  sh = _shared_expert(jax.random.key(361), i, d)
+  logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
+  select = (k, 2.5, True, False, True)
+
+  def run(x, logits, bias, ws, sh):  # (weights as arguments: closed over, jit embeds them as constants)
+    c = L.moe_chain_counters()
+    f = lambda: L.fp8_moe_chained(x, logits, bias, *ws, swiglu_limit=10.0, shared=sh,  # noqa: E731
+                                  router_select=select, counters=c, dq_dtype=dq_dtype)
+    two = L.fp8_moe_chained(x, logits, bias, *ws, swiglu_limit=10.0, shared=sh, router_select=select, launches=2,
+                            dq_dtype=dq_dtype)
+    ref = L.fp8_moe(x, None, None, *ws, swiglu_limit=10.0, shared=sh, dq=True, dq_dtype=dq_dtype,
+                    router=(logits, bias), router_select=select)
+    return f(), f(), c[...], two, ref
+  (y1, ids1, w1), (y2, _, _), ctr, (y3, ids3, _), (y0, ids0, w0) = jax.jit(run)(x, logits, bias, ws, sh)
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
+  assert not np.any(np.asarray(ctr)), np.nonzero(np.asarray(ctr))
+  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
+  np.testing.assert_array_equal(np.asarray(ids3), np.asarray(ids0))
+  np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
+  assert_close(y1, y3, "kernel_bf16")
+  assert_close(y1, y0, "kernel_bf16")
+  assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=10.0, shared=sh), "kernel_bf16")
 
 
 @pytest.mark.gpu

@@ -501,3 +501,24 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
   np.testing.assert_array_equal(e2, e0)
   np.testing.assert_array_equal(h2, h0)
   assert "one token row" in run(2, fused, trace_only=True)[1]["moe_router_in_kernel"]
+
+
+def test_chained_moe_at_the_model_site():
+  """Policy moe_chained at the model's single-row MoE (one layer, one token; GPU interpret mode runs its two-launch
+  form): the expert ids of moe_router_in_kernel's fp8_moe exactly, the hidden state within bf16 rounding of h (the
+  routing weights multiply the down output instead of h); the report names the site, and without the router in
+  the gate/up kernel (a form it chains) the site is fp8_moe's."""
+  path = tiny_checkpoint("kernel-tiny", 7, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
+                         moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4)
+  m = load(path, "float32")
+  base = {k: False for k in ("kda", "fp8_linear", "indexer", "sparse_mla", "mhc")} | {
+      "fp8_moe": True, "router_kernel": True, "moe_router_in_kernel": True}
+  run = functools.partial(_extend_one_token, m, seed=5)
+  (h0, e0), rep0 = run(1, base)
+  (h1, e1), rep = run(1, base | {"moe_chained": True})
+  assert rep0["moe_chained"] == "off in the policy" and rep["moe_chained"] is None, (rep0, rep)
+  np.testing.assert_array_equal(e1, e0)
+  np.testing.assert_allclose(h1, h0, **tol("kernel_bf16"))
+  assert not np.array_equal(h1, h0)  # (another rounding of h: the chained form ran)
+  rep = run(1, base | {"moe_chained": True, "moe_router_in_kernel": False}, trace_only=True)[1]
+  assert "moe_chained" not in rep, rep
