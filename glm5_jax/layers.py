@@ -190,6 +190,11 @@ KNOBS = {
         "µs on the MoE sublayer's chain (session 43's timeline: each launch starts cold and ends in a tail), the "
         "down weights stream during the gate/up role's tail. GPU interpret mode runs its two-launch form (no "
         "counters) — off until measured"),
+    "moe_chained_sum": (False,
+        "with moe_chained (natively): its down role's slots of a row tile summed by the tile's last slot's CTA "
+        "(dispatched last; linear._split_reduce on the chained counters) and written as the rows y "
+        "(fp8_moe_chained(sum_rows=True)) instead of XLA's sum after the launch (1.4 µs + a launch on the MoE "
+        "sublayer's chain, session 43) — off until measured"),
     "moe_balanced": (False,
         "with fp8_moe and fp8_dq on, at one token row (moe_persistent off): the MoE's two kernels with the work "
         "dealt out evenly (pallas_kernels.linear.fp8_moe_balanced): the 2,304 gate/up items (the real TP4 rank) in "
@@ -1160,10 +1165,16 @@ class MoE(nnx.Module):
         # gate/up tail); natively on the scope's counters, in interpret mode its two-launch form
         if kernel_enabled("moe_chained", rows, fits=dq and (_interpreting() or _COUNTERS.get() is not None),
                           why="fp8_dq on and (natively) a step's counters scope"):
+          # moe_chained_sum: the slots' down outputs summed in the kernel too, written as the rows (in the model's
+          # dtype where no all-reduce follows, f32 before one — as linear_fused_sum's)
+          sums = {}
+          if kernel_enabled("moe_chained_sum", rows, fits=not _interpreting(),
+                            why="GPU interpret mode runs no counters (the two-launch form)"):
+            sums = dict(sum_rows=True, out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
           y, ids, _ = kl.fp8_moe_chained(
               xf, logits, bias, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],
               ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, router_select=select, shared=sew,
-              counters=None if _interpreting() else _chain_counters(kl), **f16)
+              counters=None if _interpreting() else _chain_counters(kl), **sums, **f16)
         else:
           y, ids, _ = moe(xf, None, None, router=(logits, bias), router_select=select)
       else:

@@ -1459,12 +1459,14 @@ def moe_chain_counters():
 
 
 def _moe_down_role(t2, hq_ref, ids_s, rw_s, wd_ref, sd_ref, wds_ref, sds_ref, o_ref, wg_s, wu_s, x_s, bar, a_s, *,
-                   mp: int, stages: int, dtiles: int, shared: bool, k: int, ready=None, count: int = 0):
+                   mp: int, stages: int, dtiles: int, shared: bool, k: int, ready=None, count: int = 0,
+                   out=None):
   """One down CTA of :func:`fp8_moe_chained` = (slot s, 128 rows of D): o[s, rows] = w_s · down_e(s)[rows] @ h[s]
   over I (the shared slot: weight 1, its own refs wds / sds). The tile's two 64-row halves go through the gate/up
   ring's gate / up slots (wg_s, wu_s), h's 128-column blocks (TMA'd rows past h's m real ones: zeros) through its x
   slots. The weight tiles are requested first; ``ready`` (this CTA's counter, signalled ``count`` times once h[s]
-  is written) is waited for before h's blocks are."""
+  is written) is waited for before h's blocks are. ``out(s, dtile, row0, a, b)``: the weighted halves' store (by
+  default to o[s, rows])."""
   s, dtile = t2 // dtiles, t2 % dtiles
   row0 = dtile * BLOCK
   ib_n = hq_ref.shape[2] // BLOCK
@@ -1523,35 +1525,42 @@ def _moe_down_role(t2, hq_ref, ids_s, rw_s, wd_ref, sd_ref, wds_ref, sds_ref, o_
 
   zero = plgpu.layout_cast(jnp.zeros((_DN_BM, mp), jnp.float32), plgpu.Layout.WGMMA)
   acc_a, acc_b = lax.fori_loop(0, ib_n, step, (zero, zero))
+  if out is not None:
+    out(s, dtile, row0, acc_a * w, acc_b * w)
+    return
   o_ref[s, pl.ds(row0, _DN_BM), :] = acc_a * w
   o_ref[s, pl.ds(row0 + _DN_BM, _DN_BM), :] = acc_b * w
 
 
-def _chain_refs(refs, *, shared: bool, split: int, a_smem: bool, native: bool):
-  """fp8_moe_chained's kernel refs -> dict: inputs (the gate/up role's, the down weights, the counters), outputs
-  (the gate/up partials, h, the down partials, the router's ids / weights), scratch (the router's, the ring, the
-  dequantised-tile tile, the rows tile)."""
+def _chain_refs(refs, *, shared: bool, split: int, a_smem: bool, sum_rows: bool):
+  """The one-launch kernel's refs -> dict: inputs (the gate/up role's, the down weights, the counters), outputs
+  (the gate/up partials, h, the down partials, with ``sum_rows`` the rows y, the router's ids / weights), scratch
+  (the router's, the ring, the dequantised-weight tile, h's rows tile, with ``sum_rows`` y's)."""
   refs = list(refs)
   n_gu = 12 if shared else 8  # x, logits, bias, n_valid, w/s gate, w/s up (+ the shared expert's four)
   r = dict(gu_in=refs[:n_gu])
   n_dn = 4 if shared else 2
   r["dn_in"] = refs[n_gu:n_gu + n_dn] + ([None, None] if not shared else [])
   rest = refs[n_gu + n_dn:]
-  r["ctr"] = rest.pop(0) if native else None
+  r["ctr"] = rest.pop(0)
   r["o_gu"] = rest.pop(0) if split > 1 else None
-  r["h"], r["o_dn"], r["rid"], r["rw"] = rest[:4]
-  scratch = rest[4:]
-  r["router"], (r["wg_s"], r["wu_s"], r["x_s"], r["bar"]) = scratch[:5], scratch[5:9]
-  r["a_s"] = scratch[9] if a_smem else None
-  r["h_s"] = scratch[-1]
+  r["h"], r["o_dn"] = rest.pop(0), rest.pop(0)
+  r["y"] = rest.pop(0) if sum_rows else None
+  r["rid"], r["rw"] = rest.pop(0), rest.pop(0)
+  r["y_s"] = rest.pop() if sum_rows else None
+  r["router"], (r["wg_s"], r["wu_s"], r["x_s"], r["bar"]) = rest[:5], rest[5:9]
+  r["a_s"] = rest[9] if a_smem else None
+  r["h_s"] = rest[-1]
   return r
 
 
 def _moe_chained_kernel(*refs, g1: int, n_split: int, dtiles: int, mp: int, stages: int, tiles: int, split: int,
-                        limit: float, shared: bool, k: int, router: tuple, a_smem: bool):
+                        limit: float, shared: bool, k: int, router: tuple, a_smem: bool, sum_rows: bool):
   """The native chained MoE: CTAs [0, g1) run the gate/up kernel (rows form, D splits on the counters [0,
-  n_split), each (slot, row tile)'s writer signalling its slot's down counters), the rest the down role."""
-  r = _chain_refs(refs, shared=shared, split=split, a_smem=a_smem, native=True)
+  n_split), each (slot, row tile)'s writer signalling its slot's down counters [n_split, n_split + G2)), the rest
+  the down role — with ``sum_rows`` the slots of a row tile summed by its last slot's CTA (dispatched last) on
+  the counters after those, and written as the rows y (``_split_reduce``, ``_rows_out``)."""
+  r = _chain_refs(refs, shared=shared, split=split, a_smem=a_smem, sum_rows=sum_rows)
   ctr = r["ctr"]
   t = lax.axis_index("t")
 
@@ -1564,10 +1573,21 @@ def _moe_chained_kernel(*refs, g1: int, n_split: int, dtiles: int, mp: int, stag
         table_k=k, dq=True, a_smem=a_smem, fused_sum=split > 1, rows=True, router=router, rows_weight=False,
         on_rows=lambda slot: counter_signal_each(ctr.at[pl.ds(n_split + slot * dtiles, dtiles)], dtiles))
 
+  n_slots = k + int(shared)
+  sums = n_split + n_slots * dtiles  # (the row tiles' slot-sum counters)
+
+  def out(s, dtile, row0, a, b):  # the slots of a row tile summed in the kernel, written as the rows y
+    halves = [r["o_dn"].at[:, pl.ds(row0 + h * _DN_BM, _DN_BM)] for h in (0, 1)]
+
+    def finish(ta, tb):
+      for h, tot in enumerate((ta, tb)):
+        _rows_out((r["y"], r["y_s"]), tot, row0=row0 + h * _DN_BM)
+    _split_reduce(ctr.at[pl.ds(sums + dtile, 1)], halves, [a, b], finish, sk=s, split=n_slots)
+
   @pl.when(t >= g1)
   def _():
     _chain_down(r, t - g1, mp=mp, stages=stages, dtiles=dtiles, shared=shared, k=k, router=router,
-                ready=ctr.at[pl.ds(n_split + t - g1, 1)], count=tiles)
+                ready=ctr.at[pl.ds(n_split + t - g1, 1)], count=tiles, out=out if sum_rows else None)
 
 
 def _chain_down(r, t2, *, router: tuple, ready=None, **kw):
@@ -1594,10 +1614,11 @@ def _moe_chain_down_kernel(*refs, mp: int, stages: int, dtiles: int, shared: boo
   _chain_down(r, lax.axis_index("t"), mp=mp, stages=stages, dtiles=dtiles, shared=shared, k=k, router=router)
 
 
-@kernel_entry("swiglu_limit", "router_select", "out_dtype", "launches", "dq_dtype", "a_from")
+@kernel_entry("swiglu_limit", "router_select", "out_dtype", "launches", "dq_dtype", "a_from", "sum_rows")
 def fp8_moe_chained(x, logits, bias, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
                     router_select: tuple, shared=None, counters=None, out_dtype=jnp.float32,
-                    launches: int | None = None, dq_dtype: str = "bfloat16", a_from: str | None = None):
+                    launches: int | None = None, dq_dtype: str = "bfloat16", a_from: str | None = None,
+                    sum_rows: bool = False):
   """:func:`fp8_moe` for ONE token row with the router's selection in the kernel (``router=(logits, bias)``, dq),
   as ONE launch of two roles (see the section comment): -> (y [1, D] out_dtype, ids [1, k] int32, weights [1, k]
   f32), fp8_moe(router=...)'s outputs. The routing weights multiply each slot's down output (fp8_moe rounds h
@@ -1606,7 +1627,9 @@ def fp8_moe_chained(x, logits, bias, w_gate, s_gate, w_up, s_up, w_down, s_down,
   logits [1, E] f32, bias [E] f32, router_select = (k, scaling, norm[, warp[, ranks]]) as fp8_moe's. ``counters``:
   the Ref of :func:`moe_chain_counters` (required by the one-launch form). ``launches``: 1 (the default on a GPU) or
   2 — gate/up, XLA's split sum and SwiGLU, then the down role as a launch of its own (GPU interpret mode's form:
-  no counters there; and the GPU tests' reference for the one-launch form). Needs I and D multiples of 128."""
+  no counters there; and the GPU tests' reference for the one-launch form). ``sum_rows`` (one launch): the slots'
+  down outputs of a row tile summed by its last slot's CTA and written as y in out_dtype (no XLA sum after the
+  kernel). Needs I and D multiples of 128."""
   name = "fp8_moe_chained"
   launches = launches or (2 if interpreting() else 1)
   if launches not in (1, 2):
@@ -1639,9 +1662,11 @@ def fp8_moe_chained(x, logits, bias, w_gate, s_gate, w_up, s_up, w_down, s_down,
   plan = plan_moe(n_slots, inter, d, mp)
   tiles, split, stages, dtiles = inter // _DN_BM, plan.gu_split, plan.gu_stages, d // BLOCK
   n_split = n_slots * tiles
-  if launches == 1 and n_split + n_slots * dtiles > MOE_CHAIN_COUNTERS:
-    raise ValueError(f"{name}: {n_split} + {n_slots * dtiles} counters needed, moe_chain_counters() has "
+  if launches == 1 and n_split + (n_slots + 1) * dtiles > MOE_CHAIN_COUNTERS:
+    raise ValueError(f"{name}: {n_split} + {(n_slots + 1) * dtiles} counters needed, moe_chain_counters() has "
                      f"{MOE_CHAIN_COUNTERS}")
+  if sum_rows and launches != 1:
+    raise ValueError(f"{name}: sum_rows needs the one-launch form (its counters)")
   a_smem = _a_smem(a_from)
   f32 = jnp.float32
   router_static = (e_num, int(k), float(scaling), bool(norm), warp, ranks)
@@ -1663,14 +1688,19 @@ def fp8_moe_chained(x, logits, bias, w_gate, s_gate, w_up, s_up, w_down, s_down,
   statics = dict(mp=mp, stages=stages, shared=has_sh, k=int(k), router=router_static, a_smem=a_smem)
   if launches == 1:
     parts_t = ((jax.ShapeDtypeStruct((split - 1, n_slots, 2, inter, mp), f32),) if split > 1 else ())
+    y_t = ((jax.ShapeDtypeStruct((n_slots - 1, d, mp), f32), jax.ShapeDtypeStruct((m, d), out_dtype)) if sum_rows
+           else (o_dn_t,))
     outs = mgpu_kernel(
         functools.partial(_moe_chained_kernel, g1=g1, n_split=n_split, dtiles=dtiles, tiles=tiles, split=split,
-                          limit=float(swiglu_limit), **statics),
-        out_type=(*parts_t, h_t, o_dn_t, *sel_t), grid=(g1 + g2,), grid_names=("t",),
+                          limit=float(swiglu_limit), sum_rows=sum_rows, **statics),
+        out_type=(*parts_t, h_t, *y_t, *sel_t), grid=(g1 + g2,), grid_names=("t",),
         kernel_name="glm5_moe_chained",
-        scratch_types=[*router_scratch(e_num, warp), *ring, *a_tile, plgpu.SMEM((m, _DN_BM), dt)],
+        scratch_types=[*router_scratch(e_num, warp), *ring, *a_tile, plgpu.SMEM((m, _DN_BM), dt),
+                       *([plgpu.SMEM((m, _DN_BM), out_dtype)] if sum_rows else [])],
     )(*gu_in, *dn_w, counters)
     o_dn, rid, rw = outs[-3:]
+    if sum_rows:  # (the kernel's rows y in place of the partials)
+      return o_dn, rid, rw
   else:
     parts, rid, rw = mgpu_kernel(
         functools.partial(_moe_gate_up_kernel, mp=mp, bm=_DN_BM, stages=stages, tiles=tiles, split=split,

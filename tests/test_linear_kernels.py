@@ -638,21 +638,24 @@ def test_fp8_moe_chained_rejects_bad_input():
 def test_fp8_moe_chained_cross_lowers():
   """The one-launch form at the real TP4 rank's MoE (288 experts, top-8 + the shared slot, I = 512, D = 4096)
   lowers for CUDA: ONE Mosaic call of 288 gate/up + 288 down CTAs taking and returning the counters Ref (with the
-  selection's forms: ranks, warp rows, all k)."""
+  selection's forms: ranks, warp rows, all k; with the ranks, the slots summed in the kernel as the rows y)."""
   e, i, d, kk = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
         SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
   for opts in ((False, True), (True, False), (False, False)):
     txt = cross_lower(lambda x, lg, b, *a: L.fp8_moe_chained(x, lg, b, *a[:6], swiglu_limit=10.0, shared=a[6:],
                                                              router_select=(kk, 2.5, True, *opts),
-                                                             counters=L.moe_chain_counters()),
+                                                             counters=L.moe_chain_counters(),
+                                                             sum_rows=opts == (False, True), out_dtype=jnp.bfloat16),
                       SDS((1, d), jnp.bfloat16), SDS((1, e), jnp.float32), SDS((e,), jnp.float32),
                       SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
                       SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
                       SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh).as_text()
     calls = [line.split("->")[-1] for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
     assert len(calls) == 1 and calls[0].strip().endswith(f"tensor<{L.MOE_CHAIN_COUNTERS}xi32>)"), calls
-    assert f"tensor<9x{d}x8xf32>" in calls[0], calls  # (the down role's partials: one slot per CTA row)
+    # (the down role's partials: one slot per CTA row; with sum_rows 8 of them and the rows y)
+    want = f"tensor<8x{d}x8xf32>, tensor<1x{d}xbf16>" if opts == (False, True) else f"tensor<9x{d}x8xf32>"
+    assert want in calls[0], calls
 
 
 def route_ids(rng, m, e, k, bad=False):
@@ -940,7 +943,8 @@ def test_fp8_moe_chained_gpu(dq_dtype):
   (the gate/up role's D splits and the down role's wait on the counters) == its two-launch form within f32
   rounding (the D splits added in another order can round h to bf16 differently at a few elements: bf16), the
   same ids and weights as fp8_moe(router=...) and its result within bf16 rounding of h; bit-equal from call to
-  call on one counters Ref, which each call leaves zero."""
+  call on one counters Ref, which each call leaves zero; with sum_rows (the slots summed in the kernel) its sum
+  within f32 rounding."""
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   x, _, _, *ws = moe_inputs(jax.random.key(360), 1, e, i, d, k)
   sh = _shared_expert(jax.random.key(361), i, d)
@@ -953,10 +957,13 @@ def test_fp8_moe_chained_gpu(dq_dtype):
                                   router_select=select, counters=c, dq_dtype=dq_dtype)
     two = L.fp8_moe_chained(x, logits, bias, *ws, swiglu_limit=10.0, shared=sh, router_select=select, launches=2,
                             dq_dtype=dq_dtype)
+    rows = L.fp8_moe_chained(x, logits, bias, *ws, swiglu_limit=10.0, shared=sh, router_select=select, counters=c,
+                             dq_dtype=dq_dtype, sum_rows=True)[0]
     ref = L.fp8_moe(x, None, None, *ws, swiglu_limit=10.0, shared=sh, dq=True, dq_dtype=dq_dtype,
                     router=(logits, bias), router_select=select)
-    return f(), f(), c[...], two, ref
-  (y1, ids1, w1), (y2, _, _), ctr, (y3, ids3, _), (y0, ids0, w0) = jax.jit(run)(x, logits, bias, ws, sh)
+    return f(), f(), rows, c[...], two, ref
+  (y1, ids1, w1), (y2, _, _), y4, ctr, (y3, ids3, _), (y0, ids0, w0) = jax.jit(run)(x, logits, bias, ws, sh)
+  assert_close(y4, y1, "kernel_f32")  # (sum_rows: the slots summed in the kernel, in another order)
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
   assert not np.any(np.asarray(ctr)), np.nonzero(np.asarray(ctr))
   np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
