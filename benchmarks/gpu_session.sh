@@ -71,6 +71,8 @@
 #                             mhc_fused_sums, the grid-barrier boundary, PDL, rotating index queries, router_route,
 #                             the sparse MLA's merge forms), bench_topk, bench_pdl (PDL inside the CUDA graph?),
 #                             bench_mhc (narrow / sums / grid)
+#   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
+#                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
 #   s44a (nvidia-h200):       the single-row MoE as ONE launch of two roles (fp8_moe_chained, knob moe_chained): its
 #                             GPU tests and the end-to-end test with it, bench_linear moerk vs moech, then q = 1:
 #                             defaults vs moe_chained (5 interleaved repeats, 80 steps)
@@ -601,6 +603,18 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s44b)  # (nvidia-h200) s44a: the chained MoE 34.2 µs alone vs 24.2 + glue, the step 4.16 -> 4.51 ms — the down
+    # CTAs dispatched late (as gate/up CTAs retire) ran the router's selection (~5 µs) before their first weight
+    # request. Now they read the writer's stored selection (a counter it raises by G2, each down CTA taking 1).
+    # GPU tests (with the slots summed in the kernel: moe_chained_sum), alone, then q = 1: defaults vs both
+    gt 150 "tests/test_linear_kernels.py" "chained"
+    timeout -s INT 100 python3 benchmarks/bench_linear.py --rows 1 --only moerk,moech > "$OUT/bench_linear.log" 2>&1
+    set -- '{}'
+    grep -q "PASSED.*chained_gpu\[bfloat16\]" "$OUT/gpu_tests.log" && set -- "$@" '{"moe_chained": true}' \
+      '{"moe_chained": true, "moe_chained_sum": true}'
+    [ $# -eq 3 ] && [ "$(left)" -gt 200 ] && rank1 s44b --q 1 --steps-per-call 4 --interleave --repeats 4 \
+      --steps 80 --policy "$@"
     ;;
   s44a)  # (nvidia-h200) s43's timeline: the MoE sublayer is 40 % of the step, its chain gate/up 18.1 -> glue 2.3 ->
     # down 8.4 -> sum 1.4 µs, each launch cold at its start and in a tail at its end. fp8_moe_chained (knob

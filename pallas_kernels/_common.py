@@ -92,11 +92,12 @@ def counter_signal(ref):
   _counter_op(ref, signal=True)
 
 
-def counter_signal_each(ref, n: int):
+def counter_signal_each(ref, n: int, value: int = 1):
   """Add 1 to each of the ``n`` counters of ``ref`` (int32 [n], GMEM) once per warpgroup, with release semantics
   (GPU scope), after a proxy fence: the warpgroup's completed TMA stores (``plgpu.wait_smem_to_gmem``) are visible
-  to a consumer that TMA-loads what they wrote after :func:`counter_wait` (``async_reads``)."""
-  _counter_op(ref, signal=True, each=n)
+  to a consumer that TMA-loads what they wrote after :func:`counter_wait` (``async_reads``). ``value``: added
+  instead of 1 (e.g. the number of waiters that each take 1: a self-resetting broadcast)."""
+  _counter_op(ref, signal=True, each=n, value=value)
 
 
 def counter_wait(ref, count: int, *, take: bool = False, async_reads: bool = False):
@@ -106,7 +107,7 @@ def counter_wait(ref, count: int, *, take: bool = False, async_reads: bool = Fal
 
 
 def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False, each: int = 0,
-                async_reads: bool = False):
+                async_reads: bool = False, value: int = 1):
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
   def op(_, counter):
     ptr = _mgpu_utils.memref_ptr(counter)
@@ -120,7 +121,7 @@ def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False
       from jax._src.lib.mlir import ir  # noqa: PLC0415
       i32 = ir.IntegerType.get_signless(32)
       for i in range(each):
-        _mgpu_utils.SemaphoreRef(_mgpu_utils.getelementptr(ptr, [i], i32)).signal(1, memory_scope="gpu")
+        _mgpu_utils.SemaphoreRef(_mgpu_utils.getelementptr(ptr, [i], i32)).signal(value, memory_scope="gpu")
     else:
       sem.wait(count, decrement=take, memory_scope="gpu")
       if async_reads:

@@ -772,7 +772,7 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
                         rows: bool = False, router: tuple | None = None, rows_weight: bool = True,
-                        on_rows=None):
+                        on_rows=None, on_select=None):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -783,7 +783,8 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   ``table_k``, else r [n_pad, mp]) — with ``fused_sum`` (split > 1) by the last D split's CTA of the (slot, row
   tile) on split-K counters (an input after the weights), the other splits' partials in o [split - 1, ...].
   ``rows_weight`` False: the rows without the routing weights (no weights input; fp8_moe_chained applies them in
-  its down role); ``on_rows(slot)``: called by the CTA that wrote a (slot, row tile)'s rows, after them."""
+  its down role); ``on_rows(slot)``: called by the CTA that wrote a (slot, row tile)'s rows, after them;
+  ``on_select()``: by the router's writer CTA after it stored the selection."""
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
@@ -805,7 +806,8 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   tile, sk = rem % tiles, rem // tiles
   steps = xq_ref.shape[1] // BLOCK // split
   if router is not None:  # the router's selection in this CTA: the slot table from its registers (_router_in_kernel)
-    eids_ref = _router_in_kernel(eids_ref, router_refs, router, writer=t == 0, rank=slot_id - int(shared))
+    eids_ref = _router_in_kernel(eids_ref, router_refs, router, writer=t == 0, rank=slot_id - int(shared),
+                                 on_store=on_select)
 
   @pl.when(slot_id < nvalid_ref[0])
   def _():
@@ -891,7 +893,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       o_ref[sk, slot_id, 1, pl.ds(row0, bm), :] = acc_u * sx
 
 
-def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank):
+def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank, on_store=None):
   """The router's selection (pallas_kernels.router: the row's logits and bias staged into SMEM, rounds of
   reductions) inside a gate/up CTA of a single token row, before its first weight request — instead of a router
   kernel of its own on the MoE layer's critical path. router = (E, k, scaling, norm, warp, ranks): ``warp`` selects
@@ -920,6 +922,8 @@ def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank):
     plgpu.copy_smem_to_gmem(row0(ids_s).at[pl.ds(0, k)], rid_g.at[0])
     plgpu.copy_smem_to_gmem(row0(w_s).at[pl.ds(0, k)], rw_g.at[0])
     plgpu.wait_smem_to_gmem(0)
+    if on_store is not None:  # (fp8_moe_chained: its down CTAs read them)
+      on_store()
 
   def select_all():
     stage()
@@ -1563,6 +1567,10 @@ def _moe_chained_kernel(*refs, g1: int, n_split: int, dtiles: int, mp: int, stag
   r = _chain_refs(refs, shared=shared, split=split, a_smem=a_smem, sum_rows=sum_rows)
   ctr = r["ctr"]
   t = lax.axis_index("t")
+  n_slots = k + int(shared)
+  g2 = n_slots * dtiles
+  sums = n_split + g2  # (the row tiles' slot-sum counters, then the selection's: its writer adds G2, each down
+  sel = sums + dtiles  # CTA takes 1)
 
   @pl.when(t < g1)
   def _():
@@ -1571,10 +1579,9 @@ def _moe_chained_kernel(*refs, g1: int, n_split: int, dtiles: int, mp: int, stag
     _moe_gate_up_kernel(
         *gate_refs, mp=mp, bm=_DN_BM, stages=stages, tiles=tiles, split=split, limit=limit, shared=shared,
         table_k=k, dq=True, a_smem=a_smem, fused_sum=split > 1, rows=True, router=router, rows_weight=False,
-        on_rows=lambda slot: counter_signal_each(ctr.at[pl.ds(n_split + slot * dtiles, dtiles)], dtiles))
+        on_rows=lambda slot: counter_signal_each(ctr.at[pl.ds(n_split + slot * dtiles, dtiles)], dtiles),
+        on_select=lambda: counter_signal_each(ctr.at[pl.ds(sel, 1)], 1, value=g2))
 
-  n_slots = k + int(shared)
-  sums = n_split + n_slots * dtiles  # (the row tiles' slot-sum counters)
 
   def out(s, dtile, row0, a, b):  # the slots of a row tile summed in the kernel, written as the rows y
     halves = [r["o_dn"].at[:, pl.ds(row0 + h * _DN_BM, _DN_BM)] for h in (0, 1)]
@@ -1586,32 +1593,21 @@ def _moe_chained_kernel(*refs, g1: int, n_split: int, dtiles: int, mp: int, stag
 
   @pl.when(t >= g1)
   def _():
-    _chain_down(r, t - g1, mp=mp, stages=stages, dtiles=dtiles, shared=shared, k=k, router=router,
-                ready=ctr.at[pl.ds(n_split + t - g1, 1)], count=tiles, out=out if sum_rows else None)
+    counter_wait(ctr.at[pl.ds(sel, 1)], 1, take=True)
+    _moe_down_role(t - g1, r["h"], r["rid"].at[0], r["rw"].at[0], *r["dn_in"], r["o_dn"], r["wg_s"], r["wu_s"],
+                   r["x_s"], r["bar"], r["a_s"], mp=mp, stages=stages, dtiles=dtiles, shared=shared, k=k,
+                   ready=ctr.at[pl.ds(n_split + t - g1, 1)], count=tiles, out=out if sum_rows else None)
 
 
-def _chain_down(r, t2, *, router: tuple, ready=None, **kw):
-  """The down role of a chained-MoE CTA: its own selection of all k experts with their weights (never stored: the
-  gate/up role's first CTA stores them), then :func:`_moe_down_role`."""
-  E, k, scaling, norm, warp, _ = router
-  ids = _router_in_kernel(r["gu_in"][1:3], [r["rid"], r["rw"], *r["router"]], (E, k, scaling, norm, warp, False),
-                          writer=None, rank=0)
-  rw_s = r["router"][3].at[0] if warp else r["router"][3]
-  _moe_down_role(t2, r["h"], ids, rw_s, *r["dn_in"], r["o_dn"], r["wg_s"], r["wu_s"], r["x_s"], r["bar"],
-                 r["a_s"], ready=ready, **kw)
-
-
-def _moe_chain_down_kernel(*refs, mp: int, stages: int, dtiles: int, shared: bool, k: int, router: tuple,
-                           a_smem: bool):
-  """The down role as a launch of its own (fp8_moe_chained's two-launch form): refs = [h, logits, bias, the down
-  weights, o_dn, the router's scratch, the ring, a_s]."""
+def _moe_chain_down_kernel(*refs, mp: int, stages: int, dtiles: int, shared: bool, k: int, a_smem: bool):
+  """The down role as a launch of its own (fp8_moe_chained's two-launch form): refs = [h, the selection's ids and
+  weights [1, k], the down weights, o_dn, the ring, a_s]."""
   n_dn = 4 if shared else 2
-  hq, lg, bg = refs[:3]
+  hq, rid, rw = refs[:3]
   dn = list(refs[3:3 + n_dn]) + ([None, None] if not shared else [])
-  o_dn, *scratch = refs[3 + n_dn:]
-  r = dict(gu_in=[None, lg, bg], dn_in=dn, h=hq, o_dn=o_dn, rid=None, rw=None, router=scratch[:5],
-           wg_s=scratch[5], wu_s=scratch[6], x_s=scratch[7], bar=scratch[8], a_s=scratch[9] if a_smem else None)
-  _chain_down(r, lax.axis_index("t"), mp=mp, stages=stages, dtiles=dtiles, shared=shared, k=k, router=router)
+  o_dn, wg_s, wu_s, x_s, bar, *a_s = refs[3 + n_dn:]
+  _moe_down_role(lax.axis_index("t"), hq, rid.at[0], rw.at[0], *dn, o_dn, wg_s, wu_s, x_s, bar,
+                 a_s[0] if a_smem else None, mp=mp, stages=stages, dtiles=dtiles, shared=shared, k=k)
 
 
 @kernel_entry("swiglu_limit", "router_select", "out_dtype", "launches", "dq_dtype", "a_from", "sum_rows")
@@ -1662,8 +1658,8 @@ def fp8_moe_chained(x, logits, bias, w_gate, s_gate, w_up, s_up, w_down, s_down,
   plan = plan_moe(n_slots, inter, d, mp)
   tiles, split, stages, dtiles = inter // _DN_BM, plan.gu_split, plan.gu_stages, d // BLOCK
   n_split = n_slots * tiles
-  if launches == 1 and n_split + (n_slots + 1) * dtiles > MOE_CHAIN_COUNTERS:
-    raise ValueError(f"{name}: {n_split} + {(n_slots + 1) * dtiles} counters needed, moe_chain_counters() has "
+  if launches == 1 and n_split + (n_slots + 1) * dtiles + 1 > MOE_CHAIN_COUNTERS:
+    raise ValueError(f"{name}: {n_split} + {(n_slots + 1) * dtiles + 1} counters needed, moe_chain_counters() has "
                      f"{MOE_CHAIN_COUNTERS}")
   if sum_rows and launches != 1:
     raise ValueError(f"{name}: sum_rows needs the one-launch form (its counters)")
@@ -1685,14 +1681,14 @@ def fp8_moe_chained(x, logits, bias, w_gate, s_gate, w_up, s_up, w_down, s_down,
   h_t = jax.ShapeDtypeStruct((n_slots, m, inter), dt)
   o_dn_t = jax.ShapeDtypeStruct((n_slots, d, mp), f32)
   g1, g2 = n_slots * tiles * split, n_slots * dtiles
-  statics = dict(mp=mp, stages=stages, shared=has_sh, k=int(k), router=router_static, a_smem=a_smem)
+  statics = dict(mp=mp, stages=stages, shared=has_sh, k=int(k), a_smem=a_smem)
   if launches == 1:
     parts_t = ((jax.ShapeDtypeStruct((split - 1, n_slots, 2, inter, mp), f32),) if split > 1 else ())
     y_t = ((jax.ShapeDtypeStruct((n_slots - 1, d, mp), f32), jax.ShapeDtypeStruct((m, d), out_dtype)) if sum_rows
            else (o_dn_t,))
     outs = mgpu_kernel(
         functools.partial(_moe_chained_kernel, g1=g1, n_split=n_split, dtiles=dtiles, tiles=tiles, split=split,
-                          limit=float(swiglu_limit), sum_rows=sum_rows, **statics),
+                          limit=float(swiglu_limit), sum_rows=sum_rows, router=router_static, **statics),
         out_type=(*parts_t, h_t, *y_t, *sel_t), grid=(g1 + g2,), grid_names=("t",),
         kernel_name="glm5_moe_chained",
         scratch_types=[*router_scratch(e_num, warp), *ring, *a_tile, plgpu.SMEM((m, _DN_BM), dt),
@@ -1721,8 +1717,8 @@ def fp8_moe_chained(x, logits, bias, w_gate, s_gate, w_up, s_up, w_down, s_down,
     o_dn = mgpu_kernel(
         functools.partial(_moe_chain_down_kernel, dtiles=dtiles, **statics),
         out_type=o_dn_t, grid=(g2,), grid_names=("t",), kernel_name="glm5_moe_chained_down",
-        scratch_types=[*router_scratch(e_num, warp), *ring, *a_tile],
-    )(h, logits.astype(f32), bias.astype(f32), *dn_w)
+        scratch_types=[*ring, *a_tile],
+    )(h, rid, rw, *dn_w)
   y = o_dn[..., :m].sum(0).T.astype(out_dtype)
   return y, rid, rw
 
