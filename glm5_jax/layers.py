@@ -189,12 +189,17 @@ KNOBS = {
         "h; the routing weights multiply each slot's down output. Instead of gate/up 18.1 -> glue 2.3 -> down 8.4 "
         "µs on the MoE sublayer's chain (session 43's timeline: each launch starts cold and ends in a tail), the "
         "down weights stream during the gate/up role's tail. GPU interpret mode runs its two-launch form (no "
-        "counters) — off until measured"),
+        "counters). Natively correct (its GPU tests, bf16 / f16) but slower: with each down CTA selecting the "
+        "experts itself 34.2 µs alone vs 27.5 for the two launches and their glue, the step at q = 1 4.16 -> 4.51 "
+        "ms (0 of 4 paired rounds faster; s44a — the late down CTAs ran the ~5 µs selection before their first "
+        "weight request); reading the writer's stored selection instead, 96.5 µs and 7.27 ms (s44b: 288 CTAs' "
+        "compare-and-swap spins on one counter; session 44) — off"),
     "moe_chained_sum": (False,
         "with moe_chained (natively): its down role's slots of a row tile summed by the tile's last slot's CTA "
         "(dispatched last; linear._split_reduce on the chained counters) and written as the rows y "
         "(fp8_moe_chained(sum_rows=True)) instead of XLA's sum after the launch (1.4 µs + a launch on the MoE "
-        "sublayer's chain, session 43) — off until measured"),
+        "sublayer's chain, session 43). Natively correct (test_fp8_moe_chained_gpu); the step at q = 1 7.25 vs "
+        "moe_chained's 7.27 ms (s44b, session 44) — off with it"),
     "moe_balanced": (False,
         "with fp8_moe and fp8_dq on, at one token row (moe_persistent off): the MoE's two kernels with the work "
         "dealt out evenly (pallas_kernels.linear.fp8_moe_balanced): the 2,304 gate/up items (the real TP4 rank) in "

@@ -1452,7 +1452,10 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
 # weight tiles at once and only then wait for their slot's h. The down CTAs are dispatched after every gate/up
 # CTA (a grid's CTAs start in index order, the assumption of every decoupled look-back), so a waiting down CTA
 # never holds an SM a gate/up CTA needs; both roles use one SMEM layout (the down tile's two 64-row halves in the
-# gate/up ring's gate / up slots, h's blocks in its x slots), 3 CTAs per SM.
+# gate/up ring's gate / up slots, h's blocks in its x slots), 3 CTAs per SM. Measured slower than the two
+# launches (BENCHMARKS.md session 44): the down CTAs dispatched late start cold after the gate/up tail anyway, and
+# waiting on the one selection counter, the down CTAs' decrementing waits (atom.cas spins) serialise on its line
+# (next: a read-only poll, then one red.add of -1).
 MOE_CHAIN_COUNTERS = 1024  # the gate/up role's split-K counters (slots x I/64), then one per down CTA (slots x D/128)
 
 
