@@ -93,10 +93,10 @@ def counter_signal(ref):
 
 
 def counter_signal_each(ref, n: int, value: int = 1):
-  """Add 1 to each of the ``n`` counters of ``ref`` (int32 [n], GMEM) once per warpgroup, with release semantics
+  """Add ``value`` to each of the ``n`` counters of ``ref`` (int32 [n], GMEM) once per warpgroup, with release semantics
   (GPU scope), after a proxy fence: the warpgroup's completed TMA stores (``plgpu.wait_smem_to_gmem``) are visible
-  to a consumer that TMA-loads what they wrote after :func:`counter_wait` (``async_reads``). ``value``: added
-  instead of 1 (e.g. the number of waiters that each take 1: a self-resetting broadcast)."""
+  to a consumer that TMA-loads what they wrote after :func:`counter_wait` (``async_reads``). ``value`` > 1: e.g.
+  the number of waiters that each take 1 (a self-resetting broadcast)."""
   _counter_op(ref, signal=True, each=n, value=value)
 
 
