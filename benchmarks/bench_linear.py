@@ -7,7 +7,8 @@ dispatch is counted; weights rotate over enough copies that they are cold in the
   "kern us"  the Mosaic kernel(s) alone;  "call us"  everything one call launches (activation quantisation,
   kernel, split-K/transposition epilogue);  "xla us"  every kernel of the jitted XLA version.
 
-Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32] [--only fp8,fp8dq,bf16,moe,moedq,moep,moeb,moerk,moech]
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32]
+              [--only fp8,fp8dq,bf16,moe,moedq,moep,moeb,moerk,moech]
               [--sweep] [--budget-s 200] [--out results.txt]
 Falls back to host wall-clock over many back-to-back async calls if CUPTI is unavailable (then dispatch-bound
 for small shapes; marked "wall").
