@@ -934,8 +934,7 @@ def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank, on_s
 
   if not ranks:
     select_all()
-    if writer is not None:  # (None: no CTA of this launch stores them — fp8_moe_chained's down role)
-      pl.when(writer)(store)
+    pl.when(writer)(store)
     return row0(ids_s)
 
   @pl.when(writer)
@@ -1233,6 +1232,17 @@ def moe_route(topk_ids, topk_weights, *, num_experts: int, n_pad: int, mp: int, 
   )(topk_ids.astype(i32), topk_weights.astype(f32))
 
 
+def _swiglu_of_splits(out, m: int, split: int, limit: float):
+  """The gate/up kernel's output -> h [slots, I, m] f32 of the m real token columns: with D splits ([split, slots,
+  2, I, mp] partial gate / up sums) the splits added and the clamped SwiGLU applied (in the XLA glue after the
+  kernel); with one split ([slots, I, mp]) the kernel applied it already."""
+  if split == 1:
+    return out[..., :m]
+  gu = out[..., :m].sum(0)  # [slots, 2, I, m]
+  gate = jnp.minimum(gu[:, 0], limit)
+  return jax.nn.silu(gate) * jnp.clip(gu[:, 1], -limit, limit)
+
+
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
@@ -1402,12 +1412,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   if gu_rows:  # h is the down kernel's input already (no XLA kernel between the two)
     hq, sh = (h if plan.gu_split == 1 else h[1]), 1.0
   else:
-    if plan.gu_split > 1:  # add the D splits and apply the clamped SwiGLU here (fused into the glue below)
-      gu = h[..., :m].sum(0)  # [n_pad, 2, I, m]
-      gate = jnp.minimum(gu[:, 0], swiglu_limit)
-      h = jax.nn.silu(gate) * jnp.clip(gu[:, 1], -swiglu_limit, swiglu_limit)
-    else:
-      h = h[..., :m]
+    h = _swiglu_of_splits(h, m, plan.gu_split, swiglu_limit)
     # Routing weights and re-quantisation of h (rows of unused slots were never written: mask them).
     hw = jnp.where(valid[:, None, None], h, 0.0) * r[:, None, :m]  # [n_pad, I, m]
     if dq:
@@ -1448,15 +1453,18 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
 # path (session 40: the kernels stream at ~2.9 TB/s whatever the work distribution). The chained form is one grid:
 # CTAs [0, G1) are the gate/up kernel's (the router's selection in them, the D splits summed on counters and h
 # written as bf16 rows by each (slot, row tile)'s last split, which then signals that slot's down CTAs), CTAs
-# [G1, G1 + G2) the down role's — (slot, 128 rows of D) each, which select the experts themselves, request their
-# weight tiles at once and only then wait for their slot's h. The down CTAs are dispatched after every gate/up
+# [G1, G1 + G2) the down role's — (slot, 128 rows of D) each, which read the selection the gate/up role's writer
+# stored (a counter it raises by G2, each down CTA taking 1), request their weight tiles at once and only then
+# wait for their slot's h. The down CTAs are dispatched after every gate/up
 # CTA (a grid's CTAs start in index order, the assumption of every decoupled look-back), so a waiting down CTA
 # never holds an SM a gate/up CTA needs; both roles use one SMEM layout (the down tile's two 64-row halves in the
 # gate/up ring's gate / up slots, h's blocks in its x slots), 3 CTAs per SM. Measured slower than the two
 # launches (BENCHMARKS.md session 44): the down CTAs dispatched late start cold after the gate/up tail anyway, and
 # waiting on the one selection counter, the down CTAs' decrementing waits (atom.cas spins) serialise on its line
 # (next: a read-only poll, then one red.add of -1).
-MOE_CHAIN_COUNTERS = 1024  # the gate/up role's split-K counters (slots x I/64), then one per down CTA (slots x D/128)
+# the gate/up role's split-K counters (slots x I/64), one per down CTA (slots x D/128), the slot sums' (D/128), the
+# selection's (1)
+MOE_CHAIN_COUNTERS = 1024
 
 
 def moe_chain_counters():
@@ -1465,11 +1473,12 @@ def moe_chain_counters():
   return jax.new_ref(jnp.zeros((MOE_CHAIN_COUNTERS,), jnp.int32))
 
 
-def _moe_down_role(t2, hq_ref, ids_s, rw_s, wd_ref, sd_ref, wds_ref, sds_ref, o_ref, wg_s, wu_s, x_s, bar, a_s, *,
+def _moe_down_role(t2, hq_ref, ids_ref, rw_ref, wd_ref, sd_ref, wds_ref, sds_ref, o_ref, wg_s, wu_s, x_s, bar, a_s, *,
                    mp: int, stages: int, dtiles: int, shared: bool, k: int, ready=None, count: int = 0,
                    out=None):
   """One down CTA of :func:`fp8_moe_chained` = (slot s, 128 rows of D): o[s, rows] = w_s · down_e(s)[rows] @ h[s]
-  over I (the shared slot: weight 1, its own refs wds / sds). The tile's two 64-row halves go through the gate/up
+  over I (the shared slot: weight 1, its own refs wds / sds); e(s) and w_s from the selection's stored ids and
+  weights (ids_ref, rw_ref: [k] in GMEM). The tile's two 64-row halves go through the gate/up
   ring's gate / up slots (wg_s, wu_s), h's 128-column blocks (TMA'd rows past h's m real ones: zeros) through its x
   slots. The weight tiles are requested first; ``ready`` (this CTA's counter, signalled ``count`` times once h[s]
   is written) is waited for before h's blocks are. ``out(s, dtile, row0, a, b)``: the weighted halves' store (by
@@ -1478,8 +1487,8 @@ def _moe_down_role(t2, hq_ref, ids_s, rw_s, wd_ref, sd_ref, wds_ref, sds_ref, o_
   row0 = dtile * BLOCK
   ib_n = hq_ref.shape[2] // BLOCK
   j = jnp.clip(s - int(shared), 0, k - 1)
-  e = _table_id(ids_s[j], wd_ref.shape[0])
-  w = rw_s[j]
+  e = _table_id(ids_ref[j], wd_ref.shape[0])
+  w = rw_ref[j]
   is_sh = s == 0
   if shared:
     w = jnp.where(is_sh, 1.0, w)
@@ -1584,7 +1593,6 @@ def _moe_chained_kernel(*refs, g1: int, n_split: int, dtiles: int, mp: int, stag
         table_k=k, dq=True, a_smem=a_smem, fused_sum=split > 1, rows=True, router=router, rows_weight=False,
         on_rows=lambda slot: counter_signal_each(ctr.at[pl.ds(n_split + slot * dtiles, dtiles)], dtiles),
         on_select=lambda: counter_signal_each(ctr.at[pl.ds(sel, 1)], 1, value=g2))
-
 
   def out(s, dtile, row0, a, b):  # the slots of a row tile summed in the kernel, written as the rows y
     halves = [r["o_dn"].at[:, pl.ds(row0 + h * _DN_BM, _DN_BM)] for h in (0, 1)]
@@ -1710,13 +1718,8 @@ def fp8_moe_chained(x, logits, bias, w_gate, s_gate, w_up, s_up, w_down, s_down,
         grid=(g1,), grid_names=("t",), kernel_name="glm5_moe_chained_gate_up",
         scratch_types=[*router_scratch(e_num, warp), *ring, *a_tile],
     )(*gu_in)
-    if split > 1:  # (h as the one-launch form's writer CTAs form it: the D splits summed, the SwiGLU, bf16 rows)
-      gu = parts[..., :m].sum(0)
-      gate = jnp.minimum(gu[:, 0], swiglu_limit)
-      h = jax.nn.silu(gate) * jnp.clip(gu[:, 1], -swiglu_limit, swiglu_limit)
-    else:
-      h = parts[..., :m]
-    h = jnp.swapaxes(h, 1, 2).astype(dt)  # [slots, m, I]
+    # (h as the one-launch form's writer CTAs form it: the D splits summed, the SwiGLU, bf16 rows [slots, m, I])
+    h = jnp.swapaxes(_swiglu_of_splits(parts, m, split, swiglu_limit), 1, 2).astype(dt)
     o_dn = mgpu_kernel(
         functools.partial(_moe_chain_down_kernel, dtiles=dtiles, **statics),
         out_type=o_dn_t, grid=(g2,), grid_names=("t",), kernel_name="glm5_moe_chained_down",
