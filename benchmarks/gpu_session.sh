@@ -73,6 +73,8 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s45a (nvidia-h200):       the q = 1 step's trace kept (device events + HLO) with the defaults, for reading each
+#                             sublayer's kernel chain offline (benchmarks/sublayer_chain.py)
 #   s44a (nvidia-h200):       the single-row MoE as ONE launch of two roles (fp8_moe_chained, knob moe_chained): its
 #                             GPU tests and the end-to-end test with it, bench_linear moerk vs moech, then q = 1:
 #                             defaults vs moe_chained (5 interleaved repeats, 80 steps)
@@ -603,6 +605,11 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s45a)  # (nvidia-h200) session 43's boundary-to-boundary table named each sublayer's chain by hand from a trace
+    # since lost; the DSA layer (93 µs, floor ~15) had "3 branches of ~30 small kernels". The trace and HLO kept
+    rank1 s45a --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'
+    rm -f "$OUT"/hlo/*.kernels.tsv
     ;;
   s44b)  # (nvidia-h200) s44a: the chained MoE 34.2 µs alone vs 24.2 + glue, the step 4.16 -> 4.51 ms — the down
     # CTAs dispatched late (as gate/up CTAs retire) ran the router's selection (~5 µs) before their first weight
