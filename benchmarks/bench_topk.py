@@ -83,6 +83,12 @@ STRATEGIES = {
     "kernel scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=True),
     # the kernel with 2 bits of the threshold per pass (16 passes of 3 candidates; pallas_kernels.indexer)
     "kernel2 scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=2),
+    # the kernel's passes stopping at the first candidate with exactly k keys at or above it (policy knob
+    # topk_threshold_exit; it stops only where the k-th and (k+1)-th scores differ: --f32-scores)
+    "kernel exit scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=True,
+                                                           threshold_exit=True),
+    "kernel2 exit scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=2,
+                                                            threshold_exit=True),
     # the within-block prefix sums as one f32 matmul instead of XLA's reduce-window (session 32)
     "kernel scan mm128": lambda v: topk_set_by_threshold(v, K, scan_block="mm128", threshold_kernel=True),
     "radix scan mm128": lambda v: topk_set_by_threshold(v, K, scan_block="mm128"),
@@ -105,6 +111,8 @@ def main(argv=None):
   p.add_argument("--rows", default="1,4")
   p.add_argument("--pools", default="8256,32832")
   p.add_argument("--only", default=None, help="comma-separated strategy names (default: all)")
+  p.add_argument("--f32-scores", action="store_true", help="scores as f32, not rounded to bf16 (the indexer's "
+                 "scores kernel writes f32: ties at the k-th score are rare there, frequent after bf16 rounding)")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
   rng = np.random.default_rng(0)
@@ -118,7 +126,7 @@ def main(argv=None):
         s = np.maximum(rng.standard_normal((R, N)), 0).astype(np.float32) * rng.uniform(0.5, 2, (R, 1))
         s[:, N - 3:] = -np.inf
         # rounded to bf16: ties inside the top-k (their order is top_k's index order)
-        sets.append((jnp.asarray(s, jnp.bfloat16).astype(jnp.float32),))
+        sets.append((jnp.asarray(s) if a.f32_scores else jnp.asarray(s, jnp.bfloat16).astype(jnp.float32),))
       ref = np.asarray(jax.jit(STRATEGIES["top_k"])(*sets[0]))
       names = a.only.split(",") if a.only else list(STRATEGIES)
       if unknown := set(names) - set(STRATEGIES):

@@ -73,6 +73,8 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s45b (nvidia-h200):       the threshold kernel's early exit (topk_threshold_exit): its GPU tests, bench_topk on
+#                             f32 scores, then q = 1 defaults vs the knob (5 interleaved repeats; kernel listings kept)
 #   s45a (nvidia-h200):       the q = 1 step's trace kept (device events + HLO) with the defaults, for reading each
 #                             sublayer's kernel chain offline (benchmarks/sublayer_chain.py)
 #   s44a (nvidia-h200):       the single-row MoE as ONE launch of two roles (fp8_moe_chained, knob moe_chained): its
@@ -605,6 +607,16 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s45b)  # (nvidia-h200) s45a's DSA chain: scores 4.2 -> threshold 13.9 (32 dependent passes) -> XLA compaction 9.4
+    # -> sparse MLA. The threshold kernel's passes stopping at the first candidate with exactly k keys at or above
+    # it (knob topk_threshold_exit): natively, alone (f32 scores: the indexer's kernel writes f32), in the step
+    GT_MARK="gpu" gt 200 tests/test_indexer.py "early_exit"
+    timeout 120 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8704 --f32-scores \
+      --only "kernel scan128,kernel exit scan128,kernel2 scan128,kernel2 exit scan128" > "$OUT/bench_topk.log" 2>&1
+    rank1 s45b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --hlo-dir "$OUT/hlo" --policy '{}' \
+      '{"topk_threshold_exit": true}'
+    rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   s45a)  # (nvidia-h200) session 43's boundary-to-boundary table named each sublayer's chain by hand from a trace
     # since lost; the DSA layer (93 µs, floor ~15) had "3 branches of ~30 small kernels". The trace and HLO kept

@@ -414,8 +414,9 @@ class Indexer(nnx.Module):
                           f"pools; a multiple of {lanes} up to {ki.THRESHOLD_MAX_KEYS})"):
           form = {**form, "kernel_scores": raw.reshape(-1, Pp)}
         # lax.top_k's set, ascending
+        ex = kernel_enabled("topk_threshold_exit", fits=thr, why="the topk_threshold kernel does not run here")
         js = topk_set_by_threshold(masked, kk, **form, threshold_kernel=(2 if two else 1) if thr else 0,
-                                   threshold_warpgroups=wgs)
+                                   threshold_warpgroups=wgs, threshold_exit=ex)
         vals = jnp.take_along_axis(masked, js, axis=-1)
       else:
         vals, js = lax.top_k(masked, kk)

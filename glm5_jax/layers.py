@@ -146,6 +146,11 @@ KNOBS = {
         "with topk_threshold: 2 bits of the threshold per pass (16 dependent rounds of 3 candidates' counts "
         "instead of 32 of one; pallas_kernels.indexer._threshold_kernel): alone 21.6 -> 19.8 µs at one row, "
         "but in the step at q = 1 5.46 vs 5.53 ms (noise; session 32) — off"),
+    "topk_threshold_exit": (False,
+        "with topk_threshold: the threshold kernel's passes stop at the first candidate with exactly k keys at "
+        "or above it (pallas_kernels.indexer.topk_threshold early_exit=True: the same selection, the threshold "
+        "then one below the smallest selected key) — the kernel ran 13.9 µs on the DSA layer's chain at q = 1 "
+        "(32 dependent passes; session 45's trace)"),
     "router_kernel": (True,
         "the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected weights "
         "normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three XLA kernels on "
@@ -887,7 +892,8 @@ def exclusive_prefix_sum(x, block: int | str | None = None):
 
 
 def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | str | None = None,
-                          threshold_kernel: int = 0, threshold_warpgroups: int = 1, kernel_scores=None):
+                          threshold_kernel: int = 0, threshold_warpgroups: int = 1, kernel_scores=None,
+                          threshold_exit: bool = False):
   """The SET lax.top_k(v, k) selects, without a sort, as indices [..., k] int32 in ascending index order (an
   unselected slot can only arise for k > N: -1). For large N (the indexer's top-512 of up to max_context / 4
   pools), where ``topk_by_rank``'s N × N count is too much work and XLA's GPU sort is ~58 µs per call
@@ -903,7 +909,9 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | s
      registers; ``threshold_warpgroups``: its warpgroups per CTA, each holding a share of the row) — ~13 XLA
      kernels fewer. ``kernel_scores`` [prod(lead), Np >= N] f32: what the kernel reads instead of v's keys —
      the scores kernel's padded output (v's values, then -inf; rows laid out as v's), whose keys the kernel forms
-     itself: no XLA kernel in front of it. Np a multiple of 128 · threshold_warpgroups.
+     itself: no XLA kernel in front of it. Np a multiple of 128 · threshold_warpgroups. ``threshold_exit``: the
+     kernel's passes stop once a candidate has exactly k keys at or above it (T is then one below it and
+     #{key > T} = k: step 2 takes no tie).
   2. Selected: key > T, and of the entries equal to T the first k - #{key > T} by index (lax.top_k's tie
      order); the count of selected entries up to each index from ONE prefix sum (the two prefix counts packed in
      one int32; ``scan_block``: exclusive_prefix_sum's blocking), then one scatter of each selected index to its
@@ -930,7 +938,10 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | s
     else:
       up = jnp.pad(u.reshape(rows_, N), ((0, 0), (0, (-N) % lanes)))
     t, n_gt = (a.reshape(lead) for a in ki.topk_threshold(up, kk, digit_bits=int(threshold_kernel),
-                                                           warpgroups=threshold_warpgroups))
+                                                           warpgroups=threshold_warpgroups,
+                                                           early_exit=threshold_exit))
+  elif threshold_exit:
+    raise ValueError("topk_set_by_threshold: threshold_exit without threshold_kernel (the kernel's early exit)")
   else:
     t = jnp.zeros(lead, jnp.uint32)  # invariant: #{u >= t} >= kk
     digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)
@@ -941,7 +952,7 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | s
       t = t | (d.astype(jnp.uint32) << jnp.uint32(shift))
     n_gt = jnp.sum(u > t[..., None], axis=-1, dtype=jnp.int32)
   gt, eq = u > t[..., None], u == t[..., None]
-  need_eq = kk - n_gt  # >= 1: T is an entry's key
+  need_eq = kk - n_gt  # >= 1 where T is an entry's key; 0 after the kernel's early exit (the top k are > T)
   g32, e32 = gt.astype(jnp.int32), eq.astype(jnp.int32)
   if N < 1 << 15:  # both exclusive prefix counts from one prefix sum, packed in an int32
     if isinstance(scan_block, str) and scan_block[2:].isdigit() and int(scan_block[2:]) * 65537 >= 1 << 24:

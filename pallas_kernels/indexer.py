@@ -325,6 +325,15 @@ def topk_threshold_reference(keys, k: int, *, digit_bits: int = 1, unroll: bool 
   return t, jnp.sum(keys > t[:, None], axis=-1, dtype=jnp.int32)
 
 
+def topk_selection_reference(keys, t, n_gt, k: int):
+  """The set a threshold (t, n_gt) selects from keys [R, N] uint32 -> bool [R, N]: the keys > t and the first
+  k - n_gt keys equal to t by index (lax.top_k's tie order) — what topk_set_by_threshold builds from it. Equal for
+  the exact threshold (``topk_threshold_reference``) and the early-exit one (``topk_threshold(early_exit=True)``)."""
+  t, n_gt = t[:, None], n_gt[:, None]
+  eq = keys == t
+  return (keys > t) | (eq & (jnp.cumsum(eq, axis=-1) <= k - n_gt))
+
+
 def _check_threshold(keys, k, scores_ok: bool = False):
   R, N = keys.shape if keys.ndim == 2 else (None, None)
   ok = (jnp.uint32, jnp.float32) if scores_ok else (jnp.uint32,)
@@ -335,7 +344,8 @@ def _check_threshold(keys, k, scores_ok: bool = False):
     raise ValueError(f"topk_threshold: k = {k}, expected 1 <= k <= N = {N}")
 
 
-def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1, from_scores: bool = False):
+def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1, from_scores: bool = False,
+                      early_exit: bool = False):
   def body(u_g, t_g, n_g, u_s, *rest):
     r = lax.axis_index("r")
     keys = order_key_u32 if from_scores else (lambda x: x)
@@ -387,25 +397,45 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1, from_
     # ~135 µs cluster kernel, mhc_boundary; `unroll` keeps the old form to measure it). The keys stay in
     # registers across iterations. With ``wgs`` warpgroups each pass compares 1 / wgs of the keys per thread and
     # adds an exchange of the partial counts (an mbarrier round) to its chain.
-    def one_pass(p, t):
+    def one_pass(p, t, exact=None):
+      """-> the new prefix t, and with ``exact`` whether a candidate has exactly k keys at or above it (then the
+      prefix returned is that candidate minus one: the keys above it are the top k)."""
       s = jnp.uint32(32 - digit_bits) - p.astype(jnp.uint32) * jnp.uint32(digit_bits)  # the digit's low bit
       if digit_bits == 1:
         cand = t | lax.shift_left(jnp.uint32(1), s)
         (n,) = total(p, count((u >= cand).astype(jnp.int32)))
-        return jnp.where(n >= k, cand, t)
+        t = jnp.where(n >= k, cand, t)
+        return t if exact is None else (jnp.where(n == k, t - jnp.uint32(1), t), n == k)
       c1, c2, c3 = (t | lax.shift_left(jnp.uint32(d), s) for d in (1, 2, 3))
       # (nested selects: u >= c2 implies u >= c1; int32 values, as i1 register arrays do not combine)
       both, n3 = total(p, count(jnp.where(u >= c2, jnp.int32(65537), jnp.where(u >= c1, jnp.int32(1),
                                                                                  jnp.int32(0)))),
                        count(jnp.where(u >= c3, jnp.int32(1), jnp.int32(0))))
       n1, n2 = both & jnp.int32(0xFFFF), lax.shift_right_logical(both, jnp.int32(16))
-      return jnp.where(n3 >= k, c3, jnp.where(n2 >= k, c2, jnp.where(n1 >= k, c1, t)))
+      t = jnp.where(n3 >= k, c3, jnp.where(n2 >= k, c2, jnp.where(n1 >= k, c1, t)))
+      if exact is None:
+        return t
+      hit = (n1 == k) | (n2 == k) | (n3 == k)  # (the candidate with exactly k is the new prefix: the largest >= k)
+      return jnp.where(hit, t - jnp.uint32(1), t), hit
 
     passes = 32 // digit_bits
     if unroll:  # (as before session 31: bench_topk's code-size comparison)
       t = jnp.uint32(0)
       for p in range(passes):
         t = one_pass(jnp.int32(p), t)
+    elif early_exit:
+      # stop at the first pass whose candidate has exactly k keys at or above it: that set IS the top k — t is
+      # then one below the candidate (no key equals it: n_gt = k and no tie to break). On the indexer's scores
+      # the k-th and (k+1)-th keys part well before the last bit (session 42's select kernel: 2.3 µs of ~20 saved)
+      def cond(c):
+        return (c[0] < passes) & (c[2] == 0)
+
+      def body_(c):
+        p, t, _ = c
+        t, hit = one_pass(p, t, exact=True)
+        return p + 1, t, jnp.where(hit, jnp.int32(1), jnp.int32(0))
+
+      _, t, _ = lax.while_loop(cond, body_, (jnp.int32(0), jnp.uint32(0), jnp.int32(0)))
     else:
       t = lax.fori_loop(0, passes, one_pass, jnp.uint32(0))
     (n_gt,) = total(jnp.int32(passes), count((u > t).astype(jnp.int32)))
@@ -422,8 +452,9 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1, from_
   return body
 
 
-@kernel_entry("k", "digit_bits", "unroll", "warpgroups")
-def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, warpgroups: int = 1):
+@kernel_entry("k", "digit_bits", "unroll", "warpgroups", "early_exit")
+def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, warpgroups: int = 1,
+                   early_exit: bool = False):
   """Mosaic GPU version of ``topk_threshold_reference``: one CTA per row, the row's keys TMA'd into SMEM and held
   in registers; 32 / digit_bits passes (``_threshold_kernel``) and one count of the keys above the threshold.
   ``warpgroups`` (1, 2 or 4): the CTA's warpgroups, each holding 1 / warpgroups of the row's keys (a pass's
@@ -433,7 +464,11 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
   registers). keys may also be the f32 scores themselves: the kernel then forms their keys in registers
   (``_common.order_key_u32``) — no XLA kernel between the scores kernel and this one (pad scores with -inf:
   never above a real score; equal to one only where fewer than k scores are finite, slots the caller masks by
-  their score)."""
+  their score).
+
+  ``early_exit``: the passes stop at the first candidate with exactly k keys at or above it; t is then one below
+  that candidate and n_gt = k — not the k-th largest key, but the same selection: the top k are the keys > t and
+  the first k - n_gt keys equal to t by index, as for the exact t (``topk_selection_reference`` states it)."""
   from_scores = keys.dtype == jnp.float32
   _check_threshold(keys, k, scores_ok=True)
   R, N = keys.shape
@@ -441,6 +476,9 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
     raise ValueError(f"topk_threshold: digit_bits = {digit_bits}, expected 1 or 2 (bits of the threshold per pass)")
   if warpgroups not in (1, 2, 4):
     raise ValueError(f"topk_threshold: warpgroups = {warpgroups}, expected 1, 2 or 4")
+  if early_exit and unroll:
+    raise ValueError("topk_threshold: early_exit=True with unroll=True (the early exit is a loop; unroll keeps "
+                     "the old straight-line form for bench_topk's code-size comparison)")
   lanes = THRESHOLD_LANES * warpgroups
   if N % lanes or N > THRESHOLD_MAX_KEYS:
     raise ValueError(f"topk_threshold: N = {N} keys per row; the kernel takes a multiple of {lanes} up to "
@@ -456,7 +494,7 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
                plgpu.Barrier(num_arrivals=warpgroups)]
     threads = dict(num_threads=warpgroups, thread_name="wg")
   t, n_gt = mgpu_kernel(
-      _threshold_kernel(int(k), int(digit_bits), bool(unroll), int(warpgroups), from_scores),
+      _threshold_kernel(int(k), int(digit_bits), bool(unroll), int(warpgroups), from_scores, bool(early_exit)),
       out_type=(row(jnp.uint32), row(jnp.int32)),
       grid=(R,),
       grid_names=("r",),

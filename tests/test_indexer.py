@@ -338,6 +338,8 @@ def test_threshold_rejects_bad_input():
     I.topk_threshold(jnp.zeros((2, 1536), jnp.uint32), 5, warpgroups=3)
   with pytest.raises(ValueError, match="N = 640 keys per row; the kernel takes a multiple of 512"):
     I.topk_threshold(jnp.zeros((2, 640), jnp.uint32), 5, warpgroups=4)
+  with pytest.raises(ValueError, match="early_exit=True with unroll=True"):
+    I.topk_threshold(jnp.zeros((2, 256), jnp.uint32), 5, unroll=True, early_exit=True)
 
 
 @pytest.mark.parametrize("R,N,bits,wgs", [(1, 8320, 1, 1), (32, 8320, 1, 1), (1, I.THRESHOLD_MAX_KEYS, 1, 1),
@@ -347,6 +349,9 @@ def test_threshold_cross_lower(R, N, bits, wgs):
   txt = cross_lower(lambda u: I.topk_threshold(u, 512, digit_bits=bits, warpgroups=wgs),
                     SDS((R, N), jnp.uint32)).as_text()
   assert "mosaic_gpu" in txt
+  if R <= 4:  # the early exit (topk_threshold_exit): a data-dependent while loop, on the scores form as the step
+    assert "mosaic_gpu" in cross_lower(lambda v: I.topk_threshold(v, 512, digit_bits=bits, warpgroups=wgs,
+                                                                  early_exit=True), SDS((R, N), jnp.float32)).as_text()
   if R <= 4:  # the scores form (topk_keys_in_kernel): f32 in, the keys formed in registers
     assert "mosaic_gpu" in cross_lower(lambda v: I.topk_threshold(v, 512, digit_bits=bits, warpgroups=wgs),
                                        SDS((R, N), jnp.float32)).as_text()
@@ -354,6 +359,53 @@ def test_threshold_cross_lower(R, N, bits, wgs):
     unrolled = cross_lower(lambda u: I.topk_threshold(u, 512, digit_bits=bits, unroll=True),
                            SDS((R, N), jnp.uint32)).as_text()
     assert len(txt) < len(unrolled) / 3, (len(txt), len(unrolled))
+
+
+def check_early_exit(keys, got, k, exits_from: int):
+  """An early-exit threshold selects the reference's set (topk_selection_reference of both thresholds), and the
+  passes did stop early on the rows from ``exits_from`` (random keys: some candidate has exactly k at or above
+  it; the exact k-th key would be an entry — here the threshold is one below the smallest selected key, n_gt = k,
+  and no key equals it)."""
+  t_ref, n_ref = I.topk_threshold_reference(keys, k)
+  np.testing.assert_array_equal(np.asarray(I.topk_selection_reference(keys, *got, k)),
+                                np.asarray(I.topk_selection_reference(keys, t_ref, n_ref, k)))
+  u, t, n_gt = np.asarray(keys), np.asarray(got[0]), np.asarray(got[1])
+  assert (n_gt[exits_from:] == k).all() and not (u[exits_from:] == t[exits_from:, None]).any()
+  assert (t[exits_from:] < np.asarray(t_ref)[exits_from:]).all()
+
+
+@pytest.mark.parametrize("R,N,k,bits,wgs", [(3, 8320, 512, 1, 1), (3, 8320, 512, 2, 1), (3, 8704, 512, 1, 4),
+                                            (2, 1024, 700, 2, 4), (2, 256, 256, 1, 1)])
+def test_threshold_kernel_early_exit_interpret(R, N, k, bits, wgs):
+  """early_exit (policy knob topk_threshold_exit): the passes stop at the first candidate with exactly k keys at or
+  above it — the same selection as the exact threshold, on the uint32 keys and on the scores (row 0's heavy ties
+  may stop or not; with k = N no candidate above key 0 has N keys: no stop, the exact threshold)."""
+  from pallas_kernels._common import order_key_u32  # noqa: PLC0415
+  rng = np.random.default_rng()
+  keys = threshold_keys(rng, R, N, n_real=N - 64 if N > k + 64 else None)
+  with maybe_interpret(True):
+    got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits, warpgroups=wgs, early_exit=True))(keys)
+  check_early_exit(keys, got, k, 1 if k < N else R)
+  v = threshold_scores(rng, R, N, [N - 64] * R)
+  with maybe_interpret(True):
+    got = jax.jit(lambda x: I.topk_threshold(x, k, digit_bits=bits, warpgroups=wgs, early_exit=True))(v)
+  check_early_exit(order_key_u32(v), got, k, 1 if k < N else R)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("R,N,k,wgs", [(1, 8320, 512, 1), (4, 8320, 512, 1), (32, 16512, 512, 1), (4, 8704, 512, 4)])
+def test_threshold_kernel_early_exit_gpu(R, N, k, bits, wgs):
+  """early_exit natively: a data-dependent while loop around the warpgroup reductions (and, wgs = 4, the SMEM
+  exchange of the counts, whose slot parity follows the pass)."""
+  from pallas_kernels._common import order_key_u32  # noqa: PLC0415
+  rng = np.random.default_rng()
+  keys = threshold_keys(rng, R, N, n_real=N - 64)
+  got = jax.jit(lambda u: I.topk_threshold(u, k, digit_bits=bits, warpgroups=wgs, early_exit=True))(keys)
+  check_early_exit(keys, got, k, 1)
+  v = threshold_scores(rng, R, N, [N - 64] * R)
+  got = jax.jit(lambda x: I.topk_threshold(x, k, digit_bits=bits, warpgroups=wgs, early_exit=True))(v)
+  check_early_exit(order_key_u32(v), got, k, 1)
 
 
 @pytest.mark.gpu
@@ -519,6 +571,17 @@ def _select_at_the_model_site(native: bool, P: int, pos: list[int], knob: str, *
     if knobs:
       assert ((knob, None) in rep) == pol["topk_threshold"], rep
   return outs
+
+
+@pytest.mark.parametrize("native,P", [(False, 320), pytest.param(True, 320, marks=pytest.mark.gpu)])
+def test_select_with_the_threshold_kernels_early_exit(native, P):
+  """Policy knob topk_threshold_exit at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
+  rows, some pools not complete): the early-exit threshold gives XLA's compaction the same token indices and pools
+  as the exact one; without the threshold kernel the knob does not fit and says why."""
+  outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 297], "topk_threshold_exit")
+  for got in outs[1:]:
+    for g, w in zip(got, outs[0]):
+      np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.parametrize("native,P", [(False, 256), (False, 320), pytest.param(True, 320, marks=pytest.mark.gpu)])

@@ -270,7 +270,10 @@ def test_router_topk_equals_sorting_router():
     (8196, 512, "ties", dict(scan_block=128, threshold_kernel=True)),
     (700, 512, "masked", dict(scan_block=128, threshold_kernel=True)),
     (300, 64, "special", dict(threshold_kernel=True)), (8196, 512, "ties", dict(scan_block=128, threshold_kernel=2)),
-    (300, 64, "special", dict(threshold_kernel=2)), (8196, 512, "ties", dict(scan_block="mm128"))])
+    (300, 64, "special", dict(threshold_kernel=2)), (8196, 512, "ties", dict(scan_block="mm128")),
+    # the kernel's early exit (policy knob topk_threshold_exit): the threshold one below the k-th key
+    (8196, 512, "scores", dict(scan_block=128, threshold_kernel=True, threshold_exit=True)),
+    (2000, 512, "special", dict(threshold_kernel=2, threshold_exit=True))])
 def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind, opts):
   """The indexer's sort-free top-k selects exactly lax.top_k's SET (ties: the lower indices), returned in
   ascending index order: indexer-like scores, a few levels (ties everywhere, one row all equal), -inf beyond a
@@ -297,6 +300,12 @@ def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind, opts):
   want = np.sort(np.asarray(lax.top_k(jnp.asarray(v), kk)[1]), axis=-1)
   np.testing.assert_array_equal(got[..., :kk], want)
   assert (got[..., kk:] == -1).all()
+
+
+def test_topk_set_by_threshold_rejects_an_exit_without_the_kernel():
+  from glm5_jax.layers import topk_set_by_threshold  # noqa: PLC0415
+  with pytest.raises(ValueError, match="threshold_exit without threshold_kernel"):
+    topk_set_by_threshold(jnp.ones((1, 256), jnp.float32), 8, threshold_exit=True)
 
 
 @pytest.mark.parametrize("N,block", [(1000, None), (1000, 128), (8256, 128), (77, 512), (300, 7), (8256, "mm128"),
