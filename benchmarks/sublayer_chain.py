@@ -10,8 +10,9 @@ start ns, end ns, stream). A sublayer starts at its mHC boundary (the ``mhc_post
 of the older multi-kernel forms) and ends where the next boundary starts; it is named by the kernels inside it
 (KDA: a kda kernel; DSA: the sparse MLA / indexer kernels; MoE: an MoE kernel; else "other": the dense MLP, the
 first sublayer's embedding, the head and the MTP draft). With ``--hlo`` each XLA kernel is labelled with its
-component (profiling.kernel_map), with ``--kernels`` (the HLO's kernel listing) with its component and op_name. Times are the trace's: under XLA's concurrent command-buffer schedule kernels of
-one sublayer overlap, so the offsets, not the summed durations, show the sublayer's length.
+component (profiling.kernel_map), with ``--kernels`` (the HLO's kernel listing) with its component and op_name.
+Times are the trace's: under XLA's concurrent command-buffer schedule kernels of one sublayer overlap, so the
+offsets, not the summed durations, show the sublayer's length.
 """
 
 from __future__ import annotations
