@@ -73,6 +73,8 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s45c (nvidia-h200):       q = 1: defaults vs topk_threshold_exit vs + dsa_index_keys_first (5 interleaved
+#                             repeats), then the last traced (events + kernel listing kept)
 #   s45b (nvidia-h200):       the threshold kernel's early exit (topk_threshold_exit): its GPU tests, bench_topk on
 #                             f32 scores, then q = 1 defaults vs the knob (5 interleaved repeats; kernel listings kept)
 #   s45a (nvidia-h200):       the q = 1 step's trace kept (device events + HLO) with the defaults, for reading each
@@ -607,6 +609,17 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s45c)  # (nvidia-h200) s45b: topk_threshold_exit -0.06 ms paired (4 of 4). s45a's DSA chain read with s45b's kernel
+    # listing: the indexer's key chain (LayerNorm -> pooling / Hadamard slices -> amax -> FP8 -> pooled-key write)
+    # ran only after the MLA latent's chain, the scores kernel waiting for it ~11 µs: the chain traced first
+    # (dsa_index_keys_first, the same values) — does XLA's schedule follow?
+    X='"topk_threshold_exit": true'
+    rank1 s45c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' "{$X}" \
+      "{$X, \"dsa_index_keys_first\": true}"
+    [ "$(left)" -gt 150 ] && rank1 s45c2 --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" \
+      --policy "{$X, \"dsa_index_keys_first\": true}"
+    rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   s45b)  # (nvidia-h200) s45a's DSA chain: scores 4.2 -> threshold 13.9 (32 dependent passes) -> XLA compaction 9.4
     # -> sparse MLA. The threshold kernel's passes stopping at the first candidate with exactly k keys at or above

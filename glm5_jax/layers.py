@@ -151,6 +151,12 @@ KNOBS = {
         "or above it (pallas_kernels.indexer.topk_threshold early_exit=True: the same selection, the threshold "
         "then one below the smallest selected key) — the kernel ran 13.9 µs on the DSA layer's chain at q = 1 "
         "(32 dependent passes; session 45's trace)"),
+    "dsa_index_keys_first": (False,
+        "the DSA layer's indexer key chain (projection, LayerNorm, pooling, Hadamard, FP8 quantisation, the "
+        "pooled-key cache write) traced before the MLA projections: the same values in another program order, "
+        "which XLA's schedule and its buffer reuse (dependencies in the concurrent command buffer) follow — "
+        "session 45's trace: that chain's kernels ran only after the MLA latent's, the scores kernel waiting "
+        "~11 µs for the pooled-key write"),
     "router_kernel": (True,
         "the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected weights "
         "normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three XLA kernels on "
