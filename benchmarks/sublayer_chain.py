@@ -41,7 +41,8 @@ def read_events(path: str):
 
 
 def sublayers(events):
-  """Split the events at the boundary launches -> [(kind, [events from this boundary to the next])]."""
+  """Split the events at the boundary launches -> [(kind, [events from this boundary to the next], the next
+  boundary's start ns)]."""
   mark = next((b for b in BOUNDARY if any(b in e[0] for e in events)), None)
   if mark is None:
     raise SystemExit(f"no boundary kernel ({' / '.join(BOUNDARY)}) in the trace")
@@ -51,7 +52,7 @@ def sublayers(events):
     seg = events[a:b]
     names = " ".join(e[0].lower() for e in seg)
     kind = next((k for k, keys in KINDS if any(key in names for key in keys)), "other")
-    out.append((kind, seg))
+    out.append((kind, seg, events[b][1]))
   return out
 
 
@@ -76,23 +77,23 @@ def main(argv=None):
         kmap.setdefault(profiling._sanitize(f[1]), f"{f[3]}: {f[5][-60:]}")
   subs = sublayers(read_events(a.events))
   by = collections.defaultdict(list)
-  for kind, seg in subs:
+  nxt = {}
+  for kind, seg, end in subs:
     by[kind].append(seg)
-  print("| sublayer | instances | µs boundary to boundary (median / min / max) | kernels (median) |")
+    nxt[id(seg)] = end
+  # (90th percentile, not the max: a step's last sublayer spans the host's gap to the next call's first boundary)
+  print("| sublayer | instances | µs boundary to boundary (median / min / 90th percentile) | kernels (median) |")
   print("| --- | --- | --- | --- |")
-  nxt = {id(seg): subs[i + 1][1][0][1] for i, (_, seg) in enumerate(subs[:-1])}
   length = lambda seg: (nxt[id(seg)] - seg[0][1]) / 1e3  # noqa: E731
   for kind, segs in sorted(by.items()):
-    segs = [s for s in segs if id(s) in nxt]
-    if not segs:
-      continue
     ls = [length(s) for s in segs]
-    print(f"| {kind} | {len(segs)} | {statistics.median(ls):.1f} / {min(ls):.1f} / {max(ls):.1f} | "
+    p90 = sorted(ls)[min(len(ls) - 1, int(0.9 * len(ls)))]
+    print(f"| {kind} | {len(segs)} | {statistics.median(ls):.1f} / {min(ls):.1f} / {p90:.1f} | "
           f"{statistics.median(len(s) for s in segs):.0f} |")
   for kind, segs in sorted(by.items()):
     if a.kind and kind != a.kind:
       continue
-    segs = sorted((s for s in segs if id(s) in nxt), key=length)
+    segs = sorted(segs, key=length)
     for seg in segs[len(segs) // 2:][:a.show]:
       t0 = seg[0][1]
       print(f"\n{kind}: {length(seg):.1f} µs, {len(seg)} kernels (start µs after the boundary's start, µs, "

@@ -421,6 +421,38 @@ def test_kernel_table_reads_a_profile_with_its_hlo(tmp_path, capsys):
   assert "launched no kernel of their name (memcpy nodes?): 2" in out and "kda/reshape" in out
 
 
+def test_sublayer_chain_splits_a_trace_at_the_boundaries(tmp_path, capsys):
+  """benchmarks/sublayer_chain.py: a saved trace's events split at the mHC boundary launches, each sublayer named
+  by its kernels and timed boundary to boundary; a kernel listing labels the XLA kernels with their op_name."""
+  import gzip  # noqa: PLC0415
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import sublayer_chain as SC  # noqa: PLC0415
+  rng = np.random.default_rng()
+  t, rows, want = 1000, [], []
+  for kind, names in [("kda", ["kda_decode_mosaic_gpu_kernel"]), ("moe", ["glm5_moe_gate_up", "loop_pad_fusion_41"]),
+                      ("dsa", ["glm5_topk_threshold", "glm5_sparse_mla"]), ("kda", ["kda_decode_mosaic_gpu_kernel"])]:
+    start, dur = t, int(rng.integers(2000, 9000))
+    rows.append(("glm5_mhc_post_finish_mosaic_gpu_kernel", t, t + 700, "stream 1"))
+    for n in names:
+      rows.append((n, t + 800, t + 800 + dur, "stream 2"))
+    t += 1000 + dur
+    want.append((kind, (t - start) / 1e3))
+  rows.append(("glm5_mhc_post_finish_mosaic_gpu_kernel", t, t + 700, "stream 1"))
+  path = tmp_path / "x.events.tsv.gz"
+  with gzip.open(path, "wt") as fh:
+    fh.writelines(f"{n}\t{s}\t{e}\t{ln}\n" for n, s, e, ln in rows[::-1])  # (any order: sorted on reading)
+  subs = SC.sublayers(SC.read_events(str(path)))
+  assert [k for k, _, _ in subs] == [k for k, _ in want] and [len(seg) for _, seg, _ in subs] == [2, 3, 3, 2]
+  listing = tmp_path / "x.kernels.tsv"
+  listing.write_text("c\tloop_pad_fusion.41\tfusion\tmoe\tf32[1]\tjit(body)/shard_map/moe/pad\n")
+  SC.main([str(path), "--kernels", str(listing), "--kind", "moe"])
+  out = capsys.readouterr().out
+  assert f"| moe | 1 | {want[1][1]:.1f} / " in out and "moe: jit(body)/shard_map/moe/pad" in out
+  assert f"| kda | 2 | {np.median([want[0][1], want[3][1]]):.1f} / " in out
+
+
 def test_component_floors_add_up_to_the_roofline():
   """profiling.floor_bytes of one TP4 rank (abstract weights): every parameter lands in a component, the verify
   components add up to bench_decode's roofline formula (performance.md §6: BF16 latent there, FP8 rows here), the
