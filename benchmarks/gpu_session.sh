@@ -73,6 +73,7 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s45d (nvidia-h200):       the new defaults (topk_threshold_exit on): their end-to-end GPU test, then q = 1
 #   s45c (nvidia-h200):       q = 1: defaults vs topk_threshold_exit vs + dsa_index_keys_first (5 interleaved
 #                             repeats), then the last traced (events + kernel listing kept)
 #   s45b (nvidia-h200):       the threshold kernel's early exit (topk_threshold_exit): its GPU tests, bench_topk on
@@ -609,6 +610,11 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s45d)  # (nvidia-h200) topk_threshold_exit on by default (s45b / s45c: faster in 8 of 8 paired rounds): the defaults'
+    # end-to-end GPU test (every kernel against the stock path's tokens), then the q = 1 step with the defaults
+    GT_MARK="gpu or e2e_kernels" gt 330 tests/test_decode.py "all_kernels_equals_stock and extra0"
+    [ "$(left)" -gt 130 ] && rank1 s45d --q 1 --steps-per-call 4 --repeats 3 --steps 80 --policy '{}'
     ;;
   s45c)  # (nvidia-h200) s45b: topk_threshold_exit -0.06 ms paired (4 of 4). s45a's DSA chain read with s45b's kernel
     # listing: the indexer's key chain (LayerNorm -> pooling / Hadamard slices -> amax -> FP8 -> pooled-key write)
