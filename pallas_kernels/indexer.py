@@ -419,6 +419,7 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1, from_
       return jnp.where(hit, t - jnp.uint32(1), t), hit
 
     passes = 32 // digit_bits
+    p_end = jnp.int32(passes)  # the round after the last pass (several warpgroups: its exchange slot's parity)
     if unroll:  # (as before session 31: bench_topk's code-size comparison)
       t = jnp.uint32(0)
       for p in range(passes):
@@ -435,10 +436,12 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1, from_
         t, hit = one_pass(p, t, exact=True)
         return p + 1, t, jnp.where(hit, jnp.int32(1), jnp.int32(0))
 
-      _, t, _ = lax.while_loop(cond, body_, (jnp.int32(0), jnp.uint32(0), jnp.int32(0)))
+      # (the count after the loop takes the next round's exchange slot: reusing the last pass's would race with a
+      # warpgroup still reading it)
+      p_end, t, _ = lax.while_loop(cond, body_, (jnp.int32(0), jnp.uint32(0), jnp.int32(0)))
     else:
       t = lax.fori_loop(0, passes, one_pass, jnp.uint32(0))
-    (n_gt,) = total(jnp.int32(passes), count((u > t).astype(jnp.int32)))
+    (n_gt,) = total(p_end, count((u > t).astype(jnp.int32)))
 
     def store():
       t_g[r] = jnp.broadcast_to(t, (THRESHOLD_LANES,))
