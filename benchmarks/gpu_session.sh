@@ -619,7 +619,8 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
   s45c)  # (nvidia-h200) s45b: topk_threshold_exit -0.06 ms paired (4 of 4). s45a's DSA chain read with s45b's kernel
     # listing: the indexer's key chain (LayerNorm -> pooling / Hadamard slices -> amax -> FP8 -> pooled-key write)
     # ran only after the MLA latent's chain, the scores kernel waiting for it ~11 µs: the chain traced first
-    # (dsa_index_keys_first, the same values) — does XLA's schedule follow?
+    # (dsa_index_keys_first, the same values) — does XLA's schedule follow? (No: the same compiled program; the
+    # knob was removed after this run — the command as it ran needs commit 644dfc1's package)
     X='"topk_threshold_exit": true'
     rank1 s45c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' "{$X}" \
       "{$X, \"dsa_index_keys_first\": true}"

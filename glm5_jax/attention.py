@@ -478,22 +478,6 @@ class DSA(nnx.Module):
     """x [B, T, D] -> (y [B, T, D], new cache, aux {"idx": [B, T, W], "pools": [B, T, kp]})."""
     B, T, _ = x.shape
     dn, dv = self.dn, self.dv
-    pos, ok = _positions(ctx, T)
-
-    def index_keys():
-      """The indexer's keys and its caches' update (pooled keys, tail ring): x -> (head weights, caches)."""
-      with jax.named_scope("indexer"):
-        kr, gam, hw = self.indexer.project(x, dtype)
-        k, gam = self.indexer.keys(kr, gam)
-        return hw, self.indexer.update(k, gam, cache, ctx, dtype)
-
-    # dsa_index_keys_first: the indexer's key chain traced before the MLA projections. The same values; only the
-    # program order changes, which XLA's schedule (and the buffers it reuses along it: false dependencies in the
-    # concurrent command buffer) follows — session 45's trace found this chain of ~8 small kernels queued behind
-    # the MLA latent's chain, the scores kernel waiting ~11 µs for its pooled-key write
-    first = kernel_enabled("dsa_index_keys_first")
-    if first:
-      hw, icache = index_keys()
     if hasattr(self, "qkv_a_proj"):
       qa, ca = self.qkv_a_proj(x, dtype)
     else:
@@ -505,15 +489,17 @@ class DSA(nnx.Module):
     c = self.kv_a_layernorm(ca, dtype)  # [B, T, R], the cached latent
     wkv = self.kv_b_proj.w(dtype).reshape(H, dn + dv, -1)
     w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
+    pos, ok = _positions(ctx, T)
     fp8 = "latent8" in cache
     if fp8:  # FP8 E4M3 latent cache rows with one fp32 scale per 128 values (written as the token arrives)
       from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
       lat = {"latent8": _scatter_rows(cache["latent8"], ks.quantize_latent(c), pos, ok)}
     else:
       lat = {"latent": _scatter_rows(cache["latent"], c, pos, ok)}
-    if not first:
-      hw, icache = index_keys()
     with jax.named_scope("indexer"):
+      kr, gam, hw = self.indexer.project(x, dtype)
+      k, gam = self.indexer.keys(kr, gam)
+      icache = self.indexer.update(k, gam, cache, ctx, dtype)
       if shared is None:
         sc, raw = self.indexer.scores(hw, q_r, icache, pos, dtype, padded=True)
         width = None

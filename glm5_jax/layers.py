@@ -149,16 +149,10 @@ KNOBS = {
     "topk_threshold_exit": (True,
         "with topk_threshold: the threshold kernel's passes stop at the first candidate with exactly k keys at "
         "or above it (pallas_kernels.indexer.topk_threshold early_exit=True: the same selection, the threshold "
-        "then one below the smallest selected key). The kernel ran 13.9 µs on the DSA layer's chain at q = 1 "
+        "then one below that candidate). The kernel ran 13.9 µs on the DSA layer's chain at q = 1 "
         "(32 dependent passes), 8.9 with the exit; alone 17.6 -> 14.1 µs (bench_topk, one row of 8,704 f32 "
         "scores); the q = 1 step 4.19 -> 4.14 and 4.36 -> 4.32 ms, faster in 8 of 8 paired rounds over two "
         "machine starts (session 45) — on"),
-    "dsa_index_keys_first": (False,
-        "the DSA layer's indexer key chain (projection, LayerNorm, pooling, Hadamard, FP8 quantisation, the "
-        "pooled-key cache write) traced before the MLA projections: the same values in another program order. "
-        "Session 45's trace: that chain's kernels ran only after the MLA latent's, the scores kernel waiting "
-        "~11 µs for the pooled-key write. XLA's schedule does not follow the program order: the same kernels in "
-        "the same order, the chain as late, the step a tie (4.32 vs 4.32 ms, s45c) — off"),
     "router_kernel": (True,
         "the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected weights "
         "normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three XLA kernels on "
@@ -202,8 +196,8 @@ KNOBS = {
         "and only then wait for h; the routing weights multiply each slot's down output. Instead of gate/up 18.1 "
         "-> glue 2.3 -> down 8.4 µs on the MoE sublayer's chain (session 43's timeline: each launch starts cold "
         "and ends in a tail), the down weights stream during the gate/up role's tail. GPU interpret mode runs its "
-        "two-launch form (no counters). Natively correct (its GPU tests, bf16 / f16) but slower: with each down CTA selecting the "
-        "experts itself 34.2 µs alone vs 27.5 for the two launches and their glue, the step at q = 1 4.16 -> 4.51 "
+        "two-launch form (no counters). Natively correct (its GPU tests, bf16 / f16) but slower: with each down "
+        "CTA selecting the experts itself 34.2 µs alone vs 27.5 for the two launches and their glue, the step at q = 1 4.16 -> 4.51 "
         "ms (0 of 4 paired rounds faster; s44a — the late down CTAs ran the ~5 µs selection before their first "
         "weight request); reading the writer's stored selection instead, 96.5 µs and 7.27 ms (s44b: 288 CTAs' "
         "compare-and-swap spins on one counter; session 44) — off"),

@@ -541,8 +541,9 @@ def test_indexer_scores_with_queries_rotated_in_the_kernel():
 def _select_at_the_model_site(native: bool, P: int, pos: list[int], knob: str, **select_kw):
   """kernel-tiny's indexer (bf16 projections, an FP8 pool cache of P random pools) scoring two query rows at
   ``pos`` and selecting (``Indexer.select(**select_kw)``) under three policies: the threshold kernel and XLA's
-  compaction, + ``knob``, + ``knob`` without the threshold kernel — [(idx, pools)] each, after checking that the
-  knob's site is reported where the threshold kernel runs and declined (with its reason) where it does not."""
+  compaction with ``knob`` off (explicitly: it may be a default), + ``knob``, + ``knob`` without the threshold
+  kernel — [(idx, pools)] each, after checking that the knob's site is reported where the threshold kernel runs
+  and declined (with its reason) where it does not."""
   from flax import nnx  # noqa: PLC0415
   from glm5_jax import config as C  # noqa: PLC0415
   from glm5_jax.attention import Indexer  # noqa: PLC0415
@@ -564,12 +565,11 @@ def _select_at_the_model_site(native: bool, P: int, pos: list[int], knob: str, *
     return ix.select(sc, pos, raw=raw, **select_kw)
 
   outs = []
-  for knobs in ({}, {knob: True}, {"topk_threshold": False, knob: True}):
+  for knobs in ({knob: False}, {knob: True}, {"topk_threshold": False, knob: True}):
     pol = {"indexer": True, "indexer_topk": True, "topk_threshold": True, **knobs}
     with maybe_interpret(not native), use_kernels(pol), kernel_report() as rep:
       outs.append([np.asarray(a) for a in jax.jit(lambda *a: run(*a))(hw, q_r)])  # (a new trace per policy)
-    if knobs:
-      assert ((knob, None) in rep) == pol["topk_threshold"], rep
+    assert ((knob, None) in rep) == (pol[knob] and pol["topk_threshold"]), rep
   return outs
 
 

@@ -271,7 +271,7 @@ def test_router_topk_equals_sorting_router():
     (700, 512, "masked", dict(scan_block=128, threshold_kernel=True)),
     (300, 64, "special", dict(threshold_kernel=True)), (8196, 512, "ties", dict(scan_block=128, threshold_kernel=2)),
     (300, 64, "special", dict(threshold_kernel=2)), (8196, 512, "ties", dict(scan_block="mm128")),
-    # the kernel's early exit (policy knob topk_threshold_exit): the threshold one below the k-th key
+    # the kernel's early exit (policy knob topk_threshold_exit): the threshold one below a candidate with k above
     (8196, 512, "scores", dict(scan_block=128, threshold_kernel=True, threshold_exit=True)),
     (2000, 512, "special", dict(threshold_kernel=2, threshold_exit=True))])
 def test_topk_set_by_threshold_equals_lax_top_k_set(N, k, kind, opts):
