@@ -197,9 +197,9 @@ KNOBS = {
         "-> glue 2.3 -> down 8.4 µs on the MoE sublayer's chain (session 43's timeline: each launch starts cold "
         "and ends in a tail), the down weights stream during the gate/up role's tail. GPU interpret mode runs its "
         "two-launch form (no counters). Natively correct (its GPU tests, bf16 / f16) but slower: with each down "
-        "CTA selecting the experts itself 34.2 µs alone vs 27.5 for the two launches and their glue, the step at q = 1 4.16 -> 4.51 "
-        "ms (0 of 4 paired rounds faster; s44a — the late down CTAs ran the ~5 µs selection before their first "
-        "weight request); reading the writer's stored selection instead, 96.5 µs and 7.27 ms (s44b: 288 CTAs' "
+        "CTA selecting the experts itself 34.2 µs alone vs 27.5 for the two launches and their glue, the step "
+        "at q = 1 4.16 -> 4.51 ms (0 of 4 paired rounds faster; s44a — the late down CTAs ran the ~5 µs "
+        "selection before their first weight request); reading the writer's stored selection instead, 96.5 µs and 7.27 ms (s44b: 288 CTAs' "
         "compare-and-swap spins on one counter; session 44) — off"),
     "moe_chained_sum": (False,
         "with moe_chained (natively): its down role's slots of a row tile summed by the tile's last slot's CTA "

@@ -1795,8 +1795,8 @@ class PersistentMoePlan:
   padded).
 
   G CTAs (phase 1: g1); phase 1: n1 = S·(I/64)·(D/128) gate/up items, P1 per CTA (contiguous), a (slot, tile)
-  pair split into at most kmax pieces; phase 2: T2 = D/64 row tiles x H2 shares of the n2 = S·(I/128) down items of a tile, P2 per
-  CTA; stages: the gate/up ring depth."""
+  pair split into at most kmax pieces; phase 2: T2 = D/64 row tiles x H2 shares of the n2 = S·(I/128) down
+  items of a tile, P2 per CTA; stages: the gate/up ring depth."""
 
   S: int
   I: int

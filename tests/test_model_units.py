@@ -487,8 +487,9 @@ def test_single_row_moe_forms_at_the_model_site():
 
 def test_router_in_the_gate_up_kernel_at_the_model_site():
   """Policy moe_router_in_kernel at the model's single-row MoE (one layer, one token): the router's selection
-  inside fp8_moe's gate/up kernel (moe_router_ranks' form, and router_warp_rows' without it) gives the hidden state and expert ids of
-  router_kernel + fp8_moe exactly; the report names the site, and at two token rows declines it (one row only)."""
+  inside fp8_moe's gate/up kernel (moe_router_ranks' form, and router_warp_rows' without it) gives the hidden
+  state and expert ids of router_kernel + fp8_moe exactly; the report names the site, and at two token rows
+  declines it (one row only)."""
   path = tiny_checkpoint("kernel-tiny", 6, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
                          moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4)
   m = load(path, "float32")
