@@ -199,8 +199,8 @@ KNOBS = {
         "two-launch form (no counters). Natively correct (its GPU tests, bf16 / f16) but slower: with each down "
         "CTA selecting the experts itself 34.2 µs alone vs 27.5 for the two launches and their glue, the step "
         "at q = 1 4.16 -> 4.51 ms (0 of 4 paired rounds faster; s44a — the late down CTAs ran the ~5 µs "
-        "selection before their first weight request); reading the writer's stored selection instead, 96.5 µs and 7.27 ms (s44b: 288 CTAs' "
-        "compare-and-swap spins on one counter; session 44) — off"),
+        "selection before their first weight request); reading the writer's stored selection instead, 96.5 µs "
+        "and 7.27 ms (s44b: 288 CTAs' compare-and-swap spins on one counter; session 44) — off"),
     "moe_chained_sum": (False,
         "with moe_chained (natively): its down role's slots of a row tile summed by the tile's last slot's CTA "
         "(dispatched last; linear._split_reduce on the chained counters) and written as the rows y "
