@@ -73,6 +73,8 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s46a (nvidia-h200):       the indexer's cache update as one launch (indexer_pool_kernel): its GPU tests, then q = 1
+#                             defaults vs the knob (5 interleaved repeats), then the knob's step traced
 #   s45d (nvidia-h200):       the new defaults (topk_threshold_exit on): their end-to-end GPU test, then q = 1
 #   s45c (nvidia-h200):       q = 1: defaults vs topk_threshold_exit vs + dsa_index_keys_first (5 interleaved
 #                             repeats), then the last traced (events + kernel listing kept)
@@ -610,6 +612,19 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s46a)  # (nvidia-h200) session 45's DSA chain: the scores kernel waited ~12 µs for the indexer's pooled-key chain
+    # (~8 XLA kernels, their temporaries ordered behind the MLA latent's chain). The whole cache update as ONE launch
+    # writing the caches in place (indexer_pool_kernel): its GPU tests (the kernel against the reference compiled as
+    # the model rounds; kernel-tiny bf16 steps against XLA's update), then q = 1: defaults vs the knob (5
+    # interleaved repeats, kernel listings kept), then the knob's step traced (events kept: sublayer_chain.py)
+    GT_MARK="gpu" gt 200 tests/test_indexer.py "pool_update"
+    GT_MARK="gpu or e2e_kernels" gt 150 tests/test_decode.py "indexer_pool_kernel"
+    rank1 s46a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --hlo-dir "$OUT/hlo" --policy '{}' \
+      '{"indexer_pool_kernel": true}'
+    [ "$(left)" -gt 150 ] && rank1 s46a2 --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" \
+      --policy '{"indexer_pool_kernel": true}'
+    rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   s45d)  # (nvidia-h200) topk_threshold_exit on by default (s45b / s45c: faster in 8 of 8 paired rounds): the defaults'
     # end-to-end GPU test (every kernel against the stock path's tokens), then the q = 1 step with the defaults

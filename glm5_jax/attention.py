@@ -276,6 +276,28 @@ class Indexer(nnx.Module):
     pi = jax.nn.softmax(g4 + self.index_kpool_compress_ape[...].astype(jnp.float32), axis=-2)
     return jnp.sum(pi * k4, axis=-2)
 
+  def project_update(self, x, cache, ctx: StepCtx, dtype):
+    """x [B, T, D] -> (head weights [B, T, HI], the updated indexer caches {ring, pool8 / pool_scale | pool}):
+    ``project`` + ``keys`` + ``update``, or with an FP8 pool cache where the policy runs it (knob
+    indexer_pool_kernel) the whole update as one Mosaic launch on the projection's output
+    (pallas_kernels.indexer.pool_update)."""
+    B, T, _ = x.shape
+    if "pool8" in cache:
+      from pallas_kernels import indexer as ki  # noqa: PLC0415
+      ring = cache["ring"]
+      fits = dtype == jnp.bfloat16 and ring.dtype == jnp.bfloat16 and T <= ki.POOL_MAX_TOKENS
+      if kernel_enabled("indexer_pool_kernel", B * T, fits=fits,
+                        why=f"a bf16 model and ring (here {jnp.dtype(dtype).name}, {ring.dtype}) and <= "
+                        f"{ki.POOL_MAX_TOKENS} tokens per sequence (here {T})"):
+        kx = self.x_proj.joint(x, dtype)  # [B, T, 2·Di + HI]: the kernel reads the key and gate columns in place
+        ring, pool8, pool_scale = ki.pool_update(
+            kx, ring, cache["pool8"], cache["pool_scale"], ctx.start, ctx.valid, self.k_norm_weight[...],
+            self.k_norm_bias[...], self.index_kpool_compress_ape[...])
+        return kx[..., 2 * self.head_dim:], {"ring": ring, "pool8": pool8, "pool_scale": pool_scale}
+    kr, gam, hw = self.project(x, dtype)
+    k, gam = self.keys(kr, gam)
+    return hw, self.update(k, gam, cache, ctx, dtype)
+
   def update(self, k, gam, cache, ctx: StepCtx, dtype):
     """Write completed pools into the pool cache and this call's keys into the tail ring."""
     B, T, Di = k.shape
@@ -497,9 +519,7 @@ class DSA(nnx.Module):
     else:
       lat = {"latent": _scatter_rows(cache["latent"], c, pos, ok)}
     with jax.named_scope("indexer"):
-      kr, gam, hw = self.indexer.project(x, dtype)
-      k, gam = self.indexer.keys(kr, gam)
-      icache = self.indexer.update(k, gam, cache, ctx, dtype)
+      hw, icache = self.indexer.project_update(x, cache, ctx, dtype)
       if shared is None:
         sc, raw = self.indexer.scores(hw, q_r, icache, pos, dtype, padded=True)
         width = None

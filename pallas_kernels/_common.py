@@ -242,6 +242,26 @@ def warp_rows_layout():
   return plgpu.Layout.TILED(fa.Tiling(((4, 64), (2,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
 
 
+def tiled(layout) -> plgpu.Layout:
+  """A mosaic-gpu TiledLayout as a Pallas register layout (canonicalised)."""
+  layout = layout.canonicalize()
+  return plgpu.Layout.TILED(layout.tiling, warp_dims=layout.warp_dims, lane_dims=layout.lane_dims,
+                            vector_dim=layout.vector_dim)
+
+
+def replicated_rows_layouts(D: int = 128):
+  """(ROWS, ROW): the register layout of a warpgroup's [R, D] array (any R) with every warp holding all R rows
+  (32 lanes x 4-vectors along a row: D == 128), the 4 warps replicas — row reductions stay inside a warp (no
+  cross-warp step), GMEM / SMEM rows load and store as they are — and of one [D] row of it (to broadcast over
+  rows). For a few rows of a head (the KDA norm epilogue, the indexer's pooled-key update)."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
+  if D != 128:
+    raise NotImplementedError(f"replicated_rows_layouts: D={D}; the rows layout covers 128 columns (32 lanes x 4)")
+  rows = fa.TiledLayout(fa.Tiling(((1, D), (1, 4))), warp_dims=(fa.Replicated(4),), lane_dims=(-3,), vector_dim=-1,
+                        _check_canonical=False).canonicalize()
+  return tiled(rows), tiled(rows.reduce([0]))
+
+
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 

@@ -24,6 +24,7 @@ cache is allocated for the longest context; the actual context is usually shorte
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -33,7 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry, mgpu_kernel, order_key_u32, warp_split_layout
+from pallas_kernels._common import (kernel_entry, mgpu_kernel, order_key_u32, replicated_rows_layouts,
+                                    warp_split_layout)
 
 HEAD_DIM = 128
 FP8_MAX = 448.0
@@ -103,26 +105,32 @@ def _pick_blocks_per_cta(n_blocks: int, B: int) -> int:
   return -(-n_blocks // chunks)
 
 
+def _rotated_fp8(qb_s, h_s, c: int):
+  """Rows [64c, 64c + 64) of qb_s [.., 128] bf16 (SMEM, wgmma-tiled) -> (y [64, 128] f32, the values of
+  quant_ue8m0_fp8(hadamard128(rows))'s e4m3 (exact in e4m3: convert them), scale [64] f32): the FWHT as one wgmma
+  with the ±1 Sylvester matrix h_s (exact products; the f32 sums of up to 128 bf16 terms), then the bf16
+  rounding, the row amax, the power-of-two scale from the amax's bits (exactly quant_ue8m0_fp8's
+  2^ceil(log2(max(amax, 1e-4) / 448)): 448 = 1.75 · 2^8, so the exponent is the amax's minus 8, plus one when its
+  mantissa exceeds 1.75) and the clipped quotient (a power-of-two divisor: exact)."""
+  def mma(acc):
+    plgpu.wgmma(acc, qb_s.at[pl.ds(c * BLOCK, BLOCK)], h_s.T)  # (H is symmetric)
+    return acc[...]
+  y = pl.run_scoped(mma, plgpu.ACC((BLOCK, HEAD_DIM), jnp.float32)) * (1.0 / math.sqrt(HEAD_DIM))
+  yb = y.astype(jnp.bfloat16).astype(jnp.float32)
+  amax = jnp.maximum(jnp.max(jnp.abs(yb), axis=1), AMAX_FLOOR)  # [64] per row
+  bits = lax.bitcast_convert_type(amax, jnp.int32)
+  e = lax.shift_right_logical(bits, 23) - 8 + jnp.where((bits & 0x7FFFFF) > 0x600000, 1, 0)  # scale's exponent
+  scale = lax.bitcast_convert_type(lax.shift_left(e, 23), jnp.float32)
+  inv = lax.bitcast_convert_type(lax.shift_left(254 - e, 23), jnp.float32)  # 1 / scale, exactly
+  return jnp.clip(yb * lax.broadcast_in_dim(inv, (BLOCK, HEAD_DIM), (0,)), -FP8_MAX, FP8_MAX), scale
+
+
 def _quantize_rows(qb_s, h_s, q_s, qs_s, rq: int):
   """The scores kernel's own query preparation (``indexer_scores_q``): the rq rows of qb_s [rq, 128] bf16 (the
   raw index queries) -> q_s [rq, 128] e4m3 = quant_ue8m0_fp8(hadamard128(q)) and qs_s [rq] f32 their scales, per
-  64-row chunk: the FWHT as one wgmma with the ±1 Sylvester matrix h_s (exact products; the f32 sums of up to 128
-  bf16 terms), then the bf16 rounding, the row amax, the power-of-two scale from the amax's bits (exactly
-  quant_ue8m0_fp8's 2^ceil(log2(max(amax, 1e-4) / 448)): 448 = 1.75 · 2^8, so the exponent is the amax's minus 8,
-  plus one when its mantissa exceeds 1.75) and the e4m3 conversion of the clipped quotient (a power-of-two
-  divisor: exact)."""
+  64-row chunk (``_rotated_fp8``)."""
   for c in range(rq // BLOCK):
-    def mma(acc):
-      plgpu.wgmma(acc, qb_s.at[pl.ds(c * BLOCK, BLOCK)], h_s.T)  # (H is symmetric)
-      return acc[...]
-    y = pl.run_scoped(mma, plgpu.ACC((BLOCK, HEAD_DIM), jnp.float32)) * (1.0 / math.sqrt(HEAD_DIM))
-    yb = y.astype(jnp.bfloat16).astype(jnp.float32)
-    amax = jnp.maximum(jnp.max(jnp.abs(yb), axis=1), AMAX_FLOOR)  # [64] per row
-    bits = lax.bitcast_convert_type(amax, jnp.int32)
-    e = lax.shift_right_logical(bits, 23) - 8 + jnp.where((bits & 0x7FFFFF) > 0x600000, 1, 0)  # scale's exponent
-    scale = lax.bitcast_convert_type(lax.shift_left(e, 23), jnp.float32)
-    inv = lax.bitcast_convert_type(lax.shift_left(254 - e, 23), jnp.float32)  # 1 / scale, exactly
-    y8 = jnp.clip(yb * lax.broadcast_in_dim(inv, (BLOCK, HEAD_DIM), (0,)), -FP8_MAX, FP8_MAX)
+    y8, scale = _rotated_fp8(qb_s, h_s, c)
     q_s[pl.ds(c * BLOCK, BLOCK), :] = plgpu.layout_cast(y8.astype(jnp.float8_e4m3fn), _L.WGMMA)
     qs_s[pl.ds(c * BLOCK, BLOCK)] = scale
   plgpu.commit_smem()  # q_s is read by the scores' wgmmas (the async proxy)
@@ -301,6 +309,205 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
   head = (q.reshape(B, T * HI, HEAD_DIM),) + ((jnp.asarray(_sylvester128(), jnp.bfloat16),) if rotate else ())
   out = kern(*head, wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32))
   return out if padded else out[:, :, :P]
+
+
+# ------------------------------------------------------------------------------------------------ pooled-key update
+POOL_MAX_TOKENS = 16  # token rows per sequence the update kernel takes (a decode step's 1 + k); longer calls: XLA
+
+
+def _pool_geometry(T: int, kp: int) -> tuple[int, int]:
+  """(G, NP): the positions [base, base + G) a call of T tokens can complete pools in (base = start rounded down to
+  a pool) and their NP = G / kp pools."""
+  G = kp * (-(-(kp - 1 + T) // kp))
+  return G, G // kp
+
+
+def pool_update_reference(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
+  """Pure-jnp form of the indexer's per-call cache update with an FP8 pooled-key cache (spec §3.6.3; the model's
+  Indexer.keys + Indexer.update with vLLM's numerics).
+
+  kx [B, T, >= 2·Di] the x_proj output in the model's dtype: the keys before their LayerNorm in columns [0, Di),
+  the pool gate scores in [Di, 2·Di) (more columns after them are ignored: the head weights); ring [B, Rg, 2, Di]
+  (the LayerNorm'd key and the gate score of position p in row p mod Rg, kx's dtype); pool8 [B, P, Di] e4m3,
+  pool_scale [B, P] f32; start, valid [B] int32 (this call's tokens sit at start.., the first valid real);
+  ln_w, ln_b [Di] (the keys' LayerNorm, eps 1e-6); ape [kp, Di] (the pool's positional gate bias).
+  -> (ring, pool8, pool_scale): the call's real tokens in the ring, and every pool they complete (all kp
+  positions < start + valid) pooled — per channel Σ_r softmax_r(gate + ape) · key over its kp positions — rotated
+  (hadamard128) and quantised (quant_ue8m0_fp8) into its slot."""
+  B, T, _ = kx.shape
+  Rg, Di, kp = ring.shape[1], ring.shape[3], ape.shape[0]
+  dt, f32 = kx.dtype, jnp.float32
+  kr = kx[..., :Di].astype(f32)
+  mu = jnp.mean(kr, -1, keepdims=True)
+  var = jnp.mean(jnp.square(kr - mu), -1, keepdims=True)
+  k = ((kr - mu) * lax.rsqrt(var + 1e-6) * ln_w.astype(f32) + ln_b.astype(f32)).astype(dt)
+  ok = jnp.arange(T)[None] < valid[:, None]
+  pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+  bq = jnp.arange(B)[:, None]
+  new = jnp.stack([k, kx[..., Di:2 * Di]], axis=2).astype(ring.dtype)  # [B, T, 2, Di]
+  ring = ring.at[bq, jnp.where(ok, pos % Rg, Rg)].set(new, mode="drop")
+  # the pools this call can complete, read back from the updated ring (every position of [base, start + valid) is
+  # in it, distinct mod Rg; positions past the call's tokens only feed pools that are not complete, never written)
+  G, NP = _pool_geometry(T, kp)
+  base = (start // kp) * kp
+  kg = ring[bq, (base[:, None] + jnp.arange(G, dtype=jnp.int32)[None]) % Rg].astype(f32)  # [B, G, 2, Di]
+  kc, gc = kg[:, :, 0].reshape(B, NP, kp, Di), kg[:, :, 1].reshape(B, NP, kp, Di)
+  pi = jax.nn.softmax(gc + ape.astype(f32), axis=-2)
+  pk = jnp.sum(pi * kc, axis=-2).astype(dt)
+  k8, ks = quant_ue8m0_fp8(hadamard128(pk.astype(f32)))
+  pj = base[:, None] // kp + jnp.arange(NP, dtype=jnp.int32)[None]
+  slot = jnp.where((pj + 1) * kp <= (start + valid)[:, None], pj, pool8.shape[1])  # incomplete: dropped
+  return ring, pool8.at[bq, slot].set(k8, mode="drop"), pool_scale.at[bq, slot].set(ks, mode="drop")
+
+
+def _pool_kernel(T: int, kp: int, Rg: int):
+  """Kernel body of ``pool_update``: one CTA (one warpgroup) per sequence b.
+
+  GMEM refs: kx_g [B, T, C] bf16, lnw_g / lnb_g [128], ape_g [kp, 128], h_g [128, 128] bf16 (±1), st_g / va_g
+  [B] int32, then the caches it updates in place: ring_g [B, Rg, 2, 128] bf16, p8_g [B, P, 128] e4m3, ps_g [B, P]
+  f32. Scratch: kn_s [T, 2, 128] (the ring rows of the call's
+  tokens), pos_s [kp, NP, 2, 128] (position base + i at [i % kp, i // kp]), pk_s [64, 128] bf16 (the pooled
+  keys' rows), qb_s / h_s (wgmma-tiled), y8_s [64, 128] e4m3, sc_s [64] f32, the loads' two barriers."""
+  G, NP = _pool_geometry(T, kp)
+  Di, f32, bf16 = HEAD_DIM, jnp.float32, jnp.bfloat16
+  ROWS, ROW = replicated_rows_layouts(Di)
+
+  def load(ref, layout):
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+  def cols(v, n):  # a [Di] row broadcast over n rows
+    return plgpu.layout_cast(lax.broadcast_in_dim(v, (n, Di), (1,)), ROWS)
+
+  def rows(v, n):  # a [n] column (a value per row) broadcast along the rows
+    return plgpu.layout_cast(lax.broadcast_in_dim(v, (n, Di), (0,)), ROWS)
+
+  def body(kx_g, lnw_g, lnb_g, ape_g, h_g, st_g, va_g, ring_g, p8_g, ps_g,
+           kn_s, pos_s, pk_s, qb_s, h_s, y8_s, sc_s, bar_in, bar_ring):
+    b = lax.axis_index("b")
+    st, va = st_g[b], va_g[b]
+    base = lax.div(st, kp) * kp
+    # The asynchronous loads at once: the Sylvester matrix and the ring rows of the G positions (this call's own
+    # tokens' rows hold older positions' values: overlaid below).
+    plgpu.copy_gmem_to_smem(h_g, h_s, bar_in)
+    for i in range(G):
+      plgpu.copy_gmem_to_smem(ring_g.at[b, pl.ds(lax.rem(base + i, Rg), 1)], pos_s.at[i % kp, pl.ds(i // kp, 1)],
+                              bar_ring)
+    # The keys' LayerNorm (f32, as Indexer.keys), rounded to bf16: with the gate scores, the call's ring rows (kx's
+    # columns read from GMEM as they are: a TMA of kx's [T, 256] box does not lower for every T — its 288-column
+    # rows are not whole 64-column tiles)
+    x = load(kx_g.at[b, :, pl.ds(0, Di)], ROWS).astype(f32)  # [T, Di]
+    xc = x - rows(jnp.sum(x, axis=1) * (1.0 / Di), T)
+    var = rows(jnp.sum(xc * xc, axis=1) * (1.0 / Di), T)
+    k = xc * lax.rsqrt(var + 1e-6) * cols(load(lnw_g, ROW).astype(f32), T) + cols(load(lnb_g, ROW).astype(f32), T)
+    kn_s[:, 0, :] = k.astype(bf16)
+    kn_s[:, 1, :] = load(kx_g.at[b, :, pl.ds(Di, Di)], ROWS)
+    plgpu.commit_smem()
+    for t in range(T):
+      pl.when(t < va)(lambda t=t: plgpu.copy_smem_to_gmem(kn_s.at[pl.ds(t, 1)],
+                                                          ring_g.at[b, pl.ds(lax.rem(st + t, Rg), 1)]))
+    plgpu.barrier_wait(bar_ring)
+    plgpu.barrier_wait(bar_in)
+    for i in range(G):  # the call's own tokens among the G positions: their rows from kn_s
+      t = base + i - st
+
+      @pl.when((t >= 0) & (t < va))
+      def _():
+        pos_s[i % kp, i // kp] = load(kn_s.at[t], ROWS)
+    plgpu.commit_smem()
+    # Pooling (as Indexer.pool: jax.nn.softmax over the kp positions of each channel, then the weighted sum).
+    a = [load(pos_s.at[r, :, 1, :], ROWS).astype(f32) + cols(load(ape_g.at[r], ROW).astype(f32), NP)
+         for r in range(kp)]
+    m = functools.reduce(jnp.maximum, a)
+    e = [jnp.exp(ar - m) for ar in a]
+    s = functools.reduce(lambda u, v: u + v, e)
+    pk = functools.reduce(lambda u, v: u + v, [(e[r] / s) * load(pos_s.at[r, :, 0, :], ROWS).astype(f32)
+                                               for r in range(kp)])
+    pk_s[pl.ds(0, NP), :] = pk.astype(bf16)
+    plgpu.commit_smem()
+    # Rotation + FP8 (the scores kernel's own query form: _rotated_fp8) on a 64-row tile of which NP are pools.
+    row = plgpu.broadcasted_iota(jnp.int32, (BLOCK, Di), 0, layout=_L.WGMMA)
+    qb_s[...] = jnp.where(row < NP, load(pk_s, _L.WGMMA), jnp.zeros((), bf16))
+    plgpu.commit_smem()
+    y8, scale = _rotated_fp8(qb_s, h_s, 0)
+    y8_s[...] = plgpu.layout_cast(y8.astype(jnp.float8_e4m3fn), _L.WGMMA)
+    sc_s[...] = scale
+    plgpu.commit_smem()
+    pj0, end = lax.div(base, kp), st + va
+    for j in range(NP):
+      @pl.when((pj0 + j + 1) * kp <= end)  # complete: into its slot
+      def _():
+        plgpu.copy_smem_to_gmem(y8_s.at[pl.ds(j, 1)], p8_g.at[b, pl.ds(pj0 + j, 1)])
+        ps_g[b, pj0 + j] = sc_s[j]
+    plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+def _check_pool(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
+  B, T, C = kx.shape
+  kp = ape.shape[0]
+  Di = HEAD_DIM
+  want = {"kx": ((B, T, C), jnp.bfloat16), "ring": ((B, ring.shape[1], 2, Di), jnp.bfloat16),
+          "pool8": ((B, pool8.shape[1], Di), jnp.float8_e4m3fn), "pool_scale": ((B, pool8.shape[1]), jnp.float32),
+          "start": ((B,), jnp.int32), "valid": ((B,), jnp.int32), "ln_w": ((Di,), None), "ln_b": ((Di,), None),
+          "ape": ((kp, Di), None)}
+  got = dict(kx=kx, ring=ring, pool8=pool8, pool_scale=pool_scale, start=start, valid=valid, ln_w=ln_w, ln_b=ln_b,
+             ape=ape)
+  for name, (shape, dtype) in want.items():
+    a = got[name]
+    if a.shape != shape or (dtype is not None and a.dtype != dtype):
+      raise ValueError(f"pool_update: {name} {a.shape} {a.dtype}; expected {shape} {dtype or '(any float)'}")
+  if C < 2 * Di:
+    raise ValueError(f"pool_update: kx [.., {C}] columns; expected >= {2 * Di} (the keys, then the gate scores)")
+  G, _ = _pool_geometry(T, kp)
+  if T > POOL_MAX_TOKENS or ring.shape[1] < G:
+    raise ValueError(f"pool_update: T={T} tokens with a ring of {ring.shape[1]} rows; expected T <= "
+                     f"{POOL_MAX_TOKENS} and a ring of >= {G} rows (every position a call touches distinct)")
+
+
+@kernel_entry()
+def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
+  """Mosaic GPU version of ``pool_update_reference``: the indexer's whole per-call cache update — the keys'
+  LayerNorm, the ring write, the pooling of every completed pool, its rotation and FP8 quantisation and the
+  pool8 / pool_scale writes — as ONE launch (a CTA per sequence) updating the three caches in place (under a
+  jit that donates them, the custom call aliases them: nothing copied). In XLA this chain was ~8 small kernels
+  per DSA layer (LayerNorm, ring gather, softmax pooling, the Hadamard's butterflies, amax, FP8, two scatters)
+  whose temporaries XLA's concurrent command buffer ordered behind the MLA latent's chain — the scores kernel
+  waited ~12 µs per DSA layer for them (BENCHMARKS.md session 45). Needs bf16 kx / ring (the wgmma's operands),
+  T <= POOL_MAX_TOKENS. The LayerNorm's and the rotation's f32 sums run in another order than XLA's: a key can
+  round to the neighbouring bf16 (and an e4m3 element to its neighbour)."""
+  _check_pool(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape)
+  B, T, _ = kx.shape
+  kp, Rg = ape.shape[0], ring.shape[1]
+  _, NP = _pool_geometry(T, kp)
+  tile16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  f32 = jnp.float32
+  inputs = (kx, ln_w.astype(f32), ln_b.astype(f32), ape.astype(f32), jnp.asarray(_sylvester128(), jnp.bfloat16),
+            start.astype(jnp.int32), valid.astype(jnp.int32))
+
+  @pl.run_state
+  def run(refs):
+    ring_ref, p8_ref, ps_ref = refs
+    mgpu_kernel(
+        lambda *r: _pool_kernel(T, kp, Rg)(*r[:7], ring_ref, p8_ref, ps_ref, *r[7:]),
+        out_type=(),
+        grid=(B,),
+        grid_names=("b",),
+        kernel_name="glm5_indexer_pool_update",
+        scratch_types=[
+            plgpu.SMEM((T, 2, HEAD_DIM), jnp.bfloat16),  # kn_s
+            plgpu.SMEM((kp, NP, 2, HEAD_DIM), jnp.bfloat16),  # pos_s
+            plgpu.SMEM((BLOCK, HEAD_DIM), jnp.bfloat16),  # pk_s
+            plgpu.SMEM((BLOCK, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # qb_s
+            plgpu.SMEM((HEAD_DIM, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # h_s
+            plgpu.SMEM((BLOCK, HEAD_DIM), jnp.float8_e4m3fn),  # y8_s
+            plgpu.SMEM((BLOCK,), f32),  # sc_s
+            plgpu.Barrier(num_arrivals=1, num_barriers=1),
+            plgpu.Barrier(num_arrivals=_pool_geometry(T, kp)[0], num_barriers=1),
+        ],
+    )(*inputs)
+
+  return run((ring, pool8, pool_scale))
 
 
 # ------------------------------------------------------------------------------------------------ top-k threshold

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import interpreting, kernel_entry, with_pdl
+from pallas_kernels._common import interpreting, kernel_entry, replicated_rows_layouts, tiled, with_pdl
 
 L2NORM_EPS = 1e-6
 _DEBUG = False  # True: print the kernel jaxpr and Mosaic GPU module when lowering
@@ -303,12 +303,6 @@ class KdaDecodeConfig:
       raise ValueError("token_loop computes each token's gates inside its iteration; gates_first needs them unrolled")
 
 
-def _tiled(layout: mgpu_fa.TiledLayout) -> plgpu.Layout:
-  layout = layout.canonicalize()
-  return plgpu.Layout.TILED(layout.tiling, warp_dims=layout.warp_dims, lane_dims=layout.lane_dims,
-                            vector_dim=layout.vector_dim)
-
-
 @functools.lru_cache(maxsize=None)
 def _layouts(D: int, BV: int):
   """Register layouts: state slice [D, BV], K-vectors [D], V-vectors [BV], per-head rows [T, D] (norm)."""
@@ -319,10 +313,8 @@ def _layouts(D: int, BV: int):
   s = mgpu_fa.TiledLayout(mgpu_fa.Tiling(((D, BV), (D, BV // 4), (16, 8), (4,))), warp_dims=(-6,),
                           lane_dims=(-3, -2), vector_dim=-1, _check_canonical=False).canonicalize()
   # [T, 128] rows for the norm epilogue: a warp holds whole rows (32 lanes x 4-vectors), warps replicate.
-  rows = mgpu_fa.TiledLayout(mgpu_fa.Tiling(((1, D), (1, 4))), warp_dims=(mgpu_fa.Replicated(4),),
-                             lane_dims=(-3,), vector_dim=-1, _check_canonical=False).canonicalize()
-  return dict(S=_tiled(s), K=_tiled(s.reduce([1])), V=_tiled(s.reduce([0])), ROWS=_tiled(rows),
-              ROW=_tiled(rows.reduce([0])))
+  rows, row = replicated_rows_layouts(D)
+  return dict(S=tiled(s), K=tiled(s.reduce([1])), V=tiled(s.reduce([0])), ROWS=rows, ROW=row)
 
 
 @kernel_entry("lower_bound", "norm_eps", "config")

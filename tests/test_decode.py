@@ -402,6 +402,42 @@ def _kda_knob_verify_steps(knob: str, dtype: str, prompt_len: int, **dec_kw):
 
 
 @pytest.mark.e2e_kernels
+def test_indexer_pool_kernel_equals_xla_update():
+  """Policy knob indexer_pool_kernel (the indexer's cache update as one launch: pallas_kernels.indexer.pool_update)
+  against XLA's update: kernel-tiny in bf16 with the FP8 caches (every other op in XLA), a 13-token prefill (a
+  16-token chunk: the kernel's largest T) and three verify steps of q = 3 — the same tokens, and every DSA layer's
+  (and the MTP layer's) ring and pooled keys within check_pool_update's tolerances of XLA's (the slots never
+  written zero in both)."""
+  from test_indexer import check_pool_update  # noqa: PLC0415
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "bfloat16")
+  prompt = np.random.default_rng().integers(0, 2000, 13)
+  runs = []
+  for on in (False, True):
+    pol = (("kda", False), ("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("sparse_mla", False),
+           ("mhc", False), ("bf16_linear", False), ("indexer_pool_kernel", on), ("kv_cache_dtype", "fp8"),
+           *XLA_SELECTION)
+    dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=pol), backend="latency_specialized",
+                  prefill_chunk=16)
+    state = dec.prefill([prompt])
+    toks, got = np.array(state.next_tokens), [np.array(state.next_tokens)]
+    for _ in range(3):
+      state, o = decode(state, toks)
+      got += [np.asarray(o.tokens), np.asarray(o.next_tokens)]
+      toks = np.array(o.next_tokens)
+    assert (dec.kernel_sites(1)["indexer_pool_kernel"]["sites"] > 0) == on
+    caches = [c for c in state.caches["layers"] if "pool8" in c] + [state.caches["mtp"]]
+    runs.append((got, caches))
+  (t0, c0), (t1, c1) = runs
+  for a, b in zip(t0, t1):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(c0, c1):  # (the slots written: a non-zero power-of-two scale in either run; the rest zeros in both)
+    done = (np.asarray(a["pool_scale"]) != 0) | (np.asarray(b["pool_scale"]) != 0)
+    zeros = (None, None, jnp.zeros_like(a["pool8"]), jnp.zeros_like(a["pool_scale"]))
+    check_pool_update((b["ring"], b["pool8"], b["pool_scale"]), (a["ring"], a["pool8"], a["pool_scale"]), zeros,
+                      a["pool8"].shape[1], exact=False, done=done)
+
+
+@pytest.mark.e2e_kernels
 def test_kda_conv_in_the_kernel_equals_xla_conv():
   """Policy knob kda_conv (the short conv + SiLU inside the KDA kernel, reading the conv ring's history rows and the
   taps transposed) against the kernel after XLA's conv: a verify step of kernel-tiny (f32, every other op in XLA;

@@ -616,3 +616,175 @@ def test_select_kernel_at_the_model_site(native, P, extra_tail):
   np.testing.assert_array_equal(js1, js0)
   np.testing.assert_array_equal(idx2, idx0)  # (the knob declined: the usual path)
   np.testing.assert_array_equal(js2, js0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the pooled-key cache update (pool_update)
+# ------------------------------------------------------------------------------------------------------------
+def pool_inputs(rng, B, T, P, starts, valid, kp=4, dtype=jnp.bfloat16):
+  """Random pool_update inputs: x_proj rows [B, T, 288] (keys over a decade of scales, gates, head weights), a
+  ring of random rows (older positions' keys / gates), random pool8 / pool_scale contents (what the untouched
+  slots must keep), the LayerNorm's affine and the pool bias."""
+  Rg = kp * (-(-(kp - 1 + T) // kp))
+  f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+  kx = f(B, T, 288) * rng.uniform(0.3, 3.0, (B, T, 1)).astype(np.float32) + 0.5
+  return (jnp.asarray(kx, dtype), jnp.asarray(f(B, Rg, 2, 128), dtype), jnp.asarray(f(B, P, 128), F8),
+          jnp.asarray(rng.uniform(0.01, 1.0, (B, P)), jnp.float32), jnp.asarray(starts, jnp.int32),
+          jnp.asarray(valid, jnp.int32), jnp.asarray(1 + 0.2 * f(128), dtype), jnp.asarray(0.2 * f(128), dtype),
+          jnp.asarray(f(kp, 128), dtype))
+
+
+def completed_slots(starts, valid, P, kp=4):
+  """[B, P] bool: the pool slots a call completes (all kp positions below start + valid, not below start's
+  pool)."""
+  j = np.arange(P)[None]
+  s, e = np.asarray(starts)[:, None], (np.asarray(starts) + np.asarray(valid))[:, None]
+  return ((j + 1) * kp <= e) & ((j + 1) * kp > (s // kp) * kp)
+
+
+def check_pool_update(got, ref, args, P, exact: bool, done=None):
+  """pool_update's caches against the reference's: the ring within a bf16 rounding of the LayerNorm (exact where
+  ``exact``), the completed slots' dequantised pooled keys within the FP8 tolerance of their row and their
+  scales equal (or a factor 2 apart: an amax rounded across a power of two), every other slot untouched (as in
+  args' input caches). ``done``: the completed slots [B, P] (default: those of args' starts and valid)."""
+  ring, p8, ps = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in got)
+  rring, rp8, rps = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in ref)
+  if exact:
+    np.testing.assert_array_equal(ring, rring)
+  else:
+    np.testing.assert_allclose(ring, rring, **tol("kernel_bf16"))
+  done = completed_slots(args[4], args[5], P) if done is None else done
+  assert done.any()
+  p8_in, ps_in = np.asarray(jnp.asarray(args[2]).astype(jnp.float32)), np.asarray(args[3])
+  np.testing.assert_array_equal(p8[~done], p8_in[~done])
+  np.testing.assert_array_equal(ps[~done], ps_in[~done])
+  deq, rdeq = p8[done] * ps[done][:, None], rp8[done] * rps[done][:, None]
+  amax = np.abs(rdeq).max(axis=1, keepdims=True)
+  np.testing.assert_allclose(deq / amax, rdeq / amax, atol=tol("kernel_fp8")["atol"], rtol=0)
+  ratio = ps[done] / rps[done]
+  assert np.isin(ratio, (0.5, 1.0, 2.0)).all() and (ratio == 1.0).mean() >= 0.9, ratio
+  if exact:
+    np.testing.assert_array_equal(p8, rp8)
+    np.testing.assert_array_equal(ps, rps)
+
+
+def test_pool_update_reference_is_the_models_update():
+  """pool_update_reference (the whole per-call update on the x_proj output) against the model's own XLA path —
+  Indexer.keys + Indexer.update with an FP8 pool cache — for kernel-tiny's indexer with a random LayerNorm and
+  pool bias: bit-identical ring, pool8 and pool_scale (bf16 model; T = 1 and 4 tokens, valid < T, starts inside
+  and at pool boundaries, the ring's older rows from a random cache)."""
+  from flax import nnx  # noqa: PLC0415
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.attention import Indexer, StepCtx  # noqa: PLC0415
+  cfg = C.kernel_tiny()
+  rng = np.random.default_rng()
+  P = 64
+  for T, starts, valid in ((1, [3, 11, 16, 0], [1, 1, 1, 1]), (4, [3, 6, 0, 200], [4, 2, 4, 3])):
+    args = pool_inputs(rng, len(starts), T, P, starts, valid)
+    kx, ring, p8, ps, st, va, lw, lb, ape = args
+    ix = nnx.eval_shape(lambda: Indexer(cfg, jnp.bfloat16))  # noqa: B023
+    for name, v in (("k_norm_weight", lw), ("k_norm_bias", lb), ("index_kpool_compress_ape", ape)):
+      getattr(ix, name).set_value(v)
+
+    def model(kx, ring, p8, ps, st, va):
+      k, gam = ix.keys(kx[..., :128], kx[..., 128:256])  # noqa: B023
+      c = ix.update(k, gam, {"ring": ring, "pool8": p8, "pool_scale": ps}, StepCtx(st, va, va), jnp.bfloat16)  # noqa: B023
+      return c["ring"], c["pool8"], c["pool_scale"]
+
+    want = jax.jit(model)(*args[:6])
+    got = jax.jit(I.pool_update_reference)(*args)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    assert completed_slots(st, va, P).any()
+
+
+@pytest.mark.parametrize("B,T,starts,valid", [(4, 1, [3, 11, 18, 250], [1, 1, 1, 1]),
+                                             (5, 4, [3, 7, 10, 0, 240], [4, 1, 3, 4, 2]),
+                                             (2, 8, [5, 100], [8, 6])])
+def test_pool_update_kernel_interpret(B, T, starts, valid):
+  """pool_update (GPU interpret mode) against pool_update_reference: the call's ring rows, the completed pools'
+  FP8 keys and scales (CPU: both sum in the same f32 order here — bit-identical), every other slot untouched."""
+  P = 64
+  args = pool_inputs(np.random.default_rng(), B, T, P, starts, valid)
+  ref = jax.jit(I.pool_update_reference)(*args)
+  with maybe_interpret(True):
+    got = jax.jit(I.pool_update)(*args)
+  check_pool_update(got, ref, args, P, exact=True)
+
+
+def test_pool_update_rejects_bad_input():
+  args = pool_inputs(np.random.default_rng(), 1, 1, 64, [3], [1])
+  sds = [SDS(a.shape, a.dtype) for a in args]
+  with pytest.raises(ValueError, match=r"kx \(1, 1, 288\) float32; expected \(1, 1, 288\) <class 'jax.numpy.bfloat16'>|kx"):
+    jax.eval_shape(I.pool_update, SDS((1, 1, 288), jnp.float32), *sds[1:])
+  with pytest.raises(ValueError, match=r"columns; expected >= 256"):
+    jax.eval_shape(I.pool_update, SDS((1, 1, 200), jnp.bfloat16), *sds[1:])
+  with pytest.raises(ValueError, match=r"T=17 tokens"):
+    big = pool_inputs(np.random.default_rng(), 1, 17, 64, [3], [1])
+    jax.eval_shape(I.pool_update, *[SDS(a.shape, a.dtype) for a in big])
+  with pytest.raises(ValueError, match=r"ring"):
+    jax.eval_shape(I.pool_update, sds[0], SDS((1, 4, 2, 128), jnp.float32), *sds[2:])
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (32, 1), (2, 16)])
+def test_pool_update_cross_lower(B, T):
+  """CUDA lowering of pool_update at the decode's shapes (32K context's 8,256 pool slots)."""
+  P = 8256
+  args = pool_inputs(np.random.default_rng(), B, T, 64, [0] * B, [T] * B)
+  sds = [SDS(a.shape, a.dtype) for a in args]
+  sds[2], sds[3] = SDS((B, P, 128), F8), SDS((B, P), jnp.float32)
+  txt = cross_lower(I.pool_update, *sds).as_text()
+  assert "glm5_indexer_pool_update" in txt and "output_operand_aliases" in txt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (2, 16)])
+def test_pool_update_gpu(B, T):
+  """pool_update natively against the reference compiled as the model rounds: random starts (pools completed and
+  not), the real cache's 8,256 slots."""
+  P = 8256
+  rng = np.random.default_rng()
+  starts = rng.integers(0, 4 * P - T, B)
+  starts[0] = 4 * int(rng.integers(0, P - 4)) + 3  # (one sequence surely completes a pool)
+  valid = rng.integers(1, T + 1, B)
+  valid[0] = T
+  args = pool_inputs(rng, B, T, P, starts, valid)
+  ref = rounding_reference(I.pool_update_reference, *args)
+  got = jax.jit(I.pool_update)(*args)
+  check_pool_update(got, ref, args, P, exact=False)
+
+
+def test_pool_update_at_the_model_site():
+  """Policy knob indexer_pool_kernel at the model's call site (Indexer.project_update; kernel-tiny's indexer with
+  random x_proj, LayerNorm and pool bias, an FP8 pool cache; interpret mode): the same head weights, and the caches
+  of pool_update against the XLA path's (check_pool_update); the site is reported; an f32 model's declines and
+  says why."""
+  from flax import nnx  # noqa: PLC0415
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.attention import Indexer, StepCtx  # noqa: PLC0415
+  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
+  cfg = C.kernel_tiny()
+  rng = np.random.default_rng()
+  B, T, P = 2, 3, 64
+  starts, valid = [5, 4 * int(rng.integers(2, P - 2)) + 1], [3, 2]
+  for dtype in (jnp.bfloat16, jnp.float32):
+    args = pool_inputs(rng, B, T, P, starts, valid, dtype=dtype)
+    _, ring, p8, ps, st, va, lw, lb, ape = args
+    ix = nnx.eval_shape(lambda: Indexer(cfg, dtype))  # noqa: B023
+    w = ix.x_proj.weight
+    w.set_value(jnp.asarray(rng.standard_normal(w.shape) * 0.05, dtype))
+    for name, v in (("k_norm_weight", lw), ("k_norm_bias", lb), ("index_kpool_compress_ape", ape)):
+      getattr(ix, name).set_value(v)
+    x = jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), dtype)
+    cache = {"ring": ring, "pool8": p8, "pool_scale": ps}
+    outs = []
+    for on in (False, True):
+      with maybe_interpret(True), use_kernels({"bf16_linear": False, "indexer_pool_kernel": on}), \
+          kernel_report() as rep:
+        hw, c = jax.jit(lambda x, cache: ix.project_update(x, cache, StepCtx(st, va, va), dtype))(x, cache)  # noqa: B023
+      outs.append((hw, (c["ring"], c["pool8"], c["pool_scale"])))
+      if on:
+        assert (("indexer_pool_kernel", None) in rep) == (dtype == jnp.bfloat16), rep
+    (hw0, c0), (hw1, c1) = outs
+    np.testing.assert_array_equal(np.asarray(hw1), np.asarray(hw0))
+    check_pool_update(c1, c0, args, P, exact=False)

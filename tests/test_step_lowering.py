@@ -142,15 +142,17 @@ def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
   # in f16: dq_f16; and policy pdl: every Mosaic kernel starts with griddepcontrol — Programmatic Dependent
   # Launch — which Mosaic marks on the module, ``mosaic_gpu.uses_pdl``, for its launcher; without it, the
   # default, none does: test_kernel_tiny_step_lowers_for_cuda. The knob changes the kernels' modules, not their
-  # count. Folded in here: a lowering of its own cost the CPU suite ~19 s)
+  # count. Folded in here: a lowering of its own cost the CPU suite ~19 s; and the indexer's cache update as one
+  # launch: indexer_pool_kernel)
   txt = lower_step(C.kernel_tiny(), 3, "latency_specialized", max_context=4096, tp=4,
                    policy=(("mhc", True), ("mhc_barrier_counters", True), ("linear_fused_sum", True),
-                           ("moe_persistent", True), ("dq_f16", True), ("pdl", True)))
+                           ("moe_persistent", True), ("dq_f16", True), ("pdl", True), ("indexer_pool_kernel", True)))
   calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
   assert calls and all("mosaic_gpu.uses_pdl" in line for line in calls)
   check_one_module_per_kernel(txt)
   for name in ("kda_decode", "glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
-               "glm5_indexer_scores", "glm5_mhc_post_finish", "glm5_mhc_sinkhorn"):  # (mhc_grid_barrier's boundary)
+               "glm5_indexer_scores", "glm5_mhc_post_finish", "glm5_mhc_sinkhorn",  # (mhc_grid_barrier's boundary)
+               "glm5_indexer_pool_update"):
     assert name in txt, name
   assert txt.count("all_reduce") == 1 + 2 * 4 + 3 * 2
   pers = [line.split("->")[-1] for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_moe_persistent" in line]
