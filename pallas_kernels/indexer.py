@@ -457,8 +457,9 @@ def _check_pool(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
     a = got[name]
     if a.shape != shape or (dtype is not None and a.dtype != dtype):
       raise ValueError(f"pool_update: {name} {a.shape} {a.dtype}; expected {shape} {dtype or '(any float)'}")
-  if C < 2 * Di:
-    raise ValueError(f"pool_update: kx [.., {C}] columns; expected >= {2 * Di} (the keys, then the gate scores)")
+  if C < 2 * Di or C % 4:
+    raise ValueError(f"pool_update: kx [.., {C}] columns; expected >= {2 * Di} (the keys, then the gate scores) and "
+                     "a multiple of 4 (the kernel reads its rows as 8-byte vectors)")
   G, _ = _pool_geometry(T, kp)
   if T > POOL_MAX_TOKENS or ring.shape[1] < G:
     raise ValueError(f"pool_update: T={T} tokens with a ring of {ring.shape[1]} rows; expected T <= "

@@ -643,29 +643,32 @@ def completed_slots(starts, valid, P, kp=4):
 
 
 def check_pool_update(got, ref, args, P, exact: bool, done=None):
-  """pool_update's caches against the reference's: the ring within a bf16 rounding of the LayerNorm (exact where
-  ``exact``), the completed slots' dequantised pooled keys within the FP8 tolerance of their row and their
-  scales equal (or a factor 2 apart: an amax rounded across a power of two), every other slot untouched (as in
+  """pool_update's caches against the reference's. ``exact`` (interpret mode: the CPU sums in the reference's
+  order): bit for bit. Natively the LayerNorm's and the rotation's f32 sums run in another order than XLA's, so a
+  key may round to the neighbouring bf16 and a pooled element to the neighbouring e4m3 value: the ring within the
+  bf16 tolerance; the completed slots' elements at most one e4m3 step apart (a step is 1/8 of the value's binade,
+  2^-9 of the scale among subnormals), at most 5 % of them apart at all, and their scales equal — or a factor 2
+  apart for at most one slot in ten (an amax rounded across a power of two). Every other slot untouched (as in
   args' input caches). ``done``: the completed slots [B, P] (default: those of args' starts and valid)."""
   ring, p8, ps = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in got)
   rring, rp8, rps = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in ref)
   if exact:
-    np.testing.assert_array_equal(ring, rring)
-  else:
-    np.testing.assert_allclose(ring, rring, **tol("kernel_bf16"))
+    for a, b in ((ring, rring), (p8, rp8), (ps, rps)):
+      np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(ring, rring, **tol("kernel_bf16"))
   done = completed_slots(args[4], args[5], P) if done is None else done
   assert done.any()
   p8_in, ps_in = np.asarray(jnp.asarray(args[2]).astype(jnp.float32)), np.asarray(args[3])
   np.testing.assert_array_equal(p8[~done], p8_in[~done])
   np.testing.assert_array_equal(ps[~done], ps_in[~done])
-  deq, rdeq = p8[done] * ps[done][:, None], rp8[done] * rps[done][:, None]
-  amax = np.abs(rdeq).max(axis=1, keepdims=True)
-  np.testing.assert_allclose(deq / amax, rdeq / amax, atol=tol("kernel_fp8")["atol"], rtol=0)
   ratio = ps[done] / rps[done]
-  assert np.isin(ratio, (0.5, 1.0, 2.0)).all() and (ratio == 1.0).mean() >= 0.9, ratio
-  if exact:
-    np.testing.assert_array_equal(p8, rp8)
-    np.testing.assert_array_equal(ps, rps)
+  assert np.isin(ratio, (0.5, 1.0, 2.0)).all() and (ratio != 1.0).sum() <= max(1, ratio.size // 10), ratio
+  deq, rdeq = p8[done] * ps[done][:, None], rp8[done] * rps[done][:, None]
+  step = np.maximum(2.0 ** (np.floor(np.log2(np.maximum(np.abs(rdeq), 1e-30) / rps[done][:, None])) - 3),
+                    2.0 ** -9) * np.maximum(ps[done], rps[done])[:, None]
+  off = np.abs(deq - rdeq)
+  assert (off <= step * 1.001).all(), (off / step).max()
+  assert (off > 0).mean() <= 0.05, (off > 0).mean()
 
 
 def test_pool_update_reference_is_the_models_update():
@@ -717,8 +720,9 @@ def test_pool_update_rejects_bad_input():
   sds = [SDS(a.shape, a.dtype) for a in args]
   with pytest.raises(ValueError, match=r"kx \(1, 1, 288\) float32; expected \(1, 1, 288\) <class 'jax.numpy.bfloat16'>|kx"):
     jax.eval_shape(I.pool_update, SDS((1, 1, 288), jnp.float32), *sds[1:])
-  with pytest.raises(ValueError, match=r"columns; expected >= 256"):
-    jax.eval_shape(I.pool_update, SDS((1, 1, 200), jnp.bfloat16), *sds[1:])
+  for cols in (200, 258):
+    with pytest.raises(ValueError, match=rf"kx \[.., {cols}\] columns; expected >= 256 .* a multiple of 4"):
+      jax.eval_shape(I.pool_update, SDS((1, 1, cols), jnp.bfloat16), *sds[1:])
   with pytest.raises(ValueError, match=r"T=17 tokens"):
     big = pool_inputs(np.random.default_rng(), 1, 17, 64, [3], [1])
     jax.eval_shape(I.pool_update, *[SDS(a.shape, a.dtype) for a in big])
