@@ -73,6 +73,7 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s46c (nvidia-h200):       pool_update at <= 8 rows natively; moe_rows: its GPU test, then q = 1 defaults vs it
 #   s46b (nvidia-h200):       indexer_pool_kernel on by default: its GPU tests (whole output kept), then the q = 1
 #                             step traced (events + kernel listing kept)
 #   s46a (nvidia-h200):       the indexer's cache update as one launch (indexer_pool_kernel): its GPU tests, then q = 1
@@ -614,6 +615,18 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s46c)  # (nvidia-h200) s46b: pool_update wrote wrong ring rows natively at 16 token rows (1 / 4 rows pass): the
+    # kernel now takes <= 8 (prefill chunks stay in XLA) — its GPU tests with 8 rows; then the MoE's rows form with
+    # the router in the gate/up kernel (moe_rows: h's rows unweighted, the weights in the down kernel, y's rows):
+    # its GPU test, then q = 1 defaults vs moe_rows (5 interleaved repeats)
+    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer.py -k pool_update \
+      > "$OUT/pool_tests.log" 2>&1
+    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
+      -k with_rows_gpu > "$OUT/moe_rows_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pool_tests.log" "$OUT/moe_rows_tests.log"
+    [ "$(left)" -gt 280 ] && rank1 s46c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"moe_rows": true}'
     ;;
   s46b)  # (nvidia-h200) s46a: indexer_pool_kernel 4.14 -> 3.98 ms at q = 1 (faster in 4 of 4 paired rounds) — on by
     # default now. Its GPU tests with their whole output (s46a: the 16-token case failed an element tolerance that

@@ -278,6 +278,14 @@ KNOBS = {
         "ordered through the Ref (each call's aliased operand). Natively correct (its GPU test, session 36); in "
         "the step at q = 1 a tie (4.64-4.66 vs 4.64-4.68 ms in the same rounds): the 91 fills were all off the "
         "critical path (815 launches either way; BENCHMARKS.md session 36)" + _S43),
+    "moe_rows": (False,
+        "with fp8_moe, fp8_dq and moe_router_in_kernel at one token row: the MoE's two kernels sum their split "
+        "partials in the kernel on the step's split-K counters (pallas_kernels.linear.splitk_counters) — the "
+        "gate/up kernel's last D split writes h's bf16 rows without the routing weights (its CTAs select them), "
+        "the down kernel scales each slot's product by its weight and its last expert group writes y's rows — "
+        "instead of XLA's glue (split sum, SwiGLU, weights, pad: 2.1 µs) and sum (2.0 µs) on every MoE layer's "
+        "chain (session 45's trace); linear_fused_sum's rows form for the MoE alone, which the router's "
+        "selection in the kernel had excluded; off until measured"),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
         "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "
@@ -1202,7 +1210,13 @@ class MoE(nnx.Module):
               ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, router_select=select, shared=sew,
               counters=None if _interpreting() else _chain_counters(kl), **sums, **f16)
         else:
-          y, ids, _ = moe(xf, None, None, router=(logits, bias), router_select=select)
+          # moe_rows: both kernels' split sums on the step's split-K counters — h's rows written by the gate/up
+          # kernel (the routing weights then scale the down products), y's rows by the down kernel: no XLA kernel
+          # between or after them (in the model's dtype where no all-reduce follows, f32 before one)
+          rows_form = {}
+          if dq and _counters_enabled("moe_rows"):
+            rows_form = dict(counters=_splitk_counters(kl), out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
+          y, ids, _ = moe(xf, None, None, router=(logits, bias), router_select=select, **rows_form)
       else:
         y = moe(xf, ids, w, route_kernel=route, tables=tables)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)

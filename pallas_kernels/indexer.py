@@ -312,7 +312,10 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
 
 
 # ------------------------------------------------------------------------------------------------ pooled-key update
-POOL_MAX_TOKENS = 16  # token rows per sequence the update kernel takes (a decode step's 1 + k); longer calls: XLA
+# token rows per sequence the update kernel takes (a decode step's 1 + k); longer calls (prefill chunks) stay in XLA.
+# At 16 rows the kernel wrote wrong ring rows natively (session 46, s46b: 22 % of the ring's elements off, interpret
+# mode and cross-lowering fine; cause not found) — 1 / 4 rows pass natively.
+POOL_MAX_TOKENS = 8
 
 
 def _pool_geometry(T: int, kp: int) -> tuple[int, int]:

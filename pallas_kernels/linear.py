@@ -964,17 +964,22 @@ def router_scratch(E: int, warp: bool = False):
 
 
 def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int,
-                     dq: bool = False, a_smem: bool = False, fused_sum: bool = False, rows: bool = False):
+                     dq: bool = False, a_smem: bool = False, fused_sum: bool = False, rows: bool = False,
+                     slot_weights: bool = False):
   """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
   over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count.
   ``shared``: slot 0 is the shared expert (its own refs wds/sds). ``table_k``: as ``_slot_expert`` (the k ids
   are read once into registers; without it the slots' ids go to SMEM by one TMA). ``dq``: hq is bf16 h
   [slots, mp, I] and each weight tile is dequantised to bf16 (``a_smem``: through a last SMEM scratch).
   ``fused_sum`` / ``rows``: the groups' partials summed in the kernel on split-K counters (the groups as K splits;
-  the last group's CTAs are dispatched last) / written as token rows, as ``_split_out``."""
-  n_in = 7 if shared else 5
+  the last group's CTAs are dispatched last) / written as token rows, as ``_split_out``. ``slot_weights`` (with
+  ``table_k``: one token row): hq holds h without the routing weights (the gate/up kernel's rows form with the
+  router's selection inside it) and each slot's product is scaled by its weight here — the router's [1, k] f32
+  (an input after the shared expert's refs; an id out of range weighs 0, the shared slot 1)."""
+  n_in = (7 if shared else 5) + int(slot_weights)
   hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref = refs[:5]
   wds_ref, sds_ref = refs[5:7] if shared else (None, None)
+  rw_ref = refs[n_in - 1] if slot_weights else None
   ctr_g, o_ref, y, rest = _out_refs(refs[n_in:], fused_sum, groups, rows)
   a_s = rest.pop() if a_smem else None
   if table_k:
@@ -988,7 +993,10 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   nb = row0 // BLOCK
   ib_n = hq_ref.shape[2] // BLOCK
   if table_k:  # the row's k ids as scalars (a select per step instead of an SMEM read)
-    ids = [_table_id(eids_ref[j], wd_ref.shape[0]) for j in range(table_k)]
+    raw = [eids_ref[j] for j in range(table_k)]
+    ids = [_table_id(e, wd_ref.shape[0]) for e in raw]
+    if slot_weights:  # (and their weights, read once)
+      wts = [jnp.where((e >= 0) & (e < wd_ref.shape[0]), rw_ref[0, j], 0.0) for j, e in enumerate(raw)]
   else:  # expert ids of all slots into SMEM once (cheap scalar reads in the loop, no GMEM latency per step)
     plgpu.copy_gmem_to_smem(eids_ref, eid_s, ebar.at[0])
   nvalid = nvalid_ref[0]
@@ -997,14 +1005,17 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   if not table_k:
     plgpu.barrier_wait(ebar.at[0])
 
+  def pick(vals, s):  # vals[s - shared] (the shared slot, j = -1, reads vals[0]: its weights come from wds/sds)
+    j = s - int(shared)
+    v = vals[0]
+    for u in range(1, table_k):
+      v = jnp.where(j == u, vals[u], v)
+    return v
+
   def slot_expert(s):
     if not table_k:
       return eid_s[s // 8, s % 8]
-    j = s - int(shared)  # the shared slot (j = -1) reads no routed id; its weights come from wds/sds
-    e = ids[0]
-    for u in range(1, table_k):
-      e = jnp.where(j == u, ids[u], e)
-    return e
+    return pick(ids, s)
 
   def where(j):
     s = g + groups * (j // ib_n)
@@ -1034,6 +1045,8 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
     slot = j % stages
     s, ib, e = where(j)
     scale = sd_ref[e, nb, ib]
+    if slot_weights:
+      scale = scale * pick(wts, s)
     if shared:
       scale = jnp.where(s == 0, sds_ref[nb, ib], scale)
     with jax.named_scope("wait"):
@@ -1266,14 +1279,15 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       splits summed in it, which writes h (SwiGLU times the routing weights) as the down kernel's bf16 input
       rows, and the down kernel's expert groups summed in it, which writes y [M, D] out_dtype (``_split_out``'s
       rows): no XLA kernel between or after the two (in interpret mode, which runs no counters, only one-split /
-      one-group plans take the rows form).
+      one-group plans take the rows form). With ``router``: h's rows without the routing weights (the gate/up
+      kernel selects them), which scale each slot's product in the down kernel instead.
     out_dtype: y's dtype.
     dq_dtype: with dq, "bfloat16" or "float16" (x, h and the converted weight tiles: ``_dq_dtype``).
     router, router_select: for ONE token row, (logits [1, E] f32, bias [E] f32) and (k, scaling, norm[, warp[,
       ranks]]) — the router after its logits (pallas_kernels.router.router_topk's selection; ``warp``: its
       warp_rows form; ``ranks``: each CTA selects only up to its own slot's rank, ``_router_in_kernel``) inside the
       gate/up kernel instead of a launch of its own before it; topk_ids and topk_weights are then None and the
-      call returns (y, ids [1, k], weights [1, k]), router_topk's outputs. Not with the counters' rows form.
+      call returns (y, ids [1, k], weights [1, k]), router_topk's outputs.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1301,8 +1315,6 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       raise ValueError(f"fp8_moe: router given with {m} token rows, logits {logits.shape}, bias {bias.shape} and "
                        f"topk_ids {None if topk_ids is None else topk_ids.shape}; expected one row, logits "
                        f"[1, {e_num}], bias [{e_num}] and no ids (the kernel selects them)")
-    if counters is not None:
-      raise ValueError("fp8_moe: router with counters (the rows form reads the routing weights as an input)")
     # placeholders with the selection's shapes: the slot table is static at one row (only n_valid = k is read)
     topk_ids, topk_weights = jnp.zeros((1, k_r), jnp.int32), jnp.zeros((1, k_r), jnp.float32)
   if d != d2 or w_down.shape != (e_num, d, inter) or w_up.shape != w_gate.shape:
@@ -1365,7 +1377,9 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     hq_t = jax.ShapeDtypeStruct((n_pad, m, inter), dt)
     gu_out = hq_t if plan.gu_split == 1 else (
         jax.ShapeDtypeStruct((plan.gu_split - 1, n_pad, 2, inter, mp), jnp.float32), hq_t)
-    gu_extra = (topk_weights.astype(f32) if table_k else r,) + (() if gu_ctr is None else (gu_ctr,))
+    # (with the router in the kernel the weights are its own: the down kernel applies them — slot_weights)
+    gu_extra = (() if router is not None else (topk_weights.astype(f32) if table_k else r,)) + \
+        (() if gu_ctr is None else (gu_ctr,))
     gu_scratch = [plgpu.SMEM((m, plan.gu_bm), dt)]
   else:
     gu_out = jax.ShapeDtypeStruct(gu_out, jnp.float32)
@@ -1378,7 +1392,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   outs = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
-                        a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows, router=sel_static),
+                        a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows, router=sel_static,
+                        rows_weight=router is None),
       out_type=(gu_out if isinstance(gu_out, tuple) else (gu_out,)) + sel_out,
       grid=(n_slots * gu_tiles * plan.gu_split,),
       grid_names=("t",),
@@ -1428,19 +1443,22 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     dn_eids = eids.reshape(n_pad // 8, 8)
   # (the activations' scale sh: 1 with dq, which the rows form needs — it writes the sum as it is)
   ctr, rows = _fused_form(counters if dq else None, plan.dn_groups, dn_tiles, m, "fp8_moe")
+  slot_w = gu_rows and router is not None  # (h unweighted: the router's weights scale the down products)
   out = mgpu_kernel(
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
                         groups=plan.dn_groups, shared=has_sh, table_k=table_k, dq=dq, a_smem=a_smem,
-                        fused_sum=ctr is not None, rows=rows),
+                        fused_sum=ctr is not None, rows=rows, slot_weights=slot_w),
       out_type=_out_types(plan.dn_groups, d, mp, m, out_dtype if rows else None),
       grid=(dn_tiles * plan.dn_groups,),
       grid_names=("t",),
       kernel_name="glm5_moe_down",
       scratch_types=ring + ids_scratch + a_tile(plan.dn_bm) + ([plgpu.SMEM((m, plan.dn_bm), out_dtype)] if rows
                                                                else []),
-  )(hq, dn_eids, n_valid, w_down, s_down.astype(f32), *sh_dn, *(() if ctr is None else (ctr,)))
+  )(hq, dn_eids, n_valid, w_down, s_down.astype(f32), *sh_dn, *((rw,) if slot_w else ()),
+    *(() if ctr is None else (ctr,)))
   if rows:
-    return _rows_result(out, plan.dn_groups)
+    y = _rows_result(out, plan.dn_groups)
+    return (y, topk_ids, rw) if router is not None else y
   y = (_split_sum(out, m, ctr is not None) * sh).astype(out_dtype)
   return (y, topk_ids, rw) if router is not None else y
 

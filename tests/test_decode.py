@@ -404,10 +404,11 @@ def _kda_knob_verify_steps(knob: str, dtype: str, prompt_len: int, **dec_kw):
 @pytest.mark.e2e_kernels
 def test_indexer_pool_kernel_equals_xla_update():
   """Policy knob indexer_pool_kernel (the indexer's cache update as one launch: pallas_kernels.indexer.pool_update)
-  against XLA's update: kernel-tiny in bf16 with the FP8 caches (every other op in XLA), a 13-token prefill (a
-  16-token chunk: the kernel's largest T) and three verify steps of q = 3 — the same tokens, and every DSA layer's
+  against XLA's update: kernel-tiny in bf16 with the FP8 caches (every other op in XLA), a 13-token prefill (in
+  8-token chunks: the kernel's largest T) and three verify steps of q = 3 — the same tokens, and every DSA layer's
   (and the MTP layer's) ring and pooled keys within check_pool_update's tolerances of XLA's (the slots never
-  written zero in both)."""
+  written zero in both; natively XLA keeps the keys in f32 where the model — and the kernel — round them to bf16
+  before pooling, excess precision: 2^-5 of a row's largest element, not 2^-6 — s46b measured 2 e4m3 steps)."""
   from test_indexer import check_pool_update  # noqa: PLC0415
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "bfloat16")
   prompt = np.random.default_rng().integers(0, 2000, 13)
@@ -417,7 +418,7 @@ def test_indexer_pool_kernel_equals_xla_update():
            ("mhc", False), ("bf16_linear", False), ("indexer_pool_kernel", on), ("kv_cache_dtype", "fp8"),
            *XLA_SELECTION)
     dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=pol), backend="latency_specialized",
-                  prefill_chunk=16)
+                  prefill_chunk=8)
     state = dec.prefill([prompt])
     toks, got = np.array(state.next_tokens), [np.array(state.next_tokens)]
     for _ in range(3):
@@ -434,7 +435,7 @@ def test_indexer_pool_kernel_equals_xla_update():
     done = (np.asarray(a["pool_scale"]) != 0) | (np.asarray(b["pool_scale"]) != 0)
     zeros = (None, None, jnp.zeros_like(a["pool8"]), jnp.zeros_like(a["pool_scale"]))
     check_pool_update((b["ring"], b["pool8"], b["pool_scale"]), (a["ring"], a["pool8"], a["pool_scale"]), zeros,
-                      a["pool8"].shape[1], exact=False, done=done)
+                      a["pool8"].shape[1], exact=False, done=done, spread=2.0 ** -5)
 
 
 @pytest.mark.e2e_kernels
@@ -488,7 +489,8 @@ CANDIDATE_KERNELS = (("router_route", True), ("linear_fused_sum", True), ("moe_p
 
 @pytest.mark.e2e_kernels
 @pytest.mark.parametrize("extra", [(), pytest.param(CANDIDATE_KERNELS, marks=pytest.mark.gpu, id="candidates"),
-                                   pytest.param((("moe_chained", True),), marks=pytest.mark.gpu, id="chained")])
+                                   pytest.param((("moe_chained", True),), marks=pytest.mark.gpu, id="chained"),
+                                   pytest.param((("moe_rows", True),), marks=pytest.mark.gpu, id="moe_rows")])
 def test_latency_specialized_all_kernels_equals_stock_fp8_cache(extra):
   """Every kernel of latency_specialized (KDA, FP8 GEMV, grouped FP8 MoE, sparse MLA over the FP8 latent cache,
   FP8 indexer scoring; interpret mode on CPU) against the stock path with the same FP8 cache numerics (the

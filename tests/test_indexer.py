@@ -642,14 +642,15 @@ def completed_slots(starts, valid, P, kp=4):
   return ((j + 1) * kp <= e) & ((j + 1) * kp > (s // kp) * kp)
 
 
-def check_pool_update(got, ref, args, P, exact: bool, done=None):
+def check_pool_update(got, ref, args, P, exact: bool, done=None, spread: float = 2.0 ** -6):
   """pool_update's caches against the reference's. ``exact`` (interpret mode: the CPU sums in the reference's
   order): bit for bit. Natively the LayerNorm's and the rotation's f32 sums run in another order than XLA's, so a
-  key may round to the neighbouring bf16 and a pooled element to the neighbouring e4m3 value: the ring within the
-  bf16 tolerance; the completed slots' elements at most one e4m3 step apart (a step is 1/8 of the value's binade,
-  2^-9 of the scale among subnormals), at most 5 % of them apart at all, and their scales equal — or a factor 2
-  apart for at most one slot in ten (an amax rounded across a power of two). Every other slot untouched (as in
-  args' input caches). ``done``: the completed slots [B, P] (default: those of args' starts and valid)."""
+  key may round to the neighbouring bf16 — which the rotation spreads over the pool's 128 elements — and a pooled
+  element to the neighbouring e4m3 value: the ring within the bf16 tolerance; the completed slots' scales equal —
+  or a factor 2 apart for at most one slot in ten (an amax rounded across a power of two) — and their elements at
+  most one e4m3 step of their binade (1/8 of it; 2^-9 of the scale among subnormals) plus ``spread`` of the row's
+  largest apart, 1 % of it on average. Every other slot untouched (as in args' input caches). ``done``: the
+  completed slots [B, P] (default: those of args' starts and valid)."""
   ring, p8, ps = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in got)
   rring, rp8, rps = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in ref)
   if exact:
@@ -666,9 +667,10 @@ def check_pool_update(got, ref, args, P, exact: bool, done=None):
   deq, rdeq = p8[done] * ps[done][:, None], rp8[done] * rps[done][:, None]
   step = np.maximum(2.0 ** (np.floor(np.log2(np.maximum(np.abs(rdeq), 1e-30) / rps[done][:, None])) - 3),
                     2.0 ** -9) * np.maximum(ps[done], rps[done])[:, None]
+  amax = np.abs(rdeq).max(axis=1, keepdims=True)
   off = np.abs(deq - rdeq)
-  assert (off <= step * 1.001).all(), (off / step).max()
-  assert (off > 0).mean() <= 0.05, (off > 0).mean()
+  assert (off <= step * 1.001 + spread * amax).all(), ((off - step) / amax).max()
+  assert (off / amax).mean() <= 0.01, (off / amax).mean()
 
 
 def test_pool_update_reference_is_the_models_update():
@@ -723,14 +725,14 @@ def test_pool_update_rejects_bad_input():
   for cols in (200, 258):
     with pytest.raises(ValueError, match=rf"kx \[.., {cols}\] columns; expected >= 256 .* a multiple of 4"):
       jax.eval_shape(I.pool_update, SDS((1, 1, cols), jnp.bfloat16), *sds[1:])
-  with pytest.raises(ValueError, match=r"T=17 tokens"):
-    big = pool_inputs(np.random.default_rng(), 1, 17, 64, [3], [1])
+  with pytest.raises(ValueError, match=r"T=9 tokens"):
+    big = pool_inputs(np.random.default_rng(), 1, 9, 64, [3], [1])
     jax.eval_shape(I.pool_update, *[SDS(a.shape, a.dtype) for a in big])
   with pytest.raises(ValueError, match=r"ring"):
     jax.eval_shape(I.pool_update, sds[0], SDS((1, 4, 2, 128), jnp.float32), *sds[2:])
 
 
-@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (32, 1), (2, 16)])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (32, 1), (2, 8)])
 def test_pool_update_cross_lower(B, T):
   """CUDA lowering of pool_update at the decode's shapes (32K context's 8,256 pool slots)."""
   P = 8256
@@ -742,7 +744,7 @@ def test_pool_update_cross_lower(B, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (2, 16)])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (2, 8), (3, 8)])
 def test_pool_update_gpu(B, T):
   """pool_update natively against the reference compiled as the model rounds: random starts (pools completed and
   not), the real cache's 8,256 slots."""

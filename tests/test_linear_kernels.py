@@ -575,9 +575,35 @@ def test_router_in_the_gate_up_kernel_rejects_bad_input():
     L.fp8_moe(x, None, None, *ws, swiglu_limit=1.0, router=(logits, bias), router_select=(k, 1.0, True))
   with pytest.raises(ValueError, match=r"logits \(1, 6\)"):
     L.fp8_moe(x[:1], None, None, *ws, swiglu_limit=1.0, router=(logits[:, :6], bias), router_select=(k, 1.0, True))
-  with pytest.raises(ValueError, match="router with counters"):
-    L.fp8_moe(x[:1], None, None, *ws, swiglu_limit=1.0, dq=True, counters=jnp.zeros((8,), jnp.int32),
-              router=(logits, bias), router_select=(k, 1.0, True))
+  with pytest.raises(ValueError, match=r"counters \(8,\) int32 .* expected splitk_counters"):
+    jax.eval_shape(lambda *a: L.fp8_moe(x[:1], None, None, *a, swiglu_limit=1.0, dq=True, router=(logits, bias),
+                                        counters=jnp.zeros((8,), jnp.int32), router_select=(k, 1.0, True),
+                                        plan=L.plan_moe(k, 128, 128, 8, gu_split=1, dn_groups=k)), *ws)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_router_in_the_gate_up_kernel_with_rows_interpret(shared):
+  """fp8_moe(router=..., counters=...): the rows form with the router's selection in the gate/up kernel — h written
+  as the down kernel's rows WITHOUT the routing weights, which scale each slot's down product instead (slot_weights),
+  y written as rows — against the router form's XLA glue (h times the weight, rounded to bf16): the same ids and
+  weights, y within bf16 rounding of h, and the reference. (GPU interpret mode runs no counters: one D split and
+  one expert group, whose sums are one CTA's.)"""
+  e, i, d, k, scaling = 32, 256, 384, 4, 2.5
+  x, _, _, *ws = moe_inputs(jax.random.key(93), 1, e, i, d, k)
+  sh = _shared_expert(jax.random.key(94), i, d) if shared else None
+  logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
+  plan = L.plan_moe(k + int(shared), i, d, 8, gu_split=1, dn_groups=1)
+  moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, plan=plan, router=(logits, bias),
+                          router_select=(k, scaling, True, False, True))
+  with maybe_interpret():
+    y0, ids0, w0 = jax.jit(lambda *a: moe(x, None, None, *a))(*ws)
+    y1, ids1, w1 = jax.jit(lambda *a: moe(x, None, None, *a, counters=L.splitk_counters(),
+                                          out_dtype=jnp.bfloat16))(*ws)
+  assert y1.dtype == jnp.bfloat16 and y1.shape == (1, d)
+  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
+  np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
+  assert_close(y1, y0, "kernel_bf16")
+  assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=1.0, shared=sh), "kernel_bf16")
 
 
 def test_router_in_the_gate_up_kernel_cross_lowers():
@@ -586,9 +612,13 @@ def test_router_in_the_gate_up_kernel_cross_lowers():
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
         SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
-  for opts in ((False, False), (True, False), (False, True), (True, True)):  # (warp, ranks)
+  # (warp, ranks, the rows form on split-K counters: moe_rows)
+  for *opts, rows in ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
+                      (False, True, True)):
+    ctr = {"counters": L.splitk_counters(), "out_dtype": jnp.bfloat16} if rows else {}
     low = cross_lower(lambda x, lg, b, *a: L.fp8_moe(x, None, None, *a[:6], swiglu_limit=10.0, shared=a[6:],
-                                                     dq=True, router=(lg, b), router_select=(k, 2.5, True, *opts)),
+                                                     dq=True, router=(lg, b), router_select=(k, 2.5, True, *opts),
+                                                     **ctr),  # noqa: B023
                       SDS((1, d), jnp.bfloat16), SDS((1, e), jnp.float32), SDS((e,), jnp.float32),
                       SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
                       SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
@@ -997,6 +1027,36 @@ def test_router_in_the_gate_up_kernel_gpu(dq_dtype, warp, ranks):
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
   ref_ids, _ = kr.router_topk_reference(logits, bias, k=k, scaling=2.5, norm=True)
   np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ref_ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_router_in_the_gate_up_kernel_with_rows_gpu(out_dtype):
+  """The real rank's single-row MoE (288 experts, top-8, the shared slot, dq) with the router's selection in the
+  gate/up kernel AND the rows form on split-K counters natively (policy moe_rows): the gate/up kernel's 4 D splits
+  summed by their last CTA into h's rows without the routing weights, the down kernel's 9 expert groups summed
+  into y's rows with each slot's product scaled by its weight — against the router form with XLA's glue and sum:
+  the same ids and weights, y within bf16 rounding of h (h rounded before the weight instead of after), bit-equal
+  from call to call on one counters Ref, which both calls leave zero."""
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  x, _, _, *ws = moe_inputs(jax.random.key(352), 1, e, i, d, k)
+  sh = _shared_expert(jax.random.key(353), i, d)
+  logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
+
+  def run(x, logits, bias, ws, sh):  # (weights as arguments: closed over, jit embeds them as constants)
+    moe = functools.partial(L.fp8_moe, x, None, None, *ws, swiglu_limit=10.0, shared=sh, dq=True,
+                            router=(logits, bias), router_select=(k, 2.5, True, False, True))
+    c = L.splitk_counters()
+    rows = functools.partial(moe, counters=c, out_dtype=jnp.dtype(out_dtype))
+    return moe(), rows(), rows(), c[...]
+  (y0, ids0, w0), (y1, ids1, w1), (y2, _, _), ctr = jax.jit(run)(x, logits, bias, ws, sh)
+  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
+  np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
+  assert y1.dtype == jnp.dtype(out_dtype)
+  assert_close(y1, y0, "kernel_bf16")
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
+  assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=10.0, shared=sh), "kernel_bf16")
+  assert not np.any(np.asarray(ctr))
 
 
 def test_linear_fused_sum_cross_lowers():
