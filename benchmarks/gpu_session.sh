@@ -73,6 +73,7 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s46d (nvidia-h200):       pool_update's GPU tests at 1 / 4 / 8 / 16 rows (the gate scores through f32)
 #   s46c (nvidia-h200):       pool_update at <= 8 rows natively; moe_rows: its GPU test, then q = 1 defaults vs it
 #   s46b (nvidia-h200):       indexer_pool_kernel on by default: its GPU tests (whole output kept), then the q = 1
 #                             step traced (events + kernel listing kept)
@@ -615,6 +616,13 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s46d)  # (nvidia-h200) s46c: pool_update's ring rows wrong natively at 8 rows too — every wrong element a gate score
+    # (stored as loaded, bf16 from GMEM), the keys (through f32) right: the gates through f32 now; its GPU tests
+    # at 1 / 4 / 8 / 16 rows
+    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer.py -k pool_update \
+      > "$OUT/pool_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed|Mismatched|^E .*\[" "$OUT/pool_tests.log" | head -30
     ;;
   s46c)  # (nvidia-h200) s46b: pool_update wrote wrong ring rows natively at 16 token rows (1 / 4 rows pass): the
     # kernel now takes <= 8 (prefill chunks stay in XLA) — its GPU tests with 8 rows; then the MoE's rows form with

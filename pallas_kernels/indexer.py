@@ -315,7 +315,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
 # token rows per sequence the update kernel takes (a decode step's 1 + k); longer calls (prefill chunks) stay in XLA.
 # At 16 rows the kernel wrote wrong ring rows natively (session 46, s46b: 22 % of the ring's elements off, interpret
 # mode and cross-lowering fine; cause not found) — 1 / 4 rows pass natively.
-POOL_MAX_TOKENS = 8
+POOL_MAX_TOKENS = 16
 
 
 def _pool_geometry(T: int, kp: int) -> tuple[int, int]:
@@ -403,7 +403,9 @@ def _pool_kernel(T: int, kp: int, Rg: int):
     var = rows(jnp.sum(xc * xc, axis=1) * (1.0 / Di), T)
     k = xc * lax.rsqrt(var + 1e-6) * cols(load(lnw_g, ROW).astype(f32), T) + cols(load(lnb_g, ROW).astype(f32), T)
     kn_s[:, 0, :] = k.astype(bf16)
-    kn_s[:, 1, :] = load(kx_g.at[b, :, pl.ds(Di, Di)], ROWS)
+    # (the gate scores through f32 and back, exactly, as the keys go: stored as loaded, bf16 straight from GMEM,
+    # they came out wrong natively past 4 rows — s46b / s46c, 8 and 16 rows, the keys right)
+    kn_s[:, 1, :] = load(kx_g.at[b, :, pl.ds(Di, Di)], ROWS).astype(f32).astype(bf16)
     plgpu.commit_smem()
     for t in range(T):
       pl.when(t < va)(lambda t=t: plgpu.copy_smem_to_gmem(kn_s.at[pl.ds(t, 1)],
