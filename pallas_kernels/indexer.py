@@ -403,9 +403,11 @@ def _pool_kernel(T: int, kp: int, Rg: int):
     var = rows(jnp.sum(xc * xc, axis=1) * (1.0 / Di), T)
     k = xc * lax.rsqrt(var + 1e-6) * cols(load(lnw_g, ROW).astype(f32), T) + cols(load(lnb_g, ROW).astype(f32), T)
     kn_s[:, 0, :] = k.astype(bf16)
-    # (the gate scores through f32 and back, exactly, as the keys go: stored as loaded, bf16 straight from GMEM,
-    # they came out wrong natively past 4 rows — s46b / s46c, 8 and 16 rows, the keys right)
-    kn_s[:, 1, :] = load(kx_g.at[b, :, pl.ds(Di, Di)], ROWS).astype(f32).astype(bf16)
+    # (the gate scores 4 rows at a time: as one [T, 128] array they came out wrong natively past 4 rows — s46b / s46c
+    # / s46d, 8 and 16 rows, through f32 or not — while the keys' [T, 128] from column 0 were right)
+    for c in range(0, T, 4):
+      n = min(4, T - c)
+      kn_s[pl.ds(c, n), 1, :] = load(kx_g.at[b, pl.ds(c, n), pl.ds(Di, Di)], ROWS)
     plgpu.commit_smem()
     for t in range(T):
       pl.when(t < va)(lambda t=t: plgpu.copy_smem_to_gmem(kn_s.at[pl.ds(t, 1)],
