@@ -705,7 +705,7 @@ def test_pool_update_reference_is_the_models_update():
 
 @pytest.mark.parametrize("B,T,starts,valid", [(4, 1, [3, 11, 18, 250], [1, 1, 1, 1]),
                                              (5, 4, [3, 7, 10, 0, 240], [4, 1, 3, 4, 2]),
-                                             (2, 8, [5, 100], [8, 6])])
+                                             (2, 3, [5, 100], [3, 2])])
 def test_pool_update_kernel_interpret(B, T, starts, valid):
   """pool_update (GPU interpret mode) against pool_update_reference: the call's ring rows, the completed pools'
   FP8 keys and scales (CPU: both sum in the same f32 order here — bit-identical), every other slot untouched."""
@@ -732,7 +732,7 @@ def test_pool_update_rejects_bad_input():
     jax.eval_shape(I.pool_update, sds[0], SDS((1, 4, 2, 128), jnp.float32), *sds[2:])
 
 
-@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (32, 1), (2, 8)])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (32, 1), (2, 3)])
 def test_pool_update_cross_lower(B, T):
   """CUDA lowering of pool_update at the decode's shapes (32K context's 8,256 pool slots)."""
   P = 8256
@@ -744,7 +744,7 @@ def test_pool_update_cross_lower(B, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (2, 8), (3, 8), (2, 16)])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (3, 3), (32, 1)])
 def test_pool_update_gpu(B, T):
   """pool_update natively against the reference compiled as the model rounds: random starts (pools completed and
   not), the real cache's 8,256 slots."""
