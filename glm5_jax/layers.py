@@ -76,7 +76,9 @@ KNOBS = {
         "(pallas_kernels.indexer.pool_update) instead of ~8 XLA kernels whose temporaries XLA's concurrent "
         "command buffer ordered behind the MLA latent's chain: the scores kernel waited ~12 µs per DSA layer "
         "for the pooled keys (session 45's trace). The one-rank step at q = 1 4.14 -> 3.98 ms, faster in 4 of 4 "
-        "paired rounds, 1,185 -> 1,097 launches (BENCHMARKS.md session 46) — on by default"),
+        "paired rounds, 1,185 -> 1,097 launches, the DSA layer 92.4 -> 77.9 µs (BENCHMARKS.md session 46) — on by "
+        "default. At up to 4 token rows per sequence (pallas_kernels.indexer.POOL_MAX_TOKENS: at 8 and 16 it wrote "
+        "wrong gate scores natively, cause not found); longer calls (prefill chunks) run XLA's update"),
     "mhc": (True,
         "the fused mHC boundary (pallas_kernels/mhc.py): native on the H200 since 2026-11-30 (one TP4 rank, B "
         "= 1, q = 1: 20.4 -> 16.6 ms per step, 2,805 -> 2,492 launches)"),
@@ -285,7 +287,8 @@ KNOBS = {
         "the down kernel scales each slot's product by its weight and its last expert group writes y's rows — "
         "instead of XLA's glue (split sum, SwiGLU, weights, pad: 2.1 µs) and sum (2.0 µs) on every MoE layer's "
         "chain (session 45's trace); linear_fused_sum's rows form for the MoE alone, which the router's "
-        "selection in the kernel had excluded; off until measured"),
+        "selection in the kernel had excluded. Natively correct (its GPU test); the one-rank step at q = 1 4.00 -> "
+        "3.95 ms, faster in 3 of 4 paired rounds, 82 launches fewer (session 46, s46c): not clear — off"),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
         "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "

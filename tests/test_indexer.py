@@ -693,7 +693,8 @@ def test_pool_update_reference_is_the_models_update():
 
     def model(kx, ring, p8, ps, st, va):
       k, gam = ix.keys(kx[..., :128], kx[..., 128:256])  # noqa: B023
-      c = ix.update(k, gam, {"ring": ring, "pool8": p8, "pool_scale": ps}, StepCtx(st, va, va), jnp.bfloat16)  # noqa: B023
+      cache = {"ring": ring, "pool8": p8, "pool_scale": ps}
+      c = ix.update(k, gam, cache, StepCtx(st, va, va), jnp.bfloat16)  # noqa: B023
       return c["ring"], c["pool8"], c["pool_scale"]
 
     want = jax.jit(model)(*args[:6])
@@ -787,7 +788,8 @@ def test_pool_update_at_the_model_site():
     for on in (False, True):
       with maybe_interpret(True), use_kernels({"bf16_linear": False, "indexer_pool_kernel": on}), \
           kernel_report() as rep:
-        hw, c = jax.jit(lambda x, cache: ix.project_update(x, cache, StepCtx(st, va, va), dtype))(x, cache)  # noqa: B023
+        step = jax.jit(lambda x, cache: ix.project_update(x, cache, StepCtx(st, va, va), dtype))  # noqa: B023
+        hw, c = step(x, cache)
       outs.append((hw, (c["ring"], c["pool8"], c["pool_scale"])))
       if on:
         assert (("indexer_pool_kernel", None) in rep) == (dtype == jnp.bfloat16), rep
