@@ -73,6 +73,8 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s47a (nvidia-h200):       session 46's final commit natively: pool_update / its row-copy probe, the end-to-end
+#                             tests of indexer_pool_kernel and moe_rows, then q = 1 with the defaults
 #   s46d (nvidia-h200):       pool_update's GPU tests at 1 / 4 / 8 / 16 rows (the gate scores through f32)
 #   s46c (nvidia-h200):       pool_update at <= 8 rows natively; moe_rows: its GPU test, then q = 1 defaults vs it
 #   s46b (nvidia-h200):       indexer_pool_kernel on by default: its GPU tests (whole output kept), then the q = 1
@@ -616,6 +618,16 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s47a)  # (nvidia-h200) session 46's final commit natively: pool_update's GPU tests at <= 4 rows (3 sequences of 3,
+    # 32 of 1 new), the probe of its 8 / 16-row gate bug (test_rows_layout_copy: which load / store pattern fails),
+    # the kernel-tiny bf16 end-to-end test of the knob, and moe_rows end to end; then q = 1 with the defaults
+    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -p no:cacheprovider tests/test_indexer.py \
+      -k "pool_update_gpu or rows_layout_copy" > "$OUT/pool_tests.log" 2>&1
+    timeout -k 9 -s INT 330 python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
+      -k "indexer_pool_kernel or (all_kernels_equals_stock and moe_rows)" > "$OUT/e2e_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pool_tests.log" "$OUT/e2e_tests.log"
+    [ "$(left)" -gt 150 ] && rank1 s47a --q 1 --steps-per-call 4 --repeats 3 --steps 80 --policy '{}'
     ;;
   s46d)  # (nvidia-h200) s46c: pool_update's ring rows wrong natively at 8 rows too — every wrong element a gate score
     # (stored as loaded, bf16 from GMEM), the keys (through f32) right. Its GPU tests at 1 / 4 / 8 / 16 rows: with

@@ -10,6 +10,7 @@ cross-lowered for the decode's score rows.
 GPU (`-m gpu`): real sizes natively against the reference.
 """
 
+import functools
 import itertools
 
 import jax
@@ -18,6 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import scipy.linalg
+from jax.experimental import pallas as pl
 from conftest import rounding_reference, tol
 
 from pallas_kernels import indexer as I
@@ -796,3 +798,43 @@ def test_pool_update_at_the_model_site():
     (hw0, c0), (hw1, c1) = outs
     np.testing.assert_array_equal(np.asarray(hw1), np.asarray(hw0))
     check_pool_update(c1, c0, args, P, exact=False)
+
+
+def _rows_copy(x, *, col: int, strided: bool, via_f32: bool):
+  """The register path pool_update's ring rows take, alone: x [T, C] bf16 (GMEM) columns [col, col + 128) loaded
+  in the replicated rows layout, stored into SMEM — a [T, 2, 128] tile's entry 1 (``strided``, as pool_update's
+  kn_s) or a [T, 128] one — and TMA'd out row by row -> [T, 128]."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
+  from pallas_kernels._common import mgpu_kernel, replicated_rows_layouts  # noqa: PLC0415
+  T = x.shape[0]
+  rows_l, _ = replicated_rows_layouts(128)
+
+  def body(x_g, o_g, s):
+    v = plgpu.load(x_g.at[:, pl.ds(col, 128)], layout=rows_l, optimized=False)
+    if via_f32:
+      v = v.astype(jnp.float32).astype(jnp.bfloat16)
+    dst = s.at[:, 1, :] if strided else s
+    dst[...] = v
+    plgpu.commit_smem()
+    for t in range(T):
+      plgpu.copy_smem_to_gmem(s.at[pl.ds(t, 1), 1] if strided else s.at[pl.ds(t, 1)], o_g.at[pl.ds(t, 1)])
+    plgpu.wait_smem_to_gmem(0)
+
+  return mgpu_kernel(body, out_type=jax.ShapeDtypeStruct((T, 128), jnp.bfloat16), grid=(1,), grid_names=("g",),
+                     scratch_types=[plgpu.SMEM((T, 2, 128) if strided else (T, 128), jnp.bfloat16)])(x)
+
+
+@pytest.mark.parametrize("T", [4, 8])
+@pytest.mark.parametrize("col,strided,via_f32", [(0, False, False), (128, False, False), (128, True, False),
+                                                 (128, True, True), (0, True, False)])
+def test_rows_layout_copy(T, col, strided, via_f32):
+  """A probe of what pool_update's ring rows go through (natively at 8 and 16 rows its gate scores — kx's
+  columns [128, 256) stored into kn_s[:, 1, :] — came out wrong, the keys right; session 46): a [T, 128] bf16 block
+  of a [T, 288] array loaded in the replicated rows layout, stored into SMEM (contiguous, or a [T, 2, 128] tile's
+  second entry) and copied out must be the block. In interpret mode on CPU and natively on a GPU — the native
+  cases that fail name the pattern."""
+  from pallas_kernels._common import on_gpu  # noqa: PLC0415
+  x = jnp.asarray(np.random.default_rng().standard_normal((T, 288)), jnp.bfloat16)
+  with maybe_interpret(not on_gpu()):
+    got = jax.jit(functools.partial(_rows_copy, col=col, strided=strided, via_f32=via_f32))(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(x[:, col:col + 128]))
