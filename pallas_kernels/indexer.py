@@ -106,9 +106,9 @@ def _pick_blocks_per_cta(n_blocks: int, B: int) -> int:
 
 
 def _rotated_fp8(qb_s, h_s, c: int):
-  """Rows [64c, 64c + 64) of qb_s [.., 128] bf16 (SMEM, wgmma-tiled) -> (y [64, 128] f32, the values of
-  quant_ue8m0_fp8(hadamard128(rows))'s e4m3 (exact in e4m3: convert them), scale [64] f32): the FWHT as one wgmma
-  with the ±1 Sylvester matrix h_s (exact products; the f32 sums of up to 128 bf16 terms), then the bf16
+  """Rows [64c, 64c + 64) of qb_s [.., 128] bf16 (SMEM, wgmma-tiled) -> (q [64, 128] f32, scale [64] f32) with
+  quant_ue8m0_fp8(hadamard128(rows)) = (e4m3(q), scale) — q's values are exact in e4m3: convert them. The FWHT
+  as one wgmma with the ±1 Sylvester matrix h_s (exact products; the f32 sums of up to 128 bf16 terms), then the bf16
   rounding, the row amax, the power-of-two scale from the amax's bits (exactly quant_ue8m0_fp8's
   2^ceil(log2(max(amax, 1e-4) / 448)): 448 = 1.75 · 2^8, so the exponent is the amax's minus 8, plus one when its
   mantissa exceeds 1.75) and the clipped quotient (a power-of-two divisor: exact)."""
@@ -370,9 +370,9 @@ def _pool_kernel(T: int, kp: int, Rg: int):
 
   GMEM refs: kx_g [B, T, C] bf16, lnw_g / lnb_g [128], ape_g [kp, 128], h_g [128, 128] bf16 (±1), st_g / va_g
   [B] int32, then the caches it updates in place: ring_g [B, Rg, 2, 128] bf16, p8_g [B, P, 128] e4m3, ps_g [B, P]
-  f32. Scratch: kn_s [T, 2, 128] (the ring rows of the call's
-  tokens), pos_s [kp, NP, 2, 128] (position base + i at [i % kp, i // kp]), pk_s [64, 128] bf16 (the pooled
-  keys' rows), qb_s / h_s (wgmma-tiled), y8_s [64, 128] e4m3, sc_s [64] f32, the loads' two barriers."""
+  f32. Scratch: kn_s [T, 2, 128] (the ring rows of the call's tokens), pos_s [kp, NP, 2, 128] (position base + i
+  at [i % kp, i // kp]), pk_s [64, 128] bf16 (the pooled keys' rows), qb_s / h_s (wgmma-tiled), y8_s [64, 128]
+  e4m3, sc_s [64] f32, the loads' two barriers."""
   G, NP = _pool_geometry(T, kp)
   Di, f32, bf16 = HEAD_DIM, jnp.float32, jnp.bfloat16
   ROWS, ROW = replicated_rows_layouts(Di)
@@ -485,7 +485,7 @@ def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
   _check_pool(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape)
   B, T, _ = kx.shape
   kp, Rg = ape.shape[0], ring.shape[1]
-  _, NP = _pool_geometry(T, kp)
+  G, NP = _pool_geometry(T, kp)
   tile16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   f32 = jnp.float32
   inputs = (kx, ln_w.astype(f32), ln_b.astype(f32), ape.astype(f32), jnp.asarray(_sylvester128(), jnp.bfloat16),
@@ -509,7 +509,7 @@ def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
             plgpu.SMEM((BLOCK, HEAD_DIM), jnp.float8_e4m3fn),  # y8_s
             plgpu.SMEM((BLOCK,), f32),  # sc_s
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
-            plgpu.Barrier(num_arrivals=_pool_geometry(T, kp)[0], num_barriers=1),
+            plgpu.Barrier(num_arrivals=G, num_barriers=1),
         ],
     )(*inputs)
 
