@@ -77,8 +77,9 @@ KNOBS = {
         "command buffer ordered behind the MLA latent's chain: the scores kernel waited ~12 µs per DSA layer "
         "for the pooled keys (session 45's trace). The one-rank step at q = 1 4.14 -> 3.98 ms, faster in 4 of 4 "
         "paired rounds, 1,185 -> 1,097 launches, the DSA layer 92.4 -> 77.9 µs (BENCHMARKS.md session 46) — on by "
-        "default. At up to 4 token rows per sequence (pallas_kernels.indexer.POOL_MAX_TOKENS: at 8 and 16 it wrote "
-        "wrong gate scores natively, cause not found); longer calls (prefill chunks) run XLA's update"),
+        "default. At up to 16 token rows per sequence (pallas_kernels.indexer.POOL_MAX_TOKENS; session 46's kernel "
+        "took <= 4: at 8 and 16 its gate scores went wrong natively — a Mosaic GPU strided-store bug found by "
+        "session 47's probe and avoided since); longer calls (prefill chunks) run XLA's update"),
     "mhc": (True,
         "the fused mHC boundary (pallas_kernels/mhc.py): native on the H200 since 2026-11-30 (one TP4 rank, B "
         "= 1, q = 1: 20.4 -> 16.6 ms per step, 2,805 -> 2,492 launches)"),

@@ -312,12 +312,12 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
 
 
 # ------------------------------------------------------------------------------------------------ pooled-key update
-# token rows per sequence the update kernel takes (a decode step's 1 + k, k <= 3); longer calls (prefill chunks)
-# stay in XLA. At 8 and 16 rows the kernel wrote wrong gate scores into the ring natively (session 46: s46b-s46d,
-# ~20-35 % of the ring's elements, every one a gate score of the call's tokens, the keys right; the same with the
-# gates through f32 or loaded 4 rows at a time; interpret mode and cross-lowering fine; cause not found) — at 1 and 4
-# rows its GPU tests pass in every run (1 and 8 sequences, random starts).
-POOL_MAX_TOKENS = 4
+# token rows per sequence the update kernel takes: a decode step's 1 + k and prefill chunks up to this. (Session 46's
+# kernel wrote wrong gate scores into the ring natively at 8 and 16 rows: it stored them from registers into the
+# second entry of a [T, 2, 128] SMEM tile, a strided view at an offset — session 47's probe, test_rows_layout_copy,
+# fails natively exactly there at 8 rows and passes for contiguous tiles. The keys and the gates now have SMEM
+# tiles of their own, and the ring is addressed as [B, 2 Rg, 128] rows.)
+POOL_MAX_TOKENS = 16
 
 
 def _pool_geometry(T: int, kp: int) -> tuple[int, int]:
@@ -369,10 +369,13 @@ def _pool_kernel(T: int, kp: int, Rg: int):
   """Kernel body of ``pool_update``: one CTA (one warpgroup) per sequence b.
 
   GMEM refs: kx_g [B, T, C] bf16, lnw_g / lnb_g [128], ape_g [kp, 128], h_g [128, 128] bf16 (±1), st_g / va_g
-  [B] int32, then the caches it updates in place: ring_g [B, Rg, 2, 128] bf16, p8_g [B, P, 128] e4m3, ps_g [B, P]
-  f32. Scratch: kn_s [T, 2, 128] (the ring rows of the call's tokens), pos_s [kp, NP, 2, 128] (position base + i
-  at [i % kp, i // kp]), pk_s [64, 128] bf16 (the pooled keys' rows), qb_s / h_s (wgmma-tiled), y8_s [64, 128]
-  e4m3, sc_s [64] f32, the loads' two barriers."""
+  [B] int32, then the caches it updates in place: ring_g [B, 2·Rg, 128] bf16 (the ring's [Rg, 2, 128] entries
+  as rows: position p's key in row 2·(p mod Rg), its gate score in the next), p8_g [B, P, 128] e4m3, ps_g [B, P]
+  f32. Scratch: kn_s [2, T, 128] (the call's tokens' keys, then gate scores), pos_s [2, kp, NP, 128] (the key /
+  gate score of position base + i at [., i % kp, i // kp]), pk_s [64, 128] bf16 (the pooled keys' rows), qb_s /
+  h_s (wgmma-tiled), y8_s [64, 128] e4m3, sc_s [64] f32, the loads' two barriers. Every register store into SMEM
+  is of a whole contiguous [rows, 128] tile (a strided view at an offset stored wrong natively: POOL_MAX_TOKENS's
+  note)."""
   G, NP = _pool_geometry(T, kp)
   Di, f32, bf16 = HEAD_DIM, jnp.float32, jnp.bfloat16
   ROWS, ROW = replicated_rows_layouts(Di)
@@ -395,8 +398,9 @@ def _pool_kernel(T: int, kp: int, Rg: int):
     # tokens' rows hold older positions' values: overlaid below).
     plgpu.copy_gmem_to_smem(h_g, h_s, bar_in)
     for i in range(G):
-      plgpu.copy_gmem_to_smem(ring_g.at[b, pl.ds(lax.rem(base + i, Rg), 1)], pos_s.at[i % kp, pl.ds(i // kp, 1)],
-                              bar_ring)
+      for j in range(2):
+        plgpu.copy_gmem_to_smem(ring_g.at[b, pl.ds(2 * lax.rem(base + i, Rg) + j, 1)],
+                                pos_s.at[j, i % kp, pl.ds(i // kp, 1)], bar_ring)
     # The keys' LayerNorm (f32, as Indexer.keys), rounded to bf16: with the gate scores, the call's ring rows (kx's
     # columns read from GMEM as they are: a TMA of kx's [T, 256] box does not lower for every T — its 288-column
     # rows are not whole 64-column tiles)
@@ -404,12 +408,14 @@ def _pool_kernel(T: int, kp: int, Rg: int):
     xc = x - rows(jnp.sum(x, axis=1) * (1.0 / Di), T)
     var = rows(jnp.sum(xc * xc, axis=1) * (1.0 / Di), T)
     k = xc * lax.rsqrt(var + 1e-6) * cols(load(lnw_g, ROW).astype(f32), T) + cols(load(lnb_g, ROW).astype(f32), T)
-    kn_s[:, 0, :] = k.astype(bf16)
-    kn_s[:, 1, :] = load(kx_g.at[b, :, pl.ds(Di, Di)], ROWS)
+    kn_s[0] = k.astype(bf16)
+    kn_s[1] = load(kx_g.at[b, :, pl.ds(Di, Di)], ROWS)
     plgpu.commit_smem()
     for t in range(T):
-      pl.when(t < va)(lambda t=t: plgpu.copy_smem_to_gmem(kn_s.at[pl.ds(t, 1)],
-                                                          ring_g.at[b, pl.ds(lax.rem(st + t, Rg), 1)]))
+      @pl.when(t < va)
+      def _(t=t):
+        for j in range(2):
+          plgpu.copy_smem_to_gmem(kn_s.at[j, pl.ds(t, 1)], ring_g.at[b, pl.ds(2 * lax.rem(st + t, Rg) + j, 1)])
     plgpu.barrier_wait(bar_ring)
     plgpu.barrier_wait(bar_in)
     for i in range(G):  # the call's own tokens among the G positions: their rows from kn_s
@@ -417,15 +423,16 @@ def _pool_kernel(T: int, kp: int, Rg: int):
 
       @pl.when((t >= 0) & (t < va))
       def _():
-        pos_s[i % kp, i // kp] = load(kn_s.at[t], ROWS)
+        for j in range(2):
+          pos_s[j, i % kp, pl.ds(i // kp, 1)] = load(kn_s.at[j, pl.ds(t, 1)], ROWS)
     plgpu.commit_smem()
     # Pooling (as Indexer.pool: jax.nn.softmax over the kp positions of each channel, then the weighted sum).
-    a = [load(pos_s.at[r, :, 1, :], ROWS).astype(f32) + cols(load(ape_g.at[r], ROW).astype(f32), NP)
+    a = [load(pos_s.at[1, r], ROWS).astype(f32) + cols(load(ape_g.at[r], ROW).astype(f32), NP)
          for r in range(kp)]
     m = functools.reduce(jnp.maximum, a)
     e = [jnp.exp(ar - m) for ar in a]
     s = functools.reduce(lambda u, v: u + v, e)
-    pk = functools.reduce(lambda u, v: u + v, [(e[r] / s) * load(pos_s.at[r, :, 0, :], ROWS).astype(f32)
+    pk = functools.reduce(lambda u, v: u + v, [(e[r] / s) * load(pos_s.at[0, r], ROWS).astype(f32)
                                                for r in range(kp)])
     pk_s[pl.ds(0, NP), :] = pk.astype(bf16)
     plgpu.commit_smem()
@@ -501,19 +508,20 @@ def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
         grid_names=("b",),
         kernel_name="glm5_indexer_pool_update",
         scratch_types=[
-            plgpu.SMEM((T, 2, HEAD_DIM), jnp.bfloat16),  # kn_s
-            plgpu.SMEM((kp, NP, 2, HEAD_DIM), jnp.bfloat16),  # pos_s
+            plgpu.SMEM((2, T, HEAD_DIM), jnp.bfloat16),  # kn_s
+            plgpu.SMEM((2, kp, NP, HEAD_DIM), jnp.bfloat16),  # pos_s
             plgpu.SMEM((BLOCK, HEAD_DIM), jnp.bfloat16),  # pk_s
             plgpu.SMEM((BLOCK, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # qb_s
             plgpu.SMEM((HEAD_DIM, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # h_s
             plgpu.SMEM((BLOCK, HEAD_DIM), jnp.float8_e4m3fn),  # y8_s
             plgpu.SMEM((BLOCK,), f32),  # sc_s
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
-            plgpu.Barrier(num_arrivals=G, num_barriers=1),
+            plgpu.Barrier(num_arrivals=2 * G, num_barriers=1),
         ],
     )(*inputs)
 
-  return run((ring, pool8, pool_scale))
+  ring2, pool8, pool_scale = run((ring.reshape(B, 2 * Rg, HEAD_DIM), pool8, pool_scale))  # (a bitcast either way)
+  return ring2.reshape(ring.shape), pool8, pool_scale
 
 
 # ------------------------------------------------------------------------------------------------ top-k threshold

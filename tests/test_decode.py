@@ -404,8 +404,8 @@ def _kda_knob_verify_steps(knob: str, dtype: str, prompt_len: int, **dec_kw):
 @pytest.mark.e2e_kernels
 def test_indexer_pool_kernel_equals_xla_update():
   """Policy knob indexer_pool_kernel (the indexer's cache update as one launch: pallas_kernels.indexer.pool_update)
-  against XLA's update: kernel-tiny in bf16 with the FP8 caches (every other op in XLA), a 13-token prefill (in
-  4-token chunks: the kernel's largest T) and three verify steps of q = 3 — the same tokens, and every DSA layer's
+  against XLA's update: kernel-tiny in bf16 with the FP8 caches (every other op in XLA), a 13-token prefill (one
+  16-row chunk: the kernel's largest T) and three verify steps of q = 3 — the same tokens, and every DSA layer's
   (and the MTP layer's) ring and pooled keys within check_pool_update's tolerances of XLA's (the slots never
   written zero in both)."""
   from test_indexer import check_pool_update  # noqa: PLC0415
@@ -417,7 +417,7 @@ def test_indexer_pool_kernel_equals_xla_update():
            ("mhc", False), ("bf16_linear", False), ("indexer_pool_kernel", on), ("kv_cache_dtype", "fp8"),
            *XLA_SELECTION)
     dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=pol), backend="latency_specialized",
-                  prefill_chunk=4)
+                  prefill_chunk=16)
     state = dec.prefill([prompt])
     toks, got = np.array(state.next_tokens), [np.array(state.next_tokens)]
     for _ in range(3):

@@ -708,7 +708,8 @@ def test_pool_update_reference_is_the_models_update():
 
 @pytest.mark.parametrize("B,T,starts,valid", [(4, 1, [3, 11, 18, 250], [1, 1, 1, 1]),
                                              (5, 4, [3, 7, 10, 0, 240], [4, 1, 3, 4, 2]),
-                                             (2, 3, [5, 100], [3, 2])])
+                                             (2, 3, [5, 100], [3, 2]),
+                                             (2, 16, [6, 41], [16, 9])])
 def test_pool_update_kernel_interpret(B, T, starts, valid):
   """pool_update (GPU interpret mode) against pool_update_reference: the call's ring rows, the completed pools'
   FP8 keys and scales (CPU: both sum in the same f32 order here — bit-identical), every other slot untouched."""
@@ -735,7 +736,7 @@ def test_pool_update_rejects_bad_input():
     jax.eval_shape(I.pool_update, sds[0], SDS((1, 4, 2, 128), jnp.float32), *sds[2:])
 
 
-@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (32, 1), (2, 3)])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (32, 1), (2, 3), (2, 16)])
 def test_pool_update_cross_lower(B, T):
   """CUDA lowering of pool_update at the decode's shapes (32K context's 8,256 pool slots)."""
   P = 8256
@@ -747,7 +748,7 @@ def test_pool_update_cross_lower(B, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (3, 3), (32, 1)])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (8, 4), (3, 3), (32, 1), (1, 8), (4, 16)])
 def test_pool_update_gpu(B, T):
   """pool_update natively against the reference compiled as the model rounds: random starts (pools completed and
   not), the real cache's 8,256 slots."""
@@ -827,13 +828,18 @@ def _rows_copy(x, *, col: int, strided: bool, via_f32: bool):
 @pytest.mark.parametrize("T", [4, 8])
 @pytest.mark.parametrize("col,strided,via_f32", [(0, False, False), (128, False, False), (128, True, False),
                                                  (128, True, True), (0, True, False)])
-def test_rows_layout_copy(T, col, strided, via_f32):
-  """A probe of what pool_update's ring rows go through (natively at 8 and 16 rows its gate scores — kx's
-  columns [128, 256) stored into kn_s[:, 1, :] — came out wrong, the keys right; session 46): a [T, 128] bf16 block
-  of a [T, 288] array loaded in the replicated rows layout, stored into SMEM (contiguous, or a [T, 2, 128] tile's
-  second entry) and copied out must be the block. In interpret mode on CPU and natively on a GPU — the native
-  cases that fail name the pattern."""
+def test_rows_layout_copy(request, T, col, strided, via_f32):
+  """The register path of pool_update's ring rows, alone: a [T, 128] bf16 block of a [T, 288] array loaded in the
+  replicated rows layout, stored into SMEM (contiguous, or a [T, 2, 128] tile's second entry) and copied out must
+  be the block. Natively (session 47, s47a) every contiguous case passes and the strided ones pass at 4 rows but
+  come out wrong at 8 (whichever column the block came from, through f32 or not) — the Mosaic GPU bug that
+  session 46's pool_update hit (its gate scores stored into kn_s[:, 1, :]); the kernel now stores only whole
+  contiguous tiles. Those native cases are strict xfails: when a jax release fixes the store they fail, and the
+  note in pallas_kernels.indexer (POOL_MAX_TOKENS) can go."""
   from pallas_kernels._common import on_gpu  # noqa: PLC0415
+  if on_gpu() and strided and T >= 8:
+    request.applymarker(pytest.mark.xfail(strict=True, reason="Mosaic GPU (jax 0.11.2) stores a register array "
+                                          "into a strided SMEM view at an offset wrongly at 8 rows (s47a)"))
   x = jnp.asarray(np.random.default_rng().standard_normal((T, 288)), jnp.bfloat16)
   with maybe_interpret(not on_gpu()):
     got = jax.jit(functools.partial(_rows_copy, col=col, strided=strided, via_f32=via_f32))(x)
