@@ -73,6 +73,9 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s47b (nvidia-h200):       pool_update at up to 16 rows natively (GPU tests, the probe, the e2e test), the linears'
+#                             fused split sums' GPU tests, then q = 1: defaults vs linear_fused_sum (+ moe_rows) vs
+#                             kda_gate_proj (5 interleaved repeats)
 #   s47a (nvidia-h200):       session 46's final commit natively: pool_update / its row-copy probe, the end-to-end
 #                             tests of indexer_pool_kernel and moe_rows, then q = 1 with the defaults
 #   s46d (nvidia-h200):       pool_update's GPU tests at 1 / 4 / 8 / 16 rows (the gate scores through f32)
@@ -618,6 +621,21 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s47b)  # (nvidia-h200) s47a's probe: the ring rows' bug is a strided register store into SMEM at 8 rows; pool_update
+    # now stores whole contiguous tiles and takes up to 16 rows — its GPU tests (1 / 4 / 8 / 16 rows), the probe
+    # (its strided 8-row cases strict xfails), the kernel-tiny e2e with 16-row prefill chunks; the linears' in-kernel
+    # split sums (linear_fused_sum, the MoE now keeping the router in its gate/up kernel under it): GPU tests; then
+    # q = 1: defaults vs linear_fused_sum vs + moe_rows vs kda_gate_proj (5 interleaved repeats)
+    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -p no:cacheprovider tests/test_indexer.py \
+      -k "pool_update_gpu or rows_layout_copy" > "$OUT/pool_tests.log" 2>&1
+    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
+      -k "indexer_pool_kernel" > "$OUT/e2e_tests.log" 2>&1
+    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
+      -k "fused_sum_gpu" > "$OUT/fused_sum_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR|XFAIL|XPASS)|passed|failed" "$OUT"/*_tests.log
+    [ "$(left)" -gt 300 ] && rank1 s47b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"linear_fused_sum": true}' '{"linear_fused_sum": true, "moe_rows": true}' '{"kda_gate_proj": true}'
     ;;
   s47a)  # (nvidia-h200) session 46's final commit natively: pool_update's GPU tests at <= 4 rows (3 sequences of 3,
     # 32 of 1 new), the probe of its 8 / 16-row gate bug (test_rows_layout_copy: which load / store pattern fails),

@@ -303,7 +303,8 @@ KNOBS = {
         "launches — a Mosaic consumer (the mHC boundary) cannot fuse the slice — and its time unchanged (4.71 vs "
         "4.64-4.68 ms, session 36). The rows form: the step's critical path 815 -> 715 launches, 1,417 -> 1,299 "
         "in all; at q = 1 4.61 vs 4.96 ms but round by round -0.35 / +0.32 ms (3 interleaved repeats: no measured "
-        "win yet); its GPU tests not yet run (session 36) — off"),
+        "win yet); its GPU tests not yet run (session 36). Since session 47 the MoE at one token row keeps "
+        "moe_router_in_kernel's form under it (moe_rows is the MoE's rows form with the selection inside) — off"),
     "indexer_q_in_kernel": (True,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
@@ -1145,21 +1146,23 @@ class MoE(nnx.Module):
       sew = None if se is None else (se.gate_proj.weight[...], se.gate_proj.scale[...], se.up_proj.weight[...],
                                      se.up_proj.scale[...], se.down_proj.weight[...], se.down_proj.scale[...])
       dq = kernel_enabled("fp8_dq", xf.shape[0])
-      # linear_fused_sum: the down kernel's expert groups summed in it and written as the token rows — in the
-      # model's dtype where no all-reduce follows (one device per TP group: what the psum would sum, rounded once),
-      # in f32 before a real one (the partial sums stay f32, as the XLA form's)
-      fused = {}
-      if dq and _counters_enabled("linear_fused_sum"):
-        fused = dict(counters=_splitk_counters(kl), out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
       f16 = _dq_dtype(xf.shape[0]) if dq else {}
       form = self._single_row_form(rows, dq, sew is not None)
       fits, why = self.gate.kernel_fits(E)
       # moe_router_in_kernel: at one token row the router's selection inside fp8_moe's gate/up kernel (every CTA
-      # selects for itself before its first weight request): no router kernel between the logits and the MoE
+      # selects for itself before its first weight request): no router kernel between the logits and the MoE.
+      # It takes precedence over linear_fused_sum's MoE form (whose kernels take the router's output): the MoE's
+      # own rows form with the selection inside is moe_rows.
       in_gate_up = not form and kernel_enabled(
-          "moe_router_in_kernel", rows, fits=rows == 1 and fits and kernel_switch("router_kernel") and not fused,
+          "moe_router_in_kernel", rows, fits=rows == 1 and fits and kernel_switch("router_kernel"),
           why=f"one token row (here {rows}), router_kernel on and fitting ({why}), fp8_moe's own form (no "
-          "single-row form, no linear_fused_sum counters)")
+          "single-row form)")
+      # linear_fused_sum: the down kernel's expert groups summed in it and written as the token rows — in the
+      # model's dtype where no all-reduce follows (one device per TP group: what the psum would sum, rounded once),
+      # in f32 before a real one (the partial sums stay f32, as the XLA form's)
+      fused = {}
+      if dq and not in_gate_up and _counters_enabled("linear_fused_sum"):
+        fused = dict(counters=_splitk_counters(kl), out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
     with jax.named_scope("router"):
       if moe_kernel and not in_gate_up:
         route = rows > 1 and kernel_enabled("moe_route", fits=rows * k <= kl.ROUTE_MAX_PAIRS,
