@@ -627,12 +627,10 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # (its strided 8-row cases strict xfails), the kernel-tiny e2e with 16-row prefill chunks; the linears' in-kernel
     # split sums (linear_fused_sum, the MoE now keeping the router in its gate/up kernel under it): GPU tests; then
     # q = 1: defaults vs linear_fused_sum vs + moe_rows vs kda_gate_proj (5 interleaved repeats)
-    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -p no:cacheprovider tests/test_indexer.py \
-      -k "pool_update_gpu or rows_layout_copy" > "$OUT/pool_tests.log" 2>&1
-    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
-      -k "indexer_pool_kernel" > "$OUT/e2e_tests.log" 2>&1
-    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
-      -k "fused_sum_gpu" > "$OUT/fused_sum_tests.log" 2>&1
+    # (first run, 311 s: the ring right at 8 / 16 rows, the pooled keys wrong there — 3 and 5 pooling rows; the e2e
+    # test killed at 150 s; the fused-sum tests passed. Now: the pooling on 4 / 8 rows, its GPU tests, then q = 1)
+    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer.py \
+      -k "pool_update_gpu" > "$OUT/pool_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR|XFAIL|XPASS)|passed|failed" "$OUT"/*_tests.log
     [ "$(left)" -gt 300 ] && rank1 s47b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"linear_fused_sum": true}' '{"linear_fused_sum": true, "moe_rows": true}' '{"kda_gate_proj": true}'

@@ -327,6 +327,13 @@ def _pool_geometry(T: int, kp: int) -> tuple[int, int]:
   return G, G // kp
 
 
+def _pool_rows(NP: int) -> int:
+  """The pooling's register rows for NP pools: NP rounded up to a power of two (1, 2, 4, 8; rows past NP are
+  computed and never stored). Natively the pooled keys came out wrong with 3 and 5 rows (s47b: T = 8 and 16) and
+  right with 1 and 2; 4 and 8 contiguous rows are the register path test_rows_layout_copy verifies."""
+  return 1 << (NP - 1).bit_length()
+
+
 def pool_update_reference(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
   """Pure-jnp form of the indexer's per-call cache update with an FP8 pooled-key cache (spec §3.6.3; the model's
   Indexer.keys + Indexer.update with vLLM's numerics).
@@ -371,12 +378,13 @@ def _pool_kernel(T: int, kp: int, Rg: int):
   GMEM refs: kx_g [B, T, C] bf16, lnw_g / lnb_g [128], ape_g [kp, 128], h_g [128, 128] bf16 (±1), st_g / va_g
   [B] int32, then the caches it updates in place: ring_g [B, 2·Rg, 128] bf16 (the ring's [Rg, 2, 128] entries
   as rows: position p's key in row 2·(p mod Rg), its gate score in the next), p8_g [B, P, 128] e4m3, ps_g [B, P]
-  f32. Scratch: kn_s [2, T, 128] (the call's tokens' keys, then gate scores), pos_s [2, kp, NP, 128] (the key /
-  gate score of position base + i at [., i % kp, i // kp]), pk_s [64, 128] bf16 (the pooled keys' rows), qb_s /
+  f32. Scratch: kn_s [2, T, 128] (the call's tokens' keys, then gate scores), pos_s [2, kp, NR, 128] (the key /
+  gate score of position base + i at [., i % kp, i // kp]; NR = _pool_rows(NP)), pk_s [64, 128] bf16 (the pooled keys' rows), qb_s /
   h_s (wgmma-tiled), y8_s [64, 128] e4m3, sc_s [64] f32, the loads' two barriers. Every register store into SMEM
   is of a whole contiguous [rows, 128] tile (a strided view at an offset stored wrong natively: POOL_MAX_TOKENS's
   note)."""
   G, NP = _pool_geometry(T, kp)
+  NR = _pool_rows(NP)
   Di, f32, bf16 = HEAD_DIM, jnp.float32, jnp.bfloat16
   ROWS, ROW = replicated_rows_layouts(Di)
 
@@ -427,14 +435,14 @@ def _pool_kernel(T: int, kp: int, Rg: int):
           pos_s[j, i % kp, pl.ds(i // kp, 1)] = load(kn_s.at[j, pl.ds(t, 1)], ROWS)
     plgpu.commit_smem()
     # Pooling (as Indexer.pool: jax.nn.softmax over the kp positions of each channel, then the weighted sum).
-    a = [load(pos_s.at[1, r], ROWS).astype(f32) + cols(load(ape_g.at[r], ROW).astype(f32), NP)
+    a = [load(pos_s.at[1, r], ROWS).astype(f32) + cols(load(ape_g.at[r], ROW).astype(f32), NR)
          for r in range(kp)]
     m = functools.reduce(jnp.maximum, a)
     e = [jnp.exp(ar - m) for ar in a]
     s = functools.reduce(lambda u, v: u + v, e)
     pk = functools.reduce(lambda u, v: u + v, [(e[r] / s) * load(pos_s.at[0, r], ROWS).astype(f32)
                                                for r in range(kp)])
-    pk_s[pl.ds(0, NP), :] = pk.astype(bf16)
+    pk_s[pl.ds(0, NR), :] = pk.astype(bf16)  # (rows NP.. from uninitialised pos_s rows: masked below)
     plgpu.commit_smem()
     # Rotation + FP8 (the scores kernel's own query form: _rotated_fp8) on a 64-row tile of which NP are pools.
     row = plgpu.broadcasted_iota(jnp.int32, (BLOCK, Di), 0, layout=_L.WGMMA)
@@ -509,7 +517,7 @@ def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
         kernel_name="glm5_indexer_pool_update",
         scratch_types=[
             plgpu.SMEM((2, T, HEAD_DIM), jnp.bfloat16),  # kn_s
-            plgpu.SMEM((2, kp, NP, HEAD_DIM), jnp.bfloat16),  # pos_s
+            plgpu.SMEM((2, kp, _pool_rows(NP), HEAD_DIM), jnp.bfloat16),  # pos_s
             plgpu.SMEM((BLOCK, HEAD_DIM), jnp.bfloat16),  # pk_s
             plgpu.SMEM((BLOCK, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # qb_s
             plgpu.SMEM((HEAD_DIM, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # h_s
