@@ -73,6 +73,7 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s47c (nvidia-h200):       pool_update's GPU tests (the pooling's rows by TMA from the ring)
 #   s47b (nvidia-h200):       pool_update at up to 16 rows natively (GPU tests, the probe, the e2e test), the linears'
 #                             fused split sums' GPU tests, then q = 1: defaults vs linear_fused_sum (+ moe_rows) vs
 #                             kda_gate_proj (5 interleaved repeats)
@@ -621,6 +622,13 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s47c)  # (nvidia-h200) s47b: the pooled keys still wrong at 8 / 16 rows — every completed pool but the call's first
+    # (the T <= 4 tests never complete a second): its rows from single-row register stores at row offsets. Now the
+    # pooling's rows all come by TMA from the ring after the call's rows are written: pool_update's GPU tests
+    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer.py \
+      -k "pool_update_gpu" > "$OUT/pool_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR|XFAIL|XPASS)|passed|failed" "$OUT"/*_tests.log
     ;;
   s47b)  # (nvidia-h200) s47a's probe: the ring rows' bug is a strided register store into SMEM at 8 rows; pool_update
     # now stores whole contiguous tiles and takes up to 16 rows — its GPU tests (1 / 4 / 8 / 16 rows), the probe

@@ -312,11 +312,12 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
 
 
 # ------------------------------------------------------------------------------------------------ pooled-key update
-# token rows per sequence the update kernel takes: a decode step's 1 + k and prefill chunks up to this. (Session 46's
-# kernel wrote wrong gate scores into the ring natively at 8 and 16 rows: it stored them from registers into the
-# second entry of a [T, 2, 128] SMEM tile, a strided view at an offset — session 47's probe, test_rows_layout_copy,
-# fails natively exactly there at 8 rows and passes for contiguous tiles. The keys and the gates now have SMEM
-# tiles of their own, and the ring is addressed as [B, 2 Rg, 128] rows.)
+# token rows per sequence the update kernel takes: a decode step's 1 + k and prefill chunks up to this. Session 46's
+# kernel was right natively only up to 4 rows, for two Mosaic GPU store patterns that are wrong there and right in
+# interpret mode: a register array stored into a strided SMEM view at an offset (its gate scores into a [T, 2, 128]
+# tile's entry 1: wrong at 8 rows — test_rows_layout_copy, s47a) and single-row register stores at row offsets of
+# the pooling's tile (every completed pool but a call's first wrong — s47b). Now the call's keys and gate scores
+# are stored as whole contiguous tiles, and the pooling's rows all arrive by TMA from the ring once it is written.
 POOL_MAX_TOKENS = 16
 
 
@@ -325,13 +326,6 @@ def _pool_geometry(T: int, kp: int) -> tuple[int, int]:
   a pool) and their NP = G / kp pools."""
   G = kp * (-(-(kp - 1 + T) // kp))
   return G, G // kp
-
-
-def _pool_rows(NP: int) -> int:
-  """The pooling's register rows for NP pools: NP rounded up to a power of two (1, 2, 4, 8; rows past NP are
-  computed and never stored). Natively the pooled keys came out wrong with 3 and 5 rows (s47b: T = 8 and 16) and
-  right with 1 and 2; 4 and 8 contiguous rows are the register path test_rows_layout_copy verifies."""
-  return 1 << (NP - 1).bit_length()
 
 
 def pool_update_reference(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
@@ -378,13 +372,12 @@ def _pool_kernel(T: int, kp: int, Rg: int):
   GMEM refs: kx_g [B, T, C] bf16, lnw_g / lnb_g [128], ape_g [kp, 128], h_g [128, 128] bf16 (±1), st_g / va_g
   [B] int32, then the caches it updates in place: ring_g [B, 2·Rg, 128] bf16 (the ring's [Rg, 2, 128] entries
   as rows: position p's key in row 2·(p mod Rg), its gate score in the next), p8_g [B, P, 128] e4m3, ps_g [B, P]
-  f32. Scratch: kn_s [2, T, 128] (the call's tokens' keys, then gate scores), pos_s [2, kp, NR, 128] (the key /
-  gate score of position base + i at [., i % kp, i // kp]; NR = _pool_rows(NP)), pk_s [64, 128] bf16 (the pooled keys' rows), qb_s /
+  f32. Scratch: kn_s [2, T, 128] (the call's tokens' keys, then gate scores), pos_s [2, kp, NP, 128] (the key /
+  gate score of position base + i at [., i % kp, i // kp]: TMA'd from the ring after the call's rows are written), pk_s [64, 128] bf16 (the pooled keys' rows), qb_s /
   h_s (wgmma-tiled), y8_s [64, 128] e4m3, sc_s [64] f32, the loads' two barriers. Every register store into SMEM
   is of a whole contiguous [rows, 128] tile (a strided view at an offset stored wrong natively: POOL_MAX_TOKENS's
   note)."""
   G, NP = _pool_geometry(T, kp)
-  NR = _pool_rows(NP)
   Di, f32, bf16 = HEAD_DIM, jnp.float32, jnp.bfloat16
   ROWS, ROW = replicated_rows_layouts(Di)
 
@@ -402,13 +395,7 @@ def _pool_kernel(T: int, kp: int, Rg: int):
     b = lax.axis_index("b")
     st, va = st_g[b], va_g[b]
     base = lax.div(st, kp) * kp
-    # The asynchronous loads at once: the Sylvester matrix and the ring rows of the G positions (this call's own
-    # tokens' rows hold older positions' values: overlaid below).
-    plgpu.copy_gmem_to_smem(h_g, h_s, bar_in)
-    for i in range(G):
-      for j in range(2):
-        plgpu.copy_gmem_to_smem(ring_g.at[b, pl.ds(2 * lax.rem(base + i, Rg) + j, 1)],
-                                pos_s.at[j, i % kp, pl.ds(i // kp, 1)], bar_ring)
+    plgpu.copy_gmem_to_smem(h_g, h_s, bar_in)  # the Sylvester matrix, in flight through the LayerNorm
     # The keys' LayerNorm (f32, as Indexer.keys), rounded to bf16: with the gate scores, the call's ring rows (kx's
     # columns read from GMEM as they are: a TMA of kx's [T, 256] box does not lower for every T — its 288-column
     # rows are not whole 64-column tiles)
@@ -424,25 +411,25 @@ def _pool_kernel(T: int, kp: int, Rg: int):
       def _(t=t):
         for j in range(2):
           plgpu.copy_smem_to_gmem(kn_s.at[j, pl.ds(t, 1)], ring_g.at[b, pl.ds(2 * lax.rem(st + t, Rg) + j, 1)])
+    # The G positions' rows read back from the ring once the call's own are written there (a GMEM round trip:
+    # overlaying them from kn_s in SMEM — single-row register stores at row offsets of pos_s — came out wrong
+    # natively for every pool but a call's first, s47b)
+    plgpu.wait_smem_to_gmem(0)
+    for i in range(G):
+      for j in range(2):
+        plgpu.copy_gmem_to_smem(ring_g.at[b, pl.ds(2 * lax.rem(base + i, Rg) + j, 1)],
+                                pos_s.at[j, i % kp, pl.ds(i // kp, 1)], bar_ring)
     plgpu.barrier_wait(bar_ring)
     plgpu.barrier_wait(bar_in)
-    for i in range(G):  # the call's own tokens among the G positions: their rows from kn_s
-      t = base + i - st
-
-      @pl.when((t >= 0) & (t < va))
-      def _():
-        for j in range(2):
-          pos_s[j, i % kp, pl.ds(i // kp, 1)] = load(kn_s.at[j, pl.ds(t, 1)], ROWS)
-    plgpu.commit_smem()
     # Pooling (as Indexer.pool: jax.nn.softmax over the kp positions of each channel, then the weighted sum).
-    a = [load(pos_s.at[1, r], ROWS).astype(f32) + cols(load(ape_g.at[r], ROW).astype(f32), NR)
+    a = [load(pos_s.at[1, r], ROWS).astype(f32) + cols(load(ape_g.at[r], ROW).astype(f32), NP)
          for r in range(kp)]
     m = functools.reduce(jnp.maximum, a)
     e = [jnp.exp(ar - m) for ar in a]
     s = functools.reduce(lambda u, v: u + v, e)
     pk = functools.reduce(lambda u, v: u + v, [(e[r] / s) * load(pos_s.at[0, r], ROWS).astype(f32)
                                                for r in range(kp)])
-    pk_s[pl.ds(0, NR), :] = pk.astype(bf16)  # (rows NP.. from uninitialised pos_s rows: masked below)
+    pk_s[pl.ds(0, NP), :] = pk.astype(bf16)
     plgpu.commit_smem()
     # Rotation + FP8 (the scores kernel's own query form: _rotated_fp8) on a 64-row tile of which NP are pools.
     row = plgpu.broadcasted_iota(jnp.int32, (BLOCK, Di), 0, layout=_L.WGMMA)
@@ -517,7 +504,7 @@ def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
         kernel_name="glm5_indexer_pool_update",
         scratch_types=[
             plgpu.SMEM((2, T, HEAD_DIM), jnp.bfloat16),  # kn_s
-            plgpu.SMEM((2, kp, _pool_rows(NP), HEAD_DIM), jnp.bfloat16),  # pos_s
+            plgpu.SMEM((2, kp, NP, HEAD_DIM), jnp.bfloat16),  # pos_s
             plgpu.SMEM((BLOCK, HEAD_DIM), jnp.bfloat16),  # pk_s
             plgpu.SMEM((BLOCK, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # qb_s
             plgpu.SMEM((HEAD_DIM, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # h_s
