@@ -73,6 +73,7 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s47d (nvidia-h200):       the kernel-tiny e2e test of indexer_pool_kernel (16-row prefill), then q = 1 defaults
 #   s47c (nvidia-h200):       pool_update's GPU tests (the pooling's rows by TMA from the ring)
 #   s47b (nvidia-h200):       pool_update at up to 16 rows natively (GPU tests, the probe, the e2e test), the linears'
 #                             fused split sums' GPU tests, then q = 1: defaults vs linear_fused_sum (+ moe_rows) vs
@@ -622,6 +623,13 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s47d)  # (nvidia-h200) s47c: pool_update's GPU tests all pass (1 / 4 / 8 / 16 rows). The kernel-tiny e2e test of the
+    # knob (a 13-token prefill in one 16-row chunk through the kernel, three verify steps), then q = 1 defaults
+    timeout -k 9 -s INT 330 python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
+      -k "indexer_pool_kernel" > "$OUT/e2e_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/e2e_tests.log"
+    [ "$(left)" -gt 110 ] && rank1 s47d --q 1 --steps-per-call 4 --repeats 3 --steps 80 --policy '{}'
     ;;
   s47c)  # (nvidia-h200) s47b: the pooled keys still wrong at 8 / 16 rows — every completed pool but the call's first
     # (the T <= 4 tests never complete a second): its rows from single-row register stores at row offsets. Now the
