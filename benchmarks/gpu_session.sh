@@ -73,6 +73,7 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s47e (nvidia-h200):       q = 1: defaults vs moe_rows (5 interleaved repeats)
 #   s47d (nvidia-h200):       the kernel-tiny e2e test of indexer_pool_kernel (16-row prefill), then q = 1 defaults
 #   s47c (nvidia-h200):       pool_update's GPU tests (the pooling's rows by TMA from the ring)
 #   s47b (nvidia-h200):       pool_update at up to 16 rows natively (GPU tests, the probe, the e2e test), the linears'
@@ -623,6 +624,10 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s47e)  # (nvidia-h200) moe_rows a third time (s46c: -0.05 ms, 3 of 4 paired rounds; s47b with linear_fused_sum:
+    # -0.02, 4 of 4, where linear_fused_sum alone was +0.06): q = 1 defaults vs moe_rows, 5 interleaved repeats
+    rank1 s47e --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"moe_rows": true}'
     ;;
   s47d)  # (nvidia-h200) s47c: pool_update's GPU tests all pass (1 / 4 / 8 / 16 rows). The kernel-tiny e2e test of the
     # knob (a 13-token prefill in one 16-row chunk through the kernel, three verify steps), then q = 1 defaults
