@@ -4,11 +4,14 @@ Shapes: B sequences, T query tokens per sequence (1 plain decode, q = k+1 at spe
 (16 at TP4, 64 at TP1), D = 512 latent, S cache positions, W selected positions per query token (index width,
 2051 real, padded with -1).
 
-The latent cache holds one row of ROW_WORDS = 160 int32 words per token: 512 e4m3 values as 128 words (value
-4i + k in byte k of word i, little-endian — the same bytes as an e4m3 [.., 512] array), then the 4 fp32 scales
-(one per 128 values) as their bit patterns, then 28 zero words (rows of 640 bytes: each row's TMA must land
-128-byte aligned in shared memory). That is the FlashMLA ``fp8_ds_mla`` layout (latent bytes then scales in one row) without its
-(all-zero for NoPE) rope part. One row per token is one TMA gather per selected position: the kernel's blocks
+The latent cache holds one row of ROW_WORDS = 160 int32 words per token: 512 e4m3 values as 128 words, plane-
+major (value 128k + i in byte k of word i, little-endian: byte plane k is the k-th group of 128 values, the group
+of scale k), then the 4 fp32 scales (one per 128 values) as their bit patterns, then 28 zero words (rows of 640
+bytes: each row's TMA must land 128-byte aligned in shared memory). That is the FlashMLA ``fp8_ds_mla`` row
+(latent bytes then scales) without its (all-zero for NoPE) rope part and with the bytes of each word taken from
+the four scale groups — so that the kernel's byte planes are the latent's own column blocks (until session 47
+value 4i + k sat in byte k of word i, and the queries and outputs went through a column permutation around the
+kernel: an XLA transpose kernel on every DSA layer's critical path). One row per token is one TMA gather per selected position: the kernel's blocks
 were bound by issuing the gathers one after another (latent and scales as separate arrays took two per
 position). The kernel reads the bytes with 32-bit loads (8-bit register loads from an untiled SMEM buffer gave
 wrong values natively on the H200 — see ``_dequant_block``). ``quantize_latent`` / ``dequantize_latent`` are
@@ -26,9 +29,8 @@ Kernel design (one CTA = one (query token, head group of 16, slice of the index 
   positions (an indexer pool: 4 × 640-byte rows) and one per row elsewhere (the tail, padding);
 * the block is dequantised in registers with integer ops (each e4m3 byte b -> the f16 with bits
   (b & 0x80) << 8 | (b & 0x7F) << 7, which is exactly 2^-8 times the e4m3 value, subnormals included; (x) the
-  per-row-per-128 scale x 256 in f32 -> f16) into a swizzled f16 tile whose columns are the latent dimensions in
-  byte-major order (column 128k + w holds dimension 4w + k, byte k of word w); the query
-  columns are permuted the same way and the output rows back, outside the kernel;
+  per-row-per-128 scale x 256 in f32 -> f16) into a swizzled f16 tile whose columns are the latent dimensions
+  in order (byte plane k of the 128 words: dimensions 128k .. 128k + 127, all of scale k);
 * "transposed" orientation: keys are the wgmma M dimension (64) and the 16 heads of the token the N dimension,
   S^T [64, 16] = C [64, 512] @ Q^T, O^T [512, 16] += C^T [512, 64] @ P^T [64, 16]. Query tokens of one sequence
   select different positions, so their heads cannot share one M = 64 row tile of keys; putting heads on N
@@ -60,6 +62,7 @@ SCALE_FLOOR = 1e-4  # amax floor: an all-zero group gets scale 1e-4 / 448 instea
 BLOCK = 64  # positions per online-softmax block (= wgmma M)
 WORDS = D_LATENT // 4  # packed e4m3 words per row
 SCALES = D_LATENT // GROUP  # fp32 scales per row, after the packed words
+assert WORDS == GROUP and SCALES == 4  # (byte plane k of the words = scale group k: pack_e4m3, _dequant_block)
 # 128 packed words, 4 scales, 28 zero words: 640-byte rows, so that every per-row TMA lands 128-byte aligned in
 # shared memory
 ROW_WORDS = 160
@@ -78,18 +81,19 @@ _L = plgpu.Layout
 
 # ------------------------------------------------------------------------------------------------ cache format
 def pack_e4m3(c8):
-  """[..., 4n] float8_e4m3fn -> [..., n] int32 (the same bytes: value 4i + k in byte k of word i)."""
-  return lax.bitcast_convert_type(c8.reshape(*c8.shape[:-1], c8.shape[-1] // 4, 4), jnp.int32)
+  """[..., 4n] float8_e4m3fn -> [..., n] int32, plane-major: value kn + i in byte k of word i."""
+  n = c8.shape[-1] // 4
+  return lax.bitcast_convert_type(jnp.swapaxes(c8.reshape(*c8.shape[:-1], 4, n), -1, -2), jnp.int32)
 
 
 def unpack_e4m3(w):
   """[..., n] int32 -> [..., 4n] float8_e4m3fn (the inverse of ``pack_e4m3``)."""
-  return lax.bitcast_convert_type(w, jnp.float8_e4m3fn).reshape(*w.shape[:-1], w.shape[-1] * 4)
+  return jnp.swapaxes(lax.bitcast_convert_type(w, jnp.float8_e4m3fn), -1, -2).reshape(*w.shape[:-1], w.shape[-1] * 4)
 
 
 def quantize_latent(c):
-  """c [..., 512] f32/bf16 -> cache rows [..., ROW_WORDS] int32 (512 e4m3 bytes as 128 words, 4 f32 scales,
-  zero words).
+  """c [..., 512] f32/bf16 -> cache rows [..., ROW_WORDS] int32 (512 e4m3 bytes as 128 plane-major words:
+  ``pack_e4m3``, 4 f32 scales, zero words).
 
   One scale per 128 consecutive values: scale = max(amax, 1e-4) / 448, c8 = e4m3(clip(c / scale, -448, 448)),
   so the largest value of each group maps to ±448 (the e4m3 maximum) and c ≈ c8 · scale (relative error
@@ -146,51 +150,29 @@ def _pick_blocks_per_split(n_blocks: int, n_rows: int) -> int:
 
 
 def _dequant_block(c32_s, c16_s):
-  """One block of 64 gathered cache rows [64, ROW_WORDS] int32 -> c16_s [64, 512] f16 in the kernel's column
-  order (column 128k + w = latent dimension 4w + k: byte k of word w).
+  """One block of 64 gathered cache rows [64, ROW_WORDS] int32 -> c16_s [64, 512] f16, the latent dimensions in
+  order (byte plane k of the words: dimensions 128k + w, the group of scale k).
 
   The gathered buffer is written row by row, so it stays untiled (hence optimized=False loads). Measured on the
   H200 (jax 0.11.2): such loads are right for whole rows but wrong when the ref is sliced at a column offset
   (16-byte chunks come back exchanged), so each row is loaded whole as one [64, ROW_WORDS] tile and split in
   registers (tile-aligned slices). Each byte b becomes the f16 with bits (b & 0x80) << 8 | (b & 0x7F) << 7 =
   2^-8 · e4m3(b) exactly (e4m3 subnormals land on f16 subnormals), so the scale is applied as scale · 256 in
-  f32. Word w belongs to scale group w // 32; each row's scale g is its word 128 + g, taken by a masked row sum
-  of the bits (one nonzero term: exact) and read back as f32 — no value transpose."""
+  f32. Byte plane k is scale group k; each row's scale k is its word 128 + k, taken by a masked row sum of the
+  bits (one nonzero term: exact) and read back as f32 — no value transpose, one scale per plane (the
+  interleaved packing before session 47 needed a select chain over the four groups for every word)."""
   full = plgpu.load(c32_s, layout=_L.WGMMA, optimized=False)
   col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, 8), 1, layout=_L.WGMMA)
-  group = lax.shift_right_logical(plgpu.broadcasted_iota(jnp.int32, (BLOCK, WORDS), 1, layout=_L.WGMMA), 5)
   sc = full[:, WORDS:WORDS + 8]  # the scale words and 4 zero words: a tile-aligned slice
-  scale = None
-  for g in range(SCALES):
-    bits = plgpu.layout_cast(jnp.where(col == g, sc, 0).sum(axis=1), _L.WGMMA.reduce(1))
-    s_b = lax.broadcast_in_dim(lax.bitcast_convert_type(bits, jnp.float32) * 256.0, (BLOCK, WORDS), (0,))
-    scale = s_b if scale is None else jnp.where(group == g, s_b, scale)
   x = full[:, :WORDS]
-  for k in range(4):
+  for k in range(SCALES):
+    bits = plgpu.layout_cast(jnp.where(col == k, sc, 0).sum(axis=1), _L.WGMMA.reduce(1))
+    scale = lax.broadcast_in_dim(lax.bitcast_convert_type(bits, jnp.float32) * 256.0, (BLOCK, WORDS), (0,))
     byte = lax.shift_right_logical(x, jnp.int32(8 * k)) & 0xFF
     bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
     h = lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
     y = h.astype(jnp.float32) * scale
     c16_s[:, pl.ds(k * WORDS, WORDS)] = plgpu.layout_cast(y.astype(jnp.float16), _L.WGMMA)
-
-
-def _column_order():
-  """perm [512]: kernel column p holds latent dimension perm[p] (see ``_dequant_block``); and its inverse."""
-  words = D_LATENT // 4
-  perm = np.array([4 * w + k for k in range(4) for w in range(words)])
-  return perm, np.argsort(perm)
-
-
-def _to_kernel_order(x):
-  """x[..., perm] (``_column_order``) as a transpose: latent dim 4w + k -> kernel column 128k + w. XLA fuses a
-  transpose into its neighbours; the gather by perm was an XLA kernel of its own per call (~1.5 µs on the H200,
-  session 24 profile)."""
-  return jnp.swapaxes(x.reshape(*x.shape[:-1], WORDS, 4), -1, -2).reshape(x.shape)
-
-
-def _from_kernel_order(x):
-  """The inverse of ``_to_kernel_order`` (x[..., inv])."""
-  return jnp.swapaxes(x.reshape(*x.shape[:-1], 4, WORDS), -1, -2).reshape(x.shape)
 
 
 def _combine_tile(o_g, lse_g, out_g, bt, tile, ns: int):
@@ -412,7 +394,6 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, wp - W)), constant_values=-1)
   idx = idx.reshape(B * T, wp // BLOCK, BLOCK)
   q16, qm = _prepare_q(q, softmax_scale)
-  q16 = _to_kernel_order(q16)  # the kernel's latent column order
   f16 = jnp.float16
   parts = (jax.ShapeDtypeStruct((B * T, ns, D_LATENT, H), jnp.float32),
            jax.ShapeDtypeStruct((B * T, ns, H), jnp.float32))
@@ -442,7 +423,7 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   else:  # "kernel", and "fused" in interpret mode
     o = mgpu_kernel(_combine_kernel(ns), out_type=combined, grid=(COMBINE_TILES, B * T), grid_names=("t", "bt"),
                     kernel_name="glm5_mla_combine", compiler_params=plgpu.CompilerParams(approx_math=True))(o_part, lse)
-  return _from_kernel_order(jnp.swapaxes(o, 1, 2)).reshape(B, T, H, D_LATENT)  # back to [.., H, latent order]
+  return jnp.swapaxes(o, 1, 2).reshape(B, T, H, D_LATENT)  # O^T per token -> [.., H, latent]
 
 
 def combine_splits(o_part, lse):

@@ -55,8 +55,10 @@ def np_sparse_mla(q, cache, idx, scale):
   q = np.asarray(q.astype(jnp.float32), np.float64)
   words = np.asarray(cache)
   packed, sc = words[..., :128], words[..., 128:132].view(np.float32)  # the row: 128 packed words, 4 scales
-  c8 = np.ascontiguousarray(packed).view(np.uint8).view(F8)  # the packed words' bytes, little-endian = value order
-  c = np.asarray(c8.astype(np.float32), np.float64).reshape(*c8.shape[:-1], 4, 128)
+  # the packed words' bytes, little-endian [.., word i, byte k]: value 128k + i (plane-major)
+  c8 = np.swapaxes(np.ascontiguousarray(packed).view(np.uint8).reshape(*packed.shape, 4), -1, -2).view(F8)
+  c = np.asarray(c8.astype(np.float32), np.float64)  # [.., 4 groups, 128]
+  c8 = c8.reshape(*packed.shape[:-1], 512)
   c = (c * np.asarray(sc, np.float64)[..., None]).reshape(c8.shape)
   idx = np.asarray(idx)
   B, T, H, D = q.shape
@@ -84,10 +86,12 @@ def test_quantize_latent_roundtrip():
   assert np.all(np.asarray(row)[..., 132:] == 0)  # the padding words
   c8 = M.unpack_e4m3(packed)
   assert c8.dtype == F8 and c8.shape == c.shape
-  # the packed words hold the e4m3 bytes little-endian: value 4i + k in byte k of word i
+  # the packed words hold the e4m3 bytes little-endian, plane-major: value 128k + i in byte k of word i (byte
+  # plane k = scale group k)
   raw = np.asarray(jax.lax.bitcast_convert_type(c8, jnp.uint8)).astype(np.int64)
   words = np.asarray(packed).astype(np.int64) & 0xFFFFFFFF
-  np.testing.assert_array_equal(words, (raw.reshape(3, 7, 128, 4) << np.array([0, 8, 16, 24])).sum(-1))
+  planes = np.swapaxes(raw.reshape(3, 7, 4, 128), -1, -2)  # [.., word i, byte k]
+  np.testing.assert_array_equal(words, (planes << np.array([0, 8, 16, 24])).sum(-1))
   np.testing.assert_array_equal(np.asarray(M.pack_e4m3(c8)), np.asarray(packed))
   g = np.abs(c.astype(np.float32)).reshape(3, 7, 4, 128)
   np.testing.assert_allclose(np.asarray(s), np.maximum(g.max(-1), 1e-4) / 448.0, rtol=1e-6)
@@ -173,7 +177,7 @@ def test_combine_rejects_bad_forms():
 
 def _gather_dequant(cache, rows):
   """The kernel's gather + dequantisation of one 64-row block alone: one copy per cache row (latent and scales),
-  then ``_dequant_block`` -> [64, 512] f16 in the kernel's column order."""
+  then ``_dequant_block`` -> [64, 512] f16, the latent dimensions in order."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
   from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
 
@@ -201,26 +205,18 @@ def _gather_dequant(cache, rows):
 
 def _check_gather_dequant():
   rng = np.random.default_rng(5)
-  c = rng.standard_normal((300, M.D_LATENT)).astype(np.float32) * rng.uniform(0.01, 3.0, (300, 1))
+  # (each 128-value group of a row at its own magnitude: a byte plane read with another group's scale shows)
+  c = (rng.standard_normal((300, 4, 128)) * rng.uniform(0.01, 3.0, (300, 4, 1))).reshape(300, M.D_LATENT)
+  c = c.astype(np.float32)
   c[7, :128] = rng.standard_normal(128) * 1e-7  # below the scale floor: e4m3 subnormal codes
   c[7, 5] = 0.0
   cache = M.quantize_latent(jnp.asarray(c))
   rows = jnp.asarray(np.r_[7, rng.integers(0, 300, M.BLOCK - 1)].astype(np.int32))
   got = np.asarray(jax.jit(_gather_dequant)(cache, rows), np.float32)
-  perm, _ = M._column_order()
-  want = np.asarray(M.dequantize_latent(cache[rows]))[:, perm]
+  want = np.asarray(M.dequantize_latent(cache[rows]))
   codes = np.asarray(jax.lax.bitcast_convert_type(M.unpack_e4m3(M.split_row(cache[7])[0]), jnp.uint8))
   assert ((codes & 0x78) == 0).sum() > 3  # subnormal codes (exponent 0) are exercised
   np.testing.assert_allclose(got, want.astype(np.float16).astype(np.float32), rtol=1e-3, atol=0)
-
-
-def test_kernel_column_order_transposes_equal_the_permutation():
-  """The kernel's latent column order as reshape/transpose (what the wrapper runs) == indexing by perm / inv."""
-  x = jnp.asarray(np.random.default_rng().standard_normal((2, 3, M.D_LATENT)), jnp.float32)
-  perm, inv = M._column_order()
-  np.testing.assert_array_equal(np.asarray(M._to_kernel_order(x)), np.asarray(x)[..., perm])
-  np.testing.assert_array_equal(np.asarray(M._from_kernel_order(x)), np.asarray(x)[..., inv])
-  np.testing.assert_array_equal(np.asarray(M._from_kernel_order(M._to_kernel_order(x))), np.asarray(x))
 
 
 def test_gather_dequant_block_interpret():
