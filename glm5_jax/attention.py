@@ -513,6 +513,7 @@ class DSA(nnx.Module):
     w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
     pos, ok = _positions(ctx, T)
     fp8 = "latent8" in cache
+    o = None  # [B, T, H, dv]: from the W_UV kernel where it runs
     if fp8:  # FP8 E4M3 latent cache rows with one fp32 scale per 128 values (written as the token arrives)
       from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
       lat = {"latent8": _scatter_rows(cache["latent8"], ks.quantize_latent(c), pos, ok)}
@@ -544,7 +545,17 @@ class DSA(nnx.Module):
                           why=f"{ns} splits for {B * T} tokens (the fused merge needs >= {ks.COMBINE_TILES} splits "
                           f"and <= {ks.FUSED_MAX_TOKENS} tokens)"):
           combine = "fused"
-        o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine)[:, :, :H]
+        # mla_uv_kernel: W_UV as a kernel reading the merge's O^T as it is (no XLA transpose + reduction after it)
+        uv = kernel_enabled("mla_uv_kernel", B * T, fits=wkv.dtype == jnp.bfloat16 and B * T <= ks.UV_MAX_TOKENS
+                            and dv % ks.BLOCK == 0,
+                            why=f"bf16 kv_b weights (here {wkv.dtype}), <= {ks.UV_MAX_TOKENS} token rows (here "
+                            f"{B * T}) and dv a multiple of {ks.BLOCK} (here {dv})")
+        o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine,
+                                     transposed=uv)
+        if uv:
+          o = ks.mla_absorb_uv(o_lat, wkv, dn=dn).reshape(B, T, H, dv)
+        else:
+          o_lat = o_lat[:, :, :H]
       else:
         o_lat = ks.sparse_mla_decode_reference(q_hat, lat["latent8"], idx, softmax_scale=self.scale)
     else:
@@ -556,7 +567,8 @@ class DSA(nnx.Module):
       s = jnp.where((idx >= 0)[:, :, None, :], s * self.scale, -jnp.inf)
       p = jax.nn.softmax(s, axis=-1)
       o_lat = jnp.einsum("bthw,btwr->bthr", p, cs.astype(jnp.float32), precision=HIGHEST)
-    o = _per_head("bthr,hvr->bthv", o_lat.astype(dtype), w_uv)
+    if o is None:
+      o = _per_head("bthr,hvr->bthv", o_lat.astype(dtype), w_uv)
     y = lax.psum(self.o_proj(o.reshape(B, T, H * dv), dtype), TP)
     new = dict(cache, **lat, **icache)
     return y, new, {"idx": idx, "pools": js}

@@ -281,6 +281,13 @@ KNOBS = {
         "ordered through the Ref (each call's aliased operand). Natively correct (its GPU test, session 36); in "
         "the step at q = 1 a tie (4.64-4.66 vs 4.64-4.68 ms in the same rounds): the 91 fills were all off the "
         "critical path (815 launches either way; BENCHMARKS.md session 36)" + _S43),
+    "mla_uv_kernel": (False,
+        "with sparse_mla on, a bf16 model and <= 8 token rows: each head's attention output through W_UV as a "
+        "Mosaic kernel (pallas_kernels.sparse_mla.mla_absorb_uv: a CTA per 64 outputs of a head, its W_UV slice "
+        "by TMA, the merged O^T read as the merge leaves it, one wgmma chain per token) instead of XLA's "
+        "transpose + reduction after the merge (1.9 + 3.0 µs on every DSA layer's chain, session 46's trace) — "
+        "one launch fewer per DSA layer; off until measured natively (session 47: interpret mode and "
+        "cross-lowering only)"),
     "moe_rows": (False,
         "with fp8_moe, fp8_dq and moe_router_in_kernel at one token row: the MoE's two kernels sum their split "
         "partials in the kernel on the step's split-K counters (pallas_kernels.linear.splitk_counters) — the "

@@ -359,9 +359,9 @@ def index_width(B: int, T: int, H: int, W: int, blocks_per_split: int | None = N
   return ns * nbs * BLOCK
 
 
-@kernel_entry("softmax_scale", "blocks_per_split", "combine")
+@kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed")
 def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int | None = None,
-                      combine: str = "xla"):
+                      combine: str = "xla", transposed: bool = False):
   """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
 
   q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache [B, S, ROW_WORDS] int32 (``quantize_latent``'s rows),
@@ -372,7 +372,8 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   one Mosaic launch after it), "fused" (inside the attention kernel itself: its last splits' CTAs wait for their
   token's others at a GMEM semaphore and combine — one launch in all; needs ``num_splits`` >= COMBINE_TILES and
   B · T <= FUSED_MAX_TOKENS; GPU interpret mode, which cannot run the semaphores, runs it as "kernel": the same
-  arithmetic)."""
+  arithmetic). ``transposed``: return the merged O^T [B·T, 512, H] f32 as the merge leaves it (what
+  ``mla_absorb_uv`` reads) instead of o."""
   B, T, H, Dl = q.shape
   if Dl != D_LATENT or cache.shape[-1] != ROW_WORDS or cache.dtype != jnp.int32:
     raise ValueError(f"sparse_mla_decode: q [.., {Dl}], cache {cache.shape} {cache.dtype}; expected q [.., "
@@ -423,6 +424,8 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   else:  # "kernel", and "fused" in interpret mode
     o = mgpu_kernel(_combine_kernel(ns), out_type=combined, grid=(COMBINE_TILES, B * T), grid_names=("t", "bt"),
                     kernel_name="glm5_mla_combine", compiler_params=plgpu.CompilerParams(approx_math=True))(o_part, lse)
+  if transposed:
+    return o
   return jnp.swapaxes(o, 1, 2).reshape(B, T, H, D_LATENT)  # O^T per token -> [.., H, latent]
 
 
@@ -447,3 +450,94 @@ def combine_splits(o_part, lse):
   init = (jnp.array(-jnp.inf, f32), jnp.array(0.0, f32), jnp.array(0.0, f32))
   _, l, o = lax.reduce((m0, jnp.ones_like(o_part, f32), o_part.astype(f32)), init, merge, (1,))
   return o / l
+
+
+# ------------------------------------------------------------------------------------------------ W_UV
+# The attention's output per head through W_UV (o_h [512] -> [dv]) as a kernel reading the merge's O^T as it
+# is: in XLA it was a transpose kernel (O^T -> O) and a reduction over the 4 MB weight, two launches after the
+# merge on every DSA layer's critical path (1.9 + 3.0 µs, session 46's trace).
+UV_MAX_TOKENS = 8  # token rows per launch: one accumulator and one O^T tile set per token (SMEM: 16 KB each)
+KT = D_LATENT // BLOCK  # the contraction's K tiles of 64
+_BF16_SW32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # (as _F16_SW32: one swizzle, A and B)
+
+
+def mla_absorb_uv_reference(o_t, w_kv, *, dn: int):
+  """o_t [BT, 512, Hp] f32 (the merged O^T per token: ``sparse_mla_decode(transposed=True)``), w_kv [H, dn + dv,
+  512] bf16 (kv_b_proj's weight per head: W_UK rows, then W_UV's) -> [BT, H, dv] bf16: o_h rounded to bf16, then
+  Σ_r o_h[r] · W_UV_h[v, r] in f32, rounded to bf16 — the model's attention.DSA chain (``_per_head``) for the first
+  H <= Hp heads."""
+  H = w_kv.shape[0]
+  o = jnp.swapaxes(o_t, 1, 2)[:, :H].astype(jnp.bfloat16).astype(jnp.float32)  # [BT, H, 512]
+  w = w_kv[:, dn:].astype(jnp.float32)  # [H, dv, 512]
+  return jnp.sum(o[:, :, None, :] * w[None], axis=-1).astype(jnp.bfloat16)
+
+
+def _uv_kernel(BT: int, dn: int):
+  """CTA (v-chunk c, head h): out[:, h, 64c .. 64c + 63] for every token. W_UV_h's [64, 512] rows by TMA (8 K
+  tiles of 64, the wgmma A operand); each token's O^T [512, 16] of the head's group of 16 loaded from GMEM in
+  64-row tiles (as the merge kernel reads its splits), rounded to bf16, each stored whole as one of the B
+  operand's 8 K tiles (no register store at an offset into SMEM); acc [64, 16] =
+  W_UV_h · O^T[:, group] holds the head's own column at h % 16 (the other 15: its weight on the group's other
+  heads, unused — the MMA is free next to the weight's bytes), taken by a masked row sum (one nonzero term:
+  exact) and stored by TMA."""
+
+  def body(o_g, w_g, out_g, w_s, ob_s, v_s, bar):
+    c, h = lax.axis_index("c"), lax.axis_index("h")
+    v0, g0 = c * BLOCK, (h // HEADS_PER_CTA) * HEADS_PER_CTA
+    for t in range(KT):
+      plgpu.copy_gmem_to_smem(w_g.at[h, pl.ds(dn + v0, BLOCK), pl.ds(t * BLOCK, BLOCK)], w_s.at[t], bar)
+    for bt in range(BT):
+      for t in range(KT):
+        o = plgpu.load(o_g.at[bt, pl.ds(t * BLOCK, BLOCK), pl.ds(g0, HEADS_PER_CTA)], layout=_L.WGMMA,
+                       optimized=False)
+        ob_s[bt, t] = plgpu.layout_cast(o.astype(jnp.bfloat16), _L.WGMMA)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(bar)
+    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, HEADS_PER_CTA), 1, layout=_L.WGMMA)
+    for bt in range(BT):
+      def mma(acc, bt=bt):
+        for t in range(KT):
+          plgpu.wgmma(acc, w_s.at[t], ob_s.at[bt, t])
+        return acc[...]
+
+      acc = pl.run_scoped(mma, plgpu.ACC((BLOCK, HEADS_PER_CTA), jnp.float32))
+      v_s[bt] = jnp.where(col == h - g0, acc, 0.0).sum(axis=1).astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    for bt in range(BT):
+      plgpu.copy_smem_to_gmem(v_s.at[bt], out_g.at[bt, h, pl.ds(v0, BLOCK)])
+    plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+@kernel_entry("dn")
+def mla_absorb_uv(o_t, w_kv, *, dn: int):
+  """Mosaic GPU version of ``mla_absorb_uv_reference`` (same signature): a CTA per (64 output values, head), dv /
+  64 · H CTAs (64 at TP4: 16 heads, dv = 256), each streaming its [64, 512] slice of W_UV once for all the
+  launch's tokens (up to UV_MAX_TOKENS). The products of bf16 values are exact in the f32 accumulator; the sums
+  run in another order than XLA's (the result within bf16 rounding of the reference)."""
+  BT, Dl, Hp = o_t.shape
+  H, rows, R = w_kv.shape
+  dv = rows - dn
+  if (Dl, R) != (D_LATENT, D_LATENT) or o_t.dtype != jnp.float32 or w_kv.dtype != jnp.bfloat16:
+    raise ValueError(f"mla_absorb_uv: o_t {o_t.shape} {o_t.dtype}, w_kv {w_kv.shape} {w_kv.dtype}; expected o_t "
+                     f"[BT, {D_LATENT}, Hp] f32 and bf16 w_kv [H, dn + dv, {D_LATENT}]")
+  if Hp % HEADS_PER_CTA or not H <= Hp or dn < 0 or dv <= 0 or dv % BLOCK or dn % 8:
+    raise ValueError(f"mla_absorb_uv: {H} heads of {Hp} in o_t, dn = {dn}, dv = {dv}; expected Hp a multiple of "
+                     f"{HEADS_PER_CTA}, H <= Hp, dv a positive multiple of {BLOCK} and dn a multiple of 8")
+  if not 1 <= BT <= UV_MAX_TOKENS:
+    raise ValueError(f"mla_absorb_uv: {BT} token rows; expected 1 .. {UV_MAX_TOKENS}")
+  bf16 = jnp.bfloat16
+  return mgpu_kernel(
+      _uv_kernel(BT, dn),
+      out_type=jax.ShapeDtypeStruct((BT, H, dv), bf16),
+      scratch_types=[
+          plgpu.SMEM((KT, BLOCK, BLOCK), bf16, transforms=_BF16_SW32),  # w_s: W_UV_h's 64 rows, K tiles
+          plgpu.SMEM((BT, KT, BLOCK, HEADS_PER_CTA), bf16, transforms=_BF16_SW32),  # ob_s: O^T, K tiles
+          plgpu.SMEM((BT, BLOCK), bf16),  # v_s: the outputs
+          plgpu.Barrier(num_arrivals=KT),
+      ],
+      grid=(dv // BLOCK, H),
+      grid_names=("c", "h"),
+      kernel_name="glm5_mla_uv",
+  )(o_t, w_kv)

@@ -438,6 +438,34 @@ def test_indexer_pool_kernel_equals_xla_update():
 
 
 @pytest.mark.e2e_kernels
+def test_mla_uv_kernel_equals_xla_uv():
+  """Policy knob mla_uv_kernel (W_UV as a kernel on the sparse MLA's merged O^T: pallas_kernels.sparse_mla.
+  mla_absorb_uv) against XLA's transpose + reduction: kernel-tiny in bf16 with the FP8 caches and the sparse MLA
+  kernel (every other op in XLA), a 13-token prefill (16 rows: the knob declines there, > 8) and three verify
+  steps of q = 3 — the same emitted and drafted tokens; the knob ran at the verify's DSA layers and the MTP's."""
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "bfloat16")
+  prompt = np.random.default_rng().integers(0, 2000, 13)
+  runs = []
+  for on in (False, True):
+    pol = (("kda", False), ("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("sparse_mla", True),
+           ("mhc", False), ("bf16_linear", False), ("indexer_pool_kernel", False), ("mla_uv_kernel", on),
+           ("kv_cache_dtype", "fp8"), *XLA_SELECTION)
+    dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=pol), backend="latency_specialized",
+                  prefill_chunk=16)
+    state = dec.prefill([prompt])
+    toks, got = np.array(state.next_tokens), [np.array(state.next_tokens)]
+    for _ in range(3):
+      state, o = decode(state, toks)
+      got += [np.asarray(o.tokens), np.asarray(o.next_tokens)]
+      toks = np.array(o.next_tokens)
+    sites = dec.kernel_sites(1)
+    assert sites["sparse_mla"]["sites"] > 0 and (sites["mla_uv_kernel"]["sites"] > 0) == on, sites
+    runs.append(got)
+  for a, b in zip(*runs):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.e2e_kernels
 def test_kda_conv_in_the_kernel_equals_xla_conv():
   """Policy knob kda_conv (the short conv + SiLU inside the KDA kernel, reading the conv ring's history rows and the
   taps transposed) against the kernel after XLA's conv: a verify step of kernel-tiny (f32, every other op in XLA;

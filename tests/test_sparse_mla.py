@@ -8,6 +8,7 @@ W = 2051 padded to 2176, S = 65536).
 GPU (`-m gpu`): real sizes natively against the reference.
 """
 
+import functools
 import itertools
 
 import jax
@@ -323,3 +324,72 @@ def test_combine_forms_gpu(B, T, S):
     np.testing.assert_array_equal(run("fused"), kern)
   np.testing.assert_allclose(kern, ref, **tol("kernel_bf16"))
   assert np.linalg.norm(kern - ref) <= 2e-3 * np.linalg.norm(ref)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# W_UV on the merged O^T (mla_absorb_uv)
+# ------------------------------------------------------------------------------------------------------------
+def uv_inputs(rng, BT, Hp, H, dn=256, dv=256):
+  """A merged O^T [BT, 512, Hp] (the attention's convex combinations of latents: O(1) values) and a kv_b weight
+  [H, dn + dv, 512] bf16 at a trained-like scale."""
+  o_t = jnp.asarray(rng.standard_normal((BT, M.D_LATENT, Hp)), jnp.float32)
+  return o_t, jnp.asarray(rng.standard_normal((H, dn + dv, M.D_LATENT)) * 0.05, jnp.bfloat16)
+
+
+def test_uv_reference_is_the_models_chain():
+  """mla_absorb_uv_reference == what attention.DSA runs after the attention (o transposed, the first H heads,
+  rounded to the model's bf16, attention._per_head with W_UV = the weight's rows dn..), bit for bit."""
+  from glm5_jax.attention import _per_head  # noqa: PLC0415
+  o_t, w = uv_inputs(np.random.default_rng(), 3, 16, 12)
+  o = jnp.swapaxes(o_t, 1, 2)[:, :12].reshape(1, 3, 12, M.D_LATENT)
+  want = _per_head("bthr,hvr->bthv", o.astype(jnp.bfloat16), w[:, 256:]).reshape(3, 12, 256)
+  np.testing.assert_array_equal(np.asarray(M.mla_absorb_uv_reference(o_t, w, dn=256), np.float32),
+                                np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("BT,Hp,H,dn", [(1, 16, 16, 256), (3, 32, 24, 256), (8, 16, 16, 64)])
+def test_uv_kernel_interpret(BT, Hp, H, dn):
+  """The kernel (GPU interpret mode) against the reference: one and several tokens, a second head group (Hp = 32:
+  the O^T columns at an offset) with padded heads (H < Hp), another dn (the weight's row offset)."""
+  o_t, w = uv_inputs(np.random.default_rng(), BT, Hp, H, dn=dn)
+  ref = M.mla_absorb_uv_reference(o_t, w, dn=dn)
+  with maybe_interpret(True):
+    got = jax.jit(functools.partial(M.mla_absorb_uv, dn=dn))(o_t, w)
+  assert got.shape == (BT, H, 256) and got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), **tol("kernel_bf16"))
+
+
+def test_uv_rejects_bad_input():
+  o_t, w = (SDS((1, 512, 16), jnp.float32), SDS((16, 512, 512), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"mla_absorb_uv: o_t \(1, 512, 16\) bfloat16"):
+    jax.eval_shape(functools.partial(M.mla_absorb_uv, dn=256), SDS((1, 512, 16), jnp.bfloat16), w)
+  with pytest.raises(ValueError, match=r"20 heads of 16 in o_t"):
+    jax.eval_shape(functools.partial(M.mla_absorb_uv, dn=256), o_t, SDS((20, 512, 512), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"dv = 250"):
+    jax.eval_shape(functools.partial(M.mla_absorb_uv, dn=262), o_t, w)
+  with pytest.raises(ValueError, match=rf"9 token rows; expected 1 .. {M.UV_MAX_TOKENS}"):
+    jax.eval_shape(functools.partial(M.mla_absorb_uv, dn=256), SDS((9, 512, 16), jnp.float32), w)
+
+
+@pytest.mark.parametrize("BT,H", [(1, 16), (4, 16), (8, 64)])
+def test_uv_cross_lower(BT, H):
+  """CUDA lowering at the real shapes: TP4's 16 heads at q = 1 and 4, TP1's 64 at 8 rows."""
+  f = functools.partial(M.mla_absorb_uv, dn=256)
+  assert "glm5_mla_uv" in cross_lower(f, SDS((BT, 512, H), jnp.float32), SDS((H, 512, 512), jnp.bfloat16)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("BT,Hp,H", [(1, 16, 16), (4, 16, 16), (8, 64, 64), (3, 32, 24)])
+def test_uv_kernel_gpu(BT, Hp, H):
+  """Natively against the reference (its f32 sums in XLA's order: within bf16 rounding), and from the
+  transposed attention output of the sparse MLA kernel itself: o_t = sparse_mla_decode(transposed=True) is the
+  transpose of its default output."""
+  o_t, w = uv_inputs(np.random.default_rng(), BT, Hp, H)
+  got = jax.jit(functools.partial(M.mla_absorb_uv, dn=256))(o_t, w)
+  ref = jax.jit(functools.partial(M.mla_absorb_uv_reference, dn=256))(o_t, w)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), **tol("kernel_bf16"))
+  q, cache, idx = make_inputs(BT, 1, BT, 16, 32768, 2051, q_dtype=jnp.bfloat16, trailing_pad=2051 % 64)
+  f = lambda tr: jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel",  # noqa: E731
+                                                        transposed=tr))(q, cache, idx)
+  np.testing.assert_array_equal(np.asarray(jnp.swapaxes(f(True), 1, 2)).reshape(np.shape(f(False))),
+                                np.asarray(f(False)))

@@ -182,6 +182,13 @@ def test_real_geometry_step_lowers_for_cuda():
   assert txt.count("all_reduce") == 1 + 2 * 45 + 3 * 3  # psums are no-ops on one device but still lowered
 
 
+def test_real_geometry_step_with_the_uv_kernel_lowers_for_cuda():
+  """mla_uv_kernel (off by default): W_UV on the merged O^T in one TP4 rank's q = 1 step (bf16 model, 16 heads)."""
+  txt = lower_step(tp_rank_config(C.real(), 4), 1, "latency_specialized", policy=(("mla_uv_kernel", True),))
+  assert "glm5_mla_uv" in txt and "glm5_mla_combine" in txt
+  check_one_module_per_kernel(txt)
+
+
 def _main_args(txt):
   sig = next(line for line in txt.splitlines() if "func.func public @main(" in line)
   return len(re.findall(r"%arg\d+:", sig))
