@@ -73,6 +73,9 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s48a (nvidia-h200):       session 47's final commit natively: the plane-major latent cache (sparse MLA GPU tests,
+#                             the defaults end to end), mla_absorb_uv's GPU tests + e2e
+#   s48b (nvidia-h200):       q = 1: defaults vs mla_uv_kernel vs moe_rows (5 interleaved repeats)
 #   s47e (nvidia-h200):       q = 1: defaults vs moe_rows (5 interleaved repeats)
 #   s47d (nvidia-h200):       the kernel-tiny e2e test of indexer_pool_kernel (16-row prefill), then q = 1 defaults
 #   s47c (nvidia-h200):       pool_update's GPU tests (the pooling's rows by TMA from the ring)
@@ -624,6 +627,20 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     [ "$(left)" -gt 220 ] && rank1 s32 --q 1 --steps-per-call 4 --interleave --repeats 7 --policy '{}' $BOUNDARY
     [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_kda_decode.py --q4 \
       --budget_s $(( $(left) - 60 )) > "$OUT/bench_kda_q4.log" 2>&1
+    ;;
+  s48a)  # (nvidia-h200) session 47's final commit natively: the FP8 latent cache's plane-major rows (the sparse MLA
+    # kernel's dequant with one scale per byte plane, no column permutation around it) — the sparse MLA GPU tests
+    # and the defaults end to end; the W_UV kernel (mla_absorb_uv, knob mla_uv_kernel): its GPU tests and the
+    # kernel-tiny e2e test; then q = 1: defaults vs mla_uv_kernel vs moe_rows (5 interleaved repeats)
+    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_sparse_mla.py \
+      > "$OUT/mla_tests.log" 2>&1
+    timeout -k 9 -s INT 300 python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
+      -k "mla_uv or (all_kernels_equals_stock and extra0)" > "$OUT/e2e_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/mla_tests.log" "$OUT/e2e_tests.log"
+    ;;
+  s48b)  # (nvidia-h200) q = 1: defaults vs mla_uv_kernel vs moe_rows (5 interleaved repeats, 80 steps)
+    rank1 s48b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"mla_uv_kernel": true}' \
+      '{"moe_rows": true}'
     ;;
   s47e)  # (nvidia-h200) moe_rows a third time (s46c: -0.05 ms, 3 of 4 paired rounds; s47b with linear_fused_sum:
     # -0.02, 4 of 4, where linear_fused_sum alone was +0.06): q = 1 defaults vs moe_rows, 5 interleaved repeats
