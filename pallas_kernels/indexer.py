@@ -373,10 +373,10 @@ def _pool_kernel(T: int, kp: int, Rg: int):
   [B] int32, then the caches it updates in place: ring_g [B, 2·Rg, 128] bf16 (the ring's [Rg, 2, 128] entries
   as rows: position p's key in row 2·(p mod Rg), its gate score in the next), p8_g [B, P, 128] e4m3, ps_g [B, P]
   f32. Scratch: kn_s [2, T, 128] (the call's tokens' keys, then gate scores), pos_s [2, kp, NP, 128] (the key /
-  gate score of position base + i at [., i % kp, i // kp]: TMA'd from the ring after the call's rows are written), pk_s [64, 128] bf16 (the pooled keys' rows), qb_s /
-  h_s (wgmma-tiled), y8_s [64, 128] e4m3, sc_s [64] f32, the loads' two barriers. Every register store into SMEM
-  is of a whole contiguous [rows, 128] tile (a strided view at an offset stored wrong natively: POOL_MAX_TOKENS's
-  note)."""
+  gate score of position base + i at [., i % kp, i // kp]: TMA'd from the ring after the call's rows are
+  written), pk_s [64, 128] bf16 (the pooled keys' rows), qb_s / h_s (wgmma-tiled), y8_s [64, 128] e4m3, sc_s
+  [64] f32, the loads' two barriers. Every register store into SMEM is of a whole contiguous tile at row 0 (the
+  patterns that stored wrong natively: POOL_MAX_TOKENS's note)."""
   G, NP = _pool_geometry(T, kp)
   Di, f32, bf16 = HEAD_DIM, jnp.float32, jnp.bfloat16
   ROWS, ROW = replicated_rows_layouts(Di)

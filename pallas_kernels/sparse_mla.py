@@ -11,12 +11,13 @@ bytes: each row's TMA must land 128-byte aligned in shared memory). That is the 
 (latent bytes then scales) without its (all-zero for NoPE) rope part and with the bytes of each word taken from
 the four scale groups — so that the kernel's byte planes are the latent's own column blocks (until session 47
 value 4i + k sat in byte k of word i, and the queries and outputs went through a column permutation around the
-kernel: an XLA transpose kernel on every DSA layer's critical path). One row per token is one TMA gather per selected position: the kernel's blocks
-were bound by issuing the gathers one after another (latent and scales as separate arrays took two per
-position). The kernel reads the bytes with 32-bit loads (8-bit register loads from an untiled SMEM buffer gave
-wrong values natively on the H200 — see ``_dequant_block``). ``quantize_latent`` / ``dequantize_latent`` are
-the cache write / read paths; ``pack_e4m3`` / ``unpack_e4m3`` convert between the two views of the bytes and
-``split_row`` takes a row apart.
+kernel: an XLA transpose kernel on every DSA layer's critical path). One row per token is one TMA gather per
+selected position: the kernel's blocks were bound by issuing the gathers one after another (latent and scales
+as separate arrays took two per position). The kernel reads the bytes with 32-bit loads (8-bit register loads
+from an untiled SMEM buffer gave wrong values natively on the H200 — see ``_dequant_block``).
+``quantize_latent`` / ``dequantize_latent`` are the cache write / read paths; ``pack_e4m3`` / ``unpack_e4m3``
+convert between the two views of the bytes and ``split_row`` takes a row apart. ``mla_absorb_uv`` (at the end)
+applies W_UV to the merged output.
 
 The attention is the absorbed form: with q̂_h = W_UK_hᵀ q_h ∈ [512],
   o_h = Σ_{s ∈ I_t} softmax_s(q̂_h · c_s · softmax_scale) c_s,
@@ -38,7 +39,7 @@ Kernel design (one CTA = one (query token, head group of 16, slice of the index 
   accumulator at 64 registers per thread;
 * online softmax (base 2) over blocks of 64 positions, fp32 accumulation, -1 indices masked;
 * the index list is split over CTAs (W-split, "flash decoding"); each CTA writes its normalised partial output
-  and log-sum-exp, and a small XLA fusion combines them. The split size is chosen so that the grid has about
+  and log-sum-exp, and a merge (an XLA fusion or a kernel: ``combine``) combines them. The split size is chosen so that the grid has about
   two CTAs per SM (latency bound at B=1: 11 layers x ~1 MiB of gathered latent).
 """
 
@@ -48,7 +49,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
