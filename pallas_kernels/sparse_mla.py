@@ -39,8 +39,8 @@ Kernel design (one CTA = one (query token, head group of 16, slice of the index 
   accumulator at 64 registers per thread;
 * online softmax (base 2) over blocks of 64 positions, fp32 accumulation, -1 indices masked;
 * the index list is split over CTAs (W-split, "flash decoding"); each CTA writes its normalised partial output
-  and log-sum-exp, and a merge (an XLA fusion or a kernel: ``combine``) combines them. The split size is chosen so that the grid has about
-  two CTAs per SM (latency bound at B=1: 11 layers x ~1 MiB of gathered latent).
+  and log-sum-exp, and a merge (an XLA fusion or a kernel: ``combine``) combines them. The split size is chosen
+  so that the grid has about two CTAs per SM (latency bound at B=1: 11 layers x ~1 MiB of gathered latent).
 """
 
 from __future__ import annotations
