@@ -486,11 +486,11 @@ def _uv_kernel(BT: int, dn: int):
     v0, g0 = c * BLOCK, (h // HEADS_PER_CTA) * HEADS_PER_CTA
     for t in range(KT):
       plgpu.copy_gmem_to_smem(w_g.at[h, pl.ds(dn + v0, BLOCK), pl.ds(t * BLOCK, BLOCK)], w_s.at[t], bar)
-    for bt in range(BT):
+    for bt in range(BT):  # (a token's 8 loads issued before their first use: all in flight at once)
+      o = [plgpu.load(o_g.at[bt, pl.ds(t * BLOCK, BLOCK), pl.ds(g0, HEADS_PER_CTA)], layout=_L.WGMMA,
+                      optimized=False) for t in range(KT)]
       for t in range(KT):
-        o = plgpu.load(o_g.at[bt, pl.ds(t * BLOCK, BLOCK), pl.ds(g0, HEADS_PER_CTA)], layout=_L.WGMMA,
-                       optimized=False)
-        ob_s[bt, t] = plgpu.layout_cast(o.astype(jnp.bfloat16), _L.WGMMA)
+        ob_s[bt, t] = plgpu.layout_cast(o[t].astype(jnp.bfloat16), _L.WGMMA)
     plgpu.commit_smem()
     plgpu.barrier_wait(bar)
     col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, HEADS_PER_CTA), 1, layout=_L.WGMMA)
