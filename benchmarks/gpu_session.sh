@@ -293,7 +293,7 @@ gt() {  # $1: seconds at most, $2: test file or node id, $3: -k expression (GT_M
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
   local name=$1; shift
   timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --context 32768 \
-    --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 100 )) --backend latency_specialized \
+    --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) --backend latency_specialized \
     --compile-cache .jax_cache \
     --out "$OUT/decode_$name.jsonl" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_$name.log"
 }
