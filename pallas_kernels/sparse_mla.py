@@ -522,9 +522,9 @@ def mla_absorb_uv(o_t, w_kv, *, dn: int):
   if (Dl, R) != (D_LATENT, D_LATENT) or o_t.dtype != jnp.float32 or w_kv.dtype != jnp.bfloat16:
     raise ValueError(f"mla_absorb_uv: o_t {o_t.shape} {o_t.dtype}, w_kv {w_kv.shape} {w_kv.dtype}; expected o_t "
                      f"[BT, {D_LATENT}, Hp] f32 and bf16 w_kv [H, dn + dv, {D_LATENT}]")
-  if Hp % HEADS_PER_CTA or not H <= Hp or dn < 0 or dv <= 0 or dv % BLOCK or dn % 8:
+  if Hp % HEADS_PER_CTA or not H <= Hp or dn < 0 or dv <= 0 or dv % BLOCK:
     raise ValueError(f"mla_absorb_uv: {H} heads of {Hp} in o_t, dn = {dn}, dv = {dv}; expected Hp a multiple of "
-                     f"{HEADS_PER_CTA}, H <= Hp, dv a positive multiple of {BLOCK} and dn a multiple of 8")
+                     f"{HEADS_PER_CTA}, H <= Hp, dn >= 0 and dv a positive multiple of {BLOCK}")
   if not 1 <= BT <= UV_MAX_TOKENS:
     raise ValueError(f"mla_absorb_uv: {BT} token rows; expected 1 .. {UV_MAX_TOKENS}")
   bf16 = jnp.bfloat16
