@@ -639,6 +639,11 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       -k "mla_uv or (all_kernels_equals_stock and extra0)" > "$OUT/e2e_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/mla_tests.log" "$OUT/e2e_tests.log"
     ;;
+  s48c)  # (nvidia-h200) s48b: mla_uv_kernel -0.10 ms (4 of 5 paired) and moe_rows -0.09 (4 of 5) on a slow host
+    # (defaults 4.35): q = 1 defaults vs both vs mla_uv_kernel, 5 interleaved repeats
+    rank1 s48c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"mla_uv_kernel": true, "moe_rows": true}' '{"mla_uv_kernel": true}'
+    ;;
   s48b)  # (nvidia-h200) q = 1: defaults vs mla_uv_kernel vs moe_rows (5 interleaved repeats, 80 steps)
     rank1 s48b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"mla_uv_kernel": true}' \
       '{"moe_rows": true}'
