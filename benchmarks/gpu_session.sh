@@ -639,6 +639,15 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       -k "mla_uv or (all_kernels_equals_stock and extra0)" > "$OUT/e2e_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/mla_tests.log" "$OUT/e2e_tests.log"
     ;;
+  s48d)  # (nvidia-h200) where the mHC boundary's 7.5 µs go (90 per step at q = 1: ~0.68 ms, the largest fixed cost
+    # on the chain): mhc_post_finish's in-kernel profile with finer scopes (load / mix / logits / partials /
+    # barrier / sum / pre / normed), then the boundary alone at 1 and 4 rows
+    timeout -s INT 150 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc \
+      --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
+    timeout -s INT 150 python3 benchmarks/bench_mhc.py --rows 1,4 --paths grid --out "$OUT/bench_mhc.txt" \
+      > "$OUT/bench_mhc.log" 2>&1
+    cat "$OUT/kernel_profile.txt" "$OUT/bench_mhc.txt"
+    ;;
   s48c)  # (nvidia-h200) s48b: mla_uv_kernel -0.10 ms (4 of 5 paired) and moe_rows -0.09 (4 of 5) on a slow host
     # (defaults 4.35): q = 1 defaults vs both vs mla_uv_kernel, 5 interleaved repeats
     rank1 s48c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \

@@ -281,14 +281,15 @@ KNOBS = {
         "ordered through the Ref (each call's aliased operand). Natively correct (its GPU test, session 36); in "
         "the step at q = 1 a tie (4.64-4.66 vs 4.64-4.68 ms in the same rounds): the 91 fills were all off the "
         "critical path (815 launches either way; BENCHMARKS.md session 36)" + _S43),
-    "mla_uv_kernel": (False,
+    "mla_uv_kernel": (True,
         "with sparse_mla on, a bf16 model and <= 8 token rows: each head's attention output through W_UV as a "
         "Mosaic kernel (pallas_kernels.sparse_mla.mla_absorb_uv: a CTA per 64 outputs of a head, its W_UV slice "
         "by TMA, the merged O^T read as the merge leaves it, one wgmma chain per token) instead of XLA's "
         "transpose + reduction after the merge (1.9 + 3.0 µs on every DSA layer's chain, session 46's trace) — "
-        "one launch fewer per DSA layer; off until measured natively (session 47: interpret mode and "
-        "cross-lowering only)"),
-    "moe_rows": (False,
+        "one launch fewer per DSA layer. Natively correct (its GPU tests; the kernel-tiny e2e at the model's "
+        "site, s48a); the one-rank step at q = 1, 5 interleaved repeats: 4.35 -> 4.25 ms (s48b) and 4.34 -> "
+        "4.23 (s48c), faster in 7 of 8 paired rounds (session 48)"),
+    "moe_rows": (True,
         "with fp8_moe, fp8_dq and moe_router_in_kernel at one token row: the MoE's two kernels sum their split "
         "partials in the kernel on the step's split-K counters (pallas_kernels.linear.splitk_counters) — the "
         "gate/up kernel's last D split writes h's bf16 rows without the routing weights (its CTAs select them), "
@@ -296,7 +297,9 @@ KNOBS = {
         "instead of XLA's glue (split sum, SwiGLU, weights, pad: 2.1 µs) and sum (2.0 µs) on every MoE layer's "
         "chain (session 45's trace); linear_fused_sum's rows form for the MoE alone, which the router's "
         "selection in the kernel had excluded. Natively correct (its GPU test); the one-rank step at q = 1 4.00 -> "
-        "3.95 ms, faster in 3 of 4 paired rounds, 82 launches fewer (session 46, s46c): not clear — off"),
+        "3.95 ms, faster in 3 of 4 paired rounds, 82 launches fewer (session 46, s46c); 4.35 -> 4.26 (3 of 4, "
+        "s48b); with mla_uv_kernel 4.34 -> 4.16 vs mla_uv_kernel alone 4.23 (4 of 4 paired rounds, s48c; session "
+        "48) — on"),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
         "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "

@@ -256,17 +256,19 @@ def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch'
       plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, M), pl.ds(d0, DC)], y_s.at[pl.ds(0, M)], bar)
       plgpu.copy_gmem_to_smem(post_g, post_s, bar)
       plgpu.copy_gmem_to_smem(comb_g, comb_s, bar)
-    plgpu.barrier_wait(bar)
+    with jax.named_scope("load"):
+      plgpu.barrier_wait(bar)
 
-    xs = [plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32) for i in range(N)]
-    if first:
-      xn = xs  # bf16 values already
-    else:
-      post = [_row_vector(post_s, k) for k in range(N)]  # (transposed mix: one SMEM row per quantity)
-      comb = [_row_vector(comb_s, k) for k in range(N * N)]
-      yv = plgpu.load(y_s, layout=_L.WGMMA, optimized=False).astype(jnp.float32)
-      xn = _post_mix(xs, yv, post, comb, DC)
-    _stage_streams(xn, xw_s, None if first else xu_s)
+    with jax.named_scope("mix"):
+      xs = [plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32) for i in range(N)]
+      if first:
+        xn = xs  # bf16 values already
+      else:
+        post = [_row_vector(post_s, k) for k in range(N)]  # (transposed mix: one SMEM row per quantity)
+        comb = [_row_vector(comb_s, k) for k in range(N * N)]
+        yv = plgpu.load(y_s, layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+        xn = _post_mix(xs, yv, post, comb, DC)
+      _stage_streams(xn, xw_s, None if first else xu_s)
     if not first:
       for j in range(N):
         plgpu.copy_smem_to_gmem(xu_s.at[j, pl.ds(0, M)], xo_g.at[pl.ds(0, M), pl.ds(j * D + d0, DC)])
@@ -276,11 +278,14 @@ def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch'
         plgpu.wgmma(acc, xw_s.at[j], fn_s.at[j].T)
       return acc[...]
 
-    pm = pl.run_scoped(logits, plgpu.ACC((ROWS, MIX), jnp.float32))
-    part_g[g, :, pl.ds(0, MIX)] = plgpu.layout_cast(pm, _L.WGMMA)
-    part_g[g, :, pl.ds(MIX, PART - MIX)] = _gram_tile(_gram_vectors(xn))
+    with jax.named_scope("logits"):
+      pm = pl.run_scoped(logits, plgpu.ACC((ROWS, MIX), jnp.float32))
+    with jax.named_scope("partials"):
+      part_g[g, :, pl.ds(0, MIX)] = plgpu.layout_cast(pm, _L.WGMMA)
+      part_g[g, :, pl.ds(MIX, PART - MIX)] = _gram_tile(_gram_vectors(xn))
     if not first:
-      plgpu.wait_smem_to_gmem(0)
+      with jax.named_scope("store_wait"):
+        plgpu.wait_smem_to_gmem(0)
 
   return body
 
@@ -648,12 +653,16 @@ def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w
   per row and x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this CTA's columns from X' in x_s [N, 64, 32]."""
   base = [c_g[k] for k in range(N)]
   sc0 = c_g[MIX]
-  _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m], part_g.shape[0], M, _FIN_NEED, t_s, ts_s)
-  gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
-  pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, base, sc0, D, eps, norm_eps)
+  with jax.named_scope("sum"):
+    _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m], part_g.shape[0], M, _FIN_NEED, t_s, ts_s)
+  with jax.named_scope("pre"):
+    gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
+    pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, base, sc0, D, eps, norm_eps)
   plgpu.barrier_wait(bar_w)
-  _normed_input(x_s, w_s, o_s, xin_g, pre, rinv, M, d0)
-  plgpu.wait_smem_to_gmem(0)
+  with jax.named_scope("normed"):
+    _normed_input(x_s, w_s, o_s, xin_g, pre, rinv, M, d0)
+  with jax.named_scope("store_wait"):
+    plgpu.wait_smem_to_gmem(0)
 
 
 def barrier_counters():

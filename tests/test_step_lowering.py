@@ -170,23 +170,17 @@ def test_real_geometry_step_lowers_for_cuda():
   txt = lower_step(tp_rank_config(C.real(), 4), 4, "latency_specialized")
   n_calls, n_kernels = check_one_module_per_kernel(txt)
   # 45 layers share their kernels: lowered and compiled once each (the indexer's cache update adds two since session
-  # 46: the verify's 4 token rows and the draft's one)
-  assert n_kernels <= 34, (n_calls, n_kernels)
+  # 46: the verify's 4 token rows and the draft's one; W_UV as a kernel one more since session 48)
+  assert n_kernels <= 35, (n_calls, n_kernels)
   assert "glm5_indexer_pool_update" in txt
   assert "glm5_topk_threshold" in txt  # the indexer's 8,256 pools (and 4 score rows) fit the threshold kernel
+  assert "glm5_mla_uv" in txt and "glm5_mla_combine" in txt  # W_UV on the merged O^T (mla_uv_kernel, since s48)
   # (q = 4: 4 token rows — the router kernel builds the MoE's slot tables, router_route; the draft's one row: the
   # selection inside the gate/up kernel, moe_router_in_kernel)
   assert "glm5_router_route" in txt and "glm5_router_topk" not in txt and "glm5_moe_route" not in txt
   names = {n for n, _, _ in kernel_calls(txt)}  # fp8_dq (the default): the dequantising FP8 kernels only
   assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down"} <= names and "glm5_fp8_linear" not in names
   assert txt.count("all_reduce") == 1 + 2 * 45 + 3 * 3  # psums are no-ops on one device but still lowered
-
-
-def test_real_geometry_step_with_the_uv_kernel_lowers_for_cuda():
-  """mla_uv_kernel (off by default): W_UV on the merged O^T in one TP4 rank's q = 1 step (bf16 model, 16 heads)."""
-  txt = lower_step(tp_rank_config(C.real(), 4), 1, "latency_specialized", policy=(("mla_uv_kernel", True),))
-  assert "glm5_mla_uv" in txt and "glm5_mla_combine" in txt
-  check_one_module_per_kernel(txt)
 
 
 def _main_args(txt):
@@ -198,7 +192,7 @@ def test_real_geometry_step_with_packed_params_lowers_for_cuda():
   """pack_params (glm5_jax.param_packing): the one-rank step at q = 1 takes 500 of the 667 parameters under 64 KiB
   in two buffers (f32, bf16; the 167 KEEP_WHOLE vectors stay arguments) — far fewer arguments — and every kernel
   still lowers with sliced operands; at one token row too, every FP8 linear and both MoE kernels dequantise the
-  weight in registers (fp8_dq, the default: register-A wgmmas, what the GPU runs)."""
+  weight in registers (fp8_dq, the default: register-A wgmmas, what the GPU runs) and W_UV runs as a kernel."""
   cfg = tp_rank_config(C.real(), 4)
   # (the arguments as traced — before jit drops unused ones, some small MTP-side leaves at q = 1 — so that the
   # unpacked step need not be lowered too: ~20 s of the CPU suite)
@@ -211,3 +205,4 @@ def test_real_geometry_step_with_packed_params_lowers_for_cuda():
   check_one_module_per_kernel(txt)
   names = {n for n, _, _ in kernel_calls(txt)}
   assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down"} <= names and "glm5_fp8_linear" not in names
+  assert "glm5_mla_uv" in names  # (mla_uv_kernel at one token row: the draft's and the verify's DSA layers)
