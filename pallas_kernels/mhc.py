@@ -260,15 +260,19 @@ def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch'
       plgpu.barrier_wait(bar)
 
     with jax.named_scope("mix"):
-      xs = [plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32) for i in range(N)]
+      with jax.named_scope("xs"):
+        xs = [plgpu.load(x_s.at[i], layout=_L.WGMMA, optimized=False).astype(jnp.float32) for i in range(N)]
       if first:
         xn = xs  # bf16 values already
       else:
-        post = [_row_vector(post_s, k) for k in range(N)]  # (transposed mix: one SMEM row per quantity)
-        comb = [_row_vector(comb_s, k) for k in range(N * N)]
-        yv = plgpu.load(y_s, layout=_L.WGMMA, optimized=False).astype(jnp.float32)
-        xn = _post_mix(xs, yv, post, comb, DC)
-      _stage_streams(xn, xw_s, None if first else xu_s)
+        with jax.named_scope("rows"):
+          post = [_row_vector(post_s, k) for k in range(N)]  # (transposed mix: one SMEM row per quantity)
+          comb = [_row_vector(comb_s, k) for k in range(N * N)]
+          yv = plgpu.load(y_s, layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+        with jax.named_scope("math"):
+          xn = _post_mix(xs, yv, post, comb, DC)
+      with jax.named_scope("stage"):
+        _stage_streams(xn, xw_s, None if first else xu_s)
     if not first:
       for j in range(N):
         plgpu.copy_smem_to_gmem(xu_s.at[j, pl.ds(0, M)], xo_g.at[pl.ds(0, M), pl.ds(j * D + d0, DC)])
@@ -281,8 +285,12 @@ def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch'
     with jax.named_scope("logits"):
       pm = pl.run_scoped(logits, plgpu.ACC((ROWS, MIX), jnp.float32))
     with jax.named_scope("partials"):
-      part_g[g, :, pl.ds(0, MIX)] = plgpu.layout_cast(pm, _L.WGMMA)
-      part_g[g, :, pl.ds(MIX, PART - MIX)] = _gram_tile(_gram_vectors(xn))
+      with jax.named_scope("pm"):
+        part_g[g, :, pl.ds(0, MIX)] = plgpu.layout_cast(pm, _L.WGMMA)
+      with jax.named_scope("gram"):
+        gt = _gram_tile(_gram_vectors(xn))
+      with jax.named_scope("gstore"):
+        part_g[g, :, pl.ds(MIX, PART - MIX)] = gt
     if not first:
       with jax.named_scope("store_wait"):
         plgpu.wait_smem_to_gmem(0)
@@ -384,16 +392,20 @@ def _sum_partials_t(rows_of, Gp: int, M: int, need, t_s, ts_s):
   the tile's rows into ts_s [M, 40] — and the quantities ``need`` placed in t_s's transposed [40, 64] layout
   (column m), a scalar at a time (columns M.. zero): the form the finish / Sinkhorn arithmetic reads, one row per
   quantity."""
-  t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
+  with jax.named_scope("zero"):
+    t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
   for m in range(M):
     acc = None
-    for c in range(Gp // ROWS):
-      x = plgpu.load(rows_of(m, c), layout=_L.WGMMA, optimized=False)
-      acc = x if acc is None else acc + x
-    ts_s[m] = acc.sum(axis=0)
-  for m in range(M):
-    for k in need:
-      t_s[k, m] = ts_s[m, k]
+    with jax.named_scope("loads"):
+      for c in range(Gp // ROWS):
+        x = plgpu.load(rows_of(m, c), layout=_L.WGMMA, optimized=False)
+        acc = x if acc is None else acc + x
+    with jax.named_scope("reduce"):
+      ts_s[m] = acc.sum(axis=0)
+  with jax.named_scope("transpose"):
+    for m in range(M):
+      for k in need:
+        t_s[k, m] = ts_s[m, k]
 
 
 def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float,
