@@ -639,6 +639,11 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       -k "mla_uv or (all_kernels_equals_stock and extra0)" > "$OUT/e2e_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/mla_tests.log" "$OUT/e2e_tests.log"
     ;;
+  s48e)  # (nvidia-h200) the new defaults (mla_uv_kernel + moe_rows on) at q = 1 traced: events + kernel listing kept
+    # for benchmarks/sublayer_chain.py (each sublayer's chain, the MoE's without its XLA glue and sum)
+    rank1 s48e --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'
+    rm -f "$OUT"/hlo/*.hlo.gz
+    ;;
   s48d)  # (nvidia-h200) where the mHC boundary's 7.5 µs go (90 per step at q = 1: ~0.68 ms, the largest fixed cost
     # on the chain): mhc_post_finish's in-kernel profile with finer scopes (load / mix / logits / partials /
     # barrier / sum / pre / normed), then the boundary alone at 1 and 4 rows
