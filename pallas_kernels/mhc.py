@@ -16,7 +16,8 @@ H200 at M = 1 with the Sinkhorn still an XLA fusion: 6.2 + 1.8 + 3.4 + 3.6 µs, 
    in f32, rounded to bf16 (skipped at the first site, which has no previous sublayer: X' = X); the partial
    mixing logits part[g, :, :24] = X'_chunk · fn_chunkᵀ (bf16 × bf16 wgmma, f32 accumulation: the products are
    exact, as in the f32 reference) and the partial Gram matrix of the four streams part[g, :, 24 + k] =
-   Σ_d X'_i[d] X'_j[d] for the k-th pair i <= j — one array, so that one XLA reduction sums the G partials
+   Σ_d X'_i[d] X'_j[d] for the k-th pair i <= j, then a copy of the 4 pre logits (columns 34..37: with the Gram
+   entries, the 16 columns the normalisation reads) — one array, so that one XLA reduction sums the G partials
    (f32, on the CUDA cores) into tot [64, 40] (rows M.. padding).
 2. ``mhc_finish`` (kernel, D / 128 + 1 CTAs): from tot (transposed: one row per quantity), ‖x‖² is the Gram
    trace, so the logits are m = (fn · x) · rsqrt(mean(x²) + eps). The first D / 128 CTAs compute per row pre (a
@@ -60,7 +61,11 @@ DC_FIN = 128  # columns per CTA in mhc_finish (``cols``: 64 or 128)
 # (narrower CTAs — twice as many — halve each thread's floating-point work: at M = 1 the kernels run 64-row tiles
 # for one real row; policy knob mhc_narrow, on by default: the step at q = 1 5.27 -> 4.83 ms, session 32)
 GRAM = N * (N + 1) // 2  # distinct Gram entries (i <= j), in the order of _PAIRS
-PART = 40  # columns of the partial-sums array: MIX logits, GRAM entries, padding to a multiple of 8
+PART = 40  # columns of the partial-sums array: MIX logits, GRAM entries, a copy of the N pre logits, 2 zeros
+PRE_COPY = MIX + GRAM  # (34) columns PRE_COPY.. repeat columns 0..N-1, the pre logits: the normalisation's 14 sums
+# (the Gram entries and the pre logits) are then the 16 columns MIX.. of every chunk's row — mhc_post_finish's
+# second half loads those instead of all 40 (session 48's in-kernel profile: its partial sums' loads and reduction
+# were ~30 % of the launch)
 _PAIRS = [(i, j) for i in range(N) for j in range(i, N)]
 _L = plgpu.Layout
 def _bf16_swizzled(cols: int):
@@ -93,8 +98,9 @@ def mix_rows(mix, M: int):
 def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False, cols: int = DC):
   """X [M, N·D] bf16 residual, y [M, D] bf16 sublayer output, mix = (post_t [N, 64], comb_t [N·N, 64]) f32 of
   the previous site (``mhc_finish``'s, transposed), fn [24, N·D] bf16 -> (X' [M, N·D] bf16, part [G, 64, 40]
-  f32: per column chunk (``cols`` columns of each stream, G = D / cols) the 24 partial mixing logits then the 10
-  partial Gram entries, 6 columns of padding). ``first``: no previous sublayer (y and mix are ignored, X' = X).
+  f32: per column chunk (``cols`` columns of each stream, G = D / cols) the 24 partial mixing logits, the 10
+  partial Gram entries, a copy of the 4 pre logits (PRE_COPY) and 2 zero columns). ``first``: no previous sublayer
+  (y and mix are ignored, X' = X).
   Rows M.. of part are padding (unspecified)."""
   M, K = X.shape
   D = K // N
@@ -115,7 +121,8 @@ def mhc_post_pre_reference(X, y, mix, fn, *, first: bool = False, cols: int = DC
   gram = jnp.stack([jnp.einsum("mgc,mgc->gm", xf[:, i], xf[:, j], precision=lax.Precision.HIGHEST)
                     for i, j in _PAIRS], axis=-1)
   pad = ((0, 0), (0, ROWS - M), (0, 0))
-  part = jnp.concatenate([pm, jnp.pad(gram, ((0, 0), (0, 0), (0, PART - MIX - GRAM)))], axis=-1)
+  part = jnp.concatenate([pm, gram, pm[..., :N], jnp.zeros((*gram.shape[:2], PART - PRE_COPY - N), pm.dtype)],
+                         axis=-1)
   return Xn.reshape(M, K), jnp.pad(part, pad)
 
 
@@ -211,11 +218,19 @@ def _gram_vectors(xn):
   return [plgpu.layout_cast((xn[i] * xn[j]).sum(axis=1), _L.WGMMA.reduce(1)) for i, j in _PAIRS]
 
 
-def _gram_tile(gks):
-  """The Gram per-row vectors as the [64, 16] tile of the partials' columns MIX.. (a select per entry)."""
+def _pre_logits(pm):
+  """The N pre logits (columns 0..N-1 of the logits tile pm [64, 24]) as per-row vectors (masked row sums: exact,
+  one nonzero term each)."""
+  cm = plgpu.broadcasted_iota(jnp.int32, (ROWS, MIX), 1, layout=_L.WGMMA)
+  return [plgpu.layout_cast(jnp.sum(jnp.where(cm == i, pm, 0.0), axis=1), _L.WGMMA.reduce(1)) for i in range(N)]
+
+
+def _gram_tile(gks, pre):
+  """The Gram per-row vectors, then the pre logits' (PRE_COPY), as the [64, 16] tile of the partials' columns
+  MIX.. (a select per entry)."""
   col = plgpu.broadcasted_iota(jnp.int32, (ROWS, PART - MIX), 1, layout=_L.WGMMA)
   gram = jnp.zeros((ROWS, PART - MIX), jnp.float32)
-  for k, gk in enumerate(gks):
+  for k, gk in enumerate([*gks, *pre]):
     gram = jnp.where(col == k, _bcast(gk, PART - MIX), gram)
   return plgpu.layout_cast(gram, _L.WGMMA)
 
@@ -288,7 +303,7 @@ def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch'
       with jax.named_scope("pm"):
         part_g[g, :, pl.ds(0, MIX)] = plgpu.layout_cast(pm, _L.WGMMA)
       with jax.named_scope("gram"):
-        gt = _gram_tile(_gram_vectors(xn))
+        gt = _gram_tile(_gram_vectors(xn), _pre_logits(pm))
       with jax.named_scope("gstore"):
         part_g[g, :, pl.ds(MIX, PART - MIX)] = gt
     if not first:
@@ -392,20 +407,38 @@ def _sum_partials_t(rows_of, Gp: int, M: int, need, t_s, ts_s):
   the tile's rows into ts_s [M, 40] — and the quantities ``need`` placed in t_s's transposed [40, 64] layout
   (column m), a scalar at a time (columns M.. zero): the form the finish / Sinkhorn arithmetic reads, one row per
   quantity."""
-  with jax.named_scope("zero"):
-    t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
+  t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
+  for m in range(M):
+    acc = None
+    for c in range(Gp // ROWS):
+      x = plgpu.load(rows_of(m, c), layout=_L.WGMMA, optimized=False)
+      acc = x if acc is None else acc + x
+    ts_s[m] = acc.sum(axis=0)
+  for m in range(M):
+    for k in need:
+      t_s[k, m] = ts_s[m, k]
+
+
+def _sum_fin_t(part_g, M: int, t_s, ts_s):
+  """``_sum_partials_t`` for the normalisation alone, from the partials part_g [Gp, 64, 40] (GMEM): per token row
+  only the 16 columns MIX.. of each chunk (the Gram entries, then the pre logits' copy at PRE_COPY) — 8 values
+  per thread and tile instead of 20 — summed as there (the same tiles and reduction: the same sums), placed in
+  t_s's rows MIX.. (Gram) and 0.. (pre logits)."""
+  t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
   for m in range(M):
     acc = None
     with jax.named_scope("loads"):
-      for c in range(Gp // ROWS):
-        x = plgpu.load(rows_of(m, c), layout=_L.WGMMA, optimized=False)
+      for c in range(part_g.shape[0] // ROWS):
+        x = plgpu.load(part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], layout=_L.WGMMA,
+                       optimized=False)
         acc = x if acc is None else acc + x
     with jax.named_scope("reduce"):
       ts_s[m] = acc.sum(axis=0)
-  with jax.named_scope("transpose"):
-    for m in range(M):
-      for k in need:
-        t_s[k, m] = ts_s[m, k]
+  for m in range(M):
+    for k in range(GRAM):
+      t_s[MIX + k, m] = ts_s[m, k]
+    for i in range(N):
+      t_s[i, m] = ts_s[m, PRE_COPY - MIX + i]
 
 
 def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float,
@@ -631,7 +664,6 @@ def mhc_sinkhorn(tot_t, coef, *, D: int, iters: int, eps: float, hc_norm_eps: fl
 # same code (``launches=2``); the GPU tests hold the one-launch form to the two-launch one, bit for bit.
 GRID_COLS = 32  # columns of each stream per CTA (mhc_narrow's mhc_post_pre)
 GRID_MAX_CTAS = 128  # CTAs the grid barrier may wait for (every one resident at once)
-_FIN_NEED = sorted({*range(N)} | {*range(MIX, MIX + GRAM)})  # the sums the normalisation reads: pre logits, Gram
 
 
 def _grid_rows(D: int) -> tuple[int, int]:
@@ -666,7 +698,7 @@ def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w
   base = [c_g[k] for k in range(N)]
   sc0 = c_g[MIX]
   with jax.named_scope("sum"):
-    _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m], part_g.shape[0], M, _FIN_NEED, t_s, ts_s)
+    _sum_fin_t(part_g, M, t_s, ts_s)
   with jax.named_scope("pre"):
     gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
     pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, base, sc0, D, eps, norm_eps)
@@ -760,7 +792,7 @@ def _finish_half_scratch(M: int, arrivals: int):
   return [plgpu.SMEM((GRID_COLS,), jnp.bfloat16),  # w_s
           plgpu.SMEM((ROWS, GRID_COLS), jnp.bfloat16),  # o_s
           plgpu.SMEM((PART, ROWS), jnp.float32),  # t_s: the sums, transposed
-          plgpu.SMEM((M, PART), jnp.float32),  # ts_s: each row's sums
+          plgpu.SMEM((M, PART - MIX), jnp.float32),  # ts_s: each row's sums of the 16 columns MIX..
           plgpu.Barrier(num_arrivals=arrivals)]  # bar_w: w (and, launched alone, X')
 
 
@@ -938,11 +970,11 @@ def _boundary_kernel(M: int, D: int, CL: int, first: bool, eps: float, hc_norm_e
       pm, gram = pl.run_scoped(chunks, plgpu.ACC((ROWS, MIX), f32))
       # the CTA's partials in mhc_post_pre's format (for the Sinkhorn of comb, outside)
       part_g[c, :, pl.ds(0, MIX)] = plgpu.layout_cast(pm, _L.WGMMA)
-      part_g[c, :, pl.ds(MIX, PART - MIX)] = _gram_tile(gram)
-      # the rows the cluster needs: the pre logits (columns 0..3 of pm, by masked row sums) and the Gram entries
-      cm = plgpu.broadcasted_iota(jnp.int32, (ROWS, MIX), 1, layout=_L.WGMMA)
+      pre = _pre_logits(pm)
+      part_g[c, :, pl.ds(MIX, PART - MIX)] = _gram_tile(gram, pre)
+      # the rows the cluster needs: the pre logits and the Gram entries
       for i in range(N):
-        r_s[i] = plgpu.layout_cast(jnp.sum(jnp.where(cm == i, pm, 0.0), axis=1), _L.WGMMA.reduce(1))
+        r_s[i] = pre[i]
       for k in range(GRAM):
         r_s[N + k] = gram[k]
       plgpu.commit_smem()
