@@ -86,6 +86,15 @@ def cases(names):
         g = jax.jit(lambda a, s, dt=dt: L.fp8_moe_persistent(*a, swiglu_limit=10.0, shared=s, dq_dtype=dt,
                                                               counters=L.moe_counters()))
         out[name] = lambda g=g: g(args, sh)
+  if "moe_rows" in names:  # the step's single-row form: the selection in the gate/up kernel, the sums inside (moe_rows)
+    (x, _, _, wg, sg, wu, su, wd, sd), sh = moe_inputs(0)
+    kk = jax.random.key(7)
+    logits = jax.random.normal(kk, (1, MOE["E"]), jnp.float32)
+    bias = jax.random.uniform(jax.random.fold_in(kk, 1), (MOE["E"],), jnp.float32, -0.05, 0.05)
+    r = jax.jit(lambda x, lg, b, ws, s: L.fp8_moe(
+        x, None, None, *ws, swiglu_limit=10.0, shared=s, dq=True, router=(lg, b),
+        router_select=(MOE["k"], 2.5, True, False, True), counters=L.splitk_counters(), out_dtype=jnp.bfloat16)[0])
+    out["moe_rows"] = lambda: r(x, logits, bias, (wg, sg, wu, su, wd, sd), sh)
   if "mhc" in names:
     margs, consts = mhc_inputs(1)
     h = jax.jit(lambda a: km.mhc_post_finish(*a, **consts, approx_math=True))
@@ -146,7 +155,7 @@ def summarise(kernel, files):
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--dir", required=True, help="folder for the profiler's traces")
-  ap.add_argument("--cases", default="moe,moe_persistent,moe_persistent_f16,mhc")
+  ap.add_argument("--cases", default="moe,moe_rows,moe_persistent,moe_persistent_f16,mhc")
   ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
   names = a.cases.split(",")

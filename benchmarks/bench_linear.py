@@ -8,7 +8,7 @@ dispatch is counted; weights rotate over enough copies that they are cold in the
   kernel, split-K/transposition epilogue);  "xla us"  every kernel of the jitted XLA version.
 
 Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32]
-              [--only fp8,fp8dq,bf16,moe,moedq,moep,moeb,moerk,moech]
+              [--only fp8,fp8dq,bf16,moe,moedq,moep,moeb,moerk,moerows,moech]
               [--sweep] [--budget-s 200] [--out results.txt]
 Falls back to host wall-clock over many back-to-back async calls if CUPTI is unavailable (then dispatch-bound
 for small shapes; marked "wall").
@@ -224,10 +224,12 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shar
   return names
 
 
-def bench_moe_router(chained: bool, n_sets=12):
-  """The single-row MoE with the router's selection in the kernel (the step's default form, moe_router_in_kernel
-  with moe_router_ranks: fp8_moe(router=...), "moerk") or fp8_moe_chained's one launch ("moech"): random logits per
-  set (the experts differ from set to set: cold in L2), the shared expert as slot 0."""
+def bench_moe_router(form: str, n_sets=12):
+  """The single-row MoE with the router's selection in the kernel (moe_router_in_kernel with moe_router_ranks:
+  fp8_moe(router=...) with XLA's glue and sum, "moerk"; the step's default form since session 48, its split sums in
+  both kernels on split-K counters and the rows written, moe_rows: "moerows") or fp8_moe_chained's one launch
+  ("moech"): random logits per set (the experts differ from set to set: cold in L2), the shared expert as slot 0."""
+  chained = form == "moech"
   e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
   w = moe_weights()
   x = jax.random.normal(jax.random.key(1), (1, d), jnp.float32).astype(jnp.bfloat16)
@@ -246,8 +248,9 @@ def bench_moe_router(chained: bool, n_sets=12):
     if chained:  # (its counters Ref made in the call: a 4 KB fill, not a glm5_ kernel)
       return L.fp8_moe_chained(x, logits, bias, *ws[:6], swiglu_limit=MOE["limit"], shared=ws[6],
                                router_select=select, counters=L.moe_chain_counters())[0]
+    rows = dict(counters=L.splitk_counters(), out_dtype=jnp.bfloat16) if form == "moerows" else {}
     return L.fp8_moe(x, None, None, *ws[:6], swiglu_limit=MOE["limit"], shared=ws[6], dq=True,
-                     router=(logits, bias), router_select=select)[0]
+                     router=(logits, bias), router_select=select, **rows)[0]
 
   f = jax.jit(kern)
   ref = jax.jit(lambda *a: L.fp8_moe(a[0], None, None, *a[3:9], swiglu_limit=MOE["limit"], shared=a[9], dq=True,
@@ -255,8 +258,8 @@ def bench_moe_router(chained: bool, n_sets=12):
   err = relerr(f(*args[0]), ref(*args[0]))
   call, names = time_calls(f, args)
   nb = (k + 1) * 3 * i * d
-  row("moech" if chained else "moerk", f"E{e} I{i} D{d} 9 slots", 1, nb, mosaic_us(names), call, None, err,
-      "one launch" if chained else "gate/up + glue + down")
+  row(form, f"E{e} I{i} D{d} 9 slots", 1, nb, mosaic_us(names), call, None, err,
+      {"moech": "one launch", "moerows": "gate/up + down, sums inside"}.get(form, "gate/up + glue + down"))
   log(f"#   per kernel (us): { {n: round(t, 1) for n, t in names.items()} }")
   return names
 
@@ -376,9 +379,9 @@ def main(argv=None):
           names = guarded(deadline, bench_moe, m, dq=kind != "moe", **v)
           if names:
             log(f"# kernel us per {kind} {v} call: { {n: round(t, 1) for n, t in names.items()} }")
-  for kind in ("moerk", "moech"):  # the single-row MoE with the router in the kernel: two launches vs chained
+  for kind in ("moerk", "moerows", "moech"):  # the single-row MoE, router in the kernel: XLA glue / rows / chained
     if kind in only:
-      guarded(deadline, bench_moe_router, kind == "moech")
+      guarded(deadline, bench_moe_router, kind)
   if a.sweep:
     sweep(deadline)
   if a.sweep_moe:

@@ -74,7 +74,8 @@
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
 #   s49a (nvidia-h200):       the boundary's second half on the 16 partial columns it reads: mHC GPU tests, its
-#                             in-kernel profile, the boundary alone (M = 1, 4), then the q = 1 defaults
+#                             in-kernel profile, the boundary alone (M = 1, 4); the step's MoE form (moe_rows)
+#                             profiled inside and alone; then the q = 1 defaults
 #   s48e (nvidia-h200):       the new defaults (mla_uv_kernel + moe_rows) at q = 1 traced (events + kernel listing)
 #   s48d (nvidia-h200):       mhc_post_finish's in-kernel profile with finer scopes, the boundary alone (M = 1, 4)
 #   s48c (nvidia-h200):       q = 1: defaults vs mla_uv_kernel + moe_rows vs mla_uv_kernel (5 interleaved repeats)
@@ -647,15 +648,19 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
   s49a)  # (nvidia-h200) session 48: mhc_post_finish's second half sums only the 16 partial columns it reads (the
     # Gram entries, then a copy of the pre logits at PRE_COPY) instead of all 40 — s48d's profile: the sums' loads
     # + reduction ~30 % of the launch (6.34 µs alone at M = 1, 10.64 at M = 4). Its GPU tests (one launch == two,
-    # bit for bit; vs the reference), the profile and the boundary alone, then the q = 1 defaults
+    # bit for bit; vs the reference), the profile and the boundary alone; the step's MoE form profiled inside
+    # (the selection in its gate/up kernel) and alone; then the q = 1 defaults
     timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_mhc.py \
       > "$OUT/mhc_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/mhc_tests.log"
-    timeout -s INT 150 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc \
+    timeout -s INT 150 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc,moe_rows \
       --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
     timeout -s INT 150 python3 benchmarks/bench_mhc.py --rows 1,4 --paths grid --out "$OUT/bench_mhc.txt" \
       > "$OUT/bench_mhc.log" 2>&1
-    cat "$OUT/kernel_profile.txt" "$OUT/bench_mhc.txt"
+    # the step's MoE alone (s48e: gate/up 17.7 + down 10.3 µs in the step): XLA glue form vs the rows form
+    timeout -s INT 150 python3 benchmarks/bench_linear.py --rows 1 --only moerk,moerows --out "$OUT/bench_linear.txt" \
+      > "$OUT/bench_linear.log" 2>&1
+    cat "$OUT/kernel_profile.txt" "$OUT/bench_mhc.txt" "$OUT/bench_linear.txt"
     [ "$(left)" -gt 200 ] && rank1 s49a --q 1 --steps-per-call 4 --repeats 3 --steps 80 --policy '{}'
     ;;
   s48e)  # (nvidia-h200) the new defaults (mla_uv_kernel + moe_rows on) at q = 1 traced: events + kernel listing kept

@@ -806,8 +806,9 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   tile, sk = rem % tiles, rem // tiles
   steps = xq_ref.shape[1] // BLOCK // split
   if router is not None:  # the router's selection in this CTA: the slot table from its registers (_router_in_kernel)
-    eids_ref = _router_in_kernel(eids_ref, router_refs, router, writer=t == 0, rank=slot_id - int(shared),
-                                 on_store=on_select)
+    with jax.named_scope("select"):
+      eids_ref = _router_in_kernel(eids_ref, router_refs, router, writer=t == 0, rank=slot_id - int(shared),
+                                   on_store=on_select)
 
   @pl.when(slot_id < nvalid_ref[0])
   def _():
