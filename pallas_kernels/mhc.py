@@ -401,44 +401,30 @@ def _sinkhorn_rows(mc, iters: int, eps: float):
   return list(lax.fori_loop(0, iters - 1, body, tuple(v for row in c for v in row)))
 
 
-def _sum_partials_t(rows_of, Gp: int, M: int, need, t_s, ts_s):
-  """The raw partials summed over the column chunks for M token rows — ``rows_of(m, c)``: the [64, 40] ref of
-  chunks 64c.. of token row m (SMEM or GMEM; Gp a multiple of 64, chunks past G zero), the tiles added, a sum over
-  the tile's rows into ts_s [M, 40] — and the quantities ``need`` placed in t_s's transposed [40, 64] layout
-  (column m), a scalar at a time (columns M.. zero): the form the finish / Sinkhorn arithmetic reads, one row per
+def _sum_partials_t(rows_of, Gp: int, M: int, place, t_s, ts_s):
+  """The raw partials summed over the column chunks for M token rows — ``rows_of(m, c)``: the [64, C] ref of
+  chunks 64c.. of token row m (SMEM or GMEM; Gp a multiple of 64, chunks past G zero; C = 40, or the 16 columns
+  MIX.. where only the normalisation reads them), the tiles added, a sum over the tile's rows into ts_s [M, C] —
+  and ``place``'s (quantity k, loaded column j) pairs put as t_s[k, m] = ts_s[m, j] in t_s's transposed [40, 64]
+  layout, a scalar at a time (columns M.. zero): the form the finish / Sinkhorn arithmetic reads, one row per
   quantity."""
   t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
   for m in range(M):
     acc = None
-    for c in range(Gp // ROWS):
-      x = plgpu.load(rows_of(m, c), layout=_L.WGMMA, optimized=False)
-      acc = x if acc is None else acc + x
-    ts_s[m] = acc.sum(axis=0)
-  for m in range(M):
-    for k in need:
-      t_s[k, m] = ts_s[m, k]
-
-
-def _sum_fin_t(part_g, M: int, t_s, ts_s):
-  """``_sum_partials_t`` for the normalisation alone, from the partials part_g [Gp, 64, 40] (GMEM): per token row
-  only the 16 columns MIX.. of each chunk (the Gram entries, then the pre logits' copy at PRE_COPY) — 8 values
-  per thread and tile instead of 20 — summed as there (the same tiles and reduction: the same sums), placed in
-  t_s's rows MIX.. (Gram) and 0.. (pre logits)."""
-  t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
-  for m in range(M):
-    acc = None
     with jax.named_scope("loads"):
-      for c in range(part_g.shape[0] // ROWS):
-        x = plgpu.load(part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], layout=_L.WGMMA,
-                       optimized=False)
+      for c in range(Gp // ROWS):
+        x = plgpu.load(rows_of(m, c), layout=_L.WGMMA, optimized=False)
         acc = x if acc is None else acc + x
     with jax.named_scope("reduce"):
       ts_s[m] = acc.sum(axis=0)
   for m in range(M):
-    for k in range(GRAM):
-      t_s[MIX + k, m] = ts_s[m, k]
-    for i in range(N):
-      t_s[i, m] = ts_s[m, PRE_COPY - MIX + i]
+    for k, j in place:
+      t_s[k, m] = ts_s[m, j]
+
+
+# The normalisation's 14 sums from the 16 columns MIX.. of the partials (Gram entries, then the pre logits' copy at
+# PRE_COPY) — 8 values per thread and tile instead of 20, the same tiles and reduction: the same sums.
+_FIN_PLACE = [(MIX + k, k) for k in range(GRAM)] + [(i, PRE_COPY - MIX + i) for i in range(N)]
 
 
 def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, norm_eps: float, post_mult: float,
@@ -495,7 +481,7 @@ def _finish_kernel(M: int, D: int, iters: int, eps: float, hc_norm_eps: float, n
       need = sorted(({*range(N)} if normalise else set()) | ({*range(N, MIX)} if sinkhorn else set())
                     | {*range(MIX, MIX + GRAM)})
       Ms, Gp = parts
-      _sum_partials_t(lambda m, c: pt_s.at[m, pl.ds(c * ROWS, ROWS)], Gp, Ms, need, t_s, ts_s)
+      _sum_partials_t(lambda m, c: pt_s.at[m, pl.ds(c * ROWS, ROWS)], Gp, Ms, [(k, k) for k in need], t_s, ts_s)
 
     def rows(ks):
       return [plgpu.load(t_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False) for k in ks]
@@ -698,7 +684,8 @@ def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w
   base = [c_g[k] for k in range(N)]
   sc0 = c_g[MIX]
   with jax.named_scope("sum"):
-    _sum_fin_t(part_g, M, t_s, ts_s)
+    _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], M,
+                    _FIN_PLACE, t_s, ts_s)
   with jax.named_scope("pre"):
     gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
     pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, base, sc0, D, eps, norm_eps)
