@@ -721,6 +721,19 @@ def test_pool_update_kernel_interpret(B, T, starts, valid):
   check_pool_update(got, ref, args, P, exact=True)
 
 
+def test_pool_update_params_in_f32_equal_bf16():
+  """The LayerNorm's affine and the pool bias reach the kernel in their stored dtype (widened in the kernel, no
+  XLA convert per call): bf16 parameters and the same values in f32 give bit-identical caches (interpret mode)."""
+  args = pool_inputs(np.random.default_rng(), 2, 4, 64, [3, 8], [4, 2])
+  wide = (*args[:6], *(a.astype(jnp.float32) for a in args[6:]))
+  with maybe_interpret(True):
+    got = [jax.jit(I.pool_update)(*a) for a in (args, wide)]
+  for a, b in zip(*got):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+  with pytest.raises(ValueError, match=r"pool_update: ln_w \(128,\) int32; expected \(128,\) f32, bf16 or f16"):
+    jax.eval_shape(I.pool_update, *args[:6], args[6].astype(jnp.int32), *args[7:])
+
+
 def test_pool_update_rejects_bad_input():
   args = pool_inputs(np.random.default_rng(), 1, 1, 64, [3], [1])
   sds = [SDS(a.shape, a.dtype) for a in args]
