@@ -416,25 +416,43 @@ class Indexer(nnx.Module):
         # attention kernel's width in ONE launch on the scores kernel's padded output (instead of the threshold
         # kernel and ~6 XLA kernels around it: session 40's chain)
         Pr = None if raw is None else raw.shape[-1]
+        W = kp * kk + n_tail
+        wp = -(-(W if width is None else width(W)) // 64) * 64  # (the attention kernel's width of the list)
         if kernel_enabled("topk_select_kernel", fits=bool(thr) and Pr is not None and Pr % ki.THRESHOLD_LANES == 0
                           and Pr <= ki.THRESHOLD_MAX_KEYS and kk < ki.SELECT_MAX_K,
                           why=f"needs the threshold kernel on, the scores kernel's output (here {Pr} padded pools; "
                           f"a multiple of {ki.THRESHOLD_LANES} up to {ki.THRESHOLD_MAX_KEYS}) and k = {kk} < "
                           f"{ki.SELECT_MAX_K}"):
-          W = kp * kk + n_tail
-          wp = -(-(W if width is None else width(W)) // 64) * 64
           ts = (n_complete * kp).reshape(R)
           idx, js = ki.topk_select(raw.reshape(R, Pr), ts, pos.reshape(R).astype(jnp.int32), k=kk, kpool=kp,
                                    n_tail=n_tail, width=wp)
           return idx.reshape(*pos.shape, wp), js.reshape(*pos.shape, kk)
+        # topk_compact_kernel: the threshold kernel as the model runs it (on the scores kernel's padded output), then
+        # the compaction, the expansion to tokens, the tail and the pad to the attention kernel's width as ONE
+        # multi-CTA launch (pallas_kernels.indexer.topk_compact) instead of ~5 XLA kernels after the threshold
+        lanes = ki.THRESHOLD_LANES * wgs  # (the threshold kernel's row: a multiple of its lanes)
+        if kernel_enabled("topk_compact_kernel", fits=bool(thr) and Pr is not None and Pr % lanes == 0
+                          and Pr <= ki.THRESHOLD_MAX_KEYS and kk < ki.SELECT_MAX_K and (kp * kk) % 64 == 0
+                          and wp - kp * kk <= 64 * 64,
+                          why=f"needs the threshold kernel on, the scores kernel's output (here {Pr} padded pools; a "
+                          f"multiple of {lanes} up to {ki.THRESHOLD_MAX_KEYS}), k = {kk} < {ki.SELECT_MAX_K} with "
+                          f"{kp} · k a multiple of 64, and at most 4,096 positions after the pools' (here "
+                          f"{wp - kp * kk})"):
+          raw2 = raw.reshape(R, Pr)
+          ex = kernel_enabled("topk_threshold_exit", fits=thr, why="the topk_threshold kernel does not run here")
+          t, n_gt = ki.topk_threshold(raw2, kk, digit_bits=2 if two else 1, warpgroups=wgs, early_exit=ex,
+                                      lanes_out=True)
+          ts = (n_complete * kp).reshape(R)
+          idx, js = ki.topk_compact(raw2, t, n_gt, ts, pos.reshape(R).astype(jnp.int32), k=kk, kpool=kp,
+                                    n_tail=n_tail, width=wp)
+          return idx.reshape(*pos.shape, wp), js.reshape(*pos.shape, kk)
         # topk_keys_in_kernel: the threshold kernel reads the scores kernel's padded output ([R, Pp], -inf past
         # the complete pools, as ``masked``) and forms the keys itself — no XLA kernel between the two kernels
-        Pp, lanes = (None if raw is None else raw.shape[-1]), ki.THRESHOLD_LANES * wgs
-        if kernel_enabled("topk_keys_in_kernel", fits=bool(thr) and Pp is not None and Pp % lanes == 0
-                          and Pp <= ki.THRESHOLD_MAX_KEYS,
-                          why=f"needs the threshold kernel on and the scores kernel's output (here {Pp} padded "
+        if kernel_enabled("topk_keys_in_kernel", fits=bool(thr) and Pr is not None and Pr % lanes == 0
+                          and Pr <= ki.THRESHOLD_MAX_KEYS,
+                          why=f"needs the threshold kernel on and the scores kernel's output (here {Pr} padded "
                           f"pools; a multiple of {lanes} up to {ki.THRESHOLD_MAX_KEYS})"):
-          form = {**form, "kernel_scores": raw.reshape(-1, Pp)}
+          form = {**form, "kernel_scores": raw.reshape(-1, Pr)}
         # lax.top_k's set, ascending
         ex = kernel_enabled("topk_threshold_exit", fits=thr, why="the topk_threshold kernel does not run here")
         js = topk_set_by_threshold(masked, kk, **form, threshold_kernel=(2 if two else 1) if thr else 0,

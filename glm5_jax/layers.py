@@ -357,6 +357,15 @@ KNOBS = {
         "(bench_topk, one row of 8,704 pools; the early exit saves 2.3 µs; s42c): its first form was unrolled "
         "straight-line code, 16x the threshold kernel's, that one CTA runs once — yet as loops it was slower "
         "still, 31.0 µs (s42d): single-CTA latency, not code size (session 42) — off"),
+    "topk_compact_kernel": (False,
+        "with topk_threshold on and the indexer's scores kernel: the compaction after the threshold kernel — the "
+        "selected pools' slots, their expansion to token positions, the tail and the -1 padding to the attention "
+        "kernel's width — as ONE Mosaic launch of several CTAs per score row (pallas_kernels.indexer.topk_compact: "
+        "each CTA 2,048 keys, the counts before them from the rows above, topk_select's wgmma prefix counts, the "
+        "selected keys stored to GMEM by the thread holding them) instead of XLA's blocked prefix sum, slice, "
+        "select, scatter and pad: five launches and 9.4 µs on every DSA layer's q = 1 chain (session 48's trace), "
+        "without topk_select's single-CTA latency. Correct in GPU interpret mode and cross-lowered (session 49); "
+        "off until measured natively"),
     "topk_threshold_4wg": (False,
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "

@@ -675,9 +675,9 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1, from_
   return body
 
 
-@kernel_entry("k", "digit_bits", "unroll", "warpgroups", "early_exit")
+@kernel_entry("k", "digit_bits", "unroll", "warpgroups", "early_exit", "lanes_out")
 def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, warpgroups: int = 1,
-                   early_exit: bool = False):
+                   early_exit: bool = False, lanes_out: bool = False):
   """Mosaic GPU version of ``topk_threshold_reference``: one CTA per row, the row's keys TMA'd into SMEM and held
   in registers; 32 / digit_bits passes (``_threshold_kernel``) and one count of the keys above the threshold.
   ``warpgroups`` (1, 2 or 4): the CTA's warpgroups, each holding 1 / warpgroups of the row's keys (a pass's
@@ -691,7 +691,10 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
 
   ``early_exit``: the passes stop at the first candidate with exactly k keys at or above it; t is then one below
   that candidate and n_gt = k — not the k-th largest key, but the same selection: the top k are the keys > t and
-  the first k - n_gt keys equal to t by index, as for the exact t (``topk_selection_reference`` states it)."""
+  the first k - n_gt keys equal to t by index, as for the exact t (``topk_selection_reference`` states it).
+
+  ``lanes_out``: t and n_gt as the kernel writes them, [R, 128] (each row's value in every lane) — what
+  ``topk_compact`` reads, with no XLA slice between the two kernels."""
   from_scores = keys.dtype == jnp.float32
   _check_threshold(keys, k, scores_ok=True)
   R, N = keys.shape
@@ -725,7 +728,7 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
       scratch_types=scratch,
       **threads,
   )(keys.reshape(R, *view))
-  return t[:, 0], n_gt[:, 0]
+  return (t, n_gt) if lanes_out else (t[:, 0], n_gt[:, 0])
 
 
 # ------------------------------------------------------------------------------------------------ top-k select
@@ -971,3 +974,231 @@ def topk_select(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, wid
       scratch_types=scratch,
   )(scores.reshape(R, nr, THRESHOLD_LANES), tail_start.astype(jnp.int32), pos.astype(jnp.int32))
   return idx.reshape(R, width), js.reshape(R, jrows * 64)[:, :k]
+
+
+# ------------------------------------------------------------------------------------------------ top-k compaction
+# The selection after the threshold kernel, as one launch of several CTAs per score row. The row is viewed as
+# [N / L, L] (L = ``lanes`` keys per row, 32 or 128); CTA c owns the 64 rows 64c.. of it (64 · L keys), counts the
+# selected keys before them itself (the packed gt / eq flags of the tiles above: no exchange between CTAs), forms
+# its keys' slots with topk_select's two wgmma prefix counts (F · U within a row, L64 · F down the tile), and
+# stores each selected key's pool and its kpool token positions straight to GMEM (a thread per key: every slot
+# below k has exactly one owner, so no -1 fill races with it); CTA 0 also writes the tail and the -1 padding up
+# to the attention kernel's width. It replaces XLA's compaction after the threshold kernel — a blocked prefix sum
+# (reduce-window), a slice, a select, a scatter and the pad to the width: five launches and 9.4 µs on every DSA
+# layer's q = 1 chain (session 48's trace) — without topk_select's single-CTA latency (its threshold passes and
+# both 64-row tiles of 128 keys in one CTA, 64 keys per thread each: 19.8 µs alone vs 17.0 for the threshold
+# kernel + XLA, session 42). With L = 32 a thread holds 16 keys of its tile (5 CTAs at 32K context's 8,704 pools).
+COMPACT_LANES = 32  # keys per row of the compaction's view (the default: 2,048 keys per CTA, 16 per thread)
+_ENC_SLOT = 15  # a selected key's packed code: its index (bits 0..14), slot (15..28), non-finite flag (bit 29)
+_ENC_NONFINITE = 1 << 29
+assert THRESHOLD_MAX_KEYS <= 1 << _ENC_SLOT and SELECT_MAX_K << _ENC_SLOT <= _ENC_NONFINITE
+
+
+def topk_compact_reference(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int, **_):
+  """scores [R, N] f32, a threshold of their order keys (t [R] or [R, 128] uint32, n_gt [R] or [R, 128] int32:
+  lane 0 read — ``topk_threshold``'s, exact or early-exit), tail_start / pos [R] int32 -> (idx [R, width], js
+  [R, k]) int32, ``topk_select_reference``'s contract: the set the threshold selects (``topk_selection_reference``:
+  lax.top_k's) in ascending index order, -1 for a non-finite score, expanded to kpool token positions each, then
+  the tail and -1 up to width. (Keyword options of the kernel, ``lanes``, are accepted and ignored.)"""
+  _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
+  R, N = scores.shape
+  t, n_gt = (a if a.ndim == 1 else a[:, 0] for a in (t, n_gt))
+  from pallas_kernels._common import order_key_u32  # noqa: PLC0415
+  sel = topk_selection_reference(order_key_u32(scores), t, n_gt, k)
+  slot = jnp.where(sel, jnp.cumsum(sel, axis=-1) - 1, k)  # (k: dropped)
+  keys = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (R, N))
+  js = jnp.full((R, k), -1, jnp.int32).at[jnp.arange(R)[:, None], slot].set(
+      jnp.where(jnp.isfinite(scores), keys, -1), mode="drop")
+  tok = jnp.where(js[..., None] >= 0, js[..., None] * kpool + jnp.arange(kpool, dtype=jnp.int32), -1)
+  tail = tail_start[:, None] + jnp.arange(n_tail, dtype=jnp.int32)
+  tail = jnp.where(tail <= pos[:, None], tail, -1)
+  idx = jnp.concatenate([tok.reshape(R, -1), tail], axis=-1)
+  return jnp.pad(idx, ((0, 0), (0, width - idx.shape[-1])), constant_values=-1), js
+
+
+def _store_selected(enc, js_g, idx_g, *, kpool: int):
+  """The GMEM stores of a CTA's selected keys (inline Mosaic GPU: a thread per element of enc [64, L] int32,
+  WGMMA layout): for a code c >= 0 (key e, slot s, non-finite flag: _ENC_*), js_g[s] = e and idx_g[kpool · s + q]
+  = kpool · e + q — or -1 for a non-finite score. js_g / idx_g: this score row's [k] and [width / 64, 64] int32."""
+  from jax._src.lib.mlir import ir  # noqa: PLC0415
+  from jax._src.lib.mlir.dialects import arith, memref, scf  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
+
+  @plgpu.inline_mgpu(arg_types=(_L.WGMMA, plgpu.RefType(), plgpu.RefType()))
+  def op(_, enc_a, js_ref, idx_ref):
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    c32, ci = (lambda v: mu.c(v, i32)), (lambda v: mu.c(v, index))  # noqa: E731
+
+    def one(val, ix):
+      del ix
+      if_op = scf.IfOp(arith.cmpi(arith.CmpIPredicate.sge, val, c32(0)))
+      with ir.InsertionPoint(if_op.then_block):
+        e = arith.andi(val, c32((1 << _ENC_SLOT) - 1))
+        s = arith.andi(arith.shrui(val, c32(_ENC_SLOT)), c32(SELECT_MAX_K - 1))
+        bad = arith.cmpi(arith.CmpIPredicate.sge, val, c32(_ENC_NONFINITE))
+        si = arith.index_cast(index, s)
+        memref.store(arith.select(bad, c32(-1), e), js_ref, [si])
+        for q in range(kpool):
+          v = arith.select(bad, c32(-1), arith.addi(arith.muli(e, c32(kpool)), c32(q)))
+          p = arith.addi(arith.muli(si, ci(kpool)), ci(q))
+          memref.store(v, idx_ref, [arith.divui(p, ci(64)), arith.remui(p, ci(64))])
+        scf.yield_([])
+
+    enc_a.foreach(one)
+
+  op(enc, js_g, idx_g)
+
+
+def _store_selected_interpret(enc, enc_s, js_g, idx_g, *, kpool: int):
+  """``_store_selected`` for GPU interpret mode (no inline Mosaic GPU there): enc through SMEM, then one key at a
+  time, each store a one-element slice — the same writes, slowly."""
+  enc_s[...] = enc
+  L = enc_s.shape[1]
+
+  def one(i, carry):
+    c = enc_s[i // L, i % L]
+
+    @pl.when(c >= 0)
+    def _():
+      e, s = c & ((1 << _ENC_SLOT) - 1), (c >> _ENC_SLOT) & (SELECT_MAX_K - 1)
+      bad = c >= _ENC_NONFINITE
+      js_g[pl.ds(s, 1)] = jnp.full((1,), jnp.where(bad, -1, e), jnp.int32)
+      for q in range(kpool):
+        p = s * kpool + q
+        idx_g[p // 64, pl.ds(p % 64, 1)] = jnp.full((1,), jnp.where(bad, -1, e * kpool + q), jnp.int32)
+
+    return carry
+
+  lax.fori_loop(0, SELECT_ROWS * L, one, None)
+
+
+def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int, boxes, interpret: bool):
+  f32, i32, u32 = jnp.float32, jnp.int32, jnp.uint32
+  k_ninf, k_pinf = (_order_key_u32_np(x) for x in (-np.inf, np.inf))  # (finite: the keys strictly between)
+  head = kpool * k  # the selected pools' token positions: idx[:head]; the tail and the padding after
+  T = SELECT_ROWS
+  wg = _L.WGMMA
+
+  def body(s_g, t_g, n_g, ts_g, pos_g, idx_g, js_g, u_s, f_s, upper_s, lower_s, tail_s, bar, *enc_s):
+    r, c = lax.axis_index("r"), lax.axis_index("c")
+    for b0, n in boxes:  # (TMA boxes of at most 256 rows)
+      plgpu.copy_gmem_to_smem(s_g.at[r, pl.ds(b0, n)], u_s.at[pl.ds(b0, n)], bar)
+    # (while the row arrives: the prefix counts' constant operands, strictly upper / lower triangles)
+    ru = upper_s.shape[0]  # (max(L, 64) rows: a register tile has 64 or more; the wgmma reads the first L)
+    i0 = plgpu.broadcasted_iota(i32, (ru, L), 0, layout=wg)
+    i1 = plgpu.broadcasted_iota(i32, (ru, L), 1, layout=wg)
+    upper_s[...] = jnp.where(i0 < i1, 1.0, 0.0).astype(jnp.bfloat16)
+    j0 = plgpu.broadcasted_iota(i32, (T, T), 0, layout=wg)
+    j1 = plgpu.broadcasted_iota(i32, (T, T), 1, layout=wg)
+    lower_s[...] = jnp.where(j1 < j0, 1.0, 0.0).astype(jnp.bfloat16)
+    plgpu.commit_smem()  # (the wgmma operands: the async proxy)
+    thr, need = t_g[r, 0], k - n_g[r, 0]  # (need: the keys equal to thr to take, first by index)
+
+    @pl.when(c == 0)
+    def _():  # the tail after the k pools' positions, then -1 up to the width (whole 64-wide rows: head % 64 == 0)
+      ts, pos = ts_g[r], pos_g[r]
+      p = (plgpu.broadcasted_iota(i32, (64, 64), 0, layout=wg) * 64
+           + plgpu.broadcasted_iota(i32, (64, 64), 1, layout=wg))  # (the position after the head)
+      t_pos = ts + p
+      tail_s[...] = jnp.where((p < n_tail) & (t_pos <= pos), t_pos, -1)
+      plgpu.commit_smem()
+      n = (width - head) // 64
+      plgpu.copy_smem_to_gmem(tail_s.at[pl.ds(0, n)], idx_g.at[r, pl.ds(head // 64, n)])
+
+    plgpu.barrier_wait(bar)
+    rows = plgpu.broadcasted_iota(i32, (T, L), 0, layout=wg)
+
+    def flags(b0):
+      """The gt / eq flags (int32 0 / 1; rows past the row's end are not keys) of the tile from row b0, and the
+      keys' finiteness."""
+      ub = order_key_u32(plgpu.load(u_s.at[pl.ds(b0, T)], layout=wg, optimized=False))
+      real = jnp.where(rows + b0 < nr, i32(1), i32(0))
+      gt, eq = jnp.where(ub > thr, real, i32(0)), jnp.where(ub == thr, real, i32(0))
+      fin = jnp.where(ub > u32(k_ninf), jnp.where(ub < u32(k_pinf), i32(1), i32(0)), i32(0))
+      return gt, eq, fin
+
+    def above(b, acc):  # the packed counts of the keys in the tiles before this CTA's (all whole: b < c)
+      gt, eq, _ = flags(b * T)
+      return acc + (gt + eq * _EQ_UNIT).sum(axis=1).sum()  # (row sums first: see topk_select)
+
+    base = lax.fori_loop(0, c, above, i32(0))
+    row0 = c * T
+    gt, eq, fin = flags(row0)
+    packed = gt + eq * _EQ_UNIT
+    f_s[...] = plgpu.layout_cast(packed.astype(f32).astype(jnp.bfloat16), wg)
+    plgpu.commit_smem()
+
+    def within_mm(acc):
+      plgpu.wgmma(acc, f_s, upper_s.at[pl.ds(0, L)])
+      return acc[...]
+
+    def col_mm(acc):
+      plgpu.wgmma(acc, lower_s, f_s)
+      return acc[...]
+
+    # slots as topk_select's: a selected key's is #{gt before it} + min(#{eq before it}, need), from the packed
+    # counts (exact f32 sums of 0 / 1 / 16384 products, below 2^24)
+    within = pl.run_scoped(within_mm, plgpu.ACC((T, L), f32)).astype(i32)
+    col = pl.run_scoped(col_mm, plgpu.ACC((T, L), f32)).astype(i32)
+    before = lax.broadcast_in_dim(base + col.sum(axis=1), (T, L), (0,)) + within
+    n_gt, n_eq = before & (_EQ_UNIT - 1), lax.shift_right_logical(before, 14)
+    sel = gt + jnp.where(n_eq < need, eq, i32(0))  # (gt and eq exclusive: 0 / 1)
+    key = (rows + row0) * L + plgpu.broadcasted_iota(i32, (T, L), 1, layout=wg)
+    code = key + lax.shift_left(n_gt + jnp.minimum(n_eq, need), _ENC_SLOT) + (1 - fin) * _ENC_NONFINITE
+    enc = jnp.where(sel > 0, code, i32(-1))
+    if interpret:
+      _store_selected_interpret(enc, enc_s[0], js_g.at[r], idx_g.at[r], kpool=kpool)
+    else:
+      _store_selected(plgpu.layout_cast(enc, wg), js_g.at[r], idx_g.at[r], kpool=kpool)
+    plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+@kernel_entry("k", "kpool", "n_tail", "width", "lanes")
+def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int,
+                 lanes: int = COMPACT_LANES):
+  """Mosaic GPU version of ``topk_compact_reference`` (same contract; t / n_gt as ``topk_threshold(lanes_out=True)``
+  writes them, [R, 128]): a grid of (R, ceil(N / (64 · lanes))) CTAs (``_compact_kernel``), each storing the
+  selected keys of its 64 rows of ``lanes`` keys (32 or 128). N a multiple of 128 up to THRESHOLD_MAX_KEYS (pad
+  with -inf), kpool · k and width multiples of 64, k < SELECT_MAX_K."""
+  from pallas_kernels._common import interpreting  # noqa: PLC0415
+  _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
+  R, N = scores.shape
+  if N % THRESHOLD_LANES or N > THRESHOLD_MAX_KEYS:
+    raise ValueError(f"topk_compact: N = {N} scores per row; the kernel takes a multiple of {THRESHOLD_LANES} up "
+                     f"to {THRESHOLD_MAX_KEYS} (pad with -inf)")
+  if width % 64 or (kpool * k) % 64 or k >= SELECT_MAX_K or width - kpool * k > 64 * 64:
+    raise ValueError(f"topk_compact: width = {width}, kpool · k = {kpool * k}, k = {k}; expected the first two "
+                     f"multiples of 64 (the index rows' TMA boxes), k < {SELECT_MAX_K} (the packed counts) and at "
+                     "most 4,096 positions after the pools' (the tail tile)")
+  if lanes not in (32, 128):
+    raise ValueError(f"topk_compact: lanes = {lanes}, expected 32 or 128 keys per row of the kernel's view")
+  for name, a, dt in (("t", t, jnp.uint32), ("n_gt", n_gt, jnp.int32)):
+    if a.shape != (R, THRESHOLD_LANES) or a.dtype != dt:
+      raise ValueError(f"topk_compact: {name} {a.shape} {a.dtype}, expected [{R}, {THRESHOLD_LANES}] "
+                       f"{jnp.dtype(dt).name} (topk_threshold(lanes_out=True))")
+  L = int(lanes)
+  nr = N // L
+  nc = -(-nr // SELECT_ROWS)
+  boxes = tuple((b, min(256, nr - b)) for b in range(0, nr, 256))
+  interp = interpreting()
+  tile = lambda w: (plgpu.TilingTransform((8, w)), plgpu.SwizzleTransform(2 * w))  # noqa: E731 (bf16, w <= 64)
+  scratch = [
+      plgpu.SMEM((nc * SELECT_ROWS, L), jnp.float32),  # u_s: the row (whole 64-row tiles)
+      plgpu.SMEM((SELECT_ROWS, L), jnp.bfloat16, transforms=tile(min(L, 64))),  # f_s: the CTA's packed flags
+      plgpu.SMEM((max(L, SELECT_ROWS), L), jnp.bfloat16, transforms=tile(min(L, 64))),  # upper_s (first L rows)
+      # lower_s (the A operand of L64 · F: swizzled as F, the B operand, for the wgmma's K tiles to agree)
+      plgpu.SMEM((SELECT_ROWS, SELECT_ROWS), jnp.bfloat16, transforms=tile(min(L, 64))),
+      plgpu.SMEM((64, 64), jnp.int32),  # tail_s: the positions after the pools' (CTA 0)
+      plgpu.Barrier(num_arrivals=len(boxes)),
+  ] + ([plgpu.SMEM((SELECT_ROWS, L), jnp.int32)] if interp else [])  # (interpret mode's scatter)
+  idx, js = mgpu_kernel(
+      _compact_kernel(int(k), int(kpool), int(n_tail), int(width), nr, L, boxes, interp),
+      out_type=(jax.ShapeDtypeStruct((R, width // 64, 64), jnp.int32), jax.ShapeDtypeStruct((R, k), jnp.int32)),
+      grid=(R, nc),
+      grid_names=("r", "c"),
+      kernel_name="glm5_topk_compact",
+      scratch_types=scratch,
+  )(scores.reshape(R, nr, L), t, n_gt, tail_start.astype(jnp.int32), pos.astype(jnp.int32))
+  return idx.reshape(R, width), js

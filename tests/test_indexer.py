@@ -506,6 +506,89 @@ def test_select_kernel_gpu(R, N, k, n_tail, width):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def compact_thresholds(sc, k, native: bool):
+  """Both thresholds topk_compact may get for scores sc [R, N], as topk_threshold(lanes_out=True) writes them
+  ([R, 128]): the exact one (the reference's: the k-th largest key, #{key > it}) and the threshold kernel's
+  early-exit one (natively, or in interpret mode)."""
+  from pallas_kernels._common import order_key_u32  # noqa: PLC0415
+  t, n = I.topk_threshold_reference(order_key_u32(sc), k)
+  exact = tuple(jnp.broadcast_to(a[:, None], (sc.shape[0], I.THRESHOLD_LANES)) for a in (t, n))
+  with maybe_interpret(not native):
+    early = jax.jit(lambda v: I.topk_threshold(v, k, early_exit=True, lanes_out=True))(sc)
+  return exact, early
+
+
+@pytest.mark.parametrize("R,N,k,n_tail,width,lanes", [(2, 256, 16, 3, 128, 32), (1, 8320, 512, 3, 2112, 32),
+                                                      (2, 1024, 128, 6, 576, 128), (3, 4096, 64, 3, 320, 32),
+                                                      (2, 384, 96, 3, 1600, 32)])
+def test_compact_kernel_interpret(R, N, k, n_tail, width, lanes):
+  """The compaction after the threshold kernel as one multi-CTA launch (policy knob topk_compact_kernel), in GPU
+  interpret mode: from the exact threshold and from the threshold kernel's early-exit one, the token index list
+  and the pools of lax.top_k's set (topk_select_reference) — ties (row 0), NaN, +inf, a row with fewer than k
+  finite scores; CTAs of 2,048 (lanes 32) or 8,192 keys, k up to N / 4, the tail and -1 padding to the width."""
+  rng = np.random.default_rng()
+  sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
+  kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
+  want = I.topk_select_reference(sc, ts, pos, **kw)
+  for t, n in compact_thresholds(sc, k, native=False):
+    ref = I.topk_compact_reference(sc, t, n, ts, pos, **kw)
+    with maybe_interpret(True):
+      got = jax.jit(lambda *a: I.topk_compact(*a, **kw, lanes=lanes))(sc, t, n, ts, pos)
+    for g, r, w in zip(got, ref, want):
+      np.testing.assert_array_equal(np.asarray(r), np.asarray(w))
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  js = np.asarray(got[1])  # (the set ascending; the last row's pools past its k / 2 finite scores -1)
+  assert (js[-1, k // 2:] == -1).all() and all((np.diff(r[r >= 0]) > 0).all() for r in js)
+
+
+def test_compact_rejects_bad_input():
+  sc, ts = jnp.zeros((2, 256), jnp.float32), jnp.zeros((2,), jnp.int32)
+  t, n = jnp.zeros((2, 128), jnp.uint32), jnp.zeros((2, 128), jnp.int32)
+  kw = dict(k=32, kpool=4, n_tail=3)
+  with pytest.raises(ValueError, match="width"):
+    I.topk_compact(sc, t, n, ts, ts, **kw, width=64)  # (< 4 · 32 + 3)
+  with pytest.raises(ValueError, match="multiples of 64"):
+    I.topk_compact(sc, t, n, ts, ts, **kw, width=200)
+  with pytest.raises(ValueError, match="multiples of 64"):
+    I.topk_compact(sc, t, n, ts, ts, k=20, kpool=4, n_tail=3, width=128)  # (4 · 20 = 80)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    I.topk_compact(jnp.zeros((2, 200), jnp.float32), t, n, ts, ts, **kw, width=192)
+  with pytest.raises(ValueError, match=r"t \(2,\) uint32, expected \[2, 128\] uint32"):
+    I.topk_compact(sc, t[:, 0], n, ts, ts, **kw, width=192)
+  with pytest.raises(ValueError, match=r"n_gt \(2, 128\) uint32, expected \[2, 128\] int32"):
+    I.topk_compact(sc, t, t, ts, ts, **kw, width=192)
+  with pytest.raises(ValueError, match="lanes = 64"):
+    I.topk_compact(sc, t, n, ts, ts, **kw, width=192, lanes=64)
+
+
+@pytest.mark.parametrize("R,N,lanes", [(1, 8704, 32), (4, 8704, 128), (32, 8704, 32), (1, I.THRESHOLD_MAX_KEYS, 32)])
+def test_compact_cross_lower(R, N, lanes):
+  """The native form (inline Mosaic GPU's GMEM stores, which interpret mode cannot run) lowers for CUDA at the
+  decode's score rows and the largest row the threshold kernel holds (lanes 32: TMA boxes of 256 rows)."""
+  args = (SDS((R, N), jnp.float32), SDS((R, 128), jnp.uint32), SDS((R, 128), jnp.int32), SDS((R,), jnp.int32),
+          SDS((R,), jnp.int32))
+  txt = cross_lower(lambda *a: I.topk_compact(*a, k=512, kpool=4, n_tail=3, width=2112, lanes=lanes), *args).as_text()
+  assert "glm5_topk_compact" in txt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,N,k,n_tail,width,lanes", [(1, 8704, 512, 3, 2112, 32), (4, 8704, 512, 6, 2112, 32),
+                                                      (1, 8704, 512, 3, 2112, 128), (32, 16512, 512, 3, 2112, 32),
+                                                      (2, 256, 16, 3, 128, 32), (2, 384, 96, 3, 1600, 32),
+                                                      (1, I.THRESHOLD_MAX_KEYS, 512, 3, 2112, 32)])
+def test_compact_kernel_gpu(R, N, k, n_tail, width, lanes):
+  """The native kernel (the inline GMEM stores: a thread per selected key, CTAs writing one row's list) from the
+  exact and the threshold kernel's early-exit thresholds, against the reference."""
+  rng = np.random.default_rng()
+  sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
+  kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
+  want = jax.jit(lambda *a: I.topk_select_reference(*a, **kw))(sc, ts, pos)
+  for t, n in compact_thresholds(sc, k, native=True):
+    got = jax.jit(lambda *a: I.topk_compact(*a, **kw, lanes=lanes))(sc, t, n, ts, pos)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the model's call (glm5_jax.attention.Indexer.scores)
 # ------------------------------------------------------------------------------------------------------------
@@ -599,6 +682,25 @@ def test_select_with_the_keys_formed_in_the_threshold_kernel(native, P):
   for got in outs[1:]:
     for g, w in zip(got, outs[0]):
       np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("native,P,extra_tail", [(False, 320, 0), (False, 256, 2),
+                                                 pytest.param(True, 320, 0, marks=pytest.mark.gpu)])
+def test_compact_kernel_at_the_model_site(native, P, extra_tail):
+  """Policy knob topk_compact_kernel at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
+  rows of which some pools are not complete; interpret mode, and natively on a GPU): the threshold kernel + the
+  multi-CTA compaction give the token index list of the threshold kernel + XLA's compaction, -1 padded to the
+  width asked for (the attention kernel's), and the same pools; the site is reported, and without the threshold
+  kernel the knob does not fit and says why."""
+  outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 298], "topk_compact_kernel",
+                                   extra_tail=extra_tail, width=lambda W: W + 100)
+  (idx0, js0), (idx1, js1), (idx2, js2) = outs
+  W = idx0.shape[-1]
+  assert idx1.shape[-1] == -(-(W + 100) // 64) * 64 and (idx1[..., W:] == -1).all()
+  np.testing.assert_array_equal(idx1[..., :W], idx0)
+  np.testing.assert_array_equal(js1, js0)
+  np.testing.assert_array_equal(idx2, idx0)  # (the knob declined: the usual path)
+  np.testing.assert_array_equal(js2, js0)
 
 
 @pytest.mark.parametrize("native,P,extra_tail", [(False, 320, 0), (False, 256, 2),

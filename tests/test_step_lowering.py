@@ -97,13 +97,15 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   (kda_conv), the top-k threshold kernel on 4 warpgroups (topk_threshold_4wg) — replaced by the one-launch
   selection (topk_select_kernel) — and the sparse MLA's split merge as a kernel (mla_combine_kernel); with the grid barrier, its counters in one Ref per step
   (mhc_barrier_counters: every trunk boundary's launch takes the Ref's buffer as an aliased operand), the FP8 /
-  BF16 linears' K splits summed in the kernel on the step's split-K counters (linear_fused_sum) and the top-k
-  threshold kernel reading the scores kernel's output (topk_keys_in_kernel)."""
+  BF16 linears' K splits summed in the kernel on the step's split-K counters (linear_fused_sum), and the top-k
+  threshold kernel reading the scores kernel's output followed by the multi-CTA compaction kernel
+  (topk_compact_kernel; the threshold reading the scores kernel's output without it, topk_keys_in_kernel, is a
+  default: test_kernel_tiny_step_lowers_for_cuda)."""
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("mhc", True), ("router_route", True),
                            ("mhc_grid_barrier", not kernels), ("mhc_barrier_counters", not kernels),
-                           ("linear_fused_sum", not kernels), ("topk_keys_in_kernel", not kernels),
+                           ("linear_fused_sum", not kernels), ("topk_compact_kernel", not kernels),
                            ("mhc_narrow", kernels), ("mhc_fused_sums", kernels),
                            ("kda_conv", kernels), ("topk_threshold_4wg", kernels), ("mla_combine_kernel", kernels),
                            ("topk_select_kernel", kernels)))
@@ -115,6 +117,7 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   assert "glm5_router_route" in txt and "glm5_moe_route" not in txt and ("glm5_mla_combine" in txt) == kernels
   # the indexer's selection in one launch (topk_select_kernel) instead of the threshold kernel and XLA's compaction
   assert ("glm5_topk_select" in txt) == kernels and ("glm5_topk_threshold" in txt) != kernels
+  assert ("glm5_topk_compact" in txt) != kernels
   if form == "grid":  # the trunk's boundaries (2 per layer; 3 lowerings — first, parity 0 / 1 — of two kernels)
     # return the counters' int32[2] buffer last (aliased), not a pl.get_global int32[1] scratch
     calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_mhc_post_finish" in line]
