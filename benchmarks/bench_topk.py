@@ -14,6 +14,9 @@ Rows: R = B · q score rows; N pools (8,256 at 32K context + room, 32,832 at 128
               is ~7x less code, which one CTA runs once)
   select      the whole selection as one Mosaic kernel (topk_select: threshold passes with an early exit or
               all 32, wgmma prefix counts, an inline scatter; N a multiple of 128)
+  model xla   the model's default selection with its token index list (threshold kernel + XLA's compaction,
+              expansion, tail and pad); "compact": the same list from the threshold kernel + topk_compact (one
+              multi-CTA launch; N a multiple of 128)
 Each: µs of device time per call (CUPTI), kernels per call, and whether the selection equals top_k's (as a set;
 sort_keys also in order).
 
@@ -69,6 +72,36 @@ def _select(v, early_exit: bool):
                        early_exit=early_exit)[1]
 
 
+def _index_list(js, R, N):
+  """js [R, K] (-1 = none) -> the model's token index list: 4 positions per pool, the 3-position tail, -1 up to
+  the attention kernel's width (what Indexer.select hands the sparse MLA kernel after XLA's compaction)."""
+  pos = jnp.full((R,), 4 * N - 2, jnp.int32)
+  tok = jnp.where(js[..., None] >= 0, js[..., None] * 4 + jnp.arange(4, dtype=jnp.int32), -1).reshape(R, -1)
+  tail = ((pos + 1) // 4 * 4)[:, None] + jnp.arange(3, dtype=jnp.int32)
+  idx = jnp.concatenate([tok, jnp.where(tail <= pos[:, None], tail, -1)], axis=-1)
+  return jnp.pad(idx, ((0, 0), (0, WIDTH - idx.shape[-1])), constant_values=-1)
+
+
+def _model_xla(v):
+  """The model's default path at q = 1 (session 48): the threshold kernel on the scores (keys formed in the kernel,
+  early exit), XLA's compaction, the expansion to tokens, the tail and the pad — js, with the list computed."""
+  js = topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=True, kernel_scores=v, threshold_exit=True)
+  return js, _index_list(js, *v.shape)
+
+
+def _compact(v, lanes: int):
+  """The threshold kernel (lanes_out) + the multi-CTA compaction kernel (policy knob topk_compact_kernel) — js,
+  with the list the kernel writes."""
+  from pallas_kernels import indexer as I  # noqa: PLC0415
+  R, N = v.shape
+  pos = jnp.full((R,), 4 * N - 2, jnp.int32)
+  t, n = I.topk_threshold(v, K, early_exit=True, lanes_out=True)
+  idx, js = I.topk_compact(v, t, n, (pos + 1) // 4 * 4, pos, k=K, kpool=4, n_tail=3, width=WIDTH, lanes=lanes)
+  return js, idx
+
+
+WIDTH = -(-(4 * K + 3) // 64) * 64  # the sparse MLA kernel's index width (2,112)
+
 STRATEGIES = {
     "top_k": lambda v: lax.top_k(v, K)[1],
     "radix": lambda v: topk_set_by_threshold(v, K),
@@ -101,6 +134,12 @@ STRATEGIES = {
     # pools as the set, N a multiple of 128), with the threshold's early exit and without
     "select": lambda v: _select(v, True),
     "select noexit": lambda v: _select(v, False),
+    # the model's whole selection (the token index list included) as it runs by default, and with the compaction
+    # as one multi-CTA kernel after the threshold kernel (policy knob topk_compact_kernel; N a multiple of 128:
+    # --pools 8704, the scores kernel's padded row at 32K context), its CTAs 2,048 or 8,192 keys
+    "model xla": _model_xla,
+    "compact": lambda v: _compact(v, 32),
+    "compact128": lambda v: _compact(v, 128),
     "kernel unrolled scan128": lambda v: kernel_unrolled(v, 1),
     "kernel2 unrolled scan128": lambda v: kernel_unrolled(v, 2),
 }
@@ -139,8 +178,13 @@ def main(argv=None):
         except ValueError as e:  # (the threshold kernel past its row size says so)
           log(f"{R:>3} {N:>6} {label:>26}  n/a: {e}")
           continue
-        got = np.asarray(fn(*sets[0]))
-        same = all(set(got[r][got[r] >= 0]) == set(ref[r]) for r in range(R))
+        out = fn(*sets[0])
+        if isinstance(out, tuple):  # (js, the index list): the list must be js's expansion too
+          got = np.asarray(out[0])
+          lists_ok = np.array_equal(np.asarray(out[1]), np.asarray(_index_list(out[0], R, N)))
+        else:
+          got, lists_ok = np.asarray(out), True
+        same = lists_ok and all(set(got[r][got[r] >= 0]) == set(ref[r]) for r in range(R))
         if name == "sort_keys":  # (the same order too)
           same = same and np.array_equal(got, ref)
         dev, names = time_calls(fn, sets)

@@ -73,6 +73,9 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s49b (nvidia-h200):       the indexer's compaction as one multi-CTA launch (topk_compact_kernel) and pool_update's
+#                             parameters in their stored dtype: GPU tests + e2e, bench_topk at 8,704 pools, then
+#                             q = 1 defaults vs the knob (5 interleaved repeats)
 #   s49a (nvidia-h200):       the boundary's second half on the 16 partial columns it reads: mHC GPU tests, its
 #                             in-kernel profile, the boundary alone (M = 1, 4); the step's MoE form (moe_rows)
 #                             profiled inside and alone; then the q = 1 defaults
@@ -644,6 +647,24 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     timeout -k 9 -s INT 400 python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
       -k "mla_uv or (all_kernels_equals_stock and extra0)" > "$OUT/e2e_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/mla_tests.log" "$OUT/e2e_tests.log"
+    ;;
+  s49b)  # (nvidia-h200) session 49: the compaction after the threshold kernel as ONE multi-CTA launch (policy knob
+    # topk_compact_kernel: s48e's trace has XLA's prefix sum, slice, select, scatter and pad at 9.4 µs on every DSA
+    # layer's chain) and pool_update taking the LayerNorm's affine / pool bias as stored (33 XLA converts fewer per
+    # step, a default). GPU tests (the kernel from both thresholds; pool_update with bf16 parameters; the e2e
+    # defaults and the knob), bench_topk on the model's padded row (8,704 pools: the model's XLA path with its index
+    # list vs the kernel at 2,048 / 8,192 keys per CTA), then q = 1 defaults vs the knob
+    timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer.py \
+      -k "compact or pool_update" > "$OUT/indexer_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/indexer_tests.log"
+    timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
+      -k "all_kernels_equals_stock and (extra0 or compact)" > "$OUT/e2e_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/e2e_tests.log"
+    timeout -s INT 120 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8704 --f32-scores \
+      --only "kernel exit scan128,model xla,compact,compact128" --out "$OUT/bench_topk.txt" > "$OUT/bench_topk.log" 2>&1
+    cat "$OUT/bench_topk.txt"
+    [ "$(left)" -gt 240 ] && rank1 s49b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"topk_compact_kernel": true}'
     ;;
   s49a)  # (nvidia-h200) session 48: mhc_post_finish's second half sums only the 16 partial columns it reads (the
     # Gram entries, then a copy of the pre logits at PRE_COPY) instead of all 40 — s48d's profile: the sums' loads
