@@ -73,6 +73,9 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s49c (nvidia-h200):       q = 1: defaults vs kda_gate_proj vs the bf16 GEMV kernel at one row with its split sums
+#                             inside (bf16_linear forced + linear_fused_sum), 5 interleaved repeats — launch-count
+#                             cuts (issue #14) last measured as ties on older defaults
 #   s49b (nvidia-h200):       the indexer's compaction as one multi-CTA launch (topk_compact_kernel) and pool_update's
 #                             parameters in their stored dtype: GPU tests + e2e, bench_topk at 8,704 pools, then
 #                             q = 1 defaults vs the knob (5 interleaved repeats)
@@ -647,6 +650,13 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     timeout -k 9 -s INT 400 python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
       -k "mla_uv or (all_kernels_equals_stock and extra0)" > "$OUT/e2e_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/mla_tests.log" "$OUT/e2e_tests.log"
+    ;;
+  s49c)  # (nvidia-h200) launch-count cuts that tied on older defaults, against today's: kda_gate_proj (68 launches
+    # fewer: the KDA gates' f_b / g_b projections in the kernel; session 37: 4.60 vs 4.89 ms, rounds ±0.4) and the bf16
+    # GEMV kernel forced at one token row with its K splits summed inside (bf16_linear + linear_fused_sum: the KDA
+    # o_proj's XLA GEMV ran 5.7 µs at 2.9 TB/s in s48e's trace, the XLA split sum after our kernel gone)
+    rank1 s49c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"kda_gate_proj": true}' \
+      '{"bf16_linear": true, "linear_fused_sum": true}'
     ;;
   s49b)  # (nvidia-h200) session 49: the compaction after the threshold kernel as ONE multi-CTA launch (policy knob
     # topk_compact_kernel: s48e's trace has XLA's prefix sum, slice, select, scatter and pad at 9.4 µs on every DSA
