@@ -492,7 +492,7 @@ def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
   tile16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   f32 = jnp.float32
   # (the LayerNorm's affine and the pool bias in their stored dtype, widened to f32 in the kernel: an astype here
-  # was 3 XLA launches per DSA layer and step, 33 of 1,003 at q = 1 — session 48's kernel listing)
+  # was 3 XLA launches per DSA layer and step, 36 of 1,003 at q = 1 with the MTP layer's — session 48's listing)
   inputs = (kx, ln_w, ln_b, ape, jnp.asarray(_sylvester128(), jnp.bfloat16), start.astype(jnp.int32),
             valid.astype(jnp.int32))
 
