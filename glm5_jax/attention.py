@@ -355,9 +355,10 @@ class Indexer(nnx.Module):
         # the padded output's width: whole rows of the threshold kernel's lanes where it reads them as they are
         # (topk_keys_in_kernel; session 39: a 32K + 320-position cache gave 8,768 padded pools, not a multiple of
         # 128, and the knob could not run)
+        # (the threshold kernel reads the output as it is under topk_compact_kernel too)
         align = ki.THRESHOLD_LANES * (4 if kernel_switch("topk_threshold_4wg") else 1) \
-            if kernel_switch("topk_keys_in_kernel") else ki.THRESHOLD_LANES if kernel_switch("topk_select_kernel") \
-            else 64
+            if kernel_switch("topk_keys_in_kernel") or kernel_switch("topk_compact_kernel") \
+            else ki.THRESHOLD_LANES if kernel_switch("topk_select_kernel") else 64
         # indexer_q_in_kernel: the queries' FWHT + FP8 quantisation inside the scores kernel (its wgmma reads the
         # bf16 projection output as is) instead of ~3 XLA kernels in front of it
         if kernel_enabled("indexer_q_in_kernel", fits=q_raw.dtype == jnp.bfloat16,

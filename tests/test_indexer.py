@@ -623,12 +623,12 @@ def test_indexer_scores_with_queries_rotated_in_the_kernel():
       assert_scores_close(outs[1], outs[0], "kernel_f32")
 
 
-def _select_at_the_model_site(native: bool, P: int, pos: list[int], knob: str, **select_kw):
+def _select_at_the_model_site(native: bool, P: int, pos: list[int], knob: str, policy=None, **select_kw):
   """kernel-tiny's indexer (bf16 projections, an FP8 pool cache of P random pools) scoring two query rows at
   ``pos`` and selecting (``Indexer.select(**select_kw)``) under three policies: the threshold kernel and XLA's
   compaction with ``knob`` off (explicitly: it may be a default), + ``knob``, + ``knob`` without the threshold
   kernel — [(idx, pools)] each, after checking that the knob's site is reported where the threshold kernel runs
-  and declined (with its reason) where it does not."""
+  and declined (with its reason) where it does not. ``policy``: more knobs for all three."""
   from flax import nnx  # noqa: PLC0415
   from glm5_jax import config as C  # noqa: PLC0415
   from glm5_jax.attention import Indexer  # noqa: PLC0415
@@ -651,7 +651,7 @@ def _select_at_the_model_site(native: bool, P: int, pos: list[int], knob: str, *
 
   outs = []
   for knobs in ({knob: False}, {knob: True}, {"topk_threshold": False, knob: True}):
-    pol = {"indexer": True, "indexer_topk": True, "topk_threshold": True, **knobs}
+    pol = {"indexer": True, "indexer_topk": True, "topk_threshold": True, **(policy or {}), **knobs}
     with maybe_interpret(not native), use_kernels(pol), kernel_report() as rep:
       outs.append([np.asarray(a) for a in jax.jit(lambda *a: run(*a))(hw, q_r)])  # (a new trace per policy)
     assert ((knob, None) in rep) == (pol[knob] and pol["topk_threshold"]), rep
@@ -684,16 +684,19 @@ def test_select_with_the_keys_formed_in_the_threshold_kernel(native, P):
       np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("native,P,extra_tail", [(False, 320, 0), (False, 256, 2),
-                                                 pytest.param(True, 320, 0, marks=pytest.mark.gpu)])
-def test_compact_kernel_at_the_model_site(native, P, extra_tail):
+@pytest.mark.parametrize("native,P,extra_tail,keys", [(False, 320, 0, True), (False, 256, 2, True),
+                                                      (False, 320, 0, False),
+                                                      pytest.param(True, 320, 0, True, marks=pytest.mark.gpu)])
+def test_compact_kernel_at_the_model_site(native, P, extra_tail, keys):
   """Policy knob topk_compact_kernel at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
   rows of which some pools are not complete; interpret mode, and natively on a GPU): the threshold kernel + the
   multi-CTA compaction give the token index list of the threshold kernel + XLA's compaction, -1 padded to the
   width asked for (the attention kernel's), and the same pools; the site is reported, and without the threshold
-  kernel the knob does not fit and says why."""
+  kernel the knob does not fit and says why. ``keys`` False: with topk_keys_in_kernel off the scores kernel still
+  pads its output to the threshold kernel's 128 lanes for it (P = 320 pools: 384, not 64-aligned 320)."""
   outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 298], "topk_compact_kernel",
-                                   extra_tail=extra_tail, width=lambda W: W + 100)
+                                   policy={"topk_keys_in_kernel": keys}, extra_tail=extra_tail,
+                                   width=lambda W: W + 100)
   (idx0, js0), (idx1, js1), (idx2, js2) = outs
   W = idx0.shape[-1]
   assert idx1.shape[-1] == -(-(W + 100) // 64) * 64 and (idx1[..., W:] == -1).all()
