@@ -369,8 +369,8 @@ def pool_update_reference(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b,
 def _pool_kernel(T: int, kp: int, Rg: int):
   """Kernel body of ``pool_update``: one CTA (one warpgroup) per sequence b.
 
-  GMEM refs: kx_g [B, T, C] bf16, lnw_g / lnb_g [128], ape_g [kp, 128] (f32, bf16 or f16), h_g [128, 128] bf16 (±1), st_g / va_g
-  [B] int32, then the caches it updates in place: ring_g [B, 2·Rg, 128] bf16 (the ring's [Rg, 2, 128] entries
+  GMEM refs: kx_g [B, T, C] bf16, lnw_g / lnb_g [128], ape_g [kp, 128] (f32, bf16 or f16: widened here), h_g
+  [128, 128] bf16 (±1), st_g / va_g [B] int32, then the caches it updates in place: ring_g [B, 2·Rg, 128] bf16 (the ring's [Rg, 2, 128] entries
   as rows: position p's key in row 2·(p mod Rg), its gate score in the next), p8_g [B, P, 128] e4m3, ps_g [B, P]
   f32. Scratch: kn_s [2, T, 128] (the call's tokens' keys, then gate scores), pos_s [2, kp, NP, 128] (the key /
   gate score of position base + i at [., i % kp, i // kp]: TMA'd from the ring after the call's rows are
