@@ -75,7 +75,7 @@
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
 #   s49c (nvidia-h200):       q = 1: defaults vs kda_gate_proj vs the bf16 GEMV kernel at one row with its split sums
 #                             inside (bf16_linear forced + linear_fused_sum), 5 interleaved repeats — launch-count
-#                             cuts (issue #14) last measured as ties on older defaults
+#                             cuts (issue #14) last measured as ties on older defaults; then q = 4 with the defaults
 #   s49b (nvidia-h200):       the indexer's compaction as one multi-CTA launch (topk_compact_kernel) and pool_update's
 #                             parameters in their stored dtype: GPU tests + e2e, bench_topk at 8,704 pools, then
 #                             q = 1 defaults vs the knob (5 interleaved repeats)
@@ -657,6 +657,8 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # o_proj's XLA GEMV ran 5.7 µs at 2.9 TB/s in s48e's trace, the XLA split sum after our kernel gone)
     rank1 s49c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"kda_gate_proj": true}' \
       '{"bf16_linear": true, "linear_fused_sum": true}'
+    # q = 4 with today's defaults (last measured in session 39: 8.21 ms; most changes since were for one token row)
+    [ "$(left)" -gt 170 ] && rank1 s49c_q4 --q 4 --steps-per-call 4 --repeats 3 --steps 40 --policy '{}'
     ;;
   s49b)  # (nvidia-h200) session 49: the compaction after the threshold kernel as ONE multi-CTA launch (policy knob
     # topk_compact_kernel: s48e's trace has XLA's prefix sum, slice, select, scatter and pad at 9.4 µs on every DSA
