@@ -76,9 +76,11 @@
 #   s49c (nvidia-h200):       q = 1: defaults vs kda_gate_proj vs the bf16 GEMV kernel at one row with its split sums
 #                             inside (bf16_linear forced + linear_fused_sum), 5 interleaved repeats — launch-count
 #                             cuts (issue #14) last measured as ties on older defaults; then q = 4 with the defaults
-#   s49b (nvidia-h200):       the indexer's compaction as one multi-CTA launch (topk_compact_kernel) and pool_update's
-#                             parameters in their stored dtype: GPU tests + e2e, bench_topk at 8,704 pools, then
-#                             q = 1 defaults vs the knob (5 interleaved repeats)
+#   s49d (nvidia-h200):       the kernel-tiny e2e GPU tests of topk_compact_kernel (alone and with topk_compact_fused)
+#   s49b (nvidia-h200):       the indexer's compaction as one multi-CTA launch (topk_compact_kernel; with
+#                             topk_compact_fused no threshold kernel at all) and pool_update's parameters in their
+#                             stored dtype: GPU tests, bench_topk at 8,704 pools, then q = 1 defaults vs compact vs
+#                             compact + fused (5 interleaved repeats)
 #   s49a (nvidia-h200):       the boundary's second half on the 16 partial columns it reads: mHC GPU tests, its
 #                             in-kernel profile, the boundary alone (M = 1, 4); the step's MoE form (moe_rows)
 #                             profiled inside and alone; then the q = 1 defaults
@@ -662,21 +664,26 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     ;;
   s49b)  # (nvidia-h200) session 49: the compaction after the threshold kernel as ONE multi-CTA launch (policy knob
     # topk_compact_kernel: s48e's trace has XLA's prefix sum, slice, select, scatter and pad at 9.4 µs on every DSA
-    # layer's chain) and pool_update taking the LayerNorm's affine / pool bias as stored (33 XLA converts fewer per
-    # step, a default). GPU tests (the kernel from both thresholds; pool_update with bf16 parameters; the e2e
-    # defaults and the knob), bench_topk on the model's padded row (8,704 pools: the model's XLA path with its index
-    # list vs the kernel at 2,048 / 8,192 keys per CTA), then q = 1 defaults vs the knob
+    # layer's chain; topk_compact_fused: the threshold's passes in every compaction CTA, no threshold kernel) and
+    # pool_update taking the LayerNorm's affine / pool bias as stored (36 XLA converts fewer per step, a default).
+    # GPU tests (the kernel from the exact / early-exit / its own threshold; at the model's site; pool_update with
+    # bf16 parameters), bench_topk on the model's padded row (8,704 pools: the model's XLA path with its index list
+    # vs the kernels), then q = 1 defaults vs compact vs compact + fused (the e2e tests: s49d)
     timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer.py \
       -k "compact or pool_update" > "$OUT/indexer_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/indexer_tests.log"
-    timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_decode.py \
-      -k "all_kernels_equals_stock and (extra0 or compact)" > "$OUT/e2e_tests.log" 2>&1
-    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/e2e_tests.log"
     timeout -s INT 120 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8704 --f32-scores \
-      --only "kernel exit scan128,model xla,compact,compact128" --out "$OUT/bench_topk.txt" > "$OUT/bench_topk.log" 2>&1
+      --only "kernel exit scan128,model xla,compact,compact fused,compact128" --out "$OUT/bench_topk.txt" \
+      > "$OUT/bench_topk.log" 2>&1
     cat "$OUT/bench_topk.txt"
-    [ "$(left)" -gt 240 ] && rank1 s49b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"topk_compact_kernel": true}'
+    [ "$(left)" -gt 300 ] && rank1 s49b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"topk_compact_kernel": true}' '{"topk_compact_kernel": true, "topk_compact_fused": true}'
+    ;;
+  s49d)  # (nvidia-h200) the kernel-tiny end-to-end GPU tests of topk_compact_kernel, alone and fused (~170 s each
+    # natively: s48a's two e2e tests took 339 s)
+    timeout -k 9 -s INT $(( $(left) - 10 )) python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider \
+      tests/test_decode.py -k "all_kernels_equals_stock and compact" > "$OUT/e2e_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/e2e_tests.log"
     ;;
   s49a)  # (nvidia-h200) session 48: mhc_post_finish's second half sums only the 16 partial columns it reads (the
     # Gram entries, then a copy of the pre logits at PRE_COPY) instead of all 40 — s48d's profile: the sums' loads

@@ -366,6 +366,13 @@ KNOBS = {
         "select, scatter and pad: five launches and 9.4 µs on every DSA layer's q = 1 chain (session 48's trace), "
         "without topk_select's single-CTA latency. Correct in GPU interpret mode and cross-lowered (session 49); "
         "off until measured natively"),
+    "topk_compact_fused": (False,
+        "with topk_compact_kernel: the threshold found by every compaction CTA itself from the row it holds "
+        "(topk_compact(t=None): topk_select's one-bit passes, the early exit as topk_threshold_exit) — the indexer's "
+        "selection as ONE launch of ~5 CTAs per score row, where the threshold kernel's launch gap and the "
+        "compaction's reload of the row sat on every DSA layer's chain; unlike topk_select (one CTA for the passes "
+        "and every tile: 19.8 µs alone, session 42) each CTA compacts 2,048 keys. Correct in GPU interpret mode and "
+        "cross-lowered (session 49); off until measured natively"),
     "topk_threshold_4wg": (False,
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "

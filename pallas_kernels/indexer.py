@@ -996,14 +996,16 @@ assert THRESHOLD_MAX_KEYS <= 1 << _ENC_SLOT and SELECT_MAX_K << _ENC_SLOT <= _EN
 
 def topk_compact_reference(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int, **_):
   """scores [R, N] f32, a threshold of their order keys (t [R] or [R, 128] uint32, n_gt [R] or [R, 128] int32:
-  lane 0 read — ``topk_threshold``'s, exact or early-exit), tail_start / pos [R] int32 -> (idx [R, width], js
-  [R, k]) int32, ``topk_select_reference``'s contract: the set the threshold selects (``topk_selection_reference``:
+  lane 0 read — ``topk_threshold``'s, exact or early-exit; None and None: the exact one, as the kernel's fused
+  form finds its own), tail_start / pos [R] int32 -> (idx [R, width], js [R, k]) int32, ``topk_select_reference``'s contract: the set the threshold selects (``topk_selection_reference``:
   lax.top_k's) in ascending index order, -1 for a non-finite score, expanded to kpool token positions each, then
   the tail and -1 up to width. (Keyword options of the kernel, ``lanes``, are accepted and ignored.)"""
   _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
   R, N = scores.shape
-  t, n_gt = (a if a.ndim == 1 else a[:, 0] for a in (t, n_gt))
   from pallas_kernels._common import order_key_u32  # noqa: PLC0415
+  if t is None:  # (the kernel's fused form: its own threshold; the exact one selects the same set)
+    t, n_gt = topk_threshold_reference(order_key_u32(scores), k)
+  t, n_gt = (a if a.ndim == 1 else a[:, 0] for a in (t, n_gt))
   sel = topk_selection_reference(order_key_u32(scores), t, n_gt, k)
   slot = jnp.where(sel, jnp.cumsum(sel, axis=-1) - 1, k)  # (k: dropped)
   keys = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (R, N))
@@ -1072,14 +1074,36 @@ def _store_selected_interpret(enc, enc_s, js_g, idx_g, *, kpool: int):
   lax.fori_loop(0, SELECT_ROWS * L, one, None)
 
 
-def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int, boxes, interpret: bool):
+def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int, boxes, interpret: bool,
+                    fused: bool = False, early_exit: bool = True):
   f32, i32, u32 = jnp.float32, jnp.int32, jnp.uint32
   k_ninf, k_pinf = (_order_key_u32_np(x) for x in (-np.inf, np.inf))  # (finite: the keys strictly between)
   head = kpool * k  # the selected pools' token positions: idx[:head]; the tail and the padding after
   T = SELECT_ROWS
   wg = _L.WGMMA
 
-  def body(s_g, t_g, n_g, ts_g, pos_g, idx_g, js_g, u_s, f_s, upper_s, lower_s, tail_s, bar, *enc_s):
+  def threshold(u_s):
+    """``fused``: the threshold from the row in SMEM, as topk_select's passes (one bit each; with ``early_exit``
+    they stop at a candidate with exactly k keys at or above it) — every CTA of the row the same passes over the
+    same keys, so the same (thr, need) in each, and no launch of the threshold kernel before this one."""
+    u = order_key_u32(u_s.at[pl.ds(0, nr)][...])
+
+    def cond(c):
+      return (c[0] < 32) & (c[2] == 0) if early_exit else c[0] < 32
+
+    def one_pass(c):
+      i, t, _ = c
+      cand = t | lax.shift_left(u32(1), u32(31) - i.astype(u32))
+      n = jnp.sum((u >= cand).astype(i32))
+      return i + 1, jnp.where(n >= k, cand, t), jnp.where(n == k, i32(1), i32(0))
+
+    _, t, done = lax.while_loop(cond, one_pass, (i32(0), u32(0), i32(0)))
+    thr = jnp.where(done == 1, t - u32(1), t)
+    return thr, k - jnp.sum((u > thr).astype(i32))
+
+  def body(*refs):
+    s_g, t_g, n_g, *refs = refs if not fused else (refs[0], None, None, *refs[1:])
+    ts_g, pos_g, idx_g, js_g, u_s, f_s, upper_s, lower_s, tail_s, bar, *enc_s = refs
     r, c = lax.axis_index("r"), lax.axis_index("c")
     for b0, n in boxes:  # (TMA boxes of at most 256 rows)
       plgpu.copy_gmem_to_smem(s_g.at[r, pl.ds(b0, n)], u_s.at[pl.ds(b0, n)], bar)
@@ -1092,7 +1116,8 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
     j1 = plgpu.broadcasted_iota(i32, (T, T), 1, layout=wg)
     lower_s[...] = jnp.where(j1 < j0, 1.0, 0.0).astype(jnp.bfloat16)
     plgpu.commit_smem()  # (the wgmma operands: the async proxy)
-    thr, need = t_g[r, 0], k - n_g[r, 0]  # (need: the keys equal to thr to take, first by index)
+    if not fused:
+      thr, need = t_g[r, 0], k - n_g[r, 0]  # (need: the keys equal to thr to take, first by index)
 
     @pl.when(c == 0)
     def _():  # the tail after the k pools' positions, then -1 up to the width (whole 64-wide rows: head % 64 == 0)
@@ -1106,6 +1131,8 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
       plgpu.copy_smem_to_gmem(tail_s.at[pl.ds(0, n)], idx_g.at[r, pl.ds(head // 64, n)])
 
     plgpu.barrier_wait(bar)
+    if fused:
+      thr, need = threshold(u_s)
     rows = plgpu.broadcasted_iota(i32, (T, L), 0, layout=wg)
 
     def flags(b0):
@@ -1155,13 +1182,18 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
   return body
 
 
-@kernel_entry("k", "kpool", "n_tail", "width", "lanes")
+@kernel_entry("k", "kpool", "n_tail", "width", "lanes", "early_exit")
 def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int,
-                 lanes: int = COMPACT_LANES):
+                 lanes: int = COMPACT_LANES, early_exit: bool = True):
   """Mosaic GPU version of ``topk_compact_reference`` (same contract; t / n_gt as ``topk_threshold(lanes_out=True)``
   writes them, [R, 128]): a grid of (R, ceil(N / (64 · lanes))) CTAs (``_compact_kernel``), each storing the
   selected keys of its 64 rows of ``lanes`` keys (32 or 128). N a multiple of 128 up to THRESHOLD_MAX_KEYS (pad
-  with -inf), kpool · k and width multiples of 64, k < SELECT_MAX_K."""
+  with -inf), kpool · k and width multiples of 64, k < SELECT_MAX_K.
+
+  t = n_gt = None: the fused form — every CTA finds the threshold itself from the row it holds (topk_select's
+  one-bit passes; ``early_exit`` as topk_threshold's), so the selection is ONE launch with no threshold kernel
+  before it: the passes run in parallel in the row's CTAs instead of in a launch of their own (its launch gap and
+  the compaction's reload of the row leave the chain)."""
   from pallas_kernels._common import interpreting  # noqa: PLC0415
   _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
   R, N = scores.shape
@@ -1174,7 +1206,11 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
                      "most 4,096 positions after the pools' (the tail tile)")
   if lanes not in (32, 128):
     raise ValueError(f"topk_compact: lanes = {lanes}, expected 32 or 128 keys per row of the kernel's view")
-  for name, a, dt in (("t", t, jnp.uint32), ("n_gt", n_gt, jnp.int32)):
+  fused = t is None
+  if fused != (n_gt is None):
+    raise ValueError("topk_compact: t and n_gt are both given (the threshold kernel's) or both None (the fused "
+                     "form's own threshold)")
+  for name, a, dt in () if fused else (("t", t, jnp.uint32), ("n_gt", n_gt, jnp.int32)):
     if a.shape != (R, THRESHOLD_LANES) or a.dtype != dt:
       raise ValueError(f"topk_compact: {name} {a.shape} {a.dtype}, expected [{R}, {THRESHOLD_LANES}] "
                        f"{jnp.dtype(dt).name} (topk_threshold(lanes_out=True))")
@@ -1194,11 +1230,11 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
       plgpu.Barrier(num_arrivals=len(boxes)),
   ] + ([plgpu.SMEM((SELECT_ROWS, L), jnp.int32)] if interp else [])  # (interpret mode's scatter)
   idx, js = mgpu_kernel(
-      _compact_kernel(int(k), int(kpool), int(n_tail), int(width), nr, L, boxes, interp),
+      _compact_kernel(int(k), int(kpool), int(n_tail), int(width), nr, L, boxes, interp, fused, bool(early_exit)),
       out_type=(jax.ShapeDtypeStruct((R, width // 64, 64), jnp.int32), jax.ShapeDtypeStruct((R, k), jnp.int32)),
       grid=(R, nc),
       grid_names=("r", "c"),
       kernel_name="glm5_topk_compact",
       scratch_types=scratch,
-  )(scores.reshape(R, nr, L), t, n_gt, tail_start.astype(jnp.int32), pos.astype(jnp.int32))
+  )(scores.reshape(R, nr, L), *(() if fused else (t, n_gt)), tail_start.astype(jnp.int32), pos.astype(jnp.int32))
   return idx.reshape(R, width), js

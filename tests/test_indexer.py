@@ -507,15 +507,15 @@ def test_select_kernel_gpu(R, N, k, n_tail, width):
 
 
 def compact_thresholds(sc, k, native: bool):
-  """Both thresholds topk_compact may get for scores sc [R, N], as topk_threshold(lanes_out=True) writes them
+  """The thresholds topk_compact may get for scores sc [R, N], as topk_threshold(lanes_out=True) writes them
   ([R, 128]): the exact one (the reference's: the k-th largest key, #{key > it}) and the threshold kernel's
-  early-exit one (natively, or in interpret mode)."""
+  early-exit one (natively, or in interpret mode) — and none (the fused form)."""
   from pallas_kernels._common import order_key_u32  # noqa: PLC0415
   t, n = I.topk_threshold_reference(order_key_u32(sc), k)
   exact = tuple(jnp.broadcast_to(a[:, None], (sc.shape[0], I.THRESHOLD_LANES)) for a in (t, n))
   with maybe_interpret(not native):
     early = jax.jit(lambda v: I.topk_threshold(v, k, early_exit=True, lanes_out=True))(sc)
-  return exact, early
+  return exact, early, (None, None)  # (None: the fused form, its own early-exit threshold in every CTA)
 
 
 @pytest.mark.parametrize("R,N,k,n_tail,width,lanes", [(2, 256, 16, 3, 128, 32), (1, 8320, 512, 3, 2112, 32),
@@ -523,8 +523,8 @@ def compact_thresholds(sc, k, native: bool):
                                                       (2, 384, 96, 3, 1600, 32)])
 def test_compact_kernel_interpret(R, N, k, n_tail, width, lanes):
   """The compaction after the threshold kernel as one multi-CTA launch (policy knob topk_compact_kernel), in GPU
-  interpret mode: from the exact threshold and from the threshold kernel's early-exit one, the token index list
-  and the pools of lax.top_k's set (topk_select_reference) — ties (row 0), NaN, +inf, a row with fewer than k
+  interpret mode: from the exact threshold, from the threshold kernel's early-exit one and from its own in every
+  CTA (the fused form, knob topk_compact_fused), the token index list and the pools of lax.top_k's set (topk_select_reference) — ties (row 0), NaN, +inf, a row with fewer than k
   finite scores; CTAs of 2,048 (lanes 32) or 8,192 keys, k up to N / 4, the tail and -1 padding to the width."""
   rng = np.random.default_rng()
   sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
@@ -559,16 +559,23 @@ def test_compact_rejects_bad_input():
     I.topk_compact(sc, t, t, ts, ts, **kw, width=192)
   with pytest.raises(ValueError, match="lanes = 64"):
     I.topk_compact(sc, t, n, ts, ts, **kw, width=192, lanes=64)
+  with pytest.raises(ValueError, match="both given .* or both None"):
+    I.topk_compact(sc, t, None, ts, ts, **kw, width=192)
 
 
-@pytest.mark.parametrize("R,N,lanes", [(1, 8704, 32), (4, 8704, 128), (32, 8704, 32), (1, I.THRESHOLD_MAX_KEYS, 32)])
-def test_compact_cross_lower(R, N, lanes):
+@pytest.mark.parametrize("R,N,lanes,fused", [(1, 8704, 32, False), (4, 8704, 128, False), (32, 8704, 32, False),
+                                             (1, I.THRESHOLD_MAX_KEYS, 32, False), (1, 8704, 32, True),
+                                             (4, I.THRESHOLD_MAX_KEYS, 32, True)])
+def test_compact_cross_lower(R, N, lanes, fused):
   """The native form (inline Mosaic GPU's GMEM stores, which interpret mode cannot run) lowers for CUDA at the
-  decode's score rows and the largest row the threshold kernel holds (lanes 32: TMA boxes of 256 rows)."""
-  args = (SDS((R, N), jnp.float32), SDS((R, 128), jnp.uint32), SDS((R, 128), jnp.int32), SDS((R,), jnp.int32),
-          SDS((R,), jnp.int32))
-  txt = cross_lower(lambda *a: I.topk_compact(*a, k=512, kpool=4, n_tail=3, width=2112, lanes=lanes), *args).as_text()
-  assert "glm5_topk_compact" in txt
+  decode's score rows and the largest row the threshold kernel holds (lanes 32: TMA boxes of 256 rows), also
+  with the threshold's passes in every CTA (fused)."""
+  thr = () if fused else (SDS((R, 128), jnp.uint32), SDS((R, 128), jnp.int32))
+  args = (SDS((R, N), jnp.float32), *thr, SDS((R,), jnp.int32), SDS((R,), jnp.int32))
+  kw = dict(k=512, kpool=4, n_tail=3, width=2112, lanes=lanes)
+  fn = (lambda s, ts, p: I.topk_compact(s, None, None, ts, p, **kw)) if fused else (
+      lambda *a: I.topk_compact(*a, **kw))
+  assert "glm5_topk_compact" in cross_lower(fn, *args).as_text()
 
 
 @pytest.mark.gpu
@@ -578,7 +585,8 @@ def test_compact_cross_lower(R, N, lanes):
                                                       (1, I.THRESHOLD_MAX_KEYS, 512, 3, 2112, 32)])
 def test_compact_kernel_gpu(R, N, k, n_tail, width, lanes):
   """The native kernel (the inline GMEM stores: a thread per selected key, CTAs writing one row's list) from the
-  exact and the threshold kernel's early-exit thresholds, against the reference."""
+  exact and the threshold kernel's early-exit thresholds, and with its own in every CTA (fused), against the
+  reference."""
   rng = np.random.default_rng()
   sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
   kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
@@ -684,19 +692,21 @@ def test_select_with_the_keys_formed_in_the_threshold_kernel(native, P):
       np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("native,P,extra_tail,keys", [(False, 320, 0, True), (False, 256, 2, True),
-                                                      (False, 320, 0, False),
-                                                      pytest.param(True, 320, 0, True, marks=pytest.mark.gpu)])
-def test_compact_kernel_at_the_model_site(native, P, extra_tail, keys):
+@pytest.mark.parametrize("native,P,extra_tail,keys,fused", [
+    (False, 320, 0, True, False), (False, 256, 2, True, False), (False, 320, 0, False, False),
+    (False, 320, 0, True, True), pytest.param(True, 320, 0, True, False, marks=pytest.mark.gpu),
+    pytest.param(True, 320, 0, True, True, marks=pytest.mark.gpu)])
+def test_compact_kernel_at_the_model_site(native, P, extra_tail, keys, fused):
   """Policy knob topk_compact_kernel at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
   rows of which some pools are not complete; interpret mode, and natively on a GPU): the threshold kernel + the
   multi-CTA compaction give the token index list of the threshold kernel + XLA's compaction, -1 padded to the
   width asked for (the attention kernel's), and the same pools; the site is reported, and without the threshold
   kernel the knob does not fit and says why. ``keys`` False: with topk_keys_in_kernel off the scores kernel still
-  pads its output to the threshold kernel's 128 lanes for it (P = 320 pools: 384, not 64-aligned 320)."""
+  pads its output to the threshold kernel's 128 lanes for it (P = 320 pools: 384, not 64-aligned 320).
+  ``fused``: with topk_compact_fused, the threshold found in the compaction kernel's CTAs (no threshold kernel)."""
   outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 298], "topk_compact_kernel",
-                                   policy={"topk_keys_in_kernel": keys}, extra_tail=extra_tail,
-                                   width=lambda W: W + 100)
+                                   policy={"topk_keys_in_kernel": keys, "topk_compact_fused": fused},
+                                   extra_tail=extra_tail, width=lambda W: W + 100)
   (idx0, js0), (idx1, js1), (idx2, js2) = outs
   W = idx0.shape[-1]
   assert idx1.shape[-1] == -(-(W + 100) // 64) * 64 and (idx1[..., W:] == -1).all()

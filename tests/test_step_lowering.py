@@ -132,6 +132,16 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   check_one_module_per_kernel(txt)
 
 
+def test_kernel_tiny_step_with_one_launch_selection_lowers_for_cuda():
+  """Policy topk_compact_kernel + topk_compact_fused: the indexer's selection as ONE launch of the compaction kernel
+  (pallas_kernels.indexer.topk_compact with t = None: every CTA finds the threshold itself) — no threshold kernel
+  in the step, at q = 1 (one score row per DSA layer) and the draft's reuse of its pools."""
+  txt = lower_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096,
+                   policy=(("topk_compact_kernel", True), ("topk_compact_fused", True)))
+  assert "glm5_topk_compact" in txt and "glm5_topk_threshold" not in txt and "glm5_topk_select" not in txt
+  check_one_module_per_kernel(txt)
+
+
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (jax_num_cpu_devices=4)")
 def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
   """The kernels inside shard_map with TP4-local shapes (1 KDA / MLA head per rank, experts 128 wide). GPU
