@@ -70,8 +70,11 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   # (moe_router_in_kernel, on since session 41), no router_topk launch
   assert "glm5_router_topk" not in txt
   assert "glm5_moe_route" not in txt  # (router_route, on since session 35: the router kernel builds the tables)
-  # the top-k threshold kernel from pallas_kernels.indexer.THRESHOLD_MIN_ROWS score rows (1 since session 32)
+  # the top-k threshold kernel from pallas_kernels.indexer.THRESHOLD_MIN_ROWS score rows (1 since session 32), fed
+  # the scores kernel's f32 output (its keys formed in registers: topk_keys_in_kernel, on since session 43)
   assert ("glm5_topk_threshold" in txt) == (q >= ki.THRESHOLD_MIN_ROWS)
+  thr = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_topk_threshold" in line]
+  assert all(re.search(r"\(tensor<\d+x\d+x\d+xf32>\)", line) for line in thr), thr
   assert "mosaic_gpu.uses_pdl" not in txt  # (policy pdl, off by default: test_kernel_tiny_step_lowers_for_cuda_at_tp4)
   auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
   assert "mosaic_gpu" not in auto  # and the stock path has no kernel at all
@@ -97,15 +100,16 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   (kda_conv), the top-k threshold kernel on 4 warpgroups (topk_threshold_4wg) — replaced by the one-launch
   selection (topk_select_kernel) — and the sparse MLA's split merge as a kernel (mla_combine_kernel); with the grid barrier, its counters in one Ref per step
   (mhc_barrier_counters: every trunk boundary's launch takes the Ref's buffer as an aliased operand), the FP8 /
-  BF16 linears' K splits summed in the kernel on the step's split-K counters (linear_fused_sum), and the top-k
-  threshold kernel reading the scores kernel's output followed by the multi-CTA compaction kernel
-  (topk_compact_kernel; the threshold reading the scores kernel's output without it, topk_keys_in_kernel, is a
-  default: test_kernel_tiny_step_lowers_for_cuda)."""
+  BF16 linears' K splits summed in the kernel on the step's split-K counters (linear_fused_sum), and the indexer's
+  selection as ONE launch of the multi-CTA compaction kernel whose CTAs find the threshold themselves
+  (topk_compact_kernel + topk_compact_fused: no threshold kernel; the default threshold kernel reading the scores
+  kernel's output, topk_keys_in_kernel: test_kernel_tiny_step_lowers_for_cuda)."""
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("mhc", True), ("router_route", True),
                            ("mhc_grid_barrier", not kernels), ("mhc_barrier_counters", not kernels),
                            ("linear_fused_sum", not kernels), ("topk_compact_kernel", not kernels),
+                           ("topk_compact_fused", not kernels),
                            ("mhc_narrow", kernels), ("mhc_fused_sums", kernels),
                            ("kda_conv", kernels), ("topk_threshold_4wg", kernels), ("mla_combine_kernel", kernels),
                            ("topk_select_kernel", kernels)))
@@ -116,7 +120,8 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   assert ("glm5_mhc_post_pre" in txt) == kernels
   assert "glm5_router_route" in txt and "glm5_moe_route" not in txt and ("glm5_mla_combine" in txt) == kernels
   # the indexer's selection in one launch (topk_select_kernel) instead of the threshold kernel and XLA's compaction
-  assert ("glm5_topk_select" in txt) == kernels and ("glm5_topk_threshold" in txt) != kernels
+  # (the fused compaction instead of the threshold kernel + XLA's compaction in the grid form)
+  assert ("glm5_topk_select" in txt) == kernels and "glm5_topk_threshold" not in txt
   assert ("glm5_topk_compact" in txt) != kernels
   if form == "grid":  # the trunk's boundaries (2 per layer; 3 lowerings — first, parity 0 / 1 — of two kernels)
     # return the counters' int32[2] buffer last (aliased), not a pl.get_global int32[1] scratch
@@ -126,19 +131,6 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
     for name in ("glm5_fp8_dq_linear", "glm5_bf16_linear"):  # (the trunk's and the MTP pass's)
       lines = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and name in line]
       assert lines and any(line.endswith("xi32>)") for line in lines), name
-    # the threshold kernel fed the scores kernel's f32 output (its keys formed in registers)
-    thr = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_topk_threshold" in line]
-    assert thr and all(re.search(r"\(tensor<\d+x\d+x\d+xf32>\)", line) for line in thr), thr
-  check_one_module_per_kernel(txt)
-
-
-def test_kernel_tiny_step_with_one_launch_selection_lowers_for_cuda():
-  """Policy topk_compact_kernel + topk_compact_fused: the indexer's selection as ONE launch of the compaction kernel
-  (pallas_kernels.indexer.topk_compact with t = None: every CTA finds the threshold itself) — no threshold kernel
-  in the step, at q = 1 (one score row per DSA layer) and the draft's reuse of its pools."""
-  txt = lower_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096,
-                   policy=(("topk_compact_kernel", True), ("topk_compact_fused", True)))
-  assert "glm5_topk_compact" in txt and "glm5_topk_threshold" not in txt and "glm5_topk_select" not in txt
   check_one_module_per_kernel(txt)
 
 
