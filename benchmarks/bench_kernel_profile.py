@@ -95,6 +95,20 @@ def cases(names):
         x, None, None, *ws, swiglu_limit=10.0, shared=s, dq=True, router=(lg, b),
         router_select=(MOE["k"], 2.5, True, False, True), counters=L.splitk_counters(), out_dtype=jnp.bfloat16)[0])
     out["moe_rows"] = lambda: r(x, logits, bias, (wg, sg, wu, su, wd, sd), sh)
+  if any(n.startswith("compact") for n in names):  # the indexer's compaction at 32K context (8,704 pools), q = 1
+    from pallas_kernels import indexer as I  # noqa: PLC0415
+    rng = np.random.default_rng(2)
+    sc = np.maximum(rng.standard_normal((1, 8704)), 0).astype(np.float32)
+    sc[:, 8256:] = -np.inf  # (the scores kernel's padding past the complete pools)
+    sc, pos = jnp.asarray(sc), jnp.full((1,), 4 * 8256 - 2, jnp.int32)
+    kw = dict(k=512, kpool=4, n_tail=3, width=2112)
+    if "compact" in names:  # after the threshold kernel (topk_compact_kernel)
+      ca = jax.jit(lambda v, p: I.topk_compact(v, *I.topk_threshold(v, 512, early_exit=True, lanes_out=True),
+                                               (p + 1) // 4 * 4, p, **kw))
+      out["compact"] = lambda: ca(sc, pos)
+    if "compact_fused" in names:  # its CTAs finding the threshold themselves (topk_compact_fused)
+      cf = jax.jit(lambda v, p: I.topk_compact(v, None, None, (p + 1) // 4 * 4, p, **kw))
+      out["compact_fused"] = lambda: cf(sc, pos)
   if "mhc" in names:
     margs, consts = mhc_inputs(1)
     h = jax.jit(lambda a: km.mhc_post_finish(*a, **consts, approx_math=True))

@@ -676,6 +676,9 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --only "kernel exit scan128,model xla,compact,compact fused,compact128" --out "$OUT/bench_topk.txt" \
       > "$OUT/bench_topk.log" 2>&1
     cat "$OUT/bench_topk.txt"
+    timeout -s INT 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases compact,compact_fused \
+      --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
+    cat "$OUT/kernel_profile.txt"
     [ "$(left)" -gt 300 ] && rank1 s49b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"topk_compact_kernel": true}' '{"topk_compact_kernel": true, "topk_compact_fused": true}'
     ;;

@@ -1120,6 +1120,7 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
       thr, need = t_g[r, 0], k - n_g[r, 0]  # (need: the keys equal to thr to take, first by index)
 
     @pl.when(c == 0)
+    @jax.named_scope("tail")  # (the named scopes: regions of benchmarks/bench_kernel_profile.py)
     def _():  # the tail after the k pools' positions, then -1 up to the width (whole 64-wide rows: head % 64 == 0)
       ts, pos = ts_g[r], pos_g[r]
       p = (plgpu.broadcasted_iota(i32, (64, 64), 0, layout=wg) * 64
@@ -1130,9 +1131,11 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
       n = (width - head) // 64
       plgpu.copy_smem_to_gmem(tail_s.at[pl.ds(0, n)], idx_g.at[r, pl.ds(head // 64, n)])
 
-    plgpu.barrier_wait(bar)
+    with jax.named_scope("load"):
+      plgpu.barrier_wait(bar)
     if fused:
-      thr, need = threshold(u_s)
+      with jax.named_scope("threshold"):
+        thr, need = threshold(u_s)
     rows = plgpu.broadcasted_iota(i32, (T, L), 0, layout=wg)
 
     def flags(b0):
@@ -1148,12 +1151,14 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
       gt, eq, _ = flags(b * T)
       return acc + (gt + eq * _EQ_UNIT).sum(axis=1).sum()  # (row sums first: see topk_select)
 
-    base = lax.fori_loop(0, c, above, i32(0))
+    with jax.named_scope("base"):
+      base = lax.fori_loop(0, c, above, i32(0))
     row0 = c * T
-    gt, eq, fin = flags(row0)
-    packed = gt + eq * _EQ_UNIT
-    f_s[...] = plgpu.layout_cast(packed.astype(f32).astype(jnp.bfloat16), wg)
-    plgpu.commit_smem()
+    with jax.named_scope("flags"):
+      gt, eq, fin = flags(row0)
+      packed = gt + eq * _EQ_UNIT
+      f_s[...] = plgpu.layout_cast(packed.astype(f32).astype(jnp.bfloat16), wg)
+      plgpu.commit_smem()
 
     def within_mm(acc):
       plgpu.wgmma(acc, f_s, upper_s.at[pl.ds(0, L)])
@@ -1165,19 +1170,21 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
 
     # slots as topk_select's: a selected key's is #{gt before it} + min(#{eq before it}, need), from the packed
     # counts (exact f32 sums of 0 / 1 / 16384 products, below 2^24)
-    within = pl.run_scoped(within_mm, plgpu.ACC((T, L), f32)).astype(i32)
-    col = pl.run_scoped(col_mm, plgpu.ACC((T, L), f32)).astype(i32)
-    before = lax.broadcast_in_dim(base + col.sum(axis=1), (T, L), (0,)) + within
-    n_gt, n_eq = before & (_EQ_UNIT - 1), lax.shift_right_logical(before, 14)
-    sel = gt + jnp.where(n_eq < need, eq, i32(0))  # (gt and eq exclusive: 0 / 1)
-    key = (rows + row0) * L + plgpu.broadcasted_iota(i32, (T, L), 1, layout=wg)
-    code = key + lax.shift_left(n_gt + jnp.minimum(n_eq, need), _ENC_SLOT) + (1 - fin) * _ENC_NONFINITE
-    enc = jnp.where(sel > 0, code, i32(-1))
-    if interpret:
-      _store_selected_interpret(enc, enc_s[0], js_g.at[r], idx_g.at[r], kpool=kpool)
-    else:
-      _store_selected(plgpu.layout_cast(enc, wg), js_g.at[r], idx_g.at[r], kpool=kpool)
-    plgpu.wait_smem_to_gmem(0)
+    with jax.named_scope("slots"):
+      within = pl.run_scoped(within_mm, plgpu.ACC((T, L), f32)).astype(i32)
+      col = pl.run_scoped(col_mm, plgpu.ACC((T, L), f32)).astype(i32)
+      before = lax.broadcast_in_dim(base + col.sum(axis=1), (T, L), (0,)) + within
+      n_gt, n_eq = before & (_EQ_UNIT - 1), lax.shift_right_logical(before, 14)
+      sel = gt + jnp.where(n_eq < need, eq, i32(0))  # (gt and eq exclusive: 0 / 1)
+      key = (rows + row0) * L + plgpu.broadcasted_iota(i32, (T, L), 1, layout=wg)
+      code = key + lax.shift_left(n_gt + jnp.minimum(n_eq, need), _ENC_SLOT) + (1 - fin) * _ENC_NONFINITE
+      enc = jnp.where(sel > 0, code, i32(-1))
+    with jax.named_scope("store"):
+      if interpret:
+        _store_selected_interpret(enc, enc_s[0], js_g.at[r], idx_g.at[r], kpool=kpool)
+      else:
+        _store_selected(plgpu.layout_cast(enc, wg), js_g.at[r], idx_g.at[r], kpool=kpool)
+      plgpu.wait_smem_to_gmem(0)
 
   return body
 
