@@ -73,9 +73,11 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s49e (nvidia-h200):       auto vs latency_specialized at q = 1 (no MTP pass at k = 0 since session 49; issue #9's
+#                             ratio), then q = 4 with the defaults
 #   s49c (nvidia-h200):       q = 1: defaults vs kda_gate_proj vs the bf16 GEMV kernel at one row with its split sums
 #                             inside (bf16_linear forced + linear_fused_sum), 5 interleaved repeats — launch-count
-#                             cuts (issue #14) last measured as ties on older defaults; then q = 4 with the defaults
+#                             cuts (issue #14) last measured as ties on older defaults
 #   s49d (nvidia-h200):       the kernel-tiny e2e GPU tests of topk_compact_kernel (alone and with topk_compact_fused)
 #   s49b (nvidia-h200):       the indexer's compaction as one multi-CTA launch (topk_compact_kernel; with
 #                             topk_compact_fused no threshold kernel at all) and pool_update's parameters in their
@@ -659,8 +661,16 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # o_proj's XLA GEMV ran 5.7 µs at 2.9 TB/s in s48e's trace, the XLA split sum after our kernel gone)
     rank1 s49c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"kda_gate_proj": true}' \
       '{"bf16_linear": true, "linear_fused_sum": true}'
-    # q = 4 with today's defaults (last measured in session 39: 8.21 ms; most changes since were for one token row)
-    [ "$(left)" -gt 170 ] && rank1 s49c_q4 --q 4 --steps-per-call 4 --repeats 3 --steps 40 --policy '{}'
+    ;;
+  s49e)  # (nvidia-h200) issue #9's ratio with session 49's code: at q = 1 (k = 0) the step no longer runs the MTP pass
+    # (speculative._first_drafts: its cache was write-only there — a DSA + MoE layer per step, in auto too), so auto
+    # and latency_specialized at q = 1 interleaved (as s41b: 4 steps per call), then q = 4 with today's defaults
+    # (last measured in session 39: 8.21 ms; most changes since were for one token row)
+    timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --q 1 --context 32768 \
+      --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 150 )) --backend auto latency_specialized \
+      --steps-per-call 4 --interleave --compile-cache .jax_cache --out "$OUT/decode_s49auto.jsonl" 2>&1 \
+      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s49auto.log"
+    [ "$(left)" -gt 150 ] && rank1 s49e_q4 --q 4 --steps-per-call 4 --repeats 3 --steps 40 --policy '{}'
     ;;
   s49b)  # (nvidia-h200) session 49: the compaction after the threshold kernel as ONE multi-CTA launch (policy knob
     # topk_compact_kernel: s48e's trace has XLA's prefix sum, slice, select, scatter and pad at 9.4 µs on every DSA

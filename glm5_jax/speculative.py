@@ -206,7 +206,12 @@ def _draft_chain(m, hn, d1, pos1, pools, tail_start, mtp_cache, k):
 
 
 def _first_drafts(m, h, next_ids, start, idx_last, mtp_cache, q, k, valid):
-  """The MTP pass over this call's positions, then the draft chain from index idx_last [B]."""
+  """The MTP pass over this call's positions, then the draft chain from index idx_last [B]. With no drafts (k = 0,
+  q = 1: plain decoding, as vLLM without a speculator) nothing runs: the MTP layer's only output would be its own
+  cache, which a q = 1 state never reads (the state's layout depends on q, so no q > 1 decoder takes it over) —
+  a whole DSA + MoE layer per step (~0.1 ms of the one-rank step; not in the q = 1 roofline either)."""
+  if k == 0:
+    return jnp.zeros((h.shape[0], 0), jnp.int32), mtp_cache
   T = next_ids.shape[1]
   positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
   ctx = StepCtx(start, valid, jnp.ones_like(start), mode="extend")
@@ -214,8 +219,6 @@ def _first_drafts(m, h, next_ids, start, idx_last, mtp_cache, q, k, valid):
   take = lambda a: jnp.take_along_axis(a, idx_last.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]
   hn = take(hh)
   d1 = m.argmax(hn)
-  if k == 0:
-    return jnp.zeros((h.shape[0], 0), jnp.int32), mtp_cache
   pools = take(aux["pools"])
   kp = m.cfg.index_kpool
   p0 = start + idx_last
