@@ -519,7 +519,7 @@ def compact_thresholds(sc, k, native: bool):
 
 
 @pytest.mark.parametrize("R,N,k,n_tail,width,lanes", [(1, 8320, 512, 3, 2112, 32), (2, 1024, 128, 6, 576, 128),
-                                                      (3, 4096, 64, 3, 320, 32), (2, 384, 96, 3, 1600, 32)])
+                                                      (3, 384, 96, 3, 1600, 32)])
 def test_compact_kernel_interpret(R, N, k, n_tail, width, lanes):
   """The compaction after the threshold kernel as one multi-CTA launch (policy knob topk_compact_kernel), in GPU
   interpret mode: from the exact threshold, from the threshold kernel's early-exit one and from its own in every
@@ -692,7 +692,7 @@ def test_select_with_the_keys_formed_in_the_threshold_kernel(native, P):
 
 
 @pytest.mark.parametrize("native,P,extra_tail,keys,fused", [
-    (False, 320, 0, True, False), (False, 320, 0, False, False), (False, 256, 2, True, True),
+    (False, 320, 0, True, False), (False, 320, 2, False, True),
     pytest.param(True, 320, 0, True, False, marks=pytest.mark.gpu),
     pytest.param(True, 320, 0, True, True, marks=pytest.mark.gpu)])
 def test_compact_kernel_at_the_model_site(native, P, extra_tail, keys, fused):
