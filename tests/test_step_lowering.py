@@ -210,4 +210,4 @@ def test_real_geometry_step_with_packed_params_lowers_for_cuda():
   check_one_module_per_kernel(txt)
   names = {n for n, _, _ in kernel_calls(txt)}
   assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down"} <= names and "glm5_fp8_linear" not in names
-  assert "glm5_mla_uv" in names  # (mla_uv_kernel at one token row: the draft's and the verify's DSA layers)
+  assert "glm5_mla_uv" in names  # (mla_uv_kernel at one token row: the verify's DSA layers; q = 1 runs no draft)
