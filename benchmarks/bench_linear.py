@@ -37,7 +37,8 @@ L2_BYTES = 60 << 20
 F8 = jnp.float8_e4m3fn
 
 FP8_SHAPES = [
-    ("q_a", 1536, 4096), ("kv_a|sh_gate_up", 512, 4096), ("q_b", 4096, 1536), ("mla_o", 4096, 4096),
+    ("qkv_a", 2048, 4096), ("q_a", 1536, 4096), ("kv_a|sh_gate_up", 512, 4096), ("q_b", 4096, 1536),
+    ("mla_o", 4096, 4096),
     ("dense_gate_up", 3072, 4096), ("dense_down", 4096, 3072), ("sh_down", 4096, 512),
 ]
 BF16_SHAPES = [("kda_qkv", 6144, 4096), ("kda_o", 4096, 2048), ("kda_fgb_a", 272, 4096), ("indexer_x", 288, 4096),
@@ -294,6 +295,23 @@ def _sweep_bf16(deadline, name, n, k, m):
       guarded(deadline, bench_bf16, name, n, k, m, plan=p, with_xla=False, check=False)
 
 
+def _sweep_fp8dq(deadline, name, n, k, m):
+  """Plan variants of the dequantising FP8 GEMV (the step's default form): K splits from 2 to 32 (with the XLA
+  split sum in "call us"), shallower / deeper rings. s48e's trace: the DSA layer's fused q_a | kv_a call (2048 x
+  4096, 16 splits: 256 CTAs of 2 weight tiles each) ran 9.5 µs in the step for 8.4 MB, first on the layer's chain."""
+  mp = L._padded_rows(m)
+  seen = {L.plan_linear(n, k, mp, "fp8dq")}
+  guarded(deadline, bench_fp8, name, n, k, m, plan=None, with_xla=False, check=False, kind="fp8dq")
+  kb = k // L.BLOCK
+  for split, st in [(2, None), (4, None), (8, None), (16, None), (32, None), (8, 2), (4, 3)]:
+    if kb % split:
+      continue
+    p = L.plan_linear(n, k, mp, "fp8dq", split=split, stages=st)
+    if p not in seen:
+      seen.add(p)
+      guarded(deadline, bench_fp8, name, n, k, m, plan=p, with_xla=False, check=False, kind="fp8dq")
+
+
 def _sweep_moe(deadline, m, dq=True):
   """Plan variants of the step's MoE (shared slot included): the previous defaults, deeper / shallower splits and
   groupings of the down kernel."""
@@ -339,6 +357,8 @@ def main(argv=None):
   ap.add_argument("--only", default="fp8,fp8dq,bf16,moe,moedq")
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--sweep-moe", default="", help="only the MoE plan sweep (dq, shared slot) at these rows, e.g. 1,4")
+  ap.add_argument("--sweep-dq", default="", help="the dequantising FP8 GEMV's plan sweep for the DSA layer's linears "
+                  "(qkv_a, q_b, mla_o) at these rows, e.g. 1")
   ap.add_argument("--budget-s", type=float, default=1e9)
   ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
@@ -384,6 +404,11 @@ def main(argv=None):
       guarded(deadline, bench_moe_router, kind)
   if a.sweep:
     sweep(deadline)
+  if a.sweep_dq:
+    log("\n# fp8dq plan sweep (the DSA layer's linears)")
+    for m in [int(r) for r in a.sweep_dq.split(",")]:
+      for name, n, k in (("qkv_a", 2048, 4096), ("q_b", 4096, 1536), ("mla_o", 4096, 4096)):
+        _sweep_fp8dq(deadline, name, n, k, m)
   if a.sweep_moe:
     log("\n# MoE plan sweep (dq, shared slot)")
     log(HEADER)

@@ -73,6 +73,8 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s49f (nvidia-h200):       the dequantising FP8 GEMV at one row: every shape (qkv_a added), then the plan sweep of
+#                             the DSA layer's linears (K splits 2..32; s48e: qkv_a 9.5 µs for 8.4 MB in the step)
 #   s49e (nvidia-h200):       auto vs latency_specialized at q = 1 (no MTP pass at k = 0 since session 49; issue #9's
 #                             ratio), then q = 4 with the defaults
 #   s49c (nvidia-h200):       q = 1: defaults vs kda_gate_proj vs the bf16 GEMV kernel at one row with its split sums
@@ -661,6 +663,13 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # o_proj's XLA GEMV ran 5.7 µs at 2.9 TB/s in s48e's trace, the XLA split sum after our kernel gone)
     rank1 s49c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"kda_gate_proj": true}' \
       '{"bf16_linear": true, "linear_fused_sum": true}'
+    ;;
+  s49f)  # (nvidia-h200) the DSA layer's first kernel on its chain, the fused q_a | kv_a FP8 GEMV, ran 9.5 µs for 8.4
+    # MB in s48e's trace (0.9 TB/s; 16 K splits of 2 weight tiles each, then XLA's split sum 2.1 µs): every fp8dq
+    # shape at one row, then the K-split / ring sweep of qkv_a, q_b and mla_o
+    timeout -s INT $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --rows 1 --only fp8dq --sweep-dq 1 \
+      --budget-s $(( $(left) - 30 )) --out "$OUT/bench_linear.txt" > "$OUT/bench_linear.log" 2>&1
+    cat "$OUT/bench_linear.txt"
     ;;
   s49e)  # (nvidia-h200) issue #9's ratio with session 49's code: at q = 1 (k = 0) the step no longer runs the MTP pass
     # (speculative._first_drafts: its cache was write-only there — a DSA + MoE layer per step, in auto too), so auto
