@@ -225,11 +225,12 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shar
   return names
 
 
-def bench_moe_router(form: str, n_sets=12):
+def bench_moe_router(form: str, n_sets=12, plan=None):
   """The single-row MoE with the router's selection in the kernel (moe_router_in_kernel with moe_router_ranks:
   fp8_moe(router=...) with XLA's glue and sum, "moerk"; the step's default form since session 48, its split sums in
   both kernels on split-K counters and the rows written, moe_rows: "moerows") or fp8_moe_chained's one launch
-  ("moech"): random logits per set (the experts differ from set to set: cold in L2), the shared expert as slot 0."""
+  ("moech"): random logits per set (the experts differ from set to set: cold in L2), the shared expert as slot 0.
+  ``plan``: a MoePlan for fp8_moe's two kernels (not "moech")."""
   chained = form == "moech"
   e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
   w = moe_weights()
@@ -250,7 +251,7 @@ def bench_moe_router(form: str, n_sets=12):
       return L.fp8_moe_chained(x, logits, bias, *ws[:6], swiglu_limit=MOE["limit"], shared=ws[6],
                                router_select=select, counters=L.moe_chain_counters())[0]
     rows = dict(counters=L.splitk_counters(), out_dtype=jnp.bfloat16) if form == "moerows" else {}
-    return L.fp8_moe(x, None, None, *ws[:6], swiglu_limit=MOE["limit"], shared=ws[6], dq=True,
+    return L.fp8_moe(x, None, None, *ws[:6], swiglu_limit=MOE["limit"], shared=ws[6], dq=True, plan=plan,
                      router=(logits, bias), router_select=select, **rows)[0]
 
   f = jax.jit(kern)
@@ -260,7 +261,7 @@ def bench_moe_router(form: str, n_sets=12):
   call, names = time_calls(f, args)
   nb = (k + 1) * 3 * i * d
   row(form, f"E{e} I{i} D{d} 9 slots", 1, nb, mosaic_us(names), call, None, err,
-      {"moech": "one launch", "moerows": "gate/up + down, sums inside"}.get(form, "gate/up + glue + down"))
+      plan or {"moech": "one launch", "moerows": "gate/up + down, sums inside"}.get(form, "gate/up + glue + down"))
   log(f"#   per kernel (us): { {n: round(t, 1) for n, t in names.items()} }")
   return names
 
@@ -333,6 +334,24 @@ def _sweep_moe(deadline, m, dq=True):
       guarded(deadline, bench_moe, m, plan=p, with_xla=False, check=False, n_sets=8, dq=dq)
 
 
+def _sweep_moerows(deadline):
+  """Plan variants of the step's single-row MoE in its default form (moe_rows: the router's selection in the
+  gate/up kernel, both kernels' split sums inside on the split-K counters) — plan_moe's M = 1 defaults were chosen
+  for the earlier form with XLA's glue (session 26): gate/up D splits 2 / 4 / 8, 128-row gate/up tiles, 4-stage
+  rings, the down kernel's groups and 64-row tiles. s48e: gate/up 17.7 + down 10.3 µs in the step for 56.6 MB."""
+  i, d, k = MOE["I"], MOE["D"], MOE["k"]
+  base = L.plan_moe(k + 1, i, d, L._padded_rows(1))
+  plans = [base] + [L.plan_moe(k + 1, i, d, 8, **kw) for kw in (
+      dict(gu_split=2), dict(gu_split=8), dict(gu_bm=128), dict(dn_bm=64), dict(dn_groups=3), dict(dn_stages=2))]
+  plans += [dataclasses.replace(base, gu_stages=4), dataclasses.replace(base, dn_stages=4),
+            dataclasses.replace(L.plan_moe(k + 1, i, d, 8, gu_split=8), gu_stages=4)]
+  seen = set()
+  for p in plans:
+    if p not in seen:
+      seen.add(p)
+      guarded(deadline, bench_moe_router, "moerows", n_sets=8, plan=p)
+
+
 def sweep(deadline):
   """Plan variants for tuning the defaults (no XLA, no correctness check), most informative first."""
   log("\n# sweep (plan variants)")
@@ -357,6 +376,8 @@ def main(argv=None):
   ap.add_argument("--only", default="fp8,fp8dq,bf16,moe,moedq")
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--sweep-moe", default="", help="only the MoE plan sweep (dq, shared slot) at these rows, e.g. 1,4")
+  ap.add_argument("--sweep-moerows", action="store_true", help="the step's single-row MoE form (moe_rows) under "
+                  "plan variants")
   ap.add_argument("--sweep-dq", default="", help="the dequantising FP8 GEMV's plan sweep for the DSA layer's linears "
                   "(qkv_a, q_b, mla_o) at these rows, e.g. 1")
   ap.add_argument("--budget-s", type=float, default=1e9)
@@ -404,6 +425,9 @@ def main(argv=None):
       guarded(deadline, bench_moe_router, kind)
   if a.sweep:
     sweep(deadline)
+  if a.sweep_moerows:
+    log("\n# moerows plan sweep (the step's single-row MoE)")
+    _sweep_moerows(deadline)
   if a.sweep_dq:
     log("\n# fp8dq plan sweep (the DSA layer's linears)")
     for m in [int(r) for r in a.sweep_dq.split(",")]:

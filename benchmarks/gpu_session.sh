@@ -73,6 +73,8 @@
 #                             bench_mhc (narrow / sums / grid)
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
+#   s49g (nvidia-h200):       the step's single-row MoE form (moe_rows) under plan variants (bench_linear
+#                             --sweep-moerows: gate/up D splits, tiles, rings, the down kernel's groups)
 #   s49f (nvidia-h200):       the dequantising FP8 GEMV at one row: every shape (qkv_a added), then the plan sweep of
 #                             the DSA layer's linears (K splits 2..32; s48e: qkv_a 9.5 µs for 8.4 MB in the step)
 #   s49e (nvidia-h200):       auto vs latency_specialized at q = 1 (no MTP pass at k = 0 since session 49; issue #9's
@@ -663,6 +665,14 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # o_proj's XLA GEMV ran 5.7 µs at 2.9 TB/s in s48e's trace, the XLA split sum after our kernel gone)
     rank1 s49c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"kda_gate_proj": true}' \
       '{"bf16_linear": true, "linear_fused_sum": true}'
+    ;;
+  s49g)  # (nvidia-h200) the MoE sublayer is the largest gap left (s48e: gate/up 17.7 + down 10.3 µs in the step for
+    # 56.6 MB, ~1.06 ms per step above the bytes' floor); plan_moe's M = 1 defaults date from the XLA-glue form
+    # (session 26): the step's form (moe_rows: selection inside, sums inside) under gate/up splits 2 / 4 / 8, 128-row
+    # tiles, 4-stage rings and other down groupings — alone, cold weights; the err column checks each variant
+    timeout -s INT $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --rows 1 --only moerows --sweep-moerows \
+      --budget-s $(( $(left) - 30 )) --out "$OUT/bench_linear_moe.txt" > "$OUT/bench_linear_moe.log" 2>&1
+    cat "$OUT/bench_linear_moe.txt"
     ;;
   s49f)  # (nvidia-h200) the DSA layer's first kernel on its chain, the fused q_a | kv_a FP8 GEMV, ran 9.5 µs for 8.4
     # MB in s48e's trace (0.9 TB/s; 16 K splits of 2 weight tiles each, then XLA's split sum 2.1 µs): every fp8dq
