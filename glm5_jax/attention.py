@@ -430,7 +430,7 @@ class Indexer(nnx.Module):
           return idx.reshape(*pos.shape, wp), js.reshape(*pos.shape, kk)
         # topk_compact_kernel: the threshold kernel as the model runs it (on the scores kernel's padded output), then
         # the compaction, the expansion to tokens, the tail and the pad to the attention kernel's width as ONE
-        # multi-CTA launch (pallas_kernels.indexer.topk_compact) instead of ~5 XLA kernels after the threshold
+        # multi-CTA launch (pallas_kernels.indexer.topk_compact) instead of 6 XLA kernels after the threshold
         lanes = ki.THRESHOLD_LANES * wgs  # (the threshold kernel's row: a multiple of its lanes)
         if kernel_enabled("topk_compact_kernel", fits=bool(thr) and Pr is not None and Pr % lanes == 0
                           and Pr <= ki.THRESHOLD_MAX_KEYS and kk < ki.SELECT_MAX_K and (kp * kk) % 64 == 0

@@ -363,7 +363,8 @@ KNOBS = {
         "kernel's width — as ONE Mosaic launch of several CTAs per score row (pallas_kernels.indexer.topk_compact: "
         "each CTA 2,048 keys, the counts before them from the rows above, topk_select's wgmma prefix counts, the "
         "selected keys stored to GMEM by the thread holding them) instead of XLA's blocked prefix sum, slice, "
-        "select, scatter and pad: five launches and 9.4 µs on every DSA layer's q = 1 chain (session 48's trace), "
+        "select, the -1 buffer's copy, scatter and pad: six launches and 9.4 µs on every DSA layer's q = 1 chain "
+        "(session 48's trace), "
         "without topk_select's single-CTA latency. Correct in GPU interpret mode and cross-lowered (session 49); "
         "off until measured natively"),
     "topk_compact_fused": (False,
