@@ -369,14 +369,14 @@ def pool_update_reference(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b,
 def _pool_kernel(T: int, kp: int, Rg: int):
   """Kernel body of ``pool_update``: one CTA (one warpgroup) per sequence b.
 
-  GMEM refs: kx_g [B, T, C] bf16, lnw_g / lnb_g [128], ape_g [kp, 128] (f32, bf16 or f16: widened here), h_g
-  [128, 128] bf16 (±1), st_g / va_g [B] int32, then the caches it updates in place: ring_g [B, 2·Rg, 128] bf16 (the ring's [Rg, 2, 128] entries
-  as rows: position p's key in row 2·(p mod Rg), its gate score in the next), p8_g [B, P, 128] e4m3, ps_g [B, P]
-  f32. Scratch: kn_s [2, T, 128] (the call's tokens' keys, then gate scores), pos_s [2, kp, NP, 128] (the key /
-  gate score of position base + i at [., i % kp, i // kp]: TMA'd from the ring after the call's rows are
-  written), pk_s [64, 128] bf16 (the pooled keys' rows), qb_s / h_s (wgmma-tiled), y8_s [64, 128] e4m3, sc_s
-  [64] f32, the loads' two barriers. Every register store into SMEM is of a whole contiguous tile at row 0 (the
-  patterns that stored wrong natively: POOL_MAX_TOKENS's note)."""
+  GMEM refs: kx_g [B, T, C] bf16, lnw_g / lnb_g [128], ape_g [kp, 128] (f32, bf16 or f16: widened here), h_g [128,
+  128] bf16 (±1), st_g / va_g [B] int32, then the caches it updates in place: ring_g [B, 2·Rg, 128] bf16 (the ring's
+  [Rg, 2, 128] entries as rows: position p's key in row 2·(p mod Rg), its gate score in the next), p8_g [B, P, 128]
+  e4m3, ps_g [B, P] f32. Scratch: kn_s [2, T, 128] (the call's tokens' keys, then gate scores), pos_s [2, kp, NP, 128]
+  (the key / gate score of position base + i at [., i % kp, i // kp]: TMA'd from the ring after the call's rows are
+  written), pk_s [64, 128] bf16 (the pooled keys' rows), qb_s / h_s (wgmma-tiled), y8_s [64, 128] e4m3, sc_s [64] f32,
+  the loads' two barriers. Every register store into SMEM is of a whole contiguous tile at row 0 (the patterns that
+  stored wrong natively: POOL_MAX_TOKENS's note)."""
   G, NP = _pool_geometry(T, kp)
   Di, f32, bf16 = HEAD_DIM, jnp.float32, jnp.bfloat16
   ROWS, ROW = replicated_rows_layouts(Di)
@@ -977,17 +977,17 @@ def topk_select(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, wid
 
 
 # ------------------------------------------------------------------------------------------------ top-k compaction
-# The selection after the threshold kernel, as one launch of several CTAs per score row. The row is viewed as
-# [N / L, L] (L = ``lanes`` keys per row, 32 or 128); CTA c owns the 64 rows 64c.. of it (64 · L keys), counts the
-# selected keys before them itself (the packed gt / eq flags of the tiles above: no exchange between CTAs), forms
-# its keys' slots with topk_select's two wgmma prefix counts (F · U within a row, L64 · F down the tile), and
-# stores each selected key's pool and its kpool token positions straight to GMEM (a thread per key: every slot
-# below k has exactly one owner, so no -1 fill races with it); CTA 0 also writes the tail and the -1 padding up
-# to the attention kernel's width. It replaces XLA's compaction after the threshold kernel — a blocked prefix sum
-# (reduce-window), a slice, a select, a scatter and the pad to the width: five launches and 9.4 µs on every DSA
-# layer's q = 1 chain (session 48's trace) — without topk_select's single-CTA latency (its threshold passes and
-# both 64-row tiles of 128 keys in one CTA, 64 keys per thread each: 19.8 µs alone vs 17.0 for the threshold
-# kernel + XLA, session 42). With L = 32 a thread holds 16 keys of its tile (5 CTAs at 32K context's 8,704 pools).
+# The selection after the threshold kernel, as one launch of several CTAs per score row. The row is viewed as [N / L,
+# L] (L = ``lanes`` keys per row, 32 or 128); CTA c owns the 64 rows 64c.. of it (64 · L keys), counts the selected
+# keys before them itself (the packed gt / eq flags of the tiles above: no exchange between CTAs), forms its keys'
+# slots with topk_select's two wgmma prefix counts (F · U within a row, L64 · F down the tile), and stores each
+# selected key's pool and its kpool token positions straight to GMEM (a thread per key: every slot below k has exactly
+# one owner, so no -1 fill races with it); CTA 0 also writes the tail and the -1 padding up to the attention kernel's
+# width. It replaces XLA's compaction after the threshold kernel — a blocked prefix sum (reduce-window), a slice, a
+# select, the -1 buffer's copy, a scatter and the pad to the width: six launches and 9.4 µs on every DSA layer's q = 1
+# chain (session 48's trace) — without topk_select's single-CTA latency (its threshold passes and both 64-row tiles of
+# 128 keys in one CTA, 64 keys per thread each: 19.8 µs alone vs 17.0 for the threshold kernel + XLA, session 42).
+# With L = 32 a thread holds 16 keys of its tile (5 CTAs at 32K context's 8,704 pools).
 COMPACT_LANES = 32  # keys per row of the compaction's view (the default: 2,048 keys per CTA, 16 per thread)
 _ENC_SLOT = 15  # a selected key's packed code: its index (bits 0..14), slot (15..28), non-finite flag (bit 29)
 _ENC_NONFINITE = 1 << 29
@@ -995,11 +995,12 @@ assert THRESHOLD_MAX_KEYS <= 1 << _ENC_SLOT and SELECT_MAX_K << _ENC_SLOT <= _EN
 
 
 def topk_compact_reference(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int, **_):
-  """scores [R, N] f32, a threshold of their order keys (t [R] or [R, 128] uint32, n_gt [R] or [R, 128] int32:
-  lane 0 read — ``topk_threshold``'s, exact or early-exit; None and None: the exact one, as the kernel's fused
-  form finds its own), tail_start / pos [R] int32 -> (idx [R, width], js [R, k]) int32, ``topk_select_reference``'s contract: the set the threshold selects (``topk_selection_reference``:
-  lax.top_k's) in ascending index order, -1 for a non-finite score, expanded to kpool token positions each, then
-  the tail and -1 up to width. (Keyword options of the kernel, ``lanes``, are accepted and ignored.)"""
+  """scores [R, N] f32, a threshold of their order keys (t [R] or [R, 128] uint32, n_gt [R] or [R, 128] int32: lane 0
+  read — ``topk_threshold``'s, exact or early-exit; None and None: the exact one, as the kernel's fused form finds its
+  own), tail_start / pos [R] int32 -> (idx [R, width], js [R, k]) int32, ``topk_select_reference``'s contract: the set
+  the threshold selects (``topk_selection_reference``: lax.top_k's) in ascending index order, -1 for a non-finite
+  score, expanded to kpool token positions each, then the tail and -1 up to width. (Keyword options of the kernel,
+  ``lanes``, are accepted and ignored.)"""
   _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
   R, N = scores.shape
   from pallas_kernels._common import order_key_u32  # noqa: PLC0415

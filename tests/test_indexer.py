@@ -523,8 +523,9 @@ def compact_thresholds(sc, k, native: bool):
 def test_compact_kernel_interpret(R, N, k, n_tail, width, lanes):
   """The compaction after the threshold kernel as one multi-CTA launch (policy knob topk_compact_kernel), in GPU
   interpret mode: from the exact threshold, from the threshold kernel's early-exit one and from its own in every
-  CTA (the fused form, knob topk_compact_fused), the token index list and the pools of lax.top_k's set (topk_select_reference) — ties (row 0), NaN, +inf, a row with fewer than k
-  finite scores; CTAs of 2,048 (lanes 32) or 8,192 keys, k up to N / 4, the tail and -1 padding to the width."""
+  CTA (the fused form, knob topk_compact_fused), the token index list and the pools of lax.top_k's set
+  (topk_select_reference) — ties (row 0), NaN, +inf, a row with fewer than k finite scores; CTAs of 2,048 (lanes
+  32) or 8,192 keys, k up to N / 4, the tail and -1 padding to the width."""
   rng = np.random.default_rng()
   sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
   kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
