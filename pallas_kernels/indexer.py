@@ -1052,9 +1052,10 @@ def _store_selected(enc, js_g, idx_g, *, kpool: int):
   op(enc, js_g, idx_g)
 
 
-def _store_selected_interpret(enc, enc_s, js_g, idx_g, *, kpool: int):
-  """``_store_selected`` for GPU interpret mode (no inline Mosaic GPU there): enc through SMEM, then one key at a
-  time, each store a one-element slice — the same writes, slowly."""
+def _store_selected_interpret(enc, enc_s, js_g, idx_g, *, kpool: int, rows: int):
+  """``_store_selected`` for GPU interpret mode (no inline Mosaic GPU there): enc through SMEM, then one key of the
+  tile's first ``rows`` rows (those that can be keys) at a time, each store a one-element slice — the same writes,
+  slowly."""
   enc_s[...] = enc
   L = enc_s.shape[1]
 
@@ -1072,7 +1073,7 @@ def _store_selected_interpret(enc, enc_s, js_g, idx_g, *, kpool: int):
 
     return carry
 
-  lax.fori_loop(0, SELECT_ROWS * L, one, None)
+  lax.fori_loop(0, rows * L, one, None)
 
 
 def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int, boxes, interpret: bool,
@@ -1182,7 +1183,7 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
       enc = jnp.where(sel > 0, code, i32(-1))
     with jax.named_scope("store"):
       if interpret:
-        _store_selected_interpret(enc, enc_s[0], js_g.at[r], idx_g.at[r], kpool=kpool)
+        _store_selected_interpret(enc, enc_s[0], js_g.at[r], idx_g.at[r], kpool=kpool, rows=min(T, nr))
       else:
         _store_selected(plgpu.layout_cast(enc, wg), js_g.at[r], idx_g.at[r], kpool=kpool)
       plgpu.wait_smem_to_gmem(0)

@@ -518,14 +518,14 @@ def compact_thresholds(sc, k, native: bool):
   return exact, early, (None, None)  # (None: the fused form, its own early-exit threshold in every CTA)
 
 
-@pytest.mark.parametrize("R,N,k,n_tail,width,lanes", [(1, 8320, 512, 3, 2112, 32), (2, 1024, 128, 6, 576, 128),
+@pytest.mark.parametrize("R,N,k,n_tail,width,lanes", [(1, 4224, 256, 3, 1088, 32), (2, 512, 64, 6, 320, 128),
                                                       (3, 384, 96, 3, 1600, 32)])
 def test_compact_kernel_interpret(R, N, k, n_tail, width, lanes):
   """The compaction after the threshold kernel as one multi-CTA launch (policy knob topk_compact_kernel), in GPU
   interpret mode: from the exact threshold, from the threshold kernel's early-exit one and from its own in every
   CTA (the fused form, knob topk_compact_fused), the token index list and the pools of lax.top_k's set
-  (topk_select_reference) — ties (row 0), NaN, +inf, a row with fewer than k finite scores; CTAs of 2,048 (lanes
-  32) or 8,192 keys, k up to N / 4, the tail and -1 padding to the width."""
+  (topk_select_reference) — ties (row 0), NaN, +inf, a row with fewer than k finite scores; CTAs of 2,048 keys
+  (lanes 32: 3 CTAs at N = 4,224) or 8,192, k up to N / 4, the tail and -1 padding to the width."""
   rng = np.random.default_rng()
   sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
   kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)

@@ -76,8 +76,8 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   thr = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_topk_threshold" in line]
   assert all(re.search(r"\(tensor<\d+x\d+x\d+xf32>\)", line) for line in thr), thr
   assert "mosaic_gpu.uses_pdl" not in txt  # (policy pdl, off by default: test_kernel_tiny_step_lowers_for_cuda_at_tp4)
-  auto = lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
-  assert "mosaic_gpu" not in auto  # and the stock path has no kernel at all
+  if q == 1:  # and the stock path has no kernel at all (one lowering of it: ~5 s of the CPU suite each)
+    assert "mosaic_gpu" not in lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
 
 
 def test_kernel_tiny_step_lowers_at_twelve_token_rows():
