@@ -835,9 +835,73 @@ def _order_key_u32_np(x) -> int:
   return ((bits ^ 0x7FFFFFFF if bits < 0 else bits) & 0xFFFFFFFF) ^ 0x80000000
 
 
+def _fill_triangles(upper_s, lower_s):
+  """The prefix counts' constant wgmma operands (bf16 0 / 1): upper_s [R, C] strictly upper (i < j; a wgmma reads
+  its first C rows: a register tile has >= 64), lower_s [64, 64] strictly lower. The caller commits them."""
+  wg, i32 = _L.WGMMA, jnp.int32
+  i0 = plgpu.broadcasted_iota(i32, upper_s.shape, 0, layout=wg)
+  i1 = plgpu.broadcasted_iota(i32, upper_s.shape, 1, layout=wg)
+  upper_s[...] = jnp.where(i0 < i1, 1.0, 0.0).astype(jnp.bfloat16)
+  j0 = plgpu.broadcasted_iota(i32, lower_s.shape, 0, layout=wg)
+  j1 = plgpu.broadcasted_iota(i32, lower_s.shape, 1, layout=wg)
+  lower_s[...] = jnp.where(j1 < j0, 1.0, 0.0).astype(jnp.bfloat16)
+
+
+def _threshold_passes(u, k: int, early_exit: bool):
+  """The threshold of the row's keys u (uint32, in registers): topk_threshold's passes, one bit each, ending early
+  (``early_exit``) once a candidate has exactly k keys at or above it — that set IS the top k, so it is selected as
+  {key > cand - 1} with no ties to break (2.3 µs of the passes saved on bench_topk's scores, session 42) -> (thr,
+  need: the keys equal to thr to take, first by index)."""
+  i32, u32 = jnp.int32, jnp.uint32
+
+  def cond(c):
+    return (c[0] < 32) & (c[2] == 0) if early_exit else c[0] < 32
+
+  def one_pass(c):
+    i, t, _ = c
+    cand = t | lax.shift_left(u32(1), u32(31) - i.astype(u32))
+    n = jnp.sum((u >= cand).astype(i32))
+    return i + 1, jnp.where(n >= k, cand, t), jnp.where(n == k, i32(1), i32(0))
+
+  _, t, done = lax.while_loop(cond, one_pass, (i32(0), u32(0), i32(0)))
+  thr = jnp.where(done == 1, t - u32(1), t)
+  return thr, k - jnp.sum((u > thr).astype(i32))
+
+
+def _prefix_slots(gt, eq, base, need, f_s, upper, lower_s):
+  """Slots of a tile's keys: a selected key's is #{gt before it} + min(#{eq before it}, need), gt = key > thr, eq =
+  key == thr (int32 0 / 1 [64, C]), "before" in index order (row-major over the tile; ``base``: the packed counts
+  of the keys before the tile). Both counts from one packed flag F = gt + 16384 · eq (0, 1 or 16384: exact in
+  bf16, staged in f_s) by wgmma, f32 sums of 0/1 products (exact): within = F · U (``upper`` [C, C] strictly upper:
+  the row's keys to the left), col = L · F (lower_s [64, 64] strictly lower: the tile's rows above), both exact
+  integers below 2^24 (<= 127 + 16384 · 127 and 63 + 16384 · 63), col then summed along the row in int32 (exact;
+  the gt count stays below k < 16384) -> (sel: selected 0 / 1, slot, packed F as int32)."""
+  f32, i32 = jnp.float32, jnp.int32
+  T, C = gt.shape
+  packed = gt + eq * _EQ_UNIT
+  f_s[...] = plgpu.layout_cast(packed.astype(f32).astype(jnp.bfloat16), _L.WGMMA)
+  plgpu.commit_smem()
+
+  def within_mm(acc):
+    plgpu.wgmma(acc, f_s, upper)
+    return acc[...]
+
+  def col_mm(acc):
+    plgpu.wgmma(acc, lower_s, f_s)
+    return acc[...]
+
+  within = pl.run_scoped(within_mm, plgpu.ACC((T, C), f32)).astype(i32)
+  col = pl.run_scoped(col_mm, plgpu.ACC((T, C), f32)).astype(i32)
+  above = base + col.sum(axis=1)  # [64]: the packed counts of the keys in the rows above (int32: exact)
+  before = lax.broadcast_in_dim(above, (T, C), (0,)) + within
+  n_gt, n_eq = before & (_EQ_UNIT - 1), lax.shift_right_logical(before, 14)
+  sel = gt + jnp.where(n_eq < need, eq, i32(0))  # (gt and eq exclusive: 0 / 1)
+  return sel, n_gt + jnp.minimum(n_eq, need), packed
+
+
 def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool, early_exit: bool = True):
   nt = -(-nr // SELECT_ROWS)
-  f32, i32, u32 = jnp.float32, jnp.int32, jnp.uint32
+  i32, u32 = jnp.int32, jnp.uint32
   k_ninf, k_pinf = (_order_key_u32_np(x) for x in (-np.inf, np.inf))  # (finite: the keys strictly between)
 
   def body(s_g, ts_g, pos_g, idx_g, js_g, u_s, f_s, upper_s, lower_s, idx_s, js_s, bar, *enc_s):
@@ -845,12 +909,7 @@ def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool, ea
     plgpu.copy_gmem_to_smem(s_g.at[r], u_s.at[pl.ds(0, nr)], bar)
     # (the constant operands of the prefix counts, while the row arrives: strictly upper / lower triangles)
     wg = _L.WGMMA
-    i0 = plgpu.broadcasted_iota(i32, (128, 128), 0, layout=wg)
-    i1 = plgpu.broadcasted_iota(i32, (128, 128), 1, layout=wg)
-    upper_s[...] = jnp.where(i0 < i1, 1.0, 0.0).astype(jnp.bfloat16)
-    j0 = plgpu.broadcasted_iota(i32, (SELECT_ROWS, SELECT_ROWS), 0, layout=wg)
-    j1 = plgpu.broadcasted_iota(i32, (SELECT_ROWS, SELECT_ROWS), 1, layout=wg)
-    lower_s[...] = jnp.where(j1 < j0, 1.0, 0.0).astype(jnp.bfloat16)
+    _fill_triangles(upper_s, lower_s)
     # idx: -1, and the tail after the k pools' kpool positions; js: -1 (the scatter writes the selected slots)
     ts, pos = ts_g[r], pos_g[r]
     wr = idx_s.shape[0]
@@ -862,31 +921,9 @@ def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool, ea
     plgpu.commit_smem()  # (the wgmma operands: the async proxy)
     plgpu.barrier_wait(bar)
 
-    # The threshold: topk_threshold's passes (one bit each), ending early once a candidate has exactly k keys at
-    # or above it — that set IS the top k, so it is selected as {key > cand - 1} with no ties to break (2.3 µs
-    # of the passes saved on bench_topk's scores, session 42).
-    u = order_key_u32(u_s.at[pl.ds(0, nr)][...])
+    thr, need = _threshold_passes(order_key_u32(u_s.at[pl.ds(0, nr)][...]), k, early_exit)
 
-    def cond(c):
-      return (c[0] < 32) & (c[2] == 0) if early_exit else c[0] < 32
-
-    def one_pass(c):
-      i, t, _ = c
-      cand = t | lax.shift_left(u32(1), u32(31) - i.astype(u32))
-      n = jnp.sum((u >= cand).astype(i32))
-      return i + 1, jnp.where(n >= k, cand, t), jnp.where(n == k, i32(1), i32(0))
-
-    _, t, done = lax.while_loop(cond, one_pass, (i32(0), u32(0), i32(0)))
-    thr = jnp.where(done == 1, t - u32(1), t)
-    need = k - jnp.sum((u > thr).astype(i32))  # the keys equal to thr to take, first by index
-
-    # Slots: a selected key's is #{gt before it} + min(#{eq before it}, need), gt = key > thr, eq = key == thr,
-    # "before" in index order (row-major over the [rows, 128] view). Both counts from one packed flag
-    # F = gt + 16384 · eq (0, 1 or 16384: exact in bf16) by wgmma, f32 sums of 0/1 products (exact):
-    # within = F · U (U [128, 128] strictly upper: the row's keys to the left), col = L · F (L [64, 64] strictly
-    # lower: the tile's rows above), both exact integers below 2^24 (<= 127 + 16384 · 127 and 63 + 16384 · 63),
-    # col then summed along the row in int32 (exact; the gt count stays below k < 16384); `base` carries the
-    # tiles above.
+    # The slots tile by tile (_prefix_slots over the [rows, 128] view); `base` carries the tiles above.
     base = i32(0)
     rows = plgpu.broadcasted_iota(i32, (SELECT_ROWS, 128), 0, layout=wg)
     for b in range(nt):
@@ -895,25 +932,8 @@ def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool, ea
       real = jnp.where(rows + b * SELECT_ROWS < nr, i32(1), i32(0))  # (rows past the row's end: not keys)
       gt, eq = jnp.where(ub > thr, real, i32(0)), jnp.where(ub == thr, real, i32(0))
       fin = jnp.where(ub > u32(k_ninf), jnp.where(ub < u32(k_pinf), real, i32(0)), i32(0))
-      packed = gt + eq * _EQ_UNIT
-      f_s[...] = plgpu.layout_cast(packed.astype(f32).astype(jnp.bfloat16), wg)
-      plgpu.commit_smem()
-
-      def within_mm(acc):
-        plgpu.wgmma(acc, f_s, upper_s)
-        return acc[...]
-
-      def col_mm(acc):
-        plgpu.wgmma(acc, lower_s, f_s)
-        return acc[...]
-
-      within = pl.run_scoped(within_mm, plgpu.ACC((SELECT_ROWS, 128), f32)).astype(i32)
-      col = pl.run_scoped(col_mm, plgpu.ACC((SELECT_ROWS, 128), f32)).astype(i32)
-      above = base + col.sum(axis=1)  # [64]: the packed counts of the keys in the rows above (int32: exact)
-      before = lax.broadcast_in_dim(above, (SELECT_ROWS, 128), (0,)) + within
-      n_gt, n_eq = before & (_EQ_UNIT - 1), lax.shift_right_logical(before, 14)
-      sel = gt + jnp.where(n_eq < need, eq, i32(0))  # (gt and eq exclusive: 0 / 1)
-      enc = jnp.where(sel * fin > 0, n_gt + jnp.minimum(n_eq, need), i32(-1))
+      sel, slot, packed = _prefix_slots(gt, eq, base, need, f_s, upper_s, lower_s)
+      enc = jnp.where(sel * fin > 0, slot, i32(-1))
       if b + 1 < nt:  # (row sums first: a whole-tile sum to a scalar failed Mosaic's layout inference here)
         base = base + packed.sum(axis=1).sum()
       if interpret:
@@ -1078,30 +1098,11 @@ def _store_selected_interpret(enc, enc_s, js_g, idx_g, *, kpool: int, rows: int)
 
 def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int, boxes, interpret: bool,
                     fused: bool = False, early_exit: bool = True):
-  f32, i32, u32 = jnp.float32, jnp.int32, jnp.uint32
+  i32, u32 = jnp.int32, jnp.uint32
   k_ninf, k_pinf = (_order_key_u32_np(x) for x in (-np.inf, np.inf))  # (finite: the keys strictly between)
   head = kpool * k  # the selected pools' token positions: idx[:head]; the tail and the padding after
   T = SELECT_ROWS
   wg = _L.WGMMA
-
-  def threshold(u_s):
-    """``fused``: the threshold from the row in SMEM, as topk_select's passes (one bit each; with ``early_exit``
-    they stop at a candidate with exactly k keys at or above it) — every CTA of the row the same passes over the
-    same keys, so the same (thr, need) in each, and no launch of the threshold kernel before this one."""
-    u = order_key_u32(u_s.at[pl.ds(0, nr)][...])
-
-    def cond(c):
-      return (c[0] < 32) & (c[2] == 0) if early_exit else c[0] < 32
-
-    def one_pass(c):
-      i, t, _ = c
-      cand = t | lax.shift_left(u32(1), u32(31) - i.astype(u32))
-      n = jnp.sum((u >= cand).astype(i32))
-      return i + 1, jnp.where(n >= k, cand, t), jnp.where(n == k, i32(1), i32(0))
-
-    _, t, done = lax.while_loop(cond, one_pass, (i32(0), u32(0), i32(0)))
-    thr = jnp.where(done == 1, t - u32(1), t)
-    return thr, k - jnp.sum((u > thr).astype(i32))
 
   def body(*refs):
     s_g, t_g, n_g, *refs = refs if not fused else (refs[0], None, None, *refs[1:])
@@ -1109,14 +1110,7 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
     r, c = lax.axis_index("r"), lax.axis_index("c")
     for b0, n in boxes:  # (TMA boxes of at most 256 rows)
       plgpu.copy_gmem_to_smem(s_g.at[r, pl.ds(b0, n)], u_s.at[pl.ds(b0, n)], bar)
-    # (while the row arrives: the prefix counts' constant operands, strictly upper / lower triangles)
-    ru = upper_s.shape[0]  # (max(L, 64) rows: a register tile has 64 or more; the wgmma reads the first L)
-    i0 = plgpu.broadcasted_iota(i32, (ru, L), 0, layout=wg)
-    i1 = plgpu.broadcasted_iota(i32, (ru, L), 1, layout=wg)
-    upper_s[...] = jnp.where(i0 < i1, 1.0, 0.0).astype(jnp.bfloat16)
-    j0 = plgpu.broadcasted_iota(i32, (T, T), 0, layout=wg)
-    j1 = plgpu.broadcasted_iota(i32, (T, T), 1, layout=wg)
-    lower_s[...] = jnp.where(j1 < j0, 1.0, 0.0).astype(jnp.bfloat16)
+    _fill_triangles(upper_s, lower_s)  # (while the row arrives)
     plgpu.commit_smem()  # (the wgmma operands: the async proxy)
     if not fused:
       thr, need = t_g[r, 0], k - n_g[r, 0]  # (need: the keys equal to thr to take, first by index)
@@ -1135,9 +1129,9 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
 
     with jax.named_scope("load"):
       plgpu.barrier_wait(bar)
-    if fused:
+    if fused:  # every CTA of the row the same passes over the same keys: the same (thr, need) in each
       with jax.named_scope("threshold"):
-        thr, need = threshold(u_s)
+        thr, need = _threshold_passes(order_key_u32(u_s.at[pl.ds(0, nr)][...]), k, early_exit)
     rows = plgpu.broadcasted_iota(i32, (T, L), 0, layout=wg)
 
     def flags(b0):
@@ -1158,28 +1152,10 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
     row0 = c * T
     with jax.named_scope("flags"):
       gt, eq, fin = flags(row0)
-      packed = gt + eq * _EQ_UNIT
-      f_s[...] = plgpu.layout_cast(packed.astype(f32).astype(jnp.bfloat16), wg)
-      plgpu.commit_smem()
-
-    def within_mm(acc):
-      plgpu.wgmma(acc, f_s, upper_s.at[pl.ds(0, L)])
-      return acc[...]
-
-    def col_mm(acc):
-      plgpu.wgmma(acc, lower_s, f_s)
-      return acc[...]
-
-    # slots as topk_select's: a selected key's is #{gt before it} + min(#{eq before it}, need), from the packed
-    # counts (exact f32 sums of 0 / 1 / 16384 products, below 2^24)
-    with jax.named_scope("slots"):
-      within = pl.run_scoped(within_mm, plgpu.ACC((T, L), f32)).astype(i32)
-      col = pl.run_scoped(col_mm, plgpu.ACC((T, L), f32)).astype(i32)
-      before = lax.broadcast_in_dim(base + col.sum(axis=1), (T, L), (0,)) + within
-      n_gt, n_eq = before & (_EQ_UNIT - 1), lax.shift_right_logical(before, 14)
-      sel = gt + jnp.where(n_eq < need, eq, i32(0))  # (gt and eq exclusive: 0 / 1)
+    with jax.named_scope("slots"):  # (topk_select's prefix counts)
+      sel, slot, _ = _prefix_slots(gt, eq, base, need, f_s, upper_s.at[pl.ds(0, L)], lower_s)
       key = (rows + row0) * L + plgpu.broadcasted_iota(i32, (T, L), 1, layout=wg)
-      code = key + lax.shift_left(n_gt + jnp.minimum(n_eq, need), _ENC_SLOT) + (1 - fin) * _ENC_NONFINITE
+      code = key + lax.shift_left(slot, _ENC_SLOT) + (1 - fin) * _ENC_NONFINITE
       enc = jnp.where(sel > 0, code, i32(-1))
     with jax.named_scope("store"):
       if interpret:

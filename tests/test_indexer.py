@@ -692,6 +692,19 @@ def test_select_with_the_keys_formed_in_the_threshold_kernel(native, P):
       np.testing.assert_array_equal(g, w)
 
 
+def check_list_at_width(outs, extra: int):
+  """``_select_at_the_model_site``'s three runs of a one-launch selection asked for the width W + ``extra`` (W:
+  the usual list's): its list is the usual one, -1 padded to that width rounded up to 64, with the same pools; the
+  declined run is the usual path."""
+  (idx0, js0), (idx1, js1), (idx2, js2) = outs
+  W = idx0.shape[-1]
+  assert idx1.shape[-1] == -(-(W + extra) // 64) * 64 and (idx1[..., W:] == -1).all()
+  np.testing.assert_array_equal(idx1[..., :W], idx0)
+  np.testing.assert_array_equal(js1, js0)
+  np.testing.assert_array_equal(idx2, idx0)  # (the knob declined: the usual path)
+  np.testing.assert_array_equal(js2, js0)
+
+
 @pytest.mark.parametrize("native,P,extra_tail,keys,fused", [
     (False, 320, 0, True, False), (False, 320, 2, False, True),
     pytest.param(True, 320, 0, True, False, marks=pytest.mark.gpu),
@@ -707,13 +720,7 @@ def test_compact_kernel_at_the_model_site(native, P, extra_tail, keys, fused):
   outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 298], "topk_compact_kernel",
                                    policy={"topk_keys_in_kernel": keys, "topk_compact_fused": fused},
                                    extra_tail=extra_tail, width=lambda W: W + 100)
-  (idx0, js0), (idx1, js1), (idx2, js2) = outs
-  W = idx0.shape[-1]
-  assert idx1.shape[-1] == -(-(W + 100) // 64) * 64 and (idx1[..., W:] == -1).all()
-  np.testing.assert_array_equal(idx1[..., :W], idx0)
-  np.testing.assert_array_equal(js1, js0)
-  np.testing.assert_array_equal(idx2, idx0)  # (the knob declined: the usual path)
-  np.testing.assert_array_equal(js2, js0)
+  check_list_at_width(outs, 100)
 
 
 @pytest.mark.parametrize("native,P,extra_tail", [(False, 320, 0), (False, 256, 2),
@@ -726,13 +733,7 @@ def test_select_kernel_at_the_model_site(native, P, extra_tail):
   not fit and says why."""
   outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 298], "topk_select_kernel",
                                    extra_tail=extra_tail, width=lambda W: W + 100)
-  (idx0, js0), (idx1, js1), (idx2, js2) = outs
-  W = idx0.shape[-1]
-  assert idx1.shape[-1] == -(-(W + 100) // 64) * 64 and (idx1[..., W:] == -1).all()
-  np.testing.assert_array_equal(idx1[..., :W], idx0)
-  np.testing.assert_array_equal(js1, js0)
-  np.testing.assert_array_equal(idx2, idx0)  # (the knob declined: the usual path)
-  np.testing.assert_array_equal(js2, js0)
+  check_list_at_width(outs, 100)
 
 
 # ------------------------------------------------------------------------------------------------------------
