@@ -81,6 +81,20 @@ def test_greedy_speculative_equals_greedy_reference(model, k):
   _run(dec, prompts, refs, modes, rng)  # a ragged batch of three, padded to 4
 
 
+@pytest.mark.parametrize("k", [0, 1])
+def test_mtp_runs_only_when_it_drafts(model, k):
+  """At k = 0 drafts (q = 1) no MTP pass runs (speculative._first_drafts): its caches, which only drafts read, stay
+  as the prefill left them through a decode step; with drafts (k = 1) the step writes them. The greedy tokens of
+  q = 1 are checked against the reference in test_greedy_speculative_equals_greedy_reference[0]."""
+  rng = np.random.default_rng()
+  dec = _decoder(model, k, sizes=(1,))
+  state = dec.prefill([rng.integers(0, 500, 9)])
+  before = jax.tree.map(np.asarray, state.caches["mtp"])  # (host copies: the step donates the state)
+  state, _ = decode(state, np.array(state.next_tokens))
+  same = jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), before, state.caches["mtp"]))
+  assert all(same) == (k == 0), same
+
+
 def test_state_after_rejection_equals_state_of_accepted_tokens(model):
   k = 3
   rng = np.random.default_rng(5)
