@@ -8,7 +8,7 @@ dispatch is counted; weights rotate over enough copies that they are cold in the
   kernel, split-K/transposition epilogue);  "xla us"  every kernel of the jitted XLA version.
 
 Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32]
-              [--only fp8,fp8dq,bf16,moe,moedq,moep,moeb,moerk,moerows,moech]
+              [--only fp8,fp8dq,bf16,moe,moedq,moep,moeb,moerk,moerows,moerows_st,moech]
               [--sweep] [--budget-s 200] [--out results.txt]
 Falls back to host wall-clock over many back-to-back async calls if CUPTI is unavailable (then dispatch-bound
 for small shapes; marked "wall").
@@ -228,7 +228,8 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shar
 def bench_moe_router(form: str, n_sets=12, plan=None):
   """The single-row MoE with the router's selection in the kernel (moe_router_in_kernel with moe_router_ranks:
   fp8_moe(router=...) with XLA's glue and sum, "moerk"; the step's default form since session 48, its split sums in
-  both kernels on split-K counters and the rows written, moe_rows: "moerows") or fp8_moe_chained's one launch
+  both kernels on split-K counters and the rows written, moe_rows: "moerows"; with static_table, policy
+  moe_static_table: "moerows_st") or fp8_moe_chained's one launch
   ("moech"): random logits per set (the experts differ from set to set: cold in L2), the shared expert as slot 0.
   ``plan``: a MoePlan for fp8_moe's two kernels (not "moech")."""
   chained = form == "moech"
@@ -250,7 +251,9 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
     if chained:  # (its counters Ref made in the call: a 4 KB fill, not a glm5_ kernel)
       return L.fp8_moe_chained(x, logits, bias, *ws[:6], swiglu_limit=MOE["limit"], shared=ws[6],
                                router_select=select, counters=L.moe_chain_counters())[0]
-    rows = dict(counters=L.splitk_counters(), out_dtype=jnp.bfloat16) if form == "moerows" else {}
+    rows = dict(counters=L.splitk_counters(), out_dtype=jnp.bfloat16) if form.startswith("moerows") else {}
+    if form == "moerows_st":
+      rows["static_table"] = True
     return L.fp8_moe(x, None, None, *ws[:6], swiglu_limit=MOE["limit"], shared=ws[6], dq=True, plan=plan,
                      router=(logits, bias), router_select=select, **rows)[0]
 
@@ -261,7 +264,8 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
   call, names = time_calls(f, args)
   nb = (k + 1) * 3 * i * d
   row(form, f"E{e} I{i} D{d} 9 slots", 1, nb, mosaic_us(names), call, None, err,
-      plan or {"moech": "one launch", "moerows": "gate/up + down, sums inside"}.get(form, "gate/up + glue + down"))
+      plan or {"moech": "one launch", "moerows": "gate/up + down, sums inside",
+               "moerows_st": "moerows + static_table"}.get(form, "gate/up + glue + down"))
   log(f"#   per kernel (us): { {n: round(t, 1) for n, t in names.items()} }")
   return names
 
@@ -420,7 +424,8 @@ def main(argv=None):
           names = guarded(deadline, bench_moe, m, dq=kind != "moe", **v)
           if names:
             log(f"# kernel us per {kind} {v} call: { {n: round(t, 1) for n, t in names.items()} }")
-  for kind in ("moerk", "moerows", "moech"):  # the single-row MoE, router in the kernel: XLA glue / rows / chained
+  # the single-row MoE, router in the kernel: XLA glue / rows (/ with static_table) / chained
+  for kind in ("moerk", "moerows", "moerows_st", "moech"):
     if kind in only:
       guarded(deadline, bench_moe_router, kind)
   if a.sweep:

@@ -300,6 +300,14 @@ KNOBS = {
         "3.95 ms, faster in 3 of 4 paired rounds, 82 launches fewer (session 46, s46c); 4.35 -> 4.26 (3 of 4, "
         "s48b); with mla_uv_kernel 4.34 -> 4.16 vs mla_uv_kernel alone 4.23 (4 of 4 paired rounds, s48c; session "
         "48) — on"),
+    "moe_static_table": (False,
+        "with fp8_moe at one token row (its static slot table: the router's k ids): both kernels take the valid "
+        "slots' count (k + shared) as a number instead of a GMEM read, and the down kernel copies the row's ids "
+        "and routing weights into SMEM by one TMA each (k a multiple of 4) instead of 2k scalar GMEM loads by every "
+        "thread of its 288 CTAs before the first weight request (pallas_kernels.linear.fp8_moe(static_table=True)). "
+        "s49a's in-kernel profile of the step's MoE form: the down CTAs' first wait began 6.35 µs (median) after "
+        "their start — of a 10 µs kernel streaming 18.9 MB; the moerk form (ids by one TMA) ran its down kernel "
+        "in 8.4 µs. CPU-built (session 50): off until measured"),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
         "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "
@@ -357,23 +365,25 @@ KNOBS = {
         "(bench_topk, one row of 8,704 pools; the early exit saves 2.3 µs; s42c): its first form was unrolled "
         "straight-line code, 16x the threshold kernel's, that one CTA runs once — yet as loops it was slower "
         "still, 31.0 µs (s42d): single-CTA latency, not code size (session 42) — off"),
-    "topk_compact_kernel": (False,
+    "topk_compact_kernel": (True,
         "with topk_threshold on and the indexer's scores kernel: the compaction after the threshold kernel — the "
         "selected pools' slots, their expansion to token positions, the tail and the -1 padding to the attention "
         "kernel's width — as ONE Mosaic launch of several CTAs per score row (pallas_kernels.indexer.topk_compact: "
         "each CTA 2,048 keys, the counts before them from the rows above, topk_select's wgmma prefix counts, the "
         "selected keys stored to GMEM by the thread holding them) instead of XLA's blocked prefix sum, slice, "
         "select, the -1 buffer's copy, scatter and pad: six launches and 9.4 µs on every DSA layer's q = 1 chain "
-        "(session 48's trace), "
-        "without topk_select's single-CTA latency. Correct in GPU interpret mode and cross-lowered (session 49); "
-        "off until measured natively"),
-    "topk_compact_fused": (False,
+        "(session 48's trace), without topk_select's single-CTA latency. Natively equal (its GPU tests, the "
+        "kernel-tiny e2e); one row of 8,704 pools: the selection 13.9 -> 10.7 µs (bench_topk); the one-rank step at "
+        "q = 1 4.04 -> 4.01 ms (5 interleaved rounds, s49b; session 50) — on, with topk_compact_fused"),
+    "topk_compact_fused": (True,
         "with topk_compact_kernel: the threshold found by every compaction CTA itself from the row it holds "
         "(topk_compact(t=None): topk_select's one-bit passes, the early exit as topk_threshold_exit) — the indexer's "
         "selection as ONE launch of ~5 CTAs per score row, where the threshold kernel's launch gap and the "
         "compaction's reload of the row sat on every DSA layer's chain; unlike topk_select (one CTA for the passes "
-        "and every tile: 19.8 µs alone, session 42) each CTA compacts 2,048 keys. Correct in GPU interpret mode and "
-        "cross-lowered (session 49); off until measured natively"),
+        "and every tile: 19.8 µs alone, session 42) each CTA compacts 2,048 keys. Natively equal (its GPU tests, "
+        "the kernel-tiny e2e); one row of 8,704 pools 9.9 µs (13.9 for the threshold kernel + XLA's compaction); "
+        "the one-rank step at q = 1 4.04 -> 3.94 ms, faster in 5 of 5 interleaved rounds, 955 -> 888 launches "
+        "(s49b; session 50) — on"),
     "topk_threshold_4wg": (False,
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "
@@ -1222,9 +1232,11 @@ class MoE(nnx.Module):
           y = kl.fp8_moe_balanced(xf, ids, w, *ws, swiglu_limit=ex.limit, shared=sew, out_dtype=out_dtype, **f16)
         y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
         return (y, ids.reshape(*lead, -1)) if return_ids else y
+      # moe_static_table: a single row's slot count static in both kernels, its ids / weights staged into SMEM
+      static = kernel_enabled("moe_static_table", rows, fits=rows == 1, why=f"one token row (here {rows})")
       moe = functools.partial(kl.fp8_moe, w_gate=ex.gate_proj[...], s_gate=ex.gate_scale[...], w_up=ex.up_proj[...],
                               s_up=ex.up_scale[...], w_down=ex.down_proj[...], s_down=ex.down_scale[...],
-                              swiglu_limit=ex.limit, shared=sew, dq=dq, **fused, **f16)
+                              swiglu_limit=ex.limit, shared=sew, dq=dq, static_table=static, **fused, **f16)
       if in_gate_up:
         # router_warp_rows: the selection's reductions inside one warp (router._select_rows) there too;
         # moe_router_ranks: each CTA selects only up to its slot's rank

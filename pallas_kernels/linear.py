@@ -772,7 +772,7 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
                         rows: bool = False, router: tuple | None = None, rows_weight: bool = True,
-                        on_rows=None, on_select=None):
+                        on_rows=None, on_select=None, n_valid: int = 0):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -784,7 +784,8 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   tile) on split-K counters (an input after the weights), the other splits' partials in o [split - 1, ...].
   ``rows_weight`` False: the rows without the routing weights (no weights input; fp8_moe_chained applies them in
   its down role); ``on_rows(slot)``: called by the CTA that wrote a (slot, row tile)'s rows, after them;
-  ``on_select()``: by the router's writer CTA after it stored the selection."""
+  ``on_select()``: by the router's writer CTA after it stored the selection. ``n_valid`` > 0: the count of valid
+  slots as a static number (a single row's table: k + shared) instead of the nvalid input's GMEM read."""
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
@@ -810,7 +811,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       eids_ref = _router_in_kernel(eids_ref, router_refs, router, writer=t == 0, rank=slot_id - int(shared),
                                    on_store=on_select)
 
-  @pl.when(slot_id < nvalid_ref[0])
+  @pl.when(slot_id < (n_valid or nvalid_ref[0]))
   def _():
     e = _slot_expert(eids_ref, slot_id, table_k=table_k, shared=shared, num_experts=wg_ref.shape[0])
     row0 = tile * bm
@@ -966,7 +967,7 @@ def router_scratch(E: int, warp: bool = False):
 
 def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int,
                      dq: bool = False, a_smem: bool = False, fused_sum: bool = False, rows: bool = False,
-                     slot_weights: bool = False):
+                     slot_weights: bool = False, n_valid: int = 0, stage_table: bool = False):
   """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
   over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count.
   ``shared``: slot 0 is the shared expert (its own refs wds/sds). ``table_k``: as ``_slot_expert`` (the k ids
@@ -976,7 +977,11 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   the last group's CTAs are dispatched last) / written as token rows, as ``_split_out``. ``slot_weights`` (with
   ``table_k``: one token row): hq holds h without the routing weights (the gate/up kernel's rows form with the
   router's selection inside it) and each slot's product is scaled by its weight here — the router's [1, k] f32
-  (an input after the shared expert's refs; an id out of range weighs 0, the shared slot 1)."""
+  (an input after the shared expert's refs; an id out of range weighs 0, the shared slot 1). ``n_valid`` > 0: the
+  valid slots' count as a static number (with ``table_k``: k + shared) instead of the nvalid input's GMEM read
+  before the first weight request. ``stage_table`` (with ``table_k``): the row's k ids (and weights) copied into
+  SMEM by one TMA each and read there, instead of k (2k) scalar GMEM loads by every thread of every CTA (s49a's
+  profile: the down CTAs' first wait began ~6 µs after their start, of a ~10 µs kernel)."""
   n_in = (7 if shared else 5) + int(slot_weights)
   hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref = refs[:5]
   wds_ref, sds_ref = refs[5:7] if shared else (None, None)
@@ -985,6 +990,8 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   a_s = rest.pop() if a_smem else None
   if table_k:
     eid_s = ebar = None
+    if stage_table:  # (the row's ids and weights in SMEM, their barrier)
+      *rest, tid_s, tw_s, tbar = rest
     w_s, x_s, bar = rest
   else:
     w_s, x_s, eid_s, bar, ebar = rest
@@ -994,13 +1001,21 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   nb = row0 // BLOCK
   ib_n = hq_ref.shape[2] // BLOCK
   if table_k:  # the row's k ids as scalars (a select per step instead of an SMEM read)
-    raw = [eids_ref[j] for j in range(table_k)]
-    ids = [_table_id(e, wd_ref.shape[0]) for e in raw]
-    if slot_weights:  # (and their weights, read once)
-      wts = [jnp.where((e >= 0) & (e < wd_ref.shape[0]), rw_ref[0, j], 0.0) for j, e in enumerate(raw)]
+    with jax.named_scope("table"):
+      src_ids, src_w = eids_ref, (rw_ref.at[0] if slot_weights else None)
+      if stage_table:  # one TMA each, then SMEM reads
+        plgpu.copy_gmem_to_smem(eids_ref, tid_s, tbar.at[0])
+        if slot_weights:
+          plgpu.copy_gmem_to_smem(rw_ref.at[0], tw_s, tbar.at[0])
+        plgpu.barrier_wait(tbar.at[0])
+        src_ids, src_w = tid_s, tw_s
+      raw = [src_ids[j] for j in range(table_k)]
+      ids = [_table_id(e, wd_ref.shape[0]) for e in raw]
+      if slot_weights:  # (and their weights, read once)
+        wts = [jnp.where((e >= 0) & (e < wd_ref.shape[0]), src_w[j], 0.0) for j, e in enumerate(raw)]
   else:  # expert ids of all slots into SMEM once (cheap scalar reads in the loop, no GMEM latency per step)
     plgpu.copy_gmem_to_smem(eids_ref, eid_s, ebar.at[0])
-  nvalid = nvalid_ref[0]
+  nvalid = n_valid or nvalid_ref[0]
   my_slots = jnp.maximum(nvalid - g + groups - 1, 0) // groups
   total = my_slots * ib_n
   if not table_k:
@@ -1039,8 +1054,9 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
     plgpu.copy_gmem_to_smem(hq_ref.at[s, pl.ds(0, x_s.shape[1]), pl.ds(ib * BLOCK, BLOCK)], x_s.at[slot],
                             bar.at[slot])
 
-  for p in range(stages):
-    pl.when(p < total)(functools.partial(issue, p))
+  with jax.named_scope("issue"):
+    for p in range(stages):
+      pl.when(p < total)(functools.partial(issue, p))
 
   def step(j, acc):
     slot = j % stages
@@ -1257,11 +1273,13 @@ def _swiglu_of_splits(out, m: int, split: int, limit: float):
   return jax.nn.silu(gate) * jnp.clip(gu[:, 1], -limit, limit)
 
 
-@kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select")
+@kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select",
+              "static_table")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
-            dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None):
+            dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None,
+            static_table: bool = False):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1289,6 +1307,10 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       warp_rows form; ``ranks``: each CTA selects only up to its own slot's rank, ``_router_in_kernel``) inside the
       gate/up kernel instead of a launch of its own before it; topk_ids and topk_weights are then None and the
       call returns (y, ids [1, k], weights [1, k]), router_topk's outputs.
+    static_table: for ONE token row (a static slot table): both kernels take the valid slots' count (k + shared)
+      as a static number instead of reading it from GMEM, and the down kernel copies the row's ids and weights
+      into SMEM by one TMA each (k a multiple of 4: 16-byte copies) instead of 2k scalar GMEM loads per thread
+      (``_moe_down_kernel(stage_table=True)``). Ignored for more rows.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1390,11 +1412,13 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     sel_out = (jax.ShapeDtypeStruct((1, k_r), jnp.int32), jax.ShapeDtypeStruct((1, k_r), f32))
     sel_scratch = router_scratch(e_num, warp)
     sel_static = (e_num, int(k_r), float(scaling), bool(norm), warp, ranks)
+  # static_table: the valid slots' count of a single row's static table (k + shared) as a number in the kernels
+  nv_static = n_slots if static_table and table_k else 0
   outs = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
                         a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows, router=sel_static,
-                        rows_weight=router is None),
+                        rows_weight=router is None, n_valid=nv_static),
       out_type=(gu_out if isinstance(gu_out, tuple) else (gu_out,)) + sel_out,
       grid=(n_slots * gu_tiles * plan.gu_split,),
       grid_names=("t",),
@@ -1445,10 +1469,16 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   # (the activations' scale sh: 1 with dq, which the rows form needs — it writes the sum as it is)
   ctr, rows = _fused_form(counters if dq else None, plan.dn_groups, dn_tiles, m, "fp8_moe")
   slot_w = gu_rows and router is not None  # (h unweighted: the router's weights scale the down products)
+  # static_table: the row's ids and weights into SMEM by one TMA each (16-byte multiples: k % 4 == 0)
+  stage = bool(nv_static) and table_k % 4 == 0
+  if stage:  # (the weights' SMEM is unused without slot_weights: the weights are in h then)
+    ids_scratch += [plgpu.SMEM((table_k,), jnp.int32), plgpu.SMEM((table_k,), f32),
+                    plgpu.Barrier(num_arrivals=1 + int(slot_w), num_barriers=1)]
   out = mgpu_kernel(
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
                         groups=plan.dn_groups, shared=has_sh, table_k=table_k, dq=dq, a_smem=a_smem,
-                        fused_sum=ctr is not None, rows=rows, slot_weights=slot_w),
+                        fused_sum=ctr is not None, rows=rows, slot_weights=slot_w, n_valid=nv_static,
+                        stage_table=stage),
       out_type=_out_types(plan.dn_groups, d, mp, m, out_dtype if rows else None),
       grid=(dn_tiles * plan.dn_groups,),
       grid_names=("t",),

@@ -545,18 +545,18 @@ CANDIDATE_KERNELS = (("router_route", True), ("linear_fused_sum", True), ("moe_p
 @pytest.mark.parametrize("extra", [(), pytest.param(CANDIDATE_KERNELS, marks=pytest.mark.gpu, id="candidates"),
                                    pytest.param((("moe_chained", True),), marks=pytest.mark.gpu, id="chained"),
                                    pytest.param((("moe_rows", False),), marks=pytest.mark.gpu, id="no_moe_rows"),
-                                   pytest.param((("topk_compact_kernel", True),), marks=pytest.mark.gpu,
-                                                id="compact"),
-                                   pytest.param((("topk_compact_kernel", True), ("topk_compact_fused", True)),
-                                                marks=pytest.mark.gpu, id="compact_fused")])
+                                   pytest.param((("topk_compact_fused", False),), marks=pytest.mark.gpu,
+                                                id="compact_unfused"),
+                                   pytest.param((("topk_compact_kernel", False),), marks=pytest.mark.gpu,
+                                                id="no_compact")])
 def test_latency_specialized_all_kernels_equals_stock_fp8_cache(extra):
   """Every kernel of latency_specialized (KDA, FP8 GEMV, grouped FP8 MoE, sparse MLA over the FP8 latent cache,
   FP8 indexer scoring; interpret mode on CPU) against the stock path with the same FP8 cache numerics (the
   kernels' references): identical emitted and drafted tokens of a verify step. ``extra``: the defaults, or (on the
   GPU: each costs ~35 s in the CPU's simulator) with the off-by-default candidate kernels on as well — the gate
   before a candidate becomes a default — or a default's earlier form (no_moe_rows: the MoE's XLA glue and sum, on
-  by default until session 48), or one candidate alone (compact: the indexer's compaction kernel; compact_fused:
-  with the threshold found in its CTAs)."""
+  by default until session 48; compact_unfused: the threshold kernel before the compaction kernel; no_compact: XLA's
+  compaction after the threshold kernel — both the defaults until session 50)."""
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8"), "float32")
   rng = np.random.default_rng(1)
   prompt = rng.integers(0, 2000, 13)

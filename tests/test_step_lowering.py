@@ -60,8 +60,9 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   # (q = 4: + the bf16 GEMV at its ~6 weight shapes, on by default from 2 token rows; and the draft's one-row
   # calls of the FP8 linears and the MoE are kernels of their own since x reaches them unpadded — [1, K] and
   # [4, K] — where both were [8, K] before session 26; session 27: the top-k threshold (from 2 score rows) and the
-  # router for 4 rows and 1, and the MoE's slot tables at 4 rows)
-  assert n_kernels <= (18 if q == 1 else 32) and n_calls <= 34, (n_calls, n_kernels)
+  # router for 4 rows and 1, and the MoE's slot tables at 4 rows; session 50: the one-launch selection at the
+  # verify's 4 score rows and the draft's 1 where the threshold kernel ran)
+  assert n_kernels <= (18 if q == 1 else 32) and n_calls <= 35, (n_calls, n_kernels)
   # (the FP8 linears with the weight dequantised in registers: policy fp8_dq, on by default)
   for name in ("glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
                "glm5_indexer_scores") + (("glm5_router_route",) if q > 1 else ()):
@@ -70,11 +71,13 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   # (moe_router_in_kernel, on since session 41), no router_topk launch
   assert "glm5_router_topk" not in txt
   assert "glm5_moe_route" not in txt  # (router_route, on since session 35: the router kernel builds the tables)
-  # the top-k threshold kernel from pallas_kernels.indexer.THRESHOLD_MIN_ROWS score rows (1 since session 32), fed
-  # the scores kernel's f32 output (its keys formed in registers: topk_keys_in_kernel, on since session 43)
-  assert ("glm5_topk_threshold" in txt) == (q >= ki.THRESHOLD_MIN_ROWS)
-  thr = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_topk_threshold" in line]
-  assert thr and all(re.search(r"\(tensor<\d+x\d+x\d+xf32>\)", line) for line in thr), thr
+  # the indexer's selection from pallas_kernels.indexer.THRESHOLD_MIN_ROWS score rows (1 since session 32) as ONE
+  # launch of the compaction kernel whose CTAs find the threshold themselves (topk_compact_kernel +
+  # topk_compact_fused, on since session 50: no threshold kernel), fed the scores kernel's f32 output as it is
+  assert ("glm5_topk_compact" in txt) == (q >= ki.THRESHOLD_MIN_ROWS) and "glm5_topk_threshold" not in txt
+  sel = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_topk_compact" in line]
+  assert sel and all(re.search(r"\(tensor<\d+x\d+x\d+xf32>, tensor<\d+xi32>, tensor<\d+xi32>\)", line)
+                     for line in sel), sel
   assert "mosaic_gpu.uses_pdl" not in txt  # (policy pdl, off by default: test_kernel_tiny_step_lowers_for_cuda_at_tp4)
   if q == 1:  # and the stock path has no kernel at all (one lowering of it: ~5 s of the CPU suite each)
     assert "mosaic_gpu" not in lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
@@ -102,8 +105,7 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   (mhc_barrier_counters: every trunk boundary's launch takes the Ref's buffer as an aliased operand), the FP8 /
   BF16 linears' K splits summed in the kernel on the step's split-K counters (linear_fused_sum), and the indexer's
   selection as ONE launch of the multi-CTA compaction kernel whose CTAs find the threshold themselves
-  (topk_compact_kernel + topk_compact_fused: no threshold kernel; the default threshold kernel reading the scores
-  kernel's output, topk_keys_in_kernel: test_kernel_tiny_step_lowers_for_cuda)."""
+  (topk_compact_kernel + topk_compact_fused: no threshold kernel; on by default since session 50)."""
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("mhc", True), ("router_route", True),
@@ -178,7 +180,8 @@ def test_real_geometry_step_lowers_for_cuda():
   # 46: the verify's 4 token rows and the draft's one; W_UV as a kernel one more since session 48)
   assert n_kernels <= 35, (n_calls, n_kernels)
   assert "glm5_indexer_pool_update" in txt
-  assert "glm5_topk_threshold" in txt  # the indexer's 8,256 pools (and 4 score rows) fit the threshold kernel
+  # the indexer's 8,256 pools (and 4 score rows) fit the one-launch selection (topk_compact_fused, since session 50)
+  assert "glm5_topk_compact" in txt and "glm5_topk_threshold" not in txt
   assert "glm5_mla_uv" in txt and "glm5_mla_combine" in txt  # W_UV on the merged O^T (mla_uv_kernel, since s48)
   # (q = 4: 4 token rows — the router kernel builds the MoE's slot tables, router_route; the draft's one row: the
   # selection inside the gate/up kernel, moe_router_in_kernel)
