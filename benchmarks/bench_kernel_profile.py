@@ -87,19 +87,21 @@ def cases(names):
         g = jax.jit(lambda a, s, dt=dt: L.fp8_moe_persistent(*a, swiglu_limit=10.0, shared=s, dq_dtype=dt,
                                                               counters=L.moe_counters()))
         out[name] = lambda g=g: g(args, sh)
-  for name in ("moe_rows", "moe_rows_static"):
-    # the step's single-row form: the selection in the gate/up kernel, the sums inside (moe_rows); _static: with
-    # static_table (policy moe_static_table: the slot count a number, the down kernel's table staged in SMEM)
+  # the step's single-row form: the selection in the gate/up kernel, the sums inside (moe_rows); _static: with
+  # static_table (policy moe_static_table: the slot count a number, the down kernel's table staged in SMEM);
+  # _writer: writer_cta (policy moe_writer_cta: the selection stored by an extra gate/up CTA)
+  forms = {"moe_rows": {}, "moe_rows_static": {"static_table": True}, "moe_rows_writer": {"writer_cta": True}}
+  for name, extra in forms.items():
     if name not in names:
       continue
     (x, _, _, wg, sg, wu, su, wd, sd), sh = moe_inputs(0)
     kk = jax.random.key(7)
     logits = jax.random.normal(kk, (1, MOE["E"]), jnp.float32)
     bias = jax.random.uniform(jax.random.fold_in(kk, 1), (MOE["E"],), jnp.float32, -0.05, 0.05)
-    r = jax.jit(functools.partial(lambda x, lg, b, ws, s, st: L.fp8_moe(
+    r = jax.jit(functools.partial(lambda x, lg, b, ws, s, extra: L.fp8_moe(
         x, None, None, *ws, swiglu_limit=10.0, shared=s, dq=True, router=(lg, b),
         router_select=(MOE["k"], 2.5, True, False, True), counters=L.splitk_counters(), out_dtype=jnp.bfloat16,
-        static_table=st)[0], st=name.endswith("static")))
+        **extra)[0], extra=extra))
     out[name] = functools.partial(r, x, logits, bias, (wg, sg, wu, su, wd, sd), sh)
   if any(n.startswith("compact") for n in names):  # the indexer's compaction at 32K context (8,704 pools), q = 1
     from pallas_kernels import indexer as I  # noqa: PLC0415

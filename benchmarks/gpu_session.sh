@@ -74,8 +74,9 @@
 #   s44b (nvidia-h200):       s44a's chained MoE with the down CTAs reading the stored selection: GPU tests,
 #                             bench_linear moerk vs moech, q = 1: defaults vs moe_chained (+ moe_chained_sum)
 #   s50a (nvidia-h200):       the single-row MoE's slot table static (moe_static_table: the slot count a number,
-#                             the down kernel's ids / weights staged into SMEM by TMA): GPU tests, in-kernel profiles
-#                             and bench_linear with / without, then q = 1 defaults vs moe_static_table (5 rounds)
+#                             the down kernel's ids / weights staged into SMEM by TMA) and its selection's writer an
+#                             extra CTA (moe_writer_cta): GPU tests, in-kernel profiles and bench_linear with / without,
+#                             then q = 1 defaults vs each vs both (5 interleaved rounds)
 #   s49g (nvidia-h200):       the step's single-row MoE form (moe_rows) under plan variants (bench_linear
 #                             --sweep-moerows: gate/up D splits, tiles, rings, the down kernel's groups)
 #   s49f (nvidia-h200):       the dequantising FP8 GEMV at one row: every shape (qkv_a added), then the plan sweep of
@@ -665,20 +666,23 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
   s50a)  # (nvidia-h200) session 50: s49a's profile of the step's MoE form had the down kernel's first wait begin
     # 6.35 µs (median) after its CTAs started, of a ~10 µs kernel — before it: the nvalid read, 8 id + 8 weight scalar
     # GMEM loads by every thread of 288 CTAs, the first TMA issues. moe_static_table: the slot count a number, the
-    # ids / weights staged into SMEM by one TMA each. GPU tests (bit-equal to the form without), the in-kernel
-    # profiles (new scopes "table", "issue"), bench_linear alone (twice each, alternating), then the step
+    # ids / weights staged into SMEM by one TMA each. And the gate/up kernel's slowest CTA, the selection's writer
+    # (a shared-slot CTA: k rounds of 3 reductions + stores before its weights; its first wait 6.4 µs after the
+    # median's): moe_writer_cta makes it an extra CTA that only selects and stores. GPU tests (bit-equal to the
+    # form without), the in-kernel profiles (new scopes "table", "issue"), bench_linear alone (twice each), the step
     timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
       -k "with_rows_gpu" > "$OUT/moe_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/moe_tests.log"
-    timeout -s INT 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases moe_rows,moe_rows_static \
-      --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
+    timeout -s INT 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
+      --cases moe_rows,moe_rows_static,moe_rows_writer --out "$OUT/kernel_profile.txt" \
+      > "$OUT/bench_kernel_profile.log" 2>&1
     for r in 1 2; do
-      timeout -s INT 100 python3 benchmarks/bench_linear.py --rows 1 --only moerows,moerows_st \
+      timeout -s INT 100 python3 benchmarks/bench_linear.py --rows 1 --only moerows,moerows_st,moerows_wr \
         --out "$OUT/bench_linear_$r.txt" > "$OUT/bench_linear_$r.log" 2>&1
     done
     cat "$OUT/kernel_profile.txt" "$OUT"/bench_linear_*.txt
     [ "$(left)" -gt 200 ] && rank1 s50a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"moe_static_table": true}'
+      '{"moe_static_table": true}' '{"moe_writer_cta": true}' '{"moe_static_table": true, "moe_writer_cta": true}'
     ;;
   s49c)  # (nvidia-h200) launch-count cuts that tied on older defaults, against today's: kda_gate_proj (68 launches
     # fewer: the KDA gates' f_b / g_b projections in the kernel; session 37: 4.60 vs 4.89 ms, rounds ±0.4) and the bf16

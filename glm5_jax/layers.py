@@ -308,6 +308,14 @@ KNOBS = {
         "s49a's in-kernel profile of the step's MoE form: the down CTAs' first wait began 6.35 µs (median) after "
         "their start — of a 10 µs kernel streaming 18.9 MB; the moerk form (ids by one TMA) ran its down kernel "
         "in 8.4 µs. CPU-built (session 50): off until measured"),
+    "moe_writer_cta": (False,
+        "with moe_router_in_kernel and moe_router_ranks: the router's writer — the CTA that selects all k experts "
+        "with their weights and stores them — is one extra CTA of the MoE's gate/up kernel that does nothing else "
+        "(pallas_kernels.linear.fp8_moe(writer_cta=True)), instead of the grid's first CTA, a shared-expert CTA "
+        "that ran k rounds of 3 reductions and the stores before requesting its own weight tiles: s49a's in-kernel "
+        "profile had the selection 3.64 µs per warpgroup (median) but 8.82 at its slowest, that CTA's first wait "
+        "beginning 6.4 µs after the median's — the kernel's last CTA to finish. CPU-built (session 50): off until "
+        "measured"),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
         "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "
@@ -1264,7 +1272,11 @@ class MoE(nnx.Module):
           rows_form = {}
           if dq and _counters_enabled("moe_rows"):
             rows_form = dict(counters=_splitk_counters(kl), out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
-          y, ids, _ = moe(xf, None, None, router=(logits, bias), router_select=select, **rows_form)
+          # moe_writer_cta: the selection's writer one extra gate/up CTA (moe_router_ranks' form)
+          writer = kernel_enabled("moe_writer_cta", rows, fits=ranks, why="moe_router_ranks off (every CTA "
+                                  "selects all k: no writer slower than the others)")
+          y, ids, _ = moe(xf, None, None, router=(logits, bias), router_select=select, writer_cta=writer,
+                          **rows_form)
       else:
         y = moe(xf, ids, w, route_kernel=route, tables=tables)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)

@@ -772,7 +772,7 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
                         rows: bool = False, router: tuple | None = None, rows_weight: bool = True,
-                        on_rows=None, on_select=None, n_valid: int = 0):
+                        on_rows=None, on_select=None, n_valid: int = 0, writer_t: int = 0):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -785,7 +785,11 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   ``rows_weight`` False: the rows without the routing weights (no weights input; fp8_moe_chained applies them in
   its down role); ``on_rows(slot)``: called by the CTA that wrote a (slot, row tile)'s rows, after them;
   ``on_select()``: by the router's writer CTA after it stored the selection. ``n_valid`` > 0: the count of valid
-  slots as a static number (a single row's table: k + shared) instead of the nvalid input's GMEM read."""
+  slots as a static number (a single row's table: k + shared) instead of the nvalid input's GMEM read.
+  ``writer_t``: the CTA that selects all k with their weights and stores them (``_router_in_kernel``'s writer): 0,
+  or with the router's ranks form one CTA past the (slot, tile, split) grid that does only that — at t = 0 the
+  writer was a shared-slot CTA that ran k rounds of 3 reductions and the stores before its own weight requests:
+  s49a's profile had its first wait begin ~6.4 µs after the median CTA's, the kernel's last to finish."""
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
@@ -808,8 +812,8 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   steps = xq_ref.shape[1] // BLOCK // split
   if router is not None:  # the router's selection in this CTA: the slot table from its registers (_router_in_kernel)
     with jax.named_scope("select"):
-      eids_ref = _router_in_kernel(eids_ref, router_refs, router, writer=t == 0, rank=slot_id - int(shared),
-                                   on_store=on_select)
+      eids_ref = _router_in_kernel(eids_ref, router_refs, router, writer=t == writer_t,
+                                   rank=slot_id - int(shared), on_store=on_select)
 
   @pl.when(slot_id < (n_valid or nvalid_ref[0]))
   def _():
@@ -1274,12 +1278,12 @@ def _swiglu_of_splits(out, m: int, split: int, limit: float):
 
 
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select",
-              "static_table")
+              "static_table", "writer_cta")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
             dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None,
-            static_table: bool = False):
+            static_table: bool = False, writer_cta: bool = False):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1311,6 +1315,9 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       as a static number instead of reading it from GMEM, and the down kernel copies the row's ids and weights
       into SMEM by one TMA each (k a multiple of 4: 16-byte copies) instead of 2k scalar GMEM loads per thread
       (``_moe_down_kernel(stage_table=True)``). Ignored for more rows.
+    writer_cta: with ``router`` in its ranks form: the selection's writer (all k with their weights, stored for the
+      down kernel and the caller) is one extra gate/up CTA that does nothing else, instead of the first CTA doing
+      it before its own weight tiles (``_moe_gate_up_kernel(writer_t=...)``). Ignored otherwise.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1414,13 +1421,16 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     sel_static = (e_num, int(k_r), float(scaling), bool(norm), warp, ranks)
   # static_table: the valid slots' count of a single row's static table (k + shared) as a number in the kernels
   nv_static = n_slots if static_table and table_k else 0
+  # writer_cta (the router's ranks form): one CTA past the grid selects all k, stores them and exits
+  gu_grid = n_slots * gu_tiles * plan.gu_split
+  writer_t = gu_grid if writer_cta and router is not None and ranks else 0
   outs = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
                         a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows, router=sel_static,
-                        rows_weight=router is None, n_valid=nv_static),
+                        rows_weight=router is None, n_valid=nv_static, writer_t=writer_t),
       out_type=(gu_out if isinstance(gu_out, tuple) else (gu_out,)) + sel_out,
-      grid=(n_slots * gu_tiles * plan.gu_split,),
+      grid=(gu_grid + int(writer_t > 0),),
       grid_names=("t",),
       kernel_name="glm5_moe_gate_up",
       scratch_types=[

@@ -588,7 +588,8 @@ def test_router_in_the_gate_up_kernel_with_rows_interpret(shared, static):
   y written as rows — against the router form's XLA glue (h times the weight, rounded to bf16): the same ids and
   weights, y within bf16 rounding of h, and the reference. (GPU interpret mode runs no counters: one D split and
   one expert group, whose sums are one CTA's.) ``static``: with static_table (policy moe_static_table: the slot
-  count a number, the down kernel's ids and weights staged into SMEM by TMA), y bit for bit the rows form's."""
+  count a number, the down kernel's ids and weights staged into SMEM by TMA) and writer_cta (policy
+  moe_writer_cta: the selection stored by an extra CTA), y, ids and weights bit for bit the rows form's."""
   e, i, d, k, scaling = 32, 256, 384, 4, 2.5
   x, _, _, *ws = moe_inputs(jax.random.key(93), 1, e, i, d, k)
   sh = _shared_expert(jax.random.key(94), i, d) if shared else None
@@ -601,7 +602,7 @@ def test_router_in_the_gate_up_kernel_with_rows_interpret(shared, static):
     rows = functools.partial(moe, counters=L.splitk_counters(), out_dtype=jnp.bfloat16)
     y1, ids1, w1 = jax.jit(lambda *a: rows(x, None, None, *a))(*ws)
     if static:
-      y2, ids2, w2 = jax.jit(lambda *a: rows(x, None, None, *a, static_table=True))(*ws)
+      y2, ids2, w2 = jax.jit(lambda *a: rows(x, None, None, *a, static_table=True, writer_cta=True))(*ws)
       for a, b in ((y2, y1), (ids2, ids1), (w2, w1)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert y1.dtype == jnp.bfloat16 and y1.shape == (1, d)
@@ -618,12 +619,13 @@ def test_router_in_the_gate_up_kernel_cross_lowers():
   sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
         SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
   # (warp, ranks, the rows form on split-K counters: moe_rows)
-  # (and the rows form with static_table: the slot count a number, the down kernel's ids / weights staged in SMEM)
+  # (and the rows form with static_table — the slot count a number, the down kernel's ids / weights staged in
+  # SMEM — and writer_cta)
   for *opts, rows in ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
                       (False, True, True), (False, True, "static")):
     ctr = {"counters": L.splitk_counters(), "out_dtype": jnp.bfloat16} if rows else {}
-    if rows == "static":
-      ctr["static_table"] = True
+    if rows == "static":  # (with the selection's writer an extra CTA: writer_cta)
+      ctr.update(static_table=True, writer_cta=True)
     low = cross_lower(lambda x, lg, b, *a: L.fp8_moe(x, None, None, *a[:6], swiglu_limit=10.0, shared=a[6:],
                                                      dq=True, router=(lg, b), router_select=(k, 2.5, True, *opts),
                                                      **ctr),  # noqa: B023
@@ -1038,16 +1040,18 @@ def test_router_in_the_gate_up_kernel_gpu(dq_dtype, warp, ranks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype,static", [("bfloat16", False), ("float32", False), ("bfloat16", True)])
-def test_router_in_the_gate_up_kernel_with_rows_gpu(out_dtype, static):
+@pytest.mark.parametrize("out_dtype,second", [("bfloat16", {}), ("float32", {}), ("bfloat16", {"static_table": True}),
+                                              ("bfloat16", {"writer_cta": True})])
+def test_router_in_the_gate_up_kernel_with_rows_gpu(out_dtype, second):
   """The real rank's single-row MoE (288 experts, top-8, the shared slot, dq) with the router's selection in the
   gate/up kernel AND the rows form on split-K counters natively (policy moe_rows): the gate/up kernel's 4 D splits
   summed by their last CTA into h's rows without the routing weights, the down kernel's 9 expert groups summed
   into y's rows with each slot's product scaled by its weight — against the router form with XLA's glue and sum:
   the same ids and weights, y within bf16 rounding of h (h rounded before the weight instead of after), bit-equal
-  from call to call on one counters Ref, which both calls leave zero. ``static``: the second rows call with
+  from call to call on one counters Ref, which both calls leave zero. ``second``: the second rows call with
   static_table (policy moe_static_table: the slot count a number, the down kernel's ids / weights staged into
-  SMEM by TMA) — bit for bit the first's."""
+  SMEM by TMA) or writer_cta (policy moe_writer_cta: the selection stored by an extra CTA) — bit for bit the
+  first's, its ids and weights too."""
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   x, _, _, *ws = moe_inputs(jax.random.key(352), 1, e, i, d, k)
   sh = _shared_expert(jax.random.key(353), i, d)
@@ -1058,8 +1062,10 @@ def test_router_in_the_gate_up_kernel_with_rows_gpu(out_dtype, static):
                             router=(logits, bias), router_select=(k, 2.5, True, False, True))
     c = L.splitk_counters()
     rows = functools.partial(moe, counters=c, out_dtype=jnp.dtype(out_dtype))
-    return moe(), rows(), rows(static_table=static), c[...]
-  (y0, ids0, w0), (y1, ids1, w1), (y2, _, _), ctr = jax.jit(run)(x, logits, bias, ws, sh)
+    return moe(), rows(), rows(**second), c[...]
+  (y0, ids0, w0), (y1, ids1, w1), (y2, ids2, w2), ctr = jax.jit(run)(x, logits, bias, ws, sh)
+  np.testing.assert_array_equal(np.asarray(ids2), np.asarray(ids1))
+  np.testing.assert_array_equal(np.asarray(w2), np.asarray(w1))
   np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
   np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
   assert y1.dtype == jnp.dtype(out_dtype)
