@@ -844,8 +844,9 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       plgpu.copy_gmem_to_smem(xq_ref.at[pl.ds(0, x_s.shape[1]), pl.ds(k0, BLOCK)], x_s.at[slot],
                               bar.at[slot])  # rows past x's: zeros from the TMA
 
-    for i in range(min(stages, steps)):
-      issue(i)
+    with jax.named_scope("issue"):
+      for i in range(min(stages, steps)):
+        issue(i)
 
     def step(i, carry):  # a rolled loop: 32 unrolled steps x 4 wgmma scopes would be slow to lower
       acc_g, acc_u = carry
@@ -1065,11 +1066,12 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   def step(j, acc):
     slot = j % stages
     s, ib, e = where(j)
-    scale = sd_ref[e, nb, ib]
-    if slot_weights:
-      scale = scale * pick(wts, s)
-    if shared:
-      scale = jnp.where(s == 0, sds_ref[nb, ib], scale)
+    with jax.named_scope("scale"):  # (the block scale's GMEM load: the scope shows whether its latency stalls)
+      scale = sd_ref[e, nb, ib]
+      if slot_weights:
+        scale = scale * pick(wts, s)
+      if shared:
+        scale = jnp.where(s == 0, sds_ref[nb, ib], scale)
     with jax.named_scope("wait"):
       plgpu.barrier_wait(bar.at[slot])
     with jax.named_scope("mma"):
