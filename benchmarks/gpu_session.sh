@@ -77,6 +77,8 @@
 #                             the down kernel's ids / weights staged into SMEM by TMA) and its selection's writer an
 #                             extra CTA (moe_writer_cta): GPU tests, in-kernel profiles and bench_linear with / without,
 #                             then q = 1 defaults vs each vs both (5 interleaved rounds)
+#   s50b (nvidia-h200):       session 50's defaults (the one-launch selection) at q = 1 traced: events + kernel listing
+#                             for benchmarks/sublayer_chain.py (is the DSA layer's q path now as long as the indexer's?)
 #   s49g (nvidia-h200):       the step's single-row MoE form (moe_rows) under plan variants (bench_linear
 #                             --sweep-moerows: gate/up D splits, tiles, rings, the down kernel's groups)
 #   s49f (nvidia-h200):       the dequantising FP8 GEMV at one row: every shape (qkv_a added), then the plan sweep of
@@ -683,6 +685,12 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     cat "$OUT/kernel_profile.txt" "$OUT"/bench_linear_*.txt
     [ "$(left)" -gt 200 ] && rank1 s50a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"moe_static_table": true}' '{"moe_writer_cta": true}' '{"moe_static_table": true, "moe_writer_cta": true}'
+    ;;
+  s50b)  # (nvidia-h200) session 50's defaults at q = 1 traced (as s48e): with the indexer's selection one launch
+    # (9.9 µs alone vs 13.9 + the XLA compaction's gaps), which of the DSA layer's branches into the attention kernel
+    # is now the longest — the selection's, or the queries' (q_b -> W_UK reduction -> the f16 scaling)?
+    rank1 s50b --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'
+    rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   s49c)  # (nvidia-h200) launch-count cuts that tied on older defaults, against today's: kda_gate_proj (68 launches
     # fewer: the KDA gates' f_b / g_b projections in the kernel; session 37: 4.60 vs 4.89 ms, rounds ±0.4) and the bf16

@@ -634,7 +634,8 @@ def test_indexer_scores_with_queries_rotated_in_the_kernel():
 def _select_at_the_model_site(native: bool, P: int, pos: list[int], knob: str, policy=None, **select_kw):
   """kernel-tiny's indexer (bf16 projections, an FP8 pool cache of P random pools) scoring two query rows at
   ``pos`` and selecting (``Indexer.select(**select_kw)``) under three policies: the threshold kernel and XLA's
-  compaction with ``knob`` off (explicitly: it may be a default), + ``knob``, + ``knob`` without the threshold
+  compaction (the compaction kernel off unless ``knob`` or ``policy`` turns it on) with ``knob`` off (explicitly:
+  it may be a default), + ``knob``, + ``knob`` without the threshold
   kernel — [(idx, pools)] each, after checking that the knob's site is reported where the threshold kernel runs
   and declined (with its reason) where it does not. ``policy``: more knobs for all three."""
   from flax import nnx  # noqa: PLC0415
@@ -659,7 +660,9 @@ def _select_at_the_model_site(native: bool, P: int, pos: list[int], knob: str, p
 
   outs = []
   for knobs in ({knob: False}, {knob: True}, {"topk_threshold": False, knob: True}):
-    pol = {"indexer": True, "indexer_topk": True, "topk_threshold": True, **(policy or {}), **knobs}
+    # (the threshold kernel + XLA's compaction: compaction kernel off unless asked for — on by default since s50)
+    pol = {"indexer": True, "indexer_topk": True, "topk_threshold": True, "topk_compact_kernel": False,
+           **(policy or {}), **knobs}
     with maybe_interpret(not native), use_kernels(pol), kernel_report() as rep:
       outs.append([np.asarray(a) for a in jax.jit(lambda *a: run(*a))(hw, q_r)])  # (a new trace per policy)
     assert ((knob, None) in rep) == (pol[knob] and pol["topk_threshold"]), rep
