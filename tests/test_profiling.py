@@ -545,3 +545,38 @@ def test_bench_decode_refuses_a_profile_of_the_rolled_steps_loop(capsys):
     with pytest.raises(SystemExit) as e:
       bench_decode.main(argv)
     assert e.value.code == 2 and why in capsys.readouterr().err, argv
+
+
+def test_plot_history_takes_the_defaults_rows_in_time_order(tmp_path, capsys):
+  """benchmarks/plot_history.py: of random rows (shuffled), only the one-rank geometry at B = 1 and 32K context
+  with no policy override counts, per backend and q, in run-time order; the best-so-far line is the running
+  minimum of those rows; the PNG is written and each day's best printed."""
+  import json  # noqa: PLC0415
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import plot_history as PH  # noqa: PLC0415
+  rng = np.random.default_rng()
+  rows = []
+  for i in range(40):
+    day = f"2026-12-0{1 + i // 10}"
+    r = {"geometry": "tp4-rank", "batch": 1, "context": 32768, "backend": ["auto", "latency_specialized"][i % 2],
+         "q": [1, 4][(i // 2) % 2], "policy": {}, "ms_per_step": float(rng.uniform(3, 9)), "date": day,
+         "run": f"{day}T{10 + i % 10:02d}:00:00", "roofline_ms": 1.417}
+    rows.append(r)
+  # rows that must not count: a policy override, another batch / context / geometry
+  noise = [dict(rows[0], policy={"x": True}, ms_per_step=0.1), dict(rows[1], batch=8, ms_per_step=0.1),
+           dict(rows[2], context=4096, ms_per_step=0.1), dict(rows[3], geometry="tp2", ms_per_step=0.1)]
+  shuffled = [rows[j] for j in rng.permutation(len(rows))] + noise
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in shuffled))
+  want = sorted((r for r in rows if (r["backend"], r["q"]) == ("latency_specialized", 1)), key=lambda r: r["run"])
+  got = PH.default_rows(PH.load_rows([str(path)]), "latency_specialized", 1)
+  assert [ms for _, ms, _ in got] == [r["ms_per_step"] for r in want]
+  assert [b for _, b in PH.best_so_far(got)] == list(np.minimum.accumulate([r["ms_per_step"] for r in want]))
+  out = tmp_path / "h.png"
+  PH.main([str(path), "-o", str(out)])
+  assert out.stat().st_size > 1000
+  text = capsys.readouterr().out
+  day_best = min(r["ms_per_step"] for r in want if r["date"] == "2026-12-02")
+  assert f"| latency_specialized | 1 | 2026-12-02 | {day_best:.2f} |" in text
