@@ -81,7 +81,7 @@
 #                             for benchmarks/sublayer_chain.py (is the DSA layer's q path now as long as the indexer's?)
 #   s50c (nvidia-h200):       q = 1: defaults vs linear_fused_sum (at one row: the FP8 linears' K splits summed in
 #                             the kernel), now that the DSA layer's query path may be its longest (5 interleaved
-#                             rounds); then q = 4 with session 50's defaults
+#                             rounds); then q = 4: session 50's defaults vs linear_fused_sum (3 rounds)
 #   s49g (nvidia-h200):       the step's single-row MoE form (moe_rows) under plan variants (bench_linear
 #                             --sweep-moerows: gate/up D splits, tiles, rings, the down kernel's groups)
 #   s49f (nvidia-h200):       the dequantising FP8 GEMV at one row: every shape (qkv_a added), then the plan sweep of
@@ -702,8 +702,10 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # fewer per DSA layer on that path. Last measured when the selection was the longest branch (session 47: unclear)
     rank1 s50c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"linear_fused_sum": true}'
     # then q = 4 with session 50's defaults (the one-launch selection at the verify's 4 score rows: 15.3 -> 12.0 µs
-    # alone; s49e's 7.66 ms ran before it)
-    [ "$(left)" -gt 150 ] && rank1 s50c_q4 --q 4 --steps-per-call 4 --repeats 3 --steps 40 --policy '{}'
+    # alone; s49e's 7.66 ms ran before it), against linear_fused_sum there too (the KDA layers' bf16 GEMV kernels
+    # from 2 rows: 2 split sums per KDA layer on the q = 4 chain, whose static path was kda 340 of 1,093 in s49e)
+    [ "$(left)" -gt 200 ] && rank1 s50c_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \
+      --policy '{}' '{"linear_fused_sum": true}'
     ;;
   s49c)  # (nvidia-h200) launch-count cuts that tied on older defaults, against today's: kda_gate_proj (68 launches
     # fewer: the KDA gates' f_b / g_b projections in the kernel; session 37: 4.60 vs 4.89 ms, rounds ±0.4) and the bf16
