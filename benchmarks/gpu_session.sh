@@ -668,6 +668,19 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       -k "mla_uv or (all_kernels_equals_stock and extra0)" > "$OUT/e2e_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/mla_tests.log" "$OUT/e2e_tests.log"
     ;;
+  s51sass)  # (nvidia-h200) session 51: where the MoE kernels' "mma" scope goes (s50a's profile: ~0.9 µs per 128 x 128
+    # weight tile in both kernels — 7.4 of gate/up's ~15 µs per CTA — while the e4m3 -> f32 -> bf16 convert was only
+    # ~1/6 of it with f16 in session 41): the SASS of the step's MoE form (static table + writer CTA) and of the
+    # mHC boundary (6-7 µs per sublayer in s50b's trace), read off-line (instruction mix of the tile loop: the fp8
+    # tile's SMEM loads in the WGMMA layout, the converts, the wgmma waits)
+    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="$OUT/sass" timeout -s INT 150 \
+      python3 benchmarks/bench_linear.py --rows 1 --only moerows_wr --out "$OUT/bench_linear_sass.txt" \
+      > "$OUT/bench_linear_sass.log" 2>&1
+    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="$OUT/sass_mhc" timeout -s INT 150 \
+      python3 benchmarks/bench_mhc.py --rows 1 --paths 1launch > "$OUT/bench_mhc_sass.log" 2>&1
+    tail -5 "$OUT/bench_linear_sass.log" "$OUT/bench_mhc_sass.log"; ls -la "$OUT/sass" "$OUT/sass_mhc" | head -40
+    (cd "$OUT" && tar czf sass.tgz sass sass_mhc && rm -rf sass sass_mhc)
+    ;;
   s50a)  # (nvidia-h200) session 50: s49a's profile of the step's MoE form had the down kernel's first wait begin
     # 6.35 µs (median) after its CTAs started, of a ~10 µs kernel — before it: the nvalid read, 8 id + 8 weight scalar
     # GMEM loads by every thread of 288 CTAs, the first TMA issues. moe_static_table: the slot count a number, the

@@ -300,22 +300,26 @@ KNOBS = {
         "3.95 ms, faster in 3 of 4 paired rounds, 82 launches fewer (session 46, s46c); 4.35 -> 4.26 (3 of 4, "
         "s48b); with mla_uv_kernel 4.34 -> 4.16 vs mla_uv_kernel alone 4.23 (4 of 4 paired rounds, s48c; session "
         "48) — on"),
-    "moe_static_table": (False,
+    "moe_static_table": (True,
         "with fp8_moe at one token row (its static slot table: the router's k ids): both kernels take the valid "
         "slots' count (k + shared) as a number instead of a GMEM read, and the down kernel copies the row's ids "
         "and routing weights into SMEM by one TMA each (k a multiple of 4) instead of 2k scalar GMEM loads by every "
         "thread of its 288 CTAs before the first weight request (pallas_kernels.linear.fp8_moe(static_table=True)). "
         "s49a's in-kernel profile of the step's MoE form: the down CTAs' first wait began 6.35 µs (median) after "
         "their start — of a 10 µs kernel streaming 18.9 MB; the moerk form (ids by one TMA) ran its down kernel "
-        "in 8.4 µs. CPU-built (session 50): off until measured"),
-    "moe_writer_cta": (False,
+        "in 8.4 µs. Natively correct (its GPU tests, session 51); the MoE alone (bench_linear moerows_st) 27.5 -> "
+        "26.1-26.6 µs; the one-rank step at q = 1, 5 interleaved repeats: 3.77 -> 3.78 ms alone (faster in 3 of 4 "
+        "paired rounds), with moe_writer_cta 3.70 (4 of 4; s50a, session 51) — on"),
+    "moe_writer_cta": (True,
         "with moe_router_in_kernel and moe_router_ranks: the router's writer — the CTA that selects all k experts "
         "with their weights and stores them — is one extra CTA of the MoE's gate/up kernel that does nothing else "
         "(pallas_kernels.linear.fp8_moe(writer_cta=True)), instead of the grid's first CTA, a shared-expert CTA "
         "that ran k rounds of 3 reductions and the stores before requesting its own weight tiles: s49a's in-kernel "
         "profile had the selection 3.64 µs per warpgroup (median) but 8.82 at its slowest, that CTA's first wait "
-        "beginning 6.4 µs after the median's — the kernel's last CTA to finish. CPU-built (session 50): off until "
-        "measured"),
+        "beginning 6.4 µs after the median's — the kernel's last CTA to finish. Natively correct (its GPU tests, "
+        "session 51); the MoE alone 27.5 -> 26.1 µs (gate/up 17.3 -> 16.0); the one-rank step at q = 1, 5 "
+        "interleaved repeats: 3.77 -> 3.72 ms (faster in 4 of 4 paired rounds), with moe_static_table 3.70 (4 of "
+        "4; s50a, session 51) — on"),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
         "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "

@@ -495,8 +495,9 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
   path = tiny_checkpoint("kernel-tiny", 6, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
                          moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4)
   m = load(path, "float32")
-  base = {k: False for k in ("kda", "fp8_linear", "indexer", "sparse_mla", "mhc", "moe_router_in_kernel")} | {
-      "fp8_moe": True, "router_kernel": True}
+  # (moe_static_table and moe_writer_cta, defaults, pinned off until the last runs turn them on)
+  base = {k: False for k in ("kda", "fp8_linear", "indexer", "sparse_mla", "mhc", "moe_router_in_kernel",
+                             "moe_static_table", "moe_writer_cta")} | {"fp8_moe": True, "router_kernel": True}
   fused = base | {"moe_router_in_kernel": True}
 
   run = functools.partial(_extend_one_token, m, seed=4)
