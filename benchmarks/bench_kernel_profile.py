@@ -90,7 +90,9 @@ def cases(names):
   # the step's single-row form: the selection in the gate/up kernel, the sums inside (moe_rows); _static: with
   # static_table (policy moe_static_table: the slot count a number, the down kernel's table staged in SMEM);
   # _writer: writer_cta (policy moe_writer_cta: the selection stored by an extra gate/up CTA)
-  forms = {"moe_rows": {}, "moe_rows_static": {"static_table": True}, "moe_rows_writer": {"writer_cta": True}}
+  forms = {"moe_rows": {}, "moe_rows_static": {"static_table": True}, "moe_rows_writer": {"writer_cta": True},
+           "moe_rows_sw": {"static_table": True, "writer_cta": True},
+           "moe_rows_prefetch": {"static_table": True, "writer_cta": True, "scale_prefetch": True}}
   for name, extra in forms.items():
     if name not in names:
       continue

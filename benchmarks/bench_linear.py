@@ -8,7 +8,8 @@ dispatch is counted; weights rotate over enough copies that they are cold in the
   kernel, split-K/transposition epilogue);  "xla us"  every kernel of the jitted XLA version.
 
 Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32]
-              [--only fp8,fp8dq,bf16,moe,moedq,moep,moeb,moerk,moerows,moerows_st,moerows_wr,moech]
+              [--only fp8,fp8dq,bf16,moe,moedq,moep,moeb,moerk,moerows,moerows_st,moerows_wr,moerows_sw,
+              moerows_pf,moech]
               [--sweep] [--budget-s 200] [--out results.txt]
 Falls back to host wall-clock over many back-to-back async calls if CUPTI is unavailable (then dispatch-bound
 for small shapes; marked "wall").
@@ -229,8 +230,9 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
   """The single-row MoE with the router's selection in the kernel (moe_router_in_kernel with moe_router_ranks:
   fp8_moe(router=...) with XLA's glue and sum, "moerk"; the step's default form since session 48, its split sums in
   both kernels on split-K counters and the rows written, moe_rows: "moerows"; with static_table, policy
-  moe_static_table: "moerows_st"; with writer_cta, policy moe_writer_cta: "moerows_wr") or fp8_moe_chained's one
-  launch
+  moe_static_table: "moerows_st"; with writer_cta, policy moe_writer_cta: "moerows_wr"; both, the step's defaults
+  since session 51: "moerows_sw"; and scale_prefetch, policy moe_scale_prefetch: "moerows_pf") or
+  fp8_moe_chained's one launch
   ("moech"): random logits per set (the experts differ from set to set: cold in L2), the shared expert as slot 0.
   ``plan``: a MoePlan for fp8_moe's two kernels (not "moech")."""
   chained = form == "moech"
@@ -253,7 +255,9 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
       return L.fp8_moe_chained(x, logits, bias, *ws[:6], swiglu_limit=MOE["limit"], shared=ws[6],
                                router_select=select, counters=L.moe_chain_counters())[0]
     rows = dict(counters=L.splitk_counters(), out_dtype=jnp.bfloat16) if form.startswith("moerows") else {}
-    rows.update({"moerows_st": {"static_table": True}, "moerows_wr": {"writer_cta": True}}.get(form, {}))
+    rows.update({"moerows_st": {"static_table": True}, "moerows_wr": {"writer_cta": True},
+                 "moerows_sw": {"static_table": True, "writer_cta": True},
+                 "moerows_pf": {"static_table": True, "writer_cta": True, "scale_prefetch": True}}.get(form, {}))
     return L.fp8_moe(x, None, None, *ws[:6], swiglu_limit=MOE["limit"], shared=ws[6], dq=True, plan=plan,
                      router=(logits, bias), router_select=select, **rows)[0]
 
@@ -265,7 +269,8 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
   nb = (k + 1) * 3 * i * d
   row(form, f"E{e} I{i} D{d} 9 slots", 1, nb, mosaic_us(names), call, None, err,
       plan or {"moech": "one launch", "moerows": "gate/up + down, sums inside",
-               "moerows_st": "moerows + static_table", "moerows_wr": "moerows + writer_cta"}.get(
+               "moerows_st": "moerows + static_table", "moerows_wr": "moerows + writer_cta",
+               "moerows_sw": "moerows + both (the defaults)", "moerows_pf": "moerows_sw + scale_prefetch"}.get(
                    form, "gate/up + glue + down"))
   log(f"#   per kernel (us): { {n: round(t, 1) for n, t in names.items()} }")
   return names
@@ -426,7 +431,7 @@ def main(argv=None):
           if names:
             log(f"# kernel us per {kind} {v} call: { {n: round(t, 1) for n, t in names.items()} }")
   # the single-row MoE, router in the kernel: XLA glue / rows (/ with static_table / writer_cta) / chained
-  for kind in ("moerk", "moerows", "moerows_st", "moerows_wr", "moech"):
+  for kind in ("moerk", "moerows", "moerows_st", "moerows_wr", "moerows_sw", "moerows_pf", "moech"):
     if kind in only:
       guarded(deadline, bench_moe_router, kind)
   if a.sweep:

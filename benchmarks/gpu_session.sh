@@ -668,6 +668,24 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       -k "mla_uv or (all_kernels_equals_stock and extra0)" > "$OUT/e2e_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/mla_tests.log" "$OUT/e2e_tests.log"
     ;;
+  s51a)  # (nvidia-h200) session 51, after s50b's trace (the DSA layer 69.8 µs: the selection branch now the longest;
+    # q_a / kv_a 9.2 µs there vs 4.5 alone, sharing the SMs with the indexer's XLA GEMV) and s50a's profile (each
+    # MoE step's scalar scale load ~1.2 µs behind the weight stream): moe_scale_prefetch's GPU tests, the MoE alone
+    # (defaults vs prefetch, twice) and profiled, then q = 1: defaults vs moe_scale_prefetch vs dsa_qkv_a_first vs
+    # kda_norm (last measured in session 24, when the KDA kernel was another) — 5 interleaved repeats
+    timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
+      -k "with_rows_gpu and prefetch" > "$OUT/moe_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/moe_tests.log"
+    for r in 1 2; do
+      timeout -s INT 100 python3 benchmarks/bench_linear.py --rows 1 --only moerows_sw,moerows_pf \
+        --out "$OUT/bench_linear_$r.txt" > "$OUT/bench_linear_$r.log" 2>&1
+    done
+    timeout -s INT 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
+      --cases moe_rows_sw,moe_rows_prefetch --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
+    cat "$OUT"/bench_linear_*.txt "$OUT/kernel_profile.txt"
+    [ "$(left)" -gt 200 ] && rank1 s51a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"moe_scale_prefetch": true}' '{"dsa_qkv_a_first": true}' '{"kda_norm": true}'
+    ;;
   s51sass)  # (nvidia-h200) session 51: where the MoE kernels' "mma" scope goes (s50a's profile: ~0.9 µs per 128 x 128
     # weight tile in both kernels — 7.4 of gate/up's ~15 µs per CTA — while the e4m3 -> f32 -> bf16 convert was only
     # ~1/6 of it with f16 in session 41): the SASS of the step's MoE form (static table + writer CTA) and of the

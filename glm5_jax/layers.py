@@ -320,6 +320,19 @@ KNOBS = {
         "session 51); the MoE alone 27.5 -> 26.1 µs (gate/up 17.3 -> 16.0); the one-rank step at q = 1, 5 "
         "interleaved repeats: 3.77 -> 3.72 ms (faster in 4 of 4 paired rounds), with moe_static_table 3.70 (4 of "
         "4; s50a, session 51) — on"),
+    "dsa_qkv_a_first": (False,
+        "not a kernel: an order in the DSA layer — the indexer's input projection (an XLA GEMV) and its cache "
+        "update start only after the FP8 q_a / kv_a kernel's outputs exist (an optimization barrier), instead of "
+        "alongside it: in s50b's trace of the step q_a / kv_a took 9.2 µs per DSA layer against 4.5 alone, its "
+        "256 CTAs sharing the SMs with the indexer's GEMV; the indexer's branch has slack until its scores kernel "
+        "(the query path: q norm, q_b, the indexer's q GEMV). The same values. Off until measured (session 51)"),
+    "moe_scale_prefetch": (False,
+        "with fp8_moe: each CTA of both MoE kernels requests all its steps' 128x128 block scales at once, right "
+        "after its first weight tiles, instead of each step's scale at that step (the down kernel with "
+        "moe_static_table at one row: its trip count then has a static bound) — the dense FP8 kernels load theirs "
+        "`stages` steps ahead already. s50a's in-kernel profile of the down kernel: each step's scalar GMEM load "
+        "~1.2 µs behind the weight stream, four in a row per CTA (4.9 µs of its CTAs' ~10). The same sums, bit "
+        "for bit. CPU-built (session 51): off until measured"),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
         "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "
@@ -1246,9 +1259,12 @@ class MoE(nnx.Module):
         return (y, ids.reshape(*lead, -1)) if return_ids else y
       # moe_static_table: a single row's slot count static in both kernels, its ids / weights staged into SMEM
       static = kernel_enabled("moe_static_table", rows, fits=rows == 1, why=f"one token row (here {rows})")
+      # moe_scale_prefetch: each CTA's block scales requested at once after its first weight tiles
+      prefetch = kernel_enabled("moe_scale_prefetch", rows)
       moe = functools.partial(kl.fp8_moe, w_gate=ex.gate_proj[...], s_gate=ex.gate_scale[...], w_up=ex.up_proj[...],
                               s_up=ex.up_scale[...], w_down=ex.down_proj[...], s_down=ex.down_scale[...],
-                              swiglu_limit=ex.limit, shared=sew, dq=dq, static_table=static, **fused, **f16)
+                              swiglu_limit=ex.limit, shared=sew, dq=dq, static_table=static,
+                              scale_prefetch=prefetch, **fused, **f16)
       if in_gate_up:
         # router_warp_rows: the selection's reductions inside one warp (router._select_rows) there too;
         # moe_router_ranks: each CTA selects only up to its slot's rank

@@ -754,6 +754,14 @@ def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_s
                  gu_split=gu_split)
 
 
+def _nth(vals, i):
+  """vals[i] for a traced i among a static list's entries (a select per entry: register values, no memory)."""
+  v = vals[0]
+  for u in range(1, len(vals)):
+    v = jnp.where(i == u, vals[u], v)
+  return v
+
+
 def _table_id(e, num_experts: int):
   """A router id read as a slot's expert: an id out of range (never from the router; its routing weight is masked
   to zero) reads expert 0."""
@@ -772,7 +780,8 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
                         rows: bool = False, router: tuple | None = None, rows_weight: bool = True,
-                        on_rows=None, on_select=None, n_valid: int = 0, writer_t: int = 0):
+                        on_rows=None, on_select=None, n_valid: int = 0, writer_t: int = 0,
+                        scale_prefetch: bool = False):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -789,7 +798,10 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   ``writer_t``: the CTA that selects all k with their weights and stores them (``_router_in_kernel``'s writer): 0,
   or with the router's ranks form one CTA past the (slot, tile, split) grid that does only that — at t = 0 the
   writer was a shared-slot CTA that ran k rounds of 3 reductions and the stores before its own weight requests:
-  s49a's profile had its first wait begin ~6.4 µs after the median CTA's, the kernel's last to finish."""
+  s49a's profile had its first wait begin ~6.4 µs after the median CTA's, the kernel's last to finish.
+  ``scale_prefetch``: every step's gate and up block scales loaded (in flight together) right after the first
+  weight requests, instead of each step's pair at its start: a scalar GMEM load queues behind the weight stream
+  (~1.2 µs each in s50a's profile of the down kernel), and the step's FMA waits for it."""
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
@@ -848,13 +860,23 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       for i in range(min(stages, steps)):
         issue(i)
 
-    def step(i, carry):  # a rolled loop: 32 unrolled steps x 4 wgmma scopes would be slow to lower
-      acc_g, acc_u = carry
-      slot = i % stages
-      sg, su = sg_ref[e, nb, kb0 + i], su_ref[e, nb, kb0 + i]  # issued before the wait: latency hides
+    def scales(i):  # step i's (gate, up) block scales
+      sg, su = sg_ref[e, nb, kb0 + i], su_ref[e, nb, kb0 + i]
       if shared:
         sg = jnp.where(is_sh, sgs_ref[nb, kb0 + i], sg)
         su = jnp.where(is_sh, sus_ref[nb, kb0 + i], su)
+      return sg, su
+
+    if scale_prefetch:  # (all steps' scales requested at once, after the weights')
+      pre = [scales(i) for i in range(steps)]
+
+    def step(i, carry):  # a rolled loop: 32 unrolled steps x 4 wgmma scopes would be slow to lower
+      acc_g, acc_u = carry
+      slot = i % stages
+      if scale_prefetch:
+        sg, su = _nth([p[0] for p in pre], i), _nth([p[1] for p in pre], i)
+      else:
+        sg, su = scales(i)  # issued before the wait: latency hides (partly: the FMA at the step's end waits)
       with jax.named_scope("wait"):
         plgpu.barrier_wait(bar.at[slot])
       with jax.named_scope("mma"):
@@ -972,7 +994,8 @@ def router_scratch(E: int, warp: bool = False):
 
 def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int,
                      dq: bool = False, a_smem: bool = False, fused_sum: bool = False, rows: bool = False,
-                     slot_weights: bool = False, n_valid: int = 0, stage_table: bool = False):
+                     slot_weights: bool = False, n_valid: int = 0, stage_table: bool = False,
+                     scale_prefetch: bool = False):
   """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
   over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count.
   ``shared``: slot 0 is the shared expert (its own refs wds/sds). ``table_k``: as ``_slot_expert`` (the k ids
@@ -986,7 +1009,10 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   valid slots' count as a static number (with ``table_k``: k + shared) instead of the nvalid input's GMEM read
   before the first weight request. ``stage_table`` (with ``table_k``): the row's k ids (and weights) copied into
   SMEM by one TMA each and read there, instead of k (2k) scalar GMEM loads by every thread of every CTA (s49a's
-  profile: the down CTAs' first wait began ~6 µs after their start, of a ~10 µs kernel)."""
+  profile: the down CTAs' first wait began ~6 µs after their start, of a ~10 µs kernel). ``scale_prefetch`` (with
+  ``n_valid`` and ``table_k``: a static bound on the trip count): every step's block scale (times its slot's
+  routing weight) loaded right after the first weight requests instead of at each step — s50a's profile had each
+  step's scalar GMEM load ~1.2 µs behind the weight stream, four in a row per CTA."""
   n_in = (7 if shared else 5) + int(slot_weights)
   hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref = refs[:5]
   wds_ref, sds_ref = refs[5:7] if shared else (None, None)
@@ -1027,11 +1053,7 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
     plgpu.barrier_wait(ebar.at[0])
 
   def pick(vals, s):  # vals[s - shared] (the shared slot, j = -1, reads vals[0]: its weights come from wds/sds)
-    j = s - int(shared)
-    v = vals[0]
-    for u in range(1, table_k):
-      v = jnp.where(j == u, vals[u], v)
-    return v
+    return _nth(vals, s - int(shared))
 
   def slot_expert(s):
     if not table_k:
@@ -1063,15 +1085,23 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
     for p in range(stages):
       pl.when(p < total)(functools.partial(issue, p))
 
+  def block_scale(s, ib, e):  # step (slot s, I block ib of expert e)'s scale, times the slot's routing weight
+    scale = sd_ref[e, nb, ib]
+    if slot_weights:
+      scale = scale * pick(wts, s)
+    if shared:
+      scale = jnp.where(s == 0, sds_ref[nb, ib], scale)
+    return scale
+
+  prefetch = scale_prefetch and n_valid and table_k
+  if prefetch:  # every step this CTA may take (a static bound; steps past `total` read valid entries, unused)
+    pre = [block_scale(*where(j)) for j in range(-(-n_valid // groups) * ib_n)]
+
   def step(j, acc):
     slot = j % stages
     s, ib, e = where(j)
     with jax.named_scope("scale"):  # (the block scale's GMEM load: the scope shows whether its latency stalls)
-      scale = sd_ref[e, nb, ib]
-      if slot_weights:
-        scale = scale * pick(wts, s)
-      if shared:
-        scale = jnp.where(s == 0, sds_ref[nb, ib], scale)
+      scale = _nth(pre, j) if prefetch else block_scale(s, ib, e)
     with jax.named_scope("wait"):
       plgpu.barrier_wait(bar.at[slot])
     with jax.named_scope("mma"):
@@ -1280,12 +1310,12 @@ def _swiglu_of_splits(out, m: int, split: int, limit: float):
 
 
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select",
-              "static_table", "writer_cta")
+              "static_table", "writer_cta", "scale_prefetch")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
             dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None,
-            static_table: bool = False, writer_cta: bool = False):
+            static_table: bool = False, writer_cta: bool = False, scale_prefetch: bool = False):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1320,6 +1350,9 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     writer_cta: with ``router`` in its ranks form: the selection's writer (all k with their weights, stored for the
       down kernel and the caller) is one extra gate/up CTA that does nothing else, instead of the first CTA doing
       it before its own weight tiles (``_moe_gate_up_kernel(writer_t=...)``). Ignored otherwise.
+    scale_prefetch: each CTA requests all its steps' block scales at once after its first weight tiles, instead
+      of each step's at that step (the gate/up kernel always; the down kernel with static_table at one row, whose
+      trip count then has a static bound). The same sums, bit for bit.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1430,7 +1463,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
                         a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows, router=sel_static,
-                        rows_weight=router is None, n_valid=nv_static, writer_t=writer_t),
+                        rows_weight=router is None, n_valid=nv_static, writer_t=writer_t,
+                        scale_prefetch=scale_prefetch),
       out_type=(gu_out if isinstance(gu_out, tuple) else (gu_out,)) + sel_out,
       grid=(gu_grid + int(writer_t > 0),),
       grid_names=("t",),
@@ -1490,7 +1524,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
                         groups=plan.dn_groups, shared=has_sh, table_k=table_k, dq=dq, a_smem=a_smem,
                         fused_sum=ctr is not None, rows=rows, slot_weights=slot_w, n_valid=nv_static,
-                        stage_table=stage),
+                        stage_table=stage, scale_prefetch=scale_prefetch),
       out_type=_out_types(plan.dn_groups, d, mp, m, out_dtype if rows else None),
       grid=(dn_tiles * plan.dn_groups,),
       grid_names=("t",),

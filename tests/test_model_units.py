@@ -438,7 +438,8 @@ def test_native_wrong_kernels_are_refused_outside_interpret_mode(monkeypatch):
 
 def _extend_one_token(m, B, policy, seed, trace_only=False):
   """One extend step of B single-token rows through model m under kernel ``policy`` (GPU interpret mode; a fresh
-  trace) -> ((final hidden [B, 1, D] f32, the first layer's expert ids), the kernel report as a dict); with
+  trace) -> ((final hidden [B, 1, D] f32, the first layer's expert ids — or, without an MoE there, its indexer
+  selection), the kernel report as a dict); with
   ``trace_only`` only traced (the report), the values None."""
   from glm5_jax import api  # noqa: PLC0415
   from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
@@ -451,7 +452,8 @@ def _extend_one_token(m, B, policy, seed, trace_only=False):
       jax.eval_shape(fn, *args)
       return None, dict(rep)
     out = fn(*args)[0]
-    got = np.asarray(out["hidden"], np.float32), np.asarray(out["aux"][0]["experts"])
+    aux = out["aux"][0]
+    got = np.asarray(out["hidden"], np.float32), np.asarray(aux["experts"] if "experts" in aux else aux["idx"])
   return got, dict(rep)
 
 
@@ -490,14 +492,15 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
   inside fp8_moe's gate/up kernel (moe_router_ranks' form, and router_warp_rows' without it) gives the hidden
   state and expert ids of router_kernel + fp8_moe exactly; the report names the site, and at two token rows
   declines it (one row only). With moe_static_table (the slot count a number, the down kernel's ids and weights
-  staged into SMEM: k = 4) and moe_writer_cta (the selection stored by an extra gate/up CTA) the same again, and
-  likewise declined at two rows."""
+  staged into SMEM: k = 4), moe_writer_cta (the selection stored by an extra gate/up CTA) and moe_scale_prefetch
+  (every step's block scales loaded up front) the same again, and likewise declined at two rows."""
   path = tiny_checkpoint("kernel-tiny", 6, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
                          moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4)
   m = load(path, "float32")
-  # (moe_static_table and moe_writer_cta, defaults, pinned off until the last runs turn them on)
-  base = {k: False for k in ("kda", "fp8_linear", "indexer", "sparse_mla", "mhc", "moe_router_in_kernel",
-                             "moe_static_table", "moe_writer_cta")} | {"fp8_moe": True, "router_kernel": True}
+  # (moe_static_table and moe_writer_cta — defaults — and moe_scale_prefetch pinned off until the last runs)
+  off = ("kda", "fp8_linear", "indexer", "sparse_mla", "mhc", "moe_router_in_kernel", "moe_static_table",
+         "moe_writer_cta", "moe_scale_prefetch")
+  base = {k: False for k in off} | {"fp8_moe": True, "router_kernel": True}
   fused = base | {"moe_router_in_kernel": True}
 
   run = functools.partial(_extend_one_token, m, seed=4)
@@ -514,11 +517,38 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
   np.testing.assert_array_equal(e2, e0)
   np.testing.assert_array_equal(h2, h0)
   assert "one token row" in run(2, fused, trace_only=True)[1]["moe_router_in_kernel"]
-  (h3, e3), rep = run(1, fused | {"moe_static_table": True, "moe_writer_cta": True})
+  (h3, e3), rep = run(1, fused | {"moe_static_table": True, "moe_writer_cta": True, "moe_scale_prefetch": True})
   assert rep["moe_static_table"] is None and rep["moe_writer_cta"] is None, rep
+  assert rep["moe_scale_prefetch"] is None, rep
   np.testing.assert_array_equal(e3, e0)
   np.testing.assert_array_equal(h3, h0)
   assert "one token row" in run(2, base | {"moe_static_table": True}, trace_only=True)[1]["moe_static_table"]
+
+
+def test_dsa_qkv_a_first_at_the_model_site():
+  """Policy dsa_qkv_a_first (an order, not a kernel: the indexer's projection and cache update take the layer
+  input through an optimization barrier with q_a's output) at a one-layer DSA model's step (XLA everywhere else):
+  the lowered step has the barrier only with the knob, the hidden state and the layer's indexer selection are
+  bit for bit the same, and the report names the site."""
+  from glm5_jax import api  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS, use_kernels  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 8, "fp8", num_hidden_layers=1, layer_types=["indexed_attention"],
+                         mlp_layer_types=["dense"])
+  m = load(path, "float32")
+  off = {k: False for k in KERNEL_DEFAULTS}
+  (h0, i0), rep0 = _extend_one_token(m, 2, off, seed=9)
+  (h1, i1), rep1 = _extend_one_token(m, 2, off | {"dsa_qkv_a_first": True}, seed=9)
+  assert rep1["dsa_qkv_a_first"] is None and rep0["dsa_qkv_a_first"] == "off in the policy", (rep0, rep1)
+  np.testing.assert_array_equal(h1, h0)
+  np.testing.assert_array_equal(i1, i0)
+  assert np.all(np.any(i0 >= 0, axis=-1))  # (a real selection: the token's own position at least)
+  cache = api.init_cache(m, 2, 64)
+  args = (m.params, cache.caches, jnp.zeros((2, 1), jnp.int32), cache.lengths, jnp.ones((2,), jnp.int32),
+          cache.n_acc)
+  for pol, want in ((off, False), (off | {"dsa_qkv_a_first": True}, True)):
+    with use_kernels(pol):  # (a fresh function per policy: the policy is not part of jit's cache key)
+      text = jax.jit(api._build_extend(m, (2, 64, 1), "all")).trace(*args).lower().as_text()
+    assert ("optimization_barrier" in text) == want, pol
 
 
 def test_chained_moe_at_the_model_site():
