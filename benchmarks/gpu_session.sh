@@ -674,7 +674,7 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # (defaults vs prefetch, twice) and profiled, then q = 1: defaults vs moe_scale_prefetch vs dsa_qkv_a_first vs
     # kda_norm (last measured in session 24, when the KDA kernel was another) — 5 interleaved repeats
     timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
-      -k "with_rows_gpu and prefetch" > "$OUT/moe_tests.log" 2>&1
+      -k "with_rows_gpu" > "$OUT/moe_tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/moe_tests.log"
     for r in 1 2; do
       timeout -s INT 100 python3 benchmarks/bench_linear.py --rows 1 --only moerows_sw,moerows_pf \
@@ -685,6 +685,18 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     cat "$OUT"/bench_linear_*.txt "$OUT/kernel_profile.txt"
     [ "$(left)" -gt 200 ] && rank1 s51a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"moe_scale_prefetch": true}' '{"dsa_qkv_a_first": true}' '{"kda_norm": true}'
+    ;;
+  s51b)  # (nvidia-h200) s51a: dsa_qkv_a_first 3.73 -> 3.68 ms (4 of 4 paired rounds), moe_scale_prefetch a tie, kda_norm
+    # slower. Confirm dsa_qkv_a_first on another host, with dq_f16 on top (session 41: the MoE's multiply 17 % shorter,
+    # the step a tie then), the scale prefetch's GPU tests, then dsa_qkv_a_first traced (the DSA chain by time)
+    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
+      -k "with_rows_gpu" > "$OUT/moe_tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/moe_tests.log"
+    rank1 s51b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"dsa_qkv_a_first": true}' \
+      '{"dsa_qkv_a_first": true, "dq_f16": true}'
+    [ "$(left)" -gt 150 ] && rank1 s51b_trace --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" \
+      --policy '{"dsa_qkv_a_first": true}'
+    rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   s51sass)  # (nvidia-h200) session 51: where the MoE kernels' "mma" scope goes (s50a's profile: ~0.9 µs per 128 x 128
     # weight tile in both kernels — 7.4 of gate/up's ~15 µs per CTA — while the e4m3 -> f32 -> bf16 convert was only
