@@ -698,6 +698,26 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --policy '{"dsa_qkv_a_first": true}'
     rm -f "$OUT"/hlo/*.hlo.gz
     ;;
+  s52a)  # (nvidia-h200) session 51's CPU-built scale loads ahead of the weight stream: s51a's profile of the MoE down
+    # kernel had scalar scale loads issued just after the CTAs' weight requests return ~4 µs later (queued behind the
+    # grid's 18.9 MB). moe_scale_prefetch now requests them BEFORE the weight tiles (both MoE kernels);
+    # fp8_scales_first does the same in the dense FP8 kernel (q_a / kv_a, q_b, o_proj, dense MLP: it loaded the
+    # first `stages` scales after its tiles). GPU tests (bit-equal to the forms without), the MoE alone and
+    # profiled, then q = 1: defaults vs each vs both (5 interleaved repeats); then q = 4 with the defaults (last
+    # measured in session 50: 7.66 ms) against both
+    timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
+      -k "with_rows_gpu or fp8_dq_linear_gpu" > "$OUT/tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
+    timeout -s INT 100 python3 benchmarks/bench_linear.py --rows 1 --only moerows_sw,moerows_pf \
+      --out "$OUT/bench_linear.txt" > "$OUT/bench_linear.log" 2>&1
+    timeout -s INT 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
+      --cases moe_rows_sw,moe_rows_prefetch --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
+    cat "$OUT/bench_linear.txt" "$OUT/kernel_profile.txt"
+    [ "$(left)" -gt 200 ] && rank1 s52a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"moe_scale_prefetch": true}' '{"fp8_scales_first": true}' '{"moe_scale_prefetch": true, "fp8_scales_first": true}'
+    [ "$(left)" -gt 200 ] && rank1 s52a_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \
+      --policy '{}' '{"moe_scale_prefetch": true, "fp8_scales_first": true}'
+    ;;
   s51sass)  # (nvidia-h200) session 51: where the MoE kernels' "mma" scope goes (s50a's profile: ~0.9 µs per 128 x 128
     # weight tile in both kernels — 7.4 of gate/up's ~15 µs per CTA — while the e4m3 -> f32 -> bf16 convert was only
     # ~1/6 of it with f16 in session 41): the SASS of the step's MoE form (static table + writer CTA) and of the

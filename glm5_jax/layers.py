@@ -99,7 +99,8 @@ KNOBS = {
     "kda_norm": (False,
         "with kda on: the KDA output's gated RMSNorm inside the kernel (all 4 warpgroups of a head in one "
         "CTA, so 4x fewer CTAs stream the state) instead of an XLA fusion after it; measured slower (kernel "
-        "3.2 -> 5.5 µs per layer, the step 5.65 -> 5.68 ms; BENCHMARKS.md session 24)"),
+        "3.2 -> 5.5 µs per layer, the step 5.65 -> 5.68 ms; BENCHMARKS.md session 24); again with session "
+        "51's defaults 3.73 -> 3.77 ms at q = 1 (1 of 4 paired rounds faster, s51a)"),
     "kda_approx_math": (True,
         "with kda on: the KDA kernel's gates and l2 norms with the GPU's approximate exp / reciprocal / rsqrt "
         "(KdaDecodeConfig(approx_math=True); within the kernel tolerance of the reference, its GPU tests). "
@@ -183,7 +184,10 @@ KNOBS = {
         "bf16, x and h in f16 (x's bf16 values are exact in f16 while |x| < 65,504; h gains 3 bits). Session 40's "
         "in-kernel profile (first calls): the dequantise-and-multiply is ~40 % of a gate/up CTA's time and bounds "
         "the persistent MoE's gate/up phase. Measured (session 41, s40e): the persistent MoE's multiply 14.2 -> 11.8 "
-        "µs per warpgroup, the q = 1 step 4.30 -> 4.28 ms (a tie): off"),
+        "µs per warpgroup, the q = 1 step 4.30 -> 4.28 ms (a tie); session 51 (s51b) with dsa_qkv_a_first: "
+        "3.77 -> 3.69 ms, faster in 3 of 4 paired rounds (-0.05 ms) — 3 of 4 on both occasions, but f16 "
+        "activations overflow to inf above 65,504 where bf16 does not: off until the kernels saturate (or check) "
+        "their f16 conversions"),
     "moe_router_in_kernel": (True,
         "with fp8_moe and router_kernel on, at one token row (fp8_moe's own form): the router's selection "
         "(pallas_kernels.router's top-k in lax.top_k's order, weights normalised and scaled) inside every CTA of "
@@ -320,19 +324,31 @@ KNOBS = {
         "session 51); the MoE alone 27.5 -> 26.1 µs (gate/up 17.3 -> 16.0); the one-rank step at q = 1, 5 "
         "interleaved repeats: 3.77 -> 3.72 ms (faster in 4 of 4 paired rounds), with moe_static_table 3.70 (4 of "
         "4; s50a, session 51) — on"),
-    "dsa_qkv_a_first": (False,
+    "dsa_qkv_a_first": (True,
         "not a kernel: an order in the DSA layer — the indexer's input projection (an XLA GEMV) and its cache "
-        "update start only after the FP8 q_a / kv_a kernel's outputs exist (an optimization barrier), instead of "
-        "alongside it: in s50b's trace of the step q_a / kv_a took 9.2 µs per DSA layer against 4.5 alone, its "
-        "256 CTAs sharing the SMs with the indexer's GEMV; the indexer's branch has slack until its scores kernel "
-        "(the query path: q norm, q_b, the indexer's q GEMV). The same values. Off until measured (session 51)"),
+        "update take the layer input through an optimization barrier with the FP8 q_a / kv_a kernel's output. "
+        "In s50b's trace of the step q_a / kv_a took 9.2 µs per DSA layer against 4.5 alone, its 256 CTAs "
+        "sharing the SMs with the indexer's GEMV. Under XLA's concurrent command buffer the barrier (no copy: its "
+        "outputs are its inputs' buffers) does not hold the GEMV back; it changes the launch order — s51b's trace: "
+        "q_a / kv_a 9.2 -> 5.5 µs, the indexer's GEMV 2.3 -> 6.0 beside it, the DSA sublayer 69.8 -> 67.2 µs. The "
+        "same values. The one-rank step at q = 1, 5 interleaved repeats: 3.73 -> 3.68 ms (faster in 4 of 4 paired "
+        "rounds, s51a), 3.75 -> 3.77 median but faster in 3 of 4 rounds on another host (s51b; session 51) — on"),
     "moe_scale_prefetch": (False,
-        "with fp8_moe: each CTA of both MoE kernels requests all its steps' 128x128 block scales at once, right "
-        "after its first weight tiles, instead of each step's scale at that step (the down kernel with "
-        "moe_static_table at one row: its trip count then has a static bound) — the dense FP8 kernels load theirs "
-        "`stages` steps ahead already. s50a's in-kernel profile of the down kernel: each step's scalar GMEM load "
-        "~1.2 µs behind the weight stream, four in a row per CTA (4.9 µs of its CTAs' ~10). The same sums, bit "
-        "for bit. CPU-built (session 51): off until measured"),
+        "with fp8_moe: each CTA of both MoE kernels requests all its steps' 128x128 block scales at once, BEFORE "
+        "its first weight tiles, instead of each step's scale at that step (the down kernel with "
+        "moe_static_table at one row: its trip count then has a static bound). s50a's in-kernel profile of the "
+        "down kernel: each step's scalar GMEM load ~1.2 µs behind the weight stream, four in a row per CTA. The "
+        "knob's first form (session 51) requested them just AFTER the first weight tiles: natively correct (its "
+        "GPU tests), but a tie (the MoE alone 25.3 -> 25.3 µs, the step at q = 1 3.73 -> 3.73 ms, 2 of 4 paired "
+        "rounds, s51a) — its profile showed why: the four loads returned together ~4 µs after they were issued, "
+        "queued behind the grid's 18.9 MB of weight requests. Requested first, they go ahead of that stream. The "
+        "same sums, bit for bit. This form CPU-built (session 51): off until measured"),
+    "fp8_scales_first": (False,
+        "with fp8_linear + fp8_dq on: each CTA of the dense FP8 kernel (fp8_dq_linear: q_a / kv_a, q_b, o_proj, "
+        "the dense MLP, the MTP's) requests all its steps' block scales before its first weight tiles, instead of "
+        "the first `stages` just after them (and each later one `stages` steps ahead) — a scalar load issued "
+        "after the grid's weight requests queues behind them (~4 µs in s51a's MoE profile) and the first step's "
+        "FMA waits for it. The same sums, bit for bit. CPU-built (session 51): off until measured"),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
         "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "
@@ -657,7 +673,9 @@ class Linear(nnx.Module):
       from pallas_kernels import linear as kl  # noqa: PLC0415 (kernels only where the backend asks for them)
       if kernel_enabled("fp8_dq", rows):  # linear_fused_sum: the K splits summed in the kernel (split-K counters)
         fused = {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else {}
-        fn = functools.partial(kl.fp8_dq_linear, **fused, **_dq_dtype(rows))
+        # fp8_scales_first: each CTA's block scales requested ahead of its weight tiles
+        first = {"scales_first": True} if kernel_enabled("fp8_scales_first", rows) else {}
+        fn = functools.partial(kl.fp8_dq_linear, **fused, **_dq_dtype(rows), **first)
       else:
         fn = kl.fp8_linear
       return fn(x.reshape(rows, n_in), self.weight[...], self.scale[...],

@@ -279,12 +279,14 @@ def quantize_activations(x: jax.Array, rows: int | None = None):
 # FP8 block-scaled linear
 # ------------------------------------------------------------------------------------------------------------
 def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: int, steps: int, dq: bool = False,
-                       fused_sum: bool = False, rows: bool = False):
+                       fused_sum: bool = False, rows: bool = False, scales_first: bool = False):
   """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks); writes o[split, rows, :mp].
   x: hi|lo e4m3 rows [2mp, K] (two fp8 wgmmas per block), or (dq) bf16 rows [mp, K] times each weight tile
   dequantised to bf16 (``_mma_tile``; ``a_s``: the SMEM tile it goes through in interpret mode).
   ``fused_sum``: refs start with the split-K counters; ``rows``: the sum written as token rows (``_split_out``,
-  ``_out_refs``)."""
+  ``_out_refs``). ``scales_first``: every step's block scale requested before the first weight tiles (ahead of
+  the grid's weight stream, whose requests a later scalar load queues behind: ~4 µs in s51a's MoE profile),
+  instead of the first ``stages`` just after them and each later one ``stages`` steps ahead."""
   ctr_g, o_ref, y, (w_s, x_s, bar, *a_s) = _out_refs(refs, fused_sum, plan.split, rows)
   bm, stages = plan.bm, plan.stages
   t = lax.axis_index("t")
@@ -300,14 +302,16 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
     # (rows past x's real ones are out of bounds: the TMA fills them with zeros — no padded copy, _tma_rows)
     plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, x_s.shape[1]), pl.ds(k0, BLOCK)], x_s.at[slot], bar.at[slot])
 
+  if scales_first:
+    scales = [s_ref[nb, kb0 + i] for i in range(steps)]
   for i in range(stages):  # fill the ring: `stages` steps in flight from the start
     issue(i)
-  # Scale loads are issued `stages` steps ahead so their GMEM latency hides behind the data waits.
-  scales = [s_ref[nb, kb0 + i] for i in range(min(stages, steps))]
+  if not scales_first:  # Scale loads are issued `stages` steps ahead so their GMEM latency hides behind the waits.
+    scales = [s_ref[nb, kb0 + i] for i in range(min(stages, steps))]
   acc = None
   for i in range(steps):  # fully unrolled: static slots, steps <= K/128
     slot = i % stages
-    if i + stages < steps:
+    if i + stages < steps and not scales_first:
       scales.append(s_ref[nb, kb0 + i + stages])
     plgpu.barrier_wait(bar.at[slot])
     blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s[0] if a_s else None)
@@ -453,7 +457,7 @@ def _rows_result(out, split: int):
 
 
 def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: bool, name: str, counters=None,
-                m: int = 0, rows_dtype=None):
+                m: int = 0, rows_dtype=None, scales_first: bool = False):
   """The FP8 linear kernel over x_rows ([2mp, K] e4m3 hi|lo, or [m <= mp, K] bf16 when dq) -> [split, N, mp] f32
   (with ``counters``, split-K counters: o[split - 1] holds the sum); with ``rows_dtype``, the m token rows'
   sum y [m, N] instead (``_out_types``: one split, or counters)."""
@@ -466,7 +470,7 @@ def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: 
   fused = counters is not None
   return mgpu_kernel(
       functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps, dq=dq, fused_sum=fused,
-                        rows=rows),
+                        rows=rows, scales_first=scales_first),
       out_type=_out_types(plan.split, n, mp, m, rows_dtype),
       grid=(tiles * plan.split,),
       grid_names=("t",),
@@ -526,10 +530,10 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jn
   return fp8_linear_q(xq, s, m, w, scale_inv, out_dtype=out_dtype, plan=plan)
 
 
-@kernel_entry("out_dtype", "plan", "a_from", "dq_dtype")
+@kernel_entry("out_dtype", "plan", "a_from", "dq_dtype", "scales_first")
 def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jnp.float32,
                   plan: Plan | None = None, a_from: str | None = None, counters=None,
-                  dq_dtype: str = "bfloat16") -> jax.Array:
+                  dq_dtype: str = "bfloat16", scales_first: bool = False) -> jax.Array:
   """y = x @ dequant(w).T like :func:`fp8_linear` (same signature and reference), with the activations kept in
   bf16: no activation quantisation (fp8_linear's amax reduction + hi/lo quantisation: two XLA kernels of ~1.1 µs
   before every call, BENCHMARKS.md session 24) and bf16 · e4m3 products that are exact (hi/lo: ~9 significant
@@ -544,12 +548,16 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   consumer (the mHC boundary) cannot fuse. The counters need the GPU: in interpret mode (no counters) a K-split
   plan is summed by XLA; a one-split plan writes the rows there too.
 
-  ``dq_dtype``: "bfloat16" or "float16" (``_dq_dtype``: x and the converted weight tiles in f16)."""
+  ``dq_dtype``: "bfloat16" or "float16" (``_dq_dtype``: x and the converted weight tiles in f16).
+
+  ``scales_first``: each CTA requests all its block scales before its first weight tiles (``_fp8_linear_kernel``);
+  the same sums, bit for bit."""
   m = x.shape[0]
   dt = _dq_dtype(dq_dtype, "fp8_dq_linear")
   if m > 64:
     return jnp.concatenate([fp8_dq_linear(x[i:i + 64], w, scale_inv, out_dtype=out_dtype, plan=plan,
-                                          a_from=a_from, counters=counters, dq_dtype=dq_dtype)
+                                          a_from=a_from, counters=counters, dq_dtype=dq_dtype,
+                                          scales_first=scales_first)
                             for i in range(0, m, 64)], axis=0)
   n, k = w.shape
   if x.shape[1] != k or w.dtype != F8:
@@ -564,7 +572,8 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   # (no XLA pad kernel in front of every call: 135 of them per step at q = 1, ~300 at q = 4, ~1.2 µs each on the
   # H200, session 26)
   out = _fp8_launch(_tma_rows(x.astype(dt), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
-                    name="glm5_fp8_dq_linear", counters=counters, m=m, rows_dtype=out_dtype if rows else None)
+                    name="glm5_fp8_dq_linear", counters=counters, m=m, rows_dtype=out_dtype if rows else None,
+                    scales_first=scales_first)
   if rows:
     return _rows_result(out, plan.split)
   return _split_sum(out, m, counters is not None).astype(out_dtype)
@@ -799,9 +808,10 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   or with the router's ranks form one CTA past the (slot, tile, split) grid that does only that — at t = 0 the
   writer was a shared-slot CTA that ran k rounds of 3 reductions and the stores before its own weight requests:
   s49a's profile had its first wait begin ~6.4 µs after the median CTA's, the kernel's last to finish.
-  ``scale_prefetch``: every step's gate and up block scales loaded (in flight together) right after the first
-  weight requests, instead of each step's pair at its start: a scalar GMEM load queues behind the weight stream
-  (~1.2 µs each in s50a's profile of the down kernel), and the step's FMA waits for it."""
+  ``scale_prefetch``: every step's gate and up block scales requested (in flight together) before the CTA's first
+  weight tiles, instead of each step's pair at its start: a scalar GMEM load issued after the grid's weight
+  requests queues behind them (s51a's profile of the down kernel: loads issued just after its tiles returned
+  ~4 µs later), and the step's FMA waits for it."""
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
@@ -856,27 +866,27 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       plgpu.copy_gmem_to_smem(xq_ref.at[pl.ds(0, x_s.shape[1]), pl.ds(k0, BLOCK)], x_s.at[slot],
                               bar.at[slot])  # rows past x's: zeros from the TMA
 
+    def raw_scales(i):  # step i's block scale loads: (gate, up[, the shared expert's gate, up])
+      got = [sg_ref[e, nb, kb0 + i], su_ref[e, nb, kb0 + i]]
+      return got + [sgs_ref[nb, kb0 + i], sus_ref[nb, kb0 + i]] if shared else got
+
+    def scales(raw):  # (nothing computed on the loads before they are needed: no stall before the TMA issue)
+      return [jnp.where(is_sh, raw[2 + c], raw[c]) for c in range(2)] if shared else raw
+
+    if scale_prefetch:  # every step's scales requested first, ahead of this (and every) CTA's weight stream
+      pre = [raw_scales(i) for i in range(steps)]
+
     with jax.named_scope("issue"):
       for i in range(min(stages, steps)):
         issue(i)
-
-    def scales(i):  # step i's (gate, up) block scales
-      sg, su = sg_ref[e, nb, kb0 + i], su_ref[e, nb, kb0 + i]
-      if shared:
-        sg = jnp.where(is_sh, sgs_ref[nb, kb0 + i], sg)
-        su = jnp.where(is_sh, sus_ref[nb, kb0 + i], su)
-      return sg, su
-
-    if scale_prefetch:  # (all steps' scales requested at once, after the weights')
-      pre = [scales(i) for i in range(steps)]
 
     def step(i, carry):  # a rolled loop: 32 unrolled steps x 4 wgmma scopes would be slow to lower
       acc_g, acc_u = carry
       slot = i % stages
       if scale_prefetch:
-        sg, su = _nth([p[0] for p in pre], i), _nth([p[1] for p in pre], i)
+        sg, su = scales([_nth([p[c] for p in pre], i) for c in range(len(pre[0]))])
       else:
-        sg, su = scales(i)  # issued before the wait: latency hides (partly: the FMA at the step's end waits)
+        sg, su = scales(raw_scales(i))  # issued before the wait (the FMA at the step's end waits for them)
       with jax.named_scope("wait"):
         plgpu.barrier_wait(bar.at[slot])
       with jax.named_scope("mma"):
@@ -1011,8 +1021,9 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   SMEM by one TMA each and read there, instead of k (2k) scalar GMEM loads by every thread of every CTA (s49a's
   profile: the down CTAs' first wait began ~6 µs after their start, of a ~10 µs kernel). ``scale_prefetch`` (with
   ``n_valid`` and ``table_k``: a static bound on the trip count): every step's block scale (times its slot's
-  routing weight) loaded right after the first weight requests instead of at each step — s50a's profile had each
-  step's scalar GMEM load ~1.2 µs behind the weight stream, four in a row per CTA."""
+  routing weight) requested before the CTA's first weight tiles instead of at each step — s50a's profile had each
+  step's scalar GMEM load ~1.2 µs behind the weight stream, four in a row per CTA; loaded just after the first
+  tiles' requests instead (session 51's first form), they returned only ~4 µs later, behind the grid's stream."""
   n_in = (7 if shared else 5) + int(slot_weights)
   hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref = refs[:5]
   wds_ref, sds_ref = refs[5:7] if shared else (None, None)
@@ -1081,27 +1092,34 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
     plgpu.copy_gmem_to_smem(hq_ref.at[s, pl.ds(0, x_s.shape[1]), pl.ds(ib * BLOCK, BLOCK)], x_s.at[slot],
                             bar.at[slot])
 
-  with jax.named_scope("issue"):
-    for p in range(stages):
-      pl.when(p < total)(functools.partial(issue, p))
+  def raw_scale(ib, e):  # the block scale loads of (I block ib, expert e)[, the shared expert's]
+    return [sd_ref[e, nb, ib]] + ([sds_ref[nb, ib]] if shared else [])
 
-  def block_scale(s, ib, e):  # step (slot s, I block ib of expert e)'s scale, times the slot's routing weight
-    scale = sd_ref[e, nb, ib]
+  def block_scale(s, raw):  # slot s's scale from its loads, times the slot's routing weight
+    scale = raw[0]
     if slot_weights:
       scale = scale * pick(wts, s)
     if shared:
-      scale = jnp.where(s == 0, sds_ref[nb, ib], scale)
+      scale = jnp.where(s == 0, raw[1], scale)
     return scale
 
   prefetch = scale_prefetch and n_valid and table_k
-  if prefetch:  # every step this CTA may take (a static bound; steps past `total` read valid entries, unused)
-    pre = [block_scale(*where(j)) for j in range(-(-n_valid // groups) * ib_n)]
+  if prefetch:  # every step this CTA may take (a static bound; steps past `total` read valid entries, unused),
+    # requested ahead of this (and every) CTA's weight stream; nothing computed on them until they are needed
+    pre = [raw_scale(*where(j)[1:]) for j in range(-(-n_valid // groups) * ib_n)]
+
+  with jax.named_scope("issue"):
+    for p in range(stages):
+      pl.when(p < total)(functools.partial(issue, p))
 
   def step(j, acc):
     slot = j % stages
     s, ib, e = where(j)
     with jax.named_scope("scale"):  # (the block scale's GMEM load: the scope shows whether its latency stalls)
-      scale = _nth(pre, j) if prefetch else block_scale(s, ib, e)
+      if prefetch:
+        scale = block_scale(s, [_nth([p[c] for p in pre], j) for c in range(len(pre[0]))])
+      else:
+        scale = block_scale(s, raw_scale(ib, e))
     with jax.named_scope("wait"):
       plgpu.barrier_wait(bar.at[slot])
     with jax.named_scope("mma"):
@@ -1350,7 +1368,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     writer_cta: with ``router`` in its ranks form: the selection's writer (all k with their weights, stored for the
       down kernel and the caller) is one extra gate/up CTA that does nothing else, instead of the first CTA doing
       it before its own weight tiles (``_moe_gate_up_kernel(writer_t=...)``). Ignored otherwise.
-    scale_prefetch: each CTA requests all its steps' block scales at once after its first weight tiles, instead
+    scale_prefetch: each CTA requests all its steps' block scales at once before its first weight tiles, instead
       of each step's at that step (the gate/up kernel always; the down kernel with static_table at one row, whose
       trip count then has a static bound). The same sums, bit for bit.
   Returns:

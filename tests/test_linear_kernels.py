@@ -244,15 +244,18 @@ def test_fp8_linear_interpret_bf16_out_and_shared_quantisation():
 def test_fp8_dq_linear_interpret(m, n, k, plan_kw, dtype):
   """The weight dequantised to bf16 in the kernel (through SMEM in interpret mode: the register-A wgmma is
   cross-lowered below and run natively by the GPU test): bf16 x times e4m3 w is exact in bf16, so the result is
-  the fp32 reference on bf16-rounded x up to f32 summation order."""
+  the fp32 reference on bf16-rounded x up to f32 summation order. With scales_first (policy fp8_scales_first:
+  every step's block scale requested before the weight tiles) bit for bit the same."""
   ks = jax.random.split(jax.random.key(110 + m), 2)
   w, s = quantize_fp8_blocks(ks[0], (n, k))
   x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(dtype)
   plan = L.plan_linear(n, k, L._padded_rows(min(m, 64)), "fp8dq", **plan_kw)
   with maybe_interpret():
     y = jax.jit(functools.partial(L.fp8_dq_linear, plan=plan, out_dtype=jnp.float32))(x, w, s)
+    y1 = jax.jit(functools.partial(L.fp8_dq_linear, plan=plan, out_dtype=jnp.float32, scales_first=True))(x, w, s)
   assert y.shape == (m, n) and y.dtype == jnp.float32
   assert_close(y, L.fp8_linear_reference(x.astype(jnp.bfloat16), w, s), "kernel_f32")
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))
 
 
 @pytest.mark.parametrize("m,out_dtype", [(1, jnp.bfloat16), (5, jnp.float32), (8, jnp.bfloat16)])
@@ -791,11 +794,14 @@ def test_fp8_linear_cross_lowers(name, m):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("name", list(FP8_SHAPES))
 def test_fp8_dq_linear_cross_lowers(name, m):
-  """Both forms: the register-A wgmma (what the GPU runs) and the SMEM round trip (what interpret mode runs)."""
+  """Both forms: the register-A wgmma (what the GPU runs) and the SMEM round trip (what interpret mode runs); at
+  one row also with scales_first (every block scale requested before the weight tiles)."""
   n, k = FP8_SHAPES[name]
   args = SDS((m, k), jnp.bfloat16), SDS((n, k), F8), SDS((-(-n // 128), -(-k // 128)), jnp.float32)
   for a_from in ("regs", "smem") if m in (1, 64) else ("regs",):
     assert "mosaic_gpu" in cross_lower(functools.partial(L.fp8_dq_linear, a_from=a_from), *args).as_text()
+  if m == 1:
+    assert "mosaic_gpu" in cross_lower(functools.partial(L.fp8_dq_linear, scales_first=True), *args).as_text()
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -881,12 +887,15 @@ def test_fp8_linear_gpu(name, m):
 @pytest.mark.parametrize("name,m,a_from", [(name, m, "regs") for name, m in GPU_FP8_CASES]
                          + [(name, 8, "smem") for name in FP8_SHAPES])  # (the interpret-mode form, natively)
 def test_fp8_dq_linear_gpu(name, m, a_from):
+  """Natively against the reference; with scales_first (policy fp8_scales_first) bit for bit the same."""
   n, k = FP8_SHAPES[name]
   ks = jax.random.split(jax.random.key(160 + m), 2)
   w, s = quantize_fp8_blocks(ks[0], (n, k), 0.02)
   x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
   y = jax.jit(functools.partial(L.fp8_dq_linear, a_from=a_from))(x, w, s)
   assert_close(y, jax.jit(L.fp8_linear_reference)(x, w, s), "kernel_f32")
+  y1 = jax.jit(functools.partial(L.fp8_dq_linear, a_from=a_from, scales_first=True))(x, w, s)
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))
 
 
 @pytest.mark.gpu
@@ -1047,10 +1056,10 @@ def test_router_in_the_gate_up_kernel_gpu(dq_dtype, warp, ranks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype,second", [("bfloat16", {}), ("float32", {}), ("bfloat16", {"static_table": True}),
-                                              ("bfloat16", {"writer_cta": True}), ("bfloat16", {"scale_prefetch": True}),
-                                              ("bfloat16", {"static_table": True, "writer_cta": True,
-                                                            "scale_prefetch": True})])
+@pytest.mark.parametrize("out_dtype,second", [
+    ("bfloat16", {}), ("float32", {}), ("bfloat16", {"static_table": True}), ("bfloat16", {"writer_cta": True}),
+    ("bfloat16", {"scale_prefetch": True}),
+    ("bfloat16", {"static_table": True, "writer_cta": True, "scale_prefetch": True})])
 def test_router_in_the_gate_up_kernel_with_rows_gpu(out_dtype, second):
   """The real rank's single-row MoE (288 experts, top-8, the shared slot, dq) with the router's selection in the
   gate/up kernel AND the rows form on split-K counters natively (policy moe_rows): the gate/up kernel's 4 D splits

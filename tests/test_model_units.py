@@ -551,6 +551,22 @@ def test_dsa_qkv_a_first_at_the_model_site():
     assert ("optimization_barrier" in text) == want, pol
 
 
+def test_fp8_scales_first_at_the_model_site():
+  """Policy fp8_scales_first at a one-layer DSA model's FP8 linears (q_a / kv_a, q_b, o_proj, the dense MLP; GPU
+  interpret mode, XLA elsewhere): every block scale requested before the weight tiles gives the hidden state bit
+  for bit, and the report names the sites."""
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 10, "fp8", num_hidden_layers=1, layer_types=["indexed_attention"],
+                         mlp_layer_types=["dense"])
+  m = load(path, "float32")
+  fp8 = {k: False for k in KERNEL_DEFAULTS} | {"fp8_linear": True, "fp8_dq": True}
+  (h0, _), rep0 = _extend_one_token(m, 1, fp8, seed=11)
+  (h1, _), rep1 = _extend_one_token(m, 1, fp8 | {"fp8_scales_first": True}, seed=11)
+  assert rep0["fp8_dq"] is None and rep1["fp8_scales_first"] is None, rep1
+  assert rep0["fp8_scales_first"] == "off in the policy", rep0
+  np.testing.assert_array_equal(h1, h0)
+
+
 def test_chained_moe_at_the_model_site():
   """Policy moe_chained at the model's single-row MoE (one layer, one token; GPU interpret mode runs its two-launch
   form): the expert ids of moe_router_in_kernel's fp8_moe exactly, the hidden state within bf16 rounding of h (the
