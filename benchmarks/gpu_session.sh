@@ -703,8 +703,9 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # grid's 18.9 MB). moe_scale_prefetch now requests them BEFORE the weight tiles (both MoE kernels);
     # fp8_scales_first does the same in the dense FP8 kernel (q_a / kv_a, q_b, o_proj, dense MLP: it loaded the
     # first `stages` scales after its tiles). GPU tests (bit-equal to the forms without), the MoE alone and
-    # profiled, then q = 1: defaults vs each vs both (5 interleaved repeats); then q = 4 with the defaults (last
-    # measured in session 50: 7.66 ms) against both
+    # profiled, bench_tile_math (session 51: the per-tile math's parts, no HBM traffic), then q = 1: defaults vs
+    # each vs both (5 interleaved repeats); then q = 4 with the defaults (last measured in session 50: 7.66 ms)
+    # against both
     timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
       -k "with_rows_gpu or fp8_dq_linear_gpu" > "$OUT/tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
@@ -712,7 +713,10 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --out "$OUT/bench_linear.txt" > "$OUT/bench_linear.log" 2>&1
     timeout -s INT 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
       --cases moe_rows_sw,moe_rows_prefetch --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
-    cat "$OUT/bench_linear.txt" "$OUT/kernel_profile.txt"
+    # the per-tile math without HBM traffic (bf16 / f16 dequantisation, the wgmma alone, the fp8 hi/lo form):
+    # what the MoE kernels' ~0.9 µs "mma" scope per tile is made of
+    timeout -s INT 120 python3 benchmarks/bench_tile_math.py --out "$OUT/tile_math.txt" > "$OUT/tile_math.log" 2>&1
+    cat "$OUT/bench_linear.txt" "$OUT/kernel_profile.txt" "$OUT/tile_math.txt"
     [ "$(left)" -gt 200 ] && rank1 s52a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"moe_scale_prefetch": true}' '{"fp8_scales_first": true}' '{"moe_scale_prefetch": true, "fp8_scales_first": true}'
     [ "$(left)" -gt 200 ] && rank1 s52a_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \

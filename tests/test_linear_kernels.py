@@ -621,6 +621,24 @@ def test_router_in_the_gate_up_kernel_with_rows_interpret(shared, static):
   assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=1.0, shared=sh), "kernel_bf16")
 
 
+@pytest.mark.parametrize("variant", ["bf16", "f16", "wgmma", "hilo"])
+def test_tile_math_benchmark_kernel(variant):
+  """benchmarks/bench_tile_math.py's kernel (one weight tile's math repeated in a rolled loop, per CTA): every CTA's
+  sum of 3 reps equals 3 x W @ x.T in GPU interpret mode (hilo: x as its hi / lo e4m3 rows, within their rounding
+  of x) and it lowers for CUDA at the MoE's tile shapes with 2 CTAs per SM of the H200."""
+  from benchmarks import bench_tile_math as B  # noqa: PLC0415
+  w, x, xval = B.inputs(variant, 64, seed=int(np.random.default_rng().integers(1 << 30)))
+  with maybe_interpret():
+    out = B.tile_math(w, x, variant=variant, reps=3, ctas=2)
+  ref = B.reference(w, xval, 3)
+  for g in range(2):
+    assert_close(out[g], ref, "kernel_f32")
+  for bm in (64, 128):
+    w2, x2, _ = B.inputs(variant, bm)
+    low = cross_lower(functools.partial(B.tile_math, variant=variant, reps=64, ctas=264), w2, x2)
+    assert "tile_math_" + variant in low.as_text()
+
+
 def test_router_in_the_gate_up_kernel_cross_lowers():
   """The real rank's single-row MoE (288 experts, top-8, the shared slot, bf16 activations) with the selection
   in the gate/up kernel lowers for CUDA."""
