@@ -704,10 +704,11 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # fp8_scales_first does the same in the dense FP8 kernel (q_a / kv_a, q_b, o_proj, dense MLP: it loaded the
     # first `stages` scales after its tiles). GPU tests (bit-equal to the forms without), the MoE alone and
     # profiled, bench_tile_math (session 51: the per-tile math's parts, no HBM traffic), then q = 1: defaults vs
-    # each vs both (5 interleaved repeats); then q = 4 with the defaults (last measured in session 50: 7.66 ms)
-    # against both
+    # each vs both, and dq_f16 a third time (its f16 activations now saturate; 3 of 4 rounds faster in sessions 41
+    # and 51) — 5 interleaved repeats; then q = 4 with the defaults (session 50: 7.66 ms) against both
     timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
-      -k "with_rows_gpu or fp8_dq_linear_gpu" > "$OUT/tests.log" 2>&1
+      -k "with_rows_gpu or fp8_dq_linear_gpu or fp8_dq_linear_f16 or router_in_the_gate_up_kernel_gpu" \
+      > "$OUT/tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
     timeout -s INT 100 python3 benchmarks/bench_linear.py --rows 1 --only moerows_sw,moerows_pf \
       --out "$OUT/bench_linear.txt" > "$OUT/bench_linear.log" 2>&1
@@ -718,7 +719,8 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     timeout -s INT 120 python3 benchmarks/bench_tile_math.py --out "$OUT/tile_math.txt" > "$OUT/tile_math.log" 2>&1
     cat "$OUT/bench_linear.txt" "$OUT/kernel_profile.txt" "$OUT/tile_math.txt"
     [ "$(left)" -gt 200 ] && rank1 s52a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"moe_scale_prefetch": true}' '{"fp8_scales_first": true}' '{"moe_scale_prefetch": true, "fp8_scales_first": true}'
+      '{"moe_scale_prefetch": true}' '{"fp8_scales_first": true}' '{"moe_scale_prefetch": true, "fp8_scales_first": true}' \
+      '{"dq_f16": true}'
     [ "$(left)" -gt 200 ] && rank1 s52a_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \
       --policy '{}' '{"moe_scale_prefetch": true, "fp8_scales_first": true}'
     ;;

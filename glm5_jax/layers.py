@@ -186,8 +186,9 @@ KNOBS = {
         "the persistent MoE's gate/up phase. Measured (session 41, s40e): the persistent MoE's multiply 14.2 -> 11.8 "
         "µs per warpgroup, the q = 1 step 4.30 -> 4.28 ms (a tie); session 51 (s51b) with dsa_qkv_a_first: "
         "3.77 -> 3.69 ms, faster in 3 of 4 paired rounds (-0.05 ms) — 3 of 4 on both occasions, but f16 "
-        "activations overflow to inf above 65,504 where bf16 does not: off until the kernels saturate (or check) "
-        "their f16 conversions"),
+        "activations overflowed to inf above 65,504 where bf16 does not. Since session 51 every f16 activation "
+        "conversion (x, h; pallas_kernels.linear._act) saturates at ±65,504 instead (CPU-built: its GPU test "
+        "and a third measurement next, gpu_session s52a) — off until then"),
     "moe_router_in_kernel": (True,
         "with fp8_moe and router_kernel on, at one token row (fp8_moe's own form): the router's selection "
         "(pallas_kernels.router's top-k in lax.top_k's order, weights normalised and scaled) inside every CTA of "

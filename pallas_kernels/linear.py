@@ -191,12 +191,23 @@ def _dequant_tile(w_s, a_s, dt=jnp.bfloat16):
 
 
 DQ_DTYPES = ("bfloat16", "float16")
+F16_MAX = 65504.0  # the largest finite f16
+
+
+def _act(x, dt):
+  """Activations (x, h) in the dq kernels' dtype ``dt``. f16 saturates at ±65,504: past it the conversion would
+  give inf (bf16 keeps such values to 8 bits) — with the subnormal range's lost bits below 2^-14, the only bf16
+  values f16 does not hold exactly. bf16 (and f32) unchanged."""
+  if jnp.dtype(dt) == jnp.float16:  # (in f32: bf16 rounds 65,504 up to 65,536, which f16 does not hold)
+    x = jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX)
+  return x.astype(dt)
 
 
 def _dq_dtype(dq_dtype: str, name: str):
   """The dq kernels' activation / dequantised-weight dtype: bf16 (the default), or f16 — each e4m3 weight element
-  converted by one cvt per two values instead of e4m3 -> f32 -> bf16, x's bf16 values exact in f16 while |x| <
-  65,504 (and above 2^-14: f16 subnormals keep fewer bits), f32 accumulation either way."""
+  converted by one cvt per two values instead of e4m3 -> f32 -> bf16, x's bf16 values exact in f16 while |x| <=
+  65,504 (past it they saturate there: ``_act``; below 2^-14 f16 subnormals keep fewer bits), f32 accumulation
+  either way."""
   if dq_dtype not in DQ_DTYPES:
     raise ValueError(f"{name}: dq_dtype = {dq_dtype!r}, expected one of {DQ_DTYPES}")
   return jnp.dtype(dq_dtype)
@@ -344,7 +355,7 @@ def _rows_out(y, tot, *, row0, weight=None):
   col = plgpu.broadcasted_iota(jnp.int32, tot.shape, 1, layout=plgpu.Layout.WGMMA)
   for r in range(y_s.shape[0]):
     v = plgpu.layout_cast(jnp.sum(jnp.where(col == r, tot, 0.0), axis=1), plgpu.Layout.WGMMA.reduce(1))
-    y_s[r, :] = (v if weight is None else v * weight(r)).astype(y_s.dtype)
+    y_s[r, :] = _act(v if weight is None else v * weight(r), y_s.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(y_s, y_g.at[:, pl.ds(row0, y_s.shape[1])])
   plgpu.wait_smem_to_gmem(0)
@@ -571,7 +582,7 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   # x as it is where it can be (_tma_rows): the kernel's TMA reads mp rows and fills the rows past m with zeros
   # (no XLA pad kernel in front of every call: 135 of them per step at q = 1, ~300 at q = 4, ~1.2 µs each on the
   # H200, session 26)
-  out = _fp8_launch(_tma_rows(x.astype(dt), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
+  out = _fp8_launch(_tma_rows(_act(x, dt), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
                     name="glm5_fp8_dq_linear", counters=counters, m=m, rows_dtype=out_dtype if rows else None,
                     scales_first=scales_first)
   if rows:
@@ -1438,7 +1449,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   plan = plan or plan_moe(n_slots, inter, d, mp)
   a_smem = _a_smem(a_from) and dq
   if dq:  # bf16 (f16) rows as they are
-    x_in = (_tma_rows(x.astype(dt), mp),)  # (the TMA zero-fills the rows up to mp)
+    x_in = (_tma_rows(_act(x, dt), mp),)  # (the TMA zero-fills the rows up to mp)
     x_tile = plgpu.SMEM((plan.gu_stages, mp, BLOCK), dt, transforms=_tr(dt, BLOCK))
   else:
     xq, _ = quantize_activations(x, mp)
@@ -1520,7 +1531,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     # Routing weights and re-quantisation of h (rows of unused slots were never written: mask them).
     hw = jnp.where(valid[:, None, None], h, 0.0) * r[:, None, :m]  # [n_pad, I, m]
     if dq:
-      hq, sh = jnp.pad(jnp.swapaxes(hw, 1, 2).astype(dt), ((0, 0), (0, mp - m), (0, 0))), 1.0
+      hq, sh = jnp.pad(_act(jnp.swapaxes(hw, 1, 2), dt), ((0, 0), (0, mp - m), (0, 0))), 1.0
     else:
       hq, sh = quantize_activations(jnp.swapaxes(hw, 1, 2), mp)  # [n_pad, 2mp, I]
   if table_k:
@@ -1794,7 +1805,7 @@ def fp8_moe_chained(x, logits, bias, w_gate, s_gate, w_up, s_up, w_down, s_down,
   if has_sh:
     gu_w += [shared[0], shared[1].astype(f32), shared[2], shared[3].astype(f32)]
   dn_w = [w_down, s_down.astype(f32)] + ([shared[4], shared[5].astype(f32)] if has_sh else [])
-  gu_in = [_tma_rows(x.astype(dt), mp), logits.astype(f32), bias.astype(f32),
+  gu_in = [_tma_rows(_act(x, dt), mp), logits.astype(f32), bias.astype(f32),
            jnp.full((4,), n_slots, jnp.int32), *gu_w]
   ring = [plgpu.SMEM((stages, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
           plgpu.SMEM((stages, _DN_BM, BLOCK), F8, transforms=_tr(F8, BLOCK)),
@@ -1832,7 +1843,7 @@ def fp8_moe_chained(x, logits, bias, w_gate, s_gate, w_up, s_up, w_down, s_down,
         scratch_types=[*router_scratch(e_num, warp), *ring, *a_tile],
     )(*gu_in)
     # (h as the one-launch form's writer CTAs form it: the D splits summed, the SwiGLU, bf16 rows [slots, m, I])
-    h = jnp.swapaxes(_swiglu_of_splits(parts, m, split, swiglu_limit), 1, 2).astype(dt)
+    h = _act(jnp.swapaxes(_swiglu_of_splits(parts, m, split, swiglu_limit), 1, 2), dt)
     o_dn = mgpu_kernel(
         functools.partial(_moe_chain_down_kernel, dtiles=dtiles, **statics),
         out_type=o_dn_t, grid=(g2,), grid_names=("t",), kernel_name="glm5_moe_chained_down",
@@ -2359,7 +2370,7 @@ def fp8_moe_persistent(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_
   plan = plan_moe_persistent(k + int(has_sh), inter, d, mp, stages=stages, max_ctas=max_ctas, dq_dtype=dq_dtype)
   a_smem = _a_smem(a_from)
   statics = dict(plan=plan, k=k, shared=has_sh, limit=float(swiglu_limit), a_smem=a_smem)
-  args = (xb.astype(plan.dt), ids, tw, *wts)
+  args = (_act(xb, plan.dt), ids, tw, *wts)
   h_t = jax.ShapeDtypeStruct((plan.S, m, inter), plan.dt)
   h_s = plgpu.SMEM((m, _DN_BM), plan.dt)
   if launches == 1:
@@ -2404,7 +2415,7 @@ def fp8_moe_balanced(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_do
   plan = plan_moe_balanced(k + int(has_sh), inter, d, _padded_rows(m), per_sm=per_sm, stages=stages, ctas=ctas,
                            dq_dtype=dq_dtype)
   statics = dict(plan=plan, k=k, shared=has_sh, limit=float(swiglu_limit), a_smem=_a_smem(a_from))
-  args = (xb.astype(plan.dt), ids, tw, *wts)
+  args = (_act(xb, plan.dt), ids, tw, *wts)
   parts = _moe_gate_up_launch(plan, statics, args, "glm5_moe_balanced_gate_up")
   # the glue: each pair's pieces (a static count: the unwritten ones masked), SwiGLU, the slot's routing weight
   _, count = _pieces(plan.n1, plan.db, plan.P1)
@@ -2417,7 +2428,7 @@ def fp8_moe_balanced(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_do
     wslot = jnp.concatenate([jnp.ones((1,), jnp.float32), wslot])
   gate = jnp.minimum(gu[0], swiglu_limit)
   h = gate * jax.nn.sigmoid(gate) * jnp.clip(gu[1], -swiglu_limit, swiglu_limit) * wslot[:, None, None]
-  h = jnp.swapaxes(h, 1, 2).astype(plan.dt)  # [S, m, I]: the down kernel's rows (the TMA zero-fills to mp)
+  h = _act(jnp.swapaxes(h, 1, 2), plan.dt)  # [S, m, I]: the down kernel's rows (the TMA zero-fills to mp)
   o = _moe_down_launch(plan, statics, args, h, "glm5_moe_balanced_down")
   return o[..., :m].sum(0).T.astype(out_dtype)
 

@@ -258,6 +258,20 @@ def test_fp8_dq_linear_interpret(m, n, k, plan_kw, dtype):
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))
 
 
+def test_f16_activations_saturate():
+  """linear._act, the dq kernels' activation conversion (x, h; policy dq_f16): bf16 values inside f16's range are
+  kept exactly, values past ±65,504 saturate there instead of becoming inf, and bf16 / f32 are plain casts."""
+  rng = np.random.default_rng()
+  x = jnp.asarray(rng.standard_normal(512) * 100, jnp.float32).astype(jnp.bfloat16)
+  x = x.at[3].set(1e5).at[9].set(-7e4).at[11].set(3e38)
+  got = np.asarray(L._act(x, jnp.float16)).astype(np.float32)
+  assert np.all(np.isfinite(got))
+  want = np.clip(np.asarray(x, np.float32), -L.F16_MAX, L.F16_MAX)
+  np.testing.assert_array_equal(got, want)
+  assert L._act(x, jnp.bfloat16).dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(L._act(x, jnp.bfloat16)), np.asarray(x))
+
+
 @pytest.mark.parametrize("m,out_dtype", [(1, jnp.bfloat16), (5, jnp.float32), (8, jnp.bfloat16)])
 def test_linear_rows_form_interpret(m, out_dtype):
   """The fused-sum request (counters) with a one-split plan — the form interpret mode can run (no counters) — has
@@ -914,6 +928,20 @@ def test_fp8_dq_linear_gpu(name, m, a_from):
   assert_close(y, jax.jit(L.fp8_linear_reference)(x, w, s), "kernel_f32")
   y1 = jax.jit(functools.partial(L.fp8_dq_linear, a_from=a_from, scales_first=True))(x, w, s)
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))
+
+
+@pytest.mark.gpu
+def test_fp8_dq_linear_f16_saturates_gpu():
+  """fp8_dq_linear(dq_dtype="float16") natively with activations past f16's range: they saturate at ±65,504 (the
+  wgmma accumulates in f32: the result finite), the reference's on x clipped there."""
+  n, k = FP8_SHAPES["q_a"]
+  ks = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 2)
+  w, s = quantize_fp8_blocks(ks[0], (n, k), 0.02)
+  x = jax.random.normal(ks[1], (1, k), jnp.float32).astype(jnp.bfloat16).at[0, 7].set(1e5).at[0, 100].set(-7e4)
+  y = jax.jit(functools.partial(L.fp8_dq_linear, dq_dtype="float16"))(x, w, s)
+  assert np.all(np.isfinite(np.asarray(y)))
+  xc = jnp.clip(x.astype(jnp.float32), -L.F16_MAX, L.F16_MAX)
+  assert_close(y, jax.jit(L.fp8_linear_reference)(xc, w, s), "kernel_f32")
 
 
 @pytest.mark.gpu
