@@ -704,11 +704,14 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # fp8_scales_first does the same in the dense FP8 kernel (q_a / kv_a, q_b, o_proj, dense MLP: it loaded the
     # first `stages` scales after its tiles). GPU tests (bit-equal to the forms without), the MoE alone and
     # profiled, bench_tile_math (session 51: the per-tile math's parts, no HBM traffic), then q = 1: defaults vs
-    # each vs both, and dq_f16 a third time (its f16 activations now saturate; 3 of 4 rounds faster in sessions 41
-    # and 51) — 5 interleaved repeats; then q = 4 with the defaults (session 50: 7.66 ms) against both
+    # each, kda_norm_partials (the KDA norm elementwise: fused into o_proj?) and dq_f16 a third time (its f16
+    # activations now saturate; 3 of 4 rounds faster in sessions 41 and 51) — 5 interleaved repeats
     timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
       -k "with_rows_gpu or fp8_dq_linear_gpu or fp8_dq_linear_f16 or router_in_the_gate_up_kernel_gpu" \
       > "$OUT/tests.log" 2>&1
+    # (the kernel-tiny e2e with every candidate on, these three among them: the gate before a default)
+    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_decode.py \
+      -k "all_kernels_equals_stock and candidates" >> "$OUT/tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
     timeout -s INT 100 python3 benchmarks/bench_linear.py --rows 1 --only moerows_sw,moerows_pf \
       --out "$OUT/bench_linear.txt" > "$OUT/bench_linear.log" 2>&1
@@ -719,10 +722,19 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     timeout -s INT 120 python3 benchmarks/bench_tile_math.py --out "$OUT/tile_math.txt" > "$OUT/tile_math.log" 2>&1
     cat "$OUT/bench_linear.txt" "$OUT/kernel_profile.txt" "$OUT/tile_math.txt"
     [ "$(left)" -gt 200 ] && rank1 s52a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"moe_scale_prefetch": true}' '{"fp8_scales_first": true}' '{"moe_scale_prefetch": true, "fp8_scales_first": true}' \
-      '{"dq_f16": true}'
-    [ "$(left)" -gt 200 ] && rank1 s52a_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \
-      --policy '{}' '{"moe_scale_prefetch": true, "fp8_scales_first": true}'
+      '{"moe_scale_prefetch": true}' '{"fp8_scales_first": true}' '{"kda_norm_partials": true}' '{"dq_f16": true}'
+    ;;
+  s52b)  # (nvidia-h200) after s52a: the winners together (edit the policy below to s52a's result) at q = 1 and
+    # q = 4 (session 50: 7.66 ms), then auto vs latency_specialized in one call at q = 1 (issue #9's ratio on one
+    # host: 2x needs latency_specialized <= auto / 2)
+    rank1 s52b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"moe_scale_prefetch": true, "fp8_scales_first": true, "kda_norm_partials": true}'
+    [ "$(left)" -gt 200 ] && rank1 s52b_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \
+      --policy '{}' '{"moe_scale_prefetch": true, "fp8_scales_first": true, "kda_norm_partials": true}'
+    [ "$(left)" -gt 200 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+      --batch 1 --context 32768 --q 1 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) \
+      --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
+      --out "$OUT/decode_s52b_auto.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s52b_auto.log"
     ;;
   s51sass)  # (nvidia-h200) session 51: where the MoE kernels' "mma" scope goes (s50a's profile: ~0.9 µs per 128 x 128
     # weight tile in both kernels — 7.4 of gate/up's ~15 µs per CTA — while the e4m3 -> f32 -> bf16 convert was only

@@ -208,6 +208,9 @@ class KDA(nnx.Module):
           fg4, proj = fgb, dict(f_proj=w_fg)
         else:
           proj = {}
+        # kda_norm_partials: the kernel also returns its CTAs' sums of o's squares, so that the gated RMSNorm below
+        # is elementwise and XLA fuses it into the o_proj GEMV (no norm kernel between the KDA kernel and o_proj)
+        partials = kernel_enabled("kda_norm_partials", fits=not norm, why="kda_norm on (the norm in the kernel)")
         if kernel_enabled("kda_conv", fits=hist.dtype == z.dtype,
                           why=f"conv cache {hist.dtype} vs activations {z.dtype} (the kernel's window is one dtype)"):
           # the short conv + SiLU in the kernel: z and the history rows as they are (free reshapes), the taps as
@@ -215,13 +218,17 @@ class KDA(nnx.Module):
           o, new_ssm, *g = kda_ops.kda_decode_conv(
               z.reshape(B, T, 3, H, Kd), hist.reshape(B, Kc - 1, 3, H, Kd), w.T.reshape(Kc, 3, H, Kd), fg4, fgb,
               A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config,
-              **proj)
+              norm_partials=partials, **proj)
         else:
           o, new_ssm, *g = kda_ops.kda_decode(q, k, v, fg4, fgb, A_log, dt_bias, ssm, ctx.n_acc,
                                               lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config,
-                                              **proj)
+                                              norm_partials=partials, **proj)
+        ss = g.pop() if partials else None
         gate = g[0] if g else gate
         normed = bool(norm)
+        if partials:
+          o = kda_ops.gated_norm_from_partials(o, ss, gate, self.o_norm.weight[...], self.eps)
+          normed = True
       else:
         o, new_ssm = kda_ops.kda_decode_reference(q, k, v, f, b, A_log, dt_bias, ssm, ctx.n_acc,
                                                   lower_bound=self.lower_bound)

@@ -101,6 +101,14 @@ KNOBS = {
         "CTA, so 4x fewer CTAs stream the state) instead of an XLA fusion after it; measured slower (kernel "
         "3.2 -> 5.5 µs per layer, the step 5.65 -> 5.68 ms; BENCHMARKS.md session 24); again with session "
         "51's defaults 3.73 -> 3.77 ms at q = 1 (1 of 4 paired rounds faster, s51a)"),
+    "kda_norm_partials": (False,
+        "with kda on (not kda_norm): each KDA CTA also returns the sum of its o columns' squares "
+        "(kda_decode(norm_partials=True): [B, T, H, 128 / block_v]), so the gated RMSNorm after the kernel is "
+        "elementwise (kda_decode.gated_norm_from_partials: mean(o²) from the partials by explicit adds) and XLA "
+        "can fuse it into the o_proj GEMV — in s50b's trace the norm was a fusion of its own on every KDA layer's "
+        "chain (1.4 µs + a launch gap, x 34), between the KDA kernel and o_proj. kda_norm, the norm inside the "
+        "kernel, needs a head's 4 warpgroups in one CTA and was slower (sessions 24, 51). Equal within f32 "
+        "rounding (the squares summed in another order). CPU-built (session 51): off until measured"),
     "kda_approx_math": (True,
         "with kda on: the KDA kernel's gates and l2 norms with the GPU's approximate exp / reciprocal / rsqrt "
         "(KdaDecodeConfig(approx_math=True); within the kernel tolerance of the reference, its GPU tests). "

@@ -99,6 +99,26 @@ def _gated_rms_norm(o, gate, norm_weight, eps):
   return norm_weight.astype(jnp.float32) * (o * inv) * jax.nn.sigmoid(gate.astype(jnp.float32))
 
 
+def norm_partials_reference(o, nv: int):
+  """o [..., D] -> [..., nv]: the sums of o² over each of nv consecutive column blocks (the kernel's
+  ``norm_partials``: one per CTA of a head)."""
+  o = o.astype(jnp.float32)
+  return jnp.sum(jnp.square(o.reshape(*o.shape[:-1], nv, o.shape[-1] // nv)), axis=-1)
+
+
+def gated_norm_from_partials(o, partials, gate, norm_weight, eps):
+  """``_gated_rms_norm`` (the model's gated RMSNorm after the kernel) from the kernel's ``norm_partials`` [..., nv]
+  instead of a reduction over o: mean(o²) = (p_0 + p_1 + ...) / D as explicit adds, so the whole norm is
+  elementwise and XLA fuses it into its consumer's fusion (the o_proj GEMV) — no norm kernel of its own between
+  the KDA kernel and the projection."""
+  o = o.astype(jnp.float32)
+  ss = partials[..., 0]
+  for j in range(1, partials.shape[-1]):
+    ss = ss + partials[..., j]
+  inv = lax.rsqrt(ss * (1.0 / o.shape[-1]) + eps)[..., None]
+  return norm_weight.astype(jnp.float32) * (o * inv) * jax.nn.sigmoid(gate.astype(jnp.float32))
+
+
 # --------------------------------------------------------------------------------------------------
 # Pure-jnp reference (vectorised over B and H, loops over the T <= 8 tokens)
 # --------------------------------------------------------------------------------------------------
@@ -317,10 +337,10 @@ def _layouts(D: int, BV: int):
   return dict(S=tiled(s), K=tiled(s.reduce([1])), V=tiled(s.reduce([0])), ROWS=rows, ROW=row)
 
 
-@kernel_entry("lower_bound", "norm_eps", "config")
+@kernel_entry("lower_bound", "norm_eps", "config", "norm_partials")
 def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
                gate=None, norm_weight=None, norm_eps=1e-5, config: KdaDecodeConfig | None = None, b_offset=0,
-               f_proj=None):
+               f_proj=None, norm_partials: bool = False):
   """KDA decode recurrence over T tokens as one Pallas Mosaic GPU kernel; same contract as the reference.
 
   q, k, v: [B, T, H, D] (bf16 or f32), after the short conv + SiLU, before l2-norm.
@@ -340,6 +360,10 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
     and returns them as a third result, gate [B, T, H, D] f32, for the norm after the kernel: the XLA GEMV and
     gate fusion between fgb_a and the kernel go (issue #14: the KDA layer's small projections). Not with the
     fused norm (gate=); needs config.prefetch and one warpgroup per CTA.
+  norm_partials: each CTA also returns the sums of its o columns' squares, partials [B, T, H, D // block_v] f32
+    (``norm_partials_reference``) as a last result: with them the gated RMSNorm after the kernel is elementwise
+    (``gated_norm_from_partials``) and fuses into the o_proj GEMV — no norm kernel on the layer's chain. Not
+    with the fused norm (gate=).
   Returns (o [B, T, H, D] f32, new_state [B, Q, H, D, D] f32): slot t < T holds the state after token t,
   slots >= T are untouched.
   """
@@ -350,13 +374,13 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
   else:
     _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
   return _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, norm_weight, norm_eps,
-              config or KdaDecodeConfig(), b_offset, conv=False, f_proj=f_proj)
+              config or KdaDecodeConfig(), b_offset, conv=False, f_proj=f_proj, norm_partials=norm_partials)
 
 
-@kernel_entry("lower_bound", "norm_eps", "config")
+@kernel_entry("lower_bound", "norm_eps", "config", "norm_partials")
 def kda_decode_conv(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
                     gate=None, norm_weight=None, norm_eps=1e-5, config: KdaDecodeConfig | None = None, b_offset=0,
-                    f_proj=None):
+                    f_proj=None, norm_partials: bool = False):
   """``kda_decode`` with the short conv + SiLU in the kernel (``kda_decode_conv_reference``'s contract): qkv
   [B, T, 3, H, D] the q | k | v projection output before the conv (a free reshape of the model's [B, T, 3C]),
   conv_hist [B, Kc - 1, 3, H, D] the inputs of the Kc - 1 positions before this call (the conv ring's rows, zeros
@@ -364,7 +388,8 @@ def kda_decode_conv(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, nu
   Each CTA convolves its head's q / k rows and its v columns per token from one SMEM window (the Kc - 1 history
   rows, then this call's T rows) and rounds them to qkv's dtype as the model does: the XLA fusion between the qkv
   projection and the kernel (~2 µs + a dependent launch per KDA layer on the H200, session 29's profile) goes.
-  Needs config.prefetch (the window is TMA'd). f_proj as in ``kda_decode`` (then three results)."""
+  Needs config.prefetch (the window is TMA'd). f_proj and norm_partials as in ``kda_decode`` (each one more
+  result, in that order)."""
   Kc = _check_conv(qkv, conv_hist, conv_weight)
   B, T, _, H, D = qkv.shape
   rows = jax.ShapeDtypeStruct((B, T, H, D), qkv.dtype)
@@ -376,7 +401,8 @@ def kda_decode_conv(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, nu
   if not config.prefetch:
     raise ValueError("kda_decode_conv: config.prefetch=False; the conv window is TMA'd into SMEM (prefetch=True)")
   return _kda(qkv, conv_hist, conv_weight.astype(jnp.float32), f, b, A_log, dt_bias, state, num_accepted,
-              lower_bound, gate, norm_weight, norm_eps, config, b_offset, conv=Kc, f_proj=f_proj)
+              lower_bound, gate, norm_weight, norm_eps, config, b_offset, conv=Kc, f_proj=f_proj,
+              norm_partials=norm_partials)
 
 
 PROJ_ROWS = 8  # f_proj: the low-rank rows' tile (the wgmma N; the TMA zero-fills the rows past T)
@@ -422,7 +448,7 @@ def _project_rows(fa_s, ga_s, wf_s, wg_s, f_s, g_s, T: int, dtype):
 
 
 def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, norm_weight, norm_eps,
-         config: KdaDecodeConfig, b_offset, conv: int | bool, f_proj=None):
+         config: KdaDecodeConfig, b_offset, conv: int | bool, f_proj=None, norm_partials: bool = False):
   """The kernel call behind both entries. conv = Kc (kda_decode_conv): q, k, v are (qkv [B, T, 3, H, D],
   conv_hist [B, Kc - 1, 3, H, D], conv_weight [Kc, 3, H, D] f32); False: q, k, v [B, T, H, D] as they are.
   f_proj: f is the low-rank rows and the kernel projects them (``kda_decode``); returns (o, state, gate)."""
@@ -438,6 +464,8 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
   if NV % wgs:
     raise ValueError(f"wgs_per_cta={wgs} must divide D // block_v = {NV}")
   norm_in_kernel = fuse_norm and wgs == NV
+  if norm_partials and fuse_norm:
+    raise ValueError("norm_partials: the sums for a norm after the kernel; gate= fuses the norm: not both")
   proj = f_proj is not None
   if proj:
     r = f_proj.shape[2] // 2
@@ -465,6 +493,7 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     return plgpu.layout_cast(lax.broadcast_in_dim(x, (D, BV), (1,)), L_S)
 
   def kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *more):
+    *more, ss_ref = more if norm_partials else (*more, None)
     *more, o_ref, gout_ref = more if proj else (*more, None)
     *norm_refs, w_ref = more if proj else (*more, None)
     # SMEM must be allocated collectively by the CTA's warpgroups (and pl.kernel takes no scratch_types).
@@ -486,13 +515,13 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
                   plgpu.SMEM((T, D), f32), plgpu.SMEM((T, D), f32)]
     refs = (state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *norm_refs)
     if scratch:
-      pl.run_scoped(functools.partial(body, *refs, w_ref=w_ref, gout_ref=gout_ref), *scratch,
+      pl.run_scoped(functools.partial(body, *refs, w_ref=w_ref, gout_ref=gout_ref, ss_ref=ss_ref), *scratch,
                     collective_axes="wg" if wgs > 1 else ())
     else:
-      body(*refs)
+      body(*refs, ss_ref=ss_ref)
 
   def body(state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *rest,
-           w_ref=None, gout_ref=None):
+           w_ref=None, gout_ref=None, ss_ref=None):
     rest = list(rest)
     gate_ref, nw_ref = (rest.pop(0), rest.pop(0)) if norm_in_kernel else (None, None)
     if proj:
@@ -588,6 +617,8 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
         o_smem[t, cols] = o
       else:
         o_ref[bi, t, h, cols] = o
+      if ss_ref is not None:  # (norm_partials: this CTA's share of the head's sum of squares)
+        ss_ref[bi, t, h, vi] = jnp.sum(o * o)
       return S
 
     if config.token_loop:
@@ -629,6 +660,7 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
   if norm_in_kernel:
     inputs += (gate, norm_weight)
   rows_t = jax.ShapeDtypeStruct((B, T, H, D), f32)
+  ss_t = jax.ShapeDtypeStruct((B, T, H, NV), f32)
   if proj:
     inputs += (f_proj,)
 
@@ -637,12 +669,13 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     state_ref, *out_refs = refs
     # o (and the gate) are plain kernel outputs (copied into their refs, whose zero init XLA then drops as dead):
     # an uninitialised lax.empty buffer instead would add an AllocateBuffer custom call next to every kernel.
-    outs = pl.kernel(with_pdl(functools.partial(kernel, state_ref)), out_type=(rows_t,) * len(out_refs), mesh=mesh,
-                     compiler_params=params, name="kda_decode", debug=_DEBUG)(*inputs)
+    outs = pl.kernel(with_pdl(functools.partial(kernel, state_ref)), out_type=tuple(out_types),
+                     mesh=mesh, compiler_params=params, name="kda_decode", debug=_DEBUG)(*inputs)
     for ref, val in zip(out_refs, outs):
       ref[...] = val
 
-  new_state, o, *g = run((state, *[jnp.zeros((B, T, H, D), f32)] * (2 if proj else 1)))
+  out_types = [rows_t] * (2 if proj else 1) + ([ss_t] if norm_partials else [])
+  new_state, o, *g = run((state, *[jnp.zeros(t.shape, t.dtype) for t in out_types]))
   if fuse_norm and not norm_in_kernel:
     o = _gated_rms_norm(o, gate, norm_weight, norm_eps)
   return (o, new_state, *g)

@@ -109,6 +109,32 @@ def test_kernel_matches_reference_interpret(rng, B, T, H, norm, dtype, config):
   assert_matches_reference(args, kw, o, new_state, T, name=f"B={B} T={T} H={H} norm={norm} {config}")
 
 
+@pytest.mark.parametrize("conv,config", [(False, None), (False, kd.KdaDecodeConfig(token_loop=True, block_v=64)),
+                                         (True, kd.KdaDecodeConfig(token_loop=True))])
+def test_norm_partials_interpret(rng, conv, config):
+  """norm_partials (policy kda_norm_partials): the kernel's o and state as without it, and its per-CTA sums of
+  o's squares [B, T, H, D // block_v] those of the reference's o; the gated RMSNorm from them
+  (gated_norm_from_partials, elementwise) equal to the one over o (_gated_rms_norm) within f32 rounding."""
+  B, T, H = 2, 3, 2
+  make = make_conv_inputs if conv else make_inputs
+  args, kw = make(rng, B, T, H, dtype=jnp.float32, norm=False)
+  entry = kd.kda_decode_conv if conv else kd.kda_decode
+  with maybe_interpret():
+    o0, s0 = jax.jit(functools.partial(entry, config=config, **kw))(*args)
+    o1, s1, ss = jax.jit(functools.partial(entry, config=config, norm_partials=True, **kw))(*args)
+  np.testing.assert_array_equal(np.asarray(o1), np.asarray(o0))
+  np.testing.assert_array_equal(np.asarray(s1), np.asarray(s0))
+  nv = 128 // (config or kd.KdaDecodeConfig()).block_v
+  assert ss.shape == (B, T, H, nv) and ss.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(ss), np.asarray(kd.norm_partials_reference(o0, nv)), **tol("kernel_f32"))
+  gate = jnp.asarray(rng.standard_normal((B, T, H, 128)), jnp.float32)
+  w = jnp.asarray(rng.uniform(0.5, 1.5, 128), jnp.float32)
+  np.testing.assert_allclose(np.asarray(kd.gated_norm_from_partials(o1, ss, gate, w, 1e-5)),
+                             np.asarray(kd._gated_rms_norm(o0, gate, w, 1e-5)), **tol("kernel_f32"))
+  with pytest.raises(ValueError, match="norm_partials"):
+    entry(*args, norm_partials=True, gate=gate, norm_weight=w, **kw)
+
+
 def test_gates_first_is_the_same_computation_interpret(rng):
   """KdaDecodeConfig(gates_first=True) only reorders state-independent work: bit-identical outputs and slots."""
   args, kw = make_inputs(rng, 2, 4, 2, dtype=jnp.bfloat16, norm=False)
@@ -358,16 +384,20 @@ def test_cross_lower_variants(T, config):
   assert "mosaic_gpu" in cross_lower(functools.partial(kd.kda_decode, config=config), *args).as_text()
 
 
-@pytest.mark.parametrize("T,config", [(1, None), (4, kd.KdaDecodeConfig(token_loop=True, approx_math=True))])
-def test_cross_lower_conv(T, config):
+@pytest.mark.parametrize("T,config,partials", [(1, None, False),
+                                                (4, kd.KdaDecodeConfig(token_loop=True, approx_math=True), False),
+                                                (1, kd.KdaDecodeConfig(token_loop=True, approx_math=True), True),
+                                                (4, kd.KdaDecodeConfig(token_loop=True, approx_math=True), True)])
+def test_cross_lower_conv(T, config, partials):
   """kda_decode_conv as the model would call it at TP4 (bf16 rows, the gate and b read in place), donated state
-  aliased in place."""
+  aliased in place; with norm_partials (policy kda_norm_partials) as well."""
   s = jax.ShapeDtypeStruct
   B, H, bf16 = 1, 16, jnp.bfloat16
   args = (s((B, T, 3, H, 128), bf16), s((B, 3, 3, H, 128), bf16), s((4, 3, H, 128), jnp.float32),
           s((B, T, 2 * H, 128), jnp.float32), s((B, T, 272), bf16), s((H,), jnp.float32), s((H, 128), jnp.float32),
           s((B, max(T, 4), H, 128, 128), jnp.float32), s((B,), jnp.int32), s((), jnp.int32))
-  fn = jax.jit(lambda *a: kd.kda_decode_conv(*a[:-1], b_offset=a[-1], config=config), donate_argnums=(STATE_ARG,))
+  fn = jax.jit(lambda *a: kd.kda_decode_conv(*a[:-1], b_offset=a[-1], config=config, norm_partials=partials),
+               donate_argnums=(STATE_ARG,))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "tf.aliasing_output" in text
 

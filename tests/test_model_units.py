@@ -567,6 +567,35 @@ def test_fp8_scales_first_at_the_model_site():
   np.testing.assert_array_equal(h1, h0)
 
 
+def test_kda_norm_partials_at_the_model_site():
+  """Policy kda_norm_partials at a KDA layer's verify call (kernel-tiny, f32; GPU interpret mode): the KDA
+  kernel's per-CTA sums of o's squares make the gated RMSNorm after it elementwise — the layer's output and its
+  caches within f32 rounding of the norm over o (kda_norm_partials off), and the report names the site."""
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  from glm5_jax import api  # noqa: PLC0415
+  from glm5_jax.attention import StepCtx  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS, kernel_report, use_kernels  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 12, "fp8", num_hidden_layers=1, layer_types=["linear_attention"],
+                         mlp_layer_types=["dense"])
+  m = load(path, "float32")
+  B, T = 1, 2
+  cache = api.init_cache(m, B, 32, q=T).caches["layers"][0]
+  rng = np.random.default_rng()
+  x = jnp.asarray(rng.standard_normal((B, T, m.cfg.hidden_size)), jnp.float32)
+  ctx = StepCtx(jnp.full((B,), 5, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.ones((B,), jnp.int32), "verify")
+  base = {k: False for k in KERNEL_DEFAULTS} | {"kda": True, "kda_conv": True, "kda_token_loop": True}
+  outs = []
+  for on in (False, True):
+    fn = m.shard_map(lambda mod, x, c: mod.layers[0].self_attn(x, c, ctx, jnp.float32), (P(), P()), P())
+    with use_kernels(base | {"kda_norm_partials": on}), maybe_interpret(True), kernel_report() as rep:
+      outs.append(jax.jit(fn)(m.params, x, cache))
+    assert (dict(rep)["kda_norm_partials"] is None) == on, rep
+  (y0, c0), (y1, c1) = outs
+  np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), **tol("kernel_f32"))
+  np.testing.assert_array_equal(np.asarray(c1["ssm"]), np.asarray(c0["ssm"]))
+  assert np.abs(np.asarray(y0)).max() > 0
+
+
 def test_chained_moe_at_the_model_site():
   """Policy moe_chained at the model's single-row MoE (one layer, one token; GPU interpret mode runs its two-launch
   form): the expert ids of moe_router_in_kernel's fp8_moe exactly, the hidden state within bf16 rounding of h (the
