@@ -12,13 +12,16 @@ math ``--reps`` times in a rolled loop (as the kernels' steps do):
              wgmma, the accumulator read (the MoE and dense FP8 kernels' default, fp8_dq)
 * ``f16``:   the same with f16 activations (e4m3x2 -> f16x2: policy dq_f16)
 * ``wgmma``: the tile converted to bf16 ONCE before the loop; each rep only the register-A wgmma and its read
+* ``wgmma_f16``: the same with the tile and x in f16 (so bf16 - wgmma and f16 - wgmma_f16 are each form's SMEM
+             loads + conversion)
 * ``hilo``:  the fp8 form (linear._mma_hi_lo: two fp8 wgmmas straight from SMEM, x as hi / lo e4m3 rows; no
              conversion; the pre-session-25 default)
 
 for 1, 2 and 3 CTAs per SM (the MoE kernels' 288 CTAs are ~2.2 per SM). Prints ns per tile per CTA, (the rep loop's
 kernel time minus a 1-rep kernel's) / (reps - 1), and tiles per µs per SM. CUPTI kernel durations.
 
-  python benchmarks/bench_tile_math.py [--bm 64,128] [--per-sm 1,2,3] [--reps 64] [--only bf16,f16,wgmma,hilo]
+  python benchmarks/bench_tile_math.py [--bm 64,128] [--per-sm 1,2,3] [--reps 64]
+      [--only bf16,f16,wgmma,wgmma_f16,hilo]
 """
 
 from __future__ import annotations
@@ -40,12 +43,13 @@ from benchmarks._timing import MODE, log, time_calls, write_log  # noqa: E402
 from pallas_kernels import linear as L  # noqa: E402
 from pallas_kernels._common import interpreting, mgpu_kernel  # noqa: E402
 
-VARIANTS = ("bf16", "f16", "wgmma", "hilo")
+VARIANTS = ("bf16", "f16", "wgmma", "wgmma_f16", "hilo")
 F8 = jnp.float8_e4m3fn
 
 
 def _x_dtype(variant: str):
-  return {"bf16": jnp.bfloat16, "f16": jnp.float16, "wgmma": jnp.bfloat16, "hilo": F8}[variant]
+  return {"bf16": jnp.bfloat16, "f16": jnp.float16, "wgmma": jnp.bfloat16, "wgmma_f16": jnp.float16,
+          "hilo": F8}[variant]
 
 
 def _body(variant: str, reps: int, bm: int, mp: int):
@@ -58,8 +62,8 @@ def _body(variant: str, reps: int, bm: int, mp: int):
     plgpu.copy_gmem_to_smem(x_g, x_s, bar)
     plgpu.barrier_wait(bar)
     acc0 = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
-    if variant == "wgmma":
-      a = L._dequant_tile(w_s, a_s, jnp.bfloat16)  # once: the loop measures the multiply alone
+    if variant.startswith("wgmma"):
+      a = L._dequant_tile(w_s, a_s, x_s.dtype)  # once: the loop measures the multiply alone
 
       def step(i, acc):
         def mma(r):
@@ -82,7 +86,7 @@ def tile_math(w, x, *, variant: str, reps: int, ctas: int):
     raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
   bm = w.shape[0]
   mp = x.shape[0] // (2 if variant == "hilo" else 1)
-  at = jnp.float16 if variant == "f16" else jnp.bfloat16  # (the converted tile's dtype: x's)
+  at = _x_dtype(variant)  # (the converted tile's dtype: x's)
   a_scratch = [plgpu.SMEM((bm, L.BLOCK), at, transforms=L._tr(at, L.BLOCK))] if (
       interpreting() and variant != "hilo") else []
   return mgpu_kernel(

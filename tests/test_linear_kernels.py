@@ -635,7 +635,7 @@ def test_router_in_the_gate_up_kernel_with_rows_interpret(shared, static):
   assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=1.0, shared=sh), "kernel_bf16")
 
 
-@pytest.mark.parametrize("variant", ["bf16", "f16", "wgmma", "hilo"])
+@pytest.mark.parametrize("variant", ["bf16", "f16", "wgmma", "wgmma_f16", "hilo"])
 def test_tile_math_benchmark_kernel(variant):
   """benchmarks/bench_tile_math.py's kernel (one weight tile's math repeated in a rolled loop, per CTA): every CTA's
   sum of 3 reps equals 3 x W @ x.T in GPU interpret mode (hilo: x as its hi / lo e4m3 rows, within their rounding
