@@ -719,7 +719,8 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --cases moe_rows_sw,moe_rows_prefetch --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
     # the per-tile math without HBM traffic (bf16 / f16 dequantisation, the wgmma alone, the fp8 hi/lo form):
     # what the MoE kernels' ~0.9 µs "mma" scope per tile is made of
-    timeout -s INT 120 python3 benchmarks/bench_tile_math.py --out "$OUT/tile_math.txt" > "$OUT/tile_math.log" 2>&1
+    timeout -s INT 150 python3 benchmarks/bench_tile_math.py --per-sm 1,2 --out "$OUT/tile_math.txt" \
+      > "$OUT/tile_math.log" 2>&1
     cat "$OUT/bench_linear.txt" "$OUT/kernel_profile.txt" "$OUT/tile_math.txt"
     [ "$(left)" -gt 200 ] && rank1 s52a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"moe_scale_prefetch": true}' '{"fp8_scales_first": true}' '{"kda_norm_partials": true}' '{"dq_f16": true}'
