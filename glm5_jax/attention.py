@@ -539,8 +539,10 @@ class DSA(nnx.Module):
       qa, ca = self.q_a_proj(x, dtype), self.kv_a_proj_with_mqa(x, dtype)
     x_ix = x  # the indexer's input
     if kernel_enabled("dsa_qkv_a_first", B * T):
-      # the indexer's projection (XLA's GEMV) and cache update take x only once q_a / kv_a are out, so that they
-      # do not share the SMs with the FP8 q_a / kv_a kernel (9.2 µs in s50b's step trace vs 4.5 alone)
+      # the indexer's projection (XLA's GEMV) and cache update take x through a barrier with q_a / kv_a's output.
+      # Under XLA's concurrent command buffer that orders the launches (q_a / kv_a's kernel first), not the
+      # execution: s51b's trace has q_a / kv_a 9.2 -> 5.5 µs (4.5 alone), the indexer's GEMV beside it
+      # (layers.KNOBS["dsa_qkv_a_first"])
       x_ix, qa = lax.optimization_barrier((x, qa))
     q_r = self.q_a_layernorm(qa, dtype)
     q = self.q_b_proj(q_r, dtype)
