@@ -95,7 +95,11 @@ def _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm
 def _gated_rms_norm(o, gate, norm_weight, eps):
   """o, gate: [..., D]; norm_weight: [D]. fp32 result: w * o / sqrt(mean(o^2) + eps) * sigmoid(gate)."""
   o = o.astype(jnp.float32)
-  inv = lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
+  return _gated_scale(o, lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps), gate, norm_weight)
+
+
+def _gated_scale(o, inv, gate, norm_weight):
+  """The gated norm's elementwise tail: w * (o * inv) * sigmoid(gate), o f32, inv its rows' 1/RMS [..., 1]."""
   return norm_weight.astype(jnp.float32) * (o * inv) * jax.nn.sigmoid(gate.astype(jnp.float32))
 
 
@@ -115,8 +119,7 @@ def gated_norm_from_partials(o, partials, gate, norm_weight, eps):
   ss = partials[..., 0]
   for j in range(1, partials.shape[-1]):
     ss = ss + partials[..., j]
-  inv = lax.rsqrt(ss * (1.0 / o.shape[-1]) + eps)[..., None]
-  return norm_weight.astype(jnp.float32) * (o * inv) * jax.nn.sigmoid(gate.astype(jnp.float32))
+  return _gated_scale(o, lax.rsqrt(ss * (1.0 / o.shape[-1]) + eps)[..., None], gate, norm_weight)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -782,6 +782,11 @@ def _nth(vals, i):
   return v
 
 
+def _nth_each(rows, i):
+  """[_nth over column c of rows for each c]: rows[i] of a static list of equal-length lists, traced i."""
+  return [_nth([r[c] for r in rows], i) for c in range(len(rows[0]))]
+
+
 def _table_id(e, num_experts: int):
   """A router id read as a slot's expert: an id out of range (never from the router; its routing weight is masked
   to zero) reads expert 0."""
@@ -895,7 +900,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       acc_g, acc_u = carry
       slot = i % stages
       if scale_prefetch:
-        sg, su = scales([_nth([p[c] for p in pre], i) for c in range(len(pre[0]))])
+        sg, su = scales(_nth_each(pre, i))
       else:
         sg, su = scales(raw_scales(i))  # issued before the wait (the FMA at the step's end waits for them)
       with jax.named_scope("wait"):
@@ -1128,7 +1133,7 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
     s, ib, e = where(j)
     with jax.named_scope("scale"):  # (the block scale's GMEM load: the scope shows whether its latency stalls)
       if prefetch:
-        scale = block_scale(s, [_nth([p[c] for p in pre], j) for c in range(len(pre[0]))])
+        scale = block_scale(s, _nth_each(pre, j))
       else:
         scale = block_scale(s, raw_scale(ib, e))
     with jax.named_scope("wait"):
