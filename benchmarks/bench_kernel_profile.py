@@ -123,6 +123,10 @@ def cases(names):
     margs, consts = mhc_inputs(1)
     h = jax.jit(lambda a: km.mhc_post_finish(*a, **consts, approx_math=True))
     out["mhc"] = lambda: h(margs)
+  if "mhc_row" in names:  # (policy mhc_row: one token row, a column per thread)
+    margs, consts = mhc_inputs(1)
+    hr = jax.jit(lambda a: km.mhc_row_boundary(*a, **consts, approx_math=True))
+    out["mhc_row"] = lambda: hr(margs)
   return out
 
 

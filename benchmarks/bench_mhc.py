@@ -6,7 +6,8 @@ per CTA), "narrow" (the same with twice the CTAs, each half as wide: policy mhc_
 32), "sums" (narrow, the finish and Sinkhorn summing the raw partials: policy mhc_fused_sums — no reduction),
 "1launch" (policy mhc_boundary: the boundary as one cluster launch, a reduction, mhc_sinkhorn), "grid" (policy
 mhc_grid_barrier, up to 4 rows: the boundary as one launch of 128 CTAs with a grid barrier, then mhc_sinkhorn on
-its raw partials; with it, its kernel alone as one launch and as its two halves).
+its raw partials; with it, its kernel alone as one launch and as its two halves), "row" (policy mhc_row, one row:
+"grid" with a column of every stream per thread, 32 CTAs — mhc_row_boundary; with it, its kernel alone).
 Columns: "dev us" device time of one boundary (CUPTI kernel durations), "kernels" launches per boundary,
 "chain us" wall time per boundary inside one jitted chain of 16 boundaries (XLA command buffers on, steady
 state: the gaps between kernels count, as in the decode step), and the floor: bytes one boundary must move
@@ -92,6 +93,12 @@ def grid(hc, norm, X2, y, mix):
     return hc.fused(X2, (y, mix), norm)
 
 
+def row(hc, norm, X2, y, mix):
+  """The grid-barrier boundary in its one-token-row form (policy mhc_row: mhc_row_boundary, mhc_sinkhorn)."""
+  with use_kernels({"mhc_grid_barrier": True, "mhc_row": True}):
+    return hc.fused(X2, (y, mix), norm)
+
+
 def compile_times(hc, norm, rows):
   """Seconds to compile CHAIN unrolled boundaries (stock, fused) and CHAIN copies of each fused kernel at M rows
   (session 22, before the Sinkhorn moved into mhc_finish: 16 boundaries at M = 4 took 64.9 s, their 16 XLA
@@ -144,7 +151,8 @@ def main(argv=None):
   p.add_argument("--clusters", default="", help="with '1launch': also the mhc_boundary kernel alone at these "
                  "cluster sizes (e.g. 8,4,2: each CTA then does 8 / 16 / 32 chunks of the same work)")
   a = p.parse_args(argv)
-  paths = {"stock": stock, "fused": fused, "narrow": narrow, "sums": sums, "grid": grid, "1launch": one_launch}
+  paths = {"stock": stock, "fused": fused, "narrow": narrow, "sums": sums, "grid": grid, "1launch": one_launch,
+           "row": row}
   names = a.paths.split(",")
   if unknown := set(names) - set(paths):
     raise SystemExit(f"--paths: unknown {sorted(unknown)}; known: {sorted(paths)}")
@@ -174,6 +182,9 @@ def main(argv=None):
       if name == "grid" and M > km.PARTS_MAX_ROWS:  # (the model runs the kernels path there: not a grid row)
         log(f"{M:>3} {name:>6}   (the grid-barrier boundary takes up to {km.PARTS_MAX_ROWS} token rows)")
         continue
+      if name == "row" and M != 1:
+        log(f"{M:>3} {name:>6}   (the one-row boundary takes one token row)")
+        continue
       one = jax.jit(lambda X2, y, mix, f=f: f(hc, norm, X2, y, mix))
       dev, kernels = time_calls(one, sets)
 
@@ -195,6 +206,13 @@ def main(argv=None):
       finish_parts(hc, norm, sets, M)
     if "grid" in names and M <= km.PARTS_MAX_ROWS:
       grid_alone(hc, norm, sets, M)
+    if "row" in names and M == 1:
+      for launches in (1, 2):
+        f = jax.jit(lambda X2, y, mix, launches=launches: km.mhc_row_boundary(
+            X2, y, mix, hc.fn[...], hc.base_scale[...], norm.weight[...], eps=hc.eps, hc_norm_eps=hc.norm_eps,
+            norm_eps=norm.eps, approx_math=True, launches=launches))
+        dev, kernels = time_calls(f, sets)
+        log(f"#   M = 1: mhc_row_boundary, {launches} launch(es): {dev:.2f} µs ({len(kernels)} kernels)")
     for cl in [int(c) for c in a.clusters.split(",") if c]:
       boundary_alone(hc, norm, sets, M, cl)
   if a.out:

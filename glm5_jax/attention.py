@@ -533,7 +533,19 @@ class DSA(nnx.Module):
     """x [B, T, D] -> (y [B, T, D], new cache, aux {"idx": [B, T, W], "pools": [B, T, kp]})."""
     B, T, _ = x.shape
     dn, dv = self.dn, self.dv
-    if hasattr(self, "qkv_a_proj"):
+    fp8 = "latent8" in cache
+    # mla_latent_norms: q_a / kv_a's joint output RMS-normalised (both parts) and the latent quantised into its
+    # FP8 cache row by one kernel instead of ~7 XLA fusions on the layer's critical path
+    joint = hasattr(self, "qkv_a_proj")
+    R = self.kv_a_layernorm.weight.shape[0]
+    norms = fp8 and kernel_enabled(
+        "mla_latent_norms", B * T, fits=joint and dtype == jnp.bfloat16 and R == 512
+        and self.q_a_layernorm.eps == self.kv_a_layernorm.eps,
+        why=f"the joint q_a / kv_a projection (here {joint}), a bf16 model (here {jnp.dtype(dtype).name}), a 512-wide "
+        f"latent (here {R}) and one RMSNorm eps")
+    if norms:
+      qa = self.qkv_a_proj.joint(x, dtype)  # [B, T, Q + R], normalised below
+    elif joint:
       qa, ca = self.qkv_a_proj(x, dtype)
     else:
       qa, ca = self.q_a_proj(x, dtype), self.kv_a_proj_with_mqa(x, dtype)
@@ -544,19 +556,25 @@ class DSA(nnx.Module):
       # execution: s51b's trace has q_a / kv_a 9.2 -> 5.5 µs (4.5 alone), the indexer's GEMV beside it
       # (layers.KNOBS["dsa_qkv_a_first"])
       x_ix, qa = lax.optimization_barrier((x, qa))
-    q_r = self.q_a_layernorm(qa, dtype)
+    row8 = None  # the latent's FP8 cache rows [B, T, ROW_WORDS] where the kernel quantised it
+    if norms:
+      from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
+      q_r, c, c8, sc = ks.latent_norms(qa.reshape(B * T, -1), self.q_a_layernorm.weight[...],
+                                       self.kv_a_layernorm.weight[...], eps=self.q_a_layernorm.eps)
+      q_r, c, row8 = q_r.reshape(B, T, -1), c.reshape(B, T, R), ks.pack_latent(c8, sc).reshape(B, T, -1)
+    else:
+      q_r = self.q_a_layernorm(qa, dtype)
+      c = self.kv_a_layernorm(ca, dtype)  # [B, T, R], the cached latent
     q = self.q_b_proj(q_r, dtype)
     H = q.shape[-1] // dn
     q = q.reshape(B, T, H, dn)
-    c = self.kv_a_layernorm(ca, dtype)  # [B, T, R], the cached latent
     wkv = self.kv_b_proj.w(dtype).reshape(H, dn + dv, -1)
     w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
     pos, ok = _positions(ctx, T)
-    fp8 = "latent8" in cache
     o = None  # [B, T, H, dv]: from the W_UV kernel where it runs
     if fp8:  # FP8 E4M3 latent cache rows with one fp32 scale per 128 values (written as the token arrives)
       from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
-      lat = {"latent8": _scatter_rows(cache["latent8"], ks.quantize_latent(c), pos, ok)}
+      lat = {"latent8": _scatter_rows(cache["latent8"], ks.quantize_latent(c) if row8 is None else row8, pos, ok)}
     else:
       lat = {"latent": _scatter_rows(cache["latent"], c, pos, ok)}
     with jax.named_scope("indexer"):

@@ -286,6 +286,21 @@ KNOBS = {
         "its own on the raw partials. Natively bit-identical to its two-launch form (GPU tests, session 34); "
         "the one-rank step at q = 1, 4 steps per call, 7 interleaved repeats: 5.32 -> 5.02 ms (−0.3 to −0.4 "
         "ms in every round; 1,507 -> 1,417 launches; BENCHMARKS.md session 34)"),
+    "mla_latent_norms": (False,
+        "with an FP8 latent cache, a bf16 model and the joint q_a / kv_a projection: both RMSNorms of its output "
+        "and the latent's FP8 quantisation (group maxima, scales, e4m3) in one launch "
+        "(pallas_kernels.sparse_mla.latent_norms: a CTA per token row) instead of ~7 XLA fusions between the "
+        "projection and the indexer's query GEMV on the DSA layer's critical path (s51b's trace: 6.9 µs there); "
+        "the cache row's packing stays with its scatter. Bit-identical in interpret mode; CPU-built (session 52): "
+        "off until measured"),
+    "mhc_row": (False,
+        "with mhc_grid_barrier on, at one token row (decode at q = 1): the boundary as "
+        "pallas_kernels.mhc.mhc_row_boundary — D / 128 CTAs, each thread one column of every stream in "
+        "registers: the mix 20 multiply-adds per thread, the 24 logits and 10 Gram entries per-thread products "
+        "summed as the rows of one SMEM tile, the partial sums over 32 chunks instead of 128 — instead of "
+        "mhc_post_finish's 64-row tiles for one real row (s48d's profile: the post mix 2.1, the partial stores "
+        "1.2 and the sums 2.5 of its 6.3 µs). X' and x_in bit-identical to mhc_post_finish's in interpret mode; "
+        "CPU-built (session 52): off until measured"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
@@ -352,12 +367,14 @@ KNOBS = {
         "rounds, s51a) — its profile showed why: the four loads returned together ~4 µs after they were issued, "
         "queued behind the grid's 18.9 MB of weight requests. Requested first, they go ahead of that stream. The "
         "same sums, bit for bit. This form CPU-built (session 51): off until measured"),
-    "fp8_scales_first": (False,
+    "fp8_scales_first": (True,
         "with fp8_linear + fp8_dq on: each CTA of the dense FP8 kernel (fp8_dq_linear: q_a / kv_a, q_b, o_proj, "
         "the dense MLP, the MTP's) requests all its steps' block scales before its first weight tiles, instead of "
         "the first `stages` just after them (and each later one `stages` steps ahead) — a scalar load issued "
         "after the grid's weight requests queues behind them (~4 µs in s51a's MoE profile) and the first step's "
-        "FMA waits for it. The same sums, bit for bit. CPU-built (session 51): off until measured"),
+        "FMA waits for it. The same sums, bit for bit (its GPU tests, s52a). The step at q = 1: 3.86 -> 3.85 ms, "
+        "faster in 4 of 4 paired rounds (s52c, session 52; with dq_f16, kda_norm_partials and moe_scale_prefetch "
+        "3.71 -> 3.68, 4 of 4, s52d)"),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
         "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "
@@ -901,9 +918,12 @@ class HyperConnection(nnx.Module):
       # input); the Sinkhorn of comb for the next boundary from its raw partials, off the critical path
       kernel_enabled("mhc_finish"), kernel_enabled("mhc_sinkhorn_split")
       counters, parity = (_next_barrier_counters(km) if _counters_enabled("mhc_barrier_counters") else (None, 0))
-      Xn, x_in, part = km.mhc_post_finish(X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None,
-                                          norm_eps=norm.eps, eps=self.eps, hc_norm_eps=self.norm_eps, approx_math=True,
-                                          counters=counters, parity=parity)
+      # mhc_row: at one token row, a column of every stream per thread (no 64-row tiles for one real row)
+      row = kernel_enabled("mhc_row", fits=M == 1 and D % km.ROW_COLS == 0,
+                           why=f"one token row (here {M}) and a hidden size a multiple of {km.ROW_COLS} (here {D})")
+      Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
+          X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
+          hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity)
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)

@@ -652,23 +652,26 @@ GRID_COLS = 32  # columns of each stream per CTA (mhc_narrow's mhc_post_pre)
 GRID_MAX_CTAS = 128  # CTAs the grid barrier may wait for (every one resident at once)
 
 
-def _grid_rows(D: int) -> tuple[int, int]:
-  """(G CTAs, Gp rows of the partials: G rounded up to 64 — the second half sums 64-row tiles, zero rows past G)."""
-  G = D // GRID_COLS
+def _grid_rows(D: int, cols: int = GRID_COLS) -> tuple[int, int]:
+  """(G CTAs of ``cols`` columns, Gp rows of the partials: G rounded up to 64 — the second half sums 64-row tiles,
+  zero rows past G)."""
+  G = D // cols
   return G, -(-G // ROWS) * ROWS
 
 
 def mhc_post_finish_reference(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
-                              norm_eps: float, approx_math: bool = False, launches: int | None = None):
+                              norm_eps: float, approx_math: bool = False, launches: int | None = None,
+                              cols: int = GRID_COLS):
   """X [M, N·D] bf16, y [M, D] bf16, mix = (post_t [N, 64], comb_t [N·N, 64]) of the previous site, fn [24, N·D]
   bf16, coef [27] f32 (base, scale), w [D] -> (X' [M, N·D] bf16 (X itself when ``first``), x_in [M, D] bf16 =
   w · bf16(bf16(u) · rinv), part [Gp, 64, 40] f32: ``mhc_post_pre_reference``'s partials over 32 columns per CTA
   (G = D / 32 chunks) then Gp - G zero rows, Gp = G rounded up to 64). x_in is ``mhc_finish_reference``'s on
-  those partials. ``approx_math`` / ``launches`` are the kernel's options (exact math here)."""
+  those partials. ``approx_math`` / ``launches`` are the kernel's options (exact math here); ``cols``: columns per
+  chunk (ROW_COLS: ``mhc_row_boundary``'s)."""
   del approx_math, launches
   M = X.shape[0]
-  G, Gp = _grid_rows(X.shape[1] // N)
-  Xn, part = mhc_post_pre_reference(X, y, mix, fn, first=first, cols=GRID_COLS)
+  G, Gp = _grid_rows(X.shape[1] // N, cols)
+  Xn, part = mhc_post_pre_reference(X, y, mix, fn, first=first, cols=cols)
   part = jnp.pad(part, ((0, Gp - G), (0, 0), (0, 0)))
   x_in = mhc_finish_reference(Xn, partial_sums_t(part, M), coef, w, iters=1, eps=eps, hc_norm_eps=hc_norm_eps,
                               norm_eps=norm_eps, post_mult=1.0)[0]
@@ -838,6 +841,274 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   kern = mgpu_kernel(_post_finish_kernel(M, D, bool(first), *consts, counters=counters is not None), out_type=outs,
                      scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1)], kernel_name="glm5_mhc_post_finish",
                      **params)
+  ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
+  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr)
+  if first:
+    part, x_in = got
+    return X, x_in, part
+  return got[0], got[2], got[1]
+
+
+# ------------------------------------------------------------------------------------ one token row, one launch
+# The grid-barrier boundary at M = 1 (decode at q = 1, issue #14's remainder): mhc_post_finish runs 64-row tiles
+# for one real row — s48d's in-kernel profile had the post mix (2.1 µs), the partial stores (1.2) and the partial
+# sums over 128 CTAs (2.5) as most of its 6.3 µs. Here each thread owns one column of every stream (ROW_COLS = 128
+# per CTA, G = D / 128 CTAs: 32 at the real width) and keeps it in registers: the mix is 20 multiply-adds per thread
+# (WG_STRIDED [128] vectors), the 24 logits and 10 Gram entries are per-thread products stored as the rows of a
+# [64, 128] f32 SMEM tile and summed along its rows (one tile load and row reduction instead of a wgmma over
+# 64-row tiles), the CTA's 40 partials one 160-byte TMA store into token row 0 of mhc_post_pre's partials format
+# (so mhc_sinkhorn reads them unchanged). After the grid barrier each CTA sums the 16 columns the normalisation
+# reads over G = 32 chunks (one 64-row tile: half the loads of the 128-CTA form), and writes its 128 columns of
+# x_in from the X' still in its registers. GPU interpret mode runs the two halves as two launches (``launches=2``),
+# the second reading X' back from GMEM; the GPU tests hold the one-launch form to it bit for bit.
+ROW_COLS = 128  # columns of each stream per CTA: one per thread of the warpgroup
+_ROW_RED = MIX + GRAM + N  # rows of the per-thread quantities: 24 logits, 10 Gram entries, the pre logits' copy
+
+
+def _row_layout():
+  return plgpu.Layout.WG_STRIDED((ROW_COLS,), vec_size=1)
+
+
+def _row_load(ref):
+  """A [ROW_COLS] SMEM row as one value per thread (f32)."""
+  return plgpu.load(ref, layout=_row_layout(), optimized=False).astype(jnp.float32)
+
+
+def _row_mixed(x_s, y_s, post_s, comb_s, first: bool):
+  """X'_j = post_j · y + Σ_i comb[i, j] · X_i for this thread's column (``_post_mix``'s order; token row 0 of the
+  transposed mix is column 0), rounded to bf16 and kept as f32; X itself when ``first``."""
+  xs = [_row_load(x_s.at[i, 0]) for i in range(N)]
+  if first:
+    return xs
+  yv = _row_load(y_s.at[0])
+  post = [post_s[j, 0] for j in range(N)]
+  comb = [comb_s[k, 0] for k in range(N * N)]
+  xn = []
+  for j in range(N):
+    s = comb[j] * xs[0]
+    for i in range(1, N):
+      s = s + comb[N * i + j] * xs[i]
+    xn.append((post[j] * yv + s).astype(jnp.bfloat16).astype(jnp.float32))
+  return xn
+
+
+def _row_partials(xn, fn_s, red_s, v_s):
+  """This CTA's 40 partials (mhc_post_pre's columns: logits, Gram entries, the pre logits' copy, 2 zeros) into
+  v_s[:40]: each thread's products stored as the rows of red_s [64, 128] f32, the tile summed along its rows (rows
+  40.. are never read back as partials)."""
+  for m in range(MIX):
+    acc = xn[0] * _row_load(fn_s.at[0, m])
+    for j in range(1, N):
+      acc = acc + xn[j] * _row_load(fn_s.at[j, m])
+    red_s[m] = acc
+    if m < N:
+      red_s[PRE_COPY + m] = acc
+  for k, (i, j) in enumerate(_PAIRS):
+    red_s[MIX + k] = xn[i] * xn[j]
+  zero = jnp.zeros((ROW_COLS,), jnp.float32)
+  for k in range(_ROW_RED, PART):
+    red_s[k] = zero
+  plgpu.commit_smem()  # (every thread's column before the tile load)
+  tile = plgpu.load(red_s, layout=_L.WGMMA, optimized=False)
+  v_s[...] = plgpu.layout_cast(tile.sum(axis=1), _L.WGMMA.reduce(1))
+  plgpu.commit_smem()
+
+
+def _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_eps, norm_eps):
+  """The second half for token row 0: the normalisation's 16 partial columns summed over the chunks (one 64-row
+  tile, ``_sum_partials_t``), pre and 1/RMS as per-row vectors (``_gram_scale`` / ``_pre_rinv``, as every form),
+  read back as scalars (column 0), then x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this thread's column into
+  o_s [1, 128] (the caller stores it)."""
+  _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], 1,
+                  _FIN_PLACE, t_s, ts_s)
+  plgpu.commit_smem()
+  gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
+  pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, [c_g[k] for k in range(N)], c_g[MIX], D,
+                        eps, norm_eps)
+  for i in range(N):
+    sc_s[i] = pre[i]
+  sc_s[N] = rinv
+  plgpu.commit_smem()
+  u = sc_s[0, 0] * xn[0]
+  for i in range(1, N):
+    u = u + sc_s[i, 0] * xn[i]
+  xb = (u.astype(jnp.bfloat16).astype(jnp.float32) * sc_s[N, 0]).astype(jnp.bfloat16)
+  wv = plgpu.load(w_s, layout=_row_layout(), optimized=False)
+  o_s[0] = wv * xb
+  plgpu.commit_smem()
+
+
+def _row_scratch(first: bool):
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  return [plgpu.SMEM((N, 1, ROW_COLS), bf16),  # x_s: X's columns (TMA boxes of one row)
+          plgpu.SMEM((N, MIX, ROW_COLS), bf16),  # fn_s: fn's columns of every stream (untiled)
+          plgpu.SMEM((1, ROW_COLS), bf16),  # y_s
+          plgpu.SMEM((N, ROWS), f32),  # post_s (the transposed mix)
+          plgpu.SMEM((N * N, ROWS), f32),  # comb_s
+          plgpu.SMEM((ROW_COLS,), bf16),  # w_s
+          plgpu.SMEM((N, 1, ROW_COLS), bf16),  # xu_s: X' for its TMA store
+          plgpu.SMEM((ROWS, ROW_COLS), f32),  # red_s: the per-thread products, a row per quantity
+          plgpu.SMEM((ROWS,), f32),  # v_s: the CTA's partials (40 used), then zeros for the padding chunks
+          plgpu.SMEM((1, ROW_COLS), bf16),  # o_s: x_in
+          plgpu.SMEM((PART, ROWS), f32),  # t_s: the sums, transposed
+          plgpu.SMEM((1, PART - MIX), f32),  # ts_s
+          plgpu.SMEM((N + 1, ROWS), f32),  # sc_s: pre and 1/RMS (per-row vectors; column 0 read back)
+          plgpu.Barrier(num_arrivals=2 * N + 1 + (0 if first else 3))]
+
+
+def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D: int, first: bool, g):
+  """Loads, the mix, X' stored (unless ``first``), the CTA's partials stored into token row 0 of chunk g and zeros
+  into token row 0 of the padding chunks G.. -> X' (f32 per-thread vectors). Waits for its stores."""
+  x_s, fn_s, y_s, post_s, comb_s, w_s, xu_s, red_s, v_s = scratch[:9]
+  bar = scratch[-1]
+  G, Gp = _grid_rows(D, ROW_COLS)
+  d0 = g * ROW_COLS
+  for i in range(N):
+    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, 1), pl.ds(i * D + d0, ROW_COLS)], x_s.at[i], bar)
+    plgpu.copy_gmem_to_smem(fn_g.at[:, pl.ds(i * D + d0, ROW_COLS)], fn_s.at[i], bar)
+  plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar)
+  if not first:
+    plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)], y_s, bar)
+    plgpu.copy_gmem_to_smem(post_g, post_s, bar)
+    plgpu.copy_gmem_to_smem(comb_g, comb_s, bar)
+  plgpu.barrier_wait(bar)
+  with jax.named_scope("mix"):
+    xn = _row_mixed(x_s, y_s, post_s, comb_s, first)
+  if not first:
+    for j in range(N):
+      xu_s[j, 0] = xn[j].astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    for j in range(N):
+      plgpu.copy_smem_to_gmem(xu_s.at[j], xo_g.at[pl.ds(0, 1), pl.ds(j * D + d0, ROW_COLS)])
+  with jax.named_scope("partials"):
+    _row_partials(xn, fn_s, red_s, v_s)
+    plgpu.copy_smem_to_gmem(v_s.at[pl.ds(0, PART)], part_g.at[g, 0])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # v_s read: reused for the zeros
+    v_s[...] = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), _L.WGMMA.reduce(1))
+    plgpu.commit_smem()
+    for k in range(-(-(Gp - G) // G)):  # token row 0 of the padding chunks, spread over the CTAs
+      row = G + g + k * G
+
+      @pl.when(row < Gp)
+      def _():
+        plgpu.copy_smem_to_gmem(v_s.at[pl.ds(0, PART)], part_g.at[row, 0])
+    plgpu.wait_smem_to_gmem(0)
+  return xn
+
+
+def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int):
+  """``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its halves as launches of their own."""
+  G, _ = _grid_rows(D, ROW_COLS)
+  consts = (D, eps, hc_norm_eps, norm_eps)
+
+  def body(*refs):
+    it = iter(refs)
+    take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
+    g = lax.axis_index("g")
+    d0 = g * ROW_COLS
+    if half == 2:  # X' (or X), the partials, coef, w -> x_in
+      xn_g, part_g, c_g, w_g, xin_g = take(5)
+      x_s, w_s, o_s, t_s, ts_s, sc_s, bar = take(7)
+      for i in range(N):
+        plgpu.copy_gmem_to_smem(xn_g.at[pl.ds(0, 1), pl.ds(i * D + d0, ROW_COLS)], x_s.at[i], bar)
+      plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar)
+      plgpu.barrier_wait(bar)
+      xn = [_row_load(x_s.at[i, 0]) for i in range(N)]
+      _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, *consts)
+      plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)])
+      plgpu.wait_smem_to_gmem(0)
+      return
+    if first:
+      x_g, fn_g = take(2)
+      y_g = post_g = comb_g = None
+    else:
+      x_g, y_g, post_g, comb_g, fn_g = take(5)
+    c_g, w_g = take(2) if half == 0 else (None, take(1)[0])
+    ctr_g, par_g = take(2) if counters else (None, None)
+    xo_g = None if first else next(it)
+    part_g = next(it)
+    xin_g = next(it) if half == 0 else None
+    scratch = list(it)
+    xn = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g)
+    if half == 1:
+      return
+    if counters:
+      p = par_g[0]
+
+      @pl.when(g == 0)
+      def _():  # the previous boundary's counter, for the next one (barrier_counters)
+        ctr_g[1 - p] = jnp.int32(0)
+
+      with jax.named_scope("barrier"):
+        counter_signal(ctr_g.at[pl.ds(p, 1)])
+        counter_wait(ctr_g.at[pl.ds(p, 1)], G)
+    else:
+      sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+      with jax.named_scope("barrier"):
+        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+        plgpu.semaphore_wait(sem, G, decrement=False, memory_scope="gpu")
+    w_s, o_s, t_s, ts_s, sc_s = scratch[5], *scratch[9:13]
+    with jax.named_scope("normalise"):
+      _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, *consts)
+      plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)])
+      plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+def mhc_row_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
+                               norm_eps: float, approx_math: bool = False, launches: int | None = None):
+  """``mhc_post_finish_reference`` over ROW_COLS-column chunks (G = D / 128, partials [Gp = 64, 64, 40]): one
+  token row. Of the kernel's partials only token row 0 is defined (the other rows are padding, as everywhere)."""
+  return mhc_post_finish_reference(X, y, mix, fn, coef, w, first=first, eps=eps, hc_norm_eps=hc_norm_eps,
+                                   norm_eps=norm_eps, approx_math=approx_math, launches=launches, cols=ROW_COLS)
+
+
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity")
+def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
+                     norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
+                     parity: int = 0):
+  """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, one token
+  row): ONE launch of D / 128 CTAs, one column of every stream per thread, a grid barrier between the halves
+  (``counters`` / ``parity`` as in mhc_post_finish). ``launches=2`` (the default in GPU interpret mode): the halves
+  as two launches, no barrier."""
+  M, K = X.shape
+  D = K // N
+  G, Gp = _grid_rows(D, ROW_COLS)
+  if M != 1 or D % ROW_COLS or not 1 <= G <= GRID_MAX_CTAS:
+    raise ValueError(f"mhc_row_boundary: {M} token rows, hidden size {D}; expected one row and a multiple of "
+                     f"{ROW_COLS} up to {GRID_MAX_CTAS * ROW_COLS} columns")
+  if fn.shape != (MIX, K) or X.dtype != jnp.bfloat16 or coef.shape != (MIX + 3,) or w.shape != (D,):
+    raise ValueError(f"mhc_row_boundary: fn {fn.shape}, X {X.dtype}, coef {coef.shape}, w {w.shape}; expected fn "
+                     f"[{MIX}, {K}], a bf16 residual, coef [{MIX + 3}] and w [{D}]")
+  if not first and (mix[0].shape != (N, ROWS) or mix[1].shape != (N * N, ROWS)):
+    raise ValueError(f"mhc_row_boundary: mix = (post {mix[0].shape}, comb {mix[1].shape}), expected the transposed "
+                     f"({(N, ROWS)}, {(N * N, ROWS)}) of mhc_finish (mix_from_rows)")
+  if parity not in (0, 1):
+    raise ValueError(f"mhc_row_boundary: parity = {parity!r}, expected 0 or 1 (the boundary's index % 2)")
+  launches = launches or (2 if interpreting() else 1)
+  if launches not in (1, 2):
+    raise ValueError(f"mhc_row_boundary: launches = {launches}, expected 1 (grid barrier) or 2")
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  consts = (float(eps), float(hc_norm_eps), float(norm_eps))
+  params = dict(grid=(G,), grid_names=("g",), compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)))
+  pp_in = (X, fn.astype(bf16)) if first else (X, y.astype(bf16), *(a.astype(f32) for a in mix), fn.astype(bf16))
+  part = jax.ShapeDtypeStruct((Gp, ROWS, PART), f32)
+  x_in = jax.ShapeDtypeStruct((1, D), bf16)
+  xo = () if first else (jax.ShapeDtypeStruct((1, K), bf16),)
+  if launches == 2:
+    h1 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 1), out_type=(*xo, part),
+                     scratch_types=_row_scratch(first), kernel_name="glm5_mhc_row_first", **params)
+    got = h1(*pp_in, w.astype(bf16))
+    Xn, part = (X, got[0]) if first else got
+    h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2), out_type=x_in, kernel_name="glm5_mhc_row_second",
+                     scratch_types=[plgpu.SMEM((N, 1, ROW_COLS), bf16), plgpu.SMEM((ROW_COLS,), bf16),
+                                    plgpu.SMEM((1, ROW_COLS), bf16), plgpu.SMEM((PART, ROWS), f32),
+                                    plgpu.SMEM((1, PART - MIX), f32), plgpu.SMEM((N + 1, ROWS), f32),
+                                    plgpu.Barrier(num_arrivals=N + 1)], **params)
+    return Xn, h2(Xn, part, coef.astype(f32), w.astype(bf16)), part
+  kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0), out_type=(*xo, part, x_in),
+                     scratch_types=_row_scratch(first), kernel_name="glm5_mhc_row_boundary", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
   got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr)
   if first:

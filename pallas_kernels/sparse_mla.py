@@ -98,13 +98,116 @@ def quantize_latent(c):
   One scale per 128 consecutive values: scale = max(amax, 1e-4) / 448, c8 = e4m3(clip(c / scale, -448, 448)),
   so the largest value of each group maps to ±448 (the e4m3 maximum) and c ≈ c8 · scale (relative error
   ≤ 2^-4 per value, the e4m3 mantissa)."""
-  c = jnp.asarray(c).astype(jnp.float32)
+  return pack_latent(*quantize_latent_groups(c))
+
+
+def quantize_latent_groups(c):
+  """c [..., 512] -> (c8 [..., 512] float8_e4m3fn, scale [..., 4] f32): ``quantize_latent`` before the packing.
+  A bf16 c is quantised from its bf16 values (as vLLM and the latent_norms kernel do): XLA may otherwise keep the
+  f32 value its producer computed (excess precision: the bf16 round trip dropped), moving the group maxima."""
+  c = jnp.asarray(c)
+  c = lax.reduce_precision(c.astype(jnp.float32), 8, 7) if c.dtype == jnp.bfloat16 else c.astype(jnp.float32)
   g = c.reshape(*c.shape[:-1], c.shape[-1] // GROUP, GROUP)
   amax = jnp.max(jnp.abs(g), axis=-1)
   scale = jnp.maximum(amax, SCALE_FLOOR) / FP8_MAX
   c8 = jnp.clip(g / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-  pad = jnp.zeros((*c.shape[:-1], ROW_WORDS - WORDS - SCALES), jnp.int32)
-  return jnp.concatenate([pack_e4m3(c8.reshape(c.shape)), lax.bitcast_convert_type(scale, jnp.int32), pad], -1)
+  return c8.reshape(c.shape), scale
+
+
+def pack_latent(c8, scale):
+  """(c8 [..., 512] e4m3, scale [..., 4] f32) -> cache rows [..., ROW_WORDS] int32 (``quantize_latent``'s)."""
+  pad = jnp.zeros((*c8.shape[:-1], ROW_WORDS - WORDS - SCALES), jnp.int32)
+  return jnp.concatenate([pack_e4m3(c8), lax.bitcast_convert_type(scale, jnp.int32), pad], -1)
+
+
+# ------------------------------------------------------------------------------ the latent's norms (q_a / kv_a)
+# After the joint q_a / kv_a projection a DSA layer RMS-normalises both outputs — q_r feeds q_b and the indexer's
+# queries, c the latent cache — and quantises c into its FP8 cache row. As XLA fusions that was ~7 launches
+# between the projection and the indexer's query GEMV on the layer's critical path (s51b's trace: 13.1 -> 20.0 µs
+# after the boundary's start: two sums of squares, the normalisations, the latent's amax, its quantisation and
+# scales). ``latent_norms``: one launch, a CTA per token row (policy knob mla_latent_norms).
+def latent_norms_reference(qkv, wq, wkv, *, eps: float):
+  """qkv [M, Q + 512] (the joint q_a | kv_a output, bf16), wq [Q], wkv [512] -> (q_r [M, Q] bf16, c [M, 512]
+  bf16, c8 [M, 512] e4m3, scale [M, 4] f32): HF's RMSNorm of each part (f32 normalisation, cast to bf16, times
+  the weight in bf16) and ``quantize_latent_groups`` of c."""
+  Q = qkv.shape[-1] - D_LATENT
+
+  def rms(x, w):
+    x = x.astype(jnp.float32)
+    y = (x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)).astype(jnp.bfloat16)
+    return w.astype(jnp.bfloat16) * y
+
+  q_r, c = rms(qkv[:, :Q], wq), rms(qkv[:, Q:], wkv)
+  return (q_r, c, *quantize_latent_groups(c))
+
+
+def _latent_norms_kernel(Q: int, eps: float):
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  lq, lg = plgpu.Layout.WG_STRIDED((Q,), vec_size=1), plgpu.Layout.WG_STRIDED((GROUP,), vec_size=1)
+  CH = 256 if Q % 256 == 0 else GROUP  # (a TMA box is at most 256 elements wide)
+
+  def body(x_g, wq_g, wkv_g, qr_g, c_g, c8_g, sc_g, xq_s, xc_s, wq_s, wkv_s, qr_s, c_s, c8_s, sc_s, bar):
+    m = lax.axis_index("m")
+    for j in range(Q // CH):
+      plgpu.copy_gmem_to_smem(x_g.at[m, pl.ds(j * CH, CH)], xq_s.at[pl.ds(j * CH, CH)], bar)
+      plgpu.copy_gmem_to_smem(wq_g.at[pl.ds(j * CH, CH)], wq_s.at[pl.ds(j * CH, CH)], bar)
+    for k in range(SCALES):  # the latent as its 4 scale groups, a row each
+      plgpu.copy_gmem_to_smem(x_g.at[m, pl.ds(Q + k * GROUP, GROUP)], xc_s.at[k], bar)
+      plgpu.copy_gmem_to_smem(wkv_g.at[pl.ds(k * GROUP, GROUP)], wkv_s.at[k], bar)
+    plgpu.barrier_wait(bar)
+    xq = plgpu.load(xq_s, layout=lq, optimized=False).astype(f32)
+    rq = lax.rsqrt(jnp.sum(xq * xq) / float(Q) + eps)
+    qr_s[...] = plgpu.load(wq_s, layout=lq, optimized=False) * (xq * rq).astype(bf16)
+    xc = [plgpu.load(xc_s.at[k], layout=lg, optimized=False).astype(f32) for k in range(SCALES)]
+    ss = jnp.sum(xc[0] * xc[0])
+    for k in range(1, SCALES):
+      ss = ss + jnp.sum(xc[k] * xc[k])
+    rc = lax.rsqrt(ss / float(D_LATENT) + eps)
+    for k in range(SCALES):
+      c_s[k] = plgpu.load(wkv_s.at[k], layout=lg, optimized=False) * (xc[k] * rc).astype(bf16)
+    plgpu.commit_smem()
+    # the quantisation reads c back as stored: bf16 values (an f32 product left unrounded — GPU interpret mode's
+    # XLA may drop a bf16 round trip — would move the group maxima and the scales)
+    for k in range(SCALES):
+      cf = plgpu.load(c_s.at[k], layout=lg, optimized=False).astype(f32)
+      scale = jnp.maximum(jnp.max(jnp.abs(cf)), SCALE_FLOOR) / FP8_MAX
+      c8_s[k] = jnp.clip(cf / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+      sc_s[k] = scale
+    plgpu.commit_smem()
+    for j in range(Q // CH):
+      plgpu.copy_smem_to_gmem(qr_s.at[pl.ds(j * CH, CH)], qr_g.at[m, pl.ds(j * CH, CH)])
+    for k in range(SCALES):
+      plgpu.copy_smem_to_gmem(c_s.at[k], c_g.at[m, pl.ds(k * GROUP, GROUP)])
+      plgpu.copy_smem_to_gmem(c8_s.at[k], c8_g.at[m, pl.ds(k * GROUP, GROUP)])
+    plgpu.copy_smem_to_gmem(sc_s, sc_g.at[m])
+    plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+@kernel_entry("eps")
+def latent_norms(qkv, wq, wkv, *, eps: float):
+  """Mosaic GPU version of ``latent_norms_reference`` (same signature and outputs): one launch, a CTA per token
+  row, one warpgroup — each thread 12 of q_a's values and one value of each of the latent's 4 scale groups."""
+  M, K = qkv.shape
+  Q = K - D_LATENT
+  if qkv.dtype != jnp.bfloat16 or Q <= 0 or Q % GROUP or wq.shape != (Q,) or wkv.shape != (D_LATENT,):
+    raise ValueError(f"latent_norms: qkv {qkv.shape} {qkv.dtype}, wq {wq.shape}, wkv {wkv.shape}; expected bf16 "
+                     f"[M, Q + {D_LATENT}] with Q a positive multiple of {GROUP}, wq [Q], wkv [{D_LATENT}]")
+  bf16, f32, f8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
+  kern = mgpu_kernel(
+      _latent_norms_kernel(Q, float(eps)),
+      out_type=(jax.ShapeDtypeStruct((M, Q), bf16), jax.ShapeDtypeStruct((M, D_LATENT), bf16),
+                jax.ShapeDtypeStruct((M, D_LATENT), f8), jax.ShapeDtypeStruct((M, SCALES), f32)),
+      scratch_types=[plgpu.SMEM((Q,), bf16), plgpu.SMEM((SCALES, GROUP), bf16), plgpu.SMEM((Q,), bf16),
+                     plgpu.SMEM((SCALES, GROUP), bf16), plgpu.SMEM((Q,), bf16), plgpu.SMEM((SCALES, GROUP), bf16),
+                     plgpu.SMEM((SCALES, GROUP), f8), plgpu.SMEM((SCALES,), f32),
+                     plgpu.Barrier(num_arrivals=2 * (Q // (256 if Q % 256 == 0 else GROUP)) + 2 * SCALES)],
+      grid=(M,),
+      grid_names=("m",),
+      kernel_name="glm5_latent_norms",
+  )
+  return kern(qkv, wq.astype(bf16), wkv.astype(bf16))
 
 
 def split_row(row):

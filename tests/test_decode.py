@@ -539,7 +539,7 @@ def test_latency_specialized_fp8_dq_linears_equal_reference_greedy():
 # together; router_route (on since session 35) stays listed: its first native end-to-end run was this test's (kda_conv,
 # mhc_barrier_counters and topk_keys_in_kernel, on since session 43, run in the defaults' case now)
 CANDIDATE_KERNELS = (("router_route", True), ("linear_fused_sum", True), ("moe_persistent", True), ("dq_f16", True),
-                     ("moe_scale_prefetch", True), ("fp8_scales_first", True), ("kda_norm_partials", True))
+                     ("moe_scale_prefetch", True), ("kda_norm_partials", True), ("mla_latent_norms", True))
 
 
 @pytest.mark.e2e_kernels

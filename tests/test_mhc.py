@@ -200,6 +200,84 @@ def test_post_finish_gpu(M, first):
                                   np.asarray(b, np.float32)[:M] if b.ndim == 2 else np.asarray(b)[:, :M])
 
 
+def _check_row(D, first, seed=0, interpret=None, launches=None, counters=None, parity=0):
+  """mhc_row_boundary (policy knob mhc_row: one token row, a column per thread) vs its reference: X' as
+  mhc_post_pre's (one bf16 rounding apart), x_in as mhc_finish's, token row 0 of the partials as mhc_post_pre's
+  over 128 columns, zero for the padding chunks. Returns the kernel's outputs."""
+  X, y, mix, fn, coef, w = _inputs(1, D, seed)
+  ref = K.mhc_row_boundary_reference(X, y, mix, fn, coef, w, first=first, **GRID_CONSTS)
+  with maybe_interpret(interpret):
+    got = jax.jit(lambda *a: K.mhc_row_boundary(*a, first=first, approx_math=True, launches=launches, **GRID_CONSTS))(
+        X, y, mix, fn, coef, w)
+  f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+  np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
+  np.testing.assert_allclose(f32(got[1]), f32(ref[1]), **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
+  assert np.mean(f32(got[1]) != f32(ref[1])) < 0.02
+  G = D // K.ROW_COLS
+  assert got[2].shape == ref[2].shape == (K.ROWS, K.ROWS, K.PART)
+  for sl in (slice(0, K.MIX), slice(K.MIX, K.MIX + K.GRAM), slice(K.PRE_COPY, K.PART)):  # logits, Gram, pre copy
+    r = f32(ref[2])[:G, 0, sl]
+    np.testing.assert_allclose(f32(got[2])[:G, 0, sl], r, atol=2e-3 * np.abs(r).max(), rtol=0)
+  assert not np.any(f32(got[2])[G:, 0])  # the padding chunks the second half sums over
+  return got
+
+
+@pytest.mark.parametrize("D,first", [(256, False), (512, True), (1024, False)])
+def test_row_boundary_interpret(D, first):
+  """(G = 2, 4 and 8 chunks of 128 columns; interpreted as its two halves)"""
+  _check_row(D, first, seed=D, interpret=True)
+
+
+def test_row_boundary_refuses():
+  """More than one token row, or a width that is not whole CTAs of 128 columns: refused by name."""
+  X, y, mix, fn, coef, w = _inputs(2, 256, 0)
+  with pytest.raises(ValueError, match=r"mhc_row_boundary: 2 token rows"):
+    K.mhc_row_boundary(X, y, mix, fn, coef, w, **GRID_CONSTS)
+  X, y, mix, fn, coef, w = _inputs(1, 192, 0)
+  with pytest.raises(ValueError, match=r"hidden size 192; expected one row and a multiple of 128"):
+    K.mhc_row_boundary(X, y, mix, fn, coef, w, **GRID_CONSTS)
+
+
+def test_row_boundary_lowers_for_cuda():
+  """At the real width: a first site, then a later one, on barrier_counters' Ref (each launch aliasing it)."""
+  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
+
+  def two(X, y, mix, fn, coef, w):
+    ref = K.barrier_counters()
+    a = K.mhc_row_boundary(X, y, mix, fn, coef, w, first=True, approx_math=True, launches=1, counters=ref,
+                           parity=0, **GRID_CONSTS)
+    return K.mhc_row_boundary(a[0], y, mix, fn, coef, w, approx_math=True, launches=1, counters=ref, parity=1,
+                              **GRID_CONSTS)
+  calls = [line for line in cross_lower(two, *args).as_text().splitlines() if "@mosaic_gpu_v2" in line]
+  assert len(calls) == 2 and all("output_operand_alias" in line for line in calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first", [False, True])
+def test_row_boundary_gpu(first):
+  """The one-launch form natively (32 CTAs meeting at the grid barrier) against the reference, and bit for bit
+  against its two halves as two launches; twice (the semaphore starts from zero again); and on the counters."""
+  one = [_check_row(4096, first, seed=s, launches=1) for s in (0, 1)]
+  two = _check_row(4096, first, seed=0, launches=2)
+  for a, b in zip(one[0], two):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_array_equal(a if a.ndim == 2 else a[:, 0], b if b.ndim == 2 else b[:, 0])
+  X, y, mix, fn, coef, w = _inputs(1, 4096, 0)
+
+  def chain(X, y, mix, fn, coef, w):
+    ref = K.barrier_counters()
+    outs = []
+    for i in range(3):
+      outs.append(K.mhc_row_boundary(X, y, mix, fn, coef, w, first=first, approx_math=True, launches=1,
+                                     counters=ref, parity=i % 2, **GRID_CONSTS))
+      X = outs[-1][0]
+    return outs
+  got = jax.jit(chain)(X, y, mix, fn, coef, w)
+  for a, b in zip(got[0], one[0]):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_array_equal(a if a.ndim == 2 else a[:, 0], b if b.ndim == 2 else b[:, 0])
+
+
 def _counter_chain(M, n, counters: bool):
   """n boundaries in one program, each reading the previous one's X' (one launch each; ``counters``: their grid
   barriers on barrier_counters' Ref, parities 0, 1, 0, ...) -> ([(X', x_in, part) per boundary], the counters
@@ -358,7 +436,7 @@ def _site(D, seed):
                                                    (3, False, False), (3, True, False), (3, False, "split"),
                                                    (3, False, "boundary"), (70, True, "boundary"),
                                                    (3, False, "narrow"), (3, False, "sums"), (3, False, "grid"),
-                                                   (1, True, "grid")])
+                                                   (1, True, "grid"), (1, False, "row"), (1, True, "row")])
 def test_fused_boundary_equals_stock(M, first, finish_kernel):
   """post (previous sublayer) + pre + RMSNorm, fused kernels vs the stock XLA formulation; 70 rows = 2 launches.
   finish_kernel False: the boundary's last step in XLA (policy knob mhc_finish off: one Mosaic call per boundary
@@ -366,7 +444,8 @@ def test_fused_boundary_equals_stock(M, first, finish_kernel):
   "boundary": the one-launch boundary (policy knob mhc_boundary) + mhc_sinkhorn; "narrow": "split" with half as
   many columns per CTA (policy knob mhc_narrow); "sums": "narrow" with the kernels summing the raw partials
   (policy knob mhc_fused_sums); "grid": the boundary as one launch with a grid barrier (policy knob
-  mhc_grid_barrier; interpreted as its two halves) + mhc_sinkhorn on its raw partials."""
+  mhc_grid_barrier; interpreted as its two halves) + mhc_sinkhorn on its raw partials; "row": "grid" in its
+  one-token-row form (policy knob mhc_row: a column per thread)."""
   D = 256
   hc, norm = _site(D, M)
   X, y, mix, _, _, _ = _inputs(M, D, M + 1)
@@ -376,14 +455,16 @@ def test_fused_boundary_equals_stock(M, first, finish_kernel):
   u, post_ref, comb_ref = hc.pre(Xref)
   xin_ref = norm(u, jnp.bfloat16)
   policy = {"mhc_finish": bool(finish_kernel), "mhc_boundary": finish_kernel == "boundary",
-            "mhc_sinkhorn_split": finish_kernel in ("split", "boundary", "narrow", "sums", "grid"),
+            "mhc_sinkhorn_split": finish_kernel in ("split", "boundary", "narrow", "sums", "grid", "row"),
             "mhc_narrow": finish_kernel in ("narrow", "sums"), "mhc_fused_sums": finish_kernel == "sums",
-            "mhc_grid_barrier": finish_kernel == "grid"}
+            "mhc_grid_barrier": finish_kernel in ("grid", "row"), "mhc_row": finish_kernel == "row"}
   with maybe_interpret(True), use_kernels(policy), kernel_report() as rep:
     Xn, xin, mix_new = jax.jit(lambda X, y, mix: hc.fused(X, None if first else (y, mix), norm))(X, y, mix)
   assert (("mhc_finish", "off in the policy") in rep) != bool(finish_kernel)
-  assert (("mhc_sinkhorn_split", None) in rep) == (finish_kernel in ("split", "boundary", "narrow", "sums", "grid"))
-  assert (("mhc_grid_barrier", None) in rep) == (finish_kernel == "grid")
+  assert (("mhc_sinkhorn_split", None) in rep) == (finish_kernel in ("split", "boundary", "narrow", "sums", "grid",
+                                                                    "row"))
+  assert (("mhc_grid_barrier", None) in rep) == (finish_kernel in ("grid", "row"))
+  assert (("mhc_row", None) in rep) == (finish_kernel == "row")
   assert (("mhc_boundary", None) in rep) == (finish_kernel == "boundary")
   assert (("mhc_narrow", None) in rep) == (finish_kernel in ("narrow", "sums"))
   assert (("mhc_fused_sums", None) in rep) == (finish_kernel == "sums")

@@ -567,6 +567,63 @@ def test_fp8_scales_first_at_the_model_site():
   np.testing.assert_array_equal(h1, h0)
 
 
+def test_mhc_row_at_the_model_site():
+  """Policy mhc_row at a one-layer bf16 model's mHC boundaries (one token row; GPU interpret mode runs each as
+  its two halves): the final hidden state within bf16 rounding of mhc_post_finish's (the partials summed over
+  128-column chunks instead of 32), the report names the sites; at two token rows it is declined by name."""
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 13, "bfloat16", num_hidden_layers=1, layer_types=["indexed_attention"],
+                         mlp_layer_types=["dense"])
+  m = load(path, "bfloat16")
+  base = {k: False for k in KERNEL_DEFAULTS} | {"mhc": True, "mhc_finish": True, "mhc_sinkhorn_split": True,
+                                                "mhc_grid_barrier": True}
+  (h0, _), rep0 = _extend_one_token(m, 1, base, seed=13)
+  (h1, _), rep1 = _extend_one_token(m, 1, base | {"mhc_row": True}, seed=13)
+  assert rep0["mhc_grid_barrier"] is None and rep0["mhc_row"] == "off in the policy", rep0
+  assert rep1["mhc_row"] is None, rep1
+  np.testing.assert_allclose(h1, h0, **tol("kernel_bf16"))
+  assert np.abs(h0).max() > 0
+  _, rep2 = _extend_one_token(m, 2, base | {"mhc_row": True}, seed=13, trace_only=True)
+  assert rep2["mhc_row"].startswith("one token row (here 2)"), rep2
+
+
+def test_mla_latent_norms_at_the_model_site():
+  """Policy mla_latent_norms at a DSA layer's verify call (kernel-tiny, bf16, FP8 latent cache; GPU interpret mode,
+  XLA elsewhere): the latent_norms kernel's q_r / c / FP8 cache rows give the layer's output and its caches as
+  the XLA norms and quantisation do, and the report names the site; an f32 model is declined by name."""
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  from glm5_jax import state as st  # noqa: PLC0415
+  from glm5_jax.attention import StepCtx  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS, kernel_report, use_kernels  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 14, "fp8", num_hidden_layers=1, layer_types=["indexed_attention"],
+                         mlp_layer_types=["dense"])
+  m = load(path, "bfloat16")
+  B, T = 1, 2
+  lay = st.cache_layout(m.cfg, B, 64, T, jnp.bfloat16, mtp=False, kv_fp8=True)
+  rng = np.random.default_rng()
+  cache = jax.tree.map(lambda a: jnp.asarray(rng.integers(-2**20, 2**20, a.shape), a.dtype)
+                       if a.dtype == jnp.int32 else jnp.asarray(rng.standard_normal(a.shape), a.dtype),
+                       st.init_caches(lay, m.mesh)["layers"][0])
+  cache["latent8"] = jnp.zeros_like(cache["latent8"])  # (valid rows: the positions before the step's)
+  x = jnp.asarray(rng.standard_normal((B, T, m.cfg.hidden_size)), jnp.bfloat16)
+  ctx = StepCtx(jnp.full((B,), 5, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.ones((B,), jnp.int32), "verify")
+  base = {k: False for k in KERNEL_DEFAULTS}
+  outs = []
+  for on in (False, True):
+    fn = m.shard_map(lambda mod, x, c: mod.layers[0].self_attn(x, c, ctx, jnp.bfloat16), (P(), P()), P())
+    with use_kernels(base | {"mla_latent_norms": on}), maybe_interpret(True), kernel_report() as rep:
+      outs.append(jax.jit(fn)(m.params, x, cache))
+    assert (dict(rep)["mla_latent_norms"] is None) == on, rep
+  (y0, c0, _), (y1, c1, _) = outs
+  np.testing.assert_array_equal(np.asarray(c1["latent8"]), np.asarray(c0["latent8"]))
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
+  assert np.any(np.asarray(c1["latent8"])[:, 5:5 + T])
+  fn = m.shard_map(lambda mod, x, c: mod.layers[0].self_attn(x, c, ctx, jnp.float32), (P(), P()), P())
+  with use_kernels(base | {"mla_latent_norms": True}), kernel_report() as rep:
+    jax.eval_shape(fn, m.params, x.astype(jnp.float32), cache)
+  assert "a bf16 model (here float32)" in dict(rep)["mla_latent_norms"], rep
+
+
 def test_kda_norm_partials_at_the_model_site():
   """Policy kda_norm_partials at a KDA layer's verify call (kernel-tiny, f32; GPU interpret mode): the KDA
   kernel's per-CTA sums of o's squares make the gated RMSNorm after it elementwise — the layer's output and its

@@ -393,3 +393,63 @@ def test_uv_kernel_gpu(BT, Hp, H):
                                                         transposed=tr))(q, cache, idx)
   o = np.asarray(f(False))
   np.testing.assert_array_equal(np.asarray(jnp.swapaxes(f(True), 1, 2)).reshape(o.shape), o)
+
+
+def _latent_inputs(seed, M_rows, Q):
+  rng = np.random.default_rng(seed)
+  qkv = jnp.asarray(rng.standard_normal((M_rows, Q + M.D_LATENT)) * rng.uniform(0.1, 5.0, (M_rows, 1)),
+                    jnp.bfloat16)
+  return (qkv, jnp.asarray(rng.uniform(0.5, 1.5, Q), jnp.bfloat16),
+          jnp.asarray(rng.uniform(0.5, 1.5, M.D_LATENT), jnp.bfloat16))
+
+
+def _check_latent_norms(outs, ref, exact: bool):
+  """q_r / c within one bf16 rounding (exact in interpret mode: the same sums there), c8 within one e4m3 step
+  of the reference's (its scale within f32 rounding: the group maxima are the same bf16 values when c is)."""
+  f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+  if exact:
+    for a, b in zip(outs, ref):
+      np.testing.assert_array_equal(f32(a), f32(b))
+    return
+  for a, b in zip(outs[:2], ref[:2]):
+    np.testing.assert_allclose(f32(a), f32(b), rtol=2.0 ** -7, atol=0)
+    assert np.mean(f32(a) != f32(b)) < 0.01
+  np.testing.assert_allclose(f32(outs[3]), f32(ref[3]), rtol=2.0 ** -7)
+  deq = [f32(c8).reshape(-1, 4, 128) * f32(sc)[..., None] for c8, sc in ((outs[2], outs[3]), (ref[2], ref[3]))]
+  step = 2.0 ** -3 * np.abs(deq[1]).max(-1, keepdims=True)
+  assert np.all(np.abs(deq[0] - deq[1]) <= step)
+
+
+@pytest.mark.parametrize("M_rows,Q", [(1, 256), (3, 1536)])
+def test_latent_norms_interpret(M_rows, Q):
+  """latent_norms (policy mla_latent_norms) in GPU interpret mode == latent_norms_reference, bit for bit, at the
+  kernel-tiny and the real q_lora_rank; the FP8 half packs into quantize_latent's cache rows."""
+  args = _latent_inputs(M_rows + Q, M_rows, Q)
+  ref = M.latent_norms_reference(*args, eps=1e-6)
+  with maybe_interpret(True):
+    got = jax.jit(functools.partial(M.latent_norms, eps=1e-6))(*args)
+  _check_latent_norms(got, ref, exact=True)
+  np.testing.assert_array_equal(np.asarray(M.pack_latent(got[2], got[3])), np.asarray(M.quantize_latent(ref[1])))
+
+
+def test_latent_norms_rejects_bad_input():
+  qkv, wq, wkv = _latent_inputs(0, 1, 256)
+  with pytest.raises(ValueError, match=r"latent_norms: qkv \(1, 768\) float32"):
+    M.latent_norms(qkv.astype(jnp.float32), wq, wkv, eps=1e-6)
+  with pytest.raises(ValueError, match=r"wq \(128,\)"):
+    M.latent_norms(qkv, wq[:128], wkv, eps=1e-6)
+
+
+@pytest.mark.parametrize("M_rows", [1, 4])
+def test_latent_norms_cross_lower(M_rows):
+  """At the real widths (q_lora_rank 1536, the 512 latent) for q = 1 and q = 4."""
+  args = (SDS((M_rows, 2048), jnp.bfloat16), SDS((1536,), jnp.bfloat16), SDS((512,), jnp.bfloat16))
+  assert "mosaic_gpu" in cross_lower(functools.partial(M.latent_norms, eps=1e-6), *args).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M_rows", [1, 4])
+def test_latent_norms_gpu(M_rows):
+  args = _latent_inputs(M_rows, M_rows, 1536)
+  got = jax.jit(functools.partial(M.latent_norms, eps=1e-6))(*args)
+  _check_latent_norms(got, M.latent_norms_reference(*args, eps=1e-6), exact=False)
