@@ -698,35 +698,46 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
       --policy '{"dsa_qkv_a_first": true}'
     rm -f "$OUT"/hlo/*.hlo.gz
     ;;
-  s53a)  # (nvidia-h200) session 52's one-token-row mHC boundary (policy mhc_row: mhc_row_boundary, 32 CTAs with a
-    # column of every stream per thread instead of mhc_post_finish's 128 CTAs of 64-row tiles for one real row; s48d:
-    # the post mix 2.1 + partial stores 1.2 + sums 2.5 of its 6.3 µs) natively: its GPU tests (one launch vs its two
-    # halves bit for bit, on the counters), with the GPU tests s52a did not run (kda_norm_partials natively; the f16
-    # saturation test with its tolerance fixed); the boundary alone and profiled; then q = 1, 5 interleaved repeats:
-    # defaults vs mhc_row vs mhc_row + the three knobs s52c/s52d had faster in 3-4 of 4 rounds
-    timeout -k 9 -s INT 200 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_mhc.py \
+  s53a)  # (nvidia-h200) session 52's two CPU-built launch cutters natively. mhc_row: the one-token-row mHC boundary
+    # (mhc_row_boundary: 32 CTAs with a column of every stream per thread instead of mhc_post_finish's 128 CTAs of
+    # 64-row tiles for one real row; s48d: the post mix 2.1 + partial stores 1.2 + sums 2.5 of its 6.3 µs).
+    # mla_latent_norms: the DSA layer's q_a / kv_a RMSNorms and the latent's FP8 quantisation as one launch
+    # (latent_norms) instead of ~7 XLA fusions on its critical path (s51b's trace: 6.9 µs there). Their GPU tests
+    # with those s52a did not run (kda_norm_partials natively; the f16 saturation test with its tolerance fixed),
+    # the boundary alone (bench_mhc), then q = 1, 5 interleaved repeats: defaults vs each
+    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_mhc.py \
       -k "row_boundary_gpu" > "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -p no:cacheprovider tests/test_kda_decode.py \
+    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_sparse_mla.py \
+      -k "latent_norms_gpu" >> "$OUT/tests.log" 2>&1
+    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -p no:cacheprovider tests/test_kda_decode.py \
       -k "norm_partials_interpret" >> "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
+    timeout -k 9 -s INT 80 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
       -k "saturates" >> "$OUT/tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
-    timeout -s INT 150 python3 benchmarks/bench_mhc.py --rows 1 --paths grid,row --out "$OUT/bench_mhc.txt" \
+    timeout -s INT 120 python3 benchmarks/bench_mhc.py --rows 1 --paths grid,row --out "$OUT/bench_mhc.txt" \
       > "$OUT/bench_mhc.log" 2>&1
+    cat "$OUT/bench_mhc.txt"
+    [ "$(left)" -gt 200 ] && rank1 s53a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"mhc_row": true}' '{"mla_latent_norms": true}'
+    ;;
+  s53b)  # (nvidia-h200) after s53a: its winners with the knobs s52c/s52d had faster in 3-4 of 4 rounds
+    # (kda_norm_partials, dq_f16; edit the policy to s53a's result) against the defaults at q = 1, then auto vs
+    # latency_specialized in one call with the winners (issue #9: 2x needs latency_specialized <= auto / 2)
+    rank1 s53b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"mhc_row": true, "mla_latent_norms": true, "kda_norm_partials": true, "dq_f16": true}'
+    [ "$(left)" -gt 250 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+      --batch 1 --context 32768 --q 1 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) \
+      --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
+      --policy '{"mhc_row": true, "mla_latent_norms": true}' --out "$OUT/decode_s53b_auto.jsonl" 2>&1 \
+      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s53b_auto.log"
+    ;;
+  s53c)  # (nvidia-h200) the new forms inside the step: traced at q = 1 (sublayer_chain: the boundaries' and the DSA
+    # layer's chains with mhc_row + mla_latent_norms) and profiled alone (where the row boundary's time goes)
     timeout -s INT 100 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc,mhc_row \
       --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
-    cat "$OUT/bench_mhc.txt" "$OUT/kernel_profile.txt"
-    [ "$(left)" -gt 200 ] && rank1 s53a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"mhc_row": true}' '{"mhc_row": true, "kda_norm_partials": true, "dq_f16": true}'
-    ;;
-  s53b)  # (nvidia-h200) after s53a: auto vs latency_specialized in one call at q = 1 with s53a's winners (edit the
-    # policy; issue #9: 2x needs latency_specialized <= auto / 2 on one host), then q = 4 against the defaults
-    timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --context 32768 \
-      --q 1 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 200 )) --backend auto latency_specialized \
-      --steps-per-call 4 --interleave --compile-cache .jax_cache --policy '{"mhc_row": true}' \
-      --out "$OUT/decode_s53b_auto.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s53b_auto.log"
-    [ "$(left)" -gt 200 ] && rank1 s53b_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \
-      --policy '{}' '{"mhc_row": true}'
+    cat "$OUT/kernel_profile.txt"
+    rank1 s53c --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{"mhc_row": true, "mla_latent_norms": true}'
+    rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   s52a)  # (nvidia-h200) session 51's CPU-built scale loads ahead of the weight stream: s51a's profile of the MoE down
     # kernel had scalar scale loads issued just after the CTAs' weight requests return ~4 µs later (queued behind the
