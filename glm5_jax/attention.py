@@ -538,11 +538,11 @@ class DSA(nnx.Module):
     # FP8 cache row by one kernel instead of ~7 XLA fusions on the layer's critical path
     joint = hasattr(self, "qkv_a_proj")
     R = self.kv_a_layernorm.weight.shape[0]
-    norms = fp8 and kernel_enabled(
-        "mla_latent_norms", B * T, fits=joint and dtype == jnp.bfloat16 and R == 512
+    norms = kernel_enabled(
+        "mla_latent_norms", B * T, fits=fp8 and joint and dtype == jnp.bfloat16 and R == 512
         and self.q_a_layernorm.eps == self.kv_a_layernorm.eps,
-        why=f"the joint q_a / kv_a projection (here {joint}), a bf16 model (here {jnp.dtype(dtype).name}), a 512-wide "
-        f"latent (here {R}) and one RMSNorm eps")
+        why=f"an FP8 latent cache (here {fp8}), the joint q_a / kv_a projection (here {joint}), a bf16 model (here "
+        f"{jnp.dtype(dtype).name}), a 512-wide latent (here {R}) and one RMSNorm eps")
     if norms:
       qa = self.qkv_a_proj.joint(x, dtype)  # [B, T, Q + R], normalised below
     elif joint:

@@ -31,7 +31,8 @@ H200 at M = 1 with the Sinkhorn still an XLA fusion: 6.2 + 1.8 + 3.4 + 3.6 µs, 
 Two forms of the same boundary in ONE launch (policy knobs, off by default): ``mhc_boundary`` (a cluster of 8 CTAs,
 natively correct but bound by its CTAs' serial chunks) and ``mhc_post_finish`` (mhc_post_pre's 128 narrow CTAs,
 then a grid barrier — a GMEM semaphore — then mhc_finish's normalisation of each CTA's own columns from the
-partials in L2); the Sinkhorn then runs as ``mhc_sinkhorn`` off the sublayer's critical path.
+partials in L2); the Sinkhorn then runs as ``mhc_sinkhorn`` off the sublayer's critical path. At one token row,
+``mhc_row_boundary`` is mhc_post_finish with a column of every stream per thread instead of 64-row tiles.
 
 References with the same signatures: ``mhc_post_pre_reference`` and ``mhc_finish_reference`` (pure jnp, f32; the
 latter on ``mhc_mix_reference``: pre / post from tot with the stock path's ``hc_pre_post``).
