@@ -106,6 +106,17 @@ def counter_wait(ref, count: int, *, take: bool = False, async_reads: bool = Fal
   _counter_op(ref, count=count, take=take, async_reads=async_reads)
 
 
+def fence_async_writes():
+  """``fence.proxy.async.global``: this thread's completed TMA stores (``plgpu.wait_smem_to_gmem``) ordered before
+  its later generic-proxy operations — so a grid barrier's release (a semaphore or counter signal) covers them for
+  CTAs that read them with plain loads after the barrier. (Plain GMEM stores need no fence.)"""
+  @plgpu.inline_mgpu()
+  def op(_):
+    _mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+  op()
+
+
 def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False, each: int = 0,
                 async_reads: bool = False, value: int = 1):
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))

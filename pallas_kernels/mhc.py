@@ -52,7 +52,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel
+from pallas_kernels._common import (counter_signal, counter_wait, fence_async_writes, interpreting, kernel_entry,
+                                    mgpu_kernel)
 
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
@@ -1033,6 +1034,7 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     xn = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g)
     if half == 1:
       return
+    fence_async_writes()  # (the partials went out by TMA; the other CTAs read them with plain loads)
     if counters:
       p = par_g[0]
 
