@@ -950,30 +950,42 @@ def _row_scratch(first: bool):
           plgpu.SMEM((ROW_COLS,), bf16),  # w_s
           plgpu.SMEM((N, 1, ROW_COLS), bf16),  # xu_s: X' for its TMA store
           plgpu.SMEM((ROWS, ROW_COLS), f32),  # red_s: the per-thread products, a row per quantity
-          plgpu.SMEM((ROWS,), f32),  # v_s: the CTA's partials (40 used), then zeros for the padding chunks
+          plgpu.SMEM((ROWS,), f32),  # v_s: zeros for the padding chunks, then the CTA's partials (40 used)
           plgpu.SMEM((1, ROW_COLS), bf16),  # o_s: x_in
           plgpu.SMEM((PART, ROWS), f32),  # t_s: the sums, transposed
           plgpu.SMEM((1, PART - MIX), f32),  # ts_s
           plgpu.SMEM((N + 1, ROWS), f32),  # sc_s: pre and 1/RMS (per-row vectors; column 0 read back)
-          plgpu.Barrier(num_arrivals=2 * N + 1 + (0 if first else 3))]
+          plgpu.Barrier(num_arrivals=N + (0 if first else 3)),  # bar_x: X (y, the previous mix)
+          plgpu.Barrier(num_arrivals=N + 1)]  # bar_fn: fn, w
 
 
 def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D: int, first: bool, g):
   """Loads, the mix, X' stored (unless ``first``), the CTA's partials stored into token row 0 of chunk g and zeros
-  into token row 0 of the padding chunks G.. -> X' (f32 per-thread vectors). Waits for its stores."""
+  into token row 0 of the padding chunks G.. -> X' (f32 per-thread vectors). Waits for its stores. The mix waits
+  only for X, y and the previous mix (bar_x); fn's 24 KB per CTA (and w) arrive behind them (bar_fn), and the
+  padding chunks' zeros go out before anything else is computed."""
   x_s, fn_s, y_s, post_s, comb_s, w_s, xu_s, red_s, v_s = scratch[:9]
-  bar = scratch[-1]
+  bar_x, bar_fn = scratch[-2:]
   G, Gp = _grid_rows(D, ROW_COLS)
   d0 = g * ROW_COLS
   for i in range(N):
-    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, 1), pl.ds(i * D + d0, ROW_COLS)], x_s.at[i], bar)
-    plgpu.copy_gmem_to_smem(fn_g.at[:, pl.ds(i * D + d0, ROW_COLS)], fn_s.at[i], bar)
-  plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar)
+    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, 1), pl.ds(i * D + d0, ROW_COLS)], x_s.at[i], bar_x)
   if not first:
-    plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)], y_s, bar)
-    plgpu.copy_gmem_to_smem(post_g, post_s, bar)
-    plgpu.copy_gmem_to_smem(comb_g, comb_s, bar)
-  plgpu.barrier_wait(bar)
+    plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)], y_s, bar_x)
+    plgpu.copy_gmem_to_smem(post_g, post_s, bar_x)
+    plgpu.copy_gmem_to_smem(comb_g, comb_s, bar_x)
+  for i in range(N):
+    plgpu.copy_gmem_to_smem(fn_g.at[:, pl.ds(i * D + d0, ROW_COLS)], fn_s.at[i], bar_fn)
+  plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar_fn)
+  v_s[...] = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), _L.WGMMA.reduce(1))
+  plgpu.commit_smem()
+  for k in range(-(-(Gp - G) // G)):  # token row 0 of the padding chunks, spread over the CTAs
+    row = G + g + k * G
+
+    @pl.when(row < Gp)
+    def _():
+      plgpu.copy_smem_to_gmem(v_s.at[pl.ds(0, PART)], part_g.at[row, 0])
+  plgpu.barrier_wait(bar_x)
   with jax.named_scope("mix"):
     xn = _row_mixed(x_s, y_s, post_s, comb_s, first)
   if not first:
@@ -982,18 +994,11 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
     plgpu.commit_smem()
     for j in range(N):
       plgpu.copy_smem_to_gmem(xu_s.at[j], xo_g.at[pl.ds(0, 1), pl.ds(j * D + d0, ROW_COLS)])
+  plgpu.barrier_wait(bar_fn)
   with jax.named_scope("partials"):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the zeros' stores have read v_s
     _row_partials(xn, fn_s, red_s, v_s)
     plgpu.copy_smem_to_gmem(v_s.at[pl.ds(0, PART)], part_g.at[g, 0])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # v_s read: reused for the zeros
-    v_s[...] = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), _L.WGMMA.reduce(1))
-    plgpu.commit_smem()
-    for k in range(-(-(Gp - G) // G)):  # token row 0 of the padding chunks, spread over the CTAs
-      row = G + g + k * G
-
-      @pl.when(row < Gp)
-      def _():
-        plgpu.copy_smem_to_gmem(v_s.at[pl.ds(0, PART)], part_g.at[row, 0])
     plgpu.wait_smem_to_gmem(0)
   return xn
 

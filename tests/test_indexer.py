@@ -765,7 +765,7 @@ def completed_slots(starts, valid, P, kp=4):
 
 def check_pool_update(got, ref, args, P, exact: bool, done=None):
   """pool_update's caches against the reference's. ``exact`` (interpret mode: the CPU sums in the reference's
-  order): bit for bit. Natively the LayerNorm's and the rotation's f32 sums run in another order than XLA's, so a
+  order): bit for bit, but for a rare key one bf16 rounding apart (then its pool as natively). Natively the LayerNorm's and the rotation's f32 sums run in another order than XLA's, so a
   key may round to the neighbouring bf16 — which the rotation spreads over the pool's 128 elements — and a pooled
   element to the neighbouring e4m3 value: the ring within the bf16 tolerance; the completed slots' scales equal —
   or a factor 2 apart for at most one slot in ten (an amax rounded across a power of two) — and their elements at
@@ -775,8 +775,14 @@ def check_pool_update(got, ref, args, P, exact: bool, done=None):
   ring, p8, ps = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in got)
   rring, rp8, rps = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in ref)
   if exact:
-    for a, b in ((ring, rring), (p8, rp8), (ps, rps)):
-      np.testing.assert_array_equal(a, b)
+    # (the same f32 sums; XLA CPU may still contract a multiply-add differently in the two programs, so a rare key
+    # rounds to the neighbouring bf16 — 1 of 10,240 in one CI run — and its pool may move as natively, below)
+    diff = ring != rring
+    assert diff.mean() <= 1e-3, diff.mean()
+    assert np.all(np.abs(ring - rring)[diff] <= 2.0 ** -7 * np.abs(rring[diff])), np.abs(ring - rring).max()
+    if not diff.any():
+      for a, b in ((p8, rp8), (ps, rps)):
+        np.testing.assert_array_equal(a, b)
   np.testing.assert_allclose(ring, rring, **tol("kernel_bf16"))
   done = completed_slots(args[4], args[5], P) if done is None else done
   assert done.any()
