@@ -735,7 +735,10 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # layer's chains with mhc_row + mla_latent_norms) and profiled alone (where the row boundary's time goes)
     timeout -s INT 100 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc,mhc_row \
       --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
-    cat "$OUT/kernel_profile.txt"
+    # the bf16 GEMVs at one row, XLA vs bf16_linear — the indexer's wq_b (12.6 MB) is on the DSA selection chain
+    timeout -s INT 120 python3 benchmarks/bench_linear.py --rows 1 --only bf16 --out "$OUT/bench_linear.txt" \
+      > "$OUT/bench_linear.log" 2>&1
+    cat "$OUT/kernel_profile.txt" "$OUT/bench_linear.txt"
     rank1 s53c --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{"mhc_row": true, "mla_latent_norms": true}'
     rm -f "$OUT"/hlo/*.hlo.gz
     ;;
