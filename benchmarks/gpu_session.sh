@@ -702,9 +702,10 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # (mhc_row_boundary: 32 CTAs with a column of every stream per thread instead of mhc_post_finish's 128 CTAs of
     # 64-row tiles for one real row; s48d: the post mix 2.1 + partial stores 1.2 + sums 2.5 of its 6.3 µs).
     # mla_latent_norms: the DSA layer's q_a / kv_a RMSNorms and the latent's FP8 quantisation as one launch
-    # (latent_norms) instead of ~7 XLA fusions on its critical path (s51b's trace: 6.9 µs there). Their GPU tests
-    # with those s52a did not run (kda_norm_partials natively; the f16 saturation test with its tolerance fixed),
-    # the boundary alone (bench_mhc), then q = 1, 5 interleaved repeats: defaults vs each
+    # (latent_norms) instead of ~7 XLA fusions on its critical path (s51b's trace: 6.9 µs there), and with it
+    # qkv_a_fused_sum (the projection's K splits summed in its kernel: no XLA split sum before latent_norms). Their
+    # GPU tests with those s52a did not run (kda_norm_partials natively; the f16 saturation test with its tolerance
+    # fixed), then q = 1, 5 interleaved repeats: defaults vs each (the boundary alone: s53c)
     timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_mhc.py \
       -k "row_boundary_gpu" > "$OUT/tests.log" 2>&1
     timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_sparse_mla.py \
@@ -714,17 +715,14 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     timeout -k 9 -s INT 80 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
       -k "saturates" >> "$OUT/tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
-    timeout -s INT 120 python3 benchmarks/bench_mhc.py --rows 1 --paths grid,row --out "$OUT/bench_mhc.txt" \
-      > "$OUT/bench_mhc.log" 2>&1
-    cat "$OUT/bench_mhc.txt"
     [ "$(left)" -gt 200 ] && rank1 s53a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"mhc_row": true}' '{"mla_latent_norms": true}'
+      '{"mhc_row": true}' '{"mla_latent_norms": true}' '{"mla_latent_norms": true, "qkv_a_fused_sum": true}'
     ;;
   s53b)  # (nvidia-h200) after s53a: its winners with the knobs s52c/s52d had faster in 3-4 of 4 rounds
     # (kda_norm_partials, dq_f16; edit the policy to s53a's result) against the defaults at q = 1, then auto vs
     # latency_specialized in one call with the winners (issue #9: 2x needs latency_specialized <= auto / 2)
     rank1 s53b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"mhc_row": true, "mla_latent_norms": true, "kda_norm_partials": true, "dq_f16": true}'
+      '{"mhc_row": true, "mla_latent_norms": true, "qkv_a_fused_sum": true, "kda_norm_partials": true, "dq_f16": true}'
     [ "$(left)" -gt 250 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
       --batch 1 --context 32768 --q 1 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) \
       --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
@@ -733,13 +731,16 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     ;;
   s53c)  # (nvidia-h200) the new forms inside the step: traced at q = 1 (sublayer_chain: the boundaries' and the DSA
     # layer's chains with mhc_row + mla_latent_norms) and profiled alone (where the row boundary's time goes)
+    timeout -s INT 120 python3 benchmarks/bench_mhc.py --rows 1 --paths grid,row --out "$OUT/bench_mhc.txt" \
+      > "$OUT/bench_mhc.log" 2>&1
     timeout -s INT 100 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc,mhc_row \
       --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
     # the bf16 GEMVs at one row, XLA vs bf16_linear — the indexer's wq_b (12.6 MB) is on the DSA selection chain
     timeout -s INT 120 python3 benchmarks/bench_linear.py --rows 1 --only bf16 --out "$OUT/bench_linear.txt" \
       > "$OUT/bench_linear.log" 2>&1
-    cat "$OUT/kernel_profile.txt" "$OUT/bench_linear.txt"
-    rank1 s53c --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{"mhc_row": true, "mla_latent_norms": true}'
+    cat "$OUT/bench_mhc.txt" "$OUT/kernel_profile.txt" "$OUT/bench_linear.txt"
+    rank1 s53c --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" \
+      --policy '{"mhc_row": true, "mla_latent_norms": true, "qkv_a_fused_sum": true}'
     rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   s52a)  # (nvidia-h200) session 51's CPU-built scale loads ahead of the weight stream: s51a's profile of the MoE down

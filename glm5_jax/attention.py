@@ -543,10 +543,11 @@ class DSA(nnx.Module):
         and self.q_a_layernorm.eps == self.kv_a_layernorm.eps,
         why=f"an FP8 latent cache (here {fp8}), the joint q_a / kv_a projection (here {joint}), a bf16 model (here "
         f"{jnp.dtype(dtype).name}), a 512-wide latent (here {R}) and one RMSNorm eps")
+    # qkv_a_fused_sum: the projection's K splits summed in its kernel (no XLA split sum on the critical path)
     if norms:
-      qa = self.qkv_a_proj.joint(x, dtype)  # [B, T, Q + R], normalised below
+      qa = self.qkv_a_proj.joint(x, dtype, fused_sum="qkv_a_fused_sum")  # [B, T, Q + R], normalised below
     elif joint:
-      qa, ca = self.qkv_a_proj(x, dtype)
+      qa, ca = self.qkv_a_proj(x, dtype, fused_sum="qkv_a_fused_sum")
     else:
       qa, ca = self.q_a_proj(x, dtype), self.kv_a_proj_with_mqa(x, dtype)
     x_ix = x  # the indexer's input

@@ -293,6 +293,12 @@ KNOBS = {
         "projection and the indexer's query GEMV on the DSA layer's critical path (s51b's trace: 6.9 µs there); "
         "the cache row's packing stays with its scatter. Bit-identical in interpret mode; CPU-built (session 52): "
         "off until measured"),
+    "qkv_a_fused_sum": (False,
+        "with fp8_dq on, on the GPU: the DSA layer's joint q_a / kv_a projection (16 K splits at one row) sums its "
+        "splits inside the kernel (linear_fused_sum's split-K counters, at this call alone) and writes its rows — "
+        "the XLA split sum after it (1.6 µs + a launch in s51b's trace) leaves the layer's critical path, and "
+        "mla_latent_norms reads the rows directly. linear_fused_sum for every linear was a tie (sessions 47, 51); "
+        "this is its one site on the DSA critical path. CPU-built (session 52): off until measured"),
     "mhc_row": (False,
         "with mhc_grid_barrier on, at one token row (decode at q = 1): the boundary as "
         "pallas_kernels.mhc.mhc_row_boundary — D / 128 CTAs, each thread one column of every stream in "
@@ -690,7 +696,8 @@ class Linear(nnx.Module):
   def w(self, dtype):
     return dequant(self.weight[...], None if self.scale is None else self.scale[...], self.fp8_block, dtype)
 
-  def __call__(self, x, dtype):
+  def __call__(self, x, dtype, *, fused_sum: str | None = None):
+    """``fused_sum``: a site knob that turns linear_fused_sum's in-kernel K-split sum on at this call alone."""
     rows = x.size // x.shape[-1]
     n_out, n_in = self.weight.shape
     tiles = n_in % 128 == 0 and n_out % 64 == 0
@@ -698,7 +705,8 @@ class Linear(nnx.Module):
     if self.scale is not None and kernel_enabled("fp8_linear", rows, fits=tiles, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415 (kernels only where the backend asks for them)
       if kernel_enabled("fp8_dq", rows):  # linear_fused_sum: the K splits summed in the kernel (split-K counters)
-        fused = {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else {}
+        site = fused_sum is not None and _counters_enabled(fused_sum)  # (first: reported even under the global)
+        fused = {"counters": _splitk_counters(kl)} if site or _counters_enabled("linear_fused_sum") else {}
         # fp8_scales_first: each CTA's block scales requested ahead of its weight tiles
         first = {"scales_first": True} if kernel_enabled("fp8_scales_first", rows) else {}
         fn = functools.partial(kl.fp8_dq_linear, **fused, **_dq_dtype(rows), **first)
@@ -757,14 +765,14 @@ class ConcatLinear(Linear):
     super().__init__(n_in, sum(outs), dtype, axes, fp8_block=fp8_block)
     self.outs = tuple(outs)
 
-  def __call__(self, x, dtype):
-    y = self.joint(x, dtype)
+  def __call__(self, x, dtype, **kw):
+    y = self.joint(x, dtype, **kw)
     cuts = [sum(self.outs[:i]) for i in range(1, len(self.outs))]
     return tuple(jnp.split(y, cuts, axis=-1))
 
-  def joint(self, x, dtype):
+  def joint(self, x, dtype, **kw):
     """The outputs side by side, unsplit: [..., Σ outs] (for consumers that read their columns in place)."""
-    return super().__call__(x, dtype)
+    return super().__call__(x, dtype, **kw)
 
 
 class StackedLinear(nnx.Module):

@@ -105,7 +105,8 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   (mhc_barrier_counters: every trunk boundary's launch takes the Ref's buffer as an aliased operand), the FP8 /
   BF16 linears' K splits summed in the kernel on the step's split-K counters (linear_fused_sum), and the indexer's
   selection as ONE launch of the multi-CTA compaction kernel whose CTAs find the threshold themselves
-  (topk_compact_kernel + topk_compact_fused: no threshold kernel; on by default since session 50)."""
+  (topk_compact_kernel + topk_compact_fused: no threshold kernel; on by default since session 50); in the kernels
+  form the split-K counters at the DSA layers' q_a / kv_a projection alone (qkv_a_fused_sum)."""
   kernels = form == "kernels"
   txt = lower_step(C.kernel_tiny(), 2, "latency_specialized", max_context=4096,
                    policy=(("kda_approx_math", True), ("kda_token_loop", True), ("mhc", True), ("router_route", True),
@@ -114,7 +115,7 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
                            ("topk_compact_fused", not kernels),
                            ("mhc_narrow", kernels), ("mhc_fused_sums", kernels),
                            ("kda_conv", kernels), ("topk_threshold_4wg", kernels), ("mla_combine_kernel", kernels),
-                           ("topk_select_kernel", kernels)))
+                           ("topk_select_kernel", kernels), ("qkv_a_fused_sum", kernels)))
   names = {"kernels": ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"),
            "grid": ("glm5_mhc_post_finish", "glm5_mhc_sinkhorn")}[form]
   for name in names:
@@ -125,6 +126,9 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   # (the fused compaction instead of the threshold kernel + XLA's compaction in the grid form)
   assert ("glm5_topk_select" in txt) == kernels and "glm5_topk_threshold" not in txt
   assert ("glm5_topk_compact" in txt) != kernels
+  # (the kernels form: the split-K counters at the DSA layers' q_a / kv_a projection alone — qkv_a_fused_sum)
+  fp8 = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_fp8_dq_linear" in line]
+  assert any(line.endswith("xi32>)") for line in fp8) and (kernels or all(line.endswith("xi32>)") for line in fp8))
   if form == "grid":  # the trunk's boundaries (2 per layer; 3 lowerings — first, parity 0 / 1 — of two kernels)
     # return the counters' int32[2] buffer last (aliased), not a pl.get_global int32[1] scratch
     calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_mhc_post_finish" in line]
