@@ -207,12 +207,7 @@ def main(argv=None):
     if "grid" in names and M <= km.PARTS_MAX_ROWS:
       grid_alone(hc, norm, sets, M)
     if "row" in names and M == 1:
-      for launches in (1, 2):
-        f = jax.jit(lambda X2, y, mix, launches=launches: km.mhc_row_boundary(
-            X2, y, mix, hc.fn[...], hc.base_scale[...], norm.weight[...], eps=hc.eps, hc_norm_eps=hc.norm_eps,
-            norm_eps=norm.eps, approx_math=True, launches=launches))
-        dev, kernels = time_calls(f, sets)
-        log(f"#   M = 1: mhc_row_boundary, {launches} launch(es): {dev:.2f} µs ({len(kernels)} kernels)")
+      grid_alone(hc, norm, sets, M, km.mhc_row_boundary)
     for cl in [int(c) for c in a.clusters.split(",") if c]:
       boundary_alone(hc, norm, sets, M, cl)
   if a.out:
@@ -230,15 +225,15 @@ def boundary_alone(hc, norm, sets, M, cluster):
   log(f"#   M = {M}: mhc_boundary alone, a cluster of {cluster} CTAs ({D // cluster} columns each): {dev:.2f} µs")
 
 
-def grid_alone(hc, norm, sets, M):
-  """mhc_post_finish alone (device µs per call): one launch with the grid barrier vs its two halves as two
-  launches — what the barrier costs, against the launch it saves."""
+def grid_alone(hc, norm, sets, M, kern=km.mhc_post_finish):
+  """A grid-barrier boundary kernel alone (mhc_post_finish, or mhc_row_boundary; device µs per call): one launch
+  with the grid barrier vs its two halves as two launches — what the barrier costs, against the launch it saves."""
   for launches in (1, 2):
-    f = jax.jit(lambda X2, y, mix, launches=launches: km.mhc_post_finish(
+    f = jax.jit(lambda X2, y, mix, launches=launches: kern(
         X2, y, mix, hc.fn[...], hc.base_scale[...], norm.weight[...], eps=hc.eps, hc_norm_eps=hc.norm_eps,
         norm_eps=norm.eps, approx_math=True, launches=launches))
     dev, kernels = time_calls(f, sets)
-    log(f"#   M = {M}: mhc_post_finish, {launches} launch(es): {dev:.2f} µs ({len(kernels)} kernels)")
+    log(f"#   M = {M}: {kern.__name__}, {launches} launch(es): {dev:.2f} µs ({len(kernels)} kernels)")
 
 
 def finish_parts(hc, norm, sets, M):

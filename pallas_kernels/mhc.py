@@ -711,6 +711,46 @@ def barrier_counters():
   return jax.new_ref(jnp.zeros((2,), jnp.int32))
 
 
+def _grid_barrier(ctr_g, par_g, g, G: int):
+  """The one-launch boundaries' grid barrier over G CTAs: on counter par_g[0] of barrier_counters' Ref (CTA 0
+  zeroing the other counter for the next boundary), or — ctr_g None — on a pl.get_global semaphore (zeroed for
+  each launch: an XLA fill per call)."""
+  with jax.named_scope("barrier"):
+    if ctr_g is None:
+      sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+      plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+      plgpu.semaphore_wait(sem, G, decrement=False, memory_scope="gpu")
+      return
+    p = par_g[0]
+
+    @pl.when(g == 0)
+    def _():  # the previous boundary's counter, for the next one (barrier_counters)
+      ctr_g[1 - p] = jnp.int32(0)
+
+    counter_signal(ctr_g.at[pl.ds(p, 1)])  # (_common: semaphore ops on a plain int32 ref)
+    counter_wait(ctr_g.at[pl.ds(p, 1)], G)
+
+
+def _check_grid_args(what: str, X, fn, coef, w, mix, first: bool, parity: int, launches: int | None) -> int:
+  """The one-launch boundaries' shared argument checks (the shapes and dtypes, the previous mix, the barrier
+  counter's parity) -> the number of launches: ``launches``, or 2 in GPU interpret mode (no grid barrier there)
+  and 1 on a GPU."""
+  K = X.shape[1]
+  D = K // N
+  if fn.shape != (MIX, K) or X.dtype != jnp.bfloat16 or coef.shape != (MIX + 3,) or w.shape != (D,):
+    raise ValueError(f"{what}: fn {fn.shape}, X {X.dtype}, coef {coef.shape}, w {w.shape}; expected fn "
+                     f"[{MIX}, {K}], a bf16 residual, coef [{MIX + 3}] and w [{D}]")
+  if not first and (mix[0].shape != (N, ROWS) or mix[1].shape != (N * N, ROWS)):
+    raise ValueError(f"{what}: mix = (post {mix[0].shape}, comb {mix[1].shape}), expected the transposed "
+                     f"({(N, ROWS)}, {(N * N, ROWS)}) of mhc_finish (mix_from_rows)")
+  if parity not in (0, 1):
+    raise ValueError(f"{what}: parity = {parity!r}, expected 0 or 1 (the boundary's index % 2)")
+  launches = launches or (2 if interpreting() else 1)
+  if launches not in (1, 2):
+    raise ValueError(f"{what}: launches = {launches}, expected 1 (grid barrier) or 2")
+  return launches
+
+
 def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float,
                         counters: bool = False):
   """The one-launch body: mhc_post_pre's (``_post_pre_kernel``, 32 columns) with its refs, zero rows G.. of the
@@ -744,20 +784,7 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
       def _():
         part_g[row] = plgpu.layout_cast(jnp.zeros((ROWS, PART), jnp.float32), _L.WGMMA)
 
-    if not counters:
-      sem = pl.get_global(plgpu.SemaphoreType.REGULAR)  # zeroed for each launch (an XLA fill per call)
-      with jax.named_scope("barrier"):
-        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-        plgpu.semaphore_wait(sem, G, decrement=False, memory_scope="gpu")
-    else:
-      p = par_g[0]
-
-      @pl.when(g == 0)
-      def _():  # the previous boundary's counter, for the next one (barrier_counters)
-        ctr_g[1 - p] = jnp.int32(0)
-
-      counter_signal(ctr_g.at[pl.ds(p, 1)])  # (_common: semaphore ops on a plain int32 ref)
-      counter_wait(ctr_g.at[pl.ds(p, 1)], G)
+    _grid_barrier(ctr_g, par_g, g, G)
     x_s = pp_scratch[0] if first else pp_scratch[6]  # X' (untiled [N, 64, 32]): X itself at the first site
     with jax.named_scope("normalise"):
       _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
@@ -807,15 +834,7 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   if M > PARTS_MAX_ROWS or G > GRID_MAX_CTAS:
     raise ValueError(f"mhc_post_finish: {M} token rows, hidden size {D}; expected up to {PARTS_MAX_ROWS} rows and "
                      f"up to {GRID_MAX_CTAS * GRID_COLS} columns (one CTA per {GRID_COLS}, all resident at once)")
-  if fn.shape != (MIX, K) or X.dtype != jnp.bfloat16 or coef.shape != (MIX + 3,) or w.shape != (D,):
-    raise ValueError(f"mhc_post_finish: fn {fn.shape}, X {X.dtype}, coef {coef.shape}, w {w.shape}; expected fn "
-                     f"[{MIX}, {K}], a bf16 residual, coef [{MIX + 3}] and w [{D}]")
-  if not first and (mix[0].shape != (N, ROWS) or mix[1].shape != (N * N, ROWS)):
-    raise ValueError(f"mhc_post_finish: mix = (post {mix[0].shape}, comb {mix[1].shape}), expected the transposed "
-                     f"({(N, ROWS)}, {(N * N, ROWS)}) of mhc_finish (mix_from_rows)")
-  launches = launches or (2 if interpreting() else 1)
-  if launches not in (1, 2):
-    raise ValueError(f"mhc_post_finish: launches = {launches}, expected 1 (grid barrier) or 2")
+  launches = _check_grid_args("mhc_post_finish", X, fn, coef, w, mix, first, parity, launches)
   bf16, f32 = jnp.bfloat16, jnp.float32
   consts = (float(eps), float(hc_norm_eps), float(norm_eps))
   params = dict(grid=(G,), grid_names=("g",), compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)))
@@ -838,8 +857,6 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
                   fn_s, xw_s, plgpu.SMEM((N, ROWS, GRID_COLS), bf16), plgpu.Barrier(num_arrivals=2 * N + 3)]
   part = jax.ShapeDtypeStruct((Gp, ROWS, PART), f32)
   outs = (part, x_in) if first else (jax.ShapeDtypeStruct((M, K), bf16), part, x_in)
-  if parity not in (0, 1):
-    raise ValueError(f"mhc_post_finish: parity = {parity!r}, expected 0 or 1 (the boundary's index % 2)")
   kern = mgpu_kernel(_post_finish_kernel(M, D, bool(first), *consts, counters=counters is not None), out_type=outs,
                      scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1)], kernel_name="glm5_mhc_post_finish",
                      **params)
@@ -1040,21 +1057,7 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     if half == 1:
       return
     fence_async_writes()  # (the partials went out by TMA; the other CTAs read them with plain loads)
-    if counters:
-      p = par_g[0]
-
-      @pl.when(g == 0)
-      def _():  # the previous boundary's counter, for the next one (barrier_counters)
-        ctr_g[1 - p] = jnp.int32(0)
-
-      with jax.named_scope("barrier"):
-        counter_signal(ctr_g.at[pl.ds(p, 1)])
-        counter_wait(ctr_g.at[pl.ds(p, 1)], G)
-    else:
-      sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
-      with jax.named_scope("barrier"):
-        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-        plgpu.semaphore_wait(sem, G, decrement=False, memory_scope="gpu")
+    _grid_barrier(ctr_g, par_g, g, G)
     w_s, o_s, t_s, ts_s, sc_s = scratch[5], *scratch[9:13]
     with jax.named_scope("normalise"):
       _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, *consts)
@@ -1086,17 +1089,7 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   if M != 1 or D % ROW_COLS or not 1 <= G <= GRID_MAX_CTAS:
     raise ValueError(f"mhc_row_boundary: {M} token rows, hidden size {D}; expected one row and a multiple of "
                      f"{ROW_COLS} up to {GRID_MAX_CTAS * ROW_COLS} columns")
-  if fn.shape != (MIX, K) or X.dtype != jnp.bfloat16 or coef.shape != (MIX + 3,) or w.shape != (D,):
-    raise ValueError(f"mhc_row_boundary: fn {fn.shape}, X {X.dtype}, coef {coef.shape}, w {w.shape}; expected fn "
-                     f"[{MIX}, {K}], a bf16 residual, coef [{MIX + 3}] and w [{D}]")
-  if not first and (mix[0].shape != (N, ROWS) or mix[1].shape != (N * N, ROWS)):
-    raise ValueError(f"mhc_row_boundary: mix = (post {mix[0].shape}, comb {mix[1].shape}), expected the transposed "
-                     f"({(N, ROWS)}, {(N * N, ROWS)}) of mhc_finish (mix_from_rows)")
-  if parity not in (0, 1):
-    raise ValueError(f"mhc_row_boundary: parity = {parity!r}, expected 0 or 1 (the boundary's index % 2)")
-  launches = launches or (2 if interpreting() else 1)
-  if launches not in (1, 2):
-    raise ValueError(f"mhc_row_boundary: launches = {launches}, expected 1 (grid barrier) or 2")
+  launches = _check_grid_args("mhc_row_boundary", X, fn, coef, w, mix, first, parity, launches)
   bf16, f32 = jnp.bfloat16, jnp.float32
   consts = (float(eps), float(hc_norm_eps), float(norm_eps))
   params = dict(grid=(G,), grid_names=("g",), compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)))

@@ -159,25 +159,29 @@ def test_kernels_sum_raw_partials_gpu(M, first, split, cols):
 GRID_CONSTS = dict(eps=1e-6, hc_norm_eps=1e-6, norm_eps=1e-5)
 
 
-def _check_post_finish(M, D, first, seed=0, interpret=None, launches=None):
-  """mhc_post_finish (the boundary in one launch with a grid barrier; interpreted, its two halves) vs its
-  reference: X' as mhc_post_pre's, x_in as mhc_finish's (one bf16 rounding apart, rarely two), the partials as
-  mhc_post_pre's over 32 columns, the rows past G zero. Returns the kernel's outputs."""
+def _check_post_finish(M, D, first, seed=0, interpret=None, launches=None, row=False):
+  """mhc_post_finish (the boundary in one launch with a grid barrier; interpreted, its two halves) — or with
+  ``row`` mhc_row_boundary (policy knob mhc_row: one token row, a column per thread) — vs its reference: X' as
+  mhc_post_pre's, x_in as mhc_finish's (one bf16 rounding apart, rarely two), the token rows' partials as
+  mhc_post_pre's over 32 (row: 128) columns, the rows past G zero (row: their token row 0, the one it defines).
+  Returns the kernel's outputs."""
   X, y, mix, fn, coef, w = _inputs(M, D, seed)
-  ref = K.mhc_post_finish_reference(X, y, mix, fn, coef, w, first=first, **GRID_CONSTS)
+  kern, refer, cols = ((K.mhc_row_boundary, K.mhc_row_boundary_reference, K.ROW_COLS) if row else
+                       (K.mhc_post_finish, K.mhc_post_finish_reference, K.GRID_COLS))
+  ref = refer(X, y, mix, fn, coef, w, first=first, **GRID_CONSTS)
   with maybe_interpret(interpret):
-    got = jax.jit(lambda *a: K.mhc_post_finish(*a, first=first, approx_math=True, launches=launches,
-                                               **GRID_CONSTS))(X, y, mix, fn, coef, w)
+    got = jax.jit(lambda *a: kern(*a, first=first, approx_math=True, launches=launches, **GRID_CONSTS))(
+        X, y, mix, fn, coef, w)
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
   np.testing.assert_allclose(f32(got[1]), f32(ref[1]), **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
   assert np.mean(f32(got[1]) != f32(ref[1])) < 0.02
-  G = D // K.GRID_COLS
+  G = D // cols
   assert got[2].shape == ref[2].shape == (-(-G // K.ROWS) * K.ROWS, K.ROWS, K.PART)
-  for sl in (slice(0, K.MIX), slice(K.MIX, K.MIX + K.GRAM)):  # partial logits, partial Gram entries
+  for sl in (slice(0, K.MIX), slice(K.MIX, K.MIX + K.GRAM), slice(K.PRE_COPY, K.PART)):  # logits, Gram, pre copy
     r = f32(ref[2])[:G, :M, sl]
     np.testing.assert_allclose(f32(got[2])[:G, :M, sl], r, atol=2e-3 * np.abs(r).max(), rtol=0)
-  assert not np.any(f32(got[2])[G:])  # the zero rows the second half sums over
+  assert not np.any(f32(got[2])[G:, :M] if row else f32(got[2])[G:])  # the zero rows the second half sums over
   return got
 
 
@@ -188,44 +192,24 @@ def test_post_finish_interpret(M, D, first):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,first", [(1, False), (1, True), (4, False), (2, False)])
-def test_post_finish_gpu(M, first):
-  """The one-launch form natively (128 CTAs meeting at the grid barrier) against the reference, and bit for bit
-  against its two halves as two launches (the same arithmetic without the barrier: a partial read before another
-  CTA wrote it would differ); twice, so the second launch's semaphore starts from zero again."""
-  one = [_check_post_finish(M, 4096, first, seed=M + s, launches=1) for s in (0, 1)]
-  two = _check_post_finish(M, 4096, first, seed=M, launches=2)
+@pytest.mark.parametrize("M,first,row", [(1, False, False), (1, True, False), (4, False, False), (2, False, False),
+                                         (1, False, True), (1, True, True)])
+def test_post_finish_gpu(M, first, row):
+  """The one-launch form natively (128 CTAs meeting at the grid barrier; row: mhc_row_boundary's 32) against the
+  reference, and bit for bit against its two halves as two launches (the same arithmetic without the barrier: a
+  partial read before another CTA wrote it would differ); twice, so the second launch's semaphore starts from
+  zero again."""
+  one = [_check_post_finish(M, 4096, first, seed=M + s, launches=1, row=row) for s in (0, 1)]
+  two = _check_post_finish(M, 4096, first, seed=M, launches=2, row=row)
   for a, b in zip(one[0], two):
     np.testing.assert_array_equal(np.asarray(a, np.float32)[:M] if a.ndim == 2 else np.asarray(a)[:, :M],
                                   np.asarray(b, np.float32)[:M] if b.ndim == 2 else np.asarray(b)[:, :M])
 
 
-def _check_row(D, first, seed=0, interpret=None, launches=None, counters=None, parity=0):
-  """mhc_row_boundary (policy knob mhc_row: one token row, a column per thread) vs its reference: X' as
-  mhc_post_pre's (one bf16 rounding apart), x_in as mhc_finish's, token row 0 of the partials as mhc_post_pre's
-  over 128 columns, zero for the padding chunks. Returns the kernel's outputs."""
-  X, y, mix, fn, coef, w = _inputs(1, D, seed)
-  ref = K.mhc_row_boundary_reference(X, y, mix, fn, coef, w, first=first, **GRID_CONSTS)
-  with maybe_interpret(interpret):
-    got = jax.jit(lambda *a: K.mhc_row_boundary(*a, first=first, approx_math=True, launches=launches, **GRID_CONSTS))(
-        X, y, mix, fn, coef, w)
-  f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
-  np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
-  np.testing.assert_allclose(f32(got[1]), f32(ref[1]), **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
-  assert np.mean(f32(got[1]) != f32(ref[1])) < 0.02
-  G = D // K.ROW_COLS
-  assert got[2].shape == ref[2].shape == (K.ROWS, K.ROWS, K.PART)
-  for sl in (slice(0, K.MIX), slice(K.MIX, K.MIX + K.GRAM), slice(K.PRE_COPY, K.PART)):  # logits, Gram, pre copy
-    r = f32(ref[2])[:G, 0, sl]
-    np.testing.assert_allclose(f32(got[2])[:G, 0, sl], r, atol=2e-3 * np.abs(r).max(), rtol=0)
-  assert not np.any(f32(got[2])[G:, 0])  # the padding chunks the second half sums over
-  return got
-
-
 @pytest.mark.parametrize("D,first", [(256, False), (512, True), (1024, False)])
 def test_row_boundary_interpret(D, first):
   """(G = 2, 4 and 8 chunks of 128 columns; interpreted as its two halves)"""
-  _check_row(D, first, seed=D, interpret=True)
+  _check_post_finish(1, D, first, seed=D, interpret=True, row=True)
 
 
 def test_row_boundary_refuses():
@@ -252,44 +236,18 @@ def test_row_boundary_lowers_for_cuda():
   assert len(calls) == 2 and all("output_operand_alias" in line for line in calls)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("first", [False, True])
-def test_row_boundary_gpu(first):
-  """The one-launch form natively (32 CTAs meeting at the grid barrier) against the reference, and bit for bit
-  against its two halves as two launches; twice (the semaphore starts from zero again); and on the counters."""
-  one = [_check_row(4096, first, seed=s, launches=1) for s in (0, 1)]
-  two = _check_row(4096, first, seed=0, launches=2)
-  for a, b in zip(one[0], two):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    np.testing.assert_array_equal(a if a.ndim == 2 else a[:, 0], b if b.ndim == 2 else b[:, 0])
-  X, y, mix, fn, coef, w = _inputs(1, 4096, 0)
-
-  def chain(X, y, mix, fn, coef, w):
-    ref = K.barrier_counters()
-    outs = []
-    for i in range(3):
-      outs.append(K.mhc_row_boundary(X, y, mix, fn, coef, w, first=first, approx_math=True, launches=1,
-                                     counters=ref, parity=i % 2, **GRID_CONSTS))
-      X = outs[-1][0]
-    return outs
-  got = jax.jit(chain)(X, y, mix, fn, coef, w)
-  for a, b in zip(got[0], one[0]):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    np.testing.assert_array_equal(a if a.ndim == 2 else a[:, 0], b if b.ndim == 2 else b[:, 0])
-
-
-def _counter_chain(M, n, counters: bool):
+def _counter_chain(M, n, counters: bool, row: bool = False):
   """n boundaries in one program, each reading the previous one's X' (one launch each; ``counters``: their grid
-  barriers on barrier_counters' Ref, parities 0, 1, 0, ...) -> ([(X', x_in, part) per boundary], the counters
-  after the chain or None)."""
+  barriers on barrier_counters' Ref, parities 0, 1, 0, ...; ``row``: mhc_row_boundary's) -> ([(X', x_in, part)
+  per boundary], the counters after the chain or None)."""
   X, y, mix, fn, coef, w = _inputs(M, 4096, M)
+  kern = K.mhc_row_boundary if row else K.mhc_post_finish
 
   def chain(X, y, mix, fn, coef, w):
     ref = K.barrier_counters() if counters else None
     outs = []
     for i in range(n):
-      got = K.mhc_post_finish(X, y, mix, fn, coef, w, approx_math=True, launches=1, **GRID_CONSTS,
-                              counters=ref, parity=i % 2)
+      got = kern(X, y, mix, fn, coef, w, approx_math=True, launches=1, **GRID_CONSTS, counters=ref, parity=i % 2)
       outs.append(got)
       X = got[0]
     return outs, (ref[...] if counters else None)
@@ -297,17 +255,19 @@ def _counter_chain(M, n, counters: bool):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4])
-def test_post_finish_counters_gpu(M):
+@pytest.mark.parametrize("M,row", [(1, False), (4, False), (1, True)])
+def test_post_finish_counters_gpu(M, row):
   """The grid barrier on barrier_counters' Ref (policy knob mhc_barrier_counters) natively: a chain of 5
   boundaries bit for bit equal to the same chain on pl.get_global semaphores, and the counters left as the
-  scheme says — the last boundary's (parity 0) at G, the other zeroed by it for the next."""
-  got, ctr = _counter_chain(M, 5, True)
-  want, _ = _counter_chain(M, 5, False)
+  scheme says — the last boundary's (parity 0) at G, the other zeroed by it for the next. (row: mhc_row_boundary,
+  whose partials define token row 0 only.)"""
+  got, ctr = _counter_chain(M, 5, True, row)
+  want, _ = _counter_chain(M, 5, False, row)
   for g, r in zip(got, want):
     for a, b in zip(g, r):
-      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  assert np.asarray(ctr).tolist() == [4096 // K.GRID_COLS, 0]
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      np.testing.assert_array_equal(a[:, :M] if row and a.ndim == 3 else a, b[:, :M] if row and b.ndim == 3 else b)
+  assert np.asarray(ctr).tolist() == [4096 // (K.ROW_COLS if row else K.GRID_COLS), 0]
 
 
 def test_post_finish_counters_lower_for_cuda():

@@ -587,6 +587,20 @@ def test_mhc_row_at_the_model_site():
   assert rep2["mhc_row"].startswith("one token row (here 2)"), rep2
 
 
+def _attention_with_and_without(m, x, cache, ctx, base, knob):
+  """The first layer's attention sublayer (one device's shard_map, GPU interpret mode, x's dtype) under policy
+  ``base`` with ``knob`` off, then on -> [its outputs off, on]; the kernel report names the site only when on."""
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
+  outs = []
+  for on in (False, True):
+    fn = m.shard_map(lambda mod, x, c: mod.layers[0].self_attn(x, c, ctx, x.dtype), (P(), P()), P())
+    with use_kernels(base | {knob: on}), maybe_interpret(True), kernel_report() as rep:
+      outs.append(jax.jit(fn)(m.params, x, cache))
+    assert (dict(rep)[knob] is None) == on, rep
+  return outs
+
+
 def test_mla_latent_norms_at_the_model_site():
   """Policy mla_latent_norms at a DSA layer's verify call (kernel-tiny, bf16, FP8 latent cache; GPU interpret mode,
   XLA elsewhere): the latent_norms kernel's q_r / c / FP8 cache rows give the layer's output and its caches as
@@ -608,13 +622,7 @@ def test_mla_latent_norms_at_the_model_site():
   x = jnp.asarray(rng.standard_normal((B, T, m.cfg.hidden_size)), jnp.bfloat16)
   ctx = StepCtx(jnp.full((B,), 5, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.ones((B,), jnp.int32), "verify")
   base = {k: False for k in KERNEL_DEFAULTS}
-  outs = []
-  for on in (False, True):
-    fn = m.shard_map(lambda mod, x, c: mod.layers[0].self_attn(x, c, ctx, jnp.bfloat16), (P(), P()), P())
-    with use_kernels(base | {"mla_latent_norms": on}), maybe_interpret(True), kernel_report() as rep:
-      outs.append(jax.jit(fn)(m.params, x, cache))
-    assert (dict(rep)["mla_latent_norms"] is None) == on, rep
-  (y0, c0, _), (y1, c1, _) = outs
+  (y0, c0, _), (y1, c1, _) = _attention_with_and_without(m, x, cache, ctx, base, "mla_latent_norms")
   np.testing.assert_array_equal(np.asarray(c1["latent8"]), np.asarray(c0["latent8"]))
   np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
   assert np.any(np.asarray(c1["latent8"])[:, 5:5 + T])
@@ -628,10 +636,9 @@ def test_kda_norm_partials_at_the_model_site():
   """Policy kda_norm_partials at a KDA layer's verify call (kernel-tiny, f32; GPU interpret mode): the KDA
   kernel's per-CTA sums of o's squares make the gated RMSNorm after it elementwise — the layer's output and its
   caches within f32 rounding of the norm over o (kda_norm_partials off), and the report names the site."""
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
   from glm5_jax import api  # noqa: PLC0415
   from glm5_jax.attention import StepCtx  # noqa: PLC0415
-  from glm5_jax.layers import KERNEL_DEFAULTS, kernel_report, use_kernels  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 12, "fp8", num_hidden_layers=1, layer_types=["linear_attention"],
                          mlp_layer_types=["dense"])
   m = load(path, "float32")
@@ -641,13 +648,7 @@ def test_kda_norm_partials_at_the_model_site():
   x = jnp.asarray(rng.standard_normal((B, T, m.cfg.hidden_size)), jnp.float32)
   ctx = StepCtx(jnp.full((B,), 5, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.ones((B,), jnp.int32), "verify")
   base = {k: False for k in KERNEL_DEFAULTS} | {"kda": True, "kda_conv": True, "kda_token_loop": True}
-  outs = []
-  for on in (False, True):
-    fn = m.shard_map(lambda mod, x, c: mod.layers[0].self_attn(x, c, ctx, jnp.float32), (P(), P()), P())
-    with use_kernels(base | {"kda_norm_partials": on}), maybe_interpret(True), kernel_report() as rep:
-      outs.append(jax.jit(fn)(m.params, x, cache))
-    assert (dict(rep)["kda_norm_partials"] is None) == on, rep
-  (y0, c0), (y1, c1) = outs
+  (y0, c0), (y1, c1) = _attention_with_and_without(m, x, cache, ctx, base, "kda_norm_partials")
   np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), **tol("kernel_f32"))
   np.testing.assert_array_equal(np.asarray(c1["ssm"]), np.asarray(c0["ssm"]))
   assert np.abs(np.asarray(y0)).max() > 0
