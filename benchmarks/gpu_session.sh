@@ -706,8 +706,9 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     # qkv_a_fused_sum (the projection's K splits summed in its kernel: no XLA split sum before latent_norms). Their
     # GPU tests with those s52a did not run (kda_norm_partials natively; the f16 saturation test with its tolerance
     # fixed), then q = 1, 5 interleaved repeats: defaults vs each (the boundary alone: s53c)
-    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_mhc.py \
-      -k "row_boundary_gpu" > "$OUT/tests.log" 2>&1
+    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
+      "tests/test_mhc.py::test_post_finish_gpu[1-False-True]" "tests/test_mhc.py::test_post_finish_gpu[1-True-True]" \
+      "tests/test_mhc.py::test_post_finish_counters_gpu[1-True]" > "$OUT/tests.log" 2>&1
     timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_sparse_mla.py \
       -k "latent_norms_gpu" >> "$OUT/tests.log" 2>&1
     timeout -k 9 -s INT 100 python3 -m pytest -q -rA -p no:cacheprovider tests/test_kda_decode.py \
