@@ -721,9 +721,11 @@ unrolled scan128,kernel2 scan128,kernel2 unrolled scan128" --out "$OUT/bench_top
     ;;
   s53b)  # (nvidia-h200) after s53a: its winners with the knobs s52c/s52d had faster in 3-4 of 4 rounds
     # (kda_norm_partials, dq_f16; edit the policy to s53a's result) against the defaults at q = 1, then auto vs
-    # latency_specialized in one call with the winners (issue #9: 2x needs latency_specialized <= auto / 2)
+    # latency_specialized in one call with the winners (issue #9: 2x needs latency_specialized <= auto / 2).
+    # kda_gates_first (session 53: the KDA gates' GEMVs launched before the qkv GEMV) against the defaults too
     rank1 s53b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"mhc_row": true, "mla_latent_norms": true, "qkv_a_fused_sum": true, "kda_norm_partials": true, "dq_f16": true}'
+      '{"mhc_row": true, "mla_latent_norms": true, "qkv_a_fused_sum": true, "kda_norm_partials": true, "dq_f16": true}' \
+      '{"kda_gates_first": true}'
     [ "$(left)" -gt 250 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
       --batch 1 --context 32768 --q 1 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) \
       --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \

@@ -363,6 +363,13 @@ KNOBS = {
         "q_a / kv_a 9.2 -> 5.5 µs, the indexer's GEMV 2.3 -> 6.0 beside it, the DSA sublayer 69.8 -> 67.2 µs. The "
         "same values. The one-rank step at q = 1, 5 interleaved repeats: 3.73 -> 3.68 ms (faster in 4 of 4 paired "
         "rounds, s51a), 3.75 -> 3.77 median but faster in 3 of 4 rounds on another host (s51b; session 51) — on"),
+    "kda_gates_first": (False,
+        "not a kernel: an order in the KDA layer — the qkv projection (XLA's 14 µs GEMV) takes the layer input "
+        "through an optimization barrier with the gates' fg_b GEMV output, so the gates' two GEMVs launch before "
+        "it. In s51b's trace fg_b (2.3 µs) started only after the qkv GEMV, with no data between them, on every "
+        "KDA layer's chain (x 34 per step). Like dsa_qkv_a_first, the barrier (no buffer of its own) orders the "
+        "launches, not the execution. The same values (declined with kda_gate_proj: no fg_b GEMV then). "
+        "CPU-built (session 53): off until measured"),
     "moe_scale_prefetch": (False,
         "with fp8_moe: each CTA of both MoE kernels requests all its steps' 128x128 block scales at once, BEFORE "
         "its first weight tiles, instead of each step's scale at that step (the down kernel with "

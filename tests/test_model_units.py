@@ -439,7 +439,7 @@ def test_native_wrong_kernels_are_refused_outside_interpret_mode(monkeypatch):
 def _extend_one_token(m, B, policy, seed, trace_only=False):
   """One extend step of B single-token rows through model m under kernel ``policy`` (GPU interpret mode; a fresh
   trace) -> ((final hidden [B, 1, D] f32, the first layer's expert ids — or, without an MoE there, its indexer
-  selection), the kernel report as a dict); with
+  selection, None with neither), the kernel report as a dict); with
   ``trace_only`` only traced (the report), the values None."""
   from glm5_jax import api  # noqa: PLC0415
   from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
@@ -453,7 +453,8 @@ def _extend_one_token(m, B, policy, seed, trace_only=False):
       return None, dict(rep)
     out = fn(*args)[0]
     aux = out["aux"][0]
-    got = np.asarray(out["hidden"], np.float32), np.asarray(aux["experts"] if "experts" in aux else aux["idx"])
+    sel = aux["experts"] if "experts" in aux else aux.get("idx")  # (neither in a KDA layer with a dense MLP)
+    got = np.asarray(out["hidden"], np.float32), None if sel is None else np.asarray(sel)
   return got, dict(rep)
 
 
@@ -549,6 +550,36 @@ def test_dsa_qkv_a_first_at_the_model_site():
     with use_kernels(pol):  # (a fresh function per policy: the policy is not part of jit's cache key)
       text = jax.jit(api._build_extend(m, (2, 64, 1), "all")).trace(*args).lower().as_text()
     assert ("optimization_barrier" in text) == want, pol
+
+
+def test_kda_gates_first_at_the_model_site():
+  """Policy kda_gates_first (an order, not a kernel: the qkv projection takes the layer input through an
+  optimization barrier with the gates' fg_b output) at a one-layer KDA model's step (XLA everywhere): the hidden
+  state bit for bit the same, one more barrier in the lowered step, the report naming the site; with
+  kda_gate_proj on it is declined by name."""
+  from glm5_jax import api  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS, use_kernels  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 11, "fp8", num_hidden_layers=1, layer_types=["linear_attention"],
+                         mlp_layer_types=["dense"])
+  m = load(path, "float32")
+  off = {k: False for k in KERNEL_DEFAULTS}
+  on = off | {"kda_gates_first": True}
+  (h0, _), rep0 = _extend_one_token(m, 2, off, seed=3)
+  (h1, _), rep1 = _extend_one_token(m, 2, on, seed=3)
+  assert rep1["kda_gates_first"] is None and rep0["kda_gates_first"] == "off in the policy", (rep0, rep1)
+  np.testing.assert_array_equal(h1, h0)
+  assert np.abs(h0).max() > 0
+  cache = api.init_cache(m, 2, 64)
+  args = (m.params, cache.caches, jnp.zeros((2, 1), jnp.int32), cache.lengths, jnp.ones((2,), jnp.int32),
+          cache.n_acc)
+  counts = []
+  for pol in (off, on):
+    with use_kernels(pol):  # (a fresh function per policy: the policy is not part of jit's cache key)
+      counts.append(jax.jit(api._build_extend(m, (2, 64, 1), "all")).trace(*args).lower().as_text()
+                    .count("optimization_barrier"))
+  assert counts[1] == counts[0] + 1, counts
+  _, rep = _extend_one_token(m, 2, on | {"kda_gate_proj": True}, seed=3, trace_only=True)
+  assert "kda_gate_proj on" in rep["kda_gates_first"], rep
 
 
 def test_fp8_scales_first_at_the_model_site():
