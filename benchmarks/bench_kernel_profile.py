@@ -2,9 +2,9 @@
 
 The step is a chain of ~800 dependent launches whose kernel durations make it up (session 40's profile: 4,056 of a
 ~4.3 ms step at q = 1), and the large ones are far from their bytes' floor: the MoE's gate/up 13.5 µs for 37.7 MB,
-down 8.4 for 18.9 MB, the mHC boundary 7.1 µs for ~0.8 MB, the persistent MoE 33.5 µs. CUPTI gives a kernel's
+down 8.4 for 18.9 MB, the mHC boundary 7.1 µs for ~0.8 MB. CUPTI gives a kernel's
 duration only; with ``pallas_kernels._common.kernel_profile`` every warpgroup records the entry / exit times of
-the body's ``jax.named_scope`` regions (``gate_up`` / ``wait`` / ``mma`` / ``barrier_a`` / ...). This script runs
+the body's ``jax.named_scope`` regions (``select`` / ``wait`` / ``mma`` / ``barrier`` / ...). This script runs
 each kernel at the real TP4 rank's shapes (fresh random inputs) under the profiler and prints, per kernel and
 region path: instances per warpgroup, when it begins after the kernel's first warpgroup starts (median / max over
 warpgroups) and its time per warpgroup (median / max), and the kernel's span and CTA start spread (the launch
@@ -81,12 +81,6 @@ def cases(names):
     if "moe" in names:
       f = jax.jit(lambda a, s: L.fp8_moe(*a, swiglu_limit=10.0, shared=s, dq=True))
       out["moe"] = lambda: f(args, sh)
-    for dt in ("bfloat16", "float16"):
-      name = "moe_persistent" + ("_f16" if dt == "float16" else "")
-      if name in names:
-        g = jax.jit(lambda a, s, dt=dt: L.fp8_moe_persistent(*a, swiglu_limit=10.0, shared=s, dq_dtype=dt,
-                                                              counters=L.moe_counters()))
-        out[name] = lambda g=g: g(args, sh)
   # the step's single-row form: the selection in the gate/up kernel, the sums inside (moe_rows); _static: with
   # static_table (policy moe_static_table: the slot count a number, the down kernel's table staged in SMEM);
   # _writer: writer_cta (policy moe_writer_cta: the selection stored by an extra gate/up CTA)
@@ -183,7 +177,7 @@ def summarise(kernel, files):
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--dir", required=True, help="folder for the profiler's traces")
-  ap.add_argument("--cases", default="moe,moe_rows,moe_persistent,moe_persistent_f16,mhc")
+  ap.add_argument("--cases", default="moe,moe_rows,mhc")
   ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
   names = a.cases.split(",")

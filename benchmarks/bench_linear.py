@@ -8,8 +8,7 @@ dispatch is counted; weights rotate over enough copies that they are cold in the
   kernel, split-K/transposition epilogue);  "xla us"  every kernel of the jitted XLA version.
 
 Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32]
-              [--only fp8,fp8dq,bf16,moe,moedq,moep,moeb,moerk,moerows,moerows_st,moerows_wr,moerows_sw,
-              moerows_pf,moech]
+              [--only fp8,fp8dq,bf16,moe,moedq,moerk,moerows,moerows_st,moerows_wr,moerows_sw,moerows_pf]
               [--sweep] [--budget-s 200] [--out results.txt]
 Falls back to host wall-clock over many back-to-back async calls if CUPTI is unavailable (then dispatch-bound
 for small shapes; marked "wall").
@@ -172,11 +171,8 @@ def moe_weights():
   return _MOE_W
 
 
-def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shared=True, persistent=False,
-              balanced=None):
-  """The routed experts of M token rows, + the shared expert as slot 0 (as the step runs it: 9 slots at M = 1).
-  ``persistent`` (M = 1): fp8_moe_persistent, one launch, instead of fp8_moe's two; ``balanced`` (M = 1): a dict
-  of fp8_moe_balanced's options (per_sm, stages) to run it instead."""
+def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shared=True):
+  """The routed experts of M token rows, + the shared expert as slot 0 (as the step runs it: 9 slots at M = 1)."""
   e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
   w = moe_weights()
   x = jax.random.normal(jax.random.key(m), (m, d), jnp.float32).astype(jnp.bfloat16)
@@ -195,13 +191,6 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shar
   nb = int(np.mean(distinct) * 3 * i * d)
 
   def kern(x, ids, tw, *ws, **kw):
-    if balanced is not None:
-      return L.fp8_moe_balanced(x, ids, tw, *ws[:6], shared=ws[6] if shared else None,
-                                swiglu_limit=kw["swiglu_limit"], **balanced)
-    if persistent:  # (its counters Ref made in the call: a 512-byte fill, not a glm5_ kernel)
-      return L.fp8_moe_persistent(x, ids, tw, *ws[:6], shared=ws[6] if shared else None,
-                                  swiglu_limit=kw["swiglu_limit"], counters=L.moe_counters(),
-                                  dq_dtype=persistent if isinstance(persistent, str) else "bfloat16")
     return L.fp8_moe(x, ids, tw, *ws[:6], shared=ws[6] if shared else None, **kw)
 
   def ref(x, ids, tw, *ws, **kw):
@@ -215,12 +204,7 @@ def bench_moe(m, plan=None, with_xla=True, check=True, n_sets=12, dq=False, shar
   xla = time_calls(jax.jit(functools.partial(xla_moe, limit=MOE["limit"])), [a[:9] for a in args])[0] \
       if with_xla else None
   slots = min(e, m * k) + int(shared)
-  if balanced is not None:
-    p, label = L.plan_moe_balanced(slots, i, d, **balanced), "moeb"
-  elif persistent:
-    p, label = L.plan_moe_persistent(slots, i, d, dq_dtype=persistent), "moep"
-  else:
-    p, label = plan or L.plan_moe(slots, i, d, L._padded_rows(m)), ("moedq" if dq else "moe")
+  p, label = plan or L.plan_moe(slots, i, d, L._padded_rows(m)), ("moedq" if dq else "moe")
   row(label, f"E{e} I{i} D{d} ~{np.mean(distinct):.0f}exp", m, nb, mosaic_us(names), call, xla,
       err, p)
   log(f"#   per kernel (us): { {n: round(t, 1) for n, t in names.items() if 'glm5_' in n} }")
@@ -232,11 +216,9 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
   fp8_moe(router=...) with XLA's glue and sum, "moerk"; the step's default form since session 48, its split sums in
   both kernels on split-K counters and the rows written, moe_rows: "moerows"; with static_table, policy
   moe_static_table: "moerows_st"; with writer_cta, policy moe_writer_cta: "moerows_wr"; both, the step's defaults
-  since session 51: "moerows_sw"; and scale_prefetch, policy moe_scale_prefetch: "moerows_pf") or
-  fp8_moe_chained's one launch
-  ("moech"): random logits per set (the experts differ from set to set: cold in L2), the shared expert as slot 0.
-  ``plan``: a MoePlan for fp8_moe's two kernels (not "moech")."""
-  chained = form == "moech"
+  since session 51: "moerows_sw"; and scale_prefetch, policy moe_scale_prefetch: "moerows_pf"): random logits
+  per set (the experts differ from set to set: cold in L2), the shared expert as slot 0. ``plan``: a MoePlan for
+  fp8_moe's two kernels."""
   e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
   w = moe_weights()
   x = jax.random.normal(jax.random.key(1), (1, d), jnp.float32).astype(jnp.bfloat16)
@@ -252,9 +234,6 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
   select = (k, 2.5, True, False, True)
 
   def kern(x, logits, bias, *ws):
-    if chained:  # (its counters Ref made in the call: a 4 KB fill, not a glm5_ kernel)
-      return L.fp8_moe_chained(x, logits, bias, *ws[:6], swiglu_limit=MOE["limit"], shared=ws[6],
-                               router_select=select, counters=L.moe_chain_counters())[0]
     rows = dict(counters=L.splitk_counters(), out_dtype=jnp.bfloat16) if form.startswith("moerows") else {}
     rows.update({"moerows_st": {"static_table": True}, "moerows_wr": {"writer_cta": True},
                  "moerows_sw": {"static_table": True, "writer_cta": True},
@@ -269,7 +248,7 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
   call, names = time_calls(f, args)
   nb = (k + 1) * 3 * i * d
   row(form, f"E{e} I{i} D{d} 9 slots", 1, nb, mosaic_us(names), call, None, err,
-      plan or {"moech": "one launch", "moerows": "gate/up + down, sums inside",
+      plan or {"moerows": "gate/up + down, sums inside",
                "moerows_st": "moerows + static_table", "moerows_wr": "moerows + writer_cta",
                "moerows_sw": "moerows + both (the defaults)", "moerows_pf": "moerows_sw + scale_prefetch"}.get(
                    form, "gate/up + glue + down"))
@@ -419,20 +398,15 @@ def main(argv=None):
     for m in rows:
       for name, n, k in BF16_SHAPES:
         guarded(deadline, bench_bf16, name, n, k, m)
-  # moedq: bf16 x and h, the weight tiles dequantised in registers (fp8_dq); moep: fp8_moe_persistent (M = 1);
-  # moeb: fp8_moe_balanced (M = 1) at 3 and 2 CTAs per SM, and 4 ring stages at 3
-  for kind in ("moe", "moedq", "moep", "moeb"):
+  # moedq: bf16 x and h, the weight tiles dequantised in registers (fp8_dq)
+  for kind in ("moe", "moedq"):
     if kind in only:
-      variants = {"moeb": [{"balanced": dict(per_sm=3)}, {"balanced": dict(per_sm=2)},
-                           {"balanced": dict(per_sm=3, stages=4)}],
-                  "moep": [{"persistent": "bfloat16"}, {"persistent": "float16"}]}.get(kind, [{}])
-      for m in (rows if kind not in ("moep", "moeb") else [1]):
-        for v in variants:
-          names = guarded(deadline, bench_moe, m, dq=kind != "moe", **v)
-          if names:
-            log(f"# kernel us per {kind} {v} call: { {n: round(t, 1) for n, t in names.items()} }")
-  # the single-row MoE, router in the kernel: XLA glue / rows (/ with static_table / writer_cta) / chained
-  for kind in ("moerk", "moerows", "moerows_st", "moerows_wr", "moerows_sw", "moerows_pf", "moech"):
+      for m in rows:
+        names = guarded(deadline, bench_moe, m, dq=kind != "moe")
+        if names:
+          log(f"# kernel us per {kind} call: { {n: round(t, 1) for n, t in names.items()} }")
+  # the single-row MoE, router in the kernel: XLA glue / rows (/ with static_table / writer_cta / scale_prefetch)
+  for kind in ("moerk", "moerows", "moerows_st", "moerows_wr", "moerows_sw", "moerows_pf"):
     if kind in only:
       guarded(deadline, bench_moe_router, kind)
   if a.sweep:

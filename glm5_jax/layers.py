@@ -177,15 +177,6 @@ KNOBS = {
         "the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected weights "
         "normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three XLA kernels on "
         "the critical path (the keys, topk_by_rank's rank count and select)"),
-    "moe_persistent": (False,
-        "with fp8_moe and fp8_dq on, at one token row: the MoE layer's routed + shared experts as ONE persistent "
-        "launch (pallas_kernels.linear.fp8_moe_persistent: 128 resident CTAs; the gate/up items dealt out in equal "
-        "ranges, a grid barrier, h formed from the pieces, a grid barrier, the down tiles — requested into SMEM at "
-        "the kernel's start, streaming during gate/up) instead of gate/up (288 CTAs on 132 SMs: 13.9 µs, 2.7 "
-        "TB/s) -> XLA glue (3.7 µs) -> down (8.7 µs) on the critical path (session 39's profile); GPU interpret "
-        "mode runs its three-launch form. Natively correct (its GPU test), but 33.5 µs alone vs fp8_moe's 22.0 + "
-        "3.3 of glue (one warpgroup per SM keeps 3 gate/up items in flight; the 18 down items' dequantise-and-"
-        "multiply run serially after the barriers) and the step at q = 1 4.69 vs 4.28 ms (session 40) — off"),
     "dq_f16": (False,
         "with fp8_dq on: the dq kernels (fp8_dq_linear, fp8_moe, the single-row MoE forms) in f16 instead of bf16 — "
         "each e4m3 weight element converted by one cvt per two values (e4m3x2 -> f16x2) instead of e4m3 -> f32 -> "
@@ -212,32 +203,6 @@ KNOBS = {
         "18.7 µs per call, session 41's profile); a routed CTA of rank r then waits r + 1 rounds of 2 instead of k "
         "rounds of 3. Natively equal (its GPU tests, bf16); the one-rank step at q = 1 4.30 -> 4.19 ms, faster in 4 "
         "of 4 paired rounds (session 42, s42a)"),
-    "moe_chained": (False,
-        "with moe_router_in_kernel on (one token row, fp8_dq): the MoE's two kernels and the XLA glue between them "
-        "as ONE launch of two roles (pallas_kernels.linear.fp8_moe_chained): the gate/up CTAs sum their D splits "
-        "on counters and write h as bf16 rows, then signal their slot's down CTAs, which are dispatched after every "
-        "gate/up CTA, read the selection the gate/up role's writer stored, request all their weight tiles at once "
-        "and only then wait for h; the routing weights multiply each slot's down output. Instead of gate/up 18.1 "
-        "-> glue 2.3 -> down 8.4 µs on the MoE sublayer's chain (session 43's timeline: each launch starts cold "
-        "and ends in a tail), the down weights stream during the gate/up role's tail. GPU interpret mode runs its "
-        "two-launch form (no counters). Natively correct (its GPU tests, bf16 / f16) but slower: with each down "
-        "CTA selecting the experts itself 34.2 µs alone vs 27.5 for the two launches and their glue, the step "
-        "at q = 1 4.16 -> 4.51 ms (0 of 4 paired rounds faster; s44a — the late down CTAs ran the ~5 µs "
-        "selection before their first weight request); reading the writer's stored selection instead, 96.5 µs "
-        "and 7.27 ms (s44b: 288 CTAs' compare-and-swap spins on one counter; session 44) — off"),
-    "moe_chained_sum": (False,
-        "with moe_chained (natively): its down role's slots of a row tile summed by the tile's last slot's CTA "
-        "(dispatched last; linear._split_reduce on the chained counters) and written as the rows y "
-        "(fp8_moe_chained(sum_rows=True)) instead of XLA's sum after the launch (1.4 µs + a launch on the MoE "
-        "sublayer's chain, session 43). Natively correct (test_fp8_moe_chained_gpu); the step at q = 1 7.25 vs "
-        "moe_chained's 7.27 ms (s44b, session 44) — off with it"),
-    "moe_balanced": (False,
-        "with fp8_moe and fp8_dq on, at one token row (moe_persistent off): the MoE's two kernels with the work "
-        "dealt out evenly (pallas_kernels.linear.fp8_moe_balanced): the 2,304 gate/up items (the real TP4 rank) in "
-        "equal ranges over 384 CTAs — no SM streams more than 18 items where fp8_moe's 288 CTAs of 8 leave 24 SMs "
-        "with 24 — the pieces summed in the XLA glue under a static mask, then the down kernel over 64-row tiles of "
-        "D in 6 equal shares. Natively correct (its GPU tests); alone gate/up 13.5 -> 12.8 µs but down 8.4 -> 9.7 "
-        "(64-row tiles), and the step at q = 1 a tie: 4.32 vs 4.32 ms (session 40) — off"),
     "router_warp_rows": (False,
         "with router_kernel on, at up to 4 token rows (pallas_kernels.router.ROUTE_MAX_ROWS): the router kernel "
         "as one CTA with row m on warp m (router_route's selection: every reduction inside a warp, shuffles only) "
@@ -597,10 +562,9 @@ _COUNTERS: contextvars.ContextVar = contextvars.ContextVar("glm5_step_counters",
 def counters_scope():
   """The kernels traced inside share the step's counters (jax Refs, each created by its first user: one zero fill
   per step): the mHC grid barriers' pair (policy knob mhc_barrier_counters; boundary i gets parity i % 2 in trace
-  order — the order the Ref's aliasing keeps on the device), the linears' split-K counters (linear_fused_sum) and
-  the persistent MoE's (moe_persistent) and the chained MoE's (moe_chained).
-  The trunk's layer loop opens one, and each MTP pass its own."""
-  tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None, "moe": None, "chain": None})
+  order — the order the Ref's aliasing keeps on the device) and the linears' split-K counters (linear_fused_sum,
+  moe_rows). The trunk's layer loop opens one, and each MTP pass its own."""
+  tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None})
   try:
     yield
   finally:
@@ -636,22 +600,6 @@ def _splitk_counters(kl):
 def _dq_dtype(rows: int) -> dict:
   """The dq kernels' dtype option at this site: f16 under the policy knob dq_f16, else bf16 (their default)."""
   return {"dq_dtype": "float16"} if kernel_enabled("dq_f16", rows) else {}
-
-
-def _chain_counters(kl):
-  """The scope's counters Ref of the chained MoE (pallas_kernels.linear.moe_chain_counters)."""
-  cell = _COUNTERS.get()
-  if cell["chain"] is None:
-    cell["chain"] = kl.moe_chain_counters()
-  return cell["chain"]
-
-
-def _moe_counters(kl):
-  """The scope's counters Ref of the persistent MoE (pallas_kernels.linear.moe_counters)."""
-  cell = _COUNTERS.get()
-  if cell["moe"] is None:
-    cell["moe"] = kl.moe_counters()
-  return cell["moe"]
 
 
 def param(shape, dtype, axes):
@@ -1236,26 +1184,6 @@ class MoE(nnx.Module):
     self.shared_experts = (MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block)
                            if cfg.n_shared_experts else None)
 
-  def _single_row_form(self, rows: int, dq: bool, shared: bool) -> str | None:
-    """The single-row MoE form this site runs, if any: "moe_persistent" (fp8_moe_persistent: one token row, dq, a
-    plan that fits and — natively — a step's counters scope for its grid barriers), else "moe_balanced"
-    (fp8_moe_balanced: one token row, dq), else None (fp8_moe)."""
-    from pallas_kernels import linear as kl  # noqa: PLC0415
-    _, inter, d = self.experts.gate_proj.shape
-    slots = self.gate.top_k + int(shared)
-    for knob, plan, scope in (("moe_persistent", kl.plan_moe_persistent, True),
-                              ("moe_balanced", kl.plan_moe_balanced, False)):
-      try:
-        plan(slots, inter, d)
-        why = ""
-      except ValueError as err:
-        why = str(err)
-      fits = rows == 1 and dq and not why and (not scope or _interpreting() or _COUNTERS.get() is not None)
-      need = "one token row with fp8_dq" + (", inside a step's counters scope" if scope else "")
-      if kernel_enabled(knob, rows, fits=fits, why=why or need):
-        return knob
-    return None
-
   def __call__(self, x, dtype, *, return_ids=False):
     """x [B, T, D] -> [B, T, D]; one psum for routed + shared."""
     lead = x.shape[:-1]
@@ -1273,16 +1201,14 @@ class MoE(nnx.Module):
                                      se.up_proj.scale[...], se.down_proj.weight[...], se.down_proj.scale[...])
       dq = kernel_enabled("fp8_dq", xf.shape[0])
       f16 = _dq_dtype(xf.shape[0]) if dq else {}
-      form = self._single_row_form(rows, dq, sew is not None)
       fits, why = self.gate.kernel_fits(E)
       # moe_router_in_kernel: at one token row the router's selection inside fp8_moe's gate/up kernel (every CTA
       # selects for itself before its first weight request): no router kernel between the logits and the MoE.
       # It takes precedence over linear_fused_sum's MoE form (whose kernels take the router's output): the MoE's
       # own rows form with the selection inside is moe_rows.
-      in_gate_up = not form and kernel_enabled(
+      in_gate_up = kernel_enabled(
           "moe_router_in_kernel", rows, fits=rows == 1 and fits and kernel_switch("router_kernel"),
-          why=f"one token row (here {rows}), router_kernel on and fitting ({why}), fp8_moe's own form (no "
-          "single-row form)")
+          why=f"one token row (here {rows}), router_kernel on and fitting ({why})")
       # linear_fused_sum: the down kernel's expert groups summed in it and written as the token rows — in the
       # model's dtype where no all-reduce follows (one device per TP group: what the psum would sum, rounded once),
       # in f32 before a real one (the partial sums stay f32, as the XLA form's)
@@ -1306,19 +1232,6 @@ class MoE(nnx.Module):
       elif tables is None:
         ids, w = self.gate(xf)
     if moe_kernel:
-      if form:
-        ws = (ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...], ex.down_proj[...],
-              ex.down_scale[...])
-        out_dtype = dtype if lax.axis_size(TP) == 1 else jnp.float32
-        if form == "moe_persistent":
-          # one launch (grid barriers on the scope's counters) natively; GPU interpret mode runs its three-launch
-          # form (the same code, no counters)
-          y = kl.fp8_moe_persistent(xf, ids, w, *ws, swiglu_limit=ex.limit, shared=sew, out_dtype=out_dtype,
-                                    counters=None if _interpreting() else _moe_counters(kl), **f16)
-        else:
-          y = kl.fp8_moe_balanced(xf, ids, w, *ws, swiglu_limit=ex.limit, shared=sew, out_dtype=out_dtype, **f16)
-        y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
-        return (y, ids.reshape(*lead, -1)) if return_ids else y
       # moe_static_table: a single row's slot count static in both kernels, its ids / weights staged into SMEM
       static = kernel_enabled("moe_static_table", rows, fits=rows == 1, why=f"one token row (here {rows})")
       # moe_scale_prefetch: each CTA's block scales requested at once after its first weight tiles
@@ -1333,32 +1246,17 @@ class MoE(nnx.Module):
         warp, ranks = kernel_enabled("router_warp_rows", rows), kernel_enabled("moe_router_ranks", rows)
         bias = self.gate.e_score_correction_bias[...].astype(jnp.float32)
         select = (k, float(self.gate.scaling), bool(self.gate.norm), warp, ranks)
-        # moe_chained: the two kernels and the glue between them as one launch (the down weights stream during the
-        # gate/up tail); natively on the scope's counters, in interpret mode its two-launch form
-        if kernel_enabled("moe_chained", rows, fits=dq and (_interpreting() or _COUNTERS.get() is not None),
-                          why="fp8_dq on and (natively) a step's counters scope"):
-          # moe_chained_sum: the slots' down outputs summed in the kernel too, written as the rows (in the model's
-          # dtype where no all-reduce follows, f32 before one — as linear_fused_sum's)
-          sums = {}
-          if kernel_enabled("moe_chained_sum", rows, fits=not _interpreting(),
-                            why="GPU interpret mode runs no counters (the two-launch form)"):
-            sums = dict(sum_rows=True, out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
-          y, ids, _ = kl.fp8_moe_chained(
-              xf, logits, bias, ex.gate_proj[...], ex.gate_scale[...], ex.up_proj[...], ex.up_scale[...],
-              ex.down_proj[...], ex.down_scale[...], swiglu_limit=ex.limit, router_select=select, shared=sew,
-              counters=None if _interpreting() else _chain_counters(kl), **sums, **f16)
-        else:
-          # moe_rows: both kernels' split sums on the step's split-K counters — h's rows written by the gate/up
-          # kernel (the routing weights then scale the down products), y's rows by the down kernel: no XLA kernel
-          # between or after them (in the model's dtype where no all-reduce follows, f32 before one)
-          rows_form = {}
-          if dq and _counters_enabled("moe_rows"):
-            rows_form = dict(counters=_splitk_counters(kl), out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
-          # moe_writer_cta: the selection's writer one extra gate/up CTA (moe_router_ranks' form)
-          writer = kernel_enabled("moe_writer_cta", rows, fits=ranks, why="moe_router_ranks off (every CTA "
-                                  "selects all k: no writer slower than the others)")
-          y, ids, _ = moe(xf, None, None, router=(logits, bias), router_select=select, writer_cta=writer,
-                          **rows_form)
+        # moe_rows: both kernels' split sums on the step's split-K counters — h's rows written by the gate/up
+        # kernel (the routing weights then scale the down products), y's rows by the down kernel: no XLA kernel
+        # between or after them (in the model's dtype where no all-reduce follows, f32 before one)
+        rows_form = {}
+        if dq and _counters_enabled("moe_rows"):
+          rows_form = dict(counters=_splitk_counters(kl), out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32)
+        # moe_writer_cta: the selection's writer one extra gate/up CTA (moe_router_ranks' form)
+        writer = kernel_enabled("moe_writer_cta", rows, fits=ranks, why="moe_router_ranks off (every CTA "
+                                "selects all k: no writer slower than the others)")
+        y, ids, _ = moe(xf, None, None, router=(logits, bias), router_select=select, writer_cta=writer,
+                        **rows_form)
       else:
         y = moe(xf, ids, w, route_kernel=route, tables=tables)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)

@@ -92,18 +92,9 @@ def counter_signal(ref):
   _counter_op(ref, signal=True)
 
 
-def counter_signal_each(ref, n: int, value: int = 1):
-  """Add ``value`` to each of the ``n`` counters of ``ref`` (int32 [n], GMEM) once per warpgroup, with release semantics
-  (GPU scope), after a proxy fence: the warpgroup's completed TMA stores (``plgpu.wait_smem_to_gmem``) are visible
-  to a consumer that TMA-loads what they wrote after :func:`counter_wait` (``async_reads``). ``value`` > 1: e.g.
-  the number of waiters that each take 1 (a self-resetting broadcast)."""
-  _counter_op(ref, signal=True, each=n, value=value)
-
-
-def counter_wait(ref, count: int, *, take: bool = False, async_reads: bool = False):
-  """Wait until the counter ``ref`` reaches ``count`` (acquire, GPU scope); ``take``: subtract it then;
-  ``async_reads``: a proxy fence after it, for TMA loads of what the signalling CTAs wrote."""
-  _counter_op(ref, count=count, take=take, async_reads=async_reads)
+def counter_wait(ref, count: int, *, take: bool = False):
+  """Wait until the counter ``ref`` reaches ``count`` (acquire, GPU scope); ``take``: subtract it then."""
+  _counter_op(ref, count=count, take=take)
 
 
 def fence_async_writes():
@@ -117,26 +108,15 @@ def fence_async_writes():
   op()
 
 
-def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False, each: int = 0,
-                async_reads: bool = False, value: int = 1):
+def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False):
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
   def op(_, counter):
-    ptr = _mgpu_utils.memref_ptr(counter)
-    sem = _mgpu_utils.SemaphoreRef(ptr)
+    sem = _mgpu_utils.SemaphoreRef(_mgpu_utils.memref_ptr(counter))
     if signal:
-      if each:  # (the generic proxy's release must cover the async proxy's completed writes)
-        _mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
       _mgpu_utils.warpgroup_barrier()
-      if not each:
-        sem.signal(1, memory_scope="gpu")
-      from jax._src.lib.mlir import ir  # noqa: PLC0415
-      i32 = ir.IntegerType.get_signless(32)
-      for i in range(each):
-        _mgpu_utils.SemaphoreRef(_mgpu_utils.getelementptr(ptr, [i], i32)).signal(value, memory_scope="gpu")
+      sem.signal(1, memory_scope="gpu")
     else:
       sem.wait(count, decrement=take, memory_scope="gpu")
-      if async_reads:
-        _mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
   op(ref)
 

@@ -538,13 +538,12 @@ def test_latency_specialized_fp8_dq_linears_equal_reference_greedy():
 # the off-by-default kernels with a site in this f32 kernel-tiny step (q = 3 and 64 positions: no top-k site), on
 # together; router_route (on since session 35) stays listed: its first native end-to-end run was this test's (kda_conv,
 # mhc_barrier_counters and topk_keys_in_kernel, on since session 43, run in the defaults' case now)
-CANDIDATE_KERNELS = (("router_route", True), ("linear_fused_sum", True), ("moe_persistent", True), ("dq_f16", True),
-                     ("moe_scale_prefetch", True), ("kda_norm_partials", True), ("mla_latent_norms", True))
+CANDIDATE_KERNELS = (("router_route", True), ("linear_fused_sum", True), ("dq_f16", True), ("moe_scale_prefetch", True),
+                     ("kda_norm_partials", True), ("mla_latent_norms", True), ("kda_gates_first", True))
 
 
 @pytest.mark.e2e_kernels
 @pytest.mark.parametrize("extra", [(), pytest.param(CANDIDATE_KERNELS, marks=pytest.mark.gpu, id="candidates"),
-                                   pytest.param((("moe_chained", True),), marks=pytest.mark.gpu, id="chained"),
                                    pytest.param((("moe_rows", False),), marks=pytest.mark.gpu, id="no_moe_rows"),
                                    pytest.param((("topk_compact_fused", False),), marks=pytest.mark.gpu,
                                                 id="compact_unfused"),

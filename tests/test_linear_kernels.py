@@ -336,40 +336,10 @@ def _single_row_case(seed):
   return args, ref_args, _shared_expert(jax.random.key(seed + 1), i, d)
 
 
-@pytest.mark.parametrize("form", ["persistent", "balanced"])
-def test_single_row_moe_forms_interpret(form):
-  """The single-row MoE forms in GPU interpret mode == the reference, and fp8_moe's (dq) result within bf16
-  rounding of h (another summation order): fp8_moe_persistent's three-launch form (its phases' code without the
-  grid barriers) and fp8_moe_balanced (the gate/up items in equal ranges, XLA's glue over the masked pieces, the
-  down shares) — both at 16 CTAs, so that ranges straddle pairs."""
-  args, ref_args, sh = _single_row_case(350 if form == "persistent" else 390)
-  d = args[0].shape[1]
-  if form == "persistent":
-    plan, fn = L.plan_moe_persistent(3, 256, d, max_ctas=16), functools.partial(L.fp8_moe_persistent, max_ctas=16)
-  else:
-    plan, fn = L.plan_moe_balanced(3, 256, d, ctas=16), functools.partial(L.fp8_moe_balanced, ctas=16)
-  assert (plan.G, plan.g1, plan.P1, plan.P2, plan.H2, plan.kmax) == (16, 16, 3, 3, 2, 2), plan
-  with maybe_interpret():
-    y = jax.jit(functools.partial(fn, swiglu_limit=1.0))(*args, shared=sh)
-    y0 = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True))(*args, shared=sh)
-  assert y.shape == (1, d) and y.dtype == jnp.float32
-  assert_close(y, L.fp8_moe_reference(*ref_args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
-  assert_close(y, y0, "kernel_bf16")
-
-
-def test_moe_balanced_plan_at_the_real_shape():
-  """The real TP4 rank (9 slots): 384 CTAs of 6 gate/up items (no SM more than 18 of the 2,304: 3 resident per SM)
-  and 384 of 6 down items (64 row tiles x 6 shares), 3 ring stages in a third of the SMEM."""
-  plan = L.plan_moe_balanced(9, 512, 4096)
-  assert (plan.g1, plan.P1, plan.G, plan.H2, plan.P2, plan.stages) == (384, 6, 384, 6, 6, 3), plan
-  assert -(-plan.g1 // L.NUM_SMS) * plan.P1 == 18
-
-
 def test_dq_kernels_in_f16_interpret():
   """dq_dtype="float16" (x, h and the converted weight tiles in f16): fp8_dq_linear == the reference as closely as
   the bf16 form (x's bf16 values exact in f16, exact products); the grouped MoE (2 rows, the shared slot) near the
-  reference — h in f16 keeps 3 more bits than bf16; a dtype other than bf16 / f16 refused by name. (The
-  single-row forms in f16: their cross-lowering and GPU tests.)"""
+  reference — h in f16 keeps 3 more bits than bf16; a dtype other than bf16 / f16 refused by name."""
   kx, kw = jax.random.split(jax.random.key(400))
   w, s = quantize_fp8_blocks(kw, (256, 512), 0.05)
   x = jax.random.normal(kx, (3, 512), jnp.float32).astype(jnp.bfloat16)
@@ -384,45 +354,6 @@ def test_dq_kernels_in_f16_interpret():
   assert err < 5e-4, err  # (bf16 h: ~1.5e-3 of max |y| at these sizes; f16 ~2e-4)
   with pytest.raises(ValueError, match="fp8_dq_linear: dq_dtype = 'float32', expected one of"):
     L.fp8_dq_linear(x, w, s, dq_dtype="float32")
-
-
-def test_moe_persistent_plan_covers_every_item_once():
-  """The real TP4 rank's schedule (9 slots, I = 512, D = 4096): 128 CTAs of 18 gate/up items (no SM streams
-  more) and 18 down tiles each; every gate/up item in exactly one CTA's range, every (slot, tile) pair's pieces
-  numbered 0.. < kmax by CTA; the down items of each row tile split over its shares; the SMEM fits."""
-  plan = L.plan_moe_persistent(9, 512, 4096)
-  assert (plan.G, plan.P1, plan.P2, plan.H2, plan.T2) == (128, 18, 18, 2, 64), plan
-  seen = np.zeros(plan.n1, int)
-  pieces = {}
-  for c in range(plan.G):
-    lo, hi = c * plan.P1, min((c + 1) * plan.P1, plan.n1)
-    seen[lo:hi] += 1
-    for i in range(lo, hi):
-      p = i // plan.db
-      pieces.setdefault(p, set()).add(c - (p * plan.db) // plan.P1)
-  assert np.all(seen == 1)
-  assert all(s == set(range(len(s))) and len(s) <= plan.kmax for s in pieces.values())
-  down = np.zeros(plan.n2, int)
-  for hh in range(plan.H2):
-    down[hh * plan.P2:(hh + 1) * plan.P2] += 1
-  assert np.all(down == 1)
-  smem = plan.P2 * 64 * 128 + max(plan.stages * (2 * 64 * 128 + 8 * 128 * 2), plan.P2 * 8 * 128 * 2)
-  assert plan.stages >= 3 and smem <= L.SMEM_BYTES - 8 * 1024, (plan, smem)
-
-
-def test_fp8_moe_persistent_rejects_bad_input():
-  """More than one token row, a one-launch call without the counters Ref (or in interpret mode), and a hidden
-  size with more row tiles than resident CTAs are refused by name."""
-  args = list(moe_inputs(jax.random.key(370), 2, 6, 256, 384, 2))
-  with pytest.raises(ValueError, match=r"fp8_moe_persistent: x \(2, 384\).*one token row"):
-    L.fp8_moe_persistent(*args, swiglu_limit=1.0, launches=3)
-  one = [a[:1] if j < 3 else a for j, a in enumerate(args)]
-  with pytest.raises(ValueError, match="one-launch form needs moe_counters"):
-    cross_lower(functools.partial(L.fp8_moe_persistent, swiglu_limit=1.0, launches=1), *one)
-  with maybe_interpret(True), pytest.raises(ValueError, match="cannot run in GPU interpret mode"):
-    L.fp8_moe_persistent(*one, swiglu_limit=1.0, launches=1, counters=L.moe_counters())
-  with pytest.raises(ValueError, match="D = 16384 has 256 row tiles"):
-    L.plan_moe_persistent(9, 512, 16384)
 
 
 def test_dq_kernels_pick_the_register_form_outside_interpret_mode():
@@ -676,68 +607,6 @@ def test_router_in_the_gate_up_kernel_cross_lowers():
                       SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
                       SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh)
     assert "glm5_moe_gate_up" in low.as_text() and "glm5_router_topk" not in low.as_text()
-
-
-@pytest.mark.parametrize("i,shared,warp,ranks", [(256, True, False, True), (640, False, True, False)])
-def test_fp8_moe_chained_interpret(i, shared, warp, ranks):
-  """fp8_moe_chained's two-launch form (GPU interpret mode: the gate/up kernel, XLA's split sum and SwiGLU, the
-  down role as a launch of its own — the one-launch form's code without the counters): the ids and weights of
-  fp8_moe(router=...) bit for bit, y within bf16 rounding of h of its result (the routing weights multiply the
-  down output instead of h) and of the reference. I = 640: five 128-column blocks through a ring of 4 (refills)."""
-  e, d, k, scaling = 32, 384, 4, 2.5
-  x, _, _, *ws = moe_inputs(jax.random.key(97), 1, e, i, d, k)
-  sh = _shared_expert(jax.random.key(98), i, d) if shared else None
-  logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
-  select = (k, scaling, True, warp, ranks)
-  with maybe_interpret():
-    y0, ids0, w0 = jax.jit(lambda *a: L.fp8_moe(x, None, None, *a, swiglu_limit=1.0, dq=True, shared=sh,
-                                                router=(logits, bias), router_select=select))(*ws)
-    y1, ids1, w1 = jax.jit(lambda *a: L.fp8_moe_chained(x, logits, bias, *a, swiglu_limit=1.0, shared=sh,
-                                                        router_select=select))(*ws)
-  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
-  np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
-  assert y1.shape == (1, d) and y1.dtype == jnp.float32
-  assert_close(y1, y0, "kernel_bf16")
-  assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=1.0, shared=sh), "kernel_bf16")
-
-
-def test_fp8_moe_chained_rejects_bad_input():
-  e, i, d, k = 8, 128, 256, 2
-  x, _, _, *ws = moe_inputs(jax.random.key(99), 2, e, i, d, k)
-  logits, bias = _router_case(0, e, k)
-  with pytest.raises(ValueError, match=r"fp8_moe_chained: x \(2, 256\).*one token row"):
-    L.fp8_moe_chained(x, logits, bias, *ws, swiglu_limit=1.0, router_select=(k, 1.0, True), launches=2)
-  with pytest.raises(ValueError, match="fp8_moe_chained: counters None; the one-launch form needs"):
-    cross_lower(lambda *a: L.fp8_moe_chained(x[:1], logits, bias, *a, swiglu_limit=1.0,
-                                             router_select=(k, 1.0, True), launches=1), *ws)
-  with pytest.raises(ValueError, match="launches = 3"):
-    L.fp8_moe_chained(x[:1], logits, bias, *ws, swiglu_limit=1.0, router_select=(k, 1.0, True), launches=3)
-  with maybe_interpret(True), pytest.raises(ValueError, match="cannot run in GPU interpret mode"):
-    L.fp8_moe_chained(x[:1], logits, bias, *ws, swiglu_limit=1.0, router_select=(k, 1.0, True), launches=1,
-                      counters=L.moe_chain_counters())
-
-
-def test_fp8_moe_chained_cross_lowers():
-  """The one-launch form at the real TP4 rank's MoE (288 experts, top-8 + the shared slot, I = 512, D = 4096)
-  lowers for CUDA: ONE Mosaic call of 288 gate/up + 288 down CTAs taking and returning the counters Ref (with the
-  selection's forms: ranks, warp rows, all k; with the ranks, the slots summed in the kernel as the rows y)."""
-  e, i, d, kk = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
-  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
-        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
-  for opts in ((False, True), (True, False), (False, False)):
-    txt = cross_lower(lambda x, lg, b, *a: L.fp8_moe_chained(x, lg, b, *a[:6], swiglu_limit=10.0, shared=a[6:],
-                                                             router_select=(kk, 2.5, True, *opts),
-                                                             counters=L.moe_chain_counters(),
-                                                             sum_rows=opts == (False, True), out_dtype=jnp.bfloat16),
-                      SDS((1, d), jnp.bfloat16), SDS((1, e), jnp.float32), SDS((e,), jnp.float32),
-                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
-                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
-                      SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh).as_text()
-    calls = [line.split("->")[-1] for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
-    assert len(calls) == 1 and calls[0].strip().endswith(f"tensor<{L.MOE_CHAIN_COUNTERS}xi32>)"), calls
-    # (the down role's partials: one slot per CTA row; with sum_rows 8 of them and the rows y)
-    want = f"tensor<8x{d}x8xf32>, tensor<1x{d}xbf16>" if opts == (False, True) else f"tensor<9x{d}x8xf32>"
-    assert want in calls[0], calls
 
 
 def route_ids(rng, m, e, k, bad=False):
@@ -1042,44 +911,6 @@ def test_fp8_moe_fused_rows_gpu(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_dtype", ["bfloat16", "float16"])
-def test_fp8_moe_chained_gpu(dq_dtype):
-  """fp8_moe_chained natively at the real rank's MoE (288 experts, top-8, the shared slot): the one-launch form
-  (the gate/up role's D splits and the down role's wait on the counters) == its two-launch form within f32
-  rounding (the D splits added in another order can round h to bf16 differently at a few elements: bf16), the
-  same ids and weights as fp8_moe(router=...) and its result within bf16 rounding of h; bit-equal from call to
-  call on one counters Ref, which each call leaves zero; with sum_rows (the slots summed in the kernel) its sum
-  within f32 rounding."""
-  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
-  x, _, _, *ws = moe_inputs(jax.random.key(360), 1, e, i, d, k)
-  sh = _shared_expert(jax.random.key(361), i, d)
-  logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
-  select = (k, 2.5, True, False, True)
-
-  def run(x, logits, bias, ws, sh):  # (weights as arguments: closed over, jit embeds them as constants)
-    c = L.moe_chain_counters()
-    f = lambda: L.fp8_moe_chained(x, logits, bias, *ws, swiglu_limit=10.0, shared=sh,  # noqa: E731
-                                  router_select=select, counters=c, dq_dtype=dq_dtype)
-    two = L.fp8_moe_chained(x, logits, bias, *ws, swiglu_limit=10.0, shared=sh, router_select=select, launches=2,
-                            dq_dtype=dq_dtype)
-    rows = L.fp8_moe_chained(x, logits, bias, *ws, swiglu_limit=10.0, shared=sh, router_select=select, counters=c,
-                             dq_dtype=dq_dtype, sum_rows=True)[0]
-    ref = L.fp8_moe(x, None, None, *ws, swiglu_limit=10.0, shared=sh, dq=True, dq_dtype=dq_dtype,
-                    router=(logits, bias), router_select=select)
-    return f(), f(), rows, c[...], two, ref
-  (y1, ids1, w1), (y2, _, _), y4, ctr, (y3, ids3, _), (y0, ids0, w0) = jax.jit(run)(x, logits, bias, ws, sh)
-  assert_close(y4, y1, "kernel_f32")  # (sum_rows: the slots summed in the kernel, in another order)
-  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
-  assert not np.any(np.asarray(ctr)), np.nonzero(np.asarray(ctr))
-  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
-  np.testing.assert_array_equal(np.asarray(ids3), np.asarray(ids0))
-  np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
-  assert_close(y1, y3, "kernel_bf16")
-  assert_close(y1, y0, "kernel_bf16")
-  assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=10.0, shared=sh), "kernel_bf16")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dq_dtype,warp,ranks", [("bfloat16", False, False), ("float16", False, False),
                                                   ("bfloat16", True, False), ("bfloat16", False, True),
                                                   ("bfloat16", True, True)])
@@ -1188,85 +1019,6 @@ def test_linear_fused_sum_cross_lowers():
     assert len(calls["glm5_moe_gate_up"]) == 1 and f"tensor<{n_pad}x{m}x{i}xbf16>" in calls["glm5_moe_gate_up"][0]
     assert ("xi32>)" in calls["glm5_moe_gate_up"][0]) == (m == 1)
     assert len(calls["glm5_moe_down"]) == 1 and f"tensor<{m}x{d}xbf16>, tensor<256xi32>)" in calls["glm5_moe_down"][0]
-
-
-def test_fp8_moe_persistent_cross_lowers():
-  """The one-launch form at the real TP4 rank's MoE (288 experts, I = 512, D = 4096, top-8 + the shared slot)
-  lowers for CUDA: ONE Mosaic call of 128 CTAs taking and returning the counters Ref, y [1, D] its last output
-  (and with f16 dequantisation: h in f16)."""
-  e, i, d, kk = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
-  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
-        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
-  for out_dtype, dq_dtype in ((jnp.float32, "bfloat16"), (jnp.bfloat16, "float16")):
-    txt = cross_lower(lambda *a: L.fp8_moe_persistent(*a[:9], swiglu_limit=10.0, shared=a[9:], dq_dtype=dq_dtype,
-                                                      counters=L.moe_counters(), out_dtype=out_dtype),
-                      SDS((1, d), jnp.bfloat16), SDS((1, kk), jnp.int32), SDS((1, kk), jnp.float32),
-                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
-                      SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
-                      SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh).as_text()
-    calls = [line.split("->")[-1] for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
-    dt = "f32" if out_dtype == jnp.float32 else "bf16"
-    assert len(calls) == 1 and calls[0].strip().endswith(f"tensor<1x{d}x{dt}>, tensor<{L.MOE_COUNTERS}xi32>)"), calls
-
-
-@pytest.mark.parametrize("per_sm,stages", [(3, None), (2, None), (3, 4)])
-def test_fp8_moe_balanced_cross_lowers(per_sm, stages):
-  """fp8_moe_balanced at the real TP4 rank's MoE lowers for CUDA: two Mosaic calls (gate/up over plan.g1 CTAs, down
-  over plan.G), the glue between them XLA's, at 3 or 2 CTAs per SM (and 4 ring stages at 3 per SM: the SMEM
-  fits)."""
-  e, i, d, kk = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
-  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
-        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
-  txt = cross_lower(lambda *a: L.fp8_moe_balanced(*a[:9], swiglu_limit=10.0, shared=a[9:], per_sm=per_sm,
-                                                  stages=stages),
-                    SDS((1, d), jnp.bfloat16), SDS((1, kk), jnp.int32), SDS((1, kk), jnp.float32),
-                    SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
-                    SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
-                    SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32), *sh).as_text()
-  calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
-  assert [("glm5_moe_balanced_gate_up" in c, "glm5_moe_balanced_down" in c) for c in calls] == [(True, False),
-                                                                                                (False, True)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dq_dtype", ["bfloat16", "float16"])
-def test_fp8_moe_persistent_gpu(dq_dtype):
-  """fp8_moe_persistent natively at the real shapes (the shared slot): the one-launch form (grid barriers, the
-  down shares summed on the counters) == its three-launch form and the reference, bit-equal from call to call on
-  one counters Ref, which each call leaves zero; and fp8_moe's (dq) result within bf16 rounding of h. With f16
-  dequantisation (dq_dtype) too."""
-  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
-  args = moe_inputs(jax.random.key(380), 1, e, i, d, k)
-  sh = _shared_expert(jax.random.key(381), i, d)
-
-  def run(args, sh):  # (the weights as arguments: closed over, jit would embed ~1.8 GB of constants)
-    c = L.moe_counters()
-    f = lambda: L.fp8_moe_persistent(*args, swiglu_limit=10.0, shared=sh, counters=c, dq_dtype=dq_dtype)  # noqa
-    return f(), f(), c[...]
-  y1, y2, ctr = jax.jit(run)(args, sh)
-  y3 = jax.jit(lambda a, s: L.fp8_moe_persistent(*a, swiglu_limit=10.0, shared=s, launches=3, dq_dtype=dq_dtype))(
-      args, sh)
-  y0 = jax.jit(lambda a, s: L.fp8_moe(*a, swiglu_limit=10.0, shared=s, dq=True))(args, sh)
-  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
-  assert not np.any(np.asarray(ctr)), np.nonzero(np.asarray(ctr))
-  assert_close(y1, y3, "kernel_f32")  # (the same h; the two shares added in another order)
-  assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
-  assert_close(y1, y0, "kernel_bf16")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("per_sm,stages", [(3, None), (2, None), (3, 4)])
-def test_fp8_moe_balanced_gpu(per_sm, stages):
-  """fp8_moe_balanced natively at the real shapes (the shared slot): the reference, and fp8_moe's (dq) result within
-  bf16 rounding of h."""
-  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
-  args = moe_inputs(jax.random.key(382), 1, e, i, d, k)
-  sh = _shared_expert(jax.random.key(383), i, d)
-  y = jax.jit(lambda a, s: L.fp8_moe_balanced(*a, swiglu_limit=10.0, shared=s, per_sm=per_sm, stages=stages))(
-      args, sh)
-  y0 = jax.jit(lambda a, s: L.fp8_moe(*a, swiglu_limit=10.0, shared=s, dq=True))(args, sh)
-  assert_close(y, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
-  assert_close(y, y0, "kernel_bf16")
 
 
 @pytest.mark.gpu

@@ -458,36 +458,6 @@ def _extend_one_token(m, B, policy, seed, trace_only=False):
   return got, dict(rep)
 
 
-def test_single_row_moe_forms_at_the_model_site():
-  """Policies moe_persistent (GPU interpret mode runs the kernel's three-launch form) and moe_balanced at the
-  model's single-row MoE (one layer, one token): the layer's hidden state as the two-kernel fp8_moe's within bf16
-  rounding of h, all near the stock f32 path; the kernel report names the site, and at two token rows declines it
-  (one row only)."""
-  path = tiny_checkpoint("kernel-tiny", 5, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
-                         moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2)
-  m = load(path, "float32")
-  off = {k: False for k in ("kda", "fp8_linear", "indexer", "sparse_mla", "mhc", "router_kernel")}
-  persistent = off | {"fp8_moe": True, "moe_persistent": True}
-  hidden, reports = {}, {}
-
-  def run(B, policy, trace_only=False):
-    got, rep = _extend_one_token(m, B, policy, 3, trace_only)
-    return (None if got is None else got[0]), rep
-
-  balanced = off | {"fp8_moe": True, "moe_balanced": True}
-  for name, policy in (("stock", None), ("two", off | {"fp8_moe": True}), ("persistent", persistent),
-                       ("balanced", balanced)):
-    hidden[name], reports[name] = run(1, policy)
-  assert reports["persistent"]["moe_persistent"] is None, reports["persistent"]
-  assert reports["balanced"]["moe_balanced"] is None, reports["balanced"]
-  assert "one token row" in run(2, persistent, trace_only=True)[1]["moe_persistent"]
-  assert "one token row" in run(2, balanced, trace_only=True)[1]["moe_balanced"]
-  for name in ("persistent", "balanced"):
-    np.testing.assert_allclose(hidden[name], hidden["two"], **tol("kernel_bf16"))
-    rel = np.linalg.norm(hidden[name] - hidden["stock"]) / np.linalg.norm(hidden["stock"])
-    assert 0 < rel < 1e-2, (name, rel)
-
-
 def test_router_in_the_gate_up_kernel_at_the_model_site():
   """Policy moe_router_in_kernel at the model's single-row MoE (one layer, one token): the router's selection
   inside fp8_moe's gate/up kernel (moe_router_ranks' form, and router_warp_rows' without it) gives the hidden
@@ -685,22 +655,3 @@ def test_kda_norm_partials_at_the_model_site():
   assert np.abs(np.asarray(y0)).max() > 0
 
 
-def test_chained_moe_at_the_model_site():
-  """Policy moe_chained at the model's single-row MoE (one layer, one token; GPU interpret mode runs its two-launch
-  form): the expert ids of moe_router_in_kernel's fp8_moe exactly, the hidden state within bf16 rounding of h (the
-  routing weights multiply the down output instead of h); the report names the site, and without the router in
-  the gate/up kernel (a form it chains) the site is fp8_moe's."""
-  path = tiny_checkpoint("kernel-tiny", 7, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
-                         moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4)
-  m = load(path, "float32")
-  base = {k: False for k in ("kda", "fp8_linear", "indexer", "sparse_mla", "mhc")} | {
-      "fp8_moe": True, "router_kernel": True, "moe_router_in_kernel": True}
-  run = functools.partial(_extend_one_token, m, seed=5)
-  (h0, e0), rep0 = run(1, base)
-  (h1, e1), rep = run(1, base | {"moe_chained": True})
-  assert rep0["moe_chained"] == "off in the policy" and rep["moe_chained"] is None, (rep0, rep)
-  np.testing.assert_array_equal(e1, e0)
-  np.testing.assert_allclose(h1, h0, **tol("kernel_bf16"))
-  assert not np.array_equal(h1, h0)  # (another rounding of h: the chained form ran)
-  rep = run(1, base | {"moe_chained": True, "moe_router_in_kernel": False}, trace_only=True)[1]
-  assert "moe_chained" not in rep, rep
