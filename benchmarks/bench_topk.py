@@ -12,8 +12,6 @@ Rows: R = B · q score rows; N pools (8,256 at 32K context + room, 32,832 at 128
   kernel      the radix form with its threshold from the Mosaic kernel topk_threshold (one launch for the ~13
               radix passes); "unrolled": its passes as straight-line code, as before session 31 (the loop form
               is ~7x less code, which one CTA runs once)
-  select      the whole selection as one Mosaic kernel (topk_select: threshold passes with an early exit or
-              all 32, wgmma prefix counts, an inline scatter; N a multiple of 128)
   model xla   the model's default selection with its token index list (threshold kernel + XLA's compaction,
               expansion, tail and pad); "compact": the same list from the threshold kernel + topk_compact (one
               multi-CTA launch; N a multiple of 128); "compact fused": topk_compact alone, the threshold's passes in
@@ -63,14 +61,6 @@ def sort_keys(v, k):
   iota = lax.broadcasted_iota(jnp.int32, v.shape, v.ndim - 1)
   _, idx = lax.sort((~u, iota), dimension=v.ndim - 1, num_keys=1, is_stable=True)
   return idx[..., :k]
-
-
-def _select(v, early_exit: bool):
-  from pallas_kernels import indexer as I  # noqa: PLC0415
-  R, N = v.shape
-  pos = jnp.full((R,), 4 * N - 2, jnp.int32)
-  return I.topk_select(v, (pos + 1) // 4 * 4, pos, k=K, kpool=4, n_tail=3, width=-(-(4 * K + 3) // 64) * 64,
-                       early_exit=early_exit)[1]
 
 
 def _index_list(js, R, N):
@@ -124,18 +114,11 @@ STRATEGIES = {
                                                            threshold_exit=True),
     "kernel2 exit scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=2,
                                                             threshold_exit=True),
-    # the within-block prefix sums as one f32 matmul instead of XLA's reduce-window (session 32)
-    "kernel scan mm128": lambda v: topk_set_by_threshold(v, K, scan_block="mm128", threshold_kernel=True),
-    "radix scan mm128": lambda v: topk_set_by_threshold(v, K, scan_block="mm128"),
     # the kernel's CTA as 4 warpgroups, each a quarter of the row (policy knob topk_threshold_4wg)
     "kernel wg4 scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=True,
                                                           threshold_warpgroups=4),
     "kernel2 wg4 scan128": lambda v: topk_set_by_threshold(v, K, scan_block=128, threshold_kernel=2,
                                                            threshold_warpgroups=4),
-    # the whole selection in one launch (policy knob topk_select_kernel: pallas_kernels.indexer.topk_select; its
-    # pools as the set, N a multiple of 128), with the threshold's early exit and without
-    "select": lambda v: _select(v, True),
-    "select noexit": lambda v: _select(v, False),
     # the model's whole selection (the token index list included) as it runs by default, and with the compaction
     # as one multi-CTA kernel after the threshold kernel (policy knob topk_compact_kernel; N a multiple of 128:
     # --pools 8704, the scores kernel's padded row at 32K context), its CTAs 2,048 or 8,192 keys

@@ -374,7 +374,7 @@ class Indexer(nnx.Module):
         # (the threshold kernel reads the output as it is under topk_compact_kernel too)
         align = ki.THRESHOLD_LANES * (4 if kernel_switch("topk_threshold_4wg") else 1) \
             if kernel_switch("topk_keys_in_kernel") or kernel_switch("topk_compact_kernel") \
-            else ki.THRESHOLD_LANES if kernel_switch("topk_select_kernel") else 64
+            else 64
         # indexer_q_in_kernel: the queries' FWHT + FP8 quantisation inside the scores kernel (its wgmma reads the
         # bf16 projection output as is) instead of ~3 XLA kernels in front of it
         if kernel_enabled("indexer_q_in_kernel", fits=q_raw.dtype == jnp.bfloat16,
@@ -400,8 +400,8 @@ class Indexer(nnx.Module):
     ``shared`` = (pools [B, kp] (−1 = none), tail_start [B]) reuses a first draft step's choice: the tail then
     runs from ``tail_start`` to the query (``extra_tail`` more slots than the usual kpool − 1). ``raw``: the scores
     kernel's padded output behind ``scores`` (``scores(padded=True)``), or None. ``width``: W -> the width the
-    attention kernel pads the list to (pallas_kernels.sparse_mla.index_width), which the select kernel
-    (topk_select_kernel) then writes directly: idx is then [B, T, width(W)], the same list -1 padded."""
+    attention kernel pads the list to (pallas_kernels.sparse_mla.index_width), which the compaction kernel
+    (topk_compact_kernel) then writes directly: idx is then [B, T, width(W)], the same list -1 padded."""
     kp = self.kpool
     if shared is None:
       n_complete = (pos + 1) // kp  # [B, T]
@@ -426,24 +426,10 @@ class Indexer(nnx.Module):
         # (THRESHOLD_MAX_KEYS is a multiple of 4 x 128: the rows that fit one warpgroup fit four)
         wgs = 4 if kernel_enabled("topk_threshold_4wg", fits=thr, why="the topk_threshold kernel does not run "
                                   "here") else 1
-        if kernel_enabled("topk_scan_mm", fits=P < 1 << 15, why=f"{P} pools (the packed prefix counts: < 32,768)"):
-          form = {**form, "scan_block": f"mm{form['scan_block']}"}  # the prefix sums' blocks as one matmul
         n_tail = kp - 1 + extra_tail
-        # topk_select_kernel: the threshold, the compaction, the expansion to tokens, the tail and the pad to the
-        # attention kernel's width in ONE launch on the scores kernel's padded output (instead of the threshold
-        # kernel and ~6 XLA kernels around it: session 40's chain)
         Pr = None if raw is None else raw.shape[-1]
         W = kp * kk + n_tail
         wp = -(-(W if width is None else width(W)) // 64) * 64  # (the attention kernel's width of the list)
-        if kernel_enabled("topk_select_kernel", fits=bool(thr) and Pr is not None and Pr % ki.THRESHOLD_LANES == 0
-                          and Pr <= ki.THRESHOLD_MAX_KEYS and kk < ki.SELECT_MAX_K,
-                          why=f"needs the threshold kernel on, the scores kernel's output (here {Pr} padded pools; "
-                          f"a multiple of {ki.THRESHOLD_LANES} up to {ki.THRESHOLD_MAX_KEYS}) and k = {kk} < "
-                          f"{ki.SELECT_MAX_K}"):
-          ts = (n_complete * kp).reshape(R)
-          idx, js = ki.topk_select(raw.reshape(R, Pr), ts, pos.reshape(R).astype(jnp.int32), k=kk, kpool=kp,
-                                   n_tail=n_tail, width=wp)
-          return idx.reshape(*pos.shape, wp), js.reshape(*pos.shape, kk)
         # topk_compact_kernel: the threshold kernel as the model runs it (on the scores kernel's padded output), then
         # the compaction, the expansion to tokens, the tail and the pad to the attention kernel's width as ONE
         # multi-CTA launch (pallas_kernels.indexer.topk_compact) instead of 6 XLA kernels after the threshold

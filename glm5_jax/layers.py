@@ -381,12 +381,6 @@ KNOBS = {
         "longest (the critical path stays 815 launches) — off. Again a tie where the chain by GPU time passes "
         "through the queries' rotation (4.19 vs 4.20 ms, 44 launches fewer; session 42, s42c): the layer's "
         "other branches into the scores and attention kernels are as long" + _S43),
-    "topk_scan_mm": (False,
-        "with indexer_topk on: the top-k compaction's prefix sums within 128-blocks as one f32 matmul with a "
-        "triangle of ones (exclusive_prefix_sum 'mm128') instead of XLA's reduce-window fusion (11.3 µs per "
-        "DSA layer at q = 1, session 29's profile); not a kernel — an XLA form (bench_topk 'mm128' rows). "
-        "In the step at q = 1 a tie or slower (4.71-4.73 ms vs 4.64-4.68; 12 more "
-        "launches, 11 more on the critical path; session 36) — off"),
     "topk_keys_in_kernel": (True,
         "with topk_threshold on and the indexer's scores kernel: the threshold kernel reads the scores kernel's "
         "output as it is (f32, -inf past the complete pools) and forms the keys in registers "
@@ -396,35 +390,22 @@ KNOBS = {
         "the threshold kernel's lanes (a cache of 8,768 padded pools refused the knob, session 39). Natively "
         "equal at the model's call site (session 39); in the step at q = 1 a tie: 4.32 vs 4.28 ms (with "
         "router_warp_rows 4.23; rounds spread ~0.1 ms; session 39)" + _S43),
-    "topk_select_kernel": (False,
-        "with topk_threshold on and the indexer's scores kernel: the indexer's whole selection in ONE launch on "
-        "the scores kernel's padded output (pallas_kernels.indexer.topk_select): the threshold by one-bit passes "
-        "that stop once a candidate has exactly k pools at or above it (~20 of 32 on random scores), the selected "
-        "pools' slots from two wgmma prefix counts per 64 x 128 keys, and the pools and their token positions "
-        "scattered into SMEM (inline Mosaic GPU, a thread per selected pool) and stored with the tail and the "
-        "-1 padding at the attention kernel's width — instead of the XLA fusion forming the keys, the threshold "
-        "kernel (13.4 µs) and ~6 XLA kernels of compaction, expansion and padding after it (9.3 + 2.6 µs): 23.8 "
-        "µs per DSA layer on the q = 1 chain (session 41's profile). Natively equal to its reference and at the "
-        "model's call site, but the step at q = 1 4.18 -> 4.31 ms (s42b; 77 launches and 66 critical-path "
-        "kernels fewer) and the kernel alone 19.8 µs vs 17.0 for the threshold kernel + XLA's compaction "
-        "(bench_topk, one row of 8,704 pools; the early exit saves 2.3 µs; s42c): its first form was unrolled "
-        "straight-line code, 16x the threshold kernel's, that one CTA runs once — yet as loops it was slower "
-        "still, 31.0 µs (s42d): single-CTA latency, not code size (session 42) — off"),
     "topk_compact_kernel": (True,
         "with topk_threshold on and the indexer's scores kernel: the compaction after the threshold kernel — the "
         "selected pools' slots, their expansion to token positions, the tail and the -1 padding to the attention "
         "kernel's width — as ONE Mosaic launch of several CTAs per score row (pallas_kernels.indexer.topk_compact: "
-        "each CTA 2,048 keys, the counts before them from the rows above, topk_select's wgmma prefix counts, the "
+        "each CTA 2,048 keys, the counts before them from the rows above, two wgmma prefix counts, the "
         "selected keys stored to GMEM by the thread holding them) instead of XLA's blocked prefix sum, slice, "
         "select, the -1 buffer's copy, scatter and pad: six launches and 9.4 µs on every DSA layer's q = 1 chain "
-        "(session 48's trace), without topk_select's single-CTA latency. Natively equal (its GPU tests, the "
+        "(session 48's trace), without a single-CTA selection's latency. Natively equal (its GPU tests, the "
         "kernel-tiny e2e); one row of 8,704 pools: the selection 13.9 -> 10.7 µs (bench_topk); the one-rank step at "
         "q = 1 4.04 -> 4.01 ms (5 interleaved rounds, s49b; session 50) — on, with topk_compact_fused"),
     "topk_compact_fused": (True,
         "with topk_compact_kernel: the threshold found by every compaction CTA itself from the row it holds "
-        "(topk_compact(t=None): topk_select's one-bit passes, the early exit as topk_threshold_exit) — the indexer's "
+        "(topk_compact(t=None): the threshold kernel's one-bit passes, the early exit as topk_threshold_exit) — the "
+        "indexer's "
         "selection as ONE launch of ~5 CTAs per score row, where the threshold kernel's launch gap and the "
-        "compaction's reload of the row sat on every DSA layer's chain; unlike topk_select (one CTA for the passes "
+        "compaction's reload of the row sat on every DSA layer's chain; unlike the one-CTA selection (the passes "
         "and every tile: 19.8 µs alone, session 42) each CTA compacts 2,048 keys. Natively equal (its GPU tests, "
         "the kernel-tiny e2e); one row of 8,704 pools 9.9 µs (13.9 for the threshold kernel + XLA's compaction); "
         "the one-rank step at q = 1 4.04 -> 3.94 ms, faster in 5 of 5 interleaved rounds, 955 -> 888 launches "
@@ -963,32 +944,20 @@ def exclusive_prefix_sum(x, block: int | str | None = None):
   """Σ_{j < i} x[..., j] along the last axis (int). block None: one jnp.cumsum (XLA GPU: one reduce-window
   fusion, 11 µs for 8,256 entries in the indexer's top-k, session 23); block b: a cumsum within blocks of b and
   one over the N / b block totals — the same sums, less work (still a reduce-window fusion: 11.3 µs per DSA layer
-  in session 29's q = 1 profile). block "mm<b>" (e.g. "mm128"): the sums within blocks as one f32 matmul with the
-  [b, b] triangle of ones (Precision.HIGHEST: no TF32), exact while every block's sum stays below 2^24 (the
-  caller's bound: the top-k's packed counts are at most 65,537 per entry, so b <= 255 —
-  topk_set_by_threshold checks it) — a GEMM instead of the reduce-window, to measure (bench_topk "mm128" rows)."""
+  in session 29's q = 1 profile). (The sums within blocks as one matmul with a triangle of ones were a tie or
+  slower in the step, session 36, and were removed.)"""
   if block is None:
     return jnp.cumsum(x, axis=-1) - x
-  mm = isinstance(block, str)
-  if mm:
-    if not block.startswith("mm") or not block[2:].isdigit():
-      raise ValueError(f"exclusive_prefix_sum: block = {block!r}, expected an int, None or 'mm<int>'")
-    block = int(block[2:])
   N = x.shape[-1]
   pad = (-N) % block
   xb = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], -1, block)
-  if mm:
-    tri = jnp.triu(jnp.ones((block, block), jnp.float32))  # tri[j, i] = 1 for j <= i: inclusive sums
-    within = jnp.einsum("...j,ji->...i", xb.astype(jnp.float32), tri,
-                        precision=lax.Precision.HIGHEST).astype(x.dtype)
-  else:
-    within = jnp.cumsum(xb, axis=-1)
+  within = jnp.cumsum(xb, axis=-1)
   tot = within[..., -1]
   inc = within + (jnp.cumsum(tot, axis=-1) - tot)[..., None]
   return inc.reshape(*x.shape[:-1], -1)[..., :N] - x
 
 
-def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | str | None = None,
+def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | None = None,
                           threshold_kernel: int = 0, threshold_warpgroups: int = 1, kernel_scores=None,
                           threshold_exit: bool = False):
   """The SET lax.top_k(v, k) selects, without a sort, as indices [..., k] int32 in ascending index order (an
@@ -1052,9 +1021,6 @@ def topk_set_by_threshold(v, k: int, *, digit_bits: int = 8, scan_block: int | s
   need_eq = kk - n_gt  # >= 1 where T is an entry's key; 0 after the kernel's early exit (the top k are > T)
   g32, e32 = gt.astype(jnp.int32), eq.astype(jnp.int32)
   if N < 1 << 15:  # both exclusive prefix counts from one prefix sum, packed in an int32
-    if isinstance(scan_block, str) and scan_block[2:].isdigit() and int(scan_block[2:]) * 65537 >= 1 << 24:
-      raise ValueError(f"scan_block = {scan_block!r}: a block's packed counts would pass 2^24 in the f32 matmul "
-                       "(at most mm255)")
     both = exclusive_prefix_sum(g32 + (e32 << 16), scan_block)
     n_gt, n_eq = both & 0xFFFF, both >> 16
   else:  # (they would not fit: two)

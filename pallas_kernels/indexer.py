@@ -732,10 +732,10 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
 
 
 # ------------------------------------------------------------------------------------------------ top-k select
-# The indexer's whole selection in one launch: the threshold kernel's passes, then the selected pools' slots and
-# the scatter of the token index list that the sparse MLA kernel reads. After topk_threshold the model spent five
-# XLA kernels on the compaction (a blocked prefix sum as reduce-window, a slice, a select, a scatter) and one on
-# the pad to the attention kernel's width: 9.3 µs on the q = 1 chain per DSA layer (session 40's profile).
+# The selection's contract (topk_select_reference) and the pieces the compaction kernel below builds it from: the
+# threshold's one-bit passes over a row in registers, the packed gt / eq flags and their prefix counts as two wgmmas.
+# (A one-CTA kernel of the whole selection, topk_select, was slower than the threshold kernel + XLA's compaction —
+# 19.8 vs 17.0 µs, session 42 — and was removed in session 53.)
 SELECT_ROWS = 64  # key rows (of 128) per wgmma tile of the prefix counts
 _EQ_UNIT = 16384  # the eq flag's weight in the packed flags gt + 16384·eq (exact in bf16; the counts fit, below)
 SELECT_MAX_K = _EQ_UNIT  # k below it: a count of keys above the threshold (< k) fits the packed counts' low field
@@ -748,7 +748,7 @@ def topk_select_reference(scores, tail_start, pos, *, k: int, kpool: int, n_tail
   indexer's pools; -inf marks a pool no query may see). idx: the token positions the sparse MLA kernel reads —
   kpool · js + q for q < kpool (-1 for a -1 pool), then the n_tail tail positions tail_start + r (-1 past pos),
   then -1 up to width."""
-  _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
+  _check_select(scores, tail_start, pos, k, kpool, n_tail, width, "topk_select_reference")
   js = jnp.sort(lax.top_k(scores, k)[1], axis=-1)
   js = jnp.where(jnp.isfinite(jnp.take_along_axis(scores, js, axis=-1)), js, -1).astype(jnp.int32)
   tok = jnp.where(js[..., None] >= 0, js[..., None] * kpool + jnp.arange(kpool, dtype=jnp.int32), -1)
@@ -758,75 +758,17 @@ def topk_select_reference(scores, tail_start, pos, *, k: int, kpool: int, n_tail
   return jnp.pad(idx, ((0, 0), (0, width - idx.shape[-1])), constant_values=-1), js
 
 
-def _check_select(scores, tail_start, pos, k, kpool, n_tail, width):
+def _check_select(scores, tail_start, pos, k, kpool, n_tail, width, name: str = "topk_compact"):
   if scores.ndim != 2 or scores.dtype != jnp.float32:
-    raise ValueError(f"topk_select: scores {scores.shape} {scores.dtype}, expected f32 [R, N]")
+    raise ValueError(f"{name}: scores {scores.shape} {scores.dtype}, expected f32 [R, N]")
   R, N = scores.shape
   if tail_start.shape != (R,) or pos.shape != (R,):
-    raise ValueError(f"topk_select: tail_start {tail_start.shape} and pos {pos.shape}, expected [{R}] each")
+    raise ValueError(f"{name}: tail_start {tail_start.shape} and pos {pos.shape}, expected [{R}] each")
   if not 1 <= k <= N:
-    raise ValueError(f"topk_select: k = {k}, expected 1 <= k <= N = {N}")
+    raise ValueError(f"{name}: k = {k}, expected 1 <= k <= N = {N}")
   if kpool < 1 or n_tail < 0 or width < kpool * k + n_tail:
-    raise ValueError(f"topk_select: width {width} for k = {k} pools of {kpool} and {n_tail} tail positions; "
+    raise ValueError(f"{name}: width {width} for k = {k} pools of {kpool} and {n_tail} tail positions; "
                      f"expected kpool >= 1, n_tail >= 0 and width >= {kpool * k + n_tail}")
-
-
-def _scatter_selected(enc, js_s, idx_s, *, row0: int, kpool: int):
-  """The per-thread scatter Mosaic GPU's warpgroup arrays cannot express: for every element of enc [64, 128]
-  int32 (WGMMA layout; key e = (row0 + row) · 128 + col) whose value s >= 0 (its slot), js_s[s] = e and
-  idx_s[kpool · s + q] = kpool · e + q — SMEM [rows, 64] int32 buffers, written by whichever thread holds the
-  element (after a warpgroup barrier: the buffers' -1 / tail fill by other threads comes first)."""
-  from jax._src.lib.mlir import ir  # noqa: PLC0415
-  from jax._src.lib.mlir.dialects import arith, memref, scf  # noqa: PLC0415
-  from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
-
-  @plgpu.inline_mgpu(arg_types=(_L.WGMMA, plgpu.RefType(), plgpu.RefType()))
-  def op(_, enc_a, js_ref, idx_ref):
-    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-    ci = lambda v: mu.c(v, index)  # noqa: E731
-    mu.warpgroup_barrier()
-
-    def one(val, ix):
-      row, col = ix
-      if_op = scf.IfOp(arith.cmpi(arith.CmpIPredicate.sge, val, mu.c(0, i32)))
-      with ir.InsertionPoint(if_op.then_block):
-        e = arith.addi(arith.muli(arith.addi(row, ci(row0)), ci(128)), col)
-        s = arith.index_cast(index, val)
-        memref.store(arith.index_cast(i32, e), js_ref, [arith.divui(s, ci(64)), arith.remui(s, ci(64))])
-        for q in range(kpool):
-          p = arith.addi(arith.muli(s, ci(kpool)), ci(q))
-          v = arith.addi(arith.muli(e, ci(kpool)), ci(q))
-          memref.store(arith.index_cast(i32, v), idx_ref, [arith.divui(p, ci(64)), arith.remui(p, ci(64))])
-        scf.yield_([])
-
-    enc_a.foreach(one)
-
-  op(enc, js_s, idx_s)
-
-
-def _scatter_selected_interpret(enc, enc_s, js_s, idx_s, *, row0: int, kpool: int, rows: int):
-  """``_scatter_selected`` for GPU interpret mode (which cannot run inline Mosaic GPU): enc through SMEM, then one
-  key of the tile's first ``rows`` rows (the real ones) at a time with scalar reads and stores — the same writes,
-  slowly."""
-  enc_s[...] = enc
-
-  def one(i, carry):
-    s = enc_s[i // 128, i % 128]
-
-    @pl.when(s >= 0)
-    def _():
-      e = row0 * 128 + i
-
-      def put(ref, p, v):  # (a row rewritten: the test harness hands the interpreter scalar values as ints)
-        ref[p // 64, :] = jnp.where(lax.broadcasted_iota(jnp.int32, (64,), 0) == p % 64, v, ref[p // 64, :])
-
-      put(js_s, s, e)
-      for q in range(kpool):
-        put(idx_s, s * kpool + q, e * kpool + q)
-
-    return carry
-
-  lax.fori_loop(0, rows * 128, one, None)
 
 
 def _order_key_u32_np(x) -> int:
@@ -899,114 +841,18 @@ def _prefix_slots(gt, eq, base, need, f_s, upper, lower_s):
   return sel, n_gt + jnp.minimum(n_eq, need), packed
 
 
-def _select_kernel(k: int, kpool: int, n_tail: int, nr: int, interpret: bool, early_exit: bool = True):
-  nt = -(-nr // SELECT_ROWS)
-  i32, u32 = jnp.int32, jnp.uint32
-  k_ninf, k_pinf = (_order_key_u32_np(x) for x in (-np.inf, np.inf))  # (finite: the keys strictly between)
-
-  def body(s_g, ts_g, pos_g, idx_g, js_g, u_s, f_s, upper_s, lower_s, idx_s, js_s, bar, *enc_s):
-    r = lax.axis_index("r")
-    plgpu.copy_gmem_to_smem(s_g.at[r], u_s.at[pl.ds(0, nr)], bar)
-    # (the constant operands of the prefix counts, while the row arrives: strictly upper / lower triangles)
-    wg = _L.WGMMA
-    _fill_triangles(upper_s, lower_s)
-    # idx: -1, and the tail after the k pools' kpool positions; js: -1 (the scatter writes the selected slots)
-    ts, pos = ts_g[r], pos_g[r]
-    wr = idx_s.shape[0]
-    p = (plgpu.broadcasted_iota(i32, (wr, 64), 0, layout=wg) * 64
-         + plgpu.broadcasted_iota(i32, (wr, 64), 1, layout=wg))
-    t_pos = ts + p - kpool * k
-    idx_s[...] = jnp.where((p >= kpool * k) & (p < kpool * k + n_tail) & (t_pos <= pos), t_pos, -1)
-    js_s[...] = plgpu.layout_cast(jnp.full(js_s.shape, -1, i32), wg)
-    plgpu.commit_smem()  # (the wgmma operands: the async proxy)
-    plgpu.barrier_wait(bar)
-
-    thr, need = _threshold_passes(order_key_u32(u_s.at[pl.ds(0, nr)][...]), k, early_exit)
-
-    # The slots tile by tile (_prefix_slots over the [rows, 128] view); `base` carries the tiles above.
-    base = i32(0)
-    rows = plgpu.broadcasted_iota(i32, (SELECT_ROWS, 128), 0, layout=wg)
-    for b in range(nt):
-      ub = order_key_u32(plgpu.load(u_s.at[pl.ds(b * SELECT_ROWS, SELECT_ROWS)], layout=wg, optimized=False))
-      # (flags as int32 0 / 1: i1 register arrays do not combine in Mosaic GPU's layout inference)
-      real = jnp.where(rows + b * SELECT_ROWS < nr, i32(1), i32(0))  # (rows past the row's end: not keys)
-      gt, eq = jnp.where(ub > thr, real, i32(0)), jnp.where(ub == thr, real, i32(0))
-      fin = jnp.where(ub > u32(k_ninf), jnp.where(ub < u32(k_pinf), real, i32(0)), i32(0))
-      sel, slot, packed = _prefix_slots(gt, eq, base, need, f_s, upper_s, lower_s)
-      enc = jnp.where(sel * fin > 0, slot, i32(-1))
-      if b + 1 < nt:  # (row sums first: a whole-tile sum to a scalar failed Mosaic's layout inference here)
-        base = base + packed.sum(axis=1).sum()
-      if interpret:
-        _scatter_selected_interpret(enc, enc_s[0], js_s, idx_s, row0=b * SELECT_ROWS, kpool=kpool,
-                                    rows=min(SELECT_ROWS, nr - b * SELECT_ROWS))
-      else:
-        _scatter_selected(plgpu.layout_cast(enc, wg), js_s, idx_s, row0=b * SELECT_ROWS, kpool=kpool)
-      plgpu.commit_smem()  # (the scatter's stores before the TMA stores; f_s free for the next tile)
-
-    plgpu.copy_smem_to_gmem(idx_s.at[pl.ds(0, idx_g.shape[1])], idx_g.at[r])
-    plgpu.copy_smem_to_gmem(js_s.at[pl.ds(0, js_g.shape[1])], js_g.at[r])
-    plgpu.wait_smem_to_gmem(0)
-
-  return body
-
-
-@kernel_entry("k", "kpool", "n_tail", "width", "early_exit")
-def topk_select(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int, early_exit: bool = True):
-  """Mosaic GPU version of ``topk_select_reference`` (same contract): one CTA per row — the row's keys formed from
-  the scores in registers (as ``topk_threshold`` from scores), the threshold by one-bit passes that stop once a
-  candidate has exactly k keys at or above it, the selected keys' slots by two wgmmas per 64 rows of 128 keys
-  (``_select_kernel``), and the pools' js and token positions scattered into SMEM (inline Mosaic GPU: a thread
-  per element; GPU interpret mode runs a scalar loop instead) and stored whole, the tail and the -1 padding
-  included. N must be a multiple of 128 up to THRESHOLD_MAX_KEYS (pad with -inf); width a multiple of 64.
-  Replaces the threshold kernel and the XLA compaction after it (policy knob topk_select_kernel, off: natively
-  right but 19.8 µs alone vs 17.0 for the form it replaces, and the step 0.13 ms slower; its scatter and tiles
-  as loops instead measured 31.0 µs — BENCHMARKS.md, session 42). ``early_exit``
-  False: all 32 passes (benchmarks/bench_topk.py's comparison; the same selection)."""
-  from pallas_kernels._common import interpreting  # noqa: PLC0415
-  _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
-  R, N = scores.shape
-  if N % THRESHOLD_LANES or N > THRESHOLD_MAX_KEYS:
-    raise ValueError(f"topk_select: N = {N} scores per row; the kernel takes a multiple of {THRESHOLD_LANES} up "
-                     f"to {THRESHOLD_MAX_KEYS} (pad with -inf)")
-  if width % 64 or k >= SELECT_MAX_K:
-    raise ValueError(f"topk_select: width = {width}, k = {k}; expected a width that is a multiple of 64 (the index "
-                     f"rows' TMA boxes) and k < {SELECT_MAX_K} (the packed counts)")
-  nr = N // THRESHOLD_LANES
-  nt = -(-nr // SELECT_ROWS)
-  wrows, jrows = width // 64, -(-k // 64)
-  interp = interpreting()
-  bf16_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  scratch = [
-      plgpu.SMEM((nt * SELECT_ROWS, THRESHOLD_LANES), jnp.float32),  # u_s: the row (whole 64-row tiles)
-      plgpu.SMEM((SELECT_ROWS, 128), jnp.bfloat16, transforms=bf16_tile),  # f_s: one tile's packed flags
-      plgpu.SMEM((128, 128), jnp.bfloat16, transforms=bf16_tile),  # upper_s
-      plgpu.SMEM((SELECT_ROWS, SELECT_ROWS), jnp.bfloat16, transforms=bf16_tile),  # lower_s
-      plgpu.SMEM((-(-wrows // 64) * 64, 64), jnp.int32),  # idx_s (whole 64-row tiles: the WGMMA-layout fill)
-      plgpu.SMEM((-(-jrows // 64) * 64, 64), jnp.int32),  # js_s
-      plgpu.Barrier(num_arrivals=1),
-  ] + ([plgpu.SMEM((SELECT_ROWS, 128), jnp.int32)] if interp else [])  # (interpret mode's scatter)
-  idx, js = mgpu_kernel(
-      _select_kernel(int(k), int(kpool), int(n_tail), nr, interp, bool(early_exit)),
-      out_type=(jax.ShapeDtypeStruct((R, wrows, 64), jnp.int32), jax.ShapeDtypeStruct((R, jrows, 64), jnp.int32)),
-      grid=(R,),
-      grid_names=("r",),
-      kernel_name="glm5_topk_select",
-      scratch_types=scratch,
-  )(scores.reshape(R, nr, THRESHOLD_LANES), tail_start.astype(jnp.int32), pos.astype(jnp.int32))
-  return idx.reshape(R, width), js.reshape(R, jrows * 64)[:, :k]
-
-
 # ------------------------------------------------------------------------------------------------ top-k compaction
 # The selection after the threshold kernel, as one launch of several CTAs per score row. The row is viewed as [N / L,
 # L] (L = ``lanes`` keys per row, 32 or 128); CTA c owns the 64 rows 64c.. of it (64 · L keys), counts the selected
 # keys before them itself (the packed gt / eq flags of the tiles above: no exchange between CTAs), forms its keys'
-# slots with topk_select's two wgmma prefix counts (F · U within a row, L64 · F down the tile), and stores each
+# slots with two wgmma prefix counts (_prefix_slots: F · U within a row, L64 · F down the tile), and stores each
 # selected key's pool and its kpool token positions straight to GMEM (a thread per key: every slot below k has exactly
 # one owner, so no -1 fill races with it); CTA 0 also writes the tail and the -1 padding up to the attention kernel's
 # width. It replaces XLA's compaction after the threshold kernel — a blocked prefix sum (reduce-window), a slice, a
 # select, the -1 buffer's copy, a scatter and the pad to the width: six launches and 9.4 µs on every DSA layer's q = 1
-# chain (session 48's trace) — without topk_select's single-CTA latency (its threshold passes and both 64-row tiles of
-# 128 keys in one CTA, 64 keys per thread each: 19.8 µs alone vs 17.0 for the threshold kernel + XLA, session 42).
+# chain (session 48's trace) — without a single CTA's latency (session 42's one-CTA selection: its threshold passes
+# and both 64-row tiles of 128 keys in one CTA, 64 keys per thread each: 19.8 µs alone vs 17.0 for the threshold
+# kernel + XLA).
 # With L = 32 a thread holds 16 keys of its tile (5 CTAs at 32K context's 8,704 pools).
 COMPACT_LANES = 32  # keys per row of the compaction's view (the default: 2,048 keys per CTA, 16 per thread)
 _ENC_SLOT = 15  # a selected key's packed code: its index (bits 0..14), slot (15..28), non-finite flag (bit 29)
@@ -1145,14 +991,14 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
 
     def above(b, acc):  # the packed counts of the keys in the tiles before this CTA's (all whole: b < c)
       gt, eq, _ = flags(b * T)
-      return acc + (gt + eq * _EQ_UNIT).sum(axis=1).sum()  # (row sums first: see topk_select)
+      return acc + (gt + eq * _EQ_UNIT).sum(axis=1).sum()  # (row sums first: a whole-tile sum to a scalar failed Mosaic's layout inference)
 
     with jax.named_scope("base"):
       base = lax.fori_loop(0, c, above, i32(0))
     row0 = c * T
     with jax.named_scope("flags"):
       gt, eq, fin = flags(row0)
-    with jax.named_scope("slots"):  # (topk_select's prefix counts)
+    with jax.named_scope("slots"):  # (the prefix counts: _prefix_slots)
       sel, slot, _ = _prefix_slots(gt, eq, base, need, f_s, upper_s.at[pl.ds(0, L)], lower_s)
       key = (rows + row0) * L + plgpu.broadcasted_iota(i32, (T, L), 1, layout=wg)
       code = key + lax.shift_left(slot, _ENC_SLOT) + (1 - fin) * _ENC_NONFINITE
@@ -1175,7 +1021,7 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
   selected keys of its 64 rows of ``lanes`` keys (32 or 128). N a multiple of 128 up to THRESHOLD_MAX_KEYS (pad
   with -inf), kpool · k and width multiples of 64, k < SELECT_MAX_K.
 
-  t = n_gt = None: the fused form — every CTA finds the threshold itself from the row it holds (topk_select's
+  t = n_gt = None: the fused form — every CTA finds the threshold itself from the row it holds (_threshold_passes'
   one-bit passes; ``early_exit`` as topk_threshold's), so the selection is ONE launch with no threshold kernel
   before it: the passes run in parallel in the row's CTAs instead of in a launch of their own (its launch gap and
   the compaction's reload of the row leave the chain)."""

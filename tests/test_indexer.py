@@ -450,62 +450,6 @@ def select_inputs(rng, R, N, k, n_real):
   return jnp.asarray(v), jnp.asarray((pos + 1) // 4 * 4), jnp.asarray(pos)
 
 
-@pytest.mark.parametrize("R,N,k,n_tail,width", [(2, 256, 20, 3, 128), (4, 1024, 100, 6, 512),
-                                                (1, 8320, 512, 3, 2112), (2, 384, 384, 3, 1600)])
-def test_select_kernel_interpret(R, N, k, n_tail, width):
-  """The indexer's whole selection in one kernel (policy knob topk_select_kernel): the early-exit threshold, the
-  slots from the wgmma prefix counts (two 64-row tiles at N = 8,320), the scatter (interpret mode's scalar form),
-  the tail and the -1 padding — equal to lax.top_k's set, ascending, with non-finite pools -1; ties (row 0), NaN,
-  +inf, a row with fewer than k finite scores, k = N."""
-  rng = np.random.default_rng()
-  n_real = [N - 64] * (R - 1) + [k // 2]
-  sc, ts, pos = select_inputs(rng, R, N, k, n_real)
-  kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
-  want = I.topk_select_reference(sc, ts, pos, **kw)
-  with maybe_interpret(True):
-    got = jax.jit(lambda *a: I.topk_select(*a, **kw))(sc, ts, pos)
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-  js = np.asarray(got[1])  # (the set ascending; the last row's pools past its k / 2 finite scores -1)
-  assert (js[-1, k // 2:] == -1).all() and all((np.diff(r[r >= 0]) > 0).all() for r in js)
-
-
-def test_select_rejects_bad_input():
-  sc, ts = jnp.zeros((2, 256), jnp.float32), jnp.zeros((2,), jnp.int32)
-  with pytest.raises(ValueError, match="width"):
-    I.topk_select(sc, ts, ts, k=20, kpool=4, n_tail=3, width=64)  # (< 4 · 20 + 3)
-  with pytest.raises(ValueError, match="multiple of 64"):
-    I.topk_select(sc, ts, ts, k=20, kpool=4, n_tail=3, width=100)
-  with pytest.raises(ValueError, match="multiple of 128"):
-    I.topk_select(jnp.zeros((2, 200), jnp.float32), ts, ts, k=20, kpool=4, n_tail=3, width=128)
-  with pytest.raises(ValueError, match=r"\[2\]"):
-    I.topk_select(sc, ts[:1], ts, k=20, kpool=4, n_tail=3, width=128)
-
-
-@pytest.mark.parametrize("R,N", [(1, 8704), (4, 8704), (32, 8704), (1, I.THRESHOLD_MAX_KEYS)])
-def test_select_cross_lower(R, N):
-  """The native form (inline Mosaic GPU's scatter, which interpret mode cannot run) lowers for CUDA at the decode's
-  score rows (B · q up to 32) and the largest row the registers hold."""
-  args = (SDS((R, N), jnp.float32), SDS((R,), jnp.int32), SDS((R,), jnp.int32))
-  txt = cross_lower(lambda *a: I.topk_select(*a, k=512, kpool=4, n_tail=3, width=2112), *args).as_text()
-  assert "mosaic_gpu" in txt
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("R,N,k,n_tail,width", [(1, 8704, 512, 3, 2112), (4, 8704, 512, 6, 2112),
-                                                (32, 16512, 512, 3, 2112), (2, 256, 20, 3, 128),
-                                                (2, 384, 384, 3, 1600), (1, I.THRESHOLD_MAX_KEYS, 512, 3, 2112)])
-def test_select_kernel_gpu(R, N, k, n_tail, width):
-  """The native kernel (the inline scatter: a thread per selected key) against the reference."""
-  rng = np.random.default_rng()
-  sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
-  kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
-  want = jax.jit(lambda *a: I.topk_select_reference(*a, **kw))(sc, ts, pos)
-  got = jax.jit(lambda *a: I.topk_select(*a, **kw))(sc, ts, pos)
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-
-
 def compact_thresholds(sc, k, native: bool):
   """The thresholds topk_compact may get for scores sc [R, N], as topk_threshold(lanes_out=True) writes them
   ([R, 128]): the exact one (the reference's: the k-th largest key, #{key > it}) and the threshold kernel's
@@ -722,19 +666,6 @@ def test_compact_kernel_at_the_model_site(native, P, extra_tail, keys, fused):
   ``fused``: with topk_compact_fused, the threshold found in the compaction kernel's CTAs (no threshold kernel)."""
   outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 298], "topk_compact_kernel",
                                    policy={"topk_keys_in_kernel": keys, "topk_compact_fused": fused},
-                                   extra_tail=extra_tail, width=lambda W: W + 100)
-  check_list_at_width(outs, 100)
-
-
-@pytest.mark.parametrize("native,P,extra_tail", [(False, 320, 0), (False, 256, 2),
-                                                 pytest.param(True, 320, 0, marks=pytest.mark.gpu)])
-def test_select_kernel_at_the_model_site(native, P, extra_tail):
-  """Policy knob topk_select_kernel at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
-  rows of which some pools are not complete; interpret mode, and natively on a GPU): the one-launch selection
-  gives the token index list of the threshold kernel + XLA's compaction, -1 padded to the width asked for (the
-  attention kernel's), and the same pools; the site is reported, and without the threshold kernel the knob does
-  not fit and says why."""
-  outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 298], "topk_select_kernel",
                                    extra_tail=extra_tail, width=lambda W: W + 100)
   check_list_at_width(outs, 100)
 

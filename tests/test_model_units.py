@@ -270,7 +270,7 @@ def test_router_topk_equals_sorting_router():
     (8196, 512, "ties", dict(scan_block=128, threshold_kernel=True)),
     (700, 512, "masked", dict(scan_block=128, threshold_kernel=True)),
     (300, 64, "special", dict(threshold_kernel=True)), (8196, 512, "ties", dict(scan_block=128, threshold_kernel=2)),
-    (300, 64, "special", dict(threshold_kernel=2)), (8196, 512, "ties", dict(scan_block="mm128")),
+    (300, 64, "special", dict(threshold_kernel=2)),
     # the kernel's early exit (policy knob topk_threshold_exit): the threshold one below a candidate with k above
     (8196, 512, "scores", dict(scan_block=128, threshold_kernel=True, threshold_exit=True)),
     (2000, 512, "special", dict(threshold_kernel=2, threshold_exit=True))])
@@ -308,16 +308,12 @@ def test_topk_set_by_threshold_rejects_an_exit_without_the_kernel():
     topk_set_by_threshold(jnp.ones((1, 256), jnp.float32), 8, threshold_exit=True)
 
 
-@pytest.mark.parametrize("N,block", [(1000, None), (1000, 128), (8256, 128), (77, 512), (300, 7), (8256, "mm128"),
-                                     (300, "mm7")])
+@pytest.mark.parametrize("N,block", [(1000, None), (1000, 128), (8256, 128), (77, 512), (300, 7)])
 def test_exclusive_prefix_sum(N, block):
-  """Every form == numpy's cumsum; "mm<b>" (the within-block sums as a matmul) on the top-k's packed counts
-  (0, 1 or 65,536 + 0 / 1 per entry: the largest values it is used with)."""
+  """Every form == numpy's cumsum."""
   from glm5_jax.layers import exclusive_prefix_sum  # noqa: PLC0415
   rng = np.random.default_rng()
   x = rng.integers(0, 1 << 10, (3, N)).astype(np.int32)
-  if isinstance(block, str):
-    x = (rng.integers(0, 2, (3, N)) + (rng.integers(0, 2, (3, N)) << 16)).astype(np.int32)
   got = np.asarray(jax.jit(lambda x: exclusive_prefix_sum(x, block))(jnp.asarray(x)))
   np.testing.assert_array_equal(got, np.cumsum(x, axis=-1) - x)
 
@@ -427,7 +423,7 @@ def test_native_wrong_kernels_are_refused_outside_interpret_mode(monkeypatch):
   equivalences — it still runs."""
   from glm5_jax.layers import NATIVE_WRONG, kernel_enabled, kernel_report, use_kernels  # noqa: PLC0415
   from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
-  knob = "topk_scan_mm"  # any knob: the list is empty while every kernel passes its GPU tests
+  knob = "topk_threshold_2bit"  # any knob: the list is empty while every kernel passes its GPU tests
   monkeypatch.setitem(NATIVE_WRONG, knob, "wrong natively (a test's entry)")
   with use_kernels({knob: True}), kernel_report() as rep:
     assert not kernel_enabled(knob)

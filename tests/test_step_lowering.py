@@ -99,8 +99,8 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   (router_route: q = 2 is two token rows). With the fused kernels (each form lowers its own off-by-default
   knobs: the kernels of both at once took the CPU suite past its 10 minutes), half as wide per CTA (mhc_narrow),
   the finish / Sinkhorn summing the raw partials (mhc_fused_sums), the short conv inside the KDA kernel
-  (kda_conv), the top-k threshold kernel on 4 warpgroups (topk_threshold_4wg) — replaced by the one-launch
-  selection (topk_select_kernel) — and the sparse MLA's split merge as a kernel (mla_combine_kernel); with the grid barrier, its counters in one Ref per step
+  (kda_conv), the top-k threshold kernel on 4 warpgroups (topk_threshold_4wg) before XLA's compaction, and the
+  sparse MLA's split merge as a kernel (mla_combine_kernel); with the grid barrier, its counters in one Ref per step
   (mhc_barrier_counters: every trunk boundary's launch takes the Ref's buffer as an aliased operand), the FP8 /
   BF16 linears' K splits summed in the kernel on the step's split-K counters (linear_fused_sum), and the indexer's
   selection as ONE launch of the multi-CTA compaction kernel whose CTAs find the threshold themselves
@@ -114,16 +114,16 @@ def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
                            ("topk_compact_fused", not kernels),
                            ("mhc_narrow", kernels), ("mhc_fused_sums", kernels),
                            ("kda_conv", kernels), ("topk_threshold_4wg", kernels), ("mla_combine_kernel", kernels),
-                           ("topk_select_kernel", kernels), ("qkv_a_fused_sum", kernels)))
+                           ("qkv_a_fused_sum", kernels)))
   names = {"kernels": ("glm5_mhc_pre", "glm5_mhc_post_pre", "glm5_mhc_finish"),
            "grid": ("glm5_mhc_post_finish", "glm5_mhc_sinkhorn")}[form]
   for name in names:
     assert name in txt, name
   assert ("glm5_mhc_post_pre" in txt) == kernels
   assert "glm5_router_route" in txt and "glm5_moe_route" not in txt and ("glm5_mla_combine" in txt) == kernels
-  # the indexer's selection in one launch (topk_select_kernel) instead of the threshold kernel and XLA's compaction
-  # (the fused compaction instead of the threshold kernel + XLA's compaction in the grid form)
-  assert ("glm5_topk_select" in txt) == kernels and "glm5_topk_threshold" not in txt
+  # the indexer's selection: the threshold kernel (on 4 warpgroups) + XLA's compaction in the kernels form, the
+  # fused compaction in one launch (no threshold kernel) in the grid form
+  assert ("glm5_topk_threshold" in txt) == kernels
   assert ("glm5_topk_compact" in txt) != kernels
   # (the kernels form: the split-K counters at the DSA layers' q_a / kv_a projection alone — qkv_a_fused_sum)
   fp8 = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_fp8_dq_linear" in line]
