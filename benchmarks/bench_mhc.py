@@ -4,7 +4,7 @@ real width (4 streams × 4096), fused kernels (pallas_kernels/mhc.py) vs the sto
 Paths: "stock" (XLA), "fused" (the kernels: mhc_post_pre, a reduction, mhc_finish, mhc_sinkhorn, 64 / 128 columns
 per CTA), "narrow" (the same with twice the CTAs, each half as wide: policy mhc_narrow, the default since session
 32), "sums" (narrow, the finish and Sinkhorn summing the raw partials: policy mhc_fused_sums — no reduction),
-"1launch" (policy mhc_boundary: the boundary as one cluster launch, a reduction, mhc_sinkhorn), "grid" (policy
+"grid" (policy
 mhc_grid_barrier, up to 4 rows: the boundary as one launch of 128 CTAs with a grid barrier, then mhc_sinkhorn on
 its raw partials; with it, its kernel alone as one launch and as its two halves), "row" (policy mhc_row, one row:
 "grid" with a column of every stream per thread, 32 CTAs — mhc_row_boundary; with it, its kernel alone).
@@ -13,7 +13,7 @@ Columns: "dev us" device time of one boundary (CUPTI kernel durations), "kernels
 state: the gaps between kernels count, as in the decode step), and the floor: bytes one boundary must move
 (X in and out, y, fn, the normed output) at 4.3 TB/s.
 
-Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_mhc.py [--rows 1,4,8,32,64] [--paths stock,fused,1launch]
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_mhc.py [--rows 1,4,8,32,64] [--paths stock,fused,grid,row]
               [--out results.txt]
        --compile: instead, seconds to compile a chain of 16 boundaries (and of each part alone, 16 times) per M —
        the whole q = 4 step once took over 8 minutes to compile (session 22)
@@ -81,12 +81,6 @@ def sums(hc, norm, X2, y, mix):
     return hc.fused(X2, (y, mix), norm)
 
 
-def one_launch(hc, norm, X2, y, mix):
-  """The boundary as one launch (policy mhc_boundary: mhc_boundary, the XLA reduction, mhc_sinkhorn)."""
-  with use_kernels({"mhc_boundary": True}):
-    return hc.fused(X2, (y, mix), norm)
-
-
 def grid(hc, norm, X2, y, mix):
   """The boundary as one launch with a grid barrier (policy mhc_grid_barrier: mhc_post_finish, mhc_sinkhorn)."""
   with use_kernels({"mhc_grid_barrier": True}):
@@ -146,13 +140,10 @@ def main(argv=None):
   p.add_argument("--rows", default="1,4,8,32,64")
   p.add_argument("--out", default=None)
   p.add_argument("--compile", action="store_true", help="compile times instead of run times (see the docstring)")
-  p.add_argument("--paths", default="stock,fused,narrow,sums,grid,1launch", help="comma-separated paths, in this "
+  p.add_argument("--paths", default="stock,fused,narrow,sums,grid", help="comma-separated paths, in this "
                  "order (and the fused path's kernels alone after them when 'fused' is among them)")
-  p.add_argument("--clusters", default="", help="with '1launch': also the mhc_boundary kernel alone at these "
-                 "cluster sizes (e.g. 8,4,2: each CTA then does 8 / 16 / 32 chunks of the same work)")
   a = p.parse_args(argv)
-  paths = {"stock": stock, "fused": fused, "narrow": narrow, "sums": sums, "grid": grid, "1launch": one_launch,
-           "row": row}
+  paths = {"stock": stock, "fused": fused, "narrow": narrow, "sums": sums, "grid": grid, "row": row}
   names = a.paths.split(",")
   if unknown := set(names) - set(paths):
     raise SystemExit(f"--paths: unknown {sorted(unknown)}; known: {sorted(paths)}")
@@ -208,21 +199,8 @@ def main(argv=None):
       grid_alone(hc, norm, sets, M)
     if "row" in names and M == 1:
       grid_alone(hc, norm, sets, M, km.mhc_row_boundary)
-    for cl in [int(c) for c in a.clusters.split(",") if c]:
-      boundary_alone(hc, norm, sets, M, cl)
   if a.out:
     write_log(a.out)
-
-
-def boundary_alone(hc, norm, sets, M, cluster):
-  """The one-launch boundary kernel alone (device µs per call) with ``cluster`` CTAs: where its time goes as the
-  per-CTA work grows (fewer CTAs) — the SMs' own time, or waiting for a cluster's SMs to be free together."""
-  coef = hc.base_scale[...]
-  f = jax.jit(lambda X2, y, mix: km.mhc_boundary(
-      X2, y, mix, hc.fn[...], coef, norm.weight[...], eps=hc.eps, hc_norm_eps=hc.norm_eps, norm_eps=norm.eps,
-      post_mult=hc.post_mult, approx_math=True, cluster=cluster))
-  dev, _ = time_calls(f, sets)
-  log(f"#   M = {M}: mhc_boundary alone, a cluster of {cluster} CTAs ({D // cluster} columns each): {dev:.2f} µs")
 
 
 def grid_alone(hc, norm, sets, M, kern=km.mhc_post_finish):

@@ -155,11 +155,11 @@ def main():
       log(MLA_HEADER)
       for B, T in ([(1, 1), (1, 4), (8, 4), (32, 1)] if a.quick else [(1, 1), (1, 4), (8, 1), (8, 4), (32, 1)]):
         bench_mla(B, T, pooled=pooled)
-    if "combine" in only:  # the splits' merge: XLA's fusions, a Mosaic launch after the kernel, inside it
+    if "combine" in only:  # the splits' merge: XLA's fusions or a Mosaic launch after the kernel
       log("\n## sparse MLA: the splits' merge (\"call\" = every launch of the call; last column: the form)")
       log(MLA_HEADER)
       for B, T in [(1, 1), (1, 4), (2, 8), (8, 4)]:
-        for combine in ("xla", "kernel") + (("fused",) if B * T <= M.FUSED_MAX_TOKENS else ()):
+        for combine in ("xla", "kernel"):
           bench_mla(B, T, with_xla=False, pooled=pooled, combine=combine)
     if "sweep" in only:
       log("\n## sparse MLA: blocks of 64 positions per CTA (W split)")

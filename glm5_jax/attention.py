@@ -589,16 +589,8 @@ class DSA(nnx.Module):
       if kernel_enabled("sparse_mla", B * T):
         hp = -H % 16  # the kernel packs 16 heads per CTA: pad with zero queries (sliced off below)
         qk = jnp.pad(q_hat, ((0, 0), (0, 0), (0, hp), (0, 0))) if hp else q_hat
-        # the splits' merge: in the attention kernel (mla_combine_fused), a Mosaic launch of its own
-        # (mla_combine_kernel), else XLA fusions
-        ns = ks.num_splits(B, T, H + hp, idx.shape[-1])
-        combine = "xla"
-        if kernel_enabled("mla_combine_kernel"):
-          combine = "kernel"
-        if kernel_enabled("mla_combine_fused", fits=ns >= ks.COMBINE_TILES and B * T <= ks.FUSED_MAX_TOKENS,
-                          why=f"{ns} splits for {B * T} tokens (the fused merge needs >= {ks.COMBINE_TILES} splits "
-                          f"and <= {ks.FUSED_MAX_TOKENS} tokens)"):
-          combine = "fused"
+        # the splits' merge: a Mosaic launch of its own (mla_combine_kernel), else XLA fusions
+        combine = "kernel" if kernel_enabled("mla_combine_kernel") else "xla"
         # mla_uv_kernel: W_UV as a kernel reading the merge's O^T as it is (no XLA transpose + reduction after it)
         uv = kernel_enabled("mla_uv_kernel", B * T, fits=wkv.dtype == jnp.bfloat16 and B * T <= ks.UV_MAX_TOKENS
                             and dv % ks.BLOCK == 0,

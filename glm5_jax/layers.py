@@ -226,13 +226,6 @@ KNOBS = {
         "warpgroups' reductions shared Mosaic's one cross-warp SMEM scratch (session 34); the warp-per-row form "
         "passes its GPU tests natively, and the one-rank step at q = 4, 4 steps per call: 8.72 -> 8.32 ms (43 "
         "fewer launches; BENCHMARKS.md session 35)"),
-    "mhc_boundary": (False,
-        "with mhc, mhc_finish and mhc_sinkhorn_split on: each mHC boundary as ONE launch (a cluster of 8 "
-        "CTAs: pallas_kernels.mhc.mhc_boundary) instead of mhc_post_pre + an XLA reduction + mhc_finish on "
-        "the sublayer's critical path (~14 µs and 3 launches per boundary at q = 1, session 29); the Sinkhorn "
-        "stays a kernel of its own. Natively correct but, Python-unrolled (3.1 MB of MLIR), 5.78 -> 18.04 ms "
-        "per step at q = 1 (session 31); with its chunks as loops (0.71 MB) 33.8 µs alone vs 15.3 for the "
-        "fused path (56.8 on a cluster of 4: the 8 CTAs' serial chunks bound it; session 32) — off"),
     "mhc_narrow": (True,
         "with mhc on: mhc_post_pre over 32 columns per CTA (128 CTAs) and mhc_finish over 64 (64 CTAs) "
         "instead of 64 / 128: at M = 1 both run 64-row tiles for one real row; twice the CTAs halve each "
@@ -423,15 +416,8 @@ KNOBS = {
         "with sparse_mla on: the splits' partial outputs merged by one Mosaic launch after the attention kernel "
         "(pallas_kernels.sparse_mla combine='kernel': a CTA per 64-row tile and token, the splits' loads all "
         "in flight) instead of XLA's broadcast + variadic-reduce fusions (1.5 + 4.2 µs per DSA layer at q = 1, "
-        "session 29's profile). Natively bit-identical to mla_combine_fused's in-kernel merge (GPU tests, "
-        "session 34)" + _S43),
-    "mla_combine_fused": (False,
-        "with sparse_mla on, at >= 8 splits and <= 16 tokens: the merge inside the attention kernel itself "
-        "(combine='fused': each CTA signals its token's GMEM semaphore; the last splits' CTAs, dispatched last, "
-        "wait for the others and combine a 64-row tile each) — the attention one launch in all; elsewhere "
-        "mla_combine_kernel's form if on, else XLA's. Natively bit-identical to the 'kernel' form (GPU tests, "
-        "session 34) but the one-rank step at q = 1 5.32 -> 5.45 ms (slower in every round: the waiting CTAs "
-        "hold SMs while the other splits finish) — off"),
+        "session 29's profile). Natively bit-identical to the merge inside the attention kernel that was measured "
+        "slower (session 34; removed in session 53)" + _S43),
     "pdl": (False,
         "every Mosaic kernel of the step starts with griddepcontrol.wait + .launch_dependents (Programmatic "
         "Dependent Launch: a dependent kernel is launched and scheduled while its predecessor drains; "
@@ -844,16 +830,6 @@ class HyperConnection(nnx.Module):
                   approx_math=True)
     coef, D = self.base_scale[...], X2.shape[1] // km.N
     split = kernel_switch("mhc_finish") and kernel_switch("mhc_sinkhorn_split")
-    width = km.cluster_size(D) * km.DC_FIN
-    if kernel_enabled("mhc_boundary", fits=split and D % width == 0,
-                      why=f"needs mhc_finish and mhc_sinkhorn_split on, and a hidden size a multiple of {width}"):
-      # the boundary in ONE launch (a cluster of CTAs: post, pre logits, Gram, the sublayer input's RMSNorm); the
-      # Sinkhorn of comb for the next boundary from its partials, off the sublayer's critical path. (The finish
-      # and the split Sinkhorn run here too: their sites are recorded.)
-      kernel_enabled("mhc_finish"), kernel_enabled("mhc_sinkhorn_split")
-      Xn, x_in, part = km.mhc_boundary(X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None,
-                                       norm_eps=norm.eps, **{k: v for k, v in consts.items() if k != "iters"})
-      return Xn, x_in, km.mhc_sinkhorn(_chunk_sums(part, M), coef, D=D, **consts)
     grid_fits = split and M <= km.PARTS_MAX_ROWS and D // km.GRID_COLS <= km.GRID_MAX_CTAS
     if kernel_enabled("mhc_grid_barrier", fits=grid_fits,
                       why=f"needs mhc_finish and mhc_sinkhorn_split on, up to {km.PARTS_MAX_ROWS} token rows (here "

@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import interpreting, kernel_entry, mgpu_kernel
+from pallas_kernels._common import kernel_entry, mgpu_kernel
 
 D_LATENT = 512
 GROUP = 128  # values per fp32 scale
@@ -298,23 +298,16 @@ def _combine_tile(o_g, lse_g, out_g, bt, tile, ns: int):
   out_g[bt, pl.ds(r0, BLOCK)] = plgpu.layout_cast(acc / lax.broadcast_in_dim(den, acc.shape, (1,)), _L.WGMMA)
 
 
-def _mla_kernel(nbs: int, hn: int, fused_combine: bool = False, ng: int = 1):
+def _mla_kernel(nbs: int, hn: int):
   """Kernel body for ``nbs`` blocks of 64 positions per CTA and ``hn`` heads per CTA.
 
   GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (rescale * softmax_scale * log2 e),
   c32_g [B, S, ROW_WORDS] int32 (cache rows: packed e4m3 + scales), idx_g [BT, Wp / 64, 64] int32;
-  out o_g [BT, NS, 512, H] f32 (partial O^T, normalised), lse_g [BT, NS, H] f32 (base-2 log-sum-exp of the split);
-  ``fused_combine``: also out_g [BT, 512, H] f32 — every CTA signals its token's semaphore once its split is
-  stored, and the CTAs of the last head group's (of ``ng``) last COMBINE_TILES splits (the last the GPU
-  dispatches: besides each other — all resident at once, FUSED_MAX_TOKENS — they wait only for CTAs dispatched
-  before them, which never wait) each wait for all of their token's and combine one 64-row tile
-  (``_combine_tile``)."""
+  out o_g [BT, NS, 512, H] f32 (partial O^T, normalised), lse_g [BT, NS, H] f32 (base-2 log-sum-exp of the split).
+  (A merge of the splits inside this kernel — its last splits' CTAs waiting at a semaphore — was slower in the
+  step: the waiting CTAs hold SMs, session 34; removed in session 53.)"""
 
-  def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, *rest):
-    if fused_combine:
-      out_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar = rest
-    else:
-      q_s, idx_s, c32_s, c16_s, p_s, bar, gbar = rest
+  def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar):
     hg = lax.axis_index("h")
     sp = lax.axis_index("s")
     bt = lax.axis_index("bt")
@@ -401,16 +394,6 @@ def _mla_kernel(nbs: int, hn: int, fused_combine: bool = False, ng: int = 1):
     # l >= 1 always (the running max contributes exp2(0)), so no division by zero even for an all-padding split.
     o_g[bt, sp, :, pl.ds(hg * hn, hn)] = plgpu.layout_cast(o / lax.broadcast_in_dim(l, o.shape, (1,)), _L.WGMMA)
     lse_g[bt, sp, pl.ds(hg * hn, hn)] = plgpu.layout_cast(m + jnp.log2(l), _L.WGMMA.reduce(0))
-    if fused_combine:
-      ns = o_g.shape[1]
-      sem = pl.get_global(plgpu.SemaphoreType.REGULAR((o_g.shape[0],)))  # one per token, zeroed per launch
-      plgpu.semaphore_signal(sem.at[bt], 1, memory_scope="gpu")
-      tile = sp - (ns - COMBINE_TILES)
-
-      @pl.when((hg == ng - 1) & (tile >= 0))
-      def _():
-        plgpu.semaphore_wait(sem.at[bt], ns * ng, decrement=False, memory_scope="gpu")
-        _combine_tile(o_g, lse_g, out_g, bt, tile, ns)
 
   return body
 
@@ -435,10 +418,7 @@ def _prepare_q(q, softmax_scale):
 
 
 COMBINE_TILES = D_LATENT // BLOCK  # 64-row tiles of a token's O^T: the CTAs that combine its splits
-COMBINES = ("xla", "kernel", "fused")
-# combine="fused": the waiting CTAs (COMBINE_TILES per token, dispatched last) must all be resident at once — one
-# attention CTA per SM (~163 KB of SMEM), 132 SMs on the H200: at most 16 tokens (B · T) per launch
-FUSED_MAX_TOKENS = 16
+COMBINES = ("xla", "kernel")
 
 
 def _splits(B: int, T: int, H: int, W: int, blocks_per_split: int | None) -> tuple[int, int]:
@@ -449,8 +429,7 @@ def _splits(B: int, T: int, H: int, W: int, blocks_per_split: int | None) -> tup
 
 
 def num_splits(B: int, T: int, H: int, W: int, blocks_per_split: int | None = None) -> int:
-  """The splits of the index list ``sparse_mla_decode`` runs for these shapes (``combine="fused"`` needs at least
-  COMBINE_TILES)."""
+  """The splits of the index list ``sparse_mla_decode`` runs for these shapes."""
   return _splits(B, T, H, W, blocks_per_split)[1]
 
 
@@ -472,10 +451,7 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   -> o [B, T, H, 512] f32. The dequantised latent must fit f16 (|c| < 65504; RMSNorm'd latents do).
   ``blocks_per_split``: 64-position blocks per CTA (default: about 2 CTAs per SM). ``combine``: how the splits'
   partial outputs merge — "xla" (``combine_splits``: XLA fusions after the kernel), "kernel" (``_combine_kernel``:
-  one Mosaic launch after it), "fused" (inside the attention kernel itself: its last splits' CTAs wait for their
-  token's others at a GMEM semaphore and combine — one launch in all; needs ``num_splits`` >= COMBINE_TILES and
-  B · T <= FUSED_MAX_TOKENS; GPU interpret mode, which cannot run the semaphores, runs it as "kernel": the same
-  arithmetic). ``transposed``: return the merged O^T [B·T, 512, H] f32 as the merge leaves it (what
+  one Mosaic launch after it). ``transposed``: return the merged O^T [B·T, 512, H] f32 as the merge leaves it (what
   ``mla_absorb_uv`` reads) instead of o."""
   B, T, H, Dl = q.shape
   if Dl != D_LATENT or cache.shape[-1] != ROW_WORDS or cache.dtype != jnp.int32:
@@ -489,11 +465,6 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   hn = HEADS_PER_CTA
   W = indices.shape[-1]
   nbs, ns = _splits(B, T, H, W, blocks_per_split)
-  if combine == "fused" and (ns < COMBINE_TILES or B * T > FUSED_MAX_TOKENS):
-    raise ValueError(f"sparse_mla_decode: combine='fused' with {ns} splits of the index list for {B * T} tokens; "
-                     f"it needs at least {COMBINE_TILES} splits (one per 64-row tile of the output) and at most "
-                     f"{FUSED_MAX_TOKENS} tokens (its waiting CTAs all resident at once): use 'kernel' here")
-  fused = combine == "fused" and not interpreting()
   wp = ns * nbs * BLOCK
   idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, wp - W)), constant_values=-1)
   idx = idx.reshape(B * T, wp // BLOCK, BLOCK)
@@ -503,8 +474,8 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
            jax.ShapeDtypeStruct((B * T, ns, H), jnp.float32))
   combined = jax.ShapeDtypeStruct((B * T, D_LATENT, H), jnp.float32)
   kern = mgpu_kernel(
-      _mla_kernel(nbs, hn, fused, H // hn),
-      out_type=(*parts, combined) if fused else parts,
+      _mla_kernel(nbs, hn),
+      out_type=parts,
       scratch_types=[
           plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
           plgpu.SMEM((nbs, BLOCK), jnp.int32),  # idx_s (TMA boxes are <= 256 per dimension)
@@ -519,12 +490,10 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
       kernel_name="glm5_sparse_mla",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
-  o_part, lse, *o = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache, idx)
-  if fused:
-    o = o[0]
-  elif combine == "xla":
+  o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache, idx)
+  if combine == "xla":
     o = combine_splits(o_part, lse)  # [BT, 512, H] (O^T per token)
-  else:  # "kernel", and "fused" in interpret mode
+  else:
     o = mgpu_kernel(_combine_kernel(ns), out_type=combined, grid=(COMBINE_TILES, B * T), grid_names=("t", "bt"),
                     kernel_name="glm5_mla_combine", compiler_params=plgpu.CompilerParams(approx_math=True))(o_part, lse)
   if transposed:

@@ -98,39 +98,6 @@ def test_kernels_interpret(M, D, first, split, narrow, cols, parts):
   _check_kernels(M, D, first, seed=M, interpret=True, split=split, narrow=narrow, cols=cols, parts=parts)
 
 
-def _check_boundary(M, D, first, seed=0, interpret=None, cluster=None):
-  """mhc_boundary (the boundary in one launch, a cluster of CTAs) vs its reference: X' as mhc_post_pre's, x_in
-  as mhc_finish's (one bf16 rounding apart, rarely two), the per-CTA partials as mhc_post_pre's summed."""
-  X, y, mix, fn, coef, w = _inputs(M, D, seed)
-  consts = {k: v for k, v in CONSTS.items() if k != "iters"}
-  ref = K.mhc_boundary_reference(X, y, mix, fn, coef, w, first=first, cluster=cluster, **consts)
-  with maybe_interpret(interpret):
-    got = jax.jit(lambda *a: K.mhc_boundary(*a, first=first, cluster=cluster, approx_math=True, **consts))(
-        X, y, mix, fn, coef, w)
-  f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
-  np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
-  np.testing.assert_allclose(f32(got[1]), f32(ref[1]), **{**BF16_ULP, "rtol": 2 * BF16_ULP["rtol"]})
-  assert np.mean(f32(got[1]) != f32(ref[1])) < 0.02
-  assert got[2].shape == ref[2].shape == ((cluster or K.cluster_size(D)), K.ROWS, K.PART)
-  for sl in (slice(0, K.MIX), slice(K.MIX, K.MIX + K.GRAM)):  # partial logits, partial Gram entries
-    r = f32(ref[2])[:, :M, sl]
-    np.testing.assert_allclose(f32(got[2])[:, :M, sl], r, atol=2e-3 * np.abs(r).max(), rtol=0)
-
-
-# (clusters of 2 CTAs: GPU interpret mode in jax 0.11.2 can stall a larger cluster at its barrier — 8 alone, 4
-# inside a model — see mhc_boundary; D = 1024 over 2 CTAs runs 8 chunks per CTA in phase 1 and 4 in phase 2, so
-# the double-buffered refills run; the GPU tests run the real cluster of 8)
-@pytest.mark.parametrize("M,D,first,cluster", [(3, 1024, False, 2), (8, 512, True, 2), (64, 256, False, 2)])
-def test_boundary_interpret(M, D, first, cluster):
-  _check_boundary(M, D, first, seed=M, interpret=True, cluster=cluster)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M,first", [(1, False), (1, True), (4, False), (8, False), (64, False)])
-def test_boundary_gpu(M, first):
-  _check_boundary(M, 4096, first, seed=M)  # a cluster of 8 CTAs
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,D,first,approx,split,cols", [
     (1, 4096, False, False, False, (64, 128)), (1, 4096, True, False, False, (64, 128)),
@@ -306,7 +273,7 @@ def test_comb_is_the_stock_sinkhorn():
 @pytest.mark.parametrize("M", [1, 4, 64])  # (one row, the q = 4 rows, the most rows; 8 and 32 share their code)
 def test_cross_lower_real(M):
   """The mHC kernels at the real width. (At M = 4 the default forms lower inside the real-geometry step at q = 4,
-  tests/test_step_lowering.py: here only the one-launch boundary.)"""
+  tests/test_step_lowering.py: here only the raw-partials forms and the grid-barrier boundary alone.)"""
   X, y, mix, fn, coef, w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(M, 4096, 0))
   for first in (False, True) if M != 4 else ():
     for cols in (64, 32) if M == 1 and not first else (64,):  # (32: policy knob mhc_narrow, at decode's M = 1)
@@ -336,14 +303,6 @@ def test_cross_lower_real(M):
       assert "mosaic_gpu" in cross_lower(lambda *a: K.mhc_post_finish(*a, first=first, approx_math=True, launches=1,
                                                                       **GRID_CONSTS), X, y, mix, fn, coef,
                                          w).as_text()
-  if M == 4:  # the one-launch boundary: a cluster of 8 CTAs (one size)
-    consts = {k: v for k, v in CONSTS.items() if k != "iters"}
-    txt = cross_lower(lambda *a: K.mhc_boundary(*a, approx_math=True, **consts), X, y, mix, fn, coef, w).as_text()
-    assert "mosaic_gpu" in txt
-    # its chunks and the cluster's sums stay loops: unrolled, it was 9x mhc_post_pre's code, run once per CTA
-    # (~135 µs per boundary in the step, session 31)
-    pp = cross_lower(lambda *a: K.mhc_post_pre(*a), X, y, mix, fn).as_text()
-    assert len(txt) < 3 * len(pp), (len(txt), len(pp))
 
 
 def test_bad_shapes_named():
@@ -394,14 +353,13 @@ def _site(D, seed):
 
 @pytest.mark.parametrize("M,first,finish_kernel", [(3, False, True), (3, True, True), (70, False, True),
                                                    (3, False, False), (3, True, False), (3, False, "split"),
-                                                   (3, False, "boundary"), (70, True, "boundary"),
                                                    (3, False, "narrow"), (3, False, "sums"), (3, False, "grid"),
                                                    (1, True, "grid"), (1, False, "row"), (1, True, "row")])
 def test_fused_boundary_equals_stock(M, first, finish_kernel):
   """post (previous sublayer) + pre + RMSNorm, fused kernels vs the stock XLA formulation; 70 rows = 2 launches.
   finish_kernel False: the boundary's last step in XLA (policy knob mhc_finish off: one Mosaic call per boundary
   instead of two); "split": the finish kernel without the mix + mhc_sinkhorn (policy knob mhc_sinkhorn_split);
-  "boundary": the one-launch boundary (policy knob mhc_boundary) + mhc_sinkhorn; "narrow": "split" with half as
+  "narrow": "split" with half as
   many columns per CTA (policy knob mhc_narrow); "sums": "narrow" with the kernels summing the raw partials
   (policy knob mhc_fused_sums); "grid": the boundary as one launch with a grid barrier (policy knob
   mhc_grid_barrier; interpreted as its two halves) + mhc_sinkhorn on its raw partials; "row": "grid" in its
@@ -414,18 +372,16 @@ def test_fused_boundary_equals_stock(M, first, finish_kernel):
   Xref = Xs if first else HyperConnection.post(Xs, y, post, comb)
   u, post_ref, comb_ref = hc.pre(Xref)
   xin_ref = norm(u, jnp.bfloat16)
-  policy = {"mhc_finish": bool(finish_kernel), "mhc_boundary": finish_kernel == "boundary",
-            "mhc_sinkhorn_split": finish_kernel in ("split", "boundary", "narrow", "sums", "grid", "row"),
+  policy = {"mhc_finish": bool(finish_kernel),
+            "mhc_sinkhorn_split": finish_kernel in ("split", "narrow", "sums", "grid", "row"),
             "mhc_narrow": finish_kernel in ("narrow", "sums"), "mhc_fused_sums": finish_kernel == "sums",
             "mhc_grid_barrier": finish_kernel in ("grid", "row"), "mhc_row": finish_kernel == "row"}
   with maybe_interpret(True), use_kernels(policy), kernel_report() as rep:
     Xn, xin, mix_new = jax.jit(lambda X, y, mix: hc.fused(X, None if first else (y, mix), norm))(X, y, mix)
   assert (("mhc_finish", "off in the policy") in rep) != bool(finish_kernel)
-  assert (("mhc_sinkhorn_split", None) in rep) == (finish_kernel in ("split", "boundary", "narrow", "sums", "grid",
-                                                                    "row"))
+  assert (("mhc_sinkhorn_split", None) in rep) == (finish_kernel in ("split", "narrow", "sums", "grid", "row"))
   assert (("mhc_grid_barrier", None) in rep) == (finish_kernel in ("grid", "row"))
   assert (("mhc_row", None) in rep) == (finish_kernel == "row")
-  assert (("mhc_boundary", None) in rep) == (finish_kernel == "boundary")
   assert (("mhc_narrow", None) in rep) == (finish_kernel in ("narrow", "sums"))
   assert (("mhc_fused_sums", None) in rep) == (finish_kernel == "sums")
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
@@ -466,27 +422,24 @@ def test_pdl_chain_gpu():
 def test_trunk_with_fused_boundaries_as_accurate_as_stock():
   """kernel-tiny in bf16 (2 layers: 4 fused boundaries + the final post; dense MLPs, 5 tokens, so no MoE
   routing or indexer selection can flip on a rounding difference), fused mHC kernels vs the stock bf16 trunk,
-  both against the f32 model: the fused path (the default kernels, or each boundary as one launch:
-  mhc_boundary) is as close to f32 as the stock bf16 path."""
+  both against the f32 model: the fused path (the default kernels: each boundary one grid-barrier launch, run as
+  its two halves in interpret mode) is as close to f32 as the stock bf16 path."""
   from glm5_jax import api  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 4, "fp8", num_hidden_layers=2, mlp_layer_types=["dense"] * 2)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 2000, (2, 5)), jnp.int32)
   fused = {k: False for k in ("kda", "fp8_linear", "fp8_moe", "sparse_mla", "indexer")} | {"mhc": True}
   hidden = {}
   # (the finish in XLA — mhc_finish off — is checked per boundary in test_fused_boundary_equals_stock)
-  for name, dtype, policy in (("f32", "float32", None), ("stock", "bfloat16", None), ("fused", "bfloat16", fused),
-                              ("one_launch", "bfloat16", fused | {"mhc_boundary": True})):
+  for name, dtype, policy in (("f32", "float32", None), ("stock", "bfloat16", None), ("fused", "bfloat16", fused)):
     m = load(path, dtype)
     cache = api.init_cache(m, 2, 64)
     fn = api._build_extend(m, (2, 64, 1), "all")  # a fresh trace per policy
     with use_kernels(policy), maybe_interpret(None if on_gpu() else True):
       out, _ = fn(m.params, cache.caches, tokens, cache.lengths, jnp.full((2,), 5, jnp.int32), cache.n_acc)
     hidden[name] = np.asarray(out["hidden"], np.float32)
-  err = {k: np.linalg.norm(hidden[k] - hidden["f32"]) / np.linalg.norm(hidden["f32"])
-         for k in ("stock", "fused", "one_launch")}
-  for k in ("fused", "one_launch"):
-    assert err[k] <= 1.25 * err["stock"], err
-    assert np.linalg.norm(hidden[k] - hidden["stock"]) / np.linalg.norm(hidden["stock"]) < 0.03
+  err = {k: np.linalg.norm(hidden[k] - hidden["f32"]) / np.linalg.norm(hidden["f32"]) for k in ("stock", "fused")}
+  assert err["fused"] <= 1.25 * err["stock"], err
+  assert np.linalg.norm(hidden["fused"] - hidden["stock"]) / np.linalg.norm(hidden["stock"]) < 0.03
 
 
 @pytest.mark.skipif(bool(__import__("os").environ.get("MOSAIC_GPU_DUMP_TO")),

@@ -90,7 +90,7 @@ def test_kernel_tiny_step_lowers_at_twelve_token_rows():
     assert name in txt, name
 
 
-@pytest.mark.parametrize("form", ["kernels", "grid"])  # (mhc_boundary's cluster form: its own tests, test_mhc)
+@pytest.mark.parametrize("form", ["kernels", "grid"])
 def test_kernel_tiny_step_with_fused_mhc_lowers_for_cuda(form):
   """Policy mhc on: the 8 boundaries of kernel-tiny run as the fused kernels (the first site without a post), or
   (mhc_grid_barrier, the default) each as one launch with a grid barrier + the Sinkhorn kernel. With the KDA
