@@ -169,11 +169,9 @@ class KDA(nnx.Module):
     # kernel reads f and this rank's b columns in place: each XLA slice before a custom call was a kernel of its
     # own (at q = 4 three per KDA layer: [M, 256], f [M, 2048], b [M, 16]; session 27's profile)
     fgb = self.fgb_a_proj.joint(x, dtype)  # [B, T, 2r + all heads]
-    # [B, T, 2C]: f | gate (XLA drops the GEMV when the KDA kernel projects them itself: kda_gate_proj)
-    fg = self.fg_b_proj(fgb, dtype, prefix=True).astype(jnp.float32)
+    fg = self.fg_b_proj(fgb, dtype, prefix=True).astype(jnp.float32)  # [B, T, 2C]: f | gate
     xq = x  # the qkv projection's input
-    if kernel_enabled("kda_gates_first", B * T, fits=not kernel_switch("kda_gate_proj"),
-                      why="kda_gate_proj on (the KDA kernel forms f itself: no fg_b GEMV to launch first)"):
+    if kernel_enabled("kda_gates_first", B * T):
       # the qkv GEMV takes x through a barrier with the gates' fg_b output, so its launch follows theirs. In
       # s51b's trace the gates' second GEMV (2.3 µs) waited for the 14 µs qkv GEMV on every KDA layer's chain,
       # with no data between them; the barrier has no buffer of its own, so the CUDA graph's edges stay the data's
@@ -209,14 +207,6 @@ class KDA(nnx.Module):
         approx, loop = kernel_enabled("kda_approx_math"), kernel_enabled("kda_token_loop")
         config = kda_ops.KdaDecodeConfig(approx_math=approx, token_loop=loop) if approx or loop else None
         fg4 = fg.reshape(B, T, 2 * H, Kd)
-        w_fg = self.fg_b_proj.weight[...]
-        why = kda_ops.f_proj_why(fgb, w_fg, T, fused_norm=bool(norm), config=config)
-        if kernel_enabled("kda_gate_proj", fits=why is None, why=why or ""):
-          # f and the gate logits formed in the kernel from the fgb_a rows (f_a | g_a, read in place): the fg_b
-          # GEMV and the gate fusion leave the layer's critical path; the gate comes back for the norm below
-          fg4, proj = fgb, dict(f_proj=w_fg)
-        else:
-          proj = {}
         # kda_norm_partials: the kernel also returns its CTAs' sums of o's squares, so that the gated RMSNorm below
         # is elementwise and XLA fuses it into the o_proj GEMV (no norm kernel between the KDA kernel and o_proj)
         partials = kernel_enabled("kda_norm_partials", fits=not norm, why="kda_norm on (the norm in the kernel)")
@@ -227,13 +217,12 @@ class KDA(nnx.Module):
           o, new_ssm, *g = kda_ops.kda_decode_conv(
               z.reshape(B, T, 3, H, Kd), hist.reshape(B, Kc - 1, 3, H, Kd), w.T.reshape(Kc, 3, H, Kd), fg4, fgb,
               A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config,
-              norm_partials=partials, **proj)
+              norm_partials=partials)
         else:
           o, new_ssm, *g = kda_ops.kda_decode(q, k, v, fg4, fgb, A_log, dt_bias, ssm, ctx.n_acc,
                                               lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config,
-                                              norm_partials=partials, **proj)
+                                              norm_partials=partials)
         ss = g.pop() if partials else None
-        gate = g[0] if g else gate
         normed = bool(norm)
         if partials:
           o = kda_ops.gated_norm_from_partials(o, ss, gate, self.o_norm.weight[...], self.eps)

@@ -134,15 +134,6 @@ KNOBS = {
         "fusion runs beside the f_a -> f_b projections, likely off the critical path (profiling."
         "critical_paths to check) — off. Again a tie where the chain by GPU time passes through the conv fusion "
         "(4.20 vs 4.20 ms, 33 launches fewer; session 42, s42c)" + _S43),
-    "kda_gate_proj": (False,
-        "with kda on: the gates' second low-rank projections inside the KDA kernel (kda_decode(f_proj=...): "
-        "each CTA forms its head's f = f_b(f_a) and gate logits g_b(g_a) from the fgb_a projection's rows with "
-        "two wgmmas on the head's [128, 128] weight tiles) instead of the fg_b GEMV and the gate fusion in XLA: "
-        "68 launches fewer per step (issue #14: the KDA layer's small projections). Correct natively; in the "
-        "step a tie at q = 1 (4.60 vs 4.89 ms, rounds -0.33 / +0.45 / +0.11 / -0.33; session 37): the critical "
-        "path keeps 815 launches — the qkv path (qkv kernel -> split-K sum -> conv fusion -> KDA kernel) is as "
-        "long; with kda_conv and the qkv sum in the kernel to measure (gpu_session s38b). Needs bf16 / f16 rows "
-        "of a multiple of 16 columns natively (the TMA's tiles), no kda_norm — off"),
     "fp8_dq": (True,
         "with fp8_linear / fp8_moe on: each FP8 weight tile dequantised to bf16 in registers and bf16 "
         "activations (fp8_dq_linear, fp8_moe(dq=True)): no amax + hi/lo quantisation kernels before each "
@@ -326,7 +317,7 @@ KNOBS = {
         "through an optimization barrier with the gates' fg_b GEMV output, so the gates' two GEMVs launch before "
         "it. In s51b's trace fg_b (2.3 µs) started only after the qkv GEMV, with no data between them, on every "
         "KDA layer's chain (x 34 per step). Like dsa_qkv_a_first, the barrier (no buffer of its own) orders the "
-        "launches, not the execution. The same values (declined with kda_gate_proj: no fg_b GEMV then). "
+        "launches, not the execution. The same values. "
         "CPU-built (session 53): off until measured"),
     "moe_scale_prefetch": (False,
         "with fp8_moe: each CTA of both MoE kernels requests all its steps' 128x128 block scales at once, BEFORE "

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import interpreting, kernel_entry, replicated_rows_layouts, tiled, with_pdl
+from pallas_kernels._common import kernel_entry, replicated_rows_layouts, tiled, with_pdl
 
 L2NORM_EPS = 1e-6
 _DEBUG = False  # True: print the kernel jaxpr and Mosaic GPU module when lowering
@@ -131,37 +131,8 @@ def _own_heads(f, b, H, b_offset):
   return f[:, :, :H], lax.dynamic_slice_in_dim(b, jnp.asarray(b_offset, jnp.int32), H, axis=2)
 
 
-def gate_projections(rows, f_proj, H: int):
-  """The KDA gates' second low-rank projections (f_b, g_b) per head, as the model computes them: rows [B, T, >= 2r]
-  (f_a in columns 0..r-1, g_a in r..2r-1: the fgb_a projection output), f_proj [2, H·D, 2r] (the model's fg_b
-  weight: f_b block-diagonally on f_a's columns, g_b on g_a's) -> (f, gate) [B, T, H, D] f32, each rounded to
-  the rows' dtype first (the projection's output dtype in the model)."""
-  r = _check_f_proj(rows, f_proj, H)
-  D = f_proj.shape[1] // H
-  f32, hi = jnp.float32, lax.Precision.HIGHEST
-  x = rows.astype(f32)
-  f = jnp.einsum("btr,nr->btn", x[..., :r], f_proj[0, :, :r].astype(f32), precision=hi)
-  g = jnp.einsum("btr,nr->btn", x[..., r:2 * r], f_proj[1, :, r:].astype(f32), precision=hi)
-  B, T = rows.shape[:2]
-  return tuple(a.astype(rows.dtype).astype(f32).reshape(B, T, H, D) for a in (f, g))
-
-
-def _check_f_proj(rows, f_proj, H: int) -> int:
-  """The low-rank rows and the block-diagonal f_b / g_b weight of ``f_proj``; returns the rank r."""
-  if f_proj.ndim != 3 or f_proj.shape[0] != 2 or f_proj.shape[2] % 2 or f_proj.shape[1] % H:
-    raise ValueError(f"f_proj must be [2, H·D, 2r] (f_b | g_b block-diagonally, this device's H={H} heads), got "
-                     f"{f_proj.shape}")
-  r = f_proj.shape[2] // 2
-  if rows.ndim != 3 or rows.shape[2] < 2 * r:
-    raise ValueError(f"with f_proj the f argument is the low-rank rows [B, T, >= 2r = {2 * r}] (f_a | g_a), got "
-                     f"{rows.shape}")
-  if rows.dtype != f_proj.dtype:
-    raise ValueError(f"the low-rank rows ({rows.dtype}) and f_proj ({f_proj.dtype}) must share a dtype")
-  return r
-
-
 def kda_decode_reference(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
-                         gate=None, norm_weight=None, norm_eps=1e-5, b_offset=0, f_proj=None):
+                         gate=None, norm_weight=None, norm_eps=1e-5, b_offset=0):
   """KDA decode recurrence over T tokens, pure jnp (fp32 math).
 
   q, k, v: [B, T, H, D] (bf16 or f32), after the short conv + SiLU, before l2-norm.
@@ -173,18 +144,9 @@ def kda_decode_reference(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, 
   state: [B, Q, H, D, D] f32, one slot per verify position (Q >= T), layout [K, V].
   num_accepted: [B] int32 in [1, Q]; the recurrence starts from slot num_accepted - 1.
   gate, norm_weight: optional fused gated RMSNorm, gate [B, T, H, D] logits, norm_weight [D].
-  f_proj: optional [2, H·D, 2r], the f_b / g_b projections (``gate_projections``): f is then the low-rank rows
-    [B, T, >= 2r] and the gate logits [B, T, H, D] f32 come back as a third result (not with the fused norm).
   Returns (o [B, T, H, D] f32, new_state [B, Q, H, D, D] f32): slot t < T holds the state after token t,
   slots >= T are unchanged.
   """
-  if f_proj is not None:
-    if gate is not None:
-      raise ValueError("f_proj returns the gate logits for the norm after the kernel; the fused norm (gate=) "
-                       "takes them as an input: not both")
-    f, g = gate_projections(f, f_proj, q.shape[2])
-    return (*kda_decode_reference(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound=lower_bound,
-                                  b_offset=b_offset), g)
   B, T, H, D, Q = _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
   f, b = _own_heads(f, b, H, b_offset)
   f32 = jnp.float32
@@ -278,14 +240,12 @@ def short_conv_reference(qkv, conv_hist, conv_weight):
 
 
 def kda_decode_conv_reference(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, num_accepted, *,
-                              lower_bound=-5.0, gate=None, norm_weight=None, norm_eps=1e-5, b_offset=0,
-                              f_proj=None):
+                              lower_bound=-5.0, gate=None, norm_weight=None, norm_eps=1e-5, b_offset=0):
   """``kda_decode_reference`` after the short conv + SiLU (``short_conv_reference``): qkv [B, T, 3, H, D] the raw
   projection outputs, conv_hist [B, Kc - 1, 3, H, D], conv_weight [Kc, 3, H, D]; the rest as there."""
   q, k, v = short_conv_reference(qkv, conv_hist, conv_weight)
   return kda_decode_reference(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound=lower_bound,
-                              gate=gate, norm_weight=norm_weight, norm_eps=norm_eps, b_offset=b_offset,
-                              f_proj=f_proj)
+                              gate=gate, norm_weight=norm_weight, norm_eps=norm_eps, b_offset=b_offset)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,7 +303,7 @@ def _layouts(D: int, BV: int):
 @kernel_entry("lower_bound", "norm_eps", "config", "norm_partials")
 def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
                gate=None, norm_weight=None, norm_eps=1e-5, config: KdaDecodeConfig | None = None, b_offset=0,
-               f_proj=None, norm_partials: bool = False):
+               norm_partials: bool = False):
   """KDA decode recurrence over T tokens as one Pallas Mosaic GPU kernel; same contract as the reference.
 
   q, k, v: [B, T, H, D] (bf16 or f32), after the short conv + SiLU, before l2-norm.
@@ -356,13 +316,6 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
   num_accepted: [B] int32 in [1, Q]; the recurrence starts from slot num_accepted - 1 (not range-checked).
   gate, norm_weight: optional fused gated RMSNorm, gate [B, T, H, D] logits, norm_weight [D].
   lower_bound, norm_eps: Python floats (static).  config: tuning knobs (KdaDecodeConfig).
-  f_proj: optional [2, H·D, 2r] bf16/f16, the f_b / g_b projections block-diagonally (the model's fg_b weight,
-    this device's heads; ``gate_projections``): f is then the low-rank rows [B, T, >= 2r] (f_a | g_a: the fgb_a
-    projection's output, read in place, T <= 8) and each CTA forms its head's f = f_a · W_fᵀ and gate logits
-    g_a · W_gᵀ itself — two wgmmas on [D, r] weight tiles, rounded to the rows' dtype as the model's projection —
-    and returns them as a third result, gate [B, T, H, D] f32, for the norm after the kernel: the XLA GEMV and
-    gate fusion between fgb_a and the kernel go (issue #14: the KDA layer's small projections). Not with the
-    fused norm (gate=); needs config.prefetch and one warpgroup per CTA.
   norm_partials: each CTA also returns the sums of its o columns' squares, partials [B, T, H, D // block_v] f32
     (``norm_partials_reference``) as a last result: with them the gated RMSNorm after the kernel is elementwise
     (``gated_norm_from_partials``) and fuses into the o_proj GEMV — no norm kernel on the layer's chain. Not
@@ -370,20 +323,15 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
   Returns (o [B, T, H, D] f32, new_state [B, Q, H, D, D] f32): slot t < T holds the state after token t,
   slots >= T are untouched.
   """
-  if f_proj is not None:
-    _check_f_proj(f, f_proj, q.shape[2])
-    _check_shapes(q, k, v, jax.ShapeDtypeStruct(q.shape, f.dtype), b, A_log, dt_bias, state, num_accepted, gate,
-                  norm_weight)
-  else:
-    _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
+  _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
   return _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, norm_weight, norm_eps,
-              config or KdaDecodeConfig(), b_offset, conv=False, f_proj=f_proj, norm_partials=norm_partials)
+              config or KdaDecodeConfig(), b_offset, conv=False, norm_partials=norm_partials)
 
 
 @kernel_entry("lower_bound", "norm_eps", "config", "norm_partials")
 def kda_decode_conv(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
                     gate=None, norm_weight=None, norm_eps=1e-5, config: KdaDecodeConfig | None = None, b_offset=0,
-                    f_proj=None, norm_partials: bool = False):
+                    norm_partials: bool = False):
   """``kda_decode`` with the short conv + SiLU in the kernel (``kda_decode_conv_reference``'s contract): qkv
   [B, T, 3, H, D] the q | k | v projection output before the conv (a free reshape of the model's [B, T, 3C]),
   conv_hist [B, Kc - 1, 3, H, D] the inputs of the Kc - 1 positions before this call (the conv ring's rows, zeros
@@ -391,70 +339,22 @@ def kda_decode_conv(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, nu
   Each CTA convolves its head's q / k rows and its v columns per token from one SMEM window (the Kc - 1 history
   rows, then this call's T rows) and rounds them to qkv's dtype as the model does: the XLA fusion between the qkv
   projection and the kernel (~2 µs + a dependent launch per KDA layer on the H200, session 29's profile) goes.
-  Needs config.prefetch (the window is TMA'd). f_proj and norm_partials as in ``kda_decode`` (each one more
-  result, in that order)."""
+  Needs config.prefetch (the window is TMA'd). norm_partials as in ``kda_decode`` (one more result)."""
   Kc = _check_conv(qkv, conv_hist, conv_weight)
   B, T, _, H, D = qkv.shape
   rows = jax.ShapeDtypeStruct((B, T, H, D), qkv.dtype)
-  if f_proj is not None:
-    _check_f_proj(f, f_proj, H)
-  _check_shapes(rows, rows, rows, f if f_proj is None else rows, b, A_log, dt_bias, state, num_accepted, gate,
-                norm_weight)
+  _check_shapes(rows, rows, rows, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
   config = config or KdaDecodeConfig()
   if not config.prefetch:
     raise ValueError("kda_decode_conv: config.prefetch=False; the conv window is TMA'd into SMEM (prefetch=True)")
   return _kda(qkv, conv_hist, conv_weight.astype(jnp.float32), f, b, A_log, dt_bias, state, num_accepted,
-              lower_bound, gate, norm_weight, norm_eps, config, b_offset, conv=Kc, f_proj=f_proj,
-              norm_partials=norm_partials)
-
-
-PROJ_ROWS = 8  # f_proj: the low-rank rows' tile (the wgmma N; the TMA zero-fills the rows past T)
-
-
-def f_proj_why(rows, f_proj, T: int, *, fused_norm: bool = False, config: KdaDecodeConfig | None = None):
-  """Why ``kda_decode(f_proj=...)`` cannot run with these low-rank rows [B, T, C], weight and options (None: it
-  can) — the kernel's refusal and the model's policy (kda_gate_proj's ``fits``) in one place."""
-  config = config or KdaDecodeConfig()
-  wgs = config.wgs_per_cta or (128 // config.block_v if fused_norm else 1)
-  r = f_proj.shape[-1] // 2
-  return ("the fused norm (gate=): f_proj returns the gate for the norm after the kernel" if fused_norm else
-          "config.prefetch=False: the projections' tiles are TMA'd" if not config.prefetch else
-          f"{wgs} warpgroups per CTA: one (each would project the same rows into one SMEM tile)" if wgs != 1 else
-          f"T={T} token rows: at most {PROJ_ROWS} (one wgmma N tile)" if T > PROJ_ROWS else
-          f"rows {rows.dtype} / f_proj {f_proj.dtype}: bf16 or f16 both (the wgmma operands)"
-          if rows.dtype != f_proj.dtype or f_proj.dtype not in (jnp.bfloat16, jnp.float16) else
-          f"rank {r}: a multiple of 64" if r % 64 else
-          # (a lowering constraint of the TMA: interpret mode, which has none, runs the model's tiny geometries)
-          f"low-rank rows of {rows.shape[-1]} columns: a multiple of 16 (the TMA's tiles)"
-          if rows.shape[-1] % 16 and not interpreting() else None)
-
-
-def _project_rows(fa_s, ga_s, wf_s, wg_s, f_s, g_s, T: int, dtype):
-  """f_proj's projections in a CTA: f_s[t] = W_f · f_a[t] and g_s[t] = W_g · g_a[t] for t < T (wgmma: the [D, r]
-  weight tiles as A, the [8, r] token rows transposed as B -> [D, 8] f32), each rounded to the rows' dtype as the
-  model's projection output. Column t is picked by a masked row sum (exact: one nonzero term) and stored as one
-  SMEM row, which the token loop loads as a K-vector — no transposed store (Mosaic GPU does not lower one)."""
-  def mma(acc_f, acc_g):
-    plgpu.wgmma(acc_f, wf_s, fa_s.T)
-    plgpu.wgmma(acc_g, wg_s, ga_s.T)
-    plgpu.wgmma_wait(0)
-    return acc_f[...], acc_g[...]
-
-  D = wf_s.shape[0]
-  acc = pl.run_scoped(mma, plgpu.ACC((D, PROJ_ROWS), jnp.float32), plgpu.ACC((D, PROJ_ROWS), jnp.float32))
-  col = plgpu.broadcasted_iota(jnp.int32, (D, PROJ_ROWS), 1, layout=plgpu.Layout.WGMMA)
-  for a, out in zip(acc, (f_s, g_s)):
-    for t in range(T):
-      row = plgpu.layout_cast(jnp.sum(jnp.where(col == t, a, 0.0), axis=1), plgpu.Layout.WGMMA.reduce(1))
-      out[t, :] = row.astype(dtype).astype(jnp.float32)
-  plgpu.commit_smem()  # (a warpgroup barrier: the rows are read back in another layout, by other threads)
+              lower_bound, gate, norm_weight, norm_eps, config, b_offset, conv=Kc, norm_partials=norm_partials)
 
 
 def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, norm_weight, norm_eps,
-         config: KdaDecodeConfig, b_offset, conv: int | bool, f_proj=None, norm_partials: bool = False):
+         config: KdaDecodeConfig, b_offset, conv: int | bool, norm_partials: bool = False):
   """The kernel call behind both entries. conv = Kc (kda_decode_conv): q, k, v are (qkv [B, T, 3, H, D],
-  conv_hist [B, Kc - 1, 3, H, D], conv_weight [Kc, 3, H, D] f32); False: q, k, v [B, T, H, D] as they are.
-  f_proj: f is the low-rank rows and the kernel projects them (``kda_decode``); returns (o, state, gate)."""
+  conv_hist [B, Kc - 1, 3, H, D], conv_weight [Kc, 3, H, D] f32); False: q, k, v [B, T, H, D] as they are."""
   if conv:
     B, T, _, H, D = q.shape
   else:
@@ -469,15 +369,6 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
   norm_in_kernel = fuse_norm and wgs == NV
   if norm_partials and fuse_norm:
     raise ValueError("norm_partials: the sums for a norm after the kernel; gate= fuses the norm: not both")
-  proj = f_proj is not None
-  if proj:
-    r = f_proj.shape[2] // 2
-    if why := f_proj_why(f, f_proj, T, fused_norm=fuse_norm, config=config):
-      raise ValueError(f"kda_decode(f_proj=...): {why}")
-    # 32-byte swizzled tiles of 16 elements: the TMA tiles the whole rows array [B, T, C] by them, and C — 2r + every
-    # head's b column — is a multiple of 16, not of 64 (272 on a TP4 rank's share of the real model); a wgmma's
-    # operands share one swizzle
-    tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
   lay = _layouts(D, BV)
   L_S, L_K, L_V = lay["S"], lay["K"], lay["V"]
   f32 = jnp.float32
@@ -496,39 +387,31 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     return plgpu.layout_cast(lax.broadcast_in_dim(x, (D, BV), (1,)), L_S)
 
   def kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *more):
-    *more, ss_ref = more if norm_partials else (*more, None)
-    *more, o_ref, gout_ref = more if proj else (*more, None)
-    *norm_refs, w_ref = more if proj else (*more, None)
+    *norm_refs, o_ref, ss_ref = more if norm_partials else (*more, None)
     # SMEM must be allocated collectively by the CTA's warpgroups (and pl.kernel takes no scratch_types).
     scratch = []
     if config.prefetch:  # per-head rows [T, D] of q, k, f, v (and gate): one TMA each, shared by the CTA
-      f_rows = [] if proj else [plgpu.SMEM((T, D), f.dtype)]  # (f_proj: f is formed in the CTA)
+      f_rows = [plgpu.SMEM((T, D), f.dtype)]
       if conv:  # q, k, v: their conv windows [Kc - 1 + T, D] (history rows, then this call's), two TMAs each
         scratch += [plgpu.SMEM((Kc1 + T, D), q.dtype), plgpu.SMEM((Kc1 + T, D), q.dtype), *f_rows,
                     plgpu.SMEM((Kc1 + T, D), q.dtype)]
       else:
         scratch += [plgpu.SMEM((T, D), q.dtype), plgpu.SMEM((T, D), k.dtype), *f_rows, plgpu.SMEM((T, D), v.dtype)]
       scratch += [plgpu.SMEM((T, D), gate.dtype)] if norm_in_kernel else []
-      scratch += [plgpu.Barrier(num_arrivals=len(scratch) + (3 if conv else 0) + (4 if proj else 0))]
+      scratch += [plgpu.Barrier(num_arrivals=len(scratch) + (3 if conv else 0))]
     if norm_in_kernel:  # o of the whole head for the RMS, and the barrier that publishes it
       scratch += [plgpu.SMEM((T, D), f32), plgpu.Barrier(num_arrivals=wgs)]
-    if proj:  # f_a / g_a rows [8, r], the head's W_f / W_g tiles [D, r], and the projected f / gate rows [T, D]
-      scratch += [plgpu.SMEM((PROJ_ROWS, r), f.dtype, transforms=tr), plgpu.SMEM((PROJ_ROWS, r), f.dtype, transforms=tr),
-                  plgpu.SMEM((D, r), f.dtype, transforms=tr), plgpu.SMEM((D, r), f.dtype, transforms=tr),
-                  plgpu.SMEM((T, D), f32), plgpu.SMEM((T, D), f32)]
     refs = (state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *norm_refs)
     if scratch:
-      pl.run_scoped(functools.partial(body, *refs, w_ref=w_ref, gout_ref=gout_ref, ss_ref=ss_ref), *scratch,
+      pl.run_scoped(functools.partial(body, *refs, ss_ref=ss_ref), *scratch,
                     collective_axes="wg" if wgs > 1 else ())
     else:
       body(*refs, ss_ref=ss_ref)
 
   def body(state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *rest,
-           w_ref=None, gout_ref=None, ss_ref=None):
+           ss_ref=None):
     rest = list(rest)
     gate_ref, nw_ref = (rest.pop(0), rest.pop(0)) if norm_in_kernel else (None, None)
-    if proj:
-      *rest, fa_s, ga_s, wf_s, wg_s, fp_s, gp_s = rest
     wg = lax.axis_index("wg") if wgs > 1 else 0
     vi = lax.axis_index("v") * wgs + wg
     h = lax.axis_index("h")
@@ -536,7 +419,7 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     v0 = pl.multiple_of(vi * BV, BV)
     cols = pl.ds(v0, BV)
     rows = lambda ref: ref.at[bi, :, h, :]  # [T, D] view of a [B, T, H, D] input
-    f_rows = [] if proj else [rows(f_ref)]
+    f_rows = [rows(f_ref)]
     if conv:  # q_ref = qkv, k_ref = the conv history, v_ref = the conv weights: windows (history, new rows)
       win = lambda i: ((k_ref.at[bi, :, i, h, :], pl.ds(0, Kc1)), (q_ref.at[bi, :, i, h, :], pl.ds(Kc1, T)))
       srcs = [win(0), win(1), *f_rows, win(2)] + ([rows(gate_ref)] if norm_in_kernel else [])
@@ -553,21 +436,13 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
         for src, dst in zip(srcs, smem):
           for part, at in (src if isinstance(src, tuple) else ((src, None),)):
             plgpu.copy_gmem_to_smem(part, dst if at is None else dst.at[at], bar_in)
-        if proj:  # (the rows past T: out of bounds, zero-filled by the TMA)
-          plgpu.copy_gmem_to_smem(f_ref.at[bi, pl.ds(0, PROJ_ROWS), pl.ds(0, r)], fa_s, bar_in)
-          plgpu.copy_gmem_to_smem(f_ref.at[bi, pl.ds(0, PROJ_ROWS), pl.ds(r, r)], ga_s, bar_in)
-          plgpu.copy_gmem_to_smem(w_ref.at[0, pl.ds(h * D, D), pl.ds(0, r)], wf_s, bar_in)
-          plgpu.copy_gmem_to_smem(w_ref.at[1, pl.ds(h * D, D), pl.ds(r, r)], wg_s, bar_in)
 
       if wgs > 1:
         pl.when(wg == 0)(issue)
       else:
         issue()
       srcs = smem
-    if proj:
-      (q_src, k_src, v_src), f_src = srcs[:3], fp_s
-    else:
-      q_src, k_src, f_src, v_src = srcs[:4]
+    q_src, k_src, f_src, v_src = srcs[:4]
 
     S = plgpu.load(state_ref.at[bi, na_ref[bi] - 1, h, :, cols], layout=L_S, optimized=False)
     a = jnp.exp(alog_ref[h])
@@ -576,8 +451,6 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     betas = None if config.token_loop else [jax.nn.sigmoid(b_ref[bi, t, hb].astype(f32)) for t in range(T)]
     if config.prefetch:
       plgpu.barrier_wait(bar_in)
-    if proj:
-      _project_rows(fa_s, ga_s, wf_s, wg_s, fp_s, gp_s, T, f.dtype)
     if norm_in_kernel:
       o_smem, bar_o = rest
 
@@ -632,10 +505,6 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
       for t in range(T):  # unrolled: every slot index static, token t + 1's loads free to run ahead
         S = advance(t, S, betas[t], *(early[t] if early else gates(t)))
 
-    if proj:  # this CTA's columns of the gate logits, for the norm after the kernel
-      for t in range(T):
-        gout_ref[bi, t, h, cols] = plgpu.load(gp_s.at[t, cols], layout=L_V, optimized=False)
-
     if norm_in_kernel:
       # The RMS spans all of V: every warpgroup publishes its o columns to SMEM (mbarrier arrive = release),
       # warpgroup 0 waits (acquire) and finishes the whole head.
@@ -664,20 +533,18 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     inputs += (gate, norm_weight)
   rows_t = jax.ShapeDtypeStruct((B, T, H, D), f32)
   ss_t = jax.ShapeDtypeStruct((B, T, H, NV), f32)
-  if proj:
-    inputs += (f_proj,)
 
   @pl.run_state
   def run(refs):
     state_ref, *out_refs = refs
-    # o (and the gate) are plain kernel outputs (copied into their refs, whose zero init XLA then drops as dead):
+    # o (and the partials) are plain kernel outputs (copied into their refs, whose zero init XLA then drops as dead):
     # an uninitialised lax.empty buffer instead would add an AllocateBuffer custom call next to every kernel.
     outs = pl.kernel(with_pdl(functools.partial(kernel, state_ref)), out_type=tuple(out_types),
                      mesh=mesh, compiler_params=params, name="kda_decode", debug=_DEBUG)(*inputs)
     for ref, val in zip(out_refs, outs):
       ref[...] = val
 
-  out_types = [rows_t] * (2 if proj else 1) + ([ss_t] if norm_partials else [])
+  out_types = [rows_t] + ([ss_t] if norm_partials else [])
   new_state, o, *g = run((state, *[jnp.zeros(t.shape, t.dtype) for t in out_types]))
   if fuse_norm and not norm_in_kernel:
     o = _gated_rms_norm(o, gate, norm_weight, norm_eps)

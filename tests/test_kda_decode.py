@@ -250,96 +250,6 @@ def test_conv_rejects_bad_inputs(rng):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# (2c) f_proj: the gates' second low-rank projections (f_b, g_b) inside the kernel
-# ----------------------------------------------------------------------------------------------------------------
-def make_proj_inputs(rng, B, T, H, r=128, conv=False, dtype=jnp.bfloat16):
-  """The model's operands for f_proj: f replaced by the fgb_a output rows [B, T, 2r + all heads' b] (f_a | g_a | b,
-  ~N(0, 1)), b read in place from them, and the fg_b weight [2, H·128, 2r] block-diagonally (f_b on f_a's
-  columns, g_b on g_a's, zeros elsewhere, fan-in scaled: f and the gate logits ~N(0, 1))."""
-  args, _ = (make_conv_inputs if conv else make_inputs)(rng, B, T, H, dtype=dtype)
-  n = lambda *s: rng.standard_normal(s).astype(np.float32)
-  rows = jnp.asarray(n(B, T, 2 * r + -(-H // 16) * 16), dtype)  # (a multiple of 16 columns: the kernel's TMA tiles)
-  w = np.zeros((2, H * 128, 2 * r), np.float32)
-  w[0, :, :r], w[1, :, r:] = n(H * 128, r) / np.sqrt(r), n(H * 128, r) / np.sqrt(r)
-  args = (*args[:3], rows, rows, *args[5:])
-  return args, dict(f_proj=jnp.asarray(w, dtype), b_offset=2 * r)
-
-
-def assert_proj_matches_reference(args, got, T, ref, f_proj):
-  """(o, state, gate) against the reference: f and the gate are bf16-rounded sums of r = 128 products, which the
-  wgmma adds in another order — an element rounded the other way is one bf16 ulp apart (then the gate by that,
-  f's decay slightly), and a sum that nearly cancels differs by up to the f32 summation bound r·eps·Σ|terms|
-  before its rounding (a gate of 2e-7 from O(1) terms, one CI run in several): the bf16 tolerance plus that
-  bound, and nearly all outputs within the f32 one."""
-  o, new_state, g = got
-  assert g.shape == o.shape == ref[2].shape and g.dtype == jnp.float32
-  w = np.abs(np.asarray(f_proj, np.float32))
-  r = w.shape[2] // 2
-  rows = np.abs(np.asarray(args[3], np.float32))  # (the low-rank rows: g_a in columns r..2r-1)
-  bound = r * 2.0 ** -24 * np.einsum("btr,nr->btn", rows[..., r:2 * r], w[1, :, r:]).reshape(g.shape)
-  gr = np.asarray(ref[2])
-  err = np.abs(np.asarray(g) - gr)
-  assert np.all(err <= 2 ** -7 * np.abs(gr) + bound), ("gate", float(np.max(err - 2 ** -7 * np.abs(gr) - bound)))
-  assert np.mean(np.asarray(g) != np.asarray(ref[2])) < 0.01  # rounded the other way: rare
-  t = tol("kernel_bf16")
-  np.testing.assert_allclose(np.asarray(o), np.asarray(ref[0]), **t, err_msg="o")
-  np.testing.assert_allclose(np.asarray(new_state[:, :T]), np.asarray(ref[1][:, :T]), **t, err_msg="state")
-  np.testing.assert_array_equal(np.asarray(new_state[:, T:]), np.asarray(args[STATE_ARG][:, T:]))
-  _assert_mostly_f32_close(o, ref[0])
-
-
-def test_gate_projections_reference_is_the_models():
-  """gate_projections == the model's fg_b GEMV on the rows (the block-diagonal weight, f | gate side by side),
-  rounded to the rows' dtype: the same numbers the stock path feeds the recurrence and the norm."""
-  rng = np.random.default_rng(7)
-  args, kw = make_proj_inputs(rng, 2, 3, 2)
-  rows, w = args[3], kw["f_proj"]
-  f, g = kd.gate_projections(rows, w, 2)
-  want = jnp.einsum("btr,nr->btn", rows[..., :w.shape[2]].astype(jnp.float32),
-                    w.reshape(-1, w.shape[2]).astype(jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST).astype(rows.dtype).astype(jnp.float32)
-  np.testing.assert_array_equal(np.asarray(jnp.concatenate([f, g], axis=2)), np.asarray(want.reshape(2, 3, 4, 128)))
-
-
-PROJ_CASES = [  # B, T, H, conv, config
-    (1, 1, 16, False, None),  # decode's q = 1 at TP4
-    (2, 4, 2, False, kd.KdaDecodeConfig(token_loop=True, approx_math=True)),  # the defaults' kernel form, q = 4
-    (1, 8, 1, False, kd.KdaDecodeConfig(block_v=64)),  # T = 8: the rows tile full
-    (2, 4, 1, True, kd.KdaDecodeConfig(token_loop=True)),  # with the short conv in the kernel
-]
-
-
-@pytest.mark.parametrize("B,T,H,conv,config", PROJ_CASES)
-def test_f_proj_kernel_matches_reference_interpret(rng, B, T, H, conv, config):
-  args, kw = make_proj_inputs(rng, B, T, H, conv=conv)
-  fn, ref = (kd.kda_decode_conv, kd.kda_decode_conv_reference) if conv else (kd.kda_decode, kd.kda_decode_reference)
-  with maybe_interpret():
-    got = jax.jit(functools.partial(fn, config=config, **kw))(*args)
-  assert len(got) == 3
-  assert_proj_matches_reference(args, got, T, jax.jit(functools.partial(ref, **kw))(*args), kw["f_proj"])
-
-
-def test_f_proj_rejects_what_it_cannot_run(rng):
-  args, kw = make_proj_inputs(rng, 1, 2, 1)
-  gate = dict(gate=args[0], norm_weight=jnp.ones((128,)))
-  for bad, match in [(dict(**gate), "fused norm"), (dict(config=kd.KdaDecodeConfig(prefetch=False)), "prefetch"),
-                     (dict(config=kd.KdaDecodeConfig(wgs_per_cta=2)), "warpgroups per CTA")]:
-    with pytest.raises(ValueError, match=match):
-      kd.kda_decode(*args, **kw, **bad)
-  with pytest.raises(ValueError, match=r"f_proj must be \[2, H·D, 2r\]"):
-    kd.kda_decode(*args, **{**kw, "f_proj": kw["f_proj"][:1]})
-  with pytest.raises(ValueError, match="low-rank rows"):
-    kd.kda_decode(*args[:3], args[3][..., :100], *args[4:], **kw)
-  with pytest.raises(ValueError, match="276 columns: a multiple of 16"):
-    kd.kda_decode(*args[:3], jnp.pad(args[3], ((0, 0), (0, 0), (0, 4))), *args[4:], **kw)
-  with pytest.raises(ValueError, match="share a dtype"):
-    kd.kda_decode(*args, **{**kw, "f_proj": kw["f_proj"].astype(jnp.float32)})
-  long, _ = make_proj_inputs(rng, 1, 9, 1)
-  with pytest.raises(ValueError, match="T=9 token rows"):
-    kd.kda_decode(*long, **kw)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # (3) CUDA cross-lowering of every configuration the model uses, donated state => aliased in place
 # ----------------------------------------------------------------------------------------------------------------
 def _abstract_inputs(B, T, H, D=128, Q=None, dtype=jnp.bfloat16, norm=True):
@@ -411,23 +321,6 @@ def test_cross_lower_wide_f_and_offset_b():
   assert "mosaic_gpu" in cross_lower(fn, *wide, s((), jnp.int32)).as_text()
 
 
-@pytest.mark.parametrize("B,T,conv,config", [(1, 1, False, None), (1, 4, False, kd.KdaDecodeConfig(
-    token_loop=True, approx_math=True)), (8, 4, False, None), (1, 4, True, kd.KdaDecodeConfig(token_loop=True))])
-def test_cross_lower_f_proj(B, T, conv, config):
-  """f_proj as the model calls it at TP4 (the fgb_a rows [B, T, 272] as f and b, b at a traced offset, the fg_b
-  weight [2, 2048, 256] bf16): lowers for CUDA with the donated state aliased in place and the gate a result."""
-  s, bf16, H = jax.ShapeDtypeStruct, jnp.bfloat16, 16
-  qkv = ((s((B, T, 3, H, 128), bf16), s((B, 3, 3, H, 128), bf16), s((4, 3, H, 128), jnp.float32)) if conv else
-         (s((B, T, H, 128), bf16),) * 3)
-  args = (*qkv, s((B, T, 272), bf16), s((B, T, 272), bf16), s((H,), jnp.float32), s((H, 128), jnp.float32),
-          s((B, 4, H, 128, 128), jnp.float32), s((B,), jnp.int32), s((2, H * 128, 256), bf16), s((), jnp.int32))
-  entry = kd.kda_decode_conv if conv else kd.kda_decode
-  fn = jax.jit(lambda *a: entry(*a[:-2], f_proj=a[-2], b_offset=a[-1], config=config), donate_argnums=(STATE_ARG,))
-  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text and "tf.aliasing_output" in text
-  assert fn.eval_shape(*args)[2].shape == (B, T, H, 128)
-
-
 def test_rejects_bad_shapes(rng):
   args, kw = make_inputs(rng, 1, 2, 1, D=128)
   with pytest.raises(ValueError):
@@ -482,20 +375,6 @@ def test_kernel_matches_reference_gpu(rng, B, T, H, norm, dtype, config):
   assert new_state.unsafe_buffer_pointer() == ptr
   host_args = args[:STATE_ARG] + (jnp.asarray(keep),) + args[STATE_ARG + 1:]
   assert_matches_reference(host_args, kw, o, new_state, T, name=f"GPU B={B} T={T} H={H} norm={norm} {config}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,conv,config", [
-    (1, 1, 16, False, kd.KdaDecodeConfig(token_loop=True, approx_math=True)),
-    (1, 4, 16, False, kd.KdaDecodeConfig(token_loop=True, approx_math=True)), (8, 4, 16, False, None),
-    (1, 8, 16, False, None), (1, 4, 16, True, kd.KdaDecodeConfig(token_loop=True, approx_math=True))])
-def test_f_proj_kernel_matches_reference_gpu(rng, B, T, H, conv, config):
-  """f_proj natively (the wgmmas on the head's weight tiles, the TMA's zero-filled rows past T): against the
-  reference compiled without XLA's excess precision (the projections' bf16 rounding kept, as the model's)."""
-  args, kw = make_proj_inputs(rng, B, T, H, conv=conv)
-  fn, ref = (kd.kda_decode_conv, kd.kda_decode_conv_reference) if conv else (kd.kda_decode, kd.kda_decode_reference)
-  got = jax.jit(functools.partial(fn, config=config, **kw))(*args)
-  assert_proj_matches_reference(args, got, T, rounding_reference(functools.partial(ref, **kw), *args), kw["f_proj"])
 
 
 @pytest.mark.gpu
