@@ -15,7 +15,7 @@ Rows: R = B · q score rows; N pools (8,256 at 32K context + room, 32,832 at 128
   model xla   the model's default selection with its token index list (threshold kernel + XLA's compaction,
               expansion, tail and pad); "compact": the same list from the threshold kernel + topk_compact (one
               multi-CTA launch; N a multiple of 128); "compact fused": topk_compact alone, the threshold's passes in
-              every CTA
+              every CTA ("compact fused 2bit": two bits a pass)
 Each: µs of device time per call (CUPTI), kernels per call, and whether the selection equals top_k's (as a set;
 sort_keys also in order).
 
@@ -80,15 +80,16 @@ def _model_xla(v):
   return js, _index_list(js, *v.shape)
 
 
-def _compact(v, lanes: int, fused: bool = False):
+def _compact(v, lanes: int, fused: bool = False, digit_bits: int = 1):
   """The threshold kernel (lanes_out) + the multi-CTA compaction kernel (policy knob topk_compact_kernel) — js,
   with the list the kernel writes; ``fused``: the compaction kernel alone, its CTAs finding the threshold
-  themselves (knob topk_compact_fused)."""
+  themselves (knob topk_compact_fused), ``digit_bits`` a pass (2: knob topk_threshold_2bit)."""
   from pallas_kernels import indexer as I  # noqa: PLC0415
   R, N = v.shape
   pos = jnp.full((R,), 4 * N - 2, jnp.int32)
   t, n = (None, None) if fused else I.topk_threshold(v, K, early_exit=True, lanes_out=True)
-  idx, js = I.topk_compact(v, t, n, (pos + 1) // 4 * 4, pos, k=K, kpool=4, n_tail=3, width=WIDTH, lanes=lanes)
+  idx, js = I.topk_compact(v, t, n, (pos + 1) // 4 * 4, pos, k=K, kpool=4, n_tail=3, width=WIDTH, lanes=lanes,
+                           digit_bits=digit_bits)
   return js, idx
 
 
@@ -126,6 +127,7 @@ STRATEGIES = {
     "compact": lambda v: _compact(v, 32),
     "compact128": lambda v: _compact(v, 128),
     "compact fused": lambda v: _compact(v, 32, fused=True),
+    "compact fused 2bit": lambda v: _compact(v, 32, fused=True, digit_bits=2),
     "kernel unrolled scan128": lambda v: kernel_unrolled(v, 1),
     "kernel2 unrolled scan128": lambda v: kernel_unrolled(v, 2),
 }

@@ -10,7 +10,7 @@
 #                             bench_topk (the radix variants), bench_cluster_exchange, then the one-rank latency_specialized
 #                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
 #                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
-#   s53a / s53b / s53c (nvidia-h200): session 53's plan — see their comments below
+#   s53a .. s53d (nvidia-h200): session 53's plan — see their comments below
 #   Modes of past sessions (s25 .. s52b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -127,33 +127,43 @@ case "$MODE" in
       -k "norm_partials_interpret" >> "$OUT/tests.log" 2>&1
     timeout -k 9 -s INT 80 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
       -k "saturates" >> "$OUT/tests.log" 2>&1
+    # (session 53: the fused compaction's passes two bits at a time, topk_threshold_2bit — its GPU tests)
+    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer.py \
+      -k "compact_kernel_gpu or compact_kernel_at_the_model_site" >> "$OUT/tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
     [ "$(left)" -gt 200 ] && rank1 s53a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"mhc_row": true}' '{"mla_latent_norms": true}' '{"mla_latent_norms": true, "qkv_a_fused_sum": true}'
     ;;
   s53b)  # (nvidia-h200) after s53a: its winners with the knobs s52c/s52d had faster in 3-4 of 4 rounds
     # (kda_norm_partials, dq_f16; edit the policy to s53a's result) against the defaults at q = 1, then auto vs
-    # latency_specialized in one call with the winners (issue #9: 2x needs latency_specialized <= auto / 2).
-    # kda_gates_first (session 53: the KDA gates' GEMVs launched before the qkv GEMV) against the defaults too
+    # latency_specialized in one call with the winners (s53d; issue #9: 2x needs latency_specialized <= auto / 2).
+    # Session 53's two CPU-built orders / forms against the defaults too: kda_gates_first (the KDA gates' GEMVs
+    # launched before the qkv GEMV) and topk_threshold_2bit (the fused selection's passes two bits at a time)
     rank1 s53b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"mhc_row": true, "mla_latent_norms": true, "qkv_a_fused_sum": true, "kda_norm_partials": true, "dq_f16": true}' \
-      '{"kda_gates_first": true}'
-    [ "$(left)" -gt 250 ] && timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+      '{"kda_gates_first": true}' '{"topk_threshold_2bit": true}'
+    ;;
+  s53d)  # (nvidia-h200) issue #9's ratio in one call: auto vs latency_specialized with s53a / s53b's winners (edit
+    # the policy to them)
+    timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
       --batch 1 --context 32768 --q 1 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) \
       --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
-      --policy '{"mhc_row": true, "mla_latent_norms": true}' --out "$OUT/decode_s53b_auto.jsonl" 2>&1 \
-      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s53b_auto.log"
+      --policy '{"mhc_row": true, "mla_latent_norms": true}' --out "$OUT/decode_s53d.jsonl" 2>&1 \
+      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s53d.log"
     ;;
   s53c)  # (nvidia-h200) the new forms inside the step: traced at q = 1 (sublayer_chain: the boundaries' and the DSA
     # layer's chains with mhc_row + mla_latent_norms) and profiled alone (where the row boundary's time goes)
     timeout -s INT 120 python3 benchmarks/bench_mhc.py --rows 1 --paths grid,row --out "$OUT/bench_mhc.txt" \
       > "$OUT/bench_mhc.log" 2>&1
+    # the selection alone, one and two bits a pass (topk_threshold_2bit, session 53)
+    timeout -s INT 90 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8704 --f32-scores \
+      --only "compact fused,compact fused 2bit" --out "$OUT/bench_topk.txt" > "$OUT/bench_topk.log" 2>&1
     timeout -s INT 100 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc,mhc_row \
       --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
     # the bf16 GEMVs at one row, XLA vs bf16_linear — the indexer's wq_b (12.6 MB) is on the DSA selection chain
     timeout -s INT 120 python3 benchmarks/bench_linear.py --rows 1 --only bf16 --out "$OUT/bench_linear.txt" \
       > "$OUT/bench_linear.log" 2>&1
-    cat "$OUT/bench_mhc.txt" "$OUT/kernel_profile.txt" "$OUT/bench_linear.txt"
+    cat "$OUT/bench_mhc.txt" "$OUT/bench_topk.txt" "$OUT/kernel_profile.txt" "$OUT/bench_linear.txt"
     rank1 s53c --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" \
       --policy '{"mhc_row": true, "mla_latent_norms": true, "qkv_a_fused_sum": true}'
     rm -f "$OUT"/hlo/*.hlo.gz

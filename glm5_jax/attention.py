@@ -433,17 +433,17 @@ class Indexer(nnx.Module):
           raw2 = raw.reshape(R, Pr)
           ex = kernel_enabled("topk_threshold_exit", fits=thr, why="the topk_threshold kernel does not run here")
           # topk_compact_fused: every compaction CTA runs the threshold's passes itself — one launch, no threshold
-          # kernel before it (its passes are the one-bit, one-warpgroup form)
-          if kernel_enabled("topk_compact_fused", fits=not two and wgs == 1,
-                            why="the threshold's one-bit passes on one warpgroup (topk_threshold_2bit and "
-                            "topk_threshold_4wg off)"):
+          # kernel before it (its passes on one warpgroup; topk_threshold_2bit: two bits a pass there too)
+          if kernel_enabled("topk_compact_fused", fits=wgs == 1,
+                            why="the threshold's passes on one warpgroup (topk_threshold_4wg off)"):
             t = n_gt = None
           else:
             t, n_gt = ki.topk_threshold(raw2, kk, digit_bits=2 if two else 1, warpgroups=wgs, early_exit=ex,
                                         lanes_out=True)
           ts = (n_complete * kp).reshape(R)
           idx, js = ki.topk_compact(raw2, t, n_gt, ts, pos.reshape(R).astype(jnp.int32), k=kk, kpool=kp,
-                                    n_tail=n_tail, width=wp, early_exit=ex)
+                                    n_tail=n_tail, width=wp, early_exit=ex,
+                                    digit_bits=2 if two and t is None else 1)
           return idx.reshape(*pos.shape, wp), js.reshape(*pos.shape, kk)
         # topk_keys_in_kernel: the threshold kernel reads the scores kernel's padded output ([R, Pp], -inf past
         # the complete pools, as ``masked``) and forms the keys itself — no XLA kernel between the two kernels

@@ -789,21 +789,38 @@ def _fill_triangles(upper_s, lower_s):
   lower_s[...] = jnp.where(j1 < j0, 1.0, 0.0).astype(jnp.bfloat16)
 
 
-def _threshold_passes(u, k: int, early_exit: bool):
-  """The threshold of the row's keys u (uint32, in registers): topk_threshold's passes, one bit each, ending early
-  (``early_exit``) once a candidate has exactly k keys at or above it — that set IS the top k, so it is selected as
-  {key > cand - 1} with no ties to break (2.3 µs of the passes saved on bench_topk's scores, session 42) -> (thr,
-  need: the keys equal to thr to take, first by index)."""
+def _threshold_passes(u, k: int, early_exit: bool, digit_bits: int = 1):
+  """The threshold of the row's keys u (uint32, in registers): topk_threshold's passes, ``digit_bits`` (1 or 2)
+  each, ending early (``early_exit``) once a candidate has exactly k keys at or above it — that set IS the top k,
+  so it is selected as {key > cand - 1} with no ties to break (2.3 µs of the passes saved on bench_topk's scores,
+  session 42) -> (thr, need: the keys equal to thr to take, first by index). digit_bits = 2: the 3 candidates of
+  a 2-bit digit per pass — counts n1 >= n2 >= n3 from two sums (n1 + 65536 n2 packed: each count <= 17,408 <
+  2^16), as topk_threshold(digit_bits=2) — half the dependent rounds (each a warpgroup reduction's exchange)
+  for 1.5x the compares. When a candidate has exactly k, the largest candidate with >= k is that one (the
+  counts fall with the candidate), so the new prefix is the exact candidate in both forms."""
   i32, u32 = jnp.int32, jnp.uint32
+  if digit_bits not in (1, 2):
+    raise ValueError(f"_threshold_passes: digit_bits = {digit_bits}, expected 1 or 2")
+  passes = 32 // digit_bits
 
   def cond(c):
-    return (c[0] < 32) & (c[2] == 0) if early_exit else c[0] < 32
+    return (c[0] < passes) & (c[2] == 0) if early_exit else c[0] < passes
 
   def one_pass(c):
     i, t, _ = c
-    cand = t | lax.shift_left(u32(1), u32(31) - i.astype(u32))
-    n = jnp.sum((u >= cand).astype(i32))
-    return i + 1, jnp.where(n >= k, cand, t), jnp.where(n == k, i32(1), i32(0))
+    s = u32(32 - digit_bits) - i.astype(u32) * u32(digit_bits)  # the digit's low bit
+    if digit_bits == 1:
+      cand = t | lax.shift_left(u32(1), s)
+      n = jnp.sum((u >= cand).astype(i32))
+      return i + 1, jnp.where(n >= k, cand, t), jnp.where(n == k, i32(1), i32(0))
+    c1, c2, c3 = (t | lax.shift_left(u32(d), s) for d in (1, 2, 3))
+    # (nested selects: u >= c2 implies u >= c1; int32 values, as i1 register arrays do not combine)
+    both = jnp.sum(jnp.where(u >= c2, i32(65537), jnp.where(u >= c1, i32(1), i32(0))))
+    n3 = jnp.sum(jnp.where(u >= c3, i32(1), i32(0)))
+    n1, n2 = both & i32(0xFFFF), lax.shift_right_logical(both, i32(16))
+    t = jnp.where(n3 >= k, c3, jnp.where(n2 >= k, c2, jnp.where(n1 >= k, c1, t)))
+    hit = (n1 == k) | (n2 == k) | (n3 == k)
+    return i + 1, t, jnp.where(hit, i32(1), i32(0))
 
   _, t, done = lax.while_loop(cond, one_pass, (i32(0), u32(0), i32(0)))
   thr = jnp.where(done == 1, t - u32(1), t)
@@ -943,7 +960,7 @@ def _store_selected_interpret(enc, enc_s, js_g, idx_g, *, kpool: int, rows: int)
 
 
 def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int, boxes, interpret: bool,
-                    fused: bool = False, early_exit: bool = True):
+                    fused: bool = False, early_exit: bool = True, digit_bits: int = 1):
   i32, u32 = jnp.int32, jnp.uint32
   k_ninf, k_pinf = (_order_key_u32_np(x) for x in (-np.inf, np.inf))  # (finite: the keys strictly between)
   head = kpool * k  # the selected pools' token positions: idx[:head]; the tail and the padding after
@@ -977,7 +994,7 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
       plgpu.barrier_wait(bar)
     if fused:  # every CTA of the row the same passes over the same keys: the same (thr, need) in each
       with jax.named_scope("threshold"):
-        thr, need = _threshold_passes(order_key_u32(u_s.at[pl.ds(0, nr)][...]), k, early_exit)
+        thr, need = _threshold_passes(order_key_u32(u_s.at[pl.ds(0, nr)][...]), k, early_exit, digit_bits)
     rows = plgpu.broadcasted_iota(i32, (T, L), 0, layout=wg)
 
     def flags(b0):
@@ -1013,18 +1030,18 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
   return body
 
 
-@kernel_entry("k", "kpool", "n_tail", "width", "lanes", "early_exit")
+@kernel_entry("k", "kpool", "n_tail", "width", "lanes", "early_exit", "digit_bits")
 def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int,
-                 lanes: int = COMPACT_LANES, early_exit: bool = True):
+                 lanes: int = COMPACT_LANES, early_exit: bool = True, digit_bits: int = 1):
   """Mosaic GPU version of ``topk_compact_reference`` (same contract; t / n_gt as ``topk_threshold(lanes_out=True)``
   writes them, [R, 128]): a grid of (R, ceil(N / (64 · lanes))) CTAs (``_compact_kernel``), each storing the
   selected keys of its 64 rows of ``lanes`` keys (32 or 128). N a multiple of 128 up to THRESHOLD_MAX_KEYS (pad
   with -inf), kpool · k and width multiples of 64, k < SELECT_MAX_K.
 
-  t = n_gt = None: the fused form — every CTA finds the threshold itself from the row it holds (_threshold_passes'
-  one-bit passes; ``early_exit`` as topk_threshold's), so the selection is ONE launch with no threshold kernel
-  before it: the passes run in parallel in the row's CTAs instead of in a launch of their own (its launch gap and
-  the compaction's reload of the row leave the chain)."""
+  t = n_gt = None: the fused form — every CTA finds the threshold itself from the row it holds (_threshold_passes,
+  ``digit_bits`` 1 or 2 per pass; ``early_exit`` as topk_threshold's), so the selection is ONE launch with no
+  threshold kernel before it: the passes run in parallel in the row's CTAs instead of in a launch of their own (its
+  launch gap and the compaction's reload of the row leave the chain)."""
   from pallas_kernels._common import interpreting  # noqa: PLC0415
   _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
   R, N = scores.shape
@@ -1038,6 +1055,9 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
   if lanes not in (32, 128):
     raise ValueError(f"topk_compact: lanes = {lanes}, expected 32 or 128 keys per row of the kernel's view")
   fused = t is None
+  if digit_bits not in (1, 2) or (digit_bits == 2 and not fused):
+    raise ValueError(f"topk_compact: digit_bits = {digit_bits}; 1, or 2 in the fused form (t = n_gt = None: the "
+                     "threshold kernel's own digit_bits sets a given threshold's)")
   if fused != (n_gt is None):
     raise ValueError("topk_compact: t and n_gt are both given (the threshold kernel's) or both None (the fused "
                      "form's own threshold)")
@@ -1061,7 +1081,8 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
       plgpu.Barrier(num_arrivals=len(boxes)),
   ] + ([plgpu.SMEM((SELECT_ROWS, L), jnp.int32)] if interp else [])  # (interpret mode's scatter)
   idx, js = mgpu_kernel(
-      _compact_kernel(int(k), int(kpool), int(n_tail), int(width), nr, L, boxes, interp, fused, bool(early_exit)),
+      _compact_kernel(int(k), int(kpool), int(n_tail), int(width), nr, L, boxes, interp, fused, bool(early_exit),
+                      int(digit_bits)),
       out_type=(jax.ShapeDtypeStruct((R, width // 64, 64), jnp.int32), jax.ShapeDtypeStruct((R, k), jnp.int32)),
       grid=(R, nc),
       grid_names=("r", "c"),

@@ -15,6 +15,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -310,6 +311,32 @@ def threshold_scores(rng, R, N, n_real):
   return jnp.asarray(v)
 
 
+@pytest.mark.parametrize("digit_bits,early_exit", [(1, True), (2, True), (2, False)])
+def test_threshold_passes_select_the_top_k(digit_bits, early_exit):
+  """The fused compaction's passes (indexer._threshold_passes: plain jnp on a row of keys, run here outside a
+  kernel, many rows) give (thr, need) whose selection — the keys > thr, then the first ``need`` keys equal to it by
+  index — is lax.top_k's set: random scores, few distinct levels (ties at every candidate), -inf past a row's
+  end, a row with fewer than k finite scores; with the early exit (the pass that finds a candidate with exactly k
+  at or above it — with two bits a pass, at any of its 3 candidates) and without."""
+  from pallas_kernels._common import order_key_u32  # noqa: PLC0415
+  rng = np.random.default_rng()
+  k, N = 37, 300
+  rows = [rng.standard_normal(N), rng.integers(0, 6, N) / 2.0, rng.standard_normal(N) * 1e-3 + 1.0]
+  rows += [rng.standard_normal(N) * rng.uniform(0.1, 100) for _ in range(60)]
+  short = rng.standard_normal(N)
+  short[k // 2:] = -np.inf
+  rows.append(short)
+  v = jnp.asarray(np.stack(rows).astype(np.float32))
+  keys = order_key_u32(v)
+  thr, need = jax.jit(jax.vmap(lambda u: I._threshold_passes(u, k, early_exit, digit_bits)))(keys)
+  u, thr, need = np.asarray(keys), np.asarray(thr)[:, None], np.asarray(need)[:, None]
+  eq = u == thr
+  sel = (u > thr) | (eq & (np.cumsum(eq, axis=1) <= need))
+  want = np.zeros_like(sel)
+  np.put_along_axis(want, np.asarray(lax.top_k(v, k)[1]), True, axis=1)
+  np.testing.assert_array_equal(sel, want)
+
+
 @pytest.mark.parametrize("R,N,k,wgs", [(3, 8320, 512, 1), (2, 1024, 700, 4), (2, 256, 256, 1)])
 def test_threshold_kernel_from_scores_interpret(R, N, k, wgs):
   """The threshold kernel fed the f32 scores themselves (policy knob topk_keys_in_kernel) forms the keys in
@@ -459,7 +486,8 @@ def compact_thresholds(sc, k, native: bool):
   exact = tuple(jnp.broadcast_to(a[:, None], (sc.shape[0], I.THRESHOLD_LANES)) for a in (t, n))
   with maybe_interpret(not native):
     early = jax.jit(lambda v: I.topk_threshold(v, k, early_exit=True, lanes_out=True))(sc)
-  return exact, early, (None, None)  # (None: the fused form, its own early-exit threshold in every CTA)
+  # (None: the fused form, its own early-exit threshold in every CTA — with one and with two bits a pass)
+  return exact, early, (None, None, 1), (None, None, 2)
 
 
 @pytest.mark.parametrize("R,N,k,n_tail,width,lanes", [(1, 4224, 256, 3, 1088, 32), (2, 512, 64, 6, 320, 128),
@@ -467,17 +495,19 @@ def compact_thresholds(sc, k, native: bool):
 def test_compact_kernel_interpret(R, N, k, n_tail, width, lanes):
   """The compaction after the threshold kernel as one multi-CTA launch (policy knob topk_compact_kernel), in GPU
   interpret mode: from the exact threshold, from the threshold kernel's early-exit one and from its own in every
-  CTA (the fused form, knob topk_compact_fused), the token index list and the pools of lax.top_k's set
+  CTA (the fused form, knob topk_compact_fused; one or two bits a pass, topk_threshold_2bit), the token index list
+  and the pools of lax.top_k's set
   (topk_select_reference) — ties (row 0), NaN, +inf, a row with fewer than k finite scores; CTAs of 2,048 keys
   (lanes 32: 3 CTAs at N = 4,224) or 8,192, k up to N / 4, the tail and -1 padding to the width."""
   rng = np.random.default_rng()
   sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
   kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
   want = I.topk_select_reference(sc, ts, pos, **kw)
-  for t, n in compact_thresholds(sc, k, native=False):
+  for t, n, *bits in compact_thresholds(sc, k, native=False):
     ref = I.topk_compact_reference(sc, t, n, ts, pos, **kw)
     with maybe_interpret(True):
-      got = jax.jit(lambda *a: I.topk_compact(*a, **kw, lanes=lanes))(sc, t, n, ts, pos)
+      got = jax.jit(lambda *a: I.topk_compact(*a, **kw, lanes=lanes, digit_bits=bits[0] if bits else 1))(  # noqa: B023
+          sc, t, n, ts, pos)
     for g, r, w in zip(got, ref, want):
       np.testing.assert_array_equal(np.asarray(r), np.asarray(w))
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
@@ -505,19 +535,23 @@ def test_compact_rejects_bad_input():
     I.topk_compact(sc, t, n, ts, ts, **kw, width=192, lanes=64)
   with pytest.raises(ValueError, match="both given .* or both None"):
     I.topk_compact(sc, t, None, ts, ts, **kw, width=192)
+  with pytest.raises(ValueError, match="digit_bits = 2; 1, or 2 in the fused form"):
+    I.topk_compact(sc, t, n, ts, ts, **kw, width=192, digit_bits=2)
+  with pytest.raises(ValueError, match="digit_bits = 3"):
+    I.topk_compact(sc, None, None, ts, ts, **kw, width=192, digit_bits=3)
 
 
 @pytest.mark.parametrize("R,N,lanes,fused", [(1, 8704, 32, False), (4, 8704, 128, False), (32, 8704, 32, False),
                                              (1, I.THRESHOLD_MAX_KEYS, 32, False), (1, 8704, 32, True),
-                                             (4, I.THRESHOLD_MAX_KEYS, 32, True)])
+                                             (4, I.THRESHOLD_MAX_KEYS, 32, True), (1, 8704, 32, 2)])
 def test_compact_cross_lower(R, N, lanes, fused):
   """The native form (inline Mosaic GPU's GMEM stores, which interpret mode cannot run) lowers for CUDA at the
   decode's score rows and the largest row the threshold kernel holds (lanes 32: TMA boxes of 256 rows), also
-  with the threshold's passes in every CTA (fused)."""
+  with the threshold's passes in every CTA (fused; 2: two bits a pass)."""
   thr = () if fused else (SDS((R, 128), jnp.uint32), SDS((R, 128), jnp.int32))
   args = (SDS((R, N), jnp.float32), *thr, SDS((R,), jnp.int32), SDS((R,), jnp.int32))
   kw = dict(k=512, kpool=4, n_tail=3, width=2112, lanes=lanes)
-  fn = (lambda s, ts, p: I.topk_compact(s, None, None, ts, p, **kw)) if fused else (
+  fn = (lambda s, ts, p: I.topk_compact(s, None, None, ts, p, **kw, digit_bits=int(fused))) if fused else (
       lambda *a: I.topk_compact(*a, **kw))
   assert "glm5_topk_compact" in cross_lower(fn, *args).as_text()
 
@@ -529,14 +563,15 @@ def test_compact_cross_lower(R, N, lanes, fused):
                                                       (1, I.THRESHOLD_MAX_KEYS, 512, 3, 2112, 32)])
 def test_compact_kernel_gpu(R, N, k, n_tail, width, lanes):
   """The native kernel (the inline GMEM stores: a thread per selected key, CTAs writing one row's list) from the
-  exact and the threshold kernel's early-exit thresholds, and with its own in every CTA (fused), against the
-  reference."""
+  exact and the threshold kernel's early-exit thresholds, and with its own in every CTA (fused: one and two bits a
+  pass), against the reference."""
   rng = np.random.default_rng()
   sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
   kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
   want = jax.jit(lambda *a: I.topk_select_reference(*a, **kw))(sc, ts, pos)
-  for t, n in compact_thresholds(sc, k, native=True):
-    got = jax.jit(lambda *a: I.topk_compact(*a, **kw, lanes=lanes))(sc, t, n, ts, pos)
+  for t, n, *bits in compact_thresholds(sc, k, native=True):
+    got = jax.jit(lambda *a: I.topk_compact(*a, **kw, lanes=lanes, digit_bits=bits[0] if bits else 1))(  # noqa: B023
+        sc, t, n, ts, pos)
     for g, w in zip(got, want):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
@@ -653,9 +688,10 @@ def check_list_at_width(outs, extra: int):
 
 
 @pytest.mark.parametrize("native,P,extra_tail,keys,fused", [
-    (False, 320, 0, True, False), (False, 320, 2, False, True),
+    (False, 320, 0, True, False), (False, 320, 2, False, True), (False, 320, 0, True, 2),
     pytest.param(True, 320, 0, True, False, marks=pytest.mark.gpu),
-    pytest.param(True, 320, 0, True, True, marks=pytest.mark.gpu)])
+    pytest.param(True, 320, 0, True, True, marks=pytest.mark.gpu),
+    pytest.param(True, 320, 0, True, 2, marks=pytest.mark.gpu)])
 def test_compact_kernel_at_the_model_site(native, P, extra_tail, keys, fused):
   """Policy knob topk_compact_kernel at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
   rows of which some pools are not complete; interpret mode, and natively on a GPU): the threshold kernel + the
@@ -663,9 +699,11 @@ def test_compact_kernel_at_the_model_site(native, P, extra_tail, keys, fused):
   width asked for (the attention kernel's), and the same pools; the site is reported, and without the threshold
   kernel the knob does not fit and says why. ``keys`` False: with topk_keys_in_kernel off the scores kernel still
   pads its output to the threshold kernel's 128 lanes for it (P = 320 pools: 384, not 64-aligned 320).
-  ``fused``: with topk_compact_fused, the threshold found in the compaction kernel's CTAs (no threshold kernel)."""
+  ``fused``: with topk_compact_fused, the threshold found in the compaction kernel's CTAs (no threshold kernel); 2:
+  with two bits a pass (topk_threshold_2bit)."""
   outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 298], "topk_compact_kernel",
-                                   policy={"topk_keys_in_kernel": keys, "topk_compact_fused": fused},
+                                   policy={"topk_keys_in_kernel": keys, "topk_compact_fused": bool(fused),
+                                           "topk_threshold_2bit": fused == 2},
                                    extra_tail=extra_tail, width=lambda W: W + 100)
   check_list_at_width(outs, 100)
 
