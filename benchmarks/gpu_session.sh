@@ -127,9 +127,6 @@ case "$MODE" in
       -k "norm_partials_interpret" >> "$OUT/tests.log" 2>&1
     timeout -k 9 -s INT 80 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
       -k "saturates" >> "$OUT/tests.log" 2>&1
-    # (session 53: the fused compaction's passes two bits at a time, topk_threshold_2bit — its GPU tests)
-    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer.py \
-      -k "compact_kernel_gpu or compact_kernel_at_the_model_site" >> "$OUT/tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
     [ "$(left)" -gt 200 ] && rank1 s53a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"mhc_row": true}' '{"mla_latent_norms": true}' '{"mla_latent_norms": true, "qkv_a_fused_sum": true}'
@@ -152,7 +149,11 @@ case "$MODE" in
       | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s53d.log"
     ;;
   s53c)  # (nvidia-h200) the new forms inside the step: traced at q = 1 (sublayer_chain: the boundaries' and the DSA
-    # layer's chains with mhc_row + mla_latent_norms) and profiled alone (where the row boundary's time goes)
+    # layer's chains with mhc_row + mla_latent_norms) and profiled alone (where the row boundary's time goes).
+    # First the GPU tests of the fused compaction with two bits a pass (topk_threshold_2bit, session 53)
+    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer.py \
+      -k "compact_kernel_gpu or compact_kernel_at_the_model_site" > "$OUT/tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
     timeout -s INT 120 python3 benchmarks/bench_mhc.py --rows 1 --paths grid,row --out "$OUT/bench_mhc.txt" \
       > "$OUT/bench_mhc.log" 2>&1
     # the selection alone, one and two bits a pass (topk_threshold_2bit, session 53)
