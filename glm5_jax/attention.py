@@ -165,19 +165,24 @@ class KDA(nnx.Module):
     """x [B, T, D] -> (y [B, T, D], new cache). cache: conv [B, Wc, 3C] (C local channels), ssm [B, Q, H, K, V]."""
     B, T, _ = x.shape
     Kd, Kc = self.head_dim, self.kernel
-    # f_a | g_a | b (b of all heads) side by side; f_b and g_b read the f_a | g_a columns in place, and the KDA
-    # kernel reads f and this rank's b columns in place: each XLA slice before a custom call was a kernel of its
-    # own (at q = 4 three per KDA layer: [M, 256], f [M, 2048], b [M, 16]; session 27's profile)
-    fgb = self.fgb_a_proj.joint(x, dtype)  # [B, T, 2r + all heads]
-    fg = self.fg_b_proj(fgb, dtype, prefix=True).astype(jnp.float32)  # [B, T, 2C]: f | gate
-    xq = x  # the qkv projection's input
+
+    def gates():
+      # f_a | g_a | b (b of all heads) side by side; f_b and g_b read the f_a | g_a columns in place, and the KDA
+      # kernel reads f and this rank's b columns in place: each XLA slice before a custom call was a kernel of its
+      # own (at q = 4 three per KDA layer: [M, 256], f [M, 2048], b [M, 16]; session 27's profile)
+      fgb = self.fgb_a_proj.joint(x, dtype)  # [B, T, 2r + all heads]
+      return fgb, self.fg_b_proj(fgb, dtype, prefix=True).astype(jnp.float32)  # [B, T, 2C]: f | gate
+
     if kernel_enabled("kda_gates_first", B * T):
       # the qkv GEMV takes x through a barrier with the gates' fg_b output, so its launch follows theirs. In
       # s51b's trace the gates' second GEMV (2.3 µs) waited for the 14 µs qkv GEMV on every KDA layer's chain,
       # with no data between them; the barrier has no buffer of its own, so the CUDA graph's edges stay the data's
       # (as dsa_qkv_a_first's did: layers.KNOBS["kda_gates_first"])
+      fgb, fg = gates()
       xq, fg = lax.optimization_barrier((x, fg))
-    z = self.qkv_proj(xq, dtype)  # [B, T, 3C]: this device's q | k | v channels
+      z = self.qkv_proj(xq, dtype)  # [B, T, 3C]: this device's q | k | v channels
+    else:  # (the trace order the defaults were measured with: the gates after the qkv projection and conv)
+      z, fg = self.qkv_proj(x, dtype), None
     C3 = z.shape[-1]
     H = C3 // (3 * Kd)
     w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], 0)[:, 0, :]  # [3C, Kc]
@@ -190,6 +195,8 @@ class KDA(nnx.Module):
     acc = sum(full[:, j:j + T] * w[:, j].astype(jnp.float32) for j in range(Kc))
     zc = jax.nn.silu(acc).astype(dtype).astype(jnp.float32)
     q, k, v = (a.reshape(B, T, H, Kd) for a in jnp.split(zc, 3, axis=-1))
+    if fg is None:
+      fgb, fg = gates()
     f, gate = (a.reshape(B, T, H, Kd) for a in jnp.split(fg, 2, axis=-1))
     b_off = self.fgb_a_proj.outs[0] + self.fgb_a_proj.outs[1] + lax.axis_index(TP) * H  # this rank's first b
     # (in the projection's dtype: the kernel and its reference take the sigmoid in f32 themselves)
