@@ -213,3 +213,21 @@ def test_real_geometry_step_with_packed_params_lowers_for_cuda():
   names = {n for n, _, _ in kernel_calls(txt)}
   assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down"} <= names and "glm5_fp8_linear" not in names
   assert "glm5_mla_uv" in names  # (mla_uv_kernel at one token row: the verify's DSA layers; q = 1 runs no draft)
+
+
+def test_step_digest_ignores_locations_and_kernel_payloads():
+  """scripts/step_digest.py's normalisation: two lowerings that differ only in source locations and a Mosaic call's
+  serialized module / kernel hash (file paths, line numbers) digest alike; an operand type that differs does not."""
+  import importlib.util  # noqa: PLC0415
+  import os  # noqa: PLC0415
+  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "step_digest.py")
+  spec = importlib.util.spec_from_file_location("step_digest", path)
+  sd = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(sd)
+  call = ('%1 = stablehlo.custom_call @mosaic_gpu_v2(%0) {{mhlo.backend_config = {{kernel_hash = "{h}", '
+          'module = "ML\\EFR{m}"}}}} : (tensor<{t}>) -> tensor<4xf32> loc(#loc7)\n#loc7 = loc("{f}":{n}:3)\n')
+  a = call.format(h="\\22\\D9", m="/a/linear.py\\00", t="1x512xbf16", f="/a/x.py", n=10)
+  b = call.format(h="\\01\\02", m="/b/linear.py\\00\\01", t="1x512xbf16", f="/b/x.py", n=99)
+  c = call.format(h="\\22\\D9", m="/a/linear.py\\00", t="1x512xf16", f="/a/x.py", n=10)
+  assert sd.normalised_text(a) == sd.normalised_text(b)
+  assert sd.normalised_text(a) != sd.normalised_text(c)
