@@ -158,8 +158,10 @@ KNOBS = {
         "instead of 32 of one; pallas_kernels.indexer._threshold_kernel): alone 21.6 -> 19.8 µs at one row, "
         "but in the step at q = 1 5.46 vs 5.53 ms (noise; session 32) — off. Since session 53 also the fused "
         "compaction's passes (topk_compact(t=None, digit_bits=2): every CTA of the row), where the default "
-        "selection's one-bit passes are ~12 µs of each DSA layer's chain (s51b's trace: ~20 dependent warpgroup "
-        "reductions before the early exit) — half the rounds; CPU-built, off until measured"),
+        "selection's one-bit passes sit on each DSA layer's chain (s51b's trace: the selection 12.3 µs, ~20 "
+        "dependent warpgroup reductions before the early exit): two bits a pass, the pass's two counts summed per "
+        "warp and exchanged through SMEM behind one barrier (indexer._threshold_passes_split) — half the rounds; "
+        "CPU-built, off until measured"),
     "topk_threshold_exit": (True,
         "with topk_threshold: the threshold kernel's passes stop at the first candidate with exactly k keys at "
         "or above it (pallas_kernels.indexer.topk_threshold early_exit=True: the same selection, the threshold "

@@ -789,15 +789,9 @@ def _fill_triangles(upper_s, lower_s):
   lower_s[...] = jnp.where(j1 < j0, 1.0, 0.0).astype(jnp.bfloat16)
 
 
-def _threshold_passes(u, k: int, early_exit: bool, digit_bits: int = 1):
-  """The threshold of the row's keys u (uint32, in registers): topk_threshold's passes, ``digit_bits`` (1 or 2)
-  each, ending early (``early_exit``) once a candidate has exactly k keys at or above it — that set IS the top k,
-  so it is selected as {key > cand - 1} with no ties to break (2.3 µs of the passes saved on bench_topk's scores,
-  session 42) -> (thr, need: the keys equal to thr to take, first by index). digit_bits = 2: the 3 candidates of
-  a 2-bit digit per pass — counts n1 >= n2 >= n3 from two sums (n1 + 65536 n2 packed: each count <= 17,408 <
-  2^16), as topk_threshold(digit_bits=2) — half the dependent rounds (each a warpgroup reduction's exchange)
-  for 1.5x the compares. When a candidate has exactly k, the largest candidate with >= k is that one (the
-  counts fall with the candidate), so the new prefix is the exact candidate in both forms."""
+def _threshold_search(u, k: int, early_exit: bool, digit_bits: int, sums):
+  """The passes behind ``_threshold_passes`` and ``_threshold_passes_split``: ``sums(p, *xs)`` -> the sums over
+  the row of the int32 arrays xs (pass p's counts; p = the pass after the last for the final count)."""
   i32, u32 = jnp.int32, jnp.uint32
   if digit_bits not in (1, 2):
     raise ValueError(f"_threshold_passes: digit_bits = {digit_bits}, expected 1 or 2")
@@ -811,20 +805,51 @@ def _threshold_passes(u, k: int, early_exit: bool, digit_bits: int = 1):
     s = u32(32 - digit_bits) - i.astype(u32) * u32(digit_bits)  # the digit's low bit
     if digit_bits == 1:
       cand = t | lax.shift_left(u32(1), s)
-      n = jnp.sum((u >= cand).astype(i32))
+      (n,) = sums(i, (u >= cand).astype(i32))
       return i + 1, jnp.where(n >= k, cand, t), jnp.where(n == k, i32(1), i32(0))
     c1, c2, c3 = (t | lax.shift_left(u32(d), s) for d in (1, 2, 3))
     # (nested selects: u >= c2 implies u >= c1; int32 values, as i1 register arrays do not combine)
-    both = jnp.sum(jnp.where(u >= c2, i32(65537), jnp.where(u >= c1, i32(1), i32(0))))
-    n3 = jnp.sum(jnp.where(u >= c3, i32(1), i32(0)))
+    both, n3 = sums(i, jnp.where(u >= c2, i32(65537), jnp.where(u >= c1, i32(1), i32(0))),
+                    jnp.where(u >= c3, i32(1), i32(0)))
     n1, n2 = both & i32(0xFFFF), lax.shift_right_logical(both, i32(16))
     t = jnp.where(n3 >= k, c3, jnp.where(n2 >= k, c2, jnp.where(n1 >= k, c1, t)))
     hit = (n1 == k) | (n2 == k) | (n3 == k)
     return i + 1, t, jnp.where(hit, i32(1), i32(0))
 
-  _, t, done = lax.while_loop(cond, one_pass, (i32(0), u32(0), i32(0)))
+  p_end, t, done = lax.while_loop(cond, one_pass, (i32(0), u32(0), i32(0)))
   thr = jnp.where(done == 1, t - u32(1), t)
-  return thr, k - jnp.sum((u > thr).astype(i32))
+  (n_gt,) = sums(p_end, (u > thr).astype(i32))
+  return thr, k - n_gt
+
+
+def _threshold_passes(u, k: int, early_exit: bool, digit_bits: int = 1):
+  """The threshold of the row's keys u (uint32, in registers): topk_threshold's passes, ``digit_bits`` (1 or 2)
+  each, ending early (``early_exit``) once a candidate has exactly k keys at or above it — that set IS the top k,
+  so it is selected as {key > cand - 1} with no ties to break (2.3 µs of the passes saved on bench_topk's scores,
+  session 42) -> (thr, need: the keys equal to thr to take, first by index). digit_bits = 2: the 3 candidates of
+  a 2-bit digit per pass — counts n1 >= n2 >= n3 from two sums (n1 + 65536 n2 packed: each count <= 17,408 <
+  2^16), as topk_threshold(digit_bits=2). When a candidate has exactly k, the largest candidate with >= k is that
+  one (the counts fall with the candidate), so the new prefix is the exact candidate in both forms. Each count is
+  a warpgroup reduction here (``jnp.sum``): with two bits a pass, ``_threshold_passes_split``."""
+  return _threshold_search(u, k, early_exit, digit_bits, lambda p, *xs: tuple(jnp.sum(x) for x in xs))
+
+
+def _threshold_passes_split(u, c_s, k: int, early_exit: bool, digit_bits: int):
+  """``_threshold_passes`` with each pass's counts exchanged by hand: u the row's keys [N / 128, 4, 32] uint32 in
+  warp_split_layout (warp i holds [:, i, :]), so a count is a per-warp sum (lanes and registers only) and a pass's
+  counts — two with two bits a pass — meet in c_s [2, 2, 4] int32 (slot p % 2, a warp per column) behind ONE
+  warpgroup barrier (commit_smem), where Mosaic's warpgroup reduction (``jnp.sum`` of a warpgroup array) is a round
+  of its own per count: two bits a pass then halve the rounds, not just the passes. The two slots alternate: a
+  warp that runs ahead writes the other slot, and cannot reach a slot again before every warp has passed the
+  barrier after reading it; the final count takes the next pass's slot. -> (thr, need) as there."""
+  def sums(p, *xs):
+    slot = lax.rem(p, 2)
+    for j, x in enumerate(xs):
+      c_s[slot, j, pl.ds(0, 4)] = jnp.sum(jnp.sum(x, axis=2), axis=0)  # [4]: one per warp
+    plgpu.commit_smem()  # (its warpgroup barrier: every warp's counts stored before any warp reads them)
+    return tuple(sum(c_s[slot, j, w] for w in range(4)) for j in range(len(xs)))
+
+  return _threshold_search(u, k, early_exit, digit_bits, sums)
 
 
 def _prefix_slots(gt, eq, base, need, f_s, upper, lower_s):
@@ -967,12 +992,18 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
   T = SELECT_ROWS
   wg = _L.WGMMA
 
+  split = fused and digit_bits == 2  # (the passes' counts exchanged by hand: _threshold_passes_split)
+
   def body(*refs):
     s_g, t_g, n_g, *refs = refs if not fused else (refs[0], None, None, *refs[1:])
-    ts_g, pos_g, idx_g, js_g, u_s, f_s, upper_s, lower_s, tail_s, bar, *enc_s = refs
+    s4_g, *refs = refs if split else (None, *refs)  # (the row again, as [N / 128, 4, 32]: the passes' view)
+    ts_g, pos_g, idx_g, js_g, u_s, f_s, upper_s, lower_s, tail_s, bar, *rest = refs
+    u4_s, c_s, *enc_s = rest if split else (None, None, *rest)
     r, c = lax.axis_index("r"), lax.axis_index("c")
     for b0, n in boxes:  # (TMA boxes of at most 256 rows)
       plgpu.copy_gmem_to_smem(s_g.at[r, pl.ds(b0, n)], u_s.at[pl.ds(b0, n)], bar)
+    if split:  # (N / 128 <= 136 rows: one box; the barrier counts it)
+      plgpu.copy_gmem_to_smem(s4_g.at[r], u4_s, bar)
     _fill_triangles(upper_s, lower_s)  # (while the row arrives)
     plgpu.commit_smem()  # (the wgmma operands: the async proxy)
     if not fused:
@@ -994,7 +1025,11 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
       plgpu.barrier_wait(bar)
     if fused:  # every CTA of the row the same passes over the same keys: the same (thr, need) in each
       with jax.named_scope("threshold"):
-        thr, need = _threshold_passes(order_key_u32(u_s.at[pl.ds(0, nr)][...]), k, early_exit, digit_bits)
+        if split:
+          thr, need = _threshold_passes_split(order_key_u32(plgpu.load(u4_s, layout=warp_split_layout())), c_s, k,
+                                              early_exit, digit_bits)
+        else:
+          thr, need = _threshold_passes(order_key_u32(u_s.at[pl.ds(0, nr)][...]), k, early_exit, digit_bits)
     rows = plgpu.broadcasted_iota(i32, (T, L), 0, layout=wg)
 
     def flags(b0):
@@ -1070,6 +1105,7 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
   nc = -(-nr // SELECT_ROWS)
   boxes = tuple((b, min(256, nr - b)) for b in range(0, nr, 256))
   interp = interpreting()
+  split = fused and digit_bits == 2
   tile = lambda w: (plgpu.TilingTransform((8, w)), plgpu.SwizzleTransform(2 * w))  # noqa: E731 (bf16, w <= 64)
   scratch = [
       plgpu.SMEM((nc * SELECT_ROWS, L), jnp.float32),  # u_s: the row (whole 64-row tiles)
@@ -1078,8 +1114,10 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
       # lower_s (the A operand of L64 · F: swizzled as F, the B operand, for the wgmma's K tiles to agree)
       plgpu.SMEM((SELECT_ROWS, SELECT_ROWS), jnp.bfloat16, transforms=tile(min(L, 64))),
       plgpu.SMEM((64, 64), jnp.int32),  # tail_s: the positions after the pools' (CTA 0)
-      plgpu.Barrier(num_arrivals=len(boxes)),
-  ] + ([plgpu.SMEM((SELECT_ROWS, L), jnp.int32)] if interp else [])  # (interpret mode's scatter)
+      plgpu.Barrier(num_arrivals=len(boxes) + int(split)),
+  ] + ([plgpu.SMEM((N // THRESHOLD_LANES, 4, 32), jnp.float32),  # u4_s: the row for the split passes
+        plgpu.SMEM((2, 2, 4), jnp.int32)] if split else [])  # c_s: their counts' exchange
+  scratch += [plgpu.SMEM((SELECT_ROWS, L), jnp.int32)] if interp else []  # (interpret mode's scatter)
   idx, js = mgpu_kernel(
       _compact_kernel(int(k), int(kpool), int(n_tail), int(width), nr, L, boxes, interp, fused, bool(early_exit),
                       int(digit_bits)),
@@ -1088,5 +1126,7 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
       grid_names=("r", "c"),
       kernel_name="glm5_topk_compact",
       scratch_types=scratch,
-  )(scores.reshape(R, nr, L), *(() if fused else (t, n_gt)), tail_start.astype(jnp.int32), pos.astype(jnp.int32))
+  )(scores.reshape(R, nr, L), *(() if fused else (t, n_gt)),
+    *((scores.reshape(R, N // THRESHOLD_LANES, 4, 32),) if split else ()), tail_start.astype(jnp.int32),
+    pos.astype(jnp.int32))
   return idx.reshape(R, width), js
