@@ -563,6 +563,22 @@ def _check_threshold(keys, k, scores_ok: bool = False):
     raise ValueError(f"topk_threshold: k = {k}, expected 1 <= k <= N = {N}")
 
 
+def _exchange_warp_counts(c_s, p, parts, w=0, wgs: int = 1, xbar=None):
+  """The sums over every warp of ``parts`` (per-warp counts [4], warp_split_layout's reductions): each warpgroup
+  (w of wgs) stores its warps' parts in slot p % 2 of c_s [2, parts, 4 · wgs] int32, syncs its warps (and with
+  several warpgroups arrives once on ``xbar`` and waits for the others), then reads every warp's. Two slots: a
+  warp(group) one pass ahead writes the other slot, and cannot come back to this one before all have passed the
+  barrier after reading it — the next pass's exchange therefore needs p + 1."""
+  slot = lax.rem(p, 2)
+  for j, v in enumerate(parts):
+    c_s[slot, j, pl.ds(w * 4, 4)] = v
+  plgpu.commit_smem()  # (its warpgroup barrier: the 4 warps' stores before anyone reads them / the one arrival)
+  if xbar is not None:
+    plgpu.barrier_arrive(xbar)
+    plgpu.barrier_wait(xbar)
+  return tuple(sum(c_s[slot, j, i] for i in range(4 * wgs)) for j in range(len(parts)))
+
+
 def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1, from_scores: bool = False,
                       early_exit: bool = False):
   def body(u_g, t_g, n_g, u_s, *rest):
@@ -596,72 +612,10 @@ def _threshold_kernel(k: int, digit_bits: int, unroll: bool, wgs: int = 1, from_
       every warp's — each warpgroup publishes its warps' parts in slot p % 2 of c_s (two slots: a warpgroup that is
       one round ahead writes the other), syncs its warps, arrives (once per warpgroup), and reads all the warps'
       parts once every warpgroup has arrived."""
-      if wgs == 1:
-        return parts
-      slot = lax.rem(p, 2)
-      for j, v in enumerate(parts):
-        c_s[slot, j, pl.ds(w * 4, 4)] = v
-      plgpu.commit_smem()  # (its warpgroup barrier: the 4 warps' stores before the warpgroup's one arrival)
-      plgpu.barrier_arrive(xbar)
-      plgpu.barrier_wait(xbar)
-      return tuple(sum(c_s[slot, j, i] for i in range(4 * wgs)) for j in range(len(parts)))
+      return parts if wgs == 1 else _exchange_warp_counts(c_s, p, parts, w, wgs, xbar)
 
-    # The k-th largest key, digit by digit from the top: t keeps the largest prefix with #{u >= t} >= k. A pass
-    # is a compare per key and candidate and int32 sums over the warpgroup (a redux.sync per warp + 4 words of
-    # SMEM). digit_bits = 1: 32 passes of one candidate, each sum waiting on the previous pass. digit_bits = 2:
-    # 16 passes of the 3 candidates of a 2-bit digit — their counts n1 >= n2 >= n3 (each <= 17,408 < 2^16) from
-    # two independent sums, n1 + 65536 n2 packed in one int32 — half the dependent rounds for 1.5x the compares.
-    # The passes are a loop, not Python-unrolled: unrolled they are ~7x the kernel's code (469 vs 69 KB of MLIR),
-    # straight-line code that one CTA runs once — every instruction a cold fetch (the suspect of session 31's
-    # ~135 µs cluster kernel, mhc_boundary; `unroll` keeps the old form to measure it). The keys stay in
-    # registers across iterations. With ``wgs`` warpgroups each pass compares 1 / wgs of the keys per thread and
-    # adds an exchange of the partial counts (an mbarrier round) to its chain.
-    def one_pass(p, t, exact=None):
-      """-> the new prefix t, and with ``exact`` whether a candidate has exactly k keys at or above it (then the
-      prefix returned is that candidate minus one: the keys above it are the top k)."""
-      s = jnp.uint32(32 - digit_bits) - p.astype(jnp.uint32) * jnp.uint32(digit_bits)  # the digit's low bit
-      if digit_bits == 1:
-        cand = t | lax.shift_left(jnp.uint32(1), s)
-        (n,) = total(p, count((u >= cand).astype(jnp.int32)))
-        t = jnp.where(n >= k, cand, t)
-        return t if exact is None else (jnp.where(n == k, t - jnp.uint32(1), t), n == k)
-      c1, c2, c3 = (t | lax.shift_left(jnp.uint32(d), s) for d in (1, 2, 3))
-      # (nested selects: u >= c2 implies u >= c1; int32 values, as i1 register arrays do not combine)
-      both, n3 = total(p, count(jnp.where(u >= c2, jnp.int32(65537), jnp.where(u >= c1, jnp.int32(1),
-                                                                                 jnp.int32(0)))),
-                       count(jnp.where(u >= c3, jnp.int32(1), jnp.int32(0))))
-      n1, n2 = both & jnp.int32(0xFFFF), lax.shift_right_logical(both, jnp.int32(16))
-      t = jnp.where(n3 >= k, c3, jnp.where(n2 >= k, c2, jnp.where(n1 >= k, c1, t)))
-      if exact is None:
-        return t
-      hit = (n1 == k) | (n2 == k) | (n3 == k)  # (the candidate with exactly k is the new prefix: the largest >= k)
-      return jnp.where(hit, t - jnp.uint32(1), t), hit
-
-    passes = 32 // digit_bits
-    p_end = jnp.int32(passes)  # the round after the last pass (several warpgroups: its exchange slot's parity)
-    if unroll:  # (as before session 31: bench_topk's code-size comparison)
-      t = jnp.uint32(0)
-      for p in range(passes):
-        t = one_pass(jnp.int32(p), t)
-    elif early_exit:
-      # stop at the first pass whose candidate has exactly k keys at or above it: that set IS the top k — t is
-      # then one below the candidate (n_gt = k: the keys above it; a key equal to it is the (k+1)-th, no tie to
-      # take). On the indexer's scores the k-th and (k+1)-th keys part well before the last bit (in the step
-      # 13.9 -> 8.9 µs, session 45)
-      def cond(c):
-        return (c[0] < passes) & (c[2] == 0)
-
-      def body_(c):
-        p, t, _ = c
-        t, hit = one_pass(p, t, exact=True)
-        return p + 1, t, jnp.where(hit, jnp.int32(1), jnp.int32(0))
-
-      # (the count after the loop takes the next round's exchange slot: reusing the last pass's would race with a
-      # warpgroup still reading it)
-      p_end, t, _ = lax.while_loop(cond, body_, (jnp.int32(0), jnp.uint32(0), jnp.int32(0)))
-    else:
-      t = lax.fori_loop(0, passes, one_pass, jnp.uint32(0))
-    (n_gt,) = total(p_end, count((u > t).astype(jnp.int32)))
+    t, n_gt = _threshold_search(u, k, early_exit, digit_bits, lambda p, *xs: total(p, *map(count, xs)),
+                                unroll=unroll)
 
     def store():
       t_g[r] = jnp.broadcast_to(t, (THRESHOLD_LANES,))
@@ -789,16 +743,29 @@ def _fill_triangles(upper_s, lower_s):
   lower_s[...] = jnp.where(j1 < j0, 1.0, 0.0).astype(jnp.bfloat16)
 
 
-def _threshold_search(u, k: int, early_exit: bool, digit_bits: int, sums):
-  """The passes behind ``_threshold_passes`` and ``_threshold_passes_split``: ``sums(p, *xs)`` -> the sums over
-  the row of the int32 arrays xs (pass p's counts; p = the pass after the last for the final count)."""
+def _threshold_search(u, k: int, early_exit: bool, digit_bits: int, sums, unroll: bool = False):
+  """The threshold passes of the row's keys u (uint32, in registers) -> (thr, n_gt = #{u > thr}), for the
+  threshold kernel and the compaction kernel's fused form alike: ``sums(p, *xs)`` -> the sums over the row of the
+  int32 arrays xs (pass p's counts; p = the pass after the last for the final count: its exchange slot).
+
+  The k-th largest key, digit by digit from the top: t keeps the largest prefix with #{u >= t} >= k. A pass is a
+  compare per key and candidate and int32 sums over the row. digit_bits = 1: 32 passes of one candidate, each sum
+  waiting on the previous pass. digit_bits = 2: 16 passes of the 3 candidates of a 2-bit digit — their counts n1 >=
+  n2 >= n3 (each <= 17,408 < 2^16) from two independent sums, n1 + 65536 n2 packed in one int32 — half the
+  dependent passes for 1.5x the compares. The passes are a loop, not Python-unrolled: unrolled they are ~7x the
+  kernel's code (469 vs 69 KB of MLIR), straight-line code that one CTA runs once — every instruction a cold fetch
+  (the suspect of session 31's ~135 µs cluster kernel; ``unroll`` keeps the old form to measure it). The keys stay
+  in registers across iterations.
+
+  ``early_exit``: stop at the first pass whose candidate has exactly k keys at or above it — that set IS the top
+  k, so thr is one below that candidate (n_gt = k; a key equal to it is the (k+1)-th, no tie to take). With two
+  bits, the largest candidate with >= k is then the one with exactly k (the counts fall with the candidate). On
+  the indexer's scores the k-th and (k+1)-th keys part well before the last bit (in the step 13.9 -> 8.9 µs,
+  session 45)."""
   i32, u32 = jnp.int32, jnp.uint32
   if digit_bits not in (1, 2):
-    raise ValueError(f"_threshold_passes: digit_bits = {digit_bits}, expected 1 or 2")
+    raise ValueError(f"threshold passes: digit_bits = {digit_bits}, expected 1 or 2")
   passes = 32 // digit_bits
-
-  def cond(c):
-    return (c[0] < passes) & (c[2] == 0) if early_exit else c[0] < passes
 
   def one_pass(c):
     i, t, _ = c
@@ -816,40 +783,39 @@ def _threshold_search(u, k: int, early_exit: bool, digit_bits: int, sums):
     hit = (n1 == k) | (n2 == k) | (n3 == k)
     return i + 1, t, jnp.where(hit, i32(1), i32(0))
 
-  p_end, t, done = lax.while_loop(cond, one_pass, (i32(0), u32(0), i32(0)))
-  thr = jnp.where(done == 1, t - u32(1), t)
+  c = (i32(0), u32(0), i32(0))  # (pass, prefix, exact hit)
+  if unroll:  # (as before session 31: bench_topk's code-size comparison; no early exit)
+    for _ in range(passes):
+      c = one_pass(c)
+  elif early_exit:
+    c = lax.while_loop(lambda c: (c[0] < passes) & (c[2] == 0), one_pass, c)
+  else:
+    c = lax.fori_loop(0, passes, lambda _, c: one_pass(c), c)
+  p_end, t, done = c
+  thr = jnp.where(done == 1, t - u32(1), t) if early_exit else t
   (n_gt,) = sums(p_end, (u > thr).astype(i32))
-  return thr, k - n_gt
+  return thr, n_gt
 
 
 def _threshold_passes(u, k: int, early_exit: bool, digit_bits: int = 1):
-  """The threshold of the row's keys u (uint32, in registers): topk_threshold's passes, ``digit_bits`` (1 or 2)
-  each, ending early (``early_exit``) once a candidate has exactly k keys at or above it — that set IS the top k,
-  so it is selected as {key > cand - 1} with no ties to break (2.3 µs of the passes saved on bench_topk's scores,
-  session 42) -> (thr, need: the keys equal to thr to take, first by index). digit_bits = 2: the 3 candidates of
-  a 2-bit digit per pass — counts n1 >= n2 >= n3 from two sums (n1 + 65536 n2 packed: each count <= 17,408 <
-  2^16), as topk_threshold(digit_bits=2). When a candidate has exactly k, the largest candidate with >= k is that
-  one (the counts fall with the candidate), so the new prefix is the exact candidate in both forms. Each count is
-  a warpgroup reduction here (``jnp.sum``): with two bits a pass, ``_threshold_passes_split``."""
-  return _threshold_search(u, k, early_exit, digit_bits, lambda p, *xs: tuple(jnp.sum(x) for x in xs))
+  """The compaction's fused threshold from the row's keys u (uint32, in registers): ``_threshold_search`` with each
+  count a warpgroup reduction (``jnp.sum``: its own SMEM round) -> (thr, need: the keys equal to thr to take, first
+  by index). (With two bits a pass, ``_threshold_passes_split``.)"""
+  thr, n_gt = _threshold_search(u, k, early_exit, digit_bits, lambda p, *xs: tuple(jnp.sum(x) for x in xs))
+  return thr, k - n_gt
 
 
 def _threshold_passes_split(u, c_s, k: int, early_exit: bool, digit_bits: int):
   """``_threshold_passes`` with each pass's counts exchanged by hand: u the row's keys [N / 128, 4, 32] uint32 in
   warp_split_layout (warp i holds [:, i, :]), so a count is a per-warp sum (lanes and registers only) and a pass's
-  counts — two with two bits a pass — meet in c_s [2, 2, 4] int32 (slot p % 2, a warp per column) behind ONE
-  warpgroup barrier (commit_smem), where Mosaic's warpgroup reduction (``jnp.sum`` of a warpgroup array) is a round
-  of its own per count: two bits a pass then halve the rounds, not just the passes. The two slots alternate: a
-  warp that runs ahead writes the other slot, and cannot reach a slot again before every warp has passed the
-  barrier after reading it; the final count takes the next pass's slot. -> (thr, need) as there."""
-  def sums(p, *xs):
-    slot = lax.rem(p, 2)
-    for j, x in enumerate(xs):
-      c_s[slot, j, pl.ds(0, 4)] = jnp.sum(jnp.sum(x, axis=2), axis=0)  # [4]: one per warp
-    plgpu.commit_smem()  # (its warpgroup barrier: every warp's counts stored before any warp reads them)
-    return tuple(sum(c_s[slot, j, w] for w in range(4)) for j in range(len(xs)))
+  counts — two with two bits a pass — meet in c_s [2, 2, 4] int32 behind ONE warpgroup barrier
+  (``_exchange_warp_counts``), where Mosaic's warpgroup reduction is a round of its own per count: two bits a pass
+  then halve the rounds, not just the passes."""
+  def sums(p, *xs):  # ([4]: one count per warp)
+    return _exchange_warp_counts(c_s, p, [jnp.sum(jnp.sum(x, axis=2), axis=0) for x in xs])
 
-  return _threshold_search(u, k, early_exit, digit_bits, sums)
+  thr, n_gt = _threshold_search(u, k, early_exit, digit_bits, sums)
+  return thr, k - n_gt
 
 
 def _prefix_slots(gt, eq, base, need, f_s, upper, lower_s):
