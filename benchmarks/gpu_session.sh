@@ -45,17 +45,6 @@ tests_and_kernels() {
   echo "== sparse MLA / indexer benchmark done"
 }
 
-gt() {  # $1: seconds at most, $2: test file or node id, $3: -k expression (GT_MARK: the -m expression, default gpu —
-  # the end-to-end kernel tests of the defaults are marked e2e_kernels only). GPU tests with every test's outcome (-rA),
-  # each call bounded by the budget left (-k 9: a kernel that never returns cannot hold the call); a selection of
-  # no tests is logged too (session 36's -k matched the checkout's directory name and left an empty log)
-  [ "$(left)" -gt 60 ] || return 0
-  local t=$(( $1 < $(left) - 30 ? $1 : $(left) - 30 ))
-  timeout -k 9 -s INT "$t" python3 -m pytest -q -rA -m "${GT_MARK:-gpu}" -p no:cacheprovider "$2" ${3:+-k "$3"} 2>&1 \
-    | grep -E "^(PASSED|FAILED|XFAIL|XPASS|ERROR)|passed|failed|Interrupt|no tests ran|deselected" | head -40 \
-    | sed "s|^|$(basename "$2"): |" | tee -a "$OUT/gpu_tests.log"
-}
-
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
   local name=$1; shift
   timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --context 32768 \
