@@ -3,7 +3,7 @@ read by hand: which kernels a KDA / DSA / MoE sublayer launches, when each start
 runs, and how long the sublayer takes.
 
   python benchmarks/sublayer_chain.py RUN.events.tsv.gz [--hlo RUN.hlo.gz | --kernels RUN.kernels.tsv] [--kind dsa]
-      [--show 1]
+      [--show 1] [--plot OUT.png --title TEXT]
 
 The events file is what ``bench_decode.py --trace --hlo-dir DIR`` keeps (``DIR/NAME.events.tsv.gz``: kernel name,
 start ns, end ns, stream). A sublayer starts at its mHC boundary (the ``mhc_post_finish`` launch, or the first
@@ -56,53 +56,124 @@ def sublayers(events):
   return out
 
 
+def kernel_labels(hlo: str | None = None, kernels: str | None = None) -> dict:
+  """Kernel name -> component label, from the step's HLO (.hlo.gz: profiling.kernel_map) or its kernel listing
+  (.kernels.tsv[.gz]: (computation, name, opcode, component, shape, op_name) rows -> "component: op_name")."""
+  kmap = {}
+  if hlo:
+    with gzip.open(hlo, "rt") as fh:
+      kmap = profiling.kernel_map(fh.read())
+  if kernels:
+    with (gzip.open(kernels, "rt") if kernels.endswith(".gz") else open(kernels)) as fh:
+      for ln in fh:
+        f = ln.rstrip("\n").split("\t")
+        if len(f) >= 6:
+          kmap.setdefault(profiling._sanitize(f[1]), f"{f[3]}: {f[5][-60:]}")
+  return kmap
+
+
+def label(name: str, kmap: dict) -> str:
+  """A kernel's component label ('' without a map)."""
+  comp = profiling.classify_kernel(name, kmap) if kmap else ""
+  return "+".join(comp) if isinstance(comp, dict) else (comp or "")
+
+
+def by_kind(events):
+  """{kind: [(µs boundary to boundary, [events])] sorted by length} over the trace's sublayers."""
+  out = collections.defaultdict(list)
+  for kind, seg, end in sublayers(events):
+    out[kind].append(((end - seg[0][1]) / 1e3, seg))
+  return {k: sorted(v, key=lambda x: x[0]) for k, v in sorted(out.items())}
+
+
+def chain_rows(seg):
+  """One sublayer's events -> [(kernel, start µs after the boundary's start, µs, stream)]."""
+  t0 = seg[0][1]
+  return [(name, (s - t0) / 1e3, (e - s) / 1e3, line) for name, s, e, line in seg]
+
+
+def median_chain(chains):
+  """The median-length sublayer of one kind (``by_kind``'s list) -> (µs, chain_rows)."""
+  length, seg = chains[len(chains) // 2]
+  return length, chain_rows(seg)
+
+
+def short_name(name: str, kmap: dict) -> str:
+  """A kernel's name for a plot: a Mosaic kernel's without its glm5_ / _mosaic_gpu_kernel affixes; an XLA
+  fusion's component and op (from the kernel labels) or its own name."""
+  if "mosaic_gpu" in name:
+    return name.replace("glm5_", "").replace("_mosaic_gpu_kernel", "")
+  lab = label(name, kmap)
+  if ":" in lab:
+    comp, op = lab.split(":", 1)
+    return f"{comp}: {op.strip().split('/')[-1]}"
+  return name[:32]
+
+
+def plot_chains(kinds, kmap: dict, title: str = "", order=("kda", "moe", "dsa")):
+  """The median sublayer of each kind as a Gantt chart — one row per kernel in launch order, bars from its start
+  after the boundary's start to its end (Mosaic kernels blue, XLA kernels orange), a dashed line where the next
+  boundary starts. -> the matplotlib figure."""
+  import matplotlib.pyplot as plt  # noqa: PLC0415 (plots only)
+
+  kinds = {k: kinds[k] for k in order if k in kinds}
+  sizes = [len(median_chain(c)[1]) for c in kinds.values()]
+  fig, axes = plt.subplots(len(kinds), 1, figsize=(10, 1.2 + 0.22 * sum(sizes) + 0.5 * len(kinds)),
+                           gridspec_kw={"height_ratios": sizes}, squeeze=False)
+  xmax = max(median_chain(c)[0] for c in kinds.values()) * 1.02
+  for ax, (kind, chains) in zip(axes[:, 0], kinds.items()):
+    length, rows = median_chain(chains)
+    for i, (name, start, dur, _) in enumerate(rows):
+      mosaic = "mosaic_gpu" in name
+      ax.barh(i, dur, left=start, color="tab:blue" if mosaic else "tab:orange", height=0.7)
+      ax.text(start + dur + 0.3, i, f"{short_name(name, kmap)}  {dur:.1f}", va="center", fontsize=7)
+    ax.axvline(length, color="k", ls="--", lw=1)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_yticks([])
+    ax.set_xlim(0, xmax)
+    ax.set_title(f"{kind}: {length:.1f} µs boundary to boundary (median of {len(chains)}), {len(rows)} kernels",
+                 fontsize=9, loc="left")
+  axes[-1, 0].set_xlabel("µs after the sublayer's mHC boundary starts (blue: Mosaic GPU kernels, orange: XLA)")
+  if title:
+    fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  return fig
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("events")
   p.add_argument("--hlo", default=None, help="the step's HLO (.hlo.gz) to label XLA kernels with their component")
-  p.add_argument("--kernels", default=None, help="the step's kernel listing (.kernels.tsv, what a device run brings "
-                 "back where the HLO is too large) to label each kernel with its op_name")
+  p.add_argument("--kernels", default=None, help="the step's kernel listing (.kernels.tsv[.gz], what a device run "
+                 "brings back where the HLO is too large) to label each kernel with its op_name")
   p.add_argument("--kind", default=None, help="only this sublayer kind (kda, dsa, moe, other)")
   p.add_argument("--show", type=int, default=1, help="sublayers of each kind listed kernel by kernel (the median "
                  "ones by length)")
+  p.add_argument("--plot", default=None, help="also draw each kind's median sublayer as a Gantt chart (a .png)")
+  p.add_argument("--title", default="", help="the plot's title")
   a = p.parse_args(argv)
-  kmap = {}
-  if a.hlo:
-    with gzip.open(a.hlo, "rt") as fh:
-      kmap = profiling.kernel_map(fh.read())
-  if a.kernels:  # (computation, name, opcode, component, shape, op_name) rows: name -> "component: op_name"
-    for ln in open(a.kernels):
-      f = ln.rstrip("\n").split("\t")
-      if len(f) >= 6:
-        kmap.setdefault(profiling._sanitize(f[1]), f"{f[3]}: {f[5][-60:]}")
-  subs = sublayers(read_events(a.events))
-  by = collections.defaultdict(list)
-  nxt = {}
-  for kind, seg, end in subs:
-    by[kind].append(seg)
-    nxt[id(seg)] = end
+  kmap = kernel_labels(a.hlo, a.kernels)
+  kinds = by_kind(read_events(a.events))
+  if a.plot:
+    plot_chains(kinds, kmap, a.title).savefig(a.plot, dpi=110)
+    print(f"wrote {a.plot}")
   # (90th percentile, not the max: a step's last sublayer spans the host's gap to the next call's first boundary)
   print("| sublayer | instances | µs boundary to boundary (median / min / 90th percentile) | kernels (median) |")
   print("| --- | --- | --- | --- |")
-  length = lambda seg: (nxt[id(seg)] - seg[0][1]) / 1e3  # noqa: E731
-  for kind, segs in sorted(by.items()):
-    ls = [length(s) for s in segs]
-    p90 = sorted(ls)[min(len(ls) - 1, int(0.9 * len(ls)))]
-    print(f"| {kind} | {len(segs)} | {statistics.median(ls):.1f} / {min(ls):.1f} / {p90:.1f} | "
-          f"{statistics.median(len(s) for s in segs):.0f} |")
-  for kind, segs in sorted(by.items()):
+  for kind, chains in kinds.items():
+    ls = [n for n, _ in chains]
+    p90 = ls[min(len(ls) - 1, int(0.9 * len(ls)))]
+    print(f"| {kind} | {len(ls)} | {statistics.median(ls):.1f} / {ls[0]:.1f} / {p90:.1f} | "
+          f"{statistics.median(len(s) for _, s in chains):.0f} |")
+  for kind, chains in kinds.items():
     if a.kind and kind != a.kind:
       continue
-    segs = sorted(segs, key=length)
-    for seg in segs[len(segs) // 2:][:a.show]:
-      t0 = seg[0][1]
-      print(f"\n{kind}: {length(seg):.1f} µs, {len(seg)} kernels (start µs after the boundary's start, µs, "
+    for length, seg in chains[len(chains) // 2:][:a.show]:
+      rows = chain_rows(seg)
+      print(f"\n{kind}: {length:.1f} µs, {len(rows)} kernels (start µs after the boundary's start, µs, "
             "stream, kernel, component)")
-      for name, s, e, line in seg:
-        comp = profiling.classify_kernel(name, kmap) if kmap else ""
-        if isinstance(comp, dict):
-          comp = "+".join(comp)
-        print(f"  {(s - t0) / 1e3:7.1f} {(e - s) / 1e3:6.1f}  {line[-12:]:>12}  {name[:70]:70} {comp or ''}")
+      for name, start, dur, line in rows:
+        print(f"  {start:7.1f} {dur:6.1f}  {line[-12:]:>12}  {name[:70]:70} {label(name, kmap)}")
 
 
 if __name__ == "__main__":

@@ -99,6 +99,32 @@ ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.2))
 fig.tight_layout()
 
 # %% [markdown]
+# ## One sublayer of each kind, kernel by kernel
+#
+# The profile above sums kernel durations per component; under XLA's concurrent command-buffer schedule kernels
+# overlap, so what sets the step's length is each sublayer's chain. `benchmarks/sublayer_chain.py` splits a saved
+# GPU trace of the chained steps (`bench_decode.py --trace --hlo-dir DIR`) at the mHC boundaries and shows the
+# median sublayer of each kind: here session 51's defaults at B = 1, q = 1 (s51b's trace,
+# `benchmarks/results/trace_h200_session51_q1_spc4.*`). Each sublayer starts with the ~7 µs boundary; the MoE's
+# two kernels stream ~57 MB of FP8 weights (floor ~13 µs at 4.3 TB/s), a KDA layer's GEMVs ~69 MB of bf16 (~16
+# µs), a DSA layer's ~48 MB (~11 µs; `../shared/notes/roofline.py`'s ledger) — the rest is latency: launches in
+# series, and the DSA layer's selection chain (indexer query → scores → top-512 compaction → sparse MLA).
+
+# %%
+import sys
+
+sys.path.insert(0, os.path.join("..", "benchmarks"))
+import sublayer_chain as sc  # noqa: E402
+
+trace = os.path.join("..", "benchmarks", "results", "trace_h200_session51_q1_spc4")
+kmap = sc.kernel_labels(kernels=trace + ".kernels.tsv.gz")
+kinds = sc.by_kind(sc.read_events(trace + ".events.tsv.gz"))
+for kind, chains in kinds.items():
+  length, rows = sc.median_chain(chains)
+  print(f"{kind}: {len(chains)} sublayers in the trace, the median {length:.1f} µs in {len(rows)} kernels")
+sc.plot_chains(kinds, kmap, "one TP4 rank, B = 1, q = 1, session 51's defaults (H200)");
+
+# %% [markdown]
 # ## Launching the step's CUDA graph: host time
 #
 # `benchmarks/bench_graph_launch.py` on the H200 (`benchmarks/results/graph_launch_h200.jsonl`): a synthetic
