@@ -85,8 +85,7 @@ def cases(names):
   # static_table (policy moe_static_table: the slot count a number, the down kernel's table staged in SMEM);
   # _writer: writer_cta (policy moe_writer_cta: the selection stored by an extra gate/up CTA)
   forms = {"moe_rows": {}, "moe_rows_static": {"static_table": True}, "moe_rows_writer": {"writer_cta": True},
-           "moe_rows_sw": {"static_table": True, "writer_cta": True},
-           "moe_rows_prefetch": {"static_table": True, "writer_cta": True, "scale_prefetch": True}}
+           "moe_rows_sw": {"static_table": True, "writer_cta": True}}
   for name, extra in forms.items():
     if name not in names:
       continue

@@ -8,7 +8,7 @@ dispatch is counted; weights rotate over enough copies that they are cold in the
   kernel, split-K/transposition epilogue);  "xla us"  every kernel of the jitted XLA version.
 
 Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_linear.py [--rows 1,8,32]
-              [--only fp8,fp8dq,bf16,moe,moedq,moerk,moerows,moerows_st,moerows_wr,moerows_sw,moerows_pf]
+              [--only fp8,fp8dq,bf16,moe,moedq,moerk,moerows,moerows_st,moerows_wr,moerows_sw]
               [--sweep] [--budget-s 200] [--out results.txt]
 Falls back to host wall-clock over many back-to-back async calls if CUPTI is unavailable (then dispatch-bound
 for small shapes; marked "wall").
@@ -216,7 +216,7 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
   fp8_moe(router=...) with XLA's glue and sum, "moerk"; the step's default form since session 48, its split sums in
   both kernels on split-K counters and the rows written, moe_rows: "moerows"; with static_table, policy
   moe_static_table: "moerows_st"; with writer_cta, policy moe_writer_cta: "moerows_wr"; both, the step's defaults
-  since session 51: "moerows_sw"; and scale_prefetch, policy moe_scale_prefetch: "moerows_pf"): random logits
+  since session 51: "moerows_sw"): random logits
   per set (the experts differ from set to set: cold in L2), the shared expert as slot 0. ``plan``: a MoePlan for
   fp8_moe's two kernels."""
   e, i, d, k = MOE["E"], MOE["I"], MOE["D"], MOE["k"]
@@ -236,8 +236,7 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
   def kern(x, logits, bias, *ws):
     rows = dict(counters=L.splitk_counters(), out_dtype=jnp.bfloat16) if form.startswith("moerows") else {}
     rows.update({"moerows_st": {"static_table": True}, "moerows_wr": {"writer_cta": True},
-                 "moerows_sw": {"static_table": True, "writer_cta": True},
-                 "moerows_pf": {"static_table": True, "writer_cta": True, "scale_prefetch": True}}.get(form, {}))
+                 "moerows_sw": {"static_table": True, "writer_cta": True}}.get(form, {}))
     return L.fp8_moe(x, None, None, *ws[:6], swiglu_limit=MOE["limit"], shared=ws[6], dq=True, plan=plan,
                      router=(logits, bias), router_select=select, **rows)[0]
 
@@ -250,7 +249,7 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
   row(form, f"E{e} I{i} D{d} 9 slots", 1, nb, mosaic_us(names), call, None, err,
       plan or {"moerows": "gate/up + down, sums inside",
                "moerows_st": "moerows + static_table", "moerows_wr": "moerows + writer_cta",
-               "moerows_sw": "moerows + both (the defaults)", "moerows_pf": "moerows_sw + scale_prefetch"}.get(
+               "moerows_sw": "moerows + both (the defaults)"}.get(
                    form, "gate/up + glue + down"))
   log(f"#   per kernel (us): { {n: round(t, 1) for n, t in names.items()} }")
   return names
@@ -405,8 +404,8 @@ def main(argv=None):
         names = guarded(deadline, bench_moe, m, dq=kind != "moe")
         if names:
           log(f"# kernel us per {kind} call: { {n: round(t, 1) for n, t in names.items()} }")
-  # the single-row MoE, router in the kernel: XLA glue / rows (/ with static_table / writer_cta / scale_prefetch)
-  for kind in ("moerk", "moerows", "moerows_st", "moerows_wr", "moerows_sw", "moerows_pf"):
+  # the single-row MoE, router in the kernel: XLA glue / rows (/ with static_table / writer_cta / both)
+  for kind in ("moerk", "moerows", "moerows_st", "moerows_wr", "moerows_sw"):
     if kind in only:
       guarded(deadline, bench_moe_router, kind)
   if a.sweep:

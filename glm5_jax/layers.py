@@ -324,16 +324,6 @@ KNOBS = {
         "KDA layer's chain (x 34 per step). Like dsa_qkv_a_first, the barrier (no buffer of its own) orders the "
         "launches, not the execution. The same values. "
         "CPU-built (session 53): off until measured"),
-    "moe_scale_prefetch": (False,
-        "with fp8_moe: each CTA of both MoE kernels requests all its steps' 128x128 block scales at once, BEFORE "
-        "its first weight tiles, instead of each step's scale at that step (the down kernel with "
-        "moe_static_table at one row: its trip count then has a static bound). s50a's in-kernel profile of the "
-        "down kernel: each step's scalar GMEM load ~1.2 µs behind the weight stream, four in a row per CTA. The "
-        "knob's first form (session 51) requested them just AFTER the first weight tiles: natively correct (its "
-        "GPU tests), but a tie (the MoE alone 25.3 -> 25.3 µs, the step at q = 1 3.73 -> 3.73 ms, 2 of 4 paired "
-        "rounds, s51a) — its profile showed why: the four loads returned together ~4 µs after they were issued, "
-        "queued behind the grid's 18.9 MB of weight requests. Requested first, they go ahead of that stream. The "
-        "same sums, bit for bit. This form CPU-built (session 51): off until measured"),
     "fp8_scales_first": (True,
         "with fp8_linear + fp8_dq on: each CTA of the dense FP8 kernel (fp8_dq_linear: q_a / kv_a, q_b, o_proj, "
         "the dense MLP, the MTP's) requests all its steps' block scales before its first weight tiles, instead of "
@@ -423,6 +413,24 @@ KNOBS = {
         "graph does not honour the programmatic edge) — off"),
 }
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
+
+# Knobs whose forms were measured slower than (or no faster than) the defaults on the H200 and removed with their
+# kernels: a policy naming one is refused with the reason (git history and BENCHMARKS.md keep them).
+REMOVED_KNOBS = {
+    "moe_persistent": "the single-row MoE as one persistent launch: 33.5 vs 25.3 µs (session 40); removed in session 53",
+    "moe_balanced": "the persistent MoE's work dealt out evenly: a tie (session 40); removed in session 53",
+    "moe_chained": "the single-row MoE as one launch of two roles: 4.16 -> 4.51 ms (session 44); removed in session 53",
+    "moe_chained_sum": "moe_chained's in-kernel sum (session 44); removed in session 53",
+    "topk_select_kernel": "the indexer's selection as one CTA: 19.8 vs 17.0 µs (session 42); removed in session 53",
+    "topk_scan_mm": "the selection's prefix sums as a matmul: a tie (session 36); removed in session 53",
+    "mla_combine_fused": "the sparse MLA's split merge inside the attention kernel: 5.32 -> 5.45 ms (session 34); "
+                         "removed in session 53",
+    "mhc_boundary": "the mHC boundary as a cluster of 8 CTAs: 33.8 vs 15.3 µs (session 32); removed in session 53",
+    "kda_gate_proj": "the KDA gates' second projections in the KDA kernel: 4.03 -> 4.08 ms, slower in 5 of 5 rounds "
+                     "(session 50); removed in session 53",
+    "moe_scale_prefetch": "every MoE step's block scales requested up front: a tie twice (sessions 51, 52 — the "
+                          "weight tiles arrive late, not their scales); removed in session 54",
+}
 
 # Kernels that pass in GPU interpret mode but compute wrong results natively (their GPU tests fail): the policy
 # refuses them outside interpret mode, with this reason, until rebuilt — interpret mode runs one warpgroup after
@@ -1172,12 +1180,10 @@ class MoE(nnx.Module):
     if moe_kernel:
       # moe_static_table: a single row's slot count static in both kernels, its ids / weights staged into SMEM
       static = kernel_enabled("moe_static_table", rows, fits=rows == 1, why=f"one token row (here {rows})")
-      # moe_scale_prefetch: each CTA's block scales requested at once after its first weight tiles
-      prefetch = kernel_enabled("moe_scale_prefetch", rows)
       moe = functools.partial(kl.fp8_moe, w_gate=ex.gate_proj[...], s_gate=ex.gate_scale[...], w_up=ex.up_proj[...],
                               s_up=ex.up_scale[...], w_down=ex.down_proj[...], s_down=ex.down_scale[...],
                               swiglu_limit=ex.limit, shared=sew, dq=dq, static_table=static,
-                              scale_prefetch=prefetch, **fused, **f16)
+                              **fused, **f16)
       if in_gate_up:
         # router_warp_rows: the selection's reductions inside one warp (router._select_rows) there too;
         # moe_router_ranks: each CTA selects only up to its slot's rank

@@ -38,7 +38,7 @@ from glm5_jax import param_packing as pp
 from glm5_jax import state as st
 from glm5_jax.api import Model, _check_tokens, compiled
 from glm5_jax.attention import StepCtx
-from glm5_jax.layers import KERNEL_DEFAULTS, kernel_enabled, kernel_report
+from glm5_jax.layers import KERNEL_DEFAULTS, REMOVED_KNOBS, kernel_enabled, kernel_report
 from glm5_jax.runtime import DecodeConfig
 
 REP = P()
@@ -317,6 +317,9 @@ class Decoder:
     if temperature < 0 or not 0 < top_p <= 1:
       raise ValueError(f"temperature={temperature}, top_p={top_p}: expected temperature >= 0 and 0 < top_p <= 1")
     unknown = sorted(set(config.policy_dict()) - POLICY_KEYS)
+    gone = [f"{k} ({REMOVED_KNOBS[k]})" for k in unknown if k in REMOVED_KNOBS]
+    if gone:
+      raise ValueError(f"policy knob(s) removed after measurement: {'; '.join(gone)}")
     if unknown:
       raise ValueError(f"unknown policy key(s) {unknown}: expected some of {sorted(POLICY_KEYS)}")
     if backend == "auto" and _requested_kernels(config):

@@ -781,11 +781,6 @@ def _nth(vals, i):
   return v
 
 
-def _nth_each(rows, i):
-  """[_nth over column c of rows for each c]: rows[i] of a static list of equal-length lists, traced i."""
-  return [_nth([r[c] for r in rows], i) for c in range(len(rows[0]))]
-
-
 def _table_id(e, num_experts: int):
   """A router id read as a slot's expert: an id out of range (never from the router; its routing weight is masked
   to zero) reads expert 0."""
@@ -804,8 +799,7 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
                         rows: bool = False, router: tuple | None = None, rows_weight: bool = True,
-                        n_valid: int = 0, writer_t: int = 0,
-                        scale_prefetch: bool = False):
+                        n_valid: int = 0, writer_t: int = 0):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -821,11 +815,9 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   ``writer_t``: the CTA that selects all k with their weights and stores them (``_router_in_kernel``'s writer): 0,
   or with the router's ranks form one CTA past the (slot, tile, split) grid that does only that — at t = 0 the
   writer was a shared-slot CTA that ran k rounds of 3 reductions and the stores before its own weight requests:
-  s49a's profile had its first wait begin ~6.4 µs after the median CTA's, the kernel's last to finish.
-  ``scale_prefetch``: every step's gate and up block scales requested (in flight together) before the CTA's first
-  weight tiles, instead of each step's pair at its start: a scalar GMEM load issued after the grid's weight
-  requests queues behind them (s51a's profile of the down kernel: loads issued just after its tiles returned
-  ~4 µs later), and the step's FMA waits for it."""
+  s49a's profile had its first wait begin ~6.4 µs after the median CTA's, the kernel's last to finish. (Every
+  step's block scales requested before the first weight tiles, session 52's moe_scale_prefetch, measured a tie
+  twice: the tiles themselves arrive late, not their scales.)"""
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
@@ -887,9 +879,6 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
     def scales(raw):  # (nothing computed on the loads before they are needed: no stall before the TMA issue)
       return [jnp.where(is_sh, raw[2 + c], raw[c]) for c in range(2)] if shared else raw
 
-    if scale_prefetch:  # every step's scales requested first, ahead of this (and every) CTA's weight stream
-      pre = [raw_scales(i) for i in range(steps)]
-
     with jax.named_scope("issue"):
       for i in range(min(stages, steps)):
         issue(i)
@@ -897,10 +886,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
     def step(i, carry):  # a rolled loop: 32 unrolled steps x 4 wgmma scopes would be slow to lower
       acc_g, acc_u = carry
       slot = i % stages
-      if scale_prefetch:
-        sg, su = scales(_nth_each(pre, i))
-      else:
-        sg, su = scales(raw_scales(i))  # issued before the wait (the FMA at the step's end waits for them)
+      sg, su = scales(raw_scales(i))  # issued before the wait (the FMA at the step's end waits for them)
       with jax.named_scope("wait"):
         plgpu.barrier_wait(bar.at[slot])
       with jax.named_scope("mma"):
@@ -1011,8 +997,7 @@ def router_scratch(E: int, warp: bool = False):
 
 def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int,
                      dq: bool = False, a_smem: bool = False, fused_sum: bool = False, rows: bool = False,
-                     slot_weights: bool = False, n_valid: int = 0, stage_table: bool = False,
-                     scale_prefetch: bool = False):
+                     slot_weights: bool = False, n_valid: int = 0, stage_table: bool = False):
   """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
   over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count.
   ``shared``: slot 0 is the shared expert (its own refs wds/sds). ``table_k``: as ``_slot_expert`` (the k ids
@@ -1026,11 +1011,7 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   valid slots' count as a static number (with ``table_k``: k + shared) instead of the nvalid input's GMEM read
   before the first weight request. ``stage_table`` (with ``table_k``): the row's k ids (and weights) copied into
   SMEM by one TMA each and read there, instead of k (2k) scalar GMEM loads by every thread of every CTA (s49a's
-  profile: the down CTAs' first wait began ~6 µs after their start, of a ~10 µs kernel). ``scale_prefetch`` (with
-  ``n_valid`` and ``table_k``: a static bound on the trip count): every step's block scale (times its slot's
-  routing weight) requested before the CTA's first weight tiles instead of at each step — s50a's profile had each
-  step's scalar GMEM load ~1.2 µs behind the weight stream, four in a row per CTA; loaded just after the first
-  tiles' requests instead (session 51's first form), they returned only ~4 µs later, behind the grid's stream."""
+  profile: the down CTAs' first wait began ~6 µs after their start, of a ~10 µs kernel)."""
   n_in = (7 if shared else 5) + int(slot_weights)
   hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref = refs[:5]
   wds_ref, sds_ref = refs[5:7] if shared else (None, None)
@@ -1110,11 +1091,6 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
       scale = jnp.where(s == 0, raw[1], scale)
     return scale
 
-  prefetch = scale_prefetch and n_valid and table_k
-  if prefetch:  # every step this CTA may take (a static bound; steps past `total` read valid entries, unused),
-    # requested ahead of this (and every) CTA's weight stream; nothing computed on them until they are needed
-    pre = [raw_scale(*where(j)[1:]) for j in range(-(-n_valid // groups) * ib_n)]
-
   with jax.named_scope("issue"):
     for p in range(stages):
       pl.when(p < total)(functools.partial(issue, p))
@@ -1123,10 +1099,7 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
     slot = j % stages
     s, ib, e = where(j)
     with jax.named_scope("scale"):  # (the block scale's GMEM load: the scope shows whether its latency stalls)
-      if prefetch:
-        scale = block_scale(s, _nth_each(pre, j))
-      else:
-        scale = block_scale(s, raw_scale(ib, e))
+      scale = block_scale(s, raw_scale(ib, e))
     with jax.named_scope("wait"):
       plgpu.barrier_wait(bar.at[slot])
     with jax.named_scope("mma"):
@@ -1335,12 +1308,12 @@ def _swiglu_of_splits(out, m: int, split: int, limit: float):
 
 
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select",
-              "static_table", "writer_cta", "scale_prefetch")
+              "static_table", "writer_cta")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
             dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None,
-            static_table: bool = False, writer_cta: bool = False, scale_prefetch: bool = False):
+            static_table: bool = False, writer_cta: bool = False):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1375,9 +1348,6 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     writer_cta: with ``router`` in its ranks form: the selection's writer (all k with their weights, stored for the
       down kernel and the caller) is one extra gate/up CTA that does nothing else, instead of the first CTA doing
       it before its own weight tiles (``_moe_gate_up_kernel(writer_t=...)``). Ignored otherwise.
-    scale_prefetch: each CTA requests all its steps' block scales at once before its first weight tiles, instead
-      of each step's at that step (the gate/up kernel always; the down kernel with static_table at one row, whose
-      trip count then has a static bound). The same sums, bit for bit.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1488,8 +1458,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
                         a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows, router=sel_static,
-                        rows_weight=router is None, n_valid=nv_static, writer_t=writer_t,
-                        scale_prefetch=scale_prefetch),
+                        rows_weight=router is None, n_valid=nv_static, writer_t=writer_t),
       out_type=(gu_out if isinstance(gu_out, tuple) else (gu_out,)) + sel_out,
       grid=(gu_grid + int(writer_t > 0),),
       grid_names=("t",),
@@ -1549,7 +1518,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
                         groups=plan.dn_groups, shared=has_sh, table_k=table_k, dq=dq, a_smem=a_smem,
                         fused_sum=ctr is not None, rows=rows, slot_weights=slot_w, n_valid=nv_static,
-                        stage_table=stage, scale_prefetch=scale_prefetch),
+                        stage_table=stage),
       out_type=_out_types(plan.dn_groups, d, mp, m, out_dtype if rows else None),
       grid=(dn_tiles * plan.dn_groups,),
       grid_names=("t",),

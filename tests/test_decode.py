@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from scipy import stats as sstats
 
-from conftest import ON_GPU, tol
+from conftest import tol
+from glm5_jax.layers import KERNEL_DEFAULTS, REMOVED_KNOBS
 from glm5_jax.speculative import Decoder, decode
 from glm5_jax.runtime import DecodeConfig
 from helpers import extend_chunks, greedy_reference, load, tiny_checkpoint
@@ -254,6 +255,12 @@ def test_unknown_policy_key_is_refused(model):
   # every key the deployment checks and the kernel switches read is accepted
   ok = (("interpret", True), ("kda", False), ("kv_cache_dtype", "fp8"), ("sparse_mla", False))
   Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=ok), backend="latency_specialized")
+  # a knob removed after measurement is named with the measurement that removed it
+  with pytest.raises(ValueError, match=r"removed after measurement: moe_scale_prefetch \(every MoE step's block "
+                     r"scales requested up front: a tie twice"):
+    Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,),
+                                policy=(("kda", False), ("moe_scale_prefetch", True))), backend="latency_specialized")
+  assert not set(REMOVED_KNOBS) & set(KERNEL_DEFAULTS), "a removed knob is still a knob"
 
 
 def test_kernel_request_that_cannot_run_is_refused_with_reason(model):
@@ -522,8 +529,8 @@ def test_latency_specialized_fp8_dq_linears_equal_reference_greedy():
 # mhc_barrier_counters and topk_keys_in_kernel, on since session 43, run in the defaults' case now)
 # (mla_latent_norms needs a bf16 model — its model-site test in test_model_units; a knob turned on that reaches no
 # site is refused)
-CANDIDATE_KERNELS = (("router_route", True), ("linear_fused_sum", True), ("dq_f16", True), ("moe_scale_prefetch", True),
-                     ("kda_norm_partials", True), ("kda_gates_first", True))
+CANDIDATE_KERNELS = (("router_route", True), ("linear_fused_sum", True), ("dq_f16", True), ("kda_norm_partials", True),
+                     ("kda_gates_first", True))
 
 
 @pytest.mark.e2e_kernels

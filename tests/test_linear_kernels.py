@@ -537,9 +537,7 @@ def test_router_in_the_gate_up_kernel_with_rows_interpret(shared, static):
   weights, y within bf16 rounding of h, and the reference. (GPU interpret mode runs no counters: one D split and
   one expert group, whose sums are one CTA's.) ``static``: with static_table (policy moe_static_table: the slot
   count a number, the down kernel's ids and weights staged into SMEM by TMA) and writer_cta (policy
-  moe_writer_cta: the selection stored by an extra CTA), y, ids and weights bit for bit the rows form's. And with
-  scale_prefetch (policy moe_scale_prefetch: every step's block scales loaded up front — the gate/up kernel's 3
-  steps, with static_table the down kernel's 5 slots x 2 blocks too) bit for bit again."""
+  moe_writer_cta: the selection stored by an extra CTA), y, ids and weights bit for bit the rows form's."""
   e, i, d, k, scaling = 32, 256, 384, 4, 2.5
   x, _, _, *ws = moe_inputs(jax.random.key(93), 1, e, i, d, k)
   sh = _shared_expert(jax.random.key(94), i, d) if shared else None
@@ -551,11 +549,7 @@ def test_router_in_the_gate_up_kernel_with_rows_interpret(shared, static):
     y0, ids0, w0 = jax.jit(lambda *a: moe(x, None, None, *a))(*ws)
     rows = functools.partial(moe, counters=L.splitk_counters(), out_dtype=jnp.bfloat16)
     y1, ids1, w1 = jax.jit(lambda *a: rows(x, None, None, *a))(*ws)
-    forms = [dict(scale_prefetch=True)]
-    if static:
-      forms += [dict(static_table=True, writer_cta=True), dict(static_table=True, writer_cta=True,
-                                                               scale_prefetch=True)]
-    for form in forms:
+    for form in [dict(static_table=True, writer_cta=True)] if static else []:
       y2, ids2, w2 = jax.jit(lambda *a: rows(x, None, None, *a, **form))(*ws)  # noqa: B023
       for a, b in ((y2, y1), (ids2, ids1), (w2, w1)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(form))
@@ -593,12 +587,11 @@ def test_router_in_the_gate_up_kernel_cross_lowers():
   # (warp, ranks, the rows form on split-K counters: moe_rows)
   # (and the rows form with static_table — the slot count a number, the down kernel's ids / weights staged in
   # SMEM — and writer_cta)
-  # (and with scale_prefetch: every step's block scales loaded up front)
   for *opts, rows in ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
-                      (False, True, True), (False, True, "static"), (False, True, "prefetch")):
+                      (False, True, True), (False, True, "static")):
     ctr = {"counters": L.splitk_counters(), "out_dtype": jnp.bfloat16} if rows else {}
-    if rows in ("static", "prefetch"):  # (with the selection's writer an extra CTA: writer_cta)
-      ctr.update(static_table=True, writer_cta=True, scale_prefetch=rows == "prefetch")
+    if rows == "static":  # (with the selection's writer an extra CTA: writer_cta)
+      ctr.update(static_table=True, writer_cta=True)
     low = cross_lower(lambda x, lg, b, *a: L.fp8_moe(x, None, None, *a[:6], swiglu_limit=10.0, shared=a[6:],
                                                      dq=True, router=(lg, b), router_select=(k, 2.5, True, *opts),
                                                      **ctr),  # noqa: B023
@@ -938,8 +931,7 @@ def test_router_in_the_gate_up_kernel_gpu(dq_dtype, warp, ranks):
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype,second", [
     ("bfloat16", {}), ("float32", {}), ("bfloat16", {"static_table": True}), ("bfloat16", {"writer_cta": True}),
-    ("bfloat16", {"scale_prefetch": True}),
-    ("bfloat16", {"static_table": True, "writer_cta": True, "scale_prefetch": True})])
+    ("bfloat16", {"static_table": True, "writer_cta": True})])
 def test_router_in_the_gate_up_kernel_with_rows_gpu(out_dtype, second):
   """The real rank's single-row MoE (288 experts, top-8, the shared slot, dq) with the router's selection in the
   gate/up kernel AND the rows form on split-K counters natively (policy moe_rows): the gate/up kernel's 4 D splits
@@ -948,9 +940,8 @@ def test_router_in_the_gate_up_kernel_with_rows_gpu(out_dtype, second):
   the same ids and weights, y within bf16 rounding of h (h rounded before the weight instead of after), bit-equal
   from call to call on one counters Ref, which both calls leave zero. ``second``: the second rows call with
   static_table (policy moe_static_table: the slot count a number, the down kernel's ids / weights staged into
-  SMEM by TMA), writer_cta (policy moe_writer_cta: the selection stored by an extra CTA) or scale_prefetch (policy
-  moe_scale_prefetch: every step's block scales loaded up front; the down kernel's with static_table) — bit for
-  bit the first's, its ids and weights too."""
+  SMEM by TMA) or writer_cta (policy moe_writer_cta: the selection stored by an extra CTA) — bit for bit the
+  first's, its ids and weights too."""
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   x, _, _, *ws = moe_inputs(jax.random.key(352), 1, e, i, d, k)
   sh = _shared_expert(jax.random.key(353), i, d)

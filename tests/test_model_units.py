@@ -459,14 +459,14 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
   inside fp8_moe's gate/up kernel (moe_router_ranks' form, and router_warp_rows' without it) gives the hidden
   state and expert ids of router_kernel + fp8_moe exactly; the report names the site, and at two token rows
   declines it (one row only). With moe_static_table (the slot count a number, the down kernel's ids and weights
-  staged into SMEM: k = 4), moe_writer_cta (the selection stored by an extra gate/up CTA) and moe_scale_prefetch
-  (every step's block scales loaded up front) the same again, and likewise declined at two rows."""
+  staged into SMEM: k = 4) and moe_writer_cta (the selection stored by an extra gate/up CTA) the same again, and
+  likewise declined at two rows."""
   path = tiny_checkpoint("kernel-tiny", 6, "fp8", num_hidden_layers=1, mlp_layer_types=["sparse"],
                          moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4)
   m = load(path, "float32")
-  # (moe_static_table and moe_writer_cta — defaults — and moe_scale_prefetch pinned off until the last runs)
+  # (moe_static_table and moe_writer_cta — defaults — pinned off until the last runs)
   off = ("kda", "fp8_linear", "indexer", "sparse_mla", "mhc", "moe_router_in_kernel", "moe_static_table",
-         "moe_writer_cta", "moe_scale_prefetch")
+         "moe_writer_cta")
   base = {k: False for k in off} | {"fp8_moe": True, "router_kernel": True}
   fused = base | {"moe_router_in_kernel": True}
 
@@ -484,9 +484,8 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
   np.testing.assert_array_equal(e2, e0)
   np.testing.assert_array_equal(h2, h0)
   assert "one token row" in run(2, fused, trace_only=True)[1]["moe_router_in_kernel"]
-  (h3, e3), rep = run(1, fused | {"moe_static_table": True, "moe_writer_cta": True, "moe_scale_prefetch": True})
+  (h3, e3), rep = run(1, fused | {"moe_static_table": True, "moe_writer_cta": True})
   assert rep["moe_static_table"] is None and rep["moe_writer_cta"] is None, rep
-  assert rep["moe_scale_prefetch"] is None, rep
   np.testing.assert_array_equal(e3, e0)
   np.testing.assert_array_equal(h3, h0)
   assert "one token row" in run(2, base | {"moe_static_table": True}, trace_only=True)[1]["moe_static_table"]
