@@ -95,7 +95,7 @@ def cases(names):
     bias = jax.random.uniform(jax.random.fold_in(kk, 1), (MOE["E"],), jnp.float32, -0.05, 0.05)
     r = jax.jit(functools.partial(lambda x, lg, b, ws, s, extra: L.fp8_moe(
         x, None, None, *ws, swiglu_limit=10.0, shared=s, dq=True, router=(lg, b),
-        router_select=(MOE["k"], 2.5, True, False, True), counters=L.splitk_counters(), out_dtype=jnp.bfloat16,
+        router_select=(MOE["k"], 2.5, True, True), counters=L.splitk_counters(), out_dtype=jnp.bfloat16,
         **extra)[0], extra=extra))
     out[name] = functools.partial(r, x, logits, bias, (wg, sg, wu, su, wd, sd), sh)
   if any(n.startswith("compact") for n in names):  # the indexer's compaction at 32K context (8,704 pools), q = 1

@@ -231,7 +231,7 @@ def bench_moe_router(form: str, n_sets=12, plan=None):
     sh = tuple(quantized_weight(ks[0], (i, d))) + tuple(quantized_weight(ks[1], (i, d))) + tuple(
         quantized_weight(ks[2], (d, i)))
     args.append((x, logits, bias, *w, sh))
-  select = (k, 2.5, True, False, True)
+  select = (k, 2.5, True, True)
 
   def kern(x, logits, bias, *ws):
     rows = dict(counters=L.splitk_counters(), out_dtype=jnp.bfloat16) if form.startswith("moerows") else {}

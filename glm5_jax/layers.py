@@ -199,17 +199,6 @@ KNOBS = {
         "18.7 µs per call, session 41's profile); a routed CTA of rank r then waits r + 1 rounds of 2 instead of k "
         "rounds of 3. Natively equal (its GPU tests, bf16); the one-rank step at q = 1 4.30 -> 4.19 ms, faster in 4 "
         "of 4 paired rounds (session 42, s42a)"),
-    "router_warp_rows": (False,
-        "with router_kernel on, at up to 4 token rows (pallas_kernels.router.ROUTE_MAX_ROWS): the router kernel "
-        "as one CTA with row m on warp m (router_route's selection: every reduction inside a warp, shuffles only) "
-        "instead of a CTA per row whose warpgroup reductions each cross warps through SMEM and a barrier — 24 "
-        "of them per row (k = 8 rounds of 3): `glm5_router_topk` took 5.2 µs per call on the MoE layer's "
-        "critical path at q = 1 (session 39's profile). Natively the same ids and weights (its GPU tests, 1 and "
-        "4 rows, ties and special values); in the step at q = 1 a tie: 4.26 vs 4.28 ms (rounds 2-5: 4.38 / 4.23 "
-        "/ 4.25 / 4.26 vs 4.30 / 4.28 / 4.20 / 4.20; session 39) — off. With moe_router_in_kernel the same form "
-        "for the selection inside the MoE's gate/up kernel, where it delays each CTA's first weight request: "
-        "natively equal, but slower there too — alone 4.37 vs 4.30 ms (0 of 4 paired rounds faster), with "
-        "moe_router_ranks 4.22 vs its 4.19 (session 42, s42a) — off"),
     "moe_route": (True,
         "with fp8_moe on, at 2+ token rows: the MoE's slot tables (the distinct experts, the [slot, token] "
         "weights, the shared expert's slot) as one Mosaic launch (linear.moe_route) instead of ~7 small XLA "
@@ -430,6 +419,9 @@ REMOVED_KNOBS = {
                      "(session 50); removed in session 53",
     "moe_scale_prefetch": "every MoE step's block scales requested up front: a tie twice (sessions 51, 52 — the "
                           "weight tiles arrive late, not their scales); removed in session 54",
+    "router_warp_rows": "the router's selection with a warp per row (shuffles only): a tie as the router kernel "
+                        "(session 39), slower inside the MoE's gate/up kernel (4.37 vs 4.30 ms, 0 of 4 rounds; "
+                        "session 42); removed in session 54 (router_route keeps the warp-per-row selection)",
 }
 
 # Kernels that pass in GPU interpret mode but compute wrong results natively (their GPU tests fail): the policy
@@ -1043,11 +1035,9 @@ class Router(nnx.Module):
     fits, why = self.kernel_fits(E)
     if kernel_enabled("router_kernel", rows, fits=fits, why=why):
       from pallas_kernels import router as kr  # noqa: PLC0415
-      warp_rows = kernel_enabled("router_warp_rows", rows, fits=rows <= kr.ROUTE_MAX_ROWS,
-                                 why=f"{rows} token rows (a warp each: up to {kr.ROUTE_MAX_ROWS})")
       ids, w = kr.router_topk(logits.reshape(rows, E).astype(jnp.float32),
                               self.e_score_correction_bias[...].astype(jnp.float32), k=k,
-                              scaling=float(self.scaling), norm=bool(self.norm), warp_rows=warp_rows)
+                              scaling=float(self.scaling), norm=bool(self.norm))
       return ids.reshape(*logits.shape[:-1], k), w.reshape(*logits.shape[:-1], k)
     s = jax.nn.sigmoid(logits)
     biased = s + self.e_score_correction_bias[...]
@@ -1185,11 +1175,10 @@ class MoE(nnx.Module):
                               swiglu_limit=ex.limit, shared=sew, dq=dq, static_table=static,
                               **fused, **f16)
       if in_gate_up:
-        # router_warp_rows: the selection's reductions inside one warp (router._select_rows) there too;
         # moe_router_ranks: each CTA selects only up to its slot's rank
-        warp, ranks = kernel_enabled("router_warp_rows", rows), kernel_enabled("moe_router_ranks", rows)
+        ranks = kernel_enabled("moe_router_ranks", rows)
         bias = self.gate.e_score_correction_bias[...].astype(jnp.float32)
-        select = (k, float(self.gate.scaling), bool(self.gate.norm), warp, ranks)
+        select = (k, float(self.gate.scaling), bool(self.gate.norm), ranks)
         # moe_rows: both kernels' split sums on the step's split-K counters — h's rows written by the gate/up
         # kernel (the routing weights then scale the down products), y's rows by the down kernel: no XLA kernel
         # between or after them (in the model's dtype where no all-reduce follows, f32 before one)

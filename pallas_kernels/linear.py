@@ -930,9 +930,9 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
 def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank):
   """The router's selection (pallas_kernels.router: the row's logits and bias staged into SMEM, rounds of
   reductions) inside a gate/up CTA of a single token row, before its first weight request — instead of a router
-  kernel of its own on the MoE layer's critical path. router = (E, k, scaling, norm, warp, ranks): ``warp`` selects
-  with the warp-per-row form (router._select_rows: every reduction inside warp 0, no cross-warp exchange; warps
-  1-3 run padding rows) instead of the warpgroup's. ``router_refs``: the ids and weights outputs [1, k], then the
+  kernel of its own on the MoE layer's critical path. router = (E, k, scaling, norm, ranks). (The selection with
+  router._select_rows' warp-per-row reductions instead, policy router_warp_rows, was natively equal and slower in
+  the step, session 42; removed in session 54.) ``router_refs``: the ids and weights outputs [1, k], then the
   scratch of ``router_scratch``. Every CTA selects all k with their weights, and the ``writer`` stores them for
   the down kernel and the glue; with ``ranks`` only the writer does, and every other CTA selects just the ranks
   up to its own (``rank``: its slot's rank among the routed experts, -1 for the shared slot: none), two
@@ -940,21 +940,15 @@ def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank):
   the CTA reads (slot s + shared = the s-th selected expert; with ``ranks`` the shared slot's CTAs leave it
   unwritten, which _slot_expert maps to an in-range id their shared weights never use)."""
   from pallas_kernels import router as kr  # noqa: PLC0415
-  E, k, scaling, norm, warp, ranks = router
+  E, k, scaling, norm, ranks = router
   lg_ref, bg_ref = lb_refs
   rid_g, rw_g, l_s, b_s, ids_s, w_s, rbar = router_refs
-  if warp:
-    stage = lambda: kr._stage_rows(lg_ref, bg_ref, l_s, b_s, rbar, 1, E)  # noqa: E731
-    select = functools.partial(kr._select_rows, l_s, b_s, E, k, scaling, norm)
-    row0 = lambda r: r.at[0]  # noqa: E731  (warp 0's row)
-  else:
-    stage = lambda: kr._stage_row(lg_ref, bg_ref, l_s, b_s, rbar, 0, E)  # noqa: E731
-    select = functools.partial(kr._select_row, l_s, b_s, E, k, scaling, norm)
-    row0 = lambda r: r  # noqa: E731
+  stage = lambda: kr._stage_row(lg_ref, bg_ref, l_s, b_s, rbar, 0, E)  # noqa: E731
+  select = functools.partial(kr._select_row, l_s, b_s, E, k, scaling, norm)
 
   def store():  # the k ids and weights for the down kernel and the glue
-    plgpu.copy_smem_to_gmem(row0(ids_s).at[pl.ds(0, k)], rid_g.at[0])
-    plgpu.copy_smem_to_gmem(row0(w_s).at[pl.ds(0, k)], rw_g.at[0])
+    plgpu.copy_smem_to_gmem(ids_s.at[pl.ds(0, k)], rid_g.at[0])
+    plgpu.copy_smem_to_gmem(w_s.at[pl.ds(0, k)], rw_g.at[0])
     plgpu.wait_smem_to_gmem(0)
 
   def select_all():
@@ -967,7 +961,7 @@ def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank):
   if not ranks:
     select_all()
     pl.when(writer)(store)
-    return row0(ids_s)
+    return ids_s
 
   @pl.when(writer)
   def _():
@@ -980,17 +974,14 @@ def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank):
     ids_s[...] = select(rounds=rank + 1)[0]
     plgpu.commit_smem()
 
-  return row0(ids_s)
+  return ids_s
 
 
-def router_scratch(E: int, warp: bool = False):
+def router_scratch(E: int):
   """The gate/up kernel's scratch for ``_router_in_kernel`` (placed first: it is consumed from the front): the
-  logits and bias [EP] f32 (warp: router._rows_scratch's [4, EP] tiles), ids / weights [128] ([4, 128]), the
-  staging barrier."""
+  logits and bias [EP] f32, ids / weights [128], the staging barrier."""
   from pallas_kernels import router as kr  # noqa: PLC0415
   EP = -(-E // kr.LANES) * kr.LANES
-  if warp:
-    return [*kr._rows_scratch(EP), plgpu.Barrier(num_arrivals=2 * (-(-E // kr.BOX)))]
   return [plgpu.SMEM((EP,), jnp.float32), plgpu.SMEM((EP,), jnp.float32), plgpu.SMEM((kr.LANES,), jnp.int32),
           plgpu.SMEM((kr.LANES,), jnp.float32), plgpu.Barrier(num_arrivals=2 * (-(-E // kr.BOX)))]
 
@@ -1336,9 +1327,9 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       kernel selects them), which scale each slot's product in the down kernel instead.
     out_dtype: y's dtype.
     dq_dtype: with dq, "bfloat16" or "float16" (x, h and the converted weight tiles: ``_dq_dtype``).
-    router, router_select: for ONE token row, (logits [1, E] f32, bias [E] f32) and (k, scaling, norm[, warp[,
-      ranks]]) — the router after its logits (pallas_kernels.router.router_topk's selection; ``warp``: its
-      warp_rows form; ``ranks``: each CTA selects only up to its own slot's rank, ``_router_in_kernel``) inside the
+    router, router_select: for ONE token row, (logits [1, E] f32, bias [E] f32) and (k, scaling, norm[, ranks]) —
+      the router after its logits (pallas_kernels.router.router_topk's selection; ``ranks``: each CTA selects only
+      up to its own slot's rank, ``_router_in_kernel``) inside the
       gate/up kernel instead of a launch of its own before it; topk_ids and topk_weights are then None and the
       call returns (y, ids [1, k], weights [1, k]), router_topk's outputs.
     static_table: for ONE token row (a static slot table): both kernels take the valid slots' count (k + shared)
@@ -1369,8 +1360,10 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   if (router is None) != (router_select is None):
     raise ValueError("fp8_moe: router (logits, bias) and router_select (k, scaling, norm) go together")
   if router is not None:
+    if len(router_select) not in (3, 4):
+      raise ValueError(f"fp8_moe: router_select = {router_select!r}, expected (k, scaling, norm[, ranks])")
     (logits, bias), (k_r, scaling, norm, *opts) = router, router_select
-    warp, ranks = (bool(o) for o in (tuple(opts) + (False, False))[:2])
+    ranks = bool(opts[0]) if opts else False
     if m != 1 or logits.shape != (1, e_num) or bias.shape != (e_num,) or topk_ids is not None:
       raise ValueError(f"fp8_moe: router given with {m} token rows, logits {logits.shape}, bias {bias.shape} and "
                        f"topk_ids {None if topk_ids is None else topk_ids.shape}; expected one row, logits "
@@ -1447,8 +1440,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   if router is not None:  # (the selection's outputs after h, its scratch first: _router_in_kernel)
     sel_in = (logits.astype(f32), bias.astype(f32))
     sel_out = (jax.ShapeDtypeStruct((1, k_r), jnp.int32), jax.ShapeDtypeStruct((1, k_r), f32))
-    sel_scratch = router_scratch(e_num, warp)
-    sel_static = (e_num, int(k_r), float(scaling), bool(norm), warp, ranks)
+    sel_scratch = router_scratch(e_num)
+    sel_static = (e_num, int(k_r), float(scaling), bool(norm), ranks)
   # static_table: the valid slots' count of a single row's static table (k + shared) as a number in the kernels
   nv_static = n_slots if static_table and table_k else 0
   # writer_cta (the router's ranks form): one CTA past the grid selects all k, stores them and exits

@@ -139,37 +139,16 @@ def _router_kernel(E: int, k: int, scaling: float, norm: bool):
   return body
 
 
-def _router_rows_kernel(M: int, E: int, k: int, scaling: float, norm: bool):
-  """``warp_rows``: the M <= ROUTE_MAX_ROWS rows in one CTA, row m on warp m (``_select_rows``)."""
-
-  def body(l_g, b_g, ids_g, w_g, l_s, b_s, ids_s, w_s, bar):
-    _route_rows(l_g, b_g, ids_g, w_g, l_s, b_s, ids_s, w_s, bar, M, E, k, scaling, norm)
-    plgpu.wait_smem_to_gmem(0)
-
-  return body
-
-
-@kernel_entry("k", "scaling", "norm", "warp_rows")
-def router_topk(logits, bias, *, k: int, scaling: float, norm: bool, warp_rows: bool = False):
+@kernel_entry("k", "scaling", "norm")
+def router_topk(logits, bias, *, k: int, scaling: float, norm: bool):
   """Mosaic GPU version of ``router_topk_reference`` (same signature and outputs; ids equal, w to the last ulp of
   the GPU's sigmoid): one CTA per token row, its warpgroup's reductions (each a cross-warp SMEM exchange and a
   barrier: 3 per selected expert, k rounds — ~5.2 µs per call at one row on the H200, session 39's profile).
-  ``warp_rows``: for up to ROUTE_MAX_ROWS rows, one CTA with row m on warp m (router_route's selection,
-  ``_select_rows``): every reduction inside one warp (shuffles only, no barrier). Same ids and weights."""
+  (Its rows as one CTA with a warp each — router_route's selection, ``_select_rows`` — were natively equal and no
+  faster in the step, sessions 39 and 42: policy router_warp_rows, removed in session 54.)"""
   M, E = _check(logits, bias, k)
   EP = -(-E // LANES) * LANES
   f32 = jnp.float32
-  if warp_rows:
-    if M > ROUTE_MAX_ROWS:
-      raise ValueError(f"router_topk: warp_rows takes up to {ROUTE_MAX_ROWS} token rows (a warp each), got {M}")
-    return mgpu_kernel(
-        _router_rows_kernel(M, E, int(k), float(scaling), bool(norm)),
-        out_type=(jax.ShapeDtypeStruct((M, k), jnp.int32), jax.ShapeDtypeStruct((M, k), f32)),
-        grid=(1,),
-        grid_names=("c",),
-        kernel_name="glm5_router_topk",
-        scratch_types=[*_rows_scratch(EP), plgpu.Barrier(num_arrivals=2 * M * (-(-E // BOX)))],
-    )(logits, bias)
   return mgpu_kernel(
       _router_kernel(E, int(k), float(scaling), bool(norm)),
       out_type=(jax.ShapeDtypeStruct((M, k), jnp.int32), jax.ShapeDtypeStruct((M, k), f32)),
@@ -195,8 +174,7 @@ def router_route_reference(logits, bias, *, k: int, scaling: float, norm: bool, 
 
 
 def _rows_scratch(EP: int):
-  """l_s, b_s [4, EP] f32 and ids_s, w_s [4, 128]: the warp-per-row forms' SMEM (router_topk warp_rows,
-  router_route)."""
+  """l_s, b_s [4, EP] f32 and ids_s, w_s [4, 128]: router_route's SMEM (a warp per row)."""
   R = ROUTE_MAX_ROWS
   return [plgpu.SMEM((R, EP), jnp.float32), plgpu.SMEM((R, EP), jnp.float32), plgpu.SMEM((R, LANES), jnp.int32),
           plgpu.SMEM((R, LANES), jnp.float32)]
@@ -231,10 +209,10 @@ def _route_rows(l_g, b_g, ids_g, w_g, l_s, b_s, ids_s, w_s, bar, M: int, E: int,
     plgpu.copy_smem_to_gmem(w_s.at[m, pl.ds(0, k)], w_g.at[m])
 
 
-def _select_rows(l_s, b_s, E: int, k: int, scaling: float, norm: bool, rounds=None):
+def _select_rows(l_s, b_s, E: int, k: int, scaling: float, norm: bool):
   """``_select_row`` for the 4 rows of l_s / b_s [4, EP] at once, row m on warp m (warp_rows_layout) -> (ids [4,
   128] int32, w [4, 128] f32) registers, the first k entries of each row meaningful. The same selection, adds and
-  order as _select_row (row-wise maxima / minima / sums instead of the warpgroup's); ``rounds`` likewise. The
+  order as _select_row (row-wise maxima / minima / sums instead of the warpgroup's). The
   first form ran a warpgroup per row, and Mosaic GPU's warpgroup reductions — their cross-warp scratch one SMEM
   slot shared by the CTA's warpgroups — mixed the rows natively (session 34; tests/test_router_kernel.py: the
   race)."""
@@ -255,14 +233,6 @@ def _select_rows(l_s, b_s, E: int, k: int, scaling: float, norm: bool, rounds=No
     return idx, iota == wide(idx, EP)
 
   zeros = plgpu.layout_cast(jnp.zeros((R, LANES), jnp.int32), rows)
-  if rounds is not None:
-    def select_id(j, carry):
-      taken, ids_v = carry
-      idx, hit = pick(taken)
-      return jnp.where(hit, 1, taken), jnp.where(slot == j, wide(idx, LANES), ids_v)
-
-    return lax.fori_loop(0, rounds, select_id, (taken, zeros))[1], None
-
   def select(j, carry):
     taken, ids_v, w_v, tot = carry
     idx, hit = pick(taken)

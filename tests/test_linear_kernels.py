@@ -492,11 +492,10 @@ def _router_case(seed, e, k):
   return jnp.asarray(logits), jnp.asarray(rng.uniform(-0.05, 0.05, e).astype(np.float32))
 
 
-@pytest.mark.parametrize("dq,shared,warp,ranks", [(True, True, False, False), (False, False, False, True),
-                                                   (True, True, True, False), (True, True, True, True)])
-def test_router_in_the_gate_up_kernel_interpret(dq, shared, warp, ranks):
-  """fp8_moe(router=...): the router's selection inside every gate/up CTA (no router kernel before it; ``warp``:
-  its warp-per-row form; ``ranks``: each CTA only up to its slot's rank, one writer of all k) gives router_topk's
+@pytest.mark.parametrize("dq,shared,ranks", [(True, True, False), (False, False, True), (True, True, True)])
+def test_router_in_the_gate_up_kernel_interpret(dq, shared, ranks):
+  """fp8_moe(router=...): the router's selection inside every gate/up CTA (no router kernel before it;
+  ``ranks``: each CTA only up to its slot's rank, one writer of all k) gives router_topk's
   ids and weights and the MoE output of router_topk + fp8_moe, bit for bit."""
   e, i, d, k, scaling = 32, 256, 384, 4, 2.5
   x, _, _, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(95), 1, e, i, d, k)
@@ -507,7 +506,7 @@ def test_router_in_the_gate_up_kernel_interpret(dq, shared, warp, ranks):
     ids, w = kr.router_topk(logits, bias, k=k, scaling=scaling, norm=True)
     y0 = jax.jit(moe)(x, ids, w, wg, sg, wu, su, wd, sd)
     y1, ids1, w1 = jax.jit(lambda *a: moe(x, None, None, *a, router=(logits, bias),
-                                          router_select=(k, scaling, True, warp, ranks)))(wg, sg, wu, su, wd, sd)
+                                          router_select=(k, scaling, True, ranks)))(wg, sg, wu, su, wd, sd)
   ref_ids, ref_w = kr.router_topk_reference(logits, bias, k=k, scaling=scaling, norm=True)
   np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ref_ids))
   np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids))
@@ -523,6 +522,9 @@ def test_router_in_the_gate_up_kernel_rejects_bad_input():
     L.fp8_moe(x, None, None, *ws, swiglu_limit=1.0, router=(logits, bias), router_select=(k, 1.0, True))
   with pytest.raises(ValueError, match=r"logits \(1, 6\)"):
     L.fp8_moe(x[:1], None, None, *ws, swiglu_limit=1.0, router=(logits[:, :6], bias), router_select=(k, 1.0, True))
+  with pytest.raises(ValueError, match=r"router_select = \(4, 1.0, True, False, True\), expected \(k, scaling, "
+                     r"norm\[, ranks\]\)"):  # (the removed warp-per-row form's 5-tuple)
+    L.fp8_moe(x[:1], None, None, *ws, swiglu_limit=1.0, router=(logits, bias), router_select=(k, 1.0, True, False, True))
   with pytest.raises(ValueError, match=r"counters \(8,\) int32 .* expected splitk_counters"):
     jax.eval_shape(lambda *a: L.fp8_moe(x[:1], None, None, *a, swiglu_limit=1.0, dq=True, router=(logits, bias),
                                         counters=jnp.zeros((8,), jnp.int32), router_select=(k, 1.0, True),
@@ -544,7 +546,7 @@ def test_router_in_the_gate_up_kernel_with_rows_interpret(shared, static):
   logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
   plan = L.plan_moe(k + int(shared), i, d, 8, gu_split=1, dn_groups=1)
   moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, plan=plan, router=(logits, bias),
-                          router_select=(k, scaling, True, False, True))
+                          router_select=(k, scaling, True, True))
   with maybe_interpret():
     y0, ids0, w0 = jax.jit(lambda *a: moe(x, None, None, *a))(*ws)
     rows = functools.partial(moe, counters=L.splitk_counters(), out_dtype=jnp.bfloat16)
@@ -584,11 +586,10 @@ def test_router_in_the_gate_up_kernel_cross_lowers():
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
         SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
-  # (warp, ranks, the rows form on split-K counters: moe_rows)
+  # (ranks, the rows form on split-K counters: moe_rows)
   # (and the rows form with static_table — the slot count a number, the down kernel's ids / weights staged in
   # SMEM — and writer_cta)
-  for *opts, rows in ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
-                      (False, True, True), (False, True, "static")):
+  for *opts, rows in ((False, False), (True, False), (True, True), (True, "static")):
     ctr = {"counters": L.splitk_counters(), "out_dtype": jnp.bfloat16} if rows else {}
     if rows == "static":  # (with the selection's writer an extra CTA: writer_cta)
       ctr.update(static_table=True, writer_cta=True)
@@ -904,10 +905,8 @@ def test_fp8_moe_fused_rows_gpu(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_dtype,warp,ranks", [("bfloat16", False, False), ("float16", False, False),
-                                                  ("bfloat16", True, False), ("bfloat16", False, True),
-                                                  ("bfloat16", True, True)])
-def test_router_in_the_gate_up_kernel_gpu(dq_dtype, warp, ranks):
+@pytest.mark.parametrize("dq_dtype,ranks", [("bfloat16", False), ("float16", False), ("bfloat16", True)])
+def test_router_in_the_gate_up_kernel_gpu(dq_dtype, ranks):
   """The real rank's single-row MoE (288 experts, top-8, the shared slot, dq) with the router's selection inside
   the gate/up kernel natively: router_topk's ids and weights and router_topk + fp8_moe's output, bit for bit."""
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
@@ -919,7 +918,7 @@ def test_router_in_the_gate_up_kernel_gpu(dq_dtype, warp, ranks):
     moe = functools.partial(L.fp8_moe, swiglu_limit=10.0, shared=sh, dq=True, dq_dtype=dq_dtype)
     ids, w = kr.router_topk(logits, bias, k=k, scaling=2.5, norm=True)
     return (moe(x, ids, w, *ws), ids, w), moe(x, None, None, *ws, router=(logits, bias),
-                                              router_select=(k, 2.5, True, warp, ranks))
+                                              router_select=(k, 2.5, True, ranks))
   (y0, ids0, w0), (y1, ids1, w1) = jax.jit(run)(x, logits, bias, ws, sh)
   np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
   np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
@@ -949,7 +948,7 @@ def test_router_in_the_gate_up_kernel_with_rows_gpu(out_dtype, second):
 
   def run(x, logits, bias, ws, sh):  # (weights as arguments: closed over, jit embeds them as constants)
     moe = functools.partial(L.fp8_moe, x, None, None, *ws, swiglu_limit=10.0, shared=sh, dq=True,
-                            router=(logits, bias), router_select=(k, 2.5, True, False, True))
+                            router=(logits, bias), router_select=(k, 2.5, True, True))
     c = L.splitk_counters()
     rows = functools.partial(moe, counters=c, out_dtype=jnp.dtype(out_dtype))
     return moe(), rows(), rows(**second), c[...]

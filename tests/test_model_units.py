@@ -246,17 +246,6 @@ def test_router_topk_equals_sorting_router():
   assert ids2.shape == (3, 4, 8) and w2.shape == (3, 4, 8)
   np.testing.assert_array_equal(np.asarray(ids2), np.asarray(ids0))
   np.testing.assert_allclose(np.asarray(w2), np.asarray(w0), **tol("kernel_f32"))
-  # router_warp_rows at the model's call site: 3 token rows, a warp each; 12 rows do not fit (and say why)
-  from glm5_jax.layers import kernel_report  # noqa: PLC0415
-  for xs in (x[:1, :3], x):
-    with maybe_interpret(True), use_kernels({"router_kernel": True, "router_warp_rows": True}), \
-        kernel_report() as rep:
-      ids3, w3 = jax.jit(r.__call__)(xs)
-    n = xs.shape[0] * xs.shape[1]
-    reason = dict(rep)["router_warp_rows"]
-    assert (reason is None) == (n <= 4) and (reason is None or "12 token rows" in reason), rep
-    np.testing.assert_array_equal(np.asarray(ids3), np.asarray(ids0)[:xs.shape[0], :xs.shape[1]])
-    np.testing.assert_allclose(np.asarray(w3), np.asarray(w0)[:xs.shape[0], :xs.shape[1]], **tol("kernel_f32"))
 
 
 @pytest.mark.parametrize("N,k,kind,opts", [
@@ -456,7 +445,7 @@ def _extend_one_token(m, B, policy, seed, trace_only=False):
 
 def test_router_in_the_gate_up_kernel_at_the_model_site():
   """Policy moe_router_in_kernel at the model's single-row MoE (one layer, one token): the router's selection
-  inside fp8_moe's gate/up kernel (moe_router_ranks' form, and router_warp_rows' without it) gives the hidden
+  inside fp8_moe's gate/up kernel (moe_router_ranks' form, and every CTA selecting all k without it) gives the hidden
   state and expert ids of router_kernel + fp8_moe exactly; the report names the site, and at two token rows
   declines it (one row only). With moe_static_table (the slot count a number, the down kernel's ids and weights
   staged into SMEM: k = 4) and moe_writer_cta (the selection stored by an extra gate/up CTA) the same again, and
@@ -478,9 +467,9 @@ def test_router_in_the_gate_up_kernel_at_the_model_site():
   np.testing.assert_array_equal(e1, e0)
   np.testing.assert_array_equal(h1, h0)
   assert rep["moe_router_ranks"] is None, rep  # (a default: each CTA selects only up to its slot's rank)
-  # (the other forms of the selection there: every CTA selects all k, with the warp-per-row reductions)
-  (h2, e2), rep = run(1, fused | {"router_warp_rows": True, "moe_router_ranks": False})
-  assert rep["router_warp_rows"] is None and rep["moe_router_ranks"] == "off in the policy", rep
+  # (the other form of the selection there: every CTA selects all k)
+  (h2, e2), rep = run(1, fused | {"moe_router_ranks": False})
+  assert rep["moe_router_ranks"] == "off in the policy", rep
   np.testing.assert_array_equal(e2, e0)
   np.testing.assert_array_equal(h2, h0)
   assert "one token row" in run(2, fused, trace_only=True)[1]["moe_router_in_kernel"]

@@ -37,17 +37,13 @@ def check(got, want):
   np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), **tol("kernel_f32"))
 
 
-@pytest.mark.parametrize("M,E,k,kind,norm,warp_rows", [
-    (1, 288, 8, "scores", True, False), (4, 288, 8, "ties", True, False), (5, 64, 4, "special", False, False),
-    (2, 288, 8, "special", True, False),
-    # warp_rows: the rows in one CTA, a warp each (router_route's selection)
-    (1, 288, 8, "scores", True, True), (1, 288, 8, "special", True, True), (3, 64, 4, "ties", False, True),
-    (4, 288, 8, "special", True, True)])
-def test_kernel_interpret(M, E, k, kind, norm, warp_rows):
+@pytest.mark.parametrize("M,E,k,kind,norm", [
+    (1, 288, 8, "scores", True), (4, 288, 8, "ties", True), (5, 64, 4, "special", False), (2, 288, 8, "special", True)])
+def test_kernel_interpret(M, E, k, kind, norm):
   logits, bias = make_logits(np.random.default_rng(), M, E, kind)
   want = R.router_topk_reference(logits, bias, k=k, scaling=2.5, norm=norm)
   with maybe_interpret(True):
-    got = jax.jit(lambda l, b: R.router_topk(l, b, k=k, scaling=2.5, norm=norm, warp_rows=warp_rows))(logits, bias)
+    got = jax.jit(lambda l, b: R.router_topk(l, b, k=k, scaling=2.5, norm=norm))(logits, bias)
   check(got, want)
 
 
@@ -59,24 +55,20 @@ def test_rejects_bad_input():
     R.router_topk(logits.astype(jnp.bfloat16), bias, k=8, scaling=1.0, norm=True)
   with pytest.raises(ValueError, match="bias"):
     R.router_topk(logits, bias[:100], k=8, scaling=1.0, norm=True)
-  with pytest.raises(ValueError, match="warp_rows takes up to 4 token rows .* got 5"):
-    R.router_topk(jnp.zeros((5, 288), jnp.float32), bias, k=8, scaling=1.0, norm=True, warp_rows=True)
 
 
-@pytest.mark.parametrize("M,warp_rows", [(1, False), (4, False), (8, False), (32, False), (64, False), (1, True),
-                                         (4, True)])
-def test_cross_lower(M, warp_rows):
-  f = lambda l, b: R.router_topk(l, b, k=8, scaling=2.5, norm=True, warp_rows=warp_rows)
+@pytest.mark.parametrize("M", [1, 4, 8, 32, 64])
+def test_cross_lower(M):
+  f = lambda l, b: R.router_topk(l, b, k=8, scaling=2.5, norm=True)
   assert "mosaic_gpu" in cross_lower(f, SDS((M, 288), jnp.float32), SDS((288,), jnp.float32)).as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,kind,warp_rows", [(1, "scores", False), (4, "ties", False), (32, "special", False),
-                                              (1, "scores", True), (1, "special", True), (4, "ties", True)])
-def test_kernel_gpu(M, kind, warp_rows):
+@pytest.mark.parametrize("M,kind", [(1, "scores"), (4, "ties"), (32, "special")])
+def test_kernel_gpu(M, kind):
   logits, bias = make_logits(np.random.default_rng(), M, 288, kind)
   want = jax.jit(lambda l, b: R.router_topk_reference(l, b, k=8, scaling=2.5, norm=True))(logits, bias)
-  got = jax.jit(lambda l, b: R.router_topk(l, b, k=8, scaling=2.5, norm=True, warp_rows=warp_rows))(logits, bias)
+  got = jax.jit(lambda l, b: R.router_topk(l, b, k=8, scaling=2.5, norm=True))(logits, bias)
   check(got, want)
 
 
