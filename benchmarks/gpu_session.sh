@@ -18,6 +18,10 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
+case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
+  single|pair|tp2|profile|s53a|s53b|s53c|s53d) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, profile, s53a, s53b, s53c, s53d)"; exit 2 ;;
+esac
 t0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv

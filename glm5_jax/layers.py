@@ -174,16 +174,16 @@ KNOBS = {
         "normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three XLA kernels on "
         "the critical path (the keys, topk_by_rank's rank count and select)"),
     "dq_f16": (False,
-        "with fp8_dq on: the dq kernels (fp8_dq_linear, fp8_moe, the single-row MoE forms) in f16 instead of bf16 — "
+        "with fp8_dq on: the dq kernels (fp8_dq_linear, fp8_moe) in f16 instead of bf16 — "
         "each e4m3 weight element converted by one cvt per two values (e4m3x2 -> f16x2) instead of e4m3 -> f32 -> "
         "bf16, x and h in f16 (x's bf16 values are exact in f16 while |x| < 65,504; h gains 3 bits). Session 40's "
-        "in-kernel profile (first calls): the dequantise-and-multiply is ~40 % of a gate/up CTA's time and bounds "
-        "the persistent MoE's gate/up phase. Measured (session 41, s40e): the persistent MoE's multiply 14.2 -> 11.8 "
+        "in-kernel profile (first calls): the dequantise-and-multiply is ~40 % of a gate/up CTA's time and bounded "
+        "the (since removed) persistent MoE's gate/up phase. Measured (session 41, s40e): its multiply 14.2 -> 11.8 "
         "µs per warpgroup, the q = 1 step 4.30 -> 4.28 ms (a tie); session 51 (s51b) with dsa_qkv_a_first: "
         "3.77 -> 3.69 ms, faster in 3 of 4 paired rounds (-0.05 ms) — 3 of 4 on both occasions, but f16 "
         "activations overflowed to inf above 65,504 where bf16 does not. Since session 51 every f16 activation "
         "conversion (x, h; pallas_kernels.linear._act) saturates at ±65,504 instead (CPU-built: its GPU test "
-        "and a third measurement next, gpu_session s52a) — off until then"),
+        "and a third measurement next, gpu_session s53a / s53b) — off until then"),
     "moe_router_in_kernel": (True,
         "with fp8_moe and router_kernel on, at one token row (fp8_moe's own form): the router's selection "
         "(pallas_kernels.router's top-k in lax.top_k's order, weights normalised and scaled) inside every CTA of "
@@ -319,8 +319,8 @@ KNOBS = {
         "the first `stages` just after them (and each later one `stages` steps ahead) — a scalar load issued "
         "after the grid's weight requests queues behind them (~4 µs in s51a's MoE profile) and the first step's "
         "FMA waits for it. The same sums, bit for bit (its GPU tests, s52a). The step at q = 1: 3.86 -> 3.85 ms, "
-        "faster in 4 of 4 paired rounds (s52c, session 52; with dq_f16, kda_norm_partials and moe_scale_prefetch "
-        "3.71 -> 3.68, 4 of 4, s52d)"),
+        "faster in 4 of 4 paired rounds (s52c, session 52; with dq_f16, kda_norm_partials and moe_scale_prefetch — "
+        "since removed — 3.71 -> 3.68, 4 of 4, s52d)"),
     "linear_fused_sum": (False,
         "with fp8_linear + fp8_dq, or bf16_linear, on (and fp8_moe's two kernels with fp8_dq): each "
         "weight-streaming call's K splits (the MoE down kernel's expert groups) summed inside the kernel — the "
@@ -406,7 +406,8 @@ KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # Knobs whose forms were measured slower than (or no faster than) the defaults on the H200 and removed with their
 # kernels: a policy naming one is refused with the reason (git history and BENCHMARKS.md keep them).
 REMOVED_KNOBS = {
-    "moe_persistent": "the single-row MoE as one persistent launch: 33.5 vs 25.3 µs (session 40); removed in session 53",
+    "moe_persistent": "the single-row MoE as one persistent launch: 33.5 vs 25.3 µs (session 40); removed in "
+                      "session 53",
     "moe_balanced": "the persistent MoE's work dealt out evenly: a tie (session 40); removed in session 53",
     "moe_chained": "the single-row MoE as one launch of two roles: 4.16 -> 4.51 ms (session 44); removed in session 53",
     "moe_chained_sum": "moe_chained's in-kernel sum (session 44); removed in session 53",

@@ -646,7 +646,7 @@ def mhc_sinkhorn(tot_t, coef, *, D: int, iters: int, eps: float, hc_norm_eps: fl
 # row at the real width) and writes the RMSNorm'd sublayer input for its 32 columns from the X' in its own SMEM —
 # mhc_finish's arithmetic. One launch on the sublayer's critical path per boundary instead of mhc_post_pre ->
 # (reduction) -> mhc_finish; the mix for the next boundary (mhc_sinkhorn on the raw partials) stays off it.
-# Unlike the cluster kernel above, no CTA runs more chunks than mhc_post_pre's. The barrier needs every CTA
+# No CTA runs more chunks than mhc_post_pre's (the removed cluster form's did). The barrier needs every CTA
 # resident at once: G <= GRID_MAX_CTAS (the H200 has 132 SMs; ~80 KB of SMEM per CTA leaves 2 per SM), and no
 # other kernel in the step spins, so a CTA that waits for an SM gets one. GPU interpret mode (jax 0.11.2) runs
 # neither GMEM semaphores nor concurrently resident CTAs, so there the two halves run as two launches of the

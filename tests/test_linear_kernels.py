@@ -324,18 +324,6 @@ def test_fp8_moe_rows_form_interpret(m, e, k, shared, bad_id):
   assert_close(y, L.fp8_moe_reference(*ref_args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
 
 
-def _single_row_case(seed):
-  """One token row of 6 experts (I = 256, D = 512), top-2 + the shared slot, id 1 out of range (its weight
-  masked): with 16 CTAs, 3 gate/up items each over pairs of 4 D blocks — ranges straddle pairs, a pair split into
-  pieces on up to 2 CTAs — and 3 down items per share, 2 shares of a row tile summed."""
-  e, i, d, k = 6, 256, 512, 2
-  args = list(moe_inputs(jax.random.key(seed), 1, e, i, d, k))
-  args[1] = args[1].at[0, 1].set(e)
-  ref_args = list(args)  # (the masked expert contributes nothing: expert 0 with weight 0)
-  ref_args[1], ref_args[2] = args[1].at[0, 1].set(0), args[2].at[0, 1].set(0.0)
-  return args, ref_args, _shared_expert(jax.random.key(seed + 1), i, d)
-
-
 def test_dq_kernels_in_f16_interpret():
   """dq_dtype="float16" (x, h and the converted weight tiles in f16): fp8_dq_linear == the reference as closely as
   the bf16 form (x's bf16 values exact in f16, exact products); the grouped MoE (2 rows, the shared slot) near the
@@ -524,7 +512,8 @@ def test_router_in_the_gate_up_kernel_rejects_bad_input():
     L.fp8_moe(x[:1], None, None, *ws, swiglu_limit=1.0, router=(logits[:, :6], bias), router_select=(k, 1.0, True))
   with pytest.raises(ValueError, match=r"router_select = \(4, 1.0, True, False, True\), expected \(k, scaling, "
                      r"norm\[, ranks\]\)"):  # (the removed warp-per-row form's 5-tuple)
-    L.fp8_moe(x[:1], None, None, *ws, swiglu_limit=1.0, router=(logits, bias), router_select=(k, 1.0, True, False, True))
+    L.fp8_moe(x[:1], None, None, *ws, swiglu_limit=1.0, router=(logits, bias),
+              router_select=(k, 1.0, True, False, True))
   with pytest.raises(ValueError, match=r"counters \(8,\) int32 .* expected splitk_counters"):
     jax.eval_shape(lambda *a: L.fp8_moe(x[:1], None, None, *a, swiglu_limit=1.0, dq=True, router=(logits, bias),
                                         counters=jnp.zeros((8,), jnp.int32), router_select=(k, 1.0, True),
