@@ -11,7 +11,9 @@ repeat ranges do not overlap ("?" for rows recorded before the repeats were stor
 round: an interleaved run times every configuration once per round, so repeat i of two rows ran minutes apart at
 most, while the host's speed drifts between rounds (session 36: every configuration 4.64 -> 4.93 ms from round 4
 on) — the median of the per-round differences and in how many rounds the configuration was faster, the first
-round (the warm-up) left out.
+round (the warm-up) left out. "verdict" applies the project's rule for a default (README, policy knobs): faster
+in at least 3 of every 4 paired rounds — "faster"; slower in at least 3 of 4 — "slower"; else "tie" (fewer than 2
+paired rounds: "?"). The rule's other half, the knob's GPU tests passing natively, is not in the results.
 """
 
 from __future__ import annotations
@@ -37,14 +39,33 @@ def spread(r: dict) -> tuple[float, float] | None:
   return (min(reps), max(reps)) if reps else None
 
 
-def paired(r: dict, base: dict) -> str:
-  """The median per-round difference to the baseline (rounds after the first) and the rounds it was faster in."""
+def round_diffs(r: dict, base: dict) -> list[float] | None:
+  """The per-round differences to the baseline (ms), the first round left out; None without paired repeats."""
   a, b = r.get("ms_repeats") or [], base.get("ms_repeats") or []
   if len(a) != len(b) or len(a) < 2:
+    return None
+  return sorted(x - y for x, y in zip(a[1:], b[1:]))
+
+
+def paired(r: dict, base: dict) -> str:
+  """The median per-round difference to the baseline (rounds after the first) and the rounds it was faster in."""
+  d = round_diffs(r, base)
+  if d is None:
     return "?"
-  d = sorted(x - y for x, y in zip(a[1:], b[1:]))
   med = d[len(d) // 2] if len(d) % 2 else (d[len(d) // 2 - 1] + d[len(d) // 2]) / 2
   return f"{med:+.2f} ms, faster in {sum(x < 0 for x in d)}/{len(d)}"
+
+
+def verdict(r: dict, base: dict) -> str:
+  """The default rule on the paired rounds: "faster" / "slower" in >= 3 of every 4, else "tie"."""
+  d = round_diffs(r, base)
+  if d is None or len(d) < 2:
+    return "?"
+  if 4 * sum(x < 0 for x in d) >= 3 * len(d):
+    return "faster"
+  if 4 * sum(x > 0 for x in d) >= 3 * len(d):
+    return "slower"
+  return "tie"
 
 
 def groups(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -73,19 +94,19 @@ def table(rows: list[dict], policy: dict) -> list[str]:
     bs = spread(base)
     geometry, layers, tp, batch, q, ctx, date, note = key
     lines += [f"{geometry} ({layers} layers, TP{tp}) B = {batch}, q = {q}, context {ctx} — {date} {note}".rstrip(),
-              "", "| configuration | ms/step | repeats (min–max) | vs baseline | clear? | paired (rounds 2+) |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              "", "| configuration | ms/step | repeats (min–max) | vs baseline | clear? | paired (rounds 2+) | verdict |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rs:
       sp = spread(r)
       if r is base:
-        vs, clear, pr = "baseline", "", ""
+        vs, clear, pr, vd = "baseline", "", "", ""
       else:
         d = r["ms_per_step"] - base["ms_per_step"]
         vs = f"{d:+.2f} ms ({100 * d / base['ms_per_step']:+.1f} %)"
         clear = "?" if sp is None or bs is None else "yes" if (sp[1] < bs[0] or sp[0] > bs[1]) else "no"
-        pr = paired(r, base)
+        pr, vd = paired(r, base), verdict(r, base)
       rng = "—" if sp is None else f"{sp[0]:.2f}–{sp[1]:.2f}"
-      lines.append(f"| {label(r)} | {r['ms_per_step']:.2f} | {rng} | {vs} | {clear} | {pr} |")
+      lines.append(f"| {label(r)} | {r['ms_per_step']:.2f} | {rng} | {vs} | {clear} | {pr} | {vd} |")
     lines.append("")
   return lines
 

@@ -489,7 +489,8 @@ def test_component_floors_add_up_to_the_roofline():
 def test_ab_table_compares_interleaved_rows_with_their_spread(capsys):
   """benchmarks/ab_table.py: per invocation, each configuration against the baseline (the empty policy, one step
   per call), the difference, whether the repeat ranges overlap, and the paired per-round difference (the first
-  round left out; rows without stored repeats, or with another count, say "?")."""
+  round left out; rows without stored repeats, or with another count, say "?"), and the default rule's verdict
+  (faster / slower in >= 3 of 4 paired rounds, else a tie)."""
   import os  # noqa: PLC0415
   import sys  # noqa: PLC0415
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -505,13 +506,20 @@ def test_ab_table_compares_interleaved_rows_with_their_spread(capsys):
           dict(common, policy={"kda_norm": True}, steps_per_call=1, ms_per_step=base_ms + 0.05,
                ms_repeats=[base_ms + 2, base_ms - 0.05, base_ms + 0.15, base_ms + 0.45]),
           dict(common, policy={"x": 1}, steps_per_call=1, ms_per_step=base_ms + 2),  # (no repeats stored)
+          # (faster in 2 of 3 paired rounds: not 3 of 4 — a tie by the rule; faster in 3 of 3)
+          dict(common, policy={"y": 1}, steps_per_call=1, ms_per_step=base_ms - 0.02,
+               ms_repeats=[base_ms + 3, base_ms - 0.2, base_ms + 0.05, base_ms + 0.45]),
+          dict(common, policy={"z": 1}, steps_per_call=1, ms_per_step=base_ms - 0.05,
+               ms_repeats=[base_ms + 3, base_ms - 0.15, base_ms + 0.05, base_ms + 0.35]),
           dict(common, run="other", policy={}, steps_per_call=1, ms_per_step=1.0)]  # (alone in its invocation)
   lines = ab_table.table(rows, {})
   body = [ln for ln in lines if ln.startswith("| latency")]
-  assert len(body) == 4 and "baseline" in body[0] and f"{base_ms:.2f}" in body[0]
-  assert body[1].endswith("| -1.00 ms ({:+.1f} %) | yes | ? |".format(-100 / base_ms))  # (2 repeats vs 4: unpaired)
-  assert body[2].endswith("| no | +0.05 ms, faster in 0/3 |")
-  assert body[3].endswith("| ? | ? |") and "| — |" in body[3]
+  assert len(body) == 6 and "baseline" in body[0] and f"{base_ms:.2f}" in body[0]
+  assert body[1].endswith("| -1.00 ms ({:+.1f} %) | yes | ? | ? |".format(-100 / base_ms))  # (unpaired: 2 vs 4)
+  assert body[2].endswith("| no | +0.05 ms, faster in 0/3 | slower |")
+  assert body[3].endswith("| ? | ? | ? |") and "| — |" in body[3]
+  assert body[4].endswith("| -0.05 ms, faster in 2/3 | tie |"), body[4]
+  assert body[5].endswith("| -0.05 ms, faster in 3/3 | faster |"), body[5]
 
 
 def test_code_size_probe_computes_its_reference():
