@@ -6,6 +6,9 @@
 #                             real-geometry decode benchmark on GPU 1, concurrently)
 #   tp2     (nvidia-h200-x2): all-reduce benchmark, TP2 == TP1 GPU tests, then the TP2 decode benchmark (12 real
 #                             layers, profiled) with --collectives xla and graph
+#   tp4     (nvidia-h200-x4): issue #11 — the all-reduce at TP4, TP2 / TP4 == TP1 GPU tests, then the real model at
+#                             TP4 (all 45 layers + MTP: 82 GB per GPU), B = 1 and 8, q = 1 and 4, latency_specialized
+#                             vs auto, profiled (the all-reduce's share of the step)
 #   profile (nvidia-h200):    mHC, weight-streaming and KDA GPU tests (with WITH_TESTS=1), bench_mhc (kernels per boundary),
 #                             bench_topk (the radix variants), bench_cluster_exchange, then the one-rank latency_specialized
 #                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
@@ -19,8 +22,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|profile|s53a|s53b|s53c|s53d) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, profile, s53a, s53b, s53c, s53d)"; exit 2 ;;
+  single|pair|tp2|tp4|profile|s53a|s53b|s53c|s53d) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s53a, s53b, s53c, s53d)"; exit 2 ;;
 esac
 t0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
@@ -89,6 +92,24 @@ case "$MODE" in
         --fast-compile --profile --budget-s $(( $(left) - 100 )) --out "$OUT/decode_tp2.jsonl" 2>&1 | grep -v -i warn \
         >> "$OUT/bench_decode_tp2.log"
     done
+    ;;
+  tp4)  # (nvidia-h200-x4) see the header. The step at 4 steps per call on one host call, as on one GPU; the all-reduces
+    # in the CUDA graph (--collectives graph, the default at --tp > 1)
+    timeout 200 python3 benchmarks/bench_allreduce.py --tp 4 --timeout 45 --variants default cb-collectives \
+      cb-coll-one-shot --out "$OUT/allreduce.jsonl" 2>&1 | tee "$OUT/allreduce.log"
+    timeout 300 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_tp_gpu.py 2>&1 \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | head -40 | tee "$OUT/gpu_tests.log"
+    for b in 1 8; do
+      [ "$(left)" -gt 150 ] || break
+      timeout $(( $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry real --tp 4 --batch $b --q 1 4 \
+        --backend latency_specialized auto --context 32768 --steps 20 --repeats 3 --steps-per-call 4 \
+        --fast-compile --budget-s $(( $(left) - 100 )) --out "$OUT/decode_tp4.jsonl" 2>&1 | grep -v -i warn \
+        >> "$OUT/bench_decode_tp4.log"
+    done
+    # the GPU time by component — the all-reduce's share — from CUPTI (one step per call: a rolled loop is refused)
+    [ "$(left)" -gt 150 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_decode.py --geometry real --tp 4 \
+      --batch 1 --q 1 --backend latency_specialized --context 32768 --steps 20 --repeats 3 --fast-compile --profile \
+      --budget-s $(( $(left) - 60 )) --out "$OUT/decode_tp4.jsonl" 2>&1 | grep -v -i warn >> "$OUT/bench_decode_tp4.log"
     ;;
   profile)  # (nvidia-h200) see the header
     [ -n "${WITH_TESTS:-}" ] && for f in test_mhc test_linear_kernels test_kda_decode; do
