@@ -242,6 +242,15 @@ KNOBS = {
         "the XLA split sum after it (1.6 µs + a launch in s51b's trace) leaves the layer's critical path, and "
         "mla_latent_norms reads the rows directly. linear_fused_sum for every linear was a tie (sessions 47, 51); "
         "this is its one site on the DSA critical path. CPU-built (session 52): off until measured"),
+    "lean_barriers": (False,
+        "the kernels that have a lean form built without Mosaic GPU's automatic warpgroup barriers "
+        "(CompilerParams(unsafe_no_auto_barriers): two bar.sync around every vector store to a ref and one before "
+        "every TMA load) and with only the barriers their data flow needs, placed by hand — today the mHC "
+        "boundary's one-launch forms (pallas_kernels.mhc.mhc_post_finish(lean=True): 46 bar.sync in the lowered "
+        "kernel, 8 lean; mhc_row_boundary: 134, 14), on every sublayer's critical path (90 per step at q = 1). A "
+        "latency-bound kernel pays for each barrier its warps meet; for the barriers placed by hand interpret "
+        "mode proves nothing (it runs a CTA's threads in lockstep): the GPU tests compare the lean one-launch "
+        "boundary with the two-launch one bit for bit. CPU-built (session 54): off until measured"),
     "mhc_row": (False,
         "with mhc_grid_barrier on, at one token row (decode at q = 1): the boundary as "
         "pallas_kernels.mhc.mhc_row_boundary — D / 128 CTAs, each thread one column of every stream in "
@@ -838,9 +847,11 @@ class HyperConnection(nnx.Module):
       # mhc_row: at one token row, a column of every stream per thread (no 64-row tiles for one real row)
       row = kernel_enabled("mhc_row", fits=M == 1 and D % km.ROW_COLS == 0,
                            why=f"one token row (here {M}) and a hidden size a multiple of {km.ROW_COLS} (here {D})")
+      # lean_barriers: the boundary built without Mosaic's automatic barriers, its own where the data needs them
+      lean = kernel_enabled("lean_barriers")
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
-          hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity)
+          hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean)
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)

@@ -97,6 +97,18 @@ def counter_wait(ref, count: int, *, take: bool = False):
   _counter_op(ref, count=count, take=take)
 
 
+def wg_barrier():
+  """A warpgroup barrier (``bar.sync``) — what Mosaic GPU puts before and after every vector store to a ref, and
+  before every TMA load, unless a kernel is built with ``CompilerParams(unsafe_no_auto_barriers=True)``: a lean
+  kernel (policy knob lean_barriers) places its own, here and in ``plgpu.commit_smem`` (a fence and this barrier),
+  only where one thread reads what another wrote (or overwrites what another still reads)."""
+  @plgpu.inline_mgpu()
+  def op(_):
+    _mgpu_utils.warpgroup_barrier()
+
+  op()
+
+
 def fence_async_writes():
   """``fence.proxy.async.global``: this thread's completed TMA stores (``plgpu.wait_smem_to_gmem``) ordered before
   its later generic-proxy operations — so a grid barrier's release (a semaphore or counter signal) covers them for

@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import (counter_signal, counter_wait, fence_async_writes, interpreting, kernel_entry,
-                                    mgpu_kernel)
+                                    mgpu_kernel, wg_barrier)
 
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
@@ -404,14 +404,19 @@ def _sinkhorn_rows(mc, iters: int, eps: float):
   return list(lax.fori_loop(0, iters - 1, body, tuple(v for row in c for v in row)))
 
 
-def _sum_partials_t(rows_of, Gp: int, M: int, place, t_s, ts_s):
+def _sum_partials_t(rows_of, Gp: int, M: int, place, t_s, ts_s, explicit: bool = False):
   """The raw partials summed over the column chunks for M token rows — ``rows_of(m, c)``: the [64, C] ref of
   chunks 64c.. of token row m (SMEM or GMEM; Gp a multiple of 64, chunks past G zero; C = 40, or the 16 columns
   MIX.. where only the normalisation reads them), the tiles added, a sum over the tile's rows into ts_s [M, C] —
   and ``place``'s (quantity k, loaded column j) pairs put as t_s[k, m] = ts_s[m, j] in t_s's transposed [40, 64]
   layout, a scalar at a time (columns M.. zero): the form the finish / Sinkhorn arithmetic reads, one row per
-  quantity."""
+  quantity. ``explicit`` (a kernel built without Mosaic's automatic barriers: lean_barriers): the two barriers
+  those would have given here — the zero fill lands before any thread's scalar stores into t_s, and every row of
+  ts_s before the scalar reads of entries other threads stored. (Every thread stores every t_s[k, m] itself, the
+  same value, so its own later loads need no barrier.)"""
   t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
+  if explicit:
+    wg_barrier()
   for m in range(M):
     acc = None
     with jax.named_scope("loads"):
@@ -420,6 +425,8 @@ def _sum_partials_t(rows_of, Gp: int, M: int, place, t_s, ts_s):
         acc = x if acc is None else acc + x
     with jax.named_scope("reduce"):
       ts_s[m] = acc.sum(axis=0)
+  if explicit:
+    wg_barrier()
   for m in range(M):
     for k, j in place:
       t_s[k, m] = ts_s[m, j]
@@ -682,7 +689,7 @@ def mhc_post_finish_reference(X, y, mix, fn, coef, w, *, first: bool = False, ep
 
 
 def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
-                             norm_eps):
+                             norm_eps, explicit: bool = False):
   """The second half: the M token rows' partials part_g [Gp, 64, 40] (GMEM) summed over the column chunks — two
   64-row tiles per row at the real width, a sum over the tile's rows, the 14 sums the normalisation reads placed
   in t_s's transposed [40, 64] layout a scalar at a time (as mhc_finish's raw-partials form) — then pre and 1/RMS
@@ -691,7 +698,7 @@ def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w
   sc0 = c_g[MIX]
   with jax.named_scope("sum"):
     _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], M,
-                    _FIN_PLACE, t_s, ts_s)
+                    _FIN_PLACE, t_s, ts_s, explicit)
   with jax.named_scope("pre"):
     gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
     pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, base, sc0, D, eps, norm_eps)
@@ -712,12 +719,15 @@ def barrier_counters():
   return jax.new_ref(jnp.zeros((2,), jnp.int32))
 
 
-def _grid_barrier(ctr_g, par_g, g, G: int):
+def _grid_barrier(ctr_g, par_g, g, G: int, lean: bool = False):
   """The one-launch boundaries' grid barrier over G CTAs: on counter par_g[0] of barrier_counters' Ref (CTA 0
   zeroing the other counter for the next boundary), or — ctr_g None — on a pl.get_global semaphore (zeroed for
-  each launch: an XLA fill per call)."""
+  each launch: an XLA fill per call). ``lean`` (no automatic barriers): the warpgroup barrier before the
+  semaphore's signal that Mosaic would have put there (counter_signal has its own)."""
   with jax.named_scope("barrier"):
     if ctr_g is None:
+      if lean:
+        wg_barrier()
       sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
       plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
       plgpu.semaphore_wait(sem, G, decrement=False, memory_scope="gpu")
@@ -753,7 +763,7 @@ def _check_grid_args(what: str, X, fn, coef, w, mix, first: bool, parity: int, l
 
 
 def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float,
-                        counters: bool = False):
+                        counters: bool = False, lean: bool = False):
   """The one-launch body: mhc_post_pre's (``_post_pre_kernel``, 32 columns) with its refs, zero rows G.. of the
   partials, the grid barrier, then ``_normalise_from_partials`` on the X' this CTA staged (untiled: xu_s, or x_s
   — X itself — at the first site). ``counters``: the barrier on counter p of the counters' Ref (inputs after w:
@@ -785,11 +795,11 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
       def _():
         part_g[row] = plgpu.layout_cast(jnp.zeros((ROWS, PART), jnp.float32), _L.WGMMA)
 
-    _grid_barrier(ctr_g, par_g, g, G)
+    _grid_barrier(ctr_g, par_g, g, G, lean)
     x_s = pp_scratch[0] if first else pp_scratch[6]  # X' (untiled [N, 64, 32]): X itself at the first site
     with jax.named_scope("normalise"):
       _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
-                               norm_eps)
+                               norm_eps, lean)
 
   return body
 
@@ -816,10 +826,10 @@ def _finish_half_scratch(M: int, arrivals: int):
           plgpu.Barrier(num_arrivals=arrivals)]  # bar_w: w (and, launched alone, X')
 
 
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity")
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean")
 def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                     norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                    parity: int = 0):
+                    parity: int = 0, lean: bool = False):
   """Mosaic GPU version of ``mhc_post_finish_reference`` (same signature and outputs): the boundary's post, pre
   logits and Gram, and the sublayer input's RMSNorm in ONE launch of D / 32 CTAs with a grid barrier between the
   halves, for up to PARTS_MAX_ROWS token rows (decode's few; more: mhc_post_pre + mhc_finish). ``launches``: 1
@@ -827,7 +837,10 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   arithmetic with no barrier: the default in GPU interpret mode, which cannot run the barrier, and the GPU
   tests' reference for the one-launch form. ``counters``: the Ref of ``barrier_counters`` — the barrier on its
   counter ``parity`` (0 / 1: this boundary's index % 2) instead of a semaphore XLA zero-fills before each call
-  (one launch only; the two-launch form has no barrier)."""
+  (one launch only; the two-launch form has no barrier). ``lean`` (policy knob lean_barriers): the one-launch
+  kernel built without Mosaic GPU's automatic warpgroup barriers (``CompilerParams(unsafe_no_auto_barriers)``: two
+  around every vector store to a ref, one before every TMA load — 46 in this kernel, 8 left), with the few it
+  needs placed explicitly (``_sum_partials_t``, ``_grid_barrier``); no effect on the two-launch form."""
   M, K = X.shape
   D = K // N
   _check(X, D, "mhc_post_finish")
@@ -858,9 +871,10 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
                   fn_s, xw_s, plgpu.SMEM((N, ROWS, GRID_COLS), bf16), plgpu.Barrier(num_arrivals=2 * N + 3)]
   part = jax.ShapeDtypeStruct((Gp, ROWS, PART), f32)
   outs = (part, x_in) if first else (jax.ShapeDtypeStruct((M, K), bf16), part, x_in)
-  kern = mgpu_kernel(_post_finish_kernel(M, D, bool(first), *consts, counters=counters is not None), out_type=outs,
-                     scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1)], kernel_name="glm5_mhc_post_finish",
-                     **params)
+  params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
+  kern = mgpu_kernel(_post_finish_kernel(M, D, bool(first), *consts, counters=counters is not None, lean=bool(lean)),
+                     out_type=outs, scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1)],
+                     kernel_name="glm5_mhc_post_finish", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
   got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr)
   if first:
@@ -934,13 +948,14 @@ def _row_partials(xn, fn_s, red_s, v_s):
   plgpu.commit_smem()
 
 
-def _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_eps, norm_eps):
+def _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_eps, norm_eps,
+                    explicit: bool = False):
   """The second half for token row 0: the normalisation's 16 partial columns summed over the chunks (one 64-row
   tile, ``_sum_partials_t``), pre and 1/RMS as per-row vectors (``_gram_scale`` / ``_pre_rinv``, as every form),
   read back as scalars (column 0), then x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this thread's column into
   o_s [1, 128] (the caller stores it)."""
   _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], 1,
-                  _FIN_PLACE, t_s, ts_s)
+                  _FIN_PLACE, t_s, ts_s, explicit)
   plgpu.commit_smem()
   gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
   pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, [c_g[k] for k in range(N)], c_g[MIX], D,
@@ -1021,8 +1036,14 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
   return xn
 
 
-def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int):
-  """``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its halves as launches of their own."""
+def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int,
+                lean: bool = False):
+  """``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its halves as launches of their own.
+  ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM store here is followed by a
+  ``commit_smem`` before another thread or the TMA reads it, and no buffer is written after another thread read
+  it (v_s, rewritten after the zero rows' TMA stores read it, is so only behind _row_partials' commit, which the
+  issuing thread reaches after waiting for those reads); the barriers it needs besides: _sum_partials_t's and
+  _grid_barrier's (``explicit``)."""
   G, _ = _grid_rows(D, ROW_COLS)
   consts = (D, eps, hc_norm_eps, norm_eps)
 
@@ -1058,10 +1079,10 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     if half == 1:
       return
     fence_async_writes()  # (the partials went out by TMA; the other CTAs read them with plain loads)
-    _grid_barrier(ctr_g, par_g, g, G)
+    _grid_barrier(ctr_g, par_g, g, G, lean)
     w_s, o_s, t_s, ts_s, sc_s = scratch[5], *scratch[9:13]
     with jax.named_scope("normalise"):
-      _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, *consts)
+      _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, *consts, lean)
       plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)])
       plgpu.wait_smem_to_gmem(0)
 
@@ -1076,14 +1097,15 @@ def mhc_row_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, e
                                    norm_eps=norm_eps, approx_math=approx_math, launches=launches, cols=ROW_COLS)
 
 
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity")
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean")
 def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                      norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                     parity: int = 0):
+                     parity: int = 0, lean: bool = False):
   """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, one token
   row): ONE launch of D / 128 CTAs, one column of every stream per thread, a grid barrier between the halves
   (``counters`` / ``parity`` as in mhc_post_finish). ``launches=2`` (the default in GPU interpret mode): the halves
-  as two launches, no barrier."""
+  as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 automatic barriers, 14 left — its
+  38 one-row stores of per-thread products each had two)."""
   M, K = X.shape
   D = K // N
   G, Gp = _grid_rows(D, ROW_COLS)
@@ -1109,8 +1131,10 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
                                     plgpu.SMEM((1, PART - MIX), f32), plgpu.SMEM((N + 1, ROWS), f32),
                                     plgpu.Barrier(num_arrivals=N + 1)], **params)
     return Xn, h2(Xn, part, coef.astype(f32), w.astype(bf16)), part
-  kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0), out_type=(*xo, part, x_in),
-                     scratch_types=_row_scratch(first), kernel_name="glm5_mhc_row_boundary", **params)
+  params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
+  kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean)),
+                     out_type=(*xo, part, x_in), scratch_types=_row_scratch(first),
+                     kernel_name="glm5_mhc_row_boundary", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
   got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr)
   if first:

@@ -126,7 +126,7 @@ def test_kernels_sum_raw_partials_gpu(M, first, split, cols):
 GRID_CONSTS = dict(eps=1e-6, hc_norm_eps=1e-6, norm_eps=1e-5)
 
 
-def _check_post_finish(M, D, first, seed=0, interpret=None, launches=None, row=False):
+def _check_post_finish(M, D, first, seed=0, interpret=None, launches=None, row=False, lean=False):
   """mhc_post_finish (the boundary in one launch with a grid barrier; interpreted, its two halves) — or with
   ``row`` mhc_row_boundary (policy knob mhc_row: one token row, a column per thread) — vs its reference: X' as
   mhc_post_pre's, x_in as mhc_finish's (one bf16 rounding apart, rarely two), the token rows' partials as
@@ -137,7 +137,7 @@ def _check_post_finish(M, D, first, seed=0, interpret=None, launches=None, row=F
                        (K.mhc_post_finish, K.mhc_post_finish_reference, K.GRID_COLS))
   ref = refer(X, y, mix, fn, coef, w, first=first, **GRID_CONSTS)
   with maybe_interpret(interpret):
-    got = jax.jit(lambda *a: kern(*a, first=first, approx_math=True, launches=launches, **GRID_CONSTS))(
+    got = jax.jit(lambda *a: kern(*a, first=first, approx_math=True, launches=launches, lean=lean, **GRID_CONSTS))(
         X, y, mix, fn, coef, w)
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   np.testing.assert_allclose(f32(got[0]), f32(ref[0]), **BF16_ULP)
@@ -159,14 +159,18 @@ def test_post_finish_interpret(M, D, first):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,first,row", [(1, False, False), (1, True, False), (4, False, False), (2, False, False),
-                                         (1, False, True), (1, True, True)])
-def test_post_finish_gpu(M, first, row):
+@pytest.mark.parametrize("M,first,row,lean", [
+    (1, False, False, False), (1, True, False, False), (4, False, False, False), (2, False, False, False),
+    (1, False, True, False), (1, True, True, False),
+    # lean: built without the automatic barriers (policy lean_barriers)
+    (1, False, False, True), (1, True, False, True), (4, False, False, True), (1, False, True, True),
+    (1, True, True, True)])
+def test_post_finish_gpu(M, first, row, lean):
   """The one-launch form natively (128 CTAs meeting at the grid barrier; row: mhc_row_boundary's 32) against the
   reference, and bit for bit against its two halves as two launches (the same arithmetic without the barrier: a
-  partial read before another CTA wrote it would differ); twice, so the second launch's semaphore starts from
-  zero again."""
-  one = [_check_post_finish(M, 4096, first, seed=M + s, launches=1, row=row) for s in (0, 1)]
+  partial read before another CTA wrote it would differ; lean: a read before another thread of the CTA wrote
+  too); twice, so the second launch's semaphore starts from zero again."""
+  one = [_check_post_finish(M, 4096, first, seed=M + s, launches=1, row=row, lean=lean) for s in (0, 1)]
   two = _check_post_finish(M, 4096, first, seed=M, launches=2, row=row)
   for a, b in zip(one[0], two):
     np.testing.assert_array_equal(np.asarray(a, np.float32)[:M] if a.ndim == 2 else np.asarray(a)[:, :M],
@@ -189,6 +193,44 @@ def test_row_boundary_refuses():
     K.mhc_row_boundary(X, y, mix, fn, coef, w, **GRID_CONSTS)
 
 
+def _barrier_counts(monkeypatch, fn, *args):
+  """{kernel name: warpgroup barriers (bar.sync) in its lowered module} for the Mosaic kernels fn lowers (CUDA)."""
+  import re  # noqa: PLC0415
+
+  from jax.experimental.mosaic.gpu import dialect_lowering as dl  # noqa: PLC0415
+  counts, orig = {}, dl.lower_mgpu_dialect
+
+  def counted(module, *a, **kw):
+    out = orig(module, *a, **kw)
+    txt = str(module)
+    counts[re.search(r"glm5_[a-z0-9_]+", txt).group(0)] = txt.count("bar.sync")
+    return out
+
+  monkeypatch.setattr(dl, "lower_mgpu_dialect", counted)
+  jax.clear_caches()  # (a kernel lowered before by another test would not be lowered again)
+  cross_lower(fn, *args)
+  return counts
+
+
+@pytest.mark.parametrize("row", [False, True])
+def test_lean_boundaries_lower_without_automatic_barriers(monkeypatch, row):
+  """lean=True (policy knob lean_barriers): the one-launch boundary (grid form, or row: mhc_row_boundary) lowers
+  for CUDA at the real width without Mosaic GPU's automatic barriers — two around every vector store to a ref,
+  one before every TMA load — keeping the explicit ones it needs (_sum_partials_t's, the counters' grid barrier's,
+  commit_smem's): a fraction of the default build's bar.sync. (Whether the explicit ones suffice is the GPU tests'
+  question: interpret mode runs a CTA's threads in lockstep.)"""
+  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
+  kern = K.mhc_row_boundary if row else K.mhc_post_finish
+  name = "glm5_mhc_row_boundary" if row else "glm5_mhc_post_finish"
+  got = {}
+  for lean in (False, True):
+    def f(X, y, mix, fn, coef, w, lean=lean):
+      return kern(X, y, mix, fn, coef, w, approx_math=True, launches=1, counters=K.barrier_counters(), parity=0,
+                  lean=lean, **GRID_CONSTS)
+    got[lean] = _barrier_counts(monkeypatch, f, *args)[name]
+  assert 0 < got[True] < got[False] // 3, got
+
+
 def test_row_boundary_lowers_for_cuda():
   """At the real width: a first site, then a later one, on barrier_counters' Ref (each launch aliasing it)."""
   args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
@@ -203,7 +245,7 @@ def test_row_boundary_lowers_for_cuda():
   assert len(calls) == 2 and all("output_operand_alias" in line for line in calls)
 
 
-def _counter_chain(M, n, counters: bool, row: bool = False):
+def _counter_chain(M, n, counters: bool, row: bool = False, lean: bool = False):
   """n boundaries in one program, each reading the previous one's X' (one launch each; ``counters``: their grid
   barriers on barrier_counters' Ref, parities 0, 1, 0, ...; ``row``: mhc_row_boundary's) -> ([(X', x_in, part)
   per boundary], the counters after the chain or None)."""
@@ -214,7 +256,8 @@ def _counter_chain(M, n, counters: bool, row: bool = False):
     ref = K.barrier_counters() if counters else None
     outs = []
     for i in range(n):
-      got = kern(X, y, mix, fn, coef, w, approx_math=True, launches=1, **GRID_CONSTS, counters=ref, parity=i % 2)
+      got = kern(X, y, mix, fn, coef, w, approx_math=True, launches=1, **GRID_CONSTS, counters=ref, parity=i % 2,
+                 lean=lean)
       outs.append(got)
       X = got[0]
     return outs, (ref[...] if counters else None)
@@ -222,14 +265,15 @@ def _counter_chain(M, n, counters: bool, row: bool = False):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,row", [(1, False), (4, False), (1, True)])
-def test_post_finish_counters_gpu(M, row):
+@pytest.mark.parametrize("M,row,lean", [(1, False, False), (4, False, False), (1, True, False), (1, False, True),
+                                        (1, True, True)])
+def test_post_finish_counters_gpu(M, row, lean):
   """The grid barrier on barrier_counters' Ref (policy knob mhc_barrier_counters) natively: a chain of 5
   boundaries bit for bit equal to the same chain on pl.get_global semaphores, and the counters left as the
   scheme says — the last boundary's (parity 0) at G, the other zeroed by it for the next. (row: mhc_row_boundary,
-  whose partials define token row 0 only.)"""
-  got, ctr = _counter_chain(M, 5, True, row)
-  want, _ = _counter_chain(M, 5, False, row)
+  whose partials define token row 0 only; lean: both chains built without the automatic barriers.)"""
+  got, ctr = _counter_chain(M, 5, True, row, lean)
+  want, _ = _counter_chain(M, 5, False, row, lean)
   for g, r in zip(got, want):
     for a, b in zip(g, r):
       a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
