@@ -592,10 +592,12 @@ class DSA(nnx.Module):
                             and dv % ks.BLOCK == 0,
                             why=f"bf16 kv_b weights (here {wkv.dtype}), <= {ks.UV_MAX_TOKENS} token rows (here "
                             f"{B * T}) and dv a multiple of {ks.BLOCK} (here {dv})")
+        # lean_barriers: the attention, merge and W_UV kernels without Mosaic's automatic barriers
+        lean = kernel_enabled("lean_barriers")
         o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine,
-                                     transposed=uv)
+                                     transposed=uv, lean=lean)
         if uv:
-          o = ks.mla_absorb_uv(o_lat, wkv, dn=dn).reshape(B, T, H, dv)
+          o = ks.mla_absorb_uv(o_lat, wkv, dn=dn, lean=lean).reshape(B, T, H, dv)
         else:
           o_lat = o_lat[:, :, :H]
       else:

@@ -247,7 +247,9 @@ KNOBS = {
         "(CompilerParams(unsafe_no_auto_barriers): two bar.sync around every vector store to a ref and one before "
         "every TMA load) and with only the barriers their data flow needs, placed by hand — today the mHC "
         "boundary's one-launch forms (pallas_kernels.mhc.mhc_post_finish(lean=True): 46 bar.sync in the lowered "
-        "kernel, 8 lean; mhc_row_boundary: 134, 14), on every sublayer's critical path (90 per step at q = 1). A "
+        "kernel, 8 lean; mhc_row_boundary: 134, 14), on every sublayer's critical path (90 per step at q = 1), "
+        "and the DSA layer's attention tail (sparse_mla_decode(lean=True): 43 -> 7, and one before each of a "
+        "block's up to 64 gather TMAs; its merge 2 -> 0; mla_absorb_uv: 29 -> 3). A "
         "latency-bound kernel pays for each barrier its warps meet; for the barriers placed by hand interpret "
         "mode proves nothing (it runs a CTA's threads in lockstep): the GPU tests compare the lean one-launch "
         "boundary with the two-launch one bit for bit. CPU-built (session 54): off until measured"),

@@ -441,9 +441,9 @@ def index_width(B: int, T: int, H: int, W: int, blocks_per_split: int | None = N
   return ns * nbs * BLOCK
 
 
-@kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed")
+@kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed", "lean")
 def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int | None = None,
-                      combine: str = "xla", transposed: bool = False):
+                      combine: str = "xla", transposed: bool = False, lean: bool = False):
   """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
 
   q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache [B, S, ROW_WORDS] int32 (``quantize_latent``'s rows),
@@ -452,7 +452,13 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   ``blocks_per_split``: 64-position blocks per CTA (default: about 2 CTAs per SM). ``combine``: how the splits'
   partial outputs merge — "xla" (``combine_splits``: XLA fusions after the kernel), "kernel" (``_combine_kernel``:
   one Mosaic launch after it). ``transposed``: return the merged O^T [B·T, 512, H] f32 as the merge leaves it (what
-  ``mla_absorb_uv`` reads) instead of o."""
+  ``mla_absorb_uv`` reads) instead of o. ``lean`` (policy knob lean_barriers): the attention and merge kernels built
+  without Mosaic GPU's automatic warpgroup barriers (``CompilerParams(unsafe_no_auto_barriers)``: 43 bar.sync in the
+  attention kernel's lowering, 7 lean — and one before each of a block's up to 64 gather TMAs, issued in a loop).
+  Nothing else is needed: every SMEM store (the dequantised block, P) is followed by a commit_smem before the wgmma
+  reads it; the gather into a slot and the dequantised block's store each come after a commit_smem that every
+  thread passes once done reading that buffer's previous block (the double-buffered slot's dequant, the previous
+  block's PV wgmma); the outputs are written once."""
   B, T, H, Dl = q.shape
   if Dl != D_LATENT or cache.shape[-1] != ROW_WORDS or cache.dtype != jnp.int32:
     raise ValueError(f"sparse_mla_decode: q [.., {Dl}], cache {cache.shape} {cache.dtype}; expected q [.., "
@@ -488,14 +494,16 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
       grid=(H // hn, ns, B * T),
       grid_names=("h", "s", "bt"),
       kernel_name="glm5_sparse_mla",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=bool(lean)),
   )
   o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache, idx)
   if combine == "xla":
     o = combine_splits(o_part, lse)  # [BT, 512, H] (O^T per token)
   else:
     o = mgpu_kernel(_combine_kernel(ns), out_type=combined, grid=(COMBINE_TILES, B * T), grid_names=("t", "bt"),
-                    kernel_name="glm5_mla_combine", compiler_params=plgpu.CompilerParams(approx_math=True))(o_part, lse)
+                    kernel_name="glm5_mla_combine",  # (lean: its only stores, the output's, are written once)
+                    compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=bool(lean)))(
+                        o_part, lse)
   if transposed:
     return o
   return jnp.swapaxes(o, 1, 2).reshape(B, T, H, D_LATENT)  # O^T per token -> [.., H, latent]
@@ -582,12 +590,14 @@ def _uv_kernel(BT: int, dn: int):
   return body
 
 
-@kernel_entry("dn")
-def mla_absorb_uv(o_t, w_kv, *, dn: int):
+@kernel_entry("dn", "lean")
+def mla_absorb_uv(o_t, w_kv, *, dn: int, lean: bool = False):
   """Mosaic GPU version of ``mla_absorb_uv_reference`` (same signature): a CTA per (64 output values, head), dv /
   64 · H CTAs (64 at TP4: 16 heads, dv = 256), each streaming its [64, 512] slice of W_UV once for all the
   launch's tokens (up to UV_MAX_TOKENS). The products of bf16 values are exact in the f32 accumulator; the sums
-  run in another order than XLA's (the result within bf16 rounding of the reference)."""
+  run in another order than XLA's (the result within bf16 rounding of the reference). ``lean`` (policy knob
+  lean_barriers): built without Mosaic GPU's automatic warpgroup barriers (29 bar.sync, 3 lean): each SMEM buffer
+  is written once and read after a commit_smem (the O^T tiles by the wgmma, the outputs by the TMA)."""
   BT, Dl, Hp = o_t.shape
   H, rows, R = w_kv.shape
   dv = rows - dn
@@ -612,4 +622,5 @@ def mla_absorb_uv(o_t, w_kv, *, dn: int):
       grid=(dv // BLOCK, H),
       grid_names=("c", "h"),
       kernel_name="glm5_mla_uv",
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=bool(lean)),
   )(o_t, w_kv)

@@ -71,3 +71,27 @@ def greedy_reference(model, prompt, n, *, max_context=128, bucket=16):
     o, cache = glm5_jax.extend(model, cache, buf, valid=np.array([1], np.int32))
     out.append(int(np.argmax(np.asarray(o["logits"][0, 0]))))
   return out
+
+
+def barrier_counts(monkeypatch, fn, *args):
+  """{kernel name: warpgroup barriers (bar.sync) in its lowered module} for the Mosaic kernels fn lowers (CUDA): what
+  policy knob lean_barriers changes (Mosaic GPU's automatic barriers) counted where it happens."""
+  import re  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import dialect_lowering as dl  # noqa: PLC0415
+
+  from pallas_kernels._common import cross_lower  # noqa: PLC0415
+  counts, orig = {}, dl.lower_mgpu_dialect
+
+  def counted(module, *a, **kw):
+    out = orig(module, *a, **kw)
+    txt = str(module)
+    counts[re.search(r"glm5_[a-z0-9_]+", txt).group(0)] = txt.count("bar.sync")
+    return out
+
+  with monkeypatch.context() as m:  # (undone on return: a later call must not count into this call's dict)
+    m.setattr(dl, "lower_mgpu_dialect", counted)
+    jax.clear_caches()  # (a kernel lowered before by another test would not be lowered again)
+    cross_lower(fn, *args)
+  return counts

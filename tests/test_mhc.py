@@ -13,7 +13,7 @@ from flax import nnx
 from conftest import tol
 from glm5_jax import config as C
 from glm5_jax.layers import HyperConnection, RMSNorm, kernel_report, use_kernels
-from helpers import load, tiny_checkpoint
+from helpers import barrier_counts, load, tiny_checkpoint
 from pallas_kernels import mhc as K
 from pallas_kernels._common import cross_lower, maybe_interpret, on_gpu
 
@@ -193,25 +193,6 @@ def test_row_boundary_refuses():
     K.mhc_row_boundary(X, y, mix, fn, coef, w, **GRID_CONSTS)
 
 
-def _barrier_counts(monkeypatch, fn, *args):
-  """{kernel name: warpgroup barriers (bar.sync) in its lowered module} for the Mosaic kernels fn lowers (CUDA)."""
-  import re  # noqa: PLC0415
-
-  from jax.experimental.mosaic.gpu import dialect_lowering as dl  # noqa: PLC0415
-  counts, orig = {}, dl.lower_mgpu_dialect
-
-  def counted(module, *a, **kw):
-    out = orig(module, *a, **kw)
-    txt = str(module)
-    counts[re.search(r"glm5_[a-z0-9_]+", txt).group(0)] = txt.count("bar.sync")
-    return out
-
-  monkeypatch.setattr(dl, "lower_mgpu_dialect", counted)
-  jax.clear_caches()  # (a kernel lowered before by another test would not be lowered again)
-  cross_lower(fn, *args)
-  return counts
-
-
 @pytest.mark.parametrize("row", [False, True])
 def test_lean_boundaries_lower_without_automatic_barriers(monkeypatch, row):
   """lean=True (policy knob lean_barriers): the one-launch boundary (grid form, or row: mhc_row_boundary) lowers
@@ -227,7 +208,7 @@ def test_lean_boundaries_lower_without_automatic_barriers(monkeypatch, row):
     def f(X, y, mix, fn, coef, w, lean=lean):
       return kern(X, y, mix, fn, coef, w, approx_math=True, launches=1, counters=K.barrier_counters(), parity=0,
                   lean=lean, **GRID_CONSTS)
-    got[lean] = _barrier_counts(monkeypatch, f, *args)[name]
+    got[lean] = barrier_counts(monkeypatch, f, *args)[name]
   assert 0 < got[True] < got[False] // 3, got
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tol
+from helpers import barrier_counts
 
 from pallas_kernels import sparse_mla as M
 from pallas_kernels._common import cross_lower, maybe_interpret
@@ -271,6 +272,23 @@ def test_cross_lower_combine_forms(B, T, combine):
   assert "mosaic_gpu" in txt
 
 
+def test_lean_attention_tail_lowers_without_automatic_barriers(monkeypatch):
+  """lean=True (policy knob lean_barriers): the attention, merge and W_UV kernels lower for CUDA at TP4's shapes
+  without Mosaic GPU's automatic barriers — a fraction of the default build's bar.sync (the attention kernel keeps
+  its commit_smem barriers; the merge needs none)."""
+  args = (SDS((1, 1, 16, 512), jnp.bfloat16), SDS((1, 32784, M.ROW_WORDS), jnp.int32), SDS((1, 1, 2176), jnp.int32))
+  uv = (SDS((1, 512, 16), jnp.float32), SDS((16, 512, 512), jnp.bfloat16))
+  got = {}
+  for lean in (False, True):
+    def tail(q, c, i, o_t, w, lean=lean):
+      o = M.sparse_mla_decode(q, c, i, softmax_scale=SCALE, combine="kernel", transposed=True, lean=lean)
+      return o, M.mla_absorb_uv(o_t, w, dn=256, lean=lean)
+    got[lean] = barrier_counts(monkeypatch, tail, *args, *uv)
+  for k in ("glm5_sparse_mla", "glm5_mla_uv"):
+    assert 0 < got[True][k] < got[False][k] // 3, got
+  assert got[True]["glm5_mla_combine"] == 0 < got[False]["glm5_mla_combine"], got
+
+
 def test_cross_lower_unpadded_width():
   args = (SDS((1, 4, 16, 512), jnp.float32), SDS((1, 65536, M.ROW_WORDS), jnp.int32), SDS((1, 4, 2051), jnp.int32))
   cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE), *args)
@@ -285,20 +303,33 @@ def test_gather_dequant_block_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,W,nbs,pooled", [(1, 1, 16, 65536, 2051, None, False),
-                                                  (8, 4, 16, 65536, 2051, None, False),
-                                                  (2, 8, 64, 8192, 2176, None, False),
-                                                  (1, 4, 16, 65536, 2051, 4, False),
-                                                  (1, 1, 16, 32768, 2051, None, True),
-                                                  (8, 4, 16, 32768, 2051, None, True)])
-def test_kernel_gpu(B, T, H, S, W, nbs, pooled):
+@pytest.mark.parametrize("B,T,H,S,W,nbs,pooled,lean", [(1, 1, 16, 65536, 2051, None, False, False),
+                                                       (8, 4, 16, 65536, 2051, None, False, False),
+                                                       (2, 8, 64, 8192, 2176, None, False, False),
+                                                       (1, 4, 16, 65536, 2051, 4, False, False),
+                                                       (1, 1, 16, 32768, 2051, None, True, False),
+                                                       (8, 4, 16, 32768, 2051, None, True, False),
+                                                       # lean: without the automatic barriers (lean_barriers)
+                                                       (1, 1, 16, 32768, 2051, None, True, True),
+                                                       (1, 4, 16, 65536, 2051, 4, False, True),
+                                                       (8, 4, 16, 32768, 2051, None, True, True)])
+def test_kernel_gpu(B, T, H, S, W, nbs, pooled, lean):
+  """Natively against the reference (lean: the kernel built without Mosaic's automatic barriers — also at 4
+  blocks per CTA, where the double-buffered gathers and the dequantised block are rewritten — and bit for bit
+  the default build, the merge kernel's too)."""
   q, cache, idx = make_inputs(B + T + H, B, T, H, S, W, q_dtype=jnp.bfloat16, trailing_pad=0 if pooled else W % 64,
                               pooled=pooled)
   ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, cache, idx))
-  got = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, blocks_per_split=nbs))(
-      q, cache, idx))
+
+  def run(lean, combine="xla"):
+    return np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, blocks_per_split=nbs,
+                                                             lean=lean, combine=combine))(q, cache, idx))
+  got = run(lean)
   np.testing.assert_allclose(got, ref, **tol("kernel_bf16"))
   assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
+  if lean:
+    np.testing.assert_array_equal(got, run(False))
+    np.testing.assert_array_equal(run(True, "kernel"), run(False, "kernel"))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -356,13 +387,15 @@ def test_uv_cross_lower(BT, H):
 @pytest.mark.gpu
 @pytest.mark.parametrize("BT,Hp,H", [(1, 16, 16), (4, 16, 16), (8, 64, 64), (3, 32, 24)])
 def test_uv_kernel_gpu(BT, Hp, H):
-  """Natively against the reference (its f32 sums in XLA's order: within bf16 rounding), and from the
-  transposed attention output of the sparse MLA kernel itself: o_t = sparse_mla_decode(transposed=True) is the
-  transpose of its default output."""
+  """Natively against the reference (its f32 sums in XLA's order: within bf16 rounding), built without the
+  automatic barriers too (lean: bit for bit the default build), and from the transposed attention output of the
+  sparse MLA kernel itself: o_t = sparse_mla_decode(transposed=True) is the transpose of its default output."""
   o_t, w = uv_inputs(np.random.default_rng(), BT, Hp, H)
   got = jax.jit(functools.partial(M.mla_absorb_uv, dn=256))(o_t, w)
   ref = jax.jit(functools.partial(M.mla_absorb_uv_reference, dn=256))(o_t, w)
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), **tol("kernel_bf16"))
+  lean = jax.jit(functools.partial(M.mla_absorb_uv, dn=256, lean=True))(o_t, w)
+  np.testing.assert_array_equal(np.asarray(lean, np.float32), np.asarray(got, np.float32))
   q, cache, idx = make_inputs(BT, 1, BT, 16, 32768, 2051, q_dtype=jnp.bfloat16, trailing_pad=2051 % 64)
   f = lambda tr: jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel",  # noqa: E731
                                                         transposed=tr))(q, cache, idx)
