@@ -375,9 +375,10 @@ class Indexer(nnx.Module):
         # bf16 projection output as is) instead of ~3 XLA kernels in front of it
         if kernel_enabled("indexer_q_in_kernel", fits=q_raw.dtype == jnp.bfloat16,
                           why=f"{q_raw.dtype} index queries (the kernel rotates bf16 ones)"):
-          raw = ki.indexer_scores_q(q_raw, *args, padded=True, align=align)
+          raw = ki.indexer_scores_q(q_raw, *args, padded=True, align=align, lean=kernel_enabled("lean_barriers"))
         else:
-          raw = ki.indexer_scores(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args, padded=True, align=align)
+          raw = ki.indexer_scores(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args, padded=True, align=align,
+                                  lean=kernel_enabled("lean_barriers"))
         sc = raw[..., :icache["pool8"].shape[1]]
         return (sc, raw) if padded else sc
       sc = ki.indexer_scores_reference(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args)
@@ -450,7 +451,7 @@ class Indexer(nnx.Module):
           ts = (n_complete * kp).reshape(R)
           idx, js = ki.topk_compact(raw2, t, n_gt, ts, pos.reshape(R).astype(jnp.int32), k=kk, kpool=kp,
                                     n_tail=n_tail, width=wp, early_exit=ex,
-                                    digit_bits=2 if two and t is None else 1)
+                                    digit_bits=2 if two and t is None else 1, lean=kernel_enabled("lean_barriers"))
           return idx.reshape(*pos.shape, wp), js.reshape(*pos.shape, kk)
         # topk_keys_in_kernel: the threshold kernel reads the scores kernel's padded output ([R, Pp], -inf past
         # the complete pools, as ``masked``) and forms the keys itself — no XLA kernel between the two kernels

@@ -245,14 +245,17 @@ KNOBS = {
     "lean_barriers": (False,
         "the kernels that have a lean form built without Mosaic GPU's automatic warpgroup barriers "
         "(CompilerParams(unsafe_no_auto_barriers): two bar.sync around every vector store to a ref and one before "
-        "every TMA load) and with only the barriers their data flow needs, placed by hand — today the mHC "
-        "boundary's one-launch forms (pallas_kernels.mhc.mhc_post_finish(lean=True): 46 bar.sync in the lowered "
-        "kernel, 8 lean; mhc_row_boundary: 134, 14), on every sublayer's critical path (90 per step at q = 1), "
-        "and the DSA layer's attention tail (sparse_mla_decode(lean=True): 43 -> 7, and one before each of a "
-        "block's up to 64 gather TMAs; its merge 2 -> 0; mla_absorb_uv: 29 -> 3). A "
-        "latency-bound kernel pays for each barrier its warps meet; for the barriers placed by hand interpret "
-        "mode proves nothing (it runs a CTA's threads in lockstep): the GPU tests compare the lean one-launch "
-        "boundary with the two-launch one bit for bit. CPU-built (session 54): off until measured"),
+        "every TMA load) and with only the barriers their data flow needs, placed by hand — the kernels on the "
+        "q = 1 step's chains that are latency-bound: the mHC boundary's one-launch forms "
+        "(pallas_kernels.mhc.mhc_post_finish(lean=True): 46 bar.sync in the lowered kernel, 10 lean; "
+        "mhc_row_boundary: 134 -> 16), on every sublayer's critical path (90 per step at q = 1); the DSA layer's "
+        "selection chain (indexer_scores(_q): 18 -> 5; the fused topk_compact: 20 -> 10, its 2-bit form 25 -> 8 — "
+        "a 2-bit pass then costs the one barrier of its counts' exchange, as designed, instead of five) and its "
+        "attention tail (sparse_mla_decode: 43 -> 7, and one before each of a block's up to 64 gather TMAs; its "
+        "merge 2 -> 0; mla_absorb_uv: 29 -> 3). A latency-bound kernel pays for each barrier its warps meet; "
+        "for the barriers placed by hand interpret mode proves nothing (it runs a CTA's threads in lockstep): "
+        "the GPU tests compare each lean kernel with its default build bit for bit (the boundary: with its "
+        "two-launch form). CPU-built (session 54): off until measured"),
     "mhc_row": (False,
         "with mhc_grid_barrier on, at one token row (decode at q = 1): the boundary as "
         "pallas_kernels.mhc.mhc_row_boundary — D / 128 CTAs, each thread one column of every stream in "

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import (kernel_entry, mgpu_kernel, order_key_u32, replicated_rows_layouts,
-                                    warp_split_layout)
+                                    warp_split_layout, wg_barrier)
 
 HEAD_DIM = 128
 FP8_MAX = 448.0
@@ -136,13 +136,17 @@ def _quantize_rows(qb_s, h_s, q_s, qs_s, rq: int):
   plgpu.commit_smem()  # q_s is read by the scores' wgmmas (the async proxy)
 
 
-def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False):
+def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, lean: bool = False):
   """Kernel body: ``nbc`` blocks of 64 pooled keys per CTA, T tokens x hi heads.
 
   GMEM refs: q_g [B, T * hi, 128] e4m3, wq_g [B, T, hi] f32 (w * q_scale), nv_g [B, T] int32,
   k8_g [B, Pp, 128] e4m3, ks_g [B, Pp] f32; out o_g [B, T, Pp] f32. ``rotate`` (``indexer_scores_q``): q_g is the
   raw queries [B, T * hi, 128] bf16, followed by h_g [128, 128] bf16 (the Sylvester matrix), and wq_g is w alone:
-  each CTA rotates and quantises the queries itself (``_quantize_rows``)."""
+  each CTA rotates and quantises the queries itself (``_quantize_rows``). ``lean`` (built without Mosaic's
+  automatic barriers: lean_barriers): the one barrier the data needs besides the commits — o_s is rewritten each
+  block after the TMA store that read it, which only the issuing thread waits for. (A slot's next gather comes
+  after the commit that every thread passes once its reads of the slot — the wgmma's, the scales' — are done; the
+  queries' SMEM is written once, before a commit.)"""
 
   def body(*refs):
     if rotate:
@@ -212,6 +216,8 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False):
       plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, pl.ds(j0, BLOCK)])
       # o_s is rewritten next block: its TMA store must have read it first.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      if lean:  # (every thread, not only the TMA's issuer, past that wait before the next block's o_s stores)
+        wg_barrier()
       return carry
 
     lax.fori_loop(0, nbc, block, None)
@@ -220,9 +226,9 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False):
   return body
 
 
-@kernel_entry("blocks_per_cta", "padded", "align")
+@kernel_entry("blocks_per_cta", "padded", "align", "lean")
 def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False,
-                   align: int = 64):
+                   align: int = 64, lean: bool = False):
   """Mosaic GPU indexer scores; same contract as ``indexer_scores_reference``.
 
   q8 [B, T, HI, 128] e4m3 (HI a multiple of 8), q_scale / w [B, T, HI] f32, k8 [B, P, 128] e4m3, k_scale [B, P]
@@ -231,9 +237,11 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   caches never are: glm5_jax.state.POOL_ALIGN) — a pad copies the whole key cache. ``padded``: the kernel's
   output as it is, [B, T, Pp >= P] (-inf past each token's n_valid: what the top-k threshold kernel reads with no
   slice in between), Pp a multiple of ``align`` (a multiple of 64: the threshold kernel takes rows of its lanes,
-  128 per warpgroup; the grid grows by CTAs that only write -inf)."""
+  128 per warpgroup; the grid grows by CTAs that only write -inf). ``lean`` (policy knob lean_barriers): built
+  without Mosaic GPU's automatic warpgroup barriers (18 bar.sync, 5 lean; ``_indexer_kernel``)."""
   wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
-  return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False, padded=padded, align=align)
+  return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False, padded=padded, align=align,
+                      lean=lean)
 
 
 def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
@@ -243,19 +251,20 @@ def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
   return indexer_scores_reference(q8, qs, w, k8, k_scale, n_valid, **unused)
 
 
-@kernel_entry("blocks_per_cta", "padded", "align")
+@kernel_entry("blocks_per_cta", "padded", "align", "lean")
 def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False,
-                     align: int = 64):
+                     align: int = 64, lean: bool = False):
   """Mosaic GPU version of ``indexer_scores_q_reference``: ``indexer_scores`` with the queries' FWHT and FP8
   quantisation inside the kernel (each CTA rotates the T · HI rows with one wgmma per 64 rows against the ±1
   Sylvester matrix and quantises them in registers: ``_quantize_rows``) instead of ~3 XLA kernels in front of it
   on the critical path (the rotation's butterflies, the amax, the conversion; ~8 µs per DSA layer on the H200,
-  session 29's profile). q must be bf16 (the projection's output dtype: the wgmma reads it as is)."""
+  session 29's profile). q must be bf16 (the projection's output dtype: the wgmma reads it as is). ``lean`` as in
+  ``indexer_scores``."""
   if q.dtype != jnp.bfloat16:
     raise ValueError(f"indexer_scores_q: q {q.dtype}; expected bfloat16 (the wq_b projection's output: the "
                      "kernel's wgmma reads it as is — rotate other dtypes with indexer_scores)")
   return _scores_call(q, w.astype(jnp.float32), k8, k_scale, n_valid, blocks_per_cta, rotate=True, padded=padded,
-                      align=align)
+                      align=align, lean=lean)
 
 
 def _sylvester128():
@@ -265,7 +274,8 @@ def _sylvester128():
   return h
 
 
-def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padded: bool = False, align: int = 64):
+def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padded: bool = False, align: int = 64,
+                 lean: bool = False):
   B, T, HI, Dh = q.shape
   P = k8.shape[1]
   if Dh != HEAD_DIM or HI % 8:
@@ -290,7 +300,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
            plgpu.SMEM((HEAD_DIM, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # h_s: the Sylvester matrix
            plgpu.SMEM((rq,), jnp.float32)] if rotate else []  # qs_s: the queries' scales
   kern = mgpu_kernel(
-      _indexer_kernel(nbc, T, HI, rotate),
+      _indexer_kernel(nbc, T, HI, rotate, lean),
       out_type=jax.ShapeDtypeStruct((B, T, Pp), jnp.float32),
       scratch_types=[
           plgpu.SMEM((rq, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # q_s
@@ -304,7 +314,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
       grid=(nch, B),
       grid_names=("c", "b"),
       kernel_name="glm5_indexer_scores",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=bool(lean)),
   )
   head = (q.reshape(B, T * HI, HEAD_DIM),) + ((jnp.asarray(_sylvester128(), jnp.bfloat16),) if rotate else ())
   out = kern(*head, wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32))
@@ -1031,9 +1041,9 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
   return body
 
 
-@kernel_entry("k", "kpool", "n_tail", "width", "lanes", "early_exit", "digit_bits")
+@kernel_entry("k", "kpool", "n_tail", "width", "lanes", "early_exit", "digit_bits", "lean")
 def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int,
-                 lanes: int = COMPACT_LANES, early_exit: bool = True, digit_bits: int = 1):
+                 lanes: int = COMPACT_LANES, early_exit: bool = True, digit_bits: int = 1, lean: bool = False):
   """Mosaic GPU version of ``topk_compact_reference`` (same contract; t / n_gt as ``topk_threshold(lanes_out=True)``
   writes them, [R, 128]): a grid of (R, ceil(N / (64 · lanes))) CTAs (``_compact_kernel``), each storing the
   selected keys of its 64 rows of ``lanes`` keys (32 or 128). N a multiple of 128 up to THRESHOLD_MAX_KEYS (pad
@@ -1042,7 +1052,13 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
   t = n_gt = None: the fused form — every CTA finds the threshold itself from the row it holds (_threshold_passes,
   ``digit_bits`` 1 or 2 per pass; ``early_exit`` as topk_threshold's), so the selection is ONE launch with no
   threshold kernel before it: the passes run in parallel in the row's CTAs instead of in a launch of their own (its
-  launch gap and the compaction's reload of the row leave the chain)."""
+  launch gap and the compaction's reload of the row leave the chain).
+
+  ``lean`` (policy knob lean_barriers): built without Mosaic GPU's automatic warpgroup barriers (20 bar.sync in
+  the fused 1-bit form, 10 lean; the 2-bit form's passes then cost the one barrier of their counts' exchange each,
+  as designed, instead of five). Nothing else is needed: each SMEM buffer the threads write (the triangles, the
+  tail, the packed flags, an exchange slot) is read only after a commit_smem, and an exchange slot is rewritten
+  two passes later, after the commit of the pass between, which every thread reaches once done reading it."""
   from pallas_kernels._common import interpreting  # noqa: PLC0415
   _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
   R, N = scores.shape
@@ -1092,6 +1108,7 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
       grid_names=("r", "c"),
       kernel_name="glm5_topk_compact",
       scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=bool(lean)),
   )(scores.reshape(R, nr, L), *(() if fused else (t, n_gt)),
     *((scores.reshape(R, N // THRESHOLD_LANES, 4, 32),) if split else ()), tail_start.astype(jnp.int32),
     pos.astype(jnp.int32))

@@ -839,8 +839,9 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   counter ``parity`` (0 / 1: this boundary's index % 2) instead of a semaphore XLA zero-fills before each call
   (one launch only; the two-launch form has no barrier). ``lean`` (policy knob lean_barriers): the one-launch
   kernel built without Mosaic GPU's automatic warpgroup barriers (``CompilerParams(unsafe_no_auto_barriers)``: two
-  around every vector store to a ref, one before every TMA load — 46 in this kernel, 8 left), with the few it
-  needs placed explicitly (``_sum_partials_t``, ``_grid_barrier``); no effect on the two-launch form."""
+  around every vector store to a ref, one before every TMA load — 46 bar.sync in this kernel at the real width,
+  10 left: commit_smem's, wait_smem_to_gmem's, the reductions' and the grid barrier's), with the few it needs
+  besides placed explicitly (``_sum_partials_t``, ``_grid_barrier``); no effect on the two-launch form."""
   M, K = X.shape
   D = K // N
   _check(X, D, "mhc_post_finish")
@@ -1104,8 +1105,8 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, one token
   row): ONE launch of D / 128 CTAs, one column of every stream per thread, a grid barrier between the halves
   (``counters`` / ``parity`` as in mhc_post_finish). ``launches=2`` (the default in GPU interpret mode): the halves
-  as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 automatic barriers, 14 left — its
-  38 one-row stores of per-thread products each had two)."""
+  as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 bar.sync, 16 left — its 38
+  one-row stores of per-thread products each had two)."""
   M, K = X.shape
   D = K // N
   G, Gp = _grid_rows(D, ROW_COLS)

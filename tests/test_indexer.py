@@ -22,6 +22,7 @@ import pytest
 import scipy.linalg
 from jax.experimental import pallas as pl
 from conftest import rounding_reference, tol
+from helpers import barrier_counts
 
 from pallas_kernels import indexer as I
 from pallas_kernels._common import cross_lower, maybe_interpret
@@ -254,6 +255,8 @@ def check_rotating_queries_gpu(args):
   assert_scores_close(got, ref, "kernel_fp8")
   fin = np.isfinite(ref)
   assert np.abs(got[fin] - ref[fin]).max() <= 1e-3 * np.abs(ref[fin]).max()
+  # built without Mosaic's automatic barriers (lean_barriers): the same scores, bit for bit
+  np.testing.assert_array_equal(np.asarray(jax.jit(functools.partial(I.indexer_scores_q, lean=True))(*args)), got)
 
 
 @pytest.mark.gpu
@@ -556,6 +559,27 @@ def test_compact_cross_lower(R, N, lanes, fused):
   assert "glm5_topk_compact" in cross_lower(fn, *args).as_text()
 
 
+def test_lean_selection_chain_lowers_without_automatic_barriers(monkeypatch):
+  """lean=True (policy knob lean_barriers): the scores kernel (rotating its queries, at 32K context's pools) and
+  the fused compaction (one and two bits a pass) lower for CUDA without Mosaic GPU's automatic barriers — a
+  fraction of the default build's bar.sync (what a 2-bit pass then costs: its counts' one exchange barrier)."""
+  SDS = jax.ShapeDtypeStruct
+  args = (SDS((1, 1, 32, 128), jnp.bfloat16), SDS((1, 1, 32), jnp.float32), SDS((1, 8704, 128), jnp.float8_e4m3fn),
+          SDS((1, 8704), jnp.float32), SDS((1, 1), jnp.int32), SDS((1, 8704), jnp.float32), SDS((1,), jnp.int32),
+          SDS((1,), jnp.int32))
+  got = {}
+  for lean in (False, True):
+    for bits in (1, 2):
+      def chain(q, w, k8, ks, nv, s, ts, pos, lean=lean, bits=bits):
+        return (I.indexer_scores_q(q, w, k8, ks, nv, padded=True, align=128, lean=lean),
+                I.topk_compact(s, None, None, ts, pos, k=512, kpool=4, n_tail=3, width=2112, digit_bits=bits,
+                               lean=lean))
+      got[lean, bits] = barrier_counts(monkeypatch, chain, *args)
+  for bits in (1, 2):
+    for name in ("glm5_indexer_scores", "glm5_topk_compact"):
+      assert 0 < 2 * got[True, bits][name] <= got[False, bits][name], got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("R,N,k,n_tail,width,lanes", [(1, 8704, 512, 3, 2112, 32), (4, 8704, 512, 6, 2112, 32),
                                                       (1, 8704, 512, 3, 2112, 128), (32, 16512, 512, 3, 2112, 32),
@@ -564,16 +588,18 @@ def test_compact_cross_lower(R, N, lanes, fused):
 def test_compact_kernel_gpu(R, N, k, n_tail, width, lanes):
   """The native kernel (the inline GMEM stores: a thread per selected key, CTAs writing one row's list) from the
   exact and the threshold kernel's early-exit thresholds, and with its own in every CTA (fused: one and two bits a
-  pass), against the reference."""
+  pass), against the reference — each form also built without Mosaic's automatic barriers (lean: policy knob
+  lean_barriers)."""
   rng = np.random.default_rng()
   sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
   kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
   want = jax.jit(lambda *a: I.topk_select_reference(*a, **kw))(sc, ts, pos)
   for t, n, *bits in compact_thresholds(sc, k, native=True):
-    got = jax.jit(lambda *a: I.topk_compact(*a, **kw, lanes=lanes, digit_bits=bits[0] if bits else 1))(  # noqa: B023
-        sc, t, n, ts, pos)
-    for g, w in zip(got, want):
-      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    for lean in (False, True):
+      got = jax.jit(lambda *a: I.topk_compact(*a, **kw, lanes=lanes, digit_bits=bits[0] if bits else 1,  # noqa: B023
+                                              lean=lean))(sc, t, n, ts, pos)  # noqa: B023
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"lean={lean} bits={bits}")
 
 
 # ------------------------------------------------------------------------------------------------------------
