@@ -13,6 +13,7 @@
 #                             bench_topk (the radix variants), bench_cluster_exchange, then the one-rank latency_specialized
 #                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
 #                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
+#   s54a (nvidia-h200):       session 54's lean_barriers first (the lean kernels' GPU tests, then the q = 1 step)
 #   s53a .. s53d (nvidia-h200): session 53's plan — see their comments below
 #   Modes of past sessions (s25 .. s52b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
@@ -22,8 +23,9 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s53a|s53b|s53c|s53d) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s53a, s53b, s53c, s53d)"; exit 2 ;;
+  single|pair|tp2|tp4|profile|s54a|s53a|s53b|s53c|s53d) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s54a, s53a, s53b, s53c, s53d)"
+     exit 2 ;;
 esac
 t0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
@@ -123,6 +125,33 @@ case "$MODE" in
       --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 130 )) \
       --backend latency_specialized --profile --hlo-dir "$OUT" --out "$OUT/decode_profile.jsonl" 2>&1 \
       | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_profile.log"
+    ;;
+  s54a)  # (nvidia-h200) session 54's lean_barriers: the kernels on the q = 1 step's chains built without Mosaic GPU's
+    # automatic warpgroup barriers (the mHC boundary 46 -> 10 bar.sync, mhc_row 134 -> 16, the indexer's scores
+    # 18 -> 5 and compaction 20 -> 10, the sparse MLA 43 -> 7 plus one per gather TMA, W_UV 29 -> 3, the FP8 GEMV
+    # and the MoE's kernels), their explicit barriers checked natively: each lean kernel bit for bit its default
+    # build (the boundary: its two-launch form); then q = 1, 5 interleaved repeats: defaults vs lean_barriers (and
+    # mhc_row with and without it: the row form has the most barriers to lose)
+    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
+      "tests/test_mhc.py::test_post_finish_gpu[1-False-False-True]" "tests/test_mhc.py::test_post_finish_gpu[1-True-False-True]" \
+      "tests/test_mhc.py::test_post_finish_gpu[4-False-False-True]" "tests/test_mhc.py::test_post_finish_gpu[1-False-True-True]" \
+      "tests/test_mhc.py::test_post_finish_gpu[1-False-True-False]" "tests/test_mhc.py::test_post_finish_counters_gpu[1-False-True]" \
+      "tests/test_mhc.py::test_post_finish_counters_gpu[1-True-True]" > "$OUT/tests.log" 2>&1
+    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
+      "tests/test_sparse_mla.py::test_kernel_gpu[1-1-16-32768-2051-None-True-True]" \
+      "tests/test_sparse_mla.py::test_kernel_gpu[1-4-16-65536-2051-4-False-True]" \
+      "tests/test_sparse_mla.py::test_uv_kernel_gpu[1-16-16]" "tests/test_sparse_mla.py::test_uv_kernel_gpu[4-16-16]" \
+      "tests/test_indexer.py::test_kernel_rotating_queries_gpu[1-1-8192]" \
+      "tests/test_indexer.py::test_compact_kernel_gpu[1-8704-512-3-2112-32]" \
+      "tests/test_indexer.py::test_compact_kernel_gpu[4-8704-512-6-2112-32]" >> "$OUT/tests.log" 2>&1
+    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
+      "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[q_a-1-regs]" "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[mla_o-1-regs]" \
+      "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[dense_down-8-regs]" \
+      "tests/test_linear_kernels.py::test_router_in_the_gate_up_kernel_with_rows_gpu[bfloat16-second5]" \
+      "tests/test_linear_kernels.py::test_fp8_moe_shared_slot_gpu[4-True-regs]" >> "$OUT/tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
+    [ "$(left)" -gt 200 ] && rank1 s54a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"lean_barriers": true}' '{"mhc_row": true}' '{"mhc_row": true, "lean_barriers": true}'
     ;;
   s53a)  # (nvidia-h200) session 52's two CPU-built launch cutters natively. mhc_row: the one-token-row mHC boundary
     # (mhc_row_boundary: 32 CTAs with a column of every stream per thread instead of mhc_post_finish's 128 CTAs of

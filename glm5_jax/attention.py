@@ -553,7 +553,8 @@ class DSA(nnx.Module):
     if norms:
       from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
       q_r, c, c8, sc = ks.latent_norms(qa.reshape(B * T, -1), self.q_a_layernorm.weight[...],
-                                       self.kv_a_layernorm.weight[...], eps=self.q_a_layernorm.eps)
+                                       self.kv_a_layernorm.weight[...], eps=self.q_a_layernorm.eps,
+                                       lean=kernel_enabled("lean_barriers"))
       q_r, c, row8 = q_r.reshape(B, T, -1), c.reshape(B, T, R), ks.pack_latent(c8, sc).reshape(B, T, -1)
     else:
       q_r = self.q_a_layernorm(qa, dtype)

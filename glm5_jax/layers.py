@@ -252,7 +252,10 @@ KNOBS = {
         "selection chain (indexer_scores(_q): 18 -> 5; the fused topk_compact: 20 -> 10, its 2-bit form 25 -> 8 — "
         "a 2-bit pass then costs the one barrier of its counts' exchange, as designed, instead of five) and its "
         "attention tail (sparse_mla_decode: 43 -> 7, and one before each of a block's up to 64 gather TMAs; its "
-        "merge 2 -> 0; mla_absorb_uv: 29 -> 3). A latency-bound kernel pays for each barrier its warps meet; "
+        "merge 2 -> 0; mla_absorb_uv: 29 -> 3); and the weight-streaming kernels (fp8_dq_linear 12 -> 4, the "
+        "MoE's gate/up 63 -> 20 and down 22 -> 5 at one row: a slot of the TMA ring refilled after one barrier "
+        "instead of one per copy, the epilogues' stores without). A latency-bound kernel pays for each barrier "
+        "its warps meet; "
         "for the barriers placed by hand interpret mode proves nothing (it runs a CTA's threads in lockstep): "
         "the GPU tests compare each lean kernel with its default build bit for bit (the boundary: with its "
         "two-launch form). CPU-built (session 54): off until measured"),
@@ -642,7 +645,9 @@ class Linear(nnx.Module):
         fused = {"counters": _splitk_counters(kl)} if site or _counters_enabled("linear_fused_sum") else {}
         # fp8_scales_first: each CTA's block scales requested ahead of its weight tiles
         first = {"scales_first": True} if kernel_enabled("fp8_scales_first", rows) else {}
-        fn = functools.partial(kl.fp8_dq_linear, **fused, **_dq_dtype(rows), **first)
+        # lean_barriers: built without Mosaic's automatic barriers (the ring's refill barrier placed by hand)
+        lean = {"lean": True} if kernel_enabled("lean_barriers") else {}
+        fn = functools.partial(kl.fp8_dq_linear, **fused, **_dq_dtype(rows), **first, **lean)
       else:
         fn = kl.fp8_linear
       return fn(x.reshape(rows, n_in), self.weight[...], self.scale[...],
@@ -1187,10 +1192,11 @@ class MoE(nnx.Module):
     if moe_kernel:
       # moe_static_table: a single row's slot count static in both kernels, its ids / weights staged into SMEM
       static = kernel_enabled("moe_static_table", rows, fits=rows == 1, why=f"one token row (here {rows})")
+      # lean_barriers: both kernels built without Mosaic's automatic barriers
       moe = functools.partial(kl.fp8_moe, w_gate=ex.gate_proj[...], s_gate=ex.gate_scale[...], w_up=ex.up_proj[...],
                               s_up=ex.up_scale[...], w_down=ex.down_proj[...], s_down=ex.down_scale[...],
                               swiglu_limit=ex.limit, shared=sew, dq=dq, static_table=static,
-                              **fused, **f16)
+                              lean=kernel_enabled("lean_barriers"), **fused, **f16)
       if in_gate_up:
         # moe_router_ranks: each CTA selects only up to its slot's rank
         ranks = kernel_enabled("moe_router_ranks", rows)

@@ -56,7 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel
+from pallas_kernels._common import (counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel,
+                                    wg_barrier)
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
@@ -289,14 +290,16 @@ def quantize_activations(x: jax.Array, rows: int | None = None):
 # FP8 block-scaled linear
 # ------------------------------------------------------------------------------------------------------------
 def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: int, steps: int, dq: bool = False,
-                       fused_sum: bool = False, rows: bool = False, scales_first: bool = False):
+                       fused_sum: bool = False, rows: bool = False, scales_first: bool = False, lean: bool = False):
   """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks); writes o[split, rows, :mp].
   x: hi|lo e4m3 rows [2mp, K] (two fp8 wgmmas per block), or (dq) bf16 rows [mp, K] times each weight tile
   dequantised to bf16 (``_mma_tile``; ``a_s``: the SMEM tile it goes through in interpret mode).
   ``fused_sum``: refs start with the split-K counters; ``rows``: the sum written as token rows (``_split_out``,
   ``_out_refs``). ``scales_first``: every step's block scale requested before the first weight tiles (ahead of
   the grid's weight stream, whose requests a later scalar load queues behind: ~4 µs in s51a's MoE profile),
-  instead of the first ``stages`` just after them and each later one ``stages`` steps ahead."""
+  instead of the first ``stages`` just after them and each later one ``stages`` steps ahead. ``lean`` (built
+  without Mosaic's automatic barriers: lean_barriers, with A from registers): the one barrier the ring needs — a
+  slot is refilled only after every warp is done reading it (its dequantisation's loads, the wgmma's operands)."""
   ctr_g, o_ref, y, (w_s, x_s, bar, *a_s) = _out_refs(refs, fused_sum, plan.split, rows)
   bm, stages = plan.bm, plan.stages
   t = lax.axis_index("t")
@@ -327,6 +330,8 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
     blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s[0] if a_s else None)
     # Reading the accumulators waited for the wgmma, so the slot is free again: refill it.
     if i + stages < steps:
+      if lean:  # (every warp's, not only the issuing thread's: Mosaic's automatic barrier before a TMA load)
+        wg_barrier()
       issue(i + stages)
     # the 128x128 block scale after the MMA: exact, and it bounds the tensor core's fp8 accumulation to a block
     acc = blk * scales[i] if acc is None else acc + blk * scales[i]
@@ -467,7 +472,7 @@ def _rows_result(out, split: int):
 
 
 def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: bool, name: str, counters=None,
-                m: int = 0, rows_dtype=None, scales_first: bool = False):
+                m: int = 0, rows_dtype=None, scales_first: bool = False, lean: bool = False):
   """The FP8 linear kernel over x_rows ([2mp, K] e4m3 hi|lo, or [m <= mp, K] bf16 when dq) -> [split, N, mp] f32
   (with ``counters``, split-K counters: o[split - 1] holds the sum); with ``rows_dtype``, the m token rows'
   sum y [m, N] instead (``_out_types``: one split, or counters)."""
@@ -478,9 +483,11 @@ def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: 
   a_scratch = ([plgpu.SMEM((plan.bm, BLOCK), x_dtype, transforms=_tr(x_dtype, BLOCK))] if a_smem else [])
   rows = rows_dtype is not None
   fused = counters is not None
+  lean = lean and not a_smem  # (the SMEM-A form — interpret mode's — keeps the automatic barriers: a_s is rewritten)
   return mgpu_kernel(
       functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps, dq=dq, fused_sum=fused,
-                        rows=rows, scales_first=scales_first),
+                        rows=rows, scales_first=scales_first, lean=lean),
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean),
       out_type=_out_types(plan.split, n, mp, m, rows_dtype),
       grid=(tiles * plan.split,),
       grid_names=("t",),
@@ -540,10 +547,10 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jn
   return fp8_linear_q(xq, s, m, w, scale_inv, out_dtype=out_dtype, plan=plan)
 
 
-@kernel_entry("out_dtype", "plan", "a_from", "dq_dtype", "scales_first")
+@kernel_entry("out_dtype", "plan", "a_from", "dq_dtype", "scales_first", "lean")
 def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jnp.float32,
                   plan: Plan | None = None, a_from: str | None = None, counters=None,
-                  dq_dtype: str = "bfloat16", scales_first: bool = False) -> jax.Array:
+                  dq_dtype: str = "bfloat16", scales_first: bool = False, lean: bool = False) -> jax.Array:
   """y = x @ dequant(w).T like :func:`fp8_linear` (same signature and reference), with the activations kept in
   bf16: no activation quantisation (fp8_linear's amax reduction + hi/lo quantisation: two XLA kernels of ~1.1 µs
   before every call, BENCHMARKS.md session 24) and bf16 · e4m3 products that are exact (hi/lo: ~9 significant
@@ -561,13 +568,17 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   ``dq_dtype``: "bfloat16" or "float16" (``_dq_dtype``: x and the converted weight tiles in f16).
 
   ``scales_first``: each CTA requests all its block scales before its first weight tiles (``_fp8_linear_kernel``);
-  the same sums, bit for bit."""
+  the same sums, bit for bit.
+
+  ``lean`` (policy knob lean_barriers): built without Mosaic GPU's automatic warpgroup barriers (one before each
+  TMA load of the ring, two around each vector store of the epilogue), with the ring's refill barrier placed by
+  hand; the same sums, bit for bit. The SMEM-A form (a_from "smem") ignores it."""
   m = x.shape[0]
   dt = _dq_dtype(dq_dtype, "fp8_dq_linear")
   if m > 64:
     return jnp.concatenate([fp8_dq_linear(x[i:i + 64], w, scale_inv, out_dtype=out_dtype, plan=plan,
                                           a_from=a_from, counters=counters, dq_dtype=dq_dtype,
-                                          scales_first=scales_first)
+                                          scales_first=scales_first, lean=lean)
                             for i in range(0, m, 64)], axis=0)
   n, k = w.shape
   if x.shape[1] != k or w.dtype != F8:
@@ -583,7 +594,7 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   # H200, session 26)
   out = _fp8_launch(_tma_rows(_act(x, dt), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
                     name="glm5_fp8_dq_linear", counters=counters, m=m, rows_dtype=out_dtype if rows else None,
-                    scales_first=scales_first)
+                    scales_first=scales_first, lean=lean)
   if rows:
     return _rows_result(out, plan.split)
   return _split_sum(out, m, counters is not None).astype(out_dtype)
@@ -799,7 +810,7 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
                         rows: bool = False, router: tuple | None = None, rows_weight: bool = True,
-                        n_valid: int = 0, writer_t: int = 0):
+                        n_valid: int = 0, writer_t: int = 0, lean: bool = False):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -892,7 +903,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       with jax.named_scope("mma"):
         g = _mma_tile(wg_s.at[slot], x_s.at[slot], mp, dq, a_s)
         u = _mma_tile(wu_s.at[slot], x_s.at[slot], mp, dq, a_s)
-      pl.when(i + stages < steps)(lambda: issue(i + stages))
+      pl.when(i + stages < steps)(lambda: _refill(issue, i + stages, lean))
       return acc_g + g * sg, acc_u + u * su
 
     zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
@@ -925,6 +936,15 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
     else:
       o_ref[sk, slot_id, 0, pl.ds(row0, bm), :] = acc_g * sx
       o_ref[sk, slot_id, 1, pl.ds(row0, bm), :] = acc_u * sx
+
+
+def _refill(issue, i: int, lean: bool):
+  """A weight-streaming kernel's ring refill: ``issue(i)`` into the slot the step just read — after a warpgroup
+  barrier in a lean kernel (lean_barriers: Mosaic's automatic one before a TMA load is gone, and every warp must
+  be done reading the slot, not only the thread that issues the copies)."""
+  if lean:
+    wg_barrier()
+  issue(i)
 
 
 def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank):
@@ -988,7 +1008,7 @@ def router_scratch(E: int):
 
 def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int,
                      dq: bool = False, a_smem: bool = False, fused_sum: bool = False, rows: bool = False,
-                     slot_weights: bool = False, n_valid: int = 0, stage_table: bool = False):
+                     slot_weights: bool = False, n_valid: int = 0, stage_table: bool = False, lean: bool = False):
   """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
   over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count.
   ``shared``: slot 0 is the shared expert (its own refs wds/sds). ``table_k``: as ``_slot_expert`` (the k ids
@@ -1095,7 +1115,7 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
       plgpu.barrier_wait(bar.at[slot])
     with jax.named_scope("mma"):
       blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s)
-    pl.when(j + stages < total)(lambda: issue(j + stages))
+    pl.when(j + stages < total)(lambda: _refill(issue, j + stages, lean))
     return acc + blk * scale
 
   acc0 = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
@@ -1299,12 +1319,12 @@ def _swiglu_of_splits(out, m: int, split: int, limit: float):
 
 
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select",
-              "static_table", "writer_cta")
+              "static_table", "writer_cta", "lean")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
             dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None,
-            static_table: bool = False, writer_cta: bool = False):
+            static_table: bool = False, writer_cta: bool = False, lean: bool = False):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1339,6 +1359,10 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     writer_cta: with ``router`` in its ranks form: the selection's writer (all k with their weights, stored for the
       down kernel and the caller) is one extra gate/up CTA that does nothing else, instead of the first CTA doing
       it before its own weight tiles (``_moe_gate_up_kernel(writer_t=...)``). Ignored otherwise.
+    lean: both kernels built without Mosaic GPU's automatic warpgroup barriers (policy knob lean_barriers; one
+      before each TMA load of the ring, two around each vector store), with the ring's refill barrier placed by
+      hand (``_refill``); the selection's SMEM (the router's staging, its ids / weights) is read only after a
+      commit_smem. The same sums, bit for bit. The SMEM-A form (a_from "smem") ignores it.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1447,11 +1471,13 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   # writer_cta (the router's ranks form): one CTA past the grid selects all k, stores them and exits
   gu_grid = n_slots * gu_tiles * plan.gu_split
   writer_t = gu_grid if writer_cta and router is not None and ranks else 0
+  lean_k = bool(lean) and not a_smem  # (the SMEM-A form — interpret mode's — keeps the automatic barriers)
   outs = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
                         a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows, router=sel_static,
-                        rows_weight=router is None, n_valid=nv_static, writer_t=writer_t),
+                        rows_weight=router is None, n_valid=nv_static, writer_t=writer_t, lean=lean_k),
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean_k),
       out_type=(gu_out if isinstance(gu_out, tuple) else (gu_out,)) + sel_out,
       grid=(gu_grid + int(writer_t > 0),),
       grid_names=("t",),
@@ -1511,7 +1537,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
                         groups=plan.dn_groups, shared=has_sh, table_k=table_k, dq=dq, a_smem=a_smem,
                         fused_sum=ctr is not None, rows=rows, slot_weights=slot_w, n_valid=nv_static,
-                        stage_table=stage),
+                        stage_table=stage, lean=lean_k),
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean_k),
       out_type=_out_types(plan.dn_groups, d, mp, m, out_dtype if rows else None),
       grid=(dn_tiles * plan.dn_groups,),
       grid_names=("t",),

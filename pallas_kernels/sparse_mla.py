@@ -185,10 +185,13 @@ def _latent_norms_kernel(Q: int, eps: float):
   return body
 
 
-@kernel_entry("eps")
-def latent_norms(qkv, wq, wkv, *, eps: float):
+@kernel_entry("eps", "lean")
+def latent_norms(qkv, wq, wkv, *, eps: float, lean: bool = False):
   """Mosaic GPU version of ``latent_norms_reference`` (same signature and outputs): one launch, a CTA per token
-  row, one warpgroup — each thread 12 of q_a's values and one value of each of the latent's 4 scale groups."""
+  row, one warpgroup — each thread 12 of q_a's values and one value of each of the latent's 4 scale groups.
+  ``lean`` (policy knob lean_barriers): built without Mosaic GPU's automatic warpgroup barriers (59 bar.sync, 21
+  lean: the reductions' and the two commits'): every SMEM buffer is written once and read — by the threads or the
+  TMA — only after a commit_smem."""
   M, K = qkv.shape
   Q = K - D_LATENT
   if qkv.dtype != jnp.bfloat16 or Q <= 0 or Q % GROUP or wq.shape != (Q,) or wkv.shape != (D_LATENT,):
@@ -206,6 +209,7 @@ def latent_norms(qkv, wq, wkv, *, eps: float):
       grid=(M,),
       grid_names=("m",),
       kernel_name="glm5_latent_norms",
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=bool(lean)),
   )
   return kern(qkv, wq.astype(bf16), wkv.astype(bf16))
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tol
+from helpers import barrier_counts
 
 from pallas_kernels import linear as L
 from pallas_kernels import router as kr
@@ -569,6 +570,33 @@ def test_tile_math_benchmark_kernel(variant):
     assert "tile_math_" + variant in low.as_text()
 
 
+def test_lean_weight_streaming_lowers_without_automatic_barriers(monkeypatch):
+  """lean=True (policy knob lean_barriers): the real rank's single-row MoE (the selection in the gate/up kernel,
+  the rows form on counters) and a dense FP8 GEMV whose TMA ring refills its slots lower for CUDA without Mosaic
+  GPU's automatic barriers — a fraction of the default build's bar.sync, the ring's refill barrier kept (the dense
+  kernel: one per refill, its plan's steps past its stages)."""
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
+        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
+  plan = L.Plan(bm=64, bk=128, split=1, stages=2)  # (8 steps over 2 stages: 6 refills)
+  got = {}
+  for lean in (False, True):
+    def f(x, lg, b, xq, wq, sq, *a, lean=lean):
+      ctr = L.splitk_counters()
+      y = L.fp8_moe(x, None, None, *a[:6], swiglu_limit=10.0, shared=a[6:], dq=True, router=(lg, b),
+                    router_select=(k, 2.5, True, True), counters=ctr, out_dtype=jnp.bfloat16, static_table=True,
+                    writer_cta=True, lean=lean)
+      return y, L.fp8_dq_linear(xq, wq, sq, out_dtype=jnp.bfloat16, plan=plan, lean=lean)
+    got[lean] = barrier_counts(monkeypatch, f, SDS((1, d), jnp.bfloat16), SDS((1, e), jnp.float32),
+                               SDS((e,), jnp.float32), SDS((1, 1024), jnp.bfloat16), SDS((256, 1024), F8),
+                               SDS((2, 8), jnp.float32), SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32),
+                               SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32), SDS((e, d, i), F8),
+                               SDS((e, d // 128, i // 128), jnp.float32), *sh)
+  for name in ("glm5_moe_gate_up", "glm5_moe_down"):
+    assert 0 < 3 * got[True][name] <= got[False][name], got
+  assert 0 < got[True]["glm5_fp8_dq_linear"] < got[False]["glm5_fp8_dq_linear"], got
+
+
 def test_router_in_the_gate_up_kernel_cross_lowers():
   """The real rank's single-row MoE (288 experts, top-8, the shared slot, bf16 activations) with the selection
   in the gate/up kernel lowers for CUDA."""
@@ -771,7 +799,8 @@ def test_fp8_linear_gpu(name, m):
 @pytest.mark.parametrize("name,m,a_from", [(name, m, "regs") for name, m in GPU_FP8_CASES]
                          + [(name, 8, "smem") for name in FP8_SHAPES])  # (the interpret-mode form, natively)
 def test_fp8_dq_linear_gpu(name, m, a_from):
-  """Natively against the reference; with scales_first (policy fp8_scales_first) bit for bit the same."""
+  """Natively against the reference; with scales_first (policy fp8_scales_first), and built without Mosaic's
+  automatic barriers (lean: policy lean_barriers; the SMEM-A form ignores it), bit for bit the same."""
   n, k = FP8_SHAPES[name]
   ks = jax.random.split(jax.random.key(160 + m), 2)
   w, s = quantize_fp8_blocks(ks[0], (n, k), 0.02)
@@ -780,6 +809,8 @@ def test_fp8_dq_linear_gpu(name, m, a_from):
   assert_close(y, jax.jit(L.fp8_linear_reference)(x, w, s), "kernel_f32")
   y1 = jax.jit(functools.partial(L.fp8_dq_linear, a_from=a_from, scales_first=True))(x, w, s)
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))
+  y2 = jax.jit(functools.partial(L.fp8_dq_linear, a_from=a_from, scales_first=True, lean=True))(x, w, s)
+  np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
 
 
 @pytest.mark.gpu
@@ -872,17 +903,21 @@ def test_fp8_moe_fused_rows_gpu(m):
   """fp8_moe (dq, the shared slot, real shapes) with the split-K counters natively: at M = 1 the gate/up
   kernel's 4 D splits summed on the counters by their last CTA, which writes h's rows, and the down kernel's 9
   expert groups likewise into y [M, D] — against the XLA glue's form and the reference; called twice on one Ref
-  (each call must leave the counters zero)."""
+  (each call must leave the counters zero); built without Mosaic's automatic barriers (lean: policy
+  lean_barriers), bit for bit the same, the counters left zero again."""
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   args = moe_inputs(jax.random.key(330 + m), m, e, i, d, k)
   sh = _shared_expert(jax.random.key(340 + m), i, d)
 
-  def run(fused, args, sh):  # the weights as arguments: closed over, jit embeds them as constants (~1.8 GB here:
-    # the first native run spent its 240 s compiling)
+  def run(fused, args, sh, lean=False):  # the weights as arguments: closed over, jit embeds them as constants (~1.8
+    # GB here: the first native run spent its 240 s compiling)
     c = L.splitk_counters() if fused else None
-    f = lambda: L.fp8_moe(*args, swiglu_limit=10.0, shared=sh, dq=True, counters=c)  # noqa: E731
+    f = lambda: L.fp8_moe(*args, swiglu_limit=10.0, shared=sh, dq=True, counters=c, lean=lean)  # noqa: E731
     return f(), f(), (c[...] if fused else None)
   y1, y2, ctr = jax.jit(functools.partial(run, True))(args, sh)
+  y3, _, ctr3 = jax.jit(functools.partial(run, True, lean=True))(args, sh)
+  np.testing.assert_array_equal(np.asarray(y3), np.asarray(y1))
+  assert not np.any(np.asarray(ctr3))
   want, _, _ = jax.jit(functools.partial(run, False))(args, sh)
   # not to 1e-5 as check_fused_sum_gpu: the gate/up sums in another order round h to bf16 differently at a few
   # elements, which the down GEMV carries into y (session 38, natively: 505 of 4,096 outputs off by up to 2.7e-5
@@ -919,7 +954,8 @@ def test_router_in_the_gate_up_kernel_gpu(dq_dtype, ranks):
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype,second", [
     ("bfloat16", {}), ("float32", {}), ("bfloat16", {"static_table": True}), ("bfloat16", {"writer_cta": True}),
-    ("bfloat16", {"static_table": True, "writer_cta": True})])
+    ("bfloat16", {"static_table": True, "writer_cta": True}),
+    ("bfloat16", {"static_table": True, "writer_cta": True, "lean": True})])
 def test_router_in_the_gate_up_kernel_with_rows_gpu(out_dtype, second):
   """The real rank's single-row MoE (288 experts, top-8, the shared slot, dq) with the router's selection in the
   gate/up kernel AND the rows form on split-K counters natively (policy moe_rows): the gate/up kernel's 4 D splits
@@ -928,8 +964,9 @@ def test_router_in_the_gate_up_kernel_with_rows_gpu(out_dtype, second):
   the same ids and weights, y within bf16 rounding of h (h rounded before the weight instead of after), bit-equal
   from call to call on one counters Ref, which both calls leave zero. ``second``: the second rows call with
   static_table (policy moe_static_table: the slot count a number, the down kernel's ids / weights staged into
-  SMEM by TMA) or writer_cta (policy moe_writer_cta: the selection stored by an extra CTA) — bit for bit the
-  first's, its ids and weights too."""
+  SMEM by TMA) or writer_cta (policy moe_writer_cta: the selection stored by an extra CTA), and with both built
+  without Mosaic's automatic barriers (lean: policy lean_barriers) — bit for bit the first's, its ids and weights
+  too."""
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   x, _, _, *ws = moe_inputs(jax.random.key(352), 1, e, i, d, k)
   sh = _shared_expert(jax.random.key(353), i, d)
@@ -1067,6 +1104,9 @@ def test_fp8_moe_shared_slot_gpu(m, dq, a_from):
   y = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=10.0, dq=dq, a_from=a_from))(*args, shared=sh)
   ref = jax.jit(functools.partial(L.fp8_moe_reference, swiglu_limit=10.0))(*args, shared=sh)
   assert_close(y, ref, "kernel_bf16" if dq else "kernel_fp8")
+  if dq:  # (built without Mosaic's automatic barriers — lean_barriers — the same sums, bit for bit)
+    lean = jax.jit(functools.partial(L.fp8_moe, swiglu_limit=10.0, dq=dq, a_from=a_from, lean=True))(*args, shared=sh)
+    np.testing.assert_array_equal(np.asarray(lean), np.asarray(y))
 
 
 def test_kernel_profile_sets_the_profilers_parameters(monkeypatch, tmp_path):

@@ -273,17 +273,19 @@ def test_cross_lower_combine_forms(B, T, combine):
 
 
 def test_lean_attention_tail_lowers_without_automatic_barriers(monkeypatch):
-  """lean=True (policy knob lean_barriers): the attention, merge and W_UV kernels lower for CUDA at TP4's shapes
-  without Mosaic GPU's automatic barriers — a fraction of the default build's bar.sync (the attention kernel keeps
-  its commit_smem barriers; the merge needs none)."""
+  """lean=True (policy knob lean_barriers): the attention, merge and W_UV kernels and the latent's norms kernel
+  lower for CUDA at TP4's shapes without Mosaic GPU's automatic barriers — a fraction of the default build's
+  bar.sync (the attention kernel keeps its commit_smem barriers; the merge needs none)."""
   args = (SDS((1, 1, 16, 512), jnp.bfloat16), SDS((1, 32784, M.ROW_WORDS), jnp.int32), SDS((1, 1, 2176), jnp.int32))
   uv = (SDS((1, 512, 16), jnp.float32), SDS((16, 512, 512), jnp.bfloat16))
+  norms = (SDS((1, 1536 + 512), jnp.bfloat16), SDS((1536,), jnp.bfloat16), SDS((512,), jnp.bfloat16))
   got = {}
   for lean in (False, True):
-    def tail(q, c, i, o_t, w, lean=lean):
+    def tail(q, c, i, o_t, w, qkv, wq, wkv, lean=lean):
       o = M.sparse_mla_decode(q, c, i, softmax_scale=SCALE, combine="kernel", transposed=True, lean=lean)
-      return o, M.mla_absorb_uv(o_t, w, dn=256, lean=lean)
-    got[lean] = barrier_counts(monkeypatch, tail, *args, *uv)
+      return o, M.mla_absorb_uv(o_t, w, dn=256, lean=lean), M.latent_norms(qkv, wq, wkv, eps=1e-6, lean=lean)
+    got[lean] = barrier_counts(monkeypatch, tail, *args, *uv, *norms)
+  assert 0 < 2 * got[True]["glm5_latent_norms"] < got[False]["glm5_latent_norms"], got
   for k in ("glm5_sparse_mla", "glm5_mla_uv"):
     assert 0 < got[True][k] < got[False][k] // 3, got
   assert got[True]["glm5_mla_combine"] == 0 < got[False]["glm5_mla_combine"], got
@@ -458,6 +460,11 @@ def test_latent_norms_cross_lower(M_rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M_rows", [1, 4])
 def test_latent_norms_gpu(M_rows):
+  """Natively against the reference; built without Mosaic's automatic barriers (lean: policy lean_barriers), bit
+  for bit the same."""
   args = _latent_inputs(M_rows, M_rows, 1536)
   got = jax.jit(functools.partial(M.latent_norms, eps=1e-6))(*args)
   _check_latent_norms(got, M.latent_norms_reference(*args, eps=1e-6), exact=False)
+  lean = jax.jit(functools.partial(M.latent_norms, eps=1e-6, lean=True))(*args)
+  for a, b in zip(lean, got):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
