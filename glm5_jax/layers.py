@@ -249,7 +249,7 @@ KNOBS = {
         "q = 1 step's chains that are latency-bound: the mHC boundary's one-launch forms "
         "(pallas_kernels.mhc.mhc_post_finish(lean=True): 46 bar.sync in the lowered kernel, 10 lean; "
         "mhc_row_boundary: 134 -> 16), on every sublayer's critical path (90 per step at q = 1); the DSA layer's "
-        "selection chain (indexer_scores(_q): 18 -> 5; the fused topk_compact: 20 -> 10, its 2-bit form 25 -> 8 — "
+        "selection chain (indexer_scores(_q): 18 -> 4; the fused topk_compact: 20 -> 10, its 2-bit form 25 -> 8 — "
         "a 2-bit pass then costs the one barrier of its counts' exchange, as designed, instead of five) and its "
         "attention tail (sparse_mla_decode: 43 -> 7, and one before each of a block's up to 64 gather TMAs; its "
         "merge 2 -> 0; mla_absorb_uv: 29 -> 3); and the weight-streaming kernels (fp8_dq_linear 12 -> 4, the "

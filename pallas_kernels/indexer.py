@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import (kernel_entry, mgpu_kernel, order_key_u32, replicated_rows_layouts,
-                                    warp_split_layout, wg_barrier)
+                                    warp_split_layout)
 
 HEAD_DIM = 128
 FP8_MAX = 448.0
@@ -136,17 +136,17 @@ def _quantize_rows(qb_s, h_s, q_s, qs_s, rq: int):
   plgpu.commit_smem()  # q_s is read by the scores' wgmmas (the async proxy)
 
 
-def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, lean: bool = False):
+def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False):
   """Kernel body: ``nbc`` blocks of 64 pooled keys per CTA, T tokens x hi heads.
 
   GMEM refs: q_g [B, T * hi, 128] e4m3, wq_g [B, T, hi] f32 (w * q_scale), nv_g [B, T] int32,
   k8_g [B, Pp, 128] e4m3, ks_g [B, Pp] f32; out o_g [B, T, Pp] f32. ``rotate`` (``indexer_scores_q``): q_g is the
   raw queries [B, T * hi, 128] bf16, followed by h_g [128, 128] bf16 (the Sylvester matrix), and wq_g is w alone:
   each CTA rotates and quantises the queries itself (``_quantize_rows``). ``lean`` (built without Mosaic's
-  automatic barriers: lean_barriers): the one barrier the data needs besides the commits — o_s is rewritten each
-  block after the TMA store that read it, which only the issuing thread waits for. (A slot's next gather comes
-  after the commit that every thread passes once its reads of the slot — the wgmma's, the scales' — are done; the
-  queries' SMEM is written once, before a commit.)"""
+  automatic barriers: lean_barriers) needs no barrier of its own: o_s is rewritten each block only after
+  ``wait_smem_to_gmem``, whose barrier holds every thread until its TMA store has read it; a slot's next gather
+  comes after the commit that every thread passes once its reads of the slot — the wgmma's, the scales' — are
+  done; the queries' SMEM is written once, before a commit."""
 
   def body(*refs):
     if rotate:
@@ -214,10 +214,8 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, lean: bool 
 
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, pl.ds(j0, BLOCK)])
-      # o_s is rewritten next block: its TMA store must have read it first.
+      # o_s is rewritten next block: its TMA store must have read it first (the wait ends in a warpgroup barrier)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if lean:  # (every thread, not only the TMA's issuer, past that wait before the next block's o_s stores)
-        wg_barrier()
       return carry
 
     lax.fori_loop(0, nbc, block, None)
@@ -238,7 +236,7 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   output as it is, [B, T, Pp >= P] (-inf past each token's n_valid: what the top-k threshold kernel reads with no
   slice in between), Pp a multiple of ``align`` (a multiple of 64: the threshold kernel takes rows of its lanes,
   128 per warpgroup; the grid grows by CTAs that only write -inf). ``lean`` (policy knob lean_barriers): built
-  without Mosaic GPU's automatic warpgroup barriers (18 bar.sync, 5 lean; ``_indexer_kernel``)."""
+  without Mosaic GPU's automatic warpgroup barriers (18 bar.sync, 4 lean; ``_indexer_kernel``)."""
   wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
   return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False, padded=padded, align=align,
                       lean=lean)
@@ -300,7 +298,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
            plgpu.SMEM((HEAD_DIM, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # h_s: the Sylvester matrix
            plgpu.SMEM((rq,), jnp.float32)] if rotate else []  # qs_s: the queries' scales
   kern = mgpu_kernel(
-      _indexer_kernel(nbc, T, HI, rotate, lean),
+      _indexer_kernel(nbc, T, HI, rotate),
       out_type=jax.ShapeDtypeStruct((B, T, Pp), jnp.float32),
       scratch_types=[
           plgpu.SMEM((rq, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # q_s
