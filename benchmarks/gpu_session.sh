@@ -13,7 +13,8 @@
 #                             bench_topk (the radix variants), bench_cluster_exchange, then the one-rank latency_specialized
 #                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
 #                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
-#   s54a (nvidia-h200):       session 54's lean_barriers first (the lean kernels' GPU tests, then the q = 1 step)
+#   s54a, s54b (nvidia-h200): session 54's lean_barriers first: the lean kernels' GPU tests and the kernel-tiny
+#                             step end to end (s54a), then the q = 1 step against the defaults (s54b)
 #   s53a .. s53d (nvidia-h200): session 53's plan — see their comments below
 #   Modes of past sessions (s25 .. s52b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
@@ -23,8 +24,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s54a|s53a|s53b|s53c|s53d) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s54a, s53a, s53b, s53c, s53d)"
+  single|pair|tp2|tp4|profile|s54a|s54b|s53a|s53b|s53c|s53d) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s54a, s54b, s53a .. s53d)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -130,8 +131,8 @@ case "$MODE" in
     # automatic warpgroup barriers (the mHC boundary 46 -> 10 bar.sync, mhc_row 134 -> 16, the indexer's scores
     # 18 -> 5 and compaction 20 -> 10, the sparse MLA 43 -> 7 plus one per gather TMA, W_UV 29 -> 3, the FP8 GEMV
     # and the MoE's kernels), their explicit barriers checked natively: each lean kernel bit for bit its default
-    # build (the boundary: its two-launch form); then q = 1, 5 interleaved repeats: defaults vs lean_barriers (and
-    # mhc_row with and without it: the row form has the most barriers to lose)
+    # build (the boundary: its two-launch form), and the kernel-tiny step with lean_barriers emitting the stock
+    # path's tokens
     timeout -k 9 -s INT 120 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
       "tests/test_mhc.py::test_post_finish_gpu[1-False-False-True]" "tests/test_mhc.py::test_post_finish_gpu[1-True-False-True]" \
       "tests/test_mhc.py::test_post_finish_gpu[4-False-False-True]" "tests/test_mhc.py::test_post_finish_gpu[1-False-True-True]" \
@@ -149,8 +150,13 @@ case "$MODE" in
       "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[dense_down-8-regs]" \
       "tests/test_linear_kernels.py::test_router_in_the_gate_up_kernel_with_rows_gpu[bfloat16-second5]" \
       "tests/test_linear_kernels.py::test_fp8_moe_shared_slot_gpu[4-True-regs]" >> "$OUT/tests.log" 2>&1
+    timeout -k 9 -s INT $(( $(left) - 20 )) python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider \
+      "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[lean]" >> "$OUT/tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
-    [ "$(left)" -gt 200 ] && rank1 s54a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+    ;;
+  s54b)  # (nvidia-h200) q = 1, 5 interleaved repeats: defaults vs lean_barriers, and mhc_row with and without it
+    # (the row form has the most barriers to lose: 134 -> 16)
+    rank1 s54b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"lean_barriers": true}' '{"mhc_row": true}' '{"mhc_row": true, "lean_barriers": true}'
     ;;
   s53a)  # (nvidia-h200) session 52's two CPU-built launch cutters natively. mhc_row: the one-token-row mHC boundary
