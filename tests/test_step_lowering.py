@@ -215,6 +215,20 @@ def test_real_geometry_step_with_packed_params_lowers_for_cuda():
   assert "glm5_mla_uv" in names  # (mla_uv_kernel at one token row: the verify's DSA layers; q = 1 runs no draft)
 
 
+def test_lean_barriers_reaches_the_chains_kernels():
+  """Policy knob lean_barriers in the kernel-tiny step at q = 1, traced as the CUDA lowering sees it: it runs at
+  the mHC boundaries, the indexer's scores and selection, the sparse MLA and its W_UV, the FP8 GEMVs and the MoE
+  (one kernel_enabled per such call site). (That the step's XLA program stays the defaults' — the lean builds
+  differ inside their Mosaic kernels only — is scripts/step_digest.py's to show: session 54.)"""
+  model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
+  dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,), policy=(("lean_barriers", True),)),
+                backend="latency_specialized")
+  with dec.kernel_mode(interpret=False):
+    dec.trace_step(1, params, interpret=False)
+  sites = dec.kernel_sites(1)["lean_barriers"]
+  assert sites["sites"] >= 8, sites  # (4 layers' boundaries, their GEMVs, the DSA layer's and MoE kernels)
+
+
 def test_step_digest_ignores_locations_and_kernel_payloads():
   """scripts/step_digest.py's normalisation: two lowerings that differ only in source locations and a Mosaic call's
   serialized module / kernel hash (file paths, line numbers) digest alike; an operand type that differs does not."""
