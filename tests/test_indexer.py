@@ -574,7 +574,7 @@ def test_lean_selection_chain_lowers_without_automatic_barriers(monkeypatch):
         return (I.indexer_scores_q(q, w, k8, ks, nv, padded=True, align=128, lean=lean),
                 I.topk_compact(s, None, None, ts, pos, k=512, kpool=4, n_tail=3, width=2112, digit_bits=bits,
                                lean=lean))
-      got[lean, bits] = barrier_counts(monkeypatch, chain, *args)
+      got[lean, bits] = barrier_counts(monkeypatch, ("glm5_indexer_scores", "glm5_topk_compact"), chain, *args)
   for bits in (1, 2):
     for name in ("glm5_indexer_scores", "glm5_topk_compact"):
       assert 0 < 2 * got[True, bits][name] <= got[False, bits][name], got

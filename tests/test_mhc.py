@@ -208,7 +208,7 @@ def test_lean_boundaries_lower_without_automatic_barriers(monkeypatch, row):
     def f(X, y, mix, fn, coef, w, lean=lean):
       return kern(X, y, mix, fn, coef, w, approx_math=True, launches=1, counters=K.barrier_counters(), parity=0,
                   lean=lean, **GRID_CONSTS)
-    got[lean] = barrier_counts(monkeypatch, f, *args)[name]
+    got[lean] = barrier_counts(monkeypatch, (name,), f, *args)[name]
   assert 0 < got[True] < got[False] // 3, got
 
 

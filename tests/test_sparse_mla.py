@@ -284,7 +284,8 @@ def test_lean_attention_tail_lowers_without_automatic_barriers(monkeypatch):
     def tail(q, c, i, o_t, w, qkv, wq, wkv, lean=lean):
       o = M.sparse_mla_decode(q, c, i, softmax_scale=SCALE, combine="kernel", transposed=True, lean=lean)
       return o, M.mla_absorb_uv(o_t, w, dn=256, lean=lean), M.latent_norms(qkv, wq, wkv, eps=1e-6, lean=lean)
-    got[lean] = barrier_counts(monkeypatch, tail, *args, *uv, *norms)
+    got[lean] = barrier_counts(monkeypatch, ("glm5_sparse_mla", "glm5_mla_combine", "glm5_mla_uv", "glm5_latent_norms"),
+                               tail, *args, *uv, *norms)
   assert 0 < 2 * got[True]["glm5_latent_norms"] < got[False]["glm5_latent_norms"], got
   for k in ("glm5_sparse_mla", "glm5_mla_uv"):
     assert 0 < got[True][k] < got[False][k] // 3, got
