@@ -253,11 +253,10 @@ KNOBS = {
         "a 2-bit pass then costs the one barrier of its counts' exchange, as designed, instead of five) and its "
         "attention tail (sparse_mla_decode: 43 -> 7, and one before each of a block's up to 64 gather TMAs; its "
         "merge 2 -> 0; mla_absorb_uv: 29 -> 3; with mla_latent_norms, latent_norms 59 -> 21); and the "
-        "weight-streaming kernels (fp8_dq_linear 12 -> 4, the "
-        "MoE's gate/up 63 -> 20 and down 22 -> 5 at one row: a slot of the TMA ring refilled after one barrier "
-        "instead of one per copy, the epilogues' stores without). A latency-bound kernel pays for each barrier "
-        "its warps meet; "
-        "for the barriers placed by hand interpret mode proves nothing (it runs a CTA's threads in lockstep): "
+        "weight-streaming kernels (fp8_dq_linear 12 -> 4, the MoE's gate/up 63 -> 20 and down 22 -> 5 at one "
+        "row: a slot of the TMA ring refilled after one barrier instead of one per copy, the epilogues' stores "
+        "without). A latency-bound kernel pays for each barrier its warps meet; for the barriers placed by hand "
+        "interpret mode proves nothing (it runs a CTA's threads in lockstep): "
         "the GPU tests compare each lean kernel with its default build bit for bit (the boundary: with its "
         "two-launch form). CPU-built (session 54): off until measured"),
     "mhc_row": (False,

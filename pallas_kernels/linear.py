@@ -330,9 +330,7 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
     blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s[0] if a_s else None)
     # Reading the accumulators waited for the wgmma, so the slot is free again: refill it.
     if i + stages < steps:
-      if lean:  # (every warp's, not only the issuing thread's: Mosaic's automatic barrier before a TMA load)
-        wg_barrier()
-      issue(i + stages)
+      _refill(issue, i + stages, lean)
     # the 128x128 block scale after the MMA: exact, and it bounds the tensor core's fp8 accumulation to a block
     acc = blk * scales[i] if acc is None else acc + blk * scales[i]
   _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split, rows=y)
