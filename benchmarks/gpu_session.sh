@@ -24,8 +24,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s54a|s54b|s53a|s53b|s53c|s53d) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s54a, s54b, s53a .. s53d)"
+  single|pair|tp2|tp4|profile|s55a|s55b|s55c|s54a|s54b|s53a|s53b|s53c|s53d) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s55a .. s55c, s54a, s54b, s53a .. s53d)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -126,6 +126,47 @@ case "$MODE" in
       --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 130 )) \
       --backend latency_specialized --profile --hlo-dir "$OUT" --out "$OUT/decode_profile.jsonl" 2>&1 \
       | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_profile.log"
+    ;;
+  s55a)  # (nvidia-h200) session 55: every pending candidate's GPU tests in one call — s54a's (lean_barriers) and
+    # s53a's (mhc_row, latent_norms, kda_norm_partials, the f16 saturation), the 2-bit compaction (in
+    # compact_kernel_gpu), the two model-site tests natively, and the kernel-tiny step with lean_barriers
+    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_mhc.py -k "post_finish" \
+      > "$OUT/tests.log" 2>&1
+    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
+      "tests/test_sparse_mla.py::test_kernel_gpu[1-1-16-32768-2051-None-True-True]" \
+      "tests/test_sparse_mla.py::test_kernel_gpu[1-4-16-65536-2051-4-False-True]" \
+      "tests/test_sparse_mla.py::test_uv_kernel_gpu[1-16-16]" "tests/test_sparse_mla.py::test_uv_kernel_gpu[4-16-16]" \
+      "tests/test_sparse_mla.py::test_latent_norms_gpu[1]" "tests/test_sparse_mla.py::test_latent_norms_gpu[4]" \
+      "tests/test_indexer.py::test_kernel_rotating_queries_gpu[1-1-8192]" \
+      "tests/test_indexer.py::test_compact_kernel_gpu[1-8704-512-3-2112-32]" \
+      "tests/test_indexer.py::test_compact_kernel_gpu[4-8704-512-6-2112-32]" >> "$OUT/tests.log" 2>&1
+    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
+      "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[q_a-1-regs]" "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[mla_o-1-regs]" \
+      "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[dense_down-8-regs]" \
+      "tests/test_linear_kernels.py::test_router_in_the_gate_up_kernel_with_rows_gpu[bfloat16-second5]" \
+      "tests/test_linear_kernels.py::test_fp8_moe_shared_slot_gpu[4-True-regs]" \
+      "tests/test_linear_kernels.py::test_fp8_dq_linear_f16_saturates_gpu" >> "$OUT/tests.log" 2>&1
+    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -p no:cacheprovider tests/test_kda_decode.py -k "norm_partials" \
+      tests/test_model_units.py::test_mhc_row_at_the_model_site \
+      tests/test_model_units.py::test_mla_latent_norms_at_the_model_site >> "$OUT/tests.log" 2>&1
+    timeout -k 9 -s INT $(( $(left) - 20 )) python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider \
+      "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[lean]" >> "$OUT/tests.log" 2>&1
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
+    ;;
+  s55b)  # (nvidia-h200) q = 1, 5 interleaved repeats: the defaults against every pending candidate at once (most
+    # likely first: the budget drops the last) — lean_barriers, mhc_row (+ lean: 134 -> 16 barriers),
+    # mla_latent_norms + qkv_a_fused_sum, kda_gates_first, topk_threshold_2bit (+ lean: its design holds lean), all
+    rank1 s55b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"lean_barriers": true}' '{"mhc_row": true, "lean_barriers": true}' '{"mhc_row": true}' \
+      '{"mla_latent_norms": true, "qkv_a_fused_sum": true}' '{"kda_gates_first": true}' \
+      '{"topk_threshold_2bit": true, "lean_barriers": true}' \
+      '{"lean_barriers": true, "mhc_row": true, "mla_latent_norms": true, "qkv_a_fused_sum": true, "kda_gates_first": true, "topk_threshold_2bit": true}'
+    ;;
+  s55c)  # (nvidia-h200) issue #9's ratio in one call with s55b's winners (edit POLICY), 3 interleaved repeats
+    timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
+      --batch 1 --context 32768 --q 1 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) \
+      --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
+      --policy "${POLICY:-{\}}" --out "$OUT/decode_s55c.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s55c.log"
     ;;
   s54a)  # (nvidia-h200) session 54's lean_barriers: the kernels on the q = 1 step's chains built without Mosaic GPU's
     # automatic warpgroup barriers (the mHC boundary 46 -> 10 bar.sync, mhc_row 134 -> 16, the indexer's scores
