@@ -24,14 +24,15 @@ def load_rows(paths):
 
 
 def default_rows(rows, backend: str, q: int):
-  """The rows with the defaults of their day for (backend, q) at B = 1, 32K context on the one-rank geometry,
+  """The rows with the defaults of their day (or what became them: ``is_defaults``) for (backend, q) at B = 1, 32K context on the one-rank geometry,
   ordered by run time: [(time key, ms per step, row)]."""
   out = []
   for i, r in enumerate(rows):
     if (r.get("geometry"), r.get("batch"), r.get("context"), r.get("backend"), r.get("q")) != (
         "tp4-rank", 1, 32768, backend, q):
       continue
-    if r.get("policy") or r.get("ms_per_step") is None:
+    # a policy row counts when it measured what became the defaults (is_defaults: the knobs turned on after it)
+    if (r.get("policy") and not r.get("is_defaults")) or r.get("ms_per_step") is None:
       continue
     out.append(((r.get("run") or r.get("date") or "", i), float(r["ms_per_step"]), r))
   return sorted(out, key=lambda t: t[0])

@@ -101,14 +101,15 @@ KNOBS = {
         "CTA, so 4x fewer CTAs stream the state) instead of an XLA fusion after it; measured slower (kernel "
         "3.2 -> 5.5 µs per layer, the step 5.65 -> 5.68 ms; BENCHMARKS.md session 24); again with session "
         "51's defaults 3.73 -> 3.77 ms at q = 1 (1 of 4 paired rounds faster, s51a)"),
-    "kda_norm_partials": (False,
+    "kda_norm_partials": (True,
         "with kda on (not kda_norm): each KDA CTA also returns the sum of its o columns' squares "
         "(kda_decode(norm_partials=True): [B, T, H, 128 / block_v]), so the gated RMSNorm after the kernel is "
         "elementwise (kda_decode.gated_norm_from_partials: mean(o²) from the partials by explicit adds) and XLA "
         "can fuse it into the o_proj GEMV — in s50b's trace the norm was a fusion of its own on every KDA layer's "
         "chain (1.4 µs + a launch gap, x 34), between the KDA kernel and o_proj. kda_norm, the norm inside the "
         "kernel, needs a head's 4 warpgroups in one CTA and was slower (sessions 24, 51). Equal within f32 "
-        "rounding (the squares summed in another order). CPU-built (session 51): off until measured"),
+        "rounding (the squares summed in another order). Measured (s52c, q = 1): 3.86 -> 3.85 ms, faster in 4 of 4 "
+        "paired rounds, 34 launches fewer; its GPU test passed natively in session 55: on by default since then"),
     "kda_approx_math": (True,
         "with kda on: the KDA kernel's gates and l2 norms with the GPU's approximate exp / reciprocal / rsqrt "
         "(KdaDecodeConfig(approx_math=True); within the kernel tolerance of the reference, its GPU tests). "
@@ -242,7 +243,7 @@ KNOBS = {
         "the XLA split sum after it (1.6 µs + a launch in s51b's trace) leaves the layer's critical path, and "
         "mla_latent_norms reads the rows directly. linear_fused_sum for every linear was a tie (sessions 47, 51); "
         "this is its one site on the DSA critical path. CPU-built (session 52): off until measured"),
-    "lean_barriers": (False,
+    "lean_barriers": (True,
         "the kernels that have a lean form built without Mosaic GPU's automatic warpgroup barriers "
         "(CompilerParams(unsafe_no_auto_barriers): two bar.sync around every vector store to a ref and one before "
         "every TMA load) and with only the barriers their data flow needs, placed by hand — the kernels on the "
@@ -258,15 +259,18 @@ KNOBS = {
         "without). A latency-bound kernel pays for each barrier its warps meet; for the barriers placed by hand "
         "interpret mode proves nothing (it runs a CTA's threads in lockstep): "
         "the GPU tests compare each lean kernel with its default build bit for bit (the boundary: with its "
-        "two-launch form). CPU-built (session 54): off until measured"),
-    "mhc_row": (False,
+        "two-launch form; all pass natively, session 55). Measured (s55b, q = 1, 5 interleaved repeats): with "
+        "mhc_row 3.89 -> 3.71 ms per step, faster in 4 of 4 paired rounds (alone 3.89 -> 3.91, faster in 3 of 4: "
+        "the row boundary has the most barriers to lose); on by default since session 55"),
+    "mhc_row": (True,
         "with mhc_grid_barrier on, at one token row (decode at q = 1): the boundary as "
         "pallas_kernels.mhc.mhc_row_boundary — D / 128 CTAs, each thread one column of every stream in "
         "registers: the mix 20 multiply-adds per thread, the 24 logits and 10 Gram entries per-thread products "
         "summed as the rows of one SMEM tile, the partial sums over 32 chunks instead of 128 — instead of "
         "mhc_post_finish's 64-row tiles for one real row (s48d's profile: the post mix 2.1, the partial stores "
         "1.2 and the sums 2.5 of its 6.3 µs). X' and x_in bit-identical to mhc_post_finish's in interpret mode; "
-        "CPU-built (session 52): off until measured"),
+        "GPU tests pass natively (session 55). Measured (s55b, q = 1): 3.89 -> 3.81 ms per step alone (faster in "
+        "3 of 4 paired rounds), 3.71 with lean_barriers (4 of 4); on by default since session 55"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
