@@ -262,6 +262,16 @@ KNOBS = {
         "two-launch form; all pass natively, session 55). Measured (s55b, q = 1, 5 interleaved repeats): with "
         "mhc_row 3.89 -> 3.71 ms per step, faster in 4 of 4 paired rounds (alone 3.89 -> 3.91, faster in 3 of 4: "
         "the row boundary has the most barriers to lose); on by default since session 55"),
+    "l2_prefetch": (False,
+        "with mhc_grid_barrier on: each mHC boundary kernel (mhc_post_finish / mhc_row_boundary) also asks the "
+        "memory system to bring the weights its sublayer reads first into L2 (TMA L2 prefetches, fire and forget: "
+        "pallas_kernels._common.issue_l2_prefetch; up to L2_PREFETCH_BYTES, in the order the sublayer reads them: "
+        "KDA's f_a/g_a/b and the leading rows of q/k/v; the DSA layer's q_a/kv_a, the indexer's wk/gate/head "
+        "weights, q_b and the indexer's wq_b; the MoE's router and shared expert; the dense MLP's gate and up), so "
+        "that HBM, idle while the latency-bound boundary runs (~5 µs, 90 per step at q = 1), already streams the "
+        "next GEMVs' bytes, which then come from L2. Measured before building (s55e, an XLA bf16 GEMV of 16.8 MB "
+        "in a chain: 14.1 µs with its weight in HBM, 5.8 in L2). The same values (a prefetch moves no data "
+        "into the kernel). CPU-built (session 55): off until measured"),
     "mhc_row": (True,
         "with mhc_grid_barrier on, at one token row (decode at q = 1): the boundary as "
         "pallas_kernels.mhc.mhc_row_boundary — D / 128 CTAs, each thread one column of every stream in "
@@ -423,6 +433,29 @@ KNOBS = {
         "graph does not honour the programmatic edge) — off"),
 }
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
+# Policy knob l2_prefetch: the bytes one kernel asks to have brought into L2 for the GEMVs after it — about what HBM
+# moves in a boundary's ~5 µs plus the first GEMV's start, half the H200's 50 MB L2 (the rest keeps what runs)
+L2_PREFETCH_BYTES = 24 << 20
+
+
+def l2_budget(weights, nbytes: int = L2_PREFETCH_BYTES):
+  """weights (in the order the sublayer reads them; a weight, or (weight, row ranges ((r0, r1), ...)) for some of
+  its rows — leading axes merged) -> the prefetch targets ((w, ranges), ...) within ``nbytes``: the first ones
+  whole, the one that crosses the budget its leading rows, none after it."""
+  out, left = [], int(nbytes)
+  for item in weights:
+    w, ranges = item if isinstance(item, tuple) else (item, ((0, math.prod(item.shape[:-1])),))
+    row, took = w.shape[-1] * w.dtype.itemsize, []
+    for r0, r1 in ranges:
+      n = min(r1 - r0, left // row)
+      if n > 0:
+        took.append((r0, r0 + n))
+        left -= n * row
+    if not took:
+      break
+    out.append((w, tuple(took)))
+  return tuple(out)
+
 
 # Knobs whose forms were measured slower than (or no faster than) the defaults on the H200 and removed with their
 # kernels: a policy naming one is refused with the reason (git history and BENCHMARKS.md keep them).
@@ -827,18 +860,20 @@ class HyperConnection(nnx.Module):
     return out.astype(X.dtype)
 
   # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)
-  def fused(self, X2, pending, norm: "RMSNorm"):
+  def fused(self, X2, pending, norm: "RMSNorm", prefetch=()):
     """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
     RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix) of the previous
     sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post_t
     [N, C], comb_t [N·N, C]) f32: this site's post and comb for the next boundary, transposed — a column per token
     row, C = M rounded up to 64, pallas_kernels.mhc.mix_rows reads them back). Rows beyond 64 go in chunks of 64
-    (a chunk's mix is its 64 columns)."""
+    (a chunk's mix is its 64 columns). ``prefetch``: the weights the sublayer reads first, in that order (policy
+    knob l2_prefetch: the one-launch boundary asks for up to L2_PREFETCH_BYTES of them in L2)."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M, R = X2.shape[0], km.ROWS
     if M > R:
       parts = [self.fused(X2[i:i + R], None if pending is None else
-                          (pending[0][i:i + R], tuple(a[:, i:i + R] for a in pending[1])), norm)
+                          (pending[0][i:i + R], tuple(a[:, i:i + R] for a in pending[1])), norm,
+                          prefetch if i == 0 else ())
                for i in range(0, M, R)]
       return (jnp.concatenate([p[0] for p in parts], axis=0), jnp.concatenate([p[1] for p in parts], axis=0),
               tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)))
@@ -863,10 +898,18 @@ class HyperConnection(nnx.Module):
                            why=f"one token row (here {M}) and a hidden size a multiple of {km.ROW_COLS} (here {D})")
       # lean_barriers: the boundary built without Mosaic's automatic barriers, its own where the data needs them
       lean = kernel_enabled("lean_barriers")
+      # l2_prefetch: the sublayer's first weights into L2 while the boundary runs
+      pf, plan = (), ()
+      if prefetch and kernel_enabled("l2_prefetch"):
+        from pallas_kernels._common import l2_prefetch_args  # noqa: PLC0415
+        pf, plan = l2_prefetch_args(l2_budget(prefetch))
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
-          hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean)
+          hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean, prefetch=pf,
+          prefetch_plan=plan)
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
+    if prefetch:
+      kernel_enabled("l2_prefetch", fits=False, why="the one-launch boundary (mhc_grid_barrier) issues the prefetches")
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)
     # mhc_fused_sums: the finish / Sinkhorn kernels sum the raw partials themselves (no XLA reduction between the
@@ -903,6 +946,10 @@ class MLP(nnx.Module):
     self.up_proj = Linear(D, inter, dtype, (FFN, EMBED), fp8_block=fp8_block)
     self.down_proj = Linear(inter, D, dtype, (EMBED, FFN), fp8_block=fp8_block)
     self.limit = cfg.swiglu_limit
+
+  def l2_targets(self):
+    """The weights this MLP reads first, in that order (policy knob l2_prefetch)."""
+    return (self.gate_proj.weight[...], self.up_proj.weight[...])
 
   def partial(self, x, dtype):
     """This shard's contribution (the caller psums it)."""
@@ -1145,6 +1192,13 @@ class MoE(nnx.Module):
     self.experts = Experts(cfg, dtype, fp8_block)
     self.shared_experts = (MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block)
                            if cfg.n_shared_experts else None)
+
+  def l2_targets(self):
+    """The weights this layer reads first, in that order (policy knob l2_prefetch): the router's, then the shared
+    expert's (the routed experts are known only after the router)."""
+    sh = self.shared_experts
+    return (self.gate.weight[...],) + (() if sh is None else (sh.gate_proj.weight[...], sh.up_proj.weight[...],
+                                                              sh.down_proj.weight[...]))
 
   def __call__(self, x, dtype, *, return_ids=False):
     """x [B, T, D] -> [B, T, D]; one psum for routed + shared."""

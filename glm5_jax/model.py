@@ -63,7 +63,7 @@ class DecoderLayer(nnx.Module):
     aux = {}
     B, T = bt
     with jax.named_scope("mhc"):
-      X2, x, mix = self.attn_hc.fused(X2, pending, self.input_layernorm)
+      X2, x, mix = self.attn_hc.fused(X2, pending, self.input_layernorm, self.self_attn.l2_targets())
     with jax.named_scope("kda" if self.is_kda else "dsa"):
       if self.is_kda:
         y, cache = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype)
@@ -71,7 +71,8 @@ class DecoderLayer(nnx.Module):
         y, cache, a = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype)
         aux["idx"] = a["idx"]
     with jax.named_scope("mhc"):
-      X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm)
+      X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm,
+                                     self.mlp.l2_targets())
     with jax.named_scope("moe" if self.is_moe else "mlp"):
       if self.is_moe:
         y, aux["experts"] = self.mlp(x.reshape(B, T, -1), dtype, return_ids=True)

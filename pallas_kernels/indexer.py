@@ -34,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (kernel_entry, mgpu_kernel, order_key_u32, replicated_rows_layouts,
-                                    warp_split_layout)
+from pallas_kernels._common import (issue_l2_prefetch, kernel_entry, mgpu_kernel, order_key_u32,
+                                    replicated_rows_layouts, warp_split_layout)
 
 HEAD_DIM = 128
 FP8_MAX = 448.0
@@ -136,7 +136,7 @@ def _quantize_rows(qb_s, h_s, q_s, qs_s, rq: int):
   plgpu.commit_smem()  # q_s is read by the scores' wgmmas (the async proxy)
 
 
-def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False):
+def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_plan=(), grid=(1, 1)):
   """Kernel body: ``nbc`` blocks of 64 pooled keys per CTA, T tokens x hi heads.
 
   GMEM refs: q_g [B, T * hi, 128] e4m3, wq_g [B, T, hi] f32 (w * q_scale), nv_g [B, T] int32,
@@ -146,9 +146,12 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False):
   automatic barriers: lean_barriers) needs no barrier of its own: o_s is rewritten each block only after
   ``wait_smem_to_gmem``, whose barrier holds every thread until its TMA store has read it; a slot's next gather
   comes after the commit that every thread passes once its reads of the slot — the wgmma's, the scales' — are
-  done; the queries' SMEM is written once, before a commit."""
+  done; the queries' SMEM is written once, before a commit. ``prefetch_plan``: L2 prefetches of the weights
+  after the inputs (``issue_l2_prefetch``), dealt out over the ``grid`` (chunks, sequences) of CTAs."""
 
   def body(*refs):
+    n_in, n_pf = (6 if rotate else 5), len(prefetch_plan)
+    pf, refs = refs[n_in:n_in + n_pf], refs[:n_in] + refs[n_in + n_pf:]
     if rotate:
       (q_g, h_g, wq_g, nv_g, k8_g, ks_g, o_g, q_s, k_s, ks_s, o_s, bar, kbar, qb_s, h_s, qs_s) = refs
     else:
@@ -178,6 +181,8 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False):
     def _():
       issue(0, 0)
 
+    # (policy knob l2_prefetch: the weights after the selection into L2, behind this CTA's own first loads)
+    issue_l2_prefetch(pf, prefetch_plan, ch + grid[0] * b, grid[0] * grid[1])
     plgpu.barrier_wait(bar.at[0])
     wq = [plgpu.load(wq_g.at[b, t], layout=_L.WGMMA.reduce(0), optimized=False) for t in range(T)]
     if rotate:
@@ -224,9 +229,9 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False):
   return body
 
 
-@kernel_entry("blocks_per_cta", "padded", "align", "lean")
+@kernel_entry("blocks_per_cta", "padded", "align", "lean", "prefetch_plan")
 def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False,
-                   align: int = 64, lean: bool = False):
+                   align: int = 64, lean: bool = False, prefetch=(), prefetch_plan=()):
   """Mosaic GPU indexer scores; same contract as ``indexer_scores_reference``.
 
   q8 [B, T, HI, 128] e4m3 (HI a multiple of 8), q_scale / w [B, T, HI] f32, k8 [B, P, 128] e4m3, k_scale [B, P]
@@ -236,10 +241,12 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   output as it is, [B, T, Pp >= P] (-inf past each token's n_valid: what the top-k threshold kernel reads with no
   slice in between), Pp a multiple of ``align`` (a multiple of 64: the threshold kernel takes rows of its lanes,
   128 per warpgroup; the grid grows by CTAs that only write -inf). ``lean`` (policy knob lean_barriers): built
-  without Mosaic GPU's automatic warpgroup barriers (18 bar.sync, 4 lean; ``_indexer_kernel``)."""
+  without Mosaic GPU's automatic warpgroup barriers (18 bar.sync, 4 lean; ``_indexer_kernel``). ``prefetch`` /
+  ``prefetch_plan`` (policy knob l2_prefetch; ``_common.l2_prefetch_args``): weights the CTAs ask to have brought
+  into L2 while the DSA layer's selection runs — its W_UV and o_proj, read at the layer's end."""
   wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
   return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False, padded=padded, align=align,
-                      lean=lean)
+                      lean=lean, prefetch=tuple(prefetch), prefetch_plan=prefetch_plan)
 
 
 def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
@@ -249,20 +256,20 @@ def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
   return indexer_scores_reference(q8, qs, w, k8, k_scale, n_valid, **unused)
 
 
-@kernel_entry("blocks_per_cta", "padded", "align", "lean")
+@kernel_entry("blocks_per_cta", "padded", "align", "lean", "prefetch_plan")
 def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False,
-                     align: int = 64, lean: bool = False):
+                     align: int = 64, lean: bool = False, prefetch=(), prefetch_plan=()):
   """Mosaic GPU version of ``indexer_scores_q_reference``: ``indexer_scores`` with the queries' FWHT and FP8
   quantisation inside the kernel (each CTA rotates the T · HI rows with one wgmma per 64 rows against the ±1
   Sylvester matrix and quantises them in registers: ``_quantize_rows``) instead of ~3 XLA kernels in front of it
   on the critical path (the rotation's butterflies, the amax, the conversion; ~8 µs per DSA layer on the H200,
-  session 29's profile). q must be bf16 (the projection's output dtype: the wgmma reads it as is). ``lean`` as in
-  ``indexer_scores``."""
+  session 29's profile). q must be bf16 (the projection's output dtype: the wgmma reads it as is). ``lean``,
+  ``prefetch`` / ``prefetch_plan`` as in ``indexer_scores``."""
   if q.dtype != jnp.bfloat16:
     raise ValueError(f"indexer_scores_q: q {q.dtype}; expected bfloat16 (the wq_b projection's output: the "
                      "kernel's wgmma reads it as is — rotate other dtypes with indexer_scores)")
   return _scores_call(q, w.astype(jnp.float32), k8, k_scale, n_valid, blocks_per_cta, rotate=True, padded=padded,
-                      align=align, lean=lean)
+                      align=align, lean=lean, prefetch=tuple(prefetch), prefetch_plan=prefetch_plan)
 
 
 def _sylvester128():
@@ -273,7 +280,7 @@ def _sylvester128():
 
 
 def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padded: bool = False, align: int = 64,
-                 lean: bool = False):
+                 lean: bool = False, prefetch=(), prefetch_plan=()):
   B, T, HI, Dh = q.shape
   P = k8.shape[1]
   if Dh != HEAD_DIM or HI % 8:
@@ -298,7 +305,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
            plgpu.SMEM((HEAD_DIM, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # h_s: the Sylvester matrix
            plgpu.SMEM((rq,), jnp.float32)] if rotate else []  # qs_s: the queries' scales
   kern = mgpu_kernel(
-      _indexer_kernel(nbc, T, HI, rotate),
+      _indexer_kernel(nbc, T, HI, rotate, prefetch_plan, grid=(nch, B)),
       out_type=jax.ShapeDtypeStruct((B, T, Pp), jnp.float32),
       scratch_types=[
           plgpu.SMEM((rq, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # q_s
@@ -315,7 +322,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=bool(lean)),
   )
   head = (q.reshape(B, T * HI, HEAD_DIM),) + ((jnp.asarray(_sylvester128(), jnp.bfloat16),) if rotate else ())
-  out = kern(*head, wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32))
+  out = kern(*head, wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32), *prefetch)
   return out if padded else out[:, :, :P]
 
 

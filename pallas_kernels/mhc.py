@@ -47,14 +47,16 @@ untiled one for the TMA store of its M rows.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (counter_signal, counter_wait, fence_async_writes, interpreting, kernel_entry,
-                                    mgpu_kernel, wg_barrier)
+from pallas_kernels._common import (counter_signal, counter_wait, fence_async_writes, interpreting,
+                                    issue_l2_prefetch, kernel_entry, mgpu_kernel, wg_barrier)
 
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
@@ -260,7 +262,7 @@ def _pre_rinv(S, gram, r, base, sc0, D, eps, norm_eps):
 
 
 def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch's columns per CTA)
-  def body(*refs):
+  def body(*refs, after_loads=None):  # (after_loads: run once the loads are issued — the L2 prefetches)
     if first:  # no previous sublayer: X' = X, nothing to mix or store
       x_g, fn_g, part_g, x_s, fn_s, xw_s, bar = refs
     else:
@@ -274,6 +276,8 @@ def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch'
       plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, M), pl.ds(d0, DC)], y_s.at[pl.ds(0, M)], bar)
       plgpu.copy_gmem_to_smem(post_g, post_s, bar)
       plgpu.copy_gmem_to_smem(comb_g, comb_s, bar)
+    if after_loads is not None:
+      after_loads()
     with jax.named_scope("load"):
       plgpu.barrier_wait(bar)
 
@@ -763,12 +767,14 @@ def _check_grid_args(what: str, X, fn, coef, w, mix, first: bool, parity: int, l
 
 
 def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float,
-                        counters: bool = False, lean: bool = False):
+                        counters: bool = False, lean: bool = False, prefetch_plan=()):
   """The one-launch body: mhc_post_pre's (``_post_pre_kernel``, 32 columns) with its refs, zero rows G.. of the
   partials, the grid barrier, then ``_normalise_from_partials`` on the X' this CTA staged (untiled: xu_s, or x_s
   — X itself — at the first site). ``counters``: the barrier on counter p of the counters' Ref (inputs after w:
   the Ref, then p as int32 [1]; ``barrier_counters``) instead of a pl.get_global semaphore — p an operand, not
-  a constant of the kernel, so both parities run one compiled kernel."""
+  a constant of the kernel, so both parities run one compiled kernel. ``prefetch_plan``: L2 prefetches of the
+  weights after the counters' inputs (``issue_l2_prefetch``), issued once the CTA's own loads are (a TMA unit
+  works through its requests in order: 4 boxes of 128 KB in front of them would hold them back by microseconds)."""
   G, Gp = _grid_rows(D)
   pp = _post_pre_kernel(M, D, first, GRID_COLS)
   n_in = 2 if first else 5
@@ -778,6 +784,7 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
     ctr_g, par_g = refs[n_in + 2:n_in + 4] if counters else (None, None)
     it = iter(refs[n_in + 2 + 2 * counters:])
     take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
+    pf = take(len(prefetch_plan))
     pp_out = take(1 if first else 2)  # ([xo_g,] part_g)
     xin_g = next(it)
     pp_scratch = take(4 if first else 8)
@@ -787,7 +794,9 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
     d0 = g * GRID_COLS
     plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, GRID_COLS)], w_s, bar_w)  # in flight through the first half
     with jax.named_scope("post_pre"):
-      pp(*pp_in, *pp_out, *pp_scratch)
+      # (the L2 prefetches behind the CTA's own loads in its TMA unit's queue, not in front of them)
+      pp(*pp_in, *pp_out, *pp_scratch,
+         after_loads=functools.partial(issue_l2_prefetch, pf, prefetch_plan, g, G) if prefetch_plan else None)
     for k in range(-(-(Gp - G) // G)):  # the zero rows, spread over the CTAs
       row = G + g + k * G
 
@@ -804,14 +813,18 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
   return body
 
 
-def _finish_half_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps: float):
-  """The second half as a launch of its own (``launches=2``): X' and the partials from GMEM."""
+def _finish_half_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps: float, prefetch_plan=()):
+  """The second half as a launch of its own (``launches=2``): X' and the partials from GMEM. ``prefetch_plan``:
+  the L2 prefetches (``issue_l2_prefetch``) of the weights after w."""
+  G, _ = _grid_rows(D)
 
-  def body(xn_g, part_g, c_g, w_g, xin_g, x_s, w_s, o_s, t_s, ts_s, bar_w):
+  def body(xn_g, part_g, c_g, w_g, *refs):
+    pf, (xin_g, x_s, w_s, o_s, t_s, ts_s, bar_w) = refs[:len(prefetch_plan)], refs[len(prefetch_plan):]
     d0 = lax.axis_index("g") * GRID_COLS
     for i in range(N):
       plgpu.copy_gmem_to_smem(xn_g.at[pl.ds(0, M), pl.ds(i * D + d0, GRID_COLS)], x_s.at[i, pl.ds(0, M)], bar_w)
     plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, GRID_COLS)], w_s, bar_w)
+    issue_l2_prefetch(pf, prefetch_plan, lax.axis_index("g"), G)  # (behind the CTA's own loads)
     _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
                              norm_eps)
 
@@ -826,10 +839,10 @@ def _finish_half_scratch(M: int, arrivals: int):
           plgpu.Barrier(num_arrivals=arrivals)]  # bar_w: w (and, launched alone, X')
 
 
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean")
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "prefetch_plan")
 def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                     norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                    parity: int = 0, lean: bool = False):
+                    parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=()):
   """Mosaic GPU version of ``mhc_post_finish_reference`` (same signature and outputs): the boundary's post, pre
   logits and Gram, and the sublayer input's RMSNorm in ONE launch of D / 32 CTAs with a grid barrier between the
   halves, for up to PARTS_MAX_ROWS token rows (decode's few; more: mhc_post_pre + mhc_finish). ``launches``: 1
@@ -841,7 +854,9 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   kernel built without Mosaic GPU's automatic warpgroup barriers (``CompilerParams(unsafe_no_auto_barriers)``: two
   around every vector store to a ref, one before every TMA load — 46 bar.sync in this kernel at the real width,
   10 left: commit_smem's, wait_smem_to_gmem's, the reductions' and the grid barrier's), with the few it needs
-  besides placed explicitly (``_sum_partials_t``, ``_grid_barrier``); no effect on the two-launch form."""
+  besides placed explicitly (``_sum_partials_t``, ``_grid_barrier``); no effect on the two-launch form.
+  ``prefetch`` / ``prefetch_plan`` (policy knob l2_prefetch; ``_common.l2_prefetch_args``): the weights of the
+  GEMVs after the boundary, prefetched into L2 by its CTAs while it runs (the two-launch form: by the second)."""
   M, K = X.shape
   D = K // N
   _check(X, D, "mhc_post_finish")
@@ -858,10 +873,11 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   if launches == 2:
     Xn, part = mhc_post_pre(X, y, mix, fn, first=first, cols=GRID_COLS)
     part = jnp.pad(part, ((0, Gp - G), (0, 0), (0, 0)))
-    fin = mgpu_kernel(_finish_half_kernel(M, D, *consts), out_type=x_in, kernel_name="glm5_mhc_finish_half",
+    fin = mgpu_kernel(_finish_half_kernel(M, D, *consts, prefetch_plan), out_type=x_in,
+                      kernel_name="glm5_mhc_finish_half",
                       scratch_types=[plgpu.SMEM((N, ROWS, GRID_COLS), bf16),  # x_s: X' (its M rows)
                                      *_finish_half_scratch(M, N + 1)], **params)
-    return Xn, fin(Xn, part, coef.astype(f32), w.astype(bf16)), part
+    return Xn, fin(Xn, part, coef.astype(f32), w.astype(bf16), *prefetch), part
   x_s = plgpu.SMEM((N, ROWS, GRID_COLS), bf16)
   fn_s = plgpu.SMEM((N, MIX, GRID_COLS), bf16, transforms=_bf16_swizzled(GRID_COLS))
   xw_s = plgpu.SMEM((N, ROWS, GRID_COLS), bf16, transforms=_bf16_swizzled(GRID_COLS))
@@ -873,11 +889,12 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   part = jax.ShapeDtypeStruct((Gp, ROWS, PART), f32)
   outs = (part, x_in) if first else (jax.ShapeDtypeStruct((M, K), bf16), part, x_in)
   params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
-  kern = mgpu_kernel(_post_finish_kernel(M, D, bool(first), *consts, counters=counters is not None, lean=bool(lean)),
+  kern = mgpu_kernel(_post_finish_kernel(M, D, bool(first), *consts, counters=counters is not None, lean=bool(lean),
+                                         prefetch_plan=prefetch_plan),
                      out_type=outs, scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1)],
                      kernel_name="glm5_mhc_post_finish", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
-  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr)
+  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch)
   if first:
     part, x_in = got
     return X, x_in, part
@@ -993,11 +1010,13 @@ def _row_scratch(first: bool):
           plgpu.Barrier(num_arrivals=N + 1)]  # bar_fn: fn, w
 
 
-def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D: int, first: bool, g):
+def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D: int, first: bool, g,
+                    after_loads=None):
   """Loads, the mix, X' stored (unless ``first``), the CTA's partials stored into token row 0 of chunk g and zeros
   into token row 0 of the padding chunks G.. -> X' (f32 per-thread vectors). Waits for its stores. The mix waits
   only for X, y and the previous mix (bar_x); fn's 24 KB per CTA (and w) arrive behind them (bar_fn), and the
-  padding chunks' zeros go out before anything else is computed."""
+  padding chunks' zeros go out before anything else is computed. ``after_loads``: called once the loads are
+  issued (the L2 prefetches of policy knob l2_prefetch)."""
   x_s, fn_s, y_s, post_s, comb_s, w_s, xu_s, red_s, v_s = scratch[:9]
   bar_x, bar_fn = scratch[-2:]
   G, Gp = _grid_rows(D, ROW_COLS)
@@ -1011,6 +1030,8 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
   for i in range(N):
     plgpu.copy_gmem_to_smem(fn_g.at[:, pl.ds(i * D + d0, ROW_COLS)], fn_s.at[i], bar_fn)
   plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar_fn)
+  if after_loads is not None:  # (the L2 prefetches: behind the CTA's own loads in its TMA unit's queue)
+    after_loads()
   v_s[...] = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), _L.WGMMA.reduce(1))
   plgpu.commit_smem()
   for k in range(-(-(Gp - G) // G)):  # token row 0 of the padding chunks, spread over the CTAs
@@ -1038,13 +1059,14 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
 
 
 def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int,
-                lean: bool = False):
+                lean: bool = False, prefetch_plan=()):
   """``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its halves as launches of their own.
   ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM store here is followed by a
   ``commit_smem`` before another thread or the TMA reads it, and no buffer is written after another thread read
   it (v_s, rewritten after the zero rows' TMA stores read it, is so only behind _row_partials' commit, which the
   issuing thread reaches after waiting for those reads); the barriers it needs besides: _sum_partials_t's and
-  _grid_barrier's (``explicit``)."""
+  _grid_barrier's (``explicit``). ``prefetch_plan``: L2 prefetches of the weights after the counters' inputs
+  (the whole boundary or its first half; ``issue_l2_prefetch``), issued once the CTA's own loads are."""
   G, _ = _grid_rows(D, ROW_COLS)
   consts = (D, eps, hc_norm_eps, norm_eps)
 
@@ -1072,11 +1094,13 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
       x_g, y_g, post_g, comb_g, fn_g = take(5)
     c_g, w_g = take(2) if half == 0 else (None, take(1)[0])
     ctr_g, par_g = take(2) if counters else (None, None)
+    pf = take(len(prefetch_plan))
     xo_g = None if first else next(it)
     part_g = next(it)
     xin_g = next(it) if half == 0 else None
     scratch = list(it)
-    xn = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g)
+    xn = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g,
+                         functools.partial(issue_l2_prefetch, pf, prefetch_plan, g, G) if prefetch_plan else None)
     if half == 1:
       return
     fence_async_writes()  # (the partials went out by TMA; the other CTAs read them with plain loads)
@@ -1098,15 +1122,16 @@ def mhc_row_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, e
                                    norm_eps=norm_eps, approx_math=approx_math, launches=launches, cols=ROW_COLS)
 
 
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean")
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "prefetch_plan")
 def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                      norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                     parity: int = 0, lean: bool = False):
+                     parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=()):
   """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, one token
   row): ONE launch of D / 128 CTAs, one column of every stream per thread, a grid barrier between the halves
   (``counters`` / ``parity`` as in mhc_post_finish). ``launches=2`` (the default in GPU interpret mode): the halves
   as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 bar.sync, 16 left — its 38
-  one-row stores of per-thread products each had two)."""
+  one-row stores of per-thread products each had two). ``prefetch`` / ``prefetch_plan`` as in mhc_post_finish (the
+  two-launch form: the first launch issues them)."""
   M, K = X.shape
   D = K // N
   G, Gp = _grid_rows(D, ROW_COLS)
@@ -1122,9 +1147,9 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   x_in = jax.ShapeDtypeStruct((1, D), bf16)
   xo = () if first else (jax.ShapeDtypeStruct((1, K), bf16),)
   if launches == 2:
-    h1 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 1), out_type=(*xo, part),
+    h1 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 1, prefetch_plan=prefetch_plan), out_type=(*xo, part),
                      scratch_types=_row_scratch(first), kernel_name="glm5_mhc_row_first", **params)
-    got = h1(*pp_in, w.astype(bf16))
+    got = h1(*pp_in, w.astype(bf16), *prefetch)
     Xn, part = (X, got[0]) if first else got
     h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2), out_type=x_in, kernel_name="glm5_mhc_row_second",
                      scratch_types=[plgpu.SMEM((N, 1, ROW_COLS), bf16), plgpu.SMEM((ROW_COLS,), bf16),
@@ -1133,11 +1158,12 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
                                     plgpu.Barrier(num_arrivals=N + 1)], **params)
     return Xn, h2(Xn, part, coef.astype(f32), w.astype(bf16)), part
   params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
-  kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean)),
+  kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean),
+                                 prefetch_plan=prefetch_plan),
                      out_type=(*xo, part, x_in), scratch_types=_row_scratch(first),
                      kernel_name="glm5_mhc_row_boundary", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
-  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr)
+  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch)
   if first:
     part, x_in = got
     return X, x_in, part

@@ -421,11 +421,12 @@ def test_native_wrong_kernels_are_refused_outside_interpret_mode(monkeypatch):
   assert rep == [(knob, NATIVE_WRONG[knob]), (knob, None)]
 
 
-def _extend_one_token(m, B, policy, seed, trace_only=False):
+def _extend_one_token(m, B, policy, seed, trace_only=False, entries=None):
   """One extend step of B single-token rows through model m under kernel ``policy`` (GPU interpret mode; a fresh
   trace) -> ((final hidden [B, 1, D] f32, the first layer's expert ids — or, without an MoE there, its indexer
   selection, None with neither), the kernel report as a dict); with
-  ``trace_only`` only traced (the report), the values None."""
+  ``trace_only`` only traced (the report), the values None. ``entries``: a list that receives the report's
+  entries one per site (the dict keeps a knob's last)."""
   from glm5_jax import api  # noqa: PLC0415
   from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
   tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 2000, (B, 1)), jnp.int32)
@@ -435,11 +436,15 @@ def _extend_one_token(m, B, policy, seed, trace_only=False):
   with use_kernels(policy), maybe_interpret(True), kernel_report() as rep:
     if trace_only:
       jax.eval_shape(fn, *args)
+      if entries is not None:
+        entries.extend(rep)
       return None, dict(rep)
     out = fn(*args)[0]
     aux = out["aux"][0]
     sel = aux["experts"] if "experts" in aux else aux.get("idx")  # (neither in a KDA layer with a dense MLP)
     got = np.asarray(out["hidden"], np.float32), None if sel is None else np.asarray(sel)
+  if entries is not None:
+    entries.extend(rep)
   return got, dict(rep)
 
 
@@ -567,6 +572,32 @@ def test_mhc_row_at_the_model_site():
   assert np.abs(h0).max() > 0
   _, rep2 = _extend_one_token(m, 2, base | {"mhc_row": True}, seed=13, trace_only=True)
   assert rep2["mhc_row"].startswith("one token row (here 2)"), rep2
+
+
+def test_l2_prefetch_at_the_model_site():
+  """Policy l2_prefetch at a two-layer bf16 model's mHC boundaries (a KDA + dense MLP layer, a DSA + MoE layer;
+  FP8 projections; GPU interpret mode, where a prefetch is a no-op): every boundary takes its sublayer's first
+  weights as prefetch operands — the hidden state bit for bit the one without, the report names all 4 sites;
+  without the one-launch boundary (mhc_grid_barrier off) it is declined by name."""
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 15, "fp8", num_hidden_layers=2,
+                         layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"])
+  m = load(path, "bfloat16")
+  base = {k: False for k in KERNEL_DEFAULTS} | {"mhc": True, "mhc_finish": True, "mhc_sinkhorn_split": True,
+                                                "mhc_grid_barrier": True, "mhc_row": True, "lean_barriers": True}
+  seed = int(np.random.default_rng().integers(1 << 20))
+  (h0, _), _ = _extend_one_token(m, 1, base, seed=seed)
+  rep = []
+  (h1, _), _ = _extend_one_token(m, 1, base | {"l2_prefetch": True}, seed=seed, entries=rep)
+  np.testing.assert_array_equal(h1, h0)
+  assert np.abs(h0).max() > 0
+  sites = [why for name, why in rep if name == "l2_prefetch"]
+  assert sites == [None] * 4, sites
+  rep = []
+  _extend_one_token(m, 1, base | {"mhc_grid_barrier": False, "l2_prefetch": True}, seed=seed, trace_only=True,
+                    entries=rep)
+  sites = [why for name, why in rep if name == "l2_prefetch"]
+  assert len(sites) == 4 and all(w and "one-launch boundary" in w for w in sites), sites
 
 
 def _attention_with_and_without(m, x, cache, ctx, base, knob):

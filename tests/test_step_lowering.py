@@ -229,6 +229,19 @@ def test_lean_barriers_reaches_the_chains_kernels():
   assert sites["sites"] >= 8, sites  # (4 layers' boundaries, their GEMVs, the DSA layer's and MoE kernels)
 
 
+def test_l2_prefetch_reaches_its_sites():
+  """Policy knob l2_prefetch in the kernel-tiny step at q = 1, traced as the CUDA lowering sees it: every mHC
+  boundary (4 layers x 2) prefetches its sublayer's first weights, every KDA kernel (3 layers) o_proj's, and the
+  DSA layer's scores kernel its W_UV and o_proj — one kernel_enabled per site, all running."""
+  model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
+  dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,), policy=(("l2_prefetch", True),)),
+                backend="latency_specialized")
+  with dec.kernel_mode(interpret=False):
+    dec.trace_step(1, params, interpret=False)
+  sites = dec.kernel_sites(1)["l2_prefetch"]
+  assert sites["sites"] == 4 * 2 + 3 + 1 and not sites["not_used"], sites
+
+
 def test_step_digest_ignores_locations_and_kernel_payloads():
   """scripts/step_digest.py's normalisation: two lowerings that differ only in source locations and a Mosaic call's
   serialized module / kernel hash (file paths, line numbers) digest alike; an operand type that differs does not."""
