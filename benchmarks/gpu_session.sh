@@ -13,10 +13,9 @@
 #                             bench_topk (the radix variants), bench_cluster_exchange, then the one-rank latency_specialized
 #                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
 #                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
-#   s54a, s54b (nvidia-h200): session 54's lean_barriers first: the lean kernels' GPU tests and the kernel-tiny
-#                             step end to end (s54a), then the q = 1 step against the defaults (s54b)
-#   s53a .. s53d (nvidia-h200): session 53's plan — see their comments below
-#   Modes of past sessions (s25 .. s52b and the one-off probes) are in git history: each BENCHMARKS.md
+#   s56a .. s56e (nvidia-h200): session 55's plan — the L2 prefetches' GPU tests (s56a), the q = 1 A/Bs of the
+#                             pending knobs (s56b, s56c), issue #9's ratio (s56d), a trace of the defaults (s56e)
+#   Modes of past sessions (s25 .. s55c and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
 set -uo pipefail
@@ -24,8 +23,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s55a|s55b|s55c|s54a|s54b|s53a|s53b|s53c|s53d) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s55a .. s55c, s54a, s54b, s53a .. s53d)"
+  single|pair|tp2|tp4|profile|s56a|s56b|s56c|s56d|s56e) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s56a .. s56e)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -127,136 +126,40 @@ case "$MODE" in
       --backend latency_specialized --profile --hlo-dir "$OUT" --out "$OUT/decode_profile.jsonl" 2>&1 \
       | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_profile.log"
     ;;
-  s55a)  # (nvidia-h200) session 55: every pending candidate's GPU tests in one call — s54a's (lean_barriers) and
-    # s53a's (mhc_row, latent_norms, kda_norm_partials, the f16 saturation), the 2-bit compaction (in
-    # compact_kernel_gpu), the two model-site tests natively, and the kernel-tiny step with lean_barriers
-    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_mhc.py -k "post_finish" \
-      > "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
-      "tests/test_sparse_mla.py::test_kernel_gpu[1-1-16-32768-2051-None-True-True]" \
-      "tests/test_sparse_mla.py::test_kernel_gpu[1-4-16-65536-2051-4-False-True]" \
-      "tests/test_sparse_mla.py::test_uv_kernel_gpu[1-16-16]" "tests/test_sparse_mla.py::test_uv_kernel_gpu[4-16-16]" \
-      "tests/test_sparse_mla.py::test_latent_norms_gpu[1]" "tests/test_sparse_mla.py::test_latent_norms_gpu[4]" \
-      "tests/test_indexer.py::test_kernel_rotating_queries_gpu[1-1-8192]" \
-      "tests/test_indexer.py::test_compact_kernel_gpu[1-8704-512-3-2112-32]" \
-      "tests/test_indexer.py::test_compact_kernel_gpu[4-8704-512-6-2112-32]" >> "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
-      "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[q_a-1-regs]" "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[mla_o-1-regs]" \
-      "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[dense_down-8-regs]" \
-      "tests/test_linear_kernels.py::test_router_in_the_gate_up_kernel_with_rows_gpu[bfloat16-second5]" \
-      "tests/test_linear_kernels.py::test_fp8_moe_shared_slot_gpu[4-True-regs]" \
-      "tests/test_linear_kernels.py::test_fp8_dq_linear_f16_saturates_gpu" >> "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -p no:cacheprovider tests/test_kda_decode.py -k "norm_partials" \
-      tests/test_model_units.py::test_mhc_row_at_the_model_site \
-      tests/test_model_units.py::test_mla_latent_norms_at_the_model_site >> "$OUT/tests.log" 2>&1
+  s56a)  # (nvidia-h200) session 55's L2 prefetches natively: each kernel with weights to prefetch bit for bit the
+    # kernel without (the boundaries' one-launch forms, the KDA kernel, the indexer's scores, the MoE's gate/up with
+    # its down weights), the f16 saturation test with the output's rounding allowed, then the kernel-tiny step with
+    # both knobs emitting the stock path's tokens
+    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -p no:cacheprovider tests/test_mhc.py tests/test_kda_decode.py \
+      tests/test_indexer.py -k "l2_prefetch" > "$OUT/tests.log" 2>&1
+    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -p no:cacheprovider tests/test_linear_kernels.py \
+      -k "down_prefetch or f16_saturates" >> "$OUT/tests.log" 2>&1
     timeout -k 9 -s INT $(( $(left) - 20 )) python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider \
-      "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[lean]" >> "$OUT/tests.log" 2>&1
+      "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[prefetch]" >> "$OUT/tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
     ;;
-  s55b)  # (nvidia-h200) q = 1, 5 interleaved repeats: the defaults against every pending candidate at once (most
-    # likely first: the budget drops the last) — lean_barriers, mhc_row (+ lean: 134 -> 16 barriers),
-    # mla_latent_norms + qkv_a_fused_sum, kda_gates_first, topk_threshold_2bit (+ lean: its design holds lean), all
-    rank1 s55b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"lean_barriers": true}' '{"mhc_row": true, "lean_barriers": true}' '{"mhc_row": true}' \
-      '{"mla_latent_norms": true, "qkv_a_fused_sum": true}' '{"kda_gates_first": true}' \
-      '{"topk_threshold_2bit": true, "lean_barriers": true}' \
-      '{"lean_barriers": true, "mhc_row": true, "mla_latent_norms": true, "qkv_a_fused_sum": true, "kda_gates_first": true, "topk_threshold_2bit": true}'
+  s56b)  # (nvidia-h200) q = 1, 5 interleaved repeats: session 55's defaults against the L2 prefetches (the
+    # boundaries', KDA's and the selection's; the MoE's down weights during gate/up; both) and kda_gates_first
+    rank1 s56b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"l2_prefetch": true}' \
+      '{"moe_down_prefetch": true}' '{"l2_prefetch": true, "moe_down_prefetch": true}' '{"kda_gates_first": true}'
     ;;
-  s55c)  # (nvidia-h200) issue #9's ratio in one call with s55b's winners (edit POLICY), 3 interleaved repeats
+  s56c)  # (nvidia-h200) q = 1: the other pending candidates against the defaults — the 2-bit selection (its design
+    # holds lean, now the default), dq_f16 (GPU tests pass after s56a), the DSA latent norms (55 launches fewer;
+    # a tie in s55b) — and s56b's winners together (edit WIN)
+    rank1 s56c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"topk_threshold_2bit": true}' '{"dq_f16": true}' '{"mla_latent_norms": true, "qkv_a_fused_sum": true}' \
+      "${WIN:-{\"l2_prefetch\": true, \"moe_down_prefetch\": true, \"kda_gates_first\": true\}}"
+    ;;
+  s56d)  # (nvidia-h200) issue #9's ratio in one call: auto vs latency_specialized (POLICY: the winners beyond the
+    # defaults), 3 interleaved repeats of 40 steps
     timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
       --batch 1 --context 32768 --q 1 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) \
       --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
-      --policy "${POLICY:-{\}}" --out "$OUT/decode_s55c.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s55c.log"
+      --policy "${POLICY:-{\}}" --out "$OUT/decode_s56d.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s56d.log"
     ;;
-  s54a)  # (nvidia-h200) session 54's lean_barriers: the kernels on the q = 1 step's chains built without Mosaic GPU's
-    # automatic warpgroup barriers (the mHC boundary 46 -> 10 bar.sync, mhc_row 134 -> 16, the indexer's scores
-    # 18 -> 5 and compaction 20 -> 10, the sparse MLA 43 -> 7 plus one per gather TMA, W_UV 29 -> 3, the FP8 GEMV
-    # and the MoE's kernels), their explicit barriers checked natively: each lean kernel bit for bit its default
-    # build (the boundary: its two-launch form), and the kernel-tiny step with lean_barriers emitting the stock
-    # path's tokens
-    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
-      "tests/test_mhc.py::test_post_finish_gpu[1-False-False-True]" "tests/test_mhc.py::test_post_finish_gpu[1-True-False-True]" \
-      "tests/test_mhc.py::test_post_finish_gpu[4-False-False-True]" "tests/test_mhc.py::test_post_finish_gpu[1-False-True-True]" \
-      "tests/test_mhc.py::test_post_finish_gpu[1-False-True-False]" "tests/test_mhc.py::test_post_finish_counters_gpu[1-False-True]" \
-      "tests/test_mhc.py::test_post_finish_counters_gpu[1-True-True]" > "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
-      "tests/test_sparse_mla.py::test_kernel_gpu[1-1-16-32768-2051-None-True-True]" \
-      "tests/test_sparse_mla.py::test_kernel_gpu[1-4-16-65536-2051-4-False-True]" \
-      "tests/test_sparse_mla.py::test_uv_kernel_gpu[1-16-16]" "tests/test_sparse_mla.py::test_uv_kernel_gpu[4-16-16]" \
-      "tests/test_indexer.py::test_kernel_rotating_queries_gpu[1-1-8192]" \
-      "tests/test_indexer.py::test_compact_kernel_gpu[1-8704-512-3-2112-32]" \
-      "tests/test_indexer.py::test_compact_kernel_gpu[4-8704-512-6-2112-32]" >> "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
-      "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[q_a-1-regs]" "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[mla_o-1-regs]" \
-      "tests/test_linear_kernels.py::test_fp8_dq_linear_gpu[dense_down-8-regs]" \
-      "tests/test_linear_kernels.py::test_router_in_the_gate_up_kernel_with_rows_gpu[bfloat16-second5]" \
-      "tests/test_linear_kernels.py::test_fp8_moe_shared_slot_gpu[4-True-regs]" >> "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT $(( $(left) - 20 )) python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider \
-      "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[lean]" >> "$OUT/tests.log" 2>&1
-    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
-    ;;
-  s54b)  # (nvidia-h200) q = 1, 5 interleaved repeats: defaults vs lean_barriers, and mhc_row with and without it
-    # (the row form has the most barriers to lose: 134 -> 16)
-    rank1 s54b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"lean_barriers": true}' '{"mhc_row": true}' '{"mhc_row": true, "lean_barriers": true}'
-    ;;
-  s53a)  # (nvidia-h200) session 52's two CPU-built launch cutters natively. mhc_row: the one-token-row mHC boundary
-    # (mhc_row_boundary: 32 CTAs with a column of every stream per thread instead of mhc_post_finish's 128 CTAs of
-    # 64-row tiles for one real row; s48d: the post mix 2.1 + partial stores 1.2 + sums 2.5 of its 6.3 µs).
-    # mla_latent_norms: the DSA layer's q_a / kv_a RMSNorms and the latent's FP8 quantisation as one launch
-    # (latent_norms) instead of ~7 XLA fusions on its critical path (s51b's trace: 6.9 µs there), and with it
-    # qkv_a_fused_sum (the projection's K splits summed in its kernel: no XLA split sum before latent_norms). Their
-    # GPU tests with those s52a did not run (kda_norm_partials natively; the f16 saturation test with its tolerance
-    # fixed), then q = 1, 5 interleaved repeats: defaults vs each (the boundary alone: s53c)
-    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
-      "tests/test_mhc.py::test_post_finish_gpu[1-False-True]" "tests/test_mhc.py::test_post_finish_gpu[1-True-True]" \
-      "tests/test_mhc.py::test_post_finish_counters_gpu[1-True]" > "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_sparse_mla.py \
-      -k "latent_norms_gpu" >> "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT 100 python3 -m pytest -q -rA -p no:cacheprovider tests/test_kda_decode.py \
-      -k "norm_partials_interpret" >> "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT 80 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_linear_kernels.py \
-      -k "saturates" >> "$OUT/tests.log" 2>&1
-    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
-    [ "$(left)" -gt 200 ] && rank1 s53a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"mhc_row": true}' '{"mla_latent_norms": true}' '{"mla_latent_norms": true, "qkv_a_fused_sum": true}'
-    ;;
-  s53b)  # (nvidia-h200) after s53a: its winners with the knobs s52c/s52d had faster in 3-4 of 4 rounds
-    # (kda_norm_partials, dq_f16; edit the policy to s53a's result) against the defaults at q = 1, then auto vs
-    # latency_specialized in one call with the winners (s53d; issue #9: 2x needs latency_specialized <= auto / 2).
-    # Session 53's two CPU-built orders / forms against the defaults too: kda_gates_first (the KDA gates' GEMVs
-    # launched before the qkv GEMV) and topk_threshold_2bit (the fused selection's passes two bits at a time)
-    rank1 s53b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"mhc_row": true, "mla_latent_norms": true, "qkv_a_fused_sum": true, "kda_norm_partials": true, "dq_f16": true}' \
-      '{"kda_gates_first": true}' '{"topk_threshold_2bit": true}'
-    ;;
-  s53d)  # (nvidia-h200) issue #9's ratio in one call: auto vs latency_specialized with s53a / s53b's winners (edit
-    # the policy to them)
-    timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
-      --batch 1 --context 32768 --q 1 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) \
-      --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
-      --policy '{"mhc_row": true, "mla_latent_norms": true}' --out "$OUT/decode_s53d.jsonl" 2>&1 \
-      | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s53d.log"
-    ;;
-  s53c)  # (nvidia-h200) the new forms inside the step: traced at q = 1 (sublayer_chain: the boundaries' and the DSA
-    # layer's chains with mhc_row + mla_latent_norms) and profiled alone (where the row boundary's time goes).
-    # First the GPU tests of the fused compaction with two bits a pass (topk_threshold_2bit, session 53)
-    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer.py \
-      -k "compact_kernel_gpu or compact_kernel_at_the_model_site" > "$OUT/tests.log" 2>&1
-    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
-    timeout -s INT 120 python3 benchmarks/bench_mhc.py --rows 1 --paths grid,row --out "$OUT/bench_mhc.txt" \
-      > "$OUT/bench_mhc.log" 2>&1
-    # the selection alone, one and two bits a pass (topk_threshold_2bit, session 53)
-    timeout -s INT 90 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8704 --f32-scores \
-      --only "compact fused,compact fused 2bit" --out "$OUT/bench_topk.txt" > "$OUT/bench_topk.log" 2>&1
-    timeout -s INT 100 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc,mhc_row \
-      --out "$OUT/kernel_profile.txt" > "$OUT/bench_kernel_profile.log" 2>&1
-    # the bf16 GEMVs at one row, XLA vs bf16_linear — the indexer's wq_b (12.6 MB) is on the DSA selection chain
-    timeout -s INT 120 python3 benchmarks/bench_linear.py --rows 1 --only bf16 --out "$OUT/bench_linear.txt" \
-      > "$OUT/bench_linear.log" 2>&1
-    cat "$OUT/bench_mhc.txt" "$OUT/bench_topk.txt" "$OUT/kernel_profile.txt" "$OUT/bench_linear.txt"
-    rank1 s53c --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" \
-      --policy '{"mhc_row": true, "mla_latent_norms": true, "qkv_a_fused_sum": true}'
+  s56e)  # (nvidia-h200) the step traced at q = 1 with session 55's defaults (POLICY: more) — the sublayer chains
+    # with the one-row lean boundary (benchmarks/sublayer_chain.py on the events and kernels files)
+    rank1 s56e --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy "${POLICY:-{\}}"
     rm -f "$OUT"/hlo/*.hlo.gz
     ;;
 esac

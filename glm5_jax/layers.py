@@ -272,6 +272,24 @@ KNOBS = {
         "next GEMVs' bytes, which then come from L2. Measured before building (s55e, an XLA bf16 GEMV of 16.8 MB "
         "in a chain: 14.1 µs with its weight in HBM, 5.8 in L2). The same values (a prefetch moves no data "
         "into the kernel). CPU-built (session 55): off until measured"),
+    "l2_prefetch_side": (False,
+        "l2_prefetch's prefetches from launches of their own beside the critical chain instead of from its "
+        "kernels (pallas_kernels.prefetch.l2_prefetch: 66 one-warpgroup CTAs without shared memory): at each "
+        "sublayer's start (ordered after the previous sublayer's output: the sublayer's first weights), after "
+        "the KDA layer's q/k/v (its o_proj) and after the DSA layer's scores (its W_UV and o_proj); each token "
+        "joins the chain at its sublayer's end through an optimization barrier. Session 41 measured that a CTA "
+        "lives until its bulk prefetches are processed (a boundary stand-in prefetching 16 MB: 1.55 -> 4.68 µs): "
+        "from the chain's own kernels the prefetches would lengthen the chain, from a launch beside it they cost "
+        "the chain nothing but their HBM traffic. Not with l2_prefetch (one or the other). The same values. "
+        "CPU-built (session 55): off until measured"),
+    "moe_down_prefetch": (False,
+        "with fp8_moe on, at one token row: the MoE's gate/up kernel's CTAs, halfway through their weight rings, "
+        "ask the memory system to bring their slots' experts' down weights into L2 (TMA L2 prefetches: "
+        "pallas_kernels.linear.fp8_moe(down_prefetch=True), each CTA its share of its expert's rows), so that the "
+        "down kernel's 18 MB stream while gate/up still runs and the down kernel reads them from L2 — in s51's "
+        "trace it took 10.5 µs after gate/up's 16.6 for a third of the bytes (1.7 TB/s). Halfway, because the "
+        "gate/up bytes streamed after the request plus the down weights must fit in the 50 MB L2. The same values "
+        "(a prefetch moves no data into the kernel). CPU-built (session 55): off until measured"),
     "mhc_row": (True,
         "with mhc_grid_barrier on, at one token row (decode at q = 1): the boundary as "
         "pallas_kernels.mhc.mhc_row_boundary — D / 128 CTAs, each thread one column of every stream in "
@@ -438,22 +456,47 @@ KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 L2_PREFETCH_BYTES = 24 << 20
 
 
+def l2_prefetch_side(after, weights):
+  """Policy knob l2_prefetch_side: the token ([CTAS, 128] int32) of a prefetch launch of its own that asks for
+  ``l2_budget(weights)`` in L2, ordered after ``after``'s producer — or None where the knob is off (or
+  l2_prefetch, the prefetches from the kernels themselves, is on). Join the token with ``join_tokens`` at the
+  sublayer's end."""
+  if not (weights and kernel_enabled("l2_prefetch_side", fits=not kernel_switch("l2_prefetch"),
+                                     why="l2_prefetch on (the prefetches from the chain's kernels instead)")):
+    return None
+  from pallas_kernels import prefetch as kp  # noqa: PLC0415
+  from pallas_kernels._common import l2_prefetch_args  # noqa: PLC0415
+  pf, plan = l2_prefetch_args(l2_budget(weights))
+  return kp.l2_prefetch(after, *pf, plan=plan) if plan else None
+
+
+def join_tokens(x, *tokens):
+  """``x`` ordered after the producers of ``tokens`` (None: none) — an optimization barrier: no kernel, no copy,
+  only the dependence (the side prefetches' launches must finish before what reads x)."""
+  toks = tuple(t for t in tokens if t is not None)
+  return lax.optimization_barrier((x, *toks))[0] if toks else x
+
+
 def l2_budget(weights, nbytes: int = L2_PREFETCH_BYTES):
   """weights (in the order the sublayer reads them; a weight, or (weight, row ranges ((r0, r1), ...)) for some of
-  its rows — leading axes merged) -> the prefetch targets ((w, ranges), ...) within ``nbytes``: the first ones
-  whole, the one that crosses the budget its leading rows, none after it."""
+  its rows — leading axes merged) -> the prefetch targets ((w, ranges, columns), ...) within ``nbytes``: the first
+  ones whole; the one that crosses the budget its leading columns of every row asked for (whole L2 boxes), none
+  after it. Columns, not rows: a GEMV's CTAs each stream their rows along K, so a K prefix in L2 shortens every
+  CTA — a row prefix would finish some CTAs early and leave the kernel as long (session 41: 16 of 48 MB of rows
+  in L2 bought an XLA GEMV 0.9 of 17 µs)."""
+  from pallas_kernels._common import L2_BOX  # noqa: PLC0415
   out, left = [], int(nbytes)
   for item in weights:
     w, ranges = item if isinstance(item, tuple) else (item, ((0, math.prod(item.shape[:-1])),))
-    row, took = w.shape[-1] * w.dtype.itemsize, []
-    for r0, r1 in ranges:
-      n = min(r1 - r0, left // row)
-      if n > 0:
-        took.append((r0, r0 + n))
-        left -= n * row
-    if not took:
+    C, size = w.shape[-1], w.dtype.itemsize
+    rows = sum(r1 - r0 for r0, r1 in ranges)
+    cols = C if rows * C * size <= left else min(C, left // max(1, rows * size) // L2_BOX * L2_BOX)
+    if cols <= 0:
       break
-    out.append((w, tuple(took)))
+    out.append((w, tuple(ranges), cols))
+    left -= rows * cols * size
+    if cols < C:
+      break
   return tuple(out)
 
 
@@ -1251,10 +1294,12 @@ class MoE(nnx.Module):
       # moe_static_table: a single row's slot count static in both kernels, its ids / weights staged into SMEM
       static = kernel_enabled("moe_static_table", rows, fits=rows == 1, why=f"one token row (here {rows})")
       # lean_barriers: both kernels built without Mosaic's automatic barriers
+      # moe_down_prefetch: the gate/up CTAs ask for their experts' down weights in L2 halfway through their rings
+      down_pf = kernel_enabled("moe_down_prefetch", rows, fits=rows == 1, why=f"one token row (here {rows})")
       moe = functools.partial(kl.fp8_moe, w_gate=ex.gate_proj[...], s_gate=ex.gate_scale[...], w_up=ex.up_proj[...],
                               s_up=ex.up_scale[...], w_down=ex.down_proj[...], s_down=ex.down_scale[...],
                               swiglu_limit=ex.limit, shared=sew, dq=dq, static_table=static,
-                              lean=kernel_enabled("lean_barriers"), **fused, **f16)
+                              lean=kernel_enabled("lean_barriers"), down_prefetch=down_pf, **fused, **f16)
       if in_gate_up:
         # moe_router_ranks: each CTA selects only up to its slot's rank
         ranks = kernel_enabled("moe_router_ranks", rows)

@@ -16,7 +16,7 @@ from jax import lax
 from glm5_jax.attention import DSA, KDA, StepCtx
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, MLP, ONE_ROW_GEMV, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm,
-                             counters_scope, kernel_enabled, param)
+                             counters_scope, join_tokens, kernel_enabled, l2_prefetch_side, param)
 
 
 class DecoderLayer(nnx.Module):
@@ -63,6 +63,8 @@ class DecoderLayer(nnx.Module):
     aux = {}
     B, T = bt
     with jax.named_scope("mhc"):
+      # l2_prefetch_side: the sublayer's first weights by a launch beside the boundary (after its input)
+      tok = l2_prefetch_side(X2 if pending is None else pending[0], self.self_attn.l2_targets())
       X2, x, mix = self.attn_hc.fused(X2, pending, self.input_layernorm, self.self_attn.l2_targets())
     with jax.named_scope("kda" if self.is_kda else "dsa"):
       if self.is_kda:
@@ -70,7 +72,9 @@ class DecoderLayer(nnx.Module):
       else:
         y, cache, a = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype)
         aux["idx"] = a["idx"]
+      y = join_tokens(y, tok)
     with jax.named_scope("mhc"):
+      tok = l2_prefetch_side(y, self.mlp.l2_targets())
       X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm,
                                      self.mlp.l2_targets())
     with jax.named_scope("moe" if self.is_moe else "mlp"):
@@ -78,6 +82,7 @@ class DecoderLayer(nnx.Module):
         y, aux["experts"] = self.mlp(x.reshape(B, T, -1), dtype, return_ids=True)
       else:
         y = self.mlp(x.reshape(B, T, -1), dtype)
+      y = join_tokens(y, tok)
     return X2, cache, aux, (y.reshape(B * T, -1), mix)
 
 

@@ -134,11 +134,11 @@ L2_BOX = 256  # TMA box edge (elements, the hardware's maximum): 128 KB of bf16 
 
 
 def l2_prefetch_args(targets):
-  """targets: ((weight, row ranges ((r0, r1), ...) or None for all rows), ...) -> (the weights as 2D [R, C]
-  arrays, the static plan ((ranges, R, C), ...) that ``issue_l2_prefetch`` reads). Ranges are clipped to the
-  weight; an empty one is dropped."""
+  """targets: ((weight, row ranges ((r0, r1), ...) or None for all rows[, leading columns or None for all]), ...)
+  -> (the weights as 2D [R, C] arrays, the static plan ((ranges, R, C, cols), ...) that ``issue_l2_prefetch``
+  reads). Ranges are clipped to the weight; an empty one is dropped."""
   arrays, plan = [], []
-  for w, ranges in targets:
+  for w, ranges, *cols in targets:
     if w.ndim < 2:
       raise ValueError(f"l2 prefetch: a weight of shape {w.shape}; expected 2 or more axes")
     R, C = math.prod(w.shape[:-1]), w.shape[-1]
@@ -147,36 +147,40 @@ def l2_prefetch_args(targets):
                        "multiple of 16 bytes")
     rr = tuple((max(0, int(a)), min(R, int(b))) for a, b in (ranges or ((0, R),)))
     rr = tuple((a, b) for a, b in rr if b > a)
-    if rr:
+    nc = min(C, int(cols[0])) if cols and cols[0] is not None else C
+    if rr and nc > 0:
       arrays.append(w.reshape(R, C))
-      plan.append((rr, R, C))
+      plan.append((rr, R, C, nc))
   return tuple(arrays), tuple(plan)
 
 
 def l2_prefetch_bytes(arrays, plan) -> int:
   """The bytes a plan asks for (whole boxes: a range's last box may reach past it)."""
   tot = 0
-  for a, (ranges, R, C) in zip(arrays, plan):
+  for a, (ranges, R, C, nc) in zip(arrays, plan):
     br, bc = min(L2_BOX, R), min(L2_BOX, C)
-    tot += sum(-(-(r1 - r0) // br) * br for r0, r1 in ranges) * -(-C // bc) * bc * a.dtype.itemsize
+    tot += sum(-(-(r1 - r0) // br) * br for r0, r1 in ranges) * -(-nc // bc) * bc * a.dtype.itemsize
   return tot
 
 
 def l2_prefetch_boxes(plan, cta, ctas: int):
   """CTA ``cta``'s share of ``plan``'s boxes: [(target index, first row, first column, valid)] — box j of the plan
-  (in order: target, range, row block, column block) goes to CTA j % ctas; ``valid`` False past a range's last
-  box (its slot in the unrolled code is predicated off). A box that would reach past its weight is moved back
-  inside it (it then overlaps its neighbour: fetching a line twice is harmless). Traced or Python ints."""
+  (in order: target, range, row block, column block of the leading ``cols``) goes to CTA j % ctas; ``valid``
+  False past a range's last box (its slot in the unrolled code is predicated off). A box that would reach past its
+  weight is moved back inside it (it then overlaps its neighbour: fetching a line twice is harmless). ``cta``
+  traced (in a kernel) or a Python int (Python ints out)."""
+  py = isinstance(cta, int)
+  rem, mn = ((lambda a, b: a % b), min) if py else (lax.rem, jnp.minimum)
   out, off = [], 0
-  for k, (ranges, R, C) in enumerate(plan):
+  for k, (ranges, R, C, nc) in enumerate(plan):
     br, bc = min(L2_BOX, R), min(L2_BOX, C)
-    ncol = -(-C // bc)
+    ncol = -(-nc // bc)
     for r0, r1 in ranges:
       nb = -(-(r1 - r0) // br) * ncol
-      first = lax.rem(cta + (ctas - off), ctas)  # this CTA's first box of the range
+      first = rem(cta + (ctas - off), ctas)  # this CTA's first box of the range
       for i in range(-(-nb // ctas)):
         b = first + i * ctas
-        out.append((k, jnp.minimum(r0 + (b // ncol) * br, R - br), jnp.minimum((b % ncol) * bc, C - bc), b < nb))
+        out.append((k, mn(r0 + (b // ncol) * br, R - br), mn((b % ncol) * bc, C - bc), b < nb))
       off = (off + nb) % ctas
   return out
 
@@ -185,7 +189,7 @@ def issue_l2_prefetch(refs, plan, cta, ctas: int):
   """In a kernel body: CTA ``cta`` of ``ctas`` issues its share of ``plan``'s boxes of the GMEM ``refs`` as L2
   prefetches (``l2_prefetch_boxes``), one thread each. A no-op in GPU interpret mode."""
   for k, row, col, valid in l2_prefetch_boxes(plan, cta, ctas):
-    _, R, C = plan[k]
+    _, R, C, _ = plan[k]
     plgpu.async_prefetch(refs[k].at[pl.ds(row, min(L2_BOX, R)), pl.ds(col, min(L2_BOX, C))], predicate=valid)
 
 

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel,
+from pallas_kernels._common import (L2_BOX, counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel,
                                     wg_barrier)
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
@@ -733,6 +733,12 @@ class MoePlan:
   gu_split: int = 1
 
 
+# Policy knob moe_down_prefetch: the gate/up kernel's CTAs ask for the down weights at step steps // this of their
+# ring — halfway: the gate/up bytes streamed after it plus the down weights (M = 1: 18 + 18 MB) fit in the H200's
+# 50 MB L2, where all of them (36 + 18 MB) from the first step would not
+MOE_DOWN_PREFETCH_AT = 2
+
+
 def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_stages=None, gu_split=None,
              dn_bm=None, dn_groups=None, dn_stages=None, target_ctas: int = 2 * NUM_SMS) -> MoePlan:
   """Default tiling for ``n_slots`` expert slots (the shared expert's included), I=inter, D=hidden, ``mp`` padded
@@ -808,7 +814,7 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
                         rows: bool = False, router: tuple | None = None, rows_weight: bool = True,
-                        n_valid: int = 0, writer_t: int = 0, lean: bool = False):
+                        n_valid: int = 0, writer_t: int = 0, lean: bool = False, down_prefetch: int = 0):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -826,7 +832,11 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   writer was a shared-slot CTA that ran k rounds of 3 reductions and the stores before its own weight requests:
   s49a's profile had its first wait begin ~6.4 µs after the median CTA's, the kernel's last to finish. (Every
   step's block scales requested before the first weight tiles, session 52's moe_scale_prefetch, measured a tie
-  twice: the tiles themselves arrive late, not their scales.)"""
+  twice: the tiles themselves arrive late, not their scales.) ``down_prefetch`` (policy knob moe_down_prefetch):
+  the down kernel's weights (inputs after the shared expert's: w_down [E, D, I][, the shared expert's [D, I]])
+  — every CTA asks for its 1 / (tiles · split) share of its slot's expert's rows to be brought into L2, at step
+  ``steps // down_prefetch`` of its ring: once the slot's expert is known and late enough that the gate/up
+  bytes streamed after it (with the prefetched ones) fit in L2, so that the down kernel reads them from there."""
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
@@ -837,6 +847,8 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref = refs[n_x + 1:n_x + 6]
   wgs_ref, sgs_ref, wus_ref, sus_ref = refs[n_x + 6:n_x + n_w] if shared else (None,) * 4
   rest = list(refs[n_x + n_w:])
+  wd_ref = rest.pop(0) if down_prefetch else None
+  wds_ref = rest.pop(0) if down_prefetch and shared else None
   rw_ref = rest.pop(0) if rows and rows_weight else None
   ctr_g, o_ref, y, rest = _out_refs(rest, fused_sum, split, rows)
   router_refs = [rest.pop(0) for _ in range(7)] if router is not None else None  # (outputs, then scratch first)
@@ -892,9 +904,26 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       for i in range(min(stages, steps)):
         issue(i)
 
+    def prefetch_down():  # (moe_down_prefetch) this CTA's share of its slot's expert's down rows, into L2
+      D, inter_ = wd_ref.shape[1], wd_ref.shape[2]
+      rpc = -(-D // per_slot)  # rows per CTA
+      br, bc = min(L2_BOX, rpc, D), min(L2_BOX, inter_)
+      for j in range(-(-rpc // br)):
+        r0 = jnp.minimum(rem * rpc + j * br, D - br)
+        for c in range(-(-inter_ // bc)):
+          c0 = min(c * bc, inter_ - bc)
+          if shared:
+            pl.when(is_sh)(lambda: plgpu.async_prefetch(wds_ref.at[pl.ds(r0, br), pl.ds(c0, bc)]))  # noqa: B023
+            pl.when(jnp.logical_not(is_sh))(
+                lambda: plgpu.async_prefetch(wd_ref.at[e, pl.ds(r0, br), pl.ds(c0, bc)]))  # noqa: B023
+          else:
+            plgpu.async_prefetch(wd_ref.at[e, pl.ds(r0, br), pl.ds(c0, bc)])
+
     def step(i, carry):  # a rolled loop: 32 unrolled steps x 4 wgmma scopes would be slow to lower
       acc_g, acc_u = carry
       slot = i % stages
+      if down_prefetch:
+        pl.when(i == steps // down_prefetch)(prefetch_down)
       sg, su = scales(raw_scales(i))  # issued before the wait (the FMA at the step's end waits for them)
       with jax.named_scope("wait"):
         plgpu.barrier_wait(bar.at[slot])
@@ -1317,12 +1346,12 @@ def _swiglu_of_splits(out, m: int, split: int, limit: float):
 
 
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select",
-              "static_table", "writer_cta", "lean")
+              "static_table", "writer_cta", "lean", "down_prefetch")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
             dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None,
-            static_table: bool = False, writer_cta: bool = False, lean: bool = False):
+            static_table: bool = False, writer_cta: bool = False, lean: bool = False, down_prefetch: bool = False):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1361,6 +1390,10 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       before each TMA load of the ring, two around each vector store), with the ring's refill barrier placed by
       hand (``_refill``); the selection's SMEM (the router's staging, its ids / weights) is read only after a
       commit_smem. The same sums, bit for bit. The SMEM-A form (a_from "smem") ignores it.
+    down_prefetch: for ONE token row (policy knob moe_down_prefetch): the gate/up kernel's CTAs, halfway through
+      their rings, ask for their slots' experts' down weights to be brought into L2 (TMA L2 prefetches, fire and
+      forget: ``_moe_gate_up_kernel(down_prefetch=)``) — the down kernel's bytes stream while the gate/up kernel
+      runs, and the down kernel reads them from L2. The same values. Ignored for more rows.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1470,11 +1503,15 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   gu_grid = n_slots * gu_tiles * plan.gu_split
   writer_t = gu_grid if writer_cta and router is not None and ranks else 0
   lean_k = bool(lean) and not a_smem  # (the SMEM-A form — interpret mode's — keeps the automatic barriers)
+  # down_prefetch: the down weights as the gate/up kernel's operands too (prefetched halfway through its ring)
+  dn_pf = MOE_DOWN_PREFETCH_AT if down_prefetch and table_k else 0
+  pf_in = ((w_down,) + ((shared[4],) if has_sh else ())) if dn_pf else ()
   outs = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
                         a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows, router=sel_static,
-                        rows_weight=router is None, n_valid=nv_static, writer_t=writer_t, lean=lean_k),
+                        rows_weight=router is None, n_valid=nv_static, writer_t=writer_t, lean=lean_k,
+                        down_prefetch=dn_pf),
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean_k),
       out_type=(gu_out if isinstance(gu_out, tuple) else (gu_out,)) + sel_out,
       grid=(gu_grid + int(writer_t > 0),),
@@ -1489,7 +1526,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
           *a_tile(plan.gu_bm),
           *gu_scratch,
       ],
-  )(*x_in, *sel_in, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu, *gu_extra)
+  )(*x_in, *sel_in, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu, *pf_in, *gu_extra)
   outs = list(outs)
   if router is not None:  # the kernel's selection: the down kernel's slot table, the glue's routing weights
     rw = outs.pop()

@@ -261,16 +261,16 @@ def test_boundaries_lower_with_l2_prefetches(monkeypatch, row):
   boxes = (8 * 16, 8 * 16)  # [256, 256] boxes: 2000 of 6144 rows -> 8 row blocks; 2048 rows -> 8; 4096 cols -> 16
   assert got == {False: 0, True: sum(-(-b // G) for b in boxes)}, got
   plan = plans[-1]
-  assert plan == ((((0, 2000),), 6144, 4096), (((0, 2048),), 2048, 4096)), plan
+  assert plan == ((((0, 2000),), 6144, 4096, 4096), (((0, 2048),), 2048, 4096, 4096)), plan
   seen = [set(), set()]
   for cta in range(G):
     for k, r, c, ok in l2_prefetch_boxes(plan, cta, G):
       r, c = int(r), int(c)
-      _, R, Cw = plan[k]
+      _, R, Cw, _ = plan[k]
       assert 0 <= r <= R - 256 and 0 <= c <= Cw - 256
       if ok:
         seen[k] |= {(rr, cc) for rr in range(r, r + 256, 16) for cc in range(c, c + 256, 16)}
-  for k, (ranges, R, Cw) in enumerate(plan):
+  for k, (ranges, R, Cw, _) in enumerate(plan):
     want = {(rr, cc) for r0, r1 in ranges for rr in range(r0 - r0 % 16, r1, 16) for cc in range(0, Cw, 16)}
     assert want <= seen[k], k
 

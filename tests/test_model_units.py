@@ -574,11 +574,40 @@ def test_mhc_row_at_the_model_site():
   assert rep2["mhc_row"].startswith("one token row (here 2)"), rep2
 
 
+def test_l2_budget_takes_whole_weights_then_a_column_prefix():
+  """layers.l2_budget: the weights in order, whole while they fit, then the one that crosses the budget as the
+  leading columns (whole 256-column L2 boxes) of every row asked for — row ranges kept — and nothing after it;
+  the boxes the CTAs are dealt (l2_prefetch_boxes) cover exactly those columns of those rows."""
+  from glm5_jax.layers import l2_budget  # noqa: PLC0415
+  from pallas_kernels._common import l2_prefetch_args, l2_prefetch_boxes, l2_prefetch_bytes  # noqa: PLC0415
+  rng = np.random.default_rng()
+  a = jnp.asarray(rng.standard_normal((1000, 512)), jnp.bfloat16)  # 1,000 KB
+  b = jnp.asarray(rng.standard_normal((2, 1024, 4096)), jnp.bfloat16)  # 16 MiB, rows merged: 2,048
+  c = jnp.asarray(rng.standard_normal((64, 512)), jnp.bfloat16)
+  got = l2_budget((a, (b, ((100, 1100), (1500, 2048))), c), nbytes=8 << 20)
+  assert [(w.shape, r, cols) for w, r, cols in got] == [
+      ((1000, 512), ((0, 1000),), 512), ((2, 1024, 4096), ((100, 1100), (1500, 2048)), 2304)], got
+  left = (8 << 20) - 1000 * 512 * 2
+  assert 1548 * 2304 * 2 <= left < 1548 * (2304 + 256) * 2  # (the widest whole-box prefix that fits)
+  arrays, plan = l2_prefetch_args(got)
+  assert plan[1] == (((100, 1100), (1500, 2048)), 2048, 4096, 2304) and l2_prefetch_bytes(arrays, plan) > 0
+  seen = set()
+  for cta in range(7):
+    for k, r, col, ok in l2_prefetch_boxes(plan, cta, 7):
+      r, col = int(r), int(col)
+      if k == 1 and ok:
+        assert col + 256 <= 2304 and r + 256 <= 2048
+        seen |= {(rr, cc) for rr in range(r, r + 256) for cc in range(col, col + 256, 256)}
+  want = {(rr, cc) for r0, r1 in ((100, 1100), (1500, 2048)) for rr in range(r0, r1) for cc in range(0, 2304, 256)}
+  assert want <= seen
+
+
 def test_l2_prefetch_at_the_model_site():
   """Policy l2_prefetch at a two-layer bf16 model's mHC boundaries (a KDA + dense MLP layer, a DSA + MoE layer;
   FP8 projections; GPU interpret mode, where a prefetch is a no-op): every boundary takes its sublayer's first
   weights as prefetch operands — the hidden state bit for bit the one without, the report names all 4 sites;
-  without the one-launch boundary (mhc_grid_barrier off) it is declined by name."""
+  without the one-launch boundary (mhc_grid_barrier off) it is declined by name. l2_prefetch_side (the same
+  prefetches as launches of their own, joined at each sublayer's end): bit for bit too, at 5 sites."""
   from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 15, "fp8", num_hidden_layers=2,
                          layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"])
@@ -593,6 +622,11 @@ def test_l2_prefetch_at_the_model_site():
   assert np.abs(h0).max() > 0
   sites = [why for name, why in rep if name == "l2_prefetch"]
   assert sites == [None] * 4, sites
+  rep = []  # l2_prefetch_side: launches of their own (4 sublayer starts, the DSA layer's after its scores)
+  (h2, _), _ = _extend_one_token(m, 1, base | {"l2_prefetch_side": True}, seed=seed, entries=rep)
+  np.testing.assert_array_equal(h2, h0)
+  sites = [why for name, why in rep if name == "l2_prefetch_side"]
+  assert sites == [None] * 5, sites
   rep = []
   _extend_one_token(m, 1, base | {"mhc_grid_barrier": False, "l2_prefetch": True}, seed=seed, trace_only=True,
                     entries=rep)

@@ -229,17 +229,39 @@ def test_lean_barriers_reaches_the_chains_kernels():
   assert sites["sites"] >= 8, sites  # (4 layers' boundaries, their GEMVs, the DSA layer's and MoE kernels)
 
 
-def test_l2_prefetch_reaches_its_sites():
-  """Policy knob l2_prefetch in the kernel-tiny step at q = 1, traced as the CUDA lowering sees it: every mHC
-  boundary (4 layers x 2) prefetches its sublayer's first weights, every KDA kernel (3 layers) o_proj's, and the
-  DSA layer's scores kernel its W_UV and o_proj — one kernel_enabled per site, all running."""
+def test_l2_prefetches_reach_their_sites():
+  """Policy knobs l2_prefetch and moe_down_prefetch in the kernel-tiny step at q = 1, traced as the CUDA lowering
+  sees it: every mHC boundary (4 layers x 2) prefetches its sublayer's first weights, every KDA kernel (3 layers)
+  o_proj's, the DSA layer's scores kernel its W_UV and o_proj, and each MoE layer's gate/up kernel (2) its down
+  weights — one kernel_enabled per site, all running."""
   model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
-  dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,), policy=(("l2_prefetch", True),)),
+  dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,),
+                                    policy=(("l2_prefetch", True), ("moe_down_prefetch", True))),
                 backend="latency_specialized")
   with dec.kernel_mode(interpret=False):
     dec.trace_step(1, params, interpret=False)
-  sites = dec.kernel_sites(1)["l2_prefetch"]
-  assert sites["sites"] == 4 * 2 + 3 + 1 and not sites["not_used"], sites
+  sites = dec.kernel_sites(1)
+  assert sites["l2_prefetch"]["sites"] == 4 * 2 + 3 + 1 and not sites["l2_prefetch"]["not_used"], sites
+  assert sites["moe_down_prefetch"]["sites"] == 2 and not sites["moe_down_prefetch"]["not_used"], sites
+
+
+def test_side_prefetches_reach_their_sites():
+  """Policy knob l2_prefetch_side in the kernel-tiny step at q = 1: a prefetch launch of its own at every
+  sublayer's start (4 layers x 2), after every KDA layer's q/k/v (3) and after the DSA layer's scores (1) — and
+  with l2_prefetch on as well it is declined at each by name (one or the other)."""
+  model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
+  for both in (False, True):
+    pol = (("l2_prefetch_side", True),) + ((("l2_prefetch", True),) if both else ())
+    dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,), policy=pol),
+                  backend="latency_specialized")
+    with dec.kernel_mode(interpret=False):
+      if both:
+        with pytest.raises(ValueError, match="l2_prefetch_side"):
+          dec.trace_step(1, params, interpret=False)
+        continue
+      dec.trace_step(1, params, interpret=False)
+    sites = dec.kernel_sites(1)["l2_prefetch_side"]
+    assert sites["sites"] == 4 * 2 + 3 + 1 and not sites["not_used"], sites
 
 
 def test_step_digest_ignores_locations_and_kernel_payloads():
