@@ -128,27 +128,30 @@ case "$MODE" in
     ;;
   s56a)  # (nvidia-h200) session 55's L2 prefetches natively: each kernel with weights to prefetch bit for bit the
     # kernel without (the boundaries' one-launch forms, the KDA kernel, the indexer's scores, the MoE's gate/up with
-    # its down weights), the f16 saturation test with the output's rounding allowed, then the kernel-tiny step with
-    # both knobs emitting the stock path's tokens
+    # its down weights), the side launch's token its reference's, the f16 saturation test with the output's
+    # rounding allowed, then the kernel-tiny step with the knobs emitting the stock path's tokens
     timeout -k 9 -s INT 150 python3 -m pytest -q -rA -p no:cacheprovider tests/test_mhc.py tests/test_kda_decode.py \
-      tests/test_indexer.py -k "l2_prefetch" > "$OUT/tests.log" 2>&1
+      tests/test_indexer.py tests/test_prefetch.py -k "l2_prefetch or kernel_is_the_reference" > "$OUT/tests.log" 2>&1
     timeout -k 9 -s INT 120 python3 -m pytest -q -rA -p no:cacheprovider tests/test_linear_kernels.py \
       -k "down_prefetch or f16_saturates" >> "$OUT/tests.log" 2>&1
     timeout -k 9 -s INT $(( $(left) - 20 )) python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider \
-      "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[prefetch]" >> "$OUT/tests.log" 2>&1
+      "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[prefetch]" \
+      "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[prefetch_side]" \
+      >> "$OUT/tests.log" 2>&1
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
     ;;
-  s56b)  # (nvidia-h200) q = 1, 5 interleaved repeats: session 55's defaults against the L2 prefetches (the
-    # boundaries', KDA's and the selection's; the MoE's down weights during gate/up; both) and kda_gates_first
+  s56b)  # (nvidia-h200) q = 1, 5 interleaved repeats: session 55's defaults against the L2 prefetches — from the
+    # chain's kernels (l2_prefetch) or from launches beside it (l2_prefetch_side), the MoE's down weights during
+    # gate/up (moe_down_prefetch) — and kda_gates_first
     rank1 s56b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"l2_prefetch": true}' \
-      '{"moe_down_prefetch": true}' '{"l2_prefetch": true, "moe_down_prefetch": true}' '{"kda_gates_first": true}'
+      '{"l2_prefetch_side": true}' '{"moe_down_prefetch": true}' '{"kda_gates_first": true}'
     ;;
   s56c)  # (nvidia-h200) q = 1: the other pending candidates against the defaults — the 2-bit selection (its design
     # holds lean, now the default), dq_f16 (GPU tests pass after s56a), the DSA latent norms (55 launches fewer;
     # a tie in s55b) — and s56b's winners together (edit WIN)
     rank1 s56c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"topk_threshold_2bit": true}' '{"dq_f16": true}' '{"mla_latent_norms": true, "qkv_a_fused_sum": true}' \
-      "${WIN:-{\"l2_prefetch\": true, \"moe_down_prefetch\": true, \"kda_gates_first\": true\}}"
+      "${WIN:-{\"l2_prefetch_side\": true, \"moe_down_prefetch\": true, \"kda_gates_first\": true\}}"
     ;;
   s56d)  # (nvidia-h200) issue #9's ratio in one call: auto vs latency_specialized (POLICY: the winners beyond the
     # defaults), 3 interleaved repeats of 40 steps

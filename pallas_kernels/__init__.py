@@ -16,6 +16,9 @@ What the H200 taught (BENCHMARKS.md has the measurements):
   2 CTAs can stall it: a kernel with a grid-wide barrier keeps a two-launch form of the same code, which interpret
   mode runs and the native test holds the one-launch form to bit for bit (``mhc.mhc_post_finish``); warpgroups of
   one CTA meeting at an mbarrier interpret fine (``indexer.topk_threshold(warpgroups=4)``,
-  ``router.router_route``)."""
+  ``router.router_route``).
+- A CTA lives until the bulk L2 prefetches it issued have been processed (session 41: a 128-CTA stand-in for the
+  mHC boundary prefetching 16 MB lived 1.55 -> 4.68 µs): prefetches from a kernel on the step's critical chain
+  lengthen the chain (``prefetch``: a launch of its own beside it)."""
 
 from pallas_kernels import _common  # noqa: F401  (one Mosaic module per distinct kernel: see _common)
