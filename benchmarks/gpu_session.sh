@@ -158,7 +158,8 @@ case "$MODE" in
     timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
       --batch 1 --context 32768 --q 1 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) \
       --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
-      --policy "${POLICY:-{\}}" --out "$OUT/decode_s56d.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_s56d.log"
+      --policy "${POLICY:-{\}}" --out "$OUT/decode_s56d.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" \
+      >> "$OUT/bench_decode_s56d.log"
     ;;
   s56e)  # (nvidia-h200) the step traced at q = 1 with session 55's defaults (POLICY: more) — the sublayer chains
     # with the one-row lean boundary (benchmarks/sublayer_chain.py on the events and kernels files)

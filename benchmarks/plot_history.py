@@ -24,8 +24,8 @@ def load_rows(paths):
 
 
 def default_rows(rows, backend: str, q: int):
-  """The rows with the defaults of their day (or what became them: ``is_defaults``) for (backend, q) at B = 1, 32K context on the one-rank geometry,
-  ordered by run time: [(time key, ms per step, row)]."""
+  """The rows with the defaults of their day (or what became them: ``is_defaults``) for (backend, q) at B = 1,
+  32K context on the one-rank geometry, ordered by run time: [(time key, ms per step, row)]."""
   out = []
   for i, r in enumerate(rows):
     if (r.get("geometry"), r.get("batch"), r.get("context"), r.get("backend"), r.get("q")) != (

@@ -263,15 +263,16 @@ KNOBS = {
         "mhc_row 3.89 -> 3.71 ms per step, faster in 4 of 4 paired rounds (alone 3.89 -> 3.91, faster in 3 of 4: "
         "the row boundary has the most barriers to lose); on by default since session 55"),
     "l2_prefetch": (False,
-        "with mhc_grid_barrier on: each mHC boundary kernel (mhc_post_finish / mhc_row_boundary) also asks the "
-        "memory system to bring the weights its sublayer reads first into L2 (TMA L2 prefetches, fire and forget: "
-        "pallas_kernels._common.issue_l2_prefetch; up to L2_PREFETCH_BYTES, in the order the sublayer reads them: "
-        "KDA's f_a/g_a/b and the leading rows of q/k/v; the DSA layer's q_a/kv_a, the indexer's wk/gate/head "
-        "weights, q_b and the indexer's wq_b; the MoE's router and shared expert; the dense MLP's gate and up), so "
-        "that HBM, idle while the latency-bound boundary runs (~5 µs, 90 per step at q = 1), already streams the "
-        "next GEMVs' bytes, which then come from L2. Measured before building (s55e, an XLA bf16 GEMV of 16.8 MB "
-        "in a chain: 14.1 µs with its weight in HBM, 5.8 in L2). The same values (a prefetch moves no data "
-        "into the kernel). CPU-built (session 55): off until measured"),
+        "the latency-bound kernels of the step ask the memory system to bring the weights of the GEMVs after them "
+        "into L2 (TMA L2 prefetches, issued behind the kernel's own loads: pallas_kernels._common."
+        "issue_l2_prefetch; up to L2_PREFETCH_BYTES a kernel, a weight past it as its leading columns, so that "
+        "every CTA of its GEMV starts from L2): with mhc_grid_barrier each mHC boundary the weights its sublayer "
+        "reads first (KDA's f_a/g_a/b then q/k/v; the DSA layer's q_a/kv_a, the indexer's wk/gate/head weights, "
+        "q_b and wq_b; the MoE's router and shared expert; the dense MLP's gate and up), the KDA kernel o_proj's, "
+        "the indexer's scores kernel the DSA layer's W_UV rows and o_proj — HBM is idle while these kernels run "
+        "(the boundary ~5 µs x 90 per step at q = 1, the DSA selection ~17 µs x 11). Measured before building "
+        "(s55e, an XLA bf16 GEMV of 16.8 MB in a chain: 14.1 µs with its weight in HBM, 5.8 in L2). The same "
+        "values (a prefetch moves no data into the kernel). CPU-built (session 55): off until measured"),
     "l2_prefetch_side": (False,
         "l2_prefetch's prefetches from launches of their own beside the critical chain instead of from its "
         "kernels (pallas_kernels.prefetch.l2_prefetch: 66 one-warpgroup CTAs without shared memory): at each "
