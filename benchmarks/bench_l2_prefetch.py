@@ -14,7 +14,13 @@ for P = 0 (no prefetch), and several P up to the whole weight. CUPTI kernel dura
 over enough copies to be cold in the 60 MB L2 at every call. Prints a table: the stand-in's µs, the consumer's µs
 and the pair's sum, per P.
 
+``--form tensor`` (session 55): the stand-in's CTAs issue TMA tensor L2 prefetches instead — [256, 256] boxes of
+their rows, one thread each (``_common.issue_l2_prefetch``, what policy knob l2_prefetch issues from the step's
+kernels) — and ``--cols`` takes every row's leading columns instead of leading rows (the column prefix
+``layers.l2_budget`` takes: every CTA of the consumer starts from L2).
+
   python benchmarks/bench_l2_prefetch.py [--spin 600] [--mb 0,8,16,24,32,48] [--only xla,bf16,fp8dq]
+                                         [--form bulk|tensor] [--cols]
 """
 
 from __future__ import annotations
@@ -36,12 +42,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._timing import MODE, log, time_calls, write_log  # noqa: E402
 from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: E402
 from pallas_kernels import linear as L  # noqa: E402
-from pallas_kernels._common import interpreting, mgpu_kernel  # noqa: E402
+from pallas_kernels._common import interpreting, issue_l2_prefetch, l2_prefetch_args, mgpu_kernel  # noqa: E402
 
 # The prefetch: cp.async.bulk.prefetch.L2 (sm_90+), a hint with no semantic effect and nothing to wait on, spread
 # over the CTAs and their threads so that no one SM's copy unit issues a whole weight's requests. Measured in
 # session 41 (BENCHMARKS.md): the stand-in's CTAs live ~1 µs longer per ~10 MB issued, and the consumer gains at
-# most ~1.3 µs of 16 even with all 48 MB prefetched — not kept in the package's kernels.
+# most ~1.3 µs of 16 even with all 48 MB prefetched — not kept in the package's kernels. (Session 55's knobs use
+# the TMA tensor form, _common.issue_l2_prefetch: --form tensor.)
 PREFETCH_ALIGN = 16  # bytes: the bulk prefetch's size and address granularity
 
 
@@ -77,12 +84,15 @@ def prefetch_l2(ref, nbytes: int | None = None):
 CTAS = 128  # the stand-in's grid: the mHC boundary's (one CTA per 32 columns of D = 4096)
 
 
-def _stand_in(rows_per_cta: int, spin: int):
-  """The latency-bound kernel: CTA g prefetches W's rows [g·r, (g+1)·r) (r = rows_per_cta; none when 0), spins
-  ``spin`` dependent iterations on a register vector (stored: not dead code), and CTA 0 copies x to the output."""
+def _stand_in(rows_per_cta: int, spin: int, plan=()):
+  """The latency-bound kernel: CTA g prefetches W's rows [g·r, (g+1)·r) (r = rows_per_cta; none when 0) — or, with
+  a ``plan`` (``_common.l2_prefetch_args``), its share of the plan's TMA tensor prefetch boxes — spins ``spin``
+  dependent iterations on a register vector (stored: not dead code), and CTA 0 copies x to the output."""
   def body(x_g, w_g, o_g, s_g, x_s, bar):
     g = lax.axis_index("g")
-    if rows_per_cta:
+    if plan:
+      issue_l2_prefetch((w_g,), plan, g, CTAS)
+    elif rows_per_cta:
       prefetch_l2(w_g.at[pl.ds(g * rows_per_cta, rows_per_cta)])
     v = plgpu.broadcasted_iota(jnp.int32, (128,), 0, layout=plgpu.Layout.WG_STRIDED((128,), vec_size=1))
     v = lax.fori_loop(0, spin, lambda i, v: v * 0.999 + 0.001, v.astype(jnp.float32))
@@ -98,10 +108,10 @@ def _stand_in(rows_per_cta: int, spin: int):
   return body
 
 
-@functools.partial(jax.jit, static_argnames=("rows_per_cta", "spin"))
-def stand_in(x, w, *, rows_per_cta: int, spin: int):
+@functools.partial(jax.jit, static_argnames=("rows_per_cta", "spin", "plan"))
+def stand_in(x, w, *, rows_per_cta: int, spin: int, plan=()):
   xv = x.reshape(-1, 256)  # (TMA boxes: at most 256 per dimension)
-  out = mgpu_kernel(_stand_in(rows_per_cta, spin),
+  out = mgpu_kernel(_stand_in(rows_per_cta, spin, plan),
                     out_type=(jax.ShapeDtypeStruct(xv.shape, x.dtype), jax.ShapeDtypeStruct((CTAS, 128), jnp.float32)),
                     grid=(CTAS,), grid_names=("g",), kernel_name="stand_in",
                     scratch_types=[plgpu.SMEM(xv.shape, x.dtype), plgpu.Barrier(num_arrivals=1)])(xv, w)[0]
@@ -124,6 +134,9 @@ def main():
   ap.add_argument("--mb", type=str, default="0,8,16,24,32,48", help="MB of W to prefetch (0: none; capped at W)")
   ap.add_argument("--only", type=str, default="xla,bf16,fp8dq")
   ap.add_argument("--rows", type=int, default=1, help="token rows of x")
+  ap.add_argument("--form", choices=["bulk", "tensor"], default="bulk",
+                  help="bulk: cp.async.bulk.prefetch.L2 by 128 threads (session 41); tensor: TMA tensor boxes")
+  ap.add_argument("--cols", action="store_true", help="(tensor) every row's leading columns instead of leading rows")
   ap.add_argument("--out", type=str, default=None)
   a = ap.parse_args()
   dev = jax.devices()[0]
@@ -150,9 +163,15 @@ def main():
           continue  # (nothing to prefetch, or a P capped at the weight's size already measured)
         done.add(r)
 
+        plan = ()
+        if a.form == "tensor" and r:  # the same bytes as boxes: leading rows, or (--cols) leading columns
+          nc = min(a.k, max(256, int(r * CTAS * a.k / a.n) // 256 * 256)) if a.cols else a.k
+          rr = ((0, a.n),) if a.cols else ((0, r * CTAS),)
+          plan = l2_prefetch_args(((jax.ShapeDtypeStruct((a.n, a.k), wdt), rr, nc),), abstract=True)[1]
+
         @jax.jit
-        def pair(x, w, s, r=r, spin=spin):
-          return fn(stand_in(x, w, rows_per_cta=r, spin=spin), w, s)
+        def pair(x, w, s, r=r, spin=spin, plan=plan):
+          return fn(stand_in(x, w, rows_per_cta=r, spin=spin, plan=plan), w, s)
 
         tot, per = time_calls(pair, [(x, w, s) for w, s in ws])
         si = sum(v for k, v in per.items() if k.startswith("stand_in"))

@@ -134,6 +134,10 @@ case "$MODE" in
       tests/test_indexer.py tests/test_prefetch.py -k "l2_prefetch or kernel_is_the_reference" > "$OUT/tests.log" 2>&1
     timeout -k 9 -s INT 120 python3 -m pytest -q -rA -p no:cacheprovider tests/test_linear_kernels.py \
       -k "down_prefetch or f16_saturates" >> "$OUT/tests.log" 2>&1
+    # session 41's stand-in with the TMA tensor form: does its CTA still live until the prefetches are processed,
+    # and does a column prefix in L2 (what the knobs ask for past their budget) shorten the XLA GEMV after it?
+    for c in "" --cols; do timeout -s INT 60 python3 benchmarks/bench_l2_prefetch.py --only xla --spin 0 \
+      --mb 0,8,16,24 --form tensor $c >> "$OUT/bench_l2_prefetch.log" 2>&1; done
     timeout -k 9 -s INT $(( $(left) - 20 )) python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider \
       "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[prefetch]" \
       "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[prefetch_side]" \

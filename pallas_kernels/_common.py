@@ -133,10 +133,11 @@ def fence_async_writes():
 L2_BOX = 256  # TMA box edge (elements, the hardware's maximum): 128 KB of bf16 or 64 KB of FP8 per instruction
 
 
-def l2_prefetch_args(targets):
+def l2_prefetch_args(targets, abstract: bool = False):
   """targets: ((weight, row ranges ((r0, r1), ...) or None for all rows[, leading columns or None for all]), ...)
   -> (the weights as 2D [R, C] arrays, the static plan ((ranges, R, C, cols), ...) that ``issue_l2_prefetch``
-  reads). Ranges are clipped to the weight; an empty one is dropped."""
+  reads). Ranges are clipped to the weight; an empty one is dropped. ``abstract``: the weights may be
+  jax.ShapeDtypeStructs (only the plan is wanted; None in the arrays' places)."""
   arrays, plan = [], []
   for w, ranges, *cols in targets:
     if w.ndim < 2:
@@ -149,7 +150,7 @@ def l2_prefetch_args(targets):
     rr = tuple((a, b) for a, b in rr if b > a)
     nc = min(C, int(cols[0])) if cols and cols[0] is not None else C
     if rr and nc > 0:
-      arrays.append(w.reshape(R, C))
+      arrays.append(None if abstract else w.reshape(R, C))
       plan.append((rr, R, C, nc))
   return tuple(arrays), tuple(plan)
 
