@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._timing import MODE, log, time_calls, write_log  # noqa: E402
 from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: E402
 from pallas_kernels import linear as L  # noqa: E402
-from pallas_kernels._common import interpreting, issue_l2_prefetch, l2_prefetch_args, mgpu_kernel  # noqa: E402
+from pallas_kernels._common import interpreting, issue_l2_prefetch, mgpu_kernel  # noqa: E402
 
 # The prefetch: cp.async.bulk.prefetch.L2 (sm_90+), a hint with no semantic effect and nothing to wait on, spread
 # over the CTAs and their threads so that no one SM's copy unit issues a whole weight's requests. Measured in
@@ -167,7 +167,7 @@ def main():
         if a.form == "tensor" and r:  # the same bytes as boxes: leading rows, or (--cols) leading columns
           nc = min(a.k, max(256, int(r * CTAS * a.k / a.n) // 256 * 256)) if a.cols else a.k
           rr = ((0, a.n),) if a.cols else ((0, r * CTAS),)
-          plan = l2_prefetch_args(((jax.ShapeDtypeStruct((a.n, a.k), wdt), rr, nc),), abstract=True)[1]
+          plan = ((rr, a.n, a.k, nc),)  # (_common.l2_prefetch_args' plan of W [n, k]: row ranges, rows, cols, prefix)
 
         @jax.jit
         def pair(x, w, s, r=r, spin=spin, plan=plan):

@@ -26,7 +26,7 @@ from jax import lax
 from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
                              RMSNorm, concat_fits, kernel_enabled, kernel_switch, param, StackedLinear,
-                             join_tokens, l2_budget, l2_prefetch_side, radix_topk_plan, rms_norm,
+                             join_tokens, l2_prefetch_operands, l2_prefetch_side, radix_topk_plan, rms_norm,
                              topk_set_by_threshold)
 
 
@@ -164,7 +164,7 @@ class KDA(nnx.Module):
 
   def l2_targets(self):
     """The weights this layer reads first, in that order (policy knob l2_prefetch): f_a / g_a / b, then q / k / v
-    (their leading rows within the budget)."""
+    (their leading columns within the budget)."""
     return (self.fgb_a_proj.weight[...], self.qkv_proj.weight[...])
 
   def __call__(self, x, cache, ctx: StepCtx, dtype):
@@ -227,10 +227,7 @@ class KDA(nnx.Module):
         # l2_prefetch: o_proj's weight into L2 while the recurrence runs (HBM is idle through it) — from the KDA
         # kernel, or (l2_prefetch_side) from a launch beside it, ordered after its input
         tok = l2_prefetch_side(z, (self.o_proj.weight[...],))
-        pf = {}
-        if kernel_enabled("l2_prefetch"):
-          from pallas_kernels._common import l2_prefetch_args  # noqa: PLC0415
-          pf = dict(zip(("prefetch", "prefetch_plan"), l2_prefetch_args(l2_budget((self.o_proj.weight[...],)))))
+        pf = l2_prefetch_operands((self.o_proj.weight[...],))
         if kernel_enabled("kda_conv", fits=hist.dtype == z.dtype,
                           why=f"conv cache {hist.dtype} vs activations {z.dtype} (the kernel's window is one dtype)"):
           # the short conv + SiLU in the kernel: z and the history rows as they are (free reshapes), the taps as
@@ -389,10 +386,7 @@ class Indexer(nnx.Module):
         # indexer_q_in_kernel: the queries' FWHT + FP8 quantisation inside the scores kernel (its wgmma reads the
         # bf16 projection output as is) instead of ~3 XLA kernels in front of it
         # l2_prefetch: the layer's last weights (W_UV, o_proj) into L2 while the selection runs (HBM idle)
-        pf = {}
-        if prefetch and kernel_enabled("l2_prefetch"):
-          from pallas_kernels._common import l2_prefetch_args  # noqa: PLC0415
-          pf = dict(zip(("prefetch", "prefetch_plan"), l2_prefetch_args(l2_budget(prefetch))))
+        pf = l2_prefetch_operands(prefetch)
         if kernel_enabled("indexer_q_in_kernel", fits=q_raw.dtype == jnp.bfloat16,
                           why=f"{q_raw.dtype} index queries (the kernel rotates bf16 ones)"):
           raw = ki.indexer_scores_q(q_raw, *args, padded=True, align=align, lean=kernel_enabled("lean_barriers"),
@@ -606,15 +600,15 @@ class DSA(nnx.Module):
         # (l2_prefetch: W_UV's rows of kv_b, then o_proj — what the layer reads after the selection)
         H_loc = self.kv_b_proj.weight.shape[0] // (dn + dv)
         uv_rows = tuple((h * (dn + dv) + dn, (h + 1) * (dn + dv)) for h in range(H_loc))
-        sc, raw = self.indexer.scores(hw, q_r, icache, pos, dtype, padded=True,
-                                      prefetch=((self.kv_b_proj.weight[...], uv_rows), self.o_proj.weight[...]))
+        last = ((self.kv_b_proj.weight[...], uv_rows), self.o_proj.weight[...])
+        sc, raw = self.indexer.scores(hw, q_r, icache, pos, dtype, padded=True, prefetch=last)
         width = None
         if fp8 and kernel_switch("sparse_mla"):  # (the list as wide as the attention kernel reads it)
           from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
           width = functools.partial(ks.index_width, B, T, -(-H // 16) * 16)
         idx, js = self.indexer.select(sc, pos, raw=raw, width=width)
         # l2_prefetch_side: W_UV and o_proj by a launch beside the selection, after the scores
-        tok = l2_prefetch_side(sc, ((self.kv_b_proj.weight[...], uv_rows), self.o_proj.weight[...]))
+        tok = l2_prefetch_side(sc, last)
       else:
         idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
     q_hat = _per_head("bthn,hnr->bthr", q, w_uk)  # absorbed query [B, T, H, R]

@@ -457,6 +457,15 @@ KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 L2_PREFETCH_BYTES = 24 << 20
 
 
+def l2_prefetch_operands(weights):
+  """Policy knob l2_prefetch: a kernel's ``prefetch`` / ``prefetch_plan`` keywords that ask for
+  ``l2_budget(weights)`` in L2 (``pallas_kernels._common.l2_prefetch_args``) — {} where the knob is off."""
+  if not (weights and kernel_enabled("l2_prefetch")):
+    return {}
+  from pallas_kernels._common import l2_prefetch_args  # noqa: PLC0415
+  return dict(zip(("prefetch", "prefetch_plan"), l2_prefetch_args(l2_budget(weights))))
+
+
 def l2_prefetch_side(after, weights):
   """Policy knob l2_prefetch_side: the token ([CTAS, 128] int32) of a prefetch launch of its own that asks for
   ``l2_budget(weights)`` in L2, ordered after ``after``'s producer — or None where the knob is off (or
@@ -943,14 +952,10 @@ class HyperConnection(nnx.Module):
       # lean_barriers: the boundary built without Mosaic's automatic barriers, its own where the data needs them
       lean = kernel_enabled("lean_barriers")
       # l2_prefetch: the sublayer's first weights into L2 while the boundary runs
-      pf, plan = (), ()
-      if prefetch and kernel_enabled("l2_prefetch"):
-        from pallas_kernels._common import l2_prefetch_args  # noqa: PLC0415
-        pf, plan = l2_prefetch_args(l2_budget(prefetch))
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
-          hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean, prefetch=pf,
-          prefetch_plan=plan)
+          hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,
+          **l2_prefetch_operands(prefetch))
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     if prefetch:
       kernel_enabled("l2_prefetch", fits=False, why="the one-launch boundary (mhc_grid_barrier) issues the prefetches")

@@ -63,9 +63,11 @@ class DecoderLayer(nnx.Module):
     aux = {}
     B, T = bt
     with jax.named_scope("mhc"):
-      # l2_prefetch_side: the sublayer's first weights by a launch beside the boundary (after its input)
-      tok = l2_prefetch_side(X2 if pending is None else pending[0], self.self_attn.l2_targets())
-      X2, x, mix = self.attn_hc.fused(X2, pending, self.input_layernorm, self.self_attn.l2_targets())
+      # the sublayer's first weights into L2: from the boundary kernel (l2_prefetch) or by a launch beside it
+      # (l2_prefetch_side), ordered after the boundary's input
+      first = self.self_attn.l2_targets()
+      tok = l2_prefetch_side(X2 if pending is None else pending[0], first)
+      X2, x, mix = self.attn_hc.fused(X2, pending, self.input_layernorm, first)
     with jax.named_scope("kda" if self.is_kda else "dsa"):
       if self.is_kda:
         y, cache = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype)
@@ -74,9 +76,9 @@ class DecoderLayer(nnx.Module):
         aux["idx"] = a["idx"]
       y = join_tokens(y, tok)
     with jax.named_scope("mhc"):
-      tok = l2_prefetch_side(y, self.mlp.l2_targets())
-      X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm,
-                                     self.mlp.l2_targets())
+      first = self.mlp.l2_targets()
+      tok = l2_prefetch_side(y, first)
+      X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm, first)
     with jax.named_scope("moe" if self.is_moe else "mlp"):
       if self.is_moe:
         y, aux["experts"] = self.mlp(x.reshape(B, T, -1), dtype, return_ids=True)

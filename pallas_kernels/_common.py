@@ -133,11 +133,10 @@ def fence_async_writes():
 L2_BOX = 256  # TMA box edge (elements, the hardware's maximum): 128 KB of bf16 or 64 KB of FP8 per instruction
 
 
-def l2_prefetch_args(targets, abstract: bool = False):
+def l2_prefetch_args(targets):
   """targets: ((weight, row ranges ((r0, r1), ...) or None for all rows[, leading columns or None for all]), ...)
   -> (the weights as 2D [R, C] arrays, the static plan ((ranges, R, C, cols), ...) that ``issue_l2_prefetch``
-  reads). Ranges are clipped to the weight; an empty one is dropped. ``abstract``: the weights may be
-  jax.ShapeDtypeStructs (only the plan is wanted; None in the arrays' places)."""
+  reads). Ranges are clipped to the weight; an empty one is dropped."""
   arrays, plan = [], []
   for w, ranges, *cols in targets:
     if w.ndim < 2:
@@ -150,18 +149,9 @@ def l2_prefetch_args(targets, abstract: bool = False):
     rr = tuple((a, b) for a, b in rr if b > a)
     nc = min(C, int(cols[0])) if cols and cols[0] is not None else C
     if rr and nc > 0:
-      arrays.append(None if abstract else w.reshape(R, C))
+      arrays.append(w.reshape(R, C))
       plan.append((rr, R, C, nc))
   return tuple(arrays), tuple(plan)
-
-
-def l2_prefetch_bytes(arrays, plan) -> int:
-  """The bytes a plan asks for (whole boxes: a range's last box may reach past it)."""
-  tot = 0
-  for a, (ranges, R, C, nc) in zip(arrays, plan):
-    br, bc = min(L2_BOX, R), min(L2_BOX, C)
-    tot += sum(-(-(r1 - r0) // br) * br for r0, r1 in ranges) * -(-nc // bc) * bc * a.dtype.itemsize
-  return tot
 
 
 def l2_prefetch_boxes(plan, cta, ctas: int):

@@ -56,8 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (L2_BOX, counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel,
-                                    wg_barrier)
+from pallas_kernels._common import (counter_signal, counter_wait, interpreting, issue_l2_prefetch, kernel_entry,
+                                    mgpu_kernel, wg_barrier)
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
@@ -834,7 +834,8 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   step's block scales requested before the first weight tiles, session 52's moe_scale_prefetch, measured a tie
   twice: the tiles themselves arrive late, not their scales.) ``down_prefetch`` (policy knob moe_down_prefetch):
   the down kernel's weights (inputs after the shared expert's: w_down [E, D, I][, the shared expert's [D, I]])
-  — every CTA asks for its 1 / (tiles · split) share of its slot's expert's rows to be brought into L2, at step
+  — every CTA asks for its share of its slot's expert's [256, 256] boxes (``_common.issue_l2_prefetch`` over the
+  slot's tiles · split CTAs) to be brought into L2, at step
   ``steps // down_prefetch`` of its ring: once the slot's expert is known and late enough that the gate/up
   bytes streamed after it (with the prefetched ones) fit in L2, so that the down kernel reads them from there."""
   n_x = 1 if dq else 2  # x (and its amax)
@@ -904,20 +905,16 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       for i in range(min(stages, steps)):
         issue(i)
 
-    def prefetch_down():  # (moe_down_prefetch) this CTA's share of its slot's expert's down rows, into L2
+    def prefetch_down():  # (moe_down_prefetch) the slot's expert's down weight [D, I], its boxes dealt out over
+      # the slot's per_slot CTAs
       D, inter_ = wd_ref.shape[1], wd_ref.shape[2]
-      rpc = -(-D // per_slot)  # rows per CTA
-      br, bc = min(L2_BOX, rpc, D), min(L2_BOX, inter_)
-      for j in range(-(-rpc // br)):
-        r0 = jnp.minimum(rem * rpc + j * br, D - br)
-        for c in range(-(-inter_ // bc)):
-          c0 = min(c * bc, inter_ - bc)
-          if shared:
-            pl.when(is_sh)(lambda: plgpu.async_prefetch(wds_ref.at[pl.ds(r0, br), pl.ds(c0, bc)]))  # noqa: B023
-            pl.when(jnp.logical_not(is_sh))(
-                lambda: plgpu.async_prefetch(wd_ref.at[e, pl.ds(r0, br), pl.ds(c0, bc)]))  # noqa: B023
-          else:
-            plgpu.async_prefetch(wd_ref.at[e, pl.ds(r0, br), pl.ds(c0, bc)])
+      plan = ((((0, D),), D, inter_, inter_),)
+      routed = lambda: issue_l2_prefetch((wd_ref.at[e],), plan, rem, per_slot)  # noqa: E731
+      if shared:
+        pl.when(is_sh)(lambda: issue_l2_prefetch((wds_ref,), plan, rem, per_slot))
+        pl.when(jnp.logical_not(is_sh))(routed)
+      else:
+        routed()
 
     def step(i, carry):  # a rolled loop: 32 unrolled steps x 4 wgmma scopes would be slow to lower
       acc_g, acc_u = carry

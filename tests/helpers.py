@@ -91,7 +91,7 @@ def barrier_counts(monkeypatch, names, fn, *args, needle: str = "bar.sync"):
   def counted(module, *a, **kw):
     out = orig(module, *a, **kw)
     txt = str(module)
-    counts[re.search(r"glm5_[a-z0-9_]+|kda_decode", txt).group(0)] = txt.count(needle)  # (the KDA kernel's name)
+    counts[re.search(r"glm5_[a-z0-9_]+", txt).group(0)] = txt.count(needle)
     return out
 
   with monkeypatch.context() as m:  # (undone on return: a later call must not count into this call's dict)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import prefetch as P
-from pallas_kernels._common import cross_lower, l2_prefetch_args, l2_prefetch_boxes, maybe_interpret
+from pallas_kernels._common import l2_prefetch_args, l2_prefetch_boxes, maybe_interpret
 
 SDS = jax.ShapeDtypeStruct
 
@@ -51,7 +51,6 @@ def test_lowers_for_cuda_at_the_model_shapes(monkeypatch):
   assert 0 < plan[1][3] < 4096  # (a column prefix of q/k/v: the budget's rest)
   slots = len(l2_prefetch_boxes(plan, 0, P.CTAS))
   assert got["glm5_l2_prefetch"] == slots, (got, slots)
-  assert "glm5_l2_prefetch" in cross_lower(f, *args).as_text()
 
 
 def test_refuses_a_plan_that_is_not_the_weights():
