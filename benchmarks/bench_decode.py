@@ -31,7 +31,7 @@ from glm5_jax import profiling  # noqa: E402
 from glm5_jax import param_packing as pp  # noqa: E402
 from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: E402
 from glm5_jax.sharding import make_mesh  # noqa: E402
-from glm5_jax.speculative import Decoder, decode, parse_xla_option  # noqa: E402
+from glm5_jax.speculative import Decoder, decode, parse_xla_option, warmup_all  # noqa: E402
 from glm5_jax.runtime import DecodeConfig  # noqa: E402
 from glm5_jax.synthetic import random_model, random_state, tp_rank_config  # noqa: E402
 
@@ -75,6 +75,12 @@ def main(argv=None):
   p.add_argument("--interleave", action="store_true",
                  help="build every configuration first, then take their timed repeats in turn (A/B comparisons "
                       "that a drifting host speed does not bias); each keeps its own state on the device")
+  p.add_argument("--compile-workers", type=int, default=4,
+                 help="with --interleave: compile this many configurations at once (XLA's compile releases the GIL; "
+                      "the lowerings stay one at a time): five policies cost about five lowerings and one compile")
+  p.add_argument("--compile-tail-s", type=float, default=75.0,
+                 help="with --compile-workers > 1: the seconds a configuration's compile may still take after its "
+                      "lowering; no configuration starts unless the budget covers it")
   p.add_argument("--trace", action="store_true",
                  help="a jax.profiler trace of --steps steps (XLA command buffers kept on), summarised: device "
                       "span / busy / idle per step, the idle-gap histogram and the host's top events (where wall "
@@ -152,26 +158,44 @@ def main(argv=None):
              for b in a.batch for ne in a.executables for pk in a.pack_params for spc in a.steps_per_call
              for pol in policies]
 
-  def prepare(q, backend, tune, b, ne, pk, spc, policy):
-    """Build, compile and warm one configuration -> its context dict (None: skipped or failed to compile;
-    FATAL: a run-time failure, after which nothing can run)."""
+  def build(q, backend, tune, b, ne, pk, spc, policy):
+    """A configuration's decoder and label, not compiled yet."""
     opts = ({"xla_gpu_autotune_level": 0} if tune == "off" else {}) | extra_opts
     label = backend + (" (no autotune)" if tune == "off" else "") + (" +xla opts" if extra_opts else "") + (" ×2 exec" if ne > 1 else "") + (" packed" if pk else "") + (f" {spc} steps/call" + (" unrolled" if a.unroll_steps else "") if spc > 1 else "") + (" " + json.dumps(dict(policy)) if len(policies) > 1 else "")
-    if time.time() - t_start > a.budget_s:
-      print(f"# budget reached: skipping {label} B={b} q={q}", flush=True)
-      return None
     # the kernel switches concern latency_specialized only (auto refuses a request for a kernel)
     pol = policy if backend != "auto" else tuple((k, v) for k, v in policy if k not in KERNEL_DEFAULTS)
     dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=pol),
                   backend=backend, compiler_options=opts, executables=ne, pack_params=pk, steps_per_call=spc,
                   unroll_steps=a.unroll_steps)
-    t = time.time()
-    try:
-      dec.warmup()
-    except Exception as e:  # report and go on: one backend failing must not hide the others' numbers
-      print(f"{label:>34} {b:>3} {q:>2} compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return dict(q=q, backend=backend, b=b, ne=ne, pk=pk, spc=spc, policy=policy, label=label, dec=dec)
+
+  def should_start(c, tail_s=0.0):
+    """Within the budget? ``tail_s``: what a started configuration still costs after this check (its compile,
+    when compiles run behind the lowerings: the budget must cover the last one)."""
+    if time.time() - t_start + tail_s > a.budget_s:
+      print(f"# budget reached: skipping {c['label']} B={c['b']} q={c['q']}", flush=True)
+      return False
+    return True
+
+  def prepare(conf):
+    """Build, compile and warm one configuration -> its context dict (None: skipped or failed to compile;
+    FATAL: a run-time failure, after which nothing can run)."""
+    c = build(*conf)
+    if not should_start(c):
       return None
-    comp = time.time() - t
+    return ready(c, warmup_all([c["dec"]], strict=False)[0])
+
+  def ready(c, comp):
+    """The rest of a configuration's preparation once warmup_all compiled it (``comp``: its Compiled): the
+    program's census, a random state, the untimed first calls."""
+    dec, b, q, label = c["dec"], c["b"], c["q"], c["label"]
+    if comp.error is not None:  # report and go on: one backend failing must not hide the others' numbers
+      print(f"{label:>34} {b:>3} {q:>2} compile failed: {type(comp.error).__name__}: {str(comp.error)[:300]}",
+            flush=True)
+      return None
+    comp_s = comp.lower_s + comp.compile_s
+    t_ready = time.time()
+    backend, ne, pk, spc, policy = c["backend"], c["ne"], c["pk"], c["spc"], c["policy"]
     hlo = dec._aot[b].as_text()
     name = None
     if a.hlo_dir:
@@ -201,7 +225,10 @@ def main(argv=None):
           + f"; by component {cen['by_component']}", flush=True)
     print(f"# critical path: {crit['launches']} of the {crit['kernels']} kernels of {crit['computation']} in one "
           f"dependence chain; by component {crit['by_component']}", flush=True)
+    t_census = time.time() - t_ready
+    t = time.time()
     state = random_state(dec, b, a.context)
+    t_state = time.time() - t
     t = time.time()
     try:
       state, out = decode(state)  # first call: one-off work (Mosaic GPU compiles its kernels here) outside the timing
@@ -210,13 +237,15 @@ def main(argv=None):
       for _ in range(2 * ne - 1):  # each executable's first run goes op by op, its second records the CUDA graph
         state, out = decode(state)
       jax.block_until_ready(out.tokens)
-      print(f"# first call {first:.1f} s", flush=True)
+      # where a configuration's preparation goes (s55b: ~45 s a configuration outside the compile, before the
+      # random state's generators were shared)
+      print(f"# first call {first:.1f} s; prepared in: lowering {comp.lower_s:.1f} s, XLA compile "
+            f"{comp.compile_s:.1f} s, census {t_census:.1f} s, random state {t_state:.1f} s", flush=True)
     except Exception as e:  # a device fault poisons the CUDA context: nothing after it can run
       print(f"{label:>34} {b:>3} {q:>2} FAILED at run time: {type(e).__name__}: {str(e)[:400]}", flush=True)
       return FATAL
-    return dict(q=q, backend=backend, b=b, ne=ne, pk=pk, spc=spc, policy=policy, label=label, dec=dec,
-                state=state, out=out, comp=comp, hlo=hlo, name=name, cen=cen, sites=sites, first=first,
-                times=[], host=[])
+    return c | dict(state=state, out=out, comp=comp_s, hlo=hlo, name=name, cen=cen, sites=sites, first=first,
+                    times=[], host=[])
 
   def time_once(c):
     """One timed repeat of ~--steps chained speculative steps (with steps_per_call > 1 each call is several
@@ -294,13 +323,26 @@ def main(argv=None):
     # every configuration built and warm first, then their timed repeats taken in turn: a drift of the host's
     # speed (measured session 28: the same program 4.5 -> 7.6 ms per step between machines, one idle call 5.2 to
     # 9.4 ms between runs) then lands on all of them alike
-    ctxs = []
-    for conf in configs:
-      c = prepare(*conf)
+    # compiled behind one another's lowerings with --compile-workers > 1 (warmup_all); timed only once all are
+    # built, so that no compile thread competes with a timed step's host work
+    built = [build(*conf) for conf in configs]
+    by_dec = {id(c["dec"]): c for c in built}
+    ctxs, fatal = [], []
+
+    def on_ready(comp):
+      if fatal:  # a device fault: nothing after it can run (its compile finishes, unused)
+        return
+      c = ready(by_dec[id(comp.decoder)], comp)
       if c is FATAL:
-        return rows
-      if c is not None:
+        fatal.append(c)
+      elif c is not None:
         ctxs.append(c)
+
+    tail = a.compile_tail_s if a.compile_workers > 1 else 0.0
+    warmup_all([c["dec"] for c in built], workers=a.compile_workers, strict=False, on_ready=on_ready,
+               should_start=lambda d, b: should_start(by_dec[id(d)], tail))
+    if fatal:
+      return rows
     for _ in range(a.repeats):
       for c in ctxs:
         time_once(c)
@@ -309,7 +351,7 @@ def main(argv=None):
     return rows
   # q outermost: the backends' numbers for one q come together when the budget cuts the run short
   for conf in configs:
-    c = prepare(*conf)
+    c = prepare(conf)
     if c is FATAL:
       return rows
     if c is None:

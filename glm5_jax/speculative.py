@@ -569,25 +569,29 @@ class Decoder:
           *self._param_args(params), st.abstract_caches(self.layout(b), self.model.mesh),
           sd((b, io_width(self.config.q, self.steps_per_call)), jnp.int32))
 
-  def warmup(self, capture_sizes=None, *, single_step: bool = False):
+  def warmup(self, capture_sizes=None, *, single_step: bool = False, workers: int = 1):
     """Compile the step for every capture size ahead of time (AOT): later steps run the stored executables
     and nothing compiles while decoding. ``single_step`` (steps_per_call > 1): also the one-step decoder that
     ``for_next_call`` hands the last steps to near max_context — else it compiles when a sequence gets there
-    (the step's full compile time, ~40-60 s at the real geometry, in the middle of decoding)."""
-    if single_step and self.steps_per_call > 1:
-      self._single_decoder().warmup(capture_sizes)
-    for b in capture_sizes or self.config.capture_sizes:
-      if b not in self._aot:
-        with self.kernel_mode():  # Mosaic lowering happens in lower(): keep interpret mode / kernels active
-          self._aot[b] = self.trace_step(b).lower().compile(self.compiler_options or None)
-        # the small programs around each step (its output views; a caller's tokens written into io) compile
-        # here too, on an io laid out as the step returns it
-        io = jax.device_put(jnp.zeros((b, io_width(self.config.q, self.steps_per_call)), jnp.int32),
-                            self._aot[b].output_shardings[-1])
-        _io_output(_io_set_tokens(io, jax.device_put(jnp.zeros((b, self.config.q), jnp.int32),
-                                                     NamedSharding(self.model.mesh, REP))), self.config.q)
-      if self.executables > 1 and b not in self._copies:
-        self._copies[b] = [self._aot[b], self._second_copy(b)]
+    (the step's full compile time, ~40-60 s at the real geometry, in the middle of decoding). ``workers`` > 1:
+    the capture sizes' XLA compiles run concurrently (``warmup_all``)."""
+    warmup_all([self], capture_sizes, single_step=single_step, workers=workers)
+
+  def _lowered_step(self, b):
+    with self.kernel_mode():  # Mosaic lowering happens in lower(): keep interpret mode / kernels active
+      return self.trace_step(b).lower()
+
+  def _adopt(self, b, executable):
+    """Store the compiled step of capture size ``b`` and warm what runs around it."""
+    self._aot[b] = executable
+    # the small programs around each step (its output views; a caller's tokens written into io) compile here
+    # too, on an io laid out as the step returns it
+    io = jax.device_put(jnp.zeros((b, io_width(self.config.q, self.steps_per_call)), jnp.int32),
+                        executable.output_shardings[-1])
+    _io_output(_io_set_tokens(io, jax.device_put(jnp.zeros((b, self.config.q), jnp.int32),
+                                                 NamedSharding(self.model.mesh, REP))), self.config.q)
+    if self.executables > 1 and b not in self._copies:
+      self._copies[b] = [executable, self._second_copy(b)]
 
   def _second_copy(self, b):
     """Another loaded executable of the compiled step: on a GPU a deserialised copy (no recompilation); on the CPU
@@ -851,6 +855,85 @@ def _prefill_mtp_fn_build(dec: Decoder, B: int, T: int):
     return {"layers": caches["layers"], "mtp": mtp}, drafts
 
   return jax.jit(dec.model.shard_map(fn, (cspecs, REP, REP, REP, REP, REP), (cspecs, REP)), donate_argnums=(1,))
+
+
+@dataclasses.dataclass
+class Compiled:
+  """One step compiled by ``warmup_all``: its decoder and capture size, the seconds its lowering (Python, one at
+  a time) and its XLA compile (in a worker thread: wall time, longer while others compile beside it) took, and
+  the exception that stopped it (None: the decoder holds the executable)."""
+  decoder: "Decoder"
+  batch: int
+  lower_s: float = 0.0
+  compile_s: float = 0.0
+  error: BaseException | None = None
+
+
+def warmup_all(decoders, capture_sizes=None, *, single_step: bool = False, workers: int = 1,
+               strict: bool = True, should_start=None, on_ready=None) -> list[Compiled]:
+  """Compile the steps of several decoders (each for ``capture_sizes``, default its config's) ahead of time.
+
+  Lowering traces Python (the Mosaic kernels are lowered there) and runs one step at a time; XLA's compile
+  releases the GIL, so with ``workers`` > 1 each step's compile runs in a thread while the next step lowers and
+  other compiles run — a benchmark of five policies, or a decoder of four capture sizes, then costs about the
+  lowerings plus one compile instead of every compile in turn. The compiled steps are adopted (stored, their
+  small helper programs compiled) on the calling thread, in order. ``strict``: raise the first error after
+  every step finished (else it is in its ``Compiled``). ``should_start(decoder, batch)`` -> bool: asked before
+  each lowering (a benchmark's time budget); a step it refuses is left out of the result. ``on_ready(Compiled)``:
+  called on the calling thread as each step is adopted (or fails), in order."""
+  import concurrent.futures as cf  # noqa: PLC0415
+  import time  # noqa: PLC0415
+  decs = []
+  for d in decoders:
+    if single_step and d.steps_per_call > 1:
+      decs.append(d._single_decoder())
+    decs.append(d)
+  todo = [(d, b) for d in decs for b in (capture_sizes or d.config.capture_sizes) if b not in d._aot]
+  done: list[Compiled] = []
+
+  def compile_one(c, low):
+    t = time.perf_counter()
+    try:
+      return low.compile(c.decoder.compiler_options or None)
+    finally:
+      c.compile_s = time.perf_counter() - t
+
+  def finish(c, result):
+    try:
+      if c.error is None:
+        c.decoder._adopt(c.batch, result())
+    except Exception as e:  # noqa: BLE001 (handed back in the Compiled, or raised below when strict)
+      c.error = e
+    done.append(c)
+    if on_ready is not None:
+      on_ready(c)
+
+  with cf.ThreadPoolExecutor(max(1, workers)) as pool:
+    pending = []
+    for d, b in todo:
+      if should_start is not None and not should_start(d, b):
+        continue
+      c = Compiled(d, b)
+      t = time.perf_counter()
+      try:
+        low = d._lowered_step(b)
+      except Exception as e:  # noqa: BLE001
+        c.error = e
+      c.lower_s = time.perf_counter() - t
+      if c.error is not None:
+        finish(c, None)
+        continue
+      if workers <= 1:  # no thread: the compile on this thread, adopted at once
+        finish(c, lambda c=c, low=low: compile_one(c, low))
+      else:
+        pending.append((c, pool.submit(compile_one, c, low)))
+    for c, fut in pending:
+      finish(c, fut.result)
+  if strict:
+    for c in done:
+      if c.error is not None:
+        raise c.error
+  return done
 
 
 def decode(state: DecodeState, tokens=None):

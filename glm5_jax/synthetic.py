@@ -50,6 +50,11 @@ def _gen(shape, dtype, kind, sharding):
       return (jax.random.normal(key, shape, jnp.float32) * 0.01).astype(dtype)
     if kind == "neg":  # A_log / dt_bias style
       return (jax.random.normal(key, shape, jnp.float32) * 0.5).astype(dtype)
+    if kind in ("cache", "kda_state"):  # decode-state leaves; KDA states kept in a realistic range
+      return (jax.random.normal(key, shape, jnp.float32) * (0.05 if kind == "kda_state" else 1.0)).astype(dtype)
+    if kind == "latent_rows":  # FP8 latent cache rows (e4m3 bytes + scales): random latents quantised
+      from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
+      return ks.quantize_latent(jax.random.normal(key, (*shape[:-1], ks.D_LATENT)))
     fan_in = shape[-1] if len(shape) >= 2 else 1
     return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
@@ -111,18 +116,17 @@ def random_state(decoder, batch: int, context: int, *, seed: int = 0):
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   out = []
   for i, (s, sp) in enumerate(zip(leaves, spec_leaves)):
-    scale = 0.05 if len(s.shape) == 5 else 1.0  # KDA states stay in a realistic range
-    if jnp.dtype(s.dtype) == jnp.int32:  # FP8 latent cache rows (e4m3 bytes + scales): random latents quantised
+    kind = "kda_state" if len(s.shape) == 5 else "cache"
+    if jnp.dtype(s.dtype) == jnp.int32:
       from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
       if s.shape[-1] != ks.ROW_WORDS:
         raise ValueError(f"random_state: an int32 cache leaf {s.shape}; only FP8 latent rows [.., {ks.ROW_WORDS}] "
                          "are known")
-      f = jax.jit(lambda k, s=s: ks.quantize_latent(jax.random.normal(k, (*s.shape[:-1], ks.D_LATENT))),
-                  out_shardings=NamedSharding(model.mesh, sp))
-    else:
-      f = jax.jit(lambda k, s=s, scale=scale: (jax.random.normal(k, s.shape, jnp.float32) * scale).astype(s.dtype),
-                  out_shardings=NamedSharding(model.mesh, sp))
-    out.append(f(jax.random.fold_in(key, i)))
+      kind = "latent_rows"
+    # one compiled generator per distinct leaf (6 at the real geometry, shared by every call): a jit per leaf
+    # (116 of them) cost ~40 s of compiles per state on the H200, more than the step's own benchmark
+    out.append(_gen(tuple(s.shape), str(jnp.dtype(s.dtype)), kind, NamedSharding(model.mesh, sp))(
+        jax.random.fold_in(key, i)))
   caches = jax.tree.unflatten(treedef, out)
   rng = np.random.default_rng(seed)
   keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(int(s)))) for s in rng.integers(0, 2**31, batch)])

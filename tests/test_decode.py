@@ -13,7 +13,7 @@ from scipy import stats as sstats
 
 from conftest import tol
 from glm5_jax.layers import KERNEL_DEFAULTS, REMOVED_KNOBS
-from glm5_jax.speculative import Decoder, decode
+from glm5_jax.speculative import Decoder, decode, warmup_all
 from glm5_jax.runtime import DecodeConfig
 from helpers import extend_chunks, greedy_reference, load, tiny_checkpoint
 
@@ -231,21 +231,42 @@ def test_mtp_module_equals_unabsorbed_computation(model):
 
 
 def test_no_compilation_after_warmup(model):
-  """warmup() leaves nothing to compile for the steps, their outputs, or a caller's tokens."""
+  """warmup() leaves nothing to compile for the steps, their outputs, or a caller's tokens — also when
+  warmup_all compiles two decoders' steps in worker threads behind each other's lowering."""
   jax.clear_caches()  # what other tests compiled must not hide a compile here
-  dec = _decoder(model, 3)
-  dec.warmup()
-  state = dec.prefill([np.arange(5) + 7, np.arange(9) + 3])  # the prefill compiles its own programs
+  dec, dec1 = _decoder(model, 3), _decoder(model, 1, sizes=(2,))
+  done = warmup_all([dec, dec1], workers=2)
+  assert [(c.decoder, c.batch, c.error) for c in done] == [(dec, 4, None), (dec1, 2, None)]
+  assert all(c.lower_s > 0 and c.compile_s > 0 for c in done)
+  states = [d.prefill([np.arange(5) + 7, np.arange(9) + 3]) for d in (dec, dec1)]  # (prefill compiles its own)
   compiles = []
   cb = lambda name, *a, **k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
   jax.monitoring.register_event_duration_secs_listener(cb)
-  out = None
   try:
-    for i in range(50 // 4):  # also with a caller's tokens (written into the io buffer by a small program)
-      state, out = decode(state, np.asarray(out.next_tokens) if i % 2 else None)
+    for j, state in enumerate(states):
+      out = None
+      for i in range(50 // 4):  # also with a caller's tokens (written into the io buffer by a small program)
+        state, out = decode(state, np.asarray(out.next_tokens) if i % 2 else None)
+      states[j] = state
   finally:
     jax.monitoring.unregister_event_duration_listener(cb)
   assert compiles == []
+
+
+def test_warmup_all_reports_failures_and_refusals(model):
+  """A step that cannot be built is reported in its Compiled (strict=False) or raised (strict) after the others
+  compiled; a step should_start refuses is neither lowered nor reported. (Nothing here reaches a compile.)"""
+  bad = Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,),
+                                    policy=(("kv_cache_dtype", "auto"), ("mhc", True))), backend="latency_specialized")
+  skip = _decoder(model, 1, sizes=(2,))
+  asked = []
+  should = lambda d, b: asked.append((d, b)) or d is bad
+  done = warmup_all([skip, bad], workers=2, strict=False, should_start=should)
+  assert asked == [(skip, 2), (bad, 1)]
+  assert [(c.decoder, c.batch) for c in done] == [(bad, 1)] and not bad._aot and not skip._aot
+  assert isinstance(done[0].error, ValueError) and "needs a bf16 residual" in str(done[0].error)
+  with pytest.raises(ValueError, match="needs a bf16 residual"):
+    warmup_all([skip, bad], workers=2, should_start=should)
 
 
 def test_unknown_policy_key_is_refused(model):
