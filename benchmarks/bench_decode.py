@@ -78,9 +78,9 @@ def main(argv=None):
   p.add_argument("--compile-workers", type=int, default=4,
                  help="with --interleave: compile this many configurations at once (XLA's compile releases the GIL; "
                       "the lowerings stay one at a time): five policies cost about five lowerings and one compile")
-  p.add_argument("--compile-tail-s", type=float, default=75.0,
-                 help="with --compile-workers > 1: the seconds a configuration's compile may still take after its "
-                      "lowering; no configuration starts unless the budget covers it")
+  p.add_argument("--compile-tail-s", type=float, default=90.0,
+                 help="with --compile-workers > 1: the seconds a configuration may still take after its lowering "
+                      "(its compile, then its census and first calls); none starts unless the budget covers it")
   p.add_argument("--trace", action="store_true",
                  help="a jax.profiler trace of --steps steps (XLA command buffers kept on), summarised: device "
                       "span / busy / idle per step, the idle-gap histogram and the host's top events (where wall "
@@ -157,14 +157,16 @@ def main(argv=None):
   configs = [(q, backend, tune, b, ne, pk, spc, pol) for q in a.q for backend in a.backend for tune in tunings
              for b in a.batch for ne in a.executables for pk in a.pack_params for spc in a.steps_per_call
              for pol in policies]
+  # auto ignores the kernel switches: its configurations that differ only in them are one configuration
+  configs = list(dict.fromkeys(
+      (q, be, *rest, pol if be != "auto" else tuple((k, v) for k, v in pol if k not in KERNEL_DEFAULTS))
+      for q, be, *rest, pol in configs))
 
   def build(q, backend, tune, b, ne, pk, spc, policy):
     """A configuration's decoder and label, not compiled yet."""
     opts = ({"xla_gpu_autotune_level": 0} if tune == "off" else {}) | extra_opts
     label = backend + (" (no autotune)" if tune == "off" else "") + (" +xla opts" if extra_opts else "") + (" ×2 exec" if ne > 1 else "") + (" packed" if pk else "") + (f" {spc} steps/call" + (" unrolled" if a.unroll_steps else "") if spc > 1 else "") + (" " + json.dumps(dict(policy)) if len(policies) > 1 else "")
-    # the kernel switches concern latency_specialized only (auto refuses a request for a kernel)
-    pol = policy if backend != "auto" else tuple((k, v) for k, v in policy if k not in KERNEL_DEFAULTS)
-    dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=pol),
+    dec = Decoder(model, DecodeConfig(max_context=max_ctx, q=q, capture_sizes=(b,), policy=policy),
                   backend=backend, compiler_options=opts, executables=ne, pack_params=pk, steps_per_call=spc,
                   unroll_steps=a.unroll_steps)
     return dict(q=q, backend=backend, b=b, ne=ne, pk=pk, spc=spc, policy=policy, label=label, dec=dec)

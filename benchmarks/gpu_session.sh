@@ -13,8 +13,9 @@
 #                             bench_topk (the radix variants), bench_cluster_exchange, then the one-rank latency_specialized
 #                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
 #                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
-#   s56a .. s56e (nvidia-h200): session 55's plan — the L2 prefetches' GPU tests (s56a), the q = 1 A/Bs of the
-#                             pending knobs (s56b, s56c), issue #9's ratio (s56d), a trace of the defaults (s56e)
+#   s57a .. s57d (nvidia-h200): sessions 55-56's plan — the L2 prefetches' GPU tests, concurrently (s57a), the q = 1
+#                             A/B of every pending knob in one call (s57b: the configurations compile concurrently
+#                             since session 56), issue #9's ratio with s57b's winners (s57c), a trace (s57d)
 #   Modes of past sessions (s25 .. s55c and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -23,8 +24,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s56a|s56b|s56c|s56d|s56e) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s56a .. s56e)"
+  single|pair|tp2|tp4|profile|s57a|s57b|s57c|s57d) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57a .. s57d)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -126,48 +127,47 @@ case "$MODE" in
       --backend latency_specialized --profile --hlo-dir "$OUT" --out "$OUT/decode_profile.jsonl" 2>&1 \
       | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_profile.log"
     ;;
-  s56a)  # (nvidia-h200) session 55's L2 prefetches natively: each kernel with weights to prefetch bit for bit the
+  s57a)  # (nvidia-h200) session 55's L2 prefetches natively: each kernel with weights to prefetch bit for bit the
     # kernel without (the boundaries' one-launch forms, the KDA kernel, the indexer's scores, the MoE's gate/up with
-    # its down weights), the side launch's token its reference's, the f16 saturation test with the output's
-    # rounding allowed, then the kernel-tiny step with the knobs emitting the stock path's tokens
-    timeout -k 9 -s INT 150 python3 -m pytest -q -rA -p no:cacheprovider tests/test_mhc.py tests/test_kda_decode.py \
-      tests/test_indexer.py tests/test_prefetch.py -k "l2_prefetch or kernel_is_the_reference" > "$OUT/tests.log" 2>&1
-    timeout -k 9 -s INT 120 python3 -m pytest -q -rA -p no:cacheprovider tests/test_linear_kernels.py \
-      -k "down_prefetch or f16_saturates" >> "$OUT/tests.log" 2>&1
-    # session 41's stand-in with the TMA tensor form: does its CTA still live until the prefetches are processed,
+    # its down weights), the side launch's token its reference's, the f16 saturation test (its sqrt(K)-ulp bound),
+    # the kernel-tiny step with the knobs emitting the stock path's tokens. First, alone on the GPU (a timing):
+    # session 41's stand-in with the TMA tensor form — does its CTA still live until the prefetches are processed,
     # and does a column prefix in L2 (what the knobs ask for past their budget) shorten the XLA GEMV after it?
     for c in "" --cols; do timeout -s INT 60 python3 benchmarks/bench_l2_prefetch.py --only xla --spin 0 \
       --mb 0,8,16,24 --form tensor $c >> "$OUT/bench_l2_prefetch.log" 2>&1; done
-    timeout -k 9 -s INT $(( $(left) - 20 )) python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider \
-      "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[prefetch]" \
-      "tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache[prefetch_side]" \
-      >> "$OUT/tests.log" 2>&1
-    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests.log"
+    # then the tests as four concurrent processes (compile-bound: 16 cores; s55a's serial batches ran into their
+    # timeouts while compiling), each with its own log, GPU memory allocated on demand so that they fit together
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    T=$(( $(left) - 25 ))
+    e2e="tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache"
+    timeout -k 9 -s INT $T python3 -m pytest -q -rA -p no:cacheprovider tests/test_mhc.py tests/test_kda_decode.py \
+      tests/test_indexer.py tests/test_prefetch.py -k "l2_prefetch or kernel_is_the_reference" > "$OUT/tests_1.log" 2>&1 &
+    timeout -k 9 -s INT $T python3 -m pytest -q -rA -p no:cacheprovider tests/test_linear_kernels.py \
+      -k "down_prefetch or f16_saturates" > "$OUT/tests_2.log" 2>&1 &
+    timeout -k 9 -s INT $T python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider "$e2e[prefetch]" \
+      > "$OUT/tests_3.log" 2>&1 &
+    timeout -k 9 -s INT $T python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider "$e2e[prefetch_side]" \
+      > "$OUT/tests_4.log" 2>&1 &
+    wait
+    cat "$OUT"/tests_[1-4].log > "$OUT/tests.log"; rm -f "$OUT"/tests_[1-4].log
+    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed|Timeout|KeyboardInterrupt" "$OUT/tests.log"
     ;;
-  s56b)  # (nvidia-h200) q = 1, 5 interleaved repeats: session 55's defaults against the L2 prefetches — from the
-    # chain's kernels (l2_prefetch) or from launches beside it (l2_prefetch_side), the MoE's down weights during
-    # gate/up (moe_down_prefetch) — and kda_gates_first
-    rank1 s56b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"l2_prefetch": true}' \
-      '{"l2_prefetch_side": true}' '{"moe_down_prefetch": true}' '{"kda_gates_first": true}'
+  s57b)  # (nvidia-h200) q = 1, 5 interleaved repeats, every pending candidate against session 55's defaults in one
+    # call (compiled four at a time): the L2 prefetches — from the chain's kernels (l2_prefetch) or from launches
+    # beside it (l2_prefetch_side), the MoE's down weights during gate/up (moe_down_prefetch) — kda_gates_first, the
+    # 2-bit selection, dq_f16 (only if s57a's f16 test passed), the DSA latent norms (55 launches fewer; a tie in s55b)
+    rank1 s57b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"l2_prefetch": true}' \
+      '{"l2_prefetch_side": true}' '{"moe_down_prefetch": true}' '{"kda_gates_first": true}' \
+      '{"topk_threshold_2bit": true}' '{"dq_f16": true}' '{"mla_latent_norms": true, "qkv_a_fused_sum": true}'
     ;;
-  s56c)  # (nvidia-h200) q = 1: the other pending candidates against the defaults — the 2-bit selection (its design
-    # holds lean, now the default), dq_f16 (GPU tests pass after s56a), the DSA latent norms (55 launches fewer;
-    # a tie in s55b) — and s56b's winners together (edit WIN)
-    rank1 s56c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"topk_threshold_2bit": true}' '{"dq_f16": true}' '{"mla_latent_norms": true, "qkv_a_fused_sum": true}' \
-      "${WIN:-{\"l2_prefetch_side\": true, \"moe_down_prefetch\": true, \"kda_gates_first\": true\}}"
+  s57c)  # (nvidia-h200) issue #9's ratio in one call: auto vs the defaults vs the defaults + s57b's winners (WIN),
+    # 5 interleaved repeats of 80 steps
+    rank1 s57c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
+      --policy '{}' "${WIN:-{\"kda_gates_first\": true\}}"
     ;;
-  s56d)  # (nvidia-h200) issue #9's ratio in one call: auto vs latency_specialized (POLICY: the winners beyond the
-    # defaults), 3 interleaved repeats of 40 steps
-    timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank \
-      --batch 1 --context 32768 --q 1 --steps 40 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) \
-      --backend auto latency_specialized --steps-per-call 4 --interleave --compile-cache .jax_cache \
-      --policy "${POLICY:-{\}}" --out "$OUT/decode_s56d.jsonl" 2>&1 | grep -v -i -E "warn|^\s*$" \
-      >> "$OUT/bench_decode_s56d.log"
-    ;;
-  s56e)  # (nvidia-h200) the step traced at q = 1 with session 55's defaults (POLICY: more) — the sublayer chains
-    # with the one-row lean boundary (benchmarks/sublayer_chain.py on the events and kernels files)
-    rank1 s56e --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy "${POLICY:-{\}}"
+  s57d)  # (nvidia-h200) the step traced at q = 1 with the defaults (POLICY: more) — the sublayer chains with the
+    # one-row lean boundary (benchmarks/sublayer_chain.py on the events and kernels files)
+    rank1 s57d --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy "${POLICY:-{\}}"
     rm -f "$OUT"/hlo/*.hlo.gz
     ;;
 esac

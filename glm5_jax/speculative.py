@@ -877,10 +877,11 @@ def warmup_all(decoders, capture_sizes=None, *, single_step: bool = False, worke
   releases the GIL, so with ``workers`` > 1 each step's compile runs in a thread while the next step lowers and
   other compiles run — a benchmark of five policies, or a decoder of four capture sizes, then costs about the
   lowerings plus one compile instead of every compile in turn. The compiled steps are adopted (stored, their
-  small helper programs compiled) on the calling thread, in order. ``strict``: raise the first error after
-  every step finished (else it is in its ``Compiled``). ``should_start(decoder, batch)`` -> bool: asked before
-  each lowering (a benchmark's time budget); a step it refuses is left out of the result. ``on_ready(Compiled)``:
-  called on the calling thread as each step is adopted (or fails), in order."""
+  small helper programs compiled) on the calling thread, in order, each as soon as it and those before it are
+  compiled. ``strict``: raise the first error after every step finished (else it is in its ``Compiled``).
+  ``should_start(decoder, batch)`` -> bool: asked before each lowering (a benchmark's time budget); a step it
+  refuses is left out of the result. ``on_ready(Compiled)``: called on the calling thread as each step is
+  adopted (or fails), in order."""
   import concurrent.futures as cf  # noqa: PLC0415
   import time  # noqa: PLC0415
   decs = []
@@ -925,8 +926,11 @@ def warmup_all(decoders, capture_sizes=None, *, single_step: bool = False, worke
         continue
       if workers <= 1:  # no thread: the compile on this thread, adopted at once
         finish(c, lambda c=c, low=low: compile_one(c, low))
-      else:
-        pending.append((c, pool.submit(compile_one, c, low)))
+        continue
+      pending.append((c, pool.submit(compile_one, c, low)))
+      while pending and pending[0][1].done():  # adopt what is ready (in order) before the next lowering
+        c, fut = pending.pop(0)
+        finish(c, fut.result)
     for c, fut in pending:
       finish(c, fut.result)
   if strict:
