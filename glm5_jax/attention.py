@@ -26,7 +26,7 @@ from jax import lax
 from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
                              RMSNorm, concat_fits, kernel_enabled, kernel_switch, param, StackedLinear,
-                             join_tokens, l2_prefetch_operands, l2_prefetch_side, radix_topk_plan, rms_norm,
+                             l2_prefetch_operands, l2_prefetch_side, radix_topk_plan, rms_norm,
                              topk_set_by_threshold)
 
 
@@ -210,7 +210,6 @@ class KDA(nnx.Module):
     A_log, dt_bias = self.A_log[...], self.dt_bias[...].reshape(H, Kd)
     ssm = cache["ssm"]
     normed = False  # o already through the gated RMSNorm (inside the KDA kernel)
-    tok = None  # (l2_prefetch_side's token: joined at the layer's output)
     if ctx.mode == "verify":
       from pallas_kernels import kda_decode as kda_ops  # noqa: PLC0415 (kernels import lazily: GPU-only deps)
       if kernel_enabled("kda", fits=Kd == 128, why=f"KDA head dim {Kd} (the kernel takes 128)"):
@@ -225,8 +224,9 @@ class KDA(nnx.Module):
         # is elementwise and XLA fuses it into the o_proj GEMV (no norm kernel between the KDA kernel and o_proj)
         partials = kernel_enabled("kda_norm_partials", fits=not norm, why="kda_norm on (the norm in the kernel)")
         # l2_prefetch: o_proj's weight into L2 while the recurrence runs (HBM is idle through it) — from the KDA
-        # kernel, or (l2_prefetch_side) from a launch beside it, ordered after its input
-        tok = l2_prefetch_side(z, (self.o_proj.weight[...],))
+        # kernel, or (l2_prefetch_side) from a launch beside it, ordered after its input (its token to the next
+        # boundary: layers.side_tokens)
+        l2_prefetch_side(z, (self.o_proj.weight[...],))
         pf = l2_prefetch_operands((self.o_proj.weight[...],))
         if kernel_enabled("kda_conv", fits=hist.dtype == z.dtype,
                           why=f"conv cache {hist.dtype} vs activations {z.dtype} (the kernel's window is one dtype)"):
@@ -260,7 +260,7 @@ class KDA(nnx.Module):
     if not normed:
       o = rms_norm(o, self.o_norm.weight[...].astype(jnp.float32), self.eps, jnp.float32) * jax.nn.sigmoid(gate)
     y = lax.psum(self.o_proj(o.astype(dtype).reshape(B, T, H * Kd), dtype), TP)
-    return join_tokens(y, tok), {"conv": new_conv, "ssm": new_ssm}
+    return y, {"conv": new_conv, "ssm": new_ssm}
 
 
 # ==================================================================================================== DSA
@@ -595,7 +595,6 @@ class DSA(nnx.Module):
       lat = {"latent": _scatter_rows(cache["latent"], c, pos, ok)}
     with jax.named_scope("indexer"):
       hw, icache = self.indexer.project_update(x_ix, cache, ctx, dtype)
-      tok = None  # (l2_prefetch_side's token: joined at the layer's output)
       if shared is None:
         # (l2_prefetch: W_UV's rows of kv_b, then o_proj — what the layer reads after the selection)
         H_loc = self.kv_b_proj.weight.shape[0] // (dn + dv)
@@ -608,7 +607,7 @@ class DSA(nnx.Module):
           width = functools.partial(ks.index_width, B, T, -(-H // 16) * 16)
         idx, js = self.indexer.select(sc, pos, raw=raw, width=width)
         # l2_prefetch_side: W_UV and o_proj by a launch beside the selection, after the scores
-        tok = l2_prefetch_side(sc, last)
+        l2_prefetch_side(sc, last)
       else:
         idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
     q_hat = _per_head("bthn,hnr->bthr", q, w_uk)  # absorbed query [B, T, H, R]
@@ -644,6 +643,6 @@ class DSA(nnx.Module):
       o_lat = jnp.einsum("bthw,btwr->bthr", p, cs.astype(jnp.float32), precision=HIGHEST)
     if o is None:
       o = _per_head("bthr,hvr->bthv", o_lat.astype(dtype), w_uv)
-    y = join_tokens(lax.psum(self.o_proj(o.reshape(B, T, H * dv), dtype), TP), tok)
+    y = lax.psum(self.o_proj(o.reshape(B, T, H * dv), dtype), TP)
     new = dict(cache, **lat, **icache)
     return y, new, {"idx": idx, "pools": js}

@@ -277,8 +277,11 @@ KNOBS = {
         "l2_prefetch's prefetches from launches of their own beside the critical chain instead of from its "
         "kernels (pallas_kernels.prefetch.l2_prefetch: 66 one-warpgroup CTAs without shared memory): at each "
         "sublayer's start (ordered after the previous sublayer's output: the sublayer's first weights), after "
-        "the KDA layer's q/k/v (its o_proj) and after the DSA layer's scores (its W_UV and o_proj); each token "
-        "joins the chain at its sublayer's end through an optimization barrier. Session 41 measured that a CTA "
+        "the KDA layer's q/k/v (its o_proj) and after the DSA layer's scores (its W_UV and o_proj); the next mHC "
+        "boundary kernel takes their tokens as inputs it only waits for (session 55 joined them through an "
+        "optimization barrier, and XLA deleted every launch: a custom call whose result only a barrier reads is "
+        "dead — found by benchmarks/step_census.py, session 56); none at the step's last sublayer or in the MTP "
+        "layer (no boundary kernel after them). Session 41 measured that a CTA "
         "lives until its bulk prefetches are processed (a boundary stand-in prefetching 16 MB: 1.55 -> 4.68 µs): "
         "from the chain's own kernels the prefetches would lengthen the chain, from a launch beside it they cost "
         "the chain nothing but their HBM traffic. Not with l2_prefetch (one or the other). The same values. "
@@ -466,25 +469,35 @@ def l2_prefetch_operands(weights):
   return dict(zip(("prefetch", "prefetch_plan"), l2_prefetch_args(l2_budget(weights))))
 
 
+_SIDE_TOKENS: list[list] = []  # the open side_tokens() collectors, innermost last (trace time)
+
+
+@contextlib.contextmanager
+def side_tokens(sink: list):
+  """Collect into ``sink`` the tokens of the l2_prefetch_side launches traced inside: the caller hands them to a
+  kernel after them (``_common.mgpu_kernel``'s ``after``) — without a reader XLA deletes the launches."""
+  _SIDE_TOKENS.append(sink)
+  try:
+    yield sink
+  finally:
+    _SIDE_TOKENS.pop()
+
+
 def l2_prefetch_side(after, weights):
-  """Policy knob l2_prefetch_side: the token ([CTAS, 128] int32) of a prefetch launch of its own that asks for
-  ``l2_budget(weights)`` in L2, ordered after ``after``'s producer — or None where the knob is off (or
-  l2_prefetch, the prefetches from the kernels themselves, is on). Join the token with ``join_tokens`` at the
-  sublayer's end."""
-  if not (weights and kernel_enabled("l2_prefetch_side", fits=not kernel_switch("l2_prefetch"),
-                                     why="l2_prefetch on (the prefetches from the chain's kernels instead)")):
-    return None
+  """Policy knob l2_prefetch_side: a prefetch launch of its own that asks for ``l2_budget(weights)`` in L2,
+  ordered after ``after``'s producer; its token ([CTAS, 128] int32) goes to the innermost ``side_tokens``
+  collector. Declined (with why) where the knob is off, l2_prefetch is on, or no collector is open — no kernel
+  after this site takes the token (the step's last sublayer, the MTP layer)."""
+  why = ("l2_prefetch on (the prefetches from the chain's kernels instead)" if kernel_switch("l2_prefetch") else
+         "no kernel after this sublayer takes its token (the step's last sublayer, or no mHC boundary after it)")
+  if not (weights and kernel_enabled("l2_prefetch_side", fits=not kernel_switch("l2_prefetch") and bool(_SIDE_TOKENS),
+                                     why=why)):
+    return
   from pallas_kernels import prefetch as kp  # noqa: PLC0415
   from pallas_kernels._common import l2_prefetch_args  # noqa: PLC0415
   pf, plan = l2_prefetch_args(l2_budget(weights))
-  return kp.l2_prefetch(after, *pf, plan=plan) if plan else None
-
-
-def join_tokens(x, *tokens):
-  """``x`` ordered after the producers of ``tokens`` (None: none) — an optimization barrier: no kernel, no copy,
-  only the dependence (the side prefetches' launches must finish before what reads x)."""
-  toks = tuple(t for t in tokens if t is not None)
-  return lax.optimization_barrier((x, *toks))[0] if toks else x
+  if plan:
+    _SIDE_TOKENS[-1].append(kp.l2_prefetch(after, *pf, plan=plan))
 
 
 def l2_budget(weights, nbytes: int = L2_PREFETCH_BYTES):
@@ -913,20 +926,21 @@ class HyperConnection(nnx.Module):
     return out.astype(X.dtype)
 
   # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)
-  def fused(self, X2, pending, norm: "RMSNorm", prefetch=()):
+  def fused(self, X2, pending, norm: "RMSNorm", prefetch=(), after=()):
     """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
     RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix) of the previous
     sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post_t
     [N, C], comb_t [N·N, C]) f32: this site's post and comb for the next boundary, transposed — a column per token
     row, C = M rounded up to 64, pallas_kernels.mhc.mix_rows reads them back). Rows beyond 64 go in chunks of 64
     (a chunk's mix is its 64 columns). ``prefetch``: the weights the sublayer reads first, in that order (policy
-    knob l2_prefetch: the one-launch boundary asks for up to L2_PREFETCH_BYTES of them in L2)."""
+    knob l2_prefetch: the one-launch boundary asks for up to L2_PREFETCH_BYTES of them in L2). ``after``: arrays
+    the boundary's first launch only waits for (l2_prefetch_side's tokens: ``side_tokens``)."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M, R = X2.shape[0], km.ROWS
     if M > R:
       parts = [self.fused(X2[i:i + R], None if pending is None else
                           (pending[0][i:i + R], tuple(a[:, i:i + R] for a in pending[1])), norm,
-                          prefetch if i == 0 else ())
+                          prefetch if i == 0 else (), after if i == 0 else ())
                for i in range(0, M, R)]
       return (jnp.concatenate([p[0] for p in parts], axis=0), jnp.concatenate([p[1] for p in parts], axis=0),
               tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)))
@@ -955,12 +969,13 @@ class HyperConnection(nnx.Module):
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
           hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,
-          **l2_prefetch_operands(prefetch))
+          after=tuple(after), **l2_prefetch_operands(prefetch))
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     if prefetch:
       kernel_enabled("l2_prefetch", fits=False, why="the one-launch boundary (mhc_grid_barrier) issues the prefetches")
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
-    Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)
+    Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC,
+                               after=tuple(after))
     # mhc_fused_sums: the finish / Sinkhorn kernels sum the raw partials themselves (no XLA reduction between the
     # kernels on the sublayer's critical path)
     raw = kernel_switch("mhc_finish") and kernel_enabled(

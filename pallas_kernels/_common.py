@@ -259,12 +259,26 @@ def kernel_profile(directory: str):
 
 def mgpu_kernel(body, **kwargs):
   """``plgpu.kernel`` with the body under ``with_pdl`` (every kernel of the package is built through here), and
-  with the profiler's parameters under ``kernel_profile``."""
+  with the profiler's parameters under ``kernel_profile``. The kernel's call takes ``after=(arrays...)``: extra
+  inputs the body never sees — they order the launch after their producers and keep those launches in the
+  program (XLA deletes a custom call whose result nothing but an optimization barrier reads: policy knob
+  l2_prefetch_side's tokens, session 56)."""
   if _PROFILE.value and not interpreting():
     cp = kwargs.pop("compiler_params", None) or plgpu.CompilerParams()
     kwargs["compiler_params"] = cp.replace(profile_space=PROFILE_SPACE, profile_dir=_PROFILE_DIR[0],
                                            profile_bounds_check=True)
-  return plgpu.kernel(with_pdl(body), **kwargs)
+
+  def call(*args, after=()):
+    if not after:
+      return plgpu.kernel(with_pdl(body), **kwargs)(*args)
+    n, k = len(args), len(after)
+
+    def without_after(*refs):  # (the refs: inputs, then outputs and scratch)
+      return body(*refs[:n], *refs[n + k:])
+
+    return plgpu.kernel(with_pdl(without_after), **kwargs)(*args, *after)
+
+  return call
 
 
 def kernel_entry(*static: str):

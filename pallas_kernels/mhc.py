@@ -321,9 +321,10 @@ def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch'
 
 
 @kernel_entry("first", "cols")
-def mhc_post_pre(X, y, mix, fn, *, first: bool = False, cols: int = DC):
+def mhc_post_pre(X, y, mix, fn, *, first: bool = False, cols: int = DC, after=()):
   """Mosaic GPU version of ``mhc_post_pre_reference`` (same signature and outputs; with ``first`` X' is X itself):
-  a CTA per ``cols`` columns of every stream (32 or 64)."""
+  a CTA per ``cols`` columns of every stream (32 or 64). ``after``: arrays the kernel only waits for
+  (``_common.mgpu_kernel``: side launches' tokens)."""
   M, K = X.shape
   D = K // N
   _check(X, D, "mhc_post_pre")
@@ -342,7 +343,7 @@ def mhc_post_pre(X, y, mix, fn, *, first: bool = False, cols: int = DC):
   if first:
     kern = mgpu_kernel(_post_pre_kernel(M, D, True, DC), out_type=part, kernel_name="glm5_mhc_pre", **common,
                        scratch_types=[x_s, fn_s, xw_s, plgpu.Barrier(num_arrivals=2 * N)])
-    return X, kern(X, fn.astype(bf16))
+    return X, kern(X, fn.astype(bf16), after=after)
   kern = mgpu_kernel(
       _post_pre_kernel(M, D, False, DC), out_type=(jax.ShapeDtypeStruct((M, K), bf16), part),
       kernel_name="glm5_mhc_post_pre", **common,
@@ -359,7 +360,7 @@ def mhc_post_pre(X, y, mix, fn, *, first: bool = False, cols: int = DC):
   if post.shape != (N, ROWS) or comb.shape != (N * N, ROWS):
     raise ValueError(f"mhc_post_pre: mix = (post {post.shape}, comb {comb.shape}), expected the transposed "
                      f"({(N, ROWS)}, {(N * N, ROWS)}) of mhc_finish (mix_from_rows)")
-  return kern(X, y.astype(bf16), post.astype(f32), comb.astype(f32), fn.astype(bf16))
+  return kern(X, y.astype(bf16), post.astype(f32), comb.astype(f32), fn.astype(bf16), after=after)
 
 
 def _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0):
@@ -842,7 +843,7 @@ def _finish_half_scratch(M: int, arrivals: int):
 @kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "prefetch_plan")
 def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                     norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                    parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=()):
+                    parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=(), after=()):
   """Mosaic GPU version of ``mhc_post_finish_reference`` (same signature and outputs): the boundary's post, pre
   logits and Gram, and the sublayer input's RMSNorm in ONE launch of D / 32 CTAs with a grid barrier between the
   halves, for up to PARTS_MAX_ROWS token rows (decode's few; more: mhc_post_pre + mhc_finish). ``launches``: 1
@@ -856,7 +857,8 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   10 left: commit_smem's, wait_smem_to_gmem's, the reductions' and the grid barrier's), with the few it needs
   besides placed explicitly (``_sum_partials_t``, ``_grid_barrier``); no effect on the two-launch form.
   ``prefetch`` / ``prefetch_plan`` (policy knob l2_prefetch; ``_common.l2_prefetch_args``): the weights of the
-  GEMVs after the boundary, prefetched into L2 by its CTAs while it runs (the two-launch form: by the second)."""
+  GEMVs after the boundary, prefetched into L2 by its CTAs while it runs (the two-launch form: by the second).
+  ``after``: arrays the (first) launch only waits for (``_common.mgpu_kernel``: l2_prefetch_side's tokens)."""
   M, K = X.shape
   D = K // N
   _check(X, D, "mhc_post_finish")
@@ -871,7 +873,7 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   x_in = jax.ShapeDtypeStruct((M, D), bf16)
   pp_in = (X, fn.astype(bf16)) if first else (X, y.astype(bf16), *(a.astype(f32) for a in mix), fn.astype(bf16))
   if launches == 2:
-    Xn, part = mhc_post_pre(X, y, mix, fn, first=first, cols=GRID_COLS)
+    Xn, part = mhc_post_pre(X, y, mix, fn, first=first, cols=GRID_COLS, after=after)
     part = jnp.pad(part, ((0, Gp - G), (0, 0), (0, 0)))
     fin = mgpu_kernel(_finish_half_kernel(M, D, *consts, prefetch_plan), out_type=x_in,
                       kernel_name="glm5_mhc_finish_half",
@@ -894,7 +896,7 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
                      out_type=outs, scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1)],
                      kernel_name="glm5_mhc_post_finish", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
-  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch)
+  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch, after=after)
   if first:
     part, x_in = got
     return X, x_in, part
@@ -1125,13 +1127,13 @@ def mhc_row_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, e
 @kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "prefetch_plan")
 def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                      norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                     parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=()):
+                     parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=(), after=()):
   """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, one token
   row): ONE launch of D / 128 CTAs, one column of every stream per thread, a grid barrier between the halves
   (``counters`` / ``parity`` as in mhc_post_finish). ``launches=2`` (the default in GPU interpret mode): the halves
   as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 bar.sync, 16 left — its 38
-  one-row stores of per-thread products each had two). ``prefetch`` / ``prefetch_plan`` as in mhc_post_finish (the
-  two-launch form: the first launch issues them)."""
+  one-row stores of per-thread products each had two). ``prefetch`` / ``prefetch_plan`` / ``after`` as in
+  mhc_post_finish (the two-launch form: the first launch issues the prefetches and waits for ``after``)."""
   M, K = X.shape
   D = K // N
   G, Gp = _grid_rows(D, ROW_COLS)
@@ -1149,7 +1151,7 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   if launches == 2:
     h1 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 1, prefetch_plan=prefetch_plan), out_type=(*xo, part),
                      scratch_types=_row_scratch(first), kernel_name="glm5_mhc_row_first", **params)
-    got = h1(*pp_in, w.astype(bf16), *prefetch)
+    got = h1(*pp_in, w.astype(bf16), *prefetch, after=after)
     Xn, part = (X, got[0]) if first else got
     h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2), out_type=x_in, kernel_name="glm5_mhc_row_second",
                      scratch_types=[plgpu.SMEM((N, 1, ROW_COLS), bf16), plgpu.SMEM((ROW_COLS,), bf16),
@@ -1163,7 +1165,7 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
                      out_type=(*xo, part, x_in), scratch_types=_row_scratch(first),
                      kernel_name="glm5_mhc_row_boundary", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
-  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch)
+  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch, after=after)
   if first:
     part, x_in = got
     return X, x_in, part

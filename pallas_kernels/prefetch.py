@@ -7,9 +7,11 @@ by ``_common.issue_l2_prefetch``), and it is a kernel of its own on purpose: ses
 until its bulk prefetches have been processed (a stand-in for the mHC boundary that prefetched 16 MB lived 1.55
 -> 4.68 µs), so prefetches issued from a kernel on the critical chain lengthen that chain. This one hangs off the
 chain: its operand ``after`` (an activation ready when the window opens, e.g. the boundary's input) orders its
-launch, and its token joins the chain only at the sublayer's end (``glm5_jax.layers.l2_prefetch_side``), by
-when it is long done — under XLA's CONCURRENT command-buffer schedule it runs on a stream of its own, as the mHC
-Sinkhorn does. Its CTAs hold one warpgroup and no shared memory: they sit beside the chain's kernels on the SMs.
+launch, and its token is an input of the next mHC boundary kernel, which only waits for it
+(``glm5_jax.layers.side_tokens``), by when it is long done — under XLA's CONCURRENT command-buffer schedule it
+runs on a stream of its own, as the mHC Sinkhorn does. (The token must reach a kernel: session 55 joined it to the
+chain through an optimization barrier only, and XLA deleted every launch — benchmarks/step_census.py, session
+56.) Its CTAs hold one warpgroup and no shared memory: they sit beside the chain's kernels on the SMs.
 
 ``l2_prefetch_reference`` is its reference: the token, each CTA's count of boxes asked for.
 """

@@ -605,7 +605,8 @@ def test_l2_prefetch_at_the_model_site():
   FP8 projections; GPU interpret mode, where a prefetch is a no-op): every boundary takes its sublayer's first
   weights as prefetch operands — the hidden state bit for bit the one without, the report names all 4 sites;
   without the one-launch boundary (mhc_grid_barrier off) it is declined by name. l2_prefetch_side (the same
-  prefetches as launches of their own, joined at each sublayer's end): bit for bit too, at 5 sites."""
+  prefetches as launches of their own, their tokens taken by the next boundary): bit for bit too, at 4 sites,
+  declined by name at the last sublayer (no boundary after it)."""
   from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 15, "fp8", num_hidden_layers=2,
                          layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"])
@@ -620,11 +621,13 @@ def test_l2_prefetch_at_the_model_site():
   assert np.abs(h0).max() > 0
   sites = [why for name, why in rep if name == "l2_prefetch"]
   assert sites == [None] * 4, sites
-  rep = []  # l2_prefetch_side: launches of their own (4 sublayer starts, the DSA layer's after its scores)
+  rep = []  # l2_prefetch_side: launches of their own (3 sublayer starts and the DSA layer's after its scores; not
+  # at the last sublayer's start)
   (h2, _), _ = _extend_one_token(m, 1, base | {"l2_prefetch_side": True}, seed=seed, entries=rep)
   np.testing.assert_array_equal(h2, h0)
   sites = [why for name, why in rep if name == "l2_prefetch_side"]
-  assert sites == [None] * 5, sites
+  assert sites.count(None) == 4 and len(sites) == 5, sites
+  assert "no kernel after this sublayer takes its token" in next(w for w in sites if w), sites
   rep = []
   _extend_one_token(m, 1, base | {"mhc_grid_barrier": False, "l2_prefetch": True}, seed=seed, trace_only=True,
                     entries=rep)

@@ -247,8 +247,10 @@ def test_l2_prefetches_reach_their_sites():
 
 def test_side_prefetches_reach_their_sites():
   """Policy knob l2_prefetch_side in the kernel-tiny step at q = 1: a prefetch launch of its own at every
-  sublayer's start (4 layers x 2), after every KDA layer's q/k/v (3) and after the DSA layer's scores (1) — and
-  with l2_prefetch on as well it is declined at each by name (one or the other)."""
+  sublayer's start but the last (4 layers x 2 - 1: no boundary after it to take the token), after every KDA
+  layer's q/k/v (3) and after the DSA layer's scores (1) — and with l2_prefetch on as well it is declined at each
+  by name (one or the other). That XLA keeps these launches is checked on the compiled program
+  (test_step_census)."""
   model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
   for both in (False, True):
     pol = (("l2_prefetch_side", True),) + ((("l2_prefetch", True),) if both else ())
@@ -261,7 +263,33 @@ def test_side_prefetches_reach_their_sites():
         continue
       dec.trace_step(1, params, interpret=False)
     sites = dec.kernel_sites(1)["l2_prefetch_side"]
-    assert sites["sites"] == 4 * 2 + 3 + 1 and not sites["not_used"], sites
+    assert sites["sites"] == 4 * 2 - 1 + 3 + 1, sites
+    assert list(sites["not_used"].values()) == [1] and "takes its token" in next(iter(sites["not_used"])), sites
+
+
+def test_side_prefetch_launches_survive_the_gpu_compile(tmp_path):
+  """The kernel-tiny step with l2_prefetch_side compiled for an H200 on this CPU (benchmarks/step_census.py, in a
+  subprocess: the CUDA PJRT plugin must load before jax starts a backend): each side prefetch the trace placed
+  is a launch of the compiled program. Session 55 joined their tokens through optimization barriers only, and
+  XLA deleted every one of them (the trace-level test above could not see it)."""
+  import json  # noqa: PLC0415
+  import os  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if not os.path.isdir(os.path.join(root, ".cuda_plugin", "jax_plugins")):
+    pytest.skip("no CUDA PJRT plugin in .cuda_plugin (scripts/test.sh installs it; see benchmarks/step_census.py)")
+  out = tmp_path / "census.jsonl"
+  r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "step_census.py"), "--geometry", "kernel-tiny",
+                      "--steps-per-call", "1", "--policy", '{"l2_prefetch_side": true}', "--listing-dir",
+                      str(tmp_path), "--out", str(out), "--workers", "1"],
+                     capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0, r.stderr[-3000:]
+  row = json.loads(out.read_text())
+  listing = next(tmp_path.glob("*.kernels.tsv")).read_text().splitlines()
+  launched = sum("glm5_l2_prefetch" in line for line in listing)
+  assert launched == row["kernel_sites"]["l2_prefetch_side"] > 0, (launched, row["kernel_sites"])
+  assert row["kernels"] == len(listing)
 
 
 def test_step_digest_ignores_locations_and_kernel_payloads():
