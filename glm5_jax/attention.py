@@ -543,8 +543,9 @@ class DSA(nnx.Module):
           (self.q_a_proj.weight[...], self.kv_a_proj_with_mqa.weight[...]))
     return (*qa, self.indexer.x_proj.weight[...], self.q_b_proj.weight[...], self.indexer.wq_b.weight[...])
 
-  def __call__(self, x, cache, ctx: StepCtx, dtype, *, shared=None, extra_tail=0):
-    """x [B, T, D] -> (y [B, T, D], new cache, aux {"idx": [B, T, W], "pools": [B, T, kp]})."""
+  def __call__(self, x, cache, ctx: StepCtx, dtype, *, shared=None, extra_tail=0, x16=None):
+    """x [B, T, D] -> (y [B, T, D], new cache, aux {"idx": [B, T, W], "pools": [B, T, kp]}). ``x16``: x's f16 copy
+    (the mHC boundary's, policy knob dq_f16) for the f16 q_a / kv_a kernel; the indexer reads x."""
     B, T, _ = x.shape
     dn, dv = self.dn, self.dv
     fp8 = "latent8" in cache
@@ -559,11 +560,11 @@ class DSA(nnx.Module):
         f"{jnp.dtype(dtype).name}), a 512-wide latent (here {R}) and one RMSNorm eps")
     # qkv_a_fused_sum: the projection's K splits summed in its kernel (no XLA split sum on the critical path)
     if norms:
-      qa = self.qkv_a_proj.joint(x, dtype, fused_sum="qkv_a_fused_sum")  # [B, T, Q + R], normalised below
+      qa = self.qkv_a_proj.joint(x, dtype, fused_sum="qkv_a_fused_sum", x16=x16)  # [B, T, Q + R], normalised below
     elif joint:
-      qa, ca = self.qkv_a_proj(x, dtype, fused_sum="qkv_a_fused_sum")
+      qa, ca = self.qkv_a_proj(x, dtype, fused_sum="qkv_a_fused_sum", x16=x16)
     else:
-      qa, ca = self.q_a_proj(x, dtype), self.kv_a_proj_with_mqa(x, dtype)
+      qa, ca = self.q_a_proj(x, dtype, x16=x16), self.kv_a_proj_with_mqa(x, dtype, x16=x16)
     x_ix = x  # the indexer's input
     if kernel_enabled("dsa_qkv_a_first", B * T):
       # the indexer's projection (XLA's GEMV) and cache update take x through a barrier with q_a / kv_a's output.
@@ -587,7 +588,7 @@ class DSA(nnx.Module):
     wkv = self.kv_b_proj.w(dtype).reshape(H, dn + dv, -1)
     w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
     pos, ok = _positions(ctx, T)
-    o = None  # [B, T, H, dv]: from the W_UV kernel where it runs
+    o = o16 = None  # [B, T, H, dv]: from the W_UV kernel where it runs (o16: its f16 copy, dq_f16)
     if fp8:  # FP8 E4M3 latent cache rows with one fp32 scale per 128 values (written as the token arrives)
       from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
       lat = {"latent8": _scatter_rows(cache["latent8"], ks.quantize_latent(c) if row8 is None else row8, pos, ok)}
@@ -626,8 +627,10 @@ class DSA(nnx.Module):
         lean = kernel_enabled("lean_barriers")
         o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine,
                                      transposed=uv, lean=lean)
-        if uv:
-          o = ks.mla_absorb_uv(o_lat, wkv, dn=dn, lean=lean).reshape(B, T, H, dv)
+        if uv:  # dq_f16: also in f16 for o_proj's f16 kernel (no conversion kernel between them)
+          o = ks.mla_absorb_uv(o_lat, wkv, dn=dn, lean=lean, x16=kernel_switch("dq_f16"))
+          o, o16 = o if isinstance(o, tuple) else (o, None)
+          o = o.reshape(B, T, H, dv)
         else:
           o_lat = o_lat[:, :, :H]
       else:
@@ -643,6 +646,7 @@ class DSA(nnx.Module):
       o_lat = jnp.einsum("bthw,btwr->bthr", p, cs.astype(jnp.float32), precision=HIGHEST)
     if o is None:
       o = _per_head("bthr,hvr->bthv", o_lat.astype(dtype), w_uv)
-    y = lax.psum(self.o_proj(o.reshape(B, T, H * dv), dtype), TP)
+    y = lax.psum(self.o_proj(o.reshape(B, T, H * dv), dtype,
+                             x16=None if o16 is None else o16.reshape(B, T, H * dv)), TP)
     new = dict(cache, **lat, **icache)
     return y, new, {"idx": idx, "pools": js}

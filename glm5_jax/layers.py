@@ -735,8 +735,10 @@ class Linear(nnx.Module):
   def w(self, dtype):
     return dequant(self.weight[...], None if self.scale is None else self.scale[...], self.fp8_block, dtype)
 
-  def __call__(self, x, dtype, *, fused_sum: str | None = None):
-    """``fused_sum``: a site knob that turns linear_fused_sum's in-kernel K-split sum on at this call alone."""
+  def __call__(self, x, dtype, *, fused_sum: str | None = None, x16=None):
+    """``fused_sum``: a site knob that turns linear_fused_sum's in-kernel K-split sum on at this call alone.
+    ``x16``: x already in f16 (the mHC boundary's copy, policy knob dq_f16): the f16 dq kernel reads it instead of
+    converting x (no conversion kernel before it); anything else reads x."""
     rows = x.size // x.shape[-1]
     n_out, n_in = self.weight.shape
     tiles = n_in % 128 == 0 and n_out % 64 == 0
@@ -750,7 +752,9 @@ class Linear(nnx.Module):
         first = {"scales_first": True} if kernel_enabled("fp8_scales_first", rows) else {}
         # lean_barriers: built without Mosaic's automatic barriers (the ring's refill barrier placed by hand)
         lean = {"lean": True} if kernel_enabled("lean_barriers") else {}
-        fn = functools.partial(kl.fp8_dq_linear, **fused, **_dq_dtype(rows), **first, **lean)
+        f16 = _dq_dtype(rows)
+        fn = functools.partial(kl.fp8_dq_linear, **fused, **f16, **first, **lean)
+        x = x16 if f16 and x16 is not None else x
       else:
         fn = kl.fp8_linear
       return fn(x.reshape(rows, n_in), self.weight[...], self.scale[...],
@@ -926,7 +930,7 @@ class HyperConnection(nnx.Module):
     return out.astype(X.dtype)
 
   # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)
-  def fused(self, X2, pending, norm: "RMSNorm", prefetch=(), after=()):
+  def fused(self, X2, pending, norm: "RMSNorm", prefetch=(), after=(), x16: bool = False):
     """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
     RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix) of the previous
     sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post_t
@@ -934,7 +938,9 @@ class HyperConnection(nnx.Module):
     row, C = M rounded up to 64, pallas_kernels.mhc.mix_rows reads them back). Rows beyond 64 go in chunks of 64
     (a chunk's mix is its 64 columns). ``prefetch``: the weights the sublayer reads first, in that order (policy
     knob l2_prefetch: the one-launch boundary asks for up to L2_PREFETCH_BYTES of them in L2). ``after``: arrays
-    the boundary's first launch only waits for (l2_prefetch_side's tokens: ``side_tokens``)."""
+    the boundary's first launch only waits for (l2_prefetch_side's tokens: ``side_tokens``). ``x16`` (policy knob
+    dq_f16, for a sublayer whose FP8 kernels read x in f16): x_in as (bf16, f16) where the boundary kernel writes
+    both (the one-row form), else x_in alone (the sublayer's kernels convert it)."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M, R = X2.shape[0], km.ROWS
     if M > R:
@@ -969,7 +975,7 @@ class HyperConnection(nnx.Module):
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
           hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,
-          after=tuple(after), **l2_prefetch_operands(prefetch))
+          after=tuple(after), **({"x16": True} if row and x16 else {}), **l2_prefetch_operands(prefetch))
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     if prefetch:
       kernel_enabled("l2_prefetch", fits=False, why="the one-launch boundary (mhc_grid_barrier) issues the prefetches")
@@ -1015,13 +1021,14 @@ class MLP(nnx.Module):
     """The weights this MLP reads first, in that order (policy knob l2_prefetch)."""
     return (self.gate_proj.weight[...], self.up_proj.weight[...])
 
-  def partial(self, x, dtype):
+  def partial(self, x, dtype, *, x16=None):
     """This shard's contribution (the caller psums it)."""
-    h = swiglu_clamped(self.gate_proj(x, dtype), self.up_proj(x, dtype), self.limit)
+    h = swiglu_clamped(self.gate_proj(x, dtype, x16=x16), self.up_proj(x, dtype, x16=x16), self.limit)
     return self.down_proj(h, dtype)
 
-  def __call__(self, x, dtype):
-    return lax.psum(self.partial(x, dtype), TP)
+  def __call__(self, x, dtype, *, x16=None):
+    """``x16``: x's f16 copy for the f16 dq kernels (``Linear``)."""
+    return lax.psum(self.partial(x, dtype, x16=x16), TP)
 
 
 def topk_by_rank(v, k: int, values=None):
@@ -1264,8 +1271,9 @@ class MoE(nnx.Module):
     return (self.gate.weight[...],) + (() if sh is None else (sh.gate_proj.weight[...], sh.up_proj.weight[...],
                                                               sh.down_proj.weight[...]))
 
-  def __call__(self, x, dtype, *, return_ids=False):
-    """x [B, T, D] -> [B, T, D]; one psum for routed + shared."""
+  def __call__(self, x, dtype, *, return_ids=False, x16=None):
+    """x [B, T, D] -> [B, T, D]; one psum for routed + shared. ``x16``: x's f16 copy (the mHC boundary's, policy
+    knob dq_f16): the f16 MoE kernels read it instead of converting x; the router reads x."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
     ex = self.experts
@@ -1281,6 +1289,7 @@ class MoE(nnx.Module):
                                      se.up_proj.scale[...], se.down_proj.weight[...], se.down_proj.scale[...])
       dq = kernel_enabled("fp8_dq", xf.shape[0])
       f16 = _dq_dtype(xf.shape[0]) if dq else {}
+      xk = x16.reshape(xf.shape) if f16 and x16 is not None else xf  # (the kernels' x)
       fits, why = self.gate.kernel_fits(E)
       # moe_router_in_kernel: at one token row the router's selection inside fp8_moe's gate/up kernel (every CTA
       # selects for itself before its first weight request): no router kernel between the logits and the MoE.
@@ -1335,10 +1344,10 @@ class MoE(nnx.Module):
         # moe_writer_cta: the selection's writer one extra gate/up CTA (moe_router_ranks' form)
         writer = kernel_enabled("moe_writer_cta", rows, fits=ranks, why="moe_router_ranks off (every CTA "
                                 "selects all k: no writer slower than the others)")
-        y, ids, _ = moe(xf, None, None, router=(logits, bias), router_select=select, writer_cta=writer,
+        y, ids, _ = moe(xk, None, None, router=(logits, bias), router_select=select, writer_cta=writer,
                         **rows_form)
       else:
-        y = moe(xf, ids, w, route_kernel=route, tables=tables)
+        y = moe(xk, ids, w, route_kernel=route, tables=tables)
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
       return (y, ids.reshape(*lead, -1)) if return_ids else y
     y = ex.partial(xf, ids, w, dtype)

@@ -20,6 +20,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 _DUMP_NAME = "mosaic_gpu.dump_basename"
 
 
+F16_MAX = 65504.0  # the largest finite f16 (the dq kernels' f16 activations saturate there: linear._act)
+
 def _dedupe_kernel_modules():
   """Make identical kernels lower to identical Mosaic GPU modules.
 
@@ -268,9 +270,11 @@ def mgpu_kernel(body, **kwargs):
     kwargs["compiler_params"] = cp.replace(profile_space=PROFILE_SPACE, profile_dir=_PROFILE_DIR[0],
                                            profile_bounds_check=True)
 
+  plain = plgpu.kernel(with_pdl(body), **kwargs)
+
   def call(*args, after=()):
     if not after:
-      return plgpu.kernel(with_pdl(body), **kwargs)(*args)
+      return plain(*args)
     n, k = len(args), len(after)
 
     def without_after(*refs):  # (the refs: inputs, then outputs and scratch)
@@ -288,6 +292,15 @@ def kernel_entry(*static: str):
   Mosaic GPU lowering one call site at a time. The interpret-mode switch is part of jax's jit key, so native and
   interpret-mode traces never mix."""
   return lambda fn: jax.jit(fn, static_argnames=static)
+
+
+def round_bf16(v):
+  """f32 -> f32 rounded to bf16's 8 significant bits (to nearest, ties to even), by integer arithmetic on the bits:
+  a rounding no compiler elides (XLA on the CPU, GPU interpret mode, drops f32 -> bf16 -> f32 as excess
+  precision). Finite values; ±inf stay."""
+  bits = jax.lax.bitcast_convert_type(v.astype(jax.numpy.float32), jax.numpy.uint32)
+  bits = (bits + jax.numpy.uint32(0x7FFF) + ((bits >> 16) & jax.numpy.uint32(1))) & jax.numpy.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(bits, jax.numpy.float32)
 
 
 def order_key(v):

@@ -56,8 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (counter_signal, counter_wait, interpreting, issue_l2_prefetch, kernel_entry,
-                                    mgpu_kernel, wg_barrier)
+from pallas_kernels._common import (F16_MAX, counter_signal, counter_wait, interpreting, issue_l2_prefetch,
+                                    kernel_entry, mgpu_kernel, wg_barrier)
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
@@ -191,13 +191,14 @@ def _dequant_tile(w_s, a_s, dt=jnp.bfloat16):
 
 
 DQ_DTYPES = ("bfloat16", "float16")
-F16_MAX = 65504.0  # the largest finite f16
 
 
 def _act(x, dt):
   """Activations (x, h) in the dq kernels' dtype ``dt``. f16 saturates at ±65,504: past it the conversion would
   give inf (bf16 keeps such values to 8 bits) — with the subnormal range's lost bits below 2^-14, the only bf16
   values f16 does not hold exactly. bf16 (and f32) unchanged."""
+  if x.dtype == jnp.dtype(dt):  # (already converted: e.g. the mHC boundary's f16 x_in, saturated there)
+    return x
   if jnp.dtype(dt) == jnp.float16:  # (in f32: bf16 rounds 65,504 up to 65,536, which f16 does not hold)
     x = jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX)
   return x.astype(dt)

@@ -55,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (counter_signal, counter_wait, fence_async_writes, interpreting,
+from pallas_kernels._common import (F16_MAX, counter_signal, counter_wait, fence_async_writes, interpreting,
                                     issue_l2_prefetch, kernel_entry, mgpu_kernel, wg_barrier)
 
 N = 4  # residual streams
@@ -969,11 +969,12 @@ def _row_partials(xn, fn_s, red_s, v_s):
 
 
 def _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_eps, norm_eps,
-                    explicit: bool = False):
+                    explicit: bool = False, o16_s=None):
   """The second half for token row 0: the normalisation's 16 partial columns summed over the chunks (one 64-row
   tile, ``_sum_partials_t``), pre and 1/RMS as per-row vectors (``_gram_scale`` / ``_pre_rinv``, as every form),
   read back as scalars (column 0), then x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this thread's column into
-  o_s [1, 128] (the caller stores it)."""
+  o_s [1, 128] (the caller stores it) — and with ``o16_s`` x_in in f16 as well (saturated at ±65,504: what the dq
+  kernels' ``linear._act`` makes of it)."""
   _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], 1,
                   _FIN_PLACE, t_s, ts_s, explicit)
   plgpu.commit_smem()
@@ -990,10 +991,14 @@ def _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_
   xb = (u.astype(jnp.bfloat16).astype(jnp.float32) * sc_s[N, 0]).astype(jnp.bfloat16)
   wv = plgpu.load(w_s, layout=_row_layout(), optimized=False)
   o_s[0] = wv * xb
+  if o16_s is not None:  # (from the stored bf16: its own column, read back by the thread that wrote it — XLA on the
+    # CPU, GPU interpret mode, keeps wv * xb in f32 until the store rounds it)
+    o16_s[0] = plgpu.layout_cast(jnp.clip(_row_load(o_s.at[0]), -F16_MAX, F16_MAX).astype(jnp.float16),
+                                 _row_layout())
   plgpu.commit_smem()
 
 
-def _row_scratch(first: bool):
+def _row_scratch(first: bool, x16: bool = False):
   bf16, f32 = jnp.bfloat16, jnp.float32
   return [plgpu.SMEM((N, 1, ROW_COLS), bf16),  # x_s: X's columns (TMA boxes of one row)
           plgpu.SMEM((N, MIX, ROW_COLS), bf16),  # fn_s: fn's columns of every stream (untiled)
@@ -1008,6 +1013,7 @@ def _row_scratch(first: bool):
           plgpu.SMEM((PART, ROWS), f32),  # t_s: the sums, transposed
           plgpu.SMEM((1, PART - MIX), f32),  # ts_s
           plgpu.SMEM((N + 1, ROWS), f32),  # sc_s: pre and 1/RMS (per-row vectors; column 0 read back)
+          *([plgpu.SMEM((1, ROW_COLS), jnp.float16)] if x16 else []),  # o16_s: x_in in f16 (x16)
           plgpu.Barrier(num_arrivals=N + (0 if first else 3)),  # bar_x: X (y, the previous mix)
           plgpu.Barrier(num_arrivals=N + 1)]  # bar_fn: fn, w
 
@@ -1061,14 +1067,15 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
 
 
 def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int,
-                lean: bool = False, prefetch_plan=()):
+                lean: bool = False, prefetch_plan=(), x16: bool = False):
   """``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its halves as launches of their own.
   ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM store here is followed by a
   ``commit_smem`` before another thread or the TMA reads it, and no buffer is written after another thread read
   it (v_s, rewritten after the zero rows' TMA stores read it, is so only behind _row_partials' commit, which the
   issuing thread reaches after waiting for those reads); the barriers it needs besides: _sum_partials_t's and
   _grid_barrier's (``explicit``). ``prefetch_plan``: L2 prefetches of the weights after the counters' inputs
-  (the whole boundary or its first half; ``issue_l2_prefetch``), issued once the CTA's own loads are."""
+  (the whole boundary or its first half; ``issue_l2_prefetch``), issued once the CTA's own loads are. ``x16``:
+  x_in in f16 too (an output after x_in, its SMEM tile before the barriers)."""
   G, _ = _grid_rows(D, ROW_COLS)
   consts = (D, eps, hc_norm_eps, norm_eps)
 
@@ -1077,16 +1084,21 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
     g = lax.axis_index("g")
     d0 = g * ROW_COLS
-    if half == 2:  # X' (or X), the partials, coef, w -> x_in
+    if half == 2:  # X' (or X), the partials, coef, w -> x_in (and x_in in f16)
       xn_g, part_g, c_g, w_g, xin_g = take(5)
-      x_s, w_s, o_s, t_s, ts_s, sc_s, bar = take(7)
+      xin16_g = next(it) if x16 else None
+      x_s, w_s, o_s, t_s, ts_s, sc_s = take(6)
+      o16_s = next(it) if x16 else None
+      bar = next(it)
       for i in range(N):
         plgpu.copy_gmem_to_smem(xn_g.at[pl.ds(0, 1), pl.ds(i * D + d0, ROW_COLS)], x_s.at[i], bar)
       plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar)
       plgpu.barrier_wait(bar)
       xn = [_row_load(x_s.at[i, 0]) for i in range(N)]
-      _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, *consts)
+      _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, *consts, o16_s=o16_s)
       plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)])
+      if x16:
+        plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)])
       plgpu.wait_smem_to_gmem(0)
       return
     if first:
@@ -1100,6 +1112,7 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     xo_g = None if first else next(it)
     part_g = next(it)
     xin_g = next(it) if half == 0 else None
+    xin16_g = next(it) if half == 0 and x16 else None
     scratch = list(it)
     xn = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g,
                          functools.partial(issue_l2_prefetch, pf, prefetch_plan, g, G) if prefetch_plan else None)
@@ -1108,32 +1121,45 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     fence_async_writes()  # (the partials went out by TMA; the other CTAs read them with plain loads)
     _grid_barrier(ctr_g, par_g, g, G, lean)
     w_s, o_s, t_s, ts_s, sc_s = scratch[5], *scratch[9:13]
+    o16_s = scratch[13] if x16 else None
     with jax.named_scope("normalise"):
-      _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, *consts, lean)
+      _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, *consts, lean, o16_s=o16_s)
       plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)])
+      if x16:
+        plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)])
       plgpu.wait_smem_to_gmem(0)
 
   return body
 
 
 def mhc_row_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
-                               norm_eps: float, approx_math: bool = False, launches: int | None = None):
+                               norm_eps: float, approx_math: bool = False, launches: int | None = None,
+                               x16: bool = False):
   """``mhc_post_finish_reference`` over ROW_COLS-column chunks (G = D / 128, partials [Gp = 64, 64, 40]): one
-  token row. Of the kernel's partials only token row 0 is defined (the other rows are padding, as everywhere)."""
-  return mhc_post_finish_reference(X, y, mix, fn, coef, w, first=first, eps=eps, hc_norm_eps=hc_norm_eps,
-                                   norm_eps=norm_eps, approx_math=approx_math, launches=launches, cols=ROW_COLS)
+  token row. Of the kernel's partials only token row 0 is defined (the other rows are padding, as everywhere).
+  ``x16``: x_in as (bf16, its f16 copy saturated at ±65,504)."""
+  Xn, x_in, part = mhc_post_finish_reference(X, y, mix, fn, coef, w, first=first, eps=eps, hc_norm_eps=hc_norm_eps,
+                                             norm_eps=norm_eps, approx_math=approx_math, launches=launches,
+                                             cols=ROW_COLS)
+  if x16:
+    x_in = (x_in, jnp.clip(x_in.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16))
+  return Xn, x_in, part
 
 
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "prefetch_plan")
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "prefetch_plan",
+              "x16")
 def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                      norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                     parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=(), after=()):
+                     parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=(), after=(),
+                     x16: bool = False):
   """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, one token
   row): ONE launch of D / 128 CTAs, one column of every stream per thread, a grid barrier between the halves
   (``counters`` / ``parity`` as in mhc_post_finish). ``launches=2`` (the default in GPU interpret mode): the halves
   as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 bar.sync, 16 left — its 38
   one-row stores of per-thread products each had two). ``prefetch`` / ``prefetch_plan`` / ``after`` as in
-  mhc_post_finish (the two-launch form: the first launch issues the prefetches and waits for ``after``)."""
+  mhc_post_finish (the two-launch form: the first launch issues the prefetches and waits for ``after``).
+  ``x16``: x_in as (bf16, f16) — the f16 copy saturated at ±65,504, what the dq kernels' ``linear._act`` would make
+  of it (policy knob dq_f16: no conversion kernel between the boundary and the sublayer's FP8 kernels)."""
   M, K = X.shape
   D = K // N
   G, Gp = _grid_rows(D, ROW_COLS)
@@ -1147,26 +1173,29 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   pp_in = (X, fn.astype(bf16)) if first else (X, y.astype(bf16), *(a.astype(f32) for a in mix), fn.astype(bf16))
   part = jax.ShapeDtypeStruct((Gp, ROWS, PART), f32)
   x_in = jax.ShapeDtypeStruct((1, D), bf16)
+  x_ins = (x_in, jax.ShapeDtypeStruct((1, D), jnp.float16)) if x16 else (x_in,)
   xo = () if first else (jax.ShapeDtypeStruct((1, K), bf16),)
   if launches == 2:
     h1 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 1, prefetch_plan=prefetch_plan), out_type=(*xo, part),
                      scratch_types=_row_scratch(first), kernel_name="glm5_mhc_row_first", **params)
     got = h1(*pp_in, w.astype(bf16), *prefetch, after=after)
     Xn, part = (X, got[0]) if first else got
-    h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2), out_type=x_in, kernel_name="glm5_mhc_row_second",
+    h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2, x16=x16), out_type=x_ins if x16 else x_in,
+                     kernel_name="glm5_mhc_row_second",
                      scratch_types=[plgpu.SMEM((N, 1, ROW_COLS), bf16), plgpu.SMEM((ROW_COLS,), bf16),
                                     plgpu.SMEM((1, ROW_COLS), bf16), plgpu.SMEM((PART, ROWS), f32),
                                     plgpu.SMEM((1, PART - MIX), f32), plgpu.SMEM((N + 1, ROWS), f32),
+                                    *([plgpu.SMEM((1, ROW_COLS), jnp.float16)] if x16 else []),
                                     plgpu.Barrier(num_arrivals=N + 1)], **params)
-    return Xn, h2(Xn, part, coef.astype(f32), w.astype(bf16)), part
+    got = h2(Xn, part, coef.astype(f32), w.astype(bf16))
+    return Xn, (tuple(got) if x16 else got), part
   params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
   kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean),
-                                 prefetch_plan=prefetch_plan),
-                     out_type=(*xo, part, x_in), scratch_types=_row_scratch(first),
+                                 prefetch_plan=prefetch_plan, x16=x16),
+                     out_type=(*xo, part, *x_ins), scratch_types=_row_scratch(first, x16),
                      kernel_name="glm5_mhc_row_boundary", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
-  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch, after=after)
-  if first:
-    part, x_in = got
-    return X, x_in, part
-  return got[0], got[2], got[1]
+  got = tuple(kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch, after=after))
+  Xn, got = (X, got) if first else (got[0], got[1:])
+  part, x_in = got[0], (tuple(got[1:]) if x16 else got[1])
+  return Xn, x_in, part

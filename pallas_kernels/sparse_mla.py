@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry, mgpu_kernel
+from pallas_kernels._common import F16_MAX, kernel_entry, mgpu_kernel, round_bf16
 
 D_LATENT = 512
 GROUP = 128  # values per fp32 scale
@@ -545,27 +545,32 @@ KT = D_LATENT // BLOCK  # the contraction's K tiles of 64
 _BF16_SW32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # (as _F16_SW32: one swizzle, A and B)
 
 
-def mla_absorb_uv_reference(o_t, w_kv, *, dn: int):
+def mla_absorb_uv_reference(o_t, w_kv, *, dn: int, x16: bool = False):
   """o_t [BT, 512, Hp] f32 (the merged O^T per token: ``sparse_mla_decode(transposed=True)``), w_kv [H, dn + dv,
   512] bf16 (kv_b_proj's weight per head: W_UK rows, then W_UV's) -> [BT, H, dv] bf16: o_h rounded to bf16, then
   Σ_r o_h[r] · W_UV_h[v, r] in f32, rounded to bf16 — the model's attention.DSA chain (``_per_head``) for the first
-  H <= Hp heads."""
+  H <= Hp heads. ``x16``: (that, its f16 copy saturated at ±65,504 — the f16 dq kernels' input, policy dq_f16)."""
   H = w_kv.shape[0]
   o = jnp.swapaxes(o_t, 1, 2)[:, :H].astype(jnp.bfloat16).astype(jnp.float32)  # [BT, H, 512]
   w = w_kv[:, dn:].astype(jnp.float32)  # [H, dv, 512]
-  return jnp.sum(o[:, :, None, :] * w[None], axis=-1).astype(jnp.bfloat16)
+  out = jnp.sum(o[:, :, None, :] * w[None], axis=-1).astype(jnp.bfloat16)
+  return (out, jnp.clip(out.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)) if x16 else out
 
 
-def _uv_kernel(BT: int, dn: int):
+def _uv_kernel(BT: int, dn: int, x16: bool = False):
   """CTA (v-chunk c, head h): out[:, h, 64c .. 64c + 63] for every token. W_UV_h's [64, 512] rows by TMA (8 K
   tiles of 64, the wgmma A operand); each token's O^T [512, 16] of the head's group of 16 loaded from GMEM in
   64-row tiles (as the merge kernel reads its splits), rounded to bf16, each stored whole as one of the B
   operand's 8 K tiles (no register store at an offset into SMEM); acc [64, 16] =
   W_UV_h · O^T[:, group] holds the head's own column at h % 16 (the other 15: its weight on the group's other
   heads, unused — the MMA is free next to the weight's bytes), taken by a masked row sum (one nonzero term:
-  exact) and stored by TMA."""
+  exact) and stored by TMA (``x16``: also in f16, from the bf16-rounded value)."""
 
-  def body(o_g, w_g, out_g, w_s, ob_s, v_s, bar):
+  def body(o_g, w_g, *refs):
+    if x16:
+      out_g, out16_g, w_s, ob_s, v_s, v16_s, bar = refs
+    else:
+      (out_g, w_s, ob_s, v_s, bar), out16_g, v16_s = refs, None, None
     c, h = lax.axis_index("c"), lax.axis_index("h")
     v0, g0 = c * BLOCK, (h // HEADS_PER_CTA) * HEADS_PER_CTA
     for t in range(KT):
@@ -585,23 +590,29 @@ def _uv_kernel(BT: int, dn: int):
         return acc[...]
 
       acc = pl.run_scoped(mma, plgpu.ACC((BLOCK, HEADS_PER_CTA), jnp.float32))
-      v_s[bt] = jnp.where(col == h - g0, acc, 0.0).sum(axis=1).astype(jnp.bfloat16)
+      v = jnp.where(col == h - g0, acc, 0.0).sum(axis=1)
+      v_s[bt] = v.astype(jnp.bfloat16)
+      if x16:
+        v16_s[bt] = jnp.clip(round_bf16(v), -F16_MAX, F16_MAX).astype(jnp.float16)
     plgpu.commit_smem()
     for bt in range(BT):
       plgpu.copy_smem_to_gmem(v_s.at[bt], out_g.at[bt, h, pl.ds(v0, BLOCK)])
+      if x16:
+        plgpu.copy_smem_to_gmem(v16_s.at[bt], out16_g.at[bt, h, pl.ds(v0, BLOCK)])
     plgpu.wait_smem_to_gmem(0)
 
   return body
 
 
-@kernel_entry("dn", "lean")
-def mla_absorb_uv(o_t, w_kv, *, dn: int, lean: bool = False):
+@kernel_entry("dn", "lean", "x16")
+def mla_absorb_uv(o_t, w_kv, *, dn: int, lean: bool = False, x16: bool = False):
   """Mosaic GPU version of ``mla_absorb_uv_reference`` (same signature): a CTA per (64 output values, head), dv /
   64 · H CTAs (64 at TP4: 16 heads, dv = 256), each streaming its [64, 512] slice of W_UV once for all the
   launch's tokens (up to UV_MAX_TOKENS). The products of bf16 values are exact in the f32 accumulator; the sums
   run in another order than XLA's (the result within bf16 rounding of the reference). ``lean`` (policy knob
   lean_barriers): built without Mosaic GPU's automatic warpgroup barriers (29 bar.sync, 3 lean): each SMEM buffer
-  is written once and read after a commit_smem (the O^T tiles by the wgmma, the outputs by the TMA)."""
+  is written once and read after a commit_smem (the O^T tiles by the wgmma, the outputs by the TMA). ``x16``
+  (policy knob dq_f16): (out, out in f16) as the reference's — o_proj's f16 kernel input, no conversion kernel."""
   BT, Dl, Hp = o_t.shape
   H, rows, R = w_kv.shape
   dv = rows - dn
@@ -613,14 +624,16 @@ def mla_absorb_uv(o_t, w_kv, *, dn: int, lean: bool = False):
                      f"{HEADS_PER_CTA}, H <= Hp, dn >= 0 and dv a positive multiple of {BLOCK}")
   if not 1 <= BT <= UV_MAX_TOKENS:
     raise ValueError(f"mla_absorb_uv: {BT} token rows; expected 1 .. {UV_MAX_TOKENS}")
-  bf16 = jnp.bfloat16
+  bf16, f16 = jnp.bfloat16, jnp.float16
+  out = jax.ShapeDtypeStruct((BT, H, dv), bf16)
   return mgpu_kernel(
-      _uv_kernel(BT, dn),
-      out_type=jax.ShapeDtypeStruct((BT, H, dv), bf16),
+      _uv_kernel(BT, dn, x16),
+      out_type=(out, jax.ShapeDtypeStruct((BT, H, dv), f16)) if x16 else out,
       scratch_types=[
           plgpu.SMEM((KT, BLOCK, BLOCK), bf16, transforms=_BF16_SW32),  # w_s: W_UV_h's 64 rows, K tiles
           plgpu.SMEM((BT, KT, BLOCK, HEADS_PER_CTA), bf16, transforms=_BF16_SW32),  # ob_s: O^T, K tiles
           plgpu.SMEM((BT, BLOCK), bf16),  # v_s: the outputs
+          *([plgpu.SMEM((BT, BLOCK), f16)] if x16 else []),  # v16_s: the outputs in f16 (x16)
           plgpu.Barrier(num_arrivals=KT),
       ],
       grid=(dv // BLOCK, H),

@@ -183,6 +183,41 @@ def test_row_boundary_interpret(D, first):
   _check_post_finish(1, D, first, seed=D, interpret=True, row=True)
 
 
+def _x16_pair(D, first, seed, **kw):
+  """mhc_row_boundary with x16 and without on the same inputs (GPU interpret mode on the CPU: its two halves)."""
+  X, y, mix, fn, coef, w = _inputs(1, D, seed)
+  X = X.at[0, :8].set(jnp.asarray([7e4, -9e4, 3e-6, -2e-7, 1e5, 0.5, -0.25, 6e4], jnp.bfloat16))  # saturating / tiny
+  run = lambda x16: jax.jit(lambda *a: K.mhc_row_boundary(*a, first=first, approx_math=True, x16=x16, **kw,  # noqa
+                                                          **GRID_CONSTS))(X, y, mix, fn, coef, w)
+  return run(False), run(True)
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_row_boundary_x16_interpret(first):
+  """x16 (policy knob dq_f16): the boundary's x_in also in f16 — exactly linear._act(x_in, f16) (the conversion
+  the dq kernels would do), and every other output bit for bit the boundary's without it."""
+  from pallas_kernels import linear as L  # noqa: PLC0415
+  with maybe_interpret(True):
+    off, on = _x16_pair(256, first, seed=5)
+  x_in, x_in16 = on[1]
+  assert x_in16.dtype == jnp.float16 and np.abs(np.asarray(x_in, np.float32)).max() > 0
+  for a, b in ((on[0], off[0]), (x_in, off[1]), (on[2], off[2])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  np.testing.assert_array_equal(np.asarray(x_in16), np.asarray(L._act(off[1], jnp.float16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [False, True])
+def test_row_boundary_x16_gpu(lean):
+  """x16 natively at the real width, one launch (the grid barrier; lean: without the automatic barriers): the
+  f16 copy is linear._act of x_in, the rest bit for bit the boundary without it."""
+  from pallas_kernels import linear as L  # noqa: PLC0415
+  off, on = _x16_pair(4096, False, seed=6, launches=1, lean=lean)
+  for a, b in ((on[0], off[0]), (on[1][0], off[1]), (on[2], off[2])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  np.testing.assert_array_equal(np.asarray(on[1][1]), np.asarray(L._act(off[1], jnp.float16)))
+
+
 def test_row_boundary_refuses():
   """More than one token row, or a width that is not whole CTAs of 128 columns: refused by name."""
   X, y, mix, fn, coef, w = _inputs(2, 256, 0)
@@ -285,6 +320,10 @@ def test_row_boundary_lowers_for_cuda():
                               **GRID_CONSTS)
   calls = [line for line in cross_lower(two, *args).as_text().splitlines() if "@mosaic_gpu_v2" in line]
   assert len(calls) == 2 and all("output_operand_alias" in line for line in calls)
+  # with x16 (policy knob dq_f16) and lean: x_in in f16 too
+  low = cross_lower(lambda *a: K.mhc_row_boundary(*a, approx_math=True, launches=1, lean=True, x16=True,
+                                                  **GRID_CONSTS)[1], *args)
+  assert "tensor<1x4096xf16>" in low.as_text()
 
 
 def _counter_chain(M, n, counters: bool, row: bool = False, lean: bool = False):

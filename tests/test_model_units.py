@@ -635,6 +635,41 @@ def test_l2_prefetch_at_the_model_site():
   assert len(sites) == 4 and all(w and "one-launch boundary" in w for w in sites), sites
 
 
+def test_dq_f16_inputs_from_the_boundary_at_the_model_site(monkeypatch):
+  """Policy dq_f16 at a two-layer bf16 model (KDA + dense MLP, DSA + MoE; FP8 projections; the one-row lean
+  boundary): the FP8 kernels' f16 inputs come from the boundary kernel (x_in also in f16) instead of a conversion
+  kernel each — the hidden state and expert ids bit for bit those of dq_f16 with the conversions (the boundaries
+  not asked for the f16 copy). (W_UV's f16 copy, in the FP8-cache decode step only: the kernel-tiny step's
+  end-to-end test with the candidates, and test_uv_kernel_x16_interpret.)"""
+  import glm5_jax.attention as A  # noqa: PLC0415
+  import glm5_jax.model as Mo  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
+  from pallas_kernels import mhc as km  # noqa: PLC0415
+  from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 16, "fp8", num_hidden_layers=2,
+                         layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"])
+  m = load(path, "bfloat16")
+  pol = {k: v for k, v in KERNEL_DEFAULTS.items()} | {"dq_f16": True, "kv_cache_dtype": "fp8"}
+  seed = int(np.random.default_rng().integers(1 << 20))
+  asked = []
+  for mod, fn in ((km, "mhc_row_boundary"), (ks, "mla_absorb_uv")):
+    orig = getattr(mod, fn)
+    monkeypatch.setattr(mod, fn, lambda *a, _o=orig, _n=fn, **k: asked.append((_n, k.get("x16", False))) or _o(*a, **k))
+  (h1, e1), _ = _extend_one_token(m, 1, pol, seed=seed)
+  assert ("mhc_row_boundary", True) in asked, asked
+  switch = Mo.kernel_switch
+  no16 = lambda name: False if name == "dq_f16" else switch(name)  # noqa: E731 (the sites' f16 copies not asked for)
+  monkeypatch.setattr(Mo, "kernel_switch", no16)
+  monkeypatch.setattr(A, "kernel_switch", no16)
+  asked.clear()
+  (h0, e0), rep = _extend_one_token(m, 1, pol, seed=seed)
+  assert asked and not any(x16 for _, x16 in asked), asked
+  assert rep["dq_f16"] is None  # (the dq kernels in f16 all the same)
+  np.testing.assert_array_equal(h1, h0)
+  np.testing.assert_array_equal(e1, e0)
+  assert np.abs(h0).max() > 0
+
+
 def _attention_with_and_without(m, x, cache, ctx, base, knob):
   """The first layer's attention sublayer (one device's shard_map, GPU interpret mode, x's dtype) under policy
   ``base`` with ``knob`` off, then on -> [its outputs off, on]; the kernel report names the site only when on."""

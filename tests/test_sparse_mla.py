@@ -368,6 +368,29 @@ def test_uv_kernel_interpret(BT, Hp, H, dn):
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), **tol("kernel_bf16"))
 
 
+def _uv_x16_check(got, plain, dn_out=256):
+  """x16's pair: the bf16 output bit for bit the kernel's without x16, the f16 one exactly linear._act of it."""
+  from pallas_kernels import linear as L  # noqa: PLC0415
+  out, out16 = got
+  assert out16.dtype == jnp.float16 and out16.shape == out.shape
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
+  np.testing.assert_array_equal(np.asarray(out16), np.asarray(L._act(plain, jnp.float16)))
+
+
+def test_uv_kernel_x16_interpret():
+  """x16 (policy knob dq_f16): the output in f16 too, for o_proj's f16 kernel — the f16 copy exactly what
+  linear._act makes of the bf16 output (its rounding done on the bits: XLA on the CPU would skip an f32 -> bf16 ->
+  f32 round trip), the bf16 output unchanged; the reference's pair likewise."""
+  o_t, w = uv_inputs(np.random.default_rng(), 2, 16, 16)
+  o_t = o_t.at[0, :, 0].multiply(3e4)  # (head 0 of token 0 past f16's range: saturated at ±65,504 as _act does)
+  with maybe_interpret(True):
+    plain = jax.jit(functools.partial(M.mla_absorb_uv, dn=256))(o_t, w)
+    got = jax.jit(functools.partial(M.mla_absorb_uv, dn=256, x16=True))(o_t, w)
+  _uv_x16_check(got, plain)
+  assert np.abs(np.asarray(got[1], np.float32)).max() == 65504 and np.abs(np.asarray(plain, np.float32)).max() > 7e4
+  _uv_x16_check(M.mla_absorb_uv_reference(o_t, w, dn=256, x16=True), M.mla_absorb_uv_reference(o_t, w, dn=256))
+
+
 def test_uv_rejects_bad_input():
   o_t, w = (SDS((1, 512, 16), jnp.float32), SDS((16, 512, 512), jnp.bfloat16))
   with pytest.raises(ValueError, match=r"mla_absorb_uv: o_t \(1, 512, 16\) bfloat16"):
@@ -385,6 +408,10 @@ def test_uv_cross_lower(BT, H):
   """CUDA lowering at the real shapes: TP4's 16 heads at q = 1 and 4, TP1's 64 at 8 rows."""
   f = functools.partial(M.mla_absorb_uv, dn=256)
   assert "glm5_mla_uv" in cross_lower(f, SDS((BT, 512, H), jnp.float32), SDS((H, 512, 512), jnp.bfloat16)).as_text()
+  if BT == 1:  # x16 (policy knob dq_f16), lean: the f16 copy's integer rounding lowers too
+    f = functools.partial(M.mla_absorb_uv, dn=256, x16=True, lean=True)
+    txt = cross_lower(f, SDS((BT, 512, H), jnp.float32), SDS((H, 512, 512), jnp.bfloat16)).as_text()
+    assert f"tensor<{BT}x{H}x256xf16>" in txt
 
 
 @pytest.mark.gpu
@@ -399,6 +426,8 @@ def test_uv_kernel_gpu(BT, Hp, H):
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), **tol("kernel_bf16"))
   lean = jax.jit(functools.partial(M.mla_absorb_uv, dn=256, lean=True))(o_t, w)
   np.testing.assert_array_equal(np.asarray(lean, np.float32), np.asarray(got, np.float32))
+  for lean_ in (False, True):  # x16 (policy knob dq_f16): the f16 copy of the same output
+    _uv_x16_check(jax.jit(functools.partial(M.mla_absorb_uv, dn=256, lean=lean_, x16=True))(o_t, w), got)
   q, cache, idx = make_inputs(BT, 1, BT, 16, 32768, 2051, q_dtype=jnp.bfloat16, trailing_pad=2051 % 64)
   f = lambda tr: jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel",  # noqa: E731
                                                         transposed=tr))(q, cache, idx)
