@@ -142,14 +142,16 @@ case "$MODE" in
     e2e="tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache"
     timeout -k 9 -s INT $T python3 -m pytest -q -rA -p no:cacheprovider tests/test_mhc.py tests/test_kda_decode.py \
       tests/test_indexer.py tests/test_prefetch.py -k "l2_prefetch or kernel_is_the_reference" > "$OUT/tests_1.log" 2>&1 &
+    # (+ session 56's f16 copies for dq_f16: the one-row boundary's x_in and W_UV's output, bit for bit)
     timeout -k 9 -s INT $T python3 -m pytest -q -rA -p no:cacheprovider tests/test_linear_kernels.py \
-      -k "down_prefetch or f16_saturates" > "$OUT/tests_2.log" 2>&1 &
+      tests/test_mhc.py tests/test_sparse_mla.py -k "down_prefetch or f16_saturates or x16 or uv_kernel_gpu" \
+      > "$OUT/tests_2.log" 2>&1 &
     timeout -k 9 -s INT $T python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider "$e2e[prefetch]" \
       > "$OUT/tests_3.log" 2>&1 &
     # (l2_prefetch_side needs the fused mHC boundaries, whose kernels take its tokens — a bf16 model: its model-site
     # test, natively)
     timeout -k 9 -s INT $T python3 -m pytest -q -rA -p no:cacheprovider tests/test_model_units.py \
-      -k "l2_prefetch_at_the_model_site" > "$OUT/tests_4.log" 2>&1 &
+      -k "l2_prefetch_at_the_model_site or dq_f16_inputs" > "$OUT/tests_4.log" 2>&1 &
     wait
     cat "$OUT"/tests_[1-4].log > "$OUT/tests.log"; rm -f "$OUT"/tests_[1-4].log
     grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed|Timeout|KeyboardInterrupt" "$OUT/tests.log"
@@ -157,7 +159,8 @@ case "$MODE" in
   s57b)  # (nvidia-h200) q = 1, 5 interleaved repeats, every pending candidate against session 55's defaults in one
     # call (compiled four at a time): the L2 prefetches — from the chain's kernels (l2_prefetch) or from launches
     # beside it (l2_prefetch_side), the MoE's down weights during gate/up (moe_down_prefetch) — kda_gates_first, the
-    # 2-bit selection, dq_f16 (only if s57a's f16 test passed), the DSA latent norms (55 launches fewer; a tie in s55b)
+    # 2-bit selection, dq_f16 (only if s57a's f16 tests passed; since session 56 without its 67 conversion kernels:
+    # 865 launches, the defaults' critical path), the DSA latent norms (55 launches fewer; a tie in s55b)
     rank1 s57b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"l2_prefetch": true}' \
       '{"l2_prefetch_side": true}' '{"moe_down_prefetch": true}' '{"kda_gates_first": true}' \
       '{"topk_threshold_2bit": true}' '{"dq_f16": true}' '{"mla_latent_norms": true, "qkv_a_fused_sum": true}'

@@ -184,7 +184,10 @@ KNOBS = {
         "3.77 -> 3.69 ms, faster in 3 of 4 paired rounds (-0.05 ms) — 3 of 4 on both occasions, but f16 "
         "activations overflowed to inf above 65,504 where bf16 does not. Since session 51 every f16 activation "
         "conversion (x, h; pallas_kernels.linear._act) saturates at ±65,504 instead (CPU-built: its GPU test "
-        "and a third measurement next, gpu_session s53a / s53b) — off until then"),
+        "and a third measurement next) — off until then. Session 56 (benchmarks/step_census.py): those conversions "
+        "were XLA kernels of their own, 67 per q = 1 step, 25 on its critical path (932 launches vs 865) — now the "
+        "one-row mHC boundary and the W_UV kernel write their outputs in f16 as well (mhc_row_boundary(x16), "
+        "mla_absorb_uv(x16)), which the FP8 kernels read: 865 launches, the defaults' critical path"),
     "moe_router_in_kernel": (True,
         "with fp8_moe and router_kernel on, at one token row (fp8_moe's own form): the router's selection "
         "(pallas_kernels.router's top-k in lax.top_k's order, weights normalised and scaled) inside every CTA of "
