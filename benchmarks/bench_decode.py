@@ -79,8 +79,8 @@ def main(argv=None):
                  help="with --interleave: compile this many configurations at once (XLA's compile releases the GIL; "
                       "the lowerings stay one at a time): five policies cost about five lowerings and one compile")
   p.add_argument("--compile-tail-s", type=float, default=90.0,
-                 help="with --compile-workers > 1: the seconds a configuration may still take after its lowering "
-                      "(its compile, then its census and first calls); none starts unless the budget covers it")
+                 help="with --compile-workers > 1: the seconds a configuration may take once started (its lowering, "
+                      "compile, census and first calls); none starts unless the budget covers it")
   p.add_argument("--trace", action="store_true",
                  help="a jax.profiler trace of --steps steps (XLA command buffers kept on), summarised: device "
                       "span / busy / idle per step, the idle-gap histogram and the host's top events (where wall "
@@ -342,7 +342,7 @@ def main(argv=None):
 
     tail = a.compile_tail_s if a.compile_workers > 1 else 0.0
     warmup_all([c["dec"] for c in built], workers=a.compile_workers, strict=False, on_ready=on_ready,
-               should_start=lambda d, b: should_start(by_dec[id(d)], tail))
+               should_start=lambda d, b: not fatal and should_start(by_dec[id(d)], tail))
     if fatal:
       return rows
     for _ in range(a.repeats):

@@ -582,7 +582,16 @@ class Decoder:
       return self.trace_step(b).lower()
 
   def _adopt(self, b, executable):
-    """Store the compiled step of capture size ``b`` and warm what runs around it."""
+    """Store the compiled step of capture size ``b`` and warm what runs around it (nothing stored if that fails:
+    a later warmup tries again)."""
+    try:
+      self._adopt_unchecked(b, executable)
+    except BaseException:
+      self._aot.pop(b, None)
+      self._copies.pop(b, None)
+      raise
+
+  def _adopt_unchecked(self, b, executable):
     self._aot[b] = executable
     # the small programs around each step (its output views; a caller's tokens written into io) compile here
     # too, on an io laid out as the step returns it
@@ -921,10 +930,15 @@ def warmup_all(decoders, capture_sizes=None, *, single_step: bool = False, worke
       except Exception as e:  # noqa: BLE001
         c.error = e
       c.lower_s = time.perf_counter() - t
-      if c.error is not None:
-        finish(c, None)
+      if c.error is not None:  # (reported in its turn, after the compiles started before it)
+        failed = cf.Future()
+        failed.set_result(None)
+        pending.append((c, failed))
         continue
       if workers <= 1:  # no thread: the compile on this thread, adopted at once
+        for pc, pf in pending:
+          finish(pc, pf.result)
+        pending.clear()
         finish(c, lambda c=c, low=low: compile_one(c, low))
         continue
       pending.append((c, pool.submit(compile_one, c, low)))

@@ -297,10 +297,11 @@ def kernel_entry(*static: str):
 def round_bf16(v):
   """f32 -> f32 rounded to bf16's 8 significant bits (to nearest, ties to even), by integer arithmetic on the bits:
   a rounding no compiler elides (XLA on the CPU, GPU interpret mode, drops f32 -> bf16 -> f32 as excess
-  precision). Finite values; ±inf stay."""
-  bits = jax.lax.bitcast_convert_type(v.astype(jax.numpy.float32), jax.numpy.uint32)
+  precision). ±inf stay; a NaN stays NaN (the carry would turn the GPU's 0x7FFFFFFF into -0.0)."""
+  v = v.astype(jax.numpy.float32)
+  bits = jax.lax.bitcast_convert_type(v, jax.numpy.uint32)
   bits = (bits + jax.numpy.uint32(0x7FFF) + ((bits >> 16) & jax.numpy.uint32(1))) & jax.numpy.uint32(0xFFFF0000)
-  return jax.lax.bitcast_convert_type(bits, jax.numpy.float32)
+  return jax.numpy.where(v != v, v, jax.lax.bitcast_convert_type(bits, jax.numpy.float32))
 
 
 def order_key(v):

@@ -255,7 +255,7 @@ def test_no_compilation_after_warmup(model):
 
 def test_warmup_all_reports_failures_and_refusals(model):
   """A step that cannot be built is reported in its Compiled (strict=False) or raised (strict) after the others
-  compiled; a step should_start refuses is neither lowered nor reported. (Nothing here reaches a compile.)"""
+  compiled, in its turn; a step should_start refuses is neither lowered nor reported."""
   bad = Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,),
                                     policy=(("kv_cache_dtype", "auto"), ("mhc", True))), backend="latency_specialized")
   skip = _decoder(model, 1, sizes=(2,))
@@ -267,6 +267,10 @@ def test_warmup_all_reports_failures_and_refusals(model):
   assert isinstance(done[0].error, ValueError) and "needs a bf16 residual" in str(done[0].error)
   with pytest.raises(ValueError, match="needs a bf16 residual"):
     warmup_all([skip, bad], workers=2, should_start=should)
+  # reported in order: a step that fails to lower after one still compiling comes after it
+  good = _decoder(model, 1, sizes=(2,))
+  done = warmup_all([good, bad], workers=2, strict=False)
+  assert [(c.decoder, c.error is None) for c in done] == [(good, True), (bad, False)] and 2 in good._aot
 
 
 def test_unknown_policy_key_is_refused(model):
