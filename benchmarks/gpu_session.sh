@@ -56,10 +56,11 @@ tests_and_kernels() {
 }
 
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
+  # (CW: XLA compiles at once with --interleave, default 4; CW=1 compiles one at a time)
   local name=$1; shift
   timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --context 32768 \
     --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) --backend latency_specialized \
-    --compile-cache .jax_cache \
+    --compile-cache .jax_cache --compile-workers "${CW:-4}" \
     --out "$OUT/decode_$name.jsonl" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_$name.log"
 }
 
