@@ -943,7 +943,7 @@ class HyperConnection(nnx.Module):
     knob l2_prefetch: the one-launch boundary asks for up to L2_PREFETCH_BYTES of them in L2). ``after``: arrays
     the boundary's first launch only waits for (l2_prefetch_side's tokens: ``side_tokens``). ``x16`` (policy knob
     dq_f16, for a sublayer whose FP8 kernels read x in f16): x_in as (bf16, f16) where the boundary kernel writes
-    both (the one-row form), else x_in alone (the sublayer's kernels convert it)."""
+    both (the one-launch forms), else x_in alone (the sublayer's kernels convert it)."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M, R = X2.shape[0], km.ROWS
     if M > R:
@@ -978,7 +978,7 @@ class HyperConnection(nnx.Module):
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
           hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,
-          after=tuple(after), **({"x16": True} if row and x16 else {}), **l2_prefetch_operands(prefetch))
+          after=tuple(after), **({"x16": True} if x16 else {}), **l2_prefetch_operands(prefetch))
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     if prefetch:
       kernel_enabled("l2_prefetch", fits=False, why="the one-launch boundary (mhc_grid_barrier) issues the prefetches")

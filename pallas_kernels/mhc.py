@@ -363,9 +363,10 @@ def mhc_post_pre(X, y, mix, fn, *, first: bool = False, cols: int = DC, after=()
   return kern(X, y.astype(bf16), post.astype(f32), comb.astype(f32), fn.astype(bf16), after=after)
 
 
-def _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0):
+def _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0, o16=None):
   """x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this CTA's columns (x_s [N, 64, C]; pre: N per-row vectors,
-  rinv a per-row vector), stored to o_g's M rows at column d0 (the caller waits for the store)."""
+  rinv a per-row vector), stored to o_g's M rows at column d0 (the caller waits for the store). ``o16`` = (o16_s,
+  o16_g): x_in in f16 too (saturated at ±65,504: linear._act's), from the stored bf16 each thread reads back."""
   C = o_s.shape[-1]
   u = _bcast(pre[0], C) * plgpu.load(x_s.at[0], layout=_L.WGMMA, optimized=False).astype(jnp.float32)
   for i in range(1, N):
@@ -373,8 +374,13 @@ def _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0):
   xn = (u.astype(jnp.bfloat16).astype(jnp.float32) * _bcast(rinv, C)).astype(jnp.bfloat16)
   wv = plgpu.load(w_s, layout=_L.WGMMA.reduce(0), optimized=False)
   o_s[...] = plgpu.layout_cast(lax.broadcast_in_dim(wv, (ROWS, C), (1,)) * xn, _L.WGMMA)
+  if o16 is not None:  # (the same layout as the store: each thread reads back its own elements)
+    xb = plgpu.load(o_s, layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+    o16[0][...] = plgpu.layout_cast(jnp.clip(xb, -F16_MAX, F16_MAX).astype(jnp.float16), _L.WGMMA)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, M)], o_g.at[pl.ds(0, M), pl.ds(d0, C)])
+  if o16 is not None:
+    plgpu.copy_smem_to_gmem(o16[0].at[pl.ds(0, M)], o16[1].at[pl.ds(0, M), pl.ds(d0, C)])
 
 
 def _sinkhorn_rows(mc, iters: int, eps: float):
@@ -676,13 +682,13 @@ def _grid_rows(D: int, cols: int = GRID_COLS) -> tuple[int, int]:
 
 def mhc_post_finish_reference(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                               norm_eps: float, approx_math: bool = False, launches: int | None = None,
-                              cols: int = GRID_COLS):
+                              cols: int = GRID_COLS, x16: bool = False):
   """X [M, N·D] bf16, y [M, D] bf16, mix = (post_t [N, 64], comb_t [N·N, 64]) of the previous site, fn [24, N·D]
   bf16, coef [27] f32 (base, scale), w [D] -> (X' [M, N·D] bf16 (X itself when ``first``), x_in [M, D] bf16 =
   w · bf16(bf16(u) · rinv), part [Gp, 64, 40] f32: ``mhc_post_pre_reference``'s partials over 32 columns per CTA
   (G = D / 32 chunks) then Gp - G zero rows, Gp = G rounded up to 64). x_in is ``mhc_finish_reference``'s on
   those partials. ``approx_math`` / ``launches`` are the kernel's options (exact math here); ``cols``: columns per
-  chunk (ROW_COLS: ``mhc_row_boundary``'s)."""
+  chunk (ROW_COLS: ``mhc_row_boundary``'s). ``x16``: x_in as (bf16, its f16 copy saturated at ±65,504)."""
   del approx_math, launches
   M = X.shape[0]
   G, Gp = _grid_rows(X.shape[1] // N, cols)
@@ -690,11 +696,13 @@ def mhc_post_finish_reference(X, y, mix, fn, coef, w, *, first: bool = False, ep
   part = jnp.pad(part, ((0, Gp - G), (0, 0), (0, 0)))
   x_in = mhc_finish_reference(Xn, partial_sums_t(part, M), coef, w, iters=1, eps=eps, hc_norm_eps=hc_norm_eps,
                               norm_eps=norm_eps, post_mult=1.0)[0]
+  if x16:
+    x_in = (x_in, jnp.clip(x_in.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16))
   return Xn, x_in, part
 
 
 def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
-                             norm_eps, explicit: bool = False):
+                             norm_eps, explicit: bool = False, o16=None):
   """The second half: the M token rows' partials part_g [Gp, 64, 40] (GMEM) summed over the column chunks — two
   64-row tiles per row at the real width, a sum over the tile's rows, the 14 sums the normalisation reads placed
   in t_s's transposed [40, 64] layout a scalar at a time (as mhc_finish's raw-partials form) — then pre and 1/RMS
@@ -709,7 +717,7 @@ def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w
     pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, base, sc0, D, eps, norm_eps)
   plgpu.barrier_wait(bar_w)
   with jax.named_scope("normed"):
-    _normed_input(x_s, w_s, o_s, xin_g, pre, rinv, M, d0)
+    _normed_input(x_s, w_s, o_s, xin_g, pre, rinv, M, d0, o16)
   with jax.named_scope("store_wait"):
     plgpu.wait_smem_to_gmem(0)
 
@@ -768,14 +776,15 @@ def _check_grid_args(what: str, X, fn, coef, w, mix, first: bool, parity: int, l
 
 
 def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float,
-                        counters: bool = False, lean: bool = False, prefetch_plan=()):
+                        counters: bool = False, lean: bool = False, prefetch_plan=(), x16: bool = False):
   """The one-launch body: mhc_post_pre's (``_post_pre_kernel``, 32 columns) with its refs, zero rows G.. of the
   partials, the grid barrier, then ``_normalise_from_partials`` on the X' this CTA staged (untiled: xu_s, or x_s
   — X itself — at the first site). ``counters``: the barrier on counter p of the counters' Ref (inputs after w:
   the Ref, then p as int32 [1]; ``barrier_counters``) instead of a pl.get_global semaphore — p an operand, not
   a constant of the kernel, so both parities run one compiled kernel. ``prefetch_plan``: L2 prefetches of the
   weights after the counters' inputs (``issue_l2_prefetch``), issued once the CTA's own loads are (a TMA unit
-  works through its requests in order: 4 boxes of 128 KB in front of them would hold them back by microseconds)."""
+  works through its requests in order: 4 boxes of 128 KB in front of them would hold them back by microseconds).
+  ``x16``: x_in in f16 too (an output after x_in; its SMEM tile after o_s)."""
   G, Gp = _grid_rows(D)
   pp = _post_pre_kernel(M, D, first, GRID_COLS)
   n_in = 2 if first else 5
@@ -788,8 +797,11 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
     pf = take(len(prefetch_plan))
     pp_out = take(1 if first else 2)  # ([xo_g,] part_g)
     xin_g = next(it)
+    xin16_g = next(it) if x16 else None
     pp_scratch = take(4 if first else 8)
-    w_s, o_s, t_s, ts_s, bar_w = take(5)
+    w_s, o_s = take(2)
+    o16 = (next(it), xin16_g) if x16 else None
+    t_s, ts_s, bar_w = take(3)
     part_g = pp_out[-1]
     g = lax.axis_index("g")
     d0 = g * GRID_COLS
@@ -809,41 +821,49 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
     x_s = pp_scratch[0] if first else pp_scratch[6]  # X' (untiled [N, 64, 32]): X itself at the first site
     with jax.named_scope("normalise"):
       _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
-                               norm_eps, lean)
+                               norm_eps, lean, o16)
 
   return body
 
 
-def _finish_half_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps: float, prefetch_plan=()):
+def _finish_half_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps: float, prefetch_plan=(),
+                        x16: bool = False):
   """The second half as a launch of its own (``launches=2``): X' and the partials from GMEM. ``prefetch_plan``:
-  the L2 prefetches (``issue_l2_prefetch``) of the weights after w."""
+  the L2 prefetches (``issue_l2_prefetch``) of the weights after w. ``x16`` as ``_post_finish_kernel``'s."""
   G, _ = _grid_rows(D)
 
   def body(xn_g, part_g, c_g, w_g, *refs):
-    pf, (xin_g, x_s, w_s, o_s, t_s, ts_s, bar_w) = refs[:len(prefetch_plan)], refs[len(prefetch_plan):]
+    pf, rest = refs[:len(prefetch_plan)], list(refs[len(prefetch_plan):])
+    xin_g, xin16_g = rest.pop(0), (rest.pop(0) if x16 else None)
+    x_s, w_s, o_s = rest[:3]
+    o16 = (rest.pop(3), xin16_g) if x16 else None
+    t_s, ts_s, bar_w = rest[3:]
     d0 = lax.axis_index("g") * GRID_COLS
     for i in range(N):
       plgpu.copy_gmem_to_smem(xn_g.at[pl.ds(0, M), pl.ds(i * D + d0, GRID_COLS)], x_s.at[i, pl.ds(0, M)], bar_w)
     plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, GRID_COLS)], w_s, bar_w)
     issue_l2_prefetch(pf, prefetch_plan, lax.axis_index("g"), G)  # (behind the CTA's own loads)
     _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
-                             norm_eps)
+                             norm_eps, o16=o16)
 
   return body
 
 
-def _finish_half_scratch(M: int, arrivals: int):
+def _finish_half_scratch(M: int, arrivals: int, x16: bool = False):
   return [plgpu.SMEM((GRID_COLS,), jnp.bfloat16),  # w_s
           plgpu.SMEM((ROWS, GRID_COLS), jnp.bfloat16),  # o_s
+          *([plgpu.SMEM((ROWS, GRID_COLS), jnp.float16)] if x16 else []),  # o16_s: x_in in f16 (x16)
           plgpu.SMEM((PART, ROWS), jnp.float32),  # t_s: the sums, transposed
           plgpu.SMEM((M, PART - MIX), jnp.float32),  # ts_s: each row's sums of the 16 columns MIX..
           plgpu.Barrier(num_arrivals=arrivals)]  # bar_w: w (and, launched alone, X')
 
 
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "prefetch_plan")
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "prefetch_plan",
+              "x16")
 def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                     norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                    parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=(), after=()):
+                    parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=(), after=(),
+                    x16: bool = False):
   """Mosaic GPU version of ``mhc_post_finish_reference`` (same signature and outputs): the boundary's post, pre
   logits and Gram, and the sublayer input's RMSNorm in ONE launch of D / 32 CTAs with a grid barrier between the
   halves, for up to PARTS_MAX_ROWS token rows (decode's few; more: mhc_post_pre + mhc_finish). ``launches``: 1
@@ -858,7 +878,9 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   besides placed explicitly (``_sum_partials_t``, ``_grid_barrier``); no effect on the two-launch form.
   ``prefetch`` / ``prefetch_plan`` (policy knob l2_prefetch; ``_common.l2_prefetch_args``): the weights of the
   GEMVs after the boundary, prefetched into L2 by its CTAs while it runs (the two-launch form: by the second).
-  ``after``: arrays the (first) launch only waits for (``_common.mgpu_kernel``: l2_prefetch_side's tokens)."""
+  ``after``: arrays the (first) launch only waits for (``_common.mgpu_kernel``: l2_prefetch_side's tokens).
+  ``x16``: x_in as (bf16, f16) — the f16 copy saturated at ±65,504, what the dq kernels' ``linear._act`` would make
+  of it (policy knob dq_f16: no conversion kernel between the boundary and the sublayer's FP8 kernels)."""
   M, K = X.shape
   D = K // N
   _check(X, D, "mhc_post_finish")
@@ -871,15 +893,17 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   consts = (float(eps), float(hc_norm_eps), float(norm_eps))
   params = dict(grid=(G,), grid_names=("g",), compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)))
   x_in = jax.ShapeDtypeStruct((M, D), bf16)
+  x_ins = (x_in, jax.ShapeDtypeStruct((M, D), jnp.float16)) if x16 else (x_in,)
   pp_in = (X, fn.astype(bf16)) if first else (X, y.astype(bf16), *(a.astype(f32) for a in mix), fn.astype(bf16))
   if launches == 2:
     Xn, part = mhc_post_pre(X, y, mix, fn, first=first, cols=GRID_COLS, after=after)
     part = jnp.pad(part, ((0, Gp - G), (0, 0), (0, 0)))
-    fin = mgpu_kernel(_finish_half_kernel(M, D, *consts, prefetch_plan), out_type=x_in,
+    fin = mgpu_kernel(_finish_half_kernel(M, D, *consts, prefetch_plan, x16), out_type=x_ins if x16 else x_in,
                       kernel_name="glm5_mhc_finish_half",
                       scratch_types=[plgpu.SMEM((N, ROWS, GRID_COLS), bf16),  # x_s: X' (its M rows)
-                                     *_finish_half_scratch(M, N + 1)], **params)
-    return Xn, fin(Xn, part, coef.astype(f32), w.astype(bf16), *prefetch), part
+                                     *_finish_half_scratch(M, N + 1, x16)], **params)
+    got = fin(Xn, part, coef.astype(f32), w.astype(bf16), *prefetch)
+    return Xn, (tuple(got) if x16 else got), part
   x_s = plgpu.SMEM((N, ROWS, GRID_COLS), bf16)
   fn_s = plgpu.SMEM((N, MIX, GRID_COLS), bf16, transforms=_bf16_swizzled(GRID_COLS))
   xw_s = plgpu.SMEM((N, ROWS, GRID_COLS), bf16, transforms=_bf16_swizzled(GRID_COLS))
@@ -889,18 +913,17 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
     pp_scratch = [x_s, plgpu.SMEM((ROWS, GRID_COLS), bf16), plgpu.SMEM((N, ROWS), f32), plgpu.SMEM((N * N, ROWS), f32),
                   fn_s, xw_s, plgpu.SMEM((N, ROWS, GRID_COLS), bf16), plgpu.Barrier(num_arrivals=2 * N + 3)]
   part = jax.ShapeDtypeStruct((Gp, ROWS, PART), f32)
-  outs = (part, x_in) if first else (jax.ShapeDtypeStruct((M, K), bf16), part, x_in)
+  outs = (part, *x_ins) if first else (jax.ShapeDtypeStruct((M, K), bf16), part, *x_ins)
   params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
   kern = mgpu_kernel(_post_finish_kernel(M, D, bool(first), *consts, counters=counters is not None, lean=bool(lean),
-                                         prefetch_plan=prefetch_plan),
-                     out_type=outs, scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1)],
+                                         prefetch_plan=prefetch_plan, x16=x16),
+                     out_type=outs, scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1, x16)],
                      kernel_name="glm5_mhc_post_finish", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
-  got = kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch, after=after)
-  if first:
-    part, x_in = got
-    return X, x_in, part
-  return got[0], got[2], got[1]
+  got = tuple(kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch, after=after))
+  Xn, got = (X, got) if first else (got[0], got[1:])
+  part, x_in = got[0], (tuple(got[1:]) if x16 else got[1])
+  return Xn, x_in, part
 
 
 # ------------------------------------------------------------------------------------ one token row, one launch
@@ -1138,12 +1161,9 @@ def mhc_row_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, e
   """``mhc_post_finish_reference`` over ROW_COLS-column chunks (G = D / 128, partials [Gp = 64, 64, 40]): one
   token row. Of the kernel's partials only token row 0 is defined (the other rows are padding, as everywhere).
   ``x16``: x_in as (bf16, its f16 copy saturated at ±65,504)."""
-  Xn, x_in, part = mhc_post_finish_reference(X, y, mix, fn, coef, w, first=first, eps=eps, hc_norm_eps=hc_norm_eps,
-                                             norm_eps=norm_eps, approx_math=approx_math, launches=launches,
-                                             cols=ROW_COLS)
-  if x16:
-    x_in = (x_in, jnp.clip(x_in.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16))
-  return Xn, x_in, part
+  return mhc_post_finish_reference(X, y, mix, fn, coef, w, first=first, eps=eps, hc_norm_eps=hc_norm_eps,
+                                   norm_eps=norm_eps, approx_math=approx_math, launches=launches, cols=ROW_COLS,
+                                   x16=x16)
 
 
 @kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "prefetch_plan",

@@ -183,22 +183,25 @@ def test_row_boundary_interpret(D, first):
   _check_post_finish(1, D, first, seed=D, interpret=True, row=True)
 
 
-def _x16_pair(D, first, seed, **kw):
-  """mhc_row_boundary with x16 and without on the same inputs (GPU interpret mode on the CPU: its two halves)."""
-  X, y, mix, fn, coef, w = _inputs(1, D, seed)
+def _x16_pair(D, first, seed, M=1, **kw):
+  """The one-launch boundary (M = 1: mhc_row_boundary, else mhc_post_finish) with x16 and without on the same
+  inputs (GPU interpret mode on the CPU: its two halves)."""
+  X, y, mix, fn, coef, w = _inputs(M, D, seed)
   X = X.at[0, :8].set(jnp.asarray([7e4, -9e4, 3e-6, -2e-7, 1e5, 0.5, -0.25, 6e4], jnp.bfloat16))  # saturating / tiny
-  run = lambda x16: jax.jit(lambda *a: K.mhc_row_boundary(*a, first=first, approx_math=True, x16=x16, **kw,  # noqa
-                                                          **GRID_CONSTS))(X, y, mix, fn, coef, w)
+  kern = K.mhc_row_boundary if M == 1 else K.mhc_post_finish
+  run = lambda x16: jax.jit(lambda *a: kern(*a, first=first, approx_math=True, x16=x16, **kw,  # noqa: E731
+                                            **GRID_CONSTS))(X, y, mix, fn, coef, w)
   return run(False), run(True)
 
 
-@pytest.mark.parametrize("first", [False, True])
-def test_row_boundary_x16_interpret(first):
+@pytest.mark.parametrize("first,M", [(False, 1), (True, 1), (False, 3)])
+def test_boundary_x16_interpret(first, M):
   """x16 (policy knob dq_f16): the boundary's x_in also in f16 — exactly linear._act(x_in, f16) (the conversion
-  the dq kernels would do), and every other output bit for bit the boundary's without it."""
+  the dq kernels would do), and every other output bit for bit the boundary's without it; the row form (M = 1) and
+  the grid form (mhc_post_finish, M rows)."""
   from pallas_kernels import linear as L  # noqa: PLC0415
   with maybe_interpret(True):
-    off, on = _x16_pair(256, first, seed=5)
+    off, on = _x16_pair(256, first, seed=5, M=M)
   x_in, x_in16 = on[1]
   assert x_in16.dtype == jnp.float16 and np.abs(np.asarray(x_in, np.float32)).max() > 0
   for a, b in ((on[0], off[0]), (x_in, off[1]), (on[2], off[2])):
@@ -207,12 +210,12 @@ def test_row_boundary_x16_interpret(first):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lean", [False, True])
-def test_row_boundary_x16_gpu(lean):
-  """x16 natively at the real width, one launch (the grid barrier; lean: without the automatic barriers): the
-  f16 copy is linear._act of x_in, the rest bit for bit the boundary without it."""
+@pytest.mark.parametrize("lean,M", [(False, 1), (True, 1), (False, 4), (True, 4)])
+def test_boundary_x16_gpu(lean, M):
+  """x16 natively at the real width, one launch (the grid barrier; lean: without the automatic barriers; M = 1
+  the row form, 4 the grid form): the f16 copy is linear._act of x_in, the rest bit for bit without it."""
   from pallas_kernels import linear as L  # noqa: PLC0415
-  off, on = _x16_pair(4096, False, seed=6, launches=1, lean=lean)
+  off, on = _x16_pair(4096, False, seed=6, M=M, launches=1, lean=lean)
   for a, b in ((on[0], off[0]), (on[1][0], off[1]), (on[2], off[2])):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   np.testing.assert_array_equal(np.asarray(on[1][1]), np.asarray(L._act(off[1], jnp.float16)))
@@ -324,6 +327,10 @@ def test_row_boundary_lowers_for_cuda():
   low = cross_lower(lambda *a: K.mhc_row_boundary(*a, approx_math=True, launches=1, lean=True, x16=True,
                                                   **GRID_CONSTS)[1], *args)
   assert "tensor<1x4096xf16>" in low.as_text()
+  args4 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(4, 4096, 0))  # the grid form
+  low = cross_lower(lambda *a: K.mhc_post_finish(*a, approx_math=True, launches=1, lean=True, x16=True,
+                                                 **GRID_CONSTS)[1], *args4)
+  assert "tensor<4x4096xf16>" in low.as_text()
 
 
 def _counter_chain(M, n, counters: bool, row: bool = False, lean: bool = False):
