@@ -15,6 +15,9 @@ Setup, once (~140 MB, no NVIDIA libraries needed; the directory is git-ignored):
 Usage (several policies compare in one table; --listing-dir keeps each one's kernel listing and critical path):
 
   python benchmarks/step_census.py [--geometry tp4-rank] [--q 1 4] --policy '{}' '{"mla_latent_norms": true}'
+
+--diff lists each configuration's kernels that differ from the first one's (how session 56 found dq_f16's 67
+conversion kernels: "+42 moe f16[1,4096] .../jit(fp8_moe)/convert_element_type" ...).
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def main(argv=None):
   p.add_argument("--workers", type=int, default=2, help="XLA compiles at once (the lowerings run one at a time)")
   p.add_argument("--listing-dir", default=None, help="write each configuration's kernels.tsv and critical.tsv here")
   p.add_argument("--out", default=None, help="append one JSON line per configuration here")
+  p.add_argument("--diff", action="store_true", help="after the table: each configuration's kernels that differ from "
+                 "the first of its q (by component, result type and JAX op; + added, - gone)")
   a = p.parse_args(argv)
   policies = [tuple(sorted(json.loads(s).items())) for s in a.policy]
   devices = compile_only_devices(a.target, a.plugin_dir)
@@ -85,7 +90,7 @@ def main(argv=None):
   pack = pp.DEFAULT_BYTES if a.pack_params is None else a.pack_params
   print(f"# {a.geometry}: compiled for {devices[0].device_kind} (compile-only, {os.path.relpath(a.target, ROOT)}); "
         f"B={a.batch}, {a.steps_per_call} steps per call, {a.backend}", flush=True)
-  rows, jobs = [], []
+  rows, jobs, listings = [], [], []
   with cf.ThreadPoolExecutor(max(1, a.workers)) as pool:
     for q in a.q:
       for pol in policies:
@@ -110,6 +115,7 @@ def main(argv=None):
                  compile_s=round(time.perf_counter() - t0, 1), target=os.path.basename(a.target),
                  compiler_options=dec.compiler_options, date=time.strftime("%Y-%m-%d"))
       rows.append(row)
+      listings.append(profiling.kernel_listing(hlo))
       if a.listing_dir:
         os.makedirs(a.listing_dir, exist_ok=True)
         name = f"{a.geometry}_q{q}_spc{a.steps_per_call}" + "".join(f"_{k}-{v}" for k, v in pol)
@@ -121,7 +127,38 @@ def main(argv=None):
         with open(a.out, "a") as fh:
           fh.write(json.dumps(row) + "\n")
   print(table(rows))
+  if a.diff:
+    print(diff(rows, listings))
   return rows
+
+
+def kernel_kinds(listing: str):
+  """A kernel listing (profiling.kernel_listing) -> Counter of (component, result type, JAX op without the
+  instruction's numbering): what stays the same kernel across two compiles of similar programs."""
+  import collections  # noqa: PLC0415
+  import re  # noqa: PLC0415
+  out = collections.Counter()
+  for line in listing.splitlines():
+    f = line.split("\t")
+    if len(f) >= 6:
+      out[(f[3], f[4], re.sub(r"\.\d+", "", f[5])[-110:])] += 1
+  return out
+
+
+def diff(rows, listings) -> str:
+  """Each configuration's kernel kinds against the first configuration of its q: '+n' added, '-n' gone."""
+  out, first = [], {}
+  for r, lst in zip(rows, listings):
+    base = first.setdefault(r["q"], kernel_kinds(lst))
+    got = kernel_kinds(lst)
+    if got == base:
+      continue
+    out.append(f"# q = {r['q']} {json.dumps(r['policy'])} against the first configuration:")
+    for k in sorted(set(base) | set(got), key=lambda k: (k[0], k[2])):
+      d = got[k] - base[k]
+      if d:
+        out.append(f"  {d:+5d}  {k[0]:<8} {k[1][:60]:<60} {k[2]}")
+  return "\n".join(out)
 
 
 def table(rows) -> str:

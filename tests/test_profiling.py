@@ -588,3 +588,21 @@ def test_plot_history_takes_the_defaults_rows_in_time_order(tmp_path, capsys):
   text = capsys.readouterr().out
   day_best = min(r["ms_per_step"] for r in want if r["date"] == "2026-12-02")
   assert f"| latency_specialized | 1 | 2026-12-02 | {day_best:.2f} |" in text
+
+
+def test_step_census_diff_names_the_kernels_a_policy_adds_and_removes():
+  """benchmarks/step_census.py --diff: kernels matched across two compiles by component, result type and JAX op
+  (the instructions' numbering ignored); a conversion kernel a knob adds and a fusion it changes show as + / -."""
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import step_census  # noqa: PLC0415
+  row = lambda name, comp, shape, op: f"body\t{name}\tfusion\t{comp}\t{shape}\t{op}\n"  # noqa: E731
+  base = (row("loop_mul.3", "mlp", "bf16[1,3072]", "jit(body)/mlp/mul") +
+          row("dsf.17", "moe", "f32[8]", "jit(body)/moe/jit(fp8_moe.2)/glm5_moe_gate_up/mpmd_map") * 2)
+  other = (row("loop_convert.9", "moe", "f16[1,4096]", "jit(body)/moe/jit(fp8_moe.5)/convert_element_type") * 2 +
+           row("dsf.31", "moe", "f32[8]", "jit(body)/moe/jit(fp8_moe.7)/glm5_moe_gate_up/mpmd_map") * 2)
+  rows = [dict(q=1, policy={}), dict(q=1, policy={"dq_f16": True}), dict(q=1, policy={"x": 1})]
+  out = step_census.diff(rows, [base, other, base]).splitlines()
+  assert out[0].startswith('# q = 1 {"dq_f16": true}') and len(out) == 3, out
+  assert out[1].split()[:2] == ["-1", "mlp"] and out[2].split()[:3] == ["+2", "moe", "f16[1,4096]"], out
