@@ -22,6 +22,13 @@ _DUMP_NAME = "mosaic_gpu.dump_basename"
 
 F16_MAX = 65504.0  # the largest finite f16 (the dq kernels' f16 activations saturate there: linear._act)
 
+
+def saturate_f16(x):
+  """x in f16, saturated at ±65,504 (the conversion alone would give inf past it: bf16 keeps such values) — the dq
+  kernels' f16 activations, wherever they are made (linear._act, the f16 copies of the mHC boundary and W_UV)."""
+  return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
+
+
 def _dedupe_kernel_modules():
   """Make identical kernels lower to identical Mosaic GPU modules.
 

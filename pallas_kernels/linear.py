@@ -56,8 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (F16_MAX, counter_signal, counter_wait, interpreting, issue_l2_prefetch,
-                                    kernel_entry, mgpu_kernel, wg_barrier)
+from pallas_kernels._common import (counter_signal, counter_wait, interpreting, issue_l2_prefetch, kernel_entry,
+                                    mgpu_kernel, saturate_f16, wg_barrier)
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
@@ -199,8 +199,8 @@ def _act(x, dt):
   values f16 does not hold exactly. bf16 (and f32) unchanged."""
   if x.dtype == jnp.dtype(dt):  # (already converted: e.g. the mHC boundary's f16 x_in, saturated there)
     return x
-  if jnp.dtype(dt) == jnp.float16:  # (in f32: bf16 rounds 65,504 up to 65,536, which f16 does not hold)
-    x = jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX)
+  if jnp.dtype(dt) == jnp.float16:  # (clipped in f32: bf16 rounds 65,504 up to 65,536, which f16 does not hold)
+    return saturate_f16(x)
   return x.astype(dt)
 
 

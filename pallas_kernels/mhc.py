@@ -55,8 +55,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (F16_MAX, counter_signal, counter_wait, fence_async_writes, interpreting,
-                                    issue_l2_prefetch, kernel_entry, mgpu_kernel, wg_barrier)
+from pallas_kernels._common import (counter_signal, counter_wait, fence_async_writes, interpreting,
+                                    issue_l2_prefetch, kernel_entry, mgpu_kernel, saturate_f16, wg_barrier)
 
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
@@ -376,7 +376,7 @@ def _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0, o16=None):
   o_s[...] = plgpu.layout_cast(lax.broadcast_in_dim(wv, (ROWS, C), (1,)) * xn, _L.WGMMA)
   if o16 is not None:  # (the same layout as the store: each thread reads back its own elements)
     xb = plgpu.load(o_s, layout=_L.WGMMA, optimized=False).astype(jnp.float32)
-    o16[0][...] = plgpu.layout_cast(jnp.clip(xb, -F16_MAX, F16_MAX).astype(jnp.float16), _L.WGMMA)
+    o16[0][...] = plgpu.layout_cast(saturate_f16(xb), _L.WGMMA)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, M)], o_g.at[pl.ds(0, M), pl.ds(d0, C)])
   if o16 is not None:
@@ -697,7 +697,7 @@ def mhc_post_finish_reference(X, y, mix, fn, coef, w, *, first: bool = False, ep
   x_in = mhc_finish_reference(Xn, partial_sums_t(part, M), coef, w, iters=1, eps=eps, hc_norm_eps=hc_norm_eps,
                               norm_eps=norm_eps, post_mult=1.0)[0]
   if x16:
-    x_in = (x_in, jnp.clip(x_in.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16))
+    x_in = (x_in, saturate_f16(x_in))
   return Xn, x_in, part
 
 
@@ -1016,8 +1016,7 @@ def _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_
   o_s[0] = wv * xb
   if o16_s is not None:  # (from the stored bf16: its own column, read back by the thread that wrote it — XLA on the
     # CPU, GPU interpret mode, keeps wv * xb in f32 until the store rounds it)
-    o16_s[0] = plgpu.layout_cast(jnp.clip(_row_load(o_s.at[0]), -F16_MAX, F16_MAX).astype(jnp.float16),
-                                 _row_layout())
+    o16_s[0] = plgpu.layout_cast(saturate_f16(_row_load(o_s.at[0])), _row_layout())
   plgpu.commit_smem()
 
 

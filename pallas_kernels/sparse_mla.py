@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import F16_MAX, kernel_entry, mgpu_kernel, round_bf16
+from pallas_kernels._common import kernel_entry, mgpu_kernel, round_bf16, saturate_f16
 
 D_LATENT = 512
 GROUP = 128  # values per fp32 scale
@@ -554,7 +554,7 @@ def mla_absorb_uv_reference(o_t, w_kv, *, dn: int, x16: bool = False):
   o = jnp.swapaxes(o_t, 1, 2)[:, :H].astype(jnp.bfloat16).astype(jnp.float32)  # [BT, H, 512]
   w = w_kv[:, dn:].astype(jnp.float32)  # [H, dv, 512]
   out = jnp.sum(o[:, :, None, :] * w[None], axis=-1).astype(jnp.bfloat16)
-  return (out, jnp.clip(out.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)) if x16 else out
+  return (out, saturate_f16(out)) if x16 else out
 
 
 def _uv_kernel(BT: int, dn: int, x16: bool = False):
@@ -593,7 +593,7 @@ def _uv_kernel(BT: int, dn: int, x16: bool = False):
       v = jnp.where(col == h - g0, acc, 0.0).sum(axis=1)
       v_s[bt] = v.astype(jnp.bfloat16)
       if x16:
-        v16_s[bt] = jnp.clip(round_bf16(v), -F16_MAX, F16_MAX).astype(jnp.float16)
+        v16_s[bt] = saturate_f16(round_bf16(v))
     plgpu.commit_smem()
     for bt in range(BT):
       plgpu.copy_smem_to_gmem(v_s.at[bt], out_g.at[bt, h, pl.ds(v0, BLOCK)])

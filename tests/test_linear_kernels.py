@@ -17,7 +17,7 @@ from helpers import barrier_counts
 
 from pallas_kernels import linear as L
 from pallas_kernels import router as kr
-from pallas_kernels._common import cross_lower, maybe_interpret
+from pallas_kernels._common import F16_MAX, cross_lower, maybe_interpret
 
 F8 = jnp.float8_e4m3fn
 SDS = jax.ShapeDtypeStruct
@@ -267,7 +267,7 @@ def test_f16_activations_saturate():
   x = x.at[3].set(1e5).at[9].set(-7e4).at[11].set(3e38)
   got = np.asarray(L._act(x, jnp.float16)).astype(np.float32)
   assert np.all(np.isfinite(got))
-  want = np.clip(np.asarray(x, np.float32), -L.F16_MAX, L.F16_MAX)
+  want = np.clip(np.asarray(x, np.float32), -F16_MAX, F16_MAX)
   np.testing.assert_array_equal(got, want)
   assert L._act(x, jnp.bfloat16).dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(L._act(x, jnp.bfloat16)), np.asarray(x))
@@ -870,7 +870,7 @@ def test_fp8_dq_linear_f16_saturates_gpu():
   x = jax.random.normal(ks[1], (1, k), jnp.float32).astype(jnp.bfloat16).at[0, 7].set(1e5).at[0, 100].set(-7e4)
   y = jax.jit(functools.partial(L.fp8_dq_linear, dq_dtype="float16"))(x, w, s)
   assert np.all(np.isfinite(np.asarray(y)))
-  xc = jnp.clip(x.astype(jnp.float32), -L.F16_MAX, L.F16_MAX)
+  xc = jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX)
   mag = np.abs(np.asarray(xc)) @ np.abs(np.asarray(L.dequantize_fp8(w, s))).T  # Σ_k |x_k w_k| per output
   ref = np.asarray(jax.jit(L.fp8_linear_reference)(xc, w, s), np.float32)
   err = np.abs(np.asarray(y, np.float32) - ref)
