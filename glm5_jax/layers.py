@@ -576,16 +576,57 @@ def radix_topk_plan(rows: int, pools: int) -> tuple[dict, bool]:
   return form, pools <= RADIX_TOPK_MAX_POOLS and rows * pools <= RADIX_TOPK_MAX_SCORES
 
 
+# Knobs whose kernels issue Hopper's warpgroup MMA (wgmma: sm_90a only) -> the kernels. Blackwell's tensor cores
+# (sm_100, sm_103) take tcgen05 MMAs with their accumulators in tensor memory instead, and ptxas refuses every
+# wgmma there ("Instruction 'wgmma.mma_async with floating point types' not supported on .target 'sm_100a'":
+# the kernel-tiny step compiled for a B200 on a CPU, benchmarks/step_census.py --target
+# benchmarks/targets/b200.txtpb, session 57). No tcgen05 form of these kernels exists yet: on such a GPU the step
+# declines them, with WGMMA_REASON, and runs the XLA path at their sites. The rest compile there (the KDA
+# recurrence, the one-row mHC boundary and the Sinkhorn, the router kernels, the MLA merge); the mHC boundary of
+# several token rows (mhc_post_pre / mhc_post_finish: the logits as a wgmma) is declined through knob mhc
+# (model.fused_mhc).
+WGMMA_KNOBS = {
+    "fp8_linear": "fp8_linear / fp8_dq_linear",
+    "fp8_moe": "the MoE's gate/up and down kernels",
+    "bf16_linear": "bf16_linear",
+    "sparse_mla": "the sparse MLA attention",
+    "mla_uv_kernel": "W_UV (mla_absorb_uv)",
+    "indexer": "the indexer's scores",
+    "indexer_pool_kernel": "the indexer's cache update (the pooled keys' Hadamard rotation)",
+    "topk_compact_kernel": "the selection's compaction (its prefix counts)",
+}
+WGMMA_REASON = ("needs Hopper's wgmma (sm_90a), which {arch} does not have (Blackwell's tcgen05 MMA: no form of "
+                "this kernel for it yet)")
+
+
+def has_wgmma(arch: str | None) -> bool:
+  """Whether kernels compiled for ``arch`` (runtime.detect_platform's names; None or "cpu": the CUDA lowering's
+  default target, sm_90, and GPU interpret mode) may issue wgmma: Hopper only."""
+  return arch in (None, "cpu") or arch == "sm_90"
+
+
 @contextlib.contextmanager
-def use_kernels(policy: dict | None):
+def use_kernels(policy: dict | None, arch: str | None = None):
   """Trace the enclosed code with the Pallas kernels switched by ``policy`` over KERNEL_DEFAULTS (other keys of
-  the policy are ignored here); None: no kernels (the stock path)."""
-  # (merged switches, the names the policy sets explicitly: those ignore kernel_enabled's ``prefer``)
-  tok = _KERNELS.set(None if policy is None else ({**KERNEL_DEFAULTS, **policy}, frozenset(policy)))
+  the policy are ignored here); None: no kernels (the stock path). ``arch``: the GPU the step is compiled for
+  (runtime.detect_platform: "sm_90", "sm_100", ...; None or "cpu": Hopper's, the CUDA lowering's default) — on one
+  without wgmma the WGMMA_KNOBS kernels are declined at every site, with WGMMA_REASON."""
+  # (merged switches, the names the policy sets explicitly: those ignore kernel_enabled's ``prefer``, the arch)
+  tok = _KERNELS.set(None if policy is None else ({**KERNEL_DEFAULTS, **policy}, frozenset(policy), arch))
   try:
     yield
   finally:
     _KERNELS.reset(tok)
+
+
+def kernel_arch() -> str | None:
+  """The GPU the traced step is compiled for (``use_kernels``'s arch; None outside a policy or when unset)."""
+  got = _KERNELS.get()
+  return None if got is None else got[2]
+
+
+def _arch_declines(name: str) -> bool:
+  return name in WGMMA_KNOBS and not has_wgmma(kernel_arch())
 
 
 _REPORT: contextvars.ContextVar = contextvars.ContextVar("glm5_jax_kernel_report", default=None)
@@ -595,7 +636,7 @@ def kernel_switch(name: str) -> bool:
   """Whether the switch ``name`` is on in the active policy, without a report entry (for planning a call site
   whose own kernel_enabled decision depends on another kernel being available)."""
   got = _KERNELS.get()
-  return got is not None and bool(got[0].get(name))
+  return got is not None and bool(got[0].get(name)) and not _arch_declines(name)
 
 
 def kernel_enabled(name: str, rows: int | None = None, *, fits: bool = True, why: str = "", prefer: bool = True,
@@ -607,9 +648,11 @@ def kernel_enabled(name: str, rows: int | None = None, *, fits: bool = True, why
   got = _KERNELS.get()
   if got is None:
     return False
-  pol, explicit = got
+  pol, explicit, arch = got
   if not pol.get(name):
     reason = "off in the policy"
+  elif _arch_declines(name):
+    reason = WGMMA_REASON.format(arch=arch)
   elif rows is not None and rows > MAX_KERNEL_ROWS:
     reason = f"{rows} token rows > {MAX_KERNEL_ROWS}"
   elif not fits:

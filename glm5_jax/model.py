@@ -18,8 +18,8 @@ from jax import lax
 from glm5_jax.attention import DSA, KDA, StepCtx
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, MLP, ONE_ROW_GEMV, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm,
-                             counters_scope, kernel_enabled, kernel_switch, l2_prefetch_side, param,
-                             side_tokens)
+                             counters_scope, has_wgmma, kernel_arch, kernel_enabled, kernel_switch,
+                             l2_prefetch_side, param, side_tokens)
 
 
 class DecoderLayer(nnx.Module):
@@ -102,12 +102,19 @@ class DecoderLayer(nnx.Module):
     return X2, cache, aux, (y.reshape(B * T, -1), mix, tuple(toks))
 
 
-def fused_mhc(cfg: Glm5Config, dtype) -> bool:
-  """Whether this trace runs the mHC boundaries as the fused kernels: policy knob ``mhc``, a bf16 residual,
-  4 streams, hidden size a multiple of 128 (the kernels' column chunks)."""
+def fused_mhc(cfg: Glm5Config, dtype, rows: int) -> bool:
+  """Whether this trace runs the mHC boundaries of ``rows`` token rows as the fused kernels: policy knob ``mhc``,
+  a bf16 residual, 4 streams, hidden size a multiple of 128 (the kernels' column chunks) — and on a GPU without
+  wgmma (layers.has_wgmma: Blackwell) the one form that issues none, the one-row boundary (mhc_row under
+  mhc_grid_barrier, mhc_finish and mhc_sinkhorn_split)."""
+  one_row = all(kernel_switch(k) for k in ("mhc_grid_barrier", "mhc_finish", "mhc_sinkhorn_split", "mhc_row"))
   unmet = [w for ok, w in ((jnp.dtype(dtype) == jnp.bfloat16, f"a bf16 residual (model dtype {jnp.dtype(dtype).name})"),
                             (cfg.hc_mult == 4, f"4 streams (hc_mult {cfg.hc_mult})"),
-                            (cfg.hidden_size % 128 == 0, f"hidden % 128 == 0 (hidden {cfg.hidden_size})")) if not ok]
+                            (cfg.hidden_size % 128 == 0, f"hidden % 128 == 0 (hidden {cfg.hidden_size})"),
+                            (has_wgmma(kernel_arch()) or (rows == 1 and one_row),
+                             f"one token row (here {rows}) in the one-row boundary (mhc_row, mhc_grid_barrier, "
+                             f"mhc_finish, mhc_sinkhorn_split on): the other forms' logits are a wgmma, which "
+                             f"{kernel_arch()} does not have")) if not ok]
   return kernel_enabled("mhc", fits=not unmet, why="needs " + ", ".join(unmet))
 
 
@@ -200,7 +207,7 @@ class Glm5Model(nnx.Module):
     e = self.embed(tokens)
     X = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], cfg.hc_mult, e.shape[-1]))
     new, aux = [], []
-    if fused_mhc(cfg, self.dtype):
+    if fused_mhc(cfg, self.dtype, tokens.shape[0] * tokens.shape[1]):
       B, T = tokens.shape
       X2, pending = X.reshape(B * T, -1), None
       with counters_scope():  # (policy knobs mhc_barrier_counters, linear_fused_sum: the kernels' counters per step)

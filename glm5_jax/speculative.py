@@ -38,8 +38,9 @@ from glm5_jax import param_packing as pp
 from glm5_jax import state as st
 from glm5_jax.api import Model, _check_tokens, compiled
 from glm5_jax.attention import StepCtx
-from glm5_jax.layers import KERNEL_DEFAULTS, REMOVED_KNOBS, kernel_enabled, kernel_report
-from glm5_jax.runtime import DecodeConfig
+from glm5_jax.layers import (KERNEL_DEFAULTS, REMOVED_KNOBS, WGMMA_KNOBS, WGMMA_REASON, has_wgmma, kernel_enabled,
+                             kernel_report)
+from glm5_jax.runtime import SUPPORTED_GPUS, DecodeConfig, detect_platform
 
 REP = P()
 MAX_STEPS_PER_CALL = 64  # speculative steps one call may run (its output holds steps · q tokens per sequence)
@@ -327,6 +328,20 @@ class Decoder:
                        "none (the stock path): use backend='latency_specialized'")
     if config.max_context % model.cfg.index_kpool:
       raise ValueError(f"max_context={config.max_context} must be a multiple of index_kpool={model.cfg.index_kpool}")
+    # the GPU the step's kernels are compiled for: the mesh's (a CPU mesh: Hopper's, the CUDA lowering's default)
+    self.platform = detect_platform(model.mesh.devices.flat)
+    if backend == "latency_specialized" and self.platform not in ("cpu", *SUPPORTED_GPUS):
+      raise ValueError(f"backend 'latency_specialized' runs Mosaic GPU kernels, which need one of {SUPPORTED_GPUS} "
+                       f"(or a CPU, in interpret mode): this mesh is {self.platform}; use backend='auto'")
+    if backend == "latency_specialized" and not has_wgmma(self.platform):
+      wg = sorted(k for k in _requested_kernels(config) if k in WGMMA_KNOBS)
+      if wg:
+        raise ValueError(f"the policy turns on kernel(s) {wg}, which {WGMMA_REASON.format(arch=self.platform)}")
+      off = sorted(k for k, on in {**KERNEL_DEFAULTS, **config.policy_dict()}.items() if on and k in WGMMA_KNOBS)
+      if off:  # (defaults, not requests: declined at every site, said once here and in kernel_sites())
+        import warnings  # noqa: PLC0415
+        warnings.warn(f"latency_specialized on {self.platform}: kernel(s) {off} run as XLA — each "
+                      f"{WGMMA_REASON.format(arch=self.platform)}", stacklevel=2)
     self.model, self.config, self.backend = model, config, backend
     self.temperature, self.top_p = float(temperature), float(top_p)
     # XLA options for the step's AOT compilation, e.g. {"xla_gpu_autotune_level": 0} (benchmarks/bench_decode.py
@@ -529,7 +544,7 @@ class Decoder:
     stack = contextlib.ExitStack()
     stack.enter_context(maybe_interpret(interpret))
     policy = self.config.policy_dict()
-    stack.enter_context(use_kernels(policy))
+    stack.enter_context(use_kernels(policy, self.platform))
     stack.enter_context(pdl_mode(policy.get("pdl", KERNEL_DEFAULTS["pdl"])))  # (the step records it: _step_fn)
     return stack
 

@@ -267,11 +267,10 @@ def test_side_prefetches_reach_their_sites():
     assert list(sites["not_used"].values()) == [1] and "takes its token" in next(iter(sites["not_used"])), sites
 
 
-def test_side_prefetch_launches_survive_the_gpu_compile(tmp_path):
-  """The kernel-tiny step with l2_prefetch_side compiled for an H200 on this CPU (benchmarks/step_census.py, in a
-  subprocess: the CUDA PJRT plugin must load before jax starts a backend): each side prefetch the trace placed
-  is a launch of the compiled program. Session 55 joined their tokens through optimization barriers only, and
-  XLA deleted every one of them (the trace-level test above could not see it)."""
+def _census(tmp_path, *args):
+  """benchmarks/step_census.py on the kernel-tiny step (one step per call) in a subprocess — the CUDA PJRT plugin
+  must load before jax starts a backend — -> (its JSON row, the compiled program's kernel listing lines); skips
+  without the plugin (scripts/test.sh installs it into .cuda_plugin)."""
   import json  # noqa: PLC0415
   import os  # noqa: PLC0415
   import subprocess  # noqa: PLC0415
@@ -281,15 +280,72 @@ def test_side_prefetch_launches_survive_the_gpu_compile(tmp_path):
     pytest.skip("no CUDA PJRT plugin in .cuda_plugin (scripts/test.sh installs it; see benchmarks/step_census.py)")
   out = tmp_path / "census.jsonl"
   r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "step_census.py"), "--geometry", "kernel-tiny",
-                      "--steps-per-call", "1", "--policy", '{"l2_prefetch_side": true}', "--listing-dir",
-                      str(tmp_path), "--out", str(out), "--workers", "1"],
-                     capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                      "--steps-per-call", "1", "--listing-dir", str(tmp_path), "--out", str(out), "--workers", "1",
+                      *args], capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 0, r.stderr[-3000:]
-  row = json.loads(out.read_text())
-  listing = next(tmp_path.glob("*.kernels.tsv")).read_text().splitlines()
+  return json.loads(out.read_text()), next(tmp_path.glob("*.kernels.tsv")).read_text().splitlines(), r.stderr
+
+
+def test_side_prefetch_launches_survive_the_gpu_compile(tmp_path):
+  """The kernel-tiny step with l2_prefetch_side compiled for an H200 on this CPU (benchmarks/step_census.py): each
+  side prefetch the trace placed is a launch of the compiled program. Session 55 joined their tokens through
+  optimization barriers only, and XLA deleted every one of them (the trace-level test above could not see it)."""
+  row, listing, _ = _census(tmp_path, "--policy", '{"l2_prefetch_side": true}')
   launched = sum("glm5_l2_prefetch" in line for line in listing)
   assert launched == row["kernel_sites"]["l2_prefetch_side"] > 0, (launched, row["kernel_sites"])
   assert row["kernels"] == len(listing)
+
+
+def test_kernel_tiny_step_compiles_for_blackwell(tmp_path):
+  """The kernel-tiny step at q = 1 compiled for a B200 (sm_100a: Mosaic GPU and ptxas, compile-only, on this CPU):
+  the wgmma kernels — which ptxas refuses for Blackwell — are declined at every site with the reason, said once as
+  a warning; the kernels without wgmma (the one-row mHC boundary, the Sinkhorn, the KDA recurrence, the router's
+  and the indexer's selection) compile for it and run in the step. Before session 57 this compile failed."""
+  from glm5_jax.layers import WGMMA_KNOBS  # noqa: PLC0415
+  row, listing, err = _census(tmp_path, "--target", "benchmarks/targets/b200.txtpb")
+  assert row["target"] == "b200.txtpb" and "latency_specialized on sm_100" in err
+  for knob in WGMMA_KNOBS:
+    assert row["kernel_sites"].get(knob, 0) == 0, (knob, row["kernel_sites"])
+  text = "\n".join(listing)
+  for name in ("glm5_mhc_row_boundary", "glm5_mhc_sinkhorn", "kda_decode", "glm5_router_topk"):
+    assert name in text, name
+  assert row["kernel_sites"]["mhc"] > 0 and row["kernel_sites"]["kda"] > 0
+
+
+def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
+  """On a GPU without wgmma (the platform patched to sm_100): a policy that asks for a wgmma kernel is refused
+  before anything is traced, naming it and why (and on a GPU without Mosaic GPU, sm_80, the backend itself); the defaults trace with those kernels declined at every site
+  (the reason in kernel_sites) and the mHC boundary of several token rows (q = 4: its logits are a wgmma) too,
+  while the KDA kernel runs."""
+  from glm5_jax.layers import WGMMA_KNOBS  # noqa: PLC0415
+  model, params = model_tiny_sm100
+  import glm5_jax.speculative as sp  # noqa: PLC0415
+  with pytest.MonkeyPatch.context() as mp:  # (an A100 has neither wgmma nor the TMA the other kernels use)
+    mp.setattr(sp, "detect_platform", lambda devices: "sm_80")
+    with pytest.raises(ValueError, match=r"need one of \('sm_90', 'sm_100', 'sm_103'\).*this mesh is sm_80"):
+      Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()), backend="latency_specialized")
+    Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()), backend="auto")
+  cfg = DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("sparse_mla", True),))
+  with pytest.raises(ValueError, match=r"\['sparse_mla'\], which needs Hopper's wgmma \(sm_90a\), which sm_100"):
+    Decoder(model, cfg, backend="latency_specialized")
+  with pytest.warns(UserWarning, match=r"latency_specialized on sm_100: kernel\(s\) \['bf16_linear', 'fp8_linear'"):
+    dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()),
+                  backend="latency_specialized")
+  with dec.kernel_mode(interpret=False):
+    dec.trace_step(1, params, interpret=False)
+  sites = dec.kernel_sites(1)
+  for knob in set(WGMMA_KNOBS) & set(sites):
+    assert not sites[knob]["sites"] and all("wgmma" in r for r in sites[knob]["not_used"]), (knob, sites[knob])
+  assert {"fp8_linear", "fp8_moe", "sparse_mla", "indexer"} <= set(sites)
+  assert not sites["mhc"]["sites"] and "one token row (here 4)" in next(iter(sites["mhc"]["not_used"]))
+  assert sites["kda"]["sites"] > 0
+
+
+@pytest.fixture
+def model_tiny_sm100(monkeypatch):
+  import glm5_jax.speculative as sp  # noqa: PLC0415
+  monkeypatch.setattr(sp, "detect_platform", lambda devices: "sm_100")
+  return abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
 
 
 def test_step_digest_ignores_locations_and_kernel_payloads():
