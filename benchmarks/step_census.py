@@ -18,6 +18,10 @@ Usage (several policies compare in one table; --listing-dir keeps each one's ker
 
 --diff lists each configuration's kernels that differ from the first one's (how session 56 found dq_f16's 67
 conversion kernels: "+42 moe f16[1,4096] .../jit(fp8_moe)/convert_element_type" ...).
+
+--target benchmarks/targets/b200.txtpb compiles the step for a Blackwell B200 (sm_100a; ptxas runs here too): how
+session 57 found that every kernel with a wgmma fails there (glm5_jax.layers.WGMMA_KNOBS, declined on such GPUs
+since). A compile error is printed as Mosaic / ptxas report it.
 """
 
 from __future__ import annotations

@@ -292,6 +292,42 @@ def test_lean_attention_tail_lowers_without_automatic_barriers(monkeypatch):
   assert got[True]["glm5_mla_combine"] == 0 < got[False]["glm5_mla_combine"], got
 
 
+def test_layout_inference_naming_patch_lowers_identically(monkeypatch):
+  """pallas_kernels._common numbers a module's values once per Mosaic GPU layout inference (jax's own naming
+  printed every operation with a fresh numbering: ~30 % of a kernel's lowering): every variable of the attention
+  and W_UV kernels gets jax's own name (ValueSite.__str__ of jax 0.11.2: the printed operation's first tokens),
+  and the kernels lower to the same text — their serialised modules included — as with jax's naming. (The
+  lowering memo is cleared so that both lowerings run the layout inference.)"""
+  from jax._src.pallas.mosaic_gpu import pallas_call_registration as reg  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import layout_inference as li  # noqa: PLC0415
+  args = (SDS((1, 4, 16, 512), jnp.bfloat16), SDS((1, 32784, M.ROW_WORDS), jnp.int32), SDS((1, 4, 2176), jnp.int32),
+          SDS((16, 512, 512), jnp.bfloat16))
+
+  def tail(q, c, i, w):
+    return M.mla_absorb_uv(M.sparse_mla_decode(q, c, i, softmax_scale=SCALE, combine="kernel", transposed=True), w,
+                           dn=256)
+
+  named, seen = li.ValueSite.__str__, []
+
+  def checked(site):
+    got = named(site)
+    tag = {li.VariableType.OPERAND: "o", li.VariableType.RESULT: "r"}.get(site.type, "a")
+    seen.append((got, f"{li._op_name_regex.match(str(site.operation)).group(0)}:{tag}-{site.index}"))
+    return got
+
+  kept, patched = reg.lowering.lower_unpipelined_jaxpr_to_module.kept, li.infer_layout
+  assert patched.unmemoized is not patched
+  kept.clear()
+  with monkeypatch.context() as m:
+    m.setattr(li.ValueSite, "__str__", checked)
+    fast = cross_lower(tail, *args).as_text()
+  assert len(seen) > 100 and [a for a, b in seen if a != b] == [], seen[:3]
+  kept.clear()
+  monkeypatch.setattr(li, "infer_layout", patched.unmemoized)
+  slow = cross_lower(tail, *args).as_text()
+  assert fast.count("mosaic_gpu_v2") == slow.count("mosaic_gpu_v2") >= 3 and fast == slow
+
+
 def test_cross_lower_unpadded_width():
   args = (SDS((1, 4, 16, 512), jnp.float32), SDS((1, 65536, M.ROW_WORDS), jnp.int32), SDS((1, 4, 2051), jnp.int32))
   cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE), *args)
