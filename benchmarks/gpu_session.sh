@@ -15,7 +15,8 @@
 #                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
 #   s57a .. s57d (nvidia-h200): sessions 55-56's plan — the L2 prefetches' GPU tests, concurrently (s57a), the q = 1
 #                             A/B of every pending knob in one call (s57b: the configurations compile concurrently
-#                             since session 56), issue #9's ratio with s57b's winners (s57c), a trace (s57d)
+#                             since session 56), issue #9's ratio with s57b's winners (s57c), a trace (s57d), and
+#                             q = 4 with session 57's several-row boundary without wgmma, mhc_rows (s57e)
 #   Modes of past sessions (s25 .. s55c and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -24,8 +25,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57a|s57b|s57c|s57d) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57a .. s57d)"
+  single|pair|tp2|tp4|profile|s57a|s57b|s57c|s57d|s57e) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57a .. s57e)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -143,9 +144,11 @@ case "$MODE" in
     e2e="tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache"
     timeout -k 9 -s INT $T python3 -m pytest -q -rA -p no:cacheprovider tests/test_mhc.py tests/test_kda_decode.py \
       tests/test_indexer.py tests/test_prefetch.py -k "l2_prefetch or kernel_is_the_reference" > "$OUT/tests_1.log" 2>&1 &
-    # (+ session 56's f16 copies for dq_f16: the one-row boundary's x_in and W_UV's output, bit for bit)
+    # (+ session 56's f16 copies for dq_f16: the one-row boundary's x_in and W_UV's output, bit for bit; session
+    # 57's row form at 3 and 4 token rows, policy mhc_rows: post_finish_gpu's row cases against their two halves)
     timeout -k 9 -s INT $T python3 -m pytest -q -rA -p no:cacheprovider tests/test_linear_kernels.py \
-      tests/test_mhc.py tests/test_sparse_mla.py -k "down_prefetch or f16_saturates or x16 or uv_kernel_gpu" \
+      tests/test_mhc.py tests/test_sparse_mla.py \
+      -k "down_prefetch or f16_saturates or x16 or uv_kernel_gpu or (post_finish_gpu and True-)" \
       > "$OUT/tests_2.log" 2>&1 &
     timeout -k 9 -s INT $T python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider "$e2e[prefetch]" \
       > "$OUT/tests_3.log" 2>&1 &
@@ -165,6 +168,10 @@ case "$MODE" in
     rank1 s57b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"l2_prefetch": true}' \
       '{"l2_prefetch_side": true}' '{"moe_down_prefetch": true}' '{"kda_gates_first": true}' \
       '{"topk_threshold_2bit": true}' '{"dq_f16": true}' '{"mla_latent_norms": true, "qkv_a_fused_sum": true}'
+    ;;
+  s57e)  # (nvidia-h200) q = 4: session 57's row form of the boundary at the verify's 4 token rows (mhc_rows: no
+    # wgmma, the only several-row form for Blackwell) against the defaults' grid form, 5 interleaved repeats
+    rank1 s57e --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mhc_rows": true}'
     ;;
   s57c)  # (nvidia-h200) issue #9's ratio in one call: auto vs the defaults vs the defaults + s57b's winners (WIN),
     # 5 interleaved repeats of 80 steps

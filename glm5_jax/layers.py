@@ -306,6 +306,13 @@ KNOBS = {
         "1.2 and the sums 2.5 of its 6.3 µs). X' and x_in bit-identical to mhc_post_finish's in interpret mode; "
         "GPU tests pass natively (session 55). Measured (s55b, q = 1): 3.89 -> 3.81 ms per step alone (faster in "
         "3 of 4 paired rounds), 3.71 with lean_barriers (4 of 4); on by default since session 55"),
+    "mhc_rows": (False,
+        "with mhc_row on: the row form also at 2 to 4 token rows (mhc_row_boundary with M rows — the verify's 4 at "
+        "q = 4 — instead of mhc_post_finish, whose logits are a wgmma over 64-row tiles): a column of every stream "
+        "and row per thread, the rows as loops (unrolled, Mosaic's layout inference took 35 s to lower 4 rows; "
+        "looped 4.1 s). The one form of the several-row boundary without wgmma, so on Blackwell the only kernel "
+        "form there at q > 1 (the one-row kernel is unchanged, byte for byte). Interpret-mode equal to its "
+        "reference (session 57); off until its GPU tests and an A/B at q = 4 on the H200"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
@@ -1013,8 +1020,10 @@ class HyperConnection(nnx.Module):
       kernel_enabled("mhc_finish"), kernel_enabled("mhc_sinkhorn_split")
       counters, parity = (_next_barrier_counters(km) if _counters_enabled("mhc_barrier_counters") else (None, 0))
       # mhc_row: at one token row, a column of every stream per thread (no 64-row tiles for one real row)
-      row = kernel_enabled("mhc_row", fits=M == 1 and D % km.ROW_COLS == 0,
-                           why=f"one token row (here {M}) and a hidden size a multiple of {km.ROW_COLS} (here {D})")
+      rows_ok = M == 1 or (1 < M <= km.PARTS_MAX_ROWS and kernel_enabled("mhc_rows"))
+      row = kernel_enabled("mhc_row", fits=rows_ok and D % km.ROW_COLS == 0,
+                           why=f"one token row (here {M}; up to {km.PARTS_MAX_ROWS} with mhc_rows) and a hidden size "
+                           f"a multiple of {km.ROW_COLS} (here {D})")
       # lean_barriers: the boundary built without Mosaic's automatic barriers, its own where the data needs them
       lean = kernel_enabled("lean_barriers")
       # l2_prefetch: the sublayer's first weights into L2 while the boundary runs

@@ -415,7 +415,7 @@ def _sinkhorn_rows(mc, iters: int, eps: float):
   return list(lax.fori_loop(0, iters - 1, body, tuple(v for row in c for v in row)))
 
 
-def _sum_partials_t(rows_of, Gp: int, M: int, place, t_s, ts_s, explicit: bool = False):
+def _sum_partials_t(rows_of, Gp: int, M: int, place, t_s, ts_s, explicit: bool = False, loop: bool = False):
   """The raw partials summed over the column chunks for M token rows — ``rows_of(m, c)``: the [64, C] ref of
   chunks 64c.. of token row m (SMEM or GMEM; Gp a multiple of 64, chunks past G zero; C = 40, or the 16 columns
   MIX.. where only the normalisation reads them), the tiles added, a sum over the tile's rows into ts_s [M, C] —
@@ -424,11 +424,11 @@ def _sum_partials_t(rows_of, Gp: int, M: int, place, t_s, ts_s, explicit: bool =
   quantity. ``explicit`` (a kernel built without Mosaic's automatic barriers: lean_barriers): the two barriers
   those would have given here — the zero fill lands before any thread's scalar stores into t_s, and every row of
   ts_s before the scalar reads of entries other threads stored. (Every thread stores every t_s[k, m] itself, the
-  same value, so its own later loads need no barrier.)"""
+  same value, so its own later loads need no barrier.) ``loop``: the rows as a loop (the multi-row row form)."""
   t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
   if explicit:
     wg_barrier()
-  for m in range(M):
+  def row_sum(m):
     acc = None
     with jax.named_scope("loads"):
       for c in range(Gp // ROWS):
@@ -436,11 +436,23 @@ def _sum_partials_t(rows_of, Gp: int, M: int, place, t_s, ts_s, explicit: bool =
         acc = x if acc is None else acc + x
     with jax.named_scope("reduce"):
       ts_s[m] = acc.sum(axis=0)
-  if explicit:
-    wg_barrier()
-  for m in range(M):
+
+  def row_place(m):
     for k, j in place:
       t_s[k, m] = ts_s[m, j]
+
+  if loop:  # (one copy of the code for the M rows: unrolled, Mosaic's layout inference grows faster than M)
+    lax.fori_loop(0, M, lambda m, c: (row_sum(m), c)[1], None)
+  else:
+    for m in range(M):
+      row_sum(m)
+  if explicit:
+    wg_barrier()
+  if loop:
+    lax.fori_loop(0, M, lambda m, c: (row_place(m), c)[1], None)
+  else:
+    for m in range(M):
+      row_place(m)
 
 
 # The normalisation's 14 sums from the 16 columns MIX.. of the partials (Gram entries, then the pre logits' copy at
@@ -951,15 +963,15 @@ def _row_load(ref):
   return plgpu.load(ref, layout=_row_layout(), optimized=False).astype(jnp.float32)
 
 
-def _row_mixed(x_s, y_s, post_s, comb_s, first: bool):
-  """X'_j = post_j · y + Σ_i comb[i, j] · X_i for this thread's column (``_post_mix``'s order; token row 0 of the
-  transposed mix is column 0), rounded to bf16 and kept as f32; X itself when ``first``."""
-  xs = [_row_load(x_s.at[i, 0]) for i in range(N)]
+def _row_mixed(x_s, y_s, post_s, comb_s, first: bool, m: int = 0):
+  """X'_j = post_j · y + Σ_i comb[i, j] · X_i for this thread's column of token row m (``_post_mix``'s order; token
+  row m of the transposed mix is its column m), rounded to bf16 and kept as f32; X itself when ``first``."""
+  xs = [_row_load(x_s.at[i, m]) for i in range(N)]
   if first:
     return xs
-  yv = _row_load(y_s.at[0])
-  post = [post_s[j, 0] for j in range(N)]
-  comb = [comb_s[k, 0] for k in range(N * N)]
+  yv = _row_load(y_s.at[m])
+  post = [post_s[j, m] for j in range(N)]
+  comb = [comb_s[k, m] for k in range(N * N)]
   xn = []
   for j in range(N):
     s = comb[j] * xs[0]
@@ -991,15 +1003,16 @@ def _row_partials(xn, fn_s, red_s, v_s):
   plgpu.commit_smem()
 
 
-def _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_eps, norm_eps,
+def _row_normalised(part_g, c_g, xns, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_eps, norm_eps,
                     explicit: bool = False, o16_s=None):
-  """The second half for token row 0: the normalisation's 16 partial columns summed over the chunks (one 64-row
-  tile, ``_sum_partials_t``), pre and 1/RMS as per-row vectors (``_gram_scale`` / ``_pre_rinv``, as every form),
-  read back as scalars (column 0), then x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this thread's column into
-  o_s [1, 128] (the caller stores it) — and with ``o16_s`` x_in in f16 as well (saturated at ±65,504: what the dq
-  kernels' ``linear._act`` makes of it)."""
-  _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], 1,
-                  _FIN_PLACE, t_s, ts_s, explicit)
+  """The second half for the M = len(xns) token rows: the normalisation's 16 partial columns summed over the chunks
+  (one 64-row tile per row, ``_sum_partials_t``), pre and 1/RMS as per-row vectors (``_gram_scale`` / ``_pre_rinv``,
+  as every form), read back as scalars (column m), then x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this
+  thread's column of each row into o_s [M, 128] (the caller stores it) — and with ``o16_s`` x_in in f16 as well
+  (saturated at ±65,504: what the dq kernels' ``linear._act`` makes of it)."""
+  M = xns.rows if callable(xns) else len(xns)
+  _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], M,
+                  _FIN_PLACE, t_s, ts_s, explicit, loop=callable(xns))
   plgpu.commit_smem()
   gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
   pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, [c_g[k] for k in range(N)], c_g[MIX], D,
@@ -1008,53 +1021,74 @@ def _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_
     sc_s[i] = pre[i]
   sc_s[N] = rinv
   plgpu.commit_smem()
-  u = sc_s[0, 0] * xn[0]
-  for i in range(1, N):
-    u = u + sc_s[i, 0] * xn[i]
-  xb = (u.astype(jnp.bfloat16).astype(jnp.float32) * sc_s[N, 0]).astype(jnp.bfloat16)
-  wv = plgpu.load(w_s, layout=_row_layout(), optimized=False)
-  o_s[0] = wv * xb
-  if o16_s is not None:  # (from the stored bf16: its own column, read back by the thread that wrote it — XLA on the
-    # CPU, GPU interpret mode, keeps wv * xb in f32 until the store rounds it)
-    o16_s[0] = plgpu.layout_cast(saturate_f16(_row_load(o_s.at[0])), _row_layout())
+
+  def row(m, xn):
+    u = sc_s[0, m] * xn[0]
+    for i in range(1, N):
+      u = u + sc_s[i, m] * xn[i]
+    xb = (u.astype(jnp.bfloat16).astype(jnp.float32) * sc_s[N, m]).astype(jnp.bfloat16)
+    wv = plgpu.load(w_s, layout=_row_layout(), optimized=False)
+    o_s[m] = wv * xb
+    if o16_s is not None:  # (from the stored bf16: its own column, read back by the thread that wrote it — XLA on
+      # the CPU, GPU interpret mode, keeps wv * xb in f32 until the store rounds it)
+      o16_s[m] = plgpu.layout_cast(saturate_f16(_row_load(o_s.at[m])), _row_layout())
+
+  if callable(xns):  # (several rows: a loop, X' of row m read back from SMEM — unrolled, Mosaic's layout inference
+    # took 3.7 / 10.4 / 35 s to lower 1 / 2 / 4 rows)
+    lax.fori_loop(0, M, lambda m, c: (row(m, xns(m)), c)[1], None)
+  else:
+    for m, xn in enumerate(xns):
+      row(m, xn)
   plgpu.commit_smem()
 
 
-def _row_scratch(first: bool, x16: bool = False):
+class _SmemRows:
+  """X' of token row m read back from an [N, M, ROW_COLS] SMEM ref (the bf16 values the kernel keeps in f32: the
+  same numbers) — the multi-row boundary's loops use it instead of values held in registers across rows."""
+
+  def __init__(self, ref, rows: int):
+    self.ref, self.rows = ref, rows
+
+  def __call__(self, m):
+    return [_row_load(self.ref.at[i, m]) for i in range(N)]
+
+
+def _row_scratch(first: bool, x16: bool = False, M: int = 1):
   bf16, f32 = jnp.bfloat16, jnp.float32
-  return [plgpu.SMEM((N, 1, ROW_COLS), bf16),  # x_s: X's columns (TMA boxes of one row)
+  return [plgpu.SMEM((N, M, ROW_COLS), bf16),  # x_s: X's columns (TMA boxes of the M rows)
           plgpu.SMEM((N, MIX, ROW_COLS), bf16),  # fn_s: fn's columns of every stream (untiled)
-          plgpu.SMEM((1, ROW_COLS), bf16),  # y_s
+          plgpu.SMEM((M, ROW_COLS), bf16),  # y_s
           plgpu.SMEM((N, ROWS), f32),  # post_s (the transposed mix)
           plgpu.SMEM((N * N, ROWS), f32),  # comb_s
           plgpu.SMEM((ROW_COLS,), bf16),  # w_s
-          plgpu.SMEM((N, 1, ROW_COLS), bf16),  # xu_s: X' for its TMA store
+          plgpu.SMEM((N, M, ROW_COLS), bf16),  # xu_s: X' for its TMA store
           plgpu.SMEM((ROWS, ROW_COLS), f32),  # red_s: the per-thread products, a row per quantity
           plgpu.SMEM((ROWS,), f32),  # v_s: zeros for the padding chunks, then the CTA's partials (40 used)
-          plgpu.SMEM((1, ROW_COLS), bf16),  # o_s: x_in
+          plgpu.SMEM((M, ROW_COLS), bf16),  # o_s: x_in
           plgpu.SMEM((PART, ROWS), f32),  # t_s: the sums, transposed
-          plgpu.SMEM((1, PART - MIX), f32),  # ts_s
-          plgpu.SMEM((N + 1, ROWS), f32),  # sc_s: pre and 1/RMS (per-row vectors; column 0 read back)
-          *([plgpu.SMEM((1, ROW_COLS), jnp.float16)] if x16 else []),  # o16_s: x_in in f16 (x16)
+          plgpu.SMEM((M, PART - MIX), f32),  # ts_s
+          plgpu.SMEM((N + 1, ROWS), f32),  # sc_s: pre and 1/RMS (per-row vectors; column m read back)
+          *([plgpu.SMEM((M, ROW_COLS), jnp.float16)] if x16 else []),  # o16_s: x_in in f16 (x16)
           plgpu.Barrier(num_arrivals=N + (0 if first else 3)),  # bar_x: X (y, the previous mix)
           plgpu.Barrier(num_arrivals=N + 1)]  # bar_fn: fn, w
 
 
 def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D: int, first: bool, g,
                     after_loads=None):
-  """Loads, the mix, X' stored (unless ``first``), the CTA's partials stored into token row 0 of chunk g and zeros
-  into token row 0 of the padding chunks G.. -> X' (f32 per-thread vectors). Waits for its stores. The mix waits
-  only for X, y and the previous mix (bar_x); fn's 24 KB per CTA (and w) arrive behind them (bar_fn), and the
-  padding chunks' zeros go out before anything else is computed. ``after_loads``: called once the loads are
-  issued (the L2 prefetches of policy knob l2_prefetch)."""
+  """Loads, the mix, X' stored (unless ``first``), the CTA's partials stored into token rows 0..M-1 of chunk g
+  and zeros into those of the padding chunks G.. -> X' of each row (f32 per-thread vectors). Waits for its
+  stores. The mix waits only for X, y and the previous mix (bar_x); fn's 24 KB per CTA (and w) arrive behind them
+  (bar_fn), and the padding chunks' zeros go out before anything else is computed. ``after_loads``: called once
+  the loads are issued (the L2 prefetches of policy knob l2_prefetch)."""
   x_s, fn_s, y_s, post_s, comb_s, w_s, xu_s, red_s, v_s = scratch[:9]
   bar_x, bar_fn = scratch[-2:]
   G, Gp = _grid_rows(D, ROW_COLS)
+  M = x_s.shape[1]
   d0 = g * ROW_COLS
   for i in range(N):
-    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, 1), pl.ds(i * D + d0, ROW_COLS)], x_s.at[i], bar_x)
+    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(0, M), pl.ds(i * D + d0, ROW_COLS)], x_s.at[i], bar_x)
   if not first:
-    plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)], y_s, bar_x)
+    plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)], y_s, bar_x)
     plgpu.copy_gmem_to_smem(post_g, post_s, bar_x)
     plgpu.copy_gmem_to_smem(comb_g, comb_s, bar_x)
   for i in range(N):
@@ -1064,33 +1098,56 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
     after_loads()
   v_s[...] = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), _L.WGMMA.reduce(1))
   plgpu.commit_smem()
-  for k in range(-(-(Gp - G) // G)):  # token row 0 of the padding chunks, spread over the CTAs
+  for k in range(-(-(Gp - G) // G)):  # the token rows of the padding chunks, spread over the CTAs
     row = G + g + k * G
 
     @pl.when(row < Gp)
     def _():
-      plgpu.copy_smem_to_gmem(v_s.at[pl.ds(0, PART)], part_g.at[row, 0])
+      for m in range(M):
+        plgpu.copy_smem_to_gmem(v_s.at[pl.ds(0, PART)], part_g.at[row, m])
   plgpu.barrier_wait(bar_x)
+  # one row: X' stays in registers; several (policy knob mhc_rows): loops over the rows, X' read back from SMEM
+  loop = M > 1
+  xns = _SmemRows(x_s if first else xu_s, M) if loop else None
+
+  def mixed(m):
+    xn = _row_mixed(x_s, y_s, post_s, comb_s, first, m)
+    if not first:
+      for j in range(N):
+        xu_s[j, m] = xn[j].astype(jnp.bfloat16)
+    return xn
+
   with jax.named_scope("mix"):
-    xn = _row_mixed(x_s, y_s, post_s, comb_s, first)
+    if loop:
+      if not first:
+        lax.fori_loop(0, M, lambda m, c: (mixed(m), c)[1], None)
+    else:
+      xns = [mixed(0)]
   if not first:
-    for j in range(N):
-      xu_s[j, 0] = xn[j].astype(jnp.bfloat16)
     plgpu.commit_smem()
     for j in range(N):
-      plgpu.copy_smem_to_gmem(xu_s.at[j], xo_g.at[pl.ds(0, 1), pl.ds(j * D + d0, ROW_COLS)])
+      plgpu.copy_smem_to_gmem(xu_s.at[j], xo_g.at[pl.ds(0, M), pl.ds(j * D + d0, ROW_COLS)])
   plgpu.barrier_wait(bar_fn)
-  with jax.named_scope("partials"):
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the zeros' stores have read v_s
+
+  def partials(m, xn):
+    # (the previous stores from v_s — the zeros, the previous row's partials — have read it: the issuing thread
+    # waits, and _row_partials' first commit holds every thread until it has)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     _row_partials(xn, fn_s, red_s, v_s)
-    plgpu.copy_smem_to_gmem(v_s.at[pl.ds(0, PART)], part_g.at[g, 0])
+    plgpu.copy_smem_to_gmem(v_s.at[pl.ds(0, PART)], part_g.at[g, m])
+
+  with jax.named_scope("partials"):
+    if loop:
+      lax.fori_loop(0, M, lambda m, c: (partials(m, xns(m)), c)[1], None)
+    else:
+      partials(0, xns[0])
     plgpu.wait_smem_to_gmem(0)
-  return xn
+  return xns
 
 
 def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int,
-                lean: bool = False, prefetch_plan=(), x16: bool = False):
-  """``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its halves as launches of their own.
+                lean: bool = False, prefetch_plan=(), x16: bool = False, M: int = 1):
+  """M token rows (up to PARTS_MAX_ROWS). ``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its halves as launches of their own.
   ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM store here is followed by a
   ``commit_smem`` before another thread or the TMA reads it, and no buffer is written after another thread read
   it (v_s, rewritten after the zero rows' TMA stores read it, is so only behind _row_partials' commit, which the
@@ -1113,14 +1170,14 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
       o16_s = next(it) if x16 else None
       bar = next(it)
       for i in range(N):
-        plgpu.copy_gmem_to_smem(xn_g.at[pl.ds(0, 1), pl.ds(i * D + d0, ROW_COLS)], x_s.at[i], bar)
+        plgpu.copy_gmem_to_smem(xn_g.at[pl.ds(0, M), pl.ds(i * D + d0, ROW_COLS)], x_s.at[i], bar)
       plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar)
       plgpu.barrier_wait(bar)
-      xn = [_row_load(x_s.at[i, 0]) for i in range(N)]
-      _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, *consts, o16_s=o16_s)
-      plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)])
+      xns = _SmemRows(x_s, M) if M > 1 else [[_row_load(x_s.at[i, 0]) for i in range(N)]]
+      _row_normalised(part_g, c_g, xns, w_s, o_s, t_s, ts_s, sc_s, *consts, o16_s=o16_s)
+      plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
       if x16:
-        plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)])
+        plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
       plgpu.wait_smem_to_gmem(0)
       return
     if first:
@@ -1136,8 +1193,8 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     xin_g = next(it) if half == 0 else None
     xin16_g = next(it) if half == 0 and x16 else None
     scratch = list(it)
-    xn = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g,
-                         functools.partial(issue_l2_prefetch, pf, prefetch_plan, g, G) if prefetch_plan else None)
+    xns = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g,
+                          functools.partial(issue_l2_prefetch, pf, prefetch_plan, g, G) if prefetch_plan else None)
     if half == 1:
       return
     fence_async_writes()  # (the partials went out by TMA; the other CTAs read them with plain loads)
@@ -1145,10 +1202,10 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     w_s, o_s, t_s, ts_s, sc_s = scratch[5], *scratch[9:13]
     o16_s = scratch[13] if x16 else None
     with jax.named_scope("normalise"):
-      _row_normalised(part_g, c_g, xn, w_s, o_s, t_s, ts_s, sc_s, *consts, lean, o16_s=o16_s)
-      plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)])
+      _row_normalised(part_g, c_g, xns, w_s, o_s, t_s, ts_s, sc_s, *consts, lean, o16_s=o16_s)
+      plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
       if x16:
-        plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, 1), pl.ds(d0, ROW_COLS)])
+        plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
       plgpu.wait_smem_to_gmem(0)
 
   return body
@@ -1157,8 +1214,8 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
 def mhc_row_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                                norm_eps: float, approx_math: bool = False, launches: int | None = None,
                                x16: bool = False):
-  """``mhc_post_finish_reference`` over ROW_COLS-column chunks (G = D / 128, partials [Gp = 64, 64, 40]): one
-  token row. Of the kernel's partials only token row 0 is defined (the other rows are padding, as everywhere).
+  """``mhc_post_finish_reference`` over ROW_COLS-column chunks (G = D / 128, partials [Gp = 64, 64, 40]): M token
+  rows. Of the kernel's partials only token rows 0..M-1 are defined (the other rows are padding, as everywhere).
   ``x16``: x_in as (bf16, its f16 copy saturated at ±65,504)."""
   return mhc_post_finish_reference(X, y, mix, fn, coef, w, first=first, eps=eps, hc_norm_eps=hc_norm_eps,
                                    norm_eps=norm_eps, approx_math=approx_math, launches=launches, cols=ROW_COLS,
@@ -1171,8 +1228,10 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
                      norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
                      parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=(), after=(),
                      x16: bool = False):
-  """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, one token
-  row): ONE launch of D / 128 CTAs, one column of every stream per thread, a grid barrier between the halves
+  """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, M <=
+  PARTS_MAX_ROWS token rows: one by default, more under policy knob mhc_rows): ONE launch of D / 128 CTAs, one column
+  of every stream and token row per thread (no wgmma: the form that compiles for Blackwell), a grid barrier between
+  the halves
   (``counters`` / ``parity`` as in mhc_post_finish). ``launches=2`` (the default in GPU interpret mode): the halves
   as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 bar.sync, 16 left — its 38
   one-row stores of per-thread products each had two). ``prefetch`` / ``prefetch_plan`` / ``after`` as in
@@ -1182,36 +1241,37 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   M, K = X.shape
   D = K // N
   G, Gp = _grid_rows(D, ROW_COLS)
-  if M != 1 or D % ROW_COLS or not 1 <= G <= GRID_MAX_CTAS:
-    raise ValueError(f"mhc_row_boundary: {M} token rows, hidden size {D}; expected one row and a multiple of "
-                     f"{ROW_COLS} up to {GRID_MAX_CTAS * ROW_COLS} columns")
+  if not 1 <= M <= PARTS_MAX_ROWS or D % ROW_COLS or not 1 <= G <= GRID_MAX_CTAS:
+    raise ValueError(f"mhc_row_boundary: {M} token rows, hidden size {D}; expected 1 to {PARTS_MAX_ROWS} rows and a "
+                     f"multiple of {ROW_COLS} up to {GRID_MAX_CTAS * ROW_COLS} columns")
   launches = _check_grid_args("mhc_row_boundary", X, fn, coef, w, mix, first, parity, launches)
   bf16, f32 = jnp.bfloat16, jnp.float32
   consts = (float(eps), float(hc_norm_eps), float(norm_eps))
   params = dict(grid=(G,), grid_names=("g",), compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)))
   pp_in = (X, fn.astype(bf16)) if first else (X, y.astype(bf16), *(a.astype(f32) for a in mix), fn.astype(bf16))
   part = jax.ShapeDtypeStruct((Gp, ROWS, PART), f32)
-  x_in = jax.ShapeDtypeStruct((1, D), bf16)
-  x_ins = (x_in, jax.ShapeDtypeStruct((1, D), jnp.float16)) if x16 else (x_in,)
-  xo = () if first else (jax.ShapeDtypeStruct((1, K), bf16),)
+  x_in = jax.ShapeDtypeStruct((M, D), bf16)
+  x_ins = (x_in, jax.ShapeDtypeStruct((M, D), jnp.float16)) if x16 else (x_in,)
+  xo = () if first else (jax.ShapeDtypeStruct((M, K), bf16),)
   if launches == 2:
-    h1 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 1, prefetch_plan=prefetch_plan), out_type=(*xo, part),
-                     scratch_types=_row_scratch(first), kernel_name="glm5_mhc_row_first", **params)
+    h1 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 1, prefetch_plan=prefetch_plan, M=M),
+                     out_type=(*xo, part), scratch_types=_row_scratch(first, M=M), kernel_name="glm5_mhc_row_first",
+                     **params)
     got = h1(*pp_in, w.astype(bf16), *prefetch, after=after)
     Xn, part = (X, got[0]) if first else got
-    h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2, x16=x16), out_type=x_ins if x16 else x_in,
+    h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2, x16=x16, M=M), out_type=x_ins if x16 else x_in,
                      kernel_name="glm5_mhc_row_second",
-                     scratch_types=[plgpu.SMEM((N, 1, ROW_COLS), bf16), plgpu.SMEM((ROW_COLS,), bf16),
-                                    plgpu.SMEM((1, ROW_COLS), bf16), plgpu.SMEM((PART, ROWS), f32),
-                                    plgpu.SMEM((1, PART - MIX), f32), plgpu.SMEM((N + 1, ROWS), f32),
-                                    *([plgpu.SMEM((1, ROW_COLS), jnp.float16)] if x16 else []),
+                     scratch_types=[plgpu.SMEM((N, M, ROW_COLS), bf16), plgpu.SMEM((ROW_COLS,), bf16),
+                                    plgpu.SMEM((M, ROW_COLS), bf16), plgpu.SMEM((PART, ROWS), f32),
+                                    plgpu.SMEM((M, PART - MIX), f32), plgpu.SMEM((N + 1, ROWS), f32),
+                                    *([plgpu.SMEM((M, ROW_COLS), jnp.float16)] if x16 else []),
                                     plgpu.Barrier(num_arrivals=N + 1)], **params)
     got = h2(Xn, part, coef.astype(f32), w.astype(bf16))
     return Xn, (tuple(got) if x16 else got), part
   params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
   kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean),
-                                 prefetch_plan=prefetch_plan, x16=x16),
-                     out_type=(*xo, part, *x_ins), scratch_types=_row_scratch(first, x16),
+                                 prefetch_plan=prefetch_plan, x16=x16, M=M),
+                     out_type=(*xo, part, *x_ins), scratch_types=_row_scratch(first, x16, M),
                      kernel_name="glm5_mhc_row_boundary", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
   got = tuple(kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch, after=after))

@@ -161,10 +161,10 @@ def test_post_finish_interpret(M, D, first):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,first,row,lean", [
     (1, False, False, False), (1, True, False, False), (4, False, False, False), (2, False, False, False),
-    (1, False, True, False), (1, True, True, False),
+    (1, False, True, False), (1, True, True, False), (4, False, True, False), (3, True, True, False),
     # lean: built without the automatic barriers (policy lean_barriers)
     (1, False, False, True), (1, True, False, True), (4, False, False, True), (1, False, True, True),
-    (1, True, True, True)])
+    (1, True, True, True), (4, False, True, True)])
 def test_post_finish_gpu(M, first, row, lean):
   """The one-launch form natively (128 CTAs meeting at the grid barrier; row: mhc_row_boundary's 32) against the
   reference, and bit for bit against its two halves as two launches (the same arithmetic without the barrier: a
@@ -177,10 +177,11 @@ def test_post_finish_gpu(M, first, row, lean):
                                   np.asarray(b, np.float32)[:M] if b.ndim == 2 else np.asarray(b)[:, :M])
 
 
-@pytest.mark.parametrize("D,first", [(256, False), (512, True), (1024, False)])
-def test_row_boundary_interpret(D, first):
-  """(G = 2, 4 and 8 chunks of 128 columns; interpreted as its two halves)"""
-  _check_post_finish(1, D, first, seed=D, interpret=True, row=True)
+@pytest.mark.parametrize("M,D,first", [(1, 256, False), (1, 512, True), (1, 1024, False), (4, 512, False),
+                                       (3, 256, True)])
+def test_row_boundary_interpret(M, D, first):
+  """(G = 2, 4 and 8 chunks of 128 columns; interpreted as its two halves; M > 1: policy knob mhc_rows)"""
+  _check_post_finish(M, D, first, seed=D + M, interpret=True, row=True)
 
 
 def _x16_pair(D, first, seed, M=1, **kw):
@@ -222,12 +223,12 @@ def test_boundary_x16_gpu(lean, M):
 
 
 def test_row_boundary_refuses():
-  """More than one token row, or a width that is not whole CTAs of 128 columns: refused by name."""
-  X, y, mix, fn, coef, w = _inputs(2, 256, 0)
-  with pytest.raises(ValueError, match=r"mhc_row_boundary: 2 token rows"):
+  """More than PARTS_MAX_ROWS token rows, or a width that is not whole CTAs of 128 columns: refused by name."""
+  X, y, mix, fn, coef, w = _inputs(5, 256, 0)
+  with pytest.raises(ValueError, match=r"mhc_row_boundary: 5 token rows"):
     K.mhc_row_boundary(X, y, mix, fn, coef, w, **GRID_CONSTS)
   X, y, mix, fn, coef, w = _inputs(1, 192, 0)
-  with pytest.raises(ValueError, match=r"hidden size 192; expected one row and a multiple of 128"):
+  with pytest.raises(ValueError, match=r"hidden size 192; expected 1 to 4 rows and a multiple of 128"):
     K.mhc_row_boundary(X, y, mix, fn, coef, w, **GRID_CONSTS)
 
 
@@ -331,6 +332,10 @@ def test_row_boundary_lowers_for_cuda():
   low = cross_lower(lambda *a: K.mhc_post_finish(*a, approx_math=True, launches=1, lean=True, x16=True,
                                                  **GRID_CONSTS)[1], *args4)
   assert "tensor<4x4096xf16>" in low.as_text()
+  # and the row form at 4 token rows (policy knob mhc_rows), lean, with x16
+  low = cross_lower(lambda *a: K.mhc_row_boundary(*a, approx_math=True, launches=1, lean=True, x16=True,
+                                                  **GRID_CONSTS)[1], *args4)
+  assert "tensor<4x4096xf16>" in low.as_text() and "glm5_mhc_row_boundary" in low.as_text()
 
 
 def _counter_chain(M, n, counters: bool, row: bool = False, lean: bool = False):

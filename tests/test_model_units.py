@@ -571,7 +571,7 @@ def test_mhc_row_at_the_model_site():
   np.testing.assert_allclose(h1, h0, **tol("kernel_bf16"))
   assert np.abs(h0).max() > 0
   _, rep2 = _extend_one_token(m, 2, base | {"mhc_row": True}, seed=13, trace_only=True)
-  assert rep2["mhc_row"].startswith("one token row (here 2)"), rep2
+  assert rep2["mhc_row"].startswith("one token row (here 2; up to 4 with mhc_rows)"), rep2
 
 
 def test_l2_budget_takes_whole_weights_then_a_column_prefix():

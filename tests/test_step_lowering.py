@@ -316,7 +316,7 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
   """On a GPU without wgmma (the platform patched to sm_100): a policy that asks for a wgmma kernel is refused
   before anything is traced, naming it and why (and on a GPU without Mosaic GPU, sm_80, the backend itself); the defaults trace with those kernels declined at every site
   (the reason in kernel_sites) and the mHC boundary of several token rows (q = 4: its logits are a wgmma) too,
-  while the KDA kernel runs."""
+  while the KDA kernel runs — and with policy knob mhc_rows the boundaries of 4 rows run in the row form."""
   from glm5_jax.layers import WGMMA_KNOBS  # noqa: PLC0415
   model, params = model_tiny_sm100
   import glm5_jax.speculative as sp  # noqa: PLC0415
@@ -337,8 +337,16 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
   for knob in set(WGMMA_KNOBS) & set(sites):
     assert not sites[knob]["sites"] and all("wgmma" in r for r in sites[knob]["not_used"]), (knob, sites[knob])
   assert {"fp8_linear", "fp8_moe", "sparse_mla", "indexer"} <= set(sites)
-  assert not sites["mhc"]["sites"] and "one token row (here 4)" in next(iter(sites["mhc"]["not_used"]))
+  assert not sites["mhc"]["sites"] and "one token row (here 4;" in next(iter(sites["mhc"]["not_used"]))
   assert sites["kda"]["sites"] > 0
+  # policy knob mhc_rows: the row form at the verify's 4 token rows (no wgmma) — the boundaries run as kernels
+  with pytest.warns(UserWarning, match="latency_specialized on sm_100"):
+    dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("mhc_rows", True),)),
+                  backend="latency_specialized")
+  with dec.kernel_mode(interpret=False):
+    dec.trace_step(1, params, interpret=False)
+  sites = dec.kernel_sites(1)
+  assert sites["mhc"]["sites"] > 0 and sites["mhc_rows"]["sites"] > 0 and sites["mhc_row"]["sites"] > 0, sites
 
 
 @pytest.fixture
