@@ -311,7 +311,8 @@ KNOBS = {
         "q = 4 — instead of mhc_post_finish, whose logits are a wgmma over 64-row tiles): a column of every stream "
         "and row per thread, the rows as loops (unrolled, Mosaic's layout inference took 35 s to lower 4 rows; "
         "looped 4.1 s). The one form of the several-row boundary without wgmma, so on Blackwell the only kernel "
-        "form there at q > 1 (the one-row kernel is unchanged, byte for byte). Interpret-mode equal to its "
+        "form there at q > 1 (the one-row kernel unchanged: its Mosaic module the same but for source locations). "
+        "Interpret-mode equal to its "
         "reference (session 57); off until its GPU tests and an A/B at q = 4 on the H200"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
@@ -624,6 +625,14 @@ def use_kernels(policy: dict | None, arch: str | None = None):
     yield
   finally:
     _KERNELS.reset(tok)
+
+
+def _wgmma_form(row: bool, form: str):
+  """The mHC boundary's forms other than the row form issue wgmma: model.fused_mhc sends no boundary here on a GPU
+  without it — reaching one is a bug of that check, raised instead of left to ptxas."""
+  if not row and not has_wgmma(kernel_arch()):
+    raise AssertionError(f"the mHC boundary reached {form} (wgmma) on {kernel_arch()}: model.fused_mhc should have "
+                         "declined it")
 
 
 def kernel_arch() -> str | None:
@@ -1011,7 +1020,12 @@ class HyperConnection(nnx.Module):
                   approx_math=True)
     coef, D = self.base_scale[...], X2.shape[1] // km.N
     split = kernel_switch("mhc_finish") and kernel_switch("mhc_sinkhorn_split")
-    grid_fits = split and M <= km.PARTS_MAX_ROWS and D // km.GRID_COLS <= km.GRID_MAX_CTAS
+    # mhc_row (one token row; up to PARTS_MAX_ROWS with mhc_rows): a column of every stream per thread, D / 128
+    # CTAs at the grid barrier; else mhc_post_finish's D / 32
+    row_rows = M == 1 or (1 < M <= km.PARTS_MAX_ROWS and kernel_switch("mhc_rows"))
+    row_form = kernel_switch("mhc_row") and row_rows and D % km.ROW_COLS == 0
+    cols = km.ROW_COLS if row_form else km.GRID_COLS
+    grid_fits = split and M <= km.PARTS_MAX_ROWS and D // cols <= km.GRID_MAX_CTAS
     if kernel_enabled("mhc_grid_barrier", fits=grid_fits,
                       why=f"needs mhc_finish and mhc_sinkhorn_split on, up to {km.PARTS_MAX_ROWS} token rows (here "
                       f"{M}) and a hidden size up to {km.GRID_MAX_CTAS * km.GRID_COLS} (here {D})"):
@@ -1020,10 +1034,12 @@ class HyperConnection(nnx.Module):
       kernel_enabled("mhc_finish"), kernel_enabled("mhc_sinkhorn_split")
       counters, parity = (_next_barrier_counters(km) if _counters_enabled("mhc_barrier_counters") else (None, 0))
       # mhc_row: at one token row, a column of every stream per thread (no 64-row tiles for one real row)
-      rows_ok = M == 1 or (1 < M <= km.PARTS_MAX_ROWS and kernel_enabled("mhc_rows"))
-      row = kernel_enabled("mhc_row", fits=rows_ok and D % km.ROW_COLS == 0,
+      row = kernel_enabled("mhc_row", fits=row_rows and D % km.ROW_COLS == 0,
                            why=f"one token row (here {M}; up to {km.PARTS_MAX_ROWS} with mhc_rows) and a hidden size "
                            f"a multiple of {km.ROW_COLS} (here {D})")
+      if M > 1:
+        kernel_enabled("mhc_rows", fits=row, why="mhc_row declined here")
+      _wgmma_form(row, "mhc_post_finish")
       # lean_barriers: the boundary built without Mosaic's automatic barriers, its own where the data needs them
       lean = kernel_enabled("lean_barriers")
       # l2_prefetch: the sublayer's first weights into L2 while the boundary runs
@@ -1035,6 +1051,7 @@ class HyperConnection(nnx.Module):
     if prefetch:
       kernel_enabled("l2_prefetch", fits=False, why="the one-launch boundary (mhc_grid_barrier) issues the prefetches")
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
+    _wgmma_form(False, "mhc_post_pre")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC,
                                after=tuple(after))
     # mhc_fused_sums: the finish / Sinkhorn kernels sum the raw partials themselves (no XLA reduction between the

@@ -107,15 +107,19 @@ def fused_mhc(cfg: Glm5Config, dtype, rows: int) -> bool:
   a bf16 residual, 4 streams, hidden size a multiple of 128 (the kernels' column chunks) — and on a GPU without
   wgmma (layers.has_wgmma: Blackwell) the one form that issues none, the row form of the boundary (mhc_row under
   mhc_grid_barrier, mhc_finish and mhc_sinkhorn_split: one token row, or up to 4 with mhc_rows)."""
+  from pallas_kernels import mhc as km  # noqa: PLC0415 (kernels import lazily)
   one_row = all(kernel_switch(k) for k in ("mhc_grid_barrier", "mhc_finish", "mhc_sinkhorn_split", "mhc_row"))
-  row_form = one_row and (rows == 1 or (rows <= 4 and kernel_switch("mhc_rows")))
+  D = cfg.hidden_size
+  row_form = (one_row and (rows == 1 or (rows <= km.PARTS_MAX_ROWS and kernel_switch("mhc_rows")))
+              and D % km.ROW_COLS == 0 and D // km.ROW_COLS <= km.GRID_MAX_CTAS)
   unmet = [w for ok, w in ((jnp.dtype(dtype) == jnp.bfloat16, f"a bf16 residual (model dtype {jnp.dtype(dtype).name})"),
                             (cfg.hc_mult == 4, f"4 streams (hc_mult {cfg.hc_mult})"),
                             (cfg.hidden_size % 128 == 0, f"hidden % 128 == 0 (hidden {cfg.hidden_size})"),
                             (has_wgmma(kernel_arch()) or row_form,
                              f"one token row (here {rows}; up to 4 with mhc_rows) in the row form of the boundary "
-                             f"(mhc_row, mhc_grid_barrier, mhc_finish, mhc_sinkhorn_split on): the other forms' "
-                             f"logits are a wgmma, which {kernel_arch()} does not have")) if not ok]
+                             f"(mhc_row, mhc_grid_barrier, mhc_finish, mhc_sinkhorn_split on; hidden a multiple of "
+                             f"128 up to 16,384): the other forms' logits are a wgmma, which {kernel_arch()} does not "
+                             f"have")) if not ok]
   return kernel_enabled("mhc", fits=not unmet, why="needs " + ", ".join(unmet))
 
 

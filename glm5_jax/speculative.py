@@ -336,12 +336,14 @@ class Decoder:
     if backend == "latency_specialized" and not has_wgmma(self.platform):
       wg = sorted(k for k in _requested_kernels(config) if k in WGMMA_KNOBS)
       if wg:
-        raise ValueError(f"the policy turns on kernel(s) {wg}, which {WGMMA_REASON.format(arch=self.platform)}")
+        raise ValueError(f"the policy turns on kernel(s) {wg}: each {WGMMA_REASON.format(arch=self.platform)}")
       off = sorted(k for k, on in {**KERNEL_DEFAULTS, **config.policy_dict()}.items() if on and k in WGMMA_KNOBS)
-      if off:  # (defaults, not requests: declined at every site, said once here and in kernel_sites())
+      if off:  # (defaults, not requests: declined at every site, said here, when a decoder is built, and in
+        # kernel_sites())
         import warnings  # noqa: PLC0415
         warnings.warn(f"latency_specialized on {self.platform}: kernel(s) {off} run as XLA — each "
-                      f"{WGMMA_REASON.format(arch=self.platform)}", stacklevel=2)
+                      f"{WGMMA_REASON.format(arch=self.platform)}; so does the mHC boundary of several token rows "
+                      f"unless policy knob mhc_rows is on", stacklevel=2)
     self.model, self.config, self.backend = model, config, backend
     self.temperature, self.top_p = float(temperature), float(top_p)
     # XLA options for the step's AOT compilation, e.g. {"xla_gpu_autotune_level": 0} (benchmarks/bench_decode.py

@@ -106,20 +106,24 @@ def _name_layout_variables_once():
   the lowered kernels byte for byte against the unpatched inference)."""
   import io  # noqa: PLC0415
   import re  # noqa: PLC0415
+  import threading  # noqa: PLC0415
 
   from jax._src.lib.mlir import ir  # noqa: PLC0415
   from jax.experimental.mosaic.gpu import layout_inference as _li  # noqa: PLC0415
   site, infer = getattr(_li, "ValueSite", None), getattr(_li, "infer_layout", None)
   regex = getattr(_li, "_op_name_regex", None)
-  if (site is None or infer is None or getattr(infer, "_names_memoized", False)
+  # (jax 0.11.2 only — the pinned version, whose ValueSite.__str__ ``named`` reproduces; another jax keeps its own)
+  if (jax.__version__ != "0.11.2" or site is None or infer is None or getattr(infer, "_names_memoized", False)
       or not isinstance(regex, re.Pattern) or regex.pattern != r"^(%\d+ = )?\S+"):
-    return  # (another jax: nothing to patch)
+    return
   plain = site.__str__
-  states: list = []  # the open infer_layout calls' (module, AsmState or None), innermost last
+  local = threading.local()  # per thread (lowerings may run in several): the open infer_layout calls' (module,
+  # AsmState or None), innermost last
 
   tags = {_li.VariableType.OPERAND: "o", _li.VariableType.RESULT: "r"}
 
   def named(self):  # (ValueSite.__str__ of jax 0.11.2, the operation printed with the call's numbering)
+    states = getattr(local, "states", None)
     if not states:
       return plain(self)
     module, state = states[-1]
@@ -131,6 +135,7 @@ def _name_layout_variables_once():
     return f"{regex.match(buf.getvalue()).group(0)}:{tags.get(self.type, 'a')}-{self.index}"
 
   def infer_layout(module, *args, **kwargs):
+    states = local.__dict__.setdefault("states", [])
     states.append((module, None))
     try:
       return infer(module, *args, **kwargs)
@@ -141,6 +146,8 @@ def _name_layout_variables_once():
   infer_layout.unmemoized = infer
   site.__str__ = named
   _li.infer_layout = infer_layout
+
+
 _name_layout_variables_once()
 
 

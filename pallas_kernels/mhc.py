@@ -1147,11 +1147,14 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
 
 def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int,
                 lean: bool = False, prefetch_plan=(), x16: bool = False, M: int = 1):
-  """M token rows (up to PARTS_MAX_ROWS). ``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its halves as launches of their own.
-  ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM store here is followed by a
-  ``commit_smem`` before another thread or the TMA reads it, and no buffer is written after another thread read
-  it (v_s, rewritten after the zero rows' TMA stores read it, is so only behind _row_partials' commit, which the
-  issuing thread reaches after waiting for those reads); the barriers it needs besides: _sum_partials_t's and
+  """M token rows (up to PARTS_MAX_ROWS). ``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its
+  halves as launches of their own. ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM
+  store here is followed by a ``commit_smem`` before another thread or the TMA reads it, and a buffer another
+  thread read is rewritten only behind a commit every reader passed after its reads: v_s (rewritten after the zero
+  rows' and each row's partials' TMA stores read it) only behind _row_partials' first commit, which the issuing
+  thread reaches after waiting for those reads; red_s (each row's products) after the previous row's closing
+  commit, which every thread reaches after its tile load; xu_s / x_s rows are read back only by the thread that
+  wrote that column. The barriers it needs besides: _sum_partials_t's and
   _grid_barrier's (``explicit``). ``prefetch_plan``: L2 prefetches of the weights after the counters' inputs
   (the whole boundary or its first half; ``issue_l2_prefetch``), issued once the CTA's own loads are. ``x16``:
   x_in in f16 too (an output after x_in, its SMEM tile before the barriers)."""
@@ -1231,9 +1234,8 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, M <=
   PARTS_MAX_ROWS token rows: one by default, more under policy knob mhc_rows): ONE launch of D / 128 CTAs, one column
   of every stream and token row per thread (no wgmma: the form that compiles for Blackwell), a grid barrier between
-  the halves
-  (``counters`` / ``parity`` as in mhc_post_finish). ``launches=2`` (the default in GPU interpret mode): the halves
-  as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 bar.sync, 16 left — its 38
+  the halves (``counters`` / ``parity`` as in mhc_post_finish). ``launches=2`` (the default in GPU interpret mode):
+  the halves as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 bar.sync, 16 left — its 38
   one-row stores of per-thread products each had two). ``prefetch`` / ``prefetch_plan`` / ``after`` as in
   mhc_post_finish (the two-launch form: the first launch issues the prefetches and waits for ``after``).
   ``x16``: x_in as (bf16, f16) — the f16 copy saturated at ±65,504, what the dq kernels' ``linear._act`` would make

@@ -130,7 +130,8 @@ def _check_post_finish(M, D, first, seed=0, interpret=None, launches=None, row=F
   """mhc_post_finish (the boundary in one launch with a grid barrier; interpreted, its two halves) — or with
   ``row`` mhc_row_boundary (policy knob mhc_row: one token row, a column per thread) — vs its reference: X' as
   mhc_post_pre's, x_in as mhc_finish's (one bf16 rounding apart, rarely two), the token rows' partials as
-  mhc_post_pre's over 32 (row: 128) columns, the rows past G zero (row: their token row 0, the one it defines).
+  mhc_post_pre's over 32 (row: 128) columns, the rows past G zero (row: their token rows 0..M-1, the ones it
+  defines).
   Returns the kernel's outputs."""
   X, y, mix, fn, coef, w = _inputs(M, D, seed)
   kern, refer, cols = ((K.mhc_row_boundary, K.mhc_row_boundary_reference, K.ROW_COLS) if row else
@@ -164,7 +165,7 @@ def test_post_finish_interpret(M, D, first):
     (1, False, True, False), (1, True, True, False), (4, False, True, False), (3, True, True, False),
     # lean: built without the automatic barriers (policy lean_barriers)
     (1, False, False, True), (1, True, False, True), (4, False, False, True), (1, False, True, True),
-    (1, True, True, True), (4, False, True, True)])
+    (1, True, True, True), (4, False, True, True), (3, True, True, True)])
 def test_post_finish_gpu(M, first, row, lean):
   """The one-launch form natively (128 CTAs meeting at the grid barrier; row: mhc_row_boundary's 32) against the
   reference, and bit for bit against its two halves as two launches (the same arithmetic without the barrier: a
@@ -184,25 +185,25 @@ def test_row_boundary_interpret(M, D, first):
   _check_post_finish(M, D, first, seed=D + M, interpret=True, row=True)
 
 
-def _x16_pair(D, first, seed, M=1, **kw):
-  """The one-launch boundary (M = 1: mhc_row_boundary, else mhc_post_finish) with x16 and without on the same
-  inputs (GPU interpret mode on the CPU: its two halves)."""
+def _x16_pair(D, first, seed, M=1, row=False, **kw):
+  """The one-launch boundary (M = 1 or ``row``: mhc_row_boundary, else mhc_post_finish) with x16 and without on the
+  same inputs (GPU interpret mode on the CPU: its two halves)."""
   X, y, mix, fn, coef, w = _inputs(M, D, seed)
   X = X.at[0, :8].set(jnp.asarray([7e4, -9e4, 3e-6, -2e-7, 1e5, 0.5, -0.25, 6e4], jnp.bfloat16))  # saturating / tiny
-  kern = K.mhc_row_boundary if M == 1 else K.mhc_post_finish
+  kern = K.mhc_row_boundary if M == 1 or row else K.mhc_post_finish
   run = lambda x16: jax.jit(lambda *a: kern(*a, first=first, approx_math=True, x16=x16, **kw,  # noqa: E731
                                             **GRID_CONSTS))(X, y, mix, fn, coef, w)
   return run(False), run(True)
 
 
-@pytest.mark.parametrize("first,M", [(False, 1), (True, 1), (False, 3)])
-def test_boundary_x16_interpret(first, M):
+@pytest.mark.parametrize("first,M,row", [(False, 1, True), (True, 1, True), (False, 3, False), (True, 3, True)])
+def test_boundary_x16_interpret(first, M, row):
   """x16 (policy knob dq_f16): the boundary's x_in also in f16 — exactly linear._act(x_in, f16) (the conversion
-  the dq kernels would do), and every other output bit for bit the boundary's without it; the row form (M = 1) and
-  the grid form (mhc_post_finish, M rows)."""
+  the dq kernels would do), and every other output bit for bit the boundary's without it; the row form (one row,
+  and 3 rows: policy knob mhc_rows) and the grid form (mhc_post_finish, 3 rows)."""
   from pallas_kernels import linear as L  # noqa: PLC0415
   with maybe_interpret(True):
-    off, on = _x16_pair(256, first, seed=5, M=M)
+    off, on = _x16_pair(256, first, seed=5, M=M, row=row)
   x_in, x_in16 = on[1]
   assert x_in16.dtype == jnp.float16 and np.abs(np.asarray(x_in, np.float32)).max() > 0
   for a, b in ((on[0], off[0]), (x_in, off[1]), (on[2], off[2])):

@@ -302,7 +302,9 @@ def test_kernel_tiny_step_compiles_for_blackwell(tmp_path):
   a warning; the kernels without wgmma (the one-row mHC boundary, the Sinkhorn, the KDA recurrence, the router's
   and the indexer's selection) compile for it and run in the step. Before session 57 this compile failed."""
   from glm5_jax.layers import WGMMA_KNOBS  # noqa: PLC0415
-  row, listing, err = _census(tmp_path, "--target", "benchmarks/targets/b200.txtpb")
+  import os  # noqa: PLC0415
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  row, listing, err = _census(tmp_path, "--target", os.path.join(root, "benchmarks", "targets", "b200.txtpb"))
   assert row["target"] == "b200.txtpb" and "latency_specialized on sm_100" in err
   for knob in WGMMA_KNOBS:
     assert row["kernel_sites"].get(knob, 0) == 0, (knob, row["kernel_sites"])
@@ -314,7 +316,8 @@ def test_kernel_tiny_step_compiles_for_blackwell(tmp_path):
 
 def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
   """On a GPU without wgmma (the platform patched to sm_100): a policy that asks for a wgmma kernel is refused
-  before anything is traced, naming it and why (and on a GPU without Mosaic GPU, sm_80, the backend itself); the defaults trace with those kernels declined at every site
+  before anything is traced, naming it and why (and on a GPU without Mosaic GPU, sm_80, the backend
+  itself); the defaults trace with those kernels declined at every site
   (the reason in kernel_sites) and the mHC boundary of several token rows (q = 4: its logits are a wgmma) too,
   while the KDA kernel runs — and with policy knob mhc_rows the boundaries of 4 rows run in the row form."""
   from glm5_jax.layers import WGMMA_KNOBS  # noqa: PLC0415
@@ -326,7 +329,7 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
       Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()), backend="latency_specialized")
     Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()), backend="auto")
   cfg = DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("sparse_mla", True),))
-  with pytest.raises(ValueError, match=r"\['sparse_mla'\], which needs Hopper's wgmma \(sm_90a\), which sm_100"):
+  with pytest.raises(ValueError, match=r"\['sparse_mla'\]: each needs Hopper's wgmma \(sm_90a\), which sm_100"):
     Decoder(model, cfg, backend="latency_specialized")
   with pytest.warns(UserWarning, match=r"latency_specialized on sm_100: kernel\(s\) \['bf16_linear', 'fp8_linear'"):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()),
