@@ -312,8 +312,8 @@ KNOBS = {
         "and row per thread, the rows as loops (unrolled, Mosaic's layout inference took 35 s to lower 4 rows; "
         "looped 4.1 s). The one form of the several-row boundary without wgmma, so on Blackwell the only kernel "
         "form there at q > 1 (the one-row kernel unchanged: its Mosaic module the same but for source locations). "
-        "Interpret-mode equal to its "
-        "reference (session 57); off until its GPU tests and an A/B at q = 4 on the H200"),
+        "Interpret-mode equal to its reference (session 57); off until its GPU tests and an A/B at q = 4 on the "
+        "H200"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
@@ -590,9 +590,9 @@ def radix_topk_plan(rows: int, pools: int) -> tuple[dict, bool]:
 # the kernel-tiny step compiled for a B200 on a CPU, benchmarks/step_census.py --target
 # benchmarks/targets/b200.txtpb, session 57). No tcgen05 form of these kernels exists yet: on such a GPU the step
 # declines them, with WGMMA_REASON, and runs the XLA path at their sites. The rest compile there (the KDA
-# recurrence, the one-row mHC boundary and the Sinkhorn, the router kernels, the MLA merge); the mHC boundary of
-# several token rows (mhc_post_pre / mhc_post_finish: the logits as a wgmma) is declined through knob mhc
-# (model.fused_mhc).
+# recurrence, the mHC boundary's row form — one token row, up to 4 with mhc_rows — and the Sinkhorn, the router
+# kernels, the indexer's threshold, the MLA merge); the other mHC forms (mhc_post_pre / mhc_post_finish: the
+# logits as a wgmma) are declined through knob mhc (model.fused_mhc).
 WGMMA_KNOBS = {
     "fp8_linear": "fp8_linear / fp8_dq_linear",
     "fp8_moe": "the MoE's gate/up and down kernels",
@@ -1028,7 +1028,7 @@ class HyperConnection(nnx.Module):
     grid_fits = split and M <= km.PARTS_MAX_ROWS and D // cols <= km.GRID_MAX_CTAS
     if kernel_enabled("mhc_grid_barrier", fits=grid_fits,
                       why=f"needs mhc_finish and mhc_sinkhorn_split on, up to {km.PARTS_MAX_ROWS} token rows (here "
-                      f"{M}) and a hidden size up to {km.GRID_MAX_CTAS * km.GRID_COLS} (here {D})"):
+                      f"{M}) and a hidden size up to {km.GRID_MAX_CTAS * cols} (here {D})"):
       # the boundary in ONE launch (a grid barrier between the post + pre logits and the RMSNorm'd sublayer
       # input); the Sinkhorn of comb for the next boundary from its raw partials, off the critical path
       kernel_enabled("mhc_finish"), kernel_enabled("mhc_sinkhorn_split")
