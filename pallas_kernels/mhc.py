@@ -415,6 +415,16 @@ def _sinkhorn_rows(mc, iters: int, eps: float):
   return list(lax.fori_loop(0, iters - 1, body, tuple(v for row in c for v in row)))
 
 
+def _each_row(M: int, loop: bool, f):
+  """f(m) for the token rows m < M: as a rolled loop (``loop``: one copy of the code — unrolled, Mosaic's layout
+  inference grew faster than M, 3.7 / 10.4 / 35 s to lower the row boundary at 1 / 2 / 4 rows), else unrolled."""
+  if loop:
+    lax.fori_loop(0, M, lambda m, c: (f(m), c)[1], None)
+  else:
+    for m in range(M):
+      f(m)
+
+
 def _sum_partials_t(rows_of, Gp: int, M: int, place, t_s, ts_s, explicit: bool = False, loop: bool = False):
   """The raw partials summed over the column chunks for M token rows — ``rows_of(m, c)``: the [64, C] ref of
   chunks 64c.. of token row m (SMEM or GMEM; Gp a multiple of 64, chunks past G zero; C = 40, or the 16 columns
@@ -441,18 +451,10 @@ def _sum_partials_t(rows_of, Gp: int, M: int, place, t_s, ts_s, explicit: bool =
     for k, j in place:
       t_s[k, m] = ts_s[m, j]
 
-  if loop:  # (one copy of the code for the M rows: unrolled, Mosaic's layout inference grows faster than M)
-    lax.fori_loop(0, M, lambda m, c: (row_sum(m), c)[1], None)
-  else:
-    for m in range(M):
-      row_sum(m)
+  _each_row(M, loop, row_sum)
   if explicit:
     wg_barrier()
-  if loop:
-    lax.fori_loop(0, M, lambda m, c: (row_place(m), c)[1], None)
-  else:
-    for m in range(M):
-      row_place(m)
+  _each_row(M, loop, row_place)
 
 
 # The normalisation's 14 sums from the 16 columns MIX.. of the partials (Gram entries, then the pre logits' copy at
@@ -1033,12 +1035,8 @@ def _row_normalised(part_g, c_g, xns, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm
       # the CPU, GPU interpret mode, keeps wv * xb in f32 until the store rounds it)
       o16_s[m] = plgpu.layout_cast(saturate_f16(_row_load(o_s.at[m])), _row_layout())
 
-  if callable(xns):  # (several rows: a loop, X' of row m read back from SMEM — unrolled, Mosaic's layout inference
-    # took 3.7 / 10.4 / 35 s to lower 1 / 2 / 4 rows)
-    lax.fori_loop(0, M, lambda m, c: (row(m, xns(m)), c)[1], None)
-  else:
-    for m, xn in enumerate(xns):
-      row(m, xn)
+  # (several rows: a loop, X' of row m read back from SMEM)
+  _each_row(M, callable(xns), lambda m: row(m, xns(m) if callable(xns) else xns[m]))
   plgpu.commit_smem()
 
 
@@ -1118,11 +1116,10 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
     return xn
 
   with jax.named_scope("mix"):
-    if loop:
-      if not first:
-        lax.fori_loop(0, M, lambda m, c: (mixed(m), c)[1], None)
-    else:
+    if not loop:
       xns = [mixed(0)]
+    elif not first:  # (first: X' is X, read back from x_s)
+      _each_row(M, True, mixed)
   if not first:
     plgpu.commit_smem()
     for j in range(N):
@@ -1137,10 +1134,7 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
     plgpu.copy_smem_to_gmem(v_s.at[pl.ds(0, PART)], part_g.at[g, m])
 
   with jax.named_scope("partials"):
-    if loop:
-      lax.fori_loop(0, M, lambda m, c: (partials(m, xns(m)), c)[1], None)
-    else:
-      partials(0, xns[0])
+    _each_row(M, loop, lambda m: partials(m, xns(m) if loop else xns[m]))
     plgpu.wait_smem_to_gmem(0)
   return xns
 
