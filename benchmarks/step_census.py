@@ -54,7 +54,22 @@ def compile_only_devices(target: str = TARGET, plugin_dir: str | None = PLUGIN_D
   from jax.experimental import topologies  # noqa: PLC0415
   with open(target) as f:
     text = f.read()
+  _mosaic_arch(text)
   return topologies.get_topology_desc("", platform="cuda", topology="1x1x1", target_config=text).devices
+
+
+def _mosaic_arch(target_text: str):
+  """Mosaic GPU's layout inference for the target's compute capability. It asks the default device (here the
+  CPU, which has none) and then assumes sm_90 — which cannot place a Blackwell kernel's tensor-memory layouts
+  (the tcgen05 forms: "Failed to infer a possible set of layouts"). The kernels' code is generated for the
+  target all the same; only this guess is replaced, for this process."""
+  import re  # noqa: PLC0415
+  m = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s*minor:\s*(\d+)", target_text)
+  if m is None:
+    raise SystemExit("step_census: the target names no cuda_compute_capability { major: .. minor: .. }")
+  arch = (int(m.group(1)), int(m.group(2)))
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+  mgpu_utils._infer_arch = lambda: arch
 
 
 def main(argv=None):

@@ -588,8 +588,9 @@ def radix_topk_plan(rows: int, pools: int) -> tuple[dict, bool]:
 # (sm_100, sm_103) take tcgen05 MMAs with their accumulators in tensor memory instead, and ptxas refuses every
 # wgmma there ("Instruction 'wgmma.mma_async with floating point types' not supported on .target 'sm_100a'":
 # the kernel-tiny step compiled for a B200 on a CPU, benchmarks/step_census.py --target
-# benchmarks/targets/b200.txtpb, session 57). No tcgen05 form of these kernels exists yet: on such a GPU the step
-# declines them, with WGMMA_REASON, and runs the XLA path at their sites. The rest compile there (the KDA
+# benchmarks/targets/b200.txtpb, session 57). Those with a tcgen05 form (TCGEN05_KNOBS, below: the GEMVs and the
+# MoE, session 58) run in it there; the step declines the others, with WGMMA_REASON, and runs the XLA path at their
+# sites. The rest compile there (the KDA
 # recurrence, the mHC boundary's row form — one token row, up to 4 with mhc_rows — and the Sinkhorn, the router
 # kernels, the indexer's threshold, the MLA merge); the other mHC forms (mhc_post_pre / mhc_post_finish: the
 # logits as a wgmma) are declined through knob mhc (model.fused_mhc).
@@ -605,12 +606,38 @@ WGMMA_KNOBS = {
 }
 WGMMA_REASON = ("needs Hopper's wgmma (sm_90a), which {arch} does not have (Blackwell's tcgen05 MMA: no form of "
                 "this kernel for it yet)")
+# The WGMMA_KNOBS kernels with a tcgen05 form (pallas_kernels.linear, mma="tcgen05": the accumulator in tensor
+# memory, A through SMEM, 128-row tiles, token rows padded to 16): on Blackwell they run in it instead of being
+# declined. Built and checked on a CPU (GPU interpret mode; compiled for sm_100a by step_census.py); not yet run
+# on a Blackwell GPU. fp8_linear's form is the dq kernel's (fp8_dq on: the hi/lo fp8 wgmma has none).
+TCGEN05_KNOBS = {
+    "fp8_linear": "fp8_dq_linear (with fp8_dq on)",
+    "fp8_moe": "the MoE's gate/up and down kernels (with fp8_dq on)",
+    "bf16_linear": "bf16_linear",
+}
 
 
 def has_wgmma(arch: str | None) -> bool:
   """Whether kernels compiled for ``arch`` (runtime.detect_platform's names; None or "cpu": the CUDA lowering's
   default target, sm_90, and GPU interpret mode) may issue wgmma: Hopper only."""
   return arch in (None, "cpu") or arch == "sm_90"
+
+
+def has_tcgen05(arch: str | None) -> bool:
+  """Whether kernels compiled for ``arch`` may issue tcgen05 MMAs: data-centre Blackwell (sm_100, sm_103)."""
+  return arch in ("sm_100", "sm_103")
+
+
+def gemv_mma(n_out: int, *, fp8: bool = False) -> tuple[dict, bool, str]:
+  """For a weight-streaming kernel with ``n_out`` weight rows in this trace: (its ``mma`` keyword — {} for
+  Hopper's wgmma, the default —, whether the weight fits that form, what the form needs). The tcgen05 form
+  (Blackwell) takes 128-row tiles: FP8 N % 128 == 0 (one scale row a tile), BF16 N >= 128."""
+  arch = kernel_arch()
+  if not has_tcgen05(arch):
+    return {}, True, ""
+  ok = n_out % 128 == 0 if fp8 else n_out >= 128
+  need = "N % 128 == 0" if fp8 else "N >= 128"
+  return {"mma": "tcgen05"}, ok, f"the tcgen05 form (on {arch}) takes 128-row tiles: {need} (here N = {n_out})"
 
 
 @contextlib.contextmanager
@@ -641,8 +668,14 @@ def kernel_arch() -> str | None:
   return None if got is None else got[2]
 
 
+def declined_on(arch: str | None, name: str) -> bool:
+  """Whether knob ``name``'s kernel cannot run on ``arch``: it issues wgmma (WGMMA_KNOBS), the GPU has none, and
+  the kernel has no tcgen05 form the GPU runs (TCGEN05_KNOBS)."""
+  return name in WGMMA_KNOBS and not has_wgmma(arch) and not (name in TCGEN05_KNOBS and has_tcgen05(arch))
+
+
 def _arch_declines(name: str) -> bool:
-  return name in WGMMA_KNOBS and not has_wgmma(kernel_arch())
+  return declined_on(kernel_arch(), name)
 
 
 _REPORT: contextvars.ContextVar = contextvars.ContextVar("glm5_jax_kernel_report", default=None)
@@ -805,6 +838,11 @@ class Linear(nnx.Module):
     n_out, n_in = self.weight.shape
     tiles = n_in % 128 == 0 and n_out % 64 == 0
     why = f"weight {n_out}x{n_in} (the kernels need in % 128 == 0 and out % 64 == 0)"
+    mma, mma_ok, mma_why = gemv_mma(n_out, fp8=True)  # (Blackwell: the dq kernel's tcgen05 form, or none)
+    if tiles and not mma_ok:
+      tiles, why = False, mma_why
+    elif tiles and mma and not kernel_switch("fp8_dq"):
+      tiles, why = False, f"fp8_dq off: the hi/lo kernel issues wgmma, which {kernel_arch()} does not have"
     if self.scale is not None and kernel_enabled("fp8_linear", rows, fits=tiles, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415 (kernels only where the backend asks for them)
       if kernel_enabled("fp8_dq", rows):  # linear_fused_sum: the K splits summed in the kernel (split-K counters)
@@ -815,7 +853,7 @@ class Linear(nnx.Module):
         # lean_barriers: built without Mosaic's automatic barriers (the ring's refill barrier placed by hand)
         lean = {"lean": True} if kernel_enabled("lean_barriers") else {}
         f16 = _dq_dtype(rows)
-        fn = functools.partial(kl.fp8_dq_linear, **fused, **f16, **first, **lean)
+        fn = functools.partial(kl.fp8_dq_linear, **fused, **f16, **first, **lean, **mma)
         x = x16 if f16 and x16 is not None else x
       else:
         fn = kl.fp8_linear
@@ -846,12 +884,15 @@ def _dense(x, w, dtype, *, prefix: bool = False):
   tiles = n_in % 128 == 0 and n_out % 8 == 0 and n_out >= 64
   why = (f"weight {n_out}x{n_in} (the kernel needs in % 128 == 0, out % 8 == 0 and out >= 64)" if not tiles
          else f"{w.dtype} weights (the kernel streams bf16)")
+  mma, mma_ok, mma_why = gemv_mma(n_out)
+  if tiles and not mma_ok:
+    tiles, why = False, mma_why
   if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16, why=why, prefer=rows > 1,
                     prefer_why=ONE_ROW_GEMV):
     from pallas_kernels import linear as kl  # noqa: PLC0415
     fused = {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else {}
-    return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix, **fused).reshape(
-        *x.shape[:-1], n_out)
+    return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix, **fused,
+                          **mma).reshape(*x.shape[:-1], n_out)
   return mm(x[..., :n_in], w, dtype)
 
 
@@ -1277,11 +1318,14 @@ class Router(nnx.Module):
     w = self.weight[...]
     (E, D), rows = w.shape, x.size // x.shape[-1]
     ok = x.dtype == w.dtype == jnp.bfloat16 and D % 128 == 0 and E % 8 == 0 and E >= 64
-    if kernel_enabled("bf16_linear", rows, fits=ok, prefer=rows > 1, prefer_why=ONE_ROW_GEMV,
-                      why=f"bf16 router input and weight with D % 128 == 0, E % 8 == 0, E >= 64 ({x.dtype}, "
-                      f"{w.dtype}, {D}, {E}; other dtypes would round x or W)"):
+    why = (f"bf16 router input and weight with D % 128 == 0, E % 8 == 0, E >= 64 ({x.dtype}, {w.dtype}, {D}, {E}; "
+           "other dtypes would round x or W)")
+    mma, mma_ok, mma_why = gemv_mma(E)
+    if ok and not mma_ok:
+      ok, why = False, mma_why
+    if kernel_enabled("bf16_linear", rows, fits=ok, prefer=rows > 1, prefer_why=ONE_ROW_GEMV, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415
-      return kl.bf16_linear(x.reshape(rows, D), w).reshape(*x.shape[:-1], E)
+      return kl.bf16_linear(x.reshape(rows, D), w, **mma).reshape(*x.shape[:-1], E)
     return jnp.einsum("...d,ed->...e", x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)
 
 
@@ -1350,8 +1394,12 @@ class MoE(nnx.Module):
     xf = x.reshape(-1, x.shape[-1])
     ex = self.experts
     rows, k, E = xf.shape[0], self.gate.top_k, ex.gate_proj.shape[0]
-    moe_kernel = kernel_enabled("fp8_moe", rows, fits=ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0,
-                                why="FP8 expert weights with I % 128 == 0")
+    mma = gemv_mma(ex.gate_proj.shape[1], fp8=True)[0]  # (Blackwell: the tcgen05 form, with fp8_dq only)
+    fits_moe = ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0
+    why_moe = "FP8 expert weights with I % 128 == 0"
+    if fits_moe and mma and not kernel_switch("fp8_dq"):
+      fits_moe, why_moe = False, f"fp8_dq off: the hi/lo kernels issue wgmma, which {kernel_arch()} does not have"
+    moe_kernel = kernel_enabled("fp8_moe", rows, fits=fits_moe, why=why_moe)
     tables, in_gate_up = None, False
     if moe_kernel:
       from pallas_kernels import linear as kl  # noqa: PLC0415
@@ -1385,7 +1433,7 @@ class MoE(nnx.Module):
             "router_route", fits=fits and rows <= kr.ROUTE_MAX_ROWS,
             why=f"{rows} token rows (the kernel takes 2..{kr.ROUTE_MAX_ROWS}), or {why}"):
           kernel_enabled("router_kernel", rows)  # (its site: the fused kernel runs its selection)
-          n_pad, mp = kl.route_shape(rows, k, E, self.shared_experts is not None)
+          n_pad, mp = kl.route_shape(rows, k, E, self.shared_experts is not None, **mma)
           ids, w, tables = self.gate.with_tables(xf, n_pad=n_pad, mp=mp, shared=self.shared_experts is not None)
       if in_gate_up:
         kernel_enabled("router_kernel", rows)  # (its site: the gate/up kernel runs its selection)
@@ -1401,7 +1449,7 @@ class MoE(nnx.Module):
       moe = functools.partial(kl.fp8_moe, w_gate=ex.gate_proj[...], s_gate=ex.gate_scale[...], w_up=ex.up_proj[...],
                               s_up=ex.up_scale[...], w_down=ex.down_proj[...], s_down=ex.down_scale[...],
                               swiglu_limit=ex.limit, shared=sew, dq=dq, static_table=static,
-                              lean=kernel_enabled("lean_barriers"), down_prefetch=down_pf, **fused, **f16)
+                              lean=kernel_enabled("lean_barriers"), down_prefetch=down_pf, **fused, **f16, **mma)
       if in_gate_up:
         # moe_router_ranks: each CTA selects only up to its slot's rank
         ranks = kernel_enabled("moe_router_ranks", rows)

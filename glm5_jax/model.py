@@ -18,7 +18,7 @@ from jax import lax
 from glm5_jax.attention import DSA, KDA, StepCtx
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, MLP, ONE_ROW_GEMV, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm,
-                             counters_scope, has_wgmma, kernel_arch, kernel_enabled, kernel_switch,
+                             counters_scope, gemv_mma, has_wgmma, kernel_arch, kernel_enabled, kernel_switch,
                              l2_prefetch_side, param, side_tokens)
 
 
@@ -181,11 +181,14 @@ class Glm5Model(nnx.Module):
   def local_logits(self, h):
     """h [..., D] -> this shard's logits [..., V/tp] in f32."""
     rows, (Vl, D) = h.size // h.shape[-1], self.lm_head.shape
-    if kernel_enabled("bf16_linear", rows, fits=self.lm_head.dtype == jnp.bfloat16 and D % 128 == 0 and Vl % 64 == 0,
-                      why=f"bf16 lm_head with D % 128 == 0 and V/tp % 64 == 0 ({self.lm_head.dtype}, {D}, {Vl})",
-                      prefer=rows > 1, prefer_why=ONE_ROW_GEMV):
+    ok = self.lm_head.dtype == jnp.bfloat16 and D % 128 == 0 and Vl % 64 == 0
+    why = f"bf16 lm_head with D % 128 == 0 and V/tp % 64 == 0 ({self.lm_head.dtype}, {D}, {Vl})"
+    mma, mma_ok, mma_why = gemv_mma(Vl)
+    if ok and not mma_ok:
+      ok, why = False, mma_why
+    if kernel_enabled("bf16_linear", rows, fits=ok, why=why, prefer=rows > 1, prefer_why=ONE_ROW_GEMV):
       from pallas_kernels import linear as kl  # noqa: PLC0415
-      return kl.bf16_linear(h.reshape(rows, D), self.lm_head[...]).reshape(*h.shape[:-1], Vl)
+      return kl.bf16_linear(h.reshape(rows, D), self.lm_head[...], **mma).reshape(*h.shape[:-1], Vl)
     return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.lm_head[...].astype(self.dtype),
                       precision=HIGHEST).astype(jnp.float32)
 

@@ -431,8 +431,9 @@ def unsupported(deployment: DeploymentConfig) -> list[str]:
   model = d.model
   platform = d.current_platform()
   policy = dict(d.additional()).get("policy", {})
-  # Mosaic GPU kernels run on Hopper and Blackwell (there without the wgmma kernels: layers.WGMMA_KNOBS, which the
-  # decoder declines by name); on CPU only in Pallas interpret mode (tests).
+  # Mosaic GPU kernels run on Hopper and Blackwell (there without the wgmma kernels that have no tcgen05 form:
+  # layers.WGMMA_KNOBS minus TCGEN05_KNOBS, which the decoder declines by name); on CPU only in Pallas interpret
+  # mode (tests).
   platform_ok = platform in SUPPORTED_GPUS or (platform == "cpu" and policy.get("interpret") is True)
   geometry = _geometry(model)
   tp = _tp_reason(model, d.tensor_parallel_size)

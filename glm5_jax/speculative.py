@@ -38,7 +38,7 @@ from glm5_jax import param_packing as pp
 from glm5_jax import state as st
 from glm5_jax.api import Model, _check_tokens, compiled
 from glm5_jax.attention import StepCtx
-from glm5_jax.layers import (KERNEL_DEFAULTS, REMOVED_KNOBS, WGMMA_KNOBS, WGMMA_REASON, has_wgmma, kernel_enabled,
+from glm5_jax.layers import (KERNEL_DEFAULTS, REMOVED_KNOBS, WGMMA_REASON, declined_on, has_wgmma, kernel_enabled,
                              kernel_report)
 from glm5_jax.runtime import SUPPORTED_GPUS, DecodeConfig, detect_platform
 
@@ -334,10 +334,16 @@ class Decoder:
       raise ValueError(f"backend 'latency_specialized' runs Mosaic GPU kernels, which need one of {SUPPORTED_GPUS} "
                        f"(or a CPU, in interpret mode): this mesh is {self.platform}; use backend='auto'")
     if backend == "latency_specialized" and not has_wgmma(self.platform):
-      wg = sorted(k for k in _requested_kernels(config) if k in WGMMA_KNOBS)
+      wg = sorted(k for k in _requested_kernels(config) if declined_on(self.platform, k))
       if wg:
         raise ValueError(f"the policy turns on kernel(s) {wg}: each {WGMMA_REASON.format(arch=self.platform)}")
-      off = sorted(k for k, on in {**KERNEL_DEFAULTS, **config.policy_dict()}.items() if on and k in WGMMA_KNOBS)
+      pol = {**KERNEL_DEFAULTS, **config.policy_dict()}
+      hilo = [k for k in ("fp8_linear", "fp8_moe") if pol.get(k)]
+      if hilo and not pol.get("fp8_dq"):
+        raise ValueError(f"the policy turns fp8_dq off with {hilo} on: on {self.platform} the FP8 kernels run only "
+                         "in the dq kernels' tcgen05 form (the hi/lo kernels issue wgmma)")
+      off = sorted(k for k, on in {**KERNEL_DEFAULTS, **config.policy_dict()}.items()
+                   if on and declined_on(self.platform, k))
       if off:  # (defaults, not requests: declined at every site, said here, when a decoder is built, and in
         # kernel_sites())
         import warnings  # noqa: PLC0415

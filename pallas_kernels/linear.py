@@ -32,6 +32,16 @@ Design (why it looks like this):
   accumulator and added to the running sum times ``scale_inv[row_block, k_block]`` (exact, and it also bounds
   the precision loss of the tensor core's fp8 accumulation to one 128-K block, as DeepSeek-V3 does).
 * All three kernels run in GPU interpret mode on CPU (A and B of every wgmma are in SMEM), and cross-lower.
+* Blackwell (sm_100: no wgmma) — ``mma="tcgen05"`` of :func:`fp8_dq_linear` and :func:`bf16_linear`: the same
+  kernels with each tile product as a ``tcgen05_mma`` issued by one thread into a tensor-memory accumulator
+  [128, mp] (``_mma_tile``'s tcgen05 form): the dequantised weight tile through SMEM as A (a tcgen05 A operand
+  lives in SMEM or TMEM, never in registers), x's token rows as the transposed B as on Hopper, rows padded to 16
+  (tcgen05's smallest N with a TMA swizzle: ``MMA_ROWS``), 128-row tiles (an M = 64 MMA splits N over two lane
+  groups: a 16-row B would need a 16-byte swizzle, which does not exist). FP8: one MMA per 128-K block into a
+  fresh accumulator, read back for its block scale (exact, as on Hopper); BF16: the CTA's K range accumulated in
+  TMEM, read once. The register sum is in tcgen05's layout (a row per thread) and goes through SMEM once into the
+  WGMMA layout that the epilogues (split-K sums, token rows) take. Checked in interpret mode and compiled for
+  sm_100a on a CPU (``benchmarks/step_census.py --target benchmarks/targets/b200.txtpb``); not yet on a GPU.
 
 Measured on one H200 (benchmarks/bench_linear.py, CUPTI kernel time, cold weights), M=1: fp8 4096x4096 6.2 us
 (2.7 TB/s), 1536x4096 3.6 us, 512x4096 2.3 us (a ~2 us launch + first-byte floor dominates small weights);
@@ -82,9 +92,22 @@ def _round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
-def _padded_rows(m: int) -> int:
-  """Token rows padded to the wgmma N granularity (8)."""
-  return max(8, _round_up(m, 8))
+MMA_FORMS = ("wgmma", "tcgen05")  # Hopper's warpgroup MMA; Blackwell's tensor-core gen 5 MMA (TMEM accumulator)
+MMA_ROWS = {"wgmma": 8, "tcgen05": 16}  # the token-row (MMA N) granularity of each form
+MMA_BM = {"tcgen05": 128}  # the weight rows per CTA a form needs (wgmma: 64 or 128)
+
+
+def _padded_rows(m: int, mma: str = "wgmma") -> int:
+  """Token rows padded to the MMA's N granularity (wgmma 8, tcgen05 16: ``MMA_ROWS``)."""
+  g = MMA_ROWS[mma]
+  return max(g, _round_up(m, g))
+
+
+def _check_mma(mma: str, name: str) -> bool:
+  """Whether ``mma`` is the tcgen05 form; an unknown one is refused by name."""
+  if mma not in MMA_FORMS:
+    raise ValueError(f"{name}: mma={mma!r}, expected one of {MMA_FORMS}")
+  return mma == "tcgen05"
 
 
 def _tma_rows(x: jax.Array, mp: int) -> jax.Array:
@@ -118,11 +141,12 @@ def _pick_split(tiles: int, kb: int, target_ctas: int) -> int:
   return best
 
 
-def _pick_stages(steps: int, stage_bytes: int, ctas: int, max_stages: int | None, resident: int = 2) -> int:
+def _pick_stages(steps: int, stage_bytes: int, ctas: int, max_stages: int | None, resident: int = 2,
+                 reserve: int = 0) -> int:
   """As many stages as fit: one CTA per SM may use ~all SMEM; with more CTAs than SMs, up to ``resident`` per SM
-  (the MoE kernels: 3, see plan_moe) share it."""
+  (the MoE kernels: 3, see plan_moe) share it. ``reserve``: SMEM bytes a CTA needs besides its ring."""
   per_sm = min(resident, -(-ctas // NUM_SMS))
-  budget = (SMEM_BYTES - 8 * 1024) if per_sm <= 1 else (SMEM_BYTES // per_sm - 4 * 1024)
+  budget = ((SMEM_BYTES - 8 * 1024) if per_sm <= 1 else (SMEM_BYTES // per_sm - 4 * 1024)) - reserve
   st = max(1, min(steps, budget // stage_bytes))
   if max_stages is not None:
     st = max(1, min(st, max_stages))
@@ -130,12 +154,19 @@ def _pick_stages(steps: int, stage_bytes: int, ctas: int, max_stages: int | None
 
 
 def plan_linear(n: int, k: int, mp: int, kind: str, *, bm: int | None = None, bk: int | None = None,
-                split: int | None = None, stages: int | None = None, target_ctas: int = 2 * NUM_SMS) -> Plan:
+                split: int | None = None, stages: int | None = None, target_ctas: int = 2 * NUM_SMS,
+                mma: str = "wgmma") -> Plan:
   """Default tiling for an [N, K] weight and ``mp`` padded token rows; ``kind`` is "fp8" (hi/lo e4m3
   activations), "fp8dq" (the weight dequantised in registers, bf16 activations) or "bf16".
 
   Any field can be overridden (the benchmark sweeps them). Constraints: N % bm == 0, K % bk == 0, bm in {64,128}.
+  ``mma`` "tcgen05": 128-row tiles, and the ring sized around the form's SMEM tiles (the dequantised A tile, the
+  accumulator's relayout tile).
   """
+  reserve = 0
+  if _check_mma(mma, "plan_linear"):
+    bm = bm or MMA_BM[mma]
+    reserve = bm * mp * 4 + (bm * BLOCK * 2 if kind == "fp8dq" else 0)
   if kind == "fp8":
     # hi+lo accumulators [bm, mp] x2 plus the running sum: keep them <= ~100 registers per thread.
     bm = bm or (128 if (mp <= 32 and n % 128 == 0) else 64)
@@ -165,7 +196,7 @@ def plan_linear(n: int, k: int, mp: int, kind: str, *, bm: int | None = None, bk
     raise ValueError(f"split={split} must divide K/bk={kb}")
   steps = kb // split
   stage_bytes = bm * bk * w_bytes + x_cols * bk * x_bytes
-  st = _pick_stages(steps, stage_bytes, tiles * split, stages)
+  st = _pick_stages(steps, stage_bytes, tiles * split, stages, reserve=reserve)
   return Plan(bm=bm, bk=bk, split=split, stages=st)
 
 
@@ -223,11 +254,20 @@ def _a_smem(a_from: str | None) -> bool:
   return a_from == "smem"
 
 
-def _mma_tile(w_s, x_s, mp: int, dq: bool, a_s=None, dt=None):
+def _mma_tile(w_s, x_s, mp: int, dq: bool, a_s=None, dt=None, tc=None):
   """One 128-K block with a fresh accumulator -> W @ x.T [bm, mp] f32: x as hi/lo e4m3 rows [2mp, 128] (two fp8
   wgmmas, :func:`_mma_hi_lo`), or (dq) the weight dequantised to x's dtype (bf16, or f16: ``dt``, by default the
-  x tile's) times x rows [mp, 128]."""
+  x tile's) times x rows [mp, 128]. ``tc`` = (TMEM accumulator [bm, mp] f32, its tensor-core barrier): the
+  tcgen05 form (dq, A through the SMEM tile a_s) -> the block in tcgen05's register layout (a row per thread)."""
   bm = w_s.shape[0]
+  if tc is not None:
+    acc_t, bar_mma = tc
+    a = _dequant_tile(w_s, a_s, dt or x_s.dtype)
+    plgpu.tcgen05_mma(acc_t, a, x_s.T, bar_mma, accumulate=False)  # (one thread issues it; arrives when done)
+    plgpu.barrier_wait(bar_mma)
+    blk = plgpu.async_load_tmem(acc_t)
+    plgpu.wait_load_tmem()  # (read before the next block's MMA overwrites the accumulator)
+    return blk
   if not dq:
     return pl.run_scoped(functools.partial(_mma_hi_lo, w_s, x_s, mp),
                          plgpu.ACC((bm, mp), jnp.float32), plgpu.ACC((bm, mp), jnp.float32))
@@ -238,6 +278,21 @@ def _mma_tile(w_s, x_s, mp: int, dq: bool, a_s=None, dt=None):
     return acc[...]
 
   return pl.run_scoped(mma, plgpu.ACC((bm, mp), jnp.float32))
+
+
+def _to_wgmma(acc, t_s):
+  """A tcgen05-layout register array [bm, mp] f32 -> the same values in the WGMMA layout the epilogues take,
+  through the SMEM tile t_s (no register relayout between the two exists)."""
+  t_s[...] = acc
+  plgpu.commit_smem()
+  return plgpu.load(t_s, layout=plgpu.Layout.WGMMA, optimized=False)
+
+
+def _tc_scratch(bm: int, mp: int, barriers: int = 1):
+  """The tcgen05 form's scratch: the TMEM accumulator, its tensor-core barrier(s), the SMEM relayout tile."""
+  return [plgpu.TMEM((bm, mp), jnp.float32),
+          plgpu.Barrier(num_arrivals=1, num_barriers=barriers, orders_tensor_core=True),
+          plgpu.SMEM((bm, mp), jnp.float32)]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -291,7 +346,8 @@ def quantize_activations(x: jax.Array, rows: int | None = None):
 # FP8 block-scaled linear
 # ------------------------------------------------------------------------------------------------------------
 def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: int, steps: int, dq: bool = False,
-                       fused_sum: bool = False, rows: bool = False, scales_first: bool = False, lean: bool = False):
+                       fused_sum: bool = False, rows: bool = False, scales_first: bool = False, lean: bool = False,
+                       tc05: bool = False):
   """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks); writes o[split, rows, :mp].
   x: hi|lo e4m3 rows [2mp, K] (two fp8 wgmmas per block), or (dq) bf16 rows [mp, K] times each weight tile
   dequantised to bf16 (``_mma_tile``; ``a_s``: the SMEM tile it goes through in interpret mode).
@@ -300,8 +356,13 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
   the grid's weight stream, whose requests a later scalar load queues behind: ~4 µs in s51a's MoE profile),
   instead of the first ``stages`` just after them and each later one ``stages`` steps ahead. ``lean`` (built
   without Mosaic's automatic barriers: lean_barriers, with A from registers): the one barrier the ring needs — a
-  slot is refilled only after every warp is done reading it (its dequantisation's loads, the wgmma's operands)."""
+  slot is refilled only after every warp is done reading it (its dequantisation's loads, the wgmma's operands).
+  ``tc05``: the tcgen05 form (``_mma_tile``; scratch a_s, then ``_tc_scratch``'s three)."""
   ctr_g, o_ref, y, (w_s, x_s, bar, *a_s) = _out_refs(refs, fused_sum, plan.split, rows)
+  tc, t_s = None, None
+  if tc05:
+    a_s, acc_t, bar_mma, t_s = a_s
+    a_s, tc = [a_s], (acc_t, bar_mma)
   bm, stages = plan.bm, plan.stages
   t = lax.axis_index("t")
   tile, sk = t % tiles, t // tiles
@@ -328,12 +389,14 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
     if i + stages < steps and not scales_first:
       scales.append(s_ref[nb, kb0 + i + stages])
     plgpu.barrier_wait(bar.at[slot])
-    blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s[0] if a_s else None)
-    # Reading the accumulators waited for the wgmma, so the slot is free again: refill it.
+    blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s[0] if a_s else None, tc=tc)
+    # Reading the accumulators waited for the wgmma (tcgen05: its barrier), so the slot is free again: refill it.
     if i + stages < steps:
       _refill(issue, i + stages, lean)
     # the 128x128 block scale after the MMA: exact, and it bounds the tensor core's fp8 accumulation to a block
     acc = blk * scales[i] if acc is None else acc + blk * scales[i]
+  if tc05:
+    acc = _to_wgmma(acc, t_s)
   _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split, rows=y)
 
 
@@ -471,7 +534,7 @@ def _rows_result(out, split: int):
 
 
 def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: bool, name: str, counters=None,
-                m: int = 0, rows_dtype=None, scales_first: bool = False, lean: bool = False):
+                m: int = 0, rows_dtype=None, scales_first: bool = False, lean: bool = False, tc05: bool = False):
   """The FP8 linear kernel over x_rows ([2mp, K] e4m3 hi|lo, or [m <= mp, K] bf16 when dq) -> [split, N, mp] f32
   (with ``counters``, split-K counters: o[split - 1] holds the sum); with ``rows_dtype``, the m token rows'
   sum y [m, N] instead (``_out_types``: one split, or counters)."""
@@ -485,7 +548,7 @@ def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: 
   lean = lean and not a_smem  # (the SMEM-A form — interpret mode's — keeps the automatic barriers: a_s is rewritten)
   return mgpu_kernel(
       functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps, dq=dq, fused_sum=fused,
-                        rows=rows, scales_first=scales_first, lean=lean),
+                        rows=rows, scales_first=scales_first, lean=lean, tc05=tc05),
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean),
       out_type=_out_types(plan.split, n, mp, m, rows_dtype),
       grid=(tiles * plan.split,),
@@ -496,6 +559,7 @@ def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: 
           plgpu.SMEM((plan.stages, x_rows_n, BLOCK), x_dtype, transforms=_tr(x_dtype, BLOCK)),
           plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
           *a_scratch,
+          *(_tc_scratch(plan.bm, mp) if tc05 else []),
           *([plgpu.SMEM((m, plan.bm), rows_dtype)] if rows else []),
       ],
   )(x_rows, w, scale_inv.astype(jnp.float32), *((counters,) if fused else ()))
@@ -546,10 +610,11 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jn
   return fp8_linear_q(xq, s, m, w, scale_inv, out_dtype=out_dtype, plan=plan)
 
 
-@kernel_entry("out_dtype", "plan", "a_from", "dq_dtype", "scales_first", "lean")
+@kernel_entry("out_dtype", "plan", "a_from", "dq_dtype", "scales_first", "lean", "mma")
 def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jnp.float32,
                   plan: Plan | None = None, a_from: str | None = None, counters=None,
-                  dq_dtype: str = "bfloat16", scales_first: bool = False, lean: bool = False) -> jax.Array:
+                  dq_dtype: str = "bfloat16", scales_first: bool = False, lean: bool = False,
+                  mma: str = "wgmma") -> jax.Array:
   """y = x @ dequant(w).T like :func:`fp8_linear` (same signature and reference), with the activations kept in
   bf16: no activation quantisation (fp8_linear's amax reduction + hi/lo quantisation: two XLA kernels of ~1.1 µs
   before every call, BENCHMARKS.md session 24) and bf16 · e4m3 products that are exact (hi/lo: ~9 significant
@@ -571,29 +636,36 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
 
   ``lean`` (policy knob lean_barriers): built without Mosaic GPU's automatic warpgroup barriers (one before each
   TMA load of the ring, two around each vector store of the epilogue), with the ring's refill barrier placed by
-  hand; the same sums, bit for bit. The SMEM-A form (a_from "smem") ignores it."""
+  hand; the same sums, bit for bit. The SMEM-A form (a_from "smem") ignores it.
+
+  ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell: the module docstring; A through SMEM, token rows padded to 16,
+  128-row tiles — N % 128 == 0 — and the automatic barriers: ``a_from`` and ``lean`` do not apply)."""
   m = x.shape[0]
   dt = _dq_dtype(dq_dtype, "fp8_dq_linear")
+  tc05 = _check_mma(mma, "fp8_dq_linear")
   if m > 64:
     return jnp.concatenate([fp8_dq_linear(x[i:i + 64], w, scale_inv, out_dtype=out_dtype, plan=plan,
                                           a_from=a_from, counters=counters, dq_dtype=dq_dtype,
-                                          scales_first=scales_first, lean=lean)
+                                          scales_first=scales_first, lean=lean, mma=mma)
                             for i in range(0, m, 64)], axis=0)
   n, k = w.shape
   if x.shape[1] != k or w.dtype != F8:
     raise ValueError(f"bad shapes/dtypes: x {x.shape} w {w.shape} {w.dtype}")
-  if k % BLOCK or n % 64:
-    raise NotImplementedError(f"fp8_dq_linear needs K % 128 == 0 and N % 64 == 0, got N={n} K={k}")
-  a_smem = _a_smem(a_from)
-  mp = _padded_rows(m)
-  plan = plan or plan_linear(n, k, mp, "fp8dq")
+  if k % BLOCK or n % MMA_BM.get(mma, 64):
+    raise NotImplementedError(f"fp8_dq_linear (mma={mma}) needs K % 128 == 0 and N % {MMA_BM.get(mma, 64)} == 0, "
+                              f"got N={n} K={k}")
+  a_smem = tc05 or _a_smem(a_from)
+  mp = _padded_rows(m, mma)
+  plan = plan or plan_linear(n, k, mp, "fp8dq", mma=mma)
+  if tc05 and plan.bm != MMA_BM[mma]:
+    raise ValueError(f"fp8_dq_linear: mma='tcgen05' needs {MMA_BM[mma]}-row tiles, plan has bm={plan.bm}")
   counters, rows = _fused_form(counters, plan.split, n // plan.bm, m, "fp8_dq_linear")
   # x as it is where it can be (_tma_rows): the kernel's TMA reads mp rows and fills the rows past m with zeros
   # (no XLA pad kernel in front of every call: 135 of them per step at q = 1, ~300 at q = 4, ~1.2 µs each on the
   # H200, session 26)
   out = _fp8_launch(_tma_rows(_act(x, dt), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
                     name="glm5_fp8_dq_linear", counters=counters, m=m, rows_dtype=out_dtype if rows else None,
-                    scales_first=scales_first, lean=lean)
+                    scales_first=scales_first, lean=lean, tc05=tc05)
   if rows:
     return _rows_result(out, plan.split)
   return _split_sum(out, m, counters is not None).astype(out_dtype)
@@ -617,13 +689,14 @@ def fp8_linear_reference(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, ou
 # BF16 linear
 # ------------------------------------------------------------------------------------------------------------
 def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int, fused_sum: bool = False,
-                        rows: bool = False):
+                        rows: bool = False, tc05: bool = False):
   """One CTA = (row tile, K split); a single accumulator over the CTA's K range; writes o[split, rows, :mp].
   When bm does not divide N the last tile starts at N - bm (overlapping its neighbour, which writes the same
   values there): no out-of-bounds TMA box, the output keeps N rows; the offset stays a multiple of 8 rows, as
   the tiled SMEM copy needs, because N is. ``fused_sum``: refs start with the split-K counters; ``rows``: the sum
-  written as token rows (``_split_out``, ``_out_refs``)."""
-  ctr_g, o_ref, y, (w_s, x_s, bar) = _out_refs(refs, fused_sum, plan.split, rows)
+  written as token rows (``_split_out``, ``_out_refs``). ``tc05``: the tcgen05 form — the CTA's K range accumulated
+  in TMEM, each MMA arriving on its slot's barrier when done (scratch: ``_tc_scratch`` with a barrier a slot)."""
+  ctr_g, o_ref, y, (w_s, x_s, bar, *tc) = _out_refs(refs, fused_sum, plan.split, rows)
   bm, bk, stages = plan.bm, plan.bk, plan.stages
   n = w_ref.shape[0]
   t = lax.axis_index("t")
@@ -654,13 +727,33 @@ def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int,
         issue(i - lag + stages)
     return acc[...]
 
-  acc = pl.run_scoped(scope, plgpu.ACC((bm, x_s.shape[1]), jnp.float32))
+  def scope_tc05(acc_t, done, t_s):
+    # the same ring; MMA i arrives on done[its slot] when it has finished (operands read, TMEM written). Every
+    # arrival is waited exactly once, in order (the barriers' phases): MMA i - lag's before its slot's refill,
+    # the last ones after the loop.
+    for i in range(steps):
+      slot = i % stages
+      plgpu.barrier_wait(bar.at[slot])
+      plgpu.tcgen05_mma(acc_t, w_s.at[slot], x_s.at[slot].T, done.at[slot], accumulate=i > 0)
+      j = i - lag
+      if j >= 0:
+        plgpu.barrier_wait(done.at[j % stages])
+        if j + stages < steps:
+          issue(j + stages)
+    for j in range(steps - lag, steps):
+      plgpu.barrier_wait(done.at[j % stages])
+    return _to_wgmma(plgpu.async_load_tmem(acc_t), t_s)
+
+  if tc05:
+    acc = scope_tc05(*tc)
+  else:
+    acc = pl.run_scoped(scope, plgpu.ACC((bm, x_s.shape[1]), jnp.float32))
   _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split, rows=y)
 
 
-@kernel_entry("out_dtype", "plan", "x_prefix")
+@kernel_entry("out_dtype", "plan", "x_prefix", "mma")
 def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan | None = None,
-                x_prefix: bool = False, counters=None) -> jax.Array:
+                x_prefix: bool = False, counters=None, mma: str = "wgmma") -> jax.Array:
   """y = x @ w.T for a BF16 weight (skinny GEMM: KDA projections, lm_head).
 
   Args:
@@ -670,7 +763,10 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   Returns: y [M, N] out_dtype (fp32 accumulation).
   Needs K % 128 == 0, N % 8 == 0 and N >= 64 (e.g. the KDA layer's f_a | g_a | b, 272 rows).
   ``counters``: the K splits summed in the kernel (and the rows written by it), as :func:`fp8_dq_linear`'s.
+  ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell: 128-row tiles — N >= 128 — token rows padded to 16; the
+  module docstring).
   """
+  tc05 = _check_mma(mma, "bf16_linear")
   m, kx = x.shape
   n, k = w.shape
   if kx != k and not (x_prefix and kx > k):
@@ -679,17 +775,21 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
     x = x[:, :k]
   if m > 64:
     return jnp.concatenate([bf16_linear(x[i:i + 64], w, out_dtype=out_dtype, plan=plan, x_prefix=x_prefix,
-                                        counters=counters) for i in range(0, m, 64)], axis=0)
-  if n % 8 or n < 64 or k % 128:
-    raise NotImplementedError(f"bf16_linear needs K % 128 == 0, N % 8 == 0 and N >= 64, got N={n} K={k}")
-  mp = _padded_rows(m)
-  plan = plan or plan_linear(n, k, mp, "bf16")
+                                        counters=counters, mma=mma) for i in range(0, m, 64)], axis=0)
+  n_min = MMA_BM.get(mma, 64)
+  if n % 8 or n < n_min or k % 128:
+    raise NotImplementedError(f"bf16_linear (mma={mma}) needs K % 128 == 0, N % 8 == 0 and N >= {n_min}, "
+                              f"got N={n} K={k}")
+  mp = _padded_rows(m, mma)
+  plan = plan or plan_linear(n, k, mp, "bf16", mma=mma)
+  if tc05 and plan.bm != MMA_BM[mma]:
+    raise ValueError(f"bf16_linear: mma='tcgen05' needs {MMA_BM[mma]}-row tiles, plan has bm={plan.bm}")
   tiles = -(-n // plan.bm)
   steps = k // plan.bk // plan.split
   xp = _tma_rows(x.astype(jnp.bfloat16), mp)  # (the kernel's TMA zero-fills the rows up to mp)
   counters, rows = _fused_form(counters, plan.split, tiles, m, "bf16_linear")
   kernel = functools.partial(_bf16_linear_kernel, plan=plan, tiles=tiles, steps=steps,
-                             fused_sum=counters is not None, rows=rows)
+                             fused_sum=counters is not None, rows=rows, tc05=tc05)
   out = mgpu_kernel(
       kernel,
       out_type=_out_types(plan.split, n, mp, m, out_dtype if rows else None),
@@ -700,6 +800,7 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
           plgpu.SMEM((plan.stages, plan.bm, plan.bk), jnp.bfloat16, transforms=_tr(jnp.bfloat16, plan.bk)),
           plgpu.SMEM((plan.stages, mp, plan.bk), jnp.bfloat16, transforms=_tr(jnp.bfloat16, plan.bk)),
           plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
+          *(_tc_scratch(plan.bm, mp, plan.stages) if tc05 else []),
           *([plgpu.SMEM((m, plan.bm), out_dtype)] if rows else []),
       ],
   )(xp, w.astype(jnp.bfloat16), *(() if counters is None else (counters,)))
@@ -741,7 +842,7 @@ MOE_DOWN_PREFETCH_AT = 2
 
 
 def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_stages=None, gu_split=None,
-             dn_bm=None, dn_groups=None, dn_stages=None, target_ctas: int = 2 * NUM_SMS) -> MoePlan:
+             dn_bm=None, dn_groups=None, dn_stages=None, target_ctas: int = 2 * NUM_SMS, mma: str = "wgmma") -> MoePlan:
   """Default tiling for ``n_slots`` expert slots (the shared expert's included), I=inter, D=hidden, ``mp`` padded
   token rows.
 
@@ -750,10 +851,15 @@ def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_s
   mp = 8), not merely at >= 132: the step's M = 1 MoE has 9 slots (8 routed + the shared expert), and the
   previous rule (the largest split keeping <= 264 CTAs) gave the gate/up kernel 144 CTAs — 12 SMs streamed two
   CTAs' bytes while 120 idled for the second half (15.9 µs in the step vs 11.3 µs for 8 slots in 256 CTAs,
-  session 26) — and the down kernel 8 expert groups for 9 slots, so that group 0 streamed twice the others' bytes."""
+  session 26) — and the down kernel 8 expert groups for 9 slots, so that group 0 streamed twice the others' bytes.
+  ``mma`` "tcgen05": 128-row tiles in both kernels, the rings sized around the form's SMEM tiles (not tuned on a
+  Blackwell GPU)."""
   # gate+up: 64-row tiles; when the slots x tiles leave SMs idle (M=1: 9 slots x 8 tiles = 72 CTAs) split D:
   # the largest split that keeps every CTA resident at once (<= 3 per SM, rings sized to fit), so that no SM
   # streams a CTA more than the others after the rest have finished.
+  tc05 = _check_mma(mma, "plan_moe")
+  if tc05:
+    gu_bm, dn_bm = gu_bm or MMA_BM[mma], dn_bm or MMA_BM[mma]
   gu_bm = gu_bm or 64
   if inter % gu_bm:
     raise ValueError(f"I={inter} must be a multiple of {gu_bm}")
@@ -768,8 +874,10 @@ def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_s
   # with a split <= 4 (M=1: 4 stages were faster than 12 before the split existed; 11 us measured with it).
   if gu_stages is None and gu_split > 1:
     gu_stages = 4
+  # (tcgen05: the dequantised A tile and the relayout tile besides the ring)
+  reserve = (lambda bm: bm * BLOCK * 2 + bm * mp * 4) if tc05 else (lambda bm: 0)
   gu_st = _pick_stages(db // gu_split, gu_stage_bytes, gu_ctas * gu_split, gu_stages,
-                       RESIDENT_PER_SM if gu_split > 1 else 2)
+                       RESIDENT_PER_SM if gu_split > 1 else 2, reserve=reserve(gu_bm))
   # down: every CTA owns dn_bm hidden rows and loops over a 1/dn_groups share of the selected experts.
   dn_bm = dn_bm or (128 if (mp <= 32 and hidden % 128 == 0) else 64)
   if hidden % dn_bm:
@@ -784,7 +892,8 @@ def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_s
       dn_groups, resident = n_slots, RESIDENT_PER_SM
   dn_stage_bytes = dn_bm * BLOCK + 2 * mp * BLOCK
   steps_max = -(-n_slots // dn_groups) * (inter // BLOCK)
-  dn_st = _pick_stages(max(steps_max, 1), dn_stage_bytes, tiles * dn_groups, dn_stages, resident)
+  dn_st = _pick_stages(max(steps_max, 1), dn_stage_bytes, tiles * dn_groups, dn_stages, resident,
+                       reserve=reserve(dn_bm))
   return MoePlan(gu_bm=gu_bm, gu_stages=gu_st, dn_bm=dn_bm, dn_groups=dn_groups, dn_stages=dn_st,
                  gu_split=gu_split)
 
@@ -815,7 +924,8 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
                         rows: bool = False, router: tuple | None = None, rows_weight: bool = True,
-                        n_valid: int = 0, writer_t: int = 0, lean: bool = False, down_prefetch: int = 0):
+                        n_valid: int = 0, writer_t: int = 0, lean: bool = False, down_prefetch: int = 0,
+                        tc05: bool = False):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -838,7 +948,9 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   — every CTA asks for its share of its slot's expert's [256, 256] boxes (``_common.issue_l2_prefetch`` over the
   slot's tiles · split CTAs) to be brought into L2, at step
   ``steps // down_prefetch`` of its ring: once the slot's expert is known and late enough that the gate/up
-  bytes streamed after it (with the prefetched ones) fit in L2, so that the down kernel reads them from there."""
+  bytes streamed after it (with the prefetched ones) fit in L2, so that the down kernel reads them from there.
+  ``tc05`` (dq, a_smem): the tcgen05 form — scratch ``_tc_scratch``'s three before a_s; the sums in tcgen05's
+  register layout through the loop, relaid out once after it."""
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
@@ -855,7 +967,8 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   ctr_g, o_ref, y, rest = _out_refs(rest, fused_sum, split, rows)
   router_refs = [rest.pop(0) for _ in range(7)] if router is not None else None  # (outputs, then scratch first)
   a_s = rest.pop() if a_smem else None
-  wg_s, wu_s, x_s, bar = rest
+  tc, t_s = (None, None) if not tc05 else (tuple(rest[-3:-1]), rest[-1])
+  wg_s, wu_s, x_s, bar = rest[:-3] if tc05 else rest
   t = lax.axis_index("t")
   per_slot = tiles * split
   slot_id, rem = t // per_slot, t % per_slot
@@ -926,13 +1039,16 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       with jax.named_scope("wait"):
         plgpu.barrier_wait(bar.at[slot])
       with jax.named_scope("mma"):
-        g = _mma_tile(wg_s.at[slot], x_s.at[slot], mp, dq, a_s)
-        u = _mma_tile(wu_s.at[slot], x_s.at[slot], mp, dq, a_s)
+        g = _mma_tile(wg_s.at[slot], x_s.at[slot], mp, dq, a_s, tc=tc)
+        u = _mma_tile(wu_s.at[slot], x_s.at[slot], mp, dq, a_s, tc=tc)
       pl.when(i + stages < steps)(lambda: _refill(issue, i + stages, lean))
       return acc_g + g * sg, acc_u + u * su
 
-    zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
+    zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32),
+                             plgpu.Layout.TCGEN05 if tc05 else plgpu.Layout.WGMMA)
     acc_g, acc_u = lax.fori_loop(0, steps, step, (zero, zero))
+    if tc05:
+      acc_g, acc_u = _to_wgmma(acc_g, t_s), _to_wgmma(acc_u, t_s)
     # the activations' scale, recomputed from their max: passing the scale itself made XLA compute it in a kernel
     # of its own (~1 µs per MoE layer), as its quantisation fusion and this call both read it
     sx = 1.0 if dq else activation_scale(amax_ref[0])
@@ -1033,7 +1149,8 @@ def router_scratch(E: int):
 
 def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int,
                      dq: bool = False, a_smem: bool = False, fused_sum: bool = False, rows: bool = False,
-                     slot_weights: bool = False, n_valid: int = 0, stage_table: bool = False, lean: bool = False):
+                     slot_weights: bool = False, n_valid: int = 0, stage_table: bool = False, lean: bool = False,
+                     tc05: bool = False):
   """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
   over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count.
   ``shared``: slot 0 is the shared expert (its own refs wds/sds). ``table_k``: as ``_slot_expert`` (the k ids
@@ -1047,13 +1164,18 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   valid slots' count as a static number (with ``table_k``: k + shared) instead of the nvalid input's GMEM read
   before the first weight request. ``stage_table`` (with ``table_k``): the row's k ids (and weights) copied into
   SMEM by one TMA each and read there, instead of k (2k) scalar GMEM loads by every thread of every CTA (s49a's
-  profile: the down CTAs' first wait began ~6 µs after their start, of a ~10 µs kernel)."""
+  profile: the down CTAs' first wait began ~6 µs after their start, of a ~10 µs kernel). ``tc05``: as the gate/up
+  kernel's (``_tc_scratch``'s three before a_s)."""
   n_in = (7 if shared else 5) + int(slot_weights)
   hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref = refs[:5]
   wds_ref, sds_ref = refs[5:7] if shared else (None, None)
   rw_ref = refs[n_in - 1] if slot_weights else None
   ctr_g, o_ref, y, rest = _out_refs(refs[n_in:], fused_sum, groups, rows)
   a_s = rest.pop() if a_smem else None
+  tc, t_s = None, None
+  if tc05:
+    *rest, acc_t, bar_mma, t_s = rest
+    tc = (acc_t, bar_mma)
   if table_k:
     eid_s = ebar = None
     if stage_table:  # (the row's ids and weights in SMEM, their barrier)
@@ -1139,12 +1261,14 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
     with jax.named_scope("wait"):
       plgpu.barrier_wait(bar.at[slot])
     with jax.named_scope("mma"):
-      blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s)
+      blk = _mma_tile(w_s.at[slot], x_s.at[slot], mp, dq, a_s, tc=tc)
     pl.when(j + stages < total)(lambda: _refill(issue, j + stages, lean))
     return acc + blk * scale
 
-  acc0 = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
+  acc0 = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.TCGEN05 if tc05 else plgpu.Layout.WGMMA)
   acc = lax.fori_loop(0, total, step, acc0)
+  if tc05:
+    acc = _to_wgmma(acc, t_s)
   _split_out(o_ref, ctr_g, acc, sk=g, tile=tile, row0=row0, bm=bm, split=groups, rows=y)
 
 
@@ -1295,9 +1419,10 @@ def route_scratch(mp: int):
   return [plgpu.SMEM((_LANES,), jnp.int32), plgpu.SMEM((_LANES,), jnp.int32), plgpu.SMEM((_LANES, mp), jnp.float32)]
 
 
-def route_shape(m: int, k: int, num_experts: int, shared: bool) -> tuple[int, int]:
-  """(n_pad, mp) of fp8_moe's slot tables for m token rows of k experts each (the shared expert a slot too)."""
-  return _round_up(min(num_experts, m * k) + int(shared), 8), _padded_rows(m)
+def route_shape(m: int, k: int, num_experts: int, shared: bool, mma: str = "wgmma") -> tuple[int, int]:
+  """(n_pad, mp) of fp8_moe's slot tables for m token rows of k experts each (the shared expert a slot too), for
+  its ``mma`` form (the token rows it pads to)."""
+  return _round_up(min(num_experts, m * k) + int(shared), 8), _padded_rows(m, mma)
 
 
 def _route_kernel(M: int, k: int, E: int, n_pad: int, mp: int, shared: bool):
@@ -1344,12 +1469,13 @@ def _swiglu_of_splits(out, m: int, split: int, limit: float):
 
 
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select",
-              "static_table", "writer_cta", "lean", "down_prefetch")
+              "static_table", "writer_cta", "lean", "down_prefetch", "mma")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
             dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None,
-            static_table: bool = False, writer_cta: bool = False, lean: bool = False, down_prefetch: bool = False):
+            static_table: bool = False, writer_cta: bool = False, lean: bool = False, down_prefetch: bool = False,
+            mma: str = "wgmma"):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1388,6 +1514,9 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       before each TMA load of the ring, two around each vector store), with the ring's refill barrier placed by
       hand (``_refill``); the selection's SMEM (the router's staging, its ids / weights) is read only after a
       commit_smem. The same sums, bit for bit. The SMEM-A form (a_from "smem") ignores it.
+    mma: "wgmma" (Hopper) or "tcgen05" (Blackwell, with dq: both kernels' tile products as tcgen05 MMAs into
+      tensor memory, 128-row tiles, token rows padded to 16 — the module docstring; ``a_from`` and ``lean`` do
+      not apply).
     down_prefetch: for ONE token row (policy knob moe_down_prefetch): the gate/up kernel's CTAs, halfway through
       their rings, ask for their slots' experts' down weights to be brought into L2 (TMA L2 prefetches, fire and
       forget: ``_moe_gate_up_kernel(down_prefetch=)``) — the down kernel's bytes stream while the gate/up kernel
@@ -1430,7 +1559,10 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   if m > 64:
     raise NotImplementedError("fp8_moe takes <= 64 token rows")
   k = topk_ids.shape[1]
-  mp = _padded_rows(m)
+  tc05 = _check_mma(mma, "fp8_moe")
+  if tc05 and not dq:
+    raise ValueError("fp8_moe: mma='tcgen05' needs dq=True (the hi/lo form's fp8 products are wgmma only)")
+  mp = _padded_rows(m, mma)
   n_slots = min(e_num, m * k)
   has_sh = shared is not None
   if has_sh and (shared[0].shape != (inter, d) or shared[4].shape != (d, inter)):
@@ -1458,8 +1590,12 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     eids, n_valid, valid, r, n_slots = _route_with_shared(topk_ids, topk_weights, e_num, n_slots, mp, has_sh,
                                                           table_k)
   n_pad = _round_up(n_slots, 8)
-  plan = plan or plan_moe(n_slots, inter, d, mp)
-  a_smem = _a_smem(a_from) and dq
+  plan = plan or plan_moe(n_slots, inter, d, mp, mma=mma)
+  if tc05 and (plan.gu_bm, plan.dn_bm) != (MMA_BM[mma],) * 2:
+    raise ValueError(f"fp8_moe: mma='tcgen05' needs {MMA_BM[mma]}-row tiles, plan has gu_bm={plan.gu_bm}, "
+                     f"dn_bm={plan.dn_bm}")
+  a_smem = tc05 or (_a_smem(a_from) and dq)
+  tc_tiles = (lambda bm: _tc_scratch(bm, mp)) if tc05 else (lambda bm: [])
   if dq:  # bf16 (f16) rows as they are
     x_in = (_tma_rows(_act(x, dt), mp),)  # (the TMA zero-fills the rows up to mp)
     x_tile = plgpu.SMEM((plan.gu_stages, mp, BLOCK), dt, transforms=_tr(dt, BLOCK))
@@ -1509,7 +1645,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
                         a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows, router=sel_static,
                         rows_weight=router is None, n_valid=nv_static, writer_t=writer_t, lean=lean_k,
-                        down_prefetch=dn_pf),
+                        down_prefetch=dn_pf, tc05=tc05),
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean_k),
       out_type=(gu_out if isinstance(gu_out, tuple) else (gu_out,)) + sel_out,
       grid=(gu_grid + int(writer_t > 0),),
@@ -1521,6 +1657,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
           plgpu.SMEM((plan.gu_stages, plan.gu_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
           x_tile,
           plgpu.Barrier(num_arrivals=3, num_barriers=plan.gu_stages),
+          *tc_tiles(plan.gu_bm),
           *a_tile(plan.gu_bm),
           *gu_scratch,
       ],
@@ -1570,14 +1707,14 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
                         groups=plan.dn_groups, shared=has_sh, table_k=table_k, dq=dq, a_smem=a_smem,
                         fused_sum=ctr is not None, rows=rows, slot_weights=slot_w, n_valid=nv_static,
-                        stage_table=stage, lean=lean_k),
+                        stage_table=stage, lean=lean_k, tc05=tc05),
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean_k),
       out_type=_out_types(plan.dn_groups, d, mp, m, out_dtype if rows else None),
       grid=(dn_tiles * plan.dn_groups,),
       grid_names=("t",),
       kernel_name="glm5_moe_down",
-      scratch_types=ring + ids_scratch + a_tile(plan.dn_bm) + ([plgpu.SMEM((m, plan.dn_bm), out_dtype)] if rows
-                                                               else []),
+      scratch_types=ring + ids_scratch + tc_tiles(plan.dn_bm) + a_tile(plan.dn_bm) + (
+          [plgpu.SMEM((m, plan.dn_bm), out_dtype)] if rows else []),
   )(hq, dn_eids, n_valid, w_down, s_down.astype(f32), *sh_dn, *((rw,) if slot_w else ()),
     *(() if ctr is None else (ctr,)))
   if rows:

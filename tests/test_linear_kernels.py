@@ -383,6 +383,100 @@ def test_bf16_linear_interpret(m, n, k, plan_kw):
   np.testing.assert_allclose(y, L.bf16_linear_reference(x, w), rtol=1e-5, atol=1e-5)  # exact products
 
 
+# ------------------------------------------------------------------------------------------------------------
+# the tcgen05 forms (Blackwell): interpret mode here; compiled for sm_100a in tests/test_step_lowering.py
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,n,k,plan_kw,out_dtype", [
+    (1, 256, 512, {}, jnp.float32),  # default plan (split-K), token rows padded to 16
+    (5, 384, 512, dict(split=1, stages=2), jnp.bfloat16),  # ring reuse: the slot refilled after its MMA's barrier
+    (16, 128, 384, dict(split=3, stages=1), jnp.float32),  # a full 16-row B tile; single-stage ring
+    (20, 128, 256, {}, jnp.float32),  # 32 padded rows (x zero-padded to them: _tma_rows)
+])
+def test_fp8_dq_linear_tcgen05_interpret(m, n, k, plan_kw, out_dtype):
+  """fp8_dq_linear's tcgen05 form (mma="tcgen05"): each 128-K block an MMA into a fresh TMEM accumulator, read
+  back for its block scale; the register sum relaid out through SMEM into the WGMMA layout of the epilogue. Exact
+  bf16 x e4m3 products, as the wgmma form: the reference up to f32 summation order."""
+  ks = jax.random.split(jax.random.key(150 + m), 2)
+  w, s = quantize_fp8_blocks(ks[0], (n, k))
+  x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
+  plan = L.plan_linear(n, k, L._padded_rows(m, "tcgen05"), "fp8dq", mma="tcgen05", **plan_kw)
+  assert plan.bm == 128
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.fp8_dq_linear, plan=plan, out_dtype=out_dtype, mma="tcgen05"))(x, w, s)
+  assert y.shape == (m, n) and y.dtype == out_dtype
+  assert_close(y, L.fp8_linear_reference(x, w, s, out_dtype=out_dtype),
+               "kernel_f32" if out_dtype == jnp.float32 else "kernel_bf16")
+
+
+@pytest.mark.parametrize("m,n,k,plan_kw", [
+    (1, 256, 512, {}),
+    (7, 384, 512, dict(split=1, stages=2)),  # one MMA in flight while the next tile is awaited
+    (12, 128, 384, dict(split=1, stages=1)),  # each MMA waited before its slot's refill
+    (4, 272, 256, {}),  # N % 128 != 0: the last 128-row tile overlaps its neighbour (the KDA f_a | g_a | b)
+])
+def test_bf16_linear_tcgen05_interpret(m, n, k, plan_kw):
+  """bf16_linear's tcgen05 form: the CTA's K range accumulated in TMEM (each MMA arriving on its ring slot's
+  barrier), read once — the reference up to f32 summation order (exact products)."""
+  ks = jax.random.split(jax.random.key(170 + m), 2)
+  w = (jax.random.normal(ks[0], (n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
+  plan = L.plan_linear(n, k, L._padded_rows(m, "tcgen05"), "bf16", mma="tcgen05", **plan_kw)
+  with maybe_interpret():
+    y = jax.jit(functools.partial(L.bf16_linear, plan=plan, mma="tcgen05"))(x, w)
+  np.testing.assert_allclose(y, L.bf16_linear_reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,e,k,shared,router,plan_kw", [
+    (1, 6, 2, True, False, {}),  # one row: the static slot table, the shared slot, D split in gate/up
+    (3, 5, 2, True, False, dict(dn_groups=2, dn_stages=2, gu_stages=2, gu_split=1)),  # rolled rings reused
+    (1, 32, 4, True, True, {}),  # the router's selection inside the gate/up kernel, its weights in the down one
+])
+def test_fp8_moe_tcgen05_interpret(m, e, k, shared, router, plan_kw):
+  """fp8_moe's tcgen05 form (dq): both kernels' tile products as tcgen05 MMAs into tensor memory (gate and up one
+  after the other through one accumulator), the rolled loops' sums in tcgen05's register layout, relaid out once
+  for the epilogues — the reference within the dq form's bf16 tolerance (h is rounded to bf16 between the
+  kernels), and (with the router in the kernel) the router's ids and weights exactly."""
+  i, d = 256, 384
+  x, ids, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(190 + m), m, e, i, d, k)
+  sh = _shared_expert(jax.random.key(200 + m), i, d) if shared else None
+  n_slots = min(e, m * k) + int(shared)
+  plan = L.plan_moe(n_slots, i, d, L._padded_rows(m, "tcgen05"), mma="tcgen05", **plan_kw)
+  assert (plan.gu_bm, plan.dn_bm) == (128, 128)
+  moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, plan=plan, mma="tcgen05")
+  if router:
+    logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
+    ref_ids, ref_w = kr.router_topk_reference(logits, bias, k=k, scaling=2.5, norm=True)
+    with maybe_interpret():
+      y, ids1, w1 = jax.jit(lambda *a: moe(x, None, None, *a, router=(logits, bias),
+                                           router_select=(k, 2.5, True, False)))(wg, sg, wu, su, wd, sd)
+    np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ref_ids))
+    np.testing.assert_array_equal(np.asarray(w1), np.asarray(ref_w))
+    ids, tw = ref_ids, ref_w
+  else:
+    with maybe_interpret():
+      y = jax.jit(moe)(x, ids, tw, wg, sg, wu, su, wd, sd)
+  assert_close(y, L.fp8_moe_reference(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=1.0, shared=sh),
+               "kernel_bf16")
+
+
+def test_tcgen05_forms_reject_what_they_cannot_tile():
+  """The tcgen05 form takes 128-row tiles: an FP8 weight with N % 128 != 0 (or a 64-row plan), a BF16 one with
+  N < 128, and an unknown MMA form are refused by name before anything is traced."""
+  w, s = quantize_fp8_blocks(jax.random.key(0), (192, 256))
+  x = jnp.ones((1, 256), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=r"mma=tcgen05\) needs K % 128 == 0 and N % 128 == 0, got N=192"):
+    L.fp8_dq_linear(x, w, s, mma="tcgen05")
+  with pytest.raises(ValueError, match="needs 128-row tiles, plan has bm=64"):
+    L.fp8_dq_linear(x, w[:128], s[:1], mma="tcgen05", plan=L.plan_linear(128, 256, 16, "fp8dq", bm=64))
+  with pytest.raises(NotImplementedError, match=r"N >= 128, got N=64"):
+    L.bf16_linear(x, jnp.ones((64, 256), jnp.bfloat16), mma="tcgen05")
+  with pytest.raises(ValueError, match=r"mma='mfma', expected one of \('wgmma', 'tcgen05'\)"):
+    L.bf16_linear(x, jnp.ones((128, 256), jnp.bfloat16), mma="mfma")
+  args = moe_inputs(jax.random.key(1), 1, 4, 256, 256, 2)
+  with pytest.raises(ValueError, match=r"mma='tcgen05' needs dq=True"):
+    L.fp8_moe(*args, swiglu_limit=1.0, mma="tcgen05")
+
+
 @pytest.mark.parametrize("m,width", [(1, 320), (4, 320), (4, 272)])
 def test_bf16_linear_reads_a_column_prefix_interpret(m, width):
   """x_prefix: the first K columns of a wider x (the KDA f_b / g_b reading f_a | g_a inside the fgb_a output: 256

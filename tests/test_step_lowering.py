@@ -300,16 +300,21 @@ def test_kernel_tiny_step_compiles_for_blackwell(tmp_path):
   """The kernel-tiny step at q = 1 compiled for a B200 (sm_100a: Mosaic GPU and ptxas, compile-only, on this CPU):
   the wgmma kernels — which ptxas refuses for Blackwell — are declined at every site with the reason, said once as
   a warning; the kernels without wgmma (the one-row mHC boundary, the Sinkhorn, the KDA recurrence, the router's
-  and the indexer's selection) compile for it and run in the step. Before session 57 this compile failed."""
-  from glm5_jax.layers import WGMMA_KNOBS  # noqa: PLC0415
+  and the indexer's selection) compile for it and run in the step, and so does the FP8 GEMV in its tcgen05 form
+  and the MoE's kernels (layers.TCGEN05_KNOBS: Mosaic's layout inference places their tensor-memory accumulators
+  for sm_100 — step_census.py tells it the target). Before session 57 this compile failed."""
+  from glm5_jax.layers import TCGEN05_KNOBS, WGMMA_KNOBS  # noqa: PLC0415
   import os  # noqa: PLC0415
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   row, listing, err = _census(tmp_path, "--target", os.path.join(root, "benchmarks", "targets", "b200.txtpb"))
   assert row["target"] == "b200.txtpb" and "latency_specialized on sm_100" in err
-  for knob in WGMMA_KNOBS:
+  for knob in set(WGMMA_KNOBS) - set(TCGEN05_KNOBS):
     assert row["kernel_sites"].get(knob, 0) == 0, (knob, row["kernel_sites"])
+  # (bf16_linear: XLA at one token row)
+  assert row["kernel_sites"]["fp8_linear"] > 0 and row["kernel_sites"]["fp8_moe"] > 0, row["kernel_sites"]
   text = "\n".join(listing)
-  for name in ("glm5_mhc_row_boundary", "glm5_mhc_sinkhorn", "kda_decode", "glm5_router_topk"):
+  for name in ("glm5_mhc_row_boundary", "glm5_mhc_sinkhorn", "kda_decode", "glm5_fp8_dq_linear", "glm5_moe_gate_up",
+               "glm5_moe_down"):
     assert name in text, name
   assert row["kernel_sites"]["mhc"] > 0 and row["kernel_sites"]["kda"] > 0
 
@@ -319,8 +324,9 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
   before anything is traced, naming it and why (and on a GPU without Mosaic GPU, sm_80, the backend
   itself); the defaults trace with those kernels declined at every site
   (the reason in kernel_sites) and the mHC boundary of several token rows (q = 4: its logits are a wgmma) too,
-  while the KDA kernel runs — and with policy knob mhc_rows the boundaries of 4 rows run in the row form."""
-  from glm5_jax.layers import WGMMA_KNOBS  # noqa: PLC0415
+  while the KDA kernel and the tcgen05 forms of the GEMVs and the MoE run — and with policy knob mhc_rows the
+  boundaries of 4 rows run in the row form; fp8_dq off (the FP8 kernels' hi/lo form: wgmma) is refused there."""
+  from glm5_jax.layers import TCGEN05_KNOBS, WGMMA_KNOBS  # noqa: PLC0415
   model, params = model_tiny_sm100
   import glm5_jax.speculative as sp  # noqa: PLC0415
   with pytest.MonkeyPatch.context() as mp:  # (an A100 has neither wgmma nor the TMA the other kernels use)
@@ -331,15 +337,21 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
   cfg = DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("sparse_mla", True),))
   with pytest.raises(ValueError, match=r"\['sparse_mla'\]: each needs Hopper's wgmma \(sm_90a\), which sm_100"):
     Decoder(model, cfg, backend="latency_specialized")
-  with pytest.warns(UserWarning, match=r"latency_specialized on sm_100: kernel\(s\) \['bf16_linear', 'fp8_linear'"):
+  with pytest.raises(ValueError, match=r"fp8_dq off with \['fp8_linear', 'fp8_moe'\] on: on sm_100 the FP8 kernels"):
+    Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("fp8_dq", False),)),
+            backend="latency_specialized")
+  with pytest.warns(UserWarning, match=r"latency_specialized on sm_100: kernel\(s\) \['indexer', 'indexer_pool"):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()),
                   backend="latency_specialized")
   with dec.kernel_mode(interpret=False):
     dec.trace_step(1, params, interpret=False)
   sites = dec.kernel_sites(1)
-  for knob in set(WGMMA_KNOBS) & set(sites):
+  for knob in (set(WGMMA_KNOBS) - set(TCGEN05_KNOBS)) & set(sites):
     assert not sites[knob]["sites"] and all("wgmma" in r for r in sites[knob]["not_used"]), (knob, sites[knob])
-  assert {"fp8_linear", "fp8_moe", "sparse_mla", "indexer"} <= set(sites)
+  assert {"sparse_mla", "indexer"} <= set(sites)
+  # the kernels with a tcgen05 form run in it (q = 4: bf16_linear too, XLA being preferred only at one row)
+  for knob in TCGEN05_KNOBS:
+    assert sites[knob]["sites"] > 0, (knob, sites[knob])
   assert not sites["mhc"]["sites"] and "one token row (here 4;" in next(iter(sites["mhc"]["not_used"]))
   assert sites["kda"]["sites"] > 0
   # policy knob mhc_rows: the row form at the verify's 4 token rows (no wgmma) — the boundaries run as kernels
