@@ -25,8 +25,8 @@ from jax import lax
 
 from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
-                             RMSNorm, concat_fits, kernel_enabled, kernel_switch, param, StackedLinear,
-                             l2_prefetch_operands, l2_prefetch_side, radix_topk_plan, rms_norm,
+                             RMSNorm, concat_fits, has_tcgen05, kernel_arch, kernel_enabled, kernel_switch, param,
+                             StackedLinear, l2_prefetch_operands, l2_prefetch_side, radix_topk_plan, rms_norm,
                              topk_set_by_threshold)
 
 
@@ -375,7 +375,10 @@ class Indexer(nnx.Module):
       from pallas_kernels import indexer as ki  # noqa: PLC0415
       n_valid = (pos + 1) // self.kpool
       args = (w * (self.head_dim ** -0.5), icache["pool8"], icache["pool_scale"], n_valid)
-      if kernel_enabled("indexer", B * T):
+      # (Blackwell: the scores' tcgen05 form, whose MMA takes the heads as N: a multiple of 16)
+      mma = {"mma": "tcgen05"} if has_tcgen05(kernel_arch()) else {}
+      if kernel_enabled("indexer", B * T, fits=not mma or self.n_heads % 16 == 0,
+                        why=f"{self.n_heads} index heads (the scores' tcgen05 form takes a multiple of 16)"):
         # the padded output's width: whole rows of the threshold kernel's lanes where it reads them as they are
         # (topk_keys_in_kernel; session 39: a 32K + 320-position cache gave 8,768 padded pools, not a multiple of
         # 128, and the knob could not run)
@@ -390,10 +393,10 @@ class Indexer(nnx.Module):
         if kernel_enabled("indexer_q_in_kernel", fits=q_raw.dtype == jnp.bfloat16,
                           why=f"{q_raw.dtype} index queries (the kernel rotates bf16 ones)"):
           raw = ki.indexer_scores_q(q_raw, *args, padded=True, align=align, lean=kernel_enabled("lean_barriers"),
-                                    **pf)
+                                    **pf, **mma)
         else:
           raw = ki.indexer_scores(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args, padded=True, align=align,
-                                  lean=kernel_enabled("lean_barriers"), **pf)
+                                  lean=kernel_enabled("lean_barriers"), **pf, **mma)
         sc = raw[..., :icache["pool8"].shape[1]]
         return (sc, raw) if padded else sc
       sc = ki.indexer_scores_reference(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args)

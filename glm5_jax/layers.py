@@ -161,8 +161,9 @@ KNOBS = {
         "compaction's passes (topk_compact(t=None, digit_bits=2): every CTA of the row), where the default "
         "selection's one-bit passes sit on each DSA layer's chain (s51b's trace: the selection 12.3 µs, ~20 "
         "dependent warpgroup reductions before the early exit): two bits a pass, the pass's two counts summed per "
-        "warp and exchanged through SMEM behind one barrier (indexer._threshold_passes_split) — half the rounds; "
-        "CPU-built, off until measured"),
+        "warp and exchanged through SMEM behind one barrier (indexer._threshold_passes_split) — half the rounds. "
+        "Measured in s57b (session 58: one TP4 rank, B = 1, q = 1, 5 interleaved repeats, defaults 3.65 ms): 3.70 "
+        "ms, +0.03 ms, faster in 1 of 4 paired rounds — off"),
     "topk_threshold_exit": (True,
         "with topk_threshold: the threshold kernel's passes stop at the first candidate with exactly k keys at "
         "or above it (pallas_kernels.indexer.topk_threshold early_exit=True: the same selection, the threshold "
@@ -174,7 +175,7 @@ KNOBS = {
         "the MoE router after its logits — sigmoid, bias, top-k in lax.top_k's order, the selected weights "
         "normalised and scaled — as one Mosaic kernel (pallas_kernels.router) instead of three XLA kernels on "
         "the critical path (the keys, topk_by_rank's rank count and select)"),
-    "dq_f16": (False,
+    "dq_f16": (True,
         "with fp8_dq on: the dq kernels (fp8_dq_linear, fp8_moe) in f16 instead of bf16 — "
         "each e4m3 weight element converted by one cvt per two values (e4m3x2 -> f16x2) instead of e4m3 -> f32 -> "
         "bf16, x and h in f16 (x's bf16 values are exact in f16 while |x| < 65,504; h gains 3 bits). Session 40's "
@@ -187,7 +188,11 @@ KNOBS = {
         "and a third measurement next) — off until then. Session 56 (benchmarks/step_census.py): those conversions "
         "were XLA kernels of their own, 67 per q = 1 step, 25 on its critical path (932 launches vs 865) — now the "
         "one-row mHC boundary and the W_UV kernel write their outputs in f16 as well (mhc_row_boundary(x16), "
-        "mla_absorb_uv(x16)), which the FP8 kernels read: 865 launches, the defaults' critical path"),
+        "mla_absorb_uv(x16)), which the FP8 kernels read: 865 launches, the defaults' critical path. Its GPU tests "
+        "pass natively (s57a: the saturation bound, the boundary's and W_UV's f16 copies, the model site bit for "
+        "bit); s57b (session 58: one TP4 rank, B = 1, q = 1, 5 interleaved repeats, defaults 3.65 ms): 3.65 ms, "
+        "-0.03 ms, faster in 3 of 4 paired rounds — the third time 3 of 4: on by default "
+        "since session 58"),
     "moe_router_in_kernel": (True,
         "with fp8_moe and router_kernel on, at one token row (fp8_moe's own form): the router's selection "
         "(pallas_kernels.router's top-k in lax.top_k's order, weights normalised and scaled) inside every CTA of "
@@ -238,8 +243,10 @@ KNOBS = {
         "and the latent's FP8 quantisation (group maxima, scales, e4m3) in one launch "
         "(pallas_kernels.sparse_mla.latent_norms: a CTA per token row) instead of ~7 XLA fusions between the "
         "projection and the indexer's query GEMV on the DSA layer's critical path (s51b's trace: 6.9 µs there); "
-        "the cache row's packing stays with its scatter. Bit-identical in interpret mode; CPU-built (session 52): "
-        "off until measured"),
+        "the cache row's packing stays with its scatter. Bit-identical in interpret mode and natively (s55a). "
+        "With qkv_a_fused_sum: 55 launches fewer, a tie in s55b (3.88 vs 3.89 ms) and slower in s57b (session 58: "
+        "one TP4 rank, B = 1, q = 1, 5 interleaved repeats, defaults 3.65 ms): 3.70 ms, "
+        "+0.04 ms, faster in 1 of 4 — off"),
     "qkv_a_fused_sum": (False,
         "with fp8_dq on, on the GPU: the DSA layer's joint q_a / kv_a projection (16 K splits at one row) sums its "
         "splits inside the kernel (linear_fused_sum's split-K counters, at this call alone) and writes its rows — "
@@ -275,7 +282,11 @@ KNOBS = {
         "the indexer's scores kernel the DSA layer's W_UV rows and o_proj — HBM is idle while these kernels run "
         "(the boundary ~5 µs x 90 per step at q = 1, the DSA selection ~17 µs x 11). Measured before building "
         "(s55e, an XLA bf16 GEMV of 16.8 MB in a chain: 14.1 µs with its weight in HBM, 5.8 in L2). The same "
-        "values (a prefetch moves no data into the kernel). CPU-built (session 55): off until measured"),
+        "values (a prefetch moves no data into the kernel). Measured in s57b (session 58: one TP4 rank, B = 1, q = "
+        "1, 5 interleaved repeats, defaults 3.65 ms): slower, 3.88 ms (+0.20 ms, "
+        "faster in 0 of 4 paired rounds) — the chain's kernels live until their prefetches are processed (s57a's "
+        "stand-in: 1.5 -> 4.8 µs with 24 MB asked for, its GEMV 16.5 -> 15.2 µs) — off; natively declined "
+        "(NATIVE_WRONG)"),
     "l2_prefetch_side": (False,
         "l2_prefetch's prefetches from launches of their own beside the critical chain instead of from its "
         "kernels (pallas_kernels.prefetch.l2_prefetch: 66 one-warpgroup CTAs without shared memory): at each "
@@ -288,7 +299,9 @@ KNOBS = {
         "lives until its bulk prefetches are processed (a boundary stand-in prefetching 16 MB: 1.55 -> 4.68 µs): "
         "from the chain's own kernels the prefetches would lengthen the chain, from a launch beside it they cost "
         "the chain nothing but their HBM traffic. Not with l2_prefetch (one or the other). The same values. "
-        "CPU-built (session 55): off until measured"),
+        "Measured in s57b (session 58: one TP4 rank, B = 1, q = 1, 5 interleaved repeats, defaults 3.65 ms): slower,"
+        " 3.84 ms (+0.18 ms, faster in 0 of 4 paired rounds): the side launches' HBM "
+        "traffic slows the chain's own streaming — off"),
     "moe_down_prefetch": (False,
         "with fp8_moe on, at one token row: the MoE's gate/up kernel's CTAs, halfway through their weight rings, "
         "ask the memory system to bring their slots' experts' down weights into L2 (TMA L2 prefetches: "
@@ -296,7 +309,9 @@ KNOBS = {
         "down kernel's 18 MB stream while gate/up still runs and the down kernel reads them from L2 — in s51's "
         "trace it took 10.5 µs after gate/up's 16.6 for a third of the bytes (1.7 TB/s). Halfway, because the "
         "gate/up bytes streamed after the request plus the down weights must fit in the 50 MB L2. The same values "
-        "(a prefetch moves no data into the kernel). CPU-built (session 55): off until measured"),
+        "(a prefetch moves no data into the kernel). Measured in s57b (session 58: one TP4 rank, B = 1, q = 1, 5 "
+        "interleaved repeats, defaults 3.65 ms): slower, 3.76 ms (+0.10 ms, faster in 0 "
+        "of 4 paired rounds) — off; natively declined (NATIVE_WRONG)"),
     "mhc_row": (True,
         "with mhc_grid_barrier on, at one token row (decode at q = 1): the boundary as "
         "pallas_kernels.mhc.mhc_row_boundary — D / 128 CTAs, each thread one column of every stream in "
@@ -375,8 +390,9 @@ KNOBS = {
         "through an optimization barrier with the gates' fg_b GEMV output, so the gates' two GEMVs launch before "
         "it. In s51b's trace fg_b (2.3 µs) started only after the qkv GEMV, with no data between them, on every "
         "KDA layer's chain (x 34 per step). Like dsa_qkv_a_first, the barrier (no buffer of its own) orders the "
-        "launches, not the execution. The same values. "
-        "CPU-built (session 53): off until measured"),
+        "launches, not the execution. The same values. Measured in s57b (session 58: one TP4 rank, B = 1, q = 1, 5 "
+        "interleaved repeats, defaults 3.65 ms): 3.69 ms, +0.03 ms, faster in 1 of 4 "
+        "paired rounds — off"),
     "fp8_scales_first": (True,
         "with fp8_linear + fp8_dq on: each CTA of the dense FP8 kernel (fp8_dq_linear: q_a / kv_a, q_b, o_proj, "
         "the dense MLP, the MTP's) requests all its steps' block scales before its first weight tiles, instead of "
@@ -560,9 +576,13 @@ REMOVED_KNOBS = {
 # refuses them outside interpret mode, with this reason, until rebuilt — interpret mode runs one warpgroup after
 # another and ignores register layouts, so it cannot see these bugs (session 34's native runs).
 NATIVE_WRONG: dict[str, str] = {
-    # knob -> why (its GPU test's failure). Empty since session 35: indexer_q_in_kernel's failure (session 34) was
-    # its reference's — XLA on the GPU skipped a bf16 rounding (excess precision); against a reference compiled
-    # as the model rounds (conftest.rounding_reference) its GPU tests pass natively.
+    # knob -> why (its GPU test's failure). (indexer_q_in_kernel's failure in session 34 was its reference's — XLA
+    # on the GPU skipped a bf16 rounding (excess precision); against a reference compiled as the model rounds,
+    # conftest.rounding_reference, its GPU tests pass natively.)
+    "l2_prefetch": "the kernel-tiny step with l2_prefetch and moe_down_prefetch aborted natively (s57a, session "
+                   "58; each kernel's own GPU test passes): not isolated, and both measured slower (s57b)",
+    "moe_down_prefetch": "the kernel-tiny step with l2_prefetch and moe_down_prefetch aborted natively (s57a, "
+                         "session 58; the MoE's own GPU test passes): not isolated, and both measured slower (s57b)",
 }
 
 
@@ -614,6 +634,7 @@ TCGEN05_KNOBS = {
     "fp8_linear": "fp8_dq_linear (with fp8_dq on)",
     "fp8_moe": "the MoE's gate/up and down kernels (with fp8_dq on)",
     "bf16_linear": "bf16_linear",
+    "indexer": "the indexer's scores (index heads a multiple of 16)",
 }
 
 

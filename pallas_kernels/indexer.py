@@ -20,6 +20,8 @@ all T x 32 queries: an fp8 x fp8 wgmma per token (keys = M = 64, that token's 32
 accumulator), then ReLU, the per-head weight and the sum over heads in f32 on the CUDA cores (a row reduction of
 the [64, 32] tile), the key scale and the causal mask. Blocks past every token's n_valid are not loaded (the
 cache is allocated for the longest context; the actual context is usually shorter) and are written as -inf.
+Blackwell (sm_100, no wgmma): ``mma="tcgen05"`` — blocks of 128 keys, each token's product a tcgen05 MMA into a
+tensor-memory accumulator, relaid through SMEM into the WGMMA layout for the same epilogue (``_indexer_kernel``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ HEAD_DIM = 128
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 BLOCK = 64  # pooled keys per wgmma (M)
+# Blackwell (sm_100) has no wgmma: mma="tcgen05" issues tcgen05 MMAs into a tensor-memory accumulator, M = 128 (an
+# M = 64 tcgen05 MMA splits N over two lane groups and constrains the swizzles; Mosaic refused it with N = 32)
+TC_BLOCK = 128  # pooled keys (and rotated query rows) per tcgen05 MMA (M)
+MMA_FORMS = ("wgmma", "tcgen05")
 NUM_SMS = 132  # H200
 _L = plgpu.Layout
 
@@ -108,36 +114,74 @@ def _pick_blocks_per_cta(n_blocks: int, B: int) -> int:
 def _rotated_fp8(qb_s, h_s, c: int):
   """Rows [64c, 64c + 64) of qb_s [.., 128] bf16 (SMEM, wgmma-tiled) -> (q [64, 128] f32, scale [64] f32) with
   quant_ue8m0_fp8(hadamard128(rows)) = (e4m3(q), scale) — q's values are exact in e4m3: convert them. The FWHT
-  as one wgmma with the ±1 Sylvester matrix h_s (exact products; the f32 sums of up to 128 bf16 terms), then the bf16
-  rounding, the row amax, the power-of-two scale from the amax's bits (exactly quant_ue8m0_fp8's
-  2^ceil(log2(max(amax, 1e-4) / 448)): 448 = 1.75 · 2^8, so the exponent is the amax's minus 8, plus one when its
-  mantissa exceeds 1.75) and the clipped quotient (a power-of-two divisor: exact)."""
+  as one wgmma with the ±1 Sylvester matrix h_s (exact products; the f32 sums of up to 128 bf16 terms), then
+  ``_ue8m0_rows``."""
   def mma(acc):
     plgpu.wgmma(acc, qb_s.at[pl.ds(c * BLOCK, BLOCK)], h_s.T)  # (H is symmetric)
     return acc[...]
-  y = pl.run_scoped(mma, plgpu.ACC((BLOCK, HEAD_DIM), jnp.float32)) * (1.0 / math.sqrt(HEAD_DIM))
+  return _ue8m0_rows(pl.run_scoped(mma, plgpu.ACC((BLOCK, HEAD_DIM), jnp.float32)) * (1.0 / math.sqrt(HEAD_DIM)))
+
+
+def _ue8m0_rows(y):
+  """The rotated rows y [m, 128] f32 -> (q [m, 128] f32, scale [m] f32), quant_ue8m0_fp8's numerics: the bf16
+  rounding, the row amax, the power-of-two scale from the amax's bits (exactly quant_ue8m0_fp8's
+  2^ceil(log2(max(amax, 1e-4) / 448)): 448 = 1.75 · 2^8, so the exponent is the amax's minus 8, plus one when its
+  mantissa exceeds 1.75) and the clipped quotient (a power-of-two divisor: exact)."""
   yb = y.astype(jnp.bfloat16).astype(jnp.float32)
-  amax = jnp.maximum(jnp.max(jnp.abs(yb), axis=1), AMAX_FLOOR)  # [64] per row
+  amax = jnp.maximum(jnp.max(jnp.abs(yb), axis=1), AMAX_FLOOR)  # [m] per row
   bits = lax.bitcast_convert_type(amax, jnp.int32)
   e = lax.shift_right_logical(bits, 23) - 8 + jnp.where((bits & 0x7FFFFF) > 0x600000, 1, 0)  # scale's exponent
   scale = lax.bitcast_convert_type(lax.shift_left(e, 23), jnp.float32)
   inv = lax.bitcast_convert_type(lax.shift_left(254 - e, 23), jnp.float32)  # 1 / scale, exactly
-  return jnp.clip(yb * lax.broadcast_in_dim(inv, (BLOCK, HEAD_DIM), (0,)), -FP8_MAX, FP8_MAX), scale
+  return jnp.clip(yb * lax.broadcast_in_dim(inv, y.shape, (0,)), -FP8_MAX, FP8_MAX), scale
 
 
-def _quantize_rows(qb_s, h_s, q_s, qs_s, rq: int):
+def _rotated_fp8_tc(qb_s, h_s, c: int, racc_t, mbar):
+  """``_rotated_fp8`` for the tcgen05 form: rows [128c, 128c + 128) rotated by one tcgen05 MMA into the TMEM
+  accumulator racc_t [128, 128] f32 (its tensor-core barrier mbar) -> (q, scale) in tcgen05's register layout (a
+  row per thread: the row amax in-thread)."""
+  plgpu.tcgen05_mma(racc_t, qb_s.at[pl.ds(c * TC_BLOCK, TC_BLOCK)], h_s.T, mbar, accumulate=False)
+  plgpu.barrier_wait(mbar)
+  y = plgpu.async_load_tmem(racc_t)
+  plgpu.wait_load_tmem()
+  return _ue8m0_rows(y * (1.0 / math.sqrt(HEAD_DIM)))
+
+
+def _quantize_rows(qb_s, h_s, q_s, qs_s, rq: int, tc=None):
   """The scores kernel's own query preparation (``indexer_scores_q``): the rq rows of qb_s [rq, 128] bf16 (the
   raw index queries) -> q_s [rq, 128] e4m3 = quant_ue8m0_fp8(hadamard128(q)) and qs_s [rq] f32 their scales, per
-  64-row chunk (``_rotated_fp8``)."""
-  for c in range(rq // BLOCK):
-    y8, scale = _rotated_fp8(qb_s, h_s, c)
-    q_s[pl.ds(c * BLOCK, BLOCK), :] = plgpu.layout_cast(y8.astype(jnp.float8_e4m3fn), _L.WGMMA)
-    qs_s[pl.ds(c * BLOCK, BLOCK)] = scale
-  plgpu.commit_smem()  # q_s is read by the scores' wgmmas (the async proxy)
+  64-row chunk (``_rotated_fp8``) — or, ``tc`` = (TMEM accumulator [128, 128], its barrier), per 128-row chunk
+  (``_rotated_fp8_tc``)."""
+  m = BLOCK if tc is None else TC_BLOCK
+  for c in range(rq // m):
+    if tc is None:
+      y8, scale = _rotated_fp8(qb_s, h_s, c)
+    else:
+      if c:  # (every warp's TMEM load of chunk c - 1 done before this MMA overwrites the accumulator)
+        plgpu.commit_smem()
+      y8, scale = _rotated_fp8_tc(qb_s, h_s, c, *tc)
+    q_s[pl.ds(c * m, m), :] = plgpu.layout_cast(y8.astype(jnp.float8_e4m3fn), _L.WGMMA if tc is None else _L.TCGEN05)
+    qs_s[pl.ds(c * m, m)] = scale
+  plgpu.commit_smem()  # q_s is read by the scores' MMAs (the async proxy)
 
 
-def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_plan=(), grid=(1, 1)):
-  """Kernel body: ``nbc`` blocks of 64 pooled keys per CTA, T tokens x hi heads.
+def _tc_scores(k_s, q_s, acc_t, mbar, t_s):
+  """The tcgen05 form's scores tile: keys k_s [128, 128] e4m3 times one token's queries q_s [hi, 128] e4m3 (both
+  K-major, as the wgmma's) into the TMEM accumulator acc_t [128, hi] f32 -> [128, hi] f32 in the WGMMA layout the
+  epilogue takes, through the SMEM tile t_s [128, hi] (no register relayout from tcgen05's layout exists). The
+  commit also holds every warp until its TMEM load is done, before the next MMA overwrites the accumulator."""
+  plgpu.tcgen05_mma(acc_t, k_s, q_s.T, mbar, accumulate=False)  # (one thread issues it; arrives when done)
+  plgpu.barrier_wait(mbar)
+  acc = plgpu.async_load_tmem(acc_t)
+  plgpu.wait_load_tmem()
+  t_s[...] = acc
+  plgpu.commit_smem()
+  return plgpu.load(t_s, layout=_L.WGMMA, optimized=False)
+
+
+def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_plan=(), grid=(1, 1),
+                    tc05: bool = False):
+  """Kernel body: ``nbc`` blocks of 64 pooled keys per CTA (``tc05``: 128), T tokens x hi heads.
 
   GMEM refs: q_g [B, T * hi, 128] e4m3, wq_g [B, T, hi] f32 (w * q_scale), nv_g [B, T] int32,
   k8_g [B, Pp, 128] e4m3, ks_g [B, Pp] f32; out o_g [B, T, Pp] f32. ``rotate`` (``indexer_scores_q``): q_g is the
@@ -147,29 +191,50 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_pl
   ``wait_smem_to_gmem``, whose barrier holds every thread until its TMA store has read it; a slot's next gather
   comes after the commit that every thread passes once its reads of the slot — the wgmma's, the scales' — are
   done; the queries' SMEM is written once, before a commit. ``prefetch_plan``: L2 prefetches of the weights
-  after the inputs (``issue_l2_prefetch``), dealt out over the ``grid`` (chunks, sequences) of CTAs."""
+  after the inputs (``issue_l2_prefetch``), dealt out over the ``grid`` (chunks, sequences) of CTAs.
+
+  ``tc05``: the tcgen05 form (Blackwell): blocks of 128 keys, each token's scores one tcgen05 MMA into the TMEM
+  accumulator acc_t [128, hi] (``_tc_scores``), relaid into the WGMMA layout through t_s [2, 128, hi] (a tile per
+  token parity: a tile is rewritten two tokens later, after the commit of the token between, which every thread
+  passes once done reading it — so ``lean`` needs nothing more here either); the rotation by 128-row tcgen05 MMAs
+  into racc_t [128, 128]. Scratch after the wgmma form's: acc_t, its tensor-core barrier mbar, t_s[, racc_t]. Keys
+  allocated as a multiple of 64 but not of 128: the last block loads its first 64 rows only (no pad of the
+  cache); its other rows hold stale SMEM, in rows past every n_valid, which the mask replaces with -inf."""
+  bk = TC_BLOCK if tc05 else BLOCK  # pooled keys per block (the MMA's M)
 
   def body(*refs):
     n_in, n_pf = (6 if rotate else 5), len(prefetch_plan)
     pf, refs = refs[n_in:n_in + n_pf], refs[:n_in] + refs[n_in + n_pf:]
+    tc = ()
+    if tc05:
+      n_tc = 4 if rotate else 3
+      refs, tc = refs[:-n_tc], refs[-n_tc:]
     if rotate:
       (q_g, h_g, wq_g, nv_g, k8_g, ks_g, o_g, q_s, k_s, ks_s, o_s, bar, kbar, qb_s, h_s, qs_s) = refs
     else:
       q_g, wq_g, nv_g, k8_g, ks_g, o_g, q_s, k_s, ks_s, o_s, bar, kbar = refs
     ch = lax.axis_index("c")
     b = lax.axis_index("b")
-    j_base = ch * (nbc * BLOCK)
+    j_base = ch * (nbc * bk)
     nv = [nv_g[b, t] for t in range(T)]
     nv_max = nv[0]
     for t in range(1, T):
       nv_max = jnp.maximum(nv_max, nv[t])
     # Blocks of this CTA that some token can see; the rest are only written as -inf.
-    n_live = jnp.clip(pl.cdiv(nv_max - j_base, BLOCK), 0, nbc)
+    n_live = jnp.clip(pl.cdiv(nv_max - j_base, bk), 0, nbc)
+    kp = k8_g.shape[1]  # (keys allocated: a multiple of 64)
 
     def issue(k, slot):
-      j0 = j_base + k * BLOCK
-      plgpu.copy_gmem_to_smem(k8_g.at[b, pl.ds(j0, BLOCK)], k_s.at[slot], kbar.at[slot])
-      plgpu.copy_gmem_to_smem(ks_g.at[b, pl.ds(j0, BLOCK)], ks_s.at[slot], kbar.at[slot])
+      j0 = j_base + k * bk
+      if kp % bk:  # (tcgen05: a live block starts below kp, so one that does not fit has 64 keys in memory)
+        for n in (bk, BLOCK):
+          @pl.when((j0 + bk <= kp) == (n == bk))
+          def _():
+            plgpu.copy_gmem_to_smem(k8_g.at[b, pl.ds(j0, n)], k_s.at[slot, pl.ds(0, n)], kbar.at[slot])
+            plgpu.copy_gmem_to_smem(ks_g.at[b, pl.ds(j0, n)], ks_s.at[slot, pl.ds(0, n)], kbar.at[slot])
+      else:
+        plgpu.copy_gmem_to_smem(k8_g.at[b, pl.ds(j0, bk)], k_s.at[slot], kbar.at[slot])
+        plgpu.copy_gmem_to_smem(ks_g.at[b, pl.ds(j0, bk)], ks_s.at[slot], kbar.at[slot])
 
     if rotate:  # (rows past T * hi: the TMA's zero fill)
       plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(0, qb_s.shape[0])], qb_s, bar.at[0])
@@ -186,14 +251,14 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_pl
     plgpu.barrier_wait(bar.at[0])
     wq = [plgpu.load(wq_g.at[b, t], layout=_L.WGMMA.reduce(0), optimized=False) for t in range(T)]
     if rotate:
-      _quantize_rows(qb_s, h_s, q_s, qs_s, qb_s.shape[0])
+      _quantize_rows(qb_s, h_s, q_s, qs_s, qb_s.shape[0], (tc[3], tc[1]) if tc05 else None)
       wq = [w * plgpu.load(qs_s.at[pl.ds(t * hi, hi)], layout=_L.WGMMA.reduce(0), optimized=False)
             for t, w in enumerate(wq)]
-    rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK,), 0, layout=_L.WGMMA.reduce(1))
+    rows = plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=_L.WGMMA.reduce(1))
 
     def block(k, carry):
       slot = lax.rem(k, 2)
-      j0 = j_base + k * BLOCK
+      j0 = j_base + k * bk
 
       @pl.when(k + 1 < n_live)
       def _():
@@ -204,21 +269,24 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_pl
         plgpu.barrier_wait(kbar.at[slot])
         kscale = plgpu.load(ks_s.at[slot], layout=_L.WGMMA.reduce(1), optimized=False)
         for t in range(T):
-          def mma(acc):
-            plgpu.wgmma(acc, k_s.at[slot], q_s.at[pl.ds(t * hi, hi)].T)  # fp8 operands must be K-major
-            return acc[...]
-          st = pl.run_scoped(mma, plgpu.ACC((BLOCK, hi), jnp.float32))  # [keys, heads]
-          st = jnp.maximum(st, 0.0) * lax.broadcast_in_dim(wq[t], (BLOCK, hi), (1,))
+          if tc05:
+            st = _tc_scores(k_s.at[slot], q_s.at[pl.ds(t * hi, hi)], tc[0], tc[1], tc[2].at[t % 2])
+          else:
+            def mma(acc):
+              plgpu.wgmma(acc, k_s.at[slot], q_s.at[pl.ds(t * hi, hi)].T)  # fp8 operands must be K-major
+              return acc[...]
+            st = pl.run_scoped(mma, plgpu.ACC((BLOCK, hi), jnp.float32))  # [keys, heads]
+          st = jnp.maximum(st, 0.0) * lax.broadcast_in_dim(wq[t], (bk, hi), (1,))
           sc = plgpu.layout_cast(st.sum(axis=1), _L.WGMMA.reduce(1)) * kscale
           o_s[t, :] = jnp.where(rows + j0 < nv[t], sc, -jnp.inf)
 
       @pl.when(k >= n_live)
       def _():
         for t in range(T):
-          o_s[t, :] = plgpu.layout_cast(jnp.full((BLOCK,), -jnp.inf, jnp.float32), _L.WGMMA.reduce(1))
+          o_s[t, :] = plgpu.layout_cast(jnp.full((bk,), -jnp.inf, jnp.float32), _L.WGMMA.reduce(1))
 
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, pl.ds(j0, BLOCK)])
+      plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, pl.ds(j0, bk)])
       # o_s is rewritten next block: its TMA store must have read it first (the wait ends in a warpgroup barrier)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       return carry
@@ -229,9 +297,9 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_pl
   return body
 
 
-@kernel_entry("blocks_per_cta", "padded", "align", "lean", "prefetch_plan")
+@kernel_entry("blocks_per_cta", "padded", "align", "lean", "prefetch_plan", "mma")
 def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False,
-                   align: int = 64, lean: bool = False, prefetch=(), prefetch_plan=()):
+                   align: int = 64, lean: bool = False, prefetch=(), prefetch_plan=(), mma: str = "wgmma"):
   """Mosaic GPU indexer scores; same contract as ``indexer_scores_reference``.
 
   q8 [B, T, HI, 128] e4m3 (HI a multiple of 8), q_scale / w [B, T, HI] f32, k8 [B, P, 128] e4m3, k_scale [B, P]
@@ -243,10 +311,17 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   128 per warpgroup; the grid grows by CTAs that only write -inf). ``lean`` (policy knob lean_barriers): built
   without Mosaic GPU's automatic warpgroup barriers (18 bar.sync, 4 lean; ``_indexer_kernel``). ``prefetch`` /
   ``prefetch_plan`` (policy knob l2_prefetch; ``_common.l2_prefetch_args``): weights the CTAs ask to have brought
-  into L2 while the DSA layer's selection runs — its W_UV and o_proj, read at the layer's end."""
+  into L2 while the DSA layer's selection runs — its W_UV and o_proj, read at the layer's end.
+
+  ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell, sm_100: no wgmma there) — each token's scores one tcgen05
+  MMA of 128 keys (M = 128: tcgen05's M = 64 splits N over two lane groups, which Mosaic refused here) into a
+  tensor-memory accumulator, relaid into the WGMMA layout through SMEM for the same epilogue (``_indexer_kernel``).
+  Its blocks (``blocks_per_cta``) are of 128 keys, so the padded width Pp is a multiple of 128 (and of ``align``)
+  and may exceed the wgmma form's; the scores are the same. ``lean`` is honoured (no barrier of its own either)."""
+  tc05 = _check_mma(mma, "indexer_scores")
   wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
   return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False, padded=padded, align=align,
-                      lean=lean, prefetch=tuple(prefetch), prefetch_plan=prefetch_plan)
+                      lean=lean, prefetch=tuple(prefetch), prefetch_plan=prefetch_plan, tc05=tc05)
 
 
 def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
@@ -256,20 +331,29 @@ def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
   return indexer_scores_reference(q8, qs, w, k8, k_scale, n_valid, **unused)
 
 
-@kernel_entry("blocks_per_cta", "padded", "align", "lean", "prefetch_plan")
+@kernel_entry("blocks_per_cta", "padded", "align", "lean", "prefetch_plan", "mma")
 def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False,
-                     align: int = 64, lean: bool = False, prefetch=(), prefetch_plan=()):
+                     align: int = 64, lean: bool = False, prefetch=(), prefetch_plan=(), mma: str = "wgmma"):
   """Mosaic GPU version of ``indexer_scores_q_reference``: ``indexer_scores`` with the queries' FWHT and FP8
   quantisation inside the kernel (each CTA rotates the T · HI rows with one wgmma per 64 rows against the ±1
   Sylvester matrix and quantises them in registers: ``_quantize_rows``) instead of ~3 XLA kernels in front of it
   on the critical path (the rotation's butterflies, the amax, the conversion; ~8 µs per DSA layer on the H200,
   session 29's profile). q must be bf16 (the projection's output dtype: the wgmma reads it as is). ``lean``,
-  ``prefetch`` / ``prefetch_plan`` as in ``indexer_scores``."""
+  ``prefetch`` / ``prefetch_plan``, ``mma`` as in ``indexer_scores`` (tcgen05: the rotation one tcgen05 MMA per
+  128 query rows, the T · HI rows padded to 128 by the TMA's zero fill, quantised in tcgen05's register layout)."""
+  tc05 = _check_mma(mma, "indexer_scores_q")
   if q.dtype != jnp.bfloat16:
     raise ValueError(f"indexer_scores_q: q {q.dtype}; expected bfloat16 (the wq_b projection's output: the "
                      "kernel's wgmma reads it as is — rotate other dtypes with indexer_scores)")
   return _scores_call(q, w.astype(jnp.float32), k8, k_scale, n_valid, blocks_per_cta, rotate=True, padded=padded,
-                      align=align, lean=lean, prefetch=tuple(prefetch), prefetch_plan=prefetch_plan)
+                      align=align, lean=lean, prefetch=tuple(prefetch), prefetch_plan=prefetch_plan, tc05=tc05)
+
+
+def _check_mma(mma: str, name: str) -> bool:
+  """Whether ``mma`` is the tcgen05 form; an unknown one is refused by name."""
+  if mma not in MMA_FORMS:
+    raise ValueError(f"{name}: mma={mma!r}, expected one of {MMA_FORMS}")
+  return mma == "tcgen05"
 
 
 def _sylvester128():
@@ -280,38 +364,48 @@ def _sylvester128():
 
 
 def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padded: bool = False, align: int = 64,
-                 lean: bool = False, prefetch=(), prefetch_plan=()):
+                 lean: bool = False, prefetch=(), prefetch_plan=(), tc05: bool = False):
   B, T, HI, Dh = q.shape
   P = k8.shape[1]
   if Dh != HEAD_DIM or HI % 8:
     raise ValueError(f"indexer scores: q {q.shape}; expected [B, T, HI, {HEAD_DIM}] with HI a multiple of 8")
+  if tc05 and HI % 16:
+    raise ValueError(f"indexer scores: q {q.shape}; mma='tcgen05' needs HI a multiple of 16 (the MMA's N)")
   if align % BLOCK:
     raise ValueError(f"indexer scores: align={align}; expected a multiple of {BLOCK}")
-  n_blocks = -(-P // BLOCK)
+  bk = TC_BLOCK if tc05 else BLOCK  # keys per block
+  n_blocks = -(-P // bk)
   nbc = blocks_per_cta or _pick_blocks_per_cta(n_blocks, B)
   nch = -(-n_blocks // nbc)
-  step = math.lcm(nbc * BLOCK, align) // (nbc * BLOCK)  # (chunks per aligned span: the grid in whole spans)
+  step = math.lcm(nbc * bk, align) // (nbc * bk)  # (chunks per aligned span: the grid in whole spans)
   nch = -(-nch // step) * step
-  Pp = nch * nbc * BLOCK
+  Pp = nch * nbc * bk
   if P % BLOCK:
-    # (the last block some token can see must be whole in memory; slots past n_valid are written as -inf)
-    k8 = jnp.pad(k8, ((0, 0), (0, n_blocks * BLOCK - P), (0, 0)))
-    k_scale = jnp.pad(k_scale, ((0, 0), (0, n_blocks * BLOCK - P)))
+    # (the last block some token can see must be whole in memory; slots past n_valid are written as -inf. tcgen05:
+    # to a multiple of 64 too — the kernel loads a last block of 64 keys as such)
+    n64 = -(-P // BLOCK)
+    k8 = jnp.pad(k8, ((0, 0), (0, n64 * BLOCK - P), (0, 0)))
+    k_scale = jnp.pad(k_scale, ((0, 0), (0, n64 * BLOCK - P)))
   # fp8 wgmma operands: 128-byte rows (128 e4m3), 128-byte swizzle, both K-major
   tile8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
   tile16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16: 64-column tiles of 128 bytes
-  rq = -(-T * HI // BLOCK) * BLOCK if rotate else T * HI  # query rows in SMEM (the rotation: whole 64-row tiles)
+  rq = -(-T * HI // bk) * bk if rotate else T * HI  # query rows in SMEM (the rotation: whole 64 / 128-row tiles)
   extra = [plgpu.SMEM((rq, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # qb_s: the raw queries
            plgpu.SMEM((HEAD_DIM, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # h_s: the Sylvester matrix
            plgpu.SMEM((rq,), jnp.float32)] if rotate else []  # qs_s: the queries' scales
+  if tc05:  # acc_t, mbar, t_s[, racc_t] (_indexer_kernel)
+    extra += [plgpu.TMEM((TC_BLOCK, HI), jnp.float32),
+              plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
+              plgpu.SMEM((2, TC_BLOCK, HI), jnp.float32)]
+    extra += [plgpu.TMEM((TC_BLOCK, HEAD_DIM), jnp.float32)] if rotate else []
   kern = mgpu_kernel(
-      _indexer_kernel(nbc, T, HI, rotate, prefetch_plan, grid=(nch, B)),
+      _indexer_kernel(nbc, T, HI, rotate, prefetch_plan, grid=(nch, B), tc05=tc05),
       out_type=jax.ShapeDtypeStruct((B, T, Pp), jnp.float32),
       scratch_types=[
           plgpu.SMEM((rq, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # q_s
-          plgpu.SMEM((2, BLOCK, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # k_s (double buffer)
-          plgpu.SMEM((2, BLOCK), jnp.float32),  # ks_s
-          plgpu.SMEM((T, BLOCK), jnp.float32),  # o_s
+          plgpu.SMEM((2, bk, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # k_s (double buffer)
+          plgpu.SMEM((2, bk), jnp.float32),  # ks_s
+          plgpu.SMEM((T, bk), jnp.float32),  # o_s
           plgpu.Barrier(num_arrivals=2 if rotate else 1, num_barriers=1),
           plgpu.Barrier(num_arrivals=2, num_barriers=2),
           *extra,

@@ -17,7 +17,7 @@ as separate arrays took two per position). The kernel reads the bytes with 32-bi
 from an untiled SMEM buffer gave wrong values natively on the H200 — see ``_dequant_block``).
 ``quantize_latent`` / ``dequantize_latent`` are the cache write / read paths; ``pack_e4m3`` / ``unpack_e4m3``
 convert between the two views of the bytes and ``split_row`` takes a row apart. ``mla_absorb_uv`` (at the end)
-applies W_UV to the merged output.
+applies W_UV to the merged output (Hopper's wgmma, or ``mma="tcgen05"`` for Blackwell).
 
 The attention is the absorbed form: with q̂_h = W_UK_hᵀ q_h ∈ [512],
   o_h = Σ_{s ∈ I_t} softmax_s(q̂_h · c_s · softmax_scale) c_s,
@@ -542,6 +542,8 @@ def combine_splits(o_part, lse):
 # merge on every DSA layer's critical path (1.9 + 3.0 µs, session 46's trace).
 UV_MAX_TOKENS = 8  # token rows per launch: one accumulator and one O^T tile set per token (SMEM: 16 KB each)
 KT = D_LATENT // BLOCK  # the contraction's K tiles of 64
+UV_MMA_FORMS = ("wgmma", "tcgen05")  # Hopper's warpgroup MMA; Blackwell's tensor-core gen 5 MMA (TMEM accumulator)
+UV_TC_ROWS = 128  # W_UV rows per CTA in the tcgen05 form (M = 64 would need a 16-byte swizzle for N = 16: none)
 _BF16_SW32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # (as _F16_SW32: one swizzle, A and B)
 
 
@@ -604,15 +606,92 @@ def _uv_kernel(BT: int, dn: int, x16: bool = False):
   return body
 
 
-@kernel_entry("dn", "lean", "x16")
-def mla_absorb_uv(o_t, w_kv, *, dn: int, lean: bool = False, x16: bool = False):
+def _uv_kernel_tc05(BT: int, dn: int, x16: bool = False):
+  """``_uv_kernel``'s tcgen05 form (Blackwell, no wgmma): CTA (v-chunk c, head h) -> out[:, h, 128c .. 128c + 127]
+  (an M = 64 tcgen05 MMA splits N over two lane groups and N = 16 would then need a 16-byte swizzle, which does
+  not exist: M = 128). The [128, 16] accumulator lives in TMEM; a token's 8 MMAs are issued by one thread, the
+  last arriving on the tensor-core barrier when all are done. W_UV_h's [128, 512] rows (128 KB) leave no room for
+  every token's O^T tiles at once (16 KB each, up to 8 tokens): they go through a ring of two, token bt's written
+  (from its GMEM loads) while token bt - 1's MMAs run. Token bt - 1's result is read from TMEM before token bt's
+  MMAs overwrite the one accumulator, and its epilogue (relayed into the WGMMA layout through an SMEM f32 tile —
+  no register relayout from tcgen05's row-per-thread layout exists — then ``_uv_kernel``'s masked row sum, bf16
+  rounding and f16 copy) runs while they do. Checked in GPU interpret mode and compiled for sm_100a on a CPU
+  (compile-only b200 topology); not yet run on a GPU."""
+
+  def body(o_g, w_g, *refs):
+    if x16:
+      out_g, out16_g, w_s, ob_s, v_s, v16_s, t_s, acc_t, bar, done = refs
+    else:
+      (out_g, w_s, ob_s, v_s, t_s, acc_t, bar, done), out16_g, v16_s = refs, None, None
+    c, h = lax.axis_index("c"), lax.axis_index("h")
+    v0, g0 = c * UV_TC_ROWS, (h // HEADS_PER_CTA) * HEADS_PER_CTA
+    for t in range(KT):
+      plgpu.copy_gmem_to_smem(w_g.at[h, pl.ds(dn + v0, UV_TC_ROWS), pl.ds(t * BLOCK, BLOCK)], w_s.at[t], bar)
+    col = plgpu.broadcasted_iota(jnp.int32, (UV_TC_ROWS, HEADS_PER_CTA), 1, layout=_L.WGMMA)
+
+    def stage(bt):
+      # (slot bt % 2 was last read by token bt - 2's MMAs, whose barrier has been waited: free)
+      o = [plgpu.load(o_g.at[bt, pl.ds(t * BLOCK, BLOCK), pl.ds(g0, HEADS_PER_CTA)], layout=_L.WGMMA,
+                      optimized=False) for t in range(KT)]
+      for t in range(KT):
+        ob_s[bt % 2, t] = plgpu.layout_cast(o[t].astype(jnp.bfloat16), _L.WGMMA)
+      plgpu.commit_smem()  # (every thread's tiles visible to the MMA's async proxy)
+
+    def issue(bt):
+      for t in range(KT):
+        plgpu.tcgen05_mma(acc_t, w_s.at[t], ob_s.at[bt % 2, t], done if t == KT - 1 else None, accumulate=t > 0)
+
+    def read():
+      plgpu.barrier_wait(done)  # (one arrival per token, waited once, in order)
+      acc = plgpu.async_load_tmem(acc_t)
+      # (read before the next token's MMAs overwrite the accumulator: the wait ends with a warpgroup barrier, so
+      # every thread's read is done before the one thread issues them)
+      plgpu.wait_load_tmem()
+      return acc
+
+    def epilogue(bt, acc):
+      # (relay slot bt % 2: slot reuse two tokens later is behind the commit_smem of the token between)
+      t_s[bt % 2] = acc
+      plgpu.commit_smem()
+      acc = plgpu.load(t_s.at[bt % 2], layout=_L.WGMMA, optimized=False)
+      v = jnp.where(col == h - g0, acc, 0.0).sum(axis=1)
+      v_s[bt] = v.astype(jnp.bfloat16)
+      if x16:
+        v16_s[bt] = saturate_f16(round_bf16(v))
+
+    stage(0)
+    plgpu.barrier_wait(bar)
+    issue(0)
+    for bt in range(1, BT):
+      stage(bt)  # (overlaps token bt - 1's MMAs)
+      acc = read()
+      issue(bt)
+      epilogue(bt - 1, acc)  # (overlaps token bt's MMAs)
+    epilogue(BT - 1, read())
+    plgpu.commit_smem()
+    for bt in range(BT):
+      plgpu.copy_smem_to_gmem(v_s.at[bt], out_g.at[bt, h, pl.ds(v0, UV_TC_ROWS)])
+      if x16:
+        plgpu.copy_smem_to_gmem(v16_s.at[bt], out16_g.at[bt, h, pl.ds(v0, UV_TC_ROWS)])
+    plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+@kernel_entry("dn", "lean", "x16", "mma")
+def mla_absorb_uv(o_t, w_kv, *, dn: int, lean: bool = False, x16: bool = False, mma: str = "wgmma"):
   """Mosaic GPU version of ``mla_absorb_uv_reference`` (same signature): a CTA per (64 output values, head), dv /
   64 · H CTAs (64 at TP4: 16 heads, dv = 256), each streaming its [64, 512] slice of W_UV once for all the
   launch's tokens (up to UV_MAX_TOKENS). The products of bf16 values are exact in the f32 accumulator; the sums
   run in another order than XLA's (the result within bf16 rounding of the reference). ``lean`` (policy knob
   lean_barriers): built without Mosaic GPU's automatic warpgroup barriers (29 bar.sync, 3 lean): each SMEM buffer
   is written once and read after a commit_smem (the O^T tiles by the wgmma, the outputs by the TMA). ``x16``
-  (policy knob dq_f16): (out, out in f16) as the reference's — o_proj's f16 kernel input, no conversion kernel."""
+  (policy knob dq_f16): (out, out in f16) as the reference's — o_proj's f16 kernel input, no conversion kernel.
+  ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell, which has no wgmma: ``_uv_kernel_tc05``) — a CTA per (128
+  output values, head), dv a multiple of 128, the accumulator in tensor memory; ``lean`` is ignored there (built
+  with the automatic barriers: its ordering is not checked on a GPU yet)."""
+  if mma not in UV_MMA_FORMS:
+    raise ValueError(f"mla_absorb_uv: mma={mma!r}, expected one of {UV_MMA_FORMS}")
   BT, Dl, Hp = o_t.shape
   H, rows, R = w_kv.shape
   dv = rows - dn
@@ -624,8 +703,28 @@ def mla_absorb_uv(o_t, w_kv, *, dn: int, lean: bool = False, x16: bool = False):
                      f"{HEADS_PER_CTA}, H <= Hp, dn >= 0 and dv a positive multiple of {BLOCK}")
   if not 1 <= BT <= UV_MAX_TOKENS:
     raise ValueError(f"mla_absorb_uv: {BT} token rows; expected 1 .. {UV_MAX_TOKENS}")
+  if mma == "tcgen05" and dv % UV_TC_ROWS:
+    raise ValueError(f"mla_absorb_uv: dv = {dv}; mma='tcgen05' needs dv a multiple of {UV_TC_ROWS} (its CTA's rows)")
   bf16, f16 = jnp.bfloat16, jnp.float16
   out = jax.ShapeDtypeStruct((BT, H, dv), bf16)
+  if mma == "tcgen05":
+    return mgpu_kernel(
+        _uv_kernel_tc05(BT, dn, x16),
+        out_type=(out, jax.ShapeDtypeStruct((BT, H, dv), f16)) if x16 else out,
+        scratch_types=[
+            plgpu.SMEM((KT, UV_TC_ROWS, BLOCK), bf16, transforms=_BF16_SW32),  # w_s: W_UV_h's 128 rows, K tiles
+            plgpu.SMEM((2, KT, BLOCK, HEADS_PER_CTA), bf16, transforms=_BF16_SW32),  # ob_s: O^T ring, K tiles
+            plgpu.SMEM((BT, UV_TC_ROWS), bf16),  # v_s: the outputs
+            *([plgpu.SMEM((BT, UV_TC_ROWS), f16)] if x16 else []),  # v16_s: the outputs in f16 (x16)
+            plgpu.SMEM((2, UV_TC_ROWS, HEADS_PER_CTA), jnp.float32),  # t_s: the relay to the WGMMA layout
+            plgpu.TMEM((UV_TC_ROWS, HEADS_PER_CTA), jnp.float32),  # acc_t: the accumulator
+            plgpu.Barrier(num_arrivals=KT),  # bar: W_UV_h's TMAs
+            plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),  # done: a token's MMAs
+        ],
+        grid=(dv // UV_TC_ROWS, H),
+        grid_names=("c", "h"),
+        kernel_name="glm5_mla_uv",
+    )(o_t, w_kv)
   return mgpu_kernel(
       _uv_kernel(BT, dn, x16),
       out_type=(out, jax.ShapeDtypeStruct((BT, H, dv), f16)) if x16 else out,

@@ -185,6 +185,40 @@ def test_kernel_rotating_queries_interpret(B, T, P, nbc):
   assert_scores_close(got, ref, "kernel_f32")
 
 
+TC05_CASES = [
+    # B, T, P, blocks_per_cta (of 128 keys in the tcgen05 form)
+    (1, 1, 200, None),  # P padded to 256 (64-aligned): two whole 128-key blocks, 2 CTAs
+    (2, 4, 320, 2),  # 320 = 2.5 blocks: the last loads its 64 keys in memory only (no pad); one CTA of 2 blocks + one
+    # that writes -inf past them (padded width 512)
+]
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("B,T,P,nbc", TC05_CASES)
+def test_kernel_tcgen05_interpret(B, T, P, nbc, rotate):
+  """mma='tcgen05' (Blackwell: 128-key tcgen05 MMAs into TMEM, the rotation's too) in GPU interpret mode == the
+  reference (the interpreter's MMAs sum in f32: the f32 table, as the wgmma form's tests); the padded output a
+  multiple of 128 wide, -inf past P."""
+  args = make_q_inputs(7 + B + T + P, B, T, P) if rotate else make_inputs(5 + B + T + P, B, T, P)
+  ref = np.asarray((I.indexer_scores_q_reference if rotate else I.indexer_scores_reference)(*args))
+  kern = I.indexer_scores_q if rotate else I.indexer_scores
+  with maybe_interpret(True):
+    got = np.asarray(kern(*args, blocks_per_cta=nbc, padded=True, mma="tcgen05"))
+  assert got.shape[:2] == (B, T) and got.shape[2] >= P and got.shape[2] % 128 == 0 and got.dtype == np.float32
+  assert np.all(got[..., P:] == -np.inf)
+  assert_scores_close(got[..., :P], ref, "kernel_f32")
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_scores_refuse_unknown_mma(rotate):
+  q = SDS((1, 1, HI, 128), jnp.bfloat16 if rotate else F8)
+  args = (q, *(() if rotate else (SDS((1, 1, HI), jnp.float32),)), SDS((1, 1, HI), jnp.float32),
+          SDS((1, 64, 128), F8), SDS((1, 64), jnp.float32), SDS((1, 1), jnp.int32))
+  kern = I.indexer_scores_q if rotate else I.indexer_scores
+  with pytest.raises(ValueError, match=r"mma='mfma', expected one of \('wgmma', 'tcgen05'\)"):
+    jax.eval_shape(functools.partial(kern, mma="mfma"), *args)
+
+
 @pytest.mark.parametrize("rotate", [False, True])
 def test_scores_with_l2_prefetches_are_the_scores(rotate):
   """Policy knob l2_prefetch: with weights to prefetch into L2 among its operands (a DSA layer's W_UV rows of kv_b
@@ -238,6 +272,18 @@ def test_cross_lower_real(B, T, P):
   if B == 1 and P == 8192:  # the queries rotated in the kernel (policy knob indexer_q_in_kernel), decode's rows
     txt = cross_lower(I.indexer_scores_q, SDS((B, T, HI, 128), jnp.bfloat16), *args[2:]).as_text()
     assert "mosaic_gpu" in txt
+
+
+@pytest.mark.parametrize("T,P", [(1, 8192), (4, 8256), (8, 16384)])
+def test_cross_lower_tcgen05(T, P):
+  """The tcgen05 form lowers for CUDA at decode's shapes (SMEM fits with T = 8's 256 rotated query rows; P = 8,256:
+  a last block of 64 keys). Only Mosaic's lowering: compiling for sm_100a needs a Blackwell target (done by hand)."""
+  args = (SDS((1, T, HI, 128), F8), SDS((1, T, HI), jnp.float32), SDS((1, T, HI), jnp.float32),
+          SDS((1, P, 128), F8), SDS((1, P), jnp.float32), SDS((1, T), jnp.int32))
+  assert "mosaic_gpu" in cross_lower(functools.partial(I.indexer_scores, mma="tcgen05"), *args).as_text()
+  txt = cross_lower(functools.partial(I.indexer_scores_q, mma="tcgen05", padded=True, align=128),
+                    SDS((1, T, HI, 128), jnp.bfloat16), *args[2:]).as_text()
+  assert "mosaic_gpu" in txt
 
 
 def test_cross_lower_with_l2_prefetches(monkeypatch):

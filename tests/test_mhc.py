@@ -218,7 +218,9 @@ def test_boundary_x16_gpu(lean, M):
   the row form, 4 the grid form): the f16 copy is linear._act of x_in, the rest bit for bit without it."""
   from pallas_kernels import linear as L  # noqa: PLC0415
   off, on = _x16_pair(4096, False, seed=6, M=M, launches=1, lean=lean)
-  for a, b in ((on[0], off[0]), (on[1][0], off[1]), (on[2], off[2])):
+  # (the partials' token rows past M are padding the kernel never writes: natively whatever the memory held —
+  # s57a, session 58, compared them and failed on rows 1..63 at M = 1)
+  for a, b in ((on[0], off[0]), (on[1][0], off[1]), (on[2][:, :M], off[2][:, :M])):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   np.testing.assert_array_equal(np.asarray(on[1][1]), np.asarray(L._act(off[1], jnp.float16)))
 
@@ -275,7 +277,8 @@ def test_boundary_with_l2_prefetches_is_the_boundary(row, first):
       outs.append(jax.jit(lambda *a, p=p, pl_=pl_: kern(*a[:6], first=first, approx_math=True, lean=True,
                                                           prefetch=a[6:], prefetch_plan=pl_, **GRID_CONSTS))(
           X, y, mix, fn, coef, w, *p))
-  for a, b in zip(*outs):
+  (xa, ia, pa), (xb, ib, pb) = outs  # (the partials' rows past M: padding never written, natively garbage)
+  for a, b in ((xa, xb), (ia, ib), (pa[:, :M], pb[:, :M])):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 

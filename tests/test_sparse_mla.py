@@ -427,6 +427,33 @@ def test_uv_kernel_x16_interpret():
   _uv_x16_check(M.mla_absorb_uv_reference(o_t, w, dn=256, x16=True), M.mla_absorb_uv_reference(o_t, w, dn=256))
 
 
+@pytest.mark.parametrize("BT,Hp,H", [(1, 16, 16), (4, 16, 16), (1, 32, 24)])
+def test_uv_kernel_tc05_interpret(BT, Hp, H):
+  """mma="tcgen05" (Blackwell: 128 rows a CTA, the accumulator in TMEM, the O^T tiles through a ring of two) in GPU
+  interpret mode against the reference as the wgmma form is, at TP4's shape (16 heads, dn = dv = 256) for one
+  token and for several (the ring wraps), and for a second head group with padded heads."""
+  o_t, w = uv_inputs(np.random.default_rng(), BT, Hp, H)
+  ref = M.mla_absorb_uv_reference(o_t, w, dn=256)
+  with maybe_interpret(True):
+    got = jax.jit(functools.partial(M.mla_absorb_uv, dn=256, mma="tcgen05"))(o_t, w)
+  assert got.shape == (BT, H, 256) and got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), **tol("kernel_bf16"))
+
+
+def test_uv_kernel_tc05_x16_interpret():
+  """mma="tcgen05" with x16: the bf16 output as without x16 (and within the reference's tolerance), the f16 copy
+  exactly linear._act of it (saturated past f16's range)."""
+  o_t, w = uv_inputs(np.random.default_rng(), 3, 16, 16)
+  o_t = o_t.at[0, :, 0].multiply(3e4)  # (head 0 of token 0 past f16's range)
+  with maybe_interpret(True):
+    plain = jax.jit(functools.partial(M.mla_absorb_uv, dn=256, mma="tcgen05"))(o_t, w)
+    got = jax.jit(functools.partial(M.mla_absorb_uv, dn=256, mma="tcgen05", x16=True))(o_t, w)
+  _uv_x16_check(got, plain)
+  assert np.abs(np.asarray(got[1], np.float32)).max() == 65504
+  np.testing.assert_allclose(np.asarray(plain, np.float32), np.asarray(M.mla_absorb_uv_reference(o_t, w, dn=256),
+                                                                      np.float32), **tol("kernel_bf16"))
+
+
 def test_round_bf16_is_the_conversion():
   """_common.round_bf16 (the W_UV kernel's f16 copy rounds on the bits): f32 -> bf16 -> f32 for 10^5 random finite
   values across the range (a product past f32's range drawn again: its cast to f32 warned and gave inf), ±0, ±inf, values rounding past bf16's max (to inf, as the conversion does); a NaN stays
@@ -454,6 +481,12 @@ def test_uv_rejects_bad_input():
     jax.eval_shape(functools.partial(M.mla_absorb_uv, dn=262), o_t, w)
   with pytest.raises(ValueError, match=rf"9 token rows; expected 1 .. {M.UV_MAX_TOKENS}"):
     jax.eval_shape(functools.partial(M.mla_absorb_uv, dn=256), SDS((9, 512, 16), jnp.float32), w)
+  with pytest.raises(ValueError, match=r"mma='mfma', expected one of \('wgmma', 'tcgen05'\)"):
+    jax.eval_shape(functools.partial(M.mla_absorb_uv, dn=256, mma="mfma"), o_t, w)
+  # dv = 320: a multiple of the wgmma form's 64 rows, not of the tcgen05 form's 128
+  jax.eval_shape(functools.partial(M.mla_absorb_uv, dn=192), o_t, w)
+  with pytest.raises(ValueError, match=r"dv = 320; mma='tcgen05' needs dv a multiple of 128"):
+    jax.eval_shape(functools.partial(M.mla_absorb_uv, dn=192, mma="tcgen05"), o_t, w)
 
 
 @pytest.mark.parametrize("BT,H", [(1, 16), (4, 16), (8, 64)])
