@@ -16,7 +16,9 @@
 #   s57a .. s57d (nvidia-h200): sessions 55-56's plan — the L2 prefetches' GPU tests, concurrently (s57a), the q = 1
 #                             A/B of every pending knob in one call (s57b: the configurations compile concurrently
 #                             since session 56), issue #9's ratio with s57b's winners (s57c), a trace (s57d), and
-#                             q = 4 with session 57's several-row boundary without wgmma, mhc_rows (s57e)
+#                             q = 4 with session 57's several-row boundary without wgmma, mhc_rows (s57e). Session
+#                             58 ran s57a and s57b (BENCHMARKS.md); s57c (WIN='{"dq_f16": false}': the defaults
+#                             before dq_f16) and s57e still wait
 #   Modes of past sessions (s25 .. s55c and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
