@@ -25,9 +25,9 @@ from jax import lax
 
 from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
-                             RMSNorm, concat_fits, has_tcgen05, kernel_arch, kernel_enabled, kernel_switch, param,
-                             StackedLinear, l2_prefetch_operands, l2_prefetch_side, radix_topk_plan, rms_norm,
-                             topk_set_by_threshold)
+                             RMSNorm, concat_fits, f16_copies, has_tcgen05, kernel_arch, kernel_enabled,
+                             kernel_switch, param, StackedLinear, l2_prefetch_operands, l2_prefetch_side,
+                             radix_topk_plan, rms_norm, topk_set_by_threshold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -631,7 +631,7 @@ class DSA(nnx.Module):
         o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine,
                                      transposed=uv, lean=lean)
         if uv:  # dq_f16: also in f16 for o_proj's f16 kernel (no conversion kernel between them)
-          o = ks.mla_absorb_uv(o_lat, wkv, dn=dn, lean=lean, x16=kernel_switch("dq_f16"))
+          o = ks.mla_absorb_uv(o_lat, wkv, dn=dn, lean=lean, x16=f16_copies(B * T))
           o, o16 = o if isinstance(o, tuple) else (o, None)
           o = o.reshape(B, T, H, dv)
         else:

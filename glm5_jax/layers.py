@@ -285,8 +285,8 @@ KNOBS = {
         "values (a prefetch moves no data into the kernel). Measured in s57b (session 58: one TP4 rank, B = 1, q = "
         "1, 5 interleaved repeats, defaults 3.65 ms): slower, 3.88 ms (+0.20 ms, "
         "faster in 0 of 4 paired rounds) — the chain's kernels live until their prefetches are processed (s57a's "
-        "stand-in: 1.5 -> 4.8 µs with 24 MB asked for, its GEMV 16.5 -> 15.2 µs) — off; natively declined "
-        "(NATIVE_WRONG)"),
+        "stand-in: 1.5 -> 4.8 µs with 24 MB asked for, its GEMV 16.5 -> 15.2 µs) — off. The kernel-tiny step with "
+        "it and moe_down_prefetch aborted natively in s57a (not isolated; each kernel's own GPU test passes)"),
     "l2_prefetch_side": (False,
         "l2_prefetch's prefetches from launches of their own beside the critical chain instead of from its "
         "kernels (pallas_kernels.prefetch.l2_prefetch: 66 one-warpgroup CTAs without shared memory): at each "
@@ -311,7 +311,8 @@ KNOBS = {
         "gate/up bytes streamed after the request plus the down weights must fit in the 50 MB L2. The same values "
         "(a prefetch moves no data into the kernel). Measured in s57b (session 58: one TP4 rank, B = 1, q = 1, 5 "
         "interleaved repeats, defaults 3.65 ms): slower, 3.76 ms (+0.10 ms, faster in 0 "
-        "of 4 paired rounds) — off; natively declined (NATIVE_WRONG)"),
+        "of 4 paired rounds) — off. The kernel-tiny step with it and l2_prefetch aborted natively in s57a (not "
+        "isolated; the MoE's own GPU test passes)"),
     "mhc_row": (True,
         "with mhc_grid_barrier on, at one token row (decode at q = 1): the boundary as "
         "pallas_kernels.mhc.mhc_row_boundary — D / 128 CTAs, each thread one column of every stream in "
@@ -576,13 +577,9 @@ REMOVED_KNOBS = {
 # refuses them outside interpret mode, with this reason, until rebuilt — interpret mode runs one warpgroup after
 # another and ignores register layouts, so it cannot see these bugs (session 34's native runs).
 NATIVE_WRONG: dict[str, str] = {
-    # knob -> why (its GPU test's failure). (indexer_q_in_kernel's failure in session 34 was its reference's — XLA
-    # on the GPU skipped a bf16 rounding (excess precision); against a reference compiled as the model rounds,
-    # conftest.rounding_reference, its GPU tests pass natively.)
-    "l2_prefetch": "the kernel-tiny step with l2_prefetch and moe_down_prefetch aborted natively (s57a, session "
-                   "58; each kernel's own GPU test passes): not isolated, and both measured slower (s57b)",
-    "moe_down_prefetch": "the kernel-tiny step with l2_prefetch and moe_down_prefetch aborted natively (s57a, "
-                         "session 58; the MoE's own GPU test passes): not isolated, and both measured slower (s57b)",
+    # knob -> why (its GPU test's failure). Empty since session 35: indexer_q_in_kernel's failure (session 34) was
+    # its reference's — XLA on the GPU skipped a bf16 rounding (excess precision); against a reference compiled
+    # as the model rounds (conftest.rounding_reference) its GPU tests pass natively.
 }
 
 
@@ -608,9 +605,10 @@ def radix_topk_plan(rows: int, pools: int) -> tuple[dict, bool]:
 # (sm_100, sm_103) take tcgen05 MMAs with their accumulators in tensor memory instead, and ptxas refuses every
 # wgmma there ("Instruction 'wgmma.mma_async with floating point types' not supported on .target 'sm_100a'":
 # the kernel-tiny step compiled for a B200 on a CPU, benchmarks/step_census.py --target
-# benchmarks/targets/b200.txtpb, session 57). Those with a tcgen05 form (TCGEN05_KNOBS, below: the GEMVs and the
-# MoE, session 58) run in it there; the step declines the others, with WGMMA_REASON, and runs the XLA path at their
-# sites. The rest compile there (the KDA
+# benchmarks/targets/b200.txtpb, session 57). Those with a tcgen05 form (TCGEN05_KNOBS, below: the GEMVs, the MoE
+# and the indexer's scores, session 58) run in it there; the step declines the others, with WGMMA_REASON, and runs
+# the XLA path at their sites (W_UV has a tcgen05 form, but its only site follows the sparse MLA kernel, which has
+# none). The rest compile there (the KDA
 # recurrence, the mHC boundary's row form — one token row, up to 4 with mhc_rows — and the Sinkhorn, the router
 # kernels, the indexer's threshold, the MLA merge); the other mHC forms (mhc_post_pre / mhc_post_finish: the
 # logits as a wgmma) are declined through knob mhc (model.fused_mhc).
@@ -625,10 +623,10 @@ WGMMA_KNOBS = {
     "topk_compact_kernel": "the selection's compaction (its prefix counts)",
 }
 WGMMA_REASON = ("needs Hopper's wgmma (sm_90a), which {arch} does not have (Blackwell's tcgen05 MMA: no form of "
-                "this kernel for it yet)")
-# The WGMMA_KNOBS kernels with a tcgen05 form (pallas_kernels.linear, mma="tcgen05": the accumulator in tensor
-# memory, A through SMEM, 128-row tiles, token rows padded to 16): on Blackwell they run in it instead of being
-# declined. Built and checked on a CPU (GPU interpret mode; compiled for sm_100a by step_census.py); not yet run
+                "this kernel that runs there yet)")
+# The WGMMA_KNOBS kernels with a tcgen05 form (pallas_kernels.linear and .indexer, mma="tcgen05": the accumulator
+# in tensor memory, A through SMEM, 128-row tiles, token rows padded to 16): on Blackwell they run in it instead of
+# being declined. Built and checked on a CPU (GPU interpret mode; compiled for sm_100a by step_census.py); not yet run
 # on a Blackwell GPU. fp8_linear's form is the dq kernel's (fp8_dq on: the hi/lo fp8 wgmma has none).
 TCGEN05_KNOBS = {
     "fp8_linear": "fp8_dq_linear (with fp8_dq on)",
@@ -666,7 +664,8 @@ def use_kernels(policy: dict | None, arch: str | None = None):
   """Trace the enclosed code with the Pallas kernels switched by ``policy`` over KERNEL_DEFAULTS (other keys of
   the policy are ignored here); None: no kernels (the stock path). ``arch``: the GPU the step is compiled for
   (runtime.detect_platform: "sm_90", "sm_100", ...; None or "cpu": Hopper's, the CUDA lowering's default) — on one
-  without wgmma the WGMMA_KNOBS kernels are declined at every site, with WGMMA_REASON."""
+  without wgmma the WGMMA_KNOBS kernels without a tcgen05 form it runs (TCGEN05_KNOBS) are declined at every site,
+  with WGMMA_REASON."""
   # (merged switches, the names the policy sets explicitly: those ignore kernel_enabled's ``prefer``, the arch)
   tok = _KERNELS.set(None if policy is None else ({**KERNEL_DEFAULTS, **policy}, frozenset(policy), arch))
   try:
@@ -797,9 +796,22 @@ def _splitk_counters(kl):
   return cell["splitk"]
 
 
+DQ_F16_ROWS = ("at 2+ token rows the f16 inputs would be XLA conversions (+14 launches at q = 4): measured at "
+               "one token row only (the policy can force it)")
+
+
 def _dq_dtype(rows: int) -> dict:
-  """The dq kernels' dtype option at this site: f16 under the policy knob dq_f16, else bf16 (their default)."""
-  return {"dq_dtype": "float16"} if kernel_enabled("dq_f16", rows) else {}
+  """The dq kernels' dtype option at this site: f16 under the policy knob dq_f16 (by default at one token row,
+  where the mHC boundary and W_UV write the f16 inputs: DQ_F16_ROWS), else bf16 (their default)."""
+  return {"dq_dtype": "float16"} if kernel_enabled("dq_f16", rows, prefer=rows == 1, prefer_why=DQ_F16_ROWS) else {}
+
+
+def f16_copies(rows: int) -> bool:
+  """Whether the kernels before the dq kernels (the one-row mHC boundary, W_UV) also write their outputs in f16
+  for them at a site of ``rows`` token rows: where ``_dq_dtype`` takes f16 (policy knob dq_f16; by default at one
+  row only), no switch report of its own."""
+  got = _KERNELS.get()
+  return kernel_switch("dq_f16") and (rows == 1 or "dq_f16" in got[1])
 
 
 def param(shape, dtype, axes):

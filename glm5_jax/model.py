@@ -18,8 +18,8 @@ from jax import lax
 from glm5_jax.attention import DSA, KDA, StepCtx
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, MLP, ONE_ROW_GEMV, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm,
-                             counters_scope, gemv_mma, has_wgmma, kernel_arch, kernel_enabled, kernel_switch,
-                             l2_prefetch_side, param, side_tokens)
+                             counters_scope, f16_copies, gemv_mma, has_wgmma, kernel_arch, kernel_enabled,
+                             kernel_switch, l2_prefetch_side, param, side_tokens)
 
 
 class DecoderLayer(nnx.Module):
@@ -77,7 +77,7 @@ class DecoderLayer(nnx.Module):
       # dq_f16: the boundary also writes x_in in f16 for the sublayer's FP8 kernels (none in a KDA sublayer)
       X2, x, mix = self.attn_hc.fused(X2, None if pending is None else pending[:2], self.input_layernorm, first,
                                       after=() if pending is None else pending[2],
-                                      x16=not self.is_kda and kernel_switch("dq_f16"))
+                                      x16=not self.is_kda and f16_copies(B * T))
       x, x16 = x if isinstance(x, tuple) else (x, None)
     with jax.named_scope("kda" if self.is_kda else "dsa"), side_tokens(toks):
       if self.is_kda:
@@ -91,7 +91,7 @@ class DecoderLayer(nnx.Module):
       first = self.mlp.l2_targets()
       l2_prefetch_side(y, first)
       X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm, first,
-                                     after=after, x16=kernel_switch("dq_f16"))
+                                     after=after, x16=f16_copies(B * T))
       x, x16 = x if isinstance(x, tuple) else (x, None)
       x16 = None if x16 is None else x16.reshape(B, T, -1)
     with jax.named_scope("moe" if self.is_moe else "mlp"), (contextlib.nullcontext() if last else side_tokens(toks)):

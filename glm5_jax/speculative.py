@@ -338,10 +338,11 @@ class Decoder:
       if wg:
         raise ValueError(f"the policy turns on kernel(s) {wg}: each {WGMMA_REASON.format(arch=self.platform)}")
       pol = {**KERNEL_DEFAULTS, **config.policy_dict()}
-      hilo = [k for k in ("fp8_linear", "fp8_moe") if pol.get(k)]
-      if hilo and not pol.get("fp8_dq"):
-        raise ValueError(f"the policy turns fp8_dq off with {hilo} on: on {self.platform} the FP8 kernels run only "
-                         "in the dq kernels' tcgen05 form (the hi/lo kernels issue wgmma)")
+      hilo = [k for k in ("fp8_linear", "fp8_moe") if pol.get(k) and k in _requested_kernels(config)]
+      if hilo and not pol.get("fp8_dq"):  # (the defaults with fp8_dq off: declined at each site, with the reason)
+        raise ValueError(f"the policy turns on {hilo} with fp8_dq off: on {self.platform} the FP8 kernels run only "
+                         "in the dq kernels' tcgen05 form (the hi/lo kernels issue wgmma) — turn fp8_dq on, or "
+                         f"{hilo} off")
       off = sorted(k for k, on in {**KERNEL_DEFAULTS, **config.policy_dict()}.items()
                    if on and declined_on(self.platform, k))
       if off:  # (defaults, not requests: declined at every site, said here, when a decoder is built, and in

@@ -561,6 +561,9 @@ CANDIDATE_KERNELS = (("router_route", True), ("linear_fused_sum", True), ("dq_f1
 @pytest.mark.e2e_kernels
 @pytest.mark.parametrize("extra", [(), pytest.param(CANDIDATE_KERNELS, marks=pytest.mark.gpu, id="candidates"),
                                    pytest.param((("lean_barriers", True),), marks=pytest.mark.gpu, id="lean"),
+                                   # (aborted natively in s57a, session 58: to isolate — both knobs measured slower)
+                                   pytest.param((("l2_prefetch", True), ("moe_down_prefetch", True)),
+                                                marks=pytest.mark.gpu, id="prefetch"),
                                    pytest.param((("moe_rows", False),), marks=pytest.mark.gpu, id="no_moe_rows"),
                                    pytest.param((("topk_compact_fused", False),), marks=pytest.mark.gpu,
                                                 id="compact_unfused"),

@@ -386,23 +386,24 @@ def test_bf16_linear_interpret(m, n, k, plan_kw):
 # ------------------------------------------------------------------------------------------------------------
 # the tcgen05 forms (Blackwell): interpret mode here; compiled for sm_100a in tests/test_step_lowering.py
 # ------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("m,n,k,plan_kw,out_dtype", [
-    (1, 256, 512, {}, jnp.float32),  # default plan (split-K), token rows padded to 16
-    (5, 384, 512, dict(split=1, stages=2), jnp.bfloat16),  # ring reuse: the slot refilled after its MMA's barrier
-    (16, 128, 384, dict(split=3, stages=1), jnp.float32),  # a full 16-row B tile; single-stage ring
-    (20, 128, 256, {}, jnp.float32),  # 32 padded rows (x zero-padded to them: _tma_rows)
+@pytest.mark.parametrize("m,n,k,plan_kw,out_dtype,dq", [
+    (1, 256, 512, {}, jnp.float32, "float16"),  # default plan (split-K), rows padded to 16; f16 (dq_f16's default)
+    (5, 384, 512, dict(split=1, stages=2), jnp.bfloat16, "bfloat16"),  # ring reuse: refilled after its MMA's barrier
+    (16, 128, 384, dict(split=3, stages=1), jnp.float32, "bfloat16"),  # a full 16-row B tile; single-stage ring
+    (20, 128, 256, {}, jnp.float32, "bfloat16"),  # 32 padded rows (x zero-padded to them: _tma_rows)
 ])
-def test_fp8_dq_linear_tcgen05_interpret(m, n, k, plan_kw, out_dtype):
+def test_fp8_dq_linear_tcgen05_interpret(m, n, k, plan_kw, out_dtype, dq):
   """fp8_dq_linear's tcgen05 form (mma="tcgen05"): each 128-K block an MMA into a fresh TMEM accumulator, read
   back for its block scale; the register sum relaid out through SMEM into the WGMMA layout of the epilogue. Exact
-  bf16 x e4m3 products, as the wgmma form: the reference up to f32 summation order."""
+  bf16 (f16) x e4m3 products, as the wgmma form: the reference up to f32 summation order."""
   ks = jax.random.split(jax.random.key(150 + m), 2)
   w, s = quantize_fp8_blocks(ks[0], (n, k))
   x = jax.random.normal(ks[1], (m, k), jnp.float32).astype(jnp.bfloat16)
   plan = L.plan_linear(n, k, L._padded_rows(m, "tcgen05"), "fp8dq", mma="tcgen05", **plan_kw)
   assert plan.bm == 128
   with maybe_interpret():
-    y = jax.jit(functools.partial(L.fp8_dq_linear, plan=plan, out_dtype=out_dtype, mma="tcgen05"))(x, w, s)
+    y = jax.jit(functools.partial(L.fp8_dq_linear, plan=plan, out_dtype=out_dtype, mma="tcgen05", dq_dtype=dq))(
+        x, w, s)
   assert y.shape == (m, n) and y.dtype == out_dtype
   assert_close(y, L.fp8_linear_reference(x, w, s, out_dtype=out_dtype),
                "kernel_f32" if out_dtype == jnp.float32 else "kernel_bf16")
@@ -442,7 +443,9 @@ def test_fp8_moe_tcgen05_interpret(m, e, k, shared, router, plan_kw):
   n_slots = min(e, m * k) + int(shared)
   plan = L.plan_moe(n_slots, i, d, L._padded_rows(m, "tcgen05"), mma="tcgen05", **plan_kw)
   assert (plan.gu_bm, plan.dn_bm) == (128, 128)
-  moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, plan=plan, mma="tcgen05")
+  # (f16 — dq_f16, on by default — in the one-row router case: h in f16 between the kernels)
+  moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, plan=plan, mma="tcgen05",
+                          dq_dtype="float16" if router else "bfloat16")
   if router:
     logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
     ref_ids, ref_w = kr.router_topk_reference(logits, bias, k=k, scaling=2.5, norm=True)

@@ -620,10 +620,7 @@ def test_l2_prefetch_at_the_model_site():
   np.testing.assert_array_equal(h1, h0)
   assert np.abs(h0).max() > 0
   sites = [why for name, why in rep if name == "l2_prefetch"]
-  from glm5_jax.layers import NATIVE_WRONG  # noqa: PLC0415
-  from pallas_kernels._common import on_gpu  # noqa: PLC0415
-  # (natively declined since session 58: layers.NATIVE_WRONG — the kernel-tiny step aborted with it)
-  assert sites == ([NATIVE_WRONG["l2_prefetch"]] if on_gpu() else [None]) * 4, sites
+  assert sites == [None] * 4, sites
   rep = []  # l2_prefetch_side: launches of their own (3 sublayer starts and the DSA layer's after its scores; not
   # at the last sublayer's start)
   (h2, _), _ = _extend_one_token(m, 1, base | {"l2_prefetch_side": True}, seed=seed, entries=rep)

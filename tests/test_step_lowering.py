@@ -337,8 +337,10 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
   cfg = DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("sparse_mla", True),))
   with pytest.raises(ValueError, match=r"\['sparse_mla'\]: each needs Hopper's wgmma \(sm_90a\), which sm_100"):
     Decoder(model, cfg, backend="latency_specialized")
-  with pytest.raises(ValueError, match=r"fp8_dq off with \['fp8_linear', 'fp8_moe'\] on: on sm_100 the FP8 kernels"):
-    Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("fp8_dq", False),)),
+  with pytest.raises(ValueError, match=r"turns on \['fp8_moe'\] with fp8_dq off: on sm_100 the FP8 kernels .* turn "
+                     r"fp8_dq on, or \['fp8_moe'\] off"):
+    Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("fp8_dq", False),
+                                                                                   ("fp8_moe", True))),
             backend="latency_specialized")
   with pytest.warns(UserWarning, match=r"on sm_100: kernel\(s\) \['indexer_pool_kernel', 'mla_uv_kernel'"):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()),
