@@ -657,10 +657,9 @@ def test_dq_f16_inputs_from_the_boundary_at_the_model_site(monkeypatch):
     monkeypatch.setattr(mod, fn, lambda *a, _o=orig, _n=fn, **k: asked.append((_n, k.get("x16", False))) or _o(*a, **k))
   (h1, e1), _ = _extend_one_token(m, 1, pol, seed=seed)
   assert ("mhc_row_boundary", True) in asked, asked
-  switch = Mo.kernel_switch
-  no16 = lambda name: False if name == "dq_f16" else switch(name)  # noqa: E731 (the sites' f16 copies not asked for)
-  monkeypatch.setattr(Mo, "kernel_switch", no16)
-  monkeypatch.setattr(A, "kernel_switch", no16)
+  no16 = lambda rows: False  # noqa: E731 (the sites' f16 copies not asked for: layers.f16_copies)
+  monkeypatch.setattr(Mo, "f16_copies", no16)
+  monkeypatch.setattr(A, "f16_copies", no16)
   asked.clear()
   (h0, e0), rep = _extend_one_token(m, 1, pol, seed=seed)
   assert asked and not any(x16 for _, x16 in asked), asked
