@@ -647,16 +647,20 @@ def has_tcgen05(arch: str | None) -> bool:
   return arch in ("sm_100", "sm_103")
 
 
-def gemv_mma(n_out: int, *, fp8: bool = False) -> tuple[dict, bool, str]:
-  """For a weight-streaming kernel with ``n_out`` weight rows in this trace: (its ``mma`` keyword — {} for
-  Hopper's wgmma, the default —, whether the weight fits that form, what the form needs). The tcgen05 form
-  (Blackwell) takes 128-row tiles: FP8 N % 128 == 0 (one scale row a tile), BF16 N >= 128."""
+def gemv_mma(n_out: int, fits: bool, why: str, *, fp8: bool = False) -> tuple[dict, bool, str]:
+  """A weight-streaming kernel's site with ``n_out`` weight rows, whose shapes ``fits`` (else ``why``) -> (its
+  ``mma`` keyword for this trace's GPU — {} for Hopper's wgmma, the default —, fits, why) with what that form adds:
+  the tcgen05 form (Blackwell) takes 128-row tiles (FP8 N % 128 == 0: one scale row a tile; BF16 N >= 128), and
+  FP8 only as the dq kernels (fp8_dq on: the hi/lo kernels issue wgmma)."""
   arch = kernel_arch()
-  if not has_tcgen05(arch):
-    return {}, True, ""
-  ok = n_out % 128 == 0 if fp8 else n_out >= 128
-  need = "N % 128 == 0" if fp8 else "N >= 128"
-  return {"mma": "tcgen05"}, ok, f"the tcgen05 form (on {arch}) takes 128-row tiles: {need} (here N = {n_out})"
+  if not has_tcgen05(arch) or not fits:
+    return {}, fits, why
+  if not (n_out % 128 == 0 if fp8 else n_out >= 128):
+    need = "N % 128 == 0" if fp8 else "N >= 128"
+    return {}, False, f"the tcgen05 form (on {arch}) takes 128-row tiles: {need} (here N = {n_out})"
+  if fp8 and not kernel_switch("fp8_dq"):
+    return {}, False, f"fp8_dq off: the hi/lo kernels issue wgmma, which {arch} does not have"
+  return {"mma": "tcgen05"}, True, why
 
 
 @contextlib.contextmanager
@@ -871,11 +875,7 @@ class Linear(nnx.Module):
     n_out, n_in = self.weight.shape
     tiles = n_in % 128 == 0 and n_out % 64 == 0
     why = f"weight {n_out}x{n_in} (the kernels need in % 128 == 0 and out % 64 == 0)"
-    mma, mma_ok, mma_why = gemv_mma(n_out, fp8=True)  # (Blackwell: the dq kernel's tcgen05 form, or none)
-    if tiles and not mma_ok:
-      tiles, why = False, mma_why
-    elif tiles and mma and not kernel_switch("fp8_dq"):
-      tiles, why = False, f"fp8_dq off: the hi/lo kernel issues wgmma, which {kernel_arch()} does not have"
+    mma, tiles, why = gemv_mma(n_out, tiles, why, fp8=True)  # (Blackwell: the dq kernel's tcgen05 form, or none)
     if self.scale is not None and kernel_enabled("fp8_linear", rows, fits=tiles, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415 (kernels only where the backend asks for them)
       if kernel_enabled("fp8_dq", rows):  # linear_fused_sum: the K splits summed in the kernel (split-K counters)
@@ -917,9 +917,7 @@ def _dense(x, w, dtype, *, prefix: bool = False):
   tiles = n_in % 128 == 0 and n_out % 8 == 0 and n_out >= 64
   why = (f"weight {n_out}x{n_in} (the kernel needs in % 128 == 0, out % 8 == 0 and out >= 64)" if not tiles
          else f"{w.dtype} weights (the kernel streams bf16)")
-  mma, mma_ok, mma_why = gemv_mma(n_out)
-  if tiles and not mma_ok:
-    tiles, why = False, mma_why
+  mma, tiles, why = gemv_mma(n_out, tiles, why)
   if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16, why=why, prefer=rows > 1,
                     prefer_why=ONE_ROW_GEMV):
     from pallas_kernels import linear as kl  # noqa: PLC0415
@@ -1353,9 +1351,7 @@ class Router(nnx.Module):
     ok = x.dtype == w.dtype == jnp.bfloat16 and D % 128 == 0 and E % 8 == 0 and E >= 64
     why = (f"bf16 router input and weight with D % 128 == 0, E % 8 == 0, E >= 64 ({x.dtype}, {w.dtype}, {D}, {E}; "
            "other dtypes would round x or W)")
-    mma, mma_ok, mma_why = gemv_mma(E)
-    if ok and not mma_ok:
-      ok, why = False, mma_why
+    mma, ok, why = gemv_mma(E, ok, why)
     if kernel_enabled("bf16_linear", rows, fits=ok, prefer=rows > 1, prefer_why=ONE_ROW_GEMV, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415
       return kl.bf16_linear(x.reshape(rows, D), w, **mma).reshape(*x.shape[:-1], E)
@@ -1427,12 +1423,10 @@ class MoE(nnx.Module):
     xf = x.reshape(-1, x.shape[-1])
     ex = self.experts
     rows, k, E = xf.shape[0], self.gate.top_k, ex.gate_proj.shape[0]
-    mma = gemv_mma(ex.gate_proj.shape[1], fp8=True)[0]  # (Blackwell: the tcgen05 form, with fp8_dq only)
-    fits_moe = ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0
-    why_moe = "FP8 expert weights with I % 128 == 0"
-    if fits_moe and mma and not kernel_switch("fp8_dq"):
-      fits_moe, why_moe = False, f"fp8_dq off: the hi/lo kernels issue wgmma, which {kernel_arch()} does not have"
-    moe_kernel = kernel_enabled("fp8_moe", rows, fits=fits_moe, why=why_moe)
+    mma, moe_fits, moe_why = gemv_mma(ex.gate_proj.shape[1], ex.fp8_block is not None
+                                      and ex.gate_proj.shape[1] % 128 == 0, "FP8 expert weights with I % 128 == 0",
+                                      fp8=True)  # (Blackwell: the tcgen05 form)
+    moe_kernel = kernel_enabled("fp8_moe", rows, fits=moe_fits, why=moe_why)
     tables, in_gate_up = None, False
     if moe_kernel:
       from pallas_kernels import linear as kl  # noqa: PLC0415

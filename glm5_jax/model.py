@@ -183,9 +183,7 @@ class Glm5Model(nnx.Module):
     rows, (Vl, D) = h.size // h.shape[-1], self.lm_head.shape
     ok = self.lm_head.dtype == jnp.bfloat16 and D % 128 == 0 and Vl % 64 == 0
     why = f"bf16 lm_head with D % 128 == 0 and V/tp % 64 == 0 ({self.lm_head.dtype}, {D}, {Vl})"
-    mma, mma_ok, mma_why = gemv_mma(Vl)
-    if ok and not mma_ok:
-      ok, why = False, mma_why
+    mma, ok, why = gemv_mma(Vl, ok, why)
     if kernel_enabled("bf16_linear", rows, fits=ok, why=why, prefer=rows > 1, prefer_why=ONE_ROW_GEMV):
       from pallas_kernels import linear as kl  # noqa: PLC0415
       return kl.bf16_linear(h.reshape(rows, D), self.lm_head[...], **mma).reshape(*h.shape[:-1], Vl)

@@ -23,6 +23,25 @@ _DUMP_NAME = "mosaic_gpu.dump_basename"
 F16_MAX = 65504.0  # the largest finite f16 (the dq kernels' f16 activations saturate there: linear._act)
 
 
+MMA_FORMS = ("wgmma", "tcgen05")  # Hopper's warpgroup MMA; Blackwell's tensor-core gen 5 MMA (TMEM accumulator)
+
+
+def check_mma(mma: str, name: str) -> bool:
+  """Whether ``mma`` (a kernel entry's MMA form) is the tcgen05 one; an unknown form is refused by name."""
+  if mma not in MMA_FORMS:
+    raise ValueError(f"{name}: mma={mma!r}, expected one of {MMA_FORMS}")
+  return mma == "tcgen05"
+
+
+def tmem_to_wgmma(acc, t_s):
+  """A [128, N] f32 register array in tcgen05's layout (a TMEM accumulator's load: a row per thread) -> the same
+  values in the WGMMA layout the Hopper forms' epilogues take, through the SMEM f32 tile t_s (no register relayout
+  between the two exists). The commit is also a warpgroup barrier: every warp's TMEM load is done after it."""
+  t_s[...] = acc
+  plgpu.commit_smem()
+  return plgpu.load(t_s, layout=plgpu.Layout.WGMMA, optimized=False)
+
+
 def saturate_f16(x):
   """x in f16, saturated at ±65,504 (the conversion alone would give inf past it: bf16 keeps such values) — the dq
   kernels' f16 activations, wherever they are made (linear._act, the f16 copies of the mHC boundary and W_UV)."""

@@ -36,8 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (issue_l2_prefetch, kernel_entry, mgpu_kernel, order_key_u32,
-                                    replicated_rows_layouts, warp_split_layout)
+from pallas_kernels._common import (check_mma, issue_l2_prefetch, kernel_entry, mgpu_kernel, order_key_u32,
+                                    replicated_rows_layouts, tmem_to_wgmma, warp_split_layout)
 
 HEAD_DIM = 128
 FP8_MAX = 448.0
@@ -46,7 +46,6 @@ BLOCK = 64  # pooled keys per wgmma (M)
 # Blackwell (sm_100) has no wgmma: mma="tcgen05" issues tcgen05 MMAs into a tensor-memory accumulator, M = 128 (an
 # M = 64 tcgen05 MMA splits N over two lane groups and constrains the swizzles; Mosaic refused it with N = 32)
 TC_BLOCK = 128  # pooled keys (and rotated query rows) per tcgen05 MMA (M)
-MMA_FORMS = ("wgmma", "tcgen05")
 NUM_SMS = 132  # H200
 _L = plgpu.Layout
 
@@ -174,9 +173,7 @@ def _tc_scores(k_s, q_s, acc_t, mbar, t_s):
   plgpu.barrier_wait(mbar)
   acc = plgpu.async_load_tmem(acc_t)
   plgpu.wait_load_tmem()
-  t_s[...] = acc
-  plgpu.commit_smem()
-  return plgpu.load(t_s, layout=_L.WGMMA, optimized=False)
+  return tmem_to_wgmma(acc, t_s)
 
 
 def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_plan=(), grid=(1, 1),
@@ -318,7 +315,7 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   tensor-memory accumulator, relaid into the WGMMA layout through SMEM for the same epilogue (``_indexer_kernel``).
   Its blocks (``blocks_per_cta``) are of 128 keys, so the padded width Pp is a multiple of 128 (and of ``align``)
   and may exceed the wgmma form's; the scores are the same. ``lean`` is honoured (no barrier of its own either)."""
-  tc05 = _check_mma(mma, "indexer_scores")
+  tc05 = check_mma(mma, "indexer_scores")
   wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
   return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False, padded=padded, align=align,
                       lean=lean, prefetch=tuple(prefetch), prefetch_plan=prefetch_plan, tc05=tc05)
@@ -341,19 +338,12 @@ def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None =
   session 29's profile). q must be bf16 (the projection's output dtype: the wgmma reads it as is). ``lean``,
   ``prefetch`` / ``prefetch_plan``, ``mma`` as in ``indexer_scores`` (tcgen05: the rotation one tcgen05 MMA per
   128 query rows, the T · HI rows padded to 128 by the TMA's zero fill, quantised in tcgen05's register layout)."""
-  tc05 = _check_mma(mma, "indexer_scores_q")
+  tc05 = check_mma(mma, "indexer_scores_q")
   if q.dtype != jnp.bfloat16:
     raise ValueError(f"indexer_scores_q: q {q.dtype}; expected bfloat16 (the wq_b projection's output: the "
                      "kernel's wgmma reads it as is — rotate other dtypes with indexer_scores)")
   return _scores_call(q, w.astype(jnp.float32), k8, k_scale, n_valid, blocks_per_cta, rotate=True, padded=padded,
                       align=align, lean=lean, prefetch=tuple(prefetch), prefetch_plan=prefetch_plan, tc05=tc05)
-
-
-def _check_mma(mma: str, name: str) -> bool:
-  """Whether ``mma`` is the tcgen05 form; an unknown one is refused by name."""
-  if mma not in MMA_FORMS:
-    raise ValueError(f"{name}: mma={mma!r}, expected one of {MMA_FORMS}")
-  return mma == "tcgen05"
 
 
 def _sylvester128():

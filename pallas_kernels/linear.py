@@ -66,8 +66,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (counter_signal, counter_wait, interpreting, issue_l2_prefetch, kernel_entry,
-                                    mgpu_kernel, saturate_f16, wg_barrier)
+from pallas_kernels._common import (check_mma, counter_signal, counter_wait, interpreting,
+                                    issue_l2_prefetch, kernel_entry, mgpu_kernel, saturate_f16, tmem_to_wgmma,
+                                    wg_barrier)
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
@@ -92,7 +93,6 @@ def _round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
-MMA_FORMS = ("wgmma", "tcgen05")  # Hopper's warpgroup MMA; Blackwell's tensor-core gen 5 MMA (TMEM accumulator)
 MMA_ROWS = {"wgmma": 8, "tcgen05": 16}  # the token-row (MMA N) granularity of each form
 MMA_BM = {"tcgen05": 128}  # the weight rows per CTA a form needs (wgmma: 64 or 128)
 
@@ -101,13 +101,6 @@ def _padded_rows(m: int, mma: str = "wgmma") -> int:
   """Token rows padded to the MMA's N granularity (wgmma 8, tcgen05 16: ``MMA_ROWS``)."""
   g = MMA_ROWS[mma]
   return max(g, _round_up(m, g))
-
-
-def _check_mma(mma: str, name: str) -> bool:
-  """Whether ``mma`` is the tcgen05 form; an unknown one is refused by name."""
-  if mma not in MMA_FORMS:
-    raise ValueError(f"{name}: mma={mma!r}, expected one of {MMA_FORMS}")
-  return mma == "tcgen05"
 
 
 def _tma_rows(x: jax.Array, mp: int) -> jax.Array:
@@ -164,7 +157,7 @@ def plan_linear(n: int, k: int, mp: int, kind: str, *, bm: int | None = None, bk
   accumulator's relayout tile).
   """
   reserve = 0
-  if _check_mma(mma, "plan_linear"):
+  if check_mma(mma, "plan_linear"):
     bm = bm or MMA_BM[mma]
     reserve = bm * mp * 4 + (bm * BLOCK * 2 if kind == "fp8dq" else 0)
   if kind == "fp8":
@@ -280,14 +273,6 @@ def _mma_tile(w_s, x_s, mp: int, dq: bool, a_s=None, dt=None, tc=None):
   return pl.run_scoped(mma, plgpu.ACC((bm, mp), jnp.float32))
 
 
-def _to_wgmma(acc, t_s):
-  """A tcgen05-layout register array [bm, mp] f32 -> the same values in the WGMMA layout the epilogues take,
-  through the SMEM tile t_s (no register relayout between the two exists)."""
-  t_s[...] = acc
-  plgpu.commit_smem()
-  return plgpu.load(t_s, layout=plgpu.Layout.WGMMA, optimized=False)
-
-
 def _tc_scratch(bm: int, mp: int, barriers: int = 1):
   """The tcgen05 form's scratch: the TMEM accumulator, its tensor-core barrier(s), the SMEM relayout tile."""
   return [plgpu.TMEM((bm, mp), jnp.float32),
@@ -396,7 +381,7 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
     # the 128x128 block scale after the MMA: exact, and it bounds the tensor core's fp8 accumulation to a block
     acc = blk * scales[i] if acc is None else acc + blk * scales[i]
   if tc05:
-    acc = _to_wgmma(acc, t_s)
+    acc = tmem_to_wgmma(acc, t_s)
   _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split, rows=y)
 
 
@@ -642,7 +627,7 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   128-row tiles — N % 128 == 0 — and the automatic barriers: ``a_from`` and ``lean`` do not apply)."""
   m = x.shape[0]
   dt = _dq_dtype(dq_dtype, "fp8_dq_linear")
-  tc05 = _check_mma(mma, "fp8_dq_linear")
+  tc05 = check_mma(mma, "fp8_dq_linear")
   if m > 64:
     return jnp.concatenate([fp8_dq_linear(x[i:i + 64], w, scale_inv, out_dtype=out_dtype, plan=plan,
                                           a_from=a_from, counters=counters, dq_dtype=dq_dtype,
@@ -742,7 +727,7 @@ def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int,
           issue(j + stages)
     for j in range(steps - lag, steps):
       plgpu.barrier_wait(done.at[j % stages])
-    return _to_wgmma(plgpu.async_load_tmem(acc_t), t_s)
+    return tmem_to_wgmma(plgpu.async_load_tmem(acc_t), t_s)
 
   if tc05:
     acc = scope_tc05(*tc)
@@ -766,7 +751,7 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell: 128-row tiles — N >= 128 — token rows padded to 16; the
   module docstring).
   """
-  tc05 = _check_mma(mma, "bf16_linear")
+  tc05 = check_mma(mma, "bf16_linear")
   m, kx = x.shape
   n, k = w.shape
   if kx != k and not (x_prefix and kx > k):
@@ -857,7 +842,7 @@ def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_s
   # gate+up: 64-row tiles; when the slots x tiles leave SMs idle (M=1: 9 slots x 8 tiles = 72 CTAs) split D:
   # the largest split that keeps every CTA resident at once (<= 3 per SM, rings sized to fit), so that no SM
   # streams a CTA more than the others after the rest have finished.
-  tc05 = _check_mma(mma, "plan_moe")
+  tc05 = check_mma(mma, "plan_moe")
   if tc05:
     gu_bm, dn_bm = gu_bm or MMA_BM[mma], dn_bm or MMA_BM[mma]
   gu_bm = gu_bm or 64
@@ -1048,7 +1033,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
                              plgpu.Layout.TCGEN05 if tc05 else plgpu.Layout.WGMMA)
     acc_g, acc_u = lax.fori_loop(0, steps, step, (zero, zero))
     if tc05:
-      acc_g, acc_u = _to_wgmma(acc_g, t_s), _to_wgmma(acc_u, t_s)
+      acc_g, acc_u = tmem_to_wgmma(acc_g, t_s), tmem_to_wgmma(acc_u, t_s)
     # the activations' scale, recomputed from their max: passing the scale itself made XLA compute it in a kernel
     # of its own (~1 µs per MoE layer), as its quantisation fusion and this call both read it
     sx = 1.0 if dq else activation_scale(amax_ref[0])
@@ -1268,7 +1253,7 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   acc0 = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.TCGEN05 if tc05 else plgpu.Layout.WGMMA)
   acc = lax.fori_loop(0, total, step, acc0)
   if tc05:
-    acc = _to_wgmma(acc, t_s)
+    acc = tmem_to_wgmma(acc, t_s)
   _split_out(o_ref, ctr_g, acc, sk=g, tile=tile, row0=row0, bm=bm, split=groups, rows=y)
 
 
@@ -1559,7 +1544,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   if m > 64:
     raise NotImplementedError("fp8_moe takes <= 64 token rows")
   k = topk_ids.shape[1]
-  tc05 = _check_mma(mma, "fp8_moe")
+  tc05 = check_mma(mma, "fp8_moe")
   if tc05 and not dq:
     raise ValueError("fp8_moe: mma='tcgen05' needs dq=True (the hi/lo form's fp8 products are wgmma only)")
   mp = _padded_rows(m, mma)

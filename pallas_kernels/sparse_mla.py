@@ -53,7 +53,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry, mgpu_kernel, round_bf16, saturate_f16
+from pallas_kernels._common import (check_mma, kernel_entry, mgpu_kernel, round_bf16, saturate_f16,
+                                    tmem_to_wgmma)
 
 D_LATENT = 512
 GROUP = 128  # values per fp32 scale
@@ -542,7 +543,6 @@ def combine_splits(o_part, lse):
 # merge on every DSA layer's critical path (1.9 + 3.0 µs, session 46's trace).
 UV_MAX_TOKENS = 8  # token rows per launch: one accumulator and one O^T tile set per token (SMEM: 16 KB each)
 KT = D_LATENT // BLOCK  # the contraction's K tiles of 64
-UV_MMA_FORMS = ("wgmma", "tcgen05")  # Hopper's warpgroup MMA; Blackwell's tensor-core gen 5 MMA (TMEM accumulator)
 UV_TC_ROWS = 128  # W_UV rows per CTA in the tcgen05 form (M = 64 would need a 16-byte swizzle for N = 16: none)
 _BF16_SW32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # (as _F16_SW32: one swizzle, A and B)
 
@@ -557,6 +557,36 @@ def mla_absorb_uv_reference(o_t, w_kv, *, dn: int, x16: bool = False):
   w = w_kv[:, dn:].astype(jnp.float32)  # [H, dv, 512]
   out = jnp.sum(o[:, :, None, :] * w[None], axis=-1).astype(jnp.bfloat16)
   return (out, saturate_f16(out)) if x16 else out
+
+
+def _uv_stage(o_g, ob_s, slot, bt, g0):
+  """Token bt's O^T [512, 16] of the head group at g0, from GMEM in 64-row tiles (the 8 loads issued before their
+  first use: all in flight at once), rounded to bf16 into the B operand's 8 K tiles ob_s[slot] [KT, 64, 16] (each
+  stored whole: no register store at an offset into SMEM)."""
+  o = [plgpu.load(o_g.at[bt, pl.ds(t * BLOCK, BLOCK), pl.ds(g0, HEADS_PER_CTA)], layout=_L.WGMMA,
+                  optimized=False) for t in range(KT)]
+  for t in range(KT):
+    ob_s[slot, t] = plgpu.layout_cast(o[t].astype(jnp.bfloat16), _L.WGMMA)
+
+
+def _uv_head(acc, col, head, v_s, v16_s, bt):
+  """Token bt's [rows, 16] product (WGMMA layout) -> the head's own column (a masked row sum: one nonzero term,
+  exact) into v_s[bt] in bf16 (and v16_s[bt] in f16 from the bf16-rounded value: x16)."""
+  v = jnp.where(col == head, acc, 0.0).sum(axis=1)
+  v_s[bt] = v.astype(jnp.bfloat16)
+  if v16_s is not None:
+    v16_s[bt] = saturate_f16(round_bf16(v))
+
+
+def _uv_store(v_s, v16_s, out_g, out16_g, h, v0):
+  """Every token's rows (v_s [BT, rows], and v16_s) to out[bt, h, v0:v0 + rows] by TMA, after a commit."""
+  plgpu.commit_smem()
+  rows = v_s.shape[1]
+  for bt in range(v_s.shape[0]):
+    plgpu.copy_smem_to_gmem(v_s.at[bt], out_g.at[bt, h, pl.ds(v0, rows)])
+    if v16_s is not None:
+      plgpu.copy_smem_to_gmem(v16_s.at[bt], out16_g.at[bt, h, pl.ds(v0, rows)])
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _uv_kernel(BT: int, dn: int, x16: bool = False):
@@ -577,11 +607,8 @@ def _uv_kernel(BT: int, dn: int, x16: bool = False):
     v0, g0 = c * BLOCK, (h // HEADS_PER_CTA) * HEADS_PER_CTA
     for t in range(KT):
       plgpu.copy_gmem_to_smem(w_g.at[h, pl.ds(dn + v0, BLOCK), pl.ds(t * BLOCK, BLOCK)], w_s.at[t], bar)
-    for bt in range(BT):  # (a token's 8 loads issued before their first use: all in flight at once)
-      o = [plgpu.load(o_g.at[bt, pl.ds(t * BLOCK, BLOCK), pl.ds(g0, HEADS_PER_CTA)], layout=_L.WGMMA,
-                      optimized=False) for t in range(KT)]
-      for t in range(KT):
-        ob_s[bt, t] = plgpu.layout_cast(o[t].astype(jnp.bfloat16), _L.WGMMA)
+    for bt in range(BT):
+      _uv_stage(o_g, ob_s, bt, bt, g0)
     plgpu.commit_smem()
     plgpu.barrier_wait(bar)
     col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, HEADS_PER_CTA), 1, layout=_L.WGMMA)
@@ -592,16 +619,8 @@ def _uv_kernel(BT: int, dn: int, x16: bool = False):
         return acc[...]
 
       acc = pl.run_scoped(mma, plgpu.ACC((BLOCK, HEADS_PER_CTA), jnp.float32))
-      v = jnp.where(col == h - g0, acc, 0.0).sum(axis=1)
-      v_s[bt] = v.astype(jnp.bfloat16)
-      if x16:
-        v16_s[bt] = saturate_f16(round_bf16(v))
-    plgpu.commit_smem()
-    for bt in range(BT):
-      plgpu.copy_smem_to_gmem(v_s.at[bt], out_g.at[bt, h, pl.ds(v0, BLOCK)])
-      if x16:
-        plgpu.copy_smem_to_gmem(v16_s.at[bt], out16_g.at[bt, h, pl.ds(v0, BLOCK)])
-    plgpu.wait_smem_to_gmem(0)
+      _uv_head(acc, col, h - g0, v_s, v16_s, bt)
+    _uv_store(v_s, v16_s, out_g, out16_g, h, v0)
 
   return body
 
@@ -631,10 +650,7 @@ def _uv_kernel_tc05(BT: int, dn: int, x16: bool = False):
 
     def stage(bt):
       # (slot bt % 2 was last read by token bt - 2's MMAs, whose barrier has been waited: free)
-      o = [plgpu.load(o_g.at[bt, pl.ds(t * BLOCK, BLOCK), pl.ds(g0, HEADS_PER_CTA)], layout=_L.WGMMA,
-                      optimized=False) for t in range(KT)]
-      for t in range(KT):
-        ob_s[bt % 2, t] = plgpu.layout_cast(o[t].astype(jnp.bfloat16), _L.WGMMA)
+      _uv_stage(o_g, ob_s, bt % 2, bt, g0)
       plgpu.commit_smem()  # (every thread's tiles visible to the MMA's async proxy)
 
     def issue(bt):
@@ -651,13 +667,7 @@ def _uv_kernel_tc05(BT: int, dn: int, x16: bool = False):
 
     def epilogue(bt, acc):
       # (relay slot bt % 2: slot reuse two tokens later is behind the commit_smem of the token between)
-      t_s[bt % 2] = acc
-      plgpu.commit_smem()
-      acc = plgpu.load(t_s.at[bt % 2], layout=_L.WGMMA, optimized=False)
-      v = jnp.where(col == h - g0, acc, 0.0).sum(axis=1)
-      v_s[bt] = v.astype(jnp.bfloat16)
-      if x16:
-        v16_s[bt] = saturate_f16(round_bf16(v))
+      _uv_head(tmem_to_wgmma(acc, t_s.at[bt % 2]), col, h - g0, v_s, v16_s, bt)
 
     stage(0)
     plgpu.barrier_wait(bar)
@@ -668,12 +678,7 @@ def _uv_kernel_tc05(BT: int, dn: int, x16: bool = False):
       issue(bt)
       epilogue(bt - 1, acc)  # (overlaps token bt's MMAs)
     epilogue(BT - 1, read())
-    plgpu.commit_smem()
-    for bt in range(BT):
-      plgpu.copy_smem_to_gmem(v_s.at[bt], out_g.at[bt, h, pl.ds(v0, UV_TC_ROWS)])
-      if x16:
-        plgpu.copy_smem_to_gmem(v16_s.at[bt], out16_g.at[bt, h, pl.ds(v0, UV_TC_ROWS)])
-    plgpu.wait_smem_to_gmem(0)
+    _uv_store(v_s, v16_s, out_g, out16_g, h, v0)
 
   return body
 
@@ -690,8 +695,7 @@ def mla_absorb_uv(o_t, w_kv, *, dn: int, lean: bool = False, x16: bool = False, 
   ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell, which has no wgmma: ``_uv_kernel_tc05``) — a CTA per (128
   output values, head), dv a multiple of 128, the accumulator in tensor memory; ``lean`` is ignored there (built
   with the automatic barriers: its ordering is not checked on a GPU yet)."""
-  if mma not in UV_MMA_FORMS:
-    raise ValueError(f"mla_absorb_uv: mma={mma!r}, expected one of {UV_MMA_FORMS}")
+  tc05 = check_mma(mma, "mla_absorb_uv")
   BT, Dl, Hp = o_t.shape
   H, rows, R = w_kv.shape
   dv = rows - dn
@@ -703,11 +707,11 @@ def mla_absorb_uv(o_t, w_kv, *, dn: int, lean: bool = False, x16: bool = False, 
                      f"{HEADS_PER_CTA}, H <= Hp, dn >= 0 and dv a positive multiple of {BLOCK}")
   if not 1 <= BT <= UV_MAX_TOKENS:
     raise ValueError(f"mla_absorb_uv: {BT} token rows; expected 1 .. {UV_MAX_TOKENS}")
-  if mma == "tcgen05" and dv % UV_TC_ROWS:
+  if tc05 and dv % UV_TC_ROWS:
     raise ValueError(f"mla_absorb_uv: dv = {dv}; mma='tcgen05' needs dv a multiple of {UV_TC_ROWS} (its CTA's rows)")
   bf16, f16 = jnp.bfloat16, jnp.float16
   out = jax.ShapeDtypeStruct((BT, H, dv), bf16)
-  if mma == "tcgen05":
+  if tc05:
     return mgpu_kernel(
         _uv_kernel_tc05(BT, dn, x16),
         out_type=(out, jax.ShapeDtypeStruct((BT, H, dv), f16)) if x16 else out,
