@@ -3,8 +3,8 @@
 Chains of n XLA GEMVs y_{i+1} = y_i + 1e-3 · tile(W_i y_i) in one jit (x [K] bf16, one token row): "cold" — n
 distinct weights (n · MB far past L2: each link reads its W from HBM); "warm" — one weight for every link (after
 the first, each link reads it from L2). µs per link = (the chain's time − one link's) / (n − 1), wall time of the
-call (median of repeats), the link's small update fusion included in both. Policy knob l2_prefetch (BENCHMARKS.md
-session 55) rests on the gap between the two.
+call (median of repeats), the link's small update fusion included in both. The L2 prefetch knobs rested on the gap
+between the two (BENCHMARKS.md session 55; measured slower in session 58, removed in session 59).
 
   python benchmarks/bench_l2_gemv.py [--shapes 2048x4096,4096x2048,3072x4096,6144x4096] [--n 24] [--reps 30]
 """

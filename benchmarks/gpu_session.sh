@@ -13,13 +13,13 @@
 #                             bench_topk (the radix variants), bench_cluster_exchange, then the one-rank latency_specialized
 #                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
 #                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
-#   s57a .. s57d (nvidia-h200): sessions 55-56's plan — the L2 prefetches' GPU tests, concurrently (s57a), the q = 1
-#                             A/B of every pending knob in one call (s57b: the configurations compile concurrently
-#                             since session 56), issue #9's ratio with s57b's winners (s57c), a trace (s57d), and
-#                             q = 4 with session 57's several-row boundary without wgmma, mhc_rows (s57e). Session
-#                             58 ran s57a and s57b (BENCHMARKS.md); s57c (WIN='{"dq_f16": false}': the defaults
-#                             before dq_f16) and s57e still wait
-#   Modes of past sessions (s25 .. s55c and the one-off probes) are in git history: each BENCHMARKS.md
+#   s57c .. s57e (nvidia-h200): sessions 55-57's plan — issue #9's ratio with s57b's winners (s57c), a trace
+#                             (s57d), and q = 4 with session 57's several-row boundary without wgmma, mhc_rows (s57e).
+#                             Session 58 ran s57a (the pending knobs' GPU tests) and s57b (the q = 1 A/B of every
+#                             pending knob; its three L2 prefetch knobs were slower and removed in session 59: both
+#                             modes are in git history); s57c (WIN='{"dq_f16": false}': the defaults before dq_f16)
+#                             and s57e still wait
+#   Modes of past sessions (s25 .. s57b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
 set -uo pipefail
@@ -27,8 +27,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57a|s57b|s57c|s57d|s57e) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57a .. s57e)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -130,46 +130,6 @@ case "$MODE" in
       --context 32768 --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 130 )) \
       --backend latency_specialized --profile --hlo-dir "$OUT" --out "$OUT/decode_profile.jsonl" 2>&1 \
       | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_profile.log"
-    ;;
-  s57a)  # (nvidia-h200) session 55's L2 prefetches natively: each kernel with weights to prefetch bit for bit the
-    # kernel without (the boundaries' one-launch forms, the KDA kernel, the indexer's scores, the MoE's gate/up with
-    # its down weights), the side launch's token its reference's, the f16 saturation test (its sqrt(K)-ulp bound),
-    # the kernel-tiny step with the knobs emitting the stock path's tokens. First, alone on the GPU (a timing):
-    # session 41's stand-in with the TMA tensor form — does its CTA still live until the prefetches are processed,
-    # and does a column prefix in L2 (what the knobs ask for past their budget) shorten the XLA GEMV after it?
-    for c in "" --cols; do timeout -s INT 60 python3 benchmarks/bench_l2_prefetch.py --only xla --spin 0 \
-      --mb 0,8,16,24 --form tensor $c >> "$OUT/bench_l2_prefetch.log" 2>&1; done
-    # then the tests as four concurrent processes (compile-bound: 16 cores; s55a's serial batches ran into their
-    # timeouts while compiling), each with its own log, GPU memory allocated on demand so that they fit together
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    T=$(( $(left) - 25 ))
-    e2e="tests/test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache"
-    timeout -k 9 -s INT $T python3 -m pytest -q -rA -p no:cacheprovider tests/test_mhc.py tests/test_kda_decode.py \
-      tests/test_indexer.py tests/test_prefetch.py -k "l2_prefetch or kernel_is_the_reference" > "$OUT/tests_1.log" 2>&1 &
-    # (+ session 56's f16 copies for dq_f16: the one-row boundary's x_in and W_UV's output, bit for bit; session
-    # 57's row form at 3 and 4 token rows, policy mhc_rows: post_finish_gpu's row cases against their two halves)
-    timeout -k 9 -s INT $T python3 -m pytest -q -rA -p no:cacheprovider tests/test_linear_kernels.py \
-      tests/test_mhc.py tests/test_sparse_mla.py \
-      -k "down_prefetch or f16_saturates or x16 or uv_kernel_gpu or (post_finish_gpu and True-)" \
-      > "$OUT/tests_2.log" 2>&1 &
-    timeout -k 9 -s INT $T python3 -m pytest -q -rA -m "gpu or e2e_kernels" -p no:cacheprovider "$e2e[prefetch]" \
-      > "$OUT/tests_3.log" 2>&1 &
-    # (l2_prefetch_side needs the fused mHC boundaries, whose kernels take its tokens — a bf16 model: its model-site
-    # test, natively)
-    timeout -k 9 -s INT $T python3 -m pytest -q -rA -p no:cacheprovider tests/test_model_units.py \
-      -k "l2_prefetch_at_the_model_site or dq_f16_inputs" > "$OUT/tests_4.log" 2>&1 &
-    wait
-    cat "$OUT"/tests_[1-4].log > "$OUT/tests.log"; rm -f "$OUT"/tests_[1-4].log
-    grep -h -E "^(PASSED|FAILED|ERROR)|passed|failed|Timeout|KeyboardInterrupt" "$OUT/tests.log"
-    ;;
-  s57b)  # (nvidia-h200) q = 1, 5 interleaved repeats, every pending candidate against session 55's defaults in one
-    # call (compiled four at a time): the L2 prefetches — from the chain's kernels (l2_prefetch) or from launches
-    # beside it (l2_prefetch_side), the MoE's down weights during gate/up (moe_down_prefetch) — kda_gates_first, the
-    # 2-bit selection, dq_f16 (only if s57a's f16 tests passed; since session 56 without its 67 conversion kernels:
-    # 865 launches, the defaults' critical path), the DSA latent norms (55 launches fewer; a tie in s55b)
-    rank1 s57b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"l2_prefetch": true}' \
-      '{"l2_prefetch_side": true}' '{"moe_down_prefetch": true}' '{"kda_gates_first": true}' \
-      '{"topk_threshold_2bit": true}' '{"dq_f16": true}' '{"mla_latent_norms": true, "qkv_a_fused_sum": true}'
     ;;
   s57e)  # (nvidia-h200) q = 4: session 57's row form of the boundary at the verify's 4 token rows (mhc_rows: no
     # wgmma, the only several-row form for Blackwell) against the defaults' grid form, 5 interleaved repeats

@@ -26,8 +26,7 @@ from jax import lax
 from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
                              RMSNorm, concat_fits, f16_copies, has_tcgen05, kernel_arch, kernel_enabled,
-                             kernel_switch, param, StackedLinear, l2_prefetch_operands, l2_prefetch_side,
-                             radix_topk_plan, rms_norm, topk_set_by_threshold)
+                             kernel_switch, param, StackedLinear, radix_topk_plan, rms_norm, topk_set_by_threshold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,11 +161,6 @@ class KDA(nnx.Module):
     self.o_proj = Linear(HD, D, dtype, (EMBED, KDA_HD))
     self.head_dim, self.kernel, self.lower_bound, self.eps = Kd, Kc, cfg.linear_lower_bound, cfg.rms_norm_eps
 
-  def l2_targets(self):
-    """The weights this layer reads first, in that order (policy knob l2_prefetch): f_a / g_a / b, then q / k / v
-    (their leading columns within the budget)."""
-    return (self.fgb_a_proj.weight[...], self.qkv_proj.weight[...])
-
   def __call__(self, x, cache, ctx: StepCtx, dtype):
     """x [B, T, D] -> (y [B, T, D], new cache). cache: conv [B, Wc, 3C] (C local channels), ssm [B, Q, H, K, V]."""
     B, T, _ = x.shape
@@ -223,11 +217,6 @@ class KDA(nnx.Module):
         # kda_norm_partials: the kernel also returns its CTAs' sums of o's squares, so that the gated RMSNorm below
         # is elementwise and XLA fuses it into the o_proj GEMV (no norm kernel between the KDA kernel and o_proj)
         partials = kernel_enabled("kda_norm_partials", fits=not norm, why="kda_norm on (the norm in the kernel)")
-        # l2_prefetch: o_proj's weight into L2 while the recurrence runs (HBM is idle through it) — from the KDA
-        # kernel, or (l2_prefetch_side) from a launch beside it, ordered after its input (its token to the next
-        # boundary: layers.side_tokens)
-        l2_prefetch_side(z, (self.o_proj.weight[...],))
-        pf = l2_prefetch_operands((self.o_proj.weight[...],))
         if kernel_enabled("kda_conv", fits=hist.dtype == z.dtype,
                           why=f"conv cache {hist.dtype} vs activations {z.dtype} (the kernel's window is one dtype)"):
           # the short conv + SiLU in the kernel: z and the history rows as they are (free reshapes), the taps as
@@ -235,11 +224,11 @@ class KDA(nnx.Module):
           o, new_ssm, *g = kda_ops.kda_decode_conv(
               z.reshape(B, T, 3, H, Kd), hist.reshape(B, Kc - 1, 3, H, Kd), w.T.reshape(Kc, 3, H, Kd), fg4, fgb,
               A_log, dt_bias, ssm, ctx.n_acc, lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config,
-              norm_partials=partials, **pf)
+              norm_partials=partials)
         else:
           o, new_ssm, *g = kda_ops.kda_decode(q, k, v, fg4, fgb, A_log, dt_bias, ssm, ctx.n_acc,
                                               lower_bound=self.lower_bound, b_offset=b_off, **norm, config=config,
-                                              norm_partials=partials, **pf)
+                                              norm_partials=partials)
         ss = g.pop() if partials else None
         normed = bool(norm)
         if partials:
@@ -360,13 +349,12 @@ class Indexer(nnx.Module):
     ring = ring.at[bidx, slot].set(jnp.stack([k, gam], axis=2).astype(ring.dtype), mode="drop")  # one scatter
     return dict(out, ring=ring)
 
-  def scores(self, hw, q_r, icache, pos, dtype, *, padded: bool = False, prefetch=()):
+  def scores(self, hw, q_r, icache, pos, dtype, *, padded: bool = False):
     """hw [B, T, HI] (the head weights from ``project``) -> [B, T, P] = Σ_h (w_h · HI^-½) · ReLU(q_h·K_j · Di^-½)
     over every pool slot (masked by the caller). With an FP8 pool cache: q and the keys are Hadamard-rotated and
     FP8 (UE8M0 scales), as vLLM scores them. ``padded``: (the scores, the scores kernel's output as it is where
     the kernel runs — [B, T, Pp >= P], -inf past each token's complete pools, which the top-k threshold kernel
-    reads whole: policy knob topk_keys_in_kernel — else None). ``prefetch``: weights the layer reads after the
-    selection, in that order (policy knob l2_prefetch: the scores kernel asks to have them brought into L2)."""
+    reads whole: policy knob topk_keys_in_kernel — else None)."""
     B, T, _ = hw.shape
     q_raw = self.wq_b(q_r, dtype).reshape(B, T, self.n_heads, self.head_dim)
     qI = q_raw.astype(jnp.float32)
@@ -388,15 +376,13 @@ class Indexer(nnx.Module):
             else 64
         # indexer_q_in_kernel: the queries' FWHT + FP8 quantisation inside the scores kernel (its wgmma reads the
         # bf16 projection output as is) instead of ~3 XLA kernels in front of it
-        # l2_prefetch: the layer's last weights (W_UV, o_proj) into L2 while the selection runs (HBM idle)
-        pf = l2_prefetch_operands(prefetch)
         if kernel_enabled("indexer_q_in_kernel", fits=q_raw.dtype == jnp.bfloat16,
                           why=f"{q_raw.dtype} index queries (the kernel rotates bf16 ones)"):
           raw = ki.indexer_scores_q(q_raw, *args, padded=True, align=align, lean=kernel_enabled("lean_barriers"),
-                                    **pf, **mma)
+                                    **mma)
         else:
           raw = ki.indexer_scores(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args, padded=True, align=align,
-                                  lean=kernel_enabled("lean_barriers"), **pf, **mma)
+                                  lean=kernel_enabled("lean_barriers"), **mma)
         sc = raw[..., :icache["pool8"].shape[1]]
         return (sc, raw) if padded else sc
       sc = ki.indexer_scores_reference(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args)
@@ -539,13 +525,6 @@ class DSA(nnx.Module):
     self.indexer = Indexer(cfg, dtype)
     self.dn, self.dv, self.scale = dn, dv, cfg.softmax_scale
 
-  def l2_targets(self):
-    """The weights this layer reads first, in that order (policy knob l2_prefetch): q_a / kv_a, the indexer's
-    wk / gate / head weights, q_b, the indexer's wq_b."""
-    qa = ((self.qkv_a_proj.weight[...],) if hasattr(self, "qkv_a_proj") else
-          (self.q_a_proj.weight[...], self.kv_a_proj_with_mqa.weight[...]))
-    return (*qa, self.indexer.x_proj.weight[...], self.q_b_proj.weight[...], self.indexer.wq_b.weight[...])
-
   def __call__(self, x, cache, ctx: StepCtx, dtype, *, shared=None, extra_tail=0, x16=None):
     """x [B, T, D] -> (y [B, T, D], new cache, aux {"idx": [B, T, W], "pools": [B, T, kp]}). ``x16``: x's f16 copy
     (the mHC boundary's, policy knob dq_f16) for the f16 q_a / kv_a kernel; the indexer reads x."""
@@ -600,18 +579,12 @@ class DSA(nnx.Module):
     with jax.named_scope("indexer"):
       hw, icache = self.indexer.project_update(x_ix, cache, ctx, dtype)
       if shared is None:
-        # (l2_prefetch: W_UV's rows of kv_b, then o_proj — what the layer reads after the selection)
-        H_loc = self.kv_b_proj.weight.shape[0] // (dn + dv)
-        uv_rows = tuple((h * (dn + dv) + dn, (h + 1) * (dn + dv)) for h in range(H_loc))
-        last = ((self.kv_b_proj.weight[...], uv_rows), self.o_proj.weight[...])
-        sc, raw = self.indexer.scores(hw, q_r, icache, pos, dtype, padded=True, prefetch=last)
+        sc, raw = self.indexer.scores(hw, q_r, icache, pos, dtype, padded=True)
         width = None
         if fp8 and kernel_switch("sparse_mla"):  # (the list as wide as the attention kernel reads it)
           from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
           width = functools.partial(ks.index_width, B, T, -(-H // 16) * 16)
         idx, js = self.indexer.select(sc, pos, raw=raw, width=width)
-        # l2_prefetch_side: W_UV and o_proj by a launch beside the selection, after the scores
-        l2_prefetch_side(sc, last)
       else:
         idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
     q_hat = _per_head("bthn,hnr->bthr", q, w_uk)  # absorbed query [B, T, H, R]

@@ -272,47 +272,6 @@ KNOBS = {
         "two-launch form; all pass natively, session 55). Measured (s55b, q = 1, 5 interleaved repeats): with "
         "mhc_row 3.89 -> 3.71 ms per step, faster in 4 of 4 paired rounds (alone 3.89 -> 3.91, faster in 3 of 4: "
         "the row boundary has the most barriers to lose); on by default since session 55"),
-    "l2_prefetch": (False,
-        "the latency-bound kernels of the step ask the memory system to bring the weights of the GEMVs after them "
-        "into L2 (TMA L2 prefetches, issued behind the kernel's own loads: pallas_kernels._common."
-        "issue_l2_prefetch; up to L2_PREFETCH_BYTES a kernel, a weight past it as its leading columns, so that "
-        "every CTA of its GEMV starts from L2): with mhc_grid_barrier each mHC boundary the weights its sublayer "
-        "reads first (KDA's f_a/g_a/b then q/k/v; the DSA layer's q_a/kv_a, the indexer's wk/gate/head weights, "
-        "q_b and wq_b; the MoE's router and shared expert; the dense MLP's gate and up), the KDA kernel o_proj's, "
-        "the indexer's scores kernel the DSA layer's W_UV rows and o_proj — HBM is idle while these kernels run "
-        "(the boundary ~5 µs x 90 per step at q = 1, the DSA selection ~17 µs x 11). Measured before building "
-        "(s55e, an XLA bf16 GEMV of 16.8 MB in a chain: 14.1 µs with its weight in HBM, 5.8 in L2). The same "
-        "values (a prefetch moves no data into the kernel). Measured in s57b (session 58: one TP4 rank, B = 1, q = "
-        "1, 5 interleaved repeats, defaults 3.65 ms): slower, 3.88 ms (+0.20 ms, "
-        "faster in 0 of 4 paired rounds) — the chain's kernels live until their prefetches are processed (s57a's "
-        "stand-in: 1.5 -> 4.8 µs with 24 MB asked for, its GEMV 16.5 -> 15.2 µs) — off. The kernel-tiny step with "
-        "it and moe_down_prefetch aborted natively in s57a (not isolated; each kernel's own GPU test passes)"),
-    "l2_prefetch_side": (False,
-        "l2_prefetch's prefetches from launches of their own beside the critical chain instead of from its "
-        "kernels (pallas_kernels.prefetch.l2_prefetch: 66 one-warpgroup CTAs without shared memory): at each "
-        "sublayer's start (ordered after the previous sublayer's output: the sublayer's first weights), after "
-        "the KDA layer's q/k/v (its o_proj) and after the DSA layer's scores (its W_UV and o_proj); the next mHC "
-        "boundary kernel takes their tokens as inputs it only waits for (session 55 joined them through an "
-        "optimization barrier, and XLA deleted every launch: a custom call whose result only a barrier reads is "
-        "dead — found by benchmarks/step_census.py, session 56); none at the step's last sublayer or in the MTP "
-        "layer (no boundary kernel after them). Session 41 measured that a CTA "
-        "lives until its bulk prefetches are processed (a boundary stand-in prefetching 16 MB: 1.55 -> 4.68 µs): "
-        "from the chain's own kernels the prefetches would lengthen the chain, from a launch beside it they cost "
-        "the chain nothing but their HBM traffic. Not with l2_prefetch (one or the other). The same values. "
-        "Measured in s57b (session 58: one TP4 rank, B = 1, q = 1, 5 interleaved repeats, defaults 3.65 ms): slower,"
-        " 3.84 ms (+0.18 ms, faster in 0 of 4 paired rounds): the side launches' HBM "
-        "traffic slows the chain's own streaming — off"),
-    "moe_down_prefetch": (False,
-        "with fp8_moe on, at one token row: the MoE's gate/up kernel's CTAs, halfway through their weight rings, "
-        "ask the memory system to bring their slots' experts' down weights into L2 (TMA L2 prefetches: "
-        "pallas_kernels.linear.fp8_moe(down_prefetch=True), each CTA its share of its expert's rows), so that the "
-        "down kernel's 18 MB stream while gate/up still runs and the down kernel reads them from L2 — in s51's "
-        "trace it took 10.5 µs after gate/up's 16.6 for a third of the bytes (1.7 TB/s). Halfway, because the "
-        "gate/up bytes streamed after the request plus the down weights must fit in the 50 MB L2. The same values "
-        "(a prefetch moves no data into the kernel). Measured in s57b (session 58: one TP4 rank, B = 1, q = 1, 5 "
-        "interleaved repeats, defaults 3.65 ms): slower, 3.76 ms (+0.10 ms, faster in 0 "
-        "of 4 paired rounds) — off. The kernel-tiny step with it and l2_prefetch aborted natively in s57a (not "
-        "isolated; the MoE's own GPU test passes)"),
     "mhc_row": (True,
         "with mhc_grid_barrier on, at one token row (decode at q = 1): the boundary as "
         "pallas_kernels.mhc.mhc_row_boundary — D / 128 CTAs, each thread one column of every stream in "
@@ -483,73 +442,6 @@ KNOBS = {
         "graph does not honour the programmatic edge) — off"),
 }
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
-# Policy knob l2_prefetch: the bytes one kernel asks to have brought into L2 for the GEMVs after it — about what HBM
-# moves in a boundary's ~5 µs plus the first GEMV's start, half the H200's 50 MB L2 (the rest keeps what runs)
-L2_PREFETCH_BYTES = 24 << 20
-
-
-def l2_prefetch_operands(weights):
-  """Policy knob l2_prefetch: a kernel's ``prefetch`` / ``prefetch_plan`` keywords that ask for
-  ``l2_budget(weights)`` in L2 (``pallas_kernels._common.l2_prefetch_args``) — {} where the knob is off."""
-  if not (weights and kernel_enabled("l2_prefetch")):
-    return {}
-  from pallas_kernels._common import l2_prefetch_args  # noqa: PLC0415
-  return dict(zip(("prefetch", "prefetch_plan"), l2_prefetch_args(l2_budget(weights))))
-
-
-_SIDE_TOKENS: list[list] = []  # the open side_tokens() collectors, innermost last (trace time)
-
-
-@contextlib.contextmanager
-def side_tokens(sink: list):
-  """Collect into ``sink`` the tokens of the l2_prefetch_side launches traced inside: the caller hands them to a
-  kernel after them (``_common.mgpu_kernel``'s ``after``) — without a reader XLA deletes the launches."""
-  _SIDE_TOKENS.append(sink)
-  try:
-    yield sink
-  finally:
-    _SIDE_TOKENS.pop()
-
-
-def l2_prefetch_side(after, weights):
-  """Policy knob l2_prefetch_side: a prefetch launch of its own that asks for ``l2_budget(weights)`` in L2,
-  ordered after ``after``'s producer; its token ([CTAS, 128] int32) goes to the innermost ``side_tokens``
-  collector. Declined (with why) where the knob is off, l2_prefetch is on, or no collector is open — no kernel
-  after this site takes the token (the step's last sublayer, the MTP layer)."""
-  why = ("l2_prefetch on (the prefetches from the chain's kernels instead)" if kernel_switch("l2_prefetch") else
-         "no kernel after this sublayer takes its token (the step's last sublayer, or no mHC boundary after it)")
-  if not (weights and kernel_enabled("l2_prefetch_side", fits=not kernel_switch("l2_prefetch") and bool(_SIDE_TOKENS),
-                                     why=why)):
-    return
-  from pallas_kernels import prefetch as kp  # noqa: PLC0415
-  from pallas_kernels._common import l2_prefetch_args  # noqa: PLC0415
-  pf, plan = l2_prefetch_args(l2_budget(weights))
-  if plan:
-    _SIDE_TOKENS[-1].append(kp.l2_prefetch(after, *pf, plan=plan))
-
-
-def l2_budget(weights, nbytes: int = L2_PREFETCH_BYTES):
-  """weights (in the order the sublayer reads them; a weight, or (weight, row ranges ((r0, r1), ...)) for some of
-  its rows — leading axes merged) -> the prefetch targets ((w, ranges, columns), ...) within ``nbytes``: the first
-  ones whole; the one that crosses the budget its leading columns of every row asked for (whole L2 boxes), none
-  after it. Columns, not rows: a GEMV's CTAs each stream their rows along K, so a K prefix in L2 shortens every
-  CTA — a row prefix would finish some CTAs early and leave the kernel as long (session 41: 16 of 48 MB of rows
-  in L2 bought an XLA GEMV 0.9 of 17 µs)."""
-  from pallas_kernels._common import L2_BOX  # noqa: PLC0415
-  out, left = [], int(nbytes)
-  for item in weights:
-    w, ranges = item if isinstance(item, tuple) else (item, ((0, math.prod(item.shape[:-1])),))
-    C, size = w.shape[-1], w.dtype.itemsize
-    rows = sum(r1 - r0 for r0, r1 in ranges)
-    cols = C if rows * C * size <= left else min(C, left // max(1, rows * size) // L2_BOX * L2_BOX)
-    if cols <= 0:
-      break
-    out.append((w, tuple(ranges), cols))
-    left -= rows * cols * size
-    if cols < C:
-      break
-  return tuple(out)
-
 
 # Knobs whose forms were measured slower than (or no faster than) the defaults on the H200 and removed with their
 # kernels: a policy naming one is refused with the reason (git history and BENCHMARKS.md keep them).
@@ -571,6 +463,13 @@ REMOVED_KNOBS = {
     "router_warp_rows": "the router's selection with a warp per row (shuffles only): a tie as the router kernel "
                         "(session 39), slower inside the MoE's gate/up kernel (4.37 vs 4.30 ms, 0 of 4 rounds; "
                         "session 42); removed in session 54 (router_route keeps the warp-per-row selection)",
+    "l2_prefetch": "the latency-bound kernels (the mHC boundaries, the KDA kernel, the indexer's scores) asking for "
+                   "the next GEMVs' weights in L2: +0.20 ms per step at q = 1, faster in 0 of 4 paired rounds (s57b, "
+                   "session 58); removed in session 59",
+    "l2_prefetch_side": "l2_prefetch's L2 prefetches from launches of their own beside the critical chain: +0.18 ms "
+                        "per step at q = 1, faster in 0 of 4 paired rounds (s57b, session 58); removed in session 59",
+    "moe_down_prefetch": "the MoE's gate/up CTAs asking for their experts' down weights in L2: +0.10 ms per step at "
+                         "q = 1, faster in 0 of 4 paired rounds (s57b, session 58); removed in session 59",
 }
 
 # Kernels that pass in GPU interpret mode but compute wrong results natively (their GPU tests fail): the policy
@@ -1064,23 +963,20 @@ class HyperConnection(nnx.Module):
     return out.astype(X.dtype)
 
   # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)
-  def fused(self, X2, pending, norm: "RMSNorm", prefetch=(), after=(), x16: bool = False):
+  def fused(self, X2, pending, norm: "RMSNorm", x16: bool = False):
     """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
     RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix) of the previous
     sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post_t
     [N, C], comb_t [N·N, C]) f32: this site's post and comb for the next boundary, transposed — a column per token
     row, C = M rounded up to 64, pallas_kernels.mhc.mix_rows reads them back). Rows beyond 64 go in chunks of 64
-    (a chunk's mix is its 64 columns). ``prefetch``: the weights the sublayer reads first, in that order (policy
-    knob l2_prefetch: the one-launch boundary asks for up to L2_PREFETCH_BYTES of them in L2). ``after``: arrays
-    the boundary's first launch only waits for (l2_prefetch_side's tokens: ``side_tokens``). ``x16`` (policy knob
-    dq_f16, for a sublayer whose FP8 kernels read x in f16): x_in as (bf16, f16) where the boundary kernel writes
-    both (the one-launch forms), else x_in alone (the sublayer's kernels convert it)."""
+    (a chunk's mix is its 64 columns). ``x16`` (policy knob dq_f16, for a sublayer whose FP8 kernels read x in
+    f16): x_in as (bf16, f16) where the boundary kernel writes both (the one-launch forms), else x_in alone (the
+    sublayer's kernels convert it)."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M, R = X2.shape[0], km.ROWS
     if M > R:
       parts = [self.fused(X2[i:i + R], None if pending is None else
-                          (pending[0][i:i + R], tuple(a[:, i:i + R] for a in pending[1])), norm,
-                          prefetch if i == 0 else (), after if i == 0 else ())
+                          (pending[0][i:i + R], tuple(a[:, i:i + R] for a in pending[1])), norm)
                for i in range(0, M, R)]
       return (jnp.concatenate([p[0] for p in parts], axis=0), jnp.concatenate([p[1] for p in parts], axis=0),
               tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)))
@@ -1114,18 +1010,14 @@ class HyperConnection(nnx.Module):
       _wgmma_form(row, "mhc_post_finish")
       # lean_barriers: the boundary built without Mosaic's automatic barriers, its own where the data needs them
       lean = kernel_enabled("lean_barriers")
-      # l2_prefetch: the sublayer's first weights into L2 while the boundary runs
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
           hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,
-          after=tuple(after), **({"x16": True} if x16 else {}), **l2_prefetch_operands(prefetch))
+          **({"x16": True} if x16 else {}))
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
-    if prefetch:
-      kernel_enabled("l2_prefetch", fits=False, why="the one-launch boundary (mhc_grid_barrier) issues the prefetches")
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     _wgmma_form(False, "mhc_post_pre")
-    Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC,
-                               after=tuple(after))
+    Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)
     # mhc_fused_sums: the finish / Sinkhorn kernels sum the raw partials themselves (no XLA reduction between the
     # kernels on the sublayer's critical path)
     raw = kernel_switch("mhc_finish") and kernel_enabled(
@@ -1160,10 +1052,6 @@ class MLP(nnx.Module):
     self.up_proj = Linear(D, inter, dtype, (FFN, EMBED), fp8_block=fp8_block)
     self.down_proj = Linear(inter, D, dtype, (EMBED, FFN), fp8_block=fp8_block)
     self.limit = cfg.swiglu_limit
-
-  def l2_targets(self):
-    """The weights this MLP reads first, in that order (policy knob l2_prefetch)."""
-    return (self.gate_proj.weight[...], self.up_proj.weight[...])
 
   def partial(self, x, dtype, *, x16=None):
     """This shard's contribution (the caller psums it)."""
@@ -1409,13 +1297,6 @@ class MoE(nnx.Module):
     self.shared_experts = (MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block)
                            if cfg.n_shared_experts else None)
 
-  def l2_targets(self):
-    """The weights this layer reads first, in that order (policy knob l2_prefetch): the router's, then the shared
-    expert's (the routed experts are known only after the router)."""
-    sh = self.shared_experts
-    return (self.gate.weight[...],) + (() if sh is None else (sh.gate_proj.weight[...], sh.up_proj.weight[...],
-                                                              sh.down_proj.weight[...]))
-
   def __call__(self, x, dtype, *, return_ids=False, x16=None):
     """x [B, T, D] -> [B, T, D]; one psum for routed + shared. ``x16``: x's f16 copy (the mHC boundary's, policy
     knob dq_f16): the f16 MoE kernels read it instead of converting x; the router reads x."""
@@ -1471,12 +1352,10 @@ class MoE(nnx.Module):
       # moe_static_table: a single row's slot count static in both kernels, its ids / weights staged into SMEM
       static = kernel_enabled("moe_static_table", rows, fits=rows == 1, why=f"one token row (here {rows})")
       # lean_barriers: both kernels built without Mosaic's automatic barriers
-      # moe_down_prefetch: the gate/up CTAs ask for their experts' down weights in L2 halfway through their rings
-      down_pf = kernel_enabled("moe_down_prefetch", rows, fits=rows == 1, why=f"one token row (here {rows})")
       moe = functools.partial(kl.fp8_moe, w_gate=ex.gate_proj[...], s_gate=ex.gate_scale[...], w_up=ex.up_proj[...],
                               s_up=ex.up_scale[...], w_down=ex.down_proj[...], s_down=ex.down_scale[...],
                               swiglu_limit=ex.limit, shared=sew, dq=dq, static_table=static,
-                              lean=kernel_enabled("lean_barriers"), down_prefetch=down_pf, **fused, **f16, **mma)
+                              lean=kernel_enabled("lean_barriers"), **fused, **f16, **mma)
       if in_gate_up:
         # moe_router_ranks: each CTA selects only up to its slot's rank
         ranks = kernel_enabled("moe_router_ranks", rows)

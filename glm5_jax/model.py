@@ -8,8 +8,6 @@ lm_head are vocabulary-parallel.
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,7 +17,7 @@ from glm5_jax.attention import DSA, KDA, StepCtx
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, MLP, ONE_ROW_GEMV, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm,
                              counters_scope, f16_copies, gemv_mma, has_wgmma, kernel_arch, kernel_enabled,
-                             kernel_switch, l2_prefetch_side, param, side_tokens)
+                             kernel_switch, param)
 
 
 class DecoderLayer(nnx.Module):
@@ -59,47 +57,34 @@ class DecoderLayer(nnx.Module):
       return HyperConnection.post(X, y, post, comb), cache, aux
 
 
-  def call_fused(self, X2, pending, cache, ctx: StepCtx, dtype, bt, *, last: bool = False):
+  def call_fused(self, X2, pending, cache, ctx: StepCtx, dtype, bt):
     """__call__ with the fused mHC boundaries (pallas_kernels/mhc.py). X2 [B·T, N·D] bf16 residual before the
-    previous sublayer's post, pending = (y, mix, tokens) of that sublayer (None before layer 0), bt = (B, T)
-    -> (X2, cache, aux, pending): this layer's MLP output and mix stay pending for the next boundary, with the
-    tokens of the side prefetches since this layer's second boundary (policy knob l2_prefetch_side: each boundary
-    kernel takes the tokens of the launches before it as inputs it only waits for — without a reader XLA deletes
-    them). ``last``: the step's last layer (no boundary after its MLP to take a token)."""
+    previous sublayer's post, pending = (y, mix) of that sublayer (None before layer 0), bt = (B, T)
+    -> (X2, cache, aux, pending): this layer's MLP output and mix stay pending for the next boundary."""
     aux = {}
     B, T = bt
-    toks = []  # (l2_prefetch_side's launches from here to the next boundary)
-    with jax.named_scope("mhc"), side_tokens(toks):
-      # the sublayer's first weights into L2: from the boundary kernel (l2_prefetch) or by a launch beside it
-      # (l2_prefetch_side), ordered after the boundary's input
-      first = self.self_attn.l2_targets()
-      l2_prefetch_side(X2 if pending is None else pending[0], first)
+    with jax.named_scope("mhc"):
       # dq_f16: the boundary also writes x_in in f16 for the sublayer's FP8 kernels (none in a KDA sublayer)
-      X2, x, mix = self.attn_hc.fused(X2, None if pending is None else pending[:2], self.input_layernorm, first,
-                                      after=() if pending is None else pending[2],
-                                      x16=not self.is_kda and f16_copies(B * T))
+      X2, x, mix = self.attn_hc.fused(X2, pending, self.input_layernorm, x16=not self.is_kda and f16_copies(B * T))
       x, x16 = x if isinstance(x, tuple) else (x, None)
-    with jax.named_scope("kda" if self.is_kda else "dsa"), side_tokens(toks):
+    with jax.named_scope("kda" if self.is_kda else "dsa"):
       if self.is_kda:
         y, cache = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype)
       else:
         y, cache, a = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype,
                                      x16=None if x16 is None else x16.reshape(B, T, -1))
         aux["idx"] = a["idx"]
-    after, toks = tuple(toks), []
-    with jax.named_scope("mhc"), (contextlib.nullcontext() if last else side_tokens(toks)):
-      first = self.mlp.l2_targets()
-      l2_prefetch_side(y, first)
-      X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm, first,
-                                     after=after, x16=f16_copies(B * T))
+    with jax.named_scope("mhc"):
+      X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm,
+                                     x16=f16_copies(B * T))
       x, x16 = x if isinstance(x, tuple) else (x, None)
       x16 = None if x16 is None else x16.reshape(B, T, -1)
-    with jax.named_scope("moe" if self.is_moe else "mlp"), (contextlib.nullcontext() if last else side_tokens(toks)):
+    with jax.named_scope("moe" if self.is_moe else "mlp"):
       if self.is_moe:
         y, aux["experts"] = self.mlp(x.reshape(B, T, -1), dtype, return_ids=True, x16=x16)
       else:
         y = self.mlp(x.reshape(B, T, -1), dtype, x16=x16)
-    return X2, cache, aux, (y.reshape(B * T, -1), mix, tuple(toks))
+    return X2, cache, aux, (y.reshape(B * T, -1), mix)
 
 
 def fused_mhc(cfg: Glm5Config, dtype, rows: int) -> bool:
@@ -217,9 +202,8 @@ class Glm5Model(nnx.Module):
       B, T = tokens.shape
       X2, pending = X.reshape(B * T, -1), None
       with counters_scope():  # (policy knobs mhc_barrier_counters, linear_fused_sum: the kernels' counters per step)
-        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-          X2, cache, a, pending = layer.call_fused(X2, pending, cache, ctx, self.dtype, (B, T),
-                                                   last=i == len(self.layers) - 1)
+        for layer, cache in zip(self.layers, caches):
+          X2, cache, a, pending = layer.call_fused(X2, pending, cache, ctx, self.dtype, (B, T))
           new.append(cache)
           aux.append(a)
       with jax.named_scope("mhc"):  # the last sublayer's post has no next site to fuse with

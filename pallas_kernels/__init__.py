@@ -19,6 +19,7 @@ What the H200 taught (BENCHMARKS.md has the measurements):
   ``router.router_route``).
 - A CTA lives until the bulk L2 prefetches it issued have been processed (session 41: a 128-CTA stand-in for the
   mHC boundary prefetching 16 MB lived 1.55 -> 4.68 µs): prefetches from a kernel on the step's critical chain
-  lengthen the chain (``prefetch``: a launch of its own beside it)."""
+  lengthen the chain, and from launches of their own beside it their traffic slows the chain's streaming (the L2
+  prefetch knobs measured slower in session 58 and were removed in session 59)."""
 
 from pallas_kernels import _common  # noqa: F401  (one Mosaic module per distinct kernel: see _common)

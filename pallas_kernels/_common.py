@@ -1,18 +1,15 @@
 """Helpers shared by the kernels: interpret mode on CPU, CUDA cross-lowering, one lowering per program
 (kernel_entry) and per process (_memoize_kernel_lowerings), one Mosaic module (_dedupe_kernel_modules) per
-distinct kernel, barriers and counters, L2 prefetches of the weights that follow a kernel (issue_l2_prefetch)."""
+distinct kernel, barriers and counters."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax._src import config as jax_config
-from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import core as _mgpu_core
 from jax.experimental.mosaic.gpu import utils as _mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -209,66 +206,6 @@ def fence_async_writes():
   op()
 
 
-# L2 prefetch (policy knob l2_prefetch). A decode step at one token row leaves HBM idle through its latency-bound
-# kernels (the mHC boundary, the KDA recurrence, the DSA layer's selection): a kernel there can ask the memory system
-# to bring the weights of the GEMVs that follow it into L2 (``cp.async.bulk.prefetch.tensor.2d.L2``: TMA prefetches,
-# fire and forget — no SMEM, no barrier, no wait), so those GEMVs then read them from L2 instead of HBM. A target is
-# a weight (any dtype; leading axes merged: [R, C]) and the ranges of its rows to fetch; its [L2_BOX, L2_BOX] boxes
-# are dealt out over the issuing kernel's CTAs, one thread of each issuing its share first thing.
-L2_BOX = 256  # TMA box edge (elements, the hardware's maximum): 128 KB of bf16 or 64 KB of FP8 per instruction
-
-
-def l2_prefetch_args(targets):
-  """targets: ((weight, row ranges ((r0, r1), ...) or None for all rows[, leading columns or None for all]), ...)
-  -> (the weights as 2D [R, C] arrays, the static plan ((ranges, R, C, cols), ...) that ``issue_l2_prefetch``
-  reads). Ranges are clipped to the weight; an empty one is dropped."""
-  arrays, plan = [], []
-  for w, ranges, *cols in targets:
-    if w.ndim < 2:
-      raise ValueError(f"l2 prefetch: a weight of shape {w.shape}; expected 2 or more axes")
-    R, C = math.prod(w.shape[:-1]), w.shape[-1]
-    if (C * w.dtype.itemsize) % 16:
-      raise ValueError(f"l2 prefetch: rows of {C} {w.dtype} values ({C * w.dtype.itemsize} bytes); TMA needs a "
-                       "multiple of 16 bytes")
-    rr = tuple((max(0, int(a)), min(R, int(b))) for a, b in (ranges or ((0, R),)))
-    rr = tuple((a, b) for a, b in rr if b > a)
-    nc = min(C, int(cols[0])) if cols and cols[0] is not None else C
-    if rr and nc > 0:
-      arrays.append(w.reshape(R, C))
-      plan.append((rr, R, C, nc))
-  return tuple(arrays), tuple(plan)
-
-
-def l2_prefetch_boxes(plan, cta, ctas: int):
-  """CTA ``cta``'s share of ``plan``'s boxes: [(target index, first row, first column, valid)] — box j of the plan
-  (in order: target, range, row block, column block of the leading ``cols``) goes to CTA j % ctas; ``valid``
-  False past a range's last box (its slot in the unrolled code is predicated off). A box that would reach past its
-  weight is moved back inside it (it then overlaps its neighbour: fetching a line twice is harmless). ``cta``
-  traced (in a kernel) or a Python int (Python ints out)."""
-  py = isinstance(cta, int)
-  rem, mn = ((lambda a, b: a % b), min) if py else (lax.rem, jnp.minimum)
-  out, off = [], 0
-  for k, (ranges, R, C, nc) in enumerate(plan):
-    br, bc = min(L2_BOX, R), min(L2_BOX, C)
-    ncol = -(-nc // bc)
-    for r0, r1 in ranges:
-      nb = -(-(r1 - r0) // br) * ncol
-      first = rem(cta + (ctas - off), ctas)  # this CTA's first box of the range
-      for i in range(-(-nb // ctas)):
-        b = first + i * ctas
-        out.append((k, mn(r0 + (b // ncol) * br, R - br), mn((b % ncol) * bc, C - bc), b < nb))
-      off = (off + nb) % ctas
-  return out
-
-
-def issue_l2_prefetch(refs, plan, cta, ctas: int):
-  """In a kernel body: CTA ``cta`` of ``ctas`` issues its share of ``plan``'s boxes of the GMEM ``refs`` as L2
-  prefetches (``l2_prefetch_boxes``), one thread each. A no-op in GPU interpret mode."""
-  for k, row, col, valid in l2_prefetch_boxes(plan, cta, ctas):
-    _, R, C, _ = plan[k]
-    plgpu.async_prefetch(refs[k].at[pl.ds(row, min(L2_BOX, R)), pl.ds(col, min(L2_BOX, C))], predicate=valid)
-
-
 def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False):
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
   def op(_, counter):
@@ -344,28 +281,12 @@ def kernel_profile(directory: str):
 
 def mgpu_kernel(body, **kwargs):
   """``plgpu.kernel`` with the body under ``with_pdl`` (every kernel of the package is built through here), and
-  with the profiler's parameters under ``kernel_profile``. The kernel's call takes ``after=(arrays...)``: extra
-  inputs the body never sees — they order the launch after their producers and keep those launches in the
-  program (XLA deletes a custom call whose result nothing but an optimization barrier reads: policy knob
-  l2_prefetch_side's tokens, session 56)."""
+  with the profiler's parameters under ``kernel_profile``."""
   if _PROFILE.value and not interpreting():
     cp = kwargs.pop("compiler_params", None) or plgpu.CompilerParams()
     kwargs["compiler_params"] = cp.replace(profile_space=PROFILE_SPACE, profile_dir=_PROFILE_DIR[0],
                                            profile_bounds_check=True)
-
-  plain = plgpu.kernel(with_pdl(body), **kwargs)
-
-  def call(*args, after=()):
-    if not after:
-      return plain(*args)
-    n, k = len(args), len(after)
-
-    def without_after(*refs):  # (the refs: inputs, then outputs and scratch)
-      return body(*refs[:n], *refs[n + k:])
-
-    return plgpu.kernel(with_pdl(without_after), **kwargs)(*args, *after)
-
-  return call
+  return plgpu.kernel(with_pdl(body), **kwargs)
 
 
 def kernel_entry(*static: str):

@@ -36,8 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (check_mma, issue_l2_prefetch, kernel_entry, mgpu_kernel, order_key_u32,
-                                    replicated_rows_layouts, tmem_to_wgmma, warp_split_layout)
+from pallas_kernels._common import (check_mma, kernel_entry, mgpu_kernel, order_key_u32, replicated_rows_layouts,
+                                    tmem_to_wgmma, warp_split_layout)
 
 HEAD_DIM = 128
 FP8_MAX = 448.0
@@ -176,8 +176,7 @@ def _tc_scores(k_s, q_s, acc_t, mbar, t_s):
   return tmem_to_wgmma(acc, t_s)
 
 
-def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_plan=(), grid=(1, 1),
-                    tc05: bool = False):
+def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, tc05: bool = False):
   """Kernel body: ``nbc`` blocks of 64 pooled keys per CTA (``tc05``: 128), T tokens x hi heads.
 
   GMEM refs: q_g [B, T * hi, 128] e4m3, wq_g [B, T, hi] f32 (w * q_scale), nv_g [B, T] int32,
@@ -187,8 +186,7 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_pl
   automatic barriers: lean_barriers) needs no barrier of its own: o_s is rewritten each block only after
   ``wait_smem_to_gmem``, whose barrier holds every thread until its TMA store has read it; a slot's next gather
   comes after the commit that every thread passes once its reads of the slot — the wgmma's, the scales' — are
-  done; the queries' SMEM is written once, before a commit. ``prefetch_plan``: L2 prefetches of the weights
-  after the inputs (``issue_l2_prefetch``), dealt out over the ``grid`` (chunks, sequences) of CTAs.
+  done; the queries' SMEM is written once, before a commit.
 
   ``tc05``: the tcgen05 form (Blackwell): blocks of 128 keys, each token's scores one tcgen05 MMA into the TMEM
   accumulator acc_t [128, hi] (``_tc_scores``), relaid into the WGMMA layout through t_s [2, 128, hi] (a tile per
@@ -200,8 +198,6 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_pl
   bk = TC_BLOCK if tc05 else BLOCK  # pooled keys per block (the MMA's M)
 
   def body(*refs):
-    n_in, n_pf = (6 if rotate else 5), len(prefetch_plan)
-    pf, refs = refs[n_in:n_in + n_pf], refs[:n_in] + refs[n_in + n_pf:]
     tc = ()
     if tc05:
       n_tc = 4 if rotate else 3
@@ -243,8 +239,6 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_pl
     def _():
       issue(0, 0)
 
-    # (policy knob l2_prefetch: the weights after the selection into L2, behind this CTA's own first loads)
-    issue_l2_prefetch(pf, prefetch_plan, ch + grid[0] * b, grid[0] * grid[1])
     plgpu.barrier_wait(bar.at[0])
     wq = [plgpu.load(wq_g.at[b, t], layout=_L.WGMMA.reduce(0), optimized=False) for t in range(T)]
     if rotate:
@@ -294,9 +288,9 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, prefetch_pl
   return body
 
 
-@kernel_entry("blocks_per_cta", "padded", "align", "lean", "prefetch_plan", "mma")
+@kernel_entry("blocks_per_cta", "padded", "align", "lean", "mma")
 def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False,
-                   align: int = 64, lean: bool = False, prefetch=(), prefetch_plan=(), mma: str = "wgmma"):
+                   align: int = 64, lean: bool = False, mma: str = "wgmma"):
   """Mosaic GPU indexer scores; same contract as ``indexer_scores_reference``.
 
   q8 [B, T, HI, 128] e4m3 (HI a multiple of 8), q_scale / w [B, T, HI] f32, k8 [B, P, 128] e4m3, k_scale [B, P]
@@ -306,9 +300,7 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   output as it is, [B, T, Pp >= P] (-inf past each token's n_valid: what the top-k threshold kernel reads with no
   slice in between), Pp a multiple of ``align`` (a multiple of 64: the threshold kernel takes rows of its lanes,
   128 per warpgroup; the grid grows by CTAs that only write -inf). ``lean`` (policy knob lean_barriers): built
-  without Mosaic GPU's automatic warpgroup barriers (18 bar.sync, 4 lean; ``_indexer_kernel``). ``prefetch`` /
-  ``prefetch_plan`` (policy knob l2_prefetch; ``_common.l2_prefetch_args``): weights the CTAs ask to have brought
-  into L2 while the DSA layer's selection runs — its W_UV and o_proj, read at the layer's end.
+  without Mosaic GPU's automatic warpgroup barriers (18 bar.sync, 4 lean; ``_indexer_kernel``).
 
   ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell, sm_100: no wgmma there) — each token's scores one tcgen05
   MMA of 128 keys (M = 128: tcgen05's M = 64 splits N over two lane groups, which Mosaic refused here) into a
@@ -318,7 +310,7 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, n_valid, *, blocks_per_cta: int 
   tc05 = check_mma(mma, "indexer_scores")
   wq = w.astype(jnp.float32) * q_scale.astype(jnp.float32)
   return _scores_call(q8, wq, k8, k_scale, n_valid, blocks_per_cta, rotate=False, padded=padded, align=align,
-                      lean=lean, prefetch=tuple(prefetch), prefetch_plan=prefetch_plan, tc05=tc05)
+                      lean=lean, tc05=tc05)
 
 
 def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
@@ -328,22 +320,22 @@ def indexer_scores_q_reference(q, w, k8, k_scale, n_valid, **unused):
   return indexer_scores_reference(q8, qs, w, k8, k_scale, n_valid, **unused)
 
 
-@kernel_entry("blocks_per_cta", "padded", "align", "lean", "prefetch_plan", "mma")
+@kernel_entry("blocks_per_cta", "padded", "align", "lean", "mma")
 def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None = None, padded: bool = False,
-                     align: int = 64, lean: bool = False, prefetch=(), prefetch_plan=(), mma: str = "wgmma"):
+                     align: int = 64, lean: bool = False, mma: str = "wgmma"):
   """Mosaic GPU version of ``indexer_scores_q_reference``: ``indexer_scores`` with the queries' FWHT and FP8
   quantisation inside the kernel (each CTA rotates the T · HI rows with one wgmma per 64 rows against the ±1
   Sylvester matrix and quantises them in registers: ``_quantize_rows``) instead of ~3 XLA kernels in front of it
   on the critical path (the rotation's butterflies, the amax, the conversion; ~8 µs per DSA layer on the H200,
   session 29's profile). q must be bf16 (the projection's output dtype: the wgmma reads it as is). ``lean``,
-  ``prefetch`` / ``prefetch_plan``, ``mma`` as in ``indexer_scores`` (tcgen05: the rotation one tcgen05 MMA per
-  128 query rows, the T · HI rows padded to 128 by the TMA's zero fill, quantised in tcgen05's register layout)."""
+  ``mma`` as in ``indexer_scores`` (tcgen05: the rotation one tcgen05 MMA per 128 query rows, the T · HI rows
+  padded to 128 by the TMA's zero fill, quantised in tcgen05's register layout)."""
   tc05 = check_mma(mma, "indexer_scores_q")
   if q.dtype != jnp.bfloat16:
     raise ValueError(f"indexer_scores_q: q {q.dtype}; expected bfloat16 (the wq_b projection's output: the "
                      "kernel's wgmma reads it as is — rotate other dtypes with indexer_scores)")
   return _scores_call(q, w.astype(jnp.float32), k8, k_scale, n_valid, blocks_per_cta, rotate=True, padded=padded,
-                      align=align, lean=lean, prefetch=tuple(prefetch), prefetch_plan=prefetch_plan, tc05=tc05)
+                      align=align, lean=lean, tc05=tc05)
 
 
 def _sylvester128():
@@ -354,7 +346,7 @@ def _sylvester128():
 
 
 def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padded: bool = False, align: int = 64,
-                 lean: bool = False, prefetch=(), prefetch_plan=(), tc05: bool = False):
+                 lean: bool = False, tc05: bool = False):
   B, T, HI, Dh = q.shape
   P = k8.shape[1]
   if Dh != HEAD_DIM or HI % 8:
@@ -389,7 +381,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
               plgpu.SMEM((2, TC_BLOCK, HI), jnp.float32)]
     extra += [plgpu.TMEM((TC_BLOCK, HEAD_DIM), jnp.float32)] if rotate else []
   kern = mgpu_kernel(
-      _indexer_kernel(nbc, T, HI, rotate, prefetch_plan, grid=(nch, B), tc05=tc05),
+      _indexer_kernel(nbc, T, HI, rotate, tc05=tc05),
       out_type=jax.ShapeDtypeStruct((B, T, Pp), jnp.float32),
       scratch_types=[
           plgpu.SMEM((rq, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # q_s
@@ -406,7 +398,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=bool(lean)),
   )
   head = (q.reshape(B, T * HI, HEAD_DIM),) + ((jnp.asarray(_sylvester128(), jnp.bfloat16),) if rotate else ())
-  out = kern(*head, wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32), *prefetch)
+  out = kern(*head, wq, n_valid.astype(jnp.int32), k8, k_scale.astype(jnp.float32))
   return out if padded else out[:, :, :P]
 
 

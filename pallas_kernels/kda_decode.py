@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import issue_l2_prefetch, kernel_entry, replicated_rows_layouts, tiled, with_pdl
+from pallas_kernels._common import kernel_entry, replicated_rows_layouts, tiled, with_pdl
 
 L2NORM_EPS = 1e-6
 _DEBUG = False  # True: print the kernel jaxpr and Mosaic GPU module when lowering
@@ -300,10 +300,10 @@ def _layouts(D: int, BV: int):
   return dict(S=tiled(s), K=tiled(s.reduce([1])), V=tiled(s.reduce([0])), ROWS=rows, ROW=row)
 
 
-@kernel_entry("lower_bound", "norm_eps", "config", "norm_partials", "prefetch_plan")
+@kernel_entry("lower_bound", "norm_eps", "config", "norm_partials")
 def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
                gate=None, norm_weight=None, norm_eps=1e-5, config: KdaDecodeConfig | None = None, b_offset=0,
-               norm_partials: bool = False, prefetch=(), prefetch_plan=()):
+               norm_partials: bool = False):
   """KDA decode recurrence over T tokens as one Pallas Mosaic GPU kernel; same contract as the reference.
 
   q, k, v: [B, T, H, D] (bf16 or f32), after the short conv + SiLU, before l2-norm.
@@ -320,21 +320,18 @@ def kda_decode(q, k, v, f, b, A_log, dt_bias, state, num_accepted, *, lower_boun
     (``norm_partials_reference``) as a last result: with them the gated RMSNorm after the kernel is elementwise
     (``gated_norm_from_partials``) and fuses into the o_proj GEMV — no norm kernel on the layer's chain. Not
     with the fused norm (gate=).
-  prefetch / prefetch_plan (policy knob l2_prefetch; ``_common.l2_prefetch_args``): weights the CTAs ask to have
-    brought into L2 while the recurrence runs — the o_proj GEMV's after it.
   Returns (o [B, T, H, D] f32, new_state [B, Q, H, D, D] f32): slot t < T holds the state after token t,
   slots >= T are untouched.
   """
   _check_shapes(q, k, v, f, b, A_log, dt_bias, state, num_accepted, gate, norm_weight)
   return _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, norm_weight, norm_eps,
-              config or KdaDecodeConfig(), b_offset, conv=False, norm_partials=norm_partials,
-              prefetch=(tuple(prefetch), prefetch_plan))
+              config or KdaDecodeConfig(), b_offset, conv=False, norm_partials=norm_partials)
 
 
-@kernel_entry("lower_bound", "norm_eps", "config", "norm_partials", "prefetch_plan")
+@kernel_entry("lower_bound", "norm_eps", "config", "norm_partials")
 def kda_decode_conv(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, num_accepted, *, lower_bound=-5.0,
                     gate=None, norm_weight=None, norm_eps=1e-5, config: KdaDecodeConfig | None = None, b_offset=0,
-                    norm_partials: bool = False, prefetch=(), prefetch_plan=()):
+                    norm_partials: bool = False):
   """``kda_decode`` with the short conv + SiLU in the kernel (``kda_decode_conv_reference``'s contract): qkv
   [B, T, 3, H, D] the q | k | v projection output before the conv (a free reshape of the model's [B, T, 3C]),
   conv_hist [B, Kc - 1, 3, H, D] the inputs of the Kc - 1 positions before this call (the conv ring's rows, zeros
@@ -342,8 +339,7 @@ def kda_decode_conv(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, nu
   Each CTA convolves its head's q / k rows and its v columns per token from one SMEM window (the Kc - 1 history
   rows, then this call's T rows) and rounds them to qkv's dtype as the model does: the XLA fusion between the qkv
   projection and the kernel (~2 µs + a dependent launch per KDA layer on the H200, session 29's profile) goes.
-  Needs config.prefetch (the window is TMA'd). norm_partials, prefetch / prefetch_plan as in ``kda_decode``
-  (norm_partials: one more result)."""
+  Needs config.prefetch (the window is TMA'd). norm_partials as in ``kda_decode`` (one more result)."""
   Kc = _check_conv(qkv, conv_hist, conv_weight)
   B, T, _, H, D = qkv.shape
   rows = jax.ShapeDtypeStruct((B, T, H, D), qkv.dtype)
@@ -352,16 +348,13 @@ def kda_decode_conv(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, nu
   if not config.prefetch:
     raise ValueError("kda_decode_conv: config.prefetch=False; the conv window is TMA'd into SMEM (prefetch=True)")
   return _kda(qkv, conv_hist, conv_weight.astype(jnp.float32), f, b, A_log, dt_bias, state, num_accepted,
-              lower_bound, gate, norm_weight, norm_eps, config, b_offset, conv=Kc, norm_partials=norm_partials,
-              prefetch=(tuple(prefetch), prefetch_plan))
+              lower_bound, gate, norm_weight, norm_eps, config, b_offset, conv=Kc, norm_partials=norm_partials)
 
 
 def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, norm_weight, norm_eps,
-         config: KdaDecodeConfig, b_offset, conv: int | bool, norm_partials: bool = False, prefetch=((), ())):
+         config: KdaDecodeConfig, b_offset, conv: int | bool, norm_partials: bool = False):
   """The kernel call behind both entries. conv = Kc (kda_decode_conv): q, k, v are (qkv [B, T, 3, H, D],
-  conv_hist [B, Kc - 1, 3, H, D], conv_weight [Kc, 3, H, D] f32); False: q, k, v [B, T, H, D] as they are.
-  prefetch: (the weights, their plan) to prefetch into L2 (``issue_l2_prefetch``), first thing in every CTA."""
-  pf_in, pf_plan = prefetch
+  conv_hist [B, Kc - 1, 3, H, D], conv_weight [Kc, 3, H, D] f32); False: q, k, v [B, T, H, D] as they are."""
   if conv:
     B, T, _, H, D = q.shape
   else:
@@ -395,11 +388,6 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
 
   def kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *more):
     *norm_refs, o_ref, ss_ref = more if norm_partials else (*more, None)
-    norm_refs, pf_refs = norm_refs[:len(norm_refs) - len(pf_in)], norm_refs[len(norm_refs) - len(pf_in):]
-    pf_issue = None
-    if pf_plan:  # (policy knob l2_prefetch: the CTAs' share of the boxes, one thread each)
-      cta = lax.axis_index("v") + (NV // wgs) * (lax.axis_index("h") + H * lax.axis_index("b"))
-      pf_issue = functools.partial(issue_l2_prefetch, pf_refs, pf_plan, cta, (NV // wgs) * H * B)
     # SMEM must be allocated collectively by the CTA's warpgroups (and pl.kernel takes no scratch_types).
     scratch = []
     if config.prefetch:  # per-head rows [T, D] of q, k, f, v (and gate): one TMA each, shared by the CTA
@@ -415,13 +403,13 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
       scratch += [plgpu.SMEM((T, D), f32), plgpu.Barrier(num_arrivals=wgs)]
     refs = (state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *norm_refs)
     if scratch:
-      pl.run_scoped(functools.partial(body, *refs, ss_ref=ss_ref, pf_issue=pf_issue), *scratch,
+      pl.run_scoped(functools.partial(body, *refs, ss_ref=ss_ref), *scratch,
                     collective_axes="wg" if wgs > 1 else ())
     else:
-      body(*refs, ss_ref=ss_ref, pf_issue=pf_issue)
+      body(*refs, ss_ref=ss_ref)
 
   def body(state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *rest,
-           ss_ref=None, pf_issue=None):
+           ss_ref=None):
     rest = list(rest)
     gate_ref, nw_ref = (rest.pop(0), rest.pop(0)) if norm_in_kernel else (None, None)
     wg = lax.axis_index("wg") if wgs > 1 else 0
@@ -448,18 +436,12 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
         for src, dst in zip(srcs, smem):
           for part, at in (src if isinstance(src, tuple) else ((src, None),)):
             plgpu.copy_gmem_to_smem(part, dst if at is None else dst.at[at], bar_in)
-        if pf_issue is not None:  # (the L2 prefetches behind the CTA's own loads in its TMA unit's queue)
-          pf_issue()
 
       if wgs > 1:
         pl.when(wg == 0)(issue)
       else:
         issue()
       srcs = smem
-    elif pf_issue is not None and wgs > 1:
-      pl.when(wg == 0)(pf_issue)
-    elif pf_issue is not None:
-      pf_issue()
     q_src, k_src, f_src, v_src = srcs[:4]
 
     S = plgpu.load(state_ref.at[bi, na_ref[bi] - 1, h, :, cols], layout=L_S, optimized=False)
@@ -549,7 +531,6 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
   inputs = (q, k, v, f, b, b_off, A_log.astype(f32), dt_bias.astype(f32), num_accepted.astype(jnp.int32))
   if norm_in_kernel:
     inputs += (gate, norm_weight)
-  inputs += pf_in
   rows_t = jax.ShapeDtypeStruct((B, T, H, D), f32)
   ss_t = jax.ShapeDtypeStruct((B, T, H, NV), f32)
 

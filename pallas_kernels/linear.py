@@ -66,9 +66,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (check_mma, counter_signal, counter_wait, interpreting,
-                                    issue_l2_prefetch, kernel_entry, mgpu_kernel, saturate_f16, tmem_to_wgmma,
-                                    wg_barrier)
+from pallas_kernels._common import (check_mma, counter_signal, counter_wait, interpreting, kernel_entry,
+                                    mgpu_kernel, saturate_f16, tmem_to_wgmma, wg_barrier)
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
@@ -820,12 +819,6 @@ class MoePlan:
   gu_split: int = 1
 
 
-# Policy knob moe_down_prefetch: the gate/up kernel's CTAs ask for the down weights at step steps // this of their
-# ring — halfway: the gate/up bytes streamed after it plus the down weights (M = 1: 18 + 18 MB) fit in the H200's
-# 50 MB L2, where all of them (36 + 18 MB) from the first step would not
-MOE_DOWN_PREFETCH_AT = 2
-
-
 def plan_moe(n_slots: int, inter: int, hidden: int, mp: int, *, gu_bm=None, gu_stages=None, gu_split=None,
              dn_bm=None, dn_groups=None, dn_stages=None, target_ctas: int = 2 * NUM_SMS, mma: str = "wgmma") -> MoePlan:
   """Default tiling for ``n_slots`` expert slots (the shared expert's included), I=inter, D=hidden, ``mp`` padded
@@ -909,8 +902,7 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
                         rows: bool = False, router: tuple | None = None, rows_weight: bool = True,
-                        n_valid: int = 0, writer_t: int = 0, lean: bool = False, down_prefetch: int = 0,
-                        tc05: bool = False):
+                        n_valid: int = 0, writer_t: int = 0, lean: bool = False, tc05: bool = False):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -928,14 +920,9 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   writer was a shared-slot CTA that ran k rounds of 3 reductions and the stores before its own weight requests:
   s49a's profile had its first wait begin ~6.4 µs after the median CTA's, the kernel's last to finish. (Every
   step's block scales requested before the first weight tiles, session 52's moe_scale_prefetch, measured a tie
-  twice: the tiles themselves arrive late, not their scales.) ``down_prefetch`` (policy knob moe_down_prefetch):
-  the down kernel's weights (inputs after the shared expert's: w_down [E, D, I][, the shared expert's [D, I]])
-  — every CTA asks for its share of its slot's expert's [256, 256] boxes (``_common.issue_l2_prefetch`` over the
-  slot's tiles · split CTAs) to be brought into L2, at step
-  ``steps // down_prefetch`` of its ring: once the slot's expert is known and late enough that the gate/up
-  bytes streamed after it (with the prefetched ones) fit in L2, so that the down kernel reads them from there.
-  ``tc05`` (dq, a_smem): the tcgen05 form — scratch ``_tc_scratch``'s three before a_s; the sums in tcgen05's
-  register layout through the loop, relaid out once after it."""
+  twice: the tiles themselves arrive late, not their scales.) ``tc05`` (dq, a_smem): the tcgen05 form — scratch
+  ``_tc_scratch``'s three before a_s; the sums in tcgen05's register layout through the loop, relaid out once
+  after it."""
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
@@ -946,8 +933,6 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   nvalid_ref, wg_ref, sg_ref, wu_ref, su_ref = refs[n_x + 1:n_x + 6]
   wgs_ref, sgs_ref, wus_ref, sus_ref = refs[n_x + 6:n_x + n_w] if shared else (None,) * 4
   rest = list(refs[n_x + n_w:])
-  wd_ref = rest.pop(0) if down_prefetch else None
-  wds_ref = rest.pop(0) if down_prefetch and shared else None
   rw_ref = rest.pop(0) if rows and rows_weight else None
   ctr_g, o_ref, y, rest = _out_refs(rest, fused_sum, split, rows)
   router_refs = [rest.pop(0) for _ in range(7)] if router is not None else None  # (outputs, then scratch first)
@@ -1004,22 +989,9 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       for i in range(min(stages, steps)):
         issue(i)
 
-    def prefetch_down():  # (moe_down_prefetch) the slot's expert's down weight [D, I], its boxes dealt out over
-      # the slot's per_slot CTAs
-      D, inter_ = wd_ref.shape[1], wd_ref.shape[2]
-      plan = ((((0, D),), D, inter_, inter_),)
-      routed = lambda: issue_l2_prefetch((wd_ref.at[e],), plan, rem, per_slot)  # noqa: E731
-      if shared:
-        pl.when(is_sh)(lambda: issue_l2_prefetch((wds_ref,), plan, rem, per_slot))
-        pl.when(jnp.logical_not(is_sh))(routed)
-      else:
-        routed()
-
     def step(i, carry):  # a rolled loop: 32 unrolled steps x 4 wgmma scopes would be slow to lower
       acc_g, acc_u = carry
       slot = i % stages
-      if down_prefetch:
-        pl.when(i == steps // down_prefetch)(prefetch_down)
       sg, su = scales(raw_scales(i))  # issued before the wait (the FMA at the step's end waits for them)
       with jax.named_scope("wait"):
         plgpu.barrier_wait(bar.at[slot])
@@ -1454,13 +1426,12 @@ def _swiglu_of_splits(out, m: int, split: int, limit: float):
 
 
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select",
-              "static_table", "writer_cta", "lean", "down_prefetch", "mma")
+              "static_table", "writer_cta", "lean", "mma")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
             dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None,
-            static_table: bool = False, writer_cta: bool = False, lean: bool = False, down_prefetch: bool = False,
-            mma: str = "wgmma"):
+            static_table: bool = False, writer_cta: bool = False, lean: bool = False, mma: str = "wgmma"):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1502,10 +1473,6 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     mma: "wgmma" (Hopper) or "tcgen05" (Blackwell, with dq: both kernels' tile products as tcgen05 MMAs into
       tensor memory, 128-row tiles, token rows padded to 16 — the module docstring; ``a_from`` and ``lean`` do
       not apply).
-    down_prefetch: for ONE token row (policy knob moe_down_prefetch): the gate/up kernel's CTAs, halfway through
-      their rings, ask for their slots' experts' down weights to be brought into L2 (TMA L2 prefetches, fire and
-      forget: ``_moe_gate_up_kernel(down_prefetch=)``) — the down kernel's bytes stream while the gate/up kernel
-      runs, and the down kernel reads them from L2. The same values. Ignored for more rows.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1622,15 +1589,12 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   gu_grid = n_slots * gu_tiles * plan.gu_split
   writer_t = gu_grid if writer_cta and router is not None and ranks else 0
   lean_k = bool(lean) and not a_smem  # (the SMEM-A form — interpret mode's — keeps the automatic barriers)
-  # down_prefetch: the down weights as the gate/up kernel's operands too (prefetched halfway through its ring)
-  dn_pf = MOE_DOWN_PREFETCH_AT if down_prefetch and table_k else 0
-  pf_in = ((w_down,) + ((shared[4],) if has_sh else ())) if dn_pf else ()
   outs = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
                         a_smem=a_smem, fused_sum=gu_ctr is not None, rows=gu_rows, router=sel_static,
                         rows_weight=router is None, n_valid=nv_static, writer_t=writer_t, lean=lean_k,
-                        down_prefetch=dn_pf, tc05=tc05),
+                        tc05=tc05),
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean_k),
       out_type=(gu_out if isinstance(gu_out, tuple) else (gu_out,)) + sel_out,
       grid=(gu_grid + int(writer_t > 0),),
@@ -1646,7 +1610,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
           *a_tile(plan.gu_bm),
           *gu_scratch,
       ],
-  )(*x_in, *sel_in, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu, *pf_in, *gu_extra)
+  )(*x_in, *sel_in, n_valid, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), *sh_gu, *gu_extra)
   outs = list(outs)
   if router is not None:  # the kernel's selection: the down kernel's slot table, the glue's routing weights
     rw = outs.pop()

@@ -47,16 +47,14 @@ untiled one for the TMA store of its M rows.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (counter_signal, counter_wait, fence_async_writes, interpreting,
-                                    issue_l2_prefetch, kernel_entry, mgpu_kernel, saturate_f16, wg_barrier)
+from pallas_kernels._common import (counter_signal, counter_wait, fence_async_writes, interpreting, kernel_entry,
+                                    mgpu_kernel, saturate_f16, wg_barrier)
 
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
@@ -262,7 +260,7 @@ def _pre_rinv(S, gram, r, base, sc0, D, eps, norm_eps):
 
 
 def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch's columns per CTA)
-  def body(*refs, after_loads=None):  # (after_loads: run once the loads are issued — the L2 prefetches)
+  def body(*refs):
     if first:  # no previous sublayer: X' = X, nothing to mix or store
       x_g, fn_g, part_g, x_s, fn_s, xw_s, bar = refs
     else:
@@ -276,8 +274,6 @@ def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch'
       plgpu.copy_gmem_to_smem(y_g.at[pl.ds(0, M), pl.ds(d0, DC)], y_s.at[pl.ds(0, M)], bar)
       plgpu.copy_gmem_to_smem(post_g, post_s, bar)
       plgpu.copy_gmem_to_smem(comb_g, comb_s, bar)
-    if after_loads is not None:
-      after_loads()
     with jax.named_scope("load"):
       plgpu.barrier_wait(bar)
 
@@ -321,10 +317,9 @@ def _post_pre_kernel(M: int, D: int, first: bool, DC: int):  # (DC: this launch'
 
 
 @kernel_entry("first", "cols")
-def mhc_post_pre(X, y, mix, fn, *, first: bool = False, cols: int = DC, after=()):
+def mhc_post_pre(X, y, mix, fn, *, first: bool = False, cols: int = DC):
   """Mosaic GPU version of ``mhc_post_pre_reference`` (same signature and outputs; with ``first`` X' is X itself):
-  a CTA per ``cols`` columns of every stream (32 or 64). ``after``: arrays the kernel only waits for
-  (``_common.mgpu_kernel``: side launches' tokens)."""
+  a CTA per ``cols`` columns of every stream (32 or 64)."""
   M, K = X.shape
   D = K // N
   _check(X, D, "mhc_post_pre")
@@ -343,7 +338,7 @@ def mhc_post_pre(X, y, mix, fn, *, first: bool = False, cols: int = DC, after=()
   if first:
     kern = mgpu_kernel(_post_pre_kernel(M, D, True, DC), out_type=part, kernel_name="glm5_mhc_pre", **common,
                        scratch_types=[x_s, fn_s, xw_s, plgpu.Barrier(num_arrivals=2 * N)])
-    return X, kern(X, fn.astype(bf16), after=after)
+    return X, kern(X, fn.astype(bf16))
   kern = mgpu_kernel(
       _post_pre_kernel(M, D, False, DC), out_type=(jax.ShapeDtypeStruct((M, K), bf16), part),
       kernel_name="glm5_mhc_post_pre", **common,
@@ -360,7 +355,7 @@ def mhc_post_pre(X, y, mix, fn, *, first: bool = False, cols: int = DC, after=()
   if post.shape != (N, ROWS) or comb.shape != (N * N, ROWS):
     raise ValueError(f"mhc_post_pre: mix = (post {post.shape}, comb {comb.shape}), expected the transposed "
                      f"({(N, ROWS)}, {(N * N, ROWS)}) of mhc_finish (mix_from_rows)")
-  return kern(X, y.astype(bf16), post.astype(f32), comb.astype(f32), fn.astype(bf16), after=after)
+  return kern(X, y.astype(bf16), post.astype(f32), comb.astype(f32), fn.astype(bf16))
 
 
 def _normed_input(x_s, w_s, o_s, o_g, pre, rinv, M, d0, o16=None):
@@ -790,15 +785,13 @@ def _check_grid_args(what: str, X, fn, coef, w, mix, first: bool, parity: int, l
 
 
 def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float,
-                        counters: bool = False, lean: bool = False, prefetch_plan=(), x16: bool = False):
+                        counters: bool = False, lean: bool = False, x16: bool = False):
   """The one-launch body: mhc_post_pre's (``_post_pre_kernel``, 32 columns) with its refs, zero rows G.. of the
   partials, the grid barrier, then ``_normalise_from_partials`` on the X' this CTA staged (untiled: xu_s, or x_s
   — X itself — at the first site). ``counters``: the barrier on counter p of the counters' Ref (inputs after w:
   the Ref, then p as int32 [1]; ``barrier_counters``) instead of a pl.get_global semaphore — p an operand, not
-  a constant of the kernel, so both parities run one compiled kernel. ``prefetch_plan``: L2 prefetches of the
-  weights after the counters' inputs (``issue_l2_prefetch``), issued once the CTA's own loads are (a TMA unit
-  works through its requests in order: 4 boxes of 128 KB in front of them would hold them back by microseconds).
-  ``x16``: x_in in f16 too (an output after x_in; its SMEM tile after o_s)."""
+  a constant of the kernel, so both parities run one compiled kernel. ``x16``: x_in in f16 too (an output after
+  x_in; its SMEM tile after o_s)."""
   G, Gp = _grid_rows(D)
   pp = _post_pre_kernel(M, D, first, GRID_COLS)
   n_in = 2 if first else 5
@@ -808,7 +801,6 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
     ctr_g, par_g = refs[n_in + 2:n_in + 4] if counters else (None, None)
     it = iter(refs[n_in + 2 + 2 * counters:])
     take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
-    pf = take(len(prefetch_plan))
     pp_out = take(1 if first else 2)  # ([xo_g,] part_g)
     xin_g = next(it)
     xin16_g = next(it) if x16 else None
@@ -821,9 +813,7 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
     d0 = g * GRID_COLS
     plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, GRID_COLS)], w_s, bar_w)  # in flight through the first half
     with jax.named_scope("post_pre"):
-      # (the L2 prefetches behind the CTA's own loads in its TMA unit's queue, not in front of them)
-      pp(*pp_in, *pp_out, *pp_scratch,
-         after_loads=functools.partial(issue_l2_prefetch, pf, prefetch_plan, g, G) if prefetch_plan else None)
+      pp(*pp_in, *pp_out, *pp_scratch)
     for k in range(-(-(Gp - G) // G)):  # the zero rows, spread over the CTAs
       row = G + g + k * G
 
@@ -840,14 +830,12 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
   return body
 
 
-def _finish_half_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps: float, prefetch_plan=(),
-                        x16: bool = False):
-  """The second half as a launch of its own (``launches=2``): X' and the partials from GMEM. ``prefetch_plan``:
-  the L2 prefetches (``issue_l2_prefetch``) of the weights after w. ``x16`` as ``_post_finish_kernel``'s."""
-  G, _ = _grid_rows(D)
+def _finish_half_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps: float, x16: bool = False):
+  """The second half as a launch of its own (``launches=2``): X' and the partials from GMEM. ``x16`` as
+  ``_post_finish_kernel``'s."""
 
   def body(xn_g, part_g, c_g, w_g, *refs):
-    pf, rest = refs[:len(prefetch_plan)], list(refs[len(prefetch_plan):])
+    rest = list(refs)
     xin_g, xin16_g = rest.pop(0), (rest.pop(0) if x16 else None)
     x_s, w_s, o_s = rest[:3]
     o16 = (rest.pop(3), xin16_g) if x16 else None
@@ -856,7 +844,6 @@ def _finish_half_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps
     for i in range(N):
       plgpu.copy_gmem_to_smem(xn_g.at[pl.ds(0, M), pl.ds(i * D + d0, GRID_COLS)], x_s.at[i, pl.ds(0, M)], bar_w)
     plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, GRID_COLS)], w_s, bar_w)
-    issue_l2_prefetch(pf, prefetch_plan, lax.axis_index("g"), G)  # (behind the CTA's own loads)
     _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
                              norm_eps, o16=o16)
 
@@ -872,12 +859,10 @@ def _finish_half_scratch(M: int, arrivals: int, x16: bool = False):
           plgpu.Barrier(num_arrivals=arrivals)]  # bar_w: w (and, launched alone, X')
 
 
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "prefetch_plan",
-              "x16")
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "x16")
 def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                     norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                    parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=(), after=(),
-                    x16: bool = False):
+                    parity: int = 0, lean: bool = False, x16: bool = False):
   """Mosaic GPU version of ``mhc_post_finish_reference`` (same signature and outputs): the boundary's post, pre
   logits and Gram, and the sublayer input's RMSNorm in ONE launch of D / 32 CTAs with a grid barrier between the
   halves, for up to PARTS_MAX_ROWS token rows (decode's few; more: mhc_post_pre + mhc_finish). ``launches``: 1
@@ -890,9 +875,6 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   around every vector store to a ref, one before every TMA load — 46 bar.sync in this kernel at the real width,
   10 left: commit_smem's, wait_smem_to_gmem's, the reductions' and the grid barrier's), with the few it needs
   besides placed explicitly (``_sum_partials_t``, ``_grid_barrier``); no effect on the two-launch form.
-  ``prefetch`` / ``prefetch_plan`` (policy knob l2_prefetch; ``_common.l2_prefetch_args``): the weights of the
-  GEMVs after the boundary, prefetched into L2 by its CTAs while it runs (the two-launch form: by the second).
-  ``after``: arrays the (first) launch only waits for (``_common.mgpu_kernel``: l2_prefetch_side's tokens).
   ``x16``: x_in as (bf16, f16) — the f16 copy saturated at ±65,504, what the dq kernels' ``linear._act`` would make
   of it (policy knob dq_f16: no conversion kernel between the boundary and the sublayer's FP8 kernels)."""
   M, K = X.shape
@@ -910,13 +892,13 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   x_ins = (x_in, jax.ShapeDtypeStruct((M, D), jnp.float16)) if x16 else (x_in,)
   pp_in = (X, fn.astype(bf16)) if first else (X, y.astype(bf16), *(a.astype(f32) for a in mix), fn.astype(bf16))
   if launches == 2:
-    Xn, part = mhc_post_pre(X, y, mix, fn, first=first, cols=GRID_COLS, after=after)
+    Xn, part = mhc_post_pre(X, y, mix, fn, first=first, cols=GRID_COLS)
     part = jnp.pad(part, ((0, Gp - G), (0, 0), (0, 0)))
-    fin = mgpu_kernel(_finish_half_kernel(M, D, *consts, prefetch_plan, x16), out_type=x_ins if x16 else x_in,
+    fin = mgpu_kernel(_finish_half_kernel(M, D, *consts, x16), out_type=x_ins if x16 else x_in,
                       kernel_name="glm5_mhc_finish_half",
                       scratch_types=[plgpu.SMEM((N, ROWS, GRID_COLS), bf16),  # x_s: X' (its M rows)
                                      *_finish_half_scratch(M, N + 1, x16)], **params)
-    got = fin(Xn, part, coef.astype(f32), w.astype(bf16), *prefetch)
+    got = fin(Xn, part, coef.astype(f32), w.astype(bf16))
     return Xn, (tuple(got) if x16 else got), part
   x_s = plgpu.SMEM((N, ROWS, GRID_COLS), bf16)
   fn_s = plgpu.SMEM((N, MIX, GRID_COLS), bf16, transforms=_bf16_swizzled(GRID_COLS))
@@ -930,11 +912,11 @@ def mhc_post_finish(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, 
   outs = (part, *x_ins) if first else (jax.ShapeDtypeStruct((M, K), bf16), part, *x_ins)
   params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
   kern = mgpu_kernel(_post_finish_kernel(M, D, bool(first), *consts, counters=counters is not None, lean=bool(lean),
-                                         prefetch_plan=prefetch_plan, x16=x16),
+                                         x16=x16),
                      out_type=outs, scratch_types=[*pp_scratch, *_finish_half_scratch(M, 1, x16)],
                      kernel_name="glm5_mhc_post_finish", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
-  got = tuple(kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch, after=after))
+  got = tuple(kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr))
   Xn, got = (X, got) if first else (got[0], got[1:])
   part, x_in = got[0], (tuple(got[1:]) if x16 else got[1])
   return Xn, x_in, part
@@ -1071,13 +1053,11 @@ def _row_scratch(first: bool, x16: bool = False, M: int = 1):
           plgpu.Barrier(num_arrivals=N + 1)]  # bar_fn: fn, w
 
 
-def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D: int, first: bool, g,
-                    after_loads=None):
+def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D: int, first: bool, g):
   """Loads, the mix, X' stored (unless ``first``), the CTA's partials stored into token rows 0..M-1 of chunk g
   and zeros into those of the padding chunks G.. -> X' of each row (f32 per-thread vectors). Waits for its
   stores. The mix waits only for X, y and the previous mix (bar_x); fn's 24 KB per CTA (and w) arrive behind them
-  (bar_fn), and the padding chunks' zeros go out before anything else is computed. ``after_loads``: called once
-  the loads are issued (the L2 prefetches of policy knob l2_prefetch)."""
+  (bar_fn), and the padding chunks' zeros go out before anything else is computed."""
   x_s, fn_s, y_s, post_s, comb_s, w_s, xu_s, red_s, v_s = scratch[:9]
   bar_x, bar_fn = scratch[-2:]
   G, Gp = _grid_rows(D, ROW_COLS)
@@ -1092,8 +1072,6 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
   for i in range(N):
     plgpu.copy_gmem_to_smem(fn_g.at[:, pl.ds(i * D + d0, ROW_COLS)], fn_s.at[i], bar_fn)
   plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar_fn)
-  if after_loads is not None:  # (the L2 prefetches: behind the CTA's own loads in its TMA unit's queue)
-    after_loads()
   v_s[...] = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), _L.WGMMA.reduce(1))
   plgpu.commit_smem()
   for k in range(-(-(Gp - G) // G)):  # the token rows of the padding chunks, spread over the CTAs
@@ -1140,7 +1118,7 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
 
 
 def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int,
-                lean: bool = False, prefetch_plan=(), x16: bool = False, M: int = 1):
+                lean: bool = False, x16: bool = False, M: int = 1):
   """M token rows (up to PARTS_MAX_ROWS). ``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its
   halves as launches of their own. ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM
   store here is followed by a ``commit_smem`` before another thread or the TMA reads it, and a buffer another
@@ -1149,9 +1127,8 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
   thread reaches after waiting for those reads; red_s (each row's products) after the previous row's closing
   commit, which every thread reaches after its tile load; xu_s / x_s rows are read back only by the thread that
   wrote that column. The barriers it needs besides: _sum_partials_t's and
-  _grid_barrier's (``explicit``). ``prefetch_plan``: L2 prefetches of the weights after the counters' inputs
-  (the whole boundary or its first half; ``issue_l2_prefetch``), issued once the CTA's own loads are. ``x16``:
-  x_in in f16 too (an output after x_in, its SMEM tile before the barriers)."""
+  _grid_barrier's (``explicit``). ``x16``: x_in in f16 too (an output after x_in, its SMEM tile before the
+  barriers)."""
   G, _ = _grid_rows(D, ROW_COLS)
   consts = (D, eps, hc_norm_eps, norm_eps)
 
@@ -1184,14 +1161,12 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
       x_g, y_g, post_g, comb_g, fn_g = take(5)
     c_g, w_g = take(2) if half == 0 else (None, take(1)[0])
     ctr_g, par_g = take(2) if counters else (None, None)
-    pf = take(len(prefetch_plan))
     xo_g = None if first else next(it)
     part_g = next(it)
     xin_g = next(it) if half == 0 else None
     xin16_g = next(it) if half == 0 and x16 else None
     scratch = list(it)
-    xns = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g,
-                          functools.partial(issue_l2_prefetch, pf, prefetch_plan, g, G) if prefetch_plan else None)
+    xns = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g)
     if half == 1:
       return
     fence_async_writes()  # (the partials went out by TMA; the other CTAs read them with plain loads)
@@ -1219,21 +1194,18 @@ def mhc_row_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, e
                                    x16=x16)
 
 
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "prefetch_plan",
-              "x16")
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "x16")
 def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                      norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                     parity: int = 0, lean: bool = False, prefetch=(), prefetch_plan=(), after=(),
-                     x16: bool = False):
+                     parity: int = 0, lean: bool = False, x16: bool = False):
   """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, M <=
   PARTS_MAX_ROWS token rows: one by default, more under policy knob mhc_rows): ONE launch of D / 128 CTAs, one column
   of every stream and token row per thread (no wgmma: the form that compiles for Blackwell), a grid barrier between
   the halves (``counters`` / ``parity`` as in mhc_post_finish). ``launches=2`` (the default in GPU interpret mode):
   the halves as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 bar.sync, 16 left — its 38
-  one-row stores of per-thread products each had two). ``prefetch`` / ``prefetch_plan`` / ``after`` as in
-  mhc_post_finish (the two-launch form: the first launch issues the prefetches and waits for ``after``).
-  ``x16``: x_in as (bf16, f16) — the f16 copy saturated at ±65,504, what the dq kernels' ``linear._act`` would make
-  of it (policy knob dq_f16: no conversion kernel between the boundary and the sublayer's FP8 kernels)."""
+  one-row stores of per-thread products each had two). ``x16``: x_in as (bf16, f16) — the f16 copy saturated at
+  ±65,504, what the dq kernels' ``linear._act`` would make of it (policy knob dq_f16: no conversion kernel between
+  the boundary and the sublayer's FP8 kernels)."""
   M, K = X.shape
   D = K // N
   G, Gp = _grid_rows(D, ROW_COLS)
@@ -1250,10 +1222,10 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   x_ins = (x_in, jax.ShapeDtypeStruct((M, D), jnp.float16)) if x16 else (x_in,)
   xo = () if first else (jax.ShapeDtypeStruct((M, K), bf16),)
   if launches == 2:
-    h1 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 1, prefetch_plan=prefetch_plan, M=M),
+    h1 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 1, M=M),
                      out_type=(*xo, part), scratch_types=_row_scratch(first, M=M), kernel_name="glm5_mhc_row_first",
                      **params)
-    got = h1(*pp_in, w.astype(bf16), *prefetch, after=after)
+    got = h1(*pp_in, w.astype(bf16))
     Xn, part = (X, got[0]) if first else got
     h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2, x16=x16, M=M), out_type=x_ins if x16 else x_in,
                      kernel_name="glm5_mhc_row_second",
@@ -1265,12 +1237,11 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
     got = h2(Xn, part, coef.astype(f32), w.astype(bf16))
     return Xn, (tuple(got) if x16 else got), part
   params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
-  kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean),
-                                 prefetch_plan=prefetch_plan, x16=x16, M=M),
+  kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean), x16=x16, M=M),
                      out_type=(*xo, part, *x_ins), scratch_types=_row_scratch(first, x16, M),
                      kernel_name="glm5_mhc_row_boundary", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
-  got = tuple(kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *prefetch, after=after))
+  got = tuple(kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr))
   Xn, got = (X, got) if first else (got[0], got[1:])
   part, x_in = got[0], (tuple(got[1:]) if x16 else got[1])
   return Xn, x_in, part

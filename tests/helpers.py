@@ -73,10 +73,9 @@ def greedy_reference(model, prompt, n, *, max_context=128, bucket=16):
   return out
 
 
-def barrier_counts(monkeypatch, names, fn, *args, needle: str = "bar.sync"):
+def barrier_counts(monkeypatch, names, fn, *args):
   """{kernel name: warpgroup barriers (bar.sync) in its lowered module} for the Mosaic kernels fn lowers (CUDA): what
-  policy knob lean_barriers changes (Mosaic GPU's automatic barriers) counted where it happens (``needle``: another
-  instruction to count, e.g. the L2 prefetches of policy knob l2_prefetch). ``names``: the
+  policy knob lean_barriers changes (Mosaic GPU's automatic barriers) counted where it happens. ``names``: the
   kernels the caller reads — a kernel lowered before (by another test, the same configuration) is not lowered
   again, so then jax's caches are cleared and fn lowered once more (clearing them always would cost every later
   test of the process its compiled programs)."""
@@ -91,7 +90,7 @@ def barrier_counts(monkeypatch, names, fn, *args, needle: str = "bar.sync"):
   def counted(module, *a, **kw):
     out = orig(module, *a, **kw)
     txt = str(module)
-    counts[re.search(r"glm5_[a-z0-9_]+", txt).group(0)] = txt.count(needle)
+    counts[re.search(r"glm5_[a-z0-9_]+", txt).group(0)] = txt.count("bar.sync")
     return out
 
   with monkeypatch.context() as m:  # (undone on return: a later call must not count into this call's dict)

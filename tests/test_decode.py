@@ -285,6 +285,10 @@ def test_unknown_policy_key_is_refused(model):
                      r"scales requested up front: a tie twice"):
     Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,),
                                 policy=(("kda", False), ("moe_scale_prefetch", True))), backend="latency_specialized")
+  for knob, why in REMOVED_KNOBS.items():  # (each of them, with its own reason)
+    with pytest.raises(ValueError, match=re.escape(f"removed after measurement: {knob} ({why})")):
+      Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=((knob, True),)),
+              backend="latency_specialized")
   assert not set(REMOVED_KNOBS) & set(KERNEL_DEFAULTS), "a removed knob is still a knob"
 
 
@@ -561,9 +565,6 @@ CANDIDATE_KERNELS = (("router_route", True), ("linear_fused_sum", True), ("dq_f1
 @pytest.mark.e2e_kernels
 @pytest.mark.parametrize("extra", [(), pytest.param(CANDIDATE_KERNELS, marks=pytest.mark.gpu, id="candidates"),
                                    pytest.param((("lean_barriers", True),), marks=pytest.mark.gpu, id="lean"),
-                                   # (aborted natively in s57a, session 58: to isolate — both knobs measured slower)
-                                   pytest.param((("l2_prefetch", True), ("moe_down_prefetch", True)),
-                                                marks=pytest.mark.gpu, id="prefetch"),
                                    pytest.param((("moe_rows", False),), marks=pytest.mark.gpu, id="no_moe_rows"),
                                    pytest.param((("topk_compact_fused", False),), marks=pytest.mark.gpu,
                                                 id="compact_unfused"),

@@ -25,7 +25,7 @@ from conftest import rounding_reference, tol
 from helpers import barrier_counts
 
 from pallas_kernels import indexer as I
-from pallas_kernels._common import cross_lower, l2_prefetch_args, maybe_interpret
+from pallas_kernels._common import cross_lower, maybe_interpret
 
 SDS = jax.ShapeDtypeStruct
 F8 = jnp.float8_e4m3fn
@@ -219,27 +219,6 @@ def test_scores_refuse_unknown_mma(rotate):
     jax.eval_shape(functools.partial(kern, mma="mfma"), *args)
 
 
-@pytest.mark.parametrize("rotate", [False, True])
-def test_scores_with_l2_prefetches_are_the_scores(rotate):
-  """Policy knob l2_prefetch: with weights to prefetch into L2 among its operands (a DSA layer's W_UV rows of kv_b
-  and its FP8 o_proj, small; GPU interpret mode, where a prefetch is a no-op; natively on a GPU) the scores kernel's
-  output is bit for bit the one without."""
-  rng = np.random.default_rng()
-  B, T, P = 1, 2, 300
-  args = make_q_inputs(int(rng.integers(1 << 20)), B, T, P) if rotate else make_inputs(int(rng.integers(1 << 20)),
-                                                                                        B, T, P)
-  kv_b = jnp.asarray(rng.standard_normal((4 * 512, 512)), jnp.bfloat16)
-  o_proj = jnp.asarray(rng.standard_normal((384, 512)), jnp.float32).astype(F8)
-  pf, plan = l2_prefetch_args(((kv_b, tuple((h * 512 + 256, h * 512 + 512) for h in range(4))), (o_proj, None)))
-  kern = I.indexer_scores_q if rotate else I.indexer_scores
-  outs = []
-  with maybe_interpret():
-    for p, pl_ in (((), ()), (pf, plan)):
-      outs.append(np.asarray(jax.jit(lambda *a, p=p, pl_=pl_: kern(*a[:len(args)], padded=True, prefetch=a[len(args):],
-                                                                    prefetch_plan=pl_))(*args, *p)))
-  np.testing.assert_array_equal(outs[1], outs[0])
-
-
 def test_rotating_queries_rejects_f32():
   args = (SDS((1, 1, HI, 128), jnp.float32), SDS((1, 1, HI), jnp.float32), SDS((1, 64, 128), F8),
           SDS((1, 64), jnp.float32), SDS((1, 1), jnp.int32))
@@ -284,26 +263,6 @@ def test_cross_lower_tcgen05(T, P):
   txt = cross_lower(functools.partial(I.indexer_scores_q, mma="tcgen05", padded=True, align=128),
                     SDS((1, T, HI, 128), jnp.bfloat16), *args[2:]).as_text()
   assert "mosaic_gpu" in txt
-
-
-def test_cross_lower_with_l2_prefetches(monkeypatch):
-  """At decode's shapes (B = 1, T = 1, 8,192 pools) the rotating scores kernel lowers for CUDA with its CTAs' share
-  of a DSA layer's W_UV rows (16 heads x 256 rows of kv_b's 512 columns: 16 ranges of 2 boxes) and FP8 o_proj
-  [4096, 4096] (256 boxes): ceil(boxes / CTAs) predicated TMA L2 prefetches per range, none without."""
-  from helpers import barrier_counts  # noqa: PLC0415
-  args = (SDS((1, 1, HI, 128), jnp.bfloat16), SDS((1, 1, HI), jnp.float32), SDS((1, 8192, 128), F8),
-          SDS((1, 8192), jnp.float32), SDS((1, 1), jnp.int32), SDS((16 * 512, 512), jnp.bfloat16),
-          SDS((4096, 4096), F8))
-  got = {}
-  for with_pf in (False, True):
-    def f(*a, with_pf=with_pf):
-      uv = tuple((h * 512 + 256, h * 512 + 512) for h in range(16))
-      pf, plan = l2_prefetch_args(((a[5], uv), (a[6], None))) if with_pf else ((), ())
-      return I.indexer_scores_q(*a[:5], padded=True, prefetch=pf, prefetch_plan=plan)
-    got[with_pf] = barrier_counts(monkeypatch, ("glm5_indexer_scores",), f, *args,
-                                  needle="cp.async.bulk.prefetch")["glm5_indexer_scores"]
-  ctas = -(-(8192 // I.BLOCK) // I._pick_blocks_per_cta(8192 // I.BLOCK, 1))  # (the grid: chunks x 1 sequence)
-  assert got[False] == 0 and got[True] == 16 * -(-2 // ctas) + -(-256 // ctas), (got, ctas)
 
 
 # ------------------------------------------------------------------------------------------------------------

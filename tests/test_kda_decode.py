@@ -10,7 +10,7 @@ import pytest
 
 from conftest import rounding_reference, tol
 from pallas_kernels import kda_decode as kd
-from pallas_kernels._common import cross_lower, l2_prefetch_args, maybe_interpret
+from pallas_kernels._common import cross_lower, maybe_interpret
 
 STATE_ARG = 7  # position of `state` in the kda_decode signature
 
@@ -310,53 +310,6 @@ def test_cross_lower_conv(T, config, partials):
                donate_argnums=(STATE_ARG,))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "tf.aliasing_output" in text
-
-
-@pytest.mark.parametrize("conv", [False, True])
-def test_l2_prefetch_is_the_same_kernel(rng, conv):
-  """Policy knob l2_prefetch: with a weight to prefetch into L2 among its operands (o_proj's, bf16 [4 * 128, 256];
-  GPU interpret mode, where a prefetch is a no-op; natively on a GPU) the kernel's o, state and norm partials are
-  bit for bit those without it."""
-  B, T, H = 1, 2, 4
-  args, kw = (make_conv_inputs if conv else make_inputs)(rng, B, T, H, dtype=jnp.bfloat16)
-  entry = kd.kda_decode_conv if conv else kd.kda_decode
-  cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
-  w = jnp.asarray(rng.standard_normal((H * 128, 256)), jnp.bfloat16)
-  pf, plan = l2_prefetch_args(((w, None),))
-  outs = []
-  with maybe_interpret():
-    for p, pl_ in (((), ()), (pf, plan)):
-      outs.append(jax.jit(functools.partial(entry, config=cfg, norm_partials=True, prefetch_plan=pl_))(
-          *args, prefetch=p))
-  for a, b in zip(*outs):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_cross_lower_with_l2_prefetch(monkeypatch):
-  """At the one-rank shapes (B = 1, T = 1, 16 heads, 128 / block_v CTAs a head) the kernel lowers for CUDA with
-  its CTAs' share of o_proj's [4096, 2048] bf16 boxes (16 x 8 of [256, 256]): ceil(128 / CTAs) predicated TMA L2
-  prefetches each."""
-  from jax._src.pallas.mosaic_gpu import pallas_call_registration as reg  # noqa: PLC0415
-  s = jax.ShapeDtypeStruct
-  B, T, H, bf16 = 1, 1, 16, jnp.bfloat16
-  args = (s((B, T, 3, H, 128), bf16), s((B, 3, 3, H, 128), bf16), s((4, 3, H, 128), jnp.float32),
-          s((B, T, 2 * H, 128), jnp.float32), s((B, T, 272), bf16), s((H,), jnp.float32), s((H, 128), jnp.float32),
-          s((B, 4, H, 128, 128), jnp.float32), s((B,), jnp.int32), s((4096, 2048), bf16))
-  cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
-
-  def fn(*a):
-    pf, plan = l2_prefetch_args(((a[-1], None),))
-    return kd.kda_decode_conv(*a[:-1], config=cfg, norm_partials=True, prefetch=pf, prefetch_plan=plan)
-  got, orig = [], reg.lowering.lower_unpipelined_jaxpr_to_module
-
-  def counted(*a, **k):  # (a Lane-semantics kernel: its PTX is in the module Pallas lowers)
-    r = orig(*a, **k)
-    got.append(str(r.module).count("cp.async.bulk.prefetch.tensor.2d.L2"))
-    return r
-  monkeypatch.setattr(reg.lowering, "lower_unpipelined_jaxpr_to_module", counted)
-  cross_lower(fn, *args)
-  ctas = (128 // cfg.block_v) * H * B
-  assert got == [-(-128 // ctas)], (got, ctas)
 
 
 def test_cross_lower_wide_f_and_offset_b():

@@ -600,49 +600,6 @@ def test_router_in_the_gate_up_kernel_interpret(dq, shared, ranks):
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_moe_down_prefetch_is_the_same_moe(shared):
-  """fp8_moe(down_prefetch=True) (policy knob moe_down_prefetch: the gate/up CTAs ask for their experts' down
-  weights in L2 halfway through their rings; GPU interpret mode, where a prefetch is a no-op; natively on a GPU):
-  y, ids and weights bit for bit the MoE's without, in the step's form (the router in the gate/up kernel)."""
-  e, i, d, k, scaling = 32, 256, 384, 4, 2.5
-  x, _, _, *ws = moe_inputs(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 1, e, i, d, k)
-  sh = _shared_expert(jax.random.key(98), i, d) if shared else None
-  logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
-  outs = []
-  with maybe_interpret():
-    for pf in (False, True):
-      moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, router=(logits, bias),
-                              router_select=(k, scaling, True, True), down_prefetch=pf)
-      outs.append(jax.jit(lambda *a, moe=moe: moe(x, None, None, *a))(*ws))
-  for a, b in zip(*outs):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_moe_down_prefetch_lowers(monkeypatch):
-  """At the real rank's shapes (M = 1, 8 experts + the shared one, the step's plan: 8 row tiles x 4 D splits =
-  32 CTAs a slot) the gate/up kernel lowers for CUDA with each CTA's share of its slot's down weight [4096, 512]
-  — 16 x 2 boxes of [256, 256] over 32 CTAs: one predicated TMA L2 prefetch each, for the shared and the routed
-  weights' refs — and none without."""
-  from helpers import barrier_counts  # noqa: PLC0415
-  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
-  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
-        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
-  ws = (SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32), SDS((e, i, d), F8),
-        SDS((e, i // 128, d // 128), jnp.float32), SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32))
-  got = {}
-  for pf in (False, True):
-    def f(x, logits, bias, *a, pf=pf):
-      return L.fp8_moe(x, None, None, *a[:6], swiglu_limit=10.0, shared=a[6:], dq=True, router=(logits, bias),
-                       router_select=(k, 2.5, True, True), lean=True, down_prefetch=pf)
-    got[pf] = barrier_counts(monkeypatch, ("glm5_moe_gate_up",), f, SDS((1, d), jnp.bfloat16),
-                             SDS((1, e), jnp.float32), SDS((e,), jnp.float32), *ws, *sh,
-                             needle="cp.async.bulk.prefetch")["glm5_moe_gate_up"]
-  plan = L.plan_moe(k + 1, i, d, 8)
-  assert (i // plan.gu_bm) * plan.gu_split == 32, plan  # (the CTAs a slot the docstring counts)
-  assert got == {False: 0, True: 2 * 1}, got
-
-
 def test_router_in_the_gate_up_kernel_rejects_bad_input():
   e, i, d, k = 8, 128, 128, 4
   x, ids, w, *ws = moe_inputs(jax.random.key(97), 2, e, i, d, k)

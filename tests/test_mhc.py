@@ -15,7 +15,7 @@ from glm5_jax import config as C
 from glm5_jax.layers import HyperConnection, RMSNorm, kernel_report, use_kernels
 from helpers import barrier_counts, load, tiny_checkpoint
 from pallas_kernels import mhc as K
-from pallas_kernels._common import cross_lower, l2_prefetch_args, l2_prefetch_boxes, maybe_interpret, on_gpu
+from pallas_kernels._common import cross_lower, maybe_interpret, on_gpu
 
 BF16_ULP = dict(rtol=2.0 ** -7, atol=1e-5)  # one bf16 rounding apart (FMA contraction, order of the 4 terms;
 # the atol covers cancellation to ~1e-6 from O(1) terms)
@@ -252,68 +252,6 @@ def test_lean_boundaries_lower_without_automatic_barriers(monkeypatch, row):
                   lean=lean, **GRID_CONSTS)
     got[lean] = barrier_counts(monkeypatch, (name,), f, *args)[name]
   assert 0 < got[True] < got[False] // 3, got
-
-
-def _prefetch_targets(rng):
-  """Two weights to prefetch: bf16 [3, 320, 384] (its leading axes merged: 960 rows, the middle 500 of them asked
-  for) and FP8 [300, 256] (whole: the last row box moved back inside)."""
-  a = jnp.asarray(rng.standard_normal((3, 320, 384)), jnp.bfloat16)
-  b = jnp.asarray(rng.standard_normal((300, 256)), jnp.float32).astype(jnp.float8_e4m3fn)
-  return l2_prefetch_args(((a, ((200, 700),)), (b, None)))
-
-
-@pytest.mark.parametrize("row,first", [(False, False), (True, False), (True, True)])
-def test_boundary_with_l2_prefetches_is_the_boundary(row, first):
-  """Policy knob l2_prefetch: the boundary kernels with weights to prefetch into L2 among their operands (the
-  one-launch forms on a GPU; the two-launch forms — the prefetches in the first (row) or second launch — in
-  interpret mode, where a prefetch is a no-op): X', x_in and the partials bit for bit those without."""
-  M, D = 1, 512
-  X, y, mix, fn, coef, w = _inputs(M, D, 3)
-  pf, plan = _prefetch_targets(np.random.default_rng())
-  kern = K.mhc_row_boundary if row else K.mhc_post_finish
-  outs = []
-  for p, pl_ in (((), ()), (pf, plan)):
-    with maybe_interpret():
-      outs.append(jax.jit(lambda *a, p=p, pl_=pl_: kern(*a[:6], first=first, approx_math=True, lean=True,
-                                                          prefetch=a[6:], prefetch_plan=pl_, **GRID_CONSTS))(
-          X, y, mix, fn, coef, w, *p))
-  (xa, ia, pa), (xb, ib, pb) = outs  # (the partials' rows past M: padding never written, natively garbage)
-  for a, b in ((xa, xb), (ia, ib), (pa[:, :M], pb[:, :M])):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-@pytest.mark.parametrize("row", [False, True])
-def test_boundaries_lower_with_l2_prefetches(monkeypatch, row):
-  """At the real width the one-launch boundary lowers for CUDA with its share of the prefetch boxes per CTA:
-  ceil(boxes / CTAs) predicated TMA L2 prefetches per target (row: 32 CTAs, else 128); and the boxes the CTAs
-  are dealt cover every row asked for and every column, inside each weight."""
-  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
-  w1 = jax.ShapeDtypeStruct((3, 2048, 4096), jnp.bfloat16)
-  w2 = jax.ShapeDtypeStruct((2048, 4096), jnp.float8_e4m3fn)
-  kern = K.mhc_row_boundary if row else K.mhc_post_finish
-  name = "glm5_mhc_row_boundary" if row else "glm5_mhc_post_finish"
-  G = 4096 // (K.ROW_COLS if row else K.GRID_COLS)
-  plans = []
-
-  def f(X, y, mix, fn, coef, w, w1, w2):
-    pf, plan = l2_prefetch_args(((w1, ((0, 2000),)), (w2, None)))
-    plans.append(plan)
-    return kern(X, y, mix, fn, coef, w, approx_math=True, launches=1, counters=K.barrier_counters(), parity=0,
-                lean=True, prefetch=pf, prefetch_plan=plan, **GRID_CONSTS)
-  got = barrier_counts(monkeypatch, (name,), f, *args, w1, w2, needle="cp.async.bulk.prefetch")[name]
-  boxes = (8 * 16, 8 * 16)  # [256, 256] boxes: 2000 of 6144 rows -> 8 row blocks; 2048 rows -> 8; 4096 cols -> 16
-  assert got == sum(-(-b // G) for b in boxes), got  # (the boundary alone has none: tests above count its barriers)
-  plan = plans[-1]
-  assert plan == ((((0, 2000),), 6144, 4096, 4096), (((0, 2048),), 2048, 4096, 4096)), plan
-  seen = [np.zeros((R, Cw), bool) for _, R, Cw, _ in plan]
-  for cta in range(G):
-    for k, r, c, ok in l2_prefetch_boxes(plan, cta, G):
-      _, R, Cw, _ = plan[k]
-      assert 0 <= r <= R - 256 and 0 <= c <= Cw - 256
-      if ok:
-        seen[k][r:r + 256, c:c + 256] = True
-  for k, (ranges, R, Cw, _) in enumerate(plan):
-    assert all(seen[k][r0:r1].all() for r0, r1 in ranges), k
 
 
 def test_row_boundary_lowers_for_cuda():

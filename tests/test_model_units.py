@@ -421,12 +421,11 @@ def test_native_wrong_kernels_are_refused_outside_interpret_mode(monkeypatch):
   assert rep == [(knob, NATIVE_WRONG[knob]), (knob, None)]
 
 
-def _extend_one_token(m, B, policy, seed, trace_only=False, entries=None):
+def _extend_one_token(m, B, policy, seed, trace_only=False):
   """One extend step of B single-token rows through model m under kernel ``policy`` (GPU interpret mode; a fresh
   trace) -> ((final hidden [B, 1, D] f32, the first layer's expert ids — or, without an MoE there, its indexer
   selection, None with neither), the kernel report as a dict); with
-  ``trace_only`` only traced (the report), the values None. ``entries``: a list that receives the report's
-  entries one per site (the dict keeps a knob's last)."""
+  ``trace_only`` only traced (the report), the values None."""
   from glm5_jax import api  # noqa: PLC0415
   from glm5_jax.layers import kernel_report, use_kernels  # noqa: PLC0415
   tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 2000, (B, 1)), jnp.int32)
@@ -436,15 +435,11 @@ def _extend_one_token(m, B, policy, seed, trace_only=False, entries=None):
   with use_kernels(policy), maybe_interpret(True), kernel_report() as rep:
     if trace_only:
       jax.eval_shape(fn, *args)
-      if entries is not None:
-        entries.extend(rep)
       return None, dict(rep)
     out = fn(*args)[0]
     aux = out["aux"][0]
     sel = aux["experts"] if "experts" in aux else aux.get("idx")  # (neither in a KDA layer with a dense MLP)
     got = np.asarray(out["hidden"], np.float32), None if sel is None else np.asarray(sel)
-  if entries is not None:
-    entries.extend(rep)
   return got, dict(rep)
 
 
@@ -572,67 +567,6 @@ def test_mhc_row_at_the_model_site():
   assert np.abs(h0).max() > 0
   _, rep2 = _extend_one_token(m, 2, base | {"mhc_row": True}, seed=13, trace_only=True)
   assert rep2["mhc_row"].startswith("one token row (here 2; up to 4 with mhc_rows)"), rep2
-
-
-def test_l2_budget_takes_whole_weights_then_a_column_prefix():
-  """layers.l2_budget: the weights in order, whole while they fit, then the one that crosses the budget as the
-  leading columns (whole 256-column L2 boxes) of every row asked for — row ranges kept — and nothing after it;
-  the boxes the CTAs are dealt (l2_prefetch_boxes) cover exactly those columns of those rows."""
-  from glm5_jax.layers import l2_budget  # noqa: PLC0415
-  from pallas_kernels._common import l2_prefetch_args, l2_prefetch_boxes  # noqa: PLC0415
-  rng = np.random.default_rng()
-  a = jnp.asarray(rng.standard_normal((1000, 512)), jnp.bfloat16)  # 1,000 KB
-  b = jnp.asarray(rng.standard_normal((2, 1024, 4096)), jnp.bfloat16)  # 16 MiB, rows merged: 2,048
-  c = jnp.asarray(rng.standard_normal((64, 512)), jnp.bfloat16)
-  got = l2_budget((a, (b, ((100, 1100), (1500, 2048))), c), nbytes=8 << 20)
-  assert [(w.shape, r, cols) for w, r, cols in got] == [
-      ((1000, 512), ((0, 1000),), 512), ((2, 1024, 4096), ((100, 1100), (1500, 2048)), 2304)], got
-  left = (8 << 20) - 1000 * 512 * 2
-  assert 1548 * 2304 * 2 <= left < 1548 * (2304 + 256) * 2  # (the widest whole-box prefix that fits)
-  arrays, plan = l2_prefetch_args(got)
-  assert plan[1] == (((100, 1100), (1500, 2048)), 2048, 4096, 2304) and arrays[1].shape == (2048, 4096)
-  seen = np.zeros((2048, 4096), bool)
-  for cta in range(7):
-    for k, r, col, ok in l2_prefetch_boxes(plan, cta, 7):
-      if k == 1 and ok:
-        assert col + 256 <= 2304 and r + 256 <= 2048
-        seen[r:r + 256, col:col + 256] = True
-  assert seen[100:1100, :2304].all() and seen[1500:2048, :2304].all() and not seen[:, 2304:].any()
-
-
-def test_l2_prefetch_at_the_model_site():
-  """Policy l2_prefetch at a two-layer bf16 model's mHC boundaries (a KDA + dense MLP layer, a DSA + MoE layer;
-  FP8 projections; GPU interpret mode, where a prefetch is a no-op): every boundary takes its sublayer's first
-  weights as prefetch operands — the hidden state bit for bit the one without, the report names all 4 sites;
-  without the one-launch boundary (mhc_grid_barrier off) it is declined by name. l2_prefetch_side (the same
-  prefetches as launches of their own, their tokens taken by the next boundary): bit for bit too, at 4 sites,
-  declined by name at the last sublayer (no boundary after it)."""
-  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
-  path = tiny_checkpoint("kernel-tiny", 15, "fp8", num_hidden_layers=2,
-                         layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"])
-  m = load(path, "bfloat16")
-  base = {k: False for k in KERNEL_DEFAULTS} | {"mhc": True, "mhc_finish": True, "mhc_sinkhorn_split": True,
-                                                "mhc_grid_barrier": True, "mhc_row": True, "lean_barriers": True}
-  seed = int(np.random.default_rng().integers(1 << 20))
-  (h0, _), _ = _extend_one_token(m, 1, base, seed=seed)
-  rep = []
-  (h1, _), _ = _extend_one_token(m, 1, base | {"l2_prefetch": True}, seed=seed, entries=rep)
-  np.testing.assert_array_equal(h1, h0)
-  assert np.abs(h0).max() > 0
-  sites = [why for name, why in rep if name == "l2_prefetch"]
-  assert sites == [None] * 4, sites
-  rep = []  # l2_prefetch_side: launches of their own (3 sublayer starts and the DSA layer's after its scores; not
-  # at the last sublayer's start)
-  (h2, _), _ = _extend_one_token(m, 1, base | {"l2_prefetch_side": True}, seed=seed, entries=rep)
-  np.testing.assert_array_equal(h2, h0)
-  sites = [why for name, why in rep if name == "l2_prefetch_side"]
-  assert sites.count(None) == 4 and len(sites) == 5, sites
-  assert "no kernel after this sublayer takes its token" in next(w for w in sites if w), sites
-  rep = []
-  _extend_one_token(m, 1, base | {"mhc_grid_barrier": False, "l2_prefetch": True}, seed=seed, trace_only=True,
-                    entries=rep)
-  sites = [why for name, why in rep if name == "l2_prefetch"]
-  assert len(sites) == 4 and all(w and "one-launch boundary" in w for w in sites), sites
 
 
 def test_dq_f16_inputs_from_the_boundary_at_the_model_site(monkeypatch):
