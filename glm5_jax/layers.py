@@ -289,6 +289,15 @@ KNOBS = {
         "form there at q > 1 (the one-row kernel unchanged: its Mosaic module the same but for source locations). "
         "Interpret-mode equal to its reference (session 57); off until its GPU tests and an A/B at q = 4 on the "
         "H200"),
+    "mhc_router": (False,
+        "with mhc_row at one token row and the MoE's router in its gate/up kernel (fp8_moe, "
+        "moe_router_in_kernel): the mHC boundary before a MoE sublayer also computes the router's logits as "
+        "partial sums, one per CTA over its 128 columns of x_in (pallas_kernels.mhc.mhc_row_boundary(router=W): "
+        "its slice of the bf16 router weight requested behind the boundary's own loads, 64-row tiles multiplied "
+        "by x_in and summed along their rows), and every gate/up CTA adds the 32 partials in order before its "
+        "selection (pallas_kernels.router.stage_partials) — the router's GEMV, an XLA kernel of ~2.1 µs on every "
+        "MoE layer's chain (s51b's trace), is gone: 42 launches fewer at q = 1. The logits' f32 sums in another "
+        "order than the GEMV's (the selection the same but for keys within an ulp); off until measured natively"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
@@ -963,7 +972,7 @@ class HyperConnection(nnx.Module):
     return out.astype(X.dtype)
 
   # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)
-  def fused(self, X2, pending, norm: "RMSNorm", x16: bool = False):
+  def fused(self, X2, pending, norm: "RMSNorm", x16: bool = False, router=None):
     """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
     RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix) of the previous
     sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post_t
@@ -971,7 +980,17 @@ class HyperConnection(nnx.Module):
     row, C = M rounded up to 64, pallas_kernels.mhc.mix_rows reads them back). Rows beyond 64 go in chunks of 64
     (a chunk's mix is its 64 columns). ``x16`` (policy knob dq_f16, for a sublayer whose FP8 kernels read x in
     f16): x_in as (bf16, f16) where the boundary kernel writes both (the one-launch forms), else x_in alone (the
-    sublayer's kernels convert it)."""
+    sublayer's kernels convert it). ``router`` (the next MoE's router weight, given where MoE.router_in_gate_up:
+    policy knob mhc_router) -> a fourth result, the router logits' partial sums [G, EP] f32 where the one-row
+    boundary computes them, else None (the MoE computes its logits)."""
+    if router is not None:
+      rp = {}
+      out = self._fused(X2, pending, norm, x16, router, rp)
+      return (*out, rp.get("parts"))
+    return self._fused(X2, pending, norm, x16)
+
+  def _fused(self, X2, pending, norm: "RMSNorm", x16: bool, router=None, rp=None):
+    """``fused``; the router partials, where computed, into rp["parts"]."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M, R = X2.shape[0], km.ROWS
     if M > R:
@@ -1010,10 +1029,17 @@ class HyperConnection(nnx.Module):
       _wgmma_form(row, "mhc_post_finish")
       # lean_barriers: the boundary built without Mosaic's automatic barriers, its own where the data needs them
       lean = kernel_enabled("lean_barriers")
-      Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
+      # mhc_router: the next MoE's router logits as this boundary's partial sums (one token row, the row form)
+      rk = {}
+      if router is not None and kernel_enabled("mhc_router", M, fits=row and M == 1,
+                                               why=f"the one-row boundary (mhc_row) at one token row (here {M})"):
+        rk = {"router": router}
+      Xn, x_in, part, *parts = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
           hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,
-          **({"x16": True} if x16 else {}))
+          **({"x16": True} if x16 else {}), **rk)
+      if parts:
+        rp["parts"] = parts[0]
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     _wgmma_form(False, "mhc_post_pre")
@@ -1297,9 +1323,23 @@ class MoE(nnx.Module):
     self.shared_experts = (MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block)
                            if cfg.n_shared_experts else None)
 
-  def __call__(self, x, dtype, *, return_ids=False, x16=None):
+  def router_in_gate_up(self, rows: int) -> bool:
+    """Whether this MoE at ``rows`` token rows would run the router's selection inside its gate/up kernel (the
+    switches and fits of __call__'s moe_router_in_kernel site, without a report entry) with a bf16 router weight
+    of 128-column chunks, under policy knob mhc_router: where the mHC boundary before it may compute the logits."""
+    ex, w = self.experts, self.gate.weight
+    _, moe_fits, _ = gemv_mma(ex.gate_proj.shape[1], ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0,
+                              "", fp8=True)
+    fits, _ = self.gate.kernel_fits(ex.gate_proj.shape[0])
+    del rows  # (one token row: the boundary's own condition, declined there with its reason)
+    return (moe_fits and fits and w.dtype == jnp.bfloat16 and w.shape[1] % 128 == 0
+            and all(kernel_switch(k) for k in ("fp8_moe", "moe_router_in_kernel", "router_kernel", "mhc_router")))
+
+  def __call__(self, x, dtype, *, return_ids=False, x16=None, router_parts=None):
     """x [B, T, D] -> [B, T, D]; one psum for routed + shared. ``x16``: x's f16 copy (the mHC boundary's, policy
-    knob dq_f16): the f16 MoE kernels read it instead of converting x; the router reads x."""
+    knob dq_f16): the f16 MoE kernels read it instead of converting x; the router reads x. ``router_parts``: the
+    router logits as the mHC boundary's partial sums [G, EP] (policy knob mhc_router), which the gate/up kernel
+    adds up instead of the router's GEMV."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
     ex = self.experts
@@ -1345,7 +1385,7 @@ class MoE(nnx.Module):
           ids, w, tables = self.gate.with_tables(xf, n_pad=n_pad, mp=mp, shared=self.shared_experts is not None)
       if in_gate_up:
         kernel_enabled("router_kernel", rows)  # (its site: the gate/up kernel runs its selection)
-        logits = self.gate.logits(xf).astype(jnp.float32)
+        logits = self.gate.logits(xf).astype(jnp.float32) if router_parts is None else router_parts
       elif tables is None:
         ids, w = self.gate(xf)
     if moe_kernel:

@@ -75,13 +75,16 @@ class DecoderLayer(nnx.Module):
                                      x16=None if x16 is None else x16.reshape(B, T, -1))
         aux["idx"] = a["idx"]
     with jax.named_scope("mhc"):
-      X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm,
-                                     x16=f16_copies(B * T))
+      # mhc_router: the MoE's router logits as the boundary's partial sums (None where it does not compute them)
+      router = self.mlp.gate.weight[...] if self.is_moe and self.mlp.router_in_gate_up(B * T) else None
+      X2, x, mix, *parts = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm,
+                                             x16=f16_copies(B * T), **({} if router is None else {"router": router}))
       x, x16 = x if isinstance(x, tuple) else (x, None)
       x16 = None if x16 is None else x16.reshape(B, T, -1)
     with jax.named_scope("moe" if self.is_moe else "mlp"):
       if self.is_moe:
-        y, aux["experts"] = self.mlp(x.reshape(B, T, -1), dtype, return_ids=True, x16=x16)
+        y, aux["experts"] = self.mlp(x.reshape(B, T, -1), dtype, return_ids=True, x16=x16,
+                                     router_parts=parts[0] if parts else None)
       else:
         y = self.mlp(x.reshape(B, T, -1), dtype, x16=x16)
     return X2, cache, aux, (y.reshape(B * T, -1), mix)

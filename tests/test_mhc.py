@@ -545,3 +545,57 @@ def test_a_kernel_is_lowered_once_per_process():
   assert len(kept) == n + 1 and second == first  # (another program, the same kernel: its kept module)
   other = jax.ShapeDtypeStruct((K.PART, rows + 4), jnp.float32)
   assert calls(cross_lower(sink, other, coef).as_text()) != first and len(kept) == n + 2
+
+
+def _check_router_partials(D, first, seed, interpret=True, **kw):
+  """The one-row boundary with router=W (288 experts) against itself without, on the same inputs: every other
+  output bit for bit, the partials within f32 rounding of router_partials_reference on the kernel's own x_in
+  (128 exact products a partial, summed in another order: a few ulps of Σ|x·w|), zeros past E."""
+  X, y, mix, fn, coef, w = _inputs(1, D, seed)
+  E = 288
+  W = (jax.random.normal(jax.random.key(seed), (E, D)) * 0.05).astype(jnp.bfloat16)
+  run = lambda **k: jax.jit(lambda *a: K.mhc_row_boundary(*a, first=first, approx_math=True, x16=True, **k,  # noqa
+                                                          **kw, **GRID_CONSTS))(X, y, mix, fn, coef, w)
+  with maybe_interpret(interpret):
+    got, base = run(router=W), run()
+  assert len(got) == 4 and got[3].shape == (D // 128, K.router_cols(E))
+  # (the partials' token rows past 1 are padding the kernel never writes: compared at row 0 only)
+  for a, b in ((got[0], base[0]), (got[1][0], base[1][0]), (got[1][1], base[1][1]), (got[2][:, :1], base[2][:, :1])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  x_in = got[1][0]
+  ref = K.router_partials_reference(x_in, W)
+  mag = np.einsum("gc,egc->ge", np.abs(np.asarray(x_in, np.float32)).reshape(-1, 128),
+                  np.abs(np.asarray(W, np.float32)).reshape(E, -1, 128))
+  err = np.abs(np.asarray(got[3])[:, :E] - np.asarray(ref)[:, :E])
+  assert mag.max() > 0 and (err <= 8 * np.finfo(np.float32).eps * mag).all(), err.max()
+  assert not np.asarray(got[3])[:, E:].any()
+  return X, y, mix, fn, coef, w, W
+
+
+@pytest.mark.parametrize("first,D", [(False, 256), (True, 512)])
+def test_row_boundary_router_partials_interpret(first, D):
+  """router=W (policy knob mhc_router): the one-row boundary also returns the router logits' partial sums over each
+  CTA's 128 columns of x_in (a last 64-row tile half padding, two TMA boxes of the weight slice);
+  _check_router_partials. A weight of another width is refused by name."""
+  X, y, mix, fn, coef, w, W = _check_router_partials(D, first, int(np.random.default_rng().integers(1 << 30)))
+  with pytest.raises(ValueError, match=r"router weight \(288, 128\)"):
+    K.mhc_row_boundary(X, y, mix, fn, coef, w, router=W[:, :128], **GRID_CONSTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [False, True])
+def test_row_boundary_router_partials_gpu(lean):
+  """The router partials natively at the real width, one launch (the grid barrier; lean: without the automatic
+  barriers — the slice's padding rows and o_s read by other threads behind the kernel's own commits)."""
+  _check_router_partials(4096, False, 11, interpret=False, launches=1, lean=lean)
+
+
+def test_row_boundary_router_partials_lower_for_cuda():
+  """The lean one-launch row boundary with the router partials (mhc_router) and the f16 copy lowers for CUDA at
+  the real width (288 experts, 32 CTAs: partials [32, 384])."""
+  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
+  Ws = jax.ShapeDtypeStruct((288, 4096), jnp.bfloat16)
+  low = cross_lower(lambda W, *a: K.mhc_row_boundary(*a, approx_math=True, launches=1, lean=True, x16=True,
+                                                     counters=K.barrier_counters(), router=W, **GRID_CONSTS)[3],
+                    Ws, *args)
+  assert "tensor<32x384xf32>" in low.as_text() and "glm5_mhc_row_boundary" in low.as_text()
