@@ -297,7 +297,10 @@ KNOBS = {
         "by x_in and summed along their rows), and every gate/up CTA adds the 32 partials in order before its "
         "selection (pallas_kernels.router.stage_partials) — the router's GEMV, an XLA kernel of ~2.1 µs on every "
         "MoE layer's chain (s51b's trace), is gone: 42 launches fewer at q = 1. The logits' f32 sums in another "
-        "order than the GEMV's (the selection the same but for keys within an ulp); off until measured natively"),
+        "order than the GEMV's (the selection the same but for keys within an ulp). Natively correct (its GPU tests "
+        "on an H100, session 59) but slower: the first 32 layers of the one-rank step on an H100 (no H200 was lent), "
+        "q = 1, 5 interleaved repeats: 3.01 -> 3.08 ms per step, +0.10 ms in 0 of 4 paired rounds (~2.4 µs more "
+        "per MoE layer than the GEMV it removes) — off"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
