@@ -91,9 +91,12 @@ def stage_partials(l_g, b_g, l_s, b_s, bar, E: int):
   counts only its boxes); waits for it."""
   EP = l_s.shape[0]
   vec = plgpu.Layout.WG_STRIDED((EP,), vec_size=1)
-  acc = plgpu.load(l_g.at[0], layout=vec, optimized=False)
-  for p in range(1, l_g.shape[0]):
-    acc = acc + plgpu.load(l_g.at[p], layout=vec, optimized=False)
+  # every row's loads first, then the adds: interleaved (load, add, load, ...) they ran one L2 round trip after
+  # another — s59b's profile: the selection 3.4 -> 6.6 µs per CTA with 32 partial rows
+  rows = [plgpu.load(l_g.at[p], layout=vec, optimized=False) for p in range(l_g.shape[0])]
+  acc = rows[0]
+  for r in rows[1:]:
+    acc = acc + r
   iota = plgpu.broadcasted_iota(jnp.int32, (EP,), 0, layout=vec)
   l_s[...] = jnp.where(iota < E, acc, -jnp.inf)
   b_s[...] = plgpu.layout_cast(jnp.zeros((EP,), jnp.float32), vec)
