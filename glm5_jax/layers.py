@@ -298,9 +298,10 @@ KNOBS = {
         "selection (pallas_kernels.router.stage_partials) — the router's GEMV, an XLA kernel of ~2.1 µs on every "
         "MoE layer's chain (s51b's trace), is gone: 42 launches fewer at q = 1. The logits' f32 sums in another "
         "order than the GEMV's (the selection the same but for keys within an ulp). Natively correct (its GPU tests "
-        "on an H100, session 59) but slower: the first 32 layers of the one-rank step on an H100 (no H200 was lent), "
-        "q = 1, 5 interleaved repeats: 3.01 -> 3.08 ms per step, +0.10 ms in 0 of 4 paired rounds (~2.4 µs more "
-        "per MoE layer than the GEMV it removes) — off"),
+        "on an H100, session 59); the first 32 layers of the one-rank step on an H100 (no H200 was lent), q = 1, 5 "
+        "interleaved repeats: first form 3.01 -> 3.08 ms per step (+0.10 ms, 0 of 4 rounds: the untiled router "
+        "tiles took 6.3 µs in the boundary), rebuilt (swizzled tiles: 2.8 µs) 2.98 vs 2.98 ms, a tie (2 of 4) — the "
+        "gate/up selection still takes 6.9 instead of 3.3 µs with the partials (BENCHMARKS.md session 59) — off"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
