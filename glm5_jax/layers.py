@@ -301,7 +301,8 @@ KNOBS = {
         "on an H100, session 59); the first 32 layers of the one-rank step on an H100 (no H200 was lent), q = 1, 5 "
         "interleaved repeats: first form 3.01 -> 3.08 ms per step (+0.10 ms, 0 of 4 rounds: the untiled router "
         "tiles took 6.3 µs in the boundary), rebuilt (swizzled tiles: 2.8 µs) 2.98 vs 2.98 ms, a tie (2 of 4) — the "
-        "gate/up selection still takes 6.9 instead of 3.3 µs with the partials (BENCHMARKS.md session 59) — off"),
+        "gate/up selection still takes 6.9 instead of 3.3 µs with the partials: 289 CTAs each read all 32 rows, 14 MB "
+        "of L2 reads a MoE layer (BENCHMARKS.md session 59) — off"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
