@@ -21,6 +21,9 @@
 #                             and s57e still wait
 #   s59a (nvidia-h200):       session 59's mhc_router (the router logits as the boundary's partial sums): its GPU
 #                             tests, then q = 1: auto vs the defaults vs mhc_router in one interleaved call (#9's ratio)
+#   h100 (nvidia-h100-x1):    when no H200 is lent (session 59): the router / boundary GPU tests, the in-kernel
+#                             profiles of the boundary and the MoE, then q = 1 on the first 32 layers (LAYERS): auto
+#                             vs the defaults vs POLICY (default mhc_router) — an H100's numbers, not the H200's
 #   Modes of past sessions (s25 .. s57b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -29,8 +32,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s59a) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s59a|h100) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s59a, h100)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -62,8 +65,10 @@ tests_and_kernels() {
 
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
   # (CW: XLA compiles at once with --interleave, default 4; CW=1 compiles one at a time)
+  # LAYERS: keep the first N layers (an H100's 80 GB do not hold the 45 layers' 82 GB: 32 fit, 57.7 GB)
   local name=$1; shift
-  timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank --batch 1 --context 32768 \
+  timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --geometry tp4-rank ${LAYERS:+--layers $LAYERS} \
+    --batch 1 --context 32768 \
     --steps 20 --repeats 3 --fast-compile --budget-s $(( $(left) - 60 )) --backend latency_specialized \
     --compile-cache .jax_cache --compile-workers "${CW:-4}" \
     --out "$OUT/decode_$name.jsonl" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" >> "$OUT/bench_decode_$name.log"
@@ -151,6 +156,16 @@ case "$MODE" in
     grep -E "PASSED|FAILED|ERROR|Fatal|Error|assert" /tmp/t_s59a.log | head -40 >> "$OUT/gpu_tests.log"
     rank1 s59a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
       --policy '{}' '{"mhc_router": true}'
+    ;;
+  h100)  # (nvidia-h100-x1) see the header
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py tests/test_linear_kernels.py \
+      -k "router_partials or router_in_the_gate_up or row_boundary" > /tmp/t_h100.log 2>&1
+    echo "== GPU tests (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_h100.log | tail -1)" | tee -a "$OUT/gpu_tests.log"
+    grep -E "FAILED|ERROR|Fatal" /tmp/t_h100.log | head -20 >> "$OUT/gpu_tests.log"
+    timeout 150 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
+      --cases mhc_row_lean,mhc_row_router,moe_rows_sw,moe_rows_parts --out "$OUT/kernel_profile.txt" > /dev/null 2>&1
+    LAYERS=${LAYERS:-32} rank1 h100 --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 \
+      --backend auto latency_specialized --policy '{}' "${POLICY:-{\"mhc_router\": true\}}"
     ;;
   s57d)  # (nvidia-h200) the step traced at q = 1 with the defaults (POLICY: more) — the sublayer chains with the
     # one-row lean boundary (benchmarks/sublayer_chain.py on the events and kernels files)
