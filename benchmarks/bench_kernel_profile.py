@@ -86,6 +86,7 @@ def cases(names):
   # _writer: writer_cta (policy moe_writer_cta: the selection stored by an extra gate/up CTA)
   forms = {"moe_rows": {}, "moe_rows_static": {"static_table": True}, "moe_rows_writer": {"writer_cta": True},
            "moe_rows_sw": {"static_table": True, "writer_cta": True},
+           "moe_rows_lean": {"static_table": True, "writer_cta": True, "lean": True},
            "moe_rows_parts": {"static_table": True, "writer_cta": True, "lean": True}}
   for name, extra in forms.items():
     if name not in names:
@@ -95,8 +96,6 @@ def cases(names):
     logits = jax.random.normal(kk, (1, MOE["E"]), jnp.float32)
     if name == "moe_rows_parts":  # (policy mhc_router: the logits as the boundary's 32 partial sums [32, 384])
       logits = jax.random.normal(kk, (MOE["D"] // 128, -(-MOE["E"] // 128) * 128), jnp.float32) * 0.2
-    elif name == "moe_rows_sw":
-      extra = dict(extra, lean=True)  # (the step's form: lean_barriers)
     bias = jax.random.uniform(jax.random.fold_in(kk, 1), (MOE["E"],), jnp.float32, -0.05, 0.05)
     r = jax.jit(functools.partial(lambda x, lg, b, ws, s, extra: L.fp8_moe(
         x, None, None, *ws, swiglu_limit=10.0, shared=s, dq=True, router=(lg, b),
@@ -129,7 +128,8 @@ def cases(names):
     if name not in names:  # the step's form (lean, x16, the barrier counters); _router: policy mhc_router
       continue
     margs, consts = mhc_inputs(1)
-    W = jax.random.normal(jax.random.key(5), (MOE["E"], MOE["D"]), jnp.float32).astype(jnp.bfloat16) * 0.05
+    W = (jax.random.normal(jax.random.key(5), (MOE["E"], MOE["D"]), jnp.float32).astype(jnp.bfloat16) * 0.05
+         if extra else None)
     hl = jax.jit(functools.partial(lambda a, W, extra: km.mhc_row_boundary(
         *a, **consts, approx_math=True, lean=True, x16=True, counters=km.barrier_counters(),
         **({"router": W} if extra else {})), extra=bool(extra)))

@@ -160,10 +160,11 @@ case "$MODE" in
   h100)  # (nvidia-h100-x1) see the header
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py tests/test_linear_kernels.py \
       -k "router_partials or router_in_the_gate_up or row_boundary" > /tmp/t_h100.log 2>&1
-    echo "== GPU tests (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_h100.log | tail -1)" | tee -a "$OUT/gpu_tests.log"
+    echo "== GPU tests (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_h100.log | tail -1)" \
+      | tee -a "$OUT/gpu_tests.log"
     grep -E "FAILED|ERROR|Fatal" /tmp/t_h100.log | head -20 >> "$OUT/gpu_tests.log"
     timeout 150 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
-      --cases mhc_row_lean,mhc_row_router,moe_rows_sw,moe_rows_parts --out "$OUT/kernel_profile.txt" > /dev/null 2>&1
+      --cases mhc_row_lean,mhc_row_router,moe_rows_lean,moe_rows_parts --out "$OUT/kernel_profile.txt" > /dev/null 2>&1
     LAYERS=${LAYERS:-32} rank1 h100 --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 \
       --backend auto latency_specialized --policy '{}' "${POLICY:-{\"mhc_router\": true\}}"
     ;;

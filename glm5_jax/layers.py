@@ -991,6 +991,9 @@ class HyperConnection(nnx.Module):
     if router is not None:
       rp = {}
       out = self._fused(X2, pending, norm, x16, router, rp)
+      if "decided" not in rp:  # (the site's decision reported where the row boundary is not this site's form)
+        kernel_enabled("mhc_router", X2.shape[0], fits=False,
+                       why="the one-launch boundary (mhc_grid_barrier) at this site")
       return (*out, rp.get("parts"))
     return self._fused(X2, pending, norm, x16)
 
@@ -1036,6 +1039,8 @@ class HyperConnection(nnx.Module):
       lean = kernel_enabled("lean_barriers")
       # mhc_router: the next MoE's router logits as this boundary's partial sums (one token row, the row form)
       rk = {}
+      if router is not None:
+        rp["decided"] = True
       if router is not None and kernel_enabled("mhc_router", M, fits=row and M == 1,
                                                why=f"the one-row boundary (mhc_row) at one token row (here {M})"):
         rk = {"router": router}
@@ -1328,17 +1333,21 @@ class MoE(nnx.Module):
     self.shared_experts = (MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block)
                            if cfg.n_shared_experts else None)
 
-  def router_in_gate_up(self, rows: int) -> bool:
-    """Whether this MoE at ``rows`` token rows would run the router's selection inside its gate/up kernel (the
-    switches and fits of __call__'s moe_router_in_kernel site, without a report entry) with a bf16 router weight
-    of 128-column chunks, under policy knob mhc_router: where the mHC boundary before it may compute the logits."""
+  def boundary_router(self) -> tuple[bool, str]:
+    """(whether the mHC boundary before this MoE may compute its router logits — policy knob mhc_router: the
+    router's selection inside the gate/up kernel (the switches and fits of __call__'s moe_router_in_kernel site,
+    without a report entry), a bf16 router weight of 128-column chunks with E >= 64 experts a multiple of 8
+    (mhc_row_boundary's 64-row tiles of it) —, why not). One token row is the boundary's own condition."""
     ex, w = self.experts, self.gate.weight
     _, moe_fits, _ = gemv_mma(ex.gate_proj.shape[1], ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0,
                               "", fp8=True)
-    fits, _ = self.gate.kernel_fits(ex.gate_proj.shape[0])
-    del rows  # (one token row: the boundary's own condition, declined there with its reason)
-    return (moe_fits and fits and w.dtype == jnp.bfloat16 and w.shape[1] % 128 == 0
-            and all(kernel_switch(k) for k in ("fp8_moe", "moe_router_in_kernel", "router_kernel", "mhc_router")))
+    E = w.shape[0]
+    fits, _ = self.gate.kernel_fits(E)
+    switches = ("fp8_moe", "moe_router_in_kernel", "router_kernel")
+    ok = (moe_fits and fits and all(kernel_switch(k) for k in switches) and w.dtype == jnp.bfloat16
+          and w.shape[1] % 128 == 0 and E >= 64 and E % 8 == 0)
+    return ok, (f"the router's selection in the MoE's gate/up kernel ({', '.join(switches)} on and fitting) and a "
+                f"bf16 router weight of >= 64 experts, a multiple of 8 (here {E}, {jnp.dtype(w.dtype).name})")
 
   def __call__(self, x, dtype, *, return_ids=False, x16=None, router_parts=None):
     """x [B, T, D] -> [B, T, D]; one psum for routed + shared. ``x16``: x's f16 copy (the mHC boundary's, policy
@@ -1391,6 +1400,9 @@ class MoE(nnx.Module):
       if in_gate_up:
         kernel_enabled("router_kernel", rows)  # (its site: the gate/up kernel runs its selection)
         logits = self.gate.logits(xf).astype(jnp.float32) if router_parts is None else router_parts
+      elif router_parts is not None:  # (boundary_router said yes: the two sites' conditions disagree)
+        raise ValueError("MoE: the router logits' partial sums were computed for a MoE that does not select in its "
+                         "gate/up kernel (MoE.boundary_router and moe_router_in_kernel's site disagree)")
       elif tables is None:
         ids, w = self.gate(xf)
     if moe_kernel:

@@ -76,7 +76,12 @@ class DecoderLayer(nnx.Module):
         aux["idx"] = a["idx"]
     with jax.named_scope("mhc"):
       # mhc_router: the MoE's router logits as the boundary's partial sums (None where it does not compute them)
-      router = self.mlp.gate.weight[...] if self.is_moe and self.mlp.router_in_gate_up(B * T) else None
+      router = None
+      if self.is_moe and kernel_switch("mhc_router"):
+        ok, why = self.mlp.boundary_router()
+        router = self.mlp.gate.weight[...] if ok else None
+        if not ok:
+          kernel_enabled("mhc_router", B * T, fits=False, why=why)
       X2, x, mix, *parts = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm,
                                              x16=f16_copies(B * T), **({} if router is None else {"router": router}))
       x, x16 = x if isinstance(x, tuple) else (x, None)

@@ -1037,9 +1037,10 @@ class _SmemRows:
 # one per CTA over its 128 columns of x_in — the router's GEMV was an XLA kernel of its own between the boundary and
 # the MoE's gate/up kernel (~2.1 µs on every MoE layer's chain, s51b's trace), and the gate/up kernel's CTAs add the
 # G partials themselves before their selection (pallas_kernels.router.stage_partials). Each CTA's slice of the
-# router weight, [E, 128] bf16 (72 KB at 288 experts), is requested at the kernel's start and arrives while the
-# boundary's first half runs; after x_in each thread multiplies its columns of 64-row tiles of the slice by x_in
-# (the WGMMA layout, x_in broadcast along the rows) and the tile is summed along its rows — as _row_partials does.
+# router weight, [E, 128] bf16 (72 KB at 288 experts), is requested right after the CTA's own loads (the second
+# launch of the interpret form: at its start) and arrives while the boundary's first half runs; after x_in each
+# thread multiplies its columns of 64-row tiles of the slice by x_in (the WGMMA layout, x_in broadcast along the
+# rows) and the tile is summed along its rows — as _row_partials does.
 def router_cols(E: int) -> int:
   """Columns of the router partials [G, EP]: E rounded up to 128 (the selection's padded vector), zeros past E."""
   return -(-E // 128) * 128
@@ -1198,8 +1199,9 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
   wrote that column. The barriers it needs besides: _sum_partials_t's and
   _grid_barrier's (``explicit``). ``x16``: x_in in f16 too (an output after x_in, its SMEM tile before the
   barriers). ``router`` (E > 0, one token row: mhc_router): the router weight [E, D] an input after w (after the
-  counters), the router partials [G, EP] an output after x_in, ``_router_scratch`` after every other scratch; the
-  slice's zeroed rows land before the first half's first commit, o_s is committed before the tiles read it."""
+  counters), the router partials [G, EP] an output after x_in, ``_router_scratch`` after every other scratch; rs_s's
+  padding is zeroed behind a commit before the tile stores, o_s is committed by _row_normalised before the tiles
+  read it."""
   G, _ = _grid_rows(D, ROW_COLS)
   consts = (D, eps, hc_norm_eps, norm_eps)
 

@@ -578,8 +578,9 @@ def test_row_boundary_router_partials_interpret(first, D):
   CTA's 128 columns of x_in (a last 64-row tile half padding, two TMA boxes of the weight slice);
   _check_router_partials. A weight of another width is refused by name."""
   X, y, mix, fn, coef, w, W = _check_router_partials(D, first, int(np.random.default_rng().integers(1 << 30)))
-  with pytest.raises(ValueError, match=r"router weight \(288, 128\)"):
-    K.mhc_row_boundary(X, y, mix, fn, coef, w, router=W[:, :128], **GRID_CONSTS)
+  for bad in (W[:, :128], W[:60], W[:100]):  # another width, fewer than 64 experts, not a multiple of 8
+    with pytest.raises(ValueError, match=rf"router weight \({bad.shape[0]}, {bad.shape[1]}\)"):
+      K.mhc_row_boundary(X, y, mix, fn, coef, w, router=bad, **GRID_CONSTS)
 
 
 @pytest.mark.gpu
@@ -592,10 +593,23 @@ def test_row_boundary_router_partials_gpu(lean):
 
 def test_row_boundary_router_partials_lower_for_cuda():
   """The lean one-launch row boundary with the router partials (mhc_router) and the f16 copy lowers for CUDA at
-  the real width (288 experts, 32 CTAs: partials [32, 384])."""
+  the real width (288 experts, 32 CTAs: partials [32, 384]), and the single-row MoE's lean gate/up kernel that
+  adds them (router.stage_partials: 96 partial values a thread) at the real TP4 rank's shapes."""
+  from pallas_kernels import linear as L  # noqa: PLC0415
   args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
   Ws = jax.ShapeDtypeStruct((288, 4096), jnp.bfloat16)
   low = cross_lower(lambda W, *a: K.mhc_row_boundary(*a, approx_math=True, launches=1, lean=True, x16=True,
                                                      counters=K.barrier_counters(), router=W, **GRID_CONSTS)[3],
                     Ws, *args)
   assert "tensor<32x384xf32>" in low.as_text() and "glm5_mhc_row_boundary" in low.as_text()
+  E, I, D, f8, f32 = 288, 512, 4096, jnp.float8_e4m3fn, jnp.float32
+  sd = jax.ShapeDtypeStruct
+  ws = (sd((E, I, D), f8), sd((E, I // 128, D // 128), f32), sd((E, I, D), f8), sd((E, I // 128, D // 128), f32),
+        sd((E, D, I), f8), sd((E, D // 128, I // 128), f32))
+  sh = (sd((I, D), f8), sd((I // 128, D // 128), f32), sd((I, D), f8), sd((I // 128, D // 128), f32), sd((D, I), f8),
+        sd((D // 128, I // 128), f32))
+  low = cross_lower(lambda x, p, b, ws, sh: L.fp8_moe(
+      x, None, None, *ws, shared=sh, swiglu_limit=10.0, dq=True, router=(p, b), router_select=(8, 2.5, True, True),
+      counters=L.splitk_counters(), out_dtype=jnp.bfloat16, static_table=True, writer_cta=True, lean=True)[0],
+      sd((1, D), jnp.bfloat16), sd((32, 384), f32), sd((E,), f32), ws, sh)
+  assert "glm5_moe_gate_up" in low.as_text()
