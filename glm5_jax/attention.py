@@ -453,9 +453,12 @@ class Indexer(nnx.Module):
             t, n_gt = ki.topk_threshold(raw2, kk, digit_bits=2 if two else 1, warpgroups=wgs, early_exit=ex,
                                         lanes_out=True)
           ts = (n_complete * kp).reshape(R)
+          # (Blackwell: the compaction's tcgen05 form — its prefix counts tcgen05 MMAs of 128 rows)
+          cmma = {"mma": "tcgen05"} if has_tcgen05(kernel_arch()) else {}
           idx, js = ki.topk_compact(raw2, t, n_gt, ts, pos.reshape(R).astype(jnp.int32), k=kk, kpool=kp,
                                     n_tail=n_tail, width=wp, early_exit=ex,
-                                    digit_bits=2 if two and t is None else 1, lean=kernel_enabled("lean_barriers"))
+                                    digit_bits=2 if two and t is None else 1, lean=kernel_enabled("lean_barriers"),
+                                    **cmma)
           return idx.reshape(*pos.shape, wp), js.reshape(*pos.shape, kk)
         # topk_keys_in_kernel: the threshold kernel reads the scores kernel's padded output ([R, Pp], -inf past
         # the complete pools, as ``masked``) and forms the keys itself — no XLA kernel between the two kernels

@@ -518,10 +518,10 @@ def radix_topk_plan(rows: int, pools: int) -> tuple[dict, bool]:
 # (sm_100, sm_103) take tcgen05 MMAs with their accumulators in tensor memory instead, and ptxas refuses every
 # wgmma there ("Instruction 'wgmma.mma_async with floating point types' not supported on .target 'sm_100a'":
 # the kernel-tiny step compiled for a B200 on a CPU, benchmarks/step_census.py --target
-# benchmarks/targets/b200.txtpb, session 57). Those with a tcgen05 form (TCGEN05_KNOBS, below: the GEMVs, the MoE
-# and the indexer's scores, session 58) run in it there; the step declines the others, with WGMMA_REASON, and runs
-# the XLA path at their sites (W_UV has a tcgen05 form, but its only site follows the sparse MLA kernel, which has
-# none). The rest compile there (the KDA
+# benchmarks/targets/b200.txtpb, session 57). Those with a tcgen05 form (TCGEN05_KNOBS, below: the GEMVs, the MoE,
+# the indexer's scores, session 58, and the selection's compaction) run in it there; the step declines the others,
+# with WGMMA_REASON, and runs the XLA path at their sites (W_UV has a tcgen05 form, but its only site follows the
+# sparse MLA kernel, which has none). The rest compile there (the KDA
 # recurrence, the mHC boundary's row form — one token row, up to 4 with mhc_rows — and the Sinkhorn, the router
 # kernels, the indexer's threshold, the MLA merge); the other mHC forms (mhc_post_pre / mhc_post_finish: the
 # logits as a wgmma) are declined through knob mhc (model.fused_mhc).
@@ -546,6 +546,7 @@ TCGEN05_KNOBS = {
     "fp8_moe": "the MoE's gate/up and down kernels (with fp8_dq on)",
     "bf16_linear": "bf16_linear",
     "indexer": "the indexer's scores (index heads a multiple of 16)",
+    "topk_compact_kernel": "the selection's compaction (its prefix counts: tcgen05 MMAs of 128 key rows)",
 }
 
 

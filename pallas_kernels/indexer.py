@@ -782,6 +782,7 @@ def topk_threshold(keys, k: int, *, digit_bits: int = 1, unroll: bool = False, w
 # (A one-CTA kernel of the whole selection, topk_select, was slower than the threshold kernel + XLA's compaction —
 # 19.8 vs 17.0 µs, session 42 — and was removed in session 53.)
 SELECT_ROWS = 64  # key rows (of 128) per wgmma tile of the prefix counts
+TC_SELECT_ROWS = 128  # key rows per tile of the tcgen05 form (M = 128, as the other tcgen05 forms)
 _EQ_UNIT = 16384  # the eq flag's weight in the packed flags gt + 16384·eq (exact in bf16; the counts fit, below)
 SELECT_MAX_K = _EQ_UNIT  # k below it: a count of keys above the threshold (< k) fits the packed counts' low field
 
@@ -909,14 +910,36 @@ def _threshold_passes_split(u, c_s, k: int, early_exit: bool, digit_bits: int):
   return thr, k - n_gt
 
 
-def _prefix_slots(gt, eq, base, need, f_s, upper, lower_s):
+def _tc_prefix_counts(f_s, upper, lower_s, acc_w, acc_c, mbar, t_s):
+  """``_prefix_slots``' two products in the tcgen05 form (Blackwell): F [128, C] (f_s) · U (``upper``) into the TMEM
+  accumulator acc_w and L128 · F (lower_s [128, 128] strictly lower) into acc_c, both [128, C] f32, each MMA issued by
+  one thread and arriving on its own tensor-core barrier (mbar.at[0] / .at[1]: used once per CTA, phase 0) -> (within,
+  col) [128, C] f32 in the WGMMA layout, relaid one after the other through the SMEM tile t_s [128, C] f32. The
+  caller has committed f_s and the triangles (the async proxy). The commit between the two relayouts holds every
+  thread until its read of t_s is done before t_s is rewritten (a lean kernel has no automatic barrier there)."""
+  plgpu.tcgen05_mma(acc_w, f_s, upper, mbar.at[0], accumulate=False)
+  plgpu.tcgen05_mma(acc_c, lower_s, f_s, mbar.at[1], accumulate=False)
+  plgpu.barrier_wait(mbar.at[0])
+  w = plgpu.async_load_tmem(acc_w, layout=_L.TCGEN05)  # (layouts given: fewer unknowns for Mosaic's inference)
+  plgpu.wait_load_tmem()
+  within = tmem_to_wgmma(w, t_s)
+  plgpu.barrier_wait(mbar.at[1])
+  c = plgpu.async_load_tmem(acc_c, layout=_L.TCGEN05)
+  plgpu.wait_load_tmem()
+  plgpu.commit_smem()  # (every thread's load of within from t_s done before t_s is rewritten)
+  return within, tmem_to_wgmma(c, t_s)
+
+
+def _prefix_slots(gt, eq, base, need, f_s, upper, lower_s, tc=None):
   """Slots of a tile's keys: a selected key's is #{gt before it} + min(#{eq before it}, need), gt = key > thr, eq =
   key == thr (int32 0 / 1 [64, C]), "before" in index order (row-major over the tile; ``base``: the packed counts
   of the keys before the tile). Both counts from one packed flag F = gt + 16384 · eq (0, 1 or 16384: exact in
   bf16, staged in f_s) by wgmma, f32 sums of 0/1 products (exact): within = F · U (``upper`` [C, C] strictly upper:
   the row's keys to the left), col = L · F (lower_s [64, 64] strictly lower: the tile's rows above), both exact
   integers below 2^24 (<= 127 + 16384 · 127 and 63 + 16384 · 63), col then summed along the row in int32 (exact;
-  the gt count stays below k < 16384) -> (sel: selected 0 / 1, slot, packed F as int32)."""
+  the gt count stays below k < 16384) -> (sel: selected 0 / 1, slot, packed F as int32). ``tc`` = (acc_w, acc_c,
+  mbar, t_s): the tcgen05 form (``_tc_prefix_counts``: 128-row tiles, lower_s [128, 128]; col <= 127 + 16384 · 127,
+  still exact)."""
   f32, i32 = jnp.float32, jnp.int32
   T, C = gt.shape
   packed = gt + eq * _EQ_UNIT
@@ -931,8 +954,11 @@ def _prefix_slots(gt, eq, base, need, f_s, upper, lower_s):
     plgpu.wgmma(acc, lower_s, f_s)
     return acc[...]
 
-  within = pl.run_scoped(within_mm, plgpu.ACC((T, C), f32)).astype(i32)
-  col = pl.run_scoped(col_mm, plgpu.ACC((T, C), f32)).astype(i32)
+  if tc is None:
+    within = pl.run_scoped(within_mm, plgpu.ACC((T, C), f32)).astype(i32)
+    col = pl.run_scoped(col_mm, plgpu.ACC((T, C), f32)).astype(i32)
+  else:
+    within, col = (x.astype(i32) for x in _tc_prefix_counts(f_s, upper, lower_s, *tc))
   above = base + col.sum(axis=1)  # [64]: the packed counts of the keys in the rows above (int32: exact)
   before = lax.broadcast_in_dim(above, (T, C), (0,)) + within
   n_gt, n_eq = before & (_EQ_UNIT - 1), lax.shift_right_logical(before, 14)
@@ -1042,20 +1068,28 @@ def _store_selected_interpret(enc, enc_s, js_g, idx_g, *, kpool: int, rows: int)
 
 
 def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int, boxes, interpret: bool,
-                    fused: bool = False, early_exit: bool = True, digit_bits: int = 1):
+                    fused: bool = False, early_exit: bool = True, digit_bits: int = 1, tc05: bool = False):
+  """``tc05``: the tcgen05 form (Blackwell): tiles of 128 rows (TC_SELECT_ROWS), the prefix counts as two tcgen05
+  MMAs into TMEM (``_tc_prefix_counts``); scratch after the wgmma form's: acc_w, acc_c, their barriers (the
+  relayout tile t_s is u_s's first 128 rows: the row's keys are all in registers by then)."""
   i32, u32 = jnp.int32, jnp.uint32
   k_ninf, k_pinf = (_order_key_u32_np(x) for x in (-np.inf, np.inf))  # (finite: the keys strictly between)
   head = kpool * k  # the selected pools' token positions: idx[:head]; the tail and the padding after
-  T = SELECT_ROWS
+  T = TC_SELECT_ROWS if tc05 else SELECT_ROWS
   wg = _L.WGMMA
 
   split = fused and digit_bits == 2  # (the passes' counts exchanged by hand: _threshold_passes_split)
 
   def body(*refs):
+    tc = None
+    if tc05:
+      refs, tc = refs[:-3], refs[-3:]
     s_g, t_g, n_g, *refs = refs if not fused else (refs[0], None, None, *refs[1:])
     s4_g, *refs = refs if split else (None, *refs)  # (the row again, as [N / 128, 4, 32]: the passes' view)
     ts_g, pos_g, idx_g, js_g, u_s, f_s, upper_s, lower_s, tail_s, bar, *rest = refs
     u4_s, c_s, *enc_s = rest if split else (None, None, *rest)
+    if tc05:  # (the relayout tile: the row's first 128 rows, read by every thread before the packed flags' commit)
+      tc = (*tc, u_s.at[pl.ds(0, T)])
     r, c = lax.axis_index("r"), lax.axis_index("c")
     for b0, n in boxes:  # (TMA boxes of at most 256 rows)
       plgpu.copy_gmem_to_smem(s_g.at[r, pl.ds(b0, n)], u_s.at[pl.ds(b0, n)], bar)
@@ -1086,7 +1120,11 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
           thr, need = _threshold_passes_split(order_key_u32(plgpu.load(u4_s, layout=warp_split_layout())), c_s, k,
                                               early_exit, digit_bits)
         else:
-          thr, need = _threshold_passes(order_key_u32(u_s.at[pl.ds(0, nr)][...]), k, early_exit, digit_bits)
+          row = u_s.at[pl.ds(0, nr)]
+          # (tcgen05: the row's layout given — Mosaic's layout inference ran out of fuel searching for it there)
+          vec = next(v for v in (4, 2, 1) if (nr * L // 128) % v == 0)
+          u = plgpu.load(row, layout=_L.WG_STRIDED((nr, L), vec_size=vec), optimized=False) if tc05 else row[...]
+          thr, need = _threshold_passes(order_key_u32(u), k, early_exit, digit_bits)
     rows = plgpu.broadcasted_iota(i32, (T, L), 0, layout=wg)
 
     def flags(b0):
@@ -1108,7 +1146,7 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
     with jax.named_scope("flags"):
       gt, eq, fin = flags(row0)
     with jax.named_scope("slots"):  # (the prefix counts: _prefix_slots)
-      sel, slot, _ = _prefix_slots(gt, eq, base, need, f_s, upper_s.at[pl.ds(0, L)], lower_s)
+      sel, slot, _ = _prefix_slots(gt, eq, base, need, f_s, upper_s.at[pl.ds(0, L)], lower_s, tc)
       key = (rows + row0) * L + plgpu.broadcasted_iota(i32, (T, L), 1, layout=wg)
       code = key + lax.shift_left(slot, _ENC_SLOT) + (1 - fin) * _ENC_NONFINITE
       enc = jnp.where(sel > 0, code, i32(-1))
@@ -1122,9 +1160,10 @@ def _compact_kernel(k: int, kpool: int, n_tail: int, width: int, nr: int, L: int
   return body
 
 
-@kernel_entry("k", "kpool", "n_tail", "width", "lanes", "early_exit", "digit_bits", "lean")
+@kernel_entry("k", "kpool", "n_tail", "width", "lanes", "early_exit", "digit_bits", "lean", "mma")
 def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int,
-                 lanes: int = COMPACT_LANES, early_exit: bool = True, digit_bits: int = 1, lean: bool = False):
+                 lanes: int = COMPACT_LANES, early_exit: bool = True, digit_bits: int = 1, lean: bool = False,
+                 mma: str = "wgmma"):
   """Mosaic GPU version of ``topk_compact_reference`` (same contract; t / n_gt as ``topk_threshold(lanes_out=True)``
   writes them, [R, 128]): a grid of (R, ceil(N / (64 · lanes))) CTAs (``_compact_kernel``), each storing the
   selected keys of its 64 rows of ``lanes`` keys (32 or 128). N a multiple of 128 up to THRESHOLD_MAX_KEYS (pad
@@ -1139,8 +1178,14 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
   the fused 1-bit form, 10 lean; the 2-bit form's passes then cost the one barrier of their counts' exchange each,
   as designed, instead of five). Nothing else is needed: each SMEM buffer the threads write (the triangles, the
   tail, the packed flags, an exchange slot) is read only after a commit_smem, and an exchange slot is rewritten
-  two passes later, after the commit of the pass between, which every thread reaches once done reading it."""
+  two passes later, after the commit of the pass between, which every thread reaches once done reading it.
+
+  ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell, sm_100: no wgmma there) — CTAs of 128 rows (TC_SELECT_ROWS:
+  M = 128, as the other tcgen05 forms; 4,096 keys per CTA at lanes 32), the two prefix counts tcgen05 MMAs into
+  tensor memory, relaid into the WGMMA layout the rest of the kernel keeps (``_tc_prefix_counts``). The same
+  outputs; ``lean`` honoured (the relayout tile's rewrite behind a commit of its own)."""
   from pallas_kernels._common import interpreting  # noqa: PLC0415
+  tc05 = check_mma(mma, "topk_compact")
   _check_select(scores, tail_start, pos, k, kpool, n_tail, width)
   R, N = scores.shape
   if N % THRESHOLD_LANES or N > THRESHOLD_MAX_KEYS:
@@ -1165,25 +1210,30 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
                        f"{jnp.dtype(dt).name} (topk_threshold(lanes_out=True))")
   L = int(lanes)
   nr = N // L
-  nc = -(-nr // SELECT_ROWS)
+  rows = TC_SELECT_ROWS if tc05 else SELECT_ROWS  # key rows per CTA (the MMAs' M)
+  nc = -(-nr // rows)
   boxes = tuple((b, min(256, nr - b)) for b in range(0, nr, 256))
   interp = interpreting()
   split = fused and digit_bits == 2
   tile = lambda w: (plgpu.TilingTransform((8, w)), plgpu.SwizzleTransform(2 * w))  # noqa: E731 (bf16, w <= 64)
   scratch = [
-      plgpu.SMEM((nc * SELECT_ROWS, L), jnp.float32),  # u_s: the row (whole 64-row tiles)
-      plgpu.SMEM((SELECT_ROWS, L), jnp.bfloat16, transforms=tile(min(L, 64))),  # f_s: the CTA's packed flags
-      plgpu.SMEM((max(L, SELECT_ROWS), L), jnp.bfloat16, transforms=tile(min(L, 64))),  # upper_s (first L rows)
-      # lower_s (the A operand of L64 · F: swizzled as F, the B operand, for the wgmma's K tiles to agree)
-      plgpu.SMEM((SELECT_ROWS, SELECT_ROWS), jnp.bfloat16, transforms=tile(min(L, 64))),
+      plgpu.SMEM((nc * rows, L), jnp.float32),  # u_s: the row (whole 64 / 128-row tiles)
+      plgpu.SMEM((rows, L), jnp.bfloat16, transforms=tile(min(L, 64))),  # f_s: the CTA's packed flags
+      plgpu.SMEM((max(L, rows), L), jnp.bfloat16, transforms=tile(min(L, 64))),  # upper_s (first L rows)
+      # lower_s (the A operand of L64 · F, L128 · F in the tcgen05 form: swizzled as F, the B operand, for the
+      # MMA's K tiles to agree)
+      plgpu.SMEM((rows, rows), jnp.bfloat16, transforms=tile(min(L, 64))),
       plgpu.SMEM((64, 64), jnp.int32),  # tail_s: the positions after the pools' (CTA 0)
       plgpu.Barrier(num_arrivals=len(boxes) + int(split)),
   ] + ([plgpu.SMEM((N // THRESHOLD_LANES, 4, 32), jnp.float32),  # u4_s: the row for the split passes
         plgpu.SMEM((2, 2, 4), jnp.int32)] if split else [])  # c_s: their counts' exchange
-  scratch += [plgpu.SMEM((SELECT_ROWS, L), jnp.int32)] if interp else []  # (interpret mode's scatter)
+  scratch += [plgpu.SMEM((rows, L), jnp.int32)] if interp else []  # (interpret mode's scatter)
+  if tc05:  # acc_w, acc_c (TMEM: within = F · U, col = L128 · F), their barriers (the relayout tile: u_s's)
+    scratch += [plgpu.TMEM((rows, L), jnp.float32), plgpu.TMEM((rows, L), jnp.float32),
+                plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True)]
   idx, js = mgpu_kernel(
       _compact_kernel(int(k), int(kpool), int(n_tail), int(width), nr, L, boxes, interp, fused, bool(early_exit),
-                      int(digit_bits)),
+                      int(digit_bits), tc05=tc05),
       out_type=(jax.ShapeDtypeStruct((R, width // 64, 64), jnp.int32), jax.ShapeDtypeStruct((R, k), jnp.int32)),
       grid=(R, nc),
       grid_names=("r", "c"),

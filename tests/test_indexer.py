@@ -564,6 +564,32 @@ def test_compact_kernel_interpret(R, N, k, n_tail, width, lanes):
   assert (js[-1, k // 2:] == -1).all() and all((np.diff(r[r >= 0]) > 0).all() for r in js)
 
 
+@pytest.mark.parametrize("R,N,k,n_tail,width,lanes", [(1, 8320, 256, 3, 1088, 32), (2, 512, 64, 6, 320, 128)])
+def test_compact_kernel_tcgen05_interpret(R, N, k, n_tail, width, lanes):
+  """mma='tcgen05' (Blackwell: CTAs of 128 rows, the prefix counts two tcgen05 MMAs into TMEM, relaid into the
+  WGMMA layout) in GPU interpret mode: bit for bit the reference's and the wgmma form's lists, from a given
+  threshold and from the fused form's own (lanes 32: 3 CTAs of 4,096 keys at N = 8,320, the last one partial)."""
+  rng = np.random.default_rng()
+  sc, ts, pos = select_inputs(rng, R, N, k, [N - 64] * (R - 1) + [k // 2])
+  kw = dict(k=k, kpool=4, n_tail=n_tail, width=width, lanes=lanes)
+  want = I.topk_select_reference(sc, ts, pos, k=k, kpool=4, n_tail=n_tail, width=width)
+  exact, _, fused1, _ = compact_thresholds(sc, k, native=False)
+  for t, n, *_ in (exact, fused1):
+    with maybe_interpret(True):
+      got = jax.jit(lambda *a: I.topk_compact(*a, **kw, mma="tcgen05"))(sc, t, n, ts, pos)  # noqa: B023
+      hop = jax.jit(lambda *a: I.topk_compact(*a, **kw))(sc, t, n, ts, pos)  # noqa: B023
+    for g, h, w in zip(got, hop, want):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+
+
+def test_compact_refuses_unknown_mma():
+  sc, ts = SDS((2, 256), jnp.float32), SDS((2,), jnp.int32)
+  t, n = SDS((2, 128), jnp.uint32), SDS((2, 128), jnp.int32)
+  with pytest.raises(ValueError, match=r"topk_compact: mma='mfma', expected one of \('wgmma', 'tcgen05'\)"):
+    jax.eval_shape(functools.partial(I.topk_compact, k=32, kpool=4, n_tail=3, width=192, mma="mfma"), sc, t, n, ts, ts)
+
+
 def test_compact_rejects_bad_input():
   sc, ts = jnp.zeros((2, 256), jnp.float32), jnp.zeros((2,), jnp.int32)
   t, n = jnp.zeros((2, 128), jnp.uint32), jnp.zeros((2, 128), jnp.int32)
@@ -603,6 +629,23 @@ def test_compact_cross_lower(R, N, lanes, fused):
   fn = (lambda s, ts, p: I.topk_compact(s, None, None, ts, p, **kw, digit_bits=int(fused))) if fused else (
       lambda *a: I.topk_compact(*a, **kw))
   assert "glm5_topk_compact" in cross_lower(fn, *args).as_text()
+
+
+@pytest.mark.parametrize("R,N,lanes,fused", [(1, 8704, 32, True), (4, 8704, 128, False),
+                                             (1, I.THRESHOLD_MAX_KEYS, 32, 2)])
+def test_compact_cross_lower_tcgen05(R, N, lanes, fused, monkeypatch):
+  """The tcgen05 form (mma='tcgen05', Blackwell) lowers for CUDA at the decode's score rows, lean too — Mosaic's
+  layout inference told the target is sm_100, as benchmarks/step_census.py does (which, with --target
+  benchmarks/targets/b200.txtpb, compiles it for sm_100a at the tp4-rank step)."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+  monkeypatch.setattr(mgpu_utils, "_infer_arch", lambda: (10, 0))
+  thr = () if fused else (SDS((R, 128), jnp.uint32), SDS((R, 128), jnp.int32))
+  args = (SDS((R, N), jnp.float32), *thr, SDS((R,), jnp.int32), SDS((R,), jnp.int32))
+  kw = dict(k=512, kpool=4, n_tail=3, width=2112, lanes=lanes, mma="tcgen05", lean=bool(fused))
+  fn = (lambda s, ts, p: I.topk_compact(s, None, None, ts, p, **kw, digit_bits=int(fused))) if fused else (
+      lambda *a: I.topk_compact(*a, **kw))
+  txt = cross_lower(fn, *args).as_text()
+  assert "glm5_topk_compact" in txt
 
 
 def test_lean_selection_chain_lowers_without_automatic_barriers(monkeypatch):
