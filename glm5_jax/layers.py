@@ -986,28 +986,29 @@ class HyperConnection(nnx.Module):
     row, C = M rounded up to 64, pallas_kernels.mhc.mix_rows reads them back). Rows beyond 64 go in chunks of 64
     (a chunk's mix is its 64 columns). ``x16`` (policy knob dq_f16, for a sublayer whose FP8 kernels read x in
     f16): x_in as (bf16, f16) where the boundary kernel writes both (the one-launch forms), else x_in alone (the
-    sublayer's kernels convert it). ``router`` (the next MoE's router weight, given where MoE.router_in_gate_up:
+    sublayer's kernels convert it). ``router`` (the next MoE's router weight, given where MoE.boundary_router:
     policy knob mhc_router) -> a fourth result, the router logits' partial sums [G, EP] f32 where the one-row
-    boundary computes them, else None (the MoE computes its logits)."""
-    if router is not None:
-      rp = {}
-      out = self._fused(X2, pending, norm, x16, router, rp)
-      if "decided" not in rp:  # (the site's decision reported where the row boundary is not this site's form)
-        kernel_enabled("mhc_router", X2.shape[0], fits=False,
-                       why="the one-launch boundary (mhc_grid_barrier) at this site")
-      return (*out, rp.get("parts"))
-    return self._fused(X2, pending, norm, x16)
+    boundary computes them, else None (the MoE computes its logits; the site declined with its reason)."""
+    out = self._fused(X2, pending, norm, x16, router)
+    return out if router is not None else out[:3]
 
-  def _fused(self, X2, pending, norm: "RMSNorm", x16: bool, router=None, rp=None):
-    """``fused``; the router partials, where computed, into rp["parts"]."""
+  def _fused(self, X2, pending, norm: "RMSNorm", x16: bool, router):
+    """``fused`` -> (X2', x_in, mix, the router partials or None)."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M, R = X2.shape[0], km.ROWS
+
+    def no_router(why):  # (the site's decision, where this boundary's form computes no router partials)
+      if router is not None:
+        kernel_enabled("mhc_router", M, fits=False, why=why)
+      return None
+
     if M > R:
       parts = [self.fused(X2[i:i + R], None if pending is None else
                           (pending[0][i:i + R], tuple(a[:, i:i + R] for a in pending[1])), norm)
                for i in range(0, M, R)]
       return (jnp.concatenate([p[0] for p in parts], axis=0), jnp.concatenate([p[1] for p in parts], axis=0),
-              tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)))
+              tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)),
+              no_router(f"the one-row boundary (mhc_row) at one token row (here {M})"))
     y, mix = pending if pending is not None else (None, None)
     # approximate reciprocal / exp / rsqrt in the kernels (like the sparse MLA and indexer kernels): 5.15 -> 4.84
     # µs per finish call alone on the H200, post/comb within 9.2e-7 relative of the exact kernel, x_in
@@ -1040,8 +1041,6 @@ class HyperConnection(nnx.Module):
       lean = kernel_enabled("lean_barriers")
       # mhc_router: the next MoE's router logits as this boundary's partial sums (one token row, the row form)
       rk = {}
-      if router is not None:
-        rp["decided"] = True
       if router is not None and kernel_enabled("mhc_router", M, fits=row and M == 1,
                                                why=f"the one-row boundary (mhc_row) at one token row (here {M})"):
         rk = {"router": router}
@@ -1049,9 +1048,8 @@ class HyperConnection(nnx.Module):
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
           hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,
           **({"x16": True} if x16 else {}), **rk)
-      if parts:
-        rp["parts"] = parts[0]
-      return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
+      return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts), (parts[0] if parts else None)
+    no_router("the one-launch boundary (mhc_grid_barrier) at this site")
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     _wgmma_form(False, "mhc_post_pre")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)
@@ -1065,11 +1063,11 @@ class HyperConnection(nnx.Module):
       finish = functools.partial(km.mhc_finish, cols=64 if narrow else km.DC_FIN)
       if kernel_enabled("mhc_sinkhorn_split"):
         x_in = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
-        return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, rows=M if raw else None, **consts)
+        return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, rows=M if raw else None, **consts), None
     else:
       finish = km.mhc_finish_reference
     x_in, post_t, comb_t = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, **consts)
-    return Xn, x_in, (post_t, comb_t)
+    return Xn, x_in, (post_t, comb_t), None
 
   @staticmethod
   def unpack(mix, lead):
