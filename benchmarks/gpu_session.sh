@@ -21,6 +21,8 @@
 #                             and s57e still wait
 #   s59a (nvidia-h200):       session 59's mhc_router (the router logits as the boundary's partial sums): its GPU
 #                             tests, then q = 1: auto vs the defaults vs mhc_router in one interleaved call (#9's ratio)
+#   s60a (nvidia-h200):       q = 4 — the several-row kernels' GPU tests, then linear_fused_sum (351 kernels fewer at
+#                             q = 4), mhc_rows and both against the defaults, 5 interleaved repeats
 #   h100 (nvidia-h100-x1):    when no H200 is lent (session 59): the router / boundary GPU tests, the in-kernel
 #                             profiles of the boundary and the MoE, then q = 1 on the first 32 layers (LAYERS): auto
 #                             vs the defaults vs POLICY (default mhc_router) — an H100's numbers, not the H200's
@@ -32,8 +34,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s59a|h100) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s59a, h100)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s59a|s60a|h100) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s59a, s60a, h100)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -156,6 +158,17 @@ case "$MODE" in
     grep -E "PASSED|FAILED|ERROR|Fatal|Error|assert" /tmp/t_s59a.log | head -40 >> "$OUT/gpu_tests.log"
     rank1 s59a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
       --policy '{}' '{"mhc_router": true}'
+    ;;
+  s60a)  # (nvidia-h200) q = 4: the several-row kernels' GPU tests (mhc_rows' row boundary at 3-4 rows; the fused
+    # split sums of bf16_linear / fp8_dq_linear / the MoE at several rows), then the verify step with
+    # linear_fused_sum (compile-only census: 1,422 -> 1,071 kernels, critical path 1,047 -> 804), mhc_rows, both
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py tests/test_linear_kernels.py \
+      -k "post_finish_gpu or fused_sum_gpu or fused_rows_gpu" > /tmp/t_s60a.log 2>&1
+    echo "== GPU tests (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_s60a.log | tail -1)" \
+      | tee -a "$OUT/gpu_tests.log"
+    grep -E "FAILED|ERROR|Fatal" /tmp/t_s60a.log | head -20 >> "$OUT/gpu_tests.log"
+    rank1 s60a --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' \
+      '{"linear_fused_sum": true}' '{"mhc_rows": true}' '{"linear_fused_sum": true, "mhc_rows": true}'
     ;;
   h100)  # (nvidia-h100-x1) see the header
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py tests/test_linear_kernels.py \
