@@ -23,6 +23,8 @@
 #                             tests, then q = 1: auto vs the defaults vs mhc_router in one interleaved call (#9's ratio)
 #   s60a (nvidia-h200):       q = 4 — the several-row kernels' GPU tests, then linear_fused_sum (351 kernels fewer at
 #                             q = 4), mhc_rows and both against the defaults, 5 interleaved repeats
+#   s60b (either):            session 60's moe_one_grid (the MoE's two kernels as one grid): GPU tests, then q = 1
+#                             against the defaults (LAYERS=32 on an H100)
 #   h100 (nvidia-h100-x1):    when no H200 is lent (session 59): the router / boundary GPU tests, the in-kernel
 #                             profiles of the boundary and the MoE, then q = 1 on the first 32 layers (LAYERS): auto
 #                             vs the defaults vs POLICY (default mhc_router) — an H100's numbers, not the H200's
@@ -34,8 +36,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s59a|s60a|h100) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s59a, s60a, h100)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s59a|s60a|s60b|h100) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s59a, s60a, s60b, h100)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -169,6 +171,17 @@ case "$MODE" in
     grep -E "FAILED|ERROR|Fatal" /tmp/t_s60a.log | head -20 >> "$OUT/gpu_tests.log"
     rank1 s60a --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' \
       '{"linear_fused_sum": true}' '{"mhc_rows": true}' '{"linear_fused_sum": true, "mhc_rows": true}'
+    ;;
+  s60b)  # (nvidia-h100-x1 with LAYERS=32, or nvidia-h200) moe_one_grid: its GPU tests (a hang — a CTA not resident
+    # — ends at the timeout), then, if they pass, q = 1: the defaults vs the MoE as one grid, 5 interleaved repeats
+    timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernels.py -k "one_grid_gpu" \
+      > /tmp/t_s60b.log 2>&1
+    rc=$?
+    echo "== one_grid GPU tests (rc $rc): $(grep -E '(passed|failed|error)' /tmp/t_s60b.log | tail -1)" \
+      | tee -a "$OUT/gpu_tests.log"
+    grep -E "FAILED|ERROR|Fatal|Mismatch|max" /tmp/t_s60b.log | head -30 >> "$OUT/gpu_tests.log"
+    [ $rc -eq 0 ] && rank1 s60b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"moe_one_grid": true}'
     ;;
   h100)  # (nvidia-h100-x1) see the header
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py tests/test_linear_kernels.py \

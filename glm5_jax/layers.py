@@ -340,6 +340,15 @@ KNOBS = {
         "in 8.4 µs. Natively correct (its GPU tests, session 51); the MoE alone (bench_linear moerows_st) 27.5 -> "
         "26.1-26.6 µs; the one-rank step at q = 1, 5 interleaved repeats: 3.77 -> 3.78 ms alone (faster in 3 of 4 "
         "paired rounds), with moe_writer_cta 3.70 (4 of 4; s50a, session 51) — on"),
+    "moe_one_grid": (False,
+        "with moe_rows, moe_writer_cta and moe_static_table at one token row: the MoE's two kernels as ONE grid "
+        "(pallas_kernels.linear.fp8_moe(one_grid=parity)) — each of its 288 CTAs runs its gate/up item, then "
+        "requests its down item's weight tiles at once and waits only for its slot's h rows (a counter their "
+        "writers raise), so the down weights stream during the gate/up tail instead of after a launch boundary "
+        "(s51b's trace: gate/up 16.6 then down 10.5 µs, the down kernel ~4 µs slower in the step than alone, "
+        "its first bytes ~6 µs in). Unlike session 44's chained form (removed), no extra CTAs: every CTA of the "
+        "grid is resident at once (~58 KB of SMEM each, the rings of the two roles scoped). CPU-built (session "
+        "60): off until measured"),
     "moe_writer_cta": (True,
         "with moe_router_in_kernel and moe_router_ranks: the router's writer — the CTA that selects all k experts "
         "with their weights and stores them — is one extra CTA of the MoE's gate/up kernel that does nothing else "
@@ -528,6 +537,7 @@ def radix_topk_plan(rows: int, pools: int) -> tuple[dict, bool]:
 WGMMA_KNOBS = {
     "fp8_linear": "fp8_linear / fp8_dq_linear",
     "fp8_moe": "the MoE's gate/up and down kernels",
+    "moe_one_grid": "the MoE's two kernels as one grid",
     "bf16_linear": "bf16_linear",
     "sparse_mla": "the sparse MLA attention",
     "mla_uv_kernel": "W_UV (mla_absorb_uv)",
@@ -681,7 +691,7 @@ def counters_scope():
   per step): the mHC grid barriers' pair (policy knob mhc_barrier_counters; boundary i gets parity i % 2 in trace
   order — the order the Ref's aliasing keeps on the device) and the linears' split-K counters (linear_fused_sum,
   moe_rows). The trunk's layer loop opens one, and each MTP pass its own."""
-  tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None})
+  tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None, "moe_parity": 0})
   try:
     yield
   finally:
@@ -716,6 +726,14 @@ def _splitk_counters(kl):
 
 DQ_F16_ROWS = ("at 2+ token rows the f16 inputs would be XLA conversions (+14 launches at q = 4): measured at "
                "one token row only (the policy can force it)")
+
+
+def _next_moe_parity() -> int:
+  """The one-grid MoE's counter bank for this call (policy knob moe_one_grid): 0, 1, 0, ... in trace order."""
+  cell = _COUNTERS.get()
+  out = cell["moe_parity"]
+  cell["moe_parity"] ^= 1
+  return out
 
 
 def _dq_dtype(rows: int) -> dict:
@@ -1426,6 +1444,11 @@ class MoE(nnx.Module):
         # moe_writer_cta: the selection's writer one extra gate/up CTA (moe_router_ranks' form)
         writer = kernel_enabled("moe_writer_cta", rows, fits=ranks, why="moe_router_ranks off (every CTA "
                                 "selects all k: no writer slower than the others)")
+        # moe_one_grid: the two kernels as one grid (its counters' banks alternate by call: the parity)
+        if kernel_enabled("moe_one_grid", rows, fits=bool(rows_form) and writer and static and ranks,
+                          why="moe_rows (on the GPU: counters), moe_writer_cta, moe_static_table and "
+                              "moe_router_ranks"):
+          rows_form["one_grid"] = _next_moe_parity()
         y, ids, _ = moe(xk, None, None, router=(logits, bias), router_select=select, writer_cta=writer,
                         **rows_form)
       else:

@@ -178,9 +178,17 @@ def counter_signal(ref):
   _counter_op(ref, signal=True)
 
 
-def counter_wait(ref, count: int, *, take: bool = False):
-  """Wait until the counter ``ref`` reaches ``count`` (acquire, GPU scope); ``take``: subtract it then."""
-  _counter_op(ref, count=count, take=take)
+def counter_wait(ref, count: int, *, take: bool = False, async_reads: bool = False):
+  """Wait until the counter ``ref`` reaches ``count`` (acquire, GPU scope); ``take``: subtract it then (a
+  compare-and-swap spin: one waiter per counter; without it a read-only poll, any number of waiters);
+  ``async_reads``: a proxy fence after it, for TMA loads of what the signalling CTAs wrote."""
+  _counter_op(ref, count=count, take=take, async_reads=async_reads)
+
+
+def counter_publish(ref):
+  """:func:`counter_signal` after this warpgroup's completed TMA stores (``plgpu.wait_smem_to_gmem``): a proxy fence
+  first, so the release covers them for a consumer that waits with ``async_reads`` (or reads them generically)."""
+  _counter_op(ref, signal=True, publish=True)
 
 
 def wg_barrier():
@@ -206,15 +214,20 @@ def fence_async_writes():
   op()
 
 
-def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False):
+def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False, publish: bool = False,
+                async_reads: bool = False):
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
   def op(_, counter):
     sem = _mgpu_utils.SemaphoreRef(_mgpu_utils.memref_ptr(counter))
     if signal:
+      if publish:  # (the generic proxy's release must cover the async proxy's completed writes)
+        _mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
       _mgpu_utils.warpgroup_barrier()
       sem.signal(1, memory_scope="gpu")
     else:
       sem.wait(count, decrement=take, memory_scope="gpu")
+      if async_reads:
+        _mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
   op(ref)
 

@@ -66,7 +66,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (check_mma, counter_signal, counter_wait, interpreting, kernel_entry,
+from pallas_kernels._common import (check_mma, counter_publish, counter_signal, counter_wait, interpreting,
+                                    kernel_entry,
                                     mgpu_kernel, saturate_f16, tmem_to_wgmma, wg_barrier)
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
@@ -902,7 +903,8 @@ def _slot_expert(ids_ref, s, *, table_k: int, shared: bool, num_experts: int):
 def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split: int, limit: float, shared: bool,
                         table_k: int, dq: bool = False, a_smem: bool = False, fused_sum: bool = False,
                         rows: bool = False, router: tuple | None = None, rows_weight: bool = True,
-                        n_valid: int = 0, writer_t: int = 0, lean: bool = False, tc05: bool = False):
+                        n_valid: int = 0, writer_t: int = 0, lean: bool = False, tc05: bool = False,
+                        on_rows=None, on_select=None):
   """One CTA = (expert slot, bm rows of I, D split sk). split == 1: o = h [slots, I, mp] = SwiGLU(gate, up) in
   registers. split > 1: o = [split, slots, 2, I, mp] partial (gate, up) sums. Slots >= n_valid exit at once
   (their rows are left unwritten and masked by the caller). ``shared``: slot 0 is the shared expert, streamed
@@ -922,7 +924,8 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   step's block scales requested before the first weight tiles, session 52's moe_scale_prefetch, measured a tie
   twice: the tiles themselves arrive late, not their scales.) ``tc05`` (dq, a_smem): the tcgen05 form — scratch
   ``_tc_scratch``'s three before a_s; the sums in tcgen05's register layout through the loop, relaid out once
-  after it."""
+  after it. ``on_rows(slot)`` / ``on_select()`` (the one-grid MoE, ``_moe_one_grid_kernel``): called by the CTA
+  that has just stored a (slot, row tile)'s h rows / the writer after storing the selection."""
   n_x = 1 if dq else 2  # x (and its amax)
   xq_ref, amax_ref = refs[0], (None if dq else refs[1])
   n_w = 10 if shared else 6
@@ -947,7 +950,7 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
   if router is not None:  # the router's selection in this CTA: the slot table from its registers (_router_in_kernel)
     with jax.named_scope("select"):
       eids_ref = _router_in_kernel(eids_ref, router_refs, router, writer=t == writer_t,
-                                   rank=slot_id - int(shared))
+                                   rank=slot_id - int(shared), on_select=on_select)
 
   @pl.when(slot_id < (n_valid or nvalid_ref[0]))
   def _():
@@ -1018,8 +1021,10 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
         w = jnp.where((e_raw >= 0) & (e_raw < wg_ref.shape[0]), rw_ref[0, j], 0.0)
         return jnp.where(is_sh, 1.0, w) if shared else w
 
-      out = functools.partial(_gate_up_rows, y, weight if rows_weight else None, limit=limit, slot=slot_id,
-                              row0=row0)
+      def out(g, u):
+        _gate_up_rows(y, weight if rows_weight else None, g, u, limit=limit, slot=slot_id, row0=row0)
+        if on_rows is not None:
+          on_rows(slot_id)
 
       if ctr_g is None:
         out(acc_g, acc_u)
@@ -1045,7 +1050,7 @@ def _refill(issue, i: int, lean: bool):
   issue(i)
 
 
-def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank):
+def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank, on_select=None):
   """The router's selection (pallas_kernels.router: the row's logits and bias staged into SMEM, rounds of
   reductions) inside a gate/up CTA of a single token row, before its first weight request — instead of a router
   kernel of its own on the MoE layer's critical path. router = (E, k, scaling, norm, ranks). (The selection with
@@ -1071,6 +1076,8 @@ def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank):
     plgpu.copy_smem_to_gmem(ids_s.at[pl.ds(0, k)], rid_g.at[0])
     plgpu.copy_smem_to_gmem(w_s.at[pl.ds(0, k)], rw_g.at[0])
     plgpu.wait_smem_to_gmem(0)
+    if on_select is not None:
+      on_select()
 
   def select_all():
     stage()
@@ -1232,6 +1239,231 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   if tc05:
     acc = tmem_to_wgmma(acc, t_s)
   _split_out(o_ref, ctr_g, acc, sk=g, tile=tile, row0=row0, bm=bm, split=groups, rows=y)
+
+
+# The one-grid MoE's counters in splitk_counters' Ref (one Ref per traced step, zero-filled once per step): the
+# gate/up D splits' sums use [0, slots x I/64) and the down phase's slot sums [ONE_GRID_SUMS, + D/128) — both
+# self-resetting (each waiter takes its count back) — and the counters that many CTAs wait on without taking (a
+# slot's h rows ready: its I/64 row tiles' writers each add 1; the selection stored: the writer adds 1) alternate
+# between two banks by call (``parity``): a call's CTA 0 zeroes the other bank, which the next call uses.
+ONE_GRID_SUMS = 128
+ONE_GRID_BANKS = 224
+_ONE_GRID_BANK = 16  # per bank: up to 15 slots' h-ready counters, then the selection's (the bank's last)
+
+
+def _one_grid_bank(parity: int) -> int:
+  return ONE_GRID_BANKS + parity * _ONE_GRID_BANK
+
+
+def _moe_down_phase(t, hq_ref, rid_ref, rw_ref, wd_ref, sd_ref, wds_ref, sds_ref, o_ref, y, w_s, h_s, bar, *,
+                    mp: int, bm: int, stages: int, tiles: int, slots: int, shared: bool, k: int, lean: bool,
+                    ctr=None, bank: int = 0, gu_tiles: int = 0, a_s=None):
+  """The one-grid MoE's down role of CTA t = (slot g, bm hidden rows ``tile``): the slot's expert and routing weight
+  from the stored selection (rid / rw [1, k]; the shared slot 0: its own refs, weight 1), its first ``stages``
+  weight tiles requested, then — ``ctr`` given: on the GPU — the slot's h rows awaited (its I/64 gate/up row
+  tiles' writers each raise the bank's slot counter), h's tiles requested, the slot's product over I summed, times
+  the weight, and the slots of the row tile summed by the last slot's CTA (``_split_reduce`` on counter
+  ONE_GRID_SUMS + tile) and written as the rows y. Without ``ctr`` (GPU interpret mode: no counters) the weighted
+  product goes to o[g] and XLA sums the slots. ``a_s``: the dequantised weight tile's SMEM (interpret mode's form).
+  Its product per I block is (W tile @ h.T) x the block scale, the routing weight applied once to the slot's sum
+  (the two-kernel form folds it into every block's scale: the same up to f32 rounding)."""
+  g, tile = t // tiles, t % tiles
+  row0 = tile * bm
+  nb = row0 // BLOCK
+  ib_n = hq_ref.shape[2] // BLOCK
+  E = wd_ref.shape[0]
+  if ctr is not None:
+    with jax.named_scope("wait_sel"):  # (the writer CTA stored the selection long before: a poll that passes)
+      counter_wait(ctr.at[pl.ds(bank + _ONE_GRID_BANK - 1, 1)], 1)
+  j = jnp.clip(g - int(shared), 0, k - 1)  # (the slot's rank among the routed experts)
+  e_raw = rid_ref[0, j]
+  e = _table_id(e_raw, E)
+  wt = jnp.where((e_raw >= 0) & (e_raw < E), rw_ref[0, j], 0.0)
+  is_sh = g == 0
+  if shared:
+    wt = jnp.where(is_sh, 1.0, wt)
+
+  def issue_w(i):
+    slot = i % stages
+
+    def routed():
+      plgpu.copy_gmem_to_smem(wd_ref.at[e, pl.ds(row0, bm), pl.ds(i * BLOCK, BLOCK)], w_s.at[slot], bar.at[slot])
+
+    if shared:
+      pl.when(is_sh)(lambda: plgpu.copy_gmem_to_smem(wds_ref.at[pl.ds(row0, bm), pl.ds(i * BLOCK, BLOCK)],
+                                                     w_s.at[slot], bar.at[slot]))
+      pl.when(jnp.logical_not(is_sh))(routed)
+    else:
+      routed()
+
+  def issue_h(i):  # (h has the m real rows: the TMA zero-fills the rest up to mp)
+    plgpu.copy_gmem_to_smem(hq_ref.at[g, pl.ds(0, h_s.shape[1]), pl.ds(i * BLOCK, BLOCK)], h_s.at[i % stages],
+                            bar.at[i % stages])
+
+  first = min(stages, ib_n)
+  with jax.named_scope("issue"):
+    for i in range(first):
+      issue_w(i)
+  if ctr is not None:
+    with jax.named_scope("wait_h"):  # (the slot's h rows, TMA-stored by other CTAs: a proxy fence after)
+      counter_wait(ctr.at[pl.ds(bank + g, 1)], gu_tiles, async_reads=True)
+  for i in range(first):
+    issue_h(i)
+
+  def step(i, acc):
+    slot = i % stages
+    sc = sd_ref[e, nb, i]
+    if shared:
+      sc = jnp.where(is_sh, sds_ref[nb, i], sc)
+    with jax.named_scope("wait"):
+      plgpu.barrier_wait(bar.at[slot])
+    with jax.named_scope("mma"):
+      blk = _mma_tile(w_s.at[slot], h_s.at[slot], mp, True, a_s)
+
+    def refill():
+      if lean:
+        wg_barrier()
+      issue_w(i + stages)
+      issue_h(i + stages)
+
+    pl.when(i + stages < ib_n)(refill)
+    return acc + blk * sc
+
+  acc0 = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
+  acc = lax.fori_loop(0, ib_n, step, acc0) * wt
+  if ctr is None:
+    o_ref[g, pl.ds(row0, bm), :] = acc
+    return
+  _split_reduce(ctr.at[pl.ds(ONE_GRID_SUMS + tile, 1)], [o_ref.at[:, pl.ds(row0, bm)]], [acc],
+                lambda tot: _rows_out(y, tot, row0=row0), sk=g, split=slots)
+
+
+def _one_grid_refusal(parity, *, m, dq, router, writer, static, counters, tc05, n_slots, gu_cells, dn_tiles):
+  """Why fp8_moe's one-grid form cannot run here ('' when it can)."""
+  if parity not in (0, 1):
+    return "expected the call's parity, 0 or 1"
+  need = [(m == 1, f"one token row (here {m})"), (dq, "dq"), (router, "the router in its ranks form"),
+          (writer, "writer_cta"), (static, "static_table"), (counters is not None, "the split-K counters"),
+          (not tc05, "wgmma (Hopper)"), (n_slots < _ONE_GRID_BANK, f"at most {_ONE_GRID_BANK - 1} slots"),
+          (gu_cells <= ONE_GRID_SUMS, f"slots x I/64 <= {ONE_GRID_SUMS}"),
+          (dn_tiles <= ONE_GRID_BANKS - ONE_GRID_SUMS, f"D/128 <= {ONE_GRID_BANKS - ONE_GRID_SUMS}")]
+  return "; ".join(f"needs {what}" for ok, what in need if not ok)
+
+
+def _moe_one_grid_kernel(*refs, gu_kw: dict, n_gu_in: int, shared: bool, k: int, gu_grid: int, dn_grid: int,
+                         writer_t: int, gu_tiles: int, dn_tiles: int, slots: int, m: int, mp: int, dt, out_dtype,
+                         gu_bm: int, gu_stages: int, dn_bm: int, dn_stages: int, lean: bool, parity: int):
+  """fp8_moe's one-grid form (``one_grid``): CTA t < gu_grid runs gate/up item t (``_moe_gate_up_kernel``'s rows
+  form: its D splits summed on the counters, h written by each (slot, row tile)'s last split, which then raises
+  the slot's h-ready counter), the writer CTA the selection (then raising the selection's counter), and CTA t <
+  dn_grid then the down item t (``_moe_down_phase``: its weights requested at once, h awaited). Each role's SMEM
+  ring is scoped (run_scoped), so the roles share it: ~58 KB a CTA, three resident per SM, and every CTA of the
+  grid resident at once — which the counter waits need."""
+  refs = list(refs)
+  gu_in = refs[:n_gu_in]
+  n_dn = 4 if shared else 2
+  wd, sd, *sh = refs[n_gu_in:n_gu_in + n_dn]
+  wds, sds = sh if shared else (None, None)
+  rest = refs[n_gu_in + n_dn:]
+  ctr = rest.pop(0)
+  o_gu = rest.pop(0) if gu_kw["split"] > 1 else None  # (the D splits' partials)
+  hq, rid, rw, o_dn, y_g = rest[:5]
+  sel_scr, (gbar, dbar) = rest[5:10], rest[10:12]
+  t = lax.axis_index("t")
+  bank, other = _one_grid_bank(parity), _one_grid_bank(1 - parity)
+
+  @pl.when(t == 0)
+  def _():  # (the other bank, for the next call: the previous call that used it is done)
+    for i in range(_ONE_GRID_BANK):
+      ctr[other + i] = jnp.int32(0)
+
+  def gate_up(wg_s, wu_s, x_s, hy_s):
+    _moe_gate_up_kernel(
+        *gu_in, *([ctr, o_gu] if o_gu is not None else []), hq, rid, rw, *sel_scr, wg_s, wu_s, x_s, gbar, hy_s,
+        **gu_kw,
+        on_rows=lambda slot: counter_publish(ctr.at[pl.ds(bank + slot, 1)]),
+        on_select=lambda: counter_publish(ctr.at[pl.ds(bank + _ONE_GRID_BANK - 1, 1)]))
+
+  @pl.when((t < gu_grid) | (t == writer_t))
+  def _():
+    pl.run_scoped(gate_up, plgpu.SMEM((gu_stages, gu_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+                  plgpu.SMEM((gu_stages, gu_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+                  plgpu.SMEM((gu_stages, mp, BLOCK), dt, transforms=_tr(dt, BLOCK)), plgpu.SMEM((m, gu_bm), dt))
+
+  def down(w_s, h_s, y_s):
+    _moe_down_phase(t, hq, rid, rw, wd, sd, wds, sds, o_dn, (y_g, y_s), w_s, h_s, dbar, mp=mp, bm=dn_bm,
+                    stages=dn_stages, tiles=dn_tiles, slots=slots, shared=shared, k=k, lean=lean, ctr=ctr,
+                    bank=bank, gu_tiles=gu_tiles)
+
+  @pl.when(t < dn_grid)
+  def _():
+    pl.run_scoped(down, plgpu.SMEM((dn_stages, dn_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+                  plgpu.SMEM((dn_stages, mp, BLOCK), dt, transforms=_tr(dt, BLOCK)),
+                  plgpu.SMEM((m, dn_bm), out_dtype))
+
+
+def _moe_one_grid(x_in, logits, bias, n_valid, gu_w, sh_gu, dn_w, sh_dn, counters, *, plan, m, mp, dt, k,
+                  sel_static, sel_scratch, n_slots, n_pad, inter, d, limit, shared, lean, parity, out_dtype):
+  """fp8_moe's one-grid launch (its checks done) -> (y [m, D] out_dtype, ids [1, k], weights [1, k])."""
+  gu_tiles, split = inter // plan.gu_bm, plan.gu_split
+  dn_tiles = d // plan.dn_bm
+  gu_grid, dn_grid = n_slots * gu_tiles * split, n_slots * dn_tiles
+  grid = max(gu_grid, dn_grid) + 1
+  f32 = jnp.float32
+  gu_kw = dict(mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles, split=split, limit=limit,
+               shared=shared, table_k=k, dq=True, a_smem=False, fused_sum=split > 1, rows=True, router=sel_static,
+               rows_weight=False, n_valid=n_slots, writer_t=grid - 1, lean=lean)
+  # every CTA of the grid must be resident at once (the down roles wait for other CTAs' h rows): the SMEM of the
+  # larger role's ring and the router's staging, against the SM's 227 KB (1 KB reserved per CTA)
+  ring = max(plan.gu_stages * (2 * plan.gu_bm * BLOCK + mp * BLOCK * dt.itemsize),
+             plan.dn_stages * (plan.dn_bm * BLOCK + mp * BLOCK * dt.itemsize))
+  smem = ring + 2 * _round_up(sel_static[0], 128) * 4 + 2 * 128 * 4 + 4096
+  if (227 * 1024 // (smem + 1024)) * NUM_SMS < grid:
+    raise ValueError(f"fp8_moe: one_grid's {grid} CTAs of ~{smem // 1024} KB of SMEM each do not all fit the "
+                     f"{NUM_SMS} SMs at once (plan {plan}); its counter waits need them resident")
+  gu_out = (jax.ShapeDtypeStruct((split - 1, n_pad, 2, inter, mp), f32),) if split > 1 else ()
+  outs = mgpu_kernel(
+      functools.partial(_moe_one_grid_kernel, gu_kw=gu_kw, n_gu_in=len(x_in) + 3 + 4 + len(sh_gu), shared=shared,
+                        k=k, gu_grid=gu_grid, dn_grid=dn_grid, writer_t=grid - 1, gu_tiles=gu_tiles,
+                        dn_tiles=dn_tiles, slots=n_slots, m=m, mp=mp, dt=dt, out_dtype=out_dtype,
+                        gu_bm=plan.gu_bm, gu_stages=plan.gu_stages, dn_bm=plan.dn_bm, dn_stages=plan.dn_stages,
+                        lean=lean, parity=parity),
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean),
+      out_type=(*gu_out, jax.ShapeDtypeStruct((n_pad, m, inter), dt), jax.ShapeDtypeStruct((1, k), jnp.int32),
+                jax.ShapeDtypeStruct((1, k), f32), jax.ShapeDtypeStruct((n_slots - 1, d, mp), f32),
+                jax.ShapeDtypeStruct((m, d), out_dtype)),
+      grid=(grid,),
+      grid_names=("t",),
+      kernel_name="glm5_moe_one_grid",
+      scratch_types=[*sel_scratch, plgpu.Barrier(num_arrivals=3, num_barriers=plan.gu_stages),
+                     plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages)],
+  )(*x_in, logits, bias, n_valid, *gu_w, *sh_gu, *dn_w, *sh_dn, counters)
+  *_, rid, rw, _, y = outs
+  return y, rid, rw
+
+
+def _one_grid_down_launch(hq, rid, rw, dn_w, sh_dn, *, plan, mp, dt, n_slots, a_smem):
+  """The one-grid form's down role as a launch of its own (GPU interpret mode: no counters): hq [slots, m, I]
+  unweighted -> o [slots, D, mp] f32, slot g's product times its routing weight (XLA sums the slots)."""
+  d = dn_w[0].shape[1]
+  dn_tiles = d // plan.dn_bm
+  shared = bool(sh_dn)
+
+  def body(hq_ref, rid_ref, rw_ref, wd, sd, *rest):
+    wds, sds = rest[:2] if shared else (None, None)
+    o_ref, w_s, h_s, bar, *a_s = rest[2 if shared else 0:]
+    _moe_down_phase(lax.axis_index("t"), hq_ref, rid_ref, rw_ref, wd, sd, wds, sds, o_ref, None, w_s, h_s, bar,
+                    mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles, slots=n_slots, shared=shared,
+                    k=rid.shape[1], lean=False, a_s=a_s[0] if a_s else None)
+
+  return mgpu_kernel(
+      body, out_type=jax.ShapeDtypeStruct((n_slots, d, mp), jnp.float32), grid=(n_slots * dn_tiles,),
+      grid_names=("t",), kernel_name="glm5_moe_one_grid_down",
+      scratch_types=[plgpu.SMEM((plan.dn_stages, plan.dn_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
+                     plgpu.SMEM((plan.dn_stages, mp, BLOCK), dt, transforms=_tr(dt, BLOCK)),
+                     plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages)] +
+                    ([plgpu.SMEM((plan.dn_bm, BLOCK), dt, transforms=_tr(dt, BLOCK))] if a_smem else []),
+  )(hq, rid, rw, *dn_w, *sh_dn)
 
 
 def _distinct_ids(ids, num_experts: int, size: int):
@@ -1431,12 +1663,13 @@ def _swiglu_of_splits(out, m: int, split: int, limit: float):
 
 
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select",
-              "static_table", "writer_cta", "lean", "mma")
+              "static_table", "writer_cta", "lean", "mma", "one_grid")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
             dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None,
-            static_table: bool = False, writer_cta: bool = False, lean: bool = False, mma: str = "wgmma"):
+            static_table: bool = False, writer_cta: bool = False, lean: bool = False, mma: str = "wgmma",
+            one_grid: int | None = None):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1480,6 +1713,13 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     mma: "wgmma" (Hopper) or "tcgen05" (Blackwell, with dq: both kernels' tile products as tcgen05 MMAs into
       tensor memory, 128-row tiles, token rows padded to 16 — the module docstring; ``a_from`` and ``lean`` do
       not apply).
+    one_grid: None, or the call's parity (0 / 1, alternating between consecutive calls on one counters Ref): ONE
+      token row with dq, ``router`` in its ranks form, ``writer_cta``, ``static_table``, the shared expert and
+      ``counters`` — both kernels as ONE grid (``_moe_one_grid_kernel``): every CTA runs its gate/up item, then a
+      down item, whose weight tiles it requests at once and whose h it awaits on its slot's counter, so the down
+      weights stream during the gate/up tail instead of after a launch (in GPU interpret mode, which runs no
+      counters, the down role is a launch of its own after the gate/up kernel and XLA's glue). The routing
+      weight scales each slot's down sum (not each block's scale): equal to the two kernels up to f32 rounding.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1552,7 +1792,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     eids, n_valid, valid, r, n_slots = _route_with_shared(topk_ids, topk_weights, e_num, n_slots, mp, has_sh,
                                                           table_k)
   n_pad = _round_up(n_slots, 8)
-  plan = plan or plan_moe(n_slots, inter, d, mp, mma=mma)
+  # (one_grid: 3-stage gate/up rings, so that three CTAs fit an SM and the whole grid is resident: _moe_one_grid)
+  plan = plan or plan_moe(n_slots, inter, d, mp, mma=mma, **({"gu_stages": 3} if one_grid is not None else {}))
   if tc05 and (plan.gu_bm, plan.dn_bm) != (MMA_BM[mma],) * 2:
     raise ValueError(f"fp8_moe: mma='tcgen05' needs {MMA_BM[mma]}-row tiles, plan has gu_bm={plan.gu_bm}, "
                      f"dn_bm={plan.dn_bm}")
@@ -1599,6 +1840,20 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   gu_grid = n_slots * gu_tiles * plan.gu_split
   writer_t = gu_grid if writer_cta and router is not None and ranks else 0
   lean_k = bool(lean) and not a_smem  # (the SMEM-A form — interpret mode's — keeps the automatic barriers)
+  if one_grid is not None:
+    why = _one_grid_refusal(one_grid, m=m, dq=dq, router=router is not None and ranks, writer=writer_t > 0,
+                            static=nv_static > 0, counters=counters, tc05=tc05, n_slots=n_slots,
+                            gu_cells=n_slots * gu_tiles, dn_tiles=d // plan.dn_bm)
+    if why:
+      raise ValueError(f"fp8_moe: one_grid={one_grid!r}: {why}")
+    if not interpreting():
+      if a_smem:
+        raise ValueError("fp8_moe: one_grid needs the register-A form (a_from 'regs')")
+      return _moe_one_grid(
+          x_in, logits.astype(f32), bias.astype(f32), n_valid, (w_gate, s_gate.astype(f32), w_up, s_up.astype(f32)),
+          sh_gu, (w_down, s_down.astype(f32)), sh_dn, counters, plan=plan, m=m, mp=mp, dt=dt, k=int(k_r),
+          sel_static=sel_static, sel_scratch=sel_scratch, n_slots=n_slots, n_pad=n_pad, inter=inter, d=d,
+          limit=float(swiglu_limit), shared=has_sh, lean=lean_k, parity=int(one_grid), out_dtype=out_dtype)
   outs = mgpu_kernel(
       functools.partial(_moe_gate_up_kernel, mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles,
                         split=plan.gu_split, limit=float(swiglu_limit), shared=has_sh, table_k=table_k, dq=dq,
@@ -1637,6 +1892,11 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     ring.append(plgpu.SMEM((plan.dn_stages, mp, BLOCK), dt, transforms=_tr(dt, BLOCK)))
   else:
     ring.append(plgpu.SMEM((plan.dn_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)))
+  if one_grid is not None:  # (GPU interpret mode: the one grid's down role as a launch of its own, h unweighted)
+    h = jnp.where(valid[:, None, None], _swiglu_of_splits(h, m, plan.gu_split, swiglu_limit), 0.0)
+    y = _one_grid_down_launch(_act(jnp.swapaxes(h, 1, 2), dt), topk_ids, rw, (w_down, s_down.astype(f32)), sh_dn,
+                              plan=plan, mp=mp, dt=dt, n_slots=n_slots, a_smem=a_smem)
+    return y[:, :, :m].sum(0).T.astype(out_dtype), topk_ids, rw
   if gu_rows:  # h is the down kernel's input already (no XLA kernel between the two)
     hq, sh = (h if plan.gu_split == 1 else h[1]), 1.0
   else:

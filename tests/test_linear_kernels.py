@@ -722,6 +722,56 @@ def test_lean_weight_streaming_lowers_without_automatic_barriers(monkeypatch):
   assert 0 < got[True]["glm5_fp8_dq_linear"] < got[False]["glm5_fp8_dq_linear"], got
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_moe_one_grid_interpret(shared):
+  """fp8_moe(one_grid=...) in GPU interpret mode (no counters: its down role a launch of its own after the gate/up
+  kernel and XLA's glue, h unweighted, each slot's down sum times the routing weight read from the stored
+  selection, XLA's sum over the slots): the same ids and weights as the two-kernel router form, y within bf16
+  rounding of it (h rounded before the weight instead of after, as the rows form's) and of the reference; a
+  one_grid the call cannot take is refused by name."""
+  e, i, d, k, scaling = 32, 256, 384, 4, 2.5
+  x, _, _, *ws = moe_inputs(jax.random.key(97), 1, e, i, d, k)
+  sh = _shared_expert(jax.random.key(98), i, d) if shared else None
+  logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
+  moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, router=(logits, bias),
+                          router_select=(k, scaling, True, True), static_table=True, writer_cta=True)
+  with maybe_interpret(True):
+    y0, ids0, w0 = jax.jit(lambda *a: moe(x, None, None, *a))(*ws)
+    y1, ids1, w1 = jax.jit(lambda *a: moe(x, None, None, *a, counters=L.splitk_counters(), one_grid=1))(*ws)
+    with pytest.raises(ValueError, match="one_grid=1: needs the split-K counters"):
+      moe(x, None, None, *ws, one_grid=1)
+    with pytest.raises(ValueError, match="one_grid=2: expected the call's parity"):
+      moe(x, None, None, *ws, counters=L.splitk_counters(), one_grid=2)
+  np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
+  np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
+  assert y1.shape == (1, d) and np.abs(np.asarray(y1)).max() > 0
+  assert_close(y1, y0, "kernel_bf16")
+  assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=1.0, shared=sh), "kernel_bf16")
+
+
+def _one_grid_args():
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
+        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
+  return k, (SDS((1, d), jnp.float16), SDS((1, e), jnp.float32), SDS((e,), jnp.float32),
+             SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32), SDS((e, i, d), F8),
+             SDS((e, i // 128, d // 128), jnp.float32), SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32),
+             *sh)
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_moe_one_grid_cross_lowers(lean):
+  """The real rank's single-row MoE as one grid (fp8_moe(one_grid=...), policy knob moe_one_grid) lowers for CUDA
+  — both roles in one kernel, no separate down kernel — in its plan of 3-stage rings (three CTAs resident per SM)."""
+  k, args = _one_grid_args()
+  low = cross_lower(lambda x, lg, b, *a: L.fp8_moe(
+      x, None, None, *a[:6], swiglu_limit=10.0, shared=a[6:], dq=True, router=(lg, b),
+      router_select=(k, 2.5, True, True), counters=L.splitk_counters(), out_dtype=jnp.bfloat16, static_table=True,
+      writer_cta=True, lean=lean, dq_dtype="float16", one_grid=0), *args)
+  text = low.as_text()
+  assert "glm5_moe_one_grid" in text and "glm5_moe_down" not in text and "glm5_moe_gate_up" not in text
+
+
 def test_router_in_the_gate_up_kernel_cross_lowers():
   """The real rank's single-row MoE (288 experts, top-8, the shared slot, bf16 activations) with the selection
   in the gate/up kernel lowers for CUDA."""
@@ -1116,6 +1166,37 @@ def test_router_in_the_gate_up_kernel_with_rows_gpu(out_dtype, second):
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
   assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=10.0, shared=sh), "kernel_bf16")
   assert not np.any(np.asarray(ctr))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [False, True])
+def test_moe_one_grid_gpu(lean):
+  """The real rank's single-row MoE as ONE grid natively (policy moe_one_grid: 288 CTAs each running a gate/up item
+  and then a down item, the down weights requested before the slot's h rows are awaited on a counter): three calls
+  on one counters Ref with parities 0, 1, 0 (each zeroes the other bank for the next) bit-equal to each other, y
+  within bf16 rounding of the two-kernel rows form (the routing weight on the slot's sum instead of each block's
+  scale) and of the reference, the same ids and weights, the self-resetting counters left zero."""
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  x, _, _, *ws = moe_inputs(jax.random.key(354), 1, e, i, d, k)
+  sh = _shared_expert(jax.random.key(355), i, d)
+  logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
+
+  def run(x, logits, bias, ws, sh):  # (weights as arguments: closed over, jit embeds them as constants)
+    c = L.splitk_counters()
+    moe = functools.partial(L.fp8_moe, x.astype(jnp.float16), None, None, *ws, swiglu_limit=10.0, shared=sh,
+                            dq=True, router=(logits, bias), router_select=(k, 2.5, True, True), counters=c,
+                            out_dtype=jnp.bfloat16, static_table=True, writer_cta=True, lean=lean,
+                            dq_dtype="float16")
+    return moe(), moe(one_grid=0), moe(one_grid=1), moe(one_grid=0), c[...]
+  (y0, ids0, w0), *grids, ctr = jax.jit(run)(x, logits, bias, ws, sh)
+  y1, ids1, w1 = grids[0]
+  for y, ids, w in grids:
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids0))
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(w0))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y1))
+  assert_close(y1, y0, "kernel_bf16")
+  assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=10.0, shared=sh), "kernel_bf16")
+  assert not np.any(np.asarray(ctr)[:L.ONE_GRID_BANKS])
 
 
 def test_linear_fused_sum_cross_lowers():

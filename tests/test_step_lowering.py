@@ -229,6 +229,22 @@ def test_lean_barriers_reaches_the_chains_kernels():
   assert sites["sites"] >= 8, sites  # (4 layers' boundaries, their GEMVs, the DSA layer's and MoE kernels)
 
 
+def test_moe_one_grid_reaches_the_steps_moe():
+  """Policy knob moe_one_grid in the kernel-tiny step at q = 1, lowered for CUDA: every MoE layer's two kernels are
+  one grid (glm5_moe_one_grid; no glm5_moe_down launch left), its consecutive calls on alternating counter banks
+  (parity 0, 1, ...: the two MoE layers' one-grid calls differ only in it)."""
+  txt = lower_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096, policy=(("moe_one_grid", True),))
+  calls = [c for c in kernel_calls(txt) if c[0] == "glm5_moe_one_grid"]
+  assert calls and "glm5_moe_down" not in txt and "glm5_moe_gate_up" not in txt, [c[0] for c in kernel_calls(txt)]
+  assert len({h for _, _, h in calls}) == 2  # (the two parities: two modules)
+  model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
+  dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,), policy=(("moe_one_grid", True),)),
+                backend="latency_specialized")
+  with dec.kernel_mode(interpret=False):
+    dec.trace_step(1, params, interpret=False)
+  assert dec.kernel_sites(1)["moe_one_grid"]["sites"] == 2
+
+
 def _census(tmp_path, *args):
   """benchmarks/step_census.py on the kernel-tiny step (one step per call) in a subprocess — the CUDA PJRT plugin
   must load before jax starts a backend — -> (its JSON row, the compiled program's kernel listing lines); skips
