@@ -1251,7 +1251,7 @@ ONE_GRID_BANKS = 224
 _ONE_GRID_BANK = 16  # per bank: up to 15 slots' h-ready counters, then the selection's (the bank's last)
 
 
-def _one_grid_bank(parity: int) -> int:
+def _one_grid_bank(parity):
   return ONE_GRID_BANKS + parity * _ONE_GRID_BANK
 
 
@@ -1352,7 +1352,7 @@ def _one_grid_refusal(parity, *, m, dq, router, writer, static, counters, tc05, 
 
 def _moe_one_grid_kernel(*refs, gu_kw: dict, n_gu_in: int, shared: bool, k: int, gu_grid: int, dn_grid: int,
                          writer_t: int, gu_tiles: int, dn_tiles: int, slots: int, m: int, mp: int, dt, out_dtype,
-                         gu_bm: int, gu_stages: int, dn_bm: int, dn_stages: int, lean: bool, parity: int):
+                         gu_bm: int, gu_stages: int, dn_bm: int, dn_stages: int, lean: bool):
   """fp8_moe's one-grid form (``one_grid``): CTA t < gu_grid runs gate/up item t (``_moe_gate_up_kernel``'s rows
   form: its D splits summed on the counters, h written by each (slot, row tile)'s last split, which then raises
   the slot's h-ready counter), the writer CTA the selection (then raising the selection's counter), and CTA t <
@@ -1365,12 +1365,13 @@ def _moe_one_grid_kernel(*refs, gu_kw: dict, n_gu_in: int, shared: bool, k: int,
   wd, sd, *sh = refs[n_gu_in:n_gu_in + n_dn]
   wds, sds = sh if shared else (None, None)
   rest = refs[n_gu_in + n_dn:]
-  ctr = rest.pop(0)
+  ctr, par = rest.pop(0), rest.pop(0)  # (the counters; the call's parity [1]: data, so one module for both)
   o_gu = rest.pop(0) if gu_kw["split"] > 1 else None  # (the D splits' partials)
   hq, rid, rw, o_dn, y_g = rest[:5]
   sel_scr, (gbar, dbar) = rest[5:10], rest[10:12]
   t = lax.axis_index("t")
-  bank, other = _one_grid_bank(parity), _one_grid_bank(1 - parity)
+  p = par[0]
+  bank, other = _one_grid_bank(p), _one_grid_bank(1 - p)
 
   @pl.when(t == 0)
   def _():  # (the other bank, for the next call: the previous call that used it is done)
@@ -1427,7 +1428,7 @@ def _moe_one_grid(x_in, logits, bias, n_valid, gu_w, sh_gu, dn_w, sh_dn, counter
                         k=k, gu_grid=gu_grid, dn_grid=dn_grid, writer_t=grid - 1, gu_tiles=gu_tiles,
                         dn_tiles=dn_tiles, slots=n_slots, m=m, mp=mp, dt=dt, out_dtype=out_dtype,
                         gu_bm=plan.gu_bm, gu_stages=plan.gu_stages, dn_bm=plan.dn_bm, dn_stages=plan.dn_stages,
-                        lean=lean, parity=parity),
+                        lean=lean),
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean),
       out_type=(*gu_out, jax.ShapeDtypeStruct((n_pad, m, inter), dt), jax.ShapeDtypeStruct((1, k), jnp.int32),
                 jax.ShapeDtypeStruct((1, k), f32), jax.ShapeDtypeStruct((n_slots - 1, d, mp), f32),
@@ -1437,7 +1438,7 @@ def _moe_one_grid(x_in, logits, bias, n_valid, gu_w, sh_gu, dn_w, sh_dn, counter
       kernel_name="glm5_moe_one_grid",
       scratch_types=[*sel_scratch, plgpu.Barrier(num_arrivals=3, num_barriers=plan.gu_stages),
                      plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages)],
-  )(*x_in, logits, bias, n_valid, *gu_w, *sh_gu, *dn_w, *sh_dn, counters)
+  )(*x_in, logits, bias, n_valid, *gu_w, *sh_gu, *dn_w, *sh_dn, counters, jnp.full((1,), parity, jnp.int32))
   *_, rid, rw, _, y = outs
   return y, rid, rw
 

@@ -63,9 +63,12 @@ def test_kernel_tiny_step_lowers_for_cuda(q):
   # verify's 4 score rows and the draft's 1 where the threshold kernel ran)
   assert n_kernels <= (18 if q == 1 else 32) and n_calls <= 35, (n_calls, n_kernels)
   # (the FP8 linears with the weight dequantised in registers: policy fp8_dq, on by default)
-  for name in ("glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_sparse_mla",
-               "glm5_indexer_scores") + (("glm5_router_route",) if q > 1 else ()):
+  # (a single token row's MoE — the trunk at q = 1, the draft — as one grid: moe_one_grid, on since session 60;
+  # the verify's rows as the two kernels)
+  for name in ("glm5_fp8_dq_linear", "glm5_moe_one_grid", "glm5_sparse_mla", "glm5_indexer_scores") + (
+      ("glm5_router_route", "glm5_moe_gate_up", "glm5_moe_down") if q > 1 else ()):
     assert name in txt, name
+  assert q > 1 or ("glm5_moe_gate_up" not in txt and "glm5_moe_down" not in txt)
   # one-row MoE calls (the trunk at q = 1, the draft): the router's selection inside the gate/up kernel
   # (moe_router_in_kernel, on since session 41), no router_topk launch
   assert "glm5_router_topk" not in txt
@@ -210,8 +213,8 @@ def test_real_geometry_step_with_packed_params_lowers_for_cuda():
   txt = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert _main_args(txt) < 1150, _main_args(txt)
   check_one_module_per_kernel(txt)
-  names = {n for n, _, _ in kernel_calls(txt)}
-  assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down"} <= names and "glm5_fp8_linear" not in names
+  names = {n for n, _, _ in kernel_calls(txt)}  # (the one-row MoE as one grid: moe_one_grid)
+  assert {"glm5_fp8_dq_linear", "glm5_moe_one_grid"} <= names and "glm5_fp8_linear" not in names
   assert "glm5_mla_uv" in names  # (mla_uv_kernel at one token row: the verify's DSA layers; q = 1 runs no draft)
 
 
@@ -230,19 +233,21 @@ def test_lean_barriers_reaches_the_chains_kernels():
 
 
 def test_moe_one_grid_reaches_the_steps_moe():
-  """Policy knob moe_one_grid in the kernel-tiny step at q = 1, lowered for CUDA: every MoE layer's two kernels are
-  one grid (glm5_moe_one_grid; no glm5_moe_down launch left), its consecutive calls on alternating counter banks
-  (parity 0, 1, ...: the two MoE layers' one-grid calls differ only in it)."""
-  txt = lower_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096, policy=(("moe_one_grid", True),))
-  calls = [c for c in kernel_calls(txt) if c[0] == "glm5_moe_one_grid"]
-  assert calls and "glm5_moe_down" not in txt and "glm5_moe_gate_up" not in txt, [c[0] for c in kernel_calls(txt)]
-  assert len({h for _, _, h in calls}) == 2  # (the two parities: two modules)
+  """Policy knob moe_one_grid (on by default) in the kernel-tiny step at q = 1 as the CUDA lowering sees it: both
+  MoE layers take it, their calls on alternating counter banks (parity 0, 1: an operand, so one module); off, the
+  two kernels again. (test_kernel_tiny_step_lowers_for_cuda: no glm5_moe_down launch left
+  at q = 1.)"""
   model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
-  dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,), policy=(("moe_one_grid", True),)),
-                backend="latency_specialized")
-  with dec.kernel_mode(interpret=False):
-    dec.trace_step(1, params, interpret=False)
-  assert dec.kernel_sites(1)["moe_one_grid"]["sites"] == 2
+  for on in (True, False):
+    dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,), policy=(("moe_one_grid", on),)),
+                  backend="latency_specialized")
+    with dec.kernel_mode(interpret=False):
+      traced = dec.trace_step(1, params, interpret=False)
+    assert dec.kernel_sites(1)["moe_one_grid"]["sites"] == (2 if on else 0)
+    if on:
+      calls = [c for c in kernel_calls(traced.lower(lowering_platforms=("cuda",)).as_text())
+               if c[0] == "glm5_moe_one_grid"]
+      assert len(calls) == 2 and len({h for _, _, h in calls}) == 1, calls
 
 
 def _census(tmp_path, *args):
