@@ -87,7 +87,9 @@ def cases(names):
   forms = {"moe_rows": {}, "moe_rows_static": {"static_table": True}, "moe_rows_writer": {"writer_cta": True},
            "moe_rows_sw": {"static_table": True, "writer_cta": True},
            "moe_rows_lean": {"static_table": True, "writer_cta": True, "lean": True},
-           "moe_rows_parts": {"static_table": True, "writer_cta": True, "lean": True}}
+           "moe_rows_parts": {"static_table": True, "writer_cta": True, "lean": True},
+           # (policy moe_one_grid: both kernels as one grid — each CTA a gate/up item, then a down item)
+           "moe_one_grid": {"static_table": True, "writer_cta": True, "lean": True, "one_grid": 0}}
   for name, extra in forms.items():
     if name not in names:
       continue

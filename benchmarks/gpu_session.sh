@@ -21,13 +21,17 @@
 #                             and s57e still wait
 #   s59a (nvidia-h200):       session 59's mhc_router (the router logits as the boundary's partial sums): its GPU
 #                             tests, then q = 1: auto vs the defaults vs mhc_router in one interleaved call (#9's ratio)
-#   s60a (nvidia-h200):       q = 4 — the several-row kernels' GPU tests, then linear_fused_sum (351 kernels fewer at
-#                             q = 4), mhc_rows and both against the defaults, 5 interleaved repeats
+#   s60a (either):            q = 4 — the several-row kernels' GPU tests, then linear_fused_sum (351 kernels fewer at
+#                             q = 4), mhc_rows and both against the defaults, 5 interleaved repeats (session 60 ran it
+#                             on an H100 with LAYERS=32)
 #   s60b (either):            session 60's moe_one_grid (the MoE's two kernels as one grid): GPU tests, then q = 1
 #                             against the defaults (LAYERS=32 on an H100)
-#   h100 (nvidia-h100-x1):    when no H200 is lent (session 59): the router / boundary GPU tests, the in-kernel
-#                             profiles of the boundary and the MoE, then q = 1 on the first 32 layers (LAYERS): auto
-#                             vs the defaults vs POLICY (default mhc_router) — an H100's numbers, not the H200's
+#   s60d (nvidia-h200):       issue #9's ratio with moe_one_grid on: its GPU tests and the defaults' end-to-end
+#                             kernel test, then q = 1: auto vs the defaults vs moe_one_grid off in one call
+#   h100 (nvidia-h100-x1):    when no H200 is lent (sessions 59-60): the one-grid MoE / router / boundary GPU tests,
+#                             the in-kernel profiles of the boundary, the MoE's two kernels and its one grid, then
+#                             q = 1 on the first 32 layers (LAYERS): auto vs the defaults vs POLICY (default
+#                             moe_one_grid off) — an H100's numbers, not the H200's
 #   Modes of past sessions (s25 .. s57b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -36,8 +40,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s59a|s60a|s60b|h100) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s59a, s60a, s60b, h100)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s59a|s60a|s60b|s60d|h100) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s59a .. s60d, h100)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -161,7 +165,7 @@ case "$MODE" in
     rank1 s59a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
       --policy '{}' '{"mhc_router": true}'
     ;;
-  s60a)  # (nvidia-h200) q = 4: the several-row kernels' GPU tests (mhc_rows' row boundary at 3-4 rows; the fused
+  s60a)  # (either; LAYERS=32 on an H100) q = 4: the several-row kernels' GPU tests (mhc_rows' row boundary at 3-4 rows; the fused
     # split sums of bf16_linear / fp8_dq_linear / the MoE at several rows), then the verify step with
     # linear_fused_sum (compile-only census: 1,422 -> 1,071 kernels, critical path 1,047 -> 804), mhc_rows, both
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py tests/test_linear_kernels.py \
@@ -183,16 +187,27 @@ case "$MODE" in
     [ $rc -eq 0 ] && rank1 s60b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"moe_one_grid": true}'
     ;;
+  s60d)  # (nvidia-h200, needs_h200: the 45 layers' 82 GB) issue #9's ratio with moe_one_grid on by default: its
+    # GPU tests and the defaults' end-to-end kernel test natively, then q = 1: auto vs the defaults vs moe_one_grid
+    # off, 5 interleaved repeats of 80 steps
+    timeout 240 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_linear_kernels.py \
+      tests/test_decode.py -k "one_grid_gpu or all_kernels_equals_stock" > /tmp/t_s60d.log 2>&1
+    echo "== GPU tests (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_s60d.log | tail -1)" \
+      | tee -a "$OUT/gpu_tests.log"
+    grep -E "FAILED|ERROR|Fatal" /tmp/t_s60d.log | head -20 >> "$OUT/gpu_tests.log"
+    rank1 s60d --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
+      --policy '{}' '{"moe_one_grid": false}'
+    ;;
   h100)  # (nvidia-h100-x1) see the header
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py tests/test_linear_kernels.py \
-      -k "router_partials or router_in_the_gate_up or row_boundary" > /tmp/t_h100.log 2>&1
+      -k "one_grid_gpu or router_in_the_gate_up or row_boundary" > /tmp/t_h100.log 2>&1
     echo "== GPU tests (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_h100.log | tail -1)" \
       | tee -a "$OUT/gpu_tests.log"
     grep -E "FAILED|ERROR|Fatal" /tmp/t_h100.log | head -20 >> "$OUT/gpu_tests.log"
     timeout 150 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
-      --cases mhc_row_lean,mhc_row_router,moe_rows_lean,moe_rows_parts --out "$OUT/kernel_profile.txt" > /dev/null 2>&1
+      --cases mhc_row_lean,moe_rows_lean,moe_one_grid --out "$OUT/kernel_profile.txt" > /dev/null 2>&1
     LAYERS=${LAYERS:-32} rank1 h100 --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 \
-      --backend auto latency_specialized --policy '{}' "${POLICY:-{\"mhc_router\": true\}}"
+      --backend auto latency_specialized --policy '{}' "${POLICY:-{\"moe_one_grid\": false\}}"
     ;;
   s57d)  # (nvidia-h200) the step traced at q = 1 with the defaults (POLICY: more) — the sublayer chains with the
     # one-row lean boundary (benchmarks/sublayer_chain.py on the events and kernels files)

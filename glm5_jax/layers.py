@@ -287,8 +287,9 @@ KNOBS = {
         "and row per thread, the rows as loops (unrolled, Mosaic's layout inference took 35 s to lower 4 rows; "
         "looped 4.1 s). The one form of the several-row boundary without wgmma, so on Blackwell the only kernel "
         "form there at q > 1 (the one-row kernel unchanged: its Mosaic module the same but for source locations). "
-        "Interpret-mode equal to its reference (session 57); off until its GPU tests and an A/B at q = 4 on the "
-        "H200"),
+        "Interpret-mode equal to its reference (session 57); natively correct at 3 and 4 rows (its GPU tests, "
+        "session 60) and slower than the grid form on Hopper: q = 4, an H100, the first 32 layers, 6.54 -> 6.67 ms "
+        "(0 of 4 paired rounds faster, s60a) — off (Blackwell's form)"),
     "mhc_router": (False,
         "with mhc_row at one token row and the MoE's router in its gate/up kernel (fp8_moe, "
         "moe_router_in_kernel): the mHC boundary before a MoE sublayer also computes the router's logits as "
@@ -302,7 +303,8 @@ KNOBS = {
         "interleaved repeats: first form 3.01 -> 3.08 ms per step (+0.10 ms, 0 of 4 rounds: the untiled router "
         "tiles took 6.3 µs in the boundary), rebuilt (swizzled tiles: 2.8 µs) 2.98 vs 2.98 ms, a tie (2 of 4) — the "
         "gate/up selection still takes 6.9 instead of 3.3 µs with the partials: 289 CTAs each read all 32 rows, 14 MB "
-        "of L2 reads a MoE layer (BENCHMARKS.md session 59) — off"),
+        "of L2 reads a MoE layer (BENCHMARKS.md session 59); on the H200 (s59a, session 60, the full step) 3.50 -> "
+        "3.56 ms, slower in 4 of 4 paired rounds — off"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
@@ -342,12 +344,13 @@ KNOBS = {
         "paired rounds), with moe_writer_cta 3.70 (4 of 4; s50a, session 51) — on"),
     "moe_one_grid": (True,
         "with moe_rows, moe_writer_cta and moe_static_table at one token row: the MoE's two kernels as ONE grid "
-        "(pallas_kernels.linear.fp8_moe(one_grid=parity)) — each of its 288 CTAs runs its gate/up item, then "
+        "(pallas_kernels.linear.fp8_moe(one_grid=parity)) — each of its 288 CTAs (+ the selection's writer) runs "
+        "its gate/up item, then "
         "requests its down item's weight tiles at once and waits only for its slot's h rows (a counter their "
         "writers raise), so the down weights stream during the gate/up tail instead of after a launch boundary "
         "(s51b's trace: gate/up 16.6 then down 10.5 µs, the down kernel ~4 µs slower in the step than alone, "
         "its first bytes ~6 µs in). Unlike session 44's chained form (removed), no extra CTAs: every CTA of the "
-        "grid is resident at once (~62 KB of SMEM each, the rings of the two roles scoped: three per SM). "
+        "grid is resident at once (~58 KB of SMEM each, the rings of the two roles scoped: three per SM). "
         "Natively correct (its GPU tests, session 60: bit-equal call to call on alternating banks, within bf16 "
         "rounding of the two kernels). Measured on an H100 (the first 32 layers of the one-rank step, B = 1, q = 1, "
         "5 interleaved repeats, twice, the order swapped): 2.89 -> 2.82 and 2.91 -> 2.80 ms, faster in 4 of 4 "
@@ -403,7 +406,9 @@ KNOBS = {
         "win yet). Since session 47 the MoE at one token row keeps moe_router_in_kernel's form under it (moe_rows "
         "is the MoE's rows form with the selection inside); its FP8 GPU tests pass natively, and at q = 1 the step "
         "went 4.19 -> 4.25 ms (4.17 with moe_rows: 980 launches), 5 interleaved repeats (session 47, s47b): not "
-        "clear — off"),
+        "clear. At q = 4 (session 60, s60a: an H100, the first 32 layers, 5 interleaved repeats) 351 launches fewer "
+        "at the full rank (critical path 1,047 -> 804) yet 6.54 -> 6.99 ms, slower in 4 of 4 paired rounds: the "
+        "last split waiting for up to 31 others costs more than XLA's reduction — off"),
     "indexer_q_in_kernel": (True,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
@@ -1448,9 +1453,10 @@ class MoE(nnx.Module):
         writer = kernel_enabled("moe_writer_cta", rows, fits=ranks, why="moe_router_ranks off (every CTA "
                                 "selects all k: no writer slower than the others)")
         # moe_one_grid: the two kernels as one grid (its counters' banks alternate by call: the parity)
-        if kernel_enabled("moe_one_grid", rows, fits=bool(rows_form) and writer and static and ranks,
-                          why="moe_rows (on the GPU: counters), moe_writer_cta, moe_static_table and "
-                              "moe_router_ranks"):
+        grid_why = kl.one_grid_why(rows, k, E, sew is not None, ex.gate_proj.shape[1], ex.gate_proj.shape[2])
+        if kernel_enabled("moe_one_grid", rows, fits=bool(rows_form) and writer and static and ranks and not grid_why,
+                          why=grid_why or "moe_rows (on the GPU: counters), moe_writer_cta, moe_static_table and "
+                                          "moe_router_ranks"):
           rows_form["one_grid"] = _next_moe_parity()
         y, ids, _ = moe(xk, None, None, router=(logits, bias), router_select=select, writer_cta=writer,
                         **rows_form)

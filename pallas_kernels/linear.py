@@ -6,7 +6,8 @@ Three kernels, each beside a pure-jnp reference with the same signature (fp32 ma
   weights and 128x128 block scales ``scale_inv[ceil(N/128), ceil(K/128)]`` (spec model.md §7).
 * :func:`bf16_linear` / :func:`bf16_linear_reference`: skinny BF16 GEMV/GEMM (KDA projections, lm_head).
 * :func:`fp8_moe` / :func:`fp8_moe_reference`: the routed experts of a few decode tokens (gate+up with the
-  clamped SwiGLU, then down weighted by the routing weights), reading only the selected experts' weights. (A
+  clamped SwiGLU, then down weighted by the routing weights), reading only the selected experts' weights; at one
+  token row optionally as ONE grid whose CTAs run a gate/up item and then a down item (``one_grid``). (A
   one-launch persistent form, an evenly dealt form and a chained two-role form were measured slower and removed
   in session 53: BENCHMARKS.md sessions 40 and 44, and git history.)
 
@@ -67,8 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import (check_mma, counter_publish, counter_signal, counter_wait, interpreting,
-                                    kernel_entry,
-                                    mgpu_kernel, saturate_f16, tmem_to_wgmma, wg_barrier)
+                                    kernel_entry, mgpu_kernel, saturate_f16, tmem_to_wgmma, wg_barrier)
 
 BLOCK = 128  # FP8 weight scale block (128x128) and the K width of one pipeline step
 E4M3_MAX = 448.0
@@ -473,9 +473,10 @@ def _fused_counters(counters, split: int, tiles: int, name: str):
   more row tiles than it covers, is refused by name."""
   if counters is None or split == 1 or interpreting():
     return None
-  if counters.shape != (SPLITK_COUNTERS,) or counters.dtype != jnp.int32 or tiles > SPLITK_COUNTERS:
+  if counters.shape != (SPLITK_COUNTERS,) or counters.dtype != jnp.int32 or tiles > ONE_GRID_BANKS:
     raise ValueError(f"{name}: counters {counters.shape} {counters.dtype} for {tiles} row tiles, expected "
-                     f"splitk_counters()' int32 [{SPLITK_COUNTERS}] and at most that many tiles")
+                     f"splitk_counters()' int32 [{SPLITK_COUNTERS}] and at most {ONE_GRID_BANKS} tiles (the rest: "
+                     "the one-grid MoE's banks, left non-zero between its calls)")
   return counters
 
 
@@ -484,13 +485,14 @@ def _split_sum(out, m: int, fused: bool):
   return out[-1, :, :m].T if fused else out[..., :m].sum(0).T
 
 
-SPLITK_COUNTERS = 256  # row tiles the split-K counters cover (N / 64 for N up to 16,384)
+SPLITK_COUNTERS = 256  # counters in the Ref: a fused-sum call's row tiles use those below ONE_GRID_BANKS (224)
 ROWS_OUT_MAX = 8  # token rows up to which a fused-sum kernel writes its sum as rows (a masked row sum per row)
 
 
 def splitk_counters():
   """The split-K counters of the fused-sum linears (FP8 and BF16) of one traced program: one jax Ref (zeroed
-  once — one fill per step), shared by the calls in order (each call's aliased operand), each leaving it zero."""
+  once — one fill per step), shared by the calls in order (each call's aliased operand), each leaving its cells
+  below ONE_GRID_BANKS zero (the one-grid MoE's two banks above them alternate between its calls)."""
   return jax.new_ref(jnp.zeros((SPLITK_COUNTERS,), jnp.int32))
 
 
@@ -1241,17 +1243,19 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   _split_out(o_ref, ctr_g, acc, sk=g, tile=tile, row0=row0, bm=bm, split=groups, rows=y)
 
 
-# The one-grid MoE's counters in splitk_counters' Ref (one Ref per traced step, zero-filled once per step): the
-# gate/up D splits' sums use [0, slots x I/64) and the down phase's slot sums [ONE_GRID_SUMS, + D/128) — both
-# self-resetting (each waiter takes its count back) — and the counters that many CTAs wait on without taking (a
-# slot's h rows ready: its I/64 row tiles' writers each add 1; the selection stored: the writer adds 1) alternate
-# between two banks by call (``parity``): a call's CTA 0 zeroes the other bank, which the next call uses.
+# The one-grid MoE's counters in splitk_counters' Ref (one Ref per traced scope, zero-filled once per step): the
+# gate/up D splits' sums use [0, slots x I/gu_bm) (with D splits) and the down phase's slot sums [ONE_GRID_SUMS,
+# + D/dn_bm) — both self-resetting (each waiter takes its count back) — and the counters that many CTAs wait on
+# without taking (a slot's h rows ready: its I/gu_bm row tiles' writers each add 1; the selection stored: the
+# writer adds 1) alternate between two banks by call (``parity``): a call's CTA 0 zeroes the other bank, which the
+# next call uses. So consecutive calls on one Ref must alternate their parity (layers._next_moe_parity), and the
+# banks are left non-zero: the fused-sum linears' row tiles stop below ONE_GRID_BANKS (_fused_counters).
 ONE_GRID_SUMS = 128
 ONE_GRID_BANKS = 224
 _ONE_GRID_BANK = 16  # per bank: up to 15 slots' h-ready counters, then the selection's (the bank's last)
 
 
-def _one_grid_bank(parity):
+def _one_grid_bank(parity: int) -> int:
   return ONE_GRID_BANKS + parity * _ONE_GRID_BANK
 
 
@@ -1273,7 +1277,8 @@ def _moe_down_phase(t, hq_ref, rid_ref, rw_ref, wd_ref, sd_ref, wds_ref, sds_ref
   ib_n = hq_ref.shape[2] // BLOCK
   E = wd_ref.shape[0]
   if ctr is not None:
-    with jax.named_scope("wait_sel"):  # (the writer CTA stored the selection long before: a poll that passes)
+    with jax.named_scope("wait_sel"):  # (the writer CTA, dispatched last, selects at once: ~5 µs in, normally
+      # before this CTA's gate/up item ends)
       counter_wait(ctr.at[pl.ds(bank + _ONE_GRID_BANK - 1, 1)], 1)
   j = jnp.clip(g - int(shared), 0, k - 1)  # (the slot's rank among the routed experts)
   e_raw = rid_ref[0, j]
@@ -1338,40 +1343,79 @@ def _moe_down_phase(t, hq_ref, rid_ref, rw_ref, wd_ref, sd_ref, wds_ref, sds_ref
                 lambda tot: _rows_out(y, tot, row0=row0), sk=g, split=slots)
 
 
-def _one_grid_refusal(parity, *, m, dq, router, writer, static, counters, tc05, n_slots, gu_cells, dn_tiles):
-  """Why fp8_moe's one-grid form cannot run here ('' when it can)."""
-  if parity not in (0, 1):
-    return "expected the call's parity, 0 or 1"
+def _one_grid_refusal(parity, *, m, dq, router, writer, static, counters, tc05) -> str:
+  """Why fp8_moe's one-grid form cannot take this call's options ('' when it can; the plan: _one_grid_plan_why)."""
+  if isinstance(parity, bool) or parity not in (0, 1):
+    return f"expected the call's parity, 0 or 1 (an int, alternating between consecutive calls), got {parity!r}"
+  ok_ctr = counters is not None and counters.shape == (SPLITK_COUNTERS,) and counters.dtype == jnp.int32
   need = [(m == 1, f"one token row (here {m})"), (dq, "dq"), (router, "the router in its ranks form"),
-          (writer, "writer_cta"), (static, "static_table"), (counters is not None, "the split-K counters"),
-          (not tc05, "wgmma (Hopper)"), (n_slots < _ONE_GRID_BANK, f"at most {_ONE_GRID_BANK - 1} slots"),
-          (gu_cells <= ONE_GRID_SUMS, f"slots x I/64 <= {ONE_GRID_SUMS}"),
-          (dn_tiles <= ONE_GRID_BANKS - ONE_GRID_SUMS, f"D/128 <= {ONE_GRID_BANKS - ONE_GRID_SUMS}")]
+          (writer, "writer_cta"), (static, "static_table"),
+          (ok_ctr, f"splitk_counters()' int32 [{SPLITK_COUNTERS}] Ref (here "
+                   f"{None if counters is None else (counters.shape, str(counters.dtype))})"),
+          (not tc05, "wgmma (Hopper)")]
   return "; ".join(f"needs {what}" for ok, what in need if not ok)
+
+
+def _one_grid_smem(plan, mp: int, dt_bytes: int, n_experts: int) -> int:
+  """A one-grid CTA's SMEM bytes: the larger role's ring (the two are scoped) and the router's staging."""
+  ring = max(plan.gu_stages * (2 * plan.gu_bm * BLOCK + mp * BLOCK * dt_bytes),
+             plan.dn_stages * (plan.dn_bm * BLOCK + mp * BLOCK * dt_bytes))
+  return ring + 2 * _round_up(n_experts, 128) * 4 + 2 * 128 * 4 + 4096
+
+
+def _one_grid_plan_why(plan, n_slots: int, inter: int, d: int, mp: int, dt_bytes: int, n_experts: int) -> str:
+  """Why the one-grid form cannot run this plan ('' when it can): its counters' ranges, and every CTA of the grid
+  resident at once (the down roles wait for other CTAs' h rows) — by SMEM against the SM's 227 KB, 1 KB reserved
+  per CTA. (Registers are not checked here: three CTAs per SM ran on an H100 in session 60.)"""
+  gu_tiles, dn_tiles = inter // plan.gu_bm, d // plan.dn_bm
+  grid = max(n_slots * gu_tiles * plan.gu_split, n_slots * dn_tiles) + 1
+  smem = _one_grid_smem(plan, mp, dt_bytes, n_experts)
+  need = [(n_slots < _ONE_GRID_BANK, f"at most {_ONE_GRID_BANK - 1} expert slots (here {n_slots})"),
+          (plan.gu_split == 1 or n_slots * gu_tiles <= ONE_GRID_SUMS,
+           f"slots x I/gu_bm <= {ONE_GRID_SUMS} with D splits (here {n_slots} x {gu_tiles})"),
+          (dn_tiles <= ONE_GRID_BANKS - ONE_GRID_SUMS,
+           f"D/dn_bm <= {ONE_GRID_BANKS - ONE_GRID_SUMS} (here {dn_tiles})"),
+          ((227 * 1024 // (smem + 1024)) * NUM_SMS >= grid,
+           f"its {grid} CTAs of ~{smem // 1024} KB of SMEM all resident on {NUM_SMS} SMs (plan {plan})")]
+  return "; ".join(f"needs {what}" for ok, what in need if not ok)
+
+
+def one_grid_why(m: int, k: int, n_experts: int, shared: bool, inter: int, d: int) -> str:
+  """Why fp8_moe(one_grid=...) cannot run a MoE of this shape with its default plan ('' when it can): for a model's
+  call site to decline the form with the reason (policy knob moe_one_grid) instead of raising."""
+  if m != 1:
+    return f"needs one token row (here {m})"
+  if inter % BLOCK or d % BLOCK:
+    return f"needs I and D multiples of {BLOCK} (here {inter}, {d})"
+  n_slots, mp = min(n_experts, k) + int(shared), _padded_rows(1)
+  plan = plan_moe(n_slots, inter, d, mp, gu_stages=3)
+  return _one_grid_plan_why(plan, n_slots, inter, d, mp, 2, n_experts)
 
 
 def _moe_one_grid_kernel(*refs, gu_kw: dict, n_gu_in: int, shared: bool, k: int, gu_grid: int, dn_grid: int,
                          writer_t: int, gu_tiles: int, dn_tiles: int, slots: int, m: int, mp: int, dt, out_dtype,
-                         gu_bm: int, gu_stages: int, dn_bm: int, dn_stages: int, lean: bool):
+                         gu_bm: int, gu_stages: int, dn_bm: int, dn_stages: int, lean: bool, parity: int,
+                         n_sel: int):
   """fp8_moe's one-grid form (``one_grid``): CTA t < gu_grid runs gate/up item t (``_moe_gate_up_kernel``'s rows
   form: its D splits summed on the counters, h written by each (slot, row tile)'s last split, which then raises
   the slot's h-ready counter), the writer CTA the selection (then raising the selection's counter), and CTA t <
   dn_grid then the down item t (``_moe_down_phase``: its weights requested at once, h awaited). Each role's SMEM
   ring is scoped (run_scoped), so the roles share it: ~58 KB a CTA, three resident per SM, and every CTA of the
-  grid resident at once — which the counter waits need."""
+  grid resident at once — which the counter waits need (_moe_one_grid checks the SMEM; the registers allowed three
+  CTAs per SM on the H100 it ran on). ``n_sel``: the number of the router's scratch refs."""
   refs = list(refs)
   gu_in = refs[:n_gu_in]
   n_dn = 4 if shared else 2
   wd, sd, *sh = refs[n_gu_in:n_gu_in + n_dn]
   wds, sds = sh if shared else (None, None)
   rest = refs[n_gu_in + n_dn:]
-  ctr, par = rest.pop(0), rest.pop(0)  # (the counters; the call's parity [1]: data, so one module for both)
+  ctr = rest.pop(0)
   o_gu = rest.pop(0) if gu_kw["split"] > 1 else None  # (the D splits' partials)
   hq, rid, rw, o_dn, y_g = rest[:5]
-  sel_scr, (gbar, dbar) = rest[5:10], rest[10:12]
+  sel_scr, (gbar, dbar) = rest[5:5 + n_sel], rest[5 + n_sel:]
   t = lax.axis_index("t")
-  p = par[0]
-  bank, other = _one_grid_bank(p), _one_grid_bank(1 - p)
+  # (the parity static — the build measured natively in session 60 — each parity its own module)
+  bank, other = _one_grid_bank(parity), _one_grid_bank(1 - parity)
 
   @pl.when(t == 0)
   def _():  # (the other bank, for the next call: the previous call that used it is done)
@@ -1414,21 +1458,13 @@ def _moe_one_grid(x_in, logits, bias, n_valid, gu_w, sh_gu, dn_w, sh_dn, counter
   gu_kw = dict(mp=mp, bm=plan.gu_bm, stages=plan.gu_stages, tiles=gu_tiles, split=split, limit=limit,
                shared=shared, table_k=k, dq=True, a_smem=False, fused_sum=split > 1, rows=True, router=sel_static,
                rows_weight=False, n_valid=n_slots, writer_t=grid - 1, lean=lean)
-  # every CTA of the grid must be resident at once (the down roles wait for other CTAs' h rows): the SMEM of the
-  # larger role's ring and the router's staging, against the SM's 227 KB (1 KB reserved per CTA)
-  ring = max(plan.gu_stages * (2 * plan.gu_bm * BLOCK + mp * BLOCK * dt.itemsize),
-             plan.dn_stages * (plan.dn_bm * BLOCK + mp * BLOCK * dt.itemsize))
-  smem = ring + 2 * _round_up(sel_static[0], 128) * 4 + 2 * 128 * 4 + 4096
-  if (227 * 1024 // (smem + 1024)) * NUM_SMS < grid:
-    raise ValueError(f"fp8_moe: one_grid's {grid} CTAs of ~{smem // 1024} KB of SMEM each do not all fit the "
-                     f"{NUM_SMS} SMs at once (plan {plan}); its counter waits need them resident")
   gu_out = (jax.ShapeDtypeStruct((split - 1, n_pad, 2, inter, mp), f32),) if split > 1 else ()
   outs = mgpu_kernel(
       functools.partial(_moe_one_grid_kernel, gu_kw=gu_kw, n_gu_in=len(x_in) + 3 + 4 + len(sh_gu), shared=shared,
                         k=k, gu_grid=gu_grid, dn_grid=dn_grid, writer_t=grid - 1, gu_tiles=gu_tiles,
                         dn_tiles=dn_tiles, slots=n_slots, m=m, mp=mp, dt=dt, out_dtype=out_dtype,
                         gu_bm=plan.gu_bm, gu_stages=plan.gu_stages, dn_bm=plan.dn_bm, dn_stages=plan.dn_stages,
-                        lean=lean),
+                        lean=lean, parity=parity, n_sel=len(sel_scratch)),
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean),
       out_type=(*gu_out, jax.ShapeDtypeStruct((n_pad, m, inter), dt), jax.ShapeDtypeStruct((1, k), jnp.int32),
                 jax.ShapeDtypeStruct((1, k), f32), jax.ShapeDtypeStruct((n_slots - 1, d, mp), f32),
@@ -1438,7 +1474,7 @@ def _moe_one_grid(x_in, logits, bias, n_valid, gu_w, sh_gu, dn_w, sh_dn, counter
       kernel_name="glm5_moe_one_grid",
       scratch_types=[*sel_scratch, plgpu.Barrier(num_arrivals=3, num_barriers=plan.gu_stages),
                      plgpu.Barrier(num_arrivals=2, num_barriers=plan.dn_stages)],
-  )(*x_in, logits, bias, n_valid, *gu_w, *sh_gu, *dn_w, *sh_dn, counters, jnp.full((1,), parity, jnp.int32))
+  )(*x_in, logits, bias, n_valid, *gu_w, *sh_gu, *dn_w, *sh_dn, counters)
   *_, rid, rw, _, y = outs
   return y, rid, rw
 
@@ -1715,12 +1751,14 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       tensor memory, 128-row tiles, token rows padded to 16 — the module docstring; ``a_from`` and ``lean`` do
       not apply).
     one_grid: None, or the call's parity (0 / 1, alternating between consecutive calls on one counters Ref): ONE
-      token row with dq, ``router`` in its ranks form, ``writer_cta``, ``static_table``, the shared expert and
-      ``counters`` — both kernels as ONE grid (``_moe_one_grid_kernel``): every CTA runs its gate/up item, then a
+      token row with dq, ``router`` in its ranks form, ``writer_cta``, ``static_table`` and ``counters`` (with or
+      without the shared expert; a plan whose CTAs all fit the SMs at once: ``one_grid_why``) — both kernels as ONE
+      grid (``_moe_one_grid_kernel``): every CTA runs its gate/up item, then a
       down item, whose weight tiles it requests at once and whose h it awaits on its slot's counter, so the down
       weights stream during the gate/up tail instead of after a launch (in GPU interpret mode, which runs no
       counters, the down role is a launch of its own after the gate/up kernel and XLA's glue). The routing
-      weight scales each slot's down sum (not each block's scale): equal to the two kernels up to f32 rounding.
+      weight scales each slot's down sum (not each block's scale): the two kernels' rows form (``counters``) up to
+      f32 rounding. Natively correct and faster on an H100 (BENCHMARKS.md, session 60).
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1843,13 +1881,13 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   lean_k = bool(lean) and not a_smem  # (the SMEM-A form — interpret mode's — keeps the automatic barriers)
   if one_grid is not None:
     why = _one_grid_refusal(one_grid, m=m, dq=dq, router=router is not None and ranks, writer=writer_t > 0,
-                            static=nv_static > 0, counters=counters, tc05=tc05, n_slots=n_slots,
-                            gu_cells=n_slots * gu_tiles, dn_tiles=d // plan.dn_bm)
+                            static=nv_static > 0, counters=counters, tc05=tc05)
+    why = why or _one_grid_plan_why(plan, n_slots, inter, d, mp, dt.itemsize, e_num)
     if why:
       raise ValueError(f"fp8_moe: one_grid={one_grid!r}: {why}")
     if not interpreting():
       if a_smem:
-        raise ValueError("fp8_moe: one_grid needs the register-A form (a_from 'regs')")
+        raise ValueError(f"fp8_moe: one_grid needs the register-A form, a_from 'regs' (here {a_from!r})")
       return _moe_one_grid(
           x_in, logits.astype(f32), bias.astype(f32), n_valid, (w_gate, s_gate.astype(f32), w_up, s_up.astype(f32)),
           sh_gu, (w_down, s_down.astype(f32)), sh_dn, counters, plan=plan, m=m, mp=mp, dt=dt, k=int(k_r),
@@ -1894,9 +1932,13 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   else:
     ring.append(plgpu.SMEM((plan.dn_stages, 2 * mp, BLOCK), F8, transforms=_tr(F8, BLOCK)))
   if one_grid is not None:  # (GPU interpret mode: the one grid's down role as a launch of its own, h unweighted)
-    h = jnp.where(valid[:, None, None], _swiglu_of_splits(h, m, plan.gu_split, swiglu_limit), 0.0)
-    y = _one_grid_down_launch(_act(jnp.swapaxes(h, 1, 2), dt), topk_ids, rw, (w_down, s_down.astype(f32)), sh_dn,
-                              plan=plan, mp=mp, dt=dt, n_slots=n_slots, a_smem=a_smem)
+    if gu_rows:  # (one D split: the gate/up kernel wrote h's rows [n_pad, m, I] itself, unweighted)
+      hq = jnp.where(valid[:, None, None], h, 0.0).astype(dt)
+    else:
+      h = jnp.where(valid[:, None, None], _swiglu_of_splits(h, m, plan.gu_split, swiglu_limit), 0.0)
+      hq = _act(jnp.swapaxes(h, 1, 2), dt)
+    y = _one_grid_down_launch(hq, topk_ids, rw, (w_down, s_down.astype(f32)), sh_dn, plan=plan, mp=mp, dt=dt,
+                              n_slots=n_slots, a_smem=a_smem)
     return y[:, :, :m].sum(0).T.astype(out_dtype), topk_ids, rw
   if gu_rows:  # h is the down kernel's input already (no XLA kernel between the two)
     hq, sh = (h if plan.gu_split == 1 else h[1]), 1.0

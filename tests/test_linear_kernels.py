@@ -722,26 +722,29 @@ def test_lean_weight_streaming_lowers_without_automatic_barriers(monkeypatch):
   assert 0 < got[True]["glm5_fp8_dq_linear"] < got[False]["glm5_fp8_dq_linear"], got
 
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_moe_one_grid_interpret(shared):
+@pytest.mark.parametrize("shared,split", [(True, None), (False, None), (True, 1)])
+def test_moe_one_grid_interpret(shared, split):
   """fp8_moe(one_grid=...) in GPU interpret mode (no counters: its down role a launch of its own after the gate/up
   kernel and XLA's glue, h unweighted, each slot's down sum times the routing weight read from the stored
   selection, XLA's sum over the slots): the same ids and weights as the two-kernel router form, y within bf16
   rounding of it (h rounded before the weight instead of after, as the rows form's) and of the reference; a
-  one_grid the call cannot take is refused by name."""
+  one_grid the call cannot take is refused by name. ``split`` 1: one D split (the gate/up kernel writes h's rows
+  itself in interpret mode too)."""
   e, i, d, k, scaling = 32, 256, 384, 4, 2.5
   x, _, _, *ws = moe_inputs(jax.random.key(97), 1, e, i, d, k)
   sh = _shared_expert(jax.random.key(98), i, d) if shared else None
   logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
-  moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, router=(logits, bias),
+  plan = L.plan_moe(k + int(shared), i, d, 8, gu_split=split, gu_stages=3) if split else None
+  moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, router=(logits, bias), plan=plan,
                           router_select=(k, scaling, True, True), static_table=True, writer_cta=True)
   with maybe_interpret(True):
     y0, ids0, w0 = jax.jit(lambda *a: moe(x, None, None, *a))(*ws)
     y1, ids1, w1 = jax.jit(lambda *a: moe(x, None, None, *a, counters=L.splitk_counters(), one_grid=1))(*ws)
-    with pytest.raises(ValueError, match="one_grid=1: needs the split-K counters"):
+    with pytest.raises(ValueError, match=r"one_grid=1: needs splitk_counters\(\)' int32 \[256\] Ref \(here None\)"):
       moe(x, None, None, *ws, one_grid=1)
-    with pytest.raises(ValueError, match="one_grid=2: expected the call's parity"):
-      moe(x, None, None, *ws, counters=L.splitk_counters(), one_grid=2)
+    for bad in (2, False):
+      with pytest.raises(ValueError, match=f"one_grid={bad}: expected the call's parity, 0 or 1 .* got {bad}"):
+        moe(x, None, None, *ws, counters=L.splitk_counters(), one_grid=bad)
   np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids0))
   np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
   assert y1.shape == (1, d) and np.abs(np.asarray(y1)).max() > 0
@@ -757,6 +760,15 @@ def _one_grid_args():
              SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32), SDS((e, i, d), F8),
              SDS((e, i // 128, d // 128), jnp.float32), SDS((e, d, i), F8), SDS((e, d // 128, i // 128), jnp.float32),
              *sh)
+
+
+def test_moe_one_grid_why():
+  """one_grid_why (the model's site asks it before taking moe_one_grid): the real rank's MoE fits; more token rows,
+  too many slots for a bank, or CTAs that could not all be resident are named with their numbers."""
+  assert L.one_grid_why(1, 8, 288, True, 512, 4096) == ""
+  assert L.one_grid_why(4, 8, 288, True, 512, 4096) == "needs one token row (here 4)"
+  assert "at most 15 expert slots (here 17)" in L.one_grid_why(1, 16, 288, True, 512, 4096)
+  assert "all resident on 132 SMs" in L.one_grid_why(1, 12, 288, True, 4096, 4096)
 
 
 @pytest.mark.parametrize("lean", [False, True])
