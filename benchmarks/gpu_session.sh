@@ -28,6 +28,8 @@
 #                             against the defaults (LAYERS=32 on an H100)
 #   s60d (nvidia-h200):       issue #9's ratio with moe_one_grid on: its GPU tests and the defaults' end-to-end
 #                             kernel test, then q = 1: auto vs the defaults vs moe_one_grid off in one call
+#   s60e (either):            q = 4: moe_h_rows (the verify's MoE without XLA's glue between its kernels) — its GPU
+#                             test, then against the defaults (LAYERS=32 on an H100)
 #   h100 (nvidia-h100-x1):    when no H200 is lent (sessions 59-60): the one-grid MoE / router / boundary GPU tests,
 #                             the in-kernel profiles of the boundary, the MoE's two kernels and its one grid, then
 #                             q = 1 on the first 32 layers (LAYERS): auto vs the defaults vs POLICY (default
@@ -40,8 +42,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s59a|s60a|s60b|s60d|h100) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s59a .. s60d, h100)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s59a|s60a|s60b|s60d|s60e|h100) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s59a .. s60e, h100)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -197,6 +199,17 @@ case "$MODE" in
     grep -E "FAILED|ERROR|Fatal" /tmp/t_s60d.log | head -20 >> "$OUT/gpu_tests.log"
     rank1 s60d --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
       --policy '{}' '{"moe_one_grid": false}'
+    ;;
+  s60e)  # (either; LAYERS=32 on an H100) q = 4: moe_h_rows' GPU test, then the verify step with the gate/up kernel
+    # writing h's rows itself (no XLA glue between the MoE's two kernels) against the defaults
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernels.py -k "h_rows_gpu" \
+      > /tmp/t_s60e.log 2>&1
+    rc=$?
+    echo "== h_rows GPU test (rc $rc): $(grep -E '(passed|failed|error)' /tmp/t_s60e.log | tail -1)" \
+      | tee -a "$OUT/gpu_tests.log"
+    grep -E "FAILED|ERROR|Fatal|Mismatch" /tmp/t_s60e.log | head -20 >> "$OUT/gpu_tests.log"
+    [ $rc -eq 0 ] && rank1 s60e --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' \
+      '{"moe_h_rows": true}'
     ;;
   h100)  # (nvidia-h100-x1) see the header
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py tests/test_linear_kernels.py \

@@ -355,6 +355,13 @@ KNOBS = {
         "rounding of the two kernels). Measured on an H100 (the first 32 layers of the one-rank step, B = 1, q = 1, "
         "5 interleaved repeats, twice, the order swapped): 2.89 -> 2.82 and 2.91 -> 2.80 ms, faster in 4 of 4 "
         "paired rounds both times; 42 launches fewer per step (865 -> 823) — on"),
+    "moe_h_rows": (False,
+        "at 2..8 token rows (the verify's MoE) with one D split in the gate/up kernel (its slots x I/64 tiles fill "
+        "the SMs): that kernel writes h's rows — the clamped SwiGLU times the routing weights, in the dq dtype — "
+        "as the down kernel's input itself (pallas_kernels.linear.fp8_moe(h_rows=True): the rows form without "
+        "counters, no CTA waits), instead of XLA's glue fusion between the two kernels (one launch on every MoE "
+        "layer's chain at q = 4: the census' loop_pad_fusion). The down kernel's groups are still summed by XLA "
+        "(session 60: in-kernel waits were slower at q = 4). CPU-built (session 60): off until measured"),
     "moe_writer_cta": (True,
         "with moe_router_in_kernel and moe_router_ranks: the router's writer — the CTA that selects all k experts "
         "with their weights and stores them — is one extra CTA of the MoE's gate/up kernel that does nothing else "
@@ -1461,7 +1468,11 @@ class MoE(nnx.Module):
         y, ids, _ = moe(xk, None, None, router=(logits, bias), router_select=select, writer_cta=writer,
                         **rows_form)
       else:
-        y = moe(xk, ids, w, route_kernel=route, tables=tables)
+        # moe_h_rows: at a few token rows with one D split the gate/up kernel writes h's rows (weighted) itself
+        h_why = kl.h_rows_why(rows, min(E, rows * k) + int(sew is not None), ex.gate_proj.shape[1],
+                              ex.gate_proj.shape[2], **mma) if dq and not fused else "fp8_dq, without linear_fused_sum"
+        h_rows = kernel_enabled("moe_h_rows", rows, fits=not h_why, why=h_why)
+        y = moe(xk, ids, w, route_kernel=route, tables=tables, **({"h_rows": True} if h_rows else {}))
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
       return (y, ids.reshape(*lead, -1)) if return_ids else y
     y = ex.partial(xf, ids, w, dtype)

@@ -1343,6 +1343,21 @@ def _moe_down_phase(t, hq_ref, rid_ref, rw_ref, wd_ref, sd_ref, wds_ref, sds_ref
                 lambda tot: _rows_out(y, tot, row0=row0), sk=g, split=slots)
 
 
+def _h_rows_plan_why(m: int, dq: bool, plan, counters, router: bool) -> str:
+  """Why fp8_moe(h_rows=True) cannot run ('' when it can)."""
+  need = [(dq, "dq"), (1 < m <= ROWS_OUT_MAX, f"2..{ROWS_OUT_MAX} token rows (here {m})"),
+          (plan.gu_split == 1, f"a plan of one D split (here {plan.gu_split})"),
+          (counters is None, "no counters (with them the rows form is the counters')"),
+          (not router, "no router in the kernel (its one-row form has its own rows: counters)")]
+  return "; ".join(f"needs {what}" for ok, what in need if not ok)
+
+
+def h_rows_why(m: int, n_slots: int, inter: int, d: int, mma: str = "wgmma") -> str:
+  """Why fp8_moe(h_rows=True) cannot run a MoE of m token rows over n_slots slots (the shared one included) with
+  its default plan ('' when it can): for a model's call site (policy knob moe_h_rows)."""
+  return _h_rows_plan_why(m, True, plan_moe(n_slots, inter, d, _padded_rows(m, mma), mma=mma), None, False)
+
+
 def _one_grid_refusal(parity, *, m, dq, router, writer, static, counters, tc05) -> str:
   """Why fp8_moe's one-grid form cannot take this call's options ('' when it can; the plan: _one_grid_plan_why)."""
   if isinstance(parity, bool) or parity not in (0, 1):
@@ -1435,10 +1450,11 @@ def _moe_one_grid_kernel(*refs, gu_kw: dict, n_gu_in: int, shared: bool, k: int,
                   plgpu.SMEM((gu_stages, gu_bm, BLOCK), F8, transforms=_tr(F8, BLOCK)),
                   plgpu.SMEM((gu_stages, mp, BLOCK), dt, transforms=_tr(dt, BLOCK)), plgpu.SMEM((m, gu_bm), dt))
 
-  def down(w_s, h_s, y_s):
-    _moe_down_phase(t, hq, rid, rw, wd, sd, wds, sds, o_dn, (y_g, y_s), w_s, h_s, dbar, mp=mp, bm=dn_bm,
-                    stages=dn_stages, tiles=dn_tiles, slots=slots, shared=shared, k=k, lean=lean, ctr=ctr,
-                    bank=bank, gu_tiles=gu_tiles)
+  def down(w_s, h_s, y_s):  # (its profile scopes under "down/": the gate/up role's are "select", "wait", "mma")
+    with jax.named_scope("down"):
+      _moe_down_phase(t, hq, rid, rw, wd, sd, wds, sds, o_dn, (y_g, y_s), w_s, h_s, dbar, mp=mp, bm=dn_bm,
+                      stages=dn_stages, tiles=dn_tiles, slots=slots, shared=shared, k=k, lean=lean, ctr=ctr,
+                      bank=bank, gu_tiles=gu_tiles)
 
   @pl.when(t < dn_grid)
   def _():
@@ -1700,13 +1716,13 @@ def _swiglu_of_splits(out, m: int, split: int, limit: float):
 
 
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select",
-              "static_table", "writer_cta", "lean", "mma", "one_grid")
+              "static_table", "writer_cta", "lean", "mma", "one_grid", "h_rows")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
             dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None,
             static_table: bool = False, writer_cta: bool = False, lean: bool = False, mma: str = "wgmma",
-            one_grid: int | None = None):
+            one_grid: int | None = None, h_rows: bool = False):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1759,6 +1775,10 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       counters, the down role is a launch of its own after the gate/up kernel and XLA's glue). The routing
       weight scales each slot's down sum (not each block's scale): the two kernels' rows form (``counters``) up to
       f32 rounding. Natively correct and faster on an H100 (BENCHMARKS.md, session 60).
+    h_rows: with dq, 2..ROWS_OUT_MAX token rows and a plan of one D split (the verify's MoE), without counters: the
+      gate/up kernel writes h's rows itself — the clamped SwiGLU times the routing weights, in bf16 (f16) — as the
+      down kernel's input (``_gate_up_rows``), instead of XLA's glue fusion between the two kernels (policy knob
+      moe_h_rows; ``h_rows_why`` says where it cannot run). The down kernel's groups are still summed by XLA.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1856,6 +1876,11 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   # counters (dq): h written as the down kernel's bf16 rows by the gate/up kernel itself (its D splits summed on
   # the counters; the routing weights applied there: the router's with a static slot table, else r)
   gu_ctr, gu_rows = _fused_form(counters if dq else None, plan.gu_split, n_pad * gu_tiles, m, "fp8_moe")
+  if h_rows:  # (the rows form of one D split needs no counters)
+    why = _h_rows_plan_why(m, dq, plan, counters, router is not None)
+    if why:
+      raise ValueError(f"fp8_moe: h_rows: {why}")
+    gu_rows = True
   gu_extra, gu_scratch = (), []
   if gu_rows:
     hq_t = jax.ShapeDtypeStruct((n_pad, m, inter), dt)

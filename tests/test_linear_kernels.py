@@ -7,6 +7,7 @@ GPU (`-m gpu`): the real shapes natively against the references.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -762,6 +763,45 @@ def _one_grid_args():
              *sh)
 
 
+@pytest.mark.parametrize("m,shared", [(4, True), (3, False)])
+def test_fp8_moe_h_rows_interpret(m, shared):
+  """fp8_moe(h_rows=True) (policy moe_h_rows): at a few token rows with one D split the gate/up kernel writes h's
+  rows — SwiGLU times the routing weights — itself, without counters, instead of XLA's glue: y within bf16 rounding
+  of the glue form's and of the reference; refused by name where it cannot run (one row, D splits, counters)."""
+  e, i, d, k = 12, 256, 384, 2
+  args = moe_inputs(jax.random.key(110 + m), m, e, i, d, k)
+  sh = _shared_expert(jax.random.key(111), i, d) if shared else None
+  n_slots = min(e, m * k) + int(shared)
+  plan = L.plan_moe(n_slots, i, d, 8, gu_split=1)
+  assert L.h_rows_why(1, n_slots, i, d).startswith("needs 2..8 token rows (here 1)")
+  moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, plan=plan)
+  with maybe_interpret(True):
+    y0 = jax.jit(moe)(*args)
+    y1 = jax.jit(functools.partial(moe, h_rows=True))(*args)
+    with pytest.raises(ValueError, match=r"h_rows: needs a plan of one D split \(here 3\)"):
+      L.fp8_moe(*args, swiglu_limit=1.0, dq=True, shared=sh, h_rows=True,
+                plan=L.plan_moe(n_slots, i, d, 8, gu_split=3))
+  assert np.abs(np.asarray(y1)).max() > 0
+  assert_close(y1, y0, "kernel_bf16")
+  assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
+
+
+def test_fp8_moe_h_rows_cross_lowers():
+  """h_rows at the real rank's verify shapes (4 token rows, 33 slots x 8 row tiles: one D split) lowers for CUDA,
+  the gate/up kernel's output h's bf16 rows [slots, 4, I] (the down kernel's input as it is)."""
+  e, i, d, k, m = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"], 4
+  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
+        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
+  low = cross_lower(lambda x, ids, w, *a: L.fp8_moe(x, ids, w, *a[:6], swiglu_limit=10.0, shared=a[6:], dq=True,
+                                                     h_rows=True),
+                    SDS((m, d), jnp.bfloat16), SDS((m, k), jnp.int32), SDS((m, k), jnp.float32),
+                    SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32), SDS((e, i, d), F8),
+                    SDS((e, i // 128, d // 128), jnp.float32), SDS((e, d, i), F8),
+                    SDS((e, d // 128, i // 128), jnp.float32), *sh)
+  gate_up = [ln for ln in low.as_text().splitlines() if "@mosaic_gpu_v2" in ln and "glm5_moe_gate_up" in ln]
+  assert gate_up and all(re.search(r"-> tensor<\d+x4x512xbf16>", ln) for ln in gate_up), gate_up
+
+
 def test_moe_one_grid_why():
   """one_grid_why (the model's site asks it before taking moe_one_grid): the real rank's MoE fits; more token rows,
   too many slots for a bank, or CTAs that could not all be resident are named with their numbers."""
@@ -1209,6 +1249,21 @@ def test_moe_one_grid_gpu(lean):
   assert_close(y1, y0, "kernel_bf16")
   assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=10.0, shared=sh), "kernel_bf16")
   assert not np.any(np.asarray(ctr)[:L.ONE_GRID_BANKS])
+
+
+@pytest.mark.gpu
+def test_fp8_moe_h_rows_gpu():
+  """fp8_moe(h_rows=True) natively at the real rank's verify shapes (4 token rows, 288 experts, top-8 + the shared
+  slot, dq in f16): y within bf16 rounding of the glue form's and of the reference."""
+  e, i, d, k, m = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"], 4
+  args = moe_inputs(jax.random.key(356), m, e, i, d, k)
+  sh = _shared_expert(jax.random.key(357), i, d)
+  assert L.h_rows_why(m, min(e, m * k) + 1, i, d) == ""
+  run = jax.jit(lambda a, s: (L.fp8_moe(*a, swiglu_limit=10.0, shared=s, dq=True, dq_dtype="float16"),
+                              L.fp8_moe(*a, swiglu_limit=10.0, shared=s, dq=True, dq_dtype="float16", h_rows=True)))
+  y0, y1 = run(args, sh)
+  assert_close(y1, y0, "kernel_bf16")
+  assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
 
 
 def test_linear_fused_sum_cross_lowers():

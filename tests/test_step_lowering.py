@@ -240,7 +240,7 @@ def test_lean_barriers_reaches_the_chains_kernels():
 def test_moe_one_grid_reaches_the_steps_moe():
   """Policy knob moe_one_grid (on by default) in the kernel-tiny step at q = 1 as the CUDA lowering sees it: both
   MoE layers take it (test_kernel_tiny_step_lowers_for_cuda: their calls on alternating counter banks — two
-  modules — and no glm5_moe_down launch left); off, neither does."""
+  modules — and no glm5_moe_down launch left); off, neither does. And moe_h_rows at q = 4."""
   model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
   for on in (True, False):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,), policy=(("moe_one_grid", on),)),
@@ -248,6 +248,15 @@ def test_moe_one_grid_reaches_the_steps_moe():
     with dec.kernel_mode(interpret=False):
       dec.trace_step(1, params, interpret=False)
     assert dec.kernel_sites(1)["moe_one_grid"]["sites"] == (2 if on else 0)
+  # policy knob moe_h_rows (off): the 4-row MoE calls (the trunk's 2 and the MTP layer's over the verified rows;
+  # 17 slots x 8 tiles fill the SMs: one D split) write h's rows in their gate/up kernel (the draft's one-row calls
+  # select in the kernel: their own rows form, the one grid)
+  dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("moe_h_rows", True),)),
+                backend="latency_specialized")
+  with dec.kernel_mode(interpret=False):
+    dec.trace_step(1, params, interpret=False)
+  rep = dec.kernel_sites(1)["moe_h_rows"]
+  assert rep["sites"] == 3 and not rep["not_used"], rep
 
 
 def _census(tmp_path, *args):
