@@ -1469,8 +1469,10 @@ class MoE(nnx.Module):
                         **rows_form)
       else:
         # moe_h_rows: at a few token rows with one D split the gate/up kernel writes h's rows (weighted) itself
-        h_why = kl.h_rows_why(rows, min(E, rows * k) + int(sew is not None), ex.gate_proj.shape[1],
-                              ex.gate_proj.shape[2], **mma) if dq and not fused else "fp8_dq, without linear_fused_sum"
+        h_why = "needs fp8_dq, and linear_fused_sum off"
+        if dq and not fused:
+          h_why = kl.h_rows_why(rows, min(E, rows * k) + int(sew is not None), ex.gate_proj.shape[1],
+                                ex.gate_proj.shape[2], **mma)
         h_rows = kernel_enabled("moe_h_rows", rows, fits=not h_why, why=h_why)
         y = moe(xk, ids, w, route_kernel=route, tables=tables, **({"h_rows": True} if h_rows else {}))
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
