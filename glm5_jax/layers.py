@@ -705,7 +705,7 @@ def counters_scope():
   """The kernels traced inside share the step's counters (jax Refs, each created by its first user: one zero fill
   per step): the mHC grid barriers' pair (policy knob mhc_barrier_counters; boundary i gets parity i % 2 in trace
   order — the order the Ref's aliasing keeps on the device) and the linears' split-K counters (linear_fused_sum,
-  moe_rows). The trunk's layer loop opens one, and each MTP pass its own."""
+  moe_rows; moe_one_grid's call i on its bank i % 2). The trunk's layer loop opens one, and each MTP pass its own."""
   tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None, "moe_parity": 0})
   try:
     yield
