@@ -723,7 +723,7 @@ def test_lean_weight_streaming_lowers_without_automatic_barriers(monkeypatch):
   assert 0 < got[True]["glm5_fp8_dq_linear"] < got[False]["glm5_fp8_dq_linear"], got
 
 
-@pytest.mark.parametrize("shared,split", [(True, None), (False, None), (True, 1)])
+@pytest.mark.parametrize("shared,split", [(False, None), (True, 1)])
 def test_moe_one_grid_interpret(shared, split):
   """fp8_moe(one_grid=...) in GPU interpret mode (no counters: its down role a launch of its own after the gate/up
   kernel and XLA's glue, h unweighted, each slot's down sum times the routing weight read from the stored
@@ -763,7 +763,7 @@ def _one_grid_args():
              *sh)
 
 
-@pytest.mark.parametrize("m,shared", [(4, True), (3, False)])
+@pytest.mark.parametrize("m,shared", [(3, True)])
 def test_fp8_moe_h_rows_interpret(m, shared):
   """fp8_moe(h_rows=True) (policy moe_h_rows): at a few token rows with one D split the gate/up kernel writes h's
   rows — SwiGLU times the routing weights — itself, without counters, instead of XLA's glue: y within bf16 rounding
