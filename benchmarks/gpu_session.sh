@@ -73,6 +73,17 @@ tests_and_kernels() {
   echo "== sparse MLA / indexer benchmark done"
 }
 
+gpu_tests() {  # $1: log name, $2: timeout s, $3: pytest -m expression, $4: -k expression, the rest: test files.
+  # One summary line (and the failures) into gpu_tests.log; returns pytest's status (124: the timeout — a hang)
+  local name=$1 limit=$2 marks=$3 expr=$4; shift 4
+  timeout "$limit" python3 -m pytest -q -m "$marks" -p no:cacheprovider "$@" -k "$expr" > "/tmp/t_$name.log" 2>&1
+  local rc=$?
+  echo "== $name GPU tests (rc $rc): $(grep -E '(passed|failed|error)' "/tmp/t_$name.log" | tail -1)" \
+    | tee -a "$OUT/gpu_tests.log"
+  grep -E "FAILED|ERROR|Fatal|Mismatch" "/tmp/t_$name.log" | head -30 >> "$OUT/gpu_tests.log"
+  return $rc
+}
+
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
   # (CW: XLA compiles at once with --interleave, default 4; CW=1 compiles one at a time)
   # LAYERS: keep the first N layers (an H100's 80 GB do not hold the 45 layers' 82 GB: 32 fit, 57.7 GB)
@@ -167,56 +178,35 @@ case "$MODE" in
     rank1 s59a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
       --policy '{}' '{"mhc_router": true}'
     ;;
-  s60a)  # (either; LAYERS=32 on an H100) q = 4: the several-row kernels' GPU tests (mhc_rows' row boundary at 3-4 rows; the fused
-    # split sums of bf16_linear / fp8_dq_linear / the MoE at several rows), then the verify step with
+  s60a)  # (either; LAYERS=32 on an H100) q = 4: the several-row kernels' GPU tests (mhc_rows' row boundary at 3-4
+    # rows; the fused split sums of bf16_linear / fp8_dq_linear / the MoE at several rows), then the verify step with
     # linear_fused_sum (compile-only census: 1,422 -> 1,071 kernels, critical path 1,047 -> 804), mhc_rows, both
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py tests/test_linear_kernels.py \
-      -k "post_finish_gpu or fused_sum_gpu or fused_rows_gpu" > /tmp/t_s60a.log 2>&1
-    echo "== GPU tests (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_s60a.log | tail -1)" \
-      | tee -a "$OUT/gpu_tests.log"
-    grep -E "FAILED|ERROR|Fatal" /tmp/t_s60a.log | head -20 >> "$OUT/gpu_tests.log"
+    gpu_tests s60a 200 gpu "post_finish_gpu or fused_sum_gpu or fused_rows_gpu" tests/test_mhc.py \
+      tests/test_linear_kernels.py
     rank1 s60a --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' \
       '{"linear_fused_sum": true}' '{"mhc_rows": true}' '{"linear_fused_sum": true, "mhc_rows": true}'
     ;;
   s60b)  # (nvidia-h100-x1 with LAYERS=32, or nvidia-h200) moe_one_grid: its GPU tests (a hang — a CTA not resident
     # — ends at the timeout), then, if they pass, q = 1: the defaults vs the MoE as one grid, 5 interleaved repeats
-    timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernels.py -k "one_grid_gpu" \
-      > /tmp/t_s60b.log 2>&1
-    rc=$?
-    echo "== one_grid GPU tests (rc $rc): $(grep -E '(passed|failed|error)' /tmp/t_s60b.log | tail -1)" \
-      | tee -a "$OUT/gpu_tests.log"
-    grep -E "FAILED|ERROR|Fatal|Mismatch|max" /tmp/t_s60b.log | head -30 >> "$OUT/gpu_tests.log"
-    [ $rc -eq 0 ] && rank1 s60b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"moe_one_grid": true}'
+    gpu_tests s60b 170 gpu "one_grid_gpu" tests/test_linear_kernels.py \
+      && rank1 s60b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"moe_one_grid": true}'
     ;;
   s60d)  # (nvidia-h200, needs_h200: the 45 layers' 82 GB) issue #9's ratio with moe_one_grid on by default: its
     # GPU tests and the defaults' end-to-end kernel test natively, then q = 1: auto vs the defaults vs moe_one_grid
     # off, 5 interleaved repeats of 80 steps
-    timeout 240 python3 -m pytest -q -m "gpu or e2e_kernels" -p no:cacheprovider tests/test_linear_kernels.py \
-      tests/test_decode.py -k "one_grid_gpu or all_kernels_equals_stock" > /tmp/t_s60d.log 2>&1
-    echo "== GPU tests (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_s60d.log | tail -1)" \
-      | tee -a "$OUT/gpu_tests.log"
-    grep -E "FAILED|ERROR|Fatal" /tmp/t_s60d.log | head -20 >> "$OUT/gpu_tests.log"
+    gpu_tests s60d 240 "gpu or e2e_kernels" "one_grid_gpu or all_kernels_equals_stock" \
+      tests/test_linear_kernels.py tests/test_decode.py
     rank1 s60d --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
       --policy '{}' '{"moe_one_grid": false}'
     ;;
   s60e)  # (either; LAYERS=32 on an H100) q = 4: moe_h_rows' GPU test, then the verify step with the gate/up kernel
     # writing h's rows itself (no XLA glue between the MoE's two kernels) against the defaults
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernels.py -k "h_rows_gpu" \
-      > /tmp/t_s60e.log 2>&1
-    rc=$?
-    echo "== h_rows GPU test (rc $rc): $(grep -E '(passed|failed|error)' /tmp/t_s60e.log | tail -1)" \
-      | tee -a "$OUT/gpu_tests.log"
-    grep -E "FAILED|ERROR|Fatal|Mismatch" /tmp/t_s60e.log | head -20 >> "$OUT/gpu_tests.log"
-    [ $rc -eq 0 ] && rank1 s60e --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' \
-      '{"moe_h_rows": true}'
+    gpu_tests s60e 150 gpu "h_rows_gpu" tests/test_linear_kernels.py \
+      && rank1 s60e --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"moe_h_rows": true}'
     ;;
   h100)  # (nvidia-h100-x1) see the header
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mhc.py tests/test_linear_kernels.py \
-      -k "one_grid_gpu or router_in_the_gate_up or row_boundary" > /tmp/t_h100.log 2>&1
-    echo "== GPU tests (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_h100.log | tail -1)" \
-      | tee -a "$OUT/gpu_tests.log"
-    grep -E "FAILED|ERROR|Fatal" /tmp/t_h100.log | head -20 >> "$OUT/gpu_tests.log"
+    gpu_tests h100 200 gpu "one_grid_gpu or router_in_the_gate_up or row_boundary" tests/test_mhc.py \
+      tests/test_linear_kernels.py
     timeout 150 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
       --cases mhc_row_lean,moe_rows_lean,moe_one_grid --out "$OUT/kernel_profile.txt" > /dev/null 2>&1
     LAYERS=${LAYERS:-32} rank1 h100 --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 \
