@@ -87,7 +87,6 @@ def cases(names):
   forms = {"moe_rows": {}, "moe_rows_static": {"static_table": True}, "moe_rows_writer": {"writer_cta": True},
            "moe_rows_sw": {"static_table": True, "writer_cta": True},
            "moe_rows_lean": {"static_table": True, "writer_cta": True, "lean": True},
-           "moe_rows_parts": {"static_table": True, "writer_cta": True, "lean": True},
            # (policy moe_one_grid: both kernels as one grid — each CTA a gate/up item, then a down item)
            "moe_one_grid": {"static_table": True, "writer_cta": True, "lean": True, "one_grid": 0}}
   for name, extra in forms.items():
@@ -96,8 +95,6 @@ def cases(names):
     (x, _, _, wg, sg, wu, su, wd, sd), sh = moe_inputs(0)
     kk = jax.random.key(7)
     logits = jax.random.normal(kk, (1, MOE["E"]), jnp.float32)
-    if name == "moe_rows_parts":  # (policy mhc_router: the logits as the boundary's 32 partial sums [32, 384])
-      logits = jax.random.normal(kk, (MOE["D"] // 128, -(-MOE["E"] // 128) * 128), jnp.float32) * 0.2
     bias = jax.random.uniform(jax.random.fold_in(kk, 1), (MOE["E"],), jnp.float32, -0.05, 0.05)
     r = jax.jit(functools.partial(lambda x, lg, b, ws, s, extra: L.fp8_moe(
         x, None, None, *ws, swiglu_limit=10.0, shared=s, dq=True, router=(lg, b),
@@ -126,16 +123,11 @@ def cases(names):
     margs, consts = mhc_inputs(1)
     hr = jax.jit(lambda a: km.mhc_row_boundary(*a, **consts, approx_math=True))
     out["mhc_row"] = lambda: hr(margs)
-  for name, extra in (("mhc_row_lean", {}), ("mhc_row_router", {"router": True})):
-    if name not in names:  # the step's form (lean, x16, the barrier counters); _router: policy mhc_router
-      continue
+  if "mhc_row_lean" in names:  # the step's form (lean, x16, the barrier counters)
     margs, consts = mhc_inputs(1)
-    W = (jax.random.normal(jax.random.key(5), (MOE["E"], MOE["D"]), jnp.float32).astype(jnp.bfloat16) * 0.05
-         if extra else None)
-    hl = jax.jit(functools.partial(lambda a, W, extra: km.mhc_row_boundary(
-        *a, **consts, approx_math=True, lean=True, x16=True, counters=km.barrier_counters(),
-        **({"router": W} if extra else {})), extra=bool(extra)))
-    out[name] = functools.partial(hl, margs, W)
+    hl = jax.jit(lambda a: km.mhc_row_boundary(*a, **consts, approx_math=True, lean=True, x16=True,
+                                               counters=km.barrier_counters()))
+    out["mhc_row_lean"] = lambda: hl(margs)
   return out
 
 

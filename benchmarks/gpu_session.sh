@@ -19,8 +19,6 @@
 #                             pending knob; its three L2 prefetch knobs were slower and removed in session 59: both
 #                             modes are in git history); s57c (WIN='{"dq_f16": false}': the defaults before dq_f16)
 #                             and s57e still wait
-#   s59a (nvidia-h200):       session 59's mhc_router (the router logits as the boundary's partial sums): its GPU
-#                             tests, then q = 1: auto vs the defaults vs mhc_router in one interleaved call (#9's ratio)
 #   s60a (either):            q = 4 — the several-row kernels' GPU tests, then linear_fused_sum (351 kernels fewer at
 #                             q = 4), mhc_rows and both against the defaults, 5 interleaved repeats (session 60 ran it
 #                             on an H100 with LAYERS=32)
@@ -34,7 +32,7 @@
 #                             the in-kernel profiles of the boundary, the MoE's two kernels and its one grid, then
 #                             q = 1 on the first 32 layers (LAYERS): auto vs the defaults vs POLICY (default
 #                             moe_one_grid off) — an H100's numbers, not the H200's
-#   Modes of past sessions (s25 .. s57b and the one-off probes) are in git history: each BENCHMARKS.md
+#   Modes of past sessions (s25 .. s59a and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
 set -uo pipefail
@@ -42,8 +40,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s59a|s60a|s60b|s60d|s60e|h100) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s59a .. s60e, h100)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s60a|s60b|s60d|s60e|h100) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s60a .. s60e, h100)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -167,16 +165,6 @@ case "$MODE" in
     # 5 interleaved repeats of 80 steps
     rank1 s57c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
       --policy '{}' "${WIN:-{\"kda_gates_first\": true\}}"
-    ;;
-  s59a)  # (nvidia-h200) mhc_router's kernels natively, then q = 1 with 5 interleaved repeats: auto (issue #9's ratio
-    # in the same call), the defaults, the defaults + mhc_router (42 router GEMVs fewer)
-    timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_mhc.py tests/test_linear_kernels.py \
-      -k "router_partials" > /tmp/t_s59a.log 2>&1
-    echo "== router_partials GPU tests (rc $?): $(grep -E '(passed|failed|error)' /tmp/t_s59a.log | tail -1)" \
-      | tee -a "$OUT/gpu_tests.log"
-    grep -E "PASSED|FAILED|ERROR|Fatal|Error|assert" /tmp/t_s59a.log | head -40 >> "$OUT/gpu_tests.log"
-    rank1 s59a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
-      --policy '{}' '{"mhc_router": true}'
     ;;
   s60a)  # (either; LAYERS=32 on an H100) q = 4: the several-row kernels' GPU tests (mhc_rows' row boundary at 3-4
     # rows; the fused split sums of bf16_linear / fp8_dq_linear / the MoE at several rows), then the verify step with

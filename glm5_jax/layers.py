@@ -290,21 +290,6 @@ KNOBS = {
         "Interpret-mode equal to its reference (session 57); natively correct at 3 and 4 rows (its GPU tests, "
         "session 60) and slower than the grid form on Hopper: q = 4, an H100, the first 32 layers, 6.54 -> 6.67 ms "
         "(0 of 4 paired rounds faster, s60a) — off (Blackwell's form)"),
-    "mhc_router": (False,
-        "with mhc_row at one token row and the MoE's router in its gate/up kernel (fp8_moe, "
-        "moe_router_in_kernel): the mHC boundary before a MoE sublayer also computes the router's logits as "
-        "partial sums, one per CTA over its 128 columns of x_in (pallas_kernels.mhc.mhc_row_boundary(router=W): "
-        "its slice of the bf16 router weight requested behind the boundary's own loads, 64-row tiles multiplied "
-        "by x_in and summed along their rows), and every gate/up CTA adds the 32 partials in order before its "
-        "selection (pallas_kernels.router.stage_partials) — the router's GEMV, an XLA kernel of ~2.1 µs on every "
-        "MoE layer's chain (s51b's trace), is gone: 42 launches fewer at q = 1. The logits' f32 sums in another "
-        "order than the GEMV's (the selection the same but for keys within an ulp). Natively correct (its GPU tests "
-        "on an H100, session 59); the first 32 layers of the one-rank step on an H100 (no H200 was lent), q = 1, 5 "
-        "interleaved repeats: first form 3.01 -> 3.08 ms per step (+0.10 ms, 0 of 4 rounds: the untiled router "
-        "tiles took 6.3 µs in the boundary), rebuilt (swizzled tiles: 2.8 µs) 2.98 vs 2.98 ms, a tie (2 of 4) — the "
-        "gate/up selection still takes 6.9 instead of 3.3 µs with the partials: 289 CTAs each read all 32 rows, 14 MB "
-        "of L2 reads a MoE layer (BENCHMARKS.md session 59); on the H200 (s59a, session 60, the full step) 3.50 -> "
-        "3.56 ms, slower in 4 of 4 paired rounds — off"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
@@ -508,6 +493,10 @@ REMOVED_KNOBS = {
                         "per step at q = 1, faster in 0 of 4 paired rounds (s57b, session 58); removed in session 59",
     "moe_down_prefetch": "the MoE's gate/up CTAs asking for their experts' down weights in L2: +0.10 ms per step at "
                          "q = 1, faster in 0 of 4 paired rounds (s57b, session 58); removed in session 59",
+    "mhc_router": "the one-row mHC boundary computing the MoE router's logits as per-CTA partial sums (no router "
+                  "GEMV): an H100, 32 layers, q = 1: 3.01 -> 3.08 ms (0 of 4 rounds), rebuilt a tie (2.98 vs 2.98, "
+                  "session 59 — the gate/up selection 3.3 -> 6.9 µs adding the 32 partials); the H200's full step "
+                  "3.50 -> 3.56 ms (0 of 4, s59a, session 60); removed in session 61",
 }
 
 # Kernels that pass in GPU interpret mode but compute wrong results natively (their GPU tests fail): the policy
@@ -1011,7 +1000,7 @@ class HyperConnection(nnx.Module):
     return out.astype(X.dtype)
 
   # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)
-  def fused(self, X2, pending, norm: "RMSNorm", x16: bool = False, router=None):
+  def fused(self, X2, pending, norm: "RMSNorm", x16: bool = False):
     """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
     RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix) of the previous
     sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post_t
@@ -1019,29 +1008,15 @@ class HyperConnection(nnx.Module):
     row, C = M rounded up to 64, pallas_kernels.mhc.mix_rows reads them back). Rows beyond 64 go in chunks of 64
     (a chunk's mix is its 64 columns). ``x16`` (policy knob dq_f16, for a sublayer whose FP8 kernels read x in
     f16): x_in as (bf16, f16) where the boundary kernel writes both (the one-launch forms), else x_in alone (the
-    sublayer's kernels convert it). ``router`` (the next MoE's router weight, given where MoE.boundary_router:
-    policy knob mhc_router) -> a fourth result, the router logits' partial sums [G, EP] f32 where the one-row
-    boundary computes them, else None (the MoE computes its logits; the site declined with its reason)."""
-    out = self._fused(X2, pending, norm, x16, router)
-    return out if router is not None else out[:3]
-
-  def _fused(self, X2, pending, norm: "RMSNorm", x16: bool, router):
-    """``fused`` -> (X2', x_in, mix, the router partials or None)."""
+    sublayer's kernels convert it)."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M, R = X2.shape[0], km.ROWS
-
-    def no_router(why):  # (the site's decision, where this boundary's form computes no router partials)
-      if router is not None:
-        kernel_enabled("mhc_router", M, fits=False, why=why)
-      return None
-
     if M > R:
       parts = [self.fused(X2[i:i + R], None if pending is None else
                           (pending[0][i:i + R], tuple(a[:, i:i + R] for a in pending[1])), norm)
                for i in range(0, M, R)]
       return (jnp.concatenate([p[0] for p in parts], axis=0), jnp.concatenate([p[1] for p in parts], axis=0),
-              tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)),
-              no_router(f"the one-row boundary (mhc_row) at one token row (here {M})"))
+              tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)))
     y, mix = pending if pending is not None else (None, None)
     # approximate reciprocal / exp / rsqrt in the kernels (like the sparse MLA and indexer kernels): 5.15 -> 4.84
     # µs per finish call alone on the H200, post/comb within 9.2e-7 relative of the exact kernel, x_in
@@ -1072,17 +1047,11 @@ class HyperConnection(nnx.Module):
       _wgmma_form(row, "mhc_post_finish")
       # lean_barriers: the boundary built without Mosaic's automatic barriers, its own where the data needs them
       lean = kernel_enabled("lean_barriers")
-      # mhc_router: the next MoE's router logits as this boundary's partial sums (one token row, the row form)
-      rk = {}
-      if router is not None and kernel_enabled("mhc_router", M, fits=row and M == 1,
-                                               why=f"the one-row boundary (mhc_row) at one token row (here {M})"):
-        rk = {"router": router}
-      Xn, x_in, part, *parts = (km.mhc_row_boundary if row else km.mhc_post_finish)(
+      Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
           hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,
-          **({"x16": True} if x16 else {}), **rk)
-      return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts), (parts[0] if parts else None)
-    no_router("the one-launch boundary (mhc_grid_barrier) at this site")
+          **({"x16": True} if x16 else {}))
+      return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     _wgmma_form(False, "mhc_post_pre")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)
@@ -1096,11 +1065,11 @@ class HyperConnection(nnx.Module):
       finish = functools.partial(km.mhc_finish, cols=64 if narrow else km.DC_FIN)
       if kernel_enabled("mhc_sinkhorn_split"):
         x_in = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
-        return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, rows=M if raw else None, **consts), None
+        return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, rows=M if raw else None, **consts)
     else:
       finish = km.mhc_finish_reference
     x_in, post_t, comb_t = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, **consts)
-    return Xn, x_in, (post_t, comb_t), None
+    return Xn, x_in, (post_t, comb_t)
 
   @staticmethod
   def unpack(mix, lead):
@@ -1365,27 +1334,9 @@ class MoE(nnx.Module):
     self.shared_experts = (MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block)
                            if cfg.n_shared_experts else None)
 
-  def boundary_router(self) -> tuple[bool, str]:
-    """(whether the mHC boundary before this MoE may compute its router logits — policy knob mhc_router: the
-    router's selection inside the gate/up kernel (the switches and fits of __call__'s moe_router_in_kernel site,
-    without a report entry), a bf16 router weight of 128-column chunks with E >= 64 experts a multiple of 8
-    (mhc_row_boundary's 64-row tiles of it) —, why not). One token row is the boundary's own condition."""
-    ex, w = self.experts, self.gate.weight
-    _, moe_fits, _ = gemv_mma(ex.gate_proj.shape[1], ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0,
-                              "", fp8=True)
-    E = w.shape[0]
-    fits, _ = self.gate.kernel_fits(E)
-    switches = ("fp8_moe", "moe_router_in_kernel", "router_kernel")
-    ok = (moe_fits and fits and all(kernel_switch(k) for k in switches) and w.dtype == jnp.bfloat16
-          and w.shape[1] % 128 == 0 and E >= 64 and E % 8 == 0)
-    return ok, (f"the router's selection in the MoE's gate/up kernel ({', '.join(switches)} on and fitting) and a "
-                f"bf16 router weight of >= 64 experts, a multiple of 8 (here {E}, {jnp.dtype(w.dtype).name})")
-
-  def __call__(self, x, dtype, *, return_ids=False, x16=None, router_parts=None):
+  def __call__(self, x, dtype, *, return_ids=False, x16=None):
     """x [B, T, D] -> [B, T, D]; one psum for routed + shared. ``x16``: x's f16 copy (the mHC boundary's, policy
-    knob dq_f16): the f16 MoE kernels read it instead of converting x; the router reads x. ``router_parts``: the
-    router logits as the mHC boundary's partial sums [G, EP] (policy knob mhc_router), which the gate/up kernel
-    adds up instead of the router's GEMV."""
+    knob dq_f16): the f16 MoE kernels read it instead of converting x; the router reads x."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
     ex = self.experts
@@ -1431,10 +1382,7 @@ class MoE(nnx.Module):
           ids, w, tables = self.gate.with_tables(xf, n_pad=n_pad, mp=mp, shared=self.shared_experts is not None)
       if in_gate_up:
         kernel_enabled("router_kernel", rows)  # (its site: the gate/up kernel runs its selection)
-        logits = self.gate.logits(xf).astype(jnp.float32) if router_parts is None else router_parts
-      elif router_parts is not None:  # (boundary_router said yes: the two sites' conditions disagree)
-        raise ValueError("MoE: the router logits' partial sums were computed for a MoE that does not select in its "
-                         "gate/up kernel (MoE.boundary_router and moe_router_in_kernel's site disagree)")
+        logits = self.gate.logits(xf).astype(jnp.float32)
       elif tables is None:
         ids, w = self.gate(xf)
     if moe_kernel:

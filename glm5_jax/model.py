@@ -75,21 +75,13 @@ class DecoderLayer(nnx.Module):
                                      x16=None if x16 is None else x16.reshape(B, T, -1))
         aux["idx"] = a["idx"]
     with jax.named_scope("mhc"):
-      # mhc_router: the MoE's router logits as the boundary's partial sums (None where it does not compute them)
-      router = None
-      if self.is_moe and kernel_switch("mhc_router"):
-        ok, why = self.mlp.boundary_router()
-        router = self.mlp.gate.weight[...] if ok else None
-        if not ok:
-          kernel_enabled("mhc_router", B * T, fits=False, why=why)
-      X2, x, mix, *parts = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm,
-                                             x16=f16_copies(B * T), **({} if router is None else {"router": router}))
+      X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm,
+                                     x16=f16_copies(B * T))
       x, x16 = x if isinstance(x, tuple) else (x, None)
       x16 = None if x16 is None else x16.reshape(B, T, -1)
     with jax.named_scope("moe" if self.is_moe else "mlp"):
       if self.is_moe:
-        y, aux["experts"] = self.mlp(x.reshape(B, T, -1), dtype, return_ids=True, x16=x16,
-                                     router_parts=parts[0] if parts else None)
+        y, aux["experts"] = self.mlp(x.reshape(B, T, -1), dtype, return_ids=True, x16=x16)
       else:
         y = self.mlp(x.reshape(B, T, -1), dtype, x16=x16)
     return X2, cache, aux, (y.reshape(B * T, -1), mix)

@@ -1068,10 +1068,7 @@ def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank, on_s
   E, k, scaling, norm, ranks = router
   lg_ref, bg_ref = lb_refs
   rid_g, rw_g, l_s, b_s, ids_s, w_s, rbar = router_refs
-  if lg_ref.shape[0] > 1:  # the logits as the mHC boundary's partial sums (mhc_router): added in the CTA
-    stage = lambda: kr.stage_partials(lg_ref, bg_ref, l_s, b_s, rbar, E)  # noqa: E731
-  else:
-    stage = lambda: kr._stage_row(lg_ref, bg_ref, l_s, b_s, rbar, 0, E)  # noqa: E731
+  stage = lambda: kr._stage_row(lg_ref, bg_ref, l_s, b_s, rbar, 0, E)  # noqa: E731
   select = functools.partial(kr._select_row, l_s, b_s, E, k, scaling, norm)
 
   def store():  # the k ids and weights for the down kernel and the glue
@@ -1107,15 +1104,13 @@ def _router_in_kernel(lb_refs, router_refs, router: tuple, *, writer, rank, on_s
   return ids_s
 
 
-def router_scratch(E: int, partials: bool = False):
+def router_scratch(E: int):
   """The gate/up kernel's scratch for ``_router_in_kernel`` (placed first: it is consumed from the front): the
-  logits and bias [EP] f32, ids / weights [128], the staging barrier (``partials``: the bias's TMA boxes only —
-  the logits' partial sums are loaded into registers)."""
+  logits and bias [EP] f32, ids / weights [128], the staging barrier."""
   from pallas_kernels import router as kr  # noqa: PLC0415
   EP = -(-E // kr.LANES) * kr.LANES
   return [plgpu.SMEM((EP,), jnp.float32), plgpu.SMEM((EP,), jnp.float32), plgpu.SMEM((kr.LANES,), jnp.int32),
-          plgpu.SMEM((kr.LANES,), jnp.float32),
-          plgpu.Barrier(num_arrivals=(1 if partials else 2) * (-(-E // kr.BOX)))]
+          plgpu.SMEM((kr.LANES,), jnp.float32), plgpu.Barrier(num_arrivals=2 * (-(-E // kr.BOX)))]
 
 
 def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int,
@@ -1745,9 +1740,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       kernel selects them), which scale each slot's product in the down kernel instead.
     out_dtype: y's dtype.
     dq_dtype: with dq, "bfloat16" or "float16" (x, h and the converted weight tiles: ``_dq_dtype``).
-    router, router_select: for ONE token row, (logits [1, E] f32 — or the logits as P > 1 partial sums [P, EP]
-      f32, EP = E rounded up to 128, which every CTA adds in order: router.logits_from_partials; the mHC
-      boundary's under policy knob mhc_router — bias [E] f32) and (k, scaling, norm[, ranks]) —
+    router, router_select: for ONE token row, (logits [1, E] f32, bias [E] f32) and (k, scaling, norm[, ranks]) —
       the router after its logits (pallas_kernels.router.router_topk's selection; ``ranks``: each CTA selects only
       up to its own slot's rank, ``_router_in_kernel``) inside the
       gate/up kernel instead of a launch of its own before it; topk_ids and topk_weights are then None and the
@@ -1804,13 +1797,10 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       raise ValueError(f"fp8_moe: router_select = {router_select!r}, expected (k, scaling, norm[, ranks])")
     (logits, bias), (k_r, scaling, norm, *opts) = router, router_select
     ranks = bool(opts[0]) if opts else False
-    ep = -(-e_num // 128) * 128
-    parts_ok = logits.ndim == 2 and logits.shape[0] >= 1 and logits.shape[1] == ep
-    if m != 1 or not (logits.shape == (1, e_num) or parts_ok) or bias.shape != (e_num,) or topk_ids is not None:
+    if m != 1 or logits.shape != (1, e_num) or bias.shape != (e_num,) or topk_ids is not None:
       raise ValueError(f"fp8_moe: router given with {m} token rows, logits {logits.shape}, bias {bias.shape} and "
                        f"topk_ids {None if topk_ids is None else topk_ids.shape}; expected one row, logits "
-                       f"[1, {e_num}] (or its partial sums [P, {ep}]), bias [{e_num}] and no ids (the kernel "
-                       "selects them)")
+                       f"[1, {e_num}], bias [{e_num}] and no ids (the kernel selects them)")
     # placeholders with the selection's shapes: the slot table is static at one row (only n_valid = k is read)
     topk_ids, topk_weights = jnp.zeros((1, k_r), jnp.int32), jnp.zeros((1, k_r), jnp.float32)
   if d != d2 or w_down.shape != (e_num, d, inter) or w_up.shape != w_gate.shape:
@@ -1896,7 +1886,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   if router is not None:  # (the selection's outputs after h, its scratch first: _router_in_kernel)
     sel_in = (logits.astype(f32), bias.astype(f32))
     sel_out = (jax.ShapeDtypeStruct((1, k_r), jnp.int32), jax.ShapeDtypeStruct((1, k_r), f32))
-    sel_scratch = router_scratch(e_num, partials=logits.shape[0] > 1)
+    sel_scratch = router_scratch(e_num)
     sel_static = (e_num, int(k_r), float(scaling), bool(norm), ranks)
   # static_table: the valid slots' count of a single row's static table (k + shared) as a number in the kernels
   nv_static = n_slots if static_table and table_k else 0

@@ -1033,72 +1033,6 @@ class _SmemRows:
     return [_row_load(self.ref.at[i, m]) for i in range(N)]
 
 
-# Policy knob mhc_router: at one token row the boundary also computes the MoE router's logits as G partial sums,
-# one per CTA over its 128 columns of x_in — the router's GEMV was an XLA kernel of its own between the boundary and
-# the MoE's gate/up kernel (~2.1 µs on every MoE layer's chain, s51b's trace), and the gate/up kernel's CTAs add the
-# G partials themselves before their selection (pallas_kernels.router.stage_partials). Each CTA's slice of the
-# router weight, [E, 128] bf16 (72 KB at 288 experts), is requested right after the CTA's own loads (the second
-# launch of the interpret form: at its start) and arrives while the boundary's first half runs; after x_in each
-# thread multiplies its columns of 64-row tiles of the slice by x_in (the WGMMA layout, x_in broadcast along the
-# rows) and the tile is summed along its rows — as _row_partials does.
-def router_cols(E: int) -> int:
-  """Columns of the router partials [G, EP]: E rounded up to 128 (the selection's padded vector), zeros past E."""
-  return -(-E // 128) * 128
-
-
-def _router_scratch(E: int):
-  """wr_s [E, 128] bf16 (this CTA's slice of the router weight, tiled and swizzled as a wgmma operand: the 64-row
-  tiles' WGMMA-layout loads without bank conflicts — untiled, s59b's profile had the tiles take 6.3 µs), rs_s [EP]
-  f32 (its partials), the slice's barrier."""
-  return [plgpu.SMEM((E, ROW_COLS), jnp.bfloat16, transforms=_bf16_swizzled(ROW_COLS // 2)),
-          plgpu.SMEM((router_cols(E),), jnp.float32), plgpu.Barrier(num_arrivals=-(-E // _ROUTER_BOX))]
-
-
-_ROUTER_BOX = 256  # rows per TMA box of the router weight slice
-
-
-def _router_load(wr_g, wr_s, bar, d0):
-  """Request this CTA's slice of the router weight (columns d0..d0+127 of every expert's row)."""
-  E = wr_g.shape[0]
-  for r0 in range(0, E, _ROUTER_BOX):
-    n = min(_ROUTER_BOX, E - r0)
-    plgpu.copy_gmem_to_smem(wr_g.at[pl.ds(r0, n), pl.ds(d0, ROW_COLS)], wr_s.at[pl.ds(r0, n)], bar)
-
-
-def _router_partials(o_s, wr_s, rs_s, bar, rp_g, g, E: int):
-  """This CTA's router partials rp_g[g, e] = Σ_c x_in[c] · W[e, c] over its 128 columns c (f32; x_in as the stored
-  bf16 o_s row 0, every product exact) through rs_s, zeros past E; waits for the slice (``bar``) and issues the
-  store (the caller waits). o_s must be committed (other threads' columns are read). 64-row tiles from row 0, the
-  last one ending at row E (overlapping its neighbour where 64 does not divide E: the same sums written twice);
-  the padding's zeros first, behind a barrier (the tiles' rows overwrite those of them below E)."""
-  EP = rs_s.shape[0]
-  zero = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), _L.WGMMA.reduce(1))
-  for r0 in sorted({min(r, EP - ROWS) for r in range(E - E % ROWS, EP, ROWS)}):
-    rs_s[pl.ds(r0, ROWS)] = zero
-  plgpu.commit_smem()
-  plgpu.barrier_wait(bar)
-  xc = plgpu.load(o_s.at[0], layout=_L.WGMMA.reduce(0), optimized=False).astype(jnp.float32)
-  xb = plgpu.layout_cast(lax.broadcast_in_dim(xc, (ROWS, ROW_COLS), (1,)), _L.WGMMA)
-  for r0 in sorted({min(r, E - ROWS) for r in range(0, E, ROWS)}):
-    tile = plgpu.load(wr_s.at[pl.ds(r0, ROWS)], layout=_L.WGMMA).astype(jnp.float32)
-    rs_s[pl.ds(r0, ROWS)] = plgpu.layout_cast((tile * xb).sum(axis=1), _L.WGMMA.reduce(1))
-  plgpu.commit_smem()
-  for c0 in range(0, EP, _ROUTER_BOX):
-    plgpu.copy_smem_to_gmem(rs_s.at[pl.ds(c0, min(_ROUTER_BOX, EP - c0))],
-                            rp_g.at[g, pl.ds(c0, min(_ROUTER_BOX, EP - c0))])
-
-
-def router_partials_reference(x_in, w, cols: int = ROW_COLS):
-  """x_in [1, D] bf16, the router weight w [E, D] -> [D / cols, router_cols(E)] f32: Σ over each chunk of cols
-  columns of f32(x_in) · f32(w) (zeros past E)."""
-  D = x_in.shape[-1]
-  E = w.shape[0]
-  G = D // cols
-  part = jnp.einsum("gc,egc->ge", x_in.reshape(G, cols).astype(jnp.float32),
-                    w.reshape(E, G, cols).astype(jnp.float32), precision=lax.Precision.HIGHEST)
-  return jnp.pad(part, ((0, 0), (0, router_cols(E) - E)))
-
-
 def _row_scratch(first: bool, x16: bool = False, M: int = 1):
   bf16, f32 = jnp.bfloat16, jnp.float32
   return [plgpu.SMEM((N, M, ROW_COLS), bf16),  # x_s: X's columns (TMA boxes of the M rows)
@@ -1119,13 +1053,11 @@ def _row_scratch(first: bool, x16: bool = False, M: int = 1):
           plgpu.Barrier(num_arrivals=N + 1)]  # bar_fn: fn, w
 
 
-def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D: int, first: bool, g,
-                    router_issue=None):
+def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D: int, first: bool, g):
   """Loads, the mix, X' stored (unless ``first``), the CTA's partials stored into token rows 0..M-1 of chunk g
   and zeros into those of the padding chunks G.. -> X' of each row (f32 per-thread vectors). Waits for its
   stores. The mix waits only for X, y and the previous mix (bar_x); fn's 24 KB per CTA (and w) arrive behind them
-  (bar_fn), and the padding chunks' zeros go out before anything else is computed. ``router_issue``: called after
-  those requests (mhc_router: the router weight's slice, requested last — the second half reads it)."""
+  (bar_fn), and the padding chunks' zeros go out before anything else is computed."""
   x_s, fn_s, y_s, post_s, comb_s, w_s, xu_s, red_s, v_s = scratch[:9]
   bar_x, bar_fn = scratch[-2:]
   G, Gp = _grid_rows(D, ROW_COLS)
@@ -1140,8 +1072,6 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
   for i in range(N):
     plgpu.copy_gmem_to_smem(fn_g.at[:, pl.ds(i * D + d0, ROW_COLS)], fn_s.at[i], bar_fn)
   plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar_fn)
-  if router_issue is not None:
-    router_issue()
   v_s[...] = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), _L.WGMMA.reduce(1))
   plgpu.commit_smem()
   for k in range(-(-(Gp - G) // G)):  # the token rows of the padding chunks, spread over the CTAs
@@ -1188,7 +1118,7 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
 
 
 def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int,
-                lean: bool = False, x16: bool = False, M: int = 1, router: int = 0):
+                lean: bool = False, x16: bool = False, M: int = 1):
   """M token rows (up to PARTS_MAX_ROWS). ``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its
   halves as launches of their own. ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM
   store here is followed by a ``commit_smem`` before another thread or the TMA reads it, and a buffer another
@@ -1198,10 +1128,7 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
   commit, which every thread reaches after its tile load; xu_s / x_s rows are read back only by the thread that
   wrote that column. The barriers it needs besides: _sum_partials_t's and
   _grid_barrier's (``explicit``). ``x16``: x_in in f16 too (an output after x_in, its SMEM tile before the
-  barriers). ``router`` (E > 0, one token row: mhc_router): the router weight [E, D] an input after w (after the
-  counters), the router partials [G, EP] an output after x_in, ``_router_scratch`` after every other scratch; rs_s's
-  padding is zeroed behind a commit before the tile stores, o_s is committed by _row_normalised before the tiles
-  read it."""
+  barriers)."""
   G, _ = _grid_rows(D, ROW_COLS)
   consts = (D, eps, hc_norm_eps, norm_eps)
 
@@ -1211,17 +1138,11 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     g = lax.axis_index("g")
     d0 = g * ROW_COLS
     if half == 2:  # X' (or X), the partials, coef, w -> x_in (and x_in in f16)
-      xn_g, part_g, c_g, w_g = take(4)
-      wr_g = next(it) if router else None
-      xin_g = next(it)
+      xn_g, part_g, c_g, w_g, xin_g = take(5)
       xin16_g = next(it) if x16 else None
-      rp_g = next(it) if router else None
       x_s, w_s, o_s, t_s, ts_s, sc_s = take(6)
       o16_s = next(it) if x16 else None
       bar = next(it)
-      rscr = take(3) if router else None
-      if router:
-        _router_load(wr_g, rscr[0], rscr[2], d0)
       for i in range(N):
         plgpu.copy_gmem_to_smem(xn_g.at[pl.ds(0, M), pl.ds(i * D + d0, ROW_COLS)], x_s.at[i], bar)
       plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar)
@@ -1231,8 +1152,6 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
       plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
       if x16:
         plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
-      if router:
-        _router_partials(o_s, rscr[0], rscr[1], rscr[2], rp_g, g, router)
       plgpu.wait_smem_to_gmem(0)
       return
     if first:
@@ -1242,16 +1161,12 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
       x_g, y_g, post_g, comb_g, fn_g = take(5)
     c_g, w_g = take(2) if half == 0 else (None, take(1)[0])
     ctr_g, par_g = take(2) if counters else (None, None)
-    wr_g = next(it) if router else None
     xo_g = None if first else next(it)
     part_g = next(it)
     xin_g = next(it) if half == 0 else None
     xin16_g = next(it) if half == 0 and x16 else None
-    rp_g = next(it) if router else None
     scratch = list(it)
-    scratch, rscr = (scratch[:-3], scratch[-3:]) if router else (scratch, None)
-    issue = (lambda: _router_load(wr_g, rscr[0], rscr[2], d0)) if router else None
-    xns = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g, issue)
+    xns = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g)
     if half == 1:
       return
     fence_async_writes()  # (the partials went out by TMA; the other CTAs read them with plain loads)
@@ -1263,47 +1178,26 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
       plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
       if x16:
         plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
-      if not router:
-        plgpu.wait_smem_to_gmem(0)
-    if router:
-      with jax.named_scope("router"):
-        _router_partials(o_s, rscr[0], rscr[1], rscr[2], rp_g, g, router)
-        plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0)
 
   return body
 
 
 def mhc_row_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                                norm_eps: float, approx_math: bool = False, launches: int | None = None,
-                               x16: bool = False, router=None):
+                               x16: bool = False):
   """``mhc_post_finish_reference`` over ROW_COLS-column chunks (G = D / 128, partials [Gp = 64, 64, 40]): M token
   rows. Of the kernel's partials only token rows 0..M-1 are defined (the other rows are padding, as everywhere).
-  ``x16``: x_in as (bf16, its f16 copy saturated at ±65,504). ``router`` (the MoE router's weight [E, D], one
-  token row): a fourth output, the router logits' partial sums over each CTA's columns of x_in
-  (``router_partials_reference``: [G, router_cols(E)] f32)."""
-  out = mhc_post_finish_reference(X, y, mix, fn, coef, w, first=first, eps=eps, hc_norm_eps=hc_norm_eps,
-                                  norm_eps=norm_eps, approx_math=approx_math, launches=launches, cols=ROW_COLS,
-                                  x16=x16)
-  if router is None:
-    return out
-  _check_router(router, X)
-  x_in = out[1][0] if x16 else out[1]
-  return (*out, router_partials_reference(x_in, router))
-
-
-def _check_router(router, X):
-  M, K = X.shape
-  if (M != 1 or router.ndim != 2 or router.shape[1] != K // N or router.dtype != jnp.bfloat16
-      or router.shape[0] % 8 or router.shape[0] < ROWS):
-    raise ValueError(f"mhc_row_boundary: router weight {router.shape} {router.dtype} for {M} token rows of hidden "
-                     f"size {K // N}; expected one token row and a bf16 [E, {K // N}] weight, E >= {ROWS} a "
-                     "multiple of 8")
+  ``x16``: x_in as (bf16, its f16 copy saturated at ±65,504)."""
+  return mhc_post_finish_reference(X, y, mix, fn, coef, w, first=first, eps=eps, hc_norm_eps=hc_norm_eps,
+                                   norm_eps=norm_eps, approx_math=approx_math, launches=launches, cols=ROW_COLS,
+                                   x16=x16)
 
 
 @kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "x16")
 def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                      norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                     parity: int = 0, lean: bool = False, x16: bool = False, router=None):
+                     parity: int = 0, lean: bool = False, x16: bool = False):
   """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, M <=
   PARTS_MAX_ROWS token rows: one by default, more under policy knob mhc_rows): ONE launch of D / 128 CTAs, one column
   of every stream and token row per thread (no wgmma: the form that compiles for Blackwell), a grid barrier between
@@ -1311,18 +1205,10 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   the halves as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 bar.sync, 16 left — its 38
   one-row stores of per-thread products each had two). ``x16``: x_in as (bf16, f16) — the f16 copy saturated at
   ±65,504, what the dq kernels' ``linear._act`` would make of it (policy knob dq_f16: no conversion kernel between
-  the boundary and the sublayer's FP8 kernels). ``router`` (policy knob mhc_router; one token row): the MoE
-  router's weight [E, D] bf16 — a fourth output, its logits' partial sums [G, router_cols(E)] f32 over each CTA's
-  128 columns of x_in (``_router_partials``), which the MoE's gate/up kernel adds up (no router GEMV between)."""
+  the boundary and the sublayer's FP8 kernels)."""
   M, K = X.shape
   D = K // N
   G, Gp = _grid_rows(D, ROW_COLS)
-  if router is not None:
-    _check_router(router, X)
-  E = 0 if router is None else router.shape[0]
-  r_in = () if router is None else (router,)
-  r_out = () if router is None else (jax.ShapeDtypeStruct((G, router_cols(E)), jnp.float32),)
-  r_scr = [] if router is None else _router_scratch(E)
   if not 1 <= M <= PARTS_MAX_ROWS or D % ROW_COLS or not 1 <= G <= GRID_MAX_CTAS:
     raise ValueError(f"mhc_row_boundary: {M} token rows, hidden size {D}; expected 1 to {PARTS_MAX_ROWS} rows and a "
                      f"multiple of {ROW_COLS} up to {GRID_MAX_CTAS * ROW_COLS} columns")
@@ -1341,27 +1227,21 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
                      **params)
     got = h1(*pp_in, w.astype(bf16))
     Xn, part = (X, got[0]) if first else got
-    h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2, x16=x16, M=M, router=E),
-                     out_type=(*x_ins, *r_out) if x16 or E else x_in, kernel_name="glm5_mhc_row_second",
+    h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2, x16=x16, M=M), out_type=x_ins if x16 else x_in,
+                     kernel_name="glm5_mhc_row_second",
                      scratch_types=[plgpu.SMEM((N, M, ROW_COLS), bf16), plgpu.SMEM((ROW_COLS,), bf16),
                                     plgpu.SMEM((M, ROW_COLS), bf16), plgpu.SMEM((PART, ROWS), f32),
                                     plgpu.SMEM((M, PART - MIX), f32), plgpu.SMEM((N + 1, ROWS), f32),
                                     *([plgpu.SMEM((M, ROW_COLS), jnp.float16)] if x16 else []),
-                                    plgpu.Barrier(num_arrivals=N + 1), *r_scr], **params)
-    got = h2(Xn, part, coef.astype(f32), w.astype(bf16), *r_in)
-    if E:
-      got = tuple(got)
-      return Xn, (tuple(got[:2]) if x16 else got[0]), part, got[-1]
+                                    plgpu.Barrier(num_arrivals=N + 1)], **params)
+    got = h2(Xn, part, coef.astype(f32), w.astype(bf16))
     return Xn, (tuple(got) if x16 else got), part
   params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
-  kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean), x16=x16, M=M,
-                                 router=E),
-                     out_type=(*xo, part, *x_ins, *r_out), scratch_types=_row_scratch(first, x16, M) + r_scr,
+  kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean), x16=x16, M=M),
+                     out_type=(*xo, part, *x_ins), scratch_types=_row_scratch(first, x16, M),
                      kernel_name="glm5_mhc_row_boundary", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
-  got = tuple(kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr, *r_in))
+  got = tuple(kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr))
   Xn, got = (X, got) if first else (got[0], got[1:])
-  if E:
-    got, rp = got[:-1], got[-1]
   part, x_in = got[0], (tuple(got[1:]) if x16 else got[1])
-  return (Xn, x_in, part) if not E else (Xn, x_in, part, rp)
+  return Xn, x_in, part

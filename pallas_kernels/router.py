@@ -75,37 +75,6 @@ def _stage_row(l_g, b_g, l_s, b_s, bar, m, E: int):
   plgpu.barrier_wait(bar)
 
 
-def logits_from_partials(parts, E: int):
-  """parts [P, >= E] f32 — a row's router logits as P partial sums (the mHC boundary's per-CTA sums over its
-  columns, policy knob mhc_router) -> the logits [1, E]: the rows added in order, p = 0, 1, ... (what
-  ``stage_partials`` computes in a kernel, bit for bit)."""
-  acc = parts[0].astype(jnp.float32)
-  for p in range(1, parts.shape[0]):
-    acc = acc + parts[p].astype(jnp.float32)
-  return acc[None, :E]
-
-
-def stage_partials(l_g, b_g, l_s, b_s, bar, E: int):
-  """``_stage_row`` for a row given as partial sums l_g [P, EP] (``logits_from_partials``): the P rows loaded from
-  GMEM straight into registers and added in order, the pads -inf, into l_s; the bias by TMA as there (``bar``
-  counts only its boxes); waits for it."""
-  EP = l_s.shape[0]
-  vec = plgpu.Layout.WG_STRIDED((EP,), vec_size=1)
-  # every row's loads first, then the adds: interleaved (load, add, load, ...) they ran one L2 round trip after
-  # another — s59b's profile: the selection 3.4 -> 6.6 µs per CTA with 32 partial rows
-  rows = [plgpu.load(l_g.at[p], layout=vec, optimized=False) for p in range(l_g.shape[0])]
-  acc = rows[0]
-  for r in rows[1:]:
-    acc = acc + r
-  iota = plgpu.broadcasted_iota(jnp.int32, (EP,), 0, layout=vec)
-  l_s[...] = jnp.where(iota < E, acc, -jnp.inf)
-  b_s[...] = plgpu.layout_cast(jnp.zeros((EP,), jnp.float32), vec)
-  plgpu.commit_smem()
-  for c0 in range(0, E, BOX):
-    plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, min(BOX, E - c0))], b_s.at[pl.ds(c0, min(BOX, E - c0))], bar)
-  plgpu.barrier_wait(bar)
-
-
 def _select_row(l_s, b_s, E: int, k: int, scaling: float, norm: bool, rounds=None):
   """One row's selection from its staged logits / bias -> (ids [128] int32, w [128] f32) registers, the first k
   entries meaningful: k rounds of the largest key not yet taken, the lowest index holding it and its s; then the

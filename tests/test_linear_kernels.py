@@ -601,33 +601,6 @@ def test_router_in_the_gate_up_kernel_interpret(dq, shared, ranks):
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
 
 
-@pytest.mark.parametrize("ranks,interpret", [(False, True), (True, True),
-                                             pytest.param(True, False, marks=pytest.mark.gpu)])
-def test_router_partials_in_the_gate_up_kernel(ranks, interpret):
-  """fp8_moe(router=(partials [P, EP], bias)) (policy knob mhc_router: the mHC boundary's per-CTA partial sums of
-  the logits): every gate/up CTA adds the P rows in order (router.stage_partials) — the ids, weights and output
-  bit for bit those of the logits router.logits_from_partials makes of them (pads past E ignored)."""
-  e, i, d, k, scaling = 32, 256, 384, 4, 2.5
-  x, _, _, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(98), 1, e, i, d, k)
-  sh = _shared_expert(jax.random.key(99), i, d)
-  seed = int(np.random.default_rng().integers(1 << 30))
-  logits, bias = _router_case(seed, e, k)
-  parts = jax.random.normal(jax.random.key(seed), (3, 128), jnp.float32)  # (EP = 128 for 32 experts)
-  parts = parts.at[:, :e].multiply(0.1).at[0, :e].add(logits[0])
-  lg = kr.logits_from_partials(parts, e)
-  moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, router_select=(k, scaling, True, ranks),
-                          lean=not interpret, writer_cta=ranks)
-  with maybe_interpret(interpret):
-    a = jax.jit(lambda *w: moe(x, None, None, *w, router=(lg, bias)))(wg, sg, wu, su, wd, sd)
-    b = jax.jit(lambda *w: moe(x, None, None, *w, router=(parts, bias)))(wg, sg, wu, su, wd, sd)
-  for u, v in zip(a, b):
-    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
-  ref_ids, _ = kr.router_topk_reference(lg, bias, k=k, scaling=scaling, norm=True)
-  np.testing.assert_array_equal(np.asarray(b[1]), np.asarray(ref_ids))
-  with pytest.raises(ValueError, match=r"or its partial sums \[P, 128\]"):
-    moe(x, None, None, wg, sg, wu, su, wd, sd, router=(parts[:, :64], bias))
-
-
 def test_router_in_the_gate_up_kernel_rejects_bad_input():
   e, i, d, k = 8, 128, 128, 4
   x, ids, w, *ws = moe_inputs(jax.random.key(97), 2, e, i, d, k)

@@ -603,39 +603,6 @@ def test_dq_f16_inputs_from_the_boundary_at_the_model_site(monkeypatch):
   assert np.abs(h0).max() > 0
 
 
-def test_mhc_router_at_the_model_site(monkeypatch):
-  """Policy mhc_router at a two-layer bf16 model (KDA + dense MLP, DSA + MoE; the one-row lean boundary): the
-  boundary before the MoE computes the router logits' partial sums and the gate/up kernel adds them (no router
-  GEMV) — the expert ids those of the defaults (the logits' f32 sums in another order: equal ids unless a key sits
-  within an ulp of another) and the hidden state within bf16 rounding of theirs; the report names the site, the
-  MoE's router never computes its logits; declined at two token rows (one row only), and with kernel-tiny's 16
-  experts (the boundary's 64-row tiles of the router weight need 64 or more)."""
-  from glm5_jax.layers import KERNEL_DEFAULTS, Router  # noqa: PLC0415
-  from pallas_kernels import mhc as km  # noqa: PLC0415
-  kw = dict(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
-            mlp_layer_types=["dense", "sparse"])
-  m = load(tiny_checkpoint("kernel-tiny", 16, "fp8", n_routed_experts=64, **kw), "bfloat16")
-  pol = dict(KERNEL_DEFAULTS) | {"kv_cache_dtype": "fp8"}
-  seed = int(np.random.default_rng().integers(1 << 20))
-  (h0, e0), _ = _extend_one_token(m, 1, pol, seed=seed)
-  asked, logits = [], []
-  orig = km.mhc_row_boundary
-  monkeypatch.setattr(km, "mhc_row_boundary",
-                      lambda *a, **k: asked.append(k.get("router") is not None) or orig(*a, **k))
-  orig_l = Router.logits
-  monkeypatch.setattr(Router, "logits", lambda self, x: logits.append(1) or orig_l(self, x))
-  (h1, e1), rep = _extend_one_token(m, 1, pol | {"mhc_router": True}, seed=seed)
-  assert rep["mhc_router"] is None and asked.count(True) == 1 and not logits, (rep, asked, logits)
-  np.testing.assert_array_equal(e1, e0, err_msg=f"seed {seed} (equal unless two keys sit within an ulp)")
-  np.testing.assert_allclose(h1, h0, **tol("kernel_bf16"))
-  assert np.abs(h0).max() > 0
-  _, rep2 = _extend_one_token(m, 2, pol | {"mhc_router": True, "mhc_rows": True}, seed=seed, trace_only=True)
-  assert rep2["mhc_router"].startswith("the one-row boundary (mhc_row) at one token row (here 2)"), rep2
-  m16 = load(tiny_checkpoint("kernel-tiny", 16, "fp8", **kw), "bfloat16")
-  _, rep3 = _extend_one_token(m16, 1, pol | {"mhc_router": True}, seed=seed, trace_only=True)
-  assert "of >= 64 experts, a multiple of 8 (here 16, bfloat16)" in rep3["mhc_router"], rep3
-
-
 def _attention_with_and_without(m, x, cache, ctx, base, knob):
   """The first layer's attention sublayer (one device's shard_map, GPU interpret mode, x's dtype) under policy
   ``base`` with ``knob`` off, then on -> [its outputs off, on]; the kernel report names the site only when on."""
