@@ -28,6 +28,9 @@
 #                             kernel test, then q = 1: auto vs the defaults vs moe_one_grid off in one call
 #   s60e (either):            q = 4: moe_h_rows (the verify's MoE without XLA's glue between its kernels) — its GPU
 #                             test, then against the defaults (LAYERS=32 on an H100)
+#   s61a (either):            session 61's boundary_qkv (the mHC boundary and the KDA q/k/v GEMV as one grid): its
+#                             GPU tests and the boundaries' counter chains (barrier_counters now [4]), then q = 1:
+#                             the defaults vs boundary_qkv, 5 interleaved repeats (LAYERS=32 on an H100)
 #   h100 (nvidia-h100-x1):    when no H200 is lent (sessions 59-60): the one-grid MoE / router / boundary GPU tests,
 #                             the in-kernel profiles of the boundary, the MoE's two kernels and its one grid, then
 #                             q = 1 on the first 32 layers (LAYERS): auto vs the defaults vs POLICY (default
@@ -40,8 +43,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s60a|s60b|s60d|s60e|h100) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s60a .. s60e, h100)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s60a|s60b|s60d|s60e|s61a|h100) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s60a .. s61a, h100)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -191,6 +194,11 @@ case "$MODE" in
     # writing h's rows itself (no XLA glue between the MoE's two kernels) against the defaults
     gpu_tests s60e 150 gpu "h_rows_gpu" tests/test_linear_kernels.py \
       && rank1 s60e --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"moe_h_rows": true}'
+    ;;
+  s61a)  # (either; LAYERS=32 on an H100) boundary_qkv: its GPU tests (a hang — a CTA not resident — ends at the
+    # timeout) and the counter chains, then q = 1: the defaults vs the KDA boundary + q/k/v GEMV as one grid
+    gpu_tests s61a 200 gpu "boundary_qkv_gpu or counters_gpu" tests/test_mhc.py \
+      && rank1 s61a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"boundary_qkv": true}'
     ;;
   h100)  # (nvidia-h100-x1) see the header
     gpu_tests h100 200 gpu "one_grid_gpu or router_in_the_gate_up or row_boundary" tests/test_mhc.py \

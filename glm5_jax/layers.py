@@ -290,6 +290,16 @@ KNOBS = {
         "Interpret-mode equal to its reference (session 57); natively correct at 3 and 4 rows (its GPU tests, "
         "session 60) and slower than the grid form on Hopper: q = 4, an H100, the first 32 layers, 6.54 -> 6.67 ms "
         "(0 of 4 paired rounds faster, s60a) — off (Blackwell's form)"),
+    "boundary_qkv": (False,
+        "with mhc_row, mhc_grid_barrier and mhc_barrier_counters at one token row: the mHC boundary before a KDA "
+        "sublayer and that sublayer's q/k/v GEMV (bf16 [3C, D], 50 MB at one TP4 rank: XLA's 14 µs, ~3.5 TB/s) as "
+        "ONE grid (pallas_kernels.mhc.mhc_row_boundary_qkv): the boundary's 32 CTAs as before, and 96 GEMV CTAs "
+        "(bf16_linear's plan beside them, one CTA per SM, a 6-stage ring of 128 x 128 tiles) that request their "
+        "first weight tiles at the kernel's start — ~20 MB streaming during the boundary's ~7 µs, when HBM "
+        "idles — and take x_in once the boundary's CTAs publish it (a counter of barrier_counters' Ref). The "
+        "overlap that paid for the MoE (moe_one_grid), applied to the sublayer with the largest first GEMV (34 "
+        "per step). z is bf16_linear's (the same plan, its K splits summed by XLA) instead of XLA's GEMV: the "
+        "same products, summed in another order. CPU-built (session 61): off until measured"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
@@ -340,13 +350,15 @@ KNOBS = {
         "rounding of the two kernels). Measured on an H100 (the first 32 layers of the one-rank step, B = 1, q = 1, "
         "5 interleaved repeats, twice, the order swapped): 2.89 -> 2.82 and 2.91 -> 2.80 ms, faster in 4 of 4 "
         "paired rounds both times; 42 launches fewer per step (865 -> 823) — on"),
-    "moe_h_rows": (False,
+    "moe_h_rows": (True,
         "at 2..8 token rows (the verify's MoE) with one D split in the gate/up kernel (its slots x I/64 tiles fill "
         "the SMs): that kernel writes h's rows — the clamped SwiGLU times the routing weights, in the dq dtype — "
         "as the down kernel's input itself (pallas_kernels.linear.fp8_moe(h_rows=True): the rows form without "
         "counters, no CTA waits), instead of XLA's glue fusion between the two kernels (one launch on every MoE "
         "layer's chain at q = 4: the census' loop_pad_fusion). The down kernel's groups are still summed by XLA "
-        "(session 60: in-kernel waits were slower at q = 4). CPU-built (session 60): off until measured"),
+        "(session 60: in-kernel waits were slower at q = 4). Natively correct (its GPU test on the H200, session "
+        "61); the one-rank step at q = 4 (the full 45 layers, 5 interleaved repeats, s60e): 7.53 -> 7.42 ms, faster "
+        "in 4 of 4 paired rounds; 43 launches fewer (1,420 -> 1,377) — on"),
     "moe_writer_cta": (True,
         "with moe_router_in_kernel and moe_router_ranks: the router's writer — the CTA that selects all k experts "
         "with their weights and stores them — is one extra CTA of the MoE's gate/up kernel that does nothing else "
@@ -542,6 +554,7 @@ WGMMA_KNOBS = {
     "fp8_linear": "fp8_linear / fp8_dq_linear",
     "fp8_moe": "the MoE's gate/up and down kernels",
     "moe_one_grid": "the MoE's two kernels as one grid",
+    "boundary_qkv": "the mHC boundary and the KDA q/k/v GEMV as one grid",
     "bf16_linear": "bf16_linear",
     "sparse_mla": "the sparse MLA attention",
     "mla_uv_kernel": "W_UV (mla_absorb_uv)",
@@ -1000,7 +1013,7 @@ class HyperConnection(nnx.Module):
     return out.astype(X.dtype)
 
   # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)
-  def fused(self, X2, pending, norm: "RMSNorm", x16: bool = False):
+  def fused(self, X2, pending, norm: "RMSNorm", x16: bool = False, qkv=None):
     """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
     RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix) of the previous
     sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post_t
@@ -1008,15 +1021,29 @@ class HyperConnection(nnx.Module):
     row, C = M rounded up to 64, pallas_kernels.mhc.mix_rows reads them back). Rows beyond 64 go in chunks of 64
     (a chunk's mix is its 64 columns). ``x16`` (policy knob dq_f16, for a sublayer whose FP8 kernels read x in
     f16): x_in as (bf16, f16) where the boundary kernel writes both (the one-launch forms), else x_in alone (the
-    sublayer's kernels convert it)."""
+    sublayer's kernels convert it). ``qkv`` (the KDA sublayer's q/k/v weight [n, D] bf16, policy knob
+    boundary_qkv) -> a fourth result, z = x_in @ qkv.T [M, n] f32 where the one-row boundary computed it in its
+    grid, else None (the sublayer computes it; the site declined with its reason)."""
+    out = self._fused(X2, pending, norm, x16, qkv)
+    return out if qkv is not None else out[:3]
+
+  def _fused(self, X2, pending, norm: "RMSNorm", x16: bool, qkv):
+    """``fused`` -> (X2', x_in, mix, z or None)."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M, R = X2.shape[0], km.ROWS
+
+    def no_qkv(why):  # (the site's decision where this boundary's form runs no GEMV)
+      if qkv is not None:
+        kernel_enabled("boundary_qkv", M, fits=False, why=why)
+      return None
+
     if M > R:
       parts = [self.fused(X2[i:i + R], None if pending is None else
                           (pending[0][i:i + R], tuple(a[:, i:i + R] for a in pending[1])), norm)
                for i in range(0, M, R)]
       return (jnp.concatenate([p[0] for p in parts], axis=0), jnp.concatenate([p[1] for p in parts], axis=0),
-              tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)))
+              tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)),
+              no_qkv(f"the one-row boundary at one token row (here {M})"))
     y, mix = pending if pending is not None else (None, None)
     # approximate reciprocal / exp / rsqrt in the kernels (like the sparse MLA and indexer kernels): 5.15 -> 4.84
     # µs per finish call alone on the H200, post/comb within 9.2e-7 relative of the exact kernel, x_in
@@ -1047,11 +1074,23 @@ class HyperConnection(nnx.Module):
       _wgmma_form(row, "mhc_post_finish")
       # lean_barriers: the boundary built without Mosaic's automatic barriers, its own where the data needs them
       lean = kernel_enabled("lean_barriers")
+      kw = dict(first=pending is None, norm_eps=norm.eps, eps=self.eps, hc_norm_eps=self.norm_eps, approx_math=True,
+                counters=counters, parity=parity, lean=lean)
+      # boundary_qkv: at one token row, the sublayer's q/k/v GEMV in the boundary's grid (its weights streaming
+      # while the boundary runs)
+      if qkv is not None:
+        why = km.boundary_qkv_why(qkv.shape[0], D) or (
+            "" if qkv.dtype == jnp.bfloat16 and qkv.shape[1] == D else f"a bf16 [n, {D}] weight (here {qkv.dtype})")
+        native = counters is not None or _interpreting()
+        if kernel_enabled("boundary_qkv", M, fits=row and M == 1 and not x16 and native and not why,
+                          why=why or f"the one-row boundary (mhc_row) at one token row (here {M}) with "
+                          "mhc_barrier_counters (the grid's x_in readiness) and no f16 copy"):
+          Xn, x_in, part, z = km.mhc_row_boundary_qkv(X2, y, mix, self.fn[...], coef, norm.weight[...], qkv, **kw)
+          return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts), z
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
-          X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
-          hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,
-          **({"x16": True} if x16 else {}))
-      return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
+          X2, y, mix, self.fn[...], coef, norm.weight[...], **kw, **({"x16": True} if x16 else {}))
+      return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts), None
+    no_qkv("the one-launch boundary (mhc_grid_barrier) at this site")
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     _wgmma_form(False, "mhc_post_pre")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)
@@ -1065,11 +1104,11 @@ class HyperConnection(nnx.Module):
       finish = functools.partial(km.mhc_finish, cols=64 if narrow else km.DC_FIN)
       if kernel_enabled("mhc_sinkhorn_split"):
         x_in = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
-        return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, rows=M if raw else None, **consts)
+        return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, rows=M if raw else None, **consts), None
     else:
       finish = km.mhc_finish_reference
     x_in, post_t, comb_t = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, **consts)
-    return Xn, x_in, (post_t, comb_t)
+    return Xn, x_in, (post_t, comb_t), None
 
   @staticmethod
   def unpack(mix, lead):

@@ -65,11 +65,18 @@ class DecoderLayer(nnx.Module):
     B, T = bt
     with jax.named_scope("mhc"):
       # dq_f16: the boundary also writes x_in in f16 for the sublayer's FP8 kernels (none in a KDA sublayer)
-      X2, x, mix = self.attn_hc.fused(X2, pending, self.input_layernorm, x16=not self.is_kda and f16_copies(B * T))
+      # boundary_qkv: the KDA sublayer's q/k/v GEMV in the boundary's grid (z None where the site declines it)
+      qkv = {}
+      if self.is_kda and kernel_switch("boundary_qkv"):
+        W = self.self_attn.qkv_proj.weight[...]
+        qkv = {"qkv": W.reshape(-1, W.shape[-1])}
+      X2, x, mix, *z = self.attn_hc.fused(X2, pending, self.input_layernorm,
+                                          x16=not self.is_kda and f16_copies(B * T), **qkv)
       x, x16 = x if isinstance(x, tuple) else (x, None)
     with jax.named_scope("kda" if self.is_kda else "dsa"):
       if self.is_kda:
-        y, cache = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype)
+        z = z[0].astype(dtype).reshape(B, T, -1) if z and z[0] is not None else None
+        y, cache = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype, z=z)
       else:
         y, cache, a = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype,
                                      x16=None if x16 is None else x16.reshape(B, T, -1))

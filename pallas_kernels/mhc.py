@@ -47,14 +47,16 @@ untiled one for the TMA store of its M rows.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (counter_signal, counter_wait, fence_async_writes, interpreting, kernel_entry,
-                                    mgpu_kernel, saturate_f16, wg_barrier)
+from pallas_kernels._common import (counter_publish, counter_signal, counter_wait, fence_async_writes, interpreting,
+                                    kernel_entry, mgpu_kernel, saturate_f16, wg_barrier)
 
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
@@ -737,8 +739,10 @@ def barrier_counters():
   session 35's kernel listing). Boundary i (parity p = i % 2) meets on counter p, which boundary i - 1 zeroed, and
   its CTA 0 zeroes counter 1 - p for boundary i + 1: boundary i - 1 finished before boundary i started (boundary i
   reads its output), and boundary i + 1 starts after boundary i finishes. The Ref's buffer is each launch's
-  aliased operand, so XLA keeps the boundaries in this order."""
-  return jax.new_ref(jnp.zeros((2,), jnp.int32))
+  aliased operand, so XLA keeps the boundaries in this order. Counters 2 and 3 are the same pair for x_in's
+  readiness (``mhc_row_boundary_qkv``: counter 2 + p, counter 3 - p zeroed by every boundary's CTA 0 — a boundary
+  i + 1 starts after the kernel of boundary i, its waiting GEMV CTAs included, has finished)."""
+  return jax.new_ref(jnp.zeros((4,), jnp.int32))
 
 
 def _grid_barrier(ctr_g, par_g, g, G: int, lean: bool = False):
@@ -757,8 +761,10 @@ def _grid_barrier(ctr_g, par_g, g, G: int, lean: bool = False):
     p = par_g[0]
 
     @pl.when(g == 0)
-    def _():  # the previous boundary's counter, for the next one (barrier_counters)
+    def _():  # the previous boundary's counters, for the next one (barrier_counters)
       ctr_g[1 - p] = jnp.int32(0)
+      if ctr_g.shape[0] > 2:
+        ctr_g[3 - p] = jnp.int32(0)
 
     counter_signal(ctr_g.at[pl.ds(p, 1)])  # (_common: semaphore ops on a plain int32 ref)
     counter_wait(ctr_g.at[pl.ds(p, 1)], G)
@@ -1118,7 +1124,7 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
 
 
 def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int,
-                lean: bool = False, x16: bool = False, M: int = 1):
+                lean: bool = False, x16: bool = False, M: int = 1, on_x_in=None):
   """M token rows (up to PARTS_MAX_ROWS). ``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its
   halves as launches of their own. ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM
   store here is followed by a ``commit_smem`` before another thread or the TMA reads it, and a buffer another
@@ -1128,7 +1134,8 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
   commit, which every thread reaches after its tile load; xu_s / x_s rows are read back only by the thread that
   wrote that column. The barriers it needs besides: _sum_partials_t's and
   _grid_barrier's (``explicit``). ``x16``: x_in in f16 too (an output after x_in, its SMEM tile before the
-  barriers)."""
+  barriers). ``on_x_in(ctr_g, par_g)`` (the one-launch form): called once the CTA's x_in columns are stored
+  (``mhc_row_boundary_qkv``: x_in's readiness published to the grid's GEMV CTAs)."""
   G, _ = _grid_rows(D, ROW_COLS)
   consts = (D, eps, hc_norm_eps, norm_eps)
 
@@ -1179,6 +1186,8 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
       if x16:
         plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
       plgpu.wait_smem_to_gmem(0)
+    if on_x_in is not None:
+      on_x_in(ctr_g, par_g)
 
   return body
 
@@ -1245,3 +1254,111 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   Xn, got = (X, got) if first else (got[0], got[1:])
   part, x_in = got[0], (tuple(got[1:]) if x16 else got[1])
   return Xn, x_in, part
+
+
+# Policy knob boundary_qkv: the one-row boundary before a KDA sublayer and that sublayer's q/k/v GEMV (bf16, [3C, D]:
+# 50 MB at one TP4 rank) as ONE grid. The boundary is latency-bound (~7 µs, HBM idle) and the GEMV is a launch after
+# it whose first bytes arrive ~2-3 µs in; here the GEMV's CTAs request their first ring stages of weight tiles at
+# the kernel's start, so ~20 MB stream during the boundary, and take x_in once the boundary's CTAs publish it (a
+# counter of barrier_counters' Ref: 2 + parity) — the MoE's one grid (moe_one_grid) with distinct roles per CTA.
+def boundary_qkv_plan(n: int, k: int):
+  """The GEMV role's tiling for an [n, k] weight beside the boundary's k / 128 CTAs: one CTA per SM for both roles
+  (the ring as deep as one CTA's SMEM allows), so that every CTA of the grid is resident at once."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  G = k // ROW_COLS
+  return kl.plan_linear(n, k, kl.MMA_ROWS["wgmma"], "bf16", target_ctas=kl.NUM_SMS - G)
+
+
+def boundary_qkv_why(n: int, D: int) -> str:
+  """Why the boundary + GEMV grid cannot take an [n, D] weight ('' where it can): the shapes the bf16 GEMV's
+  plan needs, and a grid whose CTAs all fit on the SMs at once (the GEMV CTAs wait for the boundary's)."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  G = D // ROW_COLS
+  if D % ROW_COLS or not 1 <= G <= GRID_MAX_CTAS or n % 128 or n < 128:
+    return (f"a hidden size a multiple of {ROW_COLS} up to {GRID_MAX_CTAS * ROW_COLS} (here {D}) and a weight of "
+            f"N % 128 == 0 rows (here {n})")
+  plan = boundary_qkv_plan(n, D)
+  ctas = G + (n // plan.bm) * plan.split
+  if ctas > kl.NUM_SMS:
+    return f"{ctas} CTAs (boundary {G} + GEMV) > {kl.NUM_SMS} SMs: not all resident at once"
+  return ""
+
+
+def _boundary_qkv_kernel(*refs, row_body, n_row_in: int, n_row_out: int, row_smem, G: int, gemv: dict, ring):
+  """CTA g < G: the one-row boundary's CTA g (``_row_kernel``, x_in's readiness published on counter 2 + p);
+  CTA g >= G: GEMV item g - G (``linear._bf16_linear_kernel``: its first stages' weight tiles requested, then x_in
+  awaited — a read-only poll for G arrivals and a proxy fence — and its tiles requested). Each role's SMEM is
+  scoped (run_scoped), the barriers are the grid's."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  refs = list(refs)
+  row_in, W = refs[:n_row_in], refs[n_row_in]
+  row_out, o_ref = refs[n_row_in + 1:n_row_in + 1 + n_row_out], refs[n_row_in + 1 + n_row_out]
+  bar_x, bar_fn, gbar = refs[-3:]
+  ctr_g, par_g, xin_g = row_in[-2], row_in[-1], row_out[-1]
+  g = lax.axis_index("g")
+
+  @pl.when(g < G)
+  def _():
+    pl.run_scoped(lambda *smem: row_body(*row_in, *row_out, *smem, bar_x, bar_fn), *row_smem)
+
+  @pl.when(g >= G)
+  def _():
+    def role(w_s, x_s):
+      with jax.named_scope("gemv"):
+        kl._bf16_linear_kernel(
+            xin_g, W, o_ref, w_s, x_s, gbar, t=g - G, **gemv,
+            x_ready=lambda: counter_wait(ctr_g.at[pl.ds(2 + par_g[0], 1)], G, async_reads=True))
+    pl.run_scoped(role, *ring)
+
+
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean")
+def mhc_row_boundary_qkv(X, y, mix, fn, coef, w, W, *, first: bool = False, eps: float, hc_norm_eps: float,
+                         norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
+                         parity: int = 0, lean: bool = False):
+  """``mhc_row_boundary`` at one token row and the sublayer's first bf16 GEMV on its x_in, z = x_in @ W.T (W [n, D]
+  bf16), as ONE launch (policy knob boundary_qkv; the module's comment above ``boundary_qkv_plan``) -> (X', x_in,
+  partials, z [1, n] f32). ``counters``: barrier_counters' Ref (required natively: the grid barrier and x_in's
+  readiness), ``parity`` this boundary's. ``launches=2`` (the default in GPU interpret mode): the boundary's two
+  launches, then ``linear.bf16_linear`` with the same plan — the same K splits, summed in the same order, so z is
+  what the one grid computes."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  M, K = X.shape
+  D = K // N
+  G, Gp = _grid_rows(D, ROW_COLS)
+  why = boundary_qkv_why(W.shape[0], D)
+  if M != 1 or W.ndim != 2 or W.shape[1] != D or W.dtype != jnp.bfloat16 or why:
+    raise ValueError(f"mhc_row_boundary_qkv: {M} token rows, W {W.shape} {W.dtype}; expected one row and a bf16 "
+                     f"[n, {D}] weight" + (f" ({why})" if why else ""))
+  launches = _check_grid_args("mhc_row_boundary_qkv", X, fn, coef, w, mix, first, parity, launches)
+  plan = boundary_qkv_plan(W.shape[0], D)
+  if launches == 2:
+    Xn, x_in, part = mhc_row_boundary(X, y, mix, fn, coef, w, first=first, eps=eps, hc_norm_eps=hc_norm_eps,
+                                      norm_eps=norm_eps, approx_math=approx_math, launches=2)
+    return Xn, x_in, part, kl.bf16_linear(x_in, W, plan=plan)
+  if counters is None or counters.shape != (4,):
+    raise ValueError(f"mhc_row_boundary_qkv: counters {None if counters is None else counters.shape}, expected "
+                     "barrier_counters()' Ref [4] (the grid barrier and x_in's readiness)")
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  consts = (float(eps), float(hc_norm_eps), float(norm_eps))
+  pp_in = (X, fn.astype(bf16)) if first else (X, y.astype(bf16), *(a.astype(f32) for a in mix), fn.astype(bf16))
+  row_in = (*pp_in, coef.astype(f32), w.astype(bf16), counters, jnp.full((1,), parity, jnp.int32))
+  xo = () if first else (jax.ShapeDtypeStruct((M, K), bf16),)
+  row_out = (*xo, jax.ShapeDtypeStruct((Gp, ROWS, PART), f32), jax.ShapeDtypeStruct((M, D), bf16))
+  mp, n, tiles = kl.MMA_ROWS["wgmma"], W.shape[0], W.shape[0] // plan.bm
+  publish = lambda ctr_g, par_g: counter_publish(ctr_g.at[pl.ds(2 + par_g[0], 1)])  # noqa: E731
+  row_scr = _row_scratch(first, False, M)
+  ring = (plgpu.SMEM((plan.stages, plan.bm, plan.bk), bf16, transforms=kl._tr(bf16, plan.bk)),
+          plgpu.SMEM((plan.stages, mp, plan.bk), bf16, transforms=kl._tr(bf16, plan.bk)))
+  body = functools.partial(
+      _boundary_qkv_kernel, n_row_in=len(row_in), n_row_out=len(row_out), row_smem=row_scr[:-2], G=G, ring=ring,
+      row_body=_row_kernel(D, bool(first), *consts, True, 0, lean=bool(lean), M=M, on_x_in=publish),
+      gemv=dict(plan=plan, tiles=tiles, steps=D // plan.bk // plan.split, lean=bool(lean)))
+  got = mgpu_kernel(
+      body, out_type=(*row_out, jax.ShapeDtypeStruct((plan.split, n, mp), f32)), grid=(G + tiles * plan.split,),
+      grid_names=("g",), kernel_name="glm5_mhc_row_boundary_qkv",
+      compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean)),
+      scratch_types=[*row_scr[-2:], plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages)])(*row_in, W)
+  got = tuple(got)
+  Xn, got = (X, got) if first else (got[0], got[1:])
+  part, x_in, o = got
+  return Xn, x_in, part, kl._split_sum(o, M, False)

@@ -305,15 +305,16 @@ def _counter_chain(M, n, counters: bool, row: bool = False, lean: bool = False):
 def test_post_finish_counters_gpu(M, row, lean):
   """The grid barrier on barrier_counters' Ref (policy knob mhc_barrier_counters) natively: a chain of 5
   boundaries bit for bit equal to the same chain on pl.get_global semaphores, and the counters left as the
-  scheme says — the last boundary's (parity 0) at G, the other zeroed by it for the next. (row: mhc_row_boundary,
-  whose partials define token row 0 only; lean: both chains built without the automatic barriers.)"""
+  scheme says — the last boundary's (parity 0) at G, the other and both x_in-ready counters zeroed. (row:
+  mhc_row_boundary, whose partials define token row 0 only; lean: both chains built without the automatic
+  barriers.)"""
   got, ctr = _counter_chain(M, 5, True, row, lean)
   want, _ = _counter_chain(M, 5, False, row, lean)
   for g, r in zip(got, want):
     for a, b in zip(g, r):
       a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
       np.testing.assert_array_equal(a[:, :M] if row and a.ndim == 3 else a, b[:, :M] if row and b.ndim == 3 else b)
-  assert np.asarray(ctr).tolist() == [4096 // (K.ROW_COLS if row else K.GRID_COLS), 0]
+  assert np.asarray(ctr).tolist() == [4096 // (K.ROW_COLS if row else K.GRID_COLS), 0, 0, 0]
 
 
 def test_post_finish_counters_lower_for_cuda():
@@ -328,7 +329,7 @@ def test_post_finish_counters_lower_for_cuda():
     return K.mhc_post_finish(a[0], y, mix, fn, coef, w, launches=1, counters=ref, parity=1, **GRID_CONSTS)
   txt = cross_lower(two, *args).as_text()
   calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
-  assert len(calls) == 2 and all(line.endswith("tensor<2xi32>)") for line in calls)  # (not a [1] scratch)
+  assert len(calls) == 2 and all(line.endswith("tensor<4xi32>)") for line in calls)  # (not a [1] scratch)
   assert all("output_operand_alias" in line for line in calls)
   X, y, mix, fn, coef, w = _inputs(1, 256, 0)
   with pytest.raises(ValueError, match=r"parity = 2, expected 0 or 1"):
@@ -545,3 +546,103 @@ def test_a_kernel_is_lowered_once_per_process():
   assert len(kept) == n + 1 and second == first  # (another program, the same kernel: its kept module)
   other = jax.ShapeDtypeStruct((K.PART, rows + 4), jnp.float32)
   assert calls(cross_lower(sink, other, coef).as_text()) != first and len(kept) == n + 2
+
+
+def _qkv_weight(n, D, seed):
+  return (jax.random.normal(jax.random.key(seed), (n, D)) * 0.05).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_boundary_qkv_interpret(first):
+  """mhc_row_boundary_qkv (policy knob boundary_qkv) in GPU interpret mode: X', x_in and the partials those of
+  mhc_row_boundary bit for bit, z = x_in @ W.T within the f32 summation bound of the reference (its K splits
+  summed in another order); a second token row, a weight of another width or dtype refused by name."""
+  from pallas_kernels import linear as L  # noqa: PLC0415
+  seed = int(np.random.default_rng().integers(1 << 30))
+  X, y, mix, fn, coef, w = _inputs(1, 256, seed)
+  W = _qkv_weight(384, 256, seed)
+  run = lambda f, *a: jax.jit(lambda *b: f(*b, first=first, approx_math=True, **GRID_CONSTS))(*a)  # noqa: E731
+  with maybe_interpret(True):
+    got = run(K.mhc_row_boundary_qkv, X, y, mix, fn, coef, w, W)
+    base = run(K.mhc_row_boundary, X, y, mix, fn, coef, w)
+  for a, b in zip(got[:2], base[:2]):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  np.testing.assert_array_equal(np.asarray(got[2])[:, :1], np.asarray(base[2])[:, :1])  # (row 0: the real one)
+  x = np.asarray(got[1], np.float32)
+  ref = np.asarray(L.bf16_linear_reference(got[1], W))
+  bound = 256 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(np.asarray(W, np.float32)).T)
+  assert got[3].shape == (1, 384) and np.abs(ref).max() > 0
+  assert (np.abs(np.asarray(got[3]) - ref) <= bound).all(), seed
+  X2, y2 = jnp.concatenate([X, X]), jnp.concatenate([y, y])
+  for args, pat in (((X2, y2, mix, fn, coef, w, W), r"2 token rows, W \(384, 256\)"),
+                    ((X, y, mix, fn, coef, w, W[:, :128]), r"W \(384, 128\) bfloat16"),
+                    ((X, y, mix, fn, coef, w, W.astype(jnp.float32)), r"W \(384, 256\) float32"),
+                    ((X, y, mix, fn, coef, w, W[:320]), r"N % 128 == 0 rows \(here 320\)")):
+    with pytest.raises(ValueError, match=pat):
+      K.mhc_row_boundary_qkv(*args, **GRID_CONSTS)
+
+
+def test_boundary_qkv_lowers_for_cuda():
+  """At the real TP4 rank (D = 4096, the KDA q/k/v weight [6144, 4096] bf16): 32 boundary CTAs + 96 GEMV CTAs (48
+  row tiles x 2 K splits, a 6-stage ring: one CTA per SM, all resident); a first site, then a later one on
+  barrier_counters' Ref (lean and not), each launch aliasing it; counters refused without the Ref."""
+  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
+  Ws = jax.ShapeDtypeStruct((6144, 4096), jnp.bfloat16)
+  plan = K.boundary_qkv_plan(6144, 4096)
+  assert (plan.bm, plan.split, plan.stages) == (128, 2, 6) and K.boundary_qkv_why(6144, 4096) == ""
+  assert "not all resident" in K.boundary_qkv_why(6144 * 3, 4096)
+  for lean in (False, True):
+    def two(W, X, y, mix, fn, coef, w, lean=lean):
+      ref = K.barrier_counters()
+      kw = dict(approx_math=True, launches=1, counters=ref, lean=lean, **GRID_CONSTS)
+      a = K.mhc_row_boundary_qkv(X, y, mix, fn, coef, w, W, first=True, parity=0, **kw)
+      b = K.mhc_row_boundary_qkv(a[0], y, mix, fn, coef, w, W, parity=1, **kw)
+      return a[3], b[3]
+    txt = cross_lower(two, Ws, *args).as_text()
+    calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
+    assert len(calls) == 2 and all("output_operand_alias" in line for line in calls), calls
+    assert "glm5_mhc_row_boundary_qkv" in txt
+  X, y, mix, fn, coef, w = _inputs(1, 256, 0)
+  with pytest.raises(ValueError, match=r"counters None, expected barrier_counters\(\)' Ref \[4\]"):
+    K.mhc_row_boundary_qkv(X, y, mix, fn, coef, w, _qkv_weight(384, 256, 0), launches=1, **GRID_CONSTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [False, True])
+def test_boundary_qkv_gpu(lean):
+  """The one grid natively at the real rank: a chain of three sites (first, then parities 1, 0 on one counters
+  Ref) — each site's X', x_in and partials bit for bit mhc_row_boundary's on the same inputs, its z bit for bit
+  bf16_linear's on that x_in with the same plan (the same K splits, summed in the same order), and the counters
+  left as the scheme says: the last site's (parity 0) barrier and x_in-ready counters at G, the others zeroed."""
+  from pallas_kernels import linear as L  # noqa: PLC0415
+  X, y, mix, fn, coef, w = _inputs(1, 4096, 21)
+  W = _qkv_weight(6144, 4096, 21)
+  plan = K.boundary_qkv_plan(6144, 4096)
+  kw = dict(approx_math=True, launches=1, lean=lean, **GRID_CONSTS)
+
+  def chain(X, W):
+    ref = K.barrier_counters()
+    outs, Xi = [], X
+    for i in range(3):
+      outs.append(K.mhc_row_boundary_qkv(Xi, y, mix, fn, coef, w, W, first=i == 0, parity=i % 2,
+                                         counters=ref, **kw))
+      Xi = outs[-1][0]
+    return outs, ref[...]
+
+  def plain(X, W):
+    ref = K.barrier_counters()
+    outs, Xi = [], X
+    for i in range(3):
+      o = K.mhc_row_boundary(Xi, y, mix, fn, coef, w, first=i == 0, parity=i % 2, counters=ref,
+                             **kw)
+      outs.append((*o, L.bf16_linear(o[1], W, plan=plan)))
+      Xi = o[0]
+    return outs
+  got, ctr = jax.jit(chain)(X, W)
+  want = jax.jit(plain)(X, W)
+  for g, r in zip(got, want):
+    for i, (a, b) in enumerate(zip(g, r)):
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      np.testing.assert_array_equal(a[:, :1] if i == 2 else a, b[:, :1] if i == 2 else b)
+  assert np.abs(np.asarray(got[-1][3])).max() > 0
+  assert np.asarray(ctr).tolist() == [32, 0, 32, 0], np.asarray(ctr)

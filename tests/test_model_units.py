@@ -603,6 +603,37 @@ def test_dq_f16_inputs_from_the_boundary_at_the_model_site(monkeypatch):
   assert np.abs(h0).max() > 0
 
 
+def test_boundary_qkv_at_the_model_site(monkeypatch):
+  """Policy boundary_qkv at a two-layer bf16 model (KDA + dense MLP, DSA + MoE; the one-row lean boundary): the
+  KDA layer's boundary computes its q/k/v projection in its grid (mhc_row_boundary_qkv: GPU interpret mode's two
+  boundary launches + bf16_linear) and the KDA layer takes it — the hidden state within bf16 rounding of the
+  defaults' (XLA's GEMV, another summation order) and the expert ids theirs; the DSA layer's boundary is not
+  asked; the report names the site, and declines it at two token rows (one row only)."""
+  from glm5_jax.layers import KERNEL_DEFAULTS, StackedLinear  # noqa: PLC0415
+  from pallas_kernels import mhc as km  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 16, "fp8", num_hidden_layers=2,
+                         layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"])
+  m = load(path, "bfloat16")
+  pol = dict(KERNEL_DEFAULTS) | {"kv_cache_dtype": "fp8"}
+  seed = int(np.random.default_rng().integers(1 << 20))
+  (h0, e0), _ = _extend_one_token(m, 1, pol, seed=seed)
+  asked, projected = [], []
+  orig = km.mhc_row_boundary_qkv
+  monkeypatch.setattr(km, "mhc_row_boundary_qkv", lambda *a, **k: asked.append(a[6].shape) or orig(*a, **k))
+  orig_s = StackedLinear.__call__
+  monkeypatch.setattr(StackedLinear, "__call__", lambda self, x, *a, **k: projected.append(self.weight.shape[0])
+                      or orig_s(self, x, *a, **k))
+  (h1, e1), rep = _extend_one_token(m, 1, pol | {"boundary_qkv": True}, seed=seed)
+  C3 = 3 * m.cfg.linear_num_heads * m.cfg.linear_head_dim
+  assert rep["boundary_qkv"] is None and asked == [(C3, m.cfg.hidden_size)], (rep["boundary_qkv"], asked)
+  assert 3 not in projected, projected  # (the KDA layer's q/k/v StackedLinear never called; fg_b's is a stack of 2)
+  np.testing.assert_array_equal(e1, e0, err_msg=f"seed {seed} (equal unless two keys sit within an ulp)")
+  np.testing.assert_allclose(h1, h0, **tol("kernel_bf16"))
+  assert np.abs(h0).max() > 0
+  _, rep2 = _extend_one_token(m, 2, pol | {"boundary_qkv": True}, seed=seed, trace_only=True)
+  assert "at one token row (here 2)" in rep2["boundary_qkv"], rep2["boundary_qkv"]
+
+
 def _attention_with_and_without(m, x, cache, ctx, base, knob):
   """The first layer's attention sublayer (one device's shard_map, GPU interpret mode, x's dtype) under policy
   ``base`` with ``knob`` off, then on -> [its outputs off, on]; the kernel report names the site only when on."""
