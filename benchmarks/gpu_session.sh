@@ -196,9 +196,11 @@ case "$MODE" in
       && rank1 s60e --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"moe_h_rows": true}'
     ;;
   s61a)  # (either; LAYERS=32 on an H100) boundary_qkv: its GPU tests (a hang — a CTA not resident — ends at the
-    # timeout) and the counter chains, then q = 1: the defaults vs the KDA boundary + q/k/v GEMV as one grid
+    # timeout) and the counter chains, then q = 1: auto (issue #9's ratio; BACKENDS=latency_specialized without it)
+    # vs the defaults vs the KDA boundary + q/k/v GEMV as one grid
     gpu_tests s61a 200 gpu "boundary_qkv_gpu or counters_gpu" tests/test_mhc.py \
-      && rank1 s61a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"boundary_qkv": true}'
+      && rank1 s61a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 \
+        --backend ${BACKENDS:-auto latency_specialized} --policy '{}' '{"boundary_qkv": true}'
     ;;
   h100)  # (nvidia-h100-x1) see the header
     gpu_tests h100 200 gpu "one_grid_gpu or router_in_the_gate_up or row_boundary" tests/test_mhc.py \
