@@ -82,6 +82,8 @@ gpu_tests() {  # $1: log name, $2: timeout s, $3: pytest -m expression, $4: -k e
   echo "== $name GPU tests (rc $rc): $(grep -E '(passed|failed|error)' "/tmp/t_$name.log" | tail -1)" \
     | tee -a "$OUT/gpu_tests.log"
   grep -E "FAILED|ERROR|Fatal|Mismatch" "/tmp/t_$name.log" | head -30 >> "$OUT/gpu_tests.log"
+  [ "$rc" -ne 0 ] && grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "/tmp/t_$name.log" | tail -150 \
+    > "$OUT/t_$name.log"  # (what failed, in full)
   return $rc
 }
 
