@@ -300,6 +300,11 @@ KNOBS = {
         "overlap that paid for the MoE (moe_one_grid), applied to the sublayer with the largest first GEMV (34 "
         "per step). z is bf16_linear's (the same plan, its K splits summed by XLA) instead of XLA's GEMV: the "
         "same products, summed in another order. CPU-built (session 61): off until measured"),
+    "boundary_qkv_rows": (False,
+        "with boundary_qkv: the grid's GEMV in 64-row tiles without a K split (96 CTAs of 32 steps, a 12-stage "
+        "ring), each CTA writing its rows of z in bf16 itself (linear._rows_out) — no XLA reduction of the K splits "
+        "between the grid and the KDA kernel: one launch fewer on each KDA layer's chain (34 per step at q = 1). "
+        "CPU-built (session 61): off until measured"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
@@ -555,6 +560,7 @@ WGMMA_KNOBS = {
     "fp8_moe": "the MoE's gate/up and down kernels",
     "moe_one_grid": "the MoE's two kernels as one grid",
     "boundary_qkv": "the mHC boundary and the KDA q/k/v GEMV as one grid",
+    "boundary_qkv_rows": "the mHC boundary and the KDA q/k/v GEMV as one grid",
     "bf16_linear": "bf16_linear",
     "sparse_mla": "the sparse MLA attention",
     "mla_uv_kernel": "W_UV (mla_absorb_uv)",
@@ -1022,8 +1028,8 @@ class HyperConnection(nnx.Module):
     (a chunk's mix is its 64 columns). ``x16`` (policy knob dq_f16, for a sublayer whose FP8 kernels read x in
     f16): x_in as (bf16, f16) where the boundary kernel writes both (the one-launch forms), else x_in alone (the
     sublayer's kernels convert it). ``qkv`` (the KDA sublayer's q/k/v weight [n, D] bf16, policy knob
-    boundary_qkv) -> a fourth result, z = x_in @ qkv.T [M, n] f32 where the one-row boundary computed it in its
-    grid, else None (the sublayer computes it; the site declined with its reason)."""
+    boundary_qkv) -> a fourth result, z = x_in @ qkv.T [M, n] f32 (bf16 with boundary_qkv_rows) where the one-row
+    boundary computed it in its grid, else None (the sublayer computes it; the site declined with its reason)."""
     out = self._fused(X2, pending, norm, x16, qkv)
     return out if qkv is not None else out[:3]
 
@@ -1035,6 +1041,8 @@ class HyperConnection(nnx.Module):
     def no_qkv(why):  # (the site's decision where this boundary's form runs no GEMV)
       if qkv is not None:
         kernel_enabled("boundary_qkv", M, fits=False, why=why)
+        if kernel_switch("boundary_qkv_rows"):
+          kernel_enabled("boundary_qkv_rows", M, fits=False, why="boundary_qkv declined at this site")
       return None
 
     if M > R:
@@ -1079,13 +1087,19 @@ class HyperConnection(nnx.Module):
       # boundary_qkv: at one token row, the sublayer's q/k/v GEMV in the boundary's grid (its weights streaming
       # while the boundary runs)
       if qkv is not None:
-        why = km.boundary_qkv_why(qkv.shape[0], D) or (
+        # boundary_qkv_rows: 64-row tiles, no K split — z's bf16 rows written by the grid's CTAs
+        rows = kernel_switch("boundary_qkv_rows")
+        why = km.boundary_qkv_why(qkv.shape[0], D, rows) or (
             "" if qkv.dtype == jnp.bfloat16 and qkv.shape[1] == D else f"a bf16 [n, {D}] weight (here {qkv.dtype})")
         native = counters is not None or _interpreting()
-        if kernel_enabled("boundary_qkv", M, fits=row and M == 1 and not x16 and native and not why,
-                          why=why or f"the one-row boundary (mhc_row) at one token row (here {M}) with "
-                          "mhc_barrier_counters (the grid's x_in readiness) and no f16 copy"):
-          Xn, x_in, part, z = km.mhc_row_boundary_qkv(X2, y, mix, self.fn[...], coef, norm.weight[...], qkv, **kw)
+        on = kernel_enabled("boundary_qkv", M, fits=row and M == 1 and not x16 and native and not why,
+                            why=why or f"the one-row boundary (mhc_row) at one token row (here {M}) with "
+                            "mhc_barrier_counters (the grid's x_in readiness) and no f16 copy")
+        if rows:
+          kernel_enabled("boundary_qkv_rows", M, fits=on, why="boundary_qkv declined at this site")
+        if on:
+          Xn, x_in, part, z = km.mhc_row_boundary_qkv(X2, y, mix, self.fn[...], coef, norm.weight[...], qkv,
+                                                      rows=rows, **kw)
           return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts), z
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], **kw, **({"x16": True} if x16 else {}))

@@ -1261,15 +1261,19 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
 # it whose first bytes arrive ~2-3 µs in; here the GEMV's CTAs request their first ring stages of weight tiles at
 # the kernel's start, so ~20 MB stream during the boundary, and take x_in once the boundary's CTAs publish it (a
 # counter of barrier_counters' Ref: 2 + parity) — the MoE's one grid (moe_one_grid) with distinct roles per CTA.
-def boundary_qkv_plan(n: int, k: int):
+def boundary_qkv_plan(n: int, k: int, rows: bool = False):
   """The GEMV role's tiling for an [n, k] weight beside the boundary's k / 128 CTAs: one CTA per SM for both roles
-  (the ring as deep as one CTA's SMEM allows), so that every CTA of the grid is resident at once."""
+  (the ring as deep as one CTA's SMEM allows), so that every CTA of the grid is resident at once. ``rows``
+  (policy knob boundary_qkv_rows): 64-row tiles and no K split — each CTA's tile is its rows' whole sum, written
+  as z's bf16 row by the CTA (no XLA reduction after the kernel)."""
   from pallas_kernels import linear as kl  # noqa: PLC0415
   G = k // ROW_COLS
+  if rows:
+    return kl.plan_linear(n, k, kl.MMA_ROWS["wgmma"], "bf16", bm=64, split=1, target_ctas=kl.NUM_SMS - G)
   return kl.plan_linear(n, k, kl.MMA_ROWS["wgmma"], "bf16", target_ctas=kl.NUM_SMS - G)
 
 
-def boundary_qkv_why(n: int, D: int) -> str:
+def boundary_qkv_why(n: int, D: int, rows: bool = False) -> str:
   """Why the boundary + GEMV grid cannot take an [n, D] weight ('' where it can): the shapes the bf16 GEMV's
   plan needs, and a grid whose CTAs all fit on the SMs at once (the GEMV CTAs wait for the boundary's)."""
   from pallas_kernels import linear as kl  # noqa: PLC0415
@@ -1277,18 +1281,20 @@ def boundary_qkv_why(n: int, D: int) -> str:
   if D % ROW_COLS or not 1 <= G <= GRID_MAX_CTAS or n % 128 or n < 128:
     return (f"a hidden size a multiple of {ROW_COLS} up to {GRID_MAX_CTAS * ROW_COLS} (here {D}) and a weight of "
             f"N % 128 == 0 rows (here {n})")
-  plan = boundary_qkv_plan(n, D)
+  plan = boundary_qkv_plan(n, D, rows)
   ctas = G + (n // plan.bm) * plan.split
   if ctas > kl.NUM_SMS:
     return f"{ctas} CTAs (boundary {G} + GEMV) > {kl.NUM_SMS} SMs: not all resident at once"
   return ""
 
 
-def _boundary_qkv_kernel(*refs, row_body, n_row_in: int, n_row_out: int, row_smem, G: int, gemv: dict, ring):
+def _boundary_qkv_kernel(*refs, row_body, n_row_in: int, n_row_out: int, row_smem, G: int, gemv: dict, ring,
+                         rows: bool = False):
   """CTA g < G: the one-row boundary's CTA g (``_row_kernel``, x_in's readiness published on counter 2 + p);
   CTA g >= G: GEMV item g - G (``linear._bf16_linear_kernel``: its first stages' weight tiles requested, then x_in
   awaited — a read-only poll for G arrivals and a proxy fence — and its tiles requested). Each role's SMEM is
-  scoped (run_scoped), the barriers are the grid's."""
+  scoped (run_scoped), the barriers are the grid's. ``rows``: the GEMV's output is z's rows [1, n] (one K split:
+  each CTA writes its tile's sum through an SMEM row, the ring's scope's last buffer) instead of partials."""
   from pallas_kernels import linear as kl  # noqa: PLC0415
   refs = list(refs)
   row_in, W = refs[:n_row_in], refs[n_row_in]
@@ -1303,42 +1309,43 @@ def _boundary_qkv_kernel(*refs, row_body, n_row_in: int, n_row_out: int, row_sme
 
   @pl.when(g >= G)
   def _():
-    def role(w_s, x_s):
+    def role(w_s, x_s, *y_s):
       with jax.named_scope("gemv"):
         kl._bf16_linear_kernel(
-            xin_g, W, o_ref, w_s, x_s, gbar, t=g - G, **gemv,
+            xin_g, W, o_ref, w_s, x_s, gbar, *y_s, t=g - G, rows=rows, **gemv,
             x_ready=lambda: counter_wait(ctr_g.at[pl.ds(2 + par_g[0], 1)], G, async_reads=True))
     pl.run_scoped(role, *ring)
 
 
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean")
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "rows")
 def mhc_row_boundary_qkv(X, y, mix, fn, coef, w, W, *, first: bool = False, eps: float, hc_norm_eps: float,
                          norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                         parity: int = 0, lean: bool = False):
+                         parity: int = 0, lean: bool = False, rows: bool = False):
   """``mhc_row_boundary`` at one token row and the sublayer's first bf16 GEMV on its x_in, z = x_in @ W.T (W [n, D]
   bf16), as ONE launch (policy knob boundary_qkv; the module's comment above ``boundary_qkv_plan``) -> (X', x_in,
-  partials, z [1, n] f32). ``counters``: barrier_counters' Ref (required natively: the grid barrier and x_in's
-  readiness), ``parity`` this boundary's. ``launches=2`` (the default in GPU interpret mode): the boundary's two
-  launches, then ``linear.bf16_linear`` with the same plan — the same K splits, summed in the same order, so z is
-  what the one grid computes."""
+  partials, z [1, n] f32; ``rows``: bf16, written by the kernel — no K split, no XLA sum after it).
+  ``counters``: barrier_counters' Ref (required natively: the grid barrier and x_in's readiness), ``parity`` this
+  boundary's. ``launches=2`` (the default in GPU interpret mode): the boundary's two launches, then
+  ``linear.bf16_linear`` with the same plan — the same K splits, summed in the same order, so z is what the one
+  grid computes."""
   from pallas_kernels import linear as kl  # noqa: PLC0415
   M, K = X.shape
   D = K // N
   G, Gp = _grid_rows(D, ROW_COLS)
-  why = boundary_qkv_why(W.shape[0], D)
+  why = boundary_qkv_why(W.shape[0], D, rows)
   if M != 1 or W.ndim != 2 or W.shape[1] != D or W.dtype != jnp.bfloat16 or why:
     raise ValueError(f"mhc_row_boundary_qkv: {M} token rows, W {W.shape} {W.dtype}; expected one row and a bf16 "
                      f"[n, {D}] weight" + (f" ({why})" if why else ""))
   launches = _check_grid_args("mhc_row_boundary_qkv", X, fn, coef, w, mix, first, parity, launches)
-  plan = boundary_qkv_plan(W.shape[0], D)
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  plan = boundary_qkv_plan(W.shape[0], D, rows)
   if launches == 2:
     Xn, x_in, part = mhc_row_boundary(X, y, mix, fn, coef, w, first=first, eps=eps, hc_norm_eps=hc_norm_eps,
                                       norm_eps=norm_eps, approx_math=approx_math, launches=2)
-    return Xn, x_in, part, kl.bf16_linear(x_in, W, plan=plan)
+    return Xn, x_in, part, kl.bf16_linear(x_in, W, plan=plan, out_dtype=bf16 if rows else jnp.float32)
   if counters is None or counters.shape != (4,):
     raise ValueError(f"mhc_row_boundary_qkv: counters {None if counters is None else counters.shape}, expected "
                      "barrier_counters()' Ref [4] (the grid barrier and x_in's readiness)")
-  bf16, f32 = jnp.bfloat16, jnp.float32
   consts = (float(eps), float(hc_norm_eps), float(norm_eps))
   pp_in = (X, fn.astype(bf16)) if first else (X, y.astype(bf16), *(a.astype(f32) for a in mix), fn.astype(bf16))
   row_in = (*pp_in, coef.astype(f32), w.astype(bf16), counters, jnp.full((1,), parity, jnp.int32))
@@ -1348,17 +1355,20 @@ def mhc_row_boundary_qkv(X, y, mix, fn, coef, w, W, *, first: bool = False, eps:
   publish = lambda ctr_g, par_g: counter_publish(ctr_g.at[pl.ds(2 + par_g[0], 1)])  # noqa: E731
   row_scr = _row_scratch(first, False, M)
   ring = (plgpu.SMEM((plan.stages, plan.bm, plan.bk), bf16, transforms=kl._tr(bf16, plan.bk)),
-          plgpu.SMEM((plan.stages, mp, plan.bk), bf16, transforms=kl._tr(bf16, plan.bk)))
+          plgpu.SMEM((plan.stages, mp, plan.bk), bf16, transforms=kl._tr(bf16, plan.bk)),
+          *([plgpu.SMEM((M, plan.bm), bf16)] if rows else []))
   body = functools.partial(
       _boundary_qkv_kernel, n_row_in=len(row_in), n_row_out=len(row_out), row_smem=row_scr[:-2], G=G, ring=ring,
+      rows=rows,
       row_body=_row_kernel(D, bool(first), *consts, True, 0, lean=bool(lean), M=M, on_x_in=publish),
       gemv=dict(plan=plan, tiles=tiles, steps=D // plan.bk // plan.split, lean=bool(lean)))
   got = mgpu_kernel(
-      body, out_type=(*row_out, jax.ShapeDtypeStruct((plan.split, n, mp), f32)), grid=(G + tiles * plan.split,),
+      body, out_type=(*row_out, jax.ShapeDtypeStruct((M, n), bf16) if rows else jax.ShapeDtypeStruct(
+          (plan.split, n, mp), f32)), grid=(G + tiles * plan.split,),
       grid_names=("g",), kernel_name="glm5_mhc_row_boundary_qkv",
       compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean)),
       scratch_types=[*row_scr[-2:], plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages)])(*row_in, W)
   got = tuple(got)
   Xn, got = (X, got) if first else (got[0], got[1:])
   part, x_in, o = got
-  return Xn, x_in, part, kl._split_sum(o, M, False)
+  return Xn, x_in, part, (o if rows else kl._split_sum(o, M, False))

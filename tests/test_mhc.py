@@ -552,18 +552,19 @@ def _qkv_weight(n, D, seed):
   return (jax.random.normal(jax.random.key(seed), (n, D)) * 0.05).astype(jnp.bfloat16)
 
 
-@pytest.mark.parametrize("first", [False, True])
-def test_boundary_qkv_interpret(first):
+@pytest.mark.parametrize("first,rows", [(False, False), (True, False), (False, True)])
+def test_boundary_qkv_interpret(first, rows):
   """mhc_row_boundary_qkv (policy knob boundary_qkv) in GPU interpret mode: X', x_in and the partials those of
   mhc_row_boundary bit for bit, z = x_in @ W.T within the f32 summation bound of the reference (its K splits
-  summed in another order); a second token row, a weight of another width or dtype refused by name."""
+  summed in another order; ``rows``, boundary_qkv_rows: z in bf16, within its rounding too); a second token row,
+  a weight of another width or dtype refused by name."""
   from pallas_kernels import linear as L  # noqa: PLC0415
   seed = int(np.random.default_rng().integers(1 << 30))
   X, y, mix, fn, coef, w = _inputs(1, 256, seed)
   W = _qkv_weight(384, 256, seed)
-  run = lambda f, *a: jax.jit(lambda *b: f(*b, first=first, approx_math=True, **GRID_CONSTS))(*a)  # noqa: E731
+  run = lambda f, *a, **k: jax.jit(lambda *b: f(*b, first=first, approx_math=True, **k, **GRID_CONSTS))(*a)  # noqa
   with maybe_interpret(True):
-    got = run(K.mhc_row_boundary_qkv, X, y, mix, fn, coef, w, W)
+    got = run(K.mhc_row_boundary_qkv, X, y, mix, fn, coef, w, W, rows=rows)
     base = run(K.mhc_row_boundary, X, y, mix, fn, coef, w)
   for a, b in zip(got[:2], base[:2]):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
@@ -571,8 +572,11 @@ def test_boundary_qkv_interpret(first):
   x = np.asarray(got[1], np.float32)
   ref = np.asarray(L.bf16_linear_reference(got[1], W))
   bound = 256 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(np.asarray(W, np.float32)).T)
-  assert got[3].shape == (1, 384) and np.abs(ref).max() > 0
-  assert (np.abs(np.asarray(got[3]) - ref) <= bound).all(), seed
+  assert got[3].shape == (1, 384) and got[3].dtype == (jnp.bfloat16 if rows else jnp.float32)
+  assert np.abs(ref).max() > 0
+  if rows:  # (the f32 sum's bound, then one bf16 rounding)
+    bound = bound + np.abs(ref) * 2.0 ** -8
+  assert (np.abs(np.asarray(got[3], np.float32) - ref) <= bound).all(), seed
   X2, y2 = jnp.concatenate([X, X]), jnp.concatenate([y, y])
   for args, pat in (((X2, y2, mix, fn, coef, w, W), r"2 token rows, W \(384, 256\)"),
                     ((X, y, mix, fn, coef, w, W[:, :128]), r"W \(384, 128\) bfloat16"),
@@ -585,39 +589,43 @@ def test_boundary_qkv_interpret(first):
 def test_boundary_qkv_lowers_for_cuda():
   """At the real TP4 rank (D = 4096, the KDA q/k/v weight [6144, 4096] bf16): 32 boundary CTAs + 96 GEMV CTAs (48
   row tiles x 2 K splits, a 6-stage ring: one CTA per SM, all resident); a first site, then a later one on
-  barrier_counters' Ref (lean and not), each launch aliasing it; counters refused without the Ref."""
+  barrier_counters' Ref with the rows form (boundary_qkv_rows: 96 64-row tiles, no K split, a 12-stage ring, z's
+  bf16 row written by the grid), lean (the step's build; the default build lowers in the GPU test), each launch
+  aliasing it; counters refused without the Ref."""
   args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
   Ws = jax.ShapeDtypeStruct((6144, 4096), jnp.bfloat16)
   plan = K.boundary_qkv_plan(6144, 4096)
   assert (plan.bm, plan.split, plan.stages) == (128, 2, 6) and K.boundary_qkv_why(6144, 4096) == ""
+  plan = K.boundary_qkv_plan(6144, 4096, rows=True)
+  assert (plan.bm, plan.split, plan.stages) == (64, 1, 12) and K.boundary_qkv_why(6144, 4096, rows=True) == ""
   assert "not all resident" in K.boundary_qkv_why(6144 * 3, 4096)
-  for lean in (False, True):
-    def two(W, X, y, mix, fn, coef, w, lean=lean):
-      ref = K.barrier_counters()
-      kw = dict(approx_math=True, launches=1, counters=ref, lean=lean, **GRID_CONSTS)
-      a = K.mhc_row_boundary_qkv(X, y, mix, fn, coef, w, W, first=True, parity=0, **kw)
-      b = K.mhc_row_boundary_qkv(a[0], y, mix, fn, coef, w, W, parity=1, **kw)
-      return a[3], b[3]
-    txt = cross_lower(two, Ws, *args).as_text()
-    calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
-    assert len(calls) == 2 and all("output_operand_alias" in line for line in calls), calls
-    assert "glm5_mhc_row_boundary_qkv" in txt
+  def two(W, X, y, mix, fn, coef, w):
+    ref = K.barrier_counters()
+    kw = dict(approx_math=True, launches=1, counters=ref, lean=True, **GRID_CONSTS)
+    a = K.mhc_row_boundary_qkv(X, y, mix, fn, coef, w, W, first=True, parity=0, **kw)
+    b = K.mhc_row_boundary_qkv(a[0], y, mix, fn, coef, w, W, parity=1, rows=True, **kw)
+    return a[3], b[3]
+  txt = cross_lower(two, Ws, *args).as_text()
+  calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
+  assert len(calls) == 2 and all("output_operand_alias" in line for line in calls), calls
+  assert "glm5_mhc_row_boundary_qkv" in txt and "tensor<1x6144xbf16>" in txt
   X, y, mix, fn, coef, w = _inputs(1, 256, 0)
   with pytest.raises(ValueError, match=r"counters None, expected barrier_counters\(\)' Ref \[4\]"):
     K.mhc_row_boundary_qkv(X, y, mix, fn, coef, w, _qkv_weight(384, 256, 0), launches=1, **GRID_CONSTS)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lean", [False, True])
-def test_boundary_qkv_gpu(lean):
+@pytest.mark.parametrize("lean,rows", [(False, False), (True, False), (True, True)])
+def test_boundary_qkv_gpu(lean, rows):
   """The one grid natively at the real rank: a chain of three sites (first, then parities 1, 0 on one counters
   Ref) — each site's X', x_in and partials bit for bit mhc_row_boundary's on the same inputs, its z bit for bit
   bf16_linear's on that x_in with the same plan (the same K splits, summed in the same order), and the counters
-  left as the scheme says: the last site's (parity 0) barrier and x_in-ready counters at G, the others zeroed."""
+  left as the scheme says: the last site's (parity 0) barrier and x_in-ready counters at G, the others zeroed.
+  (``rows``: boundary_qkv_rows' plan, z in bf16.)"""
   from pallas_kernels import linear as L  # noqa: PLC0415
   X, y, mix, fn, coef, w = _inputs(1, 4096, 21)
   W = _qkv_weight(6144, 4096, 21)
-  plan = K.boundary_qkv_plan(6144, 4096)
+  plan = K.boundary_qkv_plan(6144, 4096, rows)
   kw = dict(approx_math=True, launches=1, lean=lean, **GRID_CONSTS)
 
   def chain(X, W):
@@ -625,7 +633,7 @@ def test_boundary_qkv_gpu(lean):
     outs, Xi = [], X
     for i in range(3):
       outs.append(K.mhc_row_boundary_qkv(Xi, y, mix, fn, coef, w, W, first=i == 0, parity=i % 2,
-                                         counters=ref, **kw))
+                                         counters=ref, rows=rows, **kw))
       Xi = outs[-1][0]
     return outs, ref[...]
 
@@ -635,7 +643,7 @@ def test_boundary_qkv_gpu(lean):
     for i in range(3):
       o = K.mhc_row_boundary(Xi, y, mix, fn, coef, w, first=i == 0, parity=i % 2, counters=ref,
                              **kw)
-      outs.append((*o, L.bf16_linear(o[1], W, plan=plan)))
+      outs.append((*o, L.bf16_linear(o[1], W, plan=plan, out_dtype=jnp.bfloat16 if rows else jnp.float32)))
       Xi = o[0]
     return outs
   got, ctr = jax.jit(chain)(X, W)

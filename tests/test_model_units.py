@@ -608,7 +608,8 @@ def test_boundary_qkv_at_the_model_site(monkeypatch):
   KDA layer's boundary computes its q/k/v projection in its grid (mhc_row_boundary_qkv: GPU interpret mode's two
   boundary launches + bf16_linear) and the KDA layer takes it — the hidden state within bf16 rounding of the
   defaults' (XLA's GEMV, another summation order) and the expert ids theirs; the DSA layer's boundary is not
-  asked; the report names the site, and declines it at two token rows (one row only)."""
+  asked; the report names the site, and declines it at two token rows (one row only). With boundary_qkv_rows (z's
+  bf16 rows from the grid, no K split) the same, and that knob declined where boundary_qkv is."""
   from glm5_jax.layers import KERNEL_DEFAULTS, StackedLinear  # noqa: PLC0415
   from pallas_kernels import mhc as km  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 16, "fp8", num_hidden_layers=2,
@@ -630,8 +631,14 @@ def test_boundary_qkv_at_the_model_site(monkeypatch):
   np.testing.assert_array_equal(e1, e0, err_msg=f"seed {seed} (equal unless two keys sit within an ulp)")
   np.testing.assert_allclose(h1, h0, **tol("kernel_bf16"))
   assert np.abs(h0).max() > 0
-  _, rep2 = _extend_one_token(m, 2, pol | {"boundary_qkv": True}, seed=seed, trace_only=True)
+  (h2, e2), rep = _extend_one_token(m, 1, pol | {"boundary_qkv": True, "boundary_qkv_rows": True}, seed=seed)
+  assert rep["boundary_qkv_rows"] is None and len(asked) == 2, (rep["boundary_qkv_rows"], asked)
+  np.testing.assert_array_equal(e2, e0, err_msg=f"seed {seed}")
+  np.testing.assert_allclose(h2, h0, **tol("kernel_bf16"))
+  _, rep2 = _extend_one_token(m, 2, pol | {"boundary_qkv": True, "boundary_qkv_rows": True}, seed=seed,
+                              trace_only=True)
   assert "at one token row (here 2)" in rep2["boundary_qkv"], rep2["boundary_qkv"]
+  assert rep2["boundary_qkv_rows"] == "boundary_qkv declined at this site", rep2["boundary_qkv_rows"]
 
 
 def _attention_with_and_without(m, x, cache, ctx, base, knob):
