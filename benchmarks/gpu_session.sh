@@ -30,8 +30,8 @@
 #                             test, then against the defaults (LAYERS=32 on an H100)
 #   s61a (either):            session 61's boundary_qkv (the mHC boundary and the KDA q/k/v GEMV as one grid): its
 #                             GPU tests and the boundaries' counter chains (barrier_counters now [4]), then q = 1:
-#                             auto vs the defaults vs boundary_qkv (and boundary_qkv_rows), 5 interleaved repeats
-#                             (LAYERS=32 on an H100)
+#                             auto vs the defaults vs boundary_qkv (and boundary_qkv_rows) vs boundary_router (the
+#                             MoE's router GEMV in its boundary's grid), 5 interleaved repeats (LAYERS=32 on an H100)
 #   h100 (nvidia-h100-x1):    when no H200 is lent (sessions 59-60): the one-grid MoE / router / boundary GPU tests,
 #                             the in-kernel profiles of the boundary, the MoE's two kernels and its one grid, then
 #                             q = 1 on the first 32 layers (LAYERS): auto vs the defaults vs POLICY (default
@@ -198,13 +198,14 @@ case "$MODE" in
     gpu_tests s60e 150 gpu "h_rows_gpu" tests/test_linear_kernels.py \
       && rank1 s60e --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"moe_h_rows": true}'
     ;;
-  s61a)  # (either; LAYERS=32 on an H100) boundary_qkv: its GPU tests (a hang — a CTA not resident — ends at the
+  s61a)  # (either; LAYERS=32 on an H100) boundary_qkv / boundary_router: their GPU tests (a hang — a CTA not resident — ends at the
     # timeout) and the counter chains, then q = 1: auto (issue #9's ratio; BACKENDS=latency_specialized without it)
-    # vs the defaults vs the KDA boundary + q/k/v GEMV as one grid (its K splits summed by XLA, or its rows form)
-    gpu_tests s61a 200 gpu "boundary_qkv_gpu or counters_gpu" tests/test_mhc.py \
+    # vs the defaults vs the KDA boundary + q/k/v GEMV as one grid (its K splits summed by XLA, or its rows form) vs
+    # the MoE boundary + router GEMV as one grid
+    gpu_tests s61a 200 gpu "boundary_gemv_gpu or counters_gpu" tests/test_mhc.py \
       && rank1 s61a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 \
         --backend ${BACKENDS:-auto latency_specialized} --policy '{}' '{"boundary_qkv": true}' \
-        '{"boundary_qkv": true, "boundary_qkv_rows": true}'
+        '{"boundary_qkv": true, "boundary_qkv_rows": true}' '{"boundary_router": true}'
     ;;
   h100)  # (nvidia-h100-x1) see the header
     gpu_tests h100 200 gpu "one_grid_gpu or router_in_the_gate_up or row_boundary" tests/test_mhc.py \

@@ -293,13 +293,23 @@ KNOBS = {
     "boundary_qkv": (False,
         "with mhc_row, mhc_grid_barrier and mhc_barrier_counters at one token row: the mHC boundary before a KDA "
         "sublayer and that sublayer's q/k/v GEMV (bf16 [3C, D], 50 MB at one TP4 rank: XLA's 14 µs, ~3.5 TB/s) as "
-        "ONE grid (pallas_kernels.mhc.mhc_row_boundary_qkv): the boundary's 32 CTAs as before, and 96 GEMV CTAs "
+        "ONE grid (pallas_kernels.mhc.mhc_row_boundary_gemv): the boundary's 32 CTAs as before, and 96 GEMV CTAs "
         "(bf16_linear's plan beside them, one CTA per SM, a 6-stage ring of 128 x 128 tiles) that request their "
         "first weight tiles at the kernel's start — ~20 MB streaming during the boundary's ~7 µs, when HBM "
         "idles — and take x_in once the boundary's CTAs publish it (a counter of barrier_counters' Ref). The "
         "overlap that paid for the MoE (moe_one_grid), applied to the sublayer with the largest first GEMV (34 "
         "per step). z is bf16_linear's (the same plan, its K splits summed by XLA) instead of XLA's GEMV: the "
         "same products, summed in another order. CPU-built (session 61): off until measured"),
+    "boundary_router": (False,
+        "with mhc_row, mhc_grid_barrier and mhc_barrier_counters at one token row, and the MoE's router selection "
+        "in its gate/up kernel (moe_router_in_kernel): the mHC boundary before a MoE sublayer and the router's "
+        "logits GEMV (bf16 [E, D]: 2.4 MB at 288 experts) as ONE grid (pallas_kernels.mhc.mhc_row_boundary_gemv: "
+        "40 GEMV CTAs, 5 64-row tiles x 8 K splits of 4 steps — the whole weight requested at the kernel's start, "
+        "while the boundary runs — summed on the step's split-K counters and written as f32 logits by each tile's "
+        "last split) instead of XLA's ~2 µs GEMV launched after the boundary, on every MoE layer's chain (42 per "
+        "step). Not session 59's mhc_router (removed: the logits as the boundary's 32 partial sums, which each of "
+        "the MoE's 289 CTAs had to add): the MoE reads finished logits. CPU-built (session 61): off until "
+        "measured"),
     "boundary_qkv_rows": (False,
         "with boundary_qkv: the grid's GEMV in 64-row tiles without a K split (96 CTAs of 32 steps, a 12-stage "
         "ring), each CTA writing its rows of z in bf16 itself (linear._rows_out) — no XLA reduction of the K splits "
@@ -561,6 +571,7 @@ WGMMA_KNOBS = {
     "moe_one_grid": "the MoE's two kernels as one grid",
     "boundary_qkv": "the mHC boundary and the KDA q/k/v GEMV as one grid",
     "boundary_qkv_rows": "the mHC boundary and the KDA q/k/v GEMV as one grid",
+    "boundary_router": "the mHC boundary and the MoE router's GEMV as one grid",
     "bf16_linear": "bf16_linear",
     "sparse_mla": "the sparse MLA attention",
     "mla_uv_kernel": "W_UV (mla_absorb_uv)",
@@ -737,6 +748,20 @@ def _next_barrier_counters(km):
   out = (cell["barrier"], cell["parity"])
   cell["parity"] ^= 1
   return out
+
+
+def _boundary_gemv_form(knob: str, D: int) -> tuple[dict, object]:
+  """A boundary + GEMV grid's GEMV form (pallas_kernels.mhc.mhc_row_boundary_gemv) -> (its tiling, z's row dtype
+  or None — the K splits' f32 partials summed by XLA after the grid): boundary_qkv's default plan (48 128-row tiles
+  x 2 splits), or with boundary_qkv_rows 64-row tiles and no split, z's bf16 rows written by the grid; the
+  router's logits (boundary_router) in 64-row tiles x 8 splits (of D = 4096: 4 steps each; fewer where D / 128
+  has no such divisor) — the whole 2.4 MB weight requested at once — summed in the grid on the split-K counters and
+  written as f32 rows, what the MoE's selection reads."""
+  if knob == "boundary_router":
+    return {"bm": 64, "split": max(d for d in range(1, 9) if (D // 128) % d == 0)}, jnp.float32
+  if kernel_switch("boundary_qkv_rows"):
+    return {"bm": 64, "split": 1}, jnp.bfloat16
+  return {}, None
 
 
 def _splitk_counters(kl):
@@ -1019,7 +1044,7 @@ class HyperConnection(nnx.Module):
     return out.astype(X.dtype)
 
   # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)
-  def fused(self, X2, pending, norm: "RMSNorm", x16: bool = False, qkv=None):
+  def fused(self, X2, pending, norm: "RMSNorm", x16: bool = False, gemv=None):
     """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
     RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix) of the previous
     sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post_t
@@ -1027,21 +1052,22 @@ class HyperConnection(nnx.Module):
     row, C = M rounded up to 64, pallas_kernels.mhc.mix_rows reads them back). Rows beyond 64 go in chunks of 64
     (a chunk's mix is its 64 columns). ``x16`` (policy knob dq_f16, for a sublayer whose FP8 kernels read x in
     f16): x_in as (bf16, f16) where the boundary kernel writes both (the one-launch forms), else x_in alone (the
-    sublayer's kernels convert it). ``qkv`` (the KDA sublayer's q/k/v weight [n, D] bf16, policy knob
-    boundary_qkv) -> a fourth result, z = x_in @ qkv.T [M, n] f32 (bf16 with boundary_qkv_rows) where the one-row
-    boundary computed it in its grid, else None (the sublayer computes it; the site declined with its reason)."""
-    out = self._fused(X2, pending, norm, x16, qkv)
-    return out if qkv is not None else out[:3]
+    sublayer's kernels convert it). ``gemv`` = (knob, W): the sublayer's first bf16 GEMV on x_in (W [n, D];
+    policy knob boundary_qkv — the KDA q/k/v weight — or boundary_router — the MoE router's) -> a fourth result,
+    z = x_in @ W.T [M, n] (its dtype: ``_boundary_gemv_form``) where the one-row boundary computed it in its grid,
+    else None (the sublayer computes it; the site declined with its reason)."""
+    out = self._fused(X2, pending, norm, x16, gemv)
+    return out if gemv is not None else out[:3]
 
-  def _fused(self, X2, pending, norm: "RMSNorm", x16: bool, qkv):
+  def _fused(self, X2, pending, norm: "RMSNorm", x16: bool, gemv):
     """``fused`` -> (X2', x_in, mix, z or None)."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M, R = X2.shape[0], km.ROWS
 
-    def no_qkv(why):  # (the site's decision where this boundary's form runs no GEMV)
-      if qkv is not None:
-        kernel_enabled("boundary_qkv", M, fits=False, why=why)
-        if kernel_switch("boundary_qkv_rows"):
+    def no_gemv(why):  # (the site's decision where this boundary's form runs no GEMV)
+      if gemv is not None:
+        kernel_enabled(gemv[0], M, fits=False, why=why)
+        if gemv[0] == "boundary_qkv" and kernel_switch("boundary_qkv_rows"):
           kernel_enabled("boundary_qkv_rows", M, fits=False, why="boundary_qkv declined at this site")
       return None
 
@@ -1051,7 +1077,7 @@ class HyperConnection(nnx.Module):
                for i in range(0, M, R)]
       return (jnp.concatenate([p[0] for p in parts], axis=0), jnp.concatenate([p[1] for p in parts], axis=0),
               tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)),
-              no_qkv(f"the one-row boundary at one token row (here {M})"))
+              no_gemv(f"the one-row boundary at one token row (here {M})"))
     y, mix = pending if pending is not None else (None, None)
     # approximate reciprocal / exp / rsqrt in the kernels (like the sparse MLA and indexer kernels): 5.15 -> 4.84
     # µs per finish call alone on the H200, post/comb within 9.2e-7 relative of the exact kernel, x_in
@@ -1084,27 +1110,33 @@ class HyperConnection(nnx.Module):
       lean = kernel_enabled("lean_barriers")
       kw = dict(first=pending is None, norm_eps=norm.eps, eps=self.eps, hc_norm_eps=self.norm_eps, approx_math=True,
                 counters=counters, parity=parity, lean=lean)
-      # boundary_qkv: at one token row, the sublayer's q/k/v GEMV in the boundary's grid (its weights streaming
-      # while the boundary runs)
-      if qkv is not None:
-        # boundary_qkv_rows: 64-row tiles, no K split — z's bf16 rows written by the grid's CTAs
-        rows = kernel_switch("boundary_qkv_rows")
-        why = km.boundary_qkv_why(qkv.shape[0], D, rows) or (
-            "" if qkv.dtype == jnp.bfloat16 and qkv.shape[1] == D else f"a bf16 [n, {D}] weight (here {qkv.dtype})")
+      # boundary_qkv / boundary_router: at one token row, the sublayer's first GEMV in the boundary's grid (its
+      # weights streaming while the boundary runs)
+      if gemv is not None:
+        knob, W = gemv
+        form, dtype = _boundary_gemv_form(knob, D)
+        why = km.boundary_gemv_why(W.shape[0], D, **form) or (
+            "" if W.dtype == jnp.bfloat16 and W.shape[1] == D else f"a bf16 [n, {D}] weight (here {W.dtype})")
         native = counters is not None or _interpreting()
-        on = kernel_enabled("boundary_qkv", M, fits=row and M == 1 and not x16 and native and not why,
+        splitk = {}  # (z's rows from several K splits: their sum on the step's split-K counters)
+        if dtype is not None and form.get("split", 1) > 1 and not _interpreting():
+          native = native and _COUNTERS.get() is not None
+          from pallas_kernels import linear as kl  # noqa: PLC0415
+          splitk = {"splitk": _splitk_counters(kl)} if native else {}
+        on = kernel_enabled(knob, M, fits=row and M == 1 and native and not why,
                             why=why or f"the one-row boundary (mhc_row) at one token row (here {M}) with "
-                            "mhc_barrier_counters (the grid's x_in readiness) and no f16 copy")
-        if rows:
+                            "mhc_barrier_counters (the grid's x_in readiness)")
+        if knob == "boundary_qkv" and kernel_switch("boundary_qkv_rows"):
           kernel_enabled("boundary_qkv_rows", M, fits=on, why="boundary_qkv declined at this site")
         if on:
-          Xn, x_in, part, z = km.mhc_row_boundary_qkv(X2, y, mix, self.fn[...], coef, norm.weight[...], qkv,
-                                                      rows=rows, **kw)
+          Xn, x_in, part, z = km.mhc_row_boundary_gemv(X2, y, mix, self.fn[...], coef, norm.weight[...], W, **form,
+                                                       rows_dtype=dtype, **splitk, **kw,
+                                                       **({"x16": True} if x16 else {}))
           return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts), z
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], **kw, **({"x16": True} if x16 else {}))
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts), None
-    no_qkv("the one-launch boundary (mhc_grid_barrier) at this site")
+    no_gemv("the one-launch boundary (mhc_grid_barrier) at this site")
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     _wgmma_form(False, "mhc_post_pre")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)
@@ -1387,9 +1419,25 @@ class MoE(nnx.Module):
     self.shared_experts = (MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block)
                            if cfg.n_shared_experts else None)
 
-  def __call__(self, x, dtype, *, return_ids=False, x16=None):
+  def takes_logits(self, rows: int) -> tuple[bool, str]:
+    """(whether this MoE's call at ``rows`` token rows reads its router logits from outside — the mHC boundary's
+    grid, policy knob boundary_router: where the router's selection runs inside the gate/up kernel, the logits'
+    only reader (the switches and fits of __call__'s moe_router_in_kernel site, without a report entry) —, why
+    not)."""
+    ex = self.experts
+    _, moe_fits, _ = gemv_mma(ex.gate_proj.shape[1], ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0,
+                              "", fp8=True)
+    fits, _ = self.gate.kernel_fits(ex.gate_proj.shape[0])
+    switches = ("fp8_moe", "moe_router_in_kernel", "router_kernel")
+    ok = rows == 1 and moe_fits and fits and all(kernel_switch(k) for k in switches)
+    return ok, (f"one token row (here {rows}) and the router's selection in the MoE's gate/up kernel "
+                f"({', '.join(switches)} on and fitting)")
+
+  def __call__(self, x, dtype, *, return_ids=False, x16=None, logits=None):
     """x [B, T, D] -> [B, T, D]; one psum for routed + shared. ``x16``: x's f16 copy (the mHC boundary's, policy
-    knob dq_f16): the f16 MoE kernels read it instead of converting x; the router reads x."""
+    knob dq_f16): the f16 MoE kernels read it instead of converting x; the router reads x. ``logits``: the router's
+    logits [B·T, E] f32 where the mHC boundary's grid computed them (policy knob boundary_router; ``takes_logits``
+    said yes)."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
     ex = self.experts
@@ -1435,7 +1483,10 @@ class MoE(nnx.Module):
           ids, w, tables = self.gate.with_tables(xf, n_pad=n_pad, mp=mp, shared=self.shared_experts is not None)
       if in_gate_up:
         kernel_enabled("router_kernel", rows)  # (its site: the gate/up kernel runs its selection)
-        logits = self.gate.logits(xf).astype(jnp.float32)
+        logits = self.gate.logits(xf).astype(jnp.float32) if logits is None else logits
+      elif logits is not None:  # (takes_logits said yes: the two sites' conditions disagree — a bug)
+        raise ValueError("MoE: router logits given to a MoE that does not select in its gate/up kernel "
+                         "(MoE.takes_logits and moe_router_in_kernel's site disagree)")
       elif tables is None:
         ids, w = self.gate(xf)
     if moe_kernel:

@@ -683,7 +683,7 @@ def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int,
   the tiled SMEM copy needs, because N is. ``fused_sum``: refs start with the split-K counters; ``rows``: the sum
   written as token rows (``_split_out``, ``_out_refs``). ``tc05``: the tcgen05 form — the CTA's K range accumulated
   in TMEM, each MMA arriving on its slot's barrier when done (scratch: ``_tc_scratch`` with a barrier a slot).
-  As a role of another kernel's grid (pallas_kernels.mhc.mhc_row_boundary_qkv): ``t`` its item, and ``x_ready``
+  As a role of another kernel's grid (pallas_kernels.mhc.mhc_row_boundary_gemv): ``t`` its item, and ``x_ready``
   called after the first ``stages`` weight tiles are requested and before any x tile is (x is written by the other
   role's CTAs: the weights stream meanwhile); ``lean``: built without Mosaic's automatic barriers (a warpgroup
   barrier before each refill, ``_refill``)."""

@@ -548,23 +548,31 @@ def test_a_kernel_is_lowered_once_per_process():
   assert calls(cross_lower(sink, other, coef).as_text()) != first and len(kept) == n + 2
 
 
-def _qkv_weight(n, D, seed):
+def _gemv_weight(n, D, seed):
   return (jax.random.normal(jax.random.key(seed), (n, D)) * 0.05).astype(jnp.bfloat16)
 
 
-@pytest.mark.parametrize("first,rows", [(False, False), (True, False), (False, True)])
-def test_boundary_qkv_interpret(first, rows):
-  """mhc_row_boundary_qkv (policy knob boundary_qkv) in GPU interpret mode: X', x_in and the partials those of
-  mhc_row_boundary bit for bit, z = x_in @ W.T within the f32 summation bound of the reference (its K splits
-  summed in another order; ``rows``, boundary_qkv_rows: z in bf16, within its rounding too); a second token row,
-  a weight of another width or dtype refused by name."""
+# the GEMV forms of mhc_row_boundary_gemv: boundary_qkv's default (K splits summed by XLA), boundary_qkv_rows (no K
+# split, z's bf16 rows from the grid), boundary_router (8 K splits summed in the grid, z's f32 rows)
+QKV, QKV_ROWS, ROUTER = {}, dict(bm=64, split=1, rows_dtype=jnp.bfloat16), dict(bm=64, split=8, rows_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("first,n,form", [(False, 384, "qkv"), (True, 384, "qkv"), (False, 384, "rows"),
+                                          (False, 96, "router")])
+def test_boundary_gemv_interpret(first, n, form):
+  """mhc_row_boundary_gemv (policy knobs boundary_qkv, boundary_router) in GPU interpret mode: X', x_in and the
+  partials those of mhc_row_boundary bit for bit, z = x_in @ W.T within the f32 summation bound of the reference
+  (its K splits summed in another order; the rows forms: z in bf16 — within its rounding too — or f32; the router's
+  96 rows: a last 64-row tile overlapping the first); a second token row, a weight of another width, dtype or row
+  count refused by name."""
   from pallas_kernels import linear as L  # noqa: PLC0415
+  kw = {"qkv": QKV, "rows": QKV_ROWS, "router": dict(ROUTER, split=2)}[form]  # (K = 256: two 128-column steps)
   seed = int(np.random.default_rng().integers(1 << 30))
   X, y, mix, fn, coef, w = _inputs(1, 256, seed)
-  W = _qkv_weight(384, 256, seed)
+  W = _gemv_weight(n, 256, seed)
   run = lambda f, *a, **k: jax.jit(lambda *b: f(*b, first=first, approx_math=True, **k, **GRID_CONSTS))(*a)  # noqa
   with maybe_interpret(True):
-    got = run(K.mhc_row_boundary_qkv, X, y, mix, fn, coef, w, W, rows=rows)
+    got = run(K.mhc_row_boundary_gemv, X, y, mix, fn, coef, w, W, **kw)
     base = run(K.mhc_row_boundary, X, y, mix, fn, coef, w)
   for a, b in zip(got[:2], base[:2]):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
@@ -572,85 +580,101 @@ def test_boundary_qkv_interpret(first, rows):
   x = np.asarray(got[1], np.float32)
   ref = np.asarray(L.bf16_linear_reference(got[1], W))
   bound = 256 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(np.asarray(W, np.float32)).T)
-  assert got[3].shape == (1, 384) and got[3].dtype == (jnp.bfloat16 if rows else jnp.float32)
+  assert got[3].shape == (1, n) and got[3].dtype == kw.get("rows_dtype", jnp.float32)
   assert np.abs(ref).max() > 0
-  if rows:  # (the f32 sum's bound, then one bf16 rounding)
+  if form == "rows":  # (the f32 sum's bound, then one bf16 rounding)
     bound = bound + np.abs(ref) * 2.0 ** -8
   assert (np.abs(np.asarray(got[3], np.float32) - ref) <= bound).all(), seed
   X2, y2 = jnp.concatenate([X, X]), jnp.concatenate([y, y])
-  for args, pat in (((X2, y2, mix, fn, coef, w, W), r"2 token rows, W \(384, 256\)"),
-                    ((X, y, mix, fn, coef, w, W[:, :128]), r"W \(384, 128\) bfloat16"),
-                    ((X, y, mix, fn, coef, w, W.astype(jnp.float32)), r"W \(384, 256\) float32"),
-                    ((X, y, mix, fn, coef, w, W[:320]), r"N % 128 == 0 rows \(here 320\)")):
+  for args, pat in (((X2, y2, mix, fn, coef, w, W), rf"2 token rows, W \({n}, 256\)"),
+                    ((X, y, mix, fn, coef, w, W[:, :128]), rf"W \({n}, 128\) bfloat16"),
+                    ((X, y, mix, fn, coef, w, W.astype(jnp.float32)), rf"W \({n}, 256\) float32"),
+                    ((X, y, mix, fn, coef, w, W[:60]), r">= 64 rows, a multiple of 8 \(here 60\)")):
     with pytest.raises(ValueError, match=pat):
-      K.mhc_row_boundary_qkv(*args, **GRID_CONSTS)
+      K.mhc_row_boundary_gemv(*args, **GRID_CONSTS)
 
 
-def test_boundary_qkv_lowers_for_cuda():
-  """At the real TP4 rank (D = 4096, the KDA q/k/v weight [6144, 4096] bf16): 32 boundary CTAs + 96 GEMV CTAs (48
-  row tiles x 2 K splits, a 6-stage ring: one CTA per SM, all resident); a first site, then a later one on
-  barrier_counters' Ref with the rows form (boundary_qkv_rows: 96 64-row tiles, no K split, a 12-stage ring, z's
-  bf16 row written by the grid), lean (the step's build; the default build lowers in the GPU test), each launch
-  aliasing it; counters refused without the Ref."""
+def test_boundary_gemv_lowers_for_cuda():
+  """At the real TP4 rank (D = 4096), lean (the step's build; the default build lowers in the GPU test), on one
+  barrier_counters' Ref (each launch aliasing it): a first site with the KDA q/k/v weight [6144, 4096] bf16 (32
+  boundary CTAs + 96 GEMV CTAs: 48 row tiles x 2 K splits, a 6-stage ring — one CTA per SM, all resident), a later
+  one in the rows form (boundary_qkv_rows: 96 64-row tiles, no K split, a 12-stage ring, z's bf16 row written by
+  the grid), and one with the router's [288, 4096] (boundary_router: 5 tiles x 8 K splits of 4 steps, summed on the
+  split-K counters — another aliased Ref — into z's f32 row; x_in in f16 too, as the MoE's boundary writes it);
+  counters refused without the Refs."""
+  from pallas_kernels import linear as L  # noqa: PLC0415
   args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
-  Ws = jax.ShapeDtypeStruct((6144, 4096), jnp.bfloat16)
-  plan = K.boundary_qkv_plan(6144, 4096)
-  assert (plan.bm, plan.split, plan.stages) == (128, 2, 6) and K.boundary_qkv_why(6144, 4096) == ""
-  plan = K.boundary_qkv_plan(6144, 4096, rows=True)
-  assert (plan.bm, plan.split, plan.stages) == (64, 1, 12) and K.boundary_qkv_why(6144, 4096, rows=True) == ""
-  assert "not all resident" in K.boundary_qkv_why(6144 * 3, 4096)
-  def two(W, X, y, mix, fn, coef, w):
-    ref = K.barrier_counters()
+  Wq, Wr = jax.ShapeDtypeStruct((6144, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((288, 4096), jnp.bfloat16)
+  for n, form, want in ((6144, {}, (128, 2, 6)), (6144, dict(bm=64, split=1), (64, 1, 12)),
+                        (288, dict(bm=64, split=8), (64, 8, 4))):
+    plan = K.boundary_gemv_plan(n, 4096, **form)
+    assert (plan.bm, plan.split, plan.stages) == want and K.boundary_gemv_why(n, 4096, **form) == ""
+  assert "not all resident" in K.boundary_gemv_why(6144 * 3, 4096)
+
+  def three(Wq, Wr, X, y, mix, fn, coef, w):
+    ref, splitk = K.barrier_counters(), L.splitk_counters()
     kw = dict(approx_math=True, launches=1, counters=ref, lean=True, **GRID_CONSTS)
-    a = K.mhc_row_boundary_qkv(X, y, mix, fn, coef, w, W, first=True, parity=0, **kw)
-    b = K.mhc_row_boundary_qkv(a[0], y, mix, fn, coef, w, W, parity=1, rows=True, **kw)
-    return a[3], b[3]
-  txt = cross_lower(two, Ws, *args).as_text()
+    a = K.mhc_row_boundary_gemv(X, y, mix, fn, coef, w, Wq, first=True, parity=0, **kw)
+    b = K.mhc_row_boundary_gemv(a[0], y, mix, fn, coef, w, Wq, parity=1, **QKV_ROWS, **kw)
+    c = K.mhc_row_boundary_gemv(b[0], y, mix, fn, coef, w, Wr, parity=0, splitk=splitk, x16=True, **ROUTER, **kw)
+    return a[3], b[3], c[3], c[1][1]
+  txt = cross_lower(three, Wq, Wr, *args).as_text()
   calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
-  assert len(calls) == 2 and all("output_operand_alias" in line for line in calls), calls
-  assert "glm5_mhc_row_boundary_qkv" in txt and "tensor<1x6144xbf16>" in txt
+  assert len(calls) == 3 and all("output_operand_alias" in line for line in calls), calls
+  assert "glm5_mhc_row_boundary_gemv" in txt and "tensor<1x6144xbf16>" in txt and "tensor<1x288xf32>" in txt
+  assert "tensor<1x4096xf16>" in calls[2]
+  assert f"tensor<{L.SPLITK_COUNTERS}xi32>" in calls[2]
   X, y, mix, fn, coef, w = _inputs(1, 256, 0)
+  W = _gemv_weight(384, 256, 0)
   with pytest.raises(ValueError, match=r"counters None, expected barrier_counters\(\)' Ref \[4\]"):
-    K.mhc_row_boundary_qkv(X, y, mix, fn, coef, w, _qkv_weight(384, 256, 0), launches=1, **GRID_CONSTS)
+    K.mhc_row_boundary_gemv(X, y, mix, fn, coef, w, W, launches=1, **GRID_CONSTS)
+  with pytest.raises(ValueError, match=r"z's rows from 2 K splits need splitk"):
+    K.mhc_row_boundary_gemv(X, y, mix, fn, coef, w, W, launches=1, counters=K.barrier_counters(),
+                            **dict(ROUTER, split=2), **GRID_CONSTS)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lean,rows", [(False, False), (True, False), (True, True)])
-def test_boundary_qkv_gpu(lean, rows):
+@pytest.mark.parametrize("lean,form", [(False, "qkv"), (True, "qkv"), (True, "rows"), (True, "router")])
+def test_boundary_gemv_gpu(lean, form):
   """The one grid natively at the real rank: a chain of three sites (first, then parities 1, 0 on one counters
   Ref) — each site's X', x_in and partials bit for bit mhc_row_boundary's on the same inputs, its z bit for bit
-  bf16_linear's on that x_in with the same plan (the same K splits, summed in the same order), and the counters
-  left as the scheme says: the last site's (parity 0) barrier and x_in-ready counters at G, the others zeroed.
-  (``rows``: boundary_qkv_rows' plan, z in bf16.)"""
+  bf16_linear's on that x_in with the same plan (the same K splits, summed in the same order; the router's on the
+  split-K counters too; x_in in f16 too, as the MoE's boundary writes it), and the counters left as the scheme
+  says: the last site's (parity 0) barrier and x_in-ready counters at G, the others zeroed (and the split-K
+  counters all zero)."""
   from pallas_kernels import linear as L  # noqa: PLC0415
+  kw_form = {"qkv": QKV, "rows": QKV_ROWS, "router": ROUTER}[form]
+  n = 288 if form == "router" else 6144
   X, y, mix, fn, coef, w = _inputs(1, 4096, 21)
-  W = _qkv_weight(6144, 4096, 21)
-  plan = K.boundary_qkv_plan(6144, 4096, rows)
-  kw = dict(approx_math=True, launches=1, lean=lean, **GRID_CONSTS)
+  W = _gemv_weight(n, 4096, 21)
+  plan = K.boundary_gemv_plan(n, 4096, bm=kw_form.get("bm"), split=kw_form.get("split"))
+  out_dtype = kw_form.get("rows_dtype", jnp.float32)
+  kw = dict(approx_math=True, launches=1, lean=lean, x16=form == "router", **GRID_CONSTS)
 
   def chain(X, W):
-    ref = K.barrier_counters()
+    ref, splitk = K.barrier_counters(), L.splitk_counters()
     outs, Xi = [], X
     for i in range(3):
-      outs.append(K.mhc_row_boundary_qkv(Xi, y, mix, fn, coef, w, W, first=i == 0, parity=i % 2,
-                                         counters=ref, rows=rows, **kw))
+      outs.append(K.mhc_row_boundary_gemv(Xi, y, mix, fn, coef, w, W, first=i == 0, parity=i % 2, counters=ref,
+                                          **({"splitk": splitk} if form == "router" else {}), **kw_form, **kw))
       Xi = outs[-1][0]
-    return outs, ref[...]
+    return outs, ref[...], splitk[...]
 
   def plain(X, W):
-    ref = K.barrier_counters()
+    ref, splitk = K.barrier_counters(), L.splitk_counters()
     outs, Xi = [], X
     for i in range(3):
-      o = K.mhc_row_boundary(Xi, y, mix, fn, coef, w, first=i == 0, parity=i % 2, counters=ref,
-                             **kw)
-      outs.append((*o, L.bf16_linear(o[1], W, plan=plan, out_dtype=jnp.bfloat16 if rows else jnp.float32)))
+      o = K.mhc_row_boundary(Xi, y, mix, fn, coef, w, first=i == 0, parity=i % 2, counters=ref, **kw)
+      outs.append((*o, L.bf16_linear(o[1][0] if form == "router" else o[1], W, plan=plan, out_dtype=out_dtype,
+                                     **({"counters": splitk} if form == "router" else {}))))
       Xi = o[0]
     return outs
-  got, ctr = jax.jit(chain)(X, W)
+  got, ctr, sk = jax.jit(chain)(X, W)
   want = jax.jit(plain)(X, W)
   for g, r in zip(got, want):
-    for i, (a, b) in enumerate(zip(g, r)):
-      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-      np.testing.assert_array_equal(a[:, :1] if i == 2 else a, b[:, :1] if i == 2 else b)
-  assert np.abs(np.asarray(got[-1][3])).max() > 0
+    g, r = (*g[:2], g[2][:, :1], g[3]), (*r[:2], r[2][:, :1], r[3])  # (the partials' row 0: the real one)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert np.abs(np.asarray(got[-1][3], np.float32)).max() > 0
   assert np.asarray(ctr).tolist() == [32, 0, 32, 0], np.asarray(ctr)
+  assert not np.asarray(sk).any(), np.asarray(sk)
