@@ -28,17 +28,11 @@
 #                             kernel test, then q = 1: auto vs the defaults vs moe_one_grid off in one call
 #   s60e (either):            q = 4: moe_h_rows (the verify's MoE without XLA's glue between its kernels) — its GPU
 #                             test, then against the defaults (LAYERS=32 on an H100)
-#   s61a (either):            session 61's boundary_qkv (the mHC boundary and the KDA q/k/v GEMV as one grid): its
-#                             GPU tests and the boundaries' counter chains (barrier_counters now [4]), then q = 1:
-#                             auto vs the defaults vs boundary_qkv (and boundary_qkv_rows) vs boundary_router (the
-#                             MoE's router GEMV in its boundary's grid), 5 interleaved repeats (LAYERS=32 on an H100)
-#   s61b (either):            the step traced at q = 1 (LAYERS=32 on an H100) with the defaults and with
-#                             boundary_qkv + boundary_router (each slower by ~3.5 µs a site in s61a): where it goes
 #   h100 (nvidia-h100-x1):    when no H200 is lent (sessions 59-60): the one-grid MoE / router / boundary GPU tests,
 #                             the in-kernel profiles of the boundary, the MoE's two kernels and its one grid, then
 #                             q = 1 on the first 32 layers (LAYERS): auto vs the defaults vs POLICY (default
 #                             moe_one_grid off) — an H100's numbers, not the H200's
-#   Modes of past sessions (s25 .. s59a and the one-off probes) are in git history: each BENCHMARKS.md
+#   Modes of past sessions (s25 .. s59a, s61a-b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
 set -uo pipefail
@@ -46,8 +40,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s60a|s60b|s60d|s60e|s61a|s61b|h100) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s60a .. s61b, h100)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s60a|s60b|s60d|s60e|h100) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s60a .. s60e, h100)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -199,20 +193,6 @@ case "$MODE" in
     # writing h's rows itself (no XLA glue between the MoE's two kernels) against the defaults
     gpu_tests s60e 150 gpu "h_rows_gpu" tests/test_linear_kernels.py \
       && rank1 s60e --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"moe_h_rows": true}'
-    ;;
-  s61a)  # (either; LAYERS=32 on an H100) boundary_qkv / boundary_router: their GPU tests (a hang — a CTA not resident — ends at the
-    # timeout) and the counter chains, then q = 1: auto (issue #9's ratio; BACKENDS=latency_specialized without it)
-    # vs the defaults vs the KDA boundary + q/k/v GEMV as one grid (its K splits summed by XLA, or its rows form) vs
-    # the MoE boundary + router GEMV as one grid
-    gpu_tests s61a 200 gpu "boundary_gemv_gpu or counters_gpu" tests/test_mhc.py \
-      && rank1 s61a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 \
-        --backend ${BACKENDS:-auto latency_specialized} --policy '{}' '{"boundary_qkv": true}' \
-        '{"boundary_qkv": true, "boundary_qkv_rows": true}' '{"boundary_router": true}'
-    ;;
-  s61b)  # (either; LAYERS=32 on an H100) the traces behind s61a (benchmarks/sublayer_chain.py on the events)
-    rank1 s61b --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" \
-      --policy '{}' '{"boundary_qkv": true, "boundary_router": true}'
-    rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   h100)  # (nvidia-h100-x1) see the header
     gpu_tests h100 200 gpu "one_grid_gpu or router_in_the_gate_up or row_boundary" tests/test_mhc.py \

@@ -161,9 +161,8 @@ class KDA(nnx.Module):
     self.o_proj = Linear(HD, D, dtype, (EMBED, KDA_HD))
     self.head_dim, self.kernel, self.lower_bound, self.eps = Kd, Kc, cfg.linear_lower_bound, cfg.rms_norm_eps
 
-  def __call__(self, x, cache, ctx: StepCtx, dtype, *, z=None):
-    """x [B, T, D] -> (y [B, T, D], new cache). cache: conv [B, Wc, 3C] (C local channels), ssm [B, Q, H, K, V].
-    ``z``: the q/k/v projection [B, T, 3C] where the mHC boundary's grid computed it (policy knob boundary_qkv)."""
+  def __call__(self, x, cache, ctx: StepCtx, dtype):
+    """x [B, T, D] -> (y [B, T, D], new cache). cache: conv [B, Wc, 3C] (C local channels), ssm [B, Q, H, K, V]."""
     B, T, _ = x.shape
     Kd, Kc = self.head_dim, self.kernel
 
@@ -174,9 +173,7 @@ class KDA(nnx.Module):
       fgb = self.fgb_a_proj.joint(x, dtype)  # [B, T, 2r + all heads]
       return fgb, self.fg_b_proj(fgb, dtype, prefix=True).astype(jnp.float32)  # [B, T, 2C]: f | gate
 
-    if z is not None:  # (boundary_qkv: already projected)
-      fg = None
-    elif kernel_enabled("kda_gates_first", B * T):
+    if kernel_enabled("kda_gates_first", B * T):
       # the qkv GEMV takes x through a barrier with the gates' fg_b output, so its launch follows theirs. In
       # s51b's trace the gates' second GEMV (2.3 µs) waited for the 14 µs qkv GEMV on every KDA layer's chain,
       # with no data between them; the barrier has no buffer of its own, so the CUDA graph's edges stay the data's

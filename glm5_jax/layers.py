@@ -290,31 +290,6 @@ KNOBS = {
         "Interpret-mode equal to its reference (session 57); natively correct at 3 and 4 rows (its GPU tests, "
         "session 60) and slower than the grid form on Hopper: q = 4, an H100, the first 32 layers, 6.54 -> 6.67 ms "
         "(0 of 4 paired rounds faster, s60a) — off (Blackwell's form)"),
-    "boundary_qkv": (False,
-        "with mhc_row, mhc_grid_barrier and mhc_barrier_counters at one token row: the mHC boundary before a KDA "
-        "sublayer and that sublayer's q/k/v GEMV (bf16 [3C, D], 50 MB at one TP4 rank: XLA's 14 µs, ~3.5 TB/s) as "
-        "ONE grid (pallas_kernels.mhc.mhc_row_boundary_gemv): the boundary's 32 CTAs as before, and 96 GEMV CTAs "
-        "(bf16_linear's plan beside them, one CTA per SM, a 6-stage ring of 128 x 128 tiles) that request their "
-        "first weight tiles at the kernel's start — ~20 MB streaming during the boundary's ~7 µs, when HBM "
-        "idles — and take x_in once the boundary's CTAs publish it (a counter of barrier_counters' Ref). The "
-        "overlap that paid for the MoE (moe_one_grid), applied to the sublayer with the largest first GEMV (34 "
-        "per step). z is bf16_linear's (the same plan, its K splits summed by XLA) instead of XLA's GEMV: the "
-        "same products, summed in another order. CPU-built (session 61): off until measured"),
-    "boundary_router": (False,
-        "with mhc_row, mhc_grid_barrier and mhc_barrier_counters at one token row, and the MoE's router selection "
-        "in its gate/up kernel (moe_router_in_kernel): the mHC boundary before a MoE sublayer and the router's "
-        "logits GEMV (bf16 [E, D]: 2.4 MB at 288 experts) as ONE grid (pallas_kernels.mhc.mhc_row_boundary_gemv: "
-        "40 GEMV CTAs, 5 64-row tiles x 8 K splits of 4 steps — the whole weight requested at the kernel's start, "
-        "while the boundary runs — summed on the step's split-K counters and written as f32 logits by each tile's "
-        "last split) instead of XLA's ~2 µs GEMV launched after the boundary, on every MoE layer's chain (42 per "
-        "step). Not session 59's mhc_router (removed: the logits as the boundary's 32 partial sums, which each of "
-        "the MoE's 289 CTAs had to add): the MoE reads finished logits. CPU-built (session 61): off until "
-        "measured"),
-    "boundary_qkv_rows": (False,
-        "with boundary_qkv: the grid's GEMV in 64-row tiles without a K split (96 CTAs of 32 steps, a 12-stage "
-        "ring), each CTA writing its rows of z in bf16 itself (linear._rows_out) — no XLA reduction of the K splits "
-        "between the grid and the KDA kernel: one launch fewer on each KDA layer's chain (34 per step at q = 1). "
-        "CPU-built (session 61): off until measured"),
     "mhc_barrier_counters": (True,
         "with mhc_grid_barrier on: the boundaries' grid barriers on two int32 counters of one jax Ref per step "
         "(pallas_kernels.mhc.barrier_counters: boundary i meets on counter i % 2 and zeroes the other for boundary "
@@ -524,6 +499,20 @@ REMOVED_KNOBS = {
                   "GEMV): an H100, 32 layers, q = 1: 3.01 -> 3.08 ms (0 of 4 rounds), rebuilt a tie (2.98 vs 2.98, "
                   "session 59 — the gate/up selection 3.3 -> 6.9 µs adding the 32 partials); the H200's full step "
                   "3.50 -> 3.56 ms (0 of 4, s59a, session 60); removed in session 61",
+    "boundary_qkv": "the one-row mHC boundary and the KDA q/k/v GEMV as one grid (the GEMV's CTAs streaming their "
+                    "first weight tiles during the boundary, x_in awaited on a counter): natively correct, slower — "
+                    "an H100, 32 layers, q = 1: 2.92 -> 3.00 ms (0 of 4 rounds, s61a); its trace (s61b): the grid "
+                    "took 24.6 µs, the boundary + XLA's GEMV 6.0 + 19.2 (no overlap gained), and the KDA gates' "
+                    "GEMVs, readers of x_in, now waited for the whole grid (+5 µs a layer); built and removed in "
+                    "session 61",
+    "boundary_qkv_rows": "boundary_qkv's GEMV in 64-row tiles without a K split, z's rows written by the grid: "
+                         "2.92 -> 3.29 ms (0 of 4, s61a); built and removed in session 61",
+    "boundary_router": "the one-row mHC boundary before a MoE sublayer and the router's logits GEMV as one grid (the "
+                       "whole 2.4 MB weight in flight during the boundary, 8 K splits summed in the grid): 2.92 -> "
+                       "3.01 ms (0 of 4 rounds, s61a, an H100, 32 layers); its trace (s61b): the grid 9.6 µs vs "
+                       "the boundary 5.7 + XLA's router GEMV 2.5 — after x_in the in-grid GEMV's chain of "
+                       "dependent GMEM round trips (the poll, x's TMA, the split sums' stores, waits and loads) "
+                       "took ~4 µs; built and removed in session 61",
 }
 
 # Kernels that pass in GPU interpret mode but compute wrong results natively (their GPU tests fail): the policy
@@ -569,9 +558,6 @@ WGMMA_KNOBS = {
     "fp8_linear": "fp8_linear / fp8_dq_linear",
     "fp8_moe": "the MoE's gate/up and down kernels",
     "moe_one_grid": "the MoE's two kernels as one grid",
-    "boundary_qkv": "the mHC boundary and the KDA q/k/v GEMV as one grid",
-    "boundary_qkv_rows": "the mHC boundary and the KDA q/k/v GEMV as one grid",
-    "boundary_router": "the mHC boundary and the MoE router's GEMV as one grid",
     "bf16_linear": "bf16_linear",
     "sparse_mla": "the sparse MLA attention",
     "mla_uv_kernel": "W_UV (mla_absorb_uv)",
@@ -748,20 +734,6 @@ def _next_barrier_counters(km):
   out = (cell["barrier"], cell["parity"])
   cell["parity"] ^= 1
   return out
-
-
-def _boundary_gemv_form(knob: str, D: int) -> tuple[dict, object]:
-  """A boundary + GEMV grid's GEMV form (pallas_kernels.mhc.mhc_row_boundary_gemv) -> (its tiling, z's row dtype
-  or None — the K splits' f32 partials summed by XLA after the grid): boundary_qkv's default plan (48 128-row tiles
-  x 2 splits), or with boundary_qkv_rows 64-row tiles and no split, z's bf16 rows written by the grid; the
-  router's logits (boundary_router) in 64-row tiles x 8 splits (of D = 4096: 4 steps each; fewer where D / 128
-  has no such divisor) — the whole 2.4 MB weight requested at once — summed in the grid on the split-K counters and
-  written as f32 rows, what the MoE's selection reads."""
-  if knob == "boundary_router":
-    return {"bm": 64, "split": max(d for d in range(1, 9) if (D // 128) % d == 0)}, jnp.float32
-  if kernel_switch("boundary_qkv_rows"):
-    return {"bm": 64, "split": 1}, jnp.bfloat16
-  return {}, None
 
 
 def _splitk_counters(kl):
@@ -1044,7 +1016,7 @@ class HyperConnection(nnx.Module):
     return out.astype(X.dtype)
 
   # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)
-  def fused(self, X2, pending, norm: "RMSNorm", x16: bool = False, gemv=None):
+  def fused(self, X2, pending, norm: "RMSNorm", x16: bool = False):
     """The kernel path of a boundary: the previous sublayer's post fused with this site's pre and the sublayer
     RMSNorm. X2 [M, N·D] bf16 residual *before* the previous post; pending = (y [M, D], mix) of the previous
     sublayer, or None at the first site -> (X2' [M, N·D] after the post, x_in [M, D] = norm(u), mix = (post_t
@@ -1052,32 +1024,15 @@ class HyperConnection(nnx.Module):
     row, C = M rounded up to 64, pallas_kernels.mhc.mix_rows reads them back). Rows beyond 64 go in chunks of 64
     (a chunk's mix is its 64 columns). ``x16`` (policy knob dq_f16, for a sublayer whose FP8 kernels read x in
     f16): x_in as (bf16, f16) where the boundary kernel writes both (the one-launch forms), else x_in alone (the
-    sublayer's kernels convert it). ``gemv`` = (knob, W): the sublayer's first bf16 GEMV on x_in (W [n, D];
-    policy knob boundary_qkv — the KDA q/k/v weight — or boundary_router — the MoE router's) -> a fourth result,
-    z = x_in @ W.T [M, n] (its dtype: ``_boundary_gemv_form``) where the one-row boundary computed it in its grid,
-    else None (the sublayer computes it; the site declined with its reason)."""
-    out = self._fused(X2, pending, norm, x16, gemv)
-    return out if gemv is not None else out[:3]
-
-  def _fused(self, X2, pending, norm: "RMSNorm", x16: bool, gemv):
-    """``fused`` -> (X2', x_in, mix, z or None)."""
+    sublayer's kernels convert it)."""
     from pallas_kernels import mhc as km  # noqa: PLC0415
     M, R = X2.shape[0], km.ROWS
-
-    def no_gemv(why):  # (the site's decision where this boundary's form runs no GEMV)
-      if gemv is not None:
-        kernel_enabled(gemv[0], M, fits=False, why=why)
-        if gemv[0] == "boundary_qkv" and kernel_switch("boundary_qkv_rows"):
-          kernel_enabled("boundary_qkv_rows", M, fits=False, why="boundary_qkv declined at this site")
-      return None
-
     if M > R:
       parts = [self.fused(X2[i:i + R], None if pending is None else
                           (pending[0][i:i + R], tuple(a[:, i:i + R] for a in pending[1])), norm)
                for i in range(0, M, R)]
       return (jnp.concatenate([p[0] for p in parts], axis=0), jnp.concatenate([p[1] for p in parts], axis=0),
-              tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)),
-              no_gemv(f"the one-row boundary at one token row (here {M})"))
+              tuple(jnp.concatenate([p[2][j] for p in parts], axis=1) for j in range(2)))
     y, mix = pending if pending is not None else (None, None)
     # approximate reciprocal / exp / rsqrt in the kernels (like the sparse MLA and indexer kernels): 5.15 -> 4.84
     # µs per finish call alone on the H200, post/comb within 9.2e-7 relative of the exact kernel, x_in
@@ -1108,35 +1063,11 @@ class HyperConnection(nnx.Module):
       _wgmma_form(row, "mhc_post_finish")
       # lean_barriers: the boundary built without Mosaic's automatic barriers, its own where the data needs them
       lean = kernel_enabled("lean_barriers")
-      kw = dict(first=pending is None, norm_eps=norm.eps, eps=self.eps, hc_norm_eps=self.norm_eps, approx_math=True,
-                counters=counters, parity=parity, lean=lean)
-      # boundary_qkv / boundary_router: at one token row, the sublayer's first GEMV in the boundary's grid (its
-      # weights streaming while the boundary runs)
-      if gemv is not None:
-        knob, W = gemv
-        form, dtype = _boundary_gemv_form(knob, D)
-        why = km.boundary_gemv_why(W.shape[0], D, **form) or (
-            "" if W.dtype == jnp.bfloat16 and W.shape[1] == D else f"a bf16 [n, {D}] weight (here {W.dtype})")
-        native = counters is not None or _interpreting()
-        splitk = {}  # (z's rows from several K splits: their sum on the step's split-K counters)
-        if dtype is not None and form.get("split", 1) > 1 and not _interpreting():
-          native = native and _COUNTERS.get() is not None
-          from pallas_kernels import linear as kl  # noqa: PLC0415
-          splitk = {"splitk": _splitk_counters(kl)} if native else {}
-        on = kernel_enabled(knob, M, fits=row and M == 1 and native and not why,
-                            why=why or f"the one-row boundary (mhc_row) at one token row (here {M}) with "
-                            "mhc_barrier_counters (the grid's x_in readiness)")
-        if knob == "boundary_qkv" and kernel_switch("boundary_qkv_rows"):
-          kernel_enabled("boundary_qkv_rows", M, fits=on, why="boundary_qkv declined at this site")
-        if on:
-          Xn, x_in, part, z = km.mhc_row_boundary_gemv(X2, y, mix, self.fn[...], coef, norm.weight[...], W, **form,
-                                                       rows_dtype=dtype, **splitk, **kw,
-                                                       **({"x16": True} if x16 else {}))
-          return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts), z
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
-          X2, y, mix, self.fn[...], coef, norm.weight[...], **kw, **({"x16": True} if x16 else {}))
-      return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts), None
-    no_gemv("the one-launch boundary (mhc_grid_barrier) at this site")
+          X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
+          hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,
+          **({"x16": True} if x16 else {}))
+      return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     _wgmma_form(False, "mhc_post_pre")
     Xn, part = km.mhc_post_pre(X2, y, mix, self.fn[...], first=pending is None, cols=32 if narrow else km.DC)
@@ -1150,11 +1081,11 @@ class HyperConnection(nnx.Module):
       finish = functools.partial(km.mhc_finish, cols=64 if narrow else km.DC_FIN)
       if kernel_enabled("mhc_sinkhorn_split"):
         x_in = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, sinkhorn=False, **consts)
-        return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, rows=M if raw else None, **consts), None
+        return Xn, x_in, km.mhc_sinkhorn(tot_t, coef, D=D, rows=M if raw else None, **consts)
     else:
       finish = km.mhc_finish_reference
     x_in, post_t, comb_t = finish(Xn, tot_t, coef, norm.weight[...], norm_eps=norm.eps, **consts)
-    return Xn, x_in, (post_t, comb_t), None
+    return Xn, x_in, (post_t, comb_t)
 
   @staticmethod
   def unpack(mix, lead):
@@ -1419,25 +1350,9 @@ class MoE(nnx.Module):
     self.shared_experts = (MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fp8_block)
                            if cfg.n_shared_experts else None)
 
-  def takes_logits(self, rows: int) -> tuple[bool, str]:
-    """(whether this MoE's call at ``rows`` token rows reads its router logits from outside — the mHC boundary's
-    grid, policy knob boundary_router: where the router's selection runs inside the gate/up kernel, the logits'
-    only reader (the switches and fits of __call__'s moe_router_in_kernel site, without a report entry) —, why
-    not)."""
-    ex = self.experts
-    _, moe_fits, _ = gemv_mma(ex.gate_proj.shape[1], ex.fp8_block is not None and ex.gate_proj.shape[1] % 128 == 0,
-                              "", fp8=True)
-    fits, _ = self.gate.kernel_fits(ex.gate_proj.shape[0])
-    switches = ("fp8_moe", "moe_router_in_kernel", "router_kernel")
-    ok = rows == 1 and moe_fits and fits and all(kernel_switch(k) for k in switches)
-    return ok, (f"one token row (here {rows}) and the router's selection in the MoE's gate/up kernel "
-                f"({', '.join(switches)} on and fitting)")
-
-  def __call__(self, x, dtype, *, return_ids=False, x16=None, logits=None):
+  def __call__(self, x, dtype, *, return_ids=False, x16=None):
     """x [B, T, D] -> [B, T, D]; one psum for routed + shared. ``x16``: x's f16 copy (the mHC boundary's, policy
-    knob dq_f16): the f16 MoE kernels read it instead of converting x; the router reads x. ``logits``: the router's
-    logits [B·T, E] f32 where the mHC boundary's grid computed them (policy knob boundary_router; ``takes_logits``
-    said yes)."""
+    knob dq_f16): the f16 MoE kernels read it instead of converting x; the router reads x."""
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
     ex = self.experts
@@ -1483,10 +1398,7 @@ class MoE(nnx.Module):
           ids, w, tables = self.gate.with_tables(xf, n_pad=n_pad, mp=mp, shared=self.shared_experts is not None)
       if in_gate_up:
         kernel_enabled("router_kernel", rows)  # (its site: the gate/up kernel runs its selection)
-        logits = self.gate.logits(xf).astype(jnp.float32) if logits is None else logits
-      elif logits is not None:  # (takes_logits said yes: the two sites' conditions disagree — a bug)
-        raise ValueError("MoE: router logits given to a MoE that does not select in its gate/up kernel "
-                         "(MoE.takes_logits and moe_router_in_kernel's site disagree)")
+        logits = self.gate.logits(xf).astype(jnp.float32)
       elif tables is None:
         ids, w = self.gate(xf)
     if moe_kernel:

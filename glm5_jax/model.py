@@ -65,40 +65,23 @@ class DecoderLayer(nnx.Module):
     B, T = bt
     with jax.named_scope("mhc"):
       # dq_f16: the boundary also writes x_in in f16 for the sublayer's FP8 kernels (none in a KDA sublayer)
-      # boundary_qkv: the KDA sublayer's q/k/v GEMV in the boundary's grid (z None where the site declines it)
-      gemv = {}
-      if self.is_kda and kernel_switch("boundary_qkv"):
-        W = self.self_attn.qkv_proj.weight[...]
-        gemv = {"gemv": ("boundary_qkv", W.reshape(-1, W.shape[-1]))}
-      X2, x, mix, *z = self.attn_hc.fused(X2, pending, self.input_layernorm,
-                                          x16=not self.is_kda and f16_copies(B * T), **gemv)
+      X2, x, mix = self.attn_hc.fused(X2, pending, self.input_layernorm, x16=not self.is_kda and f16_copies(B * T))
       x, x16 = x if isinstance(x, tuple) else (x, None)
     with jax.named_scope("kda" if self.is_kda else "dsa"):
       if self.is_kda:
-        z = z[0].astype(dtype).reshape(B, T, -1) if z and z[0] is not None else None
-        y, cache = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype, z=z)
+        y, cache = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype)
       else:
         y, cache, a = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype,
                                      x16=None if x16 is None else x16.reshape(B, T, -1))
         aux["idx"] = a["idx"]
     with jax.named_scope("mhc"):
-      # boundary_router: the MoE router's logits in the boundary's grid (where the MoE selects in its gate/up
-      # kernel: the logits' only reader)
-      gemv = {}
-      if self.is_moe and kernel_switch("boundary_router"):
-        ok, why = self.mlp.takes_logits(B * T)
-        if ok:
-          gemv = {"gemv": ("boundary_router", self.mlp.gate.weight[...])}
-        else:
-          kernel_enabled("boundary_router", B * T, fits=False, why=why)
-      X2, x, mix, *logits = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm,
-                                              x16=f16_copies(B * T), **gemv)
+      X2, x, mix = self.ffn_hc.fused(X2, (y.reshape(B * T, -1), mix), self.post_attention_layernorm,
+                                     x16=f16_copies(B * T))
       x, x16 = x if isinstance(x, tuple) else (x, None)
       x16 = None if x16 is None else x16.reshape(B, T, -1)
     with jax.named_scope("moe" if self.is_moe else "mlp"):
       if self.is_moe:
-        y, aux["experts"] = self.mlp(x.reshape(B, T, -1), dtype, return_ids=True, x16=x16,
-                                     logits=logits[0] if logits else None)
+        y, aux["experts"] = self.mlp(x.reshape(B, T, -1), dtype, return_ids=True, x16=x16)
       else:
         y = self.mlp(x.reshape(B, T, -1), dtype, x16=x16)
     return X2, cache, aux, (y.reshape(B * T, -1), mix)

@@ -676,46 +676,29 @@ def fp8_linear_reference(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, ou
 # BF16 linear
 # ------------------------------------------------------------------------------------------------------------
 def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int, fused_sum: bool = False,
-                        rows: bool = False, tc05: bool = False, t=None, x_ready=None, lean: bool = False):
+                        rows: bool = False, tc05: bool = False):
   """One CTA = (row tile, K split); a single accumulator over the CTA's K range; writes o[split, rows, :mp].
   When bm does not divide N the last tile starts at N - bm (overlapping its neighbour, which writes the same
   values there): no out-of-bounds TMA box, the output keeps N rows; the offset stays a multiple of 8 rows, as
   the tiled SMEM copy needs, because N is. ``fused_sum``: refs start with the split-K counters; ``rows``: the sum
   written as token rows (``_split_out``, ``_out_refs``). ``tc05``: the tcgen05 form — the CTA's K range accumulated
-  in TMEM, each MMA arriving on its slot's barrier when done (scratch: ``_tc_scratch`` with a barrier a slot).
-  As a role of another kernel's grid (pallas_kernels.mhc.mhc_row_boundary_gemv): ``t`` its item, and ``x_ready``
-  called after the first ``stages`` weight tiles are requested and before any x tile is (x is written by the other
-  role's CTAs: the weights stream meanwhile); ``lean``: built without Mosaic's automatic barriers (a warpgroup
-  barrier before each refill, ``_refill``)."""
+  in TMEM, each MMA arriving on its slot's barrier when done (scratch: ``_tc_scratch`` with a barrier a slot)."""
   ctr_g, o_ref, y, (w_s, x_s, bar, *tc) = _out_refs(refs, fused_sum, plan.split, rows)
   bm, bk, stages = plan.bm, plan.bk, plan.stages
   n = w_ref.shape[0]
-  t = lax.axis_index("t") if t is None else t
+  t = lax.axis_index("t")
   tile, sk = t % tiles, t // tiles
   row0 = tile * bm if n % bm == 0 else jnp.minimum(tile * bm, n - bm)
   k_base = sk * steps * bk
 
-  def issue_w(i):
-    plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(row0, bm), pl.ds(k_base + i * bk, bk)], w_s.at[i % stages],
-                            bar.at[i % stages])
-
-  def issue_x(i):  # (rows past x's: the TMA's zero fill)
-    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, x_s.shape[1]), pl.ds(k_base + i * bk, bk)], x_s.at[i % stages],
-                            bar.at[i % stages])
-
   def issue(i):
-    issue_w(i)
-    issue_x(i)
+    slot = i % stages
+    k0 = k_base + i * bk
+    plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], w_s.at[slot], bar.at[slot])
+    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, x_s.shape[1]), pl.ds(k0, bk)], x_s.at[slot], bar.at[slot])  # OOB: 0
 
-  if x_ready is None:
-    for i in range(stages):
-      issue(i)
-  else:  # (the weights first: they stream while the other role makes x)
-    for i in range(stages):
-      issue_w(i)
-    x_ready()
-    for i in range(stages):
-      issue_x(i)
+  for i in range(stages):
+    issue(i)
 
   # With >= 2 stages one wgmma stays in flight while the next tile is awaited, and the slot of the previous
   # step (whose wgmma has now finished) is refilled; with 1 stage the slot is refilled right after its wgmma.
@@ -728,7 +711,7 @@ def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int,
       plgpu.wgmma(acc, w_s.at[slot], x_s.at[slot].T)
       plgpu.wgmma_wait(lag)
       if i >= lag and i - lag + stages < steps:
-        _refill(issue, i - lag + stages, lean)
+        issue(i - lag + stages)
     return acc[...]
 
   def scope_tc05(acc_t, done, t_s):

@@ -47,16 +47,14 @@ untiled one for the TMA store of its M rows.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (counter_publish, counter_signal, counter_wait, fence_async_writes, interpreting,
-                                    kernel_entry, mgpu_kernel, saturate_f16, wg_barrier)
+from pallas_kernels._common import (counter_signal, counter_wait, fence_async_writes, interpreting, kernel_entry,
+                                    mgpu_kernel, saturate_f16, wg_barrier)
 
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
@@ -739,10 +737,8 @@ def barrier_counters():
   session 35's kernel listing). Boundary i (parity p = i % 2) meets on counter p, which boundary i - 1 zeroed, and
   its CTA 0 zeroes counter 1 - p for boundary i + 1: boundary i - 1 finished before boundary i started (boundary i
   reads its output), and boundary i + 1 starts after boundary i finishes. The Ref's buffer is each launch's
-  aliased operand, so XLA keeps the boundaries in this order. Counters 2 and 3 are the same pair for x_in's
-  readiness (``mhc_row_boundary_gemv``: counter 2 + p, counter 3 - p zeroed by every boundary's CTA 0 — a boundary
-  i + 1 starts after the kernel of boundary i, its waiting GEMV CTAs included, has finished)."""
-  return jax.new_ref(jnp.zeros((4,), jnp.int32))
+  aliased operand, so XLA keeps the boundaries in this order."""
+  return jax.new_ref(jnp.zeros((2,), jnp.int32))
 
 
 def _grid_barrier(ctr_g, par_g, g, G: int, lean: bool = False):
@@ -761,10 +757,8 @@ def _grid_barrier(ctr_g, par_g, g, G: int, lean: bool = False):
     p = par_g[0]
 
     @pl.when(g == 0)
-    def _():  # the previous boundary's counters, for the next one (barrier_counters)
+    def _():  # the previous boundary's counter, for the next one (barrier_counters)
       ctr_g[1 - p] = jnp.int32(0)
-      if ctr_g.shape[0] > 2:
-        ctr_g[3 - p] = jnp.int32(0)
 
     counter_signal(ctr_g.at[pl.ds(p, 1)])  # (_common: semaphore ops on a plain int32 ref)
     counter_wait(ctr_g.at[pl.ds(p, 1)], G)
@@ -1124,7 +1118,7 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
 
 
 def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int,
-                lean: bool = False, x16: bool = False, M: int = 1, on_x_in=None):
+                lean: bool = False, x16: bool = False, M: int = 1):
   """M token rows (up to PARTS_MAX_ROWS). ``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its
   halves as launches of their own. ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM
   store here is followed by a ``commit_smem`` before another thread or the TMA reads it, and a buffer another
@@ -1134,8 +1128,7 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
   commit, which every thread reaches after its tile load; xu_s / x_s rows are read back only by the thread that
   wrote that column. The barriers it needs besides: _sum_partials_t's and
   _grid_barrier's (``explicit``). ``x16``: x_in in f16 too (an output after x_in, its SMEM tile before the
-  barriers). ``on_x_in(ctr_g, par_g)`` (the one-launch form): called once the CTA's x_in columns are stored
-  (``mhc_row_boundary_gemv``: x_in's readiness published to the grid's GEMV CTAs)."""
+  barriers)."""
   G, _ = _grid_rows(D, ROW_COLS)
   consts = (D, eps, hc_norm_eps, norm_eps)
 
@@ -1186,8 +1179,6 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
       if x16:
         plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
       plgpu.wait_smem_to_gmem(0)
-    if on_x_in is not None:
-      on_x_in(ctr_g, par_g)
 
   return body
 
@@ -1254,142 +1245,3 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   Xn, got = (X, got) if first else (got[0], got[1:])
   part, x_in = got[0], (tuple(got[1:]) if x16 else got[1])
   return Xn, x_in, part
-
-
-# Policy knobs boundary_qkv / boundary_router: the one-row boundary and its sublayer's first bf16 GEMV on x_in as ONE
-# grid — before a KDA sublayer its q/k/v projection ([3C, D]: 50 MB at one TP4 rank, XLA's 14 µs), before a MoE
-# sublayer its router's logits ([E, D]: 2.4 MB, an XLA GEMV of ~2 µs between the boundary and the MoE's one grid).
-# The boundary is latency-bound (~7 µs, HBM idle) and the GEMV a launch after it whose first bytes arrive ~2-3 µs
-# in; here the GEMV's CTAs request their first ring stages of weight tiles at the kernel's start (the router's whole
-# weight; ~20 MB of the q/k/v's) and take x_in once the boundary's CTAs publish it (a counter of barrier_counters'
-# Ref: 2 + parity) — the MoE's one grid (moe_one_grid) with distinct roles per CTA.
-def boundary_gemv_plan(n: int, k: int, *, bm: int | None = None, split: int | None = None):
-  """The GEMV role's tiling for an [n, k] weight beside the boundary's k / 128 CTAs: one CTA per SM for both roles
-  (the ring as deep as one CTA's SMEM allows), so that every CTA of the grid is resident at once. ``bm`` /
-  ``split``: as plan_linear's (boundary_qkv_rows: 64-row tiles and no K split — each CTA's tile its rows' whole
-  sum; the router: 64-row tiles, 8 K splits of 4 steps — the whole weight in flight at once)."""
-  from pallas_kernels import linear as kl  # noqa: PLC0415
-  return kl.plan_linear(n, k, kl.MMA_ROWS["wgmma"], "bf16", bm=bm, split=split, target_ctas=kl.NUM_SMS - k // ROW_COLS)
-
-
-def boundary_gemv_why(n: int, D: int, **plan_kw) -> str:
-  """Why the boundary + GEMV grid cannot take an [n, D] weight ('' where it can): the shapes the bf16 GEMV's
-  plan needs, and a grid whose CTAs all fit on the SMs at once (the GEMV CTAs wait for the boundary's)."""
-  from pallas_kernels import linear as kl  # noqa: PLC0415
-  G = D // ROW_COLS
-  if D % ROW_COLS or not 1 <= G <= GRID_MAX_CTAS or n % 8 or n < 64:
-    return (f"a hidden size a multiple of {ROW_COLS} up to {GRID_MAX_CTAS * ROW_COLS} (here {D}) and a weight of "
-            f">= 64 rows, a multiple of 8 (here {n})")
-  try:
-    plan = boundary_gemv_plan(n, D, **plan_kw)
-  except ValueError as e:
-    return str(e)
-  ctas = G + -(-n // plan.bm) * plan.split
-  if ctas > kl.NUM_SMS:
-    return f"{ctas} CTAs (boundary {G} + GEMV) > {kl.NUM_SMS} SMs: not all resident at once"
-  return ""
-
-
-def _boundary_gemv_kernel(*refs, row_body, n_row_in: int, n_row_out: int, n_gemv_out: int, row_smem, G: int,
-                          gemv: dict, ring, fused: bool, x16: bool):
-  """CTA g < G: the one-row boundary's CTA g (``_row_kernel``, x_in's readiness published on counter 2 + p);
-  CTA g >= G: GEMV item g - G (``linear._bf16_linear_kernel``: its first stages' weight tiles requested, then x_in
-  awaited — a read-only poll for G arrivals and a proxy fence — and its tiles requested). Each role's SMEM is
-  scoped (run_scoped), the barriers are the grid's. Refs: the boundary's inputs, W, [the split-K counters
-  (``fused``)], the boundary's outputs, the GEMV's (``linear._out_types``), the barriers."""
-  from pallas_kernels import linear as kl  # noqa: PLC0415
-  refs = list(refs)
-  row_in, W = refs[:n_row_in], refs[n_row_in]
-  i = n_row_in + 1 + int(fused)
-  ctr_k = refs[n_row_in + 1] if fused else None
-  row_out, gemv_out = refs[i:i + n_row_out], refs[i + n_row_out:i + n_row_out + n_gemv_out]
-  bar_x, bar_fn, gbar = refs[-3:]
-  ctr_g, par_g, xin_g = row_in[-2], row_in[-1], row_out[-2 if x16 else -1]  # (the bf16 x_in)
-  g = lax.axis_index("g")
-
-  @pl.when(g < G)
-  def _():
-    pl.run_scoped(lambda *smem: row_body(*row_in, *row_out, *smem, bar_x, bar_fn), *row_smem)
-
-  @pl.when(g >= G)
-  def _():
-    def role(w_s, x_s, *y_s):
-      with jax.named_scope("gemv"):
-        kl._bf16_linear_kernel(
-            xin_g, W, *([ctr_k] if fused else []), *gemv_out, w_s, x_s, gbar, *y_s, t=g - G, fused_sum=fused,
-            **gemv, x_ready=lambda: counter_wait(ctr_g.at[pl.ds(2 + par_g[0], 1)], G, async_reads=True))
-    pl.run_scoped(role, *ring)
-
-
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "x16", "bm",
-              "split", "rows_dtype")
-def mhc_row_boundary_gemv(X, y, mix, fn, coef, w, W, *, first: bool = False, eps: float, hc_norm_eps: float,
-                          norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                          parity: int = 0, lean: bool = False, x16: bool = False, bm: int | None = None,
-                          split: int | None = None, rows_dtype=None, splitk=None):
-  """``mhc_row_boundary`` at one token row and the sublayer's first bf16 GEMV on its x_in, z = x_in @ W.T (W [n, D]
-  bf16), as ONE launch (policy knobs boundary_qkv, boundary_router; the comment above ``boundary_gemv_plan``) ->
-  (X', x_in, partials, z [1, n]). z: f32, the GEMV's K splits summed by XLA after the kernel; with ``rows_dtype``,
-  z's row in that dtype written by the grid's CTAs — with one K split (``split=1``), or with ``splitk`` (the step's
-  linear.splitk_counters Ref) the last split's CTA of each row tile adding the others' partials. ``bm`` /
-  ``split``: the GEMV's tiling (``boundary_gemv_plan``). ``counters``: barrier_counters' Ref (required natively:
-  the grid barrier and x_in's readiness), ``parity`` this boundary's. ``launches=2`` (the default in GPU interpret
-  mode): the boundary's two launches, then ``linear.bf16_linear`` with the same plan — the same K splits, so z is
-  what the one grid computes up to the splits' summation order. ``x16``: x_in as (bf16, f16), as
-  ``mhc_row_boundary``'s (the GEMV reads the bf16 one)."""
-  from pallas_kernels import linear as kl  # noqa: PLC0415
-  M, K = X.shape
-  D = K // N
-  G, Gp = _grid_rows(D, ROW_COLS)
-  why = boundary_gemv_why(W.shape[0], D, bm=bm, split=split)
-  if M != 1 or W.ndim != 2 or W.shape[1] != D or W.dtype != jnp.bfloat16 or why:
-    raise ValueError(f"mhc_row_boundary_gemv: {M} token rows, W {W.shape} {W.dtype}; expected one row and a bf16 "
-                     f"[n, {D}] weight" + (f" ({why})" if why else ""))
-  launches = _check_grid_args("mhc_row_boundary_gemv", X, fn, coef, w, mix, first, parity, launches)
-  bf16, f32 = jnp.bfloat16, jnp.float32
-  plan = boundary_gemv_plan(W.shape[0], D, bm=bm, split=split)
-  if rows_dtype is not None and plan.split > 1 and splitk is None and launches == 1:
-    raise ValueError(f"mhc_row_boundary_gemv: z's rows from {plan.split} K splits need splitk (the split-K counters)")
-  if launches == 2:
-    Xn, x_in, part = mhc_row_boundary(X, y, mix, fn, coef, w, first=first, eps=eps, hc_norm_eps=hc_norm_eps,
-                                      norm_eps=norm_eps, approx_math=approx_math, launches=2, x16=x16)
-    return Xn, x_in, part, kl.bf16_linear(x_in[0] if x16 else x_in, W, plan=plan, out_dtype=rows_dtype or f32)
-  if counters is None or counters.shape != (4,):
-    raise ValueError(f"mhc_row_boundary_gemv: counters {None if counters is None else counters.shape}, expected "
-                     "barrier_counters()' Ref [4] (the grid barrier and x_in's readiness)")
-  n, mp = W.shape[0], kl.MMA_ROWS["wgmma"]
-  tiles = -(-n // plan.bm)
-  fused = rows_dtype is not None and plan.split > 1
-  ctr_k = kl._fused_counters(splitk, plan.split, tiles, "mhc_row_boundary_gemv") if fused else None
-  consts = (float(eps), float(hc_norm_eps), float(norm_eps))
-  pp_in = (X, fn.astype(bf16)) if first else (X, y.astype(bf16), *(a.astype(f32) for a in mix), fn.astype(bf16))
-  row_in = (*pp_in, coef.astype(f32), w.astype(bf16), counters, jnp.full((1,), parity, jnp.int32))
-  xo = () if first else (jax.ShapeDtypeStruct((M, K), bf16),)
-  row_out = (*xo, jax.ShapeDtypeStruct((Gp, ROWS, PART), f32), jax.ShapeDtypeStruct((M, D), bf16),
-             *([jax.ShapeDtypeStruct((M, D), jnp.float16)] if x16 else []))
-  gemv_out = kl._out_types(plan.split, n, mp, M, rows_dtype)
-  gemv_out = tuple(gemv_out) if isinstance(gemv_out, tuple) else (gemv_out,)
-  publish = lambda ctr_g, par_g: counter_publish(ctr_g.at[pl.ds(2 + par_g[0], 1)])  # noqa: E731
-  row_scr = _row_scratch(first, x16, M)
-  ring = (plgpu.SMEM((plan.stages, plan.bm, plan.bk), bf16, transforms=kl._tr(bf16, plan.bk)),
-          plgpu.SMEM((plan.stages, mp, plan.bk), bf16, transforms=kl._tr(bf16, plan.bk)),
-          *([plgpu.SMEM((M, plan.bm), rows_dtype)] if rows_dtype is not None else []))
-  body = functools.partial(
-      _boundary_gemv_kernel, n_row_in=len(row_in), n_row_out=len(row_out), n_gemv_out=len(gemv_out),
-      row_smem=row_scr[:-2], G=G, ring=ring, fused=fused, x16=bool(x16),
-      row_body=_row_kernel(D, bool(first), *consts, True, 0, lean=bool(lean), x16=bool(x16), M=M, on_x_in=publish),
-      gemv=dict(plan=plan, tiles=tiles, steps=D // plan.bk // plan.split, lean=bool(lean),
-                rows=rows_dtype is not None))
-  got = mgpu_kernel(
-      body, out_type=(*row_out, *gemv_out), grid=(G + tiles * plan.split,), grid_names=("g",),
-      kernel_name="glm5_mhc_row_boundary_gemv",
-      compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean)),
-      scratch_types=[*row_scr[-2:], plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages)],
-  )(*row_in, W, *([ctr_k] if fused else []))
-  got = tuple(got)
-  Xn, got = (X, got) if first else (got[0], got[1:])
-  part, x_in, *o = got
-  if x16:
-    x_in, o = (x_in, o[0]), o[1:]
-  z = o[-1] if rows_dtype is not None else kl._split_sum(o[0], M, False)
-  return Xn, x_in, part, z

@@ -305,16 +305,15 @@ def _counter_chain(M, n, counters: bool, row: bool = False, lean: bool = False):
 def test_post_finish_counters_gpu(M, row, lean):
   """The grid barrier on barrier_counters' Ref (policy knob mhc_barrier_counters) natively: a chain of 5
   boundaries bit for bit equal to the same chain on pl.get_global semaphores, and the counters left as the
-  scheme says — the last boundary's (parity 0) at G, the other and both x_in-ready counters zeroed. (row:
-  mhc_row_boundary, whose partials define token row 0 only; lean: both chains built without the automatic
-  barriers.)"""
+  scheme says — the last boundary's (parity 0) at G, the other zeroed by it for the next. (row: mhc_row_boundary,
+  whose partials define token row 0 only; lean: both chains built without the automatic barriers.)"""
   got, ctr = _counter_chain(M, 5, True, row, lean)
   want, _ = _counter_chain(M, 5, False, row, lean)
   for g, r in zip(got, want):
     for a, b in zip(g, r):
       a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
       np.testing.assert_array_equal(a[:, :M] if row and a.ndim == 3 else a, b[:, :M] if row and b.ndim == 3 else b)
-  assert np.asarray(ctr).tolist() == [4096 // (K.ROW_COLS if row else K.GRID_COLS), 0, 0, 0]
+  assert np.asarray(ctr).tolist() == [4096 // (K.ROW_COLS if row else K.GRID_COLS), 0]
 
 
 def test_post_finish_counters_lower_for_cuda():
@@ -329,7 +328,7 @@ def test_post_finish_counters_lower_for_cuda():
     return K.mhc_post_finish(a[0], y, mix, fn, coef, w, launches=1, counters=ref, parity=1, **GRID_CONSTS)
   txt = cross_lower(two, *args).as_text()
   calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
-  assert len(calls) == 2 and all(line.endswith("tensor<4xi32>)") for line in calls)  # (not a [1] scratch)
+  assert len(calls) == 2 and all(line.endswith("tensor<2xi32>)") for line in calls)  # (not a [1] scratch)
   assert all("output_operand_alias" in line for line in calls)
   X, y, mix, fn, coef, w = _inputs(1, 256, 0)
   with pytest.raises(ValueError, match=r"parity = 2, expected 0 or 1"):
@@ -546,135 +545,3 @@ def test_a_kernel_is_lowered_once_per_process():
   assert len(kept) == n + 1 and second == first  # (another program, the same kernel: its kept module)
   other = jax.ShapeDtypeStruct((K.PART, rows + 4), jnp.float32)
   assert calls(cross_lower(sink, other, coef).as_text()) != first and len(kept) == n + 2
-
-
-def _gemv_weight(n, D, seed):
-  return (jax.random.normal(jax.random.key(seed), (n, D)) * 0.05).astype(jnp.bfloat16)
-
-
-# the GEMV forms of mhc_row_boundary_gemv: boundary_qkv's default (K splits summed by XLA), boundary_qkv_rows (no K
-# split, z's bf16 rows from the grid), boundary_router (8 K splits summed in the grid, z's f32 rows)
-QKV, QKV_ROWS, ROUTER = {}, dict(bm=64, split=1, rows_dtype=jnp.bfloat16), dict(bm=64, split=8, rows_dtype=jnp.float32)
-
-
-@pytest.mark.parametrize("first,n,form", [(False, 384, "qkv"), (True, 384, "qkv"), (False, 384, "rows"),
-                                          (False, 96, "router")])
-def test_boundary_gemv_interpret(first, n, form):
-  """mhc_row_boundary_gemv (policy knobs boundary_qkv, boundary_router) in GPU interpret mode: X', x_in and the
-  partials those of mhc_row_boundary bit for bit, z = x_in @ W.T within the f32 summation bound of the reference
-  (its K splits summed in another order; the rows forms: z in bf16 — within its rounding too — or f32; the router's
-  96 rows: a last 64-row tile overlapping the first); a second token row, a weight of another width, dtype or row
-  count refused by name."""
-  from pallas_kernels import linear as L  # noqa: PLC0415
-  kw = {"qkv": QKV, "rows": QKV_ROWS, "router": dict(ROUTER, split=2)}[form]  # (K = 256: two 128-column steps)
-  seed = int(np.random.default_rng().integers(1 << 30))
-  X, y, mix, fn, coef, w = _inputs(1, 256, seed)
-  W = _gemv_weight(n, 256, seed)
-  run = lambda f, *a, **k: jax.jit(lambda *b: f(*b, first=first, approx_math=True, **k, **GRID_CONSTS))(*a)  # noqa
-  with maybe_interpret(True):
-    got = run(K.mhc_row_boundary_gemv, X, y, mix, fn, coef, w, W, **kw)
-    base = run(K.mhc_row_boundary, X, y, mix, fn, coef, w)
-  for a, b in zip(got[:2], base[:2]):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  np.testing.assert_array_equal(np.asarray(got[2])[:, :1], np.asarray(base[2])[:, :1])  # (row 0: the real one)
-  x = np.asarray(got[1], np.float32)
-  ref = np.asarray(L.bf16_linear_reference(got[1], W))
-  bound = 256 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(np.asarray(W, np.float32)).T)
-  assert got[3].shape == (1, n) and got[3].dtype == kw.get("rows_dtype", jnp.float32)
-  assert np.abs(ref).max() > 0
-  if form == "rows":  # (the f32 sum's bound, then one bf16 rounding)
-    bound = bound + np.abs(ref) * 2.0 ** -8
-  assert (np.abs(np.asarray(got[3], np.float32) - ref) <= bound).all(), seed
-  X2, y2 = jnp.concatenate([X, X]), jnp.concatenate([y, y])
-  for args, pat in (((X2, y2, mix, fn, coef, w, W), rf"2 token rows, W \({n}, 256\)"),
-                    ((X, y, mix, fn, coef, w, W[:, :128]), rf"W \({n}, 128\) bfloat16"),
-                    ((X, y, mix, fn, coef, w, W.astype(jnp.float32)), rf"W \({n}, 256\) float32"),
-                    ((X, y, mix, fn, coef, w, W[:60]), r">= 64 rows, a multiple of 8 \(here 60\)")):
-    with pytest.raises(ValueError, match=pat):
-      K.mhc_row_boundary_gemv(*args, **GRID_CONSTS)
-
-
-def test_boundary_gemv_lowers_for_cuda():
-  """At the real TP4 rank (D = 4096), lean (the step's build; the default build lowers in the GPU test), on one
-  barrier_counters' Ref (each launch aliasing it): a first site with the KDA q/k/v weight [6144, 4096] bf16 (32
-  boundary CTAs + 96 GEMV CTAs: 48 row tiles x 2 K splits, a 6-stage ring — one CTA per SM, all resident), a later
-  one in the rows form (boundary_qkv_rows: 96 64-row tiles, no K split, a 12-stage ring, z's bf16 row written by
-  the grid), and one with the router's [288, 4096] (boundary_router: 5 tiles x 8 K splits of 4 steps, summed on the
-  split-K counters — another aliased Ref — into z's f32 row; x_in in f16 too, as the MoE's boundary writes it);
-  counters refused without the Refs."""
-  from pallas_kernels import linear as L  # noqa: PLC0415
-  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
-  Wq, Wr = jax.ShapeDtypeStruct((6144, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((288, 4096), jnp.bfloat16)
-  for n, form, want in ((6144, {}, (128, 2, 6)), (6144, dict(bm=64, split=1), (64, 1, 12)),
-                        (288, dict(bm=64, split=8), (64, 8, 4))):
-    plan = K.boundary_gemv_plan(n, 4096, **form)
-    assert (plan.bm, plan.split, plan.stages) == want and K.boundary_gemv_why(n, 4096, **form) == ""
-  assert "not all resident" in K.boundary_gemv_why(6144 * 3, 4096)
-
-  def three(Wq, Wr, X, y, mix, fn, coef, w):
-    ref, splitk = K.barrier_counters(), L.splitk_counters()
-    kw = dict(approx_math=True, launches=1, counters=ref, lean=True, **GRID_CONSTS)
-    a = K.mhc_row_boundary_gemv(X, y, mix, fn, coef, w, Wq, first=True, parity=0, **kw)
-    b = K.mhc_row_boundary_gemv(a[0], y, mix, fn, coef, w, Wq, parity=1, **QKV_ROWS, **kw)
-    c = K.mhc_row_boundary_gemv(b[0], y, mix, fn, coef, w, Wr, parity=0, splitk=splitk, x16=True, **ROUTER, **kw)
-    return a[3], b[3], c[3], c[1][1]
-  txt = cross_lower(three, Wq, Wr, *args).as_text()
-  calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line]
-  assert len(calls) == 3 and all("output_operand_alias" in line for line in calls), calls
-  assert "glm5_mhc_row_boundary_gemv" in txt and "tensor<1x6144xbf16>" in txt and "tensor<1x288xf32>" in txt
-  assert "tensor<1x4096xf16>" in calls[2]
-  assert f"tensor<{L.SPLITK_COUNTERS}xi32>" in calls[2]
-  X, y, mix, fn, coef, w = _inputs(1, 256, 0)
-  W = _gemv_weight(384, 256, 0)
-  with pytest.raises(ValueError, match=r"counters None, expected barrier_counters\(\)' Ref \[4\]"):
-    K.mhc_row_boundary_gemv(X, y, mix, fn, coef, w, W, launches=1, **GRID_CONSTS)
-  with pytest.raises(ValueError, match=r"z's rows from 2 K splits need splitk"):
-    K.mhc_row_boundary_gemv(X, y, mix, fn, coef, w, W, launches=1, counters=K.barrier_counters(),
-                            **dict(ROUTER, split=2), **GRID_CONSTS)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lean,form", [(False, "qkv"), (True, "qkv"), (True, "rows"), (True, "router")])
-def test_boundary_gemv_gpu(lean, form):
-  """The one grid natively at the real rank: a chain of three sites (first, then parities 1, 0 on one counters
-  Ref) — each site's X', x_in and partials bit for bit mhc_row_boundary's on the same inputs, its z bit for bit
-  bf16_linear's on that x_in with the same plan (the same K splits, summed in the same order; the router's on the
-  split-K counters too; x_in in f16 too, as the MoE's boundary writes it), and the counters left as the scheme
-  says: the last site's (parity 0) barrier and x_in-ready counters at G, the others zeroed (and the split-K
-  counters all zero)."""
-  from pallas_kernels import linear as L  # noqa: PLC0415
-  kw_form = {"qkv": QKV, "rows": QKV_ROWS, "router": ROUTER}[form]
-  n = 288 if form == "router" else 6144
-  X, y, mix, fn, coef, w = _inputs(1, 4096, 21)
-  W = _gemv_weight(n, 4096, 21)
-  plan = K.boundary_gemv_plan(n, 4096, bm=kw_form.get("bm"), split=kw_form.get("split"))
-  out_dtype = kw_form.get("rows_dtype", jnp.float32)
-  kw = dict(approx_math=True, launches=1, lean=lean, x16=form == "router", **GRID_CONSTS)
-
-  def chain(X, W):
-    ref, splitk = K.barrier_counters(), L.splitk_counters()
-    outs, Xi = [], X
-    for i in range(3):
-      outs.append(K.mhc_row_boundary_gemv(Xi, y, mix, fn, coef, w, W, first=i == 0, parity=i % 2, counters=ref,
-                                          **({"splitk": splitk} if form == "router" else {}), **kw_form, **kw))
-      Xi = outs[-1][0]
-    return outs, ref[...], splitk[...]
-
-  def plain(X, W):
-    ref, splitk = K.barrier_counters(), L.splitk_counters()
-    outs, Xi = [], X
-    for i in range(3):
-      o = K.mhc_row_boundary(Xi, y, mix, fn, coef, w, first=i == 0, parity=i % 2, counters=ref, **kw)
-      outs.append((*o, L.bf16_linear(o[1][0] if form == "router" else o[1], W, plan=plan, out_dtype=out_dtype,
-                                     **({"counters": splitk} if form == "router" else {}))))
-      Xi = o[0]
-    return outs
-  got, ctr, sk = jax.jit(chain)(X, W)
-  want = jax.jit(plain)(X, W)
-  for g, r in zip(got, want):
-    g, r = (*g[:2], g[2][:, :1], g[3]), (*r[:2], r[2][:, :1], r[3])  # (the partials' row 0: the real one)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
-      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  assert np.abs(np.asarray(got[-1][3], np.float32)).max() > 0
-  assert np.asarray(ctr).tolist() == [32, 0, 32, 0], np.asarray(ctr)
-  assert not np.asarray(sk).any(), np.asarray(sk)

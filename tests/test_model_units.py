@@ -603,48 +603,6 @@ def test_dq_f16_inputs_from_the_boundary_at_the_model_site(monkeypatch):
   assert np.abs(h0).max() > 0
 
 
-def test_boundary_gemvs_at_the_model_site(monkeypatch):
-  """Policy boundary_qkv + boundary_router at a two-layer bf16 model (KDA + dense MLP, DSA + MoE of 64 experts; the
-  one-row lean boundary): the KDA layer's boundary computes its q/k/v projection in its grid and the MoE layer's
-  its router logits (mhc_row_boundary_gemv: GPU interpret mode's two boundary launches + bf16_linear), and the
-  sublayers take them — the KDA layer's q/k/v StackedLinear and the MoE's Router.logits are never called; the
-  hidden state within bf16 rounding of the defaults' (XLA's GEMVs, another summation order) and the expert ids
-  theirs; the DSA layer's boundary is not asked. The report names the sites; at two token rows it declines both,
-  boundary_qkv_rows with them; with boundary_qkv_rows the KDA site asks for the rows form."""
-  from glm5_jax.layers import KERNEL_DEFAULTS, Router, StackedLinear  # noqa: PLC0415
-  from pallas_kernels import mhc as km  # noqa: PLC0415
-  path = tiny_checkpoint("kernel-tiny", 16, "fp8", num_hidden_layers=2, n_routed_experts=64,
-                         layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"])
-  m = load(path, "bfloat16")
-  pol = dict(KERNEL_DEFAULTS) | {"kv_cache_dtype": "fp8"}
-  on = pol | {"boundary_qkv": True, "boundary_router": True}
-  seed = int(np.random.default_rng().integers(1 << 20))
-  (h0, e0), _ = _extend_one_token(m, 1, pol, seed=seed)
-  asked, projected, logits = [], [], []
-  orig = km.mhc_row_boundary_gemv
-  monkeypatch.setattr(km, "mhc_row_boundary_gemv",
-                      lambda *a, **k: asked.append((a[6].shape, k.get("rows_dtype"))) or orig(*a, **k))
-  orig_s, orig_l = StackedLinear.__call__, Router.logits
-  monkeypatch.setattr(StackedLinear, "__call__", lambda self, x, *a, **k: projected.append(self.weight.shape[0])
-                      or orig_s(self, x, *a, **k))
-  monkeypatch.setattr(Router, "logits", lambda self, x: logits.append(1) or orig_l(self, x))
-  (h1, e1), rep = _extend_one_token(m, 1, on, seed=seed)
-  C3, D = 3 * m.cfg.linear_num_heads * m.cfg.linear_head_dim, m.cfg.hidden_size
-  assert rep["boundary_qkv"] is None and rep["boundary_router"] is None, rep
-  assert asked == [((C3, D), None), ((64, D), jnp.float32)], asked
-  assert 3 not in projected and not logits, (projected, logits)  # (fg_b's StackedLinear: a stack of 2)
-  np.testing.assert_array_equal(e1, e0, err_msg=f"seed {seed} (equal unless two keys sit within an ulp)")
-  np.testing.assert_allclose(h1, h0, **tol("kernel_bf16"))
-  assert np.abs(h0).max() > 0
-  asked.clear()
-  _, rep = _extend_one_token(m, 1, on | {"boundary_qkv_rows": True}, seed=seed, trace_only=True)
-  assert rep["boundary_qkv_rows"] is None and asked[0] == ((C3, D), jnp.bfloat16), (rep, asked)
-  _, rep2 = _extend_one_token(m, 2, on | {"boundary_qkv_rows": True}, seed=seed, trace_only=True)
-  assert "at one token row (here 2)" in rep2["boundary_qkv"], rep2["boundary_qkv"]
-  assert rep2["boundary_qkv_rows"] == "boundary_qkv declined at this site", rep2["boundary_qkv_rows"]
-  assert rep2["boundary_router"].startswith("one token row (here 2)"), rep2["boundary_router"]
-
-
 def _attention_with_and_without(m, x, cache, ctx, base, knob):
   """The first layer's attention sublayer (one device's shard_map, GPU interpret mode, x's dtype) under policy
   ``base`` with ``knob`` off, then on -> [its outputs off, on]; the kernel report names the site only when on."""
