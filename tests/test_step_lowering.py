@@ -179,9 +179,25 @@ def test_kernel_tiny_step_lowers_for_cuda_at_tp4():
   assert downs and all("xbf16>" not in d for d in downs) and any(re.search(r"tensor<3x\d+xf32>", d) for d in downs)
 
 
+def _main_args(txt):
+  sig = next(line for line in txt.splitlines() if "func.func public @main(" in line)
+  return len(re.findall(r"%arg\d+:", sig))
+
+
 def test_real_geometry_step_lowers_for_cuda():
-  """One TP4 rank of GLM-5.3-Flash, q = 4 (3 drafts), 32K context: ~10 s on the CPU (kernels lowered once)."""
-  txt = lower_step(tp_rank_config(C.real(), 4), 4, "latency_specialized")
+  """One TP4 rank of GLM-5.3-Flash, q = 4 (3 drafts), 32K context, with packed parameters (glm5_jax.param_packing,
+  as bench_decode runs it): ~500 of the parameters under 64 KiB in two buffers (f32, bf16; the KEEP_WHOLE vectors
+  stay arguments) — far fewer arguments — and every kernel lowers with sliced operands, once per program (~20 s on
+  the CPU). (The one-row mHC boundary's real-width lowering: test_mhc.test_row_boundary_lowers_for_cuda; the
+  q = 1 step's kernels: the kernel-tiny lowering at q = 1 and step_census.)"""
+  cfg = tp_rank_config(C.real(), 4)
+  # (the arguments as traced — before jit drops unused ones — so that the unpacked step need not be lowered too)
+  traced = trace_step(cfg, 4, "latency_specialized", pack_params=1 << 16)
+  plain = len(trace_step(cfg, 4, "latency_specialized", pack_params=0).jaxpr.in_avals)
+  packed = len(traced.jaxpr.in_avals)
+  assert plain - packed > 490, (plain, packed)
+  txt = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert _main_args(txt) < 1150, _main_args(txt)
   n_calls, n_kernels = check_one_module_per_kernel(txt)
   # 45 layers share their kernels: lowered and compiled once each (the indexer's cache update adds two since session
   # 46: the verify's 4 token rows and the draft's one; W_UV as a kernel one more since session 48)
@@ -191,36 +207,12 @@ def test_real_geometry_step_lowers_for_cuda():
   assert "glm5_topk_compact" in txt and "glm5_topk_threshold" not in txt
   assert "glm5_mla_uv" in txt and "glm5_mla_combine" in txt  # W_UV on the merged O^T (mla_uv_kernel, since s48)
   # (q = 4: 4 token rows — the router kernel builds the MoE's slot tables, router_route; the draft's one row: the
-  # selection inside the gate/up kernel, moe_router_in_kernel)
+  # selection inside the gate/up kernel, moe_router_in_kernel, the MoE's two kernels as one grid, moe_one_grid)
   assert "glm5_router_route" in txt and "glm5_router_topk" not in txt and "glm5_moe_route" not in txt
   names = {n for n, _, _ in kernel_calls(txt)}  # fp8_dq (the default): the dequantising FP8 kernels only
-  assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down"} <= names and "glm5_fp8_linear" not in names
+  assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_moe_one_grid"} <= names
+  assert "glm5_fp8_linear" not in names
   assert txt.count("all_reduce") == 1 + 2 * 45 + 3 * 3  # psums are no-ops on one device but still lowered
-
-
-def _main_args(txt):
-  sig = next(line for line in txt.splitlines() if "func.func public @main(" in line)
-  return len(re.findall(r"%arg\d+:", sig))
-
-
-def test_real_geometry_step_with_packed_params_lowers_for_cuda():
-  """pack_params (glm5_jax.param_packing): the one-rank step at q = 1 takes 500 of the 667 parameters under 64 KiB
-  in two buffers (f32, bf16; the 167 KEEP_WHOLE vectors stay arguments) — far fewer arguments — and every kernel
-  still lowers with sliced operands; at one token row too, every FP8 linear and both MoE kernels dequantise the
-  weight in registers (fp8_dq, the default: register-A wgmmas, what the GPU runs) and W_UV runs as a kernel."""
-  cfg = tp_rank_config(C.real(), 4)
-  # (the arguments as traced — before jit drops unused ones, some small MTP-side leaves at q = 1 — so that the
-  # unpacked step need not be lowered too: ~20 s of the CPU suite)
-  traced = trace_step(cfg, 1, "latency_specialized", pack_params=1 << 16)
-  plain = len(trace_step(cfg, 1, "latency_specialized", pack_params=0).jaxpr.in_avals)
-  packed = len(traced.jaxpr.in_avals)
-  assert plain - packed > 490, (plain, packed)
-  txt = traced.lower(lowering_platforms=("cuda",)).as_text()
-  assert _main_args(txt) < 1150, _main_args(txt)
-  check_one_module_per_kernel(txt)
-  names = {n for n, _, _ in kernel_calls(txt)}  # (the one-row MoE as one grid: moe_one_grid)
-  assert {"glm5_fp8_dq_linear", "glm5_moe_one_grid"} <= names and "glm5_fp8_linear" not in names
-  assert "glm5_mla_uv" in names  # (mla_uv_kernel at one token row: the verify's DSA layers; q = 1 runs no draft)
 
 
 def test_lean_barriers_reaches_the_chains_kernels():
