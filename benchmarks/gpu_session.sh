@@ -19,20 +19,16 @@
 #                             pending knob; its three L2 prefetch knobs were slower and removed in session 59: both
 #                             modes are in git history); s57c (WIN='{"dq_f16": false}': the defaults before dq_f16)
 #                             and s57e still wait
-#   s60a (either):            q = 4 — the several-row kernels' GPU tests, then linear_fused_sum (351 kernels fewer at
-#                             q = 4), mhc_rows and both against the defaults, 5 interleaved repeats (session 60 ran it
-#                             on an H100 with LAYERS=32)
-#   s60b (either):            session 60's moe_one_grid (the MoE's two kernels as one grid): GPU tests, then q = 1
-#                             against the defaults (LAYERS=32 on an H100)
-#   s60d (nvidia-h200):       issue #9's ratio with moe_one_grid on: its GPU tests and the defaults' end-to-end
-#                             kernel test, then q = 1: auto vs the defaults vs moe_one_grid off in one call
-#   s60e (either):            q = 4: moe_h_rows (the verify's MoE without XLA's glue between its kernels) — its GPU
-#                             test, then against the defaults (LAYERS=32 on an H100)
+#   ratio (nvidia-h200, needs_h200: the 45 layers' 82 GB): issue #9's ratio in one call — q = 1, auto vs the
+#                             defaults (POLICY: more configurations), 5 interleaved repeats of 80 steps (s60d's form)
+#   e2e (either):             the defaults' end-to-end GPU test (~185 s) and the kernels' GPU tests the defaults run
+#                             natively first (the one-grid MoE, moe_h_rows, the row boundary, the counters): their own
+#                             call — s60d's 240 s for tests and benchmark together cut the end-to-end test off
 #   h100 (nvidia-h100-x1):    when no H200 is lent (sessions 59-60): the one-grid MoE / router / boundary GPU tests,
 #                             the in-kernel profiles of the boundary, the MoE's two kernels and its one grid, then
 #                             q = 1 on the first 32 layers (LAYERS): auto vs the defaults vs POLICY (default
 #                             moe_one_grid off) — an H100's numbers, not the H200's
-#   Modes of past sessions (s25 .. s59a, s61a-b and the one-off probes) are in git history: each BENCHMARKS.md
+#   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
 set -uo pipefail
@@ -40,8 +36,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|s60a|s60b|s60d|s60e|h100) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, s60a .. s60e, h100)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -168,31 +164,14 @@ case "$MODE" in
     rank1 s57c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
       --policy '{}' "${WIN:-{\"kda_gates_first\": true\}}"
     ;;
-  s60a)  # (either; LAYERS=32 on an H100) q = 4: the several-row kernels' GPU tests (mhc_rows' row boundary at 3-4
-    # rows; the fused split sums of bf16_linear / fp8_dq_linear / the MoE at several rows), then the verify step with
-    # linear_fused_sum (compile-only census: 1,422 -> 1,071 kernels, critical path 1,047 -> 804), mhc_rows, both
-    gpu_tests s60a 200 gpu "post_finish_gpu or fused_sum_gpu or fused_rows_gpu" tests/test_mhc.py \
-      tests/test_linear_kernels.py
-    rank1 s60a --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' \
-      '{"linear_fused_sum": true}' '{"mhc_rows": true}' '{"linear_fused_sum": true, "mhc_rows": true}'
+  ratio)  # (nvidia-h200, needs_h200) see the header
+    rank1 ratio --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
+      --policy '{}' ${POLICY:+"$POLICY"}
     ;;
-  s60b)  # (nvidia-h100-x1 with LAYERS=32, or nvidia-h200) moe_one_grid: its GPU tests (a hang — a CTA not resident
-    # — ends at the timeout), then, if they pass, q = 1: the defaults vs the MoE as one grid, 5 interleaved repeats
-    gpu_tests s60b 170 gpu "one_grid_gpu" tests/test_linear_kernels.py \
-      && rank1 s60b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"moe_one_grid": true}'
-    ;;
-  s60d)  # (nvidia-h200, needs_h200: the 45 layers' 82 GB) issue #9's ratio with moe_one_grid on by default: its
-    # GPU tests and the defaults' end-to-end kernel test natively, then q = 1: auto vs the defaults vs moe_one_grid
-    # off, 5 interleaved repeats of 80 steps
-    gpu_tests s60d 240 "gpu or e2e_kernels" "one_grid_gpu or all_kernels_equals_stock" \
-      tests/test_linear_kernels.py tests/test_decode.py
-    rank1 s60d --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
-      --policy '{}' '{"moe_one_grid": false}'
-    ;;
-  s60e)  # (either; LAYERS=32 on an H100) q = 4: moe_h_rows' GPU test, then the verify step with the gate/up kernel
-    # writing h's rows itself (no XLA glue between the MoE's two kernels) against the defaults
-    gpu_tests s60e 150 gpu "h_rows_gpu" tests/test_linear_kernels.py \
-      && rank1 s60e --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"moe_h_rows": true}'
+  e2e)  # (either) see the header
+    gpu_tests e2e_kernels 240 gpu "one_grid_gpu or h_rows_gpu or counters_gpu or row_boundary" \
+      tests/test_linear_kernels.py tests/test_mhc.py
+    gpu_tests e2e 420 "e2e_kernels" "all_kernels_equals_stock_fp8_cache and extra0" tests/test_decode.py
     ;;
   h100)  # (nvidia-h100-x1) see the header
     gpu_tests h100 200 gpu "one_grid_gpu or router_in_the_gate_up or row_boundary" tests/test_mhc.py \
