@@ -53,41 +53,35 @@ def check_one_module_per_kernel(txt):
   return len(calls), len(hashes)
 
 
-@pytest.mark.parametrize("q", [1, 4])
-def test_kernel_tiny_step_lowers_for_cuda(q):
-  txt = lower_step(C.kernel_tiny(), q, "latency_specialized", max_context=4096)
+def test_kernel_tiny_step_lowers_for_cuda():
+  """The kernel-tiny step at q = 1 (q = 4: test_real_geometry_step_lowers_for_cuda, whose kernels are the same
+  forms at the real shapes; a kernel-tiny q = 4 lowering of its own cost the CPU suite ~20 s)."""
+  txt = lower_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096)
   n_calls, n_kernels = check_one_module_per_kernel(txt)
   # identical calls share one lowering (pallas_kernels._common.kernel_entry); where they do not (another
   # lowering context), they still share one module, hence one runtime compilation
-  # (q = 4: + the bf16 GEMV at its ~6 weight shapes, on by default from 2 token rows; and the draft's one-row
-  # calls of the FP8 linears and the MoE are kernels of their own since x reaches them unpadded — [1, K] and
-  # [4, K] — where both were [8, K] before session 26; session 27: the top-k threshold (from 2 score rows) and the
-  # router for 4 rows and 1, and the MoE's slot tables at 4 rows; session 50: the one-launch selection at the
-  # verify's 4 score rows and the draft's 1 where the threshold kernel ran)
-  assert n_kernels <= (18 if q == 1 else 32) and n_calls <= 35, (n_calls, n_kernels)
+  assert n_kernels <= 18 and n_calls <= 35, (n_calls, n_kernels)
   # (the FP8 linears with the weight dequantised in registers: policy fp8_dq, on by default)
-  # (a single token row's MoE — the trunk at q = 1, the draft — as one grid: moe_one_grid, on since session 60;
-  # the verify's rows as the two kernels)
-  for name in ("glm5_fp8_dq_linear", "glm5_moe_one_grid", "glm5_sparse_mla", "glm5_indexer_scores") + (
-      ("glm5_router_route", "glm5_moe_gate_up", "glm5_moe_down") if q > 1 else ()):
+  # (a single token row's MoE as one grid: moe_one_grid, on since session 60 — no gate/up or down launch)
+  for name in ("glm5_fp8_dq_linear", "glm5_moe_one_grid", "glm5_sparse_mla", "glm5_indexer_scores"):
     assert name in txt, name
-  assert q > 1 or ("glm5_moe_gate_up" not in txt and "glm5_moe_down" not in txt)
-  grids = [c for c in kernel_calls(txt) if c[0] == "glm5_moe_one_grid"]  # (kernel-tiny's 2 MoE layers at q = 1)
-  assert q > 1 or (len(grids) == 2 and len({h for _, _, h in grids}) == 2), grids  # (parities 0, 1: two modules)
-  # one-row MoE calls (the trunk at q = 1, the draft): the router's selection inside the gate/up kernel
-  # (moe_router_in_kernel, on since session 41), no router_topk launch
+  assert "glm5_moe_gate_up" not in txt and "glm5_moe_down" not in txt
+  grids = [c for c in kernel_calls(txt) if c[0] == "glm5_moe_one_grid"]  # (kernel-tiny's 2 MoE layers)
+  assert len(grids) == 2 and len({h for _, _, h in grids}) == 2, grids  # (parities 0, 1: two modules)
+  # one-row MoE calls: the router's selection inside the gate/up kernel (moe_router_in_kernel, on since session
+  # 41), no router_topk launch
   assert "glm5_router_topk" not in txt
   assert "glm5_moe_route" not in txt  # (router_route, on since session 35: the router kernel builds the tables)
   # the indexer's selection from pallas_kernels.indexer.THRESHOLD_MIN_ROWS score rows (1 since session 32) as ONE
   # launch of the compaction kernel whose CTAs find the threshold themselves (topk_compact_kernel +
   # topk_compact_fused, on since session 50: no threshold kernel), fed the scores kernel's f32 output as it is
-  assert ("glm5_topk_compact" in txt) == (q >= ki.THRESHOLD_MIN_ROWS) and "glm5_topk_threshold" not in txt
+  assert ("glm5_topk_compact" in txt) == (1 >= ki.THRESHOLD_MIN_ROWS) and "glm5_topk_threshold" not in txt
   sel = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_topk_compact" in line]
   assert sel and all(re.search(r"\(tensor<\d+x\d+x\d+xf32>, tensor<\d+xi32>, tensor<\d+xi32>\)", line)
                      for line in sel), sel
   assert "mosaic_gpu.uses_pdl" not in txt  # (policy pdl, off by default: test_kernel_tiny_step_lowers_for_cuda_at_tp4)
-  if q == 1:  # and the stock path has no kernel at all (one lowering of it: ~5 s of the CPU suite each)
-    assert "mosaic_gpu" not in lower_step(C.kernel_tiny(), q, "auto", max_context=4096)
+  # and the stock path has no kernel at all (one lowering of it: ~5 s of the CPU suite)
+  assert "mosaic_gpu" not in lower_step(C.kernel_tiny(), 1, "auto", max_context=4096)
 
 
 def test_kernel_tiny_step_lowers_at_twelve_token_rows():
@@ -213,6 +207,11 @@ def test_real_geometry_step_lowers_for_cuda():
   assert {"glm5_fp8_dq_linear", "glm5_moe_gate_up", "glm5_moe_down", "glm5_moe_one_grid"} <= names
   assert "glm5_fp8_linear" not in names
   assert txt.count("all_reduce") == 1 + 2 * 45 + 3 * 3  # psums are no-ops on one device but still lowered
+  # the one-launch selection fed the scores kernel's f32 output as it is; no kernel marked for PDL (policy pdl off)
+  sel = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_topk_compact" in line]
+  assert sel and all(re.search(r"\(tensor<\d+x\d+x\d+xf32>, tensor<\d+xi32>, tensor<\d+xi32>\)", line)
+                     for line in sel), sel
+  assert "mosaic_gpu.uses_pdl" not in txt
 
 
 def test_lean_barriers_reaches_the_chains_kernels():
