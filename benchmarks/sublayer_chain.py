@@ -6,8 +6,9 @@ runs, and how long the sublayer takes.
       [--show 1] [--plot OUT.png --title TEXT]
 
 The events file is what ``bench_decode.py --trace --hlo-dir DIR`` keeps (``DIR/NAME.events.tsv.gz``: kernel name,
-start ns, end ns, stream). A sublayer starts at its mHC boundary (the ``mhc_post_finish`` launch, or the first
-of the older multi-kernel forms) and ends where the next boundary starts; it is named by the kernels inside it
+start ns, end ns, stream). A sublayer starts at its mHC boundary (the ``mhc_row_boundary`` or ``mhc_post_finish``
+launch, or the first of the older multi-kernel forms) and ends where the next boundary starts; it is named by the
+kernels inside it
 (KDA: a kda kernel; DSA: the sparse MLA / indexer kernels; MoE: an MoE kernel; else "other": the dense MLP, the
 first sublayer's embedding, the head and the MTP draft). With ``--hlo`` each XLA kernel is labelled with its
 component (profiling.kernel_map), with ``--kernels`` (the HLO's kernel listing) with its component and op_name.
@@ -28,7 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from glm5_jax import profiling  # noqa: E402
 
-BOUNDARY = ("mhc_post_finish", "mhc_post_pre")  # the first name found in the trace marks the boundaries
+# the boundary kernels: the one-launch forms (one kernel a boundary: the one-row form, the default at one token
+# row since session 55, and the grid form), else the first of the older multi-kernel forms — the first group with a
+# name found in the trace marks the boundaries
+BOUNDARY = (("mhc_row_boundary", "mhc_post_finish"), ("mhc_post_pre",))
 KINDS = (("kda", ("kda",)), ("dsa", ("sparse_mla", "indexer", "topk")), ("moe", ("moe",)))
 
 
@@ -43,10 +47,10 @@ def read_events(path: str):
 def sublayers(events):
   """Split the events at the boundary launches -> [(kind, [events from this boundary to the next], the next
   boundary's start ns)]."""
-  mark = next((b for b in BOUNDARY if any(b in e[0] for e in events)), None)
-  if mark is None:
-    raise SystemExit(f"no boundary kernel ({' / '.join(BOUNDARY)}) in the trace")
-  starts = [i for i, e in enumerate(events) if mark in e[0]]
+  marks = next((g for g in BOUNDARY if any(b in e[0] for b in g for e in events)), None)
+  if marks is None:
+    raise SystemExit(f"no boundary kernel ({' / '.join(b for g in BOUNDARY for b in g)}) in the trace")
+  starts = [i for i, e in enumerate(events) if any(b in e[0] for b in marks)]
   out = []
   for a, b in zip(starts, starts[1:]):
     seg = events[a:b]

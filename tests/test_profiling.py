@@ -422,7 +422,8 @@ def test_kernel_table_reads_a_profile_with_its_hlo(tmp_path, capsys):
 
 
 def test_sublayer_chain_splits_a_trace_at_the_boundaries(tmp_path, capsys):
-  """benchmarks/sublayer_chain.py: a saved trace's events split at the mHC boundary launches, each sublayer named
+  """benchmarks/sublayer_chain.py: a saved trace's events split at the mHC boundary launches — the one-row form's
+  and the grid form's alike (a q = 4 step has both: the verify's rows and the draft's one) — each sublayer named
   by its kernels and timed boundary to boundary; a kernel listing labels the XLA kernels with their op_name."""
   import gzip  # noqa: PLC0415
   import os  # noqa: PLC0415
@@ -431,10 +432,13 @@ def test_sublayer_chain_splits_a_trace_at_the_boundaries(tmp_path, capsys):
   import sublayer_chain as SC  # noqa: PLC0415
   rng = np.random.default_rng()
   t, rows, want = 1000, [], []
-  for kind, names in [("kda", ["kda_decode_mosaic_gpu_kernel"]), ("moe", ["glm5_moe_gate_up", "loop_pad_fusion_41"]),
-                      ("dsa", ["glm5_topk_threshold", "glm5_sparse_mla"]), ("kda", ["kda_decode_mosaic_gpu_kernel"])]:
+  bounds = ("glm5_mhc_row_boundary_mosaic_gpu_kernel", "glm5_mhc_post_finish_mosaic_gpu_kernel")
+  for i, (kind, names) in enumerate([("kda", ["kda_decode_mosaic_gpu_kernel"]),
+                                     ("moe", ["glm5_moe_gate_up", "loop_pad_fusion_41"]),
+                                     ("dsa", ["glm5_topk_threshold", "glm5_sparse_mla"]),
+                                     ("kda", ["kda_decode_mosaic_gpu_kernel"])]):
     start, dur = t, int(rng.integers(2000, 9000))
-    rows.append(("glm5_mhc_post_finish_mosaic_gpu_kernel", t, t + 700, "stream 1"))
+    rows.append((bounds[i % 2], t, t + 700, "stream 1"))
     for n in names:
       rows.append((n, t + 800, t + 800 + dur, "stream 2"))
     t += 1000 + dur
