@@ -75,7 +75,7 @@ def test_kernel_tiny_step_lowers_for_cuda():
   # the indexer's selection from pallas_kernels.indexer.THRESHOLD_MIN_ROWS score rows (1 since session 32) as ONE
   # launch of the compaction kernel whose CTAs find the threshold themselves (topk_compact_kernel +
   # topk_compact_fused, on since session 50: no threshold kernel), fed the scores kernel's f32 output as it is
-  assert ("glm5_topk_compact" in txt) == (1 >= ki.THRESHOLD_MIN_ROWS) and "glm5_topk_threshold" not in txt
+  assert ki.THRESHOLD_MIN_ROWS == 1 and "glm5_topk_compact" in txt and "glm5_topk_threshold" not in txt
   sel = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_topk_compact" in line]
   assert sel and all(re.search(r"\(tensor<\d+x\d+x\d+xf32>, tensor<\d+xi32>, tensor<\d+xi32>\)", line)
                      for line in sel), sel
