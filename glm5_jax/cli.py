@@ -53,6 +53,9 @@ def _add_decode_args(p):
   p.add_argument("--backend", default="auto", choices=["auto", "latency_specialized"])
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--stream", action="store_true", help="print the text (or the ids) as the tokens arrive")
+  p.add_argument("--ignore-eos", action="store_true",
+                 help="generate --max-new-tokens whatever comes (default: stop at the checkpoint's eos_token_id)")
   p.add_argument("--tp", type=int, default=1)
   p.add_argument("--steps-per-call", type=int, default=None,
                  help="speculative steps per decode call (one host launch per N steps; Decoder(steps_per_call)); "
@@ -84,6 +87,33 @@ def _tokenizer(path):
   return Tokenizer.from_file(f)
 
 
+class _TextStream:
+  """Prints a sequence's text as its tokens arrive: the tokenizer decodes everything so far and the new suffix is
+  printed, held back while it ends in U+FFFD (a character whose bytes span tokens not all here yet) or the text so
+  far changed (a merge that re-spells it); without a tokenizer, the ids."""
+
+  def __init__(self, tok, out=None):
+    self.tok, self.out, self.ids, self.shown = tok, out or sys.stdout, [], ""
+
+  def add(self, ids):
+    self.ids += ids
+    if self.tok is None:
+      if ids:
+        print(" ".join(map(str, ids)), end=" ", file=self.out, flush=True)
+      return
+    text = self.tok.decode(self.ids)
+    if text.startswith(self.shown) and not text.endswith("\ufffd"):
+      print(text[len(self.shown):], end="", file=self.out, flush=True)
+      self.shown = text
+
+  def close(self):
+    if self.tok is not None:  # (whatever was held back)
+      text = self.tok.decode(self.ids)
+      print(text[len(self.shown):] if text.startswith(self.shown) else "", file=self.out, flush=True)
+    else:
+      print(file=self.out, flush=True)
+
+
 def _run_generation(args, path, prompt_ids, tok=None):
   import glm5_jax  # noqa: PLC0415
 
@@ -93,31 +123,43 @@ def _run_generation(args, path, prompt_ids, tok=None):
   t0 = time.perf_counter()
   model = glm5_jax.load_model(path, dtype=args.dtype, tp=args.tp)
   dec = _decoder(args, model)
+  eos = () if args.ignore_eos else model.cfg.eos_token_id  # (the checkpoint's end-of-sequence ids)
   t1 = time.perf_counter()
   dec.warmup([dec.config.capture_size_for(1)])
-  state = dec.prefill([prompt_ids])
-  t2 = time.perf_counter()
-  out = [int(state.next_tokens[0, 0])]
-  steps, step_times, accepted = 0, [], 0
-  from glm5_jax.speculative import decode  # noqa: PLC0415
-  while len(out) < args.max_new_tokens:
-    dec, state = dec.for_next_call(state)  # (near max_context: the last steps one per call)
-    s = time.perf_counter()
-    state, o = decode(state)
-    n = int(o.counts[0])  # the host read syncs: the time is the whole step
-    step_times.append((time.perf_counter() - s) / dec.steps_per_call)
-    out += np.asarray(o.tokens[0, :n]).tolist()
-    accepted += n - dec.steps_per_call  # (each step commits its accepted drafts + 1)
-    steps += dec.steps_per_call
-  out = out[:args.max_new_tokens]
   k = dec.config.q - 1
+  out, steps, acc_steps, accepted, call_times = [], 0, 0, 0, []
+  shown = _TextStream(tok) if args.stream else None
+  s = time.perf_counter()
+  # Decoder.stream issues each call before reading the previous one's tokens, so the time between two chunks is
+  # one call's (steady state); near max_context the last steps run one per call (Decoder.for_next_call)
+  for i, chunk in enumerate(dec.stream([prompt_ids], args.max_new_tokens, eos_id=eos)):
+    now = time.perf_counter()
+    new = chunk.tokens[0]
+    if i == 0:
+      t2 = now  # (the prefill and its first token)
+    else:
+      call_times.append((now - s) / chunk.steps)
+      steps += chunk.steps
+      # the acceptance from the calls the sequence ran through (the last one's tokens are cut at the end)
+      if len(out) + len(new) < args.max_new_tokens and not (new and new[-1] in eos):
+        acc_steps += chunk.steps
+        accepted += len(new) - chunk.steps  # (each step commits its accepted drafts + 1)
+    out += new
+    if shown is not None:
+      if i == 0:
+        print(f"streaming ({'text' if tok is not None else 'token ids'}):", flush=True)
+      shown.add(new)
+    s = now
+  if shown is not None:
+    shown.close()
   print(f"prompt ({len(prompt_ids)} tokens): {list(map(int, prompt_ids))}")
-  print(f"generated ({len(out)} tokens): {out}")
+  end = ", end of sequence" if out and out[-1] in eos else ""
+  print(f"generated ({len(out)} tokens{end}): {out}")
   if tok is not None:
     print("text:", tok.decode(out))
-  rate = accepted / max(steps * k, 1) if k else float("nan")
-  med = 1e3 * float(np.median(step_times)) if step_times else float("nan")
-  print(f"steps: {steps}  tokens/step: {len(out) / max(steps, 1):.2f}  draft acceptance: {rate:.1%} (k={k})")
+  rate = accepted / (acc_steps * k) if k and acc_steps else float("nan")
+  med = 1e3 * float(np.median(call_times)) if call_times else float("nan")
+  print(f"steps: {steps}  tokens/step: {(len(out) - 1) / max(steps, 1):.2f}  draft acceptance: {rate:.1%} (k={k})")
   print(f"step time: median {med:.2f} ms on {model.mesh.devices.flat[0].platform} (TP{model.tp}, backend "
         f"{dec.backend})  load {t1 - t0:.1f} s  warm-up + prefill {t2 - t1:.1f} s")
   return out

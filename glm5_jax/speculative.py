@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,25 @@ REP = P()
 MAX_STEPS_PER_CALL = 64  # speculative steps one call may run (its output holds steps · q tokens per sequence)
 
 
+class Chunk(NamedTuple):
+  """One call's share of ``Decoder.stream``: ``tokens``, per prompt the tokens it emitted (a list per prompt,
+  empty once it has ended), and ``steps``, the speculative steps the call ran (0 for the prefill's first
+  tokens)."""
+  tokens: list
+  steps: int
+
+
+def _eos_set(eos_id) -> frozenset:
+  """``eos_id`` (None, an id, or several: a checkpoint's ``Glm5Config.eos_token_id``) -> the set of ids that end a
+  sequence."""
+  ids = () if eos_id is None else (eos_id,) if not isinstance(eos_id, (list, tuple, set, frozenset, np.ndarray)) \
+      else list(eos_id)
+  for i in ids:
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+      raise ValueError(f"eos_id={eos_id!r}: expected None, a token id or a sequence of token ids (ints)")
+  return frozenset(int(i) for i in ids)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeOutput:
   """What one step emitted.
@@ -56,7 +75,7 @@ class DecodeOutput:
   next_tokens [B, q] int32: the next step's input (the last emitted token + k new drafts).
   finite [B] bool: False where the target's hidden states (hence logits) held NaN/Inf (at any of the call's
   steps): nothing was sampled from them, the sequence did not advance from there (its length and KDA slot are
-  unchanged), and generate() raises."""
+  unchanged), and stream() / generate() raise."""
 
   tokens: jax.Array
   counts: jax.Array
@@ -781,20 +800,25 @@ class Decoder:
       return self.single_step(state)
     return self, state
 
-  def generate(self, prompts, max_new_tokens: int, *, seeds=None, eos_id=None, progress=False):
-    """Prefill + speculative steps until every prompt has ``max_new_tokens`` new tokens (or hit eos_id).
-    Returns (list of generated token lists, stats {steps, accepted_per_step, ...})."""
+  def stream(self, prompts, max_new_tokens: int, *, seeds=None, eos_id=None):
+    """Prefill + speculative steps, yielding each call's new tokens as they come: a ``Chunk`` per call — ``tokens``,
+    for every prompt the tokens it emitted (the first chunk: the prefill's first token each), and ``steps``, the
+    speculative steps the call ran (0 for the prefill's). A sequence ends at ``max_new_tokens`` or at an
+    end-of-sequence id (``eos_id``: one id or several — a checkpoint's ``Glm5Config.eos_token_id`` —, emitted,
+    nothing after it); the generator returns when every sequence has.
+
+    The next call is issued before this call's tokens are read (the host prepares it while the GPU runs this one),
+    except near max_context, where the last steps run one per call (``for_next_call``). NaN / Inf logits in a
+    live sequence raise ``FloatingPointError`` naming it: nothing was sampled from them."""
+    eos = _eos_set(eos_id)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 1")
     state = self.prefill(prompts, seeds=seeds)
     n = len(prompts)
-    first = np.asarray(state.next_tokens[:n, 0])  # chosen by the prefill, emitted before the first step
-    out = [[int(t)] for t in first]
-    done = np.array([max_new_tokens <= 1 or (eos_id is not None and t == eos_id) for t in first])
-    out = [o[:max_new_tokens] for o in out]
-    steps, emitted = 0, len(prompts)
-    bar = None
-    if progress:
-      from tqdm.auto import tqdm  # noqa: PLC0415
-      bar = tqdm(total=max_new_tokens * n, desc="generating", unit="tok")
+    first = [int(t) for t in np.asarray(state.next_tokens[:n, 0])]  # chosen by the prefill, emitted first
+    emitted = np.ones(n, np.int64)
+    done = np.array([max_new_tokens <= 1 or t in eos for t in first])
+    yield Chunk([[t] for t in first], 0)
     dec, max_ctx = self, self.config.max_context
     pend = None if done.all() else dec.step(state)  # (state after the step, its output)
     while pend is not None:
@@ -805,24 +829,20 @@ class Decoder:
       # the step after the last useful one is then computed and dropped.
       pend = dec.step(state) if state.len_bound + span <= max_ctx else None
       toks, counts, finite = np.asarray(o.tokens), np.asarray(o.counts), np.asarray(o.finite)
-      if not finite[:n].all():
-        j = int(np.flatnonzero(~finite[:n])[0])
-        raise FloatingPointError(f"sequence {j} produced NaN/Inf logits after {len(out[j])} generated tokens: "
+      live = ~done
+      if not finite[:n][live].all():
+        j = int(np.flatnonzero(live & ~finite[:n])[0])
+        raise FloatingPointError(f"sequence {j} produced NaN/Inf logits after {int(emitted[j])} generated tokens: "
                                  "nothing was sampled from them (check the weights and the dtype)")
-      steps += dec.steps_per_call  # (speculative steps, not calls)
-      for j in range(n):
-        if done[j]:
-          continue
-        new = toks[j, :counts[j]].tolist()
-        for t in new:
-          if len(out[j]) < max_new_tokens:
-            out[j].append(t)
-            emitted += 1
-            if bar is not None:
-              bar.update(1)
-          if (eos_id is not None and t == eos_id) or len(out[j]) >= max_new_tokens:
+      chunk = [[] for _ in range(n)]
+      for j in np.flatnonzero(live):
+        for t in toks[j, :counts[j]].tolist():
+          chunk[j].append(t)
+          emitted[j] += 1
+          if t in eos or emitted[j] >= max_new_tokens:
             done[j] = True
             break
+      yield Chunk(chunk, dec.steps_per_call)
       if done.all():
         break
       if pend is None:  # near max_context: the next step after reading (it refuses what does not fit)
@@ -830,8 +850,27 @@ class Decoder:
           state = state.retired(np.flatnonzero(done))
         dec, state = dec.for_next_call(state)
         pend = dec.step(state)
+
+  def generate(self, prompts, max_new_tokens: int, *, seeds=None, eos_id=None, progress=False):
+    """Prefill + speculative steps until every prompt has ``max_new_tokens`` new tokens (or hit an end-of-sequence
+    id: ``eos_id``, one or several) — ``stream``'s calls collected. Returns (list of generated token lists, stats
+    {steps: speculative steps run, tokens: emitted, tokens_per_step})."""
+    n = len(prompts)
+    out = [[] for _ in range(n)]
+    bar = None
+    if progress:
+      from tqdm.auto import tqdm  # noqa: PLC0415
+      bar = tqdm(total=max_new_tokens * n, desc="generating", unit="tok")
+    steps = 0
+    for chunk in self.stream(prompts, max_new_tokens, seeds=seeds, eos_id=eos_id):
+      steps += chunk.steps
+      for o, c in zip(out, chunk.tokens):
+        o += c
+      if bar is not None:
+        bar.update(sum(map(len, chunk.tokens)))
     if bar is not None:
       bar.close()
+    emitted = sum(map(len, out))
     return out, {"steps": steps, "tokens": emitted, "tokens_per_step": emitted / max(steps * n, 1)}
 
 

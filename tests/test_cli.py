@@ -143,3 +143,55 @@ def test_knobs_lists_every_policy_key(capsys):
   assert main(["knobs"]) == 0
   text = capsys.readouterr().out
   assert "pdl = false" in text and "mhc_grid_barrier = true" in text
+
+
+def test_generate_stops_at_the_checkpoints_eos_and_streams(capsys):
+  """generate stops at the checkpoint's eos_token_id (emitted, nothing after it; --ignore-eos runs on), and
+  --stream prints the same tokens as they come."""
+  args = ["--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "12", "--k", "2", "--max-context", "64",
+          "--capture-sizes", "1"]
+  gen = lambda text: next(line for line in text.splitlines() if line.startswith("generated"))  # noqa: E731
+  ids = lambda line: [int(t) for t in re.search(r"\[(.*)\]", line).group(1).split(",")]  # noqa: E731
+  main(["generate", tiny_checkpoint("oracle-tiny", 0, "float32"), *args])
+  full = ids(gen(capsys.readouterr().out))
+  assert len(full) == 12
+  j = next(i for i in range(2, 12) if full[i] not in full[:i])  # a first occurrence past the first call's tokens
+  other = next(t for t in range(1000) if t not in full)  # a second end id that never comes
+  path = tiny_checkpoint("oracle-tiny", 0, "float32", eos_token_id=[other, full[j]])  # (the same weights)
+  assert glm5_jax.config.Glm5Config.from_json(path).eos_token_id == (other, full[j])
+  main(["generate", path, *args, "--stream"])
+  out = capsys.readouterr().out
+  line = gen(out)
+  assert ids(line) == full[:j + 1] and "tokens, end of sequence)" in line
+  streamed = out.split("streaming (token ids):\n", 1)[1].splitlines()[0]
+  assert [int(t) for t in streamed.split()] == full[:j + 1]
+  main(["generate", path, *args, "--ignore-eos"])
+  assert ids(gen(capsys.readouterr().out)) == full
+
+
+def test_text_stream_holds_back_split_characters():
+  """The streamed text of a byte-level tokenizer whose multi-byte characters span several tokens: printed piece by
+  piece it is the whole text, and no piece shows U+FFFD (a character's first bytes alone)."""
+  import io  # noqa: PLC0415
+
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
+
+  from glm5_jax.cli import _TextStream  # noqa: PLC0415
+
+  alphabet = pre_tokenizers.ByteLevel.alphabet()
+  tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  text = "naïve café ✓ 数据 ok"
+  ids = tok.encode(text).ids
+  assert len(ids) == len(text.encode())  # one token per byte: "✓" and "数" span three tokens each
+  out = io.StringIO()
+  s = _TextStream(tok, out)
+  pieces = []
+  for i in range(0, len(ids), 2):
+    before = out.getvalue()
+    s.add(ids[i:i + 2])
+    pieces.append(out.getvalue()[len(before):])
+  s.close()
+  assert out.getvalue() == text + "\n"
+  assert not any("\ufffd" in p for p in pieces) and sum(map(bool, pieces)) > 5

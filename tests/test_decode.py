@@ -852,12 +852,22 @@ def test_generate_pipelined_equals_greedy_reference(model):
   out, stats = dec.generate(prompts, n_new)
   assert out == refs and stats["tokens"] == 2 * n_new
   eos = refs[0][5]
-  out, _ = dec.generate(prompts, 20, eos_id=eos)
+  out, _ = dec.generate(prompts, 20, eos_id=(10 ** 6, eos))  # several end ids (a checkpoint's), one never comes
   for got, ref in zip(out, refs):
     cut = ref[:20]
     if eos in cut:
       cut = cut[:cut.index(eos) + 1]
     assert got == cut
+  # stream(): the same tokens call by call — the prefill's first, then each call's steps
+  chunks = list(dec.stream(prompts, 20, eos_id=eos))
+  assert [len(c) for c in chunks[0].tokens] == [1, 1] and chunks[0].steps == 0
+  assert all(c.steps == dec.steps_per_call for c in chunks[1:])
+  assert [sum((c.tokens[j] for c in chunks), []) for j in range(2)] == out
+  for bad in ("7", 1.5, [3, None]):
+    with pytest.raises(ValueError, match="eos_id="):
+      dec.generate(prompts, 5, eos_id=bad)
+  with pytest.raises(ValueError, match="max_new_tokens=0"):
+    dec.generate(prompts, 0)
 
 
 def test_conv_ring_is_updated_in_place():
