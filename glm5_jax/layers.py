@@ -465,8 +465,19 @@ KNOBS = {
         "graph keeps the programmatic edges is benchmarks/bench_pdl.py's question. Natively correct (12 chained "
         "boundaries bit-identical, session 34); the one-rank step at q = 1 5.32 -> 5.38 ms (no gain: XLA's "
         "graph does not honour the programmatic edge) — off"),
+    "moe_prefill": (False,
+        "a prefill chunk's routed experts as grouped FP8 GEMMs (pallas_kernels.moe_prefill: the chunk's (token, "
+        "expert) pairs sorted by expert into row tiles of one expert each, a CTA per (tile, weight rows) streaming "
+        "its expert's FP8 weight once, dequantised in registers) instead of XLA's path, which runs every expert "
+        "over every token (E / k = 36x the routed pairs' FLOPs at the release) after dequantising all 288 "
+        "experts' weights to bf16 in HBM (1.2 GB per matrix per MoE layer of one TP4 rank). The only kernel a "
+        "prefill chunk runs (PREFILL_KNOBS). Equal to fp8_moe_reference in GPU interpret mode, compiled for an "
+        "H200 on a CPU (session 62); off until measured natively (benchmarks/bench_prefill.py)"),
 }
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
+# The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
+# other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
+PREFILL_KNOBS = ("moe_prefill",)
 
 # Knobs whose forms were measured slower than (or no faster than) the defaults on the H200 and removed with their
 # kernels: a policy naming one is refused with the reason (git history and BENCHMARKS.md keep them).
@@ -564,6 +575,7 @@ WGMMA_KNOBS = {
     "indexer": "the indexer's scores",
     "indexer_pool_kernel": "the indexer's cache update (the pooled keys' Hadamard rotation)",
     "topk_compact_kernel": "the selection's compaction (its prefix counts)",
+    "moe_prefill": "the prefill MoE's grouped GEMMs",
 }
 WGMMA_REASON = ("needs Hopper's wgmma (sm_90a), which {arch} does not have (Blackwell's tcgen05 MMA: no form of "
                 "this kernel that runs there yet)")
@@ -1334,7 +1346,17 @@ class Experts(nnx.Module):
       h = swiglu_clamped(g, u, self.limit)
       y = jnp.einsum("mki,mkdi->mkd", h, self._w("down_proj", ids, dtype), precision=HIGHEST)
       return jnp.einsum("mkd,mk->md", y.astype(jnp.float32), weights, precision=HIGHEST)
-    # many tokens (prefill): every expert over every token, combined with a dense [M, E] weight matrix
+    # many tokens (prefill): the routed pairs as grouped FP8 GEMMs where the policy runs them (moe_prefill) ...
+    I, D = self.gate_proj.shape[1:]
+    fits = tuple(self.fp8_block or ()) == (128, 128) and I % 128 == 0 and D % 128 == 0
+    if kernel_enabled("moe_prefill", fits=fits,
+                      why=f"FP8 128x128-block expert weights with I, D multiples of 128 (here {self.fp8_block}, "
+                      f"I = {I}, D = {D})"):
+      from pallas_kernels import moe_prefill as kp  # noqa: PLC0415
+      return kp.fp8_moe_prefill(x, ids, weights, self.gate_proj[...], self.gate_scale[...], self.up_proj[...],
+                                self.up_scale[...], self.down_proj[...], self.down_scale[...],
+                                swiglu_limit=float(self.limit))
+    # ... else every expert over every token, combined with a dense [M, E] weight matrix
     comb = jnp.zeros((M, E), jnp.float32).at[jnp.arange(M)[:, None], ids].add(weights)
     g = jnp.einsum("md,eid->mei", x.astype(dtype), self._w("gate_proj", None, dtype), precision=HIGHEST)
     u = jnp.einsum("md,eid->mei", x.astype(dtype), self._w("up_proj", None, dtype), precision=HIGHEST)

@@ -38,8 +38,8 @@ from glm5_jax import param_packing as pp
 from glm5_jax import state as st
 from glm5_jax.api import Model, _check_tokens, compiled
 from glm5_jax.attention import StepCtx
-from glm5_jax.layers import (KERNEL_DEFAULTS, REMOVED_KNOBS, WGMMA_REASON, declined_on, has_wgmma, kernel_enabled,
-                             kernel_report)
+from glm5_jax.layers import (KERNEL_DEFAULTS, PREFILL_KNOBS, REMOVED_KNOBS, WGMMA_REASON, declined_on, has_wgmma,
+                             kernel_enabled, kernel_report)
 from glm5_jax.runtime import SUPPORTED_GPUS, DecodeConfig, detect_platform
 
 REP = P()
@@ -396,6 +396,7 @@ class Decoder:
     self._ran: set[int] = set()  # capture sizes whose step has traced and run
     self.prefill_chunk = int(prefill_chunk)  # prompts run in chunks of at most this many tokens (one compile each)
     self._given_options = compiler_options
+    self.prefill_sites: dict = {}  # the prefill kernels' call sites in the traced chunks (_check_prefill_kernels)
     self._single: Decoder | None = None  # generate()'s one-step decoder near max_context (steps_per_call > 1)
 
   # ------------------------------------------------------------------ shapes
@@ -522,7 +523,9 @@ class Decoder:
 
     def impossible(k):  # batches past the decode kernels' row limit run in XLA by design: not a failure alone
       d = sites.get(k)
-      return not d or (not d["sites"] and any("token rows >" not in r for r in d["not_used"]))
+      if not d:  # (a prefill kernel has a site in a step only where the decode MoE declines: many rows)
+        return k not in PREFILL_KNOBS
+      return not d["sites"] and any("token rows >" not in r for r in d["not_used"])
 
     missing = sorted(k for k in _requested_kernels(self.config) if impossible(k))
     if missing:
@@ -575,6 +578,40 @@ class Decoder:
     stack.enter_context(use_kernels(policy, self.platform))
     stack.enter_context(pdl_mode(policy.get("pdl", KERNEL_DEFAULTS["pdl"])))  # (the step records it: _step_fn)
     return stack
+
+  def prefill_kernel_mode(self):
+    """The kernels a prefill chunk runs (latency_specialized): only those built for many token rows
+    (layers.PREFILL_KNOBS: the prefill MoE, policy knob moe_prefill), natively on a GPU and in interpret mode
+    elsewhere; the decode kernels stay off there. The stock backend: none."""
+    from glm5_jax.layers import use_kernels  # noqa: PLC0415
+    policy = self.config.policy_dict()
+    on = {k: bool(policy.get(k, KERNEL_DEFAULTS[k])) for k in PREFILL_KNOBS}
+    if self.backend != "latency_specialized" or not any(on.values()):
+      return contextlib.nullcontext()
+    from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
+    stack = contextlib.ExitStack()
+    stack.enter_context(maybe_interpret())
+    stack.enter_context(use_kernels({**{k: False for k in KERNEL_DEFAULTS}, **on}, self.platform))
+    return stack
+
+  def _check_prefill_kernels(self, rep):
+    """Record a traced prefill chunk's kernel sites (``prefill_sites``: {kernel: {"sites": n, "not_used": {reason:
+    n}}}, as ``kernel_sites`` for the step). A prefill kernel the policy turns on explicitly that the chunk declined
+    (its shapes) is an error naming why; a chunk without its call site (few pairs: the MoE's gather path) is not."""
+    if not rep:  # (no trace: a compiled chunk)
+      return
+    refused = {}
+    for name, reason in rep:
+      d = self.prefill_sites.setdefault(name, {"sites": 0, "not_used": {}})
+      if reason is None:
+        d["sites"] += 1
+      else:
+        d["not_used"][reason] = d["not_used"].get(reason, 0) + 1
+      if name in PREFILL_KNOBS and name in _requested_kernels(self.config) and reason is not None:
+        refused.setdefault(name, set()).add(reason)
+    if refused:
+      why = "; ".join(f"{k}: {', '.join(sorted(r))}" for k, r in sorted(refused.items()))
+      raise ValueError(f"the policy turns on prefill kernel(s) {sorted(refused)} that cannot run here — {why}")
 
   @property
   def key(self):
@@ -742,7 +779,10 @@ class Decoder:
     fn = _prefill_target_fn(self, B, T)
     for c in range(n_chunks):
       valid = np.clip(lens - c * T, 0, T).astype(np.int32)
-      caches, h = fn(model.params, caches, put(toks[:, c * T:(c + 1) * T]), lengths, put(valid))
+      args = (put(toks[:, c * T:(c + 1) * T]), lengths, put(valid))
+      with self.prefill_kernel_mode(), kernel_report() as traced:  # (traced at the first chunk: its sites reported)
+        caches, h = fn(model.params, caches, *args)
+      self._check_prefill_kernels(traced)
       lengths = lengths + put(valid)
       hs.append(h)
     h_all = jnp.concatenate(hs, axis=1)
@@ -765,8 +805,10 @@ class Decoder:
     for c in range(n_chunks):
       valid = np.clip(lens - c * T, 0, T).astype(np.int32)
       last_here = (lens - 1 >= c * T) & (lens - 1 < (c + 1) * T)
-      caches, d = mfn(model.params, caches, h_all[:, c * T:(c + 1) * T], next_ids[:, c * T:(c + 1) * T], mstart,
-                      put(valid), put(np.clip(lens - 1 - c * T, 0, T - 1).astype(np.int32)))
+      args = (h_all[:, c * T:(c + 1) * T], next_ids[:, c * T:(c + 1) * T], mstart, put(valid),
+              put(np.clip(lens - 1 - c * T, 0, T - 1).astype(np.int32)))
+      with self.prefill_kernel_mode():
+        caches, d = mfn(model.params, caches, *args)
       drafts = d if drafts is None else jnp.where(put(last_here)[:, None], d, drafts)
       mstart = mstart + put(valid)
     nxt = jnp.concatenate([first[:, None], drafts], axis=1)

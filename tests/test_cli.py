@@ -11,17 +11,30 @@ from helpers import tiny_checkpoint
 
 
 def test_generate_with_prompt_ids(capsys):
-  path = tiny_checkpoint("oracle-tiny", 0, "float32")
-  args = ["generate", path, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "10", "--k", "1", "--max-context",
-          "64", "--capture-sizes", "1"]
-  main(args)
+  """generate prints the tokens, the acceptance and the step time; it stops at the checkpoint's eos_token_id (the
+  id emitted, nothing after it) and --stream prints the same tokens as they come; --ignore-eos runs on, here with
+  three speculative steps per call to the end of a context where the last steps no longer fit three at a time
+  (5 + 10 tokens in 16: Decoder.for_next_call hands them to a one-step decoder) — the same tokens."""
+  args = ["--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "10", "--k", "1", "--max-context", "64",
+          "--capture-sizes", "1"]
+  gen = lambda text: next(line for line in text.splitlines() if line.startswith("generated"))  # noqa: E731
+  ids = lambda line: [int(t) for t in re.search(r"\[(.*)\]", line).group(1).split(",")]  # noqa: E731
+  main(["generate", tiny_checkpoint("oracle-tiny", 0, "float32"), *args])
   out = capsys.readouterr().out
   assert "generated (10 tokens)" in out and "draft acceptance" in out and "step time" in out
-  # three speculative steps per call: the same tokens, to the end of a context where the last steps no longer fit
-  # three at a time (5 + 10 tokens in 16: Decoder.for_next_call hands them to a one-step decoder)
-  main(args + ["--steps-per-call", "3", "--max-context", "16"])
-  gen = lambda text: next(line for line in text.splitlines() if line.startswith("generated"))  # noqa: E731
-  assert gen(capsys.readouterr().out) == gen(out)
+  full = ids(gen(out))
+  j = next(i for i in range(2, 10) if full[i] not in full[:i])  # a first occurrence past the first call's tokens
+  other = next(t for t in range(1000) if t not in full)  # a second end id that never comes
+  path = tiny_checkpoint("oracle-tiny", 0, "float32", eos_token_id=[other, full[j]])  # (the same weights)
+  assert glm5_jax.config.Glm5Config.from_json(path).eos_token_id == (other, full[j])
+  main(["generate", path, *args, "--stream"])
+  out = capsys.readouterr().out
+  line = gen(out)
+  assert ids(line) == full[:j + 1] and "tokens, end of sequence)" in line
+  streamed = out.split("streaming (token ids):\n", 1)[1].splitlines()[0]
+  assert [int(t) for t in streamed.split()] == full[:j + 1]
+  main(["generate", path, *args, "--ignore-eos", "--steps-per-call", "3", "--max-context", "16"])
+  assert ids(gen(capsys.readouterr().out)) == full
 
 
 def test_generate_knobs_give_the_same_tokens(capsys):
@@ -143,30 +156,6 @@ def test_knobs_lists_every_policy_key(capsys):
   assert main(["knobs"]) == 0
   text = capsys.readouterr().out
   assert "pdl = false" in text and "mhc_grid_barrier = true" in text
-
-
-def test_generate_stops_at_the_checkpoints_eos_and_streams(capsys):
-  """generate stops at the checkpoint's eos_token_id (emitted, nothing after it; --ignore-eos runs on), and
-  --stream prints the same tokens as they come."""
-  args = ["--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "12", "--k", "2", "--max-context", "64",
-          "--capture-sizes", "1"]
-  gen = lambda text: next(line for line in text.splitlines() if line.startswith("generated"))  # noqa: E731
-  ids = lambda line: [int(t) for t in re.search(r"\[(.*)\]", line).group(1).split(",")]  # noqa: E731
-  main(["generate", tiny_checkpoint("oracle-tiny", 0, "float32"), *args])
-  full = ids(gen(capsys.readouterr().out))
-  assert len(full) == 12
-  j = next(i for i in range(2, 12) if full[i] not in full[:i])  # a first occurrence past the first call's tokens
-  other = next(t for t in range(1000) if t not in full)  # a second end id that never comes
-  path = tiny_checkpoint("oracle-tiny", 0, "float32", eos_token_id=[other, full[j]])  # (the same weights)
-  assert glm5_jax.config.Glm5Config.from_json(path).eos_token_id == (other, full[j])
-  main(["generate", path, *args, "--stream"])
-  out = capsys.readouterr().out
-  line = gen(out)
-  assert ids(line) == full[:j + 1] and "tokens, end of sequence)" in line
-  streamed = out.split("streaming (token ids):\n", 1)[1].splitlines()[0]
-  assert [int(t) for t in streamed.split()] == full[:j + 1]
-  main(["generate", path, *args, "--ignore-eos"])
-  assert ids(gen(capsys.readouterr().out)) == full
 
 
 def test_text_stream_holds_back_split_characters():

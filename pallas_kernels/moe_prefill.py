@@ -1,0 +1,188 @@
+"""The routed experts of a prefill chunk (many token rows) as grouped FP8 GEMMs, in Pallas Mosaic GPU.
+
+Why: at prefill the model's XLA path runs every expert over every token of the chunk and combines them with a
+dense [M, E] weight matrix (``glm5_jax.layers.Experts.partial``): E / k = 36× the FLOPs of the routed pairs at the
+release's 288 experts, top-8, after dequantising every expert's FP8 weights to bf16 in HBM (1.2 GB per matrix per
+MoE layer of one TP4 rank, written and read back: compiled for an H200, three `loop_convert_fusion`s of
+bf16[288, 512, 4096] before three dense gemm fusions). A prefill chunk of M = 256 tokens routes only M·k = 2,048
+(token, expert) pairs — ~7 per expert — so the work is ONE read of every expert's FP8 weights (the decode
+kernels' bandwidth problem) plus the pairs' products.
+
+Here the pairs are sorted by expert (XLA: a stable argsort of the chunk's M·k ids) and laid out as row tiles of
+``mp`` rows, each tile holding one expert's rows (the last tile of an expert zero-padded, ``route_groups``); one
+launch per weight matrix (``fp8_grouped_linear``) runs a CTA per (row tile, bm weight rows) that streams its
+expert's FP8 tile rows once through a TMA ring, dequantised in registers as the decode kernels do
+(``pallas_kernels.linear._mma_tile``: the weight as wgmma A, the tile's token rows as N), with the 128×128 block
+scale applied per K block; tiles past the chunk's count exit at once. The gate and up products, the clamped
+SwiGLU (h rounded to bf16, as between the decode MoE kernels) and the down products are three launches; XLA
+gathers the rows in, weights them by the routing weights and adds them back per token (``fp8_moe_prefill``).
+Same contract and reference as ``pallas_kernels.linear.fp8_moe`` (``fp8_moe_reference``).
+
+Shapes: M token rows, k experts per token, P = M·k pairs, E experts, I expert width, D hidden size, T row tiles
+(a static bound: ceil(P / mp) + E), mp rows per tile, N / K a matrix's output / input features.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import linear as kl
+from pallas_kernels._common import kernel_entry, mgpu_kernel
+
+F8 = jnp.float8_e4m3fn
+BLOCK = kl.BLOCK
+TILE_ROWS = (16, 32, 64)  # rows per tile (the wgmma N): the smallest that holds the mean pairs per expert
+
+
+def tile_rows(pairs: int, experts: int) -> int:
+  """Rows per tile for ``pairs`` (token, expert) pairs over ``experts``: the smallest of TILE_ROWS holding the mean
+  per expert (the padding of each expert's last tile is wasted MMA work; a larger tile re-reads fewer weights)."""
+  mean = -(-pairs // experts)
+  return next((r for r in TILE_ROWS if r >= mean), TILE_ROWS[-1])
+
+
+def num_tiles(pairs: int, experts: int, mp: int) -> int:
+  """The static bound on the row tiles: Σ_e ceil(c_e / mp) < P / mp + E."""
+  return -(-pairs // mp) + experts
+
+
+def route_groups(ids, num_experts: int, mp: int):
+  """ids [M, k] int32 -> (order [P]: the pairs sorted by expert (stable: by token within an expert), dest [P]: each
+  sorted pair's row in the tiled layout, tile_e [T]: each tile's expert, -1 past the used tiles). Expert e's c_e
+  pairs fill ceil(c_e / mp) consecutive tiles from its first tile (an exclusive sum of the tiles before it)."""
+  P = ids.size
+  flat = ids.reshape(-1).astype(jnp.int32)
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+  se = flat[order]
+  counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+  tiles = (counts + mp - 1) // mp
+  ends = jnp.cumsum(tiles)  # one past each expert's last tile
+  first_pair = jnp.cumsum(counts) - counts
+  dest = (ends - tiles)[se] * mp + jnp.arange(P, dtype=jnp.int32) - first_pair[se]
+  T = num_tiles(P, num_experts, mp)
+  t = jnp.arange(T, dtype=jnp.int32)
+  # tile t belongs to the expert whose tile range holds it: the count of experts ending at or before t (empty
+  # experts end where they start and are counted with those before)
+  tile_e = jnp.sum(t[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
+  return order, dest, jnp.where(t < ends[-1], tile_e, -1)
+
+
+def _grouped_kernel(tile_e_ref, x_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *a_s, mp: int, bm: int, stages: int,
+                    n_tiles: int, steps: int):
+  """CTA t = (weight row tile t % n_tiles, row tile mt = t // n_tiles): o[mt, rows, :] = W_e[rows] · x_tile.T with
+  e = tile_e[mt] — its ``steps`` 128-K blocks through a ``stages``-deep TMA ring (weight tile + the tile's token
+  rows per slot), each dequantised (``linear._mma_tile``) into a fresh accumulator and added times its block
+  scale. A tile without an expert (past the chunk's) exits at once."""
+  t = lax.axis_index("t")
+  tile, mt = t % n_tiles, t // n_tiles
+  e = tile_e_ref[mt]
+  row0 = tile * bm
+  nb = row0 // BLOCK  # (bm divides 128: one scale row per weight tile)
+
+  @pl.when(e >= 0)
+  def _():
+    def issue(i):
+      slot = i % stages
+      k0 = i * BLOCK
+      plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(row0, bm), pl.ds(k0, BLOCK)], w_s.at[slot], bar.at[slot])
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mt * mp, mp), pl.ds(k0, BLOCK)], x_s.at[slot], bar.at[slot])
+
+    for i in range(min(stages, steps)):
+      issue(i)
+
+    def step(i, acc):  # (a rolled loop: steps = K / 128 is 32 for gate / up at the release's D)
+      slot = i % stages
+      sc = s_ref[e, nb, i]  # (issued before the wait: the FMA below waits for it)
+      plgpu.barrier_wait(bar.at[slot])
+      blk = kl._mma_tile(w_s.at[slot], x_s.at[slot], mp, True, a_s[0] if a_s else None)
+      pl.when(i + stages < steps)(lambda: kl._refill(issue, i + stages, False))
+      return acc + blk * sc
+
+    zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
+    o_ref[mt, pl.ds(row0, bm), :] = lax.fori_loop(0, steps, step, zero)
+
+
+def _check_grouped(x, tile_e, w, scale_inv, mp: int):
+  rows, k = x.shape
+  E, n, k2 = w.shape
+  T = tile_e.shape[0]
+  if w.dtype != F8 or x.dtype not in (jnp.bfloat16, jnp.float16) or k != k2 or tile_e.dtype != jnp.int32:
+    raise ValueError(f"fp8_grouped_linear: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}, tile_e {tile_e.dtype}; "
+                     "expected bf16 / f16 x [T·mp, K], e4m3 w [E, N, K] and int32 tile_e [T]")
+  if mp not in TILE_ROWS or rows != T * mp:
+    raise ValueError(f"fp8_grouped_linear: {rows} rows of x for {T} tiles of mp = {mp}; expected mp in "
+                     f"{TILE_ROWS} and T·mp rows")
+  if k % BLOCK or n % BLOCK:
+    raise ValueError(f"fp8_grouped_linear: N = {n}, K = {k}; expected multiples of {BLOCK}")
+  want = (E, n // BLOCK, k // BLOCK)
+  if scale_inv.shape != want:
+    raise ValueError(f"fp8_grouped_linear: scale_inv {scale_inv.shape}, expected {want} (128x128 blocks)")
+
+
+@kernel_entry("mp", "bm", "stages", "a_from")
+def fp8_grouped_linear(x, tile_e, w, scale_inv, *, mp: int, bm: int | None = None, stages: int | None = None,
+                       a_from: str | None = None):
+  """x [T·mp, K] bf16 (or f16: the dequantised tiles in x's dtype) in row tiles of mp, tile_e [T] int32 (each
+  tile's expert, -1: unused), w [E, N, K] e4m3 with scale_inv [E, N/128, K/128] f32 -> y [T·mp, N] f32 = each
+  tile's rows times its expert's dequantised weight (the rows of unused tiles: garbage, never read). ``bm``:
+  weight rows per CTA (64 or 128; default 128 up to 32 rows a tile, as the decode kernels' register budget);
+  ``stages``: the ring's depth (default: as many K blocks as fit with two CTAs an SM); ``a_from``: as
+  ``linear.fp8_dq_linear``'s (interpret mode: through SMEM)."""
+  _check_grouped(x, tile_e, w, scale_inv, mp)
+  T = tile_e.shape[0]
+  _, n, k = w.shape
+  bm = bm or (128 if mp <= 32 else 64)
+  steps = k // BLOCK
+  a_smem = kl._a_smem(a_from)
+  n_tiles = n // bm
+  stage_bytes = bm * BLOCK + mp * BLOCK * x.dtype.itemsize
+  stages = stages or kl._pick_stages(steps, stage_bytes, n_tiles * T, None, 2,
+                                     reserve=bm * BLOCK * 2 if a_smem else 0)
+  o = mgpu_kernel(
+      functools.partial(_grouped_kernel, mp=mp, bm=bm, stages=stages, n_tiles=n_tiles, steps=steps),
+      out_type=jax.ShapeDtypeStruct((T, n, mp), jnp.float32),
+      grid=(n_tiles * T,),
+      grid_names=("t",),
+      kernel_name="glm5_moe_prefill",
+      scratch_types=[
+          plgpu.SMEM((stages, bm, BLOCK), F8, transforms=kl._tr(F8, BLOCK)),
+          plgpu.SMEM((stages, mp, BLOCK), x.dtype, transforms=kl._tr(x.dtype, BLOCK)),
+          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+          *([plgpu.SMEM((bm, BLOCK), x.dtype, transforms=kl._tr(x.dtype, BLOCK))] if a_smem else []),
+      ],
+  )(tile_e, x, w, scale_inv.astype(jnp.float32))
+  return jnp.swapaxes(o, 1, 2).reshape(T * mp, n)
+
+
+@kernel_entry("swiglu_limit", "mp", "a_from")
+def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
+                    mp: int | None = None, a_from: str | None = None):
+  """``linear.fp8_moe``'s contract for a prefill chunk (same reference, ``linear.fp8_moe_reference``): x [M, D],
+  topk_ids / topk_weights [M, k], gate / up [E, I, D] and down [E, D, I] e4m3 with their [.., /128, /128] f32
+  scales -> Σ_j w_j · expert_{ids_j}(x) [M, D] f32 (the routed experts: the caller adds the shared one). ``mp``:
+  rows per tile (default ``tile_rows``)."""
+  M, D = x.shape
+  k = topk_ids.shape[1]
+  E, I = w_gate.shape[:2]
+  if topk_ids.shape != (M, k) or topk_weights.shape != (M, k) or w_down.shape != (E, D, I):
+    raise ValueError(f"fp8_moe_prefill: x {x.shape}, ids {topk_ids.shape}, weights {topk_weights.shape}, gate "
+                     f"{w_gate.shape}, down {w_down.shape}; expected [M, D], [M, k] twice, [E, I, D] and [E, D, I]")
+  mp = mp or tile_rows(M * k, E)
+  order, dest, tile_e = route_groups(topk_ids, E, mp)
+  T = tile_e.shape[0]
+  dt = x.dtype if x.dtype == jnp.float16 else jnp.bfloat16
+  tok = order // k
+  xs = jnp.zeros((T * mp, D), dt).at[dest].set(x[tok].astype(dt))
+  grouped = functools.partial(fp8_grouped_linear, tile_e=tile_e, mp=mp, a_from=a_from)
+  g = grouped(xs, w=w_gate, scale_inv=s_gate)
+  u = grouped(xs, w=w_up, scale_inv=s_up)
+  h = (jax.nn.silu(jnp.minimum(g, swiglu_limit)) * jnp.clip(u, -swiglu_limit, swiglu_limit)).astype(dt)
+  y = grouped(h, w=w_down, scale_inv=s_down)  # [T·mp, D] f32
+  wt = topk_weights.reshape(-1)[order].astype(jnp.float32)
+  return jnp.zeros((M, D), jnp.float32).at[tok].add(y[dest] * wt[:, None])

@@ -1,0 +1,144 @@
+"""Tests of pallas_kernels/moe_prefill.py: a prefill chunk's routed experts as grouped FP8 GEMMs.
+
+CPU: the row tiles' layout against a plain construction; the kernel in Mosaic GPU interpret mode against
+linear.fp8_moe_reference (skewed routing: an expert over several tiles, experts with no rows); CUDA lowering at the
+release's per-rank shapes; the Decoder's prefill with policy knob moe_prefill against XLA's path at the model's
+site, and the refusal where the kernel cannot run. GPU (`-m gpu`): the release's shapes natively.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tol
+from helpers import load, tiny_checkpoint
+from test_linear_kernels import MOE_REAL, moe_inputs
+
+from glm5_jax.layers import KERNEL_DEFAULTS
+from glm5_jax.runtime import DecodeConfig
+from glm5_jax.speculative import Decoder
+from pallas_kernels import linear as L
+from pallas_kernels import moe_prefill as P
+from pallas_kernels._common import cross_lower, maybe_interpret
+
+F8 = jnp.float8_e4m3fn
+SDS = jax.ShapeDtypeStruct
+
+
+def skewed_ids(rng, m, e, k, hot, cold):
+  """[M, k] distinct experts per token: expert ``hot`` in most rows (several tiles), the ``cold`` ones in none."""
+  allowed = np.array([x for x in range(e) if x not in cold])
+  ids = np.stack([rng.permutation(allowed)[:k] for _ in range(m)])
+  for r in range(m - 2):  # hot in every row but the last two
+    if hot not in ids[r]:
+      ids[r, rng.integers(k)] = hot
+  return jnp.asarray(ids, jnp.int32)
+
+
+def test_route_groups_tiles_each_expert_in_order():
+  rng = np.random.default_rng()
+  m, e, k, mp = 37, 9, 3, 16
+  ids = skewed_ids(rng, m, e, k, hot=4, cold=(2, 7))
+  order, dest, tile_e = (np.asarray(a) for a in P.route_groups(ids, e, mp))
+  flat = np.asarray(ids).reshape(-1)
+  assert sorted(order.tolist()) == list(range(m * k)) and len(tile_e) == P.num_tiles(m * k, e, mp)
+  # the sorted pairs: by expert, then by pair index (stable)
+  assert np.all(np.diff(flat[order] * m * k + order) > 0)
+  # each pair's row: in a tile of its own expert, the expert's rows consecutive from its first tile's start
+  want_tiles, row = [], 0
+  for x in range(e):
+    rows = order[flat[order] == x]
+    np.testing.assert_array_equal(dest[np.isin(order, rows)], row + np.arange(len(rows)))
+    n = -(-len(rows) // mp)
+    want_tiles += [x] * n
+    row += n * mp
+  np.testing.assert_array_equal(tile_e, want_tiles + [-1] * (len(tile_e) - len(want_tiles)))
+  assert want_tiles.count(4) >= 2 and 2 not in want_tiles and 7 not in want_tiles
+
+
+def test_fp8_moe_prefill_interpret_equals_reference():
+  """The hot expert over three 16-row tiles, two experts without rows, 128-row weight tiles (bm), 3 K blocks."""
+  m, e, i, d, k, mp = 40, 12, 128, 384, 3, 16
+  rng = np.random.default_rng()
+  x, _, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(int(rng.integers(1 << 30))), m, e, i, d, k)
+  ids = skewed_ids(rng, m, e, k, hot=1, cold=(0, e - 1))
+  with maybe_interpret(True):
+    y = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=1.0, mp=mp)
+  ref = L.fp8_moe_reference(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=1.0)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("kernel_bf16"))
+
+
+def test_fp8_grouped_linear_rejects_bad_shapes():
+  x = jnp.zeros((48, 256), jnp.bfloat16)
+  w, s = jnp.zeros((4, 128, 256), F8), jnp.zeros((4, 1, 2), jnp.float32)
+  with pytest.raises(ValueError, match="48 rows of x for 2 tiles of mp = 16"):
+    P.fp8_grouped_linear(x, jnp.zeros((2,), jnp.int32), w, s, mp=16)
+  with pytest.raises(ValueError, match=r"scale_inv \(4, 2, 2\), expected \(4, 1, 2\)"):
+    P.fp8_grouped_linear(x, jnp.zeros((3,), jnp.int32), w, jnp.zeros((4, 2, 2)), mp=16)
+  with pytest.raises(ValueError, match="expected mp in"):
+    P.fp8_grouped_linear(x, jnp.zeros((6,), jnp.int32), w, s, mp=8)
+
+
+@pytest.mark.parametrize("m", [256, 2048])  # 16-row tiles (~7 pairs an expert), 64-row tiles (~57)
+def test_fp8_moe_prefill_lowers_at_the_real_rank(m):
+  E, I, D, k = (MOE_REAL[c] for c in "EIDk")
+  args = (SDS((m, D), jnp.bfloat16), SDS((m, k), jnp.int32), SDS((m, k), jnp.float32), SDS((E, I, D), F8),
+          SDS((E, I // 128, D // 128), jnp.float32), SDS((E, I, D), F8), SDS((E, I // 128, D // 128), jnp.float32),
+          SDS((E, D, I), F8), SDS((E, D // 128, I // 128), jnp.float32))
+  txt = cross_lower(lambda *a: P.fp8_moe_prefill(*a, swiglu_limit=10.0), *args).as_text()
+  assert "glm5_moe_prefill" in txt
+
+
+def _prefill_caches(m, policy, prompt):
+  dec = Decoder(m, DecodeConfig(max_context=64, q=1, capture_sizes=(1,), policy=policy), backend="latency_specialized",
+                prefill_chunk=16)
+  return dec, dec.prefill([prompt])
+
+
+def test_prefill_moe_kernel_at_the_model_site():
+  """kernel-tiny (FP8 experts, bf16; no MTP layer: its MoE is the same code) prefilled in 16-token chunks (16 · 4
+  pairs over 16 experts: the MoE's many-row path) with every decode kernel off: moe_prefill on runs the grouped
+  kernel in each MoE layer where XLA ran every expert over every token — the layers' caches within the bf16
+  kernels' tolerance of XLA's."""
+  m = load(tiny_checkpoint("kernel-tiny", 6, "fp8", mtp=False), "bfloat16")
+  prompt = np.random.default_rng().integers(0, 2000, 29)
+  off = {k: False for k in KERNEL_DEFAULTS}
+  states = []
+  for on in (False, True):
+    dec, state = _prefill_caches(m, tuple(sorted({**off, "moe_prefill": on, "kv_cache_dtype": "auto"}.items())),
+                                 prompt)
+    states.append(state)
+    # (the target's two MoE layers in each traced chunk)
+    assert (dec.prefill_sites.get("moe_prefill", {}).get("sites", 0) > 0) == on
+  # (the layers' caches: every MoE layer's routing sees the same inputs in both runs but the last one's, whose
+  # output, kernel rounding apart, may pick other experts after a near tie there — it reaches only the final hidden
+  # states: the first token, and an MTP layer's cache)
+  a, b = (jax.tree.leaves(s.caches["layers"]) for s in states)
+  assert len(a) == len(b)
+  for u, v in zip(a, b):
+    if jnp.issubdtype(u.dtype, jnp.floating):
+      u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
+      np.testing.assert_allclose(v, u, atol=tol("kernel_bf16")["atol"] * max(1.0, float(np.abs(u).max())),
+                                 rtol=tol("kernel_bf16")["rtol"])
+
+
+def test_prefill_moe_kernel_request_that_cannot_run_is_refused():
+  """moe_prefill asked for explicitly on a model whose experts are not FP8 128x128 blocks: the prefill says why
+  (a requested path never falls back silently); the decode step has no site of it and is not refused."""
+  m = load(tiny_checkpoint("oracle-tiny", 0, "float32"))
+  dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=(("interpret", True),
+                                                                                 ("moe_prefill", True),
+                                                                                 ("kv_cache_dtype", "auto"))),
+                backend="latency_specialized", prefill_chunk=16)
+  with pytest.raises(ValueError, match=r"prefill kernel\(s\) \['moe_prefill'\] .*FP8 128x128-block expert weights"):
+    dec.prefill([np.arange(20) % 50 + 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [256, 2048])
+def test_fp8_moe_prefill_gpu_real_shapes(m):
+  E, I, D, k = (MOE_REAL[c] for c in "EIDk")
+  x, ids, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(m), m, E, I, D, k)
+  y = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0)
+  ref = jax.jit(lambda *a: L.fp8_moe_reference(*a, swiglu_limit=10.0))(x, ids, tw, wg, sg, wu, su, wd, sd)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("kernel_bf16"))
