@@ -1,0 +1,123 @@
+"""Prefill benchmark (time to first token): ``Decoder.prefill`` of one long prompt at a given geometry.
+
+  python benchmarks/bench_prefill.py --geometry tp4-rank --prompt 4096 32768 --chunk 256 1024 \\
+      --policy '{}' '{"moe_prefill": true}'
+
+What a prefill is: the prompt through the target in chunks of --chunk tokens (one compiled program a chunk size),
+the first token, then the MTP layer over the prompt and the first k drafts (q = 1 + k). Geometries as in
+bench_decode.py: ``tp4-rank`` — one TP4 rank's share of GLM-5.3-Flash on ONE GPU (~82 GB of random weights, FP8
+where the release is FP8; no all-reduces), ``kernel-tiny`` for a CPU smoke run. Each configuration prefills a
+warm-up prompt of one chunk first (compiling the chunk programs), then --repeats random prompts (fresh caches each:
+a prefill starts from none); the median is reported.
+
+The floor of a chunk: every parameter read once (the chunk's M·k routed pairs touch ~every expert at M >= 256:
+~1.9 GB of experts per MoE layer of one rank) at 4.3 TB/s, or its FLOPs (2 per active parameter per token: the
+rank's ~4.6 B active parameters) at 989 TFLOP/s of dense bf16, whichever is longer; attention's FLOPs are left out
+(they grow with the context: the floor is a lower bound). The XLA MoE runs every expert over every token of the
+chunk (E / k = 36x the routed FLOPs, after dequantising every expert to bf16 in HBM); policy knob moe_prefill runs
+the routed pairs as grouped FP8 GEMMs (pallas_kernels/moe_prefill.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from glm5_jax import config as C  # noqa: E402
+from glm5_jax import profiling  # noqa: E402
+from glm5_jax.runtime import DecodeConfig  # noqa: E402
+from glm5_jax.speculative import Decoder  # noqa: E402
+from glm5_jax.synthetic import random_model, tp_rank_config  # noqa: E402
+
+BF16_FLOPS = 989e12  # H200 / H100 SXM dense bf16 tensor-core peak
+
+
+def active_params(cfg) -> int:
+  """Parameters a token reads (one rank's share at the config's widths): everything but the experts it is not
+  routed to, and the embedding table (one row)."""
+  from flax import nnx  # noqa: PLC0415
+
+  from glm5_jax.model import Glm5Model  # noqa: PLC0415
+  abstract = nnx.eval_shape(lambda: Glm5Model(cfg, jnp.bfloat16, fp8=cfg.fp8_block is not None, mtp=False))
+  total = routed = 0
+  for path, v in nnx.to_flat_state(nnx.state(abstract)):
+    n = int(np.prod(v.get_value().shape))
+    names = "/".join(map(str, path))
+    if "embed" in names:
+      continue
+    total += n
+    if "experts" in names and "shared" not in names:
+      routed += n
+  return total - routed + routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+
+
+def chunk_floor_ms(model, cfg, tokens: int, active: int) -> float:
+  """The chunk's lower bound: its parameters read once at HBM bandwidth, or its FLOPs at the bf16 peak."""
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+  return 1e3 * max(nbytes / profiling.HBM_BYTES_PER_S, 2.0 * active * tokens / BF16_FLOPS)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--geometry", default="tp4-rank", choices=["tp4-rank", "kernel-tiny"])
+  p.add_argument("--layers", type=int, default=None, help="keep the first N layers (tp4-rank)")
+  p.add_argument("--prompt", type=int, nargs="+", default=[4096], help="prompt lengths (tokens)")
+  p.add_argument("--chunk", type=int, nargs="+", default=[256], help="prefill chunk sizes (Decoder.prefill_chunk)")
+  p.add_argument("--k", type=int, default=3, help="draft tokens (the MTP pass over the prompt runs when k > 0)")
+  p.add_argument("--backend", nargs="+", default=["latency_specialized"])
+  p.add_argument("--policy", nargs="+", default=["{}"], help="decode policy knobs as JSON")
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--out", default=None, help="append JSON lines of results here")
+  a = p.parse_args(argv)
+  base = C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real()
+  cfg = tp_rank_config(base, 4) if a.geometry == "tp4-rank" else C.kernel_tiny()
+  t = time.time()
+  model = random_model(cfg, dtype=jnp.bfloat16, fp8=cfg.fp8_block is not None)
+  jax.block_until_ready(jax.tree.leaves(model.params))
+  active = active_params(cfg)
+  print(f"# {a.geometry} ({cfg.num_hidden_layers} layers): random parameters in {time.time() - t:.1f} s on "
+        f"{jax.devices()[0].device_kind}; {active / 1e9:.2f} B active parameters a token", flush=True)
+  print(f"{'backend':>22} {'policy':>24} {'prompt':>7} {'chunk':>6} {'first s':>8} {'ms (median)':>12} "
+        f"{'tokens/s':>9} {'ms/chunk':>9} {'floor ms/chunk':>14}", flush=True)
+  rng = np.random.default_rng(0)
+  for backend in a.backend:
+    for pol_text in a.policy:
+      policy = tuple(sorted(json.loads(pol_text).items()))
+      for chunk in a.chunk:
+        for n in a.prompt:
+          dec = Decoder(model, DecodeConfig(max_context=n + 1 + a.k + 16, q=1 + a.k, capture_sizes=(1,),
+                                            policy=policy), backend=backend, prefill_chunk=chunk)
+          t = time.time()  # (the chunk programs compiled by a one-chunk prompt: the same programs as n's)
+          jax.block_until_ready(dec.prefill([rng.integers(1, cfg.vocab_size - 1, min(n, chunk))]).next_tokens)
+          first_s = time.time() - t
+          times = []
+          for _ in range(a.repeats):
+            prompt = rng.integers(1, cfg.vocab_size - 1, n)
+            t = time.perf_counter()
+            jax.block_until_ready(dec.prefill([prompt]).next_tokens)
+            times.append(1e3 * (time.perf_counter() - t))
+          ms = float(np.median(times))
+          chunks = -(-n // min(chunk, 1 << (n - 1).bit_length()))
+          floor = chunk_floor_ms(model, cfg, min(chunk, n), active)
+          print(f"{backend:>22} {pol_text:>24} {n:>7} {chunk:>6} {first_s:>8.1f} {ms:>12.1f} {1e3 * n / ms:>9.0f} "
+                f"{ms / chunks:>9.2f} {floor:>14.2f}", flush=True)
+          if a.out:
+            with open(a.out, "a") as f:
+              f.write(json.dumps(dict(
+                  bench="prefill", geometry=a.geometry, layers=cfg.num_hidden_layers,
+                  device=jax.devices()[0].device_kind, backend=backend, policy=dict(policy), prompt=n, chunk=chunk, k=a.k, first_s=first_s, ms=ms,
+                  ms_all=times, tokens_per_s=1e3 * n / ms, chunks=chunks, floor_ms_per_chunk=floor,
+                  date=time.strftime("%Y-%m-%d"))) + "\n")
+
+
+if __name__ == "__main__":
+  main()
