@@ -28,6 +28,9 @@
 #                             the in-kernel profiles of the boundary, the MoE's two kernels and its one grid, then
 #                             q = 1 on the first 32 layers (LAYERS): auto vs the defaults vs POLICY (default
 #                             moe_one_grid off) — an H100's numbers, not the H200's
+#   prefill (either; H100: LAYERS=32): the prefill MoE kernel's GPU tests (moe_prefill, session 62), then time to
+#                             first token (bench_prefill.py) of 4K and 32K prompts in 256- and 1,024-token chunks,
+#                             XLA's MoE (every expert over every token) vs moe_prefill
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -36,8 +39,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -180,6 +183,13 @@ case "$MODE" in
       --cases mhc_row_lean,moe_rows_lean,moe_one_grid --out "$OUT/kernel_profile.txt" > /dev/null 2>&1
     LAYERS=${LAYERS:-32} rank1 h100 --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 \
       --backend auto latency_specialized --policy '{}' "${POLICY:-{\"moe_one_grid\": false\}}"
+    ;;
+  prefill)  # (either) see the header
+    gpu_tests moe_prefill 150 gpu "" tests/test_moe_prefill.py
+    pl=${LAYERS:+--layers $LAYERS}
+    timeout $(( $(left) - 20 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank $pl --prompt 4096 32768 \
+      --chunk 256 1024 --repeats 1 --policy '{}' '{"moe_prefill": true}' --out "$OUT/prefill.jsonl" 2>&1 \
+      | grep -v -E "cuda_status|Source Location|^$|custom_call.cc" | tail -30 > "$OUT/bench_prefill.log"
     ;;
   s57d)  # (nvidia-h200) the step traced at q = 1 with the defaults (POLICY: more) — the sublayer chains with the
     # one-row lean boundary (benchmarks/sublayer_chain.py on the events and kernels files)
