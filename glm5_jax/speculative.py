@@ -336,6 +336,8 @@ class Decoder:
       raise ValueError(f"steps_per_call={steps_per_call!r}: expected an integer in [1, {MAX_STEPS_PER_CALL}]")
     if temperature < 0 or not 0 < top_p <= 1:
       raise ValueError(f"temperature={temperature}, top_p={top_p}: expected temperature >= 0 and 0 < top_p <= 1")
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
+      raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected a positive int (prompt tokens per prefill call)")
     unknown = sorted(set(config.policy_dict()) - POLICY_KEYS)
     gone = [f"{k} ({REMOVED_KNOBS[k]})" for k in unknown if k in REMOVED_KNOBS]
     if gone:

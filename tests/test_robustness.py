@@ -55,6 +55,9 @@ def test_decoder_settings(model):
     Decoder(model, DecodeConfig(max_context=90, q=2, capture_sizes=(1,), policy=()))
   with pytest.raises(ValueError, match="temperature=-1.0"):
     Decoder(model, DecodeConfig(max_context=96, q=2, capture_sizes=(1,), policy=()), temperature=-1.0)
+  for bad in (0, -16, 2.5, True):
+    with pytest.raises(ValueError, match=f"prefill_chunk={bad!r}: expected a positive int"):
+      Decoder(model, DecodeConfig(max_context=96, q=2, capture_sizes=(1,), policy=()), prefill_chunk=bad)
 
 
 def test_deployment_against_the_loaded_model(model):
