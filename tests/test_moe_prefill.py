@@ -96,12 +96,12 @@ def _prefill_caches(m, policy, prompt):
 
 
 def test_prefill_moe_kernel_at_the_model_site():
-  """kernel-tiny (FP8 experts, bf16; no MTP layer: its MoE is the same code) prefilled in 16-token chunks (16 · 4
-  pairs over 16 experts: the MoE's many-row path) with every decode kernel off: moe_prefill on runs the grouped
+  """kernel-tiny (FP8 experts, bf16; no MTP layer: its MoE is the same code) prefilled with a 16-token prompt in
+  one chunk (16 · 4 pairs over 16 experts: the MoE's many-row path) with every decode kernel off: moe_prefill on runs the grouped
   kernel in each MoE layer where XLA ran every expert over every token — the layers' caches within the bf16
   kernels' tolerance of XLA's."""
   m = load(tiny_checkpoint("kernel-tiny", 6, "fp8", mtp=False), "bfloat16")
-  prompt = np.random.default_rng().integers(0, 2000, 29)
+  prompt = np.random.default_rng().integers(0, 2000, 16)
   off = {k: False for k in KERNEL_DEFAULTS}
   states = []
   for on in (False, True):
