@@ -604,12 +604,14 @@ class Decoder:
       return
     refused = {}
     for name, reason in rep:
+      if name not in PREFILL_KNOBS:  # (the decode kernels: off in a chunk's policy)
+        continue
       d = self.prefill_sites.setdefault(name, {"sites": 0, "not_used": {}})
       if reason is None:
         d["sites"] += 1
       else:
         d["not_used"][reason] = d["not_used"].get(reason, 0) + 1
-      if name in PREFILL_KNOBS and name in _requested_kernels(self.config) and reason is not None:
+      if name in _requested_kernels(self.config) and reason is not None:
         refused.setdefault(name, set()).add(reason)
     if refused:
       why = "; ".join(f"{k}: {', '.join(sorted(r))}" for k, r in sorted(refused.items()))

@@ -144,12 +144,11 @@ def test_reference_vs_numpy(B, T, P):
 
 
 INTERP_CASES = [
-    # B, T, P, blocks_per_cta
-    (1, 1, 200, None),  # P padded 200 -> 256, 4 CTAs
+    # B, T, P, blocks_per_cta (None, the default plan: the model's call sites, end to end)
+    (1, 1, 200, 1),  # P padded 200 -> 256, 4 CTAs of one block
     (2, 4, 300, 2),  # 5 blocks -> 3 chunks of 2; padding slots never loaded
-    (1, 8, 128, 1),  # T = 8: 256 query rows
-    (1, 2, 192, 2),  # P % 64 == 0: no pad; the grid's 4th block lies past the keys (never read: the interpreter
-    # raises on a read out of bounds)
+    (1, 8, 192, 2),  # T = 8: 256 query rows; P % 64 == 0: no pad; the grid's 4th block lies past the keys (never
+    # read: the interpreter raises on a read out of bounds)
 ]
 
 
@@ -774,7 +773,7 @@ def test_select_with_the_threshold_kernels_early_exit(native, P):
       np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("native,P", [(False, 256), (False, 320), pytest.param(True, 320, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("native,P", [(False, 320), pytest.param(True, 320, marks=pytest.mark.gpu)])
 def test_select_with_the_keys_formed_in_the_threshold_kernel(native, P):
   """Policy knob topk_keys_in_kernel at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score
   rows; interpret mode, and natively on a GPU): the threshold kernel reads the scores kernel's padded output and
