@@ -9,13 +9,13 @@ bf16[288, 512, 4096] before three dense gemm fusions). A prefill chunk of M = 25
 kernels' bandwidth problem) plus the pairs' products.
 
 Here the pairs are sorted by expert (XLA: a stable argsort of the chunk's M·k ids) and laid out as row tiles of
-``mp`` rows, each tile holding one expert's rows (the last tile of an expert zero-padded, ``route_groups``); one
-launch per weight matrix (``fp8_grouped_linear``) runs a CTA per (row tile, bm weight rows) that streams its
-expert's FP8 tile rows once through a TMA ring, dequantised in registers as the decode kernels do
-(``pallas_kernels.linear._mma_tile``: the weight as wgmma A, the tile's token rows as N), with the 128×128 block
-scale applied per K block; tiles past the chunk's count exit at once. The gate and up products, the clamped
-SwiGLU (h rounded to bf16, as between the decode MoE kernels) and the down products are three launches; XLA
-gathers the rows in, weights them by the routing weights and adds them back per token (``fp8_moe_prefill``).
+``mp`` rows, each tile holding one expert's rows (the last tile of an expert zero-padded, ``route_groups``). A
+launch runs a CTA per (row tile, bm weight rows) that streams its expert's FP8 rows once through a TMA ring,
+dequantised in registers as the decode kernels do (``pallas_kernels.linear._mma_tile``: the weight as wgmma A, the
+tile's token rows as N), with the 128×128 block scale applied per K block; tiles past the chunk's count exit at
+once. Two launches: gate and up together on the same x tiles with the clamped SwiGLU applied (h in bf16, as
+between the decode MoE kernels: ``fp8_grouped_gate_up``), then down (``fp8_grouped_linear``); XLA gathers the rows
+in, weights them by the routing weights and adds them back per token (``fp8_moe_prefill``).
 Same contract and reference as ``pallas_kernels.linear.fp8_moe`` (``fp8_moe_reference``).
 
 Shapes: M token rows, k experts per token, P = M·k pairs, E experts, I expert width, D hidden size, T row tiles
@@ -73,12 +73,17 @@ def route_groups(ids, num_experts: int, mp: int):
   return order, dest, jnp.where(t < ends[-1], tile_e, -1)
 
 
-def _grouped_kernel(tile_e_ref, x_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *a_s, mp: int, bm: int, stages: int,
-                    n_tiles: int, steps: int):
+def _grouped_kernel(tile_e_ref, x_ref, *refs, mp: int, bm: int, stages: int, n_tiles: int, steps: int,
+                    limit: float | None):
   """CTA t = (weight row tile t % n_tiles, row tile mt = t // n_tiles): o[mt, rows, :] = W_e[rows] · x_tile.T with
-  e = tile_e[mt] — its ``steps`` 128-K blocks through a ``stages``-deep TMA ring (weight tile + the tile's token
-  rows per slot), each dequantised (``linear._mma_tile``) into a fresh accumulator and added times its block
-  scale. A tile without an expert (past the chunk's) exits at once."""
+  e = tile_e[mt] — its ``steps`` 128-K blocks through a ``stages``-deep TMA ring (the weight tile(s) + the tile's
+  token rows per slot), each dequantised (``linear._mma_tile``) into a fresh accumulator and added times its block
+  scale. ``limit`` set: two weights (gate, up) on the same x tile and o = SwiGLU(gate, up) clamped at ``limit``, in
+  o's dtype (the down launch's input). A tile without an expert (past the chunk's) exits at once."""
+  n_w = 1 if limit is None else 2
+  ws, ss = refs[0:2 * n_w:2], refs[1:2 * n_w:2]
+  o_ref, *rest = refs[2 * n_w:]
+  w_ss, (x_s, bar, *a_s) = rest[:n_w], rest[n_w:]
   t = lax.axis_index("t")
   tile, mt = t % n_tiles, t // n_tiles
   e = tile_e_ref[mt]
@@ -90,22 +95,29 @@ def _grouped_kernel(tile_e_ref, x_ref, w_ref, s_ref, o_ref, w_s, x_s, bar, *a_s,
     def issue(i):
       slot = i % stages
       k0 = i * BLOCK
-      plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(row0, bm), pl.ds(k0, BLOCK)], w_s.at[slot], bar.at[slot])
+      for w_ref, w_s in zip(ws, w_ss):
+        plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(row0, bm), pl.ds(k0, BLOCK)], w_s.at[slot], bar.at[slot])
       plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mt * mp, mp), pl.ds(k0, BLOCK)], x_s.at[slot], bar.at[slot])
 
     for i in range(min(stages, steps)):
       issue(i)
 
-    def step(i, acc):  # (a rolled loop: steps = K / 128 is 32 for gate / up at the release's D)
+    def step(i, accs):  # (a rolled loop: steps = K / 128 is 32 for gate / up at the release's D)
       slot = i % stages
-      sc = s_ref[e, nb, i]  # (issued before the wait: the FMA below waits for it)
+      scs = [s_ref[e, nb, i] for s_ref in ss]  # (issued before the wait: the FMAs below wait for them)
       plgpu.barrier_wait(bar.at[slot])
-      blk = kl._mma_tile(w_s.at[slot], x_s.at[slot], mp, True, a_s[0] if a_s else None)
+      blks = [kl._mma_tile(w_s.at[slot], x_s.at[slot], mp, True, a_s[0] if a_s else None) for w_s in w_ss]
       pl.when(i + stages < steps)(lambda: kl._refill(issue, i + stages, False))
-      return acc + blk * sc
+      return tuple(acc + blk * sc for acc, blk, sc in zip(accs, blks, scs))
 
     zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
-    o_ref[mt, pl.ds(row0, bm), :] = lax.fori_loop(0, steps, step, zero)
+    accs = lax.fori_loop(0, steps, step, (zero,) * n_w)
+    if limit is None:
+      out = accs[0]
+    else:  # (the decode MoE's gate/up epilogue: linear._moe_gate_up_kernel)
+      gate, up = jnp.minimum(accs[0], limit), jnp.clip(accs[1], -limit, limit)
+      out = (gate * jax.nn.sigmoid(gate) * up).astype(o_ref.dtype)
+    o_ref[mt, pl.ds(row0, bm), :] = out
 
 
 def _check_grouped(x, tile_e, w, scale_inv, mp: int):
@@ -125,6 +137,38 @@ def _check_grouped(x, tile_e, w, scale_inv, mp: int):
     raise ValueError(f"fp8_grouped_linear: scale_inv {scale_inv.shape}, expected {want} (128x128 blocks)")
 
 
+def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int | None, a_from: str | None,
+                    limit: float | None, out_dtype):
+  """One grouped launch over ``weights`` = [(w [E, N, K] e4m3, scale_inv)] (one, or gate and up with ``limit``)
+  -> [T·mp, N] in out_dtype."""
+  for w, s in weights:
+    _check_grouped(x, tile_e, w, s, mp)
+  T = tile_e.shape[0]
+  _, n, k = weights[0][0].shape
+  bm = bm or (128 if mp <= 32 else 64)
+  steps = k // BLOCK
+  a_smem = kl._a_smem(a_from)
+  n_tiles = n // bm
+  n_w = len(weights)
+  stage_bytes = n_w * bm * BLOCK + mp * BLOCK * x.dtype.itemsize
+  stages = stages or kl._pick_stages(steps, stage_bytes, n_tiles * T, None, 2,
+                                     reserve=bm * BLOCK * 2 if a_smem else 0)
+  o = mgpu_kernel(
+      functools.partial(_grouped_kernel, mp=mp, bm=bm, stages=stages, n_tiles=n_tiles, steps=steps, limit=limit),
+      out_type=jax.ShapeDtypeStruct((T, n, mp), out_dtype),
+      grid=(n_tiles * T,),
+      grid_names=("t",),
+      kernel_name="glm5_moe_prefill",
+      scratch_types=[
+          *[plgpu.SMEM((stages, bm, BLOCK), F8, transforms=kl._tr(F8, BLOCK)) for _ in weights],
+          plgpu.SMEM((stages, mp, BLOCK), x.dtype, transforms=kl._tr(x.dtype, BLOCK)),
+          plgpu.Barrier(num_arrivals=n_w + 1, num_barriers=stages),
+          *([plgpu.SMEM((bm, BLOCK), x.dtype, transforms=kl._tr(x.dtype, BLOCK))] if a_smem else []),
+      ],
+  )(tile_e, x, *[a for w, s in weights for a in (w, s.astype(jnp.float32))])
+  return jnp.swapaxes(o, 1, 2).reshape(T * mp, n)
+
+
 @kernel_entry("mp", "bm", "stages", "a_from")
 def fp8_grouped_linear(x, tile_e, w, scale_inv, *, mp: int, bm: int | None = None, stages: int | None = None,
                        a_from: str | None = None):
@@ -134,30 +178,17 @@ def fp8_grouped_linear(x, tile_e, w, scale_inv, *, mp: int, bm: int | None = Non
   weight rows per CTA (64 or 128; default 128 up to 32 rows a tile, as the decode kernels' register budget);
   ``stages``: the ring's depth (default: as many K blocks as fit with two CTAs an SM); ``a_from``: as
   ``linear.fp8_dq_linear``'s (interpret mode: through SMEM)."""
-  _check_grouped(x, tile_e, w, scale_inv, mp)
-  T = tile_e.shape[0]
-  _, n, k = w.shape
-  bm = bm or (128 if mp <= 32 else 64)
-  steps = k // BLOCK
-  a_smem = kl._a_smem(a_from)
-  n_tiles = n // bm
-  stage_bytes = bm * BLOCK + mp * BLOCK * x.dtype.itemsize
-  stages = stages or kl._pick_stages(steps, stage_bytes, n_tiles * T, None, 2,
-                                     reserve=bm * BLOCK * 2 if a_smem else 0)
-  o = mgpu_kernel(
-      functools.partial(_grouped_kernel, mp=mp, bm=bm, stages=stages, n_tiles=n_tiles, steps=steps),
-      out_type=jax.ShapeDtypeStruct((T, n, mp), jnp.float32),
-      grid=(n_tiles * T,),
-      grid_names=("t",),
-      kernel_name="glm5_moe_prefill",
-      scratch_types=[
-          plgpu.SMEM((stages, bm, BLOCK), F8, transforms=kl._tr(F8, BLOCK)),
-          plgpu.SMEM((stages, mp, BLOCK), x.dtype, transforms=kl._tr(x.dtype, BLOCK)),
-          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-          *([plgpu.SMEM((bm, BLOCK), x.dtype, transforms=kl._tr(x.dtype, BLOCK))] if a_smem else []),
-      ],
-  )(tile_e, x, w, scale_inv.astype(jnp.float32))
-  return jnp.swapaxes(o, 1, 2).reshape(T * mp, n)
+  return _grouped_launch(x, tile_e, [(w, scale_inv)], mp=mp, bm=bm, stages=stages, a_from=a_from, limit=None,
+                         out_dtype=jnp.float32)
+
+
+@kernel_entry("swiglu_limit", "mp", "bm", "stages", "a_from")
+def fp8_grouped_gate_up(x, tile_e, w_gate, s_gate, w_up, s_up, *, swiglu_limit: float, mp: int,
+                        bm: int | None = None, stages: int | None = None, a_from: str | None = None):
+  """``fp8_grouped_linear`` over the gate and up weights in one launch (each CTA streams both for its rows, on the
+  same x tiles) with the clamped SwiGLU applied: h [T·mp, I] in x's dtype = silu(min(g, L)) · clip(u, −L, L)."""
+  return _grouped_launch(x, tile_e, [(w_gate, s_gate), (w_up, s_up)], mp=mp, bm=bm, stages=stages, a_from=a_from,
+                         limit=float(swiglu_limit), out_dtype=x.dtype)
 
 
 @kernel_entry("swiglu_limit", "mp", "a_from")
@@ -179,10 +210,7 @@ def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_dow
   dt = x.dtype if x.dtype == jnp.float16 else jnp.bfloat16
   tok = order // k
   xs = jnp.zeros((T * mp, D), dt).at[dest].set(x[tok].astype(dt))
-  grouped = functools.partial(fp8_grouped_linear, tile_e=tile_e, mp=mp, a_from=a_from)
-  g = grouped(xs, w=w_gate, scale_inv=s_gate)
-  u = grouped(xs, w=w_up, scale_inv=s_up)
-  h = (jax.nn.silu(jnp.minimum(g, swiglu_limit)) * jnp.clip(u, -swiglu_limit, swiglu_limit)).astype(dt)
-  y = grouped(h, w=w_down, scale_inv=s_down)  # [T·mp, D] f32
+  h = fp8_grouped_gate_up(xs, tile_e, w_gate, s_gate, w_up, s_up, swiglu_limit=swiglu_limit, mp=mp, a_from=a_from)
+  y = fp8_grouped_linear(h, tile_e, w_down, s_down, mp=mp, a_from=a_from)  # [T·mp, D] f32
   wt = topk_weights.reshape(-1)[order].astype(jnp.float32)
   return jnp.zeros((M, D), jnp.float32).at[tok].add(y[dest] * wt[:, None])
