@@ -1,5 +1,6 @@
-"""Pallas Mosaic GPU kernels for the GLM-5.3-Flash decode, each beside a pure-jnp reference with the same
-signature. On CPU every kernel runs in Mosaic GPU interpret mode (tests) and cross-lowers for CUDA.
+"""Pallas Mosaic GPU kernels for the GLM-5.3-Flash decode (and a prefill chunk's MoE: ``moe_prefill``), each beside
+a pure-jnp reference with the same signature. On CPU every kernel runs in Mosaic GPU interpret mode (tests) and
+cross-lowers for CUDA.
 
 What the H200 taught (BENCHMARKS.md has the measurements):
 - Decode kernels are latency-bound, and most CTAs run their code once: keep per-CTA work that repeats (chunks,

@@ -83,7 +83,20 @@ def rounding_reference(fn, *args):
   return jax.jit(fn).lower(*args).compile(compiler_options={"xla_allow_excess_precision": False})(*args)
 
 
+# The slowest CPU tests (~10-35 s each: the step's CUDA lowerings, the notebooks, the end-to-end kernel test, the
+# compile cache's two processes) run first. pytest-xdist's worksteal deals the collected order out to the workers
+# and balances them by stealing from the ends of their queues: a half-minute test started last leaves the other
+# worker idle to the end (the suite's ~10 minutes on 2 workers).
+SLOW_FIRST = ("test_step_lowering.py::", "test_notebooks.py::test_notebook_executes",
+              "test_cli.py::test_compile_cache_reused_across_processes",
+              "test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache",
+              "test_mhc.py::test_row_boundary_lowers_for_cuda", "test_mhc.py::test_lean_boundaries_lower",
+              "test_mhc.py::test_cross_lower_real", "test_model_units.py::test_dq_f16_inputs",
+              "test_cli.py::test_generate_with_prompt_ids", "test_decode.py::test_indexer_pool_kernel_equals_xla_update")
+
+
 def pytest_collection_modifyitems(config, items):
+  items.sort(key=lambda item: not any(s in item.nodeid for s in SLOW_FIRST))  # (stable: the rest keep their order)
   if ON_GPU:
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU")
