@@ -80,8 +80,10 @@ def test_kernel_tiny_step_lowers_for_cuda():
   assert sel and all(re.search(r"\(tensor<\d+x\d+x\d+xf32>, tensor<\d+xi32>, tensor<\d+xi32>\)", line)
                      for line in sel), sel
   assert "mosaic_gpu.uses_pdl" not in txt  # (policy pdl, off by default: test_kernel_tiny_step_lowers_for_cuda_at_tp4)
-  # and the stock path has no kernel at all (one lowering of it: ~5 s of the CPU suite)
-  assert "mosaic_gpu" not in lower_step(C.kernel_tiny(), 1, "auto", max_context=4096)
+  # and the stock path has no kernel at all (its traced program: no Pallas call — a lowering of it cost ~5 s)
+  stock = str(trace_step(C.kernel_tiny(), 1, "auto", max_context=4096).jaxpr)
+  assert "mpmd_map" in str(trace_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096).jaxpr)
+  assert "mpmd_map" not in stock and "pallas" not in stock
 
 
 def test_kernel_tiny_step_lowers_at_twelve_token_rows():
