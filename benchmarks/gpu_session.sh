@@ -31,6 +31,9 @@
 #   prefill (either; H100: LAYERS=32): the prefill MoE kernel's GPU tests (moe_prefill, session 62), then time to
 #                             first token (bench_prefill.py) of 4K and 32K prompts in 256- and 1,024-token chunks,
 #                             XLA's MoE (every expert over every token) vs moe_prefill
+#   bigbatch (nvidia-h200, needs_h200: 82 GB + 19 GB of caches): B = 32, q = 4 — 128 token rows, past the decode
+#                             kernels' 64, where the step's MoE is XLA's (every expert over every row) — vs moe_prefill's
+#                             grouped FP8 kernels there
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -39,8 +42,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|bigbatch) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, bigbatch)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -190,6 +193,9 @@ case "$MODE" in
     timeout $(( $(left) - 20 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank $pl --prompt 4096 32768 \
       --chunk 256 1024 --repeats 1 --policy '{}' '{"moe_prefill": true}' --out "$OUT/prefill.jsonl" 2>&1 \
       | grep -v -E "cuda_status|Source Location|^$|custom_call.cc" | tail -30 > "$OUT/bench_prefill.log"
+    ;;
+  bigbatch)  # (nvidia-h200, needs_h200) see the header
+    rank1 bigbatch --batch 32 --q 4 --steps 10 --repeats 3 --policy '{}' '{"moe_prefill": true}'
     ;;
   s57d)  # (nvidia-h200) the step traced at q = 1 with the defaults (POLICY: more) — the sublayer chains with the
     # one-row lean boundary (benchmarks/sublayer_chain.py on the events and kernels files)

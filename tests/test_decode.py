@@ -319,6 +319,14 @@ def test_kernel_request_beyond_the_row_limit_is_not_an_error(model):
   assert dec._check_kernels([("fp8_moe", "160 token rows > 64")])["fp8_moe"]["sites"] == 0
   with pytest.raises(ValueError, match="fp8_moe: 160 token rows > 64, FP8 expert weights with I % 128 == 0"):
     dec._check_kernels([("fp8_moe", "160 token rows > 64"), ("fp8_moe", "FP8 expert weights with I % 128 == 0")])
+  # the prefill MoE (moe_prefill) has a site in a step only where the decode MoE declines (many rows): none is not
+  # an error, a site that does not fit is
+  dec = Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=(("moe_prefill", True),
+                                                                                         ("kv_cache_dtype", "auto"))),
+                backend="latency_specialized")
+  assert "moe_prefill" not in dec._check_kernels([("fp8_moe", "off in the policy")])
+  with pytest.raises(ValueError, match=r"\['moe_prefill'\] that cannot run in this step — moe_prefill: FP8 128x128"):
+    dec._check_kernels([("moe_prefill", "FP8 128x128-block expert weights")])
 
 
 def test_kernel_sites_say_what_runs_where(model):
