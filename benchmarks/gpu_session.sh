@@ -29,7 +29,7 @@
 #                             q = 1 on the first 32 layers (LAYERS): auto vs the defaults vs POLICY (default
 #                             moe_one_grid off) — an H100's numbers, not the H200's
 #   prefill (either; H100: LAYERS=32): the prefill MoE kernel's GPU tests (moe_prefill, session 62), then time to
-#                             first token (bench_prefill.py) of 4K and 32K prompts in 256- and 1,024-token chunks,
+#                             first token (bench_prefill.py) of 4K and 32K prompts in 256-token chunks (CHUNKS: more),
 #                             XLA's MoE (every expert over every token) vs moe_prefill
 #   bigbatch (nvidia-h200, needs_h200: 82 GB + 19 GB of caches): B = 32, q = 4 — 128 token rows, past the decode
 #                             kernels' 64, where the step's MoE is XLA's (every expert over every row) — vs moe_prefill's
@@ -191,7 +191,7 @@ case "$MODE" in
     gpu_tests moe_prefill 150 gpu "" tests/test_moe_prefill.py
     pl=${LAYERS:+--layers $LAYERS}
     timeout $(( $(left) - 20 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank $pl --prompt 4096 32768 \
-      --chunk 256 1024 --repeats 1 --policy '{}' '{"moe_prefill": true}' --out "$OUT/prefill.jsonl" 2>&1 \
+      --chunk ${CHUNKS:-256} --repeats 1 --policy '{}' '{"moe_prefill": true}' --out "$OUT/prefill.jsonl" 2>&1 \
       | grep -v -E "cuda_status|Source Location|^$|custom_call.cc" | tail -30 > "$OUT/bench_prefill.log"
     ;;
   bigbatch)  # (nvidia-h200, needs_h200) see the header
