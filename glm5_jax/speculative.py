@@ -583,14 +583,15 @@ class Decoder:
 
   def prefill_kernel_mode(self):
     """The kernels a prefill chunk runs (latency_specialized): only those built for many token rows
-    (layers.PREFILL_KNOBS: the prefill MoE, policy knob moe_prefill), natively on a GPU and in interpret mode
-    elsewhere; the decode kernels stay off there. The stock backend: none."""
+    (layers.PREFILL_KNOBS: the prefill MoE, policy knob moe_prefill) — on a GPU by default, elsewhere (GPU
+    interpret mode) where the policy asks for them; the decode kernels stay off there. The stock backend: none."""
     from glm5_jax.layers import use_kernels  # noqa: PLC0415
+    from pallas_kernels._common import maybe_interpret, on_gpu  # noqa: PLC0415
     policy = self.config.policy_dict()
-    on = {k: bool(policy.get(k, KERNEL_DEFAULTS[k])) for k in PREFILL_KNOBS}
+    # (on by default where they run natively; in GPU interpret mode — the CPU — only when the policy asks)
+    on = {k: bool(policy.get(k, KERNEL_DEFAULTS[k] and on_gpu())) for k in PREFILL_KNOBS}
     if self.backend != "latency_specialized" or not any(on.values()):
       return contextlib.nullcontext()
-    from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
     stack = contextlib.ExitStack()
     stack.enter_context(maybe_interpret())
     stack.enter_context(use_kernels({**{k: False for k in KERNEL_DEFAULTS}, **on}, self.platform))
