@@ -566,17 +566,17 @@ class Decoder:
                        policy=tuple(sorted(deployment.additional().get("policy", {}).items())))
     return cls(model, cfg, backend="auto", **kw)
 
-  def kernel_mode(self, interpret: bool | None = None):
+  def kernel_mode(self, interpret: bool | None = None, policy: dict | None = None):
     """Pallas kernels run natively on a GPU; elsewhere (tests on CPU) in Mosaic GPU interpret mode.
-    interpret=False forces native lowering (cross-lowering for CUDA on a CPU)."""
-    import contextlib  # noqa: PLC0415
+    interpret=False forces native lowering (cross-lowering for CUDA on a CPU). ``policy``: the kernel switches
+    (default: the decoder's)."""
     if self.backend != "latency_specialized":
       return contextlib.nullcontext()
     from glm5_jax.layers import use_kernels  # noqa: PLC0415
     from pallas_kernels._common import maybe_interpret, pdl_mode  # noqa: PLC0415
     stack = contextlib.ExitStack()
     stack.enter_context(maybe_interpret(interpret))
-    policy = self.config.policy_dict()
+    policy = self.config.policy_dict() if policy is None else policy
     stack.enter_context(use_kernels(policy, self.platform))
     stack.enter_context(pdl_mode(policy.get("pdl", KERNEL_DEFAULTS["pdl"])))  # (the step records it: _step_fn)
     return stack
@@ -585,17 +585,13 @@ class Decoder:
     """The kernels a prefill chunk runs (latency_specialized): only those built for many token rows
     (layers.PREFILL_KNOBS: the prefill MoE, policy knob moe_prefill) — on a GPU by default, elsewhere (GPU
     interpret mode) where the policy asks for them; the decode kernels stay off there. The stock backend: none."""
-    from glm5_jax.layers import use_kernels  # noqa: PLC0415
-    from pallas_kernels._common import maybe_interpret, on_gpu  # noqa: PLC0415
+    from pallas_kernels._common import on_gpu  # noqa: PLC0415
     policy = self.config.policy_dict()
     # (on by default where they run natively; in GPU interpret mode — the CPU — only when the policy asks)
     on = {k: bool(policy.get(k, KERNEL_DEFAULTS[k] and on_gpu())) for k in PREFILL_KNOBS}
-    if self.backend != "latency_specialized" or not any(on.values()):
+    if not any(on.values()):
       return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(maybe_interpret())
-    stack.enter_context(use_kernels({**{k: False for k in KERNEL_DEFAULTS}, **on}, self.platform))
-    return stack
+    return self.kernel_mode(policy={**{k: False for k in KERNEL_DEFAULTS}, **on})
 
   def _check_prefill_kernels(self, rep):
     """Record a traced prefill chunk's kernel sites (``prefill_sites``: {kernel: {"sites": n, "not_used": {reason:
