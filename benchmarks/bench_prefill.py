@@ -77,6 +77,11 @@ def main(argv=None):
   p.add_argument("--policy", nargs="+", default=["{}"], help="decode policy knobs as JSON")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--out", default=None, help="append JSON lines of results here")
+  p.add_argument("--trace", default=None, metavar="DIR",
+                 help="after each configuration's timing, trace one prefill of the first prompt length: print where "
+                 "the GPU's time goes (kernel families by wall share) and keep its device events here (gzipped TSV: "
+                 "name, start ns, end ns, stream — to read against the chunk program's HLO, e.g. step_census.py "
+                 "--prefill's listing)")
   a = p.parse_args(argv)
   base = C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real()
   cfg = tp_rank_config(base, 4) if a.geometry == "tp4-rank" else C.kernel_tiny()
@@ -113,13 +118,62 @@ def main(argv=None):
           floor = chunk_floor_ms(model, cfg, min(chunk, n), active)
           print(f"{backend:>22} {pol_text:>24} {n:>7} {chunk:>6} {first_s:>8.1f} {ms:>12.1f} {1e3 * n / ms:>9.0f} "
                 f"{ms / chunks:>9.2f} {floor:>14.2f}", flush=True)
+          summary = None
+          if a.trace and n == a.prompt[0]:
+            summary = trace_prefill(dec, rng.integers(1, cfg.vocab_size - 1, n), chunks, os.path.join(
+                a.trace, f"prefill_{a.geometry}_{backend}_p{n}_c{chunk}"
+                + "".join(f"_{k}-{v}" for k, v in policy) + ".events.tsv.gz"))
           if a.out:
             with open(a.out, "a") as f:
               f.write(json.dumps(dict(
                   bench="prefill", geometry=a.geometry, layers=cfg.num_hidden_layers,
                   device=jax.devices()[0].device_kind, backend=backend, policy=dict(policy), prompt=n, chunk=chunk, k=a.k, first_s=first_s, ms=ms,
-                  ms_all=times, tokens_per_s=1e3 * n / ms, chunks=chunks, floor_ms_per_chunk=floor,
+                  ms_all=times, tokens_per_s=1e3 * n / ms, chunks=chunks, floor_ms_per_chunk=floor, trace=summary,
                   date=time.strftime("%Y-%m-%d"))) + "\n")
+
+
+def trace_prefill(dec, prompt, chunks: int, events_path: str, top: int = 24) -> dict:
+  """One prefill of ``prompt`` under jax.profiler -> a summary (ms per chunk: device span, busy, idle; kernels
+  launched per chunk; the kernel families — numbered instances folded — with the largest wall shares, µs per
+  chunk: concurrent kernels share the time they overlap); the device events go to ``events_path``."""
+  import collections  # noqa: PLC0415
+  import glob  # noqa: PLC0415
+  import gzip  # noqa: PLC0415
+  import tempfile  # noqa: PLC0415
+
+  from jax._src.lib import _profile_data  # noqa: PLC0415
+
+  d = tempfile.mkdtemp(prefix="glm5_prefill_trace_")
+  opts = jax.profiler.ProfileOptions()
+  opts.python_tracer_level = 0
+  jax.profiler.start_trace(d, profiler_options=opts)
+  jax.block_until_ready(dec.prefill([prompt]).next_tokens)
+  jax.profiler.stop_trace()
+  pd = _profile_data.ProfileData.from_file(sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1])
+  ev = profiling.device_events(pd)
+  os.makedirs(os.path.dirname(os.path.abspath(events_path)), exist_ok=True)
+  with gzip.open(events_path, "wt") as fh:
+    fh.writelines(f"{n}\t{s}\t{e}\t{ln}\n" for n, s, e, ln in ev)
+  if not ev:
+    print(f"#   trace: no device events ({events_path})", flush=True)
+    return {"device_events": 0}
+  busy, _ = profiling._union_busy([(s, e) for _, s, e, _ in ev])
+  span = max(e for _, _, e, _ in ev) - min(s for _, s, _, _ in ev)
+  share, _ = profiling.wall_shares([(n, s, e) for n, s, e, _ in ev])
+  fam, count = collections.Counter(), collections.Counter()
+  for n, ns in share.items():
+    fam[profiling.event_kind(n)] += ns / 1e3 / chunks
+  for n, _, _, _ in ev:
+    count[profiling.event_kind(n)] += 1
+  out = dict(span_ms_per_chunk=span / 1e6 / chunks, busy_ms_per_chunk=busy / 1e6 / chunks,
+             kernels_per_chunk=len(ev) / chunks,
+             top_us_per_chunk={k: (round(v, 1), count[k] / chunks) for k, v in fam.most_common(top)})
+  print(f"#   trace ({chunks} chunks): device span {out['span_ms_per_chunk']:.2f} ms a chunk, busy "
+        f"{out['busy_ms_per_chunk']:.2f}, {out['kernels_per_chunk']:.0f} kernels a chunk; events: {events_path}",
+        flush=True)
+  print("#   trace, kernel families by wall share (µs a chunk, launches a chunk): " + ", ".join(
+      f"{k} {v:.0f} ({c:.0f})" for k, (v, c) in out["top_us_per_chunk"].items()), flush=True)
+  return out
 
 
 if __name__ == "__main__":

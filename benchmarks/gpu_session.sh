@@ -28,9 +28,11 @@
 #                             the in-kernel profiles of the boundary, the MoE's two kernels and its one grid, then
 #                             q = 1 on the first 32 layers (LAYERS): auto vs the defaults vs POLICY (default
 #                             moe_one_grid off) — an H100's numbers, not the H200's
-#   prefill (either; H100: LAYERS=32): the prefill MoE kernel's GPU tests (moe_prefill, session 62), then time to
-#                             first token (bench_prefill.py) of 4K and 32K prompts in 256-token chunks (CHUNKS: more),
-#                             XLA's MoE (every expert over every token) vs moe_prefill
+#   prefill (either; H100: LAYERS=32): the prefill MoE kernel's GPU tests (moe_prefill, session 62; SKIP_TESTS=1:
+#                             none), then time to first token (bench_prefill.py) of 4K and 32K prompts (PROMPTS) in
+#                             256-token chunks (CHUNKS: more), the defaults (XLA_MOE=1: also XLA's MoE, every expert
+#                             over every token), each traced once at the first prompt length (kernel families by
+#                             share; device events under $OUT/trace)
 #   bigbatch (nvidia-h200, needs_h200: 82 GB + 19 GB of caches): B = 32, q = 4 — 128 token rows, past the decode
 #                             kernels' 64, where the step's MoE is XLA's (every expert over every row) — vs moe_prefill's
 #                             grouped FP8 kernels there
@@ -188,10 +190,13 @@ case "$MODE" in
       --backend auto latency_specialized --policy '{}' "${POLICY:-{\"moe_one_grid\": false\}}"
     ;;
   prefill)  # (either) see the header
-    gpu_tests moe_prefill 150 gpu "" tests/test_moe_prefill.py
+    gpu_tests kda_chunked 90 "" chunked tests/test_model_units.py  # (the chunked KDA natively: its hand-over unrolled)
+    [ -n "${SKIP_TESTS:-}" ] || gpu_tests moe_prefill 150 gpu "" tests/test_moe_prefill.py
     pl=${LAYERS:+--layers $LAYERS}
-    timeout $(( $(left) - 20 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank $pl --prompt 4096 32768 \
-      --chunk ${CHUNKS:-256} --repeats 1 --policy '{}' '{"moe_prefill": true}' --out "$OUT/prefill.jsonl" 2>&1 \
+    pols=('{}'); [ -n "${XLA_MOE:-}" ] && pols+=('{"moe_prefill": false}')
+    timeout $(( $(left) - 20 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank $pl \
+      --prompt ${PROMPTS:-4096 32768} --chunk ${CHUNKS:-256} --repeats 1 --policy "${pols[@]}" \
+      --trace "$OUT/trace" --out "$OUT/prefill.jsonl" 2>&1 \
       | grep -v -E "cuda_status|Source Location|^$|custom_call.cc" | tail -30 > "$OUT/bench_prefill.log"
     ;;
   bigbatch)  # (nvidia-h200, needs_h200) see the header

@@ -97,9 +97,17 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32):
 
   q, k [B, T, H, K] (already l2-normalised, q scaled), v [B, T, H, V], g [B, T, H, K] log-decay (≤ 0),
   beta [B, T, H], S0 [B, H, K, V] -> (o [B, T, H, V], S_T [B, H, K, V]), all f32.
-  Within a chunk with cumulative log-decay G_t: δ = (I + M)^-1 (β ⊙ (v − (k ⊙ e^{G_t}) S0)) with
-  M_ij = β_i Σ_c k_ic k_jc e^{G_ic − G_jc} (j < i); o_t = (q_t ⊙ e^{G_t}) S0 + Σ_{j≤t} (q_t ⊙ e^{G_t − G_j})·k_j δ_j.
-  Pairwise exponents are formed only for j ≤ t, so nothing overflows however long the chunk decays.
+  Within a chunk (C tokens, cumulative log-decay G_t) entering with state S: δ = (I + M)^-1 (β ⊙ (v − (k ⊙ e^{G_t})
+  S)) with M_ij = β_i Σ_c k_ic k_jc e^{G_ic − G_jc} (j < i); o_t = (q_t ⊙ e^{G_t}) S + Σ_{j≤t} (q_t ⊙ e^{G_t − G_j})·k_j
+  δ_j. Pairwise exponents are formed only for j ≤ t, so nothing overflows however long the chunk decays.
+
+  Everything but the state's hand-over is computed for all chunks at once: with U = (I + M)^-1 (β ⊙ v) and
+  W = (I + M)^-1 (β ⊙ k ⊙ e^G), δ = U − W S; the chunk's exit state is S' = e^{G_C} ⊙ S + K̃ᵀ δ = (e^{G_C} − K̃ᵀW) S
+  + K̃ᵀU (K̃ = k ⊙ e^{G_C − G}), so the sequential part is one [K, K] x [K, V] product and an add per chunk
+  (unrolled on accelerators); the outputs follow from the entry states in one batched product,
+  o = (q ⊙ e^G − QK W) S + QK U. As a scan of the whole chunk step (session 62's form) a 256-token prefill chunk
+  ran 8 loop iterations of 13 kernels per KDA layer (3,536 launches and 272 loop trips per chunk at the rank's
+  34 KDA layers, compiled for an H200).
   """
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -109,35 +117,37 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32):
   if pad:  # padded tokens: no decay (g = 0) and no write (β = 0) leave the state unchanged
     zp = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
     q, k, v, g, beta = zp(q), zp(k), zp(v), zp(g), zp(beta)
-  to_chunks = lambda a: jnp.moveaxis(a.reshape(B, n, C, *a.shape[2:]), 1, 0)  # [n, B, C, ...]
-  qs, ks, vs, gs, bs = map(to_chunks, (q, k, v, g, beta))
-  lower = jnp.tril(jnp.ones((C, C), bool), -1)
-  causal = jnp.tril(jnp.ones((C, C), bool))
+  # [B, n·C, H, X] -> [B, n, H, C, X]: chunks and heads batched, the chunk's tokens as the matrices' rows
+  per_chunk = lambda a: jnp.swapaxes(a.reshape(B, n, C, H, -1), 2, 3)
+  qc, kc, vc, gc = map(per_chunk, (q, k, v, g))
+  bc = per_chunk(beta[..., None])  # [B, n, H, C, 1]
+  mm = functools.partial(jnp.einsum, precision=HIGHEST)
+  G = jnp.cumsum(gc, axis=3)  # [B, n, H, C, K]
+  causal = jnp.tril(jnp.ones((C, C), bool))[:, :, None]
+  E = jnp.exp(jnp.where(causal, G[:, :, :, :, None] - G[:, :, :, None, :], -jnp.inf))  # [B, n, H, i, j, K]
+  kk = mm("bnhic,bnhjc,bnhijc->bnhij", kc, kc, E)
+  qk = mm("bnhic,bnhjc,bnhijc->bnhij", qc, kc, E)  # (causal: E is 0 above the diagonal)
+  A = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), kk * bc, 0.0) + jnp.eye(C, dtype=kk.dtype)
+  eG = jnp.exp(G)
+  UW = jax.scipy.linalg.solve_triangular(A, bc * jnp.concatenate([vc, kc * eG], -1), lower=True,
+                                         unit_diagonal=True)  # [B, n, H, C, V + K]
+  U, W = UW[..., :V], UW[..., V:]
+  last = G[:, :, :, -1]  # [B, n, H, K]
+  Kt = kc * jnp.exp(last[:, :, :, None] - G)
+  P = mm("bnhck,bnhcv->bnhkv", Kt, U)
+  # the hand-over's matrix e^{G_C} − K̃ᵀW [B, n, H, K, K], chunks first (each step's operands contiguous)
+  Rt = jnp.eye(K, dtype=P.dtype) * jnp.exp(last)[..., None] - mm("bnhck,bnhcj->bnhkj", Kt, W)
 
-  def step(S, xs):
-    qc, kc, vc, gc, bc = xs  # [B, C, H, *]
-    G = jnp.cumsum(gc, axis=1)  # [B, C, H, K]
-    D = G[:, :, None] - G[:, None, :]  # [B, i, j, H, K]: G_i − G_j
-    E = jnp.exp(jnp.where(causal[None, :, :, None, None], D, -jnp.inf))
-    kk = jnp.einsum("bihc,bjhc,bijhc->bhij", kc, kc, E, precision=HIGHEST)
-    M = jnp.where(lower, kk * jnp.moveaxis(bc, 1, 2)[..., None], 0.0)  # [B, H, i, j]
-    eG = jnp.exp(G)
-    rhs = jnp.moveaxis(bc, 1, 2)[..., None] * (
-        jnp.moveaxis(vc, 1, 2) - jnp.einsum("bchk,bhkv->bhcv", kc * eG, S, precision=HIGHEST))
-    A = M + jnp.eye(C, dtype=M.dtype)
-    delta = jax.scipy.linalg.solve_triangular(A, rhs, lower=True, unit_diagonal=True)  # [B, H, C, V]
-    qk = jnp.einsum("bihc,bjhc,bijhc->bhij", qc, kc, E, precision=HIGHEST)
-    o = (jnp.einsum("bchk,bhkv->bhcv", qc * eG, S, precision=HIGHEST)
-         + jnp.einsum("bhij,bhjv->bhiv", qk, delta, precision=HIGHEST))
-    last = G[:, -1]  # [B, H, K]
-    decay_to_end = jnp.exp(last[:, None] - G)  # [B, C, H, K]
-    S = (jnp.exp(last)[..., None] * S
-         + jnp.einsum("bchk,bhcv->bhkv", kc * decay_to_end, delta, precision=HIGHEST))
-    return S, jnp.moveaxis(o, 1, 2)  # o -> [B, C, H, V]
+  def hand_over(S, xs):
+    R_c, P_c = xs
+    return mm("bhkj,bhjv->bhkv", R_c, S) + P_c, S
 
-  S, os_ = lax.scan(step, S0, (qs, ks, vs, gs, bs))
-  o = jnp.moveaxis(os_, 0, 1).reshape(B, n * C, H, V)[:, :T]
-  return o, S
+  chunks_first = lambda a: jnp.moveaxis(a, 1, 0)
+  S, entry = lax.scan(hand_over, S0, (chunks_first(Rt), chunks_first(P)),
+                      unroll=n if jax.default_backend() != "cpu" else 1)
+  entry = jnp.moveaxis(entry, 0, 1)  # [B, n, H, K, V]: each chunk's entry state
+  o = mm("bnhck,bnhkv->bnhcv", qc * eG - mm("bnhij,bnhjk->bnhik", qk, W), entry) + mm("bnhij,bnhjv->bnhiv", qk, U)
+  return jnp.swapaxes(o, 2, 3).reshape(B, n * C, H, V)[:, :T], S
 
 
 class KDA(nnx.Module):
