@@ -19,6 +19,10 @@ Usage (several policies compare in one table; --listing-dir keeps each one's ker
 --diff lists each configuration's kernels that differ from the first one's (how session 56 found dq_f16's 67
 conversion kernels: "+42 moe f16[1,4096] .../jit(fp8_moe)/convert_element_type" ...).
 
+--prefill 256 1024: the prefill's target chunk program instead (T tokens a chunk, the GPU's prefill kernels), with
+the kernels a call launches — loop trips included: session 63 found a 256-token chunk launching 6,661 kernels, of
+which 3,536 in the chunked KDA's scans (8 trips of 13 kernels per KDA layer), 3,972 after its rewrite.
+
 --target benchmarks/targets/b200.txtpb compiles the step for a Blackwell B200 (sm_100a; ptxas runs here too): how
 session 57 found that every kernel with a wgmma fails there (glm5_jax.layers.WGMMA_KNOBS, declined on such GPUs
 since). A compile error is printed as Mosaic / ptxas report it.
@@ -88,6 +92,10 @@ def main(argv=None):
   p.add_argument("--workers", type=int, default=2, help="XLA compiles at once (the lowerings run one at a time)")
   p.add_argument("--listing-dir", default=None, help="write each configuration's kernels.tsv and critical.tsv here")
   p.add_argument("--out", default=None, help="append one JSON line per configuration here")
+  p.add_argument("--prefill", type=int, nargs="+", default=None, metavar="T",
+                 help="instead of the decode step: the prefill's target chunk program of T tokens a chunk (each T; "
+                 "Decoder.prefill's, with the GPU's prefill kernels — layers.PREFILL_KNOBS — on unless --policy says "
+                 "otherwise); the table then also counts the kernels a call launches (loop trips included)")
   p.add_argument("--diff", action="store_true", help="after the table: each configuration's kernels that differ from "
                  "the first of its q (by component, result type and JAX op; + added, - gone)")
   a = p.parse_args(argv)
@@ -111,7 +119,15 @@ def main(argv=None):
         f"B={a.batch}, {a.steps_per_call} steps per call, {a.backend}", flush=True)
   rows, jobs, listings = [], [], []
   with cf.ThreadPoolExecutor(max(1, a.workers)) as pool:
-    for q in a.q:
+    for T in a.prefill or ():
+      for pol in policies:
+        dec = Decoder(model, DecodeConfig(max_context=a.max_context, q=a.q[0], capture_sizes=(a.batch,), policy=pol),
+                      backend=a.backend, prefill_chunk=T, compiler_options={"xla_gpu_autotune_level": 0})
+        t = time.perf_counter()
+        low = _lower_prefill(dec, params, a.batch, T, pol)
+        jobs.append((f"prefill {T}", pol, dec, time.perf_counter() - t,
+                     pool.submit(lambda low=low, o=dec.compiler_options: (time.perf_counter(), low.compile(o)))))
+    for q in a.q if not a.prefill else ():
       for pol in policies:
         dec = Decoder(model, DecodeConfig(max_context=a.max_context, q=q, capture_sizes=(a.batch,), policy=pol),
                       backend=a.backend, steps_per_call=a.steps_per_call, pack_params=pack,
@@ -127,17 +143,20 @@ def main(argv=None):
       cen = profiling.census(hlo)
       crit = profiling.critical_paths(hlo)[0]
       row = dict(geometry=a.geometry, backend=a.backend, batch=a.batch, q=q, steps_per_call=a.steps_per_call,
+                 launches=profiling.launches(hlo),
                  policy=dict(pol), kernels=cen["kernels"], by_kind=cen["by_kind"], by_component=cen["by_component"],
                  outside_loops=cen.get("outside_loops"), critical_launches=crit["launches"],
                  critical_by_component=crit["by_component"],
-                 kernel_sites={k: v["sites"] for k, v in dec.kernel_sites(a.batch).items()}, lower_s=round(lower_s, 1),
+                 kernel_sites=({} if a.prefill else {k: v["sites"] for k, v in dec.kernel_sites(a.batch).items()}),
+                 lower_s=round(lower_s, 1),
                  compile_s=round(time.perf_counter() - t0, 1), target=os.path.basename(a.target),
                  compiler_options=dec.compiler_options, date=time.strftime("%Y-%m-%d"))
       rows.append(row)
       listings.append(profiling.kernel_listing(hlo))
       if a.listing_dir:
         os.makedirs(a.listing_dir, exist_ok=True)
-        name = f"{a.geometry}_q{q}_spc{a.steps_per_call}" + "".join(f"_{k}-{v}" for k, v in pol)
+        name = (f"{a.geometry}_{q.replace(' ', '')}" if a.prefill else f"{a.geometry}_q{q}_spc{a.steps_per_call}") \
+            + "".join(f"_{k}-{v}" for k, v in pol)
         with open(os.path.join(a.listing_dir, name + ".kernels.tsv"), "w") as fh:
           fh.write(profiling.kernel_listing(hlo))
         with open(os.path.join(a.listing_dir, name + ".critical.tsv"), "w") as fh:
@@ -149,6 +168,27 @@ def main(argv=None):
   if a.diff:
     print(diff(rows, listings))
   return rows
+
+
+def _lower_prefill(dec, params, B: int, T: int, pol):
+  """The prefill's target chunk program (``speculative._prefill_target_fn_build``) lowered for CUDA on abstract
+  caches, under the kernels a GPU runs there: layers.PREFILL_KNOBS on by default (Decoder.prefill_kernel_mode
+  turns them on only where they run natively: not on this CPU), the decode kernels off."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+
+  from glm5_jax import state as st  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS, PREFILL_KNOBS  # noqa: PLC0415
+  from glm5_jax.speculative import REP, _prefill_target_fn_build  # noqa: PLC0415
+
+  sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(dec.model.mesh, REP))
+  policy = {**{k: False for k in KERNEL_DEFAULTS}, **{k: KERNEL_DEFAULTS[k] for k in PREFILL_KNOBS},
+            **{k: v for k, v in dict(pol).items() if k in PREFILL_KNOBS}}
+  with dec.kernel_mode(interpret=False, policy=policy if dec.backend == "latency_specialized" else None):
+    return _prefill_target_fn_build(dec, B, T).trace(
+        params, st.abstract_caches(dec.layout(B), dec.model.mesh), sd((B, T), jnp.int32), sd((B,), jnp.int32),
+        sd((B,), jnp.int32)).lower(lowering_platforms=("cuda",))
 
 
 def kernel_kinds(listing: str):
@@ -183,14 +223,15 @@ def diff(rows, listings) -> str:
 def table(rows) -> str:
   """Markdown: one configuration a row — kernels by kind, the critical path, the change against the first row of
   its q, kernels by component."""
-  out = ["| q | policy | kernels | Δ | fusion / custom-call / other | critical path | by component |",
-         "| --- | --- | --- | --- | --- | --- | --- |"]
+  out = ["| q | policy | kernels | Δ | launches a call | fusion / custom-call / other | critical path | by component |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   first = {}
   for r in rows:
     base = first.setdefault(r["q"], r["kernels"])
     k = r["by_kind"]
     comps = ", ".join(f"{c} {n}" for c, n in sorted(r["by_component"].items(), key=lambda kv: -kv[1]))
     out.append(f"| {r['q']} | `{json.dumps(r['policy'])}` | {r['kernels']} | {r['kernels'] - base:+d} | "
+               f"{r.get('launches')} | "
                f"{k.get('fusion', 0)} / {k.get('custom-call', 0)} / "
                f"{r['kernels'] - k.get('fusion', 0) - k.get('custom-call', 0)} | {r['critical_launches']} | {comps} |")
   return "\n".join(out)

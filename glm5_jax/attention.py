@@ -26,7 +26,8 @@ from jax import lax
 from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
                              RMSNorm, concat_fits, f16_copies, has_tcgen05, kernel_arch, kernel_enabled,
-                             kernel_switch, param, StackedLinear, radix_topk_plan, rms_norm, topk_set_by_threshold)
+                             kernel_switch, param, StackedLinear, radix_topk_plan, rms_norm, topk_set_by_threshold,
+                             unroll_loops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,7 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32):
 
   chunks_first = lambda a: jnp.moveaxis(a, 1, 0)
   S, entry = lax.scan(hand_over, S0, (chunks_first(Rt), chunks_first(P)),
-                      unroll=n if jax.default_backend() != "cpu" else 1)
+                      unroll=n if unroll_loops() else 1)
   entry = jnp.moveaxis(entry, 0, 1)  # [B, n, H, K, V]: each chunk's entry state
   o = mm("bnhck,bnhkv->bnhcv", qc * eG - mm("bnhij,bnhjk->bnhik", qk, W), entry) + mm("bnhij,bnhjv->bnhiv", qk, U)
   return jnp.swapaxes(o, 2, 3).reshape(B, n * C, H, V)[:, :T], S

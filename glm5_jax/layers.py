@@ -645,6 +645,17 @@ def _wgmma_form(row: bool, form: str):
                          "declined it")
 
 
+def unroll_loops() -> bool:
+  """Whether the model's small sequential loops (the mHC Sinkhorn's iterations, the chunked KDA's state hand-over)
+  are unrolled: on a GPU each loop trip costs ~10-16 µs of control flow around kernels of a few µs; on the CPU
+  unrolling only lengthens XLA's compile (90 Sinkhorn sites doubled it). The platform is the one the traced code
+  is compiled for when a kernel policy names it (``use_kernels``' arch: a compile-only census for an H200 on a CPU
+  unrolls as the H200 does), else the default backend's."""
+  got = _KERNELS.get()
+  arch = None if got is None else got[2]
+  return (arch or jax.default_backend()) != "cpu"
+
+
 def kernel_arch() -> str | None:
   """The GPU the traced step is compiled for (``use_kernels``'s arch; None outside a policy or when unset)."""
   got = _KERNELS.get()
@@ -974,9 +985,9 @@ def sinkhorn_comb(mc, scale, base, n, iters, eps):
     c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
     return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
-  # Unrolled on accelerators (the 19 tiny steps fuse into one kernel; a loop costs ~10 µs per iteration
+  # Unrolled on accelerators (the 19 tiny steps fuse into a few kernels; a loop costs ~10 µs per iteration
   # there); rolled on CPU, where unrolling 90 sites doubles XLA's compile time for the same result.
-  return lax.fori_loop(0, iters - 1, sinkhorn, c, unroll=jax.default_backend() != "cpu")
+  return lax.fori_loop(0, iters - 1, sinkhorn, c, unroll=unroll_loops())
 
 
 def _chunk_sums(part, M: int):

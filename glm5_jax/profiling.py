@@ -433,6 +433,34 @@ def census(hlo_text: str) -> dict:
   return out
 
 
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_COND = re.compile(r"\bcondition=%?([\w.\-]+)")
+
+
+def launches(hlo_text: str) -> int | None:
+  """Kernels one call of a compiled program launches: each computation's kernels (``census``) times the number of
+  times it runs — a while loop's body and condition its known trip count (its condition once more), nested loops
+  multiplied — where ``census`` counts a loop body once. None when a loop's trip count is not known at compile
+  time. (A prefill chunk's scans and the mHC Sinkhorn's fori_loop are counted here as they run.)"""
+  per_comp = collections.Counter(r[4] for r in _kernel_rows(hlo_text))
+  loops = collections.defaultdict(list)  # computation -> [(body, condition, trips)]
+  for comp, _, op, _, rest in _instructions(hlo_text):
+    if op == "while":
+      t, b, c = _TRIPS.search(rest), _BODY.search(rest), _COND.search(rest)
+      if t is None or b is None or c is None:
+        return None
+      loops[comp].append((b.group(1), c.group(1), int(t.group(1))))
+
+  def runs(comp, depth=0):
+    if depth > 16:
+      raise ValueError(f"launches: loops nested deeper than 16 at {comp}")
+    return per_comp[comp] + sum(n * runs(b, depth + 1) + (n + 1) * runs(c, depth + 1) for b, c, n in loops[comp])
+
+  entry = _ENTRY.search(hlo_text)
+  return runs(entry.group(1)) if entry else None
+
+
 def _sanitize(name: str) -> str:
   return re.sub(r"[.\-]", "_", name)
 
