@@ -499,6 +499,11 @@ class Indexer(nnx.Module):
 
 
 ABSORB_ROWS = 8  # token rows up to which _per_head sums products instead of a dot (one verify of q <= 8 at B = 1)
+# token rows from which DSA's attention over the FP8 cache in XLA (no kernel: a prefill chunk, the stock path) with
+# bf16 queries runs as bf16 tensor-core products over the gathered e4m3 bytes (sparse_mla.sparse_mla_grouped)
+# instead of dequantising every selected row to f32 for every query row (the reference's form, kept for decode's
+# few rows: the auto backend's step as measured)
+GROUPED_ATTN_ROWS = 16
 
 
 def _per_head(eq, x, w):
@@ -624,7 +629,9 @@ class DSA(nnx.Module):
         else:
           o_lat = o_lat[:, :, :H]
       else:
-        o_lat = ks.sparse_mla_decode_reference(q_hat, lat["latent8"], idx, softmax_scale=self.scale)
+        grouped = B * T >= GROUPED_ATTN_ROWS and q_hat.dtype == jnp.bfloat16
+        attend = ks.sparse_mla_grouped if grouped else ks.sparse_mla_decode_reference
+        o_lat = attend(q_hat, lat["latent8"], idx, softmax_scale=self.scale)
     else:
       # (records why the kernel does not run here)
       kernel_enabled("sparse_mla", fits=False, why="a bf16/f32 latent cache (the kernel reads the FP8 one: policy "

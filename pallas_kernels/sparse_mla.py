@@ -245,6 +245,44 @@ def sparse_mla_decode_reference(q, cache, indices, *, softmax_scale):
   return jnp.einsum("bthw,btwd->bthd", p, c, precision=lax.Precision.HIGHEST)
 
 
+def sparse_mla_grouped(q, cache, indices, *, softmax_scale):
+  """``sparse_mla_decode_reference``'s contract for bf16 queries, as two bf16 tensor-core products over the
+  cache's own bytes: the selected rows' e4m3 values gathered as they are and taken as bf16 (exact), the queries'
+  scale groups as separate rows (each group's 128 dimensions, the others zero: [B, T, G·H, 512]) so that one
+  product gives every group's partial score, scaled and summed in f32; the probabilities times each group's scale
+  split into two bf16 terms (hi + lo: ~16 bits of mantissa) for the product back onto the bytes, whose diagonal
+  blocks are the output. The scores are exact products summed in f32 (bf16 q times e4m3 values) — the reference's
+  math up to the order of the sums; the output within ~2^-16 of it per term. The form for many query rows (a
+  prefill chunk in XLA): the reference's dequantised [B, T, W, 512] f32 gather was 1.07 GB a DSA layer at T = 256,
+  W = 2,051, read by two f32 products (17 GFLOP without tensor cores) — session 63's compile-only listing.
+
+  In a cache row, word w holds the e4m3 values of latent dimensions 128k + w in its byte k (``pack_e4m3``): the
+  bytes as [.., 512] are in (w, k) order, and the queries are taken in the same order."""
+  B, T, H, D = q.shape
+  G = D // GROUP
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"sparse_mla_grouped: q is {q.dtype}; expected bfloat16 (its products with the e4m3 values "
+                     "are then exact in f32) — use sparse_mla_decode_reference for f32 queries")
+  bi = jnp.arange(B)[:, None, None]
+  packed, scale = split_row(cache[bi, jnp.maximum(indices, 0)])  # [B, T, W, 128] int32, [B, T, W, G] f32
+  W = packed.shape[2]
+  e = lax.bitcast_convert_type(packed, jnp.float8_e4m3fn).reshape(B, T, W, D).astype(jnp.bfloat16)  # (w, k) order
+  eye = jnp.eye(G, dtype=jnp.bfloat16)
+  qw = jnp.swapaxes(q.reshape(B, T, H, G, GROUP), -1, -2)  # [B, T, H, 128 (w), G (k)]
+  q4 = (qw[:, :, :, None] * eye[:, None, :]).reshape(B, T, H * G, D)  # row (h, k): group k's dimensions only
+  S = jnp.einsum("btnd,btrd->btnr", q4, e, preferred_element_type=jnp.float32).reshape(B, T, H, G, W)
+  s = jnp.sum(S * jnp.swapaxes(scale, -1, -2)[:, :, None], axis=3)  # [B, T, H, W]
+  s = jnp.where((indices >= 0)[:, :, None, :], s * softmax_scale, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  p4 = (p[:, :, :, None] * jnp.swapaxes(scale, -1, -2)[:, :, None]).reshape(B, T, H * G, W)  # row (h, k)
+  hi = p4.astype(jnp.bfloat16)
+  lo = (p4 - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  o4 = (jnp.einsum("btnr,btrd->btnd", hi, e, preferred_element_type=jnp.float32)
+        + jnp.einsum("btnr,btrd->btnd", lo, e, preferred_element_type=jnp.float32))
+  o = jnp.sum(o4.reshape(B, T, H, G, GROUP, G) * eye.astype(jnp.float32)[:, None, :], axis=3)  # the diagonal
+  return jnp.swapaxes(o, -1, -2).reshape(B, T, H, D)
+
+
 # ------------------------------------------------------------------------------------------------ kernel
 # Tiling + swizzle of every f16 wgmma operand: wgmma takes one swizzle for A and B, and P^T [64 keys, 16 heads]
 # f16 has a 32-byte minor dimension, so all of q_s, c16_s and p_s use the 32-byte swizzle.

@@ -120,6 +120,19 @@ def test_reference_vs_numpy(B, T, H, S, W):
   np.testing.assert_allclose(got, np_sparse_mla(q, cache, idx, SCALE), **tol("kernel_f32"))
 
 
+@pytest.mark.parametrize("B,T,H,S,W", [(1, 16, 16, 200, 70), (2, 9, 32, 96, 33)])
+def test_grouped_form_equals_the_reference(B, T, H, S, W):
+  """The prefill's XLA form (bf16 products over the gathered e4m3 bytes, the scale groups as query rows, the
+  probabilities as hi + lo bf16 terms) against the f32 reference on the same bf16 queries."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  q, cache, idx = make_inputs(seed, B, T, H, S, W, pad_frac=0.3, q_dtype=jnp.bfloat16)
+  got = np.asarray(M.sparse_mla_grouped(q, cache, idx, softmax_scale=SCALE))
+  np.testing.assert_allclose(got, np.asarray(M.sparse_mla_decode_reference(q, cache, idx, softmax_scale=SCALE)),
+                             **tol("kernel_f32"), err_msg=f"seed {seed}")
+  with pytest.raises(ValueError, match="float32.*expected bfloat16"):
+    M.sparse_mla_grouped(q.astype(jnp.float32), cache, idx, softmax_scale=SCALE)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # kernel, GPU interpret mode
 # ------------------------------------------------------------------------------------------------------------
