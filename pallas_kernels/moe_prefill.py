@@ -113,7 +113,7 @@ def _grouped_kernel(tile_e_ref, x_ref, *refs, mp: int, bm: int, stages: int, n_t
     zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
     accs = lax.fori_loop(0, steps, step, (zero,) * n_w)
     if limit is None:
-      out = accs[0]
+      out = accs[0].astype(o_ref.dtype)
     else:  # (the decode MoE's gate/up epilogue: linear._moe_gate_up_kernel)
       gate, up = jnp.minimum(accs[0], limit), jnp.clip(accs[1], -limit, limit)
       out = (gate * jax.nn.sigmoid(gate) * up).astype(o_ref.dtype)
@@ -169,17 +169,18 @@ def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int 
   return jnp.swapaxes(o, 1, 2).reshape(T * mp, n)
 
 
-@kernel_entry("mp", "bm", "stages", "a_from")
+@kernel_entry("mp", "bm", "stages", "a_from", "out_dtype")
 def fp8_grouped_linear(x, tile_e, w, scale_inv, *, mp: int, bm: int | None = None, stages: int | None = None,
-                       a_from: str | None = None):
+                       a_from: str | None = None, out_dtype=jnp.float32):
   """x [T·mp, K] bf16 (or f16: the dequantised tiles in x's dtype) in row tiles of mp, tile_e [T] int32 (each
-  tile's expert, -1: unused), w [E, N, K] e4m3 with scale_inv [E, N/128, K/128] f32 -> y [T·mp, N] f32 = each
-  tile's rows times its expert's dequantised weight (the rows of unused tiles: garbage, never read). ``bm``:
+  tile's expert, -1: unused), w [E, N, K] e4m3 with scale_inv [E, N/128, K/128] f32 -> y [T·mp, N] in out_dtype
+  (f32 accumulation) = each tile's rows times its expert's dequantised weight (the rows of unused tiles: garbage,
+  never read). ``bm``:
   weight rows per CTA (64 or 128; default 128 up to 32 rows a tile, as the decode kernels' register budget);
   ``stages``: the ring's depth (default: as many K blocks as fit with two CTAs an SM); ``a_from``: as
   ``linear.fp8_dq_linear``'s (interpret mode: through SMEM)."""
   return _grouped_launch(x, tile_e, [(w, scale_inv)], mp=mp, bm=bm, stages=stages, a_from=a_from, limit=None,
-                         out_dtype=jnp.float32)
+                         out_dtype=jnp.dtype(out_dtype))
 
 
 @kernel_entry("swiglu_limit", "mp", "bm", "stages", "a_from")
@@ -216,6 +217,9 @@ def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_dow
   src = jnp.zeros((T * mp,), jnp.int32).at[dest].set(order // k, unique_indices=True)
   xs = x.astype(dt)[src]
   h = fp8_grouped_gate_up(xs, tile_e, w_gate, s_gate, w_up, s_up, swiglu_limit=swiglu_limit, mp=mp, a_from=a_from)
-  y = fp8_grouped_linear(h, tile_e, w_down, s_down, mp=mp, a_from=a_from)  # [T·mp, D] f32
+  # each pair's product in bf16 (summed over the token's k pairs in f32 below): the [T·mp, D] rows (tiles padded,
+  # T a static bound: 3.25x the pairs at the release's M = 256) are written by the kernel, transposed by XLA and
+  # gathered — in f32 9.2 GB of the chunk's 46 GB of kernel outputs at one TP4 rank (session 63's listing)
+  y = fp8_grouped_linear(h, tile_e, w_down, s_down, mp=mp, a_from=a_from, out_dtype=jnp.bfloat16)  # [T·mp, D]
   rows = jnp.zeros((M * k,), jnp.int32).at[order].set(dest, unique_indices=True).reshape(M, k)
   return jnp.sum(topk_weights.astype(jnp.float32)[..., None] * y[rows], axis=1)  # (the gather fused into the sum)
