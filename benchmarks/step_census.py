@@ -143,7 +143,7 @@ def main(argv=None):
       cen = profiling.census(hlo)
       crit = profiling.critical_paths(hlo)[0]
       row = dict(geometry=a.geometry, backend=a.backend, batch=a.batch, q=q, steps_per_call=a.steps_per_call,
-                 launches=profiling.launches(hlo),
+                 launches=profiling.launches(hlo), temp_gb=_temp_gb(exe),
                  policy=dict(pol), kernels=cen["kernels"], by_kind=cen["by_kind"], by_component=cen["by_component"],
                  outside_loops=cen.get("outside_loops"), critical_launches=crit["launches"],
                  critical_by_component=crit["by_component"],
@@ -168,6 +168,16 @@ def main(argv=None):
   if a.diff:
     print(diff(rows, listings))
   return rows
+
+
+def _temp_gb(exe) -> float | None:
+  """XLA's scratch for one call of the compiled program (GB; its memory analysis, None where it has none): what a
+  configuration needs beyond its parameters, caches and io — e.g. whether a prefill chunk size fits."""
+  try:
+    m = exe.memory_analysis()
+  except Exception:  # noqa: BLE001 (a backend without the analysis)
+    return None
+  return None if m is None else round(m.temp_size_in_bytes / 1e9, 2)
 
 
 def _lower_prefill(dec, params, B: int, T: int, pol):
@@ -223,15 +233,15 @@ def diff(rows, listings) -> str:
 def table(rows) -> str:
   """Markdown: one configuration a row — kernels by kind, the critical path, the change against the first row of
   its q, kernels by component."""
-  out = ["| q | policy | kernels | Δ | launches a call | fusion / custom-call / other | critical path | by component |",
-         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  out = ["| q | policy | kernels | Δ | launches a call | scratch GB | fusion / custom-call / other | critical path | "
+         "by component |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   first = {}
   for r in rows:
     base = first.setdefault(r["q"], r["kernels"])
     k = r["by_kind"]
     comps = ", ".join(f"{c} {n}" for c, n in sorted(r["by_component"].items(), key=lambda kv: -kv[1]))
     out.append(f"| {r['q']} | `{json.dumps(r['policy'])}` | {r['kernels']} | {r['kernels'] - base:+d} | "
-               f"{r.get('launches')} | "
+               f"{r.get('launches')} | {r.get('temp_gb')} | "
                f"{k.get('fusion', 0)} / {k.get('custom-call', 0)} / "
                f"{r['kernels'] - k.get('fusion', 0) - k.get('custom-call', 0)} | {r['critical_launches']} | {comps} |")
   return "\n".join(out)
