@@ -33,6 +33,9 @@
 #                             256-token chunks (CHUNKS: more), the defaults (XLA_MOE=1: also XLA's MoE, every expert
 #                             over every token), each traced once at the first prompt length (kernel families by
 #                             share; device events under $OUT/trace)
+#   prefill_ab (either; H100: LAYERS=32): session 63's A/B of the prefill on one GPU — this tree (traced) vs the code
+#                             in .carry/base (a git archive of the base commit; carry .carry), 4K and 32K prompts in
+#                             256-token chunks, then this tree at 1,024, then the changed paths' tests natively
 #   bigbatch (nvidia-h200, needs_h200: 82 GB + 19 GB of caches): B = 32, q = 4 — 128 token rows, past the decode
 #                             kernels' 64, where the step's MoE is XLA's (every expert over every row) — vs moe_prefill's
 #                             grouped FP8 kernels there
@@ -44,8 +47,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|bigbatch) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, bigbatch)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|bigbatch) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, bigbatch)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -198,6 +201,20 @@ case "$MODE" in
       --prompt ${PROMPTS:-4096 32768} --chunk ${CHUNKS:-256} --repeats 1 --policy "${pols[@]}" \
       --trace "$OUT/trace" --out "$OUT/prefill.jsonl" 2>&1 \
       | grep -v -E "cuda_status|Source Location|^$|custom_call.cc" | tail -30 > "$OUT/bench_prefill.log"
+    ;;
+  prefill_ab)  # (either; H100: LAYERS=32) see the header
+    [ -d .carry/base/glm5_jax ] || { echo "prefill_ab: no .carry/base (git archive BASE glm5_jax pallas_kernels \
+benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
+    out=$(cd "$OUT" && pwd); pl="--geometry tp4-rank --layers ${LAYERS:-32} --prompt ${PROMPTS:-4096 32768} --repeats 1"
+    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
+    echo "== this tree (traced)"; timeout 190 python3 benchmarks/bench_prefill.py $pl --chunk 256 --trace "$OUT/trace" \
+      --out "$OUT/prefill_new.jsonl" 2>&1 | keep 12 | tee "$OUT/new.log"
+    echo "== .carry/base"; (cd .carry/base && timeout 160 python3 benchmarks/bench_prefill.py $pl --chunk 256 \
+      --out "$out/prefill_base.jsonl") 2>&1 | keep 6 | tee "$OUT/base.log"
+    echo "== this tree, 1,024-token chunks"; timeout 140 python3 benchmarks/bench_prefill.py $pl --chunk 1024 \
+      --out "$OUT/prefill_new1024.jsonl" 2>&1 | keep 6 | tee "$OUT/new1024.log"
+    gpu_tests prefill_paths 70 "" "chunked or grouped or prefill" tests/test_model_units.py tests/test_sparse_mla.py \
+      tests/test_moe_prefill.py
     ;;
   bigbatch)  # (nvidia-h200, needs_h200) see the header
     rank1 bigbatch --batch 32 --q 4 --steps 10 --repeats 3 --policy '{}' '{"moe_prefill": true}'
