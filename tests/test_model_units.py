@@ -1,5 +1,6 @@
 """Units of the reference model: the chunked KDA form, and the checkpoint loader's layouts and errors."""
 
+import contextlib
 import functools
 import json
 import os
@@ -17,12 +18,14 @@ from pallas_kernels._common import maybe_interpret
 from conftest import tol
 from glm5_jax.attention import ABSORB_ROWS, _per_head, kda_chunked, l2norm
 from glm5_jax.checkpoint import CheckpointError
+from glm5_jax.layers import unroll_loops, use_kernels
 from helpers import load, tiny_checkpoint
 from pallas_kernels.kda_decode import kda_decode_reference
 
 
-@pytest.mark.parametrize("T,chunk", [(70, 16), (9, 32), (33, 32)])
-def test_chunked_kda_equals_the_recurrence(T, chunk):
+@pytest.mark.parametrize("T,chunk,arch", [(70, 16, None), (9, 32, None), (33, 32, None), (70, 16, "sm_90")])
+def test_chunked_kda_equals_the_recurrence(T, chunk, arch):
+  """arch: traced as for that GPU (layers.unroll_loops: the chunks' state hand-over unrolled, as a GPU runs it)."""
   rng = np.random.default_rng()
   B, H, D = 2, 3, 32
   r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
@@ -33,7 +36,13 @@ def test_chunked_kda_equals_the_recurrence(T, chunk):
   o_ref, s_ref = kda_decode_reference(q, k, v, f, b, A_log, dt, jnp.broadcast_to(S0, (B, T, H, D, D)),
                                       jnp.ones(B, jnp.int32))
   g = -5.0 * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (f + dt))
-  o, S = kda_chunked(l2norm(q) * D ** -0.5, l2norm(k), v, g, jax.nn.sigmoid(b), S0[:, 0], chunk=chunk)
+  args = (l2norm(q) * D ** -0.5, l2norm(k), v, g, jax.nn.sigmoid(b), S0[:, 0])
+  with use_kernels({}, arch) if arch else contextlib.nullcontext():
+    f = functools.partial(kda_chunked, chunk=chunk)
+    scan, = [e for e in jax.make_jaxpr(f)(*args).eqns if e.primitive.name == "scan"]
+    assert scan.params["unroll"] == (-(-T // chunk) if unroll_loops() else 1)
+    assert unroll_loops() == (arch is not None or jax.default_backend() != "cpu")
+    o, S = f(*args)
   np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), **tol("fp32_paths"))
   np.testing.assert_allclose(np.asarray(S), np.asarray(s_ref[:, T - 1]), **tol("fp32_paths"))
 
