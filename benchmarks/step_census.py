@@ -189,13 +189,13 @@ def _lower_prefill(dec, params, B: int, T: int, pol):
   from jax.sharding import NamedSharding  # noqa: PLC0415
 
   from glm5_jax import state as st  # noqa: PLC0415
-  from glm5_jax.layers import KERNEL_DEFAULTS, PREFILL_KNOBS  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS, PREFILL_KNOBS, compile_target  # noqa: PLC0415
   from glm5_jax.speculative import REP, _prefill_target_fn_build  # noqa: PLC0415
 
   sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(dec.model.mesh, REP))
   policy = {**{k: False for k in KERNEL_DEFAULTS}, **{k: KERNEL_DEFAULTS[k] for k in PREFILL_KNOBS},
             **{k: v for k, v in dict(pol).items() if k in PREFILL_KNOBS}}
-  with dec.kernel_mode(interpret=False, policy=policy if dec.backend == "latency_specialized" else None):
+  with dec.kernel_mode(interpret=False, policy=policy), compile_target(dec.platform):
     return _prefill_target_fn_build(dec, B, T).trace(
         params, st.abstract_caches(dec.layout(B), dec.model.mesh), sd((B, T), jnp.int32), sd((B,), jnp.int32),
         sd((B,), jnp.int32)).lower(lowering_platforms=("cuda",))

@@ -645,14 +645,29 @@ def _wgmma_form(row: bool, form: str):
                          "declined it")
 
 
+_TARGET: contextvars.ContextVar = contextvars.ContextVar("glm5_jax_target", default=None)
+
+
+@contextlib.contextmanager
+def compile_target(platform: str | None):
+  """Trace the enclosed code for ``platform`` (runtime.detect_platform's: "sm_90", "cpu", ...; None: the default
+  backend's) whatever the backend — what ``unroll_loops`` decides by. The Decoder's abstract traces set it (a
+  compile-only census for an H200 on a CPU, the stock backend included, unrolls as the H200 does)."""
+  tok = _TARGET.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET.reset(tok)
+
+
 def unroll_loops() -> bool:
   """Whether the model's small sequential loops (the mHC Sinkhorn's iterations, the chunked KDA's state hand-over)
   are unrolled: on a GPU each loop trip costs ~10-16 µs of control flow around kernels of a few µs; on the CPU
   unrolling only lengthens XLA's compile (90 Sinkhorn sites doubled it). The platform is the one the traced code
-  is compiled for when a kernel policy names it (``use_kernels``' arch: a compile-only census for an H200 on a CPU
-  unrolls as the H200 does), else the default backend's."""
+  is compiled for: ``compile_target``'s, else a kernel policy's (``use_kernels``' arch), else the default
+  backend's."""
   got = _KERNELS.get()
-  arch = None if got is None else got[2]
+  arch = _TARGET.get() or (None if got is None else got[2])
   return (arch or jax.default_backend()) != "cpu"
 
 

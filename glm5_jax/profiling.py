@@ -445,17 +445,21 @@ def launches(hlo_text: str) -> int | None:
   time. (A prefill chunk's scans and the mHC Sinkhorn's fori_loop are counted here as they run.)"""
   per_comp = collections.Counter(r[4] for r in _kernel_rows(hlo_text))
   loops = collections.defaultdict(list)  # computation -> [(body, condition, trips)]
+  calls = collections.defaultdict(list)  # computation -> the computations its `call`s run (once per call)
   for comp, _, op, _, rest in _instructions(hlo_text):
     if op == "while":
       t, b, c = _TRIPS.search(rest), _BODY.search(rest), _COND.search(rest)
       if t is None or b is None or c is None:
         return None
       loops[comp].append((b.group(1), c.group(1), int(t.group(1))))
+    elif op == "call":
+      calls[comp] += _called(rest)
 
   def runs(comp, depth=0):
     if depth > 16:
-      raise ValueError(f"launches: loops nested deeper than 16 at {comp}")
-    return per_comp[comp] + sum(n * runs(b, depth + 1) + (n + 1) * runs(c, depth + 1) for b, c, n in loops[comp])
+      raise ValueError(f"launches: loops / calls nested deeper than 16 at {comp}")
+    return (per_comp[comp] + sum(runs(c, depth + 1) for c in calls[comp])
+            + sum(n * runs(b, depth + 1) + (n + 1) * runs(c, depth + 1) for b, c, n in loops[comp]))
 
   entry = _ENTRY.search(hlo_text)
   return runs(entry.group(1)) if entry else None

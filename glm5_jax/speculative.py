@@ -38,8 +38,8 @@ from glm5_jax import param_packing as pp
 from glm5_jax import state as st
 from glm5_jax.api import Model, _check_tokens, compiled
 from glm5_jax.attention import StepCtx
-from glm5_jax.layers import (KERNEL_DEFAULTS, PREFILL_KNOBS, REMOVED_KNOBS, WGMMA_REASON, declined_on, has_wgmma,
-                             kernel_enabled, kernel_report)
+from glm5_jax.layers import (KERNEL_DEFAULTS, PREFILL_KNOBS, REMOVED_KNOBS, WGMMA_REASON, compile_target, declined_on,
+                             has_wgmma, kernel_enabled, kernel_report)
 from glm5_jax.runtime import SUPPORTED_GPUS, DecodeConfig, detect_platform
 
 REP = P()
@@ -645,7 +645,7 @@ class Decoder:
     rep = NamedSharding(self.model.mesh, REP)
     sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
     b = batch
-    with self.kernel_mode(interpret):
+    with self.kernel_mode(interpret), compile_target(self.platform):
       return self.step_fn(b).trace(
           *self._param_args(params), st.abstract_caches(self.layout(b), self.model.mesh),
           sd((b, io_width(self.config.q, self.steps_per_call)), jnp.int32))

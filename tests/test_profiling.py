@@ -112,6 +112,15 @@ def test_census_counts_kernel_level_instructions_once():
   assert c["outside_loops"] == 7  # the entry's kernels (once per call); the loop body's and the call's run per use
 
 
+def test_launches_count_each_computation_as_often_as_it_runs():
+  # a loop without a known trip count: unknown; with 5 trips: the entry's 7 kernels, the called computation's one,
+  # the body's fusion 5 times (its condition, a reducer here, launches nothing)
+  assert P.launches(HLO) is None
+  known = HLO.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"5"}}')
+  assert P.launches(known) == 7 + 1 + 5
+  assert P.census(known)["kernels"] == 9  # (census: each computation's kernels once)
+
+
 WRAPPED = """HloModule w
 
 %wrapped (p: f32[8], q: s32[2]) -> (f32[8], s32[2]) {
