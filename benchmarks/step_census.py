@@ -124,7 +124,7 @@ def main(argv=None):
         dec = Decoder(model, DecodeConfig(max_context=a.max_context, q=a.q[0], capture_sizes=(a.batch,), policy=pol),
                       backend=a.backend, prefill_chunk=T, compiler_options={"xla_gpu_autotune_level": 0})
         t = time.perf_counter()
-        low = _lower_prefill(dec, params, a.batch, T, pol)
+        low = _lower_prefill(dec, params, a.batch, T)
         jobs.append((f"prefill {T}", pol, dec, time.perf_counter() - t,
                      pool.submit(lambda low=low, o=dec.compiler_options: (time.perf_counter(), low.compile(o)))))
     for q in a.q if not a.prefill else ():
@@ -180,22 +180,19 @@ def _temp_gb(exe) -> float | None:
   return None if m is None else round(m.temp_size_in_bytes / 1e9, 2)
 
 
-def _lower_prefill(dec, params, B: int, T: int, pol):
+def _lower_prefill(dec, params, B: int, T: int):
   """The prefill's target chunk program (``speculative._prefill_target_fn_build``) lowered for CUDA on abstract
-  caches, under the kernels a GPU runs there: layers.PREFILL_KNOBS on by default (Decoder.prefill_kernel_mode
-  turns them on only where they run natively: not on this CPU), the decode kernels off."""
+  caches, under the kernels a GPU runs there (Decoder.prefill_kernel_mode(interpret=False): the GPU's defaults)."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from jax.sharding import NamedSharding  # noqa: PLC0415
 
   from glm5_jax import state as st  # noqa: PLC0415
-  from glm5_jax.layers import KERNEL_DEFAULTS, PREFILL_KNOBS, compile_target  # noqa: PLC0415
+  from glm5_jax.layers import compile_target  # noqa: PLC0415
   from glm5_jax.speculative import REP, _prefill_target_fn_build  # noqa: PLC0415
 
   sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(dec.model.mesh, REP))
-  policy = {**{k: False for k in KERNEL_DEFAULTS}, **{k: KERNEL_DEFAULTS[k] for k in PREFILL_KNOBS},
-            **{k: v for k, v in dict(pol).items() if k in PREFILL_KNOBS}}
-  with dec.kernel_mode(interpret=False, policy=policy), compile_target(dec.platform):
+  with dec.prefill_kernel_mode(interpret=False), compile_target(dec.platform):
     return _prefill_target_fn_build(dec, B, T).trace(
         params, st.abstract_caches(dec.layout(B), dec.model.mesh), sd((B, T), jnp.int32), sd((B,), jnp.int32),
         sd((B,), jnp.int32)).lower(lowering_platforms=("cuda",))

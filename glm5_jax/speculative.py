@@ -581,17 +581,19 @@ class Decoder:
     stack.enter_context(pdl_mode(policy.get("pdl", KERNEL_DEFAULTS["pdl"])))  # (the step records it: _step_fn)
     return stack
 
-  def prefill_kernel_mode(self):
+  def prefill_kernel_mode(self, interpret: bool | None = None):
     """The kernels a prefill chunk runs (latency_specialized): only those built for many token rows
     (layers.PREFILL_KNOBS: the prefill MoE, policy knob moe_prefill) — on a GPU by default, elsewhere (GPU
-    interpret mode) where the policy asks for them; the decode kernels stay off there. The stock backend: none."""
+    interpret mode) where the policy asks for them; the decode kernels stay off there. The stock backend: none.
+    interpret=False: native lowering, with a GPU's defaults (a compile-only census on a CPU)."""
     from pallas_kernels._common import on_gpu  # noqa: PLC0415
     policy = self.config.policy_dict()
+    native = on_gpu() if interpret is None else not interpret
     # (on by default where they run natively; in GPU interpret mode — the CPU — only when the policy asks)
-    on = {k: bool(policy.get(k, KERNEL_DEFAULTS[k] and on_gpu())) for k in PREFILL_KNOBS}
+    on = {k: bool(policy.get(k, KERNEL_DEFAULTS[k] and native)) for k in PREFILL_KNOBS}
     if not any(on.values()):
       return contextlib.nullcontext()
-    return self.kernel_mode(policy={**{k: False for k in KERNEL_DEFAULTS}, **on})
+    return self.kernel_mode(interpret, policy={**{k: False for k in KERNEL_DEFAULTS}, **on})
 
   def _check_prefill_kernels(self, rep):
     """Record a traced prefill chunk's kernel sites (``prefill_sites``: {kernel: {"sites": n, "not_used": {reason:
