@@ -36,6 +36,9 @@
 #   prefill_ab (either; H100: LAYERS=32): session 63's A/B of the prefill on one GPU — this tree (traced) vs the code
 #                             in .carry/base (a git archive of the base commit; carry .carry), 4K and 32K prompts in
 #                             256-token chunks, then this tree at 1,024, then the changed paths' tests natively
+#   dsa (either):             issue #7's item 5 — one DSA layer of decode alone (benchmarks/bench_dsa_layer.py): µs per
+#                             layer for B {1, 8, 32} x q {1, 4} x context {32K, 4K, 128K} (32K first: the goal's),
+#                             latency_specialized's kernels (the attention core split out) vs XLA, against its floor
 #   bigbatch (nvidia-h200, needs_h200: 82 GB + 19 GB of caches): B = 32, q = 4 — 128 token rows, past the decode
 #                             kernels' 64, where the step's MoE is XLA's (every expert over every row) — vs moe_prefill's
 #                             grouped FP8 kernels there
@@ -47,8 +50,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|bigbatch) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, bigbatch)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|bigbatch) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, bigbatch)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -215,6 +218,11 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       --out "$OUT/prefill_new1024.jsonl" 2>&1 | keep 6 | tee "$OUT/new1024.log"
     gpu_tests prefill_paths 70 "" "chunked or grouped or prefill" tests/test_model_units.py tests/test_sparse_mla.py \
       tests/test_moe_prefill.py
+    ;;
+  dsa)  # (either) see the header
+    timeout $(( $(left) - 10 )) python3 benchmarks/bench_dsa_layer.py --context 32768 4096 131072 \
+      --budget-s $(( $(left) - 90 )) --out "$OUT/dsa_layer.jsonl" 2>&1 \
+      | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
     ;;
   bigbatch)  # (nvidia-h200, needs_h200) see the header
     rank1 bigbatch --batch 32 --q 4 --steps 10 --repeats 3 --policy '{}' '{"moe_prefill": true}'

@@ -253,6 +253,26 @@ def test_no_compilation_after_warmup(model):
   assert compiles == []
 
 
+def test_prefill_of_a_new_length_compiles_nothing(model):
+  """A prompt of another chunk count (the same chunk bucket) compiles nothing: every program of the prefill is
+  shaped by (B, T) alone — session 63's prefill of a 4K prompt ran no kernel for ~0.6 s of its 1.6 s when the
+  first-token and MTP programs took arrays shaped by the whole prompt."""
+  dec = _decoder(model, 3, sizes=(2,))
+  rng = np.random.default_rng(5)
+  V = model.cfg.vocab_size
+  first = dec.prefill([rng.integers(0, V, 40), rng.integers(0, V, 23)])  # (3 chunks of 16: every program compiled)
+  compiles = []
+  cb = lambda name, *a, **k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+  jax.monitoring.register_event_duration_secs_listener(cb)
+  try:
+    states = [dec.prefill([rng.integers(0, V, n), rng.integers(0, V, m)]) for n, m in ((70, 3), (17, 33))]
+    jax.block_until_ready([s.io for s in states])
+  finally:
+    jax.monitoring.unregister_event_duration_listener(cb)
+  assert compiles == [], compiles
+  assert first.io.shape == states[0].io.shape and first.io.dtype == states[0].io.dtype
+
+
 def test_warmup_all_reports_failures_and_refusals(model):
   """A step that cannot be built is reported in its Compiled (strict=False) or raised (strict) after the others
   compiled, in its turn; a step should_start refuses is neither lowered nor reported."""

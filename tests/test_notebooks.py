@@ -21,7 +21,7 @@ def test_notebook_executes(name, monkeypatch):
   monkeypatch.setenv("MPLBACKEND", "Agg")
   # the kernel is another process: give it the suite's persistent compilation cache (see conftest.py)
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir or "")
-  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # (as conftest.py)
   monkeypatch.delenv("GLM5_CHECKPOINT", raising=False)
   nb = jupytext.read(os.path.join(NB, name + ".py"))
   nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": NB}}).execute()
