@@ -153,6 +153,8 @@ def _check_tokens(model: Model, tokens):
     if lo < 0 or hi >= model.cfg.vocab_size:
       bad = lo if lo < 0 else hi
       raise ValueError(f"token id {bad} is outside [0, {model.cfg.vocab_size}) (vocab_size)")
+  if isinstance(tokens, np.ndarray):  # (converted on the host and copied: jnp.asarray compiles a conversion per
+    return jax.device_put(tokens.astype(np.int32, copy=False))  # shape — one per prompt length in a prefill)
   return jnp.asarray(tokens, jnp.int32)
 
 

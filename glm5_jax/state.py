@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
 from glm5_jax.layers import KDA_H, KDA_HD
@@ -107,8 +108,17 @@ def abstract_caches(layout, mesh):
                       shardings(cache_specs(layout), mesh))
 
 
+_ZEROS: dict = {}
+
+
 def init_caches(layout, mesh):
-  """Zero caches placed with their shardings (jitted so each device allocates only its shard)."""
+  """Zero caches placed with their shardings (jitted so each device allocates only its shard; one program per
+  layout and mesh, kept: a function made per call was traced and compiled again for every prefill)."""
   shapes = cache_shapes(layout)
-  return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                 out_shardings=shardings(cache_specs(layout), mesh))()
+  leaves, treedef = jax.tree.flatten(shapes)
+  specs = jax.tree.leaves(cache_specs(layout), is_leaf=lambda x: isinstance(x, P))
+  key = (treedef, tuple((s.shape, jnp.dtype(s.dtype).name) for s in leaves), tuple(specs), mesh)
+  if key not in _ZEROS:
+    _ZEROS[key] = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                          out_shardings=shardings(cache_specs(layout), mesh))
+  return _ZEROS[key]()
