@@ -1,7 +1,8 @@
 """One DSA layer of decode, alone: µs per layer for batch x q x context, latency_specialized's kernels vs XLA (auto),
 against the layer's HBM floor (issue #7, item 5).
 
-  python benchmarks/bench_dsa_layer.py [--batch 1 8 32] [--q 1 4] [--context 4096 32768 131072]
+  python benchmarks/bench_dsa_layer.py [--batch 1 8 32] [--q 1 4] [--context 4096 32768 131072] [--out J] [--plot P]
+  python benchmarks/bench_dsa_layer.py --from benchmarks/results/dsa_layer_h100.jsonl --plot P   (plot only)
 
 What runs is the model's own DSA sublayer (``glm5_jax.attention.DSA``, the module the step calls) at the share of
 one TP4 rank (16 heads), random FP8 weights and a random FP8 latent / pooled-key cache filled to --context
@@ -162,6 +163,7 @@ def bench(model, cfg, B: int, q: int, ctx: int, backend: str, repeats: int, call
   row = dict(bench="dsa_layer", backend=backend, batch=B, q=q, context=ctx, us=us, core_us=fam["core"],
              proj_us=fam["proj"], glue_us=fam["glue"], floor_us=floor_us, launches=launches, copies=n_copies,
              compile_s=compile_s, kernels=ran, timing=_timing.MODE[0], device=jax.devices()[0].device_kind,
+             top_us={n: round(t, 2) for n, t in sorted(names.items(), key=lambda kv: -kv[1])[:16]},
              date=time.strftime("%Y-%m-%d"))
   for c in state["caches"]:
     jax.tree.map(lambda a: a.delete(), c)
@@ -176,6 +178,35 @@ def _count_launches(call, xs) -> float:
   return len(ext._cupti_get_timings(True)) / len(xs)
 
 
+def plot(rows: list[dict], path: str):
+  """µs per layer against the context, one panel per (B, q): latency_specialized (its attention core dashed), XLA's
+  path, and the floor."""
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  cases = sorted({(r["batch"], r["q"]) for r in rows})
+  fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.2), sharey=True, squeeze=False)
+  for ax, (B, q) in zip(axes[0], cases):
+    sel = lambda b: sorted((r for r in rows if (r["batch"], r["q"], r["backend"]) == (B, q, b)),
+                           key=lambda r: r["context"])
+    ls, xla = sel("latency_specialized"), sel("auto")
+    ctx = lambda rs: [r["context"] // 1024 for r in rs]
+    ax.plot(ctx(xla), [r["us"] for r in xla], "o-", color="tab:gray", label="XLA (auto)")
+    ax.plot(ctx(ls), [r["us"] for r in ls], "o-", color="tab:blue", label="latency_specialized")
+    core = [r for r in ls if r["kernels"]]
+    ax.plot(ctx(core), [r["core_us"] for r in core], "s--", color="tab:blue", alpha=0.6, label="its attention core")
+    ax.plot(ctx(ls), [r["floor_us"] for r in ls], "k:", label="floor (4.3 TB/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(f"B = {B}, q = {q}")
+    ax.set_xlabel("context (K tokens)")
+  axes[0][0].set_ylabel("µs per DSA layer")
+  axes[0][0].legend(fontsize=7)
+  fig.suptitle(f"one DSA layer of decode, one TP4 rank ({rows[0]['device']})", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--geometry", default="tp4-rank", choices=["tp4-rank", "kernel-tiny"])
@@ -188,7 +219,15 @@ def main(argv=None):
   p.add_argument("--calls", type=int, default=24, help="calls per timed run (each its own input rows)")
   p.add_argument("--budget-s", type=float, default=None, help="start no configuration after this many seconds")
   p.add_argument("--out", default=None, help="append one JSON line per configuration")
+  p.add_argument("--plot", default=None, metavar="PNG", help="plot the rows of --from (or of this run) to PNG")
+  p.add_argument("--from", dest="from_", default=None, metavar="JSONL", help="with --plot: rows of an earlier run "
+                 "(nothing is timed)")
   a = p.parse_args(argv)
+  if a.from_:
+    with open(a.from_) as fh:
+      rows = [json.loads(line) for line in fh if line.strip()]
+    plot(rows, a.plot or os.path.splitext(a.from_)[0] + ".png")
+    return rows
   if not on_gpu():
     print("# no GPU: the kernels run in Mosaic GPU interpret mode and the times are the CPU's (a smoke run)")
   cfg = geometry(a.geometry)
@@ -214,17 +253,20 @@ def main(argv=None):
           row, sel[backend] = bench(model, cfg, B, q, ctx, backend, a.repeats, a.calls, seed=B * 1000 + q + ctx)
           row["same_pools"] = same_pools(sel[backend], sel["auto"]) if backend != "auto" and "auto" in sel else None
           rows.append(row)
-          split = backend == "latency_specialized" and _timing.MODE[0] == "cupti"
+          split = backend == "latency_specialized" and _timing.MODE[0] == "cupti" and bool(row["kernels"])
           col = lambda k: f"{row[k]:7.1f}" if split else f"{'-':>7}"
           launches = "-" if row["launches"] is None else f"{row['launches']:.0f}"
           same = "" if row["same_pools"] is None else f"{row['same_pools']:6.3f}"
           print(f"{B:>3} {q:>2} {ctx:>7} {backend:>20} {row['us']:8.1f} {col('core_us')} {col('proj_us')} "
-                f"{col('glue_us')} {row['floor_us']:6.1f} {row['us'] / row['floor_us']:7.2f} {launches:>8} {same}",
-                flush=True)
+                f"{col('glue_us')} {row['floor_us']:6.1f} {row['us'] / row['floor_us']:7.2f} {launches:>8} {same}"
+                + ("  (no kernel runs at these token rows: XLA's path)" if backend != "auto" and not row["kernels"]
+                   else ""), flush=True)
   if a.out:
     with open(a.out, "a") as fh:
       for r in rows:
         fh.write(json.dumps(r) + "\n")
+  if a.plot and rows:
+    plot(rows, a.plot)
   return rows
 
 
