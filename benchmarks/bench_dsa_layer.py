@@ -51,6 +51,7 @@ from glm5_jax import profiling  # noqa: E402
 from glm5_jax import state as st  # noqa: E402
 from glm5_jax.attention import StepCtx  # noqa: E402
 from glm5_jax.layers import counters_scope, kernel_report, use_kernels  # noqa: E402
+from glm5_jax.runtime import detect_platform  # noqa: E402
 from glm5_jax.synthetic import _gen, random_model, tp_rank_config  # noqa: E402
 from pallas_kernels._common import maybe_interpret, on_gpu  # noqa: E402
 
@@ -133,7 +134,8 @@ def bench(model, cfg, B: int, q: int, ctx: int, backend: str, repeats: int, call
   sm = model.shard_map(layer, (P(), cspec, P(), P(), P()), ((P(), P()), cspec))
   kernels = backend == "latency_specialized"
   policy = {} if kernels else None
-  with maybe_interpret(None), use_kernels(policy), kernel_report() as rep:
+  arch = detect_platform(model.mesh.devices.flat)  # (Blackwell: the kernels' tcgen05 forms, as the step's)
+  with maybe_interpret(None), use_kernels(policy, arch), kernel_report() as rep:
     f = jax.jit(sm, donate_argnums=(2,))
     t0 = time.perf_counter()
     compiled = f.lower(params[0], xs[0], caches[0], start, valid, n_acc).compile()
