@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
 from glm5_jax import config as C  # noqa: E402
@@ -52,7 +52,7 @@ from glm5_jax import state as st  # noqa: E402
 from glm5_jax.attention import StepCtx  # noqa: E402
 from glm5_jax.layers import counters_scope, kernel_report, use_kernels  # noqa: E402
 from glm5_jax.runtime import detect_platform  # noqa: E402
-from glm5_jax.synthetic import _gen, random_model, tp_rank_config  # noqa: E402
+from glm5_jax.synthetic import random_caches, random_model, tp_rank_config  # noqa: E402
 from pallas_kernels._common import maybe_interpret, on_gpu  # noqa: E402
 
 L2_BYTES = 60 << 20
@@ -99,22 +99,12 @@ def bench(model, cfg, B: int, q: int, ctx: int, backend: str, repeats: int, call
   """-> (row dict, the pools selected for the first call's inputs [B, q, kp])."""
   kpool = cfg.index_kpool
   S = -(-(ctx + q) // kpool) * kpool  # the cache's positions: the context and this call's q tokens
-  layout = {"layers": [st._dsa_cache(cfg, B, S, q, model.dtype, True)], "mtp": None}
-  shapes, specs = st.cache_shapes(layout), st.cache_specs(layout)
-  cache_bytes = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
+  layout = st.cache_layout(cfg, B, S, q, model.dtype, mtp=False, kv_fp8=True)  # (cfg: one DSA layer)
+  cache_bytes = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(st.cache_shapes(layout)))
   w_bytes = sum(x.nbytes for p, x in jax.tree.flatten_with_path(model.params)[0] if _is_attn(p))
   n_copies = max(1, min(12, math.ceil(3 * L2_BYTES / (cache_bytes + w_bytes))))
   key = jax.random.key(seed)
-
-  def rand_cache(i):
-    leaves, treedef = jax.tree.flatten(shapes)
-    specl = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    out = []
-    for j, (s, sp) in enumerate(zip(leaves, specl)):
-      kind = "latent_rows" if jnp.dtype(s.dtype) == jnp.int32 else "cache"
-      out.append(_gen(tuple(s.shape), str(jnp.dtype(s.dtype)), kind, NamedSharding(model.mesh, sp))(
-          jax.random.fold_in(key, 100 * i + j)))
-    return jax.tree.unflatten(treedef, out)["layers"][0]
+  rand_cache = lambda i: random_caches(layout, model.mesh, jax.random.fold_in(key, i))["layers"][0]
 
   params = [model.params] + [attn_copy(model.params) for _ in range(1, n_copies)]
   caches = [rand_cache(i) for i in range(n_copies)]

@@ -142,7 +142,8 @@ def init_cache(model: Model, batch: int, max_context: int, *, q: int = 1) -> Cac
                max_context, q)
 
 
-def _check_tokens(model: Model, tokens):
+def _check_tokens(model: Model, tokens, *, place: bool = True):
+  """Validate token ids [B, T] -> int32 on the device (``place=False``: validated only, returned as given)."""
   tokens = np.asarray(tokens) if not isinstance(tokens, jax.Array) else tokens
   if tokens.ndim != 2:
     raise ValueError(f"tokens must be int32 [B, T]: got shape {tuple(tokens.shape)}")
@@ -153,6 +154,8 @@ def _check_tokens(model: Model, tokens):
     if lo < 0 or hi >= model.cfg.vocab_size:
       bad = lo if lo < 0 else hi
       raise ValueError(f"token id {bad} is outside [0, {model.cfg.vocab_size}) (vocab_size)")
+  if not place:
+    return tokens
   if isinstance(tokens, np.ndarray):  # (converted on the host and copied: jnp.asarray compiles a conversion per
     return jax.device_put(tokens.astype(np.int32, copy=False))  # shape — one per prompt length in a prefill)
   return jnp.asarray(tokens, jnp.int32)

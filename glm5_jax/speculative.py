@@ -761,7 +761,7 @@ class Decoder:
       if p.size + cfg.q > cfg.max_context:
         raise ValueError(f"prompt {j} has {p.size} tokens: expected at most max_context - q = "
                          f"{cfg.max_context - cfg.q}")
-      _check_tokens(model, p[None])  # (validation only)
+      _check_tokens(model, p[None], place=False)
     B = cfg.capture_size_for(len(prompts))
     lens = np.array([p.size for p in prompts] + [1] * (B - len(prompts)), np.int32)
     active = np.arange(B) < len(prompts)

@@ -101,17 +101,10 @@ def abstract_model(cfg: Glm5Config, *, dtype=jnp.bfloat16, fp8: bool = True, mes
   return Model(cfg, graphdef, astate, mesh, jnp.dtype(dtype), fp8, mtp), params
 
 
-def random_state(decoder, batch: int, context: int, *, seed: int = 0):
-  """A DecodeState of ``batch`` active sequences at length ``context`` with random caches (latents, pooled keys,
-  tails, KDA states and conv windows) and random next tokens — what a long-running decode looks like."""
-  from glm5_jax.speculative import DecodeState  # noqa: PLC0415
-
-  model, cfg = decoder.model, decoder.config
-  if context + cfg.q > cfg.max_context:
-    raise ValueError(f"context={context} + q={cfg.q} exceeds max_context={cfg.max_context}")
-  layout = decoder.layout(batch)
+def random_caches(layout, mesh, key):
+  """Random decode caches of ``layout`` (state.cache_layout's) placed with their shardings: latents, pooled keys,
+  tails, KDA states (in a realistic range) and conv windows, FP8 latent rows quantised from random latents."""
   shapes, specs = st.cache_shapes(layout), st.cache_specs(layout)
-  key = jax.random.key(seed + 1)
   leaves, treedef = jax.tree.flatten(shapes)
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   out = []
@@ -120,14 +113,25 @@ def random_state(decoder, batch: int, context: int, *, seed: int = 0):
     if jnp.dtype(s.dtype) == jnp.int32:
       from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
       if s.shape[-1] != ks.ROW_WORDS:
-        raise ValueError(f"random_state: an int32 cache leaf {s.shape}; only FP8 latent rows [.., {ks.ROW_WORDS}] "
+        raise ValueError(f"random_caches: an int32 cache leaf {s.shape}; only FP8 latent rows [.., {ks.ROW_WORDS}] "
                          "are known")
       kind = "latent_rows"
     # one compiled generator per distinct leaf (6 at the real geometry, shared by every call): a jit per leaf
     # (116 of them) was 116 compiles per state (24.8 -> 4.4 s on a 2-core CPU; on the H200 estimated at tens of s)
-    out.append(_gen(tuple(s.shape), str(jnp.dtype(s.dtype)), kind, NamedSharding(model.mesh, sp))(
+    out.append(_gen(tuple(s.shape), str(jnp.dtype(s.dtype)), kind, NamedSharding(mesh, sp))(
         jax.random.fold_in(key, i)))
-  caches = jax.tree.unflatten(treedef, out)
+  return jax.tree.unflatten(treedef, out)
+
+
+def random_state(decoder, batch: int, context: int, *, seed: int = 0):
+  """A DecodeState of ``batch`` active sequences at length ``context`` with random caches (``random_caches``) and
+  random next tokens — what a long-running decode looks like."""
+  from glm5_jax.speculative import DecodeState  # noqa: PLC0415
+
+  model, cfg = decoder.model, decoder.config
+  if context + cfg.q > cfg.max_context:
+    raise ValueError(f"context={context} + q={cfg.q} exceeds max_context={cfg.max_context}")
+  caches = random_caches(decoder.layout(batch), model.mesh, jax.random.key(seed + 1))
   rng = np.random.default_rng(seed)
   keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(int(s)))) for s in rng.integers(0, 2**31, batch)])
   return DecodeState.make(caches, np.full(batch, context, np.int32), np.ones(batch, np.int32), keys,
