@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -385,6 +386,11 @@ class Indexer(nnx.Module):
         align = ki.THRESHOLD_LANES * (4 if kernel_switch("topk_threshold_4wg") else 1) \
             if kernel_switch("topk_keys_in_kernel") or kernel_switch("topk_compact_kernel") \
             else 64
+        n_pools = icache["pool8"].shape[1]
+        plan = ki.chunked_select_plan(n_pools, min(self.top_pools, n_pools)) \
+            if -(-n_pools // ki.THRESHOLD_LANES) * ki.THRESHOLD_LANES > ki.THRESHOLD_MAX_KEYS else None
+        if plan is not None and kernel_switch("topk_two_stage"):  # (whole chunks: no pad before the selection)
+          align = math.lcm(align, ki.THRESHOLD_LANES * plan[0])
         # indexer_q_in_kernel: the queries' FWHT + FP8 quantisation inside the scores kernel (its wgmma reads the
         # bf16 projection output as is) instead of ~3 XLA kernels in front of it
         if kernel_enabled("indexer_q_in_kernel", fits=q_raw.dtype == jnp.bfloat16,
@@ -424,24 +430,39 @@ class Indexer(nnx.Module):
       form, pays = radix_topk_plan(R, P)
       from pallas_kernels import indexer as ki  # noqa: PLC0415
       thr_fits = -(-P // ki.THRESHOLD_LANES) * ki.THRESHOLD_LANES <= ki.THRESHOLD_MAX_KEYS
-      thr_pays = thr_fits and R >= ki.THRESHOLD_MIN_ROWS and kernel_switch("topk_threshold")
+      n_tail = kp - 1 + extra_tail
+      Pr = None if raw is None else raw.shape[-1]
+      W = kp * kk + n_tail
+      wp = -(-(W if width is None else width(W)) // 64) * 64  # (the attention kernel's width of the list)
+      # a row past the kernel's keys (past 64K context): the one-launch selection in two stages (topk_two_stage)
+      chunked = not thr_fits and Pr is not None and all(kernel_switch(n) for n in (
+          "topk_two_stage", "topk_compact_kernel", "topk_compact_fused")) and not kernel_switch("topk_threshold_4wg") \
+          and ki.chunked_select_plan(Pr, kk) is not None and kk < ki.SELECT_MAX_K and (kp * kk) % 64 == 0 \
+          and wp - kp * kk <= 64 * 64
+      thr_pays = (thr_fits or chunked) and R >= ki.THRESHOLD_MIN_ROWS and kernel_switch("topk_threshold")
       if kernel_enabled("indexer_topk", R, prefer=pays or thr_pays,
                         prefer_why=f"{R} rows x {P} pools: XLA's sort measured faster than the XLA radix passes "
                         "(layers.radix_topk_plan; the topk_threshold kernel is off or does not fit; policy "
                         "indexer_topk: true forces the radix selection)"):
-        thr = kernel_enabled("topk_threshold", fits=thr_fits,
-                             why=f"{P} pools per score row (the kernel holds up to {ki.THRESHOLD_MAX_KEYS})",
+        thr = kernel_enabled("topk_threshold", fits=thr_fits or chunked,
+                             why=f"{P} pools per score row (the kernel holds up to {ki.THRESHOLD_MAX_KEYS}; past it "
+                             "two stages of the fused compaction: knobs topk_two_stage, topk_compact_kernel and "
+                             "topk_compact_fused on, topk_threshold_4wg off, the scores kernel's output)",
                              prefer=R >= ki.THRESHOLD_MIN_ROWS,
                              prefer_why=f"{R} score rows, below pallas_kernels.indexer.THRESHOLD_MIN_ROWS = "
                              f"{ki.THRESHOLD_MIN_ROWS}: XLA's radix passes measured faster there")
         two = kernel_enabled("topk_threshold_2bit", fits=thr, why="the topk_threshold kernel does not run here")
+        if thr and not thr_fits and kernel_enabled("topk_two_stage", R):  # (chunked: every condition checked)
+          # (Blackwell: the compaction's tcgen05 form)
+          cmma = {"mma": "tcgen05"} if has_tcgen05(kernel_arch()) else {}
+          idx, js = ki.topk_compact_chunked(
+              raw.reshape(R, Pr), (n_complete * kp).reshape(R), pos.reshape(R).astype(jnp.int32), k=kk, kpool=kp,
+              n_tail=n_tail, width=wp, early_exit=kernel_enabled("topk_threshold_exit"), digit_bits=2 if two else 1,
+              lean=kernel_enabled("lean_barriers"), **cmma)
+          return idx.reshape(*pos.shape, wp), js.reshape(*pos.shape, kk)
         # (THRESHOLD_MAX_KEYS is a multiple of 4 x 128: the rows that fit one warpgroup fit four)
         wgs = 4 if kernel_enabled("topk_threshold_4wg", fits=thr, why="the topk_threshold kernel does not run "
                                   "here") else 1
-        n_tail = kp - 1 + extra_tail
-        Pr = None if raw is None else raw.shape[-1]
-        W = kp * kk + n_tail
-        wp = -(-(W if width is None else width(W)) // 64) * 64  # (the attention kernel's width of the list)
         # topk_compact_kernel: the threshold kernel as the model runs it (on the scores kernel's padded output), then
         # the compaction, the expansion to tokens, the tail and the pad to the attention kernel's width as ONE
         # multi-CTA launch (pallas_kernels.indexer.topk_compact) instead of 6 XLA kernels after the threshold

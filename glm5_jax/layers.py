@@ -443,6 +443,15 @@ KNOBS = {
         "the kernel-tiny e2e); one row of 8,704 pools 9.9 µs (13.9 for the threshold kernel + XLA's compaction); "
         "the one-rank step at q = 1 4.04 -> 3.94 ms, faster in 5 of 5 interleaved rounds, 955 -> 888 launches "
         "(s49b; session 50) — on"),
+    "topk_two_stage": (True,
+        "with topk_threshold, topk_compact_kernel and topk_compact_fused on: a score row longer than the "
+        "compaction kernel holds (THRESHOLD_MAX_KEYS = 17,408 pools: contexts past ~64K tokens; the model's native "
+        "context is 1M, 262,144 pools) selected in two stages of the fused kernel "
+        "(pallas_kernels.indexer.topk_compact_chunked: each chunk's top 512 as rows of their own, then the top 512 "
+        "of the chunks' candidates — exact, ties by index) instead of XLA's sort, which took 83-262 µs of glue per "
+        "DSA layer at 128K on an H100 (session 64, bench_dsa_layer); up to ~2.3M tokens (34 chunks' candidates in "
+        "one row). CPU-built (session 65): interpret mode and the CUDA lowering at 128K and 1M; on, replacing the "
+        "sort (its GPU test: test_compact_chunked_gpu)"),
     "topk_threshold_4wg": (False,
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "

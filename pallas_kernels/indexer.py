@@ -1248,3 +1248,73 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
     *((scores.reshape(R, N // THRESHOLD_LANES, 4, 32),) if split else ()), tail_start.astype(jnp.int32),
     pos.astype(jnp.int32))
   return idx.reshape(R, width), js
+
+
+# ------------------------------------------------------------------------------------------------ long rows
+# A score row longer than the compaction kernel holds (THRESHOLD_MAX_KEYS: 64K context's pools; the model's native
+# context is 1M tokens, 262,144 pools) is selected in two stages of the same one-launch kernel: the top k of each
+# chunk of the row (the chunks as rows of their own), then the top k of the chunks' candidates. Exact: under
+# lax.top_k's total order (larger, or equal at a lower index) the top k of the row are among the top k of their
+# chunk, and the candidates, laid out chunk after chunk in ascending index order, break ties by index as the row
+# does. Before it such a row was XLA's sort (83-262 µs of glue per DSA layer at 128K on an H100, session 64).
+def chunked_select_plan(n: int, k: int, *, max_keys: int | None = None) -> tuple[int, int] | None:
+  """(chunks C, keys per chunk W) for a two-stage selection of k of n keys: the fewest chunks of at most
+  ``max_keys`` (a multiple of THRESHOLD_LANES, each at least k) covering n — C · W >= n, the excess padded with
+  -inf — or None when the C · k candidates (padded to the lanes) would not fit one row of ``max_keys`` (default:
+  THRESHOLD_MAX_KEYS)."""
+  L = THRESHOLD_LANES
+  max_keys = THRESHOLD_MAX_KEYS if max_keys is None else max_keys
+  C = max(1, -(-n // max_keys))
+  W = -(-n // (C * L)) * L
+  if W < k or -(-C * k // L) * L > max_keys:
+    return None
+  return C, W
+
+
+def topk_compact_chunked(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int,
+                         max_keys: int | None = None, lanes: int = COMPACT_LANES, early_exit: bool = True,
+                         digit_bits: int = 1, lean: bool = False, mma: str = "wgmma"):
+  """``topk_select_reference``'s contract for rows of any length up to ``chunked_select_plan``'s: scores [R, N] f32
+  -> (idx [R, width], js [R, k]) int32 — lax.top_k's set of each row in ascending index order, expanded to kpool
+  token positions, the tail, -1 padding — from two launches of the fused ``topk_compact`` (its own threshold in
+  every CTA; options as there) and two small XLA fusions:
+
+  1. the rows as C chunks of W keys (``chunked_select_plan``; -inf past N) — C·R rows of the kernel: each chunk's
+     top k (chunk-local indices ascending, -1 for a non-finite score);
+  2. the candidates — the selected scores, chunk after chunk (-inf for a -1), their global indices beside them —
+     as R rows of C·k keys: their top k, mapped back to the global indices; then the expansion to tokens and the
+     tail (XLA).
+
+  Exactly lax.top_k's set for finite scores (and for -inf masking, the model's: -1 past the finite ones). A
+  selected NaN or +inf score becomes -1 in stage 1, so stage 2 weighs it as -inf: the list may then hold another
+  pool in its place (the single-launch kernel would keep the slot, as -1). ``max_keys``: the chunks' size limit
+  (default: the kernel's THRESHOLD_MAX_KEYS; smaller to test the two stages at small sizes)."""
+  _check_select(scores, tail_start, pos, k, kpool, n_tail, width, "topk_compact_chunked")
+  R, N = scores.shape
+  max_keys = THRESHOLD_MAX_KEYS if max_keys is None else max_keys
+  plan = chunked_select_plan(N, k, max_keys=max_keys)
+  if plan is None or max_keys % THRESHOLD_LANES or max_keys > THRESHOLD_MAX_KEYS:
+    raise ValueError(f"topk_compact_chunked: k = {k} of N = {N} keys in chunks of at most {max_keys} (a multiple of "
+                     f"{THRESHOLD_LANES} up to {THRESHOLD_MAX_KEYS}): the chunks' {-(-N // max_keys)} x {k} candidates "
+                     "must fit one chunk")
+  C, W = plan
+  ninf = jnp.float32(-jnp.inf)
+  s = scores if C * W == N else jnp.pad(scores, ((0, 0), (0, C * W - N)), constant_values=ninf)
+  kw = dict(k=k, kpool=kpool, n_tail=0, width=kpool * k + 64, lanes=lanes, early_exit=early_exit,
+            digit_bits=digit_bits, lean=lean, mma=mma)  # (width: one -1 tail tile — the kernel writes >= one)
+  z = jnp.zeros((R * C,), jnp.int32)
+  _, j1 = topk_compact(s.reshape(R * C, W), None, None, z, z, **kw)
+  j1 = j1.reshape(R, C, k)
+  ok = j1 >= 0
+  vals = jnp.where(ok, jnp.take_along_axis(s.reshape(R, C, W), jnp.maximum(j1, 0), axis=-1), ninf).reshape(R, C * k)
+  gid = jnp.where(ok, j1 + W * jnp.arange(C, dtype=jnp.int32)[:, None], -1).reshape(R, C * k)
+  n2 = -(-C * k // THRESHOLD_LANES) * THRESHOLD_LANES
+  vals = jnp.pad(vals, ((0, 0), (0, n2 - C * k)), constant_values=ninf)
+  z = jnp.zeros((R,), jnp.int32)
+  _, j2 = topk_compact(vals, None, None, z, z, **kw)
+  js = jnp.where(j2 >= 0, jnp.take_along_axis(gid, jnp.maximum(j2, 0), axis=-1), -1)
+  tok = jnp.where(js[..., None] >= 0, js[..., None] * kpool + jnp.arange(kpool, dtype=jnp.int32), -1)
+  tail = tail_start.astype(jnp.int32)[:, None] + jnp.arange(n_tail, dtype=jnp.int32)
+  tail = jnp.where(tail <= pos.astype(jnp.int32)[:, None], tail, -1)
+  idx = jnp.concatenate([tok.reshape(R, kpool * k), tail], axis=-1)
+  return jnp.pad(idx, ((0, 0), (0, width - idx.shape[-1])), constant_values=-1), js

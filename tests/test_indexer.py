@@ -690,6 +690,89 @@ def test_compact_kernel_gpu(R, N, k, n_tail, width, lanes):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"lean={lean} bits={bits}")
 
 
+def long_rows(rng, R, N, k, chunk):
+  """Score rows for the two-stage selection: row 0 of few levels (ties at the threshold, spread over every chunk:
+  the tie order crosses chunk boundaries), the others random with -inf scattered and past a row's end, the last
+  with fewer than k finite scores (its -inf ones selected: -1), and a row whose top k all sit in one chunk."""
+  v = rng.standard_normal((R, N)).astype(np.float32)
+  v[0] = rng.integers(0, 5, N) / 4.0
+  for r in range(1, R):
+    v[r, rng.random(N) < 0.05] = -np.inf
+    v[r, rng.integers(N // 2, N):] = -np.inf
+  if R > 2:
+    v[1, chunk:2 * chunk] += 10.0
+  v[-1] = rng.standard_normal(N)
+  v[-1, k // 3:] = -np.inf
+  return jnp.asarray(v)
+
+
+@pytest.mark.parametrize("R,N,k,max_keys,n_tail", [(4, 1408, 64, 512, 3), (2, 2560, 96, 768, 6), (1, 700, 64, 256, 3)])
+def test_compact_chunked_interpret(R, N, k, max_keys, n_tail):
+  """Rows longer than the compaction kernel holds (the model's 128K-1M contexts: 32K-262K pools) as two stages of
+  the fused kernel (``topk_compact_chunked``), in GPU interpret mode at small sizes (chunks of ``max_keys``): the
+  token index list and pools of lax.top_k's set (topk_select_reference) — ties across chunks, -inf anywhere, a row
+  with fewer than k finite scores, a row whose top k sit in one chunk, N not a multiple of the chunks (-inf pad)."""
+  rng = np.random.default_rng()
+  sc = long_rows(rng, R, N, k, max_keys)
+  pos = jnp.asarray(rng.integers(4 * N // 2, 4 * N, R), jnp.int32)
+  ts = (pos + 1) // 4 * 4
+  width = -(-(4 * k + n_tail + 50) // 64) * 64
+  kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
+  C, W = I.chunked_select_plan(N, k, max_keys=max_keys)
+  assert C > 1 and C * W >= N
+  want = I.topk_select_reference(sc, ts, pos, **kw)
+  with maybe_interpret(True):
+    got = jax.jit(lambda *a: I.topk_compact_chunked(*a, **kw, max_keys=max_keys))(sc, ts, pos)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  js = np.asarray(got[1])
+  assert (js[-1, k // 3:] == -1).all() and (js[-1, :k // 3] >= 0).all()
+
+
+def test_compact_chunked_plan_and_refusals():
+  """The plan: the fewest chunks of at most THRESHOLD_MAX_KEYS (128K: 2, 1M: 16), the candidates within one
+  chunk; past that (C · k > THRESHOLD_MAX_KEYS: ~2.3M tokens of context at k = 512) None, and the call refuses it
+  naming the sizes."""
+  M = I.THRESHOLD_MAX_KEYS
+  assert I.chunked_select_plan(32832, 512) == (2, 16512)
+  C, W = I.chunked_select_plan(262208, 512)
+  assert C == 16 and W <= M and W % I.THRESHOLD_LANES == 0 and C * W >= 262208
+  assert I.chunked_select_plan(M // 512 * M, 512) == (M // 512, M)
+  assert I.chunked_select_plan(M // 512 * M + 1, 512) is None
+  sc, ts = SDS((1, M * 40), jnp.float32), SDS((1,), jnp.int32)
+  with pytest.raises(ValueError, match=r"topk_compact_chunked: k = 512 of N = 696320 keys .* must fit one chunk"):
+    jax.eval_shape(functools.partial(I.topk_compact_chunked, k=512, kpool=4, n_tail=3, width=2112), sc, ts, ts)
+
+
+@pytest.mark.parametrize("N", [32832, 262208])
+def test_compact_chunked_cross_lower(N):
+  """The two stages lower for CUDA at 128K and 1M context's pools (one score row, k = 512; lean)."""
+  args = (SDS((1, N), jnp.float32), SDS((1,), jnp.int32), SDS((1,), jnp.int32))
+  txt = cross_lower(functools.partial(I.topk_compact_chunked, k=512, kpool=4, n_tail=3, width=2112, lean=True),
+                    *args).as_text()
+  assert txt.count("glm5_topk_compact") >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,N,max_keys", [(1, 32832, I.THRESHOLD_MAX_KEYS), (4, 65600, I.THRESHOLD_MAX_KEYS),
+                                          (1, 262208, I.THRESHOLD_MAX_KEYS), (3, 1408, 512)])
+def test_compact_chunked_gpu(R, N, max_keys):
+  """The two stages natively (128K, 256K at 4 rows, 1M; small chunks) against the reference, lean and not, one and
+  two bits a pass."""
+  rng = np.random.default_rng()
+  sc = long_rows(rng, R, N, 512 if N > 2048 else 64, max_keys)
+  k = 512 if N > 2048 else 64
+  pos = jnp.asarray(rng.integers(4 * N // 2, 4 * N, R), jnp.int32)
+  ts = (pos + 1) // 4 * 4
+  kw = dict(k=k, kpool=4, n_tail=3, width=-(-(4 * k + 3) // 64) * 64)
+  want = jax.jit(lambda *a: I.topk_select_reference(*a, **kw))(sc, ts, pos)
+  for lean, bits in ((False, 1), (True, 1), (True, 2)):
+    got = jax.jit(lambda *a: I.topk_compact_chunked(*a, **kw, max_keys=max_keys, lean=lean,  # noqa: B023
+                                                    digit_bits=bits))(sc, ts, pos)  # noqa: B023
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"lean={lean} bits={bits}")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the model's call (glm5_jax.attention.Indexer.scores)
 # ------------------------------------------------------------------------------------------------------------
@@ -818,6 +901,22 @@ def test_compact_kernel_at_the_model_site(native, P, extra_tail, keys, fused):
   outs = _select_at_the_model_site(native, P, [4 * P - 300, 4 * P - 298], "topk_compact_kernel",
                                    policy={"topk_keys_in_kernel": keys, "topk_compact_fused": bool(fused),
                                            "topk_threshold_2bit": fused == 2},
+                                   extra_tail=extra_tail, width=lambda W: W + 100)
+  check_list_at_width(outs, 100)
+
+
+@pytest.mark.parametrize("native,extra_tail,bits", [(False, 0, 1), (False, 2, 2),
+                                                    pytest.param(True, 0, 1, marks=pytest.mark.gpu)])
+def test_two_stage_selection_at_the_model_site(native, extra_tail, bits, monkeypatch):
+  """Policy knob topk_two_stage at the model's call site (kernel-tiny's indexer, an FP8 pool cache, two score rows
+  of which some pools are not complete) with the kernel's row limit lowered to 256 keys (the real 17,408 is a
+  1M-token context's job: test_compact_chunked_gpu): 1,200 pools selected in two stages of the fused compaction
+  give XLA's selection's token list (-1 padded to the width asked for) and pools; the site is reported, and
+  without the threshold kernel the knob does not run."""
+  monkeypatch.setattr(I, "THRESHOLD_MAX_KEYS", 256)
+  outs = _select_at_the_model_site(native, 1200, [4 * 1200 - 300, 4 * 1200 - 298], "topk_two_stage",
+                                   policy={"topk_compact_kernel": True, "topk_compact_fused": True,
+                                           "topk_threshold_2bit": bits == 2},
                                    extra_tail=extra_tail, width=lambda W: W + 100)
   check_list_at_width(outs, 100)
 
