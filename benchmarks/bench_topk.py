@@ -15,7 +15,8 @@ Rows: R = B · q score rows; N pools (8,256 at 32K context + room, 32,832 at 128
   model xla   the model's default selection with its token index list (threshold kernel + XLA's compaction,
               expansion, tail and pad); "compact": the same list from the threshold kernel + topk_compact (one
               multi-CTA launch; N a multiple of 128); "compact fused": topk_compact alone, the threshold's passes in
-              every CTA ("compact fused 2bit": two bits a pass)
+              every CTA ("compact fused 2bit": two bits a pass); "two-stage": rows past the kernel's 17,408 keys
+              as two launches of it (each chunk's top k, then the candidates'; knob topk_two_stage)
 Each: µs of device time per call (CUPTI), kernels per call, and whether the selection equals top_k's (as a set;
 sort_keys also in order).
 
@@ -93,6 +94,17 @@ def _compact(v, lanes: int, fused: bool = False, digit_bits: int = 1):
   return js, idx
 
 
+def _chunked(v, digit_bits: int = 1):
+  """A row longer than the compaction kernel holds (past 64K context: 16,448+ pools) in two stages of the fused
+  compaction (policy knob topk_two_stage: pallas_kernels.indexer.topk_compact_chunked) — js, with its list."""
+  from pallas_kernels import indexer as I  # noqa: PLC0415
+  R, N = v.shape
+  pos = jnp.full((R,), 4 * N - 2, jnp.int32)
+  idx, js = I.topk_compact_chunked(v, (pos + 1) // 4 * 4, pos, k=K, kpool=4, n_tail=3, width=WIDTH, lean=True,
+                                   digit_bits=digit_bits)
+  return js, idx
+
+
 WIDTH = -(-(4 * K + 3) // 64) * 64  # the sparse MLA kernel's index width (2,112)
 
 STRATEGIES = {
@@ -128,6 +140,9 @@ STRATEGIES = {
     "compact128": lambda v: _compact(v, 128),
     "compact fused": lambda v: _compact(v, 32, fused=True),
     "compact fused 2bit": lambda v: _compact(v, 32, fused=True, digit_bits=2),
+    # past the kernel's 17,408 keys (128K context: 32,832 pools; 1M: 262,208): two stages (knob topk_two_stage)
+    "two-stage": _chunked,
+    "two-stage 2bit": lambda v: _chunked(v, 2),
     "kernel unrolled scan128": lambda v: kernel_unrolled(v, 1),
     "kernel2 unrolled scan128": lambda v: kernel_unrolled(v, 2),
 }

@@ -39,6 +39,9 @@
 #   dsa (either):             issue #7's item 5 — one DSA layer of decode alone (benchmarks/bench_dsa_layer.py): µs per
 #                             layer for B {1, 8, 32} x q {1, 4} x context {32K, 4K, 128K} (32K first: the goal's),
 #                             latency_specialized's kernels (the attention core split out) vs XLA, against its floor
+#   longctx (either):         the selection past 64K context (session 65: two stages of the fused compaction, knob
+#                             topk_two_stage) — its GPU tests, bench_topk at 32K / 128K / 256K / 1M context's pools
+#                             (XLA's sort vs the kernels), then one DSA layer (bench_dsa_layer) at 128K and 1M, B = 1
 #   bigbatch (nvidia-h200, needs_h200: 82 GB + 19 GB of caches): B = 32, q = 4 — 128 token rows, past the decode
 #                             kernels' 64, where the step's MoE is XLA's (every expert over every row) — vs moe_prefill's
 #                             grouped FP8 kernels there
@@ -50,8 +53,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|bigbatch) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, bigbatch)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|bigbatch) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, bigbatch)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -222,6 +225,14 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
   dsa)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_dsa_layer.py --context 32768 4096 131072 \
       --budget-s $(( $(left) - 90 )) --out "$OUT/dsa_layer.jsonl" 2>&1 \
+      | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
+    ;;
+  longctx)  # (either) see the header
+    gpu_tests longctx 150 gpu "chunked or two_stage" tests/test_indexer.py
+    timeout 120 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8704,32832,65600,262208 --f32-scores \
+      --only "top_k,compact fused,two-stage,two-stage 2bit" > "$OUT/bench_topk.log" 2>&1
+    timeout $(( $(left) - 10 )) python3 benchmarks/bench_dsa_layer.py --batch 1 --q 1 4 --context 131072 1048576 \
+      --budget-s $(( $(left) - 60 )) --out "$OUT/dsa_layer.jsonl" 2>&1 \
       | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
     ;;
   bigbatch)  # (nvidia-h200, needs_h200) see the header
