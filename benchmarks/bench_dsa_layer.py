@@ -172,10 +172,11 @@ def _count_launches(call, xs) -> float:
 
 def plot(rows: list[dict], path: str):
   """µs per layer against the context, one panel per (B, q): latency_specialized (its attention core dashed), XLA's
-  path, and the floor."""
+  path, and the floor. A configuration measured more than once is drawn from its last row (a later session's code)."""
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
+  rows = list({(r["batch"], r["q"], r["backend"], r["context"]): r for r in rows}.values())
   cases = sorted({(r["batch"], r["q"]) for r in rows})
   fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.2), sharey=True, squeeze=False)
   for ax, (B, q) in zip(axes[0], cases):

@@ -94,14 +94,14 @@ def _compact(v, lanes: int, fused: bool = False, digit_bits: int = 1):
   return js, idx
 
 
-def _chunked(v, digit_bits: int = 1):
+def _chunked(v, digit_bits: int = 1, balanced: bool = False):
   """A row longer than the compaction kernel holds (past 64K context: 16,448+ pools) in two stages of the fused
   compaction (policy knob topk_two_stage: pallas_kernels.indexer.topk_compact_chunked) — js, with its list."""
   from pallas_kernels import indexer as I  # noqa: PLC0415
   R, N = v.shape
   pos = jnp.full((R,), 4 * N - 2, jnp.int32)
   idx, js = I.topk_compact_chunked(v, (pos + 1) // 4 * 4, pos, k=K, kpool=4, n_tail=3, width=WIDTH, lean=True,
-                                   digit_bits=digit_bits)
+                                   digit_bits=digit_bits, balanced=balanced)
   return js, idx
 
 
@@ -143,6 +143,8 @@ STRATEGIES = {
     # past the kernel's 17,408 keys (128K context: 32,832 pools; 1M: 262,208): two stages (knob topk_two_stage)
     "two-stage": _chunked,
     "two-stage 2bit": lambda v: _chunked(v, 2),
+    # more, shorter chunks: C ~ sqrt(N / k), each stage's row about as long (128K: 8 of 4,224, then 4,096)
+    "two-stage balanced": lambda v: _chunked(v, balanced=True),
     "kernel unrolled scan128": lambda v: kernel_unrolled(v, 1),
     "kernel2 unrolled scan128": lambda v: kernel_unrolled(v, 2),
 }

@@ -230,7 +230,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
   longctx)  # (either) see the header
     gpu_tests longctx 150 gpu "chunked or two_stage" tests/test_indexer.py
     timeout 120 python3 benchmarks/bench_topk.py --rows 1,4 --pools 8704,32832,65600,262208 --f32-scores \
-      --only "top_k,compact fused,two-stage,two-stage 2bit" > "$OUT/bench_topk.log" 2>&1
+      --only "top_k,compact fused,two-stage,two-stage 2bit,two-stage balanced" > "$OUT/bench_topk.log" 2>&1
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_dsa_layer.py --batch 1 --q 1 4 --context 131072 1048576 \
       --budget-s $(( $(left) - 60 )) --out "$OUT/dsa_layer.jsonl" 2>&1 \
       | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"

@@ -1257,23 +1257,28 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
 # lax.top_k's total order (larger, or equal at a lower index) the top k of the row are among the top k of their
 # chunk, and the candidates, laid out chunk after chunk in ascending index order, break ties by index as the row
 # does. Before it such a row was XLA's sort (83-262 µs of glue per DSA layer at 128K on an H100, session 64).
-def chunked_select_plan(n: int, k: int, *, max_keys: int | None = None) -> tuple[int, int] | None:
+def chunked_select_plan(n: int, k: int, *, max_keys: int | None = None,
+                        balanced: bool = False) -> tuple[int, int] | None:
   """(chunks C, keys per chunk W) for a two-stage selection of k of n keys: the fewest chunks of at most
   ``max_keys`` (a multiple of THRESHOLD_LANES, each at least k) covering n — C · W >= n, the excess padded with
   -inf — or None when the C · k candidates (padded to the lanes) would not fit one row of ``max_keys`` (default:
-  THRESHOLD_MAX_KEYS)."""
+  THRESHOLD_MAX_KEYS). ``balanced``: more, shorter chunks — C ~ sqrt(n / k), so that a chunk's row and the
+  candidates' row are about as long (each stage's passes run over fewer keys per thread; at 128K context 8
+  chunks of 4,224 instead of 2 of 16,512): to be measured against the fewest (bench_topk "two-stage balanced")."""
   L = THRESHOLD_LANES
   max_keys = THRESHOLD_MAX_KEYS if max_keys is None else max_keys
+  fits = lambda C, W: W >= k and -(-C * k // L) * L <= max_keys  # noqa: E731
   C = max(1, -(-n // max_keys))
-  W = -(-n // (C * L)) * L
-  if W < k or -(-C * k // L) * L > max_keys:
+  if not fits(C, -(-n // (C * L)) * L):
     return None
-  return C, W
+  if balanced:
+    C = next(c for c in range(max(C, round(math.sqrt(n / k))), C - 1, -1) if fits(c, -(-n // (c * L)) * L))
+  return C, -(-n // (C * L)) * L
 
 
 def topk_compact_chunked(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int,
-                         max_keys: int | None = None, lanes: int = COMPACT_LANES, early_exit: bool = True,
-                         digit_bits: int = 1, lean: bool = False, mma: str = "wgmma"):
+                         max_keys: int | None = None, balanced: bool = False, lanes: int = COMPACT_LANES,
+                         early_exit: bool = True, digit_bits: int = 1, lean: bool = False, mma: str = "wgmma"):
   """``topk_select_reference``'s contract for rows of any length up to ``chunked_select_plan``'s: scores [R, N] f32
   -> (idx [R, width], js [R, k]) int32 — lax.top_k's set of each row in ascending index order, expanded to kpool
   token positions, the tail, -1 padding — from two launches of the fused ``topk_compact`` (its own threshold in
@@ -1288,11 +1293,12 @@ def topk_compact_chunked(scores, tail_start, pos, *, k: int, kpool: int, n_tail:
   Exactly lax.top_k's set for finite scores (and for -inf masking, the model's: -1 past the finite ones). A
   selected NaN or +inf score becomes -1 in stage 1, so stage 2 weighs it as -inf: the list may then hold another
   pool in its place (the single-launch kernel would keep the slot, as -1). ``max_keys``: the chunks' size limit
-  (default: the kernel's THRESHOLD_MAX_KEYS; smaller to test the two stages at small sizes)."""
+  (default: the kernel's THRESHOLD_MAX_KEYS; smaller to test the two stages at small sizes); ``balanced``:
+  ``chunked_select_plan``'s."""
   _check_select(scores, tail_start, pos, k, kpool, n_tail, width, "topk_compact_chunked")
   R, N = scores.shape
   max_keys = THRESHOLD_MAX_KEYS if max_keys is None else max_keys
-  plan = chunked_select_plan(N, k, max_keys=max_keys)
+  plan = chunked_select_plan(N, k, max_keys=max_keys, balanced=balanced)
   if plan is None or max_keys % THRESHOLD_LANES or max_keys > THRESHOLD_MAX_KEYS:
     raise ValueError(f"topk_compact_chunked: k = {k} of N = {N} keys in chunks of at most {max_keys} (a multiple of "
                      f"{THRESHOLD_LANES} up to {THRESHOLD_MAX_KEYS}): the chunks' {-(-N // max_keys)} x {k} candidates "

@@ -706,23 +706,25 @@ def long_rows(rng, R, N, k, chunk):
   return jnp.asarray(v)
 
 
-@pytest.mark.parametrize("R,N,k,max_keys,n_tail", [(4, 1408, 64, 512, 3), (2, 2560, 96, 768, 6), (1, 700, 64, 256, 3)])
-def test_compact_chunked_interpret(R, N, k, max_keys, n_tail):
+@pytest.mark.parametrize("R,N,k,max_keys,n_tail,balanced", [(4, 1408, 64, 512, 3, False), (2, 2560, 96, 768, 6, True),
+                                                             (1, 700, 64, 256, 3, False), (2, 4000, 64, 1024, 3, True)])
+def test_compact_chunked_interpret(R, N, k, max_keys, n_tail, balanced):
   """Rows longer than the compaction kernel holds (the model's 128K-1M contexts: 32K-262K pools) as two stages of
   the fused kernel (``topk_compact_chunked``), in GPU interpret mode at small sizes (chunks of ``max_keys``): the
   token index list and pools of lax.top_k's set (topk_select_reference) — ties across chunks, -inf anywhere, a row
-  with fewer than k finite scores, a row whose top k sit in one chunk, N not a multiple of the chunks (-inf pad)."""
+  with fewer than k finite scores, a row whose top k sit in one chunk, N not a multiple of the chunks (-inf pad).
+  ``balanced``: more, shorter chunks (chunked_select_plan(balanced=True))."""
   rng = np.random.default_rng()
   sc = long_rows(rng, R, N, k, max_keys)
   pos = jnp.asarray(rng.integers(4 * N // 2, 4 * N, R), jnp.int32)
   ts = (pos + 1) // 4 * 4
   width = -(-(4 * k + n_tail + 50) // 64) * 64
   kw = dict(k=k, kpool=4, n_tail=n_tail, width=width)
-  C, W = I.chunked_select_plan(N, k, max_keys=max_keys)
-  assert C > 1 and C * W >= N
+  C, W = I.chunked_select_plan(N, k, max_keys=max_keys, balanced=balanced)
+  assert C > 1 and C * W >= N and W <= max_keys
   want = I.topk_select_reference(sc, ts, pos, **kw)
   with maybe_interpret(True):
-    got = jax.jit(lambda *a: I.topk_compact_chunked(*a, **kw, max_keys=max_keys))(sc, ts, pos)
+    got = jax.jit(lambda *a: I.topk_compact_chunked(*a, **kw, max_keys=max_keys, balanced=balanced))(sc, ts, pos)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
   js = np.asarray(got[1])
@@ -739,17 +741,20 @@ def test_compact_chunked_plan_and_refusals():
   assert C == 16 and W <= M and W % I.THRESHOLD_LANES == 0 and C * W >= 262208
   assert I.chunked_select_plan(M // 512 * M, 512) == (M // 512, M)
   assert I.chunked_select_plan(M // 512 * M + 1, 512) is None
+  assert I.chunked_select_plan(32832, 512, balanced=True) == (8, 4224)  # (about as long as the 4,096 candidates)
+  assert I.chunked_select_plan(M // 512 * M, 512, balanced=True) == (M // 512, M)
   sc, ts = SDS((1, M * 40), jnp.float32), SDS((1,), jnp.int32)
   with pytest.raises(ValueError, match=r"topk_compact_chunked: k = 512 of N = 696320 keys .* must fit one chunk"):
     jax.eval_shape(functools.partial(I.topk_compact_chunked, k=512, kpool=4, n_tail=3, width=2112), sc, ts, ts)
 
 
-@pytest.mark.parametrize("N", [32832, 262208])
-def test_compact_chunked_cross_lower(N):
-  """The two stages lower for CUDA at 128K and 1M context's pools (one score row, k = 512; lean)."""
+@pytest.mark.parametrize("N,balanced", [(32832, False), (262208, False), (32832, True), (262208, True)])
+def test_compact_chunked_cross_lower(N, balanced):
+  """The two stages lower for CUDA at 128K and 1M context's pools (one score row, k = 512; lean), in the fewest
+  chunks and the balanced ones."""
   args = (SDS((1, N), jnp.float32), SDS((1,), jnp.int32), SDS((1,), jnp.int32))
-  txt = cross_lower(functools.partial(I.topk_compact_chunked, k=512, kpool=4, n_tail=3, width=2112, lean=True),
-                    *args).as_text()
+  txt = cross_lower(functools.partial(I.topk_compact_chunked, k=512, kpool=4, n_tail=3, width=2112, lean=True,
+                                      balanced=balanced), *args).as_text()
   assert txt.count("glm5_topk_compact") >= 2
 
 
@@ -758,7 +763,7 @@ def test_compact_chunked_cross_lower(N):
                                           (1, 262208, I.THRESHOLD_MAX_KEYS), (3, 1408, 512)])
 def test_compact_chunked_gpu(R, N, max_keys):
   """The two stages natively (128K, 256K at 4 rows, 1M; small chunks) against the reference, lean and not, one and
-  two bits a pass."""
+  two bits a pass, the balanced chunks."""
   rng = np.random.default_rng()
   sc = long_rows(rng, R, N, 512 if N > 2048 else 64, max_keys)
   k = 512 if N > 2048 else 64
@@ -766,11 +771,11 @@ def test_compact_chunked_gpu(R, N, max_keys):
   ts = (pos + 1) // 4 * 4
   kw = dict(k=k, kpool=4, n_tail=3, width=-(-(4 * k + 3) // 64) * 64)
   want = jax.jit(lambda *a: I.topk_select_reference(*a, **kw))(sc, ts, pos)
-  for lean, bits in ((False, 1), (True, 1), (True, 2)):
+  for lean, bits, bal in ((False, 1, False), (True, 1, False), (True, 2, False), (True, 1, True)):
     got = jax.jit(lambda *a: I.topk_compact_chunked(*a, **kw, max_keys=max_keys, lean=lean,  # noqa: B023
-                                                    digit_bits=bits))(sc, ts, pos)  # noqa: B023
+                                                    digit_bits=bits, balanced=bal))(sc, ts, pos)  # noqa: B023
     for g, w in zip(got, want):
-      np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"lean={lean} bits={bits}")
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"lean={lean} bits={bits} balanced={bal}")
 
 
 # ------------------------------------------------------------------------------------------------------------
