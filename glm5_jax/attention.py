@@ -314,9 +314,11 @@ class Indexer(nnx.Module):
                         why=f"a bf16 model and ring (here {jnp.dtype(dtype).name}, {ring.dtype}) and <= "
                         f"{ki.POOL_MAX_TOKENS} tokens per sequence (here {T})"):
         kx = self.x_proj.joint(x, dtype)  # [B, T, 2·Di + HI]: the kernel reads the key and gate columns in place
+        # (Blackwell: the rotation's tcgen05 form)
+        mma = {"mma": "tcgen05"} if has_tcgen05(kernel_arch()) else {}
         ring, pool8, pool_scale = ki.pool_update(
             kx, ring, cache["pool8"], cache["pool_scale"], ctx.start, ctx.valid, self.k_norm_weight[...],
-            self.k_norm_bias[...], self.index_kpool_compress_ape[...])
+            self.k_norm_bias[...], self.index_kpool_compress_ape[...], **mma)
         return kx[..., 2 * self.head_dim:], {"ring": ring, "pool8": pool8, "pool_scale": pool_scale}
     kr, gam, hw = self.project(x, dtype)
     k, gam = self.keys(kr, gam)

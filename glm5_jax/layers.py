@@ -571,7 +571,8 @@ def radix_topk_plan(rows: int, pools: int) -> tuple[dict, bool]:
 # wgmma there ("Instruction 'wgmma.mma_async with floating point types' not supported on .target 'sm_100a'":
 # the kernel-tiny step compiled for a B200 on a CPU, benchmarks/step_census.py --target
 # benchmarks/targets/b200.txtpb, session 57). Those with a tcgen05 form (TCGEN05_KNOBS, below: the GEMVs, the MoE,
-# the indexer's scores, session 58, and the selection's compaction) run in it there; the step declines the others,
+# the indexer's scores, session 58, the selection's compaction and the indexer's cache update, session 65) run in it
+# there; the step declines the others,
 # with WGMMA_REASON, and runs the XLA path at their sites (W_UV has a tcgen05 form, but its only site follows the
 # sparse MLA kernel, which has none). The rest compile there (the KDA
 # recurrence, the mHC boundary's row form — one token row, up to 4 with mhc_rows — and the Sinkhorn, the router
@@ -601,6 +602,7 @@ TCGEN05_KNOBS = {
     "bf16_linear": "bf16_linear",
     "indexer": "the indexer's scores (index heads a multiple of 16)",
     "topk_compact_kernel": "the selection's compaction (its prefix counts: tcgen05 MMAs of 128 key rows)",
+    "indexer_pool_kernel": "the indexer's cache update (the pooled keys' rotation: one tcgen05 MMA of 128 rows)",
 }
 
 

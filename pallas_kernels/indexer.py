@@ -461,8 +461,11 @@ def pool_update_reference(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b,
   return ring, pool8.at[bq, slot].set(k8, mode="drop"), pool_scale.at[bq, slot].set(ks, mode="drop")
 
 
-def _pool_kernel(T: int, kp: int, Rg: int):
-  """Kernel body of ``pool_update``: one CTA (one warpgroup) per sequence b.
+def _pool_kernel(T: int, kp: int, Rg: int, tc05: bool = False):
+  """Kernel body of ``pool_update``: one CTA (one warpgroup) per sequence b. ``tc05``: the tcgen05 form
+  (Blackwell) — the rotation one tcgen05 MMA of 128 rows (pk_s, qb_s, y8_s, sc_s 128 rows) into the TMEM
+  accumulator racc_t, relaid through the f32 tile t_s into the WGMMA layout the rest keeps (scratch after the
+  others: racc_t, its tensor-core barrier, t_s).
 
   GMEM refs: kx_g [B, T, C] bf16, lnw_g / lnb_g [128], ape_g [kp, 128] (f32, bf16 or f16: widened here), h_g [128,
   128] bf16 (±1), st_g / va_g [B] int32, then the caches it updates in place: ring_g [B, 2·Rg, 128] bf16 (the ring's
@@ -475,6 +478,7 @@ def _pool_kernel(T: int, kp: int, Rg: int):
   G, NP = _pool_geometry(T, kp)
   Di, f32, bf16 = HEAD_DIM, jnp.float32, jnp.bfloat16
   ROWS, ROW = replicated_rows_layouts(Di)
+  M = TC_BLOCK if tc05 else BLOCK  # the rotation's rows (the MMA's M), of which NP are pools
 
   def load(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
@@ -486,7 +490,7 @@ def _pool_kernel(T: int, kp: int, Rg: int):
     return plgpu.layout_cast(lax.broadcast_in_dim(v, (n, Di), (0,)), ROWS)
 
   def body(kx_g, lnw_g, lnb_g, ape_g, h_g, st_g, va_g, ring_g, p8_g, ps_g,
-           kn_s, pos_s, pk_s, qb_s, h_s, y8_s, sc_s, bar_in, bar_ring):
+           kn_s, pos_s, pk_s, qb_s, h_s, y8_s, sc_s, bar_in, bar_ring, *tc):
     b = lax.axis_index("b")
     st, va = st_g[b], va_g[b]
     base = lax.div(st, kp) * kp
@@ -526,11 +530,20 @@ def _pool_kernel(T: int, kp: int, Rg: int):
                                                for r in range(kp)])
     pk_s[pl.ds(0, NP), :] = pk.astype(bf16)
     plgpu.commit_smem()
-    # Rotation + FP8 (the scores kernel's own query form: _rotated_fp8) on a 64-row tile of which NP are pools.
-    row = plgpu.broadcasted_iota(jnp.int32, (BLOCK, Di), 0, layout=_L.WGMMA)
+    # Rotation + FP8 (the scores kernel's own query form: _rotated_fp8) on a 64-row tile (tcgen05: 128) of which NP
+    # are pools.
+    row = plgpu.broadcasted_iota(jnp.int32, (M, Di), 0, layout=_L.WGMMA)
     qb_s[...] = jnp.where(row < NP, load(pk_s, _L.WGMMA), jnp.zeros((), bf16))
     plgpu.commit_smem()
-    y8, scale = _rotated_fp8(qb_s, h_s, 0)
+    if tc05:
+      racc_t, mbar, t_s = tc
+      plgpu.tcgen05_mma(racc_t, qb_s, h_s.T, mbar, accumulate=False)  # (H is symmetric)
+      plgpu.barrier_wait(mbar)
+      acc = plgpu.async_load_tmem(racc_t)
+      plgpu.wait_load_tmem()
+      y8, scale = _ue8m0_rows(tmem_to_wgmma(acc, t_s) * (1.0 / math.sqrt(HEAD_DIM)))
+    else:
+      y8, scale = _rotated_fp8(qb_s, h_s, 0)
     y8_s[...] = plgpu.layout_cast(y8.astype(jnp.float8_e4m3fn), _L.WGMMA)
     sc_s[...] = scale
     plgpu.commit_smem()
@@ -569,8 +582,8 @@ def _check_pool(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
                      f"{POOL_MAX_TOKENS} and a ring of >= {G} rows (every position a call touches distinct)")
 
 
-@kernel_entry()
-def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
+@kernel_entry("mma")
+def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape, *, mma: str = "wgmma"):
   """Mosaic GPU version of ``pool_update_reference``: the indexer's whole per-call cache update — the keys'
   LayerNorm, the ring write, the pooling of every completed pool, its rotation and FP8 quantisation and the
   pool8 / pool_scale writes — as ONE launch (a CTA per sequence) updating the three caches in place (under a
@@ -579,11 +592,15 @@ def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
   whose temporaries XLA's concurrent command buffer ordered behind the MLA latent's chain — the scores kernel
   waited ~12 µs per DSA layer for them (BENCHMARKS.md session 45). Needs bf16 kx / ring (the wgmma's operands),
   T <= POOL_MAX_TOKENS. The LayerNorm's and the rotation's f32 sums run in another order than XLA's: a key can
-  round to the neighbouring bf16 (and an e4m3 element to its neighbour)."""
+  round to the neighbouring bf16 (and an e4m3 element to its neighbour). ``mma``: "wgmma" (Hopper) or "tcgen05"
+  (Blackwell, sm_100: no wgmma there) — the rotation one tcgen05 MMA of 128 rows into tensor memory, the same
+  outputs (checked in GPU interpret mode and compiled for sm_100a on a CPU; not yet run on a Blackwell GPU)."""
+  tc05 = check_mma(mma, "pool_update")
   _check_pool(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape)
   B, T, _ = kx.shape
   kp, Rg = ape.shape[0], ring.shape[1]
   G, NP = _pool_geometry(T, kp)
+  M = TC_BLOCK if tc05 else BLOCK
   tile16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   f32 = jnp.float32
   # (the LayerNorm's affine and the pool bias in their stored dtype, widened to f32 in the kernel: an astype here
@@ -595,7 +612,7 @@ def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
   def run(refs):
     ring_ref, p8_ref, ps_ref = refs
     mgpu_kernel(
-        lambda *r: _pool_kernel(T, kp, Rg)(*r[:7], ring_ref, p8_ref, ps_ref, *r[7:]),
+        lambda *r: _pool_kernel(T, kp, Rg, tc05)(*r[:7], ring_ref, p8_ref, ps_ref, *r[7:]),
         out_type=(),
         grid=(B,),
         grid_names=("b",),
@@ -603,13 +620,16 @@ def pool_update(kx, ring, pool8, pool_scale, start, valid, ln_w, ln_b, ape):
         scratch_types=[
             plgpu.SMEM((2, T, HEAD_DIM), jnp.bfloat16),  # kn_s
             plgpu.SMEM((2, kp, NP, HEAD_DIM), jnp.bfloat16),  # pos_s
-            plgpu.SMEM((BLOCK, HEAD_DIM), jnp.bfloat16),  # pk_s
-            plgpu.SMEM((BLOCK, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # qb_s
+            plgpu.SMEM((M, HEAD_DIM), jnp.bfloat16),  # pk_s
+            plgpu.SMEM((M, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # qb_s
             plgpu.SMEM((HEAD_DIM, HEAD_DIM), jnp.bfloat16, transforms=tile16),  # h_s
-            plgpu.SMEM((BLOCK, HEAD_DIM), jnp.float8_e4m3fn),  # y8_s
-            plgpu.SMEM((BLOCK,), f32),  # sc_s
+            plgpu.SMEM((M, HEAD_DIM), jnp.float8_e4m3fn),  # y8_s
+            plgpu.SMEM((M,), f32),  # sc_s
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
             plgpu.Barrier(num_arrivals=2 * G, num_barriers=1),
+            *([plgpu.TMEM((TC_BLOCK, HEAD_DIM), f32),  # racc_t: the rotation's accumulator
+               plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),  # its MMA done
+               plgpu.SMEM((TC_BLOCK, HEAD_DIM), f32)] if tc05 else []),  # t_s: the relay to the WGMMA layout
         ],
     )(*inputs)
 

@@ -1033,6 +1033,37 @@ def test_pool_update_kernel_interpret(B, T, starts, valid):
   check_pool_update(got, ref, args, P, exact=True)
 
 
+@pytest.mark.parametrize("B,T,starts,valid", [(2, 4, [3, 10], [4, 3]), (2, 16, [6, 41], [16, 9])])
+def test_pool_update_tcgen05_interpret(B, T, starts, valid):
+  """mma='tcgen05' (Blackwell: the rotation one tcgen05 MMA of 128 rows into tensor memory, relaid into the WGMMA
+  layout) in GPU interpret mode: bit for bit the wgmma form's caches, and the reference's."""
+  P = 64
+  args = pool_inputs(np.random.default_rng(), B, T, P, starts, valid)
+  ref = jax.jit(I.pool_update_reference)(*args)
+  with maybe_interpret(True):
+    hop = jax.jit(I.pool_update)(*args)
+    got = jax.jit(functools.partial(I.pool_update, mma="tcgen05"))(*args)
+  for g, h in zip(got, hop):
+    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(h.astype(jnp.float32)))
+  check_pool_update(got, ref, args, P, exact=True)
+  with pytest.raises(ValueError, match=r"pool_update: mma='mfma', expected one of \('wgmma', 'tcgen05'\)"):
+    jax.eval_shape(functools.partial(I.pool_update, mma="mfma"), *args)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 4), (2, 16)])
+def test_pool_update_cross_lower_tcgen05(B, T, monkeypatch):
+  """The tcgen05 form lowers for CUDA at the decode's shapes — Mosaic's layout inference told the target is sm_100,
+  as benchmarks/step_census.py does for a B200."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+  monkeypatch.setattr(mgpu_utils, "_infer_arch", lambda: (10, 0))
+  P = 8256
+  args = pool_inputs(np.random.default_rng(), B, T, 64, [0] * B, [T] * B)
+  sds = [SDS(a.shape, a.dtype) for a in args]
+  sds[2], sds[3] = SDS((B, P, 128), F8), SDS((B, P), jnp.float32)
+  txt = cross_lower(functools.partial(I.pool_update, mma="tcgen05"), *sds).as_text()
+  assert "glm5_indexer_pool_update" in txt and "output_operand_aliases" in txt
+
+
 def test_pool_update_params_in_f32_equal_bf16():
   """The LayerNorm's affine and the pool bias reach the kernel in their stored dtype (widened in the kernel, no
   XLA convert per call): bf16 parameters and the same values in f32 give bit-identical caches (interpret mode)."""

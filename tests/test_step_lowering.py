@@ -275,9 +275,10 @@ def test_kernel_tiny_step_compiles_for_blackwell(tmp_path):
   """The kernel-tiny step at q = 1 compiled for a B200 (sm_100a: Mosaic GPU and ptxas, compile-only, on this CPU):
   the wgmma kernels — which ptxas refuses for Blackwell — are declined at every site with the reason, said once as
   a warning; the kernels without wgmma (the one-row mHC boundary, the Sinkhorn, the KDA recurrence, the router's
-  and the indexer's selection) compile for it and run in the step, and so does the FP8 GEMV in its tcgen05 form
-  and the MoE's kernels (layers.TCGEN05_KNOBS: Mosaic's layout inference places their tensor-memory accumulators
-  for sm_100 — step_census.py tells it the target). Before session 57 this compile failed."""
+  and the indexer's selection) compile for it and run in the step, and so does the FP8 GEMV in its tcgen05 form,
+  the indexer's cache update (its rotation one tcgen05 MMA) and the MoE's kernels (layers.TCGEN05_KNOBS: Mosaic's
+  layout inference places their tensor-memory accumulators for sm_100 — step_census.py tells it the target).
+  Before session 57 this compile failed."""
   from glm5_jax.layers import TCGEN05_KNOBS, WGMMA_KNOBS  # noqa: PLC0415
   import os  # noqa: PLC0415
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,9 +288,10 @@ def test_kernel_tiny_step_compiles_for_blackwell(tmp_path):
     assert row["kernel_sites"].get(knob, 0) == 0, (knob, row["kernel_sites"])
   # (bf16_linear: XLA at one token row)
   assert row["kernel_sites"]["fp8_linear"] > 0 and row["kernel_sites"]["fp8_moe"] > 0, row["kernel_sites"]
+  assert row["kernel_sites"]["indexer_pool_kernel"] > 0, row["kernel_sites"]  # (its tcgen05 form, session 65)
   text = "\n".join(listing)
   for name in ("glm5_mhc_row_boundary", "glm5_mhc_sinkhorn", "kda_decode", "glm5_fp8_dq_linear", "glm5_moe_gate_up",
-               "glm5_moe_down"):
+               "glm5_moe_down", "glm5_indexer_pool_update"):
     assert name in text, name
   assert row["kernel_sites"]["mhc"] > 0 and row["kernel_sites"]["kda"] > 0
 
@@ -317,7 +319,7 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
     Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("fp8_dq", False),
                                                                                    ("fp8_moe", True))),
             backend="latency_specialized")
-  with pytest.warns(UserWarning, match=r"on sm_100: kernel\(s\) \['indexer_pool_kernel', 'mla_uv_kernel'"):
+  with pytest.warns(UserWarning, match=r"on sm_100: kernel\(s\) \['mla_uv_kernel', 'moe_one_grid'"):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()),
                   backend="latency_specialized")
   with dec.kernel_mode(interpret=False):
