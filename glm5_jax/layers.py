@@ -571,8 +571,8 @@ def radix_topk_plan(rows: int, pools: int) -> tuple[dict, bool]:
 # wgmma there ("Instruction 'wgmma.mma_async with floating point types' not supported on .target 'sm_100a'":
 # the kernel-tiny step compiled for a B200 on a CPU, benchmarks/step_census.py --target
 # benchmarks/targets/b200.txtpb, session 57). Those with a tcgen05 form (TCGEN05_KNOBS, below: the GEMVs, the MoE,
-# the indexer's scores, session 58, the selection's compaction and the indexer's cache update, session 65) run in it
-# there; the step declines the others,
+# the indexer's scores, session 58, the selection's compaction, the indexer's cache update and the prefill MoE,
+# session 65) run in it there; the step declines the others,
 # with WGMMA_REASON, and runs the XLA path at their sites (W_UV has a tcgen05 form, but its only site follows the
 # sparse MLA kernel, which has none). The rest compile there (the KDA
 # recurrence, the mHC boundary's row form — one token row, up to 4 with mhc_rows — and the Sinkhorn, the router
@@ -603,6 +603,7 @@ TCGEN05_KNOBS = {
     "indexer": "the indexer's scores (index heads a multiple of 16)",
     "topk_compact_kernel": "the selection's compaction (its prefix counts: tcgen05 MMAs of 128 key rows)",
     "indexer_pool_kernel": "the indexer's cache update (the pooled keys' rotation: one tcgen05 MMA of 128 rows)",
+    "moe_prefill": "the prefill MoE's grouped GEMMs (128 weight rows a CTA, the dequantised tile through SMEM)",
 }
 
 
@@ -1394,9 +1395,11 @@ class Experts(nnx.Module):
                       f"I = {I}, D = {D})", prefer=not _interpreting(),
                       prefer_why="GPU interpret mode: seconds a call (the policy can ask for it)"):
       from pallas_kernels import moe_prefill as kp  # noqa: PLC0415
+      # (Blackwell: the grouped GEMMs' tcgen05 form)
+      mma = {"mma": "tcgen05"} if has_tcgen05(kernel_arch()) else {}
       return kp.fp8_moe_prefill(x, ids, weights, self.gate_proj[...], self.gate_scale[...], self.up_proj[...],
                                 self.up_scale[...], self.down_proj[...], self.down_scale[...],
-                                swiglu_limit=float(self.limit))
+                                swiglu_limit=float(self.limit), **mma)
     # ... else every expert over every token, combined with a dense [M, E] weight matrix
     comb = jnp.zeros((M, E), jnp.float32).at[jnp.arange(M)[:, None], ids].add(weights)
     g = jnp.einsum("md,eid->mei", x.astype(dtype), self._w("gate_proj", None, dtype), precision=HIGHEST)

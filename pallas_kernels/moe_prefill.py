@@ -16,7 +16,10 @@ tile's token rows as N), with the 128×128 block scale applied per K block; tile
 once. Two launches: gate and up together on the same x tiles with the clamped SwiGLU applied (h in bf16, as
 between the decode MoE kernels: ``fp8_grouped_gate_up``), then down (``fp8_grouped_linear``); XLA gathers the rows
 in, weights them by the routing weights and adds them back per token (``fp8_moe_prefill``).
-Same contract and reference as ``pallas_kernels.linear.fp8_moe`` (``fp8_moe_reference``).
+Same contract and reference as ``pallas_kernels.linear.fp8_moe`` (``fp8_moe_reference``). Blackwell (sm_100, no
+wgmma): ``mma="tcgen05"`` — 128 weight rows a CTA, each block's dequantised tile (through SMEM) one tcgen05 MMA into
+a tensor-memory accumulator (``linear._mma_tile``'s tcgen05 form, as the decode MoE's); checked in GPU interpret
+mode and compiled for sm_100a on a CPU, not yet run on a Blackwell GPU.
 
 Shapes: M token rows, k experts per token, P = M·k pairs, E experts, I expert width, D hidden size, T row tiles
 (a static bound: ceil(P / mp) + E), mp rows per tile, N / K a matrix's output / input features.
@@ -33,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import linear as kl
-from pallas_kernels._common import kernel_entry, mgpu_kernel
+from pallas_kernels._common import check_mma, kernel_entry, mgpu_kernel, tmem_to_wgmma
 
 F8 = jnp.float8_e4m3fn
 BLOCK = kl.BLOCK
@@ -74,15 +77,20 @@ def route_groups(ids, num_experts: int, mp: int):
 
 
 def _grouped_kernel(tile_e_ref, x_ref, *refs, mp: int, bm: int, stages: int, n_tiles: int, steps: int,
-                    limit: float | None):
+                    limit: float | None, tc05: bool = False):
   """CTA t = (weight row tile t % n_tiles, row tile mt = t // n_tiles): o[mt, rows, :] = W_e[rows] · x_tile.T with
   e = tile_e[mt] — its ``steps`` 128-K blocks through a ``stages``-deep TMA ring (the weight tile(s) + the tile's
   token rows per slot), each dequantised (``linear._mma_tile``) into a fresh accumulator and added times its block
   scale. ``limit`` set: two weights (gate, up) on the same x tile and o = SwiGLU(gate, up) clamped at ``limit``, in
-  o's dtype (the down launch's input). A tile without an expert (past the chunk's) exits at once."""
+  o's dtype (the down launch's input). A tile without an expert (past the chunk's) exits at once. ``tc05``: the
+  tcgen05 form (Blackwell) — each block one tcgen05 MMA of the dequantised tile (through a_s) into the TMEM
+  accumulator, its block added in tcgen05's register layout, the sums relaid through the f32 tile t_s into the
+  WGMMA layout for the epilogue (scratch after a_s: ``linear._tc_scratch``'s three)."""
   n_w = 1 if limit is None else 2
   ws, ss = refs[0:2 * n_w:2], refs[1:2 * n_w:2]
   o_ref, *rest = refs[2 * n_w:]
+  tc, t_s = (None, None) if not tc05 else (tuple(rest[-3:-1]), rest[-1])
+  rest = rest[:-3] if tc05 else rest
   w_ss, (x_s, bar, *a_s) = rest[:n_w], rest[n_w:]
   t = lax.axis_index("t")
   tile, mt = t % n_tiles, t // n_tiles
@@ -106,12 +114,14 @@ def _grouped_kernel(tile_e_ref, x_ref, *refs, mp: int, bm: int, stages: int, n_t
       slot = i % stages
       scs = [s_ref[e, nb, i] for s_ref in ss]  # (issued before the wait: the FMAs below wait for them)
       plgpu.barrier_wait(bar.at[slot])
-      blks = [kl._mma_tile(w_s.at[slot], x_s.at[slot], mp, True, a_s[0] if a_s else None) for w_s in w_ss]
+      blks = [kl._mma_tile(w_s.at[slot], x_s.at[slot], mp, True, a_s[0] if a_s else None, tc=tc) for w_s in w_ss]
       pl.when(i + stages < steps)(lambda: kl._refill(issue, i + stages, False))
       return tuple(acc + blk * sc for acc, blk, sc in zip(accs, blks, scs))
 
-    zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
+    zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.TCGEN05 if tc05 else plgpu.Layout.WGMMA)
     accs = lax.fori_loop(0, steps, step, (zero,) * n_w)
+    if tc05:
+      accs = tuple(tmem_to_wgmma(a, t_s) for a in accs)
     if limit is None:
       out = accs[0].astype(o_ref.dtype)
     else:  # (the decode MoE's gate/up epilogue: linear._moe_gate_up_kernel)
@@ -138,23 +148,28 @@ def _check_grouped(x, tile_e, w, scale_inv, mp: int):
 
 
 def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int | None, a_from: str | None,
-                    limit: float | None, out_dtype):
+                    limit: float | None, out_dtype, mma: str = "wgmma"):
   """One grouped launch over ``weights`` = [(w [E, N, K] e4m3, scale_inv)] (one, or gate and up with ``limit``)
-  -> [T·mp, N] in out_dtype."""
+  -> [T·mp, N] in out_dtype. ``mma``: "wgmma" or "tcgen05" (128 weight rows a CTA, the tile through SMEM)."""
+  tc05 = check_mma(mma, "fp8_grouped_linear")
   for w, s in weights:
     _check_grouped(x, tile_e, w, s, mp)
   T = tile_e.shape[0]
   _, n, k = weights[0][0].shape
-  bm = bm or (128 if mp <= 32 else 64)
+  if tc05 and bm not in (None, kl.MMA_BM[mma]):
+    raise ValueError(f"fp8_grouped_linear: mma='tcgen05' needs {kl.MMA_BM[mma]} weight rows a CTA, bm = {bm}")
+  bm = bm or (kl.MMA_BM[mma] if tc05 else 128 if mp <= 32 else 64)
   steps = k // BLOCK
-  a_smem = kl._a_smem(a_from)
+  a_smem = tc05 or kl._a_smem(a_from)
   n_tiles = n // bm
   n_w = len(weights)
   stage_bytes = n_w * bm * BLOCK + mp * BLOCK * x.dtype.itemsize
+  # (reserved: the dequantised tile a_s; tcgen05: the relay tile t_s too)
   stages = stages or kl._pick_stages(steps, stage_bytes, n_tiles * T, None, 2,
-                                     reserve=bm * BLOCK * 2 if a_smem else 0)
+                                     reserve=(bm * BLOCK * 2 if a_smem else 0) + (bm * mp * 4 if tc05 else 0))
   o = mgpu_kernel(
-      functools.partial(_grouped_kernel, mp=mp, bm=bm, stages=stages, n_tiles=n_tiles, steps=steps, limit=limit),
+      functools.partial(_grouped_kernel, mp=mp, bm=bm, stages=stages, n_tiles=n_tiles, steps=steps, limit=limit,
+                        tc05=tc05),
       out_type=jax.ShapeDtypeStruct((T, n, mp), out_dtype),
       grid=(n_tiles * T,),
       grid_names=("t",),
@@ -164,41 +179,44 @@ def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int 
           plgpu.SMEM((stages, mp, BLOCK), x.dtype, transforms=kl._tr(x.dtype, BLOCK)),
           plgpu.Barrier(num_arrivals=n_w + 1, num_barriers=stages),
           *([plgpu.SMEM((bm, BLOCK), x.dtype, transforms=kl._tr(x.dtype, BLOCK))] if a_smem else []),
+          *(kl._tc_scratch(bm, mp) if tc05 else []),
       ],
   )(tile_e, x, *[a for w, s in weights for a in (w, s.astype(jnp.float32))])
   return jnp.swapaxes(o, 1, 2).reshape(T * mp, n)
 
 
-@kernel_entry("mp", "bm", "stages", "a_from", "out_dtype")
+@kernel_entry("mp", "bm", "stages", "a_from", "out_dtype", "mma")
 def fp8_grouped_linear(x, tile_e, w, scale_inv, *, mp: int, bm: int | None = None, stages: int | None = None,
-                       a_from: str | None = None, out_dtype=jnp.float32):
+                       a_from: str | None = None, out_dtype=jnp.float32, mma: str = "wgmma"):
   """x [T·mp, K] bf16 (or f16: the dequantised tiles in x's dtype) in row tiles of mp, tile_e [T] int32 (each
   tile's expert, -1: unused), w [E, N, K] e4m3 with scale_inv [E, N/128, K/128] f32 -> y [T·mp, N] in out_dtype
   (f32 accumulation) = each tile's rows times its expert's dequantised weight (the rows of unused tiles: garbage,
   never read). ``bm``:
   weight rows per CTA (64 or 128; default 128 up to 32 rows a tile, as the decode kernels' register budget);
   ``stages``: the ring's depth (default: as many K blocks as fit with two CTAs an SM); ``a_from``: as
-  ``linear.fp8_dq_linear``'s (interpret mode: through SMEM)."""
+  ``linear.fp8_dq_linear``'s (interpret mode: through SMEM). ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell,
+  sm_100: no wgmma there; bm 128, the dequantised tile through SMEM, the accumulator in tensor memory)."""
   return _grouped_launch(x, tile_e, [(w, scale_inv)], mp=mp, bm=bm, stages=stages, a_from=a_from, limit=None,
-                         out_dtype=jnp.dtype(out_dtype))
+                         out_dtype=jnp.dtype(out_dtype), mma=mma)
 
 
-@kernel_entry("swiglu_limit", "mp", "bm", "stages", "a_from")
+@kernel_entry("swiglu_limit", "mp", "bm", "stages", "a_from", "mma")
 def fp8_grouped_gate_up(x, tile_e, w_gate, s_gate, w_up, s_up, *, swiglu_limit: float, mp: int,
-                        bm: int | None = None, stages: int | None = None, a_from: str | None = None):
+                        bm: int | None = None, stages: int | None = None, a_from: str | None = None,
+                        mma: str = "wgmma"):
   """``fp8_grouped_linear`` over the gate and up weights in one launch (each CTA streams both for its rows, on the
   same x tiles) with the clamped SwiGLU applied: h [T·mp, I] in x's dtype = silu(min(g, L)) · clip(u, −L, L)."""
   return _grouped_launch(x, tile_e, [(w_gate, s_gate), (w_up, s_up)], mp=mp, bm=bm, stages=stages, a_from=a_from,
-                         limit=float(swiglu_limit), out_dtype=x.dtype)
+                         limit=float(swiglu_limit), out_dtype=x.dtype, mma=mma)
 
 
-@kernel_entry("swiglu_limit", "mp", "a_from")
+@kernel_entry("swiglu_limit", "mp", "a_from", "mma")
 def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
-                    mp: int | None = None, a_from: str | None = None):
+                    mp: int | None = None, a_from: str | None = None, mma: str = "wgmma"):
   """``linear.fp8_moe``'s contract for a prefill chunk (same reference, ``linear.fp8_moe_reference``): x [M, D],
   topk_ids / topk_weights [M, k], gate / up [E, I, D] and down [E, D, I] e4m3 with their [.., /128, /128] f32
   scales -> Σ_j w_j · expert_{ids_j}(x) [M, D] f32 (the routed experts: the caller adds the shared one). ``mp``:
-  rows per tile (default ``tile_rows``)."""
+  rows per tile (default ``tile_rows``); ``mma``: the grouped launches' form ("tcgen05" on Blackwell)."""
   M, D = x.shape
   k = topk_ids.shape[1]
   E, I = w_gate.shape[:2]
@@ -216,10 +234,12 @@ def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_dow
   # broadcast kernel before the chunk's first layer (session 63's compile-only listing).
   src = jnp.zeros((T * mp,), jnp.int32).at[dest].set(order // k, unique_indices=True)
   xs = x.astype(dt)[src]
-  h = fp8_grouped_gate_up(xs, tile_e, w_gate, s_gate, w_up, s_up, swiglu_limit=swiglu_limit, mp=mp, a_from=a_from)
+  h = fp8_grouped_gate_up(xs, tile_e, w_gate, s_gate, w_up, s_up, swiglu_limit=swiglu_limit, mp=mp, a_from=a_from,
+                          mma=mma)
   # each pair's product in bf16 (summed over the token's k pairs in f32 below): the [T·mp, D] rows (tiles padded,
   # T a static bound: 3.25x the pairs at the release's M = 256) are written by the kernel, transposed by XLA and
   # gathered — in f32 9.2 GB of the chunk's 46 GB of kernel outputs at one TP4 rank (session 63's listing)
-  y = fp8_grouped_linear(h, tile_e, w_down, s_down, mp=mp, a_from=a_from, out_dtype=jnp.bfloat16)  # [T·mp, D]
+  y = fp8_grouped_linear(h, tile_e, w_down, s_down, mp=mp, a_from=a_from, out_dtype=jnp.bfloat16,
+                         mma=mma)  # [T·mp, D]
   rows = jnp.zeros((M * k,), jnp.int32).at[order].set(dest, unique_indices=True).reshape(M, k)
   return jnp.sum(topk_weights.astype(jnp.float32)[..., None] * y[rows], axis=1)  # (the gather fused into the sum)

@@ -68,6 +68,40 @@ def test_fp8_moe_prefill_interpret_equals_reference():
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("kernel_bf16"))
 
 
+def test_fp8_moe_prefill_tcgen05_interpret():
+  """mma='tcgen05' (Blackwell: 128 weight rows a CTA, each block one tcgen05 MMA into tensor memory, the sums relaid
+  into the WGMMA layout) in GPU interpret mode: the wgmma form's output bit for bit (the same blocks summed in the
+  same order) and the reference within the bf16 kernels' tolerance — the hot expert over several 16-row tiles,
+  experts without rows."""
+  m, e, i, d, k, mp = 40, 12, 128, 384, 3, 16
+  rng = np.random.default_rng()
+  x, _, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(int(rng.integers(1 << 30))), m, e, i, d, k)
+  ids = skewed_ids(rng, m, e, k, hot=1, cold=(0, e - 1))
+  args = (x, ids, tw, wg, sg, wu, su, wd, sd)
+  with maybe_interpret(True):
+    hop = P.fp8_moe_prefill(*args, swiglu_limit=1.0, mp=mp)
+    got = P.fp8_moe_prefill(*args, swiglu_limit=1.0, mp=mp, mma="tcgen05")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(hop))
+  ref = L.fp8_moe_reference(*args, swiglu_limit=1.0)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), **tol("kernel_bf16"))
+  with pytest.raises(ValueError, match="mma='tcgen05' needs 128 weight rows a CTA, bm = 64"):
+    P.fp8_grouped_linear(x[:32].astype(jnp.bfloat16), jnp.zeros((2,), jnp.int32), wg, sg, mp=16, bm=64, mma="tcgen05")
+
+
+@pytest.mark.parametrize("m", [256, 2048])
+def test_fp8_moe_prefill_lowers_for_blackwell(m, monkeypatch):
+  """The tcgen05 form lowers for CUDA at the release's per-rank shapes (16- and 64-row tiles), Mosaic's layout
+  inference told the target is sm_100 (as benchmarks/step_census.py does for a B200)."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+  monkeypatch.setattr(mgpu_utils, "_infer_arch", lambda: (10, 0))
+  E, I, D, k = (MOE_REAL[c] for c in "EIDk")
+  args = (SDS((m, D), jnp.bfloat16), SDS((m, k), jnp.int32), SDS((m, k), jnp.float32), SDS((E, I, D), F8),
+          SDS((E, I // 128, D // 128), jnp.float32), SDS((E, I, D), F8), SDS((E, I // 128, D // 128), jnp.float32),
+          SDS((E, D, I), F8), SDS((E, D // 128, I // 128), jnp.float32))
+  txt = cross_lower(lambda *a: P.fp8_moe_prefill(*a, swiglu_limit=10.0, mma="tcgen05"), *args).as_text()
+  assert "glm5_moe_prefill" in txt
+
+
 def test_fp8_grouped_linear_rejects_bad_shapes():
   x = jnp.zeros((48, 256), jnp.bfloat16)
   w, s = jnp.zeros((4, 128, 256), F8), jnp.zeros((4, 1, 2), jnp.float32)
