@@ -612,6 +612,7 @@ class DSA(nnx.Module):
     wkv = self.kv_b_proj.w(dtype).reshape(H, dn + dv, -1)
     w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]
     pos, ok = _positions(ctx, T)
+    amma = {"mma": "tcgen05"} if has_tcgen05(kernel_arch()) else {}  # (Blackwell: the attention's tcgen05 forms)
     o = o16 = None  # [B, T, H, dv]: from the W_UV kernel where it runs (o16: its f16 copy, dq_f16)
     if fp8:  # FP8 E4M3 latent cache rows with one fp32 scale per 128 values (written as the token arrives)
       from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
@@ -625,7 +626,7 @@ class DSA(nnx.Module):
         width = None
         if fp8 and kernel_switch("sparse_mla"):  # (the list as wide as the attention kernel reads it)
           from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
-          width = functools.partial(ks.index_width, B, T, -(-H // 16) * 16)
+          width = functools.partial(ks.index_width, B, T, -(-H // 16) * 16, **amma)
         idx, js = self.indexer.select(sc, pos, raw=raw, width=width)
       else:
         idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
@@ -637,16 +638,17 @@ class DSA(nnx.Module):
         # the splits' merge: a Mosaic launch of its own (mla_combine_kernel), else XLA fusions
         combine = "kernel" if kernel_enabled("mla_combine_kernel") else "xla"
         # mla_uv_kernel: W_UV as a kernel reading the merge's O^T as it is (no XLA transpose + reduction after it)
+        dv_unit = ks.UV_TC_ROWS if amma else ks.BLOCK  # (a CTA's rows of W_UV: 128 in the tcgen05 form)
         uv = kernel_enabled("mla_uv_kernel", B * T, fits=wkv.dtype == jnp.bfloat16 and B * T <= ks.UV_MAX_TOKENS
-                            and dv % ks.BLOCK == 0,
+                            and dv % dv_unit == 0,
                             why=f"bf16 kv_b weights (here {wkv.dtype}), <= {ks.UV_MAX_TOKENS} token rows (here "
-                            f"{B * T}) and dv a multiple of {ks.BLOCK} (here {dv})")
+                            f"{B * T}) and dv a multiple of {dv_unit} (here {dv})")
         # lean_barriers: the attention, merge and W_UV kernels without Mosaic's automatic barriers
         lean = kernel_enabled("lean_barriers")
         o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine,
-                                     transposed=uv, lean=lean)
+                                     transposed=uv, lean=lean, **amma)
         if uv:  # dq_f16: also in f16 for o_proj's f16 kernel (no conversion kernel between them)
-          o = ks.mla_absorb_uv(o_lat, wkv, dn=dn, lean=lean, x16=f16_copies(B * T))
+          o = ks.mla_absorb_uv(o_lat, wkv, dn=dn, lean=lean, x16=f16_copies(B * T), **amma)
           o, o16 = o if isinstance(o, tuple) else (o, None)
           o = o.reshape(B, T, H, dv)
         else:

@@ -571,10 +571,10 @@ def radix_topk_plan(rows: int, pools: int) -> tuple[dict, bool]:
 # wgmma there ("Instruction 'wgmma.mma_async with floating point types' not supported on .target 'sm_100a'":
 # the kernel-tiny step compiled for a B200 on a CPU, benchmarks/step_census.py --target
 # benchmarks/targets/b200.txtpb, session 57). Those with a tcgen05 form (TCGEN05_KNOBS, below: the GEMVs, the MoE,
-# the indexer's scores, session 58, the selection's compaction, the indexer's cache update and the prefill MoE,
-# session 65) run in it there; the step declines the others,
-# with WGMMA_REASON, and runs the XLA path at their sites (W_UV has a tcgen05 form, but its only site follows the
-# sparse MLA kernel, which has none). The rest compile there (the KDA
+# the indexer's scores, session 58, the selection's compaction, the indexer's cache update, the prefill MoE, the
+# sparse MLA and W_UV after it, session 65) run in it there; the step declines the others,
+# with WGMMA_REASON, and runs the XLA path at their sites (now only the one-grid MoE, whose two kernels run there
+# instead). The rest compile there (the KDA
 # recurrence, the mHC boundary's row form — one token row, up to 4 with mhc_rows — and the Sinkhorn, the router
 # kernels, the indexer's threshold, the MLA merge); the other mHC forms (mhc_post_pre / mhc_post_finish: the
 # logits as a wgmma) are declined through knob mhc (model.fused_mhc).
@@ -604,6 +604,9 @@ TCGEN05_KNOBS = {
     "topk_compact_kernel": "the selection's compaction (its prefix counts: tcgen05 MMAs of 128 key rows)",
     "indexer_pool_kernel": "the indexer's cache update (the pooled keys' rotation: one tcgen05 MMA of 128 rows)",
     "moe_prefill": "the prefill MoE's grouped GEMMs (128 weight rows a CTA, the dequantised tile through SMEM)",
+    "sparse_mla": "the sparse MLA attention (blocks of 128 positions, the latent dequantised a 128-dimension group "
+                  "at a time)",
+    "mla_uv_kernel": "W_UV (128 rows of W_UV a CTA)",
 }
 
 

@@ -441,6 +441,119 @@ def _mla_kernel(nbs: int, hn: int):
   return body
 
 
+TC_KEYS = 128  # positions per block in the tcgen05 form (its MMAs' M: tcgen05 M = 64 does not lower for sm_100)
+
+
+def _dequant_group(c32_s, cg_s, g: int):
+  """Byte plane g (the latent dimensions 128g .. 128g + 127, scale group g) of the gathered rows c32_s [128,
+  ROW_WORDS] int32 -> cg_s [128, 128] f16: ``_dequant_block``'s numerics, each 64-row half loaded whole (an untiled
+  load sliced at a column offset is wrong natively; at a row offset it is a whole-row tile)."""
+  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, 8), 1, layout=_L.WGMMA)
+  for half in range(TC_KEYS // BLOCK):
+    full = plgpu.load(c32_s.at[pl.ds(half * BLOCK, BLOCK)], layout=_L.WGMMA, optimized=False)
+    bits = plgpu.layout_cast(jnp.where(col == g, full[:, WORDS:WORDS + 8], 0).sum(axis=1), _L.WGMMA.reduce(1))
+    scale = lax.broadcast_in_dim(lax.bitcast_convert_type(bits, jnp.float32) * 256.0, (BLOCK, WORDS), (0,))
+    byte = lax.shift_right_logical(full[:, :WORDS], jnp.int32(8 * g)) & 0xFF
+    h = lax.bitcast_convert_type((((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).astype(jnp.int16), jnp.float16)
+    cg_s[pl.ds(half * BLOCK, BLOCK), :] = plgpu.layout_cast((h.astype(jnp.float32) * scale).astype(jnp.float16),
+                                                            _L.WGMMA)
+
+
+def _mla_kernel_tc05(nbs: int, hn: int):
+  """``_mla_kernel``'s tcgen05 form (Blackwell: no wgmma; sm_100 MMAs of M = 128): ``nbs`` blocks of 128 positions
+  per CTA. The dequantised latent of a block would be 128 KB; it goes through shared memory one 128-dimension group
+  at a time (cg_s, 32 KB: ``_dequant_group``), twice — S^T [128, hn] accumulated over the 4 groups' MMAs (C_g ·
+  Q_g^T into the TMEM accumulator s_t), then after the softmax O^T's 4 row groups (C_g^T · P, one MMA each into
+  its own TMEM accumulator). Every TMEM accumulator is relaid through the f32 tile t_s into the WGMMA layout, so the
+  mask, the online softmax and O^T's rescaled sums are ``_mla_kernel``'s. One gather buffer (the block's rows are
+  read by both passes). Scratch: q_s, idx_s, c32_s [128, ROW_WORDS], cg_s, p_s [128, hn], t_s, s_t, 4 o_t, the
+  TMA barriers (q and idx; the gather: 128 arrivals) and the MMAs' barrier."""
+
+  def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, cg_s, p_s, t_s, s_t, o_t0, o_t1, o_t2, o_t3, bar,
+           gbar, mbar):
+    o_ts = (o_t0, o_t1, o_t2, o_t3)
+    hg = lax.axis_index("h")
+    sp = lax.axis_index("s")
+    bt = lax.axis_index("bt")
+    T = q_g.shape[0] // c32_g.shape[0]
+    b = bt // T
+    plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(hg * hn, hn)], q_s, bar.at[0])
+    plgpu.copy_gmem_to_smem(idx_g.at[bt, pl.ds(sp * nbs, nbs)], idx_s, bar.at[1])
+    plgpu.barrier_wait(bar.at[1])
+
+    def issue(k):
+      # (as _mla_kernel's: groups of RUN consecutive positions as one TMA, others a TMA a row; -1 loads row 0)
+      def group(gi, c):
+        j = gi * RUN
+        r = [idx_s[k, j + t] for t in range(RUN)]
+        run, none = r[0] >= 0, r[0] < 0
+        for t in range(1, RUN):
+          run, none = run & (r[t] == r[0] + t), none & (r[t] < 0)
+        whole = run | none
+
+        @pl.when(whole)
+        def _():
+          start = jnp.where(none, 0, r[0])
+          plgpu.copy_gmem_to_smem(c32_g.at[b, pl.ds(start, RUN)], c32_s.at[pl.ds(j, RUN)], gbar)
+          for _ in range(RUN - 1):
+            plgpu.barrier_arrive(gbar)
+
+        @pl.when(jnp.logical_not(whole))
+        def _():
+          for t in range(RUN):
+            plgpu.copy_gmem_to_smem(c32_g.at[b, pl.ds(jnp.maximum(r[t], 0), 1)], c32_s.at[pl.ds(j + t, 1)], gbar)
+        return c
+      lax.fori_loop(0, TC_KEYS // RUN, group, None, unroll=ISSUE_UNROLL)
+
+    def mma(acc_t, a, b_op, accumulate):
+      plgpu.commit_smem()  # (the dequantised group, P: every thread's stores visible to the tensor core)
+      plgpu.tcgen05_mma(acc_t, a, b_op, mbar, accumulate=accumulate)
+      plgpu.barrier_wait(mbar)  # (done: cg_s may be rewritten, the accumulator read)
+
+    def read(acc_t):
+      acc = plgpu.async_load_tmem(acc_t)
+      plgpu.wait_load_tmem()
+      return tmem_to_wgmma(acc, t_s)
+
+    qmul = qm_g[bt]
+    plgpu.barrier_wait(bar.at[0])
+
+    def block(k, carry):
+      *o, m, l = carry
+      issue(k)
+      plgpu.barrier_wait(gbar)
+      for g in range(SCALES):  # S^T = Σ_g C_g · Q_g^T
+        _dequant_group(c32_s, cg_s, g)
+        mma(s_t, cg_s, q_s.at[:, pl.ds(g * GROUP, GROUP)].T, g > 0)
+      st = read(s_t)  # [128 keys, hn]
+      iv = plgpu.load(idx_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False)
+      valid = lax.broadcast_in_dim(iv >= 0, (TC_KEYS, hn), (0,))
+      st = jnp.where(valid, st * qmul, _NEG)  # base-2 logits
+      m_new = plgpu.layout_cast(jnp.maximum(m, st.max(axis=0)), _L.WGMMA.reduce(0))
+      alpha = jnp.exp2(m - m_new)
+      p = plgpu.layout_cast(jnp.exp2(st - lax.broadcast_in_dim(m_new, (TC_KEYS, hn), (1,))), _L.WGMMA)
+      l = plgpu.layout_cast(l * alpha + p.sum(axis=0), _L.WGMMA.reduce(0))
+      p_s[...] = plgpu.layout_cast(p.astype(jnp.float16), _L.WGMMA)
+      new = []
+      for g in range(SCALES):  # O^T's rows of group g += C_g^T · P
+        _dequant_group(c32_s, cg_s, g)
+        mma(o_ts[g], cg_s.T, p_s, False)
+        og = plgpu.layout_cast(o[g] * lax.broadcast_in_dim(alpha, o[g].shape, (1,)), _L.WGMMA)
+        new.append(og + read(o_ts[g]))
+      return (*new, m_new, l)
+
+    o0 = plgpu.layout_cast(jnp.zeros((GROUP, hn), jnp.float32), _L.WGMMA)
+    m0 = plgpu.layout_cast(jnp.full((hn,), _NEG, jnp.float32), _L.WGMMA.reduce(0))
+    l0 = plgpu.layout_cast(jnp.zeros((hn,), jnp.float32), _L.WGMMA.reduce(0))
+    *o, m, l = lax.fori_loop(0, nbs, block, (o0,) * SCALES + (m0, l0))
+    for g in range(SCALES):
+      o_g[bt, sp, pl.ds(g * GROUP, GROUP), pl.ds(hg * hn, hn)] = plgpu.layout_cast(
+          o[g] / lax.broadcast_in_dim(l, o[g].shape, (1,)), _L.WGMMA)
+    lse_g[bt, sp, pl.ds(hg * hn, hn)] = plgpu.layout_cast(m + jnp.log2(l), _L.WGMMA.reduce(0))
+
+  return body
+
+
 def _combine_kernel(ns: int):
   """The split combine as a launch of its own (``combine="kernel"``): a CTA per (64-row tile, token)."""
 
@@ -464,29 +577,32 @@ COMBINE_TILES = D_LATENT // BLOCK  # 64-row tiles of a token's O^T: the CTAs tha
 COMBINES = ("xla", "kernel")
 
 
-def _splits(B: int, T: int, H: int, W: int, blocks_per_split: int | None) -> tuple[int, int]:
-  """(64-position blocks per split, splits) of the index list for these shapes."""
-  n_blocks = -(-W // BLOCK)
+def _splits(B: int, T: int, H: int, W: int, blocks_per_split: int | None, bk: int = BLOCK) -> tuple[int, int]:
+  """(blocks of ``bk`` positions per split, splits) of the index list for these shapes (bk: 64, or TC_KEYS in the
+  tcgen05 form)."""
+  n_blocks = -(-W // bk)
   nbs = blocks_per_split or _pick_blocks_per_split(n_blocks, B * T * (H // HEADS_PER_CTA))
   return nbs, -(-n_blocks // nbs)
 
 
-def num_splits(B: int, T: int, H: int, W: int, blocks_per_split: int | None = None) -> int:
+def num_splits(B: int, T: int, H: int, W: int, blocks_per_split: int | None = None, mma: str = "wgmma") -> int:
   """The splits of the index list ``sparse_mla_decode`` runs for these shapes."""
-  return _splits(B, T, H, W, blocks_per_split)[1]
+  return _splits(B, T, H, W, blocks_per_split, TC_KEYS if check_mma(mma, "num_splits") else BLOCK)[1]
 
 
-def index_width(B: int, T: int, H: int, W: int, blocks_per_split: int | None = None) -> int:
+def index_width(B: int, T: int, H: int, W: int, blocks_per_split: int | None = None, mma: str = "wgmma") -> int:
   """The index list's width inside ``sparse_mla_decode`` for these shapes: W rounded up to whole splits (-1
   padded there). An index list already this wide is taken as it is (no pad: the top-k select kernel writes it
-  so), and the splits are unchanged by the padding (a fixed point)."""
-  nbs, ns = _splits(B, T, H, W, blocks_per_split)
-  return ns * nbs * BLOCK
+  so), and the splits are unchanged by the padding (a fixed point). ``mma``: the kernel's form (tcgen05: blocks of
+  TC_KEYS positions)."""
+  bk = TC_KEYS if check_mma(mma, "index_width") else BLOCK
+  nbs, ns = _splits(B, T, H, W, blocks_per_split, bk)
+  return ns * nbs * bk
 
 
-@kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed", "lean")
+@kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed", "lean", "mma")
 def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int | None = None,
-                      combine: str = "xla", transposed: bool = False, lean: bool = False):
+                      combine: str = "xla", transposed: bool = False, lean: bool = False, mma: str = "wgmma"):
   """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
 
   q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache [B, S, ROW_WORDS] int32 (``quantize_latent``'s rows),
@@ -501,7 +617,12 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   Nothing else is needed: every SMEM store (the dequantised block, P) is followed by a commit_smem before the wgmma
   reads it; the gather into a slot and the dequantised block's store each come after a commit_smem that every
   thread passes once done reading that buffer's previous block (the double-buffered slot's dequant, the previous
-  block's PV wgmma); the outputs are written once."""
+  block's PV wgmma); the outputs are written once. ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell, sm_100: no
+  wgmma there) — ``_mla_kernel_tc05``: blocks of TC_KEYS = 128 positions, the MMAs into tensor memory; within the
+  kernels' tolerance of the reference as the wgmma form (P's f16 rounding differs: a 128-position block's running
+  max is not a 64-position one's; GPU interpret mode, compiled for sm_100a on a CPU, not yet run on a Blackwell
+  GPU); ``lean`` is ignored there (built with the automatic barriers)."""
+  tc05 = check_mma(mma, "sparse_mla_decode")
   B, T, H, Dl = q.shape
   if Dl != D_LATENT or cache.shape[-1] != ROW_WORDS or cache.dtype != jnp.int32:
     raise ValueError(f"sparse_mla_decode: q [.., {Dl}], cache {cache.shape} {cache.dtype}; expected q [.., "
@@ -513,32 +634,55 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
     raise ValueError(f"sparse_mla_decode: combine = {combine!r}, expected one of {COMBINES}")
   hn = HEADS_PER_CTA
   W = indices.shape[-1]
-  nbs, ns = _splits(B, T, H, W, blocks_per_split)
-  wp = ns * nbs * BLOCK
+  bk = TC_KEYS if tc05 else BLOCK
+  nbs, ns = _splits(B, T, H, W, blocks_per_split, bk)
+  wp = ns * nbs * bk
   idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, wp - W)), constant_values=-1)
-  idx = idx.reshape(B * T, wp // BLOCK, BLOCK)
+  idx = idx.reshape(B * T, wp // bk, bk)
   q16, qm = _prepare_q(q, softmax_scale)
   f16 = jnp.float16
   parts = (jax.ShapeDtypeStruct((B * T, ns, D_LATENT, H), jnp.float32),
            jax.ShapeDtypeStruct((B * T, ns, H), jnp.float32))
   combined = jax.ShapeDtypeStruct((B * T, D_LATENT, H), jnp.float32)
-  kern = mgpu_kernel(
-      _mla_kernel(nbs, hn),
-      out_type=parts,
-      scratch_types=[
-          plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
-          plgpu.SMEM((nbs, BLOCK), jnp.int32),  # idx_s (TMA boxes are <= 256 per dimension)
-          plgpu.SMEM((2, BLOCK, ROW_WORDS), jnp.int32),  # c32_s: gathered cache rows (double buffer)
-          plgpu.SMEM((BLOCK, D_LATENT), f16, transforms=_F16_SW32),  # c16_s
-          plgpu.SMEM((BLOCK, hn), f16, transforms=_F16_SW32),  # p_s
-          plgpu.Barrier(num_barriers=2),
-          plgpu.Barrier(num_arrivals=BLOCK, num_barriers=2),
-      ],
-      grid=(H // hn, ns, B * T),
-      grid_names=("h", "s", "bt"),
-      kernel_name="glm5_sparse_mla",
-      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=bool(lean)),
-  )
+  if tc05:
+    kern = mgpu_kernel(
+        _mla_kernel_tc05(nbs, hn),
+        out_type=parts,
+        scratch_types=[
+            plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
+            plgpu.SMEM((nbs, TC_KEYS), jnp.int32),  # idx_s
+            plgpu.SMEM((TC_KEYS, ROW_WORDS), jnp.int32),  # c32_s: the block's gathered cache rows
+            plgpu.SMEM((TC_KEYS, GROUP), f16, transforms=_F16_SW32),  # cg_s: one dequantised group
+            plgpu.SMEM((TC_KEYS, hn), f16, transforms=_F16_SW32),  # p_s
+            plgpu.SMEM((TC_KEYS, hn), jnp.float32),  # t_s: the relay to the WGMMA layout
+            *[plgpu.TMEM((TC_KEYS, hn), jnp.float32) for _ in range(1 + SCALES)],  # s_t, O^T's 4 groups
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=TC_KEYS),
+            plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
+        ],
+        grid=(H // hn, ns, B * T),
+        grid_names=("h", "s", "bt"),
+        kernel_name="glm5_sparse_mla",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+  else:
+    kern = mgpu_kernel(
+        _mla_kernel(nbs, hn),
+        out_type=parts,
+        scratch_types=[
+            plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
+            plgpu.SMEM((nbs, BLOCK), jnp.int32),  # idx_s (TMA boxes are <= 256 per dimension)
+            plgpu.SMEM((2, BLOCK, ROW_WORDS), jnp.int32),  # c32_s: gathered cache rows (double buffer)
+            plgpu.SMEM((BLOCK, D_LATENT), f16, transforms=_F16_SW32),  # c16_s
+            plgpu.SMEM((BLOCK, hn), f16, transforms=_F16_SW32),  # p_s
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=BLOCK, num_barriers=2),
+        ],
+        grid=(H // hn, ns, B * T),
+        grid_names=("h", "s", "bt"),
+        kernel_name="glm5_sparse_mla",
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=bool(lean)),
+    )
   o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache, idx)
   if combine == "xla":
     o = combine_splits(o_part, lse)  # [BT, 512, H] (O^T per token)

@@ -161,6 +161,42 @@ def test_kernel_interpret(B, T, H, S, W, nbs, trail, qdt, pooled):
   assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
 
 
+@pytest.mark.parametrize("B,T,H,S,W,nbs,trail,pooled", [(1, 1, 16, 512, 300, None, 0, True),
+                                                        (2, 2, 32, 512, 260, 1, 60, False),
+                                                        (1, 2, 16, 1024, 520, 2, 0, True)])
+def test_kernel_tcgen05_interpret(B, T, H, S, W, nbs, trail, pooled):
+  """mma='tcgen05' (Blackwell: blocks of 128 positions, the latent dequantised one 128-dimension group at a time,
+  S^T and O^T's groups as tcgen05 MMAs into tensor memory) in GPU interpret mode: the reference within the kernels'
+  tolerance, as the wgmma form (the two differ by P's f16 rounding: a 128-position block's running max is not a
+  64-position one's) — whole pools and single rows gathered, two head groups, an all-padding split, several blocks a
+  split; the index width a multiple of its 128-position blocks."""
+  q, cache, idx = make_inputs(5 + B + T + W, B, T, H, S, W, q_dtype=jnp.bfloat16, trailing_pad=trail, pooled=pooled)
+  ref = np.asarray(M.sparse_mla_decode_reference(q, cache, idx, softmax_scale=SCALE))
+  run = lambda mma: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
+      *a, softmax_scale=SCALE, blocks_per_split=nbs, mma=mma))(q, cache, idx))
+  with maybe_interpret(True):
+    hop, got = run("wgmma"), run("tcgen05")
+  for out in (got, hop):
+    np.testing.assert_allclose(out, ref, **tol("kernel_bf16"))
+    assert np.linalg.norm(out - ref) <= 2e-3 * np.linalg.norm(ref)
+  assert np.linalg.norm(got - hop) <= 2e-3 * np.linalg.norm(ref)
+  for w in (W, 2051):
+    wp = M.index_width(B, T, H, w, mma="tcgen05")
+    assert wp >= w and wp % M.TC_KEYS == 0 and M.index_width(B, T, H, wp, mma="tcgen05") == wp
+
+
+@pytest.mark.parametrize("B,T,H", [(1, 1, 16), (1, 4, 16), (8, 4, 16), (32, 1, 64)])
+def test_cross_lower_tcgen05(B, T, H, monkeypatch):
+  """The tcgen05 form lowers for CUDA at the real configurations, Mosaic's layout inference told the target is
+  sm_100 (as benchmarks/step_census.py does for a B200)."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+  monkeypatch.setattr(mgpu_utils, "_infer_arch", lambda: (10, 0))
+  args = (SDS((B, T, H, 512), jnp.bfloat16), SDS((B, 65536, M.ROW_WORDS), jnp.int32), SDS((B, T, 2051), jnp.int32))
+  txt = cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel", transposed=True,
+                                                   mma="tcgen05"), *args).as_text()
+  assert "mosaic_gpu" in txt
+
+
 @pytest.mark.parametrize("B,T,H,S,W,nbs", [(2, 1, 16, 256, 64, None), (1, 1, 32, 1024, 520, 1)])
 def test_combine_forms_interpret(B, T, H, S, W, nbs):
   """The splits' merge as a Mosaic launch of its own (combine="kernel") == XLA's merge (to f32 rounding: another

@@ -276,9 +276,9 @@ def test_kernel_tiny_step_compiles_for_blackwell(tmp_path):
   the wgmma kernels — which ptxas refuses for Blackwell — are declined at every site with the reason, said once as
   a warning; the kernels without wgmma (the one-row mHC boundary, the Sinkhorn, the KDA recurrence, the router's
   and the indexer's selection) compile for it and run in the step, and so does the FP8 GEMV in its tcgen05 form,
-  the indexer's cache update (its rotation one tcgen05 MMA) and the MoE's kernels (layers.TCGEN05_KNOBS: Mosaic's
-  layout inference places their tensor-memory accumulators for sm_100 — step_census.py tells it the target).
-  Before session 57 this compile failed."""
+  the indexer's cache update (its rotation one tcgen05 MMA), the sparse MLA with W_UV and the MoE's kernels
+  (layers.TCGEN05_KNOBS: Mosaic's layout inference places their tensor-memory accumulators for sm_100 —
+  step_census.py tells it the target). Before session 57 this compile failed."""
   from glm5_jax.layers import TCGEN05_KNOBS, WGMMA_KNOBS  # noqa: PLC0415
   import os  # noqa: PLC0415
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -291,7 +291,7 @@ def test_kernel_tiny_step_compiles_for_blackwell(tmp_path):
   assert row["kernel_sites"]["indexer_pool_kernel"] > 0, row["kernel_sites"]  # (its tcgen05 form, session 65)
   text = "\n".join(listing)
   for name in ("glm5_mhc_row_boundary", "glm5_mhc_sinkhorn", "kda_decode", "glm5_fp8_dq_linear", "glm5_moe_gate_up",
-               "glm5_moe_down", "glm5_indexer_pool_update"):
+               "glm5_moe_down", "glm5_indexer_pool_update", "glm5_sparse_mla", "glm5_mla_uv"):
     assert name in text, name
   assert row["kernel_sites"]["mhc"] > 0 and row["kernel_sites"]["kda"] > 0
 
@@ -301,7 +301,8 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
   before anything is traced, naming it and why (and on a GPU without Mosaic GPU, sm_80, the backend
   itself); the defaults trace with those kernels declined at every site
   (the reason in kernel_sites) and the mHC boundary of several token rows (q = 4: its logits are a wgmma) too,
-  while the KDA kernel and the tcgen05 forms of the GEMVs and the MoE run — and with policy knob mhc_rows the
+  while the KDA kernel and the tcgen05 forms of the GEMVs, the MoE and the sparse MLA with W_UV run — and with
+  policy knob mhc_rows the
   boundaries of 4 rows run in the row form; fp8_dq off (the FP8 kernels' hi/lo form: wgmma) is refused there."""
   from glm5_jax.layers import TCGEN05_KNOBS, WGMMA_KNOBS  # noqa: PLC0415
   model, params = model_tiny_sm100
@@ -311,15 +312,15 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
     with pytest.raises(ValueError, match=r"need one of \('sm_90', 'sm_100', 'sm_103'\).*this mesh is sm_80"):
       Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()), backend="latency_specialized")
     Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()), backend="auto")
-  cfg = DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("sparse_mla", True),))
-  with pytest.raises(ValueError, match=r"\['sparse_mla'\]: each needs Hopper's wgmma \(sm_90a\), which sm_100"):
+  cfg = DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("moe_one_grid", True),))
+  with pytest.raises(ValueError, match=r"\['moe_one_grid'\]: each needs Hopper's wgmma \(sm_90a\), which sm_100"):
     Decoder(model, cfg, backend="latency_specialized")
   with pytest.raises(ValueError, match=r"turns on \['fp8_moe'\] with fp8_dq off: on sm_100 the FP8 kernels .* turn "
                      r"fp8_dq on, or \['fp8_moe'\] off"):
     Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("fp8_dq", False),
                                                                                    ("fp8_moe", True))),
             backend="latency_specialized")
-  with pytest.warns(UserWarning, match=r"on sm_100: kernel\(s\) \['mla_uv_kernel', 'moe_one_grid'"):
+  with pytest.warns(UserWarning, match=r"on sm_100: kernel\(s\) \['moe_one_grid'\] run as XLA"):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()),
                   backend="latency_specialized")
   with dec.kernel_mode(interpret=False):
