@@ -42,6 +42,8 @@
 #   longctx (either):         the selection past 64K context (session 65: two stages of the fused compaction, knob
 #                             topk_two_stage) — its GPU tests, bench_topk at 32K / 128K / 256K / 1M context's pools
 #                             (XLA's sort vs the kernels), then one DSA layer (bench_dsa_layer) at 128K and 1M, B = 1
+#   blackwell (a Blackwell kind, when one is lent): the tcgen05 forms' native tests (`-m blackwell`: the sparse MLA
+#                             with W_UV, the indexer's cache update, the prefill MoE — session 65's CPU-built forms)
 #   bigbatch (nvidia-h200, needs_h200: 82 GB + 19 GB of caches): B = 32, q = 4 — 128 token rows, past the decode
 #                             kernels' 64, where the step's MoE is XLA's (every expert over every row) — vs moe_prefill's
 #                             grouped FP8 kernels there
@@ -53,8 +55,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|bigbatch) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, bigbatch)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -234,6 +236,10 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_dsa_layer.py --batch 1 --q 1 4 --context 131072 1048576 \
       --budget-s $(( $(left) - 60 )) --out "$OUT/dsa_layer.jsonl" 2>&1 \
       | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
+    ;;
+  blackwell)  # (a Blackwell kind) see the header
+    gpu_tests blackwell $(( $(left) - 20 )) blackwell "" tests/test_sparse_mla.py tests/test_indexer.py \
+      tests/test_moe_prefill.py
     ;;
   bigbatch)  # (nvidia-h200, needs_h200) see the header
     rank1 bigbatch --batch 32 --q 4 --steps 10 --repeats 3 --policy '{}' '{"moe_prefill": true}'

@@ -26,6 +26,8 @@ jax.config.update("jax_compilation_cache_dir", os.path.expanduser(os.environ.get
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 ON_GPU = any(d.platform == "gpu" for d in jax.devices())
+# a Blackwell GPU (compute capability 10.x: tcgen05, no wgmma) — where the kernels' tcgen05 forms run natively
+ON_BLACKWELL = ON_GPU and all(float(getattr(d, "compute_capability", "0")) >= 10 for d in jax.devices())
 
 
 def _host_arrays_for_interpret_callbacks():
@@ -101,6 +103,11 @@ SLOW_FIRST = ("test_step_lowering.py::", "test_notebooks.py::test_notebook_execu
 
 def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: not any(s in item.nodeid for s in SLOW_FIRST))  # (stable: the rest keep their order)
+  if not ON_BLACKWELL:
+    bw = pytest.mark.skip(reason="needs a Blackwell GPU (sm_100 / sm_103: the kernels' tcgen05 forms)")
+    for item in items:
+      if "blackwell" in item.keywords:
+        item.add_marker(bw)
   if ON_GPU:
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU")

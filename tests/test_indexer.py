@@ -1120,6 +1120,23 @@ def test_pool_update_gpu(B, T):
   check_pool_update(got, ref, args, P, exact=False)
 
 
+@pytest.mark.blackwell
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 4), (4, 16)])
+def test_pool_update_tcgen05_blackwell(B, T):
+  """The tcgen05 form natively on a Blackwell GPU against the reference compiled as the model rounds (as
+  test_pool_update_gpu on Hopper)."""
+  P = 8256
+  rng = np.random.default_rng()
+  starts = rng.integers(0, 4 * P - T, B)
+  starts[0] = 4 * int(rng.integers(0, P - 4)) + 3
+  valid = rng.integers(1, T + 1, B)
+  valid[0] = T
+  args = pool_inputs(rng, B, T, P, starts, valid)
+  ref = rounding_reference(I.pool_update_reference, *args)
+  got = jax.jit(functools.partial(I.pool_update, mma="tcgen05"))(*args)
+  check_pool_update(got, ref, args, P, exact=False)
+
+
 def test_pool_update_at_the_model_site():
   """Policy knob indexer_pool_kernel at the model's call site (Indexer.project_update; kernel-tiny's indexer with
   random x_proj, LayerNorm and pool bias, an FP8 pool cache; interpret mode): the same head weights, and the caches

@@ -176,3 +176,14 @@ def test_fp8_moe_prefill_gpu_real_shapes(m):
   y = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0)
   ref = jax.jit(lambda *a: L.fp8_moe_reference(*a, swiglu_limit=10.0))(x, ids, tw, wg, sg, wu, su, wd, sd)
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("kernel_bf16"))
+
+
+@pytest.mark.blackwell
+@pytest.mark.parametrize("m", [256, 2048])
+def test_fp8_moe_prefill_tcgen05_blackwell(m):
+  """The tcgen05 form natively on a Blackwell GPU at the release's per-rank shapes, against the reference."""
+  E, I, D, k = (MOE_REAL[c] for c in "EIDk")
+  x, ids, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(m), m, E, I, D, k)
+  y = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0, mma="tcgen05")
+  ref = jax.jit(lambda *a: L.fp8_moe_reference(*a, swiglu_limit=10.0))(x, ids, tw, wg, sg, wu, su, wd, sd)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("kernel_bf16"))

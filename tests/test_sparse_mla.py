@@ -390,6 +390,26 @@ def test_gather_dequant_block_gpu():
   _check_gather_dequant()
 
 
+@pytest.mark.blackwell
+@pytest.mark.parametrize("B,T,H,S,W,nbs,pooled", [(1, 1, 16, 65536, 2051, None, True), (1, 4, 16, 65536, 2051, 2, False),
+                                                  (8, 4, 16, 32768, 2051, None, True), (2, 8, 64, 8192, 2176, None, False)])
+def test_kernel_tcgen05_blackwell(B, T, H, S, W, nbs, pooled):
+  """The tcgen05 form natively on a Blackwell GPU against the reference, then W_UV's tcgen05 form on its merged
+  O^T against W_UV's reference (the model's chain)."""
+  q, cache, idx = make_inputs(B + T + H, B, T, H, S, W, q_dtype=jnp.bfloat16, trailing_pad=0 if pooled else W % 64,
+                              pooled=pooled)
+  ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, cache, idx))
+  got = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, blocks_per_split=nbs,
+                                                          mma="tcgen05"))(q, cache, idx))
+  np.testing.assert_allclose(got, ref, **tol("kernel_bf16"))
+  assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
+  if B * T <= M.UV_MAX_TOKENS:
+    o_t, w_kv = uv_inputs(np.random.default_rng(B + T), B * T, H, H)
+    want = jax.jit(lambda o, w: M.mla_absorb_uv_reference(o, w, dn=256))(o_t, w_kv)
+    uv = jax.jit(lambda o, w: M.mla_absorb_uv(o, w, dn=256, mma="tcgen05"))(o_t, w_kv)
+    np.testing.assert_allclose(np.asarray(uv, np.float32), np.asarray(want, np.float32), **tol("kernel_bf16"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,H,S,W,nbs,pooled,lean", [(1, 1, 16, 65536, 2051, None, False, False),
                                                        (8, 4, 16, 65536, 2051, None, False, False),
