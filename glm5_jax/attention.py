@@ -436,11 +436,12 @@ class Indexer(nnx.Module):
       Pr = None if raw is None else raw.shape[-1]
       W = kp * kk + n_tail
       wp = -(-(W if width is None else width(W)) // 64) * 64  # (the attention kernel's width of the list)
+      # the list the compaction kernel writes: k < SELECT_MAX_K, kp · k a multiple of 64, <= 4,096 positions after
+      list_fits = kk < ki.SELECT_MAX_K and (kp * kk) % 64 == 0 and wp - kp * kk <= 64 * 64
       # a row past the kernel's keys (past 64K context): the one-launch selection in two stages (topk_two_stage)
       chunked = not thr_fits and Pr is not None and all(kernel_switch(n) for n in (
           "topk_two_stage", "topk_compact_kernel", "topk_compact_fused")) and not kernel_switch("topk_threshold_4wg") \
-          and ki.chunked_select_plan(Pr, kk) is not None and kk < ki.SELECT_MAX_K and (kp * kk) % 64 == 0 \
-          and wp - kp * kk <= 64 * 64
+          and ki.chunked_select_plan(Pr, kk) is not None and list_fits
       thr_pays = (thr_fits or chunked) and R >= ki.THRESHOLD_MIN_ROWS and kernel_switch("topk_threshold")
       if kernel_enabled("indexer_topk", R, prefer=pays or thr_pays,
                         prefer_why=f"{R} rows x {P} pools: XLA's sort measured faster than the XLA radix passes "
@@ -470,8 +471,7 @@ class Indexer(nnx.Module):
         # multi-CTA launch (pallas_kernels.indexer.topk_compact) instead of 6 XLA kernels after the threshold
         lanes = ki.THRESHOLD_LANES * wgs  # (the threshold kernel's row: a multiple of its lanes)
         if kernel_enabled("topk_compact_kernel", fits=bool(thr) and Pr is not None and Pr % lanes == 0
-                          and Pr <= ki.THRESHOLD_MAX_KEYS and kk < ki.SELECT_MAX_K and (kp * kk) % 64 == 0
-                          and wp - kp * kk <= 64 * 64,
+                          and Pr <= ki.THRESHOLD_MAX_KEYS and list_fits,
                           why=f"needs the threshold kernel on, the scores kernel's output (here {Pr} padded pools; a "
                           f"multiple of {lanes} up to {ki.THRESHOLD_MAX_KEYS}), k = {kk} < {ki.SELECT_MAX_K} with "
                           f"{kp} · k a multiple of 64, and at most 4,096 positions after the pools' (here "

@@ -450,8 +450,9 @@ KNOBS = {
         "(pallas_kernels.indexer.topk_compact_chunked: each chunk's top 512 as rows of their own, then the top 512 "
         "of the chunks' candidates — exact, ties by index) instead of XLA's sort, which took 83-262 µs of glue per "
         "DSA layer at 128K on an H100 (session 64, bench_dsa_layer); up to ~2.3M tokens (34 chunks' candidates in "
-        "one row). CPU-built (session 65): interpret mode and the CUDA lowering at 128K and 1M; on, replacing the "
-        "sort (its GPU test: test_compact_chunked_gpu)"),
+        "one row). Natively exact (test_compact_chunked_gpu, session 65); on an H100 the selection 39.1 -> 30.2 µs "
+        "at 128K and 332 -> 79 µs at 1M with 4 rows, one DSA layer at 128K 120 -> 105 µs (q = 1) and 198 -> 129 µs "
+        "(q = 4) — on"),
     "topk_threshold_4wg": (False,
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "

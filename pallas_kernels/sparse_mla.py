@@ -295,6 +295,45 @@ def _pick_blocks_per_split(n_blocks: int, n_rows: int) -> int:
   return -(-n_blocks // splits)
 
 
+def _gather_block(rows_g, idx_s, k: int, dst_s, gbar):
+  """Block k's cache rows (idx_s[k]: its positions, -1 padding) from rows_g [S, ROW_WORDS] into dst_s [n,
+  ROW_WORDS] on one barrier of n arrivals, by groups of RUN: a group of consecutive positions (an indexer pool's
+  tokens) is one TMA of RUN rows plus RUN - 1 plain arrivals; an all-padding group loads rows 0.. (masked later)
+  the same way; any other group (the tail, interleaved padding) one TMA per row (-1 loads row 0, masked later)."""
+  def group(gi, c):
+    j = gi * RUN
+    r = [idx_s[k, j + t] for t in range(RUN)]
+    run, none = r[0] >= 0, r[0] < 0
+    for t in range(1, RUN):
+      run, none = run & (r[t] == r[0] + t), none & (r[t] < 0)
+    whole = run | none
+
+    @pl.when(whole)
+    def _():
+      start = jnp.where(none, 0, r[0])
+      plgpu.copy_gmem_to_smem(rows_g.at[pl.ds(start, RUN)], dst_s.at[pl.ds(j, RUN)], gbar)
+      for _ in range(RUN - 1):
+        plgpu.barrier_arrive(gbar)
+
+    @pl.when(jnp.logical_not(whole))
+    def _():
+      for t in range(RUN):
+        plgpu.copy_gmem_to_smem(rows_g.at[pl.ds(jnp.maximum(r[t], 0), 1)], dst_s.at[pl.ds(j + t, 1)], gbar)
+    return c
+  lax.fori_loop(0, dst_s.shape[0] // RUN, group, None, unroll=ISSUE_UNROLL)
+
+
+def _dequant_plane(full, k: int):
+  """Byte plane k of whole gathered rows full [64, ROW_WORDS] int32 (WGMMA layout) -> [64, WORDS] f32: the latent
+  dimensions 128k + w, times their row's scale k (see ``_dequant_block``)."""
+  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, 8), 1, layout=_L.WGMMA)
+  bits = plgpu.layout_cast(jnp.where(col == k, full[:, WORDS:WORDS + 8], 0).sum(axis=1), _L.WGMMA.reduce(1))
+  scale = lax.broadcast_in_dim(lax.bitcast_convert_type(bits, jnp.float32) * 256.0, (BLOCK, WORDS), (0,))
+  byte = lax.shift_right_logical(full[:, :WORDS], jnp.int32(8 * k)) & 0xFF
+  h = lax.bitcast_convert_type((((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).astype(jnp.int16), jnp.float16)
+  return h.astype(jnp.float32) * scale
+
+
 def _dequant_block(c32_s, c16_s):
   """One block of 64 gathered cache rows [64, ROW_WORDS] int32 -> c16_s [64, 512] f16, the latent dimensions in
   order (byte plane k of the words: dimensions 128k + w, the group of scale k).
@@ -308,17 +347,8 @@ def _dequant_block(c32_s, c16_s):
   bits (one nonzero term: exact) and read back as f32 — no value transpose, one scale per plane (the
   interleaved packing before session 47 needed a select chain over the four groups for every word)."""
   full = plgpu.load(c32_s, layout=_L.WGMMA, optimized=False)
-  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, 8), 1, layout=_L.WGMMA)
-  sc = full[:, WORDS:WORDS + 8]  # the scale words and 4 zero words: a tile-aligned slice
-  x = full[:, :WORDS]
-  for k in range(SCALES):
-    bits = plgpu.layout_cast(jnp.where(col == k, sc, 0).sum(axis=1), _L.WGMMA.reduce(1))
-    scale = lax.broadcast_in_dim(lax.bitcast_convert_type(bits, jnp.float32) * 256.0, (BLOCK, WORDS), (0,))
-    byte = lax.shift_right_logical(x, jnp.int32(8 * k)) & 0xFF
-    bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
-    h = lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
-    y = h.astype(jnp.float32) * scale
-    c16_s[:, pl.ds(k * WORDS, WORDS)] = plgpu.layout_cast(y.astype(jnp.float16), _L.WGMMA)
+  for k in range(SCALES):  # (the scale words and 4 zero words: a tile-aligned slice, in _dequant_plane)
+    c16_s[:, pl.ds(k * WORDS, WORDS)] = plgpu.layout_cast(_dequant_plane(full, k).astype(jnp.float16), _L.WGMMA)
 
 
 def _combine_tile(o_g, lse_g, out_g, bt, tile, ns: int):
@@ -361,32 +391,7 @@ def _mla_kernel(nbs: int, hn: int):
     plgpu.barrier_wait(bar.at[1])
 
     def issue(k, slot):
-      # The block's 64 rows on one barrier of 64 arrivals, by groups of RUN: a group of consecutive positions
-      # (an indexer pool's tokens) is one TMA of RUN rows plus RUN - 1 plain arrivals; an all-padding group loads
-      # rows 0.. (masked later) the same way; any other group (the tail, interleaved padding) one TMA per row
-      # (-1 loads row 0, masked later).
-      def group(gi, c):
-        j = gi * RUN
-        r = [idx_s[k, j + t] for t in range(RUN)]
-        run, none = r[0] >= 0, r[0] < 0
-        for t in range(1, RUN):
-          run, none = run & (r[t] == r[0] + t), none & (r[t] < 0)
-        whole = run | none
-
-        @pl.when(whole)
-        def _():
-          start = jnp.where(none, 0, r[0])
-          plgpu.copy_gmem_to_smem(c32_g.at[b, pl.ds(start, RUN)], c32_s.at[slot, pl.ds(j, RUN)], gbar.at[slot])
-          for _ in range(RUN - 1):
-            plgpu.barrier_arrive(gbar.at[slot])
-
-        @pl.when(jnp.logical_not(whole))
-        def _():
-          for t in range(RUN):
-            plgpu.copy_gmem_to_smem(c32_g.at[b, pl.ds(jnp.maximum(r[t], 0), 1)], c32_s.at[slot, pl.ds(j + t, 1)],
-                                    gbar.at[slot])
-        return c
-      lax.fori_loop(0, BLOCK // RUN, group, None, unroll=ISSUE_UNROLL)
+      _gather_block(c32_g.at[b], idx_s, k, c32_s.at[slot], gbar.at[slot])
 
     issue(0, 0)
     qmul = qm_g[bt]
@@ -448,15 +453,9 @@ def _dequant_group(c32_s, cg_s, g: int):
   """Byte plane g (the latent dimensions 128g .. 128g + 127, scale group g) of the gathered rows c32_s [128,
   ROW_WORDS] int32 -> cg_s [128, 128] f16: ``_dequant_block``'s numerics, each 64-row half loaded whole (an untiled
   load sliced at a column offset is wrong natively; at a row offset it is a whole-row tile)."""
-  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, 8), 1, layout=_L.WGMMA)
   for half in range(TC_KEYS // BLOCK):
     full = plgpu.load(c32_s.at[pl.ds(half * BLOCK, BLOCK)], layout=_L.WGMMA, optimized=False)
-    bits = plgpu.layout_cast(jnp.where(col == g, full[:, WORDS:WORDS + 8], 0).sum(axis=1), _L.WGMMA.reduce(1))
-    scale = lax.broadcast_in_dim(lax.bitcast_convert_type(bits, jnp.float32) * 256.0, (BLOCK, WORDS), (0,))
-    byte = lax.shift_right_logical(full[:, :WORDS], jnp.int32(8 * g)) & 0xFF
-    h = lax.bitcast_convert_type((((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).astype(jnp.int16), jnp.float16)
-    cg_s[pl.ds(half * BLOCK, BLOCK), :] = plgpu.layout_cast((h.astype(jnp.float32) * scale).astype(jnp.float16),
-                                                            _L.WGMMA)
+    cg_s[pl.ds(half * BLOCK, BLOCK), :] = plgpu.layout_cast(_dequant_plane(full, g).astype(jnp.float16), _L.WGMMA)
 
 
 def _mla_kernel_tc05(nbs: int, hn: int):
@@ -482,28 +481,7 @@ def _mla_kernel_tc05(nbs: int, hn: int):
     plgpu.barrier_wait(bar.at[1])
 
     def issue(k):
-      # (as _mla_kernel's: groups of RUN consecutive positions as one TMA, others a TMA a row; -1 loads row 0)
-      def group(gi, c):
-        j = gi * RUN
-        r = [idx_s[k, j + t] for t in range(RUN)]
-        run, none = r[0] >= 0, r[0] < 0
-        for t in range(1, RUN):
-          run, none = run & (r[t] == r[0] + t), none & (r[t] < 0)
-        whole = run | none
-
-        @pl.when(whole)
-        def _():
-          start = jnp.where(none, 0, r[0])
-          plgpu.copy_gmem_to_smem(c32_g.at[b, pl.ds(start, RUN)], c32_s.at[pl.ds(j, RUN)], gbar)
-          for _ in range(RUN - 1):
-            plgpu.barrier_arrive(gbar)
-
-        @pl.when(jnp.logical_not(whole))
-        def _():
-          for t in range(RUN):
-            plgpu.copy_gmem_to_smem(c32_g.at[b, pl.ds(jnp.maximum(r[t], 0), 1)], c32_s.at[pl.ds(j + t, 1)], gbar)
-        return c
-      lax.fori_loop(0, TC_KEYS // RUN, group, None, unroll=ISSUE_UNROLL)
+      _gather_block(c32_g.at[b], idx_s, k, c32_s, gbar)
 
     def mma(acc_t, a, b_op, accumulate):
       plgpu.commit_smem()  # (the dequantised group, P: every thread's stores visible to the tensor core)
