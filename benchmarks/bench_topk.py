@@ -94,7 +94,7 @@ def _compact(v, lanes: int, fused: bool = False, digit_bits: int = 1):
   return js, idx
 
 
-def _chunked(v, digit_bits: int = 1, balanced: bool = False):
+def _chunked(v, digit_bits: int = 1, balanced: bool = False):  # (balanced: the default since session 66)
   """A row longer than the compaction kernel holds (past 64K context: 16,448+ pools) in two stages of the fused
   compaction (policy knob topk_two_stage: pallas_kernels.indexer.topk_compact_chunked) — js, with its list."""
   from pallas_kernels import indexer as I  # noqa: PLC0415

@@ -47,6 +47,9 @@
 #   bigbatch (nvidia-h200, needs_h200: 82 GB + 19 GB of caches): B = 32, q = 4 — 128 token rows, past the decode
 #                             kernels' 64, where the step's MoE is XLA's (every expert over every row) — vs moe_prefill's
 #                             grouped FP8 kernels there
+#   partrows (either; H100: LAYERS=32): session 66's policy knob linear_part_rows — its GPU tests and the balanced
+#                             two-stage selection's, then q = 4: the defaults vs the knob (5 interleaved repeats), then
+#                             one DSA layer at 128K / 1M context (the balanced chunks, the default since session 66)
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -55,8 +58,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -236,6 +239,14 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_dsa_layer.py --batch 1 --q 1 4 --context 131072 1048576 \
       --budget-s $(( $(left) - 60 )) --out "$OUT/dsa_layer.jsonl" 2>&1 \
       | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
+    ;;
+  partrows)  # (either; H100: LAYERS=32) see the header
+    gpu_tests partrows 240 gpu "part_rows_gpu or compact_chunked_gpu" tests/test_linear_kernels.py tests/test_indexer.py
+    rank1 partrows --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' \
+      "${POLICY:-{\"linear_part_rows\": true\}}"
+    [ "$(left)" -gt 150 ] && timeout $(( $(left) - 10 )) python3 benchmarks/bench_dsa_layer.py --batch 1 --q 1 4 \
+      --context 131072 1048576 --budget-s $(( $(left) - 40 )) --out "$OUT/dsa_layer.jsonl" 2>&1 \
+      | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" > "$OUT/bench_dsa_layer.log"
     ;;
   blackwell)  # (a Blackwell kind) see the header
     gpu_tests blackwell $(( $(left) - 20 )) blackwell "" tests/test_sparse_mla.py tests/test_indexer.py \

@@ -349,6 +349,14 @@ KNOBS = {
         "(session 60: in-kernel waits were slower at q = 4). Natively correct (its GPU test on the H200, session "
         "61); the one-rank step at q = 4 (the full 45 layers, 5 interleaved repeats, s60e): 7.53 -> 7.42 ms, faster "
         "in 4 of 4 paired rounds; 43 launches fewer (1,420 -> 1,377) — on"),
+    "linear_part_rows": (False,
+        "at 2..8 token rows (the verify's, B x q), where XLA sums a weight-streaming kernel's K splits (bf16_linear, "
+        "fp8_dq_linear, the MoE's down groups): each split's partial written as the token rows [split, M, N] "
+        "(pallas_kernels.linear part_rows=True: one masked row sum per row, as the fused rows form) instead of the "
+        "accumulator's [split, N, mp] — XLA's sum then needs no transpose, and the sum and the cast after it are "
+        "one fusion where the transposing form took a reduction and a transposing convert (two kernels after the "
+        "KDA o_proj, the DSA layer's q_b / o_proj, the dense MLP and every MoE layer at q = 4; compile-only census: "
+        "BENCHMARKS.md session 66). The same sums. Off until measured on a GPU"),
     "moe_writer_cta": (True,
         "with moe_router_in_kernel and moe_router_ranks: the router's writer — the CTA that selects all k experts "
         "with their weights and stores them — is one extra CTA of the MoE's gate/up kernel that does nothing else "
@@ -452,7 +460,9 @@ KNOBS = {
         "DSA layer at 128K on an H100 (session 64, bench_dsa_layer); up to ~2.3M tokens (34 chunks' candidates in "
         "one row). Natively exact (test_compact_chunked_gpu, session 65); on an H100 the selection 39.1 -> 30.2 µs "
         "at 128K and 332 -> 79 µs at 1M with 4 rows, one DSA layer at 128K 120 -> 105 µs (q = 1) and 198 -> 129 µs "
-        "(q = 4) — on"),
+        "(q = 4) — on. Since session 66 in balanced chunks (C ~ sqrt(pools / 512): 128K 8 chunks of 4,224 instead "
+        "of 2 of 16,512; chunked_select_plan): the selection at 128K / 256K / 1M 30.1 / 33.7 / 40.4 -> 22.8 / 25.7 "
+        "/ 36.0 µs for one row, 33.7 / 37.6 / 78.1 -> 24.5 / 28.6 / 59.9 for four (H100, bench_topk)"),
     "topk_threshold_4wg": (False,
         "with topk_threshold on: the threshold kernel's CTA as 4 warpgroups, each comparing a quarter of the "
         "row per pass, the counts summed through SMEM (pallas_kernels.indexer.topk_threshold warpgroups=4) — "
@@ -819,6 +829,17 @@ def _dq_dtype(rows: int) -> dict:
   return {"dq_dtype": "float16"} if kernel_enabled("dq_f16", rows, prefer=rows == 1, prefer_why=DQ_F16_ROWS) else {}
 
 
+def part_rows(rows: int) -> dict:
+  """The weight-streaming kernels' ``part_rows`` option at a site of ``rows`` token rows (policy knob
+  linear_part_rows): their K splits' partials as token rows where XLA sums them — from 2 rows up to the rows
+  form's ROWS_OUT_MAX (at one row the accumulator's [split, N, 1] is already a row: nothing to gain)."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  fits = 2 <= rows <= kl.ROWS_OUT_MAX
+  return {"part_rows": True} if kernel_enabled(
+      "linear_part_rows", rows, fits=fits, why=f"{rows} token rows (2 to {kl.ROWS_OUT_MAX}: at one row the "
+      "partials are rows already)") else {}
+
+
 def f16_copies(rows: int) -> bool:
   """Whether the kernels before the dq kernels (the one-row mHC boundary, W_UV) also write their outputs in f16
   for them at a site of ``rows`` token rows: where ``_dq_dtype`` takes f16 (policy knob dq_f16; by default at one
@@ -895,7 +916,8 @@ class Linear(nnx.Module):
         # lean_barriers: built without Mosaic's automatic barriers (the ring's refill barrier placed by hand)
         lean = {"lean": True} if kernel_enabled("lean_barriers") else {}
         f16 = _dq_dtype(rows)
-        fn = functools.partial(kl.fp8_dq_linear, **fused, **f16, **first, **lean, **mma)
+        fn = functools.partial(kl.fp8_dq_linear, **fused, **f16, **first, **lean, **mma,
+                               **({} if fused else part_rows(rows)))
         x = x16 if f16 and x16 is not None else x
       else:
         fn = kl.fp8_linear
@@ -932,7 +954,7 @@ def _dense(x, w, dtype, *, prefix: bool = False):
     from pallas_kernels import linear as kl  # noqa: PLC0415
     fused = {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else {}
     return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix, **fused,
-                          **mma).reshape(*x.shape[:-1], n_out)
+                          **mma, **({} if fused else part_rows(rows))).reshape(*x.shape[:-1], n_out)
   return mm(x[..., :n_in], w, dtype)
 
 
@@ -1352,7 +1374,7 @@ class Router(nnx.Module):
     mma, ok, why = gemv_mma(E, ok, why)
     if kernel_enabled("bf16_linear", rows, fits=ok, prefer=rows > 1, prefer_why=ONE_ROW_GEMV, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415
-      return kl.bf16_linear(x.reshape(rows, D), w, **mma).reshape(*x.shape[:-1], E)
+      return kl.bf16_linear(x.reshape(rows, D), w, **mma, **part_rows(rows)).reshape(*x.shape[:-1], E)
     return jnp.einsum("...d,ed->...e", x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)
 
 
@@ -1508,7 +1530,8 @@ class MoE(nnx.Module):
           h_why = kl.h_rows_why(rows, min(E, rows * k) + int(sew is not None), ex.gate_proj.shape[1],
                                 ex.gate_proj.shape[2], **mma)
         h_rows = kernel_enabled("moe_h_rows", rows, fits=not h_why, why=h_why)
-        y = moe(xk, ids, w, route_kernel=route, tables=tables, **({"h_rows": True} if h_rows else {}))
+        y = moe(xk, ids, w, route_kernel=route, tables=tables, **({"h_rows": True} if h_rows else {}),
+                **({} if fused else part_rows(rows)))
       y = lax.psum(y, TP).astype(dtype).reshape(*lead, -1)
       return (y, ids.reshape(*lead, -1)) if return_ids else y
     y = ex.partial(xf, ids, w, dtype)

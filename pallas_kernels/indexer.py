@@ -1278,13 +1278,15 @@ def topk_compact(scores, t, n_gt, tail_start, pos, *, k: int, kpool: int, n_tail
 # chunk, and the candidates, laid out chunk after chunk in ascending index order, break ties by index as the row
 # does. Before it such a row was XLA's sort (83-262 µs of glue per DSA layer at 128K on an H100, session 64).
 def chunked_select_plan(n: int, k: int, *, max_keys: int | None = None,
-                        balanced: bool = False) -> tuple[int, int] | None:
-  """(chunks C, keys per chunk W) for a two-stage selection of k of n keys: the fewest chunks of at most
-  ``max_keys`` (a multiple of THRESHOLD_LANES, each at least k) covering n — C · W >= n, the excess padded with
-  -inf — or None when the C · k candidates (padded to the lanes) would not fit one row of ``max_keys`` (default:
-  THRESHOLD_MAX_KEYS). ``balanced``: more, shorter chunks — C ~ sqrt(n / k), so that a chunk's row and the
-  candidates' row are about as long (each stage's passes run over fewer keys per thread; at 128K context 8
-  chunks of 4,224 instead of 2 of 16,512): to be measured against the fewest (bench_topk "two-stage balanced")."""
+                        balanced: bool = True) -> tuple[int, int] | None:
+  """(chunks C, keys per chunk W) for a two-stage selection of k of n keys: chunks of at most ``max_keys`` (a
+  multiple of THRESHOLD_LANES, each at least k) covering n — C · W >= n, the excess padded with -inf — or None when
+  the C · k candidates (padded to the lanes) would not fit one row of ``max_keys`` (default: THRESHOLD_MAX_KEYS).
+  ``balanced`` (the default): more, shorter chunks — C ~ sqrt(n / k), so that a chunk's row and the candidates' row
+  are about as long (each stage's passes run over fewer keys per thread; at 128K context 8 chunks of 4,224
+  instead of 2 of 16,512); measured faster than the fewest chunks (balanced=False) at every length on an H100
+  (bench_topk, session 66: one row 128K / 256K / 1M 22.8 / 25.7 / 36.0 vs 30.1 / 33.7 / 40.4 µs, four rows 24.5
+  / 28.6 / 59.9 vs 33.7 / 37.6 / 78.1)."""
   L = THRESHOLD_LANES
   max_keys = THRESHOLD_MAX_KEYS if max_keys is None else max_keys
   fits = lambda C, W: W >= k and -(-C * k // L) * L <= max_keys  # noqa: E731
@@ -1297,7 +1299,7 @@ def chunked_select_plan(n: int, k: int, *, max_keys: int | None = None,
 
 
 def topk_compact_chunked(scores, tail_start, pos, *, k: int, kpool: int, n_tail: int, width: int,
-                         max_keys: int | None = None, balanced: bool = False, lanes: int = COMPACT_LANES,
+                         max_keys: int | None = None, balanced: bool = True, lanes: int = COMPACT_LANES,
                          early_exit: bool = True, digit_bits: int = 1, lean: bool = False, mma: str = "wgmma"):
   """``topk_select_reference``'s contract for rows of any length up to ``chunked_select_plan``'s: scores [R, N] f32
   -> (idx [R, width], js [R, k]) int32 — lax.top_k's set of each row in ascending index order, expanded to kpool

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -332,7 +333,7 @@ def quantize_activations(x: jax.Array, rows: int | None = None):
 # ------------------------------------------------------------------------------------------------------------
 def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: int, steps: int, dq: bool = False,
                        fused_sum: bool = False, rows: bool = False, scales_first: bool = False, lean: bool = False,
-                       tc05: bool = False):
+                       tc05: bool = False, part_rows: bool = False):
   """One CTA = (row tile of bm weight rows, K split of `steps` 128-blocks); writes o[split, rows, :mp].
   x: hi|lo e4m3 rows [2mp, K] (two fp8 wgmmas per block), or (dq) bf16 rows [mp, K] times each weight tile
   dequantised to bf16 (``_mma_tile``; ``a_s``: the SMEM tile it goes through in interpret mode).
@@ -342,8 +343,9 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
   instead of the first ``stages`` just after them and each later one ``stages`` steps ahead. ``lean`` (built
   without Mosaic's automatic barriers: lean_barriers, with A from registers): the one barrier the ring needs — a
   slot is refilled only after every warp is done reading it (its dequantisation's loads, the wgmma's operands).
-  ``tc05``: the tcgen05 form (``_mma_tile``; scratch a_s, then ``_tc_scratch``'s three)."""
-  ctr_g, o_ref, y, (w_s, x_s, bar, *a_s) = _out_refs(refs, fused_sum, plan.split, rows)
+  ``tc05``: the tcgen05 form (``_mma_tile``; scratch a_s, then ``_tc_scratch``'s three). ``part_rows``: o is
+  [split, m, N], this split's partial written as token rows (``_out_refs``)."""
+  ctr_g, o_ref, y, (w_s, x_s, bar, *a_s) = _out_refs(refs, fused_sum, plan.split, rows, part_rows)
   tc, t_s = None, None
   if tc05:
     a_s, acc_t, bar_mma, t_s = a_s
@@ -385,12 +387,25 @@ def _fp8_linear_kernel(x_ref, w_ref, s_ref, *refs, mp: int, plan: Plan, tiles: i
   _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split, rows=y)
 
 
-def _out_refs(refs, fused_sum: bool, split: int, rows: bool):
+class _PartRows(NamedTuple):
+  """``part_rows``' outputs in a kernel: every K split's partial as token rows o [split, m, N] f32, written through
+  the SMEM tile y_s [m, bm] f32 (``_rows_out``)."""
+  o: object
+  y_s: object
+
+
+def _out_refs(refs, fused_sum: bool, split: int, rows: bool, part_rows: bool = False):
   """A weight-streaming kernel's refs after its inputs -> (split-K counters or None, partials o or None, (y, y_s)
   or None, the remaining scratch refs). Order: [counters], [o: the partials, absent when ``rows`` with one split],
-  [y: the token rows], scratch..., [y_s: the rows' SMEM tile, last]."""
+  [y: the token rows], scratch..., [y_s: the rows' SMEM tile, last]. ``part_rows`` (no counters, no rows): o is
+  the partials as token rows [split, m, N], returned as the third value (a ``_PartRows`` with its SMEM tile, the
+  last scratch) — what ``_split_out`` writes them by."""
   refs = list(refs)
   ctr_g = refs.pop(0) if fused_sum else None
+  if part_rows:
+    assert not (fused_sum or rows)
+    o = refs.pop(0)
+    return None, None, _PartRows(o, refs.pop()), refs
   o_ref = refs.pop(0) if not (rows and split == 1) else None
   y = (refs.pop(0), refs.pop()) if rows else None
   return ctr_g, o_ref, y, refs
@@ -452,6 +467,10 @@ def _split_out(o_ref, ctr_g, acc, *, sk, tile, row0, bm: int, split: int, rows=N
   sum written to o[split - 1]: no XLA reduction after the kernel. ``rows`` = (y_g [m, N], y_s [m, bm]): the sum
   (one split: acc itself) written as token rows instead (``_rows_out``; o holds the other splits' partials
   only)."""
+  if isinstance(rows, _PartRows):  # (part_rows: this split's partial as the m token rows of o[sk])
+    _rows_out((rows.o.at[sk], rows.y_s), acc, row0=row0)
+    return
+
   def finish(tot):
     if rows is not None:
       _rows_out(rows, tot, row0=row0)
@@ -480,9 +499,21 @@ def _fused_counters(counters, split: int, tiles: int, name: str):
   return counters
 
 
-def _split_sum(out, m: int, fused: bool):
-  """[split, N, mp] kernel output -> [m, N] f32: the in-kernel sum (o[split - 1]), or XLA's over the splits."""
+def _split_sum(out, m: int, fused: bool, part_rows: bool = False):
+  """[split, N, mp] kernel output -> [m, N] f32: the in-kernel sum (o[split - 1]), or XLA's over the splits;
+  ``part_rows``: the output is [split, m, N] already (token rows), XLA's sum needs no transpose."""
+  if part_rows:
+    return out.sum(0)
   return out[-1, :, :m].T if fused else out[..., :m].sum(0).T
+
+
+def _check_part_rows(part_rows: bool, m: int, name: str) -> bool:
+  """``part_rows`` for ``m`` token rows: refused by name past ROWS_OUT_MAX (the rows are written one masked row sum
+  each); the XLA sum after the kernel then reads [split, m, N]: no transpose kernel between it and the cast."""
+  if part_rows and m > ROWS_OUT_MAX:
+    raise ValueError(f"{name}: part_rows with {m} token rows; expected at most {ROWS_OUT_MAX} (one masked row sum "
+                     "per row)")
+  return bool(part_rows)
 
 
 SPLITK_COUNTERS = 256  # counters in the Ref: a fused-sum call's row tiles use those below ONE_GRID_BANKS (224)
@@ -506,9 +537,12 @@ def _fused_form(counters, split: int, tiles: int, m: int, name: str):
   return ctr, m <= ROWS_OUT_MAX and (split == 1 or ctr is not None)
 
 
-def _out_types(split: int, n: int, mp: int, m: int, rows_dtype):
+def _out_types(split: int, n: int, mp: int, m: int, rows_dtype, part_rows: bool = False):
   """The weight-streaming kernels' outputs: the partials o [split, N, mp] f32 (one fewer — the last split's sum
-  goes to the rows — with ``rows_dtype``; none with one split) and the rows y [m, N] rows_dtype."""
+  goes to the rows — with ``rows_dtype``; none with one split) and the rows y [m, N] rows_dtype; ``part_rows``:
+  the partials as token rows [split, m, N] f32."""
+  if part_rows:
+    return jax.ShapeDtypeStruct((split, m, n), jnp.float32)
   if rows_dtype is None:
     return jax.ShapeDtypeStruct((split, n, mp), jnp.float32)
   y = jax.ShapeDtypeStruct((m, n), rows_dtype)
@@ -521,10 +555,11 @@ def _rows_result(out, split: int):
 
 
 def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: bool, name: str, counters=None,
-                m: int = 0, rows_dtype=None, scales_first: bool = False, lean: bool = False, tc05: bool = False):
+                m: int = 0, rows_dtype=None, scales_first: bool = False, lean: bool = False, tc05: bool = False,
+                part_rows: bool = False):
   """The FP8 linear kernel over x_rows ([2mp, K] e4m3 hi|lo, or [m <= mp, K] bf16 when dq) -> [split, N, mp] f32
   (with ``counters``, split-K counters: o[split - 1] holds the sum); with ``rows_dtype``, the m token rows'
-  sum y [m, N] instead (``_out_types``: one split, or counters)."""
+  sum y [m, N] instead (``_out_types``: one split, or counters); with ``part_rows``, [split, m, N] f32."""
   n = w.shape[0]
   tiles = n // plan.bm
   steps = w.shape[1] // BLOCK // plan.split
@@ -535,9 +570,9 @@ def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: 
   lean = lean and not a_smem  # (the SMEM-A form — interpret mode's — keeps the automatic barriers: a_s is rewritten)
   return mgpu_kernel(
       functools.partial(_fp8_linear_kernel, mp=mp, plan=plan, tiles=tiles, steps=steps, dq=dq, fused_sum=fused,
-                        rows=rows, scales_first=scales_first, lean=lean, tc05=tc05),
+                        rows=rows, scales_first=scales_first, lean=lean, tc05=tc05, part_rows=part_rows),
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean),
-      out_type=_out_types(plan.split, n, mp, m, rows_dtype),
+      out_type=_out_types(plan.split, n, mp, m, rows_dtype, part_rows),
       grid=(tiles * plan.split,),
       grid_names=("t",),
       kernel_name=name,
@@ -548,6 +583,7 @@ def _fp8_launch(x_rows, w, scale_inv, *, mp: int, plan: Plan, dq: bool, a_smem: 
           *a_scratch,
           *(_tc_scratch(plan.bm, mp) if tc05 else []),
           *([plgpu.SMEM((m, plan.bm), rows_dtype)] if rows else []),
+          *([plgpu.SMEM((m, plan.bm), jnp.float32)] if part_rows else []),
       ],
   )(x_rows, w, scale_inv.astype(jnp.float32), *((counters,) if fused else ()))
 
@@ -597,11 +633,11 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jn
   return fp8_linear_q(xq, s, m, w, scale_inv, out_dtype=out_dtype, plan=plan)
 
 
-@kernel_entry("out_dtype", "plan", "a_from", "dq_dtype", "scales_first", "lean", "mma")
+@kernel_entry("out_dtype", "plan", "a_from", "dq_dtype", "scales_first", "lean", "mma", "part_rows")
 def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype=jnp.float32,
                   plan: Plan | None = None, a_from: str | None = None, counters=None,
                   dq_dtype: str = "bfloat16", scales_first: bool = False, lean: bool = False,
-                  mma: str = "wgmma") -> jax.Array:
+                  mma: str = "wgmma", part_rows: bool = False) -> jax.Array:
   """y = x @ dequant(w).T like :func:`fp8_linear` (same signature and reference), with the activations kept in
   bf16: no activation quantisation (fp8_linear's amax reduction + hi/lo quantisation: two XLA kernels of ~1.1 µs
   before every call, BENCHMARKS.md session 24) and bf16 · e4m3 products that are exact (hi/lo: ~9 significant
@@ -626,14 +662,19 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   hand; the same sums, bit for bit. The SMEM-A form (a_from "smem") ignores it.
 
   ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell: the module docstring; A through SMEM, token rows padded to 16,
-  128-row tiles — N % 128 == 0 — and the automatic barriers: ``a_from`` and ``lean`` do not apply)."""
+  128-row tiles — N % 128 == 0 — and the automatic barriers: ``a_from`` and ``lean`` do not apply).
+
+  ``part_rows`` (2 .. ROWS_OUT_MAX token rows, the K splits summed by XLA): each split's partial written as the
+  token rows [split, M, N] (one masked row sum per row, as the rows form) instead of the accumulator's [split, N,
+  mp] — XLA's sum then reads rows and needs no transpose: one fusion with the cast where [split, N, mp] took a
+  reduction and a transposing convert (two kernels after every call at q = 4). The same sums."""
   m = x.shape[0]
   dt = _dq_dtype(dq_dtype, "fp8_dq_linear")
   tc05 = check_mma(mma, "fp8_dq_linear")
   if m > 64:
     return jnp.concatenate([fp8_dq_linear(x[i:i + 64], w, scale_inv, out_dtype=out_dtype, plan=plan,
                                           a_from=a_from, counters=counters, dq_dtype=dq_dtype,
-                                          scales_first=scales_first, lean=lean, mma=mma)
+                                          scales_first=scales_first, lean=lean, mma=mma, part_rows=part_rows)
                             for i in range(0, m, 64)], axis=0)
   n, k = w.shape
   if x.shape[1] != k or w.dtype != F8:
@@ -647,15 +688,17 @@ def fp8_dq_linear(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, out_dtype
   if tc05 and plan.bm != MMA_BM[mma]:
     raise ValueError(f"fp8_dq_linear: mma='tcgen05' needs {MMA_BM[mma]}-row tiles, plan has bm={plan.bm}")
   counters, rows = _fused_form(counters, plan.split, n // plan.bm, m, "fp8_dq_linear")
+  # (the fused form's rows, where it writes them, take precedence: no XLA sum at all)
+  part_rows = _check_part_rows(part_rows, m, "fp8_dq_linear") and counters is None and not rows
   # x as it is where it can be (_tma_rows): the kernel's TMA reads mp rows and fills the rows past m with zeros
   # (no XLA pad kernel in front of every call: 135 of them per step at q = 1, ~300 at q = 4, ~1.2 µs each on the
   # H200, session 26)
   out = _fp8_launch(_tma_rows(_act(x, dt), mp), w, scale_inv, mp=mp, plan=plan, dq=True, a_smem=a_smem,
                     name="glm5_fp8_dq_linear", counters=counters, m=m, rows_dtype=out_dtype if rows else None,
-                    scales_first=scales_first, lean=lean, tc05=tc05)
+                    scales_first=scales_first, lean=lean, tc05=tc05, part_rows=part_rows)
   if rows:
     return _rows_result(out, plan.split)
-  return _split_sum(out, m, counters is not None).astype(out_dtype)
+  return _split_sum(out, m, counters is not None, part_rows).astype(out_dtype)
 
 
 def dequantize_fp8(w: jax.Array, scale_inv: jax.Array) -> jax.Array:
@@ -676,14 +719,15 @@ def fp8_linear_reference(x: jax.Array, w: jax.Array, scale_inv: jax.Array, *, ou
 # BF16 linear
 # ------------------------------------------------------------------------------------------------------------
 def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int, fused_sum: bool = False,
-                        rows: bool = False, tc05: bool = False):
+                        rows: bool = False, tc05: bool = False, part_rows: bool = False):
   """One CTA = (row tile, K split); a single accumulator over the CTA's K range; writes o[split, rows, :mp].
   When bm does not divide N the last tile starts at N - bm (overlapping its neighbour, which writes the same
   values there): no out-of-bounds TMA box, the output keeps N rows; the offset stays a multiple of 8 rows, as
   the tiled SMEM copy needs, because N is. ``fused_sum``: refs start with the split-K counters; ``rows``: the sum
   written as token rows (``_split_out``, ``_out_refs``). ``tc05``: the tcgen05 form — the CTA's K range accumulated
-  in TMEM, each MMA arriving on its slot's barrier when done (scratch: ``_tc_scratch`` with a barrier a slot)."""
-  ctr_g, o_ref, y, (w_s, x_s, bar, *tc) = _out_refs(refs, fused_sum, plan.split, rows)
+  in TMEM, each MMA arriving on its slot's barrier when done (scratch: ``_tc_scratch`` with a barrier a slot).
+  ``part_rows``: the partials as token rows [split, m, N] (``_out_refs``)."""
+  ctr_g, o_ref, y, (w_s, x_s, bar, *tc) = _out_refs(refs, fused_sum, plan.split, rows, part_rows)
   bm, bk, stages = plan.bm, plan.bk, plan.stages
   n = w_ref.shape[0]
   t = lax.axis_index("t")
@@ -738,9 +782,9 @@ def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int,
   _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split, rows=y)
 
 
-@kernel_entry("out_dtype", "plan", "x_prefix", "mma")
+@kernel_entry("out_dtype", "plan", "x_prefix", "mma", "part_rows")
 def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan | None = None,
-                x_prefix: bool = False, counters=None, mma: str = "wgmma") -> jax.Array:
+                x_prefix: bool = False, counters=None, mma: str = "wgmma", part_rows: bool = False) -> jax.Array:
   """y = x @ w.T for a BF16 weight (skinny GEMM: KDA projections, lm_head).
 
   Args:
@@ -751,7 +795,7 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   Needs K % 128 == 0, N % 8 == 0 and N >= 64 (e.g. the KDA layer's f_a | g_a | b, 272 rows).
   ``counters``: the K splits summed in the kernel (and the rows written by it), as :func:`fp8_dq_linear`'s.
   ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell: 128-row tiles — N >= 128 — token rows padded to 16; the
-  module docstring).
+  module docstring). ``part_rows``: the K splits' partials as token rows, as :func:`fp8_dq_linear`'s.
   """
   tc05 = check_mma(mma, "bf16_linear")
   m, kx = x.shape
@@ -762,7 +806,8 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
     x = x[:, :k]
   if m > 64:
     return jnp.concatenate([bf16_linear(x[i:i + 64], w, out_dtype=out_dtype, plan=plan, x_prefix=x_prefix,
-                                        counters=counters, mma=mma) for i in range(0, m, 64)], axis=0)
+                                        counters=counters, mma=mma, part_rows=part_rows)
+                            for i in range(0, m, 64)], axis=0)
   n_min = MMA_BM.get(mma, 64)
   if n % 8 or n < n_min or k % 128:
     raise NotImplementedError(f"bf16_linear (mma={mma}) needs K % 128 == 0, N % 8 == 0 and N >= {n_min}, "
@@ -775,11 +820,12 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   steps = k // plan.bk // plan.split
   xp = _tma_rows(x.astype(jnp.bfloat16), mp)  # (the kernel's TMA zero-fills the rows up to mp)
   counters, rows = _fused_form(counters, plan.split, tiles, m, "bf16_linear")
+  part_rows = _check_part_rows(part_rows, m, "bf16_linear") and counters is None and not rows
   kernel = functools.partial(_bf16_linear_kernel, plan=plan, tiles=tiles, steps=steps,
-                             fused_sum=counters is not None, rows=rows, tc05=tc05)
+                             fused_sum=counters is not None, rows=rows, tc05=tc05, part_rows=part_rows)
   out = mgpu_kernel(
       kernel,
-      out_type=_out_types(plan.split, n, mp, m, out_dtype if rows else None),
+      out_type=_out_types(plan.split, n, mp, m, out_dtype if rows else None, part_rows),
       grid=(tiles * plan.split,),
       grid_names=("t",),
       kernel_name="glm5_bf16_linear",
@@ -789,11 +835,12 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
           plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),
           *(_tc_scratch(plan.bm, mp, plan.stages) if tc05 else []),
           *([plgpu.SMEM((m, plan.bm), out_dtype)] if rows else []),
+          *([plgpu.SMEM((m, plan.bm), jnp.float32)] if part_rows else []),
       ],
   )(xp, w.astype(jnp.bfloat16), *(() if counters is None else (counters,)))
   if rows:
     return _rows_result(out, plan.split)
-  return _split_sum(out, m, counters is not None).astype(out_dtype)
+  return _split_sum(out, m, counters is not None, part_rows).astype(out_dtype)
 
 
 def bf16_linear_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, x_prefix: bool = False) -> jax.Array:
@@ -1116,7 +1163,7 @@ def router_scratch(E: int):
 def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: int, shared: bool, table_k: int,
                      dq: bool = False, a_smem: bool = False, fused_sum: bool = False, rows: bool = False,
                      slot_weights: bool = False, n_valid: int = 0, stage_table: bool = False, lean: bool = False,
-                     tc05: bool = False):
+                     tc05: bool = False, part_rows: bool = False):
   """One CTA = (bm hidden rows, expert group g): o[g, rows, :mp] = sum over slots s = g, g+G, ... < n_valid and
   over I blocks of down_e[s][rows, blk] @ hq[s, :, blk].T (hi + lo/16) * block scale. Dynamic trip count.
   ``shared``: slot 0 is the shared expert (its own refs wds/sds). ``table_k``: as ``_slot_expert`` (the k ids
@@ -1136,7 +1183,7 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
   hq_ref, eids_ref, nvalid_ref, wd_ref, sd_ref = refs[:5]
   wds_ref, sds_ref = refs[5:7] if shared else (None, None)
   rw_ref = refs[n_in - 1] if slot_weights else None
-  ctr_g, o_ref, y, rest = _out_refs(refs[n_in:], fused_sum, groups, rows)
+  ctr_g, o_ref, y, rest = _out_refs(refs[n_in:], fused_sum, groups, rows, part_rows)
   a_s = rest.pop() if a_smem else None
   tc, t_s = None, None
   if tc05:
@@ -1711,13 +1758,13 @@ def _swiglu_of_splits(out, m: int, split: int, limit: float):
 
 
 @kernel_entry("swiglu_limit", "plan", "dq", "a_from", "route_kernel", "out_dtype", "dq_dtype", "router_select",
-              "static_table", "writer_cta", "lean", "mma", "one_grid", "h_rows")
+              "static_table", "writer_cta", "lean", "mma", "one_grid", "h_rows", "part_rows")
 def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
             plan: MoePlan | None = None, shared=None, dq: bool = False, a_from: str | None = None,
             route_kernel: bool = False, tables=None, counters=None, out_dtype=jnp.float32,
             dq_dtype: str = "bfloat16", router: tuple | None = None, router_select: tuple | None = None,
             static_table: bool = False, writer_cta: bool = False, lean: bool = False, mma: str = "wgmma",
-            one_grid: int | None = None, h_rows: bool = False):
+            one_grid: int | None = None, h_rows: bool = False, part_rows: bool = False):
   """Routed experts of a few decode tokens with FP8 128x128 block-scaled weights.
 
   Args:
@@ -1772,6 +1819,9 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       gate/up kernel writes h's rows itself — the clamped SwiGLU times the routing weights, in bf16 (f16) — as the
       down kernel's input (``_gate_up_rows``), instead of XLA's glue fusion between the two kernels (policy knob
       moe_h_rows; ``h_rows_why`` says where it cannot run). The down kernel's groups are still summed by XLA.
+    part_rows: up to ROWS_OUT_MAX token rows, the down kernel's groups summed by XLA (no counters): each group's
+      partial written as token rows [groups, M, D] (as :func:`fp8_dq_linear`'s): XLA's sum and the cast after it
+      are one fusion.
   Returns:
     y: [M, D] out_dtype = sum_j topk_weights[m, j] * down_e(silu(min(gate_e x, L)) * clip(up_e x, -L, L)),
     e = topk_ids[m, j].
@@ -1974,6 +2024,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
     dn_eids = eids.reshape(n_pad // 8, 8)
   # (the activations' scale sh: 1 with dq, which the rows form needs — it writes the sum as it is)
   ctr, rows = _fused_form(counters if dq else None, plan.dn_groups, dn_tiles, m, "fp8_moe")
+  part_rows = _check_part_rows(part_rows, m, "fp8_moe") and ctr is None and not rows
   slot_w = gu_rows and router is not None  # (h unweighted: the router's weights scale the down products)
   # static_table: the row's ids and weights into SMEM by one TMA each (16-byte multiples: k % 4 == 0)
   stage = bool(nv_static) and table_k % 4 == 0
@@ -1984,20 +2035,21 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
       functools.partial(_moe_down_kernel, mp=mp, bm=plan.dn_bm, stages=plan.dn_stages, tiles=dn_tiles,
                         groups=plan.dn_groups, shared=has_sh, table_k=table_k, dq=dq, a_smem=a_smem,
                         fused_sum=ctr is not None, rows=rows, slot_weights=slot_w, n_valid=nv_static,
-                        stage_table=stage, lean=lean_k, tc05=tc05),
+                        stage_table=stage, lean=lean_k, tc05=tc05, part_rows=part_rows),
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=lean_k),
-      out_type=_out_types(plan.dn_groups, d, mp, m, out_dtype if rows else None),
+      out_type=_out_types(plan.dn_groups, d, mp, m, out_dtype if rows else None, part_rows),
       grid=(dn_tiles * plan.dn_groups,),
       grid_names=("t",),
       kernel_name="glm5_moe_down",
       scratch_types=ring + ids_scratch + tc_tiles(plan.dn_bm) + a_tile(plan.dn_bm) + (
-          [plgpu.SMEM((m, plan.dn_bm), out_dtype)] if rows else []),
+          [plgpu.SMEM((m, plan.dn_bm), out_dtype)] if rows else []) + (
+          [plgpu.SMEM((m, plan.dn_bm), f32)] if part_rows else []),
   )(hq, dn_eids, n_valid, w_down, s_down.astype(f32), *sh_dn, *((rw,) if slot_w else ()),
     *(() if ctr is None else (ctr,)))
   if rows:
     y = _rows_result(out, plan.dn_groups)
     return (y, topk_ids, rw) if router is not None else y
-  y = (_split_sum(out, m, ctr is not None) * sh).astype(out_dtype)
+  y = (_split_sum(out, m, ctr is not None, part_rows) * sh).astype(out_dtype)
   return (y, topk_ids, rw) if router is not None else y
 
 

@@ -732,17 +732,20 @@ def test_compact_chunked_interpret(R, N, k, max_keys, n_tail, balanced):
 
 
 def test_compact_chunked_plan_and_refusals():
-  """The plan: the fewest chunks of at most THRESHOLD_MAX_KEYS (128K: 2, 1M: 16), the candidates within one
-  chunk; past that (C · k > THRESHOLD_MAX_KEYS: ~2.3M tokens of context at k = 512) None, and the call refuses it
-  naming the sizes."""
+  """The plan: by default balanced chunks (C ~ sqrt(n / k): 128K 8 of 4,224, about as long as the 4,096
+  candidates; 1M 23), else the fewest chunks of at most THRESHOLD_MAX_KEYS (128K: 2, 1M: 16), the candidates within
+  one chunk; past that (C · k > THRESHOLD_MAX_KEYS: ~2.3M tokens of context at k = 512) None, and the call refuses
+  it naming the sizes."""
   M = I.THRESHOLD_MAX_KEYS
-  assert I.chunked_select_plan(32832, 512) == (2, 16512)
-  C, W = I.chunked_select_plan(262208, 512)
+  assert I.chunked_select_plan(32832, 512, balanced=False) == (2, 16512)
+  C, W = I.chunked_select_plan(262208, 512, balanced=False)
   assert C == 16 and W <= M and W % I.THRESHOLD_LANES == 0 and C * W >= 262208
-  assert I.chunked_select_plan(M // 512 * M, 512) == (M // 512, M)
+  assert I.chunked_select_plan(M // 512 * M, 512, balanced=False) == (M // 512, M)
   assert I.chunked_select_plan(M // 512 * M + 1, 512) is None
-  assert I.chunked_select_plan(32832, 512, balanced=True) == (8, 4224)  # (about as long as the 4,096 candidates)
-  assert I.chunked_select_plan(M // 512 * M, 512, balanced=True) == (M // 512, M)
+  assert I.chunked_select_plan(32832, 512) == (8, 4224)
+  C, W = I.chunked_select_plan(262208, 512)
+  assert C == 23 and W <= M and W % I.THRESHOLD_LANES == 0 and C * W >= 262208
+  assert I.chunked_select_plan(M // 512 * M, 512) == (M // 512, M)
   sc, ts = SDS((1, M * 40), jnp.float32), SDS((1,), jnp.int32)
   with pytest.raises(ValueError, match=r"topk_compact_chunked: k = 512 of N = 696320 keys .* must fit one chunk"):
     jax.eval_shape(functools.partial(I.topk_compact_chunked, k=512, kpool=4, n_tail=3, width=2112), sc, ts, ts)

@@ -301,6 +301,53 @@ def test_linear_rows_form_interpret(m, out_dtype):
   assert_close(got[1], L.bf16_linear_reference(x[:, :384], wb), "kernel_bf16")
 
 
+@pytest.mark.parametrize("m,split", [(2, 3), (5, 2), (8, 1)])
+def test_linear_part_rows_interpret(m, split):
+  """part_rows (policy linear_part_rows): each K split's partial written as the token rows [split, M, N] instead of
+  the accumulator's [split, N, mp], so XLA's sum needs no transpose — the same numbers: FP8 (dq) and BF16 (an N the
+  row tile does not divide: the overlapping last tile writes the same values) bit-identical to the transposing
+  form, and within the kernels' tolerance of the references; past ROWS_OUT_MAX rows it is refused by name."""
+  ks = jax.random.split(jax.random.key(330 + m), 3)
+  w, s = quantize_fp8_blocks(ks[0], (192, 768))
+  wb = (jax.random.normal(ks[1], (136, 768), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  x = jax.random.normal(ks[2], (m, 768), jnp.float32).astype(jnp.bfloat16)
+  p8 = L.plan_linear(192, 768, L._padded_rows(m), "fp8dq", split=split, stages=2)
+  pb = L.plan_linear(136, 768, L._padded_rows(m), "bf16", split=split)
+
+  def both(part):
+    return (L.fp8_dq_linear(x, w, s, plan=p8, out_dtype=jnp.bfloat16, part_rows=part),
+            L.bf16_linear(x, wb, plan=pb, part_rows=part))
+
+  with maybe_interpret():
+    got, want = jax.jit(lambda: both(True))(), jax.jit(lambda: both(False))()
+    with pytest.raises(ValueError, match=r"bf16_linear: part_rows with 9 token rows; expected at most 8"):
+      L.bf16_linear(jnp.zeros((9, 768), jnp.bfloat16), wb, part_rows=True)
+  for g, w_ in zip(got, want):
+    assert g.shape == w_.shape == (m, g.shape[1]) and g.dtype == w_.dtype
+    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w_.astype(jnp.float32)))
+  assert np.abs(np.asarray(got[1])).max() > 0
+  assert_close(got[0], L.fp8_linear_reference(x, w, s), "kernel_bf16")
+  assert_close(got[1], L.bf16_linear_reference(x, wb), "kernel_bf16")
+
+
+def test_fp8_moe_part_rows_interpret():
+  """fp8_moe(part_rows=True): the down kernel's expert groups written as token rows [groups, M, D] (with h_rows, the
+  verify's form at a few rows) — bit-identical to the transposing form, and within tolerance of the reference."""
+  m, e, i, d, k = 3, 12, 256, 384, 2
+  args = moe_inputs(jax.random.key(340), m, e, i, d, k)
+  sh = _shared_expert(jax.random.key(341), i, d)
+  n_slots = min(e, m * k) + 1
+  plan = L.plan_moe(n_slots, i, d, 8, gu_split=1)
+  assert plan.dn_groups > 1, plan
+  moe = functools.partial(L.fp8_moe, swiglu_limit=1.0, dq=True, shared=sh, plan=plan, h_rows=True)
+  with maybe_interpret(True):
+    y0 = jax.jit(moe)(*args)
+    y1 = jax.jit(functools.partial(moe, part_rows=True))(*args)
+  assert np.abs(np.asarray(y1)).max() > 0
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+  assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=1.0, shared=sh), "kernel_bf16")
+
+
 @pytest.mark.parametrize("m,e,k,shared,bad_id", [
     (1, 6, 2, True, False),  # a static slot table: the router's weights read by the gate/up kernel
     (1, 6, 3, False, True),  # ... an out-of-range id masked there (weight 0), as the XLA glue masks it
@@ -775,6 +822,31 @@ def test_fp8_moe_h_rows_cross_lowers():
   assert gate_up and all(re.search(r"-> tensor<\d+x4x512xbf16>", ln) for ln in gate_up), gate_up
 
 
+def test_part_rows_cross_lower():
+  """part_rows at the real rank's verify shapes (4 token rows) lowers for CUDA, the partials as token rows: the KDA
+  o_proj's BF16 kernel, the DSA o_proj's FP8 kernel and the MoE's down kernel (h_rows: the defaults' form)."""
+  m = 4
+  n, k = BF16_SHAPES["kda_o"]
+  low = cross_lower(lambda x, w: L.bf16_linear(x, w, part_rows=True), SDS((m, k), jnp.bfloat16),
+                    SDS((n, k), jnp.bfloat16)).as_text()
+  assert re.search(rf"glm5_bf16_linear.*-> tensor<\d+x{m}x{n}xf32>", low), low[-2000:]
+  n, k = FP8_SHAPES["mla_o"]
+  low = cross_lower(lambda x, w, s: L.fp8_dq_linear(x, w, s, out_dtype=jnp.bfloat16, part_rows=True),
+                    SDS((m, k), jnp.bfloat16), SDS((n, k), F8), SDS((n // 128, k // 128), jnp.float32)).as_text()
+  assert re.search(rf"glm5_fp8_dq_linear.*-> tensor<\d+x{m}x{n}xf32>", low), low[-2000:]
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
+        SDS((i // 128, d // 128), jnp.float32), SDS((d, i), F8), SDS((d // 128, i // 128), jnp.float32))
+  low = cross_lower(lambda x, ids, w, *a: L.fp8_moe(x, ids, w, *a[:6], swiglu_limit=10.0, shared=a[6:], dq=True,
+                                                     h_rows=True, part_rows=True),
+                    SDS((m, d), jnp.bfloat16), SDS((m, k), jnp.int32), SDS((m, k), jnp.float32),
+                    SDS((e, i, d), F8), SDS((e, i // 128, d // 128), jnp.float32), SDS((e, i, d), F8),
+                    SDS((e, i // 128, d // 128), jnp.float32), SDS((e, d, i), F8),
+                    SDS((e, d // 128, i // 128), jnp.float32), *sh).as_text()
+  down = [ln for ln in low.splitlines() if "@mosaic_gpu_v2" in ln and "glm5_moe_down" in ln]
+  assert down and all(re.search(rf"-> tensor<\d+x{m}x{d}xf32>", ln) for ln in down), down
+
+
 def test_moe_one_grid_why():
   """one_grid_why (the model's site asks it before taking moe_one_grid): the real rank's MoE fits; more token rows,
   too many slots for a bank, or CTAs that could not all be resident are named with their numbers."""
@@ -1083,6 +1155,34 @@ def test_fp8_dq_linear_fused_sum_gpu(m):
     w, s = quantize_fp8_blocks(kw, (n, k), 0.02)
     cases.append((name, (jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16), w, s)))
   check_fused_sum_gpu(L.fp8_dq_linear, cases, L.fp8_linear_reference, "kernel_f32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [4, 8])
+def test_part_rows_gpu(m):
+  """part_rows natively (policy linear_part_rows) at the verify's token rows: every BF16 shape but the lm_head's and
+  every FP8 shape, bit for bit the transposing form's sums (the same partials, summed by XLA in the same order),
+  and the MoE's down groups (h_rows) the same."""
+  for i, (name, (n, k)) in enumerate({**BF16_SHAPES, **FP8_SHAPES}.items()):
+    if name == "lm_head":
+      continue
+    kw, kx = jax.random.split(jax.random.key(350 + 16 * m + i))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    if name in BF16_SHAPES:
+      w = (jax.random.normal(kw, (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
+      f = lambda p, x=x, w=w: L.bf16_linear(x, w, part_rows=p)  # noqa: E731
+    else:
+      w, s = quantize_fp8_blocks(kw, (n, k))
+      f = lambda p, x=x, w=w, s=s: L.fp8_dq_linear(x, w, s, out_dtype=jnp.bfloat16, part_rows=p)  # noqa: E731
+    got, want = jax.jit(lambda: f(True))(), jax.jit(lambda: f(False))()
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name)
+  e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
+  args = moe_inputs(jax.random.key(360 + m), m, e, i, d, k)
+  sh = _shared_expert(jax.random.key(361), i, d)
+  moe = functools.partial(L.fp8_moe, swiglu_limit=10.0, dq=True, shared=sh, h_rows=True)
+  y1, y0 = jax.jit(functools.partial(moe, part_rows=True))(*args), jax.jit(moe)(*args)
+  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+  assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
 
 
 @pytest.mark.gpu

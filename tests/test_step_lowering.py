@@ -244,12 +244,18 @@ def test_moe_one_grid_reaches_the_steps_moe():
   # policy knob moe_h_rows (on since session 61): the 4-row MoE calls (the trunk's 2 and the MTP layer's over the verified rows;
   # 17 slots x 8 tiles fill the SMs: one D split) write h's rows in their gate/up kernel (the draft's one-row calls
   # select in the kernel: their own rows form, the one grid)
-  dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("moe_h_rows", True),)),
+  # and linear_part_rows (off by default): every 4-row weight-streaming site that XLA sums (the KDA, DSA and dense
+  # linears, the 4-row MoE calls' down kernels, the router logits, the head); not the draft's one-row calls
+  dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,),
+                                    policy=(("moe_h_rows", True), ("linear_part_rows", True))),
                 backend="latency_specialized")
   with dec.kernel_mode(interpret=False):
     dec.trace_step(1, params, interpret=False)
-  rep = dec.kernel_sites(1)["moe_h_rows"]
+  sites = dec.kernel_sites(1)
+  rep = sites["moe_h_rows"]
   assert rep["sites"] == 3 and not rep["not_used"], rep
+  rep = sites["linear_part_rows"]
+  assert rep["sites"] >= 10 and all("token rows (2 to 8" in why for why in rep["not_used"]), rep
 
 
 def _census(tmp_path, *args):
