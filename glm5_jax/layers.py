@@ -355,8 +355,11 @@ KNOBS = {
         "(pallas_kernels.linear part_rows=True: one masked row sum per row, as the fused rows form) instead of the "
         "accumulator's [split, N, mp] — XLA's sum then needs no transpose, and the sum and the cast after it are "
         "one fusion where the transposing form took a reduction and a transposing convert (two kernels after the "
-        "KDA o_proj, the DSA layer's q_b / o_proj, the dense MLP and every MoE layer at q = 4; compile-only census: "
-        "BENCHMARKS.md session 66). The same sums. Off until measured on a GPU"),
+        "KDA o_proj, the DSA layer's q_b / o_proj, the dense MLP and every MoE layer at q = 4). The same partials "
+        "(XLA sums them in another order on the GPU: f32 rounding apart). Compile-only census of the one-rank step "
+        "at q = 4: 1,377 -> 1,269 kernels, critical path 1,002 -> 898; measured a tie on an H100 (its first 32 "
+        "layers, q = 4, 5 interleaved repeats, session 66: 6.56 -> 6.57 ms with 1,071 -> 950 kernels, critical path "
+        "749 -> 665 — XLA's small sums overlap the chain) — off"),
     "moe_writer_cta": (True,
         "with moe_router_in_kernel and moe_router_ranks: the router's writer — the CTA that selects all k experts "
         "with their weights and stores them — is one extra CTA of the MoE's gate/up kernel that does nothing else "

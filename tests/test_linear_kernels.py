@@ -1161,8 +1161,9 @@ def test_fp8_dq_linear_fused_sum_gpu(m):
 @pytest.mark.parametrize("m", [4, 8])
 def test_part_rows_gpu(m):
   """part_rows natively (policy linear_part_rows) at the verify's token rows: every BF16 shape but the lm_head's and
-  every FP8 shape, bit for bit the transposing form's sums (the same partials, summed by XLA in the same order),
-  and the MoE's down groups (h_rows) the same."""
+  every FP8 shape (f32 out), within f32 rounding of the transposing form's sums — the same partials, which XLA on
+  the GPU sums in another order over the other layout (session 66: up to 4.8e-7 apart, not bit for bit as in
+  interpret mode) — and the MoE's down groups (h_rows) the same."""
   for i, (name, (n, k)) in enumerate({**BF16_SHAPES, **FP8_SHAPES}.items()):
     if name == "lm_head":
       continue
@@ -1173,15 +1174,16 @@ def test_part_rows_gpu(m):
       f = lambda p, x=x, w=w: L.bf16_linear(x, w, part_rows=p)  # noqa: E731
     else:
       w, s = quantize_fp8_blocks(kw, (n, k))
-      f = lambda p, x=x, w=w, s=s: L.fp8_dq_linear(x, w, s, out_dtype=jnp.bfloat16, part_rows=p)  # noqa: E731
+      f = lambda p, x=x, w=w, s=s: L.fp8_dq_linear(x, w, s, part_rows=p)  # noqa: E731
     got, want = jax.jit(lambda: f(True))(), jax.jit(lambda: f(False))()
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name)
+    assert got.shape == want.shape == (m, n) and np.abs(np.asarray(got)).max() > 0, name
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), err_msg=name, **tol("kernel_f32"))
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   args = moe_inputs(jax.random.key(360 + m), m, e, i, d, k)
   sh = _shared_expert(jax.random.key(361), i, d)
   moe = functools.partial(L.fp8_moe, swiglu_limit=10.0, dq=True, shared=sh, h_rows=True)
   y1, y0 = jax.jit(functools.partial(moe, part_rows=True))(*args), jax.jit(moe)(*args)
-  np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+  assert_close(y1, y0, "kernel_f32")
   assert_close(y1, L.fp8_moe_reference(*args, swiglu_limit=10.0, shared=sh), "kernel_bf16")
 
 
