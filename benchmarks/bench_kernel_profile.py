@@ -115,6 +115,11 @@ def cases(names):
     if "compact_fused" in names:  # its CTAs finding the threshold themselves (topk_compact_fused)
       cf = jax.jit(lambda v, p: I.topk_compact(v, None, None, (p + 1) // 4 * 4, p, **kw))
       out["compact_fused"] = lambda: cf(sc, pos)
+  # the sparse MLA attention (one TP4 rank's 16 heads, 2,051 selected positions of a 32K cache, pooled index
+  # lists as the indexer gives them): B x T query rows — mla_1x4 the verify at B = 1, mla_8x4 the batch case
+  # (32 rows: ~90 µs, 9x its gathered bytes on an H100, session 66's bench_dsa_layer)
+  for name in [n for n in names if n.startswith("mla_")]:
+    out[name] = _mla_case(*(int(v) for v in name[4:].split("x")))
   if "mhc" in names:
     margs, consts = mhc_inputs(1)
     h = jax.jit(lambda a: km.mhc_post_finish(*a, **consts, approx_math=True))
@@ -129,6 +134,23 @@ def cases(names):
                                                counters=km.barrier_counters()))
     out["mhc_row_lean"] = lambda: hl(margs)
   return out
+
+
+def _mla_case(B: int, T: int, S: int = 32768, H: int = 16, W: int = 2051):
+  """sparse_mla_decode over random FP8 cache rows and pooled index lists (the indexer's 512 pools of 4 + the tail;
+  each query token its own list) -> a function of no arguments running it once."""
+  from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
+  key = jax.random.key(11)
+  k1, k2, k3 = jax.random.split(key, 3)
+  cache = ks.quantize_latent(jax.random.normal(k1, (B, S, ks.D_LATENT), jnp.float32).astype(jnp.bfloat16))
+  q = jax.random.normal(k2, (B, T, H, ks.D_LATENT), jnp.float32)
+  pools = jax.vmap(lambda k: jax.random.choice(k, S // 4 - 1, (512,), replace=False))(
+      jax.random.split(k3, B * T)).reshape(B, T, 512)
+  tok = (jnp.sort(pools, -1)[..., None] * 4 + jnp.arange(4)).reshape(B, T, 2048)
+  tail = jnp.broadcast_to(S - 3 + jnp.arange(3), (B, T, 3))
+  idx = jnp.concatenate([tok, tail], -1).astype(jnp.int32)[..., :W]
+  f = jax.jit(lambda q, c, i: ks.sparse_mla_decode(q, c, i, softmax_scale=1 / 16, combine="kernel", lean=True))
+  return lambda: f(q, cache, idx)
 
 
 def regions(trace):

@@ -405,34 +405,40 @@ def _mla_kernel(nbs: int, hn: int):
       def _():
         issue(k + 1, 1 - slot)
 
-      plgpu.barrier_wait(gbar.at[slot])
-      # Warpgroup barrier: every warp is done with the previous block's PV wgmma before c16_s is overwritten.
-      plgpu.commit_smem()
-      _dequant_block(c32_s.at[slot], c16_s)
-      plgpu.commit_smem()
+      # (named scopes: the regions benchmarks/bench_kernel_profile.py times — a no-op unless profiling)
+      with jax.named_scope("gather"):
+        plgpu.barrier_wait(gbar.at[slot])
+      with jax.named_scope("dequant"):
+        # Warpgroup barrier: every warp is done with the previous block's PV wgmma before c16_s is overwritten.
+        plgpu.commit_smem()
+        _dequant_block(c32_s.at[slot], c16_s)
+        plgpu.commit_smem()
 
       def qk(acc):
         plgpu.wgmma(acc, c16_s, q_s.T)
         return acc[...]
 
-      st = pl.run_scoped(qk, plgpu.ACC((BLOCK, hn), jnp.float32))  # S^T [keys, heads]
-      iv = plgpu.load(idx_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False)
-      valid = lax.broadcast_in_dim(iv >= 0, (BLOCK, hn), (0,))
-      st = jnp.where(valid, st * qmul, _NEG)  # base-2 logits
-      m_new = plgpu.layout_cast(jnp.maximum(m, st.max(axis=0)), _L.WGMMA.reduce(0))
-      alpha = jnp.exp2(m - m_new)
-      p = plgpu.layout_cast(jnp.exp2(st - lax.broadcast_in_dim(m_new, (BLOCK, hn), (1,))), _L.WGMMA)
-      l = plgpu.layout_cast(l * alpha + p.sum(axis=0), _L.WGMMA.reduce(0))
-      o = plgpu.layout_cast(o * lax.broadcast_in_dim(alpha, o.shape, (1,)), _L.WGMMA)
-      p_s[...] = plgpu.layout_cast(p.astype(jnp.float16), _L.WGMMA)
-      plgpu.commit_smem()
+      with jax.named_scope("qk"):
+        st = pl.run_scoped(qk, plgpu.ACC((BLOCK, hn), jnp.float32))  # S^T [keys, heads]
+      with jax.named_scope("softmax"):
+        iv = plgpu.load(idx_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False)
+        valid = lax.broadcast_in_dim(iv >= 0, (BLOCK, hn), (0,))
+        st = jnp.where(valid, st * qmul, _NEG)  # base-2 logits
+        m_new = plgpu.layout_cast(jnp.maximum(m, st.max(axis=0)), _L.WGMMA.reduce(0))
+        alpha = jnp.exp2(m - m_new)
+        p = plgpu.layout_cast(jnp.exp2(st - lax.broadcast_in_dim(m_new, (BLOCK, hn), (1,))), _L.WGMMA)
+        l = plgpu.layout_cast(l * alpha + p.sum(axis=0), _L.WGMMA.reduce(0))
+        o = plgpu.layout_cast(o * lax.broadcast_in_dim(alpha, o.shape, (1,)), _L.WGMMA)
+        p_s[...] = plgpu.layout_cast(p.astype(jnp.float16), _L.WGMMA)
+        plgpu.commit_smem()
 
       def pv(acc):
         plgpu.wgmma(acc, c16_s.T, p_s)
         return acc[...]
 
       # run_scoped + add (not run_state(ACC.init(o))): GPU interpret mode cannot run wgmma under run_state.
-      o = o + pl.run_scoped(pv, plgpu.ACC((D_LATENT, hn), jnp.float32))
+      with jax.named_scope("pv"):
+        o = o + pl.run_scoped(pv, plgpu.ACC((D_LATENT, hn), jnp.float32))
       return o, m_new, l
 
     o0 = plgpu.layout_cast(jnp.zeros((D_LATENT, hn), jnp.float32), _L.WGMMA)
@@ -440,8 +446,9 @@ def _mla_kernel(nbs: int, hn: int):
     l0 = plgpu.layout_cast(jnp.zeros((hn,), jnp.float32), _L.WGMMA.reduce(0))
     o, m, l = lax.fori_loop(0, nbs, block, (o0, m0, l0))
     # l >= 1 always (the running max contributes exp2(0)), so no division by zero even for an all-padding split.
-    o_g[bt, sp, :, pl.ds(hg * hn, hn)] = plgpu.layout_cast(o / lax.broadcast_in_dim(l, o.shape, (1,)), _L.WGMMA)
-    lse_g[bt, sp, pl.ds(hg * hn, hn)] = plgpu.layout_cast(m + jnp.log2(l), _L.WGMMA.reduce(0))
+    with jax.named_scope("store"):
+      o_g[bt, sp, :, pl.ds(hg * hn, hn)] = plgpu.layout_cast(o / lax.broadcast_in_dim(l, o.shape, (1,)), _L.WGMMA)
+      lse_g[bt, sp, pl.ds(hg * hn, hn)] = plgpu.layout_cast(m + jnp.log2(l), _L.WGMMA.reduce(0))
 
   return body
 
