@@ -346,9 +346,13 @@ def _dequant_block(c32_s, c16_s):
   f32. Byte plane k is scale group k; each row's scale k is its word 128 + k, taken by a masked row sum of the
   bits (one nonzero term: exact) and read back as f32 — no value transpose, one scale per plane (the
   interleaved packing before session 47 needed a select chain over the four groups for every word)."""
-  full = plgpu.load(c32_s, layout=_L.WGMMA, optimized=False)
+  with jax.named_scope("load"):  # (the sub-regions bench_kernel_profile times: session 66, dequant 4.5 µs a block)
+    full = plgpu.load(c32_s, layout=_L.WGMMA, optimized=False)
   for k in range(SCALES):  # (the scale words and 4 zero words: a tile-aligned slice, in _dequant_plane)
-    c16_s[:, pl.ds(k * WORDS, WORDS)] = plgpu.layout_cast(_dequant_plane(full, k).astype(jnp.float16), _L.WGMMA)
+    with jax.named_scope("convert"):
+      h = plgpu.layout_cast(_dequant_plane(full, k).astype(jnp.float16), _L.WGMMA)
+    with jax.named_scope("store"):
+      c16_s[:, pl.ds(k * WORDS, WORDS)] = h
 
 
 def _combine_tile(o_g, lse_g, out_g, bt, tile, ns: int):
