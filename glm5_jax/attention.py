@@ -645,8 +645,11 @@ class DSA(nnx.Module):
                             f"{B * T}) and dv a multiple of {dv_unit} (here {dv})")
         # lean_barriers: the attention, merge and W_UV kernels without Mosaic's automatic barriers
         lean = kernel_enabled("lean_barriers")
+        # mla_dequant_warpgroups: a second warpgroup per CTA converting half of each block's FP8 latent (Hopper)
+        wgs = 2 if kernel_enabled("mla_dequant_warpgroups", B * T, fits=not amma,
+                                  why="the tcgen05 form (Blackwell) has one warpgroup") else 1
         o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine,
-                                     transposed=uv, lean=lean, **amma)
+                                     transposed=uv, lean=lean, warpgroups=wgs, **amma)
         if uv:  # dq_f16: also in f16 for o_proj's f16 kernel (no conversion kernel between them)
           o = ks.mla_absorb_uv(o_lat, wkv, dn=dn, lean=lean, x16=f16_copies(B * T), **amma)
           o, o16 = o if isinstance(o, tuple) else (o, None)

@@ -349,6 +349,14 @@ KNOBS = {
         "(session 60: in-kernel waits were slower at q = 4). Natively correct (its GPU test on the H200, session "
         "61); the one-rank step at q = 4 (the full 45 layers, 5 interleaved repeats, s60e): 7.53 -> 7.42 ms, faster "
         "in 4 of 4 paired rounds; 43 launches fewer (1,420 -> 1,377) — on"),
+    "mla_dequant_warpgroups": (False,
+        "with sparse_mla on (Hopper's wgmma form): each attention CTA as two warpgroups, the second converting byte "
+        "planes 2-3 of every block of gathered FP8 latent rows to f16 while the first converts planes 0-1 and "
+        "runs the attention (pallas_kernels.sparse_mla.sparse_mla_decode(warpgroups=2), meeting at two mbarriers "
+        "a block). Session 66's in-kernel profile (H100, bench_kernel_profile mla_1x4 / mla_8x4): of a block's "
+        "~7.5 µs, the dequantisation 4.75 (its int / f16 / f32 arithmetic 3.4, the load 0.5, the stores 0.5) on "
+        "one warp per SM sub-partition; the attention at B = 1 is ~9.5 µs, at 32 query rows ~91. Bit for bit the "
+        "one-warpgroup kernel (interpret mode). Off until measured on a GPU"),
     "linear_part_rows": (False,
         "at 2..8 token rows (the verify's, B x q), where XLA sums a weight-streaming kernel's K splits (bf16_linear, "
         "fp8_dq_linear, the MoE's down groups): each split's partial written as the token rows [split, M, N] "

@@ -334,7 +334,7 @@ def _dequant_plane(full, k: int):
   return h.astype(jnp.float32) * scale
 
 
-def _dequant_block(c32_s, c16_s):
+def _dequant_block(c32_s, c16_s, planes=range(4)):
   """One block of 64 gathered cache rows [64, ROW_WORDS] int32 -> c16_s [64, 512] f16, the latent dimensions in
   order (byte plane k of the words: dimensions 128k + w, the group of scale k).
 
@@ -345,10 +345,11 @@ def _dequant_block(c32_s, c16_s):
   2^-8 · e4m3(b) exactly (e4m3 subnormals land on f16 subnormals), so the scale is applied as scale · 256 in
   f32. Byte plane k is scale group k; each row's scale k is its word 128 + k, taken by a masked row sum of the
   bits (one nonzero term: exact) and read back as f32 — no value transpose, one scale per plane (the
-  interleaved packing before session 47 needed a select chain over the four groups for every word)."""
+  interleaved packing before session 47 needed a select chain over the four groups for every word). ``planes``: the
+  byte planes this warpgroup converts (``_mla_kernel``'s two-warpgroup form splits them)."""
   with jax.named_scope("load"):  # (the sub-regions bench_kernel_profile times: session 66, dequant 4.5 µs a block)
     full = plgpu.load(c32_s, layout=_L.WGMMA, optimized=False)
-  for k in range(SCALES):  # (the scale words and 4 zero words: a tile-aligned slice, in _dequant_plane)
+  for k in planes:  # (the scale words and 4 zero words: a tile-aligned slice, in _dequant_plane)
     with jax.named_scope("convert"):
       h = plgpu.layout_cast(_dequant_plane(full, k).astype(jnp.float16), _L.WGMMA)
     with jax.named_scope("store"):
@@ -375,86 +376,134 @@ def _combine_tile(o_g, lse_g, out_g, bt, tile, ns: int):
   out_g[bt, pl.ds(r0, BLOCK)] = plgpu.layout_cast(acc / lax.broadcast_in_dim(den, acc.shape, (1,)), _L.WGMMA)
 
 
-def _mla_kernel(nbs: int, hn: int):
+def _mla_kernel(nbs: int, hn: int, wgs: int = 1):
   """Kernel body for ``nbs`` blocks of 64 positions per CTA and ``hn`` heads per CTA.
 
   GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (rescale * softmax_scale * log2 e),
   c32_g [B, S, ROW_WORDS] int32 (cache rows: packed e4m3 + scales), idx_g [BT, Wp / 64, 64] int32;
   out o_g [BT, NS, 512, H] f32 (partial O^T, normalised), lse_g [BT, NS, H] f32 (base-2 log-sum-exp of the split).
   (A merge of the splits inside this kernel — its last splits' CTAs waiting at a semaphore — was slower in the
-  step: the waiting CTAs hold SMs, session 34; removed in session 53.)"""
+  step: the waiting CTAs hold SMs, session 34; removed in session 53.)
 
-  def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar):
-    hg = lax.axis_index("h")
-    sp = lax.axis_index("s")
-    bt = lax.axis_index("bt")
-    T = q_g.shape[0] // c32_g.shape[0]
-    b = bt // T
-    plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(hg * hn, hn)], q_s, bar.at[0])
-    plgpu.copy_gmem_to_smem(idx_g.at[bt, pl.ds(sp * nbs, nbs)], idx_s, bar.at[1])
-    plgpu.barrier_wait(bar.at[1])
+  ``wgs`` = 2 (``sparse_mla_decode(warpgroups=2)``): a second warpgroup converts byte planes 2 and 3 of every block
+  while the first converts planes 0 and 1 — session 66's in-kernel profile (H100) had the dequantisation's
+  arithmetic at 3.4 of a block's ~7.5 µs with one warpgroup, one warp per SM sub-partition (every ALU latency
+  exposed). The first warpgroup does everything else as before. Per block: both wait for the gather; the second
+  waits on ``free`` (the first's PV wgmma of the previous block done: it reads c16_s) before its stores, commits
+  them to the async proxy and arrives on ``ready``; the first converts its planes, arrives on ``ready``, waits for
+  both, runs QK / softmax / PV and arrives on ``free``. The same numbers as one warpgroup."""
 
-    def issue(k, slot):
-      _gather_block(c32_g.at[b], idx_s, k, c32_s.at[slot], gbar.at[slot])
+  def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *sync):
+    if wgs == 1:
+      return _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar)
+    ready, free = sync
+    wg = lax.axis_index("wg")
 
-    issue(0, 0)
-    qmul = qm_g[bt]
-    plgpu.barrier_wait(bar.at[0])
+    @pl.when(wg == 0)
+    def _():
+      _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar,
+                planes=range(SCALES // 2), ready=ready, free=free)
 
-    def block(k, carry):
-      o, m, l = carry
-      slot = lax.rem(k, 2)
-
-      @pl.when(k + 1 < nbs)
-      def _():
-        issue(k + 1, 1 - slot)
-
-      # (named scopes: the regions benchmarks/bench_kernel_profile.py times — a no-op unless profiling)
-      with jax.named_scope("gather"):
+    @pl.when(wg == 1)
+    def _():
+      def block(k, carry):
+        slot = lax.rem(k, 2)
         plgpu.barrier_wait(gbar.at[slot])
-      with jax.named_scope("dequant"):
-        # Warpgroup barrier: every warp is done with the previous block's PV wgmma before c16_s is overwritten.
-        plgpu.commit_smem()
-        _dequant_block(c32_s.at[slot], c16_s)
-        plgpu.commit_smem()
 
-      def qk(acc):
-        plgpu.wgmma(acc, c16_s, q_s.T)
-        return acc[...]
+        @pl.when(k > 0)
+        def _():
+          plgpu.barrier_wait(free)  # (the first warpgroup's PV of block k - 1 has read c16_s)
 
-      with jax.named_scope("qk"):
-        st = pl.run_scoped(qk, plgpu.ACC((BLOCK, hn), jnp.float32))  # S^T [keys, heads]
-      with jax.named_scope("softmax"):
-        iv = plgpu.load(idx_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False)
-        valid = lax.broadcast_in_dim(iv >= 0, (BLOCK, hn), (0,))
-        st = jnp.where(valid, st * qmul, _NEG)  # base-2 logits
-        m_new = plgpu.layout_cast(jnp.maximum(m, st.max(axis=0)), _L.WGMMA.reduce(0))
-        alpha = jnp.exp2(m - m_new)
-        p = plgpu.layout_cast(jnp.exp2(st - lax.broadcast_in_dim(m_new, (BLOCK, hn), (1,))), _L.WGMMA)
-        l = plgpu.layout_cast(l * alpha + p.sum(axis=0), _L.WGMMA.reduce(0))
-        o = plgpu.layout_cast(o * lax.broadcast_in_dim(alpha, o.shape, (1,)), _L.WGMMA)
-        p_s[...] = plgpu.layout_cast(p.astype(jnp.float16), _L.WGMMA)
-        plgpu.commit_smem()
+        with jax.named_scope("dequant"):
+          _dequant_block(c32_s.at[slot], c16_s, planes=range(SCALES // 2, SCALES))
+          plgpu.commit_smem()  # (the stores visible to the first warpgroup's wgmma: fence.proxy.async)
+        plgpu.barrier_arrive(ready)
+        return carry
 
-      def pv(acc):
-        plgpu.wgmma(acc, c16_s.T, p_s)
-        return acc[...]
-
-      # run_scoped + add (not run_state(ACC.init(o))): GPU interpret mode cannot run wgmma under run_state.
-      with jax.named_scope("pv"):
-        o = o + pl.run_scoped(pv, plgpu.ACC((D_LATENT, hn), jnp.float32))
-      return o, m_new, l
-
-    o0 = plgpu.layout_cast(jnp.zeros((D_LATENT, hn), jnp.float32), _L.WGMMA)
-    m0 = plgpu.layout_cast(jnp.full((hn,), _NEG, jnp.float32), _L.WGMMA.reduce(0))
-    l0 = plgpu.layout_cast(jnp.zeros((hn,), jnp.float32), _L.WGMMA.reduce(0))
-    o, m, l = lax.fori_loop(0, nbs, block, (o0, m0, l0))
-    # l >= 1 always (the running max contributes exp2(0)), so no division by zero even for an all-padding split.
-    with jax.named_scope("store"):
-      o_g[bt, sp, :, pl.ds(hg * hn, hn)] = plgpu.layout_cast(o / lax.broadcast_in_dim(l, o.shape, (1,)), _L.WGMMA)
-      lse_g[bt, sp, pl.ds(hg * hn, hn)] = plgpu.layout_cast(m + jnp.log2(l), _L.WGMMA.reduce(0))
+      lax.fori_loop(0, nbs, block, None)
 
   return body
+
+
+def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *,
+              planes=range(SCALES), ready=None, free=None):
+  """``_mla_kernel``'s first (or only) warpgroup: the loads, the gathers, its byte planes of every block, the
+  attention and the outputs. ``ready`` / ``free``: the two-warpgroup form's barriers (None: one warpgroup)."""
+  nbs, hn = idx_s.shape[0], q_s.shape[0]
+  hg = lax.axis_index("h")
+  sp = lax.axis_index("s")
+  bt = lax.axis_index("bt")
+  T = q_g.shape[0] // c32_g.shape[0]
+  b = bt // T
+  plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(hg * hn, hn)], q_s, bar.at[0])
+  plgpu.copy_gmem_to_smem(idx_g.at[bt, pl.ds(sp * nbs, nbs)], idx_s, bar.at[1])
+  plgpu.barrier_wait(bar.at[1])
+
+  def issue(k, slot):
+    _gather_block(c32_g.at[b], idx_s, k, c32_s.at[slot], gbar.at[slot])
+
+  issue(0, 0)
+  qmul = qm_g[bt]
+  plgpu.barrier_wait(bar.at[0])
+
+  def block(k, carry):
+    o, m, l = carry
+    slot = lax.rem(k, 2)
+
+    @pl.when(k + 1 < nbs)
+    def _():
+      issue(k + 1, 1 - slot)
+
+    # (named scopes: the regions benchmarks/bench_kernel_profile.py times — a no-op unless profiling)
+    with jax.named_scope("gather"):
+      plgpu.barrier_wait(gbar.at[slot])
+    with jax.named_scope("dequant"):
+      # Warpgroup barrier: every warp is done with the previous block's PV wgmma before c16_s is overwritten.
+      plgpu.commit_smem()
+      _dequant_block(c32_s.at[slot], c16_s, planes)
+      plgpu.commit_smem()
+    if ready is not None:  # (the second warpgroup's planes: its stores committed before its arrival)
+      plgpu.barrier_arrive(ready)
+      plgpu.barrier_wait(ready)
+
+    def qk(acc):
+      plgpu.wgmma(acc, c16_s, q_s.T)
+      return acc[...]
+
+    with jax.named_scope("qk"):
+      st = pl.run_scoped(qk, plgpu.ACC((BLOCK, hn), jnp.float32))  # S^T [keys, heads]
+    with jax.named_scope("softmax"):
+      iv = plgpu.load(idx_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False)
+      valid = lax.broadcast_in_dim(iv >= 0, (BLOCK, hn), (0,))
+      st = jnp.where(valid, st * qmul, _NEG)  # base-2 logits
+      m_new = plgpu.layout_cast(jnp.maximum(m, st.max(axis=0)), _L.WGMMA.reduce(0))
+      alpha = jnp.exp2(m - m_new)
+      p = plgpu.layout_cast(jnp.exp2(st - lax.broadcast_in_dim(m_new, (BLOCK, hn), (1,))), _L.WGMMA)
+      l = plgpu.layout_cast(l * alpha + p.sum(axis=0), _L.WGMMA.reduce(0))
+      o = plgpu.layout_cast(o * lax.broadcast_in_dim(alpha, o.shape, (1,)), _L.WGMMA)
+      p_s[...] = plgpu.layout_cast(p.astype(jnp.float16), _L.WGMMA)
+      plgpu.commit_smem()
+
+    def pv(acc):
+      plgpu.wgmma(acc, c16_s.T, p_s)
+      return acc[...]
+
+    # run_scoped + add (not run_state(ACC.init(o))): GPU interpret mode cannot run wgmma under run_state.
+    with jax.named_scope("pv"):
+      o = o + pl.run_scoped(pv, plgpu.ACC((D_LATENT, hn), jnp.float32))
+    if free is not None:  # (c16_s read: the second warpgroup may convert the next block into it)
+      pl.when(k + 1 < nbs)(lambda: plgpu.barrier_arrive(free))
+    return o, m_new, l
+
+  o0 = plgpu.layout_cast(jnp.zeros((D_LATENT, hn), jnp.float32), _L.WGMMA)
+  m0 = plgpu.layout_cast(jnp.full((hn,), _NEG, jnp.float32), _L.WGMMA.reduce(0))
+  l0 = plgpu.layout_cast(jnp.zeros((hn,), jnp.float32), _L.WGMMA.reduce(0))
+  o, m, l = lax.fori_loop(0, nbs, block, (o0, m0, l0))
+  # l >= 1 always (the running max contributes exp2(0)), so no division by zero even for an all-padding split.
+  with jax.named_scope("store"):
+    o_g[bt, sp, :, pl.ds(hg * hn, hn)] = plgpu.layout_cast(o / lax.broadcast_in_dim(l, o.shape, (1,)), _L.WGMMA)
+    lse_g[bt, sp, pl.ds(hg * hn, hn)] = plgpu.layout_cast(m + jnp.log2(l), _L.WGMMA.reduce(0))
+
 
 
 TC_KEYS = 128  # positions per block in the tcgen05 form (its MMAs' M: tcgen05 M = 64 does not lower for sm_100)
@@ -589,9 +638,10 @@ def index_width(B: int, T: int, H: int, W: int, blocks_per_split: int | None = N
   return ns * nbs * bk
 
 
-@kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed", "lean", "mma")
+@kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed", "lean", "mma", "warpgroups")
 def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int | None = None,
-                      combine: str = "xla", transposed: bool = False, lean: bool = False, mma: str = "wgmma"):
+                      combine: str = "xla", transposed: bool = False, lean: bool = False, mma: str = "wgmma",
+                      warpgroups: int = 1):
   """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
 
   q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache [B, S, ROW_WORDS] int32 (``quantize_latent``'s rows),
@@ -610,8 +660,13 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   wgmma there) — ``_mla_kernel_tc05``: blocks of TC_KEYS = 128 positions, the MMAs into tensor memory; within the
   kernels' tolerance of the reference as the wgmma form (P's f16 rounding differs: a 128-position block's running
   max is not a 64-position one's; GPU interpret mode, compiled for sm_100a on a CPU, not yet run on a Blackwell
-  GPU); ``lean`` is ignored there (built with the automatic barriers)."""
+  GPU); ``lean`` is ignored there (built with the automatic barriers). ``warpgroups``: 1, or 2 — a second
+  warpgroup per CTA converting half of every block's byte planes (``_mla_kernel``; policy knob
+  mla_dequant_warpgroups); the wgmma form only."""
   tc05 = check_mma(mma, "sparse_mla_decode")
+  if warpgroups not in (1, 2) or (tc05 and warpgroups != 1):
+    raise ValueError(f"sparse_mla_decode: warpgroups = {warpgroups!r}; expected 1 or 2 (2 in the wgmma form only: "
+                     f"mma = {mma!r})")
   B, T, H, Dl = q.shape
   if Dl != D_LATENT or cache.shape[-1] != ROW_WORDS or cache.dtype != jnp.int32:
     raise ValueError(f"sparse_mla_decode: q [.., {Dl}], cache {cache.shape} {cache.dtype}; expected q [.., "
@@ -655,8 +710,9 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
   else:
+    two = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
     kern = mgpu_kernel(
-        _mla_kernel(nbs, hn),
+        _mla_kernel(nbs, hn, warpgroups),
         out_type=parts,
         scratch_types=[
             plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
@@ -666,11 +722,14 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
             plgpu.SMEM((BLOCK, hn), f16, transforms=_F16_SW32),  # p_s
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_arrivals=BLOCK, num_barriers=2),
+            # (two warpgroups: ready — both planes' halves stored, an arrival each; free — c16_s read by PV)
+            *([plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)] if warpgroups == 2 else []),
         ],
         grid=(H // hn, ns, B * T),
         grid_names=("h", "s", "bt"),
         kernel_name="glm5_sparse_mla",
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=bool(lean)),
+        **two,
     )
   o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache, idx)
   if combine == "xla":

@@ -161,6 +161,38 @@ def test_kernel_interpret(B, T, H, S, W, nbs, trail, qdt, pooled):
   assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
 
 
+@pytest.mark.parametrize("B,T,H,S,W,nbs,trail,pooled,lean", [(2, 4, 16, 256, 200, 2, 0, False, False),
+                                                              (2, 2, 16, 512, 390, 3, 0, True, True),
+                                                              (1, 2, 32, 256, 130, 1, 100, False, False)])
+def test_two_warpgroups_interpret(B, T, H, S, W, nbs, trail, pooled, lean):
+  """sparse_mla_decode(warpgroups=2) (policy mla_dequant_warpgroups): a second warpgroup converts byte planes 2
+  and 3 of every block, the two meeting at the ready / free barriers — bit for bit the one-warpgroup kernel (the
+  same operations on the same values), at several blocks per split (the free barrier's hand-over), with padding
+  and lean; refused in the tcgen05 form and for other counts."""
+  q, cache, idx = make_inputs(31 + B + T + W, B, T, H, S, W, trailing_pad=trail, pooled=pooled)
+  run = lambda w: jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, blocks_per_split=nbs,  # noqa: E731
+                                                         lean=lean, warpgroups=w))(q, cache, idx)
+  with maybe_interpret(True):
+    one, two = np.asarray(run(1)), np.asarray(run(2))
+  assert np.abs(two).max() > 0
+  np.testing.assert_array_equal(two, one)
+  for kw in ({"warpgroups": 3}, {"warpgroups": 2, "mma": "tcgen05"}):
+    with pytest.raises(ValueError, match="sparse_mla_decode: warpgroups = [23]; expected 1 or 2"):
+      M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, **kw)
+
+
+@pytest.mark.parametrize("B,T", [(1, 4), (8, 4)])
+def test_two_warpgroups_cross_lower(B, T):
+  """The two-warpgroup form at the real rank's shapes (16 heads, 2,051 positions; lean, the merge kernel: the
+  step's form) lowers for CUDA — a module of its own, not the one-warpgroup kernel's."""
+  args = (SDS((B, T, 16, 512), jnp.bfloat16), SDS((B, 65536, M.ROW_WORDS), jnp.int32), SDS((B, T, 2051), jnp.int32))
+  low = {w: cross_lower(lambda *a, w=w: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel", lean=True,
+                                                            warpgroups=w), *args).as_text() for w in (1, 2)}
+  hashes = {w: [ln.split("kernel_hash = ")[1][:40] for ln in t.splitlines() if "glm5_sparse_mla" in ln]
+            for w, t in low.items()}
+  assert len(hashes[2]) == 1 and hashes[2] != hashes[1], hashes
+
+
 @pytest.mark.parametrize("B,T,H,S,W,nbs,trail,pooled", [(1, 1, 16, 512, 300, None, 0, True),
                                                         (2, 2, 32, 512, 260, 1, 60, False),
                                                         (1, 2, 16, 1024, 520, 2, 0, True)])
@@ -438,6 +470,19 @@ def test_kernel_gpu(B, T, H, S, W, nbs, pooled, lean):
   if lean:
     np.testing.assert_array_equal(got, run(False))
     np.testing.assert_array_equal(run(True, "kernel"), run(False, "kernel"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,nbs", [(1, 1, None), (1, 4, None), (8, 4, None), (1, 4, 4)])
+def test_two_warpgroups_gpu(B, T, nbs):
+  """The two-warpgroup dequantisation natively (policy mla_dequant_warpgroups): bit for bit the one-warpgroup
+  kernel (lean, pooled lists: the step's form), one and several blocks per split."""
+  q, cache, idx = make_inputs(B + T + 40, B, T, 16, 32768, 2051, q_dtype=jnp.bfloat16, pooled=True)
+  run = lambda w: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
+      *a, softmax_scale=SCALE, blocks_per_split=nbs, lean=True, combine="kernel", warpgroups=w))(q, cache, idx))
+  one, two = run(1), run(2)
+  assert np.abs(two).max() > 0
+  np.testing.assert_array_equal(two, one)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -233,7 +233,8 @@ def test_lean_barriers_reaches_the_chains_kernels():
 def test_moe_one_grid_reaches_the_steps_moe():
   """Policy knob moe_one_grid (on by default) in the kernel-tiny step at q = 1 as the CUDA lowering sees it: both
   MoE layers take it (test_kernel_tiny_step_lowers_for_cuda: their calls on alternating counter banks — two
-  modules — and no glm5_moe_down launch left); off, neither does. And moe_h_rows at q = 4."""
+  modules — and no glm5_moe_down launch left); off, neither does. And moe_h_rows at q = 4 (with the knobs
+  linear_part_rows and mla_dequant_warpgroups: where they reach)."""
   model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
   for on in (True, False):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,), policy=(("moe_one_grid", on),)),
@@ -247,7 +248,8 @@ def test_moe_one_grid_reaches_the_steps_moe():
   # and linear_part_rows (off by default): every 4-row weight-streaming site that XLA sums (the KDA, DSA and dense
   # linears, the 4-row MoE calls' down kernels, the router logits, the head); not the draft's one-row calls
   dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,),
-                                    policy=(("moe_h_rows", True), ("linear_part_rows", True))),
+                                    policy=(("moe_h_rows", True), ("linear_part_rows", True),
+                                            ("mla_dequant_warpgroups", True))),
                 backend="latency_specialized")
   with dec.kernel_mode(interpret=False):
     dec.trace_step(1, params, interpret=False)
@@ -256,6 +258,9 @@ def test_moe_one_grid_reaches_the_steps_moe():
   assert rep["sites"] == 3 and not rep["not_used"], rep
   rep = sites["linear_part_rows"]
   assert rep["sites"] >= 10 and all("token rows (2 to 8" in why for why in rep["not_used"]), rep
+  # and mla_dequant_warpgroups (off by default): every sparse MLA call, the verify's and the draft's
+  rep = sites["mla_dequant_warpgroups"]
+  assert rep["sites"] == sites["sparse_mla"]["sites"] > 0 and not rep["not_used"], rep
 
 
 def _census(tmp_path, *args):
