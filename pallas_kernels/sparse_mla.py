@@ -329,8 +329,11 @@ def _dequant_plane(full, k: int):
   col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, 8), 1, layout=_L.WGMMA)
   bits = plgpu.layout_cast(jnp.where(col == k, full[:, WORDS:WORDS + 8], 0).sum(axis=1), _L.WGMMA.reduce(1))
   scale = lax.broadcast_in_dim(lax.bitcast_convert_type(bits, jnp.float32) * 256.0, (BLOCK, WORDS), (0,))
-  byte = lax.shift_right_logical(full[:, :WORDS], jnp.int32(8 * k)) & 0xFF
-  h = lax.bitcast_convert_type((((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).astype(jnp.int16), jnp.float16)
+  word = full[:, :WORDS]
+  byte = (lax.shift_right_logical(word, jnp.int32(8 * k)) if k else word) & 0xFF
+  # (b & 0x80) << 8 | (b & 0x7F) << 7 in three operations: adding the sign bit to itself carries it one place up
+  # (the same bits for all 256 bytes; the dequantisation's arithmetic is most of the kernel: session 66's profile)
+  h = lax.bitcast_convert_type(((byte + (byte & 0x80)) << 7).astype(jnp.int16), jnp.float16)
   return h.astype(jnp.float32) * scale
 
 
