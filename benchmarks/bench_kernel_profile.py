@@ -117,11 +117,14 @@ def cases(names):
       out["compact_fused"] = lambda: cf(sc, pos)
   # the sparse MLA attention (one TP4 rank's 16 heads, 2,051 selected positions of a 32K cache, pooled index
   # lists as the indexer gives them): B x T query rows — mla_1x4 the verify at B = 1, mla_8x4 the batch case
-  # (32 rows: ~90 µs, 9x its gathered bytes on an H100, session 66's bench_dsa_layer); mla2_BxT: the kernel as two
-  # warpgroups (policy mla_dequant_warpgroups)
-  for name in [n for n in names if n.startswith(("mla_", "mla2_"))]:
-    wgs, shape = (2, name[5:]) if name.startswith("mla2_") else (1, name[4:])
-    out[name] = _mla_case(*(int(v) for v in shape.split("x")), warpgroups=wgs)
+  # (32 rows: ~90 µs, 9x its gathered bytes on an H100, session 66's bench_dsa_layer); its forms by prefix: mla2_
+  # two warpgroups (policy mla_dequant_warpgroups), mlas_ the scales after the MMAs (mla_scales_after), mla2s_ both
+  forms = {"mla_": {}, "mla2_": dict(warpgroups=2), "mlas_": dict(scales_after=True),
+           "mla2s_": dict(warpgroups=2, scales_after=True)}
+  for name in names:
+    for prefix, kw in forms.items():
+      if name.startswith(prefix):
+        out[name] = _mla_case(*(int(v) for v in name[len(prefix):].split("x")), **kw)
   if "mhc" in names:
     margs, consts = mhc_inputs(1)
     h = jax.jit(lambda a: km.mhc_post_finish(*a, **consts, approx_math=True))
@@ -138,7 +141,8 @@ def cases(names):
   return out
 
 
-def _mla_case(B: int, T: int, S: int = 32768, H: int = 16, W: int = 2051, warpgroups: int = 1):
+def _mla_case(B: int, T: int, S: int = 32768, H: int = 16, W: int = 2051, warpgroups: int = 1,
+              scales_after: bool = False):
   """sparse_mla_decode over random FP8 cache rows and pooled index lists (the indexer's 512 pools of 4 + the tail;
   each query token its own list) -> a function of no arguments running it once."""
   from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
@@ -152,7 +156,7 @@ def _mla_case(B: int, T: int, S: int = 32768, H: int = 16, W: int = 2051, warpgr
   tail = jnp.broadcast_to(S - 3 + jnp.arange(3), (B, T, 3))
   idx = jnp.concatenate([tok, tail], -1).astype(jnp.int32)[..., :W]
   f = jax.jit(lambda q, c, i: ks.sparse_mla_decode(q, c, i, softmax_scale=1 / 16, combine="kernel", lean=True,
-                                                    warpgroups=warpgroups))
+                                                    warpgroups=warpgroups, scales_after=scales_after))
   return lambda: f(q, cache, idx)
 
 

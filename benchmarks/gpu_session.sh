@@ -50,9 +50,10 @@
 #   partrows (either; H100: LAYERS=32): session 66's policy knob linear_part_rows — its GPU tests and the balanced
 #                             two-stage selection's, then q = 4: the defaults vs the knob (5 interleaved repeats), then
 #                             one DSA layer at 128K / 1M context (the balanced chunks, the default since session 66)
-#   mlawg (either; H100: LAYERS=32): session 66's policy knob mla_dequant_warpgroups (the sparse MLA's second
-#                             warpgroup converting half of each block) — its GPU tests, the in-kernel profiles of one
-#                             and two warpgroups at B x q = 1 x 4 and 8 x 4, then the step's A/B at q = 1 and q = 4
+#   mlawg (either; H100: LAYERS=32): session 66's sparse MLA dequantisation knobs — mla_dequant_warpgroups (a second
+#                             warpgroup converting half of each block) and mla_scales_after (the block scales after
+#                             the MMAs): their GPU tests, the in-kernel profiles of the four forms at B x q = 1 x 4
+#                             and 8 x 4, then the step's A/B at q = 1 (the defaults vs each vs both), then q = 4
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -252,13 +253,15 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" > "$OUT/bench_dsa_layer.log"
     ;;
   mlawg)  # (either; H100: LAYERS=32) see the header
-    gpu_tests mlawg 200 gpu "two_warpgroups_gpu" tests/test_sparse_mla.py
-    timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mla_1x4,mla2_1x4,mla_8x4,mla2_8x4 \
+    gpu_tests mlawg 240 gpu "two_warpgroups_gpu or scales_after_gpu" tests/test_sparse_mla.py
+    timeout 150 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
+      --cases mla_1x4,mla2_1x4,mlas_1x4,mla2s_1x4,mla_8x4,mla2_8x4,mlas_8x4,mla2s_8x4 \
       --out "$OUT/kernel_profile_mla.txt" > /dev/null 2>&1
     rank1 mlawg --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      "${POLICY:-{\"mla_dequant_warpgroups\": true\}}"
+      '{"mla_dequant_warpgroups": true}' '{"mla_scales_after": true}' \
+      '{"mla_dequant_warpgroups": true, "mla_scales_after": true}'
     [ "$(left)" -gt 200 ] && rank1 mlawg --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' \
-      "${POLICY:-{\"mla_dequant_warpgroups\": true\}}"
+      "${POLICY:-{\"mla_dequant_warpgroups\": true, \"mla_scales_after\": true\}}"
     ;;
   blackwell)  # (a Blackwell kind) see the header
     gpu_tests blackwell $(( $(left) - 20 )) blackwell "" tests/test_sparse_mla.py tests/test_indexer.py \

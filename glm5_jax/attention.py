@@ -648,8 +648,11 @@ class DSA(nnx.Module):
         # mla_dequant_warpgroups: a second warpgroup per CTA converting half of each block's FP8 latent (Hopper)
         wgs = 2 if kernel_enabled("mla_dequant_warpgroups", B * T, fits=not amma,
                                   why="the tcgen05 form (Blackwell) has one warpgroup") else 1
+        # mla_scales_after: the latent's block scales applied after the MMAs (the dequantisation converts bytes only)
+        after = kernel_enabled("mla_scales_after", B * T, fits=not amma,
+                               why="the tcgen05 form (Blackwell) dequantises one group at a time already")
         o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine,
-                                     transposed=uv, lean=lean, warpgroups=wgs, **amma)
+                                     transposed=uv, lean=lean, warpgroups=wgs, scales_after=after, **amma)
         if uv:  # dq_f16: also in f16 for o_proj's f16 kernel (no conversion kernel between them)
           o = ks.mla_absorb_uv(o_lat, wkv, dn=dn, lean=lean, x16=f16_copies(B * T), **amma)
           o, o16 = o if isinstance(o, tuple) else (o, None)

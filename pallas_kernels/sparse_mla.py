@@ -323,21 +323,32 @@ def _gather_block(rows_g, idx_s, k: int, dst_s, gbar):
   lax.fori_loop(0, dst_s.shape[0] // RUN, group, None, unroll=ISSUE_UNROLL)
 
 
-def _dequant_plane(full, k: int):
-  """Byte plane k of whole gathered rows full [64, ROW_WORDS] int32 (WGMMA layout) -> [64, WORDS] f32: the latent
-  dimensions 128k + w, times their row's scale k (see ``_dequant_block``)."""
+def _plane_scale(full, k: int):
+  """Each row's scale k of whole gathered rows full [64, ROW_WORDS] int32 (WGMMA layout), times 256 -> [64] f32
+  (WGMMA.reduce(1)): word 128 + k taken by a masked row sum of the bits (one nonzero term: exact)."""
   col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, 8), 1, layout=_L.WGMMA)
   bits = plgpu.layout_cast(jnp.where(col == k, full[:, WORDS:WORDS + 8], 0).sum(axis=1), _L.WGMMA.reduce(1))
-  scale = lax.broadcast_in_dim(lax.bitcast_convert_type(bits, jnp.float32) * 256.0, (BLOCK, WORDS), (0,))
+  return lax.bitcast_convert_type(bits, jnp.float32) * 256.0
+
+
+def _plane_f16(full, k: int):
+  """Byte plane k of whole gathered rows full [64, ROW_WORDS] int32 -> [64, WORDS] f16: 2^-8 times the e4m3 values
+  exactly, unscaled (see ``_dequant_block``)."""
   word = full[:, :WORDS]
   byte = (lax.shift_right_logical(word, jnp.int32(8 * k)) if k else word) & 0xFF
   # (b & 0x80) << 8 | (b & 0x7F) << 7 in three operations: adding the sign bit to itself carries it one place up
   # (the same bits for all 256 bytes; the dequantisation's arithmetic is most of the kernel: session 66's profile)
-  h = lax.bitcast_convert_type(((byte + (byte & 0x80)) << 7).astype(jnp.int16), jnp.float16)
-  return h.astype(jnp.float32) * scale
+  return lax.bitcast_convert_type(((byte + (byte & 0x80)) << 7).astype(jnp.int16), jnp.float16)
 
 
-def _dequant_block(c32_s, c16_s, planes=range(4)):
+def _dequant_plane(full, k: int):
+  """Byte plane k of whole gathered rows full [64, ROW_WORDS] int32 (WGMMA layout) -> [64, WORDS] f32: the latent
+  dimensions 128k + w, times their row's scale k (see ``_dequant_block``)."""
+  scale = lax.broadcast_in_dim(_plane_scale(full, k), (BLOCK, WORDS), (0,))
+  return _plane_f16(full, k).astype(jnp.float32) * scale
+
+
+def _dequant_block(c32_s, c16_s, planes=range(4), scales_after: bool = False):
   """One block of 64 gathered cache rows [64, ROW_WORDS] int32 -> c16_s [64, 512] f16, the latent dimensions in
   order (byte plane k of the words: dimensions 128k + w, the group of scale k).
 
@@ -349,14 +360,18 @@ def _dequant_block(c32_s, c16_s, planes=range(4)):
   f32. Byte plane k is scale group k; each row's scale k is its word 128 + k, taken by a masked row sum of the
   bits (one nonzero term: exact) and read back as f32 — no value transpose, one scale per plane (the
   interleaved packing before session 47 needed a select chain over the four groups for every word). ``planes``: the
-  byte planes this warpgroup converts (``_mla_kernel``'s two-warpgroup form splits them)."""
+  byte planes this warpgroup converts (``_mla_kernel``'s two-warpgroup form splits them). ``scales_after``: the
+  tile unscaled (2^-8 times the e4m3 values, exact in f16), and the rows' 4 scales (x 256, [64] f32 each) returned
+  for the caller to apply after the MMAs — no f32 conversion and multiply per value."""
   with jax.named_scope("load"):  # (the sub-regions bench_kernel_profile times: session 66, dequant 4.5 µs a block)
     full = plgpu.load(c32_s, layout=_L.WGMMA, optimized=False)
   for k in planes:  # (the scale words and 4 zero words: a tile-aligned slice, in _dequant_plane)
     with jax.named_scope("convert"):
-      h = plgpu.layout_cast(_dequant_plane(full, k).astype(jnp.float16), _L.WGMMA)
+      h = _plane_f16(full, k) if scales_after else _dequant_plane(full, k).astype(jnp.float16)
+      h = plgpu.layout_cast(h, _L.WGMMA)
     with jax.named_scope("store"):
       c16_s[:, pl.ds(k * WORDS, WORDS)] = h
+  return [_plane_scale(full, k) for k in range(SCALES)] if scales_after else None
 
 
 def _combine_tile(o_g, lse_g, out_g, bt, tile, ns: int):
@@ -379,7 +394,7 @@ def _combine_tile(o_g, lse_g, out_g, bt, tile, ns: int):
   out_g[bt, pl.ds(r0, BLOCK)] = plgpu.layout_cast(acc / lax.broadcast_in_dim(den, acc.shape, (1,)), _L.WGMMA)
 
 
-def _mla_kernel(nbs: int, hn: int, wgs: int = 1):
+def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False):
   """Kernel body for ``nbs`` blocks of 64 positions per CTA and ``hn`` heads per CTA.
 
   GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (rescale * softmax_scale * log2 e),
@@ -394,18 +409,25 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1):
   exposed). The first warpgroup does everything else as before. Per block: both wait for the gather; the second
   waits on ``free`` (the first's PV wgmma of the previous block done: it reads c16_s) before its stores, commits
   them to the async proxy and arrives on ``ready``; the first converts its planes, arrives on ``ready``, waits for
-  both, runs QK / softmax / PV and arrives on ``free``. The same numbers as one warpgroup."""
+  both, runs QK / softmax / PV and arrives on ``free``. The same numbers as one warpgroup.
+
+  ``scales_after`` (``sparse_mla_decode(scales_after=True)``): the block's latent tile stays unscaled
+  (``_dequant_block``) and each row's 4 block scales are applied after the MMAs, one per 128-dimension group:
+  S^T = Σ_g s_g ⊙ (C_g Q_g^T) (four K = 128 MMAs into four accumulators), O^T_g += C_g^T (s_g ⊙ P) (four MMAs, P
+  scaled per row in f32 before its f16 rounding) — the dequantisation then converts bytes only. The same sums up
+  to rounding: c is no longer rounded to f16 after its scale (it is exact), s_g · p is instead."""
 
   def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *sync):
     if wgs == 1:
-      return _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar)
+      return _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar,
+                       scales_after=scales_after)
     ready, free = sync
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 0)
     def _():
       _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar,
-                planes=range(SCALES // 2), ready=ready, free=free)
+                planes=range(SCALES // 2), ready=ready, free=free, scales_after=scales_after)
 
     @pl.when(wg == 1)
     def _():
@@ -418,7 +440,7 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1):
           plgpu.barrier_wait(free)  # (the first warpgroup's PV of block k - 1 has read c16_s)
 
         with jax.named_scope("dequant"):
-          _dequant_block(c32_s.at[slot], c16_s, planes=range(SCALES // 2, SCALES))
+          _dequant_block(c32_s.at[slot], c16_s, planes=range(SCALES // 2, SCALES), scales_after=scales_after)
           plgpu.commit_smem()  # (the stores visible to the first warpgroup's wgmma: fence.proxy.async)
         plgpu.barrier_arrive(ready)
         return carry
@@ -429,9 +451,11 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1):
 
 
 def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *,
-              planes=range(SCALES), ready=None, free=None):
+              planes=range(SCALES), ready=None, free=None, scales_after: bool = False):
   """``_mla_kernel``'s first (or only) warpgroup: the loads, the gathers, its byte planes of every block, the
-  attention and the outputs. ``ready`` / ``free``: the two-warpgroup form's barriers (None: one warpgroup)."""
+  attention and the outputs. ``ready`` / ``free``: the two-warpgroup form's barriers (None: one warpgroup).
+  ``scales_after``: as ``_mla_kernel``'s (p_s then holds the four scaled P tiles [4, 64, hn]; O^T is carried as
+  its four 128-row groups)."""
   nbs, hn = idx_s.shape[0], q_s.shape[0]
   hg = lax.axis_index("h")
   sp = lax.axis_index("s")
@@ -450,7 +474,7 @@ def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s
   plgpu.barrier_wait(bar.at[0])
 
   def block(k, carry):
-    o, m, l = carry
+    o, m, l = carry  # (o: O^T [512, hn], or with scales_after its 4 row groups [128, hn])
     slot = lax.rem(k, 2)
 
     @pl.when(k + 1 < nbs)
@@ -463,18 +487,30 @@ def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s
     with jax.named_scope("dequant"):
       # Warpgroup barrier: every warp is done with the previous block's PV wgmma before c16_s is overwritten.
       plgpu.commit_smem()
-      _dequant_block(c32_s.at[slot], c16_s, planes)
+      scales = _dequant_block(c32_s.at[slot], c16_s, planes, scales_after)
       plgpu.commit_smem()
     if ready is not None:  # (the second warpgroup's planes: its stores committed before its arrival)
       plgpu.barrier_arrive(ready)
       plgpu.barrier_wait(ready)
+    rows = lambda v: lax.broadcast_in_dim(v, (BLOCK, hn), (0,))  # noqa: E731  (a per-key vector over the heads)
 
     def qk(acc):
       plgpu.wgmma(acc, c16_s, q_s.T)
       return acc[...]
 
+    def qk4(*accs):  # (scales_after: one K = 128 MMA per scale group, each into its own accumulator)
+      for g, acc in enumerate(accs):
+        plgpu.wgmma(acc, c16_s.at[:, pl.ds(g * GROUP, GROUP)], q_s.at[:, pl.ds(g * GROUP, GROUP)].T)
+      return [acc[...] for acc in accs]
+
     with jax.named_scope("qk"):
-      st = pl.run_scoped(qk, plgpu.ACC((BLOCK, hn), jnp.float32))  # S^T [keys, heads]
+      if scales_after:
+        parts = pl.run_scoped(qk4, *[plgpu.ACC((BLOCK, hn), jnp.float32) for _ in range(SCALES)])
+        st = parts[0] * rows(scales[0])
+        for g in range(1, SCALES):
+          st = st + parts[g] * rows(scales[g])
+      else:
+        st = pl.run_scoped(qk, plgpu.ACC((BLOCK, hn), jnp.float32))  # S^T [keys, heads]
     with jax.named_scope("softmax"):
       iv = plgpu.load(idx_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False)
       valid = lax.broadcast_in_dim(iv >= 0, (BLOCK, hn), (0,))
@@ -483,28 +519,45 @@ def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s
       alpha = jnp.exp2(m - m_new)
       p = plgpu.layout_cast(jnp.exp2(st - lax.broadcast_in_dim(m_new, (BLOCK, hn), (1,))), _L.WGMMA)
       l = plgpu.layout_cast(l * alpha + p.sum(axis=0), _L.WGMMA.reduce(0))
-      o = plgpu.layout_cast(o * lax.broadcast_in_dim(alpha, o.shape, (1,)), _L.WGMMA)
-      p_s[...] = plgpu.layout_cast(p.astype(jnp.float16), _L.WGMMA)
+      if scales_after:
+        o = tuple(plgpu.layout_cast(og * lax.broadcast_in_dim(alpha, og.shape, (1,)), _L.WGMMA) for og in o)
+        for g in range(SCALES):
+          p_s[g] = plgpu.layout_cast((p * rows(scales[g])).astype(jnp.float16), _L.WGMMA)
+      else:
+        o = plgpu.layout_cast(o * lax.broadcast_in_dim(alpha, o.shape, (1,)), _L.WGMMA)
+        p_s[...] = plgpu.layout_cast(p.astype(jnp.float16), _L.WGMMA)
       plgpu.commit_smem()
 
     def pv(acc):
       plgpu.wgmma(acc, c16_s.T, p_s)
       return acc[...]
 
+    def pv4(*accs):  # (scales_after: O^T's group g from the unscaled C_g and P scaled by the rows' scale g)
+      for g, acc in enumerate(accs):
+        plgpu.wgmma(acc, c16_s.at[:, pl.ds(g * GROUP, GROUP)].T, p_s.at[g])
+      return [acc[...] for acc in accs]
+
     # run_scoped + add (not run_state(ACC.init(o))): GPU interpret mode cannot run wgmma under run_state.
     with jax.named_scope("pv"):
-      o = o + pl.run_scoped(pv, plgpu.ACC((D_LATENT, hn), jnp.float32))
+      if scales_after:
+        parts = pl.run_scoped(pv4, *[plgpu.ACC((GROUP, hn), jnp.float32) for _ in range(SCALES)])
+        o = tuple(og + part for og, part in zip(o, parts))
+      else:
+        o = o + pl.run_scoped(pv, plgpu.ACC((D_LATENT, hn), jnp.float32))
     if free is not None:  # (c16_s read: the second warpgroup may convert the next block into it)
       pl.when(k + 1 < nbs)(lambda: plgpu.barrier_arrive(free))
     return o, m_new, l
 
-  o0 = plgpu.layout_cast(jnp.zeros((D_LATENT, hn), jnp.float32), _L.WGMMA)
+  zeros = lambda r: plgpu.layout_cast(jnp.zeros((r, hn), jnp.float32), _L.WGMMA)  # noqa: E731
+  o0 = tuple(zeros(GROUP) for _ in range(SCALES)) if scales_after else zeros(D_LATENT)
   m0 = plgpu.layout_cast(jnp.full((hn,), _NEG, jnp.float32), _L.WGMMA.reduce(0))
   l0 = plgpu.layout_cast(jnp.zeros((hn,), jnp.float32), _L.WGMMA.reduce(0))
   o, m, l = lax.fori_loop(0, nbs, block, (o0, m0, l0))
   # l >= 1 always (the running max contributes exp2(0)), so no division by zero even for an all-padding split.
   with jax.named_scope("store"):
-    o_g[bt, sp, :, pl.ds(hg * hn, hn)] = plgpu.layout_cast(o / lax.broadcast_in_dim(l, o.shape, (1,)), _L.WGMMA)
+    for r0, og in (((g * GROUP, og) for g, og in enumerate(o)) if scales_after else ((0, o),)):
+      o_g[bt, sp, pl.ds(r0, og.shape[0]), pl.ds(hg * hn, hn)] = plgpu.layout_cast(
+          og / lax.broadcast_in_dim(l, og.shape, (1,)), _L.WGMMA)
     lse_g[bt, sp, pl.ds(hg * hn, hn)] = plgpu.layout_cast(m + jnp.log2(l), _L.WGMMA.reduce(0))
 
 
@@ -641,10 +694,11 @@ def index_width(B: int, T: int, H: int, W: int, blocks_per_split: int | None = N
   return ns * nbs * bk
 
 
-@kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed", "lean", "mma", "warpgroups")
+@kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed", "lean", "mma", "warpgroups",
+              "scales_after")
 def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int | None = None,
                       combine: str = "xla", transposed: bool = False, lean: bool = False, mma: str = "wgmma",
-                      warpgroups: int = 1):
+                      warpgroups: int = 1, scales_after: bool = False):
   """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
 
   q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache [B, S, ROW_WORDS] int32 (``quantize_latent``'s rows),
@@ -665,11 +719,16 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   max is not a 64-position one's; GPU interpret mode, compiled for sm_100a on a CPU, not yet run on a Blackwell
   GPU); ``lean`` is ignored there (built with the automatic barriers). ``warpgroups``: 1, or 2 — a second
   warpgroup per CTA converting half of every block's byte planes (``_mla_kernel``; policy knob
-  mla_dequant_warpgroups); the wgmma form only."""
+  mla_dequant_warpgroups); the wgmma form only. ``scales_after``: the latent's block scales applied after the
+  MMAs (``_mla_kernel``; policy knob mla_scales_after), the dequantisation converting bytes only; the wgmma form
+  only."""
   tc05 = check_mma(mma, "sparse_mla_decode")
   if warpgroups not in (1, 2) or (tc05 and warpgroups != 1):
     raise ValueError(f"sparse_mla_decode: warpgroups = {warpgroups!r}; expected 1 or 2 (2 in the wgmma form only: "
                      f"mma = {mma!r})")
+  if tc05 and scales_after:
+    raise ValueError("sparse_mla_decode: scales_after=True in the tcgen05 form (mma = 'tcgen05'); it is the wgmma "
+                     "form's (the tcgen05 form dequantises one 128-dimension group at a time already)")
   B, T, H, Dl = q.shape
   if Dl != D_LATENT or cache.shape[-1] != ROW_WORDS or cache.dtype != jnp.int32:
     raise ValueError(f"sparse_mla_decode: q [.., {Dl}], cache {cache.shape} {cache.dtype}; expected q [.., "
@@ -715,14 +774,15 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   else:
     two = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
     kern = mgpu_kernel(
-        _mla_kernel(nbs, hn, warpgroups),
+        _mla_kernel(nbs, hn, warpgroups, bool(scales_after)),
         out_type=parts,
         scratch_types=[
             plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
             plgpu.SMEM((nbs, BLOCK), jnp.int32),  # idx_s (TMA boxes are <= 256 per dimension)
             plgpu.SMEM((2, BLOCK, ROW_WORDS), jnp.int32),  # c32_s: gathered cache rows (double buffer)
             plgpu.SMEM((BLOCK, D_LATENT), f16, transforms=_F16_SW32),  # c16_s
-            plgpu.SMEM((BLOCK, hn), f16, transforms=_F16_SW32),  # p_s
+            # p_s (scales_after: the 4 groups' scaled P)
+            plgpu.SMEM((SCALES, BLOCK, hn) if scales_after else (BLOCK, hn), f16, transforms=_F16_SW32),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_arrivals=BLOCK, num_barriers=2),
             # (two warpgroups: ready — both planes' halves stored, an arrival each; free — c16_s read by PV)

@@ -181,16 +181,40 @@ def test_two_warpgroups_interpret(B, T, H, S, W, nbs, trail, pooled, lean):
       M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, **kw)
 
 
+@pytest.mark.parametrize("B,T,H,S,W,nbs,trail,pooled,wgs", [(2, 4, 16, 256, 200, 2, 0, False, 1),
+                                                             (2, 2, 16, 512, 390, 3, 0, True, 2),
+                                                             (1, 2, 32, 256, 130, 1, 100, False, 1)])
+def test_scales_after_interpret(B, T, H, S, W, nbs, trail, pooled, wgs):
+  """sparse_mla_decode(scales_after=True) (policy mla_scales_after): the latent's block scales applied after the
+  MMAs, per 128-dimension group — within the kernels' tolerance of the reference and of the default kernel (another
+  rounding: c exact, s · p rounded to f16), at several blocks per split, with padding, one and two warpgroups;
+  refused in the tcgen05 form."""
+  q, cache, idx = make_inputs(51 + B + T + W, B, T, H, S, W, trailing_pad=trail, pooled=pooled)
+  ref = np.asarray(M.sparse_mla_decode_reference(q, cache, idx, softmax_scale=SCALE))
+  run = lambda sa: jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
+      *a, softmax_scale=SCALE, blocks_per_split=nbs, warpgroups=wgs, scales_after=sa))(q, cache, idx)
+  with maybe_interpret(True):
+    got, base = np.asarray(run(True)), np.asarray(run(False))
+  for want in (ref, base):
+    np.testing.assert_allclose(got, want, **tol("kernel_bf16"))
+    assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+  assert not np.array_equal(got, base)  # (the other rounding: a form that changed nothing would not be this one)
+  with pytest.raises(ValueError, match="scales_after=True in the tcgen05 form"):
+    M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, scales_after=True, mma="tcgen05")
+
+
 @pytest.mark.parametrize("B,T", [(1, 4), (8, 4)])
 def test_two_warpgroups_cross_lower(B, T):
-  """The two-warpgroup form at the real rank's shapes (16 heads, 2,051 positions; lean, the merge kernel: the
-  step's form) lowers for CUDA — a module of its own, not the one-warpgroup kernel's."""
+  """The two-warpgroup and scales-after forms (and both) at the real rank's shapes (16 heads, 2,051 positions;
+  lean, the merge kernel: the step's form) lower for CUDA — each a module of its own."""
   args = (SDS((B, T, 16, 512), jnp.bfloat16), SDS((B, 65536, M.ROW_WORDS), jnp.int32), SDS((B, T, 2051), jnp.int32))
-  low = {w: cross_lower(lambda *a, w=w: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel", lean=True,
-                                                            warpgroups=w), *args).as_text() for w in (1, 2)}
-  hashes = {w: [ln.split("kernel_hash = ")[1][:40] for ln in t.splitlines() if "glm5_sparse_mla" in ln]
-            for w, t in low.items()}
-  assert len(hashes[2]) == 1 and hashes[2] != hashes[1], hashes
+  forms = {"one": {}, "two": dict(warpgroups=2), "after": dict(scales_after=True),
+           "both": dict(warpgroups=2, scales_after=True)}
+  low = {f: cross_lower(lambda *a, kw=kw: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel", lean=True,
+                                                              **kw), *args).as_text() for f, kw in forms.items()}
+  hashes = {f: [ln.split("kernel_hash = ")[1][:40] for ln in t.splitlines() if "glm5_sparse_mla" in ln]
+            for f, t in low.items()}
+  assert all(len(h) == 1 for h in hashes.values()) and len({h[0] for h in hashes.values()}) == 4, hashes
 
 
 @pytest.mark.parametrize("B,T,H,S,W,nbs,trail,pooled", [(1, 1, 16, 512, 300, None, 0, True),
@@ -483,6 +507,22 @@ def test_two_warpgroups_gpu(B, T, nbs):
   one, two = run(1), run(2)
   assert np.abs(two).max() > 0
   np.testing.assert_array_equal(two, one)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,nbs,wgs", [(1, 1, None, 1), (1, 4, None, 2), (8, 4, None, 1), (1, 4, 4, 2)])
+def test_scales_after_gpu(B, T, nbs, wgs):
+  """The scales applied after the MMAs natively (policy mla_scales_after; one and two warpgroups): within the
+  kernels' tolerance of the reference and of the default kernel."""
+  q, cache, idx = make_inputs(B + T + 60, B, T, 16, 32768, 2051, q_dtype=jnp.bfloat16, pooled=True)
+  ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, cache, idx))
+  run = lambda sa: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
+      *a, softmax_scale=SCALE, blocks_per_split=nbs, lean=True, combine="kernel", warpgroups=wgs,
+      scales_after=sa))(q, cache, idx))
+  got = run(True)
+  for want in (ref, run(False)):
+    np.testing.assert_allclose(got, want, **tol("kernel_bf16"))
+    assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
 
 
 # ------------------------------------------------------------------------------------------------------------
