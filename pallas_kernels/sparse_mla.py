@@ -424,8 +424,8 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False):
   (``_dequant_block``) and each row's 4 block scales are applied after the MMAs, one per 128-dimension group:
   S^T = Σ_g s_g ⊙ (C_g Q_g^T) (four K = 128 MMAs into four accumulators), O^T_g += C_g^T (s_g ⊙ P) (four MMAs, P
   scaled per row in f32 before its f16 rounding) — the dequantisation then converts bytes only, by the GPU's
-  e4m3x2 -> f16x2 conversion (``_plane_f16(cvt=True)``). The same sums up
-  to rounding: c is no longer rounded to f16 after its scale (it is exact), s_g · p is instead."""
+  e4m3x2 -> f16x2 conversion (``_plane_f16(cvt=True)``). The same sums up to rounding: c is no longer rounded to
+  f16 after its scale (it is exact), s_g · p is instead."""
 
   def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *sync):
     if wgs == 1:
