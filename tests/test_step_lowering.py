@@ -283,6 +283,30 @@ def _census(tmp_path, *args):
   return json.loads(out.read_text()), next(tmp_path.glob("*.kernels.tsv")).read_text().splitlines(), r.stderr
 
 
+def test_ptx_census_sees_the_hardware_conversion():
+  """benchmarks/ptx_census.py (compile-only PTX and ptxas on the CPU, in a subprocess: the CUDA PJRT plugin loads
+  before jax starts a backend): the sparse MLA with its scales after the MMAs (policy mla_scales_after) converts
+  the FP8 latent with e4m3x2 -> f16x2 instructions and is shorter than the default form, which has none; nothing
+  spills."""
+  import os  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if not os.path.isdir(os.path.join(root, ".cuda_plugin", "jax_plugins")):
+    pytest.skip("no CUDA PJRT plugin in .cuda_plugin (scripts/test.sh installs it; see benchmarks/step_census.py)")
+  r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ptx_census.py"), "--cases", "mla_1x1,mlas_1x1"],
+                     capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = {}
+  for ln in r.stdout.splitlines():
+    cells = [c.strip() for c in ln.strip("|").split("|")]
+    if len(cells) == 6 and "sparse_mla" in cells[1]:
+      rows[cells[0]] = (int(cells[2].replace(",", "")), int(cells[4]), int(cells[5]))
+  assert set(rows) == {"mla_1x1", "mlas_1x1"}, r.stdout
+  (base, base_spill, base_cvt), (after, after_spill, after_cvt) = rows["mla_1x1"], rows["mlas_1x1"]
+  assert base_cvt == 0 and after_cvt > 0 and after < base and base_spill == after_spill == 0, rows
+
+
 def test_kernel_tiny_step_compiles_for_blackwell(tmp_path):
   """The kernel-tiny step at q = 1 compiled for a B200 (sm_100a: Mosaic GPU and ptxas, compile-only, on this CPU):
   the wgmma kernels — which ptxas refuses for Blackwell — are declined at every site with the reason, said once as
