@@ -460,6 +460,18 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False):
   return body
 
 
+def _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar):
+  """Both attention forms' start: the CTA's (head group, split, token row, sequence) from its grid position, its
+  queries' TMA (on bar[0], awaited later) and its split's index list (bar[1], awaited here: the gathers need it)."""
+  nbs, hn = idx_s.shape[0], q_s.shape[0]
+  hg, sp, bt = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("bt")
+  b = bt // (q_g.shape[0] // c32_g.shape[0])
+  plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(hg * hn, hn)], q_s, bar.at[0])
+  plgpu.copy_gmem_to_smem(idx_g.at[bt, pl.ds(sp * nbs, nbs)], idx_s, bar.at[1])
+  plgpu.barrier_wait(bar.at[1])
+  return hg, sp, bt, b
+
+
 def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *,
               planes=range(SCALES), ready=None, free=None, scales_after: bool = False):
   """``_mla_kernel``'s first (or only) warpgroup: the loads, the gathers, its byte planes of every block, the
@@ -467,14 +479,7 @@ def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s
   ``scales_after``: as ``_mla_kernel``'s (p_s then holds the four scaled P tiles [4, 64, hn]; O^T is carried as
   its four 128-row groups)."""
   nbs, hn = idx_s.shape[0], q_s.shape[0]
-  hg = lax.axis_index("h")
-  sp = lax.axis_index("s")
-  bt = lax.axis_index("bt")
-  T = q_g.shape[0] // c32_g.shape[0]
-  b = bt // T
-  plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(hg * hn, hn)], q_s, bar.at[0])
-  plgpu.copy_gmem_to_smem(idx_g.at[bt, pl.ds(sp * nbs, nbs)], idx_s, bar.at[1])
-  plgpu.barrier_wait(bar.at[1])
+  hg, sp, bt, b = _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar)
 
   def issue(k, slot):
     _gather_block(c32_g.at[b], idx_s, k, c32_s.at[slot], gbar.at[slot])
@@ -597,14 +602,7 @@ def _mla_kernel_tc05(nbs: int, hn: int):
   def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, cg_s, p_s, t_s, s_t, o_t0, o_t1, o_t2, o_t3, bar,
            gbar, mbar):
     o_ts = (o_t0, o_t1, o_t2, o_t3)
-    hg = lax.axis_index("h")
-    sp = lax.axis_index("s")
-    bt = lax.axis_index("bt")
-    T = q_g.shape[0] // c32_g.shape[0]
-    b = bt // T
-    plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(hg * hn, hn)], q_s, bar.at[0])
-    plgpu.copy_gmem_to_smem(idx_g.at[bt, pl.ds(sp * nbs, nbs)], idx_s, bar.at[1])
-    plgpu.barrier_wait(bar.at[1])
+    hg, sp, bt, b = _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar)
 
     def issue(k):
       _gather_block(c32_g.at[b], idx_s, k, c32_s, gbar)
