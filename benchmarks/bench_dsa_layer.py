@@ -95,8 +95,10 @@ def family_us(names: dict[str, float]) -> dict[str, float]:
   return out
 
 
-def bench(model, cfg, B: int, q: int, ctx: int, backend: str, repeats: int, calls: int, seed: int):
-  """-> (row dict, the pools selected for the first call's inputs [B, q, kp])."""
+def bench(model, cfg, B: int, q: int, ctx: int, backend: str, repeats: int, calls: int, seed: int,
+          policy: dict | None = None):
+  """-> (row dict, the pools selected for the first call's inputs [B, q, kp]). ``policy``: latency_specialized's
+  kernel switches over the defaults (glm5_jax.layers.KNOBS)."""
   kpool = cfg.index_kpool
   S = -(-(ctx + q) // kpool) * kpool  # the cache's positions: the context and this call's q tokens
   layout = st.cache_layout(cfg, B, S, q, model.dtype, mtp=False, kv_fp8=True)  # (cfg: one DSA layer)
@@ -123,7 +125,7 @@ def bench(model, cfg, B: int, q: int, ctx: int, backend: str, repeats: int, call
 
   sm = model.shard_map(layer, (P(), cspec, P(), P(), P()), ((P(), P()), cspec))
   kernels = backend == "latency_specialized"
-  policy = {} if kernels else None
+  policy = dict(policy or {}) if kernels else None
   arch = detect_platform(model.mesh.devices.flat)  # (Blackwell: the kernels' tcgen05 forms, as the step's)
   with maybe_interpret(None), use_kernels(policy, arch), kernel_report() as rep:
     f = jax.jit(sm, donate_argnums=(2,))
@@ -152,7 +154,7 @@ def bench(model, cfg, B: int, q: int, ctx: int, backend: str, repeats: int, call
     launches = _count_launches(call, xs)
   floors = profiling.floor_bytes(cfg, model.params, batch=B, q=q, context=ctx)
   floor_us = (floors.get("dsa", 0.0) + floors.get("indexer", 0.0)) / profiling.HBM_BYTES_PER_S * 1e6
-  row = dict(bench="dsa_layer", backend=backend, batch=B, q=q, context=ctx, us=us, core_us=fam["core"],
+  row = dict(bench="dsa_layer", backend=backend, policy=policy, batch=B, q=q, context=ctx, us=us, core_us=fam["core"],
              proj_us=fam["proj"], glue_us=fam["glue"], floor_us=floor_us, launches=launches, copies=n_copies,
              compile_s=compile_s, kernels=ran, timing=_timing.MODE[0], device=jax.devices()[0].device_kind,
              top_us={n: round(t, 2) for n, t in sorted(names.items(), key=lambda kv: -kv[1])[:16]},
@@ -208,6 +210,9 @@ def main(argv=None):
   p.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072])
   p.add_argument("--backend", nargs="+", default=["latency_specialized", "auto"],
                  choices=["latency_specialized", "auto"])
+  p.add_argument("--policy", nargs="+", default=["{}"], metavar="JSON",
+                 help="latency_specialized's kernel switches over the defaults, one configuration each (e.g. "
+                 "'{}' '{\"mla_scales_after\": true}')")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--calls", type=int, default=24, help="calls per timed run (each its own input rows)")
   p.add_argument("--budget-s", type=float, default=None, help="start no configuration after this many seconds")
@@ -223,6 +228,10 @@ def main(argv=None):
     return rows
   if not on_gpu():
     print("# no GPU: the kernels run in Mosaic GPU interpret mode and the times are the CPU's (a smoke run)")
+  policies = [json.loads(s) for s in a.policy]
+  for pol in policies:
+    if not isinstance(pol, dict):
+      raise SystemExit(f"bench_dsa_layer: --policy takes JSON objects, got {pol!r}")
   cfg = geometry(a.geometry)
   model = random_model(cfg, mtp=False)
   t_start = time.perf_counter()
@@ -242,8 +251,11 @@ def main(argv=None):
           stop = True
           continue
         sel = {}
-        for backend in sorted(a.backend, key=lambda b: b != "auto"):  # (auto first: the selection compared with)
-          row, sel[backend] = bench(model, cfg, B, q, ctx, backend, a.repeats, a.calls, seed=B * 1000 + q + ctx)
+        runs = [(b, pol) for b in sorted(a.backend, key=lambda b: b != "auto")  # (auto first: compared with)
+                for pol in (policies if b == "latency_specialized" else [None])]
+        for backend, pol in runs:
+          row, sel[backend] = bench(model, cfg, B, q, ctx, backend, a.repeats, a.calls, seed=B * 1000 + q + ctx,
+                                    policy=pol)
           row["same_pools"] = same_pools(sel[backend], sel["auto"]) if backend != "auto" and "auto" in sel else None
           rows.append(row)
           split = backend == "latency_specialized" and _timing.MODE[0] == "cupti" and bool(row["kernels"])
@@ -253,7 +265,7 @@ def main(argv=None):
           print(f"{B:>3} {q:>2} {ctx:>7} {backend:>20} {row['us']:8.1f} {col('core_us')} {col('proj_us')} "
                 f"{col('glue_us')} {row['floor_us']:6.1f} {row['us'] / row['floor_us']:7.2f} {launches:>8} {same}"
                 + ("  (no kernel runs at these token rows: XLA's path)" if backend != "auto" and not row["kernels"]
-                   else ""), flush=True)
+                   else "") + (f"  {json.dumps(pol)}" if pol else ""), flush=True)
   if a.out:
     with open(a.out, "a") as fh:
       for r in rows:

@@ -77,12 +77,15 @@ MLA_HEADER = (f"{'B':>2} {'T':>2} {'H':>3} {'W':>5} {'nbs':>4} {'MB':>6} {'kern 
               f"{'xla us':>8} {'xla GB/s':>8} {'x':>5} {'relerr':>8}")
 
 
-def bench_mla(B, T, H=16, W=2051, nbs=None, with_xla=True, n_calls=16, pooled=True, combine="xla"):
+def bench_mla(B, T, H=16, W=2051, nbs=None, with_xla=True, n_calls=16, pooled=True, combine="xla", form=None):
+  """``form``: the kernel's keyword switches (warpgroups, scales_after), named in the last column."""
+  form = dict(form or {})
   S = max(min(65536, MIN_CACHE_POSITIONS), MIN_CACHE_POSITIONS // B)
   cache = _cache(jax.random.key(B * 31 + T), B, S)
   sets = [(*_mla_call_inputs(jax.random.key(1000 + i), B, T, H, S, W, pooled),) for i in range(n_calls)]
   args = [(q, cache, idx) for q, idx in sets]
-  f = jax.jit(functools.partial(M.sparse_mla_decode, softmax_scale=SCALE, blocks_per_split=nbs, combine=combine))
+  f = jax.jit(functools.partial(M.sparse_mla_decode, softmax_scale=SCALE, blocks_per_split=nbs, combine=combine,
+                                **form))
   ref = jax.jit(functools.partial(M.sparse_mla_decode_reference, softmax_scale=SCALE))
   err = relerr(f(*args[0]), ref(*args[0]))
   call, names = time_calls(f, args)
@@ -92,7 +95,8 @@ def bench_mla(B, T, H=16, W=2051, nbs=None, with_xla=True, n_calls=16, pooled=Tr
   gbs = lambda us: nbytes / (us * 1e-6) / 1e9
   nb = nbs or M._pick_blocks_per_split(-(-W // M.BLOCK), B * T * (H // M.HEADS_PER_CTA))
   log(f"{B:>2} {T:>2} {H:>3} {W:>5} {nb:>4} {nbytes / 1e6:6.2f} {kern:8.1f} {call:8.1f} {gbs(call):6.0f} "
-      f"{xla:8.1f} {gbs(xla):8.0f} {xla / call:5.1f} {err:8.1e}" + ("" if combine == "xla" else f"  {combine}"))
+      f"{xla:8.1f} {gbs(xla):8.0f} {xla / call:5.1f} {err:8.1e}" + ("" if combine == "xla" else f"  {combine}")
+      + "".join(f" {k}={v}" for k, v in form.items()))
   return call
 
 
@@ -137,7 +141,9 @@ def bench_indexer(B, T, P, nbc=None, with_xla=True):
 # ------------------------------------------------------------------------------------------------------------
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--only", default="mla,indexer,sweep,combine")
+  ap.add_argument("--only", default="mla,indexer,sweep,combine",
+                  help="sections: mla, combine, sweep, indexer, and forms (the kernel's dequantisation forms: "
+                       "warpgroups=2, scales_after, both — with the merge kernel, as the step runs it)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--quick", action="store_true", help="fewer configurations")
   ap.add_argument("--random-idx", action="store_true",
@@ -161,6 +167,14 @@ def main():
       for B, T in [(1, 1), (1, 4), (2, 8), (8, 4)]:
         for combine in ("xla", "kernel"):
           bench_mla(B, T, with_xla=False, pooled=pooled, combine=combine)
+    if "forms" in only:  # session 66's dequantisation forms (policy knobs mla_dequant_warpgroups, mla_scales_after)
+      log("\n## sparse MLA: the dequantisation's forms (merge kernel; last column: the form)")
+      log(MLA_HEADER)
+      forms = [dict(lean=True, **f) for f in ({}, {"warpgroups": 2}, {"scales_after": True},
+                                              {"warpgroups": 2, "scales_after": True})]  # (lean: as in the step)
+      for B, T in [(1, 1), (1, 4), (8, 4), (32, 1)]:
+        for form in forms:
+          bench_mla(B, T, with_xla=False, pooled=pooled, combine="kernel", form=form)
     if "sweep" in only:
       log("\n## sparse MLA: blocks of 64 positions per CTA (W split)")
       log(MLA_HEADER)

@@ -54,6 +54,9 @@
 #                             warpgroup converting half of each block) and mla_scales_after (the block scales after
 #                             the MMAs): their GPU tests, the in-kernel profiles of the four forms at B x q = 1 x 4
 #                             and 8 x 4, then the step's A/B at q = 1 (the defaults vs each vs both), then q = 4
+#   mlaforms (either):        the same two knobs measured alone with CUPTI (session 67): bench_sparse_mla --only forms
+#                             (the kernel in its four forms, merge included, B x q = 1 x 1, 1 x 4, 8 x 4, 32 x 1), then
+#                             one DSA layer at 32K (bench_dsa_layer: B 1 / 8, q 1 / 4; auto, the defaults, each knob)
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -62,8 +65,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -262,6 +265,14 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       '{"mla_dequant_warpgroups": true, "mla_scales_after": true}'
     [ "$(left)" -gt 200 ] && rank1 mlawg --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' \
       "${POLICY:-{\"mla_dequant_warpgroups\": true, \"mla_scales_after\": true\}}"
+    ;;
+  mlaforms)  # (either) see the header
+    timeout 200 python3 benchmarks/bench_sparse_mla.py --only forms --out "$OUT/bench_sparse_mla_forms.log" \
+      > /dev/null 2>&1
+    timeout $(( $(left) - 10 )) python3 benchmarks/bench_dsa_layer.py --batch 1 8 --q 1 4 --context 32768 \
+      --policy '{}' '{"mla_scales_after": true}' '{"mla_dequant_warpgroups": true, "mla_scales_after": true}' \
+      --budget-s $(( $(left) - 60 )) --out "$OUT/dsa_layer.jsonl" 2>&1 \
+      | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
     ;;
   blackwell)  # (a Blackwell kind) see the header
     gpu_tests blackwell $(( $(left) - 20 )) blackwell "" tests/test_sparse_mla.py tests/test_indexer.py \
