@@ -998,13 +998,14 @@ def _row_normalised(part_g, c_g, xns, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm
   _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], M,
                   _FIN_PLACE, t_s, ts_s, explicit, loop=callable(xns))
   plgpu.commit_smem()
-  gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
-  pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, [c_g[k] for k in range(N)], c_g[MIX], D,
-                        eps, norm_eps)
-  for i in range(N):
-    sc_s[i] = pre[i]
-  sc_s[N] = rinv
-  plgpu.commit_smem()
+  with jax.named_scope("scales"):
+    gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
+    pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, [c_g[k] for k in range(N)], c_g[MIX],
+                          D, eps, norm_eps)
+    for i in range(N):
+      sc_s[i] = pre[i]
+    sc_s[N] = rinv
+    plgpu.commit_smem()
 
   def row(m, xn):
     u = sc_s[0, m] * xn[0]
@@ -1018,8 +1019,9 @@ def _row_normalised(part_g, c_g, xns, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm
       o16_s[m] = plgpu.layout_cast(saturate_f16(_row_load(o_s.at[m])), _row_layout())
 
   # (several rows: a loop, X' of row m read back from SMEM)
-  _each_row(M, callable(xns), lambda m: row(m, xns(m) if callable(xns) else xns[m]))
-  plgpu.commit_smem()
+  with jax.named_scope("xin"):
+    _each_row(M, callable(xns), lambda m: row(m, xns(m) if callable(xns) else xns[m]))
+    plgpu.commit_smem()
 
 
 class _SmemRows:
@@ -1108,12 +1110,14 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
     # (the previous stores from v_s — the zeros, the previous row's partials — have read it: the issuing thread
     # waits, and _row_partials' first commit holds every thread until it has)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    _row_partials(xn, fn_s, red_s, v_s)
+    with jax.named_scope("products"):  # (bench_kernel_profile's sub-regions: session 59's partials 2.7 µs)
+      _row_partials(xn, fn_s, red_s, v_s)
     plgpu.copy_smem_to_gmem(v_s.at[pl.ds(0, PART)], part_g.at[g, m])
 
   with jax.named_scope("partials"):
     _each_row(M, loop, lambda m: partials(m, xns(m) if loop else xns[m]))
-    plgpu.wait_smem_to_gmem(0)
+    with jax.named_scope("stores"):
+      plgpu.wait_smem_to_gmem(0)
   return xns
 
 
@@ -1175,10 +1179,11 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     o16_s = scratch[13] if x16 else None
     with jax.named_scope("normalise"):
       _row_normalised(part_g, c_g, xns, w_s, o_s, t_s, ts_s, sc_s, *consts, lean, o16_s=o16_s)
-      plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
-      if x16:
-        plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
-      plgpu.wait_smem_to_gmem(0)
+      with jax.named_scope("store"):
+        plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
+        if x16:
+          plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
+        plgpu.wait_smem_to_gmem(0)
 
   return body
 
