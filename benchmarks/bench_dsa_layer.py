@@ -178,6 +178,7 @@ def plot(rows: list[dict], path: str):
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
+  rows = [r for r in rows if not r.get("policy")]  # (the defaults of their day: --policy A/B rows are not drawn)
   rows = list({(r["batch"], r["q"], r["backend"], r["context"]): r for r in rows}.values())
   cases = sorted({(r["batch"], r["q"]) for r in rows})
   fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.2), sharey=True, squeeze=False)
