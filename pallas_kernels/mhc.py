@@ -710,14 +710,14 @@ def mhc_post_finish_reference(X, y, mix, fn, coef, w, *, first: bool = False, ep
   return Xn, x_in, part
 
 
-def _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
+def _normalise_from_partials(part_g, coef, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
                              norm_eps, explicit: bool = False, o16=None):
   """The second half: the M token rows' partials part_g [Gp, 64, 40] (GMEM) summed over the column chunks — two
   64-row tiles per row at the real width, a sum over the tile's rows, the 14 sums the normalisation reads placed
   in t_s's transposed [40, 64] layout a scalar at a time (as mhc_finish's raw-partials form) — then pre and 1/RMS
-  per row and x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this CTA's columns from X' in x_s [N, 64, 32]."""
-  base = [c_g[k] for k in range(N)]
-  sc0 = c_g[MIX]
+  per row and x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this CTA's columns from X' in x_s [N, 64, 32].
+  ``coef``: ``_coef_scalars``' values, loaded at the kernel's start."""
+  base, sc0 = coef
   with jax.named_scope("sum"):
     _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], M,
                     _FIN_PLACE, t_s, ts_s, explicit)
@@ -741,11 +741,19 @@ def barrier_counters():
   return jax.new_ref(jnp.zeros((2,), jnp.int32))
 
 
-def _grid_barrier(ctr_g, par_g, g, G: int, lean: bool = False):
+def _coef_scalars(c_g):
+  """The normalisation's coefficients from coef (GMEM): (the N pre biases, the pre logits' scale) — loaded at a
+  kernel's start, where their L2 round trip overlaps the first half, instead of after the partials' sum (session
+  67's PTX: the loads sat between the sum and the pre / 1/RMS arithmetic, on the boundary's critical path)."""
+  return [c_g[k] for k in range(N)], c_g[MIX]
+
+
+def _grid_barrier(ctr_g, par_g, g, G: int, lean: bool = False, parity=None):
   """The one-launch boundaries' grid barrier over G CTAs: on counter par_g[0] of barrier_counters' Ref (CTA 0
   zeroing the other counter for the next boundary), or — ctr_g None — on a pl.get_global semaphore (zeroed for
   each launch: an XLA fill per call). ``lean`` (no automatic barriers): the warpgroup barrier before the
-  semaphore's signal that Mosaic would have put there (counter_signal has its own)."""
+  semaphore's signal that Mosaic would have put there (counter_signal has its own). ``parity``: par_g[0] loaded
+  at the kernel's start (its L2 round trip then overlaps the first half instead of preceding the signal)."""
   with jax.named_scope("barrier"):
     if ctr_g is None:
       if lean:
@@ -754,7 +762,7 @@ def _grid_barrier(ctr_g, par_g, g, G: int, lean: bool = False):
       plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
       plgpu.semaphore_wait(sem, G, decrement=False, memory_scope="gpu")
       return
-    p = par_g[0]
+    p = par_g[0] if parity is None else parity
 
     @pl.when(g == 0)
     def _():  # the previous boundary's counter, for the next one (barrier_counters)
@@ -812,6 +820,7 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
     g = lax.axis_index("g")
     d0 = g * GRID_COLS
     plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, GRID_COLS)], w_s, bar_w)  # in flight through the first half
+    coef, parity = _coef_scalars(c_g), (par_g[0] if counters else None)  # (in flight too: used after the barrier)
     with jax.named_scope("post_pre"):
       pp(*pp_in, *pp_out, *pp_scratch)
     for k in range(-(-(Gp - G) // G)):  # the zero rows, spread over the CTAs
@@ -821,10 +830,10 @@ def _post_finish_kernel(M: int, D: int, first: bool, eps: float, hc_norm_eps: fl
       def _():
         part_g[row] = plgpu.layout_cast(jnp.zeros((ROWS, PART), jnp.float32), _L.WGMMA)
 
-    _grid_barrier(ctr_g, par_g, g, G, lean)
+    _grid_barrier(ctr_g, par_g, g, G, lean, parity)
     x_s = pp_scratch[0] if first else pp_scratch[6]  # X' (untiled [N, 64, 32]): X itself at the first site
     with jax.named_scope("normalise"):
-      _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
+      _normalise_from_partials(part_g, coef, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
                                norm_eps, lean, o16)
 
   return body
@@ -844,8 +853,8 @@ def _finish_half_kernel(M: int, D: int, eps: float, hc_norm_eps: float, norm_eps
     for i in range(N):
       plgpu.copy_gmem_to_smem(xn_g.at[pl.ds(0, M), pl.ds(i * D + d0, GRID_COLS)], x_s.at[i, pl.ds(0, M)], bar_w)
     plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, GRID_COLS)], w_s, bar_w)
-    _normalise_from_partials(part_g, c_g, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps, hc_norm_eps,
-                             norm_eps, o16=o16)
+    _normalise_from_partials(part_g, _coef_scalars(c_g), x_s, w_s, o_s, t_s, ts_s, xin_g, bar_w, M, D, d0, eps,
+                             hc_norm_eps, norm_eps, o16=o16)
 
   return body
 
@@ -1003,7 +1012,7 @@ def _row_partials(xn, fn_s, red_s, v_s):
     plgpu.commit_smem()
 
 
-def _row_normalised(part_g, c_g, xns, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_eps, norm_eps,
+def _row_normalised(part_g, coef, xns, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_eps, norm_eps,
                     explicit: bool = False, o16_s=None):
   """The second half for the M = len(xns) token rows: the normalisation's 16 partial columns summed over the chunks
   (one 64-row tile per row, ``_sum_partials_t``), pre and 1/RMS as per-row vectors (``_gram_scale`` / ``_pre_rinv``,
@@ -1016,8 +1025,7 @@ def _row_normalised(part_g, c_g, xns, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm
   plgpu.commit_smem()
   with jax.named_scope("scales"):
     gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
-    pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, [c_g[k] for k in range(N)], c_g[MIX],
-                          D, eps, norm_eps)
+    pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, *coef, D, eps, norm_eps)
     for i in range(N):
       sc_s[i] = pre[i]
     sc_s[N] = rinv
@@ -1168,7 +1176,7 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
       plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar)
       plgpu.barrier_wait(bar)
       xns = _SmemRows(x_s, M) if M > 1 else [[_row_load(x_s.at[i, 0]) for i in range(N)]]
-      _row_normalised(part_g, c_g, xns, w_s, o_s, t_s, ts_s, sc_s, *consts, o16_s=o16_s)
+      _row_normalised(part_g, _coef_scalars(c_g), xns, w_s, o_s, t_s, ts_s, sc_s, *consts, o16_s=o16_s)
       plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
       if x16:
         plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
@@ -1186,15 +1194,18 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     xin_g = next(it) if half == 0 else None
     xin16_g = next(it) if half == 0 and x16 else None
     scratch = list(it)
+    # (read after the barrier: loaded here, their L2 round trips overlap the first half — _coef_scalars)
+    coef = _coef_scalars(c_g) if half == 0 else None
+    parity = par_g[0] if counters and half == 0 else None
     xns = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g)
     if half == 1:
       return
     fence_async_writes()  # (the partials went out by TMA; the other CTAs read them with plain loads)
-    _grid_barrier(ctr_g, par_g, g, G, lean)
+    _grid_barrier(ctr_g, par_g, g, G, lean, parity)
     w_s, o_s, t_s, ts_s, sc_s = scratch[5], *scratch[9:13]
     o16_s = scratch[13] if x16 else None
     with jax.named_scope("normalise"):
-      _row_normalised(part_g, c_g, xns, w_s, o_s, t_s, ts_s, sc_s, *consts, lean, o16_s=o16_s)
+      _row_normalised(part_g, coef, xns, w_s, o_s, t_s, ts_s, sc_s, *consts, lean, o16_s=o16_s)
       with jax.named_scope("store"):
         plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
         if x16:
