@@ -118,9 +118,10 @@ def cases(names):
   # the sparse MLA attention (one TP4 rank's 16 heads, 2,051 selected positions of a 32K cache, pooled index
   # lists as the indexer gives them): B x T query rows — mla_1x4 the verify at B = 1, mla_8x4 the batch case
   # (32 rows: ~90 µs, 9x its gathered bytes on an H100, session 66's bench_dsa_layer); its forms by prefix: mla2_
-  # two warpgroups (policy mla_dequant_warpgroups), mlas_ the scales after the MMAs (mla_scales_after), mla2s_ both
+  # two warpgroups (policy mla_dequant_warpgroups), mlas_ the scales after the MMAs (mla_scales_after, the default
+  # since session 67), mla2s_ both, mlag_ the scales after + one gather arrival per group (mla_group_arrival)
   forms = {"mla_": {}, "mla2_": dict(warpgroups=2), "mlas_": dict(scales_after=True),
-           "mla2s_": dict(warpgroups=2, scales_after=True)}
+           "mla2s_": dict(warpgroups=2, scales_after=True), "mlag_": dict(scales_after=True, group_arrival=True)}
   for name in names:
     for prefix, kw in forms.items():
       if name.startswith(prefix):
@@ -142,9 +143,10 @@ def cases(names):
 
 
 def _mla_case(B: int, T: int, S: int = 32768, H: int = 16, W: int = 2051, warpgroups: int = 1,
-              scales_after: bool = False):
-  """sparse_mla_decode over random FP8 cache rows and pooled index lists (the indexer's 512 pools of 4 + the tail;
-  each query token its own list) -> a function of no arguments running it once."""
+              scales_after: bool = False, group_arrival: bool = False):
+  """sparse_mla_decode over random FP8 cache rows and pooled index lists (the indexer's 512 pools of 4 + the tail:
+  the incomplete last pool's 3 positions, as Indexer.select lists them for a query at S - 2; each query token its
+  own list) -> a function of no arguments running it once."""
   from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
   key = jax.random.key(11)
   k1, k2, k3 = jax.random.split(key, 3)
@@ -153,10 +155,11 @@ def _mla_case(B: int, T: int, S: int = 32768, H: int = 16, W: int = 2051, warpgr
   pools = jax.vmap(lambda k: jax.random.choice(k, S // 4 - 1, (512,), replace=False))(
       jax.random.split(k3, B * T)).reshape(B, T, 512)
   tok = (jnp.sort(pools, -1)[..., None] * 4 + jnp.arange(4)).reshape(B, T, 2048)
-  tail = jnp.broadcast_to(S - 3 + jnp.arange(3), (B, T, 3))
+  tail = jnp.broadcast_to(S - 4 + jnp.arange(3), (B, T, 3))
   idx = jnp.concatenate([tok, tail], -1).astype(jnp.int32)[..., :W]
   f = jax.jit(lambda q, c, i: ks.sparse_mla_decode(q, c, i, softmax_scale=1 / 16, combine="kernel", lean=True,
-                                                    warpgroups=warpgroups, scales_after=scales_after))
+                                                    warpgroups=warpgroups, scales_after=scales_after,
+                                                    group_arrival=group_arrival))
   return lambda: f(q, cache, idx)
 
 

@@ -142,8 +142,9 @@ def bench_indexer(B, T, P, nbc=None, with_xla=True):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--only", default="mla,indexer,sweep,combine",
-                  help="sections: mla, combine, sweep, indexer, and forms (the kernel's dequantisation forms: "
-                       "warpgroups=2, scales_after, both — with the merge kernel, as the step runs it)")
+                  help="sections: mla, combine, sweep, indexer, and forms (the kernel's forms: warpgroups=2, "
+                       "scales_after, both, scales_after with group_arrival — with the merge kernel, as the step "
+                       "runs it)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--quick", action="store_true", help="fewer configurations")
   ap.add_argument("--random-idx", action="store_true",
@@ -171,7 +172,8 @@ def main():
       log("\n## sparse MLA: the dequantisation's forms (merge kernel; last column: the form)")
       log(MLA_HEADER)
       forms = [dict(lean=True, **f) for f in ({}, {"warpgroups": 2}, {"scales_after": True},
-                                              {"warpgroups": 2, "scales_after": True})]  # (lean: as in the step)
+                                              {"warpgroups": 2, "scales_after": True},
+                                              {"scales_after": True, "group_arrival": True})]  # (lean: as the step)
       for B, T in [(1, 1), (1, 4), (8, 4), (32, 1)]:
         for form in forms:
           bench_mla(B, T, with_xla=False, pooled=pooled, combine="kernel", form=form)

@@ -57,6 +57,10 @@
 #   mlaforms (either):        the same two knobs measured alone with CUPTI (session 67): bench_sparse_mla --only forms
 #                             (the kernel in its four forms, merge included, B x q = 1 x 1, 1 x 4, 8 x 4, 32 x 1), then
 #                             one DSA layer at 32K (bench_dsa_layer: B 1 / 8, q 1 / 4; auto, the defaults, each knob)
+#   s68a (either; H100: LAYERS=32): session 67's CPU-built work natively — the GPU tests of mla_group_arrival (one
+#                             gather arrival per group of 4 rows) and of the mHC boundaries (the early coef / parity
+#                             loads), the in-kernel profiles (mlas_ / mlag_ at 1 x 4 and 8 x 4, mhc_row_lean), the
+#                             sparse MLA's forms alone, then the step's A/B at q = 1: the defaults vs mla_group_arrival
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -65,8 +69,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -273,6 +277,16 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       --policy '{}' '{"mla_scales_after": true}' '{"mla_dequant_warpgroups": true, "mla_scales_after": true}' \
       --budget-s $(( $(left) - 60 )) --out "$OUT/dsa_layer.jsonl" 2>&1 \
       | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
+    ;;
+  s68a)  # (either; H100: LAYERS=32) see the header
+    gpu_tests s68a 300 gpu "group_arrival_gpu or counters_gpu or x16_gpu or post_finish_gpu" tests/test_sparse_mla.py \
+      tests/test_mhc.py
+    timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
+      --cases mlas_1x4,mlag_1x4,mlas_8x4,mlag_8x4,mhc_row_lean --out "$OUT/kernel_profile.txt" > /dev/null 2>&1
+    timeout 150 python3 benchmarks/bench_sparse_mla.py --only forms --out "$OUT/bench_sparse_mla_forms.log" \
+      > /dev/null 2>&1
+    [ "$(left)" -gt 200 ] && rank1 s68a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"mla_group_arrival": true}'
     ;;
   blackwell)  # (a Blackwell kind) see the header
     gpu_tests blackwell $(( $(left) - 20 )) blackwell "" tests/test_sparse_mla.py tests/test_indexer.py \

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MLA_FORMS = {"mla_": {}, "mla2_": dict(warpgroups=2), "mlas_": dict(scales_after=True),
-             "mla2s_": dict(warpgroups=2, scales_after=True)}
+             "mla2s_": dict(warpgroups=2, scales_after=True), "mlag_": dict(scales_after=True, group_arrival=True)}
 
 
 def _case(name: str, sds):
@@ -58,7 +58,7 @@ def _case(name: str, sds):
     consts = dict(eps=cfg.hc_eps, hc_norm_eps=cfg.rms_norm_eps, norm_eps=cfg.rms_norm_eps)
     return (lambda X, y, mix, fn, coef, w, ctr: km.mhc_row_boundary(
         X, y, mix, fn, coef, w, **consts, approx_math=True, lean=True, x16=True, counters=ctr)), args
-  raise SystemExit(f"ptx_census: unknown case {name!r} (mla_BxT, mla2_BxT, mlas_BxT, mla2s_BxT, mhc_row)")
+  raise SystemExit(f"ptx_census: unknown case {name!r} (mla_BxT, mla2_BxT, mlas_BxT, mla2s_BxT, mlag_BxT, mhc_row)")
 
 
 def summarise(dump_dir: str):

@@ -377,6 +377,17 @@ KNOBS = {
         "(bench_dsa_layer) B = 1 q = 1 86.1 -> 85.0, q = 4 108.0 -> 106.0, B = 8 q = 1 116.3 -> 112.9, q = 4 207.6 -> "
         "195.6; the step (32 layers, 5 interleaved repeats) a tie at q = 1 (2.92 -> 2.95 ms; 8 DSA layers x ~2 "
         "µs is within its noise) — on. Hopper's form only: Blackwell's tcgen05 form converts a group at a time"),
+    "mla_group_arrival": (False,
+        "with sparse_mla on (Hopper's wgmma form): the attention kernel's gather barrier counts one arrival per "
+        "group of 4 cache rows instead of 4 (pallas_kernels.sparse_mla.sparse_mla_decode(group_arrival=True)). In "
+        "Pallas' Lane semantics every barrier arrival is made by all 128 threads of the warpgroup; a pool's 4 rows "
+        "were one TMA (its arrive.expect_tx) plus 3 plain arrivals, so the issue of a block's 16 groups was 512 "
+        "mbarrier operations each — session 67's in-kernel profile (H100, B x q = 1 x 4): issuing the first block's "
+        "gathers 2.7 µs of the kernel's ~4.3 before its first block, the gathers' own wait then 0.12. Now a group "
+        "whose valid positions sit where a run from its first one puts them (pools; the tail with trailing "
+        "padding) is one TMA of 4 rows and one arrival; any other group loads its rows one TMA each on a second "
+        "barrier, waits there and arrives once. Bit for bit the default kernel (interpret mode). CPU-built: off "
+        "until measured on a GPU"),
     "linear_part_rows": (False,
         "at 2..8 token rows (the verify's, B x q), where XLA sums a weight-streaming kernel's K splits (bf16_linear, "
         "fp8_dq_linear, the MoE's down groups): each split's partial written as the token rows [split, M, N] "

@@ -295,11 +295,23 @@ def _pick_blocks_per_split(n_blocks: int, n_rows: int) -> int:
   return -(-n_blocks // splits)
 
 
-def _gather_block(rows_g, idx_s, k: int, dst_s, gbar):
+def _gather_block(rows_g, idx_s, k: int, dst_s, gbar, xbar=None):
   """Block k's cache rows (idx_s[k]: its positions, -1 padding) from rows_g [S, ROW_WORDS] into dst_s [n,
   ROW_WORDS] on one barrier of n arrivals, by groups of RUN: a group of consecutive positions (an indexer pool's
   tokens) is one TMA of RUN rows plus RUN - 1 plain arrivals; an all-padding group loads rows 0.. (masked later)
-  the same way; any other group (the tail, interleaved padding) one TMA per row (-1 loads row 0, masked later)."""
+  the same way; any other group (the tail, interleaved padding) one TMA per row (-1 loads row 0, masked later).
+
+  ``xbar`` (``sparse_mla_decode(group_arrival=True)``): gbar counts one arrival per group (n / RUN) — in Pallas'
+  Lane semantics every arrival is all 128 threads', and session 67's profile had the issue of a block's 16 groups
+  at 2.7 µs (4 arrivals a group: the TMA's and 3 plain ones). A group whose valid positions all sit where a run
+  from its first one puts them (a pool; a tail with trailing padding; interleaved padding), its window inside the
+  cache, is one TMA of RUN rows (the padding slots get the run's rows: masked later), as is an all-padding group
+  (rows 0..); any other group loads its rows one TMA each on xbar (RUN arrivals), waits for them there and then
+  arrives on gbar once."""
+  if xbar is not None:
+    _gather_block_grouped(rows_g, idx_s, k, dst_s, gbar, xbar)
+    return
+
   def group(gi, c):
     j = gi * RUN
     r = [idx_s[k, j + t] for t in range(RUN)]
@@ -319,6 +331,32 @@ def _gather_block(rows_g, idx_s, k: int, dst_s, gbar):
     def _():
       for t in range(RUN):
         plgpu.copy_gmem_to_smem(rows_g.at[pl.ds(jnp.maximum(r[t], 0), 1)], dst_s.at[pl.ds(j + t, 1)], gbar)
+    return c
+  lax.fori_loop(0, dst_s.shape[0] // RUN, group, None, unroll=ISSUE_UNROLL)
+
+
+def _gather_block_grouped(rows_g, idx_s, k: int, dst_s, gbar, xbar):
+  """``_gather_block``'s one-arrival-per-group form (its ``xbar``)."""
+  S = rows_g.shape[0]
+
+  def group(gi, c):
+    j = gi * RUN
+    r = [idx_s[k, j + t] for t in range(RUN)]
+    like, none = (r[0] >= 0) & (r[0] <= S - RUN), r[0] < 0
+    for t in range(1, RUN):
+      like, none = like & ((r[t] == r[0] + t) | (r[t] < 0)), none & (r[t] < 0)
+    whole = like | none
+
+    @pl.when(whole)
+    def _():
+      plgpu.copy_gmem_to_smem(rows_g.at[pl.ds(jnp.where(none, 0, r[0]), RUN)], dst_s.at[pl.ds(j, RUN)], gbar)
+
+    @pl.when(jnp.logical_not(whole))
+    def _():  # (rare: no indexer list has such a group; the kernel takes any list)
+      for t in range(RUN):
+        plgpu.copy_gmem_to_smem(rows_g.at[pl.ds(jnp.maximum(r[t], 0), 1)], dst_s.at[pl.ds(j + t, 1)], xbar)
+      plgpu.barrier_wait(xbar)
+      plgpu.barrier_arrive(gbar)
     return c
   lax.fori_loop(0, dst_s.shape[0] // RUN, group, None, unroll=ISSUE_UNROLL)
 
@@ -403,7 +441,7 @@ def _combine_tile(o_g, lse_g, out_g, bt, tile, ns: int):
   out_g[bt, pl.ds(r0, BLOCK)] = plgpu.layout_cast(acc / lax.broadcast_in_dim(den, acc.shape, (1,)), _L.WGMMA)
 
 
-def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False):
+def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, group_arrival: bool = False):
   """Kernel body for ``nbs`` blocks of 64 positions per CTA and ``hn`` heads per CTA.
 
   GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (rescale * softmax_scale * log2 e),
@@ -425,19 +463,23 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False):
   S^T = Σ_g s_g ⊙ (C_g Q_g^T) (four K = 128 MMAs into four accumulators), O^T_g += C_g^T (s_g ⊙ P) (four MMAs, P
   scaled per row in f32 before its f16 rounding) — the dequantisation then converts bytes only, by the GPU's
   e4m3x2 -> f16x2 conversion (``_plane_f16(cvt=True)``). The same sums up to rounding: c is no longer rounded to
-  f16 after its scale (it is exact), s_g · p is instead."""
+  f16 after its scale (it is exact), s_g · p is instead.
+
+  ``group_arrival`` (``sparse_mla_decode(group_arrival=True)``): the gathers' barrier counts a group of RUN rows
+  once (``_gather_block``'s ``xbar``: the scratch after gbar)."""
 
   def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *sync):
+    xbar, sync = (sync[0], sync[1:]) if group_arrival else (None, sync)
     if wgs == 1:
       return _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar,
-                       scales_after=scales_after)
+                       scales_after=scales_after, xbar=xbar)
     ready, free = sync
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 0)
     def _():
       _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar,
-                planes=range(SCALES // 2), ready=ready, free=free, scales_after=scales_after)
+                planes=range(SCALES // 2), ready=ready, free=free, scales_after=scales_after, xbar=xbar)
 
     @pl.when(wg == 1)
     def _():
@@ -474,7 +516,7 @@ def _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar):
 
 
 def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *,
-              planes=range(SCALES), ready=None, free=None, scales_after: bool = False):
+              planes=range(SCALES), ready=None, free=None, scales_after: bool = False, xbar=None):
   """``_mla_kernel``'s first (or only) warpgroup: the loads, the gathers, its byte planes of every block, the
   attention and the outputs. ``ready`` / ``free``: the two-warpgroup form's barriers (None: one warpgroup).
   ``scales_after``: as ``_mla_kernel``'s (p_s then holds the four scaled P tiles [4, 64, hn]; O^T is carried as
@@ -483,7 +525,7 @@ def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s
   hg, sp, bt, b = _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar)
 
   def issue(k, slot):
-    _gather_block(c32_g.at[b], idx_s, k, c32_s.at[slot], gbar.at[slot])
+    _gather_block(c32_g.at[b], idx_s, k, c32_s.at[slot], gbar.at[slot], xbar)
 
   with jax.named_scope("start_issue"):
     issue(0, 0)
@@ -706,10 +748,10 @@ def index_width(B: int, T: int, H: int, W: int, blocks_per_split: int | None = N
 
 
 @kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed", "lean", "mma", "warpgroups",
-              "scales_after")
+              "scales_after", "group_arrival")
 def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int | None = None,
                       combine: str = "xla", transposed: bool = False, lean: bool = False, mma: str = "wgmma",
-                      warpgroups: int = 1, scales_after: bool = False):
+                      warpgroups: int = 1, scales_after: bool = False, group_arrival: bool = False):
   """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
 
   q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache [B, S, ROW_WORDS] int32 (``quantize_latent``'s rows),
@@ -732,11 +774,16 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   warpgroup per CTA converting half of every block's byte planes (``_mla_kernel``; policy knob
   mla_dequant_warpgroups); the wgmma form only. ``scales_after``: the latent's block scales applied after the
   MMAs (``_mla_kernel``; policy knob mla_scales_after), the dequantisation converting bytes only; the wgmma form
-  only."""
+  only. ``group_arrival``: the gathers' barrier counts one arrival per group of RUN rows instead of RUN
+  (``_gather_block``'s ``xbar``; policy knob mla_group_arrival); the same rows where the index list is valid, the
+  same outputs; the wgmma form only."""
   tc05 = check_mma(mma, "sparse_mla_decode")
   if warpgroups not in (1, 2) or (tc05 and warpgroups != 1):
     raise ValueError(f"sparse_mla_decode: warpgroups = {warpgroups!r}; expected 1 or 2 (2 in the wgmma form only: "
                      f"mma = {mma!r})")
+  if tc05 and group_arrival:
+    raise ValueError("sparse_mla_decode: group_arrival=True in the tcgen05 form (mma = 'tcgen05'); it is the wgmma "
+                     "form's")
   if tc05 and scales_after:
     raise ValueError("sparse_mla_decode: scales_after=True in the tcgen05 form (mma = 'tcgen05'); it is the wgmma "
                      "form's (the tcgen05 form dequantises one 128-dimension group at a time already)")
@@ -785,7 +832,7 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   else:
     two = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
     kern = mgpu_kernel(
-        _mla_kernel(nbs, hn, warpgroups, bool(scales_after)),
+        _mla_kernel(nbs, hn, warpgroups, bool(scales_after), bool(group_arrival)),
         out_type=parts,
         scratch_types=[
             plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
@@ -795,7 +842,9 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
             # p_s (scales_after: the 4 groups' scaled P)
             plgpu.SMEM((SCALES, BLOCK, hn) if scales_after else (BLOCK, hn), f16, transforms=_F16_SW32),
             plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_arrivals=BLOCK, num_barriers=2),
+            # gbar (group_arrival: one arrival per group of RUN rows; then xbar, its irregular groups' rows)
+            plgpu.Barrier(num_arrivals=BLOCK // RUN if group_arrival else BLOCK, num_barriers=2),
+            *([plgpu.Barrier(num_arrivals=RUN)] if group_arrival else []),
             # (two warpgroups: ready — both planes' halves stored, an arrival each; free — c16_s read by PV)
             *([plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)] if warpgroups == 2 else []),
         ],

@@ -203,18 +203,52 @@ def test_scales_after_interpret(B, T, H, S, W, nbs, trail, pooled, wgs):
     M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, scales_after=True, mma="tcgen05")
 
 
+def _group_cases(idx, S):
+  """idx [B, T, W] (pooled lists) with groups of 4 slots (starting at slot 4) rewritten to reach each branch of
+  the one-arrival gather (sparse_mla_decode(group_arrival=True)): a pool with a hole [a, -1, a + 2, a + 3] and a
+  tail with trailing padding [a, a + 1, -1, -1] (one TMA of 4 rows, the holes masked), a run past the cache's end
+  [S - 2, S - 1, -1, -1], a leading hole [-1, b, b + 1, b + 2] and two unrelated positions [c, d, -1, -1] (a TMA a
+  row on the second barrier), an all-padding group, and a run ending at the last row [S - 4 .. S - 1]."""
+  cases = [[40, -1, 42, 43], [60, 61, -1, -1], [S - 2, S - 1, -1, -1], [-1, 81, 82, 83], [90, 17, -1, -1],
+           [-1, -1, -1, -1], [S - 4, S - 3, S - 2, S - 1]]
+  for i, g in enumerate(cases):
+    idx = idx.at[:, :, 4 * (i + 1):4 * (i + 2)].set(jnp.asarray(g, jnp.int32))
+  return idx
+
+
+@pytest.mark.parametrize("B,T,S,W,nbs,pooled,sa", [(1, 4, 256, 300, 2, True, True), (2, 2, 512, 390, 3, True, False),
+                                                   (1, 2, 256, 200, 1, False, True)])
+def test_group_arrival_interpret(B, T, S, W, nbs, pooled, sa):
+  """sparse_mla_decode(group_arrival=True) (policy mla_group_arrival): the gathers' barrier counting a group of 4
+  rows once — bit for bit the default kernel (the same rows in every valid slot; the padding slots, masked, may
+  hold other rows) over lists with every kind of group (pooled lists with ``_group_cases``; random positions: the
+  per-row path nearly everywhere), with and without the scales after the MMAs; refused in the tcgen05 form."""
+  q, cache, idx = make_inputs(71 + B + T + W, B, T, 16, S, W, pooled=pooled)
+  if pooled:
+    idx = _group_cases(idx, S)
+  run = lambda ga: jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
+      *a, softmax_scale=SCALE, blocks_per_split=nbs, scales_after=sa, group_arrival=ga))(q, cache, idx)
+  with maybe_interpret(True):
+    got, base = np.asarray(run(True)), np.asarray(run(False))
+  np.testing.assert_array_equal(got, base)
+  ref = np.asarray(M.sparse_mla_decode_reference(q, cache, idx, softmax_scale=SCALE))
+  np.testing.assert_allclose(got, ref, **tol("kernel_bf16"))
+  with pytest.raises(ValueError, match="group_arrival=True in the tcgen05 form"):
+    M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, group_arrival=True, mma="tcgen05")
+
+
 @pytest.mark.parametrize("B,T", [(1, 4), (8, 4)])
 def test_two_warpgroups_cross_lower(B, T):
   """The two-warpgroup and scales-after forms (and both) at the real rank's shapes (16 heads, 2,051 positions;
   lean, the merge kernel: the step's form) lower for CUDA — each a module of its own."""
   args = (SDS((B, T, 16, 512), jnp.bfloat16), SDS((B, 65536, M.ROW_WORDS), jnp.int32), SDS((B, T, 2051), jnp.int32))
   forms = {"one": {}, "two": dict(warpgroups=2), "after": dict(scales_after=True),
-           "both": dict(warpgroups=2, scales_after=True)}
+           "both": dict(warpgroups=2, scales_after=True), "group": dict(scales_after=True, group_arrival=True)}
   low = {f: cross_lower(lambda *a, kw=kw: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel", lean=True,
                                                               **kw), *args).as_text() for f, kw in forms.items()}
   hashes = {f: [ln.split("kernel_hash = ")[1][:40] for ln in t.splitlines() if "glm5_sparse_mla" in ln]
             for f, t in low.items()}
-  assert all(len(h) == 1 for h in hashes.values()) and len({h[0] for h in hashes.values()}) == 4, hashes
+  assert all(len(h) == 1 for h in hashes.values()) and len({h[0] for h in hashes.values()}) == 5, hashes
 
 
 @pytest.mark.parametrize("B,T,H,S,W,nbs,trail,pooled", [(1, 1, 16, 512, 300, None, 0, True),
@@ -523,6 +557,19 @@ def test_scales_after_gpu(B, T, nbs, wgs):
   for want in (ref, run(False)):
     np.testing.assert_allclose(got, want, **tol("kernel_bf16"))
     assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,nbs,wgs", [(1, 4, None, 1), (8, 4, None, 1), (1, 1, None, 2), (2, 2, 2, 1)])
+def test_group_arrival_gpu(B, T, nbs, wgs):
+  """The one-arrival gather natively (policy mla_group_arrival; with the scales after the MMAs, the default): bit
+  for bit the default kernel over pooled lists with every kind of group (``_group_cases``)."""
+  q, cache, idx = make_inputs(B + T + 70, B, T, 16, 32768, 2051, q_dtype=jnp.bfloat16, pooled=True)
+  idx = _group_cases(idx, 32768)
+  run = lambda ga: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
+      *a, softmax_scale=SCALE, blocks_per_split=nbs, lean=True, combine="kernel", warpgroups=wgs,
+      scales_after=True, group_arrival=ga))(q, cache, idx))
+  np.testing.assert_array_equal(run(True), run(False))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -234,7 +234,7 @@ def test_moe_one_grid_reaches_the_steps_moe():
   """Policy knob moe_one_grid (on by default) in the kernel-tiny step at q = 1 as the CUDA lowering sees it: both
   MoE layers take it (test_kernel_tiny_step_lowers_for_cuda: their calls on alternating counter banks — two
   modules — and no glm5_moe_down launch left); off, neither does. And moe_h_rows at q = 4 (with the knobs
-  linear_part_rows, mla_dequant_warpgroups and mla_scales_after: where they reach)."""
+  linear_part_rows, mla_dequant_warpgroups, mla_scales_after and mla_group_arrival: where they reach)."""
   model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
   for on in (True, False):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,), policy=(("moe_one_grid", on),)),
@@ -249,7 +249,8 @@ def test_moe_one_grid_reaches_the_steps_moe():
   # linears, the 4-row MoE calls' down kernels, the router logits, the head); not the draft's one-row calls
   dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,),
                                     policy=(("moe_h_rows", True), ("linear_part_rows", True),
-                                            ("mla_dequant_warpgroups", True), ("mla_scales_after", True))),
+                                            ("mla_dequant_warpgroups", True), ("mla_scales_after", True),
+                                            ("mla_group_arrival", True))),
                 backend="latency_specialized")
   with dec.kernel_mode(interpret=False):
     dec.trace_step(1, params, interpret=False)
@@ -258,8 +259,9 @@ def test_moe_one_grid_reaches_the_steps_moe():
   assert rep["sites"] == 3 and not rep["not_used"], rep
   rep = sites["linear_part_rows"]
   assert rep["sites"] >= 10 and all("token rows (2 to 8" in why for why in rep["not_used"]), rep
-  # and mla_dequant_warpgroups, mla_scales_after (off by default): every sparse MLA call, the verify's and the draft's
-  for knob in ("mla_dequant_warpgroups", "mla_scales_after"):
+  # and mla_dequant_warpgroups, mla_group_arrival (off by default), mla_scales_after (on): every sparse MLA call,
+  # the verify's and the draft's
+  for knob in ("mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival"):
     rep = sites[knob]
     assert rep["sites"] == sites["sparse_mla"]["sites"] > 0 and not rep["not_used"], (knob, rep)
 
