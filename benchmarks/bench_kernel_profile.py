@@ -59,11 +59,11 @@ def moe_inputs(seed):
   return (x, ids, tw, wg, sg, wu, su, wd, sd), sh
 
 
-def mhc_inputs(seed):
+def mhc_inputs(seed, M: int = 1):
   cfg, N, D = C.real(), km.N, MOE["D"]
   rng = np.random.default_rng(seed)
-  X = jnp.asarray(rng.standard_normal((1, N * D)), jnp.bfloat16)
-  y = jnp.asarray(rng.standard_normal((1, D)), jnp.bfloat16)
+  X = jnp.asarray(rng.standard_normal((M, N * D)), jnp.bfloat16)
+  y = jnp.asarray(rng.standard_normal((M, D)), jnp.bfloat16)
   mix = (jnp.asarray(rng.uniform(0.1, 1.0, (N, km.ROWS)), jnp.float32),
          jnp.asarray(rng.uniform(0.0, 0.5, (N * N, km.ROWS)), jnp.float32))
   fn = jnp.asarray(rng.standard_normal((km.MIX, N * D)) * 0.02, jnp.bfloat16)
@@ -139,6 +139,18 @@ def cases(names):
     hl = jax.jit(lambda a: km.mhc_row_boundary(*a, **consts, approx_math=True, lean=True, x16=True,
                                                counters=km.barrier_counters()))
     out["mhc_row_lean"] = lambda: hl(margs)
+  # the verify's 4 token rows (q = 4) as the step builds them (lean, x16, counters): the grid form (the default,
+  # wgmma over 64-row tiles) and the row form (policy mhc_rows: the rows as loops)
+  if "mhc4_lean" in names:
+    m4, consts = mhc_inputs(4, M=4)
+    h4 = jax.jit(lambda a: km.mhc_post_finish(*a, **consts, approx_math=True, lean=True, x16=True,
+                                              counters=km.barrier_counters()))
+    out["mhc4_lean"] = lambda: h4(m4)
+  if "mhc_row4_lean" in names:
+    m4, consts = mhc_inputs(4, M=4)
+    hr4 = jax.jit(lambda a: km.mhc_row_boundary(*a, **consts, approx_math=True, lean=True, x16=True,
+                                                counters=km.barrier_counters()))
+    out["mhc_row4_lean"] = lambda: hr4(m4)
   return out
 
 

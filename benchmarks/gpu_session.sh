@@ -61,6 +61,9 @@
 #                             gather arrival per group of 4 rows) and of the mHC boundaries (the early coef / parity
 #                             loads), the in-kernel profiles (mlas_ / mlag_ at 1 x 4 and 8 x 4, mhc_row_lean), the
 #                             sparse MLA's forms alone, then the step's A/B at q = 1: the defaults vs mla_group_arrival
+#   s68b (either; H100: LAYERS=32): the row-form mHC boundary at the verify's 4 rows (policy mhc_rows: session 67's
+#                             faster partials run once per row there) — the two forms' profiles at M = 4 (mhc4_lean,
+#                             mhc_row4_lean), then the step's A/B at q = 4: the defaults vs mhc_rows
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -69,8 +72,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a, s68b)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -287,6 +290,11 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       > /dev/null 2>&1
     [ "$(left)" -gt 200 ] && rank1 s68a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
       '{"mla_group_arrival": true}'
+    ;;
+  s68b)  # (either; H100: LAYERS=32) see the header
+    timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc4_lean,mhc_row4_lean \
+      --out "$OUT/kernel_profile_m4.txt" > /dev/null 2>&1
+    rank1 s68b --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mhc_rows": true}'
     ;;
   blackwell)  # (a Blackwell kind) see the header
     gpu_tests blackwell $(( $(left) - 20 )) blackwell "" tests/test_sparse_mla.py tests/test_indexer.py \
