@@ -139,6 +139,11 @@ def cases(names):
     hl = jax.jit(lambda a: km.mhc_row_boundary(*a, **consts, approx_math=True, lean=True, x16=True,
                                                counters=km.barrier_counters()))
     out["mhc_row_lean"] = lambda: hl(margs)
+  if "mhc_row_scalars" in names:  # the step's form with the normalisation on scalars (policy mhc_row_scalars)
+    margs, consts = mhc_inputs(1)
+    hs = jax.jit(lambda a: km.mhc_row_boundary(*a, **consts, approx_math=True, lean=True, x16=True,
+                                               counters=km.barrier_counters(), scalars=True))
+    out["mhc_row_scalars"] = lambda: hs(margs)
   # the verify's 4 token rows (q = 4) as the step builds them (lean, x16, counters): the grid form (the default,
   # wgmma over 64-row tiles) and the row form (policy mhc_rows: the rows as loops)
   if "mhc4_lean" in names:

@@ -58,9 +58,11 @@
 #                             (the kernel in its four forms, merge included, B x q = 1 x 1, 1 x 4, 8 x 4, 32 x 1), then
 #                             one DSA layer at 32K (bench_dsa_layer: B 1 / 8, q 1 / 4; auto, the defaults, each knob)
 #   s68a (either; H100: LAYERS=32): session 67's CPU-built work natively — the GPU tests of mla_group_arrival (one
-#                             gather arrival per group of 4 rows) and of the mHC boundaries (the early coef / parity
-#                             loads), the in-kernel profiles (mlas_ / mlag_ at 1 x 4 and 8 x 4, mhc_row_lean), the
-#                             sparse MLA's forms alone, then the step's A/B at q = 1: the defaults vs mla_group_arrival
+#                             gather arrival per group of 4 rows), mhc_row_scalars (the one-row boundary's
+#                             normalisation on scalars) and of the mHC boundaries (the early coef / parity loads),
+#                             the in-kernel profiles (mlas_ / mlag_ at 1 x 4 and 8 x 4, mhc_row_lean / _scalars)
+#   s68c (either; H100: LAYERS=32): then the sparse MLA's forms alone and the step's A/B at q = 1: the defaults vs
+#                             mla_group_arrival vs mhc_row_scalars
 #   s68b (either; H100: LAYERS=32): the row-form mHC boundary at the verify's 4 rows (policy mhc_rows: session 67's
 #                             faster partials run once per row there) — the two forms' profiles at M = 4 (mhc4_lean,
 #                             mhc_row4_lean), then the step's A/B at q = 4: the defaults vs mhc_rows
@@ -72,8 +74,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a, s68b)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a, s68b, s68c)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -282,14 +284,17 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
     ;;
   s68a)  # (either; H100: LAYERS=32) see the header
-    gpu_tests s68a 300 gpu "group_arrival_gpu or counters_gpu or x16_gpu or post_finish_gpu" tests/test_sparse_mla.py \
-      tests/test_mhc.py
+    gpu_tests s68a 300 gpu "group_arrival_gpu or row_scalars_gpu or counters_gpu or x16_gpu or post_finish_gpu" \
+      tests/test_sparse_mla.py tests/test_mhc.py
     timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
-      --cases mlas_1x4,mlag_1x4,mlas_8x4,mlag_8x4,mhc_row_lean --out "$OUT/kernel_profile.txt" > /dev/null 2>&1
-    timeout 150 python3 benchmarks/bench_sparse_mla.py --only forms --out "$OUT/bench_sparse_mla_forms.log" \
+      --cases mlas_1x4,mlag_1x4,mlas_8x4,mlag_8x4,mhc_row_lean,mhc_row_scalars --out "$OUT/kernel_profile.txt" \
       > /dev/null 2>&1
-    [ "$(left)" -gt 200 ] && rank1 s68a --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
-      '{"mla_group_arrival": true}'
+    ;;
+  s68c)  # (either; H100: LAYERS=32) see the header
+    timeout 100 python3 benchmarks/bench_sparse_mla.py --only forms --out "$OUT/bench_sparse_mla_forms.log" \
+      > /dev/null 2>&1
+    [ "$(left)" -gt 200 ] && rank1 s68c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"mla_group_arrival": true}' '{"mhc_row_scalars": true}'
     ;;
   s68b)  # (either; H100: LAYERS=32) see the header
     timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc4_lean,mhc_row4_lean \

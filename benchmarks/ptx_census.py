@@ -16,7 +16,8 @@ stderr.) A kernel already compiled by an earlier case (the same module) is not d
 
 Cases: ``mla_BxT`` the sparse MLA attention (16 heads, 2,051 positions; lean, the merge kernel) for B sequences of
 T query tokens, its forms by prefix as in bench_kernel_profile (``mla2_`` two warpgroups, ``mlas_`` the scales
-after the MMAs, ``mla2s_`` both); ``mhc_row`` the one-row mHC boundary as the step runs it (lean, x16, counters).
+after the MMAs, ``mla2s_`` both, ``mlag_`` scales after + one gather arrival per group); ``mhc_row`` the one-row
+mHC boundary as the step runs it (lean, x16, counters), ``mhc_row_scalars`` with its normalisation on scalars.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _case(name: str, sds):
               sds((B, T, 2051), jnp.int32))
       return (lambda q, c, i, kw=kw: M.sparse_mla_decode(q, c, i, softmax_scale=1 / 16, combine="kernel",
                                                           lean=True, **kw)), args
-  if name == "mhc_row":
+  if name in ("mhc_row", "mhc_row_scalars"):  # (mhc_row_scalars: policy knob mhc_row_scalars)
     from glm5_jax import config as C  # noqa: PLC0415
     cfg, N, D = C.real(), km.N, 4096
     args = (sds((1, N * D), jnp.bfloat16), sds((1, D), jnp.bfloat16),
@@ -57,8 +58,10 @@ def _case(name: str, sds):
             sds((km.MIX + 3,), jnp.float32), sds((D,), jnp.bfloat16), sds((2,), jnp.int32))
     consts = dict(eps=cfg.hc_eps, hc_norm_eps=cfg.rms_norm_eps, norm_eps=cfg.rms_norm_eps)
     return (lambda X, y, mix, fn, coef, w, ctr: km.mhc_row_boundary(
-        X, y, mix, fn, coef, w, **consts, approx_math=True, lean=True, x16=True, counters=ctr)), args
-  raise SystemExit(f"ptx_census: unknown case {name!r} (mla_BxT, mla2_BxT, mlas_BxT, mla2s_BxT, mlag_BxT, mhc_row)")
+        X, y, mix, fn, coef, w, **consts, approx_math=True, lean=True, x16=True, counters=ctr,
+        scalars=name == "mhc_row_scalars")), args
+  raise SystemExit(f"ptx_census: unknown case {name!r} (mla_BxT, mla2_BxT, mlas_BxT, mla2s_BxT, mlag_BxT, mhc_row, "
+                   "mhc_row_scalars)")
 
 
 def summarise(dump_dir: str):

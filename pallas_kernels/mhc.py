@@ -1012,30 +1012,60 @@ def _row_partials(xn, fn_s, red_s, v_s):
     plgpu.commit_smem()
 
 
+def _row_scalar_sums(part_g, ts_s, explicit: bool):
+  """One token row's normalisation sums as scalars: the partials' 16 columns MIX.. summed over the chunks (token
+  row 0 of ``_sum_partials_t``'s tiles: the same loads, tile sums and reduction — the same values) into ts_s[0],
+  read back by every thread -> {quantity k: its sum} (the Gram entries MIX.., the pre logits 0..N-1)."""
+  acc = None
+  for c in range(part_g.shape[0] // ROWS):
+    x = plgpu.load(part_g.at[pl.ds(c * ROWS, ROWS), 0, pl.ds(MIX, PART - MIX)], layout=_L.WGMMA, optimized=False)
+    acc = x if acc is None else acc + x
+  ts_s[0] = acc.sum(axis=0)
+  if explicit:
+    wg_barrier()  # (every thread reads entries other threads stored)
+  return {k: ts_s[0, j] for k, j in _FIN_PLACE}
+
+
 def _row_normalised(part_g, coef, xns, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_eps, norm_eps,
-                    explicit: bool = False, o16_s=None):
+                    explicit: bool = False, o16_s=None, scalars: bool = False):
   """The second half for the M = len(xns) token rows: the normalisation's 16 partial columns summed over the chunks
   (one 64-row tile per row, ``_sum_partials_t``), pre and 1/RMS as per-row vectors (``_gram_scale`` / ``_pre_rinv``,
   as every form), read back as scalars (column m), then x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this
   thread's column of each row into o_s [M, 128] (the caller stores it) — and with ``o16_s`` x_in in f16 as well
-  (saturated at ±65,504: what the dq kernels' ``linear._act`` makes of it)."""
+  (saturated at ±65,504: what the dq kernels' ``linear._act`` makes of it).
+
+  ``scalars`` (one token row; ``mhc_row_boundary(scalars=True)``): the 14 sums read back as scalars and pre /
+  1/RMS computed on them in every thread's registers — the same operations in the same order as on the per-row
+  vectors — instead of placing the sums transposed (14 dependent SMEM load / store pairs), [64]-vector arithmetic
+  for one real row and a round trip of pre / 1/RMS through sc_s (session 67's profile: the sum and the scales
+  0.82 + 0.52 µs of the boundary's ~6.5)."""
   M = xns.rows if callable(xns) else len(xns)
-  _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], M,
-                  _FIN_PLACE, t_s, ts_s, explicit, loop=callable(xns))
-  plgpu.commit_smem()
-  with jax.named_scope("scales"):
-    gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
-    pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, *coef, D, eps, norm_eps)
-    for i in range(N):
-      sc_s[i] = pre[i]
-    sc_s[N] = rinv
+  if scalars:
+    if M != 1 or callable(xns):
+      raise ValueError(f"_row_normalised: scalars=True takes one token row, got {M}")
+    tot = _row_scalar_sums(part_g, ts_s, explicit)
+    with jax.named_scope("scales"):
+      gram, r = _gram_scale([tot[k] for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
+      pre, rinv = _pre_rinv([tot[k] for k in range(N)], gram, r, *coef, D, eps, norm_eps)
+    scale = lambda i, m: pre[i] if i < N else rinv  # noqa: E731
+  else:
+    _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], M,
+                    _FIN_PLACE, t_s, ts_s, explicit, loop=callable(xns))
     plgpu.commit_smem()
+    with jax.named_scope("scales"):
+      gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
+      pre, rinv = _pre_rinv([_row_vector(t_s, k) for k in range(N)], gram, r, *coef, D, eps, norm_eps)
+      for i in range(N):
+        sc_s[i] = pre[i]
+      sc_s[N] = rinv
+      plgpu.commit_smem()
+    scale = lambda i, m: sc_s[i, m]  # noqa: E731
 
   def row(m, xn):
-    u = sc_s[0, m] * xn[0]
+    u = scale(0, m) * xn[0]
     for i in range(1, N):
-      u = u + sc_s[i, m] * xn[i]
-    xb = (u.astype(jnp.bfloat16).astype(jnp.float32) * sc_s[N, m]).astype(jnp.bfloat16)
+      u = u + scale(i, m) * xn[i]
+    xb = (u.astype(jnp.bfloat16).astype(jnp.float32) * scale(N, m)).astype(jnp.bfloat16)
     wv = plgpu.load(w_s, layout=_row_layout(), optimized=False)
     o_s[m] = wv * xb
     if o16_s is not None:  # (from the stored bf16: its own column, read back by the thread that wrote it — XLA on
@@ -1146,7 +1176,7 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
 
 
 def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int,
-                lean: bool = False, x16: bool = False, M: int = 1):
+                lean: bool = False, x16: bool = False, M: int = 1, scalars: bool = False):
   """M token rows (up to PARTS_MAX_ROWS). ``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its
   halves as launches of their own. ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM
   store here is followed by a ``commit_smem`` before another thread or the TMA reads it, and a buffer another
@@ -1176,7 +1206,8 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
       plgpu.copy_gmem_to_smem(w_g.at[pl.ds(d0, ROW_COLS)], w_s, bar)
       plgpu.barrier_wait(bar)
       xns = _SmemRows(x_s, M) if M > 1 else [[_row_load(x_s.at[i, 0]) for i in range(N)]]
-      _row_normalised(part_g, _coef_scalars(c_g), xns, w_s, o_s, t_s, ts_s, sc_s, *consts, o16_s=o16_s)
+      _row_normalised(part_g, _coef_scalars(c_g), xns, w_s, o_s, t_s, ts_s, sc_s, *consts, o16_s=o16_s,
+                      scalars=scalars)
       plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
       if x16:
         plgpu.copy_smem_to_gmem(o16_s, xin16_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
@@ -1205,7 +1236,7 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     w_s, o_s, t_s, ts_s, sc_s = scratch[5], *scratch[9:13]
     o16_s = scratch[13] if x16 else None
     with jax.named_scope("normalise"):
-      _row_normalised(part_g, coef, xns, w_s, o_s, t_s, ts_s, sc_s, *consts, lean, o16_s=o16_s)
+      _row_normalised(part_g, coef, xns, w_s, o_s, t_s, ts_s, sc_s, *consts, lean, o16_s=o16_s, scalars=scalars)
       with jax.named_scope("store"):
         plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
         if x16:
@@ -1226,10 +1257,11 @@ def mhc_row_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, e
                                    x16=x16)
 
 
-@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "x16")
+@kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "x16",
+              "scalars")
 def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                      norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                     parity: int = 0, lean: bool = False, x16: bool = False):
+                     parity: int = 0, lean: bool = False, x16: bool = False, scalars: bool = False):
   """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, M <=
   PARTS_MAX_ROWS token rows: one by default, more under policy knob mhc_rows): ONE launch of D / 128 CTAs, one column
   of every stream and token row per thread (no wgmma: the form that compiles for Blackwell), a grid barrier between
@@ -1237,10 +1269,13 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   the halves as two launches, no barrier. ``lean`` as in mhc_post_finish (this kernel: 134 bar.sync, 16 left — its 38
   one-row stores of per-thread products each had two). ``x16``: x_in as (bf16, f16) — the f16 copy saturated at
   ±65,504, what the dq kernels' ``linear._act`` would make of it (policy knob dq_f16: no conversion kernel between
-  the boundary and the sublayer's FP8 kernels)."""
+  the boundary and the sublayer's FP8 kernels). ``scalars`` (one token row; policy knob mhc_row_scalars): the
+  normalisation's sums, pre and 1/RMS as scalars in registers (``_row_normalised``)."""
   M, K = X.shape
   D = K // N
   G, Gp = _grid_rows(D, ROW_COLS)
+  if scalars and M != 1:
+    raise ValueError(f"mhc_row_boundary: scalars=True takes one token row; got {M}")
   if not 1 <= M <= PARTS_MAX_ROWS or D % ROW_COLS or not 1 <= G <= GRID_MAX_CTAS:
     raise ValueError(f"mhc_row_boundary: {M} token rows, hidden size {D}; expected 1 to {PARTS_MAX_ROWS} rows and a "
                      f"multiple of {ROW_COLS} up to {GRID_MAX_CTAS * ROW_COLS} columns")
@@ -1259,7 +1294,8 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
                      **params)
     got = h1(*pp_in, w.astype(bf16))
     Xn, part = (X, got[0]) if first else got
-    h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2, x16=x16, M=M), out_type=x_ins if x16 else x_in,
+    h2 = mgpu_kernel(_row_kernel(D, bool(first), *consts, False, 2, x16=x16, M=M, scalars=bool(scalars)),
+                     out_type=x_ins if x16 else x_in,
                      kernel_name="glm5_mhc_row_second",
                      scratch_types=[plgpu.SMEM((N, M, ROW_COLS), bf16), plgpu.SMEM((ROW_COLS,), bf16),
                                     plgpu.SMEM((M, ROW_COLS), bf16), plgpu.SMEM((PART, ROWS), f32),
@@ -1269,7 +1305,8 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
     got = h2(Xn, part, coef.astype(f32), w.astype(bf16))
     return Xn, (tuple(got) if x16 else got), part
   params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
-  kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean), x16=x16, M=M),
+  kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean), x16=x16, M=M,
+                                 scalars=bool(scalars)),
                      out_type=(*xo, part, *x_ins), scratch_types=_row_scratch(first, x16, M),
                      kernel_name="glm5_mhc_row_boundary", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))

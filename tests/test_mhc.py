@@ -279,6 +279,50 @@ def test_row_boundary_lowers_for_cuda():
   assert "tensor<4x4096xf16>" in low.as_text() and "glm5_mhc_row_boundary" in low.as_text()
 
 
+@pytest.mark.parametrize("first,x16,D", [(False, True, 512), (True, False, 256), (False, False, 1024)])
+def test_row_scalars_interpret(first, x16, D):
+  """mhc_row_boundary(scalars=True) (policy knob mhc_row_scalars): the normalisation's sums, pre and 1/RMS on
+  scalars — every output bit for bit the per-row-vector form's (interpreted as its two halves); more than one
+  token row refused by name."""
+  X, y, mix, fn, coef, w = _inputs(1, D, D + 7)
+  run = lambda sc: jax.jit(lambda *a: K.mhc_row_boundary(  # noqa: E731
+      *a, first=first, approx_math=True, x16=x16, scalars=sc, **GRID_CONSTS))(X, y, mix, fn, coef, w)
+  with maybe_interpret(True):
+    got, want = run(True), run(False)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  X4, y4, *_ = _inputs(2, D, 1)
+  with pytest.raises(ValueError, match="scalars=True takes one token row; got 2"):
+    K.mhc_row_boundary(X4, y4, mix, fn, coef, w, scalars=True, **GRID_CONSTS)
+
+
+def test_row_scalars_lower_for_cuda():
+  """The scalar normalisation in the step's build (lean, x16, one launch on barrier_counters' Ref) lowers for CUDA
+  at the real width, as a module of its own."""
+  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
+  low = {sc: cross_lower(lambda *a, sc=sc: K.mhc_row_boundary(*a, approx_math=True, launches=1, lean=True, x16=True,
+                                                              counters=K.barrier_counters(), scalars=sc,
+                                                              **GRID_CONSTS)[1], *args).as_text()
+         for sc in (False, True)}
+  hashes = {sc: [ln.split("kernel_hash = ")[1][:40] for ln in t.splitlines() if "glm5_mhc_row_boundary" in ln]
+            for sc, t in low.items()}
+  assert all(len(h) == 1 for h in hashes.values()) and hashes[True] != hashes[False], hashes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first,lean", [(False, True), (True, True), (False, False)])
+def test_row_scalars_gpu(first, lean):
+  """The scalar normalisation natively at the real width, one launch on the barrier counters: bit for bit the
+  per-row-vector form (the same operations in the same order; x_in and its f16 copy, X', the partials)."""
+  X, y, mix, fn, coef, w = _inputs(1, 4096, 11)
+  run = lambda sc: jax.jit(lambda *a: K.mhc_row_boundary(  # noqa: E731
+      *a, first=first, approx_math=True, launches=1, lean=lean, x16=True, counters=K.barrier_counters(),
+      scalars=sc, **GRID_CONSTS))(X, y, mix, fn, coef, w)
+  got, want = run(True), run(False)
+  for a, b in ((got[0], want[0]), (got[1][0], want[1][0]), (got[1][1], want[1][1]), (got[2][:, :1], want[2][:, :1])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def _counter_chain(M, n, counters: bool, row: bool = False, lean: bool = False):
   """n boundaries in one program, each reading the previous one's X' (one launch each; ``counters``: their grid
   barriers on barrier_counters' Ref, parities 0, 1, 0, ...; ``row``: mhc_row_boundary's) -> ([(X', x_in, part)
