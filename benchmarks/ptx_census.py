@@ -4,8 +4,9 @@ Mosaic GPU compiles a kernel to PTX and runs ptxas when XLA compiles the program
 compile-only H200 topology (``step_census.compile_only_devices``) that happens on the CPU, and Mosaic's dump
 (``MOSAIC_GPU_DUMP_PTX=1``, ``MOSAIC_GPU_DUMP_TO=DIR``: read when a kernel is compiled) keeps each kernel's PTX and
 ptxas report. This script compiles the named kernel forms at one TP4 rank's shapes and prints, per kernel: PTX
-instruction lines (static code: a loop body counts once), registers per thread, spill bytes and the e4m3x2 -> f16x2
-conversions. A CPU-side proxy for where a latency-bound kernel's instructions go (session 66: the sparse MLA's
+instruction lines (static code: a loop body counts once), registers per thread, spill bytes, the e4m3x2 -> f16x2
+conversions, and three code shapes that cost latency-bound kernels (``_lint``: SMEM store -> load turns, mbarrier
+arrivals, scalar GMEM loads). A CPU-side proxy for where a latency-bound kernel's instructions go (session 66: the sparse MLA's
 dequantisation, 3.4 of a block's ~7.5 µs on an H100, was 2,545 of its kernel's 3,430 PTX instructions) — not a
 timing: the GPU decides that (``bench_kernel_profile.py``).
 
@@ -75,8 +76,24 @@ def summarise(dump_dir: str):
     regs = re.search(r"Used (\d+) registers", rep)
     spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", rep))
     out[kernel] = dict(ptx=instr, registers=int(regs.group(1)) if regs else None, spill=spill,
-                       cvt=text.count("cvt.rn.f16x2.e4m3x2"))
+                       cvt=text.count("cvt.rn.f16x2.e4m3x2"), **_lint(text))
   return out
+
+
+def _lint(text: str) -> dict:
+  """Two code shapes session 67 found costing a latency-bound kernel ~1 µs each on an H100, counted statically:
+  ``turns`` — an SMEM load following an SMEM store (ptxas keeps a shared load behind the shared stores before it
+  when it cannot tell the buffers apart: a loop of load-compute-store runs its loads one round trip at a time;
+  the mHC boundary's 24 logits were 24 such turns), ``arrives`` — mbarrier arrive instructions (in Pallas' Lane
+  semantics each is executed by all 128 threads of a warpgroup: the sparse MLA's gathers paid 4 per 4-row group),
+  and ``gscalar`` — scalar GMEM loads (an L2 round trip each where their result is needed at once: the boundary's
+  barrier parity and coefficients sat on its path)."""
+  prev, turns = None, 0
+  for m in re.finditer(r"^\s+(ld|st)\.shared", text, flags=re.M):
+    turns += prev == "st" and m.group(1) == "ld"
+    prev = m.group(1)
+  return dict(turns=turns, arrives=len(re.findall(r"mbarrier\.arrive", text)),
+              gscalar=len(re.findall(r"^\s+ld\.global\.(?:b32|f32|u32|s32)\s", text, flags=re.M)))
 
 
 def main(argv=None):
@@ -101,11 +118,13 @@ def main(argv=None):
       os.remove(f)
     rows[name] = summarise(d)
   print(f"# PTX of the decode kernels, compiled for {devices[0].device_kind} (compile-only, ptxas on the CPU)")
-  print("| case | kernel | PTX instructions | registers | spill bytes | e4m3x2 conversions |")
-  print("| --- | --- | --- | --- | --- | --- |")
+  print("| case | kernel | PTX instructions | registers | spill bytes | e4m3x2 conversions | SMEM store -> load "
+        "turns | mbarrier arrives | scalar GMEM loads |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   for name, kernels in rows.items():
     for kernel, r in kernels.items():
-      print(f"| {name} | {kernel} | {r['ptx']:,} | {r['registers']} | {r['spill']} | {r['cvt']} |")
+      print(f"| {name} | {kernel} | {r['ptx']:,} | {r['registers']} | {r['spill']} | {r['cvt']} | {r['turns']} | "
+            f"{r['arrives']} | {r['gscalar']} |")
   return rows
 
 

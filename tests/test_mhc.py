@@ -256,19 +256,24 @@ def test_lean_boundaries_lower_without_automatic_barriers(monkeypatch, row):
 
 def test_row_boundary_lowers_for_cuda():
   """At the real width: a first site, then a later one — lean with x16 (policy knobs lean_barriers and dq_f16:
-  the step's build before an FP8 sublayer, x_in in f16 too) — on barrier_counters' Ref (each launch aliasing
-  it)."""
+  the step's build before an FP8 sublayer, x_in in f16 too) — and one with its normalisation on scalars (policy
+  knob mhc_row_scalars), on barrier_counters' Ref (each launch aliasing it)."""
   args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
 
   def two(X, y, mix, fn, coef, w):
     ref = K.barrier_counters()
     a = K.mhc_row_boundary(X, y, mix, fn, coef, w, first=True, approx_math=True, launches=1, counters=ref,
                            parity=0, **GRID_CONSTS)
-    return K.mhc_row_boundary(a[0], y, mix, fn, coef, w, approx_math=True, launches=1, counters=ref, parity=1,
-                              lean=True, x16=True, **GRID_CONSTS)
+    b = K.mhc_row_boundary(a[0], y, mix, fn, coef, w, approx_math=True, launches=1, counters=ref, parity=1,
+                           lean=True, x16=True, **GRID_CONSTS)
+    # (and the same with its normalisation on scalars: policy knob mhc_row_scalars — a module of its own)
+    return b, K.mhc_row_boundary(b[0], y, mix, fn, coef, w, approx_math=True, launches=1, counters=ref, parity=0,
+                                 lean=True, x16=True, scalars=True, **GRID_CONSTS)
   calls = [line for line in cross_lower(two, *args).as_text().splitlines() if "@mosaic_gpu_v2" in line]
-  assert len(calls) == 2 and all("output_operand_alias" in line for line in calls)
+  assert len(calls) == 3 and all("output_operand_alias" in line for line in calls)
   assert "tensor<1x4096xf16>" in calls[1] and "tensor<1x4096xf16>" not in calls[0]
+  hashes = [line.split("kernel_hash = ")[1][:40] for line in calls]
+  assert len(set(hashes)) == 3, hashes
   args4 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(4, 4096, 0))  # the grid form
   low = cross_lower(lambda *a: K.mhc_post_finish(*a, approx_math=True, launches=1, lean=True, x16=True,
                                                  **GRID_CONSTS)[1], *args4)
@@ -294,19 +299,6 @@ def test_row_scalars_interpret(first, x16, D):
   X4, y4, *_ = _inputs(2, D, 1)
   with pytest.raises(ValueError, match="scalars=True takes one token row; got 2"):
     K.mhc_row_boundary(X4, y4, mix, fn, coef, w, scalars=True, **GRID_CONSTS)
-
-
-def test_row_scalars_lower_for_cuda():
-  """The scalar normalisation in the step's build (lean, x16, one launch on barrier_counters' Ref) lowers for CUDA
-  at the real width, as a module of its own."""
-  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
-  low = {sc: cross_lower(lambda *a, sc=sc: K.mhc_row_boundary(*a, approx_math=True, launches=1, lean=True, x16=True,
-                                                              counters=K.barrier_counters(), scalars=sc,
-                                                              **GRID_CONSTS)[1], *args).as_text()
-         for sc in (False, True)}
-  hashes = {sc: [ln.split("kernel_hash = ")[1][:40] for ln in t.splitlines() if "glm5_mhc_row_boundary" in ln]
-            for sc, t in low.items()}
-  assert all(len(h) == 1 for h in hashes.values()) and hashes[True] != hashes[False], hashes
 
 
 @pytest.mark.gpu

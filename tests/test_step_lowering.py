@@ -302,7 +302,7 @@ def test_ptx_census_sees_the_hardware_conversion():
   rows = {}
   for ln in r.stdout.splitlines():
     cells = [c.strip() for c in ln.strip("|").split("|")]
-    if len(cells) == 6 and "sparse_mla" in cells[1]:
+    if len(cells) == 9 and "sparse_mla" in cells[1]:
       rows[cells[0]] = (int(cells[2].replace(",", "")), int(cells[4]), int(cells[5]))
   assert set(rows) == {"mla_1x1", "mlas_1x1"}, r.stdout
   (base, base_spill, base_cvt), (after, after_spill, after_cvt) = rows["mla_1x1"], rows["mlas_1x1"]
