@@ -274,6 +274,11 @@ def test_row_boundary_lowers_for_cuda():
   assert "tensor<1x4096xf16>" in calls[1] and "tensor<1x4096xf16>" not in calls[0]
   hashes = [line.split("kernel_hash = ")[1][:40] for line in calls]
   assert len(set(hashes)) == 3, hashes
+
+
+def test_boundary_rows_lower_for_cuda():
+  """At the real width, the verify's 4 token rows: the grid form (mhc_post_finish) and the row form (policy knob
+  mhc_rows), lean with x16. (Apart from test_row_boundary_lowers_for_cuda: the suite's two workers share them.)"""
   args4 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(4, 4096, 0))  # the grid form
   low = cross_lower(lambda *a: K.mhc_post_finish(*a, approx_math=True, launches=1, lean=True, x16=True,
                                                  **GRID_CONSTS)[1], *args4)
