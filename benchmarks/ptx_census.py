@@ -6,9 +6,9 @@ compile-only H200 topology (``step_census.compile_only_devices``) that happens o
 ptxas report. This script compiles the named kernel forms at one TP4 rank's shapes and prints, per kernel: PTX
 instruction lines (static code: a loop body counts once), registers per thread, spill bytes, the e4m3x2 -> f16x2
 conversions, and three code shapes that cost latency-bound kernels (``_lint``: SMEM store -> load turns, mbarrier
-arrivals, scalar GMEM loads). A CPU-side proxy for where a latency-bound kernel's instructions go (session 66: the sparse MLA's
-dequantisation, 3.4 of a block's ~7.5 µs on an H100, was 2,545 of its kernel's 3,430 PTX instructions) — not a
-timing: the GPU decides that (``bench_kernel_profile.py``).
+arrivals, scalar GMEM loads). A CPU-side proxy for where a latency-bound kernel's instructions go (session 66:
+the sparse MLA's dequantisation, 3.4 of a block's ~7.5 µs on an H100, was 2,545 of its kernel's 3,430 PTX
+instructions) — not a timing: the GPU decides that (``bench_kernel_profile.py``).
 
   python benchmarks/ptx_census.py [--cases mla_1x4,mla2_1x4,mlas_1x4,mla2s_1x4,mhc_row] [--keep DIR] 2> /dev/null
 

@@ -433,23 +433,26 @@ def _sum_partials_t(rows_of, Gp: int, M: int, place, t_s, ts_s, explicit: bool =
   t_s[...] = jnp.zeros((PART, ROWS), jnp.float32)  # the padding token columns
   if explicit:
     wg_barrier()
-  def row_sum(m):
-    acc = None
-    with jax.named_scope("loads"):
-      for c in range(Gp // ROWS):
-        x = plgpu.load(rows_of(m, c), layout=_L.WGMMA, optimized=False)
-        acc = x if acc is None else acc + x
-    with jax.named_scope("reduce"):
-      ts_s[m] = acc.sum(axis=0)
-
   def row_place(m):
     for k, j in place:
       t_s[k, m] = ts_s[m, j]
 
-  _each_row(M, loop, row_sum)
+  _each_row(M, loop, lambda m: _partial_row_sums(rows_of, Gp, m, ts_s))
   if explicit:
     wg_barrier()
   _each_row(M, loop, row_place)
+
+
+def _partial_row_sums(rows_of, Gp: int, m, ts_s):
+  """Token row m's partials summed over the column chunks into ts_s[m]: ``rows_of(m, c)``'s [64, C] tiles (chunks
+  64c..) added, then a sum over the tile's rows."""
+  acc = None
+  with jax.named_scope("loads"):
+    for c in range(Gp // ROWS):
+      x = plgpu.load(rows_of(m, c), layout=_L.WGMMA, optimized=False)
+      acc = x if acc is None else acc + x
+  with jax.named_scope("reduce"):
+    ts_s[m] = acc.sum(axis=0)
 
 
 # The normalisation's 14 sums from the 16 columns MIX.. of the partials (Gram entries, then the pre logits' copy at
@@ -1013,14 +1016,10 @@ def _row_partials(xn, fn_s, red_s, v_s):
 
 
 def _row_scalar_sums(part_g, ts_s, explicit: bool):
-  """One token row's normalisation sums as scalars: the partials' 16 columns MIX.. summed over the chunks (token
-  row 0 of ``_sum_partials_t``'s tiles: the same loads, tile sums and reduction — the same values) into ts_s[0],
-  read back by every thread -> {quantity k: its sum} (the Gram entries MIX.., the pre logits 0..N-1)."""
-  acc = None
-  for c in range(part_g.shape[0] // ROWS):
-    x = plgpu.load(part_g.at[pl.ds(c * ROWS, ROWS), 0, pl.ds(MIX, PART - MIX)], layout=_L.WGMMA, optimized=False)
-    acc = x if acc is None else acc + x
-  ts_s[0] = acc.sum(axis=0)
+  """One token row's normalisation sums as scalars: the partials' 16 columns MIX.. summed over the chunks (as
+  ``_sum_partials_t`` sums token row 0: the same values) into ts_s[0], read back by every thread -> {quantity k:
+  its sum} (the Gram entries MIX.., the pre logits 0..N-1)."""
+  _partial_row_sums(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], 0, ts_s)
   if explicit:
     wg_barrier()  # (every thread reads entries other threads stored)
   return {k: ts_s[0, j] for k, j in _FIN_PLACE}
@@ -1040,9 +1039,7 @@ def _row_normalised(part_g, coef, xns, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_nor
   for one real row and a round trip of pre / 1/RMS through sc_s (session 67's profile: the sum and the scales
   0.82 + 0.52 µs of the boundary's ~6.5)."""
   M = xns.rows if callable(xns) else len(xns)
-  if scalars:
-    if M != 1 or callable(xns):
-      raise ValueError(f"_row_normalised: scalars=True takes one token row, got {M}")
+  if scalars:  # (one row: mhc_row_boundary checks)
     tot = _row_scalar_sums(part_g, ts_s, explicit)
     with jax.named_scope("scales"):
       gram, r = _gram_scale([tot[k] for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)

@@ -308,55 +308,34 @@ def _gather_block(rows_g, idx_s, k: int, dst_s, gbar, xbar=None):
   cache, is one TMA of RUN rows (the padding slots get the run's rows: masked later), as is an all-padding group
   (rows 0..); any other group loads its rows one TMA each on xbar (RUN arrivals), waits for them there and then
   arrives on gbar once."""
-  if xbar is not None:
-    _gather_block_grouped(rows_g, idx_s, k, dst_s, gbar, xbar)
-    return
+  grouped, S = xbar is not None, rows_g.shape[0]
 
   def group(gi, c):
     j = gi * RUN
     r = [idx_s[k, j + t] for t in range(RUN)]
-    run, none = r[0] >= 0, r[0] < 0
+    # one TMA of RUN rows: a whole run (grouped: the valid entries where a run from the first puts them, the
+    # window inside the cache), or all padding
+    run, none = ((r[0] >= 0) & (r[0] <= S - RUN)) if grouped else (r[0] >= 0), r[0] < 0
     for t in range(1, RUN):
-      run, none = run & (r[t] == r[0] + t), none & (r[t] < 0)
+      at_run = r[t] == r[0] + t
+      run, none = run & ((at_run | (r[t] < 0)) if grouped else at_run), none & (r[t] < 0)
     whole = run | none
 
     @pl.when(whole)
     def _():
-      start = jnp.where(none, 0, r[0])
-      plgpu.copy_gmem_to_smem(rows_g.at[pl.ds(start, RUN)], dst_s.at[pl.ds(j, RUN)], gbar)
-      for _ in range(RUN - 1):
-        plgpu.barrier_arrive(gbar)
-
-    @pl.when(jnp.logical_not(whole))
-    def _():
-      for t in range(RUN):
-        plgpu.copy_gmem_to_smem(rows_g.at[pl.ds(jnp.maximum(r[t], 0), 1)], dst_s.at[pl.ds(j + t, 1)], gbar)
-    return c
-  lax.fori_loop(0, dst_s.shape[0] // RUN, group, None, unroll=ISSUE_UNROLL)
-
-
-def _gather_block_grouped(rows_g, idx_s, k: int, dst_s, gbar, xbar):
-  """``_gather_block``'s one-arrival-per-group form (its ``xbar``)."""
-  S = rows_g.shape[0]
-
-  def group(gi, c):
-    j = gi * RUN
-    r = [idx_s[k, j + t] for t in range(RUN)]
-    like, none = (r[0] >= 0) & (r[0] <= S - RUN), r[0] < 0
-    for t in range(1, RUN):
-      like, none = like & ((r[t] == r[0] + t) | (r[t] < 0)), none & (r[t] < 0)
-    whole = like | none
-
-    @pl.when(whole)
-    def _():
       plgpu.copy_gmem_to_smem(rows_g.at[pl.ds(jnp.where(none, 0, r[0]), RUN)], dst_s.at[pl.ds(j, RUN)], gbar)
+      if not grouped:  # (the RUN arrivals a group of single rows makes)
+        for _ in range(RUN - 1):
+          plgpu.barrier_arrive(gbar)
 
     @pl.when(jnp.logical_not(whole))
-    def _():  # (rare: no indexer list has such a group; the kernel takes any list)
+    def _():  # (grouped: rare — no indexer list has such a group; the kernel takes any list)
       for t in range(RUN):
-        plgpu.copy_gmem_to_smem(rows_g.at[pl.ds(jnp.maximum(r[t], 0), 1)], dst_s.at[pl.ds(j + t, 1)], xbar)
-      plgpu.barrier_wait(xbar)
-      plgpu.barrier_arrive(gbar)
+        plgpu.copy_gmem_to_smem(rows_g.at[pl.ds(jnp.maximum(r[t], 0), 1)], dst_s.at[pl.ds(j + t, 1)],
+                                xbar if grouped else gbar)
+      if grouped:
+        plgpu.barrier_wait(xbar)
+        plgpu.barrier_arrive(gbar)
     return c
   lax.fori_loop(0, dst_s.shape[0] // RUN, group, None, unroll=ISSUE_UNROLL)
 

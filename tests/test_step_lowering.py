@@ -233,15 +233,21 @@ def test_lean_barriers_reaches_the_chains_kernels():
 def test_moe_one_grid_reaches_the_steps_moe():
   """Policy knob moe_one_grid (on by default) in the kernel-tiny step at q = 1 as the CUDA lowering sees it: both
   MoE layers take it (test_kernel_tiny_step_lowers_for_cuda: their calls on alternating counter banks — two
-  modules — and no glm5_moe_down launch left); off, neither does. And moe_h_rows at q = 4 (with the knobs
+  modules — and no glm5_moe_down launch left); off, neither does. mhc_row_scalars likewise at every one-row
+  boundary. And moe_h_rows at q = 4 (with the knobs
   linear_part_rows, mla_dequant_warpgroups, mla_scales_after and mla_group_arrival: where they reach)."""
   model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
   for on in (True, False):
-    dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,), policy=(("moe_one_grid", on),)),
+    dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,),
+                                      policy=(("moe_one_grid", on), ("mhc_row_scalars", on))),
                   backend="latency_specialized")
     with dec.kernel_mode(interpret=False):
       dec.trace_step(1, params, interpret=False)
-    assert dec.kernel_sites(1)["moe_one_grid"]["sites"] == (2 if on else 0)
+    sites = dec.kernel_sites(1)
+    assert sites["moe_one_grid"]["sites"] == (2 if on else 0)
+    # and mhc_row_scalars (off by default): every one-row boundary of the q = 1 step
+    want = sites["mhc_row"]["sites"] if on else 0
+    assert (want > 0 or not on) and sites["mhc_row_scalars"]["sites"] == want, sites
   # policy knob moe_h_rows (on since session 61): the 4-row MoE calls (the trunk's 2 and the MTP layer's over the verified rows;
   # 17 slots x 8 tiles fill the SMs: one D split) write h's rows in their gate/up kernel (the draft's one-row calls
   # select in the kernel: their own rows form, the one grid)
