@@ -66,6 +66,10 @@
 #   s68b (either; H100: LAYERS=32): the row-form mHC boundary at the verify's 4 rows (policy mhc_rows: session 67's
 #                             faster partials run once per row there) — the two forms' profiles at M = 4 (mhc4_lean,
 #                             mhc_row4_lean), then the step's A/B at q = 4: the defaults vs mhc_rows
+#   s68d (either; H100: LAYERS=32): session 68's one-grid KDA + o_proj (policy kda_o_grid) natively — its GPU test
+#                             (the grid vs its two-launch form and the reference; a hang ends at the test's timeout),
+#                             session 67's knobs' GPU tests (s68a's), then the step's A/B at q = 1: the defaults vs
+#                             kda_o_grid (only if its test passed) vs mla_group_arrival vs mhc_row_scalars
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -74,8 +78,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a, s68b, s68c)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -294,6 +298,14 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     timeout 100 python3 benchmarks/bench_sparse_mla.py --only forms --out "$OUT/bench_sparse_mla_forms.log" \
       > /dev/null 2>&1
     [ "$(left)" -gt 200 ] && rank1 s68c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' \
+      '{"mla_group_arrival": true}' '{"mhc_row_scalars": true}'
+    ;;
+  s68d)  # (either; H100: LAYERS=32) see the header
+    POL=('{}')  # (kda_o_grid in the A/B only if its GPU test passed: a hung grid would hang the step)
+    gpu_tests s68d_kdao 150 gpu "o_grid_gpu" tests/test_kda_decode.py && POL+=('{"kda_o_grid": true}')
+    gpu_tests s68d_s67 240 gpu "group_arrival_gpu or row_scalars_gpu or counters_gpu or x16_gpu or post_finish_gpu" \
+      tests/test_sparse_mla.py tests/test_mhc.py
+    rank1 s68d --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy "${POL[@]}" \
       '{"mla_group_arrival": true}' '{"mhc_row_scalars": true}'
     ;;
   s68b)  # (either; H100: LAYERS=32) see the header

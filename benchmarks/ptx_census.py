@@ -18,7 +18,9 @@ stderr.) A kernel already compiled by an earlier case (the same module) is not d
 Cases: ``mla_BxT`` the sparse MLA attention (16 heads, 2,051 positions; lean, the merge kernel) for B sequences of
 T query tokens, its forms by prefix as in bench_kernel_profile (``mla2_`` two warpgroups, ``mlas_`` the scales
 after the MMAs, ``mla2s_`` both, ``mlag_`` scales after + one gather arrival per group); ``mhc_row`` the one-row
-mHC boundary as the step runs it (lean, x16, counters), ``mhc_row_scalars`` with its normalisation on scalars.
+mHC boundary as the step runs it (lean, x16, counters), ``mhc_row_scalars`` with its normalisation on scalars;
+``kda_BxT`` the KDA recurrence as the step runs it (the conv in it, the norm's partial sums), ``kdao_BxT`` the
+recurrence, gated norm and o_proj as one grid (policy knob kda_o_grid).
 """
 
 from __future__ import annotations
@@ -61,8 +63,22 @@ def _case(name: str, sds):
     return (lambda X, y, mix, fn, coef, w, ctr: km.mhc_row_boundary(
         X, y, mix, fn, coef, w, **consts, approx_math=True, lean=True, x16=True, counters=ctr,
         scalars=name == "mhc_row_scalars")), args
+  if name.startswith(("kda_", "kdao_")):  # the KDA recurrence as the step runs it (kda_conv, norm partials), kdao_:
+    # with the gated norm and o_proj as one grid (policy knob kda_o_grid)
+    from pallas_kernels import kda_decode as kd  # noqa: PLC0415
+    from pallas_kernels import linear as kl  # noqa: PLC0415
+    B, T = (int(v) for v in name.split("_")[1].split("x"))
+    H, f32, bf16 = 16, jnp.float32, jnp.bfloat16
+    args = (sds((B, T, 3, H, 128), bf16), sds((B, 3, 3, H, 128), bf16), sds((4, 3, H, 128), f32),
+            sds((B, T, 2 * H, 128), f32), sds((B, T, 272), bf16), sds((H,), f32), sds((H, 128), f32),
+            sds((B, max(T, 4), H, 128, 128), f32), sds((B,), jnp.int32))
+    cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
+    if name.startswith("kda_"):
+      return (lambda *a: kd.kda_decode_conv(*a, b_offset=16, config=cfg, norm_partials=True)), args
+    return (lambda *a: kd.kda_decode_o_proj(*a[:-2], a[-2], a[-1], kl.splitk_counters(), b_offset=16,
+                                            config=cfg)), (*args, sds((128,), f32), sds((4096, H * 128), bf16))
   raise SystemExit(f"ptx_census: unknown case {name!r} (mla_BxT, mla2_BxT, mlas_BxT, mla2s_BxT, mlag_BxT, mhc_row, "
-                   "mhc_row_scalars)")
+                   "mhc_row_scalars, kda_BxT, kdao_BxT)")
 
 
 def summarise(dump_dir: str):

@@ -26,9 +26,9 @@ from jax import lax
 
 from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
-                             RMSNorm, concat_fits, f16_copies, has_tcgen05, kernel_arch, kernel_enabled,
-                             kernel_switch, param, StackedLinear, radix_topk_plan, rms_norm, topk_set_by_threshold,
-                             unroll_loops)
+                             RMSNorm, concat_fits, f16_copies, has_tcgen05, kda_grid_counters, kernel_arch,
+                             kernel_enabled, kernel_switch, param, StackedLinear, radix_topk_plan, rms_norm,
+                             topk_set_by_threshold, unroll_loops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +229,26 @@ class KDA(nnx.Module):
         # kda_norm_partials: the kernel also returns its CTAs' sums of o's squares, so that the gated RMSNorm below
         # is elementwise and XLA fuses it into the o_proj GEMV (no norm kernel between the KDA kernel and o_proj)
         partials = kernel_enabled("kda_norm_partials", fits=not norm, why="kda_norm on (the norm in the kernel)")
-        if kernel_enabled("kda_conv", fits=hist.dtype == z.dtype,
+        conv_fits = hist.dtype == z.dtype
+        # kda_o_grid: the recurrence, the gated norm and o_proj as ONE grid (the o_proj CTAs' weights streaming
+        # into SMEM while the recurrence runs): y straight from the kernel
+        wo = self.o_proj.weight
+        if wo.dtype != jnp.bfloat16 or self.o_proj.scale is not None:
+          grid_why = f"{wo.dtype} o_proj (the grid streams a bf16 one)"
+        elif not (partials and conv_fits and kernel_switch("kda_conv")):
+          grid_why = "needs kda_conv and kda_norm_partials on (and the conv cache in the activations' dtype)"
+        else:
+          grid_why = kda_ops.o_proj_grid_why(B, T, H, wo.shape[0])
+        if kernel_enabled("kda_o_grid", B * T, fits=not grid_why, why=grid_why):
+          kernel_enabled("kda_conv")  # (its site: the grid runs the conv in its recurrence)
+          y, new_ssm = kda_ops.kda_decode_o_proj(
+              z.reshape(B, T, 3, H, Kd), hist.reshape(B, Kc - 1, 3, H, Kd), w.T.reshape(Kc, 3, H, Kd), fg4, fgb,
+              A_log, dt_bias, ssm, ctx.n_acc, self.o_norm.weight[...], wo[...], lower_bound=self.lower_bound,
+              norm_eps=self.eps, config=config, b_offset=b_off,
+              out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32, **kda_grid_counters())
+          y = lax.psum(y.reshape(B, T, -1), TP).astype(dtype)
+          return y, {"conv": new_conv, "ssm": new_ssm}
+        if kernel_enabled("kda_conv", fits=conv_fits,
                           why=f"conv cache {hist.dtype} vs activations {z.dtype} (the kernel's window is one dtype)"):
           # the short conv + SiLU in the kernel: z and the history rows as they are (free reshapes), the taps as
           # [Kc, 3, H, Kd] (a transpose of parameters: loop-invariant, hoisted out of a multi-step call)

@@ -396,6 +396,18 @@ KNOBS = {
         "padding) is one TMA of 4 rows and one arrival; any other group loads its rows one TMA each on a second "
         "barrier, waits there and arrives once. Bit for bit the default kernel (interpret mode). CPU-built: off "
         "until measured on a GPU"),
+    "kda_o_grid": (False,
+        "with kda, kda_conv and kda_norm_partials on and a bf16 o_proj: the KDA recurrence, the gated RMSNorm and "
+        "the o_proj GEMV as ONE grid (pallas_kernels.kda_decode.kda_decode_o_proj) — the one-grid MoE's pattern: "
+        "every o_proj CTA requests its whole W_o slice into SMEM (16.8 MB at TP4: 128 KB per CTA, 128 CTAs) at "
+        "the kernel's start, the first 64 CTAs run the recurrence as the KDA kernel does (each writing x' = w · o "
+        "· sigmoid(gate) in bf16 and its sum of squares), and each o_proj CTA waits on a counter for its K "
+        "split's heads only, then scales each head's product by that head's 1/RMS. On the H200's KDA chain "
+        "(session 51's trace) the recurrence 4.6 µs, the norm 1.5 and o_proj 5.7 ran one after another, each "
+        "after a dependent launch, the HBM idle during the first two. The norm's 1/RMS is applied after the "
+        "product (the model's form rounds w · (o · inv) · sigmoid(gate) to bf16): within bf16 rounding. Every "
+        "CTA must be resident at once (B x H x 4 <= 132 at TP4: B <= 2); in GPU interpret mode (no counters) "
+        "the same two roles run as two launches. CPU-built (session 68): off until measured on a GPU"),
     "linear_part_rows": (False,
         "at 2..8 token rows (the verify's, B x q), where XLA sums a weight-streaming kernel's K splits (bf16_linear, "
         "fp8_dq_linear, the MoE's down groups): each split's partial written as the token rows [split, M, N] "
@@ -643,6 +655,7 @@ WGMMA_KNOBS = {
     "fp8_linear": "fp8_linear / fp8_dq_linear",
     "fp8_moe": "the MoE's gate/up and down kernels",
     "moe_one_grid": "the MoE's two kernels as one grid",
+    "kda_o_grid": "the KDA recurrence and o_proj as one grid (its o_proj role)",
     "bf16_linear": "bf16_linear",
     "sparse_mla": "the sparse MLA attention",
     "mla_uv_kernel": "W_UV (mla_absorb_uv)",
@@ -828,7 +841,7 @@ def counters_scope():
   per step): the mHC grid barriers' pair (policy knob mhc_barrier_counters; boundary i gets parity i % 2 in trace
   order — the order the Ref's aliasing keeps on the device) and the linears' split-K counters (linear_fused_sum,
   moe_rows; moe_one_grid's call i on its bank i % 2). The trunk's layer loop opens one, and each MTP pass its own."""
-  tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None, "moe_parity": 0})
+  tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None, "moe_parity": 0, "kda_parity": 0})
   try:
     yield
   finally:
@@ -870,6 +883,19 @@ def _next_moe_parity() -> int:
   cell = _COUNTERS.get()
   out = cell["moe_parity"]
   cell["moe_parity"] ^= 1
+  return out
+
+
+def kda_grid_counters() -> dict:
+  """The one-grid KDA + o_proj's counters at this site (policy knob kda_o_grid): the scope's split-K counters and
+  this call's bank (0, 1, 0, ... in trace order) where they run — on the GPU, inside a counters scope — else {}
+  (the kernel's two-launch form: GPU interpret mode, a module called alone)."""
+  cell = _COUNTERS.get()
+  if cell is None or _interpreting():
+    return {}
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  out = {"counters": _splitk_counters(kl), "parity": cell["kda_parity"]}
+  cell["kda_parity"] ^= 1
   return out
 
 

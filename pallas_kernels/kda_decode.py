@@ -47,13 +47,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import kernel_entry, replicated_rows_layouts, tiled, with_pdl
+from pallas_kernels._common import (counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel,
+                                    replicated_rows_layouts, tiled, with_pdl)
 
 L2NORM_EPS = 1e-6
 _DEBUG = False  # True: print the kernel jaxpr and Mosaic GPU module when lowering
 
 __all__ = ["KdaDecodeConfig", "kda_decode", "kda_decode_reference", "kda_decode_naive", "kda_decode_conv",
-           "kda_decode_conv_reference", "short_conv_reference"]
+           "kda_decode_conv_reference", "short_conv_reference", "kda_decode_o_proj", "kda_decode_o_proj_reference"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -352,9 +353,14 @@ def kda_decode_conv(qkv, conv_hist, conv_weight, f, b, A_log, dt_bias, state, nu
 
 
 def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, norm_weight, norm_eps,
-         config: KdaDecodeConfig, b_offset, conv: int | bool, norm_partials: bool = False):
-  """The kernel call behind both entries. conv = Kc (kda_decode_conv): q, k, v are (qkv [B, T, 3, H, D],
-  conv_hist [B, Kc - 1, 3, H, D], conv_weight [Kc, 3, H, D] f32); False: q, k, v [B, T, H, D] as they are."""
+         config: KdaDecodeConfig, b_offset, conv: int | bool, norm_partials: bool = False,
+         o_proj: _OProj | None = None, o_args: tuple = ()):
+  """The kernel call behind the entries. conv = Kc (kda_decode_conv): q, k, v are (qkv [B, T, 3, H, D],
+  conv_hist [B, Kc - 1, 3, H, D], conv_weight [Kc, 3, H, D] f32); False: q, k, v [B, T, H, D] as they are.
+  ``o_proj`` (``kda_decode_o_proj``): each CTA writes its gated columns x' = w · o · sigmoid(gate) in bf16 into x'
+  [B·T, H·D] and its sums of squares instead of o (the gate: f's heads H .. 2H − 1; o_args[0] the norm weight);
+  ``o_proj.grid``: as ONE grid with the o_proj GEMV's CTAs (``_o_proj_grid_kernel``; o_args: the norm weight, W_o,
+  the counters). Returns (x', new_state, partials) / (y, new_state)."""
   if conv:
     B, T, _, H, D = q.shape
   else:
@@ -369,6 +375,11 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
   norm_in_kernel = fuse_norm and wgs == NV
   if norm_partials and fuse_norm:
     raise ValueError("norm_partials: the sums for a norm after the kernel; gate= fuses the norm: not both")
+  gated_out = o_proj is not None  # (x' and the partials instead of o)
+  if gated_out and (fuse_norm or wgs != 1):
+    raise ValueError(f"kda_decode_o_proj: one warpgroup per CTA and no fused norm (wgs_per_cta = {wgs}, gate "
+                     f"given: {fuse_norm})")
+  norm_partials = norm_partials or gated_out
   lay = _layouts(D, BV)
   L_S, L_K, L_V = lay["S"], lay["K"], lay["V"]
   f32 = jnp.float32
@@ -386,7 +397,7 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
   def over_v(x):  # V-vector [BV] -> [D, BV], constant along K
     return plgpu.layout_cast(lax.broadcast_in_dim(x, (D, BV), (1,)), L_S)
 
-  def kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *more):
+  def kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *more, idx=None):
     *norm_refs, o_ref, ss_ref = more if norm_partials else (*more, None)
     # SMEM must be allocated collectively by the CTA's warpgroups (and pl.kernel takes no scratch_types).
     scratch = []
@@ -398,24 +409,30 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
       else:
         scratch += [plgpu.SMEM((T, D), q.dtype), plgpu.SMEM((T, D), k.dtype), *f_rows, plgpu.SMEM((T, D), v.dtype)]
       scratch += [plgpu.SMEM((T, D), gate.dtype)] if norm_in_kernel else []
+      scratch += [plgpu.SMEM((T, D), f.dtype)] if gated_out else []  # (the gate's rows: f's head H + h)
       scratch += [plgpu.Barrier(num_arrivals=len(scratch) + (3 if conv else 0))]
     if norm_in_kernel:  # o of the whole head for the RMS, and the barrier that publishes it
       scratch += [plgpu.SMEM((T, D), f32), plgpu.Barrier(num_arrivals=wgs)]
     refs = (state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *norm_refs)
     if scratch:
-      pl.run_scoped(functools.partial(body, *refs, ss_ref=ss_ref), *scratch,
+      pl.run_scoped(functools.partial(body, *refs, ss_ref=ss_ref, idx=idx), *scratch,
                     collective_axes="wg" if wgs > 1 else ())
     else:
-      body(*refs, ss_ref=ss_ref)
+      body(*refs, ss_ref=ss_ref, idx=idx)
 
   def body(state_ref, o_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, *rest,
-           ss_ref=None):
+           ss_ref=None, idx=None):
     rest = list(rest)
     gate_ref, nw_ref = (rest.pop(0), rest.pop(0)) if norm_in_kernel else (None, None)
+    if gated_out:
+      nw_ref = rest.pop(0)
     wg = lax.axis_index("wg") if wgs > 1 else 0
-    vi = lax.axis_index("v") * wgs + wg
-    h = lax.axis_index("h")
-    bi = lax.axis_index("b")
+    if idx is None:
+      vi = lax.axis_index("v") * wgs + wg
+      h = lax.axis_index("h")
+      bi = lax.axis_index("b")
+    else:  # (the one grid: this CTA's (v, h, b) from its index)
+      vi, h, bi = idx
     v0 = pl.multiple_of(vi * BV, BV)
     cols = pl.ds(v0, BV)
     rows = lambda ref: ref.at[bi, :, h, :]  # [T, D] view of a [B, T, H, D] input
@@ -425,6 +442,8 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
       srcs = [win(0), win(1), *f_rows, win(2)] + ([rows(gate_ref)] if norm_in_kernel else [])
     else:
       srcs = [rows(q_ref), rows(k_ref), *f_rows, rows(v_ref)] + ([rows(gate_ref)] if norm_in_kernel else [])
+    if gated_out:  # the gate's rows: f's heads H .. 2H - 1 (the fg_b projection's output read in place)
+      srcs.append(f_ref.at[bi, :, H + h, :])
 
     if config.prefetch:
       # All per-token inputs are requested before the first state store: plain loads issued after a GMEM
@@ -453,6 +472,8 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
       plgpu.barrier_wait(bar_in)
     if norm_in_kernel:
       o_smem, bar_o = rest
+    if gated_out:  # this warpgroup's columns of the norm weight
+      nw_v = load(nw_ref.at[cols], L_V)
 
     if conv:  # the taps, loaded once: tap j of q, k (K-vectors) and of this warpgroup's v columns (V-vectors)
       taps = [[load(v_ref.at[j, i, h], L_K) for i in (0, 1)] + [load(v_ref.at[j, 2, h, cols], L_V)]
@@ -491,6 +512,9 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
       state_ref[bi, t, h, :, cols] = S
       if norm_in_kernel:
         o_smem[t, cols] = o
+      elif gated_out:  # x' = w · o · sigmoid(gate) in bf16: the o_proj GEMV's operand (its 1/RMS applied after)
+        gt = load(srcs[4].at[t, cols], L_V)
+        o_ref[bi * T + t, pl.ds(h * D + v0, BV)] = (nw_v * o * jax.nn.sigmoid(gt)).astype(o_ref.dtype)
       else:
         o_ref[bi, t, h, cols] = o
       if ss_ref is not None:  # (norm_partials: this CTA's share of the head's sum of squares)
@@ -531,21 +555,294 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
   inputs = (q, k, v, f, b, b_off, A_log.astype(f32), dt_bias.astype(f32), num_accepted.astype(jnp.int32))
   if norm_in_kernel:
     inputs += (gate, norm_weight)
-  rows_t = jax.ShapeDtypeStruct((B, T, H, D), f32)
+  if gated_out:
+    inputs += (o_args[0].astype(f32),)
+  rows_t = jax.ShapeDtypeStruct((B * T, H * D), jnp.bfloat16) if gated_out else jax.ShapeDtypeStruct((B, T, H, D), f32)
   ss_t = jax.ShapeDtypeStruct((B, T, H, NV), f32)
+  name, body_fn, extra = "kda_decode", kernel, ()
+  out_types = [rows_t] + ([ss_t] if norm_partials else [])
+  if gated_out and o_proj.grid:  # the one grid: the KDA role on its first CTAs, the o_proj role beside it
+    w_o, counters = o_args[1:]
+    mesh = plgpu.Mesh(grid=(o_proj.ctas(B, H, NV, w_o.shape[0]),), grid_names=("t",))
+    name, extra = "kda_o_proj", (w_o, counters)
+    body_fn = functools.partial(_o_proj_grid_kernel, kernel, op=o_proj, B=B, T=T, H=H, NV=NV, eps=norm_eps)
+    out_types += list(o_proj.y_types(B * T, w_o.shape[0]))
 
   @pl.run_state
   def run(refs):
     state_ref, *out_refs = refs
     # o (and the partials) are plain kernel outputs (copied into their refs, whose zero init XLA then drops as dead):
     # an uninitialised lax.empty buffer instead would add an AllocateBuffer custom call next to every kernel.
-    outs = pl.kernel(with_pdl(functools.partial(kernel, state_ref)), out_type=tuple(out_types),
-                     mesh=mesh, compiler_params=params, name="kda_decode", debug=_DEBUG)(*inputs)
+    outs = pl.kernel(with_pdl(functools.partial(body_fn, state_ref)), out_type=tuple(out_types),
+                     mesh=mesh, compiler_params=params, name=name, debug=_DEBUG)(*inputs, *extra)
     for ref, val in zip(out_refs, outs):
       ref[...] = val
 
-  out_types = [rows_t] + ([ss_t] if norm_partials else [])
   new_state, o, *g = run((state, *[jnp.zeros(t.shape, t.dtype) for t in out_types]))
+  if gated_out and o_proj.grid:  # (x', the partials, [the splits' partials], y)
+    return g[-1], new_state
   if fuse_norm and not norm_in_kernel:
     o = _gated_rms_norm(o, gate, norm_weight, norm_eps)
   return (o, new_state, *g)
+
+
+# --------------------------------------------------------------------------------------------------
+# The KDA recurrence and the o_proj GEMV as ONE grid (policy knob kda_o_grid)
+# --------------------------------------------------------------------------------------------------
+# On the KDA layer's chain the recurrence (~5 µs, latency-bound: the HBM idles but for the 1 MB state) was followed
+# by the gated RMSNorm (an XLA fusion) and the o_proj GEMV (16.8 MB of bf16 at TP4), each after a dependent launch.
+# The MoE's one grid showed what pays: a second role whose bytes stream while the first role computes, and whose
+# input nothing outside the grid reads. Here every o_proj CTA requests its whole weight slice into SMEM (W_o fits
+# the SMs' SMEM: 128 KB a CTA at TP4) before anything else, the first CTAs run the recurrence as the KDA kernel
+# does, and each o_proj CTA then waits for the heads of its K split only.
+#
+# The norm moves: its 1/RMS spans a head's 128 columns, which 4 CTAs hold. Each KDA CTA writes x' = w · o ·
+# sigmoid(gate) (its own columns: all it needs) in bf16 and its sum of squares; the o_proj CTA takes one head per
+# 128-wide K tile and scales that tile's product by the head's 1/RMS per token: y = Σ_h inv_h · (W_h x'_h). The
+# model's unfused form rounds w · (o · inv) · sigmoid(gate) to bf16 instead — the same within bf16 rounding.
+KDA_O_GRID_SMEM = 160 * 1024  # W_o's slice per o_proj CTA at most: the KDA role's windows and x' beside it
+
+
+@dataclasses.dataclass(frozen=True)
+class _OProj:
+  """The o_proj role's static plan: ``split`` K splits (H / split heads each, one 128-wide K tile per head), ``bm``
+  output rows per CTA, ``grid`` (one launch with counters, else the x' kernel and ``_o_proj_launch``), the hand-off
+  counters' bank ``parity``, the rows' ``out_dtype``."""
+
+  split: int
+  bm: int = 64
+  grid: bool = False
+  parity: int = 0
+  out_dtype: object = jnp.float32
+
+  def ctas(self, B: int, H: int, NV: int, N: int | None = None) -> int:
+    """The one grid's CTAs: the KDA role's B·H·NV and the o_proj role's (N / bm)·split, on the same first CTAs."""
+    return max(B * H * NV, (N or 0) // self.bm * self.split)
+
+  def y_types(self, m: int, n: int):
+    """The one grid's o_proj outputs: the splits' partials [split − 1, N, mp] (summed in the grid), y [m, N]."""
+    from pallas_kernels import linear as kl  # noqa: PLC0415
+    out = kl._out_types(self.split, n, kl._padded_rows(m), m, self.out_dtype)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def o_proj_plan(H: int, D: int, N: int, *, bm: int = 64) -> int:
+  """The fewest K splits (a divisor of H) whose W_o slice per CTA, bm rows x (H / split)·D bf16, fits
+  KDA_O_GRID_SMEM."""
+  for split in range(1, H + 1):
+    if H % split == 0 and bm * (H // split) * D * 2 <= KDA_O_GRID_SMEM:
+      return split
+  raise ValueError(f"kda_decode_o_proj: no K split of {H} heads fits {KDA_O_GRID_SMEM} bytes of W_o per CTA")
+
+
+def o_proj_grid_why(B: int, T: int, H: int, N: int, *, block_v: int = 32, bm: int = 64) -> str:
+  """Why the one grid cannot run these shapes ('' when it can): every CTA must be resident at once (the o_proj
+  CTAs wait for the KDA CTAs; one CTA per SM with its W_o slice in SMEM), at most 8 token rows (the rows
+  written by masked row sums), N a multiple of bm."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  if B * T > kl.ROWS_OUT_MAX:
+    return f"{B * T} token rows (B x T); the one grid writes at most {kl.ROWS_OUT_MAX}"
+  if N % bm:
+    return f"o_proj's {N} output rows, not a multiple of {bm}"
+  ctas = _OProj(o_proj_plan(H, 128, N, bm=bm), bm).ctas(B, H, 128 // block_v, N)
+  if ctas > kl.NUM_SMS:
+    return (f"{ctas} CTAs (the recurrence's B x H x {128 // block_v} = {B * H * 128 // block_v}, o_proj's "
+            f"{N // bm} row tiles x K splits), more than the {kl.NUM_SMS} SMs that hold one each: not all resident")
+  return ""
+
+
+def _o_proj_issue(w_ref, w_s, wbar, *, row0, k0):
+  """The o_proj CTA's whole W_o slice [bm, nk·128] into SMEM (nk tiles of one head's 128 columns), one barrier."""
+  nk, bm, D = w_s.shape
+  for j in range(nk):
+    plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(row0, bm), pl.ds(k0 + j * D, D)], w_s.at[j], wbar)
+
+
+def _o_proj_tile(xo_ref, ss_ref, w_s, x_s, wbar, xbar, *, k0, h0, T: int, eps: float):
+  """The o_proj CTA's product after the hand-off: x' [mp, 128] per head by TMA (rows past the m tokens zero-filled),
+  each head's 1/RMS per token from the KDA CTAs' sums of squares (in the model's order: the partials added one
+  after another, / D, + eps), the nk products W_h x'_h^T issued at once into their own accumulators -> [bm, mp]
+  Σ_h inv_h · W_h x'_h^T (WGMMA layout)."""
+  nk, bm, D = w_s.shape
+  mp = x_s.shape[1]
+  m, NV = xo_ref.shape[0], ss_ref.shape[-1]
+  for j in range(nk):
+    plgpu.copy_gmem_to_smem(xo_ref.at[pl.ds(0, mp), pl.ds(k0 + j * D, D)], x_s.at[j], xbar)
+  invs = []
+  for j in range(nk):  # (scalar loads: in flight with the TMAs)
+    row = []
+    for r in range(m):
+      b, t = divmod(r, T)
+      ssum = ss_ref[b, t, h0 + j, 0]
+      for v in range(1, NV):
+        ssum = ssum + ss_ref[b, t, h0 + j, v]
+      row.append(lax.rsqrt(ssum * (1.0 / D) + eps))
+    invs.append(row)
+  plgpu.barrier_wait(wbar)
+  plgpu.barrier_wait(xbar)
+
+  def scope(*accs):
+    for j, acc in enumerate(accs):
+      plgpu.wgmma(acc, w_s.at[j], x_s.at[j].T)
+    plgpu.wgmma_wait(0)
+    return [acc[...] for acc in accs]
+
+  accs = pl.run_scoped(scope, *[plgpu.ACC((bm, mp), jnp.float32) for _ in range(nk)])
+  col = plgpu.broadcasted_iota(jnp.int32, (bm, mp), 1, layout=plgpu.Layout.WGMMA)
+  y = None
+  for j, acc in enumerate(accs):
+    sc = jnp.broadcast_to(invs[j][0], (bm, mp))
+    for r in range(1, m):
+      sc = jnp.where(col == r, invs[j][r], sc)
+    y = acc * sc if y is None else y + acc * sc
+  return y
+
+
+def _o_proj_scratch(op: _OProj, nk: int, m: int):
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  bf16, mp = jnp.bfloat16, kl._padded_rows(m)
+  return [plgpu.SMEM((nk, op.bm, 128), bf16, transforms=kl._tr(bf16, 128)),  # w_s: W_o's slice, a head a tile
+          plgpu.SMEM((nk, mp, 128), bf16, transforms=kl._tr(bf16, 128)),  # x_s: x' of those heads
+          plgpu.Barrier(num_arrivals=nk), plgpu.Barrier(num_arrivals=nk)]
+
+
+def _o_proj_grid_kernel(kda_kernel, state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref,
+                        na_ref, nw_ref, w_ref, ctr_ref, xo_ref, ss_ref, *y_refs, op: _OProj, B: int, T: int, H: int,
+                        NV: int, eps: float):
+  """The one grid (``kda_decode_o_proj`` with counters): CTA t < B·H·NV runs the recurrence of (v, h, b) = (t % NV,
+  t // NV % H, t // (NV·H)) as ``kda_decode`` (x' and its sums of squares out), then signals its K split's
+  hand-off counter; CTA t < tiles·split is also o_proj's (row tile t % tiles, K split t // tiles): its W_o slice
+  requested first, the counter awaited (every KDA CTA of its heads), then ``_o_proj_tile`` and the splits' sum on
+  the split-K counters (``linear._split_out``: y's rows written by the last split's CTA). The hand-off counters
+  alternate between two banks by call (``op.parity``, as the one-grid MoE's): CTA 0 zeroes the other bank for the
+  next call. Every CTA must be resident at once (``o_proj_grid_why``)."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  n_out = w_ref.shape[0]
+  tiles, hps = n_out // op.bm, H // op.split
+  t = lax.axis_index("t")
+  bank = kl.KDA_GRID_BANKS + op.parity * 16
+  other = kl.KDA_GRID_BANKS + (1 - op.parity) * 16
+  tile, sk = t % tiles, t // tiles
+  row0 = tile * op.bm
+  is_o = t < tiles * op.split
+  o_parts, y_g = (None, y_refs[0]) if op.split == 1 else y_refs
+
+  def scoped(w_s, x_s, wbar, xbar, y_s):
+    @pl.when(t == 0)
+    def _():  # (the other bank, for the next call: the previous call that used it is done)
+      for i in range(op.split):
+        ctr_ref[other + i] = jnp.int32(0)
+
+    pl.when(is_o)(lambda: _o_proj_issue(w_ref, w_s, wbar, row0=row0, k0=sk * hps * 128))
+
+    @pl.when(t < B * H * NV)
+    def _():
+      vi, h, bi = t % NV, (t // NV) % H, t // (NV * H)
+      kda_kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, nw_ref, xo_ref,
+                 ss_ref, idx=(vi, h, bi))
+      counter_signal(ctr_ref.at[pl.ds(bank + h // hps, 1)])  # (after every thread's stores: its barrier first)
+
+    @pl.when(is_o)
+    def _():
+      counter_wait(ctr_ref.at[pl.ds(bank + sk, 1)], hps * NV * B, async_reads=True)  # (x' is read by TMA)
+      y = _o_proj_tile(xo_ref, ss_ref, w_s, x_s, wbar, xbar, k0=sk * hps * 128, h0=sk * hps, T=T, eps=eps)
+      kl._split_out(o_parts, ctr_ref if op.split > 1 else None, y, sk=sk, tile=tile, row0=row0, bm=op.bm,
+                    split=op.split, rows=(y_g, y_s))
+
+  pl.run_scoped(scoped, *_o_proj_scratch(op, hps, B * T), plgpu.SMEM((B * T, op.bm), op.out_dtype))
+
+
+def _o_proj_launch(xo, ss, w_o, *, op: _OProj, T: int, eps: float):
+  """The o_proj role as a launch of its own after the x' kernel (GPU interpret mode, which runs no counters): the
+  same tile (``_o_proj_tile``), each K split's partial [split, N, mp] summed by XLA -> y [m, N] op.out_dtype."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  m, H = xo.shape[0], ss.shape[2]
+  n_out = w_o.shape[0]
+  tiles, hps = n_out // op.bm, H // op.split
+
+  def body(xo_ref, ss_ref, w_ref, o_ref, w_s, x_s, wbar, xbar):
+    t = lax.axis_index("t")
+    tile, sk = t % tiles, t // tiles
+    _o_proj_issue(w_ref, w_s, wbar, row0=tile * op.bm, k0=sk * hps * 128)
+    y = _o_proj_tile(xo_ref, ss_ref, w_s, x_s, wbar, xbar, k0=sk * hps * 128, h0=sk * hps, T=T, eps=eps)
+    kl._split_out(o_ref, None, y, sk=sk, tile=tile, row0=tile * op.bm, bm=op.bm, split=op.split)
+
+  out = mgpu_kernel(body, out_type=kl._out_types(op.split, n_out, kl._padded_rows(m), m, None),
+                    grid=(tiles * op.split,), grid_names=("t",), kernel_name="glm5_kda_o_proj",
+                    scratch_types=_o_proj_scratch(op, hps, m))(xo, ss, w_o)
+  return kl._split_sum(out, m, False).astype(op.out_dtype)
+
+
+def kda_decode_o_proj_reference(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state, num_accepted,
+                                norm_weight, w_o, *, lower_bound=-5.0, norm_eps=1e-5, b_offset=0, block_v: int = 32,
+                                out_dtype=jnp.float32):
+  """``kda_decode_o_proj``'s contract in jnp: ``kda_decode_conv_reference``'s o (f = fg's first H heads), then y
+  [B·T, N] = Σ_h inv_h · (W_o[:, h] · x'_h) with x' = bf16(w · o · sigmoid(gate)) (gate: fg's heads H .. 2H − 1)
+  and inv_h = rsqrt((Σ_v ss_v) / D + eps) from the partial sums of squares of the kernel's block_v columns, added
+  in order (``norm_partials_reference``) — the kernel's association; f32 products (HIGHEST). -> (y out_dtype,
+  new_state)."""
+  B, T, _, H, D = qkv.shape
+  f32 = jnp.float32
+  o, new_state = kda_decode_conv_reference(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state, num_accepted,
+                                           lower_bound=lower_bound, b_offset=b_offset)
+  gate = fg[:, :, H:2 * H].astype(f32)
+  ss = norm_partials_reference(o, D // block_v)
+  tot = ss[..., 0]
+  for j in range(1, ss.shape[-1]):
+    tot = tot + ss[..., j]
+  inv = lax.rsqrt(tot * (1.0 / D) + norm_eps)  # [B, T, H]
+  xg = (norm_weight.astype(f32) * o * jax.nn.sigmoid(gate)).astype(jnp.bfloat16).astype(f32)
+  yh = jnp.einsum("bthd,nhd->bthn", xg, w_o.astype(f32).reshape(-1, H, D), precision=lax.Precision.HIGHEST)
+  y = jnp.sum(yh * inv[..., None], axis=2).reshape(B * T, -1)
+  return y.astype(out_dtype), new_state
+
+
+@kernel_entry("lower_bound", "norm_eps", "config", "parity", "out_dtype")
+def kda_decode_o_proj(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state, num_accepted, norm_weight, w_o,
+                      counters=None, *, lower_bound=-5.0, norm_eps=1e-5, config: KdaDecodeConfig | None = None,
+                      b_offset=0, parity: int = 0, out_dtype=jnp.float32):
+  """The KDA layer from its q | k | v projection to o_proj's output (policy knob kda_o_grid):
+  ``kda_decode_conv``'s recurrence, the gated RMSNorm and y = o_proj(x) as ONE launch (``_o_proj_grid_kernel``).
+
+  qkv [B, T, 3, H, D], conv_hist, conv_weight, b, A_log, dt_bias, state, num_accepted as ``kda_decode_conv``'s;
+  fg [B, T, 2H, D]: the forget-gate logits (heads 0 .. H − 1) and the output gate's (H .. 2H − 1) side by side —
+  the fg_b projection's output, read in place; norm_weight [D] (the gated RMSNorm's); w_o [N, H·D] bf16 (o_proj's
+  weight, this rank's columns). ``counters``: the step's split-K counters (``linear.splitk_counters``; the
+  hand-off's two banks from KDA_GRID_BANKS, ``parity`` alternating by call); without them (or in GPU interpret
+  mode, which runs no counters) the same two roles as two launches: the x' kernel, then ``_o_proj_launch``.
+  -> (y [B·T, N] out_dtype: o_proj's rows before any all-reduce, new_state). ``kda_decode_o_proj_reference``'s
+  numerics: the norm's 1/RMS applied per head after the product — within bf16 rounding of the model's order."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  Kc = _check_conv(qkv, conv_hist, conv_weight)
+  B, T, _, H, D = qkv.shape
+  config = config or KdaDecodeConfig()
+  if fg.shape != (B, T, 2 * H, D):
+    raise ValueError(f"kda_decode_o_proj: fg {fg.shape}; expected [B, T, 2H, D] = {(B, T, 2 * H, D)} (the forget "
+                     "gate's heads, then the output gate's)")
+  if w_o.ndim != 2 or w_o.shape[1] != H * D or w_o.dtype != jnp.bfloat16 or norm_weight.shape != (D,):
+    raise ValueError(f"kda_decode_o_proj: w_o {w_o.shape} {w_o.dtype}, norm_weight {norm_weight.shape}; expected "
+                     f"bf16 [N, {H * D}] and [{D}]")
+  if not config.prefetch or (config.wgs_per_cta or 1) != 1:
+    raise ValueError(f"kda_decode_o_proj: config {config}; expected prefetch and one warpgroup per CTA")
+  if B * T > kl.ROWS_OUT_MAX or w_o.shape[0] % 64:
+    raise ValueError(f"kda_decode_o_proj: {B * T} token rows, {w_o.shape[0]} output rows; expected at most "
+                     f"{kl.ROWS_OUT_MAX} and a multiple of 64")
+  rows = jax.ShapeDtypeStruct((B, T, H, D), qkv.dtype)
+  _check_shapes(rows, rows, rows, fg, b, A_log, dt_bias, state, num_accepted, None, None)
+  op = _OProj(o_proj_plan(H, D, w_o.shape[0]), grid=counters is not None and not interpreting(), parity=int(parity),
+              out_dtype=jnp.dtype(out_dtype))
+  NV = D // config.block_v
+  if op.grid:
+    why = o_proj_grid_why(B, T, H, w_o.shape[0], block_v=config.block_v)
+    if why:
+      raise ValueError(f"kda_decode_o_proj: the one grid cannot run here: {why}")
+    if counters.shape != (kl.SPLITK_COUNTERS,) or counters.dtype != jnp.int32:
+      raise ValueError(f"kda_decode_o_proj: counters {counters.shape} {counters.dtype}; expected "
+                       f"linear.splitk_counters()' int32 [{kl.SPLITK_COUNTERS}]")
+  args = (qkv, conv_hist, conv_weight.astype(jnp.float32), fg, b, A_log, dt_bias, state, num_accepted, lower_bound,
+          None, None, norm_eps, config, b_offset)
+  if op.grid:
+    return _kda(*args, conv=Kc, o_proj=op, o_args=(norm_weight, w_o, counters))
+  xo, new_state, ss = _kda(*args, conv=Kc, o_proj=op, o_args=(norm_weight,))
+  assert ss.shape[-1] == NV
+  return _o_proj_launch(xo, ss, w_o, op=op, T=T, eps=float(norm_eps)), new_state

@@ -516,7 +516,10 @@ def _check_part_rows(part_rows: bool, m: int, name: str) -> bool:
   return bool(part_rows)
 
 
-SPLITK_COUNTERS = 256  # counters in the Ref: a fused-sum call's row tiles use those below ONE_GRID_BANKS (224)
+SPLITK_COUNTERS = 288  # counters in the Ref: a fused-sum call's row tiles use those below ONE_GRID_BANKS (224)
+# the one-grid KDA + o_proj's two banks of hand-off counters (pallas_kernels.kda_decode.kda_decode_o_proj), past
+# the one-grid MoE's two (224 .. 255): up to 16 K splits each
+KDA_GRID_BANKS = 256
 ROWS_OUT_MAX = 8  # token rows up to which a fused-sum kernel writes its sum as rows (a masked row sum per row)
 
 

@@ -394,3 +394,142 @@ def test_conv_kernel_matches_reference_gpu(rng, B, T, H, norm, dtype, config):
   np.testing.assert_allclose(np.asarray(new_state[:, :T]), np.asarray(ref_state[:, :T]), **t)
   if dtype == jnp.bfloat16:
     _assert_mostly_f32_close(o, ref_o)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (5) the recurrence, the gated norm and o_proj as one grid (kda_decode_o_proj: policy knob kda_o_grid)
+# ----------------------------------------------------------------------------------------------------------------
+def make_o_proj_inputs(rng, B, T, H, N, dtype=jnp.bfloat16):
+  """kda_decode_o_proj's inputs: kda_decode_conv's, fg [B, T, 2H, D] (forget gate, then output gate logits ~ N(0,
+  1)), the norm weight ~ U(0.5, 1.5) and o_proj's bf16 weight ~ N(0, 0.05²) (|y| ~ 1)."""
+  (qkv, hist, w, _, b, A_log, dt_bias, state, na), _ = make_conv_inputs(rng, B, T, H, dtype=dtype)
+  fg = jnp.asarray(rng.standard_normal((B, T, 2 * H, 128)), jnp.float32)
+  nw = jnp.asarray(rng.uniform(0.5, 1.5, 128), jnp.float32)
+  w_o = jnp.asarray(0.05 * rng.standard_normal((N, H * 128)), jnp.bfloat16)
+  return qkv, hist, w, fg, b, A_log, dt_bias, state, na, nw, w_o
+
+
+def _model_path(args, config=None):
+  """The model's unfused form: kda_decode_conv with the norm's partial sums, gated_norm_from_partials rounded to
+  bf16, then o_proj in f32."""
+  qkv, hist, w, fg, b, A_log, dt_bias, state, na, nw, w_o = args
+  B, T, _, H, D = qkv.shape
+  o, st, ss = kd.kda_decode_conv(qkv, hist, w, fg, b, A_log, dt_bias, state, na, config=config, norm_partials=True)
+  x = kd.gated_norm_from_partials(o, ss, fg[:, :, H:], nw, 1e-5).astype(jnp.bfloat16).astype(jnp.float32)
+  y = jnp.dot(x.reshape(B * T, H * D), w_o.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+  return y, st
+
+
+O_PROJ_CASES = [  # B, T, H, N, config: q = 1; the verify's 4 rows with two K splits (16 heads); 2 sequences
+    (1, 1, 2, 128, None),
+    (1, 4, 16, 128, kd.KdaDecodeConfig(token_loop=True, approx_math=True)),
+    (2, 3, 4, 256, kd.KdaDecodeConfig(block_v=64)),
+]
+
+
+@pytest.mark.parametrize("B,T,H,N,config", O_PROJ_CASES)
+def test_o_proj_matches_reference_interpret(rng, B, T, H, N, config):
+  """In GPU interpret mode (no counters: the x' kernel, then the o_proj launch): y against
+  kda_decode_o_proj_reference (the kernel's association) and against the model's unfused form (the norm's 1/RMS
+  before the bf16 rounding) within the bf16 tolerance, mostly within f32's; the state slots as kda_decode_conv's,
+  bit for bit."""
+  args = make_o_proj_inputs(rng, B, T, H, N)
+  with maybe_interpret():
+    y, st = jax.jit(functools.partial(kd.kda_decode_o_proj, config=config))(*args)
+    y_model, st_model = jax.jit(functools.partial(_model_path, config=config))(args)
+  assert y.shape == (B * T, N) and y.dtype == jnp.float32
+  ry, rst = jax.jit(functools.partial(kd.kda_decode_o_proj_reference,
+                                      block_v=(config or kd.KdaDecodeConfig()).block_v))(*args)
+  np.testing.assert_array_equal(np.asarray(st), np.asarray(st_model))
+  np.testing.assert_allclose(np.asarray(st[:, :T]), np.asarray(rst[:, :T]), **tol("kernel_bf16"))
+  for want in (ry, y_model):  # (the model's form rounds x' at another scale: bf16 apart, ~0.4 % of |y| here)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), **tol("kernel_bf16"))
+  _assert_mostly_f32_close(y, ry)
+  assert np.abs(np.asarray(y)).max() > 0.1
+
+
+def test_o_proj_roles_interpret(rng):
+  """The two roles apart (GPU interpret mode): the KDA role's x' the reference's w · o · sigmoid(gate) in bf16 (one
+  rounding apart at most where o differs by f32 rounding) and its sums of squares those of o; the o_proj role from
+  that x' and those sums exactly Σ_h inv_h · W_h x'_h (f32)."""
+  B, T, H, N = 1, 2, 4, 192
+  args = make_o_proj_inputs(rng, B, T, H, N)
+  qkv, hist, w, fg, b, A_log, dt_bias, state, na, nw, w_o = args
+  op = kd._OProj(kd.o_proj_plan(H, 128, N))
+  with maybe_interpret():
+    xo, _, ss = jax.jit(lambda *a: kd._kda(*a[:9], -5.0, None, None, 1e-5, kd.KdaDecodeConfig(), 0, conv=4,
+                                           o_proj=op, o_args=(nw,)))(*args[:9])
+    y = jax.jit(functools.partial(kd._o_proj_launch, op=op, T=T, eps=1e-5))(xo, ss, w_o)
+  o, _ = kd.kda_decode_conv_reference(*args[:9])
+  want = (nw * o * jax.nn.sigmoid(fg[:, :, H:])).astype(jnp.bfloat16).reshape(B * T, H * 128)
+  assert xo.shape == (B * T, H * 128) and xo.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(xo, np.float32), np.asarray(want, np.float32), rtol=2 ** -7, atol=1e-6)
+  assert np.mean(np.asarray(xo) == np.asarray(want)) > 0.95
+  np.testing.assert_allclose(np.asarray(ss), np.asarray(kd.norm_partials_reference(o, 4)), **tol("kernel_f32"))
+  tot = ss[..., 0] + ss[..., 1] + ss[..., 2] + ss[..., 3]
+  inv = jax.lax.rsqrt(tot / 128 + 1e-5).reshape(B * T, H)
+  xs = np.asarray(xo, np.float32).reshape(B * T, H, 128)
+  exact = np.einsum("mhd,nhd,mh->mn", xs, np.asarray(w_o, np.float32).reshape(N, H, 128), np.asarray(inv))
+  np.testing.assert_allclose(np.asarray(y), exact, **tol("kernel_f32"))
+
+
+def test_o_proj_refusals(rng):
+  """Bad inputs name the value and what was expected; the one grid names why it cannot run (not every CTA
+  resident, more than 8 token rows) before anything is traced for the device."""
+  from pallas_kernels import linear as kl
+  args = make_o_proj_inputs(rng, 1, 1, 2, 128)
+  qkv, hist, w, fg, b, A_log, dt_bias, state, na, nw, w_o = args
+  with pytest.raises(ValueError, match=r"fg .*2H"):
+    kd.kda_decode_o_proj(qkv, hist, w, fg[:, :, :2], *args[4:])
+  with pytest.raises(ValueError, match="bf16"):
+    kd.kda_decode_o_proj(*args[:10], w_o.astype(jnp.float32))
+  with pytest.raises(ValueError, match="one warpgroup"):
+    kd.kda_decode_o_proj(*args, config=kd.KdaDecodeConfig(wgs_per_cta=4))
+  assert kd.o_proj_grid_why(1, 1, 16, 4096) == "" and kd.o_proj_grid_why(2, 4, 16, 4096) == ""
+  assert "not all resident" in kd.o_proj_grid_why(4, 1, 16, 4096)
+  assert "token rows" in kd.o_proj_grid_why(4, 4, 16, 4096)
+  assert kd.o_proj_plan(16, 128, 4096) == 2 and kd.o_proj_plan(4, 128, 512) == 1
+  big = make_o_proj_inputs(rng, 4, 1, 16, 128)
+  with pytest.raises(ValueError, match="not all resident"):
+    kd.kda_decode_o_proj(*big, kl.splitk_counters())
+  with pytest.raises(ValueError, match="counters"):
+    kd.kda_decode_o_proj(*args, jax.new_ref(jnp.zeros((8,), jnp.int32)))
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (2, 1)])
+def test_cross_lower_o_grid(B, T):
+  """The one grid as the model calls it at TP4 (bf16 rows, fg and b read in place, a traced b offset, o_proj's
+  [4096, 2048] slice, the step's counters), donated state aliased in place."""
+  from pallas_kernels import linear as kl
+  s = jax.ShapeDtypeStruct
+  H, bf16, f32 = 16, jnp.bfloat16, jnp.float32
+  args = (s((B, T, 3, H, 128), bf16), s((B, 3, 3, H, 128), bf16), s((4, 3, H, 128), f32),
+          s((B, T, 2 * H, 128), f32), s((B, T, 272), bf16), s((H,), f32), s((H, 128), f32),
+          s((B, max(T, 4), H, 128, 128), f32), s((B,), jnp.int32), s((128,), f32), s((4096, H * 128), bf16),
+          s((), jnp.int32))
+  cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
+  fn = jax.jit(lambda *a: kd.kda_decode_o_proj(*a[:-1], kl.splitk_counters(), b_offset=a[-1], config=cfg,
+                                               parity=T % 2), donate_argnums=(STATE_ARG,))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "kda_o_proj" in text and "tf.aliasing_output" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (2, 1)])
+def test_o_grid_gpu(rng, B, T):
+  """Natively at one TP4 rank's shapes: the one grid (counters) against its two-launch form and the reference
+  (bf16 tolerance, mostly f32's), three calls on one counters Ref with banks 0, 1, 0 — the state as
+  kda_decode_conv's, the split-K cells below the banks left zero."""
+  from pallas_kernels import linear as kl
+  args = make_o_proj_inputs(rng, B, T, 16, 4096)
+  cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
+  two = jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg))(*args)
+  ry, _ = rounding_reference(kd.kda_decode_o_proj_reference, *args)
+  ctr = kl.splitk_counters()
+  for parity in (0, 1, 0):
+    y, st = jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg, parity=parity))(*args, ctr)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(two[0]), **tol("kernel_bf16"))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ry), **tol("kernel_bf16"))
+    _assert_mostly_f32_close(y, ry)
+    np.testing.assert_array_equal(np.asarray(st), np.asarray(two[1]))
+  assert not np.any(np.asarray(ctr[...])[:kl.ONE_GRID_BANKS])

@@ -761,7 +761,8 @@ def test_moe_one_grid_interpret(shared, split):
   with maybe_interpret(True):
     y0, ids0, w0 = jax.jit(lambda *a: moe(x, None, None, *a))(*ws)
     y1, ids1, w1 = jax.jit(lambda *a: moe(x, None, None, *a, counters=L.splitk_counters(), one_grid=1))(*ws)
-    with pytest.raises(ValueError, match=r"one_grid=1: needs splitk_counters\(\)' int32 \[256\] Ref \(here None\)"):
+    with pytest.raises(ValueError, match=rf"one_grid=1: needs splitk_counters\(\)' int32 \[{L.SPLITK_COUNTERS}\] Ref "
+                       r"\(here None\)"):
       moe(x, None, None, *ws, one_grid=1)
     for bad in (2, False):
       with pytest.raises(ValueError, match=f"one_grid={bad}: expected the call's parity, 0 or 1 .* got {bad}"):
@@ -1359,7 +1360,7 @@ def test_linear_fused_sum_cross_lowers():
     plan = L.plan_linear(n, k, 8, "bf16")
     split, tiles = plan.split, -(-n // plan.bm)
     f = lambda x, w: L.bf16_linear(x, w, counters=L.splitk_counters())  # noqa: E731
-    if split > 1 and tiles > L.SPLITK_COUNTERS:
+    if split > 1 and tiles > L.ONE_GRID_BANKS:  # (the cells above: the one grids' banks)
       with pytest.raises(ValueError, match=f"bf16_linear: counters .* for {tiles} row tiles"):
         cross_lower(f, SDS((1, k), jnp.bfloat16), SDS((n, k), jnp.bfloat16))
       continue
@@ -1385,7 +1386,8 @@ def test_linear_fused_sum_cross_lowers():
     n_pad = L._round_up(min(e, m * kk) + 1, 8)
     assert len(calls["glm5_moe_gate_up"]) == 1 and f"tensor<{n_pad}x{m}x{i}xbf16>" in calls["glm5_moe_gate_up"][0]
     assert ("xi32>)" in calls["glm5_moe_gate_up"][0]) == (m == 1)
-    assert len(calls["glm5_moe_down"]) == 1 and f"tensor<{m}x{d}xbf16>, tensor<256xi32>)" in calls["glm5_moe_down"][0]
+    assert len(calls["glm5_moe_down"]) == 1
+    assert f"tensor<{m}x{d}xbf16>, tensor<{L.SPLITK_COUNTERS}xi32>)" in calls["glm5_moe_down"][0]
 
 
 @pytest.mark.gpu

@@ -682,3 +682,35 @@ def test_kda_norm_partials_at_the_model_site():
   assert np.abs(np.asarray(y0)).max() > 0
 
 
+
+
+def test_kda_o_grid_at_the_model_site():
+  """Policy kda_o_grid at a KDA layer's verify call (kernel-tiny, bf16; GPU interpret mode: the grid's two roles
+  as two launches): the recurrence, the gated norm and o_proj in the kernel give the layer's output within bf16
+  rounding of the unfused form (the norm's 1/RMS applied after the product) and the same state; the report names
+  the site; an f32 model (an f32 o_proj) is declined by name."""
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  from glm5_jax import api  # noqa: PLC0415
+  from glm5_jax.attention import StepCtx  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS, kernel_report, use_kernels  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 15, "fp8", num_hidden_layers=1, layer_types=["linear_attention"],
+                         mlp_layer_types=["dense"])
+  m = load(path, "bfloat16")
+  B, T = 1, 2
+  cache = api.init_cache(m, B, 32, q=T).caches["layers"][0]
+  rng = np.random.default_rng()
+  cache = dict(cache, ssm=jnp.asarray(rng.standard_normal(cache["ssm"].shape), cache["ssm"].dtype))
+  x = jnp.asarray(rng.standard_normal((B, T, m.cfg.hidden_size)), jnp.bfloat16)
+  ctx = StepCtx(jnp.full((B,), 5, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.full((B,), 2, jnp.int32), "verify")
+  base = {k: False for k in KERNEL_DEFAULTS} | {"kda": True, "kda_conv": True, "kda_token_loop": True,
+                                                "kda_norm_partials": True}
+  (y0, c0), (y1, c1) = _attention_with_and_without(m, x, cache, ctx, base, "kda_o_grid")
+  np.testing.assert_allclose(np.asarray(y1, np.float32), np.asarray(y0, np.float32), **tol("kernel_bf16"))
+  np.testing.assert_array_equal(np.asarray(c1["ssm"]), np.asarray(c0["ssm"]))
+  np.testing.assert_array_equal(np.asarray(c1["conv"]), np.asarray(c0["conv"]))
+  assert np.abs(np.asarray(y0, np.float32)).max() > 0.01
+  fn = m.shard_map(lambda mod, x, c: mod.layers[0].self_attn(x, c, ctx, jnp.float32), (P(), P()), P())
+  m32 = load(path, "float32")
+  with use_kernels(base | {"kda_o_grid": True}), kernel_report() as rep:
+    jax.eval_shape(fn, m32.params, x.astype(jnp.float32), cache)
+  assert "float32 o_proj" in dict(rep)["kda_o_grid"], rep
