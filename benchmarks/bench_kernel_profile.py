@@ -156,7 +156,36 @@ def cases(names):
     hr4 = jax.jit(lambda a: km.mhc_row_boundary(*a, **consts, approx_math=True, lean=True, x16=True,
                                                 counters=km.barrier_counters()))
     out["mhc_row4_lean"] = lambda: hr4(m4)
+  # the KDA recurrence as the step runs it (kda_conv, norm partials), and with the gated norm and o_proj as one grid
+  # (policy kda_o_grid: kdao_BxT, on the step's counters), B sequences of T tokens, one TP4 rank's 16 heads
+  for name in names:
+    if name.startswith(("kda_", "kdao_")):
+      out[name] = _kda_case(name)
   return out
+
+
+def _kda_case(name: str, H: int = 16, N: int = 4096):
+  """kda_BxT / kdao_BxT -> a function of no arguments running it once (random inputs, never zeros)."""
+  from pallas_kernels import kda_decode as kd  # noqa: PLC0415
+  B, T = (int(v) for v in name.split("_")[1].split("x"))
+  ks = jax.random.split(jax.random.key(13), 8)
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  n = lambda i, shape, s=1.0: (s * jax.random.normal(ks[i], shape, f32))  # noqa: E731
+  args = (n(0, (B, T, 3, H, 128)).astype(bf16), n(1, (B, 3, 3, H, 128)).astype(bf16), n(2, (4, 3, H, 128), 0.5),
+          n(3, (B, T, 2 * H, 128)), n(4, (B, T, 272)).astype(bf16), n(5, (H,), 0.5), n(6, (H, 128), 0.1) - 4.0,
+          n(7, (B, max(T, 4), H, 128, 128)), jnp.ones((B,), jnp.int32))
+  cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
+  if name.startswith("kda_"):
+    f = jax.jit(lambda *a: kd.kda_decode_conv(*a, b_offset=16, config=cfg, norm_partials=True))
+    return lambda: f(*args)
+  nw, w_o = 1.0 + n(0, (128,), 0.1), n(1, (N, H * 128), 0.05).astype(bf16)
+  ctr = L.splitk_counters()
+  calls = [0]
+
+  def run():
+    calls[0] ^= 1  # (the banks alternate by call, as in the step)
+    return jax.jit(lambda *a: kd.kda_decode_o_proj(*a, ctr, b_offset=16, config=cfg, parity=calls[0]))(*args, nw, w_o)
+  return run
 
 
 def _mla_case(B: int, T: int, S: int = 32768, H: int = 16, W: int = 2051, warpgroups: int = 1,

@@ -69,7 +69,8 @@
 #   s68d (either; H100: LAYERS=32): session 68's one-grid KDA + o_proj (policy kda_o_grid) natively — its GPU test
 #                             (the grid vs its two-launch form and the reference; a hang ends at the test's timeout),
 #                             session 67's knobs' GPU tests (s68a's), then the step's A/B at q = 1: the defaults vs
-#                             kda_o_grid (only if its test passed) vs mla_group_arrival vs mhc_row_scalars
+#                             kda_o_grid (only if its test passed) vs mla_group_arrival vs mhc_row_scalars, then
+#                             the in-kernel profiles of the KDA kernel and the grid (kda_1x1, kdao_1x1)
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -307,6 +308,9 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       tests/test_sparse_mla.py tests/test_mhc.py
     rank1 s68d --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy "${POL[@]}" \
       '{"mla_group_arrival": true}' '{"mhc_row_scalars": true}'
+    [ "${#POL[@]}" -gt 1 ] && [ "$(left)" -gt 70 ] && timeout $(( $(left) - 10 )) python3 \
+      benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases kda_1x1,kdao_1x1 --out "$OUT/kernel_profile_kda.txt" \
+      > /dev/null 2>&1
     ;;
   s68b)  # (either; H100: LAYERS=32) see the header
     timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc4_lean,mhc_row4_lean \

@@ -292,13 +292,20 @@ def kernel_profile(directory: str):
     yield directory
 
 
-def mgpu_kernel(body, **kwargs):
-  """``plgpu.kernel`` with the body under ``with_pdl`` (every kernel of the package is built through here), and
-  with the profiler's parameters under ``kernel_profile``."""
+def profiled(cp: plgpu.CompilerParams | None) -> plgpu.CompilerParams | None:
+  """``cp`` with the profiler's parameters under ``kernel_profile`` (GPU only), else as it is."""
   if _PROFILE.value and not interpreting():
-    cp = kwargs.pop("compiler_params", None) or plgpu.CompilerParams()
-    kwargs["compiler_params"] = cp.replace(profile_space=PROFILE_SPACE, profile_dir=_PROFILE_DIR[0],
-                                           profile_bounds_check=True)
+    return (cp or plgpu.CompilerParams()).replace(profile_space=PROFILE_SPACE, profile_dir=_PROFILE_DIR[0],
+                                                  profile_bounds_check=True)
+  return cp
+
+
+def mgpu_kernel(body, **kwargs):
+  """``plgpu.kernel`` with the body under ``with_pdl`` (every kernel of the package is built through here but the
+  KDA recurrence's ``pl.kernel``, which also takes ``profiled``'s parameters), and with the profiler's parameters
+  under ``kernel_profile``."""
+  if _PROFILE.value and not interpreting():
+    kwargs["compiler_params"] = profiled(kwargs.pop("compiler_params", None))
   return plgpu.kernel(with_pdl(body), **kwargs)
 
 

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel,
+from pallas_kernels._common import (counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel, profiled,
                                     replicated_rows_layouts, tiled, with_pdl)
 
 L2NORM_EPS = 1e-6
@@ -549,8 +549,8 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     mesh = plgpu.Mesh(grid=(NV // wgs, H, B), grid_names=("v", "h", "b"), num_threads=wgs, thread_name="wg")
   else:
     mesh = plgpu.Mesh(grid=(NV, H, B), grid_names=("v", "h", "b"))
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,
-                                approx_math=config.approx_math)
+  params = profiled(plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                         unsafe_no_auto_barriers=True, approx_math=config.approx_math))
   b_off = jnp.asarray(b_offset, jnp.int32).reshape(1)
   inputs = (q, k, v, f, b, b_off, A_log.astype(f32), dt_bias.astype(f32), num_accepted.astype(jnp.int32))
   if norm_in_kernel:
@@ -645,10 +645,19 @@ def o_proj_grid_why(B: int, T: int, H: int, N: int, *, block_v: int = 32, bm: in
   if N % bm:
     return f"o_proj's {N} output rows, not a multiple of {bm}"
   ctas = _OProj(o_proj_plan(H, 128, N, bm=bm), bm).ctas(B, H, 128 // block_v, N)
-  if ctas > kl.NUM_SMS:
+  sms = _num_sms()
+  if ctas > sms:
     return (f"{ctas} CTAs (the recurrence's B x H x {128 // block_v} = {B * H * 128 // block_v}, o_proj's "
-            f"{N // bm} row tiles x K splits), more than the {kl.NUM_SMS} SMs that hold one each: not all resident")
+            f"{N // bm} row tiles x K splits), more than the {sms} SMs that hold one each: not all resident")
   return ""
+
+
+def _num_sms() -> int:
+  """The SMs of this process's GPU (its PJRT core_count), or the H100 / H200's 132 where there is none (a CPU:
+  interpret mode, compile-only lowering for the H200)."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  dev = jax.devices()[0]
+  return int(getattr(dev, "core_count", 0) or kl.NUM_SMS) if dev.platform == "gpu" else kl.NUM_SMS
 
 
 def _o_proj_issue(w_ref, w_s, wbar, *, row0, k0):
@@ -678,8 +687,9 @@ def _o_proj_tile(xo_ref, ss_ref, w_s, x_s, wbar, xbar, *, k0, h0, T: int, eps: f
         ssum = ssum + ss_ref[b, t, h0 + j, v]
       row.append(lax.rsqrt(ssum * (1.0 / D) + eps))
     invs.append(row)
-  plgpu.barrier_wait(wbar)
-  plgpu.barrier_wait(xbar)
+  with jax.named_scope("bars"):  # (W_o's slice: requested at the kernel's start; x': just now)
+    plgpu.barrier_wait(wbar)
+    plgpu.barrier_wait(xbar)
 
   def scope(*accs):
     for j, acc in enumerate(accs):
@@ -687,7 +697,8 @@ def _o_proj_tile(xo_ref, ss_ref, w_s, x_s, wbar, xbar, *, k0, h0, T: int, eps: f
     plgpu.wgmma_wait(0)
     return [acc[...] for acc in accs]
 
-  accs = pl.run_scoped(scope, *[plgpu.ACC((bm, mp), jnp.float32) for _ in range(nk)])
+  with jax.named_scope("mma"):
+    accs = pl.run_scoped(scope, *[plgpu.ACC((bm, mp), jnp.float32) for _ in range(nk)])
   col = plgpu.broadcasted_iota(jnp.int32, (bm, mp), 1, layout=plgpu.Layout.WGMMA)
   y = None
   for j, acc in enumerate(accs):
@@ -733,21 +744,27 @@ def _o_proj_grid_kernel(kda_kernel, state_ref, q_ref, k_ref, v_ref, f_ref, b_ref
       for i in range(op.split):
         ctr_ref[other + i] = jnp.int32(0)
 
-    pl.when(is_o)(lambda: _o_proj_issue(w_ref, w_s, wbar, row0=row0, k0=sk * hps * 128))
+    with jax.named_scope("issue"):  # (the profiler's regions: bench_kernel_profile's kdao_ cases)
+      pl.when(is_o)(lambda: _o_proj_issue(w_ref, w_s, wbar, row0=row0, k0=sk * hps * 128))
 
     @pl.when(t < B * H * NV)
     def _():
       vi, h, bi = t % NV, (t // NV) % H, t // (NV * H)
-      kda_kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, nw_ref, xo_ref,
-                 ss_ref, idx=(vi, h, bi))
-      counter_signal(ctr_ref.at[pl.ds(bank + h // hps, 1)])  # (after every thread's stores: its barrier first)
+      with jax.named_scope("kda"):
+        kda_kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, nw_ref,
+                   xo_ref, ss_ref, idx=(vi, h, bi))
+      with jax.named_scope("signal"):
+        counter_signal(ctr_ref.at[pl.ds(bank + h // hps, 1)])  # (after every thread's stores: its barrier first)
 
     @pl.when(is_o)
     def _():
-      counter_wait(ctr_ref.at[pl.ds(bank + sk, 1)], hps * NV * B, async_reads=True)  # (x' is read by TMA)
-      y = _o_proj_tile(xo_ref, ss_ref, w_s, x_s, wbar, xbar, k0=sk * hps * 128, h0=sk * hps, T=T, eps=eps)
-      kl._split_out(o_parts, ctr_ref if op.split > 1 else None, y, sk=sk, tile=tile, row0=row0, bm=op.bm,
-                    split=op.split, rows=(y_g, y_s))
+      with jax.named_scope("wait"):
+        counter_wait(ctr_ref.at[pl.ds(bank + sk, 1)], hps * NV * B, async_reads=True)  # (x' is read by TMA)
+      with jax.named_scope("tile"):
+        y = _o_proj_tile(xo_ref, ss_ref, w_s, x_s, wbar, xbar, k0=sk * hps * 128, h0=sk * hps, T=T, eps=eps)
+      with jax.named_scope("out"):
+        kl._split_out(o_parts, ctr_ref if op.split > 1 else None, y, sk=sk, tile=tile, row0=row0, bm=op.bm,
+                      split=op.split, rows=(y_g, y_s))
 
   pl.run_scoped(scoped, *_o_proj_scratch(op, hps, B * T), plgpu.SMEM((B * T, op.bm), op.out_dtype))
 
