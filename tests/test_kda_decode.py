@@ -431,8 +431,7 @@ O_PROJ_CASES = [  # B, T, H, N, config: q = 1; the verify's 4 rows with two K sp
 def test_o_proj_matches_reference_interpret(rng, B, T, H, N, config):
   """In GPU interpret mode (no counters: the x' kernel, then the o_proj launch): y against
   kda_decode_o_proj_reference (the kernel's association) and against the model's unfused form (the norm's 1/RMS
-  before the bf16 rounding) within the bf16 tolerance, mostly within f32's; the state slots as kda_decode_conv's,
-  bit for bit."""
+  before the bf16 rounding) within the bf16 tolerance; the state slots as kda_decode_conv's, bit for bit."""
   args = make_o_proj_inputs(rng, B, T, H, N)
   with maybe_interpret():
     y, st = jax.jit(functools.partial(kd.kda_decode_o_proj, config=config))(*args)
@@ -442,9 +441,11 @@ def test_o_proj_matches_reference_interpret(rng, B, T, H, N, config):
                                       block_v=(config or kd.KdaDecodeConfig()).block_v))(*args)
   np.testing.assert_array_equal(np.asarray(st), np.asarray(st_model))
   np.testing.assert_allclose(np.asarray(st[:, :T]), np.asarray(rst[:, :T]), **tol("kernel_bf16"))
-  for want in (ry, y_model):  # (the model's form rounds x' at another scale: bf16 apart, ~0.4 % of |y| here)
+  # (not f32-close: where o differs from the reference's by f32 rounding, one x' element rounded to the other bf16
+  # neighbour moves the whole token row of y — test_o_proj_roles_interpret checks each role exactly; the model's
+  # form rounds x' at another scale: bf16 apart, ~0.4 % of |y| here)
+  for want in (ry, y_model):
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), **tol("kernel_bf16"))
-  _assert_mostly_f32_close(y, ry)
   assert np.abs(np.asarray(y)).max() > 0.1
 
 
@@ -518,7 +519,7 @@ def test_cross_lower_o_grid(B, T):
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (2, 1)])
 def test_o_grid_gpu(rng, B, T):
   """Natively at one TP4 rank's shapes: the one grid (counters) against its two-launch form and the reference
-  (bf16 tolerance, mostly f32's), three calls on one counters Ref with banks 0, 1, 0 — the state as
+  (bf16 tolerance), three calls on one counters Ref with banks 0, 1, 0 — the state as
   kda_decode_conv's, the split-K cells below the banks left zero."""
   from pallas_kernels import linear as kl
   args = make_o_proj_inputs(rng, B, T, 16, 4096)
@@ -530,6 +531,5 @@ def test_o_grid_gpu(rng, B, T):
     y, st = jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg, parity=parity))(*args, ctr)
     np.testing.assert_allclose(np.asarray(y), np.asarray(two[0]), **tol("kernel_bf16"))
     np.testing.assert_allclose(np.asarray(y), np.asarray(ry), **tol("kernel_bf16"))
-    _assert_mostly_f32_close(y, ry)
     np.testing.assert_array_equal(np.asarray(st), np.asarray(two[1]))
   assert not np.any(np.asarray(ctr[...])[:kl.ONE_GRID_BANKS])
