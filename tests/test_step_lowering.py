@@ -372,8 +372,10 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
   with dec.kernel_mode(interpret=False):
     dec.trace_step(1, params, interpret=False)
   sites = dec.kernel_sites(1)
-  for knob in (set(WGMMA_KNOBS) - set(TCGEN05_KNOBS)) & set(sites):
-    assert not sites[knob]["sites"] and all("wgmma" in r for r in sites[knob]["not_used"]), (knob, sites[knob])
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
+  for knob in (set(WGMMA_KNOBS) - set(TCGEN05_KNOBS)) & set(sites):  # (an off-by-default knob: off in the policy)
+    assert not sites[knob]["sites"] and all("wgmma" in r or (r == "off in the policy" and not KERNEL_DEFAULTS[knob])
+                                            for r in sites[knob]["not_used"]), (knob, sites[knob])
   assert {"sparse_mla", "indexer"} <= set(sites)
   # the kernels with a tcgen05 form run in it (q = 4: bf16_linear too, XLA being preferred only at one row) — but
   # the indexer's scores: kernel-tiny's 8 index heads are not a multiple of the tcgen05 form's 16 (and the
