@@ -607,6 +607,7 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
 # 128-wide K tile and scales that tile's product by the head's 1/RMS per token: y = Σ_h inv_h · (W_h x'_h). The
 # model's unfused form rounds w · (o · inv) · sigmoid(gate) to bf16 instead — the same within bf16 rounding.
 KDA_O_GRID_SMEM = 160 * 1024  # W_o's slice per o_proj CTA at most: the KDA role's windows and x' beside it
+KDA_GRID_BANK = 16  # hand-off counters per bank (linear.KDA_GRID_BANKS: two banks): one per K split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -737,8 +738,9 @@ def _o_proj_grid_kernel(kda_kernel, state_ref, q_ref, k_ref, v_ref, f_ref, b_ref
   n_out = w_ref.shape[0]
   tiles, hps = n_out // op.bm, H // op.split
   t = lax.axis_index("t")
-  bank = kl.KDA_GRID_BANKS + op.parity * 16
-  other = kl.KDA_GRID_BANKS + (1 - op.parity) * 16
+  assert op.parity in (0, 1) and op.split <= KDA_GRID_BANK, op  # (a bank: a counter per K split)
+  bank = kl.KDA_GRID_BANKS + op.parity * KDA_GRID_BANK
+  other = kl.KDA_GRID_BANKS + (1 - op.parity) * KDA_GRID_BANK
   tile, sk = t % tiles, t // tiles
   row0 = tile * op.bm
   is_o = t < tiles * op.split
@@ -855,6 +857,8 @@ def kda_decode_o_proj(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state,
   if B * T > kl.ROWS_OUT_MAX or w_o.shape[0] % 64:
     raise ValueError(f"kda_decode_o_proj: {B * T} token rows, {w_o.shape[0]} output rows; expected at most "
                      f"{kl.ROWS_OUT_MAX} and a multiple of 64")
+  if isinstance(parity, bool) or parity not in (0, 1):
+    raise ValueError(f"kda_decode_o_proj: parity = {parity!r}; expected the call's counter bank, 0 or 1")
   rows = jax.ShapeDtypeStruct((B, T, H, D), qkv.dtype)
   _check_shapes(rows, rows, rows, fg, b, A_log, dt_bias, state, num_accepted, None, None)
   op = _OProj(o_proj_plan(H, D, w_o.shape[0]), grid=counters is not None and not interpreting(), parity=int(parity),
