@@ -420,9 +420,9 @@ def _model_path(args, config=None):
   return y, st
 
 
-O_PROJ_CASES = [  # B, T, H, N, config: q = 1; the verify's 4 rows with two K splits (16 heads); 2 sequences
+O_PROJ_CASES = [  # B, T, H, N, config: q = 1; two token rows with two K splits (16 heads); 2 sequences
     (1, 1, 2, 128, None),
-    (1, 4, 16, 128, kd.KdaDecodeConfig(token_loop=True, approx_math=True)),
+    (1, 2, 16, 128, kd.KdaDecodeConfig(token_loop=True, approx_math=True)),
     (2, 3, 4, 256, kd.KdaDecodeConfig(block_v=64)),
 ]
 
