@@ -71,6 +71,9 @@
 #                             session 67's knobs' GPU tests (s68a's), then the step's A/B at q = 1: the defaults vs
 #                             kda_o_grid (only if its test passed) vs mla_group_arrival vs mhc_row_scalars, then
 #                             the in-kernel profiles of the KDA kernel and the grid (kda_1x1, kdao_1x1)
+#   s68e (either; H100: LAYERS=32): kda_o_grid with the W_o stream held until the recurrence's loads are in (s68d's
+#                             profile: let loose at the start it made the recurrence 4.5 -> 10.9 µs) — its GPU test,
+#                             the in-kernel profiles (kda_1x1, kdao_1x1), then the step's A/B at q = 1
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -79,8 +82,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|s68e) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68e)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -311,6 +314,12 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     [ "${#POL[@]}" -gt 1 ] && [ "$(left)" -gt 70 ] && timeout $(( $(left) - 10 )) python3 \
       benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases kda_1x1,kdao_1x1 --out "$OUT/kernel_profile_kda.txt" \
       > /dev/null 2>&1
+    ;;
+  s68e)  # (either; H100: LAYERS=32) see the header
+    gpu_tests s68e_kdao 120 gpu "o_grid_gpu" tests/test_kda_decode.py || exit 1
+    timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases kda_1x1,kdao_1x1 \
+      --out "$OUT/kernel_profile_kda.txt" > /dev/null 2>&1
+    rank1 s68e --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"kda_o_grid": true}'
     ;;
   s68b)  # (either; H100: LAYERS=32) see the header
     timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc4_lean,mhc_row4_lean \

@@ -472,10 +472,10 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     dtb = load(dtb_ref.at[h], L_K)
     hb = boff_ref[0] + h  # this head's column of b
     betas = None if config.token_loop else [jax.nn.sigmoid(b_ref[bi, t, hb].astype(f32)) for t in range(T)]
-    if after_loads is not None:  # (the one grid: this CTA's W_o slice requested behind the recurrence's own loads)
-      after_loads()
     if config.prefetch:
       plgpu.barrier_wait(bar_in)
+    if after_loads is not None:  # (the one grid: the recurrence's own loads served — its rows' TMAs waited for, the
+      after_loads()  # state slice issued with them — before the W_o stream is let loose)
     if norm_in_kernel:
       o_smem, bar_o = rest
     if gated_out:  # this warpgroup's columns of the norm weight
@@ -607,7 +607,7 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
 # 128-wide K tile and scales that tile's product by the head's 1/RMS per token: y = Σ_h inv_h · (W_h x'_h). The
 # model's unfused form rounds w · (o · inv) · sigmoid(gate) to bf16 instead — the same within bf16 rounding.
 KDA_O_GRID_SMEM = 160 * 1024  # W_o's slice per o_proj CTA at most: the KDA role's windows and x' beside it
-KDA_GRID_BANK = 16  # hand-off counters per bank (linear.KDA_GRID_BANKS: two banks): one per K split
+KDA_GRID_BANK = 16  # counters per bank (linear.KDA_GRID_BANKS: two banks): one per K split, the last `loaded`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -738,7 +738,7 @@ def _o_proj_grid_kernel(kda_kernel, state_ref, q_ref, k_ref, v_ref, f_ref, b_ref
   n_out = w_ref.shape[0]
   tiles, hps = n_out // op.bm, H // op.split
   t = lax.axis_index("t")
-  assert op.parity in (0, 1) and op.split <= KDA_GRID_BANK, op  # (a bank: a counter per K split)
+  assert op.parity in (0, 1) and op.split < KDA_GRID_BANK, op  # (a bank: a counter per K split, then `loaded`)
   bank = kl.KDA_GRID_BANKS + op.parity * KDA_GRID_BANK
   other = kl.KDA_GRID_BANKS + (1 - op.parity) * KDA_GRID_BANK
   tile, sk = t % tiles, t // tiles
@@ -749,23 +749,36 @@ def _o_proj_grid_kernel(kda_kernel, state_ref, q_ref, k_ref, v_ref, f_ref, b_ref
   def scoped(w_s, x_s, wbar, xbar, y_s):
     @pl.when(t == 0)
     def _():  # (the other bank, for the next call: the previous call that used it is done)
-      for i in range(op.split):
+      for i in range(KDA_GRID_BANK):
         ctr_ref[other + i] = jnp.int32(0)
 
-    is_kda = t < B * H * NV
+    n_kda = B * H * NV
+    is_kda = t < n_kda
+    loaded = ctr_ref.at[pl.ds(bank + KDA_GRID_BANK - 1, 1)]  # (the bank's last cell: recurrence CTAs whose loads landed)
     issue = lambda: _o_proj_issue(w_ref, w_s, wbar, row0=row0, k0=sk * hps * 128)  # noqa: E731
-    # An o_proj-only CTA requests its W_o slice at once; a CTA that also runs the recurrence only after the
-    # recurrence's own loads (its rows' TMAs, the state slice): requested behind 16.8 MB of weights, they would wait
-    # for them in the memory system's queues (the profiler's regions: bench_kernel_profile's kdao_ cases)
-    with jax.named_scope("issue"):
-      pl.when(is_o & jnp.logical_not(is_kda))(issue)
+
+    def loads_done():  # a recurrence CTA's own loads are in: count it, then request its W_o slice (if it has one)
+      counter_signal(loaded)
+      pl.when(is_o)(issue)
+
+    # The W_o stream waits for the recurrence's loads: let loose at the start, its 16.8 MB ahead of them in the
+    # memory system's queues made the recurrence 4.5 -> 10.9 µs (s68d's profile, H100: the grid no faster than the
+    # three kernels). An o_proj-only CTA requests its slice once every recurrence CTA has its rows and state
+    # (~1 µs in); the recurrence's arithmetic then runs under the stream (the profiler's regions:
+    # bench_kernel_profile's kdao_ cases)
+    @pl.when(is_o & jnp.logical_not(is_kda))
+    def _():
+      with jax.named_scope("loaded"):
+        counter_wait(loaded, n_kda)
+      with jax.named_scope("issue"):
+        issue()
 
     @pl.when(is_kda)
     def _():
       vi, h, bi = t % NV, (t // NV) % H, t // (NV * H)
       with jax.named_scope("kda"):
         kda_kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, nw_ref,
-                   xo_ref, ss_ref, idx=(vi, h, bi), after_loads=lambda: pl.when(is_o)(issue))
+                   xo_ref, ss_ref, idx=(vi, h, bi), after_loads=loads_done)
       with jax.named_scope("signal"):
         counter_signal(ctr_ref.at[pl.ds(bank + h // hps, 1)])  # (after every thread's stores: its barrier first)
 

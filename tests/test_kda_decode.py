@@ -553,4 +553,5 @@ def test_o_grid_gpu(rng, B, T):
     bank = kl.KDA_GRID_BANKS + parity * kd.KDA_GRID_BANK
     other = kl.KDA_GRID_BANKS + (1 - parity) * kd.KDA_GRID_BANK
     np.testing.assert_array_equal(cells[bank:bank + 2], 32 * B)  # (8 heads x 4 CTAs a split, per sequence)
+    assert cells[bank + kd.KDA_GRID_BANK - 1] == 64 * B, cells  # (every recurrence CTA's loads counted)
     assert not np.any(cells[other:other + kd.KDA_GRID_BANK]), cells
