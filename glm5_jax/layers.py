@@ -399,8 +399,10 @@ KNOBS = {
     "kda_o_grid": (False,
         "with kda, kda_conv and kda_norm_partials on and a bf16 o_proj: the KDA recurrence, the gated RMSNorm and "
         "the o_proj GEMV as ONE grid (pallas_kernels.kda_decode.kda_decode_o_proj) — the one-grid MoE's pattern: "
-        "every o_proj CTA requests its whole W_o slice into SMEM (16.8 MB at TP4: 128 KB per CTA, 128 CTAs) at "
-        "the kernel's start, the first B x H x 4 CTAs (64 at B = 1) run the recurrence as the KDA kernel does "
+        "every o_proj CTA requests its whole W_o slice into SMEM (16.8 MB at TP4: 128 KB per CTA, 128 CTAs) once "
+        "the recurrence's own loads are in (s68d, H100: requested at the kernel's start they queued the "
+        "recurrence's loads behind them, 4.5 -> 10.9 µs, and the step was a tie, 2.84 -> 2.82 ms over 32 layers), "
+        "the first B x H x 4 CTAs (64 at B = 1) run the recurrence as the KDA kernel does "
         "(each writing x' = w · o · sigmoid(gate) in bf16 and its sum of squares), and each o_proj CTA waits on a "
         "counter for its K split's heads only, then scales each head's product by that head's 1/RMS. On the "
         "H200's KDA chain (session 51's trace) the recurrence 4.6 µs, the norm 1.5 and o_proj 5.7 ran one after "
@@ -409,8 +411,8 @@ KNOBS = {
         "rounding. Every CTA must be resident at once: max(B x H x 4, o_proj's row tiles x K splits) <= the SMs "
         "(at TP4 B <= 2), and B x q <= 8. The grid runs on the step's counters (a counters scope: the trunk's "
         "fused-mHC layer loop, each MTP pass); without them (GPU interpret mode, a module called alone) the same "
-        "two roles run as two launches. CPU-built (session 68; natively bit for bit its two-launch form in a "
-        "review's H100 run): off until measured in the step"),
+        "two roles run as two launches. Natively bit for bit its two-launch form (s68d and a review's H100 "
+        "stress run, session 68); the held stream CPU-built: off until measured in the step"),
     "linear_part_rows": (False,
         "at 2..8 token rows (the verify's, B x q), where XLA sums a weight-streaming kernel's K splits (bf16_linear, "
         "fp8_dq_linear, the MoE's down groups): each split's partial written as the token rows [split, M, N] "
