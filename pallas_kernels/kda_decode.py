@@ -733,9 +733,9 @@ def _o_proj_grid_kernel(kda_kernel, state_ref, q_ref, k_ref, v_ref, f_ref, b_ref
   hand-off counter; CTA t < tiles·split is also o_proj's (row tile t % tiles, K split t // tiles): its W_o slice
   requested once every recurrence CTA's loads are in (the bank's last cell counts them; a recurrence CTA requests
   its own after its loads), the counter awaited (every KDA CTA of its heads), then ``_o_proj_tile`` and the
-  splits' sum on the split-K counters (``linear._split_out``: y's rows written by the last split's CTA). The hand-off counters
-  alternate between two banks by call (``op.parity``, as the one-grid MoE's): CTA 0 zeroes the other bank for the
-  next call. Every CTA must be resident at once (``o_proj_grid_why``)."""
+  splits' sum on the split-K counters (``linear._split_out``: y's rows written by the last split's CTA). The
+  hand-off counters alternate between two banks by call (``op.parity``, as the one-grid MoE's): CTA 0 zeroes the
+  other bank for the next call. Every CTA must be resident at once (``o_proj_grid_why``)."""
   from pallas_kernels import linear as kl  # noqa: PLC0415
   n_out = w_ref.shape[0]
   tiles, hps = n_out // op.bm, H // op.split
