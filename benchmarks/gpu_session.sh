@@ -317,7 +317,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     ;;
   s68e)  # (either; H100: LAYERS=32) see the header
     gpu_tests s68e_kdao 120 gpu "o_grid_gpu" tests/test_kda_decode.py || exit 1
-    timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases kda_1x1,kdao_1x1 \
+    timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases kda_1x1,kdao_1x1,kdaor_1x1 \
       --out "$OUT/kernel_profile_kda.txt" > /dev/null 2>&1
     rank1 s68e --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"kda_o_grid": true}'
     ;;
