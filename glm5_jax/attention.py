@@ -224,7 +224,10 @@ class KDA(nnx.Module):
         norm = (dict(gate=gate, norm_weight=self.o_norm.weight[...], norm_eps=self.eps)
                 if kernel_enabled("kda_norm") else {})
         approx, loop = kernel_enabled("kda_approx_math"), kernel_enabled("kda_token_loop")
-        config = kda_ops.KdaDecodeConfig(approx_math=approx, token_loop=loop) if approx or loop else None
+        # kda_loads_first: the recurrence's GMEM loads (conv taps, the token loop's betas) before its rows' barrier
+        first = kernel_enabled("kda_loads_first")
+        config = kda_ops.KdaDecodeConfig(approx_math=approx, token_loop=loop, loads_first=first) \
+            if approx or loop or first else None
         fg4 = fg.reshape(B, T, 2 * H, Kd)
         # kda_norm_partials: the kernel also returns its CTAs' sums of o's squares, so that the gated RMSNorm below
         # is elementwise and XLA fuses it into the o_proj GEMV (no norm kernel between the KDA kernel and o_proj)

@@ -396,6 +396,13 @@ KNOBS = {
         "padding) is one TMA of 4 rows and one arrival; any other group loads its rows one TMA each on a second "
         "barrier, waits there and arrives once. Bit for bit the default kernel (interpret mode). CPU-built: off "
         "until measured on a GPU"),
+    "kda_loads_first": (False,
+        "with kda on: the recurrence kernel's GMEM loads — the conv taps (kda_conv) and, in the token loop "
+        "(kda_token_loop), every token's beta — issued with the state slice before the wait for its rows' TMAs "
+        "(pallas_kernels.kda_decode.KdaDecodeConfig(loads_first=True)) instead of after it (the taps: an L2 round trip "
+        "on every KDA layer's chain) and inside each token's iteration (a beta: one more per token). The same values, "
+        "bit for bit. Found with kda_o_grid's profile (session 68, where the W_o stream queued them); CPU-built: off "
+        "until measured on a GPU"),
     "kda_o_grid": (False,
         "with kda, kda_conv and kda_norm_partials on and a bf16 o_proj: the KDA recurrence, the gated RMSNorm and "
         "the o_proj GEMV as ONE grid (pallas_kernels.kda_decode.kda_decode_o_proj) — the one-grid MoE's pattern: "

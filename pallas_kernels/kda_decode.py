@@ -273,6 +273,11 @@ class KdaDecodeConfig:
   token_loop: the T tokens as a loop carrying the state (lax.fori_loop) instead of unrolled. Unrolled, each CTA
     runs T copies of the per-token code once — straight-line code, every instruction a cold fetch (the suspect of
     session 31's slow unrolled kernels); a loop fetches one copy. An experiment on issue #6's per-token cost.
+  loads_first: every GMEM load of the recurrence issued before the wait for its rows' TMAs — the conv taps (after
+    that wait otherwise: an L2 round trip on the chain) and, in the token loop, every token's beta (loaded inside
+    its iteration otherwise: one more round trip per token, picked by index from values loaded up front here).
+    The same values (policy knob kda_loads_first); always so in the one grid (``kda_decode_o_proj``), whose W_o
+    stream would queue them.
   """
   block_v: int = 32
   wgs_per_cta: int | None = None
@@ -280,6 +285,7 @@ class KdaDecodeConfig:
   gates_first: bool = False
   approx_math: bool = False
   token_loop: bool = False
+  loads_first: bool = False
 
   def __post_init__(self):
     if self.block_v not in (32, 64):
@@ -474,12 +480,15 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     betas = None if config.token_loop else [jax.nn.sigmoid(b_ref[bi, t, hb].astype(f32)) for t in range(T)]
     load_taps = lambda: [[load(v_ref.at[j, i, h], L_K) for i in (0, 1)] + [load(v_ref.at[j, 2, h, cols], L_V)]  # noqa
                          for j in range(conv)]
-    if gated_out:
-      # (the one grid: every GMEM load of the recurrence issued before the W_o stream is let loose — behind it,
-      # each would wait for it in the memory system's queues: the conv taps, the norm weight's columns, the betas)
+    early_loads = gated_out or config.loads_first
+    if early_loads:
+      # (loads_first, and always in the one grid: every GMEM load of the recurrence issued before its rows' barrier
+      # — after it each is a round trip on the chain, and in the grid behind the W_o stream: the conv taps, the
+      # norm weight's columns, the betas)
       taps = load_taps() if conv else None
-      nw_v = load(nw_ref.at[cols], L_V)
       b_raw = [b_ref[bi, t, hb] for t in range(T)] if config.token_loop else None
+    if gated_out:
+      nw_v = load(nw_ref.at[cols], L_V)
     if config.prefetch:
       plgpu.barrier_wait(bar_in)
     if after_loads is not None:  # (the one grid: this CTA's loads are in)
@@ -487,8 +496,8 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     if norm_in_kernel:
       o_smem, bar_o = rest
 
-    if conv and not gated_out:  # the taps, loaded once: tap j of q, k (K-vectors) and of this warpgroup's v columns
-      taps = load_taps()  # (V-vectors)
+    if conv and not early_loads:  # the taps, loaded once: tap j of q, k (K-vectors) and of this warpgroup's v
+      taps = load_taps()  # columns (V-vectors)
 
     def conv_row(src, i, t, at=()):  # silu(Σ_j w_j · x[t - Kc + 1 + j]) rounded to qkv's dtype, as the model
       acc = None
@@ -540,7 +549,7 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
         raw = jnp.where(t == i, b_raw[i], raw)
       return jax.nn.sigmoid(raw.astype(f32))
 
-    if not gated_out:
+    if not early_loads:
       b_raw = None
     if config.token_loop:
       S = lax.fori_loop(0, T, lambda t, S: advance(t, S, beta_of(t), *gates(t)), S)

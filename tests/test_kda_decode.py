@@ -236,6 +236,29 @@ def test_conv_kernel_matches_reference_interpret(rng, B, T, H, norm, dtype, conf
     _assert_mostly_f32_close(o, ref_o)
 
 
+def test_loads_first_is_the_same_computation_interpret(rng):
+  """KdaDecodeConfig(loads_first=True) (policy kda_loads_first) only moves GMEM loads (the conv taps, the token
+  loop's betas) before the rows' barrier: o, the state and the norm's partial sums bit for bit as without it, in
+  the token loop and unrolled; and it lowers for CUDA at a TP4 rank's shapes."""
+  args, _ = make_conv_inputs(rng, 2, 3, 2, dtype=jnp.bfloat16)
+  for loop in (True, False):
+    outs = []
+    for first in (False, True):
+      cfg = kd.KdaDecodeConfig(token_loop=loop, approx_math=True, loads_first=first)
+      with maybe_interpret():
+        outs.append(jax.jit(functools.partial(kd.kda_decode_conv, config=cfg, norm_partials=True))(*args))
+    for a, b in zip(*outs):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  s = jax.ShapeDtypeStruct
+  H, bf16, f32 = 16, jnp.bfloat16, jnp.float32
+  abstract = (s((1, 4, 3, H, 128), bf16), s((1, 3, 3, H, 128), bf16), s((4, 3, H, 128), f32),
+              s((1, 4, 2 * H, 128), f32), s((1, 4, 272), bf16), s((H,), f32), s((H, 128), f32),
+              s((1, 4, H, 128, 128), f32), s((1,), jnp.int32))
+  cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True, loads_first=True)
+  assert "mosaic_gpu" in cross_lower(functools.partial(kd.kda_decode_conv, config=cfg, norm_partials=True,
+                                                       b_offset=16), *abstract).as_text()
+
+
 def test_conv_rejects_bad_inputs(rng):
   args, _ = make_conv_inputs(rng, 1, 2, 1)
   qkv, hist, w, *rest = args
