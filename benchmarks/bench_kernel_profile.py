@@ -158,8 +158,8 @@ def cases(names):
     out["mhc_row4_lean"] = lambda: hr4(m4)
   # the KDA recurrence as the step runs it (kda_conv, norm partials), and with the gated norm and o_proj as one grid
   # (policy kda_o_grid: kdao_BxT, on the step's counters), B sequences of T tokens, one TP4 rank's 16 heads
-  for name in names:  # (kdaor_: the grid with w_issue="after_recurrence")
-    if name.startswith(("kda_", "kdao_", "kdaor_")):
+  for name in names:  # (kdaor_: the grid with w_issue="after_recurrence"; kdaf_: the kernel with loads_first)
+    if name.startswith(("kda_", "kdaf_", "kdao_", "kdaor_")):
       out[name] = _kda_case(name)
   return out
 
@@ -175,7 +175,9 @@ def _kda_case(name: str, H: int = 16, N: int = 4096):
           n(3, (B, T, 2 * H, 128)), n(4, (B, T, 272)).astype(bf16), n(5, (H,), 0.5), n(6, (H, 128), 0.1) - 4.0,
           n(7, (B, max(T, 4), H, 128, 128)), jnp.ones((B,), jnp.int32))
   cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
-  if name.startswith("kda_"):
+  if name.startswith(("kda_", "kdaf_")):
+    if name.startswith("kdaf_"):
+      cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True, loads_first=True)
     f = jax.jit(lambda *a: kd.kda_decode_conv(*a, b_offset=16, config=cfg, norm_partials=True))
     return lambda: f(*args)
   nw, w_o = 1.0 + n(0, (128,), 0.1), n(1, (N, H * 128), 0.05).astype(bf16)

@@ -73,7 +73,9 @@
 #                             the in-kernel profiles of the KDA kernel and the grid (kda_1x1, kdao_1x1)
 #   s68e (either; H100: LAYERS=32): kda_o_grid with the W_o stream held until the recurrence's loads are in (s68d's
 #                             profile: let loose at the start it made the recurrence 4.5 -> 10.9 µs) — its GPU test,
-#                             the in-kernel profiles (kda_1x1, kdao_1x1), then the step's A/B at q = 1
+#                             the in-kernel profiles (the KDA kernel with and without kda_loads_first, the grid with
+#                             w_issue after_loads / after_recurrence), then the step's A/B at q = 1 (the defaults vs
+#                             kda_o_grid vs kda_loads_first). Ran once in session 68 at 92675cf (test + profile only)
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -317,9 +319,10 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     ;;
   s68e)  # (either; H100: LAYERS=32) see the header
     gpu_tests s68e_kdao 120 gpu "o_grid_gpu" tests/test_kda_decode.py || exit 1
-    timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases kda_1x1,kdao_1x1,kdaor_1x1 \
-      --out "$OUT/kernel_profile_kda.txt" > /dev/null 2>&1
-    rank1 s68e --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"kda_o_grid": true}'
+    timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
+      --cases kda_1x1,kdaf_1x1,kdao_1x1,kdaor_1x1 --out "$OUT/kernel_profile_kda.txt" > /dev/null 2>&1
+    rank1 s68e --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"kda_o_grid": true}' \
+      '{"kda_loads_first": true}'
     ;;
   s68b)  # (either; H100: LAYERS=32) see the header
     timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc4_lean,mhc_row4_lean \
