@@ -541,7 +541,7 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
         ss_ref[bi, t, h, vi] = jnp.sum(o * o)
       return S
 
-    def beta_of(t):  # token t's beta in the loop (gated_out: from the values loaded up front)
+    def beta_of(t):  # token t's beta in the loop (early_loads: from the values loaded up front)
       if b_raw is None:
         return jax.nn.sigmoid(b_ref[bi, t, hb].astype(f32))
       raw = b_raw[0]
