@@ -914,7 +914,6 @@ def kda_decode_o_proj(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state,
   _check_shapes(rows, rows, rows, fg, b, A_log, dt_bias, state, num_accepted, None, None)
   op = _OProj(o_proj_plan(H, D, w_o.shape[0]), grid=counters is not None and not interpreting(), parity=int(parity),
               out_dtype=jnp.dtype(out_dtype), w_issue=w_issue)
-  NV = D // config.block_v
   if op.grid:
     why = o_proj_grid_why(B, T, H, w_o.shape[0], block_v=config.block_v)
     if why:
@@ -927,5 +926,4 @@ def kda_decode_o_proj(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state,
   if op.grid:
     return _kda(*args, conv=Kc, o_proj=op, o_args=(norm_weight, w_o, counters))
   xo, new_state, ss = _kda(*args, conv=Kc, o_proj=op, o_args=(norm_weight,))
-  assert ss.shape[-1] == NV
   return _o_proj_launch(xo, ss, w_o, op=op, T=T, eps=float(norm_eps)), new_state

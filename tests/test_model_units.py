@@ -660,28 +660,33 @@ def test_mla_latent_norms_at_the_model_site():
   assert "a bf16 model (here float32)" in dict(rep)["mla_latent_norms"], rep
 
 
+def _kda_layer_site(seed: int, dtype, n_acc: int):
+  """A one-KDA-layer kernel-tiny checkpoint loaded in ``dtype`` -> (path, model, its layer's verify cache for B = 1,
+  T = 2, fresh random x [1, 2, D] in dtype, the verify ctx at position 5 starting from state slot n_acc - 1)."""
+  from glm5_jax import api  # noqa: PLC0415
+  from glm5_jax.attention import StepCtx  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", seed, "fp8", num_hidden_layers=1, layer_types=["linear_attention"],
+                         mlp_layer_types=["dense"])
+  m = load(path, dtype)
+  B, T = 1, 2
+  cache = api.init_cache(m, B, 32, q=T).caches["layers"][0]
+  x = jnp.asarray(np.random.default_rng().standard_normal((B, T, m.cfg.hidden_size)), dtype)
+  ctx = StepCtx(jnp.full((B,), 5, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.full((B,), n_acc, jnp.int32),
+                "verify")
+  return path, m, cache, x, ctx
+
+
 def test_kda_norm_partials_at_the_model_site():
   """Policy kda_norm_partials at a KDA layer's verify call (kernel-tiny, f32; GPU interpret mode): the KDA
   kernel's per-CTA sums of o's squares make the gated RMSNorm after it elementwise — the layer's output and its
   caches within f32 rounding of the norm over o (kda_norm_partials off), and the report names the site."""
-  from glm5_jax import api  # noqa: PLC0415
-  from glm5_jax.attention import StepCtx  # noqa: PLC0415
   from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
-  path = tiny_checkpoint("kernel-tiny", 12, "fp8", num_hidden_layers=1, layer_types=["linear_attention"],
-                         mlp_layer_types=["dense"])
-  m = load(path, "float32")
-  B, T = 1, 2
-  cache = api.init_cache(m, B, 32, q=T).caches["layers"][0]
-  rng = np.random.default_rng()
-  x = jnp.asarray(rng.standard_normal((B, T, m.cfg.hidden_size)), jnp.float32)
-  ctx = StepCtx(jnp.full((B,), 5, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.ones((B,), jnp.int32), "verify")
+  _, m, cache, x, ctx = _kda_layer_site(12, "float32", 1)
   base = {k: False for k in KERNEL_DEFAULTS} | {"kda": True, "kda_conv": True, "kda_token_loop": True}
   (y0, c0), (y1, c1) = _attention_with_and_without(m, x, cache, ctx, base, "kda_norm_partials")
   np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), **tol("kernel_f32"))
   np.testing.assert_array_equal(np.asarray(c1["ssm"]), np.asarray(c0["ssm"]))
   assert np.abs(np.asarray(y0)).max() > 0
-
-
 
 
 def test_kda_o_grid_at_the_model_site():
@@ -690,18 +695,10 @@ def test_kda_o_grid_at_the_model_site():
   rounding of the unfused form (the norm's 1/RMS applied after the product) and the same state; the report names
   the site; an f32 model (an f32 o_proj) is declined by name."""
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-  from glm5_jax import api  # noqa: PLC0415
-  from glm5_jax.attention import StepCtx  # noqa: PLC0415
   from glm5_jax.layers import KERNEL_DEFAULTS, kernel_report, use_kernels  # noqa: PLC0415
-  path = tiny_checkpoint("kernel-tiny", 15, "fp8", num_hidden_layers=1, layer_types=["linear_attention"],
-                         mlp_layer_types=["dense"])
-  m = load(path, "bfloat16")
-  B, T = 1, 2
-  cache = api.init_cache(m, B, 32, q=T).caches["layers"][0]
+  path, m, cache, x, ctx = _kda_layer_site(15, "bfloat16", 2)
   rng = np.random.default_rng()
   cache = dict(cache, ssm=jnp.asarray(rng.standard_normal(cache["ssm"].shape), cache["ssm"].dtype))
-  x = jnp.asarray(rng.standard_normal((B, T, m.cfg.hidden_size)), jnp.bfloat16)
-  ctx = StepCtx(jnp.full((B,), 5, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.full((B,), 2, jnp.int32), "verify")
   base = {k: False for k in KERNEL_DEFAULTS} | {"kda": True, "kda_conv": True, "kda_token_loop": True,
                                                 "kda_norm_partials": True}
   (y0, c0), (y1, c1) = _attention_with_and_without(m, x, cache, ctx, base, "kda_o_grid")
