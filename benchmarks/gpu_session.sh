@@ -76,6 +76,11 @@
 #                             the in-kernel profiles (the KDA kernel with and without kda_loads_first, the grid with
 #                             w_issue after_loads / after_recurrence), then the step's A/B at q = 1 (the defaults vs
 #                             kda_o_grid vs kda_loads_first). Ran once in session 68 at 92675cf (test + profile only)
+#   s69a (either; H100: LAYERS=32): where the defaults' time goes now — the one-grid MoE's in-kernel profile
+#                             (moe_one_grid: never profiled; the MoE sublayer is the step's largest share), then the
+#                             step traced at q = 1 (the defaults and POLICY; events under $OUT/hlo for
+#                             benchmarks/sublayer_chain.py — the last trace was session 61's, before session 67's
+#                             boundary)
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -84,8 +89,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|s68e) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68e)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|s68e|s69a) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68e, s69a)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -323,6 +328,12 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       --cases kda_1x1,kdaf_1x1,kdao_1x1,kdaor_1x1 --out "$OUT/kernel_profile_kda.txt" > /dev/null 2>&1
     rank1 s68e --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"kda_o_grid": true}' \
       '{"kda_loads_first": true}'
+    ;;
+  s69a)  # (either; H100: LAYERS=32) see the header
+    timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases moe_one_grid,mhc_row_lean \
+      --out "$OUT/kernel_profile_moe.txt" > /dev/null 2>&1
+    rank1 s69a --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}' ${POLICY:+"$POLICY"}
+    rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   s68b)  # (either; H100: LAYERS=32) see the header
     timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc4_lean,mhc_row4_lean \
