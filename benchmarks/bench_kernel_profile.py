@@ -139,6 +139,11 @@ def cases(names):
     hl = jax.jit(lambda a: km.mhc_row_boundary(*a, **consts, approx_math=True, lean=True, x16=True,
                                                counters=km.barrier_counters()))
     out["mhc_row_lean"] = lambda: hl(margs)
+  if "mhc_row_ll" in names:  # the step's form with the low-latency exchange (policy mhc_ll_exchange)
+    margs, consts = mhc_inputs(1)
+    hx = jax.jit(lambda a: km.mhc_row_boundary(*a, **consts, approx_math=True, lean=True, x16=True,
+                                               counters=km.barrier_counters(ll=True), ll=True))
+    out["mhc_row_ll"] = lambda: hx(margs)
   if "mhc_row_scalars" in names:  # the step's form with the normalisation on scalars (policy mhc_row_scalars)
     margs, consts = mhc_inputs(1)
     hs = jax.jit(lambda a: km.mhc_row_boundary(*a, **consts, approx_math=True, lean=True, x16=True,

@@ -81,6 +81,12 @@
 #                             step traced at q = 1 (the defaults and POLICY; events under $OUT/hlo for
 #                             benchmarks/sublayer_chain.py — the last trace was session 61's, before session 67's
 #                             boundary)
+#   s69b (either; H100: LAYERS=32): session 69's one call — the low-latency exchange in the one-row boundary
+#                             (policy mhc_ll_exchange) natively (its GPU test; a hang ends at the timeout) and
+#                             kda_o_grid's (session 68's held stream), the in-kernel profiles (the boundary with and
+#                             without the exchange; the KDA kernel with kda_loads_first, the grid with w_issue
+#                             after_loads / after_recurrence), then the step's A/B at q = 1: the defaults vs
+#                             mhc_ll_exchange (only if its test passed) vs kda_o_grid vs kda_loads_first
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -89,8 +95,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|s68e|s69a) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68e, s69a)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|s68e|s69a|s69b) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68e, s69a, s69b)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -334,6 +340,16 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       --out "$OUT/kernel_profile_moe.txt" > /dev/null 2>&1
     rank1 s69a --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}' ${POLICY:+"$POLICY"}
     rm -f "$OUT"/hlo/*.hlo.gz
+    ;;
+  s69b)  # (either; H100: LAYERS=32) see the header
+    LLP=()
+    gpu_tests s69b_ll 120 gpu "row_ll_gpu" tests/test_mhc.py && LLP=('{"mhc_ll_exchange": true}')
+    gpu_tests s69b_kdao 100 gpu "o_grid_gpu" tests/test_kda_decode.py
+    timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
+      --cases mhc_row_lean,mhc_row_ll,kda_1x1,kdaf_1x1,kdao_1x1,kdaor_1x1 --out "$OUT/kernel_profile.txt" \
+      > /dev/null 2>&1
+    rank1 s69b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' "${LLP[@]}" \
+      '{"kda_o_grid": true}' '{"kda_loads_first": true}'
     ;;
   s68b)  # (either; H100: LAYERS=32) see the header
     timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc4_lean,mhc_row4_lean \

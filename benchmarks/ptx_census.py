@@ -18,7 +18,8 @@ stderr.) A kernel already compiled by an earlier case (the same module) is not d
 Cases: ``mla_BxT`` the sparse MLA attention (16 heads, 2,051 positions; lean, the merge kernel) for B sequences of
 T query tokens, its forms by prefix as in bench_kernel_profile (``mla2_`` two warpgroups, ``mlas_`` the scales
 after the MMAs, ``mla2s_`` both, ``mlag_`` scales after + one gather arrival per group); ``mhc_row`` the one-row
-mHC boundary as the step runs it (lean, x16, counters), ``mhc_row_scalars`` with its normalisation on scalars;
+mHC boundary as the step runs it (lean, x16, counters), ``mhc_row_scalars`` with its normalisation on scalars,
+``mhc_row_ll`` with its partial sums by the low-latency exchange (policy knob mhc_ll_exchange);
 ``kda_BxT`` the KDA recurrence as the step runs it (the conv in it, the norm's partial sums), ``kdao_BxT`` the
 recurrence, gated norm and o_proj as one grid (policy knob kda_o_grid).
 """
@@ -53,16 +54,17 @@ def _case(name: str, sds):
               sds((B, T, 2051), jnp.int32))
       return (lambda q, c, i, kw=kw: M.sparse_mla_decode(q, c, i, softmax_scale=1 / 16, combine="kernel",
                                                           lean=True, **kw)), args
-  if name in ("mhc_row", "mhc_row_scalars"):  # (mhc_row_scalars: policy knob mhc_row_scalars)
+  if name in ("mhc_row", "mhc_row_scalars", "mhc_row_ll"):  # (policy knobs mhc_row_scalars, mhc_ll_exchange)
     from glm5_jax import config as C  # noqa: PLC0415
     cfg, N, D = C.real(), km.N, 4096
     args = (sds((1, N * D), jnp.bfloat16), sds((1, D), jnp.bfloat16),
             (sds((N, km.ROWS), jnp.float32), sds((N * N, km.ROWS), jnp.float32)), sds((km.MIX, N * D), jnp.bfloat16),
-            sds((km.MIX + 3,), jnp.float32), sds((D,), jnp.bfloat16), sds((2,), jnp.int32))
+            sds((km.MIX + 3,), jnp.float32), sds((D,), jnp.bfloat16),
+            sds((2 + (km.LL_WORDS if name == "mhc_row_ll" else 0),), jnp.int32))
     consts = dict(eps=cfg.hc_eps, hc_norm_eps=cfg.rms_norm_eps, norm_eps=cfg.rms_norm_eps)
     return (lambda X, y, mix, fn, coef, w, ctr: km.mhc_row_boundary(
         X, y, mix, fn, coef, w, **consts, approx_math=True, lean=True, x16=True, counters=ctr,
-        scalars=name == "mhc_row_scalars")), args
+        scalars=name == "mhc_row_scalars", ll=name == "mhc_row_ll")), args
   if name.startswith(("kda_", "kdao_")):  # the KDA recurrence as the step runs it (kda_conv, norm partials), kdao_:
     # with the gated norm and o_proj as one grid (policy knob kda_o_grid)
     from pallas_kernels import kda_decode as kd  # noqa: PLC0415
@@ -78,7 +80,7 @@ def _case(name: str, sds):
     return (lambda *a: kd.kda_decode_o_proj(*a[:-2], a[-2], a[-1], kl.splitk_counters(), b_offset=16,
                                             config=cfg)), (*args, sds((128,), f32), sds((4096, H * 128), bf16))
   raise SystemExit(f"ptx_census: unknown case {name!r} (mla_BxT, mla2_BxT, mlas_BxT, mla2s_BxT, mlag_BxT, mhc_row, "
-                   "mhc_row_scalars, kda_BxT, kdao_BxT)")
+                   "mhc_row_scalars, mhc_row_ll, kda_BxT, kdao_BxT)")
 
 
 def summarise(dump_dir: str):

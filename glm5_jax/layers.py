@@ -386,6 +386,17 @@ KNOBS = {
         "boundary's ~6.5; PTX 1,053 -> 919 instructions, 4 barriers fewer. Bit for bit the vector form in "
         "interpret mode. Measured (s68d, session 68: an H100, the first 32 layers, q = 1, 5 interleaved repeats): "
         "2.84 -> 2.81 ms, -0.01 ms paired, faster in 2 of 4 rounds — a tie, off"),
+    "mhc_ll_exchange": (False,
+        "with mhc_row and mhc_barrier_counters on, at one token row: the boundary's 16 normalisation partials "
+        "exchanged between its 32 CTAs by a low-latency protocol (pallas_kernels._common.ll_exchange: NCCL's LL "
+        "within one GPU — each value with an epoch flag in one 8-byte word, one relaxed store, polled with relaxed "
+        "loads of the words themselves) instead of the grid barrier and the partials' loads after it: session 67's "
+        "profile (H100) had the barrier at 1.65 µs (a release after a fence over the TMA stores, acquire polls) and "
+        "the partials' loads + sum at 0.82 of the boundary's ~6.5, on every one of the step's 90 boundaries. The "
+        "polled values land in an SMEM tile that the same loads and reduction sum: bit for bit the barrier form "
+        "(its GPU test). The words follow the two counters in the step's barrier Ref (zeroed once per run). "
+        "GPU only (no interpreter for its inline PTX: in GPU interpret mode the boundary runs as its two halves "
+        "either way). CPU-built: off until measured on a GPU"),
     "mla_group_arrival": (False,
         "with sparse_mla on (Hopper's wgmma form): the attention kernel's gather barrier counts one arrival per "
         "group of 4 cache rows instead of 4 (pallas_kernels.sparse_mla.sparse_mla_decode(group_arrival=True)). In "
@@ -873,8 +884,8 @@ def _counters_enabled(knob: str) -> bool:
 def _next_barrier_counters(km):
   """(the scope's grid-barrier counters Ref, this boundary's parity), the parity flipped for the next."""
   cell = _COUNTERS.get()
-  if cell["barrier"] is None:
-    cell["barrier"] = km.barrier_counters()
+  if cell["barrier"] is None:  # (mhc_ll_exchange: the one-row boundaries' exchange words after the two counters)
+    cell["barrier"] = km.barrier_counters(ll=kernel_switch("mhc_ll_exchange"))
   out = (cell["barrier"], cell["parity"])
   cell["parity"] ^= 1
   return out
@@ -1235,10 +1246,14 @@ class HyperConnection(nnx.Module):
       # mhc_row_scalars: the one-row boundary's normalisation (the 14 sums, pre, 1/RMS) on scalars in registers
       scalars = kernel_enabled("mhc_row_scalars", fits=row and M == 1,
                                why=f"the row form at one token row (here {M} rows, row form {row})")
+      # mhc_ll_exchange: the one-row boundary's partial sums by the low-latency exchange instead of its grid barrier
+      ll = kernel_enabled("mhc_ll_exchange", fits=row and M == 1 and counters is not None,
+                          why=f"the row form at one token row on the step's barrier counters (here {M} rows, row "
+                          f"form {row}, counters {counters is not None})")
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
           hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,
-          **({"x16": True} if x16 else {}), **({"scalars": True} if scalars else {}))
+          **({"x16": True} if x16 else {}), **({"scalars": True} if scalars else {}), **({"ll": True} if ll else {}))
       return Xn, x_in, km.mhc_sinkhorn(part, coef, D=D, rows=M, **consts)
     narrow = kernel_enabled("mhc_narrow", fits=D % km.DC_FIN == 0, why=f"hidden size {D}")
     _wgmma_form(False, "mhc_post_pre")

@@ -232,6 +232,107 @@ def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False
   op(ref)
 
 
+# A low-latency exchange between the CTAs of one grid (NCCL's "LL" protocol, within a GPU): each value travels
+# with a flag in one 8-byte word, written by one relaxed store and read by relaxed polls of the word itself — the
+# data and its arrival in one L2 round trip, where a grid barrier takes a release (after a fence over the CTA's
+# stores), the pollers' acquire loads of a counter, and then the data's own loads (the one-row mHC boundary's
+# barrier + partial sums: 1.65 + 0.82 µs of its ~6.5 on an H100, session 67's profile). The flag is an epoch: the
+# words sit in a GMEM int32 Ref zeroed once per program run (LL_HEAD words: the epoch, a pad), every exchange
+# writes epoch + 1 (a word from an earlier exchange holds a smaller flag, so a poll cannot mistake it), and the
+# exchange's CTA 0 stores epoch + 1 back once it holds every CTA's words — after each CTA has read the epoch
+# (its words carry it). The next kernel on that Ref starts after this one ends (the Ref is each launch's aliased
+# operand). 8-byte words are single-copy atomic (st / ld .relaxed.gpu .b64, coherent at the L2: no stale L1 line).
+LL_HEAD = 2  # the Ref's words before the exchange's pairs: the epoch and a pad (the pairs 8-byte aligned)
+
+
+def _ll_flag_layout():
+  return plgpu.Layout.WG_STRIDED((128,), vec_size=1)
+
+
+def ll_epoch(words):
+  """The exchange's epoch from ``words`` (``ll_exchange``'s), one per thread ([128] int32): loaded early — at a
+  kernel's start, where its L2 round trip overlaps other work instead of preceding the exchange's stores."""
+  from jax._src.lib.mlir import ir  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                     return_type=plgpu.ShapeDtypeStruct((128,), jnp.int32, layout=_ll_flag_layout()))
+  def op(_, w_ref):
+    i32 = ir.IntegerType.get_signless(32)
+    e = _mgpu_utils.inline_ptx("ld.relaxed.gpu.global.b32 $0, [$1];", _mgpu_utils.memref_ptr(w_ref),
+                               result_types=i32, has_side_effects=True)
+    return fa.FragmentedArray.splat(e, (128,), fa.WGStridedFragLayout((128,), 1), is_signed=True)
+
+  return op(words)
+
+
+def ll_exchange(words, src_s, dst_s, epoch, *, src0: int, width: int, parts: int):
+  """Every CTA p < ``parts`` of the grid (its first grid axis) publishes ``width`` f32 values src_s[src0:src0 +
+  width] (SMEM, written and committed before the call) and gathers every CTA's into dst_s[q, :width] for q < parts
+  (SMEM f32 [>= parts, width]; its other rows untouched). ``words``: int32 GMEM [LL_HEAD + 2 · parts · width] (the
+  head, then a (value, flag) pair per value), zeroed before the first exchange on it; ``epoch``: ``ll_epoch(words)``
+  of this kernel (before any CTA of it can have stored the next). GPU only (no interpreter:
+  the kernels that call it run another form in interpret mode). The caller places a warpgroup barrier before any
+  thread reads dst_s (each thread stores the values it polled)."""
+  from jax._src.lib.mlir import ir  # noqa: PLC0415
+  from jax._src.lib.mlir.dialects import arith, gpu, memref, scf, vector  # noqa: PLC0415
+
+  n = parts * width
+  polls = -(-n // 128)  # (pairs per thread: thread t reads pairs t, t + 128, ...)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), _ll_flag_layout()))
+  def op(_, w_ref, s_ref, d_ref, ep):
+    u = _mgpu_utils
+    i32, i64, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.F32Type.get()
+    idx = ir.IndexType.get()
+    ci = lambda v: u.c(v, i32)  # noqa: E731
+    tid = arith.remui(u.thread_idx(), ci(128))
+    part = arith.index_cast(i32, gpu.block_id(gpu.Dimension.x))
+    base = u.memref_ptr(w_ref)
+    at = lambda k: u.getelementptr(base, [k], i32)  # noqa: E731
+    flag = arith.addi(vector.extract(ep.registers.flat[0], [], [0]), ci(1))
+    mine = arith.cmpi(arith.CmpIPredicate.ult, tid, ci(width))
+    put = scf.IfOp(mine)
+    with ir.InsertionPoint(put.then_block):  # (thread t < width: value t, flag, one 8-byte store)
+      v = memref.load(s_ref, [arith.index_cast(idx, arith.addi(tid, ci(src0)))])
+      k = arith.addi(ci(LL_HEAD), arith.muli(arith.addi(arith.muli(part, ci(width)), tid), ci(2)))
+      u.inline_ptx("{ .reg .b64 w; mov.b64 w, {$1, $2}; st.relaxed.gpu.global.b64 [$0], w; }", at(k),
+                   arith.bitcast(i32, v), flag, has_side_effects=True)
+      scf.yield_([])
+    # every pair of this thread polled at once, each loop trip one round of loads (one L2 round trip when ready)
+    pair = [arith.addi(tid, ci(128 * j)) for j in range(polls)]
+    ok = [arith.cmpi(arith.CmpIPredicate.ult, q, ci(n)) for q in pair]
+    addr = [at(arith.addi(ci(LL_HEAD), arith.muli(arith.select(o, q, ci(0)), ci(2)))) for q, o in zip(pair, ok)]
+    loop = scf.WhileOp([i64] * polls, [u.c(0, i64)] * polls)
+    before = loop.before.blocks.append(*([i64] * polls))
+    with ir.InsertionPoint(before):
+      got = [u.inline_ptx("ld.relaxed.gpu.global.b64 $0, [$1];", a, result_types=i64, has_side_effects=True)
+             for a in addr]
+      wait = None
+      for g, o in zip(got, ok):
+        stale = arith.cmpi(arith.CmpIPredicate.ne, arith.trunci(i32, arith.shrui(g, u.c(32, i64))), flag)
+        stale = arith.andi(stale, o)  # (a thread's pairs past n: no wait)
+        wait = stale if wait is None else arith.ori(wait, stale)
+      scf.condition(wait, got)
+    after = loop.after.blocks.append(*([i64] * polls))
+    with ir.InsertionPoint(after):
+      scf.yield_(list(after.arguments))
+    for g, q, o in zip(loop.results, pair, ok):
+      store = scf.IfOp(o)
+      with ir.InsertionPoint(store.then_block):
+        v = arith.bitcast(f32, arith.trunci(i32, g))
+        memref.store(v, d_ref, [arith.index_cast(idx, arith.divui(q, ci(width))),
+                                arith.index_cast(idx, arith.remui(q, ci(width)))])
+        scf.yield_([])
+    last = scf.IfOp(arith.andi(arith.cmpi(arith.CmpIPredicate.eq, part, ci(0)),
+                               arith.cmpi(arith.CmpIPredicate.eq, tid, ci(0))))
+    with ir.InsertionPoint(last.then_block):  # (CTA 0 holds every CTA's words: each has read the epoch)
+      u.inline_ptx("st.relaxed.gpu.global.b32 [$0], $1;", at(0), flag, has_side_effects=True)
+      scf.yield_([])
+
+  op(words, src_s, dst_s, epoch)
+
+
 # Programmatic Dependent Launch (PDL). With pdl_mode on, every kernel body starts with griddepcontrol.wait (it
 # proceeds once its predecessor has finished and its writes are visible) and then griddepcontrol.launch_dependents
 # (the next kernel in the stream may be launched while this one runs), so a dependent kernel's launch and

@@ -53,8 +53,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import (counter_signal, counter_wait, fence_async_writes, interpreting, kernel_entry,
-                                    mgpu_kernel, saturate_f16, tiled, wg_barrier)
+from pallas_kernels._common import (LL_HEAD, counter_signal, counter_wait, fence_async_writes, interpreting,
+                                    kernel_entry, ll_epoch, ll_exchange, mgpu_kernel, saturate_f16, tiled,
+                                    wg_barrier)
 
 N = 4  # residual streams
 MIX = 24  # mixing logits: pre 4, post 4, comb 16
@@ -734,14 +735,21 @@ def _normalise_from_partials(part_g, coef, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_
     plgpu.wait_smem_to_gmem(0)
 
 
-def barrier_counters():
+# The one-row boundary's partial sums by the low-latency exchange (policy knob mhc_ll_exchange): each CTA's 16
+# normalisation partials (columns MIX..) as (value, flag) words after the two counters of barrier_counters(ll=True).
+LL_WIDTH = PART - MIX  # 16 values a CTA
+LL_WORDS = LL_HEAD + 2 * LL_WIDTH * 128  # up to GRID_MAX_CTAS CTAs (checked where it is used)
+
+
+def barrier_counters(ll: bool = False):
   """The two int32 counters the grid-barrier boundaries of one traced program share (a jax Ref, zeroed once:
   one 8-byte fill per step instead of pl.get_global's per call — 91 `copy s32[1]` graph nodes per step at q = 1,
   session 35's kernel listing). Boundary i (parity p = i % 2) meets on counter p, which boundary i - 1 zeroed, and
   its CTA 0 zeroes counter 1 - p for boundary i + 1: boundary i - 1 finished before boundary i started (boundary i
   reads its output), and boundary i + 1 starts after boundary i finishes. The Ref's buffer is each launch's
-  aliased operand, so XLA keeps the boundaries in this order."""
-  return jax.new_ref(jnp.zeros((2,), jnp.int32))
+  aliased operand, so XLA keeps the boundaries in this order. ``ll``: LL_WORDS more words after the two, the
+  one-row boundaries' low-latency exchange (``mhc_row_boundary(ll=True)``: its epoch and (value, flag) pairs)."""
+  return jax.new_ref(jnp.zeros((2 + (LL_WORDS if ll else 0),), jnp.int32))
 
 
 def _coef_scalars(c_g):
@@ -1015,18 +1023,24 @@ def _row_partials(xn, fn_s, red_s, v_s):
     plgpu.commit_smem()
 
 
-def _row_scalar_sums(part_g, ts_s, explicit: bool):
+def _norm_columns(part_g):
+  """The normalisation's 16 partial columns MIX.. of the chunks 64c.. of token row m in part_g [Gp, 64, 40]: the
+  ``rows_of(m, c)`` of ``_sum_partials_t``."""
+  return lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)]
+
+
+def _row_scalar_sums(part_g, ts_s, explicit: bool, rows_of=None):
   """One token row's normalisation sums as scalars: the partials' 16 columns MIX.. summed over the chunks (as
   ``_sum_partials_t`` sums token row 0: the same values) into ts_s[0], read back by every thread -> {quantity k:
-  its sum} (the Gram entries MIX.., the pre logits 0..N-1)."""
-  _partial_row_sums(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], 0, ts_s)
+  its sum} (the Gram entries MIX.., the pre logits 0..N-1). ``rows_of``: as ``_row_normalised``'s."""
+  _partial_row_sums(rows_of or _norm_columns(part_g), part_g.shape[0], 0, ts_s)
   if explicit:
     wg_barrier()  # (every thread reads entries other threads stored)
   return {k: ts_s[0, j] for k, j in _FIN_PLACE}
 
 
 def _row_normalised(part_g, coef, xns, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_norm_eps, norm_eps,
-                    explicit: bool = False, o16_s=None, scalars: bool = False):
+                    explicit: bool = False, o16_s=None, scalars: bool = False, rows_of=None):
   """The second half for the M = len(xns) token rows: the normalisation's 16 partial columns summed over the chunks
   (one 64-row tile per row, ``_sum_partials_t``), pre and 1/RMS as per-row vectors (``_gram_scale`` / ``_pre_rinv``,
   as every form), read back as scalars (column m), then x_in = w · bf16(bf16(Σ_i pre_i X'_i) · rinv) for this
@@ -1037,17 +1051,20 @@ def _row_normalised(part_g, coef, xns, w_s, o_s, t_s, ts_s, sc_s, D, eps, hc_nor
   1/RMS computed on them in every thread's registers — the same operations in the same order as on the per-row
   vectors — instead of placing the sums transposed (14 dependent SMEM load / store pairs), [64]-vector arithmetic
   for one real row and a round trip of pre / 1/RMS through sc_s (session 67's profile: the sum and the scales
-  0.82 + 0.52 µs of the boundary's ~6.5)."""
+  0.82 + 0.52 µs of the boundary's ~6.5).
+
+  ``rows_of`` (``mhc_row_boundary(ll=True)``): the 16 columns' [64, 16] tiles from elsewhere — the same values as
+  part_g's (the low-latency exchange's SMEM copy), summed by the same loads and reduction: the same sums."""
   M = xns.rows if callable(xns) else len(xns)
+  rows_of = rows_of or _norm_columns(part_g)
   if scalars:  # (one row: mhc_row_boundary checks)
-    tot = _row_scalar_sums(part_g, ts_s, explicit)
+    tot = _row_scalar_sums(part_g, ts_s, explicit, rows_of)
     with jax.named_scope("scales"):
       gram, r = _gram_scale([tot[k] for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
       pre, rinv = _pre_rinv([tot[k] for k in range(N)], gram, r, *coef, D, eps, norm_eps)
     scale = lambda i, m: pre[i] if i < N else rinv  # noqa: E731
   else:
-    _sum_partials_t(lambda m, c: part_g.at[pl.ds(c * ROWS, ROWS), m, pl.ds(MIX, PART - MIX)], part_g.shape[0], M,
-                    _FIN_PLACE, t_s, ts_s, explicit, loop=callable(xns))
+    _sum_partials_t(rows_of, part_g.shape[0], M, _FIN_PLACE, t_s, ts_s, explicit, loop=callable(xns))
     plgpu.commit_smem()
     with jax.named_scope("scales"):
       gram, r = _gram_scale([_row_vector(t_s, k) for k in range(MIX, MIX + GRAM)], D, hc_norm_eps)
@@ -1173,7 +1190,7 @@ def _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, 
 
 
 def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: float, counters: bool, half: int,
-                lean: bool = False, x16: bool = False, M: int = 1, scalars: bool = False):
+                lean: bool = False, x16: bool = False, M: int = 1, scalars: bool = False, ll: bool = False):
   """M token rows (up to PARTS_MAX_ROWS). ``half``: 0 the whole boundary (one launch, grid barrier), 1 / 2 its
   halves as launches of their own. ``lean``: built without Mosaic's automatic barriers (lean_barriers): every SMEM
   store here is followed by a ``commit_smem`` before another thread or the TMA reads it, and a buffer another
@@ -1183,8 +1200,11 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
   commit, which every thread reaches after its tile load; xu_s / x_s rows are read back only by the thread that
   wrote that column. The barriers it needs besides: _sum_partials_t's and
   _grid_barrier's (``explicit``). ``x16``: x_in in f16 too (an output after x_in, its SMEM tile before the
-  barriers)."""
-  G, _ = _grid_rows(D, ROW_COLS)
+  barriers). ``ll`` (one launch with counters, one row): the partials' 16 normalisation columns exchanged by
+  ``ll_exchange`` (on the words after the counters) into an SMEM tile [Gp, 16] (the last scratch; its rows G..
+  zeroed first, as part_g's) instead of the grid barrier and their loads from L2 — the same tile values, the same
+  sums."""
+  G, Gp = _grid_rows(D, ROW_COLS)
   consts = (D, eps, hc_norm_eps, norm_eps)
 
   def body(*refs):
@@ -1222,18 +1242,35 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     xin_g = next(it) if half == 0 else None
     xin16_g = next(it) if half == 0 and x16 else None
     scratch = list(it)
+    tile_s = scratch.pop() if ll else None
+    if ll and Gp > G:  # (the padding chunks' rows, which the exchange does not write: zeros, as in part_g)
+      tile_s[pl.ds(G, Gp - G)] = jnp.zeros((Gp - G, LL_WIDTH), jnp.float32)
     # (read after the barrier: loaded here, their L2 round trips overlap the first half — _coef_scalars)
     coef = _coef_scalars(c_g) if half == 0 else None
     parity = par_g[0] if counters and half == 0 else None
+    words = ctr_g.at[pl.ds(2, LL_WORDS)] if ll else None
+    epoch = ll_epoch(words) if ll else None  # (as the coefficients: its L2 round trip under the first half)
     xns = _row_first_half(x_g, y_g, post_g, comb_g, fn_g, w_g, xo_g, part_g, scratch, D, first, g)
     if half == 1:
       return
-    fence_async_writes()  # (the partials went out by TMA; the other CTAs read them with plain loads)
-    _grid_barrier(ctr_g, par_g, g, G, lean, parity)
+    rows_of = None
+    if ll:
+      with jax.named_scope("exchange"):
+        @pl.when(g == 0)
+        def _():  # (the grid barriers' counter for the next boundary, as _grid_barrier's CTA 0 zeroes it)
+          ctr_g[1 - parity] = jnp.int32(0)
+
+        ll_exchange(words, scratch[8], tile_s, epoch, src0=MIX, width=LL_WIDTH, parts=G)
+        wg_barrier()  # (every thread's polled values in tile_s before the tile loads)
+      rows_of = lambda m, c: tile_s.at[pl.ds(c * ROWS, ROWS)]  # noqa: E731
+    else:
+      fence_async_writes()  # (the partials went out by TMA; the other CTAs read them with plain loads)
+      _grid_barrier(ctr_g, par_g, g, G, lean, parity)
     w_s, o_s, t_s, ts_s, sc_s = scratch[5], *scratch[9:13]
     o16_s = scratch[13] if x16 else None
     with jax.named_scope("normalise"):
-      _row_normalised(part_g, coef, xns, w_s, o_s, t_s, ts_s, sc_s, *consts, lean, o16_s=o16_s, scalars=scalars)
+      _row_normalised(part_g, coef, xns, w_s, o_s, t_s, ts_s, sc_s, *consts, lean, o16_s=o16_s, scalars=scalars,
+                      rows_of=rows_of)
       with jax.named_scope("store"):
         plgpu.copy_smem_to_gmem(o_s, xin_g.at[pl.ds(0, M), pl.ds(d0, ROW_COLS)])
         if x16:
@@ -1255,10 +1292,11 @@ def mhc_row_boundary_reference(X, y, mix, fn, coef, w, *, first: bool = False, e
 
 
 @kernel_entry("first", "eps", "hc_norm_eps", "norm_eps", "approx_math", "launches", "parity", "lean", "x16",
-              "scalars")
+              "scalars", "ll")
 def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float, hc_norm_eps: float,
                      norm_eps: float, approx_math: bool = False, launches: int | None = None, counters=None,
-                     parity: int = 0, lean: bool = False, x16: bool = False, scalars: bool = False):
+                     parity: int = 0, lean: bool = False, x16: bool = False, scalars: bool = False,
+                     ll: bool = False):
   """Mosaic GPU version of ``mhc_row_boundary_reference`` (``mhc_post_finish``'s signature and outputs, M <=
   PARTS_MAX_ROWS token rows: one by default, more under policy knob mhc_rows): ONE launch of D / 128 CTAs, one column
   of every stream and token row per thread (no wgmma: the form that compiles for Blackwell), a grid barrier between
@@ -1267,7 +1305,10 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   one-row stores of per-thread products each had two). ``x16``: x_in as (bf16, f16) — the f16 copy saturated at
   ±65,504, what the dq kernels' ``linear._act`` would make of it (policy knob dq_f16: no conversion kernel between
   the boundary and the sublayer's FP8 kernels). ``scalars`` (one token row; policy knob mhc_row_scalars): the
-  normalisation's sums, pre and 1/RMS as scalars in registers (``_row_normalised``)."""
+  normalisation's sums, pre and 1/RMS as scalars in registers (``_row_normalised``). ``ll`` (one token row, one
+  launch, ``counters`` = ``barrier_counters(ll=True)``; policy knob mhc_ll_exchange): the partial sums exchanged by
+  the low-latency protocol (``_common.ll_exchange``) instead of the grid barrier — the same outputs bit for bit;
+  in GPU interpret mode (two launches, no barrier) it changes nothing."""
   M, K = X.shape
   D = K // N
   G, Gp = _grid_rows(D, ROW_COLS)
@@ -1277,6 +1318,12 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
     raise ValueError(f"mhc_row_boundary: {M} token rows, hidden size {D}; expected 1 to {PARTS_MAX_ROWS} rows and a "
                      f"multiple of {ROW_COLS} up to {GRID_MAX_CTAS * ROW_COLS} columns")
   launches = _check_grid_args("mhc_row_boundary", X, fn, coef, w, mix, first, parity, launches)
+  if ll and launches == 1:
+    n_ctr = None if counters is None else counters.shape
+    if M != 1 or n_ctr != (2 + LL_WORDS,):
+      raise ValueError(f"mhc_row_boundary: ll=True takes one token row (here {M}) and counters = "
+                       f"barrier_counters(ll=True), int32 [{2 + LL_WORDS}] (here {n_ctr})")
+  ll = bool(ll) and launches == 1
   bf16, f32 = jnp.bfloat16, jnp.float32
   consts = (float(eps), float(hc_norm_eps), float(norm_eps))
   params = dict(grid=(G,), grid_names=("g",), compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)))
@@ -1303,8 +1350,9 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
     return Xn, (tuple(got) if x16 else got), part
   params["compiler_params"] = plgpu.CompilerParams(approx_math=bool(approx_math), unsafe_no_auto_barriers=bool(lean))
   kern = mgpu_kernel(_row_kernel(D, bool(first), *consts, counters is not None, 0, lean=bool(lean), x16=x16, M=M,
-                                 scalars=bool(scalars)),
-                     out_type=(*xo, part, *x_ins), scratch_types=_row_scratch(first, x16, M),
+                                 scalars=bool(scalars), ll=ll),
+                     out_type=(*xo, part, *x_ins),
+                     scratch_types=[*_row_scratch(first, x16, M), *([plgpu.SMEM((Gp, LL_WIDTH), f32)] if ll else [])],
                      kernel_name="glm5_mhc_row_boundary", **params)
   ctr = () if counters is None else (counters, jnp.full((1,), parity, jnp.int32))
   got = tuple(kern(*pp_in, coef.astype(f32), w.astype(bf16), *ctr))

@@ -320,6 +320,70 @@ def test_row_scalars_gpu(first, lean):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def _ll_chain(seed: int, ll: bool, n: int = 4):
+  """n one-row boundaries at the real width in one program on one barrier_counters(ll=ll) Ref (parities 0, 1, ...),
+  each reading the previous one's X' and a fresh sublayer output, lean with x16 (the step's build); ``ll``: their
+  partial sums by the low-latency exchange (policy knob mhc_ll_exchange) -> (each boundary's outputs, the Ref)."""
+  X, y, mix, fn, coef, w = _inputs(1, 4096, seed)
+  ys = jax.random.normal(jax.random.key(seed), (n, 1, 4096), jnp.float32).astype(jnp.bfloat16)
+
+  def chain(X, ys, mix, fn, coef, w):
+    ref = K.barrier_counters(ll=ll)
+    outs = []
+    for i in range(n):
+      got = K.mhc_row_boundary(X, ys[i], mix, fn, coef, w, first=i == 0, approx_math=True, launches=1, counters=ref,
+                               parity=i % 2, lean=True, x16=True, ll=ll, **GRID_CONSTS)
+      outs.append(got)
+      X = got[0]
+    return outs, ref[...]
+  return jax.jit(chain)(X, ys, mix, fn, coef, w)
+
+
+def test_row_ll_lowers_for_cuda():
+  """mhc_row_boundary(ll=True) (policy knob mhc_ll_exchange) cross-lowers at the real width: two boundaries on one
+  barrier_counters(ll=True) Ref, each launch aliasing it, a module other than the barrier form's; bad calls
+  refused by name before anything runs (a Ref without the exchange's words, several token rows)."""
+  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs(1, 4096, 0))
+
+  def two(X, y, mix, fn, coef, w, ll=True):
+    ref = K.barrier_counters(ll=ll)
+    a = K.mhc_row_boundary(X, y, mix, fn, coef, w, first=True, approx_math=True, launches=1, counters=ref, parity=0,
+                           lean=True, x16=True, ll=ll, **GRID_CONSTS)
+    return K.mhc_row_boundary(a[0], y, mix, fn, coef, w, approx_math=True, launches=1, counters=ref, parity=1,
+                              lean=True, x16=True, ll=ll, **GRID_CONSTS)
+  hashes = {}
+  for ll in (True, False):
+    calls = [ln for ln in cross_lower(lambda *a, ll=ll: two(*a, ll=ll), *args).as_text().splitlines()
+             if "@mosaic_gpu_v2" in ln]
+    assert len(calls) == 2 and all("output_operand_alias" in ln for ln in calls)
+    hashes[ll] = {ln.split("kernel_hash = ")[1][:40] for ln in calls}
+  assert not hashes[True] & hashes[False], hashes
+  X, y, mix, fn, coef, w = _inputs(1, 4096, 0)
+  with pytest.raises(ValueError, match=rf"counters = barrier_counters\(ll=True\), int32 \[{2 + K.LL_WORDS}\] "
+                     r"\(here \(2,\)\)"):
+    K.mhc_row_boundary(X, y, mix, fn, coef, w, launches=1, counters=K.barrier_counters(), ll=True, **GRID_CONSTS)
+  X2, y2, *_ = _inputs(2, 4096, 0)
+  with pytest.raises(ValueError, match=r"ll=True takes one token row \(here 2\)"):
+    K.mhc_row_boundary(X2, y2, mix, fn, coef, w, launches=1, counters=K.barrier_counters(ll=True), ll=True,
+                       **GRID_CONSTS)
+
+
+@pytest.mark.gpu
+def test_row_ll_gpu():
+  """The low-latency exchange natively: a chain of 4 boundaries (a first site, then three with fresh sublayer
+  outputs) bit for bit the same chain on the grid barrier — X', x_in and its f16 copy, the partials' defined row —
+  run twice with other inputs (a new Ref each run: the epochs start again); after a run the epoch has counted
+  the 4 exchanges and the grid barriers' counters are zero (the LL boundaries zero the next one's as theirs do)."""
+  for seed in (3, 4):
+    got, ref = _ll_chain(seed, True)
+    want, _ = _ll_chain(seed, False)
+    for g, r in zip(got, want):
+      for a, b in ((g[0], r[0]), (g[1][0], r[1][0]), (g[1][1], r[1][1]), (g[2][:, :1], r[2][:, :1])):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    ref = np.asarray(ref)
+    assert ref[:3].tolist() == [0, 0, 4], ref[:4]
+
+
 def _counter_chain(M, n, counters: bool, row: bool = False, lean: bool = False):
   """n boundaries in one program, each reading the previous one's X' (one launch each; ``counters``: their grid
   barriers on barrier_counters' Ref, parities 0, 1, 0, ...; ``row``: mhc_row_boundary's) -> ([(X', x_in, part)

@@ -233,13 +233,14 @@ def test_lean_barriers_reaches_the_chains_kernels():
 def test_moe_one_grid_reaches_the_steps_moe():
   """Policy knob moe_one_grid (on by default) in the kernel-tiny step at q = 1 as the CUDA lowering sees it: both
   MoE layers take it (test_kernel_tiny_step_lowers_for_cuda: their calls on alternating counter banks — two
-  modules — and no glm5_moe_down launch left); off, neither does. mhc_row_scalars likewise at every one-row
-  boundary, and kda_o_grid (the recurrence and o_proj as one grid, on the step's counters) at every KDA layer. And moe_h_rows at q = 4 (with the knobs
-  linear_part_rows, mla_dequant_warpgroups, mla_scales_after and mla_group_arrival: where they reach)."""
+  modules — and no glm5_moe_down launch left); off, neither does. mhc_row_scalars and mhc_ll_exchange likewise at
+  every one-row boundary, and kda_o_grid (the recurrence and o_proj as one grid, on the step's counters) at every
+  KDA layer. And moe_h_rows at q = 4 (with the knobs linear_part_rows, mla_dequant_warpgroups, mla_scales_after and mla_group_arrival: where they reach)."""
   model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
   for on in (True, False):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,),
-                                      policy=(("moe_one_grid", on), ("mhc_row_scalars", on), ("kda_o_grid", on))),
+                                      policy=(("moe_one_grid", on), ("mhc_row_scalars", on), ("kda_o_grid", on),
+                                              ("mhc_ll_exchange", on))),
                   backend="latency_specialized")
     with dec.kernel_mode(interpret=False):
       dec.trace_step(1, params, interpret=False)
@@ -248,6 +249,8 @@ def test_moe_one_grid_reaches_the_steps_moe():
     # and mhc_row_scalars (off by default): every one-row boundary of the q = 1 step
     want = sites["mhc_row"]["sites"] if on else 0
     assert (want > 0 or not on) and sites["mhc_row_scalars"]["sites"] == want, sites
+    # mhc_ll_exchange (off by default) likewise: every one-row boundary's partial sums by the low-latency exchange
+    assert sites["mhc_ll_exchange"]["sites"] == want, sites
     want = sites["kda"]["sites"] if on else 0
     assert (want > 0 or not on) and sites["kda_o_grid"]["sites"] == want, sites
   # policy knob moe_h_rows (on since session 61): the 4-row MoE calls (the trunk's 2 and the MTP layer's over the verified rows;
