@@ -396,7 +396,10 @@ KNOBS = {
         "polled values land in an SMEM tile that the same loads and reduction sum: bit for bit the barrier form "
         "(its GPU test). The words follow the two counters in the step's barrier Ref (zeroed once per run). "
         "GPU only (no interpreter for its inline PTX: in GPU interpret mode the boundary runs as its two halves "
-        "either way). CPU-built: off until measured on a GPU"),
+        "either way). Natively bit for bit the barrier form (its GPU test, s69b); the boundary alone (H100, in-kernel "
+        "profile) 6.59 -> 5.78 µs (barrier 1.60 + sums 0.85 -> exchange 1.40 + sums 0.35), yet the step a tie: "
+        "q = 1, the first 32 layers, 5 interleaved repeats 2.82 -> 2.82 ms, -0.01 ms paired, faster in 2 of 4 "
+        "rounds (s69b, session 69) — off"),
     "mla_group_arrival": (False,
         "with sparse_mla on (Hopper's wgmma form): the attention kernel's gather barrier counts one arrival per "
         "group of 4 cache rows instead of 4 (pallas_kernels.sparse_mla.sparse_mla_decode(group_arrival=True)). In "
@@ -409,14 +412,16 @@ KNOBS = {
         "barrier, waits there and arrives once. Bit for bit the default kernel (interpret mode). Measured (s68d, "
         "session 68: an H100, the first 32 layers, q = 1, 5 interleaved repeats): 2.84 -> 2.87 ms, +0.01 ms "
         "paired, faster in 2 of 4 rounds — a tie, off"),
-    "kda_loads_first": (False,
+    "kda_loads_first": (True,
         "with kda on: the recurrence kernel's GMEM loads — the conv taps (kda_conv) and, in the token loop "
         "(kda_token_loop), every token's beta — issued with the state slice before the wait for its rows' TMAs "
         "(pallas_kernels.kda_decode.KdaDecodeConfig(loads_first=True)) instead of after it (the taps: an L2 round trip "
         "on every KDA layer's chain) and inside each token's iteration (a beta: one more per token). The same values, "
-        "bit for bit. Found with kda_o_grid's profile (session 68, where the W_o stream queued them); CPU-built: off "
-        "until measured on a GPU"),
-    "kda_o_grid": (False,
+        "bit for bit. Found with kda_o_grid's profile (session 68, where the W_o stream queued them). The kernel "
+        "alone (H100, in-kernel profile, B x T = 1 x 1) 4.90 -> 4.28 µs; the step (q = 1, the first 32 layers, 5 "
+        "interleaved repeats, s69b, session 69) 2.82 -> 2.81 ms, faster in 3 of 4 paired rounds — on (where "
+        "kda_o_grid does not take the layer: B > 2 or B x T > 8)"),
+    "kda_o_grid": (True,
         "with kda, kda_conv and kda_norm_partials on and a bf16 o_proj: the KDA recurrence, the gated RMSNorm and "
         "the o_proj GEMV as ONE grid (pallas_kernels.kda_decode.kda_decode_o_proj) — the one-grid MoE's pattern: "
         "every o_proj CTA requests its whole W_o slice into SMEM (16.8 MB at TP4: 128 KB per CTA, 128 CTAs) once "
@@ -432,7 +437,10 @@ KNOBS = {
         "(at TP4 B <= 2), and B x q <= 8. The grid runs on the step's counters (a counters scope: the trunk's "
         "fused-mHC layer loop, each MTP pass); without them (GPU interpret mode, a module called alone) the same "
         "two roles run as two launches. Natively bit for bit its two-launch form (s68d and a review's H100 "
-        "stress run, session 68); the held stream CPU-built: off until measured in the step"),
+        "stress run, session 68; s69b). The held stream (session 68) natively: the grid's span 18.9 -> 15.1 µs "
+        "(H100, B x T = 1 x 1; w_issue='after_recurrence' 16.8); the step (q = 1, the first 32 layers, 5 "
+        "interleaved repeats) 2.82 -> 2.79 ms, -0.03 ms paired, faster in 3 of 4 rounds (s69b, session 69; "
+        "s68d's stream at the start: -0.01, 3 of 4) — on: 823 -> 789 kernels at q = 1, critical path 531 -> 463"),
     "linear_part_rows": (False,
         "at 2..8 token rows (the verify's, B x q), where XLA sums a weight-streaming kernel's K splits (bf16_linear, "
         "fp8_dq_linear, the MoE's down groups): each split's partial written as the token rows [split, M, N] "

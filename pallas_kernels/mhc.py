@@ -1243,8 +1243,12 @@ def _row_kernel(D: int, first: bool, eps: float, hc_norm_eps: float, norm_eps: f
     xin16_g = next(it) if half == 0 and x16 else None
     scratch = list(it)
     tile_s = scratch.pop() if ll else None
-    if ll and Gp > G:  # (the padding chunks' rows, which the exchange does not write: zeros, as in part_g)
-      tile_s[pl.ds(G, Gp - G)] = jnp.zeros((Gp - G, LL_WIDTH), jnp.float32)
+    if ll:  # zeros in its padding chunks' rows (G..), as in part_g — the whole tile where those rows are not a
+      # multiple of 128 values (a vector store's unit; G < 8: widths below the real one): the exchange's stores into
+      # rows 0..G-1 come after the first half's commits (a warpgroup barrier each), behind every thread's zeros
+      pad = (Gp - G) * LL_WIDTH % 128 == 0
+      tile_s[pl.ds(G if pad else 0, Gp - G if pad else Gp)] = jnp.zeros((Gp - G if pad else Gp, LL_WIDTH),
+                                                                          jnp.float32)
     # (read after the barrier: loaded here, their L2 round trips overlap the first half — _coef_scalars)
     coef = _coef_scalars(c_g) if half == 0 else None
     parity = par_g[0] if counters and half == 0 else None
