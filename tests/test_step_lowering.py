@@ -35,21 +35,28 @@ def kernel_calls(txt):
     if "@mosaic_gpu_v2" not in line:
       continue
     h = re.search(r'kernel_hash = "((?:[^"\\]|\\.)*)"', line).group(1)
-    name = re.search(r"(glm5_\w+?|kda_decode)(?:_mosaic|\\|\b)", line).group(1)
+    # (the KDA kernels' names have no glm5_ prefix; the source path kda_decode.py is in every KDA module)
+    name = (re.search(r"(glm5_\w+?|kda_o_proj)(?:_mosaic|\\|\b)", line)
+            or re.search(r"(kda_decode)(?:_mosaic|\\|\b)", line)).group(1)
     out.append((name, line.rsplit(" : ", 1)[1], h))
   return out
 
 
+PARITY_GRIDS = ("glm5_moe_one_grid", "kda_o_proj")  # (one module per counter bank: a static parity)
+
+
 def check_one_module_per_kernel(txt):
   """Calls of the same kernel with the same types carry the same module hash (one runtime compilation each) —
-  but the one-grid MoE, whose two counter banks (its static parity) make two modules. Identical calls are lowered
-  once (a called function), so the text holds one custom call per distinct kernel."""
+  but the one grids (the MoE's, the KDA recurrence + o_proj's), whose two counter banks (their static parity) make
+  two modules. Identical calls are lowered once (a called function), so the text holds one custom call per
+  distinct kernel."""
   calls = kernel_calls(txt)
   sigs = {(n, t) for n, t, _ in calls}
-  hashes = {h for n, _, h in calls if n != "glm5_moe_one_grid"}
-  grids = {(t, h) for n, t, h in calls if n == "glm5_moe_one_grid"}
-  assert len(hashes) == len(sigs - {s for s in sigs if s[0] == "glm5_moe_one_grid"}), (len(hashes), len(sigs))
-  assert all(sum(g[0] == t for g in grids) <= 2 for t, _ in grids), grids
+  hashes = {h for n, _, h in calls if n not in PARITY_GRIDS}
+  assert len(hashes) == len(sigs - {s for s in sigs if s[0] in PARITY_GRIDS}), (len(hashes), len(sigs))
+  for name in PARITY_GRIDS:
+    grids = {(t, h) for n, t, h in calls if n == name}
+    assert all(sum(g[0] == t for g in grids) <= 2 for t, _ in grids), grids
   return len(calls), len(hashes)
 
 
@@ -369,7 +376,7 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
     Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=(("fp8_dq", False),
                                                                                    ("fp8_moe", True))),
             backend="latency_specialized")
-  with pytest.warns(UserWarning, match=r"on sm_100: kernel\(s\) \['moe_one_grid'\] run as XLA"):
+  with pytest.warns(UserWarning, match=r"on sm_100: kernel\(s\) \['kda_o_grid', 'moe_one_grid'\] run as XLA"):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,), policy=()),
                   backend="latency_specialized")
   with dec.kernel_mode(interpret=False):
