@@ -87,6 +87,9 @@
 #                             without the exchange; the KDA kernel with kda_loads_first, the grid with w_issue
 #                             after_loads / after_recurrence), then the step's A/B at q = 1: the defaults vs
 #                             mhc_ll_exchange (only if its test passed) vs kda_o_grid vs kda_loads_first
+#   s69c (either; H100: LAYERS=32): why mhc_ll_exchange's 0.8 µs per boundary (alone) did not show in the step
+#                             (s69b: a tie) — the step at q = 1 with CUPTI's kernel records (bench_decode --profile:
+#                             every kernel's µs per step, *.kernels.json under $OUT/hlo), the defaults vs the knob
 #   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
@@ -95,8 +98,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|s68e|s69a|s69b) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68e, s69a, s69b)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|s68e|s69a|s69b|s69c) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68e, s69a .. s69c)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -350,6 +353,10 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       > /dev/null 2>&1
     rank1 s69b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' "${LLP[@]}" \
       '{"kda_o_grid": true}' '{"kda_loads_first": true}'
+    ;;
+  s69c)  # (either; H100: LAYERS=32) see the header
+    rank1 s69c --q 1 --profile --hlo-dir "$OUT/hlo" --policy '{}' '{"mhc_ll_exchange": true}'
+    rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   s68b)  # (either; H100: LAYERS=32) see the header
     timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc4_lean,mhc_row4_lean \
