@@ -738,7 +738,7 @@ def _normalise_from_partials(part_g, coef, x_s, w_s, o_s, t_s, ts_s, xin_g, bar_
 # The one-row boundary's partial sums by the low-latency exchange (policy knob mhc_ll_exchange): each CTA's 16
 # normalisation partials (columns MIX..) as (value, flag) words after the two counters of barrier_counters(ll=True).
 LL_WIDTH = PART - MIX  # 16 values a CTA
-LL_WORDS = LL_HEAD + 2 * LL_WIDTH * 128  # up to GRID_MAX_CTAS CTAs (checked where it is used)
+LL_WORDS = LL_HEAD + 2 * LL_WIDTH * GRID_MAX_CTAS  # (mhc_row_boundary refuses a grid of more CTAs)
 
 
 def barrier_counters(ll: bool = False):
