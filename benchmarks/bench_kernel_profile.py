@@ -163,8 +163,8 @@ def cases(names):
     out["mhc_row4_lean"] = lambda: hr4(m4)
   # the KDA recurrence as the step runs it (kda_conv, norm partials), and with the gated norm and o_proj as one grid
   # (policy kda_o_grid: kdao_BxT, on the step's counters), B sequences of T tokens, one TP4 rank's 16 heads
-  for name in names:  # (kdaor_: the grid with w_issue="after_recurrence"; kdaf_: the kernel with loads_first)
-    if name.startswith(("kda_", "kdaf_", "kdao_", "kdaor_")):
+  for name in names:  # (kdaf_: the kernel with loads_first — the default since session 69; kda_ without it)
+    if name.startswith(("kda_", "kdaf_", "kdao_")):
       out[name] = _kda_case(name)
   return out
 
@@ -191,9 +191,8 @@ def _kda_case(name: str, H: int = 16, N: int = 4096):
 
   def run():
     calls[0] ^= 1  # (the banks alternate by call, as in the step)
-    w_issue = "after_recurrence" if name.startswith("kdaor_") else "after_loads"
-    return jax.jit(lambda *a: kd.kda_decode_o_proj(*a, ctr, b_offset=16, config=cfg, parity=calls[0],
-                                                   w_issue=w_issue))(*args, nw, w_o)
+    return jax.jit(lambda *a: kd.kda_decode_o_proj(*a, ctr, b_offset=16, config=cfg, parity=calls[0]))(*args, nw,
+                                                                                                     w_o)
   return run
 
 

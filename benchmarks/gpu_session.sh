@@ -71,26 +71,15 @@
 #                             session 67's knobs' GPU tests (s68a's), then the step's A/B at q = 1: the defaults vs
 #                             kda_o_grid (only if its test passed) vs mla_group_arrival vs mhc_row_scalars, then
 #                             the in-kernel profiles of the KDA kernel and the grid (kda_1x1, kdao_1x1)
-#   s68e (either; H100: LAYERS=32): kda_o_grid with the W_o stream held until the recurrence's loads are in (s68d's
-#                             profile: let loose at the start it made the recurrence 4.5 -> 10.9 µs) — its GPU test,
-#                             the in-kernel profiles (the KDA kernel with and without kda_loads_first, the grid with
-#                             w_issue after_loads / after_recurrence), then the step's A/B at q = 1 (the defaults vs
-#                             kda_o_grid vs kda_loads_first). Ran once in session 68 at 92675cf (test + profile only)
 #   s69a (either; H100: LAYERS=32): where the defaults' time goes now — the one-grid MoE's in-kernel profile
 #                             (moe_one_grid: never profiled; the MoE sublayer is the step's largest share), then the
 #                             step traced at q = 1 (the defaults and POLICY; events under $OUT/hlo for
 #                             benchmarks/sublayer_chain.py — the last trace was session 61's, before session 67's
 #                             boundary)
-#   s69b (either; H100: LAYERS=32): session 69's one call — the low-latency exchange in the one-row boundary
-#                             (policy mhc_ll_exchange) natively (its GPU test; a hang ends at the timeout) and
-#                             kda_o_grid's (session 68's held stream), the in-kernel profiles (the boundary with and
-#                             without the exchange; the KDA kernel with kda_loads_first, the grid with w_issue
-#                             after_loads / after_recurrence), then the step's A/B at q = 1: the defaults vs
-#                             mhc_ll_exchange (only if its test passed) vs kda_o_grid vs kda_loads_first
 #   s69c (either; H100: LAYERS=32): why mhc_ll_exchange's 0.8 µs per boundary (alone) did not show in the step
 #                             (s69b: a tie) — the step at q = 1 with CUPTI's kernel records (bench_decode --profile:
 #                             every kernel's µs per step, *.kernels.json under $OUT/hlo), the defaults vs the knob
-#   Modes of past sessions (s25 .. s61b and the one-off probes) are in git history: each BENCHMARKS.md
+#   Modes of past sessions (s25 .. s61b, s68e, s69b and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
 set -uo pipefail
@@ -98,8 +87,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|s68e|s69a|s69b|s69c) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68e, s69a .. s69c)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|s69a|s69c) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, s69a, s69c)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -331,28 +320,11 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases kda_1x1,kdao_1x1 --out "$OUT/kernel_profile_kda.txt" \
       > /dev/null 2>&1
     ;;
-  s68e)  # (either; H100: LAYERS=32) see the header
-    gpu_tests s68e_kdao 120 gpu "o_grid_gpu" tests/test_kda_decode.py || exit 1
-    timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
-      --cases kda_1x1,kdaf_1x1,kdao_1x1,kdaor_1x1 --out "$OUT/kernel_profile_kda.txt" > /dev/null 2>&1
-    rank1 s68e --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"kda_o_grid": true}' \
-      '{"kda_loads_first": true}'
-    ;;
   s69a)  # (either; H100: LAYERS=32) see the header
     timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases moe_one_grid,mhc_row_lean \
       --out "$OUT/kernel_profile_moe.txt" > /dev/null 2>&1
     rank1 s69a --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}' ${POLICY:+"$POLICY"}
     rm -f "$OUT"/hlo/*.hlo.gz
-    ;;
-  s69b)  # (either; H100: LAYERS=32) see the header
-    LLP=()
-    gpu_tests s69b_ll 120 gpu "row_ll_gpu" tests/test_mhc.py && LLP=('{"mhc_ll_exchange": true}')
-    gpu_tests s69b_kdao 100 gpu "o_grid_gpu" tests/test_kda_decode.py
-    timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
-      --cases mhc_row_lean,mhc_row_ll,kda_1x1,kdaf_1x1,kdao_1x1,kdaor_1x1 --out "$OUT/kernel_profile.txt" \
-      > /dev/null 2>&1
-    rank1 s69b --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' "${LLP[@]}" \
-      '{"kda_o_grid": true}' '{"kda_loads_first": true}'
     ;;
   s69c)  # (either; H100: LAYERS=32) see the header
     rank1 s69c --q 1 --profile --hlo-dir "$OUT/hlo" --policy '{}' '{"mhc_ll_exchange": true}'

@@ -438,7 +438,7 @@ KNOBS = {
         "fused-mHC layer loop, each MTP pass); without them (GPU interpret mode, a module called alone) the same "
         "two roles run as two launches. Natively bit for bit its two-launch form (s68d and a review's H100 "
         "stress run, session 68; s69b). The held stream (session 68) natively: the grid's span 18.9 -> 15.1 µs "
-        "(H100, B x T = 1 x 1; w_issue='after_recurrence' 16.8); the step (q = 1, the first 32 layers, 5 "
+        "(H100, B x T = 1 x 1); the step (q = 1, the first 32 layers, 5 "
         "interleaved repeats) 2.82 -> 2.79 ms, -0.03 ms paired, faster in 3 of 4 rounds (s69b, session 69; "
         "s68d's stream at the start: -0.01, 3 of 4) — on: 823 -> 789 kernels at q = 1, critical path 531 -> 463"),
     "linear_part_rows": (False,

@@ -481,6 +481,7 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
     load_taps = lambda: [[load(v_ref.at[j, i, h], L_K) for i in (0, 1)] + [load(v_ref.at[j, 2, h, cols], L_V)]  # noqa
                          for j in range(conv)]
     early_loads = gated_out or config.loads_first
+    b_raw = None  # (early_loads in the token loop: every token's raw beta, loaded up front)
     if early_loads:
       # (loads_first, and always in the one grid: every GMEM load of the recurrence issued before its rows' barrier
       # — after it each is a round trip on the chain, and in the grid behind the W_o stream: the conv taps, the
@@ -549,8 +550,6 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
         raw = jnp.where(t == i, b_raw[i], raw)
       return jax.nn.sigmoid(raw.astype(f32))
 
-    if not early_loads:
-      b_raw = None
     if config.token_loop:
       S = lax.fori_loop(0, T, lambda t, S: advance(t, S, beta_of(t), *gates(t)), S)
     else:
@@ -631,7 +630,6 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
 # 128-wide K tile and scales that tile's product by the head's 1/RMS per token: y = Σ_h inv_h · (W_h x'_h). The
 # model's unfused form rounds w · (o · inv) · sigmoid(gate) to bf16 instead — the same within bf16 rounding.
 KDA_O_GRID_SMEM = 160 * 1024  # W_o's slice per o_proj CTA at most: the KDA role's windows and x' beside it
-W_ISSUE = ("after_loads", "after_recurrence")  # a recurrence CTA's W_o slice: once its loads are in, or after it
 KDA_GRID_BANK = 16  # counters per bank (linear.KDA_GRID_BANKS: two banks): one per K split, the last `loaded`
 
 
@@ -639,15 +637,13 @@ KDA_GRID_BANK = 16  # counters per bank (linear.KDA_GRID_BANKS: two banks): one 
 class _OProj:
   """The o_proj role's static plan: ``split`` K splits (H / split heads each, one 128-wide K tile per head), ``bm``
   output rows per CTA, ``grid`` (one launch with counters, else the x' kernel and ``_o_proj_launch``), the hand-off
-  counters' bank ``parity``, the rows' ``out_dtype``, when a recurrence CTA requests its own W_o slice
-  (``w_issue``: W_ISSUE)."""
+  counters' bank ``parity``, the rows' ``out_dtype``."""
 
   split: int
   bm: int = 64
   grid: bool = False
   parity: int = 0
   out_dtype: object = jnp.float32
-  w_issue: str = "after_loads"
 
   def ctas(self, B: int, H: int, NV: int, N: int | None = None) -> int:
     """The one grid's CTAs: the KDA role's B·H·NV and the o_proj role's (N / bm)·split, on the same first CTAs."""
@@ -786,10 +782,10 @@ def _o_proj_grid_kernel(kda_kernel, state_ref, q_ref, k_ref, v_ref, f_ref, b_ref
     loaded = ctr_ref.at[pl.ds(bank + KDA_GRID_BANK - 1, 1)]
     issue = lambda: _o_proj_issue(w_ref, w_s, wbar, row0=row0, k0=sk * hps * 128)  # noqa: E731
 
-    def loads_done():  # a recurrence CTA's own loads are in: count it (then request its W_o slice: after_loads)
+    def loads_done():  # a recurrence CTA's own loads are in: count it, then request its W_o slice (requested only
+      # after its recurrence instead, the grid took 16.8 vs 15.1 µs: s69b's profile, session 69)
       counter_signal(loaded)
-      if op.w_issue == "after_loads":
-        pl.when(is_o)(issue)
+      pl.when(is_o)(issue)
 
     # The W_o stream waits for the recurrence's loads: let loose at the start, its 16.8 MB ahead of them in the
     # memory system's queues made the recurrence 4.5 -> 10.9 µs (s68d's profile, H100: the grid no faster than the
@@ -809,9 +805,6 @@ def _o_proj_grid_kernel(kda_kernel, state_ref, q_ref, k_ref, v_ref, f_ref, b_ref
       with jax.named_scope("kda"):
         kda_kernel(state_ref, q_ref, k_ref, v_ref, f_ref, b_ref, boff_ref, alog_ref, dtb_ref, na_ref, nw_ref,
                    xo_ref, ss_ref, idx=(vi, h, bi), after_loads=loads_done)
-      if op.w_issue == "after_recurrence":  # (no W_o stream from this CTA while the others' loads are served)
-        with jax.named_scope("issue"):
-          pl.when(is_o)(issue)
       with jax.named_scope("signal"):
         counter_signal(ctr_ref.at[pl.ds(bank + h // hps, 1)])  # (after every thread's stores: its barrier first)
 
@@ -873,10 +866,10 @@ def kda_decode_o_proj_reference(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bi
   return y.astype(out_dtype), new_state
 
 
-@kernel_entry("lower_bound", "norm_eps", "config", "parity", "out_dtype", "w_issue")
+@kernel_entry("lower_bound", "norm_eps", "config", "parity", "out_dtype")
 def kda_decode_o_proj(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state, num_accepted, norm_weight, w_o,
                       counters=None, *, lower_bound=-5.0, norm_eps=1e-5, config: KdaDecodeConfig | None = None,
-                      b_offset=0, parity: int = 0, out_dtype=jnp.float32, w_issue: str = "after_loads"):
+                      b_offset=0, parity: int = 0, out_dtype=jnp.float32):
   """The KDA layer from its q | k | v projection to o_proj's output (policy knob kda_o_grid):
   ``kda_decode_conv``'s recurrence, the gated RMSNorm and y = o_proj(x) as ONE launch (``_o_proj_grid_kernel``).
 
@@ -888,9 +881,8 @@ def kda_decode_o_proj(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state,
   mode, which runs no counters) the same two roles as two launches: the x' kernel, then ``_o_proj_launch``.
   -> (y [B·T, N] out_dtype: o_proj's rows before any all-reduce, new_state). ``kda_decode_o_proj_reference``'s
   numerics: the norm's 1/RMS applied per head after the product — within bf16 rounding of the model's order.
-  ``w_issue`` (the grid; W_ISSUE): a recurrence CTA requests its W_o slice once its own loads are in
-  ("after_loads") or after its recurrence ("after_recurrence": no stream at all until every recurrence CTA's loads
-  are in); the o_proj-only CTAs request theirs once every recurrence CTA's loads are in, either way."""
+  A recurrence CTA requests its W_o slice once its own loads are in, the o_proj-only CTAs once every recurrence
+  CTA's are."""
   from pallas_kernels import linear as kl  # noqa: PLC0415
   Kc = _check_conv(qkv, conv_hist, conv_weight)
   B, T, _, H, D = qkv.shape
@@ -906,14 +898,12 @@ def kda_decode_o_proj(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state,
   if B * T > kl.ROWS_OUT_MAX or w_o.shape[0] % 64:
     raise ValueError(f"kda_decode_o_proj: {B * T} token rows, {w_o.shape[0]} output rows; expected at most "
                      f"{kl.ROWS_OUT_MAX} and a multiple of 64")
-  if w_issue not in W_ISSUE:
-    raise ValueError(f"kda_decode_o_proj: w_issue = {w_issue!r}; expected one of {W_ISSUE}")
   if isinstance(parity, bool) or parity not in (0, 1):
     raise ValueError(f"kda_decode_o_proj: parity = {parity!r}; expected the call's counter bank, 0 or 1")
   rows = jax.ShapeDtypeStruct((B, T, H, D), qkv.dtype)
   _check_shapes(rows, rows, rows, fg, b, A_log, dt_bias, state, num_accepted, None, None)
   op = _OProj(o_proj_plan(H, D, w_o.shape[0]), grid=counters is not None and not interpreting(), parity=int(parity),
-              out_dtype=jnp.dtype(out_dtype), w_issue=w_issue)
+              out_dtype=jnp.dtype(out_dtype))
   if op.grid:
     why = o_proj_grid_why(B, T, H, w_o.shape[0], block_v=config.block_v)
     if why:

@@ -513,8 +513,6 @@ def test_o_proj_refusals(rng):
     kd.kda_decode_o_proj(*args, config=kd.KdaDecodeConfig(prefetch=False))
   with pytest.raises(ValueError, match="output rows; expected at most 8 and a multiple of 64"):
     kd.kda_decode_o_proj(*args[:10], w_o[:96])
-  with pytest.raises(ValueError, match="w_issue = 'early'"):
-    kd.kda_decode_o_proj(*args, w_issue="early")
   for bad in (2, -1, True):
     with pytest.raises(ValueError, match=f"parity = {bad!r}; expected the call's counter bank, 0 or 1"):
       kd.kda_decode_o_proj(*args, parity=bad)
@@ -545,7 +543,7 @@ def test_cross_lower_o_grid(B, T):
           s((), jnp.int32))
   cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
   fn = jax.jit(lambda *a: kd.kda_decode_o_proj(*a[:-1], kl.splitk_counters(), b_offset=a[-1], config=cfg,
-                                               parity=T % 2, w_issue=kd.W_ISSUE[B - 1]), donate_argnums=(STATE_ARG,))
+                                               parity=T % 2), donate_argnums=(STATE_ARG,))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "kda_o_proj" in text and "tf.aliasing_output" in text
   # the counters go into the kernel's call and come out of it (aliased: the calls on them stay ordered)
@@ -569,8 +567,7 @@ def test_o_grid_gpu(rng, B, T):
     args = make_o_proj_inputs(rng, B, T, 16, 4096)
     two = jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg))(*args)
     ry, _ = rounding_reference(kd.kda_decode_o_proj_reference, *args)
-    w_issue = kd.W_ISSUE[parity]  # (both orders of the recurrence CTAs' W_o requests)
-    y, st = jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg, parity=parity, w_issue=w_issue))(*args, ctr)
+    y, st = jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg, parity=parity))(*args, ctr)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(two[0]))
     np.testing.assert_array_equal(np.asarray(st), np.asarray(two[1]))
     np.testing.assert_allclose(np.asarray(y), np.asarray(ry), **tol("kernel_bf16"))
