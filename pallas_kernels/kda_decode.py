@@ -583,8 +583,8 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
   inputs = (q, k, v, f, b, b_off, A_log.astype(f32), dt_bias.astype(f32), num_accepted.astype(jnp.int32))
   if norm_in_kernel:
     inputs += (gate, norm_weight)
-  if gated_out:
-    inputs += (o_args[0].astype(f32),)
+  if gated_out:  # (the norm weight as stored: the kernel's load converts it — no f32 copy launched per step)
+    inputs += (o_args[0],)
   rows_t = jax.ShapeDtypeStruct((B * T, H * D), jnp.bfloat16) if gated_out else jax.ShapeDtypeStruct((B, T, H, D), f32)
   ss_t = jax.ShapeDtypeStruct((B, T, H, NV), f32)
   name, body_fn, extra = "kda_decode", kernel, ()

@@ -424,10 +424,11 @@ def test_conv_kernel_matches_reference_gpu(rng, B, T, H, norm, dtype, config):
 # ----------------------------------------------------------------------------------------------------------------
 def make_o_proj_inputs(rng, B, T, H, N, dtype=jnp.bfloat16):
   """kda_decode_o_proj's inputs: kda_decode_conv's, fg [B, T, 2H, D] (forget gate, then output gate logits ~ N(0,
-  1)), the norm weight ~ U(0.5, 1.5) and o_proj's bf16 weight ~ N(0, 0.05²) (|y| ~ 1)."""
+  1)), the norm weight ~ U(0.5, 1.5) (bf16, as the model stores it: the kernel loads it as it is) and o_proj's bf16
+  weight ~ N(0, 0.05²) (|y| ~ 1)."""
   (qkv, hist, w, _, b, A_log, dt_bias, state, na), _ = make_conv_inputs(rng, B, T, H, dtype=dtype)
   fg = jnp.asarray(rng.standard_normal((B, T, 2 * H, 128)), jnp.float32)
-  nw = jnp.asarray(rng.uniform(0.5, 1.5, 128), jnp.float32)
+  nw = jnp.asarray(rng.uniform(0.5, 1.5, 128), jnp.bfloat16)
   w_o = jnp.asarray(0.05 * rng.standard_normal((N, H * 128)), jnp.bfloat16)
   return qkv, hist, w, fg, b, A_log, dt_bias, state, na, nw, w_o
 
