@@ -15,9 +15,12 @@ over enough copies to miss L2; µs per call by CUPTI, the kernel's bytes / its t
   tiled    w [N/bm, K/bk, bm, bk], box = one whole tile                 (the same bytes per step, contiguous)
   xla      jnp.sum over the row-major weight as int32 (XLA's own streaming reduction, for reference)
 
-  moe      (--moe) the step's one-grid MoE itself, its weights row-major vs tile-major (linear.tile_major)
+Measured (session 70, an H100, BENCHMARKS.md): the layout changes nothing — 36.7 MB in 14.6 µs either way (2.5
+TB/s; 74 MB 2.63 TB/s, XLA's reduction 2.1-2.4), and the step's one-grid MoE with its weights tile-major (fp8_moe
+taught both layouts, commit 0745d27) 28.0 -> 27.5 µs, bit for bit: ~2.5-2.65 TB/s is what a TMA stream of this
+size reaches on that GPU (~78 % of its 3.35 TB/s), the MoE's 56.6 MB at 2.0 TB/s. The layout support was not kept.
 
-Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_stream.py [--mb 38] [--moe] [--out FILE]
+Usage (GPU):  PYTHONPATH=. python3 benchmarks/bench_stream.py [--mb 38] [--out FILE]
 CPU (no GPU): --lower-only cross-lowers every case's kernel for CUDA (what CI checks)."""
 
 from __future__ import annotations
@@ -99,66 +102,17 @@ CASES = [  # (name, layout, bm, bk, split, stages): 280 CTAs each at the default
 ]
 
 
-def moe_ab(reps: int, n_sets: int = 12, e: int = 288, i: int = 512, d: int = 4096, k: int = 8):
-  """The real rank's single-row MoE as the step calls it (the one grid with the router's selection inside: 288
-  experts, top-8 + the shared expert, I = 512, D = 4,096, f16 dequantisation, lean) with its weights row-major and
-  tile-major (pallas_kernels.linear.tile_major at the plan's 64 / 128-row tiles): µs per call, and whether the two
-  outputs are equal bit for bit."""
-  from pallas_kernels import linear as L  # noqa: PLC0415
-  rng = np.random.default_rng()
-
-  key = [jax.random.key(int(rng.integers(1 << 30)))]
-
-  def q8(shape):  # random e4m3 weights (within its ±448) and positive block scales (never zeros)
-    key[0], kk = jax.random.split(key[0])
-    w = jnp.clip(jax.random.normal(kk, shape, jnp.float32) * 64, -448, 448).astype(jnp.float8_e4m3fn)
-    *lead, r, c = shape
-    return w, jnp.asarray(rng.uniform(1e-4, 2e-4, (*lead, r // 128, c // 128)).astype(np.float32))
-
-  ws = (*q8((e, i, d)), *q8((e, i, d)), *q8((e, d, i)))
-  plan = L.plan_moe(k + 1, i, d, 8, gu_stages=3)
-  tiles = (plan.gu_bm, None, plan.gu_bm, None, plan.dn_bm, None)
-  tm = lambda a, bm: a if bm is None else L.tile_major(a, bm)  # noqa: E731
-  tws = tuple(tm(a, bm) for a, bm in zip(ws, tiles))
-  x = jnp.asarray(rng.standard_normal((1, d), np.float32)).astype(jnp.bfloat16)
-  sets = []
-  for _ in range(n_sets):
-    sh = (*q8((i, d)), *q8((i, d)), *q8((d, i)))
-    lg = jnp.asarray(rng.standard_normal((1, e), np.float32))
-    bias = jnp.asarray(rng.uniform(-0.05, 0.05, e).astype(np.float32))
-    sets.append((lg, bias, sh, tuple(tm(a, bm) for a, bm in zip(sh, tiles))))
-
-  def call(x, lg, bias, *w):
-    return L.fp8_moe(x, None, None, *w[:6], swiglu_limit=10.0, shared=w[6:], dq=True, dq_dtype="float16",
-                     router=(lg, bias), router_select=(k, 2.5, True, True), counters=L.splitk_counters(),
-                     out_dtype=jnp.float32, static_table=True, writer_cta=True, lean=True, one_grid=0)[0]
-
-  f = jax.jit(call)
-  rows = {}
-  for name, w, pick in (("row-major", ws, 2), ("tile-major", tws, 3)):
-    rows[name] = time_calls(f, [(x, s_[0], s_[1], *w, *s_[pick]) for s_ in sets], reps=reps)[0]
-  same = all(bool(jnp.array_equal(f(x, s_[0], s_[1], *ws, *s_[2]), f(x, s_[0], s_[1], *tws, *s_[3])))
-             for s_ in sets[:3])
-  nb = (k + 1) * 3 * i * d
-  log("")
-  log(f"# the step's single-row MoE (one grid, router inside; {nb / 1e6:.1f} MB of FP8 weights a call, "
-      f"{n_sets} sets of logits and shared experts rotated): outputs equal bit for bit: {same}")
-  log("| MoE weights | µs / call | TB/s (weights) |")
-  log("| --- | --- | --- |")
-  for name, us in rows.items():
-    log(f"| {name} | {us:.1f} | {nb / us / 1e6:.2f} |")
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--mb", type=float, default=37.7, help="bytes per call (MB): the MoE gate/up's 9 x 2 x 512 x 4,096")
-  ap.add_argument("--copies", type=int, default=5, help="weight copies rotated over (past the 50 MB L2)")
+  ap.add_argument("--copies", type=int, default=5, help="weight copies rotated over: at least 150 MB in all (the "
+                  "H100's / H200's L2 is 50 MB)")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--lower-only", action="store_true", help="cross-lower every case for CUDA and stop (CPU)")
-  ap.add_argument("--moe", action="store_true", help="also the step's one-grid MoE, row-major vs tile-major")
   ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
   n = int(a.mb * 1e6 / K) // 256 * 256
+  copies = max(a.copies, -(-150_000_000 // (n * K)))
   if a.lower_only:
     for name, layout, bm, bk, split, stages in CASES:
       shape = (n, K) if layout == "rows" else (n // bm, K // bk, bm, bk)
@@ -168,11 +122,11 @@ def main(argv=None):
     return
   dev = jax.devices()[0]
   log(f"# jax {jax.__version__}, {dev.device_kind}; {n} x {K} uint8 = {n * K / 1e6:.1f} MB per call, "
-      f"{a.copies} copies rotated, {MODE[0]} time, median of {a.reps}")
+      f"{copies} copies rotated, {MODE[0]} time, median of {a.reps}")
   log("| case | CTAs | steps | µs / call | TB/s |")
   log("| --- | --- | --- | --- | --- |")
   rng = np.random.default_rng()
-  base = [jnp.asarray(rng.integers(0, 256, (n, K), dtype=np.uint8)) for _ in range(a.copies)]
+  base = [jnp.asarray(rng.integers(0, 256, (n, K), dtype=np.uint8)) for _ in range(copies)]
   for name, layout, bm, bk, split, stages in CASES:
     ws = base if layout == "rows" else [jax.block_until_ready(tile_major(w, bm, bk)) for w in base]
     f = jax.jit(functools.partial(stream, layout=layout, bm=bm, bk=bk, split=split, stages=stages))
@@ -187,9 +141,6 @@ def main(argv=None):
     log(f"| {name} | {n // bm * split} | {K // bk // split} | {us:.1f} | {n * K / us / 1e6:.2f} |")
   us, _ = time_calls(jax.jit(lambda w: jnp.sum(w.astype(jnp.int32))), [(w,) for w in base] * 4, reps=a.reps)
   log(f"| xla: jnp.sum over the row-major weight | - | - | {us:.1f} | {n * K / us / 1e6:.2f} |")
-  del base
-  if a.moe:
-    moe_ab(a.reps)
   if a.out:
     write_log(a.out)
 

@@ -98,42 +98,6 @@ MMA_ROWS = {"wgmma": 8, "tcgen05": 16}  # the token-row (MMA N) granularity of e
 MMA_BM = {"tcgen05": 128}  # the weight rows per CTA a form needs (wgmma: 64 or 128)
 
 
-def tile_major(w: jax.Array, bm: int) -> jax.Array:
-  """A weight [..., N, K] stored tile by tile: [..., N/bm, K/128, bm, 128], each [bm, 128] TMA box of the
-  weight-streaming kernels one contiguous run of bm · 128 elements instead of bm rows of 128 elements K apart
-  (``benchmarks/bench_stream.py``: the layouts' streaming rates). The MoE kernels take either form
-  (``fp8_moe``: the tile height is its kernels' bm)."""
-  *lead, n, k = w.shape
-  if n % bm or k % BLOCK:
-    raise ValueError(f"tile_major: weight [..., {n}, {k}] does not split into [{bm}, {BLOCK}] tiles")
-  return w.reshape(*lead, n // bm, bm, k // BLOCK, BLOCK).swapaxes(-3, -2)
-
-
-def _logical(w, lead: int) -> tuple:
-  """The [.., N, K] shape of a weight given row-major ([lead dims, N, K]) or tile-major (``tile_major``)."""
-  if w.ndim == lead + 2:
-    return tuple(w.shape)
-  if w.ndim == lead + 4 and w.shape[-1] == BLOCK:
-    *ld, tn, tk, bm, bk = w.shape
-    return (*ld, tn * bm, tk * bk)
-  raise ValueError(f"weight of shape {w.shape}: expected [{'E, ' * lead}N, K] or its tile-major form "
-                   f"[{'E, ' * lead}N/bm, K/128, bm, 128]")
-
-
-def _tile_rows(w, lead: int) -> int | None:
-  """The tile height of a tile-major weight (None: row-major)."""
-  return w.shape[-2] if w.ndim == lead + 4 else None
-
-
-def _wbox(ref, lead: tuple, row0, bm: int, k0):
-  """The [bm, 128] weight box at rows row0.., columns k0.. (multiples of bm and 128) of a row-major weight ref
-  [lead.., N, K], or the one tile of a tile-major ref [lead.., N/bm, K/128, bm, 128] (contiguous)."""
-  if ref.ndim == len(lead) + 4:
-    div = lambda a, b: a // b if isinstance(a, int) else lax.div(a, jnp.asarray(b, a.dtype))  # noqa: E731
-    return ref.at[(*lead, div(row0, bm), div(k0, BLOCK))]
-  return ref.at[(*lead, pl.ds(row0, bm), pl.ds(k0, BLOCK))]
-
-
 def _padded_rows(m: int, mma: str = "wgmma") -> int:
   """Token rows padded to the MMA's N granularity (wgmma 8, tcgen05 16: ``MMA_ROWS``)."""
   g = MMA_ROWS[mma]
@@ -1054,12 +1018,12 @@ def _moe_gate_up_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, split:
       k0 = (kb0 + i) * BLOCK
 
       def routed():
-        plgpu.copy_gmem_to_smem(_wbox(wg_ref, (e,), row0, bm, k0), wg_s.at[slot], bar.at[slot])
-        plgpu.copy_gmem_to_smem(_wbox(wu_ref, (e,), row0, bm, k0), wu_s.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(wg_ref.at[e, pl.ds(row0, bm), pl.ds(k0, BLOCK)], wg_s.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(wu_ref.at[e, pl.ds(row0, bm), pl.ds(k0, BLOCK)], wu_s.at[slot], bar.at[slot])
 
       def from_shared():  # the same two arrivals, from the shared expert's refs
-        plgpu.copy_gmem_to_smem(_wbox(wgs_ref, (), row0, bm, k0), wg_s.at[slot], bar.at[slot])
-        plgpu.copy_gmem_to_smem(_wbox(wus_ref, (), row0, bm, k0), wu_s.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(wgs_ref.at[pl.ds(row0, bm), pl.ds(k0, BLOCK)], wg_s.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(wus_ref.at[pl.ds(row0, bm), pl.ds(k0, BLOCK)], wu_s.at[slot], bar.at[slot])
 
       if shared:
         pl.when(is_sh)(from_shared)
@@ -1278,11 +1242,11 @@ def _moe_down_kernel(*refs, mp: int, bm: int, stages: int, tiles: int, groups: i
     s, ib, e = where(j)
 
     def routed():
-      plgpu.copy_gmem_to_smem(_wbox(wd_ref, (e,), row0, bm, ib * BLOCK), w_s.at[slot], bar.at[slot])
+      plgpu.copy_gmem_to_smem(wd_ref.at[e, pl.ds(row0, bm), pl.ds(ib * BLOCK, BLOCK)], w_s.at[slot], bar.at[slot])
 
     if shared:
       pl.when(s == 0)(lambda: plgpu.copy_gmem_to_smem(
-          _wbox(wds_ref, (), row0, bm, ib * BLOCK), w_s.at[slot], bar.at[slot]))
+          wds_ref.at[pl.ds(row0, bm), pl.ds(ib * BLOCK, BLOCK)], w_s.at[slot], bar.at[slot]))
       pl.when(s != 0)(routed)
     else:
       routed()
@@ -1373,10 +1337,10 @@ def _moe_down_phase(t, hq_ref, rid_ref, rw_ref, wd_ref, sd_ref, wds_ref, sds_ref
     slot = i % stages
 
     def routed():
-      plgpu.copy_gmem_to_smem(_wbox(wd_ref, (e,), row0, bm, i * BLOCK), w_s.at[slot], bar.at[slot])
+      plgpu.copy_gmem_to_smem(wd_ref.at[e, pl.ds(row0, bm), pl.ds(i * BLOCK, BLOCK)], w_s.at[slot], bar.at[slot])
 
     if shared:
-      pl.when(is_sh)(lambda: plgpu.copy_gmem_to_smem(_wbox(wds_ref, (), row0, bm, i * BLOCK),
+      pl.when(is_sh)(lambda: plgpu.copy_gmem_to_smem(wds_ref.at[pl.ds(row0, bm), pl.ds(i * BLOCK, BLOCK)],
                                                      w_s.at[slot], bar.at[slot]))
       pl.when(jnp.logical_not(is_sh))(routed)
     else:
@@ -1579,7 +1543,7 @@ def _moe_one_grid(x_in, logits, bias, n_valid, gu_w, sh_gu, dn_w, sh_dn, counter
 def _one_grid_down_launch(hq, rid, rw, dn_w, sh_dn, *, plan, mp, dt, n_slots, a_smem):
   """The one-grid form's down role as a launch of its own (GPU interpret mode: no counters): hq [slots, m, I]
   unweighted -> o [slots, D, mp] f32, slot g's product times its routing weight (XLA sums the slots)."""
-  d = _logical(dn_w[0], 1)[1]
+  d = dn_w[0].shape[1]
   dn_tiles = d // plan.dn_bm
   shared = bool(sh_dn)
 
@@ -1877,9 +1841,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   Needs I % 128 == 0 and D % 128 == 0.
   """
   m, d = x.shape
-  e_num, inter, d2 = _logical(w_gate, 1)
-  # tile-major weights (tile_major): the tile heights are the kernels' row tiles (gu_bm, dn_bm)
-  gu_tile, dn_tile = _tile_rows(w_gate, 1), _tile_rows(w_down, 1)
+  e_num, inter, d2 = w_gate.shape
   dt = _dq_dtype(dq_dtype, "fp8_moe")
   if (router is None) != (router_select is None):
     raise ValueError("fp8_moe: router (logits, bias) and router_select (k, scaling, norm) go together")
@@ -1894,13 +1856,8 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
                        f"[1, {e_num}], bias [{e_num}] and no ids (the kernel selects them)")
     # placeholders with the selection's shapes: the slot table is static at one row (only n_valid = k is read)
     topk_ids, topk_weights = jnp.zeros((1, k_r), jnp.int32), jnp.zeros((1, k_r), jnp.float32)
-  if d != d2 or _logical(w_down, 1) != (e_num, d, inter) or w_up.shape != w_gate.shape:
-    raise ValueError(f"fp8_moe: inconsistent MoE weight shapes: gate {w_gate.shape}, up {w_up.shape}, down "
-                     f"{w_down.shape} for x [{m}, {d}] (gate / up [E, I, D], down [E, D, I], or their tile_major forms)")
-  if shared is not None and ((_tile_rows(shared[0], 0), _tile_rows(shared[2], 0), _tile_rows(shared[4], 0))
-                             != (gu_tile, gu_tile, dn_tile)):
-    raise ValueError(f"fp8_moe: the shared expert's weights {shared[0].shape} / {shared[2].shape} / "
-                     f"{shared[4].shape} are not in the routed experts' layout ({w_gate.shape}, {w_down.shape})")
+  if d != d2 or w_down.shape != (e_num, d, inter) or w_up.shape != w_gate.shape:
+    raise ValueError("inconsistent MoE weight shapes")
   if inter % BLOCK or d % BLOCK:
     raise NotImplementedError("fp8_moe needs I % 128 == 0 and D % 128 == 0")
   if m > 64:
@@ -1912,7 +1869,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
   mp = _padded_rows(m, mma)
   n_slots = min(e_num, m * k)
   has_sh = shared is not None
-  if has_sh and (_logical(shared[0], 0) != (inter, d) or _logical(shared[4], 0) != (d, inter)):
+  if has_sh and (shared[0].shape != (inter, d) or shared[4].shape != (d, inter)):
     raise ValueError(f"shared expert shapes {shared[0].shape} / {shared[4].shape}, expected {(inter, d)} / "
                      f"{(d, inter)}")
   # a single row: the kernels read the router's k ids themselves (slot s = id s − shared): the padded slot table
@@ -1938,11 +1895,7 @@ def fp8_moe(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_dow
                                                           table_k)
   n_pad = _round_up(n_slots, 8)
   # (one_grid: 3-stage gate/up rings, so that three CTAs fit an SM and the whole grid is resident: _moe_one_grid)
-  plan = plan or plan_moe(n_slots, inter, d, mp, mma=mma, **({"gu_stages": 3} if one_grid is not None else {}),
-                          **({"gu_bm": gu_tile} if gu_tile else {}), **({"dn_bm": dn_tile} if dn_tile else {}))
-  if (gu_tile or plan.gu_bm) != plan.gu_bm or (dn_tile or plan.dn_bm) != plan.dn_bm:
-    raise ValueError(f"fp8_moe: tile-major weights of {gu_tile} / {dn_tile}-row tiles (gate/up / down) with a plan "
-                     f"of gu_bm = {plan.gu_bm}, dn_bm = {plan.dn_bm}: the tiles must be the kernels' row tiles")
+  plan = plan or plan_moe(n_slots, inter, d, mp, mma=mma, **({"gu_stages": 3} if one_grid is not None else {}))
   if tc05 and (plan.gu_bm, plan.dn_bm) != (MMA_BM[mma],) * 2:
     raise ValueError(f"fp8_moe: mma='tcgen05' needs {MMA_BM[mma]}-row tiles, plan has gu_bm={plan.gu_bm}, "
                      f"dn_bm={plan.dn_bm}")

@@ -774,48 +774,6 @@ def test_moe_one_grid_interpret(shared, split):
   assert_close(y1, L.fp8_moe_reference(x, ids0, w0, *ws, swiglu_limit=1.0, shared=sh), "kernel_bf16")
 
 
-def _tiled(ws, sh, plan):
-  """moe_inputs' weights and a shared expert in their tile-major forms (linear.tile_major) at the plan's row tiles."""
-  wg, sg, wu, su, wd, sd = ws
-  t = (L.tile_major(wg, plan.gu_bm), sg, L.tile_major(wu, plan.gu_bm), su, L.tile_major(wd, plan.dn_bm), sd)
-  tsh = None if sh is None else (L.tile_major(sh[0], plan.gu_bm), sh[1], L.tile_major(sh[2], plan.gu_bm), sh[3],
-                                 L.tile_major(sh[4], plan.dn_bm), sh[5])
-  return t, tsh
-
-
-@pytest.mark.parametrize("form", ["one_grid", "rows3"])
-def test_fp8_moe_tile_major_interpret(form):
-  """fp8_moe with its weights stored tile by tile (linear.tile_major: each TMA box contiguous, bench_stream.py's
-  question) streams the same boxes: bit for bit the row-major call — the single-row one grid with the router
-  inside, and three token rows (the verify's form: XLA's routing tables, the shared slot). A tile height that is
-  not the kernels' row tile is refused by name."""
-  e, i, d, k = 32, 256, 384, 4
-  m = 1 if form == "one_grid" else 3
-  x, ids, tw, *ws = moe_inputs(jax.random.key(131), m, e, i, d, k)
-  sh = _shared_expert(jax.random.key(132), i, d)
-  plan = L.plan_moe(k + 1 if m == 1 else min(e, m * k) + 1, i, d, 8, **({"gu_stages": 3} if m == 1 else {}))
-  tws, tsh = _tiled(ws, sh, plan)
-  assert tws[0].shape == (e, i // plan.gu_bm, d // 128, plan.gu_bm, 128)
-  if form == "one_grid":
-    logits, bias = _router_case(int(np.random.default_rng().integers(1 << 30)), e, k)
-    moe = functools.partial(L.fp8_moe, x, None, None, swiglu_limit=1.0, dq=True, router=(logits, bias), plan=plan,
-                            router_select=(k, 2.5, True, True), static_table=True, writer_cta=True,
-                            counters=L.splitk_counters(), one_grid=1)
-  else:
-    moe = functools.partial(L.fp8_moe, x, ids, tw, swiglu_limit=1.0, dq=True, plan=plan)
-  with maybe_interpret(True):
-    y0 = jax.jit(lambda *a: moe(*a[:6], shared=a[6:]))(*ws, *sh)
-    y1 = jax.jit(lambda *a: moe(*a[:6], shared=a[6:]))(*tws, *tsh)
-  for a, b in zip(jax.tree.leaves(y0), jax.tree.leaves(y1)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert np.abs(np.asarray(jax.tree.leaves(y1)[0], np.float32)).max() > 0
-  bad = (L.tile_major(ws[0], 128), ws[1], L.tile_major(ws[2], 128), *tws[3:])
-  with pytest.raises(ValueError, match="tile-major weights of 128 / 128-row tiles .* the tiles must be the kernels"):
-    moe(*bad, shared=(L.tile_major(sh[0], 128), sh[1], L.tile_major(sh[2], 128), *tsh[3:]))
-  with pytest.raises(ValueError, match="shared expert's weights .* are not in the routed experts' layout"):
-    moe(*tws, shared=sh)
-
-
 def _one_grid_args():
   e, i, d, k = MOE_REAL["E"], MOE_REAL["I"], MOE_REAL["D"], MOE_REAL["k"]
   sh = (SDS((i, d), F8), SDS((i // 128, d // 128), jnp.float32), SDS((i, d), F8),
@@ -899,18 +857,11 @@ def test_moe_one_grid_why():
   assert "all resident on 132 SMs" in L.one_grid_why(1, 12, 288, True, 4096, 4096)
 
 
-@pytest.mark.parametrize("lean,tiled", [(False, False), (True, False), (True, True)])
-def test_moe_one_grid_cross_lowers(lean, tiled):
+@pytest.mark.parametrize("lean", [False, True])
+def test_moe_one_grid_cross_lowers(lean):
   """The real rank's single-row MoE as one grid (fp8_moe(one_grid=...), policy knob moe_one_grid) lowers for CUDA
-  — both roles in one kernel, no separate down kernel — in its plan of 3-stage rings (three CTAs resident per SM);
-  ``tiled``: its weights tile-major (linear.tile_major at the plan's 64 / 128-row tiles)."""
+  — both roles in one kernel, no separate down kernel — in its plan of 3-stage rings (three CTAs resident per SM)."""
   k, args = _one_grid_args()
-  if tiled:
-    def tm(a, bm):
-      *lead, n, kk = a.shape
-      return SDS((*lead, n // bm, kk // 128, bm, 128), a.dtype)
-    args = (*args[:3], tm(args[3], 64), args[4], tm(args[5], 64), args[6], tm(args[7], 128), args[8],
-            tm(args[9], 64), args[10], tm(args[11], 64), args[12], tm(args[13], 128), args[14])
   low = cross_lower(lambda x, lg, b, *a: L.fp8_moe(
       x, None, None, *a[:6], swiglu_limit=10.0, shared=a[6:], dq=True, router=(lg, b),
       router_select=(k, 2.5, True, True), counters=L.splitk_counters(), out_dtype=jnp.bfloat16, static_table=True,
@@ -1533,3 +1484,24 @@ def test_kernel_profile_sets_the_profilers_parameters(monkeypatch, tmp_path):
   with pytest.raises(ValueError, match="profiles into .* already"):
     with _common.kernel_profile(str(tmp_path / "b")):
       pass
+
+
+@pytest.mark.parametrize("layout", ["rows", "tiled"])
+def test_bench_stream_kernel(layout):
+  """benchmarks/bench_stream.py's streaming kernel (HBM rate by weight layout): in GPU interpret mode each CTA's
+  output is its K split's last box of its row tile, in both layouts; the kernel lowers for CUDA."""
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import bench_stream as BS  # noqa: PLC0415
+  bm, bk, split, n, k = 64, 128, 2, 192, 1024
+  w = jnp.asarray(np.random.default_rng().integers(0, 256, (n, k), dtype=np.uint8))
+  arg = w if layout == "rows" else BS.tile_major(w, bm, bk)
+  f = functools.partial(BS.stream, layout=layout, bm=bm, bk=bk, split=split, stages=3)
+  with maybe_interpret(True):
+    got = np.asarray(jax.jit(f)(arg))
+  tiles, steps = n // bm, k // bk // split
+  want = [np.asarray(w[t % tiles * bm:(t % tiles + 1) * bm,
+                       ((t // tiles + 1) * steps - 1) * bk:(t // tiles + 1) * steps * bk]) for t in range(tiles * split)]
+  np.testing.assert_array_equal(got, np.stack(want))
+  cross_lower(f, jax.ShapeDtypeStruct(arg.shape, arg.dtype))
