@@ -246,7 +246,8 @@ KNOBS = {
         "the cache row's packing stays with its scatter. Bit-identical in interpret mode and natively (s55a). "
         "With qkv_a_fused_sum: 55 launches fewer, a tie in s55b (3.88 vs 3.89 ms) and slower in s57b (session 58: "
         "one TP4 rank, B = 1, q = 1, 5 interleaved repeats, defaults 3.65 ms): 3.70 ms, "
-        "+0.04 ms, faster in 1 of 4 — off"),
+        "+0.04 ms, faster in 1 of 4; alone, with today's defaults (the first 32 layers on an H100, session 70, "
+        "s70a): 2.79 -> 2.80 ms, faster in 1 of 4, 24 launches fewer — off"),
     "qkv_a_fused_sum": (False,
         "with fp8_dq on, on the GPU: the DSA layer's joint q_a / kv_a projection (16 K splits at one row) sums its "
         "splits inside the kernel (linear_fused_sum's split-K counters, at this call alone) and writes its rows — "
@@ -399,7 +400,9 @@ KNOBS = {
         "either way). Natively bit for bit the barrier form (its GPU test, s69b); the boundary alone (H100, in-kernel "
         "profile) 6.59 -> 5.78 µs (barrier 1.60 + sums 0.85 -> exchange 1.40 + sums 0.35), yet the step a tie: "
         "q = 1, the first 32 layers, 5 interleaved repeats 2.82 -> 2.82 ms, -0.01 ms paired, faster in 2 of 4 "
-        "rounds (s69b, session 69) — off"),
+        "rounds (s69b, session 69). Session 70: CUPTI's records in the step (s69c) 4.88 -> 4.44 µs per boundary, "
+        "the chain's kernels 2,315 -> 2,281 µs per step; the step again a tie twice: 2.79 -> 2.76 ms (-0.02 "
+        "paired, 2 of 4; s70a) and 2.68 -> 2.67 (9 repeats: -0.00 paired, 5 of 8; s70b) — off"),
     "mla_group_arrival": (False,
         "with sparse_mla on (Hopper's wgmma form): the attention kernel's gather barrier counts one arrival per "
         "group of 4 cache rows instead of 4 (pallas_kernels.sparse_mla.sparse_mla_decode(group_arrival=True)). In "
