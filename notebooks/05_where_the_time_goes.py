@@ -104,11 +104,12 @@ fig.tight_layout()
 # The profile above sums kernel durations per component; under XLA's concurrent command-buffer schedule kernels
 # overlap, so what sets the step's length is each sublayer's chain. `benchmarks/sublayer_chain.py` splits a saved
 # GPU trace of the chained steps (`bench_decode.py --trace --hlo-dir DIR`) at the mHC boundaries and shows the
-# median sublayer of each kind: here session 51's defaults at B = 1, q = 1 (s51b's trace,
-# `benchmarks/results/trace_h200_session51_q1_spc4.*`). Each sublayer starts with the ~7 µs boundary; the MoE's
-# two kernels stream ~57 MB of FP8 weights (floor ~13 µs at 4.3 TB/s), a KDA layer's GEMVs ~69 MB of bf16 (~16
-# µs), a DSA layer's ~48 MB (~11 µs; `../shared/notes/roofline.py`'s ledger) — the rest is latency: launches in
-# series, and the DSA layer's selection chain (indexer query → scores → top-512 compaction → sparse MLA).
+# median sublayer of each kind: here session 70's defaults at B = 1, q = 1 on an H100, the first 32 layers (s69a's
+# trace, `benchmarks/results/trace_h100_session70_q1_spc4_defaults.*`; no H200 was lent that session). Each
+# sublayer starts with the ~4.7 µs boundary; the one-grid MoE streams ~57 MB of FP8 weights (floor ~13 µs at the
+# H200's 4.3 TB/s, ~21.5 µs at the ~2.6 TB/s an H100's TMA stream reaches: `benchmarks/bench_stream.py`), a KDA
+# layer's GEMVs ~69 MB of bf16, a DSA layer's ~48 MB (`../shared/notes/roofline.py`'s ledger) — the rest is
+# latency: launches in series, and the DSA layer's selection chain (indexer query → scores → top-512 compaction → sparse MLA).
 
 # %%
 import sys
@@ -116,13 +117,13 @@ import sys
 sys.path.insert(0, os.path.join("..", "benchmarks"))
 import sublayer_chain as sc  # noqa: E402
 
-trace = os.path.join("..", "benchmarks", "results", "trace_h200_session51_q1_spc4")
+trace = os.path.join("..", "benchmarks", "results", "trace_h100_session70_q1_spc4_defaults")
 kmap = sc.kernel_labels(kernels=trace + ".kernels.tsv.gz")
 kinds = sc.by_kind(sc.read_events(trace + ".events.tsv.gz"))
 for kind, chains in kinds.items():
   length, rows = sc.median_chain(chains)
   print(f"{kind}: {len(chains)} sublayers in the trace, the median {length:.1f} µs in {len(rows)} kernels")
-sc.plot_chains(kinds, kmap, "one TP4 rank, B = 1, q = 1, session 51's defaults (H200)");
+sc.plot_chains(kinds, kmap, "one TP4 rank's first 32 layers, B = 1, q = 1, session 70's defaults (H100)");
 
 # %% [markdown]
 # ## Launching the step's CUDA graph: host time
