@@ -71,15 +71,11 @@
 #                             session 67's knobs' GPU tests (s68a's), then the step's A/B at q = 1: the defaults vs
 #                             kda_o_grid (only if its test passed) vs mla_group_arrival vs mhc_row_scalars, then
 #                             the in-kernel profiles of the KDA kernel and the grid (kda_1x1, kdao_1x1)
-#   s69a (either; H100: LAYERS=32): where the defaults' time goes now — the one-grid MoE's in-kernel profile
-#                             (moe_one_grid: never profiled; the MoE sublayer is the step's largest share), then the
-#                             step traced at q = 1 (the defaults and POLICY; events under $OUT/hlo for
-#                             benchmarks/sublayer_chain.py — the last trace was session 61's, before session 67's
-#                             boundary)
-#   s69c (either; H100: LAYERS=32): why mhc_ll_exchange's 0.8 µs per boundary (alone) did not show in the step
-#                             (s69b: a tie) — the step at q = 1 with CUPTI's kernel records (bench_decode --profile:
-#                             every kernel's µs per step, *.kernels.json under $OUT/hlo), the defaults vs the knob
-#   Modes of past sessions (s25 .. s61b, s68e, s69b and the one-off probes) are in git history: each BENCHMARKS.md
+#   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
+#                             row-major vs a tile-major weight, 37 and 75 MB; session 70's H100: ~2.5-2.65 TB/s either
+#                             way) — the ceiling the weight-streaming kernels are up against; ~30 s (run it before
+#                             `ratio` on an H200: its 4.8 TB/s spec vs the 4.3 the roofline assumes)
+#   Modes of past sessions (s25 .. s61b, s68e, s69a .. s69c and the one-off probes) are in git history: each BENCHMARKS.md
 #   entry names its mode and date; check out that session's commit to rerun one.
 # Sections print as they finish; the decode benchmarks stop starting new configurations at the budget.
 set -uo pipefail
@@ -87,8 +83,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|s69a|s69c) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, s69a, s69c)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -320,15 +316,11 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases kda_1x1,kdao_1x1 --out "$OUT/kernel_profile_kda.txt" \
       > /dev/null 2>&1
     ;;
-  s69a)  # (either; H100: LAYERS=32) see the header
-    timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases moe_one_grid,mhc_row_lean \
-      --out "$OUT/kernel_profile_moe.txt" > /dev/null 2>&1
-    rank1 s69a --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}' ${POLICY:+"$POLICY"}
-    rm -f "$OUT"/hlo/*.hlo.gz
-    ;;
-  s69c)  # (either; H100: LAYERS=32) see the header
-    rank1 s69c --q 1 --profile --hlo-dir "$OUT/hlo" --policy '{}' '{"mhc_ll_exchange": true}'
-    rm -f "$OUT"/hlo/*.hlo.gz
+  stream)  # (either) see the header
+    for mb in 37.7 75; do
+      timeout 120 python3 benchmarks/bench_stream.py --mb "$mb" --out "$OUT/stream_$mb.txt" 2>&1 \
+        | grep -E "^\||^#" | tee -a "$OUT/stream.log"
+    done
     ;;
   s68b)  # (either; H100: LAYERS=32) see the header
     timeout 90 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases mhc4_lean,mhc_row4_lean \
