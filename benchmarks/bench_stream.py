@@ -90,6 +90,15 @@ def tile_major(w, bm: int, bk: int):
   return w.reshape(n // bm, bm, k // bk, bk).transpose(0, 2, 1, 3)
 
 
+def last_boxes(w, bm: int, bk: int, split: int) -> np.ndarray:
+  """What ``stream`` returns for the row-major weight w [N, K] (whatever layout it streamed): CTA t = (K split
+  t // tiles, row tile t % tiles) ends on its split's last [bm, bk] box -> [CTAs, bm, bk]."""
+  w = np.asarray(w)
+  tiles, steps = w.shape[0] // bm, w.shape[1] // bk // split
+  return np.stack([w[t % tiles * bm:(t % tiles + 1) * bm, ((t // tiles + 1) * steps - 1) * bk:][:, :bk]
+                   for t in range(tiles * split)])
+
+
 CASES = [  # (name, layout, bm, bk, split, stages): 280 CTAs each at the default size (the MoE grid's ~288)
     ("rows 64x128 (the MoE's box)", "rows", 64, 128, 2, 4),
     ("tiled 64x128", "tiled", 64, 128, 2, 4),
@@ -131,12 +140,8 @@ def main(argv=None):
     ws = base if layout == "rows" else [jax.block_until_ready(tile_major(w, bm, bk)) for w in base]
     f = jax.jit(functools.partial(stream, layout=layout, bm=bm, bk=bk, split=split, stages=stages))
     us, _ = time_calls(f, [(w,) for w in ws] * 4, reps=a.reps)
-    # CTA t = (K split t // tiles, row tile t % tiles) ends on its split's last box: check the first and last CTA's
-    got, tiles, steps = np.asarray(f(ws[0])), n // bm, K // bk // split
-    for t in (0, tiles * split - 1):
-      r0, k0 = t % tiles * bm, ((t // tiles + 1) * steps - 1) * bk
-      if not np.array_equal(got[t], np.asarray(base[0][r0:r0 + bm, k0:k0 + bk])):
-        raise SystemExit(f"bench_stream: {name}: CTA {t} streamed the wrong bytes")
+    if not np.array_equal(np.asarray(f(ws[0])), last_boxes(base[0], bm, bk, split)):
+      raise SystemExit(f"bench_stream: {name}: a CTA streamed the wrong bytes")
     del ws
     log(f"| {name} | {n // bm * split} | {K // bk // split} | {us:.1f} | {n * K / us / 1e6:.2f} |")
   us, _ = time_calls(jax.jit(lambda w: jnp.sum(w.astype(jnp.int32))), [(w,) for w in base] * 4, reps=a.reps)
