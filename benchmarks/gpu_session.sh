@@ -71,6 +71,9 @@
 #                             session 67's knobs' GPU tests (s68a's), then the step's A/B at q = 1: the defaults vs
 #                             kda_o_grid (only if its test passed) vs mla_group_arrival vs mhc_row_scalars, then
 #                             the in-kernel profiles of the KDA kernel and the grid (kda_1x1, kdao_1x1)
+#   s71a (either; H100: LAYERS=32): session 71's A/B at q = 1 — the defaults vs POLICY (default kda_sinkhorn_first:
+#                             the KDA sublayer's Sinkhorn launched before its GEMVs), 9 interleaved repeats, then POLICY
+#                             traced (events under $OUT/hlo for benchmarks/sublayer_chain.py: where the Sinkhorn starts)
 #   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
 #                             row-major vs a tile-major weight, 37 and 75 MB; session 70's H100: ~2.5-2.65 TB/s either
 #                             way) — the ceiling the weight-streaming kernels are up against; ~30 s (run it before
@@ -83,8 +86,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -315,6 +318,13 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     [ "${#POL[@]}" -gt 1 ] && [ "$(left)" -gt 70 ] && timeout $(( $(left) - 10 )) python3 \
       benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases kda_1x1,kdao_1x1 --out "$OUT/kernel_profile_kda.txt" \
       > /dev/null 2>&1
+    ;;
+  s71a)  # (either; H100: LAYERS=32) see the header
+    rank1 s71a --q 1 --steps-per-call 4 --interleave --repeats 9 --steps 80 --policy '{}' \
+      "${POLICY:-{\"kda_sinkhorn_first\": true\}}"
+    rank1 s71a_trace --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" \
+      --policy "${POLICY:-{\"kda_sinkhorn_first\": true\}}"
+    rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   stream)  # (either) see the header
     for mb in 37.7 75; do

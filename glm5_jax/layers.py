@@ -482,6 +482,14 @@ KNOBS = {
         "launches, not the execution. The same values. Measured in s57b (session 58: one TP4 rank, B = 1, q = 1, 5 "
         "interleaved repeats, defaults 3.65 ms): 3.69 ms, +0.03 ms, faster in 1 of 4 "
         "paired rounds — off"),
+    "kda_sinkhorn_first": (False,
+        "not a kernel: an order in the KDA sublayer — with the fused mHC boundaries, the layer input passes "
+        "through an optimization barrier with the boundary's Sinkhorn output (mhc_sinkhorn: the mix only the next "
+        "boundary reads), so the one-CTA Sinkhorn launches before the KDA layer's GEMVs. In session 70's H100 trace "
+        "(s69a) it started 17.7 µs into the KDA sublayer, behind the 19 µs q/k/v GEMV's CTAs, and ran 11–16 µs "
+        "beside the KDA grid, ending with the sublayer (median slack 0.3–4 µs, on the chain at several layers); in "
+        "the DSA and MoE sublayers it starts within 1.5 µs. Like dsa_qkv_a_first, the barrier (no buffer of its "
+        "own) orders the launches, not the execution. The same values — off until measured"),
     "fp8_scales_first": (True,
         "with fp8_linear + fp8_dq on: each CTA of the dense FP8 kernel (fp8_dq_linear: q_a / kv_a, q_b, o_proj, "
         "the dense MLP, the MTP's) requests all its steps' block scales before its first weight tiles, instead of "

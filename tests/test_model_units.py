@@ -545,6 +545,39 @@ def test_kda_gates_first_at_the_model_site():
   assert counts[1] == counts[0] + 1, counts
 
 
+def test_kda_sinkhorn_first_at_the_model_site():
+  """Policy kda_sinkhorn_first (an order, not a kernel: the KDA layer's input through an optimization barrier with
+  the boundary's Sinkhorn output) at a one-layer bf16 KDA model's fused mHC boundaries (GPU interpret mode, XLA
+  elsewhere): the hidden state bit for bit the same, one more barrier in the lowered step, the report naming the
+  site; without the Sinkhorn as a kernel of its own (mhc_sinkhorn_split off) it is declined by name."""
+  from glm5_jax import api  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS, use_kernels  # noqa: PLC0415
+  path = tiny_checkpoint("kernel-tiny", 17, "bfloat16", num_hidden_layers=1, layer_types=["linear_attention"],
+                         mlp_layer_types=["dense"])
+  m = load(path, "bfloat16")
+  off = {k: False for k in KERNEL_DEFAULTS} | {"mhc": True, "mhc_finish": True, "mhc_sinkhorn_split": True,
+                                               "mhc_grid_barrier": True, "mhc_row": True}
+  on = off | {"kda_sinkhorn_first": True}
+  (h0, _), rep0 = _extend_one_token(m, 1, off, seed=5)
+  (h1, _), rep1 = _extend_one_token(m, 1, on, seed=5)
+  assert rep1["kda_sinkhorn_first"] is None and rep0["kda_sinkhorn_first"] == "off in the policy", (rep0, rep1)
+  assert rep1["mhc_row"] is None, rep1
+  np.testing.assert_array_equal(h1, h0)
+  assert np.abs(h0).max() > 0
+  cache = api.init_cache(m, 1, 64)
+  args = (m.params, cache.caches, jnp.zeros((1, 1), jnp.int32), cache.lengths, jnp.ones((1,), jnp.int32),
+          cache.n_acc)
+  counts = []
+  for pol in (off, on):
+    with use_kernels(pol), maybe_interpret(True):  # (a fresh function per policy: not part of jit's cache key)
+      counts.append(jax.jit(api._build_extend(m, (1, 64, 1), "all")).trace(*args).lower().as_text()
+                    .count("optimization_barrier"))
+  assert counts[1] == counts[0] + 1, counts
+  _, rep2 = _extend_one_token(m, 1, on | {"mhc_sinkhorn_split": False, "mhc_grid_barrier": False,
+                                          "mhc_row": False}, seed=5, trace_only=True)
+  assert "mhc_sinkhorn_split on" in rep2["kda_sinkhorn_first"], rep2
+
+
 def test_fp8_scales_first_at_the_model_site():
   """Policy fp8_scales_first at a one-layer DSA model's FP8 linears (q_a / kv_a, q_b, o_proj, the dense MLP; GPU
   interpret mode, XLA elsewhere): every block scale requested before the weight tiles gives the hidden state bit
