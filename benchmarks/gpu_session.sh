@@ -74,8 +74,9 @@
 #   s71a (either; H100: LAYERS=32): session 71's A/B at q = 1 — the defaults vs POLICY (default kda_sinkhorn_first:
 #                             the KDA sublayer's Sinkhorn launched before its GEMVs) vs STACK (default: it with the
 #                             critical-path cuts each a tie alone: qkv_a_fused_sum, mla_latent_norms, mhc_ll_exchange —
-#                             below the noise one by one, ~1-2 % together if each is real), 9 interleaved repeats, then POLICY
-#                             traced (events under $OUT/hlo for benchmarks/sublayer_chain.py: where the Sinkhorn starts)
+#                             below the noise one by one, ~1-2 % together if each is real), 9 interleaved repeats, then STACK
+#                             traced (events under $OUT/hlo for benchmarks/sublayer_chain.py: where the Sinkhorn starts,
+#                             where each cut's time went against session 70's trace of the defaults)
 #   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
 #                             row-major vs a tile-major weight, 37 and 75 MB; session 70's H100: ~2.5-2.65 TB/s either
 #                             way) — the ceiling the weight-streaming kernels are up against; ~30 s (run it before
@@ -325,7 +326,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     rank1 s71a --q 1 --steps-per-call 4 --interleave --repeats 9 --steps 80 --policy '{}' \
       "${POLICY:-{\"kda_sinkhorn_first\": true\}}" "${STACK:-{\"kda_sinkhorn_first\": true, \"qkv_a_fused_sum\": true, \"mla_latent_norms\": true, \"mhc_ll_exchange\": true\}}"
     rank1 s71a_trace --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" \
-      --policy "${POLICY:-{\"kda_sinkhorn_first\": true\}}"
+      --policy "${STACK:-{\"kda_sinkhorn_first\": true, \"qkv_a_fused_sum\": true, \"mla_latent_norms\": true, \"mhc_ll_exchange\": true\}}"
     rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   stream)  # (either) see the header
