@@ -164,13 +164,14 @@ def cases(names):
   # the KDA recurrence as the step runs it (kda_conv, norm partials), and with the gated norm and o_proj as one grid
   # (policy kda_o_grid: kdao_BxT, on the step's counters), B sequences of T tokens, one TP4 rank's 16 heads
   for name in names:  # (kdaf_: the kernel with loads_first — the default since session 69; kda_ without it)
-    if name.startswith(("kda_", "kdaf_", "kdao_")):
+    if name.startswith(("kda_", "kdaf_", "kdao_", "kdaos")):
       out[name] = _kda_case(name)
   return out
 
 
 def _kda_case(name: str, H: int = 16, N: int = 4096):
-  """kda_BxT / kdao_BxT -> a function of no arguments running it once (random inputs, never zeros)."""
+  """kda_BxT / kdao_BxT -> a function of no arguments running it once (random inputs, never zeros). kdaosN_BxT: the
+  grid with its o_proj-only CTAs' W_o requests held N SM cycles (kda_o_grid_spin; kdaos_BxT: W_DELAY_CYCLES)."""
   from pallas_kernels import kda_decode as kd  # noqa: PLC0415
   B, T = (int(v) for v in name.split("_")[1].split("x"))
   ks = jax.random.split(jax.random.key(13), 8)
@@ -188,11 +189,13 @@ def _kda_case(name: str, H: int = 16, N: int = 4096):
   nw, w_o = 1.0 + n(0, (128,), 0.1), n(1, (N, H * 128), 0.05).astype(bf16)
   ctr = L.splitk_counters()
   calls = [0]
+  tag = name.split("_")[0]
+  delay = (int(tag[5:]) if tag[5:] else kd.W_DELAY_CYCLES) if tag.startswith("kdaos") else 0
 
   def run():
     calls[0] ^= 1  # (the banks alternate by call, as in the step)
-    return jax.jit(lambda *a: kd.kda_decode_o_proj(*a, ctr, b_offset=16, config=cfg, parity=calls[0]))(*args, nw,
-                                                                                                     w_o)
+    return jax.jit(lambda *a: kd.kda_decode_o_proj(*a, ctr, b_offset=16, config=cfg, parity=calls[0],
+                                                   w_delay=delay))(*args, nw, w_o)
   return run
 
 

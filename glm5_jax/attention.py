@@ -244,11 +244,13 @@ class KDA(nnx.Module):
           grid_why = kda_ops.o_proj_grid_why(B, T, H, wo.shape[0])
         if kernel_enabled("kda_o_grid", B * T, fits=not grid_why, why=grid_why):
           kernel_enabled("kda_conv")  # (its site: the grid runs the conv in its recurrence)
+          # kda_o_grid_spin: the o_proj-only CTAs' W_o requests after a fixed hold, not every recurrence CTA's loads
+          spin = {"w_delay": kda_ops.W_DELAY_CYCLES} if kernel_enabled("kda_o_grid_spin") else {}
           y, new_ssm = kda_ops.kda_decode_o_proj(
               z.reshape(B, T, 3, H, Kd), hist.reshape(B, Kc - 1, 3, H, Kd), w.T.reshape(Kc, 3, H, Kd), fg4, fgb,
               A_log, dt_bias, ssm, ctx.n_acc, self.o_norm.weight[...], wo[...], lower_bound=self.lower_bound,
               norm_eps=self.eps, config=config, b_offset=b_off,
-              out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32, **kda_grid_counters())
+              out_dtype=dtype if lax.axis_size(TP) == 1 else jnp.float32, **kda_grid_counters(), **spin)
           y = lax.psum(y.reshape(B, T, -1), TP).astype(dtype)
           return y, {"conv": new_conv, "ssm": new_ssm}
         if kernel_enabled("kda_conv", fits=conv_fits,

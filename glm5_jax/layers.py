@@ -490,6 +490,14 @@ KNOBS = {
         "beside the KDA grid, ending with the sublayer (median slack 0.3–4 µs, on the chain at several layers); in "
         "the DSA and MoE sublayers it starts within 1.5 µs. Like dsa_qkv_a_first, the barrier (no buffer of its "
         "own) orders the launches, not the execution. The same values — off until measured"),
+    "kda_o_grid_spin": (False,
+        "with kda_o_grid: the grid's o_proj-only CTAs request their W_o slices (8.4 MB of the 16.8) after a fixed "
+        "hold of kda_decode.W_DELAY_CYCLES SM cycles (~0.5 µs) instead of once every recurrence CTA's loads are in "
+        "(the `loaded` count: 3.76 µs median in s69b's in-kernel profile, H100) — the recurrence's ~1 MB of loads "
+        "are queued by then. In that profile W_o's last bytes, not x', were the grid's last arrival (the tile's "
+        "barrier wait after the x' hand-off); started ~3 µs earlier the stream could end before x' is ready, if "
+        "the recurrence's loads are not slowed behind it (all 16.8 MB at the start made them 4.5 -> 10.9 µs, s68d). "
+        "The same values bit for bit (an order of requests) — off until measured"),
     "fp8_scales_first": (True,
         "with fp8_linear + fp8_dq on: each CTA of the dense FP8 kernel (fp8_dq_linear: q_a / kv_a, q_b, o_proj, "
         "the dense MLP, the MTP's) requests all its steps' block scales before its first weight tiles, instead of "

@@ -214,6 +214,29 @@ def fence_async_writes():
   op()
 
 
+def spin_cycles(n: int):
+  """Hold the warpgroup ~``n`` SM clock cycles (its threads poll %clock64): a fixed delay where no counter says
+  when — a CTA's weight requests held back just long enough for another role's loads to be queued ahead of them."""
+  from jax._src.lib.mlir import ir  # noqa: PLC0415
+  from jax._src.lib.mlir.dialects import arith, scf  # noqa: PLC0415
+  if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+    raise ValueError(f"spin_cycles: n = {n!r}; expected a positive int (SM clock cycles)")
+
+  @plgpu.inline_mgpu()
+  def op(_):
+    u = _mgpu_utils
+    i64 = ir.IntegerType.get_signless(64)
+    clock = lambda: u.inline_ptx("mov.u64 $0, %clock64;", result_types=i64, has_side_effects=True)  # noqa: E731
+    t0 = clock()
+    loop = scf.WhileOp([], [])
+    with ir.InsertionPoint(loop.before.blocks.append()):
+      scf.condition(arith.cmpi(arith.CmpIPredicate.ult, arith.subi(clock(), t0), u.c(n, i64)), [])
+    with ir.InsertionPoint(loop.after.blocks.append()):
+      scf.yield_([])
+
+  op()
+
+
 def _counter_op(ref, *, signal: bool = False, count: int = 0, take: bool = False, publish: bool = False,
                 async_reads: bool = False):
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))

@@ -49,7 +49,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import (counter_signal, counter_wait, interpreting, kernel_entry, mgpu_kernel, profiled,
-                                    replicated_rows_layouts, tiled, with_pdl)
+                                    replicated_rows_layouts, spin_cycles, tiled, with_pdl)
 
 L2NORM_EPS = 1e-6
 _DEBUG = False  # True: print the kernel jaxpr and Mosaic GPU module when lowering
@@ -630,6 +630,9 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
 # 128-wide K tile and scales that tile's product by the head's 1/RMS per token: y = Σ_h inv_h · (W_h x'_h). The
 # model's unfused form rounds w · (o · inv) · sigmoid(gate) to bf16 instead — the same within bf16 rounding.
 KDA_O_GRID_SMEM = 160 * 1024  # W_o's slice per o_proj CTA at most: the KDA role's windows and x' beside it
+# kda_o_grid_spin's hold of the o_proj-only CTAs' W_o requests: ~0.5 µs at the H100 / H200's ~1.98 GHz boost clock —
+# the recurrence CTAs' loads (issued ~0.2 µs in) queued ahead of the 8.4 MB those CTAs request
+W_DELAY_CYCLES = 1000
 KDA_GRID_BANK = 16  # counters per bank (linear.KDA_GRID_BANKS: two banks): one per K split, the last `loaded`
 
 
@@ -644,6 +647,7 @@ class _OProj:
   grid: bool = False
   parity: int = 0
   out_dtype: object = jnp.float32
+  w_delay: int = 0  # > 0: the o_proj-only CTAs request W_o after this many SM cycles, not on the `loaded` count
 
   def ctas(self, B: int, H: int, NV: int, N: int | None = None) -> int:
     """The one grid's CTAs: the KDA role's B·H·NV and the o_proj role's (N / bm)·split, on the same first CTAs."""
@@ -795,7 +799,12 @@ def _o_proj_grid_kernel(kda_kernel, state_ref, q_ref, k_ref, v_ref, f_ref, b_ref
     @pl.when(is_o & jnp.logical_not(is_kda))
     def _():
       with jax.named_scope("loaded"):
-        counter_wait(loaded, n_kda)
+        # (w_delay: a fixed hold instead — the count completed 3.8 µs in (median, s69b's profile), well after the
+        # recurrence CTAs' ~1 MB of loads were queued, and W_o's stream, not x', was then the grid's last arrival)
+        if op.w_delay:
+          spin_cycles(op.w_delay)
+        else:
+          counter_wait(loaded, n_kda)
       with jax.named_scope("issue"):
         issue()
 
@@ -866,10 +875,10 @@ def kda_decode_o_proj_reference(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bi
   return y.astype(out_dtype), new_state
 
 
-@kernel_entry("lower_bound", "norm_eps", "config", "parity", "out_dtype")
+@kernel_entry("lower_bound", "norm_eps", "config", "parity", "out_dtype", "w_delay")
 def kda_decode_o_proj(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state, num_accepted, norm_weight, w_o,
                       counters=None, *, lower_bound=-5.0, norm_eps=1e-5, config: KdaDecodeConfig | None = None,
-                      b_offset=0, parity: int = 0, out_dtype=jnp.float32):
+                      b_offset=0, parity: int = 0, out_dtype=jnp.float32, w_delay: int = 0):
   """The KDA layer from its q | k | v projection to o_proj's output (policy knob kda_o_grid):
   ``kda_decode_conv``'s recurrence, the gated RMSNorm and y = o_proj(x) as ONE launch (``_o_proj_grid_kernel``).
 
@@ -882,7 +891,7 @@ def kda_decode_o_proj(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state,
   -> (y [B·T, N] out_dtype: o_proj's rows before any all-reduce, new_state). ``kda_decode_o_proj_reference``'s
   numerics: the norm's 1/RMS applied per head after the product — within bf16 rounding of the model's order.
   A recurrence CTA requests its W_o slice once its own loads are in, the o_proj-only CTAs once every recurrence
-  CTA's are."""
+  CTA's are — or, with ``w_delay`` > 0 (policy knob kda_o_grid_spin), that many SM clock cycles after they start."""
   from pallas_kernels import linear as kl  # noqa: PLC0415
   Kc = _check_conv(qkv, conv_hist, conv_weight)
   B, T, _, H, D = qkv.shape
@@ -900,10 +909,13 @@ def kda_decode_o_proj(qkv, conv_hist, conv_weight, fg, b, A_log, dt_bias, state,
                      f"{kl.ROWS_OUT_MAX} and a multiple of 64")
   if isinstance(parity, bool) or parity not in (0, 1):
     raise ValueError(f"kda_decode_o_proj: parity = {parity!r}; expected the call's counter bank, 0 or 1")
+  if isinstance(w_delay, bool) or not isinstance(w_delay, int) or w_delay < 0:
+    raise ValueError(f"kda_decode_o_proj: w_delay = {w_delay!r}; expected SM clock cycles, an int >= 0 (0: the "
+                     "`loaded` count)")
   rows = jax.ShapeDtypeStruct((B, T, H, D), qkv.dtype)
   _check_shapes(rows, rows, rows, fg, b, A_log, dt_bias, state, num_accepted, None, None)
   op = _OProj(o_proj_plan(H, D, w_o.shape[0]), grid=counters is not None and not interpreting(), parity=int(parity),
-              out_dtype=jnp.dtype(out_dtype))
+              out_dtype=jnp.dtype(out_dtype), w_delay=w_delay)
   if op.grid:
     why = o_proj_grid_why(B, T, H, w_o.shape[0], block_v=config.block_v)
     if why:

@@ -517,6 +517,9 @@ def test_o_proj_refusals(rng):
   for bad in (2, -1, True):
     with pytest.raises(ValueError, match=f"parity = {bad!r}; expected the call's counter bank, 0 or 1"):
       kd.kda_decode_o_proj(*args, parity=bad)
+  for bad in (-1, 2.5, True):
+    with pytest.raises(ValueError, match=f"w_delay = {bad!r}; expected SM clock cycles, an int >= 0"):
+      kd.kda_decode_o_proj(*args, w_delay=bad)
   nine = make_o_proj_inputs(rng, 1, 9, 2, 128)
   with pytest.raises(ValueError, match="9 token rows"):
     kd.kda_decode_o_proj(*nine)
@@ -531,10 +534,11 @@ def test_o_proj_refusals(rng):
     kd.kda_decode_o_proj(*args, jax.new_ref(jnp.zeros((8,), jnp.int32)))
 
 
-@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (2, 1)])
-def test_cross_lower_o_grid(B, T):
+@pytest.mark.parametrize("B,T,w_delay", [(1, 1, 0), (1, 4, 0), (2, 1, 0), (1, 1, kd.W_DELAY_CYCLES)])
+def test_cross_lower_o_grid(B, T, w_delay):
   """The one grid as the model calls it at TP4 (bf16 rows, fg and b read in place, a traced b offset, o_proj's
-  [4096, 2048] slice, the step's counters), donated state aliased in place."""
+  [4096, 2048] slice, the step's counters), donated state aliased in place; with ``w_delay`` (kda_o_grid_spin)
+  the o_proj-only CTAs' hold polls the SM clock, without it nothing does."""
   from pallas_kernels import linear as kl
   s = jax.ShapeDtypeStruct
   H, bf16, f32 = 16, jnp.bfloat16, jnp.float32
@@ -544,9 +548,10 @@ def test_cross_lower_o_grid(B, T):
           s((), jnp.int32))
   cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
   fn = jax.jit(lambda *a: kd.kda_decode_o_proj(*a[:-1], kl.splitk_counters(), b_offset=a[-1], config=cfg,
-                                               parity=T % 2), donate_argnums=(STATE_ARG,))
+                                               parity=T % 2, w_delay=w_delay), donate_argnums=(STATE_ARG,))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "kda_o_proj" in text and "tf.aliasing_output" in text
+  assert ("%clock64" in text) == bool(w_delay)
   # the counters go into the kernel's call and come out of it (aliased: the calls on them stay ordered)
   calls = [line for line in text.splitlines() if "@mosaic_gpu_v2" in line]
   assert len(calls) == 1, calls
@@ -555,12 +560,14 @@ def test_cross_lower_o_grid(B, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (2, 1), (2, 4)])
-def test_o_grid_gpu(rng, B, T):
+@pytest.mark.parametrize("B,T,w_delay", [(1, 1, 0), (1, 4, 0), (2, 1, 0), (2, 4, 0), (1, 1, kd.W_DELAY_CYCLES),
+                                         (2, 4, kd.W_DELAY_CYCLES)])
+def test_o_grid_gpu(rng, B, T, w_delay):
   """Natively at one TP4 rank's shapes: the one grid (counters) bit for bit its two-launch form (the same two
   roles, the same order of sums) and within bf16 rounding of the reference, over three calls on one counters Ref
   with banks 0, 1, 0 and fresh inputs each (a missing or early wait would read the previous call's x') — the split-K
-  cells left zero, the bank in use holding its count (32 signals per K split per sequence), the other zeroed."""
+  cells left zero, the bank in use holding its count (32 signals per K split per sequence), the other zeroed. With
+  ``w_delay`` (kda_o_grid_spin) the o_proj-only CTAs' W_o requests held by the clock instead: the same."""
   from pallas_kernels import linear as kl
   cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
   ctr = kl.splitk_counters()
@@ -568,7 +575,8 @@ def test_o_grid_gpu(rng, B, T):
     args = make_o_proj_inputs(rng, B, T, 16, 4096)
     two = jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg))(*args)
     ry, _ = rounding_reference(kd.kda_decode_o_proj_reference, *args)
-    y, st = jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg, parity=parity))(*args, ctr)
+    y, st = jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg, parity=parity, w_delay=w_delay))(*args,
+                                                                                                          ctr)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(two[0]))
     np.testing.assert_array_equal(np.asarray(st), np.asarray(two[1]))
     np.testing.assert_allclose(np.asarray(y), np.asarray(ry), **tol("kernel_bf16"))

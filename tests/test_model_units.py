@@ -722,6 +722,28 @@ def test_kda_norm_partials_at_the_model_site():
   assert np.abs(np.asarray(y0)).max() > 0
 
 
+def test_kda_o_grid_spin_at_the_model_site(monkeypatch):
+  """Policy kda_o_grid_spin at a KDA layer's verify call (kernel-tiny, bf16): the grid is asked for the clock hold
+  of its o_proj-only CTAs (w_delay = kda_decode.W_DELAY_CYCLES) with the knob and for the `loaded` count without it,
+  and the report names the site. (The hold itself: the grid's CUDA lowering and GPU tests, tests/test_kda_decode.py.)"""
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS, kernel_report, use_kernels  # noqa: PLC0415
+  from pallas_kernels import kda_decode as kd  # noqa: PLC0415
+  _, m, cache, x, ctx = _kda_layer_site(16, "bfloat16", 2)
+  asked = []
+  real = kd.kda_decode_o_proj
+  monkeypatch.setattr(kd, "kda_decode_o_proj", lambda *a, **k: (asked.append(k.get("w_delay", 0)), real(*a, **k))[1])
+  grid = {k: False for k in KERNEL_DEFAULTS} | {"kda": True, "kda_conv": True, "kda_token_loop": True,
+                                                "kda_norm_partials": True, "kda_o_grid": True}
+  for pol, want, why in ((grid, 0, "off in the policy"), (grid | {"kda_o_grid_spin": True}, kd.W_DELAY_CYCLES, None)):
+    # (a fresh function per policy: the policy is not part of the trace cache's key)
+    fn = m.shard_map(lambda mod, x, c: mod.layers[0].self_attn(x, c, ctx, jnp.bfloat16), (P(), P()), P())
+    with use_kernels(pol), maybe_interpret(True), kernel_report() as rep:
+      jax.eval_shape(fn, m.params, x, cache)
+    assert asked[-1] == want and dict(rep)["kda_o_grid_spin"] == why and dict(rep)["kda_o_grid"] is None, (asked, rep)
+  assert kd.W_DELAY_CYCLES > 0
+
+
 def test_kda_o_grid_at_the_model_site():
   """Policy kda_o_grid at a KDA layer's verify call (kernel-tiny, bf16; GPU interpret mode: the grid's two roles
   as two launches): the recurrence, the gated norm and o_proj in the kernel give the layer's output within bf16
