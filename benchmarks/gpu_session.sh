@@ -79,7 +79,8 @@
 #                             where each cut's time went against session 70's trace of the defaults)
 #   s71b (either; H100: LAYERS=32): kda_o_grid_spin — the grid's GPU tests (with the clock hold), the in-kernel
 #                             profiles of the grid with the `loaded` count and with holds of 1,000 / 500 / 2,000
-#                             cycles, then the step at q = 1: the defaults vs POLICY (kda_o_grid_spin), 9 repeats
+#                             cycles, then the step at q = 1: the defaults vs POLICY (kda_o_grid_spin) vs
+#                             kda_gates_first (s70's trace: fg_b behind the q/k/v GEMV, the KDA grid waiting on it), 9 repeats
 #   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
 #                             row-major vs a tile-major weight, 37 and 75 MB; session 70's H100: ~2.5-2.65 TB/s either
 #                             way) — the ceiling the weight-streaming kernels are up against; ~30 s (run it before
@@ -338,7 +339,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       --cases kdao_1x1,kdaos_1x1,kdaos500_1x1,kdaos2000_1x1 --out "$OUT/kernel_profile_kda_spin.txt" > /dev/null 2>&1
     grep -E "^##|span|loaded|kda |issue|wait|tile|out" "$OUT/kernel_profile_kda_spin.txt" | head -60
     [ "$ok" -eq 0 ] && rank1 s71b --q 1 --steps-per-call 4 --interleave --repeats 9 --steps 80 --policy '{}' \
-      "${POLICY:-{\"kda_o_grid_spin\": true\}}"
+      "${POLICY:-{\"kda_o_grid_spin\": true\}}" '{"kda_gates_first": true}'
     ;;
   stream)  # (either) see the header
     for mb in 37.7 75; do
