@@ -1,6 +1,6 @@
 """Each sublayer's kernels, boundary to boundary, from a decode step's saved GPU trace — what session 43's table
 read by hand: which kernels a KDA / DSA / MoE sublayer launches, when each starts after its boundary, how long each
-runs, and how long the sublayer takes.
+runs, how long the sublayer takes, and which kernel its next boundary waited for (the last to end).
 
   python benchmarks/sublayer_chain.py RUN.events.tsv.gz [--hlo RUN.hlo.gz | --kernels RUN.kernels.tsv] [--kind dsa]
       [--show 1] [--plot OUT.png --title TEXT]
@@ -102,6 +102,21 @@ def median_chain(chains):
   return length, chain_rows(seg)
 
 
+def last_arrivals(chains, kmap: dict | None = None):
+  """What each sublayer's next boundary waited for: per sublayer (``by_kind``'s list of one kind) the kernel that
+  ended last (its boundary aside) and by how many µs it ended after the kernel that ended last before it ->
+  [(short name, instances, median µs ahead)], most frequent first. A side kernel listed here is on the chain
+  (e.g. the boundary's one-CTA Sinkhorn, which only the next boundary reads, when it starts late)."""
+  got = collections.defaultdict(list)
+  for _, seg in chains:
+    rest = sorted(seg[1:], key=lambda e: e[2])
+    if not rest:
+      continue
+    ahead = (rest[-1][2] - rest[-2][2]) / 1e3 if len(rest) > 1 else 0.0
+    got[short_name(rest[-1][0], kmap or {})].append(ahead)
+  return sorted(((n, len(v), statistics.median(v)) for n, v in got.items()), key=lambda r: -r[1])
+
+
 def short_name(name: str, kmap: dict) -> str:
   """A kernel's name for a plot: a Mosaic kernel's without its glm5_ / _mosaic_gpu_kernel affixes; an XLA
   fusion's component and op (from the kernel labels) or its own name."""
@@ -169,6 +184,11 @@ def main(argv=None):
     p90 = ls[min(len(ls) - 1, int(0.9 * len(ls)))]
     print(f"| {kind} | {len(ls)} | {statistics.median(ls):.1f} / {ls[0]:.1f} / {p90:.1f} | "
           f"{statistics.median(len(s) for _, s in chains):.0f} |")
+  print("\n| sublayer | its last kernel to end — what the next boundary waited for (instances, median µs after the "
+        "kernel that ended before it) |")
+  print("| --- | --- |")
+  for kind, chains in kinds.items():
+    print(f"| {kind} | " + "; ".join(f"{n} {c} ({d:.1f})" for n, c, d in last_arrivals(chains, kmap)[:4]) + " |")
   for kind, chains in kinds.items():
     if a.kind and kind != a.kind:
       continue

@@ -464,6 +464,11 @@ def test_sublayer_chain_splits_a_trace_at_the_boundaries(tmp_path, capsys):
   out = capsys.readouterr().out
   assert f"| moe | 1 | {want[1][1]:.1f} / " in out and "moe: jit(body)/shard_map/moe/pad" in out
   assert f"| kda | 2 | {np.median([want[0][1], want[3][1]]):.1f} / " in out
+  # what each next boundary waited for: the kernel that ended last (the moe sublayer's two end together: 0.0 ahead)
+  assert any(f"| moe | {n} 1 (0.0) |" in out for n in ("glm5_moe_gate_up", "moe: pad")), out
+  assert "| kda | kda_decode 2 (0.0) |" in out, out
+  seg = [("b", 0, 700, ""), ("glm5_mhc_sinkhorn_mosaic_gpu_kernel", 900, 9000, ""), ("kda_o_proj", 800, 8500, "")]
+  assert SC.last_arrivals([(9.0, seg)] * 3) == [("mhc_sinkhorn", 3, 0.5)]
 
 
 def test_component_floors_add_up_to_the_roofline():
