@@ -76,7 +76,8 @@
 #                             critical-path cuts each a tie alone: qkv_a_fused_sum, mla_latent_norms, mhc_ll_exchange —
 #                             below the noise one by one, ~1-2 % together if each is real), 9 interleaved repeats, then STACK
 #                             traced (events under $OUT/hlo for benchmarks/sublayer_chain.py: where the Sinkhorn starts,
-#                             where each cut's time went against session 70's trace of the defaults)
+#                             where each cut's time went against session 70's trace of the defaults), then the defaults
+#                             traced at q = 4 (the verify step; no trace of it since session 36)
 #   s71b (either; H100: LAYERS=32): kda_o_grid_spin — the grid's GPU tests (with the clock hold), the in-kernel
 #                             profiles of the grid with the `loaded` count and with holds of 1,000 / 500 / 2,000
 #                             cycles, then the step at q = 1: the defaults vs POLICY (kda_o_grid_spin) vs
@@ -331,6 +332,9 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       "${POLICY:-{\"kda_sinkhorn_first\": true\}}" "${STACK:-{\"kda_sinkhorn_first\": true, \"qkv_a_fused_sum\": true, \"mla_latent_norms\": true, \"mhc_ll_exchange\": true\}}"
     rank1 s71a_trace --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" \
       --policy "${STACK:-{\"kda_sinkhorn_first\": true, \"qkv_a_fused_sum\": true, \"mla_latent_norms\": true, \"mhc_ll_exchange\": true\}}"
+    # the verify step (q = 4: the product's operating point, 2.4x q = 1's time) traced with the defaults: none since
+    # session 36's
+    rank1 s71a_q4_trace --q 4 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'
     rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   s71b)  # (either; H100: LAYERS=32) see the header
