@@ -387,7 +387,7 @@ KNOBS = {
         "boundary's ~6.5; PTX 1,053 -> 919 instructions, 4 barriers fewer. Bit for bit the vector form in "
         "interpret mode. Measured (s68d, session 68: an H100, the first 32 layers, q = 1, 5 interleaved repeats): "
         "2.84 -> 2.81 ms, -0.01 ms paired, faster in 2 of 4 rounds — a tie, off"),
-    "mhc_ll_exchange": (False,
+    "mhc_ll_exchange": (True,
         "with mhc_row and mhc_barrier_counters on, at one token row: the boundary's 16 normalisation partials "
         "exchanged between its 32 CTAs by a low-latency protocol (pallas_kernels._common.ll_exchange: NCCL's LL "
         "within one GPU — each value with an epoch flag in one 8-byte word, one relaxed store, polled with relaxed "
@@ -402,7 +402,11 @@ KNOBS = {
         "q = 1, the first 32 layers, 5 interleaved repeats 2.82 -> 2.82 ms, -0.01 ms paired, faster in 2 of 4 "
         "rounds (s69b, session 69). Session 70: CUPTI's records in the step (s69c) 4.88 -> 4.44 µs per boundary, "
         "the chain's kernels 2,315 -> 2,281 µs per step; the step again a tie twice: 2.79 -> 2.76 ms (-0.02 "
-        "paired, 2 of 4; s70a) and 2.68 -> 2.67 (9 repeats: -0.00 paired, 5 of 8; s70b) — off"),
+        "paired, 2 of 4; s70a) and 2.68 -> 2.67 (9 repeats: -0.00 paired, 5 of 8; s70b). Session 71 (s71a, 9 "
+        "repeats): with kda_sinkhorn_first, qkv_a_fused_sum and mla_latent_norms 2.79 -> 2.78 ms, -0.01 paired, "
+        "faster in 6 of 8 (the DSA pair slower in that trace: its chain 65.7 -> 67.6 µs), the boundary 4.3-4.7 µs "
+        "in its trace (4.6-4.9 in session 70's). Four A/Bs, none slower, each below its call's noise; the "
+        "boundary's own time lower in every record (~0.4 µs x 90 a step: ~1 %) — on since session 71"),
     "mla_group_arrival": (False,
         "with sparse_mla on (Hopper's wgmma form): the attention kernel's gather barrier counts one arrival per "
         "group of 4 cache rows instead of 4 (pallas_kernels.sparse_mla.sparse_mla_decode(group_arrival=True)). In "
@@ -908,11 +912,13 @@ def _counters_enabled(knob: str) -> bool:
   return kernel_enabled(knob, fits=not _interpreting(), why="GPU interpret mode runs no counters (GMEM semaphores)")
 
 
-def _next_barrier_counters(km):
-  """(the scope's grid-barrier counters Ref, this boundary's parity), the parity flipped for the next."""
+def _next_barrier_counters(km, rows: int):
+  """(the scope's grid-barrier counters Ref, this boundary's parity), the parity flipped for the next. ``rows``: the
+  boundary's token rows — the scope's first boundary sizes the Ref (with mhc_ll_exchange at one row, the exchange
+  words after the two counters; a verify step's several-row boundaries keep the two alone)."""
   cell = _COUNTERS.get()
-  if cell["barrier"] is None:  # (mhc_ll_exchange: the one-row boundaries' exchange words after the two counters)
-    cell["barrier"] = km.barrier_counters(ll=kernel_switch("mhc_ll_exchange"))
+  if cell["barrier"] is None:
+    cell["barrier"] = km.barrier_counters(ll=kernel_switch("mhc_ll_exchange") and rows == 1)
   out = (cell["barrier"], cell["parity"])
   cell["parity"] ^= 1
   return out
@@ -1260,7 +1266,7 @@ class HyperConnection(nnx.Module):
       # the boundary in ONE launch (a grid barrier between the post + pre logits and the RMSNorm'd sublayer
       # input); the Sinkhorn of comb for the next boundary from its raw partials, off the critical path
       kernel_enabled("mhc_finish"), kernel_enabled("mhc_sinkhorn_split")
-      counters, parity = (_next_barrier_counters(km) if _counters_enabled("mhc_barrier_counters") else (None, 0))
+      counters, parity = (_next_barrier_counters(km, M) if _counters_enabled("mhc_barrier_counters") else (None, 0))
       # mhc_row: at one token row, a column of every stream per thread (no 64-row tiles for one real row)
       row = kernel_enabled("mhc_row", fits=row_rows and D % km.ROW_COLS == 0,
                            why=f"one token row (here {M}; up to {km.PARTS_MAX_ROWS} with mhc_rows) and a hidden size "
@@ -1274,9 +1280,10 @@ class HyperConnection(nnx.Module):
       scalars = kernel_enabled("mhc_row_scalars", fits=row and M == 1,
                                why=f"the row form at one token row (here {M} rows, row form {row})")
       # mhc_ll_exchange: the one-row boundary's partial sums by the low-latency exchange instead of its grid barrier
-      ll = kernel_enabled("mhc_ll_exchange", fits=row and M == 1 and counters is not None,
-                          why=f"the row form at one token row on the step's barrier counters (here {M} rows, row "
-                          f"form {row}, counters {counters is not None})")
+      words = counters is not None and counters.shape[0] > 2  # (the Ref sized by the scope's first boundary)
+      ll = kernel_enabled("mhc_ll_exchange", fits=row and M == 1 and words,
+                          why=f"the row form at one token row on the step's barrier counters with the exchange's "
+                          f"words (here {M} rows, row form {row}, counters {counters is not None}, words {words})")
       Xn, x_in, part = (km.mhc_row_boundary if row else km.mhc_post_finish)(
           X2, y, mix, self.fn[...], coef, norm.weight[...], first=pending is None, norm_eps=norm.eps, eps=self.eps,
           hc_norm_eps=self.norm_eps, approx_math=True, counters=counters, parity=parity, lean=lean,

@@ -256,7 +256,7 @@ def test_moe_one_grid_reaches_the_steps_moe():
     # and mhc_row_scalars (off by default): every one-row boundary of the q = 1 step
     want = sites["mhc_row"]["sites"] if on else 0
     assert (want > 0 or not on) and sites["mhc_row_scalars"]["sites"] == want, sites
-    # mhc_ll_exchange (off by default) likewise: every one-row boundary's partial sums by the low-latency exchange
+    # mhc_ll_exchange (on since session 71) likewise: every one-row boundary's partial sums by the low-latency exchange
     assert sites["mhc_ll_exchange"]["sites"] == want, sites
     want = sites["kda"]["sites"] if on else 0
     assert (want > 0 or not on) and sites["kda_o_grid"]["sites"] == want, sites
