@@ -247,13 +247,18 @@ KNOBS = {
         "With qkv_a_fused_sum: 55 launches fewer, a tie in s55b (3.88 vs 3.89 ms) and slower in s57b (session 58: "
         "one TP4 rank, B = 1, q = 1, 5 interleaved repeats, defaults 3.65 ms): 3.70 ms, "
         "+0.04 ms, faster in 1 of 4; alone, with today's defaults (the first 32 layers on an H100, session 70, "
-        "s70a): 2.79 -> 2.80 ms, faster in 1 of 4, 24 launches fewer — off"),
+        "s70a): 2.79 -> 2.80 ms, faster in 1 of 4, 24 launches fewer. Session 71's trace with qkv_a_fused_sum "
+        "(s71a, H100): from q_a / kv_a's start to the indexer's query GEMV 12.6 -> 13.3 µs (the projection with its "
+        "in-kernel sum 6.3 -> 8.9 µs, this kernel 3.8 µs), the DSA sublayer 65.7 -> 67.6 µs (against session 70's "
+        "trace of the defaults, another host) — off"),
     "qkv_a_fused_sum": (False,
         "with fp8_dq on, on the GPU: the DSA layer's joint q_a / kv_a projection (16 K splits at one row) sums its "
         "splits inside the kernel (linear_fused_sum's split-K counters, at this call alone) and writes its rows — "
         "the XLA split sum after it (1.6 µs + a launch in s51b's trace) leaves the layer's critical path, and "
         "mla_latent_norms reads the rows directly. linear_fused_sum for every linear was a tie (sessions 47, 51); "
-        "this is its one site on the DSA critical path. CPU-built (session 52): off until measured"),
+        "this is its one site on the DSA critical path. CPU-built (session 52); with mla_latent_norms a tie or "
+        "slower (sessions 55, 58); in session 71's trace the projection with its sum 8.9 µs against 6.3 + the XLA "
+        "sum's 2.0 — the last split waiting for 15 others (see mla_latent_norms) — off"),
     "lean_barriers": (True,
         "the kernels that have a lean form built without Mosaic GPU's automatic warpgroup barriers "
         "(CompilerParams(unsafe_no_auto_barriers): two bar.sync around every vector store to a ref and one before "
@@ -493,7 +498,11 @@ KNOBS = {
         "(s69a) it started 17.7 µs into the KDA sublayer, behind the 19 µs q/k/v GEMV's CTAs, and ran 11–16 µs "
         "beside the KDA grid, ending with the sublayer (median slack 0.3–4 µs, on the chain at several layers); in "
         "the DSA and MoE sublayers it starts within 1.5 µs. Like dsa_qkv_a_first, the barrier (no buffer of its "
-        "own) orders the launches, not the execution. The same values — off until measured"),
+        "own) orders the launches, not the execution. The same values. Measured (s71a, session 71: an H100, the "
+        "first 32 layers, q = 1, 9 interleaved repeats): 2.79 -> 2.82 ms, +0.02 paired, faster in 4 of 8 — a tie. "
+        "Its trace (in the stack with mhc_ll_exchange and the DSA pair) shows why: the Sinkhorn then starts 4.6 µs "
+        "in and is never the KDA sublayer's last kernel (it was in 25 of 120, by 0.6 µs: ~3 µs a step), but it runs "
+        "17 µs beside the GEMVs and the q/k/v GEMV took 19.3 -> 19.8 µs — off"),
     "kda_o_grid_spin": (False,
         "with kda_o_grid: the grid's o_proj-only CTAs request their W_o slices (8.4 MB of the 16.8) after a fixed "
         "hold of kda_decode.W_DELAY_CYCLES SM cycles (~0.5 µs) instead of once every recurrence CTA's loads are in "
