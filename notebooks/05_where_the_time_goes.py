@@ -126,6 +126,27 @@ for kind, chains in kinds.items():
 sc.plot_chains(kinds, kmap, "one TP4 rank's first 32 layers, B = 1, q = 1, session 70's defaults (H100)");
 
 # %% [markdown]
+# ### The verify step (q = 4)
+#
+# Speculative decoding runs the trunk over 1 + k = 4 tokens a step; session 71 traced that step with the defaults
+# (s71a, the same H100 kind; 6.26 ms a step against 2.8 at q = 1). Half of it is the MoE: four tokens route to ~31
+# distinct experts of 288 with random weights, ~200 MB of FP8 a layer, streamed by the rows form's two kernels at
+# ~2.5 TB/s (the stream's ceiling on an H100). Around it the several-row sites' launches: the grid form of the
+# boundary (8.8 µs vs the one-row form's 4.3), the router's GEMV, its split sum and `router_route` (11.5 µs before
+# the experts start), the K-split sums XLA adds after each weight-streaming kernel. The last table says which kernel
+# each next boundary waited for.
+
+# %%
+trace4 = os.path.join("..", "benchmarks", "results", "trace_h100_session71_q4_spc4_defaults")
+kmap4 = sc.kernel_labels(kernels=trace4 + ".kernels.tsv.gz")
+kinds4 = sc.by_kind(sc.read_events(trace4 + ".events.tsv.gz"))
+for kind, chains in kinds4.items():
+  length, rows = sc.median_chain(chains)
+  last = ", ".join(f"{n} ({c})" for n, c, _ in sc.last_arrivals(chains, kmap4)[:2])
+  print(f"{kind}: {len(chains)} sublayers, the median {length:.1f} µs in {len(rows)} kernels; last to end: {last}")
+sc.plot_chains(kinds4, kmap4, "the verify step: q = 4, one TP4 rank's first 32 layers, B = 1 (H100, session 71)");
+
+# %% [markdown]
 # ## Launching the step's CUDA graph: host time
 #
 # `benchmarks/bench_graph_launch.py` on the H200 (`benchmarks/results/graph_launch_h200.jsonl`): a synthetic
