@@ -82,6 +82,8 @@
 #                             profiles of the grid with the `loaded` count and with holds of 1,000 / 500 / 2,000
 #                             cycles, then the step at q = 1: the defaults vs POLICY (kda_o_grid_spin) vs
 #                             kda_gates_first (s70's trace: fg_b behind the q/k/v GEMV, the KDA grid waiting on it), 9 repeats
+#   s71c (either): s71b without the step's A/B (~200 s: what a short call can check) — the grid's GPU tests with the
+#                             clock hold, then the in-kernel profiles
 #   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
 #                             row-major vs a tile-major weight, 37 and 75 MB; session 70's H100: ~2.5-2.65 TB/s either
 #                             way) — the ceiling the weight-streaming kernels are up against; ~30 s (run it before
@@ -94,8 +96,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a, s71b)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -336,6 +338,12 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     # session 36's
     rank1 s71a_q4_trace --q 4 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'
     rm -f "$OUT"/hlo/*.hlo.gz
+    ;;
+  s71c)  # (either) see the header
+    gpu_tests s71c 200 gpu "o_grid_gpu" tests/test_kda_decode.py
+    timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
+      --cases kdao_1x1,kdaos_1x1,kdaos500_1x1,kdaos2000_1x1 --out "$OUT/kernel_profile_kda_spin.txt" > /dev/null 2>&1
+    grep -E "^##|span|loaded|kda |issue|wait|tile|out" "$OUT/kernel_profile_kda_spin.txt" | head -60
     ;;
   s71b)  # (either; H100: LAYERS=32) see the header
     gpu_tests s71b 200 gpu "o_grid_gpu" tests/test_kda_decode.py; ok=$?
