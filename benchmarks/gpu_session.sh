@@ -339,19 +339,13 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     rank1 s71a_q4_trace --q 4 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'
     rm -f "$OUT"/hlo/*.hlo.gz
     ;;
-  s71c)  # (either) see the header
-    gpu_tests s71c 200 gpu "o_grid_gpu" tests/test_kda_decode.py
+  s71b|s71c)  # (either; s71b on an H100: LAYERS=32) see the header
+    gpu_tests "$MODE" 200 gpu "o_grid_gpu" tests/test_kda_decode.py; ok=$?
     timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
       --cases kdao_1x1,kdaos_1x1,kdaos500_1x1,kdaos2000_1x1 --out "$OUT/kernel_profile_kda_spin.txt" > /dev/null 2>&1
     grep -E "^##|span|loaded|kda |issue|wait|tile|out" "$OUT/kernel_profile_kda_spin.txt" | head -60
-    ;;
-  s71b)  # (either; H100: LAYERS=32) see the header
-    gpu_tests s71b 200 gpu "o_grid_gpu" tests/test_kda_decode.py; ok=$?
-    timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
-      --cases kdao_1x1,kdaos_1x1,kdaos500_1x1,kdaos2000_1x1 --out "$OUT/kernel_profile_kda_spin.txt" > /dev/null 2>&1
-    grep -E "^##|span|loaded|kda |issue|wait|tile|out" "$OUT/kernel_profile_kda_spin.txt" | head -60
-    [ "$ok" -eq 0 ] && rank1 s71b --q 1 --steps-per-call 4 --interleave --repeats 9 --steps 80 --policy '{}' \
-      "${POLICY:-{\"kda_o_grid_spin\": true\}}" '{"kda_gates_first": true}'
+    [ "$MODE" = s71b ] && [ "$ok" -eq 0 ] && rank1 s71b --q 1 --steps-per-call 4 --interleave --repeats 9 \
+      --steps 80 --policy '{}' "${POLICY:-{\"kda_o_grid_spin\": true\}}" '{"kda_gates_first": true}'
     ;;
   stream)  # (either) see the header
     for mb in 37.7 75; do

@@ -455,6 +455,20 @@ def _extend_one_token(m, B, policy, seed, trace_only=False):
   return got, dict(rep)
 
 
+def _lowered_barriers(m, B, policy) -> int:
+  """The optimization barriers in the lowered one-token extend step of B rows under kernel ``policy`` (GPU
+  interpret mode for its kernels; a fresh function per policy: the policy is not part of jit's cache key) — where
+  an order knob (dsa_qkv_a_first, kda_gates_first, kda_sinkhorn_first) shows in the program."""
+  from glm5_jax import api  # noqa: PLC0415
+  from glm5_jax.layers import use_kernels  # noqa: PLC0415
+  cache = api.init_cache(m, B, 64)
+  args = (m.params, cache.caches, jnp.zeros((B, 1), jnp.int32), cache.lengths, jnp.ones((B,), jnp.int32),
+          cache.n_acc)
+  with use_kernels(policy), maybe_interpret(True):
+    return jax.jit(api._build_extend(m, (B, 64, 1), "all")).trace(*args).lower().as_text().count(
+        "optimization_barrier")
+
+
 def test_router_in_the_gate_up_kernel_at_the_model_site():
   """Policy moe_router_in_kernel at the model's single-row MoE (one layer, one token): the router's selection
   inside fp8_moe's gate/up kernel (moe_router_ranks' form, and every CTA selecting all k without it) gives the hidden
@@ -497,8 +511,7 @@ def test_dsa_qkv_a_first_at_the_model_site():
   input through an optimization barrier with q_a's output) at a one-layer DSA model's step (XLA everywhere else):
   the lowered step has the barrier only with the knob, the hidden state and the layer's indexer selection are
   bit for bit the same, and the report names the site."""
-  from glm5_jax import api  # noqa: PLC0415
-  from glm5_jax.layers import KERNEL_DEFAULTS, use_kernels  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 8, "fp8", num_hidden_layers=1, layer_types=["indexed_attention"],
                          mlp_layer_types=["dense"])
   m = load(path, "float32")
@@ -509,21 +522,15 @@ def test_dsa_qkv_a_first_at_the_model_site():
   np.testing.assert_array_equal(h1, h0)
   np.testing.assert_array_equal(i1, i0)
   assert np.all(np.any(i0 >= 0, axis=-1))  # (a real selection: the token's own position at least)
-  cache = api.init_cache(m, 2, 64)
-  args = (m.params, cache.caches, jnp.zeros((2, 1), jnp.int32), cache.lengths, jnp.ones((2,), jnp.int32),
-          cache.n_acc)
   for pol, want in ((off, False), (off | {"dsa_qkv_a_first": True}, True)):
-    with use_kernels(pol):  # (a fresh function per policy: the policy is not part of jit's cache key)
-      text = jax.jit(api._build_extend(m, (2, 64, 1), "all")).trace(*args).lower().as_text()
-    assert ("optimization_barrier" in text) == want, pol
+    assert (_lowered_barriers(m, 2, pol) > 0) == want, pol
 
 
 def test_kda_gates_first_at_the_model_site():
   """Policy kda_gates_first (an order, not a kernel: the qkv projection takes the layer input through an
   optimization barrier with the gates' fg_b output) at a one-layer KDA model's step (XLA everywhere): the hidden
   state bit for bit the same, one more barrier in the lowered step, the report naming the site."""
-  from glm5_jax import api  # noqa: PLC0415
-  from glm5_jax.layers import KERNEL_DEFAULTS, use_kernels  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 11, "fp8", num_hidden_layers=1, layer_types=["linear_attention"],
                          mlp_layer_types=["dense"])
   m = load(path, "float32")
@@ -534,14 +541,7 @@ def test_kda_gates_first_at_the_model_site():
   assert rep1["kda_gates_first"] is None and rep0["kda_gates_first"] == "off in the policy", (rep0, rep1)
   np.testing.assert_array_equal(h1, h0)
   assert np.abs(h0).max() > 0
-  cache = api.init_cache(m, 2, 64)
-  args = (m.params, cache.caches, jnp.zeros((2, 1), jnp.int32), cache.lengths, jnp.ones((2,), jnp.int32),
-          cache.n_acc)
-  counts = []
-  for pol in (off, on):
-    with use_kernels(pol):  # (a fresh function per policy: the policy is not part of jit's cache key)
-      counts.append(jax.jit(api._build_extend(m, (2, 64, 1), "all")).trace(*args).lower().as_text()
-                    .count("optimization_barrier"))
+  counts = [_lowered_barriers(m, 2, pol) for pol in (off, on)]
   assert counts[1] == counts[0] + 1, counts
 
 
@@ -550,8 +550,7 @@ def test_kda_sinkhorn_first_at_the_model_site():
   the boundary's Sinkhorn output) at a one-layer bf16 KDA model's fused mHC boundaries (GPU interpret mode, XLA
   elsewhere): the hidden state bit for bit the same, one more barrier in the lowered step, the report naming the
   site; without the Sinkhorn as a kernel of its own (mhc_sinkhorn_split off) it is declined by name."""
-  from glm5_jax import api  # noqa: PLC0415
-  from glm5_jax.layers import KERNEL_DEFAULTS, use_kernels  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
   path = tiny_checkpoint("kernel-tiny", 17, "bfloat16", num_hidden_layers=1, layer_types=["linear_attention"],
                          mlp_layer_types=["dense"])
   m = load(path, "bfloat16")
@@ -564,14 +563,7 @@ def test_kda_sinkhorn_first_at_the_model_site():
   assert rep1["mhc_row"] is None, rep1
   np.testing.assert_array_equal(h1, h0)
   assert np.abs(h0).max() > 0
-  cache = api.init_cache(m, 1, 64)
-  args = (m.params, cache.caches, jnp.zeros((1, 1), jnp.int32), cache.lengths, jnp.ones((1,), jnp.int32),
-          cache.n_acc)
-  counts = []
-  for pol in (off, on):
-    with use_kernels(pol), maybe_interpret(True):  # (a fresh function per policy: not part of jit's cache key)
-      counts.append(jax.jit(api._build_extend(m, (1, 64, 1), "all")).trace(*args).lower().as_text()
-                    .count("optimization_barrier"))
+  counts = [_lowered_barriers(m, 1, pol) for pol in (off, on)]
   assert counts[1] == counts[0] + 1, counts
   _, rep2 = _extend_one_token(m, 1, on | {"mhc_sinkhorn_split": False, "mhc_grid_barrier": False,
                                           "mhc_row": False}, seed=5, trace_only=True)
