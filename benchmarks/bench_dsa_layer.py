@@ -19,7 +19,7 @@ donated and chained (its update in place, as in the step). Timing: the device ti
   core     the attention core: the indexer's scores, the selection, the sparse MLA and its split merge — what
            issue #7's goal (<= 10 µs per layer at B = 1, q = 4, 32K) and the published sparse-MLA decode time it
            cites are about (latency_specialized's kernels only; XLA's path is not split)
-  proj     the weight-streaming kernels (q_a / kv_a, q_b, the indexer's, W_UV, o_proj)
+  proj     the weight-streaming kernels (q_a / kv_a, q_b, the indexer's, W_UK (mla_uk_kernel), W_UV, o_proj)
   glue     everything else (XLA fusions around the kernels)
   floor    the bytes the layer must read (its weights once; the selected FP8 latent rows per query token; the
            pooled keys once per sequence: glm5_jax.profiling.floor_bytes) at 4.3 TB/s
@@ -58,7 +58,7 @@ from pallas_kernels._common import maybe_interpret, on_gpu  # noqa: E402
 L2_BYTES = 60 << 20
 FAMILIES = (  # (column, kernel-name fragments) — a CUPTI kernel name is counted in the first family it matches
     ("core", ("glm5_indexer_scores", "glm5_topk", "glm5_sparse_mla", "glm5_mla_combine")),
-    ("proj", ("glm5_fp8", "glm5_bf16_linear", "glm5_mla_uv")),
+    ("proj", ("glm5_fp8", "glm5_bf16_linear", "glm5_mla_uv", "glm5_mla_uk")),
 )
 
 

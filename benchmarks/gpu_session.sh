@@ -84,6 +84,10 @@
 #                             kda_gates_first (s70's trace: fg_b behind the q/k/v GEMV, the KDA grid waiting on it), 9 repeats
 #   s71c (either): s71b without the step's A/B (~200 s: what a short call can check) — the grid's GPU tests with the
 #                             clock hold, then the in-kernel profiles
+#   s72a (either; H100: LAYERS=32): session 72's W_UK kernel (policy mla_uk_kernel: the absorbed query as a Mosaic
+#                             kernel instead of XLA's transposed f32 copy of W_UK + reduction at q = 4, 21 µs a DSA
+#                             layer in s71's trace) — its GPU tests, one DSA layer (bench_dsa_layer: B = 1, q 1 / 4,
+#                             32K; the defaults vs the knob), then the step's A/B at q = 4 and at q = 1 (5 repeats)
 #   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
 #                             row-major vs a tile-major weight, 37 and 75 MB; session 70's H100: ~2.5-2.65 TB/s either
 #                             way) — the ceiling the weight-streaming kernels are up against; ~30 s (run it before
@@ -96,8 +100,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -346,6 +350,16 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     grep -E "^##|span|loaded|kda |issue|wait|tile|out" "$OUT/kernel_profile_kda_spin.txt" | head -60
     [ "$MODE" = s71b ] && [ "$ok" -eq 0 ] && rank1 s71b --q 1 --steps-per-call 4 --interleave --repeats 9 \
       --steps 80 --policy '{}' "${POLICY:-{\"kda_o_grid_spin\": true\}}" '{"kda_gates_first": true}'
+    ;;
+  s72a)  # (either; H100: LAYERS=32) see the header
+    gpu_tests s72a 150 gpu "uk_kernel_gpu" tests/test_sparse_mla.py; ok=$?
+    if [ "$ok" -eq 0 ]; then
+      timeout 200 python3 benchmarks/bench_dsa_layer.py --batch 1 --q 4 1 --context 32768 --backend latency_specialized \
+        --policy '{}' '{"mla_uk_kernel": true}' --out "$OUT/dsa_layer.jsonl" 2>&1 \
+        | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
+      rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mla_uk_kernel": true}'
+      rank1 s72a_q1 --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"mla_uk_kernel": true}'
+    fi
     ;;
   stream)  # (either) see the header
     for mb in 37.7 75; do

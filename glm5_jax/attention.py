@@ -654,7 +654,7 @@ class DSA(nnx.Module):
         idx, js = self.indexer.select(sc, pos, raw=raw, width=width)
       else:
         idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
-    q_hat = _per_head("bthn,hnr->bthr", q, w_uk)  # absorbed query [B, T, H, R]
+    q_hat = self._absorb_uk(q, wkv, w_uk)  # absorbed query [B, T, H, R]
     if fp8:
       if kernel_enabled("sparse_mla", B * T):
         hp = -H % 16  # the kernel packs 16 heads per CTA: pad with zero queries (sliced off below)
@@ -706,3 +706,23 @@ class DSA(nnx.Module):
                              x16=None if o16 is None else o16.reshape(B, T, H * dv)), TP)
     new = dict(cache, **lat, **icache)
     return y, new, {"idx": idx, "pools": js}
+
+  def _absorb_uk(self, q, wkv, w_uk):
+    """q [B, T, H, dn] -> q̂ [B, T, H, R] = W_UK_hᵀ q_h per head: the Mosaic kernel (policy knob mla_uk_kernel)
+    or XLA's ``_per_head``."""
+    from pallas_kernels import sparse_mla as ks  # noqa: PLC0415
+    B, T, H, dn = q.shape
+    R = wkv.shape[-1]
+    bf16 = jnp.bfloat16
+    if not kernel_enabled("mla_uk_kernel", B * T, fits=q.dtype == bf16 and wkv.dtype == bf16 and B * T <= ks.
+                          UV_MAX_TOKENS and dn % ks.BLOCK == 0 and R == ks.D_LATENT,
+                          why=f"a bf16 model (here q {q.dtype}, kv_b {wkv.dtype}), <= {ks.UV_MAX_TOKENS} token rows "
+                          f"(here {B * T}), dn a multiple of {ks.BLOCK} (here {dn}) and a {ks.D_LATENT}-wide latent "
+                          f"(here {R})"):
+      return _per_head("bthn,hnr->bthr", q, w_uk)
+    hp = -H % ks.UK_HEADS  # (the kernel reads q's heads in groups of 16: the tiny presets' 4 padded, sliced off)
+    qh, wp = q.reshape(B * T, H, dn), wkv
+    if hp:
+      qh, wp = jnp.pad(qh, ((0, 0), (0, hp), (0, 0))), jnp.pad(wkv, ((0, hp), (0, 0), (0, 0)))
+    out = ks.mla_absorb_uk(qh, wp, dn=dn, lean=kernel_enabled("lean_barriers"))
+    return out[:, :H].reshape(B, T, H, R)

@@ -312,6 +312,13 @@ KNOBS = {
         "one launch fewer per DSA layer. Natively correct (its GPU tests; the kernel-tiny e2e at the model's "
         "site, s48a); the one-rank step at q = 1, 5 interleaved repeats: 4.35 -> 4.25 ms (s48b) and 4.34 -> "
         "4.23 (s48c), faster in 7 of 8 paired rounds (session 48)"),
+    "mla_uk_kernel": (False,
+        "with a bf16 model and <= 8 token rows: the absorbed query q̂_h = W_UK_hᵀ q_h as a Mosaic kernel "
+        "(pallas_kernels.sparse_mla.mla_absorb_uk: a CTA per 64 outputs of a head, its W_UK columns by TMA, one "
+        "wgmma chain per token over the head group's q rows) instead of attention._per_head's XLA reduction: at the "
+        "verify's 4 rows XLA copies W_UK transposed in f32 first (8.4 MB, 12.8 µs) and reduces it (8.4 µs) — 21 "
+        "µs on every DSA layer's chain of the q = 4 step (session 71's trace; 4.4 µs at q = 1). Within bf16 "
+        "rounding of the XLA form (the sums in another order) — off until measured natively"),
     "moe_rows": (True,
         "with fp8_moe, fp8_dq and moe_router_in_kernel at one token row: the MoE's two kernels sum their split "
         "partials in the kernel on the step's split-K counters (pallas_kernels.linear.splitk_counters) — the "
@@ -724,6 +731,7 @@ WGMMA_KNOBS = {
     "bf16_linear": "bf16_linear",
     "sparse_mla": "the sparse MLA attention",
     "mla_uv_kernel": "W_UV (mla_absorb_uv)",
+    "mla_uk_kernel": "W_UK (mla_absorb_uk)",
     "indexer": "the indexer's scores",
     "indexer_pool_kernel": "the indexer's cache update (the pooled keys' Hadamard rotation)",
     "topk_compact_kernel": "the selection's compaction (its prefix counts)",

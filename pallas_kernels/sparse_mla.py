@@ -1076,3 +1076,88 @@ def mla_absorb_uv(o_t, w_kv, *, dn: int, lean: bool = False, x16: bool = False, 
       kernel_name="glm5_mla_uv",
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=bool(lean)),
   )(o_t, w_kv)
+
+
+# ------------------------------------------------------------------------------------------------ W_UK
+# The absorbed query q̂_h = W_UK_hᵀ q_h (q_h [dn] -> [512]) as a kernel. In XLA (attention._per_head) it is one
+# reduction fusion over the 4 MB weight at one token row (4.4 µs, session 71's q = 1 trace), but at the verify's
+# 4 rows XLA first copies W_UK transposed in f32 (an 8.4 MB `input_transpose_fusion` per DSA layer per step, 12.8
+# µs) and then reduces it (8.4 µs): 21 µs on every DSA layer's chain of the verify step (session 71's q = 4 trace).
+UK_HEADS = HEADS_PER_CTA  # q's heads per B operand: the CTA's head and the 15 others of its group (N = 16)
+_BF16_SW128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # [.., 64] bf16 rows of 128 bytes
+
+
+def mla_absorb_uk_reference(q, w_kv, *, dn: int):
+  """q [BT, H, dn] bf16 (q_b_proj's output per head), w_kv [H, dn + dv, 512] bf16 (kv_b_proj's weight per head:
+  W_UK's dn rows, then W_UV's) -> q̂ [BT, H, 512] bf16: Σ_n q_h[n] · W_UK_h[n, r] in f32, rounded to bf16 — the
+  model's attention.DSA absorption (``_per_head``, a few token rows)."""
+  w = w_kv[:, :dn].astype(jnp.float32)  # [H, dn, 512]
+  return jnp.sum(q.astype(jnp.float32)[..., :, None] * w, axis=-2).astype(jnp.bfloat16)
+
+
+def _uk_kernel(BT: int, dn: int):
+  """CTA (r-chunk c, head h): q̂[:, h, 64c .. 64c + 63] for every token. W_UK_h's [dn, 64] columns by TMA in K
+  tiles of 64 rows ([64 n, 64 r] each, 128-byte rows: the wgmma A operand transposed — W_UK_hᵀ [64 r, dn]); each
+  token's q rows of the head's group of 16 by TMA in K tiles ([16 heads, 64 n]: the B operand transposed, q^T
+  [dn, 16]); acc [64, 16] = W_UK_hᵀ · q^T holds the head's own column at h % 16 (the other 15: its weight on the
+  group's other heads, unused — the MMA is free next to the weight's bytes), taken by a masked row sum (one
+  nonzero term: exact) and stored by TMA (``_uv_kernel``'s epilogue)."""
+  kt = dn // BLOCK
+
+  def body(q_g, w_g, out_g, w_s, q_s, v_s, bar):
+    c, h = lax.axis_index("c"), lax.axis_index("h")
+    r0, g0 = c * BLOCK, (h // UK_HEADS) * UK_HEADS
+    for t in range(kt):  # (the weight first: its bytes are the kernel's time; q's tiles come from L2)
+      plgpu.copy_gmem_to_smem(w_g.at[h, pl.ds(t * BLOCK, BLOCK), pl.ds(r0, BLOCK)], w_s.at[t], bar)
+    for bt in range(BT):
+      for t in range(kt):
+        plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(g0, UK_HEADS), pl.ds(t * BLOCK, BLOCK)], q_s.at[bt, t], bar)
+    plgpu.barrier_wait(bar)
+    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK, UK_HEADS), 1, layout=_L.WGMMA)
+    for bt in range(BT):
+      def mma(acc, bt=bt):
+        for t in range(kt):
+          plgpu.wgmma(acc, w_s.at[t].transpose((1, 0)), q_s.at[bt, t].transpose((1, 0)))
+        return acc[...]
+
+      acc = pl.run_scoped(mma, plgpu.ACC((BLOCK, UK_HEADS), jnp.float32))
+      _uv_head(acc, col, h - g0, v_s, None, bt)
+    _uv_store(v_s, None, out_g, None, h, r0)
+
+  return body
+
+
+@kernel_entry("dn", "lean")
+def mla_absorb_uk(q, w_kv, *, dn: int, lean: bool = False):
+  """Mosaic GPU version of ``mla_absorb_uk_reference`` (same signature; Hopper's wgmma): a CTA per (64 outputs,
+  head), 512 / 64 · H CTAs (128 at TP4: 16 heads), each streaming its [dn, 64] slice of W_UK once for all the
+  launch's tokens (up to UV_MAX_TOKENS). H a multiple of UK_HEADS (the model pads q's heads where it is not: the
+  tiny presets). The products of bf16 values are exact in the f32 accumulator; the sums run in another order
+  than XLA's (the result within bf16 rounding of the reference). ``lean`` (policy knob lean_barriers): built
+  without Mosaic GPU's automatic warpgroup barriers: every SMEM buffer is written once — the operands by TMA
+  (waited on their barrier), the outputs after the MMAs and read after a commit_smem."""
+  BT, H, n = q.shape
+  Hw, rows, R = w_kv.shape
+  if (q.dtype, w_kv.dtype) != (jnp.bfloat16, jnp.bfloat16) or R != D_LATENT or n != dn:
+    raise ValueError(f"mla_absorb_uk: q {q.shape} {q.dtype}, w_kv {w_kv.shape} {w_kv.dtype}, dn = {dn}; expected "
+                     f"bf16 q [BT, H, dn] and bf16 w_kv [H, dn + dv, {D_LATENT}]")
+  if H != Hw or H % UK_HEADS or dn <= 0 or dn % BLOCK or rows < dn:
+    raise ValueError(f"mla_absorb_uk: {H} heads in q, {Hw} in w_kv, dn = {dn} of {rows} rows; expected the same "
+                     f"heads, a multiple of {UK_HEADS}, and dn a positive multiple of {BLOCK}")
+  if not 1 <= BT <= UV_MAX_TOKENS:
+    raise ValueError(f"mla_absorb_uk: {BT} token rows; expected 1 .. {UV_MAX_TOKENS}")
+  bf16, kt = jnp.bfloat16, dn // BLOCK
+  return mgpu_kernel(
+      _uk_kernel(BT, dn),
+      out_type=jax.ShapeDtypeStruct((BT, H, D_LATENT), bf16),
+      scratch_types=[
+          plgpu.SMEM((kt, BLOCK, BLOCK), bf16, transforms=_BF16_SW128),  # w_s: W_UK_h's 64 columns, K tiles
+          plgpu.SMEM((BT, kt, UK_HEADS, BLOCK), bf16, transforms=_BF16_SW128),  # q_s: q's group rows, K tiles
+          plgpu.SMEM((BT, BLOCK), bf16),  # v_s: the outputs
+          plgpu.Barrier(num_arrivals=kt * (1 + BT)),  # (every operand's TMA)
+      ],
+      grid=(D_LATENT // BLOCK, H),
+      grid_names=("c", "h"),
+      kernel_name="glm5_mla_uk",
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=bool(lean)),
+  )(q, w_kv)

@@ -513,13 +513,15 @@ def test_indexer_pool_kernel_equals_xla_update():
 
 
 @pytest.mark.e2e_kernels
-def test_mla_uv_kernel_equals_xla_uv():
-  """Policy knob mla_uv_kernel (W_UV as a kernel on the sparse MLA's merged O^T: pallas_kernels.sparse_mla.
-  mla_absorb_uv) against XLA's transpose + reduction at the model's site: kernel-tiny in bf16 with the FP8 caches
-  and the sparse MLA kernel (every other op in XLA), the target's forward over a 13-token prompt in two 8-row
-  chunks (the second attends to the first's FP8 latents) — the trunk's hidden states within bf16 rounding (the
-  W_UV sums run in another order: comparing greedy tokens would flip on near-ties), the knob reported at the DSA
-  layer. (The step's own verify runs it too: tests/test_step_lowering.py lowers it.)"""
+@pytest.mark.parametrize("knob", ["mla_uv_kernel", "mla_uk_kernel"])
+def test_mla_absorb_kernels_equal_xla(knob):
+  """Policy knobs mla_uv_kernel (W_UV as a kernel on the sparse MLA's merged O^T: pallas_kernels.sparse_mla.
+  mla_absorb_uv) and mla_uk_kernel (the absorbed query W_UKᵀ q: mla_absorb_uk, kernel-tiny's 4 heads padded to
+  the kernel's 16) against XLA's transpose + reduction / reduction at the model's site: kernel-tiny in bf16 with
+  the FP8 caches and the sparse MLA kernel (every other op in XLA), the target's forward over a 13-token prompt in
+  two 8-row chunks (the second attends to the first's FP8 latents) — the trunk's hidden states within bf16
+  rounding (the sums run in another order: comparing greedy tokens would flip on near-ties), the knob reported at
+  the DSA layer. (The step's own verify runs them too: tests/test_step_lowering.py lowers it.)"""
   from glm5_jax import state as st  # noqa: PLC0415
   from glm5_jax.layers import kernel_report  # noqa: PLC0415
   from glm5_jax.speculative import _prefill_target_fn  # noqa: PLC0415
@@ -532,8 +534,8 @@ def test_mla_uv_kernel_equals_xla_uv():
   hs = []
   for on in (False, True):
     pol = (("kda", False), ("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("sparse_mla", True),
-           ("mhc", False), ("bf16_linear", False), ("indexer_pool_kernel", False), ("mla_uv_kernel", on),
-           ("kv_cache_dtype", "fp8"), *XLA_SELECTION)
+           ("mhc", False), ("bf16_linear", False), ("indexer_pool_kernel", False), *{"mla_uv_kernel": False,
+           "mla_uk_kernel": False, knob: on}.items(), ("kv_cache_dtype", "fp8"), *XLA_SELECTION)
     dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=pol), backend="latency_specialized",
                   prefill_chunk=8)
     caches = st.init_caches(dec.layout(1), m.mesh)
@@ -547,7 +549,7 @@ def test_mla_uv_kernel_equals_xla_uv():
                         jnp.full((1,), valid, jnp.int32))
         h.append(np.asarray(hc, np.float32)[:, :valid])
         start += valid
-    assert (("mla_uv_kernel", None) if on else ("mla_uv_kernel", "off in the policy")) in rep, rep
+    assert ((knob, None) if on else (knob, "off in the policy")) in rep, rep
     hs.append(np.concatenate(h, axis=1))
   np.testing.assert_allclose(hs[1], hs[0], **tol("kernel_bf16"))
   assert np.linalg.norm(hs[1] - hs[0]) <= 1e-2 * np.linalg.norm(hs[0])

@@ -723,6 +723,85 @@ def test_uv_kernel_gpu(BT, Hp, H):
   np.testing.assert_array_equal(np.asarray(jnp.swapaxes(f(True), 1, 2)).reshape(o.shape), o)
 
 
+
+# ------------------------------------------------------------------------------------------------------------
+# W_UK: the absorbed query (mla_absorb_uk)
+# ------------------------------------------------------------------------------------------------------------
+def uk_inputs(rng, BT, H, dn=256, dv=256):
+  """q_b_proj's output per head [BT, H, dn] bf16 (O(1) values) and a kv_b weight [H, dn + dv, 512] bf16 at a
+  trained-like scale."""
+  q = jnp.asarray(rng.standard_normal((BT, H, dn)), jnp.bfloat16)
+  return q, jnp.asarray(rng.standard_normal((H, dn + dv, M.D_LATENT)) * 0.05, jnp.bfloat16)
+
+
+def test_uk_reference_is_the_models_chain():
+  """mla_absorb_uk_reference == attention._per_head's W_UK absorption (the weight's first dn rows per head), bit
+  for bit."""
+  from glm5_jax.attention import _per_head  # noqa: PLC0415
+  q, w = uk_inputs(np.random.default_rng(), 3, 12)
+  want = _per_head("bthn,hnr->bthr", q.reshape(1, 3, 12, 256), w[:, :256]).reshape(3, 12, M.D_LATENT)
+  np.testing.assert_array_equal(np.asarray(M.mla_absorb_uk_reference(q, w, dn=256), np.float32),
+                                np.asarray(want, np.float32))
+
+
+def _uk_check(got, ref):
+  """Within bf16 rounding of the reference (the same f32 products summed in another order): each value at most
+  one bf16 ulp of its magnitude away (plus the f32 sums' own difference, ~1e-7 of the terms' ~1: a sum that
+  cancels to ~1e-5 rounds to bf16 a few of its ulps apart), most of them equal."""
+  g, r = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+  assert got.shape == ref.shape and got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(g, r, **tol("kernel_bf16"))
+  assert (np.abs(g - r) <= np.abs(r) * 2.0 ** -7 + 1e-5).all() and (g == r).mean() > 0.9
+
+
+@pytest.mark.parametrize("BT,H,dn", [(1, 16, 256), (4, 32, 256), (8, 16, 128)])
+def test_uk_kernel_interpret(BT, H, dn):
+  """The kernel (GPU interpret mode) against the reference: one token and the verify's 4 with a second head group
+  (h // 16 = 1: the q rows at an offset), the 8-row limit with another dn (2 K tiles)."""
+  q, w = uk_inputs(np.random.default_rng(), BT, H, dn=dn)
+  with maybe_interpret(True):
+    got = jax.jit(functools.partial(M.mla_absorb_uk, dn=dn))(q, w)
+  _uk_check(got, M.mla_absorb_uk_reference(q, w, dn=dn))
+
+
+def test_uk_rejects_bad_input():
+  q, w = SDS((1, 16, 256), jnp.bfloat16), SDS((16, 512, 512), jnp.bfloat16)
+  f = functools.partial(M.mla_absorb_uk, dn=256)
+  with pytest.raises(ValueError, match=r"mla_absorb_uk: q \(1, 16, 256\) float32"):
+    jax.eval_shape(f, SDS((1, 16, 256), jnp.float32), w)
+  with pytest.raises(ValueError, match=r"16 heads in q, 32 in w_kv"):
+    jax.eval_shape(f, q, SDS((32, 512, 512), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"4 heads in q, 4 in w_kv, dn = 256 of 512 rows; expected the same heads, a "
+                     r"multiple of 16"):
+    jax.eval_shape(f, SDS((1, 4, 256), jnp.bfloat16), SDS((4, 512, 512), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"dn = 96"):
+    jax.eval_shape(functools.partial(M.mla_absorb_uk, dn=96), SDS((1, 16, 96), jnp.bfloat16), w)
+  with pytest.raises(ValueError, match=rf"9 token rows; expected 1 .. {M.UV_MAX_TOKENS}"):
+    jax.eval_shape(f, SDS((9, 16, 256), jnp.bfloat16), w)
+
+
+@pytest.mark.parametrize("BT,H", [(1, 16), (4, 16), (8, 64)])
+def test_uk_cross_lower(BT, H):
+  """CUDA lowering at the real shapes: TP4's 16 heads at q = 1 and 4, TP1's 64 at 8 rows (lean: without the
+  automatic barriers, which the default build has)."""
+  args = SDS((BT, H, 256), jnp.bfloat16), SDS((H, 512, 512), jnp.bfloat16)
+  for lean in (False, True):
+    txt = cross_lower(functools.partial(M.mla_absorb_uk, dn=256, lean=lean), *args).as_text()
+    assert "glm5_mla_uk" in txt and f"tensor<{BT}x{H}x512xbf16>" in txt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("BT,H", [(1, 16), (4, 16), (8, 64), (3, 32)])
+def test_uk_kernel_gpu(BT, H):
+  """Natively against the reference (its f32 sums in XLA's order: within bf16 rounding), and built without the
+  automatic barriers (lean: bit for bit the default build)."""
+  q, w = uk_inputs(np.random.default_rng(), BT, H)
+  got = jax.jit(functools.partial(M.mla_absorb_uk, dn=256))(q, w)
+  _uk_check(got, jax.jit(functools.partial(M.mla_absorb_uk_reference, dn=256))(q, w))
+  lean = jax.jit(functools.partial(M.mla_absorb_uk, dn=256, lean=True))(q, w)
+  np.testing.assert_array_equal(np.asarray(lean, np.float32), np.asarray(got, np.float32))
+
+
 def _latent_inputs(seed, M_rows, Q):
   rng = np.random.default_rng(seed)
   qkv = jnp.asarray(rng.standard_normal((M_rows, Q + M.D_LATENT)) * rng.uniform(0.1, 5.0, (M_rows, 1)),
