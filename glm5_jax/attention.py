@@ -720,9 +720,8 @@ class DSA(nnx.Module):
                           f"(here {B * T}), dn a multiple of {ks.BLOCK} (here {dn}) and a {ks.D_LATENT}-wide latent "
                           f"(here {R})"):
       return _per_head("bthn,hnr->bthr", q, w_uk)
-    hp = -H % ks.UK_HEADS  # (the kernel reads q's heads in groups of 16: the tiny presets' 4 padded, sliced off)
-    qh, wp = q.reshape(B * T, H, dn), wkv
+    hp = -H % ks.UK_HEADS  # (the kernel reads q's heads in groups of 16: the tiny presets' 4 padded, unread)
+    qh = q.reshape(B * T, H, dn)
     if hp:
-      qh, wp = jnp.pad(qh, ((0, 0), (0, hp), (0, 0))), jnp.pad(wkv, ((0, hp), (0, 0), (0, 0)))
-    out = ks.mla_absorb_uk(qh, wp, dn=dn, lean=kernel_enabled("lean_barriers"))
-    return out[:, :H].reshape(B, T, H, R)
+      qh = jnp.pad(qh, ((0, 0), (0, hp), (0, 0)))
+    return ks.mla_absorb_uk(qh, wkv, dn=dn, lean=kernel_enabled("lean_barriers")).reshape(B, T, H, R)

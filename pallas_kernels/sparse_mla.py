@@ -1088,11 +1088,12 @@ _BF16_SW128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # [
 
 
 def mla_absorb_uk_reference(q, w_kv, *, dn: int):
-  """q [BT, H, dn] bf16 (q_b_proj's output per head), w_kv [H, dn + dv, 512] bf16 (kv_b_proj's weight per head:
-  W_UK's dn rows, then W_UV's) -> q̂ [BT, H, 512] bf16: Σ_n q_h[n] · W_UK_h[n, r] in f32, rounded to bf16 — the
-  model's attention.DSA absorption (``_per_head``, a few token rows)."""
+  """q [BT, Hp, dn] bf16 (q_b_proj's output per head, Hp >= H: heads past H padding, unread), w_kv [H, dn + dv,
+  512] bf16 (kv_b_proj's weight per head: W_UK's dn rows, then W_UV's) -> q̂ [BT, H, 512] bf16: Σ_n q_h[n] ·
+  W_UK_h[n, r] in f32, rounded to bf16 — the model's attention.DSA absorption (``_per_head``, a few token rows)."""
   w = w_kv[:, :dn].astype(jnp.float32)  # [H, dn, 512]
-  return jnp.sum(q.astype(jnp.float32)[..., :, None] * w, axis=-2).astype(jnp.bfloat16)
+  q = q[:, :w.shape[0]].astype(jnp.float32)
+  return jnp.sum(q[..., :, None] * w, axis=-2).astype(jnp.bfloat16)
 
 
 def _uk_kernel(BT: int, dn: int):
@@ -1131,19 +1132,19 @@ def _uk_kernel(BT: int, dn: int):
 def mla_absorb_uk(q, w_kv, *, dn: int, lean: bool = False):
   """Mosaic GPU version of ``mla_absorb_uk_reference`` (same signature; Hopper's wgmma): a CTA per (64 outputs,
   head), 512 / 64 · H CTAs (128 at TP4: 16 heads), each streaming its [dn, 64] slice of W_UK once for all the
-  launch's tokens (up to UV_MAX_TOKENS). H a multiple of UK_HEADS (the model pads q's heads where it is not: the
-  tiny presets). The products of bf16 values are exact in the f32 accumulator; the sums run in another order
+  launch's tokens (up to UV_MAX_TOKENS). q's heads Hp a multiple of UK_HEADS (the model pads them where H is not:
+  the tiny presets), H <= Hp. The products of bf16 values are exact in the f32 accumulator; the sums run in another order
   than XLA's (the result within bf16 rounding of the reference). ``lean`` (policy knob lean_barriers): built
   without Mosaic GPU's automatic warpgroup barriers: every SMEM buffer is written once — the operands by TMA
   (waited on their barrier), the outputs after the MMAs and read after a commit_smem."""
-  BT, H, n = q.shape
-  Hw, rows, R = w_kv.shape
+  BT, Hp, n = q.shape
+  H, rows, R = w_kv.shape
   if (q.dtype, w_kv.dtype) != (jnp.bfloat16, jnp.bfloat16) or R != D_LATENT or n != dn:
     raise ValueError(f"mla_absorb_uk: q {q.shape} {q.dtype}, w_kv {w_kv.shape} {w_kv.dtype}, dn = {dn}; expected "
-                     f"bf16 q [BT, H, dn] and bf16 w_kv [H, dn + dv, {D_LATENT}]")
-  if H != Hw or H % UK_HEADS or dn <= 0 or dn % BLOCK or rows < dn:
-    raise ValueError(f"mla_absorb_uk: {H} heads in q, {Hw} in w_kv, dn = {dn} of {rows} rows; expected the same "
-                     f"heads, a multiple of {UK_HEADS}, and dn a positive multiple of {BLOCK}")
+                     f"bf16 q [BT, Hp, dn] and bf16 w_kv [H, dn + dv, {D_LATENT}]")
+  if H > Hp or Hp % UK_HEADS or dn <= 0 or dn % BLOCK or rows < dn:
+    raise ValueError(f"mla_absorb_uk: {Hp} heads in q, {H} in w_kv, dn = {dn} of {rows} rows; expected q's heads a "
+                     f"multiple of {UK_HEADS}, at least w_kv's, and dn a positive multiple of {BLOCK}")
   if not 1 <= BT <= UV_MAX_TOKENS:
     raise ValueError(f"mla_absorb_uk: {BT} token rows; expected 1 .. {UV_MAX_TOKENS}")
   bf16, kt = jnp.bfloat16, dn // BLOCK

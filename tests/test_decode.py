@@ -513,15 +513,14 @@ def test_indexer_pool_kernel_equals_xla_update():
 
 
 @pytest.mark.e2e_kernels
-@pytest.mark.parametrize("knob", ["mla_uv_kernel", "mla_uk_kernel"])
-def test_mla_absorb_kernels_equal_xla(knob):
+def test_mla_absorb_kernels_equal_xla():
   """Policy knobs mla_uv_kernel (W_UV as a kernel on the sparse MLA's merged O^T: pallas_kernels.sparse_mla.
   mla_absorb_uv) and mla_uk_kernel (the absorbed query W_UKᵀ q: mla_absorb_uk, kernel-tiny's 4 heads padded to
-  the kernel's 16) against XLA's transpose + reduction / reduction at the model's site: kernel-tiny in bf16 with
-  the FP8 caches and the sparse MLA kernel (every other op in XLA), the target's forward over a 13-token prompt in
-  two 8-row chunks (the second attends to the first's FP8 latents) — the trunk's hidden states within bf16
-  rounding (the sums run in another order: comparing greedy tokens would flip on near-ties), the knob reported at
-  the DSA layer. (The step's own verify runs them too: tests/test_step_lowering.py lowers it.)"""
+  the kernel's 16 in q) each against XLA's transpose + reduction / reduction at the model's site: kernel-tiny in
+  bf16 with the FP8 caches and the sparse MLA kernel (every other op in XLA), the target's forward over a 13-token
+  prompt in two 8-row chunks (the second attends to the first's FP8 latents) — the trunk's hidden states within
+  bf16 rounding (the sums run in another order: comparing greedy tokens would flip on near-ties), each knob
+  reported at the DSA layer. (The step's own verify runs them too: tests/test_step_lowering.py lowers it.)"""
   from glm5_jax import state as st  # noqa: PLC0415
   from glm5_jax.layers import kernel_report  # noqa: PLC0415
   from glm5_jax.speculative import _prefill_target_fn  # noqa: PLC0415
@@ -531,11 +530,12 @@ def test_mla_absorb_kernels_equal_xla(knob):
   assert m.cfg.num_experts_per_tok == m.cfg.n_routed_experts and m.cfg.layer_types[-1] != "linear_attention"
   toks = np.zeros((1, 16), np.int32)
   toks[0, :13] = np.random.default_rng().integers(0, 2000, 13)
-  hs = []
-  for on in (False, True):
+  hs = {}
+  knobs = ("mla_uv_kernel", "mla_uk_kernel")
+  for on in (None, *knobs):  # (XLA for both, then each knob alone)
     pol = (("kda", False), ("fp8_linear", False), ("fp8_moe", False), ("indexer", False), ("sparse_mla", True),
-           ("mhc", False), ("bf16_linear", False), ("indexer_pool_kernel", False), *{"mla_uv_kernel": False,
-           "mla_uk_kernel": False, knob: on}.items(), ("kv_cache_dtype", "fp8"), *XLA_SELECTION)
+           ("mhc", False), ("bf16_linear", False), ("indexer_pool_kernel", False),
+           *((k, k == on) for k in knobs), ("kv_cache_dtype", "fp8"), *XLA_SELECTION)
     dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=pol), backend="latency_specialized",
                   prefill_chunk=8)
     caches = st.init_caches(dec.layout(1), m.mesh)
@@ -549,10 +549,12 @@ def test_mla_absorb_kernels_equal_xla(knob):
                         jnp.full((1,), valid, jnp.int32))
         h.append(np.asarray(hc, np.float32)[:, :valid])
         start += valid
-    assert ((knob, None) if on else (knob, "off in the policy")) in rep, rep
-    hs.append(np.concatenate(h, axis=1))
-  np.testing.assert_allclose(hs[1], hs[0], **tol("kernel_bf16"))
-  assert np.linalg.norm(hs[1] - hs[0]) <= 1e-2 * np.linalg.norm(hs[0])
+    for k in knobs:
+      assert ((k, None) if k == on else (k, "off in the policy")) in rep, (on, rep)
+    hs[on] = np.concatenate(h, axis=1)
+  for k in knobs:
+    np.testing.assert_allclose(hs[k], hs[None], **tol("kernel_bf16"))
+    assert np.linalg.norm(hs[k] - hs[None]) <= 1e-2 * np.linalg.norm(hs[None])
 
 
 @pytest.mark.e2e_kernels

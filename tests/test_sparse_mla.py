@@ -727,10 +727,10 @@ def test_uv_kernel_gpu(BT, Hp, H):
 # ------------------------------------------------------------------------------------------------------------
 # W_UK: the absorbed query (mla_absorb_uk)
 # ------------------------------------------------------------------------------------------------------------
-def uk_inputs(rng, BT, H, dn=256, dv=256):
-  """q_b_proj's output per head [BT, H, dn] bf16 (O(1) values) and a kv_b weight [H, dn + dv, 512] bf16 at a
-  trained-like scale."""
-  q = jnp.asarray(rng.standard_normal((BT, H, dn)), jnp.bfloat16)
+def uk_inputs(rng, BT, H, dn=256, dv=256, Hp=None):
+  """q_b_proj's output per head [BT, Hp, dn] bf16 (O(1) values; Hp >= H, default H) and a kv_b weight [H, dn + dv,
+  512] bf16 at a trained-like scale."""
+  q = jnp.asarray(rng.standard_normal((BT, Hp or H, dn)), jnp.bfloat16)
   return q, jnp.asarray(rng.standard_normal((H, dn + dv, M.D_LATENT)) * 0.05, jnp.bfloat16)
 
 
@@ -754,11 +754,14 @@ def _uk_check(got, ref):
   assert (np.abs(g - r) <= np.abs(r) * 2.0 ** -7 + 1e-5).all() and (g == r).mean() > 0.9
 
 
-@pytest.mark.parametrize("BT,H,dn", [(1, 16, 256), (4, 32, 256), (8, 16, 128)])
-def test_uk_kernel_interpret(BT, H, dn):
+@pytest.mark.parametrize("BT,Hp,H,dn", [(1, 16, 16, 256), (4, 32, 32, 256), (8, 16, 16, 128), (2, 32, 20, 256)])
+def test_uk_kernel_interpret(BT, Hp, H, dn):
   """The kernel (GPU interpret mode) against the reference: one token and the verify's 4 with a second head group
-  (h // 16 = 1: the q rows at an offset), the 8-row limit with another dn (2 K tiles)."""
-  q, w = uk_inputs(np.random.default_rng(), BT, H, dn=dn)
+  (h // 16 = 1: the q rows at an offset), the 8-row limit with another dn (2 K tiles), q's heads padded past the
+  weight's (H < Hp: the tiny presets' form; the pad's values never read)."""
+  q, w = uk_inputs(np.random.default_rng(), BT, H, dn=dn, Hp=Hp)
+  if Hp > H:
+    q = q.at[:, H:].set(jnp.nan)
   with maybe_interpret(True):
     got = jax.jit(functools.partial(M.mla_absorb_uk, dn=dn))(q, w)
   _uk_check(got, M.mla_absorb_uk_reference(q, w, dn=dn))
@@ -771,9 +774,10 @@ def test_uk_rejects_bad_input():
     jax.eval_shape(f, SDS((1, 16, 256), jnp.float32), w)
   with pytest.raises(ValueError, match=r"16 heads in q, 32 in w_kv"):
     jax.eval_shape(f, q, SDS((32, 512, 512), jnp.bfloat16))
-  with pytest.raises(ValueError, match=r"4 heads in q, 4 in w_kv, dn = 256 of 512 rows; expected the same heads, a "
-                     r"multiple of 16"):
+  with pytest.raises(ValueError, match=r"4 heads in q, 4 in w_kv, dn = 256 of 512 rows; expected q's heads a "
+                     r"multiple of 16, at least w_kv's"):
     jax.eval_shape(f, SDS((1, 4, 256), jnp.bfloat16), SDS((4, 512, 512), jnp.bfloat16))
+  assert jax.eval_shape(f, q, SDS((4, 512, 512), jnp.bfloat16)).shape == (1, 4, 512)  # (12 padded heads of q)
   with pytest.raises(ValueError, match=r"dn = 96"):
     jax.eval_shape(functools.partial(M.mla_absorb_uk, dn=96), SDS((1, 16, 96), jnp.bfloat16), w)
   with pytest.raises(ValueError, match=rf"9 token rows; expected 1 .. {M.UV_MAX_TOKENS}"):
