@@ -87,7 +87,8 @@
 #   s72a (either; H100: LAYERS=32): session 72's W_UK kernel (policy mla_uk_kernel: the absorbed query as a Mosaic
 #                             kernel instead of XLA's transposed f32 copy of W_UK + reduction at q = 4, 21 µs a DSA
 #                             layer in s71's trace) — its GPU tests, one DSA layer (bench_dsa_layer: B = 1, q 1 / 4,
-#                             32K; the defaults vs the knob), then the step's A/B at q = 4 and at q = 1 (5 repeats)
+#                             32K; the defaults vs the knob), then the step's A/B at q = 4 (5 repeats; at q = 1 the
+#                             XLA reduction it replaces runs beside the selection, off the chain: a tie expected)
 #   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
 #                             row-major vs a tile-major weight, 37 and 75 MB; session 70's H100: ~2.5-2.65 TB/s either
 #                             way) — the ceiling the weight-streaming kernels are up against; ~30 s (run it before
@@ -358,7 +359,6 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
         --policy '{}' '{"mla_uk_kernel": true}' --out "$OUT/dsa_layer.jsonl" 2>&1 \
         | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
       rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mla_uk_kernel": true}'
-      rank1 s72a_q1 --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --policy '{}' '{"mla_uk_kernel": true}'
     fi
     ;;
   stream)  # (either) see the header
