@@ -88,7 +88,9 @@
 #                             kernel instead of XLA's transposed f32 copy of W_UK + reduction at q = 4, 21 µs a DSA
 #                             layer in s71's trace) — its GPU tests, one DSA layer (bench_dsa_layer: B = 1, q 1 / 4,
 #                             32K; the defaults vs the knob), then the step's A/B at q = 4 (5 repeats; at q = 1 the
-#                             XLA reduction it replaces runs beside the selection, off the chain: a tie expected)
+#                             XLA reduction it replaces runs beside the selection, off the chain: a tie expected) —
+#                             with linear_fused_sum too (the K splits summed in the kernels: a tie at q = 1, sessions
+#                             47 / 51; at q = 4 XLA's split sums sit on the router's, KDA's and o_proj's chains)
 #   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
 #                             row-major vs a tile-major weight, 37 and 75 MB; session 70's H100: ~2.5-2.65 TB/s either
 #                             way) — the ceiling the weight-streaming kernels are up against; ~30 s (run it before
@@ -358,7 +360,8 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       timeout 200 python3 benchmarks/bench_dsa_layer.py --batch 1 --q 4 1 --context 32768 --backend latency_specialized \
         --policy '{}' '{"mla_uk_kernel": true}' --out "$OUT/dsa_layer.jsonl" 2>&1 \
         | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
-      rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mla_uk_kernel": true}'
+      rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mla_uk_kernel": true}' \
+        '{"linear_fused_sum": true}'
     fi
     ;;
   stream)  # (either) see the header
