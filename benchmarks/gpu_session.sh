@@ -87,7 +87,8 @@
 #   s72a (either; H100: LAYERS=32): session 72's W_UK kernel (policy mla_uk_kernel: the absorbed query as a Mosaic
 #                             kernel instead of XLA's transposed f32 copy of W_UK + reduction at q = 4, 21 µs a DSA
 #                             layer in s71's trace) — its GPU tests, one DSA layer (bench_dsa_layer: B = 1, q 1 / 4,
-#                             32K; the defaults vs the knob), then the step's A/B at q = 4 (5 repeats; at q = 1 the
+#                             32K; the defaults vs the knob vs it with the layer's glue cuts linear_fused_sum and
+#                             mla_latent_norms: session 64's split had ~40 µs of XLA glue a layer), then the step's A/B at q = 4 (5 repeats; at q = 1 the
 #                             XLA reduction it replaces runs beside the selection, off the chain: a tie expected) —
 #                             with linear_fused_sum too (the K splits summed in the kernels: a tie at q = 1, sessions
 #                             47 / 51; at q = 4 XLA's split sums sit on the router's, KDA's and o_proj's chains)
@@ -358,7 +359,8 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     gpu_tests s72a 150 gpu "uk_kernel_gpu" tests/test_sparse_mla.py; ok=$?
     if [ "$ok" -eq 0 ]; then
       timeout 200 python3 benchmarks/bench_dsa_layer.py --batch 1 --q 4 1 --context 32768 --backend latency_specialized \
-        --policy '{}' '{"mla_uk_kernel": true}' --out "$OUT/dsa_layer.jsonl" 2>&1 \
+        --policy '{}' '{"mla_uk_kernel": true}' '{"mla_uk_kernel": true, "linear_fused_sum": true, "mla_latent_norms": true}' \
+        --out "$OUT/dsa_layer.jsonl" 2>&1 \
         | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
       rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mla_uk_kernel": true}' \
         '{"linear_fused_sum": true}'
