@@ -285,6 +285,23 @@ def _sweep_bf16(deadline, name, n, k, m):
       guarded(deadline, bench_bf16, name, n, k, m, plan=p, with_xla=False, check=False)
 
 
+def _sweep_bf16_splits(deadline, name, n, k, m):
+  """The bf16 GEMV's K splits and row tiles at ``m`` rows (the verify's 4: bf16_linear runs at every bf16 site there).
+  Session 71's q = 4 trace had the KDA q/k/v call (6144 x 4096: 48 row tiles x 4 splits = 192 CTAs on 132 SMs)
+  at 2.07 TB/s against XLA's one-row GEMV of it at 2.54: 60 SMs hold two CTAs, 72 one. More splits (or 64-row
+  tiles) make 384 CTAs — 2.9 a SM — at the cost of more partials for the split sum ("call us")."""
+  mp = L._padded_rows(m)
+  seen = set()
+  kb = k // 128
+  for bm, split in [(None, None), (128, 8), (128, 16), (64, 4), (64, 8), (128, 2), (64, 2)]:
+    if split is not None and kb % split:
+      continue
+    p = L.plan_linear(n, k, mp, "bf16", bm=bm, split=split)
+    if p not in seen:
+      seen.add(p)
+      guarded(deadline, bench_bf16, name, n, k, m, plan=p, with_xla=bm is None, check=bm is None)
+
+
 def _sweep_fp8dq(deadline, name, n, k, m):
   """Plan variants of the dequantising FP8 GEMV (the step's default form): K splits from 2 to 32 (with the XLA
   split sum in "call us"), shallower / deeper rings. s48e's trace: the DSA layer's fused q_a | kv_a call (2048 x
@@ -369,6 +386,8 @@ def main(argv=None):
                   "plan variants")
   ap.add_argument("--sweep-dq", default="", help="the dequantising FP8 GEMV's plan sweep for the DSA layer's linears "
                   "(qkv_a, q_b, mla_o) at these rows, e.g. 1")
+  ap.add_argument("--sweep-bf16", default="", help="the bf16 GEMV's K splits / row tiles for the KDA q/k/v, o_proj, "
+                  "the indexer's wq_b and the router at these rows, e.g. 4")
   ap.add_argument("--budget-s", type=float, default=1e9)
   ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
@@ -418,6 +437,13 @@ def main(argv=None):
     for m in [int(r) for r in a.sweep_dq.split(",")]:
       for name, n, k in (("qkv_a", 2048, 4096), ("q_b", 4096, 1536), ("mla_o", 4096, 4096)):
         _sweep_fp8dq(deadline, name, n, k, m)
+  if a.sweep_bf16:
+    log("\n# bf16 plan sweep (K splits, row tiles)")
+    log(HEADER)
+    for m in [int(r) for r in a.sweep_bf16.split(",")]:
+      for name, n, k in (("kda_qkv", 6144, 4096), ("kda_o", 4096, 2048), ("indexer_wq_b", 4096, 1536),
+                         ("router", 288, 4096)):
+        _sweep_bf16_splits(deadline, name, n, k, m)
   if a.sweep_moe:
     log("\n# MoE plan sweep (dq, shared slot)")
     log(HEADER)

@@ -92,6 +92,8 @@
 #                             XLA reduction it replaces runs beside the selection, off the chain: a tie expected) —
 #                             with linear_fused_sum too (the K splits summed in the kernels: a tie at q = 1, sessions
 #                             47 / 51; at q = 4 XLA's split sums sit on the router's, KDA's and o_proj's chains)
+#   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows (bench_linear --sweep-bf16 4:
+#                             the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs)
 #   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
 #                             row-major vs a tile-major weight, 37 and 75 MB; session 70's H100: ~2.5-2.65 TB/s either
 #                             way) — the ceiling the weight-streaming kernels are up against; ~30 s (run it before
@@ -104,8 +106,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -365,6 +367,10 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mla_uk_kernel": true}' \
         '{"linear_fused_sum": true}'
     fi
+    ;;
+  s72b)  # (either) see the header
+    timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4 \
+      --budget-s $(( $(left) - 40 )) --out "$OUT/bench_linear_bf16_sweep.txt" 2>&1 | grep -E "^#|bf16" | tail -40
     ;;
   stream)  # (either) see the header
     for mb in 37.7 75; do
