@@ -512,12 +512,15 @@ KNOBS = {
         "17 µs beside the GEMVs and the q/k/v GEMV took 19.3 -> 19.8 µs — off"),
     "kda_o_grid_spin": (False,
         "with kda_o_grid: the grid's o_proj-only CTAs request their W_o slices (8.4 MB of the 16.8) after a fixed "
-        "hold of kda_decode.W_DELAY_CYCLES SM cycles (~0.5 µs) instead of once every recurrence CTA's loads are in "
+        "hold of kda_decode.W_DELAY_CYCLES SM cycles (~1 µs) instead of once every recurrence CTA's loads are in "
         "(the `loaded` count: 3.76 µs median in s69b's in-kernel profile, H100) — the recurrence's ~1 MB of loads "
         "are queued by then. In that profile W_o's last bytes, not x', were the grid's last arrival (the tile's "
         "barrier wait after the x' hand-off); started ~3 µs earlier the stream could end before x' is ready, if "
         "the recurrence's loads are not slowed behind it (all 16.8 MB at the start made them 4.5 -> 10.9 µs, s68d). "
-        "The same values bit for bit (an order of requests) — off until measured"),
+        "The same values bit for bit (an order of requests); natively correct (its GPU tests, session 72). The "
+        "step at q = 1 with a 1,000-cycle hold: 2.79 -> 2.78 ms, 4 of 8 paired rounds (s71b, H100: a tie); the "
+        "grid alone spans 16.6 / 15.6 / 14.3 µs with the count / 1,000 / 2,000 cycles (one profile each): the hold "
+        "is 2,000 since — off until the step says otherwise"),
     "fp8_scales_first": (True,
         "with fp8_linear + fp8_dq on: each CTA of the dense FP8 kernel (fp8_dq_linear: q_a / kv_a, q_b, o_proj, "
         "the dense MLP, the MTP's) requests all its steps' block scales before its first weight tiles, instead of "

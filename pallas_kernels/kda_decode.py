@@ -630,9 +630,12 @@ def _kda(q, k, v, f, b, A_log, dt_bias, state, num_accepted, lower_bound, gate, 
 # 128-wide K tile and scales that tile's product by the head's 1/RMS per token: y = Σ_h inv_h · (W_h x'_h). The
 # model's unfused form rounds w · (o · inv) · sigmoid(gate) to bf16 instead — the same within bf16 rounding.
 KDA_O_GRID_SMEM = 160 * 1024  # W_o's slice per o_proj CTA at most: the KDA role's windows and x' beside it
-# kda_o_grid_spin's hold of the o_proj-only CTAs' W_o requests: ~0.5 µs at the H100 / H200's ~1.98 GHz boost clock —
-# the recurrence CTAs' loads (issued ~0.2 µs in) queued ahead of the 8.4 MB those CTAs request
-W_DELAY_CYCLES = 1000
+# kda_o_grid_spin's hold of the o_proj-only CTAs' W_o requests: ~1 µs at the H100 / H200's ~1.98 GHz boost clock —
+# the recurrence CTAs' loads (issued ~0.2 µs in) queued ahead of the 8.4 MB those CTAs request. Session 72's
+# in-kernel profiles (H100, B x q = 1 x 1, one trace each): the grid's span 16.6 µs with the `loaded` count, 15.6
+# with a hold of 500 or 1,000 cycles, 14.3 with 2,000 (the recurrence 5.5 µs: no slower than with the count); the
+# step with 1,000 a tie (2.79 -> 2.78 ms, 4 of 8)
+W_DELAY_CYCLES = 2000
 KDA_GRID_BANK = 16  # counters per bank (linear.KDA_GRID_BANKS: two banks): one per K split, the last `loaded`
 
 
