@@ -497,7 +497,8 @@ KNOBS = {
         "KDA layer's chain (x 34 per step). Like dsa_qkv_a_first, the barrier (no buffer of its own) orders the "
         "launches, not the execution. The same values. Measured in s57b (session 58: one TP4 rank, B = 1, q = 1, 5 "
         "interleaved repeats, defaults 3.65 ms): 3.69 ms, +0.03 ms, faster in 1 of 4 "
-        "paired rounds — off"),
+        "paired rounds; again in s71b (session 72, H100, the first 32 layers, 9 repeats): 2.79 -> 2.80 ms, faster "
+        "in 0 of 8 — off"),
     "kda_sinkhorn_first": (False,
         "not a kernel: an order in the KDA sublayer — with the fused mHC boundaries, the layer input passes "
         "through an optimization barrier with the boundary's Sinkhorn output (mhc_sinkhorn: the mix only the next "
