@@ -92,7 +92,8 @@
 #                             XLA reduction it replaces runs beside the selection, off the chain: a tie expected) —
 #                             with linear_fused_sum too (the K splits summed in the kernels: a tie at q = 1, sessions
 #                             47 / 51; at q = 4 XLA's split sums sit on the router's, KDA's and o_proj's chains)
-#                             and kda_o_grid_spin (its hold 2,000 cycles since s72: the grid alone 16.6 -> 14.3 µs)
+#                             and kda_o_grid_spin (its hold 2,000 cycles since s72: the grid alone 16.6 -> 14.3 µs);
+#                             SHORT=1: the tests and the q = 4 A/B of mla_uk_kernel and linear_fused_sum alone
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows (bench_linear --sweep-bf16 4:
 #                             the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs)
 #   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
@@ -360,13 +361,18 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     ;;
   s72a)  # (either; H100: LAYERS=32) see the header
     gpu_tests s72a 150 gpu "uk_kernel_gpu" tests/test_sparse_mla.py; ok=$?
-    if [ "$ok" -eq 0 ]; then
+    if [ "$ok" -eq 0 ] && [ -z "${SHORT:-}" ]; then
       timeout 200 python3 benchmarks/bench_dsa_layer.py --batch 1 --q 4 1 --context 32768 --backend latency_specialized \
         --policy '{}' '{"mla_uk_kernel": true}' '{"mla_uk_kernel": true, "linear_fused_sum": true, "mla_latent_norms": true}' \
         --out "$OUT/dsa_layer.jsonl" 2>&1 \
         | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
+    fi
+    if [ "$ok" -eq 0 ] && [ -z "${SHORT:-}" ]; then
       rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mla_uk_kernel": true}' \
         '{"linear_fused_sum": true}' '{"kda_o_grid_spin": true}'
+    elif [ "$ok" -eq 0 ]; then  # (SHORT=1: what a short call holds — the tests and the A/B of the two q = 4 cuts)
+      rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 4 --steps 40 --policy '{}' '{"mla_uk_kernel": true}' \
+        '{"linear_fused_sum": true}'
     fi
     ;;
   s72b)  # (either) see the header
