@@ -94,8 +94,9 @@
 #                             47 / 51; at q = 4 XLA's split sums sit on the router's, KDA's and o_proj's chains)
 #                             and kda_o_grid_spin (its hold 2,000 cycles since s72: the grid alone 16.6 -> 14.3 µs);
 #                             SHORT=1: the tests and the q = 4 A/B of mla_uk_kernel and linear_fused_sum alone
-#   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows (bench_linear --sweep-bf16 4:
-#                             the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs)
+#   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
+#                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
+#                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
 #   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
 #                             row-major vs a tile-major weight, 37 and 75 MB; session 70's H100: ~2.5-2.65 TB/s either
 #                             way) — the ceiling the weight-streaming kernels are up against; ~30 s (run it before
@@ -376,7 +377,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     fi
     ;;
   s72b)  # (either) see the header
-    timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4 \
+    timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \
       --budget-s $(( $(left) - 40 )) --out "$OUT/bench_linear_bf16_sweep.txt" 2>&1 | grep -E "^#|bf16" | tail -40
     ;;
   stream)  # (either) see the header
