@@ -316,9 +316,11 @@ KNOBS = {
         "with a bf16 model and <= 8 token rows: the absorbed query q̂_h = W_UK_hᵀ q_h as a Mosaic kernel "
         "(pallas_kernels.sparse_mla.mla_absorb_uk: a CTA per 64 outputs of a head, its W_UK columns by TMA, one "
         "wgmma chain per token over the head group's q rows) instead of attention._per_head's XLA reduction: at the "
-        "verify's 4 rows XLA copies W_UK transposed in f32 first (8.4 MB, 12.8 µs) and reduces it (8.4 µs) — 21 "
-        "µs on every DSA layer's chain of the q = 4 step (session 71's trace; 4.4 µs at q = 1). Within bf16 "
-        "rounding of the XLA form (the sums in another order) — off until measured natively"),
+        "verify's 4 rows XLA copies W_UK transposed in f32 first (8.4 MB, 12.8 µs) and reduces it (8.4 µs) on every "
+        "DSA layer (session 71's q = 4 trace; 4.4 µs at q = 1) — beside the indexer's selection, off the layer's "
+        "chain, so the gain is HBM traffic and launches: q = 4's step 1,242 -> 1,230 kernels, scratch 0.11 -> "
+        "0.01 GB (compile-only census, session 72). Within bf16 rounding of the XLA form (the sums in another "
+        "order) — off until measured natively"),
     "moe_rows": (True,
         "with fp8_moe, fp8_dq and moe_router_in_kernel at one token row: the MoE's two kernels sum their split "
         "partials in the kernel on the step's split-K counters (pallas_kernels.linear.splitk_counters) — the "

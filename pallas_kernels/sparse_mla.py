@@ -17,7 +17,8 @@ as separate arrays took two per position). The kernel reads the bytes with 32-bi
 from an untiled SMEM buffer gave wrong values natively on the H200 — see ``_dequant_block``).
 ``quantize_latent`` / ``dequantize_latent`` are the cache write / read paths; ``pack_e4m3`` / ``unpack_e4m3``
 convert between the two views of the bytes and ``split_row`` takes a row apart. ``mla_absorb_uv`` (at the end)
-applies W_UV to the merged output (Hopper's wgmma, or ``mma="tcgen05"`` for Blackwell).
+applies W_UV to the merged output (Hopper's wgmma, or ``mma="tcgen05"`` for Blackwell); ``mla_absorb_uk`` makes
+the absorbed query W_UKᵀ q before the attention (Hopper's wgmma).
 
 The attention is the absorbed form: with q̂_h = W_UK_hᵀ q_h ∈ [512],
   o_h = Σ_{s ∈ I_t} softmax_s(q̂_h · c_s · softmax_scale) c_s,
@@ -1082,7 +1083,8 @@ def mla_absorb_uv(o_t, w_kv, *, dn: int, lean: bool = False, x16: bool = False, 
 # The absorbed query q̂_h = W_UK_hᵀ q_h (q_h [dn] -> [512]) as a kernel. In XLA (attention._per_head) it is one
 # reduction fusion over the 4 MB weight at one token row (4.4 µs, session 71's q = 1 trace), but at the verify's
 # 4 rows XLA first copies W_UK transposed in f32 (an 8.4 MB `input_transpose_fusion` per DSA layer per step, 12.8
-# µs) and then reduces it (8.4 µs): 21 µs on every DSA layer's chain of the verify step (session 71's q = 4 trace).
+# µs) and then reduces it (8.4 µs): 21 µs of HBM traffic a DSA layer in the verify step (session 71's q = 4 trace;
+# beside the indexer's selection, which ends later: off the layer's chain).
 UK_HEADS = HEADS_PER_CTA  # q's heads per B operand: the CTA's head and the 15 others of its group (N = 16)
 _BF16_SW128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # [.., 64] bf16 rows of 128 bytes
 
@@ -1133,8 +1135,8 @@ def mla_absorb_uk(q, w_kv, *, dn: int, lean: bool = False):
   """Mosaic GPU version of ``mla_absorb_uk_reference`` (same signature; Hopper's wgmma): a CTA per (64 outputs,
   head), 512 / 64 · H CTAs (128 at TP4: 16 heads), each streaming its [dn, 64] slice of W_UK once for all the
   launch's tokens (up to UV_MAX_TOKENS). q's heads Hp a multiple of UK_HEADS (the model pads them where H is not:
-  the tiny presets), H <= Hp. The products of bf16 values are exact in the f32 accumulator; the sums run in another order
-  than XLA's (the result within bf16 rounding of the reference). ``lean`` (policy knob lean_barriers): built
+  the tiny presets), H <= Hp. The products of bf16 values are exact in the f32 accumulator; the sums run in
+  another order than XLA's (the result within bf16 rounding of the reference). ``lean`` (policy knob lean_barriers): built
   without Mosaic GPU's automatic warpgroup barriers: every SMEM buffer is written once — the operands by TMA
   (waited on their barrier), the outputs after the MMAs and read after a commit_smem."""
   BT, Hp, n = q.shape
