@@ -92,7 +92,8 @@
 #                             XLA reduction it replaces runs beside the selection, off the chain: a tie expected) —
 #                             with linear_fused_sum too (the K splits summed in the kernels: a tie at q = 1, sessions
 #                             47 / 51; at q = 4 XLA's split sums sit on the router's, KDA's and o_proj's chains)
-#                             and kda_o_grid_spin (its hold 2,000 cycles since s72: the grid alone 16.6 -> 14.3 µs);
+#                             and kda_o_grid_spin (its hold 2,000 cycles since s72: the grid alone 16.6 -> 14.3 µs)
+#                             and bf16_balanced_splits (the bf16 GEMV's K splits by the SMs' load: s72b's sweep);
 #                             SHORT=1: the tests and the q = 4 A/B of mla_uk_kernel and linear_fused_sum alone
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
@@ -370,7 +371,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     fi
     if [ "$ok" -eq 0 ] && [ -z "${SHORT:-}" ]; then
       rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mla_uk_kernel": true}' \
-        '{"linear_fused_sum": true}' '{"kda_o_grid_spin": true}'
+        '{"linear_fused_sum": true}' '{"kda_o_grid_spin": true}' '{"bf16_balanced_splits": true}'
     elif [ "$ok" -eq 0 ]; then  # (SHORT=1: what a short call holds — the tests and the A/B of the two q = 4 cuts)
       rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 4 --steps 40 --policy '{}' '{"mla_uk_kernel": true}' \
         '{"linear_fused_sum": true}'

@@ -462,6 +462,16 @@ KNOBS = {
         "(H100, B x T = 1 x 1); the step (q = 1, the first 32 layers, 5 "
         "interleaved repeats) 2.82 -> 2.79 ms, -0.03 ms paired, faster in 3 of 4 rounds (s69b, session 69; "
         "s68d's stream at the start: -0.01, 3 of 4) — on: 823 -> 789 kernels at q = 1, critical path 531 -> 463"),
+    "bf16_balanced_splits": (False,
+        "with bf16_linear (the verify's rows: at one row XLA's GEMV is preferred): the bf16 GEMV's K splits chosen "
+        "to load the SMs evenly (pallas_kernels.linear._pick_split_balanced: the fewest bytes on the busiest SM) "
+        "instead of the largest split under 2 x 132 CTAs — which gives the KDA q/k/v (48 row tiles) 4 splits, 192 "
+        "CTAs on 132 SMs: 60 SMs stream two CTAs' bytes, 72 one (2.07 TB/s at q = 4 in session 71's trace, XLA's "
+        "one-row GEMV 2.54); balanced: 8 splits, 384 CTAs. Also the KDA o_proj's 8 -> 4 and the indexer's wq_b 6 "
+        "-> 4 splits (128 CTAs, one an SM); the router, the gates and the lm_head unchanged. The same products, "
+        "summed in another split order. Compile-only census at q = 4: 1,242 -> 1,276 kernels (+1 XLA fusion a KDA "
+        "layer: the 8 splits' sum), the critical path unchanged (866) — off until measured (bench_linear "
+        "--sweep-bf16, gpu_session.sh s72b; the step: s72a)"),
     "linear_part_rows": (False,
         "at 2..8 token rows (the verify's, B x q), where XLA sums a weight-streaming kernel's K splits (bf16_linear, "
         "fp8_dq_linear, the MoE's down groups): each split's partial written as the token rows [split, M, N] "
@@ -986,6 +996,11 @@ def _dq_dtype(rows: int) -> dict:
   return {"dq_dtype": "float16"} if kernel_enabled("dq_f16", rows, prefer=rows == 1, prefer_why=DQ_F16_ROWS) else {}
 
 
+def balanced_splits() -> dict:
+  """bf16_linear's ``balanced`` option (policy knob bf16_balanced_splits) at a site where the kernel runs."""
+  return {"balanced": True} if kernel_enabled("bf16_balanced_splits") else {}
+
+
 def part_rows(rows: int) -> dict:
   """The weight-streaming kernels' ``part_rows`` option at a site of ``rows`` token rows (policy knob
   linear_part_rows): their K splits' partials as token rows where XLA sums them — from 2 rows up to the rows
@@ -1110,8 +1125,8 @@ def _dense(x, w, dtype, *, prefix: bool = False):
                     prefer_why=ONE_ROW_GEMV):
     from pallas_kernels import linear as kl  # noqa: PLC0415
     fused = {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else {}
-    return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix, **fused,
-                          **mma, **({} if fused else part_rows(rows))).reshape(*x.shape[:-1], n_out)
+    return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix, **fused, **mma,
+                          **({} if fused else part_rows(rows)), **balanced_splits()).reshape(*x.shape[:-1], n_out)
   return mm(x[..., :n_in], w, dtype)
 
 
@@ -1539,7 +1554,8 @@ class Router(nnx.Module):
     mma, ok, why = gemv_mma(E, ok, why)
     if kernel_enabled("bf16_linear", rows, fits=ok, prefer=rows > 1, prefer_why=ONE_ROW_GEMV, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415
-      return kl.bf16_linear(x.reshape(rows, D), w, **mma, **part_rows(rows)).reshape(*x.shape[:-1], E)
+      return kl.bf16_linear(x.reshape(rows, D), w, **mma, **part_rows(rows), **balanced_splits()).reshape(
+          *x.shape[:-1], E)
     return jnp.einsum("...d,ed->...e", x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)
 
 

@@ -16,8 +16,8 @@ from jax import lax
 from glm5_jax.attention import DSA, KDA, StepCtx
 from glm5_jax.config import KDA as KDA_TYPE, Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, MLP, ONE_ROW_GEMV, TP, VOCAB, HyperConnection, Linear, MoE, RMSNorm,
-                             counters_scope, f16_copies, gemv_mma, has_wgmma, kernel_arch, kernel_enabled,
-                             kernel_switch, param, part_rows)
+                             balanced_splits, counters_scope, f16_copies, gemv_mma, has_wgmma, kernel_arch,
+                             kernel_enabled, kernel_switch, param, part_rows)
 
 
 class DecoderLayer(nnx.Module):
@@ -178,7 +178,8 @@ class Glm5Model(nnx.Module):
     mma, ok, why = gemv_mma(Vl, ok, why)
     if kernel_enabled("bf16_linear", rows, fits=ok, why=why, prefer=rows > 1, prefer_why=ONE_ROW_GEMV):
       from pallas_kernels import linear as kl  # noqa: PLC0415
-      return kl.bf16_linear(h.reshape(rows, D), self.lm_head[...], **mma, **part_rows(rows)).reshape(*h.shape[:-1], Vl)
+      return kl.bf16_linear(h.reshape(rows, D), self.lm_head[...], **mma, **part_rows(rows),
+                            **balanced_splits()).reshape(*h.shape[:-1], Vl)
     return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.lm_head[...].astype(self.dtype),
                       precision=HIGHEST).astype(jnp.float32)
 

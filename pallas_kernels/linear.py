@@ -135,6 +135,23 @@ def _pick_split(tiles: int, kb: int, target_ctas: int) -> int:
   return best
 
 
+BALANCE_MAX_WAVES = 4  # _pick_split_balanced's CTAs at most, in multiples of the SMs
+
+
+def _pick_split_balanced(tiles: int, kb: int, sms: int = NUM_SMS) -> int:
+  """The divisor of ``kb`` whose grid (tiles x split CTAs, at most BALANCE_MAX_WAVES x sms) loads the SMs most
+  evenly: the fewest bytes on the busiest SM, ceil(ctas / sms) / ctas of the weight; on a tie a grid that keeps
+  >= 90 % of the SMs streaming, then fewer splits (fewer partials to sum). _pick_split's largest split under 2 x
+  sms can leave SMs with two CTAs beside SMs with one: the KDA q/k/v at 4 rows (48 row tiles x 4 splits = 192 CTAs
+  on 132 SMs, 2.07 TB/s in session 71's trace) — here 8 splits (384 CTAs, 2.9 a SM)."""
+  def key(d):
+    ctas = tiles * d
+    return round(-(-ctas // sms) / ctas, 12), ctas < 0.9 * sms, d
+
+  ok = [d for d in range(1, kb + 1) if kb % d == 0 and (d == 1 or tiles * d <= BALANCE_MAX_WAVES * sms)]
+  return min(ok, key=key)
+
+
 def _pick_stages(steps: int, stage_bytes: int, ctas: int, max_stages: int | None, resident: int = 2,
                  reserve: int = 0) -> int:
   """As many stages as fit: one CTA per SM may use ~all SMEM; with more CTAs than SMs, up to ``resident`` per SM
@@ -149,11 +166,13 @@ def _pick_stages(steps: int, stage_bytes: int, ctas: int, max_stages: int | None
 
 def plan_linear(n: int, k: int, mp: int, kind: str, *, bm: int | None = None, bk: int | None = None,
                 split: int | None = None, stages: int | None = None, target_ctas: int = 2 * NUM_SMS,
-                mma: str = "wgmma") -> Plan:
+                mma: str = "wgmma", balanced: bool = False) -> Plan:
   """Default tiling for an [N, K] weight and ``mp`` padded token rows; ``kind`` is "fp8" (hi/lo e4m3
   activations), "fp8dq" (the weight dequantised in registers, bf16 activations) or "bf16".
 
   Any field can be overridden (the benchmark sweeps them). Constraints: N % bm == 0, K % bk == 0, bm in {64,128}.
+  ``balanced``: the K splits by :func:`_pick_split_balanced` (the SMs' load) instead of the largest under
+  ``target_ctas`` (policy knob bf16_balanced_splits, for the bf16 GEMV).
   ``mma`` "tcgen05": 128-row tiles, and the ring sized around the form's SMEM tiles (the dequantised A tile, the
   accumulator's relayout tile).
   """
@@ -185,7 +204,7 @@ def plan_linear(n: int, k: int, mp: int, kind: str, *, bm: int | None = None, bk
     raise ValueError(f"[N={n}, K={k}]: K must be a multiple of {bk} and N " +
                      (f"a multiple of {bm}" if fp8 else f">= {bm}"))
   tiles, kb = -(-n // bm), k // bk
-  split = split or _pick_split(tiles, kb, target_ctas)
+  split = split or (_pick_split_balanced(tiles, kb) if balanced else _pick_split(tiles, kb, target_ctas))
   if kb % split:
     raise ValueError(f"split={split} must divide K/bk={kb}")
   steps = kb // split
@@ -785,9 +804,10 @@ def _bf16_linear_kernel(x_ref, w_ref, *refs, plan: Plan, tiles: int, steps: int,
   _split_out(o_ref, ctr_g, acc, sk=sk, tile=tile, row0=row0, bm=bm, split=plan.split, rows=y)
 
 
-@kernel_entry("out_dtype", "plan", "x_prefix", "mma", "part_rows")
+@kernel_entry("out_dtype", "plan", "x_prefix", "mma", "part_rows", "balanced")
 def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan | None = None,
-                x_prefix: bool = False, counters=None, mma: str = "wgmma", part_rows: bool = False) -> jax.Array:
+                x_prefix: bool = False, counters=None, mma: str = "wgmma", part_rows: bool = False,
+                balanced: bool = False) -> jax.Array:
   """y = x @ w.T for a BF16 weight (skinny GEMM: KDA projections, lm_head).
 
   Args:
@@ -799,6 +819,7 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
   ``counters``: the K splits summed in the kernel (and the rows written by it), as :func:`fp8_dq_linear`'s.
   ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell: 128-row tiles — N >= 128 — token rows padded to 16; the
   module docstring). ``part_rows``: the K splits' partials as token rows, as :func:`fp8_dq_linear`'s.
+  ``balanced``: without ``plan``, the K splits that load the SMs most evenly (:func:`plan_linear`'s ``balanced``).
   """
   tc05 = check_mma(mma, "bf16_linear")
   m, kx = x.shape
@@ -809,14 +830,14 @@ def bf16_linear(x: jax.Array, w: jax.Array, *, out_dtype=jnp.float32, plan: Plan
     x = x[:, :k]
   if m > 64:
     return jnp.concatenate([bf16_linear(x[i:i + 64], w, out_dtype=out_dtype, plan=plan, x_prefix=x_prefix,
-                                        counters=counters, mma=mma, part_rows=part_rows)
+                                        counters=counters, mma=mma, part_rows=part_rows, balanced=balanced)
                             for i in range(0, m, 64)], axis=0)
   n_min = MMA_BM.get(mma, 64)
   if n % 8 or n < n_min or k % 128:
     raise NotImplementedError(f"bf16_linear (mma={mma}) needs K % 128 == 0, N % 8 == 0 and N >= {n_min}, "
                               f"got N={n} K={k}")
   mp = _padded_rows(m, mma)
-  plan = plan or plan_linear(n, k, mp, "bf16", mma=mma)
+  plan = plan or plan_linear(n, k, mp, "bf16", mma=mma, balanced=balanced)
   if tc05 and plan.bm != MMA_BM[mma]:
     raise ValueError(f"bf16_linear: mma='tcgen05' needs {MMA_BM[mma]}-row tiles, plan has bm={plan.bm}")
   tiles = -(-n // plan.bm)

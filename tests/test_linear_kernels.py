@@ -141,6 +141,28 @@ def test_moe_plan_balances_the_single_row_step():
     assert q.dn_groups == 8 and q.gu_split == 1 and q.gu_stages >= 6, q
 
 
+def test_balanced_splits_load_the_sms_evenly():
+  """plan_linear(balanced=True) (policy knob bf16_balanced_splits) at the verify's rows for every bf16 GEMV of a
+  TP4 rank: a divisor of the K blocks, at most BALANCE_MAX_WAVES waves, and its busiest SM streams no more of the
+  weight than under the default plan (ceil(CTAs / 132) of the CTAs' equal shares) — strictly less for the KDA
+  q/k/v (the default's 192 CTAs: 60 SMs with two, 72 with one; balanced 384), the same plan where the default is
+  already even (the router, the gates, the lm_head)."""
+  busiest = lambda n, p: -(-(-(-n // p.bm) * p.split) // L.NUM_SMS) / (-(-n // p.bm) * p.split)  # noqa: E731
+  shapes = {"kda_qkv": (6144, 4096), "kda_o": (4096, 2048), "indexer_wq_b": (4096, 1536), "router": (288, 4096),
+            "kda_fgb_a": (272, 4096), "lm_head": (38720, 4096)}
+  for m in (2, 4, 8):
+    mp = L._padded_rows(m)
+    for name, (n, k) in shapes.items():
+      d, b = L.plan_linear(n, k, mp, "bf16"), L.plan_linear(n, k, mp, "bf16", balanced=True)
+      assert (k // b.bk) % b.split == 0 and b.bm == d.bm, (name, b)
+      assert -(-n // b.bm) * b.split <= L.BALANCE_MAX_WAVES * L.NUM_SMS or b.split == 1, (name, b)
+      assert busiest(n, b) <= busiest(n, d) + 1e-12, (name, d, b)
+      if name == "kda_qkv":
+        assert (d.split, b.split) == (4, 8) and busiest(n, b) < 0.8 * busiest(n, d), (d, b)
+      if name in ("router", "kda_fgb_a", "lm_head"):
+        assert b == d, (name, d, b)
+
+
 def test_distinct_expert_ids_equal_jnp_unique():
   """The MoE routing's sort-free distinct ids: jnp.unique(ids, size, fill_value=E) for fresh random ids (sizes
   below, at and above the number of distinct ids; all ids one expert; every expert)."""
@@ -419,6 +441,7 @@ def test_fp8_dq_linear_rejects_bad_input():
     (12, 128, 384, dict(split=1, stages=1)),  # single-stage ring
     (4, 136, 256, {}),  # N % 64 != 0: the last row tile overlaps its neighbour (starts at N - 64)
     (3, 72, 512, dict(split=2)),
+    (2, 512, 8192, dict(balanced=True)),  # bf16_balanced_splits: 32 splits of 4 row tiles (the default's 64)
 ])
 def test_bf16_linear_interpret(m, n, k, plan_kw):
   ks = jax.random.split(jax.random.key(30 + m), 2)

@@ -237,6 +237,19 @@ def test_lean_barriers_reaches_the_chains_kernels():
   assert sites["sites"] >= 8, sites  # (4 layers' boundaries, their GEMVs, the DSA layer's and MoE kernels)
 
 
+def test_bf16_balanced_splits_reaches_the_verifys_gemvs():
+  """Policy knob bf16_balanced_splits in the kernel-tiny verify step (q = 4, traced as the CUDA lowering sees it):
+  it runs at every bf16_linear site — the KDA projections, the indexer's, the router, the lm_head — and nowhere
+  else (one kernel_enabled per bf16_linear call)."""
+  model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
+  dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,),
+                                    policy=(("bf16_balanced_splits", True),)), backend="latency_specialized")
+  with dec.kernel_mode(interpret=False):
+    dec.trace_step(1, params, interpret=False)
+  sites = dec.kernel_sites(1)
+  assert sites["bf16_balanced_splits"]["sites"] == sites["bf16_linear"]["sites"] > 8, sites["bf16_linear"]
+
+
 def test_moe_one_grid_reaches_the_steps_moe():
   """Policy knob moe_one_grid (on by default) in the kernel-tiny step at q = 1 as the CUDA lowering sees it: both
   MoE layers take it (test_kernel_tiny_step_lowers_for_cuda: their calls on alternating counter banks — two
