@@ -334,8 +334,10 @@ def test_stacked_linear_equals_its_separate_linears_and_the_kernel():
   np.testing.assert_allclose(f32(got), want, **tol("fp32_paths"))
   with maybe_interpret(True), use_kernels({"bf16_linear": True}), kernel_report() as rep:
     kern = jax.jit(lambda x: lin(x, jnp.float32))(x)
-  # (the kernel's site also decides its partials' layout: policy linear_part_rows, not in this policy)
-  assert rep == [("bf16_linear", None), ("linear_part_rows", "off in the policy")]
+  # (the kernel's site also decides its partials' layout and its K splits: policy knobs linear_part_rows and
+  # bf16_balanced_splits, not in this policy)
+  assert rep == [("bf16_linear", None), ("linear_part_rows", "off in the policy"),
+                 ("bf16_balanced_splits", "off in the policy")]
   np.testing.assert_allclose(f32(kern), want, rtol=1e-5, atol=1e-5)
 
 
@@ -355,9 +357,10 @@ def test_a_default_switch_declines_where_xla_is_faster_and_an_explicit_one_force
     x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
     with maybe_interpret(True), use_kernels(pol), kernel_report() as rep:
       y = jax.jit(lambda x: lin(x, jnp.float32))(x)
-    # (where the kernel runs, its site also decides its partials' layout: linear_part_rows, off in these policies)
-    assert rep == [("bf16_linear", want)] + ([("linear_part_rows", "off in the policy")] if want is None else []), \
-        (rows, pol, rep)
+    # (where the kernel runs, its site also decides its partials' layout and its K splits: linear_part_rows and
+    # bf16_balanced_splits, off in these policies)
+    off = [("linear_part_rows", "off in the policy"), ("bf16_balanced_splits", "off in the policy")]
+    assert rep == [("bf16_linear", want)] + (off if want is None else []), (rows, pol, rep)
     np.testing.assert_allclose(f32(y), f32(x) @ f32(lin.weight[...]).T, rtol=1e-5, atol=1e-5)
 
 
