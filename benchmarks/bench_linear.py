@@ -293,14 +293,14 @@ def _sweep_bf16_splits(deadline, name, n, k, m):
   mp = L._padded_rows(m)
   seen = set()
   kb = k // 128
-  for bm, split in [(None, None), ("balanced", None), (128, 8), (128, 16), (64, 4), (64, 8), (128, 2), (64, 2)]:
-    if split is not None and kb % split:
-      continue
-    p = (L.plan_linear(n, k, mp, "bf16", balanced=True) if bm == "balanced"  # (policy knob bf16_balanced_splits)
-         else L.plan_linear(n, k, mp, "bf16", bm=bm, split=split))
+  # (the default plan first, with XLA beside it; then policy knob bf16_balanced_splits' plan; then fixed forms)
+  variants = [{}, {"balanced": True}] + [dict(bm=bm, split=sp) for bm, sp in
+                                          [(128, 8), (128, 16), (64, 4), (64, 8), (128, 2), (64, 2)] if kb % sp == 0]
+  for kw in variants:
+    p = L.plan_linear(n, k, mp, "bf16", **kw)
     if p not in seen:
       seen.add(p)
-      guarded(deadline, bench_bf16, name, n, k, m, plan=p, with_xla=bm is None, check=bm is None)
+      guarded(deadline, bench_bf16, name, n, k, m, plan=p, with_xla=not kw, check=not kw)
 
 
 def _sweep_fp8dq(deadline, name, n, k, m):

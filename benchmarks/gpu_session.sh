@@ -368,8 +368,6 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
         --policy '{}' '{"mla_uk_kernel": true}' '{"mla_uk_kernel": true, "linear_fused_sum": true, "mla_latent_norms": true}' \
         --out "$OUT/dsa_layer.jsonl" 2>&1 \
         | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
-    fi
-    if [ "$ok" -eq 0 ] && [ -z "${SHORT:-}" ]; then
       rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mla_uk_kernel": true}' \
         '{"linear_fused_sum": true}' '{"kda_o_grid_spin": true}' '{"bf16_balanced_splits": true}'
     elif [ "$ok" -eq 0 ]; then  # (SHORT=1: what a short call holds — the tests and the A/B of the two q = 4 cuts)

@@ -294,7 +294,7 @@ def test_warmup_all_reports_failures_and_refusals(model):
 
 
 def test_unknown_policy_key_is_refused(model):
-  with pytest.raises(ValueError, match=r"unknown policy key\(s\) \['sparse_mal'\]: expected some of \[.*'bf16_linear'"):
+  with pytest.raises(ValueError, match=r"unknown policy key\(s\) \['sparse_mal'\]: expected some of \['bf16_balanced_splits', 'bf16_linear'"):
     Decoder(model, DecodeConfig(max_context=MAXCTX, q=2, capture_sizes=(1,), policy=(("sparse_mal", False),)),
             backend="latency_specialized")
   # every key the deployment checks and the kernel switches read is accepted
