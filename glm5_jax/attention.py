@@ -182,8 +182,10 @@ class KDA(nnx.Module):
       # f_a | g_a | b (b of all heads) side by side; f_b and g_b read the f_a | g_a columns in place, and the KDA
       # kernel reads f and this rank's b columns in place: each XLA slice before a custom call was a kernel of its
       # own (at q = 4 three per KDA layer: [M, 256], f [M, 2048], b [M, 16]; session 27's profile)
+      # fg in the projection's dtype: the KDA kernels and their references widen it as they read it (XLA's f32
+      # copy was a launch per KDA layer and step, 34 at the full rank: session 73's listing)
       fgb = self.fgb_a_proj.joint(x, dtype)  # [B, T, 2r + all heads]
-      return fgb, self.fg_b_proj(fgb, dtype, prefix=True).astype(jnp.float32)  # [B, T, 2C]: f | gate
+      return fgb, self.fg_b_proj(fgb, dtype, prefix=True)  # [B, T, 2C]: f | gate
 
     if kernel_enabled("kda_gates_first", B * T):
       # the qkv GEMV takes x through a barrier with the gates' fg_b output, so its launch follows theirs. In
@@ -209,7 +211,7 @@ class KDA(nnx.Module):
     q, k, v = (a.reshape(B, T, H, Kd) for a in jnp.split(zc, 3, axis=-1))
     if fg is None:
       fgb, fg = gates()
-    f, gate = (a.reshape(B, T, H, Kd) for a in jnp.split(fg, 2, axis=-1))
+    f, gate = (a.reshape(B, T, H, Kd) for a in jnp.split(fg.astype(jnp.float32), 2, axis=-1))
     b_off = self.fgb_a_proj.outs[0] + self.fgb_a_proj.outs[1] + lax.axis_index(TP) * H  # this rank's first b
     # (in the projection's dtype: the kernel and its reference take the sigmoid in f32 themselves)
     b = lax.dynamic_slice_in_dim(fgb, b_off, H, axis=-1)

@@ -1554,8 +1554,11 @@ class Router(nnx.Module):
     mma, ok, why = gemv_mma(E, ok, why)
     if kernel_enabled("bf16_linear", rows, fits=ok, prefer=rows > 1, prefer_why=ONE_ROW_GEMV, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415
-      return kl.bf16_linear(x.reshape(rows, D), w, **mma, **part_rows(rows), **balanced_splits()).reshape(
-          *x.shape[:-1], E)
+      # linear_fused_sum: the K splits summed in the kernel, as every linear's (the router's was XLA's reduction
+      # between the GEMV and router_route at q = 4: a launch on the MoE sublayer's chain, 42 a step)
+      fused = {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else {}
+      return kl.bf16_linear(x.reshape(rows, D), w, **fused, **mma, **({} if fused else part_rows(rows)),
+                            **balanced_splits()).reshape(*x.shape[:-1], E)
     return jnp.einsum("...d,ed->...e", x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)
 
 

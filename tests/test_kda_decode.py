@@ -322,12 +322,12 @@ def test_cross_lower_variants(T, config):
                                                 (1, kd.KdaDecodeConfig(token_loop=True, approx_math=True), True),
                                                 (4, kd.KdaDecodeConfig(token_loop=True, approx_math=True), True)])
 def test_cross_lower_conv(T, config, partials):
-  """kda_decode_conv as the model would call it at TP4 (bf16 rows, the gate and b read in place), donated state
-  aliased in place; with norm_partials (policy kda_norm_partials) as well."""
+  """kda_decode_conv as the model would call it at TP4 (bf16 rows and gates, the gate and b read in place), donated
+  state aliased in place; with norm_partials (policy kda_norm_partials) as well."""
   s = jax.ShapeDtypeStruct
   B, H, bf16 = 1, 16, jnp.bfloat16
   args = (s((B, T, 3, H, 128), bf16), s((B, 3, 3, H, 128), bf16), s((4, 3, H, 128), jnp.float32),
-          s((B, T, 2 * H, 128), jnp.float32), s((B, T, 272), bf16), s((H,), jnp.float32), s((H, 128), jnp.float32),
+          s((B, T, 2 * H, 128), bf16), s((B, T, 272), bf16), s((H,), jnp.float32), s((H, 128), jnp.float32),
           s((B, max(T, 4), H, 128, 128), jnp.float32), s((B,), jnp.int32), s((), jnp.int32))
   fn = jax.jit(lambda *a: kd.kda_decode_conv(*a[:-1], b_offset=a[-1], config=config, norm_partials=partials),
                donate_argnums=(STATE_ARG,))
@@ -534,16 +534,51 @@ def test_o_proj_refusals(rng):
     kd.kda_decode_o_proj(*args, jax.new_ref(jnp.zeros((8,), jnp.int32)))
 
 
+def _bf16_gates_pair(rng, B, T, H, N):
+  """kda_decode_o_proj's inputs twice: fg as the model passes it (the fg_b projection's bf16 output, session 73)
+  and its f32 widening (what the model passed before)."""
+  args = make_o_proj_inputs(rng, B, T, H, N)
+  fg16 = args[3].astype(jnp.bfloat16)
+  return (*args[:3], fg16, *args[4:]), (*args[:3], fg16.astype(jnp.float32), *args[4:])
+
+
+@pytest.mark.parametrize("form", ["o_proj", "conv"])
+def test_bf16_gates_read_as_their_f32_widening_interpret(rng, form):
+  """Each KDA kernel widens the bf16 gate logits (forget and output gates) as it loads them: the same outputs and
+  state slots, bit for bit, as with the f32 copy XLA used to make before the call (a launch per KDA layer)."""
+  narrow, wide = _bf16_gates_pair(rng, 1, 2, 4, 192)
+  fn = kd.kda_decode_o_proj if form == "o_proj" else (lambda *a: kd.kda_decode_conv(*a[:9], norm_partials=True))
+  with maybe_interpret():
+    got, want = jax.jit(fn)(*narrow), jax.jit(fn)(*wide)
+  assert narrow[3].dtype == jnp.bfloat16
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.gpu
+def test_bf16_gates_gpu(rng):
+  """Natively, the one grid at one TP4 rank's shapes (4 token rows, the step's counters): bf16 gate logits give
+  its outputs with their f32 widening, bit for bit."""
+  from pallas_kernels import linear as kl
+  cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
+  narrow, wide = _bf16_gates_pair(rng, 1, 4, 16, 4096)
+  fn = jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg))
+  ctr = kl.splitk_counters()
+  got, want = fn(*narrow, ctr), fn(*wide, ctr)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @pytest.mark.parametrize("B,T,w_delay", [(1, 1, 0), (1, 4, 0), (2, 1, 0), (1, 1, kd.W_DELAY_CYCLES)])
 def test_cross_lower_o_grid(B, T, w_delay):
-  """The one grid as the model calls it at TP4 (bf16 rows, fg and b read in place, a traced b offset, o_proj's
-  [4096, 2048] slice, the step's counters), donated state aliased in place; with ``w_delay`` (kda_o_grid_spin)
-  the o_proj-only CTAs' hold polls the SM clock, without it nothing does."""
+  """The one grid as the model calls it at TP4 (bf16 rows and gates, fg and b read in place, a traced b offset,
+  o_proj's [4096, 2048] slice, the step's counters), donated state aliased in place; with ``w_delay``
+  (kda_o_grid_spin) the o_proj-only CTAs' hold polls the SM clock, without it nothing does."""
   from pallas_kernels import linear as kl
   s = jax.ShapeDtypeStruct
   H, bf16, f32 = 16, jnp.bfloat16, jnp.float32
   args = (s((B, T, 3, H, 128), bf16), s((B, 3, 3, H, 128), bf16), s((4, 3, H, 128), f32),
-          s((B, T, 2 * H, 128), f32), s((B, T, 272), bf16), s((H,), f32), s((H, 128), f32),
+          s((B, T, 2 * H, 128), bf16), s((B, T, 272), bf16), s((H,), f32), s((H, 128), f32),
           s((B, max(T, 4), H, 128, 128), f32), s((B,), jnp.int32), s((128,), f32), s((4096, H * 128), bf16),
           s((), jnp.int32))
   cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)

@@ -390,6 +390,22 @@ def test_router_logits_through_the_bf16_kernel():
   with maybe_interpret(True), use_kernels({}), kernel_report() as rep:
     jax.jit(r.logits)(x.astype(jnp.float32))
   assert rep and rep[0][0] == "bf16_linear" and "bf16 router input" in rep[0][1], rep
+  # linear_fused_sum (CUDA lowering: GPU interpret mode runs no counters): the K splits summed in the kernel on the
+  # step's split-K counters, the logits' rows written by it (no XLA reduction between the GEMV and the selection)
+  from glm5_jax.layers import counters_scope  # noqa: PLC0415
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  from pallas_kernels._common import cross_lower  # noqa: PLC0415
+
+  for policy, with_counters in (({"linear_fused_sum": True}, True), ({}, False)):
+    def fused(x):  # (a function per policy: jit's cache does not see the policy's context)
+      with counters_scope():
+        return r.logits(x)
+    with use_kernels(policy):
+      txt = cross_lower(fused, x).as_text()
+    calls = [line for line in txt.splitlines() if "@mosaic_gpu_v2" in line and "glm5_bf16_linear" in line]
+    assert len(calls) == 1, calls
+    assert calls[0].endswith(f"tensor<{kl.SPLITK_COUNTERS}xi32>)") == with_counters, calls
+    assert ("tensor<4x288xf32>" in calls[0].split("->")[-1]) == with_counters, calls
 
 
 @pytest.mark.parametrize("rows", [1, 4, 80])  # a verify's token rows (product + sum) and more (the dot)
