@@ -46,6 +46,7 @@ Kernel design (one CTA = one (query token, head group of 16, slice of the index 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -83,9 +84,13 @@ _L = plgpu.Layout
 
 # ------------------------------------------------------------------------------------------------ cache format
 def pack_e4m3(c8):
-  """[..., 4n] float8_e4m3fn -> [..., n] int32, plane-major: value kn + i in byte k of word i."""
+  """[..., 4n] float8_e4m3fn -> [..., n] int32, plane-major: value kn + i in byte k (bits 8k..8k + 7) of word i.
+  As shifts and ors of the bytes, elementwise: XLA fuses the packing with the quantisation before it (a bitcast of
+  [..., n, 4] bytes into words — the transposed layout it needs — was a fusion of its own per cache write)."""
   n = c8.shape[-1] // 4
-  return lax.bitcast_convert_type(jnp.swapaxes(c8.reshape(*c8.shape[:-1], 4, n), -1, -2), jnp.int32)
+  u = lax.bitcast_convert_type(c8, jnp.uint8).astype(jnp.uint32)
+  w = functools.reduce(jnp.bitwise_or, [lax.shift_left(u[..., k * n:(k + 1) * n], jnp.uint32(8 * k)) for k in range(4)])
+  return lax.bitcast_convert_type(w, jnp.int32)
 
 
 def unpack_e4m3(w):
@@ -421,10 +426,12 @@ def _combine_tile(o_g, lse_g, out_g, bt, tile, ns: int):
   out_g[bt, pl.ds(r0, BLOCK)] = plgpu.layout_cast(acc / lax.broadcast_in_dim(den, acc.shape, (1,)), _L.WGMMA)
 
 
-def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, group_arrival: bool = False):
+def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, group_arrival: bool = False,
+                qscale: float = 1.0):
   """Kernel body for ``nbs`` blocks of 64 positions per CTA and ``hn`` heads per CTA.
 
-  GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (rescale * softmax_scale * log2 e),
+  GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (the rescale r, times ``qscale``: softmax_scale ·
+  log2 e),
   c32_g [B, S, ROW_WORDS] int32 (cache rows: packed e4m3 + scales), idx_g [BT, Wp / 64, 64] int32;
   out o_g [BT, NS, 512, H] f32 (partial O^T, normalised), lse_g [BT, NS, H] f32 (base-2 log-sum-exp of the split).
   (A merge of the splits inside this kernel — its last splits' CTAs waiting at a semaphore — was slower in the
@@ -452,14 +459,15 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, gro
     xbar, sync = (sync[0], sync[1:]) if group_arrival else (None, sync)
     if wgs == 1:
       return _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar,
-                       scales_after=scales_after, xbar=xbar)
+                       scales_after=scales_after, xbar=xbar, qscale=qscale)
     ready, free = sync
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 0)
     def _():
       _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar,
-                planes=range(SCALES // 2), ready=ready, free=free, scales_after=scales_after, xbar=xbar)
+                planes=range(SCALES // 2), ready=ready, free=free, scales_after=scales_after, xbar=xbar,
+                qscale=qscale)
 
     @pl.when(wg == 1)
     def _():
@@ -496,7 +504,8 @@ def _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar):
 
 
 def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *,
-              planes=range(SCALES), ready=None, free=None, scales_after: bool = False, xbar=None):
+              planes=range(SCALES), ready=None, free=None, scales_after: bool = False, xbar=None,
+              qscale: float = 1.0):
   """``_mla_kernel``'s first (or only) warpgroup: the loads, the gathers, its byte planes of every block, the
   attention and the outputs. ``ready`` / ``free``: the two-warpgroup form's barriers (None: one warpgroup).
   ``scales_after``: as ``_mla_kernel``'s (p_s then holds the four scaled P tiles [4, 64, hn]; O^T is carried as
@@ -509,7 +518,7 @@ def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s
 
   with jax.named_scope("start_issue"):
     issue(0, 0)
-  qmul = qm_g[bt]
+  qmul = qm_g[bt] * qscale
   with jax.named_scope("start_q"):
     plgpu.barrier_wait(bar.at[0])
 
@@ -614,7 +623,7 @@ def _dequant_group(c32_s, cg_s, g: int):
     cg_s[pl.ds(half * BLOCK, BLOCK), :] = plgpu.layout_cast(_dequant_plane(full, g).astype(jnp.float16), _L.WGMMA)
 
 
-def _mla_kernel_tc05(nbs: int, hn: int):
+def _mla_kernel_tc05(nbs: int, hn: int, qscale: float = 1.0):
   """``_mla_kernel``'s tcgen05 form (Blackwell: no wgmma; sm_100 MMAs of M = 128): ``nbs`` blocks of 128 positions
   per CTA. The dequantised latent of a block would be 128 KB; it goes through shared memory one 128-dimension group
   at a time (cg_s, 32 KB: ``_dequant_group``), twice — S^T [128, hn] accumulated over the 4 groups' MMAs (C_g ·
@@ -642,7 +651,7 @@ def _mla_kernel_tc05(nbs: int, hn: int):
       plgpu.wait_load_tmem()
       return tmem_to_wgmma(acc, t_s)
 
-    qmul = qm_g[bt]
+    qmul = qm_g[bt] * qscale
     plgpu.barrier_wait(bar.at[0])
 
     def block(k, carry):
@@ -690,14 +699,17 @@ def _combine_kernel(ns: int):
   return body
 
 
-def _prepare_q(q, softmax_scale):
-  """q [B, T, H, 512] -> (f16 q / r, r * softmax_scale * log2 e) with r = 2^ceil(log2 amax) per (b, t): the
-  power-of-two rescale keeps |q / r| <= 1 in f16 without rounding the scale itself."""
+def _prepare_q(q):
+  """q [B, T, H, 512] -> (f16 q / r, r) with r = amax per (b, t) (at least 1e-30): |q / r| <= 1 in f16. The
+  kernels take r and multiply it by softmax_scale · log2 e themselves. Two XLA launches, the reduction and the
+  scaled copy: the power of two above amax (exact scales, as r was until session 73) and the product with the
+  softmax scale were one launch each more — XLA does not fuse a map of the reduction's result into the
+  reduction, nor the map's transcendental functions into its input. r = amax rounds q / r once more in f32
+  before its f16 rounding: 2^-24 against f16's 2^-11."""
   q = q.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(q), axis=(-2, -1))
-  r = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30))))
+  r = jnp.max(jnp.maximum(jnp.abs(q), 1e-30), axis=(-2, -1))  # (the floor inside the reduction's input)
   q16 = (q / r[..., None, None]).astype(jnp.float16)
-  return q16, r * (softmax_scale * _LOG2E)
+  return q16, r
 
 
 COMBINE_TILES = D_LATENT // BLOCK  # 64-row tiles of a token's O^T: the CTAs that combine its splits
@@ -783,14 +795,15 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   wp = ns * nbs * bk
   idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, wp - W)), constant_values=-1)
   idx = idx.reshape(B * T, wp // bk, bk)
-  q16, qm = _prepare_q(q, softmax_scale)
+  q16, qr = _prepare_q(q)
+  qscale = float(softmax_scale) * _LOG2E  # (the kernels' r · qscale: base-2 logits)
   f16 = jnp.float16
   parts = (jax.ShapeDtypeStruct((B * T, ns, D_LATENT, H), jnp.float32),
            jax.ShapeDtypeStruct((B * T, ns, H), jnp.float32))
   combined = jax.ShapeDtypeStruct((B * T, D_LATENT, H), jnp.float32)
   if tc05:
     kern = mgpu_kernel(
-        _mla_kernel_tc05(nbs, hn),
+        _mla_kernel_tc05(nbs, hn, qscale),
         out_type=parts,
         scratch_types=[
             plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
@@ -812,7 +825,7 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   else:
     two = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
     kern = mgpu_kernel(
-        _mla_kernel(nbs, hn, warpgroups, bool(scales_after), bool(group_arrival)),
+        _mla_kernel(nbs, hn, warpgroups, bool(scales_after), bool(group_arrival), qscale),
         out_type=parts,
         scratch_types=[
             plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
@@ -834,7 +847,7 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=bool(lean)),
         **two,
     )
-  o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qm.reshape(B * T), cache, idx)
+  o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qr.reshape(B * T), cache, idx)
   if combine == "xla":
     o = combine_splits(o_part, lse)  # [BT, 512, H] (O^T per token)
   else:
