@@ -28,7 +28,7 @@ from glm5_jax.config import Glm5Config
 from glm5_jax.layers import (EMBED, HIGHEST, KDA_H, KDA_HD, MLA_HD, TP, ConcatLinear, Linear,
                              RMSNorm, concat_fits, f16_copies, has_tcgen05, kda_grid_counters, kernel_arch,
                              kernel_enabled, kernel_switch, param, StackedLinear, radix_topk_plan, rms_norm,
-                             topk_set_by_threshold, unroll_loops)
+                             side_chain, topk_set_by_threshold, unroll_loops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,8 +184,9 @@ class KDA(nnx.Module):
       # own (at q = 4 three per KDA layer: [M, 256], f [M, 2048], b [M, 16]; session 27's profile)
       # fg in the projection's dtype: the KDA kernels and their references widen it as they read it (XLA's f32
       # copy was a launch per KDA layer and step, 34 at the full rank: session 73's listing)
-      fgb = self.fgb_a_proj.joint(x, dtype)  # [B, T, 2r + all heads]
-      return fgb, self.fg_b_proj(fgb, dtype, prefix=True)  # [B, T, 2C]: f | gate
+      with side_chain():  # (beside the q/k/v GEMV, also under linear_fused_sum)
+        fgb = self.fgb_a_proj.joint(x, dtype)  # [B, T, 2r + all heads]
+        return fgb, self.fg_b_proj(fgb, dtype, prefix=True)  # [B, T, 2C]: f | gate
 
     if kernel_enabled("kda_gates_first", B * T):
       # the qkv GEMV takes x through a barrier with the gates' fg_b output, so its launch follows theirs. In
@@ -307,7 +308,8 @@ class Indexer(nnx.Module):
   def project(self, x, dtype):
     """x [B, T, D] -> (key pre-norm kr [B, T, Di], pool gate score γ [B, T, Di], head weights [B, T, HI]), in
     dtype: the inputs of ``keys`` and ``scores``."""
-    return self.x_proj(x, dtype)
+    with side_chain():  # (beside the MLA's q_a / kv_a GEMV, also under linear_fused_sum)
+      return self.x_proj(x, dtype)
 
   def keys(self, kr, gam):
     """Per-token indexer key (LayerNorm'd, eps 1e-6) and pool gate score from ``project``: [B, T, Di] each
@@ -339,7 +341,8 @@ class Indexer(nnx.Module):
       if kernel_enabled("indexer_pool_kernel", B * T, fits=fits,
                         why=f"a bf16 model and ring (here {jnp.dtype(dtype).name}, {ring.dtype}) and <= "
                         f"{ki.POOL_MAX_TOKENS} tokens per sequence (here {T})"):
-        kx = self.x_proj.joint(x, dtype)  # [B, T, 2·Di + HI]: the kernel reads the key and gate columns in place
+        with side_chain():  # (beside the MLA's q_a / kv_a GEMV, also under linear_fused_sum)
+          kx = self.x_proj.joint(x, dtype)  # [B, T, 2·Di + HI]: the kernel reads the key and gate columns in place
         # (Blackwell: the rotation's tcgen05 form)
         mma = {"mma": "tcgen05"} if has_tcgen05(kernel_arch()) else {}
         ring, pool8, pool_scale = ki.pool_update(
@@ -396,7 +399,8 @@ class Indexer(nnx.Module):
     the kernel runs — [B, T, Pp >= P], -inf past each token's complete pools, which the top-k threshold kernel
     reads whole: policy knob topk_keys_in_kernel — else None)."""
     B, T, _ = hw.shape
-    q_raw = self.wq_b(q_r, dtype).reshape(B, T, self.n_heads, self.head_dim)
+    with side_chain():  # (beside the MLA's q_b GEMV, also under linear_fused_sum)
+      q_raw = self.wq_b(q_r, dtype).reshape(B, T, self.n_heads, self.head_dim)
     qI = q_raw.astype(jnp.float32)
     w = hw.astype(jnp.float32) * (self.n_heads ** -0.5)
     if "pool8" in icache:

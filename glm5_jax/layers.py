@@ -930,7 +930,8 @@ def counters_scope():
   per step): the mHC grid barriers' pair (policy knob mhc_barrier_counters; boundary i gets parity i % 2 in trace
   order — the order the Ref's aliasing keeps on the device) and the linears' split-K counters (linear_fused_sum,
   moe_rows; moe_one_grid's call i on its bank i % 2). The trunk's layer loop opens one, and each MTP pass its own."""
-  tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None, "moe_parity": 0, "kda_parity": 0})
+  tok = _COUNTERS.set({"barrier": None, "parity": 0, "splitk": None, "splitk_side": None, "moe_parity": 0,
+                       "kda_parity": 0})
   try:
     yield
   finally:
@@ -957,12 +958,32 @@ def _next_barrier_counters(km, rows: int):
   return out
 
 
+_SIDE: contextvars.ContextVar = contextvars.ContextVar("glm5_side_chain", default=False)
+
+
+@contextlib.contextmanager
+def side_chain():
+  """The GEMVs traced inside are a sublayer's side branch — the KDA gates' (beside the q/k/v projection), the
+  indexer's (beside the MLA's q_a / q_b): under linear_fused_sum their K splits are summed on the scope's second
+  split-K counters Ref. Every call on a Ref takes it as an aliased operand and returns it, which orders the calls
+  on it: on one Ref the gates' two GEMVs ran after the 24 µs q/k/v GEMV instead of beside it (session 73's q = 4
+  critical path). A chain's own calls stay ordered on its Ref, as they must (each leaves its cells zero for the
+  next)."""
+  tok = _SIDE.set(True)
+  try:
+    yield
+  finally:
+    _SIDE.reset(tok)
+
+
 def _splitk_counters(kl):
-  """The scope's split-K counters Ref (pallas_kernels.linear.splitk_counters)."""
+  """The scope's split-K counters Ref (pallas_kernels.linear.splitk_counters): the main chain's, or inside
+  ``side_chain`` the side branches' own."""
   cell = _COUNTERS.get()
-  if cell["splitk"] is None:
-    cell["splitk"] = kl.splitk_counters()
-  return cell["splitk"]
+  key = "splitk_side" if _SIDE.get() else "splitk"
+  if cell[key] is None:
+    cell[key] = kl.splitk_counters()
+  return cell[key]
 
 
 DQ_F16_ROWS = ("at 2+ token rows the f16 inputs would be XLA conversions (+14 launches at q = 4): measured at "

@@ -250,6 +250,36 @@ def test_bf16_balanced_splits_reaches_the_verifys_gemvs():
   assert sites["bf16_balanced_splits"]["sites"] == sites["bf16_linear"]["sites"] > 8, sites["bf16_linear"]
 
 
+def test_side_chain_gemvs_take_their_own_counters(monkeypatch):
+  """Under linear_fused_sum the side branches' GEMVs (glm5_jax.layers.side_chain: the indexer's projections beside
+  the MLA's, the KDA gates' beside the q/k/v GEMV) sum their K splits on a split-K counters Ref of their own — each
+  call on a Ref is ordered after the previous one (the Ref is an aliased operand), so on the main chain's Ref they
+  ran after it instead of beside it. Traced at kernel-tiny's verify step (q = 4): every bf16 / FP8 GEMV call with
+  counters records its Ref; the side calls' Refs and the main chain's are disjoint, one of each per counters scope
+  (the trunk, each MTP pass), and the indexer's query projection is a side call."""
+  from glm5_jax import layers as L
+  from pallas_kernels import linear as kl
+  calls = []
+
+  def recording(fn):
+    def wrapped(x, w, *a, counters=None, **kw):
+      if counters is not None:
+        calls.append(((fn.__name__, *w.shape), L._SIDE.get(), id(counters)))
+      return fn(x, w, *a, counters=counters, **kw)
+    return wrapped
+  monkeypatch.setattr(kl, "bf16_linear", recording(kl.bf16_linear))
+  monkeypatch.setattr(kl, "fp8_dq_linear", recording(kl.fp8_dq_linear))
+  cfg = C.kernel_tiny()
+  trace_step(cfg, 4, "latency_specialized", max_context=4096, policy=(("linear_fused_sum", True),))
+  side = {ref for _, s, ref in calls if s}
+  main = {ref for _, s, ref in calls if not s}
+  assert side and main and not side & main, calls
+  assert len(side) <= len(main), calls  # (a scope without side GEMVs creates no side Ref)
+  wq_b = ("bf16_linear", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+  on = [s for shape, s, _ in calls if shape == wq_b]  # (the trunk's DSA layer, then the MTP passes')
+  assert len(on) >= 2 and all(on), calls
+
+
 def test_moe_one_grid_reaches_the_steps_moe():
   """Policy knob moe_one_grid (on by default) in the kernel-tiny step at q = 1 as the CUDA lowering sees it: both
   MoE layers take it (test_kernel_tiny_step_lowers_for_cuda: their calls on alternating counter banks — two
