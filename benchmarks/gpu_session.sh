@@ -88,16 +88,10 @@
 #   s71c (either): s71b without the step's A/B (~200 s: what a short call can check) — the grid's GPU tests with the
 #                             clock hold, then the in-kernel profiles
 #   s72a (either; H100: LAYERS=32): session 72's W_UK kernel (policy mla_uk_kernel: the absorbed query as a Mosaic
-#                             kernel instead of XLA's transposed f32 copy of W_UK + reduction at q = 4, 21 µs a DSA
-#                             layer in s71's trace) — its GPU tests, one DSA layer (bench_dsa_layer: B = 1, q 1 / 4,
-#                             32K; the defaults vs the knob vs it with the layer's glue cuts linear_fused_sum and
-#                             mla_latent_norms: session 64's split had ~40 µs of XLA glue a layer), then the step's A/B at q = 4 (5 repeats; at q = 1 the
-#                             XLA reduction it replaces runs beside the selection, off the chain: a tie expected) —
-#                             with linear_fused_sum too (the K splits summed in the kernels: a tie at q = 1, sessions
-#                             47 / 51; at q = 4 XLA's split sums sit on the router's, KDA's and o_proj's chains)
-#                             and kda_o_grid_spin (its hold 2,000 cycles since s72: the grid alone 16.6 -> 14.3 µs)
-#                             and bf16_balanced_splits (the bf16 GEMV's K splits by the SMs' load: s72b's sweep);
-#                             SHORT=1: the tests and the q = 4 A/B of mla_uk_kernel and linear_fused_sum alone
+#                             kernel instead of XLA's transposed f32 copy of W_UK + reduction at q = 4) and session
+#                             73's bf16 gates' GPU tests, then the verify step's stack A/B (q = 4, 4 repeats): the
+#                             defaults vs linear_fused_sum + mla_uk_kernel (the latter only if its test passed) vs
+#                             that + mhc_rows (~350 s; s73a is the longer form)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -370,18 +364,13 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       --steps 80 --policy '{}' "${POLICY:-{\"kda_o_grid_spin\": true\}}" '{"kda_gates_first": true}'
     ;;
   s72a)  # (either; H100: LAYERS=32) see the header
-    gpu_tests s72a 150 gpu "uk_kernel_gpu" tests/test_sparse_mla.py; ok=$?
-    if [ "$ok" -eq 0 ] && [ -z "${SHORT:-}" ]; then
-      timeout 200 python3 benchmarks/bench_dsa_layer.py --batch 1 --q 4 1 --context 32768 --backend latency_specialized \
-        --policy '{}' '{"mla_uk_kernel": true}' '{"mla_uk_kernel": true, "linear_fused_sum": true, "mla_latent_norms": true}' \
-        --out "$OUT/dsa_layer.jsonl" 2>&1 \
-        | grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tee "$OUT/bench_dsa_layer.log"
-      rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mla_uk_kernel": true}' \
-        '{"linear_fused_sum": true}' '{"kda_o_grid_spin": true}' '{"bf16_balanced_splits": true}'
-    elif [ "$ok" -eq 0 ]; then  # (SHORT=1: what a short call holds — the tests and the A/B of the two q = 4 cuts)
-      rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 4 --steps 40 --policy '{}' '{"mla_uk_kernel": true}' \
-        '{"linear_fused_sum": true}'
-    fi
+    # (session 73: what a call holds once most of the session's device time went to refused starts — the new
+    # kernels' GPU tests, then the verify step's stack; session 72's full form, the DSA layer's bench and five
+    # single knobs, is in git history)
+    gpu_tests s72a 120 gpu "uk_kernel_gpu or bf16_gates_gpu" tests/test_sparse_mla.py tests/test_kda_decode.py; ok=$?
+    uk=$([ "$ok" -eq 0 ] && echo ', "mla_uk_kernel": true')
+    rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 4 --steps 40 --policy '{}' \
+      "{\"linear_fused_sum\": true$uk}" "{\"linear_fused_sum\": true$uk, \"mhc_rows\": true}"
     ;;
   s73a)  # (either; H100: LAYERS=32) see the header
     rank1 s73a_q4 --q 4 --steps-per-call 4 --interleave --repeats 6 --steps 40 --policy '{}' \
