@@ -964,11 +964,11 @@ _SIDE: contextvars.ContextVar = contextvars.ContextVar("glm5_side_chain", defaul
 @contextlib.contextmanager
 def side_chain():
   """The GEMVs traced inside are a sublayer's side branch — the KDA gates' (beside the q/k/v projection), the
-  indexer's (beside the MLA's q_a / q_b): under linear_fused_sum their K splits are summed on the scope's second
-  split-K counters Ref. Every call on a Ref takes it as an aliased operand and returns it, which orders the calls
-  on it: on one Ref the gates' two GEMVs ran after the 24 µs q/k/v GEMV instead of beside it (session 73's q = 4
-  critical path). A chain's own calls stay ordered on its Ref, as they must (each leaves its cells zero for the
-  next)."""
+  indexer's (beside the MLA's q_a / q_b), the dense MLP's up (beside gate): under linear_fused_sum their K splits
+  are summed on the scope's second split-K counters Ref. Every call on a Ref takes it as an aliased operand and
+  returns it, which orders the calls on it: on one Ref the gates' two GEMVs ran after the 24 µs q/k/v GEMV instead
+  of beside it (session 73's q = 4 critical path). A chain's own calls stay ordered on its Ref, as they must (each
+  leaves its cells zero for the next)."""
   tok = _SIDE.set(True)
   try:
     yield
@@ -1388,7 +1388,9 @@ class MLP(nnx.Module):
 
   def partial(self, x, dtype, *, x16=None):
     """This shard's contribution (the caller psums it)."""
-    h = swiglu_clamped(self.gate_proj(x, dtype, x16=x16), self.up_proj(x, dtype, x16=x16), self.limit)
+    with side_chain():  # (up beside gate, also under linear_fused_sum)
+      up = self.up_proj(x, dtype, x16=x16)
+    h = swiglu_clamped(self.gate_proj(x, dtype, x16=x16), up, self.limit)
     return self.down_proj(h, dtype)
 
   def __call__(self, x, dtype, *, x16=None):

@@ -252,11 +252,12 @@ def test_bf16_balanced_splits_reaches_the_verifys_gemvs():
 
 def test_side_chain_gemvs_take_their_own_counters(monkeypatch):
   """Under linear_fused_sum the side branches' GEMVs (glm5_jax.layers.side_chain: the indexer's projections beside
-  the MLA's, the KDA gates' beside the q/k/v GEMV) sum their K splits on a split-K counters Ref of their own — each
-  call on a Ref is ordered after the previous one (the Ref is an aliased operand), so on the main chain's Ref they
-  ran after it instead of beside it. Traced at kernel-tiny's verify step (q = 4): every bf16 / FP8 GEMV call with
-  counters records its Ref; the side calls' Refs and the main chain's are disjoint, one of each per counters scope
-  (the trunk, each MTP pass), and the indexer's query projection is a side call."""
+  the MLA's, the KDA gates' beside the q/k/v GEMV, the dense MLP's up beside gate) sum their K splits on a split-K
+  counters Ref of their own — each call on a Ref is ordered after the previous one (the Ref is an aliased
+  operand), so on the main chain's Ref they ran after it instead of beside it. Traced at kernel-tiny's verify step
+  (q = 4): every bf16 / FP8 GEMV call with counters records its Ref; the side calls' Refs and the main chain's are
+  disjoint, one of each per counters scope (the trunk, each MTP pass), the indexer's query projection is a side
+  call and of the dense MLPs' gate / up calls half are."""
   from glm5_jax import layers as L
   from pallas_kernels import linear as kl
   calls = []
@@ -278,6 +279,9 @@ def test_side_chain_gemvs_take_their_own_counters(monkeypatch):
   wq_b = ("bf16_linear", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
   on = [s for shape, s, _ in calls if shape == wq_b]  # (the trunk's DSA layer, then the MTP passes')
   assert len(on) >= 2 and all(on), calls
+  gate_up = ("fp8_dq_linear", cfg.intermediate_size, cfg.hidden_size)  # (the dense MLP's: up on the side)
+  on = [s for shape, s, _ in calls if shape == gate_up]
+  assert len(on) == 4 and sum(on) == 2, calls
 
 
 def test_moe_one_grid_reaches_the_steps_moe():
