@@ -560,7 +560,12 @@ KNOBS = {
         "went 4.19 -> 4.25 ms (4.17 with moe_rows: 980 launches), 5 interleaved repeats (session 47, s47b): not "
         "clear. At q = 4 (session 60, s60a: an H100, the first 32 layers, 5 interleaved repeats) 351 launches fewer "
         "at the full rank (critical path 1,047 -> 804) yet 6.54 -> 6.99 ms, slower in 4 of 4 paired rounds: the "
-        "last split waiting for up to 31 others costs more than XLA's reduction — off"),
+        "last split waiting for up to 31 others costs more than XLA's reduction. Part of that was the counters "
+        "Ref itself: every call threads it (an aliased operand), which ordered the sublayers' side branches — the "
+        "KDA gates' GEMVs after the 24 µs q/k/v GEMV, the indexer's after the MLA's, the dense MLP's up after "
+        "gate — on the main chain; since session 73 those take a second Ref (side_chain: q = 4's critical path "
+        "657 -> 611 launches with mla_uk_kernel, compile-only), and the router's GEMV sums its splits too (the "
+        "MoE chain's XLA reduction gone) — not yet measured — off"),
     "indexer_q_in_kernel": (True,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "
