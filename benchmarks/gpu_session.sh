@@ -91,15 +91,11 @@
 #                             kernel instead of XLA's transposed f32 copy of W_UK + reduction at q = 4) and session
 #                             73's bf16 gates' GPU tests, then the verify step's stack A/B (q = 4, 4 repeats): the
 #                             defaults vs linear_fused_sum + mla_uk_kernel (the latter only if its test passed) vs
-#                             that + mhc_rows (~350 s; s73a is the longer form)
+#                             that + mhc_rows (~350 s; a longer call: REPEATS=6 and POLICY='{...}' one more, e.g.
+#                             the stack with bf16_balanced_splits)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
-#   s73a (either; H100: LAYERS=32): the verify step's stack (q = 4, 6 interleaved repeats): the defaults vs
-#                             linear_fused_sum + mla_uk_kernel (since session 73 linear_fused_sum also sums the
-#                             router's K splits in its GEMV and the KDA kernels read the bf16 gates as they are: 989 ->
-#                             912 kernels, critical path 734 -> 657, compile-only) vs that + bf16_balanced_splits vs
-#                             that + mhc_rows (the row-form boundary at 4 rows with session 67's partials; s68b's)
 #   stream (either):         the GPU's practical weight-streaming rate (benchmarks/bench_stream.py: TMA boxes of a
 #                             row-major vs a tile-major weight, 37 and 75 MB; session 70's H100: ~2.5-2.65 TB/s either
 #                             way) — the ceiling the weight-streaming kernels are up against; ~30 s (run it before
@@ -112,8 +108,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s73a) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s73a)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -369,14 +365,8 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     # single knobs, is in git history)
     gpu_tests s72a 120 gpu "uk_kernel_gpu or bf16_gates_gpu" tests/test_sparse_mla.py tests/test_kda_decode.py; ok=$?
     uk=$([ "$ok" -eq 0 ] && echo ', "mla_uk_kernel": true')
-    rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats 4 --steps 40 --policy '{}' \
-      "{\"linear_fused_sum\": true$uk}" "{\"linear_fused_sum\": true$uk, \"mhc_rows\": true}"
-    ;;
-  s73a)  # (either; H100: LAYERS=32) see the header
-    rank1 s73a_q4 --q 4 --steps-per-call 4 --interleave --repeats 6 --steps 40 --policy '{}' \
-      '{"linear_fused_sum": true, "mla_uk_kernel": true}' \
-      '{"linear_fused_sum": true, "mla_uk_kernel": true, "bf16_balanced_splits": true}' \
-      '{"linear_fused_sum": true, "mla_uk_kernel": true, "mhc_rows": true}'
+    rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats "${REPEATS:-4}" --steps 40 --policy '{}' \
+      "{\"linear_fused_sum\": true$uk}" "{\"linear_fused_sum\": true$uk, \"mhc_rows\": true}" ${POLICY:+"$POLICY"}
     ;;
   s72b)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \

@@ -1027,6 +1027,12 @@ def balanced_splits() -> dict:
   return {"balanced": True} if kernel_enabled("bf16_balanced_splits") else {}
 
 
+def _split_sums(kl, rows: int) -> dict:
+  """Where a weight-streaming call's K splits are summed, as its options: in the kernel on the scope's split-K
+  counters (policy knob linear_fused_sum), else by XLA after it — over token rows where ``part_rows`` says so."""
+  return {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else part_rows(rows)
+
+
 def part_rows(rows: int) -> dict:
   """The weight-streaming kernels' ``part_rows`` option at a site of ``rows`` token rows (policy knob
   linear_part_rows): their K splits' partials as token rows where XLA sums them — from 2 rows up to the rows
@@ -1150,9 +1156,8 @@ def _dense(x, w, dtype, *, prefix: bool = False):
   if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16, why=why, prefer=rows > 1,
                     prefer_why=ONE_ROW_GEMV):
     from pallas_kernels import linear as kl  # noqa: PLC0415
-    fused = {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else {}
-    return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix, **fused, **mma,
-                          **({} if fused else part_rows(rows)), **balanced_splits()).reshape(*x.shape[:-1], n_out)
+    return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix, **_split_sums(kl, rows),
+                          **mma, **balanced_splits()).reshape(*x.shape[:-1], n_out)
   return mm(x[..., :n_in], w, dtype)
 
 
@@ -1582,10 +1587,9 @@ class Router(nnx.Module):
     mma, ok, why = gemv_mma(E, ok, why)
     if kernel_enabled("bf16_linear", rows, fits=ok, prefer=rows > 1, prefer_why=ONE_ROW_GEMV, why=why):
       from pallas_kernels import linear as kl  # noqa: PLC0415
-      # linear_fused_sum: the K splits summed in the kernel, as every linear's (the router's was XLA's reduction
-      # between the GEMV and router_route at q = 4: a launch on the MoE sublayer's chain, 42 a step)
-      fused = {"counters": _splitk_counters(kl)} if _counters_enabled("linear_fused_sum") else {}
-      return kl.bf16_linear(x.reshape(rows, D), w, **fused, **mma, **({} if fused else part_rows(rows)),
+      # (under linear_fused_sum the K splits summed in the kernel, as every linear's: XLA's reduction between the
+      # GEMV and router_route was a launch on the MoE sublayer's chain at q = 4, 42 a step)
+      return kl.bf16_linear(x.reshape(rows, D), w, **_split_sums(kl, rows), **mma,
                             **balanced_splits()).reshape(*x.shape[:-1], E)
     return jnp.einsum("...d,ed->...e", x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)
 
