@@ -93,6 +93,11 @@
 #                             defaults vs linear_fused_sum + mla_uk_kernel (the latter only if its test passed) vs
 #                             that + mhc_rows (~350 s; a longer call: REPEATS=6 and POLICY='{...}' one more, e.g.
 #                             the stack with bf16_balanced_splits)
+#   s74a (either; H100: LAYERS=32): session 74's in-kernel query rescale (policy mla_q_in_kernel: the sparse MLA
+#                             kernel reads the absorbed query as it is — no XLA reduction + scaled copy on every DSA
+#                             layer's chain) — its GPU tests, then the step's A/B at q = 1 (REPEATS, default 5): the
+#                             defaults vs the knob (only if its tests passed) (+ POLICY), then at q = 4 if time is left
+#                             (~400 s)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -108,8 +113,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s74a) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s74a)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -367,6 +372,13 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     uk=$([ "$ok" -eq 0 ] && echo ', "mla_uk_kernel": true')
     rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats "${REPEATS:-4}" --steps 40 --policy '{}' \
       "{\"linear_fused_sum\": true$uk}" "{\"linear_fused_sum\": true$uk, \"mhc_rows\": true}" ${POLICY:+"$POLICY"}
+    ;;
+  s74a)  # (either; H100: LAYERS=32) see the header
+    gpu_tests s74a 150 gpu "q_in_kernel_gpu" tests/test_sparse_mla.py || exit 0  # (no A/B of a wrong kernel)
+    rank1 s74a_q1 --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-5}" --steps 80 --policy '{}' \
+      '{"mla_q_in_kernel": true}' ${POLICY:+"$POLICY"}
+    [ "$(left)" -gt 150 ] && rank1 s74a_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \
+      --policy '{}' '{"mla_q_in_kernel": true}'
     ;;
   s72b)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \

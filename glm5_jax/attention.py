@@ -684,9 +684,12 @@ class DSA(nnx.Module):
         # mla_group_arrival: the gathers' barrier counts a group of 4 rows once (not 4 x 128 thread arrivals)
         grouped_arrival = kernel_enabled("mla_group_arrival", B * T, fits=not amma,
                                          why="the tcgen05 form (Blackwell) has its own gather")
+        # mla_q_in_kernel: the query's f16 rescale in the kernel's prologue (not two XLA launches before it)
+        q_in = kernel_enabled("mla_q_in_kernel", B * T, fits=not amma,
+                              why="the tcgen05 form (Blackwell) takes the rescaled query")
         o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine,
                                      transposed=uv, lean=lean, warpgroups=wgs, scales_after=after,
-                                     group_arrival=grouped_arrival, **amma)
+                                     group_arrival=grouped_arrival, q_in_kernel=q_in, **amma)
         if uv:  # dq_f16: also in f16 for o_proj's f16 kernel (no conversion kernel between them)
           o = ks.mla_absorb_uv(o_lat, wkv, dn=dn, lean=lean, x16=f16_copies(B * T), **amma)
           o, o16 = o if isinstance(o, tuple) else (o, None)

@@ -433,6 +433,14 @@ KNOBS = {
         "barrier, waits there and arrives once. Bit for bit the default kernel (interpret mode). Measured (s68d, "
         "session 68: an H100, the first 32 layers, q = 1, 5 interleaved repeats): 2.84 -> 2.87 ms, +0.01 ms "
         "paired, faster in 2 of 4 rounds — a tie, off"),
+    "mla_q_in_kernel": (False,
+        "with sparse_mla on (Hopper's wgmma form): the absorbed query read by the attention kernel as it is (f32, "
+        "or bf16 from mla_uk_kernel) and rescaled to f16 in each CTA's prologue — its head group's amax, while the "
+        "first block's gathers are in flight (pallas_kernels.sparse_mla.sparse_mla_decode(q_in_kernel=True)) — "
+        "instead of _prepare_q's XLA reduction and scaled copy: two launches on every DSA layer's critical path "
+        "(11 at q = 1, and the draft's passes; session 74's q = 1 census: the chain's reduce_max and convert). "
+        "The same r at TP4's 16 heads (one head group), so the default kernel's outputs up to the division's "
+        "rounding (interpret mode). CPU-built (session 74) — off until measured natively"),
     "kda_loads_first": (True,
         "with kda on: the recurrence kernel's GMEM loads — the conv taps (kda_conv) and, in the token loop "
         "(kda_token_loop), every token's beta — issued with the state slice before the wait for its rows' TMAs "

@@ -427,7 +427,7 @@ def _combine_tile(o_g, lse_g, out_g, bt, tile, ns: int):
 
 
 def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, group_arrival: bool = False,
-                qscale: float = 1.0):
+                qscale: float = 1.0, q_in: bool = False):
   """Kernel body for ``nbs`` blocks of 64 positions per CTA and ``hn`` heads per CTA.
 
   GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (the rescale r, times ``qscale``: softmax_scale ·
@@ -453,21 +453,29 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, gro
   f16 after its scale (it is exact), s_g · p is instead.
 
   ``group_arrival`` (``sparse_mla_decode(group_arrival=True)``): the gathers' barrier counts a group of RUN rows
-  once (``_gather_block``'s ``xbar``: the scratch after gbar)."""
+  once (``_gather_block``'s ``xbar``: the scratch after gbar).
 
-  def body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *sync):
-    xbar, sync = (sync[0], sync[1:]) if group_arrival else (None, sync)
+  ``q_in`` (``sparse_mla_decode(q_in_kernel=True)``): q_g is the absorbed query itself [BT, H, 512] (f32 or bf16)
+  and there is no qm_g — each CTA rescales its heads' queries in its prologue (``_mla_q_prep``; scratch after the
+  others: the raw queries [4·hn, 128] and the 4 TMAs' barrier), q_s holding the f16
+  queries group-major [4·hn, 128] (row g·hn + h: head h's dimensions 128g ..)."""
+
+  def body(*refs):
+    q_g, *refs = refs
+    qm_g, *refs = refs if not q_in else (None, *refs)
+    c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *rest = refs
+    xbar, rest = (rest[0], rest[1:]) if group_arrival else (None, rest)
+    sync, qprep = (rest[:2], rest[2:]) if wgs == 2 else ((), rest)
+    kw = dict(scales_after=scales_after, xbar=xbar, qscale=qscale, qprep=qprep or None)
     if wgs == 1:
-      return _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar,
-                       scales_after=scales_after, xbar=xbar, qscale=qscale)
+      return _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, **kw)
     ready, free = sync
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 0)
     def _():
       _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar,
-                planes=range(SCALES // 2), ready=ready, free=free, scales_after=scales_after, xbar=xbar,
-                qscale=qscale)
+                planes=range(SCALES // 2), ready=ready, free=free, **kw)
 
     @pl.when(wg == 1)
     def _():
@@ -490,37 +498,69 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, gro
   return body
 
 
-def _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar):
+def _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar, qprep=None):
   """Both attention forms' start: the CTA's (head group, split, token row, sequence) from its grid position, its
-  queries' TMA (on bar[0], awaited later) and its split's index list (bar[1], awaited here: the gathers need it)."""
-  nbs, hn = idx_s.shape[0], q_s.shape[0]
+  queries' TMA (on bar[0], awaited later; ``qprep``: the raw queries' 4 TMAs, one per 128-dimension group, into
+  its first scratch on its barrier) and its split's index list (bar[1], awaited here: the gathers need it)."""
+  nbs = idx_s.shape[0]
+  hn = q_s.shape[0] // SCALES if qprep else q_s.shape[0]
   hg, sp, bt = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("bt")
   b = bt // (q_g.shape[0] // c32_g.shape[0])
-  plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(hg * hn, hn)], q_s, bar.at[0])
+  if qprep:
+    q32_s, qbar = qprep
+    for g in range(SCALES):
+      plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(hg * hn, hn), pl.ds(g * GROUP, GROUP)], q32_s.at[pl.ds(g * hn, hn)],
+                              qbar)
+  else:
+    plgpu.copy_gmem_to_smem(q_g.at[bt, pl.ds(hg * hn, hn)], q_s, bar.at[0])
   plgpu.copy_gmem_to_smem(idx_g.at[bt, pl.ds(sp * nbs, nbs)], idx_s, bar.at[1])
   with jax.named_scope("start_idx"):  # (bench_kernel_profile's regions of the ~4 µs before the first block)
     plgpu.barrier_wait(bar.at[1])
   return hg, sp, bt, b
 
 
+def _mla_q_prep(q32_s, qbar, q_s):
+  """``_mla_kernel(q_in=True)``'s query rescale, in the CTA's prologue (the XLA reduction and scaled copy of
+  ``_prepare_q`` were two launches on the DSA layer's critical path): the raw queries q32_s [4·hn, 128] (group-major,
+  f32 or bf16) -> q_s [4·hn, 128] f16 = q / r, r = max(amax, 1e-30) over the CTA's heads (its head group's, not
+  the token's: the same where one head group holds them all, as at TP4's 16 heads; any positive r is exact here,
+  the logits are s · r). Returns r."""
+  plgpu.barrier_wait(qbar)
+  x = plgpu.load(q32_s, layout=_L.WGMMA, optimized=False).astype(jnp.float32)
+  # (the maximum as rows then their vector: one whole-array reduction of a WGMMA or 2-D strided array does not
+  # lower, a reshaped SMEM ref does not run in interpret mode)
+  r = jnp.maximum(jnp.abs(x).max(axis=1).max(), 1e-30)
+  q_s[...] = plgpu.layout_cast((x / r).astype(jnp.float16), _L.WGMMA)
+  plgpu.commit_smem()  # (the wgmma reads q_s)
+  return r
+
+
 def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *,
               planes=range(SCALES), ready=None, free=None, scales_after: bool = False, xbar=None,
-              qscale: float = 1.0):
+              qscale: float = 1.0, qprep=None):
   """``_mla_kernel``'s first (or only) warpgroup: the loads, the gathers, its byte planes of every block, the
   attention and the outputs. ``ready`` / ``free``: the two-warpgroup form's barriers (None: one warpgroup).
   ``scales_after``: as ``_mla_kernel``'s (p_s then holds the four scaled P tiles [4, 64, hn]; O^T is carried as
-  its four 128-row groups)."""
-  nbs, hn = idx_s.shape[0], q_s.shape[0]
-  hg, sp, bt, b = _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar)
+  its four 128-row groups). ``qprep``: (q32_s, qbar), ``_mla_kernel(q_in=True)``'s scratch (qm_g None;
+  q_s group-major)."""
+  nbs = idx_s.shape[0]
+  hn = q_s.shape[0] // SCALES if qprep else q_s.shape[0]
+  hg, sp, bt, b = _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar, qprep)
 
   def issue(k, slot):
     _gather_block(c32_g.at[b], idx_s, k, c32_s.at[slot], gbar.at[slot], xbar)
 
   with jax.named_scope("start_issue"):
     issue(0, 0)
-  qmul = qm_g[bt] * qscale
-  with jax.named_scope("start_q"):
-    plgpu.barrier_wait(bar.at[0])
+  if qprep:  # (the first block's gather in flight meanwhile)
+    with jax.named_scope("start_q"):
+      qmul = _mla_q_prep(*qprep, q_s) * qscale
+  else:
+    qmul = qm_g[bt] * qscale
+    with jax.named_scope("start_q"):
+      plgpu.barrier_wait(bar.at[0])
+  # the queries of scale group g, [hn, 128] (q_s group-major with qprep)
+  q_group = (lambda g: q_s.at[pl.ds(g * hn, hn)]) if qprep else (lambda g: q_s.at[:, pl.ds(g * GROUP, GROUP)])
 
   def block(k, carry):
     o, m, l = carry  # (o: O^T [512, hn], or with scales_after its 4 row groups [128, hn])
@@ -544,12 +584,16 @@ def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s
     rows = lambda v: lax.broadcast_in_dim(v, (BLOCK, hn), (0,))  # noqa: E731  (a per-key vector over the heads)
 
     def qk(acc):
-      plgpu.wgmma(acc, c16_s, q_s.T)
+      if qprep:  # (group-major queries: the K = 512 product as 4 MMAs of K = 128 into one accumulator)
+        for g in range(SCALES):
+          plgpu.wgmma(acc, c16_s.at[:, pl.ds(g * GROUP, GROUP)], q_group(g).T)
+      else:
+        plgpu.wgmma(acc, c16_s, q_s.T)
       return acc[...]
 
     def qk4(*accs):  # (scales_after: one K = 128 MMA per scale group, each into its own accumulator)
       for g, acc in enumerate(accs):
-        plgpu.wgmma(acc, c16_s.at[:, pl.ds(g * GROUP, GROUP)], q_s.at[:, pl.ds(g * GROUP, GROUP)].T)
+        plgpu.wgmma(acc, c16_s.at[:, pl.ds(g * GROUP, GROUP)], q_group(g).T)
       return [acc[...] for acc in accs]
 
     with jax.named_scope("qk"):
@@ -740,10 +784,11 @@ def index_width(B: int, T: int, H: int, W: int, blocks_per_split: int | None = N
 
 
 @kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed", "lean", "mma", "warpgroups",
-              "scales_after", "group_arrival")
+              "scales_after", "group_arrival", "q_in_kernel")
 def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int | None = None,
                       combine: str = "xla", transposed: bool = False, lean: bool = False, mma: str = "wgmma",
-                      warpgroups: int = 1, scales_after: bool = False, group_arrival: bool = False):
+                      warpgroups: int = 1, scales_after: bool = False, group_arrival: bool = False,
+                      q_in_kernel: bool = False):
   """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
 
   q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache [B, S, ROW_WORDS] int32 (``quantize_latent``'s rows),
@@ -768,7 +813,10 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   MMAs (``_mla_kernel``; policy knob mla_scales_after), the dequantisation converting bytes only; the wgmma form
   only. ``group_arrival``: the gathers' barrier counts one arrival per group of RUN rows instead of RUN
   (``_gather_block``'s ``xbar``; policy knob mla_group_arrival); the same rows where the index list is valid, the
-  same outputs; the wgmma form only."""
+  same outputs; the wgmma form only. ``q_in_kernel``: q read as it is (f32 or bf16) and rescaled to f16 in each
+  CTA's prologue (``_mla_q_prep``: r the amax of its head group's queries) instead of ``_prepare_q``'s two XLA
+  launches before the kernel (policy knob mla_q_in_kernel); the same r where one head group holds every head (16
+  heads, TP4), so the same outputs up to the division's rounding; the wgmma form only."""
   tc05 = check_mma(mma, "sparse_mla_decode")
   if warpgroups not in (1, 2) or (tc05 and warpgroups != 1):
     raise ValueError(f"sparse_mla_decode: warpgroups = {warpgroups!r}; expected 1 or 2 (2 in the wgmma form only: "
@@ -779,6 +827,9 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   if tc05 and scales_after:
     raise ValueError("sparse_mla_decode: scales_after=True in the tcgen05 form (mma = 'tcgen05'); it is the wgmma "
                      "form's (the tcgen05 form dequantises one 128-dimension group at a time already)")
+  if tc05 and q_in_kernel:
+    raise ValueError("sparse_mla_decode: q_in_kernel=True in the tcgen05 form (mma = 'tcgen05'); it is the wgmma "
+                     "form's")
   B, T, H, Dl = q.shape
   if Dl != D_LATENT or cache.shape[-1] != ROW_WORDS or cache.dtype != jnp.int32:
     raise ValueError(f"sparse_mla_decode: q [.., {Dl}], cache {cache.shape} {cache.dtype}; expected q [.., "
@@ -795,7 +846,12 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   wp = ns * nbs * bk
   idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, wp - W)), constant_values=-1)
   idx = idx.reshape(B * T, wp // bk, bk)
-  q16, qr = _prepare_q(q)
+  if q_in_kernel:  # (the kernel's TMA reads f32 or bf16 rows; anything else is widened first)
+    qk = (q if q.dtype in (jnp.float32, jnp.bfloat16) else q.astype(jnp.float32)).reshape(B * T, H, D_LATENT)
+    q_args = (qk,)
+  else:
+    q16, qr = _prepare_q(q)
+    q_args = (q16.reshape(B * T, H, D_LATENT), qr.reshape(B * T))
   qscale = float(softmax_scale) * _LOG2E  # (the kernels' r · qscale: base-2 logits)
   f16 = jnp.float16
   parts = (jax.ShapeDtypeStruct((B * T, ns, D_LATENT, H), jnp.float32),
@@ -825,10 +881,11 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   else:
     two = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
     kern = mgpu_kernel(
-        _mla_kernel(nbs, hn, warpgroups, bool(scales_after), bool(group_arrival), qscale),
+        _mla_kernel(nbs, hn, warpgroups, bool(scales_after), bool(group_arrival), qscale, bool(q_in_kernel)),
         out_type=parts,
         scratch_types=[
-            plgpu.SMEM((hn, D_LATENT), f16, transforms=_F16_SW32),  # q_s
+            # q_s (q_in_kernel: group-major [4·hn, 128], the same bytes)
+            plgpu.SMEM((SCALES * hn, GROUP) if q_in_kernel else (hn, D_LATENT), f16, transforms=_F16_SW32),
             plgpu.SMEM((nbs, BLOCK), jnp.int32),  # idx_s (TMA boxes are <= 256 per dimension)
             plgpu.SMEM((2, BLOCK, ROW_WORDS), jnp.int32),  # c32_s: gathered cache rows (double buffer)
             plgpu.SMEM((BLOCK, D_LATENT), f16, transforms=_F16_SW32),  # c16_s
@@ -840,6 +897,9 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
             *([plgpu.Barrier(num_arrivals=RUN)] if group_arrival else []),
             # (two warpgroups: ready — both planes' halves stored, an arrival each; free — c16_s read by PV)
             *([plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)] if warpgroups == 2 else []),
+            # (q_in_kernel: the raw queries group-major, the 4 TMAs' barrier)
+            *([plgpu.SMEM((SCALES * hn, GROUP), q_args[0].dtype), plgpu.Barrier(num_arrivals=SCALES)]
+              if q_in_kernel else []),
         ],
         grid=(H // hn, ns, B * T),
         grid_names=("h", "s", "bt"),
@@ -847,7 +907,7 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=bool(lean)),
         **two,
     )
-  o_part, lse = kern(q16.reshape(B * T, H, D_LATENT), qr.reshape(B * T), cache, idx)
+  o_part, lse = kern(*q_args, cache, idx)
   if combine == "xla":
     o = combine_splits(o_part, lse)  # [BT, 512, H] (O^T per token)
   else:

@@ -237,6 +237,30 @@ def test_group_arrival_interpret(B, T, S, W, nbs, pooled, sa):
     M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, group_arrival=True, mma="tcgen05")
 
 
+@pytest.mark.parametrize("B,T,H,S,W,nbs,qdt,sa,wgs", [(1, 1, 16, 256, 64, None, jnp.float32, True, 1),
+                                                        (2, 2, 32, 256, 200, 2, jnp.bfloat16, False, 1),
+                                                        (1, 2, 16, 512, 300, 2, jnp.float32, True, 2)])
+def test_q_in_kernel_interpret(B, T, H, S, W, nbs, qdt, sa, wgs):
+  """sparse_mla_decode(q_in_kernel=True) (policy mla_q_in_kernel): the query read as it is (f32 / bf16) and
+  rescaled to f16 in each CTA's prologue — within the kernels' tolerance of the reference and of the default kernel
+  (one head group: the same r, the division rounded in another place; two head groups, H = 32: an r each), with
+  the scales before / after the MMAs (group-major queries: the K = 512 product as 4 MMAs) and two warpgroups;
+  refused in the tcgen05 form."""
+  q, cache, idx = make_inputs(91 + B + T + W, B, T, H, S, W, q_dtype=qdt)
+  q = q * jnp.asarray(np.random.default_rng().uniform(0.05, 4.0), q.dtype)  # (the rescale at another magnitude)
+  ref = np.asarray(M.sparse_mla_decode_reference(q, cache, idx, softmax_scale=SCALE))
+  run = lambda qi: jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
+      *a, softmax_scale=SCALE, blocks_per_split=nbs, scales_after=sa, warpgroups=wgs, q_in_kernel=qi))(q, cache, idx)
+  with maybe_interpret(True):
+    got, base = np.asarray(run(True)), np.asarray(run(False))
+  assert np.abs(got).max() > 0
+  for want in (ref, base):
+    np.testing.assert_allclose(got, want, **tol("kernel_bf16"))
+    assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+  with pytest.raises(ValueError, match="q_in_kernel=True in the tcgen05 form"):
+    M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, q_in_kernel=True, mma="tcgen05")
+
+
 @pytest.mark.parametrize("B,T", [(1, 4)])
 def test_two_warpgroups_cross_lower(B, T):
   """The two-warpgroup and scales-after forms (and both) at the real rank's shapes (16 heads, 2,051 positions;
@@ -244,12 +268,23 @@ def test_two_warpgroups_cross_lower(B, T):
   session 68: its grid differs only in size; the suite's ~10 s went to the one-grid KDA's tests.)"""
   args = (SDS((B, T, 16, 512), jnp.bfloat16), SDS((B, 65536, M.ROW_WORDS), jnp.int32), SDS((B, T, 2051), jnp.int32))
   forms = {"one": {}, "two": dict(warpgroups=2), "after": dict(scales_after=True),
-           "both": dict(warpgroups=2, scales_after=True), "group": dict(scales_after=True, group_arrival=True)}
+           "both": dict(warpgroups=2, scales_after=True), "group": dict(scales_after=True, group_arrival=True),
+           "q_in": dict(scales_after=True, q_in_kernel=True), "q_in_two": dict(warpgroups=2, q_in_kernel=True)}
   low = {f: cross_lower(lambda *a, kw=kw: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel", lean=True,
                                                               **kw), *args).as_text() for f, kw in forms.items()}
   hashes = {f: [ln.split("kernel_hash = ")[1][:40] for ln in t.splitlines() if "glm5_sparse_mla" in ln]
             for f, t in low.items()}
-  assert all(len(h) == 1 for h in hashes.values()) and len({h[0] for h in hashes.values()}) == 5, hashes
+  assert all(len(h) == 1 for h in hashes.values()) and len({h[0] for h in hashes.values()}) == len(forms), hashes
+
+
+def test_q_in_kernel_cross_lower():
+  """The in-kernel query rescale lowers for CUDA with the step's f32 query (XLA's W_UKᵀ q at one row) and its q = 4
+  verify's, in the step's form (lean, the merge kernel, the scales after the MMAs)."""
+  for B, T in ((1, 1), (1, 4)):
+    args = (SDS((B, T, 16, 512), jnp.float32), SDS((B, 65536, M.ROW_WORDS), jnp.int32), SDS((B, T, 2051), jnp.int32))
+    text = cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel", lean=True,
+                                                      scales_after=True, q_in_kernel=True), *args).as_text()
+    assert "glm5_sparse_mla" in text and "stablehlo.reduce" not in text  # (no XLA reduction before the kernel)
 
 
 @pytest.mark.parametrize("B,T,H,S,W,nbs,trail,pooled", [(1, 1, 16, 512, 300, None, 0, True),
@@ -554,6 +589,24 @@ def test_scales_after_gpu(B, T, nbs, wgs):
   run = lambda sa: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
       *a, softmax_scale=SCALE, blocks_per_split=nbs, lean=True, combine="kernel", warpgroups=wgs,
       scales_after=sa))(q, cache, idx))
+  got = run(True)
+  for want in (ref, run(False)):
+    np.testing.assert_allclose(got, want, **tol("kernel_bf16"))
+    assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,qdt,wgs", [(1, 1, 16, jnp.float32, 1), (1, 4, 16, jnp.bfloat16, 1),
+                                          (8, 4, 32, jnp.float32, 2), (1, 4, 16, jnp.float32, 2)])
+def test_q_in_kernel_gpu(B, T, H, qdt, wgs):
+  """The in-kernel query rescale natively (policy mla_q_in_kernel; lean, the step's form): within the kernels'
+  tolerance of the reference and of the default kernel, one and two head groups, one and two warpgroups."""
+  q, cache, idx = make_inputs(B + T + 90, B, T, H, 32768, 2051, q_dtype=qdt, pooled=True)
+  q = q * jnp.asarray(np.random.default_rng().uniform(0.05, 4.0), q.dtype)
+  ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, cache, idx))
+  run = lambda qi: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
+      *a, softmax_scale=SCALE, lean=True, combine="kernel", warpgroups=wgs, scales_after=True,
+      q_in_kernel=qi))(q, cache, idx))
   got = run(True)
   for want in (ref, run(False)):
     np.testing.assert_allclose(got, want, **tol("kernel_bf16"))

@@ -289,7 +289,8 @@ def test_moe_one_grid_reaches_the_steps_moe():
   MoE layers take it (test_kernel_tiny_step_lowers_for_cuda: their calls on alternating counter banks — two
   modules — and no glm5_moe_down launch left); off, neither does. mhc_row_scalars and mhc_ll_exchange likewise at
   every one-row boundary, and kda_o_grid (the recurrence and o_proj as one grid, on the step's counters) at every
-  KDA layer. And moe_h_rows at q = 4 (with the knobs linear_part_rows, mla_dequant_warpgroups, mla_scales_after and mla_group_arrival: where they reach)."""
+  KDA layer. And moe_h_rows at q = 4 (with the knobs linear_part_rows, mla_dequant_warpgroups, mla_scales_after,
+  mla_group_arrival and mla_q_in_kernel: where they reach)."""
   model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
   for on in (True, False):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,),
@@ -315,7 +316,7 @@ def test_moe_one_grid_reaches_the_steps_moe():
   dec = Decoder(model, DecodeConfig(max_context=4096, q=4, capture_sizes=(1,),
                                     policy=(("moe_h_rows", True), ("linear_part_rows", True),
                                             ("mla_dequant_warpgroups", True), ("mla_scales_after", True),
-                                            ("mla_group_arrival", True))),
+                                            ("mla_group_arrival", True), ("mla_q_in_kernel", True))),
                 backend="latency_specialized")
   with dec.kernel_mode(interpret=False):
     dec.trace_step(1, params, interpret=False)
@@ -324,9 +325,9 @@ def test_moe_one_grid_reaches_the_steps_moe():
   assert rep["sites"] == 3 and not rep["not_used"], rep
   rep = sites["linear_part_rows"]
   assert rep["sites"] >= 10 and all("token rows (2 to 8" in why for why in rep["not_used"]), rep
-  # and mla_dequant_warpgroups, mla_group_arrival (off by default), mla_scales_after (on): every sparse MLA call,
-  # the verify's and the draft's
-  for knob in ("mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival"):
+  # and mla_dequant_warpgroups, mla_group_arrival, mla_q_in_kernel (off by default), mla_scales_after (on): every
+  # sparse MLA call, the verify's and the draft's
+  for knob in ("mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival", "mla_q_in_kernel"):
     rep = sites[knob]
     assert rep["sites"] == sites["sparse_mla"]["sites"] > 0 and not rep["not_used"], (knob, rep)
 
