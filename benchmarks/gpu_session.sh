@@ -98,6 +98,11 @@
 #                             layer's chain) — its GPU tests, then the step's A/B at q = 1 (REPEATS, default 5): the
 #                             defaults vs the knob (only if its tests passed) (+ POLICY), then at q = 4 if time is left
 #                             (~400 s)
+#   pending (either; H100: LAYERS=32; ~550 s): every CPU-built kernel not yet run natively in one call — the GPU
+#                             tests of mla_uk_kernel, the KDA kernels' bf16 gates and mla_q_in_kernel, then q = 1:
+#                             the defaults vs mla_q_in_kernel vs the one-row bf16 GEMV with in-kernel split sums
+#                             (ratio's POLICY), then q = 4: the defaults vs linear_fused_sum + mla_uk_kernel vs that
+#                             + mla_q_in_kernel (a knob whose test failed is left out)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -113,8 +118,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s74a) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s74a)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s74a|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s74a, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -379,6 +384,18 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       '{"mla_q_in_kernel": true}' ${POLICY:+"$POLICY"}
     [ "$(left)" -gt 150 ] && rank1 s74a_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \
       --policy '{}' '{"mla_q_in_kernel": true}'
+    ;;
+  pending)  # (either; H100: LAYERS=32) see the header
+    gpu_tests pending 200 gpu "uk_kernel_gpu or bf16_gates_gpu or q_in_kernel_gpu" tests/test_sparse_mla.py \
+      tests/test_kda_decode.py
+    passed() { [ -f /tmp/t_pending.log ] && ! grep -qE "(FAILED|ERROR).*$1" /tmp/t_pending.log \
+      && grep -q "passed" /tmp/t_pending.log; }
+    qin=$(passed q_in_kernel_gpu && echo ', "mla_q_in_kernel": true')
+    uk=$(passed uk_kernel_gpu && echo ', "mla_uk_kernel": true')
+    rank1 pending_q1 --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-4}" --steps 80 --policy '{}' \
+      ${qin:+"{${qin#, }}"} '{"bf16_linear": true, "linear_fused_sum": true}'
+    [ "$(left)" -gt 200 ] && rank1 pending_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \
+      --policy '{}' "{\"linear_fused_sum\": true$uk}" ${qin:+"{\"linear_fused_sum\": true$uk$qin}"}
     ;;
   s72b)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \
