@@ -22,7 +22,8 @@
 #   ratio (nvidia-h200, needs_h200: the 45 layers' 82 GB): issue #9's ratio in one call — q = 1, auto vs the
 #                             defaults vs POLICY (default: the bf16 GEMV kernel at one row with its K splits summed
 #                             inside — on the H200 the KDA q/k/v kernel streamed 3.65 TB/s against XLA's 2.77 at one
-#                             row, session 24; on an H100 both sit at its ~2.6 ceiling), 5 interleaved repeats of 80
+#                             row, session 24; on an H100 both sit at its ~2.6 ceiling, and the step there was 0.20 ms
+#                             slower with it: session 74's pending), 5 interleaved repeats of 80
 #                             steps (s60d's form)
 #   e2e (either):             the defaults' end-to-end GPU test (~185 s) and the kernels' GPU tests the defaults run
 #                             natively first (the one-grid MoE, moe_h_rows, the row boundary, the counters): their own
@@ -102,7 +103,9 @@
 #                             tests of mla_uk_kernel, the KDA kernels' bf16 gates and mla_q_in_kernel, then q = 1:
 #                             the defaults vs mla_q_in_kernel vs the one-row bf16 GEMV with in-kernel split sums
 #                             (ratio's POLICY), then q = 4: the defaults vs linear_fused_sum + mla_uk_kernel vs that
-#                             + mla_q_in_kernel (a knob whose test failed is left out)
+#                             + mla_q_in_kernel (a knob whose test failed is left out). Session 74 ran it (339 s on
+#                             an H100): all three ties or slower (BENCHMARKS.md); its bf16-gates test's second call
+#                             reused the first's counter bank (fixed since)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)

@@ -320,7 +320,9 @@ KNOBS = {
         "DSA layer (session 71's q = 4 trace; 4.4 µs at q = 1) — beside the indexer's selection, off the layer's "
         "chain, so the gain is HBM traffic and launches: q = 4's step 1,242 -> 1,230 kernels, scratch 0.11 -> "
         "0.01 GB (compile-only census, session 72). Within bf16 rounding of the XLA form (the sums in another "
-        "order) — off until measured natively"),
+        "order); its GPU tests pass natively (session 74). With linear_fused_sum at q = 4 (gpu_session.sh "
+        "pending, session 74: an H100, the first 32 layers, 3 interleaved repeats) 6.57 -> 6.61 ms, faster in 1 "
+        "of 2 rounds — a tie, off"),
     "moe_rows": (True,
         "with fp8_moe, fp8_dq and moe_router_in_kernel at one token row: the MoE's two kernels sum their split "
         "partials in the kernel on the step's split-K counters (pallas_kernels.linear.splitk_counters) — the "
@@ -443,7 +445,11 @@ KNOBS = {
         "rounding (interpret mode). Compile-only census (session 74): q = 1 734 -> 712 kernels, critical path 463 "
         "-> 441; q = 4 1,226 -> 1,198. Launches, not time, by the traces: in session 70's (q = 1) and 71's (q = 4, "
         "H100) the query's f16 copy ended 3.4 / 9.4 µs before the indexer's selection kernel, which the attention "
-        "waits for — the layer's timed chain runs through the indexer. CPU-built — off until measured natively"),
+        "waits for — the layer's timed chain runs through the indexer. Natively correct (its GPU tests, 4 cases: "
+        "one and two head groups, f32 and bf16 queries; session 74). Measured (gpu_session.sh pending, session 74: "
+        "an H100, the first 32 layers, interleaved): q = 1 2.78 -> 2.81 ms, +0.05 paired, faster in 1 of 3 rounds; "
+        "q = 4 with linear_fused_sum + mla_uk_kernel 6.61 -> 6.55 (faster in 2 of 2; the defaults 6.57) — ties "
+        "as the traces said, off"),
     "kda_loads_first": (True,
         "with kda on: the recurrence kernel's GMEM loads — the conv taps (kda_conv) and, in the token loop "
         "(kda_token_loop), every token's beta — issued with the state slice before the wait for its rows' TMAs "
@@ -576,7 +582,9 @@ KNOBS = {
         "KDA gates' GEMVs after the 24 µs q/k/v GEMV, the indexer's after the MLA's, the dense MLP's up after "
         "gate — on the main chain; since session 73 those take a second Ref (side_chain: q = 4's critical path "
         "657 -> 611 launches with mla_uk_kernel, compile-only), and the router's GEMV sums its splits too (the "
-        "MoE chain's XLA reduction gone) — not yet measured — off"),
+        "MoE chain's XLA reduction gone). Session 74 (gpu_session.sh pending; an H100, the first 32 layers): q = 4 "
+        "with mla_uk_kernel 6.57 -> 6.61 ms, faster in 1 of 2 rounds — the session-60 penalty (+0.45 ms) gone, "
+        "no gain; q = 1 with bf16_linear forced at one row 2.78 -> 2.98 ms, slower in 3 of 3 — off"),
     "indexer_q_in_kernel": (True,
         "with indexer on (an FP8 pool cache, bf16 projections): the index queries' FWHT and UE8M0 FP8 "
         "quantisation inside the scores kernel (indexer_scores_q: one wgmma with the ±1 Sylvester matrix per "

@@ -558,13 +558,15 @@ def test_bf16_gates_read_as_their_f32_widening_interpret(rng, form):
 @pytest.mark.gpu
 def test_bf16_gates_gpu(rng):
   """Natively, the one grid at one TP4 rank's shapes (4 token rows, the step's counters): bf16 gate logits give
-  its outputs with their f32 widening, bit for bit."""
+  its outputs with their f32 widening, bit for bit. The two calls on the counter banks 0 then 1, as the step's
+  consecutive KDA layers (a call leaves its bank holding its counts: a second call on the same bank would not wait
+  for its own — session 74's first native run of this test made both calls on bank 0 and read NaN in the second)."""
   from pallas_kernels import linear as kl
   cfg = kd.KdaDecodeConfig(token_loop=True, approx_math=True)
   narrow, wide = _bf16_gates_pair(rng, 1, 4, 16, 4096)
-  fn = jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg))
+  fn = lambda parity: jax.jit(functools.partial(kd.kda_decode_o_proj, config=cfg, parity=parity))  # noqa: E731
   ctr = kl.splitk_counters()
-  got, want = fn(*narrow, ctr), fn(*wide, ctr)
+  got, want = fn(0)(*narrow, ctr), fn(1)(*wide, ctr)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
