@@ -20,11 +20,11 @@
 #                             modes are in git history); s57c (WIN='{"dq_f16": false}': the defaults before dq_f16)
 #                             and s57e still wait
 #   ratio (nvidia-h200, needs_h200: the 45 layers' 82 GB): issue #9's ratio in one call — q = 1, auto vs the
-#                             defaults vs POLICY (default: the bf16 GEMV kernel at one row with its K splits summed
-#                             inside — on the H200 the KDA q/k/v kernel streamed 3.65 TB/s against XLA's 2.77 at one
-#                             row, session 24; on an H100 both sit at its ~2.6 ceiling, and the step there was 0.20 ms
-#                             slower with it: session 74's pending), 5 interleaved repeats of 80
-#                             steps (s60d's form)
+#                             defaults vs POLICY (default since session 74: kda_qkv_kernel, the KDA q/k/v GEMV alone
+#                             through the bf16 kernel at one row, its K splits summed inside — on the H200 that kernel
+#                             streamed 3.65 TB/s against XLA's 2.77 at one row, session 24; the kernel at every
+#                             one-row site, session 73's POLICY, was 0.20 ms slower on an H100: session 74's
+#                             pending), 5 interleaved repeats of 80 steps (s60d's form)
 #   e2e (either):             the defaults' end-to-end GPU test (~185 s) and the kernels' GPU tests the defaults run
 #                             natively first (the one-grid MoE, moe_h_rows, the row boundary, the counters): their own
 #                             call — s60d's 240 s for tests and benchmark together cut the end-to-end test off
@@ -94,18 +94,11 @@
 #                             defaults vs linear_fused_sum + mla_uk_kernel (the latter only if its test passed) vs
 #                             that + mhc_rows (~350 s; a longer call: REPEATS=6 and POLICY='{...}' one more, e.g.
 #                             the stack with bf16_balanced_splits)
-#   s74a (either; H100: LAYERS=32): session 74's in-kernel query rescale (policy mla_q_in_kernel: the sparse MLA
-#                             kernel reads the absorbed query as it is — no XLA reduction + scaled copy on every DSA
-#                             layer's chain) — its GPU tests, then the step's A/B at q = 1 (REPEATS, default 5): the
-#                             defaults vs the knob (only if its tests passed) (+ POLICY), then at q = 4 if time is left
-#                             (~400 s)
-#   pending (either; H100: LAYERS=32; ~550 s): every CPU-built kernel not yet run natively in one call — the GPU
-#                             tests of mla_uk_kernel, the KDA kernels' bf16 gates and mla_q_in_kernel, then q = 1:
-#                             the defaults vs mla_q_in_kernel vs the one-row bf16 GEMV with in-kernel split sums
-#                             (ratio's POLICY), then q = 4: the defaults vs linear_fused_sum + mla_uk_kernel vs that
-#                             + mla_q_in_kernel (a knob whose test failed is left out). Session 74 ran it (339 s on
-#                             an H100): all three ties or slower (BENCHMARKS.md); its bf16-gates test's second call
-#                             reused the first's counter bank (fixed since)
+#   pending (either; H100: LAYERS=32; ~350 s): what the CPU built and no GPU ran yet, in one call — now the KDA
+#                             grid's bf16-gates GPU test (session 74's first run reused the first call's counter bank
+#                             in its second: fixed) and the bf16 GEMV's in-kernel sums, then q = 1: the defaults vs
+#                             kda_qkv_kernel (+ POLICY). Session 74's form (mla_uk_kernel, mla_q_in_kernel, the q = 4
+#                             stack; 339 s on an H100: all ties, BENCHMARKS.md) is in git history
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -121,8 +114,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s74a|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s74a, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -251,7 +244,7 @@ case "$MODE" in
     ;;
   ratio)  # (nvidia-h200, needs_h200) see the header
     rank1 ratio --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
-      --policy '{}' "${POLICY:-{\"bf16_linear\": true, \"linear_fused_sum\": true}}"
+      --policy '{}' "${POLICY:-{\"kda_qkv_kernel\": true}}"
     ;;
   e2e)  # (either) see the header
     gpu_tests e2e_kernels 240 gpu "one_grid_gpu or h_rows_gpu or counters_gpu or row_boundary" \
@@ -381,24 +374,11 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     rank1 s72a_q4 --q 4 --steps-per-call 4 --interleave --repeats "${REPEATS:-4}" --steps 40 --policy '{}' \
       "{\"linear_fused_sum\": true$uk}" "{\"linear_fused_sum\": true$uk, \"mhc_rows\": true}" ${POLICY:+"$POLICY"}
     ;;
-  s74a)  # (either; H100: LAYERS=32) see the header
-    gpu_tests s74a 150 gpu "q_in_kernel_gpu" tests/test_sparse_mla.py || exit 0  # (no A/B of a wrong kernel)
-    rank1 s74a_q1 --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-5}" --steps 80 --policy '{}' \
-      '{"mla_q_in_kernel": true}' ${POLICY:+"$POLICY"}
-    [ "$(left)" -gt 150 ] && rank1 s74a_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \
-      --policy '{}' '{"mla_q_in_kernel": true}'
-    ;;
   pending)  # (either; H100: LAYERS=32) see the header
-    gpu_tests pending 200 gpu "uk_kernel_gpu or bf16_gates_gpu or q_in_kernel_gpu" tests/test_sparse_mla.py \
-      tests/test_kda_decode.py
-    passed() { [ -f /tmp/t_pending.log ] && ! grep -qE "(FAILED|ERROR).*$1" /tmp/t_pending.log \
-      && grep -q "passed" /tmp/t_pending.log; }
-    qin=$(passed q_in_kernel_gpu && echo ', "mla_q_in_kernel": true')
-    uk=$(passed uk_kernel_gpu && echo ', "mla_uk_kernel": true')
-    rank1 pending_q1 --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-4}" --steps 80 --policy '{}' \
-      ${qin:+"{${qin#, }}"} '{"bf16_linear": true, "linear_fused_sum": true}'
-    [ "$(left)" -gt 200 ] && rank1 pending_q4 --q 4 --steps-per-call 4 --interleave --repeats 3 --steps 40 \
-      --policy '{}' "{\"linear_fused_sum\": true$uk}" ${qin:+"{\"linear_fused_sum\": true$uk$qin}"}
+    gpu_tests pending 200 gpu "bf16_gates_gpu or bf16_linear_fused_sum_gpu" tests/test_kda_decode.py \
+      tests/test_linear_kernels.py
+    rank1 pending_q1 --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-5}" --steps 80 --policy '{}' \
+      '{"kda_qkv_kernel": true}' ${POLICY:+"$POLICY"}
     ;;
   s72b)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \

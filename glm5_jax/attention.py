@@ -195,9 +195,9 @@ class KDA(nnx.Module):
       # (as dsa_qkv_a_first's did: layers.KNOBS["kda_gates_first"])
       fgb, fg = gates()
       xq, fg = lax.optimization_barrier((x, fg))
-      z = self.qkv_proj(xq, dtype)  # [B, T, 3C]: this device's q | k | v channels
+      z = self.qkv_proj(xq, dtype, one_row="kda_qkv_kernel")  # [B, T, 3C]: this device's q | k | v channels
     else:  # (the trace order the defaults were measured with: the gates after the qkv projection and conv)
-      z, fg = self.qkv_proj(x, dtype), None
+      z, fg = self.qkv_proj(x, dtype, one_row="kda_qkv_kernel"), None
     C3 = z.shape[-1]
     H = C3 // (3 * Kd)
     w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], 0)[:, 0, :]  # [3C, Kc]

@@ -450,6 +450,15 @@ KNOBS = {
         "an H100, the first 32 layers, interleaved): q = 1 2.78 -> 2.81 ms, +0.05 paired, faster in 1 of 3 rounds; "
         "q = 4 with linear_fused_sum + mla_uk_kernel 6.61 -> 6.55 (faster in 2 of 2; the defaults 6.57) — ties "
         "as the traces said, off"),
+    "kda_qkv_kernel": (False,
+        "with bf16_linear on, at one token row: the KDA q/k/v projection (one TP4 rank: 6,144 x 4,096 bf16, 50 MB "
+        "a layer, the largest GEMV of the step) through the bf16 GEMV kernel, its K splits summed inside on the "
+        "step's counters (the rows written: no XLA sum), instead of XLA's GEMV — bf16_linear's one-row sites stay "
+        "XLA's otherwise (ONE_ROW_GEMV). On the H200 (session 24's bench_linear) the kernel streamed this shape at "
+        "3.65 TB/s against XLA's 2.77 at one row (13.8 vs 18.2 µs; XLA is faster at 4 rows than at one), ~4 µs on "
+        "each of the 34 KDA layers' chains; forcing the kernel at every one-row site (bf16_linear explicit, with "
+        "linear_fused_sum) was 0.20 ms slower on an H100 (session 74), where both sit at its ~2.6 TB/s ceiling. "
+        "CPU-built (session 74) — off until measured on an H200 (gpu_session.sh ratio's POLICY)"),
     "kda_loads_first": (True,
         "with kda on: the recurrence kernel's GMEM loads — the conv taps (kda_conv) and, in the token loop "
         "(kda_token_loop), every token's beta — issued with the state slice before the wait for its rows' TMAs "
@@ -1160,10 +1169,12 @@ def concat_fits(outs, fp8_block) -> bool:
 ONE_ROW_GEMV = "1 token row: XLA's GEMV is as fast (policy bf16_linear: true forces the kernel)"
 
 
-def _dense(x, w, dtype, *, prefix: bool = False):
+def _dense(x, w, dtype, *, prefix: bool = False, one_row: str | None = None):
   """x [..., in] @ w[out, in]^T for an unquantised weight: the bf16 GEMV kernel where the policy runs it and the
   shapes fit, else XLA (``mm``). prefix: x [..., >= in], its first ``in`` columns are the input (a wider
-  producer's output read in place: a slice before the kernel's custom call is an XLA kernel of its own)."""
+  producer's output read in place: a slice before the kernel's custom call is an XLA kernel of its own).
+  one_row: a site knob (kda_qkv_kernel) that takes the kernel at one token row too — where XLA's GEMV is preferred
+  otherwise — with its K splits summed inside on the step's counters where they run (the GPU), else by XLA."""
   n_out, n_in = w.shape
   if x.shape[-1] != n_in and not (prefix and x.shape[-1] > n_in):
     raise ValueError(f"x [..., {x.shape[-1]}] for a weight {w.shape} (prefix={prefix})")
@@ -1172,10 +1183,15 @@ def _dense(x, w, dtype, *, prefix: bool = False):
   why = (f"weight {n_out}x{n_in} (the kernel needs in % 128 == 0, out % 8 == 0 and out >= 64)" if not tiles
          else f"{w.dtype} weights (the kernel streams bf16)")
   mma, tiles, why = gemv_mma(n_out, tiles, why)
-  if kernel_enabled("bf16_linear", rows, fits=tiles and w.dtype == jnp.bfloat16, why=why, prefer=rows > 1,
-                    prefer_why=ONE_ROW_GEMV):
+  fits = tiles and w.dtype == jnp.bfloat16
+  site = one_row is not None and kernel_enabled(
+      one_row, rows, fits=rows == 1 and fits and kernel_switch("bf16_linear"),
+      why=f"one token row (here {rows}: from 2 the kernel runs anyway) and bf16_linear's kernel on and fitting ({why})")
+  if kernel_enabled("bf16_linear", rows, fits=fits, why=why, prefer=rows > 1 or site, prefer_why=ONE_ROW_GEMV):
     from pallas_kernels import linear as kl  # noqa: PLC0415
-    return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix, **_split_sums(kl, rows),
+    counters = site and _COUNTERS.get() is not None and not _interpreting()  # (the GPU, in a counters scope)
+    sums = {"counters": _splitk_counters(kl)} if counters else _split_sums(kl, rows)
+    return kl.bf16_linear(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype, x_prefix=prefix, **sums,
                           **mma, **balanced_splits()).reshape(*x.shape[:-1], n_out)
   return mm(x[..., :n_in], w, dtype)
 
@@ -1219,10 +1235,11 @@ class StackedLinear(nnx.Module):
   def __init__(self, n_in, n_out, stack: int, dtype, axes):
     self.weight = param((stack, n_out, n_in), dtype, (None, *axes))
 
-  def __call__(self, x, dtype, *, prefix: bool = False):
-    """prefix: x's first n_in columns are the input (``_dense``)."""
+  def __call__(self, x, dtype, *, prefix: bool = False, one_row: str | None = None):
+    """prefix: x's first n_in columns are the input; one_row: the call's one-token-row knob (``_dense``)."""
     S, n_out, n_in = self.weight.shape
-    return _dense(x, self.weight[...].reshape(S * n_out, n_in), dtype, prefix=prefix)  # (the shard is contiguous)
+    # (the shard is contiguous)
+    return _dense(x, self.weight[...].reshape(S * n_out, n_in), dtype, prefix=prefix, one_row=one_row)
 
 
 class RMSNorm(nnx.Module):

@@ -288,14 +288,16 @@ def test_moe_one_grid_reaches_the_steps_moe():
   """Policy knob moe_one_grid (on by default) in the kernel-tiny step at q = 1 as the CUDA lowering sees it: both
   MoE layers take it (test_kernel_tiny_step_lowers_for_cuda: their calls on alternating counter banks — two
   modules — and no glm5_moe_down launch left); off, neither does. mhc_row_scalars and mhc_ll_exchange likewise at
-  every one-row boundary, and kda_o_grid (the recurrence and o_proj as one grid, on the step's counters) at every
-  KDA layer. And moe_h_rows at q = 4 (with the knobs linear_part_rows, mla_dequant_warpgroups, mla_scales_after,
-  mla_group_arrival and mla_q_in_kernel: where they reach)."""
+  every one-row boundary, and kda_o_grid (the recurrence and o_proj as one grid, on the step's counters) and
+  kda_qkv_kernel (the q/k/v GEMV's bf16 kernel at one row) at every KDA layer. And moe_h_rows at q = 4 (with the
+  knobs linear_part_rows, mla_dequant_warpgroups, mla_scales_after, mla_group_arrival and mla_q_in_kernel: where
+  they reach)."""
   model, params = abstract_model(C.kernel_tiny(), mesh=shd.make_mesh(1))
+  ones = {}
   for on in (True, False):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,),
                                       policy=(("moe_one_grid", on), ("mhc_row_scalars", on), ("kda_o_grid", on),
-                                              ("mhc_ll_exchange", on))),
+                                              ("mhc_ll_exchange", on), ("kda_qkv_kernel", on))),
                   backend="latency_specialized")
     with dec.kernel_mode(interpret=False):
       dec.trace_step(1, params, interpret=False)
@@ -308,6 +310,10 @@ def test_moe_one_grid_reaches_the_steps_moe():
     assert sites["mhc_ll_exchange"]["sites"] == want, sites
     want = sites["kda"]["sites"] if on else 0
     assert (want > 0 or not on) and sites["kda_o_grid"]["sites"] == want, sites
+    # kda_qkv_kernel (off by default): every KDA layer's q/k/v GEMV through the bf16 kernel at one row
+    assert sites["kda_qkv_kernel"]["sites"] == want, sites
+    ones[on] = sites["bf16_linear"]["sites"]
+  assert ones[True] == ones[False] + sites["kda"]["sites"], ones  # (the other one-row sites stay XLA's)
   # policy knob moe_h_rows (on since session 61): the 4-row MoE calls (the trunk's 2 and the MTP layer's over the verified rows;
   # 17 slots x 8 tiles fill the SMs: one D split) write h's rows in their gate/up kernel (the draft's one-row calls
   # select in the kernel: their own rows form, the one grid)
@@ -330,6 +336,16 @@ def test_moe_one_grid_reaches_the_steps_moe():
   for knob in ("mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival", "mla_q_in_kernel"):
     rep = sites[knob]
     assert rep["sites"] == sites["sparse_mla"]["sites"] > 0 and not rep["not_used"], (knob, rep)
+
+
+def test_kda_qkv_kernel_sums_its_splits_on_the_counters():
+  """Policy kda_qkv_kernel in the kernel-tiny step at q = 1 as the CUDA lowering sees it: the KDA q/k/v GEMV's
+  bf16 kernel takes the step's counters Ref (its K splits summed inside) — no bf16 GEMV does by default (its
+  sites: test_moe_one_grid_reaches_the_steps_moe)."""
+  from pallas_kernels import linear as kl  # noqa: PLC0415
+  txt = lower_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096, policy=(("kda_qkv_kernel", True),))
+  # (the layers' identical calls share one lowered function: at least one such call)
+  assert any("bf16_linear" in n and f"tensor<{kl.SPLITK_COUNTERS}xi32>" in types for n, types, _ in kernel_calls(txt))
 
 
 def _census(tmp_path, *args):
