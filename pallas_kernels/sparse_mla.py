@@ -498,12 +498,16 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, gro
   return body
 
 
+def _cta_heads(q_s, qprep) -> int:
+  """A CTA's heads from its f16 query tile: [hn, 512], or group-major [4·hn, 128] with ``qprep``."""
+  return q_s.shape[0] // SCALES if qprep else q_s.shape[0]
+
+
 def _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar, qprep=None):
   """Both attention forms' start: the CTA's (head group, split, token row, sequence) from its grid position, its
   queries' TMA (on bar[0], awaited later; ``qprep``: the raw queries' 4 TMAs, one per 128-dimension group, into
   its first scratch on its barrier) and its split's index list (bar[1], awaited here: the gathers need it)."""
-  nbs = idx_s.shape[0]
-  hn = q_s.shape[0] // SCALES if qprep else q_s.shape[0]
+  nbs, hn = idx_s.shape[0], _cta_heads(q_s, qprep)
   hg, sp, bt = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("bt")
   b = bt // (q_g.shape[0] // c32_g.shape[0])
   if qprep:
@@ -543,8 +547,7 @@ def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s
   ``scales_after``: as ``_mla_kernel``'s (p_s then holds the four scaled P tiles [4, 64, hn]; O^T is carried as
   its four 128-row groups). ``qprep``: (q32_s, qbar), ``_mla_kernel(q_in=True)``'s scratch (qm_g None;
   q_s group-major)."""
-  nbs = idx_s.shape[0]
-  hn = q_s.shape[0] // SCALES if qprep else q_s.shape[0]
+  nbs, hn = idx_s.shape[0], _cta_heads(q_s, qprep)
   hg, sp, bt, b = _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar, qprep)
 
   def issue(k, slot):

@@ -73,6 +73,23 @@ def np_sparse_mla(q, cache, idx, scale):
   return out
 
 
+def assert_kernel_close(got, *wants):
+  """The attention kernels' tolerance (f16 operands, f32 accumulation) against each of ``wants``: elementwise and
+  in norm."""
+  for want in wants:
+    np.testing.assert_allclose(got, want, **tol("kernel_bf16"))
+    assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+
+
+def check_form_gpu(q, cache, idx, knob: str, **kw):
+  """A kernel form natively, the step's way (lean, the merge kernel): ``knob`` on within the kernels' tolerance of
+  the reference and of the same call with it off."""
+  ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, cache, idx))
+  run = lambda on: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
+      *a, softmax_scale=SCALE, lean=True, combine="kernel", **kw, **{knob: on}))(q, cache, idx))
+  assert_kernel_close(run(True), ref, run(False))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # cache format
 # ------------------------------------------------------------------------------------------------------------
@@ -156,9 +173,7 @@ def test_kernel_interpret(B, T, H, S, W, nbs, trail, qdt, pooled):
     got = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, blocks_per_split=nbs))(
         q, cache, idx))
   assert got.shape == (B, T, H, M.D_LATENT) and got.dtype == np.float32
-  # f16 operands (q rescaled by a power of two, c dequantised to f16), f32 accumulation
-  np.testing.assert_allclose(got, ref, **tol("kernel_bf16"))
-  assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
+  assert_kernel_close(got, ref)  # (f16 operands: q rescaled, c dequantised to f16; f32 accumulation)
 
 
 @pytest.mark.parametrize("B,T,H,S,W,nbs,trail,pooled,lean", [(2, 4, 16, 256, 200, 2, 0, False, False),
@@ -195,9 +210,7 @@ def test_scales_after_interpret(B, T, H, S, W, nbs, trail, pooled, wgs):
       *a, softmax_scale=SCALE, blocks_per_split=nbs, warpgroups=wgs, scales_after=sa))(q, cache, idx)
   with maybe_interpret(True):
     got, base = np.asarray(run(True)), np.asarray(run(False))
-  for want in (ref, base):
-    np.testing.assert_allclose(got, want, **tol("kernel_bf16"))
-    assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+  assert_kernel_close(got, ref, base)
   assert not np.array_equal(got, base)  # (the other rounding: a form that changed nothing would not be this one)
   with pytest.raises(ValueError, match="scales_after=True in the tcgen05 form"):
     M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, scales_after=True, mma="tcgen05")
@@ -254,9 +267,7 @@ def test_q_in_kernel_interpret(B, T, H, S, W, nbs, qdt, sa, wgs):
   with maybe_interpret(True):
     got, base = np.asarray(run(True)), np.asarray(run(False))
   assert np.abs(got).max() > 0
-  for want in (ref, base):
-    np.testing.assert_allclose(got, want, **tol("kernel_bf16"))
-    assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+  assert_kernel_close(got, ref, base)
   with pytest.raises(ValueError, match="q_in_kernel=True in the tcgen05 form"):
     M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, q_in_kernel=True, mma="tcgen05")
 
@@ -585,14 +596,7 @@ def test_scales_after_gpu(B, T, nbs, wgs):
   """The scales applied after the MMAs natively (policy mla_scales_after; one and two warpgroups): within the
   kernels' tolerance of the reference and of the default kernel."""
   q, cache, idx = make_inputs(B + T + 60, B, T, 16, 32768, 2051, q_dtype=jnp.bfloat16, pooled=True)
-  ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, cache, idx))
-  run = lambda sa: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
-      *a, softmax_scale=SCALE, blocks_per_split=nbs, lean=True, combine="kernel", warpgroups=wgs,
-      scales_after=sa))(q, cache, idx))
-  got = run(True)
-  for want in (ref, run(False)):
-    np.testing.assert_allclose(got, want, **tol("kernel_bf16"))
-    assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+  check_form_gpu(q, cache, idx, "scales_after", blocks_per_split=nbs, warpgroups=wgs)
 
 
 @pytest.mark.gpu
@@ -603,14 +607,7 @@ def test_q_in_kernel_gpu(B, T, H, qdt, wgs):
   tolerance of the reference and of the default kernel, one and two head groups, one and two warpgroups."""
   q, cache, idx = make_inputs(B + T + 90, B, T, H, 32768, 2051, q_dtype=qdt, pooled=True)
   q = q * jnp.asarray(np.random.default_rng().uniform(0.05, 4.0), q.dtype)
-  ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, cache, idx))
-  run = lambda qi: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
-      *a, softmax_scale=SCALE, lean=True, combine="kernel", warpgroups=wgs, scales_after=True,
-      q_in_kernel=qi))(q, cache, idx))
-  got = run(True)
-  for want in (ref, run(False)):
-    np.testing.assert_allclose(got, want, **tol("kernel_bf16"))
-    assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+  check_form_gpu(q, cache, idx, "q_in_kernel", warpgroups=wgs, scales_after=True)
 
 
 @pytest.mark.gpu
