@@ -97,7 +97,8 @@
 #   pending (either; H100: LAYERS=32; ~350 s): what the CPU built and no GPU ran yet, in one call — now the KDA
 #                             grid's bf16-gates GPU test (session 74's first run reused the first call's counter bank
 #                             in its second: fixed) and the bf16 GEMV's in-kernel sums, then q = 1: the defaults vs
-#                             kda_qkv_kernel (+ POLICY). Session 74's form (mla_uk_kernel, mla_q_in_kernel, the q = 4
+#                             kda_qkv_kernel vs indexer_wq_kernel (session 75: the indexer's wq_b, XLA's GEMV on the
+#                             DSA layer's timed chain) vs both (+ POLICY), 4 interleaved repeats. Session 74's form (mla_uk_kernel, mla_q_in_kernel, the q = 4
 #                             stack; 339 s on an H100: all ties, BENCHMARKS.md) is in git history
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
@@ -377,8 +378,9 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
   pending)  # (either; H100: LAYERS=32) see the header
     gpu_tests pending 200 gpu "bf16_gates_gpu or bf16_linear_fused_sum_gpu" tests/test_kda_decode.py \
       tests/test_linear_kernels.py
-    rank1 pending_q1 --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-5}" --steps 80 --policy '{}' \
-      '{"kda_qkv_kernel": true}' ${POLICY:+"$POLICY"}
+    rank1 pending_q1 --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-4}" --steps 80 --policy '{}' \
+      '{"kda_qkv_kernel": true}' '{"indexer_wq_kernel": true}' '{"kda_qkv_kernel": true, "indexer_wq_kernel": true}' \
+      ${POLICY:+"$POLICY"}
     ;;
   s72b)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \

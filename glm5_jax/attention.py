@@ -400,7 +400,7 @@ class Indexer(nnx.Module):
     reads whole: policy knob topk_keys_in_kernel — else None)."""
     B, T, _ = hw.shape
     with side_chain():  # (beside the MLA's q_b GEMV, also under linear_fused_sum)
-      q_raw = self.wq_b(q_r, dtype).reshape(B, T, self.n_heads, self.head_dim)
+      q_raw = self.wq_b(q_r, dtype, one_row="indexer_wq_kernel").reshape(B, T, self.n_heads, self.head_dim)
     qI = q_raw.astype(jnp.float32)
     w = hw.astype(jnp.float32) * (self.n_heads ** -0.5)
     if "pool8" in icache:

@@ -459,6 +459,13 @@ KNOBS = {
         "each of the 34 KDA layers' chains; forcing the kernel at every one-row site (bf16_linear explicit, with "
         "linear_fused_sum) was 0.20 ms slower on an H100 (session 74), where both sit at its ~2.6 TB/s ceiling. "
         "CPU-built (session 74) — off until measured on an H200 (gpu_session.sh ratio's POLICY)"),
+    "indexer_wq_kernel": (False,
+        "with bf16_linear on, at one token row: the indexer's query projection wq_b (1,536 -> 32 x 128, bf16, "
+        "12.6 MB a DSA layer, replicated) through the bf16 GEMV kernel, its K splits summed inside on the step's "
+        "counters (a side chain's bank), instead of XLA's GEMV — which sits on the DSA layer's timed chain (the "
+        "indexer's: q_a norm -> wq_b -> scores -> selection -> attention; session 71's H100 trace: 7.0 µs, ~1.8 "
+        "TB/s; session 67's one-layer profile 5.8 µs). As kda_qkv_kernel, for this site alone. CPU-built (session "
+        "75) — off until measured"),
     "kda_loads_first": (True,
         "with kda on: the recurrence kernel's GMEM loads — the conv taps (kda_conv) and, in the token loop "
         "(kda_token_loop), every token's beta — issued with the state slice before the wait for its rows' TMAs "
@@ -1129,10 +1136,11 @@ class Linear(nnx.Module):
   def w(self, dtype):
     return dequant(self.weight[...], None if self.scale is None else self.scale[...], self.fp8_block, dtype)
 
-  def __call__(self, x, dtype, *, fused_sum: str | None = None, x16=None):
+  def __call__(self, x, dtype, *, fused_sum: str | None = None, x16=None, one_row: str | None = None):
     """``fused_sum``: a site knob that turns linear_fused_sum's in-kernel K-split sum on at this call alone.
     ``x16``: x already in f16 (the mHC boundary's copy, policy knob dq_f16): the f16 dq kernel reads it instead of
-    converting x (no conversion kernel before it); anything else reads x."""
+    converting x (no conversion kernel before it); anything else reads x. ``one_row``: an unquantised weight's
+    one-token-row knob (``_dense``)."""
     rows = x.size // x.shape[-1]
     n_out, n_in = self.weight.shape
     tiles = n_in % 128 == 0 and n_out % 64 == 0
@@ -1156,7 +1164,7 @@ class Linear(nnx.Module):
       return fn(x.reshape(rows, n_in), self.weight[...], self.scale[...],
                 out_dtype=dtype).reshape(*x.shape[:-1], n_out)
     if self.scale is None:
-      return _dense(x, self.weight[...], dtype)
+      return _dense(x, self.weight[...], dtype, one_row=one_row)
     return mm(x, self.w(dtype), dtype)
 
 
@@ -1173,8 +1181,9 @@ def _dense(x, w, dtype, *, prefix: bool = False, one_row: str | None = None):
   """x [..., in] @ w[out, in]^T for an unquantised weight: the bf16 GEMV kernel where the policy runs it and the
   shapes fit, else XLA (``mm``). prefix: x [..., >= in], its first ``in`` columns are the input (a wider
   producer's output read in place: a slice before the kernel's custom call is an XLA kernel of its own).
-  one_row: a site knob (kda_qkv_kernel) that takes the kernel at one token row too — where XLA's GEMV is preferred
-  otherwise — with its K splits summed inside on the step's counters where they run (the GPU), else by XLA."""
+  one_row: a site knob (kda_qkv_kernel, indexer_wq_kernel) that takes the kernel at one token row too — where XLA's
+  GEMV is preferred otherwise — with its K splits summed inside on the step's counters where they run (the GPU),
+  else by XLA."""
   n_out, n_in = w.shape
   if x.shape[-1] != n_in and not (prefix and x.shape[-1] > n_in):
     raise ValueError(f"x [..., {x.shape[-1]}] for a weight {w.shape} (prefix={prefix})")

@@ -341,30 +341,36 @@ def test_stacked_linear_equals_its_separate_linears_and_the_kernel():
   np.testing.assert_allclose(f32(kern), want, rtol=1e-5, atol=1e-5)
 
 
-def test_kda_qkv_kernel_takes_the_one_row_site():
-  """Policy kda_qkv_kernel: the KDA q/k/v StackedLinear's call (one_row="kda_qkv_kernel") takes the bf16 GEMV
-  kernel at one token row, where bf16_linear left to itself declines (ONE_ROW_GEMV); at several rows the knob has
-  no site (the kernel runs anyway) and says so; off, XLA's GEMV. The values are the matrices' either way (GPU
-  interpret mode: the K splits summed by XLA — the in-kernel sum on the counters is the GPU's, lowered in
-  test_step_lowering)."""
+@pytest.mark.parametrize("knob", ["kda_qkv_kernel", "indexer_wq_kernel"])
+def test_one_row_knob_takes_its_site(knob):
+  """Policy kda_qkv_kernel / indexer_wq_kernel: the call with one_row=knob — the KDA q/k/v StackedLinear's, the
+  indexer's wq_b Linear's — takes the bf16 GEMV kernel at one token row, where bf16_linear left to itself declines
+  (ONE_ROW_GEMV); at several rows the knob has no site (the kernel runs anyway) and says so; off, XLA's GEMV. The
+  values are the matrices' either way (GPU interpret mode: the K splits summed by XLA — the in-kernel sum on the
+  counters is the GPU's, lowered in test_step_lowering)."""
   from flax import nnx  # noqa: PLC0415
 
-  from glm5_jax.layers import ONE_ROW_GEMV, StackedLinear, kernel_report, use_kernels  # noqa: PLC0415
+  from glm5_jax.layers import ONE_ROW_GEMV, Linear, StackedLinear, kernel_report, use_kernels  # noqa: PLC0415
   from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
   rng = np.random.default_rng()
-  lin = nnx.eval_shape(lambda: StackedLinear(256, 64, 3, jnp.bfloat16, (None, None)))
-  w = jnp.asarray(rng.standard_normal((3, 64, 256)) * 0.05, jnp.bfloat16)
-  lin.weight.set_value(w)
+  S = 3 if knob == "kda_qkv_kernel" else 1
+  w = jnp.asarray(rng.standard_normal((S, 64, 256)) * 0.05, jnp.bfloat16)
+  if knob == "kda_qkv_kernel":
+    lin = nnx.eval_shape(lambda: StackedLinear(256, 64, S, jnp.bfloat16, (None, None)))
+    lin.weight.set_value(w)
+  else:
+    lin = nnx.eval_shape(lambda: Linear(256, 64, jnp.bfloat16, (None, None)))
+    lin.weight.set_value(w[0])
   f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
   for rows, on, site, gemv in ((1, True, None, None), (1, False, "off in the policy", ONE_ROW_GEMV),
                                (3, True, "one token row (here 3", None)):
     x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
-    with maybe_interpret(True), use_kernels({"kda_qkv_kernel": on}), kernel_report() as rep:
-      y = jax.jit(lambda x: lin(x, jnp.float32, one_row="kda_qkv_kernel"))(x)
+    with maybe_interpret(True), use_kernels({knob: on}), kernel_report() as rep:
+      y = jax.jit(lambda x: lin(x, jnp.float32, one_row=knob))(x)
     got = dict(rep)
-    assert (got["kda_qkv_kernel"] if site is None else got["kda_qkv_kernel"][:len(site)]) == site, rep
+    assert (got[knob] if site is None else got[knob][:len(site)]) == site, rep
     assert got["bf16_linear"] == gemv, rep
-    want = np.concatenate([f32(x) @ f32(w[s]).T for s in range(3)], axis=-1)
+    want = np.concatenate([f32(x) @ f32(w[s]).T for s in range(S)], axis=-1)
     np.testing.assert_allclose(f32(y), want, rtol=1e-5, atol=1e-5)
 
 

@@ -297,7 +297,8 @@ def test_moe_one_grid_reaches_the_steps_moe():
   for on in (True, False):
     dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,),
                                       policy=(("moe_one_grid", on), ("mhc_row_scalars", on), ("kda_o_grid", on),
-                                              ("mhc_ll_exchange", on), ("kda_qkv_kernel", on))),
+                                              ("mhc_ll_exchange", on), ("kda_qkv_kernel", on),
+                                              ("indexer_wq_kernel", on))),
                   backend="latency_specialized")
     with dec.kernel_mode(interpret=False):
       dec.trace_step(1, params, interpret=False)
@@ -312,8 +313,13 @@ def test_moe_one_grid_reaches_the_steps_moe():
     assert (want > 0 or not on) and sites["kda_o_grid"]["sites"] == want, sites
     # kda_qkv_kernel (off by default): every KDA layer's q/k/v GEMV through the bf16 kernel at one row
     assert sites["kda_qkv_kernel"]["sites"] == want, sites
+    # indexer_wq_kernel (off by default): every indexer query projection (one per scores call: the trunk's DSA layer
+    # and the MTP passes that select their own pools)
+    want = sites["indexer"]["sites"] if on else 0
+    assert (want > 0 or not on) and sites["indexer_wq_kernel"]["sites"] == want, sites
     ones[on] = sites["bf16_linear"]["sites"]
-  assert ones[True] == ones[False] + sites["kda"]["sites"], ones  # (the other one-row sites stay XLA's)
+  # (the other one-row sites stay XLA's)
+  assert ones[True] == ones[False] + sites["kda"]["sites"] + sites["indexer"]["sites"], ones
   # policy knob moe_h_rows (on since session 61): the 4-row MoE calls (the trunk's 2 and the MTP layer's over the verified rows;
   # 17 slots x 8 tiles fill the SMs: one D split) write h's rows in their gate/up kernel (the draft's one-row calls
   # select in the kernel: their own rows form, the one grid)
@@ -338,12 +344,13 @@ def test_moe_one_grid_reaches_the_steps_moe():
     assert rep["sites"] == sites["sparse_mla"]["sites"] > 0 and not rep["not_used"], (knob, rep)
 
 
-def test_kda_qkv_kernel_sums_its_splits_on_the_counters():
-  """Policy kda_qkv_kernel in the kernel-tiny step at q = 1 as the CUDA lowering sees it: the KDA q/k/v GEMV's
-  bf16 kernel takes the step's counters Ref (its K splits summed inside) — no bf16 GEMV does by default (its
-  sites: test_moe_one_grid_reaches_the_steps_moe)."""
+@pytest.mark.parametrize("knob", ["kda_qkv_kernel", "indexer_wq_kernel"])
+def test_one_row_knob_sums_its_splits_on_the_counters(knob):
+  """Policy kda_qkv_kernel / indexer_wq_kernel in the kernel-tiny step at q = 1 as the CUDA lowering sees it: the
+  site's bf16 GEMV kernel (the KDA q/k/v, the indexer's wq_b) takes the step's counters Ref (its K splits summed
+  inside) — no bf16 GEMV does by default (their sites: test_moe_one_grid_reaches_the_steps_moe)."""
   from pallas_kernels import linear as kl  # noqa: PLC0415
-  txt = lower_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096, policy=(("kda_qkv_kernel", True),))
+  txt = lower_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096, policy=((knob, True),))
   # (the layers' identical calls share one lowered function: at least one such call)
   assert any("bf16_linear" in n and f"tensor<{kl.SPLITK_COUNTERS}xi32>" in types for n, types, _ in kernel_calls(txt))
 
