@@ -100,6 +100,10 @@
 #                             kda_qkv_kernel vs indexer_wq_kernel (session 75: the indexer's wq_b, XLA's GEMV on the
 #                             DSA layer's timed chain) vs both (+ POLICY), 4 interleaved repeats. Session 74's form (mla_uk_kernel, mla_q_in_kernel, the q = 4
 #                             stack; 339 s on an H100: all ties, BENCHMARKS.md) is in git history
+#   s75a (either; H100: LAYERS=32; ~150 s): why kda_qkv_kernel loses in the step (session 75's pending on an H100:
+#                             2.77 -> 2.93 ms, while the kernel alone beats XLA's GEMV at one row, 19.0 vs 21.8 µs) —
+#                             q = 1 traced with the defaults, then with POLICY (default kda_qkv_kernel); the events
+#                             and kernel listings under $OUT/hlo for benchmarks/sublayer_chain.py --kind kda
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -115,8 +119,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -381,6 +385,11 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     rank1 pending_q1 --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-4}" --steps 80 --policy '{}' \
       '{"kda_qkv_kernel": true}' '{"indexer_wq_kernel": true}' '{"kda_qkv_kernel": true, "indexer_wq_kernel": true}' \
       ${POLICY:+"$POLICY"}
+    ;;
+  s75a)  # (either; H100: LAYERS=32) see the header
+    rank1 s75a_defaults --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'
+    rank1 s75a_knob --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy "${POLICY:-{\"kda_qkv_kernel\": true\}}"
+    rm -f "$OUT"/hlo/*.hlo.gz
     ;;
   s72b)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \
