@@ -104,6 +104,10 @@
 #                             2.77 -> 2.93 ms, while the kernel alone beats XLA's GEMV at one row, 19.0 vs 21.8 µs) —
 #                             q = 1 traced with the defaults, then with POLICY (default kda_qkv_kernel); the events
 #                             and kernel listings under $OUT/hlo for benchmarks/sublayer_chain.py --kind kda
+#   s75b (either; H100: LAYERS=32; ~170 s): s75a's trace showed the bf16 kernel at 25.5 µs in the step (19.0
+#                             alone), beside XLA's gates GEMV and the Sinkhorn — q = 1, 4 interleaved repeats: the
+#                             defaults vs kda_qkv_kernel with bf16_balanced_splits (8 K splits: 384 CTAs, not 192 on
+#                             132 SMs) vs with kda_gates_first (the gates' GEMVs launched before it) vs both
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -119,8 +123,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s75b|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s75b, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -390,6 +394,11 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     rank1 s75a_defaults --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'
     rank1 s75a_knob --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy "${POLICY:-{\"kda_qkv_kernel\": true\}}"
     rm -f "$OUT"/hlo/*.hlo.gz
+    ;;
+  s75b)  # (either; H100: LAYERS=32) see the header
+    rank1 s75b --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-4}" --steps 80 --policy '{}' \
+      '{"kda_qkv_kernel": true, "bf16_balanced_splits": true}' '{"kda_qkv_kernel": true, "kda_gates_first": true}' \
+      '{"kda_qkv_kernel": true, "bf16_balanced_splits": true, "kda_gates_first": true}'
     ;;
   s72b)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \
