@@ -20,11 +20,9 @@
 #                             modes are in git history); s57c (WIN='{"dq_f16": false}': the defaults before dq_f16)
 #                             and s57e still wait
 #   ratio (nvidia-h200, needs_h200: the 45 layers' 82 GB): issue #9's ratio in one call — q = 1, auto vs the
-#                             defaults vs POLICY (default since session 74: kda_qkv_kernel, the KDA q/k/v GEMV alone
-#                             through the bf16 kernel at one row, its K splits summed inside — on the H200 that kernel
-#                             streamed 3.65 TB/s against XLA's 2.77 at one row, session 24; the kernel at every
-#                             one-row site, session 73's POLICY, was 0.20 ms slower on an H100: session 74's
-#                             pending), 5 interleaved repeats of 80 steps (s60d's form)
+#                             defaults (+ POLICY where given; session 74's default POLICY, kda_qkv_kernel, was 0.16 ms
+#                             slower on an H100 in session 75: its kernel 25.5 µs in the step, 19.0 alone), 5
+#                             interleaved repeats of 80 steps (s60d's form)
 #   e2e (either):             the defaults' end-to-end GPU test (~185 s) and the kernels' GPU tests the defaults run
 #                             natively first (the one-grid MoE, moe_h_rows, the row boundary, the counters): their own
 #                             call — s60d's 240 s for tests and benchmark together cut the end-to-end test off
@@ -253,7 +251,7 @@ case "$MODE" in
     ;;
   ratio)  # (nvidia-h200, needs_h200) see the header
     rank1 ratio --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
-      --policy '{}' "${POLICY:-{\"kda_qkv_kernel\": true}}"
+      --policy '{}' ${POLICY:+"$POLICY"}
     ;;
   e2e)  # (either) see the header
     gpu_tests e2e_kernels 240 gpu "one_grid_gpu or h_rows_gpu or counters_gpu or row_boundary" \
