@@ -458,14 +458,20 @@ KNOBS = {
         "3.65 TB/s against XLA's 2.77 at one row (13.8 vs 18.2 µs; XLA is faster at 4 rows than at one), ~4 µs on "
         "each of the 34 KDA layers' chains; forcing the kernel at every one-row site (bf16_linear explicit, with "
         "linear_fused_sum) was 0.20 ms slower on an H100 (session 74), where both sit at its ~2.6 TB/s ceiling. "
-        "CPU-built (session 74) — off until measured on an H200 (gpu_session.sh ratio's POLICY)"),
+        "This site alone (session 75, an H100, the first 32 layers, q = 1, 4 interleaved repeats, gpu_session.sh "
+        "pending): 2.77 -> 2.93 ms, faster in 0 of 3 paired rounds; with bf16_balanced_splits (384 CTAs) or "
+        "kda_gates_first 2.93 / 2.94 (s75b). Its trace (s75a): the kernel 25.5 µs in the step against 19.0 alone "
+        "(bench_linear, XLA's GEMV 21.8 alone, 19.3-20.3 in the step) — the KDA sublayer 38.0 -> 43.6 µs. Natively "
+        "correct (the bf16 in-kernel sum's GPU tests) — off; its H200 case unmeasured"),
     "indexer_wq_kernel": (False,
         "with bf16_linear on, at one token row: the indexer's query projection wq_b (1,536 -> 32 x 128, bf16, "
         "12.6 MB a DSA layer, replicated) through the bf16 GEMV kernel, its K splits summed inside on the step's "
         "counters (a side chain's bank), instead of XLA's GEMV — which sits on the DSA layer's timed chain (the "
         "indexer's: q_a norm -> wq_b -> scores -> selection -> attention; session 71's H100 trace: 7.0 µs, ~1.8 "
-        "TB/s; session 67's one-layer profile 5.8 µs). As kda_qkv_kernel, for this site alone. CPU-built (session "
-        "75) — off until measured"),
+        "TB/s; session 67's one-layer profile 5.8 µs). As kda_qkv_kernel, for this site alone. Alone on an H100 "
+        "(bench_linear --sweep-bf16, session 75) the kernel is no faster there: 5.8-6.2 µs by plan, XLA 5.7. The "
+        "step (session 75, an H100, the first 32 layers, q = 1, 4 interleaved repeats): 2.77 -> 2.79 ms, faster "
+        "in 1 of 3 paired rounds — a tie, off; its H200 case unmeasured"),
     "kda_loads_first": (True,
         "with kda on: the recurrence kernel's GMEM loads — the conv taps (kda_conv) and, in the token loop "
         "(kda_token_loop), every token's beta — issued with the state slice before the wait for its rows' TMAs "
@@ -503,8 +509,10 @@ KNOBS = {
         "one-row GEMV 2.54); balanced: 8 splits, 384 CTAs. Also the KDA o_proj's 8 -> 4 and the indexer's wq_b 6 "
         "-> 4 splits (128 CTAs, one an SM); the router, the gates and the lm_head unchanged. The same products, "
         "summed in another split order. Compile-only census at q = 4: 1,242 -> 1,276 kernels (+1 XLA fusion a KDA "
-        "layer: the 8 splits' sum), the critical path unchanged (866) — off until measured (bench_linear "
-        "--sweep-bf16, gpu_session.sh s72b; the step: s72a)"),
+        "layer: the 8 splits' sum), the critical path unchanged (866). At one row under kda_qkv_kernel (session "
+        "75, s75b, an H100): 2.93 ms with it, 2.93 without — no help there; bench_linear --sweep-bf16 (s72b, "
+        "session 75, an H100) has every split of the KDA q/k/v within 19.1-19.7 µs at 4 rows — off until the "
+        "verify step measures it (gpu_session.sh s72a)"),
     "linear_part_rows": (False,
         "at 2..8 token rows (the verify's, B x q), where XLA sums a weight-streaming kernel's K splits (bf16_linear, "
         "fp8_dq_linear, the MoE's down groups): each split's partial written as the token rows [split, M, N] "
