@@ -274,6 +274,14 @@ def cmd_knobs(args):
                                      "of the stock backend) or 'auto' (the model's dtype)"),
            "interpret": (False, "run the Mosaic GPU kernels in GPU interpret mode (CPU: tests, notebooks)")}
   rows = {**KNOBS, **other}
+  # NAME arguments: the knobs whose names contain any of them (70 knobs: `glm5-jax knobs kda` lists the KDA
+  # layer's); --on / --off: those on / off by default. A name that matches nothing is an error naming it.
+  missing = [n for n in args.names if not any(n in k for k in rows)]
+  if missing:
+    raise SystemExit(f"glm5-jax knobs: no knob name contains {', '.join(map(repr, missing))} (see `glm5-jax knobs` "
+                     f"for all {len(rows)})")
+  rows = {k: v for k, v in rows.items() if (not args.names or any(n in k for n in args.names))
+          and (args.default is None or v[0] is args.default)}
   if args.json:
     print(json.dumps({k: {"default": d, "doc": doc} for k, (d, doc) in rows.items()}, indent=1))
     return
@@ -327,7 +335,11 @@ def main(argv=None):
   m.add_argument("--k", type=int, default=3)
   m.set_defaults(fn=cmd_memory)
   n = sub.add_parser("knobs", help="the decode policy knobs: defaults and what each switches")
+  n.add_argument("names", nargs="*", metavar="NAME", help="only the knobs whose names contain one of these")
   n.add_argument("--json", action="store_true")
+  state = n.add_mutually_exclusive_group()
+  state.add_argument("--on", dest="default", action="store_const", const=True, help="only those on by default")
+  state.add_argument("--off", dest="default", action="store_const", const=False, help="only those off by default")
   n.set_defaults(fn=cmd_knobs)
   b = sub.add_parser("bench", help="decode-step timing table (see benchmarks/bench_decode.py)")
   b.add_argument("rest", nargs=argparse.REMAINDER)

@@ -156,6 +156,17 @@ def test_knobs_lists_every_policy_key(capsys):
   assert main(["knobs"]) == 0
   text = capsys.readouterr().out
   assert "pdl = false" in text and "mhc_grid_barrier = true" in text
+  # NAME filters (substrings of the names) and --on / --off (the defaults) select among them
+  assert main(["knobs", "--json", "kda_", "topk"]) == 0
+  want = {k for k in POLICY_KEYS if "kda_" in k or "topk" in k}
+  assert set(json.loads(capsys.readouterr().out)) == want and len(want) > 2
+  for flag, value in (("--on", True), ("--off", False)):
+    assert main(["knobs", "--json", flag]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert set(got) == {k for k, v in KERNEL_DEFAULTS.items() if v is value} | (
+        {"interpret"} if value is False else set()), flag
+  with pytest.raises(SystemExit, match="no knob name contains 'no_such_knob'"):
+    main(["knobs", "kda", "no_such_knob"])
 
 
 def test_text_stream_holds_back_split_characters():
