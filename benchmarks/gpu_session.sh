@@ -21,8 +21,9 @@
 #                             and s57e still wait
 #   ratio (nvidia-h200, needs_h200: the 45 layers' 82 GB): issue #9's ratio in one call — q = 1, auto vs the
 #                             defaults (+ POLICY where given; session 74's default POLICY, kda_qkv_kernel, was 0.16 ms
-#                             slower on an H100 in session 75: its kernel 25.5 µs in the step, 19.0 alone), 5
-#                             interleaved repeats of 80 steps (s60d's form)
+#                             slower on an H100 in session 75: its kernel 25.5 µs in the step, 19.0 alone, beside the
+#                             gates' fg_b GEMV — the H200's case: POLICY='{"kda_qkv_kernel": true, "kda_fg_b_kernel":
+#                             true}', ~450 s with it), 5 interleaved repeats of 80 steps (s60d's form)
 #   e2e (either):             the defaults' end-to-end GPU test (~185 s) and the kernels' GPU tests the defaults run
 #                             natively first (the one-grid MoE, moe_h_rows, the row boundary, the counters): their own
 #                             call — s60d's 240 s for tests and benchmark together cut the end-to-end test off
@@ -92,12 +93,12 @@
 #                             defaults vs linear_fused_sum + mla_uk_kernel (the latter only if its test passed) vs
 #                             that + mhc_rows (~350 s; a longer call: REPEATS=6 and POLICY='{...}' one more, e.g.
 #                             the stack with bf16_balanced_splits)
-#   pending (either; H100: LAYERS=32; ~350 s): what the CPU built and no GPU ran yet, in one call — now the KDA
-#                             grid's bf16-gates GPU test (session 74's first run reused the first call's counter bank
-#                             in its second: fixed) and the bf16 GEMV's in-kernel sums, then q = 1: the defaults vs
-#                             kda_qkv_kernel vs indexer_wq_kernel (session 75: the indexer's wq_b, XLA's GEMV on the
-#                             DSA layer's timed chain) vs both (+ POLICY), 4 interleaved repeats. Session 74's form (mla_uk_kernel, mla_q_in_kernel, the q = 4
-#                             stack; 339 s on an H100: all ties, BENCHMARKS.md) is in git history
+#   pending (either; H100: LAYERS=32; ~200 s): what the CPU built and no GPU ran yet, in one call — now the bf16
+#                             GEMV's in-kernel sums (the GPU tests) and the KDA grid's bf16-gates test, then q = 1: the
+#                             defaults vs kda_qkv_kernel vs that + kda_fg_b_kernel (session 75: fg_b after the q/k/v
+#                             kernel on its counters Ref, not beside it) (+ POLICY), 4 interleaved repeats. Earlier
+#                             forms (session 75's: indexer_wq_kernel a tie; session 74's: mla_uk_kernel, mla_q_in_kernel,
+#                             the q = 4 stack, all ties) are in git history; BENCHMARKS.md has their results
 #   s75a (either; H100: LAYERS=32; ~150 s): why kda_qkv_kernel loses in the step (session 75's pending on an H100:
 #                             2.77 -> 2.93 ms, while the kernel alone beats XLA's GEMV at one row, 19.0 vs 21.8 µs) —
 #                             q = 1 traced with the defaults, then with POLICY (default kda_qkv_kernel); the events
@@ -385,8 +386,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     gpu_tests pending 200 gpu "bf16_gates_gpu or bf16_linear_fused_sum_gpu" tests/test_kda_decode.py \
       tests/test_linear_kernels.py
     rank1 pending_q1 --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-4}" --steps 80 --policy '{}' \
-      '{"kda_qkv_kernel": true}' '{"indexer_wq_kernel": true}' '{"kda_qkv_kernel": true, "indexer_wq_kernel": true}' \
-      ${POLICY:+"$POLICY"}
+      '{"kda_qkv_kernel": true}' '{"kda_qkv_kernel": true, "kda_fg_b_kernel": true}' ${POLICY:+"$POLICY"}
     ;;
   s75a)  # (either; H100: LAYERS=32) see the header
     rank1 s75a_defaults --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'

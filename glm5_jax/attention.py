@@ -15,6 +15,7 @@ overwritten.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -186,7 +187,11 @@ class KDA(nnx.Module):
       # copy was a launch per KDA layer and step, 34 at the full rank: session 73's listing)
       with side_chain():  # (beside the q/k/v GEMV, also under linear_fused_sum)
         fgb = self.fgb_a_proj.joint(x, dtype)  # [B, T, 2r + all heads]
-        return fgb, self.fg_b_proj(fgb, dtype, prefix=True)  # [B, T, 2C]: f | gate
+      # kda_fg_b_kernel: fg_b through the bf16 kernel on the MAIN chain's counters Ref — an aliased operand of the
+      # q/k/v kernel's call before it (kda_qkv_kernel), so it runs after that kernel instead of beside it (session
+      # 75's trace: beside it, 7.5 µs instead of 2.4, the q/k/v kernel 25.5 instead of 19.0; layers.KNOBS)
+      with contextlib.nullcontext() if kernel_switch("kda_fg_b_kernel") and B * T == 1 else side_chain():
+        return fgb, self.fg_b_proj(fgb, dtype, prefix=True, one_row="kda_fg_b_kernel")  # [B, T, 2C]: f | gate
 
     if kernel_enabled("kda_gates_first", B * T):
       # the qkv GEMV takes x through a barrier with the gates' fg_b output, so its launch follows theirs. In

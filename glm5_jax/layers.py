@@ -463,6 +463,16 @@ KNOBS = {
         "kda_gates_first 2.93 / 2.94 (s75b). Its trace (s75a): the kernel 25.5 µs in the step against 19.0 alone "
         "(bench_linear, XLA's GEMV 21.8 alone, 19.3-20.3 in the step) — the KDA sublayer 38.0 -> 43.6 µs. Natively "
         "correct (the bf16 in-kernel sum's GPU tests) — off; its H200 case unmeasured"),
+    "kda_fg_b_kernel": (False,
+        "with bf16_linear on, at one token row, meant with kda_qkv_kernel: the KDA gates' second GEMV (fg_b: f_b and "
+        "g_b block-diagonally, 4,096 x 256 bf16, 2 MB) through the bf16 GEMV kernel on the MAIN chain's split-K "
+        "counters Ref, whose previous user is the q/k/v kernel — an aliased operand of both calls, so fg_b runs "
+        "after that kernel (as XLA's schedule runs it after XLA's own q/k/v GEMV) instead of beside it. Session "
+        "75's trace (H100, kda_qkv_kernel): fg_b and the Sinkhorn started with the q/k/v kernel and ran beside "
+        "it, fg_b 7.5-8.0 µs instead of 2.4, the kernel 25.5 µs instead of 19.0 alone. On an H100 it cannot win "
+        "(the kernel alone is only ~1.3 µs faster than XLA's GEMV in the step, and fg_b then follows it on the "
+        "chain); on the H200 (XLA 18.2 vs the kernel 13.8 µs alone, session 24) it might. CPU-built (session "
+        "75) — off until measured on an H200 (gpu_session.sh ratio, POLICY with kda_qkv_kernel)"),
     "indexer_wq_kernel": (False,
         "with bf16_linear on, at one token row: the indexer's query projection wq_b (1,536 -> 32 x 128, bf16, "
         "12.6 MB a DSA layer, replicated) through the bf16 GEMV kernel, its K splits summed inside on the step's "
@@ -1189,9 +1199,9 @@ def _dense(x, w, dtype, *, prefix: bool = False, one_row: str | None = None):
   """x [..., in] @ w[out, in]^T for an unquantised weight: the bf16 GEMV kernel where the policy runs it and the
   shapes fit, else XLA (``mm``). prefix: x [..., >= in], its first ``in`` columns are the input (a wider
   producer's output read in place: a slice before the kernel's custom call is an XLA kernel of its own).
-  one_row: a site knob (kda_qkv_kernel, indexer_wq_kernel) that takes the kernel at one token row too — where XLA's
-  GEMV is preferred otherwise — with its K splits summed inside on the step's counters where they run (the GPU),
-  else by XLA."""
+  one_row: a site knob (kda_qkv_kernel, kda_fg_b_kernel, indexer_wq_kernel) that takes the kernel at one token row
+  too — where XLA's GEMV is preferred otherwise — with its K splits summed inside on the step's counters where they
+  run (the GPU), else by XLA."""
   n_out, n_in = w.shape
   if x.shape[-1] != n_in and not (prefix and x.shape[-1] > n_in):
     raise ValueError(f"x [..., {x.shape[-1]}] for a weight {w.shape} (prefix={prefix})")

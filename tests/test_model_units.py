@@ -341,10 +341,10 @@ def test_stacked_linear_equals_its_separate_linears_and_the_kernel():
   np.testing.assert_allclose(f32(kern), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("knob", ["kda_qkv_kernel", "indexer_wq_kernel"])
+@pytest.mark.parametrize("knob", ["kda_qkv_kernel", "kda_fg_b_kernel", "indexer_wq_kernel"])
 def test_one_row_knob_takes_its_site(knob):
-  """Policy kda_qkv_kernel / indexer_wq_kernel: the call with one_row=knob — the KDA q/k/v StackedLinear's, the
-  indexer's wq_b Linear's — takes the bf16 GEMV kernel at one token row, where bf16_linear left to itself declines
+  """Policy kda_qkv_kernel / kda_fg_b_kernel / indexer_wq_kernel: the call with one_row=knob — the KDA q/k/v and
+  fg_b StackedLinears', the indexer's wq_b Linear's — takes the bf16 GEMV kernel at one token row, where bf16_linear left to itself declines
   (ONE_ROW_GEMV); at several rows the knob has no site (the kernel runs anyway) and says so; off, XLA's GEMV. The
   values are the matrices' either way (GPU interpret mode: the K splits summed by XLA — the in-kernel sum on the
   counters is the GPU's, lowered in test_step_lowering)."""
@@ -353,9 +353,9 @@ def test_one_row_knob_takes_its_site(knob):
   from glm5_jax.layers import ONE_ROW_GEMV, Linear, StackedLinear, kernel_report, use_kernels  # noqa: PLC0415
   from pallas_kernels._common import maybe_interpret  # noqa: PLC0415
   rng = np.random.default_rng()
-  S = 3 if knob == "kda_qkv_kernel" else 1
+  S = {"kda_qkv_kernel": 3, "kda_fg_b_kernel": 2}.get(knob, 1)
   w = jnp.asarray(rng.standard_normal((S, 64, 256)) * 0.05, jnp.bfloat16)
-  if knob == "kda_qkv_kernel":
+  if S > 1:
     lin = nnx.eval_shape(lambda: StackedLinear(256, 64, S, jnp.bfloat16, (None, None)))
     lin.weight.set_value(w)
   else:

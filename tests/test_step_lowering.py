@@ -298,7 +298,7 @@ def test_moe_one_grid_reaches_the_steps_moe():
     dec = Decoder(model, DecodeConfig(max_context=4096, q=1, capture_sizes=(1,),
                                       policy=(("moe_one_grid", on), ("mhc_row_scalars", on), ("kda_o_grid", on),
                                               ("mhc_ll_exchange", on), ("kda_qkv_kernel", on),
-                                              ("indexer_wq_kernel", on))),
+                                              ("kda_fg_b_kernel", on), ("indexer_wq_kernel", on))),
                   backend="latency_specialized")
     with dec.kernel_mode(interpret=False):
       dec.trace_step(1, params, interpret=False)
@@ -313,13 +313,15 @@ def test_moe_one_grid_reaches_the_steps_moe():
     assert (want > 0 or not on) and sites["kda_o_grid"]["sites"] == want, sites
     # kda_qkv_kernel (off by default): every KDA layer's q/k/v GEMV through the bf16 kernel at one row
     assert sites["kda_qkv_kernel"]["sites"] == want, sites
+    # kda_fg_b_kernel (off by default): every KDA layer's gates' fg_b GEMV likewise
+    assert sites["kda_fg_b_kernel"]["sites"] == want, sites
     # indexer_wq_kernel (off by default): every indexer query projection (one per scores call: the trunk's DSA layer
     # and the MTP passes that select their own pools)
     want = sites["indexer"]["sites"] if on else 0
     assert (want > 0 or not on) and sites["indexer_wq_kernel"]["sites"] == want, sites
     ones[on] = sites["bf16_linear"]["sites"]
   # (the other one-row sites stay XLA's)
-  assert ones[True] == ones[False] + sites["kda"]["sites"] + sites["indexer"]["sites"], ones
+  assert ones[True] == ones[False] + 2 * sites["kda"]["sites"] + sites["indexer"]["sites"], ones
   # policy knob moe_h_rows (on since session 61): the 4-row MoE calls (the trunk's 2 and the MTP layer's over the verified rows;
   # 17 slots x 8 tiles fill the SMs: one D split) write h's rows in their gate/up kernel (the draft's one-row calls
   # select in the kernel: their own rows form, the one grid)
@@ -344,11 +346,45 @@ def test_moe_one_grid_reaches_the_steps_moe():
     assert rep["sites"] == sites["sparse_mla"]["sites"] > 0 and not rep["not_used"], (knob, rep)
 
 
-@pytest.mark.parametrize("knob", ["kda_qkv_kernel", "indexer_wq_kernel"])
+def test_kda_fg_b_kernel_follows_the_qkv_kernel_on_its_ref(monkeypatch):
+  """Policy kda_fg_b_kernel with kda_qkv_kernel in the kernel-tiny step at q = 1: every KDA layer's fg_b GEMV is the
+  bf16 kernel on the MAIN chain's counters Ref, the call right after that layer's q/k/v kernel on the same Ref (an
+  aliased operand of both: fg_b runs after the q/k/v kernel, not beside it — session 75's trace), while the
+  indexer's wq_b (indexer_wq_kernel) stays on a side chain's Ref of its own."""
+  from glm5_jax import layers as L
+  from pallas_kernels import linear as kl
+  calls = []
+
+  def recording(x, w, *a, counters=None, **kw):
+    if counters is not None:
+      calls.append((w.shape, L._SIDE.get(), id(counters)))
+    return bf16_linear(x, w, *a, counters=counters, **kw)
+  bf16_linear = kl.bf16_linear
+  monkeypatch.setattr(kl, "bf16_linear", recording)
+  cfg = C.kernel_tiny()
+  trace_step(cfg, 1, "latency_specialized", max_context=4096,
+             policy=(("kda_qkv_kernel", True), ("kda_fg_b_kernel", True), ("indexer_wq_kernel", True)))
+  C_loc = cfg.linear_num_heads * cfg.linear_head_dim
+  qkv, fg_b = (3 * C_loc, cfg.hidden_size), (2 * C_loc, 2 * cfg.kda_gate_rank)
+  wq_b = (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+  kda = [i for i, (shape, _, _) in enumerate(calls) if shape == qkv]
+  assert len(kda) == cfg.layer_types.count(C.KDA) > 0, calls
+  for i in kda:  # the q/k/v call, then the same layer's fg_b on the same (main) Ref, no call on it in between
+    j = next(j for j in range(i + 1, len(calls)) if calls[j][2] == calls[i][2])
+    assert calls[i][1] is False and calls[j][:2] == (fg_b, False), (i, j, calls)
+  # (kernel-tiny's wq_b has fg_b's shape: [1024, 256]) the side chain's calls are the indexer's, on their own Ref
+  side = [(shape, ref) for shape, s, ref in calls if s]
+  assert side and all(shape == wq_b for shape, _ in side), calls
+  assert not {r for _, r in side} & {calls[i][2] for i in kda}, calls
+  assert sum(not s and shape == fg_b for shape, s, _ in calls) == len(kda), calls
+
+
+@pytest.mark.parametrize("knob", ["kda_qkv_kernel", "kda_fg_b_kernel", "indexer_wq_kernel"])
 def test_one_row_knob_sums_its_splits_on_the_counters(knob):
-  """Policy kda_qkv_kernel / indexer_wq_kernel in the kernel-tiny step at q = 1 as the CUDA lowering sees it: the
-  site's bf16 GEMV kernel (the KDA q/k/v, the indexer's wq_b) takes the step's counters Ref (its K splits summed
-  inside) — no bf16 GEMV does by default (their sites: test_moe_one_grid_reaches_the_steps_moe)."""
+  """Policy kda_qkv_kernel / kda_fg_b_kernel / indexer_wq_kernel in the kernel-tiny step at q = 1 as the CUDA
+  lowering sees it: the site's bf16 GEMV kernel (the KDA q/k/v or fg_b, the indexer's wq_b) takes the step's
+  counters Ref (its K splits summed inside) — no bf16 GEMV does by default (their sites:
+  test_moe_one_grid_reaches_the_steps_moe)."""
   from pallas_kernels import linear as kl  # noqa: PLC0415
   txt = lower_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096, policy=((knob, True),))
   # (the layers' identical calls share one lowered function: at least one such call)
