@@ -253,6 +253,8 @@ case "$MODE" in
   ratio)  # (nvidia-h200, needs_h200) see the header
     rank1 ratio --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
       --policy '{}' ${POLICY:+"$POLICY"}
+    # (the paired table in the call's output tail: auto's row against the defaults' is issue #9's ratio)
+    python3 benchmarks/ab_table.py "$OUT/decode_ratio.jsonl" 2>&1 | tail -8
     ;;
   e2e)  # (either) see the header
     gpu_tests e2e_kernels 240 gpu "one_grid_gpu or h_rows_gpu or counters_gpu or row_boundary" \
