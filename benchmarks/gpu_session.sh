@@ -94,8 +94,8 @@
 #                             that + mhc_rows (~350 s; a longer call: REPEATS=6 and POLICY='{...}' one more, e.g.
 #                             the stack with bf16_balanced_splits)
 #   pending (either; H100: LAYERS=32; ~200 s): what the CPU built and no GPU ran yet, in one call — now the bf16
-#                             GEMV's in-kernel sums (the GPU tests) and the KDA grid's bf16-gates test, then q = 1: the
-#                             defaults vs kda_qkv_kernel vs that + kda_fg_b_kernel (session 75: fg_b after the q/k/v
+#                             GEMV's in-kernel sums at 1 and 4 rows (GPU tests; the KDA fg_b shape among them), then
+#                             q = 1: the defaults vs kda_qkv_kernel vs that + kda_fg_b_kernel (session 75: fg_b after the q/k/v
 #                             kernel on its counters Ref, not beside it) (+ POLICY), 4 interleaved repeats. Earlier
 #                             forms (session 75's: indexer_wq_kernel a tie; session 74's: mla_uk_kernel, mla_q_in_kernel,
 #                             the q = 4 stack, all ties) are in git history; BENCHMARKS.md has their results
@@ -103,10 +103,6 @@
 #                             2.77 -> 2.93 ms, while the kernel alone beats XLA's GEMV at one row, 19.0 vs 21.8 µs) —
 #                             q = 1 traced with the defaults, then with POLICY (default kda_qkv_kernel); the events
 #                             and kernel listings under $OUT/hlo for benchmarks/sublayer_chain.py --kind kda
-#   s75b (either; H100: LAYERS=32; ~170 s): s75a's trace showed the bf16 kernel at 25.5 µs in the step (19.0
-#                             alone), beside XLA's gates GEMV and the Sinkhorn — q = 1, 4 interleaved repeats: the
-#                             defaults vs kda_qkv_kernel with bf16_balanced_splits (8 K splits: 384 CTAs, not 192 on
-#                             132 SMs) vs with kda_gates_first (the gates' GEMVs launched before it) vs both
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -122,8 +118,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s75b|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s75b, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -385,8 +381,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       "{\"linear_fused_sum\": true$uk}" "{\"linear_fused_sum\": true$uk, \"mhc_rows\": true}" ${POLICY:+"$POLICY"}
     ;;
   pending)  # (either; H100: LAYERS=32) see the header
-    gpu_tests pending 200 gpu "bf16_gates_gpu or bf16_linear_fused_sum_gpu" tests/test_kda_decode.py \
-      tests/test_linear_kernels.py
+    gpu_tests pending 120 gpu "bf16_linear_fused_sum_gpu" tests/test_linear_kernels.py
     rank1 pending_q1 --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-4}" --steps 80 --policy '{}' \
       '{"kda_qkv_kernel": true}' '{"kda_qkv_kernel": true, "kda_fg_b_kernel": true}' ${POLICY:+"$POLICY"}
     ;;
@@ -394,11 +389,6 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     rank1 s75a_defaults --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'
     rank1 s75a_knob --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy "${POLICY:-{\"kda_qkv_kernel\": true\}}"
     rm -f "$OUT"/hlo/*.hlo.gz
-    ;;
-  s75b)  # (either; H100: LAYERS=32) see the header
-    rank1 s75b --q 1 --steps-per-call 4 --interleave --repeats "${REPEATS:-4}" --steps 80 --policy '{}' \
-      '{"kda_qkv_kernel": true, "bf16_balanced_splits": true}' '{"kda_qkv_kernel": true, "kda_gates_first": true}' \
-      '{"kda_qkv_kernel": true, "bf16_balanced_splits": true, "kda_gates_first": true}'
     ;;
   s72b)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \
