@@ -94,8 +94,8 @@
 #                             that + mhc_rows (~350 s; a longer call: REPEATS=6 and POLICY='{...}' one more, e.g.
 #                             the stack with bf16_balanced_splits)
 #   pending (either; H100: LAYERS=32; ~200 s): what the CPU built and no GPU ran yet, in one call — now the bf16
-#                             GEMV's in-kernel sums at 1 and 4 rows (GPU tests; the KDA fg_b shape among them), then
-#                             q = 1: the defaults vs kda_qkv_kernel vs that + kda_fg_b_kernel (session 75: fg_b after the q/k/v
+#                             GEMV's in-kernel sums at 1 and 4 rows (GPU tests, passed in session 75; the KDA fg_b shape
+#                             among them: a quick re-check on the new host), then q = 1: the defaults vs kda_qkv_kernel vs that + kda_fg_b_kernel (session 75: fg_b after the q/k/v
 #                             kernel on its counters Ref, not beside it) (+ POLICY), 4 interleaved repeats. Earlier
 #                             forms (session 75's: indexer_wq_kernel a tie; session 74's: mla_uk_kernel, mla_q_in_kernel,
 #                             the q = 4 stack, all ties) are in git history; BENCHMARKS.md has their results
