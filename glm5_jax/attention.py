@@ -701,6 +701,14 @@ class DSA(nnx.Module):
           o = o.reshape(B, T, H, dv)
         else:
           o_lat = o_lat[:, :, :H]
+      elif kernel_enabled("mla_prefill"):
+        # a prefill chunk (or a step past the decode kernels' rows): the same attention kernel, a CTA per (token,
+        # split) gathering its own rows into SMEM — XLA's grouped form writes every token's gathered rows to HBM
+        # and reads them back twice. Its plain options: the decode knobs (lean, mla_* forms) are off in a chunk.
+        hp = -H % 16
+        qk = jnp.pad(q_hat, ((0, 0), (0, 0), (0, hp), (0, 0))) if hp else q_hat
+        o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine="kernel",
+                                     **amma)[:, :, :H]
       else:
         grouped = B * T >= GROUPED_ATTN_ROWS and q_hat.dtype == jnp.bfloat16
         attend = ks.sparse_mla_grouped if grouped else ks.sparse_mla_decode_reference

@@ -698,17 +698,25 @@ KNOBS = {
         "expert) pairs sorted by expert into row tiles of one expert each, a CTA per (tile, weight rows) streaming "
         "its expert's FP8 weight once, dequantised in registers) instead of XLA's path, which runs every expert "
         "over every token (E / k = 36x the routed pairs' FLOPs at the release) after dequantising all 288 "
-        "experts' weights to bf16 in HBM (1.2 GB per matrix per MoE layer of one TP4 rank). The only kernel a "
-        "prefill chunk runs (PREFILL_KNOBS); also a decode step's MoE past the decode kernels' 64 rows. Natively "
+        "experts' weights to bf16 in HBM (1.2 GB per matrix per MoE layer of one TP4 rank). A kernel a prefill "
+        "chunk runs (PREFILL_KNOBS, with mla_prefill); also a decode step's MoE past the decode kernels' 64 rows. Natively "
         "equal to fp8_moe_reference at the rank's shapes (its GPU tests, an H100, session 62); one TP4 rank's "
         "first 32 layers on an H100, 256-token chunks (benchmarks/bench_prefill.py): a 4K prompt 3.45 -> 1.99 s, "
         "32K 22.7 -> 10.7 s. On by default where the kernels run natively; in GPU interpret mode (the CPU: seconds "
         "a call) only when the policy asks for it"),
+    "mla_prefill": (False,
+        "with an FP8 latent cache: DSA's attention of a prefill chunk (and of a decode step past the decode "
+        "kernels' 64 token rows) through the sparse MLA decode kernel (pallas_kernels.sparse_mla.sparse_mla_decode: "
+        "a CTA per (token, split) gathering its selected cache rows by TMA into SMEM, dequantised there, then the "
+        "split merge kernel) instead of XLA's grouped form (sparse_mla_grouped), which writes every token's "
+        "gathered rows to HBM — [256, 2,051, 512] e4m3 bytes a DSA layer at 256-token chunks, read back by two "
+        "bf16 products: ~0.2 ms a product in session 64's H100 prefill trace. Within the kernels' tolerance of "
+        "the XLA form at the model's site in GPU interpret mode (CPU-built, session 76); off until measured"),
 }
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
-PREFILL_KNOBS = ("moe_prefill",)
+PREFILL_KNOBS = ("moe_prefill", "mla_prefill")
 
 # Knobs whose forms were measured slower than (or no faster than) the defaults on the H200 and removed with their
 # kernels: a policy naming one is refused with the reason (git history and BENCHMARKS.md keep them).
@@ -810,6 +818,7 @@ WGMMA_KNOBS = {
     "indexer_pool_kernel": "the indexer's cache update (the pooled keys' Hadamard rotation)",
     "topk_compact_kernel": "the selection's compaction (its prefix counts)",
     "moe_prefill": "the prefill MoE's grouped GEMMs",
+    "mla_prefill": "the sparse MLA attention at many token rows",
 }
 WGMMA_REASON = ("needs Hopper's wgmma (sm_90a), which {arch} does not have (Blackwell's tcgen05 MMA: no form of "
                 "this kernel that runs there yet)")
@@ -828,6 +837,7 @@ TCGEN05_KNOBS = {
     "sparse_mla": "the sparse MLA attention (blocks of 128 positions, the latent dequantised a 128-dimension group "
                   "at a time)",
     "mla_uv_kernel": "W_UV (128 rows of W_UV a CTA)",
+    "mla_prefill": "the sparse MLA attention at many token rows (sparse_mla's tcgen05 form)",
 }
 
 

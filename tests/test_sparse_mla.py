@@ -16,8 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tol
-from helpers import barrier_counts
+from helpers import barrier_counts, load, tiny_checkpoint
 
+from glm5_jax.layers import KERNEL_DEFAULTS
+from glm5_jax.runtime import DecodeConfig
+from glm5_jax.speculative import Decoder
 from pallas_kernels import sparse_mla as M
 from pallas_kernels._common import cross_lower, maybe_interpret
 
@@ -288,6 +291,53 @@ def test_two_warpgroups_cross_lower(B, T):
   assert all(len(h) == 1 for h in hashes.values()) and len({h[0] for h in hashes.values()}) == len(forms), hashes
 
 
+def test_prefill_form_cross_lower():
+  """mla_prefill's form — a prefill chunk of 256 rows (and a verify step of 32 x 4), 2,051 positions, the merge
+  kernel, no decode knob (lean, the mla_* forms: off in a chunk) — lowers for CUDA with the chunk's bf16 query."""
+  for B, T in ((1, 256), (32, 4)):
+    args = (SDS((B, T, 16, 512), jnp.bfloat16), SDS((B, 32784, M.ROW_WORDS), jnp.int32), SDS((B, T, 2051), jnp.int32))
+    text = cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel"), *args).as_text()
+    assert "glm5_sparse_mla" in text and "glm5_mla_combine" in text
+
+
+def test_prefill_attention_kernel_at_the_model_site():
+  """Policy knob mla_prefill (a prefill chunk's DSA attention through the sparse MLA kernel, GPU interpret mode)
+  against XLA's grouped form at the model's site: kernel-tiny in bf16 with its FP8 latent cache, the target's chunk
+  program (every decode kernel off, as in a prefill) over a 13-token prompt in two 8-row chunks (the second attends
+  to the first's FP8 latents) — the trunk's hidden states within bf16 rounding; then Decoder.prefill with the knob
+  on reports its site in the chunk. Every expert routed (4 of 4): the DSA layer is the last one, and its MoE's
+  top-k would be the only discrete decision downstream of the attention (test_decode's W_UV test says why)."""
+  from glm5_jax import state as st  # noqa: PLC0415
+  from glm5_jax.layers import kernel_report  # noqa: PLC0415
+  from glm5_jax.speculative import _prefill_target_fn  # noqa: PLC0415
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8", n_routed_experts=4), "bfloat16")
+  assert m.cfg.layer_types[-1] != "linear_attention"
+  toks = np.zeros((1, 16), np.int32)
+  toks[0, :13] = np.random.default_rng().integers(0, 2000, 13)
+  hs = {}
+  for on in (False, True):
+    pol = tuple(sorted({**{k: False for k in KERNEL_DEFAULTS}, "mla_prefill": on, "kv_cache_dtype": "fp8"}.items()))
+    dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=pol), backend="latency_specialized",
+                  prefill_chunk=8)
+    caches = st.init_caches(dec.layout(1), m.mesh)
+    assert "latent8" in caches["layers"][3]
+    fn = _prefill_target_fn(dec, 1, 8)
+    start, h = 0, []
+    with dec.prefill_kernel_mode(), kernel_report() as rep:
+      for c in range(2):
+        valid = min(8, 13 - start)
+        caches, hc = fn(m.params, caches, jnp.asarray(toks[:, 8 * c:8 * c + 8]), jnp.full((1,), start, jnp.int32),
+                        jnp.full((1,), valid, jnp.int32))
+        h.append(np.asarray(hc, np.float32)[:, :valid])
+        start += valid
+    assert (("mla_prefill", None) in rep) == on, rep
+    hs[on] = np.concatenate(h, axis=1)
+  np.testing.assert_allclose(hs[True], hs[False], **tol("kernel_bf16"))
+  assert np.linalg.norm(hs[True] - hs[False]) <= 1e-2 * np.linalg.norm(hs[False])
+  dec.prefill([toks[0, :13]])  # (the last policy's: the knob on)
+  assert dec.prefill_sites["mla_prefill"]["sites"] > 0
+
+
 def test_q_in_kernel_cross_lower():
   """The in-kernel query rescale lowers for CUDA with the step's f32 query (XLA's W_UKᵀ q at one row) and its q = 4
   verify's, in the step's form (lean, the merge kernel, the scales after the MMAs)."""
@@ -554,6 +604,8 @@ def test_kernel_tcgen05_blackwell(B, T, H, S, W, nbs, pooled):
                                                        (1, 4, 16, 65536, 2051, 4, False, False),
                                                        (1, 1, 16, 32768, 2051, None, True, False),
                                                        (8, 4, 16, 32768, 2051, None, True, False),
+                                                       # a prefill chunk's 256 rows (policy mla_prefill)
+                                                       (1, 256, 16, 32768, 2051, None, True, False),
                                                        # lean: without the automatic barriers (lean_barriers)
                                                        (1, 1, 16, 32768, 2051, None, True, True),
                                                        (1, 4, 16, 65536, 2051, 4, False, True),
