@@ -583,8 +583,9 @@ class Decoder:
 
   def prefill_kernel_mode(self, interpret: bool | None = None):
     """The kernels a prefill chunk runs (latency_specialized): only those built for many token rows
-    (layers.PREFILL_KNOBS: the prefill MoE, policy knob moe_prefill) — on a GPU by default, elsewhere (GPU
-    interpret mode) where the policy asks for them; the decode kernels stay off there. The stock backend: none.
+    (layers.PREFILL_KNOBS: the prefill MoE and DSA's attention, policy knobs moe_prefill and mla_prefill) — on a
+    GPU by default, elsewhere (GPU interpret mode) where the policy asks for them; the decode kernels stay off
+    there. The stock backend: none.
     interpret=False: native lowering, with a GPU's defaults (a compile-only census on a CPU)."""
     from pallas_kernels._common import on_gpu  # noqa: PLC0415
     policy = self.config.policy_dict()
