@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from glm5_jax import config as C  # noqa: E402
 from glm5_jax import profiling  # noqa: E402
 from glm5_jax.runtime import DecodeConfig  # noqa: E402
-from glm5_jax.speculative import Decoder  # noqa: E402
+from glm5_jax.speculative import PREFILL_CHUNK, Decoder  # noqa: E402
 from glm5_jax.synthetic import random_model, tp_rank_config  # noqa: E402
 
 BF16_FLOPS = 989e12  # H200 / H100 SXM dense bf16 tensor-core peak
@@ -71,7 +71,8 @@ def main(argv=None):
   p.add_argument("--geometry", default="tp4-rank", choices=["tp4-rank", "kernel-tiny"])
   p.add_argument("--layers", type=int, default=None, help="keep the first N layers (tp4-rank)")
   p.add_argument("--prompt", type=int, nargs="+", default=[4096], help="prompt lengths (tokens)")
-  p.add_argument("--chunk", type=int, nargs="+", default=[256], help="prefill chunk sizes (Decoder.prefill_chunk)")
+  p.add_argument("--chunk", type=int, nargs="+", default=[PREFILL_CHUNK],
+                 help=f"prefill chunk sizes (Decoder.prefill_chunk; default the Decoder's, {PREFILL_CHUNK})")
   p.add_argument("--k", type=int, default=3, help="draft tokens (the MTP pass over the prompt runs when k > 0)")
   p.add_argument("--backend", nargs="+", default=["latency_specialized"])
   p.add_argument("--policy", nargs="+", default=["{}"], help="decode policy knobs as JSON")

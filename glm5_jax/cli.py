@@ -27,10 +27,11 @@ def _decoder(args, model):
   cfg = DecodeConfig(max_context=args.max_context, q=1 + args.k, capture_sizes=tuple(args.capture_sizes),
                      policy=tuple(sorted(json.loads(args.policy).items())))
   pack = {} if args.pack_params is None else dict(pack_params=args.pack_params)
+  chunk = {} if args.prefill_chunk is None else dict(prefill_chunk=args.prefill_chunk)
   opts = dict(parse_xla_option(o) for o in args.xla_option)
   return Decoder(model, cfg, backend=args.backend, temperature=args.temperature, top_p=args.top_p,
                  compiler_options=opts or None, steps_per_call=_steps_per_call(args, model),
-                 prefill_chunk=args.prefill_chunk, **pack)
+                 **chunk, **pack)
 
 
 # latency_specialized on one GPU: 4 speculative steps per call by default — the host launches once per 4 steps
@@ -62,9 +63,10 @@ def _add_decode_args(p):
                  help="speculative steps per decode call (one host launch per N steps; Decoder(steps_per_call)); "
                       f"default {GPU_STEPS_PER_CALL} for latency_specialized on one GPU, else 1")
   p.add_argument("--policy", default="{}", help="decode policy knobs as JSON, e.g. '{\"mhc_finish\": false}'")
-  p.add_argument("--prefill-chunk", type=int, default=256,
-                 help="prompt tokens per prefill call (one compiled program per chunk size; larger chunks read the "
-                      "weights fewer times — with policy knob moe_prefill the MoE's too)")
+  p.add_argument("--prefill-chunk", type=int, default=None,
+                 help="prompt tokens per prefill call (one compiled program per chunk size; larger chunks pay a "
+                      "chunk's fixed cost — its launches, the prefill MoE's stream of every expert — fewer times); "
+                      "default: the Decoder's, glm5_jax.speculative.PREFILL_CHUNK (512)")
   p.add_argument("--pack-params", type=int, default=None,
                  help="pass parameters under this many bytes packed into one buffer per dtype (0 = off; default: "
                       "the Decoder's, glm5_jax.param_packing.DEFAULT_BYTES)")

@@ -310,6 +310,15 @@ def compile_options(backend: str, platform: str, given: dict | None, *, loop: bo
   return {**defaults, **(given or {})}
 
 
+# Prompt tokens per prefill call (Decoder.prefill_chunk; the CLI's --prefill-chunk). A chunk's time is mostly a fixed
+# cost — its ~3,400 XLA launches at one TP4 rank and the prefill MoE streaming every expert once — so larger chunks
+# pay it fewer times: one TP4 rank's first 32 layers on an H100 (session 76, s76b) took 0.914 / 6.52 s to the first
+# token of a 4K / 32K prompt in 256-token chunks and 0.634 / 4.53 s in 512-token ones (the first call's compile ~70
+# s either way); 1,024-token chunks compiled for over 300 s there (XLA's GEMM autotuning; untuned they ran slower
+# than 4 x 256, session 65).
+PREFILL_CHUNK = 512
+
+
 class Decoder:
   """Owns a model, a DecodeConfig and the step compiled once per capture size.
 
@@ -317,7 +326,7 @@ class Decoder:
   temperature 0 = greedy; otherwise sampled acceptance with optional top_p."""
 
   def __init__(self, model: Model, config: DecodeConfig, *, backend: str = "auto", temperature: float = 0.0,
-               top_p: float = 1.0, prefill_chunk: int = 256, compiler_options: dict | None = None,
+               top_p: float = 1.0, prefill_chunk: int = PREFILL_CHUNK, compiler_options: dict | None = None,
                executables: int = 1, pack_params: int = pp.DEFAULT_BYTES, steps_per_call: int = 1,
                unroll_steps: bool = False):
     if backend not in ("auto", "latency_specialized"):
