@@ -564,6 +564,25 @@ ABSORB_ROWS = 8  # token rows up to which _per_head sums products instead of a d
 GROUPED_ATTN_ROWS = 16
 
 
+def _mla_forms(rows, tc05: bool) -> dict:
+  """The sparse MLA kernel's form options from the policy's knobs (``rows``: the decode site's token rows, within
+  its row limit; None at mla_prefill's site, which has none)."""
+  why = lambda what: f"the tcgen05 form (Blackwell) {what}"  # noqa: E731
+  return dict(
+      # lean_barriers: the attention, merge and W_UV kernels without Mosaic's automatic barriers
+      lean=kernel_enabled("lean_barriers"),
+      # mla_dequant_warpgroups: a second warpgroup per CTA converting half of each block's FP8 latent (Hopper)
+      warpgroups=2 if kernel_enabled("mla_dequant_warpgroups", rows, fits=not tc05, why=why("has one warpgroup"))
+      else 1,
+      # mla_scales_after: the latent's block scales applied after the MMAs (the dequantisation converts bytes only)
+      scales_after=kernel_enabled("mla_scales_after", rows, fits=not tc05,
+                                  why=why("dequantises one group at a time already")),
+      # mla_group_arrival: the gathers' barrier counts a group of 4 rows once (not 4 x 128 thread arrivals)
+      group_arrival=kernel_enabled("mla_group_arrival", rows, fits=not tc05, why=why("has its own gather")),
+      # mla_q_in_kernel: the query's f16 rescale in the kernel's prologue (not two XLA launches before it)
+      q_in_kernel=kernel_enabled("mla_q_in_kernel", rows, fits=not tc05, why=why("takes the rescaled query")))
+
+
 def _per_head(eq, x, w):
   """The MLA absorption x [B, T, H, a] · w (per head) -> [B, T, H, b], for the two contractions of DSA ("bthn,hnr->
   bthr": W_UK, "bthr,hvr->bthv": W_UV). For a few token rows (B·T <= ABSORB_ROWS) as an f32 product and a sum —
@@ -667,6 +686,7 @@ class DSA(nnx.Module):
         idx, js = self.indexer.select(None, pos, shared=shared, extra_tail=extra_tail)
     q_hat = self._absorb_uk(q, wkv, w_uk)  # absorbed query [B, T, H, R]
     if fp8:
+      from pallas_kernels._common import interpreting  # noqa: PLC0415
       if kernel_enabled("sparse_mla", B * T):
         hp = -H % 16  # the kernel packs 16 heads per CTA: pad with zero queries (sliced off below)
         qk = jnp.pad(q_hat, ((0, 0), (0, 0), (0, hp), (0, 0))) if hp else q_hat
@@ -678,37 +698,25 @@ class DSA(nnx.Module):
                             and dv % dv_unit == 0,
                             why=f"bf16 kv_b weights (here {wkv.dtype}), <= {ks.UV_MAX_TOKENS} token rows (here "
                             f"{B * T}) and dv a multiple of {dv_unit} (here {dv})")
-        # lean_barriers: the attention, merge and W_UV kernels without Mosaic's automatic barriers
-        lean = kernel_enabled("lean_barriers")
-        # mla_dequant_warpgroups: a second warpgroup per CTA converting half of each block's FP8 latent (Hopper)
-        wgs = 2 if kernel_enabled("mla_dequant_warpgroups", B * T, fits=not amma,
-                                  why="the tcgen05 form (Blackwell) has one warpgroup") else 1
-        # mla_scales_after: the latent's block scales applied after the MMAs (the dequantisation converts bytes only)
-        after = kernel_enabled("mla_scales_after", B * T, fits=not amma,
-                               why="the tcgen05 form (Blackwell) dequantises one group at a time already")
-        # mla_group_arrival: the gathers' barrier counts a group of 4 rows once (not 4 x 128 thread arrivals)
-        grouped_arrival = kernel_enabled("mla_group_arrival", B * T, fits=not amma,
-                                         why="the tcgen05 form (Blackwell) has its own gather")
-        # mla_q_in_kernel: the query's f16 rescale in the kernel's prologue (not two XLA launches before it)
-        q_in = kernel_enabled("mla_q_in_kernel", B * T, fits=not amma,
-                              why="the tcgen05 form (Blackwell) takes the rescaled query")
+        forms = _mla_forms(B * T, bool(amma))
+        lean = forms["lean"]
         o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine,
-                                     transposed=uv, lean=lean, warpgroups=wgs, scales_after=after,
-                                     group_arrival=grouped_arrival, q_in_kernel=q_in, **amma)
+                                     transposed=uv, **forms, **amma)
         if uv:  # dq_f16: also in f16 for o_proj's f16 kernel (no conversion kernel between them)
           o = ks.mla_absorb_uv(o_lat, wkv, dn=dn, lean=lean, x16=f16_copies(B * T), **amma)
           o, o16 = o if isinstance(o, tuple) else (o, None)
           o = o.reshape(B, T, H, dv)
         else:
           o_lat = o_lat[:, :, :H]
-      elif kernel_enabled("mla_prefill"):
+      elif kernel_enabled("mla_prefill", prefer=not interpreting(),
+                          prefer_why="GPU interpret mode: seconds a call (the policy can ask for it)"):
         # a prefill chunk (or a step past the decode kernels' rows): the same attention kernel, a CTA per (token,
         # split) gathering its own rows into SMEM — XLA's grouped form writes every token's gathered rows to HBM
-        # and reads them back twice. Its plain options: the decode knobs (lean, mla_* forms) are off in a chunk.
+        # and reads them back twice. Its forms as the policy's knobs say (a chunk keeps them: PREFILL_FORM_KNOBS)
         hp = -H % 16
         qk = jnp.pad(q_hat, ((0, 0), (0, 0), (0, hp), (0, 0))) if hp else q_hat
         o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine="kernel",
-                                     **amma)[:, :, :H]
+                                     **_mla_forms(None, bool(amma)), **amma)[:, :, :H]
       else:
         grouped = B * T >= GROUPED_ATTN_ROWS and q_hat.dtype == jnp.bfloat16
         attend = ks.sparse_mla_grouped if grouped else ks.sparse_mla_decode_reference

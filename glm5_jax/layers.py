@@ -722,6 +722,10 @@ KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
 PREFILL_KNOBS = ("moe_prefill", "mla_prefill")
+# Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
+# (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
+PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",
+                      "mla_q_in_kernel")
 
 # Knobs whose forms were measured slower than (or no faster than) the defaults on the H200 and removed with their
 # kernels: a policy naming one is refused with the reason (git history and BENCHMARKS.md keep them).

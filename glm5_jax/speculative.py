@@ -38,8 +38,8 @@ from glm5_jax import param_packing as pp
 from glm5_jax import state as st
 from glm5_jax.api import Model, _check_tokens, compiled
 from glm5_jax.attention import StepCtx
-from glm5_jax.layers import (KERNEL_DEFAULTS, PREFILL_KNOBS, REMOVED_KNOBS, WGMMA_REASON, compile_target, declined_on,
-                             has_wgmma, kernel_enabled, kernel_report)
+from glm5_jax.layers import (KERNEL_DEFAULTS, PREFILL_FORM_KNOBS, PREFILL_KNOBS, REMOVED_KNOBS, WGMMA_REASON,
+                             compile_target, declined_on, has_wgmma, kernel_enabled, kernel_report)
 from glm5_jax.runtime import SUPPORTED_GPUS, DecodeConfig, detect_platform
 
 REP = P()
@@ -594,7 +594,8 @@ class Decoder:
     """The kernels a prefill chunk runs (latency_specialized): only those built for many token rows
     (layers.PREFILL_KNOBS: the prefill MoE and DSA's attention, policy knobs moe_prefill and mla_prefill) — on a
     GPU by default, elsewhere (GPU interpret mode) where the policy asks for them; the decode kernels stay off
-    there. The stock backend: none.
+    there, the knobs that only choose their forms (layers.PREFILL_FORM_KNOBS) keep the policy's values. The stock
+    backend: none.
     interpret=False: native lowering, with a GPU's defaults (a compile-only census on a CPU)."""
     from pallas_kernels._common import on_gpu  # noqa: PLC0415
     policy = self.config.policy_dict()
@@ -603,7 +604,8 @@ class Decoder:
     on = {k: bool(policy.get(k, KERNEL_DEFAULTS[k] and native)) for k in PREFILL_KNOBS}
     if not any(on.values()):
       return contextlib.nullcontext()
-    return self.kernel_mode(interpret, policy={**{k: False for k in KERNEL_DEFAULTS}, **on})
+    forms = {k: bool(policy.get(k, KERNEL_DEFAULTS[k])) for k in PREFILL_FORM_KNOBS}  # (their forms: as the step's)
+    return self.kernel_mode(interpret, policy={**{k: False for k in KERNEL_DEFAULTS}, **forms, **on})
 
   def _check_prefill_kernels(self, rep):
     """Record a traced prefill chunk's kernel sites (``prefill_sites``: {kernel: {"sites": n, "not_used": {reason:

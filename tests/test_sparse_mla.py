@@ -18,7 +18,7 @@ import pytest
 from conftest import tol
 from helpers import barrier_counts, load, tiny_checkpoint
 
-from glm5_jax.layers import KERNEL_DEFAULTS
+from glm5_jax.layers import KERNEL_DEFAULTS, PREFILL_FORM_KNOBS
 from glm5_jax.runtime import DecodeConfig
 from glm5_jax.speculative import Decoder
 from pallas_kernels import sparse_mla as M
@@ -316,7 +316,10 @@ def test_prefill_attention_kernel_at_the_model_site():
   toks[0, :13] = np.random.default_rng().integers(0, 2000, 13)
   hs = {}
   for on in (False, True):
-    pol = tuple(sorted({**{k: False for k in KERNEL_DEFAULTS}, "mla_prefill": on, "kv_cache_dtype": "fp8"}.items()))
+    # (every decode kernel off — a chunk's policy turns them off anyway — but the knobs of the kernel's forms,
+    # which a chunk keeps: the step's lean build with the scales after the MMAs)
+    off = {k: False for k in KERNEL_DEFAULTS if k not in PREFILL_FORM_KNOBS}
+    pol = tuple(sorted({**off, "mla_prefill": on, "kv_cache_dtype": "fp8"}.items()))
     dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=pol), backend="latency_specialized",
                   prefill_chunk=8)
     caches = st.init_caches(dec.layout(1), m.mesh)
@@ -331,6 +334,8 @@ def test_prefill_attention_kernel_at_the_model_site():
         h.append(np.asarray(hc, np.float32)[:, :valid])
         start += valid
     assert (("mla_prefill", None) in rep) == on, rep
+    if on:  # (the forms the step's defaults take)
+      assert {("lean_barriers", None), ("mla_scales_after", None)} <= set(rep), rep
     hs[on] = np.concatenate(h, axis=1)
   np.testing.assert_allclose(hs[True], hs[False], **tol("kernel_bf16"))
   assert np.linalg.norm(hs[True] - hs[False]) <= 1e-2 * np.linalg.norm(hs[False])
@@ -627,6 +632,19 @@ def test_kernel_gpu(B, T, H, S, W, nbs, pooled, lean):
   if lean:
     np.testing.assert_array_equal(got, run(False))
     np.testing.assert_array_equal(run(True, "kernel"), run(False, "kernel"))
+
+
+@pytest.mark.gpu
+def test_prefill_forms_gpu():
+  """mla_prefill's site in the step's forms (a chunk keeps the form knobs: lean, the scales after the MMAs) and
+  with one gather arrival per group, natively at a chunk's 256 rows against the reference."""
+  q, cache, idx = make_inputs(77, 1, 256, 16, 32768, 2051, q_dtype=jnp.bfloat16, pooled=True)
+  ref = np.asarray(jax.jit(lambda *a: M.sparse_mla_decode_reference(*a, softmax_scale=SCALE))(q, cache, idx))
+  for kw in (dict(lean=True, scales_after=True), dict(lean=True, scales_after=True, group_arrival=True)):
+    got = np.asarray(jax.jit(lambda *a, kw=kw: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel",
+                                                                   **kw))(q, cache, idx))
+    np.testing.assert_allclose(got, ref, **tol("kernel_bf16"), err_msg=str(kw))
+    assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref), kw
 
 
 @pytest.mark.gpu
