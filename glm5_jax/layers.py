@@ -715,8 +715,10 @@ KNOBS = {
         "rows; one TP4 rank's first 32 layers on an H100 (session 76, s76a): a 32K prompt in 256-token chunks "
         "6.92 -> 6.62 s to the first token, a 4K prompt 0.996 -> 0.968 s (a tie by the faster repeats), in "
         "512-token chunks 0.662 -> 0.581 s; the chunk's XLA GEMMs 10.3 -> 5.0 ms, the kernel 4.8 ms (~0.44 ms a "
-        "DSA layer: 1 CTA an SM, each gathering its 64-row blocks one by one). On by default where the kernels run "
-        "natively; in GPU interpret mode only when the policy asks for it"),
+        "DSA layer: 1 CTA an SM, each gathering its 64-row blocks one by one); in the step's forms (a chunk keeps "
+        "PREFILL_FORM_KNOBS: lean, the scales after the MMAs) a 4K prompt in 512-token chunks 0.617 -> 0.597 s "
+        "(s76c). On by default where the kernels run natively; in GPU interpret mode only when the policy asks for "
+        "it"),
 }
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
