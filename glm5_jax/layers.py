@@ -699,8 +699,8 @@ KNOBS = {
         "its expert's FP8 weight once, dequantised in registers) instead of XLA's path, which runs every expert "
         "over every token (E / k = 36x the routed pairs' FLOPs at the release) after dequantising all 288 "
         "experts' weights to bf16 in HBM (1.2 GB per matrix per MoE layer of one TP4 rank). A kernel a prefill "
-        "chunk runs (PREFILL_KNOBS, with mla_prefill); also a decode step's MoE past the decode kernels' 64 rows. Natively "
-        "equal to fp8_moe_reference at the rank's shapes (its GPU tests, an H100, session 62); one TP4 rank's "
+        "chunk runs (PREFILL_KNOBS, with mla_prefill); also a decode step's MoE past the decode kernels' 64 rows. "
+        "Natively equal to fp8_moe_reference at the rank's shapes (its GPU tests, an H100, session 62); one TP4 rank's "
         "first 32 layers on an H100, 256-token chunks (benchmarks/bench_prefill.py): a 4K prompt 3.45 -> 1.99 s, "
         "32K 22.7 -> 10.7 s. On by default where the kernels run natively; in GPU interpret mode (the CPU: seconds "
         "a call) only when the policy asks for it"),
