@@ -608,6 +608,39 @@ def test_plot_history_takes_the_defaults_rows_in_time_order(tmp_path, capsys):
   assert f"| latency_specialized | 1 | 2026-12-02 | {day_best:.2f} |" in text
 
 
+def test_plot_prefill_takes_the_defaults_rows_per_prompt(tmp_path, capsys):
+  """benchmarks/plot_prefill.py: of random prefill rows, those with an empty policy or one set as today's defaults
+  count (an adopted candidate), per prompt length in file order — not a policy that differs from the defaults, nor
+  another geometry; the table's best so far is the running minimum; the PNG is written."""
+  import json  # noqa: PLC0415
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import plot_prefill as PP  # noqa: PLC0415
+
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
+  rng = np.random.default_rng()
+  on, off = next(k for k, v in KERNEL_DEFAULTS.items() if v), next(k for k, v in KERNEL_DEFAULTS.items() if not v)
+  rows = [{"geometry": "tp4-rank", "prompt": [4096, 32768][i % 2], "chunk": [256, 512][(i // 2) % 2],
+           "policy": [{}, {on: True}][(i // 4) % 2], "ms": float(rng.uniform(500, 9000)), "layers": 32,
+           "date": f"2026-12-0{1 + i // 10}", "device": "H100"} for i in range(24)]
+  noise = [dict(rows[0], policy={on: False}, ms=1.0), dict(rows[1], policy={off: True}, ms=1.0),
+           dict(rows[2], geometry="kernel-tiny", ms=1.0)]
+  order = rng.permutation(len(rows) + len(noise))
+  everything = [(rows + noise)[j] for j in order]
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in everything))
+  got = PP.default_rows(PP.load_rows([str(path)]), 4096, KERNEL_DEFAULTS)
+  want = [r for r in everything if r in rows and r["prompt"] == 4096]
+  assert [sec for _, sec, _, _ in got] == [r["ms"] / 1e3 for r in want]
+  out = tmp_path / "p.png"
+  PP.main([str(path), "-o", str(out)])
+  assert out.stat().st_size > 1000
+  text = capsys.readouterr().out
+  best = min(r["ms"] for r in want) / 1e3
+  assert text.count("| 4,096 |") == len(want) and f"| {best:.3f} |" in text.splitlines()[1 + len(want)]
+
+
 def test_step_census_diff_names_the_kernels_a_policy_adds_and_removes():
   """benchmarks/step_census.py --diff: kernels matched across two compiles by component, result type and JAX op
   (the instructions' numbering ignored); a conversion kernel a knob adds and a fusion it changes show as + / -."""

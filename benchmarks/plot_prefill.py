@@ -1,0 +1,98 @@
+"""The time to first token over time: every measured prefill (bench_prefill.py rows) with the defaults of its day or
+what became them, per prompt length, by chunk size, with the best so far.
+
+  python benchmarks/plot_prefill.py benchmarks/results/prefill_h100.jsonl -o benchmarks/results/prefill_history.png
+
+A row counts when it is the one-rank geometry (tp4-rank) with no policy, or a policy whose every knob is set as
+today's defaults have it (layers.KERNEL_DEFAULTS: an A/B's candidate that was adopted, e.g. moe_prefill in session
+62, mla_prefill in session 76). Rows are ordered as the file has them (appended as measured). Each prompt length is
+a panel: a point per row, coloured by its chunk size, and the best so far as a step line; the table printed lists
+each length's rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_rows(paths):
+  return [json.loads(line) for p in paths for line in open(p) if line.strip()]
+
+
+def default_rows(rows, prompt: int, defaults: dict):
+  """The rows of ``prompt`` tokens with the defaults of their day (an empty policy) or today's (every knob as
+  ``defaults`` has it), in file order: [(index, seconds to first token, chunk, row)]."""
+  out = []
+  for i, r in enumerate(rows):
+    if r.get("geometry", "tp4-rank") != "tp4-rank" or r.get("prompt") != prompt or r.get("ms") is None:
+      continue
+    pol = r.get("policy") or {}
+    if any(defaults.get(k) != v for k, v in pol.items()):
+      continue
+    out.append((i, float(r["ms"]) / 1e3, int(r["chunk"]), r))
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("jsonl", nargs="+", help="bench_prefill.py result rows")
+  p.add_argument("-o", "--out", default=None, help="write the plot here (PNG); without it only the table")
+  a = p.parse_args(argv)
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
+  rows = load_rows(a.jsonl)
+  prompts = sorted({r["prompt"] for r in rows if r.get("prompt")})
+  series = {n: default_rows(rows, n, KERNEL_DEFAULTS) for n in prompts}
+  series = {n: s for n, s in series.items() if s}
+  if not series:
+    raise SystemExit("plot_prefill: no row with the defaults of its day in " + ", ".join(a.jsonl))
+  print("| prompt | row | date | run | chunk | layers | s to first token | best so far |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+  for n, s in series.items():
+    best = float("inf")
+    for i, sec, chunk, r in s:
+      best = min(best, sec)
+      print(f"| {n:,} | {i} | {r.get('date', '')} | {r.get('run', '')} | {chunk} | {r.get('layers', '')} | "
+            f"{sec:.3f} | {best:.3f} |")
+  if not a.out:
+    return
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  chunks = sorted({c for s in series.values() for _, _, c, _ in s})
+  colours = dict(zip(chunks, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+  fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 4.2), squeeze=False)
+  for ax, (n, s) in zip(axes[0], series.items()):
+    xs = list(range(len(s)))
+    best, steps = float("inf"), []
+    for _, sec, _, _ in s:
+      best = min(best, sec)
+      steps.append(best)
+    ax.step(xs, steps, where="post", color="0.4", lw=1.2, label="best so far")
+    for c in chunks:
+      pts = [(x, sec) for x, (_, sec, cc, _) in zip(xs, s) if cc == c]
+      if pts:
+        ax.scatter(*zip(*pts), color=colours[c], s=28, zorder=3, label=f"{c}-token chunks")
+    dates = [r.get("date", "") for _, _, _, r in s]
+    ticks = [x for x in xs if x == 0 or dates[x] != dates[x - 1]]
+    ax.set_xticks(ticks, [dates[x][5:] for x in ticks], rotation=45, fontsize=8)
+    ax.set_title(f"{n:,}-token prompt")
+    ax.set_ylabel("s to first token")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  layers = sorted({r.get("layers") for s in series.values() for *_, r in s} - {None})
+  devices = sorted({r.get("device", "") for s in series.values() for *_, r in s} - {""})
+  fig.suptitle(f"Prefill of one TP4 rank's first {'/'.join(map(str, layers))} layers, B = 1 ({', '.join(devices)}): "
+               "the defaults of each day", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(a.out, dpi=110)
+  print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+  main()
