@@ -314,8 +314,8 @@ def compile_options(backend: str, platform: str, given: dict | None, *, loop: bo
 # cost — its ~3,400 XLA launches at one TP4 rank and the prefill MoE streaming every expert once — so larger chunks
 # pay it fewer times: one TP4 rank's first 32 layers on an H100 (session 76, s76b) took 0.914 / 6.52 s to the first
 # token of a 4K / 32K prompt in 256-token chunks and 0.634 / 4.53 s in 512-token ones (the first call's compile ~70
-# s either way); 1,024-token chunks compiled for over 300 s there (XLA's GEMM autotuning; untuned they ran slower
-# than 4 x 256, session 65).
+# s either way); 1,024-token chunks compiled for over 300 s there (XLA's "very slow compile" alarm on an
+# input_concatenate_fusion; compiled untuned they ran slower than 4 x 256, session 65).
 PREFILL_CHUNK = 512
 
 
