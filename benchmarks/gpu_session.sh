@@ -114,6 +114,7 @@
 #   s76c (either; H100: LAYERS=32; ~200 s): the prefill's sparse MLA in the step's forms (a chunk keeps the form
 #                             knobs since session 76: lean, scales after the MMAs) — their GPU test at 256 rows, then
 #                             a 4K prompt (PROMPTS) in 512-token chunks: the defaults vs the plain form (s76b's)
+#                             (+ POLICY, POLICY2: e.g. '{"mla_group_arrival": true}', '{"mla_dequant_warpgroups": true}')
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -426,7 +427,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
     timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
       --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096} --policy '{}' \
-      '{"lean_barriers": false, "mla_scales_after": false}' ${POLICY:+"$POLICY"} 2>&1 | keep 6
+      '{"lean_barriers": false, "mla_scales_after": false}' ${POLICY:+"$POLICY"} ${POLICY2:+"$POLICY2"} 2>&1 | keep 7
     ;;
   s72b)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \
