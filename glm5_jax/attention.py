@@ -542,6 +542,24 @@ class Indexer(nnx.Module):
                                    threshold_warpgroups=wgs, threshold_exit=ex)
         vals = jnp.take_along_axis(masked, js, axis=-1)
       else:
+        # topk_prefill (a prefill chunk's rows, past the decode selection's 64): the fused one-launch selection
+        # (topk_compact: the threshold's passes in every CTA of a row) on XLA's scores padded with -inf to its
+        # lanes — or its two stages past its keys — instead of XLA's segmented sort of every row
+        Pp = -(-P // ki.THRESHOLD_LANES) * ki.THRESHOLD_LANES
+        two_stage = not thr_fits and ki.chunked_select_plan(Pp, kk) is not None
+        from pallas_kernels._common import interpreting  # noqa: PLC0415
+        if kernel_enabled("topk_prefill", fits=list_fits and (thr_fits or two_stage),
+                          why=f"k = {kk} < {ki.SELECT_MAX_K} with {kp} · k a multiple of 64, at most 4,096 positions "
+                          f"after the pools' (here {wp - kp * kk}) and {P} pools a row within the two stages' reach",
+                          prefer=not interpreting(),
+                          prefer_why="GPU interpret mode: seconds a call (the policy can ask for it)"):
+          sp = jnp.pad(masked.reshape(R, P), ((0, 0), (0, Pp - P)), constant_values=-jnp.inf)
+          ts, pr = (n_complete * kp).reshape(R).astype(jnp.int32), pos.reshape(R).astype(jnp.int32)
+          kw = dict(k=kk, kpool=kp, n_tail=n_tail, width=wp, lean=kernel_enabled("lean_barriers"),
+                    **({"mma": "tcgen05"} if has_tcgen05(kernel_arch()) else {}))
+          idx, js = (ki.topk_compact(sp, None, None, ts, pr, **kw) if thr_fits
+                     else ki.topk_compact_chunked(sp, ts, pr, **kw))
+          return idx.reshape(*pos.shape, wp), js.reshape(*pos.shape, kk)
         vals, js = lax.top_k(masked, kk)
       js = jnp.where(jnp.isfinite(vals), js, -1).astype(jnp.int32)
       tail_start = n_complete * kp

@@ -719,11 +719,19 @@ KNOBS = {
         "PREFILL_FORM_KNOBS: lean, the scales after the MMAs) a 4K prompt in 512-token chunks 0.617 -> 0.597 s "
         "(s76c). On by default where the kernels run natively; in GPU interpret mode only when the policy asks for "
         "it"),
+    "topk_prefill": (False,
+        "the indexer's top-512 pools of a prefill chunk's rows (and of a decode step past the decode selection's 64) "
+        "as the fused one-launch selection (pallas_kernels.indexer.topk_compact: a grid of ~5 CTAs a row, each "
+        "running the threshold's passes and writing its selected pools' token positions; its two stages past 64K "
+        "context) on XLA's scores padded with -inf, instead of XLA's segmented radix sort of every row (~0.16 ms a "
+        "DSA layer at 256 rows in session 76's H100 prefill trace). The set lax.top_k selects, in ascending order "
+        "(XLA's list is in score order: the attention sums its rows in another order). CPU-built (session 76): "
+        "the model's selection in GPU interpret mode, the form's CUDA lowering; off until measured"),
 }
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
-PREFILL_KNOBS = ("moe_prefill", "mla_prefill")
+PREFILL_KNOBS = ("moe_prefill", "mla_prefill", "topk_prefill")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",
@@ -830,6 +838,7 @@ WGMMA_KNOBS = {
     "topk_compact_kernel": "the selection's compaction (its prefix counts)",
     "moe_prefill": "the prefill MoE's grouped GEMMs",
     "mla_prefill": "the sparse MLA attention at many token rows",
+    "topk_prefill": "the selection's compaction at many token rows (its prefix counts)",
 }
 WGMMA_REASON = ("needs Hopper's wgmma (sm_90a), which {arch} does not have (Blackwell's tcgen05 MMA: no form of "
                 "this kernel that runs there yet)")
@@ -849,6 +858,7 @@ TCGEN05_KNOBS = {
                   "at a time)",
     "mla_uv_kernel": "W_UV (128 rows of W_UV a CTA)",
     "mla_prefill": "the sparse MLA attention at many token rows (sparse_mla's tcgen05 form)",
+    "topk_prefill": "the selection's compaction at many token rows (topk_compact's tcgen05 form)",
 }
 
 

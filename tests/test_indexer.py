@@ -913,6 +913,60 @@ def test_compact_kernel_at_the_model_site(native, P, extra_tail, keys, fused):
   check_list_at_width(outs, 100)
 
 
+def test_prefill_selection_lowers_for_cuda():
+  """topk_prefill's form at one TP4 rank's prefill chunk: 512 score rows of a 32K context's 8,256 pools (padded to
+  8,320), k = 512 pools of 4, the fused one-launch compaction in its lean build — lowers for CUDA."""
+  args = (jax.ShapeDtypeStruct((512, 8320), jnp.float32), jax.ShapeDtypeStruct((512,), jnp.int32),
+          jax.ShapeDtypeStruct((512,), jnp.int32))
+  txt = cross_lower(lambda s, t, p: I.topk_compact(s, None, None, t, p, k=512, kpool=4, n_tail=3, width=2112,
+                                                   lean=True), *args).as_text()
+  assert "glm5_topk_compact" in txt
+
+
+@pytest.mark.parametrize("two_stage", [False, True])
+def test_prefill_selection_at_the_model_site(two_stage, monkeypatch):
+  """Policy knob topk_prefill at the model's call site as a prefill chunk runs it (every decode kernel off, their
+  form knobs kept): kernel-tiny's indexer over an FP8 cache of 320 pools (1,200 with the kernel's row limit lowered
+  to 256 keys: its two stages), three score rows — XLA's scores, then the fused compaction instead of lax.top_k —
+  select the same pools and token positions in every row (XLA's list in score order, the kernel's ascending, -1
+  padded to 64), and the site is reported; in GPU interpret mode only where the policy asks."""
+  from flax import nnx  # noqa: PLC0415
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.attention import Indexer  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS, PREFILL_FORM_KNOBS, kernel_report, use_kernels  # noqa: PLC0415
+  if two_stage:
+    monkeypatch.setattr(I, "THRESHOLD_MAX_KEYS", 256)
+  P = 1200 if two_stage else 320
+  cfg = C.kernel_tiny()
+  rng = np.random.default_rng()
+  pos = jnp.asarray([[4 * P - 300, 4 * P - 299, 4 * P - 5]], jnp.int32)
+  B, T = pos.shape
+  ix = nnx.eval_shape(lambda: Indexer(cfg, jnp.bfloat16))
+  ix.wq_b.weight.set_value(jnp.asarray(rng.standard_normal(ix.wq_b.weight.shape) * 0.05, jnp.bfloat16))
+  q_r = jnp.asarray(rng.standard_normal((B, T, cfg.q_lora_rank)), jnp.bfloat16)
+  hw = jnp.asarray(rng.standard_normal((B, T, cfg.index_n_heads)), jnp.bfloat16)
+  k8, ks = I.quant_ue8m0_fp8(I.hadamard128(jnp.asarray(rng.standard_normal((B, P, cfg.index_head_dim)), jnp.float32)))
+  icache = {"pool8": k8, "pool_scale": ks}
+
+  def run(hw, q_r):
+    sc, raw = ix.scores(hw, q_r, icache, pos, jnp.bfloat16, padded=True)
+    return ix.select(sc, pos, raw=raw)
+
+  off = {k: False for k in KERNEL_DEFAULTS if k not in PREFILL_FORM_KNOBS}
+  outs = []
+  for on in (False, True):
+    with maybe_interpret(True), use_kernels({**off, "topk_prefill": on}), kernel_report() as rep:
+      outs.append([np.asarray(a) for a in jax.jit(lambda *a: run(*a))(hw, q_r)])  # (a new trace per policy)
+    assert (("topk_prefill", None) in rep) == on, rep
+  (idx0, js0), (idx1, js1) = outs
+  assert idx1.shape[-1] == -(-idx0.shape[-1] // 64) * 64 and js1.shape == js0.shape
+  for r in range(T):
+    assert (np.diff(js1[0, r][js1[0, r] >= 0]) > 0).all()  # (ascending)
+    np.testing.assert_array_equal(np.sort(js1[0, r]), np.sort(js0[0, r]))
+    np.testing.assert_array_equal(np.sort(idx1[0, r][idx1[0, r] >= 0]), np.sort(idx0[0, r][idx0[0, r] >= 0]))
+  assert (js0 >= 0).sum() == T * ix.top_pools  # (every row past its top pools' complete ones: a real selection)
+
+
 @pytest.mark.parametrize("native,extra_tail,bits", [(False, 0, 1), (False, 2, 2),
                                                     pytest.param(True, 0, 1, marks=pytest.mark.gpu)])
 def test_two_stage_selection_at_the_model_site(native, extra_tail, bits, monkeypatch):
