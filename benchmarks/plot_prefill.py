@@ -13,15 +13,13 @@ each length's rows.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def load_rows(paths):
-  return [json.loads(line) for p in paths for line in open(p) if line.strip()]
+from plot_history import load_rows  # noqa: E402  (the result rows of a JSONL file or several)
 
 
 def default_rows(rows, prompt: int, defaults: dict):

@@ -61,6 +61,30 @@ def extend_chunks(model, tokens, chunks, *, max_context=64, bucket=16):
   return np.concatenate(rows), cache
 
 
+def target_hidden_in_chunks(dec, model, tokens, n: int, chunk: int, mode):
+  """The target's chunk program (Decoder.prefill's first half) over the first ``n`` of ``tokens`` [1, >= n] in
+  ``chunk``-row chunks from empty caches, under ``mode`` (a kernel-mode context: the Decoder's kernel_mode() or
+  prefill_kernel_mode()) -> (the trunk's hidden states [1, n, D] f32, the kernel report of the traced chunks)."""
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from glm5_jax import state as st  # noqa: PLC0415
+  from glm5_jax.layers import kernel_report  # noqa: PLC0415
+  from glm5_jax.speculative import _prefill_target_fn  # noqa: PLC0415
+  caches = st.init_caches(dec.layout(1), model.mesh)
+  fn = _prefill_target_fn(dec, 1, chunk)
+  start, h = 0, []
+  with mode, kernel_report() as rep:
+    while start < n:
+      valid = min(chunk, n - start)
+      part = np.zeros((1, chunk), np.int32)
+      part[:, :valid] = tokens[:, start:start + valid]
+      caches, hc = fn(model.params, caches, jnp.asarray(part), jnp.full((1,), start, jnp.int32),
+                      jnp.full((1,), valid, jnp.int32))
+      h.append(np.asarray(hc, np.float32)[:, :valid])
+      start += valid
+  return np.concatenate(h, axis=1), rep
+
+
 def greedy_reference(model, prompt, n, *, max_context=128, bucket=16):
   """The reference model's greedy continuation through the cached path (prefill, then one token at a time)."""
   lg, cache = extend_chunks(model, prompt, [len(prompt)], max_context=max_context, bucket=bucket)

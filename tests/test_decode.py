@@ -15,7 +15,7 @@ from conftest import tol
 from glm5_jax.layers import KERNEL_DEFAULTS, REMOVED_KNOBS
 from glm5_jax.speculative import Decoder, decode, warmup_all
 from glm5_jax.runtime import DecodeConfig
-from helpers import extend_chunks, greedy_reference, load, tiny_checkpoint
+from helpers import extend_chunks, greedy_reference, load, target_hidden_in_chunks, tiny_checkpoint
 
 # A small geometry (4 layers: KDA, KDA, KDA, DSA; dense, MoE, MoE, MoE) with sparse selection from position 8.
 MICRO = dict(num_hidden_layers=4, mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_topk=8)
@@ -521,15 +521,11 @@ def test_mla_absorb_kernels_equal_xla():
   prompt in two 8-row chunks (the second attends to the first's FP8 latents) — the trunk's hidden states within
   bf16 rounding (the sums run in another order: comparing greedy tokens would flip on near-ties), each knob
   reported at the DSA layer. (The step's own verify runs them too: tests/test_step_lowering.py lowers it.)"""
-  from glm5_jax import state as st  # noqa: PLC0415
-  from glm5_jax.layers import kernel_report  # noqa: PLC0415
-  from glm5_jax.speculative import _prefill_target_fn  # noqa: PLC0415
   # Every expert routed (4 of 4): the DSA layer is the last one, so its MoE's top-k was the only discrete decision
   # downstream of W_UV — with 4 of 16 routed, one near-tie in 13 tokens flipped an expert in ~1 CI run of 20.
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8", n_routed_experts=4), "bfloat16")
   assert m.cfg.num_experts_per_tok == m.cfg.n_routed_experts and m.cfg.layer_types[-1] != "linear_attention"
-  toks = np.zeros((1, 16), np.int32)
-  toks[0, :13] = np.random.default_rng().integers(0, 2000, 13)
+  toks = np.random.default_rng().integers(0, 2000, (1, 13)).astype(np.int32)
   hs = {}
   knobs = ("mla_uv_kernel", "mla_uk_kernel")
   for on in (None, *knobs):  # (XLA for both, then each knob alone)
@@ -538,20 +534,10 @@ def test_mla_absorb_kernels_equal_xla():
            *((k, k == on) for k in knobs), ("kv_cache_dtype", "fp8"), *XLA_SELECTION)
     dec = Decoder(m, DecodeConfig(max_context=64, q=3, capture_sizes=(1,), policy=pol), backend="latency_specialized",
                   prefill_chunk=8)
-    caches = st.init_caches(dec.layout(1), m.mesh)
-    assert "latent8" in caches["layers"][3]
-    fn = _prefill_target_fn(dec, 1, 8)
-    start, h = 0, []
-    with dec.kernel_mode(), kernel_report() as rep:
-      for c in range(2):
-        valid = min(8, 13 - start)
-        caches, hc = fn(m.params, caches, jnp.asarray(toks[:, 8 * c:8 * c + 8]), jnp.full((1,), start, jnp.int32),
-                        jnp.full((1,), valid, jnp.int32))
-        h.append(np.asarray(hc, np.float32)[:, :valid])
-        start += valid
+    assert dec.kv_fp8
+    hs[on], rep = target_hidden_in_chunks(dec, m, toks, 13, 8, dec.kernel_mode())
     for k in knobs:
       assert ((k, None) if k == on else (k, "off in the policy")) in rep, (on, rep)
-    hs[on] = np.concatenate(h, axis=1)
   for k in knobs:
     np.testing.assert_allclose(hs[k], hs[None], **tol("kernel_bf16"))
     assert np.linalg.norm(hs[k] - hs[None]) <= 1e-2 * np.linalg.norm(hs[None])

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tol
-from helpers import barrier_counts, load, tiny_checkpoint
+from helpers import barrier_counts, load, target_hidden_in_chunks, tiny_checkpoint
 
 from glm5_jax.layers import KERNEL_DEFAULTS, PREFILL_FORM_KNOBS
 from glm5_jax.runtime import DecodeConfig
@@ -307,13 +307,9 @@ def test_prefill_attention_kernel_at_the_model_site():
   to the first's FP8 latents) — the trunk's hidden states within bf16 rounding; then Decoder.prefill with the knob
   on reports its site in the chunk. Every expert routed (4 of 4): the DSA layer is the last one, and its MoE's
   top-k would be the only discrete decision downstream of the attention (test_decode's W_UV test says why)."""
-  from glm5_jax import state as st  # noqa: PLC0415
-  from glm5_jax.layers import kernel_report  # noqa: PLC0415
-  from glm5_jax.speculative import _prefill_target_fn  # noqa: PLC0415
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8", n_routed_experts=4), "bfloat16")
   assert m.cfg.layer_types[-1] != "linear_attention"
-  toks = np.zeros((1, 16), np.int32)
-  toks[0, :13] = np.random.default_rng().integers(0, 2000, 13)
+  toks = np.random.default_rng().integers(0, 2000, (1, 13)).astype(np.int32)
   hs = {}
   for on in (False, True):
     # (every decode kernel off — a chunk's policy turns them off anyway — but the knobs of the kernel's forms,
@@ -322,24 +318,13 @@ def test_prefill_attention_kernel_at_the_model_site():
     pol = tuple(sorted({**off, "mla_prefill": on, "kv_cache_dtype": "fp8"}.items()))
     dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=pol), backend="latency_specialized",
                   prefill_chunk=8)
-    caches = st.init_caches(dec.layout(1), m.mesh)
-    assert "latent8" in caches["layers"][3]
-    fn = _prefill_target_fn(dec, 1, 8)
-    start, h = 0, []
-    with dec.prefill_kernel_mode(), kernel_report() as rep:
-      for c in range(2):
-        valid = min(8, 13 - start)
-        caches, hc = fn(m.params, caches, jnp.asarray(toks[:, 8 * c:8 * c + 8]), jnp.full((1,), start, jnp.int32),
-                        jnp.full((1,), valid, jnp.int32))
-        h.append(np.asarray(hc, np.float32)[:, :valid])
-        start += valid
+    hs[on], rep = target_hidden_in_chunks(dec, m, toks, 13, 8, dec.prefill_kernel_mode())
     assert (("mla_prefill", None) in rep) == on, rep
     if on:  # (the forms the step's defaults take)
       assert {("lean_barriers", None), ("mla_scales_after", None)} <= set(rep), rep
-    hs[on] = np.concatenate(h, axis=1)
   np.testing.assert_allclose(hs[True], hs[False], **tol("kernel_bf16"))
   assert np.linalg.norm(hs[True] - hs[False]) <= 1e-2 * np.linalg.norm(hs[False])
-  dec.prefill([toks[0, :13]])  # (the last policy's: the knob on)
+  dec.prefill([toks[0]])  # (the last policy's: the knob on)
   assert dec.prefill_sites["mla_prefill"]["sites"] > 0
 
 
