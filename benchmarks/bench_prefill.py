@@ -174,7 +174,36 @@ def trace_prefill(dec, prompt, chunks: int, events_path: str, top: int = 24) -> 
         flush=True)
   print("#   trace, kernel families by wall share (µs a chunk, launches a chunk): " + ", ".join(
       f"{k} {v:.0f} ({c:.0f})" for k, (v, c) in out["top_us_per_chunk"].items()), flush=True)
+  # by component: the kernels named after the target chunk program's instructions (the MTP pass's, the first
+  # token's and library kernels — cuBLAS, CUB — match none: "unmatched")
+  t = time.perf_counter()
+  kmap = profiling.kernel_map(chunk_program_hlo(dec, 1, min(dec.prefill_chunk, 1 << (len(prompt) - 1).bit_length())))
+  per, _, unmatched = profiling.split([(n, (e - s) / 1e6) for n, s, e, _ in ev], kmap, chunks)
+  per["other"] = per.get("other", 0.0) - sum(unmatched.values())  # (split files the unmatched under "other")
+  per["unmatched"] = sum(unmatched.values())
+  out["components_us_per_chunk"] = {k: round(v, 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
+  out["unmatched_top"] = {k: round(v, 1) for k, v in collections.Counter(unmatched).most_common(8)}
+  print(f"#   trace by component (kernel time, µs a chunk; the chunk program's HLO in "
+        f"{time.perf_counter() - t:.1f} s): " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                         out["components_us_per_chunk"].items()), flush=True)
+  print("#   unmatched kernels (µs a chunk): " + ", ".join(f"{k[:60]} {v:.0f}" for k, v in
+                                                           out["unmatched_top"].items()), flush=True)
   return out
+
+
+def chunk_program_hlo(dec, B: int, T: int) -> str:
+  """The compiled text of the decoder's target chunk program of B x T tokens — the executable its prefill ran: the
+  arguments are built as Decoder.prefill builds them (same shapes, dtypes and shardings), so jax's caches return
+  the compiled program rather than compiling it again."""
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+
+  from glm5_jax import state as st  # noqa: PLC0415
+  from glm5_jax.speculative import REP, _prefill_target_fn  # noqa: PLC0415
+  put = lambda x: jax.device_put(x, NamedSharding(dec.model.mesh, REP))
+  args = (dec.model.params, st.init_caches(dec.layout(B), dec.model.mesh), put(np.zeros((B, T), np.int32)),
+          put(np.zeros(B, np.int32)), put(np.full(B, T, np.int32)))
+  with dec.prefill_kernel_mode():
+    return _prefill_target_fn(dec, B, T).lower(*args).compile().as_text()
 
 
 if __name__ == "__main__":

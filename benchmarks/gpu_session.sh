@@ -115,6 +115,10 @@
 #                             knobs since session 76: lean, scales after the MMAs) — their GPU test at 256 rows, then
 #                             a 4K prompt (PROMPTS) in 512-token chunks: the defaults vs the plain form (s76b's)
 #                             (+ POLICY, POLICY2: e.g. '{"mla_group_arrival": true}', '{"mla_dequant_warpgroups": true}')
+#   s77a (either; H100: LAYERS=32; ~450 s): a 4K prompt (PROMPTS) in 512-token chunks, traced and split by component
+#                             (bench_prefill --trace: the chunk program's kernels by the model's components): the
+#                             defaults vs topk_prefill (+ POLICY), then 768-token chunks (CHUNKS2) where the budget
+#                             allows, a process each
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -130,8 +134,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -428,6 +432,18 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
       --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096} --policy '{}' \
       '{"lean_barriers": false, "mla_scales_after": false}' ${POLICY:+"$POLICY"} ${POLICY2:+"$POLICY2"} 2>&1 | keep 7
+    ;;
+  s77a)  # (either; H100: LAYERS=32) see the header
+    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
+    pl="--geometry tp4-rank --layers ${LAYERS:-32} --repeats 2 --out $OUT/prefill.jsonl --prompt ${PROMPTS:-4096}"
+    timeout $(( $(left) - 10 )) python3 benchmarks/bench_prefill.py $pl --chunk 512 --trace "$OUT/trace" \
+      --policy '{}' '{"topk_prefill": true}' ${POLICY:+"$POLICY"} 2>&1 | keep 16 >> "$OUT/bench_prefill.log"
+    for c in ${CHUNKS2:-768}; do
+      [ "$(left)" -gt 150 ] || break
+      timeout $(( $(left) - 10 )) python3 benchmarks/bench_prefill.py $pl --chunk "$c" 2>&1 | keep 6 \
+        >> "$OUT/bench_prefill.log"
+    done
+    cat "$OUT/bench_prefill.log"
     ;;
   s72b)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \

@@ -81,6 +81,8 @@ def main(argv=None):
   p.add_argument("--geometry", default="tp4-rank", choices=["tp4-rank", "kernel-tiny"])
   p.add_argument("--q", type=int, nargs="+", default=[1])
   p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--layers", type=int, default=None, help="keep the first N layers (tp4-rank; as bench_prefill's and "
+                 "bench_decode's --layers: the program an H100 runs)")
   p.add_argument("--steps-per-call", type=int, default=4, help="as bench_decode --steps-per-call (the loop body is "
                  "counted once: a step's kernels)")
   p.add_argument("--backend", default="latency_specialized", choices=["latency_specialized", "auto"])
@@ -112,7 +114,8 @@ def main(argv=None):
   from glm5_jax.speculative import Decoder  # noqa: PLC0415
   from glm5_jax.synthetic import abstract_model, tp_rank_config  # noqa: PLC0415
 
-  cfg = {"kernel-tiny": C.kernel_tiny, "tp4-rank": lambda: tp_rank_config(C.real(), 4)}[a.geometry]()
+  cfg = {"kernel-tiny": C.kernel_tiny, "tp4-rank": lambda: tp_rank_config(
+      C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real(), 4)}[a.geometry]()
   model, params = abstract_model(cfg, mesh=shd.make_mesh(1, devices=devices))
   pack = pp.DEFAULT_BYTES if a.pack_params is None else a.pack_params
   print(f"# {a.geometry}: compiled for {devices[0].device_kind} (compile-only, {os.path.relpath(a.target, ROOT)}); "
