@@ -7,8 +7,8 @@ What a prefill is: the prompt through the target in chunks of --chunk tokens (on
 the first token, then the MTP layer over the prompt and the first k drafts (q = 1 + k). Geometries as in
 bench_decode.py: ``tp4-rank`` — one TP4 rank's share of GLM-5.3-Flash on ONE GPU (~82 GB of random weights, FP8
 where the release is FP8; no all-reduces), ``kernel-tiny`` for a CPU smoke run. Each configuration prefills a
-warm-up prompt of one chunk first (compiling the chunk programs), then --repeats random prompts (fresh caches each:
-a prefill starts from none); the median is reported.
+warm-up prompt of one chunk first (compiling the chunk programs) and one untimed prompt of the full length, then
+--repeats random prompts (fresh caches each: a prefill starts from none); the median is reported.
 
 The floor of a chunk: every parameter read once (the chunk's M·k routed pairs touch ~every expert at M >= 256:
 ~1.9 GB of experts per MoE layer of one rank) at 4.3 TB/s, or its FLOPs (2 per active parameter per token: the
@@ -108,6 +108,9 @@ def main(argv=None):
           t = time.time()  # (the chunk programs compiled by a one-chunk prompt, the first time: n's programs)
           jax.block_until_ready(dec.prefill([rng.integers(1, cfg.vocab_size - 1, min(n, chunk))]).next_tokens)
           first_s = time.time() - t
+          # one untimed prompt of the full length: each configuration's first timed prefill ran 20-45 % slower
+          # than the next (sessions 76-77, an H100: 809 vs 556 ms at 4K) — the clocks and the allocator settle
+          jax.block_until_ready(dec.prefill([rng.integers(1, cfg.vocab_size - 1, n)]).next_tokens)
           times = []
           for _ in range(a.repeats):
             prompt = rng.integers(1, cfg.vocab_size - 1, n)

@@ -719,6 +719,15 @@ KNOBS = {
         "PREFILL_FORM_KNOBS: lean, the scales after the MMAs) a 4K prompt in 512-token chunks 0.617 -> 0.597 s "
         "(s76c). On by default where the kernels run natively; in GPU interpret mode only when the policy asks for "
         "it"),
+    "mhc_prefill": (True,
+        "the mHC sites XLA runs — a prefill chunk's (and a decode step's where the fused boundary does not run) — "
+        "in two passes over the streams: the input norm's per-row scale applied to the 24 mixing logits after "
+        "their product (norm(X) · fnᵀ as rsqrt · (X · fnᵀ)), and the post mixing's 4-term sums written out, "
+        "which XLA fuses with the rounding to bf16 and the next site's sum of squares. The reference's order (the "
+        "stock path: HF's) writes the normalised f32 streams and reads them back, and runs the 4 x 4 mixing as a "
+        "GEMM writing f32 streams for the next fusion: in session 77's H100 trace of a 512-token chunk (one TP4 "
+        "rank's first 32 layers) 4.2 of the chunk's 5.6 ms of mHC kernels (a 16.8 MB bf16 stream set a site). "
+        "The same sums rounded in another order (within the fp32 paths' tolerance of the reference's)"),
     "topk_prefill": (False,
         "the indexer's top-512 pools of a prefill chunk's rows (and of a decode step past the decode selection's 64) "
         "as the fused one-launch selection (pallas_kernels.indexer.topk_compact: a grid of ~5 CTAs a row, each "
@@ -731,7 +740,7 @@ KNOBS = {
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
-PREFILL_KNOBS = ("moe_prefill", "mla_prefill", "topk_prefill")
+PREFILL_KNOBS = ("moe_prefill", "mla_prefill", "topk_prefill", "mhc_prefill")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",
@@ -1378,8 +1387,15 @@ class HyperConnection(nnx.Module):
   def pre(self, X):
     """X [B, T, N, D] -> (u [B, T, D] in X's dtype, post [B, T, N] f32, comb [B, T, N, N] f32)."""
     flat = X.reshape(*X.shape[:-2], -1).astype(jnp.float32)
-    flat = flat * lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + self.norm_eps)
-    m = jnp.einsum("...k,mk->...m", flat, self.fn[...].astype(jnp.float32), precision=HIGHEST)
+    if kernel_enabled("mhc_prefill"):
+      # the input norm's per-row scale after the product (the same sum, rounded once more): the normalised f32
+      # streams are never written — as norm(X) · fnᵀ XLA wrote and read them back at every site (2 x 33.5 MB of
+      # f32 for a 512-token chunk's 16.8 MB of bf16 streams, session 77)
+      rinv = lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + self.norm_eps)
+      m = jnp.einsum("...k,mk->...m", flat, self.fn[...].astype(jnp.float32), precision=HIGHEST) * rinv
+    else:  # (the reference's order: HF's normalised streams, then the projection)
+      flat = flat * lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + self.norm_eps)
+      m = jnp.einsum("...k,mk->...m", flat, self.fn[...].astype(jnp.float32), precision=HIGHEST)
     pre, post, c = self.mix(m)
     u = jnp.einsum("...n,...nd->...d", pre, X.astype(jnp.float32), precision=HIGHEST)
     return u.astype(X.dtype), post, c
@@ -1387,8 +1403,16 @@ class HyperConnection(nnx.Module):
   @staticmethod
   def post(X, y, post, comb):
     """X'_m = post_m · y + Σ_n comb[n, m] · X_n, rounded once to X's dtype."""
-    out = post[..., :, None] * y[..., None, :].astype(jnp.float32) + jnp.einsum(
-        "...nm,...nd->...md", comb, X.astype(jnp.float32), precision=HIGHEST)
+    if kernel_switch("mhc_prefill"):  # (pre's kernel_enabled decided it: no condition but the policy's)
+      # the 4-term sums written out: one elementwise pass that XLA fuses with the rounding and the next site's sum
+      # of squares — the einsum below is a GEMM writing the f32 streams for that fusion to read back
+      N = X.shape[-2]
+      Xf, yf = X.astype(jnp.float32), y.astype(jnp.float32)
+      out = jnp.stack([post[..., m, None] * yf + sum(comb[..., n, m, None] * Xf[..., n, :] for n in range(N))
+                       for m in range(N)], axis=-2)
+    else:
+      out = post[..., :, None] * y[..., None, :].astype(jnp.float32) + jnp.einsum(
+          "...nm,...nd->...md", comb, X.astype(jnp.float32), precision=HIGHEST)
     return out.astype(X.dtype)
 
   # -------------------------------------------------------------- fused boundary (pallas_kernels/mhc.py)

@@ -592,7 +592,8 @@ class Decoder:
 
   def prefill_kernel_mode(self, interpret: bool | None = None):
     """The kernels a prefill chunk runs (latency_specialized): only those built for many token rows
-    (layers.PREFILL_KNOBS: the prefill MoE and DSA's attention, policy knobs moe_prefill and mla_prefill) — on a
+    (layers.PREFILL_KNOBS: the prefill MoE, DSA's attention and selection, the mHC sites' two-pass XLA form —
+    policy knobs moe_prefill, mla_prefill, topk_prefill, mhc_prefill) — on a
     GPU by default, elsewhere (GPU interpret mode) where the policy asks for them; the decode kernels stay off
     there, the knobs that only choose their forms (layers.PREFILL_FORM_KNOBS) keep the policy's values. The stock
     backend: none.

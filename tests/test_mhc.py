@@ -579,6 +579,51 @@ def test_fused_boundary_equals_stock(M, first, finish_kernel):
   assert np.mean(f32(xin) != f32(xin_ref)) < 0.05
 
 
+@pytest.mark.parametrize("M", [1, 70])
+def test_prefill_form_equals_reference(M):
+  """Policy knob mhc_prefill (the XLA sites' two-pass form: the norm's scale after the logits' product, the post
+  mixing's sums written out) against the reference's order, in f32 at one site: the same streams, logits-derived
+  pre / post / comb and sublayer input within the fp32 paths' tolerance; the post mixing is no product in its
+  lowering (the reference's einsum is the GEMM that wrote f32 streams between two fusions)."""
+  D = 256
+  hc, _ = _site(D, M)
+  X, y, mix, _, _, _ = _inputs(M, D, M + 7)
+  post, comb = HyperConnection.unpack(mix, (M,))
+  Xs, y = X.reshape(M, 4, D).astype(jnp.float32), y.astype(jnp.float32)
+  out, text = {}, {}
+  for on in (False, True):  # (a fresh function each: jax's trace cache does not see the policy)
+    with use_kernels({"mhc_prefill": on}), kernel_report() as rep:
+      out[on] = jax.jit(lambda Xs, y: hc.pre(HyperConnection.post(Xs, y, post, comb)))(Xs, y)
+      text[on] = jax.jit(lambda Xs, y: HyperConnection.post(Xs, y, post, comb)).lower(Xs, y).as_text()
+    assert (("mhc_prefill", None) in rep) == on, rep
+  for a, b in zip(out[True], out[False]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol("fp32_paths"))
+  assert "dot_general" in text[False] and "dot_general" not in text[True]
+
+
+def test_prefill_form_at_the_model_site():
+  """mhc_prefill at the model's sites: kernel-tiny in f32, the target's chunk program (every other knob off) over a
+  13-token prompt in two 8-row chunks — the trunk's hidden states within the fp32 paths' tolerance of the
+  reference's order; Decoder.prefill with the knob on reports its sites. Every expert routed (4 of 4) and fewer
+  positions than the indexer's top-k: no discrete decision a rounding difference could flip."""
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
+  from glm5_jax.runtime import DecodeConfig  # noqa: PLC0415
+  from glm5_jax.speculative import Decoder  # noqa: PLC0415
+  from helpers import target_hidden_in_chunks  # noqa: PLC0415
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8", n_routed_experts=4), "float32")
+  toks = np.random.default_rng().integers(0, 2000, (1, 13)).astype(np.int32)
+  hs = {}
+  for on in (False, True):
+    pol = tuple(sorted({**{k: False for k in KERNEL_DEFAULTS}, "mhc_prefill": on}.items()))
+    dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=pol), backend="latency_specialized",
+                  prefill_chunk=8)
+    hs[on], rep = target_hidden_in_chunks(dec, m, toks, 13, 8, dec.prefill_kernel_mode())
+    assert (("mhc_prefill", None) in rep) == on, rep
+  np.testing.assert_allclose(hs[True], hs[False], **tol("fp32_paths"))
+  dec.prefill([toks[0]])  # (the last policy's: the knob on)
+  assert dec.prefill_sites["mhc_prefill"]["sites"] == 2 * m.cfg.num_hidden_layers  # (the trunk's: two a layer)
+
+
 @pytest.mark.gpu
 def test_pdl_chain_gpu():
   """Programmatic Dependent Launch natively (pallas_kernels._common.pdl_mode, policy knob pdl): a chain of 12
