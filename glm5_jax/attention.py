@@ -439,6 +439,18 @@ class Indexer(nnx.Module):
                                   lean=kernel_enabled("lean_barriers"), **mma)
         sc = raw[..., :icache["pool8"].shape[1]]
         return (sc, raw) if padded else sc
+      from pallas_kernels._common import interpreting  # noqa: PLC0415
+      # indexer_prefill (a prefill chunk's rows, past the decode kernel's 64): the scores kernel over token groups
+      # of a few rows, each CTA rotating its own queries, instead of XLA's FP8 product, which writes every head's
+      # scores [B, T, HI, P] in f32 for the head sum to read back
+      if kernel_enabled("indexer_prefill", fits=q_raw.dtype == jnp.bfloat16 and (not mma or self.n_heads % 16 == 0),
+                        why=f"{q_raw.dtype} index queries with {self.n_heads} heads (the kernel rotates bf16 ones; "
+                        "its tcgen05 form takes a multiple of 16 heads)", prefer=not interpreting(),
+                        prefer_why="GPU interpret mode: seconds a call (the policy can ask for it)"):
+        raw = ki.indexer_scores_rows(q_raw, *args, padded=True, lean=kernel_enabled("lean_barriers"),
+                                     **mma)
+        sc = raw[..., :icache["pool8"].shape[1]]
+        return (sc, raw) if padded else sc
       sc = ki.indexer_scores_reference(*ki.quant_ue8m0_fp8(ki.hadamard128(qI)), *args)
       return (sc, None) if padded else sc
     # (records why the kernel does not run here)

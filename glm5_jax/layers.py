@@ -728,6 +728,16 @@ KNOBS = {
         "GEMM writing f32 streams for the next fusion: in session 77's H100 trace of a 512-token chunk (one TP4 "
         "rank's first 32 layers) 4.2 of the chunk's 5.6 ms of mHC kernels (a 16.8 MB bf16 stream set a site). "
         "The same sums rounded in another order (within the fp32 paths' tolerance of the reference's)"),
+    "indexer_prefill": (False,
+        "with an FP8 pooled-key cache: the indexer's scores of a prefill chunk's rows (and of a decode step's past "
+        "the decode kernel's 64) through the scores kernel in token groups (pallas_kernels.indexer."
+        "indexer_scores_rows: 4 tokens x the index heads a CTA, its queries rotated and quantised in the kernel, "
+        "the key blocks past its tokens' complete pools skipped) instead of XLA's FP8 product, which writes every "
+        "head's scores in f32 for the weighted head sum to read back ([512, 32, 8,256] f32, 541 MB, a DSA layer of "
+        "a 512-token chunk at a 32K cache) and scores every pool slot of the cache whatever the prompt's length "
+        "(session 77's H100 trace: ~4 ms of a 512-token chunk's kernels around the indexer's scores at a 4K "
+        "prompt). CPU-built (session 77): GPU interpret mode against the reference, the CUDA lowering at a chunk's "
+        "512 rows; off until measured"),
     "topk_prefill": (False,
         "the indexer's top-512 pools of a prefill chunk's rows (and of a decode step past the decode selection's 64) "
         "as the fused one-launch selection (pallas_kernels.indexer.topk_compact: a grid of ~5 CTAs a row, each "
@@ -740,7 +750,7 @@ KNOBS = {
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
-PREFILL_KNOBS = ("moe_prefill", "mla_prefill", "topk_prefill", "mhc_prefill")
+PREFILL_KNOBS = ("moe_prefill", "mla_prefill", "topk_prefill", "mhc_prefill", "indexer_prefill")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",
@@ -848,6 +858,7 @@ WGMMA_KNOBS = {
     "moe_prefill": "the prefill MoE's grouped GEMMs",
     "mla_prefill": "the sparse MLA attention at many token rows",
     "topk_prefill": "the selection's compaction at many token rows (its prefix counts)",
+    "indexer_prefill": "the indexer's scores at many token rows",
 }
 WGMMA_REASON = ("needs Hopper's wgmma (sm_90a), which {arch} does not have (Blackwell's tcgen05 MMA: no form of "
                 "this kernel that runs there yet)")
@@ -868,6 +879,8 @@ TCGEN05_KNOBS = {
     "mla_uv_kernel": "W_UV (128 rows of W_UV a CTA)",
     "mla_prefill": "the sparse MLA attention at many token rows (sparse_mla's tcgen05 form)",
     "topk_prefill": "the selection's compaction at many token rows (topk_compact's tcgen05 form)",
+    "indexer_prefill": "the indexer's scores at many token rows (the scores kernel's tcgen05 form, 16 heads a "
+                       "multiple)",
 }
 
 

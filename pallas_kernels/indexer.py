@@ -180,8 +180,11 @@ def _tc_scores(k_s, q_s, acc_t, mbar, t_s):
   return tmem_to_wgmma(acc, t_s)
 
 
-def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, tc05: bool = False):
-  """Kernel body: ``nbc`` blocks of 64 pooled keys per CTA (``tc05``: 128), T tokens x hi heads.
+def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, tc05: bool = False, groups: int = 1):
+  """Kernel body: ``nbc`` blocks of 64 pooled keys per CTA (``tc05``: 128), T tokens x hi heads. ``groups`` > 1
+  (``indexer_scores_rows``: a prefill chunk's rows): the query batch is the key batch's sequences x ``groups`` token
+  groups of T tokens each — CTA batch index b reads its queries, weights, n_valid and output rows at b and the keys
+  of sequence b // groups.
 
   GMEM refs: q_g [B, T * hi, 128] e4m3, wq_g [B, T, hi] f32 (w * q_scale), nv_g [B, T] int32,
   k8_g [B, Pp, 128] e4m3, ks_g [B, Pp] f32; out o_g [B, T, Pp] f32. ``rotate`` (``indexer_scores_q``): q_g is the
@@ -212,6 +215,7 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, tc05: bool 
       q_g, wq_g, nv_g, k8_g, ks_g, o_g, q_s, k_s, ks_s, o_s, bar, kbar = refs
     ch = lax.axis_index("c")
     b = lax.axis_index("b")
+    kb = b if groups == 1 else b // groups  # (the keys' sequence)
     j_base = ch * (nbc * bk)
     nv = [nv_g[b, t] for t in range(T)]
     nv_max = nv[0]
@@ -227,11 +231,11 @@ def _indexer_kernel(nbc: int, T: int, hi: int, rotate: bool = False, tc05: bool 
         for n in (bk, BLOCK):
           @pl.when((j0 + bk <= kp) == (n == bk))
           def _():
-            plgpu.copy_gmem_to_smem(k8_g.at[b, pl.ds(j0, n)], k_s.at[slot, pl.ds(0, n)], kbar.at[slot])
-            plgpu.copy_gmem_to_smem(ks_g.at[b, pl.ds(j0, n)], ks_s.at[slot, pl.ds(0, n)], kbar.at[slot])
+            plgpu.copy_gmem_to_smem(k8_g.at[kb, pl.ds(j0, n)], k_s.at[slot, pl.ds(0, n)], kbar.at[slot])
+            plgpu.copy_gmem_to_smem(ks_g.at[kb, pl.ds(j0, n)], ks_s.at[slot, pl.ds(0, n)], kbar.at[slot])
       else:
-        plgpu.copy_gmem_to_smem(k8_g.at[b, pl.ds(j0, bk)], k_s.at[slot], kbar.at[slot])
-        plgpu.copy_gmem_to_smem(ks_g.at[b, pl.ds(j0, bk)], ks_s.at[slot], kbar.at[slot])
+        plgpu.copy_gmem_to_smem(k8_g.at[kb, pl.ds(j0, bk)], k_s.at[slot], kbar.at[slot])
+        plgpu.copy_gmem_to_smem(ks_g.at[kb, pl.ds(j0, bk)], ks_s.at[slot], kbar.at[slot])
 
     if rotate:  # (rows past T * hi: the TMA's zero fill)
       plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(0, qb_s.shape[0])], qb_s, bar.at[0])
@@ -342,6 +346,42 @@ def indexer_scores_q(q, w, k8, k_scale, n_valid, *, blocks_per_cta: int | None =
                       align=align, lean=lean, tc05=tc05)
 
 
+ROWS_TOKENS = 4  # tokens a CTA of indexer_scores_rows scores (x 32 heads: 128 query rows, two rotation MMAs)
+
+
+@kernel_entry("tokens_per_cta", "blocks_per_cta", "padded", "align", "lean", "mma")
+def indexer_scores_rows(q, w, k8, k_scale, n_valid, *, tokens_per_cta: int = ROWS_TOKENS,
+                        blocks_per_cta: int | None = None, padded: bool = False, align: int = 64, lean: bool = False,
+                        mma: str = "wgmma"):
+  """``indexer_scores_q`` for any number of token rows (a prefill chunk's; same contract and reference,
+  ``indexer_scores_q_reference``): the T tokens in groups of ``tokens_per_cta`` (T padded to a multiple of it with
+  rows that see no pool), each group a batch entry of the scores kernel that reads its sequence's keys
+  (``_indexer_kernel(groups=)``) — the decode form holds all T · HI query rows in every CTA's SMEM (2 MB at 512
+  rows). Each CTA skips the key blocks past its tokens' complete pools; the scores of every (token, pool) are
+  written once, [B, T, Pp] f32 — where XLA's reference writes [B, T, HI, P] f32 products for its head sum (541 MB
+  a DSA layer of a 512-token chunk at a 32K cache)."""
+  tc05 = check_mma(mma, "indexer_scores_rows")
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"indexer_scores_rows: q {q.dtype}; expected bfloat16 (the wq_b projection's output)")
+  B, T, HI, Dh = q.shape
+  tt = int(tokens_per_cta)
+  if tt < 1 or w.shape != (B, T, HI) or n_valid.shape != (B, T) or k8.shape[0] != B:
+    raise ValueError(f"indexer_scores_rows: q {q.shape}, w {w.shape}, n_valid {n_valid.shape}, keys {k8.shape}, "
+                     f"tokens_per_cta={tokens_per_cta}; expected [B, T, HI, 128], [B, T, HI], [B, T], [B, P, 128] "
+                     "and a positive token group")
+  G = -(-T // tt)
+  pad = G * tt - T
+  if pad:  # (rows that see no pool: -inf scores, sliced off)
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    w = jnp.pad(w, ((0, 0), (0, pad), (0, 0)))
+    n_valid = jnp.pad(n_valid, ((0, 0), (0, pad)))
+  out = _scores_call(q.reshape(B * G, tt, HI, Dh), w.astype(jnp.float32).reshape(B * G, tt, HI), k8, k_scale,
+                     n_valid.reshape(B * G, tt), blocks_per_cta, rotate=True, padded=True, align=align, lean=lean,
+                     tc05=tc05, groups=G)
+  out = out.reshape(B, G * tt, -1)[:, :T]
+  return out if padded else out[:, :, :k8.shape[1]]
+
+
 def _sylvester128():
   h = np.ones((1, 1), np.float32)
   while h.shape[0] < HEAD_DIM:
@@ -350,11 +390,14 @@ def _sylvester128():
 
 
 def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padded: bool = False, align: int = 64,
-                 lean: bool = False, tc05: bool = False):
-  B, T, HI, Dh = q.shape
+                 lean: bool = False, tc05: bool = False, groups: int = 1):
+  B, T, HI, Dh = q.shape  # (groups > 1: B is the keys' sequences x groups)
   P = k8.shape[1]
   if Dh != HEAD_DIM or HI % 8:
     raise ValueError(f"indexer scores: q {q.shape}; expected [B, T, HI, {HEAD_DIM}] with HI a multiple of 8")
+  if B != groups * k8.shape[0]:
+    raise ValueError(f"indexer scores: q {q.shape} for keys {k8.shape} in {groups} token groups a sequence; expected "
+                     f"{groups} x {k8.shape[0]} query batches")
   if tc05 and HI % 16:
     raise ValueError(f"indexer scores: q {q.shape}; mma='tcgen05' needs HI a multiple of 16 (the MMA's N)")
   if align % BLOCK:
@@ -385,7 +428,7 @@ def _scores_call(q, wq, k8, k_scale, n_valid, blocks_per_cta, rotate: bool, padd
               plgpu.SMEM((2, TC_BLOCK, HI), jnp.float32)]
     extra += [plgpu.TMEM((TC_BLOCK, HEAD_DIM), jnp.float32)] if rotate else []
   kern = mgpu_kernel(
-      _indexer_kernel(nbc, T, HI, rotate, tc05=tc05),
+      _indexer_kernel(nbc, T, HI, rotate, tc05=tc05, groups=groups),
       out_type=jax.ShapeDtypeStruct((B, T, Pp), jnp.float32),
       scratch_types=[
           plgpu.SMEM((rq, HEAD_DIM), jnp.float8_e4m3fn, transforms=tile8),  # q_s

@@ -184,6 +184,40 @@ def test_kernel_rotating_queries_interpret(B, T, P, nbc):
   assert_scores_close(got, ref, "kernel_f32")
 
 
+@pytest.mark.parametrize("B,T,P,tt,nbc,mma", [(1, 10, 300, 4, None, "wgmma"), (2, 6, 200, 3, 2, "wgmma"),
+                                                (1, 5, 320, 4, None, "tcgen05")])
+def test_kernel_rows_interpret(B, T, P, tt, nbc, mma):
+  """indexer_scores_rows (a prefill chunk's rows: the tokens in groups of tt, each group a CTA batch entry reading
+  its sequence's keys) == the reference, every token's own causal pool count (T not a multiple of tt: pad rows
+  sliced off); padded, the width a multiple of 64 (128 in the tcgen05 form) with -inf past P."""
+  args = make_q_inputs(11 + B + T + P, B, T, P)
+  ref = np.asarray(I.indexer_scores_q_reference(*args))
+  with maybe_interpret(True):
+    got = np.asarray(I.indexer_scores_rows(*args, tokens_per_cta=tt, blocks_per_cta=nbc, padded=True, mma=mma))
+  assert got.shape[:2] == (B, T) and got.shape[2] >= P and got.shape[2] % (128 if mma == "tcgen05" else 64) == 0
+  assert np.all(got[..., P:] == -np.inf)
+  assert_scores_close(got[..., :P], ref, "kernel_f32")
+
+
+def test_rows_refuse_bad_shapes():
+  q = SDS((1, 8, HI, 128), jnp.bfloat16)
+  rest = (SDS((1, 64, 128), F8), SDS((1, 64), jnp.float32), SDS((1, 8), jnp.int32))
+  with pytest.raises(ValueError, match=r"w \(1, 7, 32\).*expected \[B, T, HI, 128\], \[B, T, HI\]"):
+    jax.eval_shape(I.indexer_scores_rows, q, SDS((1, 7, HI), jnp.float32), *rest)
+  with pytest.raises(ValueError, match="expected bfloat16"):
+    jax.eval_shape(I.indexer_scores_rows, SDS((1, 8, HI, 128), jnp.float32), SDS((1, 8, HI), jnp.float32), *rest)
+
+
+@pytest.mark.parametrize("mma", ["wgmma", "tcgen05"])
+def test_rows_cross_lower_prefill_chunk(mma):
+  """indexer_scores_rows lowers for CUDA at a 512-token prefill chunk of the real indexer (32 heads) over a 32K
+  cache's 8,256 pool slots, in both MMA forms."""
+  args = (SDS((1, 512, HI, 128), jnp.bfloat16), SDS((1, 512, HI), jnp.float32), SDS((1, 8256, 128), F8),
+          SDS((1, 8256), jnp.float32), SDS((1, 512), jnp.int32))
+  txt = cross_lower(functools.partial(I.indexer_scores_rows, padded=True, align=128, mma=mma), *args).as_text()
+  assert "mosaic_gpu" in txt
+
+
 TC05_CASES = [
     # B, T, P, blocks_per_cta (of 128 keys in the tcgen05 form)
     (1, 1, 200, None),  # P padded to 256 (64-aligned): two whole 128-key blocks, 2 CTAs
@@ -292,16 +326,26 @@ def test_kernel_rotating_queries_gpu(B, T, P):
   check_rotating_queries_gpu(make_q_inputs(B + T + P, B, T, P))
 
 
-def check_rotating_queries_gpu(args):
-  """indexer_scores_q natively against its reference compiled as the model rounds: the scores' tolerance, and no
-  score off by more than 1e-3 of the largest (a query element one e4m3 step away moves a score far less)."""
+def check_rotating_queries_gpu(args, kern=None):
+  """indexer_scores_q (or ``kern``, its contract) natively against its reference compiled as the model rounds: the
+  scores' tolerance, and no score off by more than 1e-3 of the largest (a query element one e4m3 step away moves a
+  score far less)."""
+  kern = kern or I.indexer_scores_q
   ref = np.asarray(rounding_reference(I.indexer_scores_q_reference, *args))
-  got = np.asarray(jax.jit(I.indexer_scores_q)(*args))
+  got = np.asarray(jax.jit(kern)(*args))
   assert_scores_close(got, ref, "kernel_fp8")
   fin = np.isfinite(ref)
   assert np.abs(got[fin] - ref[fin]).max() <= 1e-3 * np.abs(ref[fin]).max()
   # built without Mosaic's automatic barriers (lean_barriers): the same scores, bit for bit
-  np.testing.assert_array_equal(np.asarray(jax.jit(functools.partial(I.indexer_scores_q, lean=True))(*args)), got)
+  np.testing.assert_array_equal(np.asarray(jax.jit(functools.partial(kern, lean=True))(*args)), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,P", [(1, 512, 8256), (2, 70, 1024)])
+def test_kernel_rows_gpu(B, T, P):
+  """indexer_scores_rows natively at a prefill chunk's rows (512 tokens over a 32K cache's pool slots; 70 tokens
+  of two sequences: a partial token group) against the rounding reference."""
+  check_rotating_queries_gpu(make_q_inputs(B + T + P, B, T, P), I.indexer_scores_rows)
 
 
 @pytest.mark.gpu
@@ -965,6 +1009,41 @@ def test_prefill_selection_at_the_model_site(two_stage, monkeypatch):
     np.testing.assert_array_equal(np.sort(js1[0, r]), np.sort(js0[0, r]))
     np.testing.assert_array_equal(np.sort(idx1[0, r][idx1[0, r] >= 0]), np.sort(idx0[0, r][idx0[0, r] >= 0]))
   assert (js0 >= 0).sum() == T * ix.top_pools  # (every row past its top pools' complete ones: a real selection)
+
+
+def test_prefill_scores_at_the_model_site():
+  """Policy knob indexer_prefill at the model's call site as a prefill chunk runs it (every decode kernel off, their
+  form knobs kept): kernel-tiny's indexer over an FP8 cache of 320 pools, 6 consecutive token rows (two token groups,
+  the second partial) whose last pools are incomplete — the scores kernel in token groups gives XLA's scores (the
+  interpreter's MMAs exact: the f32 table; -inf past each row's complete pools), its padded output behind them,
+  and the site is reported; in GPU interpret mode only where the policy asks."""
+  from flax import nnx  # noqa: PLC0415
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.attention import Indexer  # noqa: PLC0415
+  from glm5_jax.layers import KERNEL_DEFAULTS, PREFILL_FORM_KNOBS, kernel_report, use_kernels  # noqa: PLC0415
+  P, T = 320, 6
+  cfg = C.kernel_tiny()
+  rng = np.random.default_rng()
+  pos = jnp.asarray(4 * P - 9 + np.arange(T)[None], jnp.int32)
+  ix = nnx.eval_shape(lambda: Indexer(cfg, jnp.bfloat16))
+  ix.wq_b.weight.set_value(jnp.asarray(rng.standard_normal(ix.wq_b.weight.shape) * 0.05, jnp.bfloat16))
+  q_r = jnp.asarray(rng.standard_normal((1, T, cfg.q_lora_rank)), jnp.bfloat16)
+  hw = jnp.asarray(rng.standard_normal((1, T, cfg.index_n_heads)), jnp.bfloat16)
+  k8, ks = I.quant_ue8m0_fp8(I.hadamard128(jnp.asarray(rng.standard_normal((1, P, cfg.index_head_dim)), jnp.float32)))
+  icache = {"pool8": k8, "pool_scale": ks}
+  off = {k: False for k in KERNEL_DEFAULTS if k not in PREFILL_FORM_KNOBS}
+  outs = []
+  for on in (False, True):
+    with maybe_interpret(True), use_kernels({**off, "indexer_prefill": on}), kernel_report() as rep:
+      outs.append(jax.jit(lambda hw, q_r: ix.scores(hw, q_r, icache, pos, jnp.bfloat16, padded=True))(hw, q_r))
+    assert (("indexer_prefill", None) in rep) == on, rep
+  (sc0, raw0), (sc1, raw1) = outs
+  assert raw0 is None and raw1.shape[:2] == (1, T) and raw1.shape[2] % 64 == 0
+  np.testing.assert_array_equal(np.asarray(raw1[..., :P]), np.asarray(sc1))
+  n_complete = (np.asarray(pos) + 1) // 4
+  valid = np.arange(P)[None, None] < n_complete[..., None]
+  assert (~valid).any() and np.all(np.asarray(sc1)[~valid] == -np.inf)
+  np.testing.assert_allclose(np.asarray(sc1)[valid], np.asarray(sc0)[valid], **tol("kernel_f32"))
 
 
 @pytest.mark.parametrize("native,extra_tail,bits", [(False, 0, 1), (False, 2, 2),

@@ -497,9 +497,11 @@ def test_blackwell_declines_the_wgmma_kernels(model_tiny_sm100):
   # the kernels with a tcgen05 form run in it (q = 4: bf16_linear too, XLA being preferred only at one row) — but
   # the indexer's scores: kernel-tiny's 8 index heads are not a multiple of the tcgen05 form's 16 (and the
   # compaction, topk_compact_kernel, reads the scores kernel's output: declined with it)
-  # (moe_prefill, mla_prefill, topk_prefill: prefill kernels — no decode site where the decode kernels run;
-  # moe_prefill's tcgen05 form in test_moe_prefill.py, the others' are sparse_mla's and topk_compact's)
-  for knob in set(TCGEN05_KNOBS) - {"indexer", "topk_compact_kernel", "moe_prefill", "mla_prefill", "topk_prefill"}:
+  # (moe_prefill, mla_prefill, topk_prefill, indexer_prefill: prefill kernels — no decode site where the decode
+  # kernels run; moe_prefill's tcgen05 form in test_moe_prefill.py, the others' are sparse_mla's, topk_compact's and
+  # the scores kernel's, test_indexer.py's)
+  for knob in set(TCGEN05_KNOBS) - {"indexer", "topk_compact_kernel", "moe_prefill", "mla_prefill", "topk_prefill",
+                                    "indexer_prefill"}:
     assert sites[knob]["sites"] > 0, (knob, sites[knob])
   assert not sites["indexer"]["sites"] and "multiple of 16" in next(iter(sites["indexer"]["not_used"]))
   assert not sites["mhc"]["sites"] and "one token row (here 4;" in next(iter(sites["mhc"]["not_used"]))
