@@ -122,10 +122,13 @@
 #   s77b (either; H100: LAYERS=32; ~400 s): mhc_prefill (the prefill's mHC sites in two XLA passes) — its model-site
 #                             test, then 4K and 32K prompts (PROMPTS) in 512-token chunks, traced: the defaults vs
 #                             the reference's order ({"mhc_prefill": false}; + POLICY)
-#   s77d (either; H100: LAYERS=32; ~450 s): indexer_prefill (the prefill's indexer scores as the scores kernel in
-#                             token groups, CPU-built in session 77) — its GPU tests (512 rows over a 32K cache's
-#                             pools; 70 rows of two sequences), then 4K and 32K prompts (PROMPTS) in 512-token chunks,
-#                             traced: the defaults vs indexer_prefill vs that + topk_prefill (+ POLICY)
+#   s77d (either; H100: LAYERS=32; ~500 s): session 77's CPU-built prefill kernels — indexer_prefill (the indexer's
+#                             scores as the scores kernel in token groups) and kda_handover (the KDA sub-chunks' state
+#                             hand-over as one launch): their GPU tests, then a 4K prompt (PROMPTS) in 512-token
+#                             chunks, traced: the defaults vs each (+ POLICY)
+#   s77e (either; H100: LAYERS=32; ~550 s): larger chunks with kda_handover (its hand-over has no concatenation of the
+#                             sub-chunks' states: 768 / 1,024-token chunks compiled past 300 s without it) — a 4K and
+#                             a 32K prompt at CHUNKS (default 1024 768), a process each
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -141,8 +144,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77d|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77d, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77d|s77e|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77d, s77e, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -460,12 +463,22 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       '{"mhc_prefill": false}' ${POLICY:+"$POLICY"} 2>&1 | keep 24 > "$OUT/bench_prefill.log"
     ;;
   s77d)  # (either; H100: LAYERS=32) see the header
-    gpu_tests idxrows 150 gpu "rows_gpu" tests/test_indexer.py
+    gpu_tests s77d 150 gpu "rows_gpu or kda_prefill_kernel_gpu" tests/test_indexer.py tests/test_kda_prefill.py
     keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
     timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
-      --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk 512 --trace "$OUT/trace" \
-      --policy '{}' '{"indexer_prefill": true}' '{"indexer_prefill": true, "topk_prefill": true}' \
-      ${POLICY:+"$POLICY"} 2>&1 | keep 30 > "$OUT/bench_prefill.log"
+      --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096} --chunk 512 --trace "$OUT/trace" \
+      --policy '{}' '{"indexer_prefill": true}' '{"kda_handover": true}' ${POLICY:+"$POLICY"} 2>&1 | keep 30 \
+      > "$OUT/bench_prefill.log"
+    ;;
+  s77e)  # (either; H100: LAYERS=32) see the header
+    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
+    for c in ${CHUNKS:-1024 768}; do  # (a process each: a chunk size whose compile runs long loses only itself)
+      [ "$(left)" -gt 100 ] || break
+      timeout $(( $(left) - 10 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
+        --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk "$c" \
+        --policy "${POLICY:-{\"kda_handover\": true\}}" 2>&1 | keep 6 >> "$OUT/bench_prefill.log"
+    done
+    cat "$OUT/bench_prefill.log"
     ;;
   s72b)  # (either) see the header
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_linear.py --only none --sweep-bf16 4,1 \

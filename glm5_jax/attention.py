@@ -95,7 +95,7 @@ def l2norm(x):
   return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def kda_chunked(q, k, v, g, beta, S0, chunk=32):
+def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False):
   """Chunked (WY) form of the gated delta rule; equals the per-token recurrence.
 
   q, k [B, T, H, K] (already l2-normalised, q scaled), v [B, T, H, V], g [B, T, H, K] log-decay (≤ 0),
@@ -110,7 +110,8 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32):
   (unrolled on accelerators); the outputs follow from the entry states in one batched product,
   o = (q ⊙ e^G − QK W) S + QK U. As a scan of the whole chunk step (session 62's form) a 256-token prefill chunk
   ran 8 loop iterations of 13 kernels per KDA layer (3,536 launches and 272 loop trips per chunk at the rank's
-  34 KDA layers, compiled for an H200).
+  34 KDA layers, compiled for an H200). ``handover_kernel`` (policy knob kda_handover): the hand-over chain as one
+  Mosaic GPU launch (pallas_kernels.kda_prefill.kda_handover) instead of n dependent XLA products and adds.
   """
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -138,17 +139,25 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32):
   last = G[:, :, :, -1]  # [B, n, H, K]
   Kt = kc * jnp.exp(last[:, :, :, None] - G)
   P = mm("bnhck,bnhcv->bnhkv", Kt, U)
-  # the hand-over's matrix e^{G_C} − K̃ᵀW [B, n, H, K, K], chunks first (each step's operands contiguous)
-  Rt = jnp.eye(K, dtype=P.dtype) * jnp.exp(last)[..., None] - mm("bnhck,bnhcj->bnhkj", Kt, W)
-
-  def hand_over(S, xs):
-    R_c, P_c = xs
-    return mm("bhkj,bhjv->bhkv", R_c, S) + P_c, S
-
   chunks_first = lambda a: jnp.moveaxis(a, 1, 0)
-  S, entry = lax.scan(hand_over, S0, (chunks_first(Rt), chunks_first(P)),
-                      unroll=n if unroll_loops() else 1)
-  entry = jnp.moveaxis(entry, 0, 1)  # [B, n, H, K, V]: each chunk's entry state
+  if handover_kernel:
+    from pallas_kernels import kda_prefill as kp  # noqa: PLC0415
+    # the hand-over's matrix transposed, (e^{G_C} − K̃ᵀW)ᵀ: the kernel reads a column of it as a row
+    RtT = jnp.eye(K, dtype=P.dtype) * jnp.exp(last)[..., None, :] - mm("bnhcj,bnhck->bnhjk", W, Kt)
+    heads = lambda a: chunks_first(a).reshape(n, B * H, *a.shape[3:])  # [n, B·H, K, X]
+    entry, S = kp.kda_handover(heads(RtT), heads(P), S0.reshape(B * H, K, V))
+    entry, S = jnp.moveaxis(entry.reshape(n, B, H, K, V), 0, 1), S.reshape(B, H, K, V)
+  else:
+    # the hand-over's matrix e^{G_C} − K̃ᵀW [B, n, H, K, K], chunks first (each step's operands contiguous)
+    Rt = jnp.eye(K, dtype=P.dtype) * jnp.exp(last)[..., None] - mm("bnhck,bnhcj->bnhkj", Kt, W)
+
+    def hand_over(S, xs):
+      R_c, P_c = xs
+      return mm("bhkj,bhjv->bhkv", R_c, S) + P_c, S
+
+    S, entry = lax.scan(hand_over, S0, (chunks_first(Rt), chunks_first(P)),
+                        unroll=n if unroll_loops() else 1)
+    entry = jnp.moveaxis(entry, 0, 1)  # [B, n, H, K, V]: each chunk's entry state
   o = mm("bnhck,bnhkv->bnhcv", qc * eG - mm("bnhij,bnhjk->bnhik", qk, W), entry) + mm("bnhij,bnhjv->bnhiv", qk, U)
   return jnp.swapaxes(o, 2, 3).reshape(B, n * C, H, V)[:, :T], S
 
@@ -288,7 +297,12 @@ class KDA(nnx.Module):
       beta = jnp.where(ok, jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
       qn = l2norm(q) * (Kd ** -0.5)
       S0 = jax.vmap(lambda s, i: s[i])(ssm, ctx.n_acc - 1)
-      o, S = kda_chunked(qn, l2norm(k), v, gl, beta, S0)
+      from pallas_kernels import kda_prefill as kp  # noqa: PLC0415
+      from pallas_kernels._common import interpreting  # noqa: PLC0415
+      ho = kernel_enabled("kda_handover", fits=Kd % 64 == 0 and Kd % kp.VB == 0,
+                          why=f"head dim {Kd} (the kernel's state rows: a multiple of 64)", prefer=not interpreting(),
+                          prefer_why="GPU interpret mode: seconds a call (the policy can ask for it)")
+      o, S = kda_chunked(qn, l2norm(k), v, gl, beta, S0, handover_kernel=ho)
       new_ssm = ssm.at[:, 0].set(S)
     if not normed:
       o = rms_norm(o, self.o_norm.weight[...].astype(jnp.float32), self.eps, jnp.float32) * jax.nn.sigmoid(gate)

@@ -728,6 +728,15 @@ KNOBS = {
         "GEMM writing f32 streams for the next fusion: in session 77's H100 trace of a 512-token chunk (one TP4 "
         "rank's first 32 layers) 4.2 of the chunk's 5.6 ms of mHC kernels (a 16.8 MB bf16 stream set a site). "
         "The same sums rounded in another order (within the fp32 paths' tolerance of the reference's)"),
+    "kda_handover": (False,
+        "a prefill chunk's KDA state hand-over between its 32-token sub-chunks (S_{c+1} = R_c S_c + P_c, every "
+        "sub-chunk's entry state kept) as one Mosaic GPU launch a layer (pallas_kernels.kda_prefill.kda_handover: "
+        "a CTA per head and 16 state columns, R_c streamed by TMA, f32 rank-1 updates on the CUDA cores) instead "
+        "of XLA's unrolled chain of 2 launches a sub-chunk (32 a KDA layer of a 512-token chunk, ~3 ms of its "
+        "kernels on an H100 in session 77's trace) and the concatenation of the entry states that a 768- or "
+        "1,024-token chunk's compile may stall on. No wgmma: any GPU. CPU-built (session 77): GPU interpret mode "
+        "against the recurrence, the CUDA lowering at a 512-token chunk's 16 sub-chunks x 16 heads; off until "
+        "measured"),
     "indexer_prefill": (False,
         "with an FP8 pooled-key cache: the indexer's scores of a prefill chunk's rows (and of a decode step's past "
         "the decode kernel's 64) through the scores kernel in token groups (pallas_kernels.indexer."
@@ -750,7 +759,7 @@ KNOBS = {
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
-PREFILL_KNOBS = ("moe_prefill", "mla_prefill", "topk_prefill", "mhc_prefill", "indexer_prefill")
+PREFILL_KNOBS = ("moe_prefill", "mla_prefill", "topk_prefill", "mhc_prefill", "indexer_prefill", "kda_handover")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",

@@ -47,6 +47,34 @@ def test_chunked_kda_equals_the_recurrence(T, chunk, arch):
   np.testing.assert_allclose(np.asarray(S), np.asarray(s_ref[:, T - 1]), **tol("fp32_paths"))
 
 
+@pytest.mark.parametrize("T,chunk", [(40, 16), (33, 32)])
+def test_chunked_kda_handover_kernel_equals_the_recurrence(T, chunk):
+  """kda_chunked with the hand-over as the Mosaic GPU kernel (policy knob kda_handover; GPU interpret mode): the
+  outputs and the final state equal the per-token recurrence, and the XLA chain's, at the real head dim (the
+  kernel's state rows: 128), 3 and 2 sub-chunks (the last partial); the kernel alone against its reference in
+  test_kda_prefill_kernel_interpret."""
+  rng = np.random.default_rng()
+  B, H, D = 1, 2, 128
+  r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, k, v, f, b = r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H)
+  A_log, dt = r(H) * 0.5, jnp.asarray(np.log(np.expm1(np.exp(rng.uniform(np.log(1e-3), np.log(0.1), (H, D))))),
+                                       jnp.float32)
+  S0 = r(B, 1, H, D, D) * 0.1
+  o_ref, s_ref = kda_decode_reference(q, k, v, f, b, A_log, dt, jnp.broadcast_to(S0, (B, T, H, D, D)),
+                                      jnp.ones(B, jnp.int32))
+  g = -5.0 * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (f + dt))
+  args = (l2norm(q) * D ** -0.5, l2norm(k), v, g, jax.nn.sigmoid(b), S0[:, 0])
+  o_x, S_x = kda_chunked(*args, chunk=chunk)
+  with maybe_interpret(True):
+    jaxpr = str(jax.make_jaxpr(functools.partial(kda_chunked, chunk=chunk, handover_kernel=True))(*args))
+    o, S = kda_chunked(*args, chunk=chunk, handover_kernel=True)
+  assert "glm5_kda_handover" in jaxpr
+  np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), **tol("fp32_paths"))
+  np.testing.assert_allclose(np.asarray(S), np.asarray(s_ref[:, T - 1]), **tol("fp32_paths"))
+  np.testing.assert_allclose(np.asarray(o), np.asarray(o_x), **tol("fp32_paths"))
+  np.testing.assert_allclose(np.asarray(S), np.asarray(S_x), **tol("fp32_paths"))
+
+
 def test_sharded_checkpoint_loads_like_one_file(tmp_path):
   cfg = make_tiny.preset_config("oracle-tiny")
   make_tiny.write_checkpoint(cfg, tmp_path / "one", seed=5, dtype="fp8")
