@@ -124,8 +124,9 @@
 #                             the reference's order ({"mhc_prefill": false}; + POLICY)
 #   s77d (either; H100: LAYERS=32; ~500 s): session 77's CPU-built prefill kernels — indexer_prefill (the indexer's
 #                             scores as the scores kernel in token groups) and kda_handover (the KDA sub-chunks' state
-#                             hand-over as one launch): their GPU tests (and mhc_prefill's model-site test), then a
-#                             4K prompt (PROMPTS) in 512-token chunks, traced: the defaults vs each (+ POLICY)
+#                             hand-over as one launch): their GPU tests (and mhc_prefill's model-site test), then 4K
+#                             and 32K prompts (PROMPTS) in 512-token chunks, traced (the trace's split by component
+#                             tells the two apart): the defaults vs both (+ POLICY, e.g. one of them)
 #   s77e (either; H100: LAYERS=32; ~550 s): larger chunks with kda_handover (its hand-over has no concatenation of the
 #                             sub-chunks' states: 768 / 1,024-token chunks compiled past 300 s without it) — a 4K and
 #                             a 32K prompt at CHUNKS (default 1024 768), a process each
@@ -467,8 +468,8 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     gpu_tests mhcsite 120 "" "prefill_form_at_the_model_site" tests/test_mhc.py  # (past s77b's 60 s budget)
     keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
     timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
-      --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096} --chunk 512 --trace "$OUT/trace" \
-      --policy '{}' '{"indexer_prefill": true}' '{"kda_handover": true}' ${POLICY:+"$POLICY"} 2>&1 | keep 30 \
+      --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk 512 --trace "$OUT/trace" \
+      --policy '{}' '{"indexer_prefill": true, "kda_handover": true}' ${POLICY:+"$POLICY"} 2>&1 | keep 30 \
       > "$OUT/bench_prefill.log"
     ;;
   s77e)  # (either; H100: LAYERS=32) see the header
