@@ -5,7 +5,7 @@ sub-chunks at once except the sequential part: with n sub-chunks of C tokens, ea
 affine map of its entry state, S_{c+1} = R_c S_c + P_c (R_c [K, K], P_c [K, V] per head), and every sub-chunk's
 output needs its entry state. As XLA ops that chain is n dependent f32 products and n adds per layer — 2 x 16
 launches a KDA layer of a 512-token chunk (~3 ms of a chunk's 63 ms of kernels on an H100, session 77's trace) and
-a stack of the n entry states that XLA builds as one concatenation (at 768 and 1,024 tokens the prime suspect of a
+a stack of the n entry states that XLA builds as one concatenation (at 768 and 1,024 tokens a suspect in a
 compile that did not end: BENCHMARKS.md, sessions 76 / 77).
 
 ``kda_handover`` runs the chain in one launch: a CTA per (sequence x head, block of ``vb`` state columns) — the
