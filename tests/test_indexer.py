@@ -1014,9 +1014,11 @@ def test_prefill_selection_at_the_model_site(two_stage, monkeypatch):
 def test_prefill_scores_at_the_model_site():
   """Policy knob indexer_prefill at the model's call site as a prefill chunk runs it (every decode kernel off, their
   form knobs kept): kernel-tiny's indexer over an FP8 cache of 320 pools, 6 consecutive token rows (two token groups,
-  the second partial) whose last pools are incomplete — the scores kernel in token groups gives XLA's scores (the
-  interpreter's MMAs exact: the f32 table; -inf past each row's complete pools), its padded output behind them,
-  and the site is reported; in GPU interpret mode only where the policy asks."""
+  the second partial) whose last pools are incomplete — the scores kernel in token groups gives XLA's scores (-inf
+  past each row's complete pools; the kernel's rotation sums in another order than XLA's butterflies, so a query
+  element may round to the neighbouring e4m3 step — fresh draws: the FP8 table and the GPU tests' bound, as
+  check_rotating_queries_gpu), its padded output behind them, and the site is reported; in GPU interpret mode only
+  where the policy asks."""
   from flax import nnx  # noqa: PLC0415
   from glm5_jax import config as C  # noqa: PLC0415
   from glm5_jax.attention import Indexer  # noqa: PLC0415
@@ -1043,7 +1045,9 @@ def test_prefill_scores_at_the_model_site():
   n_complete = (np.asarray(pos) + 1) // 4
   valid = np.arange(P)[None, None] < n_complete[..., None]
   assert (~valid).any() and np.all(np.asarray(sc1)[~valid] == -np.inf)
-  np.testing.assert_allclose(np.asarray(sc1)[valid], np.asarray(sc0)[valid], **tol("kernel_f32"))
+  got, ref = np.asarray(sc1)[valid], np.asarray(sc0)[valid]
+  np.testing.assert_allclose(got, ref, **tol("kernel_fp8"))
+  assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("native,extra_tail,bits", [(False, 0, 1), (False, 2, 2),
