@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from glm5_jax import config as C  # noqa: E402
 from glm5_jax import profiling  # noqa: E402
 from glm5_jax.runtime import DecodeConfig  # noqa: E402
-from glm5_jax.speculative import PREFILL_CHUNK, Decoder  # noqa: E402
+from glm5_jax.speculative import PREFILL_CHUNK, Decoder, parse_xla_option  # noqa: E402
 from glm5_jax.synthetic import random_model, tp_rank_config  # noqa: E402
 
 BF16_FLOPS = 989e12  # H200 / H100 SXM dense bf16 tensor-core peak
@@ -76,6 +76,10 @@ def main(argv=None):
   p.add_argument("--k", type=int, default=3, help="draft tokens (the MTP pass over the prompt runs when k > 0)")
   p.add_argument("--backend", nargs="+", default=["latency_specialized"])
   p.add_argument("--policy", nargs="+", default=["{}"], help="decode policy knobs as JSON")
+  p.add_argument("--prefill-xla-option", action="append", default=[], metavar="NAME=VALUE",
+                 help="an XLA option the chunk programs compile with (Decoder(prefill_compiler_options=)), e.g. "
+                 "xla_gpu_autotune_level=0 (768 / 1,024-token chunks compiled past 300 s with XLA's autotuning); "
+                 "repeatable")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--out", default=None, help="append JSON lines of results here")
   p.add_argument("--trace", default=None, metavar="DIR",
@@ -84,6 +88,7 @@ def main(argv=None):
                  "name, start ns, end ns, stream — to read against the chunk program's HLO, e.g. step_census.py "
                  "--prefill's listing)")
   a = p.parse_args(argv)
+  xla_options = dict(parse_xla_option(o) for o in a.prefill_xla_option)
   base = C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real()
   cfg = tp_rank_config(base, 4) if a.geometry == "tp4-rank" else C.kernel_tiny()
   t = time.time()
@@ -103,7 +108,7 @@ def main(argv=None):
         ctx = max(a.prompt) + 1 + a.k + 16
         ctx += (-ctx) % cfg.index_kpool
         dec = Decoder(model, DecodeConfig(max_context=ctx, q=1 + a.k, capture_sizes=(1,), policy=policy),
-                      backend=backend, prefill_chunk=chunk)
+                      backend=backend, prefill_chunk=chunk, prefill_compiler_options=xla_options)
         for n in a.prompt:
           t = time.time()  # (the chunk programs compiled by a one-chunk prompt, the first time: n's programs)
           jax.block_until_ready(dec.prefill([rng.integers(1, cfg.vocab_size - 1, min(n, chunk))]).next_tokens)
@@ -131,7 +136,8 @@ def main(argv=None):
             with open(a.out, "a") as f:
               f.write(json.dumps(dict(
                   bench="prefill", geometry=a.geometry, layers=cfg.num_hidden_layers,
-                  device=jax.devices()[0].device_kind, backend=backend, policy=dict(policy), prompt=n, chunk=chunk, k=a.k, first_s=first_s, ms=ms,
+                  device=jax.devices()[0].device_kind, backend=backend, policy=dict(policy), prompt=n, chunk=chunk,
+                  **({"prefill_compiler_options": xla_options} if xla_options else {}), k=a.k, first_s=first_s, ms=ms,
                   ms_all=times, tokens_per_s=1e3 * n / ms, chunks=chunks, floor_ms_per_chunk=floor, trace=summary,
                   date=time.strftime("%Y-%m-%d"))) + "\n")
 

@@ -129,7 +129,8 @@
 #                             tells the two apart): the defaults vs both (+ POLICY, e.g. one of them)
 #   s77e (either; H100: LAYERS=32; ~550 s): larger chunks with kda_handover (its hand-over has no concatenation of the
 #                             sub-chunks' states: 768 / 1,024-token chunks compiled past 300 s without it) — a 4K and
-#                             a 32K prompt at CHUNKS (default 1024 768), a process each
+#                             a 32K prompt at CHUNKS (default 1024 768), a process each; PXLA=xla_gpu_autotune_level=0
+#                             compiles the chunk programs without XLA's autotuning (Decoder(prefill_compiler_options=))
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -478,7 +479,8 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       [ "$(left)" -gt 100 ] || break
       timeout $(( $(left) - 10 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
         --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk "$c" \
-        --policy "${POLICY:-{\"kda_handover\": true\}}" 2>&1 | keep 6 >> "$OUT/bench_prefill.log"
+        ${PXLA:+--prefill-xla-option "$PXLA"} --policy "${POLICY:-{\"kda_handover\": true\}}" 2>&1 | keep 6 \
+        >> "$OUT/bench_prefill.log"
     done
     cat "$OUT/bench_prefill.log"
     ;;

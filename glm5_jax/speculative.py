@@ -328,7 +328,7 @@ class Decoder:
   def __init__(self, model: Model, config: DecodeConfig, *, backend: str = "auto", temperature: float = 0.0,
                top_p: float = 1.0, prefill_chunk: int = PREFILL_CHUNK, compiler_options: dict | None = None,
                executables: int = 1, pack_params: int = pp.DEFAULT_BYTES, steps_per_call: int = 1,
-               unroll_steps: bool = False):
+               unroll_steps: bool = False, prefill_compiler_options: dict | None = None):
     if backend not in ("auto", "latency_specialized"):
       raise ValueError(f"backend={backend!r}: expected 'auto' or 'latency_specialized'")
     if config.q > 1 and not model.mtp:
@@ -347,6 +347,12 @@ class Decoder:
       raise ValueError(f"temperature={temperature}, top_p={top_p}: expected temperature >= 0 and 0 < top_p <= 1")
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
       raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected a positive int (prompt tokens per prefill call)")
+    if prefill_compiler_options is not None and (
+        not isinstance(prefill_compiler_options, dict)
+        or not all(isinstance(k, str) and isinstance(v, (bool, int, float, str))
+                   for k, v in prefill_compiler_options.items())):
+      raise ValueError(f"prefill_compiler_options={prefill_compiler_options!r}: expected a dict of XLA option names "
+                       "to bool / int / float / str values (e.g. {'xla_gpu_autotune_level': 0})")
     unknown = sorted(set(config.policy_dict()) - POLICY_KEYS)
     gone = [f"{k} ({REMOVED_KNOBS[k]})" for k in unknown if k in REMOVED_KNOBS]
     if gone:
@@ -407,6 +413,10 @@ class Decoder:
     self._ran: set[int] = set()  # capture sizes whose step has traced and run
     self.prefill_chunk = int(prefill_chunk)  # prompts run in chunks of at most this many tokens (one compile each)
     self._given_options = compiler_options
+    # XLA options the prefill's chunk programs compile with (jax.jit's compiler_options), e.g. {"xla_gpu_autotune_level":
+    # 0}: 768- and 1,024-token chunks compiled past 300 s on an H100 with XLA's autotuning ("Very slow compile" of a
+    # fusion module the autotuner builds; sessions 76-77) — an unknown name fails at the first prefill, named by XLA
+    self.prefill_compiler_options = dict(prefill_compiler_options or {})
     self.prefill_sites: dict = {}  # the prefill kernels' call sites in the traced chunks (_check_prefill_kernels)
     self._single: Decoder | None = None  # generate()'s one-step decoder near max_context (steps_per_call > 1)
 
@@ -841,7 +851,8 @@ class Decoder:
     if self._single is None:
       self._single = Decoder(self.model, self.config, backend=self.backend, temperature=self.temperature,
                              top_p=self.top_p, prefill_chunk=self.prefill_chunk,
-                             compiler_options=self._given_options, pack_params=self.pack_params)
+                             compiler_options=self._given_options, pack_params=self.pack_params,
+                             prefill_compiler_options=self.prefill_compiler_options)
     return self._single
 
   def single_step(self, state: DecodeState) -> tuple["Decoder", DecodeState]:
@@ -944,8 +955,13 @@ def _split_keys(keys):
   return jax.random.key_data(k[:, 0]), k[:, 1]
 
 
+def _prefill_options(dec: Decoder) -> tuple:
+  return tuple(sorted(dec.prefill_compiler_options.items()))
+
+
 def _prefill_target_fn(dec: Decoder, B: int, T: int):
-  return compiled(dec.model, ("_prefill_target_fn", dec.key, B, T), lambda: _prefill_target_fn_build(dec, B, T))
+  return compiled(dec.model, ("_prefill_target_fn", dec.key, B, T, _prefill_options(dec)),
+                  lambda: _prefill_target_fn_build(dec, B, T))
 
 
 def _prefill_target_fn_build(dec: Decoder, B: int, T: int):
@@ -956,7 +972,8 @@ def _prefill_target_fn_build(dec: Decoder, B: int, T: int):
     h, layers, _ = m.trunk(tokens, caches["layers"], ctx)
     return {"layers": layers, "mtp": caches["mtp"]}, h
 
-  return jax.jit(dec.model.shard_map(fn, (cspecs, REP, REP, REP), (cspecs, REP)), donate_argnums=(1,))
+  return jax.jit(dec.model.shard_map(fn, (cspecs, REP, REP, REP), (cspecs, REP)), donate_argnums=(1,),
+                 compiler_options=dec.prefill_compiler_options or None)
 
 
 def _first_token_fn(dec: Decoder, B: int):
@@ -984,7 +1001,8 @@ def _row_at(h, i):
 
 
 def _prefill_mtp_fn(dec: Decoder, B: int, T: int):
-  return compiled(dec.model, ("_prefill_mtp_fn", dec.key, B, T), lambda: _prefill_mtp_fn_build(dec, B, T))
+  return compiled(dec.model, ("_prefill_mtp_fn", dec.key, B, T, _prefill_options(dec)),
+                  lambda: _prefill_mtp_fn_build(dec, B, T))
 
 
 def _prefill_mtp_fn_build(dec: Decoder, B: int, T: int):
@@ -995,7 +1013,8 @@ def _prefill_mtp_fn_build(dec: Decoder, B: int, T: int):
     drafts, mtp = _first_drafts(m, h, next_ids, start, idx_last, caches["mtp"], q, k, valid)
     return {"layers": caches["layers"], "mtp": mtp}, drafts
 
-  return jax.jit(dec.model.shard_map(fn, (cspecs, REP, REP, REP, REP, REP), (cspecs, REP)), donate_argnums=(1,))
+  return jax.jit(dec.model.shard_map(fn, (cspecs, REP, REP, REP, REP, REP), (cspecs, REP)), donate_argnums=(1,),
+                 compiler_options=dec.prefill_compiler_options or None)
 
 
 @dataclasses.dataclass

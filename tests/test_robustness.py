@@ -48,6 +48,25 @@ def test_prefill_inputs(dec):
     dec.prefill([[1, 2, 9999]])
 
 
+def test_prefill_compiler_options(model, dec):
+  """Decoder(prefill_compiler_options=): a malformed value is refused when the decoder is built; an unknown XLA
+  option fails the first prefill, named by XLA (nothing of the caller's is donated: the prefill's caches are its
+  own); given options compile the chunk programs apart from the defaults' (their own jitted functions) and leave the
+  prefill's result as it was."""
+  cfg = DecodeConfig(max_context=96, q=2, capture_sizes=(4,), policy=())
+  for bad in ({"xla_gpu_autotune_level": [0]}, {0: 1}, ("xla_gpu_autotune_level", 0)):
+    with pytest.raises(ValueError, match=r"prefill_compiler_options=.*expected a dict of XLA option names"):
+      Decoder(model, cfg, prefill_chunk=16, prefill_compiler_options=bad)
+  with pytest.raises(Exception, match="No such compile option: 'xla_no_such_option'"):
+    Decoder(model, cfg, prefill_chunk=16, prefill_compiler_options={"xla_no_such_option": 1}).prefill([[1, 2, 3]])
+  prompt = np.random.default_rng().integers(0, 500, 21)
+  tuned = Decoder(model, cfg, prefill_chunk=16, prefill_compiler_options={"xla_gpu_autotune_level": 0})
+  from glm5_jax.speculative import _prefill_target_fn  # noqa: PLC0415
+  assert _prefill_target_fn(tuned, 4, 16) is not _prefill_target_fn(dec, 4, 16)
+  np.testing.assert_array_equal(np.asarray(tuned.prefill([prompt]).next_tokens),
+                                np.asarray(dec.prefill([prompt]).next_tokens))
+
+
 def test_decoder_settings(model):
   with pytest.raises(ValueError, match="backend='fast': expected 'auto' or 'latency_specialized'"):
     Decoder(model, DecodeConfig(max_context=96, q=2, capture_sizes=(1,), policy=()), backend="fast")
