@@ -123,7 +123,7 @@ def main(argv=None):
             jax.block_until_ready(dec.prefill([prompt]).next_tokens)
             times.append(1e3 * (time.perf_counter() - t))
           ms = float(np.median(times))
-          chunks = -(-n // min(chunk, 1 << (n - 1).bit_length()))
+          chunks = -(-n // dec.prefill_rows(n))
           floor = chunk_floor_ms(model, cfg, min(chunk, n), active)
           print(f"{backend:>22} {pol_text:>24} {n:>7} {chunk:>6} {first_s:>8.1f} {ms:>12.1f} {1e3 * n / ms:>9.0f} "
                 f"{ms / chunks:>9.2f} {floor:>14.2f}", flush=True)
@@ -186,7 +186,7 @@ def trace_prefill(dec, prompt, chunks: int, events_path: str, top: int = 24) -> 
   # by component: the kernels named after the target chunk program's instructions (the MTP pass's, the first
   # token's and library kernels — cuBLAS, CUB — match none: "unmatched")
   t = time.perf_counter()
-  kmap = profiling.kernel_map(chunk_program_hlo(dec, 1, min(dec.prefill_chunk, 1 << (len(prompt) - 1).bit_length())))
+  kmap = profiling.kernel_map(chunk_program_hlo(dec, dec.config.capture_size_for(1), dec.prefill_rows(len(prompt))))
   per, _, unmatched = profiling.split([(n, (e - s) / 1e6) for n, s, e, _ in ev], kmap, chunks)
   per["other"] = per.get("other", 0.0) - sum(unmatched.values())  # (split files the unmatched under "other")
   per["unmatched"] = sum(unmatched.values())

@@ -770,6 +770,11 @@ class Decoder:
                        f"q={self.config.q}): was it built for another configuration or modified?")
 
   # ------------------------------------------------------------------ prefill
+  def prefill_rows(self, longest: int) -> int:
+    """Token rows of the chunk programs a prefill whose longest prompt has ``longest`` tokens runs: a power of two
+    from 16 up to prefill_chunk (buckets: few compiles)."""
+    return min(self.prefill_chunk, max(16, 1 << (int(longest) - 1).bit_length()))
+
   def prefill(self, prompts, *, seeds=None) -> DecodeState:
     """Build the state from a list of prompts (token-id sequences of different lengths): the target forward
     over every prompt (in chunks), the first token, the MTP pass over the prompt and the first k drafts.
@@ -790,7 +795,7 @@ class Decoder:
     lens = np.array([p.size for p in prompts] + [1] * (B - len(prompts)), np.int32)
     active = np.arange(B) < len(prompts)
     Tmax = int(lens.max())
-    T = min(self.prefill_chunk, max(16, 1 << (Tmax - 1).bit_length()))  # power-of-two buckets: few compiles
+    T = self.prefill_rows(Tmax)
     n_chunks = -(-Tmax // T)
     toks = np.zeros((B, n_chunks * T), np.int32)
     for j, p in enumerate(prompts):

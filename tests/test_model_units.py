@@ -23,11 +23,10 @@ from helpers import load, tiny_checkpoint
 from pallas_kernels.kda_decode import kda_decode_reference
 
 
-@pytest.mark.parametrize("T,chunk,arch", [(70, 16, None), (9, 32, None), (33, 32, None), (70, 16, "sm_90")])
-def test_chunked_kda_equals_the_recurrence(T, chunk, arch):
-  """arch: traced as for that GPU (layers.unroll_loops: the chunks' state hand-over unrolled, as a GPU runs it)."""
+def _chunked_kda_case(B, T, H, D):
+  """Fresh random inputs of kda_chunked (the safe gate's log-decays, l2-normalised q / k) -> (its arguments, the
+  per-token recurrence's outputs [B, T, H, D] and state after the last token)."""
   rng = np.random.default_rng()
-  B, H, D = 2, 3, 32
   r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
   q, k, v, f, b = r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H)
   A_log, dt = r(H) * 0.5, jnp.asarray(np.log(np.expm1(np.exp(rng.uniform(np.log(1e-3), np.log(0.1), (H, D))))),
@@ -36,7 +35,13 @@ def test_chunked_kda_equals_the_recurrence(T, chunk, arch):
   o_ref, s_ref = kda_decode_reference(q, k, v, f, b, A_log, dt, jnp.broadcast_to(S0, (B, T, H, D, D)),
                                       jnp.ones(B, jnp.int32))
   g = -5.0 * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (f + dt))
-  args = (l2norm(q) * D ** -0.5, l2norm(k), v, g, jax.nn.sigmoid(b), S0[:, 0])
+  return (l2norm(q) * D ** -0.5, l2norm(k), v, g, jax.nn.sigmoid(b), S0[:, 0]), o_ref, s_ref[:, T - 1]
+
+
+@pytest.mark.parametrize("T,chunk,arch", [(70, 16, None), (9, 32, None), (33, 32, None), (70, 16, "sm_90")])
+def test_chunked_kda_equals_the_recurrence(T, chunk, arch):
+  """arch: traced as for that GPU (layers.unroll_loops: the chunks' state hand-over unrolled, as a GPU runs it)."""
+  args, o_ref, s_ref = _chunked_kda_case(2, T, 3, 32)
   with use_kernels({}, arch) if arch else contextlib.nullcontext():
     f = functools.partial(kda_chunked, chunk=chunk)
     scan, = [e for e in jax.make_jaxpr(f)(*args).eqns if e.primitive.name == "scan"]
@@ -44,7 +49,7 @@ def test_chunked_kda_equals_the_recurrence(T, chunk, arch):
     assert unroll_loops() == (arch is not None or jax.default_backend() != "cpu")
     o, S = f(*args)
   np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), **tol("fp32_paths"))
-  np.testing.assert_allclose(np.asarray(S), np.asarray(s_ref[:, T - 1]), **tol("fp32_paths"))
+  np.testing.assert_allclose(np.asarray(S), np.asarray(s_ref), **tol("fp32_paths"))
 
 
 @pytest.mark.parametrize("T,chunk", [(40, 16), (33, 32)])
@@ -53,24 +58,14 @@ def test_chunked_kda_handover_kernel_equals_the_recurrence(T, chunk):
   outputs and the final state equal the per-token recurrence, and the XLA chain's, at the real head dim (the
   kernel's state rows: 128), 3 and 2 sub-chunks (the last partial); the kernel alone against its reference in
   test_kda_prefill_kernel_interpret."""
-  rng = np.random.default_rng()
-  B, H, D = 1, 2, 128
-  r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-  q, k, v, f, b = r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H)
-  A_log, dt = r(H) * 0.5, jnp.asarray(np.log(np.expm1(np.exp(rng.uniform(np.log(1e-3), np.log(0.1), (H, D))))),
-                                       jnp.float32)
-  S0 = r(B, 1, H, D, D) * 0.1
-  o_ref, s_ref = kda_decode_reference(q, k, v, f, b, A_log, dt, jnp.broadcast_to(S0, (B, T, H, D, D)),
-                                      jnp.ones(B, jnp.int32))
-  g = -5.0 * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * (f + dt))
-  args = (l2norm(q) * D ** -0.5, l2norm(k), v, g, jax.nn.sigmoid(b), S0[:, 0])
+  args, o_ref, s_ref = _chunked_kda_case(1, T, 2, 128)
   o_x, S_x = kda_chunked(*args, chunk=chunk)
   with maybe_interpret(True):
     jaxpr = str(jax.make_jaxpr(functools.partial(kda_chunked, chunk=chunk, handover_kernel=True))(*args))
     o, S = kda_chunked(*args, chunk=chunk, handover_kernel=True)
   assert "glm5_kda_handover" in jaxpr
   np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), **tol("fp32_paths"))
-  np.testing.assert_allclose(np.asarray(S), np.asarray(s_ref[:, T - 1]), **tol("fp32_paths"))
+  np.testing.assert_allclose(np.asarray(S), np.asarray(s_ref), **tol("fp32_paths"))
   np.testing.assert_allclose(np.asarray(o), np.asarray(o_x), **tol("fp32_paths"))
   np.testing.assert_allclose(np.asarray(S), np.asarray(S_x), **tol("fp32_paths"))
 
