@@ -131,6 +131,9 @@
 #                             sub-chunks' states: 768 / 1,024-token chunks compiled past 300 s without it) — a 4K and
 #                             a 32K prompt at CHUNKS (default 1024 768), a process each; PXLA=xla_gpu_autotune_level=0
 #                             compiles the chunk programs without XLA's autotuning (Decoder(prefill_compiler_options=))
+#   s78a (either; H100: LAYERS=32; ~550 s): s77d with session 78's moe_prefill_rows (the prefill MoE's grouped
+#                             launches write token rows: no XLA transposes) — the three knobs' GPU tests, then 4K and
+#                             32K prompts in 512-token chunks, traced: the defaults vs all three (+ POLICY)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -146,8 +149,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77d|s77e|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77d, s77e, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77d|s77e|s78a|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77d, s77e, s78a, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -472,6 +475,15 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk 512 --trace "$OUT/trace" \
       --policy '{}' '{"indexer_prefill": true, "kda_handover": true}' ${POLICY:+"$POLICY"} 2>&1 | keep 30 \
       > "$OUT/bench_prefill.log"
+    ;;
+  s78a)  # (either; H100: LAYERS=32) see the header
+    gpu_tests s78a 200 gpu "rows_gpu or kda_prefill_kernel_gpu or moe_prefill_gpu_real" tests/test_indexer.py \
+      tests/test_kda_prefill.py tests/test_moe_prefill.py
+    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
+    timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
+      --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk 512 --trace "$OUT/trace" \
+      --policy '{}' '{"indexer_prefill": true, "kda_handover": true, "moe_prefill_rows": true}' \
+      ${POLICY:+"$POLICY"} 2>&1 | keep 30 > "$OUT/bench_prefill.log"
     ;;
   s77e)  # (either; H100: LAYERS=32) see the header
     keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }

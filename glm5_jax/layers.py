@@ -704,6 +704,13 @@ KNOBS = {
         "first 32 layers on an H100, 256-token chunks (benchmarks/bench_prefill.py): a 4K prompt 3.45 -> 1.99 s, "
         "32K 22.7 -> 10.7 s. On by default where the kernels run natively; in GPU interpret mode (the CPU: seconds "
         "a call) only when the policy asks for it"),
+    "moe_prefill_rows": (False,
+        "with moe_prefill: both grouped launches write their outputs as token rows (pallas_kernels.moe_prefill, "
+        "rows=True: each CTA's [weight rows, tile rows] sums picked per token row into SMEM by masked row sums, as "
+        "the decode kernels' linear._rows_out, and stored by one TMA) instead of [tiles, N, tile rows] arrays that "
+        "XLA transposes — h before the down launch and y before the pairs' gather (in session 77's H100 trace of "
+        "a 512-token chunk, one TP4 rank's first 32 layers: ~1.4 ms of the chunk's kernels for y's). The same "
+        "values bit for bit (GPU interpret mode). CPU-built (session 78); off until measured"),
     "mla_prefill": (True,
         "with an FP8 latent cache: DSA's attention of a prefill chunk (and of a decode step past the decode "
         "kernels' 64 token rows) through the sparse MLA decode kernel (pallas_kernels.sparse_mla.sparse_mla_decode: "
@@ -759,7 +766,8 @@ KNOBS = {
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
-PREFILL_KNOBS = ("moe_prefill", "mla_prefill", "topk_prefill", "mhc_prefill", "indexer_prefill", "kda_handover")
+PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "mla_prefill", "topk_prefill", "mhc_prefill", "indexer_prefill",
+                 "kda_handover")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",
@@ -1781,7 +1789,7 @@ class Experts(nnx.Module):
       mma = {"mma": "tcgen05"} if has_tcgen05(kernel_arch()) else {}
       return kp.fp8_moe_prefill(x, ids, weights, self.gate_proj[...], self.gate_scale[...], self.up_proj[...],
                                 self.up_scale[...], self.down_proj[...], self.down_scale[...],
-                                swiglu_limit=float(self.limit), **mma)
+                                swiglu_limit=float(self.limit), rows=kernel_enabled("moe_prefill_rows"), **mma)
     # ... else every expert over every token, combined with a dense [M, E] weight matrix
     comb = jnp.zeros((M, E), jnp.float32).at[jnp.arange(M)[:, None], ids].add(weights)
     g = jnp.einsum("md,eid->mei", x.astype(dtype), self._w("gate_proj", None, dtype), precision=HIGHEST)

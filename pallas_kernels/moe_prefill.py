@@ -77,7 +77,7 @@ def route_groups(ids, num_experts: int, mp: int):
 
 
 def _grouped_kernel(tile_e_ref, x_ref, *refs, mp: int, bm: int, stages: int, n_tiles: int, steps: int,
-                    limit: float | None, tc05: bool = False):
+                    limit: float | None, tc05: bool = False, rows: bool = False):
   """CTA t = (weight row tile t % n_tiles, row tile mt = t // n_tiles): o[mt, rows, :] = W_e[rows] · x_tile.T with
   e = tile_e[mt] — its ``steps`` 128-K blocks through a ``stages``-deep TMA ring (the weight tile(s) + the tile's
   token rows per slot), each dequantised (``linear._mma_tile``) into a fresh accumulator and added times its block
@@ -85,10 +85,15 @@ def _grouped_kernel(tile_e_ref, x_ref, *refs, mp: int, bm: int, stages: int, n_t
   o's dtype (the down launch's input). A tile without an expert (past the chunk's) exits at once. ``tc05``: the
   tcgen05 form (Blackwell) — each block one tcgen05 MMA of the dequantised tile (through a_s) into the TMEM
   accumulator, its block added in tcgen05's register layout, the sums relaid through the f32 tile t_s into the
-  WGMMA layout for the epilogue (scratch after a_s: ``linear._tc_scratch``'s three)."""
+  WGMMA layout for the epilogue (scratch after a_s: ``linear._tc_scratch``'s three). ``rows``: o is [T·mp, N], the
+  tile's sums written as its mp token rows (``linear._rows_out``: through the SMEM tile y_s [mp, bm], the last
+  scratch, and one TMA store) instead of o [T, N, mp] for XLA to transpose."""
   n_w = 1 if limit is None else 2
   ws, ss = refs[0:2 * n_w:2], refs[1:2 * n_w:2]
   o_ref, *rest = refs[2 * n_w:]
+  y_s = None
+  if rows:
+    *rest, y_s = rest
   tc, t_s = (None, None) if not tc05 else (tuple(rest[-3:-1]), rest[-1])
   rest = rest[:-3] if tc05 else rest
   w_ss, (x_s, bar, *a_s) = rest[:n_w], rest[n_w:]
@@ -123,11 +128,14 @@ def _grouped_kernel(tile_e_ref, x_ref, *refs, mp: int, bm: int, stages: int, n_t
     if tc05:
       accs = tuple(tmem_to_wgmma(a, t_s) for a in accs)
     if limit is None:
-      out = accs[0].astype(o_ref.dtype)
+      out = accs[0]
     else:  # (the decode MoE's gate/up epilogue: linear._moe_gate_up_kernel)
       gate, up = jnp.minimum(accs[0], limit), jnp.clip(accs[1], -limit, limit)
-      out = (gate * jax.nn.sigmoid(gate) * up).astype(o_ref.dtype)
-    o_ref[mt, pl.ds(row0, bm), :] = out
+      out = gate * jax.nn.sigmoid(gate) * up
+    if rows:  # (the f32 sums picked per row, rounded once into y_s)
+      kl._rows_out((o_ref.at[pl.ds(mt * mp, mp)], y_s), out, row0=row0)
+    else:
+      o_ref[mt, pl.ds(row0, bm), :] = out.astype(o_ref.dtype)
 
 
 def _check_grouped(x, tile_e, w, scale_inv, mp: int):
@@ -148,9 +156,10 @@ def _check_grouped(x, tile_e, w, scale_inv, mp: int):
 
 
 def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int | None, a_from: str | None,
-                    limit: float | None, out_dtype, mma: str = "wgmma"):
+                    limit: float | None, out_dtype, mma: str = "wgmma", rows: bool = False):
   """One grouped launch over ``weights`` = [(w [E, N, K] e4m3, scale_inv)] (one, or gate and up with ``limit``)
-  -> [T·mp, N] in out_dtype. ``mma``: "wgmma" or "tcgen05" (128 weight rows a CTA, the tile through SMEM)."""
+  -> [T·mp, N] in out_dtype. ``mma``: "wgmma" or "tcgen05" (128 weight rows a CTA, the tile through SMEM);
+  ``rows``: the kernel writes the [T·mp, N] rows itself (else [T, N, mp], transposed by XLA)."""
   tc05 = check_mma(mma, "fp8_grouped_linear")
   for w, s in weights:
     _check_grouped(x, tile_e, w, s, mp)
@@ -165,12 +174,14 @@ def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int 
   n_w = len(weights)
   stage_bytes = n_w * bm * BLOCK + mp * BLOCK * x.dtype.itemsize
   # (reserved: the dequantised tile a_s; tcgen05: the relay tile t_s too)
+  out_dtype = jnp.dtype(out_dtype)
   stages = stages or kl._pick_stages(steps, stage_bytes, n_tiles * T, None, 2,
-                                     reserve=(bm * BLOCK * 2 if a_smem else 0) + (bm * mp * 4 if tc05 else 0))
+                                     reserve=(bm * BLOCK * 2 if a_smem else 0) + (bm * mp * 4 if tc05 else 0)
+                                     + (mp * bm * out_dtype.itemsize if rows else 0))
   o = mgpu_kernel(
       functools.partial(_grouped_kernel, mp=mp, bm=bm, stages=stages, n_tiles=n_tiles, steps=steps, limit=limit,
-                        tc05=tc05),
-      out_type=jax.ShapeDtypeStruct((T, n, mp), out_dtype),
+                        tc05=tc05, rows=rows),
+      out_type=jax.ShapeDtypeStruct((T * mp, n) if rows else (T, n, mp), out_dtype),
       grid=(n_tiles * T,),
       grid_names=("t",),
       kernel_name="glm5_moe_prefill",
@@ -180,14 +191,15 @@ def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int 
           plgpu.Barrier(num_arrivals=n_w + 1, num_barriers=stages),
           *([plgpu.SMEM((bm, BLOCK), x.dtype, transforms=kl._tr(x.dtype, BLOCK))] if a_smem else []),
           *(kl._tc_scratch(bm, mp) if tc05 else []),
+          *([plgpu.SMEM((mp, bm), out_dtype)] if rows else []),
       ],
   )(tile_e, x, *[a for w, s in weights for a in (w, s.astype(jnp.float32))])
-  return jnp.swapaxes(o, 1, 2).reshape(T * mp, n)
+  return o if rows else jnp.swapaxes(o, 1, 2).reshape(T * mp, n)
 
 
-@kernel_entry("mp", "bm", "stages", "a_from", "out_dtype", "mma")
+@kernel_entry("mp", "bm", "stages", "a_from", "out_dtype", "mma", "rows")
 def fp8_grouped_linear(x, tile_e, w, scale_inv, *, mp: int, bm: int | None = None, stages: int | None = None,
-                       a_from: str | None = None, out_dtype=jnp.float32, mma: str = "wgmma"):
+                       a_from: str | None = None, out_dtype=jnp.float32, mma: str = "wgmma", rows: bool = False):
   """x [T·mp, K] bf16 (or f16: the dequantised tiles in x's dtype) in row tiles of mp, tile_e [T] int32 (each
   tile's expert, -1: unused), w [E, N, K] e4m3 with scale_inv [E, N/128, K/128] f32 -> y [T·mp, N] in out_dtype
   (f32 accumulation) = each tile's rows times its expert's dequantised weight (the rows of unused tiles: garbage,
@@ -195,28 +207,33 @@ def fp8_grouped_linear(x, tile_e, w, scale_inv, *, mp: int, bm: int | None = Non
   weight rows per CTA (64 or 128; default 128 up to 32 rows a tile, as the decode kernels' register budget);
   ``stages``: the ring's depth (default: as many K blocks as fit with two CTAs an SM); ``a_from``: as
   ``linear.fp8_dq_linear``'s (interpret mode: through SMEM). ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell,
-  sm_100: no wgmma there; bm 128, the dequantised tile through SMEM, the accumulator in tensor memory)."""
+  sm_100: no wgmma there; bm 128, the dequantised tile through SMEM, the accumulator in tensor memory). ``rows``:
+  the kernel writes y's rows itself (each tile's sums picked per token row into SMEM, one TMA store a CTA) instead
+  of a [T, N, mp] array that XLA transposes — the same values."""
   return _grouped_launch(x, tile_e, [(w, scale_inv)], mp=mp, bm=bm, stages=stages, a_from=a_from, limit=None,
-                         out_dtype=jnp.dtype(out_dtype), mma=mma)
+                         out_dtype=jnp.dtype(out_dtype), mma=mma, rows=rows)
 
 
-@kernel_entry("swiglu_limit", "mp", "bm", "stages", "a_from", "mma")
+@kernel_entry("swiglu_limit", "mp", "bm", "stages", "a_from", "mma", "rows")
 def fp8_grouped_gate_up(x, tile_e, w_gate, s_gate, w_up, s_up, *, swiglu_limit: float, mp: int,
                         bm: int | None = None, stages: int | None = None, a_from: str | None = None,
-                        mma: str = "wgmma"):
+                        mma: str = "wgmma", rows: bool = False):
   """``fp8_grouped_linear`` over the gate and up weights in one launch (each CTA streams both for its rows, on the
   same x tiles) with the clamped SwiGLU applied: h [T·mp, I] in x's dtype = silu(min(g, L)) · clip(u, −L, L)."""
   return _grouped_launch(x, tile_e, [(w_gate, s_gate), (w_up, s_up)], mp=mp, bm=bm, stages=stages, a_from=a_from,
-                         limit=float(swiglu_limit), out_dtype=x.dtype, mma=mma)
+                         limit=float(swiglu_limit), out_dtype=x.dtype, mma=mma, rows=rows)
 
 
-@kernel_entry("swiglu_limit", "mp", "a_from", "mma")
+@kernel_entry("swiglu_limit", "mp", "a_from", "mma", "rows")
 def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
-                    mp: int | None = None, a_from: str | None = None, mma: str = "wgmma"):
+                    mp: int | None = None, a_from: str | None = None, mma: str = "wgmma", rows: bool = False):
   """``linear.fp8_moe``'s contract for a prefill chunk (same reference, ``linear.fp8_moe_reference``): x [M, D],
   topk_ids / topk_weights [M, k], gate / up [E, I, D] and down [E, D, I] e4m3 with their [.., /128, /128] f32
   scales -> Σ_j w_j · expert_{ids_j}(x) [M, D] f32 (the routed experts: the caller adds the shared one). ``mp``:
-  rows per tile (default ``tile_rows``); ``mma``: the grouped launches' form ("tcgen05" on Blackwell)."""
+  rows per tile (default ``tile_rows``); ``mma``: the grouped launches' form ("tcgen05" on Blackwell); ``rows``:
+  both launches write their outputs as token rows (policy knob moe_prefill_rows), the same values without XLA's
+  two transposes (h [T, I, mp] and y [T, D, mp]: in session 77's H100 trace of a 512-token chunk ~1.4 ms of its
+  kernels for y's)."""
   M, D = x.shape
   k = topk_ids.shape[1]
   E, I = w_gate.shape[:2]
@@ -235,11 +252,11 @@ def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_dow
   src = jnp.zeros((T * mp,), jnp.int32).at[dest].set(order // k, unique_indices=True)
   xs = x.astype(dt)[src]
   h = fp8_grouped_gate_up(xs, tile_e, w_gate, s_gate, w_up, s_up, swiglu_limit=swiglu_limit, mp=mp, a_from=a_from,
-                          mma=mma)
+                          mma=mma, rows=rows)
   # each pair's product in bf16 (summed over the token's k pairs in f32 below): the [T·mp, D] rows (tiles padded,
-  # T a static bound: 3.25x the pairs at the release's M = 256) are written by the kernel, transposed by XLA and
-  # gathered — in f32 9.2 GB of the chunk's 46 GB of kernel outputs at one TP4 rank (session 63's listing)
+  # T a static bound: 3.25x the pairs at the release's M = 256) are written by the kernel, transposed by XLA
+  # (unless ``rows``) and gathered — in f32 9.2 GB of the chunk's 46 GB of kernel outputs at one TP4 rank (session 63's listing)
   y = fp8_grouped_linear(h, tile_e, w_down, s_down, mp=mp, a_from=a_from, out_dtype=jnp.bfloat16,
-                         mma=mma)  # [T·mp, D]
-  rows = jnp.zeros((M * k,), jnp.int32).at[order].set(dest, unique_indices=True).reshape(M, k)
-  return jnp.sum(topk_weights.astype(jnp.float32)[..., None] * y[rows], axis=1)  # (the gather fused into the sum)
+                         mma=mma, rows=rows)  # [T·mp, D]
+  at = jnp.zeros((M * k,), jnp.int32).at[order].set(dest, unique_indices=True).reshape(M, k)  # each pair's row
+  return jnp.sum(topk_weights.astype(jnp.float32)[..., None] * y[at], axis=1)  # (the gather fused into the sum)

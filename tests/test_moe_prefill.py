@@ -68,6 +68,33 @@ def test_fp8_moe_prefill_interpret_equals_reference():
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("kernel_bf16"))
 
 
+@pytest.mark.parametrize("mp,bm,mma", [(16, None, "wgmma"), (32, 64, "wgmma"), (16, None, "tcgen05")])
+def test_grouped_rows_form_is_the_tiled_form(mp, bm, mma):
+  """rows=True (policy knob moe_prefill_rows): each launch writes its [T·mp, N] token rows itself (masked row sums
+  into SMEM, one TMA store a CTA) — bit for bit what XLA's transpose of the [T, N, mp] form gives, the gate/up
+  launch's h (bf16, after the SwiGLU) and the down launch's y (f32 and bf16), in GPU interpret mode; 16- and 32-row
+  tiles, 128 and 64 weight rows a CTA, the tcgen05 form (its sums relaid into the WGMMA layout first)."""
+  m, e, i, d, k = 40, 12, 128, 256, 3
+  rng = np.random.default_rng()
+  x, _, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(int(rng.integers(1 << 30))), m, e, i, d, k)
+  ids = skewed_ids(rng, m, e, k, hot=1, cold=(0, e - 1))
+  tile_e = P.route_groups(ids, e, mp)[2]
+  xs = jnp.asarray(rng.standard_normal((tile_e.shape[0] * mp, d)), jnp.bfloat16)
+  hs = jnp.asarray(rng.standard_normal((tile_e.shape[0] * mp, i)), jnp.bfloat16)
+  used = np.asarray(tile_e).repeat(mp) >= 0  # (unused tiles' rows: never written, never read)
+  kw = {"mp": mp, "bm": None if mma == "tcgen05" else bm, "mma": mma}
+  def outputs(rows):
+    h = P.fp8_grouped_gate_up(xs, tile_e, wg, sg, wu, su, swiglu_limit=1.0, rows=rows, **kw)
+    y32 = P.fp8_grouped_linear(hs, tile_e, wd, sd, rows=rows, **kw)
+    y16 = P.fp8_grouped_linear(hs, tile_e, wd, sd, out_dtype=jnp.bfloat16, rows=rows, **kw)
+    return [np.asarray(a.astype(jnp.float32))[used] for a in (h, y32, y16)]
+  with maybe_interpret(True):
+    want, got = outputs(False), outputs(True)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  assert np.isfinite(want[1]).all() and np.abs(want[1]).max() > 0
+
+
 def test_fp8_moe_prefill_tcgen05_interpret():
   """mma='tcgen05' (Blackwell: 128 weight rows a CTA, each block one tcgen05 MMA into tensor memory, the sums relaid
   into the WGMMA layout) in GPU interpret mode: the wgmma form's output bit for bit (the same blocks summed in the
@@ -113,14 +140,16 @@ def test_fp8_grouped_linear_rejects_bad_shapes():
     P.fp8_grouped_linear(x, jnp.zeros((6,), jnp.int32), w, s, mp=8)
 
 
-@pytest.mark.parametrize("m", [256, 2048])  # 16-row tiles (~7 pairs an expert), 64-row tiles (~57)
-def test_fp8_moe_prefill_lowers_at_the_real_rank(m):
+@pytest.mark.parametrize("m,rows", [(256, False), (2048, False), (512, True), (2048, True)])
+def test_fp8_moe_prefill_lowers_at_the_real_rank(m, rows):
+  """16-row tiles (~7 pairs an expert at 256 rows, 14 at 512), 64-row tiles (~57 at 2,048); ``rows``: the token rows
+  written by the kernels — no transpose left to XLA."""
   E, I, D, k = (MOE_REAL[c] for c in "EIDk")
   args = (SDS((m, D), jnp.bfloat16), SDS((m, k), jnp.int32), SDS((m, k), jnp.float32), SDS((E, I, D), F8),
           SDS((E, I // 128, D // 128), jnp.float32), SDS((E, I, D), F8), SDS((E, I // 128, D // 128), jnp.float32),
           SDS((E, D, I), F8), SDS((E, D // 128, I // 128), jnp.float32))
-  txt = cross_lower(lambda *a: P.fp8_moe_prefill(*a, swiglu_limit=10.0), *args).as_text()
-  assert "glm5_moe_prefill" in txt
+  txt = cross_lower(lambda *a: P.fp8_moe_prefill(*a, swiglu_limit=10.0, rows=rows), *args).as_text()
+  assert txt.count("glm5_moe_prefill") >= 2 and ("stablehlo.transpose" in txt) == (not rows)
 
 
 def _prefill_caches(m, policy, prompt):
@@ -139,11 +168,12 @@ def test_prefill_moe_kernel_at_the_model_site():
   off = {k: False for k in KERNEL_DEFAULTS}
   states = []
   for on in (False, True):
-    dec, state = _prefill_caches(m, tuple(sorted({**off, "moe_prefill": on, "kv_cache_dtype": "auto"}.items())),
-                                 prompt)
+    dec, state = _prefill_caches(m, tuple(sorted({**off, "moe_prefill": on, "moe_prefill_rows": on,
+                                                  "kv_cache_dtype": "auto"}.items())), prompt)
     states.append(state)
-    # (the target's two MoE layers in each traced chunk)
-    assert (dec.prefill_sites.get("moe_prefill", {}).get("sites", 0) > 0) == on
+    # (the target's two MoE layers in each traced chunk; with the kernels' rows form)
+    for knob in ("moe_prefill", "moe_prefill_rows"):
+      assert (dec.prefill_sites.get(knob, {}).get("sites", 0) > 0) == on
   # (the layers' caches: every MoE layer's routing sees the same inputs in both runs but the last one's, whose
   # output, kernel rounding apart, may pick other experts after a near tie there — it reaches only the final hidden
   # states: the first token, and an MTP layer's cache)
@@ -169,13 +199,17 @@ def test_prefill_moe_kernel_request_that_cannot_run_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [256, 2048])
+@pytest.mark.parametrize("m", [256, 512, 2048])
 def test_fp8_moe_prefill_gpu_real_shapes(m):
+  """Natively at the release's per-rank shapes against the reference; the rows form (moe_prefill_rows) bit for bit
+  the tiled one."""
   E, I, D, k = (MOE_REAL[c] for c in "EIDk")
   x, ids, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(m), m, E, I, D, k)
   y = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0)
   ref = jax.jit(lambda *a: L.fp8_moe_reference(*a, swiglu_limit=10.0))(x, ids, tw, wg, sg, wu, su, wd, sd)
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("kernel_bf16"))
+  rows = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0, rows=True)
+  np.testing.assert_array_equal(np.asarray(rows), np.asarray(y))
 
 
 @pytest.mark.blackwell
