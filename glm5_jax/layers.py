@@ -704,13 +704,19 @@ KNOBS = {
         "first 32 layers on an H100, 256-token chunks (benchmarks/bench_prefill.py): a 4K prompt 3.45 -> 1.99 s, "
         "32K 22.7 -> 10.7 s. On by default where the kernels run natively; in GPU interpret mode (the CPU: seconds "
         "a call) only when the policy asks for it"),
-    "moe_prefill_rows": (False,
+    "moe_prefill_rows": (True,
         "with moe_prefill: both grouped launches write their outputs as token rows (pallas_kernels.moe_prefill, "
         "rows=True: each CTA's [weight rows, tile rows] sums picked per token row into SMEM by masked row sums, as "
         "the decode kernels' linear._rows_out, and stored by one TMA) instead of [tiles, N, tile rows] arrays that "
         "XLA transposes — h before the down launch and y before the pairs' gather (in session 77's H100 trace of "
         "a 512-token chunk, one TP4 rank's first 32 layers: ~1.4 ms of the chunk's kernels for y's). The same "
-        "values bit for bit (GPU interpret mode). CPU-built (session 78); off until measured"),
+        "values bit for bit (GPU interpret mode, and natively at the rank's shapes: its GPU tests, session 78). In "
+        "s78a's trace the grouped kernels took 21.7 -> 22.5 ms a chunk (the masked row sums) and XLA's transposes "
+        "(1.6 ms) went" "; with indexer_prefill, kda_handover and moe_prefill_rows all on (session 78, gpu_session.sh s78a: an H100, one "
+        "TP4 rank's first 32 layers, 512-token chunks, two repeats each after a full-length warm-up) a 4K prompt "
+        "577.0 -> 525.9 ms to the first token and 32K 4,285 -> 3,994 ms, every repeat apart; the chunk's kernels "
+        "(its trace) MoE 27.3 -> 26.5 ms, the indexer's 2.7 -> 0.7 ms + its FP8 GEMM (1.7 ms) gone, KDA 10.3 -> 9.0 "
+        "ms; 3,786 -> 2,880 kernels a chunk — on by default"),
     "mla_prefill": (True,
         "with an FP8 latent cache: DSA's attention of a prefill chunk (and of a decode step past the decode "
         "kernels' 64 token rows) through the sparse MLA decode kernel (pallas_kernels.sparse_mla.sparse_mla_decode: "
@@ -735,16 +741,22 @@ KNOBS = {
         "GEMM writing f32 streams for the next fusion: in session 77's H100 trace of a 512-token chunk (one TP4 "
         "rank's first 32 layers) 4.2 of the chunk's 5.6 ms of mHC kernels (a 16.8 MB bf16 stream set a site). "
         "The same sums rounded in another order (within the fp32 paths' tolerance of the reference's)"),
-    "kda_handover": (False,
+    "kda_handover": (True,
         "a prefill chunk's KDA state hand-over between its 32-token sub-chunks (S_{c+1} = R_c S_c + P_c, every "
         "sub-chunk's entry state kept) as one Mosaic GPU launch a layer (pallas_kernels.kda_prefill.kda_handover: "
         "a CTA per head and 16 state columns, R_c streamed by TMA, f32 rank-1 updates on the CUDA cores) instead "
         "of XLA's unrolled chain of 2 launches a sub-chunk (32 a KDA layer of a 512-token chunk, ~3 ms of its "
         "kernels on an H100 in session 77's trace) and the concatenation of the entry states that a 768- or "
         "1,024-token chunk's compile may stall on. No wgmma: any GPU. CPU-built (session 77): GPU interpret mode "
-        "against the recurrence, the CUDA lowering at a 512-token chunk's 16 sub-chunks x 16 heads; off until "
-        "measured"),
-    "indexer_prefill": (False,
+        "against the recurrence, the CUDA lowering at a 512-token chunk's 16 sub-chunks x 16 heads; natively "
+        "within the fp32 paths' tolerance of the reference (its GPU tests, session 78). Also what lets 768- and "
+        "1,024-token chunks compile (~5 min with XLA's autotuning, one input_concatenate_fusion 2.5-3.5 min of "
+        "it): a 4K prompt in 1,024-token chunks 394.7 ms, 32K 2,961 ms (s78b)" "; with indexer_prefill, kda_handover and moe_prefill_rows all on (session 78, gpu_session.sh s78a: an H100, one "
+        "TP4 rank's first 32 layers, 512-token chunks, two repeats each after a full-length warm-up) a 4K prompt "
+        "577.0 -> 525.9 ms to the first token and 32K 4,285 -> 3,994 ms, every repeat apart; the chunk's kernels "
+        "(its trace) MoE 27.3 -> 26.5 ms, the indexer's 2.7 -> 0.7 ms + its FP8 GEMM (1.7 ms) gone, KDA 10.3 -> 9.0 "
+        "ms; 3,786 -> 2,880 kernels a chunk — on by default"),
+    "indexer_prefill": (True,
         "with an FP8 pooled-key cache: the indexer's scores of a prefill chunk's rows (and of a decode step's past "
         "the decode kernel's 64) through the scores kernel in token groups (pallas_kernels.indexer."
         "indexer_scores_rows: 4 tokens x the index heads a CTA, its queries rotated and quantised in the kernel, "
@@ -753,7 +765,11 @@ KNOBS = {
         "a 512-token chunk at a 32K cache) and scores every pool slot of the cache whatever the prompt's length "
         "(session 77's H100 trace: ~4 ms of a 512-token chunk's kernels around the indexer's scores at a 4K "
         "prompt). CPU-built (session 77): GPU interpret mode against the reference, the CUDA lowering at a chunk's "
-        "512 rows; off until measured"),
+        "512 rows; natively against the reference (its GPU tests, session 78)" "; with indexer_prefill, kda_handover and moe_prefill_rows all on (session 78, gpu_session.sh s78a: an H100, one "
+        "TP4 rank's first 32 layers, 512-token chunks, two repeats each after a full-length warm-up) a 4K prompt "
+        "577.0 -> 525.9 ms to the first token and 32K 4,285 -> 3,994 ms, every repeat apart; the chunk's kernels "
+        "(its trace) MoE 27.3 -> 26.5 ms, the indexer's 2.7 -> 0.7 ms + its FP8 GEMM (1.7 ms) gone, KDA 10.3 -> 9.0 "
+        "ms; 3,786 -> 2,880 kernels a chunk — on by default"),
     "topk_prefill": (False,
         "the indexer's top-512 pools of a prefill chunk's rows (and of a decode step past the decode selection's 64) "
         "as the fused one-launch selection (pallas_kernels.indexer.topk_compact: a grid of ~5 CTAs a row, each "
