@@ -5,7 +5,7 @@ what became them, per prompt length, by chunk size, with the best so far.
 
 A row counts when it is the one-rank geometry (tp4-rank) with no policy, or a policy whose every knob is set as
 today's defaults have it (layers.KERNEL_DEFAULTS: an A/B's candidate that was adopted, e.g. moe_prefill in session
-62, mla_prefill in session 76). Rows are ordered as the file has them (appended as measured). Each prompt length is
+62, mla_prefill in session 76) and no XLA options of its own (prefill_compiler_options). Rows are ordered as the file has them (appended as measured). Each prompt length is
 a panel: a point per row, coloured by its chunk size, and the best so far as a step line; the table printed lists
 each length's rows.
 """
@@ -30,8 +30,8 @@ def default_rows(rows, prompt: int, defaults: dict):
     if r.get("geometry", "tp4-rank") != "tp4-rank" or r.get("prompt") != prompt or r.get("ms") is None:
       continue
     pol = r.get("policy") or {}
-    if any(defaults.get(k) != v for k, v in pol.items()):
-      continue
+    if any(defaults.get(k) != v for k, v in pol.items()) or r.get("prefill_compiler_options"):
+      continue  # (not the defaults; or compiled with XLA options of its own, e.g. without autotuning)
     out.append((i, float(r["ms"]) / 1e3, int(r["chunk"]), r))
   return out
 

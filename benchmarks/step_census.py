@@ -93,6 +93,8 @@ def main(argv=None):
   p.add_argument("--plugin-dir", default=PLUGIN_DIR, help="where the CUDA PJRT plugin is installed (see above)")
   p.add_argument("--workers", type=int, default=2, help="XLA compiles at once (the lowerings run one at a time)")
   p.add_argument("--listing-dir", default=None, help="write each configuration's kernels.tsv and critical.tsv here")
+  p.add_argument("--hlo", action="store_true", help="with --listing-dir: also write each configuration's compiled "
+                 "HLO there (.hlo.txt: what a fusion the listing names holds)")
   p.add_argument("--out", default=None, help="append one JSON line per configuration here")
   p.add_argument("--prefill", type=int, nargs="+", default=None, metavar="T",
                  help="instead of the decode step: the prefill's target chunk program of T tokens a chunk (each T; "
@@ -164,6 +166,9 @@ def main(argv=None):
           fh.write(profiling.kernel_listing(hlo))
         with open(os.path.join(a.listing_dir, name + ".critical.tsv"), "w") as fh:
           fh.write("".join(f"{n}\t{c}\n" for n, c in crit["path"]))
+        if a.hlo:
+          with open(os.path.join(a.listing_dir, name + ".hlo.txt"), "w") as fh:
+            fh.write(hlo)
       if a.out:
         with open(a.out, "a") as fh:
           fh.write(json.dumps(row) + "\n")
