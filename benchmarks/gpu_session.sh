@@ -138,6 +138,9 @@
 #                             XLA's fusion autotuner (PXLA, default xla_gpu_experimental_enable_fusion_autotuner=false:
 #                             s78's 1,024-token chunk compiled for ~5 min with it, ~75 s but 3x slower without any
 #                             autotuning) — the first call's seconds and the prompt's ms, a process each
+#   s78c (either; H100: LAYERS=32; ~450 s): kda_chunk_x6 (the prefill's chunked KDA products as six bf16 tensor-core
+#                             products each instead of cuBLAS's f32 FFMA GEMMs) — its GPU tests, then 4K and 32K
+#                             prompts in 512-token chunks, traced: the defaults vs the knob (+ POLICY)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -153,8 +156,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77d|s77e|s78a|s78b|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77d, s77e, s78a, s78b, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77d|s77e|s78a|s78b|s78c|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77d, s77e, s78a .. s78c, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -499,6 +502,13 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
         --policy "${POLICY:-{\}}" 2>&1 | keep 8 >> "$OUT/bench_prefill.log"
     done
     cat "$OUT/bench_prefill.log"
+    ;;
+  s78c)  # (either; H100: LAYERS=32) see the header
+    gpu_tests s78c 150 gpu "x6" tests/test_model_units.py
+    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
+    timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
+      --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk ${CHUNK:-512} --trace "$OUT/trace" \
+      --policy '{}' '{"kda_chunk_x6": true}' ${POLICY:+"$POLICY"} 2>&1 | keep 30 > "$OUT/bench_prefill.log"
     ;;
   s77e)  # (either; H100: LAYERS=32) see the header
     keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }

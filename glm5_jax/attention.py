@@ -95,7 +95,7 @@ def l2norm(x):
   return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False):
+def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False, precision=HIGHEST):
   """Chunked (WY) form of the gated delta rule; equals the per-token recurrence.
 
   q, k [B, T, H, K] (already l2-normalised, q scaled), v [B, T, H, V], g [B, T, H, K] log-decay (≤ 0),
@@ -112,6 +112,9 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False):
   ran 8 loop iterations of 13 kernels per KDA layer (3,536 launches and 272 loop trips per chunk at the rank's
   34 KDA layers, compiled for an H200). ``handover_kernel`` (policy knob kda_handover): the hand-over chain as one
   Mosaic GPU launch (pallas_kernels.kda_prefill.kda_handover) instead of n dependent XLA products and adds.
+  ``precision``: the products' (HIGHEST: f32, which XLA runs on a GPU's CUDA cores — cuBLAS's FFMA GEMMs; policy knob
+  kda_chunk_x6 passes lax.DotAlgorithmPreset.BF16_BF16_F32_X6: f32 operands as three bf16 terms, six tensor-core
+  products summed in f32 — within f32's rounding of it). The triangular solve stays f32.
   """
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -125,7 +128,7 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False):
   per_chunk = lambda a: jnp.swapaxes(a.reshape(B, n, C, H, -1), 2, 3)
   qc, kc, vc, gc = map(per_chunk, (q, k, v, g))
   bc = per_chunk(beta[..., None])  # [B, n, H, C, 1]
-  mm = functools.partial(jnp.einsum, precision=HIGHEST)
+  mm = functools.partial(jnp.einsum, precision=precision)
   G = jnp.cumsum(gc, axis=3)  # [B, n, H, C, K]
   causal = jnp.tril(jnp.ones((C, C), bool))[:, :, None]
   E = jnp.exp(jnp.where(causal, G[:, :, :, :, None] - G[:, :, :, None, :], -jnp.inf))  # [B, n, H, i, j, K]
@@ -302,7 +305,9 @@ class KDA(nnx.Module):
       ho = kernel_enabled("kda_handover", fits=Kd % 64 == 0 and Kd % kp.VB == 0,
                           why=f"head dim {Kd} (the kernel's state rows: a multiple of 64)", prefer=not interpreting(),
                           prefer_why="GPU interpret mode: seconds a call (the policy can ask for it)")
-      o, S = kda_chunked(qn, l2norm(k), v, gl, beta, S0, handover_kernel=ho)
+      x6 = kernel_enabled("kda_chunk_x6")
+      o, S = kda_chunked(qn, l2norm(k), v, gl, beta, S0, handover_kernel=ho,
+                         precision=lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if x6 else HIGHEST)
       new_ssm = ssm.at[:, 0].set(S)
     if not normed:
       o = rms_norm(o, self.o_norm.weight[...].astype(jnp.float32), self.eps, jnp.float32) * jax.nn.sigmoid(gate)

@@ -756,6 +756,14 @@ KNOBS = {
         "577.0 -> 525.9 ms to the first token and 32K 4,285 -> 3,994 ms, every repeat apart; the chunk's kernels "
         "(its trace) MoE 27.3 -> 26.5 ms, the indexer's 2.7 -> 0.7 ms + its FP8 GEMM (1.7 ms) gone, KDA 10.3 -> 9.0 "
         "ms; 3,786 -> 2,880 kernels a chunk — on by default"),
+    "kda_chunk_x6": (False,
+        "a prefill chunk's chunked KDA (attention.kda_chunked) with its batched f32 products as "
+        "lax.DotAlgorithmPreset.BF16_BF16_F32_X6 — each f32 operand split into three bf16 terms, six tensor-core "
+        "products summed in f32, within f32's rounding of the exact product — instead of HIGHEST, which XLA runs as "
+        "cuBLAS's f32 FFMA GEMMs on the CUDA cores: 3.1 ms of a 512-token chunk's kernels in session 78's H100 trace "
+        "(sm80_xmma_gemm_f32f32 ... ffma, ~94 launches; one TP4 rank's first 32 layers). The triangular solve stays "
+        "f32. CPU-built (session 78; the CPU runs the preset too: the tests compare it with the per-token "
+        "recurrence); off until measured"),
     "indexer_prefill": (True,
         "with an FP8 pooled-key cache: the indexer's scores of a prefill chunk's rows (and of a decode step's past "
         "the decode kernel's 64) through the scores kernel in token groups (pallas_kernels.indexer."
@@ -783,7 +791,7 @@ KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
 PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "mla_prefill", "topk_prefill", "mhc_prefill", "indexer_prefill",
-                 "kda_handover")
+                 "kda_handover", "kda_chunk_x6")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",

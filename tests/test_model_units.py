@@ -70,6 +70,60 @@ def test_chunked_kda_handover_kernel_equals_the_recurrence(T, chunk):
   np.testing.assert_allclose(np.asarray(S), np.asarray(S_x), **tol("fp32_paths"))
 
 
+X6 = lax.DotAlgorithmPreset.BF16_BF16_F32_X6
+
+
+@pytest.mark.parametrize("T,chunk", [(70, 16), (33, 32)])
+def test_chunked_kda_x6_products_equal_the_recurrence(T, chunk):
+  """kda_chunked with its products as BF16_BF16_F32_X6 (policy knob kda_chunk_x6: six bf16 tensor-core products an
+  f32 product on a GPU) — the outputs and final state within the fp32 paths' tolerance of the per-token recurrence
+  and of the f32 products', at the real head dim, with the XLA hand-over chain and the kernel's (interpret mode)."""
+  args, o_ref, s_ref = _chunked_kda_case(1, T, 2, 128)
+  o_x, S_x = kda_chunked(*args, chunk=chunk)
+  for ho in (False, True):
+    with maybe_interpret(ho):
+      jaxpr = str(jax.make_jaxpr(functools.partial(kda_chunked, chunk=chunk, handover_kernel=ho, precision=X6))(*args))
+      o, S = kda_chunked(*args, chunk=chunk, handover_kernel=ho, precision=X6)
+    assert "BF16_BF16_F32_X6" in jaxpr and "precision=(Precision.HIGHEST" not in jaxpr
+    for got, want in ((o, o_ref), (S, s_ref), (o, o_x), (S, S_x)):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol("fp32_paths"))
+
+
+def test_chunked_kda_x6_at_the_model_site():
+  """Policy knob kda_chunk_x6 at the model's KDA sites as a prefill chunk runs them (every other knob off;
+  kernel-tiny in f32, a 13-token prompt in two 8-row chunks): the trunk's hidden states within the fp32 paths'
+  tolerance of the f32 products'; the knob's sites reported (one per KDA layer and chunk program)."""
+  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
+  from glm5_jax.runtime import DecodeConfig  # noqa: PLC0415
+  from glm5_jax.speculative import Decoder  # noqa: PLC0415
+  from helpers import target_hidden_in_chunks  # noqa: PLC0415
+  m = load(tiny_checkpoint("kernel-tiny", 4, "fp8", n_routed_experts=4), "float32")
+  toks = np.random.default_rng().integers(0, 2000, (1, 13)).astype(np.int32)
+  hs = {}
+  for on in (False, True):
+    pol = tuple(sorted({**{k: False for k in KERNEL_DEFAULTS}, "kda_chunk_x6": on, "kv_cache_dtype": "auto"}.items()))
+    dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=pol), backend="latency_specialized",
+                  prefill_chunk=8)
+    hs[on], rep = target_hidden_in_chunks(dec, m, toks, 13, 8, dec.prefill_kernel_mode())
+    assert (("kda_chunk_x6", None) in rep) == on, rep
+  np.testing.assert_allclose(hs[True], hs[False], **tol("fp32_paths"))
+  dec.prefill([toks[0]])  # (the knob on)
+  kda_layers = sum(t == "linear_attention" for t in m.cfg.layer_types)
+  assert dec.prefill_sites["kda_chunk_x6"]["sites"] == kda_layers > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [512, 70])
+def test_chunked_kda_x6_products_gpu(T):
+  """Natively (XLA's GPU dots of the BF16_BF16_F32_X6 algorithm): a 512-token chunk of 16 heads at the real head
+  dim, and a partial last sub-chunk — the per-token recurrence's and the f32 products' tolerance."""
+  args, o_ref, s_ref = _chunked_kda_case(1, T, 16 if T == 512 else 2, 128)
+  o_x, S_x = jax.jit(kda_chunked)(*args)
+  o, S = jax.jit(functools.partial(kda_chunked, precision=X6))(*args)
+  for got, want in ((o, o_ref), (S, s_ref), (o, o_x), (S, S_x)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol("fp32_paths"))
+
+
 def test_sharded_checkpoint_loads_like_one_file(tmp_path):
   cfg = make_tiny.preset_config("oracle-tiny")
   make_tiny.write_checkpoint(cfg, tmp_path / "one", seed=5, dtype="fp8")
