@@ -625,7 +625,8 @@ def test_plot_prefill_takes_the_defaults_rows_per_prompt(tmp_path, capsys):
            "policy": [{}, {on: True}][(i // 4) % 2], "ms": float(rng.uniform(500, 9000)), "layers": 32,
            "date": f"2026-12-0{1 + i // 10}", "device": "H100"} for i in range(24)]
   noise = [dict(rows[0], policy={on: False}, ms=1.0), dict(rows[1], policy={off: True}, ms=1.0),
-           dict(rows[2], geometry="kernel-tiny", ms=1.0)]
+           dict(rows[2], geometry="kernel-tiny", ms=1.0),
+           dict(rows[3], prefill_compiler_options={"xla_gpu_autotune_level": 0}, ms=1.0)]
   order = rng.permutation(len(rows) + len(noise))
   everything = [(rows + noise)[j] for j in order]
   path = tmp_path / "rows.jsonl"
@@ -639,6 +640,37 @@ def test_plot_prefill_takes_the_defaults_rows_per_prompt(tmp_path, capsys):
   text = capsys.readouterr().out
   best = min(r["ms"] for r in want) / 1e3
   assert text.count("| 4,096 |") == len(want) and f"| {best:.3f} |" in text.splitlines()[1 + len(want)]
+
+
+def test_plot_prefill_components_of_the_traced_rows(tmp_path, capsys):
+  """plot_prefill.py --components-out: the last N rows with a trace split by component (untraced rows skipped),
+  each a table row of its components in ms (the columns by their largest value) and its total; the PNG is written."""
+  import json  # noqa: PLC0415
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import plot_prefill as PP  # noqa: PLC0415
+
+  rng = np.random.default_rng()
+  comps = ("moe", "kda", "dsa", "mhc", "indexer")
+  rows = [{"geometry": "tp4-rank", "prompt": 4096, "chunk": 512, "policy": {} if i % 2 else {"x": True},
+           "ms": 500.0, "run": f"r{i}", "date": "2026-12-07", "layers": 32, "device": "H100",
+           **({"trace": {"components_us_per_chunk": {c: float(rng.uniform(100, 30000)) for c in comps}}}
+              if i % 3 else {})} for i in range(9)]
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  traced = [r for r in rows if "trace" in r]
+  got = PP.component_rows(PP.load_rows([str(path)]), 4)
+  assert [r["run"] for _, _, r in got] == [r["run"] for r in traced[-4:]]
+  out = tmp_path / "c.png"
+  PP.main([str(path), "--components-out", str(out), "--last", "4"])
+  assert out.stat().st_size > 1000
+  lines = [ln for ln in capsys.readouterr().out.splitlines() if ln[:3] == "| r" and ln[3].isdigit()]
+  assert len(lines) == 4
+  for ln, r in zip(lines, traced[-4:]):
+    cells = [c.strip() for c in ln.strip("|").split("|")]
+    assert cells[0].startswith(r["run"] + " p4096 c512") and ("x=True" in cells[0]) == bool(r["policy"])
+    assert float(cells[-1]) == pytest.approx(sum(r["trace"]["components_us_per_chunk"].values()) / 1e3, abs=0.006)
 
 
 def test_step_census_diff_names_the_kernels_a_policy_adds_and_removes():
