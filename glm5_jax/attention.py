@@ -95,7 +95,13 @@ def l2norm(x):
   return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False, precision=HIGHEST):
+# the largest |G_i − G_m| (log-decay between a sub-chunk's token and its middle one) whose e^{±·} stay finite and
+# normal in f32 (e^88 ≈ 1.7e38): kda_chunked's pairwise products as GEMMs need (C / 2) · |lower bound| within it
+PAIRWISE_GEMM_MAX_LOG = 80.0
+
+
+def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False, precision=HIGHEST,
+                pairwise_gemm: bool = False):
   """Chunked (WY) form of the gated delta rule; equals the per-token recurrence.
 
   q, k [B, T, H, K] (already l2-normalised, q scaled), v [B, T, H, V], g [B, T, H, K] log-decay (≤ 0),
@@ -115,6 +121,12 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False, p
   ``precision``: the products' (HIGHEST: f32, which XLA runs on a GPU's CUDA cores — cuBLAS's FFMA GEMMs; policy knob
   kda_chunk_x6 passes lax.DotAlgorithmPreset.BF16_BF16_F32_X6: f32 operands as three bf16 terms, six tensor-core
   products summed in f32 — within f32's rounding of it). The triangular solve stays f32.
+  ``pairwise_gemm`` (policy knob kda_chunk_gemm): the pairwise terms kk_ij = Σ_c k_ic k_jc e^{G_ic − G_jc} (and qk's)
+  as batched products of k ⊙ e^{G − G_m} and k ⊙ e^{G_m − G} about the sub-chunk's middle token m instead of the
+  [C, C, K] tensor of pairwise exponents: every factor's exponent is within (C / 2) · max|g|, which the caller keeps
+  to PAIRWISE_GEMM_MAX_LOG (the safe gate's −5 at 32-token sub-chunks: 80) — finite, and each causal term (j <= i)
+  the product of two finite factors whose exact value is at most 1 (those below f32's range flush toward 0, as e^{G_i
+  − G_j} itself would); the anti-causal entries may overflow and are discarded by a select, never multiplied.
   """
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -131,9 +143,14 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False, p
   mm = functools.partial(jnp.einsum, precision=precision)
   G = jnp.cumsum(gc, axis=3)  # [B, n, H, C, K]
   causal = jnp.tril(jnp.ones((C, C), bool))[:, :, None]
-  E = jnp.exp(jnp.where(causal, G[:, :, :, :, None] - G[:, :, :, None, :], -jnp.inf))  # [B, n, H, i, j, K]
-  kk = mm("bnhic,bnhjc,bnhijc->bnhij", kc, kc, E)
-  qk = mm("bnhic,bnhjc,bnhijc->bnhij", qc, kc, E)  # (causal: E is 0 above the diagonal)
+  if pairwise_gemm:
+    Gm = G[:, :, :, C // 2:C // 2 + 1]  # [B, n, H, 1, K]: the middle token's
+    kr = kc * jnp.exp(Gm - G)  # (k_j ⊙ e^{G_m − G_j})
+    kk, qk = (jnp.where(causal[..., 0], mm("bnhic,bnhjc->bnhij", a * jnp.exp(G - Gm), kr), 0.0) for a in (kc, qc))
+  else:
+    E = jnp.exp(jnp.where(causal, G[:, :, :, :, None] - G[:, :, :, None, :], -jnp.inf))  # [B, n, H, i, j, K]
+    kk = mm("bnhic,bnhjc,bnhijc->bnhij", kc, kc, E)
+    qk = mm("bnhic,bnhjc,bnhijc->bnhij", qc, kc, E)  # (causal: E is 0 above the diagonal)
   A = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), kk * bc, 0.0) + jnp.eye(C, dtype=kk.dtype)
   eG = jnp.exp(G)
   UW = jax.scipy.linalg.solve_triangular(A, bc * jnp.concatenate([vc, kc * eG], -1), lower=True,
@@ -306,8 +323,12 @@ class KDA(nnx.Module):
                           why=f"head dim {Kd} (the kernel's state rows: a multiple of 64)", prefer=not interpreting(),
                           prefer_why="GPU interpret mode: seconds a call (the policy can ask for it)")
       x6 = kernel_enabled("kda_chunk_x6")
+      span = 16 * abs(self.lower_bound)  # (kda_chunked's 32-token sub-chunks: 16 tokens either side of the middle)
+      pg = kernel_enabled("kda_chunk_gemm", fits=span <= PAIRWISE_GEMM_MAX_LOG,
+                          why=f"a gate lower bound of {self.lower_bound}: e^(16 x {abs(self.lower_bound)}) past "
+                          f"e^{PAIRWISE_GEMM_MAX_LOG:.0f} (f32's range)")
       o, S = kda_chunked(qn, l2norm(k), v, gl, beta, S0, handover_kernel=ho,
-                         precision=lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if x6 else HIGHEST)
+                         precision=lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if x6 else HIGHEST, pairwise_gemm=pg)
       new_ssm = ssm.at[:, 0].set(S)
     if not normed:
       o = rms_norm(o, self.o_norm.weight[...].astype(jnp.float32), self.eps, jnp.float32) * jax.nn.sigmoid(gate)

@@ -764,6 +764,16 @@ KNOBS = {
         "(sm80_xmma_gemm_f32f32 ... ffma, ~94 launches; one TP4 rank's first 32 layers). The triangular solve stays "
         "f32. CPU-built (session 78; the CPU runs the preset too: the tests compare it with the per-token "
         "recurrence); off until measured"),
+    "kda_chunk_gemm": (False,
+        "a prefill chunk's chunked KDA (attention.kda_chunked) with its pairwise terms kk_ij = Σ_c k_ic k_jc e^(G_ic "
+        "- G_jc) and qk's as two batched GEMMs of k and q scaled by e^(±(G - G_m)) about each 32-token sub-chunk's "
+        "middle token (exponents within 16 x the gate's lower bound: 80 at the release's -5, finite in f32; "
+        "declined past attention.PAIRWISE_GEMM_MAX_LOG) instead of the [C, C, K] tensor of pairwise exponents "
+        "XLA builds and reduces (33.5 M exponentials a KDA layer of a 512-token chunk at one TP4 rank; session 78's "
+        "H100 trace: fusion_14070 55 µs and input_reduce_fusion_103 38 µs a KDA layer) — and without XLA's "
+        "horizontal fusion of that reduction with K̃, the one concatenate fusion a 1,024-token chunk program has "
+        "and a 512-token one does not (a suspect of its ~5-minute compile). Within the fp32 paths' tolerance of the "
+        "pairwise form (the products summed in another order). CPU-built (session 78); off until measured"),
     "indexer_prefill": (True,
         "with an FP8 pooled-key cache: the indexer's scores of a prefill chunk's rows (and of a decode step's past "
         "the decode kernel's 64) through the scores kernel in token groups (pallas_kernels.indexer."
@@ -791,7 +801,7 @@ KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
 PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "mla_prefill", "topk_prefill", "mhc_prefill", "indexer_prefill",
-                 "kda_handover", "kda_chunk_x6")
+                 "kda_handover", "kda_chunk_x6", "kda_chunk_gemm")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",

@@ -23,12 +23,13 @@ from helpers import load, tiny_checkpoint
 from pallas_kernels.kda_decode import kda_decode_reference
 
 
-def _chunked_kda_case(B, T, H, D):
+def _chunked_kda_case(B, T, H, D, decay: float = 0.0):
   """Fresh random inputs of kda_chunked (the safe gate's log-decays, l2-normalised q / k) -> (its arguments, the
-  per-token recurrence's outputs [B, T, H, D] and state after the last token)."""
+  per-token recurrence's outputs [B, T, H, D] and state after the last token). ``decay``: added to the gate's
+  input (large: every log-decay near the bound, −5 a token)."""
   rng = np.random.default_rng()
   r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-  q, k, v, f, b = r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H)
+  q, k, v, f, b = r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H, D) + decay, r(B, T, H)
   A_log, dt = r(H) * 0.5, jnp.asarray(np.log(np.expm1(np.exp(rng.uniform(np.log(1e-3), np.log(0.1), (H, D))))),
                                        jnp.float32)
   S0 = r(B, 1, H, D, D) * 0.1
@@ -89,10 +90,33 @@ def test_chunked_kda_x6_products_equal_the_recurrence(T, chunk):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol("fp32_paths"))
 
 
-def test_chunked_kda_x6_at_the_model_site():
-  """Policy knob kda_chunk_x6 at the model's KDA sites as a prefill chunk runs them (every other knob off;
-  kernel-tiny in f32, a 13-token prompt in two 8-row chunks): the trunk's hidden states within the fp32 paths'
-  tolerance of the f32 products'; the knob's sites reported (one per KDA layer and chunk program)."""
+@pytest.mark.parametrize("T,chunk,decay", [(70, 32, 0.0), (45, 32, 30.0), (9, 32, 30.0), (40, 16, 0.0)])
+def test_chunked_kda_pairwise_gemm_equals_the_recurrence(T, chunk, decay):
+  """kda_chunked's pairwise terms as GEMMs about each sub-chunk's middle token (policy knob kda_chunk_gemm): the
+  outputs and final state within the fp32 paths' tolerance of the per-token recurrence and of the pairwise-exponent
+  form — random gates, and every gate at its bound (decay 30: log-decays −5 a token, the factors up to e^±80 and
+  the anti-causal entries overflowing before the select drops them); a partial last sub-chunk, one shorter than the
+  sub-chunk size, 16-token sub-chunks; no non-finite value in the outputs."""
+  args, o_ref, s_ref = _chunked_kda_case(1, T, 2, 128, decay)
+  if decay:
+    assert float(jnp.min(args[3])) < -4.99  # (the bound: −5 a token)
+  o_x, S_x = kda_chunked(*args, chunk=chunk)
+  f = functools.partial(kda_chunked, chunk=chunk, pairwise_gemm=True)
+  jaxpr = str(jax.make_jaxpr(f)(*args))
+  o, S = f(*args)
+  C = min(chunk, T)  # (no [.., C, C, K] tensor of pairwise exponents: the pairwise form has them)
+  pairwise = f"{C},{C},128]"
+  assert pairwise not in jaxpr and pairwise in str(jax.make_jaxpr(functools.partial(kda_chunked, chunk=chunk))(*args))
+  assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(S)).all()
+  for got, want in ((o, o_ref), (S, s_ref), (o, o_x), (S, S_x)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol("fp32_paths"))
+
+
+@pytest.mark.parametrize("knob", ["kda_chunk_x6", "kda_chunk_gemm"])
+def test_chunked_kda_knob_at_the_model_site(knob):
+  """Policy knobs kda_chunk_x6 / kda_chunk_gemm at the model's KDA sites as a prefill chunk runs them (every other
+  knob off; kernel-tiny in f32, a 13-token prompt in two 8-row chunks): the trunk's hidden states within the fp32
+  paths' tolerance of the default form's; the knob's sites reported (one per KDA layer and chunk program)."""
   from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
   from glm5_jax.runtime import DecodeConfig  # noqa: PLC0415
   from glm5_jax.speculative import Decoder  # noqa: PLC0415
@@ -101,27 +125,29 @@ def test_chunked_kda_x6_at_the_model_site():
   toks = np.random.default_rng().integers(0, 2000, (1, 13)).astype(np.int32)
   hs = {}
   for on in (False, True):
-    pol = tuple(sorted({**{k: False for k in KERNEL_DEFAULTS}, "kda_chunk_x6": on, "kv_cache_dtype": "auto"}.items()))
+    pol = tuple(sorted({**{k: False for k in KERNEL_DEFAULTS}, knob: on, "kv_cache_dtype": "auto"}.items()))
     dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=pol), backend="latency_specialized",
                   prefill_chunk=8)
     hs[on], rep = target_hidden_in_chunks(dec, m, toks, 13, 8, dec.prefill_kernel_mode())
-    assert (("kda_chunk_x6", None) in rep) == on, rep
+    assert ((knob, None) in rep) == on, rep
   np.testing.assert_allclose(hs[True], hs[False], **tol("fp32_paths"))
   dec.prefill([toks[0]])  # (the knob on)
   kda_layers = sum(t == "linear_attention" for t in m.cfg.layer_types)
-  assert dec.prefill_sites["kda_chunk_x6"]["sites"] == kda_layers > 0
+  assert dec.prefill_sites[knob]["sites"] == kda_layers > 0
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [512, 70])
-def test_chunked_kda_x6_products_gpu(T):
-  """Natively (XLA's GPU dots of the BF16_BF16_F32_X6 algorithm): a 512-token chunk of 16 heads at the real head
-  dim, and a partial last sub-chunk — the per-token recurrence's and the f32 products' tolerance."""
-  args, o_ref, s_ref = _chunked_kda_case(1, T, 16 if T == 512 else 2, 128)
+@pytest.mark.parametrize("T,decay", [(512, 0.0), (70, 0.0), (512, 30.0)])
+def test_chunked_kda_x6_products_gpu(T, decay):
+  """Natively (XLA's GPU dots of the BF16_BF16_F32_X6 algorithm; the pairwise terms as GEMMs, kda_chunk_gemm; both):
+  a 512-token chunk of 16 heads at the real head dim (random gates, and every gate at its bound), and a partial last
+  sub-chunk — the per-token recurrence's and the f32 pairwise form's tolerance."""
+  args, o_ref, s_ref = _chunked_kda_case(1, T, 16 if T == 512 else 2, 128, decay)
   o_x, S_x = jax.jit(kda_chunked)(*args)
-  o, S = jax.jit(functools.partial(kda_chunked, precision=X6))(*args)
-  for got, want in ((o, o_ref), (S, s_ref), (o, o_x), (S, S_x)):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol("fp32_paths"))
+  for kw in ({"precision": X6}, {"pairwise_gemm": True}, {"precision": X6, "pairwise_gemm": True}):
+    o, S = jax.jit(functools.partial(kda_chunked, **kw))(*args)
+    for got, want in ((o, o_ref), (S, s_ref), (o, o_x), (S, S_x)):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), err_msg=str(kw), **tol("fp32_paths"))
 
 
 def test_sharded_checkpoint_loads_like_one_file(tmp_path):
