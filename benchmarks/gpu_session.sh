@@ -134,13 +134,16 @@
 #   s78a (either; H100: LAYERS=32; ~550 s): s77d with session 78's moe_prefill_rows (the prefill MoE's grouped
 #                             launches write token rows: no XLA transposes) — the three knobs' GPU tests, then 4K and
 #                             32K prompts in 512-token chunks, traced: the defaults vs all three (+ POLICY)
-#   s78b (either; H100: LAYERS=32; ~550 s): 1,024- and 2,048-token chunks (CHUNKS) with the defaults, compiled without
-#                             XLA's fusion autotuner (PXLA, default xla_gpu_experimental_enable_fusion_autotuner=false:
-#                             s78's 1,024-token chunk compiled for ~5 min with it, ~75 s but 3x slower without any
-#                             autotuning) — the first call's seconds and the prompt's ms, a process each
-#   s78c (either; H100: LAYERS=32; ~450 s): kda_chunk_x6 (the prefill's chunked KDA products as six bf16 tensor-core
-#                             products each instead of cuBLAS's f32 FFMA GEMMs) — its GPU tests, then 4K and 32K
-#                             prompts in 512-token chunks, traced: the defaults vs the knob (+ POLICY)
+#   s78b (either; H100: LAYERS=32; ~550 s): 1,024-token chunks' first compile (s78's took ~5 min with XLA's fusion
+#                             autotuner, ~75 s but 3x slower without any autotuning; one input_concatenate_fusion —
+#                             the chunked KDA's kk reduction fused with K̃ — is the suspect): a 4K and a 32K prompt
+#                             with POLICY (default {"kda_chunk_gemm": true}: that fusion gone) under XLA's defaults,
+#                             then the defaults with PXLA (default xla_gpu_experimental_enable_fusion_autotuner=false)
+#                             — each a process (CHUNKS: the chunk sizes, default 1024)
+#   s78c (either; H100: LAYERS=32; ~500 s): the prefill's chunked KDA — kda_chunk_gemm (its pairwise terms as GEMMs)
+#                             and kda_chunk_x6 (its f32 products as six bf16 tensor-core products each instead of
+#                             cuBLAS's FFMA GEMMs): their GPU tests, then 4K and 32K prompts in 512-token chunks,
+#                             traced: the defaults vs kda_chunk_gemm vs both (+ POLICY)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -494,12 +497,15 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     ;;
   s78b)  # (either; H100: LAYERS=32) see the header
     keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
-    for c in ${CHUNKS:-1024 2048}; do  # (a process each: a chunk size whose compile runs long loses only itself)
-      [ "$(left)" -gt 100 ] || break
-      timeout $(( $(left) - 10 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
-        --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk "$c" \
-        --prefill-xla-option "${PXLA:-xla_gpu_experimental_enable_fusion_autotuner=false}" \
-        --policy "${POLICY:-{\}}" 2>&1 | keep 8 >> "$OUT/bench_prefill.log"
+    for c in ${CHUNKS:-1024}; do  # (a process each: a configuration whose compile runs long loses only itself)
+      for form in policy xla; do
+        [ "$(left)" -gt 100 ] || break
+        if [ $form = policy ]; then opts=(--policy "${POLICY:-{\"kda_chunk_gemm\": true\}}")
+        else opts=(--policy '{}' --prefill-xla-option "${PXLA:-xla_gpu_experimental_enable_fusion_autotuner=false}"); fi
+        timeout $(( $(left) - 10 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
+          --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk "$c" "${opts[@]}" 2>&1 \
+          | keep 8 >> "$OUT/bench_prefill.log"
+      done
     done
     cat "$OUT/bench_prefill.log"
     ;;
@@ -508,7 +514,8 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
     timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
       --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk ${CHUNK:-512} --trace "$OUT/trace" \
-      --policy '{}' '{"kda_chunk_x6": true}' ${POLICY:+"$POLICY"} 2>&1 | keep 30 > "$OUT/bench_prefill.log"
+      --policy '{}' '{"kda_chunk_gemm": true}' '{"kda_chunk_gemm": true, "kda_chunk_x6": true}' ${POLICY:+"$POLICY"} \
+      2>&1 | keep 40 > "$OUT/bench_prefill.log"
     ;;
   s77e)  # (either; H100: LAYERS=32) see the header
     keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
