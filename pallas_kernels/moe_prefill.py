@@ -15,7 +15,9 @@ dequantised in registers as the decode kernels do (``pallas_kernels.linear._mma_
 tile's token rows as N), with the 128×128 block scale applied per K block; tiles past the chunk's count exit at
 once. Two launches: gate and up together on the same x tiles with the clamped SwiGLU applied (h in bf16, as
 between the decode MoE kernels: ``fp8_grouped_gate_up``), then down (``fp8_grouped_linear``); XLA gathers the rows
-in, weights them by the routing weights and adds them back per token (``fp8_moe_prefill``).
+in, weights them by the routing weights and adds them back per token (``fp8_moe_prefill``). Each launch writes its
+output as the tiles' token rows ([T·mp, N], ``rows=True``, policy knob moe_prefill_rows: the tile's sums picked per
+row into SMEM, one TMA store) or as [T, N, mp] for XLA to transpose.
 Same contract and reference as ``pallas_kernels.linear.fp8_moe`` (``fp8_moe_reference``). Blackwell (sm_100, no
 wgmma): ``mma="tcgen05"`` — 128 weight rows a CTA, each block's dequantised tile (through SMEM) one tcgen05 MMA into
 a tensor-memory accumulator (``linear._mma_tile``'s tcgen05 form, as the decode MoE's); checked in GPU interpret
