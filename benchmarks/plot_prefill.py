@@ -3,11 +3,11 @@ what became them, per prompt length, by chunk size, with the best so far.
 
   python benchmarks/plot_prefill.py benchmarks/results/prefill_h100.jsonl -o benchmarks/results/prefill_history.png
 
-A row counts when it is the one-rank geometry (tp4-rank) with no policy, or a policy whose every knob is set as
-today's defaults have it (layers.KERNEL_DEFAULTS: an A/B's candidate that was adopted, e.g. moe_prefill in session
-62, mla_prefill in session 76) and no XLA options of its own (prefill_compiler_options). Rows are ordered as the file has them (appended as measured). Each prompt length is
-a panel: a point per row, coloured by its chunk size, and the best so far as a step line; the table printed lists
-each length's rows.
+A row counts when it is the one-rank geometry (tp4-rank) with no policy, or a policy whose every knob is set as today's
+defaults have it (layers.KERNEL_DEFAULTS: an A/B's candidate that was adopted, e.g. moe_prefill in session 62,
+mla_prefill in session 76) and no XLA options of its own (prefill_compiler_options). Rows are ordered as the file has
+them (appended as measured). Each prompt length is a panel: a point per row, coloured by its chunk size, and the best so
+far as a step line; the table printed lists each length's rows.
 
   python benchmarks/plot_prefill.py benchmarks/results/prefill_h100.jsonl --components-out OUT.png [--last N]
 

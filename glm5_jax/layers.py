@@ -45,6 +45,13 @@ _S43 = ("; with indexer_q_in_kernel, topk_keys_in_kernel, mla_combine_kernel, kd
         "all on (session 43, s43c) the one-rank step at q = 1 4.25 -> 4.20 ms, faster in 4 of 4 paired rounds, "
         "1,375 -> 1,185 launches — on by default")
 
+# (three prefill knobs adopted together after their joint A/B — each description ends with it)
+_S78 = ("; with indexer_prefill, kda_handover and moe_prefill_rows all on (session 78, gpu_session.sh s78a: an H100, "
+        "one TP4 rank's first 32 layers, 512-token chunks, two repeats each after a full-length warm-up) a 4K prompt "
+        "577.0 -> 525.9 ms to the first token and 32K 4,285 -> 3,994 ms, every repeat apart; the chunk's kernels "
+        "(its trace) MoE 27.3 -> 26.5 ms, the indexer's 2.7 -> 0.7 ms + its FP8 GEMM (1.7 ms) gone, KDA 10.3 -> 9.0 "
+        "ms; 3,786 -> 2,880 kernels a chunk — on by default")
+
 # The kernel switches of a latency_specialized trace: {name: (default, what it switches and what was measured)}
 # (``glm5-jax knobs`` prints them). A switch left at its default may still decline a call site where XLA measured
 # faster (kernel_enabled's ``prefer``: the bf16 GEMV at one token row, the radix top-k where radix_topk_plan says
@@ -712,11 +719,7 @@ KNOBS = {
         "a 512-token chunk, one TP4 rank's first 32 layers: ~1.4 ms of the chunk's kernels for y's). The same "
         "values bit for bit (GPU interpret mode, and natively at the rank's shapes: its GPU tests, session 78). In "
         "s78a's trace the grouped kernels took 21.7 -> 22.5 ms a chunk (the masked row sums) and XLA's transposes "
-        "(1.6 ms) went" "; with indexer_prefill, kda_handover and moe_prefill_rows all on (session 78, gpu_session.sh s78a: an H100, one "
-        "TP4 rank's first 32 layers, 512-token chunks, two repeats each after a full-length warm-up) a 4K prompt "
-        "577.0 -> 525.9 ms to the first token and 32K 4,285 -> 3,994 ms, every repeat apart; the chunk's kernels "
-        "(its trace) MoE 27.3 -> 26.5 ms, the indexer's 2.7 -> 0.7 ms + its FP8 GEMM (1.7 ms) gone, KDA 10.3 -> 9.0 "
-        "ms; 3,786 -> 2,880 kernels a chunk — on by default"),
+        "(1.6 ms) went" + _S78),
     "mla_prefill": (True,
         "with an FP8 latent cache: DSA's attention of a prefill chunk (and of a decode step past the decode "
         "kernels' 64 token rows) through the sparse MLA decode kernel (pallas_kernels.sparse_mla.sparse_mla_decode: "
@@ -751,11 +754,7 @@ KNOBS = {
         "against the recurrence, the CUDA lowering at a 512-token chunk's 16 sub-chunks x 16 heads; natively "
         "within the fp32 paths' tolerance of the reference (its GPU tests, session 78). Also what lets 768- and "
         "1,024-token chunks compile (~5 min with XLA's autotuning, one input_concatenate_fusion 2.5-3.5 min of "
-        "it): a 4K prompt in 1,024-token chunks 394.7 ms, 32K 2,961 ms (s78b)" "; with indexer_prefill, kda_handover and moe_prefill_rows all on (session 78, gpu_session.sh s78a: an H100, one "
-        "TP4 rank's first 32 layers, 512-token chunks, two repeats each after a full-length warm-up) a 4K prompt "
-        "577.0 -> 525.9 ms to the first token and 32K 4,285 -> 3,994 ms, every repeat apart; the chunk's kernels "
-        "(its trace) MoE 27.3 -> 26.5 ms, the indexer's 2.7 -> 0.7 ms + its FP8 GEMM (1.7 ms) gone, KDA 10.3 -> 9.0 "
-        "ms; 3,786 -> 2,880 kernels a chunk — on by default"),
+        "it): a 4K prompt in 1,024-token chunks 394.7 ms, 32K 2,961 ms (s78b)" + _S78),
     "kda_chunk_x6": (False,
         "a prefill chunk's chunked KDA (attention.kda_chunked) with its batched f32 products as "
         "lax.DotAlgorithmPreset.BF16_BF16_F32_X6 — each f32 operand split into three bf16 terms, six tensor-core "
@@ -783,11 +782,7 @@ KNOBS = {
         "a 512-token chunk at a 32K cache) and scores every pool slot of the cache whatever the prompt's length "
         "(session 77's H100 trace: ~4 ms of a 512-token chunk's kernels around the indexer's scores at a 4K "
         "prompt). CPU-built (session 77): GPU interpret mode against the reference, the CUDA lowering at a chunk's "
-        "512 rows; natively against the reference (its GPU tests, session 78)" "; with indexer_prefill, kda_handover and moe_prefill_rows all on (session 78, gpu_session.sh s78a: an H100, one "
-        "TP4 rank's first 32 layers, 512-token chunks, two repeats each after a full-length warm-up) a 4K prompt "
-        "577.0 -> 525.9 ms to the first token and 32K 4,285 -> 3,994 ms, every repeat apart; the chunk's kernels "
-        "(its trace) MoE 27.3 -> 26.5 ms, the indexer's 2.7 -> 0.7 ms + its FP8 GEMM (1.7 ms) gone, KDA 10.3 -> 9.0 "
-        "ms; 3,786 -> 2,880 kernels a chunk — on by default"),
+        "512 rows; natively against the reference (its GPU tests, session 78)" + _S78),
     "topk_prefill": (False,
         "the indexer's top-512 pools of a prefill chunk's rows (and of a decode step past the decode selection's 64) "
         "as the fused one-launch selection (pallas_kernels.indexer.topk_compact: a grid of ~5 CTAs a row, each "

@@ -604,10 +604,11 @@ class Decoder:
     """The kernels a prefill chunk runs (latency_specialized): only those built for many token rows
     (layers.PREFILL_KNOBS: the prefill MoE, DSA's attention, the indexer's scores and selection, the KDA state
     hand-over, the mHC sites' two-pass XLA form — policy knobs moe_prefill (moe_prefill_rows: its token-rows form),
-    mla_prefill, indexer_prefill, topk_prefill, kda_handover, mhc_prefill) — those on by default (layers.KERNEL_DEFAULTS) on a GPU, the others and
-    elsewhere (GPU interpret mode) where the policy asks for them; the decode kernels stay off
-    there, the knobs that only choose their forms (layers.PREFILL_FORM_KNOBS) keep the policy's values. The stock
-    backend: none.
+    mla_prefill, indexer_prefill, topk_prefill, kda_handover, mhc_prefill; kda_chunk_x6 and kda_chunk_gemm: the
+    chunked KDA's forms) — those on by default
+    (layers.KERNEL_DEFAULTS) on a GPU, the others and elsewhere (GPU interpret mode) where the policy asks for them; the
+    decode kernels stay off there, the knobs that only choose their forms (layers.PREFILL_FORM_KNOBS) keep the policy's
+    values. The stock backend: none.
     interpret=False: native lowering, with a GPU's defaults (a compile-only census on a CPU)."""
     from pallas_kernels._common import on_gpu  # noqa: PLC0415
     policy = self.config.policy_dict()

@@ -257,7 +257,8 @@ def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_dow
                           mma=mma, rows=rows)
   # each pair's product in bf16 (summed over the token's k pairs in f32 below): the [T·mp, D] rows (tiles padded,
   # T a static bound: 3.25x the pairs at the release's M = 256) are written by the kernel, transposed by XLA
-  # (unless ``rows``) and gathered — in f32 9.2 GB of the chunk's 46 GB of kernel outputs at one TP4 rank (session 63's listing)
+  # (unless ``rows``) and gathered — in f32 9.2 GB of the chunk's 46 GB of kernel outputs at one TP4 rank
+  # (session 63's listing)
   y = fp8_grouped_linear(h, tile_e, w_down, s_down, mp=mp, a_from=a_from, out_dtype=jnp.bfloat16,
                          mma=mma, rows=rows)  # [T·mp, D]
   at = jnp.zeros((M * k,), jnp.int32).at[order].set(dest, unique_indices=True).reshape(M, k)  # each pair's row
