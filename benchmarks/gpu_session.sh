@@ -122,18 +122,15 @@
 #   s77b (either; H100: LAYERS=32; ~400 s): mhc_prefill (the prefill's mHC sites in two XLA passes) — its model-site
 #                             test, then 4K and 32K prompts (PROMPTS) in 512-token chunks, traced: the defaults vs
 #                             the reference's order ({"mhc_prefill": false}; + POLICY)
-#   s77d (either; H100: LAYERS=32; ~500 s): session 77's CPU-built prefill kernels — indexer_prefill (the indexer's
-#                             scores as the scores kernel in token groups) and kda_handover (the KDA sub-chunks' state
-#                             hand-over as one launch): their GPU tests (and mhc_prefill's model-site test), then 4K
-#                             and 32K prompts (PROMPTS) in 512-token chunks, traced (the trace's split by component
-#                             tells the two apart): the defaults vs both (+ POLICY, e.g. one of them)
 #   s77e (either; H100: LAYERS=32; ~550 s): larger chunks with kda_handover (its hand-over has no concatenation of the
 #                             sub-chunks' states: 768 / 1,024-token chunks compiled past 300 s without it) — a 4K and
 #                             a 32K prompt at CHUNKS (default 1024 768), a process each; PXLA=xla_gpu_autotune_level=0
 #                             compiles the chunk programs without XLA's autotuning (Decoder(prefill_compiler_options=))
-#   s78a (either; H100: LAYERS=32; ~550 s): s77d with session 78's moe_prefill_rows (the prefill MoE's grouped
-#                             launches write token rows: no XLA transposes) — the three knobs' GPU tests, then 4K and
-#                             32K prompts in 512-token chunks, traced: the defaults vs all three (+ POLICY)
+#   s78a (either; H100: LAYERS=32; ~550 s): session 77's CPU-built prefill kernels — indexer_prefill (the indexer's
+#                             scores as the scores kernel in token groups), kda_handover (the KDA sub-chunks' state
+#                             hand-over as one launch) — and session 78's moe_prefill_rows (the prefill MoE's grouped
+#                             launches write token rows): their GPU tests, then 4K and 32K prompts in 512-token
+#                             chunks, traced: all three off vs the defaults (all three on since; + POLICY)
 #   s78b (either; H100: LAYERS=32; ~550 s): 1,024-token chunks' first compile (s78's took ~5 min with XLA's fusion
 #                             autotuner, ~75 s but 3x slower without any autotuning; one input_concatenate_fusion —
 #                             the chunked KDA's kk reduction fused with K̃ — is the suspect): a 4K and a 32K prompt
@@ -159,8 +156,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77d|s77e|s78a|s78b|s78c|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77d, s77e, s78a .. s78c, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77e|s78a|s78b|s78c|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77e, s78a .. s78c, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -201,6 +198,18 @@ gpu_tests() {  # $1: log name, $2: timeout s, $3: pytest -m expression, $4: -k e
   [ "$rc" -ne 0 ] && grep -v -E "cuda_status|Source Location|^$|custom_call.cc" "/tmp/t_$name.log" | tail -150 \
     > "$OUT/t_$name.log"  # (what failed, in full)
   return $rc
+}
+
+keep() {  # the last $1 lines of a benchmark's output, without XLA's and CUDA's log noise
+  grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"
+}
+
+prefill_traced() {  # $1: lines of the table to keep; the rest: the --policy configurations. A 4K and a 32K prompt
+  # (PROMPTS) in 512-token chunks (CHUNK), the first prompt traced — the A/B form of sessions 77-78 — + POLICY
+  local n=$1; shift
+  timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
+    --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk ${CHUNK:-512} --trace "$OUT/trace" \
+    --policy "$@" ${POLICY:+"$POLICY"} 2>&1 | keep "$n" > "$OUT/bench_prefill.log"
 }
 
 rank1() {  # $1: result name; the rest: bench_decode.py options. The one-rank latency_specialized step, B = 1, 32K
@@ -320,7 +329,6 @@ case "$MODE" in
     [ -d .carry/base/glm5_jax ] || { echo "prefill_ab: no .carry/base (git archive BASE glm5_jax pallas_kernels \
 benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     out=$(cd "$OUT" && pwd); pl="--geometry tp4-rank --layers ${LAYERS:-32} --prompt ${PROMPTS:-4096 32768} --repeats 1"
-    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
     echo "== this tree (traced)"; timeout 190 python3 benchmarks/bench_prefill.py $pl --chunk 256 --trace "$OUT/trace" \
       --out "$OUT/prefill_new.jsonl" 2>&1 | keep 12 | tee "$OUT/new.log"
     echo "== .carry/base"; (cd .carry/base && timeout 160 python3 benchmarks/bench_prefill.py $pl --chunk 256 \
@@ -433,7 +441,6 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     ;;
   s76a)  # (either; H100: LAYERS=32) see the header
     gpu_tests mlapf 150 gpu "kernel_gpu and 256" tests/test_sparse_mla.py
-    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
     pl="--geometry tp4-rank --layers ${LAYERS:-32} --repeats 2 --out $OUT/prefill.jsonl"
     timeout $(( $(left) - 150 )) python3 benchmarks/bench_prefill.py $pl --prompt ${PROMPTS:-4096 32768} --chunk 256 \
       --policy '{}' "${POLICY:-{\"mla_prefill\": true\}}" --trace "$OUT/trace" 2>&1 | keep 30 > "$OUT/bench_prefill.log"
@@ -442,7 +449,6 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     tail -12 "$OUT/bench_prefill.log" "$OUT/bench_prefill_512.log" 2>/dev/null
     ;;
   s76b)  # (either; H100: LAYERS=32) see the header
-    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
     pl="--geometry tp4-rank --layers ${LAYERS:-32} --repeats 2 --out $OUT/prefill.jsonl"
     for c in ${CHUNKS:-256 512 1024}; do  # (a process each: a chunk size whose compile runs long loses only itself)
       [ "$(left)" -gt 60 ] || break
@@ -453,13 +459,11 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     ;;
   s76c)  # (either; H100: LAYERS=32) see the header
     gpu_tests mlaforms 90 gpu "prefill_forms_gpu" tests/test_sparse_mla.py
-    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
     timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
       --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096} --policy '{}' \
       '{"lean_barriers": false, "mla_scales_after": false}' ${POLICY:+"$POLICY"} ${POLICY2:+"$POLICY2"} 2>&1 | keep 7
     ;;
   s77a)  # (either; H100: LAYERS=32) see the header
-    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
     pl="--geometry tp4-rank --layers ${LAYERS:-32} --repeats 2 --out $OUT/prefill.jsonl --prompt ${PROMPTS:-4096}"
     timeout $(( $(left) - 10 )) python3 benchmarks/bench_prefill.py $pl --chunk 512 --trace "$OUT/trace" \
       --policy '{}' '{"topk_prefill": true}' ${POLICY:+"$POLICY"} 2>&1 | keep 16 >> "$OUT/bench_prefill.log"
@@ -472,31 +476,15 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     ;;
   s77b)  # (either; H100: LAYERS=32) see the header
     gpu_tests mhcprefill 60 "" "prefill_form" tests/test_mhc.py
-    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
-    timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
-      --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --trace "$OUT/trace" --policy '{}' \
-      '{"mhc_prefill": false}' ${POLICY:+"$POLICY"} 2>&1 | keep 24 > "$OUT/bench_prefill.log"
-    ;;
-  s77d)  # (either; H100: LAYERS=32) see the header
-    gpu_tests s77d 150 gpu "rows_gpu or kda_prefill_kernel_gpu" tests/test_indexer.py tests/test_kda_prefill.py
-    gpu_tests mhcsite 120 "" "prefill_form_at_the_model_site" tests/test_mhc.py  # (past s77b's 60 s budget)
-    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
-    timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
-      --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk 512 --trace "$OUT/trace" \
-      --policy '{}' '{"indexer_prefill": true, "kda_handover": true}' ${POLICY:+"$POLICY"} 2>&1 | keep 30 \
-      > "$OUT/bench_prefill.log"
+    prefill_traced 24 '{}' '{"mhc_prefill": false}'
     ;;
   s78a)  # (either; H100: LAYERS=32) see the header
     gpu_tests s78a 200 gpu "rows_gpu or kda_prefill_kernel_gpu or moe_prefill_gpu_real" tests/test_indexer.py \
       tests/test_kda_prefill.py tests/test_moe_prefill.py
-    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
-    timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
-      --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk 512 --trace "$OUT/trace" \
-      --policy '{}' '{"indexer_prefill": true, "kda_handover": true, "moe_prefill_rows": true}' \
-      ${POLICY:+"$POLICY"} 2>&1 | keep 30 > "$OUT/bench_prefill.log"
+    # (the three knobs' defaults since: '{}' below was session 77's defaults)
+    prefill_traced 30 '{"indexer_prefill": false, "kda_handover": false, "moe_prefill_rows": false}' '{}'
     ;;
   s78b)  # (either; H100: LAYERS=32) see the header
-    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
     for c in ${CHUNKS:-1024}; do  # (a process each: a configuration whose compile runs long loses only itself)
       for form in policy xla; do
         [ "$(left)" -gt 100 ] || break
@@ -511,14 +499,9 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     ;;
   s78c)  # (either; H100: LAYERS=32) see the header
     gpu_tests s78c 150 gpu "x6" tests/test_model_units.py
-    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
-    timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
-      --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk ${CHUNK:-512} --trace "$OUT/trace" \
-      --policy '{}' '{"kda_chunk_gemm": true}' '{"kda_chunk_gemm": true, "kda_chunk_x6": true}' ${POLICY:+"$POLICY"} \
-      2>&1 | keep 40 > "$OUT/bench_prefill.log"
+    prefill_traced 40 '{}' '{"kda_chunk_gemm": true}' '{"kda_chunk_gemm": true, "kda_chunk_x6": true}'
     ;;
   s77e)  # (either; H100: LAYERS=32) see the header
-    keep() { grep -v -E "cuda_status|Source Location|^$|custom_call.cc|Warning|WARNING|^[WI][0-9]" | tail -"$1"; }
     for c in ${CHUNKS:-1024 768}; do  # (a process each: a chunk size whose compile runs long loses only itself)
       [ "$(left)" -gt 100 ] || break
       timeout $(( $(left) - 10 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
