@@ -136,7 +136,7 @@
 #                             the chunked KDA's kk reduction fused with K̃ — is the suspect): a 4K and a 32K prompt
 #                             with POLICY (default {"kda_chunk_gemm": true}: that fusion gone) under XLA's defaults,
 #                             then the defaults with PXLA (default xla_gpu_experimental_enable_fusion_autotuner=false)
-#                             — each a process (CHUNKS: the chunk sizes, default 1024)
+#                             — each a process (CHUNKS: the chunk sizes, default 1024; FORMS=policy: only the first)
 #   s78c (either; H100: LAYERS=32; ~500 s): the prefill's chunked KDA — kda_chunk_gemm (its pairwise terms as GEMMs)
 #                             and kda_chunk_x6 (its f32 products as six bf16 tensor-core products each instead of
 #                             cuBLAS's FFMA GEMMs): their GPU tests, then 4K and 32K prompts in 512-token chunks,
@@ -486,7 +486,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     ;;
   s78b)  # (either; H100: LAYERS=32) see the header
     for c in ${CHUNKS:-1024}; do  # (a process each: a configuration whose compile runs long loses only itself)
-      for form in policy xla; do
+      for form in ${FORMS:-policy xla}; do  # (FORMS=policy: the POLICY form only)
         [ "$(left)" -gt 100 ] || break
         if [ $form = policy ]; then opts=(--policy "${POLICY:-{\"kda_chunk_gemm\": true\}}")
         else opts=(--policy '{}' --prefill-xla-option "${PXLA:-xla_gpu_experimental_enable_fusion_autotuner=false}"); fi
