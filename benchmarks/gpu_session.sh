@@ -141,6 +141,10 @@
 #                             and kda_chunk_x6 (its f32 products as six bf16 tensor-core products each instead of
 #                             cuBLAS's FFMA GEMMs): their GPU tests, then 4K and 32K prompts in 512-token chunks,
 #                             traced: the defaults vs kda_chunk_gemm vs both (+ POLICY)
+#   s79a (either; H100: LAYERS=32; ~580 s): session 79's mla_gather_warpgroup (the sparse MLA's gathers issued by a
+#                             second warpgroup into a 3-slot ring: a prefill chunk runs 33 blocks a CTA) and s78c's
+#                             chunked-KDA knobs: their GPU tests, then 4K and 32K prompts in 512-token chunks, traced:
+#                             the defaults vs each vs all three (+ POLICY)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -156,8 +160,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77e|s78a|s78b|s78c|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77e, s78a .. s78c, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77e|s78a|s78b|s78c|s79a|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77e, s78a .. s78c, s79a, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -500,6 +504,11 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
   s78c)  # (either; H100: LAYERS=32) see the header
     gpu_tests s78c 150 gpu "x6" tests/test_model_units.py
     prefill_traced 40 '{}' '{"kda_chunk_gemm": true}' '{"kda_chunk_gemm": true, "kda_chunk_x6": true}'
+    ;;
+  s79a)  # (either; H100: LAYERS=32) see the header
+    gpu_tests s79a 120 gpu "gather_warpgroup or x6" tests/test_sparse_mla.py tests/test_model_units.py
+    prefill_traced 50 '{}' '{"mla_gather_warpgroup": true}' '{"kda_chunk_gemm": true, "kda_chunk_x6": true}' \
+      '{"mla_gather_warpgroup": true, "kda_chunk_gemm": true, "kda_chunk_x6": true}'
     ;;
   s77e)  # (either; H100: LAYERS=32) see the header
     for c in ${CHUNKS:-1024 768}; do  # (a process each: a chunk size whose compile runs long loses only itself)

@@ -638,12 +638,16 @@ def _mla_forms(rows, tc05: bool) -> dict:
   """The sparse MLA kernel's form options from the policy's knobs (``rows``: the decode site's token rows, within
   its row limit; None at mla_prefill's site, which has none)."""
   why = lambda what: f"the tcgen05 form (Blackwell) {what}"  # noqa: E731
+  # mla_dequant_warpgroups: a second warpgroup per CTA converting half of each block's FP8 latent (Hopper)
+  wgs = 2 if kernel_enabled("mla_dequant_warpgroups", rows, fits=not tc05, why=why("has one warpgroup")) else 1
   return dict(
       # lean_barriers: the attention, merge and W_UV kernels without Mosaic's automatic barriers
       lean=kernel_enabled("lean_barriers"),
-      # mla_dequant_warpgroups: a second warpgroup per CTA converting half of each block's FP8 latent (Hopper)
-      warpgroups=2 if kernel_enabled("mla_dequant_warpgroups", rows, fits=not tc05, why=why("has one warpgroup"))
-      else 1,
+      warpgroups=wgs,
+      # mla_gather_warpgroup: a second warpgroup per CTA issuing the blocks' gathers into a ring (Hopper)
+      gather_warpgroup=kernel_enabled(
+          "mla_gather_warpgroup", rows, fits=not tc05 and wgs == 1,
+          why=why("has its own gather") if tc05 else "mla_dequant_warpgroups is on (its second warpgroup converts)"),
       # mla_scales_after: the latent's block scales applied after the MMAs (the dequantisation converts bytes only)
       scales_after=kernel_enabled("mla_scales_after", rows, fits=not tc05,
                                   why=why("dequantises one group at a time already")),

@@ -386,6 +386,16 @@ KNOBS = {
         "91.3 -> 87.0 (82.3 -> 80.3), 32 x 1 91.7 -> 87.1 (82.4 -> 80.4): it pays only where a CTA runs several "
         "blocks (32 query rows), and one DSA layer at B = 8, q = 1 went 112.9 -> 113.9 µs; the q = 1 step a tie "
         "(2.92 -> 2.91 ms, 32 layers, 5 interleaved repeats) — off (the batch's gain ~2 %)"),
+    "mla_gather_warpgroup": (False,
+        "with sparse_mla on (Hopper's wgmma form, not with mla_dequant_warpgroups): each attention CTA as two "
+        "warpgroups, the second issuing every block's gathers of FP8 latent rows (a TMA per pool of 4 positions and "
+        "the barrier's arrivals) into a ring of 3 slots (2 where the SMEM does not hold 3) while the first converts, "
+        "multiplies and runs the softmax (pallas_kernels.sparse_mla.sparse_mla_decode(gather_warpgroup=True)). One "
+        "warpgroup issues block k + 1's 16 groups between block k's arithmetic — ~2.7 µs of a block's ~7.5 in "
+        "session 67's H100 profile — so a CTA that runs many blocks pays it on every one: a prefill chunk's 512 "
+        "token rows run 33 blocks a CTA at one CTA an SM (the kernel ~0.6 ms a DSA layer of a 512-token chunk, "
+        "session 78's trace: ~4.8 µs a block). Bit for bit the one-warpgroup kernel (interpret mode). CPU-built "
+        "(session 79)"),
     "mla_scales_after": (True,
         "with sparse_mla on (Hopper's wgmma form): the FP8 latent's per-128 block scales applied after the MMAs "
         "instead of to every dequantised value (pallas_kernels.sparse_mla.sparse_mla_decode(scales_after=True): "
@@ -800,7 +810,7 @@ PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "mla_prefill", "topk_prefill
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",
-                      "mla_q_in_kernel")
+                      "mla_q_in_kernel", "mla_gather_warpgroup")
 
 # Knobs whose forms were measured slower than (or no faster than) the defaults on the H200 and removed with their
 # kernels: a policy naming one is refused with the reason (git history and BENCHMARKS.md keep them).

@@ -427,7 +427,7 @@ def _combine_tile(o_g, lse_g, out_g, bt, tile, ns: int):
 
 
 def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, group_arrival: bool = False,
-                qscale: float = 1.0, q_in: bool = False):
+                qscale: float = 1.0, q_in: bool = False, gather_wg: bool = False):
   """Kernel body for ``nbs`` blocks of 64 positions per CTA and ``hn`` heads per CTA.
 
   GMEM refs: q_g [BT, H, 512] f16 (rescaled), qm_g [BT] f32 (the rescale r, times ``qscale``: softmax_scale ·
@@ -458,15 +458,36 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, gro
   ``q_in`` (``sparse_mla_decode(q_in_kernel=True)``): q_g is the absorbed query itself [BT, H, 512] (f32 or bf16)
   and there is no qm_g — each CTA rescales its heads' queries in its prologue (``_mla_q_prep``; scratch after the
   others: the raw queries [4·hn, 128] and the 4 TMAs' barrier), q_s holding the f16
-  queries group-major [4·hn, 128] (row g·hn + h: head h's dimensions 128g ..)."""
+  queries group-major [4·hn, 128] (row g·hn + h: head h's dimensions 128g ..).
+
+  ``gather_wg`` (``sparse_mla_decode(gather_warpgroup=True)``): a second warpgroup issues the gathers — block k
+  into slot k mod S of an S-slot ring (c32_s [S, 64, ROW_WORDS]), once the first has converted block k - S out of
+  it (``consumed``, the scratch after gbar and xbar: an arrival per block) — while the first converts, multiplies
+  and runs the softmax. One warpgroup issues a block's 16 groups of TMAs (a condition on 4 SMEM indices, a TMA and
+  its arrivals each: ~2.7 µs a block in session 67's H100 profile) between its blocks' arithmetic: a CTA that runs
+  many blocks (a prefill chunk's 512 token rows: 32 blocks a CTA, one CTA an SM) pays it on every one. The same
+  numbers as one warpgroup (only who issues the copies changes)."""
 
   def body(*refs):
     q_g, *refs = refs
     qm_g, *refs = refs if not q_in else (None, *refs)
     c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *rest = refs
     xbar, rest = (rest[0], rest[1:]) if group_arrival else (None, rest)
+    consumed, rest = (rest[0], rest[1:]) if gather_wg else (None, rest)
     sync, qprep = (rest[:2], rest[2:]) if wgs == 2 else ((), rest)
     kw = dict(scales_after=scales_after, xbar=xbar, qscale=qscale, qprep=qprep or None)
+    if gather_wg:
+      wg = lax.axis_index("wg")
+
+      @pl.when(wg == 0)
+      def _():
+        _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, consumed=consumed,
+                  **kw)
+
+      @pl.when(wg == 1)
+      def _():
+        _mla_gathers(q_g, c32_g, idx_s, c32_s, bar, gbar, consumed, xbar)
+      return
     if wgs == 1:
       return _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, **kw)
     ready, free = sync
@@ -496,6 +517,23 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, gro
       lax.fori_loop(0, nbs, block, None)
 
   return body
+
+
+def _mla_gathers(q_g, c32_g, idx_s, c32_s, bar, gbar, consumed, xbar):
+  """``_mla_kernel(gather_wg=True)``'s second warpgroup: once the index list is in (bar[1], its TMA issued by the
+  first warpgroup's prologue), block k's gathers into slot k mod S — for k >= S after the first warpgroup released
+  the slot (consumed.at[slot]: block k - S converted)."""
+  nbs, S = idx_s.shape[0], c32_s.shape[0]
+  b = lax.axis_index("bt") // (q_g.shape[0] // c32_g.shape[0])
+  plgpu.barrier_wait(bar.at[1])
+
+  def produce(k, carry):
+    slot = lax.rem(k, S)
+    pl.when(k >= S)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+    _gather_block(c32_g.at[b], idx_s, k, c32_s.at[slot], gbar.at[slot], xbar)
+    return carry
+
+  lax.fori_loop(0, nbs, produce, None)
 
 
 def _cta_heads(q_s, qprep) -> int:
@@ -541,20 +579,23 @@ def _mla_q_prep(q32_s, qbar, q_s):
 
 def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, *,
               planes=range(SCALES), ready=None, free=None, scales_after: bool = False, xbar=None,
-              qscale: float = 1.0, qprep=None):
+              qscale: float = 1.0, qprep=None, consumed=None):
   """``_mla_kernel``'s first (or only) warpgroup: the loads, the gathers, its byte planes of every block, the
   attention and the outputs. ``ready`` / ``free``: the two-warpgroup form's barriers (None: one warpgroup).
   ``scales_after``: as ``_mla_kernel``'s (p_s then holds the four scaled P tiles [4, 64, hn]; O^T is carried as
   its four 128-row groups). ``qprep``: (q32_s, qbar), ``_mla_kernel(q_in=True)``'s scratch (qm_g None;
-  q_s group-major)."""
+  q_s group-major). ``consumed``: the gather warpgroup's form — no gathers issued here; block k's slot (k mod S)
+  released by an arrival on consumed.at[slot] once converted (``_mla_gathers`` issues block k + S into it)."""
   nbs, hn = idx_s.shape[0], _cta_heads(q_s, qprep)
   hg, sp, bt, b = _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar, qprep)
+  S = c32_s.shape[0]
 
   def issue(k, slot):
     _gather_block(c32_g.at[b], idx_s, k, c32_s.at[slot], gbar.at[slot], xbar)
 
-  with jax.named_scope("start_issue"):
-    issue(0, 0)
+  if consumed is None:
+    with jax.named_scope("start_issue"):
+      issue(0, 0)
   if qprep:  # (the first block's gather in flight meanwhile)
     with jax.named_scope("start_q"):
       qmul = _mla_q_prep(*qprep, q_s) * qscale
@@ -567,11 +608,12 @@ def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s
 
   def block(k, carry):
     o, m, l = carry  # (o: O^T [512, hn], or with scales_after its 4 row groups [128, hn])
-    slot = lax.rem(k, 2)
+    slot = lax.rem(k, S)
 
-    @pl.when(k + 1 < nbs)
-    def _():
-      issue(k + 1, 1 - slot)
+    if consumed is None:
+      @pl.when(k + 1 < nbs)
+      def _():
+        issue(k + 1, 1 - slot)
 
     # (named scopes: the regions benchmarks/bench_kernel_profile.py times — a no-op unless profiling)
     with jax.named_scope("gather"):
@@ -581,6 +623,8 @@ def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s
       plgpu.commit_smem()
       scales = _dequant_block(c32_s.at[slot], c16_s, planes, scales_after)
       plgpu.commit_smem()
+    if consumed is not None:  # (every thread's reads of the slot done: the commit's warpgroup barrier)
+      pl.when(k + S < nbs)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
     if ready is not None:  # (the second warpgroup's planes: its stores committed before its arrival)
       plgpu.barrier_arrive(ready)
       plgpu.barrier_wait(ready)
@@ -786,12 +830,23 @@ def index_width(B: int, T: int, H: int, W: int, blocks_per_split: int | None = N
   return ns * nbs * bk
 
 
+SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory (sm_90's 227 KB opt-in)
+
+
+def _mla_smem(nbs: int, hn: int, slots: int, scales_after: bool, q_in: bool, q_dtype) -> int:
+  """The wgmma form's SMEM bytes (its scratch below; barriers not counted): q, the index list, the gather ring,
+  the converted block, P, and with ``q_in`` the raw queries."""
+  q_raw = SCALES * hn * GROUP * jnp.dtype(q_dtype).itemsize if q_in else 0
+  return (hn * D_LATENT * 2 + nbs * BLOCK * 4 + slots * BLOCK * ROW_WORDS * 4 + BLOCK * D_LATENT * 2
+          + (SCALES if scales_after else 1) * BLOCK * hn * 2 + q_raw)
+
+
 @kernel_entry("softmax_scale", "blocks_per_split", "combine", "transposed", "lean", "mma", "warpgroups",
-              "scales_after", "group_arrival", "q_in_kernel")
+              "scales_after", "group_arrival", "q_in_kernel", "gather_warpgroup", "stages")
 def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int | None = None,
                       combine: str = "xla", transposed: bool = False, lean: bool = False, mma: str = "wgmma",
                       warpgroups: int = 1, scales_after: bool = False, group_arrival: bool = False,
-                      q_in_kernel: bool = False):
+                      q_in_kernel: bool = False, gather_warpgroup: bool = False, stages: int | None = None):
   """Mosaic GPU sparse MLA decode; same contract as ``sparse_mla_decode_reference``.
 
   q [B, T, H, 512] f32/bf16 (H a multiple of 16), cache [B, S, ROW_WORDS] int32 (``quantize_latent``'s rows),
@@ -819,8 +874,17 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   same outputs; the wgmma form only. ``q_in_kernel``: q read as it is (f32 or bf16) and rescaled to f16 in each
   CTA's prologue (``_mla_q_prep``: r the amax of its head group's queries) instead of ``_prepare_q``'s two XLA
   launches before the kernel (policy knob mla_q_in_kernel); the same r where one head group holds every head (16
-  heads, TP4), so the same outputs up to the division's rounding; the wgmma form only."""
+  heads, TP4), so the same outputs up to the division's rounding; the wgmma form only. ``gather_warpgroup``: a
+  second warpgroup per CTA issues every block's gathers into a ring of ``stages`` slots (default: 3 where the SMEM
+  holds them, else 2) while the first converts and multiplies (``_mla_kernel``'s ``gather_wg``; policy knob
+  mla_gather_warpgroup): the same outputs bit for bit; the wgmma form only, not with ``warpgroups=2``."""
   tc05 = check_mma(mma, "sparse_mla_decode")
+  if gather_warpgroup and (tc05 or warpgroups != 1):
+    raise ValueError(f"sparse_mla_decode: gather_warpgroup=True takes the wgmma form's one converting warpgroup; got "
+                     f"mma = {mma!r}, warpgroups = {warpgroups!r}")
+  if stages is not None and (not gather_warpgroup or stages not in (2, 3)):
+    raise ValueError(f"sparse_mla_decode: stages = {stages!r}; expected 2 or 3, with gather_warpgroup=True (the "
+                     f"other forms gather into 2 slots)")
   if warpgroups not in (1, 2) or (tc05 and warpgroups != 1):
     raise ValueError(f"sparse_mla_decode: warpgroups = {warpgroups!r}; expected 1 or 2 (2 in the wgmma form only: "
                      f"mma = {mma!r})")
@@ -882,22 +946,32 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
   else:
-    two = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
+    two = dict(num_threads=2, thread_name="wg") if warpgroups == 2 or gather_warpgroup else {}
+    if gather_warpgroup and stages is None:  # (3 slots where the SMEM holds them)
+      stages = 3 if _mla_smem(nbs, hn, 3, scales_after, q_in_kernel, q_args[0].dtype) <= SMEM_BYTES else 2
+    S = stages if gather_warpgroup else 2
+    if gather_warpgroup and _mla_smem(nbs, hn, S, scales_after, q_in_kernel, q_args[0].dtype) > SMEM_BYTES:
+      raise ValueError(f"sparse_mla_decode: {S} gather slots, {nbs} blocks a split and the queries' "
+                       f"{q_args[0].dtype} need {_mla_smem(nbs, hn, S, scales_after, q_in_kernel, q_args[0].dtype)} "
+                       f"bytes of SMEM; a CTA has {SMEM_BYTES}")
     kern = mgpu_kernel(
-        _mla_kernel(nbs, hn, warpgroups, bool(scales_after), bool(group_arrival), qscale, bool(q_in_kernel)),
+        _mla_kernel(nbs, hn, warpgroups, bool(scales_after), bool(group_arrival), qscale, bool(q_in_kernel),
+                    bool(gather_warpgroup)),
         out_type=parts,
         scratch_types=[
             # q_s (q_in_kernel: group-major [4·hn, 128], the same bytes)
             plgpu.SMEM((SCALES * hn, GROUP) if q_in_kernel else (hn, D_LATENT), f16, transforms=_F16_SW32),
             plgpu.SMEM((nbs, BLOCK), jnp.int32),  # idx_s (TMA boxes are <= 256 per dimension)
-            plgpu.SMEM((2, BLOCK, ROW_WORDS), jnp.int32),  # c32_s: gathered cache rows (double buffer)
+            plgpu.SMEM((S, BLOCK, ROW_WORDS), jnp.int32),  # c32_s: gathered cache rows (a ring of S slots)
             plgpu.SMEM((BLOCK, D_LATENT), f16, transforms=_F16_SW32),  # c16_s
             # p_s (scales_after: the 4 groups' scaled P)
             plgpu.SMEM((SCALES, BLOCK, hn) if scales_after else (BLOCK, hn), f16, transforms=_F16_SW32),
             plgpu.Barrier(num_barriers=2),
             # gbar (group_arrival: one arrival per group of RUN rows; then xbar, its irregular groups' rows)
-            plgpu.Barrier(num_arrivals=BLOCK // RUN if group_arrival else BLOCK, num_barriers=2),
+            plgpu.Barrier(num_arrivals=BLOCK // RUN if group_arrival else BLOCK, num_barriers=S),
             *([plgpu.Barrier(num_arrivals=RUN)] if group_arrival else []),
+            # (gather_warpgroup: consumed — a slot converted, the first warpgroup's arrival)
+            *([plgpu.Barrier(num_arrivals=1, num_barriers=S)] if gather_warpgroup else []),
             # (two warpgroups: ready — both planes' halves stored, an arrival each; free — c16_s read by PV)
             *([plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)] if warpgroups == 2 else []),
             # (q_in_kernel: the raw queries group-major, the 4 TMAs' barrier)

@@ -275,6 +275,44 @@ def test_q_in_kernel_interpret(B, T, H, S, W, nbs, qdt, sa, wgs):
     M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, q_in_kernel=True, mma="tcgen05")
 
 
+@pytest.mark.parametrize("B,T,H,S,W,nbs,stages,trail,pooled,lean,sa,ga", [
+    (2, 2, 16, 256, 390, 7, 2, 0, False, False, True, False),
+    (1, 2, 16, 512, 390, 7, 3, 0, True, True, True, True),
+    (1, 2, 32, 256, 130, 3, None, 100, False, False, False, False)])
+def test_gather_warpgroup_interpret(B, T, H, S, W, nbs, stages, trail, pooled, lean, sa, ga):
+  """sparse_mla_decode(gather_warpgroup=True) (policy mla_gather_warpgroup): a second warpgroup issues the blocks'
+  gathers into a ring of 2 or 3 slots, each slot refilled once the first warpgroup has converted it — bit for bit
+  the one-warpgroup kernel, at more blocks a split than slots (the ring wraps, the consumed barriers' phases), with
+  padding, the scales after the MMAs, grouped arrivals (their own barrier, waited on by the gathering warpgroup)
+  and lean; refused with the dequantisation's second warpgroup, in the tcgen05 form and for other slot counts."""
+  q, cache, idx = make_inputs(7 + B + T + W, B, T, H, S, W, trailing_pad=trail, pooled=pooled)
+  run = lambda **kw: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
+      *a, softmax_scale=SCALE, blocks_per_split=nbs, lean=lean, scales_after=sa, group_arrival=ga, **kw))(
+          q, cache, idx))
+  with maybe_interpret(True):
+    one, got = run(), run(gather_warpgroup=True, stages=stages)
+  assert np.abs(got).max() > 0
+  np.testing.assert_array_equal(got, one)
+  for kw in ({"warpgroups": 2}, {"mma": "tcgen05"}):
+    with pytest.raises(ValueError, match="gather_warpgroup=True takes the wgmma form's one converting warpgroup"):
+      M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, gather_warpgroup=True, **kw)
+  for kw in ({"stages": 4, "gather_warpgroup": True}, {"stages": 3}):
+    with pytest.raises(ValueError, match="sparse_mla_decode: stages = [34]; expected 2 or 3, with gather_warpgroup"):
+      M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, **kw)
+
+
+def test_gather_warpgroup_slots_fit_the_smem():
+  """The gather ring's default depth: 3 slots where a CTA's SMEM holds them (a prefill chunk's 33 blocks a split,
+  bf16 queries), 2 with q_in_kernel's f32 raw queries beside them; 3 asked for there is refused, naming the bytes."""
+  assert M._mla_smem(33, 16, 3, True, False, jnp.bfloat16) <= M.SMEM_BYTES
+  assert M._mla_smem(33, 16, 3, True, True, jnp.float32) > M.SMEM_BYTES >= M._mla_smem(33, 16, 2, True, True,
+                                                                                      jnp.float32)
+  q, cache, idx = make_inputs(3, 1, 1, 16, 4096, 2051, pooled=True)
+  with pytest.raises(ValueError, match=r"3 gather slots, 33 blocks a split and the queries' float32 need \d+ bytes"):
+    M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, blocks_per_split=33, gather_warpgroup=True, stages=3,
+                        scales_after=True, q_in_kernel=True)
+
+
 @pytest.mark.parametrize("B,T", [(1, 4)])
 def test_two_warpgroups_cross_lower(B, T):
   """The two-warpgroup and scales-after forms (and both) at the real rank's shapes (16 heads, 2,051 positions;
@@ -283,7 +321,8 @@ def test_two_warpgroups_cross_lower(B, T):
   args = (SDS((B, T, 16, 512), jnp.bfloat16), SDS((B, 65536, M.ROW_WORDS), jnp.int32), SDS((B, T, 2051), jnp.int32))
   forms = {"one": {}, "two": dict(warpgroups=2), "after": dict(scales_after=True),
            "both": dict(warpgroups=2, scales_after=True), "group": dict(scales_after=True, group_arrival=True),
-           "q_in": dict(scales_after=True, q_in_kernel=True), "q_in_two": dict(warpgroups=2, q_in_kernel=True)}
+           "q_in": dict(scales_after=True, q_in_kernel=True), "q_in_two": dict(warpgroups=2, q_in_kernel=True),
+           "gather": dict(scales_after=True, gather_warpgroup=True)}
   low = {f: cross_lower(lambda *a, kw=kw: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel", lean=True,
                                                               **kw), *args).as_text() for f, kw in forms.items()}
   hashes = {f: [ln.split("kernel_hash = ")[1][:40] for ln in t.splitlines() if "glm5_sparse_mla" in ln]
@@ -293,10 +332,13 @@ def test_two_warpgroups_cross_lower(B, T):
 
 def test_prefill_form_cross_lower():
   """mla_prefill's form — a prefill chunk of 256 rows (and a verify step of 32 x 4), 2,051 positions, the merge
-  kernel, no decode knob (lean, the mla_* forms: off in a chunk) — lowers for CUDA with the chunk's bf16 query."""
-  for B, T in ((1, 256), (32, 4)):
+  kernel, no decode knob (lean, the mla_* forms: off in a chunk) — lowers for CUDA with the chunk's bf16 query; and
+  a 512-row chunk's gather-warpgroup form (33 blocks a CTA, the 3-slot ring, lean, the scales after the MMAs)."""
+  for B, T, kw in ((1, 256, {}), (32, 4, {}),
+                   (1, 512, dict(gather_warpgroup=True, lean=True, scales_after=True))):
     args = (SDS((B, T, 16, 512), jnp.bfloat16), SDS((B, 32784, M.ROW_WORDS), jnp.int32), SDS((B, T, 2051), jnp.int32))
-    text = cross_lower(lambda *a: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel"), *args).as_text()
+    text = cross_lower(lambda *a, kw=kw: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel", **kw),
+                       *args).as_text()
     assert "glm5_sparse_mla" in text and "glm5_mla_combine" in text
 
 
@@ -306,22 +348,26 @@ def test_prefill_attention_kernel_at_the_model_site():
   program (every decode kernel off, as in a prefill) over a 13-token prompt in two 8-row chunks (the second attends
   to the first's FP8 latents) — the trunk's hidden states within bf16 rounding; then Decoder.prefill with the knob
   on reports its site in the chunk. Every expert routed (4 of 4): the DSA layer is the last one, and its MoE's
-  top-k would be the only discrete decision downstream of the attention (test_decode's W_UV test says why)."""
+  top-k would be the only discrete decision downstream of the attention (test_decode's W_UV test says why). With
+  mla_gather_warpgroup too (a form knob a chunk keeps): its site reported, the hidden states bit for bit."""
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8", n_routed_experts=4), "bfloat16")
   assert m.cfg.layer_types[-1] != "linear_attention"
   toks = np.random.default_rng().integers(0, 2000, (1, 13)).astype(np.int32)
   hs = {}
-  for on in (False, True):
+  for on in (False, "gather", True):
     # (every decode kernel off — a chunk's policy turns them off anyway — but the knobs of the kernel's forms,
     # which a chunk keeps: the step's lean build with the scales after the MMAs)
     off = {k: False for k in KERNEL_DEFAULTS if k not in PREFILL_FORM_KNOBS}
-    pol = tuple(sorted({**off, "mla_prefill": on, "kv_cache_dtype": "fp8"}.items()))
+    pol = tuple(sorted({**off, "mla_prefill": bool(on), "mla_gather_warpgroup": on == "gather",
+                        "kv_cache_dtype": "fp8"}.items()))
     dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=pol), backend="latency_specialized",
                   prefill_chunk=8)
     hs[on], rep = target_hidden_in_chunks(dec, m, toks, 13, 8, dec.prefill_kernel_mode())
-    assert (("mla_prefill", None) in rep) == on, rep
+    assert (("mla_prefill", None) in rep) == bool(on), rep
     if on:  # (the forms the step's defaults take)
       assert {("lean_barriers", None), ("mla_scales_after", None)} <= set(rep), rep
+    assert (("mla_gather_warpgroup", None) in rep) == (on == "gather"), rep
+  np.testing.assert_array_equal(hs["gather"], hs[True])
   np.testing.assert_allclose(hs[True], hs[False], **tol("kernel_bf16"))
   assert np.linalg.norm(hs[True] - hs[False]) <= 1e-2 * np.linalg.norm(hs[False])
   dec.prefill([toks[0]])  # (the last policy's: the knob on)
@@ -643,6 +689,21 @@ def test_two_warpgroups_gpu(B, T, nbs):
   one, two = run(1), run(2)
   assert np.abs(two).max() > 0
   np.testing.assert_array_equal(two, one)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,nbs,stages", [(1, 4, 4, 2), (8, 4, None, None), (1, 512, None, 3), (1, 512, None, 2)])
+def test_gather_warpgroup_gpu(B, T, nbs, stages):
+  """The gather warpgroup natively (policy mla_gather_warpgroup): bit for bit the one-warpgroup kernel (lean, the
+  scales after the MMAs, pooled lists: the step's form), several blocks a split, a prefill chunk's 512 rows with
+  the 3- and 2-slot rings."""
+  q, cache, idx = make_inputs(B + T + 41, B, T, 16, 32768, 2051, q_dtype=jnp.bfloat16, pooled=True)
+  run = lambda **kw: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
+      *a, softmax_scale=SCALE, blocks_per_split=nbs, lean=True, combine="kernel", scales_after=True, **kw))(
+          q, cache, idx))
+  one, got = run(), run(gather_warpgroup=True, stages=stages)
+  assert np.abs(got).max() > 0
+  np.testing.assert_array_equal(got, one)
 
 
 @pytest.mark.gpu
