@@ -77,10 +77,12 @@ MLA_HEADER = (f"{'B':>2} {'T':>2} {'H':>3} {'W':>5} {'nbs':>4} {'MB':>6} {'kern 
               f"{'xla us':>8} {'xla GB/s':>8} {'x':>5} {'relerr':>8}")
 
 
-def bench_mla(B, T, H=16, W=2051, nbs=None, with_xla=True, n_calls=16, pooled=True, combine="xla", form=None):
-  """``form``: the kernel's keyword switches (warpgroups, scales_after), named in the last column."""
+def bench_mla(B, T, H=16, W=2051, nbs=None, with_xla=True, n_calls=16, pooled=True, combine="xla", form=None,
+              S=None):
+  """``form``: the kernel's keyword switches (warpgroups, scales_after), named in the last column. ``S``: cache
+  positions per sequence (default: >= 2^20 in all, cold in L2; a prefill chunk's cache is small and hot)."""
   form = dict(form or {})
-  S = max(min(65536, MIN_CACHE_POSITIONS), MIN_CACHE_POSITIONS // B)
+  S = S or max(min(65536, MIN_CACHE_POSITIONS), MIN_CACHE_POSITIONS // B)
   cache = _cache(jax.random.key(B * 31 + T), B, S)
   sets = [(*_mla_call_inputs(jax.random.key(1000 + i), B, T, H, S, W, pooled),) for i in range(n_calls)]
   args = [(q, cache, idx) for q, idx in sets]
@@ -96,7 +98,7 @@ def bench_mla(B, T, H=16, W=2051, nbs=None, with_xla=True, n_calls=16, pooled=Tr
   nb = nbs or M._pick_blocks_per_split(-(-W // M.BLOCK), B * T * (H // M.HEADS_PER_CTA))
   log(f"{B:>2} {T:>2} {H:>3} {W:>5} {nb:>4} {nbytes / 1e6:6.2f} {kern:8.1f} {call:8.1f} {gbs(call):6.0f} "
       f"{xla:8.1f} {gbs(xla):8.0f} {xla / call:5.1f} {err:8.1e}" + ("" if combine == "xla" else f"  {combine}")
-      + "".join(f" {k}={v}" for k, v in form.items()))
+      + "".join(f" {k}={v}" for k, v in form.items()) + (f" S={S}" if S < MIN_CACHE_POSITIONS // B else ""))
   return call
 
 
@@ -144,7 +146,8 @@ def main():
   ap.add_argument("--only", default="mla,indexer,sweep,combine",
                   help="sections: mla, combine, sweep, indexer, and forms (the kernel's forms: warpgroups=2, "
                        "scales_after, both, scales_after with group_arrival — with the merge kernel, as the step "
-                       "runs it)")
+                       "runs it), gather (the gather warpgroup's 2- and 3-slot rings against the step's form, also at "
+                       "a prefill chunk's 512 rows)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--quick", action="store_true", help="fewer configurations")
   ap.add_argument("--random-idx", action="store_true",
@@ -177,6 +180,14 @@ def main():
       for B, T in [(1, 1), (1, 4), (8, 4), (32, 1)]:
         for form in forms:
           bench_mla(B, T, with_xla=False, pooled=pooled, combine="kernel", form=form)
+    if "gather" in only:  # session 79's gather warpgroup (policy knob mla_gather_warpgroup): the step's form vs it
+      log("\n## sparse MLA: the gathers from a second warpgroup (merge kernel, lean, scales after; last column: the "
+          "form; S=: a prefill chunk's hot 4K / 32K cache)")
+      log(MLA_HEADER)
+      for B, T, S in [(1, 1, None), (8, 4, None), (32, 1, None), (1, 512, 4096), (1, 512, 32768)]:
+        for form in ({}, {"gather_warpgroup": True, "stages": 2}, {"gather_warpgroup": True, "stages": 3}):
+          bench_mla(B, T, with_xla=False, pooled=pooled, combine="kernel", S=S,
+                    form=dict(lean=True, scales_after=True, **form))
     if "sweep" in only:
       log("\n## sparse MLA: blocks of 64 positions per CTA (W split)")
       log(MLA_HEADER)
