@@ -145,7 +145,8 @@
 #                             second warpgroup into a 3-slot ring: a prefill chunk runs 33 blocks a CTA) and s78c's
 #                             chunked-KDA knobs: their GPU tests, then 4K and 32K prompts in 512-token chunks, traced:
 #                             the sparse MLA's forms alone (bench_sparse_mla --only gather: decode shapes and a
-#                             prefill chunk's 512 rows), then the defaults vs each (ALL=1: + all three; + POLICY)
+#                             prefill chunk's 512 rows) and the KDA hand-over's unroll factors (bench_kda_prefill),
+#                             then the defaults vs each (ALL=1: + all three; + POLICY)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -507,9 +508,11 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     prefill_traced 40 '{}' '{"kda_chunk_gemm": true}' '{"kda_chunk_gemm": true, "kda_chunk_x6": true}'
     ;;
   s79a)  # (either; H100: LAYERS=32) see the header
-    gpu_tests s79a 120 gpu "gather_warpgroup or x6" tests/test_sparse_mla.py tests/test_model_units.py
+    gpu_tests s79a 120 gpu "gather_warpgroup or x6 or kda_prefill_kernel_gpu" tests/test_sparse_mla.py \
+      tests/test_model_units.py tests/test_kda_prefill.py
     timeout 100 python3 benchmarks/bench_sparse_mla.py --only gather --out "$OUT/bench_sparse_mla_gather.txt" 2>&1 \
       | keep 20
+    timeout 60 python3 benchmarks/bench_kda_prefill.py --out "$OUT/bench_kda_prefill.txt" 2>&1 | keep 25
     prefill_traced 40 '{}' '{"mla_gather_warpgroup": true}' '{"kda_chunk_gemm": true, "kda_chunk_x6": true}' \
       ${ALL:+'{"mla_gather_warpgroup": true, "kda_chunk_gemm": true, "kda_chunk_x6": true}'}
     ;;

@@ -28,6 +28,7 @@ from pallas_kernels._common import kernel_entry, mgpu_kernel
 
 HIGHEST = lax.Precision.HIGHEST
 VB = 16  # state columns a CTA (the WGMMA register layout's columns: a multiple of 8)
+UNROLL = 1  # the rank-1 updates' unroll factor (benchmarks/bench_kda_prefill.py times the others)
 _L = plgpu.Layout
 
 
@@ -43,7 +44,7 @@ def kda_handover_reference(Rt, P, S0):
   return entry, S
 
 
-def _handover_kernel(n: int, K: int, vb: int):
+def _handover_kernel(n: int, K: int, vb: int, unroll: int = 1):
   def body(rt_g, p_g, s0_g, e_g, sn_g, rt_s, p_s, s_s, bar, sbar):
     bh = lax.axis_index("bh")
     v0 = lax.axis_index("v") * vb
@@ -71,7 +72,7 @@ def _handover_kernel(n: int, K: int, vb: int):
         s = plgpu.load(s_s.at[j], layout=_L.WGMMA.reduce(0), optimized=False)
         return acc + lax.broadcast_in_dim(r, (K, vb), (0,)) * lax.broadcast_in_dim(s, (K, vb), (1,))
 
-      acc = lax.fori_loop(0, K, rank1, plgpu.load(p_s.at[slot], layout=_L.WGMMA, optimized=False))
+      acc = lax.fori_loop(0, K, rank1, plgpu.load(p_s.at[slot], layout=_L.WGMMA, optimized=False), unroll=unroll)
       # every thread past its reads of the state (the wait ends in a warpgroup barrier) and the entry's TMA store
       # past its read of it: the new state may overwrite it
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -86,18 +87,22 @@ def _handover_kernel(n: int, K: int, vb: int):
   return body
 
 
-@kernel_entry("vb")
-def kda_handover(Rt, P, S0, *, vb: int = VB):
+@kernel_entry("vb", "unroll")
+def kda_handover(Rt, P, S0, *, vb: int = VB, unroll: int = UNROLL):
   """Mosaic GPU version of ``kda_handover_reference`` (same signature): K a multiple of 64 (the state's rows in the
-  WGMMA register layout), V a multiple of ``vb`` (a multiple of 8)."""
+  WGMMA register layout), V a multiple of ``vb`` (a multiple of 8). ``unroll``: the K rank-1 updates of a
+  sub-chunk unrolled by this factor (a divisor of K) — each update's two SMEM loads then issue ahead of the
+  previous updates' multiply-adds instead of waiting for them; the same sums in the same order (bit for bit)."""
   n, B, K, K2 = Rt.shape
   V = P.shape[-1]
   if K2 != K or P.shape != (n, B, K, V) or S0.shape != (B, K, V) or K % 64 or vb % 8 or V % vb:
     raise ValueError(f"kda_handover: Rt {Rt.shape}, P {P.shape}, S0 {S0.shape}, vb={vb}; expected [n, B, K, K], "
                      f"[n, B, K, V], [B, K, V] with K a multiple of 64 and V a multiple of vb (a multiple of 8)")
+  if not isinstance(unroll, int) or unroll < 1 or K % unroll:
+    raise ValueError(f"kda_handover: unroll={unroll!r}; expected a positive divisor of K = {K}")
   f32 = jnp.float32
   return mgpu_kernel(
-      _handover_kernel(n, K, vb),
+      _handover_kernel(n, K, vb, unroll),
       out_type=(jax.ShapeDtypeStruct((n, B, K, V), f32), jax.ShapeDtypeStruct((B, K, V), f32)),
       grid=(B, V // vb),
       grid_names=("bh", "v"),
