@@ -85,8 +85,8 @@ def main(argv=None):
   p.add_argument("--trace", default=None, metavar="DIR",
                  help="after each configuration's timing, trace one prefill of the first prompt length: print where "
                  "the GPU's time goes (kernel families by wall share) and keep its device events here (gzipped TSV: "
-                 "name, start ns, end ns, stream — to read against the chunk program's HLO, e.g. step_census.py "
-                 "--prefill's listing)")
+                 "name, start ns, end ns, stream — to read against the chunk program's kernel listing, written beside "
+                 "them as .kernels.tsv.gz)")
   a = p.parse_args(argv)
   xla_options = dict(parse_xla_option(o) for o in a.prefill_xla_option)
   base = C.Glm5Config(num_hidden_layers=a.layers) if a.layers else C.real()
@@ -186,7 +186,12 @@ def trace_prefill(dec, prompt, chunks: int, events_path: str, top: int = 24) -> 
   # by component: the kernels named after the target chunk program's instructions (the MTP pass's, the first
   # token's and library kernels — cuBLAS, CUB — match none: "unmatched")
   t = time.perf_counter()
-  kmap = profiling.kernel_map(chunk_program_hlo(dec, dec.config.capture_size_for(1), dec.prefill_rows(len(prompt))))
+  hlo = chunk_program_hlo(dec, dec.config.capture_size_for(1), dec.prefill_rows(len(prompt)))
+  kmap = profiling.kernel_map(hlo)
+  # (the chunk program's kernel listing beside the events: what each fusion the trace names computes — its result
+  # shape and op_name — for reading a GPU compile's kernels that a compile-only listing names differently)
+  with gzip.open(events_path.replace(".events.tsv.gz", "") + ".kernels.tsv.gz", "wt") as fh:
+    fh.write(profiling.kernel_listing(hlo))
   per, _, unmatched = profiling.split([(n, (e - s) / 1e6) for n, s, e, _ in ev], kmap, chunks)
   per["other"] = per.get("other", 0.0) - sum(unmatched.values())  # (split files the unmatched under "other")
   per["unmatched"] = sum(unmatched.values())
