@@ -28,7 +28,8 @@ the pure-jnp f32 definition with the same signature.
 Kernel design (one CTA = one (query token, head group of 16, slice of the index list)):
 * the selected rows are gathered by index (scalar index reads from SMEM) into a double-buffered SMEM block of
   64 positions, the next block in flight while the current one is computed: one TMA per group of 4 consecutive
-  positions (an indexer pool: 4 × 640-byte rows) and one per row elsewhere (the tail, padding);
+  positions (an indexer pool: 4 × 640-byte rows) and one per row elsewhere (the tail, padding) — issued between
+  blocks by the computing warpgroup, or (``gather_warpgroup``) by a second warpgroup into a ring of 2-3 blocks;
 * the block is dequantised in registers with integer ops (each e4m3 byte b -> the f16 with bits
   (b & 0x80) << 8 | (b & 0x7F) << 7, which is exactly 2^-8 times the e4m3 value, subnormals included; (x) the
   per-row-per-128 scale x 256 in f32 -> f16) into a swizzled f16 tile whose columns are the latent dimensions
