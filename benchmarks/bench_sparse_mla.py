@@ -185,7 +185,8 @@ def main():
           "form; S=: a prefill chunk's hot 4K / 32K cache)")
       log(MLA_HEADER)
       for B, T, S in [(1, 1, None), (8, 4, None), (32, 1, None), (1, 512, 4096), (1, 512, 32768)]:
-        for form in ({}, {"gather_warpgroup": True, "stages": 2}, {"gather_warpgroup": True, "stages": 3}):
+        for form in ({}, {"gather_warpgroup": True, "stages": 2}, {"gather_warpgroup": True, "stages": 3},
+                     {"gather_warpgroup": True, "warpgroups": 2}):
           bench_mla(B, T, with_xla=False, pooled=pooled, combine="kernel", S=S,
                     form=dict(lean=True, scales_after=True, **form))
     if "sweep" in only:

@@ -645,9 +645,7 @@ def _mla_forms(rows, tc05: bool) -> dict:
       lean=kernel_enabled("lean_barriers"),
       warpgroups=wgs,
       # mla_gather_warpgroup: a second warpgroup per CTA issuing the blocks' gathers into a ring (Hopper)
-      gather_warpgroup=kernel_enabled(
-          "mla_gather_warpgroup", rows, fits=not tc05 and wgs == 1,
-          why=why("has its own gather") if tc05 else "mla_dequant_warpgroups is on (its second warpgroup converts)"),
+      gather_warpgroup=kernel_enabled("mla_gather_warpgroup", rows, fits=not tc05, why=why("has its own gather")),
       # mla_scales_after: the latent's block scales applied after the MMAs (the dequantisation converts bytes only)
       scales_after=kernel_enabled("mla_scales_after", rows, fits=not tc05,
                                   why=why("dequantises one group at a time already")),

@@ -387,10 +387,11 @@ KNOBS = {
         "blocks (32 query rows), and one DSA layer at B = 8, q = 1 went 112.9 -> 113.9 µs; the q = 1 step a tie "
         "(2.92 -> 2.91 ms, 32 layers, 5 interleaved repeats) — off (the batch's gain ~2 %)"),
     "mla_gather_warpgroup": (False,
-        "with sparse_mla on (Hopper's wgmma form, not with mla_dequant_warpgroups): each attention CTA as two "
-        "warpgroups, the second issuing every block's gathers of FP8 latent rows (a TMA per pool of 4 positions and "
-        "the barrier's arrivals) into a ring of 3 slots (2 where the SMEM does not hold 3) while the first converts, "
-        "multiplies and runs the softmax (pallas_kernels.sparse_mla.sparse_mla_decode(gather_warpgroup=True)). One "
+        "with sparse_mla on (Hopper's wgmma form): one more warpgroup in each attention CTA issuing every block's "
+        "gathers of FP8 latent rows (a TMA per pool of 4 positions and the barrier's arrivals) into a ring of 3 "
+        "slots (2 where the SMEM does not hold 3) while the first converts, multiplies and runs the softmax "
+        "(pallas_kernels.sparse_mla.sparse_mla_decode(gather_warpgroup=True); with mla_dequant_warpgroups three "
+        "warpgroups, two converting half a block each). One "
         "warpgroup issues block k + 1's 16 groups between block k's arithmetic — ~2.7 µs of a block's ~7.5 in "
         "session 67's H100 profile — so a CTA that runs many blocks pays it on every one: a prefill chunk's 512 "
         "token rows run 33 blocks a CTA at one CTA an SM (the kernel ~0.6 ms a DSA layer of a 512-token chunk, "

@@ -461,10 +461,10 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, gro
   others: the raw queries [4·hn, 128] and the 4 TMAs' barrier), q_s holding the f16
   queries group-major [4·hn, 128] (row g·hn + h: head h's dimensions 128g ..).
 
-  ``gather_wg`` (``sparse_mla_decode(gather_warpgroup=True)``): a second warpgroup issues the gathers — block k
-  into slot k mod S of an S-slot ring (c32_s [S, 64, ROW_WORDS]), once the first has converted block k - S out of
-  it (``consumed``, the scratch after gbar and xbar: an arrival per block) — while the first converts, multiplies
-  and runs the softmax. One warpgroup issues a block's 16 groups of TMAs (a condition on 4 SMEM indices, a TMA and
+  ``gather_wg`` (``sparse_mla_decode(gather_warpgroup=True)``): one more warpgroup (the last) issues the gathers —
+  block k into slot k mod S of an S-slot ring (c32_s [S, 64, ROW_WORDS]), once the converting warpgroups (one, or
+  two with ``wgs`` = 2) have converted block k - S out of it (``consumed``, the scratch after gbar and xbar: an
+  arrival per block from each) — while the first converts, multiplies and runs the softmax. One warpgroup issues a block's 16 groups of TMAs (a condition on 4 SMEM indices, a TMA and
   its arrivals each: ~2.7 µs a block in session 67's H100 profile) between its blocks' arithmetic: a CTA that runs
   many blocks (a prefill chunk's 512 token rows: 32 blocks a CTA, one CTA an SM) pays it on every one. The same
   numbers as one warpgroup (only who issues the copies changes)."""
@@ -477,32 +477,27 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, gro
     consumed, rest = (rest[0], rest[1:]) if gather_wg else (None, rest)
     sync, qprep = (rest[:2], rest[2:]) if wgs == 2 else ((), rest)
     kw = dict(scales_after=scales_after, xbar=xbar, qscale=qscale, qprep=qprep or None)
-    if gather_wg:
-      wg = lax.axis_index("wg")
-
-      @pl.when(wg == 0)
-      def _():
-        _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, consumed=consumed,
-                  **kw)
-
-      @pl.when(wg == 1)
-      def _():
-        _mla_gathers(q_g, c32_g, idx_s, c32_s, bar, gbar, consumed, xbar)
+    wg = lax.axis_index("wg") if wgs == 2 or gather_wg else None
+    if gather_wg:  # (the last warpgroup)
+      pl.when(wg == wgs)(lambda: _mla_gathers(q_g, c32_g, idx_s, c32_s, bar, gbar, consumed, xbar))
+    if wgs == 1 and gather_wg:
+      pl.when(wg == 0)(lambda: _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar,
+                                         gbar, consumed=consumed, **kw))
       return
     if wgs == 1:
       return _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar, **kw)
     ready, free = sync
-    wg = lax.axis_index("wg")
+    S = c32_s.shape[0]
 
     @pl.when(wg == 0)
     def _():
       _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s, bar, gbar,
-                planes=range(SCALES // 2), ready=ready, free=free, **kw)
+                planes=range(SCALES // 2), ready=ready, free=free, consumed=consumed, **kw)
 
     @pl.when(wg == 1)
     def _():
       def block(k, carry):
-        slot = lax.rem(k, 2)
+        slot = lax.rem(k, S)
         plgpu.barrier_wait(gbar.at[slot])
 
         @pl.when(k > 0)
@@ -513,6 +508,8 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, gro
           _dequant_block(c32_s.at[slot], c16_s, planes=range(SCALES // 2, SCALES), scales_after=scales_after)
           plgpu.commit_smem()  # (the stores visible to the first warpgroup's wgmma: fence.proxy.async)
         plgpu.barrier_arrive(ready)
+        if consumed is not None:  # (its reads of the slot done: the commit's warpgroup barrier)
+          pl.when(k + S < nbs)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
         return carry
 
       lax.fori_loop(0, nbs, block, None)
@@ -522,8 +519,8 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, gro
 
 def _mla_gathers(q_g, c32_g, idx_s, c32_s, bar, gbar, consumed, xbar):
   """``_mla_kernel(gather_wg=True)``'s second warpgroup: once the index list is in (bar[1], its TMA issued by the
-  first warpgroup's prologue), block k's gathers into slot k mod S — for k >= S after the first warpgroup released
-  the slot (consumed.at[slot]: block k - S converted)."""
+  first warpgroup's prologue), block k's gathers into slot k mod S — for k >= S after the converting warpgroups
+  released the slot (consumed.at[slot]: block k - S converted)."""
   nbs, S = idx_s.shape[0], c32_s.shape[0]
   b = lax.axis_index("bt") // (q_g.shape[0] // c32_g.shape[0])
   plgpu.barrier_wait(bar.at[1])
@@ -586,7 +583,8 @@ def _mla_body(q_g, qm_g, c32_g, idx_g, o_g, lse_g, q_s, idx_s, c32_s, c16_s, p_s
   ``scales_after``: as ``_mla_kernel``'s (p_s then holds the four scaled P tiles [4, 64, hn]; O^T is carried as
   its four 128-row groups). ``qprep``: (q32_s, qbar), ``_mla_kernel(q_in=True)``'s scratch (qm_g None;
   q_s group-major). ``consumed``: the gather warpgroup's form — no gathers issued here; block k's slot (k mod S)
-  released by an arrival on consumed.at[slot] once converted (``_mla_gathers`` issues block k + S into it)."""
+  released by an arrival on consumed.at[slot] once its planes are converted (``_mla_gathers`` issues block k + S
+  into it when every converting warpgroup has)."""
   nbs, hn = idx_s.shape[0], _cta_heads(q_s, qprep)
   hg, sp, bt, b = _mla_prologue(q_g, idx_g, c32_g, q_s, idx_s, bar, qprep)
   S = c32_s.shape[0]
@@ -878,11 +876,12 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   heads, TP4), so the same outputs up to the division's rounding; the wgmma form only. ``gather_warpgroup``: a
   second warpgroup per CTA issues every block's gathers into a ring of ``stages`` slots (default: 3 where the SMEM
   holds them, else 2) while the first converts and multiplies (``_mla_kernel``'s ``gather_wg``; policy knob
-  mla_gather_warpgroup): the same outputs bit for bit; the wgmma form only, not with ``warpgroups=2``."""
+  mla_gather_warpgroup): the same outputs bit for bit; the wgmma form only (with ``warpgroups=2``: three
+  warpgroups, the gathers', and the two converting half a block each)."""
   tc05 = check_mma(mma, "sparse_mla_decode")
-  if gather_warpgroup and (tc05 or warpgroups != 1):
-    raise ValueError(f"sparse_mla_decode: gather_warpgroup=True takes the wgmma form's one converting warpgroup; got "
-                     f"mma = {mma!r}, warpgroups = {warpgroups!r}")
+  if gather_warpgroup and tc05:
+    raise ValueError(f"sparse_mla_decode: gather_warpgroup=True in the tcgen05 form (mma = {mma!r}); it is the wgmma "
+                     f"form's")
   if stages is not None and (not gather_warpgroup or stages not in (2, 3)):
     raise ValueError(f"sparse_mla_decode: stages = {stages!r}; expected 2 or 3, with gather_warpgroup=True (the "
                      f"other forms gather into 2 slots)")
@@ -947,7 +946,8 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
   else:
-    two = dict(num_threads=2, thread_name="wg") if warpgroups == 2 or gather_warpgroup else {}
+    n_wg = warpgroups + bool(gather_warpgroup)
+    two = dict(num_threads=n_wg, thread_name="wg") if n_wg > 1 else {}
     if gather_warpgroup and stages is None:  # (3 slots where the SMEM holds them)
       stages = 3 if _mla_smem(nbs, hn, 3, scales_after, q_in_kernel, q_args[0].dtype) <= SMEM_BYTES else 2
     S = stages if gather_warpgroup else 2
@@ -971,8 +971,8 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
             # gbar (group_arrival: one arrival per group of RUN rows; then xbar, its irregular groups' rows)
             plgpu.Barrier(num_arrivals=BLOCK // RUN if group_arrival else BLOCK, num_barriers=S),
             *([plgpu.Barrier(num_arrivals=RUN)] if group_arrival else []),
-            # (gather_warpgroup: consumed — a slot converted, the first warpgroup's arrival)
-            *([plgpu.Barrier(num_arrivals=1, num_barriers=S)] if gather_warpgroup else []),
+            # (gather_warpgroup: consumed — a slot converted, an arrival from each converting warpgroup)
+            *([plgpu.Barrier(num_arrivals=warpgroups, num_barriers=S)] if gather_warpgroup else []),
             # (two warpgroups: ready — both planes' halves stored, an arrival each; free — c16_s read by PV)
             *([plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)] if warpgroups == 2 else []),
             # (q_in_kernel: the raw queries group-major, the 4 TMAs' barrier)

@@ -275,27 +275,28 @@ def test_q_in_kernel_interpret(B, T, H, S, W, nbs, qdt, sa, wgs):
     M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, q_in_kernel=True, mma="tcgen05")
 
 
-@pytest.mark.parametrize("B,T,H,S,W,nbs,stages,trail,pooled,lean,sa,ga", [
-    (2, 2, 16, 256, 390, 7, 2, 0, False, False, True, False),
-    (1, 2, 16, 512, 390, 7, 3, 0, True, True, True, True),
-    (1, 2, 32, 256, 130, 3, None, 100, False, False, False, False)])
-def test_gather_warpgroup_interpret(B, T, H, S, W, nbs, stages, trail, pooled, lean, sa, ga):
-  """sparse_mla_decode(gather_warpgroup=True) (policy mla_gather_warpgroup): a second warpgroup issues the blocks'
-  gathers into a ring of 2 or 3 slots, each slot refilled once the first warpgroup has converted it — bit for bit
-  the one-warpgroup kernel, at more blocks a split than slots (the ring wraps, the consumed barriers' phases), with
-  padding, the scales after the MMAs, grouped arrivals (their own barrier, waited on by the gathering warpgroup)
-  and lean; refused with the dequantisation's second warpgroup, in the tcgen05 form and for other slot counts."""
+@pytest.mark.parametrize("B,T,H,S,W,nbs,stages,trail,pooled,lean,sa,ga,wgs", [
+    (2, 2, 16, 256, 390, 7, 2, 0, False, False, True, False, 1),
+    (1, 2, 16, 512, 390, 7, 3, 0, True, True, True, True, 1),
+    (1, 2, 32, 256, 130, 3, None, 100, False, False, False, False, 1),
+    (1, 2, 16, 512, 390, 7, 3, 0, True, True, True, False, 2)])
+def test_gather_warpgroup_interpret(B, T, H, S, W, nbs, stages, trail, pooled, lean, sa, ga, wgs):
+  """sparse_mla_decode(gather_warpgroup=True) (policy mla_gather_warpgroup): one more warpgroup issues the blocks'
+  gathers into a ring of 2 or 3 slots, each slot refilled once the converting warpgroups have converted it — bit
+  for bit the one-warpgroup kernel, at more blocks a split than slots (the ring wraps, the consumed barriers'
+  phases), with padding, the scales after the MMAs, grouped arrivals (their own barrier, waited on by the
+  gathering warpgroup), lean, and beside the dequantisation's second warpgroup (three warpgroups); refused in the
+  tcgen05 form and for other slot counts."""
   q, cache, idx = make_inputs(7 + B + T + W, B, T, H, S, W, trailing_pad=trail, pooled=pooled)
   run = lambda **kw: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
       *a, softmax_scale=SCALE, blocks_per_split=nbs, lean=lean, scales_after=sa, group_arrival=ga, **kw))(
           q, cache, idx))
   with maybe_interpret(True):
-    one, got = run(), run(gather_warpgroup=True, stages=stages)
+    one, got = run(), run(gather_warpgroup=True, stages=stages, warpgroups=wgs)
   assert np.abs(got).max() > 0
   np.testing.assert_array_equal(got, one)
-  for kw in ({"warpgroups": 2}, {"mma": "tcgen05"}):
-    with pytest.raises(ValueError, match="gather_warpgroup=True takes the wgmma form's one converting warpgroup"):
-      M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, gather_warpgroup=True, **kw)
+  with pytest.raises(ValueError, match="gather_warpgroup=True in the tcgen05 form"):
+    M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, gather_warpgroup=True, mma="tcgen05")
   for kw in ({"stages": 4, "gather_warpgroup": True}, {"stages": 3}):
     with pytest.raises(ValueError, match="sparse_mla_decode: stages = [34]; expected 2 or 3, with gather_warpgroup"):
       M.sparse_mla_decode(q, cache, idx, softmax_scale=SCALE, **kw)
@@ -322,7 +323,8 @@ def test_two_warpgroups_cross_lower(B, T):
   forms = {"one": {}, "two": dict(warpgroups=2), "after": dict(scales_after=True),
            "both": dict(warpgroups=2, scales_after=True), "group": dict(scales_after=True, group_arrival=True),
            "q_in": dict(scales_after=True, q_in_kernel=True), "q_in_two": dict(warpgroups=2, q_in_kernel=True),
-           "gather": dict(scales_after=True, gather_warpgroup=True)}
+           "gather": dict(scales_after=True, gather_warpgroup=True),
+           "gather_two": dict(scales_after=True, gather_warpgroup=True, warpgroups=2)}
   low = {f: cross_lower(lambda *a, kw=kw: M.sparse_mla_decode(*a, softmax_scale=SCALE, combine="kernel", lean=True,
                                                               **kw), *args).as_text() for f, kw in forms.items()}
   hashes = {f: [ln.split("kernel_hash = ")[1][:40] for ln in t.splitlines() if "glm5_sparse_mla" in ln]
@@ -692,16 +694,17 @@ def test_two_warpgroups_gpu(B, T, nbs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,nbs,stages", [(1, 4, 4, 2), (8, 4, None, None), (1, 512, None, 3), (1, 512, None, 2)])
-def test_gather_warpgroup_gpu(B, T, nbs, stages):
+@pytest.mark.parametrize("B,T,nbs,stages,wgs", [(1, 4, 4, 2, 1), (8, 4, None, None, 1), (1, 512, None, 3, 1),
+                                                 (1, 512, None, 2, 1), (1, 512, None, 3, 2)])
+def test_gather_warpgroup_gpu(B, T, nbs, stages, wgs):
   """The gather warpgroup natively (policy mla_gather_warpgroup): bit for bit the one-warpgroup kernel (lean, the
   scales after the MMAs, pooled lists: the step's form), several blocks a split, a prefill chunk's 512 rows with
-  the 3- and 2-slot rings."""
+  the 3- and 2-slot rings, and beside the dequantisation's second warpgroup."""
   q, cache, idx = make_inputs(B + T + 41, B, T, 16, 32768, 2051, q_dtype=jnp.bfloat16, pooled=True)
   run = lambda **kw: np.asarray(jax.jit(lambda *a: M.sparse_mla_decode(  # noqa: E731
       *a, softmax_scale=SCALE, blocks_per_split=nbs, lean=True, combine="kernel", scales_after=True, **kw))(
           q, cache, idx))
-  one, got = run(), run(gather_warpgroup=True, stages=stages)
+  one, got = run(), run(gather_warpgroup=True, stages=stages, warpgroups=wgs)
   assert np.abs(got).max() > 0
   np.testing.assert_array_equal(got, one)
 
