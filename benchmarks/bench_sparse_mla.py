@@ -184,9 +184,10 @@ def main():
       log("\n## sparse MLA: the gathers from a second warpgroup (merge kernel, lean, scales after; last column: the "
           "form; S=: a prefill chunk's hot 4K / 32K cache)")
       log(MLA_HEADER)
-      for B, T, S in [(1, 1, None), (8, 4, None), (32, 1, None), (1, 512, 4096), (1, 512, 32768)]:
+      for B, T, S in [(1, 512, 4096), (1, 512, 32768), (1, 1, None), (8, 4, None)]:  # (prefill first)
         for form in ({}, {"gather_warpgroup": True, "stages": 2}, {"gather_warpgroup": True, "stages": 3},
-                     {"gather_warpgroup": True, "warpgroups": 2}):
+                     {"gather_warpgroup": True, "warpgroups": 2})[:None if T > 4 else 1] + (
+                         ({"gather_warpgroup": True},) if T <= 4 else ()):
           bench_mla(B, T, with_xla=False, pooled=pooled, combine="kernel", S=S,
                     form=dict(lean=True, scales_after=True, **form))
     if "sweep" in only:

@@ -510,7 +510,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
   s79a)  # (either; H100: LAYERS=32) see the header
     gpu_tests s79a 120 gpu "gather_warpgroup or x6 or kda_prefill_kernel_gpu" tests/test_sparse_mla.py \
       tests/test_model_units.py tests/test_kda_prefill.py
-    timeout 100 python3 benchmarks/bench_sparse_mla.py --only gather --out "$OUT/bench_sparse_mla_gather.txt" 2>&1 \
+    timeout 120 python3 benchmarks/bench_sparse_mla.py --only gather --out "$OUT/bench_sparse_mla_gather.txt" 2>&1 \
       | keep 20
     timeout 60 python3 benchmarks/bench_kda_prefill.py --out "$OUT/bench_kda_prefill.txt" 2>&1 | keep 25
     prefill_traced 40 '{}' '{"mla_gather_warpgroup": true}' '{"kda_chunk_gemm": true, "kda_chunk_x6": true}' \
