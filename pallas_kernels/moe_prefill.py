@@ -8,8 +8,8 @@ bf16[288, 512, 4096] before three dense gemm fusions). A prefill chunk of M = 25
 (token, expert) pairs — ~7 per expert — so the work is ONE read of every expert's FP8 weights (the decode
 kernels' bandwidth problem) plus the pairs' products.
 
-Here the pairs are sorted by expert (XLA: a stable argsort of the chunk's M·k ids) and laid out as row tiles of
-``mp`` rows, each tile holding one expert's rows (the last tile of an expert zero-padded, ``route_groups``). A
+Here the pairs are grouped by expert (in pair order, by counts — no sort) and laid out as row tiles of ``mp``
+rows, each tile holding one expert's rows (the last tile of an expert zero-padded, ``route_rows``). A
 launch runs a CTA per (row tile, bm weight rows) that streams its expert's FP8 rows once through a TMA ring,
 dequantised in registers as the decode kernels do (``pallas_kernels.linear._mma_tile``: the weight as wgmma A, the
 tile's token rows as N), with the 128×128 block scale applied per K block; tiles past the chunk's count exit at
@@ -57,25 +57,33 @@ def num_tiles(pairs: int, experts: int, mp: int) -> int:
   return -(-pairs // mp) + experts
 
 
-def route_groups(ids, num_experts: int, mp: int):
-  """ids [M, k] int32 -> (order [P]: the pairs sorted by expert (stable: by token within an expert), dest [P]: each
-  sorted pair's row in the tiled layout, tile_e [T]: each tile's expert, -1 past the used tiles). Expert e's c_e
-  pairs fill ceil(c_e / mp) consecutive tiles from its first tile (an exclusive sum of the tiles before it)."""
-  P = ids.size
-  flat = ids.reshape(-1).astype(jnp.int32)
-  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-  se = flat[order]
-  counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+def route_rows(ids, num_experts: int, mp: int):
+  """ids [M, k] int32 -> (row [M, k]: each (token, expert) pair's row in the tiled layout, tile_e [T]: each tile's
+  expert, -1 past the used tiles). Expert e's c_e pairs fill ceil(c_e / mp) consecutive tiles from its first tile
+  (an exclusive sum of the tiles before it), in pair order (token, then slot): a pair's rank among its expert's is
+  the count of that expert in the tokens before it (an exclusive cumulative sum of the [M, E] per-token counts
+  over the tokens) plus its repeats earlier in its own token's k slots (none from a top-k router: distinct
+  experts) — no sort (a stable argsort of the M·k ids was XLA's sort kernel, ~32 µs a MoE layer of a 512-token
+  chunk in session 78's H100 trace)."""
+  M, k = ids.shape
+  i32 = jnp.int32
+  ids = ids.astype(i32)
+  hit = ids[:, :, None] == jnp.arange(num_experts, dtype=i32)  # [M, k, E]
+  per_token = jnp.sum(hit, axis=1, dtype=i32)  # [M, E]
+  before = jnp.cumsum(per_token, axis=0, dtype=i32) - per_token  # the expert's pairs in the tokens before
+  counts = jnp.sum(per_token, axis=0, dtype=i32)
+  same = ids[:, :, None] == ids[:, None, :]  # [M, k, k]: earlier slots of the token with the same expert
+  repeats = jnp.sum(same & (jnp.arange(k)[None, :] < jnp.arange(k)[:, None])[None], axis=2, dtype=i32)
+  rank = jnp.take_along_axis(before, ids, axis=1) + repeats
   tiles = (counts + mp - 1) // mp
   ends = jnp.cumsum(tiles)  # one past each expert's last tile
-  first_pair = jnp.cumsum(counts) - counts
-  dest = (ends - tiles)[se] * mp + jnp.arange(P, dtype=jnp.int32) - first_pair[se]
-  T = num_tiles(P, num_experts, mp)
-  t = jnp.arange(T, dtype=jnp.int32)
+  row = (ends - tiles)[ids] * mp + rank
+  T = num_tiles(M * k, num_experts, mp)
+  t = jnp.arange(T, dtype=i32)
   # tile t belongs to the expert whose tile range holds it: the count of experts ending at or before t (empty
   # experts end where they start and are counted with those before)
-  tile_e = jnp.sum(t[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
-  return order, dest, jnp.where(t < ends[-1], tile_e, -1)
+  tile_e = jnp.sum(t[:, None] >= ends[None, :], axis=1, dtype=i32)
+  return row, jnp.where(t < ends[-1], tile_e, -1)
 
 
 def _grouped_kernel(tile_e_ref, x_ref, *refs, mp: int, bm: int, stages: int, n_tiles: int, steps: int,
@@ -243,7 +251,7 @@ def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_dow
     raise ValueError(f"fp8_moe_prefill: x {x.shape}, ids {topk_ids.shape}, weights {topk_weights.shape}, gate "
                      f"{w_gate.shape}, down {w_down.shape}; expected [M, D], [M, k] twice, [E, I, D] and [E, D, I]")
   mp = mp or tile_rows(M * k, E)
-  order, dest, tile_e = route_groups(topk_ids, E, mp)
+  row, tile_e = route_rows(topk_ids, E, mp)
   T = tile_e.shape[0]
   dt = x.dtype if x.dtype == jnp.float16 else jnp.bfloat16
   # Both directions as gathers through small int tables (a scatter of P ints each): the tiles' rows read their
@@ -251,7 +259,8 @@ def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_dow
   # zero-filled [T·mp, D] buffer with the rows scattered in (54 MB a layer and chunk at the release, M = 256) and
   # a scatter-add into a zeroed [M, D] output, XLA zero-filled every MoE layer's row buffer in one multi-output
   # broadcast kernel before the chunk's first layer (session 63's compile-only listing).
-  src = jnp.zeros((T * mp,), jnp.int32).at[dest].set(order // k, unique_indices=True)
+  src = jnp.zeros((T * mp,), jnp.int32).at[row.reshape(-1)].set(
+      jnp.arange(M * k, dtype=jnp.int32) // k, unique_indices=True)
   xs = x.astype(dt)[src]
   h = fp8_grouped_gate_up(xs, tile_e, w_gate, s_gate, w_up, s_up, swiglu_limit=swiglu_limit, mp=mp, a_from=a_from,
                           mma=mma, rows=rows)
@@ -261,5 +270,4 @@ def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_dow
   # (session 63's listing)
   y = fp8_grouped_linear(h, tile_e, w_down, s_down, mp=mp, a_from=a_from, out_dtype=jnp.bfloat16,
                          mma=mma, rows=rows)  # [T·mp, D]
-  at = jnp.zeros((M * k,), jnp.int32).at[order].set(dest, unique_indices=True).reshape(M, k)  # each pair's row
-  return jnp.sum(topk_weights.astype(jnp.float32)[..., None] * y[at], axis=1)  # (the gather fused into the sum)
+  return jnp.sum(topk_weights.astype(jnp.float32)[..., None] * y[row], axis=1)  # (the gather fused into the sum)

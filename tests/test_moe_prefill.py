@@ -35,23 +35,29 @@ def skewed_ids(rng, m, e, k, hot, cold):
   return jnp.asarray(ids, jnp.int32)
 
 
-def test_route_groups_tiles_each_expert_in_order():
+@pytest.mark.parametrize("dupes", [False, True])
+def test_route_rows_tiles_each_expert_in_order(dupes):
+  """route_rows (no sort) lays the pairs out as the stable argsort by expert did: each expert's pairs consecutive in
+  pair order from its first tile's start, its tiles after the experts before it, unused tiles -1; every row
+  distinct. ``dupes``: a token naming one expert in two slots (not a top-k router's output) still gets two rows,
+  in slot order."""
   rng = np.random.default_rng()
   m, e, k, mp = 37, 9, 3, 16
-  ids = skewed_ids(rng, m, e, k, hot=4, cold=(2, 7))
-  order, dest, tile_e = (np.asarray(a) for a in P.route_groups(ids, e, mp))
-  flat = np.asarray(ids).reshape(-1)
-  assert sorted(order.tolist()) == list(range(m * k)) and len(tile_e) == P.num_tiles(m * k, e, mp)
-  # the sorted pairs: by expert, then by pair index (stable)
-  assert np.all(np.diff(flat[order] * m * k + order) > 0)
-  # each pair's row: in a tile of its own expert, the expert's rows consecutive from its first tile's start
-  want_tiles, row = [], 0
+  ids = np.array(skewed_ids(rng, m, e, k, hot=4, cold=(2, 7)))
+  if dupes:
+    ids[5, 2] = ids[5, 0]
+  row, tile_e = (np.asarray(a) for a in P.route_rows(jnp.asarray(ids), e, mp))
+  flat = ids.reshape(-1)
+  order = np.argsort(flat, kind="stable")  # (the reference: the pairs sorted by expert, then by pair index)
+  want_rows, want_tiles, start = np.empty(m * k, np.int64), [], 0
   for x in range(e):
-    rows = order[flat[order] == x]
-    np.testing.assert_array_equal(dest[np.isin(order, rows)], row + np.arange(len(rows)))
-    n = -(-len(rows) // mp)
+    pairs = order[flat[order] == x]
+    want_rows[pairs] = start + np.arange(len(pairs))
+    n = -(-len(pairs) // mp)
     want_tiles += [x] * n
-    row += n * mp
+    start += n * mp
+  np.testing.assert_array_equal(row.reshape(-1), want_rows)
+  assert len(set(row.reshape(-1).tolist())) == m * k and len(tile_e) == P.num_tiles(m * k, e, mp)
   np.testing.assert_array_equal(tile_e, want_tiles + [-1] * (len(tile_e) - len(want_tiles)))
   assert want_tiles.count(4) >= 2 and 2 not in want_tiles and 7 not in want_tiles
 
@@ -78,7 +84,7 @@ def test_grouped_rows_form_is_the_tiled_form(mp, bm, mma):
   rng = np.random.default_rng()
   x, _, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(int(rng.integers(1 << 30))), m, e, i, d, k)
   ids = skewed_ids(rng, m, e, k, hot=1, cold=(0, e - 1))
-  tile_e = P.route_groups(ids, e, mp)[2]
+  tile_e = P.route_rows(ids, e, mp)[1]
   xs = jnp.asarray(rng.standard_normal((tile_e.shape[0] * mp, d)), jnp.bfloat16)
   hs = jnp.asarray(rng.standard_normal((tile_e.shape[0] * mp, i)), jnp.bfloat16)
   used = np.asarray(tile_e).repeat(mp) >= 0  # (unused tiles' rows: never written, never read)
