@@ -634,9 +634,10 @@ ABSORB_ROWS = 8  # token rows up to which _per_head sums products instead of a d
 GROUPED_ATTN_ROWS = 16
 
 
-def _mla_forms(rows, tc05: bool) -> dict:
+def _mla_forms(rows, tc05: bool, blocks: int = 1) -> dict:
   """The sparse MLA kernel's form options from the policy's knobs (``rows``: the decode site's token rows, within
-  its row limit; None at mla_prefill's site, which has none)."""
+  its row limit; None at mla_prefill's site, which has none; ``blocks``: the blocks of 64 positions each CTA runs,
+  ``sparse_mla.blocks_per_cta``)."""
   why = lambda what: f"the tcgen05 form (Blackwell) {what}"  # noqa: E731
   # mla_dequant_warpgroups: a second warpgroup per CTA converting half of each block's FP8 latent (Hopper)
   wgs = 2 if kernel_enabled("mla_dequant_warpgroups", rows, fits=not tc05, why=why("has one warpgroup")) else 1
@@ -645,7 +646,9 @@ def _mla_forms(rows, tc05: bool) -> dict:
       lean=kernel_enabled("lean_barriers"),
       warpgroups=wgs,
       # mla_gather_warpgroup: a second warpgroup per CTA issuing the blocks' gathers into a ring (Hopper)
-      gather_warpgroup=kernel_enabled("mla_gather_warpgroup", rows, fits=not tc05, why=why("has its own gather")),
+      gather_warpgroup=kernel_enabled(
+          "mla_gather_warpgroup", rows, fits=not tc05 and blocks >= 2,
+          why=why("has its own gather") if tc05 else "each CTA runs one block of positions: nothing to overlap"),
       # mla_scales_after: the latent's block scales applied after the MMAs (the dequantisation converts bytes only)
       scales_after=kernel_enabled("mla_scales_after", rows, fits=not tc05,
                                   why=why("dequantises one group at a time already")),
@@ -770,7 +773,7 @@ class DSA(nnx.Module):
                             and dv % dv_unit == 0,
                             why=f"bf16 kv_b weights (here {wkv.dtype}), <= {ks.UV_MAX_TOKENS} token rows (here "
                             f"{B * T}) and dv a multiple of {dv_unit} (here {dv})")
-        forms = _mla_forms(B * T, bool(amma))
+        forms = _mla_forms(B * T, bool(amma), ks.blocks_per_cta(B, T, H + hp, idx.shape[-1]))
         lean = forms["lean"]
         o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine=combine,
                                      transposed=uv, **forms, **amma)
@@ -788,7 +791,8 @@ class DSA(nnx.Module):
         hp = -H % 16
         qk = jnp.pad(q_hat, ((0, 0), (0, 0), (0, hp), (0, 0))) if hp else q_hat
         o_lat = ks.sparse_mla_decode(qk, lat["latent8"], idx, softmax_scale=self.scale, combine="kernel",
-                                     **_mla_forms(None, bool(amma)), **amma)[:, :, :H]
+                                     **_mla_forms(None, bool(amma), ks.blocks_per_cta(B, T, H + hp, idx.shape[-1])),
+                                     **amma)[:, :, :H]
       else:
         grouped = B * T >= GROUPED_ATTN_ROWS and q_hat.dtype == jnp.bfloat16
         attend = ks.sparse_mla_grouped if grouped else ks.sparse_mla_decode_reference

@@ -66,7 +66,7 @@ def _add_decode_args(p):
   p.add_argument("--prefill-chunk", type=int, default=None,
                  help="prompt tokens per prefill call (one compiled program per chunk size; larger chunks pay a "
                       "chunk's fixed cost — its launches, the prefill MoE's stream of every expert — fewer times); "
-                      "default: the Decoder's, glm5_jax.speculative.PREFILL_CHUNK (512)")
+                      "default: the Decoder's, glm5_jax.speculative.PREFILL_CHUNK (2048)")
   p.add_argument("--pack-params", type=int, default=None,
                  help="pass parameters under this many bytes packed into one buffer per dtype (0 = off; default: "
                       "the Decoder's, glm5_jax.param_packing.DEFAULT_BYTES)")

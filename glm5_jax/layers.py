@@ -386,17 +386,20 @@ KNOBS = {
         "91.3 -> 87.0 (82.3 -> 80.3), 32 x 1 91.7 -> 87.1 (82.4 -> 80.4): it pays only where a CTA runs several "
         "blocks (32 query rows), and one DSA layer at B = 8, q = 1 went 112.9 -> 113.9 µs; the q = 1 step a tie "
         "(2.92 -> 2.91 ms, 32 layers, 5 interleaved repeats) — off (the batch's gain ~2 %)"),
-    "mla_gather_warpgroup": (False,
-        "with sparse_mla on (Hopper's wgmma form): one more warpgroup in each attention CTA issuing every block's "
-        "gathers of FP8 latent rows (a TMA per pool of 4 positions and the barrier's arrivals) into a ring of 3 "
-        "slots (2 where the SMEM does not hold 3) while the first converts, multiplies and runs the softmax "
+    "mla_gather_warpgroup": (True,
+        "with sparse_mla on (Hopper's wgmma form), where each attention CTA runs 2 or more blocks of 64 positions (a "
+        "prefill chunk: 33; decode at B = 8: 4; one sequence's decode step: 1 — there it does not run): one more "
+        "warpgroup in each CTA issues every block's gathers of FP8 latent rows (a TMA per pool of 4 positions and "
+        "the barrier's arrivals) into a ring of 2 slots while the first converts, multiplies and runs the softmax "
         "(pallas_kernels.sparse_mla.sparse_mla_decode(gather_warpgroup=True); with mla_dequant_warpgroups three "
-        "warpgroups, two converting half a block each). One "
-        "warpgroup issues block k + 1's 16 groups between block k's arithmetic — ~2.7 µs of a block's ~7.5 in "
-        "session 67's H100 profile — so a CTA that runs many blocks pays it on every one: a prefill chunk's 512 "
-        "token rows run 33 blocks a CTA at one CTA an SM (the kernel ~0.6 ms a DSA layer of a 512-token chunk, "
-        "session 78's trace: ~4.8 µs a block). Bit for bit the one-warpgroup kernel (interpret mode). CPU-built "
-        "(session 79)"),
+        "warpgroups, two converting half a block each). One warpgroup issued block k + 1's 16 groups between block "
+        "k's arithmetic — ~2.7 µs of a block's ~7.5 in session 67's H100 profile — on every block a CTA runs. Bit "
+        "for bit the one-warpgroup kernel (interpret mode; natively its 5 GPU tests, session 79). The kernel alone "
+        "(bench_sparse_mla --only gather, an H100): a prefill chunk's 512 rows over a hot 4K / 32K cache 725.9 / "
+        "723.9 -> 388.3 / 382.1 µs (3 slots 452.8 / 457.2; beside mla_dequant_warpgroups 500.0 / 508.7), B x q = 8 "
+        "x 4 81.2 -> 61.3, 1 x 1 6.2 -> 6.4 (one block: not run there). In the prefill (s79a, 3 slots then: 32 "
+        "layers, 512-token chunks) the chunk's attention kernels 6.59 -> 4.09 ms, a 32K prompt 4,051.7 -> 3,991.8 "
+        "ms (a 4K one 526.5 -> 536.7: two repeats, within the 4K rows' spread); on by default since session 79"),
     "mla_scales_after": (True,
         "with sparse_mla on (Hopper's wgmma form): the FP8 latent's per-128 block scales applied after the MMAs "
         "instead of to every dequantised value (pallas_kernels.sparse_mla.sparse_mla_decode(scales_after=True): "
@@ -774,7 +777,7 @@ KNOBS = {
         "(sm80_xmma_gemm_f32f32 ... ffma, ~94 launches; one TP4 rank's first 32 layers). The triangular solve stays "
         "f32. CPU-built (session 78; the CPU runs the preset too: the tests compare it with the per-token "
         "recurrence); off until measured"),
-    "kda_chunk_gemm": (False,
+    "kda_chunk_gemm": (True,
         "a prefill chunk's chunked KDA (attention.kda_chunked) with its pairwise terms kk_ij = Σ_c k_ic k_jc e^(G_ic "
         "- G_jc) and qk's as two batched GEMMs of k and q scaled by e^(±(G - G_m)) about each 32-token sub-chunk's "
         "middle token (exponents within 16 x the gate's lower bound: 80 at the release's -5, finite in f32; "
@@ -782,8 +785,12 @@ KNOBS = {
         "XLA builds and reduces (33.5 M exponentials a KDA layer of a 512-token chunk at one TP4 rank; session 78's "
         "H100 trace: fusion_14070 55 µs and input_reduce_fusion_103 38 µs a KDA layer) — and without XLA's "
         "horizontal fusion of that reduction with K̃, the one concatenate fusion a 1,024-token chunk program has "
-        "and a 512-token one does not (a suspect of its ~5-minute compile). Within the fp32 paths' tolerance of the "
-        "pairwise form (the products summed in another order). CPU-built (session 78); off until measured"),
+        "and a 512-token one does not (the suspect of its ~5-minute compile). Within the fp32 paths' tolerance of "
+        "the pairwise form (the products summed in another order). Session 79 (an H100, 32 layers): with it a "
+        "1,024-token chunk program compiled in 116-130 s (294 s without, session 78) and a 2,048-token one in 90 s "
+        "— 4K / 32K prompts 388.0 / 2,534.0 ms to the first token in 2,048-token chunks against 526.5 / 4,051.7 in "
+        "512-token ones without it, on the same machine (PREFILL_CHUNK 2,048 since); at 512-token chunks with "
+        "kda_chunk_x6 the chunk's KDA kernels 7.54 -> 6.22 ms (s79a's traces). On by default since session 79"),
     "indexer_prefill": (True,
         "with an FP8 pooled-key cache: the indexer's scores of a prefill chunk's rows (and of a decode step's past "
         "the decode kernel's 64) through the scores kernel in token groups (pallas_kernels.indexer."

@@ -311,12 +311,13 @@ def compile_options(backend: str, platform: str, given: dict | None, *, loop: bo
 
 
 # Prompt tokens per prefill call (Decoder.prefill_chunk; the CLI's --prefill-chunk). A chunk's time is mostly a fixed
-# cost — its ~3,400 XLA launches at one TP4 rank and the prefill MoE streaming every expert once — so larger chunks
-# pay it fewer times: one TP4 rank's first 32 layers on an H100 (session 76, s76b) took 0.914 / 6.52 s to the first
-# token of a 4K / 32K prompt in 256-token chunks and 0.634 / 4.53 s in 512-token ones (the first call's compile ~70
-# s either way); 1,024-token chunks compiled for over 300 s there (XLA's "very slow compile" alarm on an
-# input_concatenate_fusion; compiled untuned they ran slower than 4 x 256, session 65).
-PREFILL_CHUNK = 512
+# cost — its ~2,900 XLA launches at one TP4 rank and the prefill MoE streaming every expert once (~22.5 ms a chunk
+# at the first 32 layers on an H100) — so larger chunks pay it fewer times: in 512-token chunks a 4K / 32K prompt
+# took 0.53 / 4.05 s to the first token there, in 1,024-token ones 0.36-0.40 / 2.93 s and in 2,048-token ones 0.39 /
+# 2.53 s (session 79, with layers' kda_chunk_gemm: without it, past 512 tokens, XLA's fusion autotuning compiled a
+# chunk program for ~5 minutes; with it 90 s at 2,048). Prompts shorter than a chunk run a power-of-two program
+# (prefill_rows), so a short prompt's time to the first token does not grow with the chunk.
+PREFILL_CHUNK = 2048
 
 
 class Decoder:

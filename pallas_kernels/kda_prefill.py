@@ -12,7 +12,8 @@ compile that did not end: BENCHMARKS.md, sessions 76 / 77).
 columns evolve independently — keeps its [K, vb] state block in SMEM, streams each sub-chunk's R_cᵀ [K, K] and
 P_c block through a two-slot TMA ring, and accumulates R_c S_c as K rank-1 updates in f32 on the CUDA cores (a
 column of R_c times a row of S_c, both read from SMEM: the products and sums are f32, as XLA's HIGHEST-precision
-product; no tensor core, whose TF32 inputs would round the state), starting from P_c. Each entry state is written
+product; no tensor core, whose TF32 inputs would round the state), starting from P_c — unrolled (UNROLL), so that
+the updates' SMEM loads issue ahead of the multiply-adds. Each entry state is written
 by TMA as the chain passes it.
 """
 
@@ -28,7 +29,9 @@ from pallas_kernels._common import kernel_entry, mgpu_kernel
 
 HIGHEST = lax.Precision.HIGHEST
 VB = 16  # state columns a CTA (the WGMMA register layout's columns: a multiple of 8)
-UNROLL = 1  # the rank-1 updates' unroll factor (benchmarks/bench_kda_prefill.py times the others)
+# the rank-1 updates' unroll factor: a 512-token chunk's hand-over (16 sub-chunks x 16 heads) 85.5 µs rolled, 67.0 /
+# 55.5 / 46.8 / 45.1 unrolled by 2 / 4 / 8 / 16 on an H100, bit for bit (benchmarks/bench_kda_prefill.py, session 79)
+UNROLL = 16
 _L = plgpu.Layout
 
 

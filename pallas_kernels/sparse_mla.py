@@ -830,6 +830,15 @@ def index_width(B: int, T: int, H: int, W: int, blocks_per_split: int | None = N
 
 
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory (sm_90's 227 KB opt-in)
+# the gather warpgroup's ring: a prefill chunk's 512 rows (33 blocks a CTA) 726 µs with one warpgroup, 388 with the
+# gathers' warpgroup and 2 slots, 453 with 3 (benchmarks/bench_sparse_mla.py --only gather, an H100, session 79)
+GATHER_SLOTS = 2
+
+
+def blocks_per_cta(B: int, T: int, H: int, W: int, blocks_per_split: int | None = None) -> int:
+  """The 64-position blocks each CTA of ``sparse_mla_decode`` (the wgmma form) runs for these shapes: 1 at one
+  sequence's decode (the list split over ~2 CTAs an SM), 33 at a prefill chunk's 512 rows."""
+  return _splits(B, T, H, W, blocks_per_split)[0]
 
 
 def _mla_smem(nbs: int, hn: int, slots: int, scales_after: bool, q_in: bool, q_dtype) -> int:
@@ -874,8 +883,8 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   CTA's prologue (``_mla_q_prep``: r the amax of its head group's queries) instead of ``_prepare_q``'s two XLA
   launches before the kernel (policy knob mla_q_in_kernel); the same r where one head group holds every head (16
   heads, TP4), so the same outputs up to the division's rounding; the wgmma form only. ``gather_warpgroup``: a
-  second warpgroup per CTA issues every block's gathers into a ring of ``stages`` slots (default: 3 where the SMEM
-  holds them, else 2) while the first converts and multiplies (``_mla_kernel``'s ``gather_wg``; policy knob
+  second warpgroup per CTA issues every block's gathers into a ring of ``stages`` slots (default GATHER_SLOTS: 2;
+  3 measured slower) while the first converts and multiplies (``_mla_kernel``'s ``gather_wg``; policy knob
   mla_gather_warpgroup): the same outputs bit for bit; the wgmma form only (with ``warpgroups=2``: three
   warpgroups, the gathers', and the two converting half a block each)."""
   tc05 = check_mma(mma, "sparse_mla_decode")
@@ -948,9 +957,7 @@ def sparse_mla_decode(q, cache, indices, *, softmax_scale, blocks_per_split: int
   else:
     n_wg = warpgroups + bool(gather_warpgroup)
     two = dict(num_threads=n_wg, thread_name="wg") if n_wg > 1 else {}
-    if gather_warpgroup and stages is None:  # (3 slots where the SMEM holds them)
-      stages = 3 if _mla_smem(nbs, hn, 3, scales_after, q_in_kernel, q_args[0].dtype) <= SMEM_BYTES else 2
-    S = stages if gather_warpgroup else 2
+    S = (stages or GATHER_SLOTS) if gather_warpgroup else 2
     if gather_warpgroup and _mla_smem(nbs, hn, S, scales_after, q_in_kernel, q_args[0].dtype) > SMEM_BYTES:
       raise ValueError(f"sparse_mla_decode: {S} gather slots, {nbs} blocks a split and the queries' "
                        f"{q_args[0].dtype} need {_mla_smem(nbs, hn, S, scales_after, q_in_kernel, q_args[0].dtype)} "

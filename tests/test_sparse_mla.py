@@ -303,8 +303,9 @@ def test_gather_warpgroup_interpret(B, T, H, S, W, nbs, stages, trail, pooled, l
 
 
 def test_gather_warpgroup_slots_fit_the_smem():
-  """The gather ring's default depth: 3 slots where a CTA's SMEM holds them (a prefill chunk's 33 blocks a split,
-  bf16 queries), 2 with q_in_kernel's f32 raw queries beside them; 3 asked for there is refused, naming the bytes."""
+  """The gather ring's SMEM: 3 slots fit a CTA at a prefill chunk's 33 blocks a split with bf16 queries (2 are the
+  default: 3 measured slower), not with q_in_kernel's f32 raw queries beside them — asked for there, refused, naming
+  the bytes."""
   assert M._mla_smem(33, 16, 3, True, False, jnp.bfloat16) <= M.SMEM_BYTES
   assert M._mla_smem(33, 16, 3, True, True, jnp.float32) > M.SMEM_BYTES >= M._mla_smem(33, 16, 2, True, True,
                                                                                       jnp.float32)
@@ -344,14 +345,17 @@ def test_prefill_form_cross_lower():
     assert "glm5_sparse_mla" in text and "glm5_mla_combine" in text
 
 
-def test_prefill_attention_kernel_at_the_model_site():
+def test_prefill_attention_kernel_at_the_model_site(monkeypatch):
   """Policy knob mla_prefill (a prefill chunk's DSA attention through the sparse MLA kernel, GPU interpret mode)
   against XLA's grouped form at the model's site: kernel-tiny in bf16 with its FP8 latent cache, the target's chunk
   program (every decode kernel off, as in a prefill) over a 13-token prompt in two 8-row chunks (the second attends
   to the first's FP8 latents) — the trunk's hidden states within bf16 rounding; then Decoder.prefill with the knob
   on reports its site in the chunk. Every expert routed (4 of 4): the DSA layer is the last one, and its MoE's
   top-k would be the only discrete decision downstream of the attention (test_decode's W_UV test says why). With
-  mla_gather_warpgroup too (a form knob a chunk keeps): its site reported, the hidden states bit for bit."""
+  mla_gather_warpgroup (a form knob a chunk keeps) on and off: its site reported where each CTA runs several blocks
+  — the index list unsplit (as at a real 512-row chunk: 33 blocks a CTA; here a 1-SM grid's split rule, 5 blocks)
+  — and the hidden states bit for bit."""
+  monkeypatch.setattr(M, "NUM_SMS", 1)
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8", n_routed_experts=4), "bfloat16")
   assert m.cfg.layer_types[-1] != "linear_attention"
   toks = np.random.default_rng().integers(0, 2000, (1, 13)).astype(np.int32)
