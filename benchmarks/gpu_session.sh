@@ -147,6 +147,10 @@
 #                             the sparse MLA's forms alone (bench_sparse_mla --only gather: decode shapes and a
 #                             prefill chunk's 512 rows) and the KDA hand-over's unroll factors (bench_kda_prefill),
 #                             then the defaults vs each (ALL=1: + all three; + POLICY)
+#   s79d (either; H100: LAYERS=32; ~450 s): session 79's mhc_prefill_bf16 (the prefill mHC logits as a bf16 product:
+#                             no f32 copy of the streams) at the new defaults (2,048-token chunks, kda_chunk_gemm,
+#                             mla_gather_warpgroup, the routing by counts, the hand-over unrolled): 4K and 32K prompts,
+#                             traced: the defaults vs it (+ POLICY)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -162,8 +166,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77e|s78a|s78b|s78c|s79a|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77e, s78a .. s78c, s79a, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77e|s78a|s78b|s78c|s79a|s79d|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77e, s78a .. s78c, s79a, s79d, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -211,10 +215,11 @@ keep() {  # the last $1 lines of a benchmark's output, without XLA's and CUDA's 
 }
 
 prefill_traced() {  # $1: lines of the table to keep; the rest: the --policy configurations. A 4K and a 32K prompt
-  # (PROMPTS) in 512-token chunks (CHUNK), the first prompt traced — the A/B form of sessions 77-78 — + POLICY
+  # (PROMPTS) in 2,048-token chunks (CHUNK; the default since session 79 — sessions 77-79 ran 512), the first prompt
+  # traced — the A/B form of sessions 77-79 — + POLICY
   local n=$1; shift
   timeout $(( $(left) - 5 )) python3 benchmarks/bench_prefill.py --geometry tp4-rank --layers ${LAYERS:-32} \
-    --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk ${CHUNK:-512} --trace "$OUT/trace" \
+    --repeats 2 --out "$OUT/prefill.jsonl" --prompt ${PROMPTS:-4096 32768} --chunk ${CHUNK:-2048} --trace "$OUT/trace" \
     --policy "$@" ${POLICY:+"$POLICY"} 2>&1 | keep "$n" > "$OUT/bench_prefill.log"
 }
 
@@ -515,6 +520,9 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     timeout 60 python3 benchmarks/bench_kda_prefill.py --out "$OUT/bench_kda_prefill.txt" 2>&1 | keep 25
     prefill_traced 40 '{}' '{"mla_gather_warpgroup": true}' '{"kda_chunk_gemm": true, "kda_chunk_x6": true}' \
       ${ALL:+'{"mla_gather_warpgroup": true, "kda_chunk_gemm": true, "kda_chunk_x6": true}'}
+    ;;
+  s79d)  # (either; H100: LAYERS=32) see the header
+    prefill_traced 30 '{}' '{"mhc_prefill_bf16": true}'
     ;;
   s77e)  # (either; H100: LAYERS=32) see the header
     for c in ${CHUNKS:-1024 768}; do  # (a process each: a chunk size whose compile runs long loses only itself)

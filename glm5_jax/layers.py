@@ -758,6 +758,13 @@ KNOBS = {
         "GEMM writing f32 streams for the next fusion: in session 77's H100 trace of a 512-token chunk (one TP4 "
         "rank's first 32 layers) 4.2 of the chunk's 5.6 ms of mHC kernels (a 16.8 MB bf16 stream set a site). "
         "The same sums rounded in another order (within the fp32 paths' tolerance of the reference's)"),
+    "mhc_prefill_bf16": (False,
+        "with mhc_prefill on, bf16 streams and fn: the 24 mixing logits as a product of the bf16 streams and fn "
+        "with f32 sums (every product of two bf16 values exact in f32: the f32 product's terms, summed in another "
+        "order) instead of the f32 product XLA feeds with an f32 copy of the streams — session 79's H100 trace of a "
+        "512-token chunk (32 layers): `wrapped_convert` f32[512, 32, 512] 955 µs a chunk (33.5 MB written and read "
+        "back a site) and fn's f32 copy 150 µs. Within the fp32 paths' tolerance of the f32 product. CPU-built "
+        "(session 79)"),
     "kda_handover": (True,
         "a prefill chunk's KDA state hand-over between its 32-token sub-chunks (S_{c+1} = R_c S_c + P_c, every "
         "sub-chunk's entry state kept) as one Mosaic GPU launch a layer (pallas_kernels.kda_prefill.kda_handover: "
@@ -813,8 +820,8 @@ KNOBS = {
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
-PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "mla_prefill", "topk_prefill", "mhc_prefill", "indexer_prefill",
-                 "kda_handover", "kda_chunk_x6", "kda_chunk_gemm")
+PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "mla_prefill", "topk_prefill", "mhc_prefill", "mhc_prefill_bf16",
+                 "indexer_prefill", "kda_handover", "kda_chunk_x6", "kda_chunk_gemm")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",
@@ -1469,7 +1476,15 @@ class HyperConnection(nnx.Module):
       # streams are never written — as norm(X) · fnᵀ XLA wrote and read them back at every site (2 x 33.5 MB of
       # f32 for a 512-token chunk's 16.8 MB of bf16 streams, session 77)
       rinv = lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + self.norm_eps)
-      m = jnp.einsum("...k,mk->...m", flat, self.fn[...].astype(jnp.float32), precision=HIGHEST) * rinv
+      fn = self.fn[...]
+      bf16 = jnp.bfloat16
+      if kernel_enabled("mhc_prefill_bf16", fits=X.dtype == bf16 and fn.dtype == bf16,
+                        why=f"bf16 streams and fn (here {X.dtype} and {fn.dtype})"):
+        # bf16 values times bf16 values are exact in f32: the product of the bf16 operands with f32 sums is the f32
+        # product's, summed in another order — without the f32 copy of the streams the f32 GEMM reads
+        m = jnp.einsum("...k,mk->...m", X.reshape(flat.shape), fn, preferred_element_type=jnp.float32) * rinv
+      else:
+        m = jnp.einsum("...k,mk->...m", flat, fn.astype(jnp.float32), precision=HIGHEST) * rinv
     else:  # (the reference's order: HF's normalised streams, then the projection)
       flat = flat * lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + self.norm_eps)
       m = jnp.einsum("...k,mk->...m", flat, self.fn[...].astype(jnp.float32), precision=HIGHEST)
