@@ -464,10 +464,11 @@ def _mla_kernel(nbs: int, hn: int, wgs: int = 1, scales_after: bool = False, gro
   ``gather_wg`` (``sparse_mla_decode(gather_warpgroup=True)``): one more warpgroup (the last) issues the gathers —
   block k into slot k mod S of an S-slot ring (c32_s [S, 64, ROW_WORDS]), once the converting warpgroups (one, or
   two with ``wgs`` = 2) have converted block k - S out of it (``consumed``, the scratch after gbar and xbar: an
-  arrival per block from each) — while the first converts, multiplies and runs the softmax. One warpgroup issues a block's 16 groups of TMAs (a condition on 4 SMEM indices, a TMA and
-  its arrivals each: ~2.7 µs a block in session 67's H100 profile) between its blocks' arithmetic: a CTA that runs
-  many blocks (a prefill chunk's 512 token rows: 32 blocks a CTA, one CTA an SM) pays it on every one. The same
-  numbers as one warpgroup (only who issues the copies changes)."""
+  arrival per block from each) — while the first converts, multiplies and runs the softmax. One warpgroup issues
+  a block's 16 groups of TMAs (a condition on 4 SMEM indices, a TMA and its arrivals each: ~2.7 µs a block in
+  session 67's H100 profile) between its blocks' arithmetic: a CTA that runs many blocks (a prefill chunk's 512
+  token rows: 33 blocks a CTA, one CTA an SM) pays it on every one. The same numbers as one warpgroup (only who
+  issues the copies changes)."""
 
   def body(*refs):
     q_g, *refs = refs
