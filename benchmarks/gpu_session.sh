@@ -147,8 +147,8 @@
 #                             the sparse MLA's forms alone (bench_sparse_mla --only gather: decode shapes and a
 #                             prefill chunk's 512 rows) and the KDA hand-over's unroll factors (bench_kda_prefill),
 #                             then the defaults vs each (ALL=1: + all three; + POLICY)
-#   s79d (either; H100: LAYERS=32; ~450 s): session 79's mhc_prefill_bf16 (the prefill mHC logits as a bf16 product:
-#                             no f32 copy of the streams) at the new defaults (2,048-token chunks, kda_chunk_gemm,
+#   s79d (either; H100: LAYERS=32; ~450 s): session 79's bf16_products (the prefill's mHC and router logits as bf16
+#                             products: no f32 copies of their operands) at the new defaults (2,048-token chunks, kda_chunk_gemm,
 #                             mla_gather_warpgroup, the routing by counts, the hand-over unrolled): 4K and 32K prompts,
 #                             traced: the defaults vs it (+ POLICY)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
@@ -522,7 +522,7 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       ${ALL:+'{"mla_gather_warpgroup": true, "kda_chunk_gemm": true, "kda_chunk_x6": true}'}
     ;;
   s79d)  # (either; H100: LAYERS=32) see the header
-    prefill_traced 30 '{}' '{"mhc_prefill_bf16": true}'
+    prefill_traced 30 '{}' '{"bf16_products": true}'
     ;;
   s77e)  # (either; H100: LAYERS=32) see the header
     for c in ${CHUNKS:-1024 768}; do  # (a process each: a chunk size whose compile runs long loses only itself)

@@ -758,13 +758,15 @@ KNOBS = {
         "GEMM writing f32 streams for the next fusion: in session 77's H100 trace of a 512-token chunk (one TP4 "
         "rank's first 32 layers) 4.2 of the chunk's 5.6 ms of mHC kernels (a 16.8 MB bf16 stream set a site). "
         "The same sums rounded in another order (within the fp32 paths' tolerance of the reference's)"),
-    "mhc_prefill_bf16": (False,
-        "with mhc_prefill on, bf16 streams and fn: the 24 mixing logits as a product of the bf16 streams and fn "
-        "with f32 sums (every product of two bf16 values exact in f32: the f32 product's terms, summed in another "
-        "order) instead of the f32 product XLA feeds with an f32 copy of the streams — session 79's H100 trace of a "
-        "512-token chunk (32 layers): `wrapped_convert` f32[512, 32, 512] 955 µs a chunk (33.5 MB written and read "
-        "back a site) and fn's f32 copy 150 µs. Within the fp32 paths' tolerance of the f32 product. CPU-built "
-        "(session 79)"),
+    "bf16_products": (False,
+        "XLA's f32 products of bf16 values at two prefill sites — the mHC's 24 mixing logits (with mhc_prefill: the "
+        "streams times fn) and the router's logits past the GEMV kernel's rows (x times W_r) — as products of the "
+        "bf16 operands with f32 sums (every product of two bf16 values exact in f32: the f32 product's terms, summed "
+        "in another order) instead of f32 GEMMs that XLA feeds with f32 copies of both operands: session 79's H100 "
+        "trace of a 512-token chunk (32 layers) had the mHC's `wrapped_convert` f32[512, 32, 512] at 955 µs a chunk "
+        "(33.5 MB written and read back a site) and fn's f32 copy 150, the router's copies of x and W_r 137 + 94. "
+        "Within the fp32 paths' tolerance of the f32 products. Also a decode step's router where XLA runs it (one "
+        "token row: the GEMV kernel measured slower there). CPU-built (session 79)"),
     "kda_handover": (True,
         "a prefill chunk's KDA state hand-over between its 32-token sub-chunks (S_{c+1} = R_c S_c + P_c, every "
         "sub-chunk's entry state kept) as one Mosaic GPU launch a layer (pallas_kernels.kda_prefill.kda_handover: "
@@ -820,7 +822,7 @@ KNOBS = {
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
-PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "mla_prefill", "topk_prefill", "mhc_prefill", "mhc_prefill_bf16",
+PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "mla_prefill", "topk_prefill", "mhc_prefill", "bf16_products",
                  "indexer_prefill", "kda_handover", "kda_chunk_x6", "kda_chunk_gemm")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
@@ -1478,7 +1480,7 @@ class HyperConnection(nnx.Module):
       rinv = lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + self.norm_eps)
       fn = self.fn[...]
       bf16 = jnp.bfloat16
-      if kernel_enabled("mhc_prefill_bf16", fits=X.dtype == bf16 and fn.dtype == bf16,
+      if kernel_enabled("bf16_products", fits=X.dtype == bf16 and fn.dtype == bf16,
                         why=f"bf16 streams and fn (here {X.dtype} and {fn.dtype})"):
         # bf16 values times bf16 values are exact in f32: the product of the bf16 operands with f32 sums is the f32
         # product's, summed in another order — without the f32 copy of the streams the f32 GEMM reads
@@ -1801,6 +1803,10 @@ class Router(nnx.Module):
       # GEMV and router_route was a launch on the MoE sublayer's chain at q = 4, 42 a step)
       return kl.bf16_linear(x.reshape(rows, D), w, **_split_sums(kl, rows), **mma,
                             **balanced_splits()).reshape(*x.shape[:-1], E)
+    if kernel_enabled("bf16_products", fits=x.dtype == w.dtype == jnp.bfloat16,
+                      why=f"bf16 router input and weight (here {x.dtype} and {w.dtype})"):
+      # (bf16 times bf16 is exact in f32: the f32 product's terms in another order, without f32 copies of x and W)
+      return jnp.einsum("...d,ed->...e", x, w, preferred_element_type=jnp.float32)
     return jnp.einsum("...d,ed->...e", x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)
 
 

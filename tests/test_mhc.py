@@ -603,7 +603,7 @@ def test_prefill_form_equals_reference(M):
 
 @pytest.mark.parametrize("M", [1, 70])
 def test_prefill_bf16_logits_equal_the_f32_product(M):
-  """Policy knob mhc_prefill_bf16 (with mhc_prefill): the mixing logits as the bf16 streams times the bf16 fn with f32
+  """Policy knob bf16_products (with mhc_prefill): the mixing logits as the bf16 streams times the bf16 fn with f32
   sums — pre / post / comb within the fp32 paths' tolerance of the f32 product's, the sublayer input within bf16
   rounding; the product in its lowering takes the bf16 operands (no f32 copy of the streams). Declined, saying
   why, for f32 streams."""
@@ -614,19 +614,19 @@ def test_prefill_bf16_logits_equal_the_f32_product(M):
   Xs = X.reshape(M, 4, D)
   out, text = {}, {}
   for on in (False, True):
-    with use_kernels({"mhc_prefill": True, "mhc_prefill_bf16": on}), kernel_report() as rep:
+    with use_kernels({"mhc_prefill": True, "bf16_products": on}), kernel_report() as rep:
       out[on] = jax.jit(hc.pre)(Xs)
       text[on] = jax.jit(hc.pre).lower(Xs).as_text()
-    assert (("mhc_prefill_bf16", None) in rep) == on, rep
+    assert (("bf16_products", None) in rep) == on, rep
   u1, u0 = (np.asarray(out[b][0].astype(jnp.float32)) for b in (True, False))
   np.testing.assert_allclose(u1, u0, **tol("kernel_bf16"))
   for a, b in zip(out[True][1:], out[False][1:]):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol("fp32_paths"))
   bf16_dot = re.compile(r"dot_general.*\(tensor<[^>]*xbf16>, tensor<[^>]*xbf16>\) -> tensor<[^>]*xf32>")
   assert bf16_dot.search(text[True]) and not bf16_dot.search(text[False])
-  with use_kernels({"mhc_prefill": True, "mhc_prefill_bf16": True}), kernel_report() as rep:
+  with use_kernels({"mhc_prefill": True, "bf16_products": True}), kernel_report() as rep:
     jax.eval_shape(hc.pre, Xs.astype(jnp.float32))
-  assert [r for k, r in rep if k == "mhc_prefill_bf16"] == ["bf16 streams and fn (here float32 and bfloat16)"], rep
+  assert [r for k, r in rep if k == "bf16_products"] == ["bf16 streams and fn (here float32 and bfloat16)"], rep
 
 
 def test_prefill_form_at_the_model_site():

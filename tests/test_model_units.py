@@ -500,6 +500,38 @@ def test_a_default_switch_declines_where_xla_is_faster_and_an_explicit_one_force
     np.testing.assert_allclose(f32(y), f32(x) @ f32(lin.weight[...]).T, rtol=1e-5, atol=1e-5)
 
 
+def test_router_logits_as_a_bf16_product():
+  """Policy knob bf16_products where XLA computes the router's logits (past the GEMV kernel's rows: a prefill chunk):
+  bf16 x times the bf16 weight with f32 sums — the f32 product's exact terms in another order: the logits within
+  float rounding, the same experts; its lowering's product takes the bf16 operands; f32 inputs decline it, saying
+  why."""
+  import re  # noqa: PLC0415
+
+  from flax import nnx  # noqa: PLC0415
+
+  from glm5_jax import config as C  # noqa: PLC0415
+  from glm5_jax.layers import MAX_KERNEL_ROWS, Router, kernel_report  # noqa: PLC0415
+  cfg = C.oracle_tiny().replace(n_routed_experts=288, num_experts_per_tok=8, hidden_size=256)
+  r = nnx.eval_shape(lambda: Router(cfg, jnp.bfloat16))
+  rng = np.random.default_rng()
+  r.weight.set_value(jnp.asarray(rng.standard_normal((288, 256)) * 0.05, jnp.bfloat16))
+  r.e_score_correction_bias.set_value(jnp.asarray(rng.standard_normal(288) * 0.01, jnp.float32))
+  x = jnp.asarray(rng.standard_normal((1, MAX_KERNEL_ROWS + 8, 256)), jnp.bfloat16)  # (past the kernel's rows)
+  out, text = {}, {}
+  for on in (False, True):
+    with use_kernels({"bf16_products": on}), kernel_report() as rep:
+      out[on] = jax.jit(r.logits)(x), jax.jit(r.__call__)(x)
+      text[on] = jax.jit(r.logits).lower(x).as_text()
+    assert (("bf16_products", None) in rep) == on, rep
+  np.testing.assert_allclose(np.asarray(out[True][0]), np.asarray(out[False][0]), **tol("fp32_paths"))
+  np.testing.assert_array_equal(np.asarray(out[True][1][0]), np.asarray(out[False][1][0]))
+  bf16_dot = re.compile(r"dot_general.*\(tensor<[^>]*xbf16>, tensor<[^>]*xbf16>\) -> tensor<[^>]*xf32>")
+  assert bf16_dot.search(text[True]) and not bf16_dot.search(text[False])
+  with use_kernels({"bf16_products": True}), kernel_report() as rep:
+    jax.eval_shape(r.logits, x.astype(jnp.float32))
+  assert [w for k, w in rep if k == "bf16_products"] == ["bf16 router input and weight (here float32 and bfloat16)"]
+
+
 def test_router_logits_through_the_bf16_kernel():
   """With bf16 x and router weight at >= 2 token rows the logits come from the bf16 GEMV kernel (GPU interpret
   mode on CPU): the same exact products as f32(x)·f32(W), another summation order — the same experts, weights
