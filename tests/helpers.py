@@ -85,16 +85,36 @@ def target_hidden_in_chunks(dec, model, tokens, n: int, chunk: int, mode):
   return np.concatenate(h, axis=1), rep
 
 
-def greedy_reference(model, prompt, n, *, max_context=128, bucket=16):
-  """The reference model's greedy continuation through the cached path (prefill, then one token at a time)."""
+def greedy_reference(model, prompt, n, *, max_context=128, bucket=16, gaps: bool = False):
+  """The reference model's greedy continuation through the cached path (prefill, then one token at a time).
+  ``gaps``: also each choice's margin (its logit minus the runner-up's) -> (tokens, margins)."""
+  def top(lg):
+    lg = np.asarray(lg, np.float64)
+    i = int(np.argmax(lg))
+    return i, float(lg[i] - np.max(np.delete(lg, i)))
+
   lg, cache = extend_chunks(model, prompt, [len(prompt)], max_context=max_context, bucket=bucket)
-  out = [int(np.argmax(lg[-1]))]
+  picks = [top(lg[-1])]
   for _ in range(n - 1):
     buf = np.zeros((1, bucket), np.int32)
-    buf[0, 0] = out[-1]
+    buf[0, 0] = picks[-1][0]
     o, cache = glm5_jax.extend(model, cache, buf, valid=np.array([1], np.int32))
-    out.append(int(np.argmax(np.asarray(o["logits"][0, 0]))))
-  return out
+    picks.append(top(o["logits"][0, 0]))
+  out = [t for t, _ in picks]
+  return (out, [g for _, g in picks]) if gaps else out
+
+
+def assert_greedy_matches(got, ref, margins, *, tie: float = 1e-4):
+  """got == ref, the reference's greedy tokens — or equal up to a first difference where the reference's choice was
+  a near-tie (its margin over the runner-up below ``tie``: another summation order of the same f32 logits may pick
+  the other one; past it the continuations legitimately part)."""
+  got, ref = list(got), list(ref)
+  i = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+  if i is None:
+    assert len(got) == len(ref), (got, ref)
+    return
+  assert margins[i] < tie, (f"token {i} differs ({got[i]} vs the reference's {ref[i]}) where the reference's margin "
+                            f"is {margins[i]:.3g}, not a near-tie", got, ref)
 
 
 def barrier_counts(monkeypatch, names, fn, *args):

@@ -15,7 +15,8 @@ from conftest import tol
 from glm5_jax.layers import KERNEL_DEFAULTS, REMOVED_KNOBS
 from glm5_jax.speculative import Decoder, decode, warmup_all
 from glm5_jax.runtime import DecodeConfig
-from helpers import extend_chunks, greedy_reference, load, target_hidden_in_chunks, tiny_checkpoint
+from helpers import (assert_greedy_matches, extend_chunks, greedy_reference, load, target_hidden_in_chunks,
+                     tiny_checkpoint)
 
 # A small geometry (4 layers: KDA, KDA, KDA, DSA; dense, MoE, MoE, MoE) with sparse selection from position 8.
 MICRO = dict(num_hidden_layers=4, mlp_layer_types=("dense", "sparse", "sparse", "sparse"), index_topk=8)
@@ -865,17 +866,21 @@ def test_generate_pipelined_equals_greedy_reference(model):
   rng = np.random.default_rng()
   prompts = [rng.integers(1, 200, 9), rng.integers(1, 200, 14)]
   n_new = MAXCTX - 14 - 2  # the longer prompt runs into max_context: the last steps are not issued ahead
-  refs = [greedy_reference(model, p, n_new, max_context=MAXCTX) for p in prompts]
+  refs, margins = zip(*[greedy_reference(model, p, n_new, max_context=MAXCTX, gaps=True) for p in prompts])
   dec = _decoder(model, 1, sizes=(2,))
   out, stats = dec.generate(prompts, n_new)
-  assert out == refs and stats["tokens"] == 2 * n_new
+  # (a batch of two sums the f32 logits in another order than the one-sequence reference: a near-tie may flip —
+  # a CI run of session 79 parted at one; the continuations are compared up to such a point)
+  for got, ref, mg in zip(out, refs, margins):
+    assert_greedy_matches(got, ref, mg)
+  assert stats["tokens"] == 2 * n_new
   eos = refs[0][5]
   out, _ = dec.generate(prompts, 20, eos_id=(10 ** 6, eos))  # several end ids (a checkpoint's), one never comes
-  for got, ref in zip(out, refs):
+  for got, ref, mg in zip(out, refs, margins):
     cut = ref[:20]
     if eos in cut:
       cut = cut[:cut.index(eos) + 1]
-    assert got == cut
+    assert_greedy_matches(got, cut, mg)
   # stream(): the same tokens call by call — the prefill's first, then each call's steps
   chunks = list(dec.stream(prompts, 20, eos_id=eos))
   assert [len(c) for c in chunks[0].tokens] == [1, 1] and chunks[0].steps == 0
