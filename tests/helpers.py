@@ -104,6 +104,14 @@ def greedy_reference(model, prompt, n, *, max_context=128, bucket=16, gaps: bool
   return (out, [g for _, g in picks]) if gaps else out
 
 
+def has_bf16_product(stablehlo: str) -> bool:
+  """Whether a lowering (StableHLO text) has a product of two bf16 operands into f32 (policy knob bf16_products'
+  form: no f32 copies of the operands)."""
+  import re  # noqa: PLC0415
+  pattern = r"dot_general.*\(tensor<[^>]*xbf16>, tensor<[^>]*xbf16>\) -> tensor<[^>]*xf32>"
+  return re.search(pattern, stablehlo) is not None
+
+
 def assert_greedy_matches(got, ref, margins, *, tie: float = 1e-4):
   """got == ref, the reference's greedy tokens — or equal up to a first difference where the reference's choice was
   a near-tie (its margin over the runner-up below ``tie``: another summation order of the same f32 logits may pick
