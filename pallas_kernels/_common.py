@@ -5,6 +5,7 @@ distinct kernel, barriers and counters."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import jax
@@ -165,6 +166,48 @@ def _name_layout_variables_once():
 
 
 _name_layout_variables_once()
+
+
+def _cache_layout_hashes():
+  """Hash each of layout inference's frozen values once instead of at every dictionary lookup.
+
+  Mosaic GPU's layout inference (jax 0.11.2) reduces its constraint system again at every step of its search: ~1.9
+  million constraint reductions for the kernel-tiny step, each looking its variables up in the assignments — and a
+  frozen dataclass's generated ``__hash__`` hashes its fields again each time (a Variable its ValueSite, that its
+  operation, type and index: 11.7 million hash calls, ~20 % of the step's lowering). These classes are immutable,
+  so their hash is computed once and kept on the instance: the same values, the same dictionary order, the same
+  layouts — the kernel-tiny step's lowering 35.9 -> 28.3 s on the CPU, its kernels' hashes unchanged
+  (tests/test_sparse_mla.py lowers kernels with and without it, byte for byte)."""
+  from jax.experimental.mosaic.gpu import constraints as _cs  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import layout_inference as _li  # noqa: PLC0415
+  names = ("Variable", "RegisterLayout", "TMEMLayout", "SMEMTransforms", "Reduce", "Reshape", "Transpose",
+           "CollapseShape", "Equals", "Relayout", "NotOfType", "IsTransferableTmemRegisters",
+           "IsTransferableSmemRegisters", "Divides", "IsSupportedBroadcast", "MinorDimDivisibleBy", "AlwaysTrue",
+           "OneOf")
+  classes = [getattr(_cs, n, None) for n in names] + [getattr(_li, "ValueSite", None)]
+  if jax.__version__ != "0.11.2" or not all(
+      c is not None and dataclasses.is_dataclass(c) and c.__dataclass_params__.frozen
+      and "__slots__" not in c.__dict__ for c in classes):
+    return  # (another jax: its classes may differ — keep its own hashing)
+  for cls in classes:
+    plain = cls.__hash__
+    if getattr(plain, "_cached", False):
+      continue
+
+    def cached(self, plain=plain):
+      try:
+        return self.__dict__["_glm5_hash"]
+      except KeyError:
+        h = plain(self)
+        object.__setattr__(self, "_glm5_hash", h)  # (frozen: the dataclass's own __setattr__ refuses)
+        return h
+
+    cached._cached = True
+    cached.plain = plain  # (tests lower with the plain hashes too)
+    cls.__hash__ = cached
+
+
+_cache_layout_hashes()
 
 
 # Counters in a plain int32 GMEM ref (a slice [1] of a jax Ref the step passes in: ``jax.new_ref``, one zero fill

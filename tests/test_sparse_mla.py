@@ -572,10 +572,11 @@ def test_lean_attention_tail_lowers_without_automatic_barriers(monkeypatch):
 
 def test_layout_inference_naming_patch_lowers_identically(monkeypatch):
   """pallas_kernels._common numbers a module's values once per Mosaic GPU layout inference (jax's own naming
-  printed every operation with a fresh numbering: ~30 % of a kernel's lowering): every variable of the attention
-  and W_UV kernels gets jax's own name (ValueSite.__str__ of jax 0.11.2: the printed operation's first tokens),
-  and the kernels lower to the same text — their serialised modules included — as with jax's naming. (The
-  lowering memo is cleared so that both lowerings run the layout inference.)"""
+  printed every operation with a fresh numbering: ~30 % of a kernel's lowering) and hashes its frozen values once
+  (~20 %): every variable of the attention and W_UV kernels gets jax's own name (ValueSite.__str__ of jax 0.11.2:
+  the printed operation's first tokens), and the kernels lower to the same text — their serialised modules
+  included — as with jax's naming and hashing. (The lowering memo is cleared so that both lowerings run the layout
+  inference.)"""
   from jax._src.pallas.mosaic_gpu import pallas_call_registration as reg  # noqa: PLC0415
   from jax.experimental.mosaic.gpu import layout_inference as li  # noqa: PLC0415
   args = (SDS((1, 4, 16, 512), jnp.bfloat16), SDS((1, 32784, M.ROW_WORDS), jnp.int32), SDS((1, 4, 2176), jnp.int32),
@@ -602,6 +603,13 @@ def test_layout_inference_naming_patch_lowers_identically(monkeypatch):
   assert len(seen) > 100 and [a for a, b in seen if a != b] == [], seen[:3]
   kept.clear()
   monkeypatch.setattr(li, "infer_layout", patched.unmemoized)
+  # (and with the frozen values' plain hashes: pallas_kernels._common._cache_layout_hashes)
+  from jax.experimental.mosaic.gpu import constraints as cs  # noqa: PLC0415
+  cached = [c for c in [getattr(cs, n) for n in dir(cs)] + [li.ValueSite]
+            if isinstance(c, type) and hasattr(vars(c).get("__hash__"), "plain")]
+  assert {"Variable", "Equals", "ValueSite"} <= {c.__name__ for c in cached}, cached
+  for c in cached:
+    monkeypatch.setattr(c, "__hash__", c.__hash__.plain)
   slow = cross_lower(tail, *args).as_text()
   assert fast.count("mosaic_gpu_v2") == slow.count("mosaic_gpu_v2") >= 3 and fast == slow
 
