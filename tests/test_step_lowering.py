@@ -63,7 +63,8 @@ def check_one_module_per_kernel(txt):
 def test_kernel_tiny_step_lowers_for_cuda():
   """The kernel-tiny step at q = 1 (q = 4: test_real_geometry_step_lowers_for_cuda, whose kernels are the same
   forms at the real shapes; a kernel-tiny q = 4 lowering of its own cost the CPU suite ~20 s)."""
-  txt = lower_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096)
+  traced = trace_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096)
+  txt = traced.lower(lowering_platforms=("cuda",)).as_text()
   n_calls, n_kernels = check_one_module_per_kernel(txt)
   # identical calls share one lowering (pallas_kernels._common.kernel_entry); where they do not (another
   # lowering context), they still share one module, hence one runtime compilation
@@ -89,7 +90,7 @@ def test_kernel_tiny_step_lowers_for_cuda():
   assert "mosaic_gpu.uses_pdl" not in txt  # (policy pdl, off by default: test_kernel_tiny_step_lowers_for_cuda_at_tp4)
   # and the stock path has no kernel at all (its traced program: no Pallas call — a lowering of it cost ~5 s)
   stock = str(trace_step(C.kernel_tiny(), 1, "auto", max_context=4096).jaxpr)
-  assert "mpmd_map" in str(trace_step(C.kernel_tiny(), 1, "latency_specialized", max_context=4096).jaxpr)
+  assert "mpmd_map" in str(traced.jaxpr)
   assert "mpmd_map" not in stock and "pallas" not in stock
 
 
