@@ -758,15 +758,17 @@ KNOBS = {
         "GEMM writing f32 streams for the next fusion: in session 77's H100 trace of a 512-token chunk (one TP4 "
         "rank's first 32 layers) 4.2 of the chunk's 5.6 ms of mHC kernels (a 16.8 MB bf16 stream set a site). "
         "The same sums rounded in another order (within the fp32 paths' tolerance of the reference's)"),
-    "bf16_products": (False,
+    "bf16_products": (True,
         "XLA's f32 products of bf16 values at two prefill sites — the mHC's 24 mixing logits (with mhc_prefill: the "
         "streams times fn) and the router's logits past the GEMV kernel's rows (x times W_r) — as products of the "
         "bf16 operands with f32 sums (every product of two bf16 values exact in f32: the f32 product's terms, summed "
         "in another order) instead of f32 GEMMs that XLA feeds with f32 copies of both operands: session 79's H100 "
         "trace of a 512-token chunk (32 layers) had the mHC's `wrapped_convert` f32[512, 32, 512] at 955 µs a chunk "
         "(33.5 MB written and read back a site) and fn's f32 copy 150, the router's copies of x and W_r 137 + 94. "
-        "Within the fp32 paths' tolerance of the f32 products. Also a decode step's router where XLA runs it (one "
-        "token row: the GEMV kernel measured slower there). CPU-built (session 79)"),
+        "Within the fp32 paths' tolerance of the f32 products. Not at one token row (a decode step's router, where "
+        "XLA runs it: the GEMV kernel measured slower there — XLA's f32 GEMV stays, not measured with bf16 "
+        "products). CPU-built (session 79); on since session 80: a 2,048-token chunk's busy time 135.9 -> 124.3 ms "
+        "(its mHC kernels 21.5 -> 14.2 ms), a 32K prompt 2,277.9 -> 2,225.3 ms on an H100 (32 layers, same call)"),
     "kda_handover": (True,
         "a prefill chunk's KDA state hand-over between its 32-token sub-chunks (S_{c+1} = R_c S_c + P_c, every "
         "sub-chunk's entry state kept) as one Mosaic GPU launch a layer (pallas_kernels.kda_prefill.kda_handover: "
@@ -1803,8 +1805,9 @@ class Router(nnx.Module):
       # GEMV and router_route was a launch on the MoE sublayer's chain at q = 4, 42 a step)
       return kl.bf16_linear(x.reshape(rows, D), w, **_split_sums(kl, rows), **mma,
                             **balanced_splits()).reshape(*x.shape[:-1], E)
-    if kernel_enabled("bf16_products", fits=x.dtype == w.dtype == jnp.bfloat16,
-                      why=f"bf16 router input and weight (here {x.dtype} and {w.dtype})"):
+    # (not at one token row — a decode step's router, where XLA's f32 GEMV stays: not measured with bf16 products)
+    if rows > 1 and kernel_enabled("bf16_products", fits=x.dtype == w.dtype == jnp.bfloat16,
+                                   why=f"bf16 router input and weight (here {x.dtype} and {w.dtype})"):
       # (bf16 times bf16 is exact in f32: the f32 product's terms in another order, without f32 copies of x and W)
       return jnp.einsum("...d,ed->...e", x, w, preferred_element_type=jnp.float32)
     return jnp.einsum("...d,ed->...e", x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)

@@ -143,9 +143,13 @@ def test_chunked_kda_x6_products_gpu(T, decay):
   a 512-token chunk of 16 heads at the real head dim (random gates, and every gate at its bound), and a partial last
   sub-chunk — the per-token recurrence's and the f32 pairwise form's tolerance."""
   args, o_ref, s_ref = _chunked_kda_case(1, T, 16 if T == 512 else 2, 128, decay)
-  o_x, S_x = jax.jit(kda_chunked)(*args)
+
+  def run(**kw):  # (without XLA's autotuning: the f32 pairwise form's concatenation autotunes for minutes, session 80)
+    return jax.jit(functools.partial(kda_chunked, **kw)).lower(*args).compile(
+        compiler_options={"xla_gpu_autotune_level": 0})(*args)
+  o_x, S_x = run()
   for kw in ({"precision": X6}, {"pairwise_gemm": True}, {"precision": X6, "pairwise_gemm": True}):
-    o, S = jax.jit(functools.partial(kda_chunked, **kw))(*args)
+    o, S = run(**kw)
     for got, want in ((o, o_ref), (S, s_ref), (o, o_x), (S, S_x)):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), err_msg=str(kw), **tol("fp32_paths"))
 
@@ -504,7 +508,7 @@ def test_router_logits_as_a_bf16_product():
   """Policy knob bf16_products where XLA computes the router's logits (past the GEMV kernel's rows: a prefill chunk):
   bf16 x times the bf16 weight with f32 sums — the f32 product's exact terms in another order: the logits within
   float rounding, the same experts; its lowering's product takes the bf16 operands; f32 inputs decline it, saying
-  why."""
+  why; one token row (a decode step's router) keeps the f32 product."""
   from flax import nnx  # noqa: PLC0415
   from helpers import has_bf16_product  # noqa: PLC0415
 
@@ -528,6 +532,10 @@ def test_router_logits_as_a_bf16_product():
   with use_kernels({"bf16_products": True}), kernel_report() as rep:
     jax.eval_shape(r.logits, x.astype(jnp.float32))
   assert [w for k, w in rep if k == "bf16_products"] == ["bf16 router input and weight (here float32 and bfloat16)"]
+  # one token row (a decode step's router where XLA computes it): XLA's f32 product stays, the knob is not consulted
+  with use_kernels({"bf16_products": True}), kernel_report() as rep:
+    one = jax.jit(r.logits).lower(x[:, :1]).as_text()
+  assert not has_bf16_product(one) and "bf16_products" not in {k for k, _ in rep}, rep
 
 
 def test_router_logits_through_the_bf16_kernel():
