@@ -151,6 +151,11 @@
 #                             products: no f32 copies of their operands) at the new defaults (2,048-token chunks, kda_chunk_gemm,
 #                             mla_gather_warpgroup, the routing by counts, the hand-over unrolled): 4K and 32K prompts,
 #                             traced: the defaults vs it (+ POLICY)
+#   s80b (either; H100: LAYERS=32; ~560 s): session 80's next prefill questions at 2,048-token chunks — the chunked
+#                             KDA's x6 GPU tests (now compiled without XLA's autotuning), then 4K and 32K prompts,
+#                             traced: the defaults (bf16_products on since session 80) vs topk_prefill (the indexer's
+#                             selection as the fused kernel: the chunk's CUB radix sorts were 12.1 ms of 125) vs
+#                             kda_chunk_x6 (the chunked KDA's f32 FFMA GEMMs, ~7 ms) (+ POLICY)
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -166,8 +171,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77e|s78a|s78b|s78c|s79a|s79d|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77e, s78a .. s78c, s79a, s79d, pending)"
+  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77e|s78a|s78b|s78c|s79a|s79d|s80b|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77e, s78a .. s78c, s79a, s79d, s80b, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -523,6 +528,10 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     ;;
   s79d)  # (either; H100: LAYERS=32) see the header
     prefill_traced 30 '{}' '{"bf16_products": true}'
+    ;;
+  s80b)  # (either; H100: LAYERS=32) see the header
+    gpu_tests x6 150 gpu "x6_products_gpu" tests/test_model_units.py
+    prefill_traced 40 '{}' '{"topk_prefill": true}' '{"kda_chunk_x6": true}'
     ;;
   s77e)  # (either; H100: LAYERS=32) see the header
     for c in ${CHUNKS:-1024 768}; do  # (a process each: a chunk size whose compile runs long loses only itself)
