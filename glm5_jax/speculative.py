@@ -564,7 +564,7 @@ class Decoder:
     return next((_KERNEL_SITES[k] for k in map(self._sites_key, sizes) if k in _KERNEL_SITES), {})
 
   def _sites_key(self, batch):
-    return (self.model.graphdef, self.model.mesh, self.key, batch)  # as compiled(): decoders that share a step
+    return (self.model.graph_key, self.model.mesh, self.key, batch)  # as compiled(): decoders that share a step
 
   @classmethod
   def from_deployment(cls, model: Model, deployment, **kw) -> "Decoder":
