@@ -98,12 +98,7 @@ SLOW_FIRST = ("test_step_lowering.py::", "test_notebooks.py::test_notebook_execu
               "test_decode.py::test_latency_specialized_all_kernels_equals_stock_fp8_cache",
               "test_mhc.py::test_row_boundary_lowers_for_cuda", "test_mhc.py::test_lean_boundaries_lower",
               "test_mhc.py::test_cross_lower_real", "test_model_units.py::test_dq_f16_inputs",
-              "test_cli.py::test_generate_with_prompt_ids", "test_decode.py::test_indexer_pool_kernel_equals_xla_update",
-              # (the next ones of session 80's durations: cpu_suite_durations_session80.txt)
-              "test_mhc.py::test_row_ll_lowers_for_cuda", "test_sparse_mla.py::test_two_warpgroups_cross_lower",
-              "test_decode.py::test_mla_absorb_kernels_equal_xla", "test_indexer.py::test_two_stage_selection_at_the",
-              "test_sparse_mla.py::test_prefill_attention_kernel_at_the_model_site",
-              "test_indexer.py::test_compact_kernel_at_the_model_site", "test_hf_parity.py::test_repo_goldens")
+              "test_cli.py::test_generate_with_prompt_ids", "test_decode.py::test_indexer_pool_kernel_equals_xla_update")
 
 
 def pytest_collection_modifyitems(config, items):
