@@ -804,8 +804,8 @@ class Decoder:
       toks[j, :p.size] = p
     seeds = np.arange(len(prompts)) if seeds is None else np.asarray(seeds)
     keys = np.zeros((B, 2), np.uint32)
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # (drawn on the host: on the GPU each seed's key
-      # was a kernel and a device-to-host copy before the first chunk could be dispatched)
+    with _on_host():  # (drawn on the host: on the GPU each seed's key was a kernel and a device-to-host copy before
+      # the first chunk could be dispatched)
       keys[:len(prompts)] = np.stack([np.asarray(jax.random.key_data(jax.random.key(int(s)))) for s in seeds])
     rep = NamedSharding(model.mesh, REP)
     put = lambda x: jax.device_put(x, rep)
@@ -962,6 +962,15 @@ class Decoder:
       bar.close()
     emitted = sum(map(len, out))
     return out, {"steps": steps, "tokens": emitted, "tokens_per_step": emitted / max(steps * n, 1)}
+
+
+def _on_host():
+  """A context placing jax's arrays on the host's CPU device — or, where jax runs without one (JAX_PLATFORMS naming
+  only the GPU), on the default device: the same values, a device round trip more."""
+  try:
+    return jax.default_device(jax.local_devices(backend="cpu")[0])
+  except RuntimeError:
+    return contextlib.nullcontext()
 
 
 def _split_keys(keys):
