@@ -13,12 +13,11 @@
 #                             bench_topk (the radix variants), bench_cluster_exchange, then the one-rank latency_specialized
 #                             step (defaults: packed parameters) at q = 1 and 4 with the CUPTI profile; every kernel's
 #                             time (*.kernels.json) and the optimised HLO kept to read against each other offline
-#   s57c .. s57e (nvidia-h200): sessions 55-57's plan — issue #9's ratio with s57b's winners (s57c), a trace
-#                             (s57d), and q = 4 with session 57's several-row boundary without wgmma, mhc_rows (s57e).
-#                             Session 58 ran s57a (the pending knobs' GPU tests) and s57b (the q = 1 A/B of every
-#                             pending knob; its three L2 prefetch knobs were slower and removed in session 59: both
-#                             modes are in git history); s57c (WIN='{"dq_f16": false}': the defaults before dq_f16)
-#                             and s57e still wait
+#   s57d, s57e (nvidia-h200): sessions 55-57's plan — a trace (s57d) and q = 4 with session 57's several-row
+#                             boundary without wgmma, mhc_rows (s57e). Session 58 ran s57a (the pending knobs' GPU
+#                             tests) and s57b (the q = 1 A/B of every pending knob); s57c (the ratio with s57b's
+#                             winners, superseded by ratio) and s71a (session 71's A/B of knobs removed since) are in
+#                             git history
 #   ratio (nvidia-h200, needs_h200: the 45 layers' 82 GB): issue #9's ratio in one call — q = 1, auto vs the
 #                             defaults (+ POLICY where given; session 74's default POLICY, kda_qkv_kernel, was 0.16 ms
 #                             slower on an H100 in session 75: its kernel 25.5 µs in the step, 19.0 alone, beside the
@@ -74,17 +73,9 @@
 #                             session 67's knobs' GPU tests (s68a's), then the step's A/B at q = 1: the defaults vs
 #                             kda_o_grid (only if its test passed) vs mla_group_arrival vs mhc_row_scalars, then
 #                             the in-kernel profiles of the KDA kernel and the grid (kda_1x1, kdao_1x1)
-#   s71a (either; H100: LAYERS=32): session 71's A/B at q = 1 — the defaults vs POLICY (default kda_sinkhorn_first:
-#                             the KDA sublayer's Sinkhorn launched before its GEMVs) vs STACK (default: it with the
-#                             critical-path cuts each a tie alone: qkv_a_fused_sum, mla_latent_norms, mhc_ll_exchange —
-#                             below the noise one by one, ~1-2 % together if each is real), 9 interleaved repeats, then STACK
-#                             traced (events under $OUT/hlo for benchmarks/sublayer_chain.py: where the Sinkhorn starts,
-#                             where each cut's time went against session 70's trace of the defaults), then the defaults
-#                             traced at q = 4 (the verify step; no trace of it since session 36)
 #   s71b (either; H100: LAYERS=32): kda_o_grid_spin — the grid's GPU tests (with the clock hold), the in-kernel
 #                             profiles of the grid with the `loaded` count and with holds of 1,000 / 500 / 2,000
-#                             cycles, then the step at q = 1: the defaults vs POLICY (kda_o_grid_spin) vs
-#                             kda_gates_first (s70's trace: fg_b behind the q/k/v GEMV, the KDA grid waiting on it), 9 repeats
+#                             cycles, then the step at q = 1: the defaults vs POLICY (kda_o_grid_spin), 9 repeats
 #   s71c (either): s71b without the step's A/B (~200 s: what a short call can check) — the grid's GPU tests with the
 #                             clock hold, then the in-kernel profiles
 #   s72a (either; H100: LAYERS=32): session 72's W_UK kernel (policy mla_uk_kernel: the absorbed query as a Mosaic
@@ -156,6 +147,11 @@
 #                             traced: the defaults (bf16_products on since session 80) vs topk_prefill (the indexer's
 #                             selection as the fused kernel: the chunk's CUB radix sorts were 12.1 ms of 125) vs
 #                             kda_chunk_x6 (the chunked KDA's f32 FFMA GEMMs, ~7 ms) (+ POLICY)
+#   s81a (either; H100: LAYERS=32; ~560 s): session 81's resident down launch of the prefill MoE (policy
+#                             moe_prefill_resident: each CTA holds its row tile's h in SMEM and runs 8 weight row
+#                             tiles) — its GPU test (bit for bit the streamed form at 256 / 512 / 2,048 rows), then
+#                             the 2,048-token prefill: the defaults vs the knob (if its test passed) vs topk_prefill,
+#                             traced
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -171,8 +167,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57c|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71a|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77e|s78a|s78b|s78c|s79a|s79d|s80b|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57c .. s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71a .. s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77e, s78a .. s78c, s79a, s79d, s80b, pending)"
+  single|pair|tp2|tp4|profile|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77e|s78a|s78b|s78c|s79a|s79d|s80b|s81a|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57d, s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71b, s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77e, s78a .. s78c, s79a, s79d, s80b, s81a, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -307,11 +303,6 @@ case "$MODE" in
     # wgmma, the only several-row form for Blackwell) against the defaults' grid form, 5 interleaved repeats
     rank1 s57e --q 4 --steps-per-call 4 --interleave --repeats 5 --steps 40 --policy '{}' '{"mhc_rows": true}'
     ;;
-  s57c)  # (nvidia-h200) issue #9's ratio in one call: auto vs the defaults vs the defaults + s57b's winners (WIN),
-    # 5 interleaved repeats of 80 steps
-    rank1 s57c --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
-      --policy '{}' "${WIN:-{\"kda_gates_first\": true\}}"
-    ;;
   ratio)  # (nvidia-h200, needs_h200) see the header
     rank1 ratio --q 1 --steps-per-call 4 --interleave --repeats 5 --steps 80 --backend auto latency_specialized \
       --policy '{}' ${POLICY:+"$POLICY"}
@@ -418,23 +409,13 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
       benchmarks/bench_kernel_profile.py --dir /tmp/kprof --cases kda_1x1,kdao_1x1 --out "$OUT/kernel_profile_kda.txt" \
       > /dev/null 2>&1
     ;;
-  s71a)  # (either; H100: LAYERS=32) see the header
-    rank1 s71a --q 1 --steps-per-call 4 --interleave --repeats 9 --steps 80 --policy '{}' \
-      "${POLICY:-{\"kda_sinkhorn_first\": true\}}" "${STACK:-{\"kda_sinkhorn_first\": true, \"qkv_a_fused_sum\": true, \"mla_latent_norms\": true, \"mhc_ll_exchange\": true\}}"
-    rank1 s71a_trace --q 1 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" \
-      --policy "${STACK:-{\"kda_sinkhorn_first\": true, \"qkv_a_fused_sum\": true, \"mla_latent_norms\": true, \"mhc_ll_exchange\": true\}}"
-    # the verify step (q = 4: the product's operating point, 2.4x q = 1's time) traced with the defaults: none since
-    # session 36's
-    rank1 s71a_q4_trace --q 4 --steps-per-call 4 --trace --hlo-dir "$OUT/hlo" --policy '{}'
-    rm -f "$OUT"/hlo/*.hlo.gz
-    ;;
   s71b|s71c)  # (either; s71b on an H100: LAYERS=32) see the header
     gpu_tests "$MODE" 200 gpu "o_grid_gpu" tests/test_kda_decode.py; ok=$?
     timeout 120 python3 benchmarks/bench_kernel_profile.py --dir /tmp/kprof \
       --cases kdao_1x1,kdaos_1x1,kdaos500_1x1,kdaos2000_1x1 --out "$OUT/kernel_profile_kda_spin.txt" > /dev/null 2>&1
     grep -E "^##|span|loaded|kda |issue|wait|tile|out" "$OUT/kernel_profile_kda_spin.txt" | head -60
     [ "$MODE" = s71b ] && [ "$ok" -eq 0 ] && rank1 s71b --q 1 --steps-per-call 4 --interleave --repeats 9 \
-      --steps 80 --policy '{}' "${POLICY:-{\"kda_o_grid_spin\": true\}}" '{"kda_gates_first": true}'
+      --steps 80 --policy '{}' "${POLICY:-{\"kda_o_grid_spin\": true\}}"
     ;;
   s72a)  # (either; H100: LAYERS=32) see the header
     # (session 73: what a call holds once most of the session's device time went to refused starts — the new
@@ -528,6 +509,12 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     ;;
   s79d)  # (either; H100: LAYERS=32) see the header
     prefill_traced 30 '{}' '{"bf16_products": true}'
+    ;;
+  s81a)  # (either; H100: LAYERS=32) see the header
+    gpu_tests moe_resident 200 gpu "fp8_moe_prefill_gpu_real_shapes" tests/test_moe_prefill.py; ok=$?
+    # (the resident form in the A/B only if its GPU test passed: natively bit for bit the streamed form)
+    res=(); [ "$ok" -eq 0 ] && res=('{"moe_prefill_resident": true}')
+    prefill_traced 40 '{}' "${res[@]}" '{"topk_prefill": true}'
     ;;
   s80b)  # (either; H100: LAYERS=32) see the header
     gpu_tests x6 150 gpu "x6_products_gpu" tests/test_model_units.py

@@ -222,16 +222,9 @@ class KDA(nnx.Module):
       with contextlib.nullcontext() if kernel_switch("kda_fg_b_kernel") and B * T == 1 else side_chain():
         return fgb, self.fg_b_proj(fgb, dtype, prefix=True, one_row="kda_fg_b_kernel")  # [B, T, 2C]: f | gate
 
-    if kernel_enabled("kda_gates_first", B * T):
-      # the qkv GEMV takes x through a barrier with the gates' fg_b output, so its launch follows theirs. In
-      # s51b's trace the gates' second GEMV (2.3 µs) waited for the 14 µs qkv GEMV on every KDA layer's chain,
-      # with no data between them; the barrier has no buffer of its own, so the CUDA graph's edges stay the data's
-      # (as dsa_qkv_a_first's did: layers.KNOBS["kda_gates_first"])
-      fgb, fg = gates()
-      xq, fg = lax.optimization_barrier((x, fg))
-      z = self.qkv_proj(xq, dtype, one_row="kda_qkv_kernel")  # [B, T, 3C]: this device's q | k | v channels
-    else:  # (the trace order the defaults were measured with: the gates after the qkv projection and conv)
-      z, fg = self.qkv_proj(x, dtype, one_row="kda_qkv_kernel"), None
+    # (the gates after the qkv projection and conv: an order that put the gates first measured no faster —
+    # layers.REMOVED_KNOBS["kda_gates_first"])
+    z = self.qkv_proj(x, dtype, one_row="kda_qkv_kernel")  # [B, T, 3C]: this device's q | k | v channels
     C3 = z.shape[-1]
     H = C3 // (3 * Kd)
     w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], 0)[:, 0, :]  # [3C, Kc]
@@ -244,8 +237,7 @@ class KDA(nnx.Module):
     acc = sum(full[:, j:j + T] * w[:, j].astype(jnp.float32) for j in range(Kc))
     zc = jax.nn.silu(acc).astype(dtype).astype(jnp.float32)
     q, k, v = (a.reshape(B, T, H, Kd) for a in jnp.split(zc, 3, axis=-1))
-    if fg is None:
-      fgb, fg = gates()
+    fgb, fg = gates()
     f, gate = (a.reshape(B, T, H, Kd) for a in jnp.split(fg.astype(jnp.float32), 2, axis=-1))
     b_off = self.fgb_a_proj.outs[0] + self.fgb_a_proj.outs[1] + lax.axis_index(TP) * H  # this rank's first b
     # (in the projection's dtype: the kernel and its reference take the sigmoid in f32 themselves)

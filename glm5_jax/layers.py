@@ -574,27 +574,6 @@ KNOBS = {
         "q_a / kv_a 9.2 -> 5.5 µs, the indexer's GEMV 2.3 -> 6.0 beside it, the DSA sublayer 69.8 -> 67.2 µs. The "
         "same values. The one-rank step at q = 1, 5 interleaved repeats: 3.73 -> 3.68 ms (faster in 4 of 4 paired "
         "rounds, s51a), 3.75 -> 3.77 median but faster in 3 of 4 rounds on another host (s51b; session 51) — on"),
-    "kda_gates_first": (False,
-        "not a kernel: an order in the KDA layer — the qkv projection (XLA's 14 µs GEMV) takes the layer input "
-        "through an optimization barrier with the gates' fg_b GEMV output, so the gates' two GEMVs launch before "
-        "it. In s51b's trace fg_b (2.3 µs) started only after the qkv GEMV, with no data between them, on every "
-        "KDA layer's chain (x 34 per step). Like dsa_qkv_a_first, the barrier (no buffer of its own) orders the "
-        "launches, not the execution. The same values. Measured in s57b (session 58: one TP4 rank, B = 1, q = 1, 5 "
-        "interleaved repeats, defaults 3.65 ms): 3.69 ms, +0.03 ms, faster in 1 of 4 "
-        "paired rounds; again in s71b (session 72, H100, the first 32 layers, 9 repeats): 2.79 -> 2.80 ms, faster "
-        "in 0 of 8 — off"),
-    "kda_sinkhorn_first": (False,
-        "not a kernel: an order in the KDA sublayer — with the fused mHC boundaries, the layer input passes "
-        "through an optimization barrier with the boundary's Sinkhorn output (mhc_sinkhorn: the mix only the next "
-        "boundary reads), so the one-CTA Sinkhorn launches before the KDA layer's GEMVs. In session 70's H100 trace "
-        "(s69a) it started 17.7 µs into the KDA sublayer, behind the 19 µs q/k/v GEMV's CTAs, and ran 11–16 µs "
-        "beside the KDA grid, ending with the sublayer (median slack 0.3–4 µs, on the chain at several layers); in "
-        "the DSA and MoE sublayers it starts within 1.5 µs. Like dsa_qkv_a_first, the barrier (no buffer of its "
-        "own) orders the launches, not the execution. The same values. Measured (s71a, session 71: an H100, the "
-        "first 32 layers, q = 1, 9 interleaved repeats): 2.79 -> 2.82 ms, +0.02 paired, faster in 4 of 8 — a tie. "
-        "Its trace (in the stack with mhc_ll_exchange and the DSA pair) shows why: the Sinkhorn then starts 4.6 µs "
-        "in and is never the KDA sublayer's last kernel (it was in 25 of 120, by 0.6 µs: ~3 µs a step), but it runs "
-        "17 µs beside the GEMVs and the q/k/v GEMV took 19.3 -> 19.8 µs — off"),
     "kda_o_grid_spin": (False,
         "with kda_o_grid: the grid's o_proj-only CTAs request their W_o slices (8.4 MB of the 16.8) after a fixed "
         "hold of kda_decode.W_DELAY_CYCLES SM cycles (~1 µs) instead of once every recurrence CTA's loads are in "
@@ -734,6 +713,15 @@ KNOBS = {
         "values bit for bit (GPU interpret mode, and natively at the rank's shapes: its GPU tests, session 78). In "
         "s78a's trace the grouped kernels took 21.7 -> 22.5 ms a chunk (the masked row sums) and XLA's transposes "
         "(1.6 ms) went" + _S78),
+    "moe_prefill_resident": (False,
+        "with moe_prefill: the grouped down launch (K = the expert width, 512 at one TP4 rank) with each row tile's h "
+        "held in SMEM (pallas_kernels.moe_prefill.fp8_grouped_linear(resident=...): a CTA loads its tile's [mp, K] h "
+        "once and runs 8 weight row tiles through one TMA ring) instead of a CTA per weight row tile streaming the "
+        "tile's h beside only K / 128 = 4 weight blocks — at a 2,048-token chunk's 64-row tiles 64 KB of h for 32 KB "
+        "of weight, h re-read by all D / 64 = 64 CTAs of a tile: in session 80's H100 trace the down launch took 696 "
+        "µs a layer against the gate / up launch's 548 for twice its weight bytes. The same values bit for bit (GPU "
+        "interpret mode; the same blocks, scales and order of sums). Hopper's form (wgmma); CPU-built (session 81) — "
+        "off until measured"),
     "mla_prefill": (True,
         "with an FP8 latent cache: DSA's attention of a prefill chunk (and of a decode step past the decode "
         "kernels' 64 token rows) through the sparse MLA decode kernel (pallas_kernels.sparse_mla.sparse_mla_decode: "
@@ -824,8 +812,8 @@ KNOBS = {
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
-PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "mla_prefill", "topk_prefill", "mhc_prefill", "bf16_products",
-                 "indexer_prefill", "kda_handover", "kda_chunk_x6", "kda_chunk_gemm")
+PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "moe_prefill_resident", "mla_prefill", "topk_prefill",
+                 "mhc_prefill", "bf16_products", "indexer_prefill", "kda_handover", "kda_chunk_x6", "kda_chunk_gemm")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",
@@ -876,6 +864,11 @@ REMOVED_KNOBS = {
                        "the boundary 5.7 + XLA's router GEMV 2.5 — after x_in the in-grid GEMV's chain of "
                        "dependent GMEM round trips (the poll, x's TMA, the split sums' stores, waits and loads) "
                        "took ~4 µs; built and removed in session 61",
+    "kda_gates_first": "the gates' GEMVs launched before the KDA q/k/v GEMV (an order): +0.03 ms (s57b, session 58) "
+                       "and 2.79 -> 2.80 ms, faster in 0 of 8 rounds (s71b, session 72); removed in session 81",
+    "kda_sinkhorn_first": "the KDA sublayer's Sinkhorn launched before its GEMVs (an order): 2.79 -> 2.82 ms, faster "
+                          "in 4 of 8 rounds (s71a, session 71) — the Sinkhorn off the chain, the q/k/v GEMV slower "
+                          "beside it; removed in session 81",
 }
 
 # Kernels that pass in GPU interpret mode but compute wrong results natively (their GPU tests fail): the policy
@@ -1860,7 +1853,12 @@ class Experts(nnx.Module):
       mma = {"mma": "tcgen05"} if has_tcgen05(kernel_arch()) else {}
       return kp.fp8_moe_prefill(x, ids, weights, self.gate_proj[...], self.gate_scale[...], self.up_proj[...],
                                 self.up_scale[...], self.down_proj[...], self.down_scale[...],
-                                swiglu_limit=float(self.limit), rows=kernel_enabled("moe_prefill_rows"), **mma)
+                                swiglu_limit=float(self.limit), rows=kernel_enabled("moe_prefill_rows"),
+                                down_resident=kernel_enabled(
+                                    "moe_prefill_resident",
+                                    fits=not mma and kp.resident_sub_tiles(D, I, kp.tile_rows(M * k, E)) > 1,
+                                    why="the grouped down launch's wgmma form with h's row tile within "
+                                    "moe_prefill.RESIDENT_MAX_BYTES"), **mma)
     # ... else every expert over every token, combined with a dense [M, E] weight matrix
     comb = jnp.zeros((M, E), jnp.float32).at[jnp.arange(M)[:, None], ids].add(weights)
     g = jnp.einsum("md,eid->mei", x.astype(dtype), self._w("gate_proj", None, dtype), precision=HIGHEST)

@@ -67,13 +67,6 @@ class DecoderLayer(nnx.Module):
       # dq_f16: the boundary also writes x_in in f16 for the sublayer's FP8 kernels (none in a KDA sublayer)
       X2, x, mix = self.attn_hc.fused(X2, pending, self.input_layernorm, x16=not self.is_kda and f16_copies(B * T))
       x, x16 = x if isinstance(x, tuple) else (x, None)
-    # the boundary's Sinkhorn (one CTA, read only by the next boundary) launches before the KDA layer's GEMVs take
-    # every SM: x through a barrier with its output orders the launches, not the execution (KNOBS["kda_sinkhorn_first"])
-    split = kernel_switch("mhc_finish") and kernel_switch("mhc_sinkhorn_split")
-    if self.is_kda and kernel_enabled("kda_sinkhorn_first", fits=split,
-                                      why="the boundary's Sinkhorn as a kernel of its own (mhc_finish and "
-                                      "mhc_sinkhorn_split on)"):
-      x, mix = lax.optimization_barrier((x, mix))
     with jax.named_scope("kda" if self.is_kda else "dsa"):
       if self.is_kda:
         y, cache = self.self_attn(x.reshape(B, T, -1), cache, ctx, dtype)

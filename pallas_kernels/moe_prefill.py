@@ -151,6 +151,65 @@ def _grouped_kernel(tile_e_ref, x_ref, *refs, mp: int, bm: int, stages: int, n_t
       o_ref[mt, pl.ds(row0, bm), :] = out.astype(o_ref.dtype)
 
 
+def _grouped_resident_kernel(tile_e_ref, x_ref, w_ref, s_ref, o_ref, *rest, mp: int, bm: int, stages: int,
+                             n_groups: int, n_sub: int, steps: int, rows: bool = False):
+  """``_grouped_kernel``'s one-weight launch with the row tile's x resident in SMEM: CTA t = (weight row group g =
+  t % n_groups, row tile mt = t // n_groups) loads x's [mp, K] tile once (``steps`` 128-K blocks on one barrier)
+  and then runs its group's ``n_sub`` weight row tiles of bm rows one after another — their ``n_sub · steps``
+  blocks through one TMA ring that runs on across the tiles (a tile's epilogue overlaps the next tile's loads),
+  each tile summed in a fresh accumulator and written as ``_grouped_kernel`` writes it. The same blocks, scales
+  and order of sums per output element: the streamed form's values bit for bit. Why: the down launch (K = I = 512
+  at one TP4 rank) streamed each CTA's x tile beside only 4 weight blocks — 64 KB of x for 32 KB of weight at
+  64-row tiles, re-read by all N / bm = 64 CTAs of the tile (session 80's H100 trace of a 2,048-token chunk: the
+  down launch 696 µs a layer against gate / up's 548 for twice its weight bytes)."""
+  y_s = None
+  if rows:
+    *rest, y_s = rest
+  w_s, x_s, bar, xbar, *a_s = rest
+  t = lax.axis_index("t")
+  g, mt = t % n_groups, t // n_groups
+  e = tile_e_ref[mt]
+  total = n_sub * steps
+
+  @pl.when(e >= 0)
+  def _():
+    for kb in range(steps):  # (x's blocks first: every tile's first block waits for them)
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mt * mp, mp), pl.ds(kb * BLOCK, BLOCK)], x_s.at[kb], xbar)
+
+    def issue(j):
+      slot = j % stages
+      row = (g * n_sub + j // steps) * bm
+      plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(row, bm), pl.ds((j % steps) * BLOCK, BLOCK)], w_s.at[slot],
+                              bar.at[slot])
+
+    for j in range(min(stages, total)):
+      issue(j)
+    plgpu.barrier_wait(xbar)
+    zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
+
+    def tile(i, carry):
+      row0 = (g * n_sub + i) * bm
+      nb = row0 // BLOCK  # (bm divides 128: one scale row per weight tile)
+
+      def step(kb, acc):  # (a rolled loop, as the streamed form's: the same sums, compiled alike)
+        j = i * steps + kb
+        slot = j % stages
+        sc = s_ref[e, nb, kb]  # (issued before the wait: the FMAs below wait for it)
+        plgpu.barrier_wait(bar.at[slot])
+        blk = kl._mma_tile(w_s.at[slot], x_s.at[kb], mp, True, a_s[0] if a_s else None)
+        pl.when(j + stages < total)(functools.partial(kl._refill, issue, j + stages, False))
+        return acc + blk * sc
+
+      acc = lax.fori_loop(0, steps, step, zero)  # (K / 128 blocks: 4 for the down weight at the release)
+      if rows:  # (_rows_out waits for its TMA store: y_s is free for the next tile)
+        kl._rows_out((o_ref.at[pl.ds(mt * mp, mp)], y_s), acc, row0=row0)
+      else:
+        o_ref[mt, pl.ds(row0, bm), :] = acc.astype(o_ref.dtype)
+      return carry
+
+    lax.fori_loop(0, n_sub, tile, jnp.int32(0))
+
+
 def _check_grouped(x, tile_e, w, scale_inv, mp: int):
   rows, k = x.shape
   E, n, k2 = w.shape
@@ -169,10 +228,11 @@ def _check_grouped(x, tile_e, w, scale_inv, mp: int):
 
 
 def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int | None, a_from: str | None,
-                    limit: float | None, out_dtype, mma: str = "wgmma", rows: bool = False):
+                    limit: float | None, out_dtype, mma: str = "wgmma", rows: bool = False, resident: int = 0):
   """One grouped launch over ``weights`` = [(w [E, N, K] e4m3, scale_inv)] (one, or gate and up with ``limit``)
   -> [T·mp, N] in out_dtype. ``mma``: "wgmma" or "tcgen05" (128 weight rows a CTA, the tile through SMEM);
-  ``rows``: the kernel writes the [T·mp, N] rows itself (else [T, N, mp], transposed by XLA)."""
+  ``rows``: the kernel writes the [T·mp, N] rows itself (else [T, N, mp], transposed by XLA); ``resident`` > 1:
+  that many weight row tiles a CTA over x's tile held in SMEM (``_grouped_resident_kernel``)."""
   tc05 = check_mma(mma, "fp8_grouped_linear")
   for w, s in weights:
     _check_grouped(x, tile_e, w, s, mp)
@@ -185,9 +245,12 @@ def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int 
   a_smem = tc05 or kl._a_smem(a_from)
   n_tiles = n // bm
   n_w = len(weights)
+  out_dtype = jnp.dtype(out_dtype)
+  if resident > 1:
+    return _resident_launch(x, tile_e, weights, mp=mp, bm=bm, stages=stages, a_smem=a_smem, out_dtype=out_dtype,
+                            rows=rows, n_sub=resident, tc05=tc05, limit=limit)
   stage_bytes = n_w * bm * BLOCK + mp * BLOCK * x.dtype.itemsize
   # (reserved: the dequantised tile a_s; tcgen05: the relay tile t_s too)
-  out_dtype = jnp.dtype(out_dtype)
   stages = stages or kl._pick_stages(steps, stage_bytes, n_tiles * T, None, 2,
                                      reserve=(bm * BLOCK * 2 if a_smem else 0) + (bm * mp * 4 if tc05 else 0)
                                      + (mp * bm * out_dtype.itemsize if rows else 0))
@@ -210,9 +273,65 @@ def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int 
   return o if rows else jnp.swapaxes(o, 1, 2).reshape(T * mp, n)
 
 
-@kernel_entry("mp", "bm", "stages", "a_from", "out_dtype", "mma", "rows")
+RESIDENT_MAX_BYTES = 64 * 1024  # x's [mp, K] tile held in SMEM by the resident form at most (two CTAs an SM)
+
+
+def resident_sub_tiles(n: int, k: int, mp: int, itemsize: int = 2, *, bm: int | None = None) -> int:
+  """The resident form's weight row tiles a CTA (``fp8_grouped_linear(resident=...)``) for an [N, K] weight and
+  mp-row tiles: the largest divisor of N / bm up to 8 (x's tile read by N / (8 · bm) CTAs instead of N / bm; 8 x
+  4 blocks a CTA at the release's down weight), 0 where x's [mp, K] tile exceeds RESIDENT_MAX_BYTES."""
+  bm = bm or (128 if mp <= 32 else 64)
+  if mp * k * itemsize > RESIDENT_MAX_BYTES or n % bm:
+    return 0
+  n_tiles = n // bm
+  return max(d for d in range(1, min(8, n_tiles) + 1) if n_tiles % d == 0)
+
+
+def _resident_launch(x, tile_e, weights, *, mp: int, bm: int, stages: int | None, a_smem: bool, out_dtype,
+                     rows: bool, n_sub: int, tc05: bool, limit):
+  """``_grouped_launch``'s resident form (see ``_grouped_resident_kernel``): one weight, the wgmma form."""
+  if tc05 or limit is not None or len(weights) != 1:
+    raise ValueError("fp8_grouped_linear: resident > 1 takes one weight in the wgmma form (the down launch); got "
+                     f"{len(weights)} weight(s), mma {'tcgen05' if tc05 else 'wgmma'}")
+  (w, s), = weights
+  T = tile_e.shape[0]
+  _, n, k = w.shape
+  steps = k // BLOCK
+  n_tiles = n // bm
+  if n_tiles % n_sub:
+    raise ValueError(f"fp8_grouped_linear: resident = {n_sub} weight row tiles a CTA must divide N / bm = "
+                     f"{n_tiles} (N = {n}, bm = {bm})")
+  x_bytes = mp * k * x.dtype.itemsize
+  if x_bytes > RESIDENT_MAX_BYTES:
+    raise ValueError(f"fp8_grouped_linear: resident form with x's [{mp}, {k}] tile ({x_bytes} bytes) past "
+                     f"RESIDENT_MAX_BYTES = {RESIDENT_MAX_BYTES}")
+  n_groups = n_tiles // n_sub
+  stages = stages or kl._pick_stages(n_sub * steps, bm * BLOCK, n_groups * T, None, 2,
+                                     reserve=x_bytes + (bm * BLOCK * 2 if a_smem else 0)
+                                     + (mp * bm * out_dtype.itemsize if rows else 0))
+  o = mgpu_kernel(
+      functools.partial(_grouped_resident_kernel, mp=mp, bm=bm, stages=stages, n_groups=n_groups, n_sub=n_sub,
+                        steps=steps, rows=rows),
+      out_type=jax.ShapeDtypeStruct((T * mp, n) if rows else (T, n, mp), out_dtype),
+      grid=(n_groups * T,),
+      grid_names=("t",),
+      kernel_name="glm5_moe_prefill",
+      scratch_types=[
+          plgpu.SMEM((stages, bm, BLOCK), F8, transforms=kl._tr(F8, BLOCK)),
+          plgpu.SMEM((steps, mp, BLOCK), x.dtype, transforms=kl._tr(x.dtype, BLOCK)),
+          plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+          plgpu.Barrier(num_arrivals=steps),
+          *([plgpu.SMEM((bm, BLOCK), x.dtype, transforms=kl._tr(x.dtype, BLOCK))] if a_smem else []),
+          *([plgpu.SMEM((mp, bm), out_dtype)] if rows else []),
+      ],
+  )(tile_e, x, w, s.astype(jnp.float32))
+  return o if rows else jnp.swapaxes(o, 1, 2).reshape(T * mp, n)
+
+
+@kernel_entry("mp", "bm", "stages", "a_from", "out_dtype", "mma", "rows", "resident")
 def fp8_grouped_linear(x, tile_e, w, scale_inv, *, mp: int, bm: int | None = None, stages: int | None = None,
-                       a_from: str | None = None, out_dtype=jnp.float32, mma: str = "wgmma", rows: bool = False):
+                       a_from: str | None = None, out_dtype=jnp.float32, mma: str = "wgmma", rows: bool = False,
+                       resident: int = 0):
   """x [T·mp, K] bf16 (or f16: the dequantised tiles in x's dtype) in row tiles of mp, tile_e [T] int32 (each
   tile's expert, -1: unused), w [E, N, K] e4m3 with scale_inv [E, N/128, K/128] f32 -> y [T·mp, N] in out_dtype
   (f32 accumulation) = each tile's rows times its expert's dequantised weight (the rows of unused tiles: garbage,
@@ -222,9 +341,11 @@ def fp8_grouped_linear(x, tile_e, w, scale_inv, *, mp: int, bm: int | None = Non
   ``linear.fp8_dq_linear``'s (interpret mode: through SMEM). ``mma``: "wgmma" (Hopper) or "tcgen05" (Blackwell,
   sm_100: no wgmma there; bm 128, the dequantised tile through SMEM, the accumulator in tensor memory). ``rows``:
   the kernel writes y's rows itself (each tile's sums picked per token row into SMEM, one TMA store a CTA) instead
-  of a [T, N, mp] array that XLA transposes — the same values."""
+  of a [T, N, mp] array that XLA transposes — the same values. ``resident`` > 1 (wgmma; x's [mp, K] tile within
+  RESIDENT_MAX_BYTES: ``resident_sub_tiles``): each CTA holds its row tile's x in SMEM and runs that many weight row
+  tiles — x read once per ``resident`` tiles instead of once per tile; the same values bit for bit."""
   return _grouped_launch(x, tile_e, [(w, scale_inv)], mp=mp, bm=bm, stages=stages, a_from=a_from, limit=None,
-                         out_dtype=jnp.dtype(out_dtype), mma=mma, rows=rows)
+                         out_dtype=jnp.dtype(out_dtype), mma=mma, rows=rows, resident=resident)
 
 
 @kernel_entry("swiglu_limit", "mp", "bm", "stages", "a_from", "mma", "rows")
@@ -237,16 +358,18 @@ def fp8_grouped_gate_up(x, tile_e, w_gate, s_gate, w_up, s_up, *, swiglu_limit: 
                          limit=float(swiglu_limit), out_dtype=x.dtype, mma=mma, rows=rows)
 
 
-@kernel_entry("swiglu_limit", "mp", "a_from", "mma", "rows")
+@kernel_entry("swiglu_limit", "mp", "a_from", "mma", "rows", "down_resident")
 def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
-                    mp: int | None = None, a_from: str | None = None, mma: str = "wgmma", rows: bool = False):
+                    mp: int | None = None, a_from: str | None = None, mma: str = "wgmma", rows: bool = False,
+                    down_resident: bool = False):
   """``linear.fp8_moe``'s contract for a prefill chunk (same reference, ``linear.fp8_moe_reference``): x [M, D],
   topk_ids / topk_weights [M, k], gate / up [E, I, D] and down [E, D, I] e4m3 with their [.., /128, /128] f32
   scales -> Σ_j w_j · expert_{ids_j}(x) [M, D] f32 (the routed experts: the caller adds the shared one). ``mp``:
   rows per tile (default ``tile_rows``); ``mma``: the grouped launches' form ("tcgen05" on Blackwell); ``rows``:
   both launches write their outputs as token rows (policy knob moe_prefill_rows), the same values without XLA's
   two transposes (h [T, I, mp] and y [T, D, mp]: in session 77's H100 trace of a 512-token chunk ~1.4 ms of its
-  kernels for y's)."""
+  kernels for y's); ``down_resident``: the down launch in the resident form (``resident_sub_tiles``; policy knob
+  moe_prefill_resident) — an error where it cannot run (tcgen05, or h's tile past RESIDENT_MAX_BYTES)."""
   M, D = x.shape
   k = topk_ids.shape[1]
   E, I = w_gate.shape[:2]
@@ -271,6 +394,12 @@ def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_dow
   # T a static bound: 3.25x the pairs at the release's M = 256) are written by the kernel, transposed by XLA
   # (unless ``rows``) and gathered — in f32 9.2 GB of the chunk's 46 GB of kernel outputs at one TP4 rank
   # (session 63's listing)
+  sub = 0
+  if down_resident:
+    sub = resident_sub_tiles(D, I, mp, jnp.dtype(dt).itemsize)
+    if check_mma(mma, "fp8_moe_prefill") or sub < 2:
+      raise ValueError(f"fp8_moe_prefill: down_resident needs the wgmma form and h's [{mp}, {I}] tile within "
+                       f"RESIDENT_MAX_BYTES = {RESIDENT_MAX_BYTES} with N / bm > 1 (mma {mma!r})")
   y = fp8_grouped_linear(h, tile_e, w_down, s_down, mp=mp, a_from=a_from, out_dtype=jnp.bfloat16,
-                         mma=mma, rows=rows)  # [T·mp, D]
+                         mma=mma, rows=rows, resident=sub)  # [T·mp, D]
   return jnp.sum(topk_weights.astype(jnp.float32)[..., None] * y[row], axis=1)  # (the gather fused into the sum)

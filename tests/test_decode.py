@@ -602,7 +602,7 @@ def test_latency_specialized_fp8_dq_linears_equal_reference_greedy():
 # (mla_latent_norms needs a bf16 model — its model-site test in test_model_units; a knob turned on that reaches no
 # site is refused)
 CANDIDATE_KERNELS = (("router_route", True), ("linear_fused_sum", True), ("dq_f16", True), ("kda_norm_partials", True),
-                     ("kda_gates_first", True), ("mla_q_in_kernel", True))
+                     ("mla_q_in_kernel", True))
 
 
 @pytest.mark.e2e_kernels

@@ -651,7 +651,7 @@ def _extend_one_token(m, B, policy, seed, trace_only=False):
 def _lowered_barriers(m, B, policy) -> int:
   """The optimization barriers in the lowered one-token extend step of B rows under kernel ``policy`` (GPU
   interpret mode for its kernels; a fresh function per policy: the policy is not part of jit's cache key) — where
-  an order knob (dsa_qkv_a_first, kda_gates_first, kda_sinkhorn_first) shows in the program."""
+  an order knob (dsa_qkv_a_first) shows in the program."""
   from glm5_jax import api  # noqa: PLC0415
   from glm5_jax.layers import use_kernels  # noqa: PLC0415
   cache = api.init_cache(m, B, 64)
@@ -717,50 +717,6 @@ def test_dsa_qkv_a_first_at_the_model_site():
   assert np.all(np.any(i0 >= 0, axis=-1))  # (a real selection: the token's own position at least)
   for pol, want in ((off, False), (off | {"dsa_qkv_a_first": True}, True)):
     assert (_lowered_barriers(m, 2, pol) > 0) == want, pol
-
-
-def test_kda_gates_first_at_the_model_site():
-  """Policy kda_gates_first (an order, not a kernel: the qkv projection takes the layer input through an
-  optimization barrier with the gates' fg_b output) at a one-layer KDA model's step (XLA everywhere): the hidden
-  state bit for bit the same, one more barrier in the lowered step, the report naming the site."""
-  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
-  path = tiny_checkpoint("kernel-tiny", 11, "fp8", num_hidden_layers=1, layer_types=["linear_attention"],
-                         mlp_layer_types=["dense"])
-  m = load(path, "float32")
-  off = {k: False for k in KERNEL_DEFAULTS}
-  on = off | {"kda_gates_first": True}
-  (h0, _), rep0 = _extend_one_token(m, 2, off, seed=3)
-  (h1, _), rep1 = _extend_one_token(m, 2, on, seed=3)
-  assert rep1["kda_gates_first"] is None and rep0["kda_gates_first"] == "off in the policy", (rep0, rep1)
-  np.testing.assert_array_equal(h1, h0)
-  assert np.abs(h0).max() > 0
-  counts = [_lowered_barriers(m, 2, pol) for pol in (off, on)]
-  assert counts[1] == counts[0] + 1, counts
-
-
-def test_kda_sinkhorn_first_at_the_model_site():
-  """Policy kda_sinkhorn_first (an order, not a kernel: the KDA layer's input through an optimization barrier with
-  the boundary's Sinkhorn output) at a one-layer bf16 KDA model's fused mHC boundaries (GPU interpret mode, XLA
-  elsewhere): the hidden state bit for bit the same, one more barrier in the lowered step, the report naming the
-  site; without the Sinkhorn as a kernel of its own (mhc_sinkhorn_split off) it is declined by name."""
-  from glm5_jax.layers import KERNEL_DEFAULTS  # noqa: PLC0415
-  path = tiny_checkpoint("kernel-tiny", 17, "bfloat16", num_hidden_layers=1, layer_types=["linear_attention"],
-                         mlp_layer_types=["dense"])
-  m = load(path, "bfloat16")
-  off = {k: False for k in KERNEL_DEFAULTS} | {"mhc": True, "mhc_finish": True, "mhc_sinkhorn_split": True,
-                                               "mhc_grid_barrier": True, "mhc_row": True}
-  on = off | {"kda_sinkhorn_first": True}
-  (h0, _), rep0 = _extend_one_token(m, 1, off, seed=5)
-  (h1, _), rep1 = _extend_one_token(m, 1, on, seed=5)
-  assert rep1["kda_sinkhorn_first"] is None and rep0["kda_sinkhorn_first"] == "off in the policy", (rep0, rep1)
-  assert rep1["mhc_row"] is None, rep1
-  np.testing.assert_array_equal(h1, h0)
-  assert np.abs(h0).max() > 0
-  counts = [_lowered_barriers(m, 1, pol) for pol in (off, on)]
-  assert counts[1] == counts[0] + 1, counts
-  _, rep2 = _extend_one_token(m, 1, on | {"mhc_sinkhorn_split": False, "mhc_grid_barrier": False,
-                                          "mhc_row": False}, seed=5, trace_only=True)
-  assert "mhc_sinkhorn_split on" in rep2["kda_sinkhorn_first"], rep2
 
 
 def test_fp8_scales_first_at_the_model_site():

@@ -101,6 +101,40 @@ def test_grouped_rows_form_is_the_tiled_form(mp, bm, mma):
   assert np.isfinite(want[1]).all() and np.abs(want[1]).max() > 0
 
 
+@pytest.mark.parametrize("mp,rows,stages", [(16, True, None), (64, False, 3)])
+def test_grouped_resident_form_is_the_streamed_form(mp, rows, stages):
+  """resident > 1 (policy knob moe_prefill_resident, the down launch): each CTA holds its row tile's x in SMEM and
+  runs several weight row tiles through one ring that runs on across them — bit for bit the streamed form (the same
+  blocks, scales and order of sums), in GPU interpret mode: 16-row tiles with 128 weight rows a CTA and the rows
+  form, 64-row tiles with 64 and a ring shallower than a CTA's tiles (the ring wrapping across them); the whole
+  fp8_moe_prefill with down_resident likewise; a request that cannot run is refused by name."""
+  m, e, i, d, k = 40, 12, 256, 512, 3
+  rng = np.random.default_rng()
+  x, _, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(int(rng.integers(1 << 30))), m, e, i, d, k)
+  ids = skewed_ids(rng, m, e, k, hot=1, cold=(0, e - 1))
+  tile_e = P.route_rows(ids, e, mp)[1]
+  hs = jnp.asarray(rng.standard_normal((tile_e.shape[0] * mp, i)), jnp.bfloat16)
+  used = np.asarray(tile_e).repeat(mp) >= 0  # (unused tiles' rows: never written, never read)
+  sub = P.resident_sub_tiles(d, i, mp)
+  assert sub == d // (128 if mp <= 32 else 64), sub
+  with maybe_interpret(True):
+    want = P.fp8_grouped_linear(hs, tile_e, wd, sd, mp=mp, out_dtype=jnp.bfloat16, rows=rows)
+    got = P.fp8_grouped_linear(hs, tile_e, wd, sd, mp=mp, out_dtype=jnp.bfloat16, rows=rows, resident=sub,
+                               stages=stages)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32))[used], np.asarray(want.astype(jnp.float32))[used])
+    assert np.abs(np.asarray(want.astype(jnp.float32))[used]).max() > 0
+    if mp == 16:
+      args = (x, ids, tw, wg, sg, wu, su, wd, sd)
+      y0 = P.fp8_moe_prefill(*args, swiglu_limit=1.0, mp=mp, rows=rows)
+      y1 = P.fp8_moe_prefill(*args, swiglu_limit=1.0, mp=mp, rows=rows, down_resident=True)
+      np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+  with pytest.raises(ValueError, match="must divide N / bm"):
+    P.fp8_grouped_linear(hs, tile_e, wd, sd, mp=mp, resident=3)
+  with pytest.raises(ValueError, match="down_resident needs the wgmma form"):
+    P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=1.0, mp=mp, mma="tcgen05",
+                      down_resident=True)
+
+
 def test_fp8_moe_prefill_tcgen05_interpret():
   """mma='tcgen05' (Blackwell: 128 weight rows a CTA, each block one tcgen05 MMA into tensor memory, the sums relaid
   into the WGMMA layout) in GPU interpret mode: the wgmma form's output bit for bit (the same blocks summed in the
@@ -149,12 +183,14 @@ def test_fp8_grouped_linear_rejects_bad_shapes():
 @pytest.mark.parametrize("m,rows", [(256, False), (2048, False), (512, True), (2048, True)])
 def test_fp8_moe_prefill_lowers_at_the_real_rank(m, rows):
   """16-row tiles (~7 pairs an expert at 256 rows, 14 at 512), 64-row tiles (~57 at 2,048); ``rows``: the token rows
-  written by the kernels — no transpose left to XLA."""
+  written by the kernels — no transpose left to XLA — and the down launch in the resident form
+  (moe_prefill_resident)."""
   E, I, D, k = (MOE_REAL[c] for c in "EIDk")
   args = (SDS((m, D), jnp.bfloat16), SDS((m, k), jnp.int32), SDS((m, k), jnp.float32), SDS((E, I, D), F8),
           SDS((E, I // 128, D // 128), jnp.float32), SDS((E, I, D), F8), SDS((E, I // 128, D // 128), jnp.float32),
           SDS((E, D, I), F8), SDS((E, D // 128, I // 128), jnp.float32))
-  txt = cross_lower(lambda *a: P.fp8_moe_prefill(*a, swiglu_limit=10.0, rows=rows), *args).as_text()
+  txt = cross_lower(lambda *a: P.fp8_moe_prefill(*a, swiglu_limit=10.0, rows=rows, down_resident=rows),
+                    *args).as_text()
   assert txt.count("glm5_moe_prefill") >= 2 and ("stablehlo.transpose" in txt) == (not rows)
 
 
@@ -168,18 +204,24 @@ def test_prefill_moe_kernel_at_the_model_site():
   """kernel-tiny (FP8 experts, bf16; no MTP layer: its MoE is the same code) prefilled with a 16-token prompt in
   one chunk (16 · 4 pairs over 16 experts: the MoE's many-row path) with every decode kernel off: moe_prefill on runs the grouped
   kernel in each MoE layer where XLA ran every expert over every token — the layers' caches within the bf16
-  kernels' tolerance of XLA's."""
+  kernels' tolerance of XLA's; with moe_prefill_resident (the down launch's resident form) bit for bit the same."""
   m = load(tiny_checkpoint("kernel-tiny", 6, "fp8", mtp=False), "bfloat16")
   prompt = np.random.default_rng().integers(0, 2000, 16)
   off = {k: False for k in KERNEL_DEFAULTS}
   states = []
-  for on in (False, True):
+  for on, res in ((False, False), (True, False), (True, True)):
     dec, state = _prefill_caches(m, tuple(sorted({**off, "moe_prefill": on, "moe_prefill_rows": on,
-                                                  "kv_cache_dtype": "auto"}.items())), prompt)
+                                                  "moe_prefill_resident": res, "kv_cache_dtype": "auto"}.items())),
+                                 prompt)
     states.append(state)
-    # (the target's two MoE layers in each traced chunk; with the kernels' rows form)
-    for knob in ("moe_prefill", "moe_prefill_rows"):
-      assert (dec.prefill_sites.get(knob, {}).get("sites", 0) > 0) == on
+    # (the target's two MoE layers in each traced chunk; with the kernels' rows form, and the down launch's
+    # resident form)
+    for knob, want in (("moe_prefill", on), ("moe_prefill_rows", on), ("moe_prefill_resident", res)):
+      assert (dec.prefill_sites.get(knob, {}).get("sites", 0) > 0) == want
+  # (the resident down launch: the same caches bit for bit)
+  for u, v in zip(*(jax.tree.leaves(s.caches["layers"]) for s in states[1:])):
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(u))
+  states = states[:2]
   # (the layers' caches: every MoE layer's routing sees the same inputs in both runs but the last one's, whose
   # output, kernel rounding apart, may pick other experts after a near tie there — it reaches only the final hidden
   # states: the first token, and an MTP layer's cache)
@@ -207,8 +249,8 @@ def test_prefill_moe_kernel_request_that_cannot_run_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [256, 512, 2048])
 def test_fp8_moe_prefill_gpu_real_shapes(m):
-  """Natively at the release's per-rank shapes against the reference; the rows form (moe_prefill_rows) bit for bit
-  the tiled one."""
+  """Natively at the release's per-rank shapes against the reference; the rows form (moe_prefill_rows) and the
+  resident down launch (moe_prefill_resident) bit for bit the tiled one."""
   E, I, D, k = (MOE_REAL[c] for c in "EIDk")
   x, ids, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(m), m, E, I, D, k)
   y = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0)
@@ -216,6 +258,8 @@ def test_fp8_moe_prefill_gpu_real_shapes(m):
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("kernel_bf16"))
   rows = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0, rows=True)
   np.testing.assert_array_equal(np.asarray(rows), np.asarray(y))
+  res = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0, rows=True, down_resident=True)
+  np.testing.assert_array_equal(np.asarray(res), np.asarray(y))
 
 
 @pytest.mark.blackwell
