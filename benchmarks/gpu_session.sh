@@ -147,11 +147,11 @@
 #                             traced: the defaults (bf16_products on since session 80) vs topk_prefill (the indexer's
 #                             selection as the fused kernel: the chunk's CUB radix sorts were 12.1 ms of 125) vs
 #                             kda_chunk_x6 (the chunked KDA's f32 FFMA GEMMs, ~7 ms) (+ POLICY)
-#   s81a (either; H100: LAYERS=32; ~560 s): session 81's resident down launch of the prefill MoE (policy
+#   s81a (either; H100: LAYERS=32; ~560 s): session 81's prefill forms — the MoE's resident down launch (policy
 #                             moe_prefill_resident: each CTA holds its row tile's h in SMEM and runs 8 weight row
-#                             tiles) — its GPU test (bit for bit the streamed form at 256 / 512 / 2,048 rows), then
-#                             the 2,048-token prefill: the defaults vs the knob (if its test passed) vs topk_prefill,
-#                             traced
+#                             tiles) and the mHC sites' Sinkhorn as one kernel (mhc_prefill_sinkhorn) — their GPU
+#                             tests, then the 2,048-token prefill: the defaults vs each (if the tests passed) vs
+#                             topk_prefill, traced
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -511,9 +511,10 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     prefill_traced 30 '{}' '{"bf16_products": true}'
     ;;
   s81a)  # (either; H100: LAYERS=32) see the header
-    gpu_tests moe_resident 200 gpu "fp8_moe_prefill_gpu_real_shapes" tests/test_moe_prefill.py; ok=$?
-    # (the resident form in the A/B only if its GPU test passed: natively bit for bit the streamed form)
-    res=(); [ "$ok" -eq 0 ] && res=('{"moe_prefill_resident": true}')
+    gpu_tests moe_resident 200 gpu "fp8_moe_prefill_gpu_real_shapes or sinkhorn_tokens_gpu" tests/test_moe_prefill.py \
+      tests/test_mhc.py; ok=$?
+    # (the new forms in the A/B only if their GPU tests passed: natively bit for bit / within tolerance)
+    res=(); [ "$ok" -eq 0 ] && res=('{"moe_prefill_resident": true}' '{"mhc_prefill_sinkhorn": true}')
     prefill_traced 40 '{}' "${res[@]}" '{"topk_prefill": true}'
     ;;
   s80b)  # (either; H100: LAYERS=32) see the header

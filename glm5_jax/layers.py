@@ -746,6 +746,15 @@ KNOBS = {
         "GEMM writing f32 streams for the next fusion: in session 77's H100 trace of a 512-token chunk (one TP4 "
         "rank's first 32 layers) 4.2 of the chunk's 5.6 ms of mHC kernels (a 16.8 MB bf16 stream set a site). "
         "The same sums rounded in another order (within the fp32 paths' tolerance of the reference's)"),
+    "mhc_prefill_sinkhorn": (False,
+        "the mHC sites XLA runs (a prefill chunk's; a decode step's where the fused boundary does not run): each "
+        "token row's Sinkhorn normalisation of its 4 x 4 comb (a row softmax, then 20 alternating column / row "
+        "normalisations) as one Mosaic GPU launch over the rows (pallas_kernels.mhc.sinkhorn_tokens: a CTA per 64 "
+        "rows, per-row vectors — the decode boundary's _sinkhorn_rows) instead of the stock form, whose 19 unrolled "
+        "normalisation pairs XLA runs as ~40 launches of ~3 µs a site: in session 80's H100 trace of a 4K prompt "
+        "in 2,048-token chunks 2,681 reductions + 2,192 adds, ~5.8 ms a chunk of its 14.2 ms of mHC kernels. Each "
+        "normalisation by 4 reciprocals instead of 16 divisions (within an ulp a step): within the f32 kernels' "
+        "tolerance of the stock form. CPU-built (session 81) — off until measured"),
     "bf16_products": (True,
         "XLA's f32 products of bf16 values at two prefill sites — the mHC's 24 mixing logits (with mhc_prefill: the "
         "streams times fn) and the router's logits past the GEMV kernel's rows (x times W_r) — as products of the "
@@ -813,7 +822,8 @@ KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
 PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "moe_prefill_resident", "mla_prefill", "topk_prefill",
-                 "mhc_prefill", "bf16_products", "indexer_prefill", "kda_handover", "kda_chunk_x6", "kda_chunk_gemm")
+                 "mhc_prefill", "mhc_prefill_sinkhorn", "bf16_products", "indexer_prefill", "kda_handover",
+                 "kda_chunk_x6", "kda_chunk_gemm")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",
@@ -1463,7 +1473,21 @@ class HyperConnection(nnx.Module):
     return self.base_scale[...][-3:]
 
   def mix(self, m):
-    return hc_mix(m, self.scale, self.base, self.n, self.iters, self.eps, self.post_mult)
+    """m [..., 24] -> (pre [..., N], post [..., N], comb [..., N, N]) f32."""
+    n = self.n
+    # mhc_prefill_sinkhorn (the sites XLA runs: a prefill chunk's): the Sinkhorn as one kernel over the token rows
+    # instead of the stock form's 19 unrolled normalisation pairs, ~40 tiny XLA kernels a site
+    if kernel_enabled("mhc_prefill_sinkhorn", fits=n == 4, why=f"{n} residual streams (the kernel takes 4)",
+                      prefer=not _interpreting(), prefer_why="GPU interpret mode: seconds a call (the policy can ask "
+                      "for it)"):
+      from pallas_kernels import mhc as km  # noqa: PLC0415
+      R = math.prod(m.shape[:-1])
+      Rp = -(-R // km.ROWS) * km.ROWS
+      mc = (m[..., 2 * n:] * self.scale[2] + self.base[2 * n:]).reshape(R, n * n)
+      comb_t = km.sinkhorn_tokens(jnp.pad(mc, ((0, Rp - R), (0, 0))).T, iters=self.iters, eps=self.eps)
+      return (*hc_pre_post(m, self.scale, self.base, n, self.eps, self.post_mult),
+              comb_t[:, :R].T.reshape(*m.shape[:-1], n, n))
+    return hc_mix(m, self.scale, self.base, n, self.iters, self.eps, self.post_mult)
 
   def pre(self, X):
     """X [B, T, N, D] -> (u [B, T, D] in X's dtype, post [B, T, N] f32, comb [B, T, N, N] f32)."""

@@ -1363,3 +1363,54 @@ def mhc_row_boundary(X, y, mix, fn, coef, w, *, first: bool = False, eps: float,
   Xn, got = (X, got) if first else (got[0], got[1:])
   part, x_in = got[0], (tuple(got[1:]) if x16 else got[1])
   return Xn, x_in, part
+
+
+# ------------------------------------------------------------------------------------ prefill: the Sinkhorn alone
+def sinkhorn_tokens_reference(mc_t, *, iters: int, eps: float):
+  """mc_t [N·N, R] f32: each token row's 16 scaled comb logits (mc · scale + base, transposed: column r is token
+  row r, entry N·i + j is c[i][j]) -> comb_t [N·N, R] f32, the Sinkhorn-normalised comb
+  (``glm5_jax.layers.sinkhorn_comb``: a row softmax + eps, then iters alternating column / row normalisations)."""
+  from glm5_jax.layers import sinkhorn_comb  # noqa: PLC0415 (the model's own normalisation)
+  R = mc_t.shape[1]
+  c = sinkhorn_comb(mc_t.T, jnp.float32(1.0), jnp.zeros((N * N,), jnp.float32), N, iters, eps)  # [R, N, N]
+  return c.reshape(R, N * N).T
+
+
+def _sinkhorn_tokens_kernel(iters: int, eps: float):
+  """CTA g: token columns g·64.. of mc_t -> comb_t — one TMA in, ``_sinkhorn_rows`` on per-row [64] vectors (the
+  decode boundary's Sinkhorn, reciprocals times entries: within an ulp a step of the stock c / s), one TMA out."""
+
+  def body(mc_g, comb_g, m_s, c_s, bar):
+    c0 = lax.axis_index("g") * ROWS
+    plgpu.copy_gmem_to_smem(mc_g.at[:, pl.ds(c0, ROWS)], m_s, bar)
+    plgpu.barrier_wait(bar)
+    rows = [plgpu.load(m_s.at[k], layout=_L.WGMMA.reduce(1), optimized=False) for k in range(N * N)]
+    for k, v in enumerate(_sinkhorn_rows(rows, iters, eps)):
+      c_s[k] = v
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(c_s, comb_g.at[:, pl.ds(c0, ROWS)])
+    plgpu.wait_smem_to_gmem(0)
+
+  return body
+
+
+@kernel_entry("iters", "eps", "approx_math")
+def sinkhorn_tokens(mc_t, *, iters: int, eps: float, approx_math: bool = False):
+  """``sinkhorn_tokens_reference`` as one launch of R / 64 CTAs (R a multiple of 64: pad the columns), for the mHC
+  sites XLA runs at many token rows (a prefill chunk): there the stock form's 19 unrolled normalisation pairs were
+  ~40 tiny XLA kernels a site (session 80's H100 trace of a 2,048-token chunk: 2,681 reductions + 2,192 adds of
+  ~3 µs for two chunks, ~5.8 ms a chunk). ``approx_math``: the GPU's approximate exp / reciprocal."""
+  if mc_t.ndim != 2 or mc_t.shape[0] != N * N or mc_t.shape[1] % ROWS or mc_t.dtype != jnp.float32:
+    raise ValueError(f"sinkhorn_tokens: mc_t {mc_t.shape} {mc_t.dtype}; expected f32 [{N * N}, R] with R a multiple "
+                     f"of {ROWS}")
+  R = mc_t.shape[1]
+  f32 = jnp.float32
+  return mgpu_kernel(
+      _sinkhorn_tokens_kernel(int(iters), float(eps)),
+      out_type=jax.ShapeDtypeStruct((N * N, R), f32),
+      scratch_types=[plgpu.SMEM((N * N, ROWS), f32), plgpu.SMEM((N * N, ROWS), f32), plgpu.Barrier(num_arrivals=1)],
+      grid=(R // ROWS,),
+      grid_names=("g",),
+      kernel_name="glm5_mhc_sinkhorn_tokens",
+      compiler_params=plgpu.CompilerParams(approx_math=bool(approx_math)),
+  )(mc_t)

@@ -624,10 +624,32 @@ def test_prefill_bf16_logits_equal_the_f32_product(M):
   assert [r for k, r in rep if k == "bf16_products"] == ["bf16 streams and fn (here float32 and bfloat16)"], rep
 
 
+def test_prefill_sinkhorn_kernel_at_one_site():
+  """Policy knob mhc_prefill_sinkhorn (the Sinkhorn of the sites XLA runs as one kernel over the token rows: 70 rows,
+  two CTAs, the second padded) at one f32 site in GPU interpret mode: pre, post and the sublayer input as without
+  it (the same XLA), comb within the f32 kernels' tolerance of the stock form; the report names the site, and the
+  lowering has the kernel where the stock form's unrolled normalisations were."""
+  D, M = 256, 70
+  hc, _ = _site(D, M + 5)
+  X, _, _, _, _, _ = _inputs(M, D, M + 13)
+  Xs = X.reshape(M, 4, D).astype(jnp.float32)
+  out, text = {}, {}
+  for on in (False, True):  # (a fresh function each: jax's trace cache does not see the policy)
+    with use_kernels({"mhc_prefill": True, "mhc_prefill_sinkhorn": on}), kernel_report() as rep:
+      with maybe_interpret(on):
+        out[on] = jax.jit(lambda Xs: hc.pre(Xs))(Xs)
+      text[on] = cross_lower(lambda Xs: hc.pre(Xs), Xs).as_text()
+    assert (("mhc_prefill_sinkhorn", None) in rep) == on, rep
+  np.testing.assert_array_equal(np.asarray(out[True][0]), np.asarray(out[False][0]))
+  np.testing.assert_array_equal(np.asarray(out[True][1]), np.asarray(out[False][1]))
+  np.testing.assert_allclose(np.asarray(out[True][2]), np.asarray(out[False][2]), **tol("kernel_f32"))
+  assert "glm5_mhc_sinkhorn_tokens" in text[True] and "glm5_mhc_sinkhorn_tokens" not in text[False]
+
 def test_prefill_form_at_the_model_site():
   """mhc_prefill at the model's sites: kernel-tiny in f32, the target's chunk program (every other knob off) over a
   13-token prompt in two 8-row chunks — the trunk's hidden states within the fp32 paths' tolerance of the
-  reference's order; Decoder.prefill with the knob on reports its sites. Every expert routed (4 of 4), fewer
+  reference's order, also with the Sinkhorn as the kernel (mhc_prefill_sinkhorn, GPU interpret mode);
+  Decoder.prefill with the knobs on reports their sites. Every expert routed (4 of 4), fewer
   positions than the indexer's top-k and the caches in the model's f32 (kv_cache_dtype "auto"): no discrete decision
   a rounding difference could flip — with the FP8 caches a cached value can round to the neighbouring e4m3 step: a
   CI run of session 77 saw a later token's hidden state 2.7e-4 apart (eight draws here: at most 1.5e-5 with the FP8
@@ -639,15 +661,20 @@ def test_prefill_form_at_the_model_site():
   m = load(tiny_checkpoint("kernel-tiny", 4, "fp8", n_routed_experts=4), "float32")
   toks = np.random.default_rng().integers(0, 2000, (1, 13)).astype(np.int32)
   hs = {}
-  for on in (False, True):
-    pol = tuple(sorted({**{k: False for k in KERNEL_DEFAULTS}, "mhc_prefill": on, "kv_cache_dtype": "auto"}.items()))
-    dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=pol), backend="latency_specialized",
-                  prefill_chunk=8)
+  for on in (False, True, "sinkhorn"):  # ("sinkhorn": with mhc_prefill_sinkhorn's kernel, in GPU interpret mode)
+    pol = {**{k: False for k in KERNEL_DEFAULTS}, "mhc_prefill": bool(on), "kv_cache_dtype": "auto"}
+    if on == "sinkhorn":
+      pol |= {"mhc_prefill_sinkhorn": True, "interpret": True}
+    dec = Decoder(m, DecodeConfig(max_context=64, q=2, capture_sizes=(1,), policy=tuple(sorted(pol.items()))),
+                  backend="latency_specialized", prefill_chunk=8)
     hs[on], rep = target_hidden_in_chunks(dec, m, toks, 13, 8, dec.prefill_kernel_mode())
-    assert (("mhc_prefill", None) in rep) == on, rep
+    assert (("mhc_prefill", None) in rep) == bool(on) and (("mhc_prefill_sinkhorn", None) in rep) == (
+        on == "sinkhorn"), rep
   np.testing.assert_allclose(hs[True], hs[False], **tol("fp32_paths"))
-  dec.prefill([toks[0]])  # (the last policy's: the knob on)
-  assert dec.prefill_sites["mhc_prefill"]["sites"] == 2 * m.cfg.num_hidden_layers  # (the trunk's: two a layer)
+  np.testing.assert_allclose(hs["sinkhorn"], hs[False], **tol("fp32_paths"))
+  dec.prefill([toks[0]])  # (the last policy's: both knobs on)
+  for knob in ("mhc_prefill", "mhc_prefill_sinkhorn"):  # (the trunk's sites: two a layer)
+    assert dec.prefill_sites[knob]["sites"] == 2 * m.cfg.num_hidden_layers, knob
 
 
 @pytest.mark.gpu
@@ -722,3 +749,41 @@ def test_a_kernel_is_lowered_once_per_process():
   assert len(kept) == n + 1 and second == first  # (another program, the same kernel: its kept module)
   other = jax.ShapeDtypeStruct((K.PART, rows + 4), jnp.float32)
   assert calls(cross_lower(sink, other, coef).as_text()) != first and len(kept) == n + 2
+
+
+def test_sinkhorn_tokens_interpret_equals_reference():
+  """The prefill's Sinkhorn kernel (policy mhc_prefill_sinkhorn): R / 64 CTAs of per-row vectors against the model's
+  own sinkhorn_comb (the stock form) within f32 kernel tolerance, in GPU interpret mode — logits spread wide enough
+  that the softmax saturates in some rows; every output's columns summing to 1 (the last normalisation), its
+  entries in [0, 1]; a shape it cannot take is refused by name."""
+  rng = np.random.default_rng()
+  R = 128
+  mc = jnp.asarray(rng.standard_normal((K.N * K.N, R)) * rng.choice([0.5, 3.0, 12.0], size=(1, R)), jnp.float32)
+  with maybe_interpret(True):
+    got = K.sinkhorn_tokens(mc, iters=20, eps=1e-6)
+  want = K.sinkhorn_tokens_reference(mc, iters=20, eps=1e-6)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol("kernel_f32"))
+  c = np.asarray(got).T.reshape(R, K.N, K.N)
+  np.testing.assert_allclose(c.sum(axis=-2), 1.0, atol=1e-4)
+  assert (c >= 0).all() and (c <= 1 + 1e-6).all()
+  with pytest.raises(ValueError, match="R a multiple of 64"):
+    K.sinkhorn_tokens(mc[:, :100], iters=20, eps=1e-6)
+
+
+def test_sinkhorn_tokens_lowers_for_cuda():
+  """The prefill's Sinkhorn kernel lowers for CUDA at a 2,048-token chunk's rows."""
+  txt = cross_lower(lambda a: K.sinkhorn_tokens(a, iters=20, eps=1e-6),
+                    jax.ShapeDtypeStruct((K.N * K.N, 2048), jnp.float32)).as_text()
+  assert "glm5_mhc_sinkhorn_tokens" in txt
+
+
+@pytest.mark.gpu
+def test_sinkhorn_tokens_gpu():
+  """The prefill's Sinkhorn kernel natively at a 2,048-token chunk's rows against the stock form (XLA's), within
+  the f32 kernels' tolerance."""
+  rng = np.random.default_rng()
+  mc = jnp.asarray(rng.standard_normal((K.N * K.N, 2048)) * rng.choice([0.5, 3.0, 12.0], size=(1, 2048)),
+                   jnp.float32)
+  got = K.sinkhorn_tokens(mc, iters=20, eps=1e-6)
+  want = jax.jit(lambda a: K.sinkhorn_tokens_reference(a, iters=20, eps=1e-6))(mc)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol("kernel_f32"))
