@@ -128,30 +128,15 @@
 #                             with POLICY (default {"kda_chunk_gemm": true}: that fusion gone) under XLA's defaults,
 #                             then the defaults with PXLA (default xla_gpu_experimental_enable_fusion_autotuner=false)
 #                             — each a process (CHUNKS: the chunk sizes, default 1024; FORMS=policy: only the first)
-#   s78c (either; H100: LAYERS=32; ~500 s): the prefill's chunked KDA — kda_chunk_gemm (its pairwise terms as GEMMs)
-#                             and kda_chunk_x6 (its f32 products as six bf16 tensor-core products each instead of
-#                             cuBLAS's FFMA GEMMs): their GPU tests, then 4K and 32K prompts in 512-token chunks,
-#                             traced: the defaults vs kda_chunk_gemm vs both (+ POLICY)
-#   s79a (either; H100: LAYERS=32; ~580 s): session 79's mla_gather_warpgroup (the sparse MLA's gathers issued by a
-#                             second warpgroup into a 3-slot ring: a prefill chunk runs 33 blocks a CTA) and s78c's
-#                             chunked-KDA knobs: their GPU tests, then 4K and 32K prompts in 512-token chunks, traced:
-#                             the sparse MLA's forms alone (bench_sparse_mla --only gather: decode shapes and a
-#                             prefill chunk's 512 rows) and the KDA hand-over's unroll factors (bench_kda_prefill),
-#                             then the defaults vs each (ALL=1: + all three; + POLICY)
 #   s79d (either; H100: LAYERS=32; ~450 s): session 79's bf16_products (the prefill's mHC and router logits as bf16
 #                             products: no f32 copies of their operands) at the new defaults (2,048-token chunks, kda_chunk_gemm,
 #                             mla_gather_warpgroup, the routing by counts, the hand-over unrolled): 4K and 32K prompts,
 #                             traced: the defaults vs it (+ POLICY)
-#   s80b (either; H100: LAYERS=32; ~560 s): session 80's next prefill questions at 2,048-token chunks — the chunked
-#                             KDA's x6 GPU tests (now compiled without XLA's autotuning), then 4K and 32K prompts,
-#                             traced: the defaults (bf16_products on since session 80) vs topk_prefill (the indexer's
-#                             selection as the fused kernel: the chunk's CUB radix sorts were 12.1 ms of 125) vs
-#                             kda_chunk_x6 (the chunked KDA's f32 FFMA GEMMs, ~7 ms) (+ POLICY)
-#   s81a (either; H100: LAYERS=32; ~560 s): session 81's prefill forms — the MoE's resident down launch (policy
-#                             moe_prefill_resident: each CTA holds its row tile's h in SMEM and runs 8 weight row
-#                             tiles) and the mHC sites' Sinkhorn as one kernel (mhc_prefill_sinkhorn) — their GPU
-#                             tests, then the 2,048-token prefill: the defaults vs each (if the tests passed) vs
-#                             topk_prefill, traced
+#   s82a (either; H100: LAYERS=32; ~400 s): the chunked KDA's pairwise GEMMs natively against the recurrence
+#                             (test_chunked_kda_pairwise_gemm_gpu: its x6 ancestor failed in session 81 without
+#                             naming the form), then the 2,048-token prefill with session 81's defaults
+#                             (moe_prefill_resident, mhc_prefill_sinkhorn and topk_prefill on), traced (+ POLICY);
+#                             s78c, s79a, s80b and s81a (run in sessions 78-81) are in git history
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
 #                             at one row the indexer's wq_b, XLA's GEMV on the DSA chain at 1.6 TB/s, 7.7 µs)
@@ -167,8 +152,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 MODE="${1:-single}"; BUDGET="${2:-480}"
 case "$MODE" in  # an unknown mode would run nothing and still spend the call's start-up: refuse it at once
-  single|pair|tp2|tp4|profile|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77e|s78a|s78b|s78c|s79a|s79d|s80b|s81a|pending) ;;
-  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57d, s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71b, s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77e, s78a .. s78c, s79a, s79d, s80b, s81a, pending)"
+  single|pair|tp2|tp4|profile|s57d|s57e|ratio|e2e|h100|prefill|prefill_ab|dsa|longctx|blackwell|bigbatch|partrows|mlawg|mlaforms|s68a|s68b|s68c|s68d|stream|s71b|s71c|s72a|s72b|s75a|s76a|s76b|s76c|s77a|s77b|s77e|s78a|s78b|s79d|s82a|pending) ;;
+  *) echo "gpu_session.sh: unknown mode '$MODE' (single, pair, tp2, tp4, profile, s57d, s57e, ratio, e2e, h100, prefill, prefill_ab, dsa, longctx, blackwell, bigbatch, partrows, mlawg, mlaforms, s68a .. s68d, stream, s71b, s71c, s72a, s72b, s75a, s76a .. s76c, s77a, s77b, s77e, s78a, s78b, s79d, s82a, pending)"
      exit 2 ;;
 esac
 t0=$(date +%s)
@@ -494,32 +479,12 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     done
     cat "$OUT/bench_prefill.log"
     ;;
-  s78c)  # (either; H100: LAYERS=32) see the header
-    gpu_tests s78c 150 gpu "x6" tests/test_model_units.py
-    prefill_traced 40 '{}' '{"kda_chunk_gemm": true}' '{"kda_chunk_gemm": true, "kda_chunk_x6": true}'
-    ;;
-  s79a)  # (either; H100: LAYERS=32) see the header
-    gpu_tests s79a 120 gpu "gather_warpgroup or x6 or kda_prefill_kernel_gpu" tests/test_sparse_mla.py \
-      tests/test_model_units.py tests/test_kda_prefill.py
-    timeout 120 python3 benchmarks/bench_sparse_mla.py --only gather --out "$OUT/bench_sparse_mla_gather.txt" 2>&1 \
-      | keep 20
-    timeout 60 python3 benchmarks/bench_kda_prefill.py --out "$OUT/bench_kda_prefill.txt" 2>&1 | keep 25
-    prefill_traced 40 '{}' '{"mla_gather_warpgroup": true}' '{"kda_chunk_gemm": true, "kda_chunk_x6": true}' \
-      ${ALL:+'{"mla_gather_warpgroup": true, "kda_chunk_gemm": true, "kda_chunk_x6": true}'}
-    ;;
   s79d)  # (either; H100: LAYERS=32) see the header
     prefill_traced 30 '{}' '{"bf16_products": true}'
     ;;
-  s81a)  # (either; H100: LAYERS=32) see the header
-    gpu_tests moe_resident 200 gpu "fp8_moe_prefill_gpu_real_shapes or sinkhorn_tokens_gpu" tests/test_moe_prefill.py \
-      tests/test_mhc.py; ok=$?
-    # (the new forms in the A/B only if their GPU tests passed: natively bit for bit / within tolerance)
-    res=(); [ "$ok" -eq 0 ] && res=('{"moe_prefill_resident": true}' '{"mhc_prefill_sinkhorn": true}')
-    prefill_traced 40 '{}' "${res[@]}" '{"topk_prefill": true}'
-    ;;
-  s80b)  # (either; H100: LAYERS=32) see the header
-    gpu_tests x6 150 gpu "x6_products_gpu" tests/test_model_units.py
-    prefill_traced 40 '{}' '{"topk_prefill": true}' '{"kda_chunk_x6": true}'
+  s82a)  # (either; H100: LAYERS=32) see the header
+    gpu_tests kda_pairwise 200 gpu "pairwise_gemm_gpu" tests/test_model_units.py
+    prefill_traced 30 '{}'
     ;;
   s77e)  # (either; H100: LAYERS=32) see the header
     for c in ${CHUNKS:-1024 768}; do  # (a process each: a chunk size whose compile runs long loses only itself)

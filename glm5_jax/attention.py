@@ -118,9 +118,9 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False, p
   ran 8 loop iterations of 13 kernels per KDA layer (3,536 launches and 272 loop trips per chunk at the rank's
   34 KDA layers, compiled for an H200). ``handover_kernel`` (policy knob kda_handover): the hand-over chain as one
   Mosaic GPU launch (pallas_kernels.kda_prefill.kda_handover) instead of n dependent XLA products and adds.
-  ``precision``: the products' (HIGHEST: f32, which XLA runs on a GPU's CUDA cores — cuBLAS's FFMA GEMMs; policy knob
-  kda_chunk_x6 passes lax.DotAlgorithmPreset.BF16_BF16_F32_X6: f32 operands as three bf16 terms, six tensor-core
-  products summed in f32 — within f32's rounding of it). The triangular solve stays f32.
+  ``precision``: the products' (HIGHEST: f32, which XLA runs on a GPU's CUDA cores — cuBLAS's FFMA GEMMs; as
+  lax.DotAlgorithmPreset.BF16_BF16_F32_X6, six bf16 tensor-core products each, XLA's GPU dots were outside the fp32
+  paths' tolerance natively: layers.REMOVED_KNOBS["kda_chunk_x6"]). The triangular solve stays f32.
   ``pairwise_gemm`` (policy knob kda_chunk_gemm): the pairwise terms kk_ij = Σ_c k_ic k_jc e^{G_ic − G_jc} (and qk's)
   as batched products of k ⊙ e^{G − G_m} and k ⊙ e^{G_m − G} about the sub-chunk's middle token m instead of the
   [C, C, K] tensor of pairwise exponents: every factor's exponent is within (C / 2) · max|g|, which the caller keeps
@@ -314,13 +314,11 @@ class KDA(nnx.Module):
       ho = kernel_enabled("kda_handover", fits=Kd % 64 == 0 and Kd % kp.VB == 0,
                           why=f"head dim {Kd} (the kernel's state rows: a multiple of 64)", prefer=not interpreting(),
                           prefer_why="GPU interpret mode: seconds a call (the policy can ask for it)")
-      x6 = kernel_enabled("kda_chunk_x6")
       span = 16 * abs(self.lower_bound)  # (kda_chunked's 32-token sub-chunks: 16 tokens either side of the middle)
       pg = kernel_enabled("kda_chunk_gemm", fits=span <= PAIRWISE_GEMM_MAX_LOG,
                           why=f"a gate lower bound of {self.lower_bound}: e^(16 x {abs(self.lower_bound)}) past "
                           f"e^{PAIRWISE_GEMM_MAX_LOG:.0f} (f32's range)")
-      o, S = kda_chunked(qn, l2norm(k), v, gl, beta, S0, handover_kernel=ho,
-                         precision=lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if x6 else HIGHEST, pairwise_gemm=pg)
+      o, S = kda_chunked(qn, l2norm(k), v, gl, beta, S0, handover_kernel=ho, pairwise_gemm=pg)
       new_ssm = ssm.at[:, 0].set(S)
     if not normed:
       o = rms_norm(o, self.o_norm.weight[...].astype(jnp.float32), self.eps, jnp.float32) * jax.nn.sigmoid(gate)

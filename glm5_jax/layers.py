@@ -713,15 +713,16 @@ KNOBS = {
         "values bit for bit (GPU interpret mode, and natively at the rank's shapes: its GPU tests, session 78). In "
         "s78a's trace the grouped kernels took 21.7 -> 22.5 ms a chunk (the masked row sums) and XLA's transposes "
         "(1.6 ms) went" + _S78),
-    "moe_prefill_resident": (False,
+    "moe_prefill_resident": (True,
         "with moe_prefill: the grouped down launch (K = the expert width, 512 at one TP4 rank) with each row tile's h "
         "held in SMEM (pallas_kernels.moe_prefill.fp8_grouped_linear(resident=...): a CTA loads its tile's [mp, K] h "
         "once and runs 8 weight row tiles through one TMA ring) instead of a CTA per weight row tile streaming the "
         "tile's h beside only K / 128 = 4 weight blocks — at a 2,048-token chunk's 64-row tiles 64 KB of h for 32 KB "
         "of weight, h re-read by all D / 64 = 64 CTAs of a tile: in session 80's H100 trace the down launch took 696 "
         "µs a layer against the gate / up launch's 548 for twice its weight bytes. The same values bit for bit (GPU "
-        "interpret mode; the same blocks, scales and order of sums). Hopper's form (wgmma); CPU-built (session 81) — "
-        "off until measured"),
+        "interpret mode; the same blocks, scales and order of sums; natively at the rank's shapes: its GPU test). Hopper's "
+        "form (wgmma). One TP4 rank's first 32 layers on an H100, 2,048-token chunks (s81a, session 81): the grouped "
+        "kernels 37.5 -> 34.1 ms a chunk, a 4K / 32K prompt 261.3 / 2,043.6 -> 256.5 / 2,000.7 ms — on"),
     "mla_prefill": (True,
         "with an FP8 latent cache: DSA's attention of a prefill chunk (and of a decode step past the decode "
         "kernels' 64 token rows) through the sparse MLA decode kernel (pallas_kernels.sparse_mla.sparse_mla_decode: "
@@ -746,7 +747,7 @@ KNOBS = {
         "GEMM writing f32 streams for the next fusion: in session 77's H100 trace of a 512-token chunk (one TP4 "
         "rank's first 32 layers) 4.2 of the chunk's 5.6 ms of mHC kernels (a 16.8 MB bf16 stream set a site). "
         "The same sums rounded in another order (within the fp32 paths' tolerance of the reference's)"),
-    "mhc_prefill_sinkhorn": (False,
+    "mhc_prefill_sinkhorn": (True,
         "the mHC sites XLA runs (a prefill chunk's; a decode step's where the fused boundary does not run): each "
         "token row's Sinkhorn normalisation of its 4 x 4 comb (a row softmax, then 20 alternating column / row "
         "normalisations) as one Mosaic GPU launch over the rows (pallas_kernels.mhc.sinkhorn_tokens: a CTA per 64 "
@@ -754,7 +755,9 @@ KNOBS = {
         "normalisation pairs XLA runs as ~40 launches of ~3 µs a site: in session 80's H100 trace of a 4K prompt "
         "in 2,048-token chunks 2,681 reductions + 2,192 adds, ~5.8 ms a chunk of its 14.2 ms of mHC kernels. Each "
         "normalisation by 4 reciprocals instead of 16 divisions (within an ulp a step): within the f32 kernels' "
-        "tolerance of the stock form. CPU-built (session 81) — off until measured"),
+        "tolerance of the stock form (natively: its GPU test). Session 81 (s81a: an H100, 32 layers, 2,048-token chunks): "
+        "a chunk's mHC kernels 14.1 -> 11.6 ms and 5,296 -> 2,992 launches, a 4K / 32K prompt 261.3 / 2,043.6 -> "
+        "260.7 / 2,034.3 ms — on"),
     "bf16_products": (True,
         "XLA's f32 products of bf16 values at two prefill sites — the mHC's 24 mixing logits (with mhc_prefill: the "
         "streams times fn) and the router's logits past the GEMV kernel's rows (x times W_r) — as products of the "
@@ -777,14 +780,6 @@ KNOBS = {
         "within the fp32 paths' tolerance of the reference (its GPU tests, session 78). Also what lets 768- and "
         "1,024-token chunks compile (~5 min with XLA's autotuning, one input_concatenate_fusion 2.5-3.5 min of "
         "it): a 4K prompt in 1,024-token chunks 394.7 ms, 32K 2,961 ms (s78b)" + _S78),
-    "kda_chunk_x6": (False,
-        "a prefill chunk's chunked KDA (attention.kda_chunked) with its batched f32 products as "
-        "lax.DotAlgorithmPreset.BF16_BF16_F32_X6 — each f32 operand split into three bf16 terms, six tensor-core "
-        "products summed in f32, within f32's rounding of the exact product — instead of HIGHEST, which XLA runs as "
-        "cuBLAS's f32 FFMA GEMMs on the CUDA cores: 3.1 ms of a 512-token chunk's kernels in session 78's H100 trace "
-        "(sm80_xmma_gemm_f32f32 ... ffma, ~94 launches; one TP4 rank's first 32 layers). The triangular solve stays "
-        "f32. CPU-built (session 78; the CPU runs the preset too: the tests compare it with the per-token "
-        "recurrence); off until measured"),
     "kda_chunk_gemm": (True,
         "a prefill chunk's chunked KDA (attention.kda_chunked) with its pairwise terms kk_ij = Σ_c k_ic k_jc e^(G_ic "
         "- G_jc) and qk's as two batched GEMMs of k and q scaled by e^(±(G - G_m)) about each 32-token sub-chunk's "
@@ -798,7 +793,8 @@ KNOBS = {
         "1,024-token chunk program compiled in 116-130 s (294 s without, session 78) and a 2,048-token one in 90 s "
         "— 4K / 32K prompts 388.0 / 2,534.0 ms to the first token in 2,048-token chunks against 526.5 / 4,051.7 in "
         "512-token ones without it, on the same machine (PREFILL_CHUNK 2,048 since); at 512-token chunks with "
-        "kda_chunk_x6 the chunk's KDA kernels 7.54 -> 6.22 ms (s79a's traces). On by default since session 79"),
+        "the since removed kda_chunk_x6 the chunk's KDA kernels 7.54 -> 6.22 ms (s79a's traces). On by default since "
+        "session 79"),
     "indexer_prefill": (True,
         "with an FP8 pooled-key cache: the indexer's scores of a prefill chunk's rows (and of a decode step's past "
         "the decode kernel's 64) through the scores kernel in token groups (pallas_kernels.indexer."
@@ -809,21 +805,24 @@ KNOBS = {
         "(session 77's H100 trace: ~4 ms of a 512-token chunk's kernels around the indexer's scores at a 4K "
         "prompt). CPU-built (session 77): GPU interpret mode against the reference, the CUDA lowering at a chunk's "
         "512 rows; natively against the reference (its GPU tests, session 78)" + _S78),
-    "topk_prefill": (False,
+    "topk_prefill": (True,
         "the indexer's top-512 pools of a prefill chunk's rows (and of a decode step past the decode selection's 64) "
         "as the fused one-launch selection (pallas_kernels.indexer.topk_compact: a grid of ~5 CTAs a row, each "
         "running the threshold's passes and writing its selected pools' token positions; its two stages past 64K "
         "context) on XLA's scores padded with -inf, instead of XLA's segmented radix sort of every row (~0.16 ms a "
         "DSA layer at 256 rows in session 76's H100 prefill trace). The set lax.top_k selects, in ascending order "
         "(XLA's list is in score order: the attention sums its rows in another order). CPU-built (session 76): "
-        "the model's selection in GPU interpret mode, the form's CUDA lowering; off until measured"),
+        "the model's selection in GPU interpret mode, the form's CUDA lowering; a tie at 256-token chunks (session "
+        "76). At 2,048-token chunks (s81a, session 81: an H100, 32 layers) the chunk's CUB segmented radix sorts "
+        "(12.1 ms) go for the kernel's 4.2 ms, the chunk's busy time 124.8 -> 117.5 ms, a 4K / 32K prompt 261.3 / "
+        "2,043.6 -> 248.5 / 1,928.1 ms — on"),
 }
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
 PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "moe_prefill_resident", "mla_prefill", "topk_prefill",
                  "mhc_prefill", "mhc_prefill_sinkhorn", "bf16_products", "indexer_prefill", "kda_handover",
-                 "kda_chunk_x6", "kda_chunk_gemm")
+                 "kda_chunk_gemm")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",
@@ -879,6 +878,11 @@ REMOVED_KNOBS = {
     "kda_sinkhorn_first": "the KDA sublayer's Sinkhorn launched before its GEMVs (an order): 2.79 -> 2.82 ms, faster "
                           "in 4 of 8 rounds (s71a, session 71) — the Sinkhorn off the chain, the q/k/v GEMV slower "
                           "beside it; removed in session 81",
+    "kda_chunk_x6": "a prefill chunk's chunked KDA products as lax.DotAlgorithmPreset.BF16_BF16_F32_X6 (six bf16 "
+                    "tensor-core products an f32 one): within the fp32 paths' tolerance on the CPU, outside it "
+                    "natively — XLA's GPU dots gave max abs 1.7e-4 against the per-token recurrence at a 512- and a "
+                    "70-token chunk with random gates (test_chunked_kda_x6_products_gpu, an H100, session 81); never "
+                    "timed; removed in session 81",
 }
 
 # Kernels that pass in GPU interpret mode but compute wrong results natively (their GPU tests fail): the policy

@@ -604,9 +604,9 @@ class Decoder:
   def prefill_kernel_mode(self, interpret: bool | None = None):
     """The kernels a prefill chunk runs (latency_specialized): only those built for many token rows
     (layers.PREFILL_KNOBS: the prefill MoE, DSA's attention, the indexer's scores and selection, the KDA state
-    hand-over, the mHC sites' two-pass XLA form — policy knobs moe_prefill (moe_prefill_rows: its token-rows form),
-    mla_prefill, indexer_prefill, topk_prefill, kda_handover, mhc_prefill; kda_chunk_x6 and kda_chunk_gemm: the
-    chunked KDA's forms) — those on by default
+    hand-over, the mHC sites' two-pass XLA form and their Sinkhorn kernel — policy knobs moe_prefill
+    (moe_prefill_rows, moe_prefill_resident: its forms), mla_prefill, indexer_prefill, topk_prefill, kda_handover,
+    mhc_prefill, mhc_prefill_sinkhorn; kda_chunk_gemm: the chunked KDA's form) — those on by default
     (layers.KERNEL_DEFAULTS) on a GPU, the others and elsewhere (GPU interpret mode) where the policy asks for them; the
     decode kernels stay off there, the knobs that only choose their forms (layers.PREFILL_FORM_KNOBS) keep the policy's
     values. The stock backend: none.

@@ -1176,15 +1176,16 @@ def test_pool_update_kernel_interpret(B, T, starts, valid):
 @pytest.mark.parametrize("B,T,starts,valid", [(2, 4, [3, 10], [4, 3]), (2, 16, [6, 41], [16, 9])])
 def test_pool_update_tcgen05_interpret(B, T, starts, valid):
   """mma='tcgen05' (Blackwell: the rotation one tcgen05 MMA of 128 rows into tensor memory, relaid into the WGMMA
-  layout) in GPU interpret mode: bit for bit the wgmma form's caches, and the reference's."""
+  layout) in GPU interpret mode: the wgmma form's caches and the reference's, as check_pool_update holds the wgmma
+  form to the reference (bit for bit but for a rare key one bf16 rounding apart — XLA CPU contracts a multiply-add
+  differently in the two programs: session 81's suite saw 4 of 16,384 pooled elements one e4m3 step apart)."""
   P = 64
   args = pool_inputs(np.random.default_rng(), B, T, P, starts, valid)
   ref = jax.jit(I.pool_update_reference)(*args)
   with maybe_interpret(True):
     hop = jax.jit(I.pool_update)(*args)
     got = jax.jit(functools.partial(I.pool_update, mma="tcgen05"))(*args)
-  for g, h in zip(got, hop):
-    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(h.astype(jnp.float32)))
+  check_pool_update(got, hop, args, P, exact=True)
   check_pool_update(got, ref, args, P, exact=True)
   with pytest.raises(ValueError, match=r"pool_update: mma='mfma', expected one of \('wgmma', 'tcgen05'\)"):
     jax.eval_shape(functools.partial(I.pool_update, mma="mfma"), *args)

@@ -588,7 +588,8 @@ def test_prefill_form_equals_reference(M):
   Xs, y = X.reshape(M, 4, D).astype(jnp.float32), y.astype(jnp.float32)
   out, text = {}, {}
   for on in (False, True):  # (a fresh function each: jax's trace cache does not see the policy)
-    with use_kernels({"mhc_prefill": on}), kernel_report() as rep:
+    # (the XLA forms alone: the Sinkhorn kernel, on by default, has its own test below)
+    with use_kernels({"mhc_prefill": on, "mhc_prefill_sinkhorn": False}), kernel_report() as rep:
       out[on] = jax.jit(lambda Xs, y: hc.pre(HyperConnection.post(Xs, y, post, comb)))(Xs, y)
       text[on] = jax.jit(lambda Xs, y: HyperConnection.post(Xs, y, post, comb)).lower(Xs, y).as_text()
     assert (("mhc_prefill", None) in rep) == on, rep
@@ -610,7 +611,8 @@ def test_prefill_bf16_logits_equal_the_f32_product(M):
   Xs = X.reshape(M, 4, D)
   out, text = {}, {}
   for on in (False, True):
-    with use_kernels({"mhc_prefill": True, "bf16_products": on}), kernel_report() as rep:
+    with use_kernels({"mhc_prefill": True, "bf16_products": on, "mhc_prefill_sinkhorn": False}), \
+        kernel_report() as rep:
       out[on] = jax.jit(hc.pre)(Xs)
       text[on] = jax.jit(hc.pre).lower(Xs).as_text()
     assert (("bf16_products", None) in rep) == on, rep
@@ -619,7 +621,8 @@ def test_prefill_bf16_logits_equal_the_f32_product(M):
   for a, b in zip(out[True][1:], out[False][1:]):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol("fp32_paths"))
   assert has_bf16_product(text[True]) and not has_bf16_product(text[False])
-  with use_kernels({"mhc_prefill": True, "bf16_products": True}), kernel_report() as rep:
+  with use_kernels({"mhc_prefill": True, "bf16_products": True, "mhc_prefill_sinkhorn": False}), \
+      kernel_report() as rep:
     jax.eval_shape(hc.pre, Xs.astype(jnp.float32))
   assert [r for k, r in rep if k == "bf16_products"] == ["bf16 streams and fn (here float32 and bfloat16)"], rep
 
