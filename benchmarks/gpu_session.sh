@@ -132,10 +132,12 @@
 #                             products: no f32 copies of their operands) at the new defaults (2,048-token chunks, kda_chunk_gemm,
 #                             mla_gather_warpgroup, the routing by counts, the hand-over unrolled): 4K and 32K prompts,
 #                             traced: the defaults vs it (+ POLICY)
-#   s82a (either; H100: LAYERS=32; ~400 s): the chunked KDA's pairwise GEMMs natively against the recurrence
+#   s82a (either; H100: LAYERS=32; ~550 s): the chunked KDA's pairwise GEMMs natively against the recurrence
 #                             (test_chunked_kda_pairwise_gemm_gpu: its x6 ancestor failed in session 81 without
-#                             naming the form), then the 2,048-token prefill with session 81's defaults
-#                             (moe_prefill_resident, mhc_prefill_sinkhorn and topk_prefill on), traced (+ POLICY);
+#                             naming the form) and the prefill MoE's GPU tests (with session 81's token-rows-as-M
+#                             down launch, moe_prefill_tokens_m), then the 2,048-token prefill with session 81's
+#                             defaults (moe_prefill_resident, mhc_prefill_sinkhorn and topk_prefill on) vs
+#                             moe_prefill_tokens_m (if the tests passed), traced (+ POLICY);
 #                             s78c, s79a, s80b and s81a (run in sessions 78-81) are in git history
 #   s72b (either, ~200 s): the bf16 GEMV's K splits / row tiles at the verify's 4 rows, then at one (bench_linear
 #                             --sweep-bf16 4,1: the KDA q/k/v at 2.07 TB/s in s71's q = 4 trace, 192 CTAs on 132 SMs;
@@ -483,8 +485,10 @@ benchmarks checkpoints | tar -x -C .carry/base, then carry .carry)"; exit 2; }
     prefill_traced 30 '{}' '{"bf16_products": true}'
     ;;
   s82a)  # (either; H100: LAYERS=32) see the header
-    gpu_tests kda_pairwise 200 gpu "pairwise_gemm_gpu" tests/test_model_units.py
-    prefill_traced 30 '{}'
+    gpu_tests kda_pairwise 300 gpu "pairwise_gemm_gpu or fp8_moe_prefill_gpu_real_shapes" tests/test_model_units.py \
+      tests/test_moe_prefill.py; ok=$?
+    res=(); [ "$ok" -eq 0 ] && res=('{"moe_prefill_tokens_m": true}')
+    prefill_traced 30 '{}' "${res[@]}"
     ;;
   s77e)  # (either; H100: LAYERS=32) see the header
     for c in ${CHUNKS:-1024 768}; do  # (a process each: a chunk size whose compile runs long loses only itself)

@@ -723,6 +723,14 @@ KNOBS = {
         "interpret mode; the same blocks, scales and order of sums; natively at the rank's shapes: its GPU test). Hopper's "
         "form (wgmma). One TP4 rank's first 32 layers on an H100, 2,048-token chunks (s81a, session 81): the grouped "
         "kernels 37.5 -> 34.1 ms a chunk, a 4K / 32K prompt 261.3 / 2,043.6 -> 256.5 / 2,000.7 ms — on"),
+    "moe_prefill_tokens_m": (False,
+        "with moe_prefill_resident and moe_prefill_rows, at 64-row tiles (a 2,048-token chunk's): the resident down "
+        "launch's MMAs with the tile's token rows as M — h's block as A from SMEM, the weight block dequantised into "
+        "SMEM as B, transposed (pallas_kernels.moe_prefill.fp8_grouped_linear(tokens_m=True)) — so the accumulator is "
+        "already [tokens, weight rows] and each weight tile is stored as it is, instead of 64 masked row sums a "
+        "weight tile (linear._rows_out): in session 81's H100 trace the resident down launch streamed ~1.45 TB/s "
+        "(586.5 µs a layer), the epilogue the suspect. The same products summed in another order (within f32 "
+        "rounding in GPU interpret mode). CPU-built (session 81) — off until measured"),
     "mla_prefill": (True,
         "with an FP8 latent cache: DSA's attention of a prefill chunk (and of a decode step past the decode "
         "kernels' 64 token rows) through the sparse MLA decode kernel (pallas_kernels.sparse_mla.sparse_mla_decode: "
@@ -820,9 +828,9 @@ KNOBS = {
 KERNEL_DEFAULTS = {name: default for name, (default, _) in KNOBS.items()}
 # The knobs a prefill chunk's trace honours (kernels built for many token rows; Decoder.prefill_kernel_mode): every
 # other kernel is a decode kernel of <= MAX_KERNEL_ROWS rows and stays off there — the chunk is XLA's otherwise.
-PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "moe_prefill_resident", "mla_prefill", "topk_prefill",
-                 "mhc_prefill", "mhc_prefill_sinkhorn", "bf16_products", "indexer_prefill", "kda_handover",
-                 "kda_chunk_gemm")
+PREFILL_KNOBS = ("moe_prefill", "moe_prefill_rows", "moe_prefill_resident", "moe_prefill_tokens_m", "mla_prefill",
+                 "topk_prefill", "mhc_prefill", "mhc_prefill_sinkhorn", "bf16_products", "indexer_prefill",
+                 "kda_handover", "kda_chunk_gemm")
 # Decode knobs that choose a prefill kernel's form, not whether a kernel runs: a chunk keeps their policy values
 # (mla_prefill runs the sparse MLA kernel in the forms the decode step runs it in, attention._mla_forms)
 PREFILL_FORM_KNOBS = ("lean_barriers", "mla_dequant_warpgroups", "mla_scales_after", "mla_group_arrival",
@@ -1879,14 +1887,18 @@ class Experts(nnx.Module):
       from pallas_kernels import moe_prefill as kp  # noqa: PLC0415
       # (Blackwell: the grouped GEMMs' tcgen05 form)
       mma = {"mma": "tcgen05"} if has_tcgen05(kernel_arch()) else {}
+      rows = kernel_enabled("moe_prefill_rows")
+      mp = kp.tile_rows(M * k, E)
+      resident = kernel_enabled("moe_prefill_resident", fits=not mma and kp.resident_sub_tiles(D, I, mp) > 1,
+                                why="the grouped down launch's wgmma form with h's row tile within "
+                                "moe_prefill.RESIDENT_MAX_BYTES")
+      tokens_m = kernel_enabled("moe_prefill_tokens_m", fits=resident and rows and mp == 64,
+                                why=f"moe_prefill_resident and moe_prefill_rows with 64-row tiles (here {mp}: "
+                                f"{M} tokens x {k} over {E} experts)")
       return kp.fp8_moe_prefill(x, ids, weights, self.gate_proj[...], self.gate_scale[...], self.up_proj[...],
                                 self.up_scale[...], self.down_proj[...], self.down_scale[...],
-                                swiglu_limit=float(self.limit), rows=kernel_enabled("moe_prefill_rows"),
-                                down_resident=kernel_enabled(
-                                    "moe_prefill_resident",
-                                    fits=not mma and kp.resident_sub_tiles(D, I, kp.tile_rows(M * k, E)) > 1,
-                                    why="the grouped down launch's wgmma form with h's row tile within "
-                                    "moe_prefill.RESIDENT_MAX_BYTES"), **mma)
+                                swiglu_limit=float(self.limit), rows=rows, down_resident=resident,
+                                down_tokens_m=tokens_m, **mma)
     # ... else every expert over every token, combined with a dense [M, E] weight matrix
     comb = jnp.zeros((M, E), jnp.float32).at[jnp.arange(M)[:, None], ids].add(weights)
     g = jnp.einsum("md,eid->mei", x.astype(dtype), self._w("gate_proj", None, dtype), precision=HIGHEST)

@@ -152,7 +152,7 @@ def _grouped_kernel(tile_e_ref, x_ref, *refs, mp: int, bm: int, stages: int, n_t
 
 
 def _grouped_resident_kernel(tile_e_ref, x_ref, w_ref, s_ref, o_ref, *rest, mp: int, bm: int, stages: int,
-                             n_groups: int, n_sub: int, steps: int, rows: bool = False):
+                             n_groups: int, n_sub: int, steps: int, rows: bool = False, tokens_m: bool = False):
   """``_grouped_kernel``'s one-weight launch with the row tile's x resident in SMEM: CTA t = (weight row group g =
   t % n_groups, row tile mt = t // n_groups) loads x's [mp, K] tile once (``steps`` 128-K blocks on one barrier)
   and then runs its group's ``n_sub`` weight row tiles of bm rows one after another — their ``n_sub · steps``
@@ -161,7 +161,13 @@ def _grouped_resident_kernel(tile_e_ref, x_ref, w_ref, s_ref, o_ref, *rest, mp: 
   and order of sums per output element: the streamed form's values bit for bit. Why: the down launch (K = I = 512
   at one TP4 rank) streamed each CTA's x tile beside only 4 weight blocks — 64 KB of x for 32 KB of weight at
   64-row tiles, re-read by all N / bm = 64 CTAs of the tile (session 80's H100 trace of a 2,048-token chunk: the
-  down launch 696 µs a layer against gate / up's 548 for twice its weight bytes)."""
+  down launch 696 µs a layer against gate / up's 548 for twice its weight bytes).
+
+  ``tokens_m`` (mp = 64, ``rows``): each block's MMA with the tile's token rows as M — x's block as A from SMEM, the
+  weight block dequantised into SMEM (a_s) as B, transposed — so the accumulator is already [tokens, weight rows]
+  and the tile is stored as it is (one SMEM store, one TMA) instead of ``linear._rows_out``'s 64 masked row sums a
+  weight tile (the suspect of the resident form's ~1.45 TB/s in session 81's trace). The same products, summed by the
+  tensor cores in another order (within f32 rounding of the other forms)."""
   y_s = None
   if rows:
     *rest, y_s = rest
@@ -185,7 +191,18 @@ def _grouped_resident_kernel(tile_e_ref, x_ref, w_ref, s_ref, o_ref, *rest, mp: 
     for j in range(min(stages, total)):
       issue(j)
     plgpu.barrier_wait(xbar)
-    zero = plgpu.layout_cast(jnp.zeros((bm, mp), jnp.float32), plgpu.Layout.WGMMA)
+    zero = plgpu.layout_cast(jnp.zeros((mp, bm) if tokens_m else (bm, mp), jnp.float32), plgpu.Layout.WGMMA)
+
+    def block(slot, kb):  # one 128-K block's product with a fresh accumulator
+      if not tokens_m:
+        return kl._mma_tile(w_s.at[slot], x_s.at[kb], mp, True, a_s[0] if a_s else None)
+      b_s = kl._dequant_tile(w_s.at[slot], a_s[0], x_s.dtype)  # (stored, then made visible to the tensor cores)
+
+      def mma(acc):
+        plgpu.wgmma(acc, x_s.at[kb], b_s.T)
+        return acc[...]  # (waits for the MMA: a_s is free for the next block)
+
+      return pl.run_scoped(mma, plgpu.ACC((mp, bm), jnp.float32))
 
     def tile(i, carry):
       row0 = (g * n_sub + i) * bm
@@ -196,12 +213,17 @@ def _grouped_resident_kernel(tile_e_ref, x_ref, w_ref, s_ref, o_ref, *rest, mp: 
         slot = j % stages
         sc = s_ref[e, nb, kb]  # (issued before the wait: the FMAs below wait for it)
         plgpu.barrier_wait(bar.at[slot])
-        blk = kl._mma_tile(w_s.at[slot], x_s.at[kb], mp, True, a_s[0] if a_s else None)
+        blk = block(slot, kb)
         pl.when(j + stages < total)(functools.partial(kl._refill, issue, j + stages, False))
         return acc + blk * sc
 
       acc = lax.fori_loop(0, steps, step, zero)  # (K / 128 blocks: 4 for the down weight at the release)
-      if rows:  # (_rows_out waits for its TMA store: y_s is free for the next tile)
+      if tokens_m:  # (the tile as it is: token rows x weight rows; waits for its store before y_s is reused)
+        y_s[...] = acc.astype(y_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(y_s, o_ref.at[pl.ds(mt * mp, mp), pl.ds(row0, bm)])
+        plgpu.wait_smem_to_gmem(0)
+      elif rows:  # (_rows_out waits for its TMA store: y_s is free for the next tile)
         kl._rows_out((o_ref.at[pl.ds(mt * mp, mp)], y_s), acc, row0=row0)
       else:
         o_ref[mt, pl.ds(row0, bm), :] = acc.astype(o_ref.dtype)
@@ -228,7 +250,8 @@ def _check_grouped(x, tile_e, w, scale_inv, mp: int):
 
 
 def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int | None, a_from: str | None,
-                    limit: float | None, out_dtype, mma: str = "wgmma", rows: bool = False, resident: int = 0):
+                    limit: float | None, out_dtype, mma: str = "wgmma", rows: bool = False, resident: int = 0,
+                    tokens_m: bool = False):
   """One grouped launch over ``weights`` = [(w [E, N, K] e4m3, scale_inv)] (one, or gate and up with ``limit``)
   -> [T·mp, N] in out_dtype. ``mma``: "wgmma" or "tcgen05" (128 weight rows a CTA, the tile through SMEM);
   ``rows``: the kernel writes the [T·mp, N] rows itself (else [T, N, mp], transposed by XLA); ``resident`` > 1:
@@ -248,7 +271,9 @@ def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int 
   out_dtype = jnp.dtype(out_dtype)
   if resident > 1:
     return _resident_launch(x, tile_e, weights, mp=mp, bm=bm, stages=stages, a_smem=a_smem, out_dtype=out_dtype,
-                            rows=rows, n_sub=resident, tc05=tc05, limit=limit)
+                            rows=rows, n_sub=resident, tc05=tc05, limit=limit, tokens_m=tokens_m)
+  if tokens_m:
+    raise ValueError("fp8_grouped_linear: tokens_m takes the resident form (resident > 1)")
   stage_bytes = n_w * bm * BLOCK + mp * BLOCK * x.dtype.itemsize
   # (reserved: the dequantised tile a_s; tcgen05: the relay tile t_s too)
   stages = stages or kl._pick_stages(steps, stage_bytes, n_tiles * T, None, 2,
@@ -288,11 +313,15 @@ def resident_sub_tiles(n: int, k: int, mp: int, itemsize: int = 2, *, bm: int | 
 
 
 def _resident_launch(x, tile_e, weights, *, mp: int, bm: int, stages: int | None, a_smem: bool, out_dtype,
-                     rows: bool, n_sub: int, tc05: bool, limit):
+                     rows: bool, n_sub: int, tc05: bool, limit, tokens_m: bool = False):
   """``_grouped_launch``'s resident form (see ``_grouped_resident_kernel``): one weight, the wgmma form."""
   if tc05 or limit is not None or len(weights) != 1:
     raise ValueError("fp8_grouped_linear: resident > 1 takes one weight in the wgmma form (the down launch); got "
                      f"{len(weights)} weight(s), mma {'tcgen05' if tc05 else 'wgmma'}")
+  if tokens_m and (mp != 64 or not rows):
+    raise ValueError(f"fp8_grouped_linear: tokens_m takes 64-row tiles (the MMA's M) and rows=True; got mp = {mp}, "
+                     f"rows = {rows}")
+  a_smem = a_smem or tokens_m  # (tokens_m: the dequantised weight block is the MMA's B, in SMEM)
   (w, s), = weights
   T = tile_e.shape[0]
   _, n, k = w.shape
@@ -311,7 +340,7 @@ def _resident_launch(x, tile_e, weights, *, mp: int, bm: int, stages: int | None
                                      + (mp * bm * out_dtype.itemsize if rows else 0))
   o = mgpu_kernel(
       functools.partial(_grouped_resident_kernel, mp=mp, bm=bm, stages=stages, n_groups=n_groups, n_sub=n_sub,
-                        steps=steps, rows=rows),
+                        steps=steps, rows=rows, tokens_m=tokens_m),
       out_type=jax.ShapeDtypeStruct((T * mp, n) if rows else (T, n, mp), out_dtype),
       grid=(n_groups * T,),
       grid_names=("t",),
@@ -328,10 +357,10 @@ def _resident_launch(x, tile_e, weights, *, mp: int, bm: int, stages: int | None
   return o if rows else jnp.swapaxes(o, 1, 2).reshape(T * mp, n)
 
 
-@kernel_entry("mp", "bm", "stages", "a_from", "out_dtype", "mma", "rows", "resident")
+@kernel_entry("mp", "bm", "stages", "a_from", "out_dtype", "mma", "rows", "resident", "tokens_m")
 def fp8_grouped_linear(x, tile_e, w, scale_inv, *, mp: int, bm: int | None = None, stages: int | None = None,
                        a_from: str | None = None, out_dtype=jnp.float32, mma: str = "wgmma", rows: bool = False,
-                       resident: int = 0):
+                       resident: int = 0, tokens_m: bool = False):
   """x [T·mp, K] bf16 (or f16: the dequantised tiles in x's dtype) in row tiles of mp, tile_e [T] int32 (each
   tile's expert, -1: unused), w [E, N, K] e4m3 with scale_inv [E, N/128, K/128] f32 -> y [T·mp, N] in out_dtype
   (f32 accumulation) = each tile's rows times its expert's dequantised weight (the rows of unused tiles: garbage,
@@ -343,9 +372,11 @@ def fp8_grouped_linear(x, tile_e, w, scale_inv, *, mp: int, bm: int | None = Non
   the kernel writes y's rows itself (each tile's sums picked per token row into SMEM, one TMA store a CTA) instead
   of a [T, N, mp] array that XLA transposes — the same values. ``resident`` > 1 (wgmma; x's [mp, K] tile within
   RESIDENT_MAX_BYTES: ``resident_sub_tiles``): each CTA holds its row tile's x in SMEM and runs that many weight row
-  tiles — x read once per ``resident`` tiles instead of once per tile; the same values bit for bit."""
+  tiles — x read once per ``resident`` tiles instead of once per tile; the same values bit for bit. ``tokens_m``
+  (with ``resident``, 64-row tiles, ``rows``): the token rows as the MMA's M, the tile stored as it is
+  (``_grouped_resident_kernel``) — the same products summed in another order."""
   return _grouped_launch(x, tile_e, [(w, scale_inv)], mp=mp, bm=bm, stages=stages, a_from=a_from, limit=None,
-                         out_dtype=jnp.dtype(out_dtype), mma=mma, rows=rows, resident=resident)
+                         out_dtype=jnp.dtype(out_dtype), mma=mma, rows=rows, resident=resident, tokens_m=tokens_m)
 
 
 @kernel_entry("swiglu_limit", "mp", "bm", "stages", "a_from", "mma", "rows")
@@ -358,10 +389,10 @@ def fp8_grouped_gate_up(x, tile_e, w_gate, s_gate, w_up, s_up, *, swiglu_limit: 
                          limit=float(swiglu_limit), out_dtype=x.dtype, mma=mma, rows=rows)
 
 
-@kernel_entry("swiglu_limit", "mp", "a_from", "mma", "rows", "down_resident")
+@kernel_entry("swiglu_limit", "mp", "a_from", "mma", "rows", "down_resident", "down_tokens_m")
 def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, swiglu_limit: float,
                     mp: int | None = None, a_from: str | None = None, mma: str = "wgmma", rows: bool = False,
-                    down_resident: bool = False):
+                    down_resident: bool = False, down_tokens_m: bool = False):
   """``linear.fp8_moe``'s contract for a prefill chunk (same reference, ``linear.fp8_moe_reference``): x [M, D],
   topk_ids / topk_weights [M, k], gate / up [E, I, D] and down [E, D, I] e4m3 with their [.., /128, /128] f32
   scales -> Σ_j w_j · expert_{ids_j}(x) [M, D] f32 (the routed experts: the caller adds the shared one). ``mp``:
@@ -369,7 +400,9 @@ def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_dow
   both launches write their outputs as token rows (policy knob moe_prefill_rows), the same values without XLA's
   two transposes (h [T, I, mp] and y [T, D, mp]: in session 77's H100 trace of a 512-token chunk ~1.4 ms of its
   kernels for y's); ``down_resident``: the down launch in the resident form (``resident_sub_tiles``; policy knob
-  moe_prefill_resident) — an error where it cannot run (tcgen05, or h's tile past RESIDENT_MAX_BYTES)."""
+  moe_prefill_resident) — an error where it cannot run (tcgen05, or h's tile past RESIDENT_MAX_BYTES);
+  ``down_tokens_m`` (with it, ``rows`` and 64-row tiles; policy knob moe_prefill_tokens_m): its MMAs with the token
+  rows as M (``fp8_grouped_linear(tokens_m=True)``)."""
   M, D = x.shape
   k = topk_ids.shape[1]
   E, I = w_gate.shape[:2]
@@ -401,5 +434,5 @@ def fp8_moe_prefill(x, topk_ids, topk_weights, w_gate, s_gate, w_up, s_up, w_dow
       raise ValueError(f"fp8_moe_prefill: down_resident needs the wgmma form and h's [{mp}, {I}] tile within "
                        f"RESIDENT_MAX_BYTES = {RESIDENT_MAX_BYTES} with N / bm > 1 (mma {mma!r})")
   y = fp8_grouped_linear(h, tile_e, w_down, s_down, mp=mp, a_from=a_from, out_dtype=jnp.bfloat16,
-                         mma=mma, rows=rows, resident=sub)  # [T·mp, D]
+                         mma=mma, rows=rows, resident=sub, tokens_m=down_tokens_m)  # [T·mp, D]
   return jnp.sum(topk_weights.astype(jnp.float32)[..., None] * y[row], axis=1)  # (the gather fused into the sum)

@@ -135,6 +135,38 @@ def test_grouped_resident_form_is_the_streamed_form(mp, rows, stages):
                       down_resident=True)
 
 
+def test_grouped_tokens_m_form_equals_the_resident_form():
+  """tokens_m (policy knob moe_prefill_tokens_m: the resident down launch's MMAs with the 64 token rows as M, the
+  dequantised weight block through SMEM as B, the tile stored as it is) in GPU interpret mode: within f32 rounding
+  of the resident form (the same products summed in another order; bf16 outputs: a rounding step apart at most), and
+  its CUDA lowering at a 2,048-token chunk's real rank; refused where it cannot run."""
+  m, e, i, d, k, mp = 40, 12, 256, 512, 3, 64
+  rng = np.random.default_rng()
+  wd, sd = moe_inputs(jax.random.key(int(rng.integers(1 << 30))), m, e, i, d, k)[7:]
+  ids = skewed_ids(rng, m, e, k, hot=1, cold=(0, e - 1))
+  tile_e = P.route_rows(ids, e, mp)[1]
+  hs = jnp.asarray(rng.standard_normal((tile_e.shape[0] * mp, i)), jnp.bfloat16)
+  used = np.asarray(tile_e).repeat(mp) >= 0
+  sub = P.resident_sub_tiles(d, i, mp)
+  with maybe_interpret(True):
+    want = P.fp8_grouped_linear(hs, tile_e, wd, sd, mp=mp, rows=True, resident=sub)
+    got = P.fp8_grouped_linear(hs, tile_e, wd, sd, mp=mp, rows=True, resident=sub, tokens_m=True)
+  want, got = np.asarray(want)[used], np.asarray(got)[used]
+  np.testing.assert_allclose(got, want, **tol("kernel_f32"))
+  assert np.abs(want).max() > 0
+  with pytest.raises(ValueError, match="tokens_m takes 64-row tiles"):
+    P.fp8_grouped_linear(hs[:tile_e.shape[0] * 16], tile_e, wd, sd, mp=16, rows=True, resident=4, tokens_m=True)
+  with pytest.raises(ValueError, match="tokens_m takes the resident form"):
+    P.fp8_grouped_linear(hs, tile_e, wd, sd, mp=mp, rows=True, tokens_m=True)
+  E, I, D, K = (MOE_REAL[c] for c in "EIDk")
+  M = 2048
+  args = (SDS((M, D), jnp.bfloat16), SDS((M, K), jnp.int32), SDS((M, K), jnp.float32), SDS((E, I, D), F8),
+          SDS((E, I // 128, D // 128), jnp.float32), SDS((E, I, D), F8), SDS((E, I // 128, D // 128), jnp.float32),
+          SDS((E, D, I), F8), SDS((E, D // 128, I // 128), jnp.float32))
+  txt = cross_lower(lambda *a: P.fp8_moe_prefill(*a, swiglu_limit=10.0, rows=True, down_resident=True,
+                                                 down_tokens_m=True), *args).as_text()
+  assert txt.count("glm5_moe_prefill") >= 2
+
 def test_fp8_moe_prefill_tcgen05_interpret():
   """mma='tcgen05' (Blackwell: 128 weight rows a CTA, each block one tcgen05 MMA into tensor memory, the sums relaid
   into the WGMMA layout) in GPU interpret mode: the wgmma form's output bit for bit (the same blocks summed in the
@@ -250,7 +282,8 @@ def test_prefill_moe_kernel_request_that_cannot_run_is_refused():
 @pytest.mark.parametrize("m", [256, 512, 2048])
 def test_fp8_moe_prefill_gpu_real_shapes(m):
   """Natively at the release's per-rank shapes against the reference; the rows form (moe_prefill_rows) and the
-  resident down launch (moe_prefill_resident) bit for bit the tiled one."""
+  resident down launch (moe_prefill_resident) bit for bit the tiled one; at 64-row tiles the resident launch's
+  token-rows-as-M form (moe_prefill_tokens_m) against the reference."""
   E, I, D, k = (MOE_REAL[c] for c in "EIDk")
   x, ids, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(m), m, E, I, D, k)
   y = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0)
@@ -260,6 +293,10 @@ def test_fp8_moe_prefill_gpu_real_shapes(m):
   np.testing.assert_array_equal(np.asarray(rows), np.asarray(y))
   res = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0, rows=True, down_resident=True)
   np.testing.assert_array_equal(np.asarray(res), np.asarray(y))
+  if P.tile_rows(m * k, E) == 64:  # (the token rows as the MMA's M: the same products in another order)
+    tm = P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=10.0, rows=True, down_resident=True,
+                           down_tokens_m=True)
+    np.testing.assert_allclose(np.asarray(tm), np.asarray(ref), **tol("kernel_bf16"))
 
 
 @pytest.mark.blackwell
