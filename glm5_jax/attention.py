@@ -100,8 +100,7 @@ def l2norm(x):
 PAIRWISE_GEMM_MAX_LOG = 80.0
 
 
-def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False, precision=HIGHEST,
-                pairwise_gemm: bool = False):
+def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False, pairwise_gemm: bool = False):
   """Chunked (WY) form of the gated delta rule; equals the per-token recurrence.
 
   q, k [B, T, H, K] (already l2-normalised, q scaled), v [B, T, H, V], g [B, T, H, K] log-decay (≤ 0),
@@ -118,9 +117,9 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False, p
   ran 8 loop iterations of 13 kernels per KDA layer (3,536 launches and 272 loop trips per chunk at the rank's
   34 KDA layers, compiled for an H200). ``handover_kernel`` (policy knob kda_handover): the hand-over chain as one
   Mosaic GPU launch (pallas_kernels.kda_prefill.kda_handover) instead of n dependent XLA products and adds.
-  ``precision``: the products' (HIGHEST: f32, which XLA runs on a GPU's CUDA cores — cuBLAS's FFMA GEMMs; as
+  The products are f32 (HIGHEST, which XLA runs on a GPU's CUDA cores — cuBLAS's FFMA GEMMs; as
   lax.DotAlgorithmPreset.BF16_BF16_F32_X6, six bf16 tensor-core products each, XLA's GPU dots were outside the fp32
-  paths' tolerance natively: layers.REMOVED_KNOBS["kda_chunk_x6"]). The triangular solve stays f32.
+  paths' tolerance natively: layers.REMOVED_KNOBS["kda_chunk_x6"]), the triangular solve too.
   ``pairwise_gemm`` (policy knob kda_chunk_gemm): the pairwise terms kk_ij = Σ_c k_ic k_jc e^{G_ic − G_jc} (and qk's)
   as batched products of k ⊙ e^{G − G_m} and k ⊙ e^{G_m − G} about the sub-chunk's middle token m instead of the
   [C, C, K] tensor of pairwise exponents: every factor's exponent is within (C / 2) · max|g|, which the caller keeps
@@ -140,7 +139,7 @@ def kda_chunked(q, k, v, g, beta, S0, chunk=32, handover_kernel: bool = False, p
   per_chunk = lambda a: jnp.swapaxes(a.reshape(B, n, C, H, -1), 2, 3)
   qc, kc, vc, gc = map(per_chunk, (q, k, v, g))
   bc = per_chunk(beta[..., None])  # [B, n, H, C, 1]
-  mm = functools.partial(jnp.einsum, precision=precision)
+  mm = functools.partial(jnp.einsum, precision=HIGHEST)
   G = jnp.cumsum(gc, axis=3)  # [B, n, H, C, K]
   causal = jnp.tril(jnp.ones((C, C), bool))[:, :, None]
   if pairwise_gemm:

@@ -720,14 +720,14 @@ KNOBS = {
         "tile's h beside only K / 128 = 4 weight blocks — at a 2,048-token chunk's 64-row tiles 64 KB of h for 32 KB "
         "of weight, h re-read by all D / 64 = 64 CTAs of a tile: in session 80's H100 trace the down launch took 696 "
         "µs a layer against the gate / up launch's 548 for twice its weight bytes. The same values bit for bit (GPU "
-        "interpret mode; the same blocks, scales and order of sums; natively at the rank's shapes: its GPU test). Hopper's "
-        "form (wgmma). One TP4 rank's first 32 layers on an H100, 2,048-token chunks (s81a, session 81): the grouped "
-        "kernels 37.5 -> 34.1 ms a chunk, a 4K / 32K prompt 261.3 / 2,043.6 -> 256.5 / 2,000.7 ms — on"),
+        "interpret mode; the same blocks, scales and order of sums; natively at the rank's shapes: its GPU test). "
+        "Hopper's form (wgmma). One TP4 rank's first 32 layers on an H100, 2,048-token chunks (s81a, session 81): "
+        "the grouped kernels 37.5 -> 34.1 ms a chunk, a 4K / 32K prompt 261.3 / 2,043.6 -> 256.5 / 2,000.7 ms — on"),
     "moe_prefill_tokens_m": (False,
         "with moe_prefill_resident and moe_prefill_rows, at 64-row tiles (a 2,048-token chunk's): the resident down "
         "launch's MMAs with the tile's token rows as M — h's block as A from SMEM, the weight block dequantised into "
-        "SMEM as B, transposed (pallas_kernels.moe_prefill.fp8_grouped_linear(tokens_m=True)) — so the accumulator is "
-        "already [tokens, weight rows] and each weight tile is stored as it is, instead of 64 masked row sums a "
+        "SMEM as B, transposed (pallas_kernels.moe_prefill.fp8_grouped_linear(tokens_m=True)) — so the accumulator "
+        "is already [tokens, weight rows] and each weight tile is stored as it is, instead of 64 masked row sums a "
         "weight tile (linear._rows_out): in session 81's H100 trace the resident down launch streamed ~1.45 TB/s "
         "(586.5 µs a layer), the epilogue the suspect. The same products summed in another order (within f32 "
         "rounding in GPU interpret mode). CPU-built (session 81) — off until measured"),
@@ -763,9 +763,9 @@ KNOBS = {
         "normalisation pairs XLA runs as ~40 launches of ~3 µs a site: in session 80's H100 trace of a 4K prompt "
         "in 2,048-token chunks 2,681 reductions + 2,192 adds, ~5.8 ms a chunk of its 14.2 ms of mHC kernels. Each "
         "normalisation by 4 reciprocals instead of 16 divisions (within an ulp a step): within the f32 kernels' "
-        "tolerance of the stock form (natively: its GPU test). Session 81 (s81a: an H100, 32 layers, 2,048-token chunks): "
-        "a chunk's mHC kernels 14.1 -> 11.6 ms and 5,296 -> 2,992 launches, a 4K / 32K prompt 261.3 / 2,043.6 -> "
-        "260.7 / 2,034.3 ms — on"),
+        "tolerance of the stock form (natively: its GPU test). Session 81 (s81a: an H100, 32 layers, 2,048-token "
+        "chunks): a chunk's mHC kernels 14.1 -> 11.6 ms and 5,296 -> 2,992 launches, a 4K / 32K prompt 261.3 / "
+        "2,043.6 -> 260.7 / 2,034.3 ms — on"),
     "bf16_products": (True,
         "XLA's f32 products of bf16 values at two prefill sites — the mHC's 24 mixing logits (with mhc_prefill: the "
         "streams times fn) and the router's logits past the GEMV kernel's rows (x times W_r) — as products of the "
@@ -1489,17 +1489,17 @@ class HyperConnection(nnx.Module):
     n = self.n
     # mhc_prefill_sinkhorn (the sites XLA runs: a prefill chunk's): the Sinkhorn as one kernel over the token rows
     # instead of the stock form's 19 unrolled normalisation pairs, ~40 tiny XLA kernels a site
-    if kernel_enabled("mhc_prefill_sinkhorn", fits=n == 4, why=f"{n} residual streams (the kernel takes 4)",
-                      prefer=not _interpreting(), prefer_why="GPU interpret mode: seconds a call (the policy can ask "
-                      "for it)"):
-      from pallas_kernels import mhc as km  # noqa: PLC0415
-      R = math.prod(m.shape[:-1])
-      Rp = -(-R // km.ROWS) * km.ROWS
-      mc = (m[..., 2 * n:] * self.scale[2] + self.base[2 * n:]).reshape(R, n * n)
-      comb_t = km.sinkhorn_tokens(jnp.pad(mc, ((0, Rp - R), (0, 0))).T, iters=self.iters, eps=self.eps)
-      return (*hc_pre_post(m, self.scale, self.base, n, self.eps, self.post_mult),
-              comb_t[:, :R].T.reshape(*m.shape[:-1], n, n))
-    return hc_mix(m, self.scale, self.base, n, self.iters, self.eps, self.post_mult)
+    if not kernel_enabled("mhc_prefill_sinkhorn", fits=n == 4, why=f"{n} residual streams (the kernel takes 4)",
+                          prefer=not _interpreting(), prefer_why="GPU interpret mode: seconds a call (the policy can "
+                          "ask for it)"):
+      return hc_mix(m, self.scale, self.base, n, self.iters, self.eps, self.post_mult)
+    from pallas_kernels import mhc as km  # noqa: PLC0415
+    R = math.prod(m.shape[:-1])
+    Rp = -(-R // km.ROWS) * km.ROWS  # (the kernel's 64-row CTAs)
+    mc = (m[..., 2 * n:] * self.scale[2] + self.base[2 * n:]).reshape(R, n * n)
+    comb_t = km.sinkhorn_tokens(jnp.pad(mc, ((0, Rp - R), (0, 0))).T, iters=self.iters, eps=self.eps)
+    return (*hc_pre_post(m, self.scale, self.base, n, self.eps, self.post_mult),
+            comb_t[:, :R].T.reshape(*m.shape[:-1], n, n))
 
   def pre(self, X):
     """X [B, T, N, D] -> (u [B, T, D] in X's dtype, post [B, T, N] f32, comb [B, T, N, N] f32)."""

@@ -52,6 +52,12 @@ def tile_rows(pairs: int, experts: int) -> int:
   return next((r for r in TILE_ROWS if r >= mean), TILE_ROWS[-1])
 
 
+def grouped_bm(mp: int) -> int:
+  """The wgmma form's weight rows a CTA for mp-row tiles: 128 up to 32 rows a tile, 64 past it (the accumulator's
+  registers, as the decode kernels' budget)."""
+  return 128 if mp <= 32 else 64
+
+
 def num_tiles(pairs: int, experts: int, mp: int) -> int:
   """The static bound on the row tiles: Σ_e ceil(c_e / mp) < P / mp + E."""
   return -(-pairs // mp) + experts
@@ -263,7 +269,7 @@ def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int 
   _, n, k = weights[0][0].shape
   if tc05 and bm not in (None, kl.MMA_BM[mma]):
     raise ValueError(f"fp8_grouped_linear: mma='tcgen05' needs {kl.MMA_BM[mma]} weight rows a CTA, bm = {bm}")
-  bm = bm or (kl.MMA_BM[mma] if tc05 else 128 if mp <= 32 else 64)
+  bm = bm or (kl.MMA_BM[mma] if tc05 else grouped_bm(mp))
   steps = k // BLOCK
   a_smem = tc05 or kl._a_smem(a_from)
   n_tiles = n // bm
@@ -301,11 +307,12 @@ def _grouped_launch(x, tile_e, weights, *, mp: int, bm: int | None, stages: int 
 RESIDENT_MAX_BYTES = 64 * 1024  # x's [mp, K] tile held in SMEM by the resident form at most (two CTAs an SM)
 
 
-def resident_sub_tiles(n: int, k: int, mp: int, itemsize: int = 2, *, bm: int | None = None) -> int:
+def resident_sub_tiles(n: int, k: int, mp: int, itemsize: int = 2) -> int:
   """The resident form's weight row tiles a CTA (``fp8_grouped_linear(resident=...)``) for an [N, K] weight and
-  mp-row tiles: the largest divisor of N / bm up to 8 (x's tile read by N / (8 · bm) CTAs instead of N / bm; 8 x
-  4 blocks a CTA at the release's down weight), 0 where x's [mp, K] tile exceeds RESIDENT_MAX_BYTES."""
-  bm = bm or (128 if mp <= 32 else 64)
+  mp-row tiles, bm = ``grouped_bm(mp)`` weight rows each: the largest divisor of N / bm up to 8 (x's tile read by
+  N / (8 · bm) CTAs instead of N / bm; 8 x 4 blocks a CTA at the release's down weight), 0 where x's [mp, K] tile
+  exceeds RESIDENT_MAX_BYTES."""
+  bm = grouped_bm(mp)
   if mp * k * itemsize > RESIDENT_MAX_BYTES or n % bm:
     return 0
   n_tiles = n // bm

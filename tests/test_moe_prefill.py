@@ -35,6 +35,18 @@ def skewed_ids(rng, m, e, k, hot, cold):
   return jnp.asarray(ids, jnp.int32)
 
 
+def _grouped_case(mp, i, d, m=40, e=12, k=3):
+  """Fresh MoE inputs (the hot expert over several tiles, two experts without rows) laid out in mp-row tiles ->
+  (fp8_moe_prefill's arguments, tile_e, random_rows(n): [T·mp, n] bf16 tile rows, used: the used tiles' rows)."""
+  rng = np.random.default_rng()
+  x, _, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(int(rng.integers(1 << 30))), m, e, i, d, k)
+  ids = skewed_ids(rng, m, e, k, hot=1, cold=(0, e - 1))
+  tile_e = P.route_rows(ids, e, mp)[1]
+  random_rows = lambda n: jnp.asarray(rng.standard_normal((tile_e.shape[0] * mp, n)), jnp.bfloat16)  # noqa: E731
+  used = np.asarray(tile_e).repeat(mp) >= 0  # (unused tiles' rows: never written, never read)
+  return (x, ids, tw, wg, sg, wu, su, wd, sd), tile_e, random_rows, used
+
+
 @pytest.mark.parametrize("dupes", [False, True])
 def test_route_rows_tiles_each_expert_in_order(dupes):
   """route_rows (no sort) lays the pairs out as the stable argsort by expert did: each expert's pairs consecutive in
@@ -80,14 +92,9 @@ def test_grouped_rows_form_is_the_tiled_form(mp, bm, mma):
   into SMEM, one TMA store a CTA) — bit for bit what XLA's transpose of the [T, N, mp] form gives, the gate/up
   launch's h (bf16, after the SwiGLU) and the down launch's y (f32 and bf16), in GPU interpret mode; 16- and 32-row
   tiles, 128 and 64 weight rows a CTA, the tcgen05 form (its sums relaid into the WGMMA layout first)."""
-  m, e, i, d, k = 40, 12, 128, 256, 3
-  rng = np.random.default_rng()
-  x, _, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(int(rng.integers(1 << 30))), m, e, i, d, k)
-  ids = skewed_ids(rng, m, e, k, hot=1, cold=(0, e - 1))
-  tile_e = P.route_rows(ids, e, mp)[1]
-  xs = jnp.asarray(rng.standard_normal((tile_e.shape[0] * mp, d)), jnp.bfloat16)
-  hs = jnp.asarray(rng.standard_normal((tile_e.shape[0] * mp, i)), jnp.bfloat16)
-  used = np.asarray(tile_e).repeat(mp) >= 0  # (unused tiles' rows: never written, never read)
+  i, d = 128, 256
+  (_, _, _, wg, sg, wu, su, wd, sd), tile_e, random_rows, used = _grouped_case(mp, i, d)
+  xs, hs = random_rows(d), random_rows(i)
   kw = {"mp": mp, "bm": None if mma == "tcgen05" else bm, "mma": mma}
   def outputs(rows):
     h = P.fp8_grouped_gate_up(xs, tile_e, wg, sg, wu, su, swiglu_limit=1.0, rows=rows, **kw)
@@ -108,45 +115,38 @@ def test_grouped_resident_form_is_the_streamed_form(mp, rows, stages):
   blocks, scales and order of sums), in GPU interpret mode: 16-row tiles with 128 weight rows a CTA and the rows
   form, 64-row tiles with 64 and a ring shallower than a CTA's tiles (the ring wrapping across them); the whole
   fp8_moe_prefill with down_resident likewise; a request that cannot run is refused by name."""
-  m, e, i, d, k = 40, 12, 256, 512, 3
-  rng = np.random.default_rng()
-  x, _, tw, wg, sg, wu, su, wd, sd = moe_inputs(jax.random.key(int(rng.integers(1 << 30))), m, e, i, d, k)
-  ids = skewed_ids(rng, m, e, k, hot=1, cold=(0, e - 1))
-  tile_e = P.route_rows(ids, e, mp)[1]
-  hs = jnp.asarray(rng.standard_normal((tile_e.shape[0] * mp, i)), jnp.bfloat16)
-  used = np.asarray(tile_e).repeat(mp) >= 0  # (unused tiles' rows: never written, never read)
+  i, d = 256, 512
+  args, tile_e, random_rows, used = _grouped_case(mp, i, d)
+  wd, sd = args[7:]
+  hs = random_rows(i)
   sub = P.resident_sub_tiles(d, i, mp)
-  assert sub == d // (128 if mp <= 32 else 64), sub
+  assert sub == d // P.grouped_bm(mp) == 8 // (2 if mp <= 32 else 1), sub  # (all of N's weight tiles a CTA)
+  f32 = lambda a: np.asarray(a.astype(jnp.float32))[used]  # noqa: E731
   with maybe_interpret(True):
     want = P.fp8_grouped_linear(hs, tile_e, wd, sd, mp=mp, out_dtype=jnp.bfloat16, rows=rows)
     got = P.fp8_grouped_linear(hs, tile_e, wd, sd, mp=mp, out_dtype=jnp.bfloat16, rows=rows, resident=sub,
                                stages=stages)
-    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32))[used], np.asarray(want.astype(jnp.float32))[used])
-    assert np.abs(np.asarray(want.astype(jnp.float32))[used]).max() > 0
+    np.testing.assert_array_equal(f32(got), f32(want))
+    assert np.abs(f32(want)).max() > 0
     if mp == 16:
-      args = (x, ids, tw, wg, sg, wu, su, wd, sd)
       y0 = P.fp8_moe_prefill(*args, swiglu_limit=1.0, mp=mp, rows=rows)
       y1 = P.fp8_moe_prefill(*args, swiglu_limit=1.0, mp=mp, rows=rows, down_resident=True)
       np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
   with pytest.raises(ValueError, match="must divide N / bm"):
     P.fp8_grouped_linear(hs, tile_e, wd, sd, mp=mp, resident=3)
   with pytest.raises(ValueError, match="down_resident needs the wgmma form"):
-    P.fp8_moe_prefill(x, ids, tw, wg, sg, wu, su, wd, sd, swiglu_limit=1.0, mp=mp, mma="tcgen05",
-                      down_resident=True)
+    P.fp8_moe_prefill(*args, swiglu_limit=1.0, mp=mp, mma="tcgen05", down_resident=True)
 
 
 def test_grouped_tokens_m_form_equals_the_resident_form():
   """tokens_m (policy knob moe_prefill_tokens_m: the resident down launch's MMAs with the 64 token rows as M, the
-  dequantised weight block through SMEM as B, the tile stored as it is) in GPU interpret mode: within f32 rounding
-  of the resident form (the same products summed in another order; bf16 outputs: a rounding step apart at most), and
-  its CUDA lowering at a 2,048-token chunk's real rank; refused where it cannot run."""
-  m, e, i, d, k, mp = 40, 12, 256, 512, 3, 64
-  rng = np.random.default_rng()
-  wd, sd = moe_inputs(jax.random.key(int(rng.integers(1 << 30))), m, e, i, d, k)[7:]
-  ids = skewed_ids(rng, m, e, k, hot=1, cold=(0, e - 1))
-  tile_e = P.route_rows(ids, e, mp)[1]
-  hs = jnp.asarray(rng.standard_normal((tile_e.shape[0] * mp, i)), jnp.bfloat16)
-  used = np.asarray(tile_e).repeat(mp) >= 0
+  dequantised weight block through SMEM as B, the tile stored as it is) in GPU interpret mode: f32 outputs within
+  f32 rounding of the resident form (the same products summed in another order), and its CUDA lowering at a
+  2,048-token chunk's real rank; refused where it cannot run."""
+  i, d, mp = 256, 512, 64
+  args, tile_e, random_rows, used = _grouped_case(mp, i, d)
+  wd, sd = args[7:]
+  hs = random_rows(i)
   sub = P.resident_sub_tiles(d, i, mp)
   with maybe_interpret(True):
     want = P.fp8_grouped_linear(hs, tile_e, wd, sd, mp=mp, rows=True, resident=sub)
