@@ -1092,7 +1092,8 @@ def completed_slots(starts, valid, P, kp=4):
 
 def check_pool_update(got, ref, args, P, exact: bool, done=None):
   """pool_update's caches against the reference's. ``exact`` (interpret mode: the CPU sums in the reference's
-  order): bit for bit, but for a rare key one bf16 rounding apart (then its pool as natively). Natively the LayerNorm's and the rotation's f32 sums run in another order than XLA's, so a
+  order): bit for bit, but for a rare key one bf16 rounding apart or a rare pooled element one e4m3 step apart (then
+  as natively). Natively the LayerNorm's and the rotation's f32 sums run in another order than XLA's, so a
   key may round to the neighbouring bf16 — which the rotation spreads over the pool's 128 elements — and a pooled
   element to the neighbouring e4m3 value: the ring within the bf16 tolerance; the completed slots' scales equal —
   or a factor 2 apart for at most one slot in ten (an amax rounded across a power of two) — and their elements at
@@ -1103,13 +1104,15 @@ def check_pool_update(got, ref, args, P, exact: bool, done=None):
   rring, rp8, rps = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in ref)
   if exact:
     # (the same f32 sums; XLA CPU may still contract a multiply-add differently in the two programs, so a rare key
-    # rounds to the neighbouring bf16 — 1 of 10,240 in one CI run — and its pool may move as natively, below)
+    # rounds to the neighbouring bf16 — 1 of 10,240 in one CI run — or, with every key equal, a rare pooled element
+    # to the neighbouring e4m3 value — 3 of 16,384 in session 81's CI — and its pool moves as natively, below)
+    for a, b in ((ring, rring), (p8, rp8)):
+      diff = a != b
+      assert diff.mean() <= 1e-3, diff.mean()
     diff = ring != rring
-    assert diff.mean() <= 1e-3, diff.mean()
     assert np.all(np.abs(ring - rring)[diff] <= 2.0 ** -7 * np.abs(rring[diff])), np.abs(ring - rring).max()
     if not diff.any():
-      for a, b in ((p8, rp8), (ps, rps)):
-        np.testing.assert_array_equal(a, b)
+      np.testing.assert_array_equal(ps, rps)
   np.testing.assert_allclose(ring, rring, **tol("kernel_bf16"))
   done = completed_slots(args[4], args[5], P) if done is None else done
   assert done.any()
